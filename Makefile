@@ -1,0 +1,33 @@
+# Two entry points, each self-contained on a fresh machine: `make demo`, `make test`.
+PY ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.fastckpt-installed
+# DeepSpeed JIT-compiles an op on its first init_distributed; cache it inside the venv.
+export TORCH_EXTENSIONS_DIR := $(CURDIR)/$(VENV)/torch_extensions
+
+.PHONY: demo test venv docs clean bench
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# torch first, pinned: the CPU wheel on disk (an unpinned torch pulls a multi-GB CUDA build).
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[dev]'
+	# DeepSpeed builds from source against the torch above; ops are JIT-compiled when used.
+	DS_BUILD_OPS=0 $(BIN)/pip install -q --no-build-isolation 'deepspeed==0.19.8'
+	touch $@
+
+demo: $(STAMP)
+	$(BIN)/python examples/demo.py
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q tests
+
+docs: $(STAMP)
+	$(BIN)/mkdocs build --strict -d site
+
+clean:
+	rm -rf $(VENV) site build *.egg-info src/*.egg-info

@@ -1,0 +1,258 @@
+"""Atomic publication: temp files, renames, manifests, rank markers, the latest pointer.
+
+A single-file checkpoint carries its manifest inside (the zip comment) and becomes visible
+by one rename. A group (several files from one or several ranks under one directory) is
+complete only when its manifest ``fastckpt-manifest.json`` exists; each rank first leaves a
+marker ``.fastckpt/rank-NNNNN.json`` listing its durable files, and the coordinator (rank 0)
+publishes the manifest once every rank's marker is there, then points ``latest`` at it.
+Markers are files so that completeness can be checked by any process, after any crash,
+without collectives (which must never run on background threads).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+
+from .errors import CommitTimeoutError, CorruptCheckpointError, IncompleteCheckpointError
+from .format import FORMAT_VERSION, parse_tail
+from .io.ops import FileOps
+
+GROUP_MANIFEST = "fastckpt-manifest.json"
+MARKER_DIR = ".fastckpt"
+LATEST = "latest"
+TMP_TAG = ".fastckpt-tmp-"
+TAIL_BYTES = 65536 + 22
+
+
+def tmp_name(path: str) -> str:
+    """A hidden temp name beside ``path``, unique per attempt."""
+    d, base = os.path.split(path)
+    return os.path.join(d, f".{base}{TMP_TAG}{uuid.uuid4().hex[:12]}")
+
+
+def is_tmp(name: str) -> bool:
+    return TMP_TAG in name
+
+
+def publish_bytes(ops: FileOps, path: str, data: bytes) -> None:
+    """Write a small file atomically: temp, fsync, rename, directory fsync."""
+    tmp = tmp_name(path)
+    try:
+        ops.write_small(tmp, data)
+        ops.replace(tmp, path)
+    except BaseException:
+        discard(ops, tmp)
+        raise
+    ops.fsync_dir(os.path.dirname(path) or ".")
+
+
+def discard(ops: FileOps, path: str) -> None:
+    """Remove a temp file after a failure; a missing file is fine, other errors are logged."""
+    try:
+        ops.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:  # the original failure matters more; leave a trace of this one
+        import logging
+
+        logging.getLogger(__name__).warning("could not remove temp file %s: %s", path, exc)
+
+
+def marker_path(group_dir: str, rank: int) -> str:
+    return os.path.join(group_dir, MARKER_DIR, f"rank-{rank:05d}.json")
+
+
+def write_marker(ops: FileOps, group_dir: str, rank: int, world_size: int, files: dict) -> None:
+    ops.makedirs(os.path.join(group_dir, MARKER_DIR))
+    body = {"format": FORMAT_VERSION, "rank": rank, "world_size": world_size, "files": files,
+            "written_at": time.time()}
+    publish_bytes(ops, marker_path(group_dir, rank), json.dumps(body, sort_keys=True).encode())
+
+
+def read_markers(group_dir: str) -> dict[int, dict]:
+    mdir = os.path.join(group_dir, MARKER_DIR)
+    out: dict[int, dict] = {}
+    try:
+        names = os.listdir(mdir)
+    except FileNotFoundError:
+        return out
+    for name in names:
+        if not (name.startswith("rank-") and name.endswith(".json")) or is_tmp(name):
+            continue
+        with open(os.path.join(mdir, name), encoding="utf-8") as f:
+            body = json.load(f)
+        out[int(body["rank"])] = body
+    return out
+
+
+def missing_ranks(group_dir: str, world_size: int) -> list[int]:
+    got = read_markers(group_dir)
+    return [r for r in range(world_size) if r not in got or got[r]["world_size"] != world_size]
+
+
+def wait_for_markers(group_dir: str, world_size: int, timeout_s: float, stop: threading.Event) -> dict[int, dict]:
+    """Poll the marker directory until every rank is there (backoff up to 0.5 s).
+
+    Other ranks are other processes, perhaps on other nodes: their marker files are the only
+    signal, so this polls; ``stop`` (set by ``close``) ends the wait early.
+
+    Raises:
+        CommitTimeoutError: naming the ranks that never committed.
+    """
+    deadline = time.monotonic() + timeout_s
+    delay = 0.005
+    while True:
+        markers = read_markers(group_dir)
+        if all(r in markers and markers[r]["world_size"] == world_size for r in range(world_size)):
+            return markers
+        if time.monotonic() >= deadline or stop.is_set():
+            missing = [r for r in range(world_size) if r not in markers]
+            raise CommitTimeoutError(
+                f"checkpoint group {group_dir} not committed: ranks {missing} of {world_size} did "
+                f"not commit within {timeout_s:.0f} s. The group stays incomplete (readers skip it); "
+                "check those ranks' logs, or raise commit_timeout_s for slow storage."
+            )
+        stop.wait(min(delay, max(0.0, deadline - time.monotonic())))
+        delay = min(delay * 2, 0.5)
+
+
+def publish_group(ops: FileOps, group_dir: str, world_size: int, markers: dict[int, dict], extra: dict) -> dict:
+    """Check every rank's files, then publish the group manifest and the latest pointer."""
+    files: dict[str, dict] = {}
+    for r in sorted(markers):
+        for rel, info in markers[r]["files"].items():
+            full = os.path.join(group_dir, rel)
+            size = os.path.getsize(full) if os.path.exists(full) else -1
+            if size != info["size"]:
+                raise IncompleteCheckpointError(
+                    f"group {group_dir}: rank {r} committed {rel} with {info['size']} bytes but the "
+                    f"file has {size}; not publishing this checkpoint."
+                )
+            files[rel] = dict(info, rank=r)
+    manifest = {"format": FORMAT_VERSION, "kind": "group", "world_size": world_size,
+                "files": files, "committed_at": time.time(), **extra}
+    publish_bytes(ops, os.path.join(group_dir, GROUP_MANIFEST),
+                  json.dumps(manifest, sort_keys=True, indent=1).encode())
+    parent = os.path.dirname(os.path.normpath(group_dir))
+    publish_bytes(ops, os.path.join(parent, LATEST), os.path.basename(os.path.normpath(group_dir)).encode())
+    return manifest
+
+
+def read_group_manifest(group_dir: str) -> dict | None:
+    try:
+        with open(os.path.join(group_dir, GROUP_MANIFEST), encoding="utf-8") as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return None
+    except ValueError as exc:
+        raise CorruptCheckpointError(f"{group_dir}/{GROUP_MANIFEST} does not parse: {exc}") from exc
+
+
+def read_file_manifest(path: str) -> dict | None:
+    """The manifest inside a fastckpt file, None for a plain torch.save file."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        f.seek(max(0, size - TAIL_BYTES))
+        tail = f.read()
+    return parse_tail(tail, size)
+
+
+def incomplete_group_error(group_dir: str, world_size: int | None) -> IncompleteCheckpointError:
+    markers = read_markers(group_dir)
+    ws = world_size or max((m["world_size"] for m in markers.values()), default=0)
+    missing = [r for r in range(ws) if r not in markers]
+    what = f"ranks {missing} of {ws} never committed" if missing else "its manifest was never published"
+    return IncompleteCheckpointError(
+        f"checkpoint {group_dir} is incomplete: {what} (no {GROUP_MANIFEST}). "
+        "Load an earlier checkpoint: fastckpt.latest(<parent dir>) returns the newest complete one."
+    )
+
+
+@dataclass(frozen=True)
+class Found:
+    path: str
+    kind: str  # "file" or "group"
+    time: float
+    manifest: dict
+
+
+def _file_candidate(path: str) -> Found | None:
+    try:
+        m = read_file_manifest(path)
+    except (OSError, CorruptCheckpointError):
+        return None
+    if not m or m.get("group"):
+        return None
+    return Found(path, "file", float(m.get("written_at", 0.0)), m)
+
+
+def scan(root: str, max_depth: int = 4) -> list[Found]:
+    """Every complete checkpoint under ``root`` (files and groups), oldest first."""
+    found: list[Found] = []
+
+    def visit(d: str, depth: int) -> None:
+        try:
+            entries = list(os.scandir(d))
+        except (FileNotFoundError, NotADirectoryError, PermissionError):
+            return
+        names = {e.name for e in entries}
+        if GROUP_MANIFEST in names:
+            m = read_group_manifest(d)
+            if m is not None:
+                found.append(Found(d, "group", float(m.get("committed_at", 0.0)), m))
+            return
+        if MARKER_DIR in names:
+            return  # an incomplete group: skip it and what is inside
+        for e in entries:
+            if is_tmp(e.name) or e.name.startswith("."):
+                continue
+            if e.is_dir(follow_symlinks=False):
+                if depth < max_depth:
+                    visit(e.path, depth + 1)
+            elif e.is_file():
+                c = _file_candidate(e.path)
+                if c is not None:
+                    found.append(c)
+
+    visit(root, 0)
+    found.sort(key=lambda f: (f.time, f.path))
+    return found
+
+
+def latest(root: str) -> str | None:
+    """The newest complete checkpoint under ``root`` (a file or a group directory), or None."""
+    found = scan(root)
+    return found[-1].path if found else None
+
+
+def wait_for_manifest(group_dir: str, timeout_s: float, stop: threading.Event) -> dict:
+    """Poll until the coordinator publishes the group manifest (non-coordinator ranks)."""
+    deadline = time.monotonic() + timeout_s
+    delay = 0.005
+    while True:
+        m = read_group_manifest(group_dir)
+        if m is not None:
+            return m
+        if time.monotonic() >= deadline or stop.is_set():
+            raise CommitTimeoutError(
+                f"checkpoint group {group_dir}: rank 0 did not publish {GROUP_MANIFEST} within "
+                f"{timeout_s:.0f} s; some rank did not commit (see rank 0's error)."
+            )
+        stop.wait(min(delay, max(0.0, deadline - time.monotonic())))
+        delay = min(delay * 2, 0.5)
+
+
+def remove_group(ops: FileOps, group_dir: str) -> None:
+    """Delete a group: manifest first (it becomes invisible at once), then its files."""
+    import shutil
+
+    manifest = os.path.join(group_dir, GROUP_MANIFEST)
+    if os.path.exists(manifest):
+        ops.unlink(manifest)
+        ops.fsync_dir(group_dir)
+    shutil.rmtree(group_dir)

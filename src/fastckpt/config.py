@@ -1,0 +1,54 @@
+"""Options, validated once: a frozen dataclass per concern. Environment variables: none yet
+(when one is added, read it here and nowhere else)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .errors import ConfigError
+from .tiers import TIERS
+
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class CheckpointerConfig:
+    """How a Checkpointer saves. See ``Checkpointer`` for each field's meaning."""
+
+    local_dir: str | None = None
+    tier: str = "auto"
+    overhead_budget: float = 0.02
+    overhead_window_s: float = 3600.0
+    event_log: str | None = None
+    on_overhead_exceeded: Callable | None = None
+    when_busy: str = "wait"
+    io_threads: int = 4
+    chunk_bytes: int = 64 * MiB
+    odirect: bool = True
+    commit_timeout_s: float = 600.0
+    rank: int | None = None
+    world_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.tier not in TIERS:
+            raise ConfigError(f"tier={self.tier!r} is not one of {', '.join(TIERS)}")
+        if not 0 < self.overhead_budget < 1:
+            raise ConfigError(f"overhead_budget={self.overhead_budget!r} must be a fraction in (0, 1), e.g. 0.02 for 2 %")
+        if self.overhead_window_s <= 0:
+            raise ConfigError("overhead_window_s must be > 0 seconds")
+        if self.when_busy not in ("wait", "skip"):
+            raise ConfigError(f"when_busy={self.when_busy!r} must be 'wait' (block until the staging buffer "
+                              "is free) or 'skip' (drop this save with a warning)")
+        if not 1 <= self.io_threads <= 256:
+            raise ConfigError(f"io_threads={self.io_threads} must be between 1 and 256")
+        if self.chunk_bytes <= 0 or self.chunk_bytes % (16 * MiB):
+            raise ConfigError(f"chunk_bytes={self.chunk_bytes} must be a positive multiple of 16 MiB")
+        if self.commit_timeout_s <= 0:
+            raise ConfigError("commit_timeout_s must be > 0 seconds")
+        if (self.rank is None) != (self.world_size is None):
+            raise ConfigError("give both rank and world_size, or neither (they default to torch.distributed's)")
+        if self.world_size is not None and not 0 <= self.rank < self.world_size:  # type: ignore[operator]
+            raise ConfigError(f"rank={self.rank} must be in [0, world_size={self.world_size})")
+        if self.local_dir is not None and "://" in self.local_dir:
+            raise ConfigError(f"local_dir={self.local_dir!r} must be a node-local directory, not a URL")

@@ -1,0 +1,39 @@
+"""fastckpt's exceptions: one base, a few subclasses that also derive the natural builtin."""
+
+from __future__ import annotations
+
+
+class FastCkptError(Exception):
+    """Base of every error fastckpt raises on purpose."""
+
+
+class ConfigError(FastCkptError, ValueError):
+    """An option or argument is invalid; the message names it and the fix."""
+
+
+class UnsupportedObjectError(FastCkptError, TypeError):
+    """The state to save holds something fastckpt cannot write; the message names the key."""
+
+
+class CheckpointWriteError(FastCkptError, OSError):
+    """Writing, syncing or publishing a checkpoint failed; the previous checkpoint is intact."""
+
+
+class CorruptCheckpointError(FastCkptError, ValueError):
+    """A file's bytes do not match the checksum recorded when it was written."""
+
+
+class IncompleteCheckpointError(FastCkptError, FileNotFoundError):
+    """A checkpoint was never committed: files or ranks are missing (named in the message)."""
+
+
+class CommitTimeoutError(FastCkptError, TimeoutError):
+    """Not every rank committed its part of a group within the timeout."""
+
+
+class TierUnavailableError(FastCkptError, RuntimeError):
+    """The requested storage tier cannot be used here; the message says why."""
+
+
+class ReplicationError(FastCkptError, OSError):
+    """Copying a committed checkpoint to persistent storage failed after all retries."""

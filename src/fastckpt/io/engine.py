@@ -1,0 +1,241 @@
+"""Parallel chunked file writer and reader over a FileOps, O_DIRECT where the filesystem
+allows it (else buffered, with the reason recorded), hashing blocks in the same workers."""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import threading
+from collections.abc import Callable
+from concurrent.futures import Executor
+from dataclasses import dataclass
+
+from .. import checksum
+from .ops import FileOps
+
+ALIGN = 4096
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+
+
+@dataclass(frozen=True)
+class WriteResult:
+    path: str
+    bytes: int
+    checksum: str
+    odirect: bool
+    odirect_reason: str | None
+
+
+@dataclass(frozen=True)
+class ReadResult:
+    buffer: mmap.mmap
+    size: int
+    checksum: str
+    odirect: bool
+
+
+def _round_up(n: int, a: int = ALIGN) -> int:
+    return (n + a - 1) // a * a
+
+
+def _open_for_write(ops: FileOps, path: str, want_direct: bool) -> tuple[int, bool, str | None]:
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+    if want_direct and _O_DIRECT:
+        try:
+            return ops.open(path, flags | _O_DIRECT), True, None
+        except OSError as exc:
+            if exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
+                raise
+            reason = f"filesystem refused O_DIRECT ({errno.errorcode.get(exc.errno, exc.errno)})"
+    else:
+        reason = "O_DIRECT disabled" if _O_DIRECT else "O_DIRECT not available on this OS"
+    return ops.open(path, flags), False, reason
+
+
+def _pwrite_all(ops: FileOps, fd: int, view: memoryview, offset: int, path: str) -> None:
+    done = 0
+    while done < len(view):
+        n = ops.pwrite(fd, view[done:], offset + done)
+        if n <= 0:
+            raise OSError(errno.EIO, f"write of {path} made no progress at offset {offset + done}")
+        done += n
+
+
+def write_file(
+    ops: FileOps,
+    pool: Executor,
+    path: str,
+    image: memoryview,
+    covered: int,
+    tail: Callable[[str], bytes],
+    *,
+    chunk_bytes: int,
+    odirect: bool = True,
+) -> WriteResult:
+    """Write ``image[:covered]`` plus a tail computed from its checksum, then fsync.
+
+    ``image`` must be page aligned with room for the tail after ``covered``. Chunks run in
+    ``pool``; each hashes its checksum blocks before writing them. ``tail(checksum)`` returns
+    the bytes that follow ``covered`` (for fastckpt files: the comment-length field and the
+    manifest); they are placed in ``image`` and written last, so the checksum is known.
+    """
+    if chunk_bytes % checksum.BLOCK_BYTES:
+        raise ValueError("chunk_bytes must be a multiple of the checksum block")
+    fd, direct, reason = _open_for_write(ops, path, odirect)
+    try:
+        head = covered // ALIGN * ALIGN  # written by the workers; the rest goes with the tail
+        try:
+            digests = _parallel(pool, covered, chunk_bytes, lambda off, n: _write_chunk(
+                ops, fd, image, off, n, head, covered, path))
+        except OSError as exc:
+            if not direct or exc.errno != errno.EINVAL:
+                raise
+            # Some filesystems accept O_DIRECT at open and refuse it on write: go buffered.
+            ops.close(fd)
+            fd, direct = ops.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), False
+            reason = "filesystem refused O_DIRECT writes (EINVAL)"
+            digests = _parallel(pool, covered, chunk_bytes, lambda off, n: _write_chunk(
+                ops, fd, image, off, n, head, covered, path))
+        digest = checksum.combine(digests)
+        extra = tail(digest)
+        total = covered + len(extra)
+        if total > len(image):
+            raise ValueError("staging image has no room for the manifest")
+        image[covered:total] = extra
+        end = _round_up(total) if direct else total
+        _pwrite_all(ops, fd, image[head:end], head, path)
+        if end != total:
+            ops.ftruncate(fd, total)
+        ops.fsync(fd)
+    finally:
+        ops.close(fd)
+    return WriteResult(path, total, digest, direct, reason)
+
+
+def _write_chunk(ops, fd, image, off, n, head, covered, path) -> list[int]:  # noqa: ANN001
+    view = image[off : off + n]
+    digests = [checksum.block_digest(view[b : b + checksum.BLOCK_BYTES])
+               for b in range(0, n, checksum.BLOCK_BYTES)]
+    w_end = min(off + n, head)
+    if w_end > off:
+        _pwrite_all(ops, fd, image[off:w_end], off, path)
+    return digests
+
+
+def _parallel(pool: Executor, size: int, chunk: int, fn) -> list[int]:  # noqa: ANN001
+    futures = [pool.submit(fn, off, min(chunk, size - off)) for off in range(0, size, chunk)]
+    digests: list[int] = []
+    first_error: BaseException | None = None
+    for fut in futures:  # wait for all, so no worker touches the fd after we close it
+        try:
+            digests.extend(fut.result())
+        except BaseException as exc:  # noqa: BLE001 (re-raised below, first one wins)
+            first_error = first_error or exc
+    if first_error is not None:
+        raise first_error
+    return digests
+
+
+def alloc_aligned(nbytes: int) -> mmap.mmap:
+    """Page-aligned anonymous memory (as O_DIRECT needs), at least one page."""
+    return mmap.mmap(-1, max(ALIGN, _round_up(nbytes)))
+
+
+def read_file(
+    ops: FileOps,
+    pool: Executor,
+    path: str,
+    size: int,
+    covered: int,
+    *,
+    chunk_bytes: int,
+    odirect: bool = True,
+) -> ReadResult:
+    """Read a whole file into page-aligned memory in parallel and checksum ``[0, covered)``."""
+    if chunk_bytes % checksum.BLOCK_BYTES:
+        raise ValueError("chunk_bytes must be a multiple of the checksum block")
+    buf = alloc_aligned(size)
+    view = memoryview(buf)
+    direct = bool(odirect and _O_DIRECT)
+    try:
+        fd = ops.open(path, os.O_RDONLY | (_O_DIRECT if direct else 0))
+    except OSError as exc:
+        if not direct or exc.errno != errno.EINVAL:
+            raise
+        fd, direct = ops.open(path, os.O_RDONLY), False
+    try:
+        def read_chunk(off: int, n: int) -> list[int]:
+            want = _round_up(n) if direct else n
+            want = min(want, len(view) - off)
+            got = 0
+            while got < n:
+                r = ops.preadv(fd, view[off + got : off + want], off + got)
+                if r <= 0:
+                    raise OSError(errno.EIO, f"{path} ended at byte {off + got}, expected {size}")
+                got += r
+            lim = max(0, min(n, covered - off))
+            return [checksum.block_digest(view[off + b : off + min(b + checksum.BLOCK_BYTES, lim)])
+                    for b in range(0, lim, checksum.BLOCK_BYTES)]
+
+        digests = _parallel(pool, size, chunk_bytes, read_chunk)
+    finally:
+        ops.close(fd)
+    view.release()
+    return ReadResult(buf, size, checksum.combine(digests), direct)
+
+
+_tls = threading.local()
+
+
+def _chunk_buffer(nbytes: int) -> memoryview:
+    """A per-thread reusable aligned buffer for streaming copies."""
+    buf = getattr(_tls, "buf", None)
+    if buf is None or len(buf) < nbytes:
+        _tls.buf = buf = alloc_aligned(nbytes)
+    return memoryview(buf)[:nbytes]
+
+
+def copy_file(
+    ops: FileOps,
+    pool: Executor,
+    src: str,
+    dst: str,
+    size: int,
+    covered: int,
+    *,
+    chunk_bytes: int,
+    odirect: bool = True,
+) -> WriteResult:
+    """Stream ``src`` to ``dst`` in parallel chunks, hashing ``[0, covered)`` on the way, fsync.
+
+    Memory is one chunk per worker thread. The caller compares the returned checksum with
+    the manifest before publishing ``dst``.
+    """
+    rfd = ops.open(src, os.O_RDONLY | (_O_DIRECT if odirect and _O_DIRECT else 0))
+    try:
+        wfd, direct, reason = _open_for_write(ops, dst, odirect)
+        try:
+            def one(off: int, n: int) -> list[int]:
+                view = _chunk_buffer(_round_up(n))
+                got = 0
+                while got < n:
+                    r = ops.preadv(rfd, view[got:], off + got)
+                    if r <= 0:
+                        raise OSError(errno.EIO, f"{src} ended at byte {off + got}, expected {size}")
+                    got += r
+                lim = max(0, min(n, covered - off))
+                digests = [checksum.block_digest(view[b : min(b + checksum.BLOCK_BYTES, lim)])
+                           for b in range(0, lim, checksum.BLOCK_BYTES)]
+                _pwrite_all(ops, wfd, view[: _round_up(n) if direct else n], off, dst)
+                return digests
+
+            digests = _parallel(pool, size, chunk_bytes, one)
+            if direct and size % ALIGN:
+                ops.ftruncate(wfd, size)
+            ops.fsync(wfd)
+        finally:
+            ops.close(wfd)
+    finally:
+        ops.close(rfd)
+    return WriteResult(dst, size, checksum.combine(digests), direct, reason)

@@ -1,0 +1,143 @@
+"""Overhead accounting and the budget alarm.
+
+overhead = total time the training thread was blocked in saves / wall time since the
+Checkpointer started, over the whole run and over a sliding window. The check runs after
+each save from the second save on (one save has no interval to measure against). Crossing
+above the budget logs one WARNING with the numbers and the advice, calls the user's
+callback and raises the flag in ``stats()``; dropping back below re-arms the alarm.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+log = logging.getLogger("fastckpt")
+
+
+@dataclass(frozen=True)
+class OverheadReport:
+    """What the alarm knows when it fires (also passed to ``on_overhead_exceeded``)."""
+
+    overhead: float
+    window_overhead: float
+    budget: float
+    saves: int
+    wall_s: float
+    blocked_s: float
+    mean_interval_s: float
+    mean_blocked_s: float
+    mean_bytes: float
+    needed_snapshot_Bps: float
+    min_interval_s: float
+
+    def advice(self) -> str:
+        return (
+            f"checkpoint overhead {self.overhead:.1%} of wall time (window {self.window_overhead:.1%}) "
+            f"is above the {self.budget:.1%} budget: {self.saves} saves blocked {self.blocked_s:.2f} s "
+            f"in {self.wall_s:.1f} s (mean {self.mean_blocked_s * 1e3:.0f} ms per save every "
+            f"{self.mean_interval_s:.1f} s). To meet it, snapshot at >= "
+            f"{self.needed_snapshot_Bps / 1e9:.2f} GB/s (use a local_dir burst buffer or a faster "
+            f"tier), or save every >= {self.min_interval_s:.0f} s."
+        )
+
+
+@dataclass(frozen=True)
+class Stats:
+    """A snapshot of the monitor (``Checkpointer.stats()``)."""
+
+    saves: int
+    skipped: int
+    bytes: int
+    blocked_s: float
+    wall_s: float
+    overhead: float
+    window_overhead: float
+    overhead_budget: float
+    over_budget: bool
+    alarms: int
+    last_blocked_s: float | None
+    last_durable_s: float | None
+    pending: int
+    replication_lag_s: float | None = None
+    rpo_s: float | None = None
+
+
+class Monitor:
+    def __init__(self, budget: float, window_s: float,
+                 callback: Callable[[OverheadReport], None] | None = None) -> None:
+        self.budget = budget
+        self.window_s = window_s
+        self._callback = callback
+        self._lock = threading.Lock()
+        self._t0 = time.monotonic()
+        self._saves: deque[tuple[float, float, int]] = deque()  # (start, blocked, bytes), window
+        self.count = 0
+        self.skipped = 0
+        self.bytes = 0
+        self.blocked_total = 0.0
+        self.first_start: float | None = None
+        self.over = False
+        self.alarms = 0
+        self.last_blocked: float | None = None
+        self.last_durable: float | None = None
+
+    def _window(self, now: float) -> float:
+        while self._saves and self._saves[0][0] < now - self.window_s:
+            self._saves.popleft()
+        span = min(self.window_s, now - self._t0)
+        return sum(b for _, b, _ in self._saves) / span if span > 0 else 0.0
+
+    def record_blocked(self, start: float, blocked_s: float, nbytes: int) -> None:
+        """Called on the training thread when a save returns (``start`` is monotonic)."""
+        now = time.monotonic()
+        report = None
+        with self._lock:
+            self.count += 1
+            self.bytes += nbytes
+            self.blocked_total += blocked_s
+            self.last_blocked = blocked_s
+            self.first_start = self.first_start if self.first_start is not None else start
+            self._saves.append((start, blocked_s, nbytes))
+            if self.count < 2:
+                return
+            wall = now - self._t0
+            overhead = self.blocked_total / wall
+            window = self._window(now)
+            if max(overhead, window) > self.budget and not self.over:
+                self.over = True
+                self.alarms += 1
+                interval = (start - self.first_start) / (self.count - 1)
+                mean_b = self.blocked_total / self.count
+                mean_bytes = self.bytes / self.count
+                report = OverheadReport(
+                    overhead, window, self.budget, self.count, wall, self.blocked_total, interval,
+                    mean_b, mean_bytes, mean_bytes / max(self.budget * interval, 1e-9),
+                    mean_b / self.budget)
+            elif max(overhead, window) <= self.budget:
+                self.over = False
+        if report is not None:
+            log.warning("fastckpt: %s", report.advice())
+            if self._callback is not None:
+                self._callback(report)
+
+    def record_skipped(self) -> None:
+        with self._lock:
+            self.skipped += 1
+
+    def record_durable(self, durable_s: float) -> None:
+        with self._lock:
+            self.last_durable = durable_s
+
+    def stats(self, pending: int, **extra: float | None) -> Stats:
+        now = time.monotonic()
+        with self._lock:
+            wall = now - self._t0
+            return Stats(self.count, self.skipped, self.bytes, self.blocked_total, wall,
+                         self.blocked_total / wall if wall > 0 else 0.0, self._window(now),
+                         self.budget, self.over, self.alarms, self.last_blocked,
+                         self.last_durable, pending, **extra)

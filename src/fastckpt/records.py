@@ -1,0 +1,68 @@
+"""What a save returns: a handle to wait on and the record of its phases."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SaveRecord:
+    """Timings of one save, each measured from the ``save`` call (seconds).
+
+    ``blocked_s``: the training thread was blocked (snapshot, and any wait for a staging
+    buffer). ``write_s``: bytes written and synced in the first location. ``commit_s``: the
+    file renamed into place there. ``local_durable_s``: durable in ``local_dir`` (nvme tier,
+    else None). ``durable_s``: durable at the path given to ``save``.
+    """
+
+    path: str
+    tier: str
+    bytes: int
+    blocked_s: float
+    write_s: float
+    commit_s: float
+    durable_s: float
+    local_durable_s: float | None = None
+    checksum: str = ""
+    odirect: bool = False
+    odirect_reason: str | None = None
+    rank: int = 0
+    group: str | None = None
+    skipped: bool = False
+
+    @property
+    def write_GBps(self) -> float:
+        """Bytes over the time from snapshot to first durable copy (the I/O part)."""
+        t = (self.local_durable_s or self.durable_s) - self.blocked_s
+        return self.bytes / t / 1e9 if t > 0 else 0.0
+
+
+class SaveHandle:
+    """A save in flight. ``wait()`` returns its SaveRecord once it is durable at its path.
+
+    A failure is raised by ``wait()`` with its original type and traceback; if nobody waits,
+    the Checkpointer raises it once at its next sync point (``save``, ``commit``, ``wait``,
+    ``close``).
+    """
+
+    def __init__(self, future: Future, path: str, on_seen) -> None:  # noqa: ANN001
+        self._future = future
+        self.path = path
+        self._on_seen = on_seen
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def wait(self, timeout: float | None = None) -> SaveRecord:
+        try:
+            return self._future.result(timeout)
+        except BaseException as exc:
+            self._on_seen(exc)
+            raise
+
+    @classmethod
+    def finished(cls, record: SaveRecord) -> SaveHandle:
+        f: Future = Future()
+        f.set_result(record)
+        return cls(f, record.path, lambda exc: None)

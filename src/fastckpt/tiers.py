@@ -1,0 +1,153 @@
+"""Tier selection: gds, nvme or direct, probed once per directory, with reasons.
+
+``auto`` picks gds when the state has CUDA tensors and GPUDirect Storage really works (kvikio
+importable, libcuda loadable, a CUDA device, kvikio not in compat mode, a probe write
+succeeds); else nvme when a ``local_dir`` burst buffer is set; else direct. It logs one line
+with the choice and why each other tier was rejected. An explicitly requested tier that
+cannot work raises ``TierUnavailableError`` with the reason. See docs/tiers.md.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import logging
+import mmap
+import os
+import threading
+import uuid
+from dataclasses import dataclass, field
+
+from .errors import TierUnavailableError
+
+log = logging.getLogger("fastckpt")
+TIERS = ("auto", "gds", "nvme", "direct")
+
+
+@dataclass(frozen=True)
+class TierChoice:
+    tier: str
+    reasons: dict[str, str] = field(default_factory=dict)  # rejected tier -> why
+    odirect: bool = True
+    odirect_reason: str | None = None
+
+    def describe(self) -> str:
+        rej = "; ".join(f"{t} rejected: {why}" for t, why in self.reasons.items())
+        od = "O_DIRECT" if self.odirect else f"buffered ({self.odirect_reason})"
+        return f"tier={self.tier} ({od})" + (f"; {rej}" if rej else "")
+
+
+def probe_odirect(directory: str) -> tuple[bool, str | None]:
+    """Write one aligned block with O_DIRECT in ``directory``; (honoured, reason if not)."""
+    flag = getattr(os, "O_DIRECT", 0)
+    if not flag:
+        return False, "O_DIRECT not available on this OS"
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, f".fastckpt-probe-{uuid.uuid4().hex[:8]}")
+    buf = mmap.mmap(-1, 4096)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | flag, 0o600)
+    except OSError as exc:
+        if exc.errno in (errno.EINVAL, errno.EOPNOTSUPP):
+            return False, f"filesystem at {directory} refused O_DIRECT"
+        raise
+    try:
+        os.pwrite(fd, buf, 0)
+        return True, None
+    except OSError as exc:
+        if exc.errno == errno.EINVAL:
+            return False, f"filesystem at {directory} refused O_DIRECT writes"
+        raise
+    finally:
+        os.close(fd)
+        os.unlink(path)
+
+
+def gds_unavailable_reason(has_cuda_tensors: bool) -> str | None:
+    """None when GPUDirect Storage can be used; else why not (never raises)."""
+    if not has_cuda_tensors:
+        return "the state has no CUDA tensors"
+    try:
+        import kvikio  # noqa: F401
+        import kvikio.defaults
+    except ImportError:
+        return "kvikio is not installed (pip install 'fastckpt[gds]')"
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError as exc:
+        return f"libcuda.so.1 cannot be loaded ({exc}): no NVIDIA driver here"
+    import torch
+
+    if not torch.cuda.is_available():
+        return "torch sees no CUDA device"
+    try:
+        if kvikio.defaults.is_compat_mode_preferred():
+            return ("kvikio would run in compat mode (POSIX I/O through a bounce buffer, not GDS): "
+                    "cuFile/nvidia-fs is not usable here (set KVIKIO_COMPAT_MODE=OFF to see why)")
+    except Exception as exc:  # noqa: BLE001 (kvikio raises its own types; report, never crash)
+        return f"kvikio could not report its mode: {exc!r}"
+    return None
+
+
+def gds_probe_write(directory: str) -> str | None:
+    """Write 4 KiB from the GPU with kvikio into ``directory``; None on success, else why."""
+    try:
+        import kvikio
+        import torch
+
+        path = os.path.join(directory, f".fastckpt-gds-probe-{uuid.uuid4().hex[:8]}")
+        t = torch.zeros(4096, dtype=torch.uint8, device="cuda")
+        try:
+            with kvikio.CuFile(path, "w") as f:
+                n = f.write(t)
+            if n != 4096:
+                return f"kvikio probe wrote {n} of 4096 bytes"
+        finally:
+            if os.path.exists(path):
+                os.unlink(path)
+    except Exception as exc:  # noqa: BLE001
+        return f"kvikio probe write failed: {exc!r}"
+    return None
+
+
+class TierSelector:
+    """Chooses and caches the tier per (destination directory, CUDA or not)."""
+
+    def __init__(self, requested: str, local_dir: str | None, odirect: bool) -> None:
+        if requested not in TIERS:
+            raise TierUnavailableError(f"tier={requested!r} is not one of {TIERS}")
+        self.requested = requested
+        self.local_dir = local_dir
+        self.odirect = odirect
+        self._cache: dict[tuple[str, bool], TierChoice] = {}
+        self._lock = threading.Lock()
+
+    def choose(self, dest_dir: str, has_cuda: bool) -> TierChoice:
+        key = (dest_dir if self.local_dir is None else self.local_dir, has_cuda)
+        with self._lock:
+            if key not in self._cache:
+                self._cache[key] = self._decide(dest_dir, has_cuda)
+                log.info("fastckpt: %s for %s", self._cache[key].describe(), key[0])
+            return self._cache[key]
+
+    def _decide(self, dest_dir: str, has_cuda: bool) -> TierChoice:
+        reasons: dict[str, str] = {}
+        write_dir = self.local_dir or dest_dir
+        if self.requested in ("auto", "gds"):
+            why = gds_unavailable_reason(has_cuda) or gds_probe_write(write_dir)
+            if why is None:
+                return TierChoice("gds", {"nvme": "gds is faster", "direct": "gds is faster"})
+            if self.requested == "gds":
+                raise TierUnavailableError(f"tier='gds' requested but {why}. Use tier='auto' to fall back.")
+            reasons["gds"] = why
+        if self.requested == "nvme" and self.local_dir is None:
+            raise TierUnavailableError("tier='nvme' needs local_dir=<node-local directory>")
+        if self.requested == "direct" and self.local_dir is not None:
+            raise TierUnavailableError("tier='direct' writes straight to the path: drop local_dir, or use 'nvme'")
+        tier = "nvme" if self.local_dir is not None else "direct"
+        if tier == "nvme":
+            reasons["direct"] = "local_dir is set (burst buffer)"
+        elif self.requested == "auto":
+            reasons["nvme"] = "no local_dir set"
+        ok, why = probe_odirect(write_dir) if self.odirect else (False, "O_DIRECT disabled by odirect=False")
+        return TierChoice(tier, reasons, ok, why)
