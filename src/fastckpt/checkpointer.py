@@ -29,6 +29,7 @@ from .errors import CheckpointWriteError
 from .events import Event, EventSink, JsonlSink
 from .io import FileOps
 from .io.engine import copy_file, write_file
+from .io.gds import finish_gds_file, gds_write
 from .monitor import Monitor, Stats
 from .records import SaveHandle, SaveRecord
 from .restore import load_file
@@ -166,6 +167,8 @@ class Checkpointer:
         if group is not None and group not in self._groups:
             self._groups[group] = []
             C.discard(self._ops, C.marker_path(group, self.rank))  # a stale marker of an older attempt
+        if choice.tier == "gds":
+            return self._save_gds(layout, path, group, choice.tier, t_call, w_call)
         buf = self._pool.acquire(layout.data_size + TAIL_ROOM, owner=group or object(),
                                  pinned=has_cuda, wait=self.config.when_busy == "wait")
         if buf is None:
@@ -192,6 +195,48 @@ class Checkpointer:
             self._groups[group].append(handle)
         return handle
 
+    def _save_gds(self, layout: F.FileLayout, path: str, group: str | None, tier: str,
+                  t_call: float, w_call: float) -> SaveHandle:
+        """GPU -> file with kvikio while the caller waits; checksum and commit in the background."""
+        dest = self.local_path(path) or path
+        self._ops.makedirs(os.path.dirname(dest))
+        tmp = C.tmp_name(dest)
+        try:
+            gds_write(tmp, layout)
+        except BaseException:
+            C.discard(self._ops, tmp)
+            raise
+        blocked = time.monotonic() - t_call
+        self._monitor.record_blocked(t_call, blocked, layout.payload_bytes)
+        self._emit("snapshot", path, layout.payload_bytes, w_call, tier, detail="gds write")
+        base = SaveRecord(path, tier, layout.data_size, blocked, blocked, 0.0, 0.0, rank=self.rank, group=group)
+
+        def finish() -> SaveRecord:
+            try:
+                res = finish_gds_file(self._ops, self._io, tmp, layout,
+                                      lambda d: self._tail(base, layout, d), self.config.chunk_bytes)
+                self._ops.replace(tmp, dest)
+                self._ops.fsync_dir(os.path.dirname(dest))
+            except BaseException as exc:
+                C.discard(self._ops, tmp)
+                _reraise(exc, path)
+            done = time.monotonic() - t_call
+            local = dest != path
+            return replace(base, bytes=res.bytes, commit_s=done, checksum=res.checksum, odirect=True,
+                           durable_s=0.0 if local else done, local_durable_s=done if local else None)
+
+        fut = self._writer.submit(finish)
+        if dest != path:
+            fut = self._chain(self._replicator, fut, self._replicate_stage, t_call)
+        handle = self._track(fut, path, group)
+        if group is not None:
+            self._groups[group].append(handle)
+        return handle
+
+    def _tail(self, base: SaveRecord, layout: F.FileLayout, digest: str) -> bytes:
+        body = F.comment_bytes(self._manifest(base, layout, digest))
+        return F.comment_length_field(len(body)) + body
+
     def _chain(self, executor: ThreadPoolExecutor, prev: Future, fn, *args) -> Future:  # noqa: ANN001
         return executor.submit(lambda: fn(prev.result(), *args))
 
@@ -211,11 +256,8 @@ class Checkpointer:
             snap.wait_ready()
             layout = snap.layout
             self._ops.makedirs(os.path.dirname(dest))
-            def tail(digest: str) -> bytes:
-                body = F.comment_bytes(self._manifest(base, layout, digest))
-                return F.comment_length_field(len(body)) + body
-
-            res = write_file(self._ops, self._io, tmp, snap.buffer.view, layout.covered_bytes, tail,
+            res = write_file(self._ops, self._io, tmp, snap.buffer.view, layout.covered_bytes,
+                             lambda digest: self._tail(base, layout, digest),
                              chunk_bytes=self.config.chunk_bytes, odirect=odirect)
         except BaseException as exc:
             C.discard(self._ops, tmp)

@@ -53,6 +53,16 @@ def _open_for_write(ops: FileOps, path: str, want_direct: bool) -> tuple[int, bo
     return ops.open(path, flags), False, reason
 
 
+def _open_for_read(ops: FileOps, path: str, want_direct: bool) -> tuple[int, bool]:
+    if want_direct and _O_DIRECT:
+        try:
+            return ops.open(path, os.O_RDONLY | _O_DIRECT), True
+        except OSError as exc:
+            if exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
+                raise
+    return ops.open(path, os.O_RDONLY), False
+
+
 def _pwrite_all(ops: FileOps, fd: int, view: memoryview, offset: int, path: str) -> None:
     done = 0
     while done < len(view):
@@ -157,13 +167,7 @@ def read_file(
         raise ValueError("chunk_bytes must be a multiple of the checksum block")
     buf = alloc_aligned(size)
     view = memoryview(buf)
-    direct = bool(odirect and _O_DIRECT)
-    try:
-        fd = ops.open(path, os.O_RDONLY | (_O_DIRECT if direct else 0))
-    except OSError as exc:
-        if not direct or exc.errno != errno.EINVAL:
-            raise
-        fd, direct = ops.open(path, os.O_RDONLY), False
+    fd, direct = _open_for_read(ops, path, odirect)
     try:
         def read_chunk(off: int, n: int) -> list[int]:
             want = _round_up(n) if direct else n
@@ -212,7 +216,7 @@ def copy_file(
     Memory is one chunk per worker thread. The caller compares the returned checksum with
     the manifest before publishing ``dst``.
     """
-    rfd = ops.open(src, os.O_RDONLY | (_O_DIRECT if odirect and _O_DIRECT else 0))
+    rfd, _ = _open_for_read(ops, src, odirect)
     try:
         wfd, direct, reason = _open_for_write(ops, dst, odirect)
         try:

@@ -1,0 +1,135 @@
+"""checkpointer.py end to end on real files: tiers, records, events, load preference."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+import pytest
+import torch
+
+import fastckpt
+from fastckpt.commit import read_file_manifest
+
+
+def _state(step: int) -> dict:
+    return {"model": {"w": torch.full((1 << 20,), step, dtype=torch.int32)}, "step": step}
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a["step"] == b["step"] and torch.equal(a["model"]["w"], b["model"]["w"])
+
+
+def test_direct_round_trip_and_record(tmp_path) -> None:
+    path = tmp_path / "run" / "a.pt"
+    with fastckpt.Checkpointer() as ck:
+        rec = ck.save(_state(1), str(path)).wait()
+        assert rec.tier == "direct" and rec.path == str(path) and rec.local_durable_s is None
+        assert 0 < rec.blocked_s <= rec.write_s <= rec.commit_s == rec.durable_s
+        assert rec.bytes == path.stat().st_size and rec.write_GBps > 0
+        assert _same(ck.load(str(path)), _state(1))
+    assert fastckpt.latest(str(tmp_path)) == str(path)
+
+
+def test_nvme_tier_copies_to_path_and_prefers_local(tmp_path, caplog) -> None:
+    local, dest = tmp_path / "nvme", tmp_path / "shared" / "s.pt"
+    with fastckpt.Checkpointer(local_dir=str(local)) as ck:
+        rec = ck.save(_state(2), str(dest)).wait()
+        assert rec.tier == "nvme"
+        assert rec.local_durable_s is not None and rec.local_durable_s <= rec.durable_s
+        local_copy = ck.local_path(str(dest))
+        assert local_copy.startswith(str(local)) and os.path.exists(local_copy)
+        assert open(local_copy, "rb").read() == dest.read_bytes()
+        # corrupt the burst-buffer copy: load warns and falls back to the durable copy
+        with open(local_copy, "r+b") as f:
+            f.seek(8192 + 100)
+            b = f.read(1)
+            f.seek(8192 + 100)
+            f.write(bytes([b[0] ^ 0xFF]))
+        with caplog.at_level(logging.WARNING, logger="fastckpt"):
+            out = ck.load(str(dest))
+        assert _same(out, _state(2))
+        assert any("falling back" in r.getMessage() for r in caplog.records)
+
+
+def test_event_log_has_every_phase(tmp_path) -> None:
+    log_path = tmp_path / "events.jsonl"
+    with fastckpt.Checkpointer(local_dir=str(tmp_path / "nvme"), event_log=str(log_path)) as ck:
+        ck.save(_state(3), str(tmp_path / "d" / "x.pt")).wait()
+        ck.load(str(tmp_path / "d" / "x.pt"))
+    events = [json.loads(line) for line in log_path.read_text().splitlines()]
+    assert [e["name"] for e in events] == ["snapshot", "write", "commit", "replicate", "load"]
+    assert all(e["tier"] for e in events) and all(e["error"] is None for e in events)
+    assert all(e["end"] >= e["start"] for e in events)
+
+
+def test_overhead_callback_and_stats(tmp_path) -> None:
+    seen = []
+    with fastckpt.Checkpointer(overhead_budget=1e-6, on_overhead_exceeded=seen.append) as ck:
+        for i in range(3):
+            ck.save(_state(i), str(tmp_path / f"{i}.pt")).wait()
+        st = ck.stats()
+    assert st.saves == 3 and st.over_budget and st.alarms == 1 and len(seen) == 1
+    assert st.blocked_s > 0 and st.overhead > 1e-6
+
+
+def test_overwrite_same_path_keeps_a_complete_file(tmp_path) -> None:
+    path = str(tmp_path / "last.pt")
+    with fastckpt.Checkpointer() as ck:
+        for i in range(4):
+            ck.save(_state(i), path)
+        ck.wait()
+        assert _same(ck.load(path), _state(3))
+    assert [n for n in os.listdir(tmp_path) if ".fastckpt-tmp-" in n] == []
+
+
+def test_manifest_records_versions_and_timings(tmp_path) -> None:
+    path = str(tmp_path / "m.pt")
+    with fastckpt.Checkpointer() as ck:
+        ck.save(_state(1), path).wait()
+    m = read_file_manifest(path)
+    assert m["versions"]["torch"] == torch.__version__ and m["versions"]["fastckpt"] == fastckpt.__version__
+    assert m["blocked_s"] > 0 and m["rank"] == 0 and m["group"] is None and m["format"] == 1
+
+
+def test_plain_torch_file_loads_unverified(tmp_path) -> None:
+    path = tmp_path / "plain.pt"
+    torch.save(_state(5), path)
+    assert _same(fastckpt.load(str(path)), _state(5))
+
+
+def test_weights_only_refusal_says_how(tmp_path) -> None:
+    path = str(tmp_path / "obj.pt")
+    with fastckpt.Checkpointer() as ck:
+        ck.save({"cfg": fastckpt.ConfigError("x")}, path).wait()
+        with pytest.raises(Exception) as info:
+            ck.load(path)
+        assert "weights_only=False" in "".join(getattr(info.value, "__notes__", [])) + str(info.value)
+        assert isinstance(ck.load(path, weights_only=False)["cfg"], fastckpt.ConfigError)
+
+
+def test_remove_waits_for_inflight_and_deletes_both_copies(tmp_path) -> None:
+    dest = str(tmp_path / "shared" / "r.pt")
+    with fastckpt.Checkpointer(local_dir=str(tmp_path / "nvme")) as ck:
+        ck.save(_state(1), dest)
+        ck.remove(dest)  # the save is in flight: remove waits for it, then deletes
+        assert not os.path.exists(dest) and not os.path.exists(ck.local_path(dest))
+        assert ck.stats().pending == 0
+
+
+def test_closed_checkpointer_refuses(tmp_path) -> None:
+    ck = fastckpt.Checkpointer()
+    ck.close()
+    ck.close()  # idempotent
+    with pytest.raises(RuntimeError, match="closed"):
+        ck.save(_state(1), str(tmp_path / "x.pt"))
+
+
+def test_config_errors_name_the_fix() -> None:
+    with pytest.raises(fastckpt.ConfigError, match="fraction"):
+        fastckpt.Checkpointer(overhead_budget=2)
+    with pytest.raises(fastckpt.ConfigError, match="'wait'"):
+        fastckpt.Checkpointer(when_busy="never")
+    with pytest.raises(fastckpt.ConfigError, match="node-local"):
+        fastckpt.Checkpointer(local_dir="s3://b/x")

@@ -1,0 +1,88 @@
+"""format.py: the layout torch writes under skip_data, the storage keys we derive, the manifest
+in the zip comment, and that plain torch.load reads what fastckpt writes."""
+
+from __future__ import annotations
+
+import collections
+import zipfile
+
+import pytest
+import torch
+
+import fastckpt
+from fastckpt import format as F
+from fastckpt.errors import UnsupportedObjectError
+
+
+def _state() -> dict:
+    base = torch.arange(4096 * 3, dtype=torch.int64)
+    return {
+        "w": base,
+        "view": base[::3],  # shares its base's storage: one record
+        "bf16": torch.arange(100, dtype=torch.float32).to(torch.bfloat16),
+        "nested": collections.OrderedDict(a=[torch.ones(7, dtype=torch.int16), 3, "x"], b=(1.5, None)),
+        "empty": torch.empty(0),
+        "scalar": torch.tensor(5),
+    }
+
+
+def test_plan_matches_torch_records() -> None:
+    sd = _state()
+    layout = F.plan(sd)
+    assert layout.data_size > 0
+    keys = [s.key for s in layout.storages]
+    assert keys == [str(i) for i in range(len(keys))]
+    # one record per distinct storage: w and view share theirs
+    assert len(layout.storages) == 5
+    assert all(s.offset % F.ALIGN == 0 for s in layout.storages)
+    by_ptr = {s.storage.data_ptr(): s for s in layout.storages}
+    assert by_ptr[sd["w"].untyped_storage().data_ptr()].nbytes == sd["w"].untyped_storage().nbytes()
+    assert by_ptr[sd["w"].untyped_storage().data_ptr()].where == "state['w']"
+
+
+def test_written_file_is_plain_torch_zip(tmp_path) -> None:
+    sd = _state()
+    path = tmp_path / "a.pt"
+    with fastckpt.Checkpointer() as ck:
+        ck.save(sd, str(path)).wait()
+    out = torch.load(path, weights_only=True)
+    assert torch.equal(out["w"], sd["w"])
+    assert torch.equal(out["view"], sd["view"])
+    assert out["view"].untyped_storage().data_ptr() == out["w"].untyped_storage().data_ptr()
+    assert out["bf16"].dtype == torch.bfloat16 and torch.equal(out["bf16"], sd["bf16"])
+    assert out["nested"]["a"][1:] == [3, "x"] and out["nested"]["b"] == (1.5, None)
+    assert out["empty"].numel() == 0 and out["scalar"].item() == 5
+    mm = torch.load(path, weights_only=True, mmap=True)
+    assert torch.equal(mm["w"], sd["w"])
+    # the manifest rides in the zip comment, which zip readers ignore
+    comment = zipfile.ZipFile(path).comment
+    manifest = F.parse_tail(comment and open(path, "rb").read()[-(len(comment) + 22):], 0)
+    assert manifest["kind"] == "file" and manifest["checksum"]["algo"] == "xxh3_64-tree-16MiB"
+    assert manifest["covered"] == path.stat().st_size - len(comment) - 2
+
+
+def test_unpicklable_entry_named() -> None:
+    with pytest.raises(UnsupportedObjectError, match=r"\['opt'\]\['hook'\]"):
+        F.plan({"opt": {"lr": 1.0, "hook": lambda: 1}})
+
+
+def test_meta_tensor_named() -> None:
+    with pytest.raises(UnsupportedObjectError, match=r"\['m'\].*meta"):
+        F.plan({"m": torch.empty(3, device="meta")})
+
+
+def test_parse_tail_foreign_zip(tmp_path) -> None:
+    path = tmp_path / "plain.pt"
+    torch.save({"a": torch.ones(3)}, path)
+    data = path.read_bytes()
+    assert F.parse_tail(data[-1000:], len(data)) is None
+
+
+def test_large_and_many_storages(tmp_path) -> None:
+    sd = {f"t{i}": torch.full((1000 + i,), i, dtype=torch.int32) for i in range(300)}
+    sd["big"] = torch.arange(40 << 20, dtype=torch.uint8)  # crosses several 16 MiB checksum blocks
+    path = tmp_path / "many.pt"
+    with fastckpt.Checkpointer(io_threads=3) as ck:
+        ck.save(sd, str(path)).wait()
+        out = ck.load(str(path))
+    assert all(torch.equal(out[k], v) for k, v in sd.items())

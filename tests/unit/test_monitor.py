@@ -1,0 +1,48 @@
+"""monitor.py: overhead accounting, one alarm per crossing, the callback and the advice."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from fastckpt.monitor import Monitor
+
+
+def test_alarm_once_per_crossing_and_rearm(caplog) -> None:
+    reports = []
+    m = Monitor(0.02, 3600.0, reports.append)
+    m._t0 = time.monotonic() - 10.0  # a run that started 10 s ago
+    with caplog.at_level(logging.WARNING, logger="fastckpt"):
+        m.record_blocked(m._t0 + 1.0, 0.05, 1000)
+        assert not m.over  # one save: no interval yet
+        m.record_blocked(m._t0 + 5.0, 0.5, 1000)  # 0.55 s blocked in 10 s: 5.5 %
+        assert m.over and m.alarms == 1
+        m.record_blocked(m._t0 + 9.0, 0.5, 1000)  # still above: no second warning
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and len(reports) == 1
+    rep = reports[0]
+    assert rep.budget == 0.02 and rep.saves == 2
+    assert 0.05 < rep.overhead < 0.06
+    text = rep.advice()
+    assert "2.0% budget" in text and "GB/s" in text and "save every" in text
+    # needed bandwidth: mean bytes / (budget * mean interval)
+    assert abs(rep.needed_snapshot_Bps - 1000 / (0.02 * 4.0)) < 1e-6
+    # drop below the budget (a long quiet stretch), then cross again: a second alarm
+    m._t0 -= 1000.0
+    m._saves.clear()
+    m.record_blocked(time.monotonic(), 0.0, 1000)
+    assert not m.over
+    m._t0 = time.monotonic() - 1.0
+    m.record_blocked(time.monotonic(), 0.5, 1000)
+    assert m.over and m.alarms == 2 and len(reports) == 2
+
+
+def test_stats_fields() -> None:
+    m = Monitor(0.02, 60.0)
+    m.record_blocked(time.monotonic(), 0.01, 10)
+    m.record_durable(0.2)
+    m.record_skipped()
+    s = m.stats(pending=3)
+    assert (s.saves, s.skipped, s.bytes, s.pending) == (1, 1, 10, 3)
+    assert s.last_blocked_s == 0.01 and s.last_durable_s == 0.2
+    assert s.overhead_budget == 0.02 and not s.over_budget

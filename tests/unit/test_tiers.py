@@ -1,0 +1,78 @@
+"""tiers.py: the choice and the reasons, GDS rejected on a CPU machine with real kvikio."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+
+import pytest
+import torch
+
+import fastckpt
+from fastckpt.errors import TierUnavailableError
+from fastckpt.tiers import TierSelector, gds_unavailable_reason, probe_odirect
+
+needs_kvikio = pytest.mark.skipif(importlib.util.find_spec("kvikio") is None, reason="kvikio not installed")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only rejection")
+@needs_kvikio
+def test_gds_rejected_with_reason_on_cpu_with_real_kvikio() -> None:
+    import kvikio  # noqa: F401  (the real package imports on a CPU machine)
+
+    why = gds_unavailable_reason(has_cuda_tensors=True)
+    assert why is not None
+    assert "libcuda" in why or "CUDA" in why or "compat" in why
+
+
+def test_gds_rejected_without_cuda_tensors() -> None:
+    assert gds_unavailable_reason(False) == "the state has no CUDA tensors"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only rejection")
+def test_explicit_gds_raises_with_reason(tmp_path) -> None:
+    ck = fastckpt.Checkpointer(tier="gds")
+    with pytest.raises(TierUnavailableError, match="tier='gds' requested but"):
+        ck.save({"a": torch.ones(2)}, str(tmp_path / "a.pt"))
+    ck.close()
+
+
+def test_auto_logs_choice_and_rejections(tmp_path, caplog) -> None:
+    with caplog.at_level(logging.INFO, logger="fastckpt"):
+        sel = TierSelector("auto", None, True)
+        c = sel.choose(str(tmp_path), has_cuda=False)
+        again = sel.choose(str(tmp_path), has_cuda=False)
+    assert c is again  # probed once per directory
+    assert c.tier == "direct" and "gds" in c.reasons and "nvme" in c.reasons
+    lines = [r.getMessage() for r in caplog.records if "tier=" in r.getMessage()]
+    assert len(lines) == 1 and "gds rejected" in lines[0] and "nvme rejected: no local_dir" in lines[0]
+
+
+def test_nvme_with_local_dir(tmp_path) -> None:
+    c = TierSelector("auto", str(tmp_path / "nvme"), True).choose(str(tmp_path / "dst"), False)
+    assert c.tier == "nvme" and c.reasons["direct"].startswith("local_dir is set")
+
+
+def test_bad_requests(tmp_path) -> None:
+    with pytest.raises(TierUnavailableError, match="needs local_dir"):
+        TierSelector("nvme", None, True).choose(str(tmp_path), False)
+    with pytest.raises(TierUnavailableError, match="drop local_dir"):
+        TierSelector("direct", str(tmp_path), True).choose(str(tmp_path), False)
+    with pytest.raises(fastckpt.ConfigError, match="tier='fast'"):
+        fastckpt.Checkpointer(tier="fast")
+
+
+def test_odirect_probe_reports_tmpfs(tmp_path) -> None:
+    ok, why = probe_odirect(str(tmp_path))
+    assert ok or "O_DIRECT" in why
+    import os
+    import shutil
+    import tempfile
+
+    if os.path.isdir("/dev/shm"):  # tmpfs: O_DIRECT refused, with the reason
+        d = tempfile.mkdtemp(dir="/dev/shm")
+        try:
+            ok, why = probe_odirect(d)
+            assert ok or "refused O_DIRECT" in why
+        finally:
+            shutil.rmtree(d)
