@@ -18,14 +18,14 @@ import threading
 import time
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from . import commit as C
 from . import format as F
 from .config import CheckpointerConfig
-from .errors import CheckpointWriteError
+from .errors import CheckpointWriteError, FastCkptError
 from .events import Event, EventSink, JsonlSink
 from .io import FileOps
 from .io.engine import copy_file, write_file
@@ -33,7 +33,7 @@ from .io.gds import finish_gds_file, gds_write
 from .monitor import Monitor, Stats
 from .records import SaveHandle, SaveRecord
 from .restore import load_file
-from .staging import StagingPool, snapshot
+from .staging import LazySnapshot, StagingPool, snapshot
 from .tiers import TierSelector
 
 log = logging.getLogger("fastckpt")
@@ -83,12 +83,14 @@ class Checkpointer:
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="fastckpt-write")
         self._replicator = ThreadPoolExecutor(1, thread_name_prefix="fastckpt-replicate")
         self._committer = ThreadPoolExecutor(4, thread_name_prefix="fastckpt-commit")
+        self._snapper = ThreadPoolExecutor(1, thread_name_prefix="fastckpt-snapshot")  # lazy saves
+        self._lazy: list[tuple[Future, float, float, int]] = []  # (copy, t_call, blocked, bytes)
         self._lock = threading.Lock()
         self._pending: dict[int, tuple[Future, str, str | None]] = {}
-        self._unseen: list[BaseException] = []
-        self._seen: set[int] = set()
-        self._groups: dict[str, list[SaveHandle]] = {}
+        self._unseen: list[BaseException] = []  # failures not yet raised to the caller
+        self._groups: dict[str, _GroupAttempt] = {}
         self._stop = threading.Event()
+        self._swept: set[str] = set()
         self._closed = False
         atexit.register(self._atexit)
 
@@ -110,22 +112,28 @@ class Checkpointer:
     # ------------------------------------------------------------------ errors
     def _mark_seen(self, exc: BaseException) -> None:
         with self._lock:
-            self._seen.add(id(exc))
+            _set_surfaced(exc)
             self._unseen = [e for e in self._unseen if e is not exc]
 
     def _on_done(self, fut: Future) -> None:
         exc = fut.exception()
         with self._lock:
             self._pending.pop(id(fut), None)
-            if exc is not None and id(exc) not in self._seen and all(e is not exc for e in self._unseen):
+            if exc is not None and not _surfaced(exc) and all(e is not exc for e in self._unseen):
                 self._unseen.append(exc)
 
     def _raise_background_error(self) -> None:
         with self._lock:
+            # A future is done before its done-callbacks run (and result() returns then): collect
+            # failures of finished futures here too, so the sync point that follows sees them.
+            for fut, _, _ in self._pending.values():
+                exc = fut.exception() if fut.done() and not fut.cancelled() else None
+                if exc is not None and not _surfaced(exc) and all(e is not exc for e in self._unseen):
+                    self._unseen.append(exc)
             if not self._unseen:
                 return
             exc = self._unseen.pop(0)
-            self._seen.add(id(exc))
+            _set_surfaced(exc)
         raise exc
 
     def _emit(self, name: str, path: str, nbytes: int, start: float, tier: str,
@@ -142,7 +150,7 @@ class Checkpointer:
         return SaveHandle(fut, path, self._mark_seen)
 
     # ------------------------------------------------------------------ save
-    def save(self, state_dict: object, path: str, group: str | None = None) -> SaveHandle:
+    def save(self, state_dict: object, path: str, group: str | None = None, *, lazy: bool = False) -> SaveHandle:
         """Snapshot ``state_dict`` and return; the file becomes durable at ``path`` later.
 
         Args:
@@ -150,6 +158,11 @@ class Checkpointer:
             path: the checkpoint file's durable home.
             group: a directory that holds this file and others (from this and other ranks)
                 forming one checkpoint; finish with ``commit(group)`` on every rank.
+            lazy: return before the tensors' bytes are copied: the copy runs on a background
+                thread while training goes on, and ``fence()`` must be called before anything
+                mutates them (the next optimizer step). The Python structure is captured now.
+                The record's ``blocked_s`` is then the part spent here; ``fence()`` returns its
+                wait, which ``stats()`` counts as blocked time too. Ignored on the gds tier.
 
         Raises:
             UnsupportedObjectError: an entry cannot be saved (the message names its key).
@@ -163,10 +176,12 @@ class Checkpointer:
             raise ValueError(f"{path} is not inside its group directory {group}")
         layout = F.plan(state_dict)
         has_cuda = any(r.storage.device.type == "cuda" for r in layout.storages)
-        choice = self._tiers.choose(os.path.dirname(path), has_cuda)
+        try:
+            choice = self._tiers.choose(os.path.dirname(path), has_cuda)
+        except OSError as exc:  # the probe could not write there: unwritable, not a directory...
+            _reraise(exc, path)
         if group is not None and group not in self._groups:
-            self._groups[group] = []
-            C.discard(self._ops, C.marker_path(group, self.rank))  # a stale marker of an older attempt
+            self._begin_group(group)
         if choice.tier == "gds":
             return self._save_gds(layout, path, group, choice.tier, t_call, w_call)
         buf = self._pool.acquire(layout.data_size + TAIL_ROOM, owner=group or object(),
@@ -175,16 +190,25 @@ class Checkpointer:
             self._monitor.record_skipped()
             warnings.warn(f"fastckpt: skipped save of {path}: the previous save still holds the staging "
                           "buffer (when_busy='skip')", stacklevel=2)
+            if group is not None:
+                self._groups[group].skipped.append(path)
             return SaveHandle.finished(SaveRecord(path, choice.tier, 0, time.monotonic() - t_call, 0, 0, 0,
                                                   skipped=True, rank=self.rank, group=group))
-        try:
-            snap = snapshot(layout, buf)
-        except BaseException:
-            self._pool.release(buf)
-            raise
+        if lazy:
+            snap = LazySnapshot(self._snapper.submit(snapshot, layout, buf), layout, buf)
+        else:
+            try:
+                snap = snapshot(layout, buf)
+            except BaseException:
+                self._pool.release(buf)
+                raise
         blocked = time.monotonic() - t_call
-        self._monitor.record_blocked(t_call, blocked, layout.payload_bytes)
-        self._emit("snapshot", path, layout.payload_bytes, w_call, choice.tier)
+        if lazy:  # fence() waits for the copy and counts that wait as blocked time
+            with self._lock:
+                self._lazy.append((snap.future, t_call, blocked, layout.payload_bytes))
+        else:
+            self._monitor.record_blocked(t_call, blocked, layout.payload_bytes)
+        self._emit("snapshot", path, layout.payload_bytes, w_call, choice.tier, detail="lazy" if lazy else None)
         base = SaveRecord(path, choice.tier, layout.data_size, blocked, 0.0, 0.0, 0.0,
                           rank=self.rank, group=group)
         fut = self._writer.submit(self._write_stage, snap, base, t_call, choice.odirect)
@@ -192,7 +216,7 @@ class Checkpointer:
             fut = self._chain(self._replicator, fut, self._replicate_stage, t_call)
         handle = self._track(fut, path, group)
         if group is not None:
-            self._groups[group].append(handle)
+            self._groups[group].handles.append(handle)
         return handle
 
     def _save_gds(self, layout: F.FileLayout, path: str, group: str | None, tier: str,
@@ -230,12 +254,32 @@ class Checkpointer:
             fut = self._chain(self._replicator, fut, self._replicate_stage, t_call)
         handle = self._track(fut, path, group)
         if group is not None:
-            self._groups[group].append(handle)
+            self._groups[group].handles.append(handle)
         return handle
 
     def _tail(self, base: SaveRecord, layout: F.FileLayout, digest: str) -> bytes:
         body = F.comment_bytes(self._manifest(base, layout, digest))
         return F.comment_length_field(len(body)) + body
+
+    def _sweep(self, directory: str) -> None:
+        """Once per directory: remove temp files that killed processes left there."""
+        if directory not in self._swept:
+            self._swept.add(directory)
+            n = C.sweep_stale_tmp(self._ops, directory)
+            if n:
+                log.info("fastckpt: removed %d temp file(s) of dead processes in %s", n, directory)
+
+    def _begin_group(self, group: str) -> None:
+        """First touch of a group by this rank in this attempt (training thread).
+
+        An earlier attempt at the same tag (a resumed run re-saving ``global_step{N}``) is
+        invalidated first: its manifest goes, so no reader mixes old and new files, and this
+        rank's old marker goes. Markers and the manifest carry the attempt's token, agreed
+        through the process group's key-value store (not a collective) when there is one.
+        """
+        self._groups[group] = _GroupAttempt(C.attempt_token(group, self.world_size), time.time())
+        C.discard(self._ops, os.path.join(group, C.GROUP_MANIFEST))
+        C.discard(self._ops, C.marker_path(group, self.rank))
 
     def _chain(self, executor: ThreadPoolExecutor, prev: Future, fn, *args) -> Future:  # noqa: ANN001
         return executor.submit(lambda: fn(prev.result(), *args))
@@ -244,6 +288,7 @@ class Checkpointer:
         return {"format": F.FORMAT_VERSION, "kind": "file", "covered": layout.covered_bytes,
                 "checksum": {"algo": "xxh3_64-tree-16MiB", "value": digest}, "rank": rec.rank,
                 "group": os.path.basename(rec.group) if rec.group else None, "tier": rec.tier,
+                "group_rel": os.path.relpath(rec.path, rec.group) if rec.group else None,
                 "payload_bytes": layout.payload_bytes, "written_at": time.time(),
                 "blocked_s": round(rec.blocked_s, 6),
                 "versions": {"fastckpt": _version(), "torch": F.torch_version()}}
@@ -256,6 +301,7 @@ class Checkpointer:
             snap.wait_ready()
             layout = snap.layout
             self._ops.makedirs(os.path.dirname(dest))
+            self._sweep(os.path.dirname(dest))
             res = write_file(self._ops, self._io, tmp, snap.buffer.view, layout.covered_bytes,
                              lambda digest: self._tail(base, layout, digest),
                              chunk_bytes=self.config.chunk_bytes, odirect=odirect)
@@ -273,9 +319,10 @@ class Checkpointer:
             self._ops.replace(tmp, dest)
             self._ops.fsync_dir(os.path.dirname(dest))
         except BaseException as exc:
+            renamed = not os.path.lexists(tmp)
             C.discard(self._ops, tmp)
             self._emit("commit", dest, res.bytes, c0, base.tier, exc)
-            _reraise(exc, base.path)
+            _reraise(exc, base.path, renamed)
         commit_s = time.monotonic() - t_call
         self._emit("commit", dest, res.bytes, c0, base.tier)
         local = dest != base.path
@@ -303,9 +350,10 @@ class Checkpointer:
             self._ops.replace(tmp, rec.path)
             self._ops.fsync_dir(os.path.dirname(rec.path))
         except BaseException as exc:
+            renamed = not os.path.lexists(tmp)
             C.discard(self._ops, tmp)
             self._emit("replicate", rec.path, rec.bytes, r0, rec.tier, exc)
-            _reraise(exc, rec.path)
+            _reraise(exc, rec.path, renamed)
         durable = time.monotonic() - t_call
         self._emit("replicate", rec.path, rec.bytes, r0, rec.tier)
         self._monitor.record_durable(durable)
@@ -322,20 +370,37 @@ class Checkpointer:
         self._check_open()
         self._raise_background_error()
         group = os.path.abspath(group)
-        handles = self._groups.pop(group, [])
+        if group not in self._groups:
+            self._begin_group(group)  # a rank that saved nothing into this group
+        attempt = self._groups.pop(group)
+        handles = attempt.handles
         rank, world, t_call = self.rank, self.world_size, time.monotonic()
+        requested_at = time.time()  # orders overlapping commits (commit.group_order)
+        timeout = self.config.commit_timeout_s
 
         def run() -> SaveRecord:
+            try:
+                return commit_group()
+            except OSError as exc:
+                _reraise(exc, group)
+
+        def commit_group() -> SaveRecord:
             c0 = time.time()
             recs = [h._future.result() for h in handles]  # a failed save stops the commit here
+            if attempt.skipped:
+                raise FastCkptError(
+                    f"checkpoint group {group} not committed: this rank skipped {attempt.skipped} "
+                    "(when_busy='skip' found the staging buffer busy); the group stays incomplete")
             files = {os.path.relpath(r.path, group): {"size": r.bytes, "checksum": r.checksum}
                      for r in recs}
-            C.write_marker(self._ops, group, rank, world, files)
+            C.write_marker(self._ops, group, rank, world, files, attempt.token, attempt.started_at)
             if rank == 0:
-                markers = C.wait_for_markers(group, world, self.config.commit_timeout_s, self._stop)
-                manifest = C.publish_group(self._ops, group, world, markers, dict(extra))
+                markers = C.wait_for_markers(group, world, timeout, self._stop, attempt.token,
+                                             attempt.started_at - C.STALE_MARKER_S)
+                manifest = C.publish_group(self._ops, group, world, markers, dict(extra), requested_at,
+                                           attempt.token)
             else:
-                manifest = C.wait_for_manifest(group, self.config.commit_timeout_s, self._stop)
+                manifest = C.wait_for_manifest(group, timeout, self._stop, attempt.token, files)
             total = sum(f["size"] for f in manifest["files"].values())
             self._emit("commit", group, total, c0, recs[0].tier if recs else "direct", detail="group")
             return SaveRecord(group, recs[0].tier if recs else "direct", total,
@@ -358,6 +423,8 @@ class Checkpointer:
         t0, w0 = time.monotonic(), time.time()
         local = self.local_path(path)
         candidates = [p for p in (local, path) if p and os.path.exists(p)]
+        if len(candidates) == 2 and _other_save(local, path):  # type: ignore[arg-type]
+            candidates = [path]  # the local copy is of a save that never reached path (it failed)
         obj, used = load_file(self._ops, self._io, candidates or [path], map_location, weights_only,
                               self.config.chunk_bytes, self.config.odirect)
         self._emit("load", used, os.path.getsize(used), w0, "local" if used == local else "path",
@@ -382,8 +449,25 @@ class Checkpointer:
                 self._ops.unlink(p)
 
     # ------------------------------------------------------------------ lifecycle
+    def fence(self) -> float:
+        """Wait until every lazy save has copied its tensors; return the seconds waited.
+
+        Call it before the saved tensors are mutated (the optimizer step). The wait counts as
+        blocked time in ``stats()``; a failed copy surfaces through its save's handle.
+        """
+        with self._lock:
+            lazy, self._lazy = self._lazy, []
+        t0 = time.monotonic()
+        for fut, _, _, _ in lazy:
+            fut.exception()  # only waits: the write stage re-raises a failed copy
+        waited = time.monotonic() - t0
+        for i, (_, t_call, blocked, nbytes) in enumerate(lazy):
+            self._monitor.record_blocked(t_call, blocked + (waited if i == 0 else 0.0), nbytes)
+        return waited
+
     def wait(self) -> None:
         """Block until every pending save and commit is durable; raise a background error."""
+        self.fence()
         with self._lock:
             futures = [f for f, _, _ in self._pending.values()]
         for f in futures:
@@ -407,7 +491,7 @@ class Checkpointer:
         finally:
             self._closed = True
             self._stop.set()
-            for ex in (self._committer, self._replicator, self._writer, self._io):
+            for ex in (self._snapper, self._committer, self._replicator, self._writer, self._io):
                 ex.shutdown(wait=True)
             self._pool.close()
             if self._jsonl:
@@ -438,14 +522,52 @@ class Checkpointer:
         self.close()
 
 
-def _reraise(exc: BaseException, path: str) -> None:
-    """Raise ``exc``; an OSError becomes a CheckpointWriteError that names the checkpoint."""
-    if isinstance(exc, CheckpointWriteError) or not isinstance(exc, OSError):
+@dataclass
+class _GroupAttempt:
+    """This rank's part of one attempt at a group: its saves, skips, token and start time."""
+
+    token: str | None
+    started_at: float
+    handles: list[SaveHandle] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+
+
+def _reraise(exc: BaseException, path: str, renamed: bool = False) -> None:
+    """Raise ``exc``; an OSError becomes a CheckpointWriteError that names the checkpoint.
+
+    ``renamed``: the failure came after the new file was renamed into place (the directory
+    fsync), so the message must not claim the previous file is still there.
+    """
+    if isinstance(exc, FastCkptError) or not isinstance(exc, OSError):
         raise exc
-    err = CheckpointWriteError(exc.errno, f"saving {path} failed: {exc.strerror or exc}; "
-                               "the previous checkpoint is untouched")
+    state = ("the new file is in place but its directory entry may not be durable (directory fsync failed)"
+             if renamed else "the previous checkpoint is untouched")
+    err = CheckpointWriteError(exc.errno, f"saving {path} failed: {exc.strerror or exc}; {state}")
     err.filename = path
     raise err from exc
+
+
+# Whether a failure was raised to the caller is marked on the exception itself: a set of id()s
+# could mistake a new error for a freed one, and keeping raised errors alive would pin their
+# tracebacks' frames (staging buffers, the state's tensors).
+_SURFACED = "_fastckpt_surfaced"
+
+
+def _surfaced(exc: BaseException) -> bool:
+    return getattr(exc, _SURFACED, False)
+
+
+def _set_surfaced(exc: BaseException) -> None:
+    setattr(exc, _SURFACED, True)
+
+
+def _other_save(local: str, path: str) -> bool:
+    """True when both copies carry readable manifests with different checksums."""
+    try:
+        a, b = C.read_file_manifest(local), C.read_file_manifest(path)
+    except (OSError, ValueError):  # unreadable: let the verified load decide
+        return False
+    return bool(a and b) and a.get("checksum") != b.get("checksum")
 
 
 def _version() -> str:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import threading
 import time
 import uuid
@@ -29,10 +30,46 @@ TMP_TAG = ".fastckpt-tmp-"
 TAIL_BYTES = 65536 + 22
 
 
+_HOST = socket.gethostname().replace(os.sep, "_")
+
+
 def tmp_name(path: str) -> str:
-    """A hidden temp name beside ``path``, unique per attempt."""
+    """A hidden temp name beside ``path``, unique per attempt, naming its host and process."""
     d, base = os.path.split(path)
-    return os.path.join(d, f".{base}{TMP_TAG}{uuid.uuid4().hex[:12]}")
+    return os.path.join(d, f".{base}{TMP_TAG}{_HOST}.{os.getpid()}.{uuid.uuid4().hex[:12]}")
+
+
+def sweep_stale_tmp(ops: FileOps, directory: str) -> int:
+    """Remove temp files in ``directory`` left by dead processes of this host; return the count.
+
+    A killed save leaves its temp file behind (never a visible checkpoint). Files of live
+    processes and of other hosts are left alone: only this host can tell a process is gone.
+    """
+    removed = 0
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return 0
+    for name in names:
+        if TMP_TAG not in name:
+            continue
+        try:
+            host, pid, _ = name.split(TMP_TAG, 1)[1].rsplit(".", 2)
+            pid_n = int(pid)
+        except ValueError:
+            continue
+        if host != _HOST or pid_n == os.getpid():
+            continue
+        try:
+            os.kill(pid_n, 0)
+            continue  # alive
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue  # alive, another user's
+        discard(ops, os.path.join(directory, name))
+        removed += 1
+    return removed
 
 
 def is_tmp(name: str) -> bool:
@@ -67,10 +104,34 @@ def marker_path(group_dir: str, rank: int) -> str:
     return os.path.join(group_dir, MARKER_DIR, f"rank-{rank:05d}.json")
 
 
-def write_marker(ops: FileOps, group_dir: str, rank: int, world_size: int, files: dict) -> None:
+STALE_MARKER_S = 60.0  # without a shared store, markers older than the attempt by this much are stale
+
+
+def attempt_token(group_dir: str, world_size: int) -> str | None:
+    """A token every rank of one attempt at ``group_dir`` agrees on, or None without a store.
+
+    Each rank adds 1 to a per-group counter in torch.distributed's key-value store (safe from
+    any thread, not a collective) at its first touch of the group: attempt k collects the
+    counts k*W+1 .. (k+1)*W. Without an initialised process group there is no store; then
+    markers are told apart by time (``STALE_MARKER_S``) and by the files' checksums.
+    """
+    try:
+        import torch.distributed as dist
+
+        if world_size <= 1 or not (dist.is_available() and dist.is_initialized()):
+            return None
+        store = dist.distributed_c10d._get_default_store()
+    except (ImportError, RuntimeError, AttributeError):
+        return None
+    n = store.add(f"fastckpt/attempt/{os.path.abspath(group_dir)}", 1)
+    return str((n - 1) // world_size)
+
+
+def write_marker(ops: FileOps, group_dir: str, rank: int, world_size: int, files: dict,
+                 token: str | None = None, started_at: float | None = None) -> None:
     ops.makedirs(os.path.join(group_dir, MARKER_DIR))
     body = {"format": FORMAT_VERSION, "rank": rank, "world_size": world_size, "files": files,
-            "written_at": time.time()}
+            "written_at": time.time(), "attempt": token, "started_at": started_at}
     publish_bytes(ops, marker_path(group_dir, rank), json.dumps(body, sort_keys=True).encode())
 
 
@@ -95,7 +156,13 @@ def missing_ranks(group_dir: str, world_size: int) -> list[int]:
     return [r for r in range(world_size) if r not in got or got[r]["world_size"] != world_size]
 
 
-def wait_for_markers(group_dir: str, world_size: int, timeout_s: float, stop: threading.Event) -> dict[int, dict]:
+def _current(marker: dict, world_size: int, token: str | None, not_before: float) -> bool:
+    return (marker["world_size"] == world_size and marker.get("attempt") == token
+            and float(marker.get("written_at", 0.0)) >= not_before)
+
+
+def wait_for_markers(group_dir: str, world_size: int, timeout_s: float, stop: threading.Event,
+                     token: str | None = None, not_before: float = 0.0) -> dict[int, dict]:
     """Poll the marker directory until every rank is there (backoff up to 0.5 s).
 
     Other ranks are other processes, perhaps on other nodes: their marker files are the only
@@ -107,8 +174,8 @@ def wait_for_markers(group_dir: str, world_size: int, timeout_s: float, stop: th
     deadline = time.monotonic() + timeout_s
     delay = 0.005
     while True:
-        markers = read_markers(group_dir)
-        if all(r in markers and markers[r]["world_size"] == world_size for r in range(world_size)):
+        markers = {r: m for r, m in read_markers(group_dir).items() if _current(m, world_size, token, not_before)}
+        if all(r in markers for r in range(world_size)):
             return markers
         if time.monotonic() >= deadline or stop.is_set():
             missing = [r for r in range(world_size) if r not in markers]
@@ -121,8 +188,36 @@ def wait_for_markers(group_dir: str, world_size: int, timeout_s: float, stop: th
         delay = min(delay * 2, 0.5)
 
 
-def publish_group(ops: FileOps, group_dir: str, world_size: int, markers: dict[int, dict], extra: dict) -> dict:
-    """Check every rank's files, then publish the group manifest and the latest pointer."""
+_latest_lock = threading.Lock()  # commits of several groups publish from concurrent threads
+
+
+def group_order(manifest: dict) -> float:
+    """When a group was committed, for ordering: rank 0's ``commit`` call, else its publish.
+
+    Commits overlap (step N may wait for a slow rank while step N+1 completes), so the time of
+    publication does not follow the order of the steps; the time of the request does.
+    """
+    return float(manifest.get("requested_at", manifest.get("committed_at", 0.0)))
+
+
+def _pointed_order(parent: str) -> float:
+    """The order of the group ``parent/latest`` names; -inf when there is none to keep."""
+    try:
+        with open(os.path.join(parent, LATEST), encoding="utf-8") as f:
+            name = f.read().strip()
+        m = read_group_manifest(os.path.join(parent, name)) if name else None
+    except (OSError, ValueError):  # missing, unreadable or corrupt: the pointer may be replaced
+        return float("-inf")
+    return group_order(m) if m is not None else float("-inf")
+
+
+def publish_group(ops: FileOps, group_dir: str, world_size: int, markers: dict[int, dict], extra: dict,
+                  requested_at: float | None = None, token: str | None = None) -> dict:
+    """Check every rank's files, then publish the group manifest and the latest pointer.
+
+    The pointer moves only forward: it is left alone when it names a group committed later
+    (see ``group_order``).
+    """
     files: dict[str, dict] = {}
     for r in sorted(markers):
         for rel, info in markers[r]["files"].items():
@@ -135,11 +230,16 @@ def publish_group(ops: FileOps, group_dir: str, world_size: int, markers: dict[i
                 )
             files[rel] = dict(info, rank=r)
     manifest = {"format": FORMAT_VERSION, "kind": "group", "world_size": world_size,
-                "files": files, "committed_at": time.time(), **extra}
+                "tag": os.path.basename(os.path.normpath(group_dir)), "ranks": sorted(markers),
+                "attempt": token, "files": files, "committed_at": time.time(), **extra}
+    if requested_at is not None:
+        manifest["requested_at"] = requested_at
     publish_bytes(ops, os.path.join(group_dir, GROUP_MANIFEST),
                   json.dumps(manifest, sort_keys=True, indent=1).encode())
     parent = os.path.dirname(os.path.normpath(group_dir))
-    publish_bytes(ops, os.path.join(parent, LATEST), os.path.basename(os.path.normpath(group_dir)).encode())
+    with _latest_lock:
+        if _pointed_order(parent) <= group_order(manifest):
+            publish_bytes(ops, os.path.join(parent, LATEST), os.path.basename(os.path.normpath(group_dir)).encode())
     return manifest
 
 
@@ -159,7 +259,11 @@ def read_file_manifest(path: str) -> dict | None:
     with open(path, "rb") as f:
         f.seek(max(0, size - TAIL_BYTES))
         tail = f.read()
-    return parse_tail(tail, size)
+    try:
+        return parse_tail(tail, size)
+    except CorruptCheckpointError as exc:
+        raise CorruptCheckpointError(f"{path}: {exc}. Restore from another copy or an earlier "
+                                     "checkpoint (fastckpt.latest(...)).") from exc
 
 
 def incomplete_group_error(group_dir: str, world_size: int | None) -> IncompleteCheckpointError:
@@ -204,7 +308,7 @@ def scan(root: str, max_depth: int = 4) -> list[Found]:
         if GROUP_MANIFEST in names:
             m = read_group_manifest(d)
             if m is not None:
-                found.append(Found(d, "group", float(m.get("committed_at", 0.0)), m))
+                found.append(Found(d, "group", group_order(m), m))
             return
         if MARKER_DIR in names:
             return  # an incomplete group: skip it and what is inside
@@ -230,13 +334,19 @@ def latest(root: str) -> str | None:
     return found[-1].path if found else None
 
 
-def wait_for_manifest(group_dir: str, timeout_s: float, stop: threading.Event) -> dict:
-    """Poll until the coordinator publishes the group manifest (non-coordinator ranks)."""
+def wait_for_manifest(group_dir: str, timeout_s: float, stop: threading.Event,
+                      token: str | None = None, mine: dict | None = None) -> dict:
+    """Poll until the coordinator publishes this attempt's manifest (non-coordinator ranks).
+
+    A manifest counts only if it carries this attempt's token and lists this rank's files
+    with the checksums just written (an older attempt's manifest does not).
+    """
     deadline = time.monotonic() + timeout_s
     delay = 0.005
     while True:
         m = read_group_manifest(group_dir)
-        if m is not None:
+        if m is not None and m.get("attempt") == token and all(
+                m["files"].get(rel, {}).get("checksum") == info["checksum"] for rel, info in (mine or {}).items()):
             return m
         if time.monotonic() >= deadline or stop.is_set():
             raise CommitTimeoutError(

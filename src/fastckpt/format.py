@@ -279,6 +279,10 @@ def parse_tail(tail: bytes, file_size: int) -> dict | None:
                 except (ValueError, KeyError) as exc:
                     raise CorruptCheckpointError(f"manifest in the zip comment does not parse: {exc}") from exc
         idx = tail.rfind(_EOCD_SIG, 0, idx)
+    if b'{"' + MANIFEST_KEY.encode() + b'":' in tail:
+        # A fastckpt manifest is there but the zip trailer around it is damaged: never let
+        # such a file pass as a plain torch.save file that loads unverified.
+        raise CorruptCheckpointError("the zip trailer holding the fastckpt manifest is damaged")
     return None
 
 

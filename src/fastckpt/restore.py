@@ -79,9 +79,8 @@ def verify_and_load(ops: FileOps, pool: Executor, path: str, map_location: objec
         log.info("fastckpt: %s has no fastckpt manifest; loading it with torch.load unverified", path)
         return torch.load(path, map_location=map_location, weights_only=weights_only)
     if manifest.get("group"):
-        group_dir = os.path.dirname(path)
-        while os.path.basename(group_dir) != manifest["group"] and group_dir not in ("/", ""):
-            group_dir = os.path.dirname(group_dir)
+        rel = manifest.get("group_rel") or os.path.basename(path)
+        group_dir = path[: -len(rel) - 1] if path.endswith(os.sep + rel) else os.path.dirname(path)
         if C.read_group_manifest(group_dir) is None:
             raise C.incomplete_group_error(group_dir, None)
     size = os.path.getsize(path)

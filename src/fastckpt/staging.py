@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import mmap
 import threading
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
@@ -74,7 +75,7 @@ class StagingPool:
                     buf = min(idle, key=lambda b: b.capacity)
                     buf.owner = owner
                     return buf
-                if not any(b.owner is not owner for b in fits):
+                if not any(b.owner != owner for b in fits):  # == : a group is named by equal strings
                     break
                 if not wait:
                     return None
@@ -152,3 +153,19 @@ def snapshot(layout: FileLayout, buf: StagingBuffer) -> Snapshot:
         torch.cuda.synchronize()
         event = None
     return Snapshot(buf, layout, event)
+
+
+@dataclass
+class LazySnapshot:
+    """A snapshot still being copied on the snapshot thread (``Checkpointer.save(lazy=True)``).
+
+    Quacks like ``Snapshot`` for the writer: ``wait_ready`` waits for the copy (re-raising its
+    failure) and then for its device copies; ``buffer`` is released by the writer either way.
+    """
+
+    future: Future
+    layout: FileLayout
+    buffer: StagingBuffer
+
+    def wait_ready(self) -> None:
+        self.future.result().wait_ready()

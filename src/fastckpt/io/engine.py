@@ -103,6 +103,7 @@ def write_file(
                 raise
             # Some filesystems accept O_DIRECT at open and refuse it on write: go buffered.
             ops.close(fd)
+            fd = -1  # closed: if the re-open fails, the finally below must not close it again
             fd, direct = ops.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), False
             reason = "filesystem refused O_DIRECT writes (EINVAL)"
             digests = _parallel(pool, covered, chunk_bytes, lambda off, n: _write_chunk(
@@ -119,7 +120,8 @@ def write_file(
             ops.ftruncate(fd, total)
         ops.fsync(fd)
     finally:
-        ops.close(fd)
+        if fd >= 0:
+            ops.close(fd)
     return WriteResult(path, total, digest, direct, reason)
 
 

@@ -1,0 +1,466 @@
+"""``FsspecTarget``: replication to an object store through fsspec (S3 through s3fs).
+
+S3: a file no larger than one part is one ``PutObject``; a larger one is a multipart upload
+(parts on ``parallelism`` threads, each part retried on its own), and S3 makes the object
+visible only at ``CompleteMultipartUpload``: complete or not at all. Any failure aborts the
+upload. Endpoint and credentials come from where boto always looks (``AWS_ENDPOINT_URL``,
+``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``, ``AWS_PROFILE``, ``~/.aws/config`` and
+``credentials``, instance roles) unless ``storage_options`` gives them (``endpoint_url``,
+``key``, ``secret``). They are never logged or put in messages.
+
+Retries: botocore's retries (unless ``config_kwargs`` sets them) and s3fs's own loop are
+switched off, so that ``Target``'s loop, bounded by ``retry_deadline_s``, is the only one.
+
+Hangs: every S3 request is bounded. botocore's ``read_timeout`` covers a server that stops
+answering, except while aiohttp waits for ``100 Continue`` before sending a body: no timeout
+applies there, and a PUT to a silent peer hung forever (tests/integration/test_targets_s3.py
+``test_server_that_never_answers``). So the ``Expect`` header, which is not signed, is
+dropped before sending; and a body write that stalls (a peer that stops reading) is cut by an
+overall limit of ``REQUEST_FLOOR_S + bytes / REQUEST_MIN_Bps`` per request. Either way the
+request is retried.
+
+Other fsspec protocols: a temp key beside the final one, then ``mv`` (a server-side copy on
+object stores, itself atomic), best effort removal of the temp key on failure.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime
+
+from .commit import is_tmp, tmp_name
+from .errors import ConfigError, ReplicationError
+from .targets import (
+    DEFAULT_RETRY_DEADLINE_S,
+    MiB,
+    RetryCallback,
+    Target,
+    TargetNotFoundError,
+    TargetPermissionError,
+    TokenBucket,
+    _Progress,
+    check_key,
+    is_transient_oserror,
+    storage_error,
+)
+
+log = logging.getLogger(__name__)
+S3_MIN_PART_BYTES = 5 * MiB
+REQUEST_FLOOR_S = 120.0
+REQUEST_MIN_Bps = 1 * MiB
+S3_MAX_PARTS = 10_000
+_TRANSIENT_CODES = frozenset({"SlowDown", "RequestTimeout", "RequestTimeoutException", "InternalError",
+                              "ServiceUnavailable", "Throttling", "ThrottlingException", "RequestLimitExceeded",
+                              "TooManyRequests", "500", "502", "503", "504"})
+_AUTH_CODES = frozenset({"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken",
+                         "InvalidToken", "TokenRefreshRequired", "AllAccessDisabled", "403"})
+
+
+def _client_error(exc: BaseException) -> tuple[str, int, str] | None:
+    """(code, HTTP status, message) of the botocore ClientError in ``exc``'s chain, if any."""
+    seen = 0
+    cur: BaseException | None = exc
+    while cur is not None and seen < 8:
+        resp = getattr(cur, "response", None)
+        if isinstance(resp, dict) and "Error" in resp:
+            err = resp["Error"]
+            status = resp.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+            return str(err.get("Code", "")), int(status or 0), str(err.get("Message", ""))
+        cur, seen = cur.__cause__ or cur.__context__, seen + 1
+    return None
+
+
+def _drop_expect_100(request: object, **_: object) -> None:
+    """botocore ``before-send`` hook: send bodies at once instead of awaiting ``100 Continue``."""
+    request.headers.pop("Expect", None)  # type: ignore[attr-defined]
+
+
+def _transient_types() -> tuple[type[BaseException], ...]:
+    types: list[type[BaseException]] = [ConnectionError, TimeoutError]
+    try:
+        from botocore import exceptions as b
+
+        types += [b.EndpointConnectionError, b.ConnectionClosedError, b.ConnectTimeoutError, b.ReadTimeoutError,
+                  b.HTTPClientError, b.IncompleteReadError, b.ResponseStreamingError]
+    except ImportError:
+        pass
+    try:
+        import aiohttp
+
+        types += [aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, aiohttp.ServerTimeoutError]
+    except ImportError:
+        pass
+    from fsspec.exceptions import FSTimeoutError
+
+    return (*types, FSTimeoutError)
+
+
+class FsspecTarget(Target):
+    """A ``Target`` rooted at an fsspec URL, e.g. ``s3://bucket/prefix``.
+
+    Args:
+        url_root: the root URL; for S3 the bucket must exist.
+        storage_options: passed to ``fsspec.filesystem`` (s3fs: ``endpoint_url``, ``key``,
+            ``secret``, ``client_kwargs``, ``config_kwargs``...). Defaults added for S3:
+            ``skip_instance_cache=True``, ``config_kwargs`` with ``retries={"max_attempts": 0}``,
+            ``connect_timeout=10``, ``read_timeout=60`` (each only where not given), and a
+            ``before-send`` hook on the botocore session (``session``, or one made here).
+        retry_deadline_s, parallelism, on_retry: see ``Target``.
+    """
+
+    def __init__(self, url_root: str, storage_options: dict | None = None, *,
+                 retry_deadline_s: float = DEFAULT_RETRY_DEADLINE_S, parallelism: int = 4,
+                 on_retry: RetryCallback | None = None) -> None:
+        import fsspec
+
+        super().__init__(retry_deadline_s=retry_deadline_s, parallelism=parallelism, on_retry=on_retry)
+        protocol, _ = fsspec.core.split_protocol(url_root)
+        if not protocol:
+            raise ConfigError(f"{url_root!r} is not a URL: use PosixTarget (or open_target) for a directory")
+        self.protocol = protocol
+        self.is_s3 = protocol in ("s3", "s3a")
+        opts = dict(storage_options or {})
+        if self.is_s3:
+            from aiobotocore.session import AioSession
+
+            opts.setdefault("skip_instance_cache", True)
+            cfg = dict(opts.get("config_kwargs") or {})
+            cfg.setdefault("retries", {"max_attempts": 0, "mode": "standard"})
+            cfg.setdefault("connect_timeout", 10)
+            cfg.setdefault("read_timeout", 60)
+            opts["config_kwargs"] = cfg
+            if opts.get("session") is None:  # our own, so that the hook below reaches every client
+                session_args = ("profile", "session_vars", "event_hooks", "include_builtin_handlers")
+                opts["session"] = AioSession(**{k: opts.pop(k) for k in session_args if k in opts})
+            opts["session"].register("before-send.s3", _drop_expect_100, unique_id="fastckpt-drop-expect-100")
+        try:
+            self.fs = fsspec.filesystem(protocol, **opts)
+        except ImportError as exc:
+            raise ConfigError(f"{url_root!r} needs the fsspec backend for {protocol!r}: "
+                              f"pip install {'s3fs' if self.is_s3 else 'the matching fsspec package'}") from exc
+        if self.is_s3:
+            self.fs.retries = 1  # s3fs's own loop: one attempt, ours does the rest
+        self.root = self.fs._strip_protocol(url_root).rstrip("/")
+        self._url = f"{protocol}://{self.root}"
+        self.bucket, _, self.prefix = self.root.partition("/")
+        if self.is_s3 and not self.bucket:
+            raise ConfigError(f"{url_root!r} names no bucket: use s3://<bucket>[/<prefix>]")
+        self._transient = _transient_types()
+
+    @property
+    def url(self) -> str:
+        return self._url
+
+    def _full(self, key: str) -> str:
+        return f"{self.root}/{check_key(key)}"
+
+    def _obj(self, key: str) -> str:
+        """The S3 object key (bucket prefix + key)."""
+        return f"{self.prefix}/{check_key(key)}" if self.prefix else check_key(key)
+
+    def _s3(self, method: str, **kwargs: object) -> dict:
+        body = kwargs.get("Body")
+        limit_s = REQUEST_FLOOR_S + (len(body) if isinstance(body, bytes) else 0) / REQUEST_MIN_Bps
+        return self.fs.call_s3(method, Bucket=self.bucket, timeout=limit_s, **kwargs)  # timeout: fsspec's sync()
+
+    def _cat(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
+        if not self.is_s3:
+            return self.fs.cat_file(self._full(key), start=start, end=end)
+        n = (end or 0) - (start or 0)
+        return self.fs.cat_file(self._full(key), start=start, end=end,
+                                timeout=REQUEST_FLOOR_S + max(n, 0) / REQUEST_MIN_Bps)
+
+    def _endpoint(self) -> str:
+        try:
+            return str(self.fs.s3.meta.endpoint_url)
+        except Exception:  # only for messages: no endpoint is better than a second error
+            return "the S3 endpoint"
+
+    # ------------------------------------------------------------------ errors
+    def _is_transient(self, exc: BaseException) -> bool:
+        ce = _client_error(exc)
+        if ce is not None:
+            code, status, _ = ce
+            return code in _TRANSIENT_CODES or status >= 500 or status == 429
+        return isinstance(exc, self._transient) or is_transient_oserror(exc)
+
+    def _permanent(self, exc: BaseException, what: str) -> ReplicationError | None:
+        ce = _client_error(exc)
+        name = type(exc).__name__
+        if ce is not None:
+            code, status, message = ce
+            if code == "NoSuchBucket":
+                return storage_error(TargetNotFoundError, f"{what}: bucket {self.bucket!r} does not exist at "
+                                     f"{self._endpoint()}: create it (e.g. `aws s3 mb s3://{self.bucket}`) or fix the "
+                                     "target URL", exc, errno.ENOENT)
+            if code in ("NoSuchKey", "404") or status == 404:
+                return storage_error(TargetNotFoundError, f"{what}: not found ({code or status}); if the object "
+                                     f"should be there, check that bucket {self.bucket!r} exists", exc, errno.ENOENT)
+            if code in _AUTH_CODES or status == 403:
+                return storage_error(TargetPermissionError, f"{what}: {self._endpoint()} refused the request "
+                                     f"({code}: {message}); check the credentials (AWS_ACCESS_KEY_ID/"
+                                     "AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or storage_options key/secret) and that "
+                                     f"they may read and write bucket {self.bucket!r}", exc, errno.EACCES)
+            return storage_error(ReplicationError, f"{what}: {code} (HTTP {status}): {message}", exc, errno.EIO)
+        if name in ("NoCredentialsError", "PartialCredentialsError"):
+            return storage_error(TargetPermissionError, f"{what}: no usable credentials ({exc}); set "
+                                 "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or storage_options "
+                                 "key/secret", exc, errno.EACCES)
+        if isinstance(exc, FileNotFoundError):
+            return storage_error(TargetNotFoundError, f"{what}: not found ({exc})", exc, errno.ENOENT)
+        if isinstance(exc, PermissionError):
+            return storage_error(TargetPermissionError, f"{what}: permission denied ({exc}); check the credentials",
+                                 exc, errno.EACCES)
+        if isinstance(exc, OSError) or type(exc).__module__.startswith(("botocore", "aiobotocore", "s3fs")):
+            return storage_error(ReplicationError, f"{what}: {name}: {exc}", exc)
+        return None
+
+    # ------------------------------------------------------------------ writing
+    def _put_file(self, local_path: str, key: str, size: int, limiter: TokenBucket | None, chunk_bytes: int,
+                  progress: _Progress) -> int:
+        fd = os.open(local_path, os.O_RDONLY)
+        try:
+            if self.is_s3:
+                return self._put_s3(fd, key, size, limiter, chunk_bytes, progress)
+            return self._put_generic(fd, key, size, limiter, chunk_bytes, progress)
+        finally:
+            os.close(fd)
+
+    def _put_s3(self, fd: int, key: str, size: int, limiter: TokenBucket | None, chunk_bytes: int,
+                progress: _Progress) -> int:
+        if chunk_bytes < S3_MIN_PART_BYTES:
+            raise ConfigError(f"chunk_bytes={chunk_bytes} is below S3's minimum part size: use >= 5 MiB")
+        part = max(chunk_bytes, -(-size // S3_MAX_PARTS))  # S3 allows 10,000 parts: grow parts to fit
+        url, obj = self.url_of(key), self._obj(key)
+        if size <= part:
+            data = _pread_all(fd, size, 0)
+            if limiter is not None:
+                limiter.consume(size)
+            self._retry(f"upload of {url}", lambda: self._s3("put_object", Key=obj, Body=data), progress=progress)
+            progress.add(size)
+            return 1
+        upload_id = self._retry(f"start of the multipart upload of {url}",
+                                lambda: self._s3("create_multipart_upload", Key=obj)["UploadId"], progress=progress)
+        n_parts = -(-size // part)
+        etags: list[str] = [""] * n_parts
+        cancel = threading.Event()
+
+        def send(i: int) -> None:
+            if cancel.is_set():
+                return
+            off = i * part
+            data = _pread_all(fd, min(part, size - off), off)
+            if limiter is not None:
+                limiter.consume(len(data))
+            resp = self._retry(f"upload of part {i + 1}/{n_parts} of {url}", lambda: self._s3(
+                "upload_part", Key=obj, UploadId=upload_id, PartNumber=i + 1, Body=data),
+                progress=progress, cancel=cancel)
+            etags[i] = resp["ETag"]
+            progress.add(len(data))
+
+        try:
+            with ThreadPoolExecutor(min(self.parallelism, n_parts), thread_name_prefix="fastckpt-put") as pool:
+                futures = [pool.submit(send, i) for i in range(n_parts)]
+                try:
+                    for f in futures:
+                        f.result()
+                except BaseException:
+                    cancel.set()  # parts not started are skipped; running ones stop retrying
+                    raise
+            self._complete(url, obj, upload_id, etags, size, progress)
+        except BaseException as exc:
+            self._abort(url, obj, upload_id, exc)
+            raise
+        return n_parts
+
+    def _complete(self, url: str, obj: str, upload_id: str, etags: list[str], size: int,
+                  progress: _Progress) -> None:
+        parts = {"Parts": [{"PartNumber": i + 1, "ETag": e} for i, e in enumerate(etags)]}
+        tried = False
+
+        def complete() -> None:
+            nonlocal tried
+            try:
+                self._s3("complete_multipart_upload", Key=obj, UploadId=upload_id, MultipartUpload=parts)
+            except Exception as exc:
+                # A retried Complete whose first try did land (the reply was lost) finds no upload.
+                ce = _client_error(exc)
+                if tried and ce is not None and ce[0] == "NoSuchUpload" and self._head_size(obj) == size:
+                    return
+                tried = True
+                raise
+
+        self._retry(f"completion of the multipart upload of {url}", complete, progress=progress)
+
+    def _abort(self, url: str, obj: str, upload_id: str, exc: BaseException) -> None:
+        try:
+            self._retry(f"abort of the multipart upload of {url}", lambda: self._s3(
+                "abort_multipart_upload", Key=obj, UploadId=upload_id), deadline_s=min(10.0, self.retry_deadline_s))
+        except Exception as abort_exc:
+            log.warning("could not abort multipart upload %s of %s: %s", upload_id, url, abort_exc)
+            exc.add_note(f"The multipart upload {upload_id} of {url} could not be aborted ({abort_exc}); "
+                         "clean_incomplete() or a bucket lifecycle rule (AbortIncompleteMultipartUpload) removes it.")
+
+    def _put_generic(self, fd: int, key: str, size: int, limiter: TokenBucket | None, chunk_bytes: int,
+                     progress: _Progress) -> int:
+        final = self._full(key)
+        tmp = tmp_name(final)
+
+        def copy() -> int:
+            reported = progress.done
+            with self.fs.open(tmp, "wb") as f:
+                for off in range(0, size, chunk_bytes):
+                    data = _pread_all(fd, min(chunk_bytes, size - off), off)
+                    if limiter is not None:
+                        limiter.consume(len(data))
+                    f.write(data)
+                    if off + len(data) > reported:
+                        progress.add(off + len(data) - reported)
+                        reported = off + len(data)
+            self.fs.mv(tmp, final)
+            return 1
+
+        try:
+            return self._retry(f"upload of {self.url_of(key)}", copy, progress=progress)
+        except BaseException:
+            try:
+                self.fs.rm_file(tmp)
+            except FileNotFoundError:
+                pass
+            except Exception as rm_exc:  # the upload's error matters more; leave a trace of this one
+                log.warning("could not remove temp object %s: %s", tmp, rm_exc)
+            raise
+
+    def put_bytes(self, key: str, data: bytes) -> None:
+        what = f"publish of {self.url_of(key)}"
+        if self.is_s3:
+            self._retry(what, lambda: self._s3("put_object", Key=self._obj(key), Body=bytes(data)))
+            return
+        final = self._full(key)
+        tmp = tmp_name(final)
+
+        def publish() -> None:
+            self.fs.pipe_file(tmp, bytes(data))
+            self.fs.mv(tmp, final)
+
+        self._retry(what, publish)
+
+    # ------------------------------------------------------------------ reading
+    def get_bytes(self, key: str) -> bytes:
+        return self._retry(f"read of {self.url_of(key)}", lambda: self._cat(key))
+
+    def read_range(self, key: str, offset: int, length: int) -> bytes:
+        url = self.url_of(key)
+
+        def read() -> bytes:
+            data = self._cat(key, offset, offset + length)
+            if len(data) != length:
+                raise storage_error(ReplicationError, f"{url} returned {len(data)} bytes for the range "
+                                    f"[{offset}, {offset + length}): the object is shorter", err_no=errno.EIO)
+            return data
+
+        return self._retry(f"read of {url}", read)
+
+    def _head_size(self, obj: str) -> int:
+        return int(self._s3("head_object", Key=obj)["ContentLength"])
+
+    def size(self, key: str) -> int:
+        if self.is_s3:
+            return self._retry(f"size of {self.url_of(key)}", lambda: self._head_size(self._obj(key)))
+        full = self._full(key)
+        self.fs.invalidate_cache(full)
+        return self._retry(f"size of {self.url_of(key)}", lambda: int(self.fs.info(full)["size"]))
+
+    def exists(self, key: str) -> bool:
+        try:
+            self.size(key)
+        except TargetNotFoundError:
+            return False
+        return True
+
+    def list(self, prefix: str = "") -> list[str]:
+        if not self.is_s3:
+            self.fs.invalidate_cache()
+            found = self._retry(f"listing of {self.url}", lambda: self.fs.find(self.root))
+            keys = (p[len(self.root) + 1:] for p in found)
+            return sorted(k for k in keys if k.startswith(prefix) and not is_tmp(k.rsplit("/", 1)[-1]))
+        base = f"{self.prefix}/" if self.prefix else ""
+        out: list[str] = []
+        token: dict = {}
+        while True:
+            page = self._retry(f"listing of {self.url}/{prefix}", lambda t=token: self._s3(
+                "list_objects_v2", Prefix=base + prefix, **t))
+            out += [c["Key"][len(base):] for c in page.get("Contents", [])]
+            if not page.get("IsTruncated"):
+                return sorted(out)
+            token = {"ContinuationToken": page["NextContinuationToken"]}
+
+    def delete(self, key: str) -> None:
+        what = f"delete of {self.url_of(key)}"
+        if self.is_s3:
+            self._retry(what, lambda: self._s3("delete_object", Key=self._obj(key)))
+            return
+
+        def rm() -> None:
+            try:
+                self.fs.rm_file(self._full(key))
+            except FileNotFoundError:
+                pass
+
+        self._retry(what, rm)
+
+    def clean_incomplete(self, prefix: str = "", older_than_s: float = 3600.0) -> int:
+        cutoff = time.time() - older_than_s
+        removed = 0
+        if not self.is_s3:
+            self.fs.invalidate_cache()
+            for p, info in self.fs.find(self.root, detail=True).items():
+                key = p[len(self.root) + 1:]
+                if is_tmp(key.rsplit("/", 1)[-1]) and key.startswith(prefix) and _mtime(info) < cutoff:
+                    self.fs.rm_file(p)
+                    removed += 1
+            return removed
+        base = f"{self.prefix}/" if self.prefix else ""
+        marker: dict = {}
+        while True:
+            page = self._retry(f"listing of multipart uploads under {self.url}/{prefix}", lambda m=marker: self._s3(
+                "list_multipart_uploads", Prefix=base + prefix, **m))
+            for up in page.get("Uploads", []):
+                if up["Initiated"].timestamp() < cutoff:
+                    self._retry(f"abort of a stale multipart upload of {up['Key']}", lambda u=up: self._s3(
+                        "abort_multipart_upload", Key=u["Key"], UploadId=u["UploadId"]))
+                    removed += 1
+            if not page.get("IsTruncated"):
+                return removed
+            marker = {"KeyMarker": page["NextKeyMarker"], "UploadIdMarker": page["NextUploadIdMarker"]}
+
+
+def _pread_all(fd: int, n: int, offset: int) -> bytes:
+    data = os.pread(fd, n, offset)
+    if len(data) == n:
+        return data
+    chunks, got = [data], len(data)
+    while got < n:
+        more = os.pread(fd, n - got, offset + got)
+        if not more:
+            raise storage_error(ReplicationError, f"the local file shrank while being uploaded: {n} bytes "
+                                f"expected at offset {offset}, {got} read", err_no=errno.EIO)
+        chunks.append(more)
+        got += len(more)
+    return b"".join(chunks)
+
+
+def _mtime(info: dict) -> float:
+    """Modification time from an fsspec info dict (keys differ by backend); unknown: now."""
+    for k in ("mtime", "LastModified", "last_modified", "created"):
+        v = info.get(k)
+        if isinstance(v, datetime):
+            return v.timestamp()
+        if isinstance(v, (int, float)):
+            return float(v)
+    return time.time()

@@ -1,0 +1,276 @@
+"""FsspecTarget against a real S3 endpoint (SeaweedFS, see tests/s3server.py).
+
+Outages are made by killing the server from the upload's own progress callback and
+restarting it from the retry callback: every step is triggered by the code under test, so
+nothing depends on timing.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("s3fs", reason="the S3 target needs s3fs (pip install 'fastckpt[s3]')")
+pytest.importorskip("boto3", reason="the S3 fixture needs boto3 (pip install 'fastckpt[dev]')")
+
+from fastckpt import checksum  # noqa: E402
+from fastckpt.errors import ConfigError, CorruptCheckpointError  # noqa: E402
+from fastckpt.targets import RetryNotice, TargetNotFoundError, TargetPermissionError, TargetUnavailableError  # noqa: E402
+from fastckpt.targets_fsspec import FsspecTarget  # noqa: E402
+from tests.s3server import S3Server  # noqa: E402
+
+MiB = 1 << 20
+PART = 5 * MiB
+
+
+def _file(path: Path, size: int) -> bytes:
+    block = bytes((i * 7 + 3) % 251 for i in range(MiB))
+    data = (block * (size // MiB + 1))[:size]
+    path.write_bytes(data)
+    return data
+
+
+def _target(s3: S3Server, bucket: str, **kw: object) -> FsspecTarget:
+    opts = kw.pop("storage_options", None) or s3.storage_options()
+    return FsspecTarget(f"s3://{bucket}/ckpt", opts, **kw)  # type: ignore[arg-type]
+
+
+def _open_uploads(s3: S3Server, bucket: str) -> list:
+    return s3.client().list_multipart_uploads(Bucket=bucket).get("Uploads", [])
+
+
+@pytest.fixture
+def big(tmp_path: Path) -> tuple[Path, bytes]:
+    p = tmp_path / "big.bin"
+    return p, _file(p, 4 * PART + 12345)  # 5 parts of 5 MiB
+
+
+def test_round_trip_small_objects(s3_server: S3Server, s3_bucket: str, tmp_path: Path) -> None:
+    t = _target(s3_server, s3_bucket)
+    local = tmp_path / "small.bin"
+    data = _file(local, 300_000)
+    res = t.put_file(local, "run/step_1/rank0.pt", chunk_bytes=PART)
+    assert (res.parts, res.size_bytes, res.retries) == (1, len(data), 0)
+    assert res.url == f"s3://{s3_bucket}/ckpt/run/step_1/rank0.pt"
+    t.put_bytes("run/step_1/fastckpt-manifest.json", b'{"v": 1}')
+    t.put_bytes("run/step_1/fastckpt-manifest.json", b'{"v": 2}')
+    assert t.get_bytes("run/step_1/fastckpt-manifest.json") == b'{"v": 2}'
+    assert t.list() == ["run/step_1/fastckpt-manifest.json", "run/step_1/rank0.pt"]
+    assert t.list("run/step_1/r") == ["run/step_1/rank0.pt"]
+    assert t.size("run/step_1/rank0.pt") == len(data)
+    assert t.read_range("run/step_1/rank0.pt", 1000, 50) == data[1000:1050]
+    assert t.exists("run/step_1/rank0.pt") and not t.exists("run/step_1/nope")
+    t.verify("run/step_1/rank0.pt", len(data), checksum.checksum_bytes(data))
+    body = s3_server.client().get_object(Bucket=s3_bucket, Key="ckpt/run/step_1/rank0.pt")["Body"].read()
+    assert body == data  # where a plain S3 client expects it
+    t.delete("run/step_1/rank0.pt")
+    t.delete("run/step_1/rank0.pt")
+    assert t.list() == ["run/step_1/fastckpt-manifest.json"]
+    with pytest.raises(TargetNotFoundError):
+        t.get_bytes("run/step_1/rank0.pt")
+
+
+def test_multipart_upload_verify_download(s3_server: S3Server, s3_bucket: str, big: tuple[Path, bytes],
+                                          tmp_path: Path) -> None:
+    local, data = big
+    t = _target(s3_server, s3_bucket, parallelism=4)
+    seen: list[int] = []
+    res = t.put_file(local, "step_2/rank0.pt", chunk_bytes=PART, on_progress=lambda d, n: seen.append(d))
+    assert (res.parts, res.size_bytes) == (5, len(data))
+    assert seen == sorted(seen) and seen[-1] == len(data) and len(seen) == 5
+    assert _open_uploads(s3_server, s3_bucket) == []
+    t.verify("step_2/rank0.pt", len(data), checksum.checksum_bytes(data))
+    out = tmp_path / "back.bin"
+    assert t.download("step_2/rank0.pt", out, chunk_bytes=3 * MiB) == len(data)
+    assert out.read_bytes() == data
+    with pytest.raises(ConfigError, match=">= 5 MiB"):
+        t.put_file(local, "x.pt", chunk_bytes=MiB)
+
+
+def test_verify_detects_a_corrupted_object(s3_server: S3Server, s3_bucket: str, tmp_path: Path) -> None:
+    local = tmp_path / "f.bin"
+    data = _file(local, 2 * MiB)
+    t = _target(s3_server, s3_bucket)
+    t.put_file(local, "a.pt")
+    good = checksum.checksum_bytes(data)
+    t.verify("a.pt", len(data), good)
+    flipped = bytearray(data)
+    flipped[MiB + 5] ^= 0x01
+    s3_server.client().put_object(Bucket=s3_bucket, Key="ckpt/a.pt", Body=bytes(flipped))
+    with pytest.raises(CorruptCheckpointError, match=r"s3://.*/ckpt/a\.pt has checksum .*expected"):
+        t.verify("a.pt", len(data), good)
+    s3_server.client().put_object(Bucket=s3_bucket, Key="ckpt/a.pt", Body=data[:-1])
+    with pytest.raises(CorruptCheckpointError, match=f"is {len(data) - 1} bytes, expected {len(data)}"):
+        t.verify("a.pt", len(data), good)
+
+
+def test_missing_bucket(s3_server: S3Server, tmp_path: Path) -> None:
+    t = _target(s3_server, "fastckpt-no-such-bucket")
+    local = tmp_path / "f.bin"
+    _file(local, 1000)
+    for call in (lambda: t.put_file(local, "a.pt"), lambda: t.put_bytes("latest", b"x"), lambda: t.list()):
+        with pytest.raises(TargetNotFoundError, match=r"bucket 'fastckpt-no-such-bucket' does not exist at "
+                           r"http://127\.0\.0\.1:\d+: create it") as ei:
+            call()
+        assert isinstance(ei.value, FileNotFoundError)
+
+
+def test_wrong_credentials(s3_server: S3Server, s3_bucket: str, tmp_path: Path) -> None:
+    local = tmp_path / "f.bin"
+    _file(local, 1000)
+    bad_secret = "definitely-not-the-secret-42"
+    retried: list[RetryNotice] = []
+    for opts in (s3_server.storage_options(secret=bad_secret), s3_server.storage_options(key="nobody")):
+        t = _target(s3_server, s3_bucket, storage_options=opts, on_retry=retried.append)
+        with pytest.raises(TargetPermissionError, match="refused the request .*check the credentials") as ei:
+            t.put_file(local, "a.pt")
+        assert bad_secret not in str(ei.value) and s3_server.secret_key not in str(ei.value)
+        assert isinstance(ei.value, PermissionError)
+    assert retried == []  # permanent: refused at once
+    assert s3_server.client().list_objects_v2(Bucket=s3_bucket).get("KeyCount", 0) == 0
+
+
+def test_credentials_and_endpoint_from_the_environment(s3_server: S3Server, s3_bucket: str, tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server.endpoint_url)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3_server.access_key)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3_server.secret_key)
+    monkeypatch.setenv("AWS_DEFAULT_REGION", s3_server.region)
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.delenv("AWS_PROFILE", raising=False)
+    t = FsspecTarget(f"s3://{s3_bucket}")
+    t.put_bytes("hello", b"world")
+    assert t.get_bytes("hello") == b"world"
+
+
+def test_interrupted_multipart_upload_is_aborted(s3_server: S3Server, s3_bucket: str,
+                                                 big: tuple[Path, bytes]) -> None:
+    local, _ = big
+    t = _target(s3_server, s3_bucket, parallelism=2)
+
+    class Cancelled(Exception):
+        pass
+
+    def cancel(done: int, total: int) -> None:
+        raise Cancelled(f"{done}/{total}")
+
+    with pytest.raises(Cancelled):
+        t.put_file(local, "a.pt", chunk_bytes=PART, on_progress=cancel)
+    assert not t.exists("a.pt")
+    assert _open_uploads(s3_server, s3_bucket) == []
+
+
+def test_server_killed_mid_upload_then_restarted(s3_server: S3Server, s3_bucket: str,
+                                                 big: tuple[Path, bytes]) -> None:
+    local, data = big
+    events: list[str] = []
+
+    def on_progress(done: int, total: int) -> None:
+        if done == PART:  # first part stored: take the endpoint away
+            s3_server.stop()
+            events.append("killed")
+
+    def on_retry(notice: RetryNotice) -> None:
+        events.append(f"retry {notice.what}")
+        if not s3_server.running:  # the next part failed: bring it back, then let the retry run
+            s3_server.start()
+            events.append("restarted")
+
+    t = _target(s3_server, s3_bucket, parallelism=1, retry_deadline_s=60, on_retry=on_retry)
+    try:
+        res = t.put_file(local, "a.pt", chunk_bytes=PART, on_progress=on_progress)
+    finally:
+        if not s3_server.running:
+            s3_server.start()
+    assert events[0] == "killed" and events[1].startswith("retry upload of part 2/5") and events[2] == "restarted"
+    assert res.retries >= 1 and res.parts == 5
+    t.verify("a.pt", len(data), checksum.checksum_bytes(data))
+    assert _open_uploads(s3_server, s3_bucket) == []
+
+
+@pytest.fixture
+def silent_endpoint() -> Iterator[str]:
+    """A TCP port that accepts connections (kernel backlog) and never answers."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.bind(("127.0.0.1", 0))
+    s.listen(64)
+    try:
+        yield f"http://127.0.0.1:{s.getsockname()[1]}"
+    finally:
+        s.close()
+
+
+def test_server_that_never_answers(s3_server: S3Server, silent_endpoint: str) -> None:
+    opts = s3_server.storage_options(endpoint_url=silent_endpoint,
+                                     config_kwargs={"connect_timeout": 0.5, "read_timeout": 0.5,
+                                                    "retries": {"max_attempts": 0}})
+    retried: list[RetryNotice] = []
+    t = FsspecTarget("s3://some-bucket/ckpt", opts, retry_deadline_s=1.5, on_retry=retried.append)
+    t0 = time.monotonic()
+    with pytest.raises(TargetUnavailableError, match=r"kept failing for .*retry_deadline_s \(now 1.5 s\)") as ei:
+        t.put_bytes("latest", b"x")
+    assert time.monotonic() - t0 < 1.5 + 0.5 + 5.0  # deadline, one request timeout, one backoff
+    assert len(retried) >= 1 and isinstance(ei.value, TimeoutError)
+
+
+def test_endpoint_refusing_connections(s3_server: S3Server) -> None:
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    t = FsspecTarget("s3://some-bucket/ckpt", s3_server.storage_options(endpoint_url=f"http://127.0.0.1:{port}"),
+                     retry_deadline_s=0.5)
+    with pytest.raises(TargetUnavailableError, match="kept failing"):
+        t.get_bytes("latest")
+
+
+def test_clean_incomplete_aborts_orphaned_uploads(s3_server: S3Server, s3_bucket: str) -> None:
+    c = s3_server.client()
+    up = c.create_multipart_upload(Bucket=s3_bucket, Key="ckpt/run/orphan.pt")["UploadId"]
+    c.upload_part(Bucket=s3_bucket, Key="ckpt/run/orphan.pt", UploadId=up, PartNumber=1, Body=b"x" * 1000)
+    c.create_multipart_upload(Bucket=s3_bucket, Key="elsewhere/keep.pt")
+    t = _target(s3_server, s3_bucket)
+    assert t.clean_incomplete("run/", older_than_s=3600) == 0  # too young
+    assert t.clean_incomplete("run/", older_than_s=0) == 1
+    assert [u["Key"] for u in _open_uploads(s3_server, s3_bucket)] == ["elsewhere/keep.pt"]
+
+
+def test_parallel_uploads_share_one_bandwidth_cap(s3_server: S3Server, s3_bucket: str, tmp_path: Path) -> None:
+    from fastckpt.targets import TokenBucket
+
+    cap = TokenBucket(8 * MiB, burst_bytes=MiB)
+    files = []
+    for i in range(2):
+        p = tmp_path / f"f{i}.bin"
+        _file(p, 2 * MiB)
+        files.append(p)
+    t = _target(s3_server, s3_bucket)
+    t0 = time.monotonic()
+    threads = [threading.Thread(target=t.put_file, args=(p, p.name), kwargs={"bandwidth_Bps": cap}) for p in files]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert time.monotonic() - t0 >= (4 * MiB - MiB) / (8 * MiB) * 0.95
+    assert t.list() == ["f0.bin", "f1.bin"]
+
+
+def test_stalled_body_write_is_cut_and_reported(silent_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The peer never reads: a large body fills the socket buffers and the write stalls, where
+    # read_timeout (30 s here) does not apply; the per-request limit must.
+    import fastckpt.targets_fsspec as tf
+
+    monkeypatch.setattr(tf, "REQUEST_FLOOR_S", 1.0)
+    monkeypatch.setattr(tf, "REQUEST_MIN_Bps", float(1 << 40))
+    opts = {"endpoint_url": silent_endpoint, "key": "k", "secret": "s",
+            "config_kwargs": {"connect_timeout": 0.5, "read_timeout": 30}}
+    t = FsspecTarget("s3://some-bucket/ckpt", opts, retry_deadline_s=1.0)
+    t0 = time.monotonic()
+    with pytest.raises(TargetUnavailableError, match="kept failing"):
+        t.put_bytes("big", b"\0" * (64 * MiB))
+    assert time.monotonic() - t0 < 10.0

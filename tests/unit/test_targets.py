@@ -1,0 +1,388 @@
+"""PosixTarget on real files (plus the fsspec code path on fsspec's in-memory filesystem).
+
+Faults come three ways: FaultyOps (ENOSPC, EIO, transient errors at a chosen call), real
+tiny or read-only tmpfs mounts where this process may mount (root), and mode bits where it
+is not root (root ignores them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import shutil
+import subprocess
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from fastckpt import checksum, targets
+from fastckpt.errors import ConfigError, CorruptCheckpointError, ReplicationError
+from fastckpt.targets import (
+    PutResult,
+    TargetNotFoundError,
+    TargetPermissionError,
+    TargetUnavailableError,
+    TokenBucket,
+    open_target,
+)
+from fastckpt.targets_fsspec import FsspecTarget
+from fastckpt.targets_posix import PosixTarget
+from fastckpt.testing import Fault, FaultyOps
+
+KiB, MiB = 1 << 10, 1 << 20
+
+
+def _file(path: Path, size: int, seed: int = 0) -> bytes:
+    data = (bytes(range(256)) * (size // 256 + 1))[:size]
+    data = bytes([(b + seed) % 256 for b in data[:4096]]) + data[4096:] if seed else data
+    path.write_bytes(data)
+    return data
+
+
+def _tmp_files(root: Path) -> list[str]:
+    return [str(p) for p in root.rglob("*") if ".fastckpt-tmp-" in p.name]
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    r = tmp_path / "target"
+    r.mkdir()
+    return r
+
+
+@pytest.fixture
+def src(tmp_path: Path) -> tuple[Path, bytes]:
+    p = tmp_path / "local.bin"
+    return p, _file(p, 3 * MiB + 17)
+
+
+@contextlib.contextmanager
+def _tmpfs(path: Path, options: str) -> Iterator[Path]:
+    """Mount a tmpfs at ``path`` (skip the test where this process may not mount)."""
+    path.mkdir(parents=True, exist_ok=True)
+    if shutil.which("mount") is None:
+        pytest.skip("no `mount` binary: cannot build a tiny or read-only file system")
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root/CAP_SYS_ADMIN): {r.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", str(path)], check=True)
+
+
+# ---------------------------------------------------------------------- round trip
+
+
+@pytest.mark.parametrize("parallelism", [1, 4])
+def test_posix_round_trip(root: Path, src: tuple[Path, bytes], tmp_path: Path, parallelism: int) -> None:
+    local, data = src
+    t = PosixTarget(root, parallelism=parallelism)
+    seen: list[tuple[int, int]] = []
+    res = t.put_file(local, "run/step_1/rank0.pt", chunk_bytes=1 * MiB, on_progress=lambda d, n: seen.append((d, n)))
+    assert isinstance(res, PutResult)
+    assert (res.key, res.size_bytes, res.parts, res.retries) == ("run/step_1/rank0.pt", len(data), 1, 0)
+    assert res.url == str(root / "run/step_1/rank0.pt")
+    assert seen == [(min((i + 1) * MiB, len(data)), len(data)) for i in range(4)]
+    assert (root / "run/step_1/rank0.pt").read_bytes() == data
+    assert t.size("run/step_1/rank0.pt") == len(data)
+    assert t.exists("run/step_1/rank0.pt") is True
+    assert t.exists("run/step_1/nope.pt") is False
+    assert t.read_range("run/step_1/rank0.pt", 1000, 300) == data[1000:1300]
+    t.verify("run/step_1/rank0.pt", len(data), checksum.checksum_bytes(data))
+
+    t.put_bytes("run/step_1/fastckpt-manifest.json", b'{"v": 1}')
+    t.put_bytes("run/step_1/fastckpt-manifest.json", b'{"v": 2}')  # replaces atomically
+    assert t.get_bytes("run/step_1/fastckpt-manifest.json") == b'{"v": 2}'
+    assert t.list() == ["run/step_1/fastckpt-manifest.json", "run/step_1/rank0.pt"]
+    assert t.list("run/step_1/r") == ["run/step_1/rank0.pt"]
+    assert t.list("other/") == []
+
+    out = tmp_path / "restored.bin"
+    assert t.download("run/step_1/rank0.pt", out, chunk_bytes=1 * MiB) == len(data)
+    assert out.read_bytes() == data
+
+    t.delete("run/step_1/rank0.pt")
+    t.delete("run/step_1/rank0.pt")  # idempotent
+    t.delete("run/step_1/fastckpt-manifest.json")
+    assert t.list() == []
+    assert list(root.iterdir()) == []  # emptied directories are pruned
+    assert _tmp_files(root) == []
+
+
+def test_verify_multi_block_parallel_ranges(root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # 2.5 checksum blocks read as three ranges on three threads: same digest as in memory.
+    monkeypatch.setattr(targets, "READ_CHUNK_BYTES", checksum.BLOCK_BYTES)
+    local = tmp_path / "big.bin"
+    data = _file(local, checksum.BLOCK_BYTES * 5 // 2, seed=3)
+    t = PosixTarget(root, parallelism=3)
+    t.put_file(local, "big.bin", chunk_bytes=7 * MiB)
+    t.verify("big.bin", len(data), checksum.checksum_bytes(data))
+    with pytest.raises(CorruptCheckpointError, match="checksum"):
+        t.verify("big.bin", len(data), checksum.checksum_bytes(data[:-1] + b"\x00"))
+
+
+def test_verify_detects_corruption_and_truncation(root: Path, src: tuple[Path, bytes]) -> None:
+    local, data = src
+    t = PosixTarget(root)
+    t.put_file(local, "a.pt")
+    good = checksum.checksum_bytes(data)
+    with open(root / "a.pt", "r+b") as f:  # flip one byte at rest
+        f.seek(123456)
+        b = f.read(1)
+        f.seek(123456)
+        f.write(bytes([b[0] ^ 0xFF]))
+    with pytest.raises(CorruptCheckpointError, match=r"a\.pt has checksum .* expected") as ei:
+        t.verify("a.pt", len(data), good)
+    assert "upload it again" in str(ei.value)
+    os.truncate(root / "a.pt", 1000)
+    with pytest.raises(CorruptCheckpointError, match=f"is 1000 bytes, expected {len(data)}"):
+        t.verify("a.pt", len(data), good)
+    with pytest.raises(TargetNotFoundError):
+        t.verify("missing.pt", len(data), good)
+
+
+@pytest.mark.parametrize("key", ["", "/abs", "a//b", "a/./b", "../up", "a/..", "a\\b", "end/"])
+def test_bad_keys_are_refused(root: Path, key: str) -> None:
+    with pytest.raises(ConfigError, match="relative to the target root"):
+        PosixTarget(root).put_bytes(key, b"x")
+
+
+def test_missing_root_is_not_created(tmp_path: Path, src: tuple[Path, bytes]) -> None:
+    t = PosixTarget(tmp_path / "not-mounted")
+    with pytest.raises(TargetNotFoundError, match=r"does not exist.*mkdir -p") as ei:
+        t.put_file(src[0], "a.pt")
+    assert ei.value.errno == errno.ENOENT
+    assert not (tmp_path / "not-mounted").exists()
+    with pytest.raises(TargetNotFoundError):
+        t.get_bytes("a.pt")
+
+
+# ---------------------------------------------------------------------- atomicity
+
+
+def test_interrupted_upload_leaves_nothing_and_keeps_previous(root: Path, src: tuple[Path, bytes],
+                                                              tmp_path: Path) -> None:
+    local, data = src
+    t = PosixTarget(root)
+    old = _file(tmp_path / "old.bin", 1000)
+    t.put_file(tmp_path / "old.bin", "a.pt")
+
+    class Stop(Exception):
+        pass
+
+    def stop_after_first_chunk(done: int, total: int) -> None:
+        raise Stop(f"cancelled at {done}/{total}")
+
+    with pytest.raises(Stop):  # the callback's own exception, unchanged
+        t.put_file(local, "a.pt", chunk_bytes=MiB, on_progress=stop_after_first_chunk)
+    assert (root / "a.pt").read_bytes() == old
+    assert _tmp_files(root) == []
+
+
+@pytest.mark.parametrize("fault, cls, code", [
+    (Fault("pwrite", errno.ENOSPC, nth=2), ReplicationError, errno.ENOSPC),
+    (Fault("fsync", errno.EIO), ReplicationError, errno.EIO),
+    (Fault("replace", errno.EACCES), TargetPermissionError, errno.EACCES),
+    (Fault("open", errno.EROFS), ReplicationError, errno.EROFS),
+])
+def test_permanent_faults_raise_at_once_and_clean_up(root: Path, src: tuple[Path, bytes], fault: Fault,
+                                                     cls: type, code: int) -> None:
+    ops = FaultyOps([fault])
+    retried: list = []
+    t = PosixTarget(root, ops=ops, on_retry=retried.append)
+    with pytest.raises(cls) as ei:
+        t.put_file(src[0], "d/a.pt", chunk_bytes=MiB)
+    ops.assert_all_reached()
+    assert ei.value.errno == code
+    assert str(root) in str(ei.value) and "d/a.pt" in str(ei.value)
+    assert retried == []  # permanent: no retries
+    assert not (root / "d/a.pt").exists()
+    assert _tmp_files(root) == []
+
+
+def test_enospc_message_names_the_fix(root: Path, src: tuple[Path, bytes]) -> None:
+    t = PosixTarget(root, ops=FaultyOps([Fault("pwrite", errno.ENOSPC)]))
+    with pytest.raises(ReplicationError, match="free space on the target"):
+        t.put_file(src[0], "a.pt")
+
+
+def test_transient_error_is_retried(root: Path, src: tuple[Path, bytes]) -> None:
+    local, data = src
+    ops = FaultyOps([Fault("pwrite", errno.ETIMEDOUT, nth=2)])
+    notices: list[targets.RetryNotice] = []
+    t = PosixTarget(root, ops=ops, on_retry=notices.append, retry_deadline_s=30)
+    seen: list[int] = []
+    res = t.put_file(local, "a.pt", chunk_bytes=MiB, on_progress=lambda d, n: seen.append(d))
+    ops.assert_all_reached()
+    assert res.retries == 1
+    assert [(n.attempt, getattr(n.error, "errno", None)) for n in notices] == [(1, errno.ETIMEDOUT)]
+    assert "a.pt" in notices[0].what
+    assert seen == sorted(seen) and seen[-1] == len(data)  # a retry never reports bytes twice
+    assert (root / "a.pt").read_bytes() == data
+    assert _tmp_files(root) == []
+
+
+def test_transient_errors_past_the_deadline(root: Path, src: tuple[Path, bytes]) -> None:
+    ops = FaultyOps([Fault("open", errno.ECONNRESET) for _ in range(1000)])
+    t = PosixTarget(root, ops=ops, retry_deadline_s=0.3)
+    t0 = time.monotonic()
+    with pytest.raises(TargetUnavailableError, match=r"kept failing for .*retry_deadline_s \(now 0.3 s\)") as ei:
+        t.put_file(src[0], "a.pt")
+    assert time.monotonic() - t0 < 0.3 + 5.0  # one backoff step at most past the deadline
+    assert isinstance(ei.value, TimeoutError) and isinstance(ei.value, ReplicationError)
+    assert ei.value.errno == errno.ETIMEDOUT
+    assert isinstance(ei.value.__cause__, OSError) and ei.value.__cause__.errno == errno.ECONNRESET
+    assert _tmp_files(root) == []
+
+
+# ---------------------------------------------------------------------- real file systems
+
+
+def test_full_file_system(tmp_path: Path) -> None:
+    with _tmpfs(tmp_path / "tiny", "size=2m") as mnt:
+        t = PosixTarget(mnt)
+        small = tmp_path / "small.bin"
+        old = _file(small, 100 * KiB)
+        t.put_file(small, "a.pt")
+        big = tmp_path / "big.bin"
+        _file(big, 4 * MiB)
+        with pytest.raises(ReplicationError, match="No space left on device.*free space on the target") as ei:
+            t.put_file(big, "a.pt", chunk_bytes=256 * KiB)
+        assert ei.value.errno == errno.ENOSPC
+        assert (mnt / "a.pt").read_bytes() == old
+        assert _tmp_files(mnt) == []
+        assert shutil.disk_usage(mnt).used <= 200 * KiB  # the partial temp file's blocks were freed
+
+
+def test_read_only_file_system(tmp_path: Path, src: tuple[Path, bytes]) -> None:
+    with _tmpfs(tmp_path / "ro", "ro,size=1m") as mnt:
+        t = PosixTarget(mnt)
+        with pytest.raises(ReplicationError, match="read-only.*remount it read-write") as ei:
+            t.put_file(src[0], "a.pt")
+        assert ei.value.errno == errno.EROFS
+        with pytest.raises(ReplicationError, match="read-only"):
+            t.put_bytes("latest", b"step_1")
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root ignores mode bits (the read-only mount test covers root)")
+def test_read_only_directory(root: Path, src: tuple[Path, bytes]) -> None:
+    root.chmod(0o555)
+    try:
+        with pytest.raises(TargetPermissionError, match="owner/mode") as ei:
+            PosixTarget(root).put_file(src[0], "a.pt")
+        assert ei.value.errno == errno.EACCES
+    finally:
+        root.chmod(0o755)
+
+
+# ---------------------------------------------------------------------- housekeeping and helpers
+
+
+def test_clean_incomplete_removes_only_stale_temp_files(root: Path) -> None:
+    (root / "run").mkdir()
+    stale = root / "run" / f".a.pt.fastckpt-tmp-{uuid.uuid4().hex[:12]}"
+    fresh = root / "run" / f".b.pt.fastckpt-tmp-{uuid.uuid4().hex[:12]}"
+    stale.write_bytes(b"x")
+    fresh.write_bytes(b"y")
+    (root / "run" / "c.pt").write_bytes(b"z")
+    old = time.time() - 7200
+    os.utime(stale, (old, old))
+    t = PosixTarget(root)
+    assert t.list() == ["run/c.pt"]
+    assert t.clean_incomplete("run/", older_than_s=3600) == 1
+    assert not stale.exists() and fresh.exists()
+    assert t.clean_incomplete("other/", older_than_s=0) == 0
+    assert t.clean_incomplete(older_than_s=0) == 1
+
+
+def test_token_bucket_paces_without_real_sleeps() -> None:
+    now = [100.0]
+    slept: list[float] = []
+
+    def sleep(s: float) -> None:
+        slept.append(s)
+        now[0] += s
+
+    tb = TokenBucket(1_000_000, burst_bytes=250_000, clock=lambda: now[0], sleep=sleep)
+    for _ in range(8):
+        tb.consume(250_000)
+    # The first 250 kB is the burst; the other 1.75 MB take 1.75 s at 1 MB/s.
+    assert sum(slept) == pytest.approx(1.75)
+    assert now[0] - 100.0 == pytest.approx(1.75)
+    now[0] += 10.0  # idle: the bucket refills only up to the burst
+    slept.clear()
+    tb.consume(500_000)
+    assert sum(slept) == pytest.approx(0.25)
+    with pytest.raises(ConfigError, match="bandwidth_Bps"):
+        TokenBucket(0)
+
+
+def test_put_file_honours_bandwidth(root: Path, tmp_path: Path) -> None:
+    local = tmp_path / "x.bin"
+    _file(local, 2 * MiB)
+    t0 = time.monotonic()
+    PosixTarget(root).put_file(local, "x.bin", bandwidth_Bps=4 * MiB, chunk_bytes=256 * KiB)
+    # burst = one chunk, then 1.75 MiB at 4 MiB/s
+    assert time.monotonic() - t0 >= 0.4
+
+
+def test_download_failure_leaves_no_file(root: Path, src: tuple[Path, bytes], tmp_path: Path) -> None:
+    ops = FaultyOps()
+    t = PosixTarget(root, ops=ops)
+    t.put_file(src[0], "a.pt")
+    ops.inject(Fault("preadv", errno.EIO, path_contains="a.pt"))
+    out = tmp_path / "dl" / "a.pt"
+    out.parent.mkdir()
+    with pytest.raises(ReplicationError):
+        t.download("a.pt", out, chunk_bytes=MiB)
+    assert list(out.parent.iterdir()) == []
+
+
+def test_open_target_chooses_by_scheme(root: Path) -> None:
+    assert isinstance(open_target(root), PosixTarget)
+    assert isinstance(open_target(f"file://{root}"), PosixTarget)
+    assert open_target(f"file://{root}").url == str(root)
+    with pytest.raises(ConfigError, match="storage_options apply to URL targets only"):
+        open_target(root, {"key": "k"})
+
+
+def test_open_target_s3_needs_no_connection() -> None:
+    pytest.importorskip("s3fs")
+    s3 = open_target("s3://some-bucket/prefix", {"endpoint_url": "http://127.0.0.1:9", "key": "k", "secret": "s"})
+    assert isinstance(s3, FsspecTarget) and s3.url == "s3://some-bucket/prefix"
+    assert (s3.bucket, s3.prefix) == ("some-bucket", "prefix")
+    assert "secret" not in repr(s3) and "'s'" not in repr(s3)
+    with pytest.raises(ConfigError, match="names no bucket"):
+        open_target("s3://")
+
+
+def test_fsspec_generic_path_on_memory_fs(src: tuple[Path, bytes], tmp_path: Path) -> None:
+    local, data = src
+    t = open_target(f"memory://fastckpt-{uuid.uuid4().hex[:8]}/run", parallelism=2)
+    assert isinstance(t, FsspecTarget) and not t.is_s3
+    res = t.put_file(local, "s1/a.pt", chunk_bytes=MiB)
+    assert (res.size_bytes, res.parts) == (len(data), 1)
+    t.verify("s1/a.pt", len(data), checksum.checksum_bytes(data))
+    t.put_bytes("s1/manifest.json", b"{}")
+    assert t.list() == ["s1/a.pt", "s1/manifest.json"]
+    assert t.read_range("s1/a.pt", 5, 10) == data[5:15]
+    assert t.download("s1/a.pt", tmp_path / "back.bin") == len(data)
+    assert (tmp_path / "back.bin").read_bytes() == data
+
+    def boom(done: int, total: int) -> None:
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        t.put_file(local, "s1/b.pt", chunk_bytes=MiB, on_progress=boom)
+    assert t.list() == ["s1/a.pt", "s1/manifest.json"]
+    assert not any(".fastckpt-tmp-" in p for p in t.fs.find(t.root))
+    t.delete("s1/a.pt")
+    t.delete("s1/a.pt")
+    assert not t.exists("s1/a.pt")
+    with pytest.raises(TargetNotFoundError):
+        t.get_bytes("s1/a.pt")
