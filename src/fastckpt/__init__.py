@@ -10,7 +10,7 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 from .checkpointer import Checkpointer
-from .commit import latest
+from .checkpointer import latest
 from .errors import (
     CheckpointWriteError,
     CommitTimeoutError,
@@ -34,9 +34,10 @@ __all__ = [
 ]
 
 
-def load(path: str, map_location: object = None, *, weights_only: bool = True) -> object:
-    """Load one checkpoint file with verification (a one-off Checkpointer)."""
-    with Checkpointer() as ck:
+def load(path: str, map_location: object = None, *, weights_only: bool = True,
+         storage_options: dict | None = None) -> object:
+    """Load one checkpoint file (a path or URL) with verification (a one-off Checkpointer)."""
+    with Checkpointer(storage_options=storage_options) as ck:
         return ck.load(path, map_location, weights_only=weights_only)
 
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from .errors import CommitTimeoutError, CorruptCheckpointError, IncompleteCheckpointError
 from .format import FORMAT_VERSION, parse_tail
 from .io.ops import FileOps
+from .places import Place, as_place
 
 GROUP_MANIFEST = "fastckpt-manifest.json"
 MARKER_DIR = ".fastckpt"
@@ -127,31 +128,30 @@ def attempt_token(group_dir: str, world_size: int) -> str | None:
     return str((n - 1) // world_size)
 
 
-def write_marker(ops: FileOps, group_dir: str, rank: int, world_size: int, files: dict,
-                 token: str | None = None, started_at: float | None = None) -> None:
-    ops.makedirs(os.path.join(group_dir, MARKER_DIR))
+def write_marker(ops: FileOps | None, group_dir: str | Place, rank: int, world_size: int, files: dict,
+                 token: str | None = None, started_at: float | None = None, superseded: bool = False) -> None:
+    """Publish this rank's marker: its durable files of this attempt (or that it gave up)."""
     body = {"format": FORMAT_VERSION, "rank": rank, "world_size": world_size, "files": files,
             "written_at": time.time(), "attempt": token, "started_at": started_at}
-    publish_bytes(ops, marker_path(group_dir, rank), json.dumps(body, sort_keys=True).encode())
+    if superseded:
+        body["superseded"] = True
+    as_place(group_dir, ops).put(f"{MARKER_DIR}/rank-{rank:05d}.json", json.dumps(body, sort_keys=True).encode())
 
 
-def read_markers(group_dir: str) -> dict[int, dict]:
-    mdir = os.path.join(group_dir, MARKER_DIR)
+def read_markers(group_dir: str | Place) -> dict[int, dict]:
+    place = as_place(group_dir)
     out: dict[int, dict] = {}
-    try:
-        names = os.listdir(mdir)
-    except FileNotFoundError:
-        return out
-    for name in names:
-        if not (name.startswith("rank-") and name.endswith(".json")) or is_tmp(name):
+    for name in place.names(MARKER_DIR):
+        if not (name.startswith("rank-") and name.endswith(".json")):
             continue
-        with open(os.path.join(mdir, name), encoding="utf-8") as f:
-            body = json.load(f)
-        out[int(body["rank"])] = body
+        data = place.get(f"{MARKER_DIR}/{name}")
+        if data is not None:
+            body = json.loads(data)
+            out[int(body["rank"])] = body
     return out
 
 
-def missing_ranks(group_dir: str, world_size: int) -> list[int]:
+def missing_ranks(group_dir: str | Place, world_size: int) -> list[int]:
     got = read_markers(group_dir)
     return [r for r in range(world_size) if r not in got or got[r]["world_size"] != world_size]
 
@@ -161,7 +161,7 @@ def _current(marker: dict, world_size: int, token: str | None, not_before: float
             and float(marker.get("written_at", 0.0)) >= not_before)
 
 
-def wait_for_markers(group_dir: str, world_size: int, timeout_s: float, stop: threading.Event,
+def wait_for_markers(group_dir: str | Place, world_size: int, timeout_s: float, stop: threading.Event,
                      token: str | None = None, not_before: float = 0.0) -> dict[int, dict]:
     """Poll the marker directory until every rank is there (backoff up to 0.5 s).
 
@@ -175,12 +175,12 @@ def wait_for_markers(group_dir: str, world_size: int, timeout_s: float, stop: th
     delay = 0.005
     while True:
         markers = {r: m for r, m in read_markers(group_dir).items() if _current(m, world_size, token, not_before)}
-        if all(r in markers for r in range(world_size)):
+        if all(r in markers for r in range(world_size)) or any(m.get("superseded") for m in markers.values()):
             return markers
         if time.monotonic() >= deadline or stop.is_set():
             missing = [r for r in range(world_size) if r not in markers]
             raise CommitTimeoutError(
-                f"checkpoint group {group_dir} not committed: ranks {missing} of {world_size} did "
+                f"checkpoint group {as_place(group_dir).label} not committed: ranks {missing} of {world_size} did "
                 f"not commit within {timeout_s:.0f} s. The group stays incomplete (readers skip it); "
                 "check those ranks' logs, or raise commit_timeout_s for slow storage."
             )
@@ -200,57 +200,56 @@ def group_order(manifest: dict) -> float:
     return float(manifest.get("requested_at", manifest.get("committed_at", 0.0)))
 
 
-def _pointed_order(parent: str) -> float:
+def _pointed_order(parent: Place) -> float:
     """The order of the group ``parent/latest`` names; -inf when there is none to keep."""
     try:
-        with open(os.path.join(parent, LATEST), encoding="utf-8") as f:
-            name = f.read().strip()
-        m = read_group_manifest(os.path.join(parent, name)) if name else None
+        name = (parent.get(LATEST) or b"").decode().strip()
+        m = read_group_manifest(parent.child(name)) if name else None
     except (OSError, ValueError):  # missing, unreadable or corrupt: the pointer may be replaced
         return float("-inf")
     return group_order(m) if m is not None else float("-inf")
 
 
-def publish_group(ops: FileOps, group_dir: str, world_size: int, markers: dict[int, dict], extra: dict,
+def publish_group(ops: FileOps | None, group_dir: str | Place, world_size: int, markers: dict[int, dict], extra: dict,
                   requested_at: float | None = None, token: str | None = None) -> dict:
     """Check every rank's files, then publish the group manifest and the latest pointer.
 
     The pointer moves only forward: it is left alone when it names a group committed later
     (see ``group_order``).
     """
+    place = as_place(group_dir, ops)
     files: dict[str, dict] = {}
     for r in sorted(markers):
         for rel, info in markers[r]["files"].items():
-            full = os.path.join(group_dir, rel)
-            size = os.path.getsize(full) if os.path.exists(full) else -1
+            size = place.size(rel)
             if size != info["size"]:
                 raise IncompleteCheckpointError(
-                    f"group {group_dir}: rank {r} committed {rel} with {info['size']} bytes but the "
+                    f"group {place.label}: rank {r} committed {rel} with {info['size']} bytes but the "
                     f"file has {size}; not publishing this checkpoint."
                 )
             files[rel] = dict(info, rank=r)
     manifest = {"format": FORMAT_VERSION, "kind": "group", "world_size": world_size,
-                "tag": os.path.basename(os.path.normpath(group_dir)), "ranks": sorted(markers),
+                "tag": place.label.rstrip("/").rsplit("/", 1)[-1], "ranks": sorted(markers),
                 "attempt": token, "files": files, "committed_at": time.time(), **extra}
     if requested_at is not None:
         manifest["requested_at"] = requested_at
-    publish_bytes(ops, os.path.join(group_dir, GROUP_MANIFEST),
-                  json.dumps(manifest, sort_keys=True, indent=1).encode())
-    parent = os.path.dirname(os.path.normpath(group_dir))
+    place.put(GROUP_MANIFEST, json.dumps(manifest, sort_keys=True, indent=1).encode())
+    parent = place.parent()
     with _latest_lock:
         if _pointed_order(parent) <= group_order(manifest):
-            publish_bytes(ops, os.path.join(parent, LATEST), os.path.basename(os.path.normpath(group_dir)).encode())
+            parent.put(LATEST, manifest["tag"].encode())
     return manifest
 
 
-def read_group_manifest(group_dir: str) -> dict | None:
-    try:
-        with open(os.path.join(group_dir, GROUP_MANIFEST), encoding="utf-8") as f:
-            return json.load(f)
-    except FileNotFoundError:
+def read_group_manifest(group_dir: str | Place) -> dict | None:
+    place = as_place(group_dir)
+    data = place.get(GROUP_MANIFEST)
+    if data is None:
         return None
+    try:
+        return json.loads(data)
     except ValueError as exc:
-        raise CorruptCheckpointError(f"{group_dir}/{GROUP_MANIFEST} does not parse: {exc}") from exc
+        raise CorruptCheckpointError(f"{place.label}/{GROUP_MANIFEST} does not parse: {exc}") from exc
 
 
 def read_file_manifest(path: str) -> dict | None:
@@ -266,13 +265,13 @@ def read_file_manifest(path: str) -> dict | None:
                                      "checkpoint (fastckpt.latest(...)).") from exc
 
 
-def incomplete_group_error(group_dir: str, world_size: int | None) -> IncompleteCheckpointError:
+def incomplete_group_error(group_dir: str | Place, world_size: int | None) -> IncompleteCheckpointError:
     markers = read_markers(group_dir)
     ws = world_size or max((m["world_size"] for m in markers.values()), default=0)
     missing = [r for r in range(ws) if r not in markers]
     what = f"ranks {missing} of {ws} never committed" if missing else "its manifest was never published"
     return IncompleteCheckpointError(
-        f"checkpoint {group_dir} is incomplete: {what} (no {GROUP_MANIFEST}). "
+        f"checkpoint {as_place(group_dir).label} is incomplete: {what} (no {GROUP_MANIFEST}). "
         "Load an earlier checkpoint: fastckpt.latest(<parent dir>) returns the newest complete one."
     )
 
@@ -334,7 +333,7 @@ def latest(root: str) -> str | None:
     return found[-1].path if found else None
 
 
-def wait_for_manifest(group_dir: str, timeout_s: float, stop: threading.Event,
+def wait_for_manifest(group_dir: str | Place, timeout_s: float, stop: threading.Event,
                       token: str | None = None, mine: dict | None = None) -> dict:
     """Poll until the coordinator publishes this attempt's manifest (non-coordinator ranks).
 
@@ -348,9 +347,11 @@ def wait_for_manifest(group_dir: str, timeout_s: float, stop: threading.Event,
         if m is not None and m.get("attempt") == token and all(
                 m["files"].get(rel, {}).get("checksum") == info["checksum"] for rel, info in (mine or {}).items()):
             return m
+        if any(mk.get("superseded") and mk.get("attempt") == token for mk in read_markers(group_dir).values()):
+            return {"superseded": True, "files": {}}  # a rank dropped this attempt: it will not be published
         if time.monotonic() >= deadline or stop.is_set():
             raise CommitTimeoutError(
-                f"checkpoint group {group_dir}: rank 0 did not publish {GROUP_MANIFEST} within "
+                f"checkpoint group {as_place(group_dir).label}: rank 0 did not publish {GROUP_MANIFEST} within "
                 f"{timeout_s:.0f} s; some rank did not commit (see rank 0's error)."
             )
         stop.wait(min(delay, max(0.0, deadline - time.monotonic())))

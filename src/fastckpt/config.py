@@ -29,6 +29,15 @@ class CheckpointerConfig:
     commit_timeout_s: float = 600.0
     rank: int | None = None
     world_size: int | None = None
+    # replication to the durable home (docs/burst-buffer.md)
+    keep_local: int | None = None
+    keep_persistent: int | None = None
+    replicate_bandwidth_Bps: float | None = None
+    replicate_policy: str = "coalesce"
+    replicate_workers: int = 2
+    storage_options: dict | None = None
+    retry_deadline_s: float = 300.0
+    close_timeout_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.tier not in TIERS:
@@ -50,5 +59,24 @@ class CheckpointerConfig:
             raise ConfigError("give both rank and world_size, or neither (they default to torch.distributed's)")
         if self.world_size is not None and not 0 <= self.rank < self.world_size:  # type: ignore[operator]
             raise ConfigError(f"rank={self.rank} must be in [0, world_size={self.world_size})")
+        for name in ("keep_local", "keep_persistent"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or v < 1):
+                raise ConfigError(f"{name}={v!r} must be a whole number >= 1 (how many checkpoints to keep), "
+                                  "or None to keep all")
+        if self.keep_local is not None and self.local_dir is None:
+            raise ConfigError("keep_local applies to the burst buffer: set local_dir too, or drop keep_local")
+        if self.replicate_bandwidth_Bps is not None and not self.replicate_bandwidth_Bps > 0:
+            raise ConfigError(f"replicate_bandwidth_Bps={self.replicate_bandwidth_Bps!r} must be > 0 bytes/s, "
+                              "or None for no cap")
+        if self.replicate_policy not in ("coalesce", "all"):
+            raise ConfigError(f"replicate_policy={self.replicate_policy!r} must be 'coalesce' (replicate the newest, "
+                              "drop superseded queued ones) or 'all'")
+        if not 1 <= self.replicate_workers <= 64:
+            raise ConfigError(f"replicate_workers={self.replicate_workers} must be between 1 and 64")
+        if self.retry_deadline_s <= 0:
+            raise ConfigError("retry_deadline_s must be > 0 seconds")
+        if self.close_timeout_s is not None and self.close_timeout_s < 0:
+            raise ConfigError("close_timeout_s must be >= 0 seconds, or None to wait as long as it takes")
         if self.local_dir is not None and "://" in self.local_dir:
             raise ConfigError(f"local_dir={self.local_dir!r} must be a node-local directory, not a URL")

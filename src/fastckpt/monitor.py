@@ -65,6 +65,8 @@ class Stats:
     pending: int
     replication_lag_s: float | None = None
     rpo_s: float | None = None
+    replication_pending: int = 0
+    replication_failures: int = 0
 
 
 class Monitor:

@@ -13,7 +13,8 @@ class SaveRecord:
     ``blocked_s``: the training thread was blocked (snapshot, and any wait for a staging
     buffer). ``write_s``: bytes written and synced in the first location. ``commit_s``: the
     file renamed into place there. ``local_durable_s``: durable in ``local_dir`` (nvme tier,
-    else None). ``durable_s``: durable at the path given to ``save``.
+    else None). ``durable_s``: durable and verified at the path given to ``save``; None when
+    ``superseded`` (replication coalesced it away: only the local copy exists) or ``skipped``.
     """
 
     path: str
@@ -22,7 +23,7 @@ class SaveRecord:
     blocked_s: float
     write_s: float
     commit_s: float
-    durable_s: float
+    durable_s: float | None
     local_durable_s: float | None = None
     checksum: str = ""
     odirect: bool = False
@@ -30,11 +31,12 @@ class SaveRecord:
     rank: int = 0
     group: str | None = None
     skipped: bool = False
+    superseded: bool = False
 
     @property
     def write_GBps(self) -> float:
         """Bytes over the time from snapshot to first durable copy (the I/O part)."""
-        t = (self.local_durable_s or self.durable_s) - self.blocked_s
+        t = (self.local_durable_s or self.durable_s or 0.0) - self.blocked_s
         return self.bytes / t / 1e9 if t > 0 else 0.0
 
 

@@ -54,7 +54,7 @@ class _MemReader(io.RawIOBase):
         return len(data)
 
 
-def _deserialize(buf, size: int, map_location: object, weights_only: bool, path: str) -> object:  # noqa: ANN001
+def deserialize(buf, size: int, map_location: object, weights_only: bool, path: str) -> object:  # noqa: ANN001
     storage = torch.frombuffer(buf, dtype=torch.uint8).untyped_storage()
     reader = torch._C.PyTorchFileReader(_MemReader(memoryview(buf), size))
     module = torch.serialization._weights_only_unpickler if weights_only else pickle
@@ -90,7 +90,7 @@ def verify_and_load(ops: FileOps, pool: Executor, path: str, map_location: objec
         raise CorruptCheckpointError(
             f"{path} is corrupt: checksum {res.checksum} != {want} recorded when it was written. "
             "Restore from another copy or an earlier checkpoint (fastckpt.latest(...)).")
-    return _deserialize(res.buffer, size, map_location, weights_only, path)
+    return deserialize(res.buffer, size, map_location, weights_only, path)
 
 
 def load_file(ops: FileOps, pool: Executor, candidates: list[str], map_location: object,

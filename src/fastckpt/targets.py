@@ -293,8 +293,11 @@ class Target(abc.ABC):
         """
 
     # ------------------------------------------------------------------ shared implementations
-    def verify(self, key: str, expected_size: int, expected_xxh3: str) -> None:
+    def verify(self, key: str, expected_size: int, expected_xxh3: str, covered: int | None = None) -> None:
         """Read the object back and check its size and ``fastckpt.checksum`` tree checksum.
+
+        ``covered``: the checksum covers only the first ``covered`` bytes (a fastckpt file's
+        checksum leaves out its own manifest); default: the whole object.
 
         Reads ``READ_CHUNK_BYTES`` ranges on ``parallelism`` threads; each thread hashes the
         16 MiB blocks of its range, and the block digests are combined in file order.
@@ -308,12 +311,14 @@ class Target(abc.ABC):
             raise CorruptCheckpointError(f"replica {self.url_of(key)} is {actual} bytes, expected {expected_size}: "
                                          "the upload was truncated or replaced; upload it again from the local copy")
 
+        limit = actual if covered is None else covered
+
         def digests(offset: int, length: int) -> list[int]:
-            mv = memoryview(self.read_range(key, offset, length))
+            mv = memoryview(self.read_range(key, offset, length))[: max(0, limit - offset)]
             return [checksum.block_digest(mv[o:o + checksum.BLOCK_BYTES])
                     for o in range(0, len(mv), checksum.BLOCK_BYTES)]
 
-        got = checksum.combine(d for ds in self._map_ranges(actual, READ_CHUNK_BYTES, digests) for d in ds)
+        got = checksum.combine(d for ds in self._map_ranges(limit, READ_CHUNK_BYTES, digests) for d in ds)
         if got != expected_xxh3:
             raise CorruptCheckpointError(f"replica {self.url_of(key)} has checksum {got}, expected {expected_xxh3} "
                                          f"({checksum.ALGO}): its bytes were damaged in transit or at rest; "

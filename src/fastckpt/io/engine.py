@@ -212,6 +212,7 @@ def copy_file(
     *,
     chunk_bytes: int,
     odirect: bool = True,
+    throttle: Callable[[int], object] | None = None,
 ) -> WriteResult:
     """Stream ``src`` to ``dst`` in parallel chunks, hashing ``[0, covered)`` on the way, fsync.
 
@@ -233,6 +234,8 @@ def copy_file(
                 lim = max(0, min(n, covered - off))
                 digests = [checksum.block_digest(view[b : min(b + checksum.BLOCK_BYTES, lim)])
                            for b in range(0, lim, checksum.BLOCK_BYTES)]
+                if throttle is not None:
+                    throttle(n)  # the bandwidth cap (replicate_bandwidth_Bps)
                 _pwrite_all(ops, wfd, view[: _round_up(n) if direct else n], off, dst)
                 return digests
 
@@ -245,3 +248,28 @@ def copy_file(
     finally:
         ops.close(rfd)
     return WriteResult(dst, size, checksum.combine(digests), direct, reason)
+
+
+def checksum_file(ops: FileOps, pool: Executor, path: str, size: int, covered: int, *,
+                  chunk_bytes: int, odirect: bool = True) -> str:
+    """Checksum ``[0, covered)`` of a file with bounded memory (one chunk per worker thread).
+
+    With O_DIRECT the bytes come from the device, not the page cache: a real read-back.
+    """
+    fd, _ = _open_for_read(ops, path, odirect)
+    try:
+        def one(off: int, n: int) -> list[int]:
+            view = _chunk_buffer(_round_up(n))
+            got = 0
+            while got < n:
+                r = ops.preadv(fd, view[got:], off + got)
+                if r <= 0:
+                    raise OSError(errno.EIO, f"{path} ended at byte {off + got}, expected {size}")
+                got += r
+            lim = max(0, min(n, covered - off))
+            return [checksum.block_digest(view[b : min(b + checksum.BLOCK_BYTES, lim)])
+                    for b in range(0, lim, checksum.BLOCK_BYTES)]
+
+        return checksum.combine(_parallel(pool, covered, chunk_bytes, one))
+    finally:
+        ops.close(fd)

@@ -1,0 +1,83 @@
+"""Work in flight and the rule that each background failure is raised exactly once.
+
+``track`` registers a future (training thread). A failure is raised by the handle's
+``wait()`` if someone waits on it; otherwise by the next sync point (``save``, ``commit``,
+``wait``, ``close``) through ``raise_unseen``. Whether a failure was raised is marked on the
+exception itself: a set of id()s could mistake a new error for a freed one, and keeping raised
+errors alive would pin their tracebacks' frames (staging buffers, the state's tensors).
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future
+
+from .records import SaveHandle
+
+_SURFACED = "_fastckpt_surfaced"
+
+
+def surfaced(exc: BaseException) -> bool:
+    return getattr(exc, _SURFACED, False)
+
+
+def set_surfaced(exc: BaseException) -> None:
+    setattr(exc, _SURFACED, True)
+
+
+class InFlight:
+    """Futures of saves, replications and commits, with the paths they write."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pending: dict[int, tuple[Future, str, str | None]] = {}
+        self._unseen: list[BaseException] = []
+
+    def track(self, fut: Future, path: str, group: str | None) -> SaveHandle:
+        with self._lock:
+            self._pending[id(fut)] = (fut, path, group)
+        fut.add_done_callback(self._on_done)
+        return SaveHandle(fut, path, self._mark_seen)
+
+    def _mark_seen(self, exc: BaseException) -> None:
+        with self._lock:
+            set_surfaced(exc)
+            self._unseen = [e for e in self._unseen if e is not exc]
+
+    def _remember(self, exc: BaseException | None) -> None:
+        if exc is not None and not surfaced(exc) and all(e is not exc for e in self._unseen):
+            self._unseen.append(exc)
+
+    def _on_done(self, fut: Future) -> None:
+        exc = fut.exception()
+        with self._lock:
+            self._pending.pop(id(fut), None)
+            self._remember(exc)
+
+    def raise_unseen(self) -> None:
+        """Raise the oldest failure nobody has seen yet (once)."""
+        with self._lock:
+            # A future is done before its done-callbacks run (and result() returns then): collect
+            # failures of finished futures here too, so the sync point that follows sees them.
+            for fut, _, _ in self._pending.values():
+                if fut.done() and not fut.cancelled():
+                    self._remember(fut.exception())
+            if not self._unseen:
+                return
+            exc = self._unseen.pop(0)
+            set_surfaced(exc)
+        raise exc
+
+    def futures(self) -> list[Future]:
+        with self._lock:
+            return [f for f, _, _ in self._pending.values()]
+
+    def writing(self, path: str, sep: str) -> list[Future]:
+        """Futures that write ``path``, the group ``path`` or anything below it."""
+        with self._lock:
+            return [f for f, p, g in self._pending.values()
+                    if p == path or g == path or p.startswith(path + sep)]
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._pending)
