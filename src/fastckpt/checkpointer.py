@@ -95,7 +95,7 @@ class Checkpointer:
         self._inflight = InFlight()
         self._stop = threading.Event()
         self._closed = False
-        self._targets = TargetCache(cfg.storage_options, cfg.retry_deadline_s, cfg.io_threads)
+        self._targets = TargetCache(cfg.storage_options, cfg.retry_deadline_s, cfg.io_threads, self._on_retry)
         self._pipeline = Pipeline(cfg, self._ops, self._io, self._staging, self._monitor, self._emit)
         self._replicator = Replicator(cfg, self._ops, self._io, self._targets, self._emit,
                                       self._monitor.record_durable)
@@ -130,6 +130,12 @@ class Checkpointer:
                    repr(error) if error else None, detail)
         for s in self._sinks:
             s.emit(ev)
+
+    def _on_retry(self, notice) -> None:  # noqa: ANN001 (a targets.RetryNotice)
+        """A transient storage error is being retried: an event, so outages are visible."""
+        now = time.time()
+        self._emit("retry", notice.what, 0, now - notice.elapsed_s, "replicate", notice.error,
+                   detail=f"attempt={notice.attempt} next_in_s={notice.delay_s:.2f}")
 
     # ------------------------------------------------------------------ save
     def save(self, state_dict: object, path: str, group: str | None = None, *, lazy: bool = False) -> SaveHandle:
@@ -176,7 +182,8 @@ class Checkpointer:
             self._monitor.record_blocked(t_call, blocked, layout.payload_bytes)
             self._emit("snapshot", path, layout.payload_bytes, w_call, choice.tier, detail="gds write")
             base = replace(base, blocked_s=blocked)
-            fut = self._writer.submit(self._pipeline.gds_finish, tmp, layout, base, dest, t_call)
+            fut = self._writer.submit(self._then_retain, dest == path, self._pipeline.gds_finish,
+                                      tmp, layout, base, dest, t_call)
             return self._after_write(fut, base, dest, t_call)
         buf = self._staging.acquire(layout.data_size + TAIL_ROOM, owner=group or object(),
                                     pinned=has_cuda, wait=self.config.when_busy == "wait")
@@ -203,8 +210,15 @@ class Checkpointer:
             self._monitor.record_blocked(t_call, blocked, layout.payload_bytes)
         self._emit("snapshot", path, layout.payload_bytes, w_call, choice.tier, detail="lazy" if lazy else None)
         base = replace(base, blocked_s=blocked)
-        fut = self._writer.submit(self._pipeline.write, snap, base, dest, t_call, choice.odirect)
+        fut = self._writer.submit(self._then_retain, dest == path, self._pipeline.write,
+                                  snap, base, dest, t_call, choice.odirect)
         return self._after_write(fut, base, dest, t_call)
+
+    def _then_retain(self, final: bool, stage, *args) -> SaveRecord:  # noqa: ANN001
+        """Run a write stage; when it made the checkpoint durable at its home, apply retention
+        before the handle resolves (so ``wait()`` returning means retention has run)."""
+        rec = stage(*args)
+        return self._retain(rec) if final else rec
 
     def _after_write(self, fut: Future, base: SaveRecord, dest: str, t_call: float) -> SaveHandle:
         """Chain replication when the file went to the burst buffer; track; apply retention."""
@@ -217,7 +231,7 @@ class Checkpointer:
                     final.set_exception(exc)
                     return
                 rec = f.result()
-                job = ReplicaJob(rec, dest, t_call, time.time(), final)
+                job = ReplicaJob(rec, dest, t_call, time.time(), final, finish=self._retain)
                 try:
                     self._replicator.submit(job)
                 except RuntimeError as err:  # closed under us: nothing will replicate it
@@ -225,19 +239,16 @@ class Checkpointer:
 
             fut.add_done_callback(enqueue)
             fut = final
-        if base.group is None:
-            fut.add_done_callback(self._retain)
         handle = self._inflight.track(fut, base.path, base.group)
         if base.group is not None:
             self._groups.add(base.group, handle)
         return handle
 
-    def _retain(self, fut: Future) -> None:
-        if fut.cancelled() or fut.exception() is not None:
-            return
-        rec = fut.result()
-        if not rec.superseded and not rec.skipped:
+    def _retain(self, rec: SaveRecord) -> SaveRecord:
+        """A single-file checkpoint is verified at its home: apply keep_local/keep_persistent."""
+        if rec.group is None and not rec.superseded and not rec.skipped:
             self._retention.durable(rec.path, self.config.local_dir is not None, owns_persistent=True)
+        return rec
 
     # ------------------------------------------------------------------ groups
     def commit(self, group: str, **extra: object) -> SaveHandle:
@@ -250,10 +261,14 @@ class Checkpointer:
         self._check_open()
         self._inflight.raise_unseen()
         group = normalize(group)
-        rank = self.rank
-        fut = self._groups.commit(group, rank, self.world_size, dict(extra))
-        fut.add_done_callback(lambda f: None if f.exception() or f.result().superseded else
-                              self._retention.durable(group, self.config.local_dir is not None, rank == 0))
+        rank, has_local = self.rank, self.config.local_dir is not None
+
+        def retain(rec: SaveRecord) -> SaveRecord:
+            if not rec.superseded:
+                self._retention.durable(group, has_local, owns_persistent=rank == 0)
+            return rec
+
+        fut = self._groups.commit(group, rank, self.world_size, dict(extra), retain)
         return self._inflight.track(fut, group, group)
 
     # ------------------------------------------------------------------ load / remove / latest

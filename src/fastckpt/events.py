@@ -8,7 +8,7 @@ import threading
 from dataclasses import dataclass
 from typing import IO, Protocol
 
-PHASES = ("snapshot", "write", "commit", "replicate", "load")
+PHASES = ("snapshot", "write", "commit", "queued", "replicate", "retry", "load")
 
 
 @dataclass(frozen=True)

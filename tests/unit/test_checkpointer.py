@@ -59,7 +59,7 @@ def test_event_log_has_every_phase(tmp_path) -> None:
         ck.save(_state(3), str(tmp_path / "d" / "x.pt")).wait()
         ck.load(str(tmp_path / "d" / "x.pt"))
     events = [json.loads(line) for line in log_path.read_text().splitlines()]
-    assert [e["name"] for e in events] == ["snapshot", "write", "commit", "replicate", "load"]
+    assert [e["name"] for e in events] == ["snapshot", "write", "commit", "queued", "replicate", "load"]
     assert all(e["tier"] for e in events) and all(e["error"] is None for e in events)
     assert all(e["end"] >= e["start"] for e in events)
 
