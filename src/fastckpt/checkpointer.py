@@ -272,11 +272,13 @@ class Checkpointer:
         return self._inflight.track(fut, group, group)
 
     # ------------------------------------------------------------------ load / remove / latest
-    def load(self, path: str, map_location: object = None, *, weights_only: bool = True) -> object:
+    def load(self, path: str, map_location: object = None, *, weights_only: bool = True,
+             prefetch: bool = False) -> object:
         """Read a checkpoint file in parallel, verify its checksum, return the saved object.
 
         Prefers a verified burst-buffer copy in ``local_dir`` and falls back to ``path``
-        (a URL is read with parallel ranged requests, or, with local_dir, prefetched there).
+        (a URL is read with parallel ranged requests into memory; with ``prefetch=True`` and
+        local_dir it is first downloaded into the burst buffer, so the next load is local).
 
         Raises:
             CorruptCheckpointError: the bytes do not match the recorded checksum.
@@ -297,6 +299,14 @@ class Checkpointer:
                     return obj
                 except (OSError, ValueError) as exc:
                     log.warning("fastckpt: burst-buffer copy %s unusable (%s); reading %s", local, exc, path)
+            if prefetch and local:
+                target, key = self._targets.get(path)
+                os.makedirs(os.path.dirname(local), exist_ok=True)
+                target.download(key, local)
+                obj, _ = load_file(self._ops, self._io, [local], map_location, weights_only,
+                                   cfg.chunk_bytes, cfg.odirect)
+                self._emit("load", path, os.path.getsize(local), w0, "remote", detail=_rto(t0) + " prefetched")
+                return obj
             obj = load_remote(self._targets, path, None, map_location, weights_only, cfg.chunk_bytes)
             self._emit("load", path, 0, w0, "remote", detail=_rto(t0))
             return obj

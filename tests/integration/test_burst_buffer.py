@@ -68,7 +68,11 @@ def test_s3_round_trip_latest_and_fresh_node_restore(s3_server, s3_bucket, tmp_p
     assert fastckpt.latest(url, storage_options=opts) == f"{url}/step-2/state.pt"
     # a fresh node: empty burst buffer, the newest complete remote checkpoint loads verified
     with fastckpt.Checkpointer(local_dir=str(tmp_path / "fresh"), storage_options=opts) as ck2:
-        assert _same(ck2.load(fastckpt.latest(url, storage_options=opts)), 2)
+        newest = fastckpt.latest(url, storage_options=opts)
+        assert _same(ck2.load(newest), 2)
+        assert not os.path.exists(ck2.local_path(newest))
+        assert _same(ck2.load(newest, prefetch=True), 2)  # downloaded into the burst buffer
+        assert os.path.exists(ck2.local_path(newest))
     body = s3_server.client().get_object(Bucket=s3_bucket, Key="run7/step-1/state.pt")["Body"].read()
     (tmp_path / "plain.pt").write_bytes(body)
     assert _same(torch.load(tmp_path / "plain.pt", weights_only=True), 1)  # no lock-in
