@@ -26,7 +26,7 @@ import torch
 
 from . import commit as C
 from . import format as F
-from .background import InFlight
+from .background import InFlight, set_surfaced
 from .config import CheckpointerConfig
 from .errors import ConfigError, ReplicationError
 from .events import Event, EventSink, JsonlSink
@@ -39,7 +39,7 @@ from .records import SaveHandle, SaveRecord
 from .replicate import ReplicaJob, Replicator, TargetCache
 from .restore import load_file
 from .retention import Retention
-from .staging import LazySnapshot, StagingPool, snapshot
+from .staging import LazySnapshot, Progress, Snapshot, StagingPool, snapshot
 from .tiers import TierSelector
 
 log = logging.getLogger("fastckpt")
@@ -194,6 +194,8 @@ class Checkpointer:
             if group is not None:
                 self._groups.skipped(group, path)
             return SaveHandle.finished(replace(base, bytes=0, blocked_s=time.monotonic() - t_call, skipped=True))
+        if not lazy and not has_cuda:
+            return self._save_overlapped(layout, buf, base, dest, t_call, w_call, choice)
         if lazy:
             snap = LazySnapshot(self._snapper.submit(snapshot, layout, buf), layout, buf)
         else:
@@ -212,6 +214,28 @@ class Checkpointer:
         base = replace(base, blocked_s=blocked)
         fut = self._writer.submit(self._then_retain, dest == path, self._pipeline.write,
                                   snap, base, dest, t_call, choice.odirect)
+        return self._after_write(fut, base, dest, t_call)
+
+    def _save_overlapped(self, layout: F.FileLayout, buf, base: SaveRecord, dest: str, t_call: float,  # noqa: ANN001
+                         w_call: float, choice) -> SaveHandle:  # noqa: ANN001
+        """CPU state: the writer starts at once and follows the copy into the staging buffer,
+        so the file is durable about one write time after the call, not copy + write."""
+        progress, base_f = Progress(), Future()
+        fut = self._writer.submit(self._then_retain, dest == base.path, self._pipeline.write,
+                                  Snapshot(buf, layout, None, progress), base_f, dest, t_call, choice.odirect)
+        try:
+            snapshot(layout, buf, progress)
+        except BaseException as exc:
+            set_surfaced(exc)  # raised here, to the caller; the writer re-raises the same object
+            progress.finish(exc)
+            base_f.set_result(base)
+            self._inflight.track(fut, base.path, base.group)
+            raise
+        blocked = time.monotonic() - t_call
+        self._monitor.record_blocked(t_call, blocked, layout.payload_bytes)
+        self._emit("snapshot", base.path, layout.payload_bytes, w_call, choice.tier)
+        base = replace(base, blocked_s=blocked)
+        base_f.set_result(base)
         return self._after_write(fut, base, dest, t_call)
 
     def _then_retain(self, final: bool, stage, *args) -> SaveRecord:  # noqa: ANN001

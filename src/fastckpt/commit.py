@@ -333,12 +333,48 @@ def latest(root: str) -> str | None:
     return found[-1].path if found else None
 
 
+def _outcome_key(group: str, token: str) -> str:
+    return f"fastckpt/outcome/{group}/{token}"
+
+
+def announce_outcome(group: str, token: str | None, superseded: bool = False) -> None:
+    """Rank 0: record in the key-value store that this attempt was published (or dropped).
+
+    The other ranks may never see the manifest itself: rank 0 can delete the group or start a
+    newer attempt at it (a re-save of the same tag) before their next poll.
+    """
+    store = _default_store() if token is not None else None
+    if store is not None:
+        store.set(_outcome_key(group, token), b"superseded" if superseded else b"published")  # type: ignore[arg-type]
+
+
+def _outcome(group: str | None, token: str | None) -> bytes | None:
+    store = _default_store() if group is not None and token is not None else None
+    if store is None:
+        return None
+    key = _outcome_key(group, token)  # type: ignore[arg-type]
+    return bytes(store.get(key)) if store.check([key]) else None
+
+
+def _default_store():  # noqa: ANN202 (a torch.distributed Store, or None)
+    try:
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        return dist.distributed_c10d._get_default_store()
+    except (ImportError, RuntimeError, AttributeError):
+        return None
+
+
 def wait_for_manifest(group_dir: str | Place, timeout_s: float, stop: threading.Event,
-                      token: str | None = None, mine: dict | None = None) -> dict:
+                      token: str | None = None, mine: dict | None = None, group: str | None = None) -> dict:
     """Poll until the coordinator publishes this attempt's manifest (non-coordinator ranks).
 
     A manifest counts only if it carries this attempt's token and lists this rank's files
-    with the checksums just written (an older attempt's manifest does not).
+    with the checksums just written (an older attempt's manifest does not). With a store and
+    ``group``, rank 0's ``announce_outcome`` also ends the wait: the attempt was published and
+    then deleted or replaced before this rank looked (returned with ``retired``).
     """
     deadline = time.monotonic() + timeout_s
     delay = 0.005
@@ -347,6 +383,11 @@ def wait_for_manifest(group_dir: str | Place, timeout_s: float, stop: threading.
         if m is not None and m.get("attempt") == token and all(
                 m["files"].get(rel, {}).get("checksum") == info["checksum"] for rel, info in (mine or {}).items()):
             return m
+        outcome = _outcome(group, token)
+        if outcome == b"superseded":
+            return {"superseded": True, "files": {}}
+        if outcome == b"published":
+            return {"files": dict(mine or {}), "attempt": token, "retired": True}
         if any(mk.get("superseded") and mk.get("attempt") == token for mk in read_markers(group_dir).values()):
             return {"superseded": True, "files": {}}  # a rank dropped this attempt: it will not be published
         if time.monotonic() >= deadline or stop.is_set():

@@ -11,9 +11,12 @@ more with torch's storage-identity rule, and checked against the records torch w
 
 from __future__ import annotations
 
+import bisect
+import collections
 import io
 import json
 import pickle
+import zipfile
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -102,7 +105,8 @@ class _SparseReader(io.RawIOBase):
     """Reads a sparse image (segments, zeros elsewhere) for torch's zip reader."""
 
     def __init__(self, segments: list[tuple[int, bytes]], size: int) -> None:
-        self._segments = segments
+        self._segments = segments  # in increasing offset order, not overlapping
+        self._starts = [off for off, _ in segments]
         self._size = size
         self._pos = 0
 
@@ -126,10 +130,13 @@ class _SparseReader(io.RawIOBase):
         n = max(0, min(n, self._size - self._pos))
         out = bytearray(n)
         lo, hi = self._pos, self._pos + n
-        for off, data in self._segments:
+        i = max(0, bisect.bisect_right(self._starts, lo) - 1)
+        while i < len(self._segments) and self._segments[i][0] < hi:
+            off, data = self._segments[i]
             a, b = max(lo, off), min(hi, off + len(data))
             if a < b:
                 out[a - lo : b - lo] = data[a - off : b - off]
+            i += 1
         self._pos = hi
         return bytes(out)
 
@@ -155,6 +162,52 @@ class _StorageOrder(pickle.Pickler):
                 self.order.append(st)
             return ("s", self._seen[st._cdata])
         return None
+
+
+_PLAIN = (int, float, str, bytes, bool, type(None), torch.dtype, torch.device, torch.Size)
+
+
+def _fast_order(obj: object) -> list[torch.UntypedStorage] | None:
+    """Storages in pickling order for plain states (dicts, lists, tuples, plain tensors, scalars).
+
+    Pickle visits dict items, list and tuple elements in order, and a plain tensor reduces to
+    its storage first, so a walk gives torch's key order without a second pickling pass.
+    Anything else (custom objects, tensor subclasses, sparse tensors...) returns None: the
+    caller then pickles to find the order.
+    """
+    order: list[torch.UntypedStorage] = []
+    seen: set[int] = set()
+    stack = [obj]
+    while stack:
+        o = stack.pop()
+        t = type(o)
+        if t is dict or t is collections.OrderedDict:
+            stack.extend(reversed(list(o.values())))  # type: ignore[union-attr]
+            if not all(type(k) in _PLAIN for k in o):  # type: ignore[union-attr]
+                return None
+        elif t is list or t is tuple:
+            stack.extend(reversed(o))  # type: ignore[arg-type]
+        elif t is torch.Tensor or t is torch.nn.Parameter:
+            if o.layout != torch.strided or o.__dict__ or o.is_quantized:  # type: ignore[union-attr]
+                return None
+            st = o.untyped_storage()  # type: ignore[union-attr]
+            if st._cdata not in seen:
+                seen.add(st._cdata)
+                order.append(st)
+        elif t not in _PLAIN:
+            return None
+    return order
+
+
+def _record_sizes(reader: io.RawIOBase) -> dict[int, int]:
+    """data/N record sizes from the zip's central directory."""
+    with zipfile.ZipFile(reader) as zf:  # type: ignore[arg-type]
+        out = {}
+        for info in zf.infolist():
+            head, _, key = info.filename.rpartition("/")
+            if head.endswith("data") and key.isdigit():
+                out[int(key)] = info.file_size
+        return out
 
 
 def _walk(obj: object, path: str, depth: int = 0) -> Iterator[tuple[str, object]]:
@@ -227,17 +280,21 @@ def plan(obj: object) -> FileLayout:
         ) from exc
     finally:
         _ser_config.save.storage_alignment = old_align
-    order = _StorageOrder()
-    order.dump(obj)
-    reader = torch._C.PyTorchFileReader(_SparseReader(sink.segments, sink.end))
-    records = [r for r in reader.get_all_records() if r.startswith("data/")]
-    if len(records) != len(order.order):
+    sizes = _record_sizes(_SparseReader(sink.segments, sink.end))
+    found = _fast_order(obj)
+    if found is None or [st.nbytes() for st in found] != [sizes.get(i) for i in range(len(found))] \
+            or len(found) != len(sizes):
+        pickler = _StorageOrder()
+        pickler.dump(obj)
+        found = pickler.order
+    if len(sizes) != len(found) or any(sizes.get(i) != st.nbytes() for i, st in enumerate(found)):
         raise UnsupportedObjectError(
-            f"torch.save wrote {len(records)} storages but fastckpt found {len(order.order)}; "
-            "the object holds a tensor type fastckpt does not support yet."
+            f"torch.save wrote {len(sizes)} storages but fastckpt found {len(found)} (or their sizes "
+            "differ); the object holds a tensor type fastckpt does not support yet."
         )
+    reader = torch._C.PyTorchFileReader(_SparseReader(sink.segments, sink.end))
     storages = []
-    for i, st in enumerate(order.order):
+    for i, st in enumerate(found):
         off = reader.get_record_offset(f"data/{i}")
         if off % ALIGN:
             raise UnsupportedObjectError(f"storage data/{i} is not {ALIGN}-aligned in the file")

@@ -103,8 +103,9 @@ class Groups:
                 manifest = {"superseded": True, "files": {}}
             else:
                 manifest = C.publish_group(None, att.place, world, markers, extra, requested_at, att.token)
+            C.announce_outcome(group, att.token, superseded=bool(manifest.get("superseded")))
         else:
-            manifest = C.wait_for_manifest(att.place, self._timeout, self._stop, att.token, files)
+            manifest = C.wait_for_manifest(att.place, self._timeout, self._stop, att.token, files, group=group)
         done = time.monotonic() - t_call
         if manifest.get("superseded"):
             return SaveRecord(group, tier, 0, blocked, 0.0, done, None, rank=rank, group=group, superseded=True)

@@ -11,11 +11,12 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from concurrent.futures import Executor
+from concurrent.futures import Executor, Future
 from dataclasses import replace
 
 from . import commit as C
 from . import format as F
+from .background import surfaced
 from .config import CheckpointerConfig
 from .errors import CheckpointWriteError, FastCkptError
 from .io.engine import write_file
@@ -34,7 +35,7 @@ def reraise(exc: BaseException, path: str, renamed: bool = False) -> None:
     ``renamed``: the failure came after the new file was renamed into place (the directory
     fsync), so the message must not claim the previous file is still there.
     """
-    if isinstance(exc, FastCkptError) or not isinstance(exc, OSError):
+    if isinstance(exc, FastCkptError) or not isinstance(exc, OSError) or surfaced(exc):
         raise exc
     state = ("the new file is in place but its directory entry may not be durable (directory fsync failed)"
              if renamed else "the previous checkpoint is untouched")
@@ -75,28 +76,42 @@ class Pipeline:
             if n:
                 log.info("fastckpt: removed %d temp file(s) of dead processes in %s", n, directory)
 
-    def write(self, snap, base: SaveRecord, dest: str, t_call: float, odirect: bool) -> SaveRecord:  # noqa: ANN001
-        """Write the snapshot to ``dest`` (temp, fsync, rename, dir fsync); release its buffer."""
+    def write(self, snap, base_in: SaveRecord | Future, dest: str, t_call: float, odirect: bool) -> SaveRecord:  # noqa: ANN001
+        """Write the snapshot to ``dest`` (temp, fsync, rename, dir fsync); release its buffer.
+
+        With a ``Progress`` on the snapshot the writer starts while the snapshot is still
+        copying (chunks wait for their bytes), and ``base_in`` is a Future of the record the
+        training thread completes when its copy is done.
+        """
+        def base() -> SaveRecord:
+            return base_in.result() if isinstance(base_in, Future) else base_in
+
         w0 = time.time()
         tmp = C.tmp_name(dest)
+        progress = getattr(snap, "progress", None)
         try:
-            snap.wait_ready()
+            if progress is None:
+                snap.wait_ready()
             layout = snap.layout
             self._ops.makedirs(os.path.dirname(dest))
             self._sweep(os.path.dirname(dest))
             res = write_file(self._ops, self._io, tmp, snap.buffer.view, layout.covered_bytes,
-                             lambda digest: self._tail(base, layout, digest),
-                             chunk_bytes=self._cfg.chunk_bytes, odirect=odirect)
+                             lambda digest: self._tail(base(), layout, digest),
+                             chunk_bytes=self._cfg.chunk_bytes, odirect=odirect,
+                             ready=progress.wait_for if progress is not None else None)
         except BaseException as exc:
             C.discard(self._ops, tmp)
-            self._emit("write", base.path, base.bytes, w0, base.tier, exc)
-            reraise(exc, base.path)
+            self._emit("write", base().path, base().bytes, w0, base().tier, exc)
+            reraise(exc, base().path)
         finally:
+            if progress is not None:
+                progress.wait_done()  # never hand the buffer back while the copy still fills it
             self._staging.release(snap.buffer)
         write_s = time.monotonic() - t_call
-        self._emit("write", dest, res.bytes, w0, base.tier,
+        base_rec = base()
+        self._emit("write", dest, res.bytes, w0, base_rec.tier,
                    detail=None if res.odirect else f"buffered: {res.odirect_reason}")
-        return self._publish(base, tmp, dest, res, t_call, write_s)
+        return self._publish(base_rec, tmp, dest, res, t_call, write_s)
 
     def _publish(self, base: SaveRecord, tmp: str, dest: str, res, t_call: float, write_s: float) -> SaveRecord:  # noqa: ANN001
         c0 = time.time()

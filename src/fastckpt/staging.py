@@ -39,7 +39,7 @@ def _new_buffer(capacity: int, pinned: bool) -> StagingBuffer:
         shift = (-t.data_ptr()) % ALIGN
         t = t[shift : shift + capacity]
         return StagingBuffer(capacity, True, t, memoryview(t.numpy()).cast("B"), None)
-    mem = alloc_aligned(capacity)
+    mem = alloc_aligned(capacity, populate=True)
     t = torch.frombuffer(mem, dtype=torch.uint8)[:capacity]
     return StagingBuffer(capacity, False, t, memoryview(mem)[:capacity], mem)
 
@@ -109,13 +109,51 @@ class Snapshot:
     buffer: StagingBuffer
     layout: FileLayout
     cuda_event: object = None
+    progress: Progress | None = None
 
     def wait_ready(self) -> None:
         if self.cuda_event is not None:
             self.cuda_event.synchronize()
 
 
-def snapshot(layout: FileLayout, buf: StagingBuffer) -> Snapshot:
+class Progress:
+    """How far a CPU snapshot has filled its buffer, so the writer can start behind it.
+
+    The training thread calls ``advance`` after each storage (storages lie in increasing
+    offset order, and the metadata between them is copied first) and ``finish`` at the end,
+    with the exception if the copy failed; writer threads call ``wait_for(end)``.
+    """
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._upto = 0
+        self._done = False
+        self._error: BaseException | None = None
+
+    def advance(self, upto: int) -> None:
+        with self._cv:
+            self._upto = upto
+            self._cv.notify_all()
+
+    def finish(self, error: BaseException | None = None) -> None:
+        with self._cv:
+            self._done, self._error = True, error
+            self._cv.notify_all()
+
+    def wait_done(self) -> None:
+        with self._cv:
+            while not self._done:
+                self._cv.wait()
+
+    def wait_for(self, end: int) -> None:
+        with self._cv:
+            while not self._done and self._upto < end:
+                self._cv.wait()
+            if self._error is not None:
+                raise self._error
+
+
+def snapshot(layout: FileLayout, buf: StagingBuffer, progress: Progress | None = None) -> Snapshot:
     """Copy the metadata and every storage into ``buf`` at their file offsets.
 
     CPU storages are copied before this returns. CUDA storages are copied on a side stream;
@@ -125,6 +163,9 @@ def snapshot(layout: FileLayout, buf: StagingBuffer) -> Snapshot:
     view, dst = buf.view, buf.tensor
     for off, data in layout.segments:
         view[off : off + len(data)] = data
+    storages = layout.storages
+    if progress is not None:
+        progress.advance(storages[0].offset if storages else layout.data_size)
     streams: dict[torch.device, object] = {}
     for rec in layout.storages:
         if rec.nbytes == 0:
@@ -143,6 +184,8 @@ def snapshot(layout: FileLayout, buf: StagingBuffer) -> Snapshot:
             src.record_stream(stream)
         else:
             target.copy_(src)
+            if progress is not None:
+                progress.advance(rec.offset + rec.nbytes)
     event = None
     for device, stream in streams.items():
         event = torch.cuda.Event()
@@ -151,7 +194,9 @@ def snapshot(layout: FileLayout, buf: StagingBuffer) -> Snapshot:
     if len(streams) > 1:  # one event per stream is needed only to order the writer
         torch.cuda.synchronize()
         event = None
-    return Snapshot(buf, layout, event)
+    if progress is not None:
+        progress.finish()
+    return Snapshot(buf, layout, event, progress)
 
 
 @dataclass

@@ -86,3 +86,29 @@ def test_large_and_many_storages(tmp_path) -> None:
         ck.save(sd, str(path)).wait()
         out = ck.load(str(path))
     assert all(torch.equal(out[k], v) for k, v in sd.items())
+
+
+def test_fast_storage_order_matches_pickling_order() -> None:
+    shared = torch.arange(10)
+    states = [
+        _state(),
+        {"model": {f"l{i}.w": torch.full((i + 1,), i) for i in range(20)},
+         "optim": {"state": {i: {"exp_avg": torch.zeros(i + 1), "step": torch.tensor(i)} for i in range(20)},
+                   "param_groups": [{"lr": 0.1, "params": list(range(20))}]},
+         "shared": [shared, shared[2:], (shared, 3)], "p": torch.nn.Parameter(torch.ones(3))},
+    ]
+    for sd in states:
+        fast = F._fast_order(sd)
+        slow = F._StorageOrder()
+        slow.dump(sd)
+        assert fast is not None
+        assert [s._cdata for s in fast] == [s._cdata for s in slow.order]
+
+
+def test_custom_objects_fall_back_to_pickling_order(tmp_path) -> None:
+    sd = {"cfg": F.StorageRecord, "w": torch.arange(5)}  # a class: not a plain value
+    assert F._fast_order(sd) is None
+    path = tmp_path / "c.pt"
+    with fastckpt.Checkpointer() as ck:
+        ck.save(sd, str(path)).wait()
+        assert torch.equal(ck.load(str(path), weights_only=False)["w"], torch.arange(5))

@@ -82,6 +82,7 @@ def write_file(
     *,
     chunk_bytes: int,
     odirect: bool = True,
+    ready: Callable[[int], None] | None = None,
 ) -> WriteResult:
     """Write ``image[:covered]`` plus a tail computed from its checksum, then fsync.
 
@@ -89,6 +90,8 @@ def write_file(
     ``pool``; each hashes its checksum blocks before writing them. ``tail(checksum)`` returns
     the bytes that follow ``covered`` (for fastckpt files: the comment-length field and the
     manifest); they are placed in ``image`` and written last, so the checksum is known.
+    ``ready(end)``, if given, blocks until ``image[:end]`` is filled: writing overlaps the
+    snapshot that is still copying into the image.
     """
     if chunk_bytes % checksum.BLOCK_BYTES:
         raise ValueError("chunk_bytes must be a multiple of the checksum block")
@@ -97,7 +100,7 @@ def write_file(
         head = covered // ALIGN * ALIGN  # written by the workers; the rest goes with the tail
         try:
             digests = _parallel(pool, covered, chunk_bytes, lambda off, n: _write_chunk(
-                ops, fd, image, off, n, head, covered, path))
+                ops, fd, image, off, n, head, covered, path, ready))
         except OSError as exc:
             if not direct or exc.errno != errno.EINVAL:
                 raise
@@ -107,7 +110,7 @@ def write_file(
             fd, direct = ops.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), False
             reason = "filesystem refused O_DIRECT writes (EINVAL)"
             digests = _parallel(pool, covered, chunk_bytes, lambda off, n: _write_chunk(
-                ops, fd, image, off, n, head, covered, path))
+                ops, fd, image, off, n, head, covered, path, ready))
         digest = checksum.combine(digests)
         extra = tail(digest)
         total = covered + len(extra)
@@ -125,7 +128,9 @@ def write_file(
     return WriteResult(path, total, digest, direct, reason)
 
 
-def _write_chunk(ops, fd, image, off, n, head, covered, path) -> list[int]:  # noqa: ANN001
+def _write_chunk(ops, fd, image, off, n, head, covered, path, ready=None) -> list[int]:  # noqa: ANN001
+    if ready is not None:
+        ready(off + n)
     view = image[off : off + n]
     digests = [checksum.block_digest(view[b : b + checksum.BLOCK_BYTES])
                for b in range(0, n, checksum.BLOCK_BYTES)]
@@ -149,9 +154,16 @@ def _parallel(pool: Executor, size: int, chunk: int, fn) -> list[int]:  # noqa: 
     return digests
 
 
-def alloc_aligned(nbytes: int) -> mmap.mmap:
-    """Page-aligned anonymous memory (as O_DIRECT needs), at least one page."""
-    return mmap.mmap(-1, max(ALIGN, _round_up(nbytes)))
+def alloc_aligned(nbytes: int, populate: bool = False) -> mmap.mmap:
+    """Page-aligned anonymous memory (as O_DIRECT needs), at least one page.
+
+    ``populate`` faults every page in at once (MAP_POPULATE): measured here, 1 GiB then fills
+    in 0.95 s instead of 1.27 s through first-touch faults.
+    """
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+    if populate:
+        flags |= getattr(mmap, "MAP_POPULATE", 0)
+    return mmap.mmap(-1, max(ALIGN, _round_up(nbytes)), flags=flags)
 
 
 def read_file(
