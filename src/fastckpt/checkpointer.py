@@ -37,7 +37,7 @@ from .pipeline import Pipeline, reraise
 from .places import LocalPlace, Place, TargetPlace, is_url, mirror_path, normalize
 from .records import SaveHandle, SaveRecord
 from .replicate import ReplicaJob, Replicator, TargetCache
-from .restore import load_file
+from .restore import load_any
 from .retention import Retention
 from .staging import LazySnapshot, Progress, Snapshot, StagingPool, snapshot
 from .tiers import TierSelector
@@ -310,36 +310,11 @@ class Checkpointer:
         """
         path = normalize(path)
         t0, w0 = time.monotonic(), time.time()
-        local = self.local_path(path)
         cfg = self.config
-        if is_url(path):
-            from .remote import load_remote
-
-            if local and os.path.exists(local):
-                try:
-                    obj, used = load_file(self._ops, self._io, [local], map_location, weights_only,
-                                          cfg.chunk_bytes, cfg.odirect)
-                    self._emit("load", used, os.path.getsize(used), w0, "local", detail=_rto(t0))
-                    return obj
-                except (OSError, ValueError) as exc:
-                    log.warning("fastckpt: burst-buffer copy %s unusable (%s); reading %s", local, exc, path)
-            if prefetch and local:
-                target, key = self._targets.get(path)
-                os.makedirs(os.path.dirname(local), exist_ok=True)
-                target.download(key, local)
-                obj, _ = load_file(self._ops, self._io, [local], map_location, weights_only,
-                                   cfg.chunk_bytes, cfg.odirect)
-                self._emit("load", path, os.path.getsize(local), w0, "remote", detail=_rto(t0) + " prefetched")
-                return obj
-            obj = load_remote(self._targets, path, None, map_location, weights_only, cfg.chunk_bytes)
-            self._emit("load", path, 0, w0, "remote", detail=_rto(t0))
-            return obj
-        candidates = [p for p in (local, path) if p and os.path.exists(p)]
-        if len(candidates) == 2 and _other_save(local, path):  # type: ignore[arg-type]
-            candidates = [path]  # the local copy is of a save that never reached path (it failed)
-        obj, used = load_file(self._ops, self._io, candidates or [path], map_location, weights_only,
-                              cfg.chunk_bytes, cfg.odirect)
-        self._emit("load", used, os.path.getsize(used), w0, "local" if used == local else "path", detail=_rto(t0))
+        obj, used, where = load_any(self._ops, self._io, self._targets, path, self.local_path(path),
+                                    map_location, weights_only, prefetch, cfg.chunk_bytes, cfg.odirect)
+        size = os.path.getsize(used) if os.path.exists(used) else 0
+        self._emit("load", used, size, w0, where, detail=f"rto_s={time.monotonic() - t0:.6f}")
         return obj
 
     def latest(self, root: str) -> str | None:
@@ -482,14 +457,3 @@ def latest(root: str, storage_options: dict | None = None) -> str | None:
     return C.latest(root)
 
 
-def _rto(t0: float) -> str:
-    return f"rto_s={time.monotonic() - t0:.6f}"
-
-
-def _other_save(local: str, path: str) -> bool:
-    """True when both copies carry readable manifests with different checksums."""
-    try:
-        a, b = C.read_file_manifest(local), C.read_file_manifest(path)
-    except (OSError, ValueError):  # unreadable: let the verified load decide
-        return False
-    return bool(a and b) and a.get("checksum") != b.get("checksum")

@@ -106,3 +106,43 @@ def load_file(ops: FileOps, pool: Executor, candidates: list[str], map_location:
             log.warning("fastckpt: %s unusable (%s); falling back to %s", path, exc, candidates[i + 1])
             last = exc
     raise last or FileNotFoundError(candidates)
+
+
+def _other_save(local: str, path: str) -> bool:
+    """True when both copies carry readable manifests with different checksums."""
+    try:
+        a, b = C.read_file_manifest(local), C.read_file_manifest(path)
+    except (OSError, ValueError):  # unreadable: let the verified load decide
+        return False
+    return bool(a and b) and a.get("checksum") != b.get("checksum")
+
+
+def load_any(ops: FileOps, pool: Executor, targets, path: str, local: str | None, map_location: object,  # noqa: ANN001
+             weights_only: bool, prefetch: bool, chunk_bytes: int, odirect: bool) -> tuple[object, str, str]:
+    """Load ``path`` (a file or URL), preferring its verified burst-buffer copy ``local``.
+
+    Returns the object, the copy used and where it came from ("local", "path", "remote").
+    """
+    from .places import is_url
+
+    if is_url(path):
+        from .remote import load_remote
+
+        if local and os.path.exists(local):
+            try:
+                obj, used = load_file(ops, pool, [local], map_location, weights_only, chunk_bytes, odirect)
+                return obj, used, "local"
+            except (OSError, ValueError) as exc:
+                log.warning("fastckpt: burst-buffer copy %s unusable (%s); reading %s", local, exc, path)
+        if prefetch and local:
+            target, key = targets.get(path)
+            os.makedirs(os.path.dirname(local), exist_ok=True)
+            target.download(key, local)
+            obj, used = load_file(ops, pool, [local], map_location, weights_only, chunk_bytes, odirect)
+            return obj, path, "remote (prefetched)"
+        return load_remote(targets, path, None, map_location, weights_only, chunk_bytes), path, "remote"
+    candidates = [p for p in (local, path) if p and os.path.exists(p)]
+    if len(candidates) == 2 and _other_save(local, path):  # type: ignore[arg-type]
+        candidates = [path]  # the local copy is of a save that never reached path (it failed)
+    obj, used = load_file(ops, pool, candidates or [path], map_location, weights_only, chunk_bytes, odirect)
+    return obj, used, "local" if used == local else "path"

@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 from .commit import discard, is_tmp, tmp_name
 from .errors import ReplicationError
+from .io.engine import pwrite_all
 from .io.ops import FileOps
 from .targets import (
     DEFAULT_RETRY_DEADLINE_S,
@@ -242,9 +243,4 @@ class PosixTarget(Target):
 
 
 def _write_all(ops: FileOps, fd: int, view: memoryview, offset: int) -> None:
-    done = 0
-    while done < len(view):
-        n = ops.pwrite(fd, view[done:], offset + done)
-        if n <= 0:
-            raise OSError(errno.EIO, f"short write ({n} bytes) at offset {offset + done}")
-        done += n
+    pwrite_all(ops, fd, view, offset, f"fd {fd}")

@@ -63,7 +63,25 @@ def _open_for_read(ops: FileOps, path: str, want_direct: bool) -> tuple[int, boo
     return ops.open(path, os.O_RDONLY), False
 
 
-def _pwrite_all(ops: FileOps, fd: int, view: memoryview, offset: int, path: str) -> None:
+def _read_exact(ops: FileOps, fd: int, view: memoryview, off: int, n: int, path: str, size: int) -> None:
+    """Fill ``view[:n]`` from ``off`` (``view`` may be longer: O_DIRECT reads whole blocks)."""
+    got = 0
+    while got < n:
+        r = ops.preadv(fd, view[got:], off + got)
+        if r <= 0:
+            raise OSError(errno.EIO, f"{path} ended at byte {off + got}, expected {size}")
+        got += r
+
+
+def _digests(view: memoryview, off: int, n: int, covered: int) -> list[int]:
+    """Block digests of ``view[:n]`` (file bytes from ``off``) that fall inside ``[0, covered)``."""
+    lim = max(0, min(n, covered - off))
+    return [checksum.block_digest(view[b : min(b + checksum.BLOCK_BYTES, lim)])
+            for b in range(0, lim, checksum.BLOCK_BYTES)]
+
+
+def pwrite_all(ops: FileOps, fd: int, view: memoryview, offset: int, path: str) -> None:
+    """Write all of ``view`` at ``offset``, continuing after short writes; no progress is EIO."""
     done = 0
     while done < len(view):
         n = ops.pwrite(fd, view[done:], offset + done)
@@ -118,7 +136,7 @@ def write_file(
             raise ValueError("staging image has no room for the manifest")
         image[covered:total] = extra
         end = _round_up(total) if direct else total
-        _pwrite_all(ops, fd, image[head:end], head, path)
+        pwrite_all(ops, fd, image[head:end], head, path)
         if end != total:
             ops.ftruncate(fd, total)
         ops.fsync(fd)
@@ -136,7 +154,7 @@ def _write_chunk(ops, fd, image, off, n, head, covered, path, ready=None) -> lis
                for b in range(0, n, checksum.BLOCK_BYTES)]
     w_end = min(off + n, head)
     if w_end > off:
-        _pwrite_all(ops, fd, image[off:w_end], off, path)
+        pwrite_all(ops, fd, image[off:w_end], off, path)
     return digests
 
 
@@ -184,17 +202,10 @@ def read_file(
     fd, direct = _open_for_read(ops, path, odirect)
     try:
         def read_chunk(off: int, n: int) -> list[int]:
-            want = _round_up(n) if direct else n
-            want = min(want, len(view) - off)
-            got = 0
-            while got < n:
-                r = ops.preadv(fd, view[off + got : off + want], off + got)
-                if r <= 0:
-                    raise OSError(errno.EIO, f"{path} ended at byte {off + got}, expected {size}")
-                got += r
-            lim = max(0, min(n, covered - off))
-            return [checksum.block_digest(view[off + b : off + min(b + checksum.BLOCK_BYTES, lim)])
-                    for b in range(0, lim, checksum.BLOCK_BYTES)]
+            want = min(_round_up(n) if direct else n, len(view) - off)
+            chunk = view[off : off + want]
+            _read_exact(ops, fd, chunk, off, n, path, size)
+            return _digests(chunk, off, n, covered)
 
         digests = _parallel(pool, size, chunk_bytes, read_chunk)
     finally:
@@ -237,18 +248,11 @@ def copy_file(
         try:
             def one(off: int, n: int) -> list[int]:
                 view = _chunk_buffer(_round_up(n))
-                got = 0
-                while got < n:
-                    r = ops.preadv(rfd, view[got:], off + got)
-                    if r <= 0:
-                        raise OSError(errno.EIO, f"{src} ended at byte {off + got}, expected {size}")
-                    got += r
-                lim = max(0, min(n, covered - off))
-                digests = [checksum.block_digest(view[b : min(b + checksum.BLOCK_BYTES, lim)])
-                           for b in range(0, lim, checksum.BLOCK_BYTES)]
+                _read_exact(ops, rfd, view, off, n, src, size)
+                digests = _digests(view, off, n, covered)
                 if throttle is not None:
                     throttle(n)  # the bandwidth cap (replicate_bandwidth_Bps)
-                _pwrite_all(ops, wfd, view[: _round_up(n) if direct else n], off, dst)
+                pwrite_all(ops, wfd, view[: _round_up(n) if direct else n], off, dst)
                 return digests
 
             digests = _parallel(pool, size, chunk_bytes, one)
@@ -272,15 +276,8 @@ def checksum_file(ops: FileOps, pool: Executor, path: str, size: int, covered: i
     try:
         def one(off: int, n: int) -> list[int]:
             view = _chunk_buffer(_round_up(n))
-            got = 0
-            while got < n:
-                r = ops.preadv(fd, view[got:], off + got)
-                if r <= 0:
-                    raise OSError(errno.EIO, f"{path} ended at byte {off + got}, expected {size}")
-                got += r
-            lim = max(0, min(n, covered - off))
-            return [checksum.block_digest(view[b : min(b + checksum.BLOCK_BYTES, lim)])
-                    for b in range(0, lim, checksum.BLOCK_BYTES)]
+            _read_exact(ops, fd, view, off, n, path, size)
+            return _digests(view, off, n, covered)
 
         return checksum.combine(_parallel(pool, covered, chunk_bytes, one))
     finally:
