@@ -195,8 +195,8 @@ class Replicator:
                         f"it changed after it was committed; not publishing {rec.path}")
                 t1 = time.monotonic()
                 _drop_cache(tmp)
-                back = checksum_file(self._ops, self._io, tmp, rec.bytes, covered,
-                                     chunk_bytes=cfg.chunk_bytes, odirect=cfg.odirect)
+                back = checksum_file(self._ops, self._io, tmp, rec.bytes, covered, chunk_bytes=cfg.chunk_bytes,
+                                     odirect=cfg.odirect, throttle=self._throttle)
                 if back == rec.checksum:
                     break
                 log.warning("fastckpt: copy %d of %s read back as %s, expected %s; copying again",

@@ -267,7 +267,7 @@ def copy_file(
 
 
 def checksum_file(ops: FileOps, pool: Executor, path: str, size: int, covered: int, *,
-                  chunk_bytes: int, odirect: bool = True) -> str:
+                  chunk_bytes: int, odirect: bool = True, throttle: Callable[[int], object] | None = None) -> str:
     """Checksum ``[0, covered)`` of a file with bounded memory (one chunk per worker thread).
 
     With O_DIRECT the bytes come from the device, not the page cache: a real read-back.
@@ -276,6 +276,8 @@ def checksum_file(ops: FileOps, pool: Executor, path: str, size: int, covered: i
     try:
         def one(off: int, n: int) -> list[int]:
             view = _chunk_buffer(_round_up(n))
+            if throttle is not None:
+                throttle(n)
             _read_exact(ops, fd, view, off, n, path, size)
             return _digests(view, off, n, covered)
 
