@@ -194,7 +194,7 @@ class Checkpointer:
             if group is not None:
                 self._groups.skipped(group, path)
             return SaveHandle.finished(replace(base, bytes=0, blocked_s=time.monotonic() - t_call, skipped=True))
-        if not lazy and not has_cuda:
+        if self.config.overlap_write and not lazy and not has_cuda:
             return self._save_overlapped(layout, buf, base, dest, t_call, w_call, choice)
         if lazy:
             snap = LazySnapshot(self._snapper.submit(snapshot, layout, buf), layout, buf)

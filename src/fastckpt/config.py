@@ -26,6 +26,7 @@ class CheckpointerConfig:
     io_threads: int = 4
     chunk_bytes: int = 64 * MiB
     odirect: bool = True
+    overlap_write: bool = False
     commit_timeout_s: float = 600.0
     rank: int | None = None
     world_size: int | None = None

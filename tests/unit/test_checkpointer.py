@@ -133,3 +133,35 @@ def test_config_errors_name_the_fix() -> None:
         fastckpt.Checkpointer(when_busy="never")
     with pytest.raises(fastckpt.ConfigError, match="node-local"):
         fastckpt.Checkpointer(local_dir="s3://b/x")
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_overlapped_write_round_trip(tmp_path, overlap) -> None:
+    sd = {f"t{i}": torch.full((1 << 20,), i, dtype=torch.int32) for i in range(24)}  # 96 MiB, several chunks
+    with fastckpt.Checkpointer(overlap_write=overlap, chunk_bytes=16 << 20) as ck:
+        h = ck.save(sd, str(tmp_path / "o.pt"))
+        for t in sd.values():
+            t.add_(100)  # after save returned: must not reach the file
+        h.wait()
+        out = ck.load(str(tmp_path / "o.pt"))
+    assert all(bool((out[f"t{i}"] == i).all()) for i in range(24))
+
+
+def test_overlapped_write_failure_surfaces_once_and_keeps_previous(tmp_path) -> None:
+    import errno
+
+    from fastckpt.testing import Fault, FaultyOps
+
+    path = str(tmp_path / "f.pt")
+    ops = FaultyOps()
+    with fastckpt.Checkpointer(ops=ops, overlap_write=True) as ck:
+        ck.save(_state(1), path).wait()
+        ops.inject(Fault("pwrite", error=errno.ENOSPC, path_contains=".fastckpt-tmp-"))
+        h = ck.save(_state(2), path)
+        with pytest.raises(fastckpt.CheckpointWriteError) as info:
+            h.wait()
+        assert info.value.errno == errno.ENOSPC
+        ck.wait()  # already seen: not raised again
+        assert _same(ck.load(path), _state(1))
+    ops.assert_all_reached()
+    assert [n for n in os.listdir(tmp_path) if ".fastckpt-tmp-" in n] == []
