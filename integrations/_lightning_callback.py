@@ -1,0 +1,77 @@
+"""The callback that connects a FastCkptIO to its Trainer (see ``_lightning_common``).
+
+Lightning gives a CheckpointIO no way to reach its Trainer, so this callback does it: fastckpt's
+``callbacks_factory`` entry point adds one to every Trainer built while a FastCkptIO exists.
+Every hook runs on the training thread; a Trainer without a FastCkptIO is left alone.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastckpt.errors import ConfigError
+
+from ._lightning_common import FastCkptIOMixin
+
+
+class FastCkptCallbackMixin:
+    """Connects a ``FastCkptIO`` to its Trainer: metrics to the loggers, the lazy-snapshot
+    fence, DeepSpeed's engine. Added by fastckpt's ``callbacks_factory`` entry point; add it
+    yourself (``callbacks=[FastCkptCallback()]``) only where that entry point is not installed.
+    A Trainer without a FastCkptIO is left alone. It adds nothing to checkpoints."""
+
+    def _io(self, trainer: Any) -> FastCkptIOMixin | None:
+        io = trainer.strategy.checkpoint_io
+        inner = getattr(io, "checkpoint_io", None)
+        if not isinstance(io, FastCkptIOMixin) and isinstance(inner, FastCkptIOMixin):
+            raise ConfigError(
+                f"{type(inner).__name__} is wrapped in {type(io).__name__}: pass it directly, "
+                f"Trainer(plugins=[{type(inner).__name__}(...)]). It is already asynchronous; the wrapper "
+                "would clone every tensor on the training thread and its teardown does not pass teardown on, "
+                "so pending saves would not be flushed.")
+        if isinstance(io, FastCkptIOMixin) and io._callback is self:
+            return io
+        return None
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        io = trainer.strategy.checkpoint_io
+        self._io(trainer)  # raises for a wrapped FastCkptIO
+        if isinstance(io, FastCkptIOMixin):
+            io._connect(trainer, self)
+
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        io = self._io(trainer)
+        if io is not None and "DeepSpeedStrategy" in (c.__name__ for c in type(trainer.strategy).__mro__):
+            io._install_deepspeed(trainer)
+
+    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        io = self._io(trainer)
+        if io is not None:
+            io._fence()
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        io = self._io(trainer)
+        if io is not None:
+            io._log_metrics(trainer)
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        io = self._io(trainer)
+        if io is not None:
+            io._fence()
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        io = self._io(trainer)
+        if io is not None:
+            io._crashed = True
+            io._fence()
+
+    def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
+        io = self._io(trainer)
+        if io is not None:  # the strategy's teardown has flushed every save by now
+            io._log_metrics(trainer)
+
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        io = self._io(trainer)
+        if io is not None:
+            io._disconnect(self)

@@ -1,0 +1,368 @@
+"""The Lightning plugin's logic, written once for both builds of Lightning.
+
+Lightning ships the same classes twice (``lightning.pytorch`` and ``pytorch_lightning``) and a
+Trainer of one rejects a plugin built on the other, so the plugin (here) and its callback
+(``_lightning_callback``) are mixins that import neither package; ``lightning.py`` and
+``pytorch_lightning.py`` combine them with their package's ``CheckpointIO`` and ``Callback``.
+``_lightning_saves`` keeps the books of the saves in flight.
+
+Who calls what (everything runs on the training thread; only global rank 0 saves and removes):
+
+  Trainer(plugins=[io])          the strategy holds ``io``. fastckpt's ``callbacks_factory``
+                                 entry point adds one ``FastCkptCallback`` to every Trainer built
+                                 while a FastCkptIO exists: the plugin's only way to the Trainer
+  callback.setup                 connects ``io`` to the Trainer; rejects a wrapped FastCkptIO
+  callback.on_fit_start          DeepSpeedStrategy: installs fastckpt's engine on deepspeed_engine
+  io.save_checkpoint             Checkpointer.save, returns after the snapshot (lazy: earlier)
+  callback.on_before_optimizer_step   lazy snapshot: Checkpointer.fence()
+  callback.on_train_batch_end    logs finished saves' ``ckpt/*`` metrics to trainer.loggers
+  io.remove_checkpoint           queued; runs once every save to that path is durable
+  io.teardown   (strategy)       waits for every save and removal, raises the first error once
+  callback.on_fit_end            logs the remaining saves' metrics (before loggers finalize)
+
+Policy (tiers, budgets, retries, ordering of a save and a removal of the same path) belongs to
+the core; this module translates Lightning's calls and reports what the core measured.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import warnings
+import weakref
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from fastckpt.checkpointer import Checkpointer
+from fastckpt.config import CheckpointerConfig
+from fastckpt.errors import ConfigError
+from fastckpt.monitor import OverheadReport, Stats
+from fastckpt.places import is_url, normalize
+from fastckpt.records import SaveHandle
+
+from ._lightning_saves import SaveLedger, copy_unfenced_tensors
+
+log = logging.getLogger("fastckpt.lightning")
+
+#: The ``storage_options`` keys FastCkptIO understands (``Trainer.save_checkpoint(...,
+#: storage_options=...)``); any other key is rejected by name.
+STORAGE_OPTIONS = {"wait": "True: return only once the checkpoint is durable at its path"}
+
+
+def _parse_storage_options(storage_options: object) -> bool:
+    """Returns ``wait``. Unknown keys are rejected by name."""
+    if storage_options is None:
+        return False
+    if not isinstance(storage_options, Mapping):
+        raise TypeError(f"storage_options must be a dict (FastCkptIO understands {sorted(STORAGE_OPTIONS)}), "
+                        f"got {type(storage_options).__name__}")
+    unknown = sorted(set(storage_options) - set(STORAGE_OPTIONS))
+    if unknown:
+        known = "; ".join(f"{k!r}: {v}" for k, v in STORAGE_OPTIONS.items())
+        raise ConfigError(f"storage_options {unknown} not understood by FastCkptIO (it understands {known}). "
+                          "Storage settings are FastCkptIO(...) arguments: local_dir, tier, and storage_options "
+                          "for fsspec credentials of a URL dirpath.")
+    return bool(storage_options.get("wait", False))
+
+
+class FastCkptIOMixin:
+    """A Lightning ``CheckpointIO`` whose saves return after a snapshot (docs/lightning.md).
+
+    ``Trainer(plugins=[FastCkptIO(local_dir="/local_nvme/ckpt")])``: keep ``ModelCheckpoint``;
+    the path it passes (its dirpath) is where each checkpoint becomes durable, ``local_dir`` the
+    optional burst buffer it lands in first. Files are plain ``torch.save`` zips.
+
+    Args:
+        local_dir: node-local burst buffer (see ``fastckpt.Checkpointer``); None writes straight
+            to the checkpoint path.
+        tier: "auto", "gds", "nvme" or "direct".
+        overhead_budget: fraction of wall time saves may block before the alarm warns.
+        event_log: JSONL file receiving one event per phase of every save.
+        when_busy: "wait" or "skip" when the previous save still holds the staging buffer.
+        lazy_snapshot: copy parameters and optimizer state while the next step's forward and
+            backward run, blocking only in ``on_before_optimizer_step`` (other tensors, such as
+            BatchNorm buffers that forward updates, are copied at once). Needs the callback
+            (installed automatically) and a training step that does not modify parameters or
+            optimizer state in place outside the optimizer step.
+        storage_options: fsspec options (credentials, endpoint) for a URL dirpath such as
+            ``s3://bucket/run``; URL destinations need ``local_dir``.
+        checkpointer: an existing ``fastckpt.Checkpointer`` to use instead, for the options not
+            listed here (keep_local, replicate_policy, io_threads, ...); then the arguments above
+            must stay at their defaults. FastCkptIO waits for it but does not close it.
+    """
+
+    _PACKAGE = ""  # "lightning" or "pytorch_lightning": set by the concrete class
+    _OTHER_BUILD = ""  # the import path of the build for the other package
+    _live: weakref.WeakSet
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        cls._live = weakref.WeakSet()
+
+    def __init__(self, local_dir: str | None = None, *, tier: str = "auto", overhead_budget: float = 0.02,
+                 event_log: str | None = None, when_busy: str = "wait", lazy_snapshot: bool = False,
+                 storage_options: dict | None = None, checkpointer: Checkpointer | None = None) -> None:
+        super().__init__()
+        if checkpointer is not None:
+            if not isinstance(checkpointer, Checkpointer):
+                raise TypeError(f"checkpointer must be a fastckpt.Checkpointer, got {type(checkpointer).__name__}")
+            given = [n for n, v, d in (("local_dir", local_dir, None), ("tier", tier, "auto"),
+                                        ("overhead_budget", overhead_budget, 0.02), ("event_log", event_log, None),
+                                        ("when_busy", when_busy, "wait"), ("storage_options", storage_options, None))
+                     if v != d]
+            if given:
+                raise ConfigError(f"FastCkptIO(checkpointer=...) uses that Checkpointer's settings; do not also "
+                                  f"pass {', '.join(given)} (set them on the Checkpointer)")
+        else:  # validate now: a bad option should fail where the Trainer is built, not at the first save
+            CheckpointerConfig(local_dir=local_dir, tier=tier, overhead_budget=overhead_budget,
+                               event_log=event_log, when_busy=when_busy, storage_options=storage_options)
+        self.local_dir, self.tier, self.overhead_budget = local_dir, tier, overhead_budget
+        self.event_log, self.when_busy, self.lazy_snapshot = event_log, when_busy, bool(lazy_snapshot)
+        self.storage_options = storage_options
+        self._given = checkpointer
+        self._ck: Checkpointer | None = checkpointer
+        self._reset_runtime()
+        type(self)._live.add(self)
+
+    def _reset_runtime(self) -> None:
+        self._saves = SaveLedger()
+        self._removals: dict[str, Future] = {}
+        self._remover: ThreadPoolExecutor | None = None
+        self._trainer_ref: Callable[[], Any] | None = None
+        self._callback: object = None
+        self._final_stats: Stats | None = None
+        self._in_fit = True  # saves may stay in flight until teardown (False after it: synchronous)
+        self._crashed = False
+        self._warned_unconnected = False
+
+    # ------------------------------------------------------------------ plumbing
+    def __getstate__(self) -> dict:
+        # ddp_spawn pickles the Trainer: threads and Checkpointers are rebuilt in the child
+        if self._given is not None:
+            raise TypeError("FastCkptIO(checkpointer=...) cannot be pickled (ddp_spawn): pass the settings "
+                            "(local_dir=..., tier=...) instead and each process builds its own Checkpointer")
+        keep = ("local_dir", "tier", "overhead_budget", "event_log", "when_busy", "lazy_snapshot", "storage_options")
+        return {k: self.__dict__[k] for k in keep}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._given = self._ck = None
+        self._reset_runtime()
+        type(self)._live.add(self)
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(local_dir={self.local_dir!r}, tier={self.tier!r}, "
+                f"overhead_budget={self.overhead_budget!r}, lazy_snapshot={self.lazy_snapshot!r})")
+
+    def __str__(self) -> str:
+        # Lightning names the plugin with str() when it rejects one of the other package's types.
+        return (f"{self!r} (built for the {self._PACKAGE!r} package; with the other one, use "
+                f"`from {self._OTHER_BUILD} import FastCkptIO`)")
+
+    def _checkpointer(self) -> Checkpointer:
+        if self._ck is None:
+            # replicate_policy="all": Lightning expects every path it saved (top-k, last) to exist;
+            # the core's default ("coalesce") would keep only the newest one at the destination.
+            self._ck = Checkpointer(self.local_dir, self.tier, self.overhead_budget, self.event_log,
+                                    when_busy=self.when_busy, storage_options=self.storage_options,
+                                    on_overhead_exceeded=self._on_overhead, replicate_policy="all")
+        return self._ck
+
+    def stats(self) -> Stats | None:
+        """The Checkpointer's ``Stats`` (overhead, alarms, ...): live during fit, as of the end of
+        the last fit after it, None before any save."""
+        return self._ck.stats() if self._ck is not None else self._final_stats
+
+    def _trainer(self) -> Any:
+        return self._trainer_ref() if self._trainer_ref is not None else None
+
+    def _on_overhead(self, report: OverheadReport) -> None:
+        warnings.warn(f"fastckpt: {report.advice()}", UserWarning, stacklevel=2)
+
+    # ------------------------------------------------------------------ CheckpointIO
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: str | os.PathLike,
+                        storage_options: object = None) -> None:
+        """Snapshot ``checkpoint`` and return; it becomes durable at ``path`` in the background.
+
+        Raises:
+            ConfigError: ``storage_options`` holds a key FastCkptIO does not understand.
+            FastCkptError: a previous save failed in the background (raised once).
+        """
+        wait = _parse_storage_options(storage_options)
+        path = os.fspath(path)
+        self._settle_removal(path)
+        self._raise_removal_errors()
+        ck = self._checkpointer()
+        if not is_url(path):  # as TorchCheckpointIO does: ModelCheckpoint(save_last="link") links into it now
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        trainer = self._trainer()
+        if trainer is None and not self._warned_unconnected and self._in_fit:
+            self._warned_unconnected = True
+            warnings.warn("fastckpt: FastCkptIO is not connected to the Trainer, so ckpt/* metrics are not logged "
+                          "and lazy_snapshot is off. fastckpt's `callbacks_factory` entry point connects it; "
+                          "without an installed fastckpt, add `callbacks=[FastCkptCallback()]` to the Trainer.",
+                          UserWarning, stacklevel=2)
+        lazy = self.lazy_snapshot and trainer is not None and self._in_fit and not wait
+        t0 = time.monotonic()
+        state = copy_unfenced_tensors(checkpoint, trainer.lightning_module.parameters(), trainer.optimizers) \
+            if lazy else checkpoint
+        try:
+            handle = ck.save(state, path, lazy=lazy)
+        except BaseException as exc:
+            self._saves.forget(exc)  # the core raised an earlier save's failure: do not raise it again
+            raise
+        step = checkpoint.get("global_step") if isinstance(checkpoint, Mapping) else None
+        item = self._saves.add(handle, step if isinstance(step, int) else None, time.monotonic() - t0, lazy)
+        if wait or not self._in_fit:  # outside fit no teardown follows to flush: finish it now
+            self._fence()
+            self._saves.wait(item)
+        self._raise_first(self._harvest())
+
+    def load_checkpoint(self, path: str | os.PathLike, map_location: object = None,
+                        weights_only: bool | None = None) -> dict[str, Any]:
+        """Load through the core (verified, burst-buffer copy first); waits for a save in flight
+        to the same path. ``weights_only=None`` means torch's default, True; ``map_location=None``
+        loads to CPU as ``TorchCheckpointIO`` does."""
+        path = os.fspath(path)
+        self._settle_removal(path)
+        for t in self._saves.to(normalize(path)):
+            self._saves.wait(t)
+        return self._checkpointer().load(path, "cpu" if map_location is None else map_location,
+                                         weights_only=True if weights_only is None else weights_only)
+
+    def remove_checkpoint(self, path: str | os.PathLike) -> None:
+        """Delete ``path`` (and its burst-buffer copy) once any save to it is durable.
+
+        Returns at once: the deletion is queued, so removing a checkpoint whose save is still in
+        flight neither blocks training nor races the write. A later save to the same path waits
+        for the queued deletion first.
+        """
+        path = normalize(path)
+        ck = self._checkpointer()
+        if self._remover is None:
+            self._remover = ThreadPoolExecutor(1, thread_name_prefix="fastckpt-lightning-remove")
+        prev = self._removals.get(path)
+        if prev is not None and not prev.done():
+            return
+        self._removals[path] = self._remover.submit(ck.remove, path)
+
+    def teardown(self) -> None:
+        """Wait for every pending save and removal; raise the first failure once.
+
+        With several ranks, every rank then meets at a barrier (the training thread, as in
+        Lightning's own teardown), so no rank leaves fit() before rank 0's saves are durable.
+        After a crash (Lightning's ``on_exception``) failures are logged instead, so they do not
+        hide the exception that stopped training.
+        """
+        self._in_fit = False
+        errors: list[BaseException] = []
+        for fut in self._removals.values():
+            exc = fut.exception()
+            if exc is not None:
+                errors.append(exc)
+        self._removals.clear()
+        ck = self._ck
+        if ck is not None:
+            self._fence()
+            try:
+                ck.wait()
+            except BaseException as exc:  # noqa: BLE001 (collected, raised below)
+                errors.append(exc)
+            errors.extend(self._harvest())
+            self._final_stats = ck.stats()
+            if self._given is None:
+                self._ck = None
+                try:
+                    ck.close()
+                except BaseException as exc:  # noqa: BLE001 (collected, raised below)
+                    errors.append(exc)
+        if self._remover is not None:
+            self._remover.shutdown(wait=True)
+            self._remover = None
+        trainer = self._trainer()
+        if trainer is not None and trainer.world_size > 1 and not self._crashed:
+            # Only rank 0 saves, so Lightning's barrier after each save no longer means the file
+            # exists: without this one, another rank could leave fit() and read (or resolve
+            # ckpt_path="last" to) a checkpoint rank 0 is still writing.
+            trainer.strategy.barrier("fastckpt.teardown")
+        unique: list[BaseException] = []
+        for e in errors:
+            if all(e is not u for u in unique):
+                unique.append(e)
+        if self._crashed:
+            for e in unique:
+                log.error("fastckpt: a checkpoint operation failed while training was stopping: %r", e)
+            return
+        self._raise_first(unique)
+
+    # ------------------------------------------------------------------ internals
+    def _raise_first(self, errors: list[BaseException]) -> None:
+        if not errors:
+            return
+        for e in errors[1:]:
+            log.error("fastckpt: another checkpoint operation failed as well: %r", e)
+        raise errors[0]
+
+    def _harvest(self) -> list[BaseException]:
+        return self._saves.harvest(self._ck.stats() if self._ck is not None else None,
+                                   keep_rows=self._callback is not None)
+
+    def _fence(self) -> None:
+        self._saves.fence(self._ck)
+
+    def _settle_removal(self, path: str) -> None:
+        fut = self._removals.pop(normalize(path), None)
+        if fut is not None:
+            fut.result()
+
+    def _raise_removal_errors(self) -> None:
+        for p in [p for p, f in self._removals.items() if f.done()]:
+            fut = self._removals.pop(p)
+            if fut.exception() is not None:
+                raise fut.exception()  # type: ignore[misc]
+
+    def _track_commit(self, handle: SaveHandle, step: int | None) -> None:
+        """DeepSpeed: one entry per group commit (the engine's ``on_commit``)."""
+        item = self._saves.add(handle, step, None)
+        if not self._in_fit:
+            self._saves.wait(item)
+
+    # ------------------------------------------------------------------ called by the callback
+    def _connect(self, trainer: Any, callback: object) -> bool:
+        if self._callback is not None and self._callback is not callback and self._trainer() is trainer:
+            return False  # another FastCkptCallback (explicit and from the entry point) got here first
+        self._callback = callback
+        self._trainer_ref = weakref.ref(trainer)
+        self._in_fit, self._crashed = True, False
+        if trainer.is_global_zero:
+            self._checkpointer()  # start the overhead clock with the run, not at the first save
+        strategy = trainer.strategy
+        if "FSDPStrategy" in (c.__name__ for c in type(strategy).__mro__) \
+                and getattr(strategy, "_state_dict_type", "full") == "sharded":
+            warnings.warn("fastckpt: FSDPStrategy(state_dict_type='sharded') writes its shards with "
+                          "torch.distributed.checkpoint and never calls CheckpointIO, so FastCkptIO does not "
+                          "see those saves. Use state_dict_type='full' to save through FastCkptIO.",
+                          UserWarning, stacklevel=2)
+        return True
+
+    def _install_deepspeed(self, trainer: Any) -> None:
+        engine = getattr(trainer.strategy, "deepspeed_engine", None)
+        if engine is None:
+            return
+        from .deepspeed import install
+
+        install(engine, self._checkpointer,
+                on_commit=lambda handle: self._track_commit(handle, trainer.global_step))
+
+    def _log_metrics(self, trainer: Any) -> None:
+        self._raise_first(self._harvest())
+        for row in self._saves.drain_rows():
+            for lg in trainer.loggers:
+                lg.log_metrics(row, step=trainer.global_step)
+
+    def _disconnect(self, callback: object) -> None:
+        if self._callback is callback:
+            self._callback = None
+            self._trainer_ref = None

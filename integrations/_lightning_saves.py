@@ -1,0 +1,146 @@
+"""FastCkptIO's bookkeeping of the saves it started: lazy fences, metric rows, errors once.
+
+Everything here runs on the training thread. A save is tracked from ``save_checkpoint`` until
+its handle is done; then it becomes one row of ``ckpt/*`` metrics (or, if it failed, an error
+handed back to be raised once).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+
+from fastckpt.checkpointer import Checkpointer
+from fastckpt.monitor import Stats
+from fastckpt.records import SaveHandle, SaveRecord
+
+
+@dataclass(eq=False)
+class Tracked:
+    """A save (or a DeepSpeed group commit) whose numbers the loggers have not seen yet."""
+
+    handle: SaveHandle
+    step: int | None
+    blocked_s: float | None  # training-thread time in save_checkpoint (+ fence); None: the record's
+
+
+class SaveLedger:
+    def __init__(self) -> None:
+        self.tracked: list[Tracked] = []
+        self._unfenced: list[Tracked] = []
+        self._rows: list[dict[str, float]] = []
+
+    def add(self, handle: SaveHandle, step: int | None, blocked_s: float | None, lazy: bool = False) -> Tracked:
+        item = Tracked(handle, step, blocked_s)
+        self.tracked.append(item)
+        if lazy:
+            self._unfenced.append(item)
+        return item
+
+    def fence(self, ck: Checkpointer | None) -> None:
+        """Lazy saves: wait for their copies; the wait is blocked time of the first of them."""
+        if not self._unfenced or ck is None:
+            return
+        waited = ck.fence()
+        first = self._unfenced[0]
+        first.blocked_s = (first.blocked_s or 0.0) + waited
+        self._unfenced = []
+
+    def wait(self, item: Tracked) -> None:
+        """Wait for one save; a failure is raised here and not again by ``harvest``."""
+        try:
+            item.handle.wait()
+        except BaseException:
+            self.tracked = [t for t in self.tracked if t is not item]
+            raise
+
+    def to(self, path: str) -> list[Tracked]:
+        return [t for t in self.tracked if t.handle.path == path]
+
+    def forget(self, exc: BaseException) -> None:
+        """Drop the save whose failure ``exc`` is (the core has just raised it)."""
+        keep = []
+        for t in self.tracked:
+            if t.handle.done() and t not in self._unfenced:
+                try:
+                    t.handle.wait()
+                except BaseException as e:  # noqa: BLE001 (compared, not swallowed: kept unless it is exc)
+                    if e is exc:
+                        continue
+            keep.append(t)
+        self.tracked = keep
+
+    def harvest(self, stats: Stats | None, keep_rows: bool) -> list[BaseException]:
+        """Turn finished saves into metric rows; return the failures (each raised once by wait)."""
+        done = [t for t in self.tracked if t.handle.done() and t not in self._unfenced]
+        if not done:
+            return []
+        self.tracked = [t for t in self.tracked if t not in done]
+        errors: list[BaseException] = []
+        for t in done:
+            try:
+                rec = t.handle.wait()
+            except BaseException as exc:  # noqa: BLE001 (returned to the caller to raise)
+                errors.append(exc)
+                continue
+            if keep_rows:
+                self._rows.append(row(t, rec, stats))
+        return errors
+
+    def drain_rows(self) -> list[dict[str, float]]:
+        rows, self._rows = self._rows, []
+        return rows
+
+
+def row(t: Tracked, rec: SaveRecord, stats: Stats | None) -> dict[str, float]:
+    """The ``ckpt/*`` metrics of one save (docs/lightning.md says what each one means)."""
+    out = {"ckpt/blocked_s": rec.blocked_s if t.blocked_s is None else t.blocked_s,
+           "ckpt/write_GBps": rec.write_GBps, "ckpt/GB": rec.bytes / 1e9}
+    if rec.durable_s is not None:
+        out["ckpt/durable_s"] = rec.durable_s
+        if rec.local_durable_s is not None:
+            out["ckpt/replication_lag_s"] = rec.durable_s - rec.local_durable_s
+    if stats is not None:
+        out["ckpt/overhead_pct"] = 100.0 * stats.overhead
+        out["ckpt/over_budget"] = float(stats.over_budget)
+    if t.step is not None:
+        out["ckpt/step"] = float(t.step)
+    if rec.skipped:
+        out["ckpt/skipped"] = 1.0
+    if rec.superseded:  # a newer save to the same path was replicated instead of this one
+        out["ckpt/superseded"] = 1.0
+    return out
+
+
+def _storage_key(t: torch.Tensor) -> tuple[str, int]:
+    return str(t.device), t.untyped_storage().data_ptr()
+
+
+def map_tensors(obj: object, fn: Callable[[torch.Tensor], torch.Tensor]) -> object:
+    """A copy of the containers of ``obj`` (types and attributes kept) with ``fn`` applied to tensors."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, (dict, list)):
+        new = copy.copy(obj)  # keeps the type and attributes, e.g. a state_dict's _metadata
+        for k, v in (obj.items() if isinstance(obj, dict) else enumerate(obj)):
+            new[k] = map_tensors(v, fn)
+        return new
+    if isinstance(obj, tuple):
+        items = [map_tensors(v, fn) for v in obj]
+        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+    return obj
+
+
+def copy_unfenced_tensors(checkpoint: object, params: Iterable[torch.Tensor],
+                          optimizers: Iterable[torch.optim.Optimizer]) -> object:
+    """Lazy mode defers only what the fence protects: parameters and optimizer state (changed
+    only by the optimizer step). Everything else, such as BatchNorm buffers that forward
+    updates or a user's extras, is copied now."""
+    protected = {_storage_key(p) for p in params}
+    for opt in optimizers:
+        for st in opt.state.values():
+            protected.update(_storage_key(v) for v in st.values() if isinstance(v, torch.Tensor))
+    return map_tensors(checkpoint, lambda t: t if _storage_key(t) in protected else t.detach().clone())

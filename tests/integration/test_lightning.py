@@ -1,0 +1,564 @@
+"""FastCkptIO with a real Lightning Trainer on CPU: ModelCheckpoint, resume, deletion races,
+flushing, errors, bad configurations, logger metrics, lazy snapshot.
+
+DDP and DeepSpeed live in test_lightning_ddp.py and test_lightning_deepspeed.py.
+"""
+
+from __future__ import annotations
+
+import copy
+import errno
+import os
+import random
+import subprocess
+import sys
+import textwrap
+import threading
+import warnings
+
+import pytest
+import torch
+
+L = pytest.importorskip("lightning")
+from fastckpt.integrations.lightning import FastCkptCallback, FastCkptIO
+from lightning.fabric.plugins import TorchCheckpointIO
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.loggers import Logger
+from lightning.pytorch.plugins.io import AsyncCheckpointIO
+
+import fastckpt
+from fastckpt.errors import CheckpointWriteError, ConfigError
+from fastckpt.testing import Fault, FaultyOps
+
+STEPS_PER_EPOCH = 8  # 32 samples, batch 4
+
+
+class TinyModel(L.LightningModule):
+    """Linear + BatchNorm (buffers forward updates) + Dropout (RNG), Adam + StepLR.
+
+    Lightning does not save RNG state; the model does (as users who need exact resumes do) and
+    the tests check that FastCkptIO returns it intact."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.BatchNorm1d(32), torch.nn.ReLU(),
+                                       torch.nn.Dropout(0.2), torch.nn.Linear(32, 1))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        opt = torch.optim.Adam(self.parameters(), lr=1e-2)
+        return [opt], [torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)]
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint["rng"] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        torch.set_rng_state(checkpoint["rng"]["torch"])
+        random.setstate(checkpoint["rng"]["python"])
+
+
+def loader() -> torch.utils.data.DataLoader:
+    g = torch.Generator().manual_seed(0)
+    ds = torch.utils.data.TensorDataset(torch.randn(32, 8, generator=g), torch.randn(32, 1, generator=g))
+    return torch.utils.data.DataLoader(ds, batch_size=4, shuffle=True)
+
+
+class SpyLogger(Logger):
+    """Records every log_metrics call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows: list[tuple[int | None, dict]] = []
+
+    @property
+    def name(self) -> str:
+        return "spy"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_metrics(self, metrics: dict, step: int | None = None) -> None:
+        self.rows.append((step, dict(metrics)))
+
+    def log_hyperparams(self, params: object, *args: object, **kwargs: object) -> None:
+        pass
+
+    def ckpt_rows(self) -> list[dict]:
+        return [m for _, m in self.rows if any(k.startswith("ckpt/") for k in m)]
+
+
+def make_trainer(root: str, io: object, max_steps: int, callbacks: list | None = None, logger: object = False,
+                 **mc: object) -> L.Trainer:
+    mc = {"dirpath": os.path.join(root, "ckpt"), **mc}
+    return L.Trainer(max_steps=max_steps, accelerator="cpu", devices=1, plugins=[io] if io is not None else None,
+                     logger=logger, enable_progress_bar=False, enable_model_summary=False,
+                     default_root_dir=root, num_sanity_val_steps=0,
+                     callbacks=[*(callbacks or []), ModelCheckpoint(**mc)])
+
+
+def tree_equal(a: object, b: object, where: str = "") -> None:
+    """Assert bit-exact equality of nested checkpoint structures."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor), where
+        assert a.dtype == b.dtype and a.shape == b.shape, where
+        assert torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and set(a) == set(b), f"{where}: keys {sorted(map(str, a))} != {sorted(map(str, b))}"
+        for k in a:
+            tree_equal(a[k], b[k], f"{where}/{k}")
+    elif isinstance(a, (list, tuple)):
+        assert isinstance(b, (list, tuple)) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            tree_equal(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+def spy_saves(io: FastCkptIO) -> dict[str, dict]:
+    """Deep-copies every checkpoint at the moment Lightning hands it to the plugin."""
+    seen: dict[str, dict] = {}
+    original = io.save_checkpoint
+
+    def save_checkpoint(checkpoint, path, storage_options=None):
+        seen[os.path.basename(path)] = copy.deepcopy(checkpoint)
+        return original(checkpoint, path, storage_options)
+
+    io.save_checkpoint = save_checkpoint  # type: ignore[method-assign]
+    return seen
+
+
+def leftovers(*dirs: str) -> list[str]:
+    """Temp files fastckpt or anyone else left behind."""
+    out = []
+    for d in dirs:
+        for root, _, files in os.walk(d):
+            out += [os.path.join(root, f) for f in files if ".tmp" in f or f.startswith(".")]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+def test_model_checkpoint_top_k_last_and_logger_metrics(tmp_path):
+    L.seed_everything(0, verbose=False)
+    io, spy = FastCkptIO(local_dir=str(tmp_path / "nvme")), SpyLogger()
+    seen = spy_saves(io)
+    trainer = make_trainer(str(tmp_path), io, 12, logger=spy, every_n_train_steps=2, save_top_k=2,
+                           monitor="step", mode="max", save_last=True)
+    assert sum(isinstance(c, FastCkptCallback) for c in trainer.callbacks) == 1  # from the entry point
+    trainer.fit(TinyModel(), loader())
+
+    ckdir = tmp_path / "ckpt"
+    assert sorted(os.listdir(ckdir)) == ["epoch=1-step=10.ckpt", "epoch=1-step=12.ckpt", "last.ckpt"]
+    assert leftovers(str(ckdir), str(tmp_path / "nvme")) == []
+    for name in os.listdir(ckdir):  # plain torch.load opens them; content is what Lightning gave
+        tree_equal(torch.load(ckdir / name, weights_only=True), seen[name], name)
+    # no orphan in the burst buffer (how many copies it keeps is the core's business)
+    local = os.path.join(io.local_dir, os.path.abspath(ckdir).lstrip(os.sep))
+    assert set(os.listdir(local)) <= set(os.listdir(ckdir))
+
+    rows = spy.ckpt_rows()
+    assert len(rows) == 12  # 6 top-k saves + 6 last.ckpt saves, each logged once
+    assert sorted(r["ckpt/step"] for r in rows) == sorted([2.0, 4.0, 6.0, 8.0, 10.0, 12.0] * 2)
+    for r in rows:
+        assert 0 < r["ckpt/blocked_s"] <= r["ckpt/durable_s"]
+        assert r["ckpt/write_GBps"] > 0
+        assert 0 <= r["ckpt/overhead_pct"] <= 100
+        assert 0 <= r["ckpt/replication_lag_s"] <= r["ckpt/durable_s"]  # local_dir: replicated
+    assert all(step is not None and step >= 2 for step, m in spy.rows if "ckpt/step" in m)
+
+
+def test_explicit_callback_does_not_double_metrics(tmp_path):
+    io, spy = FastCkptIO(), SpyLogger()
+    trainer = make_trainer(str(tmp_path), io, 4, callbacks=[FastCkptCallback()], logger=spy,
+                           every_n_train_steps=2, save_top_k=-1)
+    assert sum(isinstance(c, FastCkptCallback) for c in trainer.callbacks) == 2
+    trainer.fit(TinyModel(), loader())
+    assert len(spy.ckpt_rows()) == 2
+    assert "ckpt/replication_lag_s" not in spy.ckpt_rows()[0]  # no local_dir: nothing replicated
+
+
+def test_save_last_link(tmp_path):
+    io = FastCkptIO(local_dir=str(tmp_path / "nvme"))
+    trainer = make_trainer(str(tmp_path), io, 6, every_n_train_steps=2, save_top_k=1, monitor="step",
+                           mode="max", save_last="link")
+    trainer.fit(TinyModel(), loader())
+    last = tmp_path / "ckpt" / "last.ckpt"
+    assert os.path.islink(last) and os.readlink(last) == "epoch=0-step=6.ckpt"
+    assert fastckpt.load(str(last))["global_step"] == 6
+
+
+def test_resume_from_last_is_bit_exact(tmp_path):
+    """An interrupted run resumed with ckpt_path="last" ends with the same weights and optimizer
+    state as an uninterrupted one (the checkpoint is at an epoch boundary: Lightning replays a
+    partial epoch's data differently, with any CheckpointIO)."""
+    L.seed_everything(0, verbose=False)
+    ref = TinyModel()
+    ref_trainer = make_trainer(str(tmp_path / "ref"), FastCkptIO(), 2 * STEPS_PER_EPOCH,
+                               every_n_train_steps=STEPS_PER_EPOCH)
+    ref_trainer.fit(ref, loader())
+    ref_rng = torch.get_rng_state()
+
+    L.seed_everything(0, verbose=False)
+    first = make_trainer(str(tmp_path / "run"), FastCkptIO(), STEPS_PER_EPOCH, save_last=True,
+                         every_n_train_steps=STEPS_PER_EPOCH)
+    first.fit(TinyModel(), loader())
+
+    L.seed_everything(123, verbose=False)  # a different init and RNG: the checkpoint must restore both
+    resumed = TinyModel()
+    second = make_trainer(str(tmp_path / "run"), FastCkptIO(), 2 * STEPS_PER_EPOCH, save_last=True,
+                          every_n_train_steps=STEPS_PER_EPOCH)
+    second.fit(resumed, loader(), ckpt_path="last")
+
+    assert second.global_step == ref_trainer.global_step == 2 * STEPS_PER_EPOCH
+    tree_equal(resumed.state_dict(), ref.state_dict(), "weights")
+    tree_equal(second.optimizers[0].state_dict(), ref_trainer.optimizers[0].state_dict(), "optimizer")
+    tree_equal(torch.get_rng_state(), ref_rng, "rng")
+
+
+class _Stop(Exception):
+    pass
+
+
+def test_resume_restores_state_mid_epoch(tmp_path):
+    """Resuming from a mid-epoch checkpoint restores exactly what the saving run had: weights
+    (and BatchNorm buffers), optimizer and scheduler state, loop counters, RNG state."""
+    L.seed_everything(0, verbose=False)
+    io = FastCkptIO(local_dir=str(tmp_path / "nvme"))
+    seen = spy_saves(io)
+    make_trainer(str(tmp_path), io, 5, every_n_train_steps=5, save_top_k=-1).fit(TinyModel(), loader())
+    name = "epoch=0-step=5.ckpt"
+    saved = seen[name]
+    loaded = FastCkptIO().load_checkpoint(str(tmp_path / "ckpt" / name))
+    tree_equal(loaded, saved, "checkpoint")
+
+    restored: dict = {}
+
+    class Capture(Callback):
+        def on_train_start(self, trainer, pl_module):
+            restored.update(weights=copy.deepcopy(pl_module.state_dict()),
+                            optimizer=copy.deepcopy(trainer.optimizers[0].state_dict()),
+                            scheduler=trainer.lr_scheduler_configs[0].scheduler.state_dict(),
+                            global_step=trainer.global_step, epoch=trainer.current_epoch,
+                            batches=trainer.fit_loop.epoch_loop.batch_progress.state_dict())
+            raise _Stop  # enough: stop before the first resumed step
+
+    class Resumed(TinyModel):
+        def on_load_checkpoint(self, checkpoint: dict) -> None:
+            super().on_load_checkpoint(checkpoint)  # Lightning draws from the RNG after this (data loading)
+            restored.update(rng=torch.get_rng_state(), py_rng=random.getstate())
+
+    L.seed_everything(7, verbose=False)
+    trainer = make_trainer(str(tmp_path / "resume"), FastCkptIO(), 10, callbacks=[Capture()], every_n_train_steps=50)
+    with pytest.raises(_Stop):
+        trainer.fit(Resumed(), loader(), ckpt_path=str(tmp_path / "ckpt" / name))
+    tree_equal(restored["weights"], saved["state_dict"], "weights")
+    tree_equal(restored["optimizer"], saved["optimizer_states"][0], "optimizer")
+    tree_equal(restored["scheduler"], saved["lr_schedulers"][0], "scheduler")
+    assert (restored["global_step"], restored["epoch"]) == (saved["global_step"], saved["epoch"]) == (5, 0)
+    assert restored["batches"]["total"] == saved["loops"]["fit_loop"]["epoch_loop.batch_progress"]["total"]
+    tree_equal(restored["rng"], saved["rng"]["torch"], "torch rng")
+    assert restored["py_rng"] == saved["rng"]["python"]
+
+
+def test_top_k_deletion_of_an_in_flight_save(tmp_path):
+    """save_top_k=1 removes step=2 while its save is held in flight (before its final rename):
+    remove_checkpoint returns at once, training goes on, and once the save lands the deletion
+    runs: no error, no orphan in the checkpoint dir or the burst buffer."""
+    ops = FaultyOps()
+    gate = ops.gate("replace", path_contains="step=2.ckpt")
+    ck = fastckpt.Checkpointer(local_dir=str(tmp_path / "nvme"), ops=ops)
+    io = FastCkptIO(checkpointer=ck)
+    observed: dict = {}
+
+    class HoldUntilStep6(Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if trainer.global_step == 6:  # step=4's save already asked to delete step=2
+                observed["entered"] = gate.wait_entered(timeout=30)
+                observed["removal_queued"] = any(p.endswith("step=2.ckpt") for p in io._removals)
+                observed["removal_done"] = all(f.done() for f in io._removals.values())
+                gate.open()
+
+    trainer = make_trainer(str(tmp_path), io, 8, callbacks=[HoldUntilStep6()], every_n_train_steps=2,
+                           save_top_k=1, monitor="step", mode="max")
+    trainer.fit(TinyModel(), loader())
+    ck.close()
+    assert observed == {"entered": True, "removal_queued": True, "removal_done": False}
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["epoch=0-step=8.ckpt"]
+    assert leftovers(str(tmp_path / "ckpt"), str(tmp_path / "nvme")) == []
+    nvme_files = [f for _, _, fs in os.walk(tmp_path / "nvme") for f in fs]
+    assert nvme_files == ["epoch=0-step=8.ckpt"]
+
+
+def test_teardown_waits_for_pending_saves(tmp_path):
+    """The last save is still being written when fit() ends: teardown waits for it."""
+    ops = FaultyOps()
+    gate = ops.gate("replace", path_contains="step=4.ckpt")
+    io = FastCkptIO(checkpointer=fastckpt.Checkpointer(ops=ops))
+    in_teardown = threading.Event()
+    original = io.teardown
+
+    def teardown() -> None:
+        in_teardown.set()
+        original()
+
+    io.teardown = teardown  # type: ignore[method-assign]
+
+    def opener() -> None:  # the save cannot finish before teardown has started
+        in_teardown.wait(60)
+        gate.wait_entered(60)
+        gate.open()
+
+    t = threading.Thread(target=opener)
+    t.start()
+    trainer = make_trainer(str(tmp_path), io, 4, every_n_train_steps=4)
+    trainer.fit(TinyModel(), loader())
+    t.join()
+    assert gate.wait_entered(0)  # the save really was held in flight at teardown
+    assert fastckpt.load(str(tmp_path / "ckpt" / "epoch=0-step=4.ckpt"))["global_step"] == 4
+
+
+def test_background_error_raised_once_by_fit(tmp_path):
+    """The last save fails in the background: fit raises it once (from teardown); the previous
+    checkpoint stays intact; a second teardown raises nothing."""
+    ops = FaultyOps([Fault("pwrite", errno.ENOSPC, path_contains="step=4.ckpt")])
+    io = FastCkptIO(checkpointer=fastckpt.Checkpointer(ops=ops))
+    trainer = make_trainer(str(tmp_path), io, 4, every_n_train_steps=2, save_top_k=-1)
+    with pytest.raises(CheckpointWriteError) as info:
+        trainer.fit(TinyModel(), loader())
+    assert "step=4.ckpt" in str(info.value)
+    ops.assert_all_reached()
+    io.teardown()  # nothing left to raise
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["epoch=0-step=2.ckpt"]
+    assert fastckpt.load(str(tmp_path / "ckpt" / "epoch=0-step=2.ckpt"))["global_step"] == 2
+
+
+def test_background_error_surfaces_at_next_save_once(tmp_path):
+    """A failed save surfaces at the next sync point (the next save or a hook), once: training
+    stops with it and teardown does not raise it again."""
+    ops = FaultyOps([Fault("pwrite", errno.EIO, path_contains="step=2.ckpt")])
+    io = FastCkptIO(checkpointer=fastckpt.Checkpointer(ops=ops))
+    trainer = make_trainer(str(tmp_path), io, 8, every_n_train_steps=2, save_top_k=-1)
+    with pytest.raises(CheckpointWriteError) as info:
+        trainer.fit(TinyModel(), loader())
+    assert "step=2.ckpt" in str(info.value)
+    assert trainer.global_step < 8  # it stopped training
+    io.teardown()
+
+
+SCRIPT_AFTER_FIT = textwrap.dedent("""
+    import sys, torch, lightning as L
+    sys.path.insert(0, {tests!r})
+    from tests.integration.test_lightning import TinyModel, loader
+    from fastckpt import FastCkptIO
+    L.seed_everything(0, verbose=False)
+    model = TinyModel()
+    trainer = L.Trainer(max_steps=3, accelerator="cpu", plugins=[FastCkptIO()], logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(model, loader())
+    trainer.save_checkpoint({path!r})
+    torch.save(model.state_dict(), {ref!r})
+    # no explicit flush: the process ends right here
+""")
+
+
+def test_save_after_fit_is_durable_when_the_process_exits(tmp_path):
+    path, ref = str(tmp_path / "after_fit.ckpt"), str(tmp_path / "ref.pt")
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    script = SCRIPT_AFTER_FIT.format(tests=repo, path=path, ref=ref)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    tree_equal(fastckpt.load(path)["state_dict"], torch.load(ref, weights_only=True), "state_dict")
+
+
+# --------------------------------------------------------------------------- bad input
+def test_wrapped_in_async_checkpoint_io_is_rejected(tmp_path):
+    trainer = make_trainer(str(tmp_path), AsyncCheckpointIO(FastCkptIO()), 2, every_n_train_steps=1)
+    with pytest.raises(ConfigError, match=r"pass it directly, Trainer\(plugins=\[FastCkptIO"):
+        trainer.fit(TinyModel(), loader())
+
+
+def test_two_checkpoint_ios_are_rejected_by_lightning():
+    with pytest.raises(MisconfigurationException, match="multiple values for CheckpointIO"):
+        L.Trainer(accelerator="cpu", plugins=[FastCkptIO(), TorchCheckpointIO()])
+
+
+def test_plugin_of_the_other_lightning_package_says_which_to_import():
+    pl = pytest.importorskip("pytorch_lightning")
+    from fastckpt.integrations.pytorch_lightning import FastCkptIO as PLFastCkptIO
+
+    with pytest.raises(Exception, match=r"from fastckpt\.integrations\.pytorch_lightning import FastCkptIO"):
+        pl.Trainer(accelerator="cpu", plugins=[FastCkptIO()])
+    with pytest.raises(Exception, match=r"from fastckpt\.integrations\.lightning import FastCkptIO"):
+        L.Trainer(accelerator="cpu", plugins=[PLFastCkptIO()])
+
+
+def test_bad_options_fail_at_construction():
+    with pytest.raises(ConfigError, match="tier="):
+        FastCkptIO(tier="tape")
+    with pytest.raises(ConfigError, match="overhead_budget"):
+        FastCkptIO(overhead_budget=2.0)
+    with fastckpt.Checkpointer() as ck, pytest.raises(ConfigError, match="do not also pass local_dir"):
+        FastCkptIO(local_dir="/tmp", checkpointer=ck)
+
+
+def test_storage_options(tmp_path):
+    io = FastCkptIO()
+    trainer = make_trainer(str(tmp_path), io, 2, every_n_train_steps=100)
+    trainer.fit(TinyModel(), loader())
+    path = str(tmp_path / "manual.ckpt")
+    with pytest.raises(ConfigError, match=r"storage_options \['endpoint_url', 'region'\] not understood"):
+        trainer.save_checkpoint(path, storage_options={"region": "x", "endpoint_url": "y", "wait": True})
+    with pytest.raises(TypeError, match="storage_options must be a dict"):
+        trainer.save_checkpoint(path, storage_options="fast")
+    assert not os.path.exists(path)
+    trainer.save_checkpoint(path, storage_options={"wait": True})
+    assert fastckpt.load(path)["global_step"] == 2
+
+
+# --------------------------------------------------------------------------- overhead, lazy, compat
+def test_overhead_alarm_warns_with_the_numbers(tmp_path):
+    spy = SpyLogger()
+    trainer = make_trainer(str(tmp_path), FastCkptIO(overhead_budget=1e-6), 6, logger=spy,
+                           every_n_train_steps=2, save_top_k=-1)
+    with pytest.warns(UserWarning, match=r"checkpoint overhead .*% of wall time .* is above the .* budget: "
+                                         r"\d+ saves blocked .* s in .* s"):
+        trainer.fit(TinyModel(), loader())
+    assert spy.ckpt_rows()[-1]["ckpt/over_budget"] == 1.0
+
+
+def test_lazy_snapshot_saves_the_state_of_its_step(tmp_path, monkeypatch):
+    """The lazy copy is held until the next step's forward and backward have run (BatchNorm has
+    updated its buffers by then): the file still holds the state at save time, because buffers
+    are copied at once and parameters and optimizer state are fenced before the optimizer step."""
+    import fastckpt.checkpointer as core
+
+    release = threading.Event()
+    real_snapshot = core.snapshot
+
+    def held_snapshot(*args, **kwargs):
+        assert release.wait(60), "the test never released the lazy copy"
+        return real_snapshot(*args, **kwargs)
+
+    monkeypatch.setattr(core, "snapshot", held_snapshot)
+
+    class Release(Callback):  # user callbacks run before FastCkptCallback and ModelCheckpoint
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            release.clear()  # ModelCheckpoint saves right after this: its copy is held
+
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            release.set()  # the next step's forward and backward have run; then comes the fence
+
+        def on_train_end(self, trainer, pl_module):
+            release.set()
+
+    L.seed_everything(0, verbose=False)
+    io, spy = FastCkptIO(lazy_snapshot=True), SpyLogger()
+    seen = spy_saves(io)
+    trainer = make_trainer(str(tmp_path), io, 6, callbacks=[Release()], logger=spy,
+                           every_n_train_steps=2, save_top_k=-1)
+    trainer.fit(TinyModel(), loader())
+    for name in ("epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt", "epoch=0-step=6.ckpt"):
+        tree_equal(torch.load(tmp_path / "ckpt" / name, weights_only=True), seen[name], name)
+    assert len(spy.ckpt_rows()) == 3
+    assert all(r["ckpt/blocked_s"] > 0 for r in spy.ckpt_rows())
+
+
+def test_resume_from_a_torch_checkpoint_io_file(tmp_path):
+    """Checkpoints written by Lightning's own TorchCheckpointIO load through FastCkptIO."""
+    make_trainer(str(tmp_path / "a"), TorchCheckpointIO(), 4, every_n_train_steps=4).fit(TinyModel(), loader())
+    path = str(tmp_path / "a" / "ckpt" / "epoch=0-step=4.ckpt")
+    trainer = make_trainer(str(tmp_path / "b"), FastCkptIO(), 6, every_n_train_steps=6)
+    trainer.fit(TinyModel(), loader(), ckpt_path=path)
+    assert trainer.global_step == 6
+    assert fastckpt.load(str(tmp_path / "b" / "ckpt" / "epoch=0-step=6.ckpt"))["global_step"] == 6
+
+
+def test_unconnected_plugin_still_saves_and_says_why_no_metrics(tmp_path):
+    io = FastCkptIO()
+    trainer = make_trainer(str(tmp_path), io, 2, every_n_train_steps=2)
+    trainer.callbacks[:] = [c for c in trainer.callbacks if not isinstance(c, FastCkptCallback)]
+    with pytest.warns(UserWarning, match="not connected to the Trainer"):
+        trainer.fit(TinyModel(), loader())
+    assert fastckpt.load(str(tmp_path / "ckpt" / "epoch=0-step=2.ckpt"))["global_step"] == 2
+
+
+def test_pytorch_lightning_build(tmp_path):
+    pl = pytest.importorskip("pytorch_lightning")
+    from fastckpt.integrations.pytorch_lightning import FastCkptCallback as PLCallback
+    from fastckpt.integrations.pytorch_lightning import FastCkptIO as PLFastCkptIO
+
+    class PLModel(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 1)
+
+        def training_step(self, batch, batch_idx):
+            return torch.nn.functional.mse_loss(self.lin(batch[0]), batch[1])
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = pl.Trainer(max_steps=2, accelerator="cpu", plugins=[PLFastCkptIO()], logger=False,
+                             enable_progress_bar=False, enable_model_summary=False,
+                             callbacks=[pl.callbacks.ModelCheckpoint(dirpath=str(tmp_path), every_n_train_steps=2)])
+        assert any(isinstance(c, PLCallback) for c in trainer.callbacks)
+        trainer.fit(PLModel(), loader())
+    assert fastckpt.load(str(tmp_path / "epoch=0-step=2.ckpt"))["global_step"] == 2
+
+
+def test_plugin_pickles_for_ddp_spawn():
+    """ddp_spawn pickles the Trainer: settings travel, threads and Checkpointers do not."""
+    import pickle
+
+    io = FastCkptIO(local_dir="/tmp/x", overhead_budget=0.05, lazy_snapshot=True)
+    io._checkpointer()  # a live Checkpointer (threads) must not stop pickling
+    clone = pickle.loads(pickle.dumps(io))
+    assert repr(clone) == repr(io) and clone._ck is None and clone in FastCkptIO._live
+    io.teardown()
+    with fastckpt.Checkpointer() as ck, pytest.raises(TypeError, match="cannot be pickled"):
+        pickle.dumps(FastCkptIO(checkpointer=ck))
+
+
+def test_s3_dirpath_top_k_and_resume_from_last(tmp_path, monkeypatch, request):
+    """ModelCheckpoint(dirpath="s3://...") with a burst buffer: files land locally, are verified
+    in S3, top-k deletions reach S3, and a resume reads from S3 (SeaweedFS on 127.0.0.1)."""
+    pytest.importorskip("s3fs")
+    pytest.importorskip("boto3")
+    s3 = request.getfixturevalue("s3_server")
+    bucket = request.getfixturevalue("s3_bucket")
+    # Lightning's ModelCheckpoint lists and probes dirpath through its own fsspec filesystem,
+    # which only the environment configures
+    for k, v in {"AWS_ACCESS_KEY_ID": s3.access_key, "AWS_SECRET_ACCESS_KEY": s3.secret_key,
+                 "AWS_DEFAULT_REGION": s3.region, "AWS_ENDPOINT_URL": s3.endpoint_url}.items():
+        monkeypatch.setenv(k, v)
+    url = f"s3://{bucket}/run"
+
+    def trainer(max_steps: int) -> L.Trainer:
+        io = FastCkptIO(local_dir=str(tmp_path / "nvme"), storage_options=s3.storage_options())
+        return make_trainer(str(tmp_path), io, max_steps, dirpath=url, every_n_train_steps=2, save_top_k=1,
+                            monitor="step", mode="max", save_last=True)
+
+    L.seed_everything(0, verbose=False)
+    model = TinyModel()
+    trainer(4).fit(model, loader())
+    keys = sorted(o["Key"] for o in s3.client().list_objects_v2(Bucket=bucket).get("Contents", []))
+    # each file with its sidecar manifest (published last); step=2 deleted by save_top_k, with its sidecar
+    assert keys == ["run/epoch=0-step=4.ckpt", "run/epoch=0-step=4.ckpt.fastckpt.json",
+                    "run/last.ckpt", "run/last.ckpt.fastckpt.json"]
+
+    resumed = make_trainer(str(tmp_path), FastCkptIO(local_dir=str(tmp_path / "nvme2"),
+                                                     storage_options=s3.storage_options()), 4,
+                           dirpath=url, every_n_train_steps=100)
+    restored = TinyModel()
+    # not ckpt_path="last": Lightning drops the s3:// of what it lists and finds no "last" (its
+    # limitation, with any CheckpointIO); fastckpt.latest names the newest complete checkpoint
+    newest = fastckpt.latest(url, storage_options=s3.storage_options())
+    assert newest in (f"{url}/last.ckpt", f"{url}/epoch=0-step=4.ckpt")
+    resumed.fit(restored, loader(), ckpt_path=newest)  # already at max_steps: restores, trains no step
+    tree_equal(restored.state_dict(), model.state_dict(), "weights from S3")
