@@ -124,7 +124,7 @@ def attempt_token(group_dir: str, world_size: int) -> str | None:
         store = dist.distributed_c10d._get_default_store()
     except (ImportError, RuntimeError, AttributeError):
         return None
-    n = store.add(f"fastckpt/attempt/{os.path.abspath(group_dir)}", 1)
+    n = store.add(f"fastckpt/attempt/{group_dir}", 1)  # group_dir is normalised (absolute path or URL)
     return str((n - 1) // world_size)
 
 
