@@ -218,8 +218,10 @@ class SeaweedProcess:
                 raise WeedStartError(f"weed server did not serve S3 at {self.endpoint_url} within "
                                      f"{self.start_timeout_s:.0f} s (last error: {last!r}); log tail:\n"
                                      f"{self.log_tail()}")
-            # Polling a process we do not control: back off gently, bounded by the deadline.
-            time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+            # Readiness of a process we do not control can only be polled: wait on the process
+            # itself between tries, so a server that dies is noticed at once, not after a nap.
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._proc.wait(timeout=min(delay, max(0.0, deadline - time.monotonic())))
             delay = min(delay * 1.5, 0.5)
 
     def stop(self, grace_s: float = 3.0) -> None:
