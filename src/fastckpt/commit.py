@@ -116,13 +116,8 @@ def attempt_token(group_dir: str, world_size: int) -> str | None:
     counts k*W+1 .. (k+1)*W. Without an initialised process group there is no store; then
     markers are told apart by time (``STALE_MARKER_S``) and by the files' checksums.
     """
-    try:
-        import torch.distributed as dist
-
-        if world_size <= 1 or not (dist.is_available() and dist.is_initialized()):
-            return None
-        store = dist.distributed_c10d._get_default_store()
-    except (ImportError, RuntimeError, AttributeError):
+    store = _default_store() if world_size > 1 else None
+    if store is None:
         return None
     n = store.add(f"fastckpt/attempt/{group_dir}", 1)  # group_dir is normalised (absolute path or URL)
     return str((n - 1) // world_size)

@@ -10,7 +10,6 @@ import json
 import logging
 import mmap
 import posixpath
-from collections.abc import Callable
 
 from . import checksum
 from . import commit as C
@@ -39,7 +38,7 @@ def scan_remote(targets: TargetCache, url: str) -> list[C.Found]:
     return found
 
 
-def load_remote(targets: TargetCache, url: str, load_fn: Callable | None, map_location: object,
+def load_remote(targets: TargetCache, url: str, map_location: object,
                 weights_only: bool, chunk_bytes: int) -> object:
     """Read ``url`` in parallel ranged GETs into memory, verify, deserialise (zero-copy)."""
     target, key = targets.get(url)

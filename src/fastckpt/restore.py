@@ -140,7 +140,7 @@ def load_any(ops: FileOps, pool: Executor, targets, path: str, local: str | None
             target.download(key, local)
             obj, used = load_file(ops, pool, [local], map_location, weights_only, chunk_bytes, odirect)
             return obj, path, "remote (prefetched)"
-        return load_remote(targets, path, None, map_location, weights_only, chunk_bytes), path, "remote"
+        return load_remote(targets, path, map_location, weights_only, chunk_bytes), path, "remote"
     candidates = [p for p in (local, path) if p and os.path.exists(p)]
     if len(candidates) == 2 and _other_save(local, path):  # type: ignore[arg-type]
         candidates = [path]  # the local copy is of a save that never reached path (it failed)

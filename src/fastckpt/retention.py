@@ -27,20 +27,9 @@ class Retention:
 
     def durable(self, path: str, has_local: bool, owns_persistent: bool) -> None:
         """``path`` (a file or group) is verified at its durable home; trim both lists."""
-        drop_local, drop_persistent = [], []
         with self._lock:
-            if has_local and self._keep_local is not None:
-                if path in self._local:
-                    self._local.remove(path)
-                self._local.append(path)
-                while len(self._local) > self._keep_local:
-                    drop_local.append(self._local.popleft())
-            if owns_persistent and self._keep_persistent is not None:
-                if path in self._persistent:
-                    self._persistent.remove(path)
-                self._persistent.append(path)
-                while len(self._persistent) > self._keep_persistent:
-                    drop_persistent.append(self._persistent.popleft())
+            drop_local = _push(self._local, path, self._keep_local) if has_local else []
+            drop_persistent = _push(self._persistent, path, self._keep_persistent) if owns_persistent else []
         for p in drop_local:
             self._run(self._delete_local, p, "burst-buffer copy")
         for p in drop_persistent:
@@ -59,3 +48,13 @@ class Retention:
             log.info("fastckpt: retention removed the %s of %s", what, path)
         except OSError as exc:  # retention must not fail a save; say so and go on
             log.warning("fastckpt: retention could not remove the %s of %s: %s", what, path, exc)
+
+
+def _push(queue: deque[str], path: str, keep: int | None) -> list[str]:
+    """Make ``path`` the newest entry; return the oldest ones beyond ``keep`` (removed)."""
+    if keep is None:
+        return []
+    if path in queue:
+        queue.remove(path)
+    queue.append(path)
+    return [queue.popleft() for _ in range(len(queue) - keep)]
