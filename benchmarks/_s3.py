@@ -91,3 +91,16 @@ def server_cpu_s(server: object) -> float:
     except (AttributeError, OSError):
         return 0.0
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
+def pin_server(server: object, cpus: set[int]) -> bool:
+    """Confine every thread of the ``weed`` process to ``cpus`` (threads it starts later inherit
+    it); False when that is not possible here."""
+    proc = getattr(server.process, "_proc", None)
+    try:
+        tids = os.listdir(f"/proc/{proc.pid}/task")
+        for tid in tids:
+            os.sched_setaffinity(int(tid), cpus)
+    except (AttributeError, OSError):
+        return False
+    return True

@@ -17,9 +17,11 @@ time.perf_counter seconds; GB/s are decimal (1e9 B/s).
 Part 1, replication throughput: the same state (--size, split into --files float32 files).
   fastckpt      Checkpointer(local_dir=...).save(part, dest) for each part; the time is from the
                 first local commit (t_save + rec.local_durable_s) to the last verified copy at
-                the destination (t_save + rec.durable_s): upload *and* read-back verification.
-                Its "replicate" events split that into upload/copy (first event's start to
-                the last upload's end) and verify (the read-back that follows, to the last end).
+                the destination (t_save + rec.durable_s): upload *and* verification (S3: in
+                flight, each part's CRC32 checked by the store, then a HEAD; a read-back with
+                replicate_verify="readback"; POSIX: an O_DIRECT read-back of each chunk as it is
+                written). Its "replicate" events split that into upload/copy (first event's
+                start to the last upload's end) and verify (what follows, to the last end).
   s3fs          fs.put([local files], [remote paths]) with default settings (no verification).
   boto3 default upload_file per file, default TransferConfig (8 MiB parts, 10 threads).
   boto3 tuned   upload_file per file, TransferConfig(max_concurrency=8, 16 MiB parts).
@@ -29,7 +31,7 @@ Part 1, replication throughput: the same state (--size, split into --files float
   CPU columns: CPU seconds per GB used by this process and its children (the client; for
   fastckpt from its first local commit on), by the weed server, and the share of all CPUs that
   other processes used meanwhile ("other": anything above a few % means a noisy measurement).
-Part 2, training-step slowdown: a CPU MLP training step (default torch threads) is timed for
+Part 2, training-step slowdown: a CPU MLP training step is timed for
   --steps steps with nothing in the background, and for as long as fastckpt replicates a
   --bg-size checkpoint (steps from its local commit until the replica is verified; the step
   that straddles the end is dropped), to S3 and to the POSIX target, uncapped and with
@@ -37,6 +39,11 @@ Part 2, training-step slowdown: a CPU MLP training step (default torch threads) 
   add the server's, which shares these CPUs here (and would not in production). Per trial: mean
   step time; table: medians over rounds, and the "quiet" round (least CPU used by other
   processes: interference only ever adds time); target: < 2 % slowdown to S3 with the first cap.
+  Layout (--node, the default): the training step runs on one core with one torch thread, as
+  the Python thread that drives a GPU does; the S3 server, which in production runs on other
+  machines, is confined to another core; fastckpt's threads may run anywhere, so the CPU and
+  GIL they take from the step is counted. --no-node lets everything share every core (the
+  server then takes CPU from the step, which a training node would not see).
 """
 
 from __future__ import annotations
@@ -231,12 +238,18 @@ def train_trial(ctx: dict, variant: str, tag: str, steps: int) -> dict:
         if not ctx["sink"].committed.wait(600):  # from the local commit on, only replication runs
             raise TimeoutError("no local commit within 600 s")
     a = cpu_now(ctx["server"])
-    while len(times) < steps if h is None else not h.done():
-        t0 = time.perf_counter()
-        ctx["step"]()
-        t1 = time.perf_counter()
-        if h is None or not h.done():  # a step that straddles the end of replication is not counted
-            times.append(t1 - t0)
+    if ctx["train_cpus"]:  # this thread only: fastckpt's threads, started elsewhere, stay free
+        os.sched_setaffinity(0, ctx["train_cpus"])
+    try:
+        while len(times) < steps if h is None else not h.done():
+            t0 = time.perf_counter()
+            ctx["step"]()
+            t1 = time.perf_counter()
+            if h is None or not h.done():  # a step that straddles the end of replication is not counted
+                times.append(t1 - t0)
+    finally:
+        if ctx["train_cpus"]:
+            os.sched_setaffinity(0, ctx["all_cpus"])
     res = {"step_s": sum(times) / len(times) if times else None, "steps": len(times)}
     res |= cpu_use(a, cpu_now(ctx["server"]))
     if h is not None:
@@ -246,6 +259,20 @@ def train_trial(ctx: dict, variant: str, tag: str, steps: int) -> dict:
 
 
 def part2(ctx: dict, args: argparse.Namespace) -> dict[str, list[dict]]:
+    ctx["all_cpus"], ctx["train_cpus"] = os.sched_getaffinity(0), None
+    if args.node and len(ctx["all_cpus"]) >= 2:
+        # A training node: the thread that drives training is one core (on a GPU node it
+        # launches kernels; the rest of the host is idle), and the store is on other machines.
+        # Here: the step runs on one core with one torch thread, the S3 server is confined to
+        # another, and fastckpt's threads may use any core (they compete with both).
+        first, last = min(ctx["all_cpus"]), max(ctx["all_cpus"])
+        if _s3.pin_server(ctx["server"], {last}):
+            torch.set_num_threads(1)
+            ctx["train_cpus"] = {first}
+            print(f"part 2 layout: training step on CPU {first} (1 torch thread), S3 server on CPU {last}, "
+                  "fastckpt's threads on any CPU", file=sys.stderr)
+        else:
+            print("note: could not pin the S3 server's threads; part 2 runs with the default layout", file=sys.stderr)
     ctx["step"], ctx["bg_state"] = make_step(), c.make_state(c.parse_size(args.bg_size), seed=99)
     for _ in range(5):
         ctx["step"]()  # warm-up: allocator, thread pool
@@ -299,7 +326,7 @@ def run(args: argparse.Namespace, root: Path, server: object, ctx: dict) -> dict
         why = f"fastckpt → S3 failed in part 1 ({errors['fastckpt_s3']})"
     train = part2(ctx, args) if s3_ok and not errors.get("fastckpt_s3") and args.only != 1 else {}
     return {"runs": runs, "train": train, "why": why, "errors": errors, "nbytes": nbytes, "bg": ctx.get("bg"),
-            "threads": torch.get_num_threads()}
+            "threads": torch.get_num_threads(), "node": bool(ctx.get("train_cpus"))}
 
 
 def report(res: dict) -> str:
@@ -330,7 +357,9 @@ def report(res: dict) -> str:
         t = {k: {f: c.median([r.get(f) for r in v]) for f in v[-1]} for k, v in res["train"].items()}
         q = {k: min(v, key=lambda r: r["other_frac"]) for k, v in res["train"].items()}  # least disturbed
         base, qbase = t["none"]["step_s"], q["none"]["step_s"]
-        out += ["", f"### Training step beside replication ({res['threads']} torch threads, "
+        layout = ("training-node layout: the step on one core, the S3 server on another, fastckpt on any"
+                  if res.get("node") else "every process on every core")
+        out += ["", f"### Training step beside replication ({layout}; {res['threads']} torch threads, "
                 f"median of {len(res['train']['none'])} rounds; quiet: the round with the least other CPU)", "",
                 "| background | mean step ms | slowdown | other CPU | quiet: step ms | slowdown | other CPU "
                 "| steps timed | replication GB/s | S3 server CPU |", "|---" + "|---:" * 9 + "|"]
@@ -366,6 +395,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bg-size", default="1GiB", help="part 2 checkpoint size")
     p.add_argument("--cap-Bps", type=float, nargs="+", default=[200e6], help="part 2 caps; the first is checked")
     p.add_argument("--steps", type=int, default=150, help="part 2 steps timed without replication")
+    p.add_argument("--node", action=argparse.BooleanOptionalAction, default=True,
+                   help="part 2 on a training-node layout: the step on one core and one torch thread, the S3 "
+                        "server on another core, fastckpt free (--no-node: everything shares every core)")
     p.add_argument("--only", type=int, choices=(1, 2), help="run only this part")
     p.add_argument("--json", type=Path, help="also write the raw numbers here")
     args = p.parse_args(argv)

@@ -66,9 +66,10 @@ class Checkpointer:
         ops: the FileOps seam (tests inject faults through it).
         sinks: extra EventSinks.
         **options: the other ``CheckpointerConfig`` fields: on_overhead_exceeded,
-            overhead_window_s, when_busy, io_threads, chunk_bytes, odirect, commit_timeout_s,
+            overhead_window_s, when_busy, staging_buffers, io_threads, chunk_bytes, odirect,
+            overlap_write, commit_timeout_s,
             rank, world_size, keep_local, keep_persistent, replicate_bandwidth_Bps,
-            replicate_policy, replicate_workers, storage_options, retry_deadline_s,
+            replicate_policy, replicate_verify, replicate_workers, storage_options, retry_deadline_s,
             close_timeout_s (docs/core.md and docs/burst-buffer.md).
     """
 
@@ -85,7 +86,7 @@ class Checkpointer:
         self._monitor = Monitor(cfg.overhead_budget, cfg.overhead_window_s, cfg.on_overhead_exceeded)
         self._jsonl = JsonlSink(cfg.event_log) if cfg.event_log else None
         self._sinks: tuple[EventSink, ...] = tuple(sinks) + ((self._jsonl,) if self._jsonl else ())
-        self._staging = StagingPool()
+        self._staging = StagingPool(cfg.staging_buffers)
         self._io = ThreadPoolExecutor(cfg.io_threads, thread_name_prefix="fastckpt-io")
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="fastckpt-write")
         self._committer = ThreadPoolExecutor(4, thread_name_prefix="fastckpt-commit")
@@ -95,6 +96,7 @@ class Checkpointer:
         self._inflight = InFlight()
         self._stop = threading.Event()
         self._closed = False
+        self._last_restore: tuple[float | None, str | None] = (None, None)
         self._targets = TargetCache(cfg.storage_options, cfg.retry_deadline_s, cfg.io_threads, self._on_retry)
         self._pipeline = Pipeline(cfg, self._ops, self._io, self._staging, self._monitor, self._emit)
         self._replicator = Replicator(cfg, self._ops, self._io, self._targets, self._emit,
@@ -138,6 +140,25 @@ class Checkpointer:
                    detail=f"attempt={notice.attempt} next_in_s={notice.delay_s:.2f}")
 
     # ------------------------------------------------------------------ save
+    def reserve(self, nbytes: int, *, pinned: bool = False) -> Future:
+        """Allocate the ``staging_buffers`` staging buffers for files of about ``nbytes`` now, on
+        a background thread, so the first save does not (docs/core.md). A save arriving meanwhile
+        waits for them and never allocates a second copy; a larger one allocates its own.
+
+        Args:
+            nbytes: one checkpoint file's expected size: the tensors' bytes, each rounded up to
+                4 KiB, plus a margin for the metadata.
+            pinned: True for states on CUDA devices (pinned host memory).
+
+        Returns:
+            A Future resolving to the number of buffers allocated, or holding the allocation's
+            error (logged; the next save then allocates, and raises, itself).
+        """
+        self._check_open()
+        if nbytes < 0:
+            raise ValueError(f"nbytes={nbytes} must be >= 0")
+        return self._staging.reserve(int(nbytes) + TAIL_ROOM, pinned)
+
     def save(self, state_dict: object, path: str, group: str | None = None, *, lazy: bool = False) -> SaveHandle:
         """Snapshot ``state_dict`` and return; the file becomes durable at ``path`` later.
 
@@ -314,7 +335,9 @@ class Checkpointer:
         obj, used, where = load_any(self._ops, self._io, self._targets, path, self.local_path(path),
                                     map_location, weights_only, prefetch, cfg.chunk_bytes, cfg.odirect)
         size = os.path.getsize(used) if os.path.exists(used) else 0
-        self._emit("load", used, size, w0, where, detail=f"rto_s={time.monotonic() - t0:.6f}")
+        rto = time.monotonic() - t0
+        self._last_restore = (rto, where)
+        self._emit("load", used, size, w0, where, detail=f"rto_s={rto:.6f}")
         return obj
 
     def latest(self, root: str) -> str | None:
@@ -322,13 +345,18 @@ class Checkpointer:
         return latest(root, self.config.storage_options)
 
     def remove(self, path: str) -> None:
-        """Delete a checkpoint file or group, after any save in flight to it has finished."""
+        """Delete a checkpoint file or group, after any save in flight to it has finished.
+
+        A single file whose replication has not started yet is not replicated (its handle
+        resolves with ``cancelled=True``); an upload or group commit under way is waited for.
+        """
         path = normalize(path)
-        for f in self._inflight.writing(path, "/" if is_url(path) else os.sep):
-            try:
-                f.result()
-            except BaseException:  # noqa: BLE001 (surfaced at the next sync point)
-                log.debug("save to %s failed before its removal", path)
+        with self._replicator.cancelling(path):
+            for f in self._inflight.writing(path, "/" if is_url(path) else os.sep):
+                try:
+                    f.result()
+                except BaseException:  # noqa: BLE001 (surfaced at the next sync point)
+                    log.debug("save to %s failed before its removal", path)
         self._retention.forget(path)
         self._delete_local(path)
         self._delete_persistent(path)
@@ -397,8 +425,10 @@ class Checkpointer:
 
     def stats(self) -> Stats:
         r = self._replicator
+        rto, where = self._last_restore
         return self._monitor.stats(len(self._inflight), replication_lag_s=r.lag_s(), rpo_s=r.rpo_s(),
-                                   replication_pending=len(r.pending()), replication_failures=r.failures)
+                                   replication_pending=len(r.pending()), replication_failures=r.failures,
+                                   last_restore_s=rto, last_restore_from=where)
 
     def close(self) -> None:
         """Flush pending saves and replication (up to ``close_timeout_s``), stop the workers,
@@ -449,11 +479,9 @@ def latest(root: str, storage_options: dict | None = None) -> str | None:
     """
     root = os.fspath(root)
     if is_url(root):
-        from .remote import scan_remote
+        from .remote import latest_remote
 
-        cache = TargetCache(storage_options, 300.0, 4)
-        found = scan_remote(cache, normalize(root))
-        return found[-1].path if found else None
+        return latest_remote(TargetCache(storage_options, 300.0, 4), normalize(root))
     return C.latest(root)
 
 

@@ -27,6 +27,7 @@ from .places import Place, as_place
 GROUP_MANIFEST = "fastckpt-manifest.json"
 MARKER_DIR = ".fastckpt"
 LATEST = "latest"
+SIDECAR = ".fastckpt.json"  # a single file's publication record at a URL: NAME.fastckpt.json
 TMP_TAG = ".fastckpt-tmp-"
 TAIL_BYTES = 65536 + 22
 
@@ -195,14 +196,50 @@ def group_order(manifest: dict) -> float:
     return float(manifest.get("requested_at", manifest.get("committed_at", 0.0)))
 
 
-def _pointed_order(parent: Place) -> float:
-    """The order of the group ``parent/latest`` names; -inf when there is none to keep."""
+def _pointed(parent: Place) -> tuple[str, float] | None:
+    """What ``parent/latest`` names, if that is a complete checkpoint, and its order.
+
+    The name is a group directory (complete once its manifest exists) or, at a URL, a single
+    file (complete once its sidecar exists; see ``replicate.py``).
+    """
     try:
         name = (parent.get(LATEST) or b"").decode().strip()
-        m = read_group_manifest(parent.child(name)) if name else None
-    except (OSError, ValueError):  # missing, unreadable or corrupt: the pointer may be replaced
-        return float("-inf")
-    return group_order(m) if m is not None else float("-inf")
+        if not name or "/" in name or name in (".", ".."):
+            return None
+        m = read_group_manifest(parent.child(name))
+        if m is not None:
+            return name, group_order(m)
+        side = parent.get(name + SIDECAR)
+        if side is not None:
+            return name, float(json.loads(side).get("written_at", 0.0))
+    except (OSError, ValueError, CorruptCheckpointError):  # unreadable or corrupt: it may be replaced
+        return None
+    return None
+
+
+def _pointed_order(parent: Place) -> float:
+    """The order of the checkpoint ``parent/latest`` names; -inf when there is none to keep."""
+    found = _pointed(parent)
+    return found[1] if found is not None else float("-inf")
+
+
+def pointed_name(parent: Place) -> str | None:
+    """The name in ``parent/latest`` when it is a complete checkpoint; None when stale or absent."""
+    found = _pointed(parent)
+    return found[0] if found is not None else None
+
+
+def publish_file_pointer(parent: Place, name: str, manifest: dict) -> bool:
+    """Point ``parent/latest`` at the single file ``name`` just published; only ever forward.
+
+    Called after the file's publication record, so the pointer never names a partial
+    checkpoint. Returns whether the pointer moved (it stays when it names a newer checkpoint).
+    """
+    with _latest_lock:
+        if _pointed_order(parent) > float(manifest.get("written_at", 0.0)):
+            return False
+        parent.put(LATEST, name.encode())
+        return True
 
 
 def publish_group(ops: FileOps | None, group_dir: str | Place, world_size: int, markers: dict[int, dict], extra: dict,

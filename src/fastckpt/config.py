@@ -27,6 +27,7 @@ class CheckpointerConfig:
     chunk_bytes: int = 64 * MiB
     odirect: bool = True
     overlap_write: bool = False
+    staging_buffers: int = 1
     commit_timeout_s: float = 600.0
     rank: int | None = None
     world_size: int | None = None
@@ -35,6 +36,7 @@ class CheckpointerConfig:
     keep_persistent: int | None = None
     replicate_bandwidth_Bps: float | None = None
     replicate_policy: str = "coalesce"
+    replicate_verify: str = "checksum"
     replicate_workers: int = 2
     storage_options: dict | None = None
     retry_deadline_s: float = 300.0
@@ -52,6 +54,9 @@ class CheckpointerConfig:
                               "is free) or 'skip' (drop this save with a warning)")
         if not 1 <= self.io_threads <= 256:
             raise ConfigError(f"io_threads={self.io_threads} must be between 1 and 256")
+        if not isinstance(self.staging_buffers, int) or not 1 <= self.staging_buffers <= 4:
+            raise ConfigError(f"staging_buffers={self.staging_buffers!r} must be a whole number from 1 to 4 (each "
+                              "holds one copy of the state in host memory)")
         if self.chunk_bytes <= 0 or self.chunk_bytes % (16 * MiB):
             raise ConfigError(f"chunk_bytes={self.chunk_bytes} must be a positive multiple of 16 MiB")
         if self.commit_timeout_s <= 0:
@@ -73,6 +78,9 @@ class CheckpointerConfig:
         if self.replicate_policy not in ("coalesce", "all"):
             raise ConfigError(f"replicate_policy={self.replicate_policy!r} must be 'coalesce' (replicate the newest, "
                               "drop superseded queued ones) or 'all'")
+        if self.replicate_verify not in ("checksum", "readback"):
+            raise ConfigError(f"replicate_verify={self.replicate_verify!r} must be 'checksum' (the store checks each "
+                              "part's checksum while uploading) or 'readback' (also read every replica back)")
         if not 1 <= self.replicate_workers <= 64:
             raise ConfigError(f"replicate_workers={self.replicate_workers} must be between 1 and 64")
         if self.retry_deadline_s <= 0:

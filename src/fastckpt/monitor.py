@@ -67,6 +67,8 @@ class Stats:
     rpo_s: float | None = None
     replication_pending: int = 0
     replication_failures: int = 0
+    last_restore_s: float | None = None  # the RTO of the newest load(): call to deserialised state
+    last_restore_from: str | None = None  # where that load read from: "local", "path" or "remote"
 
 
 class Monitor:
@@ -135,7 +137,7 @@ class Monitor:
         with self._lock:
             self.last_durable = durable_s
 
-    def stats(self, pending: int, **extra: float | None) -> Stats:
+    def stats(self, pending: int, **extra: object) -> Stats:
         now = time.monotonic()
         with self._lock:
             wall = now - self._t0

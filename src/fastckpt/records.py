@@ -14,7 +14,8 @@ class SaveRecord:
     buffer). ``write_s``: bytes written and synced in the first location. ``commit_s``: the
     file renamed into place there. ``local_durable_s``: durable in ``local_dir`` (nvme tier,
     else None). ``durable_s``: durable and verified at the path given to ``save``; None when
-    ``superseded`` (replication coalesced it away: only the local copy exists) or ``skipped``.
+    ``superseded`` (replication coalesced it away: only the local copy exists), ``skipped``, or
+    ``cancelled`` (``remove()`` deleted it while its replication was still queued).
     """
 
     path: str
@@ -32,6 +33,7 @@ class SaveRecord:
     group: str | None = None
     skipped: bool = False
     superseded: bool = False
+    cancelled: bool = False
 
     @property
     def write_GBps(self) -> float:

@@ -38,6 +38,22 @@ def scan_remote(targets: TargetCache, url: str) -> list[C.Found]:
     return found
 
 
+def latest_remote(targets: TargetCache, url: str) -> str | None:
+    """The newest complete checkpoint under ``url``.
+
+    ``url/latest`` answers in a few requests when it names a complete checkpoint: the replicator
+    (single files) and group commits move it forward after publishing, so it names the newest
+    checkpoint directly inside ``url``. Without a valid pointer (none written yet, or the
+    checkpoint it names was deleted) a listing of everything under ``url`` decides.
+    """
+    target, prefix = targets.get(url)
+    name = C.pointed_name(TargetPlace(target, prefix))
+    if name is not None:
+        return target.url_of(f"{prefix}/{name}" if prefix else name)
+    found = scan_remote(targets, url)
+    return found[-1].path if found else None
+
+
 def load_remote(targets: TargetCache, url: str, map_location: object,
                 weights_only: bool, chunk_bytes: int) -> object:
     """Read ``url`` in parallel ranged GETs into memory, verify, deserialise (zero-copy)."""

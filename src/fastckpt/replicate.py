@@ -3,9 +3,12 @@
 Order of work for one file (worker threads of the Replicator, never the training thread):
   1. copy: POSIX destination -> parallel O_DIRECT copy to a temp name; URL -> multipart
      upload through the target (retries with backoff, the shared bandwidth cap);
-  2. verify: read the destination back (O_DIRECT / ranged GETs) and compare with the checksum
-     recorded at save time; a mismatch uploads again (3 attempts), so only verified bytes
-     are ever published;
+  2. verify against the checksum recorded at save time: POSIX -> each chunk read back with
+     O_DIRECT as soon as it is written; URL -> in flight (the bytes sent hash to the
+     checksum, the store confirms each part's CRC32, then the size), or a ranged read-back
+     with ``replicate_verify="readback"`` or a store that confirms nothing
+     (docs/burst-buffer.md, "What verified means"). A mismatch uploads again (3 attempts),
+     so only verified bytes are ever published;
   3. publish: POSIX -> rename into place + directory fsync; URL -> the sidecar manifest
      ``NAME.fastckpt.json`` last (a remote file without it is not a checkpoint yet). Group
      files get no sidecar: the group manifest, written by rank 0 after every rank's marker,
@@ -19,11 +22,13 @@ from __future__ import annotations
 import json
 import logging
 import os
+import posixpath
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Executor, Future
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
 from . import commit as C
@@ -31,12 +36,13 @@ from .config import CheckpointerConfig
 from .errors import CheckpointWriteError, CorruptCheckpointError
 from .io.engine import checksum_file, copy_file
 from .io.ops import FileOps
-from .places import is_url, split_url
 from .pipeline import reraise
+from .places import TargetPlace, is_url, split_url
 from .records import SaveRecord
+from .targets import Expected, Target
 
 log = logging.getLogger("fastckpt")
-SIDECAR = ".fastckpt.json"
+SIDECAR = C.SIDECAR
 VERIFY_ATTEMPTS = 3
 
 
@@ -83,6 +89,7 @@ class Replicator:
         self._running: list[ReplicaJob] = []
         self._threads: list[threading.Thread] = []
         self._closed = False
+        self._cancel: dict[str, int] = {}  # paths being removed -> how many remove() calls
         self.failures = 0
         self.newest_verified_call: float | None = None  # wall time of that checkpoint's save call
         self._bucket = None
@@ -96,12 +103,16 @@ class Replicator:
         with self._cv:
             if self._closed:
                 raise RuntimeError("replicator is closed")
-            if self._cfg.replicate_policy == "coalesce":
-                for old in [j for j in self._queue if j.rec.group is None or j.rec.group != job.rec.group]:
-                    self._queue.remove(old)
-                    log.info("fastckpt: replication of %s superseded by %s (replicate_policy='coalesce'); "
-                             "its local copy stays at %s", old.rec.path, job.rec.path, old.local)
-                    old.future.set_result(replace(old.rec, durable_s=None, superseded=True))
+            if self._cancelled(job):
+                self._drop(job)
+                return job.future
+            coalesce = self._cfg.replicate_policy == "coalesce"
+            for old in [j for j in self._queue if self._supersedes(job, j, coalesce)]:
+                self._queue.remove(old)
+                why = "replicate_policy='coalesce'" if coalesce else "a newer save to the same path"
+                log.info("fastckpt: replication of %s superseded by %s (%s); its local copy stays at %s",
+                         old.rec.path, job.rec.path, why, old.local)
+                old.future.set_result(replace(old.rec, durable_s=None, superseded=True))
             self._queue.append(job)
             self._emit("queued", job.rec.path, job.rec.bytes, job.committed_at, job.rec.tier,
                        detail=f"waiting={len(self._queue)} running={len(self._running)}")
@@ -112,14 +123,59 @@ class Replicator:
             self._cv.notify()
         return job.future
 
+    @contextmanager
+    def cancelling(self, path: str) -> Iterator[None]:
+        """While ``remove(path)`` runs: the single file ``path`` is not replicated.
+
+        Its queued job is dropped now, and one submitted meanwhile (its local write was still
+        finishing) is dropped on arrival; both resolve as ``cancelled``. An upload already
+        running finishes (the caller waits for it, then deletes both copies).
+        """
+        with self._cv:
+            self._cancel[path] = self._cancel.get(path, 0) + 1
+            for job in [j for j in self._queue if self._cancelled(j)]:
+                self._queue.remove(job)
+                self._drop(job)
+        try:
+            yield
+        finally:
+            with self._cv:
+                self._cancel[path] -= 1
+                if not self._cancel[path]:
+                    del self._cancel[path]
+
+    @staticmethod
+    def _supersedes(new: ReplicaJob, old: ReplicaJob, coalesce: bool) -> bool:
+        """Whether queued ``old`` is dropped for ``new``: any other checkpoint when coalescing;
+        with "all", an older save of the same single file (its bytes are replaced anyway)."""
+        if coalesce:
+            return old.rec.group is None or old.rec.group != new.rec.group
+        return old.rec.group is None and new.rec.group is None and old.rec.path == new.rec.path
+
+    def _next(self) -> ReplicaJob | None:
+        """The oldest queued job whose destination no running job writes (lock held): two
+        uploads of one path never overlap, so the newer save is always the one left there."""
+        busy = {j.rec.path for j in self._running}
+        for job in self._queue:
+            if job.rec.path not in busy:
+                self._queue.remove(job)
+                return job
+        return None
+
+    def _cancelled(self, job: ReplicaJob) -> bool:
+        return job.rec.group is None and job.rec.path in self._cancel
+
+    def _drop(self, job: ReplicaJob) -> None:
+        log.info("fastckpt: replication of %s cancelled: the checkpoint is being removed", job.rec.path)
+        job.future.set_result(replace(job.rec, durable_s=None, cancelled=True))
+
     def _work(self) -> None:
         while True:
             with self._cv:
-                while not self._queue and not self._closed:
+                while (job := self._next()) is None and not (self._closed and not self._queue):
                     self._cv.wait()
-                if not self._queue:
+                if job is None:
                     return
-                job = self._queue.popleft()
                 self._running.append(job)
             try:
                 job.future.set_result(job.finish(self._replicate(job)))
@@ -132,6 +188,7 @@ class Replicator:
             finally:
                 with self._cv:
                     self._running.remove(job)
+                    self._cv.notify_all()  # a job held back for this path may start now
 
     def lag_s(self) -> float:
         """Seconds since the oldest checkpoint still waiting for replication committed locally."""
@@ -161,6 +218,14 @@ class Replicator:
         if manifest is None:
             raise CheckpointWriteError(f"local copy {job.local} of {rec.path} has no manifest: it was replaced "
                                        "or damaged after it was committed; not replicating it")
+        if rec.checksum and manifest["checksum"]["value"] != rec.checksum:
+            call_wall = job.committed_at - (rec.local_durable_s or 0.0)
+            if float(manifest.get("written_at", 0.0)) < call_wall:
+                raise CheckpointWriteError(f"local copy {job.local} of {rec.path} no longer has the checksum it was "
+                                           "committed with: it changed after it was committed; not replicating it")
+            # a newer save to the same path replaced the local copy; that save's own job sends it
+            log.info("fastckpt: replication of %s superseded: a newer save replaced its local copy", rec.path)
+            return replace(rec, durable_s=None, superseded=True)
         covered = manifest["covered"]
         try:
             detail = (self._upload(job, covered, manifest) if is_url(rec.path)
@@ -187,16 +252,20 @@ class Replicator:
             self._ops.makedirs(os.path.dirname(rec.path))
             for attempt in range(1, VERIFY_ATTEMPTS + 1):
                 t0 = time.monotonic()
+                # each chunk is read back (O_DIRECT) as soon as it is written: no serial verify pass
                 res = copy_file(self._ops, self._io, job.local, tmp, rec.bytes, covered,
-                                chunk_bytes=cfg.chunk_bytes, odirect=cfg.odirect, throttle=self._throttle)
+                                chunk_bytes=cfg.chunk_bytes, odirect=cfg.odirect, throttle=self._throttle,
+                                read_back=True)
                 if res.checksum != rec.checksum:
                     raise CheckpointWriteError(
                         f"local copy {job.local} read back checksum {res.checksum}, expected {rec.checksum}: "
                         f"it changed after it was committed; not publishing {rec.path}")
                 t1 = time.monotonic()
-                _drop_cache(tmp)
-                back = checksum_file(self._ops, self._io, tmp, rec.bytes, covered, chunk_bytes=cfg.chunk_bytes,
-                                     odirect=cfg.odirect, throttle=self._throttle)
+                back = res.read_back
+                if back is None:  # not O_DIRECT: read it back after the fsync, past the page cache
+                    _drop_cache(tmp)
+                    back = checksum_file(self._ops, self._io, tmp, rec.bytes, covered,
+                                         chunk_bytes=cfg.chunk_bytes, odirect=cfg.odirect, throttle=self._throttle)
                 if back == rec.checksum:
                     break
                 log.warning("fastckpt: copy %d of %s read back as %s, expected %s; copying again",
@@ -215,13 +284,20 @@ class Replicator:
     def _upload(self, job: ReplicaJob, covered: int, manifest: dict) -> str:
         rec, cfg = job.rec, self._cfg
         target, key = self.targets.get(rec.path)
+        expect = Expected(rec.bytes, rec.checksum, covered)
+        readback = cfg.replicate_verify == "readback"
         for attempt in range(1, VERIFY_ATTEMPTS + 1):
             t0 = time.monotonic()
-            put = target.put_file(job.local, key, bandwidth_Bps=self._bucket,
-                                  chunk_bytes=max(cfg.chunk_bytes // 4, 8 << 20))
-            t1 = time.monotonic()
+            how = "checksum"
             try:
-                target.verify(key, rec.bytes, rec.checksum, covered)
+                put = target.put_file(job.local, key, bandwidth_Bps=self._bucket, expect=expect,
+                                      chunk_bytes=max(cfg.chunk_bytes // 4, 8 << 20))
+                t1 = time.monotonic()
+                if put.verified:  # the store checked every part's CRC32 (targets_fsspec); the size too
+                    _check_size(target, key, rec.bytes)
+                if readback or not put.verified:
+                    how = "readback"
+                    target.verify(key, rec.bytes, rec.checksum, covered, bandwidth_Bps=self._bucket)
                 break
             except CorruptCheckpointError as exc:
                 if attempt == VERIFY_ATTEMPTS:
@@ -229,8 +305,17 @@ class Replicator:
                 log.warning("fastckpt: upload %d of %s did not verify (%s); uploading again", attempt, rec.path, exc)
         if rec.group is None:  # published last: only now is the remote file a checkpoint
             target.put_bytes(key + SIDECAR, json.dumps(manifest, sort_keys=True).encode())
+            # then the directory's latest pointer, which only moves forward
+            C.publish_file_pointer(TargetPlace(target, posixpath.dirname(key)), posixpath.basename(key), manifest)
         return (f"upload_s={t1 - t0:.3f} verify_s={time.monotonic() - t1:.3f} parts={put.parts} "
-                f"retries={put.retries} attempts={attempt}")
+                f"retries={put.retries} attempts={attempt} verified={how}")
+
+
+def _check_size(target: Target, key: str, size: int) -> None:
+    actual = target.size(key)
+    if actual != size:
+        raise CorruptCheckpointError(f"replica {target.url_of(key)} is {actual} bytes, expected {size}: the upload "
+                                     "was truncated or replaced; upload it again from the local copy")
 
 
 def _drop_cache(path: str) -> None:

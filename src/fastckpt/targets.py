@@ -7,8 +7,10 @@ no leading ``/``, no ``.``/``..`` or empty component (``"run1/step_100/rank0.pt"
 
 Order of calls when replicating one checkpoint (``replicate.py``):
 
-1. (every rank, worker threads) ``put_file`` for each data file: any order, in parallel;
-2. (every rank) ``verify`` each one against the size and checksum recorded at save time;
+1. (every rank, worker threads) ``put_file`` for each data file: any order, in parallel,
+   with ``expect`` (the size and checksum recorded at save time);
+2. (every rank) ``verify`` (a read-back) each one whose ``PutResult.verified`` is False, or
+   every one when a read-back is asked for;
 3. (coordinator) ``put_bytes`` of the manifest: published last, its presence means "complete";
 4. (coordinator) ``put_bytes`` of the ``latest`` pointer; then local retention may delete.
 
@@ -36,13 +38,36 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import TypeVar
 
 from . import checksum
 from .commit import discard, tmp_name
-from .errors import ConfigError, CorruptCheckpointError, ReplicationError
+from .errors import (
+    ConfigError,
+    CorruptCheckpointError,
+    ReplicationError,
+)
 from .io.ops import FileOps
+from .target_types import (  # re-exported: the seam's public names live here too
+    TRANSIENT_ERRNOS,
+    Expected,
+    ProgressCallback,
+    PutResult,
+    RetryCallback,
+    RetryNotice,
+    TargetNotFoundError,
+    TargetPermissionError,
+    TargetUnavailableError,
+    TokenBucket,
+    check_key,
+    is_transient_oserror,
+    source_changed,
+    storage_error,
+)
+
+__all__ = ["TRANSIENT_ERRNOS", "Expected", "ProgressCallback", "PutResult", "RetryCallback", "RetryNotice", "Target",
+           "TargetNotFoundError", "TargetPermissionError", "TargetUnavailableError", "TokenBucket", "check_key",
+           "is_transient_oserror", "open_target", "source_changed", "storage_error"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -52,125 +77,6 @@ DEFAULT_RETRY_DEADLINE_S = 300.0
 READ_CHUNK_BYTES = 4 * checksum.BLOCK_BYTES  # a multiple of the checksum block: see verify()
 _BACKOFF_FIRST_S = 0.1
 _BACKOFF_MAX_S = 5.0
-
-TRANSIENT_ERRNOS = frozenset({errno.ECONNREFUSED, errno.ECONNRESET, errno.ECONNABORTED, errno.ETIMEDOUT,
-                              errno.EPIPE, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ENETDOWN,
-                              errno.EAGAIN, errno.EINTR})
-
-
-class TargetUnavailableError(ReplicationError, TimeoutError):
-    """The target kept failing with transient errors until the retry deadline passed."""
-
-
-class TargetNotFoundError(ReplicationError, FileNotFoundError):
-    """The bucket, the target directory or the object does not exist."""
-
-
-class TargetPermissionError(ReplicationError, PermissionError):
-    """The target refused the credentials or the operation (AccessDenied, EACCES, EPERM)."""
-
-
-@dataclass(frozen=True)
-class PutResult:
-    """What ``put_file`` did (for events and logs).
-
-    Attributes:
-        key: the key written.
-        url: the full URL or path of the object.
-        size_bytes: bytes uploaded.
-        elapsed_s: wall time of the whole upload.
-        parts: 1 for a single write, else the number of multipart parts.
-        retries: how many failed attempts were retried along the way.
-    """
-
-    key: str
-    url: str
-    size_bytes: int
-    elapsed_s: float
-    parts: int
-    retries: int
-
-
-@dataclass(frozen=True)
-class RetryNotice:
-    """Passed to ``on_retry`` before each backoff sleep (on the thread that made the call).
-
-    Attributes:
-        what: the operation, e.g. ``"upload of part 2/4 of s3://b/run/step_1/rank0.pt"``.
-        attempt: the attempt that just failed (1 = the first).
-        error: the transient error it failed with.
-        delay_s: how long the caller sleeps before the next attempt.
-        elapsed_s: time since the first attempt of this request.
-    """
-
-    what: str
-    attempt: int
-    error: BaseException
-    delay_s: float
-    elapsed_s: float
-
-
-ProgressCallback = Callable[[int, int], None]
-RetryCallback = Callable[[RetryNotice], None]
-
-
-class TokenBucket:
-    """A bandwidth cap shared by any number of threads: ``consume(n)`` blocks until ``n``
-    bytes fit under ``rate_Bps`` (with bursts of up to ``burst_bytes``).
-
-    Args:
-        rate_Bps: sustained bytes per second (> 0).
-        burst_bytes: bytes that may pass at once after an idle spell (default: one second).
-        clock, sleep: injectable for tests.
-    """
-
-    def __init__(self, rate_Bps: float, burst_bytes: int | None = None, *,
-                 clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> None:
-        if not rate_Bps > 0:
-            raise ConfigError(f"bandwidth_Bps={rate_Bps!r} must be > 0 bytes per second, or None for no cap")
-        self.rate_Bps = float(rate_Bps)
-        self.burst_bytes = int(rate_Bps if burst_bytes is None else burst_bytes)
-        self._clock, self._sleep = clock, sleep
-        self._lock = threading.Lock()
-        self._tat = clock()  # "theoretical arrival time" (GCRA): when every byte so far is paid for
-
-    def consume(self, n: int) -> float:
-        """Take ``n`` bytes' worth of tokens, sleeping as needed; return the seconds slept."""
-        with self._lock:
-            now = self._clock()
-            self._tat = max(self._tat, now) + n / self.rate_Bps
-            wait = self._tat - now - self.burst_bytes / self.rate_Bps
-        if wait > 0:
-            self._sleep(wait)
-            return wait
-        return 0.0
-
-
-def check_key(key: str) -> str:
-    """Validate a key (see the module docstring) and return it.
-
-    Raises:
-        ConfigError: naming the key and the rule it breaks.
-    """
-    if not isinstance(key, str) or not key:
-        raise ConfigError(f"key {key!r} must be a non-empty str relative to the target root")
-    parts = key.split("/")
-    if key.startswith("/") or "\\" in key or "\x00" in key or any(p in ("", ".", "..") for p in parts):
-        raise ConfigError(f"key {key!r} must be relative to the target root, '/'-separated, without a leading "
-                          "'/', empty, '.' or '..' components (e.g. 'run1/step_100/rank0.pt')")
-    return key
-
-
-def _errno_of(exc: BaseException) -> int | None:
-    return exc.errno if isinstance(exc, OSError) else None
-
-
-def is_transient_oserror(exc: BaseException) -> bool:
-    """Connection failures and timeouts: worth retrying. Anything else is permanent."""
-    if isinstance(exc, (ConnectionError, TimeoutError)):
-        return True
-    return _errno_of(exc) in TRANSIENT_ERRNOS
-
 
 class Target(abc.ABC):
     """A persistent place for checkpoints (see the module docstring for keys and call order).
@@ -219,7 +125,7 @@ class Target(abc.ABC):
 
     def put_file(self, local_path: str | os.PathLike, key: str, *,
                  bandwidth_Bps: float | TokenBucket | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                 on_progress: ProgressCallback | None = None) -> PutResult:
+                 on_progress: ProgressCallback | None = None, expect: Expected | None = None) -> PutResult:
         """Upload one local file so that it becomes visible complete or not at all.
 
         Args:
@@ -231,6 +137,9 @@ class Target(abc.ABC):
             on_progress: called as ``on_progress(done_bytes, total_bytes)`` after each chunk
                 or part is accepted, one call at a time. An exception it raises aborts the
                 upload (nothing left behind) and propagates unchanged.
+            expect: what the file must be (size and checksum from its manifest). A target
+                that can verify while uploading (S3) hashes the bytes it sends and refuses to
+                complete an upload whose bytes differ; see ``PutResult.verified``.
 
         Returns:
             A ``PutResult``.
@@ -238,23 +147,31 @@ class Target(abc.ABC):
         Raises:
             TargetUnavailableError: transient errors outlasted ``retry_deadline_s``.
             ReplicationError: a permanent error (its subclass says which), naming the fix.
+            CheckpointWriteError: with ``expect``: the local file is not what its manifest
+                records (it changed after it was committed); nothing was published.
+            CorruptCheckpointError: the store acknowledged a part with a checksum other than
+                the one sent (a multipart upload is aborted; a single object may have landed,
+                unverified): upload again.
         """
         check_key(key)
         if chunk_bytes <= 0:
             raise ConfigError(f"chunk_bytes={chunk_bytes!r} must be > 0")
-        limiter = bandwidth_Bps if isinstance(bandwidth_Bps, TokenBucket) or bandwidth_Bps is None \
-            else TokenBucket(bandwidth_Bps, burst_bytes=chunk_bytes)
+        limiter = _limiter(bandwidth_Bps, chunk_bytes)
         local_path = os.fspath(local_path)
         size = os.stat(local_path).st_size
+        if expect is not None and size != expect.size:
+            raise source_changed(local_path, f"is {size} bytes, its manifest says {expect.size}")
         t0 = time.monotonic()
         progress = _Progress(on_progress, size)
-        parts = self._put_file(local_path, key, size, limiter, chunk_bytes, progress)
-        return PutResult(key, self.url_of(key), size, time.monotonic() - t0, parts, progress.retries)
+        parts = self._put_file(local_path, key, size, limiter, chunk_bytes, progress, expect)
+        verified = bool(expect is not None and progress.verified)
+        return PutResult(key, self.url_of(key), size, time.monotonic() - t0, parts, progress.retries, verified)
 
     @abc.abstractmethod
     def _put_file(self, local_path: str, key: str, size: int, limiter: TokenBucket | None, chunk_bytes: int,
-                  progress: _Progress) -> int:
-        """Upload and return the number of parts (see ``put_file``)."""
+                  progress: _Progress, expect: Expected | None) -> int:
+        """Upload and return the number of parts (see ``put_file``). An implementation that
+        verified the upload against ``expect`` sets ``progress.verified``."""
 
     @abc.abstractmethod
     def put_bytes(self, key: str, data: bytes) -> None:
@@ -293,11 +210,14 @@ class Target(abc.ABC):
         """
 
     # ------------------------------------------------------------------ shared implementations
-    def verify(self, key: str, expected_size: int, expected_xxh3: str, covered: int | None = None) -> None:
+    def verify(self, key: str, expected_size: int, expected_xxh3: str, covered: int | None = None, *,
+               bandwidth_Bps: float | TokenBucket | None = None) -> None:
         """Read the object back and check its size and ``fastckpt.checksum`` tree checksum.
 
         ``covered``: the checksum covers only the first ``covered`` bytes (a fastckpt file's
         checksum leaves out its own manifest); default: the whole object.
+        ``bandwidth_Bps``: a cap on the read-back (a ``TokenBucket`` shared with uploads, or
+        bytes per second); None: no cap.
 
         Reads ``READ_CHUNK_BYTES`` ranges on ``parallelism`` threads; each thread hashes the
         16 MiB blocks of its range, and the block digests are combined in file order.
@@ -312,8 +232,11 @@ class Target(abc.ABC):
                                          "the upload was truncated or replaced; upload it again from the local copy")
 
         limit = actual if covered is None else covered
+        limiter = _limiter(bandwidth_Bps, READ_CHUNK_BYTES)
 
         def digests(offset: int, length: int) -> list[int]:
+            if limiter is not None:
+                limiter.consume(length)
             mv = memoryview(self.read_range(key, offset, length))[: max(0, limit - offset)]
             return [checksum.block_digest(mv[o:o + checksum.BLOCK_BYTES])
                     for o in range(0, len(mv), checksum.BLOCK_BYTES)]
@@ -426,10 +349,12 @@ class Target(abc.ABC):
 
 
 class _Progress:
-    """One upload's byte and retry counts; serialises ``on_progress`` calls across threads."""
+    """One upload's byte and retry counts; serialises ``on_progress`` calls across threads.
+    ``verified``: set by an implementation that verified the upload against ``expect``."""
 
     def __init__(self, callback: ProgressCallback | None, total: int) -> None:
         self._callback, self.total, self.done, self.retries = callback, total, 0, 0
+        self.verified = False
         self._lock = threading.Lock()
 
     def add(self, n: int) -> None:
@@ -443,12 +368,10 @@ class _Progress:
             self.retries += 1
 
 
-def storage_error(cls: type[ReplicationError], message: str, cause: BaseException | None = None,
-                  err_no: int | None = None) -> ReplicationError:
-    """``cls(message)`` carrying the errno of ``cause`` (or ``err_no``) for callers that test it."""
-    err = cls(message)
-    err.errno = err_no if err_no is not None else (_errno_of(cause) if cause is not None else None)
-    return err
+def _limiter(bandwidth_Bps: float | TokenBucket | None, burst_bytes: int) -> TokenBucket | None:
+    if bandwidth_Bps is None or isinstance(bandwidth_Bps, TokenBucket):
+        return bandwidth_Bps
+    return TokenBucket(bandwidth_Bps, burst_bytes=burst_bytes)
 
 
 def open_target(url_or_path: str | os.PathLike, storage_options: dict | None = None, *,

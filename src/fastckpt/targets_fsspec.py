@@ -3,7 +3,22 @@
 S3: a file no larger than one part is one ``PutObject``; a larger one is a multipart upload
 (parts on ``parallelism`` threads, each part retried on its own), and S3 makes the object
 visible only at ``CompleteMultipartUpload``: complete or not at all. Any failure aborts the
-upload. Endpoint and credentials come from where boto always looks (``AWS_ENDPOINT_URL``,
+upload. The upload itself is in ``targets_s3.py``.
+
+Integrity in flight. Every body (part, object) is sent with its CRC32 (``x-amz-checksum-crc32``,
+computed here from the bytes read); the store recomputes it over the bytes it received,
+refuses the request on a mismatch (``BadDigest``, retried like a transient error) and returns
+it, and the returned value is compared with the one sent. With ``expect`` (``put_file``), the
+same bytes are hashed with the ``fastckpt.checksum`` tree (parts are then whole multiples of
+its 16 MiB block) and the upload is completed only if they hash to the manifest's checksum;
+``PutResult.verified`` is then True when the store returned a checksum for every part (a store
+that returns none leaves it False, and the caller reads the object back). Because the CRC32
+protects the body, the SigV4 signature does not hash it (``payload_signing_enabled=False``,
+the ``UNSIGNED-PAYLOAD`` of the S3 API), which saves a SHA-256 pass over every byte on plain
+``http://`` endpoints (on ``https://`` botocore already skips it when a checksum is sent);
+give ``config_kwargs={"s3": {"payload_signing_enabled": True}}`` to sign bodies anyway.
+
+Endpoint and credentials come from where boto always looks (``AWS_ENDPOINT_URL``,
 ``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``, ``AWS_PROFILE``, ``~/.aws/config`` and
 ``credentials``, instance roles) unless ``storage_options`` gives them (``endpoint_url``,
 ``key``, ``secret``). They are never logged or put in messages.
@@ -28,15 +43,14 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
 
 from .commit import is_tmp, tmp_name
 from .errors import ConfigError, ReplicationError
 from .targets import (
     DEFAULT_RETRY_DEADLINE_S,
+    Expected,
     MiB,
     RetryCallback,
     Target,
@@ -48,31 +62,18 @@ from .targets import (
     is_transient_oserror,
     storage_error,
 )
+from .targets_s3 import _client_error, crc32_header, put_s3
 
 log = logging.getLogger(__name__)
-S3_MIN_PART_BYTES = 5 * MiB
 REQUEST_FLOOR_S = 120.0
 REQUEST_MIN_Bps = 1 * MiB
-S3_MAX_PARTS = 10_000
 _TRANSIENT_CODES = frozenset({"SlowDown", "RequestTimeout", "RequestTimeoutException", "InternalError",
                               "ServiceUnavailable", "Throttling", "ThrottlingException", "RequestLimitExceeded",
-                              "TooManyRequests", "500", "502", "503", "504"})
+                              "TooManyRequests", "500", "502", "503", "504",
+                              # the body's checksum did not match what the store received: send it again
+                              "BadDigest", "XAmzContentSHA256Mismatch"})
 _AUTH_CODES = frozenset({"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken",
                          "InvalidToken", "TokenRefreshRequired", "AllAccessDisabled", "403"})
-
-
-def _client_error(exc: BaseException) -> tuple[str, int, str] | None:
-    """(code, HTTP status, message) of the botocore ClientError in ``exc``'s chain, if any."""
-    seen = 0
-    cur: BaseException | None = exc
-    while cur is not None and seen < 8:
-        resp = getattr(cur, "response", None)
-        if isinstance(resp, dict) and "Error" in resp:
-            err = resp["Error"]
-            status = resp.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
-            return str(err.get("Code", "")), int(status or 0), str(err.get("Message", ""))
-        cur, seen = cur.__cause__ or cur.__context__, seen + 1
-    return None
 
 
 def _drop_expect_100(request: object, **_: object) -> None:
@@ -108,7 +109,8 @@ class FsspecTarget(Target):
         storage_options: passed to ``fsspec.filesystem`` (s3fs: ``endpoint_url``, ``key``,
             ``secret``, ``client_kwargs``, ``config_kwargs``...). Defaults added for S3:
             ``skip_instance_cache=True``, ``config_kwargs`` with ``retries={"max_attempts": 0}``,
-            ``connect_timeout=10``, ``read_timeout=60`` (each only where not given), and a
+            ``connect_timeout=10``, ``read_timeout=60``, ``s3={"payload_signing_enabled": False}``
+            (see the module docstring; each only where not given), and a
             ``before-send`` hook on the botocore session (``session``, or one made here).
         retry_deadline_s, parallelism, on_retry: see ``Target``.
     """
@@ -133,6 +135,8 @@ class FsspecTarget(Target):
             cfg.setdefault("retries", {"max_attempts": 0, "mode": "standard"})
             cfg.setdefault("connect_timeout", 10)
             cfg.setdefault("read_timeout", 60)
+            # bodies carry a CRC32 the store checks (module docstring): no SHA-256 of them to sign
+            cfg["s3"] = {"payload_signing_enabled": False, **(cfg.get("s3") or {})}
             opts["config_kwargs"] = cfg
             if opts.get("session") is None:  # our own, so that the hook below reaches every client
                 session_args = ("profile", "session_vars", "event_hooks", "include_builtin_handlers")
@@ -165,7 +169,7 @@ class FsspecTarget(Target):
 
     def _s3(self, method: str, **kwargs: object) -> dict:
         body = kwargs.get("Body")
-        limit_s = REQUEST_FLOOR_S + (len(body) if isinstance(body, bytes) else 0) / REQUEST_MIN_Bps
+        limit_s = REQUEST_FLOOR_S + (len(body) if isinstance(body, (bytes, bytearray)) else 0) / REQUEST_MIN_Bps
         return self.fs.call_s3(method, Bucket=self.bucket, timeout=limit_s, **kwargs)  # timeout: fsspec's sync()
 
     def _cat(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
@@ -222,89 +226,14 @@ class FsspecTarget(Target):
 
     # ------------------------------------------------------------------ writing
     def _put_file(self, local_path: str, key: str, size: int, limiter: TokenBucket | None, chunk_bytes: int,
-                  progress: _Progress) -> int:
+                  progress: _Progress, expect: Expected | None) -> int:
         fd = os.open(local_path, os.O_RDONLY)
         try:
             if self.is_s3:
-                return self._put_s3(fd, key, size, limiter, chunk_bytes, progress)
+                return put_s3(self, fd, local_path, key, size, limiter, chunk_bytes, progress, expect)
             return self._put_generic(fd, key, size, limiter, chunk_bytes, progress)
         finally:
             os.close(fd)
-
-    def _put_s3(self, fd: int, key: str, size: int, limiter: TokenBucket | None, chunk_bytes: int,
-                progress: _Progress) -> int:
-        if chunk_bytes < S3_MIN_PART_BYTES:
-            raise ConfigError(f"chunk_bytes={chunk_bytes} is below S3's minimum part size: use >= 5 MiB")
-        part = max(chunk_bytes, -(-size // S3_MAX_PARTS))  # S3 allows 10,000 parts: grow parts to fit
-        url, obj = self.url_of(key), self._obj(key)
-        if size <= part:
-            data = _pread_all(fd, size, 0)
-            if limiter is not None:
-                limiter.consume(size)
-            self._retry(f"upload of {url}", lambda: self._s3("put_object", Key=obj, Body=data), progress=progress)
-            progress.add(size)
-            return 1
-        upload_id = self._retry(f"start of the multipart upload of {url}",
-                                lambda: self._s3("create_multipart_upload", Key=obj)["UploadId"], progress=progress)
-        n_parts = -(-size // part)
-        etags: list[str] = [""] * n_parts
-        cancel = threading.Event()
-
-        def send(i: int) -> None:
-            if cancel.is_set():
-                return
-            off = i * part
-            data = _pread_all(fd, min(part, size - off), off)
-            if limiter is not None:
-                limiter.consume(len(data))
-            resp = self._retry(f"upload of part {i + 1}/{n_parts} of {url}", lambda: self._s3(
-                "upload_part", Key=obj, UploadId=upload_id, PartNumber=i + 1, Body=data),
-                progress=progress, cancel=cancel)
-            etags[i] = resp["ETag"]
-            progress.add(len(data))
-
-        try:
-            with ThreadPoolExecutor(min(self.parallelism, n_parts), thread_name_prefix="fastckpt-put") as pool:
-                futures = [pool.submit(send, i) for i in range(n_parts)]
-                try:
-                    for f in futures:
-                        f.result()
-                except BaseException:
-                    cancel.set()  # parts not started are skipped; running ones stop retrying
-                    raise
-            self._complete(url, obj, upload_id, etags, size, progress)
-        except BaseException as exc:
-            self._abort(url, obj, upload_id, exc)
-            raise
-        return n_parts
-
-    def _complete(self, url: str, obj: str, upload_id: str, etags: list[str], size: int,
-                  progress: _Progress) -> None:
-        parts = {"Parts": [{"PartNumber": i + 1, "ETag": e} for i, e in enumerate(etags)]}
-        tried = False
-
-        def complete() -> None:
-            nonlocal tried
-            try:
-                self._s3("complete_multipart_upload", Key=obj, UploadId=upload_id, MultipartUpload=parts)
-            except Exception as exc:
-                # A retried Complete whose first try did land (the reply was lost) finds no upload.
-                ce = _client_error(exc)
-                if tried and ce is not None and ce[0] == "NoSuchUpload" and self._head_size(obj) == size:
-                    return
-                tried = True
-                raise
-
-        self._retry(f"completion of the multipart upload of {url}", complete, progress=progress)
-
-    def _abort(self, url: str, obj: str, upload_id: str, exc: BaseException) -> None:
-        try:
-            self._retry(f"abort of the multipart upload of {url}", lambda: self._s3(
-                "abort_multipart_upload", Key=obj, UploadId=upload_id), deadline_s=min(10.0, self.retry_deadline_s))
-        except Exception as abort_exc:
-            log.warning("could not abort multipart upload %s of %s: %s", upload_id, url, abort_exc)
-            exc.add_note(f"The multipart upload {upload_id} of {url} could not be aborted ({abort_exc}); "
-                         "clean_incomplete() or a bucket lifecycle rule (AbortIncompleteMultipartUpload) removes it.")
 
     def _put_generic(self, fd: int, key: str, size: int, limiter: TokenBucket | None, chunk_bytes: int,
                      progress: _Progress) -> int:
@@ -339,7 +268,9 @@ class FsspecTarget(Target):
     def put_bytes(self, key: str, data: bytes) -> None:
         what = f"publish of {self.url_of(key)}"
         if self.is_s3:
-            self._retry(what, lambda: self._s3("put_object", Key=self._obj(key), Body=bytes(data)))
+            body = bytes(data)
+            self._retry(what, lambda: self._s3("put_object", Key=self._obj(key), Body=body,
+                                               ChecksumCRC32=crc32_header(body)))
             return
         final = self._full(key)
         tmp = tmp_name(final)

@@ -20,6 +20,7 @@ from .io.engine import pwrite_all
 from .io.ops import FileOps
 from .targets import (
     DEFAULT_RETRY_DEADLINE_S,
+    Expected,
     RetryCallback,
     Target,
     TargetNotFoundError,
@@ -83,7 +84,8 @@ class PosixTarget(Target):
 
     # ------------------------------------------------------------------ writing
     def _put_file(self, local_path: str, key: str, size: int, limiter: TokenBucket | None, chunk_bytes: int,
-                  progress: _Progress) -> int:
+                  progress: _Progress, expect: Expected | None) -> int:
+        # A file system returns no checksum of what it stored: verified stays False (read back).
         what = f"copy of {local_path} to {self.url_of(key)}"
         dest = self._path(key)
         self._check_root()
@@ -147,7 +149,8 @@ class PosixTarget(Target):
         self.ops.fsync_dir(parent)
 
     # ------------------------------------------------------------------ reading
-    def verify(self, key: str, expected_size: int, expected_xxh3: str) -> None:
+    def verify(self, key: str, expected_size: int, expected_xxh3: str, covered: int | None = None, *,
+               bandwidth_Bps: float | TokenBucket | None = None) -> None:
         """``Target.verify``, after dropping the file's cached pages: an NFS or Lustre client
         would otherwise answer from the copy it cached while writing, not from the storage."""
         try:
@@ -160,7 +163,7 @@ class PosixTarget(Target):
                     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             finally:
                 os.close(fd)
-        super().verify(key, expected_size, expected_xxh3)
+        super().verify(key, expected_size, expected_xxh3, covered, bandwidth_Bps=bandwidth_Bps)
 
     def get_bytes(self, key: str) -> bytes:
         return self.read_range(key, 0, self.size(key))

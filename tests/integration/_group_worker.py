@@ -208,6 +208,9 @@ class Worker:
 
     def close(self) -> None:
         self.ck.close()
+        for t in threading.enumerate():  # close() hands idle staging memory to a thread that unmaps it and ends
+            if t.name == "fastckpt-free":
+                t.join(30)
         self.result["fastckpt_threads_after_close"] = [
             t.name for t in threading.enumerate() if t.name.startswith("fastckpt")]
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import fastckpt
+from fastckpt.commit import TMP_TAG
 from fastckpt.errors import CorruptCheckpointError, ReplicationError
 from fastckpt.replicate import SIDECAR
 from fastckpt.testing import FaultyOps
@@ -92,6 +93,86 @@ def test_s3_outage_then_recovery_completes(s3_server, s3_bucket, tmp_path) -> No
     assert rec.durable_s is not None and rec.durable_s >= rec.local_durable_s
     ck.close()
     assert _same(fastckpt.load(f"s3://{s3_bucket}/r/s3.pt", storage_options=s3_server.storage_options()), 3)
+
+
+def test_s3_stopped_mid_upload_resumes_and_publishes_only_verified(s3_server, s3_bucket, tmp_path) -> None:
+    # The server is killed by the upload's own first acknowledged part (a botocore hook) and
+    # restarted once fastckpt reports a retry: the order is fixed by events, not timing.
+    from aiobotocore.session import AioSession
+
+    client = s3_server.client()
+    url, key = f"s3://{s3_bucket}/mid/state.pt", "mid/state.pt"
+
+    def visible() -> set[str]:
+        return {o["Key"] for o in client.list_objects_v2(Bucket=s3_bucket).get("Contents", [])}
+
+    stopped = threading.Event()
+    at_stop: list[set[str]] = []
+    at_sidecar: list[tuple[int, int]] = []
+
+    def after_part(http_response, **_: object) -> None:
+        if http_response.status_code == 200 and not stopped.is_set():
+            at_stop.append(visible())
+            s3_server.stop()
+            stopped.set()
+
+    def before_put(params: dict, **_: object) -> None:
+        if params["Key"] == key + SIDECAR:  # what is there when the sidecar is about to be published
+            head = client.head_object(Bucket=s3_bucket, Key=key)
+            at_sidecar.append((head["ContentLength"], len(client.list_multipart_uploads(Bucket=s3_bucket)
+                                                            .get("Uploads", []))))
+
+    session = AioSession()
+    session.register("after-call.s3.UploadPart", after_part, unique_id="test-stop-after-part")
+    session.register("before-parameter-build.s3.PutObject", before_put, unique_id="test-sidecar-order")
+    opts = s3_server.storage_options(session=session)
+    sink = Waiter("retry")
+    ck = fastckpt.Checkpointer(local_dir=str(tmp_path / "nvme"), storage_options=opts, io_threads=1,
+                               retry_deadline_s=120, sinks=(sink,))
+    try:
+        h = ck.save(_state(6, n=10 << 20), url)  # 40 MiB: three 16 MiB parts, sent one at a time
+        assert sink.seen.wait(120), "replication never retried against the stopped server"
+        assert stopped.is_set()
+    finally:
+        if not s3_server.running:
+            s3_server.start()
+    rec = h.wait()
+    ck.close()  # nothing left to raise
+    assert rec.durable_s is not None and rec.durable_s >= rec.local_durable_s
+    assert at_stop == [set()]  # one part stored, nothing visible: no object, no sidecar
+    assert at_sidecar == [(rec.bytes, 0)]  # the sidecar came after the whole object, upload closed
+    retries = [e for e in sink.events if e.name == "retry"]
+    assert retries and all(e.path.startswith("upload of part 2/3 of ") for e in retries)
+    reps = [e for e in sink.events if e.name == "replicate"]
+    assert len(reps) == 1 and reps[0].error is None  # one outcome: success, after the retries
+    assert f"retries={len(retries)} " in reps[0].detail and "verified=checksum" in reps[0].detail
+    assert ck.stats().replication_failures == 0
+    with fastckpt.Checkpointer(local_dir=str(tmp_path / "fresh"), storage_options=s3_server.storage_options()) as ck2:
+        assert _same(ck2.load(url), 6)  # a fresh node: read from the bucket, verified
+
+
+def test_store_without_checksums_is_read_back(tmp_path) -> None:
+    # fsspec's memory filesystem confirms no part checksum: the replica is read back instead.
+    pytest.importorskip("fsspec")
+    sink = Waiter("replicate")
+    url = f"memory://fastckpt-{os.getpid()}-{id(sink)}/r/x.pt"
+    with fastckpt.Checkpointer(local_dir=str(tmp_path / "nvme"), sinks=(sink,)) as ck:
+        assert ck.save(_state(8), url).wait().durable_s is not None
+    (rep,) = [e for e in sink.events if e.name == "replicate"]
+    assert rep.error is None and "verified=readback" in rep.detail
+    assert _same(fastckpt.load(url), 8)
+
+
+def test_s3_readback_mode_reads_every_replica_back(s3_server, s3_bucket, tmp_path) -> None:
+    sink = Waiter("replicate")
+    url = f"s3://{s3_bucket}/rb/x.pt"
+    with fastckpt.Checkpointer(local_dir=str(tmp_path / "nvme"), storage_options=s3_server.storage_options(),
+                               replicate_verify="readback", sinks=(sink,)) as ck:
+        assert ck.save(_state(9), url).wait().durable_s is not None
+    (rep,) = [e for e in sink.events if e.name == "replicate"]
+    assert rep.error is None and "verified=readback" in rep.detail
+    with pytest.raises(fastckpt.ConfigError, match="replicate_verify='md5'.*'checksum'.*'readback'"):
+        fastckpt.Checkpointer(replicate_verify="md5")
 
 
 def test_s3_never_comes_back_keeps_local_and_errors_once(s3_server, s3_bucket, tmp_path) -> None:
@@ -192,6 +273,43 @@ def test_retention_keeps_newest_local_and_persistent(tmp_path) -> None:
         local_files = [p for p in (ck.local_path(str(dest / f"c{i}.pt")) for i in range(4)) if os.path.exists(p)]
     assert sorted(os.listdir(dest)) == ["c2.pt", "c3.pt"]
     assert [os.path.basename(p) for p in local_files] == ["c3.pt"]
+
+
+class BadReadBack(FaultyOps):
+    """Reads of the destination's temp file (only the verification reads it) come back with
+    one byte flipped, the first ``times`` times: storage that returns other bytes than it was
+    given."""
+
+    def __init__(self, target_dir: str, times: int) -> None:
+        super().__init__()
+        self.target_dir, self.times, self.damaged = target_dir, times, 0
+
+    def preadv(self, fd: int, buf: memoryview, offset: int) -> int:
+        n = super().preadv(fd, buf, offset)
+        path = self._path_of(fd)
+        if path.startswith(self.target_dir) and TMP_TAG in path and n > 0 and self.damaged < self.times:
+            buf[0] ^= 0xFF
+            self.damaged += 1
+        return n
+
+
+@pytest.mark.parametrize("times", [1, 1 << 30])
+def test_posix_read_back_mismatch_copies_again_or_fails_unpublished(tmp_path, times: int) -> None:
+    target = str(tmp_path / "t")
+    ops = BadReadBack(target, times)
+    sink = Waiter("replicate")
+    dest = os.path.join(target, "r.pt")
+    with fastckpt.Checkpointer(local_dir=str(tmp_path / "nvme"), ops=ops, sinks=(sink,)) as ck:
+        h = ck.save(_state(7), dest)
+        if times == 1:  # the second copy reads back right: published
+            rec = h.wait()
+            assert rec.durable_s is not None and _same(torch.load(dest, weights_only=True), 7)
+            assert "attempts=2" in next(e.detail for e in sink.events if e.name == "replicate")
+        else:
+            with pytest.raises(CorruptCheckpointError, match="read back with the wrong checksum"):
+                h.wait()
+            assert ops.damaged >= 3 and sorted(os.listdir(target)) == []  # nothing published, no temp file
+            assert os.path.exists(ck.local_path(dest))
 
 
 def test_bandwidth_cap_bounds_replication_rate(tmp_path) -> None:

@@ -7,9 +7,11 @@ nothing depends on timing.
 
 from __future__ import annotations
 
+import base64
 import socket
 import threading
 import time
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,10 +20,18 @@ import pytest
 pytest.importorskip("s3fs", reason="the S3 target needs s3fs (pip install 'fastckpt[s3]')")
 pytest.importorskip("boto3", reason="the S3 fixture needs boto3 (pip install 'fastckpt[dev]')")
 
+import botocore.exceptions
+
 from fastckpt import checksum  # noqa: E402
-from fastckpt.errors import ConfigError, CorruptCheckpointError  # noqa: E402
-from fastckpt.targets import RetryNotice, TargetNotFoundError, TargetPermissionError, TargetUnavailableError  # noqa: E402
-from fastckpt.targets_fsspec import FsspecTarget  # noqa: E402
+from fastckpt.errors import CheckpointWriteError, ConfigError, CorruptCheckpointError  # noqa: E402
+from fastckpt.targets import (  # noqa: E402
+    Expected,
+    RetryNotice,
+    TargetNotFoundError,
+    TargetPermissionError,
+    TargetUnavailableError,
+)
+from fastckpt.targets_fsspec import FsspecTarget, _client_error  # noqa: E402
 from tests.s3server import S3Server  # noqa: E402
 
 MiB = 1 << 20
@@ -192,6 +202,102 @@ def test_server_killed_mid_upload_then_restarted(s3_server: S3Server, s3_bucket:
     assert res.retries >= 1 and res.parts == 5
     t.verify("a.pt", len(data), checksum.checksum_bytes(data))
     assert _open_uploads(s3_server, s3_bucket) == []
+
+
+class CorruptParts:
+    """A botocore ``before-send`` hook that flips one byte of the body of the first ``times``
+    UploadPart requests after they were signed and checksummed: damage in transit."""
+
+    def __init__(self, times: int) -> None:
+        self.times, self.corrupted = times, 0
+
+    def __call__(self, request, **_: object) -> None:
+        if "partNumber=" not in request.url or self.corrupted >= self.times:
+            return
+        body = request.body
+        raw = bytearray(body.read() if hasattr(body, "read") else body)
+        raw[1234] ^= 0x01
+        request.body = bytes(raw)
+        self.corrupted += 1
+
+
+def _corrupting_target(s3: S3Server, bucket: str, hook: CorruptParts, **kw: object) -> FsspecTarget:
+    from aiobotocore.session import AioSession
+
+    session = AioSession()
+    session.register("before-send.s3.UploadPart", hook, unique_id="test-corrupt-parts")
+    return _target(s3, bucket, storage_options=s3.storage_options(session=session), **kw)
+
+
+def test_store_rejects_a_part_whose_bytes_do_not_match_its_checksum(s3_server: S3Server, s3_bucket: str) -> None:
+    # What in-flight verification rests on: the store recomputes the CRC32 over the bytes it
+    # received and refuses the part when they differ, also with an unsigned payload.
+    import boto3
+    from botocore.config import Config
+
+    client = boto3.client("s3", endpoint_url=s3_server.endpoint_url, aws_access_key_id=s3_server.access_key,
+                          aws_secret_access_key=s3_server.secret_key, region_name=s3_server.region,
+                          config=Config(s3={"addressing_style": "path", "payload_signing_enabled": False},
+                                        retries={"max_attempts": 0}))
+    hook = CorruptParts(times=1)
+    client.meta.events.register("before-send.s3.UploadPart", hook)
+    data = bytes(range(256)) * (PART // 256)
+    crc = base64.b64encode(zlib.crc32(data).to_bytes(4, "big")).decode()
+    up = client.create_multipart_upload(Bucket=s3_bucket, Key="k", ChecksumAlgorithm="CRC32")["UploadId"]
+    with pytest.raises(botocore.exceptions.ClientError, match="BadDigest"):
+        client.upload_part(Bucket=s3_bucket, Key="k", UploadId=up, PartNumber=1, Body=data, ChecksumCRC32=crc)
+    assert hook.corrupted == 1
+    resp = client.upload_part(Bucket=s3_bucket, Key="k", UploadId=up, PartNumber=1, Body=data, ChecksumCRC32=crc)
+    assert resp["ChecksumCRC32"] == crc  # the intact body is accepted, and its checksum returned
+    client.abort_multipart_upload(Bucket=s3_bucket, Key="k", UploadId=up)
+
+
+def test_put_with_expect_is_verified_in_flight(s3_server: S3Server, s3_bucket: str, tmp_path: Path) -> None:
+    local = tmp_path / "f.bin"
+    data = _file(local, 2 * checksum.BLOCK_BYTES + 12345)  # 3 parts of whole checksum blocks
+    covered = len(data) - 100
+    expect = Expected(len(data), checksum.checksum_bytes(data[:covered]), covered)
+    hook = CorruptParts(times=1)
+    retried: list[RetryNotice] = []
+    t = _corrupting_target(s3_server, s3_bucket, hook, parallelism=2, on_retry=retried.append)
+    res = t.put_file(local, "a.pt", chunk_bytes=PART, expect=expect)
+    assert (res.parts, res.verified) == (3, True)
+    assert hook.corrupted == 1 and len(retried) == 1 and _client_error(retried[0].error)[0] == "BadDigest"
+    assert res.retries == 1
+    t.verify("a.pt", len(data), expect.xxh3, covered)  # and a read-back agrees
+    assert t.put_file(local, "b.pt", chunk_bytes=PART).verified is False  # no expect: not verified
+    small = tmp_path / "s.bin"
+    sdata = _file(small, 1000)
+    one = t.put_file(small, "c.pt", expect=Expected(len(sdata), checksum.checksum_bytes(sdata), len(sdata)))
+    assert (one.parts, one.verified) == (1, True)  # a single PutObject is checked the same way
+
+
+def test_put_with_expect_refuses_a_local_file_that_changed(s3_server: S3Server, s3_bucket: str,
+                                                           tmp_path: Path) -> None:
+    local = tmp_path / "f.bin"
+    data = _file(local, checksum.BLOCK_BYTES + 5)
+    wrong = Expected(len(data), checksum.checksum_bytes(data[:-1] + b"x"), len(data))
+    t = _target(s3_server, s3_bucket)
+    with pytest.raises(CheckpointWriteError, match="changed after it was committed"):
+        t.put_file(local, "multi.pt", chunk_bytes=PART, expect=wrong)
+    small = tmp_path / "s.bin"
+    sdata = _file(small, 1000)
+    with pytest.raises(CheckpointWriteError, match="changed after it was committed"):
+        t.put_file(small, "single.pt", expect=Expected(len(sdata), "0" * 16, len(sdata)))
+    with pytest.raises(CheckpointWriteError, match="is 1000 bytes, its manifest says 999"):
+        t.put_file(small, "single.pt", expect=Expected(999, "0" * 16, 999))
+    assert t.list() == [] and _open_uploads(s3_server, s3_bucket) == []
+
+
+def test_damage_in_every_attempt_fails_and_leaves_nothing(s3_server: S3Server, s3_bucket: str,
+                                                          big: tuple[Path, bytes]) -> None:
+    local, data = big
+    t = _corrupting_target(s3_server, s3_bucket, CorruptParts(times=1 << 30), retry_deadline_s=0.5)
+    with pytest.raises(TargetUnavailableError, match="kept failing") as ei:
+        t.put_file(local, "a.pt", chunk_bytes=PART, expect=Expected(len(data), checksum.checksum_bytes(data),
+                                                                    len(data)))
+    assert _client_error(ei.value)[0] == "BadDigest"
+    assert t.list() == [] and _open_uploads(s3_server, s3_bucket) == []
 
 
 @pytest.fixture

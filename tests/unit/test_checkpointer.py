@@ -40,7 +40,8 @@ def test_nvme_tier_copies_to_path_and_prefers_local(tmp_path, caplog) -> None:
         assert rec.local_durable_s is not None and rec.local_durable_s <= rec.durable_s
         local_copy = ck.local_path(str(dest))
         assert local_copy.startswith(str(local)) and os.path.exists(local_copy)
-        assert open(local_copy, "rb").read() == dest.read_bytes()
+        with open(local_copy, "rb") as f:
+            assert f.read() == dest.read_bytes()
         # corrupt the burst-buffer copy: load warns and falls back to the durable copy
         with open(local_copy, "r+b") as f:
             f.seek(8192 + 100)
@@ -165,3 +166,56 @@ def test_overlapped_write_failure_surfaces_once_and_keeps_previous(tmp_path) -> 
         assert _same(ck.load(path), _state(1))
     ops.assert_all_reached()
     assert [n for n in os.listdir(tmp_path) if ".fastckpt-tmp-" in n] == []
+
+
+def test_reserve_allocates_ahead_and_the_saves_reuse_it(tmp_path, monkeypatch) -> None:
+    """reserve() allocates on its own thread; saves, including one a few bytes larger, reuse it."""
+    import threading
+
+    from fastckpt import staging
+
+    allocs: list[str] = []
+    real = staging._new_buffer
+    monkeypatch.setattr(staging, "_new_buffer",
+                        lambda cap, pinned: allocs.append(threading.current_thread().name) or real(cap, pinned))
+    path = str(tmp_path / "r.pt")
+    with fastckpt.Checkpointer() as ck:
+        assert ck.reserve(4 << 20).result(30) == 1
+        ck.save(_state(1), path).wait()
+        grown = {**_state(2), "extra": "a few more bytes of metadata"}
+        ck.save(grown, path).wait()
+        assert ck.load(path)["extra"] == grown["extra"]
+        with pytest.raises(ValueError, match="nbytes"):
+            ck.reserve(-1)
+    assert allocs == ["fastckpt-reserve"]
+
+
+@pytest.mark.parametrize(("staging_buffers", "skipped"), [(1, True), (2, False)])
+def test_second_staging_buffer_serves_a_save_while_the_first_is_written(tmp_path, staging_buffers,
+                                                                       skipped) -> None:
+    """With staging_buffers=2 a second save (save_last's last.ckpt) takes the other buffer at
+    once while the first one's write is held; with 1 it would wait (here: when_busy='skip')."""
+    from fastckpt.testing import FaultyOps
+
+    ops = FaultyOps()
+    gate = ops.gate("pwrite", path_contains="first.pt")
+    with fastckpt.Checkpointer(ops=ops, when_busy="skip", staging_buffers=staging_buffers) as ck:
+        h1 = ck.save(_state(1), str(tmp_path / "first.pt"))
+        assert gate.wait_entered()
+        if skipped:
+            with pytest.warns(UserWarning, match="skipped"):
+                h2 = ck.save(_state(2), str(tmp_path / "last.pt"))
+        else:
+            h2 = ck.save(_state(2), str(tmp_path / "last.pt"))
+        gate.open()
+        assert h1.wait().skipped is False
+        assert h2.wait().skipped is skipped
+        assert len(ck._staging.capacities()) == staging_buffers
+    if not skipped:
+        assert _same(fastckpt.load(str(tmp_path / "last.pt")), _state(2))
+
+
+def test_staging_buffers_is_bounded() -> None:
+    for bad in (0, 5, 1.5):
+        with pytest.raises(fastckpt.ConfigError, match="staging_buffers"):
+            fastckpt.Checkpointer(staging_buffers=bad)

@@ -331,6 +331,32 @@ def test_put_file_honours_bandwidth(root: Path, tmp_path: Path) -> None:
     assert time.monotonic() - t0 >= 0.4
 
 
+def test_verify_read_back_is_paced_by_the_shared_bandwidth_cap(root: Path, tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    # The read-back takes its tokens from the same bucket as uploads (replicate_bandwidth_Bps).
+    block = checksum.BLOCK_BYTES
+    monkeypatch.setattr(targets, "READ_CHUNK_BYTES", block)
+    local = tmp_path / "x.bin"
+    data = _file(local, 2 * block + 5)
+    t = PosixTarget(root, parallelism=2)
+    t.put_file(local, "x.bin")
+    now, slept, taken = [0.0], [], []
+
+    def sleep(s: float) -> None:
+        slept.append(s)
+        now[0] += s
+
+    class Spy(TokenBucket):
+        def consume(self, n: int) -> float:
+            taken.append(n)
+            return super().consume(n)
+
+    cap = Spy(block, burst_bytes=block, clock=lambda: now[0], sleep=sleep)
+    t.verify("x.bin", len(data), checksum.checksum_bytes(data), bandwidth_Bps=cap)
+    assert sorted(taken) == [5, block, block]  # every byte read back was paid for
+    assert sum(slept) == pytest.approx((block + 5) / block)  # after a one-range burst, `block` bytes/s
+
+
 def test_download_failure_leaves_no_file(root: Path, src: tuple[Path, bytes], tmp_path: Path) -> None:
     ops = FaultyOps()
     t = PosixTarget(root, ops=ops)

@@ -225,6 +225,26 @@ def _chunk_buffer(nbytes: int) -> memoryview:
     return memoryview(buf)[:nbytes]
 
 
+@dataclass(frozen=True)
+class CopyResult:
+    """What ``copy_file`` did.
+
+    Attributes:
+        checksum: of ``[0, covered)`` of the source bytes, as read.
+        read_back: of the same range read back from the destination with O_DIRECT, chunk by
+            chunk as each was written; None when not asked for or the destination is not
+            O_DIRECT (then a page-cache read proves nothing: read it back separately).
+        odirect, odirect_reason: whether the destination was written with O_DIRECT, and why not.
+    """
+
+    path: str
+    bytes: int
+    checksum: str
+    read_back: str | None
+    odirect: bool
+    odirect_reason: str | None
+
+
 def copy_file(
     ops: FileOps,
     pool: Executor,
@@ -236,34 +256,54 @@ def copy_file(
     chunk_bytes: int,
     odirect: bool = True,
     throttle: Callable[[int], object] | None = None,
-) -> WriteResult:
+    read_back: bool = False,
+) -> CopyResult:
     """Stream ``src`` to ``dst`` in parallel chunks, hashing ``[0, covered)`` on the way, fsync.
 
-    Memory is one chunk per worker thread. The caller compares the returned checksum with
+    ``read_back``: each worker reads its chunk back from ``dst`` right after writing it, with
+    O_DIRECT (from the device, past the page cache), and hashes it: verification overlaps the
+    copy instead of following it. ``throttle`` is charged for those reads too.
+
+    Memory is one chunk per worker thread. The caller compares the returned checksums with
     the manifest before publishing ``dst``.
     """
     rfd, _ = _open_for_read(ops, src, odirect)
     try:
         wfd, direct, reason = _open_for_write(ops, dst, odirect)
+        vfd = -1
         try:
-            def one(off: int, n: int) -> list[int]:
+            if read_back and direct:
+                vfd, back_direct = _open_for_read(ops, dst, True)
+                if not back_direct:  # cannot happen when the write side got O_DIRECT; be safe
+                    ops.close(vfd)
+                    vfd = -1
+
+            def one(off: int, n: int) -> list[tuple[int, int]]:
                 view = _chunk_buffer(_round_up(n))
                 _read_exact(ops, rfd, view, off, n, src, size)
                 digests = _digests(view, off, n, covered)
                 if throttle is not None:
                     throttle(n)  # the bandwidth cap (replicate_bandwidth_Bps)
                 pwrite_all(ops, wfd, view[: _round_up(n) if direct else n], off, dst)
-                return digests
+                if vfd < 0:
+                    return [(d, 0) for d in digests]
+                if throttle is not None:
+                    throttle(n)
+                _read_exact(ops, vfd, view, off, n, dst, size)
+                return list(zip(digests, _digests(view, off, n, covered), strict=True))
 
-            digests = _parallel(pool, size, chunk_bytes, one)
+            pairs = _parallel(pool, size, chunk_bytes, one)
+            back = checksum.combine(b for _, b in pairs) if vfd >= 0 else None
             if direct and size % ALIGN:
                 ops.ftruncate(wfd, size)
             ops.fsync(wfd)
         finally:
+            if vfd >= 0:
+                ops.close(vfd)
             ops.close(wfd)
     finally:
         ops.close(rfd)
-    return WriteResult(dst, size, checksum.combine(digests), direct, reason)
+    return CopyResult(dst, size, checksum.combine(d for d, _ in pairs), back, direct, reason)
 
 
 def checksum_file(ops: FileOps, pool: Executor, path: str, size: int, covered: int, *,

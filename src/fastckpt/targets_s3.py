@@ -1,0 +1,186 @@
+"""The S3 multipart upload behind ``FsspecTarget.put_file`` (see ``targets_fsspec`` for the
+integrity-in-flight scheme: a CRC32 per body that the store checks and echoes, and the
+``fastckpt.checksum`` tree over the same bytes against the manifest before Complete).
+
+A file no larger than one part is one ``PutObject``; a larger one is a multipart upload with
+parts on ``parallelism`` threads, each retried on its own; S3 makes the object visible only at
+``CompleteMultipartUpload``. Any failure aborts the upload.
+"""
+
+from __future__ import annotations
+
+import base64
+import errno
+import logging
+import os
+import threading
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
+
+from . import checksum
+from .errors import ConfigError, CorruptCheckpointError, ReplicationError
+from .targets import (
+    Expected,
+    MiB,
+    TokenBucket,
+    _Progress,
+    source_changed,
+    storage_error,
+)
+
+if TYPE_CHECKING:
+    from .targets_fsspec import FsspecTarget
+
+log = logging.getLogger(__name__)
+S3_MIN_PART_BYTES = 5 * MiB
+S3_MAX_PARTS = 10_000
+
+
+def _client_error(exc: BaseException) -> tuple[str, int, str] | None:
+    """(code, HTTP status, message) of the botocore ClientError in ``exc``'s chain, if any."""
+    seen = 0
+    cur: BaseException | None = exc
+    while cur is not None and seen < 8:
+        resp = getattr(cur, "response", None)
+        if isinstance(resp, dict) and "Error" in resp:
+            err = resp["Error"]
+            status = resp.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+            return str(err.get("Code", "")), int(status or 0), str(err.get("Message", ""))
+        cur, seen = cur.__cause__ or cur.__context__, seen + 1
+    return None
+
+
+def put_s3(t: FsspecTarget, fd: int, local_path: str, key: str, size: int, limiter: TokenBucket | None,
+           chunk_bytes: int, progress: _Progress, expect: Expected | None) -> int:
+    """Upload the open file ``fd`` to ``key`` of the S3 target ``t``; return the number of parts.
+
+    Sets ``progress.verified`` when the store confirmed every part's CRC32 and ``expect`` held.
+    """
+    if chunk_bytes < S3_MIN_PART_BYTES:
+        raise ConfigError(f"chunk_bytes={chunk_bytes} is below S3's minimum part size: use >= 5 MiB")
+    part = max(chunk_bytes, -(-size // S3_MAX_PARTS))  # S3 allows 10,000 parts: grow parts to fit
+    if expect is not None:  # whole checksum blocks per part, so that parts hash independently
+        part = -(-part // checksum.BLOCK_BYTES) * checksum.BLOCK_BYTES
+    url, obj = t.url_of(key), t._obj(key)
+    covered = size if expect is None else expect.covered
+    n_parts = max(1, -(-size // part))
+    digests: list[list[int]] = [[] for _ in range(n_parts)]
+    confirmed = [False] * n_parts
+    buffers = threading.local()  # one part buffer per sending thread, reused: no page faults per part
+
+    def read(i: int) -> tuple[bytearray, str]:
+        """Part ``i``'s bytes and CRC32; their tree digests go to ``digests[i]``."""
+        off = i * part
+        n = min(part, size - off)
+        data = getattr(buffers, "buf", None)
+        if data is None or len(data) != n:
+            data = buffers.buf = bytearray(n)
+        _preadinto(fd, data, off)
+        if expect is not None:
+            mv = memoryview(data)[: max(0, covered - off)]
+            digests[i] = [checksum.block_digest(mv[o:o + checksum.BLOCK_BYTES])
+                          for o in range(0, len(mv), checksum.BLOCK_BYTES)]
+        if limiter is not None:
+            limiter.consume(len(data))
+        return data, crc32_header(data)
+
+    def check_echo(i: int, what: str, crc: str, resp: dict) -> None:
+        echoed = resp.get("ChecksumCRC32")
+        if echoed is not None and echoed != crc:
+            raise CorruptCheckpointError(f"{what}: the store acknowledged CRC32 {echoed}, {crc} was sent: the "
+                                         "bytes it stored are not the bytes sent; upload again")
+        confirmed[i] = echoed is not None
+
+    def check_source() -> None:
+        if expect is not None:
+            got = checksum.combine(d for ds in digests for d in ds)
+            if got != expect.xxh3:
+                raise source_changed(local_path, f"hashes to {got} ({checksum.ALGO}), its manifest says "
+                                     f"{expect.xxh3}")
+
+    if size <= part:
+        data, crc = read(0)
+        check_source()  # before the PutObject: a single object is visible as soon as it lands
+        what = f"upload of {url}"
+        check_echo(0, what, crc, t._retry(what, lambda: t._s3(
+            "put_object", Key=obj, Body=data, ChecksumCRC32=crc), progress=progress))
+        progress.verified = expect is not None and all(confirmed)
+        progress.add(size)
+        return 1
+    upload_id = t._retry(f"start of the multipart upload of {url}", lambda: t._s3(
+        "create_multipart_upload", Key=obj, ChecksumAlgorithm="CRC32")["UploadId"], progress=progress)
+    parts: list[dict] = [{}] * n_parts
+    cancel = threading.Event()
+
+    def send(i: int) -> None:
+        if cancel.is_set():
+            return
+        data, crc = read(i)
+        what = f"upload of part {i + 1}/{n_parts} of {url}"
+        resp = t._retry(what, lambda: t._s3(
+            "upload_part", Key=obj, UploadId=upload_id, PartNumber=i + 1, Body=data, ChecksumCRC32=crc),
+            progress=progress, cancel=cancel)
+        check_echo(i, what, crc, resp)
+        parts[i] = {"PartNumber": i + 1, "ETag": resp["ETag"], "ChecksumCRC32": crc}
+        progress.add(len(data))
+
+    try:
+        with ThreadPoolExecutor(min(t.parallelism, n_parts), thread_name_prefix="fastckpt-put") as pool:
+            futures = [pool.submit(send, i) for i in range(n_parts)]
+            try:
+                for f in futures:
+                    f.result()
+            except BaseException:
+                cancel.set()  # parts not started are skipped; running ones stop retrying
+                raise
+        check_source()  # before Complete: nothing becomes visible unless the bytes were right
+        _complete(t, url, obj, upload_id, parts, size, progress)
+    except BaseException as exc:
+        _abort(t, url, obj, upload_id, exc)
+        raise
+    progress.verified = expect is not None and all(confirmed)
+    return n_parts
+
+def _complete(t: FsspecTarget, url: str, obj: str, upload_id: str, part_list: list[dict], size: int,
+              progress: _Progress) -> None:
+    parts = {"Parts": part_list}
+    tried = False
+
+    def complete() -> None:
+        nonlocal tried
+        try:
+            t._s3("complete_multipart_upload", Key=obj, UploadId=upload_id, MultipartUpload=parts)
+        except Exception as exc:
+            # A retried Complete whose first try did land (the reply was lost) finds no upload.
+            ce = _client_error(exc)
+            if tried and ce is not None and ce[0] == "NoSuchUpload" and t._head_size(obj) == size:
+                return
+            tried = True
+            raise
+
+    t._retry(f"completion of the multipart upload of {url}", complete, progress=progress)
+
+def _abort(t: FsspecTarget, url: str, obj: str, upload_id: str, exc: BaseException) -> None:
+    try:
+        t._retry(f"abort of the multipart upload of {url}", lambda: t._s3(
+            "abort_multipart_upload", Key=obj, UploadId=upload_id), deadline_s=min(10.0, t.retry_deadline_s))
+    except Exception as abort_exc:
+        log.warning("could not abort multipart upload %s of %s: %s", upload_id, url, abort_exc)
+        exc.add_note(f"The multipart upload {upload_id} of {url} could not be aborted ({abort_exc}); "
+                     "clean_incomplete() or a bucket lifecycle rule (AbortIncompleteMultipartUpload) removes it.")
+
+
+def crc32_header(data: bytes) -> str:
+    """The ``x-amz-checksum-crc32`` value of ``data``: base64 of the big-endian CRC32."""
+    return base64.b64encode(zlib.crc32(data).to_bytes(4, "big")).decode()
+
+
+def _preadinto(fd: int, buf: bytearray, offset: int) -> None:
+    view, got = memoryview(buf), 0
+    while got < len(buf):
+        n = os.preadv(fd, [view[got:]], offset + got)
+        if n <= 0:
+            raise storage_error(ReplicationError, f"the local file shrank while being uploaded: {len(buf)} bytes "
+                                f"expected at offset {offset}, {got} read", err_no=errno.EIO)
+        got += n

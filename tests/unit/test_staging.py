@@ -1,0 +1,204 @@
+"""StagingPool: headroom, reservations made ahead of the first save, the buffer limit."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from fastckpt import staging
+from fastckpt.format import ALIGN
+from fastckpt.staging import HEADROOM_MIN, StagingPool, capacity_for
+
+MiB = 1 << 20
+
+
+class AllocSpy:
+    """Counts real allocations; ``hold()`` makes the next ones wait until ``go`` is set."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.calls: list[int] = []
+        self.entered = threading.Event()
+        self.go = threading.Event()
+        self.go.set()
+        self.fail: BaseException | None = None
+        real = staging._new_buffer
+
+        def spy(capacity: int, pinned: bool) -> staging.StagingBuffer:
+            self.calls.append(capacity)
+            self.entered.set()
+            assert self.go.wait(30)
+            if self.fail is not None:
+                raise self.fail
+            return real(capacity, pinned)
+
+        monkeypatch.setattr(staging, "_new_buffer", spy)
+
+    def hold(self) -> None:
+        self.go.clear()
+        self.entered.clear()
+
+
+def spy_waits(pool: StagingPool) -> threading.Event:
+    """Set once a caller waits on the pool's condition (e.g. for a reservation)."""
+    waiting = threading.Event()
+    real = pool._cv.wait
+
+    def wait(timeout: float | None = None) -> bool:
+        waiting.set()
+        return real(timeout)
+
+    pool._cv.wait = wait  # type: ignore[method-assign]
+    return waiting
+
+
+def test_capacity_has_bounded_headroom() -> None:
+    for n in (0, ALIGN, 10 * MiB, 304_000_000, 1 << 30):
+        cap = capacity_for(n)
+        assert cap % ALIGN == 0
+        assert cap >= n + HEADROOM_MIN
+        assert cap <= n + max(HEADROOM_MIN, n // 64) + ALIGN
+
+
+def test_small_growth_reuses_the_buffer(monkeypatch) -> None:
+    spy = AllocSpy(monkeypatch)
+    pool = StagingPool()
+    a = pool.acquire(10 * MiB, object(), pinned=False, wait=True)
+    pool.release(a)
+    b = pool.acquire(10 * MiB + 123, object(), pinned=False, wait=True)  # grew by a few bytes
+    assert b is a and len(spy.calls) == 1
+    pool.release(b)
+    c = pool.acquire(20 * MiB, object(), pinned=False, wait=True)  # beyond the headroom
+    assert c is not a and len(spy.calls) == 2
+    assert pool.capacities() == [c.capacity]  # the small idle one was freed: memory stays bounded
+
+
+def test_first_save_adopts_the_reservation(monkeypatch) -> None:
+    spy = AllocSpy(monkeypatch)
+    pool = StagingPool()
+    assert pool.reserve(8 * MiB, pinned=False).result(30) == 1
+    buf = pool.acquire(8 * MiB + 500, object(), pinned=False, wait=True)
+    assert len(spy.calls) == 1 and pool.capacities() == [buf.capacity]
+    pool.release(buf)
+    assert pool.reserve(8 * MiB, pinned=False).result(30) == 0  # already there: nothing more
+
+
+def test_save_during_reservation_waits_for_it_and_never_allocates_twice(monkeypatch) -> None:
+    spy = AllocSpy(monkeypatch)
+    pool = StagingPool()
+    waiting = spy_waits(pool)
+    spy.hold()
+    fut = pool.reserve(8 * MiB, pinned=False)
+    assert spy.entered.wait(30)  # the reservation is allocating
+    got: list[staging.StagingBuffer] = []
+    saver = threading.Thread(target=lambda: got.append(pool.acquire(8 * MiB, object(), False, True)))
+    saver.start()
+    assert waiting.wait(30)  # the save waits for the reservation instead of allocating
+    assert len(spy.calls) == 1
+    spy.go.set()
+    saver.join(30)
+    assert fut.result(30) == 1
+    assert len(spy.calls) == 1 and pool.capacities() == [got[0].capacity]
+
+
+def test_too_small_reservation_is_replaced_not_kept(monkeypatch) -> None:
+    spy = AllocSpy(monkeypatch)
+    pool = StagingPool()
+    pool.reserve(MiB, pinned=False).result(30)
+    buf = pool.acquire(16 * MiB, object(), pinned=False, wait=True)
+    assert len(spy.calls) == 2 and pool.capacities() == [buf.capacity]
+
+
+def test_failed_reservation_leaves_the_save_to_allocate(monkeypatch, caplog) -> None:
+    spy = AllocSpy(monkeypatch)
+    pool = StagingPool()
+    spy.fail = MemoryError("no room")
+    with caplog.at_level("WARNING", logger="fastckpt"):
+        fut = pool.reserve(MiB, pinned=False)
+        with pytest.raises(MemoryError):
+            fut.result(30)
+    assert "reserving 1 staging buffer" in caplog.text
+    spy.fail = None
+    buf = pool.acquire(MiB, object(), pinned=False, wait=True)
+    assert pool.capacities() == [buf.capacity]
+
+
+def test_two_buffers_serve_two_saves_and_no_more(monkeypatch) -> None:
+    spy = AllocSpy(monkeypatch)
+    pool = StagingPool(max_buffers=2)
+    assert pool.reserve(4 * MiB, pinned=False).result(30) == 2
+    a = pool.acquire(4 * MiB, object(), pinned=False, wait=True)
+    b = pool.acquire(4 * MiB, object(), pinned=False, wait=True)  # the first is still writing
+    assert a is not b and len(spy.calls) == 2
+    assert pool.acquire(4 * MiB, object(), pinned=False, wait=False) is None  # bounded: two copies
+    pool.release(a)
+    assert pool.acquire(4 * MiB, object(), pinned=False, wait=False) is a
+
+
+def test_one_buffer_makes_the_second_save_wait(monkeypatch) -> None:
+    AllocSpy(monkeypatch)
+    pool = StagingPool()
+    pool.acquire(MiB, object(), pinned=False, wait=True)
+    assert pool.acquire(MiB, object(), pinned=False, wait=False) is None
+
+
+def test_reservation_finishing_after_close_is_freed(monkeypatch) -> None:
+    spy = AllocSpy(monkeypatch)
+    pool = StagingPool()
+    spy.hold()
+    fut = pool.reserve(MiB, pinned=False)
+    assert spy.entered.wait(30)
+    pool.close()
+    spy.go.set()
+    fut.result(30)
+    assert pool.capacities() == []
+
+
+def test_close_frees_idle_buffers_off_the_callers_thread() -> None:
+    import weakref
+
+    pool = StagingPool()
+    buf = pool.acquire(MiB, object(), pinned=False, wait=True)
+    pool.release(buf)
+    freed_by: list[str] = []
+    freed = threading.Event()
+    weakref.finalize(buf, lambda: (freed_by.append(threading.current_thread().name), freed.set()))
+    del buf
+    pool.close()
+    assert freed.wait(30)
+    assert freed_by == ["fastckpt-free"] and pool.capacities() == []
+
+
+def test_cpu_buffers_are_prefaulted_without_holding_the_gil(monkeypatch) -> None:
+    """MAP_POPULATE runs inside Python's mmap() with the GIL held, stalling every thread (the
+    training thread too, while a reservation allocates in the background): pages are faulted in
+    by a torch write instead, which releases the GIL."""
+    calls: list[dict] = []
+    real = staging.alloc_aligned
+    monkeypatch.setattr(staging, "alloc_aligned", lambda n, **kw: calls.append(kw) or real(n, **kw))
+    buf = staging._new_buffer(4 * MiB, pinned=False)
+    assert calls == [{}]
+    assert buf.capacity == 4 * MiB and len(buf.view) == 4 * MiB and buf.tensor.numel() == 4 * MiB
+    assert int(buf.tensor[:: 4096].sum()) == 0  # every page was written
+
+
+def test_close_at_interpreter_exit_frees_inline(monkeypatch) -> None:
+    """During atexit (the main thread no longer alive) a new thread would not be joined and
+    could be killed inside torch's deallocation (seen: "terminate called without an active
+    exception"): close() frees the buffers itself."""
+    import weakref
+
+    pool = StagingPool()
+    buf = pool.acquire(MiB, object(), pinned=False, wait=True)
+    pool.release(buf)
+    freed_by: list[str] = []
+    weakref.finalize(buf, lambda: freed_by.append(threading.current_thread().name))
+    del buf
+
+    class Exiting:
+        def is_alive(self) -> bool:
+            return False
+
+    monkeypatch.setattr(staging.threading, "main_thread", lambda: Exiting())
+    pool.close()
+    assert freed_by == [threading.current_thread().name]
