@@ -16,7 +16,7 @@ from ._lightning_common import FastCkptIOMixin
 
 class FastCkptCallbackMixin:
     """Connects a ``FastCkptIO`` to its Trainer: metrics to the loggers, the lazy-snapshot
-    fence, DeepSpeed's engine. Added by fastckpt's ``callbacks_factory`` entry point; add it
+    fence, DeepSpeed's engine, reserving the staging buffer after the first optimizer step. Added by fastckpt's ``callbacks_factory`` entry point; add it
     yourself (``callbacks=[FastCkptCallback()]``) only where that entry point is not installed.
     A Trainer without a FastCkptIO is left alone. It adds nothing to checkpoints."""
 
@@ -53,6 +53,8 @@ class FastCkptCallbackMixin:
                            batch_idx: int) -> None:
         io = self._io(trainer)
         if io is not None:
+            if trainer.global_step >= 1:  # the optimizer state exists now: its size is known
+                io._reserve(trainer)
             io._log_metrics(trainer)
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
@@ -64,11 +66,16 @@ class FastCkptCallbackMixin:
         io = self._io(trainer)
         if io is not None:
             io._crashed = True
-            io._fence()
+            # Flush now (failures are logged, not raised): not every strategy's teardown calls
+            # CheckpointIO.teardown (Lightning 2.6's FSDPStrategy does not). A second teardown
+            # by the strategy finds nothing left to do.
+            io.teardown()
 
     def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
         io = self._io(trainer)
-        if io is not None:  # the strategy's teardown has flushed every save by now
+        if io is not None:
+            if io._in_fit:  # the strategy's teardown did not reach CheckpointIO.teardown (FSDPStrategy)
+                io.teardown()
             io._log_metrics(trainer)
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:

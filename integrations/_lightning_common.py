@@ -15,9 +15,14 @@ Who calls what (everything runs on the training thread; only global rank 0 saves
   callback.on_fit_start          DeepSpeedStrategy: installs fastckpt's engine on deepspeed_engine
   io.save_checkpoint             Checkpointer.save, returns after the snapshot (lazy: earlier)
   callback.on_before_optimizer_step   lazy snapshot: Checkpointer.fence()
-  callback.on_train_batch_end    logs finished saves' ``ckpt/*`` metrics to trainer.loggers
+  callback.on_train_batch_end    after the first optimizer step (rank 0): Checkpointer.reserve, so
+                                 the staging buffer is allocated off the training thread; logs
+                                 finished saves' ``ckpt/*`` metrics to trainer.loggers
   io.remove_checkpoint           queued; runs once every save to that path is durable
   io.teardown   (strategy)       waits for every save and removal, raises the first error once
+                                 (the callback calls it in on_fit_end where the strategy did not:
+                                 Lightning 2.6's FSDPStrategy.teardown skips CheckpointIO.teardown;
+                                 and in on_exception, so a crash under any strategy flushes)
   callback.on_fit_end            logs the remaining saves' metrics (before loggers finalize)
 
 Policy (tiers, budgets, retries, ordering of a save and a removal of the same path) belongs to
@@ -42,13 +47,18 @@ from fastckpt.monitor import OverheadReport, Stats
 from fastckpt.places import is_url, normalize
 from fastckpt.records import SaveHandle
 
-from ._lightning_saves import SaveLedger, copy_unfenced_tensors
+from ._lightning_saves import SaveLedger, copy_unfenced_tensors, state_nbytes
 
 log = logging.getLogger("fastckpt.lightning")
 
 #: The ``storage_options`` keys FastCkptIO understands (``Trainer.save_checkpoint(...,
 #: storage_options=...)``); any other key is rejected by name.
 STORAGE_OPTIONS = {"wait": "True: return only once the checkpoint is durable at its path"}
+#: Strategies whose rank 0 does not hold the whole state in its own tensors.
+SHARDED_STRATEGIES = {"FSDPStrategy", "DeepSpeedStrategy", "ModelParallelStrategy"}
+#: Added to the tensors' bytes when reserving: Lightning's metadata (loops, callbacks, hparams)
+#: and the pickle around the tensors. The core adds its own headroom on top.
+RESERVE_MARGIN = 1 << 20
 
 
 def _parse_storage_options(storage_options: object) -> bool:
@@ -88,6 +98,10 @@ class FastCkptIOMixin:
             optimizer state in place outside the optimizer step.
         storage_options: fsspec options (credentials, endpoint) for a URL dirpath such as
             ``s3://bucket/run``; URL destinations need ``local_dir``.
+        staging_buffers: host copies of the checkpoint the saves may use at once (1 to 4; see
+            ``fastckpt.Checkpointer``). None (default): 2 when a ``ModelCheckpoint`` has
+            ``save_last=True`` (it saves the same state twice in one step, and the second save
+            would otherwise wait for the first one's write), else 1.
         checkpointer: an existing ``fastckpt.Checkpointer`` to use instead, for the options not
             listed here (keep_local, replicate_policy, io_threads, ...); then the arguments above
             must stay at their defaults. FastCkptIO waits for it but does not close it.
@@ -103,24 +117,27 @@ class FastCkptIOMixin:
 
     def __init__(self, local_dir: str | None = None, *, tier: str = "auto", overhead_budget: float = 0.02,
                  event_log: str | None = None, when_busy: str = "wait", lazy_snapshot: bool = False,
-                 storage_options: dict | None = None, checkpointer: Checkpointer | None = None) -> None:
+                 storage_options: dict | None = None, staging_buffers: int | None = None,
+                 checkpointer: Checkpointer | None = None) -> None:
         super().__init__()
         if checkpointer is not None:
             if not isinstance(checkpointer, Checkpointer):
                 raise TypeError(f"checkpointer must be a fastckpt.Checkpointer, got {type(checkpointer).__name__}")
             given = [n for n, v, d in (("local_dir", local_dir, None), ("tier", tier, "auto"),
                                         ("overhead_budget", overhead_budget, 0.02), ("event_log", event_log, None),
-                                        ("when_busy", when_busy, "wait"), ("storage_options", storage_options, None))
+                                        ("when_busy", when_busy, "wait"), ("storage_options", storage_options, None),
+                                        ("staging_buffers", staging_buffers, None))
                      if v != d]
             if given:
                 raise ConfigError(f"FastCkptIO(checkpointer=...) uses that Checkpointer's settings; do not also "
                                   f"pass {', '.join(given)} (set them on the Checkpointer)")
         else:  # validate now: a bad option should fail where the Trainer is built, not at the first save
             CheckpointerConfig(local_dir=local_dir, tier=tier, overhead_budget=overhead_budget,
-                               event_log=event_log, when_busy=when_busy, storage_options=storage_options)
+                               event_log=event_log, when_busy=when_busy, storage_options=storage_options,
+                               staging_buffers=1 if staging_buffers is None else staging_buffers)
         self.local_dir, self.tier, self.overhead_budget = local_dir, tier, overhead_budget
         self.event_log, self.when_busy, self.lazy_snapshot = event_log, when_busy, bool(lazy_snapshot)
-        self.storage_options = storage_options
+        self.storage_options, self.staging_buffers = storage_options, staging_buffers
         self._given = checkpointer
         self._ck: Checkpointer | None = checkpointer
         self._reset_runtime()
@@ -136,6 +153,8 @@ class FastCkptIOMixin:
         self._in_fit = True  # saves may stay in flight until teardown (False after it: synchronous)
         self._crashed = False
         self._warned_unconnected = False
+        self._reserved = False
+        self._sharded = False  # the Trainer's strategy is one of SHARDED_STRATEGIES
 
     # ------------------------------------------------------------------ plumbing
     def __getstate__(self) -> dict:
@@ -143,7 +162,8 @@ class FastCkptIOMixin:
         if self._given is not None:
             raise TypeError("FastCkptIO(checkpointer=...) cannot be pickled (ddp_spawn): pass the settings "
                             "(local_dir=..., tier=...) instead and each process builds its own Checkpointer")
-        keep = ("local_dir", "tier", "overhead_budget", "event_log", "when_busy", "lazy_snapshot", "storage_options")
+        keep = ("local_dir", "tier", "overhead_budget", "event_log", "when_busy", "lazy_snapshot", "storage_options",
+                "staging_buffers")
         return {k: self.__dict__[k] for k in keep}
 
     def __setstate__(self, state: dict) -> None:
@@ -167,8 +187,31 @@ class FastCkptIOMixin:
             # the core's default ("coalesce") would keep only the newest one at the destination.
             self._ck = Checkpointer(self.local_dir, self.tier, self.overhead_budget, self.event_log,
                                     when_busy=self.when_busy, storage_options=self.storage_options,
-                                    on_overhead_exceeded=self._on_overhead, replicate_policy="all")
+                                    on_overhead_exceeded=self._on_overhead, replicate_policy="all",
+                                    staging_buffers=self._staging_buffers())
         return self._ck
+
+    def _staging_buffers(self) -> int:
+        if self.staging_buffers is not None:
+            return self.staging_buffers
+        trainer = self._trainer()
+        if trainer is None or not any(getattr(cb, "save_last", None) is True for cb in trainer.checkpoint_callbacks):
+            return 1
+        # save_last=True saves the same state twice per step; with one buffer the second save
+        # would wait for the first one's write on the training thread
+        log.info("fastckpt: ModelCheckpoint(save_last=True) saves twice per step: using 2 staging buffers (two "
+                 "host copies of the checkpoint) so last.ckpt does not wait for the other file's write; "
+                 "FastCkptIO(staging_buffers=1) keeps one")
+        return 2
+
+    def latest(self, dirpath: str | os.PathLike) -> str | None:
+        """The newest complete checkpoint under ``dirpath`` (a directory or URL, listed with
+        this plugin's ``storage_options``), or None: ``trainer.fit(model, ckpt_path=io.latest(url))``
+        where Lightning's ``ckpt_path="last"`` cannot find checkpoints (a URL dirpath in
+        Lightning 2.6, docs/lightning.md)."""
+        from fastckpt.checkpointer import latest
+
+        return latest(os.fspath(dirpath), self.storage_options)
 
     def stats(self) -> Stats | None:
         """The Checkpointer's ``Stats`` (overhead, alarms, ...): live during fit, as of the end of
@@ -204,7 +247,8 @@ class FastCkptIOMixin:
                           "and lazy_snapshot is off. fastckpt's `callbacks_factory` entry point connects it; "
                           "without an installed fastckpt, add `callbacks=[FastCkptCallback()]` to the Trainer.",
                           UserWarning, stacklevel=2)
-        lazy = self.lazy_snapshot and trainer is not None and self._in_fit and not wait
+        # sharded strategies hand rank 0 a gathered copy: there is nothing to defer
+        lazy = self.lazy_snapshot and trainer is not None and self._in_fit and not wait and not self._sharded
         t0 = time.monotonic()
         state = copy_unfenced_tensors(checkpoint, trainer.lightning_module.parameters(), trainer.optimizers) \
             if lazy else checkpoint
@@ -306,7 +350,8 @@ class FastCkptIOMixin:
         raise errors[0]
 
     def _harvest(self) -> list[BaseException]:
-        return self._saves.harvest(self._ck.stats() if self._ck is not None else None,
+        ck = self._ck
+        return self._saves.harvest(lambda: ck.stats() if ck is not None else None,
                                    keep_rows=self._callback is not None)
 
     def _fence(self) -> None:
@@ -335,7 +380,8 @@ class FastCkptIOMixin:
             return False  # another FastCkptCallback (explicit and from the entry point) got here first
         self._callback = callback
         self._trainer_ref = weakref.ref(trainer)
-        self._in_fit, self._crashed = True, False
+        self._in_fit, self._crashed, self._reserved = True, False, False
+        self._sharded = bool(SHARDED_STRATEGIES & {c.__name__ for c in type(trainer.strategy).__mro__})
         if trainer.is_global_zero:
             self._checkpointer()  # start the overhead clock with the run, not at the first save
         strategy = trainer.strategy
@@ -346,6 +392,20 @@ class FastCkptIOMixin:
                           "see those saves. Use state_dict_type='full' to save through FastCkptIO.",
                           UserWarning, stacklevel=2)
         return True
+
+    def _reserve(self, trainer: Any) -> None:
+        """Once per fit, after the first optimizer step (when the optimizer state exists):
+        have the core allocate the staging buffer in the background, so the first save does not
+        allocate and prefault it on the training thread. Only where rank 0 holds whole tensors
+        (single device, DDP); sharded strategies' local tensors do not tell the saved size."""
+        if self._reserved or self._ck is None or not trainer.is_global_zero:
+            return
+        self._reserved = True
+        if self._sharded:
+            return
+        nbytes, cuda = state_nbytes(trainer.lightning_module, trainer.optimizers)
+        if nbytes:
+            self._ck.reserve(nbytes + RESERVE_MARGIN, pinned=cuda)
 
     def _install_deepspeed(self, trainer: Any) -> None:
         engine = getattr(trainer.strategy, "deepspeed_engine", None)

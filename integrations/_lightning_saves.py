@@ -73,11 +73,13 @@ class SaveLedger:
             keep.append(t)
         self.tracked = keep
 
-    def harvest(self, stats: Stats | None, keep_rows: bool) -> list[BaseException]:
-        """Turn finished saves into metric rows; return the failures (each raised once by wait)."""
+    def harvest(self, stats: Callable[[], Stats | None], keep_rows: bool) -> list[BaseException]:
+        """Turn finished saves into metric rows; return the failures (each raised once by wait).
+        ``stats`` is called only when a save has finished (this runs after every batch)."""
         done = [t for t in self.tracked if t.handle.done() and t not in self._unfenced]
         if not done:
             return []
+        now = stats() if keep_rows else None
         self.tracked = [t for t in self.tracked if t not in done]
         errors: list[BaseException] = []
         for t in done:
@@ -87,7 +89,7 @@ class SaveLedger:
                 errors.append(exc)
                 continue
             if keep_rows:
-                self._rows.append(row(t, rec, stats))
+                self._rows.append(row(t, rec, now))
         return errors
 
     def drain_rows(self) -> list[dict[str, float]]:
@@ -144,3 +146,20 @@ def copy_unfenced_tensors(checkpoint: object, params: Iterable[torch.Tensor],
         for st in opt.state.values():
             protected.update(_storage_key(v) for v in st.values() if isinstance(v, torch.Tensor))
     return map_tensors(checkpoint, lambda t: t if _storage_key(t) in protected else t.detach().clone())
+
+
+def state_nbytes(module: torch.nn.Module, optimizers: Iterable[torch.optim.Optimizer]) -> tuple[int, bool]:
+    """The bytes a checkpoint of ``module`` and ``optimizers`` will hold in tensors, each storage
+    padded to the file's alignment as the core lays it out, and whether any is on a CUDA device."""
+    from fastckpt.format import ALIGN
+
+    seen: dict[tuple[str, int], int] = {}
+    tensors = list(module.state_dict(keep_vars=True).values())
+    for opt in optimizers:
+        for st in opt.state.values():
+            tensors.extend(v for v in st.values() if isinstance(v, torch.Tensor))
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            seen[_storage_key(t)] = t.untyped_storage().nbytes()
+    total = sum((n + ALIGN - 1) // ALIGN * ALIGN for n in seen.values())
+    return total, any(dev.startswith("cuda") for dev, _ in seen)

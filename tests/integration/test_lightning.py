@@ -548,17 +548,29 @@ def test_s3_dirpath_top_k_and_resume_from_last(tmp_path, monkeypatch, request):
     model = TinyModel()
     trainer(4).fit(model, loader())
     keys = sorted(o["Key"] for o in s3.client().list_objects_v2(Bucket=bucket).get("Contents", []))
-    # each file with its sidecar manifest (published last); step=2 deleted by save_top_k, with its sidecar
+    # each file with its sidecar manifest (published last); step=2 deleted by save_top_k, with its
+    # sidecar; the directory's latest pointer (moved forward after each verified upload)
     assert keys == ["run/epoch=0-step=4.ckpt", "run/epoch=0-step=4.ckpt.fastckpt.json",
-                    "run/last.ckpt", "run/last.ckpt.fastckpt.json"]
+                    "run/last.ckpt", "run/last.ckpt.fastckpt.json", "run/latest"]
 
-    resumed = make_trainer(str(tmp_path), FastCkptIO(local_dir=str(tmp_path / "nvme2"),
-                                                     storage_options=s3.storage_options()), 4,
-                           dirpath=url, every_n_train_steps=100)
+    # Lightning 2.6 resolves ckpt_path="last" before any plugin hook, from a listing that drops
+    # the s3:// (its limitation, with any CheckpointIO): it finds nothing and starts afresh.
+    # If this starts failing, Lightning fixed it: update docs/lightning.md.
+    fresh = make_trainer(str(tmp_path), FastCkptIO(local_dir=str(tmp_path / "nvme3"),
+                                                   storage_options=s3.storage_options()), 1,
+                         dirpath=url, every_n_train_steps=100)
+    with pytest.warns(UserWarning, match="there is no last checkpoint available"):
+        fresh.fit(TinyModel(), loader(), ckpt_path="last")
+    assert fresh.global_step == 1
+
+    # the plugin's latest() lists the bucket with its storage_options: the newest complete one
+    io = FastCkptIO(local_dir=str(tmp_path / "nvme2"), storage_options=s3.storage_options())
+    resumed = make_trainer(str(tmp_path), io, 4, dirpath=url, every_n_train_steps=100)
     restored = TinyModel()
-    # not ckpt_path="last": Lightning drops the s3:// of what it lists and finds no "last" (its
-    # limitation, with any CheckpointIO); fastckpt.latest names the newest complete checkpoint
-    newest = fastckpt.latest(url, storage_options=s3.storage_options())
+    newest = io.latest(url)
     assert newest in (f"{url}/last.ckpt", f"{url}/epoch=0-step=4.ckpt")
+    assert newest == fastckpt.latest(url, storage_options=s3.storage_options())
     resumed.fit(restored, loader(), ckpt_path=newest)  # already at max_steps: restores, trains no step
+    assert resumed.global_step == 4
     tree_equal(restored.state_dict(), model.state_dict(), "weights from S3")
+    assert io.latest(f"s3://{bucket}/nothing-here") is None
