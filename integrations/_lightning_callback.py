@@ -16,8 +16,9 @@ from ._lightning_common import FastCkptIOMixin
 
 class FastCkptCallbackMixin:
     """Connects a ``FastCkptIO`` to its Trainer: metrics to the loggers, the lazy-snapshot
-    fence, DeepSpeed's engine, reserving the staging buffer after the first optimizer step. Added by fastckpt's ``callbacks_factory`` entry point; add it
-    yourself (``callbacks=[FastCkptCallback()]``) only where that entry point is not installed.
+    fence, DeepSpeed's engine, reserving the staging buffer after the first optimizer step.
+    Added by fastckpt's ``callbacks_factory`` entry point; add it yourself
+    (``callbacks=[FastCkptCallback()]``) only where that entry point is not installed.
     A Trainer without a FastCkptIO is left alone. It adds nothing to checkpoints."""
 
     def _io(self, trainer: Any) -> FastCkptIOMixin | None:

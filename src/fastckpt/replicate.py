@@ -39,7 +39,7 @@ from .io.ops import FileOps
 from .pipeline import reraise
 from .places import TargetPlace, is_url, split_url
 from .records import SaveRecord
-from .targets import Expected, Target
+from .targets import Expected
 
 log = logging.getLogger("fastckpt")
 SIDECAR = C.SIDECAR
@@ -293,11 +293,11 @@ class Replicator:
                 put = target.put_file(job.local, key, bandwidth_Bps=self._bucket, expect=expect,
                                       chunk_bytes=max(cfg.chunk_bytes // 4, 8 << 20))
                 t1 = time.monotonic()
-                if put.verified:  # the store checked every part's CRC32 (targets_fsspec); the size too
-                    _check_size(target, key, rec.bytes)
-                if readback or not put.verified:
+                if readback or not put.verified:  # read back: checks the size and the checksum
                     how = "readback"
                     target.verify(key, rec.bytes, rec.checksum, covered, bandwidth_Bps=self._bucket)
+                else:  # the store checked every part's CRC32 (targets_s3); the size is left
+                    target.check_size(key, rec.bytes)
                 break
             except CorruptCheckpointError as exc:
                 if attempt == VERIFY_ATTEMPTS:
@@ -309,13 +309,6 @@ class Replicator:
             C.publish_file_pointer(TargetPlace(target, posixpath.dirname(key)), posixpath.basename(key), manifest)
         return (f"upload_s={t1 - t0:.3f} verify_s={time.monotonic() - t1:.3f} parts={put.parts} "
                 f"retries={put.retries} attempts={attempt} verified={how}")
-
-
-def _check_size(target: Target, key: str, size: int) -> None:
-    actual = target.size(key)
-    if actual != size:
-        raise CorruptCheckpointError(f"replica {target.url_of(key)} is {actual} bytes, expected {size}: the upload "
-                                     "was truncated or replaced; upload it again from the local copy")
 
 
 def _drop_cache(path: str) -> None:

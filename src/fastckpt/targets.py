@@ -210,6 +210,19 @@ class Target(abc.ABC):
         """
 
     # ------------------------------------------------------------------ shared implementations
+    def check_size(self, key: str, expected_size: int) -> int:
+        """The object's size, which must be ``expected_size``.
+
+        Raises:
+            TargetNotFoundError: the object is missing.
+            CorruptCheckpointError: it has another size.
+        """
+        actual = self.size(check_key(key))
+        if actual != expected_size:
+            raise CorruptCheckpointError(f"replica {self.url_of(key)} is {actual} bytes, expected {expected_size}: "
+                                         "the upload was truncated or replaced; upload it again from the local copy")
+        return actual
+
     def verify(self, key: str, expected_size: int, expected_xxh3: str, covered: int | None = None, *,
                bandwidth_Bps: float | TokenBucket | None = None) -> None:
         """Read the object back and check its size and ``fastckpt.checksum`` tree checksum.
@@ -226,11 +239,7 @@ class Target(abc.ABC):
             TargetNotFoundError: the object is missing.
             CorruptCheckpointError: the size or checksum differs (the message says which).
         """
-        actual = self.size(check_key(key))
-        if actual != expected_size:
-            raise CorruptCheckpointError(f"replica {self.url_of(key)} is {actual} bytes, expected {expected_size}: "
-                                         "the upload was truncated or replaced; upload it again from the local copy")
-
+        actual = self.check_size(key, expected_size)
         limit = actual if covered is None else covered
         limiter = _limiter(bandwidth_Bps, READ_CHUNK_BYTES)
 
