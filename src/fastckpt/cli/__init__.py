@@ -1,25 +1,59 @@
-"""The ``fastckpt`` command line (subcommands arrive with their issues)."""
+"""The ``fastckpt`` command line: one click group, one module per subcommand.
+
+Exit codes, for every subcommand: 0 pass, 1 a target missed or a check failed, 2 bad usage
+(click's own code for usage errors). Each subcommand lives in its own module under ``cli/``
+and is registered in ``_COMMANDS`` below (imported lazily so ``fastckpt --help`` stays fast).
+"""
 
 from __future__ import annotations
 
-import argparse
+import importlib
 import sys
+
+import click
+
+# subcommand name -> "module:attribute" of its click.Command
+_COMMANDS = {
+    "latest": "fastckpt.cli.latest:latest",
+}
+
+
+class _LazyGroup(click.Group):
+    """Imports a subcommand's module only when that subcommand runs (or its help is shown)."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(_COMMANDS)
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        spec = _COMMANDS.get(name)
+        if spec is None:
+            return None
+        module, attr = spec.split(":")
+        return getattr(importlib.import_module(module), attr)
+
+
+@click.group(cls=_LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="fastckpt")
+def cli() -> None:
+    """fastckpt operator tools: size, stress-test, drill and inspect checkpoint storage."""
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="fastckpt", description="fastckpt operator tools")
-    sub = parser.add_subparsers(dest="cmd")
-    p_latest = sub.add_parser("latest", help="print the newest complete checkpoint under a directory")
-    p_latest.add_argument("root")
-    args = parser.parse_args(argv)
-    if args.cmd == "latest":
-        from ..commit import latest
+    """Entry point of the ``fastckpt`` script; returns the exit code instead of exiting."""
+    try:
+        cli.main(args=argv, prog_name="fastckpt", standalone_mode=False)
+    except click.exceptions.Exit as exc:
+        return exc.exit_code
+    except click.ClickException as exc:
+        exc.show()
+        return exc.exit_code
+    except click.exceptions.Abort:
+        click.echo("Aborted.", err=True)
+        return 1
+    except SystemExit as exc:  # a subcommand's sys.exit(code)
+        return int(exc.code or 0)
+    return 0
 
-        found = latest(args.root)
-        if found is None:
-            print(f"no complete checkpoint under {args.root}", file=sys.stderr)
-            return 1
-        print(found)
-        return 0
-    parser.print_help()
-    return 2
+
+if __name__ == "__main__":
+    sys.exit(main())
