@@ -22,7 +22,7 @@ import time
 import torch
 
 import fastckpt
-from fastckpt.tiers import gds_unavailable_reason
+from fastckpt.save.tiers import gds_unavailable_reason
 
 failures = 0
 

@@ -41,11 +41,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from fastckpt.checkpointer import Checkpointer
-from fastckpt.config import CheckpointerConfig
+from fastckpt.config import CheckpointerConfig, option_names
 from fastckpt.errors import ConfigError
 from fastckpt.monitor import OverheadReport, Stats
-from fastckpt.places import is_url, normalize
 from fastckpt.records import SaveHandle
+from fastckpt.urls import is_url, normalize
 
 from ._lightning_saves import SaveLedger, copy_unfenced_tensors, state_nbytes
 
@@ -59,6 +59,15 @@ SHARDED_STRATEGIES = {"FSDPStrategy", "DeepSpeedStrategy", "ModelParallelStrateg
 #: Added to the tensors' bytes when reserving: Lightning's metadata (loops, callbacks, hparams)
 #: and the pickle around the tensors. The core adds its own headroom on top.
 RESERVE_MARGIN = 1 << 20
+
+
+def _config(**options: object) -> CheckpointerConfig:
+    """The Checkpointer options FastCkptIO was given, validated; an unknown name lists the valid ones."""
+    unknown = sorted(set(options) - set(option_names()))
+    if unknown:
+        raise ConfigError(f"FastCkptIO got unknown option(s) {unknown}; it takes local_dir, lazy_snapshot, "
+                          f"staging_buffers, checkpointer and the Checkpointer options: {', '.join(option_names())}")
+    return CheckpointerConfig(**options)  # type: ignore[arg-type]
 
 
 def _parse_storage_options(storage_options: object) -> bool:
@@ -87,24 +96,22 @@ class FastCkptIOMixin:
     Args:
         local_dir: node-local burst buffer (see ``fastckpt.Checkpointer``); None writes straight
             to the checkpoint path.
-        tier: "auto", "gds", "nvme" or "direct".
-        overhead_budget: fraction of wall time saves may block before the alarm warns.
-        event_log: JSONL file receiving one event per phase of every save.
-        when_busy: "wait" or "skip" when the previous save still holds the staging buffer.
         lazy_snapshot: copy parameters and optimizer state while the next step's forward and
             backward run, blocking only in ``on_before_optimizer_step`` (other tensors, such as
             BatchNorm buffers that forward updates, are copied at once). Needs the callback
             (installed automatically) and a training step that does not modify parameters or
             optimizer state in place outside the optimizer step.
-        storage_options: fsspec options (credentials, endpoint) for a URL dirpath such as
-            ``s3://bucket/run``; URL destinations need ``local_dir``.
         staging_buffers: host copies of the checkpoint the saves may use at once (1 to 4; see
             ``fastckpt.Checkpointer``). None (default): 2 when a ``ModelCheckpoint`` has
             ``save_last=True`` (it saves the same state twice in one step, and the second save
             would otherwise wait for the first one's write), else 1.
-        checkpointer: an existing ``fastckpt.Checkpointer`` to use instead, for the options not
-            listed here (keep_local, replicate_policy, io_threads, ...); then the arguments above
-            must stay at their defaults. FastCkptIO waits for it but does not close it.
+        checkpointer: an existing ``fastckpt.Checkpointer`` to use instead; then no other option
+            may be given. FastCkptIO waits for it but does not close it.
+        **options: any other ``fastckpt.Checkpointer`` option (``tier``, ``overhead_budget``,
+            ``event_log``, ``when_busy``, ``storage_options`` for a URL dirpath, ``keep_local``,
+            ...): each is defined once, in ``fastckpt.config.CheckpointerConfig``.
+            ``replicate_policy`` defaults to "all" here: Lightning expects every path it saved
+            (top-k, last) to exist.
     """
 
     _PACKAGE = ""  # "lightning" or "pytorch_lightning": set by the concrete class
@@ -115,29 +122,23 @@ class FastCkptIOMixin:
         super().__init_subclass__(**kwargs)
         cls._live = weakref.WeakSet()
 
-    def __init__(self, local_dir: str | None = None, *, tier: str = "auto", overhead_budget: float = 0.02,
-                 event_log: str | None = None, when_busy: str = "wait", lazy_snapshot: bool = False,
-                 storage_options: dict | None = None, staging_buffers: int | None = None,
-                 checkpointer: Checkpointer | None = None) -> None:
+    def __init__(self, local_dir: str | None = None, *, lazy_snapshot: bool = False,
+                 staging_buffers: int | None = None, checkpointer: Checkpointer | None = None,
+                 **options: object) -> None:
         super().__init__()
         if checkpointer is not None:
             if not isinstance(checkpointer, Checkpointer):
                 raise TypeError(f"checkpointer must be a fastckpt.Checkpointer, got {type(checkpointer).__name__}")
-            given = [n for n, v, d in (("local_dir", local_dir, None), ("tier", tier, "auto"),
-                                        ("overhead_budget", overhead_budget, 0.02), ("event_log", event_log, None),
-                                        ("when_busy", when_busy, "wait"), ("storage_options", storage_options, None),
-                                        ("staging_buffers", staging_buffers, None))
-                     if v != d]
-            if given:
+            given = [n for n, v in (("local_dir", local_dir), ("staging_buffers", staging_buffers)) if v is not None]
+            if given or options:
                 raise ConfigError(f"FastCkptIO(checkpointer=...) uses that Checkpointer's settings; do not also "
-                                  f"pass {', '.join(given)} (set them on the Checkpointer)")
-        else:  # validate now: a bad option should fail where the Trainer is built, not at the first save
-            CheckpointerConfig(local_dir=local_dir, tier=tier, overhead_budget=overhead_budget,
-                               event_log=event_log, when_busy=when_busy, storage_options=storage_options,
-                               staging_buffers=1 if staging_buffers is None else staging_buffers)
-        self.local_dir, self.tier, self.overhead_budget = local_dir, tier, overhead_budget
-        self.event_log, self.when_busy, self.lazy_snapshot = event_log, when_busy, bool(lazy_snapshot)
-        self.storage_options, self.staging_buffers = storage_options, staging_buffers
+                                  f"pass {', '.join(given + sorted(options))} (set them on the Checkpointer)")
+        options.setdefault("replicate_policy", "all")
+        # validated now: a bad option should fail where the Trainer is built, not at the first save
+        self.config = _config(local_dir=local_dir, staging_buffers=1 if staging_buffers is None else staging_buffers,
+                              **options)
+        self._options = options
+        self.local_dir, self.lazy_snapshot, self.staging_buffers = local_dir, bool(lazy_snapshot), staging_buffers
         self._given = checkpointer
         self._ck: Checkpointer | None = checkpointer
         self._reset_runtime()
@@ -162,8 +163,7 @@ class FastCkptIOMixin:
         if self._given is not None:
             raise TypeError("FastCkptIO(checkpointer=...) cannot be pickled (ddp_spawn): pass the settings "
                             "(local_dir=..., tier=...) instead and each process builds its own Checkpointer")
-        keep = ("local_dir", "tier", "overhead_budget", "event_log", "when_busy", "lazy_snapshot", "storage_options",
-                "staging_buffers")
+        keep = ("config", "_options", "local_dir", "lazy_snapshot", "staging_buffers")
         return {k: self.__dict__[k] for k in keep}
 
     def __setstate__(self, state: dict) -> None:
@@ -173,8 +173,8 @@ class FastCkptIOMixin:
         type(self)._live.add(self)
 
     def __repr__(self) -> str:
-        return (f"{type(self).__name__}(local_dir={self.local_dir!r}, tier={self.tier!r}, "
-                f"overhead_budget={self.overhead_budget!r}, lazy_snapshot={self.lazy_snapshot!r})")
+        return (f"{type(self).__name__}(local_dir={self.local_dir!r}, tier={self.config.tier!r}, "
+                f"overhead_budget={self.config.overhead_budget!r}, lazy_snapshot={self.lazy_snapshot!r})")
 
     def __str__(self) -> str:
         # Lightning names the plugin with str() when it rejects one of the other package's types.
@@ -183,12 +183,8 @@ class FastCkptIOMixin:
 
     def _checkpointer(self) -> Checkpointer:
         if self._ck is None:
-            # replicate_policy="all": Lightning expects every path it saved (top-k, last) to exist;
-            # the core's default ("coalesce") would keep only the newest one at the destination.
-            self._ck = Checkpointer(self.local_dir, self.tier, self.overhead_budget, self.event_log,
-                                    when_busy=self.when_busy, storage_options=self.storage_options,
-                                    on_overhead_exceeded=self._on_overhead, replicate_policy="all",
-                                    staging_buffers=self._staging_buffers())
+            options = {"on_overhead_exceeded": self._on_overhead, **self._options}
+            self._ck = Checkpointer(self.local_dir, staging_buffers=self._staging_buffers(), **options)
         return self._ck
 
     def _staging_buffers(self) -> int:
@@ -209,9 +205,9 @@ class FastCkptIOMixin:
         this plugin's ``storage_options``), or None: ``trainer.fit(model, ckpt_path=io.latest(url))``
         where Lightning's ``ckpt_path="last"`` cannot find checkpoints (a URL dirpath in
         Lightning 2.6, docs/lightning.md)."""
-        from fastckpt.checkpointer import latest
+        from fastckpt import latest
 
-        return latest(os.fspath(dirpath), self.storage_options)
+        return latest(os.fspath(dirpath), self.config.storage_options)
 
     def stats(self) -> Stats | None:
         """The Checkpointer's ``Stats`` (overhead, alarms, ...): live during fit, as of the end of

@@ -151,7 +151,7 @@ def copy_unfenced_tensors(checkpoint: object, params: Iterable[torch.Tensor],
 def state_nbytes(module: torch.nn.Module, optimizers: Iterable[torch.optim.Optimizer]) -> tuple[int, bool]:
     """The bytes a checkpoint of ``module`` and ``optimizers`` will hold in tensors, each storage
     padded to the file's alignment as the core lays it out, and whether any is on a CUDA device."""
-    from fastckpt.format import ALIGN
+    from fastckpt.format.layout import ALIGN
 
     seen: dict[tuple[str, int], int] = {}
     tensors = list(module.state_dict(keep_vars=True).values())

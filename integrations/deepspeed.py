@@ -40,8 +40,8 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import (
 )
 
 from fastckpt.checkpointer import Checkpointer
-from fastckpt.places import normalize
 from fastckpt.records import SaveHandle
+from fastckpt.urls import normalize
 
 __all__ = ["FastCkptEngine", "install"]
 

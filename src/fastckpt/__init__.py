@@ -1,16 +1,14 @@
 """fastckpt: checkpoints that do not stall training.
 
 Public API: ``Checkpointer`` (save/commit/load/remove/wait/close), ``latest`` and ``load``;
-integrations live in ``fastckpt.integrations`` (Lightning, DeepSpeed, Megatron) and are
-imported lazily so the core never imports a framework.
+integrations live in ``fastckpt.integrations`` (Lightning and DeepSpeed; Megatron is planned)
+and are imported lazily so the core never imports a framework. docs/architecture.md maps the
+package.
 """
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
-
-from .checkpointer import Checkpointer
-from .checkpointer import latest
+from .checkpointer import Checkpointer, ClosedError
 from .errors import (
     CheckpointWriteError,
     CommitTimeoutError,
@@ -25,12 +23,13 @@ from .errors import (
 from .events import Event
 from .monitor import OverheadReport, Stats
 from .records import SaveHandle, SaveRecord
+from .version import __version__
 
 __all__ = [
     "Checkpointer", "latest", "load", "Event", "OverheadReport", "Stats", "SaveHandle", "SaveRecord",
-    "FastCkptError", "CheckpointWriteError", "CommitTimeoutError", "ConfigError", "CorruptCheckpointError",
-    "IncompleteCheckpointError", "ReplicationError", "TierUnavailableError", "UnsupportedObjectError",
-    "FastCkptIO",
+    "FastCkptError", "CheckpointWriteError", "ClosedError", "CommitTimeoutError", "ConfigError",
+    "CorruptCheckpointError", "IncompleteCheckpointError", "ReplicationError", "TierUnavailableError",
+    "UnsupportedObjectError", "FastCkptIO", "__version__",
 ]
 
 
@@ -39,6 +38,23 @@ def load(path: str, map_location: object = None, *, weights_only: bool = True,
     """Load one checkpoint file (a path or URL) with verification (a one-off Checkpointer)."""
     with Checkpointer(storage_options=storage_options) as ck:
         return ck.load(path, map_location, weights_only=weights_only)
+
+
+def latest(root: str, storage_options: dict | None = None) -> str | None:
+    """The newest complete checkpoint under ``root`` (a directory or a URL), or None.
+
+    ``root/latest`` answers when it names a complete checkpoint; otherwise a scan of ``root``
+    decides (single files and group directories, in subfolders too; incomplete ones are
+    skipped). See docs/groups.md.
+    """
+    from .commit.discovery import latest as find
+    from .storage.homes import Homes
+
+    homes = Homes(storage_options)
+    try:
+        return find(homes, root)
+    finally:
+        homes.close()
 
 
 def __getattr__(name: str) -> object:

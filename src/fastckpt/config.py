@@ -1,52 +1,88 @@
-"""Options, validated once: a frozen dataclass per concern. Environment variables: none yet
-(when one is added, read it here and nowhere else)."""
+"""Every Checkpointer option, defined once: its type, its default and a one-line meaning.
+
+``CheckpointerConfig`` is the single definition. ``Checkpointer`` takes exactly these fields as
+its constructor arguments (``options_signature`` copies them onto it, so ``help(Checkpointer)``
+and an IDE show each one), and the integrations (Lightning's ``FastCkptIO``, DeepSpeed's
+``"fastckpt"`` config section) pass their options through to it unchanged. ``__post_init__``
+validates and raises ``ConfigError`` naming the option and the fix; it never rewrites a field.
+
+Environment variables: fastckpt reads none (when one is added, read it here and nowhere else).
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass, field
+from typing import TYPE_CHECKING, Concatenate, ParamSpec, TypeVar
 
 from .errors import ConfigError
-from .tiers import TIERS
+from .units import MiB
 
-MiB = 1 << 20
+if TYPE_CHECKING:
+    from .events import EventSink
+    from .io.ops import FileOps
+    from .monitor import OverheadReport
+
+TIERS = ("auto", "gds", "nvme", "direct")
+DEFAULT_RETRY_DEADLINE_S = 300.0
+
+
+def _opt(default: object, meaning: str) -> object:
+    return field(default=default, metadata={"help": meaning})
 
 
 @dataclass(frozen=True)
 class CheckpointerConfig:
-    """How a Checkpointer saves. See ``Checkpointer`` for each field's meaning."""
+    """How a Checkpointer saves, replicates, loads and reports (docs/core.md, docs/burst-buffer.md)."""
 
-    local_dir: str | None = None
-    tier: str = "auto"
-    overhead_budget: float = 0.02
-    overhead_window_s: float = 3600.0
-    event_log: str | None = None
-    on_overhead_exceeded: Callable | None = None
-    when_busy: str = "wait"
-    io_threads: int = 4
-    chunk_bytes: int = 64 * MiB
-    odirect: bool = True
-    overlap_write: bool = False
-    staging_buffers: int = 1
-    commit_timeout_s: float = 600.0
-    rank: int | None = None
-    world_size: int | None = None
-    # replication to the durable home (docs/burst-buffer.md)
-    keep_local: int | None = None
-    keep_persistent: int | None = None
-    replicate_bandwidth_Bps: float | None = None
-    replicate_policy: str = "coalesce"
-    replicate_verify: str = "checksum"
-    replicate_workers: int = 2
-    storage_options: dict | None = None
-    retry_deadline_s: float = 300.0
-    close_timeout_s: float | None = None
+    local_dir: str | None = _opt(None, "node-local burst buffer (NVMe): files land there first and are copied "
+                                       "to their path in the background (nvme tier); None writes straight to the "
+                                       "path (direct tier). URL paths (s3://...) need it.")
+    tier: str = _opt("auto", "'auto', 'gds', 'nvme' or 'direct' (docs/tiers.md).")
+    overhead_budget: float = _opt(0.02, "fraction of wall time saves may block before the alarm (0.02 = 2 %).")
+    event_log: str | None = _opt(None, "JSONL file that receives one event per phase of every save and load "
+                                       "(its directory is created).")
+    _: KW_ONLY
+    on_overhead_exceeded: Callable[[OverheadReport], None] | None = _opt(
+        None, "called with an OverheadReport when the overhead crosses the budget.")
+    overhead_window_s: float = _opt(3600.0, "length of the sliding window the overhead is also measured over.")
+    when_busy: str = _opt("wait", "'wait' (block until a staging buffer is free) or 'skip' (drop the save "
+                                  "with a warning) when every staging buffer is in use.")
+    io_threads: int = _opt(4, "threads that write, read and copy file chunks in parallel.")
+    chunk_bytes: int = _opt(64 * MiB, "bytes per parallel write/read (a multiple of 16 MiB).")
+    odirect: bool = _opt(True, "write and read with O_DIRECT where the file system honours it.")
+    overlap_write: bool = _opt(False, "CPU states: start writing while the snapshot still copies (durable "
+                                      "sooner, but the copy competes with the writers for cores).")
+    staging_buffers: int = _opt(1, "host copies of a checkpoint that saves may use at once (1-4): more lets a "
+                                   "save start while the previous one still writes, at one copy of memory each.")
+    commit_timeout_s: float = _opt(600.0, "how long a group commit waits for every rank.")
+    rank: int | None = _opt(None, "this process's rank (default: torch.distributed's, else $RANK or 0).")
+    world_size: int | None = _opt(None, "number of ranks (default: torch.distributed's, else $WORLD_SIZE or 1).")
+    keep_local: int | None = _opt(None, "checkpoints to keep in local_dir once replicated (None: all).")
+    keep_persistent: int | None = _opt(None, "checkpoints to keep at their durable home (None: all).")
+    replicate_bandwidth_Bps: float | None = _opt(None, "cap on replication (and its verification) in bytes/s "
+                                                       "(None: no cap).")
+    replicate_policy: str = _opt("coalesce", "'coalesce' (replicate the newest, drop superseded queued "
+                                             "checkpoints) or 'all'.")
+    replicate_verify: str = _opt("checksum", "'checksum' (the store checks each part's checksum while "
+                                             "uploading) or 'readback' (also read every replica back).")
+    replicate_workers: int = _opt(2, "checkpoints replicated at once.")
+    storage_options: dict | None = _opt(None, "fsspec options for URL homes (endpoint_url, key, secret, ...).")
+    retry_deadline_s: float = _opt(DEFAULT_RETRY_DEADLINE_S, "how long one storage request keeps retrying "
+                                                             "transient errors.")
+    close_timeout_s: float | None = _opt(None, "how long close() waits for pending saves (None: as long as it "
+                                               "takes).")
+    ops: FileOps | None = _opt(None, "the system-call seam (fastckpt.testing.FaultyOps injects faults).")
+    sinks: tuple[EventSink, ...] = _opt((), "extra EventSinks that receive every event.")
 
     def __post_init__(self) -> None:
         if self.tier not in TIERS:
             raise ConfigError(f"tier={self.tier!r} is not one of {', '.join(TIERS)}")
         if not 0 < self.overhead_budget < 1:
-            raise ConfigError(f"overhead_budget={self.overhead_budget!r} must be a fraction in (0, 1), e.g. 0.02 for 2 %")
+            raise ConfigError(f"overhead_budget={self.overhead_budget!r} must be a fraction in (0, 1), "
+                              "e.g. 0.02 for 2 %")
         if self.overhead_window_s <= 0:
             raise ConfigError("overhead_window_s must be > 0 seconds")
         if self.when_busy not in ("wait", "skip"):
@@ -61,10 +97,16 @@ class CheckpointerConfig:
             raise ConfigError(f"chunk_bytes={self.chunk_bytes} must be a positive multiple of 16 MiB")
         if self.commit_timeout_s <= 0:
             raise ConfigError("commit_timeout_s must be > 0 seconds")
+        self._check_ranks()
+        self._check_replication()
+
+    def _check_ranks(self) -> None:
         if (self.rank is None) != (self.world_size is None):
             raise ConfigError("give both rank and world_size, or neither (they default to torch.distributed's)")
         if self.world_size is not None and not 0 <= self.rank < self.world_size:  # type: ignore[operator]
             raise ConfigError(f"rank={self.rank} must be in [0, world_size={self.world_size})")
+
+    def _check_replication(self) -> None:
         for name in ("keep_local", "keep_persistent"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or v < 1):
@@ -89,3 +131,36 @@ class CheckpointerConfig:
             raise ConfigError("close_timeout_s must be >= 0 seconds, or None to wait as long as it takes")
         if self.local_dir is not None and "://" in self.local_dir:
             raise ConfigError(f"local_dir={self.local_dir!r} must be a node-local directory, not a URL")
+
+
+def option_names() -> tuple[str, ...]:
+    """Every option's name, in definition order."""
+    return tuple(f.name for f in dataclasses.fields(CheckpointerConfig))
+
+
+def options_doc() -> str:
+    """A Google-style ``Args:`` section listing every option with its default and meaning."""
+    lines = ["Args:"]
+    for f in dataclasses.fields(CheckpointerConfig):
+        lines.append(f"    {f.name}: {f.metadata['help']} Default: {f.default!r}.")
+    return "\n".join(lines)
+
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+
+def options_signature(config: Callable[P, CheckpointerConfig]
+                      ) -> Callable[[Callable[..., None]], Callable[Concatenate[T, P], None]]:
+    """Give a constructor ``__init__(self, *args, **options)`` the config's exact signature.
+
+    Type checkers see ``config``'s parameters (through ``ParamSpec``); ``help()`` and
+    ``inspect.signature`` see them through ``__signature__``. The options stay defined once.
+    """
+    def decorate(init: Callable[..., None]) -> Callable[Concatenate[T, P], None]:
+        params = list(inspect.signature(config).parameters.values())
+        self_param = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        init.__signature__ = inspect.Signature([self_param, *params], return_annotation=None)  # type: ignore[attr-defined]
+        return init  # type: ignore[return-value]
+
+    return decorate

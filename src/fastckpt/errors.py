@@ -35,5 +35,6 @@ class TierUnavailableError(FastCkptError, RuntimeError):
     """The requested storage tier cannot be used here; the message says why."""
 
 
-class ReplicationError(FastCkptError, OSError):
-    """Copying a committed checkpoint to persistent storage failed after all retries."""
+class ReplicationError(CheckpointWriteError):
+    """Copying a committed checkpoint to its durable home failed after all retries (a
+    CheckpointWriteError: the previous checkpoint there is intact)."""

@@ -8,8 +8,6 @@ import threading
 from dataclasses import dataclass
 from typing import IO, Protocol
 
-PHASES = ("snapshot", "write", "commit", "queued", "replicate", "retry", "load")
-
 
 @dataclass(frozen=True)
 class Event:

@@ -58,6 +58,12 @@ class SaveHandle:
     def done(self) -> bool:
         return self._future.done()
 
+    def result(self, timeout: float | None = None) -> SaveRecord:
+        """Like ``wait()``, for fastckpt's own background steps that wait on a save (a group
+        commit waits for its files): a failure raised here still counts as unseen, so the
+        Checkpointer's next sync point raises it to the user once."""
+        return self._future.result(timeout)
+
     def wait(self, timeout: float | None = None) -> SaveRecord:
         try:
             return self._future.result(timeout)

@@ -38,7 +38,7 @@ from .io.ops import FileOps
 
 __all__ = ["Fault", "FaultyOps", "Gate", "OPS"]
 
-OPS = ("open", "pwrite", "preadv", "fsync", "ftruncate", "replace", "unlink", "fsync_dir", "makedirs",
+OPS = ("open", "pwrite", "preadv", "fsync", "ftruncate", "replace", "unlink", "rmdir", "fsync_dir", "makedirs",
        "write_small")
 
 
@@ -205,11 +205,16 @@ class FaultyOps(FileOps):
         with self._lock:
             return self._fd_paths.get(fd, f"<fd {fd}>")
 
+    def _guard(self, op: str, *paths: str) -> Fault | None:
+        """Count the call; raise its fault's error, or return a short-write fault to apply."""
+        fault = self._check(op, *paths)
+        if fault is not None and fault.short is None:
+            self._raise(fault, paths[-1] if op == "replace" else paths[0])
+        return fault
+
     # ------------------------------------------------------------------ FileOps
     def open(self, path: str, flags: int, mode: int = 0o644) -> int:
-        fault = self._check("open", path)
-        if fault:
-            self._raise(fault, path)
+        self._guard("open", path)
         fd = super().open(path, flags, mode)
         with self._lock:
             self._fd_paths[fd] = path
@@ -221,63 +226,45 @@ class FaultyOps(FileOps):
         super().close(fd)
 
     def pwrite(self, fd: int, data: memoryview, offset: int) -> int:
-        path = self._path_of(fd)
-        fault = self._check("pwrite", path)
+        fault = self._guard("pwrite", self._path_of(fd))
         if fault is not None and fault.short is not None:
             if fault.short == 0:
                 return 0
             return super().pwrite(fd, memoryview(data)[: min(fault.short, len(data))], offset)
-        if fault:
-            self._raise(fault, path)
         return super().pwrite(fd, data, offset)
 
     def preadv(self, fd: int, buf: memoryview, offset: int) -> int:
-        path = self._path_of(fd)
-        fault = self._check("preadv", path)
-        if fault:
-            self._raise(fault, path)
+        self._guard("preadv", self._path_of(fd))
         return super().preadv(fd, buf, offset)
 
     def fsync(self, fd: int) -> None:
-        path = self._path_of(fd)
-        fault = self._check("fsync", path)
-        if fault:
-            self._raise(fault, path)
+        self._guard("fsync", self._path_of(fd))
         super().fsync(fd)
 
     def ftruncate(self, fd: int, size: int) -> None:
-        path = self._path_of(fd)
-        fault = self._check("ftruncate", path)
-        if fault:
-            self._raise(fault, path)
+        self._guard("ftruncate", self._path_of(fd))
         super().ftruncate(fd, size)
 
     def replace(self, src: str, dst: str) -> None:
-        fault = self._check("replace", src, dst)
-        if fault:
-            self._raise(fault, dst)
+        self._guard("replace", src, dst)
         super().replace(src, dst)
 
     def unlink(self, path: str) -> None:
-        fault = self._check("unlink", path)
-        if fault:
-            self._raise(fault, path)
+        self._guard("unlink", path)
         super().unlink(path)
 
+    def rmdir(self, path: str) -> None:
+        self._guard("rmdir", path)
+        super().rmdir(path)
+
     def makedirs(self, path: str) -> None:
-        fault = self._check("makedirs", path)
-        if fault:
-            self._raise(fault, path)
+        self._guard("makedirs", path)
         super().makedirs(path)
 
     def fsync_dir(self, path: str) -> None:
-        fault = self._check("fsync_dir", path)
-        if fault:
-            self._raise(fault, path)
+        self._guard("fsync_dir", path)
         super().fsync_dir(path)
 
     def write_small(self, path: str, data: bytes) -> None:
-        fault = self._check("write_small", path)
-        if fault:
-            self._raise(fault, path)
+        self._guard("write_small", path)
         super().write_small(path, data)

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 import fastckpt
-from fastckpt.commit import TMP_TAG
+from fastckpt.commit.protocol import SIDECAR
 from fastckpt.errors import CorruptCheckpointError, ReplicationError
-from fastckpt.replicate import SIDECAR
+from fastckpt.io.atomic import TMP_TAG
 from fastckpt.testing import FaultyOps
 
 

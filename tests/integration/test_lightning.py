@@ -434,7 +434,7 @@ def test_lazy_snapshot_saves_the_state_of_its_step(tmp_path, monkeypatch):
     """The lazy copy is held until the next step's forward and backward have run (BatchNorm has
     updated its buffers by then): the file still holds the state at save time, because buffers
     are copied at once and parameters and optimizer state are fenced before the optimizer step."""
-    import fastckpt.checkpointer as core
+    import fastckpt.save.saver as core
 
     release = threading.Event()
     real_snapshot = core.snapshot

@@ -16,7 +16,7 @@ from fastckpt.integrations.lightning import FastCkptIO
 from lightning.pytorch.callbacks import Callback
 
 import fastckpt.checkpointer as core
-from fastckpt import staging
+from fastckpt.save import staging
 from fastckpt.testing import FaultyOps
 from tests.integration.test_lightning import TinyModel, loader, make_trainer
 

@@ -10,9 +10,10 @@ from __future__ import annotations
 import torch
 
 import fastckpt
-from fastckpt import commit as C
-from fastckpt.places import TargetPlace
-from fastckpt.replicate import SIDECAR, TargetCache
+from fastckpt.commit import discovery
+from fastckpt.commit import protocol as C
+from fastckpt.commit.protocol import SIDECAR
+from fastckpt.storage.homes import Homes
 
 
 def _state(step: int) -> dict:
@@ -49,12 +50,10 @@ def test_pointer_follows_each_verified_file_and_answers_latest(s3_server, s3_buc
             # published after the sidecar, so whatever it names is complete
             assert _pointer(s3_server, s3_bucket, "ckpts/latest") == f"step={step}.ckpt"
             assert f"ckpts/step={step}.ckpt{SIDECAR}" in _keys(s3_server, s3_bucket)
-    cache = TargetCache(opts, 30.0, 2)
-    target, _ = cache.get(url)
+    homes = Homes(opts, retry_deadline_s=30.0, parallelism=2)
+    target = homes.resolve(url).target
     listings = Listings(target)
-    from fastckpt.remote import latest_remote
-
-    assert latest_remote(cache, url) == f"{url}/step=3.ckpt"
+    assert discovery.latest(homes, url) == f"{url}/step=3.ckpt"
     assert listings.n == 0  # two GETs, no listing of the bucket
     assert fastckpt.latest(url, storage_options=opts) == f"{url}/step=3.ckpt"
     assert fastckpt.load(fastckpt.latest(url, storage_options=opts), storage_options=opts)["step"] == 3
@@ -88,10 +87,8 @@ def test_pointer_never_moves_backwards(s3_server, s3_bucket, tmp_path) -> None:
     with fastckpt.Checkpointer(local_dir=str(tmp_path / "nvme"), storage_options=opts) as ck:
         ck.save(_state(1), f"{url}/a.ckpt").wait()
         ck.save(_state(2), f"{url}/b.ckpt").wait()
-    target, prefix = TargetCache(opts, 30.0, 2).get(url)
-    place = TargetPlace(target, prefix)
-    older = {"written_at": 0.0}
-    assert C.publish_file_pointer(place, "a.ckpt", older) is False
+    place = Homes(opts).resolve(url).place()
+    assert C.move_pointer(place, "a.ckpt", 0.0) is False
     assert _pointer(s3_server, s3_bucket, "ckpts/latest") == "b.ckpt"
 
 
@@ -111,13 +108,13 @@ def test_concurrent_publishers_leave_the_newest(s3_server, s3_bucket, tmp_path) 
 def test_groups_and_files_share_one_pointer_order(s3_server, s3_bucket) -> None:
     """A file pointer is not overwritten by an older group's commit, and vice versa."""
     opts = s3_server.storage_options()
-    target, prefix = TargetCache(opts, 30.0, 2).get(f"s3://{s3_bucket}/mixed")
-    place = TargetPlace(target, prefix)
+    loc = Homes(opts).resolve(f"s3://{s3_bucket}/mixed")
+    target, prefix, place = loc.target, loc.key, loc.place()
     target.put_bytes(f"{prefix}/new.ckpt", b"x")
     target.put_bytes(f"{prefix}/new.ckpt{SIDECAR}", b'{"written_at": 200.0}')
-    assert C.publish_file_pointer(place, "new.ckpt", {"written_at": 200.0})
+    assert C.move_pointer(place, "new.ckpt", 200.0)
     group = place.child("old-group")
-    C.publish_group(None, group, 1, {0: {"files": {}}}, {}, requested_at=100.0)
+    C.publish_group(group, 1, {0: {"files": {}}}, {}, requested_at=100.0)
     assert C.pointed_name(place) == "new.ckpt"
-    C.publish_group(None, place.child("newer-group"), 1, {0: {"files": {}}}, {}, requested_at=300.0)
+    C.publish_group(place.child("newer-group"), 1, {0: {"files": {}}}, {}, requested_at=300.0)
     assert C.pointed_name(place) == "newer-group"

@@ -28,7 +28,7 @@ import pytest
 import torch
 
 import fastckpt
-from fastckpt.commit import TMP_TAG
+from fastckpt.io.atomic import TMP_TAG
 from tests.integration._kill_child import make_state
 
 CHILD = os.path.join(os.path.dirname(__file__), "_kill_child.py")

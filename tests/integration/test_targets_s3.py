@@ -22,16 +22,17 @@ pytest.importorskip("boto3", reason="the S3 fixture needs boto3 (pip install 'fa
 
 import botocore.exceptions
 
-from fastckpt import checksum  # noqa: E402
 from fastckpt.errors import CheckpointWriteError, ConfigError, CorruptCheckpointError  # noqa: E402
-from fastckpt.targets import (  # noqa: E402
+from fastckpt.format import checksum  # noqa: E402
+from fastckpt.storage.fsspec import FsspecTarget  # noqa: E402
+from fastckpt.storage.s3 import client_error as _client_error  # noqa: E402
+from fastckpt.storage.types import (  # noqa: E402
     Expected,
     RetryNotice,
     TargetNotFoundError,
     TargetPermissionError,
     TargetUnavailableError,
 )
-from fastckpt.targets_fsspec import FsspecTarget, _client_error  # noqa: E402
 from tests.s3server import S3Server  # noqa: E402
 
 MiB = 1 << 20
@@ -347,7 +348,7 @@ def test_clean_incomplete_aborts_orphaned_uploads(s3_server: S3Server, s3_bucket
 
 
 def test_parallel_uploads_share_one_bandwidth_cap(s3_server: S3Server, s3_bucket: str, tmp_path: Path) -> None:
-    from fastckpt.targets import TokenBucket
+    from fastckpt.storage.types import TokenBucket
 
     cap = TokenBucket(8 * MiB, burst_bytes=MiB)
     files = []
@@ -369,7 +370,7 @@ def test_parallel_uploads_share_one_bandwidth_cap(s3_server: S3Server, s3_bucket
 def test_stalled_body_write_is_cut_and_reported(silent_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> None:
     # The peer never reads: a large body fills the socket buffers and the write stalls, where
     # read_timeout (30 s here) does not apply; the per-request limit must.
-    import fastckpt.targets_fsspec as tf
+    import fastckpt.storage.fsspec as tf
 
     monkeypatch.setattr(tf, "REQUEST_FLOOR_S", 1.0)
     monkeypatch.setattr(tf, "REQUEST_MIN_Bps", float(1 << 40))

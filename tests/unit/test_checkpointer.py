@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import fastckpt
-from fastckpt.commit import read_file_manifest
+from tests.helpers import read_file_manifest
 
 
 def _state(step: int) -> dict:
@@ -172,7 +172,7 @@ def test_reserve_allocates_ahead_and_the_saves_reuse_it(tmp_path, monkeypatch) -
     """reserve() allocates on its own thread; saves, including one a few bytes larger, reuse it."""
     import threading
 
-    from fastckpt import staging
+    from fastckpt.save import staging
 
     allocs: list[str] = []
     real = staging._new_buffer

@@ -23,10 +23,10 @@ import pytest
 import torch
 
 import fastckpt
-from fastckpt import CheckpointWriteError, Checkpointer, CorruptCheckpointError, UnsupportedObjectError
-from fastckpt.commit import TMP_TAG
+from fastckpt import Checkpointer, CheckpointWriteError, CorruptCheckpointError, UnsupportedObjectError
+from fastckpt.io.atomic import TMP_TAG
+from fastckpt.save.tiers import probe_odirect
 from fastckpt.testing import Fault, FaultyOps
-from fastckpt.tiers import probe_odirect
 
 
 def _state(v: int) -> dict:
@@ -193,6 +193,7 @@ def test_repeated_failures_each_surface(tmp_path) -> None:
     ops = FaultyOps()
     path = str(tmp_path / "ck.pt")
     with Checkpointer(ops=ops) as ck:
+        ck.save(_state(0), path).wait()  # the tier probe's writes are done: the faults hit saves
         for i in range(5):
             ops.inject(Fault("pwrite", errno.EIO))
             with pytest.raises(CheckpointWriteError):
@@ -236,7 +237,7 @@ def test_odirect_einval_falls_back_to_buffered(tmp_path) -> None:
     if not _odirect_here(str(tmp_path)):
         pytest.skip("O_DIRECT is not honoured here")
     path = str(tmp_path / "ck.pt")
-    ops = FaultyOps([Fault("pwrite", errno.EINVAL)])
+    ops = FaultyOps([Fault("pwrite", errno.EINVAL, path_contains=TMP_TAG)])  # not the tier probe
     with Checkpointer(ops=ops) as ck:
         rec = ck.save(_state(4), path).wait()
     ops.assert_all_reached()
@@ -249,7 +250,8 @@ def test_failed_reopen_after_einval_reports_the_open_error(tmp_path) -> None:
     if not _odirect_here(str(tmp_path)):
         pytest.skip("O_DIRECT is not honoured here")
     path = str(tmp_path / "ck.pt")
-    ops = FaultyOps([Fault("pwrite", errno.EINVAL), Fault("open", errno.EACCES, nth=2)])
+    ops = FaultyOps([Fault("pwrite", errno.EINVAL, path_contains=TMP_TAG),
+                     Fault("open", errno.EACCES, nth=2, path_contains=TMP_TAG)])
     with Checkpointer(ops=ops) as ck:
         with pytest.raises(CheckpointWriteError) as ei:
             ck.save(_state(4), path).wait()
@@ -435,7 +437,7 @@ def test_unsupported_object_names_its_key(tmp_path) -> None:
 # ---------------------------------------------------------------------- snapshot semantics
 def test_mutation_after_save_returns_is_not_written(env: Env) -> None:
     ops = FaultyOps()
-    gate = ops.gate("pwrite")  # hold the writer until the tensors were changed
+    gate = ops.gate("pwrite", path_contains=TMP_TAG)  # hold the writer until the tensors were changed
     state = {"w": torch.arange(1 << 16, dtype=torch.int64), "step": 1}
     before = state["w"].clone()
     with env.checkpointer(ops) as ck:
@@ -452,7 +454,7 @@ def test_mutation_after_save_returns_is_not_written(env: Env) -> None:
 
 def test_when_busy_skip(env: Env) -> None:
     ops = FaultyOps()
-    gate = ops.gate("pwrite")
+    gate = ops.gate("pwrite", path_contains=TMP_TAG)  # the file's write, not the tier probe
     p2 = os.path.join(env.out, "second.pt")
     with env.checkpointer(ops, when_busy="skip") as ck:
         h1 = ck.save(_state(1), env.path)

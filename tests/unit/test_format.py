@@ -10,8 +10,9 @@ import pytest
 import torch
 
 import fastckpt
-from fastckpt import format as F
 from fastckpt.errors import UnsupportedObjectError
+from fastckpt.format import layout as F
+from fastckpt.format import manifest as M
 
 
 def _state() -> dict:
@@ -56,7 +57,7 @@ def test_written_file_is_plain_torch_zip(tmp_path) -> None:
     assert torch.equal(mm["w"], sd["w"])
     # the manifest rides in the zip comment, which zip readers ignore
     comment = zipfile.ZipFile(path).comment
-    manifest = F.parse_tail(comment and open(path, "rb").read()[-(len(comment) + 22):], 0)
+    manifest = M.parse_tail(comment and open(path, "rb").read()[-(len(comment) + 22):], 0)
     assert manifest["kind"] == "file" and manifest["checksum"]["algo"] == "xxh3_64-tree-16MiB"
     assert manifest["covered"] == path.stat().st_size - len(comment) - 2
 
@@ -75,7 +76,7 @@ def test_parse_tail_foreign_zip(tmp_path) -> None:
     path = tmp_path / "plain.pt"
     torch.save({"a": torch.ones(3)}, path)
     data = path.read_bytes()
-    assert F.parse_tail(data[-1000:], len(data)) is None
+    assert M.parse_tail(data[-1000:], len(data)) is None
 
 
 def test_large_and_many_storages(tmp_path) -> None:

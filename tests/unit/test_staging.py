@@ -6,9 +6,9 @@ import threading
 
 import pytest
 
-from fastckpt import staging
-from fastckpt.format import ALIGN
-from fastckpt.staging import HEADROOM_MIN, StagingPool, capacity_for
+from fastckpt.format.layout import ALIGN
+from fastckpt.save import staging
+from fastckpt.save.staging import HEADROOM_MIN, StagingPool, capacity_for
 
 MiB = 1 << 20
 

@@ -19,18 +19,20 @@ from pathlib import Path
 
 import pytest
 
-from fastckpt import checksum, targets
 from fastckpt.errors import ConfigError, CorruptCheckpointError, ReplicationError
-from fastckpt.targets import (
+from fastckpt.format import checksum
+from fastckpt.storage import reads as targets
+from fastckpt.storage.fsspec import FsspecTarget
+from fastckpt.storage.homes import open_target
+from fastckpt.storage.posix import PosixTarget
+from fastckpt.storage.types import (
     PutResult,
+    RetryNotice,
     TargetNotFoundError,
     TargetPermissionError,
     TargetUnavailableError,
     TokenBucket,
-    open_target,
 )
-from fastckpt.targets_fsspec import FsspecTarget
-from fastckpt.targets_posix import PosixTarget
 from fastckpt.testing import Fault, FaultyOps
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -214,7 +216,7 @@ def test_enospc_message_names_the_fix(root: Path, src: tuple[Path, bytes]) -> No
 def test_transient_error_is_retried(root: Path, src: tuple[Path, bytes]) -> None:
     local, data = src
     ops = FaultyOps([Fault("pwrite", errno.ETIMEDOUT, nth=2)])
-    notices: list[targets.RetryNotice] = []
+    notices: list[RetryNotice] = []
     t = PosixTarget(root, ops=ops, on_retry=notices.append, retry_deadline_s=30)
     seen: list[int] = []
     res = t.put_file(local, "a.pt", chunk_bytes=MiB, on_progress=lambda d, n: seen.append(d))

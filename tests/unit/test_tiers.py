@@ -10,7 +10,7 @@ import torch
 
 import fastckpt
 from fastckpt.errors import TierUnavailableError
-from fastckpt.tiers import TierSelector, gds_unavailable_reason, probe_odirect
+from fastckpt.save.tiers import TierSelector, gds_unavailable_reason, probe_odirect
 
 needs_kvikio = pytest.mark.skipif(importlib.util.find_spec("kvikio") is None, reason="kvikio not installed")
 

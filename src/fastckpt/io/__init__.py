@@ -1,6 +1,3 @@
-"""The IO engine: aligned, chunked, parallel file writes and reads (and the GDS path)."""
-
-from .ops import FileOps, PosixOps
-from .engine import ReadResult, WriteResult, read_file, write_file
-
-__all__ = ["FileOps", "PosixOps", "ReadResult", "WriteResult", "read_file", "write_file"]
+"""Byte movement (above format/): the ``FileOps`` system-call seam (``ops``), parallel aligned
+reads, writes and copies (``engine``), the temp -> fsync -> rename recipe (``atomic``) and
+GPUDirect Storage writes (``gds``). Every byte fastckpt moves on a file system goes through here."""

@@ -1,16 +1,21 @@
 """GPUDirect Storage writes through kvikio: GPU memory -> file with no host bounce.
 
-Used by the gds tier only after ``tiers.gds_unavailable_reason`` found GDS usable (kvikio in
-compat mode is never called GDS). The storages are written at their record offsets straight
-from device memory; the metadata segments are written from host memory. The checksum is then
-computed by reading the file back (there is no host copy to hash), in the background.
+Used by the gds tier only after ``save.tiers`` found GDS usable (kvikio in compat mode is never
+called GDS). The storages are written at their record offsets straight from device memory; the
+metadata segments are written from host memory. The checksum is then computed by reading the
+file back (there is no host copy to hash), in the background, and the manifest is appended
+through ``FileOps`` like every other write.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from concurrent.futures import Executor
 
-from ..format import FileLayout
+from ..format.layout import FileLayout
+from .engine import WriteResult, read_file
+from .ops import FileOps, pwrite_all
 
 
 def gds_write(path: str, layout: FileLayout) -> None:
@@ -38,27 +43,17 @@ def gds_write(path: str, layout: FileLayout) -> None:
             fut.get()
 
 
-def append_tail_and_sync(path: str, offset: int, tail: bytes) -> None:
-    fd = os.open(path, os.O_WRONLY)
-    try:
-        done = 0
-        while done < len(tail):
-            n = os.pwrite(fd, tail[done:], offset + done)
-            if n <= 0:
-                raise OSError(5, f"short write of the manifest to {path}")
-            done += n
-        os.ftruncate(fd, offset + len(tail))
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def finish_gds_file(ops, pool, tmp: str, layout: FileLayout, tail, chunk_bytes: int):  # noqa: ANN001
+def finish_gds_file(ops: FileOps, pool: Executor, tmp: str, layout: FileLayout, tail: Callable[[str], bytes],
+                    chunk_bytes: int) -> WriteResult:
     """Checksum the GDS-written file by reading it back, append the manifest, fsync."""
-    from .engine import WriteResult, read_file
-
     res = read_file(ops, pool, tmp, layout.data_size, layout.covered_bytes, chunk_bytes=chunk_bytes)
-    extra = tail(res.checksum)
-    append_tail_and_sync(tmp, layout.covered_bytes, extra)
     res.buffer.close()
+    extra = tail(res.checksum)
+    fd = ops.open(tmp, os.O_WRONLY)
+    try:
+        pwrite_all(ops, fd, memoryview(extra), layout.covered_bytes, tmp)
+        ops.ftruncate(fd, layout.covered_bytes + len(extra))
+        ops.fsync(fd)
+    finally:
+        ops.close(fd)
     return WriteResult(tmp, layout.covered_bytes + len(extra), res.checksum, True, None)

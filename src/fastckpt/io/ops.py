@@ -1,13 +1,18 @@
-"""The system-call seam. Every byte fastckpt writes or reads goes through a FileOps.
+"""The system-call seam. Every byte fastckpt writes or reads on a local or POSIX file system goes
+through a FileOps, and so does every rename, unlink and fsync.
 
 Tests substitute a fault-injecting FileOps (``fastckpt.testing.FaultyOps``) to prove that
 ENOSPC, EIO, short writes, fsync failures and failed renames never damage a checkpoint.
 Methods are called from the training thread (commit, rename) and from I/O worker threads
 (pwrite, pread, fsync); implementations must be thread-safe.
+
+The two loops that turn short transfers into whole ones live here too, so that there is
+exactly one of each: ``pwrite_all`` and ``pread_exact``.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 
 
@@ -38,6 +43,9 @@ class FileOps:
     def unlink(self, path: str) -> None:
         os.unlink(path)
 
+    def rmdir(self, path: str) -> None:
+        os.rmdir(path)
+
     def makedirs(self, path: str) -> None:
         os.makedirs(path, exist_ok=True)
 
@@ -52,16 +60,46 @@ class FileOps:
         """Write a small file completely and fsync it (manifests, markers, pointers)."""
         fd = self.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         try:
-            view = memoryview(data)
-            off = 0
-            while off < len(view):
-                n = self.pwrite(fd, view[off:], off)
-                if n <= 0:
-                    raise OSError(5, f"short write ({n} bytes) to {path}")
-                off += n
+            pwrite_all(self, fd, memoryview(data), 0, path)
             self.fsync(fd)
         finally:
             self.close(fd)
 
+    def read_small(self, path: str) -> bytes | None:
+        """A small file's bytes (manifests, markers, pointers), or None when it does not exist."""
+        try:
+            fd = self.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            return None
+        try:
+            size = os.fstat(fd).st_size
+            buf = bytearray(size)
+            pread_exact(self, fd, memoryview(buf), 0, size, path)
+            return bytes(buf)
+        finally:
+            self.close(fd)
 
-PosixOps = FileOps
+
+def pwrite_all(ops: FileOps, fd: int, view: memoryview, offset: int, path: str) -> None:
+    """Write all of ``view`` at ``offset``, continuing after short writes; no progress is EIO."""
+    done = 0
+    while done < len(view):
+        n = ops.pwrite(fd, view[done:], offset + done)
+        if n <= 0:
+            raise OSError(errno.EIO, f"write of {path} made no progress at offset {offset + done}")
+        done += n
+
+
+def pread_exact(ops: FileOps, fd: int, view: memoryview, offset: int, n: int, path: str) -> None:
+    """Fill ``view[:n]`` from ``offset`` (``view`` may be longer: O_DIRECT reads whole blocks).
+
+    Raises:
+        OSError: EIO when the file ends first (it is shorter than the caller was told).
+    """
+    got = 0
+    while got < n:
+        r = ops.preadv(fd, view[got:], offset + got)
+        if r <= 0:
+            raise OSError(errno.EIO, f"{path} ended at byte {offset + got}, but bytes [{offset}, {offset + n}) "
+                                     "were expected")
+        got += r

@@ -3,20 +3,9 @@
 S3: a file no larger than one part is one ``PutObject``; a larger one is a multipart upload
 (parts on ``parallelism`` threads, each part retried on its own), and S3 makes the object
 visible only at ``CompleteMultipartUpload``: complete or not at all. Any failure aborts the
-upload. The upload itself is in ``targets_s3.py``.
+upload. The upload itself is in ``storage/s3.py``.
 
-Integrity in flight. Every body (part, object) is sent with its CRC32 (``x-amz-checksum-crc32``,
-computed here from the bytes read); the store recomputes it over the bytes it received,
-refuses the request on a mismatch (``BadDigest``, retried like a transient error) and returns
-it, and the returned value is compared with the one sent. With ``expect`` (``put_file``), the
-same bytes are hashed with the ``fastckpt.checksum`` tree (parts are then whole multiples of
-its 16 MiB block) and the upload is completed only if they hash to the manifest's checksum;
-``PutResult.verified`` is then True when the store returned a checksum for every part (a store
-that returns none leaves it False, and the caller reads the object back). Because the CRC32
-protects the body, the SigV4 signature does not hash it (``payload_signing_enabled=False``,
-the ``UNSIGNED-PAYLOAD`` of the S3 API), which saves a SHA-256 pass over every byte on plain
-``http://`` endpoints (on ``https://`` botocore already skips it when a checksum is sent);
-give ``config_kwargs={"s3": {"payload_signing_enabled": True}}`` to sign bodies anyway.
+Integrity in flight: see ``storage/s3.py``.
 
 Endpoint and credentials come from where boto always looks (``AWS_ENDPOINT_URL``,
 ``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``, ``AWS_PROFILE``, ``~/.aws/config`` and
@@ -44,61 +33,34 @@ import errno
 import logging
 import os
 import time
+from concurrent.futures import Executor
 from datetime import datetime
 
-from .commit import is_tmp, tmp_name
-from .errors import ConfigError, ReplicationError
-from .targets import (
-    DEFAULT_RETRY_DEADLINE_S,
+from ..config import DEFAULT_RETRY_DEADLINE_S
+from ..errors import ConfigError, ReplicationError
+from ..io.atomic import is_tmp, tmp_name
+from ..io.ops import FileOps, pread_exact
+from ..units import MiB
+from .base import Target
+from .s3 import AUTH_CODES, TRANSIENT_CODES, S3Session, client_error, crc32_header, put_s3, transient_types
+from .types import (
     Expected,
-    MiB,
+    Progress,
     RetryCallback,
-    Target,
     TargetNotFoundError,
     TargetPermissionError,
     TokenBucket,
-    _Progress,
     check_key,
     is_transient_oserror,
     storage_error,
 )
-from .targets_s3 import _client_error, crc32_header, put_s3
 
 log = logging.getLogger(__name__)
 REQUEST_FLOOR_S = 120.0
 REQUEST_MIN_Bps = 1 * MiB
-_TRANSIENT_CODES = frozenset({"SlowDown", "RequestTimeout", "RequestTimeoutException", "InternalError",
-                              "ServiceUnavailable", "Throttling", "ThrottlingException", "RequestLimitExceeded",
-                              "TooManyRequests", "500", "502", "503", "504",
-                              # the body's checksum did not match what the store received: send it again
-                              "BadDigest", "XAmzContentSHA256Mismatch"})
-_AUTH_CODES = frozenset({"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken",
-                         "InvalidToken", "TokenRefreshRequired", "AllAccessDisabled", "403"})
-
-
 def _drop_expect_100(request: object, **_: object) -> None:
     """botocore ``before-send`` hook: send bodies at once instead of awaiting ``100 Continue``."""
     request.headers.pop("Expect", None)  # type: ignore[attr-defined]
-
-
-def _transient_types() -> tuple[type[BaseException], ...]:
-    types: list[type[BaseException]] = [ConnectionError, TimeoutError]
-    try:
-        from botocore import exceptions as b
-
-        types += [b.EndpointConnectionError, b.ConnectionClosedError, b.ConnectTimeoutError, b.ReadTimeoutError,
-                  b.HTTPClientError, b.IncompleteReadError, b.ResponseStreamingError]
-    except ImportError:
-        pass
-    try:
-        import aiohttp
-
-        types += [aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, aiohttp.ServerTimeoutError]
-    except ImportError:
-        pass
-    from fsspec.exceptions import FSTimeoutError
-
-    return (*types, FSTimeoutError)
 
 
 class FsspecTarget(Target):
@@ -112,18 +74,21 @@ class FsspecTarget(Target):
             ``connect_timeout=10``, ``read_timeout=60``, ``s3={"payload_signing_enabled": False}``
             (see the module docstring; each only where not given), and a
             ``before-send`` hook on the botocore session (``session``, or one made here).
-        retry_deadline_s, parallelism, on_retry: see ``Target``.
+        retry_deadline_s, parallelism, on_retry, ops, executor: see ``Target``.
     """
 
     def __init__(self, url_root: str, storage_options: dict | None = None, *,
                  retry_deadline_s: float = DEFAULT_RETRY_DEADLINE_S, parallelism: int = 4,
-                 on_retry: RetryCallback | None = None) -> None:
+                 on_retry: RetryCallback | None = None, ops: FileOps | None = None,
+                 executor: Executor | None = None) -> None:
         import fsspec
 
-        super().__init__(retry_deadline_s=retry_deadline_s, parallelism=parallelism, on_retry=on_retry)
+        super().__init__(retry_deadline_s=retry_deadline_s, parallelism=parallelism, on_retry=on_retry, ops=ops,
+                         executor=executor)
         protocol, _ = fsspec.core.split_protocol(url_root)
         if not protocol:
-            raise ConfigError(f"{url_root!r} is not a URL: use PosixTarget (or open_target) for a directory")
+            raise ConfigError(f"{url_root!r} is not a URL: use PosixTarget (or storage.homes.open_target) for a "
+                              "directory")
         self.protocol = protocol
         self.is_s3 = protocol in ("s3", "s3a")
         opts = dict(storage_options or {})
@@ -154,11 +119,15 @@ class FsspecTarget(Target):
         self.bucket, _, self.prefix = self.root.partition("/")
         if self.is_s3 and not self.bucket:
             raise ConfigError(f"{url_root!r} names no bucket: use s3://<bucket>[/<prefix>]")
-        self._transient = _transient_types()
+        self._transient = transient_types()
 
     @property
     def url(self) -> str:
         return self._url
+
+    def part_bytes(self, chunk_bytes: int) -> int:
+        """Smaller than the local I/O chunk: more parts in flight per upload (>= 8 MiB each)."""
+        return max(chunk_bytes // 4, 8 * MiB)
 
     def _full(self, key: str) -> str:
         return f"{self.root}/{check_key(key)}"
@@ -187,14 +156,14 @@ class FsspecTarget(Target):
 
     # ------------------------------------------------------------------ errors
     def _is_transient(self, exc: BaseException) -> bool:
-        ce = _client_error(exc)
+        ce = client_error(exc)
         if ce is not None:
             code, status, _ = ce
-            return code in _TRANSIENT_CODES or status >= 500 or status == 429
+            return code in TRANSIENT_CODES or status >= 500 or status == 429
         return isinstance(exc, self._transient) or is_transient_oserror(exc)
 
     def _permanent(self, exc: BaseException, what: str) -> ReplicationError | None:
-        ce = _client_error(exc)
+        ce = client_error(exc)
         name = type(exc).__name__
         if ce is not None:
             code, status, message = ce
@@ -205,7 +174,7 @@ class FsspecTarget(Target):
             if code in ("NoSuchKey", "404") or status == 404:
                 return storage_error(TargetNotFoundError, f"{what}: not found ({code or status}); if the object "
                                      f"should be there, check that bucket {self.bucket!r} exists", exc, errno.ENOENT)
-            if code in _AUTH_CODES or status == 403:
+            if code in AUTH_CODES or status == 403:
                 return storage_error(TargetPermissionError, f"{what}: {self._endpoint()} refused the request "
                                      f"({code}: {message}); check the credentials (AWS_ACCESS_KEY_ID/"
                                      "AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or storage_options key/secret) and that "
@@ -226,17 +195,20 @@ class FsspecTarget(Target):
 
     # ------------------------------------------------------------------ writing
     def _put_file(self, local_path: str, key: str, size: int, limiter: TokenBucket | None, chunk_bytes: int,
-                  progress: _Progress, expect: Expected | None) -> int:
-        fd = os.open(local_path, os.O_RDONLY)
+                  progress: Progress, expect: Expected | None) -> int:
+        fd = self.ops.open(local_path, os.O_RDONLY)
         try:
             if self.is_s3:
-                return put_s3(self, fd, local_path, key, size, limiter, chunk_bytes, progress, expect)
-            return self._put_generic(fd, key, size, limiter, chunk_bytes, progress)
+                session = S3Session(self._s3, self._retry, self._head_size, self.ops, self.parallelism,
+                                    self.retry_deadline_s)
+                return put_s3(session, fd, local_path, self.url_of(key), self._obj(key), size, limiter, chunk_bytes,
+                              progress, expect)
+            return self._put_generic(fd, local_path, key, size, limiter, chunk_bytes, progress)
         finally:
-            os.close(fd)
+            self.ops.close(fd)
 
-    def _put_generic(self, fd: int, key: str, size: int, limiter: TokenBucket | None, chunk_bytes: int,
-                     progress: _Progress) -> int:
+    def _put_generic(self, fd: int, local_path: str, key: str, size: int, limiter: TokenBucket | None,
+                     chunk_bytes: int, progress: Progress) -> int:
         final = self._full(key)
         tmp = tmp_name(final)
 
@@ -244,7 +216,8 @@ class FsspecTarget(Target):
             reported = progress.done
             with self.fs.open(tmp, "wb") as f:
                 for off in range(0, size, chunk_bytes):
-                    data = _pread_all(fd, min(chunk_bytes, size - off), off)
+                    data = bytearray(min(chunk_bytes, size - off))
+                    pread_exact(self.ops, fd, memoryview(data), off, len(data), local_path)
                     if limiter is not None:
                         limiter.consume(len(data))
                     f.write(data)
@@ -314,7 +287,11 @@ class FsspecTarget(Target):
             return False
         return True
 
-    def list(self, prefix: str = "") -> list[str]:
+    def list(self, prefix: str = "", *, max_depth: int | None = None) -> list[str]:
+        base_depth = prefix.count("/")
+        return [k for k in self._list(prefix) if max_depth is None or k.count("/") - base_depth <= max_depth]
+
+    def _list(self, prefix: str) -> list[str]:
         if not self.is_s3:
             self.fs.invalidate_cache()
             found = self._retry(f"listing of {self.url}", lambda: self.fs.find(self.root))
@@ -369,21 +346,6 @@ class FsspecTarget(Target):
             if not page.get("IsTruncated"):
                 return removed
             marker = {"KeyMarker": page["NextKeyMarker"], "UploadIdMarker": page["NextUploadIdMarker"]}
-
-
-def _pread_all(fd: int, n: int, offset: int) -> bytes:
-    data = os.pread(fd, n, offset)
-    if len(data) == n:
-        return data
-    chunks, got = [data], len(data)
-    while got < n:
-        more = os.pread(fd, n - got, offset + got)
-        if not more:
-            raise storage_error(ReplicationError, f"the local file shrank while being uploaded: {n} bytes "
-                                f"expected at offset {offset}, {got} read", err_no=errno.EIO)
-        chunks.append(more)
-        got += len(more)
-    return b"".join(chunks)
 
 
 def _mtime(info: dict) -> float:

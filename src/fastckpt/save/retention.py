@@ -1,9 +1,12 @@
-"""Retention: how many checkpoints to keep in the burst buffer and at the durable home.
+"""Retention and every deletion: how many checkpoints to keep in the burst buffer and at the
+durable home, and ``remove``.
 
 A checkpoint enters the lists only once it is verified at its durable home, so a local copy
 is never deleted before its replica is verified, and the newest verified checkpoint is never
 deleted (both limits are >= 1). Deletions wait for nothing: only finished checkpoints are
-listed; ``Checkpointer.remove`` is the one that waits for saves in flight.
+listed; ``Checkpointer.remove`` waits for saves in flight before it calls ``remove`` here.
+Each deletion goes through the checkpoint's home (``storage.homes``) and removes its
+publication record first (``commit.protocol.delete_checkpoint``).
 """
 
 from __future__ import annotations
@@ -13,14 +16,23 @@ import threading
 from collections import deque
 from collections.abc import Callable
 
+from ..commit.protocol import delete_checkpoint
+from ..storage.homes import Homes
+
 log = logging.getLogger("fastckpt")
 
 
 class Retention:
-    def __init__(self, keep_local: int | None, keep_persistent: int | None,
-                 delete_local: Callable[[str], None], delete_persistent: Callable[[str], None]) -> None:
+    """Args:
+        keep_local, keep_persistent: the options of the same names.
+        homes: resolves names to their targets.
+        local_path: where the burst-buffer copy of a name lives (None without local_dir).
+    """
+
+    def __init__(self, keep_local: int | None, keep_persistent: int | None, homes: Homes,
+                 local_path: Callable[[str], str | None]) -> None:
         self._keep_local, self._keep_persistent = keep_local, keep_persistent
-        self._delete_local, self._delete_persistent = delete_local, delete_persistent
+        self._homes, self._local_path = homes, local_path
         self._local: deque[str] = deque()
         self._persistent: deque[str] = deque()
         self._lock = threading.Lock()
@@ -35,11 +47,22 @@ class Retention:
         for p in drop_persistent:
             self._run(self._delete_persistent, p, "persistent copy")
 
-    def forget(self, path: str) -> None:
+    def remove(self, path: str) -> None:
+        """Delete both copies of ``path`` (a file or a group) now and stop tracking it."""
         with self._lock:
             for q in (self._local, self._persistent):
                 if path in q:
                     q.remove(path)
+        self._delete_local(path)
+        self._delete_persistent(path)
+
+    def _delete_local(self, path: str) -> None:
+        local = self._local_path(path)
+        if local is not None:
+            delete_checkpoint(self._homes.resolve(local))
+
+    def _delete_persistent(self, path: str) -> None:
+        delete_checkpoint(self._homes.resolve(path))
 
     @staticmethod
     def _run(fn: Callable[[str], None], path: str, what: str) -> None:

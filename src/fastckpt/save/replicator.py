@@ -1,49 +1,44 @@
 """Background replication of committed local checkpoints to their durable home.
 
-Order of work for one file (worker threads of the Replicator, never the training thread):
-  1. copy: POSIX destination -> parallel O_DIRECT copy to a temp name; URL -> multipart
-     upload through the target (retries with backoff, the shared bandwidth cap);
-  2. verify against the checksum recorded at save time: POSIX -> each chunk read back with
-     O_DIRECT as soon as it is written; URL -> in flight (the bytes sent hash to the
-     checksum, the store confirms each part's CRC32, then the size), or a ranged read-back
-     with ``replicate_verify="readback"`` or a store that confirms nothing
-     (docs/burst-buffer.md, "What verified means"). A mismatch uploads again (3 attempts),
-     so only verified bytes are ever published;
-  3. publish: POSIX -> rename into place + directory fsync; URL -> the sidecar manifest
-     ``NAME.fastckpt.json`` last (a remote file without it is not a checkpoint yet). Group
-     files get no sidecar: the group manifest, written by rank 0 after every rank's marker,
-     is their publication (commit.py).
+Order of work for one file (worker threads of the Replicator, never the training thread), all
+through the home's ``Target`` (``storage.homes``):
+  1. copy: ``put_file`` with the manifest's size and checksum: a mounted file system gets a
+     parallel O_DIRECT copy to a temp name with every chunk read back as it is written; an
+     object store a multipart upload (retries with backoff, the shared bandwidth cap);
+  2. verify against the checksum recorded at save time: the copy's own read-back, or in flight
+     (the bytes sent hash to the checksum, the store confirms each part's CRC32, then the size),
+     or a ranged read-back with ``replicate_verify="readback"`` or a store that confirms nothing
+     (docs/burst-buffer.md, "What verified means"). A mismatch copies again (3 attempts), so
+     only verified bytes are ever published;
+  3. publish (``commit.protocol.publish_file``): on a file system the rename did it; on an
+     object store the sidecar manifest ``NAME.fastckpt.json`` goes last (a remote file without
+     it is not a checkpoint yet). Group files get neither: the group manifest, written by rank 0
+     after every rank's marker, is their publication.
 Backpressure: with ``replicate_policy="coalesce"`` a newly committed checkpoint drops the
 older ones still queued (not started); their handles resolve with ``superseded=True``.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-import posixpath
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from concurrent.futures import Executor, Future
+from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
-from . import commit as C
-from .config import CheckpointerConfig
-from .errors import CheckpointWriteError, CorruptCheckpointError
-from .io.engine import checksum_file, copy_file
-from .io.ops import FileOps
-from .pipeline import reraise
-from .places import TargetPlace, is_url, split_url
-from .records import SaveRecord
-from .targets import Expected
+from ..commit.protocol import publish_file
+from ..config import CheckpointerConfig
+from ..errors import CheckpointWriteError, CorruptCheckpointError
+from ..inflight import raise_as_write_error
+from ..records import SaveRecord
+from ..storage.homes import Homes
+from ..storage.types import Expected, TokenBucket
 
 log = logging.getLogger("fastckpt")
-SIDECAR = C.SIDECAR
-VERIFY_ATTEMPTS = 3
+VERIFY_ATTEMPTS = 3  # uploads that do not verify before replication gives up
 
 
 @dataclass(eq=False)
@@ -56,33 +51,12 @@ class ReplicaJob:
     finish: Callable[[SaveRecord], SaveRecord] = lambda rec: rec  # runs before the future resolves
 
 
-class TargetCache:
-    """One Target per root URL (a bucket), shared by replication, commits, loads and retention."""
-
-    def __init__(self, storage_options: dict | None, retry_deadline_s: float, parallelism: int,
-                 on_retry: Callable | None = None) -> None:
-        self._opts, self._deadline, self._par = storage_options, retry_deadline_s, parallelism
-        self._on_retry = on_retry
-        self._lock = threading.Lock()
-        self._targets: dict[str, object] = {}
-
-    def get(self, url: str):  # noqa: ANN201 (a targets.Target)
-        root, key = split_url(url)
-        with self._lock:
-            if root not in self._targets:
-                from .targets import open_target
-
-                self._targets[root] = open_target(root, self._opts, retry_deadline_s=self._deadline,
-                                                  parallelism=self._par, on_retry=self._on_retry)
-            return self._targets[root], key
-
-
 class Replicator:
     """Copies committed local files to their destinations on ``replicate_workers`` threads."""
 
-    def __init__(self, cfg: CheckpointerConfig, ops: FileOps, io_pool: Executor, targets: TargetCache,
-                 emit: Callable[..., None], on_durable: Callable[[float], None]) -> None:
-        self._cfg, self._ops, self._io, self.targets = cfg, ops, io_pool, targets
+    def __init__(self, cfg: CheckpointerConfig, homes: Homes, emit: Callable[..., None],
+                 on_durable: Callable[[float], None]) -> None:
+        self._cfg, self._homes = cfg, homes
         self._emit, self._on_durable = emit, on_durable
         self._cv = threading.Condition()
         self._queue: deque[ReplicaJob] = deque()
@@ -94,8 +68,6 @@ class Replicator:
         self.newest_verified_call: float | None = None  # wall time of that checkpoint's save call
         self._bucket = None
         if cfg.replicate_bandwidth_Bps:
-            from .targets import TokenBucket
-
             self._bucket = TokenBucket(cfg.replicate_bandwidth_Bps, burst_bytes=cfg.chunk_bytes)
 
     # ------------------------------------------------------------------ queue
@@ -214,7 +186,11 @@ class Replicator:
     # ------------------------------------------------------------------ one file
     def _replicate(self, job: ReplicaJob) -> SaveRecord:
         rec, r0 = job.rec, time.time()
-        manifest = C.read_file_manifest(job.local)
+        local = self._homes.resolve(job.local)
+        try:
+            manifest = local.target.read_manifest(local.key)
+        except OSError as exc:
+            raise_as_write_error(exc, rec.path)
         if manifest is None:
             raise CheckpointWriteError(f"local copy {job.local} of {rec.path} has no manifest: it was replaced "
                                        "or damaged after it was committed; not replicating it")
@@ -226,10 +202,8 @@ class Replicator:
             # a newer save to the same path replaced the local copy; that save's own job sends it
             log.info("fastckpt: replication of %s superseded: a newer save replaced its local copy", rec.path)
             return replace(rec, durable_s=None, superseded=True)
-        covered = manifest["covered"]
         try:
-            detail = (self._upload(job, covered, manifest) if is_url(rec.path)
-                      else self._copy_posix(job, covered))
+            detail = self._copy(job, manifest)
         except BaseException as exc:
             self._emit("replicate", rec.path, rec.bytes, r0, rec.tier, exc)
             raise
@@ -241,83 +215,31 @@ class Replicator:
             self.newest_verified_call = max(self.newest_verified_call or 0.0, call_wall)
         return replace(rec, durable_s=durable)
 
-    def _throttle(self, n: int) -> None:
-        if self._bucket is not None:
-            self._bucket.consume(n)
-
-    def _copy_posix(self, job: ReplicaJob, covered: int) -> str:
+    def _copy(self, job: ReplicaJob, manifest: dict) -> str:
+        """Copy, verify and publish one file at its home; returns the event's detail."""
         rec, cfg = job.rec, self._cfg
-        tmp = C.tmp_name(rec.path)
-        try:
-            self._ops.makedirs(os.path.dirname(rec.path))
-            for attempt in range(1, VERIFY_ATTEMPTS + 1):
-                t0 = time.monotonic()
-                # each chunk is read back (O_DIRECT) as soon as it is written: no serial verify pass
-                res = copy_file(self._ops, self._io, job.local, tmp, rec.bytes, covered,
-                                chunk_bytes=cfg.chunk_bytes, odirect=cfg.odirect, throttle=self._throttle,
-                                read_back=True)
-                if res.checksum != rec.checksum:
-                    raise CheckpointWriteError(
-                        f"local copy {job.local} read back checksum {res.checksum}, expected {rec.checksum}: "
-                        f"it changed after it was committed; not publishing {rec.path}")
-                t1 = time.monotonic()
-                back = res.read_back
-                if back is None:  # not O_DIRECT: read it back after the fsync, past the page cache
-                    _drop_cache(tmp)
-                    back = checksum_file(self._ops, self._io, tmp, rec.bytes, covered,
-                                         chunk_bytes=cfg.chunk_bytes, odirect=cfg.odirect, throttle=self._throttle)
-                if back == rec.checksum:
-                    break
-                log.warning("fastckpt: copy %d of %s read back as %s, expected %s; copying again",
-                            attempt, rec.path, back, rec.checksum)
-            else:
-                raise CorruptCheckpointError(f"{rec.path}: {VERIFY_ATTEMPTS} copies all read back with the wrong "
-                                             "checksum; the destination storage is corrupting data")
-            self._ops.replace(tmp, rec.path)
-            self._ops.fsync_dir(os.path.dirname(rec.path))
-        except BaseException as exc:
-            renamed = not os.path.lexists(tmp)
-            C.discard(self._ops, tmp)
-            reraise(exc, rec.path, renamed)
-        return f"copy_s={t1 - t0:.3f} verify_s={time.monotonic() - t1:.3f} attempts={attempt}"
-
-    def _upload(self, job: ReplicaJob, covered: int, manifest: dict) -> str:
-        rec, cfg = job.rec, self._cfg
-        target, key = self.targets.get(rec.path)
-        expect = Expected(rec.bytes, rec.checksum, covered)
+        home = self._homes.resolve(rec.path)
+        target = home.target
+        expect = Expected(rec.bytes, rec.checksum, manifest["covered"])
         readback = cfg.replicate_verify == "readback"
         for attempt in range(1, VERIFY_ATTEMPTS + 1):
             t0 = time.monotonic()
-            how = "checksum"
             try:
-                put = target.put_file(job.local, key, bandwidth_Bps=self._bucket, expect=expect,
-                                      chunk_bytes=max(cfg.chunk_bytes // 4, 8 << 20))
+                put = target.put_file(job.local, home.key, bandwidth_Bps=self._bucket, expect=expect,
+                                      chunk_bytes=target.part_bytes(cfg.chunk_bytes))
                 t1 = time.monotonic()
-                if readback or not put.verified:  # read back: checks the size and the checksum
+                how = "readback" if put.read_back else "checksum"
+                if not put.verified or (readback and not put.read_back):  # checks the size and the checksum
                     how = "readback"
-                    target.verify(key, rec.bytes, rec.checksum, covered, bandwidth_Bps=self._bucket)
-                else:  # the store checked every part's CRC32 (targets_s3); the size is left
-                    target.check_size(key, rec.bytes)
+                    target.verify(home.key, rec.bytes, rec.checksum, expect.covered, bandwidth_Bps=self._bucket)
+                else:  # the copy verified itself (read-back or the store's checksums); the size is left
+                    target.check_size(home.key, rec.bytes)
                 break
             except CorruptCheckpointError as exc:
                 if attempt == VERIFY_ATTEMPTS:
                     raise
-                log.warning("fastckpt: upload %d of %s did not verify (%s); uploading again", attempt, rec.path, exc)
-        if rec.group is None:  # published last: only now is the remote file a checkpoint
-            target.put_bytes(key + SIDECAR, json.dumps(manifest, sort_keys=True).encode())
-            # then the directory's latest pointer, which only moves forward
-            C.publish_file_pointer(TargetPlace(target, posixpath.dirname(key)), posixpath.basename(key), manifest)
-        return (f"upload_s={t1 - t0:.3f} verify_s={time.monotonic() - t1:.3f} parts={put.parts} "
-                f"retries={put.retries} attempts={attempt} verified={how}")
-
-
-def _drop_cache(path: str) -> None:
-    """Evict a file's pages so a buffered read-back comes from storage, not memory."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+                log.warning("fastckpt: copy %d of %s did not verify (%s); copying again", attempt, rec.path, exc)
+        if rec.group is None:  # published last: only now is the file at its home a checkpoint
+            publish_file(home, manifest)
+        return (f"copy_s={t1 - t0:.3f} verify_s={time.monotonic() - t1:.3f} parts={put.parts} "
+                f"retries={put.retries} attempts={attempt - 1 + put.copies} verified={how}")

@@ -14,24 +14,18 @@ from __future__ import annotations
 import bisect
 import collections
 import io
-import json
 import pickle
 import zipfile
-import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 from torch.utils.serialization import config as _ser_config
 
-from .errors import CorruptCheckpointError, UnsupportedObjectError
+from ..errors import UnsupportedObjectError
+from .manifest import EOCD_LEN, EOCD_SIG
 
-ALIGN = 4096
-FORMAT_VERSION = 1
-MANIFEST_KEY = "fastckpt"
-_EOCD_SIG = b"PK\x05\x06"
-_EOCD_LEN = 22
-MAX_COMMENT = 0xFFFF
+ALIGN = 4096  # every storage record starts on a page boundary, as O_DIRECT and GDS need
 
 
 @dataclass(frozen=True)
@@ -300,48 +294,6 @@ def plan(obj: object) -> FileLayout:
             raise UnsupportedObjectError(f"storage data/{i} is not {ALIGN}-aligned in the file")
         storages.append(StorageRecord(str(i), off, st.nbytes(), st, where.get(st._cdata, f"data/{i}")))
     tail_off, tail = sink.segments[-1]
-    if tail_off + len(tail) != sink.end or tail[-_EOCD_LEN:-_EOCD_LEN + 4] != _EOCD_SIG:
+    if tail_off + len(tail) != sink.end or tail[-EOCD_LEN:-EOCD_LEN + 4] != EOCD_SIG:
         raise UnsupportedObjectError("torch.save did not end the archive with a plain zip trailer")
     return FileLayout(tuple(sink.segments), tuple(storages), sink.end)
-
-
-def comment_bytes(manifest: dict) -> bytes:
-    """The manifest as the zip comment (``{"fastckpt": manifest}`` in compact JSON)."""
-    data = json.dumps({MANIFEST_KEY: manifest}, separators=(",", ":"), sort_keys=True).encode()
-    if len(data) > MAX_COMMENT:
-        raise UnsupportedObjectError(f"manifest of {len(data)} bytes exceeds the zip comment limit")
-    return data
-
-
-def comment_length_field(n: int) -> bytes:
-    return struct.pack("<H", n)
-
-
-def parse_tail(tail: bytes, file_size: int) -> dict | None:
-    """Find the fastckpt manifest in the last bytes of a file; None for a foreign zip.
-
-    Raises:
-        CorruptCheckpointError: the trailer names a manifest that does not parse.
-    """
-    idx = tail.rfind(_EOCD_SIG)
-    while idx >= 0:
-        if idx + _EOCD_LEN <= len(tail):
-            (n,) = struct.unpack_from("<H", tail, idx + 20)
-            if idx + _EOCD_LEN + n == len(tail):
-                comment = tail[idx + _EOCD_LEN :]
-                if not comment.startswith(b'{"' + MANIFEST_KEY.encode()):
-                    return None
-                try:
-                    return json.loads(comment)[MANIFEST_KEY]
-                except (ValueError, KeyError) as exc:
-                    raise CorruptCheckpointError(f"manifest in the zip comment does not parse: {exc}") from exc
-        idx = tail.rfind(_EOCD_SIG, 0, idx)
-    if b'{"' + MANIFEST_KEY.encode() + b'":' in tail:
-        # A fastckpt manifest is there but the zip trailer around it is damaged: never let
-        # such a file pass as a plain torch.save file that loads unverified.
-        raise CorruptCheckpointError("the zip trailer holding the fastckpt manifest is damaged")
-    return None
-
-
-def torch_version() -> str:
-    return torch.__version__

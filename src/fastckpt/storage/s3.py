@@ -1,43 +1,89 @@
-"""The S3 multipart upload behind ``FsspecTarget.put_file`` (see ``targets_fsspec`` for the
-integrity-in-flight scheme: a CRC32 per body that the store checks and echoes, and the
-``fastckpt.checksum`` tree over the same bytes against the manifest before Complete).
+"""The S3 upload behind ``FsspecTarget.put_file``, and how S3 errors are classified.
 
 A file no larger than one part is one ``PutObject``; a larger one is a multipart upload with
 parts on ``parallelism`` threads, each retried on its own; S3 makes the object visible only at
 ``CompleteMultipartUpload``. Any failure aborts the upload.
+
+Integrity in flight. Every body (part, object) is sent with its CRC32 (``x-amz-checksum-crc32``,
+computed here from the bytes read); the store recomputes it over the bytes it received,
+refuses the request on a mismatch (``BadDigest``, retried like a transient error) and returns
+it, and the returned value is compared with the one sent. With ``expect`` (``put_file``), the
+same bytes are hashed with the ``fastckpt.format.checksum`` tree (parts are then whole multiples of
+its 16 MiB block) and the upload is completed only if they hash to the manifest's checksum;
+``PutResult.verified`` is then True when the store returned a checksum for every part (a store
+that returns none leaves it False, and the caller reads the object back). Because the CRC32
+protects the body, the SigV4 signature does not hash it (``payload_signing_enabled=False``,
+the ``UNSIGNED-PAYLOAD`` of the S3 API), which saves a SHA-256 pass over every byte on plain
+``http://`` endpoints (on ``https://`` botocore already skips it when a checksum is sent);
+give ``config_kwargs={"s3": {"payload_signing_enabled": True}}`` to sign bodies anyway.
 """
 
 from __future__ import annotations
 
 import base64
-import errno
 import logging
-import os
 import threading
 import zlib
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
-from . import checksum
-from .errors import ConfigError, CorruptCheckpointError, ReplicationError
-from .targets import (
-    Expected,
-    MiB,
-    TokenBucket,
-    _Progress,
-    source_changed,
-    storage_error,
-)
-
-if TYPE_CHECKING:
-    from .targets_fsspec import FsspecTarget
+from ..errors import ConfigError, CorruptCheckpointError
+from ..format import checksum
+from ..io.ops import FileOps, pread_exact
+from ..units import MiB
+from .types import Expected, TokenBucket, source_changed
 
 log = logging.getLogger(__name__)
 S3_MIN_PART_BYTES = 5 * MiB
 S3_MAX_PARTS = 10_000
 
 
-def _client_error(exc: BaseException) -> tuple[str, int, str] | None:
+TRANSIENT_CODES = frozenset({"SlowDown", "RequestTimeout", "RequestTimeoutException", "InternalError",
+                              "ServiceUnavailable", "Throttling", "ThrottlingException", "RequestLimitExceeded",
+                              "TooManyRequests", "500", "502", "503", "504",
+                              # the body's checksum did not match what the store received: send it again
+                              "BadDigest", "XAmzContentSHA256Mismatch"})
+AUTH_CODES = frozenset({"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken",
+                         "InvalidToken", "TokenRefreshRequired", "AllAccessDisabled", "403"})
+
+
+
+def transient_types() -> tuple[type[BaseException], ...]:
+    types: list[type[BaseException]] = [ConnectionError, TimeoutError]
+    try:
+        from botocore import exceptions as b
+
+        types += [b.EndpointConnectionError, b.ConnectionClosedError, b.ConnectTimeoutError, b.ReadTimeoutError,
+                  b.HTTPClientError, b.IncompleteReadError, b.ResponseStreamingError]
+    except ImportError:
+        pass
+    try:
+        import aiohttp
+
+        types += [aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, aiohttp.ServerTimeoutError]
+    except ImportError:
+        pass
+    from fsspec.exceptions import FSTimeoutError
+
+    return (*types, FSTimeoutError)
+
+
+@dataclass(frozen=True)
+class S3Session:
+    """What an upload needs from its ``FsspecTarget``: one S3 request (``call(method, **kwargs)``,
+    no retries), the target's retry policy (``retry(what, fn, progress=, cancel=, deadline_s=)``),
+    a HEAD of an object's size, the file seam for reading the local file, and the limits."""
+
+    call: Callable[..., dict]
+    retry: Callable[..., object]
+    head_size: Callable[[str], int]
+    ops: FileOps
+    parallelism: int
+    retry_deadline_s: float
+
+
+def client_error(exc: BaseException) -> tuple[str, int, str] | None:
     """(code, HTTP status, message) of the botocore ClientError in ``exc``'s chain, if any."""
     seen = 0
     cur: BaseException | None = exc
@@ -51,18 +97,17 @@ def _client_error(exc: BaseException) -> tuple[str, int, str] | None:
     return None
 
 
-def put_s3(t: FsspecTarget, fd: int, local_path: str, key: str, size: int, limiter: TokenBucket | None,
-           chunk_bytes: int, progress: _Progress, expect: Expected | None) -> int:
-    """Upload the open file ``fd`` to ``key`` of the S3 target ``t``; return the number of parts.
-
-    Sets ``progress.verified`` when the store confirmed every part's CRC32 and ``expect`` held.
+def put_s3(t: S3Session, fd: int, local_path: str, url: str, obj: str, size: int, limiter: TokenBucket | None,
+           chunk_bytes: int, progress, expect: Expected | None) -> int:  # noqa: ANN001 (a base.Progress)
+    """Upload the open file ``fd`` to the object ``obj`` (``url`` for messages); return the
+    number of parts. Sets ``progress.verified`` when the store confirmed every part's CRC32 and
+    ``expect`` held.
     """
     if chunk_bytes < S3_MIN_PART_BYTES:
         raise ConfigError(f"chunk_bytes={chunk_bytes} is below S3's minimum part size: use >= 5 MiB")
     part = max(chunk_bytes, -(-size // S3_MAX_PARTS))  # S3 allows 10,000 parts: grow parts to fit
     if expect is not None:  # whole checksum blocks per part, so that parts hash independently
         part = -(-part // checksum.BLOCK_BYTES) * checksum.BLOCK_BYTES
-    url, obj = t.url_of(key), t._obj(key)
     covered = size if expect is None else expect.covered
     n_parts = max(1, -(-size // part))
     digests: list[list[int]] = [[] for _ in range(n_parts)]
@@ -76,7 +121,7 @@ def put_s3(t: FsspecTarget, fd: int, local_path: str, key: str, size: int, limit
         data = getattr(buffers, "buf", None)
         if data is None or len(data) != n:
             data = buffers.buf = bytearray(n)
-        _preadinto(fd, data, off)
+        pread_exact(t.ops, fd, memoryview(data), off, n, local_path)
         if expect is not None:
             mv = memoryview(data)[: max(0, covered - off)]
             digests[i] = [checksum.block_digest(mv[o:o + checksum.BLOCK_BYTES])
@@ -103,12 +148,12 @@ def put_s3(t: FsspecTarget, fd: int, local_path: str, key: str, size: int, limit
         data, crc = read(0)
         check_source()  # before the PutObject: a single object is visible as soon as it lands
         what = f"upload of {url}"
-        check_echo(0, what, crc, t._retry(what, lambda: t._s3(
+        check_echo(0, what, crc, t.retry(what, lambda: t.call(
             "put_object", Key=obj, Body=data, ChecksumCRC32=crc), progress=progress))
         progress.verified = expect is not None and all(confirmed)
         progress.add(size)
         return 1
-    upload_id = t._retry(f"start of the multipart upload of {url}", lambda: t._s3(
+    upload_id = t.retry(f"start of the multipart upload of {url}", lambda: t.call(
         "create_multipart_upload", Key=obj, ChecksumAlgorithm="CRC32")["UploadId"], progress=progress)
     parts: list[dict] = [{}] * n_parts
     cancel = threading.Event()
@@ -118,7 +163,7 @@ def put_s3(t: FsspecTarget, fd: int, local_path: str, key: str, size: int, limit
             return
         data, crc = read(i)
         what = f"upload of part {i + 1}/{n_parts} of {url}"
-        resp = t._retry(what, lambda: t._s3(
+        resp = t.retry(what, lambda: t.call(
             "upload_part", Key=obj, UploadId=upload_id, PartNumber=i + 1, Body=data, ChecksumCRC32=crc),
             progress=progress, cancel=cancel)
         check_echo(i, what, crc, resp)
@@ -142,28 +187,28 @@ def put_s3(t: FsspecTarget, fd: int, local_path: str, key: str, size: int, limit
     progress.verified = expect is not None and all(confirmed)
     return n_parts
 
-def _complete(t: FsspecTarget, url: str, obj: str, upload_id: str, part_list: list[dict], size: int,
-              progress: _Progress) -> None:
+def _complete(t: S3Session, url: str, obj: str, upload_id: str, part_list: list[dict], size: int,
+              progress) -> None:  # noqa: ANN001
     parts = {"Parts": part_list}
     tried = False
 
     def complete() -> None:
         nonlocal tried
         try:
-            t._s3("complete_multipart_upload", Key=obj, UploadId=upload_id, MultipartUpload=parts)
+            t.call("complete_multipart_upload", Key=obj, UploadId=upload_id, MultipartUpload=parts)
         except Exception as exc:
             # A retried Complete whose first try did land (the reply was lost) finds no upload.
-            ce = _client_error(exc)
-            if tried and ce is not None and ce[0] == "NoSuchUpload" and t._head_size(obj) == size:
+            ce = client_error(exc)
+            if tried and ce is not None and ce[0] == "NoSuchUpload" and t.head_size(obj) == size:
                 return
             tried = True
             raise
 
-    t._retry(f"completion of the multipart upload of {url}", complete, progress=progress)
+    t.retry(f"completion of the multipart upload of {url}", complete, progress=progress)
 
-def _abort(t: FsspecTarget, url: str, obj: str, upload_id: str, exc: BaseException) -> None:
+def _abort(t: S3Session, url: str, obj: str, upload_id: str, exc: BaseException) -> None:
     try:
-        t._retry(f"abort of the multipart upload of {url}", lambda: t._s3(
+        t.retry(f"abort of the multipart upload of {url}", lambda: t.call(
             "abort_multipart_upload", Key=obj, UploadId=upload_id), deadline_s=min(10.0, t.retry_deadline_s))
     except Exception as abort_exc:
         log.warning("could not abort multipart upload %s of %s: %s", upload_id, url, abort_exc)
@@ -174,13 +219,3 @@ def _abort(t: FsspecTarget, url: str, obj: str, upload_id: str, exc: BaseExcepti
 def crc32_header(data: bytes) -> str:
     """The ``x-amz-checksum-crc32`` value of ``data``: base64 of the big-endian CRC32."""
     return base64.b64encode(zlib.crc32(data).to_bytes(4, "big")).decode()
-
-
-def _preadinto(fd: int, buf: bytearray, offset: int) -> None:
-    view, got = memoryview(buf), 0
-    while got < len(buf):
-        n = os.preadv(fd, [view[got:]], offset + got)
-        if n <= 0:
-            raise storage_error(ReplicationError, f"the local file shrank while being uploaded: {len(buf)} bytes "
-                                f"expected at offset {offset}, {got} read", err_no=errno.EIO)
-        got += n

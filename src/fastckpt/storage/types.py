@@ -1,6 +1,5 @@
-"""The data that crosses the ``Target`` seam (``targets.py``): its errors, records, the shared
+"""The data that crosses the ``Target`` seam (``storage.base``): its errors, records, the shared
 bandwidth cap and the key rules. Kept apart so the seam's module holds only the seam."""
-
 from __future__ import annotations
 
 import errno
@@ -9,7 +8,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .errors import CheckpointWriteError, ConfigError, ReplicationError
+from ..errors import CheckpointWriteError, ConfigError, ReplicationError
 
 TRANSIENT_ERRNOS = frozenset({errno.ECONNREFUSED, errno.ECONNRESET, errno.ECONNABORTED, errno.ETIMEDOUT,
                               errno.EPIPE, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ENETDOWN,
@@ -34,7 +33,7 @@ class Expected:
 
     Attributes:
         size: bytes.
-        xxh3: the ``fastckpt.checksum`` tree checksum of the first ``covered`` bytes.
+        xxh3: the ``fastckpt.format.checksum`` tree checksum of the first ``covered`` bytes.
         covered: how many bytes the checksum covers (a fastckpt file's checksum leaves out its
             own manifest at the end).
     """
@@ -60,6 +59,9 @@ class PutResult:
             part against the bytes it received and returned it (S3: CRC32, see
             ``targets_fsspec``). False: no ``expect`` was given or the store cannot do this;
             call ``verify`` (a read-back).
+        read_back: the verification read the stored bytes back (a POSIX copy reads each chunk
+            back with O_DIRECT), rather than trusting the store's checksums.
+        copies: how many times the bytes were sent (> 1: a read-back found a copy wrong).
     """
 
     key: str
@@ -69,6 +71,8 @@ class PutResult:
     parts: int
     retries: int
     verified: bool = False
+    read_back: bool = False
+    copies: int = 1
 
 
 @dataclass(frozen=True)
@@ -166,3 +170,32 @@ def storage_error(cls: type[ReplicationError], message: str, cause: BaseExceptio
     err = cls(message)
     err.errno = err_no if err_no is not None else (_errno_of(cause) if cause is not None else None)
     return err
+
+
+class Progress:
+    """One upload's byte and retry counts; serialises ``on_progress`` calls across threads.
+    ``verified``: set by an implementation that verified the upload against ``expect``;
+    ``read_back``: it did so by reading the stored bytes back."""
+
+    def __init__(self, callback: ProgressCallback | None, total: int) -> None:
+        self._callback, self.total, self.done, self.retries = callback, total, 0, 0
+        self.verified = False
+        self.read_back = False
+        self.copies = 1
+        self._lock = threading.Lock()
+
+    def add(self, n: int) -> None:
+        with self._lock:
+            self.done += n
+            if self._callback is not None:
+                self._callback(self.done, self.total)
+
+    def retried(self) -> None:
+        with self._lock:
+            self.retries += 1
+
+
+def as_limiter(bandwidth_Bps: float | TokenBucket | None, burst_bytes: int) -> TokenBucket | None:
+    if bandwidth_Bps is None or isinstance(bandwidth_Bps, TokenBucket):
+        return bandwidth_Bps
+    return TokenBucket(bandwidth_Bps, burst_bytes=burst_bytes)

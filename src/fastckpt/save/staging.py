@@ -10,19 +10,17 @@ non-blocking copies on a side stream.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import mmap
 import threading
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from .format import ALIGN, FileLayout
-from .io.engine import alloc_aligned
+from ..format.layout import ALIGN, FileLayout
+from ..io.engine import alloc_aligned
 
-_ids = itertools.count()
 log = logging.getLogger("fastckpt")
 
 
@@ -34,7 +32,6 @@ class StagingBuffer:
     view: memoryview
     keepalive: object = None
     owner: object = None
-    id: int = field(default_factory=lambda: next(_ids))
 
 
 def _new_buffer(capacity: int, pinned: bool) -> StagingBuffer:
@@ -86,11 +83,6 @@ class StagingPool:
         self._pending: list[tuple[int, bool]] = []  # reservations being allocated: (capacity, pinned)
         self._closed = False
         self.max_buffers = max_buffers
-
-    @property
-    def total_bytes(self) -> int:
-        with self._cv:
-            return sum(b.capacity for b in self._buffers)
 
     def capacities(self, pinned: bool = False) -> list[int]:
         """The capacities of the buffers held now (for tests and reports)."""
@@ -221,7 +213,8 @@ class Progress:
 
     The training thread calls ``advance`` after each storage (storages lie in increasing
     offset order, and the metadata between them is copied first) and ``finish`` at the end,
-    with the exception if the copy failed; writer threads call ``wait_for(end)``.
+    with the exception if the copy failed (or the time the caller was blocked); writer threads
+    call ``wait_for(end)``.
     """
 
     def __init__(self) -> None:
@@ -229,15 +222,16 @@ class Progress:
         self._upto = 0
         self._done = False
         self._error: BaseException | None = None
+        self.blocked_s = 0.0  # how long the caller was blocked: set by ``finish``
 
     def advance(self, upto: int) -> None:
         with self._cv:
             self._upto = upto
             self._cv.notify_all()
 
-    def finish(self, error: BaseException | None = None) -> None:
+    def finish(self, error: BaseException | None = None, blocked_s: float = 0.0) -> None:
         with self._cv:
-            self._done, self._error = True, error
+            self._done, self._error, self.blocked_s = True, error, blocked_s
             self._cv.notify_all()
 
     def wait_done(self) -> None:
@@ -295,7 +289,7 @@ def snapshot(layout: FileLayout, buf: StagingBuffer, progress: Progress | None =
         torch.cuda.synchronize()
         event = None
     if progress is not None:
-        progress.finish()
+        progress.advance(layout.data_size)  # the caller calls finish() with its blocked time
     return Snapshot(buf, layout, event, progress)
 
 
@@ -310,6 +304,7 @@ class LazySnapshot:
     future: Future
     layout: FileLayout
     buffer: StagingBuffer
+    progress: None = None  # the writer never runs behind a lazy copy: it waits for it whole
 
     def wait_ready(self) -> None:
         self.future.result().wait_ready()

@@ -15,13 +15,13 @@ import logging
 import mmap
 import os
 import threading
-import uuid
 from dataclasses import dataclass, field
 
-from .errors import TierUnavailableError
+from ..errors import TierUnavailableError
+from ..io.atomic import discard, probe_name
+from ..io.ops import FileOps
 
 log = logging.getLogger("fastckpt")
-TIERS = ("auto", "gds", "nvme", "direct")
 
 
 @dataclass(frozen=True)
@@ -37,30 +37,35 @@ class TierChoice:
         return f"tier={self.tier} ({od})" + (f"; {rej}" if rej else "")
 
 
-def probe_odirect(directory: str) -> tuple[bool, str | None]:
-    """Write one aligned block with O_DIRECT in ``directory``; (honoured, reason if not)."""
+def probe_odirect(directory: str, ops: FileOps | None = None) -> tuple[bool, str | None]:
+    """Write one aligned block with O_DIRECT in ``directory``; (honoured, reason if not).
+
+    The probe file is named so that ``io.atomic.sweep_stale_tmp`` removes it if this process
+    is killed before it does.
+    """
     flag = getattr(os, "O_DIRECT", 0)
     if not flag:
         return False, "O_DIRECT not available on this OS"
-    os.makedirs(directory, exist_ok=True)
-    path = os.path.join(directory, f".fastckpt-probe-{uuid.uuid4().hex[:8]}")
+    ops = ops or FileOps()
+    ops.makedirs(directory)
+    path = probe_name(directory)
     buf = mmap.mmap(-1, 4096)
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | flag, 0o600)
+        fd = ops.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | flag, 0o600)
     except OSError as exc:
         if exc.errno in (errno.EINVAL, errno.EOPNOTSUPP):
             return False, f"filesystem at {directory} refused O_DIRECT"
         raise
     try:
-        os.pwrite(fd, buf, 0)
+        ops.pwrite(fd, memoryview(buf), 0)
         return True, None
     except OSError as exc:
         if exc.errno == errno.EINVAL:
             return False, f"filesystem at {directory} refused O_DIRECT writes"
         raise
     finally:
-        os.close(fd)
-        os.unlink(path)
+        ops.close(fd)
+        discard(ops, path)
 
 
 def gds_unavailable_reason(has_cuda_tensors: bool) -> str | None:
@@ -89,13 +94,13 @@ def gds_unavailable_reason(has_cuda_tensors: bool) -> str | None:
     return None
 
 
-def gds_probe_write(directory: str) -> str | None:
+def gds_probe_write(directory: str, ops: FileOps | None = None) -> str | None:
     """Write 4 KiB from the GPU with kvikio into ``directory``; None on success, else why."""
     try:
         import kvikio
         import torch
 
-        path = os.path.join(directory, f".fastckpt-gds-probe-{uuid.uuid4().hex[:8]}")
+        path = probe_name(directory)
         t = torch.zeros(4096, dtype=torch.uint8, device="cuda")
         try:
             with kvikio.CuFile(path, "w") as f:
@@ -103,27 +108,34 @@ def gds_probe_write(directory: str) -> str | None:
             if n != 4096:
                 return f"kvikio probe wrote {n} of 4096 bytes"
         finally:
-            if os.path.exists(path):
-                os.unlink(path)
+            discard(ops or FileOps(), path)
     except Exception as exc:  # noqa: BLE001
         return f"kvikio probe write failed: {exc!r}"
     return None
 
 
 class TierSelector:
-    """Chooses and caches the tier per (destination directory, CUDA or not)."""
+    """Chooses and caches the tier per (directory written first, CUDA or not).
 
-    def __init__(self, requested: str, local_dir: str | None, odirect: bool) -> None:
-        if requested not in TIERS:
-            raise TierUnavailableError(f"tier={requested!r} is not one of {TIERS}")
+    Args:
+        requested: the ``tier`` option (validated by ``CheckpointerConfig``).
+        local_dir: the burst buffer, or None.
+        odirect: the ``odirect`` option.
+        ops: the FileOps the probes write through.
+    """
+
+    def __init__(self, requested: str, local_dir: str | None, odirect: bool, ops: FileOps | None = None) -> None:
         self.requested = requested
         self.local_dir = local_dir
         self.odirect = odirect
+        self.ops = ops or FileOps()
         self._cache: dict[tuple[str, bool], TierChoice] = {}
         self._lock = threading.Lock()
 
-    def choose(self, dest_dir: str, has_cuda: bool) -> TierChoice:
-        key = (dest_dir if self.local_dir is None else self.local_dir, has_cuda)
+    def choose(self, path: str, has_cuda: bool) -> TierChoice:
+        """The tier for a save to ``path`` (a URL only with local_dir: the config checks that)."""
+        dest_dir = os.path.dirname(path) if self.local_dir is None else self.local_dir
+        key = (dest_dir, has_cuda)
         with self._lock:
             if key not in self._cache:
                 self._cache[key] = self._decide(dest_dir, has_cuda)
@@ -134,7 +146,7 @@ class TierSelector:
         reasons: dict[str, str] = {}
         write_dir = self.local_dir or dest_dir
         if self.requested in ("auto", "gds"):
-            why = gds_unavailable_reason(has_cuda) or gds_probe_write(write_dir)
+            why = gds_unavailable_reason(has_cuda) or gds_probe_write(write_dir, self.ops)
             if why is None:
                 return TierChoice("gds", {"nvme": "gds is faster", "direct": "gds is faster"})
             if self.requested == "gds":
@@ -149,5 +161,5 @@ class TierSelector:
             reasons["direct"] = "local_dir is set (burst buffer)"
         elif self.requested == "auto":
             reasons["nvme"] = "no local_dir set"
-        ok, why = probe_odirect(write_dir) if self.odirect else (False, "O_DIRECT disabled by odirect=False")
+        ok, why = probe_odirect(write_dir, self.ops) if self.odirect else (False, "O_DIRECT disabled by odirect=False")
         return TierChoice(tier, reasons, ok, why)

@@ -12,7 +12,9 @@ from __future__ import annotations
 import threading
 from concurrent.futures import Future
 
+from .errors import CheckpointWriteError, FastCkptError
 from .records import SaveHandle
+from .urls import is_within
 
 _SURFACED = "_fastckpt_surfaced"
 
@@ -23,6 +25,21 @@ def surfaced(exc: BaseException) -> bool:
 
 def set_surfaced(exc: BaseException) -> None:
     setattr(exc, _SURFACED, True)
+
+
+def raise_as_write_error(exc: BaseException, path: str, renamed: bool = False) -> None:
+    """Raise ``exc``; an OSError becomes a CheckpointWriteError that names the checkpoint.
+
+    ``renamed``: the failure came after the new file was renamed into place (the directory
+    fsync), so the message must not claim the previous file is still there.
+    """
+    if isinstance(exc, FastCkptError) or not isinstance(exc, OSError) or surfaced(exc):
+        raise exc
+    state = ("the new file is in place but its directory entry may not be durable (directory fsync failed)"
+             if renamed else "the previous checkpoint is untouched")
+    err = CheckpointWriteError(exc.errno, f"saving {path} failed: {exc.strerror or exc}; {state}")
+    err.filename = path
+    raise err from exc
 
 
 class InFlight:
@@ -72,11 +89,15 @@ class InFlight:
         with self._lock:
             return [f for f, _, _ in self._pending.values()]
 
-    def writing(self, path: str, sep: str) -> list[Future]:
-        """Futures that write ``path``, the group ``path`` or anything below it."""
+    def wait_writing(self, path: str) -> None:
+        """Wait for the saves that write ``path``, the group ``path`` or anything below it.
+
+        Their failures are not raised here: they stay unseen for the next sync point.
+        """
         with self._lock:
-            return [f for f, p, g in self._pending.values()
-                    if p == path or g == path or p.startswith(path + sep)]
+            futures = [f for f, p, g in self._pending.values() if g == path or is_within(p, path)]
+        for f in futures:
+            f.exception()
 
     def __len__(self) -> int:
         with self._lock:

@@ -1,0 +1,184 @@
+"""The group commit protocol: rank markers, the group manifest, the ``latest`` pointer, and the
+attempt token every rank of one attempt agrees on. Everything goes through a ``Place``
+(``storage.places``), so the protocol is the same on a local disk, a parallel file system and S3.
+
+A group (several files from one or several ranks under one directory) is complete only when
+its manifest ``fastckpt-manifest.json`` exists. Each rank first leaves a marker
+``.fastckpt/rank-NNNNN.json`` listing its durable files; the coordinator (rank 0) publishes the
+manifest once every rank's marker of this attempt is there, then moves ``latest`` forward.
+Markers are files so that completeness can be checked by any process, after any crash, without
+collectives (which must never run on background threads). A single file at a URL is published
+by its sidecar ``NAME.fastckpt.json`` (see ``save/replicator.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import posixpath
+import threading
+import time
+
+from ..errors import CorruptCheckpointError, IncompleteCheckpointError
+from ..format.manifest import FORMAT_VERSION
+from ..storage.homes import Location
+from ..storage.places import Place
+
+GROUP_MANIFEST = "fastckpt-manifest.json"
+MARKER_DIR = ".fastckpt"
+LATEST = "latest"
+SIDECAR = ".fastckpt.json"  # a single file's publication record at a URL: NAME.fastckpt.json
+STALE_MARKER_S = 60.0  # without a shared store, markers older than the attempt by this much are stale
+
+_latest_lock = threading.Lock()  # commits of several groups publish from concurrent threads
+
+
+def marker_rel(rank: int) -> str:
+    return f"{MARKER_DIR}/rank-{rank:05d}.json"
+
+
+def write_marker(place: Place, rank: int, world_size: int, files: dict, token: str | None = None,
+                 started_at: float | None = None, superseded: bool = False) -> None:
+    """Publish this rank's marker: its durable files of this attempt (or that it gave up)."""
+    body = {"format": FORMAT_VERSION, "rank": rank, "world_size": world_size, "files": files,
+            "written_at": time.time(), "attempt": token, "started_at": started_at}
+    if superseded:
+        body["superseded"] = True
+    place.put(marker_rel(rank), json.dumps(body, sort_keys=True).encode())
+
+
+def read_markers(place: Place) -> dict[int, dict]:
+    out: dict[int, dict] = {}
+    for name in place.names(MARKER_DIR):
+        if not (name.startswith("rank-") and name.endswith(".json")):
+            continue
+        data = place.get(f"{MARKER_DIR}/{name}")
+        if data is not None:
+            body = json.loads(data)
+            out[int(body["rank"])] = body
+    return out
+
+
+def group_order(manifest: dict) -> float:
+    """When a group was committed, for ordering: rank 0's ``commit`` call, else its publish.
+
+    Commits overlap (step N may wait for a slow rank while step N+1 completes), so the time of
+    publication does not follow the order of the steps; the time of the request does.
+    """
+    return float(manifest.get("requested_at", manifest.get("committed_at", 0.0)))
+
+
+def read_group_manifest(place: Place) -> dict | None:
+    data = place.get(GROUP_MANIFEST)
+    if data is None:
+        return None
+    try:
+        return json.loads(data)
+    except ValueError as exc:
+        raise CorruptCheckpointError(f"{place.url(GROUP_MANIFEST)} does not parse: {exc}") from exc
+
+
+def _pointed(parent: Place) -> tuple[str, float] | None:
+    """What ``parent/latest`` names, if that is a complete checkpoint, and its order.
+
+    The name is a group directory (complete once its manifest exists) or a single file
+    (complete once its sidecar exists, at a URL).
+    """
+    try:
+        name = (parent.get(LATEST) or b"").decode().strip()
+        if not name or "/" in name or name in (".", "..") or name.startswith("."):
+            return None
+        m = read_group_manifest(parent.child(name))
+        if m is not None:
+            return name, group_order(m)
+        side = parent.get(name + SIDECAR)
+        if side is not None:
+            return name, float(json.loads(side).get("written_at", 0.0))
+    except (OSError, ValueError, CorruptCheckpointError):  # unreadable or corrupt: it may be replaced
+        return None
+    return None
+
+
+def pointed_name(parent: Place) -> str | None:
+    """The name in ``parent/latest`` when it is a complete checkpoint; None when stale or absent."""
+    found = _pointed(parent)
+    return found[0] if found is not None else None
+
+
+def move_pointer(parent: Place, name: str, order: float) -> bool:
+    """Point ``parent/latest`` at ``name`` (just published, of the given order); only forward.
+
+    Called after the checkpoint's publication (manifest or sidecar), so the pointer never names
+    a partial checkpoint. Returns whether it moved (it stays when it names a newer checkpoint).
+    """
+    with _latest_lock:
+        found = _pointed(parent)
+        if found is not None and found[1] > order:
+            return False
+        parent.put(LATEST, name.encode())
+        return True
+
+
+def publish_group(place: Place, world_size: int, markers: dict[int, dict], extra: dict,
+                  requested_at: float | None = None, token: str | None = None) -> dict:
+    """Check every rank's files, then publish the group manifest and move the latest pointer.
+
+    Raises:
+        IncompleteCheckpointError: a file's size is not what its rank committed.
+    """
+    files: dict[str, dict] = {}
+    for r in sorted(markers):
+        for rel, info in markers[r]["files"].items():
+            size = place.size(rel)
+            if size != info["size"]:
+                raise IncompleteCheckpointError(
+                    f"group {place.label}: rank {r} committed {rel} with {info['size']} bytes but the "
+                    f"file has {size}; not publishing this checkpoint."
+                )
+            files[rel] = dict(info, rank=r)
+    manifest = {"format": FORMAT_VERSION, "kind": "group", "world_size": world_size,
+                "tag": place.label.rstrip("/").rsplit("/", 1)[-1], "ranks": sorted(markers),
+                "attempt": token, "files": files, "committed_at": time.time(), **extra}
+    if requested_at is not None:
+        manifest["requested_at"] = requested_at
+    place.put(GROUP_MANIFEST, json.dumps(manifest, sort_keys=True, indent=1).encode())
+    move_pointer(place.parent(), manifest["tag"], group_order(manifest))
+    return manifest
+
+
+def incomplete_group_error(place: Place, world_size: int | None) -> IncompleteCheckpointError:
+    markers = read_markers(place)
+    ws = world_size or max((m["world_size"] for m in markers.values()), default=0)
+    missing = [r for r in range(ws) if r not in markers]
+    what = f"ranks {missing} of {ws} never committed" if missing else "its manifest was never published"
+    return IncompleteCheckpointError(
+        f"checkpoint {place.label} is incomplete: {what} (no {GROUP_MANIFEST}). "
+        "Load an earlier checkpoint: fastckpt.latest(<parent dir>) returns the newest complete one."
+    )
+
+
+def publish_file(loc: Location, manifest: dict) -> None:
+    """A single file is durable and verified at ``loc``: publish it and move the pointer.
+
+    On an object store the sidecar is its publication (written last, after verification) and
+    the directory's ``latest`` pointer always follows. On a mounted file system the rename
+    already published the file; the pointer is moved only where a directory already keeps one
+    (group commits made it), so that pointer-first lookups stay right in a directory that mixes
+    groups and files, and a directory of plain files gets no extra file.
+    """
+    parent, name = loc.place().parent(), posixpath.basename(loc.key)
+    if not loc.target.mounted:
+        parent.put(name + SIDECAR, json.dumps(manifest, sort_keys=True).encode())
+    elif parent.get(LATEST) is None:
+        return
+    move_pointer(parent, name, float(manifest.get("written_at", 0.0)))
+
+
+def delete_checkpoint(loc: Location) -> None:
+    """Delete a checkpoint (a single file or a group): its publication record first, so that it
+    is invisible before any of its bytes go."""
+    target, key = loc.target, loc.key
+    if target.exists(key) or target.exists(key + SIDECAR):
+        target.delete(key + SIDECAR)
+        target.delete(key)
+    else:
+        target.delete_tree(key, first=(GROUP_MANIFEST,))

@@ -1,0 +1,141 @@
+"""The one recipe that publishes a file: temp name beside it -> write and fsync -> rename over
+the final name -> fsync the directory. A reader sees the old file or the new one, never a part.
+
+``Staged`` is the recipe in two steps (the save pipeline times the write and the rename as
+separate phases); ``replacing`` is the same as a context manager; ``publish_bytes`` writes a
+small file (manifest, marker, pointer) with it. Temp names carry this host and process, so a
+process that starts later can tell a dead writer's leftovers from a live one's
+(``sweep_stale_tmp``). Every call goes through ``FileOps``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from .ops import FileOps
+
+log = logging.getLogger(__name__)
+TMP_TAG = ".fastckpt-tmp-"
+PROBE_TAG = ".fastckpt-probe-"
+_HOST = socket.gethostname().replace(os.sep, "_")
+
+
+def tmp_name(path: str) -> str:
+    """A hidden temp name beside ``path``, unique per attempt, naming its host and process."""
+    d, base = os.path.split(path)
+    return os.path.join(d, f".{base}{TMP_TAG}{_HOST}.{os.getpid()}.{uuid.uuid4().hex[:12]}")
+
+
+def probe_name(directory: str) -> str:
+    """A probe file's name in ``directory`` (tier probes), recognisable by ``sweep_stale_tmp``."""
+    return os.path.join(directory, f"{PROBE_TAG}{_HOST}.{os.getpid()}.{uuid.uuid4().hex[:12]}")
+
+
+def is_tmp(name: str) -> bool:
+    """Whether a file name is a temp or probe file (never a checkpoint)."""
+    return TMP_TAG in name or name.startswith(PROBE_TAG)
+
+
+def _writer_of(name: str) -> tuple[str, int] | None:
+    """(host, pid) of the process that made a temp or probe file, from its name."""
+    tail = name.split(TMP_TAG, 1)[1] if TMP_TAG in name else name[len(PROBE_TAG):]
+    try:
+        host, pid, _ = tail.rsplit(".", 2)
+        return host, int(pid)
+    except ValueError:
+        return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's live process
+    return True
+
+
+def sweep_stale_tmp(ops: FileOps, directory: str) -> int:
+    """Remove temp and probe files in ``directory`` left by dead processes of this host.
+
+    A killed save leaves its temp file behind (never a visible checkpoint). Files of live
+    processes and of other hosts are left alone: only this host can tell a process is gone.
+
+    Returns:
+        How many files were removed.
+    """
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return 0
+    removed = 0
+    for name in names:
+        if not is_tmp(name):
+            continue
+        writer = _writer_of(name)
+        if writer is None or writer[0] != _HOST or writer[1] == os.getpid() or _alive(writer[1]):
+            continue
+        discard(ops, os.path.join(directory, name))
+        removed += 1
+    return removed
+
+
+def discard(ops: FileOps, path: str) -> None:
+    """Remove a temp file after a failure; a missing file is fine, other errors are logged."""
+    try:
+        ops.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:  # the original failure matters more; leave a trace of this one
+        log.warning("could not remove temp file %s: %s", path, exc)
+
+
+class Staged:
+    """A file being published: write ``tmp`` (and fsync it), then ``commit()``, or ``discard()``.
+
+    ``renamed`` tells, after a failed ``commit``, whether the new file already replaced the old
+    one (the directory fsync failed), so an error message never claims the previous file is
+    still there when it is not.
+    """
+
+    def __init__(self, ops: FileOps, dest: str) -> None:
+        self.ops, self.dest, self.tmp = ops, dest, tmp_name(dest)
+        self.renamed = False
+
+    def commit(self) -> None:
+        try:
+            self.ops.replace(self.tmp, self.dest)
+            self.renamed = True
+            self.ops.fsync_dir(os.path.dirname(self.dest) or ".")
+        except BaseException:
+            self.discard()
+            raise
+
+    def discard(self) -> None:
+        if not self.renamed:
+            discard(self.ops, self.tmp)
+
+
+@contextmanager
+def replacing(ops: FileOps, dest: str) -> Iterator[Staged]:
+    """``with replacing(ops, dest) as st:`` write and fsync ``st.tmp``; it replaces ``dest`` when
+    the block ends, or is removed if the block raises."""
+    st = Staged(ops, dest)
+    try:
+        yield st
+    except BaseException:
+        st.discard()
+        raise
+    st.commit()
+
+
+def publish_bytes(ops: FileOps, path: str, data: bytes) -> None:
+    """Write a small file atomically: temp, fsync, rename, directory fsync."""
+    with replacing(ops, path) as st:
+        ops.write_small(st.tmp, data)

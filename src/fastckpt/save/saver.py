@@ -1,0 +1,195 @@
+"""``Checkpointer.save`` in its five modes, and what follows a write.
+
+Modes, chosen per save (all on the training thread, which is blocked only until the call
+returns; docs/core.md):
+  eager      plan -> acquire a staging buffer -> copy the state into it -> return
+  lazy       plan -> acquire -> return; the copy runs on the snapshot thread and
+             ``fence()`` (before the next optimizer step) waits for it
+  overlapped CPU state with ``overlap_write``: the writer starts at once and follows the copy
+  gds        CUDA state on the gds tier: GPU -> file through kvikio, then return
+  skipped    every staging buffer busy and ``when_busy="skip"``: nothing is saved
+After the snapshot the writer thread writes, fsyncs and renames the file (``FileWriter``). A file
+written to its own path is durable then; one written to the burst buffer is handed to the
+``Replicator``, which copies it to its path. Either way retention runs before the handle
+resolves, so ``wait()`` returning means retention has run.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import warnings
+from collections.abc import Callable
+from concurrent.futures import Executor, Future
+from dataclasses import replace
+
+from ..commit.coordinator import Coordinator
+from ..commit.protocol import publish_file
+from ..config import CheckpointerConfig
+from ..errors import ConfigError, ReplicationError
+from ..format import layout as F
+from ..format.manifest import TAIL_ROOM
+from ..inflight import InFlight, raise_as_write_error, set_surfaced
+from ..monitor import Monitor
+from ..records import SaveHandle, SaveRecord
+from ..storage.homes import Homes
+from ..urls import is_within
+from .replicator import ReplicaJob, Replicator
+from .retention import Retention
+from .staging import LazySnapshot, Progress, Snapshot, StagingBuffer, StagingPool, snapshot
+from .tiers import TierChoice, TierSelector
+from .writer import FileWriter
+
+
+class Saver:
+    """The save path of one Checkpointer (its collaborators are the Checkpointer's own)."""
+
+    def __init__(self, cfg: CheckpointerConfig, *, tiers: TierSelector, staging: StagingPool, monitor: Monitor,
+                 writer: FileWriter, writer_thread: Executor, snapshot_thread: Executor, inflight: InFlight,
+                 coordinator: Coordinator, replicator: Replicator, retention: Retention, homes: Homes,
+                 local_path: Callable[[str], str | None], emit: Callable[..., None]) -> None:
+        self._cfg, self._tiers, self._staging, self._monitor = cfg, tiers, staging, monitor
+        self._writer, self._write_thread, self._snap_thread = writer, writer_thread, snapshot_thread
+        self._inflight, self._coord, self._replicator, self._retention = inflight, coordinator, replicator, retention
+        self._homes, self._local_path, self._emit = homes, local_path, emit
+        self._lock = threading.Lock()
+        self._lazy: list[tuple[Future, float, float, int]] = []  # (copy, t_call, blocked, bytes)
+
+    def save(self, state_dict: object, path: str, group: str | None, lazy: bool, rank: int, world: int) -> SaveHandle:
+        """See ``Checkpointer.save``; ``path`` and ``group`` are normalised."""
+        t_call, w_call = time.monotonic(), time.time()
+        if group is not None and not is_within(path, group):
+            raise ConfigError(f"{path} is not inside its group directory {group}")
+        if self._cfg.local_dir is None and not self._homes.resolve(path).target.mounted:
+            raise ConfigError(f"{path} is a URL: saving there needs local_dir=<node-local directory>, the "
+                              "burst buffer the upload is made from")
+        layout = F.plan(state_dict)
+        has_cuda = any(r.storage.device.type == "cuda" for r in layout.storages)
+        try:
+            choice = self._tiers.choose(path, has_cuda)
+        except OSError as exc:  # the probe could not write there: unwritable, not a directory...
+            raise_as_write_error(exc, path)
+        if group is not None:
+            self._coord.begin(group, rank, world)
+        dest = self._local_path(path) or path
+        base = SaveRecord(path, choice.tier, layout.data_size, 0.0, 0.0, 0.0, None, rank=rank, group=group)
+        if choice.tier == "gds":
+            return self._save_gds(layout, base, dest, t_call, w_call)
+        buf = self._staging.acquire(layout.data_size + TAIL_ROOM, owner=group or object(),
+                                    pinned=has_cuda, wait=self._cfg.when_busy == "wait")
+        if buf is None:
+            return self._skipped(base, group, t_call)
+        if self._cfg.overlap_write and not lazy and not has_cuda:
+            return self._save_overlapped(layout, buf, base, dest, t_call, w_call, choice)
+        if lazy:
+            snap: Snapshot | LazySnapshot = LazySnapshot(self._snap_thread.submit(snapshot, layout, buf), layout, buf)
+        else:
+            try:
+                snap = snapshot(layout, buf)
+            except BaseException:
+                self._staging.release(buf)
+                raise
+        blocked = time.monotonic() - t_call
+        if lazy:  # fence() waits for the copy and counts that wait as blocked time
+            with self._lock:
+                self._lazy.append((snap.future, t_call, blocked, layout.payload_bytes))  # type: ignore[union-attr]
+        else:
+            self._monitor.record_blocked(t_call, blocked, layout.payload_bytes)
+        self._emit("snapshot", path, layout.payload_bytes, w_call, choice.tier, detail="lazy" if lazy else None)
+        base = replace(base, blocked_s=blocked)
+        fut = self._write_thread.submit(self._written, self._writer.write, snap, base, dest, t_call, choice.odirect)
+        return self._track(fut, base, dest, t_call)
+
+    def _save_gds(self, layout: F.FileLayout, base: SaveRecord, dest: str, t_call: float, w_call: float) -> SaveHandle:
+        st = self._writer.gds_write(layout, dest)
+        blocked = time.monotonic() - t_call
+        self._monitor.record_blocked(t_call, blocked, layout.payload_bytes)
+        self._emit("snapshot", base.path, layout.payload_bytes, w_call, base.tier, detail="gds write")
+        base = replace(base, blocked_s=blocked)
+        fut = self._write_thread.submit(self._written, self._writer.gds_finish, st, layout, base, t_call)
+        return self._track(fut, base, dest, t_call)
+
+    def _skipped(self, base: SaveRecord, group: str | None, t_call: float) -> SaveHandle:
+        self._monitor.record_skipped()
+        warnings.warn(f"fastckpt: skipped save of {base.path}: the previous save still holds the staging "
+                      "buffer (when_busy='skip')", stacklevel=4)
+        if group is not None:
+            self._coord.skipped(group, base.path)
+        return SaveHandle.finished(replace(base, bytes=0, blocked_s=time.monotonic() - t_call, skipped=True))
+
+    def _save_overlapped(self, layout: F.FileLayout, buf: StagingBuffer, base: SaveRecord, dest: str, t_call: float,
+                         w_call: float, choice: TierChoice) -> SaveHandle:
+        """CPU state: the writer starts at once and follows the copy into the staging buffer,
+        so the file is durable about one write time after the call, not copy + write."""
+        progress = Progress()
+        fut = self._write_thread.submit(self._written, self._writer.write, Snapshot(buf, layout, None, progress),
+                                        base, dest, t_call, choice.odirect)
+        try:
+            snapshot(layout, buf, progress)
+        except BaseException as exc:
+            set_surfaced(exc)  # raised here, to the caller; the writer re-raises the same object
+            progress.finish(exc)
+            self._inflight.track(fut, base.path, base.group)
+            raise
+        blocked = time.monotonic() - t_call
+        progress.finish(blocked_s=blocked)
+        self._monitor.record_blocked(t_call, blocked, layout.payload_bytes)
+        self._emit("snapshot", base.path, layout.payload_bytes, w_call, choice.tier)
+        return self._track(fut, replace(base, blocked_s=blocked), dest, t_call)
+
+    def _written(self, write: Callable[..., SaveRecord], *args: object) -> SaveRecord:
+        """The writer thread's job: write; a file written to its own path is durable and
+        published now (``commit.protocol.publish_file``), so retention runs before its handle
+        resolves."""
+        rec = write(*args)
+        if rec.durable_s is None:
+            return rec
+        if rec.group is None:
+            publish_file(self._homes.resolve(rec.path), {"written_at": time.time()})
+        return self._retain(rec)
+
+    def _track(self, fut: Future, base: SaveRecord, dest: str, t_call: float) -> SaveHandle:
+        """Replication follows a write to the burst buffer; track the save; join its group."""
+        if dest != base.path:
+            fut = self._then_replicate(fut, dest, t_call)
+        handle = self._inflight.track(fut, base.path, base.group)
+        if base.group is not None:
+            self._coord.add(base.group, handle)
+        return handle
+
+    def _then_replicate(self, written: Future, local: str, t_call: float) -> Future:
+        """A future that resolves once the file written to ``local`` is replicated to its path."""
+        final: Future = Future()
+
+        def enqueue(f: Future) -> None:
+            exc = f.exception()
+            if exc is not None:
+                final.set_exception(exc)
+                return
+            rec = f.result()
+            try:
+                self._replicator.submit(ReplicaJob(rec, local, t_call, time.time(), final, finish=self._retain))
+            except RuntimeError as err:  # closed under us: nothing will replicate it
+                final.set_exception(ReplicationError(f"{rec.path} was not replicated: {err}"))
+
+        written.add_done_callback(enqueue)
+        return final
+
+    def _retain(self, rec: SaveRecord) -> SaveRecord:
+        """A single-file checkpoint is verified at its home: apply keep_local/keep_persistent."""
+        if rec.group is None and not rec.superseded and not rec.skipped:
+            self._retention.durable(rec.path, self._cfg.local_dir is not None, owns_persistent=True)
+        return rec
+
+    def fence(self) -> float:
+        """Wait until every lazy save has copied its tensors; return the seconds waited (counted
+        as blocked time). A failed copy surfaces through its save's handle."""
+        with self._lock:
+            lazy, self._lazy = self._lazy, []
+        t0 = time.monotonic()
+        for fut, _, _, _ in lazy:
+            fut.exception()  # only waits: the write stage re-raises a failed copy
+        waited = time.monotonic() - t0
+        for i, (_, t_call, blocked, nbytes) in enumerate(lazy):
+            self._monitor.record_blocked(t_call, blocked + (waited if i == 0 else 0.0), nbytes)
+        return waited

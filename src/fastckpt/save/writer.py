@@ -1,0 +1,140 @@
+"""The write side of one save, after the snapshot: file image -> temp file -> rename.
+
+``FileWriter.write`` runs on the writer thread (one per Checkpointer, so a rank's files are
+written in order); its chunks run on the I/O pool. ``gds_write`` runs on the training thread
+(the GPU tensors are read in place) and ``gds_finish`` on the writer thread. Each file goes
+through ``io.atomic``'s recipe, timed as two phases: "write" (bytes written and fsynced) and
+"commit" (renamed into place, directory fsynced). The file carries its manifest in its zip
+comment (``format.manifest``), computed from the checksum of the bytes just written.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from concurrent.futures import Executor
+from dataclasses import replace
+
+from ..format import layout as F
+from ..format.manifest import file_manifest, tail_bytes
+from ..inflight import raise_as_write_error
+from ..io.atomic import Staged, sweep_stale_tmp
+from ..io.engine import WriteResult, write_file
+from ..io.gds import finish_gds_file, gds_write
+from ..io.ops import FileOps
+from ..records import SaveRecord
+from ..version import __version__
+from .staging import Snapshot, StagingPool
+
+log = logging.getLogger("fastckpt")
+
+
+def manifest_of(rec: SaveRecord, layout: F.FileLayout, digest: str) -> dict:
+    """The manifest a file of this save carries (see ``format.manifest.file_manifest``)."""
+    rel = rec.path[len(rec.group):].lstrip("/") if rec.group else None
+    return file_manifest(covered=layout.covered_bytes, digest=digest, rank=rec.rank,
+                         group_name=rec.group.rstrip("/").rsplit("/", 1)[-1] if rec.group else None,
+                         group_rel=rel, tier=rec.tier, payload_bytes=layout.payload_bytes, blocked_s=rec.blocked_s,
+                         fastckpt_version=__version__)
+
+
+class FileWriter:
+    """Writes snapshots to files.
+
+    Args:
+        ops: the FileOps seam.
+        io_pool: the I/O threads chunks run on.
+        staging: the pool each snapshot's buffer goes back to once written.
+        chunk_bytes: bytes per parallel write.
+        emit: the Checkpointer's event emitter.
+    """
+
+    def __init__(self, ops: FileOps, io_pool: Executor, staging: StagingPool, chunk_bytes: int,
+                 emit: Callable[..., None]) -> None:
+        self._ops, self._io, self._staging, self._chunk = ops, io_pool, staging, chunk_bytes
+        self._emit = emit
+        self._swept: set[str] = set()
+
+    def _sweep(self, directory: str) -> None:
+        """Once per directory: remove temp files that killed processes left there."""
+        if directory not in self._swept:
+            self._swept.add(directory)
+            n = sweep_stale_tmp(self._ops, directory)
+            if n:
+                log.info("fastckpt: removed %d temp file(s) of dead processes in %s", n, directory)
+
+    def write(self, snap: Snapshot, base: SaveRecord, dest: str, t_call: float, odirect: bool) -> SaveRecord:
+        """Write the snapshot to ``dest`` (temp, fsync, rename, dir fsync); release its buffer.
+
+        With ``snap.progress`` the writer starts while the snapshot is still copying (chunks wait
+        for their bytes), and the time the caller was blocked is known only when the copy ends.
+        """
+        w0 = time.time()
+        st = Staged(self._ops, dest)
+        progress = snap.progress
+
+        def base_now() -> SaveRecord:
+            if progress is None:
+                return base
+            progress.wait_done()  # the caller's blocked time is known once it finished the copy
+            return replace(base, blocked_s=progress.blocked_s)
+
+        try:
+            if progress is None:
+                snap.wait_ready()
+            layout = snap.layout
+            self._ops.makedirs(os.path.dirname(dest))
+            self._sweep(os.path.dirname(dest))
+            res = write_file(self._ops, self._io, st.tmp, snap.buffer.view, layout.covered_bytes,
+                             lambda digest: tail_bytes(manifest_of(base_now(), layout, digest)),
+                             chunk_bytes=self._chunk, odirect=odirect,
+                             ready=progress.wait_for if progress is not None else None)
+        except BaseException as exc:
+            st.discard()
+            self._emit("write", base.path, base.bytes, w0, base.tier, exc)
+            raise_as_write_error(exc, base.path)
+        finally:
+            if progress is not None:
+                progress.wait_done()  # never hand the buffer back while the copy still fills it
+            self._staging.release(snap.buffer)
+        write_s = time.monotonic() - t_call
+        self._emit("write", dest, res.bytes, w0, base.tier,
+                   detail=None if res.odirect else f"buffered: {res.odirect_reason}")
+        return self._publish(base_now(), st, res, t_call, write_s)
+
+    def _publish(self, base: SaveRecord, st: Staged, res: WriteResult, t_call: float, write_s: float) -> SaveRecord:
+        c0 = time.time()
+        try:
+            st.commit()
+        except BaseException as exc:
+            self._emit("commit", st.dest, res.bytes, c0, base.tier, exc)
+            raise_as_write_error(exc, base.path, st.renamed)
+        commit_s = time.monotonic() - t_call
+        self._emit("commit", st.dest, res.bytes, c0, base.tier)
+        local = st.dest != base.path
+        return replace(base, bytes=res.bytes, write_s=write_s, commit_s=commit_s,
+                       durable_s=None if local else commit_s, local_durable_s=commit_s if local else None,
+                       checksum=res.checksum, odirect=res.odirect, odirect_reason=res.odirect_reason)
+
+    def gds_write(self, layout: F.FileLayout, dest: str) -> Staged:
+        """GPU -> temp file through kvikio, on the training thread."""
+        self._ops.makedirs(os.path.dirname(dest))
+        st = Staged(self._ops, dest)
+        try:
+            gds_write(st.tmp, layout)
+        except BaseException:
+            st.discard()
+            raise
+        return st
+
+    def gds_finish(self, st: Staged, layout: F.FileLayout, base: SaveRecord, t_call: float) -> SaveRecord:
+        """Checksum by read-back, append the manifest, then publish like any other file."""
+        try:
+            res = finish_gds_file(self._ops, self._io, st.tmp, layout,
+                                  lambda d: tail_bytes(manifest_of(base, layout, d)), self._chunk)
+        except BaseException as exc:
+            st.discard()
+            raise_as_write_error(exc, base.path)
+        return self._publish(base, st, res, t_call, time.monotonic() - t_call)

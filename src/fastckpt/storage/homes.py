@@ -1,0 +1,112 @@
+"""Where a checkpoint lives: the one place that maps a path or URL to its ``Target`` and key.
+
+A local path's home is a ``PosixTarget`` rooted at the path's parent directory (deletions and
+the directory pruning that follows them never reach above it); a URL's home is an
+``FsspecTarget`` rooted at its bucket (``s3://bucket``), one per bucket, kept for reuse because
+it holds connections. Every other layer asks ``Homes.resolve`` instead of branching on the kind
+of name.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import Executor
+from dataclasses import dataclass
+
+from ..config import DEFAULT_RETRY_DEADLINE_S
+from ..errors import ConfigError
+from ..io.ops import FileOps
+from ..urls import is_url, normalize, split_url
+from .base import Target
+from .places import Place
+from .types import RetryCallback
+
+
+@dataclass(frozen=True)
+class Location:
+    """A checkpoint name resolved: ``key`` in ``target`` ('' is the target's root)."""
+
+    target: Target
+    key: str
+
+    @property
+    def url(self) -> str:
+        return self.target.url_of(self.key) if self.key else self.target.url
+
+    def place(self) -> Place:
+        return Place(self.target, self.key)
+
+
+class Homes:
+    """Resolves names to Locations, sharing options, the FileOps seam and worker threads.
+
+    Args:
+        storage_options: fsspec options for URL homes (credentials, endpoint).
+        retry_deadline_s, parallelism, on_retry: see ``Target``.
+        ops: the FileOps every local read and write goes through.
+        odirect: POSIX homes copy and read with O_DIRECT where honoured.
+        executor: worker threads shared by POSIX homes (the Checkpointer's I/O pool).
+    """
+
+    def __init__(self, storage_options: dict | None = None, *, retry_deadline_s: float = DEFAULT_RETRY_DEADLINE_S,
+                 parallelism: int = 4, on_retry: RetryCallback | None = None, ops: FileOps | None = None,
+                 odirect: bool = True, executor: Executor | None = None) -> None:
+        self._opts = storage_options
+        self._common = {"retry_deadline_s": retry_deadline_s, "parallelism": parallelism, "on_retry": on_retry,
+                        "ops": ops or FileOps()}  # passed to every Target this makes
+        self._odirect, self._executor = odirect, executor
+        self._lock = threading.Lock()
+        self._remote: dict[str, Target] = {}
+
+    def resolve(self, name: str | os.PathLike) -> Location:
+        """The Location of a path or URL (normalised here)."""
+        name = normalize(name)
+        if is_url(name):
+            root, key = split_url(name)
+            with self._lock:
+                if root not in self._remote:
+                    self._remote[root] = open_target(root, self._opts, **self._common)
+                return Location(self._remote[root], key)
+        from .posix import PosixTarget
+
+        parent, base = os.path.split(name)
+        return Location(PosixTarget(parent or os.sep, odirect=self._odirect, executor=self._executor,
+                                    create_root=True, **self._common), base)
+
+    def close(self) -> None:
+        """End the worker threads of the URL targets (they are made again if needed)."""
+        with self._lock:
+            targets = list(self._remote.values())
+        for t in targets:
+            t.close()
+
+
+def open_target(url_or_path: str | os.PathLike, storage_options: dict | None = None, *,
+                retry_deadline_s: float = DEFAULT_RETRY_DEADLINE_S, parallelism: int = 4,
+                on_retry: RetryCallback | None = None, ops: FileOps | None = None,
+                executor: Executor | None = None) -> Target:
+    """The ``Target`` for a directory (``/mnt/lustre/ckpt``, ``file:///...``) or a URL
+    (``s3://bucket/prefix``, any other fsspec protocol).
+
+    Args:
+        url_or_path: the target root.
+        storage_options: fsspec options (URL targets only), e.g. ``{"endpoint_url": ...}``.
+        retry_deadline_s, parallelism, on_retry, ops, executor: see ``Target``.
+
+    Raises:
+        ConfigError: ``storage_options`` given for a directory.
+    """
+    s = os.fspath(url_or_path)
+    kwargs = {"retry_deadline_s": retry_deadline_s, "parallelism": parallelism, "on_retry": on_retry, "ops": ops,
+              "executor": executor}
+    if not is_url(s):
+        if storage_options:
+            raise ConfigError(f"storage_options apply to URL targets only, not to the directory {s!r}: "
+                              "drop them, or give an s3://... URL")
+        from .posix import PosixTarget
+
+        return PosixTarget(s.removeprefix("file://"), **kwargs)  # type: ignore[arg-type]
+    from .fsspec import FsspecTarget
+
+    return FsspecTarget(s, storage_options, **kwargs)  # type: ignore[arg-type]

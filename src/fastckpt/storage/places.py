@@ -1,0 +1,72 @@
+"""A directory-like place in a ``Target``: where a group's small files (markers, manifest) and a
+directory's ``latest`` pointer live. The group protocol (``commit/``) goes through a ``Place``,
+so the same code commits a group on a local disk, a Lustre mount and S3.
+"""
+
+from __future__ import annotations
+
+import posixpath
+
+from .base import Target
+from .types import TargetNotFoundError
+
+
+class Place:
+    """A key prefix in a ``Target``. ``rel`` names are '/'-separated, relative to it.
+
+    Args:
+        target: the target.
+        key: the prefix ('' for the target's root).
+    """
+
+    def __init__(self, target: Target, key: str) -> None:
+        self.target = target
+        self.key = key.strip("/")
+        self.label = target.url_of(self.key) if self.key else target.url
+
+    def _k(self, rel: str) -> str:
+        return f"{self.key}/{rel}" if self.key else rel
+
+    def put(self, rel: str, data: bytes) -> None:
+        """Publish a small file atomically (replacing an existing one)."""
+        self.target.put_bytes(self._k(rel), data)
+
+    def get(self, rel: str) -> bytes | None:
+        """The file's bytes, or None when it does not exist."""
+        try:
+            return self.target.get_bytes(self._k(rel))
+        except TargetNotFoundError:
+            return None
+
+    def names(self, rel_dir: str) -> list[str]:
+        """The file names directly in ``rel_dir`` (no temp files); [] when it is missing."""
+        prefix = self._k(rel_dir).rstrip("/") + "/"
+        try:
+            keys = self.target.list(prefix, max_depth=0)
+        except TargetNotFoundError:
+            return []
+        return sorted({k[len(prefix):] for k in keys if "/" not in k[len(prefix):]})
+
+    def size(self, rel: str) -> int:
+        """The file's size, -1 when it does not exist."""
+        try:
+            return self.target.size(self._k(rel))
+        except TargetNotFoundError:
+            return -1
+
+    def delete(self, rel: str) -> None:
+        """Remove a file; a missing one is fine."""
+        self.target.delete(self._k(rel))
+
+    def parent(self) -> Place:
+        """The place that holds this one (where the ``latest`` pointer goes)."""
+        return Place(self.target, posixpath.dirname(self.key))
+
+    def child(self, name: str) -> Place:
+        """A place inside this one."""
+        return Place(self.target, self._k(name))
+
+    def url(self, rel: str = "") -> str:
+        """The path or URL of ``rel`` inside this place."""
+        k = self._k(rel) if rel else self.key
+        return self.target.url_of(k) if k else self.target.url

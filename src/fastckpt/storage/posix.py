@@ -1,0 +1,327 @@
+"""``PosixTarget``: a directory as a durable home (a Lustre or NFS mount, or any local path).
+
+Publishing is the one recipe of ``io.atomic``: a hidden temp name beside the final one, fsync,
+rename over the final name, fsync the directory. With ``expect`` (the replicator's copies of
+committed checkpoints) the copy runs in parallel chunks and every chunk is read back with
+O_DIRECT right after it is written (from the device, not the page cache) and hashed: the file
+is renamed into place only when the bytes read back hash to the manifest's checksum, so a file
+visible here is complete and verified (``mounted``). All system calls go through
+a ``FileOps`` so that tests can inject ENOSPC, EIO, failed fsyncs or renames
+(``fastckpt.testing.FaultyOps``).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import time
+from collections.abc import Callable
+from concurrent.futures import Executor
+
+from ..config import DEFAULT_RETRY_DEADLINE_S
+from ..errors import CorruptCheckpointError, ReplicationError
+from ..format import checksum
+from ..io import atomic
+from ..io.engine import ReadResult, read_file
+from ..io.ops import FileOps, pread_exact, pwrite_all
+from ..io.stream import checksum_file, copy_file, drop_cache
+from ..units import MiB
+from .base import Target
+from .types import (
+    Expected,
+    Progress,
+    RetryCallback,
+    TargetNotFoundError,
+    TargetPermissionError,
+    TokenBucket,
+    check_key,
+    source_changed,
+    storage_error,
+)
+
+log = logging.getLogger(__name__)
+VERIFY_ATTEMPTS = 3  # copies that read back wrong before the destination is declared faulty
+
+_FIXES = {
+    errno.ENOSPC: "free space on the target (or prune old checkpoints there), or choose a larger target",
+    errno.EDQUOT: "the disk quota is exhausted: free space or ask for a larger quota",
+    errno.EROFS: "the file system is mounted read-only: remount it read-write or choose another target",
+    errno.EACCES: "fix the directory's owner/mode, or run as a user who may write there",
+    errno.EPERM: "fix the directory's owner/mode, or run as a user who may write there",
+    errno.EIO: "the storage reported an I/O error: check the mount (dmesg) and the storage system's health",
+}
+
+
+class PosixTarget(Target):
+    """A ``Target`` rooted at an existing directory.
+
+    Args:
+        root: the directory. It must exist (unless ``create_root``): a missing root usually
+            means a mount is missing, and creating it would silently fill the node's own disk.
+            Subdirectories under it are created as needed.
+        create_root: writes create a missing root (``storage.homes`` roots a target at a
+            checkpoint's own parent directory, which a save creates as ``torch.save``'s caller
+            would).
+        ops: the system-call layer (default: the real one).
+        odirect: copy, verify and read with O_DIRECT where the file system honours it.
+        retry_deadline_s, parallelism, on_retry: see ``Target``.
+    """
+
+    mounted = True
+
+    def __init__(self, root: str | os.PathLike, *, ops: FileOps | None = None, odirect: bool = True,
+                 retry_deadline_s: float = DEFAULT_RETRY_DEADLINE_S, parallelism: int = 4,
+                 on_retry: RetryCallback | None = None, executor: Executor | None = None,
+                 create_root: bool = False) -> None:
+        super().__init__(retry_deadline_s=retry_deadline_s, parallelism=parallelism, on_retry=on_retry, ops=ops,
+                         executor=executor)
+        self.root = os.path.abspath(os.fspath(root))
+        self.odirect = odirect
+        self.create_root = create_root
+
+    @property
+    def url(self) -> str:
+        return self.root
+
+    def url_of(self, key: str) -> str:
+        return self._path(key)
+
+    def _path(self, key: str) -> str:
+        return os.path.join(self.root, *check_key(key).split("/"))
+
+    def _check_root(self, writing_for: str | None = None) -> None:
+        """The root must be a directory; ``writing_for`` (the write, for messages) creates it
+        first where ``create_root`` allows."""
+        if writing_for is not None and self.create_root:
+            self._retry(f"{writing_for} (creating {self.root})", lambda: self.ops.makedirs(self.root))
+        if not os.path.isdir(self.root):
+            raise storage_error(TargetNotFoundError, f"target directory {self.root} does not exist (or is not a "
+                                f"directory): mount the file system, create it (mkdir -p {self.root}) or fix the "
+                                "target path", err_no=errno.ENOENT)
+
+    def _permanent(self, exc: BaseException, what: str) -> ReplicationError | None:
+        if not isinstance(exc, OSError):
+            return None
+        code = exc.errno
+        if code in (errno.ENOENT, errno.ENOTDIR):
+            return storage_error(TargetNotFoundError, f"{what}: {exc}", exc)
+        cls = TargetPermissionError if code in (errno.EACCES, errno.EPERM) else ReplicationError
+        fix = _FIXES.get(code, "check the target file system")  # type: ignore[arg-type]
+        return storage_error(cls, f"{what}: {exc.strerror or exc} ({self.root}); {fix}", exc)
+
+    # ------------------------------------------------------------------ writing
+    def _put_file(self, local_path: str, key: str, size: int, limiter: TokenBucket | None, chunk_bytes: int,
+                  progress: Progress, expect: Expected | None) -> int:
+        what = f"copy of {local_path} to {self.url_of(key)}"
+        self._check_root(writing_for=what)
+        if expect is not None:
+            progress.copies = self._retry(what, lambda: self._copy_verified(local_path, key, expect, limiter,
+                                                                            chunk_bytes, what), progress=progress)
+            progress.verified = progress.read_back = True
+            progress.add(size)
+            return 1
+        buf = memoryview(bytearray(min(chunk_bytes, max(size, 1))))
+
+        def copy() -> int:
+            reported = progress.done  # a retry starts over: report only bytes beyond the last attempt
+            src = self.ops.open(local_path, os.O_RDONLY)
+
+            def write(fd: int) -> None:
+                nonlocal reported
+                for off in range(0, size, chunk_bytes):
+                    n = min(chunk_bytes, size - off)
+                    pread_exact(self.ops, src, buf, off, n, local_path)
+                    if limiter is not None:
+                        limiter.consume(n)
+                    pwrite_all(self.ops, fd, buf[:n], off, self.url_of(key))
+                    if off + n > reported:
+                        progress.add(off + n - reported)
+                        reported = off + n
+
+            try:
+                self._publish(self._path(key), write)
+            finally:
+                self.ops.close(src)
+            return 1
+
+        return self._retry(what, copy, progress=progress)
+
+    def _copy_verified(self, local_path: str, key: str, expect: Expected, limiter: TokenBucket | None,
+                       chunk_bytes: int, what: str) -> int:
+        """Parallel copy with an O_DIRECT read-back of every chunk; renamed into place only when
+        both the bytes read from ``local_path`` and those read back match ``expect``. Returns
+        the number of copies made."""
+        dest = self._path(key)
+        chunk = -(-max(chunk_bytes, checksum.BLOCK_BYTES) // checksum.BLOCK_BYTES) * checksum.BLOCK_BYTES
+        throttle = limiter.consume if limiter is not None else None
+        self.ops.makedirs(os.path.dirname(dest))
+        for attempt in range(1, VERIFY_ATTEMPTS + 1):
+            try:
+                with atomic.replacing(self.ops, dest) as st:
+                    res = copy_file(self.ops, self._executor(), local_path, st.tmp, expect.size, expect.covered,
+                                    chunk_bytes=chunk, odirect=self.odirect, throttle=throttle, read_back=True)
+                    if res.checksum != expect.xxh3:
+                        raise source_changed(local_path, f"read back checksum {res.checksum}, expected "
+                                             f"{expect.xxh3}")
+                    back = res.read_back
+                    if back is None:  # not O_DIRECT: read it back after the fsync, past the page cache
+                        drop_cache(self.ops, st.tmp)
+                        back = checksum_file(self.ops, self._executor(), st.tmp, expect.size, expect.covered,
+                                             chunk_bytes=chunk, odirect=self.odirect, throttle=throttle)
+                    if back != expect.xxh3:
+                        log.warning("%s: copy %d read back as %s, expected %s; copying again", what, attempt,
+                                    back, expect.xxh3)
+                        raise _CopyAgain  # the temp file is discarded on the way out
+                return attempt
+            except _CopyAgain:
+                continue
+        raise CorruptCheckpointError(f"{dest}: {VERIFY_ATTEMPTS} copies all read back with the wrong checksum; "
+                                     "the destination storage is corrupting data")
+
+    def put_bytes(self, key: str, data: bytes) -> None:
+        dest = self._path(key)
+        self._check_root(writing_for=f"publish of {dest}")
+
+        def publish() -> None:
+            self.ops.makedirs(os.path.dirname(dest))
+            atomic.publish_bytes(self.ops, dest, data)
+
+        self._retry(f"publish of {dest}", publish)
+
+    def _publish(self, dest: str, write: Callable[[int], None]) -> None:
+        """``io.atomic``'s recipe with ``write(fd)`` filling the temp file."""
+        parent = os.path.dirname(dest)
+        self.ops.makedirs(parent)
+        with atomic.replacing(self.ops, dest) as st:
+            try:
+                fd = self.ops.open(st.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileNotFoundError:  # a concurrent delete_tree() removed the directory just now
+                self.ops.makedirs(parent)
+                fd = self.ops.open(st.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                write(fd)
+                self.ops.fsync(fd)
+            finally:
+                self.ops.close(fd)
+
+    # ------------------------------------------------------------------ reading
+    def verify(self, key: str, expected_size: int, expected_xxh3: str, covered: int | None = None, *,
+               bandwidth_Bps: float | TokenBucket | None = None) -> None:
+        """``Target.verify``, after dropping the file's cached pages: an NFS or Lustre client
+        would otherwise answer from the copy it cached while writing, not from the storage."""
+        drop_cache(self.ops, self._path(key))
+        super().verify(key, expected_size, expected_xxh3, covered, bandwidth_Bps=bandwidth_Bps)
+
+    def read_object(self, key: str, *, chunk_bytes: int = 64 * MiB) -> ReadResult:
+        """The whole file, read in parallel through one descriptor (O_DIRECT where honoured): a
+        concurrent replace of the file gives this read the old or the new one, never a mix."""
+        path = self._path(key)
+        return self._retry(f"read of {path}", lambda: read_file(self.ops, self._executor(), path,
+                                                               chunk_bytes=chunk_bytes, odirect=self.odirect))
+
+    def get_bytes(self, key: str) -> bytes:
+        path = self._path(key)
+
+        def read() -> bytes:
+            data = self.ops.read_small(path)
+            if data is None:
+                raise FileNotFoundError(errno.ENOENT, "no such file", path)
+            return data
+
+        return self._retry(f"read of {path}", read)
+
+    def read_range(self, key: str, offset: int, length: int) -> bytes:
+        path = self._path(key)
+
+        def read() -> bytes:
+            fd = self.ops.open(path, os.O_RDONLY)
+            try:
+                buf = bytearray(length)
+                pread_exact(self.ops, fd, memoryview(buf), offset, length, path)
+                return buf  # type: ignore[return-value]  (bytes-like; a copy would double memory)
+            finally:
+                self.ops.close(fd)
+
+        return self._retry(f"read of {path}", read)
+
+    def size(self, key: str) -> int:
+        path = self._path(key)
+        return self._retry(f"stat of {path}", lambda: os.stat(path).st_size)
+
+    def exists(self, key: str) -> bool:
+        path = self._path(key)
+        return self._retry(f"stat of {path}", lambda: os.path.isfile(path))
+
+    def _walk_base(self, prefix: str) -> str:
+        """The deepest directory ``prefix`` names: the only one worth walking."""
+        return os.path.join(self.root, *prefix.split("/")[:-1]) if "/" in prefix else self.root
+
+    def list(self, prefix: str = "", *, max_depth: int | None = None) -> list[str]:
+        self._check_root()
+        base = self._walk_base(prefix)
+        out = []
+        for d, dirs, files in os.walk(base):  # never follows symlinks to directories
+            depth = 0 if d == base else os.path.relpath(d, base).count(os.sep) + 1
+            dirs[:] = [x for x in dirs if not atomic.is_tmp(x)] if max_depth is None or depth < max_depth else []
+            rel = os.path.relpath(d, self.root)
+            for f in files:
+                key = f if rel == "." else f"{rel.replace(os.sep, '/')}/{f}"
+                if key.startswith(prefix) and not atomic.is_tmp(f) and not os.path.islink(os.path.join(d, f)):
+                    out.append(key)
+        return sorted(out)
+
+    def delete(self, key: str) -> None:
+        path = self._path(key)
+
+        def unlink() -> None:
+            try:
+                self.ops.unlink(path)
+            except FileNotFoundError:
+                return
+            # Prune directories the deletion emptied, up to the root (retention removes whole checkpoints).
+            d = os.path.dirname(path)
+            while d.startswith(self.root.rstrip(os.sep) + os.sep):
+                try:
+                    self.ops.rmdir(d)
+                except OSError:  # not empty, or a concurrent writer: leave it
+                    break
+                d = os.path.dirname(d)
+
+        self._retry(f"delete of {path}", unlink)
+
+    def delete_tree(self, prefix: str, first: tuple[str, ...] = ()) -> None:
+        """``Target.delete_tree``; the removal of the ``first`` keys is made durable (directory
+        fsync) before anything else goes, and then everything in the directory goes, temp files
+        of dead writers included. A symlink is removed, never followed; emptied parent
+        directories are pruned up to the root."""
+        top = self._path(prefix)
+        if os.path.islink(top) or not os.path.isdir(top):
+            self.delete(prefix)
+            return
+        for rel in first:
+            self.delete(f"{prefix}/{rel}")
+        if first:
+            self._retry(f"fsync of {top}", lambda: self.ops.fsync_dir(top))
+        for d, dirs, files in os.walk(top, topdown=False):
+            for name in files + [x for x in dirs if os.path.islink(os.path.join(d, x))]:
+                atomic.discard(self.ops, os.path.join(d, name))
+            self._retry(f"delete of {d}", lambda d=d: self.ops.rmdir(d))
+        self.delete(prefix)  # prunes the parents the removal emptied (the directory itself is gone)
+
+    def clean_incomplete(self, prefix: str = "", older_than_s: float = 3600.0) -> int:
+        self._check_root()
+        cutoff = time.time() - older_than_s
+        removed = 0
+        for d, _dirs, files in os.walk(self._walk_base(prefix)):
+            for f in files:
+                p = os.path.join(d, f)
+                key = os.path.relpath(p, self.root).replace(os.sep, "/")
+                if atomic.is_tmp(f) and key.startswith(prefix) and os.lstat(p).st_mtime < cutoff:
+                    atomic.discard(self.ops, p)
+                    removed += 1
+        return removed
+
+
+class _CopyAgain(Exception):
+    """A verified copy read back wrong: ``_copy_verified`` starts the next attempt."""

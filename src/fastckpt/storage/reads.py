@@ -1,0 +1,133 @@
+"""The read side every ``Target`` shares, built on its primitives (``size``, ``read_range``,
+``url_of``, ``ops`` and the parallel ``_map_ranges``): size checks, verification by read-back,
+downloads, whole-object reads with their manifest, and manifest reads. A backend overrides one
+where it can do better (``PosixTarget`` reads a whole file through one open descriptor)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, TypeVar
+
+from ..errors import CorruptCheckpointError
+from ..format import checksum
+from ..format.manifest import TAIL_BYTES, manifest_in
+from ..io import atomic
+from ..io.engine import ReadResult, alloc_aligned, block_digests
+from ..io.ops import FileOps, pwrite_all
+from .types import TokenBucket, as_limiter, check_key
+
+T = TypeVar("T")
+READ_CHUNK_BYTES = 4 * checksum.BLOCK_BYTES  # a multiple of the checksum block: see verify()
+
+
+class ReadSide:
+    """Mixed into ``Target``; see the methods there for the primitives used here."""
+
+    ops: FileOps
+
+    if TYPE_CHECKING:  # the primitives, defined by Target and its backends
+        url: str
+
+        def url_of(self, key: str) -> str: ...
+        def size(self, key: str) -> int: ...
+        def read_range(self, key: str, offset: int, length: int) -> bytes: ...
+        def _map_ranges(self, size: int, chunk_bytes: int, fn: Callable[[int, int], T]) -> Iterator[T]: ...
+
+    def check_size(self, key: str, expected_size: int) -> int:
+        """The object's size, which must be ``expected_size``.
+
+        Raises:
+            TargetNotFoundError: the object is missing.
+            CorruptCheckpointError: it has another size.
+        """
+        actual = self.size(check_key(key))
+        if actual != expected_size:
+            raise CorruptCheckpointError(f"replica {self.url_of(key)} is {actual} bytes, expected {expected_size}: "
+                                         "the upload was truncated or replaced; upload it again from the local copy")
+        return actual
+
+    def verify(self, key: str, expected_size: int, expected_xxh3: str, covered: int | None = None, *,
+               bandwidth_Bps: float | TokenBucket | None = None) -> None:
+        """Read the object back (``READ_CHUNK_BYTES`` ranges on ``parallelism`` threads, each
+        hashing its blocks) and check its size and ``fastckpt.format.checksum`` checksum.
+
+        ``covered``: the checksum covers only the first ``covered`` bytes (a fastckpt file's
+        leaves out its own manifest); default: the whole object. ``bandwidth_Bps``: a cap on
+        the read-back (a ``TokenBucket`` shared with uploads, or bytes per second).
+
+        Raises:
+            TargetNotFoundError: the object is missing.
+            CorruptCheckpointError: the size or checksum differs (the message says which).
+        """
+        actual = self.check_size(key, expected_size)
+        limit = actual if covered is None else covered
+        limiter = as_limiter(bandwidth_Bps, READ_CHUNK_BYTES)
+
+        def digests(offset: int, length: int) -> list[int]:
+            if limiter is not None:
+                limiter.consume(length)
+            return block_digests(memoryview(self.read_range(key, offset, length)), offset, length, limit)
+
+        got = checksum.combine(d for ds in self._map_ranges(limit, READ_CHUNK_BYTES, digests) for d in ds)
+        if got != expected_xxh3:
+            raise CorruptCheckpointError(f"replica {self.url_of(key)} has checksum {got}, expected {expected_xxh3} "
+                                         f"({checksum.ALGO}): its bytes were damaged in transit or at rest; "
+                                         "delete it and upload it again from the local copy")
+
+    def download(self, key: str, local_path: str | os.PathLike, *, chunk_bytes: int = READ_CHUNK_BYTES) -> int:
+        """Copy the object to ``local_path`` (temp, fsync, rename) with parallel ranged reads.
+
+        Returns:
+            The number of bytes written.
+        """
+        size = self.size(check_key(key))
+        with atomic.replacing(self.ops, os.fspath(local_path)) as st:
+            fd = self.ops.open(st.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                def fetch(offset: int, length: int) -> None:
+                    pwrite_all(self.ops, fd, memoryview(self.read_range(key, offset, length)), offset, st.tmp)
+
+                for _ in self._map_ranges(size, chunk_bytes, fetch):
+                    pass
+                self.ops.ftruncate(fd, size)
+                self.ops.fsync(fd)
+            finally:
+                self.ops.close(fd)
+        return size
+
+    def read_object(self, key: str, *, chunk_bytes: int = READ_CHUNK_BYTES) -> ReadResult:
+        """The whole object in page-aligned memory, with its manifest and the checksum of the
+        range the manifest covers (parallel ranged reads, hashed as they arrive).
+
+        Raises:
+            TargetNotFoundError: the object is missing.
+            CorruptCheckpointError: its trailer or manifest is damaged.
+        """
+        size, manifest = self._size_and_manifest(key)
+        covered = manifest["covered"] if manifest else None
+        buf = alloc_aligned(size)
+        view = memoryview(buf)
+
+        def fetch(offset: int, length: int) -> list[int]:
+            view[offset : offset + length] = self.read_range(key, offset, length)
+            return block_digests(view[offset:], offset, length, covered or 0)
+
+        digests = [d for ds in self._map_ranges(size, chunk_bytes, fetch) for d in ds]
+        view.release()
+        return ReadResult(buf, size, manifest, checksum.combine(digests) if covered is not None else None, False)
+
+    def read_manifest(self, key: str) -> dict | None:
+        """The fastckpt manifest in the zip comment of the file at ``key`` (its last bytes only);
+        None for a file without one.
+
+        Raises:
+            CorruptCheckpointError: the trailer holding a manifest is damaged.
+        """
+        return self._size_and_manifest(key)[1]
+
+    def _size_and_manifest(self, key: str) -> tuple[int, dict | None]:
+        size = self.size(check_key(key))
+        tail = self.read_range(key, max(0, size - TAIL_BYTES), min(size, TAIL_BYTES)) if size else b""
+        return size, manifest_in(bytes(tail), size, self.url_of(key))
+

@@ -1,0 +1,48 @@
+"""Names of checkpoints: local paths and fsspec URLs, and where a burst-buffer copy lives.
+
+Every path that enters fastckpt is normalised once (``normalize``); the rest of the code
+compares and joins normalised names. Which *storage* serves a name is decided in one place,
+``storage.homes`` (a directory and a URL are both ``Target``s); this module only parses.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def is_url(path: str) -> bool:
+    """An fsspec URL (``s3://bucket/key``); ``file://`` and plain paths are local."""
+    return "://" in path and not path.startswith("file://")
+
+
+def normalize(path: str | os.PathLike) -> str:
+    """Absolute path for a local path, the URL itself (no trailing '/') for a URL."""
+    s = os.fspath(path)
+    if is_url(s):
+        return s.rstrip("/")
+    return os.path.abspath(s.removeprefix("file://"))
+
+
+def split_url(url: str) -> tuple[str, str]:
+    """``s3://bucket/a/b`` -> (``s3://bucket``, ``a/b``): the target root and the key."""
+    scheme, rest = url.split("://", 1)
+    bucket, _, key = rest.partition("/")
+    return f"{scheme}://{bucket}", key.strip("/")
+
+
+def mirror_path(local_dir: str, dest: str) -> str:
+    """Where the burst-buffer copy of ``dest`` (path or URL) lives under ``local_dir``."""
+    if is_url(dest):
+        scheme, rest = dest.split("://", 1)
+        return os.path.join(local_dir, scheme, rest.strip("/"))
+    return os.path.join(local_dir, os.path.abspath(dest).lstrip(os.sep))
+
+
+def join(parent: str, rel: str) -> str:
+    """``parent`` + ``/`` + ``rel`` for normalised names (paths and URLs alike)."""
+    return f"{parent.rstrip('/')}/{rel}" if rel else parent
+
+
+def is_within(path: str, parent: str) -> bool:
+    """Whether normalised ``path`` is ``parent`` or below it."""
+    return path == parent or path.startswith(parent.rstrip("/") + "/")

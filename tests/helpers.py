@@ -1,0 +1,29 @@
+"""Small helpers shared by tests: the core's Place and discovery API, addressed by plain paths."""
+
+from __future__ import annotations
+
+import os
+
+from fastckpt.commit import discovery
+from fastckpt.io.ops import FileOps
+from fastckpt.storage.homes import Homes
+from fastckpt.storage.places import Place
+
+
+def place(path: str | os.PathLike, ops: FileOps | None = None) -> Place:
+    """The Place of a directory (a group, or a directory holding ``latest``)."""
+    return Homes(ops=ops).resolve(os.fspath(path)).place()
+
+
+def read_file_manifest(path: str | os.PathLike) -> dict | None:
+    """The fastckpt manifest in a file's zip comment; None for a plain torch.save file."""
+    loc = Homes().resolve(os.fspath(path))
+    return loc.target.read_manifest(loc.key)
+
+
+def scan(root: str | os.PathLike, **kw: int) -> list[discovery.Found]:
+    return discovery.scan(Homes().resolve(os.fspath(root)), **kw)
+
+
+def latest(root: str | os.PathLike) -> str | None:
+    return discovery.latest(Homes(), os.fspath(root))

@@ -1,0 +1,114 @@
+"""io/atomic.py: temp names, the temp -> fsync -> rename recipe, discard, the sweep of dead writers' files."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import threading
+from pathlib import Path
+
+import pytest
+
+from fastckpt.io import atomic as A
+from fastckpt.io.ops import FileOps
+from fastckpt.testing import Fault, FaultyOps
+
+
+def _tmp_files(root: Path) -> list[str]:
+    return sorted(str(p) for p in root.rglob("*") if A.is_tmp(p.name))
+
+
+# --------------------------------------------------------------------------- publish_bytes
+def test_tmp_name_is_hidden_unique_and_beside_the_path(tmp_path: Path) -> None:
+    p = str(tmp_path / "dir" / "latest")
+    a, b = A.tmp_name(p), A.tmp_name(p)
+    assert a != b
+    assert os.path.dirname(a) == os.path.dirname(p)
+    assert os.path.basename(a).startswith(".latest")
+    assert A.is_tmp(a) and A.is_tmp(os.path.basename(a))
+    assert not A.is_tmp(p)
+
+
+def test_publish_bytes_writes_and_replaces(tmp_path: Path) -> None:
+    ops = FaultyOps()
+    target = tmp_path / "latest"
+    A.publish_bytes(ops, str(target), b"global_step1")
+    assert target.read_bytes() == b"global_step1"
+    A.publish_bytes(ops, str(target), b"global_step20")
+    assert target.read_bytes() == b"global_step20"
+    assert ops.calls("replace") == 2
+    assert ops.calls("fsync_dir") == 2  # the rename itself is made durable
+    assert _tmp_files(tmp_path) == []
+
+
+@pytest.mark.parametrize("fault", [Fault("write_small", errno.ENOSPC), Fault("pwrite", errno.EIO),
+                                   Fault("pwrite", short=0), Fault("fsync", errno.EIO),
+                                   Fault("replace", errno.EACCES)], ids=lambda f: f.describe())
+def test_publish_bytes_failure_keeps_old_content_and_no_temp(tmp_path: Path, fault: Fault) -> None:
+    target = tmp_path / "latest"
+    A.publish_bytes(FileOps(), str(target), b"old")
+    ops = FaultyOps([fault])
+    with pytest.raises(OSError):
+        A.publish_bytes(ops, str(target), b"new content")
+    ops.assert_all_reached()
+    assert target.read_bytes() == b"old"
+    assert _tmp_files(tmp_path) == []
+
+
+def test_publish_bytes_failure_on_a_new_file_leaves_nothing(tmp_path: Path) -> None:
+    ops = FaultyOps([Fault("fsync", errno.EIO)])
+    with pytest.raises(OSError):
+        A.publish_bytes(ops, str(tmp_path / "fastckpt-manifest.json"), b"{}")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_publish_bytes_readers_see_old_or_new_never_partial(tmp_path: Path) -> None:
+    target = tmp_path / "latest"
+    versions = [bytes([65 + i % 26]) * (1000 + 997 * i) for i in range(60)]
+    A.publish_bytes(FileOps(), str(target), versions[0])
+    done = threading.Event()
+    seen: list[bytes] = []
+
+    def reader() -> None:
+        while not done.is_set():
+            seen.append(target.read_bytes())
+
+    th = threading.Thread(target=reader)
+    th.start()
+    try:
+        for v in versions[1:]:
+            A.publish_bytes(FileOps(), str(target), v)
+    finally:
+        done.set()
+        th.join()
+    seen.append(target.read_bytes())
+    assert {s for s in seen if s not in versions} == set()
+    assert seen[-1] == versions[-1]
+
+
+def test_discard_ignores_missing_and_logs_other_errors(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    A.discard(FileOps(), str(tmp_path / "nothing"))  # no error
+    victim = tmp_path / "x.tmp"
+    victim.write_bytes(b"1")
+    with caplog.at_level(logging.WARNING):
+        A.discard(FaultyOps([Fault("unlink", errno.EBUSY)]), str(victim))
+    assert victim.exists()
+    assert any(str(victim) in r.getMessage() for r in caplog.records)
+
+
+def test_sweep_removes_only_dead_local_processes_temp_files(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    from fastckpt.io.atomic import _HOST, sweep_stale_tmp, tmp_name
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    mine = tmp_name(str(tmp_path / "a.pt"))
+    stale = str(tmp_path / f".b.pt.fastckpt-tmp-{_HOST}.{dead}.0123456789ab")
+    other_host = str(tmp_path / f".c.pt.fastckpt-tmp-elsewhere.{dead}.0123456789ab")
+    for p in (mine, stale, other_host):
+        open(p, "wb").close()
+    assert sweep_stale_tmp(FileOps(), str(tmp_path)) == 1
+    assert os.path.exists(mine) and os.path.exists(other_host) and not os.path.exists(stale)

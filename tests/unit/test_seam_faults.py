@@ -1,0 +1,85 @@
+"""Faults on the paths that once bypassed the FileOps seam: the tier probe, the group protocol's
+small files, downloads and group removal. Each is reached through ``FaultyOps`` and leaves the
+previous checkpoint intact and no temp or probe file behind."""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+import fastckpt
+from fastckpt.io.atomic import PROBE_TAG, is_tmp
+from fastckpt.storage.posix import PosixTarget
+from fastckpt.testing import Fault, FaultyOps
+
+
+def _state(v: int) -> dict:
+    return {"w": torch.arange(1024, dtype=torch.int64) + v, "v": v}
+
+
+def _leftovers(root: Path) -> list[str]:
+    return sorted(str(p) for p in root.rglob("*") if is_tmp(p.name))
+
+
+def test_tier_probe_fault_fails_the_save_at_the_call(tmp_path: Path) -> None:
+    ops = FaultyOps([Fault("pwrite", errno.EIO, path_contains=PROBE_TAG)])
+    with fastckpt.Checkpointer(ops=ops) as ck:
+        with pytest.raises(fastckpt.CheckpointWriteError) as ei:
+            ck.save(_state(1), str(tmp_path / "a.pt"))  # the probe runs on the training thread
+        assert ei.value.errno == errno.EIO
+        ops.assert_all_reached()
+        assert _leftovers(tmp_path) == []
+        ck.save(_state(2), str(tmp_path / "a.pt")).wait()  # the next save probes again and works
+    assert fastckpt.load(str(tmp_path / "a.pt"))["v"] == 2
+
+
+def test_marker_read_fault_fails_the_commit_and_keeps_the_previous_group(tmp_path: Path) -> None:
+    ops = FaultyOps()
+    g1, g2 = tmp_path / "step-1", tmp_path / "step-2"
+    with fastckpt.Checkpointer(ops=ops, rank=0, world_size=1) as ck:
+        ck.save(_state(1), str(g1 / "m.pt"), group=str(g1))
+        ck.commit(str(g1)).wait()
+        ops.inject(Fault("preadv", errno.EIO, path_contains=f"step-2{os.sep}.fastckpt{os.sep}rank-"))
+        ck.save(_state(2), str(g2 / "m.pt"), group=str(g2))
+        with pytest.raises(OSError) as ei:
+            ck.commit(str(g2)).wait()
+        assert ei.value.errno == errno.EIO
+        ck.wait()
+    ops.assert_all_reached()
+    assert fastckpt.latest(str(tmp_path)) == str(g1)
+    assert fastckpt.load(str(g1 / "m.pt"))["v"] == 1
+    assert _leftovers(tmp_path) == []
+
+
+def test_download_fault_leaves_the_old_file_and_no_temp(tmp_path: Path) -> None:
+    root = tmp_path / "home"
+    root.mkdir()
+    (root / "x.bin").write_bytes(b"new" * 1000)
+    dest = tmp_path / "local" / "x.bin"
+    dest.parent.mkdir()
+    dest.write_bytes(b"old")
+    ops = FaultyOps([Fault("pwrite", errno.ENOSPC)])
+    with pytest.raises(OSError) as ei:
+        PosixTarget(root, ops=ops).download("x.bin", dest)
+    assert ei.value.errno == errno.ENOSPC
+    ops.assert_all_reached()
+    assert dest.read_bytes() == b"old" and _leftovers(tmp_path) == []
+
+
+def test_group_removal_fault_after_the_manifest_leaves_it_invisible_then_finishes(tmp_path: Path) -> None:
+    g = tmp_path / "step-1"
+    with fastckpt.Checkpointer(rank=0, world_size=1) as ck:
+        ck.save(_state(1), str(g / "m.pt"), group=str(g))
+        ck.commit(str(g)).wait()
+    ops = FaultyOps([Fault("rmdir", errno.EBUSY, path_contains=".fastckpt")])
+    with fastckpt.Checkpointer(ops=ops, rank=0, world_size=1) as ck:
+        with pytest.raises(OSError):
+            ck.remove(str(g))
+        ops.assert_all_reached()
+        assert fastckpt.latest(str(tmp_path)) is None  # the manifest went first
+        ck.remove(str(g))
+    assert not g.exists()
