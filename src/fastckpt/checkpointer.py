@@ -70,7 +70,8 @@ class Checkpointer:
             overlap_write, commit_timeout_s,
             rank, world_size, keep_local, keep_persistent, replicate_bandwidth_Bps,
             replicate_policy, replicate_verify, replicate_workers, storage_options, retry_deadline_s,
-            close_timeout_s (docs/core.md and docs/burst-buffer.md).
+            close_timeout_s (docs/core.md and docs/burst-buffer.md), metrics_port (a Prometheus
+            exporter, docs/metrics.md).
     """
 
     def __init__(self, local_dir: str | None = None, tier: str = "auto", overhead_budget: float = 0.02,
@@ -103,6 +104,12 @@ class Checkpointer:
                                       self._monitor.record_durable)
         self._groups = Groups(self._committer, self._stop, cfg.commit_timeout_s, self._place, self._emit)
         self._retention = Retention(cfg.keep_local, cfg.keep_persistent, self._delete_local, self._delete_persistent)
+        self._metrics = None
+        if cfg.metrics_port is not None:  # last: a scrape may call stats() as soon as it serves
+            from .metrics import start_exporter  # lazy: prometheus-client is the optional extra [metrics]
+
+            self._metrics = start_exporter(cfg.metrics_port, self.stats, lambda: self.rank, cfg.local_dir)
+            self._sinks += (self._metrics,)
         atexit.register(self._atexit)
 
     # ------------------------------------------------------------------ identity and places
@@ -113,6 +120,11 @@ class Checkpointer:
     @property
     def world_size(self) -> int:
         return self.config.world_size if self.config.world_size is not None else _dist_rank_world()[1]
+
+    @property
+    def metrics_url(self) -> str | None:
+        """The Prometheus exporter's URL (``metrics_port``), or None without one."""
+        return self._metrics.url if self._metrics is not None else None
 
     def local_path(self, path: str) -> str | None:
         """Where the burst-buffer copy of ``path`` lives (None without local_dir)."""
@@ -446,6 +458,8 @@ class Checkpointer:
             self._staging.close()
             if self._jsonl:
                 self._jsonl.close()
+            if self._metrics is not None:
+                self._metrics.close()
             atexit.unregister(self._atexit)
 
     def _atexit(self) -> None:

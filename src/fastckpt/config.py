@@ -41,6 +41,8 @@ class CheckpointerConfig:
     storage_options: dict | None = None
     retry_deadline_s: float = 300.0
     close_timeout_s: float | None = None
+    # observability (docs/metrics.md)
+    metrics_port: int | None = None
 
     def __post_init__(self) -> None:
         if self.tier not in TIERS:
@@ -87,5 +89,9 @@ class CheckpointerConfig:
             raise ConfigError("retry_deadline_s must be > 0 seconds")
         if self.close_timeout_s is not None and self.close_timeout_s < 0:
             raise ConfigError("close_timeout_s must be >= 0 seconds, or None to wait as long as it takes")
+        if self.metrics_port is not None and (isinstance(self.metrics_port, bool) or not isinstance(self.metrics_port, int)
+                                              or not 0 <= self.metrics_port <= 65535):
+            raise ConfigError(f"metrics_port={self.metrics_port!r} must be a TCP port from 1 to 65535 (each rank "
+                              "serves on metrics_port + LOCAL_RANK), 0 for any free port, or None for no exporter")
         if self.local_dir is not None and "://" in self.local_dir:
             raise ConfigError(f"local_dir={self.local_dir!r} must be a node-local directory, not a URL")
