@@ -102,6 +102,8 @@ class FastCkptIOMixin:
             ``fastckpt.Checkpointer``). None (default): 2 when a ``ModelCheckpoint`` has
             ``save_last=True`` (it saves the same state twice in one step, and the second save
             would otherwise wait for the first one's write), else 1.
+        metrics_port: serve Prometheus metrics on this port (docs/metrics.md; needs
+            ``fastckpt[metrics]``). Each process serves on ``metrics_port + LOCAL_RANK``.
         checkpointer: an existing ``fastckpt.Checkpointer`` to use instead, for the options not
             listed here (keep_local, replicate_policy, io_threads, ...); then the arguments above
             must stay at their defaults. FastCkptIO waits for it but does not close it.
@@ -118,7 +120,7 @@ class FastCkptIOMixin:
     def __init__(self, local_dir: str | None = None, *, tier: str = "auto", overhead_budget: float = 0.02,
                  event_log: str | None = None, when_busy: str = "wait", lazy_snapshot: bool = False,
                  storage_options: dict | None = None, staging_buffers: int | None = None,
-                 checkpointer: Checkpointer | None = None) -> None:
+                 metrics_port: int | None = None, checkpointer: Checkpointer | None = None) -> None:
         super().__init__()
         if checkpointer is not None:
             if not isinstance(checkpointer, Checkpointer):
@@ -126,7 +128,8 @@ class FastCkptIOMixin:
             given = [n for n, v, d in (("local_dir", local_dir, None), ("tier", tier, "auto"),
                                         ("overhead_budget", overhead_budget, 0.02), ("event_log", event_log, None),
                                         ("when_busy", when_busy, "wait"), ("storage_options", storage_options, None),
-                                        ("staging_buffers", staging_buffers, None))
+                                        ("staging_buffers", staging_buffers, None),
+                                        ("metrics_port", metrics_port, None))
                      if v != d]
             if given:
                 raise ConfigError(f"FastCkptIO(checkpointer=...) uses that Checkpointer's settings; do not also "
@@ -134,10 +137,12 @@ class FastCkptIOMixin:
         else:  # validate now: a bad option should fail where the Trainer is built, not at the first save
             CheckpointerConfig(local_dir=local_dir, tier=tier, overhead_budget=overhead_budget,
                                event_log=event_log, when_busy=when_busy, storage_options=storage_options,
-                               staging_buffers=1 if staging_buffers is None else staging_buffers)
+                               staging_buffers=1 if staging_buffers is None else staging_buffers,
+                               metrics_port=metrics_port)
         self.local_dir, self.tier, self.overhead_budget = local_dir, tier, overhead_budget
         self.event_log, self.when_busy, self.lazy_snapshot = event_log, when_busy, bool(lazy_snapshot)
         self.storage_options, self.staging_buffers = storage_options, staging_buffers
+        self.metrics_port = metrics_port
         self._given = checkpointer
         self._ck: Checkpointer | None = checkpointer
         self._reset_runtime()
@@ -163,7 +168,7 @@ class FastCkptIOMixin:
             raise TypeError("FastCkptIO(checkpointer=...) cannot be pickled (ddp_spawn): pass the settings "
                             "(local_dir=..., tier=...) instead and each process builds its own Checkpointer")
         keep = ("local_dir", "tier", "overhead_budget", "event_log", "when_busy", "lazy_snapshot", "storage_options",
-                "staging_buffers")
+                "staging_buffers", "metrics_port")
         return {k: self.__dict__[k] for k in keep}
 
     def __setstate__(self, state: dict) -> None:
@@ -188,7 +193,7 @@ class FastCkptIOMixin:
             self._ck = Checkpointer(self.local_dir, self.tier, self.overhead_budget, self.event_log,
                                     when_busy=self.when_busy, storage_options=self.storage_options,
                                     on_overhead_exceeded=self._on_overhead, replicate_policy="all",
-                                    staging_buffers=self._staging_buffers())
+                                    staging_buffers=self._staging_buffers(), metrics_port=self.metrics_port)
         return self._ck
 
     def _staging_buffers(self) -> int:
@@ -217,6 +222,12 @@ class FastCkptIOMixin:
         """The Checkpointer's ``Stats`` (overhead, alarms, ...): live during fit, as of the end of
         the last fit after it, None before any save."""
         return self._ck.stats() if self._ck is not None else self._final_stats
+
+    @property
+    def metrics_url(self) -> str | None:
+        """Where this process's Prometheus metrics are served during fit (``metrics_port``),
+        else None."""
+        return self._ck.metrics_url if self._ck is not None else None
 
     def _trainer(self) -> Any:
         return self._trainer_ref() if self._trainer_ref is not None else None
