@@ -11,12 +11,20 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from collections.abc import Iterable
 
 from .events import Event
 
 log = logging.getLogger("fastckpt")
 _FIELDS = ("name", "rank", "path", "bytes", "start", "end", "tier")
+_ERROR_TYPE = re.compile(r"[A-Za-z_][\w.]*")
+
+
+def error_type(error: str) -> str:
+    """An event's ``error`` (``"OSError(28, 'No space left')"``) -> its type, ``"OSError"``."""
+    m = _ERROR_TYPE.match(error)
+    return m.group(0) if m else "unknown"
 
 
 def parse_event(line: str, where: str = "event log") -> Event:

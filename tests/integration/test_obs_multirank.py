@@ -88,3 +88,27 @@ def test_each_rank_counts_its_own_saves(run: Run) -> None:
         assert value(got, "fastckpt_save_blocked_seconds_sum", **lab) == pytest.approx(
             sum(x["blocked_s"] for x in recs), abs=0.03)
         assert os.path.exists(run.root / f"events-rank{r}.jsonl")
+
+
+def test_report_of_both_ranks_logs(run: Run, tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    from PIL import Image
+
+    logs = [str(run.root / f"events-rank{r}.jsonl") for r in (0, 1)]
+    png = tmp_path / "r.png"
+    res = subprocess.run([sys.executable, "-m", "fastckpt.cli", "report", *logs, "-o", str(png), "--json"],
+                         capture_output=True, text=True)
+    got = json.loads(res.stdout)
+    assert res.returncode == (1 if got["alarms"] else 0), res.stderr
+    assert [r["rank"] for r in got["ranks"]] == [0, 1]
+    assert got["saves"] == 6 and got["durable"] == 6 and got["failed"] == 0
+    assert got["bytes"] == sum(x["bytes"] for r in (0, 1) for x in run.ranks[r]["records"])
+    assert got["group_commits"] == sum(
+        1 for p in logs for line in Path(p).read_text().splitlines()
+        if json.loads(line)["name"] == "commit" and json.loads(line)["detail"] == "group")
+    for r in (0, 1):
+        stats = run.ranks[r]["stats"]
+        assert got["ranks"][r]["saves"] == stats["saves"] == 3
+        assert got["ranks"][r]["blocked_s"] == pytest.approx(stats["blocked_s"], abs=0.03)
+    with Image.open(png) as im:
+        assert im.format == "PNG"

@@ -3,19 +3,18 @@
 from __future__ import annotations
 
 import os
-import re
 import threading
 from collections import OrderedDict
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from ..eventlog import error_type
 from ..events import Event
 from ..runstate import RankStatus, RunState
 from .families import BY_NAME, SECONDS_BUCKETS, Family
 
 #: How many save directories are remembered for the free-space series of POSIX targets.
 MAX_TARGET_DIRS = 16
-_ERROR_TYPE = re.compile(r"[A-Za-z_][\w.]*")
 
 
 def build(family: Family, registry: CollectorRegistry) -> Counter | Gauge | Histogram:
@@ -24,12 +23,6 @@ def build(family: Family, registry: CollectorRegistry) -> Counter | Gauge | Hist
         return Histogram(family.name, family.help, family.labels, registry=registry, buckets=SECONDS_BUCKETS)
     cls = Counter if family.kind == "counter" else Gauge
     return cls(family.name, family.help, family.labels, registry=registry)
-
-
-def error_type(error: str) -> str:
-    """``"OSError(28, 'No space left')"`` -> ``"OSError"`` (a bounded label value)."""
-    m = _ERROR_TYPE.match(error)
-    return m.group(0) if m else "unknown"
 
 
 class EventMetrics:
