@@ -42,3 +42,10 @@ def test_dashboard_has_the_operator_panels() -> None:
     assert [s["value"] for s in steps] == [None, 0.02]  # the 2 % line
     ids = [p["id"] for p in dash["panels"]]
     assert len(ids) == len(set(ids))
+
+
+def test_the_metrics_page_lists_every_metric() -> None:
+    page = (DASHBOARD.parents[2] / "docs" / "metrics.md").read_text()
+    for f in FAMILIES:
+        name = f.name + ("_total" if f.kind == "counter" else "")
+        assert f"| `{name}` | {f.kind} |" in page, name
