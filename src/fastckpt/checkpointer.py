@@ -70,8 +70,7 @@ class Checkpointer:
             overlap_write, commit_timeout_s,
             rank, world_size, keep_local, keep_persistent, replicate_bandwidth_Bps,
             replicate_policy, replicate_verify, replicate_workers, storage_options, retry_deadline_s,
-            close_timeout_s (docs/core.md and docs/burst-buffer.md), metrics_port (a Prometheus
-            exporter, docs/metrics.md).
+            close_timeout_s (docs/core.md and docs/burst-buffer.md), metrics_port (docs/metrics.md).
     """
 
     def __init__(self, local_dir: str | None = None, tier: str = "auto", overhead_budget: float = 0.02,

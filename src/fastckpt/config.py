@@ -89,8 +89,8 @@ class CheckpointerConfig:
             raise ConfigError("retry_deadline_s must be > 0 seconds")
         if self.close_timeout_s is not None and self.close_timeout_s < 0:
             raise ConfigError("close_timeout_s must be >= 0 seconds, or None to wait as long as it takes")
-        if self.metrics_port is not None and (isinstance(self.metrics_port, bool) or not isinstance(self.metrics_port, int)
-                                              or not 0 <= self.metrics_port <= 65535):
+        port = self.metrics_port
+        if port is not None and (type(port) is not int or not 0 <= port <= 65535):  # noqa: E721 (bool is no port)
             raise ConfigError(f"metrics_port={self.metrics_port!r} must be a TCP port from 1 to 65535 (each rank "
                               "serves on metrics_port + LOCAL_RANK), 0 for any free port, or None for no exporter")
         if self.local_dir is not None and "://" in self.local_dir:
