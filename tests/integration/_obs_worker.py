@@ -30,7 +30,8 @@ def main() -> None:
     rank = dist.get_rank()
     root = args.root
     records = []
-    with fastckpt.Checkpointer(local_dir=os.path.join(root, "bb"), event_log=os.path.join(root, f"events-rank{rank}.jsonl"),
+    log = os.path.join(root, f"events-rank{rank}.jsonl")
+    with fastckpt.Checkpointer(local_dir=os.path.join(root, "bb"), event_log=log,
                                metrics_port=args.metrics_port, replicate_policy="all") as ck:
         for step in (1, 2, 3):
             group = os.path.join(root, "ckpt", f"step{step}")

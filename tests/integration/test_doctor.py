@@ -115,7 +115,8 @@ def test_s3_target_reachable_with_credentials_never_printed(tmp_path: Path, s3_s
     f = _by_check(out)
     assert code == 0, out
     assert f["target.reachable"]["status"] == "ok"
-    assert f["target.credentials"]["status"] == "ok" and "storage_options['secret']" in f["target.credentials"]["summary"]
+    creds = f["target.credentials"]
+    assert creds["status"] == "ok" and "storage_options['secret']" in creds["summary"]
     assert out["auto"]["cpu"] == "nvme"
     text = json.dumps(out)
     assert opts["secret"] not in text and opts["key"] not in text

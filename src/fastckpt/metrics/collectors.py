@@ -10,6 +10,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from .. import sysinfo
+from ..monitor import Stats
 from ..runstate import RankStatus
 from .families import BY_NAME
 
@@ -55,11 +56,10 @@ class StatusCollector(Collector):
         yield from fams.values()
 
 
-def status_from_stats(rank: int, stats: object) -> RankStatus:
-    """A ``fastckpt.Stats`` as a RankStatus."""
-    s = stats
-    return RankStatus(rank, s.overhead, s.window_overhead, s.overhead_budget, s.over_budget, s.alarms,  # type: ignore[attr-defined]
-                      s.pending, s.replication_pending, s.replication_lag_s, s.rpo_s)  # type: ignore[attr-defined]
+def status_from_stats(rank: int, s: Stats) -> RankStatus:
+    """A Checkpointer's ``stats()`` as a RankStatus."""
+    return RankStatus(rank, s.overhead, s.window_overhead, s.overhead_budget, s.over_budget, s.alarms, s.pending,
+                      s.replication_pending, s.replication_lag_s, s.rpo_s)
 
 
 class NodeHealth(Collector):
