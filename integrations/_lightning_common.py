@@ -214,6 +214,12 @@ class FastCkptIOMixin:
         the last fit after it, None before any save."""
         return self._ck.stats() if self._ck is not None else self._final_stats
 
+    @property
+    def metrics_url(self) -> str | None:
+        """Where this process's Prometheus metrics are served during fit (the ``metrics_port``
+        option), else None."""
+        return self._ck.metrics_url if self._ck is not None else None
+
     def _trainer(self) -> Any:
         return self._trainer_ref() if self._trainer_ref is not None else None
 

@@ -88,6 +88,12 @@ class Checkpointer:
                             coordinator=self._coordinator, replicator=self._replicator, retention=self._retention,
                             homes=self._homes, local_path=self.local_path, emit=self._emit)
         self._loader = Loader(self._homes, self.local_path, cfg.chunk_bytes)
+        self._metrics = None
+        if cfg.metrics_port is not None:  # last: a scrape may call stats() as soon as it serves
+            from .metrics import start_exporter  # lazy: prometheus-client is the optional extra [metrics]
+
+            self._metrics = start_exporter(cfg.metrics_port, self.stats, lambda: self.rank, cfg.local_dir)
+            self._sinks += (self._metrics,)
         atexit.register(self._atexit)
 
     # ------------------------------------------------------------------ identity and events
@@ -98,6 +104,11 @@ class Checkpointer:
     @property
     def world_size(self) -> int:
         return self.config.world_size if self.config.world_size is not None else _dist_rank_world()[1]
+
+    @property
+    def metrics_url(self) -> str | None:
+        """The Prometheus exporter's URL (``metrics_port``), or None without one."""
+        return self._metrics.url if self._metrics is not None else None
 
     def local_path(self, path: str) -> str | None:
         """Where the burst-buffer copy of ``path`` lives (None without local_dir)."""
@@ -279,6 +290,8 @@ class Checkpointer:
             self._staging.close()
             if self._jsonl:
                 self._jsonl.close()
+            if self._metrics is not None:
+                self._metrics.close()
             atexit.unregister(self._atexit)
 
     def _atexit(self) -> None:

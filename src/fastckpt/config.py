@@ -74,6 +74,8 @@ class CheckpointerConfig:
                                                              "transient errors.")
     close_timeout_s: float | None = _opt(None, "how long close() waits for pending saves (None: as long as it "
                                                "takes).")
+    metrics_port: int | None = _opt(None, "serve Prometheus metrics on this port + LOCAL_RANK (0: any free port; "
+                                          "docs/metrics.md; needs fastckpt[metrics]).")
     ops: FileOps | None = _opt(None, "the system-call seam (fastckpt.testing.FaultyOps injects faults).")
     sinks: tuple[EventSink, ...] = _opt((), "extra EventSinks that receive every event.")
 
@@ -129,6 +131,10 @@ class CheckpointerConfig:
             raise ConfigError("retry_deadline_s must be > 0 seconds")
         if self.close_timeout_s is not None and self.close_timeout_s < 0:
             raise ConfigError("close_timeout_s must be >= 0 seconds, or None to wait as long as it takes")
+        port = self.metrics_port
+        if port is not None and (type(port) is not int or not 0 <= port <= 65535):  # noqa: E721 (bool is no port)
+            raise ConfigError(f"metrics_port={self.metrics_port!r} must be a TCP port from 1 to 65535 (each rank "
+                              "serves on metrics_port + LOCAL_RANK), 0 for any free port, or None for no exporter")
         if self.local_dir is not None and "://" in self.local_dir:
             raise ConfigError(f"local_dir={self.local_dir!r} must be a node-local directory, not a URL")
 

@@ -1,8 +1,10 @@
 """The package's layers import only downward, and nothing imports in a circle.
 
 Folders are layers (docs/architecture.md): checkpointer -> save/, load/ -> commit/ ->
-storage/ -> io/ -> format/; the base modules (errors, urls, units, version, config, records,
-events, monitor, inflight) sit below them all and import no layer. cli/ and testing sit on top.
+storage/ -> io/ -> format/; metrics/ (an event sink the Checkpointer starts) sits beside save/
+and load/; the base modules (errors, urls, units, version, config, records, events, monitor,
+inflight, and the observability helpers eventlog, runstate, sysinfo, progress) sit below them all
+and import no layer. report/, doctor/, cli/ and testing sit on top.
 Imports under ``if TYPE_CHECKING:`` are for annotations only and are not counted.
 """
 
@@ -14,9 +16,10 @@ from pathlib import Path
 import fastckpt
 
 PKG = Path(fastckpt.__file__).parent
-BASE = {"errors", "urls", "units", "version", "config", "records", "events", "monitor", "inflight"}
-RANK = {"format": 1, "io": 2, "storage": 3, "commit": 4, "save": 5, "load": 5, "checkpointer": 6,
-        "__init__": 7, "testing": 7, "metrics": 7, "cli": 8}
+BASE = {"errors", "urls", "units", "version", "config", "records", "events", "monitor", "inflight",
+        "eventlog", "runstate", "sysinfo", "progress"}
+RANK = {"format": 1, "io": 2, "storage": 3, "commit": 4, "save": 5, "load": 5, "metrics": 5, "checkpointer": 6,
+        "__init__": 7, "testing": 7, "report": 7, "doctor": 7, "cli": 8}
 
 
 def _module(path: Path) -> str:
@@ -52,16 +55,19 @@ def _runtime_imports(path: Path) -> set[str]:
                 mod = ".".join(base + ([node.module] if node.module else []))
             else:
                 mod = node.module or ""
-            names = [mod] + [f"{mod}.{a.name}" for a in node.names]
+            subs = [f"{mod}.{a.name}" for a in node.names if _is_module(f"{mod}.{a.name}")]
+            names = subs if len(subs) == len(node.names) else [mod, *subs]  # `from . import x` names x
         elif isinstance(node, ast.Import):
             names = [a.name for a in node.names]
         else:
             continue
-        for n in names:
-            if n.startswith("fastckpt.") and (PKG.parent / (n.replace(".", "/") + ".py")).exists() \
-                    or (PKG.parent / n.replace(".", "/") / "__init__.py").exists():
-                out.add(n)
+        out.update(n for n in names if _is_module(n))
     return {m for m in out if m.startswith("fastckpt") and m != "fastckpt.integrations"}
+
+
+def _is_module(name: str) -> bool:
+    path = PKG.parent / name.replace(".", "/")
+    return name.startswith("fastckpt") and (path.with_suffix(".py").exists() or (path / "__init__.py").exists())
 
 
 def _graph() -> dict[str, set[str]]:

@@ -15,6 +15,9 @@ import click
 # subcommand name -> "module:attribute" of its click.Command
 _COMMANDS = {
     "latest": "fastckpt.cli.latest:latest",
+    "doctor": "fastckpt.cli.doctor:doctor",
+    "report": "fastckpt.cli.report:report",
+    "serve-metrics": "fastckpt.cli.serve_metrics:serve_metrics",
 }
 
 

@@ -1,0 +1,81 @@
+"""``fastckpt doctor``: what each tier can do on this machine, and what ``auto`` would pick."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+
+import click
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+          "t": 1000**4, "tb": 1000**4, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+_STYLE = {"ok": "green", "info": "blue", "warn": "yellow", "fail": "bold red"}
+
+
+class Size(click.ParamType):
+    """A byte count: 1073741824, 8GB, 8GiB, 512MiB, 1.5T."""
+
+    name = "size"
+
+    def convert(self, value: object, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        if isinstance(value, int):
+            return value
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
+        if not m or m.group(2).lower() not in _UNITS:
+            self.fail(f"{value!r} is not a size (e.g. 8GiB, 500MB, 1073741824)", param, ctx)
+        return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+@click.command()
+@click.option("--local-dir", type=click.Path(file_okay=False), default=None, help="The burst buffer (local_dir).")
+@click.option("--target", default=None, help="Where checkpoints are saved: a directory or a URL (default: here).")
+@click.option("--tier", type=click.Choice(["auto", "gds", "nvme", "direct"]), default="auto", show_default=True,
+              help="The tier you will ask for: exit 1 when it cannot work here.")
+@click.option("--state-size", type=Size(), default=None, help="Bytes of one checkpoint on this node (e.g. 40GiB).")
+@click.option("--keep", type=click.IntRange(1), default=2, show_default=True,
+              help="Checkpoints each place must hold at once.")
+@click.option("--probe-size", type=Size(), default="256MiB", show_default=True,
+              help="Bytes written and read by the bandwidth probe (0 skips it).")
+@click.option("--storage-options", "options_file", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="A JSON file of fsspec options for a URL target (endpoint_url, key, secret...; never printed).")
+@click.option("--json", "as_json", is_flag=True, help="Print the findings as JSON.")
+def doctor(local_dir: str | None, target: str | None, tier: str, state_size: int | None, keep: int,
+           probe_size: int, options_file: str | None, as_json: bool) -> None:
+    """Probe this machine's tiers and storage; say what tier=auto would pick and why.
+
+    Each finding has a status (ok, info, warn, fail) and, where needed, the fix. Exit 1 when a
+    check fails, e.g. when the --tier asked for cannot work here (docs/doctor.md).
+    """
+    from ..doctor import DoctorOptions, diagnose
+
+    storage_options = {}
+    if options_file:
+        with open(options_file, encoding="utf-8") as f:
+            storage_options = json.load(f)
+        if not isinstance(storage_options, dict):
+            raise click.BadParameter("must hold a JSON object", param_hint="--storage-options")
+    opts = DoctorOptions(local_dir, target, tier, state_size, keep, probe_size, storage_options,
+                         progress="off" if as_json else "auto")
+    dx = diagnose(opts)
+    if as_json:
+        click.echo(json.dumps({"findings": [dataclasses.asdict(f) for f in dx.findings], "auto": dx.auto,
+                               "ok": not dx.failed}, indent=2))
+    else:
+        _print(dx)
+    raise SystemExit(dx.exit_code)
+
+
+def _print(dx) -> None:  # noqa: ANN001 (a Diagnosis)
+    from rich.console import Console
+    from rich.markup import escape
+
+    console = Console(highlight=False)
+    for f in dx.findings:
+        console.print(f"[{_STYLE[f.status]}]{f.status:<4}[/] {f.check}: {escape(f.summary)}")
+        if f.fix and f.status != "ok":
+            console.print(f"     fix: {escape(f.fix)}")
+    picks = ", ".join(f"{state} state -> {tier}" for state, tier in dx.auto.items()) or "not decided"
+    console.print(f"auto would pick: {picks}")
+    if dx.failed:
+        console.print("[bold red]at least one check failed[/]")

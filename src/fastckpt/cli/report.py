@@ -1,0 +1,68 @@
+"""``fastckpt report EVENTS.jsonl... [-o report.png] [--html report.html] [--json]``."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import click
+
+from ..runstate import DEFAULT_BUDGET, DEFAULT_WINDOW_S
+
+
+@click.command()
+@click.argument("logs", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False))
+@click.option("-o", "--output", "png", type=click.Path(dir_okay=False), default=None,
+              help="Write the figure (timeline per rank, overhead curve, per-save times) to this PNG.")
+@click.option("--html", "page", type=click.Path(dir_okay=False), default=None,
+              help="Write one self-contained HTML page (summary and figure inline).")
+@click.option("--json", "as_json", is_flag=True, help="Print the numbers as JSON instead of text.")
+@click.option("--overhead-budget", type=click.FloatRange(0, 1, min_open=True, max_open=True),
+              default=DEFAULT_BUDGET, show_default=True, help="The budget the overhead is judged against.")
+@click.option("--overhead-window-s", type=click.FloatRange(0, min_open=True), default=DEFAULT_WINDOW_S,
+              show_default=True, help="The Checkpointer's overhead_window_s.")
+def report(logs: tuple[str, ...], png: str | None, page: str | None, as_json: bool, overhead_budget: float,
+           overhead_window_s: float) -> None:
+    """Summarise and draw a run from its event logs (one per rank, or one shared).
+
+    Prints saves, bytes, blocked and durable percentiles, overhead per rank, alarms,
+    replication lag and failures. Exit 1 when a save failed or an alarm fired (docs/report.md).
+    """
+    from ..progress import Progress
+    from ..report import load_run
+
+    total = sum(os.path.getsize(p) for p in logs)
+    with Progress(f"reading {len(logs)} event log(s)", total=total, delay_s=2.0):
+        try:
+            run, summary = load_run(logs, overhead_budget, overhead_window_s)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), param_hint="LOGS") from exc
+    if not run.events:
+        raise click.BadParameter(f"{', '.join(logs)}: no events in the log(s)", param_hint="LOGS")
+    image = None
+    if png or page:
+        from ..report.plot import render_png
+
+        target = png or f"{page}.png"
+        with Progress("drawing", total=None, unit="figures", delay_s=2.0):
+            render_png(run, summary, target)
+        with open(target, "rb") as f:
+            image = f.read()
+        if png is None:
+            os.unlink(target)
+    if page:
+        from ..report.page import render_html
+
+        render_html(summary, image, page)
+    if as_json:
+        out = dataclasses.asdict(summary)
+        out["outputs"] = {"png": png, "html": page}
+        click.echo(json.dumps(out, indent=2, sort_keys=True))
+    else:
+        click.echo(summary.text())
+        for what, where in (("figure", png), ("page", page)):
+            if where:
+                click.echo(f"{what}: {where}")
+    if summary.failed or summary.alarms:
+        raise SystemExit(1)

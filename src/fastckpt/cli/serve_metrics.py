@@ -1,0 +1,68 @@
+"""``fastckpt serve-metrics --event-log events.jsonl --port P``: Prometheus metrics from event logs."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import signal
+import threading
+
+import click
+
+from ..runstate import DEFAULT_BUDGET, DEFAULT_WINDOW_S
+
+
+@click.command("serve-metrics")
+@click.option("--event-log", "logs", multiple=True, required=True, type=click.Path(dir_okay=False),
+              help="A Checkpointer's event_log to follow (repeat for each rank's log); it may not exist yet.")
+@click.option("--port", type=click.IntRange(0, 65535), default=9400, show_default=True,
+              help="TCP port to serve /metrics on (0: any free port).")
+@click.option("--addr", default="0.0.0.0", show_default=True, help="Address to listen on.")
+@click.option("--local-dir", type=click.Path(file_okay=False), default=None,
+              help="The node's burst buffer (local_dir), for its free space.")
+@click.option("--overhead-budget", type=click.FloatRange(0, 1, min_open=True, max_open=True),
+              default=DEFAULT_BUDGET, show_default=True, help="Budget the overhead alarm is replayed against.")
+@click.option("--overhead-window-s", type=click.FloatRange(0, min_open=True), default=DEFAULT_WINDOW_S,
+              show_default=True, help="The Checkpointer's overhead_window_s.")
+@click.option("--poll-s", type=click.FloatRange(0, min_open=True), default=1.0, show_default=True,
+              help="How often to read what the logs gained.")
+@click.option("--once", is_flag=True, help="Read the logs once, print the metrics and exit (no server).")
+@click.option("--json", "as_json", is_flag=True, help="Print the startup line (or, with --once, the ranks' "
+              "status) as JSON.")
+def serve_metrics(logs: tuple[str, ...], port: int, addr: str, local_dir: str | None, overhead_budget: float,
+                  overhead_window_s: float, poll_s: float, once: bool, as_json: bool) -> None:
+    """Follow running jobs' event logs and serve their metrics to Prometheus (docs/metrics.md).
+
+    One exporter per node: pass every rank's log of this node. Stops on Ctrl-C or SIGTERM.
+    """
+    from ..metrics import LogExporter
+
+    exporter = LogExporter(logs, 0 if once else port, addr, local_dir=local_dir, budget=overhead_budget,
+                           window_s=overhead_window_s)
+    try:
+        if once:
+            _print_once(exporter, as_json)
+            return
+        stop = threading.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
+        if as_json:
+            click.echo(json.dumps({"url": exporter.url, "port": exporter.port, "event_logs": list(logs)}))
+        else:
+            click.echo(f"serving the metrics of {len(logs)} event log(s) at {exporter.url} (Ctrl-C stops)")
+        exporter.run(stop, poll_s)
+    finally:
+        exporter.close()
+
+
+def _print_once(exporter, as_json: bool) -> None:  # noqa: ANN001 (a LogExporter)
+    import time
+    import urllib.request
+
+    exporter.poll()
+    if not as_json:
+        with urllib.request.urlopen(exporter.url, timeout=10) as resp:  # the same text Prometheus gets
+            click.echo(resp.read().decode(), nl=False)
+        return
+    status = exporter.status(time.time())
+    click.echo(json.dumps({"events": exporter.events, "ranks": [dataclasses.asdict(s) for s in status]}, indent=2))

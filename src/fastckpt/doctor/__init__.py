@@ -1,0 +1,112 @@
+"""``fastckpt doctor``: probe each tier on this machine and say what ``auto`` would pick and why.
+
+``diagnose(DoctorOptions(...))`` runs the checks in order (GPU, burst buffer, target, tiers)
+and returns a Diagnosis: one Finding per check with its status and fix. docs/doctor.md.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, replace
+
+from ..errors import TierUnavailableError
+from . import _core, gpu, local, remote
+from .findings import STATUSES, Diagnosis, Finding
+
+__all__ = ["STATUSES", "Diagnosis", "DoctorOptions", "Finding", "diagnose"]
+
+
+@dataclass(frozen=True)
+class DoctorOptions:
+    """What to check.
+
+    Args:
+        local_dir: the burst buffer (Checkpointer ``local_dir``), or None.
+        target: where checkpoints are saved: a directory or a URL (None: the current directory).
+        tier: the tier asked for; a tier other than "auto" that cannot work here is a failure.
+        state_size: bytes of one checkpoint (per node), for the free-space checks.
+        keep: checkpoints each place must hold at once (the newest, plus one being written).
+        probe_bytes: size of the bandwidth probe (0: skip it).
+        storage_options: fsspec options for a URL target (credentials are never printed).
+        target_deadline_s: how long a URL target may take to answer (its retries included).
+        progress: the progress display for the bandwidth probe ("auto", "log", "off"...).
+    """
+
+    local_dir: str | None = None
+    target: str | None = None
+    tier: str = "auto"
+    state_size: int | None = None
+    keep: int = 2
+    probe_bytes: int = 256 << 20
+    storage_options: dict = field(default_factory=dict)
+    target_deadline_s: float = 20.0
+    progress: str = "auto"
+
+
+def _directory_checks(role: str, path: str, o: DoctorOptions, burst_buffer: bool) -> list[Finding]:
+    out = [local.filesystem(role, path, burst_buffer), local.writable(role, path)]
+    if out[-1].status == "fail":
+        return out
+    out += [local.odirect(role, path), local.free_space(role, path, o.state_size, o.keep)]
+    if o.probe_bytes > 0:
+        out.append(local.bandwidth(role, path, o.probe_bytes, o.state_size, o.progress))
+    return out
+
+
+def _same_device(a: str, b: str) -> bool:
+    try:
+        return os.stat(local.sysinfo.existing_parent(a)).st_dev == os.stat(local.sysinfo.existing_parent(b)).st_dev
+    except OSError:
+        return False
+
+
+def _tier_findings(o: DoctorOptions, dest: str, has_cuda: bool) -> tuple[list[Finding], dict[str, str]]:
+    out, auto = [], {}
+    for state, cuda in (("cpu", False), ("cuda", True)) if has_cuda else (("cpu", False),):
+        choice = _core.TierSelector("auto", o.local_dir, True).choose(dest, cuda)
+        auto[state] = choice.tier
+        out.append(Finding(f"tier.auto.{state}", "info", f"auto picks for a {state.upper()} state: "
+                           f"{choice.describe()}", data={"tier": choice.tier, "rejected": dict(choice.reasons),
+                                                          "odirect": choice.odirect}))
+    if o.tier != "auto":
+        try:
+            choice = _core.TierSelector(o.tier, o.local_dir, True).choose(dest, o.tier == "gds")
+        except TierUnavailableError as exc:
+            out.append(Finding("tier.requested", "fail", f"tier={o.tier!r} cannot work here: {exc}",
+                               "use tier='auto', or fix what the message names", {"tier": o.tier}))
+        else:
+            out.append(Finding("tier.requested", "ok", f"tier={o.tier!r} works here: {choice.describe()}",
+                               data={"tier": choice.tier}))
+    return out, auto
+
+
+def diagnose(o: DoctorOptions) -> Diagnosis:
+    """Run every check that applies to ``o``."""
+    findings: list[Finding] = []
+    cuda_finding, has_cuda = gpu.cuda()
+    findings += [cuda_finding, gpu.libcuda(), gpu.kvikio(), gpu.gds(has_cuda, o.local_dir)]
+    if o.local_dir is not None:
+        findings += _directory_checks("local_dir", o.local_dir, o, burst_buffer=True)
+    target = o.target or os.getcwd()
+    url = "://" in target
+    if url:
+        if o.local_dir is None:
+            findings.append(Finding("target.burst_buffer", "fail", f"{target} is a URL: saves there go through a "
+                                    "burst buffer", "pass --local-dir (Checkpointer(local_dir=...))"))
+        findings += [remote.credentials(target, o.storage_options),
+                     remote.reachable(target, o.storage_options, o.target_deadline_s)]
+    else:
+        # the target's bandwidth matters when saves write there directly (no burst buffer)
+        findings += _directory_checks("target", target, o if o.local_dir is None else replace(o, probe_bytes=0),
+                                      burst_buffer=False)
+        if o.local_dir is not None and _same_device(o.local_dir, target):
+            findings.append(Finding("target.separate", "warn", f"{target} and the burst buffer {o.local_dir} are on "
+                                    "the same filesystem: losing it loses both copies",
+                                    "save to a persistent filesystem (or URL) other than the burst buffer's"))
+    blocked = any(f.status == "fail" for f in findings if f.check.startswith(("local_dir.writable", "target.writable")))
+    dest = target if not url and not blocked else (o.local_dir or os.getcwd())
+    if blocked:
+        tier_findings, auto = [], {}
+    else:
+        tier_findings, auto = _tier_findings(o, dest, has_cuda)
+    return Diagnosis(tuple(findings + tier_findings), auto)

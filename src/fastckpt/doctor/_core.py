@@ -1,0 +1,10 @@
+"""The core functions the doctor probes with, imported in this one place (so a move in the core
+re-points one file): the tier probes and the storage targets, exactly as saves use them."""
+
+from __future__ import annotations
+
+from ..save.tiers import TierSelector, gds_probe_write, gds_unavailable_reason, probe_odirect
+from ..storage.homes import open_target
+from ..urls import split_url
+
+__all__ = ["TierSelector", "gds_probe_write", "gds_unavailable_reason", "open_target", "probe_odirect", "split_url"]

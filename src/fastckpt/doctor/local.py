@@ -1,0 +1,135 @@
+"""Checks of a directory: its filesystem and mount options, O_DIRECT, free space, bandwidth."""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+from .. import sysinfo
+from ..io.engine import alloc_aligned, read_file, write_file
+from ..io.ops import FileOps
+from ..progress import Progress
+from . import _core
+from .findings import Finding
+
+GB = 1e9
+NETWORK_FS = ("nfs", "nfs4", "lustre", "gpfs", "beegfs", "cifs", "smb3", "ceph", "glusterfs", "9p", "wekafs")
+CHUNK = 64 << 20
+
+
+def _kind(fstype: str) -> str:
+    if fstype in NETWORK_FS or fstype.startswith("fuse"):
+        return "network"
+    return {"tmpfs": "memory", "ramfs": "memory", "overlay": "container"}.get(fstype, "disk")
+
+
+def filesystem(role: str, path: str, burst_buffer: bool) -> Finding:
+    """The filesystem type and mount options of ``path`` (from /proc/mounts)."""
+    m = sysinfo.mount_of(sysinfo.existing_parent(path))
+    check = f"{role}.filesystem"
+    if m is None:
+        return Finding(check, "info", f"no mount table here: the filesystem of {path} is unknown")
+    data = {"fstype": m.fstype, "mountpoint": m.mountpoint, "device": m.device, "options": list(m.options)}
+    what = f"{path} is on {m.fstype} ({m.device} at {m.mountpoint}, {','.join(m.options)})"
+    if "ro" in m.options:
+        return Finding(check, "fail", f"{what}: mounted read-only", f"choose a writable {role}", data)
+    if {"sync", "dirsync"} & set(m.options):
+        return Finding(check, "warn", f"{what}: every write is synchronous", "remount without sync/dirsync "
+                       "(fastckpt fsyncs what must be durable itself)", data)
+    kind = _kind(m.fstype)
+    if burst_buffer and kind == "network":
+        return Finding(check, "warn", f"{what}: a network filesystem is not node-local", "point local_dir at "
+                       "a node-local NVMe directory; keep the network filesystem as the save path", data)
+    if burst_buffer and kind == "memory":
+        return Finding(check, "warn", f"{what}: RAM, lost on reboot and taken from host memory", "use a "
+                       "node-local NVMe directory as local_dir", data)
+    if kind == "container":
+        return Finding(check, "warn", f"{what}: the container's overlay layer (slow, gone with the container)",
+                       f"mount a host directory (NVMe) into the container for the {role}", data)
+    return Finding(check, "ok", what, data=data)
+
+
+def writable(role: str, path: str) -> Finding:
+    check = f"{role}.writable"
+    try:
+        os.makedirs(path, exist_ok=True)
+        probe = os.path.join(path, f".fastckpt-doctor-{uuid.uuid4().hex[:8]}")
+        with open(probe, "wb") as f:
+            f.write(b"x")
+        os.unlink(probe)
+    except OSError as exc:
+        return Finding(check, "fail", f"cannot write in {path}: {exc.strerror or exc}",
+                       f"create {path} and make it writable by this user, or choose another {role}",
+                       {"errno": exc.errno})
+    return Finding(check, "ok", f"{path} is writable")
+
+
+def odirect(role: str, path: str) -> Finding:
+    ok, why = _core.probe_odirect(path)
+    if ok:
+        return Finding(f"{role}.odirect", "ok", f"O_DIRECT writes work in {path}", data={"odirect": True})
+    return Finding(f"{role}.odirect", "warn", f"no O_DIRECT: {why}; fastckpt falls back to buffered writes, which "
+                   "reached about a fifth of O_DIRECT's bandwidth on the reference machine (docs/performance.md)",
+                   "use ext4 or xfs on a local NVMe device", {"odirect": False, "reason": why})
+
+
+def free_space(role: str, path: str, state_size: int | None, copies: int) -> Finding:
+    sp = sysinfo.space(path)
+    check = f"{role}.free_space"
+    if sp is None:
+        return Finding(check, "info", f"cannot stat the filesystem of {path}")
+    data = {"free_bytes": sp.free, "size_bytes": sp.size, "mountpoint": sp.mountpoint}
+    have = f"{sp.free / GB:.1f} GB free of {sp.size / GB:.1f} GB at {sp.mountpoint}"
+    if state_size is None:
+        return Finding(check, "info", have, "pass --state-size to check it against your checkpoints", data)
+    need = state_size * copies
+    data.update(need_bytes=need, copies=copies)
+    about = f"{have}; {copies} checkpoint(s) of {state_size / GB:.2f} GB need {need / GB:.1f} GB"
+    if sp.free < need:
+        return Finding(check, "fail", about, f"free {(need - sp.free) / GB:.1f} GB, lower keep_local/keep_persistent, "
+                       f"or choose a larger {role}", data)
+    if sp.free < 1.25 * need:
+        return Finding(check, "warn", about + " (less than 25 % to spare)", "leave room for growth of the state",
+                       data)
+    return Finding(check, "ok", about, data=data)
+
+
+def bandwidth(role: str, path: str, probe_bytes: int, state_size: int | None, progress: str) -> Finding:
+    """Write ``probe_bytes`` with fastckpt's own I/O engine (parallel, O_DIRECT where it works,
+    checksummed, fsynced), read them back the same way, and time both."""
+    check = f"{role}.bandwidth"
+    sp = sysinfo.space(path)
+    size = min(probe_bytes, (sp.free // 4) if sp else probe_bytes) // CHUNK * CHUNK or 4 << 20
+    ops, buf = FileOps(), alloc_aligned(size + 4096)
+    view = memoryview(buf)
+    view[:size] = os.urandom(1 << 20) * (size >> 20)
+    target = os.path.join(path, f".fastckpt-doctor-bw-{uuid.uuid4().hex[:8]}")
+    try:
+        with ThreadPoolExecutor(4, thread_name_prefix="fastckpt-doctor") as pool:
+            with Progress(f"probing {role} write bandwidth", total=size, mode=progress, delay_s=1.0) as p:
+                t0 = time.monotonic()
+                res = write_file(ops, pool, target, view, size, lambda _d: b"", chunk_bytes=CHUNK,
+                                 ready=lambda end: p.update(end))
+                w = time.monotonic() - t0
+            t0 = time.monotonic()
+            back = read_file(ops, pool, target, chunk_bytes=CHUNK, odirect=res.odirect, covered=size)
+            r = time.monotonic() - t0
+            back.buffer.close()
+    except OSError as exc:
+        return Finding(check, "fail", f"the bandwidth probe failed in {path}: {exc}", f"check that {path} is "
+                       "writable and has room", {"errno": exc.errno})
+    finally:
+        view.release()
+        buf.close()
+        if os.path.exists(target):
+            os.unlink(target)
+    data = {"probe_bytes": size, "write_Bps": size / w, "read_Bps": size / r, "odirect": res.odirect}
+    how = "O_DIRECT" if res.odirect else f"buffered ({res.odirect_reason}; the read may come from the page cache)"
+    text = (f"{size >> 20} MiB written at {size / w / GB:.2f} GB/s (with fsync) and read at {size / r / GB:.2f} "
+            f"GB/s, {how}")
+    if state_size:
+        text += f"; a {state_size / GB:.2f} GB checkpoint takes about {state_size / (size / w):.1f} s to write here"
+        data["write_s_for_state"] = state_size / (size / w)
+    return Finding(check, "ok", text, data=data)

@@ -1,0 +1,67 @@
+"""Checks of a URL target: credentials (never printed) and reachability, with fastckpt's own client."""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+from ..errors import FastCkptError
+from . import _core
+from .findings import Finding
+
+SECRET_KEYS = ("key", "secret", "token", "password", "access_key", "secret_key", "session_token")
+AWS_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE")
+
+
+def _secrets(storage_options: dict) -> list[str]:
+    vals = [str(v) for k, v in storage_options.items() if k in SECRET_KEYS and v]
+    vals += [os.environ[k] for k in AWS_ENV[:3] if os.environ.get(k)]
+    return [v for v in vals if len(v) >= 4]
+
+
+def redact(text: str, secrets: list[str]) -> str:
+    """``text`` with every secret value replaced by ``***``."""
+    for s in sorted(secrets, key=len, reverse=True):
+        text = text.replace(s, "***")
+    return text
+
+
+def credentials(url: str, storage_options: dict) -> Finding:
+    """Where the credentials would come from; names the sources, never the values."""
+    if not url.startswith(("s3://", "s3a://")):
+        return Finding("target.credentials", "info", f"{url.split('://')[0]}:// credentials come from its fsspec "
+                       "backend's own configuration", data={"sources": []})
+    sources = [f"storage_options[{k!r}]" for k in SECRET_KEYS if storage_options.get(k)]
+    sources += [f"${k}" for k in AWS_ENV if os.environ.get(k)]
+    creds = os.environ.get("AWS_SHARED_CREDENTIALS_FILE", os.path.expanduser("~/.aws/credentials"))
+    if os.path.exists(creds):
+        sources.append(f"{creds} (shared credentials file)")
+    if storage_options.get("anon"):
+        return Finding("target.credentials", "info", "anonymous access (storage_options anon=True)",
+                       data={"sources": ["anon"]})
+    if not sources:
+        return Finding("target.credentials", "warn", "no S3 credentials found in storage_options, the environment "
+                       "or ~/.aws/credentials (an instance role may still provide them)",
+                       "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or pass key/secret in "
+                       "storage_options", {"sources": []})
+    return Finding("target.credentials", "ok", f"credentials from {', '.join(sources)} (values not shown)",
+                   data={"sources": sources})
+
+
+def reachable(url: str, storage_options: dict, deadline_s: float) -> Finding:
+    """List the prefix, then write and delete one small object, as replication would."""
+    secrets = _secrets(storage_options)
+    try:
+        root, key = _core.split_url(url.rstrip("/"))
+        target = _core.open_target(root, dict(storage_options), retry_deadline_s=deadline_s, parallelism=1)
+        listed = len(target.list(key))
+        probe = "/".join(p for p in (key, f".fastckpt-doctor-{uuid.uuid4().hex[:8]}") if p)
+        target.put_bytes(probe, b"fastckpt doctor probe")
+        target.delete(probe)
+    except (FastCkptError, OSError, ValueError) as exc:
+        return Finding("target.reachable", "fail", redact(f"{url}: {exc}", secrets),
+                       redact("fix the URL, the endpoint (storage_options endpoint_url) or the credentials; the "
+                              "message above names what the store refused", secrets),
+                       {"error": type(exc).__name__})
+    return Finding("target.reachable", "ok", f"{url} is reachable: listed {listed} object(s), wrote and deleted a "
+                   "probe object", data={"listed": listed})

@@ -1,0 +1,134 @@
+"""The HTTP endpoint, in a training process (``metrics_port=``) or following logs (``serve-metrics``).
+
+Several ranks on one node: each rank's Checkpointer serves on ``metrics_port + LOCAL_RANK``
+(torchrun sets LOCAL_RANK; 0 when unset) with its own ``rank`` label, and only local rank 0
+adds the node's storage-health series, so no series appears twice. Or run one
+``fastckpt serve-metrics`` per node over all the ranks' event logs (docs/metrics.md).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+from prometheus_client import CollectorRegistry, start_http_server
+
+from ..errors import ConfigError
+from ..eventlog import LogFollower
+from ..events import Event
+from ..monitor import Stats
+from ..runstate import DEFAULT_BUDGET, DEFAULT_WINDOW_S, RankStatus, RunState
+from .collectors import NodeHealth, StatusCollector, status_from_stats
+from .sink import EventMetrics
+
+log = logging.getLogger("fastckpt")
+
+
+def local_rank() -> int:
+    """This process's rank on its node (torchrun's LOCAL_RANK; 0 when unset)."""
+    return int(os.environ.get("LOCAL_RANK", "0") or 0)
+
+
+class MetricsServer:
+    """Serves one registry over HTTP on a daemon thread until ``close()``.
+
+    Raises:
+        ConfigError: the port is taken (the message says which and what to do).
+    """
+
+    def __init__(self, registry: CollectorRegistry, port: int, addr: str = "0.0.0.0") -> None:
+        try:
+            self._httpd, self._thread = start_http_server(port, addr, registry=registry)
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE:
+                raise
+            raise ConfigError(f"metrics port {port} is already in use on this node. With several ranks per node "
+                              "each rank serves on metrics_port + LOCAL_RANK: choose a base port with enough free "
+                              "ports above it, or run one `fastckpt serve-metrics` per node instead") from exc
+        host = self._httpd.server_address[0]
+        self.port: int = self._httpd.server_address[1]
+        self.url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::', '') else host}:{self.port}/metrics"
+        log.info("fastckpt: Prometheus metrics at %s", self.url)
+
+    def close(self) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        self._thread.join()
+
+
+class CheckpointerExporter(MetricsServer):
+    """A Checkpointer's exporter: an EventSink plus a reader of ``Checkpointer.stats()``."""
+
+    def __init__(self, port: int, stats: Callable[[], Stats], rank: Callable[[], int],
+                 local_dir: str | None, node: bool) -> None:
+        registry = CollectorRegistry(auto_describe=False)
+        self._sink = EventMetrics(registry)
+        registry.register(StatusCollector(lambda: [status_from_stats(rank(), stats())]))
+        if node:
+            registry.register(NodeHealth(local_dir, self._sink.target_dirs))
+        super().__init__(registry, port)
+
+    def emit(self, event: Event) -> None:
+        self._sink.emit(event)
+
+
+def start_exporter(port: int, stats: Callable[[], Stats], rank: Callable[[], int],
+                   local_dir: str | None) -> CheckpointerExporter:
+    """Serve a Checkpointer's metrics on ``port + LOCAL_RANK`` (``port=0``: any free port).
+
+    Raises:
+        ConfigError: the port is taken.
+    """
+    lr = local_rank()
+    return CheckpointerExporter(port + lr if port else 0, stats, rank, local_dir, node=lr == 0)
+
+
+class LogExporter(MetricsServer):
+    """Follows event logs (one per rank, or several ranks' in one) and serves their metrics.
+
+    ``poll()`` reads what was appended since the last call; ``run()`` polls until stopped.
+    Overhead, alarm, pending saves, lag and RPO are replayed from the logs (fastckpt.runstate).
+
+    Args:
+        logs: the event logs to follow (they may not exist yet).
+        port: TCP port (0: any free one).
+        addr: the address to listen on.
+        local_dir: the node's burst buffer, for its free space (None: not reported).
+        budget: the overhead budget the alarm is replayed against.
+        window_s: the sliding window of the overhead.
+    """
+
+    def __init__(self, logs: Sequence[str], port: int, addr: str = "0.0.0.0", *, local_dir: str | None = None,
+                 budget: float = DEFAULT_BUDGET, window_s: float = DEFAULT_WINDOW_S) -> None:
+        registry = CollectorRegistry(auto_describe=False)
+        self._sink = EventMetrics(registry, RunState(budget, window_s, keep_done=256))
+        registry.register(StatusCollector(lambda: self._sink.status(time.time())))
+        registry.register(NodeHealth(local_dir, self._sink.target_dirs))
+        self._followers = [LogFollower(p) for p in logs]
+        self.events = 0
+        super().__init__(registry, port, addr)
+
+    def status(self, now: float) -> list[RankStatus]:
+        """The ranks' status replayed from the logs read so far."""
+        return self._sink.status(now)
+
+    def poll(self) -> int:
+        """Read and export the events appended since the last poll; returns how many."""
+        n = 0
+        for f in self._followers:
+            for ev in f.poll():
+                self._sink.emit(ev)
+                n += 1
+        self.events += n
+        return n
+
+    def run(self, stop: threading.Event, poll_s: float = 1.0) -> None:
+        """Poll every ``poll_s`` seconds until ``stop`` is set."""
+        while True:
+            self.poll()
+            if stop.wait(poll_s):
+                return

@@ -1,0 +1,144 @@
+"""The numbers of a run, from its event logs: saves, bytes, blocked and durable percentiles,
+overhead, alarms, replication lag, failures (docs/report.md says how each is computed)."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ..eventlog import error_type
+from ..runstate import RunState
+
+QUANTILES = (("p50", 0.5), ("p90", 0.9), ("p99", 0.99))
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q`` quantile (0..1) by linear interpolation between the closest ranks."""
+    if not values:
+        raise ValueError("percentile of no values")
+    s = sorted(values)
+    pos = q * (len(s) - 1)
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def seconds(s: float | None) -> str:
+    """0.0123 -> '12.3 ms', 4.5 -> '4.50 s'."""
+    if s is None:
+        return "n/a"
+    return f"{s * 1e3:.1f} ms" if abs(s) < 1 else f"{s:.2f} s"
+
+
+@dataclass(frozen=True)
+class Distribution:
+    """Count, mean, p50/p90/p99 and max of some seconds (None fields: no values)."""
+
+    count: int
+    mean: float | None
+    p50: float | None
+    p90: float | None
+    p99: float | None
+    max: float | None
+
+    @classmethod
+    def of(cls, values: Sequence[float]) -> Distribution:
+        if not values:
+            return cls(0, None, None, None, None, None)
+        qs = [percentile(values, q) for _, q in QUANTILES]
+        return cls(len(values), sum(values) / len(values), *qs, max(values))
+
+    def text(self) -> str:
+        if not self.count:
+            return "none"
+        return (f"p50 {seconds(self.p50)}, p90 {seconds(self.p90)}, p99 {seconds(self.p99)}, "
+                f"max {seconds(self.max)} ({self.count})")
+
+
+@dataclass(frozen=True)
+class RankSummary:
+    """One rank's overhead: the Monitor's rule replayed after its last save, and over the log."""
+
+    rank: int
+    saves: int
+    blocked_s: float
+    overhead: float | None  # the Monitor's run overhead after the last save (None: < 2 saves)
+    max_window_overhead: float | None
+    log_overhead: float | None  # blocked / (last event end - first save start)
+    alarms: int
+
+
+@dataclass(frozen=True)
+class Summary:
+    """Everything ``fastckpt report`` prints (and ``--json`` writes)."""
+
+    logs: tuple[str, ...]
+    events: int
+    ranks: tuple[RankSummary, ...]
+    span_s: float
+    saves: int
+    tiers: dict[str, int]
+    bytes: int
+    durable: int
+    superseded: int
+    pending: int
+    failed: int
+    blocked_s: Distribution
+    durable_s: Distribution
+    replication_lag_s: Distribution
+    budget: float
+    alarms: int
+    failures: dict[str, int]  # "phase: ExceptionType" -> count
+    retries: int
+    group_commits: int
+    loads: Distribution
+
+    def text(self) -> str:
+        """The summary as the lines the CLI prints."""
+        lines = [f"{self.saves} saves ({', '.join(f'{t} {n}' for t, n in sorted(self.tiers.items())) or 'none'}) "
+                 f"by {len(self.ranks)} rank(s) over {self.span_s:.1f} s, {self.bytes / 1e9:.3f} GB committed; "
+                 f"{self.durable} durable, {self.superseded} superseded, {self.pending} pending, {self.failed} failed",
+                 f"blocked: {self.blocked_s.text()}",
+                 f"durable after: {self.durable_s.text()}",
+                 f"replication lag: {self.replication_lag_s.text()}"]
+        for r in self.ranks:
+            over = "n/a (fewer than 2 saves)" if r.overhead is None else f"{r.overhead:.2%}"
+            win = "" if r.max_window_overhead is None else f", window max {r.max_window_overhead:.2%}"
+            log = "" if r.log_overhead is None else f", over the log {r.log_overhead:.2%}"
+            lines.append(f"rank {r.rank}: overhead {over}{win}{log} (budget {self.budget:.1%}), "
+                         f"{r.alarms} alarm(s), {r.saves} saves blocked {r.blocked_s:.3f} s")
+        fails = ", ".join(f"{k} x{n}" for k, n in sorted(self.failures.items())) or "none"
+        lines.append(f"failures: {fails}; retries: {self.retries}; group commits: {self.group_commits}; "
+                     f"loads: {self.loads.text()}")
+        return "\n".join(lines)
+
+
+def _rank_summary(run: RunState, rank: int, saves: list) -> RankSummary:
+    mine = [s for s in saves if s.rank == rank and s.phase("snapshot").error is None]
+    pts = run.overhead_points(rank)
+    blocked = sum(s.blocked_s for s in mine)
+    ends = [p.end for s in saves if s.rank == rank for p in s.phases]
+    span = max(ends) - min(s.start for s in mine) if mine and ends else 0.0
+    return RankSummary(rank, len(mine), blocked, pts[-1].overhead if pts else None,
+                       max(p.window_overhead for p in pts) if pts else None,
+                       blocked / span if span > 0 and len(mine) > 1 else None, run.alarms(rank))
+
+
+def summarize(run: RunState, logs: Sequence[str] = ()) -> Summary:
+    """The Summary of everything fed to ``run``."""
+    saves = run.saves()
+    ok = [s for s in saves if s.error is None]
+    failures = Counter(f"{e.name}: {error_type(e.error or '')}" for e in run.failures)
+    lags = [lag for s in ok if (lag := s.replication_lag_s) is not None]
+    rtos = [e.duration_s for e in run.loads if e.error is None]
+    span = (run.last_end - run.first_start) if run.first_start is not None else 0.0
+    return Summary(
+        tuple(logs), sum(run.events.values()), tuple(_rank_summary(run, r, saves) for r in run.ranks()), span,
+        len(saves), dict(Counter(s.tier for s in saves)), sum(s.bytes for s in ok),
+        sum(s.durable_at is not None for s in ok), sum(s.superseded for s in ok),
+        sum(s.durable_at is None and not s.superseded for s in ok), len(saves) - len(ok),
+        Distribution.of([s.blocked_s for s in saves if s.phase("snapshot").error is None]),
+        Distribution.of([d for s in ok if (d := s.durable_s) is not None]), Distribution.of(lags), run.budget,
+        sum(run.alarms(r) for r in run.ranks()), dict(failures), len(run.retries),
+        len(run.group_commits), Distribution.of(rtos))

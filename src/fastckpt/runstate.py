@@ -1,0 +1,285 @@
+"""A run rebuilt from its events: each save's phases, the overhead curve, what is still pending.
+
+``fastckpt report`` draws and summarises it; ``fastckpt serve-metrics`` exports its live numbers.
+Both see only the event log, so some numbers are reconstructions (docs/report.md says how):
+
+- overhead: the Monitor's rule replayed (blocked time = the ``snapshot`` phases; checked at the
+  end of each save from the second one on; the sliding window of ``overhead_window_s``), with
+  the clock starting at the first save's start, since the log does not say when the
+  Checkpointer was built. A lazy save's later ``fence()`` wait is not in the log.
+- a save is durable at the end of its ``replicate`` phase (burst buffer), or of its ``commit``
+  when it was written straight to its path; a queued replication that a later one overtook
+  (``replicate_policy='coalesce'``) counts as superseded, not pending.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field, replace
+
+from .events import Event
+
+DEFAULT_BUDGET = 0.02
+DEFAULT_WINDOW_S = 3600.0
+
+
+@dataclass(frozen=True)
+class Phase:
+    """One phase of a save as logged: snapshot, write, commit, queued or replicate."""
+
+    name: str
+    start: float
+    end: float
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class SaveTrace:
+    """One save rebuilt from the log. Times are wall-clock seconds (``time.time()``)."""
+
+    rank: int
+    path: str
+    tier: str
+    bytes: int  # the file's bytes (its first commit); 0 until it is committed somewhere
+    start: float
+    blocked_s: float
+    phases: tuple[Phase, ...]
+    durable_at: float | None  # None: not (yet) durable at its path
+    error: str | None = None
+    superseded: bool = False
+
+    @property
+    def durable_s(self) -> float | None:
+        """Seconds from the save call to durable at its path."""
+        return None if self.durable_at is None else self.durable_at - self.start
+
+    def phase(self, name: str) -> Phase | None:
+        return next((p for p in self.phases if p.name == name), None)
+
+    @property
+    def replication_lag_s(self) -> float | None:
+        """Seconds from committed in the burst buffer to replicated (None without replication)."""
+        q, r = self.phase("queued"), self.phase("replicate")
+        return None if q is None or r is None or r.error else r.end - q.start
+
+
+@dataclass(frozen=True)
+class OverheadPoint:
+    """The Monitor's numbers after one save: run and window overhead, and the alarm state."""
+
+    t: float
+    overhead: float
+    window_overhead: float
+    over_budget: bool
+
+
+@dataclass(frozen=True)
+class RankStatus:
+    """What a rank's Checkpointer reports now: from ``stats()`` in process, or from its log."""
+
+    rank: int
+    overhead: float
+    window_overhead: float
+    budget: float
+    over_budget: bool
+    alarms: int
+    pending: int
+    replication_pending: int
+    replication_lag_s: float | None
+    rpo_s: float | None
+
+
+@dataclass
+class _Building:
+    trace: SaveTrace
+    phases: list[Phase] = field(default_factory=list)
+
+
+class _Overhead:
+    """Monitor.record_blocked replayed from the log (monitor.py holds the rule)."""
+
+    def __init__(self, budget: float, window_s: float) -> None:
+        self.budget, self.window_s = budget, window_s
+        self.t0: float | None = None
+        self.count = 0
+        self.blocked = 0.0
+        self.over = False
+        self.alarms = 0
+        self.points: list[OverheadPoint] = []
+        self._recent: deque[tuple[float, float]] = deque()
+
+    def window(self, now: float) -> float:
+        while self._recent and self._recent[0][0] < now - self.window_s:
+            self._recent.popleft()
+        span = min(self.window_s, now - (self.t0 or now))
+        return sum(b for _, b in self._recent) / span if span > 0 else 0.0
+
+    def record(self, start: float, blocked: float, now: float) -> None:
+        self.t0 = start if self.t0 is None else self.t0
+        self.count += 1
+        self.blocked += blocked
+        self._recent.append((start, blocked))
+        if self.count < 2:
+            return
+        overhead = self.blocked / (now - self.t0) if now > self.t0 else 0.0
+        window = self.window(now)
+        if max(overhead, window) > self.budget and not self.over:
+            self.over, self.alarms = True, self.alarms + 1
+        elif max(overhead, window) <= self.budget:
+            self.over = False
+        self.points.append(OverheadPoint(now, overhead, window, self.over))
+
+
+class RunState:
+    """Feed it events (in any order of ranks, each rank's in time order); ask for the run.
+
+    Args:
+        budget: the overhead budget the alarm is replayed against.
+        window_s: the sliding window of the overhead (the Checkpointer's ``overhead_window_s``).
+        keep_done: how many finished saves, failures, loads... to keep (None: all, as a report
+            needs; a long-running exporter keeps few).
+    """
+
+    def __init__(self, budget: float = DEFAULT_BUDGET, window_s: float = DEFAULT_WINDOW_S,
+                 keep_done: int | None = None) -> None:
+        self.budget, self.window_s = budget, window_s
+        self._open: dict[tuple[int, str], list[_Building]] = {}
+        # overtaken by a later replication: superseded, unless their own replicate event still comes
+        self._overtaken: deque[_Building] = deque(maxlen=64)
+        self._done: deque[SaveTrace] = deque(maxlen=keep_done)
+        self._overhead: dict[int, _Overhead] = {}
+        self._newest_replicated_start: dict[int, float] = {}
+        self.events: dict[str, int] = {}
+        self.failures: deque[Event] = deque(maxlen=keep_done)
+        self.retries: deque[Event] = deque(maxlen=keep_done)
+        self.loads: deque[Event] = deque(maxlen=keep_done)
+        self.group_commits: deque[Event] = deque(maxlen=keep_done)
+        self.first_start: float | None = None
+        self.last_end: float | None = None
+
+    # ------------------------------------------------------------------ feeding
+    def feed(self, ev: Event) -> SaveTrace | None:
+        """Take one event; returns the save it finished (durable or failed), if any."""
+        self.events[ev.name] = self.events.get(ev.name, 0) + 1
+        self.first_start = ev.start if self.first_start is None else min(self.first_start, ev.start)
+        self.last_end = ev.end if self.last_end is None else max(self.last_end, ev.end)
+        if ev.error is not None and ev.name != "retry":
+            self.failures.append(ev)
+        if ev.name == "snapshot":
+            return self._snapshot(ev)
+        if ev.name == "commit" and ev.detail == "group":
+            self.group_commits.append(ev)
+        elif ev.name in ("write", "commit", "queued", "replicate"):
+            return self._phase(ev)
+        elif ev.name in ("retry", "load"):
+            (self.retries if ev.name == "retry" else self.loads).append(ev)
+        return None
+
+    def _snapshot(self, ev: Event) -> SaveTrace | None:
+        trace = SaveTrace(ev.rank, ev.path, ev.tier, 0, ev.start, ev.duration_s, (), None, ev.error)
+        b = _Building(trace, [Phase("snapshot", ev.start, ev.end, ev.error)])
+        if ev.error is not None:
+            return self._close(b)
+        self._open.setdefault((ev.rank, ev.path), []).append(b)
+        self._overhead.setdefault(ev.rank, _Overhead(self.budget, self.window_s)).record(
+            ev.start, ev.duration_s, ev.end)
+        return None
+
+    def _owner(self, ev: Event) -> _Building | None:
+        """The oldest open save of this rank that the event belongs to: same path, or a burst-buffer
+        copy of it (whose path ends with the save's path, or ``scheme/rest`` for a URL)."""
+        def takes(b: _Building) -> bool:
+            return all(p.name != ev.name for p in b.phases)
+
+        cands = self._open.get((ev.rank, ev.path))
+        if cands is None:
+            hits = [k for k in self._open if k[0] == ev.rank and ev.path.endswith(k[1].replace("://", "/"))]
+            cands = self._open[max(hits, key=lambda k: len(k[1]))] if hits else []
+        found = next((b for b in cands if takes(b)), None)
+        if found is None and ev.name == "replicate":  # an overtaken save that did replicate after all
+            found = next((b for b in self._overtaken if b.trace.rank == ev.rank and b.trace.path == ev.path), None)
+            if found is not None:
+                self._overtaken.remove(found)
+                self._open.setdefault((ev.rank, ev.path), []).append(found)
+        return found
+
+    def _phase(self, ev: Event) -> SaveTrace | None:
+        b = self._owner(ev)
+        if b is None:
+            return None  # its snapshot is before the log's start
+        b.phases.append(Phase(ev.name, ev.start, ev.end, ev.error))
+        if ev.name == "commit" and not b.trace.bytes:
+            b.trace = replace(b.trace, bytes=ev.bytes)
+        if ev.error is not None:
+            b.trace = replace(b.trace, error=ev.error)
+            return self._close(b)
+        if ev.name == "replicate":
+            self._overtake(b)
+        if ev.name == "replicate" or (ev.name == "commit" and ev.path == b.trace.path):
+            b.trace = replace(b.trace, durable_at=ev.end)
+            return self._close(b)
+        return None
+
+    def _overtake(self, b: _Building) -> None:
+        """``b`` replicated: saves of its rank queued before it and not replicated yet were (most
+        likely) superseded by replicate_policy='coalesce'; they stop counting as pending."""
+        rank, start = b.trace.rank, b.trace.start
+        self._newest_replicated_start[rank] = max(start, self._newest_replicated_start.get(rank, start))
+        queued = _queued_at(b)
+        for key in [k for k in self._open if k[0] == rank]:
+            for o in list(self._open[key]):
+                q = _queued_at(o)
+                if o is not b and q is not None and queued is not None and q < queued:
+                    self._unlist(o)
+                    self._overtaken.append(o)
+
+    def _unlist(self, b: _Building) -> None:
+        key = (b.trace.rank, b.trace.path)
+        cands = self._open.get(key, [])
+        if b in cands:
+            cands.remove(b)
+            if not cands:
+                del self._open[key]
+
+    def _close(self, b: _Building) -> SaveTrace:
+        self._unlist(b)
+        done = replace(b.trace, phases=tuple(b.phases))
+        self._done.append(done)
+        return done
+
+    # ------------------------------------------------------------------ asking
+    def saves(self) -> list[SaveTrace]:
+        """Every save seen, finished or not, in order of their start."""
+        out = list(self._done)
+        out += [replace(b.trace, phases=tuple(b.phases)) for cands in self._open.values() for b in cands]
+        out += [replace(b.trace, phases=tuple(b.phases), superseded=True) for b in self._overtaken]
+        return sorted(out, key=lambda s: (s.start, s.rank))
+
+    def ranks(self) -> list[int]:
+        return sorted(set(self._overhead) | {k[0] for k in self._open} | {s.rank for s in self._done})
+
+    def overhead_points(self, rank: int) -> list[OverheadPoint]:
+        o = self._overhead.get(rank)
+        return list(o.points) if o is not None else []
+
+    def alarms(self, rank: int) -> int:
+        o = self._overhead.get(rank)
+        return o.alarms if o is not None else 0
+
+    def status(self, now: float) -> list[RankStatus]:
+        """Each rank's numbers as its Checkpointer's ``stats()`` would give them at ``now``."""
+        out = []
+        for rank in self.ranks():
+            o = self._overhead.get(rank) or _Overhead(self.budget, self.window_s)
+            waiting = [b for k, cands in self._open.items() if k[0] == rank for b in cands]
+            queued = [q for b in waiting if (q := _queued_at(b)) is not None]
+            newest = self._newest_replicated_start.get(rank)
+            overhead = o.blocked / (now - o.t0) if o.t0 is not None and now > o.t0 else 0.0
+            out.append(RankStatus(rank, overhead, o.window(now), self.budget, o.over, o.alarms, len(waiting),
+                                  len(queued), now - min(queued) if queued else 0.0,
+                                  None if newest is None else now - newest))
+        return out
+
+
+def _queued_at(b: _Building) -> float | None:
+    return next((p.start for p in b.phases if p.name == "queued"), None)

@@ -1,0 +1,142 @@
+"""``fastckpt doctor`` on this machine: real probes of real directories and a real S3 endpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+
+def _doctor(*args: str, cwd: Path | None = None) -> tuple[int, dict | str]:
+    res = subprocess.run([sys.executable, "-m", "fastckpt.cli", "doctor", *args], capture_output=True, text=True,
+                         cwd=cwd)
+    if "--json" in args and res.returncode in (0, 1):
+        return res.returncode, json.loads(res.stdout)
+    return res.returncode, res.stdout + res.stderr
+
+
+def _by_check(out: dict) -> dict[str, dict]:
+    return {f["check"]: f for f in out["findings"]}
+
+
+def test_burst_buffer_and_target_directories(tmp_path: Path) -> None:
+    code, out = _doctor("--local-dir", str(tmp_path / "bb"), "--target", str(tmp_path / "home"),
+                        "--state-size", "64MiB", "--probe-size", "64MiB", "--json")
+    f = _by_check(out)
+    assert code == 0 and out["ok"], out
+    assert f["local_dir.writable"]["status"] == "ok"
+    assert f["local_dir.filesystem"]["data"]["fstype"]  # from /proc/mounts
+    assert f["local_dir.odirect"]["status"] in ("ok", "warn")
+    assert f["local_dir.free_space"]["data"]["need_bytes"] == 2 * (64 << 20)
+    bw = f["local_dir.bandwidth"]["data"]
+    assert bw["probe_bytes"] == 64 << 20 and bw["write_Bps"] > 0 and bw["read_Bps"] > 0
+    assert "target.bandwidth" not in f  # saves write to the burst buffer: the target's is not probed
+    assert f["target.separate"]["status"] == "warn"  # both live on the same filesystem here
+    assert f["tier.auto.cpu"]["data"]["tier"] == "nvme"
+    assert out["auto"]["cpu"] == "nvme"
+    assert set(out["auto"]) == ({"cpu", "cuda"} if torch.cuda.is_available() else {"cpu"})
+    assert os.listdir(tmp_path / "bb") == []  # every probe file was removed
+
+
+def test_direct_tier_probes_the_target(tmp_path: Path) -> None:
+    code, out = _doctor("--target", str(tmp_path), "--probe-size", "16MiB", "--json")
+    f = _by_check(out)
+    assert code == 0
+    assert f["target.bandwidth"]["data"]["write_Bps"] > 0
+    assert out["auto"]["cpu"] == "direct"
+    assert "local_dir.writable" not in f
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="here GDS may work: the failure path needs no GPU")
+def test_a_requested_tier_that_cannot_work_exits_1(tmp_path: Path) -> None:
+    code, out = _doctor("--local-dir", str(tmp_path / "bb"), "--tier", "gds", "--probe-size", "0", "--json")
+    f = _by_check(out)
+    assert code == 1 and not out["ok"]
+    assert f["tier.requested"]["status"] == "fail" and "tier='gds'" in f["tier.requested"]["summary"]
+    assert f["tier.requested"]["fix"]
+    code, text = _doctor("--local-dir", str(tmp_path / "bb"), "--tier", "gds", "--probe-size", "0")
+    assert code == 1 and "fail tier.requested" in text and "fix:" in text
+
+
+def test_tier_asked_for_against_the_setup(tmp_path: Path) -> None:
+    code, out = _doctor("--local-dir", str(tmp_path / "bb"), "--tier", "direct", "--probe-size", "0", "--json")
+    assert code == 1 and "drop local_dir" in _by_check(out)["tier.requested"]["summary"]
+    code, out = _doctor("--local-dir", str(tmp_path / "bb"), "--tier", "nvme", "--probe-size", "0", "--json")
+    assert code == 0 and _by_check(out)["tier.requested"]["status"] == "ok"
+
+
+def test_not_enough_space_and_unwritable_dirs(tmp_path: Path) -> None:
+    code, out = _doctor("--local-dir", str(tmp_path / "bb"), "--state-size", "900TB", "--probe-size", "0", "--json")
+    f = _by_check(out)
+    assert code == 1 and f["local_dir.free_space"]["status"] == "fail" and f["local_dir.free_space"]["fix"]
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    code, out = _doctor("--local-dir", str(blocker / "bb"), "--probe-size", "0", "--json")
+    f = _by_check(out)
+    assert code == 1 and f["local_dir.writable"]["status"] == "fail"
+    assert not any(c.startswith("tier.") for c in f)  # no tier decision on a directory it cannot write
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm")
+def test_memory_filesystem_as_burst_buffer_is_a_warning(tmp_path: Path) -> None:
+    bb = Path("/dev/shm") / f"fastckpt-doctor-{os.getpid()}"
+    try:
+        code, out = _doctor("--local-dir", str(bb), "--target", str(tmp_path), "--probe-size", "0", "--json")
+    finally:
+        if bb.exists():
+            bb.rmdir()
+    fs = _by_check(out)["local_dir.filesystem"]
+    if fs["data"]["fstype"] != "tmpfs":
+        pytest.skip(f"/dev/shm is {fs['data']['fstype']} here")
+    assert code == 0 and fs["status"] == "warn" and "RAM" in fs["summary"]
+
+
+def test_bad_usage_exits_2() -> None:
+    assert _doctor("--state-size", "lots")[0] == 2
+    assert _doctor("--tier", "fast")[0] == 2
+
+
+# ----------------------------------------------------------------------------- S3 (SeaweedFS)
+def _options(tmp_path: Path, opts: dict) -> str:
+    p = tmp_path / "storage.json"
+    p.write_text(json.dumps(opts))
+    return str(p)
+
+
+def test_s3_target_reachable_with_credentials_never_printed(tmp_path: Path, s3_server, s3_bucket) -> None:
+    opts = s3_server.storage_options()
+    code, out = _doctor("--local-dir", str(tmp_path / "bb"), "--target", f"s3://{s3_bucket}/run", "--probe-size",
+                        "0", "--storage-options", _options(tmp_path, opts), "--json")
+    f = _by_check(out)
+    assert code == 0, out
+    assert f["target.reachable"]["status"] == "ok"
+    creds = f["target.credentials"]
+    assert creds["status"] == "ok" and "storage_options['secret']" in creds["summary"]
+    assert out["auto"]["cpu"] == "nvme"
+    text = json.dumps(out)
+    assert opts["secret"] not in text and opts["key"] not in text
+    assert s3_server.client().list_objects_v2(Bucket=s3_bucket).get("KeyCount", 0) == 0  # probe deleted
+
+
+def test_s3_wrong_secret_or_bucket_fails_without_printing_the_secret(tmp_path: Path, s3_server, s3_bucket) -> None:
+    wrong = s3_server.storage_options(secret="not-the-secret-0123456789")
+    code, out = _doctor("--local-dir", str(tmp_path / "bb"), "--target", f"s3://{s3_bucket}/run", "--probe-size",
+                        "0", "--storage-options", _options(tmp_path, wrong), "--json")
+    f = _by_check(out)
+    assert code == 1 and f["target.reachable"]["status"] == "fail"
+    assert "not-the-secret-0123456789" not in json.dumps(out)
+    code, out = _doctor("--local-dir", str(tmp_path / "bb"), "--target", "s3://no-such-bucket-fastckpt/run",
+                        "--probe-size", "0", "--storage-options", _options(tmp_path, s3_server.storage_options()),
+                        "--json")
+    assert code == 1 and "does not exist" in _by_check(out)["target.reachable"]["summary"]
+
+
+def test_url_target_needs_a_burst_buffer(tmp_path: Path, s3_server, s3_bucket) -> None:
+    code, out = _doctor("--target", f"s3://{s3_bucket}/run", "--storage-options",
+                        _options(tmp_path, s3_server.storage_options()), "--json")
+    assert code == 1 and _by_check(out)["target.burst_buffer"]["status"] == "fail"

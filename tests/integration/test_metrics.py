@@ -1,0 +1,193 @@
+"""The Prometheus exporter, scraped over HTTP on loopback during and after real saves.
+
+``Checkpointer(metrics_port=0)`` serves in the process; ``fastckpt serve-metrics`` follows the
+event log of a Checkpointer from another process. Values are checked against SaveRecords.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from fastckpt import Checkpointer, CheckpointWriteError, sysinfo
+from fastckpt.io.atomic import TMP_TAG
+from fastckpt.metrics import sample_names
+from fastckpt.testing import Fault, FaultyOps
+
+from ._scrape import names, scrape, value
+
+pytest.importorskip("prometheus_client")
+R0 = {"rank": "0"}
+
+
+def _state(n: int = 256 * 1024) -> dict:
+    return {"w": torch.randn(n), "step": 1}
+
+
+def test_scrape_during_and_after_a_real_save(tmp_path: Path) -> None:
+    """While the replication of a save is held: it is pending and lagging; once durable, the
+    counters and histograms equal its SaveRecord."""
+    local, home = tmp_path / "bb", tmp_path / "home"
+    ops = FaultyOps()
+    with Checkpointer(local_dir=str(local), metrics_port=0, ops=ops) as ck:
+        assert ck.metrics_url.startswith("http://127.0.0.1:")
+        before = scrape(ck.metrics_url)
+        assert value(before, "fastckpt_saves_total", **R0) is None  # no save yet: no series, not 0
+        gate = ops.gate("preadv", path_contains=str(local))  # holds the copy to the home path
+        handle = ck.save(_state(), str(home / "a.pt"))
+        assert gate.wait_entered()
+        during = scrape(ck.metrics_url)
+        lab = {"rank": "0", "tier": "nvme"}
+        assert value(during, "fastckpt_saves_total", **lab) == 1
+        assert value(during, "fastckpt_pending_saves", **R0) == 1
+        assert value(during, "fastckpt_replication_pending_saves", **R0) == 1
+        assert value(during, "fastckpt_replication_lag_seconds", **R0) > 0
+        assert value(during, "fastckpt_rpo_seconds", **R0) is None  # nothing replicated yet
+        assert value(during, "fastckpt_replicated_bytes_total", **lab) is None
+        gate.open()
+        rec = handle.wait()
+        stats = ck.stats()
+        after = scrape(ck.metrics_url)
+    assert value(after, "fastckpt_saved_bytes_total", **lab) == rec.bytes
+    assert value(after, "fastckpt_replicated_bytes_total", **lab) == rec.bytes
+    assert value(after, "fastckpt_save_blocked_seconds_count", **lab) == 1
+    assert value(after, "fastckpt_save_blocked_seconds_sum", **lab) == pytest.approx(rec.blocked_s, abs=0.02)
+    assert value(after, "fastckpt_last_save_blocked_seconds", **lab) == pytest.approx(rec.blocked_s, abs=0.02)
+    assert value(after, "fastckpt_save_durable_seconds_sum", **lab) == pytest.approx(rec.durable_s, abs=0.05)
+    assert value(after, "fastckpt_save_write_seconds_count", **lab) == 1
+    assert value(after, "fastckpt_replicate_seconds_count", **lab) == 1
+    assert value(after, "fastckpt_pending_saves", **R0) == 0
+    assert value(after, "fastckpt_replication_lag_seconds", **R0) == 0
+    assert value(after, "fastckpt_rpo_seconds", **R0) > 0
+    assert value(after, "fastckpt_overhead_budget_ratio", **R0) == 0.02
+    assert value(after, "fastckpt_overhead_alarm", **R0) == float(stats.over_budget)
+    assert value(after, "fastckpt_overhead_alarms_total", **R0) == stats.alarms
+    assert 0 < value(after, "fastckpt_overhead_ratio", rank="0", window="run") <= stats.overhead
+    assert value(after, "fastckpt_write_bandwidth_bytes_per_second", **lab) > 0
+    assert names(after) <= sample_names()  # every sample is a documented family
+
+
+def test_storage_health_absent_sources_are_not_zeros(tmp_path: Path) -> None:
+    local = tmp_path / "bb"
+    with Checkpointer(local_dir=str(local), metrics_port=0) as ck:
+        ck.save(_state(1024), str(tmp_path / "home" / "a.pt")).wait()
+        got = scrape(ck.metrics_url)
+    smart = sysinfo.read_smart()
+    assert value(got, "fastckpt_health_source_available", source="nvme_smart") == (1.0 if smart else 0.0)
+    nvme = {n for n in names(got) if n.startswith("fastckpt_nvme_")}
+    if not smart:
+        assert nvme == set()  # absent, never zeros
+    assert value(got, "fastckpt_health_source_available", source="iowait") == 1.0
+    assert value(got, "fastckpt_node_iowait_seconds_total") > 0
+    assert 0 <= value(got, "fastckpt_node_iowait_ratio") <= 1
+    space = sysinfo.space(str(local))
+    free = value(got, "fastckpt_filesystem_free_bytes", role="burst_buffer", mountpoint=space.mountpoint)
+    assert free == pytest.approx(space.free, rel=0.05)
+    assert value(got, "fastckpt_filesystem_size_bytes", role="target", mountpoint=space.mountpoint) == space.size
+
+
+def test_direct_tier_has_no_burst_buffer_series(tmp_path: Path) -> None:
+    with Checkpointer(metrics_port=0) as ck:
+        rec = ck.save(_state(1024), str(tmp_path / "a.pt")).wait()
+        got = scrape(ck.metrics_url)
+    assert value(got, "fastckpt_health_source_available", source="burst_buffer_space") == 0
+    assert value(got, "fastckpt_filesystem_free_bytes", role="burst_buffer") is None
+    assert value(got, "fastckpt_saved_bytes_total", rank="0", tier="direct") == rec.bytes
+    assert value(got, "fastckpt_save_durable_seconds_sum", rank="0", tier="direct") == pytest.approx(
+        rec.durable_s, abs=0.05)
+    assert value(got, "fastckpt_replication_lag_seconds", **R0) == 0
+    assert value(got, "fastckpt_rpo_seconds", **R0) is None  # nothing is replicated on the direct tier
+
+
+def test_a_failed_write_is_counted_by_phase_and_type(tmp_path: Path) -> None:
+    ops = FaultyOps([Fault("pwrite", errno.ENOSPC, path_contains=TMP_TAG)])  # the file's write, not the tier probe
+    with Checkpointer(metrics_port=0, ops=ops) as ck:
+        with pytest.raises(CheckpointWriteError):
+            ck.save(_state(1024), str(tmp_path / "a.pt")).wait()
+        got = scrape(ck.metrics_url)
+    ops.assert_all_reached()
+    failures = {lab: v for (n, lab), v in got.items() if n == "fastckpt_failures_total"}
+    assert list(failures.values()) == [1.0]
+    assert ("phase", "write") in next(iter(failures))
+
+
+def test_port_in_use_names_the_fix(tmp_path: Path) -> None:
+    from fastckpt import ConfigError
+
+    with Checkpointer(metrics_port=0) as ck:
+        port = int(ck.metrics_url.rsplit(":", 1)[1].split("/")[0])
+        with pytest.raises(ConfigError, match="LOCAL_RANK"):
+            Checkpointer(metrics_port=port)
+
+
+@pytest.mark.parametrize("bad", [-1, 65536, 1.5, "9400", True])
+def test_metrics_port_is_validated(bad: object) -> None:
+    from fastckpt import ConfigError
+
+    with pytest.raises(ConfigError, match="metrics_port"):
+        Checkpointer(metrics_port=bad)
+
+
+def test_serve_metrics_follows_a_running_jobs_log(tmp_path: Path) -> None:
+    """The standalone exporter, another process, follows the log while saves are appended."""
+    log = tmp_path / "events.jsonl"
+    cmd = [sys.executable, "-m", "fastckpt.cli", "serve-metrics", "--event-log", str(log), "--port", "0",
+           "--addr", "127.0.0.1", "--poll-s", "0.05", "--json", "--local-dir", str(tmp_path / "bb")]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        url = json.loads(proc.stdout.readline())["url"]  # printed once it serves
+        assert value(scrape(url), "fastckpt_saves_total", **R0) is None  # the log does not exist yet
+        recs = []
+        with Checkpointer(local_dir=str(tmp_path / "bb"), event_log=str(log)) as ck:
+            for i in range(2):
+                recs.append(ck.save(_state(), str(tmp_path / "home" / f"s{i}.pt")).wait())
+                got = _scrape_until(url, "fastckpt_replicated_bytes_total", sum(r.bytes for r in recs))
+                assert value(got, "fastckpt_saves_total", rank="0", tier="nvme") == i + 1
+        lab = {"rank": "0", "tier": "nvme"}
+        assert value(got, "fastckpt_saved_bytes_total", **lab) == sum(r.bytes for r in recs)
+        assert value(got, "fastckpt_save_blocked_seconds_sum", **lab) == pytest.approx(
+            sum(r.blocked_s for r in recs), abs=0.02)
+        assert value(got, "fastckpt_save_durable_seconds_count", **lab) == 2
+        assert value(got, "fastckpt_pending_saves", **R0) == 0
+        assert value(got, "fastckpt_rpo_seconds", **R0) > 0
+        assert value(got, "fastckpt_health_source_available", source="burst_buffer_space") == 1
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+
+
+def _scrape_until(url: str, name: str, want: float, limit_s: float = 30.0) -> dict:
+    """Scrape until the exporter has read the log up to ``want`` (it polls the file)."""
+    deadline = time.monotonic() + limit_s
+    while True:
+        got = scrape(url)
+        if value(got, name, rank="0") == want or time.monotonic() > deadline:
+            assert value(got, name, rank="0") == want
+            return got
+        time.sleep(0.05)  # waiting for the other process's next poll, not provoking a race
+
+
+def test_serve_metrics_once_prints_the_exposition(tmp_path: Path) -> None:
+    log = tmp_path / "events.jsonl"
+    with Checkpointer(event_log=str(log)) as ck:
+        rec = ck.save(_state(1024), str(tmp_path / "a.pt")).wait()
+    out = subprocess.run([sys.executable, "-m", "fastckpt.cli", "serve-metrics", "--event-log", str(log), "--once"],
+                         capture_output=True, text=True, check=True).stdout
+    from ._scrape import parse
+
+    got = parse(out)
+    assert value(got, "fastckpt_saved_bytes_total", rank="0", tier="direct") == rec.bytes
+    js = json.loads(subprocess.run([sys.executable, "-m", "fastckpt.cli", "serve-metrics", "--event-log", str(log),
+                                    "--once", "--json"], capture_output=True, text=True, check=True).stdout)
+    assert js["events"] == 3 and js["ranks"][0]["pending"] == 0
+    assert os.path.exists(log)

@@ -1,0 +1,117 @@
+"""``fastckpt report`` on the event log of a real run: the PNG opens, the HTML page is
+self-contained, and the summary's numbers are the log's (and the SaveRecords')."""
+
+from __future__ import annotations
+
+import base64
+import errno
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from fastckpt import Checkpointer, CheckpointWriteError
+from fastckpt.testing import Fault, FaultyOps
+
+pytest.importorskip("matplotlib")
+from PIL import Image  # noqa: E402 (matplotlib brings pillow)
+
+SAVES = 5
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "fastckpt.cli", "report", *args], capture_output=True, text=True)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list]:
+    """Five saves through a burst buffer, a sixth whose write fails (ENOSPC), and a load."""
+    root = tmp_path_factory.mktemp("report")
+    log = root / "events.jsonl"
+    ops = FaultyOps()
+    recs = []
+    with Checkpointer(local_dir=str(root / "bb"), event_log=str(log), ops=ops) as ck:
+        for i in range(SAVES):
+            recs.append(ck.save({"w": torch.randn(256 * 1024), "i": i}, str(root / "home" / f"s{i}.pt")).wait())
+        ops.inject(Fault("pwrite", errno.ENOSPC))
+        with pytest.raises(CheckpointWriteError):
+            ck.save({"w": torch.randn(1024)}, str(root / "home" / "bad.pt")).wait()
+        ck.load(str(root / "home" / "s1.pt"))
+    ops.assert_all_reached()
+    return log, recs
+
+
+def _log(log: Path) -> list[dict]:
+    return [json.loads(line) for line in log.read_text().splitlines()]
+
+
+def test_summary_numbers_match_the_log_and_the_records(run: tuple[Path, list]) -> None:
+    log, recs = run
+    res = _cli(str(log), "--json")
+    assert res.returncode == 1, res.stderr  # a save failed: the check fails
+    got = json.loads(res.stdout)
+    events = _log(log)
+    snaps = [e for e in events if e["name"] == "snapshot"]
+    assert got["events"] == len(events)
+    assert got["saves"] == len(snaps) == SAVES + 1
+    assert got["failed"] == 1 and got["failures"] == {"write: OSError": 1}
+    assert got["durable"] == SAVES and got["pending"] == 0 and got["tiers"] == {"nvme": SAVES + 1}
+    assert got["bytes"] == sum(r.bytes for r in recs)
+    blocked = [e["end"] - e["start"] for e in snaps]
+    for q in ("p50", "p90", "p99"):
+        assert got["blocked_s"][q] == pytest.approx(np.percentile(blocked, int(q[1:])))
+    assert got["blocked_s"]["max"] == pytest.approx(max(r.blocked_s for r in recs), abs=0.02)
+    assert got["durable_s"]["max"] == pytest.approx(max(r.durable_s for r in recs), abs=0.05)
+    assert got["durable_s"]["count"] == SAVES
+    assert got["replication_lag_s"]["count"] == SAVES
+    assert got["loads"]["count"] == 1
+    (rank,) = got["ranks"]
+    assert rank["saves"] == SAVES + 1 and rank["blocked_s"] == pytest.approx(sum(blocked))
+    assert got["alarms"] == rank["alarms"] >= 0
+
+
+def test_png_and_self_contained_html(run: tuple[Path, list], tmp_path: Path) -> None:
+    log, _ = run
+    png, page = tmp_path / "report.png", tmp_path / "report.html"
+    res = _cli(str(log), "-o", str(png), "--html", str(page), "--overhead-budget", "0.5")
+    assert res.returncode == 1, res.stderr
+    assert "6 saves (nvme 6) by 1 rank(s)" in res.stdout and "failures: write: OSError x1" in res.stdout
+    with Image.open(png) as im:
+        im.verify()
+    with Image.open(png) as im:
+        assert im.format == "PNG" and im.size[0] >= 800 and im.size[1] >= 600
+    html = page.read_text()
+    (b64,) = re.findall(r'src="data:image/png;base64,([A-Za-z0-9+/=]+)"', html)
+    assert base64.b64decode(b64) == png.read_bytes()
+    assert not re.search(r'(src|href)="(https?:)?//', html)  # nothing fetched from elsewhere
+    assert "<script" not in html
+
+
+def test_html_alone_and_bad_input(run: tuple[Path, list], tmp_path: Path) -> None:
+    log, _ = run
+    page = tmp_path / "only.html"
+    assert _cli(str(log), "--html", str(page)).returncode == 1
+    assert "data:image/png;base64," in page.read_text()
+    assert list(tmp_path.iterdir()) == [page]  # the PNG it embedded was not left behind
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("hello\n")
+    res = _cli(str(bad))
+    assert res.returncode == 2 and "not JSON" in res.stderr
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    assert _cli(str(empty)).returncode == 2
+    assert _cli(str(tmp_path / "missing.jsonl")).returncode == 2
+
+
+def test_a_clean_run_passes(tmp_path: Path) -> None:
+    log = tmp_path / "events.jsonl"
+    with Checkpointer(event_log=str(log)) as ck:
+        ck.save({"w": torch.randn(1024)}, str(tmp_path / "a.pt")).wait()
+    res = _cli(str(log))
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "overhead n/a (fewer than 2 saves)" in res.stdout

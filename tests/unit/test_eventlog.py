@@ -1,0 +1,58 @@
+"""Reading event logs whole and following one while it is written."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from fastckpt.eventlog import LogFollower, parse_event, read_events
+from fastckpt.events import Event, JsonlSink
+
+
+def _ev(name: str, start: float, rank: int = 0, path: str = "/c/a.pt", **kw: object) -> Event:
+    return Event(name, rank, path, kw.pop("bytes", 10), start, start + kw.pop("dur", 0.1), "direct", **kw)
+
+
+def test_round_trip_through_the_jsonl_sink(tmp_path: Path) -> None:
+    log = tmp_path / "e.jsonl"
+    sink = JsonlSink(str(log))
+    evs = [_ev("snapshot", 1.0), _ev("write", 1.2, detail="buffered: x"), _ev("commit", 1.4, error="OSError(5)")]
+    for e in reversed(evs):
+        sink.emit(e)
+    sink.close()
+    assert read_events(str(log)) == evs  # sorted by start
+
+
+def test_bad_lines_are_named(tmp_path: Path) -> None:
+    log = tmp_path / "e.jsonl"
+    log.write_text(_ev("snapshot", 1.0).to_json() + "\n{\"name\": \"write\"}\n")
+    with pytest.raises(ValueError, match=r"e.jsonl:2: missing rank"):
+        read_events(str(log))
+    with pytest.raises(ValueError, match="not JSON"):
+        parse_event("not json")
+
+
+def test_an_incomplete_last_line_is_skipped(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    log = tmp_path / "e.jsonl"
+    log.write_text(_ev("snapshot", 1.0).to_json() + "\n" + _ev("write", 2.0).to_json()[:20])
+    assert [e.name for e in read_events(str(log))] == ["snapshot"]
+    assert "incomplete line" in caplog.text
+
+
+def test_follower_reads_only_complete_lines_and_restarts_on_truncation(tmp_path: Path) -> None:
+    log = tmp_path / "e.jsonl"
+    f = LogFollower(str(log))
+    assert f.poll() == []  # not created yet
+    line = _ev("snapshot", 1.0).to_json() + "\n"
+    log.write_text(line[:15])
+    assert f.poll() == []
+    with open(log, "a") as out:
+        out.write(line[15:] + _ev("write", 2.0).to_json()[:5])
+    assert [e.name for e in f.poll()] == ["snapshot"]
+    with open(log, "a") as out:
+        out.write(_ev("write", 2.0).to_json()[5:] + "\n")
+    assert [e.name for e in f.poll()] == ["write"]
+    assert f.poll() == []
+    log.write_text(_ev("load", 3.0).to_json() + "\n")  # a new job truncated the file
+    assert [e.name for e in f.poll()] == ["load"]

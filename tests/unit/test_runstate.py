@@ -1,0 +1,89 @@
+"""A run rebuilt from its events: phases per save, durable times, overhead replay, pending."""
+
+from __future__ import annotations
+
+import pytest
+
+from fastckpt.events import Event
+from fastckpt.runstate import RunState
+
+
+def _ev(name: str, start: float, end: float, path: str = "/h/a.pt", rank: int = 0, tier: str = "nvme",
+        nbytes: int = 100, **kw: object) -> Event:
+    return Event(name, rank, path, nbytes, start, end, tier, **kw)
+
+
+def _nvme_save(path: str, t: float, blocked: float = 0.1, replicated: bool = True) -> list[Event]:
+    local = "/bb" + path
+    evs = [_ev("snapshot", t, t + blocked, path), _ev("write", t + blocked, t + 1, local),
+           _ev("commit", t + 1, t + 1.1, local), _ev("queued", t + 1.1, t + 1.1, path)]
+    return evs + ([_ev("replicate", t + 1.2, t + 2, path)] if replicated else [])
+
+
+def test_phases_durable_and_lag_of_a_burst_buffer_save() -> None:
+    rs = RunState()
+    for e in _nvme_save("/h/a.pt", 10.0):
+        rs.feed(e)
+    (s,) = rs.saves()
+    assert [p.name for p in s.phases] == ["snapshot", "write", "commit", "queued", "replicate"]
+    assert s.bytes == 100 and s.blocked_s == pytest.approx(0.1)
+    assert s.durable_s == pytest.approx(2.0)
+    assert s.replication_lag_s == pytest.approx(0.9)
+    (st,) = rs.status(20.0)
+    assert st.pending == 0 and st.replication_lag_s == 0 and st.rpo_s == pytest.approx(10.0)
+
+
+def test_direct_saves_are_durable_at_their_commit() -> None:
+    rs = RunState()
+    done = [rs.feed(e) for e in (_ev("snapshot", 1, 1.1, tier="direct"), _ev("write", 1.1, 1.5, tier="direct"),
+                                 _ev("commit", 1.5, 1.6, tier="direct"))]
+    assert done[:2] == [None, None] and done[2].durable_s == pytest.approx(0.6)
+    assert rs.status(2.0)[0].rpo_s is None  # RPO counts replicas only, as the Checkpointer's does
+
+
+def test_pending_lag_and_coalesced_saves() -> None:
+    rs = RunState()
+    a, b, c = (_nvme_save(f"/h/{n}.pt", t, replicated=False) for n, t in (("a", 0.0), ("b", 5.0), ("c", 10.0)))
+    for e in a + b + c:
+        rs.feed(e)
+    (st,) = rs.status(12.0)
+    assert st.pending == 3 and st.replication_pending == 3
+    assert st.replication_lag_s == pytest.approx(12.0 - 1.1)
+    rs.feed(_ev("replicate", 11.5, 12.5, "/h/c.pt"))  # a and b were coalesced away
+    (st,) = rs.status(13.0)
+    assert st.pending == 0 and st.replication_lag_s == 0
+    assert [s.superseded for s in rs.saves()] == [True, True, False]
+    rs.feed(_ev("replicate", 12.5, 13.0, "/h/b.pt"))  # b was running after all: durable, not superseded
+    assert [s.durable_at is not None for s in rs.saves()] == [False, True, True]
+
+
+def test_overhead_replays_the_monitor_rule() -> None:
+    rs = RunState(budget=0.02, window_s=1000.0)
+    for t, blocked in ((0.0, 0.1), (10.0, 0.1), (20.0, 1.0), (100.0, 0.01), (1000.0, 0.01)):
+        rs.feed(_ev("snapshot", t, t + blocked, f"/h/{t}.pt", tier="direct"))
+    pts = rs.overhead_points(0)
+    assert len(pts) == 4  # checked from the second save on
+    assert pts[0].overhead == pytest.approx(0.2 / 10.1)
+    assert [p.over_budget for p in pts] == [False, True, False, False]
+    assert rs.alarms(0) == 1
+
+
+def test_failures_close_the_save_and_ranks_stay_apart() -> None:
+    rs = RunState()
+    rs.feed(_ev("snapshot", 0, 0.1, rank=1))
+    rs.feed(_ev("snapshot", 0, 0.1, rank=0))
+    rs.feed(_ev("write", 0.1, 0.2, rank=1, error="OSError(28, 'No space left on device')"))
+    saves = {s.rank: s for s in rs.saves()}
+    assert saves[1].error.startswith("OSError") and saves[0].error is None
+    assert [e.rank for e in rs.failures] == [1]
+    assert {s.rank: s.pending for s in rs.status(1.0)} == {0: 1, 1: 0}
+
+
+def test_url_saves_match_their_burst_buffer_copy() -> None:
+    rs = RunState()
+    url = "s3://bucket/run/a.pt"
+    rs.feed(_ev("snapshot", 0, 0.1, url))
+    rs.feed(_ev("commit", 0.2, 0.3, "/bb/s3/bucket/run/a.pt"))
+    rs.feed(_ev("replicate", 0.4, 0.9, url))
+    (s,) = rs.saves()
+    assert s.bytes == 100 and s.durable_s == pytest.approx(0.9)
