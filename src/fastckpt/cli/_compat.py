@@ -25,10 +25,11 @@ from ..io.engine import checksum_file  # bounded-memory checksum of [0, covered)
 from ..places import is_url, mirror_path, normalize
 from ..remote import scan_remote
 from ..replicate import TargetCache  # one Target per bucket
+from ..targets import TargetNotFoundError
 from ..tiers import gds_unavailable_reason
 
 __all__ = [
     "GROUP_MANIFEST", "LATEST", "MARKER_DIR", "SIDECAR", "TAIL_BYTES", "Found", "is_tmp", "read_file_manifest",
     "read_group_manifest", "scan", "parse_tail", "checksum_file", "is_url", "mirror_path", "normalize",
-    "scan_remote", "TargetCache", "gds_unavailable_reason",
+    "scan_remote", "TargetCache", "TargetNotFoundError", "gds_unavailable_reason",
 ]
