@@ -131,14 +131,13 @@ def fmt_rate(bps: float | None) -> str:
 
 
 def fmt_seconds(s: float | None) -> str:
-    """``140 s``, ``2.0 h``, ``0.055 s``: seconds below an hour, hours above."""
+    """``140 s``, ``0.0547 s``, ``2 h``, ``1,400 h``: seconds below an hour, hours above."""
     if s is None or (isinstance(s, float) and math.isnan(s)):
         return "-"
     if s == math.inf:
         return "never"
-    if abs(s) >= 3600:
-        return f"{s / 3600:.3g} h"
-    return f"{s:.3g} s"
+    value, unit = (s / 3600, "h") if abs(s) >= 3600 else (s, "s")
+    return f"{value:,.0f} {unit}" if abs(value) >= 100 else f"{value:.3g} {unit}"
 
 
 def fmt_pct(fraction: float | None) -> str:
@@ -154,11 +153,13 @@ def console() -> Console:
     return c
 
 
-def table(title: str | None, columns: list[str], rows: list[list[object]], right_from: int = 1) -> Table:
-    """A rich table; columns from ``right_from`` on are right-aligned (numbers)."""
+def table(title: str | None, columns: list[str], rows: list[list[object]], right_from: int = 1,
+          text: tuple[int, ...] = ()) -> Table:
+    """A rich table; columns from ``right_from`` on are right-aligned (numbers), except the
+    ``text`` ones."""
     t = Table(title=title, title_justify="left", show_edge=False)
     for i, c in enumerate(columns):
-        t.add_column(c, justify="right" if i >= right_from else "left")
+        t.add_column(c, justify="right" if i >= right_from and i not in text else "left")
     for r in rows:
         t.add_row(*("-" if v is None else str(v) for v in r))
     return t

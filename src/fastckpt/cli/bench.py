@@ -204,10 +204,10 @@ def _ms(x: float | None) -> str:
 
 def render(data: dict) -> None:
     out = console()
-    rows = [[w["op"], w["rank"], w["worker"], w["path"], fmt_rate(w["Bps"]), _ms(w["p50_s"]), _ms(w["p99_s"]),
+    rows = [[w["op"], w["rank"], w["worker"], os.path.dirname(os.path.dirname(w["path"])), fmt_rate(w["Bps"]), _ms(w["p50_s"]), _ms(w["p99_s"]),
              _ms(w["max_s"]), "yes" if w["odirect"] else f"no ({w['odirect_reason']})"] for w in data["workers"]]
-    out.print(table("Workers", ["op", "rank", "worker", "file", "throughput", "p50 ms", "p99 ms", "max ms",
-                                "O_DIRECT"], rows, right_from=4))
+    out.print(table("Workers", ["op", "rank", "worker", "dir", "throughput", "p50 ms", "p99 ms", "max ms",
+                                "O_DIRECT"], rows, right_from=4, text=(8,)))
     cap = data["fabric_capacity_Bps"]
     agg = []
     for op in ("write", "read"):
@@ -222,7 +222,7 @@ def render(data: dict) -> None:
     if cap:
         title += f" (fabric capacity {fmt_rate(cap)}, pass at >= {data['pass_fraction'] * 100:.0f} %)"
     out.print(table(title, ["op", "bytes", "seconds", "throughput", "p50 ms", "p99 ms", "max ms", "of capacity",
-                            "verdict"], agg))
+                            "verdict"], agg, text=(8,)))
     for line in data["verify_failures"]:
         out.print(f"- verify FAILED: {line}")
     if data["verify"] and not data["verify_failures"]:

@@ -40,7 +40,8 @@ def render(data: dict) -> None:
              r["restored_step"], r["source"], _f(r["rto_s"]), r["rpo_steps"],
              "ok" if r["restored"] else ("CORRUPT" if r["corrupt"] else "FAILED")] for r in data["rows"]]
     out.print(table("Trials", ["trial", "aimed at", "under way at the kill", "killed at step", "durable step",
-                               "restored step", "from", "RTO s", "RPO steps", "result"], rows, right_from=3))
+                               "restored step", "from", "RTO s", "RPO steps", "result"], rows, right_from=3,
+                    text=(6, 9)))
     rto, rpo = data["rto_seconds"], data["rpo_steps"]
     verdict = "PASS" if data["passed"] else "FAIL"
     out.print(table("Summary", ["", "value"], [

@@ -217,13 +217,15 @@ class Drill:
         return first, second
 
     def _aim(self, inc: _Incarnation, last: ph.Windows | None, phase: str) -> tuple[str, float, ph.Windows]:
-        """Wait until a kill moment for ``phase`` can be chosen; return (phase, wall time, windows)."""
+        """Wait until the job has made a new checkpoint durable, then for the anchor line of a
+        kill moment in ``phase`` (or the next phase seen, when this one never was); return
+        (the phase, the wall time to kill at, the windows used)."""
         timeout = self.cfg.trial_timeout_s
-        while True:
-            w = ph.windows(inc.events(), inc.saves, inc.durables) or last
-            if w is not None:
-                break
+        while not inc.durables:  # the restarted job must checkpoint again before the next kill
             inc.until(lambda ln: ln["ev"] == "durable", timeout)
+        w = ph.windows(inc.events(), inc.saves, inc.durables) or last
+        if w is None:
+            raise DrillError("the job's event log shows no complete checkpoint; is it saving?")
         order = [phase] + [p for p in ph.PHASES if p != phase]
         for p in order:
             picked = w.pick(p, self.rng)

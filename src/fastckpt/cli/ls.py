@@ -37,5 +37,5 @@ def ls(root: str, local_dir: str | None, storage_options: dict | None, as_json: 
         rows = [[e.name, e.kind, "-" if e.step is None else e.step, fmt_bytes(e.bytes), e.files, e.status,
                  _age(e.age_s), "<- latest" if e.latest else ""] for e in entries]
         console().print(table(f"Checkpoints under {root}", ["name", "kind", "step", "size", "files", "status",
-                                                            "age", "latest"], rows, right_from=2))
+                                                            "age", "latest"], rows, right_from=2, text=(5, 7)))
     exit_with(any(e.status in ("complete", "replicated") for e in entries))

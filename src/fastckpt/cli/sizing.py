@@ -34,6 +34,10 @@ DEFAULT_SNAPSHOT_Bps = 20e9  # per GPU: pinned device-to-host over PCIe Gen4 x16
 HOUR, DAY = 3600.0, 86400.0
 
 
+def _s(seconds: float) -> str:
+    return f"{seconds:,.0f} s" if seconds >= 100 else f"{seconds:.3g} s"
+
+
 @dataclass(frozen=True)
 class PlanInputs:
     """What ``plan`` is given; units in the names (bytes, seconds, bytes per second).
@@ -175,7 +179,7 @@ def synchronous(p: PlanInputs) -> Strategy:
     ok = c["overhead_fraction"] <= p.overhead_budget
     problems, advice = (), ()
     if not ok:
-        problems = (f"stall {write_s:.4g} s per checkpoint is {c['overhead_fraction'] * 100:.3g} % of the interval "
+        problems = (f"stall {_s(write_s)} per checkpoint is {c['overhead_fraction'] * 100:.3g} % of the interval "
                     f"(budget {p.overhead_budget * 100:.3g} %)",)
         advice = (_budget_advice(write_s, p, "synchronous", "bandwidth", p.bandwidth_Bps),)
     return Strategy(**c, passed=ok, problems=problems, advice=advice)
@@ -188,7 +192,7 @@ def tiered(p: PlanInputs) -> Strategy:
     problems: list[str] = []
     advice: list[str] = []
     if c["overhead_fraction"] > p.overhead_budget:
-        problems.append(f"snapshot {snapshot_s:.4g} s is {c['overhead_fraction'] * 100:.3g} % of the interval")
+        problems.append(f"snapshot {_s(snapshot_s)} is {c['overhead_fraction'] * 100:.3g} % of the interval")
         advice.append(_budget_advice(snapshot_s, p, "snapshot", "snapshot bandwidth per GPU",
                                      p.snapshot_bandwidth_Bps))
     local_s = None
@@ -196,14 +200,14 @@ def tiered(p: PlanInputs) -> Strategy:
         local_s = (p.state_bytes / p.nodes) / p.local_bandwidth_Bps
         if local_s > p.interval_s:
             need = (p.state_bytes / p.nodes) / p.interval_s
-            problems.append(f"the local tier needs {local_s:.4g} s per checkpoint, longer than the interval")
+            problems.append(f"the local tier needs {_s(local_s)} per checkpoint, longer than the interval")
             advice.append(f"local tier: {need / 1e9:.4g} GB/s per node, or an interval of {local_s / HOUR:.4g} h")
     drain_s = p.state_bytes / p.bandwidth_Bps
     drain_need = p.state_bytes / p.interval_s
     shortfall = max(0.0, drain_need - p.bandwidth_Bps)
     if drain_s > p.interval_s:
-        problems.append(f"draining to persistent storage takes {drain_s:.4g} s, longer than the "
-                        f"{p.interval_s:.4g} s interval: bandwidth falls short by {shortfall / 1e9:.4g} GB/s")
+        problems.append(f"draining to persistent storage takes {_s(drain_s)}, longer than the "
+                        f"{_s(p.interval_s)} interval: bandwidth falls short by {shortfall / 1e9:.4g} GB/s")
         advice.append(f"drain: persistent bandwidth {drain_need / 1e9:.4g} GB/s, or an interval of "
                       f"{drain_s / HOUR:.4g} h")
     return Strategy(**c, passed=not problems, problems=tuple(problems), advice=tuple(advice),
@@ -220,8 +224,8 @@ def plan(p: PlanInputs) -> Plan:
         sync = dataclasses.replace(sync, advice=sync.advice + (
             f"or save asynchronously: fastckpt stalls {fc.stall_s:.3g} s per checkpoint with these tiers",))
     if fc.young_daly_interval_s is not None and fc.drain_s is not None and fc.young_daly_interval_s < fc.drain_s:
-        notes.append(f"fastckpt's Young/Daly interval ({fc.young_daly_interval_s:.4g} s) is shorter than the drain "
-                     f"({fc.drain_s:.4g} s): checkpoints cannot come more often than the drain allows")
+        notes.append(f"fastckpt's Young/Daly interval ({_s(fc.young_daly_interval_s)}) is shorter than the drain "
+                     f"({_s(fc.drain_s)}): checkpoints cannot come more often than the drain allows")
     return Plan(inputs=p, state_bytes=p.state_bytes, state_bytes_per_node=p.state_bytes / p.nodes,
                 state_bytes_per_gpu=p.state_bytes / p.gpus, nodes=p.nodes, write_s=p.state_bytes / p.bandwidth_Bps,
                 required_write_Bps=p.state_bytes / p.budget_s,

@@ -117,7 +117,8 @@ def verify(path: str, newest_only: bool, jobs: int, storage_options: dict | None
         out = console()
         rows = [[r.checkpoint, os.path.relpath(r.path, r.checkpoint) if r.path != r.checkpoint else "-",
                  fmt_bytes(r.bytes), "ok" if r.problem is None else f"BAD: {r.problem}"] for r in results]
-        out.print(table(f"verify {path}", ["checkpoint", "file", "size", "result"], rows, right_from=2))
+        out.print(table(f"verify {path}", ["checkpoint", "file", "size", "result"], rows, right_from=2,
+                        text=(3,)))
         if not results:
             out.print(f"- no complete checkpoint under {path}")
         for p in incomplete:
