@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -202,7 +201,3 @@ def progress(description: str, total: float | None, enabled: bool = True) -> Ite
 
 def warn(message: str) -> None:
     click.echo(message, err=True)
-
-
-def stdout_is_terminal() -> bool:
-    return sys.stdout.isatty()

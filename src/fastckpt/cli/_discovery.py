@@ -135,23 +135,22 @@ def _incomplete_local(root: str, max_depth: int = 4) -> list[Entry]:
 
 
 def _incomplete_remote(cache: core.TargetCache, url: str) -> list[Entry]:
+    """Group prefixes under ``url`` with rank markers and no manifest."""
     target, prefix = cache.get(url)
     keys = target.list(f"{prefix}/" if prefix else "")
-    groups: dict[str, list[str]] = {}
+    marker = f"/{core.MARKER_DIR}/"
+    groups: dict[str, list[str]] = {k.split(marker)[0]: [] for k in keys if marker in f"/{k}"}
     for k in keys:
-        if f"/{core.MARKER_DIR}/" in f"/{k}":
-            groups.setdefault(k.split(f"{core.MARKER_DIR}/")[0].rstrip("/"), [])
-    for k in keys:
-        for g in groups:
-            if k.startswith(g + "/") and f"/{core.MARKER_DIR}/" not in f"/{k}":
-                groups[g].append(k)
-    out = []
-    for g, members in groups.items():
-        if any(m.endswith("/" + core.GROUP_MANIFEST) for m in members):
+        if marker in f"/{k}":
             continue
-        out.append(Entry(target.url_of(g), g[len(prefix):].lstrip("/"), "group", "incomplete", None, None,
-                         len(members), None))
-    return out
+        parent = posixpath.dirname(k)
+        while parent and parent not in groups:  # the group a data file belongs to, if any
+            parent = posixpath.dirname(parent)
+        if parent:
+            groups[parent].append(k)
+    return [Entry(target.url_of(g), g[len(prefix):].lstrip("/"), "group", "incomplete", None, None, len(members),
+                  None)
+            for g, members in groups.items() if not any(m.endswith("/" + core.GROUP_MANIFEST) for m in members)]
 
 
 def _local_copies(mirror: str) -> list[Entry]:

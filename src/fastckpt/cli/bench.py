@@ -273,7 +273,10 @@ def bench(dirs: tuple[str, ...], workers: int, engine: str, block_size: int, siz
                 click.echo(f"GDS is not usable here: {why}", err=True)
             exit_with(False)
     _check_space(s)
-    phases, d = run(s, show_progress=not as_json)
+    try:
+        phases, d = run(s, show_progress=not as_json)
+    except OSError as exc:  # ENOSPC, EIO, permission: the storage failed the test
+        raise click.ClickException(f"bench failed: {exc}") from exc
     try:
         if d.rank == 0:
             data = to_json(s, phases, d.world, fabric_capacity, pass_fraction)

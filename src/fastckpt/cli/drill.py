@@ -57,7 +57,7 @@ def render(data: dict) -> None:
             out.print(f"- trial {r['trial']}: {r['error']}")
 
 
-@click.command(context_settings={"ignore_unknown_options": False})
+@click.command()
 @click.option("--trials", type=click.IntRange(1), default=10, show_default=True)
 @click.option("--state-size", type=SIZE, default="256MiB", show_default=True,
               help="State of the built-in job (two files per checkpoint).")

@@ -286,10 +286,13 @@ class Drill:
             job = _Proc(list(c.command), self._log("job.log"), env, json_lines=False)
             try:
                 job.proc.wait(self.rng.uniform(c.min_run_s, c.max_run_s))
-                raise DrillError(f"the job exited with {job.proc.returncode} before it was killed; its log "
-                                 f"{job.log_path} ends:\n{job.tail()}")
             except subprocess.TimeoutExpired:
                 job.kill()
+            else:
+                tail = job.tail()
+                job.kill()  # its children, if any are left
+                raise DrillError(f"the job exited with {job.proc.returncode} before it was killed; its log "
+                                 f"{job.log_path} ends:\n{tail}")
             killed_at = _read_step(step_file)
             if c.lose_local and c.local_dir:
                 wipe(c.local_dir)
