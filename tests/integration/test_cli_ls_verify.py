@@ -135,6 +135,8 @@ def test_ls_and_verify_at_a_url(tmp_path, s3_server, s3_bucket) -> None:
     got = {e["name"]: (e["kind"], e["status"], e["step"]) for e in d["checkpoints"]}
     assert got == {"one.pt": ("file", "complete", None), "step-4": ("group", "complete", 4)}
     assert sum(e["latest"] for e in d["checkpoints"]) == 1
+    d = json.loads(run("ls", url, "--storage-options", o, "--local-dir", str(tmp_path / "bb"), "--json").stdout)
+    assert {e["name"]: e["status"] for e in d["checkpoints"]} == {"one.pt": "replicated", "step-4": "replicated"}
     r = run("verify", url, "--storage-options", o, "--json")
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout)["checked"] == 3
