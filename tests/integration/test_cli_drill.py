@@ -114,3 +114,21 @@ def test_the_built_in_job_needs_an_empty_home(tmp_path) -> None:
     fastckpt.Checkpointer().save({"x": torch.zeros(4)}, str(tmp_path / "old.pt")).wait()
     r = CliRunner().invoke(cli, ["drill", "--dir", str(tmp_path)])
     assert r.exit_code == 2 and "already holds a checkpoint" in r.output
+
+
+def test_a_job_that_dies_on_restart_ends_the_drill_with_its_log(tmp_path, monkeypatch) -> None:
+    from fastckpt.cli import drill_run
+
+    real, starts = drill_run.Drill._job_argv, []
+
+    def argv(self, events_path: str, probe: bool = False) -> list[str]:
+        starts.append(probe)
+        if len(starts) == 1:
+            return real(self, events_path, probe)
+        return [sys.executable, "-c", "import sys; print('cannot start', file=sys.stderr); sys.exit(5)"]
+
+    monkeypatch.setattr(drill_run.Drill, "_job_argv", argv)
+    code, d = builtin(tmp_path, 2)
+    assert code == 1 and d["restored"] == 0
+    assert "the job exited with 5" in d["error"] and "cannot start" in d["error"]
+    assert os.path.isdir(d["logs"])

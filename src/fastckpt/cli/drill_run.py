@@ -128,9 +128,11 @@ class _Proc:
         self.proc.wait()
         rest = []
         if self._reader:
-            self._reader.join()
-            while (line := self.lines.get()) is not None:
-                rest.append(line)
+            self._reader.join()  # it has queued everything, up to its end mark (perhaps taken already)
+            while not self.lines.empty():
+                line = self.lines.get_nowait()
+                if line is not None:
+                    rest.append(line)
         self._log.close()
         return rest
 
