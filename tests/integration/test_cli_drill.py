@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 
 import pytest
@@ -94,6 +95,7 @@ def test_a_damaged_checkpoint_counts_as_a_corrupt_load_and_fails(tmp_path) -> No
     assert d["corrupt_loads"] == 1 and d["restored"] == 0
     assert "CorruptCheckpointError" in d["rows"][0]["error"]
     assert d["logs"] and os.path.isdir(d["logs"])  # kept for the post-mortem
+    shutil.rmtree(d["logs"])
 
 
 @pytest.mark.parametrize("args, msg", [
@@ -132,3 +134,4 @@ def test_a_job_that_dies_on_restart_ends_the_drill_with_its_log(tmp_path, monkey
     assert code == 1 and d["restored"] == 0
     assert "the job exited with 5" in d["error"] and "cannot start" in d["error"]
     assert os.path.isdir(d["logs"])
+    shutil.rmtree(d["logs"])
