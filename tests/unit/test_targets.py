@@ -138,9 +138,9 @@ def test_verify_detects_corruption_and_truncation(root: Path, src: tuple[Path, b
         b = f.read(1)
         f.seek(123456)
         f.write(bytes([b[0] ^ 0xFF]))
-    with pytest.raises(CorruptCheckpointError, match=r"a\.pt has checksum .* expected") as ei:
+    with pytest.raises(CorruptCheckpointError, match=r"a\.pt: checksum .* was recorded") as ei:
         t.verify("a.pt", len(data), good)
-    assert "upload it again" in str(ei.value)
+    assert "copy it again" in str(ei.value)
     os.truncate(root / "a.pt", 1000)
     with pytest.raises(CorruptCheckpointError, match=f"is 1000 bytes, expected {len(data)}"):
         t.verify("a.pt", len(data), good)

@@ -15,6 +15,11 @@ import click
 # subcommand name -> "module:attribute" of its click.Command
 _COMMANDS = {
     "latest": "fastckpt.cli.latest:latest",
+    "plan": "fastckpt.cli.plan:plan",
+    "bench": "fastckpt.cli.bench:bench",
+    "drill": "fastckpt.cli.drill:drill",
+    "ls": "fastckpt.cli.ls:ls",
+    "verify": "fastckpt.cli.verify:verify",
     "doctor": "fastckpt.cli.doctor:doctor",
     "report": "fastckpt.cli.report:report",
     "serve-metrics": "fastckpt.cli.serve_metrics:serve_metrics",

@@ -3,8 +3,8 @@
 A ``Target`` is rooted at a directory (``PosixTarget``: a Lustre/NFS/local mount, or a local
 checkpoint's parent directory) or at a URL prefix (``FsspecTarget``: ``s3://bucket/prefix`` through
 s3fs, or another fsspec filesystem); ``storage.homes`` maps a path or URL to its target and key.
-Every method takes a *key*: a path relative to that root, ``/``-separated, with no leading ``/``, no ``.``/``..`` or empty component
-(``"run1/step_100/rank0.pt"``).
+Every method takes a *key*: a path relative to that root, ``/``-separated, with no leading
+``/``, no ``.``/``..`` or empty component (``"run1/step_100/rank0.pt"``).
 
 Order of calls when replicating one checkpoint (``save/replicator.py``):
 

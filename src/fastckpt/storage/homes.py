@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import threading
-from concurrent.futures import Executor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from ..config import DEFAULT_RETRY_DEADLINE_S
@@ -55,9 +55,10 @@ class Homes:
         self._opts = storage_options
         self._common = {"retry_deadline_s": retry_deadline_s, "parallelism": parallelism, "on_retry": on_retry,
                         "ops": ops or FileOps()}  # passed to every Target this makes
-        self._odirect, self._executor = odirect, executor
+        self._odirect, self._shared = odirect, executor
         self._lock = threading.Lock()
         self._remote: dict[str, Target] = {}
+        self._own: ThreadPoolExecutor | None = None  # for POSIX homes when no executor is shared
 
     def resolve(self, name: str | os.PathLike) -> Location:
         """The Location of a path or URL (normalised here)."""
@@ -71,15 +72,25 @@ class Homes:
         from .posix import PosixTarget
 
         parent, base = os.path.split(name)
-        return Location(PosixTarget(parent or os.sep, odirect=self._odirect, executor=self._executor,
+        return Location(PosixTarget(parent or os.sep, odirect=self._odirect, executor=self._executor(),
                                     create_root=True, **self._common), base)
 
-    def close(self) -> None:
-        """End the worker threads of the URL targets (they are made again if needed)."""
+    def _executor(self) -> Executor:
+        if self._shared is not None:
+            return self._shared
         with self._lock:
-            targets = list(self._remote.values())
+            if self._own is None:
+                self._own = ThreadPoolExecutor(self._common["parallelism"], thread_name_prefix="fastckpt-homes")
+            return self._own
+
+    def close(self) -> None:
+        """End the worker threads (they are made again if needed)."""
+        with self._lock:
+            targets, own, self._own = list(self._remote.values()), self._own, None
         for t in targets:
             t.close()
+        if own is not None:
+            own.shutdown(wait=True)
 
 
 def open_target(url_or_path: str | os.PathLike, storage_options: dict | None = None, *,

@@ -27,6 +27,7 @@ from ..io.engine import ReadResult, read_file
 from ..io.ops import FileOps, pread_exact, pwrite_all
 from ..io.stream import checksum_file, copy_file, drop_cache
 from ..units import MiB
+from . import reads
 from .base import Target
 from .types import (
     Expected,
@@ -206,12 +207,15 @@ class PosixTarget(Target):
                 self.ops.close(fd)
 
     # ------------------------------------------------------------------ reading
-    def verify(self, key: str, expected_size: int, expected_xxh3: str, covered: int | None = None, *,
-               bandwidth_Bps: float | TokenBucket | None = None) -> None:
-        """``Target.verify``, after dropping the file's cached pages: an NFS or Lustre client
-        would otherwise answer from the copy it cached while writing, not from the storage."""
-        drop_cache(self.ops, self._path(key))
-        super().verify(key, expected_size, expected_xxh3, covered, bandwidth_Bps=bandwidth_Bps)
+    def _read_back(self, key: str, covered: int, limiter: TokenBucket | None) -> str:
+        """Parallel O_DIRECT chunks with bounded memory, after dropping the file's cached pages
+        (an NFS or Lustre client would otherwise answer from the copy it cached while writing)."""
+        path = self._path(key)
+        drop_cache(self.ops, path)
+        throttle = limiter.consume if limiter is not None else None
+        return self._retry(f"read-back of {path}", lambda: checksum_file(
+            self.ops, self._executor(), path, covered, covered, chunk_bytes=reads.READ_CHUNK_BYTES,
+            odirect=self.odirect, throttle=throttle))
 
     def read_object(self, key: str, *, chunk_bytes: int = 64 * MiB) -> ReadResult:
         """The whole file, read in parallel through one descriptor (O_DIRECT where honoured): a

@@ -61,19 +61,21 @@ class ReadSide:
             CorruptCheckpointError: the size or checksum differs (the message says which).
         """
         actual = self.check_size(key, expected_size)
-        limit = actual if covered is None else covered
-        limiter = as_limiter(bandwidth_Bps, READ_CHUNK_BYTES)
+        got = self._read_back(key, actual if covered is None else covered, as_limiter(bandwidth_Bps, READ_CHUNK_BYTES))
+        if got != expected_xxh3:
+            raise CorruptCheckpointError(f"{self.url_of(key)}: checksum {got}, but {expected_xxh3} was recorded when "
+                                         f"it was written ({checksum.ALGO}): its bytes were damaged in transit or at "
+                                         "rest; copy it again from a good copy (the burst buffer's, or restore an "
+                                         "earlier checkpoint)")
 
+    def _read_back(self, key: str, covered: int, limiter: TokenBucket | None) -> str:
+        """The checksum of the stored ``[0, covered)`` of ``key``, read back in parallel ranges."""
         def digests(offset: int, length: int) -> list[int]:
             if limiter is not None:
                 limiter.consume(length)
-            return block_digests(memoryview(self.read_range(key, offset, length)), offset, length, limit)
+            return block_digests(memoryview(self.read_range(key, offset, length)), offset, length, covered)
 
-        got = checksum.combine(d for ds in self._map_ranges(limit, READ_CHUNK_BYTES, digests) for d in ds)
-        if got != expected_xxh3:
-            raise CorruptCheckpointError(f"replica {self.url_of(key)} has checksum {got}, expected {expected_xxh3} "
-                                         f"({checksum.ALGO}): its bytes were damaged in transit or at rest; "
-                                         "delete it and upload it again from the local copy")
+        return checksum.combine(d for ds in self._map_ranges(covered, READ_CHUNK_BYTES, digests) for d in ds)
 
     def download(self, key: str, local_path: str | os.PathLike, *, chunk_bytes: int = READ_CHUNK_BYTES) -> int:
         """Copy the object to ``local_path`` (temp, fsync, rename) with parallel ranged reads.

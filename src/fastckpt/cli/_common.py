@@ -1,0 +1,203 @@
+"""What every subcommand shares: unit parsing (as click parameter types), human formatting,
+JSON or rich-table output, a progress bar, and the exit codes.
+
+Units: sizes and bandwidths are SI unless they say otherwise (GB = 1e9 bytes, GiB = 2**30);
+a lower-case ``b`` means bits (``400Gb/s`` = 50 GB/s). Exit codes: ``PASS`` (0), ``FAIL`` (1,
+a target missed or a check failed); bad usage is click's own 2.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import click
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+PASS, FAIL = 0, 1
+
+_SIZE_UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "PB": 1e15,
+               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "PIB": 2**50}
+_BIT_UNITS = {"b": 1 / 8, "Kb": 1e3 / 8, "Mb": 1e6 / 8, "Gb": 1e9 / 8, "Tb": 1e12 / 8}
+_COUNT_UNITS = {"": 1, "K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
+_DURATION_UNITS = {"ms": 1e-3, "s": 1, "sec": 1, "m": 60, "min": 60, "h": 3600, "d": 86400}
+_NUMBER = r"([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)"
+
+
+def parse_size(text: str) -> int:
+    """``8MiB``, ``1.4TB``, ``4096`` -> bytes (SI for KB/MB/GB/TB, binary for KiB/MiB/GiB).
+
+    Raises:
+        ValueError: not a size, or a bare ``K``/``M``/``G`` (ambiguous: say ``MB`` or ``MiB``).
+    """
+    m = re.fullmatch(rf"\s*{_NUMBER}\s*([A-Za-z]*)\s*", str(text))
+    unit = m.group(2).upper() if m else ""
+    if m is None or unit not in _SIZE_UNITS:
+        raise ValueError(f"cannot read {text!r} as a size: write e.g. 8MiB, 1GiB, 1.4TB (GB = 1e9 bytes)")
+    return int(round(float(m.group(1)) * _SIZE_UNITS[unit]))
+
+
+def parse_bandwidth(text: str) -> float:
+    """``10GB/s``, ``2.5GiB/s``, ``400Gb/s`` or ``400Gbps`` (bits) -> bytes per second."""
+    m = re.fullmatch(rf"\s*{_NUMBER}\s*([A-Za-z]*?)\s*(?:/s|ps)\s*", str(text))
+    if m is not None:
+        unit = m.group(2)
+        if unit in _BIT_UNITS or unit.lower().endswith("bit"):
+            key = unit[:-3] + "b" if unit.lower().endswith("bit") else unit
+            if key in _BIT_UNITS:
+                return float(m.group(1)) * _BIT_UNITS[key]
+        elif unit.upper() in _SIZE_UNITS:
+            return float(m.group(1)) * _SIZE_UNITS[unit.upper()]
+    raise ValueError(f"cannot read {text!r} as a bandwidth: write e.g. 10GB/s, 2.5GiB/s or 400Gb/s (bits)")
+
+
+def parse_duration(text: str) -> float:
+    """``2h``, ``90m``, ``1h30m``, ``60s``, ``500ms``, ``1.5d`` or plain seconds -> seconds."""
+    s = str(text).strip().replace(" ", "")
+    if re.fullmatch(_NUMBER, s):
+        return float(s)
+    parts = re.findall(rf"{_NUMBER}([a-z]+)", s)
+    if not parts or "".join(n + u for n, u in parts) != s or any(u not in _DURATION_UNITS for _, u in parts):
+        raise ValueError(f"cannot read {text!r} as a duration: write e.g. 2h, 90m, 1h30m, 60s, 500ms, 30d")
+    return sum(float(n) * _DURATION_UNITS[u] for n, u in parts)
+
+
+def parse_count(text: str) -> float:
+    """``70B``, ``1.5T``, ``350M``, ``7e9`` -> a count (B and G are 1e9: parameters)."""
+    m = re.fullmatch(rf"\s*{_NUMBER}\s*([A-Za-z]?)\s*", str(text))
+    if m is None or m.group(2).upper() not in _COUNT_UNITS:
+        raise ValueError(f"cannot read {text!r} as a count: write e.g. 70B, 7e9, 1.5T, 350M")
+    return float(m.group(1)) * _COUNT_UNITS[m.group(2).upper()]
+
+
+class _Parsed(click.ParamType):
+    """A click parameter type over one of the parsers above (errors become exit code 2)."""
+
+    def __init__(self, name: str, parse: Callable[[str], object]) -> None:
+        self.name = name
+        self._parse = parse
+
+    def convert(self, value, param, ctx):  # noqa: ANN001, ANN201 (click's signature)
+        if not isinstance(value, str):
+            return value
+        try:
+            return self._parse(value)
+        except ValueError as exc:
+            self.fail(str(exc), param, ctx)
+
+
+SIZE = _Parsed("size", parse_size)
+BANDWIDTH = _Parsed("bandwidth", parse_bandwidth)
+DURATION = _Parsed("duration", parse_duration)
+COUNT = _Parsed("count", parse_count)
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"not JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise ValueError('must be a JSON object, e.g. \'{"endpoint_url": "http://127.0.0.1:8333"}\'')
+    return value
+
+
+JSON_OBJECT = _Parsed("json", _json_object)
+storage_options_option = click.option(
+    "--storage-options", type=JSON_OBJECT, default=None,
+    help="fsspec options for URL targets, as a JSON object (e.g. endpoint_url, key, secret).")
+json_option = click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")
+
+
+# ---------------------------------------------------------------------------- formatting
+def fmt_bytes(n: float | None) -> str:
+    """SI bytes: ``1.12 TB``."""
+    if n is None:
+        return "-"
+    for unit, scale in (("PB", 1e15), ("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n:.0f} B"
+
+
+def fmt_rate(bps: float | None) -> str:
+    return "-" if bps is None else fmt_bytes(bps) + "/s"
+
+
+def fmt_seconds(s: float | None) -> str:
+    """``140 s``, ``0.0547 s``, ``2 h``, ``1,400 h``: seconds below an hour, hours above."""
+    if s is None or (isinstance(s, float) and math.isnan(s)):
+        return "-"
+    if s == math.inf:
+        return "never"
+    value, unit = (s / 3600, "h") if abs(s) >= 3600 else (s, "s")
+    return f"{value:,.0f} {unit}" if abs(value) >= 100 else f"{value:.3g} {unit}"
+
+
+def fmt_pct(fraction: float | None) -> str:
+    return "-" if fraction is None else f"{fraction * 100:.3g} %"
+
+
+# ---------------------------------------------------------------------------- output
+def console() -> Console:
+    """Stdout console for tables; wide when not a terminal so piped tables are not cut."""
+    c = Console(highlight=False)
+    if not c.is_terminal:
+        c = Console(highlight=False, width=160)
+    return c
+
+
+def table(title: str | None, columns: list[str], rows: list[list[object]], right_from: int = 1,
+          text: tuple[int, ...] = ()) -> Table:
+    """A rich table; columns from ``right_from`` on are right-aligned (numbers), except the
+    ``text`` ones."""
+    t = Table(title=title, title_justify="left", show_edge=False)
+    for i, c in enumerate(columns):
+        t.add_column(c, justify="right" if i >= right_from and i not in text else "left")
+    for r in rows:
+        t.add_row(*("-" if v is None else str(v) for v in r))
+    return t
+
+
+def emit_json(data: dict) -> None:
+    click.echo(json.dumps(data, indent=2, sort_keys=True, default=str))
+
+
+def exit_with(passed: bool) -> None:
+    """End the command: exit 0 when every check passed, 1 otherwise."""
+    raise SystemExit(PASS if passed else FAIL)
+
+
+class _Bar:
+    def __init__(self, progress: Progress | None, task: int | None) -> None:
+        self._p, self._task = progress, task
+
+    def advance(self, n: float = 1) -> None:
+        if self._p is not None:
+            self._p.advance(self._task, n)
+
+    def update(self, completed: float, description: str | None = None) -> None:
+        if self._p is not None:
+            kw = {"description": description} if description else {}
+            self._p.update(self._task, completed=completed, **kw)
+
+
+@contextmanager
+def progress(description: str, total: float | None, enabled: bool = True) -> Iterator[_Bar]:
+    """A progress bar on stderr (stdout stays clean for --json); silent when not a terminal."""
+    err = Console(stderr=True)
+    if not enabled or not err.is_terminal:
+        yield _Bar(None, None)
+        return
+    with Progress(TextColumn("{task.description}"), BarColumn(), TaskProgressColumn(), TimeElapsedColumn(),
+                  TimeRemainingColumn(), console=err, transient=True) as p:
+        yield _Bar(p, p.add_task(description, total=total))
+
+
+def warn(message: str) -> None:
+    click.echo(message, err=True)

@@ -1,0 +1,213 @@
+"""What is on disk (or in a bucket): checkpoints, their files and what each file must hold.
+
+Built on the core's discovery (``commit.discovery.scan``) and storage (``storage.homes``): a
+directory and a URL are both a ``Target``, so ``ls`` and ``verify`` have one code path for
+both. A checkpoint is complete once its manifest is published: a group's
+``fastckpt-manifest.json``; a single file's own manifest (in its zip comment) on a mounted
+file system, its sidecar ``NAME.fastckpt.json`` on an object store. A group directory with rank
+markers and no manifest is incomplete (a commit that never finished).
+"""
+
+from __future__ import annotations
+
+import json
+import posixpath
+import time
+from dataclasses import dataclass, replace
+
+from ..commit.discovery import Found, scan
+from ..commit.protocol import GROUP_MANIFEST, MARKER_DIR, SIDECAR, read_group_manifest
+from ..errors import CorruptCheckpointError, FastCkptError
+from ..storage.homes import Homes, Location
+from ..storage.types import TargetNotFoundError
+from ..urls import join, mirror_path, normalize
+
+STEP_KEYS = ("step", "global_step", "iteration")  # fastckpt groups, Lightning, Megatron
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One checkpoint as ``ls`` shows it. ``status``: complete, incomplete, local only, or
+    replicated (complete at the home and in the burst buffer)."""
+
+    path: str
+    name: str
+    kind: str
+    status: str
+    step: int | None
+    bytes: int | None
+    files: int
+    time: float | None
+    latest: bool = False
+
+    @property
+    def age_s(self) -> float | None:
+        return None if self.time is None else max(0.0, time.time() - self.time)
+
+
+@dataclass(frozen=True)
+class FileSpec:
+    """A file ``verify`` checks: where, the size and checksum recorded when it was committed
+    (None where only the file's own manifest records them)."""
+
+    path: str
+    size: int | None
+    checksum: str | None
+
+
+def homes(storage_options: dict | None) -> Homes:
+    return Homes(storage_options, retry_deadline_s=60.0, parallelism=8)
+
+
+def group_manifest(loc: Location) -> dict | None:
+    """The group manifest of ``loc`` (a group directory or URL prefix), None if there is none."""
+    try:
+        return read_group_manifest(loc.place())
+    except OSError:  # a key that cannot be a directory, an unreadable place: not a group
+        return None
+
+
+def file_manifest(loc: Location) -> dict | None:
+    """A single file's published manifest: its own (mounted file system) or its sidecar."""
+    try:
+        if loc.target.mounted:
+            return loc.target.read_manifest(loc.key)
+        return json.loads(loc.target.get_bytes(loc.key + SIDECAR))
+    except (TargetNotFoundError, FileNotFoundError, IsADirectoryError, NotADirectoryError):
+        return None
+
+
+def checkpoint_files(h: Homes, path: str) -> tuple[list[FileSpec], dict]:
+    """The files of the checkpoint at ``path`` and its manifest.
+
+    Raises:
+        FastCkptError: ``path`` is not a complete fastckpt checkpoint (says what it is).
+    """
+    loc = h.resolve(path)
+    m = group_manifest(loc)
+    if m is not None:
+        return [FileSpec(join(loc.url, rel), int(f["size"]), f.get("checksum"))
+                for rel, f in sorted(m.get("files", {}).items())], m
+    m = file_manifest(loc)
+    if not m:
+        raise FastCkptError(f"{path} is not a complete fastckpt checkpoint: no {GROUP_MANIFEST} there, and no "
+                            "published fastckpt manifest for a single file. `fastckpt ls` on its parent shows "
+                            "what is there.")
+    return [FileSpec(loc.url, None, m["checksum"]["value"])], m
+
+
+def step_of(manifest: dict, loaded: dict[str, object] | None = None) -> int | None:
+    """The training step a checkpoint records: its manifest's, else a loaded file's."""
+    for obj in (manifest, *(loaded or {}).values()):
+        if isinstance(obj, dict):
+            for key in STEP_KEYS:
+                if isinstance(obj.get(key), int):
+                    return obj[key]
+    return None
+
+
+def _size(loc: Location) -> int | None:
+    try:
+        return loc.target.size(loc.key)
+    except OSError:
+        return None
+
+
+def _found_entry(h: Homes, f: Found, root: str, status: str) -> Entry:
+    name = f.path[len(root):].lstrip("/") or posixpath.basename(f.path)
+    if f.kind == "group":
+        files = f.manifest.get("files", {})
+        size = sum(int(v["size"]) for v in files.values())
+        return Entry(f.path, name, "group", status, step_of(f.manifest), size, len(files), f.time)
+    return Entry(f.path, name, "file", status, step_of(f.manifest), _size(h.resolve(f.path)), 1, f.time)
+
+
+def _keys(loc: Location) -> list[str]:
+    """Every key under ``loc``, relative to it."""
+    prefix = f"{loc.key}/" if loc.key else ""
+    try:
+        return [k[len(prefix):] for k in loc.target.list(prefix)]
+    except TargetNotFoundError:
+        return []
+
+
+def _incomplete(h: Homes, loc: Location) -> list[Entry]:
+    """Group directories under ``loc`` with rank markers and no manifest."""
+    rels = _keys(loc)
+    marker = f"/{MARKER_DIR}/"
+    groups = {("/" + r).split(marker)[0].lstrip("/") for r in rels if marker in f"/{r}"}
+    out = []
+    for g in sorted(groups):
+        members = [r for r in rels if r.startswith(f"{g}/") and marker not in f"/{r}"]
+        if f"{g}/{GROUP_MANIFEST}" in members:
+            continue
+        sizes = [_size(h.resolve(join(loc.url, r))) for r in members]
+        out.append(Entry(join(loc.url, g), g, "group", "incomplete", None, sum(s or 0 for s in sizes),
+                         len(members), None))
+    return out
+
+
+def _local_copies(h: Homes, mirror: str) -> list[Entry]:
+    """Checkpoints in a burst buffer: single files with their manifest, and group directories
+    whose files carry manifests naming the group."""
+    loc = h.resolve(mirror)
+    groups: dict[str, list[tuple[int | None, dict]]] = {}
+    out: list[Entry] = []
+    for rel in _keys(loc):
+        if any(part.startswith(".") for part in rel.split("/")) or posixpath.basename(rel) == GROUP_MANIFEST:
+            continue
+        f = h.resolve(join(loc.url, rel))
+        try:
+            m = f.target.read_manifest(f.key)
+        except (OSError, CorruptCheckpointError):
+            continue
+        if not m:
+            continue
+        if m.get("group"):
+            groups.setdefault(posixpath.dirname(rel), []).append((_size(f), m))
+        else:
+            out.append(Entry(f.url, rel, "file", "local only", None, _size(f), 1, float(m.get("written_at", 0.0))))
+    for d, files in groups.items():
+        out.append(Entry(join(loc.url, d), d, "group", "local only", None, sum(s or 0 for s, _ in files), len(files),
+                         max(float(m.get("written_at", 0.0)) for _, m in files)))
+    return out
+
+
+def list_checkpoints(root: str, storage_options: dict | None = None, local_dir: str | None = None) -> list[Entry]:
+    """Every checkpoint under ``root`` (a directory or URL), oldest first, incomplete ones
+    too; with ``local_dir`` each is marked replicated or local only by its burst-buffer copy."""
+    from .. import latest
+
+    root = normalize(root)
+    h = homes(storage_options)
+    try:
+        loc = h.resolve(root)
+        entries = [_found_entry(h, f, loc.url, "complete") for f in scan(loc)] + _incomplete(h, loc)
+        if local_dir is not None:
+            home = {e.name: i for i, e in enumerate(entries)}
+            for local in _local_copies(h, mirror_path(local_dir, root)):
+                i = home.get(local.name)
+                if i is None:
+                    entries.append(local)
+                elif entries[i].status == "complete":
+                    entries[i] = replace(entries[i], status="replicated")
+    finally:
+        h.close()
+    newest = latest(root, storage_options)
+    entries = [replace(e, latest=e.path.rstrip("/") == (newest or "").rstrip("/")) for e in entries]
+    return sorted(entries, key=lambda e: (e.time or 0.0, e.name))
+
+
+def file_covered(h: Homes, spec: FileSpec) -> tuple[int, int, dict]:
+    """(size, covered, the file's own manifest) read from its tail.
+
+    Raises:
+        CorruptCheckpointError: the tail holds no fastckpt manifest, or a damaged one.
+        FileNotFoundError: the file is missing (locally or at the URL).
+    """
+    loc = h.resolve(spec.path)
+    size = loc.target.size(loc.key)
+    m = loc.target.read_manifest(loc.key)
+    if not m:
+        raise CorruptCheckpointError(f"{spec.path} has no fastckpt manifest: it cannot be verified")
+    return size, int(m["covered"]), m

@@ -1,0 +1,302 @@
+"""``fastckpt bench``: a gdsio-style write/read stress test of checkpoint storage.
+
+N workers per node (threads or processes) each write, then read, one file per worker in
+fixed blocks, striped over the ``--dir`` mounts, through fastckpt's own IO path (bench_io.py).
+Under ``torchrun`` every node runs its workers between two barriers, and rank 0 divides all
+nodes' bytes by the time between the barriers: the aggregate is what the fabric sustained.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import click
+
+from ._common import (
+    BANDWIDTH,
+    DURATION,
+    SIZE,
+    console,
+    emit_json,
+    exit_with,
+    fmt_bytes,
+    fmt_pct,
+    fmt_rate,
+    json_option,
+    progress,
+    table,
+)
+from .bench_io import ALIGN, Job, Phase, WorkerResult, drop_cache, percentiles
+
+PASS_FRACTION = 0.8  # the readiness checklist's gate: >= 80 % of the fabric's capacity
+
+
+@dataclass(frozen=True)
+class Settings:
+    dirs: tuple[str, ...]
+    workers: int
+    engine: str
+    block_bytes: int
+    file_bytes: int
+    duration_s: float | None
+    mode: str
+    direct: bool
+    gds: bool
+    verify: bool
+
+
+@dataclass(frozen=True)
+class PhaseResult:
+    """One op over all nodes: bytes, rank 0's seconds between the barriers, the workers."""
+
+    op: str
+    bytes: int
+    seconds: float
+    workers: tuple[WorkerResult, ...]
+
+    @property
+    def Bps(self) -> float:
+        return self.bytes / self.seconds if self.seconds > 0 else 0.0
+
+
+class _Dist:
+    """torch.distributed under torchrun (WORLD_SIZE > 1), else a single node."""
+
+    def __init__(self) -> None:
+        self.world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        self._dist = None
+        self.rank = 0
+        if self.world > 1:
+            import datetime
+
+            import torch.distributed as dist
+
+            if not dist.is_initialized():
+                dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=30))
+            self._dist, self.rank = dist, dist.get_rank()
+
+    def barrier(self) -> None:
+        if self._dist is not None:
+            self._dist.barrier()
+
+    def gather(self, obj: object) -> list:
+        if self._dist is None:
+            return [obj]
+        out: list = [None] * self.world
+        self._dist.all_gather_object(out, obj)
+        return out
+
+    def close(self) -> None:
+        if self._dist is not None and self._dist.is_initialized():
+            self._dist.destroy_process_group()
+
+
+@contextmanager
+def _sigterm_interrupts() -> Iterator[None]:
+    """SIGTERM (a scheduler's cancel) cleans up like Ctrl-C does."""
+    def handler(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    try:
+        old = signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not the main thread: leave signals alone
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+def _run_dirs(s: Settings, rank: int) -> list[str]:
+    tag = f"fastckpt-bench-{socket.gethostname()}-{os.getpid()}-r{rank}"
+    return [os.path.join(d, tag) for d in s.dirs]
+
+
+def _jobs(s: Settings, op: str, run_dirs: list[str], d: _Dist, timed: bool) -> list[Job]:
+    return [Job(op, d.rank, w, os.path.join(run_dirs[w % len(run_dirs)], f"worker-{w:03d}.dat"), s.file_bytes,
+                s.block_bytes, s.direct, s.duration_s if timed else None, s.verify, s.gds, d.local_rank)
+            for w in range(s.workers)]
+
+
+def _phase(s: Settings, op: str, run_dirs: list[str], d: _Dist, show: bool) -> PhaseResult:
+    """One op on every node: "prepare" writes the files a read-only run reads (one pass, untimed)."""
+    timed = s.duration_s is not None and op != "prepare"
+    jobs = _jobs(s, "write" if op == "prepare" else op, run_dirs, d, timed)
+    phase = Phase(jobs, s.engine)
+    label = {"prepare": "preparing files", "write": "writing", "read": "reading"}[op]
+    if d.world > 1:
+        label += f" (rank {d.rank} of {d.world})"
+    try:
+        phase.launch()
+        phase.ready()
+        d.barrier()
+        t0 = phase.go()
+        with progress(label, s.duration_s if timed else s.workers * s.file_bytes, enabled=show) as bar:
+            while not phase.done():
+                bar.update(time.perf_counter() - t0 if timed else phase.poll())
+        results = phase.results()
+        d.barrier()
+        seconds = time.perf_counter() - t0
+    finally:
+        phase.close()
+    if op != "read" and not s.gds and not s.direct:
+        for j in jobs:  # reads that follow must come from storage, not the page cache
+            drop_cache(j.path)
+    everyone = [r for rs in d.gather(results) for r in rs]
+    return PhaseResult(op, sum(r.bytes for r in everyone), seconds, tuple(everyone))
+
+
+def run(s: Settings, show_progress: bool = True) -> tuple[list[PhaseResult], _Dist]:
+    """Run the phases ``s.mode`` asks for; files are removed afterwards, also on Ctrl-C."""
+    d = _Dist()
+    run_dirs = _run_dirs(s, d.rank)
+    show = show_progress and d.rank == 0
+    try:
+        with _sigterm_interrupts():
+            for rd in run_dirs:
+                os.makedirs(rd)
+            ops = {"write": ["write"], "read": ["prepare", "read"], "both": ["write", "read"]}[s.mode]
+            results = [_phase(s, op, run_dirs, d, show) for op in ops]
+    finally:
+        for rd in run_dirs:
+            if os.path.exists(rd):
+                shutil.rmtree(rd)
+    return [r for r in results if r.op != "prepare"], d
+
+
+def _check_space(s: Settings) -> None:
+    need: dict[str, int] = {}
+    for w in range(s.workers):
+        d = s.dirs[w % len(s.dirs)]
+        need[d] = need.get(d, 0) + s.file_bytes
+    for d, n in need.items():
+        st = os.statvfs(d)
+        free = st.f_bavail * st.f_frsize
+        if n > free * 0.95:
+            raise click.UsageError(f"{d} has {fmt_bytes(free)} free; this bench needs {fmt_bytes(n)} there "
+                                   "(--workers x --size): lower them or add --dir")
+
+
+def to_json(s: Settings, phases: list[PhaseResult], world: int, capacity: float | None, pass_fraction: float) -> dict:
+    out: dict = {"world_size": world, "workers_per_node": s.workers, "engine": s.engine, "dirs": list(s.dirs),
+                 "block_bytes": s.block_bytes, "size_bytes": s.file_bytes, "duration_s": s.duration_s,
+                 "direct": s.direct, "gds": s.gds, "verify": s.verify, "fabric_capacity_Bps": capacity,
+                 "pass_fraction": pass_fraction, "write_Bps": None, "read_Bps": None, "workers": [], "latency": {}}
+    for ph in phases:
+        out[f"{ph.op}_Bps"] = ph.Bps
+        out[f"{ph.op}_bytes"] = ph.bytes
+        out[f"{ph.op}_seconds"] = ph.seconds
+        out["latency"][ph.op] = percentiles([x for r in ph.workers for x in r.latencies_s])
+        if capacity:
+            out[f"{ph.op}_fraction_of_capacity"] = ph.Bps / capacity
+        for r in ph.workers:
+            out["workers"].append({"op": r.op, "rank": r.rank, "worker": r.worker, "path": r.path, "bytes": r.bytes,
+                                   "seconds": r.seconds, "Bps": r.Bps, "odirect": r.odirect,
+                                   "odirect_reason": r.odirect_reason, "checked_blocks": r.checked_blocks,
+                                   "bad_blocks": r.bad_blocks, **percentiles(r.latencies_s)})
+    bad = [f"rank {r.rank} worker {r.worker} ({r.path}): {r.bad_blocks} of {r.checked_blocks} blocks"
+           for ph in phases for r in ph.workers if r.bad_blocks]
+    missed = [ph.op for ph in phases if capacity and ph.Bps < pass_fraction * capacity]
+    out.update(verify_failures=bad, missed=missed, passed=not bad and not missed)
+    return out
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{x * 1e3:.2f}"
+
+
+def render(data: dict) -> None:
+    out = console()
+    rows = [[w["op"], w["rank"], w["worker"], os.path.dirname(os.path.dirname(w["path"])), fmt_rate(w["Bps"]), _ms(w["p50_s"]), _ms(w["p99_s"]),
+             _ms(w["max_s"]), "yes" if w["odirect"] else f"no ({w['odirect_reason']})"] for w in data["workers"]]
+    out.print(table("Workers", ["op", "rank", "worker", "dir", "throughput", "p50 ms", "p99 ms", "max ms",
+                                "O_DIRECT"], rows, right_from=4, text=(8,)))
+    cap = data["fabric_capacity_Bps"]
+    agg = []
+    for op in ("write", "read"):
+        if data[f"{op}_Bps"] is None:
+            continue
+        lat = data["latency"][op]
+        frac = data.get(f"{op}_fraction_of_capacity")
+        verdict = "-" if frac is None else ("PASS" if frac >= data["pass_fraction"] else "MISS")
+        agg.append([op, fmt_bytes(data[f"{op}_bytes"]), f"{data[f'{op}_seconds']:.3f}", fmt_rate(data[f"{op}_Bps"]),
+                    _ms(lat["p50_s"]), _ms(lat["p99_s"]), _ms(lat["max_s"]), fmt_pct(frac), verdict])
+    title = f"Aggregate over {data['world_size']} node(s) x {data['workers_per_node']} workers"
+    if cap:
+        title += f" (fabric capacity {fmt_rate(cap)}, pass at >= {data['pass_fraction'] * 100:.0f} %)"
+    out.print(table(title, ["op", "bytes", "seconds", "throughput", "p50 ms", "p99 ms", "max ms", "of capacity",
+                            "verdict"], agg, text=(8,)))
+    for line in data["verify_failures"]:
+        out.print(f"- verify FAILED: {line}")
+    if data["verify"] and not data["verify_failures"]:
+        out.print("- verify: every block read back as written")
+
+
+@click.command()
+@click.option("--dir", "dirs", multiple=True, required=True, type=click.Path(exists=True, file_okay=False),
+              help="Directory to test (repeat to stripe workers over several mounts or drives).")
+@click.option("--workers", type=click.IntRange(1, 1024), default=4, show_default=True, help="Workers per node.")
+@click.option("--engine", type=click.Choice(["threads", "processes"]), default="threads", show_default=True)
+@click.option("--block-size", type=SIZE, default="8MiB", show_default=True, help="Bytes per I/O call.")
+@click.option("--size", type=SIZE, default="1GiB", show_default=True, help="File size per worker.")
+@click.option("--duration", type=DURATION, help="Run each phase this long, passing over the files again and again.")
+@click.option("--mode", type=click.Choice(["write", "read", "both"]), default="both", show_default=True)
+@click.option("--direct/--buffered", default=True, show_default=True, help="O_DIRECT, or through the page cache.")
+@click.option("--gds", is_flag=True, help="GPUDirect Storage through kvikio (says why not when it cannot).")
+@click.option("--fabric-capacity", type=BANDWIDTH, help="What the storage fabric should sustain, e.g. 25GB/s.")
+@click.option("--pass-fraction", type=click.FloatRange(0, 1, min_open=True), default=PASS_FRACTION,
+              show_default=True, help="Pass at this fraction of --fabric-capacity.")
+@click.option("--verify", is_flag=True, help="Check every block read (needs a read phase).")
+@json_option
+def bench(dirs: tuple[str, ...], workers: int, engine: str, block_size: int, size: int, duration: float | None,
+          mode: str, direct: bool, gds: bool, fabric_capacity: float | None, pass_fraction: float, verify: bool,
+          as_json: bool) -> None:
+    """Stress-test storage: per-worker and aggregate GB/s, latency p50/p99/max, % of capacity.
+
+    Run it under torchrun for several nodes (one process per node; --workers each). Exit 0
+    when every phase reached --pass-fraction of --fabric-capacity (or none was given) and
+    --verify found no bad block; 1 otherwise.
+    """
+    if block_size % ALIGN:
+        raise click.UsageError(f"--block-size must be a multiple of {ALIGN} bytes (O_DIRECT alignment)")
+    if size < block_size:
+        raise click.UsageError("--size (per worker) must be at least one --block-size")
+    if verify and mode == "write":
+        raise click.UsageError("--verify checks reads: use --mode both or read")
+    s = Settings(tuple(dirs), workers, engine, block_size, size // block_size * block_size, duration, mode,
+                 direct, gds, verify)
+    if gds:
+        from ..save.tiers import gds_unavailable_reason
+
+        why = gds_unavailable_reason(True)
+        if why is not None:
+            if as_json:
+                emit_json({"gds": True, "gds_unavailable_reason": why, "passed": False})
+            else:
+                click.echo(f"GDS is not usable here: {why}", err=True)
+            exit_with(False)
+    _check_space(s)
+    try:
+        phases, d = run(s, show_progress=not as_json)
+    except OSError as exc:  # ENOSPC, EIO, permission: the storage failed the test
+        raise click.ClickException(f"bench failed: {exc}") from exc
+    try:
+        if d.rank == 0:
+            data = to_json(s, phases, d.world, fabric_capacity, pass_fraction)
+            emit_json(data) if as_json else render(data)
+            passed = data["passed"]
+        else:
+            passed = None
+        passed = d.gather(passed)[0]
+    finally:
+        d.close()
+    exit_with(bool(passed))

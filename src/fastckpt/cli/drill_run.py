@@ -1,0 +1,340 @@
+"""The drill's trials: run the job, SIGKILL it, restart, and measure the restore.
+
+Built-in job (drill_job.py): the job itself restores on start and reports the moment the
+state is in memory (RTO = that moment minus the restart) and whether the content is exactly
+the state of the step it restored. Kill moments are aimed at a phase (snapshot, write,
+commit, replicate, or idle training) from the event log of the checkpoints before, and the
+phases actually under way are read back from the log after the kill.
+
+A user's command: killed at a random moment in [min_run, max_run]; a probe process (a
+restart's restore: find the newest complete checkpoint, load and checksum-verify every file)
+measures the RTO; then the command is started again and resumes by itself. If it writes its
+current step to ``$FASTCKPT_DRILL_STEP_FILE``, RPO is counted in steps.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import random
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ..errors import FastCkptError
+from . import drill_phases as ph
+from .drill_job import FILES
+from .runlog import read_events
+
+TAIL_BYTES = 4000
+
+
+class DrillError(FastCkptError, RuntimeError):
+    """The job or the probe did not behave as the drill needs (it exited, or went silent)."""
+
+
+@dataclass(frozen=True)
+class DrillConfig:
+    home: str
+    trials: int = 10
+    state_bytes: int = 256 << 20
+    local_dir: str | None = None
+    lose_local: bool = False
+    rto_target_s: float = 180.0
+    seed: int = 0
+    every: int = 5
+    step_time_s: float = 0.05
+    storage_options: dict | None = None
+    command: tuple[str, ...] = ()
+    trial_timeout_s: float = 300.0
+    min_run_s: float = 5.0
+    max_run_s: float = 30.0
+    device: str = "cpu"
+
+
+@dataclass(frozen=True)
+class Trial:
+    """One kill and restore. ``corrupt``: what the newest complete checkpoint held was not
+    intact (a checksum or completeness error, or content that is not its step's)."""
+
+    trial: int
+    aimed: str | None
+    hit: tuple[str, ...]
+    killed_at_step: int | None
+    durable_step: int | None
+    restored_step: int | None
+    source: str | None
+    rto_s: float | None
+    rpo_steps: int | None
+    restored: bool
+    corrupt: bool
+    error: str | None = None
+
+
+class _Proc:
+    """A child (in its own process group, so a kill takes its children too) whose stdout
+    JSON lines are read by a thread into a queue; stderr goes to a log file."""
+
+    def __init__(self, argv: list[str], log_path: str, env: dict | None = None, json_lines: bool = True) -> None:
+        self.log_path = log_path
+        self._log = open(log_path, "ab")  # noqa: SIM115 (closed in kill() / close())
+        self.t_spawn = time.time()
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE if json_lines else self._log, stderr=self._log,
+                                     env=env, start_new_session=True, text=json_lines)
+        self.lines: queue.Queue[dict | None] = queue.Queue()
+        self._reader = threading.Thread(target=self._read, daemon=True) if json_lines else None
+        if self._reader:
+            self._reader.start()
+
+    def _read(self) -> None:
+        for raw in self.proc.stdout:  # type: ignore[union-attr]
+            try:
+                self.lines.put(json.loads(raw))
+            except ValueError:
+                continue  # not a protocol line (a library printed something)
+        self.lines.put(None)
+
+    def tail(self) -> str:
+        self._log.flush()
+        with open(self.log_path, "rb") as f:
+            f.seek(max(0, os.path.getsize(self.log_path) - TAIL_BYTES))
+            return f.read().decode(errors="replace")
+
+    def next(self, timeout_s: float) -> dict:
+        try:
+            line = self.lines.get(timeout=timeout_s)
+        except queue.Empty:
+            raise DrillError(f"the job said nothing for {timeout_s:.0f} s; its log {self.log_path} ends:\n"
+                             f"{self.tail()}") from None
+        if line is None:
+            self.proc.wait()
+            raise DrillError(f"the job exited with {self.proc.returncode}; its log {self.log_path} ends:\n"
+                             f"{self.tail()}")
+        return line
+
+    def kill(self) -> list[dict]:
+        """SIGKILL the process group; return the lines it wrote that were not read yet."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+        rest = []
+        if self._reader:
+            self._reader.join()  # it has queued everything, up to its end mark (perhaps taken already)
+            while not self.lines.empty():
+                line = self.lines.get_nowait()
+                if line is not None:
+                    rest.append(line)
+        self._log.close()
+        return rest
+
+
+@dataclass
+class _Incarnation:
+    """One run of the built-in job, from its restart to its kill, and what it reported."""
+
+    proc: _Proc
+    events_path: str
+    start_step: int = 0
+    saves: dict[int, float] = field(default_factory=dict)
+    durables: dict[int, float] = field(default_factory=dict)
+    step: int = 0
+
+    def note(self, line: dict) -> None:
+        ev, s = line.get("ev"), line.get("step")
+        if ev == "save":
+            self.saves[s] = line["t"]
+        elif ev == "durable":
+            self.durables[s] = line["t"]
+        elif ev == "step":
+            self.step = max(self.step, s)
+
+    def events(self) -> list:
+        return read_events(self.events_path) if os.path.exists(self.events_path) else []
+
+    def until(self, want: Callable[[dict], bool], timeout_s: float) -> dict:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            line = self.proc.next(max(0.1, deadline - time.monotonic()))
+            self.note(line)
+            if want(line):
+                return line
+
+
+def _summary(values: list[float]) -> dict[str, float | None]:
+    if not values:
+        return {"min": None, "median": None, "max": None}
+    return {"min": min(values), "median": statistics.median(values), "max": max(values)}
+
+
+def wipe(local_dir: str) -> None:
+    """A lost node: the burst buffer is gone."""
+    shutil.rmtree(local_dir, ignore_errors=False)
+    os.makedirs(local_dir)
+
+
+class Drill:
+    """Runs the trials of one drill; ``run(on_trial)`` returns them."""
+
+    def __init__(self, cfg: DrillConfig, workdir: str) -> None:
+        self.cfg, self.workdir = cfg, workdir
+        self.rng = random.Random(cfg.seed)
+        self._n = 0
+
+    def _log(self, what: str) -> str:
+        self._n += 1
+        return os.path.join(self.workdir, f"{self._n:03d}-{what}")
+
+    def _job_argv(self, events_path: str, probe: bool = False) -> list[str]:
+        c = self.cfg
+        argv = [sys.executable, "-m", "fastckpt.cli.drill_job", "--dir", c.home, "--state-size", str(c.state_bytes),
+                "--every", str(c.every), "--step-time", str(c.step_time_s), "--seed", str(c.seed),
+                "--device", c.device]
+        argv += ["--event-log", events_path] if events_path else []
+        argv += ["--local-dir", c.local_dir] if c.local_dir else []
+        argv += ["--storage-options", json.dumps(c.storage_options)] if c.storage_options else []
+        return argv + (["--probe"] if probe else [])
+
+    def _start(self) -> _Incarnation:
+        ev = self._log("events.jsonl")
+        return _Incarnation(_Proc(self._job_argv(ev), self._log("job.log")), ev)
+
+    def _restore(self, inc: _Incarnation) -> tuple[dict, dict]:
+        """Wait for the restarted job's ``loaded`` and ``restored`` (or ``fresh``) lines."""
+        first = inc.until(lambda ln: ln["ev"] in ("loaded", "fresh"), self.cfg.trial_timeout_s)
+        if first["ev"] == "fresh":
+            return first, {"ev": "fresh", "step": None, "verified": False, "source": None,
+                           "error": "no complete checkpoint was found"}
+        second = inc.until(lambda ln: ln["ev"] == "restored", self.cfg.trial_timeout_s)
+        inc.start_step = second["step"] if second.get("verified") else 0
+        inc.step = inc.start_step
+        return first, second
+
+    def _aim(self, inc: _Incarnation, last: ph.Windows | None, phase: str) -> tuple[str, float, ph.Windows]:
+        """Wait until the job has made a new checkpoint durable, then for the anchor line of a
+        kill moment in ``phase`` (or the next phase seen, when this one never was); return
+        (the phase, the wall time to kill at, the windows used)."""
+        timeout = self.cfg.trial_timeout_s
+        while not inc.durables:  # the restarted job must checkpoint again before the next kill
+            inc.until(lambda ln: ln["ev"] == "durable", timeout)
+        w = ph.windows(inc.events(), inc.saves, inc.durables) or last
+        if w is None:
+            raise DrillError("the job's event log shows no complete checkpoint; is it saving?")
+        order = [phase] + [p for p in ph.PHASES if p != phase]
+        for p in order:
+            picked = w.pick(p, self.rng)
+            if picked is None:
+                continue
+            anchor, delay = picked
+            while True:  # the next anchor line whose kill moment is still ahead
+                line = inc.until(lambda ln, a=anchor: ln["ev"] == a, timeout)
+                if line["t"] + delay > time.time():
+                    return p, line["t"] + delay, w
+        raise DrillError("no phase of a checkpoint was seen in the event log; is the job saving?")
+
+    def _builtin(self, on_trial: Callable[[Trial], None]) -> list[Trial]:
+        c = self.cfg
+        plan = [p for p in ph.PHASES if p != "replicate" or c.local_dir]
+        inc = self._start()
+        _, first = self._restore(inc)
+        if first.get("ev") != "fresh":
+            inc.proc.kill()
+            raise DrillError(f"{c.home} already holds a checkpoint ({first.get('path')}); the built-in job needs "
+                             "an empty --dir")
+        trials, windows = [], None
+        try:
+            for k in range(1, c.trials + 1):
+                aimed, at, windows = self._aim(inc, windows, plan[(k - 1) % len(plan)])
+                time.sleep(max(0.0, at - time.time()))
+                for line in inc.proc.kill():
+                    inc.note(line)
+                hit = ph.in_progress(inc.events(), inc.saves, inc.durables, tuple(FILES), c.local_dir is not None)
+                durable = max(inc.durables, default=inc.start_step)
+                if c.lose_local and c.local_dir:
+                    wipe(c.local_dir)
+                killed = inc
+                inc = self._start()
+                loaded, rest = self._restore(inc)
+                r = rest.get("step")
+                ok = bool(rest.get("verified")) and r is not None and r >= durable
+                err = rest.get("error") or (None if ok else f"restored step {r}, but step {durable} was durable")
+                trial = Trial(k, aimed, hit, killed.step, durable, r, rest.get("source"),
+                              loaded["t"] - inc.proc.t_spawn if loaded["ev"] == "loaded" else None,
+                              killed.step - r if r is not None else None,
+                              ok, bool(rest.get("corrupt")), err)
+                trials.append(trial)
+                on_trial(trial)
+                if rest.get("step") is None or not rest.get("verified"):
+                    break  # the job cannot go on from a bad restore
+        finally:
+            inc.proc.kill()
+        return trials
+
+    def _user(self, on_trial: Callable[[Trial], None]) -> list[Trial]:
+        c = self.cfg
+        step_file = os.path.join(self.workdir, "step")
+        env = dict(os.environ, FASTCKPT_DRILL_STEP_FILE=step_file, FASTCKPT_DRILL_DIR=c.home,
+                   FASTCKPT_DRILL_LOCAL_DIR=c.local_dir or "")
+        trials = []
+        for k in range(1, c.trials + 1):
+            job = _Proc(list(c.command), self._log("job.log"), env, json_lines=False)
+            try:
+                job.proc.wait(self.rng.uniform(c.min_run_s, c.max_run_s))
+            except subprocess.TimeoutExpired:
+                job.kill()
+            else:
+                tail = job.tail()
+                job.kill()  # its children, if any are left
+                raise DrillError(f"the job exited with {job.proc.returncode} before it was killed; its log "
+                                 f"{job.log_path} ends:\n{tail}")
+            killed_at = _read_step(step_file)
+            if c.lose_local and c.local_dir:
+                wipe(c.local_dir)
+            probe = _Incarnation(_Proc(self._job_argv("", probe=True), self._log("probe.log")), "")
+            try:
+                loaded, rest = self._restore(probe)
+            finally:
+                probe.proc.kill()
+            r = rest.get("step")
+            ok = bool(rest.get("verified"))
+            trial = Trial(k, None, (), killed_at, None, r, rest.get("source"),
+                          loaded["t"] - probe.proc.t_spawn if loaded["ev"] == "loaded" else None,
+                          killed_at - r if killed_at is not None and r is not None else None, ok, loaded["ev"] == "loaded" and not ok, rest.get("error"))
+            trials.append(trial)
+            on_trial(trial)
+        return trials
+
+    def run(self, on_trial: Callable[[Trial], None] = lambda t: None) -> list[Trial]:
+        return self._user(on_trial) if self.cfg.command else self._builtin(on_trial)
+
+
+def _read_step(path: str) -> int | None:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def summarize(cfg: DrillConfig, trials: list[Trial]) -> dict:
+    """The drill's verdict: every trial restored, nothing corrupt loaded, RTO within target."""
+    ok = [t for t in trials if t.restored]
+    rto = [t.rto_s for t in ok if t.rto_s is not None]
+    hits: dict[str, int] = {}
+    for t in trials:
+        for p in t.hit:
+            hits[p] = hits.get(p, 0) + 1
+    corrupt = sum(t.corrupt for t in trials)
+    passed = len(ok) == cfg.trials and corrupt == 0 and bool(rto) and max(rto) <= cfg.rto_target_s
+    return {"trials": cfg.trials, "run": len(trials), "restored": len(ok), "corrupt_loads": corrupt,
+            "rto_seconds": _summary(rto), "rpo_steps": _summary([t.rpo_steps for t in ok if t.rpo_steps is not None]),
+            "rto_target_seconds": cfg.rto_target_s, "phases_hit": hits, "passed": passed,
+            "rows": [t.__dict__ | {"hit": list(t.hit)} for t in trials]}

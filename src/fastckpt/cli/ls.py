@@ -1,0 +1,41 @@
+"""``fastckpt ls DIR_OR_URL``: the checkpoints there, complete or not, and which is latest."""
+
+from __future__ import annotations
+
+import click
+
+from ._common import console, emit_json, exit_with, fmt_bytes, json_option, storage_options_option, table
+from ._discovery import list_checkpoints
+
+
+def _age(s: float | None) -> str:
+    if s is None:
+        return "-"
+    for unit, scale in (("d", 86400), ("h", 3600), ("min", 60)):
+        if s >= scale:
+            return f"{s / scale:.1f} {unit}"
+    return f"{s:.0f} s"
+
+
+@click.command()
+@click.argument("root")
+@click.option("--local-dir", type=click.Path(file_okay=False),
+              help="The burst buffer: mark each checkpoint replicated or local only.")
+@storage_options_option
+@json_option
+def ls(root: str, local_dir: str | None, storage_options: dict | None, as_json: bool) -> None:
+    """List the checkpoints under ROOT (a directory or a URL), oldest first.
+
+    Shows step (or name), size, files, status (complete, incomplete, local only, replicated),
+    age, and which one `latest` names. Exit 1 when ROOT holds no complete checkpoint.
+    """
+    entries = list_checkpoints(root, storage_options, local_dir)
+    if as_json:
+        emit_json({"root": root, "checkpoints": [e.__dict__ | {"age_s": e.age_s} for e in entries],
+                   "latest": next((e.path for e in entries if e.latest), None)})
+    else:
+        rows = [[e.name, e.kind, "-" if e.step is None else e.step, fmt_bytes(e.bytes), e.files, e.status,
+                 _age(e.age_s), "<- latest" if e.latest else ""] for e in entries]
+        console().print(table(f"Checkpoints under {root}", ["name", "kind", "step", "size", "files", "status",
+                                                            "age", "latest"], rows, right_from=2, text=(5, 7)))
+    exit_with(any(e.status in ("complete", "replicated") for e in entries))

@@ -1,0 +1,187 @@
+"""``fastckpt plan``: size checkpoint storage before a run (the arithmetic is in sizing.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import click
+
+from . import sizing
+from ._common import (
+    BANDWIDTH,
+    COUNT,
+    DURATION,
+    SIZE,
+    console,
+    emit_json,
+    exit_with,
+    fmt_bytes,
+    fmt_pct,
+    fmt_rate,
+    fmt_seconds,
+    json_option,
+    table,
+)
+from .runlog import RunProfile, profile, read_events
+
+
+def _resolve(opts: dict, run: RunProfile | None) -> tuple[sizing.PlanInputs, list[str]]:
+    """Flags win; a run's measurements fill the gaps; defaults last. Returns the inputs and
+    a note per value that did not come from a flag."""
+    notes: list[str] = []
+    if opts["preset"] and opts["bytes_per_param"]:
+        raise click.UsageError("give --preset or --bytes-per-param, not both")
+    bpp = opts["bytes_per_param"] or sizing.PRESETS[opts["preset"] or "mixed-adam"][0]
+    gpn = opts["gpus_per_node"]
+    gpus = opts["gpus"] or (run.ranks if run else None)
+    if gpus is None:
+        gpus = gpn
+        notes.append(f"--gpus not given: one node of {gpn} GPUs")
+    elif not opts["gpus"]:
+        notes.append(f"GPUs: {gpus}, the ranks in the run's event log")
+    if opts["state_size"] and opts["params"]:
+        raise click.UsageError("give --params (with --preset) or --state-size, not both")
+    if opts["state_size"]:
+        state = float(opts["state_size"])
+    elif opts["params"]:
+        state = sizing.state_bytes(opts["params"], bpp)
+    elif run and run.state_bytes:
+        state = run.state_bytes
+        notes.append(f"state {fmt_bytes(state)}: one checkpoint of the run")
+    else:
+        raise click.UsageError("give --params (e.g. 70B), --state-size (e.g. 1.4TB) or --from-run events.jsonl")
+    bandwidth = opts["bandwidth"]
+    if bandwidth is None and run:
+        per_rank = run.replicate_Bps if run.write_tier != "direct" else run.write_Bps
+        if per_rank:
+            bandwidth = per_rank * gpus
+            notes.append(f"bandwidth {fmt_rate(bandwidth)}: the run's {fmt_rate(per_rank)} per process x {gpus} "
+                         "(assumes every process writes at that rate at once)")
+    if bandwidth is None:
+        raise click.UsageError("give --bandwidth (aggregate persistent write, e.g. 10GB/s)")
+    snap = opts["snapshot_bandwidth"]
+    if snap is None and run and run.snapshot_Bps:
+        snap = run.snapshot_Bps
+        notes.append(f"snapshot {fmt_rate(snap)} per GPU: measured in the run")
+    elif snap is None:
+        snap = sizing.DEFAULT_SNAPSHOT_Bps
+        notes.append(f"snapshot bandwidth {fmt_rate(snap)} per GPU assumed (pinned device-to-host); "
+                     "set --snapshot-bandwidth")
+    local = opts["local_bandwidth"]
+    if local is None and run and run.write_tier in ("nvme", "gds") and run.write_Bps:
+        local = run.write_Bps * min(gpn, gpus)
+        notes.append(f"local tier {fmt_rate(local)} per node: the run's {fmt_rate(run.write_Bps)} per process "
+                     f"x {min(gpn, gpus)}")
+    try:
+        inputs = sizing.PlanInputs(
+            state_bytes=state, bandwidth_Bps=bandwidth, gpus=gpus, gpus_per_node=gpn, interval_s=opts["interval"],
+            budget_s=opts["budget"], days=opts["days"], gpu_hour_cost=opts["gpu_hour_cost"], mtbf_s=opts["mtbf"],
+            mtbf_per=opts["mtbf_per"], local_bandwidth_Bps=local, snapshot_bandwidth_Bps=snap,
+            overhead_budget=opts["overhead_budget"])
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from exc
+    return inputs, notes
+
+
+def _strategy_json(s: sizing.Strategy) -> dict:
+    d = dataclasses.asdict(s)
+    d["young_daly_interval_seconds"] = d.pop("young_daly_interval_s")
+    d["stall_seconds"] = d.pop("stall_s")
+    return d
+
+
+def to_json(p: sizing.Plan, notes: list[str], run: RunProfile | None) -> dict:
+    s = p.synchronous
+    return {
+        "state_bytes": p.state_bytes, "state_bytes_per_node": p.state_bytes_per_node,
+        "state_bytes_per_gpu": p.state_bytes_per_gpu, "nodes": p.nodes, "gpus": p.inputs.gpus,
+        "write_seconds": p.write_s, "required_write_Bps": p.required_write_Bps,
+        "required_write_Bps_per_node": p.required_write_Bps_per_node, "checkpoints": p.checkpoints,
+        "overhead_fraction": s.overhead_fraction, "campaign_stall_hours": s.campaign_stall_hours,
+        "campaign_gpu_hours_lost": s.campaign_gpu_hours_lost, "campaign_cost_lost": s.campaign_cost_lost,
+        "young_daly_interval_seconds": s.young_daly_interval_s, "job_mtbf_seconds": p.job_mtbf_s,
+        "synchronous": _strategy_json(s), "fastckpt": _strategy_json(p.fastckpt), "passed": p.passed,
+        "inputs": dataclasses.asdict(p.inputs), "notes": notes + list(p.notes),
+        "measured": dataclasses.asdict(run) if run else None,
+    }
+
+
+def render(p: sizing.Plan, notes: list[str]) -> None:
+    out = console()
+    i = p.inputs
+    out.print(table("State (SI units: GB = 1e9 bytes)", ["", "value"], [
+        ["total", fmt_bytes(p.state_bytes)], [f"per node ({p.nodes} nodes)", fmt_bytes(p.state_bytes_per_node)],
+        [f"per GPU ({i.gpus} GPUs)", fmt_bytes(p.state_bytes_per_gpu)],
+        [f"synchronous write at {fmt_rate(i.bandwidth_Bps)}", fmt_seconds(p.write_s)],
+        [f"bandwidth for a {fmt_seconds(i.budget_s)} write budget",
+         f"{fmt_rate(p.required_write_Bps)} ({fmt_rate(p.required_write_Bps_per_node)} per node)"],
+        [f"checkpoints in {i.days:g} days every {fmt_seconds(i.interval_s)}", f"{p.checkpoints:.4g}"],
+        ["job MTBF", fmt_seconds(p.job_mtbf_s)],
+    ]))
+    s, f = p.synchronous, p.fastckpt
+    cost = [] if i.gpu_hour_cost is None else [["cost lost", f"{s.campaign_cost_lost:,.0f}", f"{f.campaign_cost_lost:,.0f}"]]
+    rework = [] if s.campaign_failures is None else [
+        ["failures in the campaign", f"{s.campaign_failures:.3g}", f"{f.campaign_failures:.3g}"],
+        ["GPU-hours redone after failures (half an interval each)", f"{s.campaign_rework_gpu_hours:,.0f}",
+         f"{f.campaign_rework_gpu_hours:,.0f}"]]
+    out.print(table("Synchronous vs fastckpt", ["", "synchronous", "fastckpt"], [
+        ["training stall per checkpoint", fmt_seconds(s.stall_s), f"{fmt_seconds(f.stall_s)} (snapshot)"],
+        ["local tier write per checkpoint", "-", fmt_seconds(f.local_write_s)],
+        ["drain to persistent storage", "-", f"{fmt_seconds(f.drain_s)} (needs {fmt_rate(f.drain_required_Bps)})"],
+        ["overhead (stall / interval)", fmt_pct(s.overhead_fraction), fmt_pct(f.overhead_fraction)],
+        ["stall over the campaign", fmt_seconds(s.campaign_stall_hours * 3600), fmt_seconds(f.campaign_stall_hours * 3600)],
+        ["GPU-hours lost to stalls", f"{s.campaign_gpu_hours_lost:,.1f}", f"{f.campaign_gpu_hours_lost:,.1f}"],
+        *cost, *rework,
+        ["Young/Daly interval", fmt_seconds(s.young_daly_interval_s), fmt_seconds(f.young_daly_interval_s)],
+        [f"verdict (budget {fmt_pct(i.overhead_budget)})", "PASS" if s.passed else "MISS",
+         "PASS" if f.passed else "MISS"],
+    ]))
+    for line in [*s.problems, *s.advice, *f.problems, *f.advice, *notes, *p.notes]:
+        out.print(f"- {line}")
+
+
+@click.command()
+@click.option("--params", type=COUNT, help="Model parameters, e.g. 70B or 7e9.")
+@click.option("--preset", type=click.Choice(sorted(sizing.PRESETS)),
+              help="Bytes per parameter: " + "; ".join(f"{k} {v[0]:g} B ({v[1]})" for k, v in sizing.PRESETS.items())
+              + ". Default mixed-adam.")
+@click.option("--bytes-per-param", type=float, help="Bytes per parameter, instead of --preset.")
+@click.option("--state-size", type=SIZE, help="The whole checkpoint, instead of --params (e.g. 1.4TB).")
+@click.option("--gpus", type=int, help="GPUs in the job (default: one node).")
+@click.option("--gpus-per-node", type=int, default=8, show_default=True)
+@click.option("--interval", type=DURATION, default="2h", show_default=True, help="Time between checkpoints.")
+@click.option("--bandwidth", type=BANDWIDTH, help="Aggregate persistent write bandwidth, e.g. 10GB/s.")
+@click.option("--budget", type=DURATION, default="60s", show_default=True, help="Write budget per checkpoint.")
+@click.option("--days", type=float, default=30.0, show_default=True, help="Length of the training campaign.")
+@click.option("--gpu-hour-cost", type=float, help="Cost of one GPU-hour (any currency).")
+@click.option("--mtbf", type=DURATION, help="Mean time between failures, e.g. 5000h (see --mtbf-per).")
+@click.option("--mtbf-per", type=click.Choice(["node", "job"]), default="node", show_default=True,
+              help="Whether --mtbf is one node's (the job's is that / nodes) or the whole job's.")
+@click.option("--local-bandwidth", type=BANDWIDTH, help="Per-node burst buffer (NVMe) write bandwidth.")
+@click.option("--snapshot-bandwidth", type=BANDWIDTH,
+              help="Per-GPU device-to-host (or memcpy) bandwidth [default: 20GB/s].")
+@click.option("--overhead-budget", type=float, default=0.02, show_default=True,
+              help="Largest acceptable fraction of wall time spent stalled.")
+@click.option("--from-run", type=click.Path(exists=True, dir_okay=False),
+              help="A run's event log (Checkpointer(event_log=...)): measured sizes and bandwidths.")
+@json_option
+def plan(as_json: bool, from_run: str | None, **opts: object) -> None:
+    """Size checkpoint storage: state, write time, bandwidth needed, overhead, cost, Young/Daly.
+
+    Shows a synchronous save and fastckpt (snapshot, local tier, drain) side by side. SI
+    units (GB = 1e9 bytes). Exit 0 when fastckpt meets the overhead budget and its tiers keep
+    up with the interval, 1 when not (the output names the smallest change that fixes it).
+    """
+    run = None
+    if from_run:
+        try:
+            run = profile(read_events(from_run))
+        except ValueError as exc:
+            raise click.UsageError(str(exc)) from exc
+    inputs, notes = _resolve(opts, run)
+    result = sizing.plan(inputs)
+    if as_json:
+        emit_json(to_json(result, notes, run))
+    else:
+        render(result, notes)
+    exit_with(result.passed)

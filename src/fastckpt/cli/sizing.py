@@ -1,0 +1,238 @@
+"""The arithmetic behind ``fastckpt plan``: pure functions over frozen dataclasses, no I/O.
+
+Every number is one a reviewer can redo by hand (SI units: GB = 1e9 bytes):
+
+- state = parameters x bytes per parameter; per node = state / nodes; per GPU = state / GPUs.
+- synchronous: the training stalls for the whole write, ``write_s = state / bandwidth``.
+- ``required_write_Bps = state / budget_s`` (the write budget, default 60 s).
+- overhead = stall per checkpoint / interval (the interval is wall time from one checkpoint to
+  the next); checkpoints = campaign / interval; stall hours = checkpoints x stall / 3600;
+  GPU-hours lost = stall hours x GPUs.
+- Young/Daly: the interval that minimises checkpoint cost plus rework after failures is
+  ``sqrt(2 x stall x MTBF_job)`` (Young 1974, Daly 2006's first order), where the job's MTBF
+  is a node's MTBF / nodes.
+- fastckpt (async): the stall is the snapshot, ``(state / GPUs) / snapshot bandwidth``; the
+  node-local tier absorbs a checkpoint in ``(state / nodes) / local bandwidth``; the burst
+  buffer drains to persistent storage in ``state / bandwidth``; both must finish within the
+  interval, else the next checkpoint waits for them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+# bytes per parameter in a checkpoint, and where they come from
+PRESETS: dict[str, tuple[float, str]] = {
+    "mixed-adam": (16, "bf16 weights 2 + bf16 gradients 2 + fp32 master 4 + Adam m 4 + Adam v 4"),
+    "no-grads": (14, "bf16 weights 2 + fp32 master 4 + Adam m 4 + Adam v 4"),
+    "weights-bf16": (2, "bf16 weights 2"),
+    "fp8-adam": (11, "fp8 weights 1 + bf16 gradients 2 + fp32 master 4 + bf16 Adam m 2 + bf16 Adam v 2"),
+}
+DEFAULT_SNAPSHOT_Bps = 20e9  # per GPU: pinned device-to-host over PCIe Gen4 x16, about 20-25 GB/s
+HOUR, DAY = 3600.0, 86400.0
+
+
+def _s(seconds: float) -> str:
+    return f"{seconds:,.0f} s" if seconds >= 100 else f"{seconds:.3g} s"
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    """What ``plan`` is given; units in the names (bytes, seconds, bytes per second).
+
+    ``bandwidth_Bps`` is the aggregate persistent write bandwidth; ``local_bandwidth_Bps``
+    the per-node burst buffer (NVMe) write bandwidth (None: no burst buffer, fastckpt's
+    direct tier); ``snapshot_bandwidth_Bps`` the per-GPU device-to-host (or memcpy) rate.
+    ``mtbf_s`` is per node or per job as ``mtbf_per`` says.
+    """
+
+    state_bytes: float
+    bandwidth_Bps: float
+    gpus: int = 8
+    gpus_per_node: int = 8
+    interval_s: float = 2 * HOUR
+    budget_s: float = 60.0
+    days: float = 30.0
+    gpu_hour_cost: float | None = None
+    mtbf_s: float | None = None
+    mtbf_per: str = "node"
+    local_bandwidth_Bps: float | None = None
+    snapshot_bandwidth_Bps: float = DEFAULT_SNAPSHOT_Bps
+    overhead_budget: float = 0.02
+
+    def __post_init__(self) -> None:
+        positive = {"state_bytes": self.state_bytes, "bandwidth_Bps": self.bandwidth_Bps, "gpus": self.gpus,
+                    "gpus_per_node": self.gpus_per_node, "interval_s": self.interval_s, "budget_s": self.budget_s,
+                    "days": self.days, "snapshot_bandwidth_Bps": self.snapshot_bandwidth_Bps}
+        for name in ("mtbf_s", "local_bandwidth_Bps", "gpu_hour_cost"):
+            if getattr(self, name) is not None:
+                positive[name] = getattr(self, name)
+        for name, v in positive.items():
+            if not v > 0:
+                raise ValueError(f"{name}={v!r} must be > 0")
+        if self.mtbf_per not in ("node", "job"):
+            raise ValueError(f"mtbf_per={self.mtbf_per!r} must be 'node' (one node's MTBF) or 'job' (the whole job's)")
+        if not 0 < self.overhead_budget < 1:
+            raise ValueError(f"overhead_budget={self.overhead_budget!r} must be a fraction in (0, 1), e.g. 0.02")
+
+    @property
+    def nodes(self) -> int:
+        return math.ceil(self.gpus / self.gpus_per_node)
+
+    @property
+    def campaign_s(self) -> float:
+        return self.days * DAY
+
+    @property
+    def job_mtbf_s(self) -> float | None:
+        """A failure of any node stops the job: its MTBF is a node's divided by the nodes."""
+        if self.mtbf_s is None:
+            return None
+        return self.mtbf_s / self.nodes if self.mtbf_per == "node" else self.mtbf_s
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One way of checkpointing (synchronous, or fastckpt's tiers), costed over the campaign.
+
+    ``problems`` name what misses the budget or cannot keep up; ``advice`` the smallest change
+    that fixes each.
+    """
+
+    name: str
+    stall_s: float
+    overhead_fraction: float
+    campaign_stall_hours: float
+    campaign_gpu_hours_lost: float
+    campaign_cost_lost: float | None
+    young_daly_interval_s: float | None
+    campaign_failures: float | None
+    campaign_rework_gpu_hours: float | None
+    passed: bool
+    problems: tuple[str, ...] = ()
+    advice: tuple[str, ...] = ()
+    snapshot_s: float | None = None
+    local_write_s: float | None = None
+    drain_s: float | None = None
+    drain_required_Bps: float | None = None
+    drain_shortfall_Bps: float | None = None
+
+
+@dataclass(frozen=True)
+class Plan:
+    inputs: PlanInputs
+    state_bytes: float
+    state_bytes_per_node: float
+    state_bytes_per_gpu: float
+    nodes: int
+    write_s: float
+    required_write_Bps: float
+    required_write_Bps_per_node: float
+    checkpoints: float
+    job_mtbf_s: float | None
+    synchronous: Strategy
+    fastckpt: Strategy
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def passed(self) -> bool:
+        """The plan passes when fastckpt's tiers meet the overhead budget and keep up."""
+        return self.fastckpt.passed
+
+
+def young_daly_interval(stall_s: float, job_mtbf_s: float | None) -> float | None:
+    """``sqrt(2 x stall x MTBF_job)``: the checkpoint interval that minimises lost time."""
+    if job_mtbf_s is None:
+        return None
+    return math.sqrt(2.0 * stall_s * job_mtbf_s)
+
+
+def _costed(name: str, p: PlanInputs, stall_s: float) -> dict:
+    """The campaign totals for a stall of ``stall_s`` per checkpoint (shared by both strategies)."""
+    overhead = stall_s / p.interval_s
+    stall_hours = (p.campaign_s / p.interval_s) * stall_s / HOUR
+    gpu_hours = stall_hours * p.gpus
+    mtbf = p.job_mtbf_s
+    failures = p.campaign_s / mtbf if mtbf else None
+    # each failure loses, on average, half an interval of work on every GPU
+    rework = failures * (p.interval_s / 2) / HOUR * p.gpus if failures is not None else None
+    return {"name": name, "stall_s": stall_s, "overhead_fraction": overhead, "campaign_stall_hours": stall_hours,
+            "campaign_gpu_hours_lost": gpu_hours,
+            "campaign_cost_lost": gpu_hours * p.gpu_hour_cost if p.gpu_hour_cost is not None else None,
+            "young_daly_interval_s": young_daly_interval(stall_s, mtbf), "campaign_failures": failures,
+            "campaign_rework_gpu_hours": rework}
+
+
+def _budget_advice(stall_s: float, p: PlanInputs, what: str, rate_name: str, rate_Bps: float) -> str:
+    """The two single changes that bring the overhead within budget (both scale the stall by
+    the same factor): a faster rate at this interval, or a longer interval at this rate."""
+    factor = stall_s / (p.overhead_budget * p.interval_s)
+    return (f"{what}: {rate_name} {rate_Bps * factor / 1e9:.4g} GB/s at this interval ({factor:.3g}x), "
+            f"or an interval of {p.interval_s * factor / HOUR:.4g} h at this rate")
+
+
+def synchronous(p: PlanInputs) -> Strategy:
+    write_s = p.state_bytes / p.bandwidth_Bps
+    c = _costed("synchronous", p, write_s)
+    ok = c["overhead_fraction"] <= p.overhead_budget
+    problems, advice = (), ()
+    if not ok:
+        problems = (f"stall {_s(write_s)} per checkpoint is {c['overhead_fraction'] * 100:.3g} % of the interval "
+                    f"(budget {p.overhead_budget * 100:.3g} %)",)
+        advice = (_budget_advice(write_s, p, "synchronous", "bandwidth", p.bandwidth_Bps),)
+    return Strategy(**c, passed=ok, problems=problems, advice=advice)
+
+
+def tiered(p: PlanInputs) -> Strategy:
+    """fastckpt: blocked for the snapshot only; the local tier and the drain run in the background."""
+    snapshot_s = (p.state_bytes / p.gpus) / p.snapshot_bandwidth_Bps
+    c = _costed("fastckpt", p, snapshot_s)
+    problems: list[str] = []
+    advice: list[str] = []
+    if c["overhead_fraction"] > p.overhead_budget:
+        problems.append(f"snapshot {_s(snapshot_s)} is {c['overhead_fraction'] * 100:.3g} % of the interval")
+        advice.append(_budget_advice(snapshot_s, p, "snapshot", "snapshot bandwidth per GPU",
+                                     p.snapshot_bandwidth_Bps))
+    local_s = None
+    if p.local_bandwidth_Bps is not None:
+        local_s = (p.state_bytes / p.nodes) / p.local_bandwidth_Bps
+        if local_s > p.interval_s:
+            need = (p.state_bytes / p.nodes) / p.interval_s
+            problems.append(f"the local tier needs {_s(local_s)} per checkpoint, longer than the interval")
+            advice.append(f"local tier: {need / 1e9:.4g} GB/s per node, or an interval of {local_s / HOUR:.4g} h")
+    drain_s = p.state_bytes / p.bandwidth_Bps
+    drain_need = p.state_bytes / p.interval_s
+    shortfall = max(0.0, drain_need - p.bandwidth_Bps)
+    if drain_s > p.interval_s:
+        problems.append(f"draining to persistent storage takes {_s(drain_s)}, longer than the "
+                        f"{_s(p.interval_s)} interval: bandwidth falls short by {shortfall / 1e9:.4g} GB/s")
+        advice.append(f"drain: persistent bandwidth {drain_need / 1e9:.4g} GB/s, or an interval of "
+                      f"{drain_s / HOUR:.4g} h")
+    return Strategy(**c, passed=not problems, problems=tuple(problems), advice=tuple(advice),
+                    snapshot_s=snapshot_s, local_write_s=local_s, drain_s=drain_s,
+                    drain_required_Bps=drain_need, drain_shortfall_Bps=shortfall)
+
+
+def plan(p: PlanInputs) -> Plan:
+    """Size the storage for ``p``: the state, the synchronous cost and fastckpt's, side by side."""
+    notes = []
+    fc = tiered(p)
+    sync = synchronous(p)
+    if not sync.passed and fc.passed:
+        sync = dataclasses.replace(sync, advice=sync.advice + (
+            f"or save asynchronously: fastckpt stalls {fc.stall_s:.3g} s per checkpoint with these tiers",))
+    if fc.young_daly_interval_s is not None and fc.drain_s is not None and fc.young_daly_interval_s < fc.drain_s:
+        notes.append(f"fastckpt's Young/Daly interval ({_s(fc.young_daly_interval_s)}) is shorter than the drain "
+                     f"({_s(fc.drain_s)}): checkpoints cannot come more often than the drain allows")
+    return Plan(inputs=p, state_bytes=p.state_bytes, state_bytes_per_node=p.state_bytes / p.nodes,
+                state_bytes_per_gpu=p.state_bytes / p.gpus, nodes=p.nodes, write_s=p.state_bytes / p.bandwidth_Bps,
+                required_write_Bps=p.state_bytes / p.budget_s,
+                required_write_Bps_per_node=p.state_bytes / p.budget_s / p.nodes,
+                checkpoints=p.campaign_s / p.interval_s, job_mtbf_s=p.job_mtbf_s,
+                synchronous=sync, fastckpt=fc, notes=tuple(notes))
+
+
+def state_bytes(params: float, bytes_per_param: float) -> float:
+    return params * bytes_per_param

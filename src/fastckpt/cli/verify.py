@@ -1,0 +1,127 @@
+"""``fastckpt verify PATH_OR_URL``: recompute every file's checksum against its manifest.
+
+The checksum (``fastckpt.format.checksum``: xxh3 over 16 MiB blocks, combined) covers each file up
+to its own manifest, which records it; a group's manifest records each file's size and
+checksum too, and both must agree. Local files are read with O_DIRECT in parallel chunks
+(bounded memory), files in parallel; files at a URL are read back with parallel ranged GETs.
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import click
+
+from ..errors import CorruptCheckpointError, FastCkptError
+from ..storage.homes import Homes
+from ..storage.types import TargetNotFoundError
+from ..urls import normalize
+from ._common import console, emit_json, exit_with, fmt_bytes, json_option, progress, storage_options_option, table
+from ._discovery import FileSpec, checkpoint_files, file_covered, homes, list_checkpoints
+
+
+@dataclass(frozen=True)
+class Checked:
+    checkpoint: str
+    path: str
+    bytes: int | None
+    problem: str | None
+
+
+def _size(h: Homes, spec: FileSpec) -> int | None:
+    loc = h.resolve(spec.path)
+    try:
+        return loc.target.size(loc.key)
+    except OSError:
+        return None
+
+
+def check_file(h: Homes, spec: FileSpec, on_bytes=None) -> str | None:  # noqa: ANN001
+    """None when the file is intact; else what is wrong with it (read back in parallel through
+    its target: O_DIRECT chunks on a file system, ranged reads at a URL)."""
+    try:
+        size, covered, own = file_covered(h, spec)
+    except (FileNotFoundError, TargetNotFoundError):
+        return "missing"
+    except CorruptCheckpointError as exc:
+        return str(exc)
+    want = own["checksum"]["value"]
+    if spec.size is not None and size != spec.size:
+        return f"{size} bytes, but {spec.size} were committed"
+    if spec.checksum is not None and want != spec.checksum:
+        return f"its manifest records checksum {want}, the checkpoint's manifest {spec.checksum}"
+    loc = h.resolve(spec.path)
+    try:
+        loc.target.verify(loc.key, size, want, covered)
+    except CorruptCheckpointError as exc:
+        return str(exc).removeprefix(f"{loc.url}: ")
+    if on_bytes:
+        on_bytes(size)
+    return None
+
+
+def _checkpoints(h: Homes, path: str, opts: dict | None, newest_only: bool
+                 ) -> tuple[list[tuple[str, list[FileSpec]]], list[str]]:
+    """The checkpoints to check (each with its files) and the incomplete ones seen."""
+    try:
+        files, _ = checkpoint_files(h, path)
+        return [(path, files)], []
+    except FastCkptError:
+        pass  # not one checkpoint: a directory (or prefix) holding them
+    entries = list_checkpoints(path, opts)
+    complete = [e for e in entries if e.status in ("complete", "replicated")]
+    if newest_only:
+        complete = [e for e in complete if e.latest] or complete[-1:]
+    incomplete = [e.path for e in entries if e.status == "incomplete"]
+    return [(e.path, checkpoint_files(h, e.path)[0]) for e in complete], incomplete
+
+
+@click.command()
+@click.argument("path")
+@click.option("--latest", "newest_only", is_flag=True, help="Under a directory: only the newest checkpoint.")
+@click.option("--jobs", type=click.IntRange(1, 64), default=4, show_default=True, help="Files checked at once.")
+@storage_options_option
+@json_option
+def verify(path: str, newest_only: bool, jobs: int, storage_options: dict | None, as_json: bool) -> None:
+    """Recompute the checksum of every file of PATH against its manifest.
+
+    PATH is a checkpoint (a file or a group directory, or their URL) or a directory holding
+    checkpoints (each complete one is checked; --latest: the newest). Exit 1 naming each bad
+    or missing file, or when there is no complete checkpoint to check.
+    """
+    path = normalize(path)
+    h = homes(storage_options)
+    try:
+        todo, incomplete = _checkpoints(h, path, storage_options, newest_only)
+        specs = [(ck, s) for ck, files in todo for s in files]
+        sizes = [_size(h, s) for _, s in specs]
+        results: list[Checked] = []
+        with progress(f"verifying {len(specs)} files", sum(x or 0 for x in sizes), enabled=not as_json) as bar, \
+                ThreadPoolExecutor(jobs, thread_name_prefix="fastckpt-verify") as files:
+            futures = [files.submit(check_file, h, s, bar.advance) for _, s in specs]
+            for (ck, s), n, fut in zip(specs, sizes, futures, strict=True):
+                results.append(Checked(ck, s.path, n, fut.result()))
+    finally:
+        h.close()
+    bad = [r for r in results if r.problem]
+    passed = bool(results) and not bad
+    if as_json:
+        emit_json({"path": path, "checkpoints": len(todo), "checked": len(results), "passed": passed,
+                   "bad": [{"path": r.path, "problem": r.problem} for r in bad], "incomplete": incomplete,
+                   "files": [r.__dict__ for r in results]})
+    else:
+        out = console()
+        rows = [[r.checkpoint, os.path.relpath(r.path, r.checkpoint) if r.path != r.checkpoint else "-",
+                 fmt_bytes(r.bytes), "ok" if r.problem is None else f"BAD: {r.problem}"] for r in results]
+        out.print(table(f"verify {path}", ["checkpoint", "file", "size", "result"], rows, right_from=2,
+                        text=(3,)))
+        if not results:
+            out.print(f"- no complete checkpoint under {path}")
+        for p in incomplete:
+            out.print(f"- {p} is incomplete (never committed): not checked; readers skip it")
+        out.print(f"- {len(results) - len(bad)} of {len(results)} files intact")
+    for r in bad:
+        click.echo(f"BAD {r.path}: {r.problem}", err=True)
+    exit_with(passed)

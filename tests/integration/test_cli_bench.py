@@ -1,0 +1,176 @@
+"""fastckpt bench on real files: threads and processes, O_DIRECT and buffered, verify, the
+capacity gate, cleanup on Ctrl-C and SIGTERM, two nodes through torchrun (gloo), GDS's reason."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+
+import pytest
+from click.testing import CliRunner
+
+from fastckpt.cli import cli
+from fastckpt.cli.bench_io import Job, percentiles, run_posix
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def bench(tmp_path, *args: str) -> tuple[int, dict]:
+    r = CliRunner().invoke(cli, ["bench", "--dir", str(tmp_path), "--json", *args])
+    assert r.exit_code in (0, 1), r.output
+    return r.exit_code, json.loads(r.stdout)
+
+
+def leftovers(*dirs) -> list[str]:
+    return [os.path.join(d, n) for d in dirs for n in os.listdir(d)]
+
+
+@pytest.mark.parametrize("engine", ["threads", "processes"])
+def test_write_and_read_with_verify(tmp_path, engine: str) -> None:
+    code, d = bench(tmp_path, "--workers", "2", "--engine", engine, "--size", "32MiB", "--block-size", "4MiB",
+                    "--verify")
+    assert code == 0
+    assert d["write_Bps"] > 0 and d["read_Bps"] > 0
+    assert d["write_bytes"] == d["read_bytes"] == 2 * (32 << 20)
+    assert [(w["op"], w["worker"]) for w in d["workers"]] == [("write", 0), ("write", 1), ("read", 0), ("read", 1)]
+    assert all(w["checked_blocks"] == 8 and w["bad_blocks"] == 0 for w in d["workers"] if w["op"] == "read")
+    lat = d["latency"]["write"]
+    assert 0 < lat["p50_s"] <= lat["p99_s"] <= lat["max_s"]
+    assert leftovers(tmp_path) == []
+
+
+def test_buffered_read_only_striped_over_two_dirs(tmp_path) -> None:
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir(), b.mkdir()
+    r = CliRunner().invoke(cli, ["bench", "--dir", str(a), "--dir", str(b), "--workers", "2", "--size", "8MiB",
+                                 "--block-size", "1MiB", "--buffered", "--mode", "read", "--verify", "--json"])
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    assert d["write_Bps"] is None and d["read_Bps"] > 0
+    paths = [w["path"] for w in d["workers"]]
+    assert paths[0].startswith(str(a)) and paths[1].startswith(str(b))
+    assert not any(w["odirect"] for w in d["workers"]) and d["workers"][0]["odirect_reason"] == "--buffered"
+    assert leftovers(a, b) == []
+
+
+def test_duration_passes_over_the_file_again(tmp_path) -> None:
+    code, d = bench(tmp_path, "--workers", "1", "--size", "4MiB", "--block-size", "1MiB", "--duration", "0.5s",
+                    "--mode", "write")
+    assert code == 0
+    assert d["write_seconds"] >= 0.5
+    assert d["write_bytes"] >= 4 << 20  # at least one pass over the 4 MiB file
+
+
+def test_fabric_capacity_gate(tmp_path) -> None:
+    args = ["--workers", "1", "--size", "8MiB", "--block-size", "1MiB", "--mode", "write"]
+    code, d = bench(tmp_path, *args, "--fabric-capacity", "1PB/s")
+    assert code == 1 and d["missed"] == ["write"] and d["write_fraction_of_capacity"] < 0.8
+    code, d = bench(tmp_path, *args, "--fabric-capacity", "1MB/s")
+    assert code == 0 and d["passed"] and d["write_fraction_of_capacity"] > 0.8
+    r = CliRunner().invoke(cli, ["bench", "--dir", str(tmp_path), *args, "--fabric-capacity", "1MB/s"])
+    assert "PASS" in r.stdout and "Aggregate" in r.stdout and "fabric capacity 1 MB/s" in r.stdout
+
+
+def test_verify_finds_a_damaged_block(tmp_path) -> None:
+    path = str(tmp_path / "f.dat")
+    job = Job("write", 0, 3, path, 4 << 20, 1 << 20, direct=True)
+    never = threading.Event()
+    w = run_posix(job, lambda n: None, never, lambda: None)
+    assert (w.bytes, w.odirect) == (4 << 20, True)
+    with open(path, "r+b") as f:  # one flipped byte in the third block's body
+        f.seek(2 * (1 << 20) + 100)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    r = run_posix(Job("read", 0, 3, path, 4 << 20, 1 << 20, direct=True, verify=True), lambda n: None, never,
+                  lambda: None)
+    assert (r.checked_blocks, r.bad_blocks) == (4, 1)
+
+
+def test_percentiles_nearest_rank() -> None:
+    assert percentiles([]) == {"p50_s": None, "p99_s": None, "max_s": None}
+    xs = [float(i) for i in range(1, 101)]
+    assert percentiles(xs) == {"p50_s": 50.0, "p99_s": 99.0, "max_s": 100.0}
+
+
+@pytest.mark.parametrize("args, msg", [(["--block-size", "1000"], "multiple of 4096"),
+                                       (["--size", "1MiB", "--block-size", "2MiB"], "at least one"),
+                                       (["--verify", "--mode", "write"], "--verify checks reads"),
+                                       (["--size", "1PB"], "free")])
+def test_bad_usage_exits_2(tmp_path, args: list[str], msg: str) -> None:
+    r = CliRunner().invoke(cli, ["bench", "--dir", str(tmp_path), *args])
+    assert r.exit_code == 2 and msg in r.output
+
+
+def test_gds_says_why_not_on_a_machine_without_it(tmp_path) -> None:
+    from fastckpt.save.tiers import gds_unavailable_reason
+
+    why = gds_unavailable_reason(True)
+    if why is None:
+        pytest.skip("GDS is usable here (tests/gpu covers it)")
+    r = CliRunner().invoke(cli, ["bench", "--dir", str(tmp_path), "--gds", "--json"])
+    assert r.exit_code == 1
+    assert json.loads(r.stdout) == {"gds": True, "gds_unavailable_reason": why, "passed": False}
+
+
+def _env() -> dict:
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])))
+
+
+@pytest.mark.parametrize("engine, sig", [("threads", signal.SIGINT), ("processes", signal.SIGINT),
+                                         ("threads", signal.SIGTERM)])
+def test_interrupt_removes_the_files(tmp_path, engine: str, sig: int) -> None:
+    p = subprocess.Popen([sys.executable, "-u", "-c", _WATCHED, str(tmp_path), engine], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, env=_env())
+    assert p.stdout.readline().strip() == "started"  # a worker has written its first block
+    p.send_signal(sig)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 1 and "Aborted" in err
+    assert leftovers(tmp_path) == []
+
+
+# Runs bench for a minute in a child and prints "started" once the first block is written
+# (spied on through FileOps.pwrite), so the parent interrupts it mid-run without sleeping.
+_WATCHED = """
+import sys
+from fastckpt.io.ops import FileOps
+from fastckpt.cli import main
+real = FileOps.pwrite
+said = []
+def pwrite(self, fd, data, offset):
+    n = real(self, fd, data, offset)
+    if not said:
+        said.append(1)
+        print("started", flush=True)
+    return n
+FileOps.pwrite = pwrite
+engine = sys.argv[2]
+if engine == "processes":  # spawned workers do not inherit the spy: announce at the start barrier
+    from fastckpt.cli import bench_io
+    go = bench_io.Phase.go
+    def announced(self):
+        t = go(self)
+        print("started", flush=True)
+        return t
+    bench_io.Phase.go = announced
+sys.exit(main(["bench", "--dir", sys.argv[1], "--workers", "2", "--size", "16MiB", "--block-size", "1MiB",
+               "--duration", "60s", "--engine", engine]))
+"""
+
+
+def test_two_nodes_through_torchrun(tmp_path) -> None:
+    """Two gloo processes on one machine stand for two nodes: both ranks' workers count."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "fastckpt.cli", "bench", "--dir", str(tmp_path), "--workers", "1", "--size", "8MiB",
+           "--block-size", "1MiB", "--verify", "--json"]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    d = json.loads(out.stdout)  # rank 0 prints; rank 1 prints nothing
+    assert d["world_size"] == 2
+    assert sorted((w["op"], w["rank"]) for w in d["workers"]) == [("read", 0), ("read", 1), ("write", 0), ("write", 1)]
+    assert d["write_bytes"] == 2 * (8 << 20)
+    assert leftovers(tmp_path) == []

@@ -1,0 +1,137 @@
+"""fastckpt drill for real: SIGKILLed jobs, restarts, byte-exact restores, RTO and RPO.
+
+The CI drill: 10 trials of the built-in job with a small state through a POSIX burst buffer.
+Then the lost node (--lose-local) on POSIX and on S3 (SeaweedFS), a user's own job, and a
+job whose checkpoint is damaged (the drill must count it as a corrupt load and fail).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+from fastckpt.cli import cli
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+USER_JOB = os.path.join(HERE, "_drill_user_job.py")
+
+
+def drill(*args: str) -> tuple[int, dict]:
+    r = CliRunner().invoke(cli, ["drill", "--json", *args])
+    assert r.exit_code in (0, 1), r.output
+    return r.exit_code, json.loads(r.stdout)
+
+
+def builtin(tmp_path, trials: int, *args: str) -> tuple[int, dict]:
+    return drill("--trials", str(trials), "--state-size", "8MiB", "--every", "3", "--step-time", "20ms",
+                 "--seed", "7", "--dir", str(tmp_path / "home"), *args)
+
+
+def test_ci_drill_ten_kills_through_a_burst_buffer(tmp_path) -> None:
+    code, d = builtin(tmp_path, 10, "--local-dir", str(tmp_path / "bb"))
+    assert code == 0, d
+    assert (d["trials"], d["run"], d["restored"], d["corrupt_loads"]) == (10, 10, 10, 0)
+    assert d["passed"] and d["error"] is None and d["logs"] is None
+    for key in ("rto_seconds", "rpo_steps"):
+        assert set(d[key]) == {"min", "median", "max"}
+        assert 0 <= d[key]["min"] <= d[key]["median"] <= d[key]["max"]
+    for row in d["rows"]:
+        # never older than what was durable when the job died, never newer than where it was
+        assert row["durable_step"] <= row["restored_step"] <= row["killed_at_step"]
+        assert row["rpo_steps"] == row["killed_at_step"] - row["restored_step"]
+        assert row["hit"] and row["aimed"] in ("snapshot", "write", "commit", "replicate", "idle")
+    assert sum(d["phases_hit"].values()) >= 10
+
+
+def test_lost_node_restores_from_the_durable_home(tmp_path) -> None:
+    code, d = builtin(tmp_path, 3, "--local-dir", str(tmp_path / "bb"), "--lose-local")
+    assert code == 0, d
+    assert d["restored"] == 3 and d["corrupt_loads"] == 0
+    assert {row["source"] for row in d["rows"]} == {"path"}  # never the wiped burst buffer
+
+
+def test_lost_node_restores_from_s3(tmp_path, s3_server, s3_bucket) -> None:
+    opts = json.dumps(s3_server.storage_options())
+    code, d = drill("--trials", "3", "--state-size", "8MiB", "--every", "3", "--step-time", "20ms",
+                    "--dir", f"s3://{s3_bucket}/drill", "--local-dir", str(tmp_path / "bb"), "--lose-local",
+                    "--storage-options", opts)
+    assert code == 0, d
+    assert d["restored"] == 3 and d["corrupt_loads"] == 0
+    assert {row["source"] for row in d["rows"]} == {"remote"}
+
+
+def test_a_users_job(tmp_path) -> None:
+    code, d = drill("--trials", "2", "--dir", str(tmp_path / "home"), "--local-dir", str(tmp_path / "bb"),
+                    "--min-run", "2s", "--max-run", "3s", "--seed", "3", "--", sys.executable, USER_JOB)
+    assert code == 0, d
+    assert d["restored"] == 2 and d["corrupt_loads"] == 0
+    for row in d["rows"]:
+        assert row["restored_step"] % 5 == 0 and 0 <= row["rpo_steps"]
+        assert row["rto_s"] > 0
+
+
+def test_a_damaged_checkpoint_counts_as_a_corrupt_load_and_fails(tmp_path) -> None:
+    import torch
+
+    import fastckpt
+
+    home = tmp_path / "home"
+    path = str(home / "step-00000001.pt")
+    with fastckpt.Checkpointer() as ck:
+        ck.save({"w": torch.arange(1 << 16), "step": 1}, path).wait()
+    with open(path, "r+b") as f:  # one flipped byte in the tensor's data
+        f.seek(4096 + 10)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0xFF]))
+    idle = [sys.executable, "-c", "import time; time.sleep(3600)"]  # the job: killed, restarted, killed...
+    code, d = drill("--trials", "1", "--dir", str(home), "--min-run", "0.5s", "--max-run", "1s", "--", *idle)
+    assert code == 1
+    assert d["corrupt_loads"] == 1 and d["restored"] == 0
+    assert "CorruptCheckpointError" in d["rows"][0]["error"]
+    assert d["logs"] and os.path.isdir(d["logs"])  # kept for the post-mortem
+    shutil.rmtree(d["logs"])
+
+
+@pytest.mark.parametrize("args, msg", [
+    (["--dir", "{tmp}/h", "--lose-local"], "--local-dir"),
+    (["--dir", "s3://bucket/x"], "URL"),
+    (["--dir", "{tmp}/h", "--min-run", "9s", "--max-run", "1s"], "--min-run"),
+])
+def test_bad_usage_exits_2(tmp_path, args: list[str], msg: str) -> None:
+    r = CliRunner().invoke(cli, ["drill", *[a.format(tmp=tmp_path) for a in args]])
+    assert r.exit_code == 2 and msg in r.output
+
+
+def test_the_built_in_job_needs_an_empty_home(tmp_path) -> None:
+    import torch
+
+    import fastckpt
+
+    fastckpt.Checkpointer().save({"x": torch.zeros(4)}, str(tmp_path / "old.pt")).wait()
+    r = CliRunner().invoke(cli, ["drill", "--dir", str(tmp_path)])
+    assert r.exit_code == 2 and "already holds a checkpoint" in r.output
+
+
+def test_a_job_that_dies_on_restart_ends_the_drill_with_its_log(tmp_path, monkeypatch) -> None:
+    from fastckpt.cli import drill_run
+
+    real, starts = drill_run.Drill._job_argv, []
+
+    def argv(self, events_path: str, probe: bool = False) -> list[str]:
+        starts.append(probe)
+        if len(starts) == 1:
+            return real(self, events_path, probe)
+        return [sys.executable, "-c", "import sys; print('cannot start', file=sys.stderr); sys.exit(5)"]
+
+    monkeypatch.setattr(drill_run.Drill, "_job_argv", argv)
+    code, d = builtin(tmp_path, 2)
+    assert code == 1 and d["restored"] == 0
+    assert "the job exited with 5" in d["error"] and "cannot start" in d["error"]
+    assert os.path.isdir(d["logs"])
+    shutil.rmtree(d["logs"])

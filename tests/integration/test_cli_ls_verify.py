@@ -1,0 +1,150 @@
+"""fastckpt ls and verify on real checkpoints: files and groups, an incomplete group, burst
+buffer copies (replicated, local only), damaged, truncated and missing files, and S3."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+import fastckpt
+from fastckpt.cli import cli
+from fastckpt.errors import CommitTimeoutError
+
+
+def run(*args: str):
+    return CliRunner().invoke(cli, list(args))
+
+
+def state(step: int) -> dict:
+    return {"w": torch.full((1 << 16,), float(step)), "step": step}
+
+
+def flip_byte(path: str, offset: int = 4096 + 7) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+def save_group(ck: fastckpt.Checkpointer, group: str, step: int) -> None:
+    for name in ("a.pt", "b.pt"):
+        ck.save(state(step), f"{group}/{name}", group=group)
+    ck.commit(group, step=step).wait()
+
+
+@pytest.fixture
+def home(tmp_path) -> str:
+    """Two single files, a committed group (step 5), and a group whose commit never finished."""
+    h = str(tmp_path / "home")
+    with fastckpt.Checkpointer() as ck:
+        ck.save(state(1), f"{h}/one.pt").wait()
+        ck.save(state(2), f"{h}/two.pt").wait()
+        save_group(ck, f"{h}/step-5", 5)
+    # rank 0 of 2: its marker is written, rank 1 never commits, so no manifest is published
+    with fastckpt.Checkpointer(rank=0, world_size=2, commit_timeout_s=0.2) as ck:
+        ck.save(state(9), f"{h}/step-9/a.pt", group=f"{h}/step-9")
+        with pytest.raises(CommitTimeoutError):
+            ck.commit(f"{h}/step-9").wait()
+    return h
+
+
+def test_ls_lists_complete_and_incomplete_and_latest(home: str) -> None:
+    r = run("ls", home, "--json")
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    got = {e["name"]: (e["kind"], e["status"], e["step"], e["files"], e["latest"]) for e in d["checkpoints"]}
+    assert got == {"one.pt": ("file", "complete", None, 1, False), "two.pt": ("file", "complete", None, 1, False),
+                   "step-5": ("group", "complete", 5, 2, True), "step-9": ("group", "incomplete", None, 1, False)}
+    assert d["latest"] == f"{home}/step-5"
+    sizes = {e["name"]: e["bytes"] for e in d["checkpoints"]}
+    assert sizes["step-5"] == sum(os.path.getsize(f"{home}/step-5/{n}") for n in ("a.pt", "b.pt"))
+    table = run("ls", home).stdout
+    assert "incomplete" in table and "<- latest" in table and "step-5" in table
+
+
+def test_ls_marks_replicated_and_local_only(tmp_path) -> None:
+    home, bb = str(tmp_path / "home"), str(tmp_path / "bb")
+    with fastckpt.Checkpointer(local_dir=bb) as ck:
+        ck.save(state(1), f"{home}/one.pt").wait()
+        ck.save(state(2), f"{home}/two.pt").wait()
+        save_group(ck, f"{home}/step-3", 3)
+    os.unlink(f"{home}/two.pt")  # the durable copy is gone: only the burst buffer holds it
+    d = json.loads(run("ls", home, "--local-dir", bb, "--json").stdout)
+    got = {e["name"]: e["status"] for e in d["checkpoints"]}
+    assert got == {"one.pt": "replicated", "two.pt": "local only", "step-3": "replicated"}
+
+
+def test_ls_of_an_empty_directory_exits_1(tmp_path) -> None:
+    r = run("ls", str(tmp_path))
+    assert r.exit_code == 1
+
+
+def test_verify_intact(home: str) -> None:
+    r = run("verify", home, "--json")
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    assert (d["checkpoints"], d["checked"], d["bad"]) == (3, 4, [])
+    assert d["incomplete"] == [f"{home}/step-9"]
+    assert run("verify", f"{home}/one.pt").exit_code == 0  # a single file
+    assert run("verify", f"{home}/step-5").exit_code == 0  # a group
+    latest = json.loads(run("verify", home, "--latest", "--json").stdout)
+    assert [f["checkpoint"] for f in latest["files"]] == [f"{home}/step-5"] * 2
+
+
+def test_verify_names_each_bad_or_missing_file(home: str) -> None:
+    flip_byte(f"{home}/step-5/a.pt")
+    os.unlink(f"{home}/step-5/b.pt")
+    flip_byte(f"{home}/two.pt")
+    r = run("verify", home)
+    assert r.exit_code == 1
+    assert f"BAD {home}/step-5/a.pt: checksum" in r.stderr
+    assert f"BAD {home}/step-5/b.pt: missing" in r.stderr
+    assert f"BAD {home}/two.pt: checksum" in r.stderr
+    assert f"{home}/one.pt" not in r.stderr
+    assert "1 of 4 files intact" in r.stdout
+
+
+def test_verify_catches_a_truncated_group_file(home: str) -> None:
+    path = f"{home}/step-5/a.pt"
+    size = os.path.getsize(path)
+    with open(path, "r+b") as f:
+        f.truncate(size - 100)
+    r = run("verify", f"{home}/step-5", "--json")
+    assert r.exit_code == 1
+    (bad,) = json.loads(r.stdout)["bad"]
+    assert bad["path"] == path
+
+
+def test_verify_with_nothing_to_check_exits_1(tmp_path) -> None:
+    assert run("verify", str(tmp_path)).exit_code == 1
+
+
+def test_ls_and_verify_at_a_url(tmp_path, s3_server, s3_bucket) -> None:
+    opts = s3_server.storage_options()
+    url = f"s3://{s3_bucket}/ckpts"
+    with fastckpt.Checkpointer(local_dir=str(tmp_path / "bb"), storage_options=opts) as ck:
+        ck.save(state(1), f"{url}/one.pt").wait()
+        save_group(ck, f"{url}/step-4", 4)
+    o = json.dumps(opts)
+    d = json.loads(run("ls", url, "--storage-options", o, "--json").stdout)
+    got = {e["name"]: (e["kind"], e["status"], e["step"]) for e in d["checkpoints"]}
+    assert got == {"one.pt": ("file", "complete", None), "step-4": ("group", "complete", 4)}
+    assert sum(e["latest"] for e in d["checkpoints"]) == 1
+    d = json.loads(run("ls", url, "--storage-options", o, "--local-dir", str(tmp_path / "bb"), "--json").stdout)
+    assert {e["name"]: e["status"] for e in d["checkpoints"]} == {"one.pt": "replicated", "step-4": "replicated"}
+    r = run("verify", url, "--storage-options", o, "--json")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["checked"] == 3
+    client = s3_server.client()
+    key = "ckpts/step-4/b.pt"
+    body = bytearray(client.get_object(Bucket=s3_bucket, Key=key)["Body"].read())
+    body[4096 + 3] ^= 0xFF
+    client.put_object(Bucket=s3_bucket, Key=key, Body=bytes(body))
+    r = run("verify", url, "--storage-options", o)
+    assert r.exit_code == 1
+    assert f"BAD {url}/step-4/b.pt" in r.stderr and "checksum" in r.stderr

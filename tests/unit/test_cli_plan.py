@@ -1,0 +1,243 @@
+"""fastckpt plan: the worked examples of docs/plan.md against hand-computed values, the tier
+model, Young/Daly, the verdict and exit codes, and --from-run on a real run's event log."""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+import fastckpt
+from fastckpt.cli import cli
+from fastckpt.cli import sizing
+from fastckpt.cli._common import parse_bandwidth, parse_count, parse_duration, parse_size
+from fastckpt.cli.runlog import profile, read_events
+
+TB, GB = 1e12, 1e9
+
+
+def invoke(*args: str):
+    return CliRunner().invoke(cli, ["plan", *args])
+
+
+# ---------------------------------------------------------------- units
+@pytest.mark.parametrize("text, want", [("70B", 70e9), ("7e9", 7e9), ("1.5T", 1.5e12), ("350M", 350e6), ("12", 12)])
+def test_counts(text: str, want: float) -> None:
+    assert parse_count(text) == want
+
+
+@pytest.mark.parametrize("text, want", [("1.4TB", 1.4e12), ("8MiB", 8 << 20), ("1GiB", 1 << 30), ("4096", 4096),
+                                        ("2GB", 2e9)])
+def test_sizes_are_si_unless_binary(text: str, want: int) -> None:
+    assert parse_size(text) == want
+
+
+@pytest.mark.parametrize("text, want", [("10GB/s", 10e9), ("2.5GiB/s", 2.5 * 2**30), ("400Gb/s", 50e9),
+                                        ("400Gbps", 50e9), ("100 MB/s", 100e6)])
+def test_bandwidths(text: str, want: float) -> None:
+    assert parse_bandwidth(text) == want
+
+
+@pytest.mark.parametrize("text, want", [("2h", 7200), ("90m", 5400), ("1h30m", 5400), ("60s", 60), ("500ms", 0.5),
+                                        ("30d", 30 * 86400), ("45", 45)])
+def test_durations(text: str, want: float) -> None:
+    assert parse_duration(text) == want
+
+
+@pytest.mark.parametrize("parse, text", [(parse_size, "8M"), (parse_size, "lots"), (parse_bandwidth, "10GB"),
+                                         (parse_duration, "2 fortnights"), (parse_count, "70X")])
+def test_unreadable_units_say_how_to_write_them(parse, text: str) -> None:
+    with pytest.raises(ValueError, match="write e.g."):
+        parse(text)
+
+
+# ---------------------------------------------------------------- the worked examples
+def test_70b_mixed_adam_is_1_12_tb() -> None:
+    assert sizing.PRESETS["mixed-adam"][0] == 2 + 2 + 4 + 4 + 4
+    assert sizing.state_bytes(70e9, 16) == pytest.approx(1.12 * TB)
+
+
+def test_presets_bytes_per_param() -> None:
+    assert {k: v[0] for k, v in sizing.PRESETS.items()} == {"mixed-adam": 16, "no-grads": 14, "weights-bf16": 2,
+                                                            "fp8-adam": 11}
+
+
+def test_1_4_tb_at_10_gbps_takes_140_s() -> None:
+    p = sizing.plan(sizing.PlanInputs(state_bytes=1.4 * TB, bandwidth_Bps=10 * GB))
+    assert p.write_s == pytest.approx(140.0)
+
+
+@pytest.mark.parametrize("budget_s, need", [(60, 20 * GB), (30, 40 * GB)])
+def test_1_2_tb_in_60_or_30_s_needs_20_or_40_gbps(budget_s: float, need: float) -> None:
+    p = sizing.plan(sizing.PlanInputs(state_bytes=1.2 * TB, bandwidth_Bps=10 * GB, budget_s=budget_s, gpus=64))
+    assert p.required_write_Bps == pytest.approx(need)
+    assert p.required_write_Bps_per_node == pytest.approx(need / 8)
+
+
+def test_every_2h_for_30_days_is_360_checkpoints_and_140_s_each_is_14_h() -> None:
+    p = sizing.plan(sizing.PlanInputs(state_bytes=1.4 * TB, bandwidth_Bps=10 * GB, interval_s=7200, days=30,
+                                      gpus=1024, gpu_hour_cost=2.0))
+    s = p.synchronous
+    assert p.checkpoints == pytest.approx(360)
+    assert s.campaign_stall_hours == pytest.approx(14.0)
+    assert s.overhead_fraction == pytest.approx(140 / 7200)  # 1.94 %: within the 2 % budget
+    assert s.passed
+    assert s.campaign_gpu_hours_lost == pytest.approx(14.0 * 1024)
+    assert s.campaign_cost_lost == pytest.approx(14.0 * 1024 * 2.0)
+
+
+def test_state_per_node_and_per_gpu() -> None:
+    p = sizing.plan(sizing.PlanInputs(state_bytes=1.12 * TB, bandwidth_Bps=10 * GB, gpus=1024, gpus_per_node=8))
+    assert (p.nodes, p.state_bytes_per_node, p.state_bytes_per_gpu) == (128, pytest.approx(8.75 * GB),
+                                                                       pytest.approx(1.09375 * GB))
+
+
+# ---------------------------------------------------------------- fastckpt's tiers
+def test_fastckpt_stalls_for_the_snapshot_and_drains_in_the_background() -> None:
+    # 1.12 TB on 1024 GPUs: 1.09375 GB per GPU at 20 GB/s is 0.0547 s of stall
+    p = sizing.plan(sizing.PlanInputs(state_bytes=1.12 * TB, bandwidth_Bps=10 * GB, gpus=1024,
+                                      local_bandwidth_Bps=5 * GB, snapshot_bandwidth_Bps=20 * GB))
+    f = p.fastckpt
+    assert f.snapshot_s == pytest.approx(1.09375 / 20)
+    assert f.local_write_s == pytest.approx(8.75 / 5)  # per node: 8.75 GB at 5 GB/s
+    assert f.drain_s == pytest.approx(112.0)
+    assert f.drain_required_Bps == pytest.approx(1.12 * TB / 7200)
+    assert f.overhead_fraction == pytest.approx(f.snapshot_s / 7200)
+    assert f.passed and p.passed
+
+
+def test_a_drain_longer_than_the_interval_says_by_how_much_bandwidth_falls_short() -> None:
+    p = sizing.plan(sizing.PlanInputs(state_bytes=1.44 * TB, bandwidth_Bps=0.1 * GB, interval_s=3600, gpus=64))
+    f = p.fastckpt
+    assert f.drain_s == pytest.approx(14400)
+    assert f.drain_shortfall_Bps == pytest.approx(0.4 * GB - 0.1 * GB)
+    assert not f.passed and not p.passed
+    assert any("falls short by 0.3 GB/s" in x for x in f.problems)
+    assert any("0.4 GB/s" in x and "4 h" in x for x in f.advice)
+
+
+def test_the_smallest_change_names_the_bandwidth_and_the_interval_that_meet_the_budget() -> None:
+    p = sizing.plan(sizing.PlanInputs(state_bytes=1.4 * TB, bandwidth_Bps=1 * GB, interval_s=3600, gpus=64))
+    s = p.synchronous
+    assert not s.passed
+    # 1400 s per checkpoint; 2 % of 3600 s is 72 s: 1400 / 72 = 19.44x
+    assert "19.44 GB/s" in s.advice[0] and "19.44 h" in s.advice[0]
+    assert "fastckpt stalls" in s.advice[1]  # the async tier meets it here
+
+
+def test_young_daly_with_mtbf_per_node_or_per_job() -> None:
+    per_node = sizing.plan(sizing.PlanInputs(state_bytes=1.4 * TB, bandwidth_Bps=10 * GB, gpus=64, mtbf_s=8 * 86400,
+                                             mtbf_per="node"))
+    per_job = sizing.plan(sizing.PlanInputs(state_bytes=1.4 * TB, bandwidth_Bps=10 * GB, gpus=64, mtbf_s=86400,
+                                            mtbf_per="job"))
+    assert per_node.job_mtbf_s == per_job.job_mtbf_s == 86400  # 8 nodes: a node's 8 days is the job's 1 day
+    assert per_node.synchronous.young_daly_interval_s == pytest.approx(math.sqrt(2 * 140 * 86400))  # 4918.5 s
+    assert per_node.synchronous.campaign_failures == pytest.approx(30)
+    assert per_node.synchronous.campaign_rework_gpu_hours == pytest.approx(30 * 1.0 * 64)  # half of 2 h each
+
+
+def test_inputs_are_validated() -> None:
+    with pytest.raises(ValueError, match="mtbf_per"):
+        sizing.PlanInputs(state_bytes=1, bandwidth_Bps=1, mtbf_per="rack")
+    with pytest.raises(ValueError, match="bandwidth_Bps"):
+        sizing.PlanInputs(state_bytes=1, bandwidth_Bps=0)
+
+
+# ---------------------------------------------------------------- the command
+def test_json_keys_and_exit_0() -> None:
+    r = invoke("--params", "70B", "--preset", "mixed-adam", "--gpus", "1024", "--bandwidth", "10GB/s",
+               "--mtbf", "5000h", "--json")
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    for key in ("state_bytes", "write_seconds", "required_write_Bps", "overhead_fraction", "campaign_stall_hours",
+                "campaign_gpu_hours_lost", "young_daly_interval_seconds"):
+        assert key in d
+    assert d["state_bytes"] == pytest.approx(1.12e12)
+    assert d["write_seconds"] == pytest.approx(112)
+    assert d["job_mtbf_seconds"] == pytest.approx(5000 * 3600 / 128)
+    assert d["young_daly_interval_seconds"] == pytest.approx(math.sqrt(2 * 112 * 5000 * 3600 / 128))
+    assert d["fastckpt"]["passed"] and d["passed"]
+
+
+def test_table_shows_both_strategies_and_the_verdict() -> None:
+    r = invoke("--state-size", "1.4TB", "--bandwidth", "10GB/s", "--gpus", "64")
+    assert r.exit_code == 0, r.output
+    for text in ("1.4 TB", "140 s", "synchronous", "fastckpt", "PASS", "GB = 1e9"):
+        assert text in r.stdout
+
+
+def test_a_missed_budget_exits_1_with_the_fix() -> None:
+    r = invoke("--state-size", "1.4TB", "--bandwidth", "0.1GB/s", "--interval", "1h", "--gpus", "8")
+    assert r.exit_code == 1
+    assert "MISS" in r.stdout and "falls short" in r.stdout
+
+
+@pytest.mark.parametrize("args", [["--params", "70B", "--state-size", "1TB", "--bandwidth", "1GB/s"],
+                                  ["--params", "70B"],  # no bandwidth
+                                  ["--bandwidth", "1GB/s"],  # no state
+                                  ["--params", "seventy", "--bandwidth", "1GB/s"],
+                                  ["--params", "70B", "--preset", "mixed-adam", "--bytes-per-param", "3",
+                                   "--bandwidth", "1GB/s"]])
+def test_bad_usage_exits_2(args: list[str]) -> None:
+    assert invoke(*args).exit_code == 2
+
+
+def test_help() -> None:
+    r = invoke("--help")
+    assert r.exit_code == 0 and "--mtbf-per" in r.stdout and "mixed-adam 16 B" in r.stdout
+
+
+# ---------------------------------------------------------------- --from-run
+@pytest.fixture(scope="module")
+def run_log(tmp_path_factory) -> str:
+    """A real run: three checkpoints of a group of two files through a burst buffer."""
+    d = tmp_path_factory.mktemp("run")
+    log = str(d / "events.jsonl")
+    with fastckpt.Checkpointer(local_dir=str(d / "bb"), event_log=log) as ck:
+        for step in (1, 2, 3):
+            group = str(d / "home" / f"step-{step}")
+            for name in ("a.pt", "b.pt"):
+                ck.save({"w": torch.full((1 << 18,), step, dtype=torch.float32)}, f"{group}/{name}", group=group)
+            ck.commit(group, step=step).wait()
+    return log
+
+
+def test_profile_of_a_real_event_log(run_log: str) -> None:
+    events = read_events(run_log)
+    prof = profile(events)
+    commits = [e for e in events if e.name == "commit" and e.detail == "group"]
+    assert prof.checkpoints == 3 and prof.ranks == 1
+    assert prof.state_bytes == statistics.median(e.bytes for e in commits)  # both files of a group, as committed
+    assert prof.write_tier == "nvme"
+    assert prof.snapshot_Bps > 0 and prof.write_Bps > 0 and prof.replicate_Bps > 0
+
+
+def test_from_run_fills_in_the_measured_values(run_log: str) -> None:
+    prof = profile(read_events(run_log))
+    r = invoke("--from-run", run_log, "--json")
+    assert r.exit_code in (0, 1), r.output
+    d = json.loads(r.stdout)
+    assert d["state_bytes"] == prof.state_bytes
+    assert d["gpus"] == 1
+    assert d["inputs"]["bandwidth_Bps"] == pytest.approx(prof.replicate_Bps)
+    assert d["inputs"]["snapshot_bandwidth_Bps"] == pytest.approx(prof.snapshot_Bps)
+    assert d["inputs"]["local_bandwidth_Bps"] == pytest.approx(prof.write_Bps)
+    assert d["measured"]["checkpoints"] == 3
+    # flags win over measurements
+    d2 = json.loads(invoke("--from-run", run_log, "--bandwidth", "5GB/s", "--json").stdout)
+    assert d2["inputs"]["bandwidth_Bps"] == 5e9
+
+
+def test_a_torn_last_line_is_skipped_and_a_bad_middle_line_is_named(tmp_path, run_log: str) -> None:
+    lines = open(run_log).read().splitlines()
+    torn = tmp_path / "torn.jsonl"
+    torn.write_text("\n".join(lines) + '\n{"name": "snap')
+    assert len(read_events(str(torn))) == len(lines)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(lines[0] + "\nnot json\n" + lines[1] + "\n")
+    r = invoke("--from-run", str(bad))
+    assert r.exit_code == 2 and "bad.jsonl:2" in r.output
