@@ -27,6 +27,9 @@ from .records import SaveRecord
 from .staging import StagingPool
 
 log = logging.getLogger("fastckpt")
+#: Block digests listed in a file's manifest at most (16 hex digits each: 48,000 of the zip
+#: comment's 65,535 bytes; files up to 46.9 GiB). Larger files list none: readers verify them whole.
+MAX_LISTED_BLOCKS = 3000
 
 
 def reraise(exc: BaseException, path: str, renamed: bool = False) -> None:
@@ -51,21 +54,26 @@ class Pipeline:
         self._monitor, self._emit = monitor, emit
         self._swept: set[str] = set()
 
-    def manifest(self, rec: SaveRecord, layout: F.FileLayout, digest: str) -> dict:
+    def manifest(self, rec: SaveRecord, layout: F.FileLayout, digest: str, blocks: list[int] = ()) -> dict:
+        """The file's manifest; ``blocks`` (the checksum's block digests) are listed as one hex
+        string when they fit the zip comment, so a reader of part of the file can verify the
+        blocks it reads (docs/format.md)."""
         from . import __version__
 
         rel = None
         if rec.group:
             rel = rec.path[len(rec.group):].lstrip("/" + os.sep)
         return {"format": F.FORMAT_VERSION, "kind": "file", "covered": layout.covered_bytes,
-                "checksum": {"algo": "xxh3_64-tree-16MiB", "value": digest}, "rank": rec.rank,
+                "checksum": {"algo": "xxh3_64-tree-16MiB", "value": digest,
+                             **({"blocks": "".join(f"{b:016x}" for b in blocks)}
+                                if 0 < len(blocks) <= MAX_LISTED_BLOCKS else {})}, "rank": rec.rank,
                 "group": rec.group.rstrip("/").rsplit("/", 1)[-1] if rec.group else None,
                 "group_rel": rel, "tier": rec.tier, "payload_bytes": layout.payload_bytes,
                 "written_at": time.time(), "blocked_s": round(rec.blocked_s, 6),
                 "versions": {"fastckpt": __version__, "torch": F.torch_version()}}
 
-    def _tail(self, base: SaveRecord, layout: F.FileLayout, digest: str) -> bytes:
-        body = F.comment_bytes(self.manifest(base, layout, digest))
+    def _tail(self, base: SaveRecord, layout: F.FileLayout, digest: str, blocks: list[int] = ()) -> bytes:
+        body = F.comment_bytes(self.manifest(base, layout, digest, blocks))
         return F.comment_length_field(len(body)) + body
 
     def _sweep(self, directory: str) -> None:
@@ -96,7 +104,7 @@ class Pipeline:
             self._ops.makedirs(os.path.dirname(dest))
             self._sweep(os.path.dirname(dest))
             res = write_file(self._ops, self._io, tmp, snap.buffer.view, layout.covered_bytes,
-                             lambda digest: self._tail(base(), layout, digest),
+                             lambda digest, blocks: self._tail(base(), layout, digest, blocks),
                              chunk_bytes=self._cfg.chunk_bytes, odirect=odirect,
                              ready=progress.wait_for if progress is not None else None)
         except BaseException as exc:
