@@ -128,6 +128,12 @@ class MegatronSave:
     bytes: int
     handle: SaveHandle
 
+    def durable_s(self, timeout: float | None = None) -> float | None:
+        """Seconds from ``async_save`` to the committed group (waits for it); None when the
+        save was superseded before it reached its home."""
+        rec = self.handle.wait(timeout)
+        return None if rec.durable_s is None else self.blocked_s + rec.durable_s
+
 
 @dataclass(frozen=True)
 class LoadReport:
