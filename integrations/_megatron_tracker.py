@@ -218,12 +218,8 @@ def await_commit(job: Job) -> None:
             if w.error is not None:  # type: ignore[union-attr]
                 raise w.error  # type: ignore[union-attr]
             return
-        if not local:
-            manifest = _manifest(job.group)
-            if manifest is not None and manifest.get("megatron_save") == job.save_id:
-                return
-            if any(n.endswith(".superseded") for n in _notes(job.group, job.save_id)):
-                return
+        if not local and committed(job):
+            return
         failed = failures(job)
         if failed:
             raise CheckpointWriteError(f"saving {job.group} failed on another rank: {'; '.join(failed)}. This "
@@ -236,6 +232,15 @@ def await_commit(job: Job) -> None:
         else:
             time.sleep(delay)  # another process: the files are the only signal
         delay = min(delay * 2, 0.2)
+
+
+def committed(job: Job) -> bool:
+    """True once ``job``'s group manifest is published (or the save was dropped by coalescing
+    replication, which a note says)."""
+    manifest = _manifest(job.group)
+    if manifest is not None and manifest.get("megatron_save") == job.save_id:
+        return True
+    return any(n.endswith(".superseded") for n in _notes(job.group, job.save_id))
 
 
 def _manifest(group: str) -> dict | None:

@@ -212,7 +212,11 @@ class FastCkptSaveStrategy(AsyncSaveShardedStrategy):
 
 def _finalize(watch: T.Watch) -> None:
     """Megatron's finalize step (every rank, training thread, after every rank's async part):
-    raise this save's failure, if any, before megatron writes metadata.json and the tracker."""
+    raise this save's failure, if any, before megatron writes metadata.json and the tracker.
+
+    It does not wait for this rank's commit handle once the group is committed: on ranks other
+    than 0 the handle resolves when its poll sees the manifest, which may be a moment later.
+    """
     try:
         failed = T.failures(watch.job)
         if watch.error is not None:
@@ -221,8 +225,9 @@ def _finalize(watch: T.Watch) -> None:
             raise CheckpointWriteError(
                 f"saving {watch.job.group} failed on another rank: {'; '.join(failed)}; the checkpoint is "
                 "incomplete and the previous one is intact")
-        rec = watch.handle.wait(watch.job.timeout_s)
-        if rec.superseded:
+        if not watch.done.is_set() and not T.committed(watch.job):
+            watch.handle.wait(watch.job.timeout_s)  # its async part was never run: wait here
+        if watch.record is not None and watch.record.superseded:
             log.warning("fastckpt: %s was superseded before it reached its home (replicate_policy='coalesce')",
                         watch.job.group)
     finally:
