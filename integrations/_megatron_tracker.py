@@ -18,7 +18,6 @@ rank's commit fails) end every rank's wait at once instead of at the commit time
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re

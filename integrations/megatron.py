@@ -34,87 +34,51 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
 
 import torch
 from megatron.core.dist_checkpointing.core import CONFIG_FNAME, CheckpointingConfig
-from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace, nested_values
-from megatron.core.dist_checkpointing.mapping import (
-    CheckpointingException,
-    ShardedObject,
-    ShardedStateDict,
-    ShardedTensor,
-    StateDict,
-)
+from megatron.core.dist_checkpointing.dict_utils import nested_values
+from megatron.core.dist_checkpointing.mapping import ShardedStateDict
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
 from megatron.core.dist_checkpointing.strategies.base import (
     AsyncSaveShardedStrategy,
-    LoadShardedStrategy,
     StrategyAction,
     register_default_strategy,
 )
 from megatron.core.dist_checkpointing.strategies.common import COMMON_STATE_FNAME
 
 from fastckpt import Checkpointer, SaveHandle
-from fastckpt.errors import CheckpointWriteError, ConfigError, CorruptCheckpointError
+from fastckpt.errors import CheckpointWriteError
 from fastckpt.io.ops import FileOps
 
 from . import _megatron_tracker as T
-from ._megatron_compat import is_url, normalize, publish_bytes, read_group_manifest, incomplete_group_error
-from ._megatron_layout import Index, ReshardingError, SavedTensor, byte_range, index_body, plan_tensor, shard_view
-from ._megatron_layout import split_rank_state, tensor_box
-from ._megatron_read import VerifiedFile, ensure_all
+from ._megatron_common import (
+    BACKEND,
+    INDEX_FILE,
+    OBJECT_FILE,
+    TENSOR_FILE,
+    VERSION,
+    CheckpointerSource,
+    checkpoint_group,
+    default_checkpointer,
+    rank_world,
+    resolve,
+)
+from ._megatron_compat import publish_bytes
+from ._megatron_layout import ReshardingError, index_body, split_rank_state
+from ._megatron_load import FastCkptLoadStrategy, LoadReport
 from ._megatron_tracker import TRACKER, advance_tracker, newest_complete_iteration, read_tracker, sync_tracker
 
 __all__ = [
     "BACKEND", "VERSION", "TRACKER", "FastCkptSaveStrategy", "FastCkptLoadStrategy", "MegatronSave", "LoadReport",
-    "ReshardingError", "register", "advance_tracker", "sync_tracker", "read_tracker", "newest_complete_iteration",
+    "ReshardingError", "register", "default_checkpointer", "advance_tracker", "sync_tracker", "read_tracker",
+    "newest_complete_iteration",
 ]
 
 log = logging.getLogger("fastckpt.megatron")
-
-BACKEND, VERSION = "fastckpt", 1
-INDEX_FILE = "fastckpt-index.pt"
-TENSOR_FILE = "fastckpt-rank{:05d}.pt"
-OBJECT_FILE = "fastckpt-objects-rank{:05d}.pt"
-
-CheckpointerSource = Checkpointer | Callable[[], Checkpointer] | None
-_default: Checkpointer | None = None
-
-
-def default_checkpointer() -> Checkpointer:
-    """The Checkpointer the registered strategies use unless given one (created on first use,
-    so that torch.distributed is initialised by then; closed at exit)."""
-    global _default
-    if _default is None:
-        _default = Checkpointer()
-    return _default
-
-
-def _resolve(source: CheckpointerSource) -> Checkpointer:
-    if source is None:
-        return default_checkpointer()
-    return source if isinstance(source, Checkpointer) else source()
-
-
-def _group(checkpoint_dir: str | Path) -> str:
-    group = normalize(checkpoint_dir)
-    if is_url(group):
-        raise ConfigError(f"{group}: megatron writes common.pt and metadata.json with POSIX calls, so the checkpoint "
-                          "directory must be a path (a mount); for a burst buffer give the Checkpointer local_dir")
-    return group
-
-
-def _rank_world() -> tuple[int, int]:
-    if not torch.distributed.is_initialized():
-        raise ConfigError("megatron's dist_checkpointing needs torch.distributed: call "
-                          "torch.distributed.init_process_group first (gloo works on CPU)")
-    return torch.distributed.get_rank(), torch.distributed.get_world_size()
-
 
 @dataclass(frozen=True)
 class MegatronSave:
@@ -133,18 +97,6 @@ class MegatronSave:
         save was superseded before it reached its home."""
         rec = self.handle.wait(timeout)
         return None if rec.durable_s is None else self.blocked_s + rec.durable_s
-
-
-@dataclass(frozen=True)
-class LoadReport:
-    """One load on this rank: files opened, bytes read from them (verified), bytes the
-    requested shards needed, and the time taken."""
-
-    group: str
-    files: int
-    bytes_read: int
-    bytes_needed: int
-    seconds: float
 
 
 class FastCkptSaveStrategy(AsyncSaveShardedStrategy):
@@ -167,7 +119,7 @@ class FastCkptSaveStrategy(AsyncSaveShardedStrategy):
 
     @property
     def checkpointer(self) -> Checkpointer:
-        return _resolve(self._source)
+        return resolve(self._source)
 
     @property
     def can_handle_sharded_objects(self) -> bool:
@@ -177,15 +129,27 @@ class FastCkptSaveStrategy(AsyncSaveShardedStrategy):
         """Snapshot this rank's shards and return; the files are written and committed in the
         background. Called on every rank (it exchanges the index with all_gather_object)."""
         t0 = time.monotonic()
-        ck, group = self.checkpointer, _group(checkpoint_dir)
-        rank, world = _rank_world()
+        ck, group = self.checkpointer, checkpoint_group(checkpoint_dir)
+        rank, world = rank_world()
         tfile, ofile = TENSOR_FILE.format(rank), OBJECT_FILE.format(rank)
-        tensors, objects, saved_t, saved_o = split_rank_state(list(nested_values(sharded_state_dict)), tfile, ofile)
-        for state, name in ((tensors, tfile), (objects, ofile)):
-            if state:
-                ck.save(state, os.path.join(group, name), group=group)
+        tensors: dict = {}
+        try:
+            tensors, objects, saved_t, saved_o = split_rank_state(list(nested_values(sharded_state_dict)), tfile, ofile)
+            for state, name in ((tensors, tfile), (objects, ofile)):
+                if state:
+                    ck.save(state, os.path.join(group, name), group=group)
+            error = None
+        except Exception as exc:  # every rank must reach the all_gather below, or the others hang in it
+            saved_t, saved_o, error = [], [], exc
         gathered: list = [None] * world
-        torch.distributed.all_gather_object(gathered, (saved_t, saved_o, uuid.uuid4().hex if rank == 0 else None))
+        torch.distributed.all_gather_object(
+            gathered, (saved_t, saved_o, uuid.uuid4().hex if rank == 0 else None, None if error is None else repr(error)))
+        if error is not None:
+            raise error
+        failed = [f"rank {r}: {g[3]}" for r, g in enumerate(gathered) if g[3] is not None]
+        if failed:
+            raise CheckpointWriteError(f"{group} was not saved (nothing is committed; the previous checkpoint is "
+                                       f"intact): {'; '.join(failed)}")
         save_id = gathered[0][2]
         if rank == 0:
             self._save_rank0_files(ck, group, gathered, world)
@@ -204,7 +168,7 @@ class FastCkptSaveStrategy(AsyncSaveShardedStrategy):
         index = index_body([t for g in gathered for t in g[0]], [o for g in gathered for o in g[1]], world)
         ck.save(index, os.path.join(group, INDEX_FILE), group=group)
         common = os.path.join(group, COMMON_STATE_FNAME)
-        if os.path.exists(common):  # written by megatron's common strategy just before us
+        if os.path.exists(common):  # megatron's common strategy torch.saved it a moment ago: trusted
             ck.save(torch.load(common, map_location="cpu", weights_only=False), common, group=group)
         config = CheckpointingConfig(self.backend, self.version)
         publish_bytes(self._ops, os.path.join(group, CONFIG_FNAME), json.dumps(asdict(config)).encode())
@@ -232,166 +196,6 @@ def _finalize(watch: T.Watch) -> None:
                         watch.job.group)
     finally:
         T.forget(watch.job.save_id)
-
-
-class FastCkptLoadStrategy(LoadShardedStrategy):
-    """Loads a fastckpt Megatron checkpoint with any sharding: each rank reads, from every
-    rank's file, only the verified checksum blocks that hold the shards it asks for.
-
-    Args:
-        checkpointer: the Checkpointer to read the index and objects through (or a function
-            returning it, or None for ``default_checkpointer()``).
-        ops: the FileOps the tensor reads go through.
-        weights_only: load ShardedObjects with torch's safe unpickler (as megatron does;
-            register extra types with ``torch.serialization.add_safe_globals``).
-    """
-
-    def __init__(self, checkpointer: CheckpointerSource = None, *, ops: FileOps | None = None,
-                 weights_only: bool = True) -> None:
-        super().__init__()
-        self._source, self._ops, self._weights_only = checkpointer, ops or FileOps(), weights_only
-        self.last_load: LoadReport | None = None
-
-    @property
-    def checkpointer(self) -> Checkpointer:
-        return _resolve(self._source)
-
-    @property
-    def can_handle_sharded_objects(self) -> bool:
-        return True
-
-    def check_backend_compatibility(self, loaded_backend: str) -> None:
-        if loaded_backend != BACKEND:
-            raise CheckpointingException(f"this checkpoint was saved with backend {loaded_backend!r}; "
-                                         f"FastCkptLoadStrategy reads {BACKEND!r} checkpoints")
-
-    def check_version_compatibility(self, loaded_version: int) -> None:
-        if loaded_version > VERSION:
-            raise CheckpointingException(f"this checkpoint has fastckpt format version {loaded_version}; this "
-                                         f"fastckpt reads up to {VERSION}: upgrade fastckpt")
-
-    def _index(self, group: str) -> tuple[dict, Index]:
-        manifest = read_group_manifest(group)
-        if manifest is None:
-            raise incomplete_group_error(group, None)
-        path = os.path.join(group, INDEX_FILE)
-        return manifest, Index.parse(self.checkpointer.load(path), path)
-
-    def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str | Path) -> StateDict:
-        """Load every ShardedTensor and ShardedObject of ``sharded_state_dict``.
-
-        Raises:
-            IncompleteCheckpointError: the checkpoint was never committed.
-            CorruptCheckpointError: bytes that do not match their recorded digests (names the file).
-            ReshardingError: a tensor or object cannot be loaded with the requested layout.
-        """
-        t0, group = time.monotonic(), _group(checkpoint_dir)
-        manifest, index = self._index(group)
-        leaves = list(nested_values(sharded_state_dict))
-        plans = {id(sh): plan_tensor(sh, index) for sh in leaves if isinstance(sh, ShardedTensor)}
-        by_file: dict[str, list[SavedTensor]] = {}
-        for parts in plans.values():
-            for saved, _ in parts:
-                by_file.setdefault(saved.file, []).append(saved)
-        files = sorted(by_file) + ([COMMON_STATE_FNAME] if COMMON_STATE_FNAME in manifest["files"] else [])
-        with ThreadPoolExecutor(self.checkpointer.config.io_threads, thread_name_prefix="fastckpt-mload") as pool:
-            opened = {rel: self._open(group, manifest, rel) for rel in files}
-            records = {rel: vf.records(pool) for rel, vf in opened.items() if rel in by_file}
-            ranges = {rel: [(0, opened[rel].covered)] for rel in files if rel not in by_file}
-            for sh_id, parts in plans.items():
-                for saved, part in parts:
-                    off = _record(records[saved.file], saved, group)
-                    lo, hi = byte_range(saved, part)
-                    ranges.setdefault(saved.file, []).append((off + lo, off + hi))
-            ensure_all({opened[rel]: r for rel, r in ranges.items()}, pool)
-            objects = self._objects(group, index, leaves)
-
-            def fill(sh: object) -> object:
-                if isinstance(sh, ShardedObject):
-                    return objects[sh.unique_key]
-                if not isinstance(sh, ShardedTensor):
-                    return sh
-                return _assemble(sh, plans[id(sh)], opened, records, group)
-
-            dict_list_map_inplace(fill, sharded_state_dict)
-        needed = sum(hi - lo for rel in by_file for lo, hi in ranges[rel])
-        self.last_load = LoadReport(group, len(opened), sum(vf.bytes_read for vf in opened.values()), needed,
-                                    time.monotonic() - t0)
-        return sharded_state_dict
-
-    def _open(self, group: str, manifest: dict, rel: str) -> VerifiedFile:
-        info = manifest["files"].get(rel)
-        if info is None:
-            raise CorruptCheckpointError(f"{os.path.join(group, rel)} is named by the index but not by the checkpoint's "
-                                         "manifest; the checkpoint is damaged: load an earlier one")
-        return VerifiedFile(self._ops, os.path.join(group, rel), info["checksum"],
-                            odirect=self.checkpointer.config.odirect)
-
-    def _objects(self, group: str, index: Index, leaves: list) -> dict[str, object]:
-        wanted = [sh for sh in leaves if isinstance(sh, ShardedObject)]
-        loaded: dict[str, dict] = {}
-        out = {}
-        for sh in wanted:
-            saved = index.objects.get(sh.unique_key)
-            if saved is None:
-                same = sorted(u for u, o in index.objects.items() if o.key == sh.key)
-                raise ReshardingError(
-                    f"ShardedObject {sh.key!r} cannot be loaded as {sh.unique_key}: saved as {same or 'nothing'}. "
-                    "Objects are not resharded; load with the layout they were saved with")
-            if saved.file not in loaded:
-                loaded[saved.file] = self.checkpointer.load(os.path.join(group, saved.file),
-                                                           weights_only=self._weights_only)
-            out[sh.unique_key] = loaded[saved.file][sh.unique_key]
-        return out
-
-    def load_tensors_metadata(self, checkpoint_dir: str | Path) -> ShardedStateDict:
-        """Every saved tensor as a data-less ShardedTensor of its global shape and dtype."""
-        _, index = self._index(_group(checkpoint_dir))
-        return {key: ShardedTensor.from_rank_offsets(
-                    key, torch.empty(shards[0].global_shape, dtype=shards[0].torch_dtype, device="meta")).without_data()
-                for key, shards in index.tensors.items()}
-
-    def load_sharded_metadata(self, checkpoint_dir: str | Path) -> ShardedStateDict:
-        """Tensors as in ``load_tensors_metadata``, plus every saved ShardedObject."""
-        _, index = self._index(_group(checkpoint_dir))
-        out = self.load_tensors_metadata(checkpoint_dir)
-        out.update({u: ShardedObject.empty_from_unique_key(u) for u in index.objects})
-        return out
-
-
-def _record(records: dict[str, tuple[int, int]], saved: SavedTensor, group: str) -> int:
-    """Where ``saved``'s storage record starts in its file; its size is checked against the index."""
-    hits = [v for name, v in records.items() if name.endswith(f"/data/{saved.storage}")]
-    if len(hits) != 1 or hits[0][1] != saved.storage_nbytes:
-        raise CorruptCheckpointError(
-            f"{os.path.join(group, saved.file)}: storage {saved.storage} of tensor {saved.key!r} is not the "
-            f"{saved.storage_nbytes}-byte record the index describes; the checkpoint is damaged: load an earlier one")
-    return hits[0][0]
-
-
-def _assemble(sh: ShardedTensor, parts: list, opened: dict[str, VerifiedFile],
-              records: dict[str, dict[str, tuple[int, int]]], group: str) -> torch.Tensor:
-    """The tensor ``sh`` asks for, from the verified bytes of the saved shards that overlap it.
-
-    When one saved shard is exactly the requested one, the result is a view of the bytes read
-    (no copy); otherwise the overlaps are copied into a new tensor.
-    """
-    want = tensor_box(sh)
-    device = sh.data.device if sh.data is not None else torch.device("cpu")
-
-    def source(saved: SavedTensor) -> torch.Tensor:
-        off = _record(records[saved.file], saved, group)
-        return shard_view(saved, opened[saved.file].bytes(off, off + saved.storage_nbytes))
-
-    if len(parts) == 1 and parts[0][1] == want == parts[0][0].box and parts[0][0].torch_dtype == sh.dtype:
-        out = source(parts[0][0]).reshape(sh.local_shape)
-    else:
-        full = sum(box.numel for _, box in parts) == want.numel
-        out = torch.empty(sh.local_shape, dtype=sh.dtype) if full else torch.zeros(sh.local_shape, dtype=sh.dtype)
-        view = out.view(want.shape)
-        for saved, part in parts:
-            view[part.within(want)].copy_(source(saved)[part.within(saved.box)])
-    return out.to(device) if device.type != "cpu" else out
 
 
 def register(checkpointer: CheckpointerSource = None, *, tracker: bool = True, ops: FileOps | None = None

@@ -15,7 +15,8 @@ Scenarios (each rank writes OUT_JSON.<rank>):
           (its forked child waits for our commit); iter 3: async save finished by execute_sync.
           The tensors are changed right after each async save returns: the checkpoint must hold
           the values of the save call. Then iter 2 is loaded with the saved layout and iter 3
-          resharded along other axes; iter 4 fails on rank 1 (ENOSPC), which both ranks report.
+          resharded along other axes; iter 4 fails on rank 1 (ENOSPC), which both ranks report;
+          iter 5 holds a tensor rank 1 cannot save, which both ranks report without hanging.
   load    1 rank. Loads iter 2 and 3 whole; then the error cases: another global shape, another
           object layout, a flipped byte, an uncommitted checkpoint.
 The state (``make_state``) is a function of the step, the rank and a layout name, so any
@@ -225,6 +226,14 @@ def scenario_save(d: str, rank: int, world: int) -> dict:
     sd = make_state(4, rank, world, "save")
     out["failed_save"] = _error(lambda: dc.save(sd, it(4), ("fastckpt", 1)))
     out["tracker_after_failure"] = fm.read_tracker(d)
+
+    class Odd(torch.Tensor):  # a tensor subclass (like FP8's) that fastckpt refuses, on rank 1 only
+        pass
+
+    sd = make_state(5, rank, world, "save")
+    if rank == 1:
+        sd["w"].data = sd["w"].data.as_subclass(Odd)
+    out["refused_save"] = _error(lambda: dc.save(sd, it(5), ("fastckpt", 1)))
     out["close"] = _error(ck.close)
     return out
 

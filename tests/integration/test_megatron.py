@@ -117,6 +117,15 @@ def test_a_failed_save_raises_on_every_rank_and_moves_nothing(saved) -> None:
     assert fm.read_tracker(d) == 3 == fm.sync_tracker(d)
 
 
+def test_a_state_one_rank_cannot_save_is_refused_on_every_rank(saved) -> None:
+    # rank 1 fails before the index exchange; rank 0 must not hang in it, and nothing commits
+    d, reps = saved
+    rank0, rank1 = (r["refused_save"] for r in reps)
+    assert rank1["type"] == "UnsupportedObjectError" and "'w'" in rank1["message"]
+    assert rank0["type"] == "CheckpointWriteError" and "rank 1: UnsupportedObjectError" in rank0["message"]
+    assert fastckpt.latest(d) == os.path.join(d, "iter_0000003")
+
+
 def test_load_on_one_rank_reads_whole_tensors(loaded) -> None:
     assert loaded["full_equal_2"] is True and loaded["full_equal_3"] is True
     rep = loaded["report_3"]
