@@ -12,7 +12,7 @@ byte ranges (``byte_range``).
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 
 import torch
 from megatron.core.dist_checkpointing.mapping import CheckpointingException, ShardedObject, ShardedTensor
@@ -154,8 +154,14 @@ def _is_main(replica_id: object) -> bool:
 # ---------------------------------------------------------------------------------- the index
 def index_body(tensors: list[SavedTensor], objects: list[SavedObject], world_size: int) -> dict:
     """The index as plain values (loadable with ``weights_only=True``)."""
+    def plain(entry: SavedTensor | SavedObject) -> dict:  # dataclasses.asdict deep-copies: 10x slower
+        out = {f.name: getattr(entry, f.name) for f in fields(entry)}
+        if isinstance(entry, SavedTensor):
+            out["box"] = {"offset": entry.box.offset, "shape": entry.box.shape}
+        return out
+
     return {"format": INDEX_FORMAT, "world_size": world_size,
-            "tensors": [asdict(t) for t in tensors], "objects": [asdict(o) for o in objects]}
+            "tensors": [plain(t) for t in tensors], "objects": [plain(o) for o in objects]}
 
 
 @dataclass(frozen=True)

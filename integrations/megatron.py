@@ -32,8 +32,11 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import time
 import uuid
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
@@ -131,6 +134,7 @@ class FastCkptSaveStrategy(AsyncSaveShardedStrategy):
         t0 = time.monotonic()
         ck, group = self.checkpointer, checkpoint_group(checkpoint_dir)
         rank, world = rank_world()
+        config = _in_thread(self._write_config, group) if rank == 0 else None  # its fsync overlaps the snapshot
         tfile, ofile = TENSOR_FILE.format(rank), OBJECT_FILE.format(rank)
         tensors: dict = {}
         try:
@@ -153,6 +157,7 @@ class FastCkptSaveStrategy(AsyncSaveShardedStrategy):
         save_id = gathered[0][2]
         if rank == 0:
             self._save_rank0_files(ck, group, gathered, world)
+            config.result()  # type: ignore[union-attr]  (metadata.json is durable before the commit)
         iteration = T.iteration_of(group)
         extra = {"megatron_save": save_id, **({"step": iteration} if isinstance(iteration, int) else {})}
         handle = ck.commit(group, **extra)
@@ -163,15 +168,32 @@ class FastCkptSaveStrategy(AsyncSaveShardedStrategy):
         return AsyncRequest(T.await_commit, (job,), [partial(_finalize, watch)])
 
     def _save_rank0_files(self, ck: Checkpointer, group: str, gathered: list, world: int) -> None:
-        """The index; common.pt through fastckpt, so the group's commit covers it; metadata.json,
-        so that a committed group is a complete megatron checkpoint."""
+        """The index, and common.pt through fastckpt, so that the group's commit covers it."""
         index = index_body([t for g in gathered for t in g[0]], [o for g in gathered for o in g[1]], world)
         ck.save(index, os.path.join(group, INDEX_FILE), group=group)
         common = os.path.join(group, COMMON_STATE_FNAME)
         if os.path.exists(common):  # megatron's common strategy torch.saved it a moment ago: trusted
             ck.save(torch.load(common, map_location="cpu", weights_only=False), common, group=group)
+
+    def _write_config(self, group: str) -> None:
+        """metadata.json (megatron's record of the backend), atomically and durably, before the
+        commit, so that a committed group is a complete megatron checkpoint."""
         config = CheckpointingConfig(self.backend, self.version)
         publish_bytes(self._ops, os.path.join(group, CONFIG_FNAME), json.dumps(asdict(config)).encode())
+
+
+def _in_thread(fn: Callable[..., None], *args: object) -> Future:
+    """Run ``fn(*args)`` on a new thread; the Future holds its result or its error."""
+    fut: Future = Future()
+
+    def run() -> None:
+        try:
+            fut.set_result(fn(*args))
+        except BaseException as exc:  # noqa: BLE001 (handed to whoever waits on the Future)
+            fut.set_exception(exc)
+
+    threading.Thread(target=run, name="fastckpt-megatron-config", daemon=True).start()
+    return fut
 
 
 def _finalize(watch: T.Watch) -> None:
