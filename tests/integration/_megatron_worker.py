@@ -8,6 +8,8 @@ Scenarios (each rank writes OUT_JSON.<rank>):
           the middle of its tensor file; ``manifest``: rank 0 about to publish the manifest;
           ``tracker``: rank 0 about to move the tracker) it prints ``GATE`` and stops there
           until the test SIGKILLs it.
+  cuda    2 ranks on 2 GPUs (NCCL): an async save of CUDA tensors through megatron's AsyncCallsQueue
+          as it ships, loaded back resharded onto CUDA.
   verify  1 rank. For each directory in DIR (separated by os.pathsep): what the tracker says,
           what ``sync_tracker`` makes of it, what ``fastckpt.latest`` says, and whether that
           iteration loads with exactly its step's values.
@@ -221,6 +223,8 @@ def scenario_save(d: str, rank: int, world: int) -> dict:
     out["file_sizes"] = {n: os.path.getsize(os.path.join(it(3), n)) for n in os.listdir(it(3))
                          if not n.startswith(".")}
     out["latest"] = fastckpt.latest(d)
+    index = ck.load(os.path.join(it(3), fm.INDEX_FILE))
+    out["index_counts"] = {k: sum(t["key"] == k for t in index["tensors"]) for k in ("ln", "grid", "big", "stack")}
 
     ops.inject(Fault("pwrite", errno.ENOSPC, path_contains=f"iter_0000004{os.sep}.fastckpt-rank00001"))
     sd = make_state(4, rank, world, "save")
@@ -312,6 +316,39 @@ def scenario_loop(d: str, rank: int, world: int) -> dict:
     return {"error": f"iteration 3 finished although KILL_AT={target} should have stopped it"}
 
 
+def scenario_cuda(d: str, rank: int, world: int) -> dict:
+    """GPU machines: the same save through megatron's AsyncCallsQueue as it ships (NCCL, CUDA
+    tensors, no stand-ins), loaded back onto CUDA."""
+    from megatron.core import dist_checkpointing as dc
+    from megatron.core.dist_checkpointing import ShardedTensor
+    from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+    from fastckpt.integrations import megatron as fm
+
+    def to_cuda(sh: object) -> object:
+        if isinstance(sh, ShardedTensor):
+            sh.data = sh.data.cuda()
+        return sh
+
+    path = os.path.join(d, "iter_0000001")
+    if rank == 0:
+        os.makedirs(path, exist_ok=True)
+    dist.barrier()
+    sd = dict_list_map_inplace(to_cuda, make_state(1, rank, world, "save"))
+    queue = AsyncCallsQueue()
+    queue.schedule_async_request(dc.save(sd, path, ("fastckpt", 1), async_sharded_save=True))
+    mutate(sd)
+    finalized = queue.maybe_finalize_async_calls(blocking=True)
+    queue.close()
+    want = dict_list_map_inplace(to_cuda, make_state(1, rank, world, "reshard"))
+    got = dc.load(without_data(want), path)
+    on_cuda = all(t.is_cuda for t in got.values() if isinstance(t, torch.Tensor))
+    got = dict_list_map_inplace(lambda x: x.cpu() if isinstance(x, torch.Tensor) else x, got)
+    return {"finalized": finalized, "tracker": fm.read_tracker(d), "on_cuda": on_cuda,
+            "equal": same(got, expected(make_state(1, rank, world, "reshard"), 1))}
+
+
 def scenario_verify(dirs: str, rank: int, world: int) -> dict:
     from megatron.core import dist_checkpointing as dc
 
@@ -335,11 +372,13 @@ def main() -> None:
     scenario, d, out_path = sys.argv[1:4]
     if "RANK" not in os.environ:  # one rank, without torchrun
         os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("PORT", "29533"))
-    dist.init_process_group("gloo")
+    if scenario == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if scenario == "cuda" else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     try:
-        out = {"save": scenario_save, "load": scenario_load, "loop": scenario_loop,
-               "verify": scenario_verify}[scenario](d, rank, world)
+        out = {"save": scenario_save, "load": scenario_load, "loop": scenario_loop, "verify": scenario_verify,
+               "cuda": scenario_cuda}[scenario](d, rank, world)
     except BaseException:  # noqa: BLE001 (the test shows it)
         out = {"crash": traceback.format_exc()}
     with open(f"{out_path}.{rank}", "w") as f:

@@ -84,6 +84,12 @@ def test_async_save_through_megatrons_async_calls_queue(saved) -> None:
         assert r["blocked_s_2"] < 30
 
 
+def test_each_shard_is_written_once(saved) -> None:
+    # "ln" is replicated (main replica on rank 0); "grid" is 2x2 blocks, two per rank
+    _, reps = saved
+    assert reps[0]["index_counts"] == {"ln": 1, "grid": 4, "big": 2, "stack": 2}
+
+
 def test_async_save_finished_by_execute_sync(saved) -> None:
     _, reps = saved
     for r in reps:
