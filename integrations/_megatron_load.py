@@ -105,16 +105,13 @@ class FastCkptLoadStrategy(LoadShardedStrategy):
         manifest, index = self._index(group)
         leaves = list(nested_values(sharded_state_dict))
         plans = {id(sh): plan_tensor(sh, index) for sh in leaves if isinstance(sh, ShardedTensor)}
-        by_file: dict[str, list[SavedTensor]] = {}
-        for parts in plans.values():
-            for saved, _ in parts:
-                by_file.setdefault(saved.file, []).append(saved)
-        files = sorted(by_file) + ([COMMON_STATE_FNAME] if COMMON_STATE_FNAME in manifest["files"] else [])
+        tensor_files = sorted({saved.file for parts in plans.values() for saved, _ in parts})
+        whole = [COMMON_STATE_FNAME] if COMMON_STATE_FNAME in manifest["files"] else []  # small: verified whole
         with ThreadPoolExecutor(self.checkpointer.config.io_threads, thread_name_prefix="fastckpt-mload") as pool:
-            opened = {rel: self._open(group, manifest, rel) for rel in files}
-            records = {rel: vf.records(pool) for rel, vf in opened.items() if rel in by_file}
-            ranges = {rel: [(0, opened[rel].covered)] for rel in files if rel not in by_file}
-            for sh_id, parts in plans.items():
+            opened = {rel: self._open(group, manifest, rel) for rel in tensor_files + whole}
+            records = {rel: opened[rel].records(pool) for rel in tensor_files}
+            ranges: dict[str, list[tuple[int, int]]] = {rel: [(0, opened[rel].covered)] for rel in whole}
+            for parts in plans.values():
                 for saved, part in parts:
                     off = _record(records[saved.file], saved, group)
                     lo, hi = byte_range(saved, part)
@@ -130,7 +127,7 @@ class FastCkptLoadStrategy(LoadShardedStrategy):
                 return _assemble(sh, plans[id(sh)], opened, records, group)
 
             dict_list_map_inplace(fill, sharded_state_dict)
-        needed = sum(hi - lo for rel in by_file for lo, hi in ranges[rel])
+        needed = sum(hi - lo for rel in tensor_files for lo, hi in ranges[rel])
         self.last_load = LoadReport(group, len(opened), sum(vf.bytes_read for vf in opened.values()), needed,
                                     time.monotonic() - t0)
         return sharded_state_dict

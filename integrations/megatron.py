@@ -14,10 +14,11 @@ its own name)::
 
 Order of calls for one save (every rank, training thread unless noted), docs/megatron.md:
   megatron: save_preprocess (validation) -> rank 0 writes common.pt -> ``async_save``:
-    snapshot this rank's main replicas into one file (``Checkpointer.save(..., group=)``) and
-    its ShardedObjects into another -> all_gather the index -> rank 0: the index file,
-    common.pt again through fastckpt (so the commit covers it), metadata.json -> request the
-    group commit (``Checkpointer.commit``), which completes in the background: every rank's
+    (rank 0: metadata.json on a side thread) -> snapshot this rank's main replicas into one
+    file (``Checkpointer.save(..., group=)``) and its ShardedObjects into another ->
+    all_gather the index -> rank 0: the index file, common.pt again through fastckpt (so the
+    commit covers it), metadata.json joined -> request the group commit
+    (``Checkpointer.commit``), which completes in the background: every rank's
     files durable -> manifest -> fastckpt's ``latest``; then rank 0 moves Megatron-LM's
     tracker (``latest_checkpointed_iteration.txt``) forward. The returned AsyncRequest's
     ``async_fn`` waits for that commit (in whatever process megatron runs it); its finalize
@@ -82,6 +83,7 @@ __all__ = [
 ]
 
 log = logging.getLogger("fastckpt.megatron")
+
 
 @dataclass(frozen=True)
 class MegatronSave:
