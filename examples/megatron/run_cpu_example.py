@@ -173,7 +173,8 @@ def main() -> None:
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
     if rank == 0:
-        store = dist.FileStore(os.path.join(save_dir, ".one-rank-store"), 1)
+        store_path = os.path.join(tempfile.mkdtemp(prefix="fastckpt-store-"), "store")
+        store = dist.FileStore(store_path, 1)
         dist.init_process_group("gloo", store=store, rank=0, world_size=1)
         single = build_model(1, args.hidden, args.layers, seed=3)
         state = dc.load(sharded_state(single, 2), path)
@@ -181,6 +182,7 @@ def main() -> None:
         check(single, want, "loaded on 1 rank (TP 1, resharded)", rank)
         print(f"[rank 0] fastckpt.latest: {fastckpt.latest(save_dir)}", flush=True)
         dist.destroy_process_group()
+        shutil.rmtree(os.path.dirname(store_path), ignore_errors=True)
     ck.close()
     if rank == 0:
         if args.dir is None:
