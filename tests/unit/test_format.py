@@ -89,6 +89,22 @@ def test_large_and_many_storages(tmp_path) -> None:
     assert all(torch.equal(out[k], v) for k, v in sd.items())
 
 
+def test_manifest_lists_block_digests(tmp_path) -> None:
+    # a partial reader checks each 16 MiB block it reads against these (docs/format.md)
+    from fastckpt.format import checksum
+    from tests.helpers import read_file_manifest
+
+    path = tmp_path / "blocks.pt"
+    with fastckpt.Checkpointer() as ck:
+        ck.save({"big": torch.arange(40 << 20, dtype=torch.uint8)}, str(path)).wait()
+    m = read_file_manifest(str(path))["checksum"]
+    data = path.read_bytes()[: read_file_manifest(str(path))["covered"]]
+    want = [checksum.block_digest(data[o : o + checksum.BLOCK_BYTES]) for o in range(0, len(data), checksum.BLOCK_BYTES)]
+    assert len(want) == 3
+    assert [int(m["blocks"][i : i + 16], 16) for i in range(0, len(m["blocks"]), 16)] == want
+    assert checksum.combine(want) == m["value"]
+
+
 def test_fast_storage_order_matches_pickling_order() -> None:
     shared = torch.arange(10)
     states = [

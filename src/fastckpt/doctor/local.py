@@ -110,7 +110,7 @@ def bandwidth(role: str, path: str, probe_bytes: int, state_size: int | None, pr
         with ThreadPoolExecutor(4, thread_name_prefix="fastckpt-doctor") as pool:
             with Progress(f"probing {role} write bandwidth", total=size, mode=progress, delay_s=1.0) as p:
                 t0 = time.monotonic()
-                res = write_file(ops, pool, target, view, size, lambda _d: b"", chunk_bytes=CHUNK,
+                res = write_file(ops, pool, target, view, size, lambda _d, _b: b"", chunk_bytes=CHUNK,
                                  ready=lambda end: p.update(end))
                 w = time.monotonic() - t0
             t0 = time.monotonic()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import struct
 import time
+from collections.abc import Sequence
 
 import torch
 
@@ -24,13 +25,23 @@ EOCD_LEN = 22
 MAX_COMMENT = 0xFFFF
 TAIL_BYTES = MAX_COMMENT + EOCD_LEN  # the end-of-central-directory record plus the longest comment
 TAIL_ROOM = MAX_COMMENT + 2  # room a file image needs after its covered bytes: length field + comment
+#: Block digests listed in a file's manifest at most (16 hex digits each: 48,000 of the zip
+#: comment's 65,535 bytes; files up to 46.9 GiB). Larger files list none: readers verify them whole.
+MAX_LISTED_BLOCKS = 3000
 
 
 def file_manifest(*, covered: int, digest: str, rank: int, group_name: str | None, group_rel: str | None,
-                  tier: str, payload_bytes: int, blocked_s: float, fastckpt_version: str) -> dict:
-    """The manifest of one file: what a reader verifies and what discovery orders by."""
+                  tier: str, payload_bytes: int, blocked_s: float, fastckpt_version: str,
+                  blocks: Sequence[int] = ()) -> dict:
+    """The manifest of one file: what a reader verifies and what discovery orders by.
+
+    ``blocks`` (the checksum's block digests, in file order) are listed as one hex string when
+    they fit the zip comment, so a reader of part of the file can verify the blocks it reads
+    (docs/format.md).
+    """
+    listed = {"blocks": "".join(f"{b:016x}" for b in blocks)} if 0 < len(blocks) <= MAX_LISTED_BLOCKS else {}
     return {"format": FORMAT_VERSION, "kind": "file", "covered": covered,
-            "checksum": {"algo": ALGO, "value": digest}, "rank": rank,
+            "checksum": {"algo": ALGO, "value": digest, **listed}, "rank": rank,
             "group": group_name, "group_rel": group_rel, "tier": tier, "payload_bytes": payload_bytes,
             "written_at": time.time(), "blocked_s": round(blocked_s, 6),
             "versions": {"fastckpt": fastckpt_version, "torch": torch.__version__}}

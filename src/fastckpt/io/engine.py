@@ -93,7 +93,7 @@ def write_file(
     path: str,
     image: memoryview,
     covered: int,
-    tail: Callable[[str], bytes],
+    tail: Callable[[str, list[int]], bytes],
     *,
     chunk_bytes: int,
     odirect: bool = True,
@@ -102,9 +102,10 @@ def write_file(
     """Write ``image[:covered]`` plus a tail computed from its checksum, then fsync.
 
     ``image`` must be page aligned with room for the tail after ``covered``. Chunks run in
-    ``pool``; each hashes its checksum blocks before writing them. ``tail(checksum)`` returns
-    the bytes that follow ``covered`` (for fastckpt files: the comment-length field and the
-    manifest); they are placed in ``image`` and written last, so the checksum is known.
+    ``pool``; each hashes its checksum blocks before writing them. ``tail(checksum, blocks)``
+    (``blocks``: the block digests, in file order) returns the bytes that follow ``covered``
+    (for fastckpt files: the comment-length field and the manifest); they are placed in
+    ``image`` and written last, so the checksum is known.
     ``ready(end)``, if given, blocks until ``image[:end]`` is filled: writing overlaps the
     snapshot that is still copying into the image.
     """
@@ -127,7 +128,7 @@ def write_file(
             digests = run_chunks(pool, covered, chunk_bytes, lambda off, n: _write_chunk(
                 ops, fd, image, off, n, head, covered, path, ready))
         digest = checksum.combine(digests)
-        extra = tail(digest)
+        extra = tail(digest, digests)
         total = covered + len(extra)
         if total > len(image):
             raise ValueError("staging image has no room for the manifest")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import replace
 
@@ -31,13 +31,13 @@ from .staging import Snapshot, StagingPool
 log = logging.getLogger("fastckpt")
 
 
-def manifest_of(rec: SaveRecord, layout: F.FileLayout, digest: str) -> dict:
+def manifest_of(rec: SaveRecord, layout: F.FileLayout, digest: str, blocks: Sequence[int] = ()) -> dict:
     """The manifest a file of this save carries (see ``format.manifest.file_manifest``)."""
     rel = rec.path[len(rec.group):].lstrip("/") if rec.group else None
     return file_manifest(covered=layout.covered_bytes, digest=digest, rank=rec.rank,
                          group_name=rec.group.rstrip("/").rsplit("/", 1)[-1] if rec.group else None,
                          group_rel=rel, tier=rec.tier, payload_bytes=layout.payload_bytes, blocked_s=rec.blocked_s,
-                         fastckpt_version=__version__)
+                         fastckpt_version=__version__, blocks=blocks)
 
 
 class FileWriter:
@@ -88,7 +88,7 @@ class FileWriter:
             self._ops.makedirs(os.path.dirname(dest))
             self._sweep(os.path.dirname(dest))
             res = write_file(self._ops, self._io, st.tmp, snap.buffer.view, layout.covered_bytes,
-                             lambda digest: tail_bytes(manifest_of(base_now(), layout, digest)),
+                             lambda digest, blocks: tail_bytes(manifest_of(base_now(), layout, digest, blocks)),
                              chunk_bytes=self._chunk, odirect=odirect,
                              ready=progress.wait_for if progress is not None else None)
         except BaseException as exc:

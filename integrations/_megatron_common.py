@@ -1,0 +1,55 @@
+"""What the Megatron save and load strategies share: the backend's name, the file names, and
+which Checkpointer they work through."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from fastckpt import Checkpointer
+from fastckpt.errors import ConfigError
+
+from ._megatron_compat import is_url, normalize
+
+BACKEND, VERSION = "fastckpt", 1
+INDEX_FILE = "fastckpt-index.pt"
+TENSOR_FILE = "fastckpt-rank{:05d}.pt"
+OBJECT_FILE = "fastckpt-objects-rank{:05d}.pt"
+
+CheckpointerSource = Checkpointer | Callable[[], Checkpointer] | None
+_default: Checkpointer | None = None
+
+
+def default_checkpointer() -> Checkpointer:
+    """The Checkpointer the registered strategies use unless given one (created on first use,
+    so that torch.distributed is initialised by then; closed at exit)."""
+    global _default
+    if _default is None:
+        _default = Checkpointer()
+    return _default
+
+
+def resolve(source: CheckpointerSource) -> Checkpointer:
+    """The Checkpointer a strategy was given (itself, or what its function returns), else the default."""
+    if source is None:
+        return default_checkpointer()
+    return source if isinstance(source, Checkpointer) else source()
+
+
+def checkpoint_group(checkpoint_dir: str | Path) -> str:
+    """The checkpoint directory as fastckpt's group name (an absolute path; URLs are refused)."""
+    group = normalize(checkpoint_dir)
+    if is_url(group):
+        raise ConfigError(f"{group}: megatron writes common.pt and metadata.json with POSIX calls, so the checkpoint "
+                          "directory must be a path (a mount); for a burst buffer give the Checkpointer local_dir")
+    return group
+
+
+def rank_world() -> tuple[int, int]:
+    """This process's rank and the world size, from torch.distributed (which megatron requires)."""
+    if not torch.distributed.is_initialized():
+        raise ConfigError("megatron's dist_checkpointing needs torch.distributed: call "
+                          "torch.distributed.init_process_group first (gloo works on CPU)")
+    return torch.distributed.get_rank(), torch.distributed.get_world_size()

@@ -1,0 +1,32 @@
+"""The core internals the Megatron integration uses, imported here and nowhere else.
+
+Everything else comes from fastckpt's stable names. When the core's modules move, re-point
+these imports and nothing more.
+"""
+
+from __future__ import annotations
+
+from fastckpt.commit import protocol as _protocol
+from fastckpt.commit.protocol import GROUP_MANIFEST
+from fastckpt.errors import IncompleteCheckpointError
+from fastckpt.format.checksum import BLOCK_BYTES, block_digest, combine
+from fastckpt.format.manifest import parse_tail
+from fastckpt.io.atomic import publish_bytes
+from fastckpt.storage.homes import Homes
+from fastckpt.urls import is_url, normalize
+
+
+def read_group_manifest(group: str) -> dict | None:
+    """The group manifest of the directory ``group``, None when it is not published."""
+    return _protocol.read_group_manifest(Homes().resolve(group).place())
+
+
+def incomplete_group_error(group: str, world_size: int | None) -> IncompleteCheckpointError:
+    """The error that names what a never-published group is missing."""
+    return _protocol.incomplete_group_error(Homes().resolve(group).place(), world_size)
+
+
+__all__ = [
+    "BLOCK_BYTES", "GROUP_MANIFEST", "block_digest", "combine", "incomplete_group_error", "is_url", "normalize",
+    "parse_tail", "publish_bytes", "read_group_manifest",
+]

@@ -1,0 +1,243 @@
+"""Megatron-core integration: ``dist_checkpointing`` save and load strategies backed by fastckpt.
+
+Importing this module registers both strategies with megatron-core under the backend
+``("fastckpt", 1)`` (megatron re-registers its own torch backends on every lookup, so ours has
+its own name)::
+
+    import fastckpt.integrations.megatron  # registers ("fastckpt", 1)
+    from megatron.core import dist_checkpointing
+
+    request = dist_checkpointing.save(sharded_sd, ckpt_dir, ("fastckpt", 1), async_sharded_save=True)
+    ...                                     # training goes on while the files are written
+    request.execute_sync()                  # or schedule it on megatron's AsyncCallsQueue
+    state = dist_checkpointing.load(sharded_sd, ckpt_dir)   # picks our loader from metadata.json
+
+Order of calls for one save (every rank, training thread unless noted), docs/megatron.md:
+  megatron: save_preprocess (validation) -> rank 0 writes common.pt -> ``async_save``:
+    (rank 0: metadata.json on a side thread) -> snapshot this rank's main replicas into one
+    file (``Checkpointer.save(..., group=)``) and its ShardedObjects into another ->
+    all_gather the index -> rank 0: the index file, common.pt again through fastckpt (so the
+    commit covers it), metadata.json joined -> request the group commit
+    (``Checkpointer.commit``), which completes in the background: every rank's
+    files durable -> manifest -> fastckpt's ``latest``; then rank 0 moves Megatron-LM's
+    tracker (``latest_checkpointed_iteration.txt``) forward. The returned AsyncRequest's
+    ``async_fn`` waits for that commit (in whatever process megatron runs it); its finalize
+    step raises any failure, then megatron rewrites metadata.json (same bytes) and
+    Megatron-LM its tracker.
+Loading reads the index, then from each rank's file only the checksum blocks holding the
+shards this rank asks for (resharding), verified (``_megatron_read``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import asdict, dataclass
+from functools import partial
+from pathlib import Path
+
+import torch
+from megatron.core.dist_checkpointing.core import CONFIG_FNAME, CheckpointingConfig
+from megatron.core.dist_checkpointing.dict_utils import nested_values
+from megatron.core.dist_checkpointing.mapping import ShardedStateDict
+from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
+from megatron.core.dist_checkpointing.strategies.base import (
+    AsyncSaveShardedStrategy,
+    StrategyAction,
+    register_default_strategy,
+)
+from megatron.core.dist_checkpointing.strategies.common import COMMON_STATE_FNAME
+
+from fastckpt import Checkpointer, SaveHandle
+from fastckpt.errors import CheckpointWriteError
+from fastckpt.io.ops import FileOps
+
+from . import _megatron_tracker as T
+from ._megatron_common import (
+    BACKEND,
+    INDEX_FILE,
+    OBJECT_FILE,
+    TENSOR_FILE,
+    VERSION,
+    CheckpointerSource,
+    checkpoint_group,
+    default_checkpointer,
+    rank_world,
+    resolve,
+)
+from ._megatron_compat import publish_bytes
+from ._megatron_layout import ReshardingError, index_body, split_rank_state
+from ._megatron_load import FastCkptLoadStrategy, LoadReport
+from ._megatron_tracker import TRACKER, advance_tracker, newest_complete_iteration, read_tracker, sync_tracker
+
+__all__ = [
+    "BACKEND", "VERSION", "TRACKER", "FastCkptSaveStrategy", "FastCkptLoadStrategy", "MegatronSave", "LoadReport",
+    "ReshardingError", "register", "default_checkpointer", "advance_tracker", "sync_tracker", "read_tracker",
+    "newest_complete_iteration",
+]
+
+log = logging.getLogger("fastckpt.megatron")
+
+
+@dataclass(frozen=True)
+class MegatronSave:
+    """One save as this rank saw it: ``blocked_s`` is the time ``async_save`` held the training
+    thread (snapshot, index exchange, rank 0's small files); ``handle.wait()`` returns the
+    commit's SaveRecord (``durable_s``) once every rank's files are durable."""
+
+    group: str
+    iteration: int | str | None
+    blocked_s: float
+    bytes: int
+    handle: SaveHandle
+
+    def durable_s(self, timeout: float | None = None) -> float | None:
+        """Seconds from ``async_save`` to the committed group (waits for it); None when the
+        save was superseded before it reached its home."""
+        rec = self.handle.wait(timeout)
+        return None if rec.durable_s is None else self.blocked_s + rec.durable_s
+
+
+class FastCkptSaveStrategy(AsyncSaveShardedStrategy):
+    """Saves each rank's main replicas through a fastckpt Checkpointer, as one atomic group.
+
+    Args:
+        checkpointer: the Checkpointer to save through, a function returning it, or None for
+            ``default_checkpointer()``.
+        tracker: move Megatron-LM's ``latest_checkpointed_iteration.txt`` (in the parent of an
+            ``iter_NNNNNNN`` checkpoint directory) forward right after each commit.
+        ops: the FileOps for the files this strategy writes itself (metadata.json, the
+            tracker, failure notes).
+    """
+
+    def __init__(self, checkpointer: CheckpointerSource = None, *, tracker: bool = True,
+                 ops: FileOps | None = None, backend: str = BACKEND, version: int = VERSION) -> None:
+        super().__init__(backend, version)
+        self._source, self._tracker, self._ops = checkpointer, tracker, ops or FileOps()
+        self.last_save: MegatronSave | None = None
+
+    @property
+    def checkpointer(self) -> Checkpointer:
+        return resolve(self._source)
+
+    @property
+    def can_handle_sharded_objects(self) -> bool:
+        return True
+
+    def async_save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str | Path) -> AsyncRequest:
+        """Snapshot this rank's shards and return; the files are written and committed in the
+        background. Called on every rank (it exchanges the index with all_gather_object)."""
+        t0 = time.monotonic()
+        ck, group = self.checkpointer, checkpoint_group(checkpoint_dir)
+        rank, world = rank_world()
+        config = _in_thread(self._write_config, group) if rank == 0 else None  # its fsync overlaps the snapshot
+        tfile, ofile = TENSOR_FILE.format(rank), OBJECT_FILE.format(rank)
+        tensors: dict = {}
+        try:
+            tensors, objects, saved_t, saved_o = split_rank_state(list(nested_values(sharded_state_dict)), tfile, ofile)
+            for state, name in ((tensors, tfile), (objects, ofile)):
+                if state:
+                    ck.save(state, os.path.join(group, name), group=group)
+            error = None
+        except Exception as exc:  # every rank must reach the all_gather below, or the others hang in it
+            saved_t, saved_o, error = [], [], exc
+        gathered: list = [None] * world
+        torch.distributed.all_gather_object(
+            gathered, (saved_t, saved_o, uuid.uuid4().hex if rank == 0 else None, None if error is None else repr(error)))
+        if error is not None:
+            raise error
+        failed = [f"rank {r}: {g[3]}" for r, g in enumerate(gathered) if g[3] is not None]
+        if failed:
+            raise CheckpointWriteError(f"{group} was not saved (nothing is committed; the previous checkpoint is "
+                                       f"intact): {'; '.join(failed)}")
+        save_id = gathered[0][2]
+        if rank == 0:
+            self._save_rank0_files(ck, group, gathered, world)
+            config.result()  # type: ignore[union-attr]  (metadata.json is durable before the commit)
+        iteration = T.iteration_of(group)
+        extra = {"megatron_save": save_id, **({"step": iteration} if isinstance(iteration, int) else {})}
+        handle = ck.commit(group, **extra)
+        job = T.Job(group, save_id, rank, ck.config.commit_timeout_s + 30.0)
+        watch = T.watch(handle, job, self._tracker and iteration is not None, self._ops)
+        nbytes = sum({t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tensors.values()}.values())
+        self.last_save = MegatronSave(group, iteration, time.monotonic() - t0, nbytes, handle)
+        return AsyncRequest(T.await_commit, (job,), [partial(_finalize, watch)])
+
+    def _save_rank0_files(self, ck: Checkpointer, group: str, gathered: list, world: int) -> None:
+        """The index, and common.pt through fastckpt, so that the group's commit covers it."""
+        index = index_body([t for g in gathered for t in g[0]], [o for g in gathered for o in g[1]], world)
+        ck.save(index, os.path.join(group, INDEX_FILE), group=group)
+        common = os.path.join(group, COMMON_STATE_FNAME)
+        if os.path.exists(common):  # megatron's common strategy torch.saved it a moment ago: trusted
+            ck.save(torch.load(common, map_location="cpu", weights_only=False), common, group=group)
+
+    def _write_config(self, group: str) -> None:
+        """metadata.json (megatron's record of the backend), atomically and durably, before the
+        commit, so that a committed group is a complete megatron checkpoint."""
+        config = CheckpointingConfig(self.backend, self.version)
+        publish_bytes(self._ops, os.path.join(group, CONFIG_FNAME), json.dumps(asdict(config)).encode())
+
+
+def _in_thread(fn: Callable[..., None], *args: object) -> Future:
+    """Run ``fn(*args)`` on a new thread; the Future holds its result or its error."""
+    fut: Future = Future()
+
+    def run() -> None:
+        try:
+            fut.set_result(fn(*args))
+        except BaseException as exc:  # noqa: BLE001 (handed to whoever waits on the Future)
+            fut.set_exception(exc)
+
+    threading.Thread(target=run, name="fastckpt-megatron-config", daemon=True).start()
+    return fut
+
+
+def _finalize(watch: T.Watch) -> None:
+    """Megatron's finalize step (every rank, training thread, after every rank's async part):
+    raise this save's failure, if any, before megatron writes metadata.json and the tracker.
+
+    It does not wait for this rank's commit handle once the group is committed: on ranks other
+    than 0 the handle resolves when its poll sees the manifest, which may be a moment later.
+    """
+    try:
+        failed = T.failures(watch.job)
+        if watch.error is not None:
+            raise watch.error
+        if failed:
+            raise CheckpointWriteError(
+                f"saving {watch.job.group} failed on another rank: {'; '.join(failed)}; the checkpoint is "
+                "incomplete and the previous one is intact")
+        if not watch.done.is_set() and not T.committed(watch.job):
+            watch.handle.wait(watch.job.timeout_s)  # its async part was never run: wait here
+        if watch.record is not None and watch.record.superseded:
+            log.warning("fastckpt: %s was superseded before it reached its home (replicate_policy='coalesce')",
+                        watch.job.group)
+    finally:
+        T.forget(watch.job.save_id)
+
+
+def register(checkpointer: CheckpointerSource = None, *, tracker: bool = True, ops: FileOps | None = None
+             ) -> tuple[FastCkptSaveStrategy, FastCkptLoadStrategy]:
+    """(Re-)register the ``("fastckpt", 1)`` strategies, saving and loading through ``checkpointer``.
+
+    Importing this module registers them with ``default_checkpointer()``; call this to use a
+    Checkpointer of your own (a burst buffer, event log, overhead budget...). ``tracker`` and
+    ``ops`` are passed to the strategies (see ``FastCkptSaveStrategy``).
+
+    Returns:
+        The registered save and load strategies (``last_save``/``last_load`` report on them).
+    """
+    save = FastCkptSaveStrategy(checkpointer, tracker=tracker, ops=ops)
+    load = FastCkptLoadStrategy(checkpointer, ops=ops)
+    register_default_strategy(StrategyAction.SAVE_SHARDED, BACKEND, VERSION, save)
+    register_default_strategy(StrategyAction.LOAD_SHARDED, BACKEND, VERSION, load)
+    return save, load
+
+
+register()

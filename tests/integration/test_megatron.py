@@ -1,0 +1,158 @@
+"""The Megatron strategies on real megatron-core, real processes (torchrun, gloo) and real files.
+
+One 2-rank run (``_megatron_worker.py save``) saves synchronously, asynchronously through
+megatron's AsyncCallsQueue and through ``execute_sync``, loads with the same and with another
+layout, and fails a save on one rank; one 1-rank run loads the same checkpoints whole and
+provokes the load errors. The tests below check what each run reported.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("megatron.core")
+
+import fastckpt  # noqa: E402
+from fastckpt.integrations import megatron as fm  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+WORKER = os.path.join(HERE, "_megatron_worker.py")
+RUN_TIMEOUT_S = 240
+MiB = 1 << 20
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_worker(scenario: str, d: str, out: str, nproc: int, env: dict | None = None) -> list[dict]:
+    """Run the worker on ``nproc`` ranks (torchrun for 2) and return each rank's report."""
+    if nproc > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+               WORKER, scenario, d, out]
+    else:
+        cmd = [sys.executable, WORKER, scenario, d, out]
+    env = dict(os.environ, PORT=str(free_port()), **(env or {}))
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    reports = []
+    for r in range(nproc):
+        path = f"{out}.{r}"
+        if not os.path.exists(path):
+            raise AssertionError(f"rank {r} wrote no report (exit {proc.returncode}):\n{proc.stdout[-4000:]}\n"
+                                 f"{proc.stderr[-4000:]}")
+        with open(path) as f:
+            rep = json.load(f)
+        assert "crash" not in rep, rep["crash"]
+        reports.append(rep)
+    return reports
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> tuple[str, list[dict]]:
+    base = tmp_path_factory.mktemp("megatron")
+    d = str(base / "ckpt")
+    return d, run_worker("save", d, str(base / "save"), 2)
+
+
+@pytest.fixture(scope="module")
+def loaded(saved, tmp_path_factory) -> dict:
+    d, _ = saved
+    return run_worker("load", d, str(tmp_path_factory.mktemp("megatron-load") / "load"), 1)[0]
+
+
+def test_sync_save_moves_the_tracker_after_the_commit(saved) -> None:
+    _, reps = saved
+    assert [r["tracker_after_sync"] for r in reps] == [1, 1]
+
+
+def test_async_save_through_megatrons_async_calls_queue(saved) -> None:
+    # the queue's forked child waited for the commit; the tensors changed right after the call,
+    # and the checkpoint still holds the values of the call (same layout, 2 ranks)
+    _, reps = saved
+    for r in reps:
+        assert r["finalized"] == [0]
+        assert r["tracker_after_queue"] == 2
+        assert r["same_layout_equal"] is True
+        assert r["blocked_s_2"] < 30
+
+
+def test_each_shard_is_written_once(saved) -> None:
+    # "ln" is replicated (main replica on rank 0); "grid" is 2x2 blocks, two per rank
+    _, reps = saved
+    assert reps[0]["index_counts"] == {"ln": 1, "grid": 4, "big": 2, "stack": 2}
+
+
+def test_async_save_finished_by_execute_sync(saved) -> None:
+    _, reps = saved
+    for r in reps:
+        assert r["tracker_after_execute_sync"] == 3
+        assert r["durable_s_3"] is not None
+
+
+def test_reshard_two_ranks_along_other_axes_reads_only_what_each_needs(saved) -> None:
+    # saved with "big" split by columns, loaded split by rows: each rank needs half of each
+    # rank's file and reads that half plus the checksum blocks at its edges, not whole files
+    _, reps = saved
+    files = reps[0]["file_sizes"]
+    tensor_files = files["fastckpt-rank00000.pt"] + files["fastckpt-rank00001.pt"]
+    for r in reps:
+        rep = r["reshard_report"]
+        assert r["reshard_equal"] is True
+        assert rep["files"] == 3  # two tensor files and common.pt (verified whole)
+        assert rep["bytes_needed"] < 0.55 * tensor_files
+        assert rep["bytes_needed"] <= rep["bytes_read"] <= rep["bytes_needed"] + 4 * 16 * MiB + 2 * MiB
+        assert rep["bytes_read"] < 0.9 * tensor_files
+
+
+def test_a_failed_save_raises_on_every_rank_and_moves_nothing(saved) -> None:
+    d, reps = saved
+    rank0, rank1 = (r["failed_save"] for r in reps)
+    assert rank1["type"] == "CheckpointWriteError" and "No space left on device" in rank1["message"]
+    assert rank0["type"] == "CheckpointWriteError" and "failed on another rank" in rank0["message"]
+    assert "iter_0000004" in rank0["message"] and "rank00001" in rank0["message"]
+    assert [r["tracker_after_failure"] for r in reps] == [3, 3]
+    assert fastckpt.latest(d) == os.path.join(d, "iter_0000003")
+    assert fm.read_tracker(d) == 3 == fm.sync_tracker(d)
+
+
+def test_a_state_one_rank_cannot_save_is_refused_on_every_rank(saved) -> None:
+    # rank 1 fails before the index exchange; rank 0 must not hang in it, and nothing commits
+    d, reps = saved
+    rank0, rank1 = (r["refused_save"] for r in reps)
+    assert rank1["type"] == "UnsupportedObjectError" and "'w'" in rank1["message"]
+    assert rank0["type"] == "CheckpointWriteError" and "rank 1: UnsupportedObjectError" in rank0["message"]
+    assert fastckpt.latest(d) == os.path.join(d, "iter_0000003")
+
+
+def test_load_on_one_rank_reads_whole_tensors(loaded) -> None:
+    assert loaded["full_equal_2"] is True and loaded["full_equal_3"] is True
+    rep = loaded["report_3"]
+    assert rep["bytes_read"] - rep["bytes_needed"] < 1 * MiB  # every byte of the files is needed
+
+
+def test_a_layout_that_cannot_be_resharded_names_the_tensor_and_both_layouts(loaded) -> None:
+    err = loaded["shape_error"]
+    assert err["type"] == "ReshardingError" and "CheckpointingException" in err["mro"]
+    assert "'w'" in err["message"] and "(64, 96)" in err["message"] and "(64, 100)" in err["message"]
+    assert "[0:64, 0:48], [0:64, 48:96]" in err["message"]
+    obj = loaded["object_error"]
+    assert obj["type"] == "ReshardingError" and "rank_obj/shard_0_3" in obj["message"]
+    assert "rank_obj/shard_0_2" in obj["message"]
+
+
+def test_a_flipped_byte_raises_corrupt_checkpoint_error_naming_the_file(loaded) -> None:
+    err = loaded["corrupt_error"]
+    assert err["type"] == "CorruptCheckpointError"
+    assert loaded["corrupt_file"] in err["message"] and "checksum block" in err["message"]
+
+
+def test_an_uncommitted_checkpoint_is_refused(loaded) -> None:
+    assert loaded["incomplete_error"]["type"] == "IncompleteCheckpointError"

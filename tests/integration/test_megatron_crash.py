@@ -1,0 +1,96 @@
+"""SIGKILL a 2-rank Megatron save loop at chosen moments of iteration 3, then check what a restart finds.
+
+Each round starts both ranks (``_megatron_worker.py loop``, gloo), which save iterations 1, 2, 3
+through the fastckpt strategy. A FileOps hook stops the run at one moment of iteration 3 and
+says so; the test then SIGKILLs both ranks' process groups (their async children too):
+
+- ``write``: rank 1 is writing its tensor file;
+- ``manifest``: every rank's files are durable, rank 0 is about to publish the manifest;
+- ``tracker``: the manifest is published, rank 0 is about to move Megatron-LM's tracker.
+
+Afterwards the tracker never names an incomplete iteration, fastckpt's ``latest`` names the
+newest complete one, and ``sync_tracker`` (what the patched Megatron-LM load path runs first)
+makes them agree; that iteration loads with exactly its step's values. Only in ``tracker`` does
+the raw tracker lag ``latest`` by one: the kill fell between the two renames.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+
+import pytest
+
+pytest.importorskip("megatron.core")
+
+from tests.integration.test_megatron import WORKER, free_port, run_worker  # noqa: E402
+
+KILL_POINTS = ("write", "manifest", "tracker")
+SMALL = {"MEGATRON_TEST_BIG": "1024,2048"}  # 8 MiB: still more than one checksum block
+LINE_TIMEOUT_S = 120.0
+
+
+def _run_until_gate(d: str, kill_at: str) -> list[str]:
+    """Start both ranks, wait for the GATE line, SIGKILL everything; return the lines seen."""
+    port, lines, procs, logs = free_port(), queue.Queue(), [], []
+
+    def forward(p: subprocess.Popen) -> None:
+        for line in p.stdout:  # type: ignore[union-attr]
+            lines.put(line.strip())
+
+    for rank in range(2):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                   KILL_AT=kill_at, **SMALL)
+        logs.append(open(f"{d}.err{rank}", "w"))  # noqa: SIM115 (closed below)
+        procs.append(subprocess.Popen([sys.executable, WORKER, "loop", d, d + ".out"], env=env, text=True,
+                                      stdout=subprocess.PIPE, stderr=logs[-1], start_new_session=True))
+        threading.Thread(target=forward, args=(procs[-1],), daemon=True).start()
+    seen: list[str] = []
+    try:
+        while not any(x.startswith("GATE") for x in seen):
+            seen.append(lines.get(timeout=LINE_TIMEOUT_S))
+    finally:
+        for p in procs:
+            os.killpg(p.pid, signal.SIGKILL)  # the rank and any async child it forked
+        for p in procs:
+            p.wait()
+        for f in logs:
+            f.close()
+    return seen
+
+
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory) -> dict[str, dict]:
+    base = tmp_path_factory.mktemp("megatron-crash")
+    dirs, seen = {}, {}
+    for point in KILL_POINTS:
+        dirs[point] = str(base / point)
+        seen[point] = _run_until_gate(dirs[point], point)
+    from fastckpt.integrations import megatron as fm
+
+    raw = {point: fm.read_tracker(d) for point, d in dirs.items()}
+    report = run_worker("verify", os.pathsep.join(dirs.values()), str(base / "verify"), 1, SMALL)[0]
+    return {point: {**report[d], "raw_before": raw[point], "seen": seen[point], "dir": d} for point, d in dirs.items()}
+
+
+@pytest.mark.parametrize("point", KILL_POINTS)
+def test_after_sigkill_tracker_and_latest_agree_on_the_newest_complete_iteration(killed, point) -> None:
+    k = killed[point]
+    assert "durable 2 rank=0" in k["seen"] and not any(x.startswith("durable 3") for x in k["seen"])
+    newest = 3 if point == "tracker" else 2
+    assert k["latest"] == os.path.join(k["dir"], f"iter_{newest:07d}")
+    assert k["synced"] == newest
+    assert k["equal"] is True
+    assert k["raw_before"] == 2  # the tracker moved no further than the newest complete iteration
+    if point != "tracker":
+        assert k["iter3"] is not None  # the half-saved iteration is refused, never read
+
+
+def test_only_a_kill_between_the_manifest_and_the_tracker_leaves_the_tracker_behind(killed) -> None:
+    assert [killed[p]["raw_before"] for p in KILL_POINTS] == [2, 2, 2]
+    assert [killed[p]["synced"] for p in KILL_POINTS] == [2, 2, 3]
+    assert killed["manifest"]["iter3"]["type"] == "IncompleteCheckpointError"

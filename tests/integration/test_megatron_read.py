@@ -1,0 +1,137 @@
+"""The Megatron integration's pieces on real files, in one process: verified partial reads,
+the tracker, and the resharding arithmetic."""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+import fastckpt  # noqa: E402
+from fastckpt import CorruptCheckpointError  # noqa: E402
+from fastckpt.integrations import megatron as fm  # noqa: E402
+from fastckpt.integrations._megatron_layout import Box, SavedTensor, byte_range, shard_view  # noqa: E402
+from fastckpt.integrations._megatron_read import VerifiedFile  # noqa: E402
+from fastckpt.io.ops import FileOps  # noqa: E402
+
+MiB = 1 << 20
+BLOCK = 16 * MiB
+
+
+@pytest.fixture
+def big_file(tmp_path) -> tuple[str, torch.Tensor]:
+    t = torch.arange(80 * MiB, dtype=torch.uint8)  # 5 checksum blocks of data
+    path = str(tmp_path / "big.pt")
+    with fastckpt.Checkpointer() as ck:
+        ck.save({"t": t}, path).wait()
+    return path, t
+
+
+def _data(vf: VerifiedFile, pool) -> tuple[int, int]:  # noqa: ANN001
+    (name, (off, size)), = [(n, v) for n, v in vf.records(pool).items() if n.endswith("/data/0")]
+    return off, size
+
+
+def test_a_partial_read_reads_and_verifies_only_the_blocks_it_needs(big_file) -> None:
+    path, t = big_file
+    with ThreadPoolExecutor(4) as pool:
+        vf = VerifiedFile(FileOps(), path)
+        off, size = _data(vf, pool)
+        before = vf.bytes_read  # the tail, the blocks holding the zip directory and the record's header
+        lo, hi = off + 40 * MiB, off + 41 * MiB  # inside block 2
+        vf.ensure([(lo, hi)], pool)
+        assert vf.bytes_read - before == BLOCK
+        assert torch.equal(vf.bytes(lo, hi), t[40 * MiB : 41 * MiB])
+        assert vf.bytes_read < 0.7 * os.path.getsize(path)
+
+
+def test_a_flipped_byte_is_caught_in_the_block_that_holds_it(big_file) -> None:
+    path, _ = big_file
+    with open(path, "r+b") as f:
+        f.seek(BLOCK + 5)
+        b = f.read(1)
+        f.seek(BLOCK + 5)
+        f.write(bytes([b[0] ^ 1]))
+    with ThreadPoolExecutor(2) as pool:
+        vf = VerifiedFile(FileOps(), path)
+        off, _ = _data(vf, pool)
+        vf.ensure([(off + 50 * MiB, off + 51 * MiB)], pool)  # block 3 is intact
+        with pytest.raises(CorruptCheckpointError, match=r"big\.pt: bytes 16777216-33554432 \(checksum block 1\)"):
+            vf.ensure([(off + BLOCK, off + BLOCK + 10)], pool)
+
+
+def test_a_file_replaced_after_its_commit_is_refused(big_file) -> None:
+    path, _ = big_file
+    with pytest.raises(CorruptCheckpointError, match="replaced after the commit"):
+        VerifiedFile(FileOps(), path, expect="0123456789abcdef")
+
+
+def test_a_file_without_block_digests_is_read_and_verified_whole(tmp_path, monkeypatch) -> None:
+    import fastckpt.format.manifest
+
+    monkeypatch.setattr(fastckpt.format.manifest, "MAX_LISTED_BLOCKS", 0)  # as for files over 46.9 GiB
+    path = str(tmp_path / "whole.pt")
+    t = torch.arange(20 * MiB, dtype=torch.uint8)
+    with fastckpt.Checkpointer() as ck:
+        ck.save({"t": t}, path).wait()
+    with ThreadPoolExecutor(2) as pool:
+        vf = VerifiedFile(FileOps(), path)
+        off, _ = _data(vf, pool)
+        vf.ensure([(off, off + 10)], pool)
+        assert vf.bytes_read >= os.path.getsize(path) - 65536
+        assert torch.equal(vf.bytes(off, off + 10), t[:10])
+
+
+def _group(root: str, it: int) -> str:
+    d = os.path.join(root, f"iter_{it:07d}")
+    with fastckpt.Checkpointer() as ck:
+        ck.save({"x": torch.ones(2)}, os.path.join(d, "a.pt"), group=d)
+        ck.commit(d).wait()
+    return d
+
+
+def test_the_tracker_moves_only_forward_and_only_to_a_committed_iteration(tmp_path) -> None:
+    root = str(tmp_path)
+    _group(root, 2)
+    os.makedirs(os.path.join(root, "iter_0000003"))  # never committed
+    assert fm.advance_tracker(root, 3) is False and fm.read_tracker(root) is None
+    assert fm.advance_tracker(root, 2) is True and fm.read_tracker(root) == 2
+    _group(root, 1)
+    assert fm.advance_tracker(root, 1) is False and fm.read_tracker(root) == 2
+    with open(os.path.join(root, fm.TRACKER)) as f:
+        assert f.read() == "2"  # Megatron-LM's format: the number, nothing else
+
+
+def test_sync_tracker_catches_up_with_the_newest_committed_iteration(tmp_path) -> None:
+    root = str(tmp_path)
+    _group(root, 1)
+    assert fm.sync_tracker(root) == 1  # no tracker yet: a kill fell before its first write
+    _group(root, 5)
+    os.makedirs(os.path.join(root, "iter_0000006"))
+    assert fm.newest_complete_iteration(root) == 5
+    assert fm.read_tracker(root) == 1 and fm.sync_tracker(root) == 5 == fm.read_tracker(root)
+    assert fastckpt.latest(root) == os.path.join(root, "iter_0000005")
+
+
+def test_byte_range_and_view_of_a_non_contiguous_shard() -> None:
+    base = torch.arange(30, dtype=torch.float32).reshape(10, 3)
+    view = base.t()  # (3, 10), strides (1, 3)
+    saved = SavedTensor("k", "float32", (6, 10), Box((3, 0), (3, 10)), "f", 0, base.untyped_storage().nbytes(),
+                        view.storage_offset(), tuple(view.stride()))
+    part = Box((4, 2), (2, 5))  # rows 1-2, columns 2-6 of the shard
+    lo, hi = byte_range(saved, part)
+    assert (lo, hi) == ((1 + 2 * 3) * 4, (2 + 6 * 3 + 1) * 4)
+    record = torch.frombuffer(bytearray(base.numpy().tobytes()), dtype=torch.uint8)
+    assert torch.equal(shard_view(saved, record)[part.within(saved.box)], view[1:3, 2:7])
+    assert not saved.is_contiguous()
+
+
+def test_box_intersections() -> None:
+    a = Box((0, 0), (4, 8))
+    assert a.intersect(Box((2, 4), (4, 8))) == Box((2, 4), (2, 4))
+    assert a.intersect(Box((4, 0), (4, 8))) is None
+    assert str(a) == "[0:4, 0:8]"
