@@ -53,6 +53,7 @@ class Saver:
         self._inflight, self._coord, self._replicator, self._retention = inflight, coordinator, replicator, retention
         self._homes, self._local_path, self._emit = homes, local_path, emit
         self._lock = threading.Lock()
+        self._planner = F.Planner()
         self._lazy: list[tuple[Future, float, float, int]] = []  # (copy, t_call, blocked, bytes)
 
     def save(self, state_dict: object, path: str, group: str | None, lazy: bool, rank: int, world: int) -> SaveHandle:
@@ -63,12 +64,14 @@ class Saver:
         if self._cfg.local_dir is None and not self._homes.resolve(path).target.mounted:
             raise ConfigError(f"{path} is a URL: saving there needs local_dir=<node-local directory>, the "
                               "burst buffer the upload is made from")
-        layout = F.plan(state_dict)
-        has_cuda = any(r.storage.device.type == "cuda" for r in layout.storages)
+        layout = self._planner.plan(state_dict)
+        has_cuda = layout.cuda
         try:
             choice = self._tiers.choose(path, has_cuda)
         except OSError as exc:  # the probe could not write there: unwritable, not a directory...
             raise_as_write_error(exc, path)
+        if choice.tier == "gds" and layout.align != F.ALIGN:  # GDS writes each record: page-aligned
+            layout = self._planner.plan(state_dict, page_aligned=True)
         if group is not None:
             self._coord.begin(group, rank, world)
         dest = self._local_path(path) or path

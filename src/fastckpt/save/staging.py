@@ -10,6 +10,7 @@ non-blocking copies on a side stream.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import mmap
 import threading
@@ -247,10 +248,21 @@ class Progress:
                 raise self._error
 
 
+#: Storages smaller than this are copied with one ``memmove`` each (no tensor objects: about
+#: 0.3 us instead of 10 us per storage, which decides the stall for states of many small tensors).
+SMALL_COPY_BYTES = 1 << 20
+#: How far a copy runs ahead before it tells a writer that follows it (``Progress``).
+ADVANCE_BYTES = 8 << 20
+# Holds the GIL: 100,000 tiny copies releasing it would hand it to other threads each time.
+_memmove = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)(
+    ctypes._memmove_addr)  # type: ignore[attr-defined]
+
+
 def snapshot(layout: FileLayout, buf: StagingBuffer, progress: Progress | None = None) -> Snapshot:
     """Copy the metadata and every storage into ``buf`` at their file offsets.
 
-    CPU storages are copied before this returns. CUDA storages are copied on a side stream;
+    CPU storages are copied before this returns (small ones by ``memmove``, large ones by
+    torch, which copies with its intra-op threads). CUDA storages are copied on a side stream;
     the caller's current stream is made to wait for that copy, so later kernels cannot change
     the bytes being saved, while the CPU returns at once.
     """
@@ -258,28 +270,34 @@ def snapshot(layout: FileLayout, buf: StagingBuffer, progress: Progress | None =
     for off, data in layout.segments:
         view[off : off + len(data)] = data
     storages = layout.storages
+    told = storages[0].offset if storages else layout.data_size
     if progress is not None:
-        progress.advance(storages[0].offset if storages else layout.data_size)
+        progress.advance(told)
     streams: dict[torch.device, object] = {}
-    for rec in layout.storages:
-        if rec.nbytes == 0:
+    base = dst.data_ptr()
+    for rec in storages:
+        n = rec.nbytes
+        if n == 0:
             continue
         st = rec.storage
-        src = torch.empty(0, dtype=torch.uint8, device=st.device).set_(st)
-        target = dst[rec.offset : rec.offset + rec.nbytes]
-        if st.device.type == "cuda":
+        if layout.cuda and st.is_cuda:
             stream = streams.get(st.device)
             if stream is None:
                 stream = torch.cuda.Stream(st.device)
                 stream.wait_stream(torch.cuda.current_stream(st.device))
                 streams[st.device] = stream
+            src = torch.empty(0, dtype=torch.uint8, device=st.device).set_(st)
             with torch.cuda.stream(stream):
-                target.copy_(src, non_blocking=True)
+                dst[rec.offset : rec.offset + n].copy_(src, non_blocking=True)
             src.record_stream(stream)
+            continue
+        if n < SMALL_COPY_BYTES:
+            _memmove(base + rec.offset, st.data_ptr(), n)
         else:
-            target.copy_(src)
-            if progress is not None:
-                progress.advance(rec.offset + rec.nbytes)
+            dst[rec.offset : rec.offset + n].copy_(torch.empty(0, dtype=torch.uint8).set_(st))
+        if progress is not None and rec.offset + n - told >= ADVANCE_BYTES:
+            told = rec.offset + n
+            progress.advance(told)
     event = None
     for device, stream in streams.items():
         event = torch.cuda.Event()
