@@ -235,6 +235,10 @@ class Progress:
             self._done, self._error, self.blocked_s = True, error, blocked_s
             self._cv.notify_all()
 
+    def copying(self) -> bool:
+        """True until ``finish`` (the writer's hashing waits for the copy to end)."""
+        return not self._done
+
     def wait_done(self) -> None:
         with self._cv:
             while not self._done:

@@ -90,7 +90,8 @@ class FileWriter:
             res = write_file(self._ops, self._io, st.tmp, snap.buffer.view, layout.covered_bytes,
                              lambda digest, blocks: tail_bytes(manifest_of(base_now(), layout, digest, blocks)),
                              chunk_bytes=self._chunk, odirect=odirect,
-                             ready=progress.wait_for if progress is not None else None)
+                             ready=progress.wait_for if progress is not None else None,
+                             copying=progress.copying if progress is not None else None)
         except BaseException as exc:
             st.discard()
             self._emit("write", base.path, base.bytes, w0, base.tier, exc)
