@@ -49,12 +49,14 @@ class FileWriter:
         staging: the pool each snapshot's buffer goes back to once written.
         chunk_bytes: bytes per parallel write.
         emit: the Checkpointer's event emitter.
+        on_written: called with (file, bytes, seconds) after each file is written and fsynced
+            (the burst buffer's per-directory bandwidth, ``save.stripes``).
     """
 
     def __init__(self, ops: FileOps, io_pool: Executor, staging: StagingPool, chunk_bytes: int,
-                 emit: Callable[..., None]) -> None:
+                 emit: Callable[..., None], on_written: Callable[[str, int, float], None] | None = None) -> None:
         self._ops, self._io, self._staging, self._chunk = ops, io_pool, staging, chunk_bytes
-        self._emit = emit
+        self._emit, self._on_written = emit, on_written
         self._swept: set[str] = set()
 
     def _sweep(self, directory: str) -> None:
@@ -87,6 +89,7 @@ class FileWriter:
             layout = snap.layout
             self._ops.makedirs(os.path.dirname(dest))
             self._sweep(os.path.dirname(dest))
+            t0 = time.monotonic()
             res = write_file(self._ops, self._io, st.tmp, snap.buffer.view, layout.covered_bytes,
                              lambda digest, blocks: tail_bytes(manifest_of(base_now(), layout, digest, blocks)),
                              chunk_bytes=self._chunk, odirect=odirect,
@@ -101,6 +104,8 @@ class FileWriter:
                 progress.wait_done()  # never hand the buffer back while the copy still fills it
             self._staging.release(snap.buffer)
         write_s = time.monotonic() - t_call
+        if self._on_written is not None:
+            self._on_written(dest, res.bytes, time.monotonic() - t0)
         self._emit("write", dest, res.bytes, w0, base.tier,
                    detail=None if res.odirect else f"buffered: {res.odirect_reason}")
         return self._publish(base_now(), st, res, t_call, write_s)
