@@ -36,7 +36,7 @@ from ..storage.homes import Homes
 from ..urls import is_within
 from .replicator import ReplicaJob, Replicator
 from .retention import Retention
-from .staging import LazySnapshot, Progress, Snapshot, StagingBuffer, StagingPool, snapshot
+from .staging import LazySnapshot, Progress, Snapshot, StagingBuffer, StagingPool, cuda_marks, snapshot
 from .stripes import Reservation, Stripes
 from .tiers import TierChoice, TierSelector
 from .writer import FileWriter
@@ -98,8 +98,9 @@ class Saver:
             return self._skipped(base, group, t_call)
         if self._cfg.overlap_write and not lazy and not has_cuda:
             return self._save_overlapped(layout, buf, base, dest, t_call, w_call, choice, spot)
-        if lazy:
-            snap: Snapshot | LazySnapshot = LazySnapshot(self._snap_thread.submit(snapshot, layout, buf), layout, buf)
+        if lazy:  # CUDA: the copy follows the work queued so far and runs beside what comes next
+            copy = self._snap_thread.submit(snapshot, layout, buf, after=cuda_marks(layout), hold_stream=False)
+            snap: Snapshot | LazySnapshot = LazySnapshot(copy, layout, buf)
         else:
             try:
                 snap = snapshot(layout, buf)
@@ -214,7 +215,8 @@ class Saver:
             lazy, self._lazy = self._lazy, []
         t0 = time.monotonic()
         for fut, _, _, _ in lazy:
-            fut.exception()  # only waits: the write stage re-raises a failed copy
+            if fut.exception() is None:  # a failed copy: the write stage re-raises it
+                fut.result().order_before()  # CUDA: the next kernels wait for the copy on the GPU
         waited = time.monotonic() - t0
         for i, (_, t_call, blocked, nbytes) in enumerate(lazy):
             self._monitor.record_blocked(t_call, blocked + (waited if i == 0 else 0.0), nbytes)

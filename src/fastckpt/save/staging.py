@@ -203,6 +203,13 @@ class Snapshot:
     layout: FileLayout
     cuda_event: object = None
     progress: Progress | None = None
+    cuda_device: object = None  # the device whose side stream ``cuda_event`` was recorded on
+
+    def order_before(self) -> None:
+        """Make the caller's current CUDA stream wait (on the GPU, not the CPU) until the device
+        copies have landed: later kernels, the optimizer step's, cannot change what is saved."""
+        if self.cuda_event is not None:
+            torch.cuda.current_stream(self.cuda_device).wait_event(self.cuda_event)
 
     def wait_ready(self) -> None:
         if self.cuda_event is not None:
@@ -262,13 +269,30 @@ _memmove = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, 
     ctypes._memmove_addr)  # type: ignore[attr-defined]
 
 
-def snapshot(layout: FileLayout, buf: StagingBuffer, progress: Progress | None = None) -> Snapshot:
+def cuda_marks(layout: FileLayout) -> dict[torch.device, object] | None:
+    """An event on each of the state's devices' current streams, recorded now (the training
+    thread, at the call): a lazy snapshot's copies start after it, not after later kernels."""
+    if not layout.cuda:
+        return None
+    marks = {}
+    for rec in layout.storages:
+        if rec.storage.is_cuda and rec.storage.device not in marks:
+            marks[rec.storage.device] = torch.cuda.Event()
+            marks[rec.storage.device].record(torch.cuda.current_stream(rec.storage.device))
+    return marks
+
+
+def snapshot(layout: FileLayout, buf: StagingBuffer, progress: Progress | None = None, *,
+             after: dict[torch.device, object] | None = None, hold_stream: bool = True) -> Snapshot:
     """Copy the metadata and every storage into ``buf`` at their file offsets.
 
     CPU storages are copied before this returns (small ones by ``memmove``, large ones by
-    torch, which copies with its intra-op threads). CUDA storages are copied on a side stream;
-    the caller's current stream is made to wait for that copy, so later kernels cannot change
-    the bytes being saved, while the CPU returns at once.
+    torch, which copies with its intra-op threads). CUDA storages are copied on a side stream,
+    after the work on the current stream so far (or after the events in ``after``:
+    ``cuda_marks``); with ``hold_stream`` the current stream is made to wait for that copy, so
+    later kernels cannot change the bytes being saved, while the CPU returns at once. Without
+    it (a lazy snapshot, on the snapshot thread) forward and backward kernels run beside the
+    copy, and ``Snapshot.order_before`` (``fence()``) orders the optimizer step after it.
     """
     view, dst = buf.view, buf.tensor
     for off, data in layout.segments:
@@ -288,7 +312,10 @@ def snapshot(layout: FileLayout, buf: StagingBuffer, progress: Progress | None =
             stream = streams.get(st.device)
             if stream is None:
                 stream = torch.cuda.Stream(st.device)
-                stream.wait_stream(torch.cuda.current_stream(st.device))
+                if after is not None and st.device in after:
+                    stream.wait_event(after[st.device])
+                else:
+                    stream.wait_stream(torch.cuda.current_stream(st.device))
                 streams[st.device] = stream
             src = torch.empty(0, dtype=torch.uint8, device=st.device).set_(st)
             with torch.cuda.stream(stream):
@@ -302,17 +329,18 @@ def snapshot(layout: FileLayout, buf: StagingBuffer, progress: Progress | None =
         if progress is not None and rec.offset + n - told >= ADVANCE_BYTES:
             told = rec.offset + n
             progress.advance(told)
-    event = None
+    event = device = None
     for device, stream in streams.items():
         event = torch.cuda.Event()
         event.record(stream)
-        torch.cuda.current_stream(device).wait_event(event)
+        if hold_stream:
+            torch.cuda.current_stream(device).wait_event(event)
     if len(streams) > 1:  # one event per stream is needed only to order the writer
         torch.cuda.synchronize()
-        event = None
+        event = device = None
     if progress is not None:
         progress.advance(layout.data_size)  # the caller calls finish() with its blocked time
-    return Snapshot(buf, layout, event, progress)
+    return Snapshot(buf, layout, event, progress, device)
 
 
 @dataclass
