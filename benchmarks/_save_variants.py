@@ -112,7 +112,7 @@ def bench_torch(ctx: Ctx, d: Path) -> dict:
     del obj
     if ctx.cached:  # torch.load read it through the page cache: it is there now
         t4 = time.perf_counter()
-        obj = torch.load(path, weights_only=True)
+        torch.load(path, weights_only=True)
         out["restore_cached_s"] = time.perf_counter() - t4
     return out
 
