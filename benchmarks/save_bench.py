@@ -32,8 +32,8 @@ What each number means (all wall-clock seconds from time.perf_counter):
   memcpy      `dst.copy_(src)` into reused, already-touched buffers: the floor for blocking.
   fio         O_DIRECT sequential write (with a final fsync) and read of the same size in the
               same folder, bs=1M, libaio, iodepth=16: the device limit.
-  memory      the process's resident memory after fastckpt's saves, above what it was before
-              the first one (the state was already there), against its staging buffers.
+  memory      the process's resident memory after fastckpt's first save, above what it was
+              before it (the state was already there), against its staging buffers.
 GB/s are decimal (1e9 B/s). After each table, fastckpt's numbers are checked against the
 issues' targets (#16, #9 item 9), each marked PASS or MISS.
 """
