@@ -107,3 +107,17 @@ def test_doctor_measures_each_drive(tmp_path, dirs) -> None:
     bw = {f.check: f for f in dx.findings if f.check.endswith(".bandwidth")}
     assert set(bw) == {"local_dir[0].bandwidth", "local_dir[1].bandwidth"}
     assert dx.auto["cpu"] == "nvme"
+
+
+def test_doctor_cli_takes_local_dir_twice(tmp_path) -> None:
+    import json
+    import subprocess
+    import sys
+
+    res = subprocess.run([sys.executable, "-m", "fastckpt.cli", "doctor", "--local-dir", str(tmp_path / "a"),
+                          "--local-dir", str(tmp_path / "b"), "--target", str(tmp_path / "home"), "--probe-size",
+                          "8MiB", "--json"], capture_output=True, text=True)
+    out = json.loads(res.stdout)
+    checks = {f["check"] for f in out["findings"]}
+    assert {"local_dir[0].bandwidth", "local_dir[1].bandwidth", "local_dir[0].writable"} <= checks
+    assert out["auto"]["cpu"] == "nvme"

@@ -8,12 +8,12 @@ import threading
 import torch
 
 import fastckpt
-from fastckpt.save import staging
+from fastckpt.save import snapshot as snapshots
 
 
 def test_lazy_copy_fence_then_mutate(tmp_path, monkeypatch) -> None:
     started, go = threading.Event(), threading.Event()
-    real = staging.snapshot
+    real = snapshots.snapshot
 
     def held(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202 (the snapshot thread waits for the test)
         started.set()

@@ -36,15 +36,8 @@ from ..storage.homes import Homes
 from ..urls import is_within
 from .replicator import ReplicaJob, Replicator
 from .retention import Retention
-from .staging import (
-    LazySnapshot,
-    Progress,
-    Snapshot,
-    StagingBuffer,
-    StagingPool,
-    cuda_marks,
-    snapshot,
-)
+from .snapshot import LazySnapshot, Progress, Snapshot, cuda_marks, snapshot
+from .staging import StagingBuffer, StagingPool
 from .stripes import Reservation, Stripes
 from .tiers import TierChoice, TierSelector
 from .writer import FileWriter

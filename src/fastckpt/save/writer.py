@@ -26,7 +26,8 @@ from ..io.gds import finish_gds_file, gds_write
 from ..io.ops import FileOps
 from ..records import SaveRecord
 from ..version import __version__
-from .staging import Snapshot, StagingPool
+from .snapshot import Snapshot
+from .staging import StagingPool
 
 log = logging.getLogger("fastckpt")
 
