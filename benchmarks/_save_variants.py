@@ -46,9 +46,10 @@ def warm(paths: list[str]) -> None:
 
 
 def bench_memcpy(ctx: Ctx, d: Path) -> dict:
+    flat = ctx.memcpy_dst.get("*")  # one buffer every tensor is copied into (saves memory at 4 GiB)
     t0 = time.perf_counter()
     for k, src in ctx.state.items():
-        ctx.memcpy_dst[k].copy_(src)
+        (flat[: src.numel()] if flat is not None else ctx.memcpy_dst[k]).copy_(src.view(-1))
     return {"blocked_s": time.perf_counter() - t0}
 
 

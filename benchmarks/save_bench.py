@@ -29,7 +29,8 @@ What each number means (all wall-clock seconds from time.perf_counter):
               not work and the number is not a disk read.
   cached      a restore of a file that is in the page cache (fastckpt: after reading it once
               through the cache; torch.load: its second load).
-  memcpy      `dst.copy_(src)` into reused, already-touched buffers: the floor for blocking.
+  memcpy      `dst.copy_(src)` into reused, already-touched buffers: the floor for blocking
+              (with --sizes, every tensor into one buffer of the largest one's size).
   fio         O_DIRECT sequential write (with a final fsync) and read of the same size in the
               same folder, bs=1M, libaio, iodepth=16: the device limit.
   memory      the process's resident memory after fastckpt's first save, above what it was
@@ -149,7 +150,9 @@ def run(args: argparse.Namespace, tmp: Path) -> dict:
             nbytes = c.state_bytes(state)
             ctx = Ctx(state=state, nbytes=nbytes, local_dirs=tuple(args.local_dir),
                       files=max(args.files, len(args.local_dir) or 1), cached=mode != "scaling")
-            if "memcpy" in names:
+            if mode == "scaling":  # one reused (touched) buffer: 4 GiB states leave room for the rest
+                ctx.memcpy_dst = {"*": torch.zeros(max(v.numel() for v in state.values()))}
+            elif "memcpy" in names:
                 ctx.memcpy_dst = {k: torch.empty_like(v).fill_(0.0) for k, v in state.items()}  # touched
             res.update(describe(tmp, nbytes, len(state), c.drop_cache(tmp)))
             chosen = enabled_variants(ctx, names)
