@@ -49,7 +49,7 @@ def bench_memcpy(ctx: Ctx, d: Path) -> dict:
     flat = ctx.memcpy_dst.get("*")  # one buffer every tensor is copied into (saves memory at 4 GiB)
     t0 = time.perf_counter()
     for k, src in ctx.state.items():
-        (flat[: src.numel()] if flat is not None else ctx.memcpy_dst[k]).copy_(src.view(-1))
+        (flat[: src.numel()].view_as(src) if flat is not None else ctx.memcpy_dst[k]).copy_(src)
     return {"blocked_s": time.perf_counter() - t0}
 
 
