@@ -28,6 +28,7 @@ from .errors import FastCkptError, ReplicationError
 from .events import Event, EventSink, JsonlSink
 from .format.manifest import TAIL_ROOM
 from .inflight import InFlight
+from .io.engine import release_read_buffer
 from .io.ops import FileOps
 from .load.loader import Loader
 from .monitor import Monitor, Stats
@@ -292,6 +293,7 @@ class Checkpointer:
                 ex.shutdown(wait=True)
             self._homes.close()
             self._staging.close()
+            release_read_buffer()
             if self._jsonl:
                 self._jsonl.close()
             if self._metrics is not None:
