@@ -12,6 +12,7 @@ Order of work for one ``save(state, path)`` (docs/architecture.md has the whole 
 from __future__ import annotations
 
 import atexit
+import weakref
 import concurrent.futures as cf
 import logging
 import os
@@ -48,6 +49,33 @@ PROGRESS_EVERY_S = 10.0
 
 class ClosedError(FastCkptError, RuntimeError):
     """The Checkpointer was closed; create a new one."""
+
+
+_LIVE: weakref.WeakSet[Checkpointer] = weakref.WeakSet()  # open Checkpointers, flushed at exit
+_exit_hook = threading.Lock()
+_exit_hooked = False
+
+
+def _at_exit(ck: Checkpointer) -> None:
+    """Flush ``ck`` at interpreter exit if it is still open then.
+
+    The flush must run before concurrent.futures stops accepting work (its own exit hook makes
+    every ``submit`` fail, and a pending save still has chunks and replication to submit), so it
+    is registered where that hook is: ``threading._register_atexit``, whose hooks run in reverse
+    order of registration, before the threads are joined. Python's ``atexit`` runs too late.
+    """
+    global _exit_hooked
+    _LIVE.add(ck)
+    with _exit_hook:
+        if not _exit_hooked:
+            register = getattr(threading, "_register_atexit", atexit.register)
+            register(_flush_live)
+            _exit_hooked = True
+
+
+def _flush_live() -> None:
+    for ck in list(_LIVE):
+        ck._atexit()
 
 
 def _dist_rank_world() -> tuple[int, int]:
@@ -94,7 +122,7 @@ class Checkpointer:
 
             self._metrics = start_exporter(cfg.metrics_port, self.stats, lambda: self.rank, cfg.local_dir)
             self._sinks += (self._metrics,)
-        atexit.register(self._atexit)
+        _at_exit(self)
 
     # ------------------------------------------------------------------ identity and events
     @property
@@ -292,7 +320,7 @@ class Checkpointer:
                 self._jsonl.close()
             if self._metrics is not None:
                 self._metrics.close()
-            atexit.unregister(self._atexit)
+            _LIVE.discard(self)
 
     def _atexit(self) -> None:
         if self._closed:
