@@ -43,3 +43,25 @@ def test_a_save_in_flight_at_exit_is_flushed(tmp_path: Path, mode: str) -> None:
     assert "flushing 1 pending save" in r.stderr or "flushing 2 pending save" in r.stderr
     assert fastckpt.load(path)["step"] == 7
     assert fastckpt.latest(str(tmp_path / "home")) == (group or path)
+
+
+FORK = textwrap.dedent("""
+    import multiprocessing as mp, sys, torch, fastckpt
+
+    def child():
+        pass  # exits at once: it must not flush (and wait on) the parent's Checkpointer
+
+    ck = fastckpt.Checkpointer()
+    ck.save({"w": torch.arange(1 << 20), "step": 3}, sys.argv[1])
+    p = mp.get_context("fork").Process(target=child)
+    p.start()
+    p.join(60)
+    sys.exit(0 if p.exitcode == 0 else 3)
+""")
+
+
+def test_a_forked_child_does_not_flush_the_parents_checkpointer(tmp_path: Path) -> None:
+    path = str(tmp_path / "a.pt")
+    r = subprocess.run([sys.executable, "-c", FORK, path], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert fastckpt.load(path)["step"] == 3

@@ -85,8 +85,8 @@ def _pointed(parent: Place) -> tuple[str, float] | None:
     """
     try:
         name = (parent.get(LATEST) or b"").decode().strip()
-        if not name or "/" in name or name in (".", "..") or name.startswith("."):
-            return None
+        if not name or "/" in name or "\\" in name or name.startswith(".") or parent.is_link(name):
+            return None  # garbage, or a name leading out of the directory: never followed
         m = read_group_manifest(parent.child(name))
         if m is not None:
             return name, group_order(m)
@@ -118,6 +118,24 @@ def move_pointer(parent: Place, name: str, order: float) -> bool:
         return True
 
 
+def member_files(manifest: dict, where: str) -> dict[str, dict]:
+    """A group manifest's (or marker's) files, each name checked to stay inside the group: a
+    relative, '/'-separated path without '.', '..' or empty parts.
+
+    Raises:
+        CorruptCheckpointError: naming ``where`` and the entry that would lead out of it.
+    """
+    files = manifest.get("files")
+    if not isinstance(files, dict):
+        raise CorruptCheckpointError(f"{where}: its manifest has no file list")
+    for rel in files:
+        parts = rel.split("/") if isinstance(rel, str) else [""]
+        if rel.startswith("/") or "\\" in rel or any(p in ("", ".", "..") for p in parts):
+            raise CorruptCheckpointError(f"{where}: its manifest names {rel!r}, which leads out of the checkpoint; "
+                                         "not following it (the manifest is damaged or was edited)")
+    return files
+
+
 def publish_group(place: Place, world_size: int, markers: dict[int, dict], extra: dict,
                   requested_at: float | None = None, token: str | None = None) -> dict:
     """Check every rank's files, then publish the group manifest and move the latest pointer.
@@ -127,7 +145,7 @@ def publish_group(place: Place, world_size: int, markers: dict[int, dict], extra
     """
     files: dict[str, dict] = {}
     for r in sorted(markers):
-        for rel, info in markers[r]["files"].items():
+        for rel, info in member_files(markers[r], f"{place.label} (rank {r}'s marker)").items():
             size = place.size(rel)
             if size != info["size"]:
                 raise IncompleteCheckpointError(
