@@ -195,6 +195,7 @@ class Checkpointer:
             reraise(exc, path)
         if group is not None:
             self._groups.begin(group, self.rank, self.world_size)
+            self._unpublish_local(group)
         dest = self.local_path(path) or path
         base = SaveRecord(path, choice.tier, layout.data_size, 0.0, 0.0, 0.0, None, rank=self.rank, group=group)
         if choice.tier == "gds":
@@ -310,11 +311,28 @@ class Checkpointer:
 
         def retain(rec: SaveRecord) -> SaveRecord:
             if not rec.superseded:
+                if has_local:
+                    self._publish_local(group)
                 self._retention.durable(group, has_local, owns_persistent=rank == 0)
             return rec
 
         fut = self._groups.commit(group, rank, self.world_size, dict(extra), retain)
         return self._inflight.track(fut, group, group)
+
+    def _publish_local(self, group: str) -> None:
+        """The group is durable at its home: give this node's burst-buffer copy the same manifest,
+        so loads read the local files (each file still verifies its own checksum)."""
+        local = self.local_path(group)
+        data = self._place(group).get(C.GROUP_MANIFEST)
+        if local is None or data is None or not os.path.isdir(local):
+            return  # a newer attempt replaced it already, or this rank kept no local files
+        LocalPlace(local, self._ops).put(C.GROUP_MANIFEST, data)
+
+    def _unpublish_local(self, group: str) -> None:
+        """A new attempt at ``group``: its local copy stops counting as complete until it commits."""
+        local = self.local_path(group)
+        if local is not None:
+            LocalPlace(local, self._ops).delete(C.GROUP_MANIFEST)
 
     # ------------------------------------------------------------------ load / remove / latest
     def load(self, path: str, map_location: object = None, *, weights_only: bool = True,
