@@ -297,12 +297,13 @@ class Checkpointer:
         return rec
 
     # ------------------------------------------------------------------ groups
-    def commit(self, group: str, **extra: object) -> SaveHandle:
+    def commit(self, group: str, *, move_latest: bool = True, **extra: object) -> SaveHandle:
         """This rank is done saving into ``group``; every rank must call it.
 
         Returns a handle that completes when the whole group is durable and published (on
         rank 0 after it wrote the manifest, on other ranks once they see it). ``extra``
-        (e.g. ``step=100``) is recorded in the group manifest.
+        (e.g. ``step=100``) is recorded in the group manifest. ``move_latest=False`` publishes
+        the group without pointing ``parent/latest`` at it (give the same value on every rank).
         """
         self._check_open()
         self._inflight.raise_unseen()
@@ -316,7 +317,7 @@ class Checkpointer:
                 self._retention.durable(group, has_local, owns_persistent=rank == 0)
             return rec
 
-        fut = self._groups.commit(group, rank, self.world_size, dict(extra), retain)
+        fut = self._groups.commit(group, rank, self.world_size, dict(extra), retain, move_latest)
         return self._inflight.track(fut, group, group)
 
     def _publish_local(self, group: str) -> None:

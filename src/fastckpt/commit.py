@@ -243,8 +243,9 @@ def publish_file_pointer(parent: Place, name: str, manifest: dict) -> bool:
 
 
 def publish_group(ops: FileOps | None, group_dir: str | Place, world_size: int, markers: dict[int, dict], extra: dict,
-                  requested_at: float | None = None, token: str | None = None) -> dict:
-    """Check every rank's files, then publish the group manifest and the latest pointer.
+                  requested_at: float | None = None, token: str | None = None, move_latest: bool = True) -> dict:
+    """Check every rank's files, then publish the group manifest and (``move_latest``) the
+    latest pointer.
 
     The pointer moves only forward: it is left alone when it names a group committed later
     (see ``group_order``).
@@ -266,6 +267,8 @@ def publish_group(ops: FileOps | None, group_dir: str | Place, world_size: int, 
     if requested_at is not None:
         manifest["requested_at"] = requested_at
     place.put(GROUP_MANIFEST, json.dumps(manifest, sort_keys=True, indent=1).encode())
+    if not move_latest:
+        return manifest
     parent = place.parent()
     with _latest_lock:
         if _pointed_order(parent) <= group_order(manifest):

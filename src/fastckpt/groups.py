@@ -66,14 +66,14 @@ class Groups:
         self._attempts[group].skipped.append(path)
 
     def commit(self, group: str, rank: int, world: int, extra: dict,
-               finish: Callable[[SaveRecord], SaveRecord] = lambda r: r) -> Future:
+               finish: Callable[[SaveRecord], SaveRecord] = lambda r: r, move_latest: bool = True) -> Future:
         self.begin(group, rank, world)  # a rank that saved nothing into this group
         att = self._attempts.pop(group)
         t_call, requested_at = time.monotonic(), time.time()
 
         def run() -> SaveRecord:
             try:
-                return finish(self._run(group, att, rank, world, extra, t_call, requested_at))
+                return finish(self._run(group, att, rank, world, extra, t_call, requested_at, move_latest))
             except OSError as exc:
                 reraise(exc, group)
                 raise  # unreachable: reraise always raises
@@ -81,7 +81,7 @@ class Groups:
         return self._pool.submit(run)
 
     def _run(self, group: str, att: _Attempt, rank: int, world: int, extra: dict,
-             t_call: float, requested_at: float) -> SaveRecord:
+             t_call: float, requested_at: float, move_latest: bool) -> SaveRecord:
         c0 = time.time()
         recs = [h._future.result() for h in att.handles]  # a failed save stops the commit here
         if att.skipped:
@@ -102,7 +102,7 @@ class Groups:
             if any(m.get("superseded") for m in markers.values()):
                 manifest = {"superseded": True, "files": {}}
             else:
-                manifest = C.publish_group(None, att.place, world, markers, extra, requested_at, att.token)
+                manifest = C.publish_group(None, att.place, world, markers, extra, requested_at, att.token, move_latest)
             C.announce_outcome(group, att.token, superseded=bool(manifest.get("superseded")))
         else:
             manifest = C.wait_for_manifest(att.place, self._timeout, self._stop, att.token, files, group=group)

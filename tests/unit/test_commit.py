@@ -465,3 +465,16 @@ def test_sweep_removes_only_dead_local_processes_temp_files(tmp_path) -> None:
         open(p, "wb").close()
     assert sweep_stale_tmp(FileOps(), str(tmp_path)) == 1
     assert os.path.exists(mine) and os.path.exists(other_host) and not os.path.exists(stale)
+
+
+def test_commit_without_moving_latest(tmp_path: Path) -> None:
+    """``commit(group, move_latest=False)`` publishes the group but leaves ``latest`` alone
+    (DeepSpeed's ``save_checkpoint(..., save_latest=False)``)."""
+    parent = tmp_path / "run"
+    with fastckpt.Checkpointer(rank=0, world_size=1) as ck:
+        for name, move in (("global_step1", True), ("best", False)):
+            g = str(parent / name)
+            ck.save(_state(1), f"{g}/shard0.pt", group=g)
+            ck.commit(g, move_latest=move).wait()
+    assert C.read_group_manifest(str(parent / "best")) is not None
+    assert (parent / C.LATEST).read_text() == "global_step1"
