@@ -357,3 +357,22 @@ def test_s3_group_load_after_commit_reads_the_local_copy(s3_server, s3_bucket, t
         ck.commit(group).wait()
         assert _same(ck.load(f"{group}/rank0.pt"), 5)
         assert ck.stats().last_restore_from == "local"
+
+
+def test_ranks_sharing_a_burst_buffer_trim_it_quietly(tmp_path, caplog) -> None:
+    """Two ranks of one node share local_dir; both apply keep_local to the same group directory
+    there, and the one that finds it gone says nothing."""
+    nvme, root = str(tmp_path / "nvme"), tmp_path / "t"
+    cks = [fastckpt.Checkpointer(local_dir=nvme, rank=r, world_size=2, keep_local=1, commit_timeout_s=60)
+           for r in range(2)]
+    with caplog.at_level("WARNING", logger="fastckpt"):
+        for step in range(4):
+            group = str(root / f"global_step{step}")
+            for r, ck in enumerate(cks):
+                ck.save(_state(step), f"{group}/rank{r}.pt", group=group)
+            for h in [ck.commit(group) for ck in cks]:
+                h.wait()
+        for ck in cks:
+            ck.close()
+    assert not [r for r in caplog.records if "retention" in r.getMessage()], caplog.text
+    assert sorted(os.listdir(os.path.join(nvme, str(root).lstrip(os.sep)))) == ["global_step3"]
