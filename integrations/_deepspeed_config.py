@@ -64,7 +64,8 @@ def _option_types() -> dict[str, tuple[type, ...]]:
 
 
 def _type_name(types: tuple[type, ...]) -> str:
-    names = ["null" if t is NoneType else "number" if t is float else t.__name__ for t in types]
+    json_names = {NoneType: "null", float: "number", dict: "object"}
+    names = [json_names.get(t, t.__name__) for t in types]
     return " or ".join(names)
 
 

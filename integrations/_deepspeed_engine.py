@@ -5,8 +5,8 @@ Order of calls, from ``DeepSpeedEngine.save_checkpoint``, on every rank, trainin
   -> save(state_dict=..., path=...) for each file this rank writes
   -> commit(info)  [-> DeepSpeed's own plain write of save_dir/latest: switched off, see
      ``deepspeed.py``]  -> barrier
-Each file is saved into the group ``save_dir/tag`` (``Checkpointer.save(..., group=)``) and
-returns after its snapshot; ``commit`` calls ``Checkpointer.commit(group)`` and returns at once:
+Each file is saved into the group ``save_dir/tag`` (``Checkpointer.save(..., group=)``; the
+snapshots are taken in ``commit``, see there), then ``Checkpointer.commit(group)`` returns at once:
 rank 0 publishes the group manifest, then ``save_dir/latest`` (the tag: DeepSpeed's format), once
 every rank's files are durable. Loading a tag that never committed raises
 ``IncompleteCheckpointError``.
@@ -82,8 +82,9 @@ class FastCkptEngine(CheckpointEngine):
         self._on_commit = on_commit
         self.weights_only = weights_only
         self._group: str | None = None
+        self._deferred: list[tuple[object, str]] = []  # (state_dict, path) saved into the tag so far
         self._alias: tuple[str, str] | None = None  # (burst-buffer dir, URL) of a URL save_dir
-        self._move_latest: bool | None = None  # the caller's save_latest while the wrapper runs
+        self._move_latest: bool | None = None  # the caller's save_latest while save_checkpoint runs
         self._started = time.monotonic()
         self._samples = 0
         self.pending: list[PendingCommit] = []
@@ -117,17 +118,25 @@ class FastCkptEngine(CheckpointEngine):
 
     # ------------------------------------------------------------------ CheckpointEngine
     def create(self, info: CheckpointCommitInfo) -> None:
-        self._group = self.home(os.path.join(info.save_dir, str(info.tag)))
+        """A tag's saves begin. Only ``save_checkpoint`` makes a tag a group: DeepSpeed also calls
+        create/commit around other saves (``save_16bit_model``: one file beside the tags), which
+        stay single-file checkpoints."""
+        saving = self._move_latest is not None
+        self._group = self.home(os.path.join(info.save_dir, str(info.tag))) if saving else None
 
     def makedirs(self, path: str, exist_ok: bool = False) -> None:
         if not is_url(path):
             os.makedirs(path, exist_ok=exist_ok)
 
     def save(self, state_dict: object, path: str) -> None:
-        """DeepSpeed calls this with the keyword ``state_dict``; returns after the snapshot."""
+        """DeepSpeed calls this with the keyword ``state_dict``. Inside ``save_checkpoint`` the
+        snapshot waits for ``commit`` (see there); elsewhere it is taken now."""
         path = self.home(path)
         inside = self._group is not None and path.startswith(self._group + ("/" if is_url(path) else os.sep))
-        self.checkpointer.save(state_dict, path, group=self._group if inside else None)
+        if inside:
+            self._deferred.append((state_dict, path))
+        else:
+            self.checkpointer.save(state_dict, path)
 
     def load(self, path: str, map_location: object = None) -> object:
         """Verified load; unpickling as ``weights_only`` says (see the module docstring)."""
@@ -144,9 +153,23 @@ class FastCkptEngine(CheckpointEngine):
             raise
 
     def commit(self, info: CheckpointCommitInfo) -> bool:
-        """This rank is done with ``info.tag``; the group is published in the background."""
+        """This rank is done with ``info.tag``: snapshot its files, then commit the group in the
+        background.
+
+        The snapshots are taken here rather than in each ``save``: DeepSpeed does file work of
+        its own between the saves and the commit (rank 0 copies zero_to_fp32.py into save_dir
+        every time), and once a background write is syncing, each of those metadata operations
+        queues behind the filesystem's journal (measured on ext4: 9 ms per file opened for
+        writing, 0.4 ms otherwise). Nothing mutates the state between the two calls: DeepSpeed
+        does not train inside ``save_checkpoint``.
+        """
+        if self._group is None:
+            return True  # not a save_checkpoint (see create)
+        deferred, self._deferred = self._deferred, []
+        for state_dict, path in deferred:
+            self.checkpointer.save(state_dict, path, group=self._group)
         group = self.home(os.path.join(info.save_dir, str(info.tag)))
-        move = info.save_latest if self._move_latest is None else self._move_latest
+        move = bool(self._move_latest)
         handle = self.checkpointer.commit(group, move_latest=move, tag=str(info.tag), save_latest=move)
         self._group = None
         if self._on_commit is not None:  # the caller reports it (FastCkptIO)

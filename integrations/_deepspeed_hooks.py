@@ -98,9 +98,11 @@ def resolve_tag(store: Store, root: str, storage_options: dict | None) -> tuple[
     """
     named = store.pointer(root)
     newest = latest(root, storage_options=storage_options)
-    cand = None
+    cand, cand_m = None, None
     if newest is not None and _parent(newest) == root:
         cand = newest.rsplit("/", 1)[-1]
+        cand_m = store.manifest(newest)
+        cand = cand if cand_m is not None else None  # a single file (save_16bit_model's) is no tag
     if named is None:
         return cand, cand is not None
     named_m = store.manifest(_join(root, named))
@@ -108,10 +110,7 @@ def resolve_tag(store: Store, root: str, storage_options: dict | None) -> tuple[
         if store.attempted(_join(root, named)):
             return cand, cand is not None
         return named, False
-    if cand is None or cand == named:
-        return named, False
-    cand_m = store.manifest(_join(root, cand)) or {}
-    if cand_m.get("save_latest", True) and order(cand_m) > order(named_m):
+    if cand_m is not None and cand != named and cand_m.get("save_latest", True) and order(cand_m) > order(named_m):
         return cand, True
     return named, False
 

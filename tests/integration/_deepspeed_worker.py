@@ -229,10 +229,14 @@ def destroy(root: str) -> None:
     eng = engine(2, {"local_dir": os.path.join(root, "nvme")}, seed=0)
     train(eng, 1, 1)
     eng.save_checkpoint(d, "g1")
+    eng.save_16bit_model(d)  # DeepSpeed's other save: one file beside the tags, not a group
     eng.destroy()
-    assert fastckpt.latest(d) == os.path.join(d, "g1")  # durable and published when destroy() returned
+    g1 = os.path.join(d, "g1")
+    assert fastckpt.latest(g1) == g1  # complete: durable and published when destroy() returned
     with open(os.path.join(d, "latest")) as f:
         assert f.read() == "g1"
+    assert sorted(n for n in os.listdir(d) if not n.endswith(".py")) == ["g1", "latest", "pytorch_model.bin"]
+    assert sorted(fastckpt.load(os.path.join(d, "pytorch_model.bin"))) == ["0.bias", "0.weight", "2.bias", "2.weight"]
 
 
 def exit_flush(root: str) -> None:

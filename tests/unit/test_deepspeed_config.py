@@ -80,3 +80,15 @@ def test_credentials_are_not_passed_on_to_deepspeed() -> None:
 def test_attach_refuses_what_is_not_an_engine() -> None:
     with pytest.raises(TypeError, match="needs a deepspeed.DeepSpeedEngine"):
         attach(torch.nn.Linear(2, 2))
+
+
+def test_docs_list_every_key_with_its_type() -> None:
+    """docs/deepspeed.md's table of the section is the list the validator accepts."""
+    import re
+    from pathlib import Path
+
+    from fastckpt.integrations._deepspeed_config import valid_keys
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "deepspeed.md").read_text()
+    rows = dict(re.findall(r"^\| `(\w+)` \| ([\w ]+?) \|", text, flags=re.M))
+    assert valid_keys() == ", ".join(f"{k} ({t})" for k, t in rows.items())
