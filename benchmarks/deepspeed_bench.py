@@ -2,7 +2,7 @@
 
 Run (from the repository root, with the project's venv; 2 CPU processes per variant):
 
-    python benchmarks/deepspeed_bench.py [--steps 40] [--every 5] [--width 2048] [--depth 4]
+    python benchmarks/deepspeed_bench.py [--steps 40] [--every 5] [--width 2048] [--depth 4] [--repeat 1]
                                          [--dir DIR] [--json OUT] [--variants a,b,...]
 
 Each variant is one ``torchrun --nproc-per-node 2`` launch of this script (``--worker``): the
@@ -31,8 +31,9 @@ Columns, per checkpoint unless said otherwise (medians over the run's checkpoint
              after the call and adds that (outside the stall and the overhead); for the
              decoupled engines it is not measured (the writer process reports nothing).
              fastckpt's comes from its report to DeepSpeed's monitor (the CSV monitor here).
-  overhead   (wall - the "none" wall) / the "none" wall, for the whole run
-  blocked %  the run's total stall / the "none" wall: the figure that holds on a noisy machine
+  overhead   (wall - the "none" wall) / the "none" wall, for the whole run; with --repeat, the
+             fastest round of each (variants interleaved, each round rotated by one)
+  blocked %  a run's total stall / the "none" wall: the figure that holds on a noisy machine
 Target (issue #11): fastckpt's stall <= 0.2 x the default engine's.
 """
 
@@ -181,6 +182,7 @@ def _fastckpt_durable(root: Path, variant: str) -> list[float]:
 
 # ----------------------------------------------------------------------------- driver
 def run_variant(name: str, args: argparse.Namespace, root: Path) -> dict:
+    root.mkdir(parents=True, exist_ok=True)
     result = root / f"{name}.json"
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", CROSS_SIZE="1", CROSS_RANK="0",
                TORCH_EXTENSIONS_DIR=os.environ.get("TORCH_EXTENSIONS_DIR", str(REPO / ".venv" / "torch_extensions")))
@@ -200,7 +202,7 @@ def run_variant(name: str, args: argparse.Namespace, root: Path) -> dict:
     if proc.returncode != 0 or not result.exists():
         out = output.splitlines()
         err = [line.removeprefix("[rank0]: ") for line in out if re.match(r"\[rank0\]: \w+(Error|Exception): ", line)]
-        return {"variant": name, "error": (err[-1] if err else f"exit {proc.returncode}")[:200]}
+        return {"variant": name, "error": (err[-1] if err else f"exit {proc.returncode}")[:200], "tail": out[-20:]}
     return json.loads(result.read_text())
 
 
@@ -221,6 +223,19 @@ def _kill_tree(pid: int) -> None:
             pass
 
 
+def _combine(name: str, results: list[dict]) -> dict:
+    """One row from a variant's rounds: every checkpoint's numbers, the least disturbed wall
+    (on a shared machine other jobs only ever add time)."""
+    ok = [r for r in results if "error" not in r]
+    if not ok:
+        return results[0] if results else {"variant": name, "error": "not run"}
+    failed = [r["error"] for r in results if "error" in r]
+    results = ok
+    return {"variant": name, "failed_rounds": failed, "wall_s": min(r["wall_s"] for r in results), "walls": [r["wall_s"] for r in results],
+            "stalls": [x for r in results for x in r["stalls"]], "durable": [x for r in results for x in r["durable"]],
+            "checkpoint_bytes": results[0]["checkpoint_bytes"], "flush_s": [r["flush_s"] for r in results]}
+
+
 def _median(xs: list[float]) -> float | None:
     return statistics.median(xs) if xs else None
 
@@ -238,6 +253,7 @@ def main() -> None:
     p.add_argument("--dir", default=None, help="where checkpoints go (default: a temp dir, removed)")
     p.add_argument("--json", default=None, help="also write the results here")
     p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--repeat", type=int, default=1, help="rounds; walls are the fastest round's")
     p.add_argument("--variant-timeout", type=float, default=240.0, help="seconds before a variant counts as hung")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--variant", help=argparse.SUPPRESS)
@@ -246,12 +262,18 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
+    names = args.variants.split(",")
+    runs: dict[str, list[dict]] = {n: [] for n in names}
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
-        rows = [run_variant(name, args, Path(tmp)) for name in args.variants.split(",")]
+        for i in range(args.repeat):  # interleaved, each round rotated by one
+            for name in names[i % len(names):] + names[: i % len(names)]:
+                if not (runs[name] and "error" in runs[name][0]):  # one that cannot run is not retried
+                    runs[name].append(run_variant(name, args, Path(tmp) / f"round{i}"))
+    rows = [_combine(name, runs[name]) for name in names]
     base = next((r["wall_s"] for r in rows if r["variant"] == "none" and "wall_s" in r), None)
     ref = next((_median(r["stalls"]) for r in rows if r["variant"] == "deepspeed" and "stalls" in r), None)
     print(f"ZeRO-2, 2 CPU processes, {args.steps} steps, a checkpoint every {args.every} "
-          f"(width {args.width}, depth {args.depth})")
+          f"(width {args.width}, depth {args.depth}), {args.repeat} round(s)")
     print(f"{'variant':<22}{'ckpt MB':>9}{'stall s':>9}{'x default':>10}{'durable s':>11}{'overhead':>10}"
           f"{'blocked %':>10}  note")
     for r in rows:
@@ -260,9 +282,11 @@ def main() -> None:
             continue
         stall = _median(r["stalls"])
         over = None if base is None else (r["wall_s"] - base) / base
-        blocked = None if base is None or not r["stalls"] else sum(r["stalls"]) / base
+        blocked = None if base is None or not r["stalls"] else sum(r["stalls"]) / len(r["walls"]) / base
         ratio = None if ref is None or stall is None else stall / ref
         note = "durable = stall + fsync" if r["variant"] == "deepspeed" else ""
+        if r["failed_rounds"]:
+            note += f" ({len(r['failed_rounds'])} round(s) failed: {r['failed_rounds'][0][:60]})"
         print(f"{r['variant']:<22}{r['checkpoint_bytes'] / 1e6:>9.0f}{_fmt(stall):>9}{_fmt(ratio, '.2f'):>10}"
               f"{_fmt(_median(r['durable'])):>11}{_fmt(over, '.1%'):>10}{_fmt(blocked, '.1%'):>10}  {note}")
     if args.json:

@@ -4,7 +4,6 @@ bit-exact comparisons. Imported by scripts that torchrun starts (CPU, gloo, DS_A
 from __future__ import annotations
 
 import copy
-import enum
 import os
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -13,6 +12,7 @@ import deepspeed
 import torch
 
 from fastckpt.integrations.deepspeed import initialize
+from tests.integration._trees import tree_equal as same  # noqa: F401 (the workers' name for it)
 
 WIDTH = 64
 
@@ -70,24 +70,3 @@ def frozen(obj: object) -> object:
     if isinstance(obj, (list, tuple)):
         return type(obj)(frozen(v) for v in obj)
     return copy.deepcopy(obj)
-
-
-def same(a: object, b: object, where: str = "") -> None:
-    """Assert bit-exact equality of nested checkpoint structures (tensors, containers, DeepSpeed's
-    own objects by their attributes)."""
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, where
-        assert torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and set(a) == set(b), f"{where}: keys {sorted(map(str, a))} != {sorted(map(str, b))}"
-        for k in a:
-            same(a[k], b[k], f"{where}/{k}")
-    elif isinstance(a, (list, tuple)):
-        assert isinstance(b, (list, tuple)) and len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            same(x, y, f"{where}[{i}]")
-    elif isinstance(a, (int, float, str, bool, type(None), enum.Enum, torch.Size, torch.dtype)):
-        assert a == b, f"{where}: {a!r} != {b!r}"
-    else:
-        assert type(a) is type(b), f"{where}: {type(a)} != {type(b)}"
-        same(vars(a), vars(b), where)
