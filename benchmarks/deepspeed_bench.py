@@ -164,6 +164,8 @@ def worker(args: argparse.Namespace) -> None:
     engine.destroy()  # fastckpt: flushes; the others: nothing pending on this thread
     flush_s = time.perf_counter() - f0
     wall = train_wall - sum(fsyncs)
+    torch.distributed.barrier()  # then a clean exit: gloo can abort a rank whose peer exited first
+    torch.distributed.destroy_process_group()
     if engine.global_rank == 0:
         durable = [s + f for s, f in zip(stalls, fsyncs)] if fsyncs else _fastckpt_durable(root, args.variant)
         size = sum(p.stat().st_size for p in (save_dir / f"step{args.steps}").iterdir()) if stalls else 0
