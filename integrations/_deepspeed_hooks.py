@@ -29,13 +29,16 @@ import time
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from fastckpt import Checkpointer, IncompleteCheckpointError, latest
-from fastckpt.errors import ConfigError
+from fastckpt.errors import ConfigError, ReplicationError
 
 from ._deepspeed_compat import Store, is_url, normalize, order
 from ._deepspeed_engine import FastCkptEngine, PendingCommit
+
+if TYPE_CHECKING:
+    from deepspeed.runtime.engine import DeepSpeedEngine
 
 log = logging.getLogger("fastckpt.deepspeed")
 
@@ -118,7 +121,7 @@ def resolve_tag(store: Store, root: str, storage_options: dict | None) -> tuple[
 class EngineHooks:
     """The wrappers of one DeepSpeedEngine (see the module docstring)."""
 
-    def __init__(self, engine: Any, fe: FastCkptEngine, owned: OwnedCheckpointer | None, flush_at_exit: bool) -> None:
+    def __init__(self, engine: DeepSpeedEngine, fe: FastCkptEngine, owned: OwnedCheckpointer | None, flush_at_exit: bool) -> None:
         self.engine, self.fe, self.owned = engine, fe, owned
         self._save = engine.save_checkpoint  # DeepSpeed's, bound
         self._load = engine.load_checkpoint
@@ -199,9 +202,11 @@ class EngineHooks:
 
     # ------------------------------------------------------------------ flushing and reporting
     def flush(self) -> None:
-        """Wait until every save so far is durable; report them; raise a failure once."""
-        self.report(wait=True)
-        self.fe.checkpointer.wait()
+        """Wait until every save so far is durable (at most ``close_timeout_s`` when set);
+        report them; raise a failure once."""
+        timeout = self.fe.checkpointer.config.close_timeout_s
+        self.report(wait=True, timeout_s=timeout)
+        self.fe.checkpointer.wait(timeout)
 
     def close(self) -> None:
         self.flush()
@@ -209,12 +214,26 @@ class EngineHooks:
         if self.owned is not None:
             self.owned.close()
 
-    def report(self, wait: bool) -> None:
-        """Report finished checkpoints (all of them with ``wait``), oldest first; a failed one is
-        raised here (its handle marks it seen, so the Checkpointer does not raise it again)."""
+    def report(self, wait: bool, timeout_s: float | None = None) -> None:
+        """Report finished checkpoints (with ``wait``, all of them, within ``timeout_s``), oldest
+        first; a failed one is raised here (its handle marks it seen, so the Checkpointer does
+        not raise it again).
+
+        Raises:
+            ReplicationError: ``timeout_s`` passed with checkpoints still pending.
+        """
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while self.fe.pending and (wait or self.fe.pending[0].handle.done()):
             p = self.fe.pending.pop(0)
-            rec = p.handle.wait()
+            try:
+                rec = p.handle.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                if p.handle.done():  # the commit's own failure (CommitTimeoutError), not our wait
+                    raise
+                self.fe.pending.insert(0, p)
+                raise ReplicationError(f"checkpoint {p.group} is still not committed after close_timeout_s="
+                                       f"{timeout_s} s; its files stay where they are (an incomplete tag is "
+                                       "never loaded)") from None
             if not self._rank0:
                 continue
             stall = p.stall_s if p.stall_s is not None else p.committed - p.started

@@ -21,11 +21,12 @@ load_checkpoint and destroy: ``latest``, resume, flushing, reporting).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping
 
 import deepspeed
+import torch
 from deepspeed.constants import TORCH_DISTRIBUTED_DEFAULT_PORT
+from deepspeed.runtime.engine import DeepSpeedEngine
 
 from fastckpt import Checkpointer, SaveHandle
 from fastckpt.errors import ConfigError
@@ -39,11 +40,12 @@ __all__ = ["FastCkptEngine", "CheckpointReport", "SAFE_GLOBALS", "attach", "init
 _HOOKS = "_fastckpt_hooks"  # the engine attribute holding its EngineHooks
 
 
-def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model_parameters: Any = None,
-               training_data: Any = None, lr_scheduler: Any = None,
-               distributed_port: int = TORCH_DISTRIBUTED_DEFAULT_PORT, mpu: Any = None,
-               dist_init_required: bool | None = None, collate_fn: Callable | None = None,
-               config: str | dict | None = None, mesh_param: Any = None,
+def initialize(args: object = None, model: torch.nn.Module | None = None,
+               optimizer: torch.optim.Optimizer | Callable | None = None,
+               model_parameters: Iterable | None = None, training_data: torch.utils.data.Dataset | None = None,
+               lr_scheduler: object = None, distributed_port: int = TORCH_DISTRIBUTED_DEFAULT_PORT,
+               mpu: object = None, dist_init_required: bool | None = None, collate_fn: Callable | None = None,
+               config: str | dict | None = None, mesh_param: object = None,
                config_params: str | dict | None = None) -> tuple:
     """``deepspeed.initialize`` with fastckpt attached when the config has a ``"fastckpt"`` section.
 
@@ -78,7 +80,7 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
     return out
 
 
-def attach(engine: Any, config: str | Mapping | Section | None = None, *, checkpointer: Checkpointer | None = None,
+def attach(engine: DeepSpeedEngine, config: str | Mapping | Section | None = None, *, checkpointer: Checkpointer | None = None,
            on_commit: Callable[[SaveHandle], None] | None = None) -> FastCkptEngine | None:
     """Make ``engine`` (a ``DeepSpeedEngine``) save and load through fastckpt.
 
@@ -111,7 +113,7 @@ def attach(engine: Any, config: str | Mapping | Section | None = None, *, checkp
     return _install(engine, checkpointer, section, on_commit)
 
 
-def install(engine: Any, checkpointer: Checkpointer | Callable[[], Checkpointer] | None = None,
+def install(engine: DeepSpeedEngine, checkpointer: Checkpointer | Callable[[], Checkpointer] | None = None,
             on_commit: Callable[[SaveHandle], None] | None = None) -> FastCkptEngine:
     """``attach`` for code that already holds a Checkpointer, or a function returning the one to
     use now (FastCkptIO with Lightning's DeepSpeedStrategy); None creates a default one."""
@@ -120,7 +122,7 @@ def install(engine: Any, checkpointer: Checkpointer | Callable[[], Checkpointer]
     return _install(engine, checkpointer, Section(), on_commit)
 
 
-def _section(engine: Any, config: str | Mapping | Section | None) -> Section:
+def _section(engine: DeepSpeedEngine, config: str | Mapping | Section | None) -> Section:
     if isinstance(config, Section):
         return config
     if config is None:
@@ -139,7 +141,7 @@ def _section(engine: Any, config: str | Mapping | Section | None) -> Section:
     return section_of(whole) if SECTION in (whole or {}) else Section()
 
 
-def _install(engine: Any, source: Checkpointer | Callable[[], Checkpointer] | None, section: Section,
+def _install(engine: DeepSpeedEngine, source: Checkpointer | Callable[[], Checkpointer] | None, section: Section,
              on_commit: Callable[[SaveHandle], None] | None) -> FastCkptEngine:
     previous: EngineHooks | None = getattr(engine, _HOOKS, None)
     if previous is not None:  # attached before (a second fit on the same engine): flush, then replace

@@ -1,5 +1,6 @@
-"""Which tag ``engine.load_checkpoint(save_dir)`` loads without a tag (``resolve_tag``), on
-directories laid out as the group commit leaves them."""
+"""The engine wrappers (``_deepspeed_hooks``): which tag ``engine.load_checkpoint(save_dir)``
+loads without a tag (``resolve_tag``, on directories laid out as the group commit leaves them),
+and how long a flush waits."""
 
 from __future__ import annotations
 
@@ -75,3 +76,43 @@ def test_deepspeeds_own_tags_are_trusted(tmp_path: Path) -> None:
     (tmp_path / "global_step2" / "mp_rank_00_model_states.pt").write_bytes(b"not read here")
     (tmp_path / "latest").write_text("global_step2")
     assert _resolve(tmp_path) == ("global_step2", False)
+
+
+class _Engine:
+    """What EngineHooks touches of a DeepSpeedEngine (no process group needed here)."""
+
+    global_rank = 0
+
+    def save_checkpoint(self, *args: object, **kwargs: object) -> bool:
+        return True
+
+    def load_checkpoint(self, *args: object, **kwargs: object) -> tuple:
+        return None, None
+
+    def destroy(self) -> None:
+        pass
+
+
+def test_flush_gives_up_after_close_timeout_s(tmp_path: Path) -> None:
+    """Rank 1 never commits: destroy() and exit stop waiting after close_timeout_s."""
+    import torch
+    from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo
+
+    from fastckpt import Checkpointer, ReplicationError
+    from fastckpt.integrations._deepspeed_engine import FastCkptEngine
+    from fastckpt.integrations._deepspeed_hooks import EngineHooks
+
+    ck = Checkpointer(rank=0, world_size=2, close_timeout_s=0.5, commit_timeout_s=60)
+    fe = FastCkptEngine(ck)
+    hooks = EngineHooks(_Engine(), fe, None, flush_at_exit=False)
+    info = CheckpointCommitInfo(tag="t1", save_dir=str(tmp_path), save_latest=True)
+    fe.begin(None, True, 0)
+    fe.create(info)
+    fe.save(state_dict={"w": torch.ones(4)}, path=str(tmp_path / "t1" / "mp_rank_00_model_states.pt"))
+    fe.commit(info)
+    fe.end()
+    with pytest.raises(ReplicationError, match="still not committed after close_timeout_s=0.5"):
+        hooks.flush()
+    assert len(fe.pending) == 1  # still reported later, if it ever completes
+    with pytest.raises(ReplicationError):
+        ck.close()
