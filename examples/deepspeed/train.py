@@ -3,6 +3,8 @@
     DS_ACCELERATOR=cpu torchrun --nproc-per-node 2 examples/deepspeed/train.py \
         --config examples/deepspeed/ds_config.json --save-dir /tmp/fastckpt-example/ckpt
 
+(or ``DS_ACCELERATOR=cpu deepspeed --num_gpus 2 examples/deepspeed/train.py ...``)
+
 The one fastckpt line is the import of ``initialize``; the ``"fastckpt"`` section of
 ds_config.json does the rest. Run it twice: the second run resumes from the newest complete
 checkpoint (``engine.load_checkpoint(save_dir)``). Rank 0 prints one line per checkpoint (the
@@ -39,6 +41,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--every", type=int, default=10)
     p.add_argument("--width", type=int, default=1024)
+    p.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)  # passed by the deepspeed launcher
     args = p.parse_args()
     show_fastckpt_lines()
 
