@@ -90,6 +90,7 @@ def resume(eng, save_dir: str, root: str) -> dict:  # noqa: ANN001
     if path is None:
         return {"tag": None, "floor": floor, "fresh": True}
     tag = os.path.basename(os.path.dirname(path))
+    torch.distributed.barrier()  # rank 0 may have moved a lagging latest forward while rank 1 loaded
     with open(os.path.join(save_dir, "latest")) as f:
         named = f.read()
     newest = fastckpt.latest(save_dir)
