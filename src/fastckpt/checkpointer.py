@@ -174,12 +174,13 @@ class Checkpointer:
         return self._saver.save(state_dict, normalize(path), normalize(group) if group is not None else None,
                                 lazy, self.rank, self.world_size)
 
-    def commit(self, group: str, **extra: object) -> SaveHandle:
+    def commit(self, group: str, *, move_latest: bool = True, **extra: object) -> SaveHandle:
         """This rank is done saving into ``group``; every rank must call it.
 
         Returns a handle that completes when the whole group is durable and published (on
         rank 0 after it wrote the manifest, on other ranks once they see it). ``extra``
-        (e.g. ``step=100``) is recorded in the group manifest.
+        (e.g. ``step=100``) is recorded in the group manifest. ``move_latest=False`` publishes
+        the group without pointing ``parent/latest`` at it (give the same value on every rank).
         """
         self._check_open()
         self._inflight.raise_unseen()
@@ -188,10 +189,12 @@ class Checkpointer:
 
         def retain(rec: SaveRecord) -> SaveRecord:
             if not rec.superseded:
+                if has_local:
+                    self._saver.group_committed(group)
                 self._retention.durable(group, has_local, owns_persistent=rank == 0)
             return rec
 
-        fut = self._coordinator.commit(group, rank, self.world_size, dict(extra), retain)
+        fut = self._coordinator.commit(group, rank, self.world_size, dict(extra), retain, move_latest)
         return self._inflight.track(fut, group, group)
 
     def fence(self) -> float:
