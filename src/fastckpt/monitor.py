@@ -45,11 +45,11 @@ def fmt_rate(bps: float, *, up: bool = False) -> str:
 
 
 def fmt_duration(s: float, *, up: bool = False) -> str:
-    """Seconds in s, min or h, two significant figures: ``'0.35 s'``, ``'2.1 min'``."""
-    for unit, scale in (("h", 3600.0), ("min", 60.0)):
+    """Seconds in ms, s, min or h, two significant figures: ``'35 ms'``, ``'2.1 min'``."""
+    for unit, scale in (("h", 3600.0), ("min", 60.0), ("s", 1.0)):
         if s >= scale:
             return f"{sig(s / scale, up=up):g} {unit}"
-    return f"{sig(s, up=up):g} s"
+    return f"{sig(s * 1e3, up=up):g} ms"
 
 
 @dataclass(frozen=True)
