@@ -12,7 +12,9 @@ Every fenced block either runs or says why not:
 
 A block that names an ``s3://`` URL runs against the test SeaweedFS server
 (``tests/conftest_s3.py``): ``AWS_ENDPOINT_URL`` and the keys are in its environment, and the
-buckets it names exist and are empty (a block says ``s3://bucket/...`` as a user would).
+buckets it names exist (a block says ``s3://bucket/...`` as a user would), emptied before the
+first block of each page that names them: a page's later blocks see what its earlier ones
+saved, as a reader going down the page would (a restore after a save).
 """
 
 from __future__ import annotations
