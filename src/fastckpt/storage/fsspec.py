@@ -265,6 +265,12 @@ class FsspecTarget(Target):
         self.fs.invalidate_cache(full)
         return self._retry(f"size of {self.url_of(key)}", lambda: int(self.fs.info(full)["size"]))
 
+    def modified(self, key: str) -> float:
+        if self.is_s3:
+            return self._retry(f"date of {self.url_of(key)}", lambda: self._s3(
+                "head_object", Key=self._obj(key))["LastModified"].timestamp())
+        return self._retry(f"date of {self.url_of(key)}", lambda: mtime(self.fs.info(self._full(key))))
+
     def exists(self, key: str) -> bool:
         try:
             self.size(key)
