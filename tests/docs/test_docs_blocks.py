@@ -17,7 +17,7 @@ BLOCKS = all_blocks()
 _EMPTIED: set[tuple[str, str]] = set()  # (page, bucket): emptied before the page's first block naming it
 
 
-def _empty_bucket(s3_server, name: str) -> None:  # noqa: ANN001 (tests.s3server.S3Server)
+def _empty_bucket(s3_server, name: str) -> None:  # s3_server: tests.s3server.S3Server
     client = s3_server.client()
     if name not in {b["Name"] for b in client.list_buckets().get("Buckets", [])}:
         client.create_bucket(Bucket=name)

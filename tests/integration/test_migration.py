@@ -57,14 +57,24 @@ def test_lightning_run_switches_to_fastckpt_and_resumes(tmp_path: Path, io_name:
 DEEPSPEED_RUN = """
 import os, sys, torch
 import deepspeed
+import fastckpt
+from fastckpt.integrations.deepspeed import install
 model = torch.nn.Linear(16, 4)
 engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config={
     "train_batch_size": 2, "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}},
     "zero_optimization": {"stage": 0}})
-for _ in range(3):
+ck = None
+if sys.argv[2] == "switched":  # the same script after the switch: one line more, and it resumes
+    ck = fastckpt.Checkpointer()
+    install(engine, ck)
+    path, client = engine.load_checkpoint(sys.argv[1])   # DeepSpeed's latest names the tag to resume from
+    print("RESUMED", os.path.basename(os.path.dirname(path)), engine.global_steps)
+for _ in range(3 if ck is None else 1):
     engine.backward(engine(torch.randn(2, 16)).square().mean())
     engine.step()
-    engine.save_checkpoint(sys.argv[1])   # DeepSpeed's own engine: torch.save files, then its latest file
+    engine.save_checkpoint(sys.argv[1])   # before: DeepSpeed's own engine (torch.save); after: fastckpt's
+if ck is not None:
+    ck.close()
 """
 
 
@@ -74,8 +84,8 @@ def test_deepspeed_engine_checkpoints_are_found_as_one_tag(tmp_path: Path) -> No
     env = dict(os.environ, DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(31500 + os.getpid() % 1000),
                RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
                TORCH_EXTENSIONS_DIR=os.environ.get("TORCH_EXTENSIONS_DIR", str(REPO / ".venv" / "torch_extensions")))
-    done = subprocess.run([sys.executable, "-c", DEEPSPEED_RUN, str(save_dir)], env=env, capture_output=True,
-                          text=True, timeout=280, check=False)
+    done = subprocess.run([sys.executable, "-c", DEEPSPEED_RUN, str(save_dir), "before"], env=env,
+                          capture_output=True, text=True, timeout=280, check=False)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     assert (save_dir / "latest").read_text().strip() == "global_step3"
     assert fastckpt.latest(str(save_dir)) == str(save_dir / "global_step3")
@@ -84,12 +94,13 @@ def test_deepspeed_engine_checkpoints_are_found_as_one_tag(tmp_path: Path) -> No
     out = CliRunner().invoke(ls, [str(save_dir), "--json"])
     (row,) = json.loads(out.output)["checkpoints"]
     assert (row["kind"], row["status"], row["step"], row["latest"]) == ("DeepSpeed", "unverified", 3, True)
-    # the run goes on with fastckpt: its group (as fastckpt's DeepSpeed engine saves one) takes over
-    tag = str(save_dir / "global_step4")
-    with fastckpt.Checkpointer() as ck:
-        ck.save({"module": {"w": torch.zeros(4)}}, f"{tag}/mp_rank_00_model_states.pt", group=tag)
-        ck.commit(tag, step=4)
-    assert fastckpt.latest(str(save_dir)) == tag
+    # the run goes on with fastckpt's DeepSpeed engine: it resumes from DeepSpeed's tag, and its group takes over
+    done = subprocess.run([sys.executable, "-c", DEEPSPEED_RUN, str(save_dir), "switched"], env=env,
+                          capture_output=True, text=True, timeout=280, check=False)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    assert "RESUMED global_step3 3" in done.stdout
+    assert fastckpt.latest(str(save_dir)) == str(save_dir / "global_step4")
+    assert [(Path(f.path).name, f.foreign) for f in scan(save_dir)][-1] == ("global_step4", None)
 
 
 def test_copied_into_a_bucket_without_the_sidecar(s3_server, s3_bucket: str, tmp_path: Path) -> None:
