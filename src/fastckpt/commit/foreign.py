@@ -15,7 +15,7 @@ from ..format.manifest import TAIL_BYTES
 from ..storage.base import Target
 
 #: DeepSpeed's per-rank files: never checkpoints on their own, only as part of their tag.
-DEEPSPEED_FILE = re.compile(r"(mp_rank_\d+_model_states|.*_optim_states|layer_\d+-model_\d+-model_states)\.pt$")
+DEEPSPEED_FILE = re.compile(r".*(model_states|optim_states)\.pt$")  # mp_rank_00_model_states.pt, zero_pp_rank_..
 MAX_DIRECTORY_BYTES = 64 << 20
 MAX_POINTER_BYTES = 4096
 
