@@ -1,7 +1,7 @@
 """fastckpt: checkpoints that do not stall training.
 
 Public API: ``Checkpointer`` (save/commit/load/remove/wait/close), ``latest`` and ``load``;
-integrations live in ``fastckpt.integrations`` (Lightning and DeepSpeed; Megatron is planned)
+integrations live in ``fastckpt.integrations`` (Lightning, DeepSpeed, Megatron)
 and are imported lazily so the core never imports a framework. docs/architecture.md maps the
 package.
 """

@@ -23,7 +23,7 @@ import torch
 from .commit import discovery
 from .commit.coordinator import Coordinator
 from .config import CheckpointerConfig, options_doc, options_signature
-from .errors import FastCkptError, ReplicationError
+from .errors import ConfigError, FastCkptError, ReplicationError
 from .events import Event, EventSink, JsonlSink
 from .exits import flush_at_exit, forget_at_exit
 from .format.manifest import TAIL_ROOM
@@ -221,8 +221,13 @@ class Checkpointer:
                 is empty, truncated or not a torch file.
             UnverifiableCheckpointError: ``verify=True`` and the file has no manifest.
             IncompleteCheckpointError: the file belongs to a group that was never committed.
+            ConfigError: ``path`` is None (what ``latest`` returns when nothing is complete).
         """
         self._check_open()
+        if path is None:
+            raise ConfigError("load(None): no checkpoint to load. fastckpt.latest() returns None when the "
+                              "directory holds no complete checkpoint yet (a save still being written or uploaded "
+                              "is not complete: wait() for it first); start from scratch in that case")
         t0, w0 = time.monotonic(), time.time()
         got = self._loader.load(normalize(path), LoadOptions(map_location, weights_only, prefetch, verify))
         rto = time.monotonic() - t0

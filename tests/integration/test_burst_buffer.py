@@ -83,6 +83,7 @@ def test_s3_outage_then_recovery_completes(s3_server, s3_bucket, tmp_path) -> No
     retries = Waiter("retry")
     ck = fastckpt.Checkpointer(local_dir=str(tmp_path / "nvme"), storage_options=s3_server.storage_options(),
                                retry_deadline_s=120, sinks=(retries,))
+    assert ck.latest(f"s3://{s3_bucket}/r") is None  # the endpoint answered once: what follows is an outage
     s3_server.stop()
     try:
         h = ck.save(_state(3), f"s3://{s3_bucket}/r/s3.pt")
@@ -178,6 +179,7 @@ def test_s3_readback_mode_reads_every_replica_back(s3_server, s3_bucket, tmp_pat
 def test_s3_never_comes_back_keeps_local_and_errors_once(s3_server, s3_bucket, tmp_path) -> None:
     ck = fastckpt.Checkpointer(local_dir=str(tmp_path / "nvme"), storage_options=s3_server.storage_options(),
                                retry_deadline_s=2)
+    assert ck.latest(f"s3://{s3_bucket}/r") is None  # answered once (never reached at all: test_s3_endpoint.py)
     s3_server.stop()
     try:
         h = ck.save(_state(4), f"s3://{s3_bucket}/r/down.pt")

@@ -217,8 +217,10 @@ def test_latest_of_nothing(tmp_path: Path) -> None:
     assert latest(str(tmp_path / "absent")) is None
     assert latest(str(tmp_path)) is None
     (tmp_path / "file.txt").write_text("hello")
-    torch.save(_state(0), tmp_path / "plain.pt")  # plain torch.save: not a fastckpt checkpoint
+    (tmp_path / "cut.pt").write_bytes((tmp_path / "file.txt").read_bytes() * 10)
     assert scan(str(tmp_path)) == []
+    torch.save(_state(0), tmp_path / "plain.pt")  # plain torch.save: a foreign checkpoint (tests/unit/test_foreign.py)
+    assert [(f.foreign, os.path.basename(f.path)) for f in scan(str(tmp_path))] == [("torch.save", "plain.pt")]
 
 
 def test_scan_orders_files_and_groups_and_skips_incomplete(tmp_path: Path) -> None:

@@ -197,6 +197,11 @@ class Target(ReadSide, abc.ABC):
         """The object's size in bytes."""
 
     @abc.abstractmethod
+    def modified(self, key: str) -> float:
+        """When the object was last written (Unix seconds): how checkpoints written without
+        fastckpt, which record no time of their own, are ordered."""
+
+    @abc.abstractmethod
     def exists(self, key: str) -> bool:
         """Whether a complete object is at ``key``."""
 

@@ -257,6 +257,10 @@ class PosixTarget(Target):
         path = self._path(key)
         return self._retry(f"stat of {path}", lambda: os.stat(path).st_size)
 
+    def modified(self, key: str) -> float:
+        path = self._path(key)
+        return self._retry(f"stat of {path}", lambda: os.stat(path).st_mtime)
+
     def exists(self, key: str) -> bool:
         path = self._path(key)
         return self._retry(f"stat of {path}", lambda: os.path.isfile(path))
