@@ -34,8 +34,8 @@ from typing import TYPE_CHECKING
 from fastckpt import Checkpointer, IncompleteCheckpointError
 from fastckpt.errors import ConfigError, ReplicationError
 
-from ._deepspeed_compat import Store, is_url, normalize, order
-from ._deepspeed_engine import FastCkptEngine, PendingCommit
+from .compat import Store, is_url, normalize, order
+from .engine import FastCkptEngine, PendingCommit
 
 if TYPE_CHECKING:
     from deepspeed.runtime.engine import DeepSpeedEngine
