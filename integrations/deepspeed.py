@@ -80,7 +80,8 @@ def initialize(args: object = None, model: torch.nn.Module | None = None,
     return out
 
 
-def attach(engine: DeepSpeedEngine, config: str | Mapping | Section | None = None, *, checkpointer: Checkpointer | None = None,
+def attach(engine: DeepSpeedEngine, config: str | Mapping | Section | None = None, *,
+           checkpointer: Checkpointer | None = None,
            on_commit: Callable[[SaveHandle], None] | None = None) -> FastCkptEngine | None:
     """Make ``engine`` (a ``DeepSpeedEngine``) save and load through fastckpt.
 

@@ -141,7 +141,8 @@ class FastCkptSaveStrategy(ThroughCheckpointer, AsyncSaveShardedStrategy):
             saved_t, saved_o, error = [], [], exc
         gathered: list = [None] * world
         torch.distributed.all_gather_object(
-            gathered, (saved_t, saved_o, uuid.uuid4().hex if rank == 0 else None, None if error is None else repr(error)))
+            gathered, (saved_t, saved_o, uuid.uuid4().hex if rank == 0 else None,
+                       None if error is None else repr(error)))
         if error is not None:
             raise error
         failed = [f"rank {r}: {g[3]}" for r, g in enumerate(gathered) if g[3] is not None]

@@ -126,8 +126,8 @@ class FastCkptLoadStrategy(ThroughCheckpointer, LoadShardedStrategy):
     def _open(self, group: str, manifest: dict, rel: str) -> VerifiedFile:
         info = manifest["files"].get(rel)
         if info is None:
-            raise CorruptCheckpointError(f"{os.path.join(group, rel)} is named by the index but not by the checkpoint's "
-                                         "manifest; the checkpoint is damaged: load an earlier one")
+            raise CorruptCheckpointError(f"{os.path.join(group, rel)} is named by the index but not by the "
+                                         "checkpoint's manifest; the checkpoint is damaged: load an earlier one")
         return VerifiedFile(self._ops, os.path.join(group, rel), info["checksum"],
                             odirect=self.checkpointer.config.odirect)
 

@@ -104,8 +104,8 @@ class VerifiedFile:
 
     def _done(self, blocks: list[int], digests: list[int]) -> None:
         if self._digests is None and blocks and combine(digests) != self.checksum:
-            raise CorruptCheckpointError(f"{self.path}: checksum {combine(digests)} != {self.checksum} recorded when it "
-                                         f"was written; {_FIX}")
+            raise CorruptCheckpointError(f"{self.path}: checksum {combine(digests)} != {self.checksum} recorded "
+                                         f"when it was written; {_FIX}")
         with self._lock:
             self._loaded.update(blocks)
 
