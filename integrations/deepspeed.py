@@ -14,8 +14,8 @@ checkpoint engine from its own config only (it ignores unknown keys), so the sec
 here and the engine installed in code; ``attach(engine)`` does the same for an engine built
 elsewhere (Lightning's ``DeepSpeedStrategy`` goes through ``install``, see FastCkptIO).
 
-The pieces: ``_deepspeed_config`` (the section), ``_deepspeed_engine`` (the CheckpointEngine:
-one call per file), ``_deepspeed_hooks`` (wrappers of the engine's public save_checkpoint,
+The pieces: ``_deepspeed.config`` (the section), ``_deepspeed.engine`` (the CheckpointEngine:
+one call per file), ``_deepspeed.hooks`` (wrappers of the engine's public save_checkpoint,
 load_checkpoint and destroy: ``latest``, resume, flushing, reporting).
 """
 
@@ -31,9 +31,9 @@ from deepspeed.runtime.engine import DeepSpeedEngine
 from fastckpt import Checkpointer, SaveHandle
 from fastckpt.errors import ConfigError
 
-from ._deepspeed_config import SECTION, Section, parse_section, read_config, redacted, section_of
-from ._deepspeed_engine import SAFE_GLOBALS, FastCkptEngine
-from ._deepspeed_hooks import CheckpointReport, EngineHooks, OwnedCheckpointer, resolve_tag
+from ._deepspeed.config import SECTION, Section, parse_section, read_config, redacted, section_of
+from ._deepspeed.engine import SAFE_GLOBALS, FastCkptEngine
+from ._deepspeed.hooks import CheckpointReport, EngineHooks, OwnedCheckpointer, resolve_tag
 
 __all__ = ["FastCkptEngine", "CheckpointReport", "SAFE_GLOBALS", "attach", "initialize", "install", "resolve_tag"]
 
@@ -80,7 +80,8 @@ def initialize(args: object = None, model: torch.nn.Module | None = None,
     return out
 
 
-def attach(engine: DeepSpeedEngine, config: str | Mapping | Section | None = None, *, checkpointer: Checkpointer | None = None,
+def attach(engine: DeepSpeedEngine, config: str | Mapping | Section | None = None, *,
+           checkpointer: Checkpointer | None = None,
            on_commit: Callable[[SaveHandle], None] | None = None) -> FastCkptEngine | None:
     """Make ``engine`` (a ``DeepSpeedEngine``) save and load through fastckpt.
 

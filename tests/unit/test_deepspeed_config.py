@@ -11,7 +11,7 @@ import torch
 pytest.importorskip("deepspeed")
 
 from fastckpt.errors import ConfigError  # noqa: E402
-from fastckpt.integrations._deepspeed_config import (  # noqa: E402
+from fastckpt.integrations._deepspeed.config import (  # noqa: E402
     REDACTED,
     parse_section,
     read_config,
@@ -87,7 +87,7 @@ def test_docs_list_every_key_with_its_type() -> None:
     import re
     from pathlib import Path
 
-    from fastckpt.integrations._deepspeed_config import valid_keys
+    from fastckpt.integrations._deepspeed.config import valid_keys
 
     text = (Path(__file__).resolve().parents[2] / "docs" / "deepspeed.md").read_text()
     rows = dict(re.findall(r"^\| `(\w+)` \| ([\w ]+?) \|", text, flags=re.M))

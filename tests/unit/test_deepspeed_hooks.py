@@ -1,4 +1,4 @@
-"""The engine wrappers (``_deepspeed_hooks``): which tag ``engine.load_checkpoint(save_dir)``
+"""The engine wrappers (``_deepspeed.hooks``): which tag ``engine.load_checkpoint(save_dir)``
 loads without a tag (``resolve_tag``, on directories laid out as the group commit leaves them),
 and how long a flush waits."""
 
@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("deepspeed")
 
 from fastckpt.commit.protocol import GROUP_MANIFEST, MARKER_DIR  # noqa: E402
-from fastckpt.integrations._deepspeed_compat import Store  # noqa: E402
+from fastckpt.integrations._deepspeed.compat import Store  # noqa: E402
 from fastckpt.integrations.deepspeed import resolve_tag  # noqa: E402
 
 
@@ -99,8 +99,8 @@ def test_flush_gives_up_after_close_timeout_s(tmp_path: Path) -> None:
     from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo
 
     from fastckpt import Checkpointer, ReplicationError
-    from fastckpt.integrations._deepspeed_engine import FastCkptEngine
-    from fastckpt.integrations._deepspeed_hooks import EngineHooks
+    from fastckpt.integrations._deepspeed.engine import FastCkptEngine
+    from fastckpt.integrations._deepspeed.hooks import EngineHooks
 
     ck = Checkpointer(rank=0, world_size=2, close_timeout_s=0.5, commit_timeout_s=60)
     fe = FastCkptEngine(ck)

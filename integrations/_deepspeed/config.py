@@ -28,7 +28,8 @@ OWN_KEYS: dict[str, tuple[type, str]] = {
 }
 #: Checkpointer options that a config file cannot carry, and where they go instead.
 NOT_IN_CONFIG = {
-    "on_overhead_exceeded": "a function: pass attach(engine, checkpointer=fastckpt.Checkpointer(on_overhead_exceeded=...))",
+    "on_overhead_exceeded": "a function: pass "
+                            "attach(engine, checkpointer=fastckpt.Checkpointer(on_overhead_exceeded=...))",
     "rank": "taken from torch.distributed",
     "world_size": "taken from torch.distributed",
     "ops": "an object (the FileOps seam): pass attach(engine, checkpointer=fastckpt.Checkpointer(ops=...))",

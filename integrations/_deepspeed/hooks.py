@@ -34,8 +34,8 @@ from typing import TYPE_CHECKING
 from fastckpt import Checkpointer, IncompleteCheckpointError
 from fastckpt.errors import ConfigError, ReplicationError
 
-from ._deepspeed_compat import Store, is_url, normalize, order
-from ._deepspeed_engine import FastCkptEngine, PendingCommit
+from .compat import Store, is_url, normalize, order
+from .engine import FastCkptEngine, PendingCommit
 
 if TYPE_CHECKING:
     from deepspeed.runtime.engine import DeepSpeedEngine
@@ -120,7 +120,8 @@ def resolve_tag(store: Store, root: str, storage_options: dict | None) -> tuple[
 class EngineHooks:
     """The wrappers of one DeepSpeedEngine (see the module docstring)."""
 
-    def __init__(self, engine: DeepSpeedEngine, fe: FastCkptEngine, owned: OwnedCheckpointer | None, flush_at_exit: bool) -> None:
+    def __init__(self, engine: DeepSpeedEngine, fe: FastCkptEngine, owned: OwnedCheckpointer | None,
+                 flush_at_exit: bool) -> None:
         self.engine, self.fe, self.owned = engine, fe, owned
         self._save = engine.save_checkpoint  # DeepSpeed's, bound
         self._load = engine.load_checkpoint

@@ -1,4 +1,4 @@
-"""The callback that connects a FastCkptIO to its Trainer (see ``_lightning_common``).
+"""The callback that connects a FastCkptIO to its Trainer (see ``plugin.py``).
 
 Lightning gives a CheckpointIO no way to reach its Trainer, so this callback does it: fastckpt's
 ``callbacks_factory`` entry point adds one to every Trainer built while a FastCkptIO exists.
@@ -11,7 +11,7 @@ from typing import Any
 
 from fastckpt.errors import ConfigError
 
-from ._lightning_common import FastCkptIOMixin
+from .plugin import FastCkptIOMixin
 
 
 class FastCkptCallbackMixin:

@@ -33,7 +33,7 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointComm
 
 from fastckpt import Checkpointer, SaveHandle
 
-from ._deepspeed_compat import is_url, normalize
+from .compat import is_url, normalize
 
 
 def _safe_globals() -> list:
