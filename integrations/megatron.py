@@ -25,7 +25,7 @@ Order of calls for one save (every rank, training thread unless noted), docs/meg
     step raises any failure, then megatron rewrites metadata.json (same bytes) and
     Megatron-LM its tracker.
 Loading reads the index, then from each rank's file only the checksum blocks holding the
-shards this rank asks for (resharding), verified (``_megatron_read``).
+shards this rank asks for (resharding), verified (``_megatron.read``).
 """
 
 from __future__ import annotations
@@ -58,23 +58,23 @@ from fastckpt import Checkpointer, SaveHandle
 from fastckpt.errors import CheckpointWriteError
 from fastckpt.io.ops import FileOps
 
-from . import _megatron_tracker as T
-from ._megatron_common import (
+from ._megatron import tracker as T
+from ._megatron.common import (
     BACKEND,
     INDEX_FILE,
     OBJECT_FILE,
     TENSOR_FILE,
     VERSION,
     CheckpointerSource,
+    ThroughCheckpointer,
     checkpoint_group,
     default_checkpointer,
     rank_world,
-    resolve,
 )
-from ._megatron_compat import publish_bytes
-from ._megatron_layout import ReshardingError, index_body, split_rank_state
-from ._megatron_load import FastCkptLoadStrategy, LoadReport
-from ._megatron_tracker import TRACKER, advance_tracker, newest_complete_iteration, read_tracker, sync_tracker
+from ._megatron.compat import publish_bytes
+from ._megatron.layout import ReshardingError, index_body, split_rank_state
+from ._megatron.load import FastCkptLoadStrategy, LoadReport
+from ._megatron.tracker import TRACKER, advance_tracker, newest_complete_iteration, read_tracker, sync_tracker
 
 __all__ = [
     "BACKEND", "VERSION", "TRACKER", "FastCkptSaveStrategy", "FastCkptLoadStrategy", "MegatronSave", "LoadReport",
@@ -104,7 +104,7 @@ class MegatronSave:
         return None if rec.durable_s is None else self.blocked_s + rec.durable_s
 
 
-class FastCkptSaveStrategy(AsyncSaveShardedStrategy):
+class FastCkptSaveStrategy(ThroughCheckpointer, AsyncSaveShardedStrategy):
     """Saves each rank's main replicas through a fastckpt Checkpointer, as one atomic group.
 
     Args:
@@ -121,14 +121,6 @@ class FastCkptSaveStrategy(AsyncSaveShardedStrategy):
         super().__init__(backend, version)
         self._source, self._tracker, self._ops = checkpointer, tracker, ops or FileOps()
         self.last_save: MegatronSave | None = None
-
-    @property
-    def checkpointer(self) -> Checkpointer:
-        return resolve(self._source)
-
-    @property
-    def can_handle_sharded_objects(self) -> bool:
-        return True
 
     def async_save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str | Path) -> AsyncRequest:
         """Snapshot this rank's shards and return; the files are written and committed in the
@@ -149,7 +141,8 @@ class FastCkptSaveStrategy(AsyncSaveShardedStrategy):
             saved_t, saved_o, error = [], [], exc
         gathered: list = [None] * world
         torch.distributed.all_gather_object(
-            gathered, (saved_t, saved_o, uuid.uuid4().hex if rank == 0 else None, None if error is None else repr(error)))
+            gathered, (saved_t, saved_o, uuid.uuid4().hex if rank == 0 else None,
+                       None if error is None else repr(error)))
         if error is not None:
             raise error
         failed = [f"rank {r}: {g[3]}" for r, g in enumerate(gathered) if g[3] is not None]

@@ -5,11 +5,18 @@ Checkpointer started, over the whole run and over a sliding window. The check ru
 each save from the second save on (one save has no interval to measure against). Crossing
 above the budget logs one WARNING with the numbers and the advice, calls the user's
 callback and raises the flag in ``stats()``; dropping back below re-arms the alarm.
+
+The advice (the snapshot bandwidth, or the save interval, that would meet the budget) is given
+in two significant figures, rounded up, in units that fit. It needs the interval between saves,
+so it is computed only once ``ADVICE_INTERVALS`` intervals are measured: an alarm that fires
+earlier says so, and the advice follows in one more WARNING when that many intervals are in,
+if the overhead is still above the budget (the callback is not called again).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections import deque
@@ -21,6 +28,32 @@ if TYPE_CHECKING:
     from .save.stripes import DirStats
 
 log = logging.getLogger("fastckpt")
+ADVICE_INTERVALS = 3  # intervals between saves measured before the alarm sizes a fix
+
+
+def sig(x: float, digits: int = 2, *, up: bool = False) -> float:
+    """``x`` to ``digits`` significant figures; ``up``: rounded up (a threshold a user can meet)."""
+    if x <= 0 or not math.isfinite(x):
+        return x
+    scale = 10.0 ** (math.floor(math.log10(x)) - digits + 1)
+    q = round(x / scale, 9)
+    return round((math.ceil(q) if up else round(q)) * scale, 12)
+
+
+def fmt_rate(bps: float, *, up: bool = False) -> str:
+    """Bytes per second in SI units, two significant figures: ``'5.3 GB/s'``."""
+    for unit, scale in (("TB/s", 1e12), ("GB/s", 1e9), ("MB/s", 1e6), ("kB/s", 1e3)):
+        if bps >= scale:
+            return f"{sig(bps / scale, up=up):g} {unit}"
+    return f"{sig(bps, up=up):g} B/s"
+
+
+def fmt_duration(s: float, *, up: bool = False) -> str:
+    """Seconds in ms, s, min or h, two significant figures: ``'35 ms'``, ``'2.1 min'``."""
+    for unit, scale in (("h", 3600.0), ("min", 60.0), ("s", 1.0)):
+        if s >= scale:
+            return f"{sig(s / scale, up=up):g} {unit}"
+    return f"{sig(s * 1e3, up=up):g} ms"
 
 
 @dataclass(frozen=True)
@@ -39,15 +72,21 @@ class OverheadReport:
     needed_snapshot_Bps: float
     min_interval_s: float
 
+    @property
+    def intervals(self) -> int:
+        """Intervals between saves measured (saves - 1)."""
+        return self.saves - 1
+
     def advice(self) -> str:
-        return (
-            f"checkpoint overhead {self.overhead:.1%} of wall time (window {self.window_overhead:.1%}) "
-            f"is above the {self.budget:.1%} budget: {self.saves} saves blocked {self.blocked_s:.2f} s "
-            f"in {self.wall_s:.1f} s (mean {self.mean_blocked_s * 1e3:.0f} ms per save every "
-            f"{self.mean_interval_s:.1f} s). To meet it, snapshot at >= "
-            f"{self.needed_snapshot_Bps / 1e9:.2f} GB/s (use a local_dir burst buffer or a faster "
-            f"tier), or save every >= {self.min_interval_s:.0f} s."
-        )
+        head = (f"checkpoint overhead {self.overhead:.1%} of wall time (window {self.window_overhead:.1%}) "
+                f"is above the {self.budget:.1%} budget: {self.saves} saves blocked "
+                f"{fmt_duration(self.blocked_s)} in {fmt_duration(self.wall_s)} (mean "
+                f"{fmt_duration(self.mean_blocked_s)} per save every {fmt_duration(self.mean_interval_s)}).")
+        if self.intervals < ADVICE_INTERVALS:
+            return (f"{head} Too early to size a fix from {self.intervals} interval(s) between saves: the "
+                    f"advice follows after {ADVICE_INTERVALS} if the overhead stays above the budget.")
+        return (f"{head} To meet it, snapshot at >= {fmt_rate(self.needed_snapshot_Bps, up=True)} (use a local_dir "
+                f"burst buffer or a faster tier), or save every >= {fmt_duration(self.min_interval_s, up=True)}.")
 
 
 @dataclass(frozen=True)
@@ -91,6 +130,7 @@ class Monitor:
         self.blocked_total = 0.0
         self.first_start: float | None = None
         self.over = False
+        self.advised = False  # this crossing's alarm has given its advice
         self.alarms = 0
         self.last_blocked: float | None = None
         self.last_durable: float | None = None
@@ -104,7 +144,7 @@ class Monitor:
     def record_blocked(self, start: float, blocked_s: float, nbytes: int) -> None:
         """Called on the training thread when a save returns (``start`` is monotonic)."""
         now = time.monotonic()
-        report = None
+        report, crossed = None, False
         with self._lock:
             self.count += 1
             self.bytes += nbytes
@@ -117,22 +157,26 @@ class Monitor:
             wall = now - self._t0
             overhead = self.blocked_total / wall
             window = self._window(now)
-            if max(overhead, window) > self.budget and not self.over:
-                self.over = True
+            crossed = max(overhead, window) > self.budget and not self.over
+            if crossed:
+                self.over, self.advised = True, False
                 self.alarms += 1
-                interval = (start - self.first_start) / (self.count - 1)
-                mean_b = self.blocked_total / self.count
-                mean_bytes = self.bytes / self.count
-                report = OverheadReport(
-                    overhead, window, self.budget, self.count, wall, self.blocked_total, interval,
-                    mean_b, mean_bytes, mean_bytes / max(self.budget * interval, 1e-9),
-                    mean_b / self.budget)
             elif max(overhead, window) <= self.budget:
                 self.over = False
+            if self.over and not self.advised and (crossed or self.count - 1 >= ADVICE_INTERVALS):
+                report = self._report(start, wall, overhead, window)
+                self.advised = report.intervals >= ADVICE_INTERVALS
         if report is not None:
             log.warning("fastckpt: %s", report.advice())
-            if self._callback is not None:
+            if crossed and self._callback is not None:
                 self._callback(report)
+
+    def _report(self, start: float, wall: float, overhead: float, window: float) -> OverheadReport:
+        interval = (start - (self.first_start or start)) / (self.count - 1)
+        mean_b = self.blocked_total / self.count
+        mean_bytes = self.bytes / self.count
+        return OverheadReport(overhead, window, self.budget, self.count, wall, self.blocked_total, interval, mean_b,
+                              mean_bytes, mean_bytes / max(self.budget * interval, 1e-9), mean_b / self.budget)
 
     def record_skipped(self) -> None:
         with self._lock:

@@ -14,8 +14,8 @@ pytest.importorskip("megatron.core")
 import fastckpt  # noqa: E402
 from fastckpt import CorruptCheckpointError  # noqa: E402
 from fastckpt.integrations import megatron as fm  # noqa: E402
-from fastckpt.integrations._megatron_layout import Box, SavedTensor, byte_range, shard_view  # noqa: E402
-from fastckpt.integrations._megatron_read import VerifiedFile  # noqa: E402
+from fastckpt.integrations._megatron.layout import Box, SavedTensor, byte_range, shard_view  # noqa: E402
+from fastckpt.integrations._megatron.read import VerifiedFile  # noqa: E402
 from fastckpt.io.ops import FileOps  # noqa: E402
 
 MiB = 1 << 20

@@ -71,8 +71,17 @@ def test_group_files_spread_and_load_from_where_they_live(tmp_path, dirs) -> Non
             h.wait()
         used = {_where(ck, str(group / f), dirs) for f in files}
         assert used == {0, 1}
+        for d in dirs:  # each drive's copy of the group is published (issue #9 item 11)
+            local_group = os.path.join(d, str(group).lstrip(os.sep))
+            assert os.path.exists(os.path.join(local_group, "fastckpt-manifest.json"))
         for i, f in enumerate(files):
             assert ck.load(str(group / f))["seed"] == i
+            assert ck.stats().last_restore_from == "local"  # not a fallback to the durable copy
+        ck.save(_state(2 * MiB, 9), str(group / files[0]), group=str(group))  # a new attempt
+        for d in dirs:  # withdraws every drive's manifest until it commits
+            assert not os.path.exists(os.path.join(d, str(group).lstrip(os.sep), "fastckpt-manifest.json"))
+        ck.commit(str(group), step=2).wait()
+        assert ck.load(str(group / files[0]))["seed"] == 9 and ck.stats().last_restore_from == "local"
     assert fastckpt.latest(str(tmp_path / "home")) == str(group)
 
 

@@ -125,6 +125,14 @@ def test_closed_checkpointer_refuses(tmp_path) -> None:
     ck.close()  # idempotent
     with pytest.raises(RuntimeError, match="closed"):
         ck.save(_state(1), str(tmp_path / "x.pt"))
+    with pytest.raises(fastckpt.ClosedError, match=r"fastckpt\.load"):  # the project's error, and the way out
+        ck.load(str(tmp_path / "x.pt"))
+
+
+def test_load_of_none_says_nothing_is_complete_yet(tmp_path) -> None:
+    assert fastckpt.latest(str(tmp_path)) is None
+    with pytest.raises(fastckpt.ConfigError, match=r"no complete checkpoint yet.*wait\(\)"):
+        fastckpt.load(fastckpt.latest(str(tmp_path)))  # the README's pattern, before anything was saved
 
 
 def test_config_errors_name_the_fix() -> None:

@@ -217,8 +217,10 @@ def test_latest_of_nothing(tmp_path: Path) -> None:
     assert latest(str(tmp_path / "absent")) is None
     assert latest(str(tmp_path)) is None
     (tmp_path / "file.txt").write_text("hello")
-    torch.save(_state(0), tmp_path / "plain.pt")  # plain torch.save: not a fastckpt checkpoint
+    (tmp_path / "cut.pt").write_bytes((tmp_path / "file.txt").read_bytes() * 10)
     assert scan(str(tmp_path)) == []
+    torch.save(_state(0), tmp_path / "plain.pt")  # plain torch.save: a foreign checkpoint (tests/unit/test_foreign.py)
+    assert [(f.foreign, os.path.basename(f.path)) for f in scan(str(tmp_path))] == [("torch.save", "plain.pt")]
 
 
 def test_scan_orders_files_and_groups_and_skips_incomplete(tmp_path: Path) -> None:
@@ -381,3 +383,16 @@ def test_group_manifest_is_json_with_sizes_and_checksums(tmp_path: Path) -> None
         assert info["size"] == (g / name).stat().st_size
         assert info["checksum"] == read_file_manifest(str(g / name))["checksum"]["value"]
     assert m["format"] == 1 and m["step"] == 9
+
+
+def test_commit_without_moving_latest(tmp_path: Path) -> None:
+    """``commit(group, move_latest=False)`` publishes the group but leaves ``latest`` alone
+    (DeepSpeed's ``save_checkpoint(..., save_latest=False)``)."""
+    parent = tmp_path / "run"
+    with fastckpt.Checkpointer(rank=0, world_size=1) as ck:
+        for name, move in (("global_step1", True), ("best", False)):
+            g = str(parent / name)
+            ck.save(_state(1), f"{g}/shard0.pt", group=g)
+            ck.commit(g, move_latest=move).wait()
+    assert P.read_group_manifest(place(parent / "best")) is not None
+    assert (parent / P.LATEST).read_text() == "global_step1"

@@ -130,3 +130,14 @@ def test_idle_read_buffer_is_reused_and_a_held_one_never(tmp_path) -> None:
         assert torch.equal(first["a"], held) and torch.equal(third["a"], state["a"])
         del first, third
     assert engine._READ_BUFFER._last is None  # close() unmaps the idle buffer
+
+
+def test_a_read_buffer_its_reader_closed_is_not_reused(tmp_path) -> None:
+    path = tmp_path / "f.bin"
+    path.write_bytes(os.urandom(MiB))
+    with ThreadPoolExecutor(2) as pool:
+        first = engine.read_file(FileOps(), pool, str(path), chunk_bytes=16 * MiB, covered=MiB)
+        first.buffer.close()  # as the doctor's and the gds tier's read-backs do
+        del first
+        again = engine.read_file(FileOps(), pool, str(path), chunk_bytes=16 * MiB, covered=MiB)
+    assert bytes(again.buffer[:MiB]) == path.read_bytes()

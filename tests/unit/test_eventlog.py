@@ -56,3 +56,12 @@ def test_follower_reads_only_complete_lines_and_restarts_on_truncation(tmp_path:
     assert f.poll() == []
     log.write_text(_ev("load", 3.0).to_json() + "\n")  # a new job truncated the file
     assert [e.name for e in f.poll()] == ["load"]
+
+
+def test_the_sink_creates_its_directory(tmp_path: Path) -> None:
+    log = tmp_path / "core_ckpt" / "sub" / "events.jsonl"  # saves create their directories: so does the log
+    sink = JsonlSink(str(log))
+    sink.emit(_ev("snapshot", 1.0))
+    sink.close()
+    sink.emit(_ev("write", 2.0))  # after close: dropped, the file is not opened again
+    assert [e.name for e in read_events(str(log))] == ["snapshot"]

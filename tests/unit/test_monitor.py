@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 
-from fastckpt.monitor import Monitor
+from fastckpt.monitor import Monitor, OverheadReport, fmt_duration, fmt_rate
 
 
 def test_alarm_once_per_crossing_and_rearm(caplog) -> None:
@@ -24,7 +24,7 @@ def test_alarm_once_per_crossing_and_rearm(caplog) -> None:
     assert rep.budget == 0.02 and rep.saves == 2
     assert 0.05 < rep.overhead < 0.06
     text = rep.advice()
-    assert "2.0% budget" in text and "GB/s" in text and "save every" in text
+    assert "2.0% budget" in text and "Too early to size a fix from 1 interval" in text and "GB/s" not in text
     # needed bandwidth: mean bytes / (budget * mean interval)
     assert abs(rep.needed_snapshot_Bps - 1000 / (0.02 * 4.0)) < 1e-6
     # drop below the budget (a long quiet stretch), then cross again: a second alarm
@@ -35,6 +35,30 @@ def test_alarm_once_per_crossing_and_rearm(caplog) -> None:
     m._t0 = time.monotonic() - 1.0
     m.record_blocked(time.monotonic(), 0.5, 1000)
     assert m.over and m.alarms == 2 and len(reports) == 2
+
+
+def test_advice_waits_for_three_intervals_then_follows_once(caplog) -> None:
+    reports = []
+    m = Monitor(0.02, 3600.0, reports.append)
+    m._t0 = time.monotonic() - 10.0
+    with caplog.at_level(logging.WARNING, logger="fastckpt"):
+        for i in range(6):  # 0.5 s blocked every 2 s, in a run of 10 s: over from the second save
+            m.record_blocked(m._t0 + 2.0 * i, 0.5, 2_000_000)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 2 and m.alarms == 1 and len(reports) == 1  # the alarm, then its advice
+    assert "Too early" in warnings[0]
+    # 2 MB per save every 2 s at 2 %: 2e6 / (0.02 * 2) = 50 MB/s; 0.5 s / 0.02 = 25 s
+    assert "4 saves" in warnings[1]
+    assert "snapshot at >= 50 MB/s" in warnings[1] and "save every >= 25 s" in warnings[1]
+
+
+def test_advice_numbers_are_rounded_up_to_two_significant_figures() -> None:
+    rep = OverheadReport(0.05, 0.05, 0.02, 5, 60.0, 0.3, 12.0, 0.06, 1234.0, 1234.0 / 0.24, 0.06 / 0.02)
+    text = rep.advice()
+    assert "snapshot at >= 5.2 kB/s" in text and "save every >= 3 s" in text  # never "0.00 GB/s", "0 s"
+    assert fmt_rate(5.23e9, up=True) == "5.3 GB/s" and fmt_rate(999.0) == "1000 B/s"
+    assert fmt_duration(0.0123) == "12 ms" and fmt_duration(125.0, up=True) == "2.1 min"
+    assert fmt_duration(7200.0) == "2 h"
 
 
 def test_stats_fields() -> None:

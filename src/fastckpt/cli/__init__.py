@@ -12,6 +12,8 @@ import sys
 
 import click
 
+from ..errors import FastCkptError
+
 # subcommand name -> "module:attribute" of its click.Command
 _COMMANDS = {
     "latest": "fastckpt.cli.latest:latest",
@@ -60,6 +62,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except SystemExit as exc:  # a subcommand's sys.exit(code)
         return int(exc.code or 0)
+    except FastCkptError as exc:  # the project's own errors name the problem and the fix: no traceback
+        click.echo(f"fastckpt: {type(exc).__name__}: {exc}", err=True)
+        return 1
     return 0
 
 

@@ -4,8 +4,10 @@ Built on the core's discovery (``commit.discovery.scan``) and storage (``storage
 directory and a URL are both a ``Target``, so ``ls`` and ``verify`` have one code path for
 both. A checkpoint is complete once its manifest is published: a group's
 ``fastckpt-manifest.json``; a single file's own manifest (in its zip comment) on a mounted
-file system, its sidecar ``NAME.fastckpt.json`` on an object store. A group directory with rank
-markers and no manifest is incomplete (a commit that never finished).
+file system, its sidecar ``NAME.fastckpt.json`` on an object store (or its own manifest, for a
+file copied in without one). A group directory with rank markers and no manifest is incomplete
+(a commit that never finished). Checkpoints written by torch.save, Lightning or DeepSpeed are
+listed as **unverified**: found, but with no checksum to check.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import time
 from dataclasses import dataclass, replace
 
 from ..commit.discovery import Found, scan
-from ..commit.protocol import GROUP_MANIFEST, MARKER_DIR, SIDECAR, read_group_manifest
+from ..commit.protocol import GROUP_MANIFEST, MARKER_DIR, SIDECAR, member_files, read_group_manifest
 from ..errors import CorruptCheckpointError, FastCkptError
 from ..storage.homes import Homes, Location
 from ..storage.types import TargetNotFoundError
@@ -70,9 +72,12 @@ def group_manifest(loc: Location) -> dict | None:
 def file_manifest(loc: Location) -> dict | None:
     """A single file's published manifest: its own (mounted file system) or its sidecar."""
     try:
-        if loc.target.mounted:
-            return loc.target.read_manifest(loc.key)
-        return json.loads(loc.target.get_bytes(loc.key + SIDECAR))
+        if not loc.target.mounted:
+            try:
+                return json.loads(loc.target.get_bytes(loc.key + SIDECAR))
+            except TargetNotFoundError:  # copied in without its sidecar (aws s3 cp): its own manifest
+                pass
+        return loc.target.read_manifest(loc.key)
     except (TargetNotFoundError, FileNotFoundError, IsADirectoryError, NotADirectoryError):
         return None
 
@@ -87,7 +92,7 @@ def checkpoint_files(h: Homes, path: str) -> tuple[list[FileSpec], dict]:
     m = group_manifest(loc)
     if m is not None:
         return [FileSpec(join(loc.url, rel), int(f["size"]), f.get("checksum"))
-                for rel, f in sorted(m.get("files", {}).items())], m
+                for rel, f in sorted(member_files(m, loc.url).items())], m
     m = file_manifest(loc)
     if not m:
         raise FastCkptError(f"{path} is not a complete fastckpt checkpoint: no {GROUP_MANIFEST} there, and no "
@@ -115,11 +120,16 @@ def _size(loc: Location) -> int | None:
 
 def _found_entry(h: Homes, f: Found, root: str, status: str) -> Entry:
     name = f.path[len(root):].lstrip("/") or posixpath.basename(f.path)
+    if f.foreign:  # written by torch.save, Lightning or DeepSpeed: found, but it carries no checksum
+        loc = h.resolve(f.path)
+        sizes = [_size(h.resolve(join(loc.url, r))) for r in _keys(loc)] if f.kind == "group" else [_size(loc)]
+        return Entry(f.path, name, f.foreign, "unverified", f.step, sum(s or 0 for s in sizes), len(sizes), f.time)
     if f.kind == "group":
         files = f.manifest.get("files", {})
         size = sum(int(v["size"]) for v in files.values())
         return Entry(f.path, name, "group", status, step_of(f.manifest), size, len(files), f.time)
-    return Entry(f.path, name, "file", status, step_of(f.manifest), _size(h.resolve(f.path)), 1, f.time)
+    return Entry(f.path, name, "file", status, f.step if f.step is not None else step_of(f.manifest),
+                 _size(h.resolve(f.path)), 1, f.time)
 
 
 def _keys(loc: Location) -> list[str]:

@@ -216,8 +216,9 @@ def _ms(x: float | None) -> str:
 
 def render(data: dict) -> None:
     out = console()
-    rows = [[w["op"], w["rank"], w["worker"], os.path.dirname(os.path.dirname(w["path"])), fmt_rate(w["Bps"]), _ms(w["p50_s"]), _ms(w["p99_s"]),
-             _ms(w["max_s"]), "yes" if w["odirect"] else f"no ({w['odirect_reason']})"] for w in data["workers"]]
+    rows = [[w["op"], w["rank"], w["worker"], os.path.dirname(os.path.dirname(w["path"])), fmt_rate(w["Bps"]),
+             _ms(w["p50_s"]), _ms(w["p99_s"]), _ms(w["max_s"]),
+             "yes" if w["odirect"] else f"no ({w['odirect_reason']})"] for w in data["workers"]]
     out.print(table("Workers", ["op", "rank", "worker", "dir", "throughput", "p50 ms", "p99 ms", "max ms",
                                 "O_DIRECT"], rows, right_from=4, text=(8,)))
     cap = data["fabric_capacity_Bps"]

@@ -89,7 +89,8 @@ def windows(events: list[Event], saves: dict[int, float], durables: dict[int, fl
     for s in done:
         for name, (a, b) in _phase_spans(by[s]).items():
             offsets.setdefault(name, []).append((a - saves[s], b - saves[s]))
-    phases = {n: (statistics.median(a for a, _ in xs), statistics.median(b for _, b in xs)) for n, xs in offsets.items()}
+    phases = {n: (statistics.median(a for a, _ in xs), statistics.median(b for _, b in xs))
+              for n, xs in offsets.items()}
     gaps = [min((t for s2, t in saves.items() if s2 > s), default=None) for s in done]
     idle = [g - durables[s] for s, g in zip(done, gaps) if g is not None]
     return Windows(phases, (0.0, statistics.median(idle)) if idle else None)

@@ -307,7 +307,8 @@ class Drill:
             ok = bool(rest.get("verified"))
             trial = Trial(k, None, (), killed_at, None, r, rest.get("source"),
                           loaded["t"] - probe.proc.t_spawn if loaded["ev"] == "loaded" else None,
-                          killed_at - r if killed_at is not None and r is not None else None, ok, loaded["ev"] == "loaded" and not ok, rest.get("error"))
+                          killed_at - r if killed_at is not None and r is not None else None, ok,
+                          loaded["ev"] == "loaded" and not ok, rest.get("error"))
             trials.append(trial)
             on_trial(trial)
         return trials

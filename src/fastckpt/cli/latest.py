@@ -4,17 +4,21 @@ from __future__ import annotations
 
 import click
 
+from ._common import storage_options_option
+
 
 @click.command()
 @click.argument("root")
-def latest(root: str) -> None:
+@storage_options_option
+def latest(root: str, storage_options: dict | None) -> None:
     """Print the newest complete checkpoint under ROOT (a directory or an s3:// URL).
 
-    Exit 1 when there is none.
+    Checkpoints written by torch.save, Lightning or DeepSpeed before a run switched to fastckpt
+    count too (unverified). Exit 1 when there is none.
     """
     from .. import latest as find_latest
 
-    found = find_latest(root)
+    found = find_latest(root, storage_options)
     if found is None:
         click.echo(f"no complete checkpoint under {root}", err=True)
         raise SystemExit(1)

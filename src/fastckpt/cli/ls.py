@@ -26,8 +26,9 @@ def _age(s: float | None) -> str:
 def ls(root: str, local_dir: str | None, storage_options: dict | None, as_json: bool) -> None:
     """List the checkpoints under ROOT (a directory or a URL), oldest first.
 
-    Shows step (or name), size, files, status (complete, incomplete, local only, replicated),
-    age, and which one `latest` names. Exit 1 when ROOT holds no complete checkpoint.
+    Shows step (or name), size, files, status (complete, incomplete, local only, replicated, or
+    unverified: written by torch.save, Lightning or DeepSpeed, with no checksum), age, and which
+    one `latest` names. Exit 1 when ROOT holds no complete checkpoint.
     """
     entries = list_checkpoints(root, storage_options, local_dir)
     if as_json:
@@ -38,4 +39,4 @@ def ls(root: str, local_dir: str | None, storage_options: dict | None, as_json: 
                  _age(e.age_s), "<- latest" if e.latest else ""] for e in entries]
         console().print(table(f"Checkpoints under {root}", ["name", "kind", "step", "size", "files", "status",
                                                             "age", "latest"], rows, right_from=2, text=(5, 7)))
-    exit_with(any(e.status in ("complete", "replicated") for e in entries))
+    exit_with(any(e.status in ("complete", "replicated", "unverified") for e in entries))

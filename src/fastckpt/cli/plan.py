@@ -119,7 +119,8 @@ def render(p: sizing.Plan, notes: list[str]) -> None:
         ["job MTBF", fmt_seconds(p.job_mtbf_s)],
     ]))
     s, f = p.synchronous, p.fastckpt
-    cost = [] if i.gpu_hour_cost is None else [["cost lost", f"{s.campaign_cost_lost:,.0f}", f"{f.campaign_cost_lost:,.0f}"]]
+    cost = [] if i.gpu_hour_cost is None else \
+        [["cost lost", f"{s.campaign_cost_lost:,.0f}", f"{f.campaign_cost_lost:,.0f}"]]
     rework = [] if s.campaign_failures is None else [
         ["failures in the campaign", f"{s.campaign_failures:.3g}", f"{f.campaign_failures:.3g}"],
         ["GPU-hours redone after failures (half an interval each)", f"{s.campaign_rework_gpu_hours:,.0f}",
@@ -129,7 +130,8 @@ def render(p: sizing.Plan, notes: list[str]) -> None:
         ["local tier write per checkpoint", "-", fmt_seconds(f.local_write_s)],
         ["drain to persistent storage", "-", f"{fmt_seconds(f.drain_s)} (needs {fmt_rate(f.drain_required_Bps)})"],
         ["overhead (stall / interval)", fmt_pct(s.overhead_fraction), fmt_pct(f.overhead_fraction)],
-        ["stall over the campaign", fmt_seconds(s.campaign_stall_hours * 3600), fmt_seconds(f.campaign_stall_hours * 3600)],
+        ["stall over the campaign", fmt_seconds(s.campaign_stall_hours * 3600),
+         fmt_seconds(f.campaign_stall_hours * 3600)],
         ["GPU-hours lost to stalls", f"{s.campaign_gpu_hours_lost:,.1f}", f"{f.campaign_gpu_hours_lost:,.1f}"],
         *cost, *rework,
         ["Young/Daly interval", fmt_seconds(s.young_daly_interval_s), fmt_seconds(f.young_daly_interval_s)],

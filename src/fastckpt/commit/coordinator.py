@@ -145,14 +145,14 @@ class Coordinator:
         self._attempts[group].skipped.append(path)
 
     def commit(self, group: str, rank: int, world: int, extra: dict,
-               finish: Callable[[SaveRecord], SaveRecord] = lambda r: r) -> Future:
+               finish: Callable[[SaveRecord], SaveRecord] = lambda r: r, move_latest: bool = True) -> Future:
         self.begin(group, rank, world)  # a rank that saved nothing into this group
         att = self._attempts.pop(group)
         t_call, requested_at = time.monotonic(), time.time()
 
         def run() -> SaveRecord:
             try:
-                return finish(self._run(group, att, rank, world, extra, t_call, requested_at))
+                return finish(self._run(group, att, rank, world, extra, t_call, requested_at, move_latest))
             except OSError as exc:
                 raise_as_write_error(exc, group)
                 raise  # unreachable: raise_as_write_error always raises
@@ -160,7 +160,7 @@ class Coordinator:
         return self._pool.submit(run)
 
     def _run(self, group: str, att: _Attempt, rank: int, world: int, extra: dict,
-             t_call: float, requested_at: float) -> SaveRecord:
+             t_call: float, requested_at: float, move_latest: bool) -> SaveRecord:
         c0 = time.time()
         recs = [h.result() for h in att.handles]  # a failed save stops the commit here
         if att.skipped:
@@ -181,7 +181,7 @@ class Coordinator:
             if any(m.get("superseded") for m in markers.values()):
                 manifest = {"superseded": True, "files": {}}
             else:
-                manifest = P.publish_group(att.place, world, markers, extra, requested_at, att.token)
+                manifest = P.publish_group(att.place, world, markers, extra, requested_at, att.token, move_latest)
             announce_outcome(group, att.token, superseded=bool(manifest.get("superseded")))
         else:
             manifest = wait_for_manifest(att.place, self._timeout, self._stop, att.token, files, group=group)

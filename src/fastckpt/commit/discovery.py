@@ -12,20 +12,33 @@ missing, the newest complete checkpoint a scan finds. A scan lists the root down
   target where a visible file is already verified (POSIX: copies are verified before their
   rename), by the fastckpt manifest in its own zip comment.
 
+Checkpoints written without fastckpt count too, marked ``foreign`` (they load unverified: no
+checksum was recorded): a complete ``torch.save`` zip (plain ``torch.save``, Lightning's
+``TorchCheckpointIO``; recognised by its end-of-central-directory record, ``format.foreign``),
+and the DeepSpeed tag directory that DeepSpeed's own ``latest`` file names (DeepSpeed's per-rank
+files never count on their own). So a run that switches to fastckpt resumes from the checkpoints
+it already has. A fastckpt file copied in by another tool (``aws s3 cp``, ``rsync``) without its
+sidecar counts by the manifest in its own zip comment, and is verified when loaded.
+
 Hidden names (``.x``) and temp files are never checkpoints. Checkpoints are ordered by their
-commit request (groups) or write time (files), not by name.
+commit request (groups) or write time (files; foreign ones by their modification time), not by
+name. When foreign checkpoints are among them and every candidate records a step (a group's
+``step=``, a file's top-level ``global_step``, ``iteration`` or ``step``, a DeepSpeed tag's
+number), they are ordered by step first.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import posixpath
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..errors import CorruptCheckpointError
 from ..storage.homes import Homes, Location
 from ..storage.types import TargetNotFoundError
 from ..urls import join
+from . import foreign
 from .protocol import (
     GROUP_MANIFEST,
     MARKER_DIR,
@@ -36,17 +49,25 @@ from .protocol import (
     read_group_manifest,
 )
 
+log = logging.getLogger("fastckpt")
 MAX_DEPTH = 4
 
 
 @dataclass(frozen=True)
 class Found:
-    """A complete checkpoint: its path or URL, ``kind`` ("file" or "group"), its order and manifest."""
+    """A complete checkpoint: its path or URL, ``kind`` ("file" or "group"), its order and manifest.
+
+    ``foreign``: what wrote it, when not fastckpt (``"torch.save"``, ``"DeepSpeed"``): it has no
+    fastckpt manifest (``manifest`` is empty) and loads unverified. ``step``: the training step it
+    records, when that was read (ordering among foreign checkpoints needs it).
+    """
 
     path: str
     kind: str
     time: float
     manifest: dict
+    foreign: str | None = None
+    step: int | None = None
 
 
 def scan(loc: Location, max_depth: int = MAX_DEPTH) -> list[Found]:
@@ -65,22 +86,65 @@ def scan(loc: Location, max_depth: int = MAX_DEPTH) -> list[Found]:
         m = read_group_manifest(loc.place().child(g) if g else loc.place())
         if m is not None:
             found.append(Found(join(loc.url, g), "group", group_order(m), m))
-    inside = groups | marked
+    ds_tags = {t for r in rels if posixpath.basename(r) == "latest" and not _hidden(r)
+               for t in [foreign.deepspeed_tag(loc.target, prefix, r, set(rels))] if t and t not in groups}
+    inside = groups | marked | ds_tags
+    sidecars = {r[: -len(SIDECAR)] for r in rels if r.endswith(SIDECAR)}
+    others: list[Found] = []
     for rel in rels:
         if rel.count("/") > max_depth or _hidden(rel) or any(rel.startswith(f"{g}/") or not g for g in inside):
             continue
         if rel.endswith(SIDECAR):
             side = json.loads(loc.target.get_bytes(prefix + rel))
             found.append(Found(join(loc.url, rel[: -len(SIDECAR)]), "file", float(side.get("written_at", 0.0)), side))
-        elif loc.target.mounted:
-            try:
-                m = loc.target.read_manifest(prefix + rel)
-            except (OSError, CorruptCheckpointError):
-                continue
-            if m and not m.get("group"):
-                found.append(Found(join(loc.url, rel), "file", float(m.get("written_at", 0.0)), m))
-    found.sort(key=lambda f: (f.time, f.path))
+        elif rel not in sidecars and posixpath.basename(rel) != "latest":
+            f = _file(loc, prefix, rel)
+            if f is not None:
+                (others if f.foreign else found).append(f)
+    for t in sorted(ds_tags):  # ordered by when DeepSpeed's latest file named it
+        written = loc.target.modified(prefix + posixpath.join(posixpath.dirname(t), "latest"))
+        others.append(Found(join(loc.url, t), "group", written, {}, "DeepSpeed", foreign.tag_step(t)))
+    return _ordered(loc, prefix, found, others)
+
+
+def _file(loc: Location, prefix: str, rel: str) -> Found | None:
+    """A single file: fastckpt's (its manifest: verified on a mounted target, and on any target
+    once copied in whole), or a complete torch.save zip written without fastckpt; else None."""
+    if foreign.DEEPSPEED_FILE.match(posixpath.basename(rel)):
+        return None
+    try:
+        m = loc.target.read_manifest(prefix + rel)
+        if m:
+            return None if m.get("group") else Found(join(loc.url, rel), "file", float(m.get("written_at", 0.0)), m)
+        record = foreign.torch_zip(loc.target, prefix + rel)
+        if record is None:
+            return None
+        return Found(join(loc.url, rel), "file", loc.target.modified(prefix + rel), {}, "torch.save",
+                     foreign.pickle_step(loc.target, prefix + rel, record))
+    except (OSError, CorruptCheckpointError):  # gone meanwhile, unreadable, or a damaged manifest: not a candidate
+        return None
+
+
+def _ordered(loc: Location, prefix: str, own: list[Found], others: list[Found]) -> list[Found]:
+    """Oldest first: by time, or, with foreign checkpoints among them and a step for every one,
+    by step, then time."""
+    if others:
+        own = [replace(f, step=_step(loc, prefix, f)) for f in own]
+    found = own + others
+    by_step = bool(others) and all(f.step is not None for f in found)
+    found.sort(key=lambda f: (f.step if by_step else 0, f.time, f.path))
     return found
+
+
+def _step(loc: Location, prefix: str, f: Found) -> int | None:
+    if f.kind == "group":
+        step = f.manifest.get("step")
+        return step if isinstance(step, int) else None
+    key = prefix + f.path[len(loc.url):].lstrip("/")
+    try:
+        return foreign.pickle_step(loc.target, key)
+    except OSError:
+        return None
 
 
 def _hidden(rel: str) -> bool:
@@ -95,7 +159,13 @@ def latest(homes: Homes, root: str) -> str | None:
     if name is not None:
         return join(loc.url, name)
     found = scan(loc)
-    return found[-1].path if found else None
+    if not found:
+        return None
+    if found[-1].foreign:
+        log.warning("fastckpt: the newest checkpoint under %s, %s, was written by %s, not fastckpt: it loads "
+                    "unverified (no checksum was recorded); fastckpt's next save there supersedes it",
+                    loc.url, found[-1].path, found[-1].foreign)
+    return found[-1].path
 
 
 def require_complete_group(homes: Homes, url: str, manifest: dict) -> None:

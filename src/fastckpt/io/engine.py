@@ -256,9 +256,10 @@ class _ReadBuffer:
 
     def take(self, nbytes: int) -> mmap.mmap:
         with self._lock:
-            # two references: the attribute and getrefcount's argument (CPython: exact)
+            # not closed by its last reader, not pinning far more than asked, and idle: two
+            # references, the attribute and getrefcount's argument (CPython: exact)
             last = self._last
-            fits = last is not None and nbytes <= len(last) <= 2 * nbytes + ALIGN  # not pinning far more
+            fits = last is not None and not last.closed and nbytes <= len(last) <= 2 * nbytes + ALIGN
             del last
             if not fits or sys.getrefcount(self._last) != 2:
                 self._last = None  # an idle one is unmapped now, before the new one is faulted in

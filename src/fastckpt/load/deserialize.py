@@ -11,38 +11,9 @@ import pickle
 
 import torch
 
+from ..io.ranges import RangeReader
+
 ZIP_MAGIC = b"PK\x03\x04"
-
-
-class _MemReader(io.RawIOBase):
-    """A read-only file over the first ``size`` bytes of a buffer, for torch's zip reader."""
-
-    def __init__(self, view: memoryview, size: int) -> None:
-        self._view, self._size, self._pos = view, size, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def seek(self, offset: int, whence: int = 0) -> int:
-        self._pos = {0: 0, 1: self._pos, 2: self._size}[whence] + offset
-        return self._pos
-
-    def tell(self) -> int:
-        return self._pos
-
-    def read(self, n: int = -1) -> bytes:
-        end = self._size if n is None or n < 0 else min(self._size, self._pos + n)
-        data = bytes(self._view[self._pos : end])
-        self._pos = max(self._pos, end)
-        return data
-
-    def readinto(self, b) -> int:  # type: ignore[override]
-        data = self.read(len(b))
-        b[: len(data)] = data
-        return len(data)
 
 
 def deserialize(buf, size: int, map_location: object, weights_only: bool, path: str) -> object:  # noqa: ANN001
@@ -51,7 +22,8 @@ def deserialize(buf, size: int, map_location: object, weights_only: bool, path: 
     if bytes(memoryview(buf)[:4]) != ZIP_MAGIC:
         return torch.load(io.BytesIO(memoryview(buf)[:size]), map_location=map_location, weights_only=weights_only)
     storage = torch.frombuffer(buf, dtype=torch.uint8).untyped_storage()
-    reader = torch._C.PyTorchFileReader(_MemReader(memoryview(buf), size))
+    view = memoryview(buf)
+    reader = torch._C.PyTorchFileReader(RangeReader(size, lambda lo, hi: bytes(view[lo:hi])))
     module = torch.serialization._weights_only_unpickler if weights_only else pickle
     try:
         return torch.serialization._load(reader, map_location, module, overall_storage=storage)

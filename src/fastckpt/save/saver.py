@@ -16,6 +16,7 @@ resolves, so ``wait()`` returning means retention has run.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import warnings
@@ -24,7 +25,7 @@ from concurrent.futures import Executor, Future
 from dataclasses import replace
 
 from ..commit.coordinator import Coordinator
-from ..commit.protocol import publish_file
+from ..commit.protocol import GROUP_MANIFEST, publish_file
 from ..config import CheckpointerConfig
 from ..errors import ConfigError, ReplicationError
 from ..format import layout as F
@@ -88,7 +89,7 @@ class Saver:
         if choice.tier == "gds" and layout.align != F.ALIGN:  # GDS writes each record: page-aligned
             layout = self._planner.plan(state_dict, page_aligned=True)
         if group is not None:
-            self._coord.begin(group, rank, world)
+            self.begin_group(group, rank, world)
         dest = spot.local if spot else path
         base = SaveRecord(path, choice.tier, layout.data_size, 0.0, 0.0, 0.0, None, rank=rank, group=group)
         if choice.tier == "gds":
@@ -208,6 +209,23 @@ class Saver:
         if rec.group is None and not rec.superseded and not rec.skipped:
             self._retention.durable(rec.path, bool(self._cfg.local_dirs), owns_persistent=True)
         return rec
+
+    def begin_group(self, group: str, rank: int, world: int) -> None:
+        """This rank's first save into ``group`` in this attempt: the burst-buffer copy of an
+        earlier attempt stops counting as complete until this one commits."""
+        self._coord.begin(group, rank, world)
+        for local in self._stripes.copies(group):  # the group's files may lie on every drive
+            self._homes.resolve(local).place().delete(GROUP_MANIFEST)
+
+    def group_committed(self, group: str) -> None:
+        """``group`` is durable and published at its home: this node's burst-buffer copy gets the
+        same manifest, so loads read the local files (each still verified by its own checksum)."""
+        locals_ = [d for d in self._stripes.copies(group) if os.path.isdir(d)]  # one per drive holding files
+        data = self._homes.resolve(group).place().get(GROUP_MANIFEST) if locals_ else None
+        if data is None:
+            return  # a newer attempt replaced it already, or this rank kept no local files
+        for local in locals_:
+            self._homes.resolve(local).place().put(GROUP_MANIFEST, data)
 
     def fence(self) -> float:
         """Wait until every lazy save has copied its tensors; return the seconds waited (counted

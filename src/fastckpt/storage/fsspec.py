@@ -34,7 +34,6 @@ import logging
 import os
 import time
 from concurrent.futures import Executor
-from datetime import datetime
 
 from ..config import DEFAULT_RETRY_DEADLINE_S
 from ..errors import ConfigError, ReplicationError
@@ -42,13 +41,23 @@ from ..io.atomic import is_tmp, tmp_name
 from ..io.ops import FileOps, pread_exact
 from ..units import MiB
 from .base import Target
-from .s3 import AUTH_CODES, TRANSIENT_CODES, S3Session, client_error, crc32_header, put_s3, transient_types
+from .s3 import (
+    TRANSIENT_CODES,
+    S3Session,
+    client_error,
+    crc32_header,
+    drop_expect_100,
+    mtime,
+    permanent_error,
+    put_s3,
+    transient_types,
+    unreachable,
+)
 from .types import (
     Expected,
     Progress,
     RetryCallback,
     TargetNotFoundError,
-    TargetPermissionError,
     TokenBucket,
     check_key,
     is_transient_oserror,
@@ -58,11 +67,6 @@ from .types import (
 log = logging.getLogger(__name__)
 REQUEST_FLOOR_S = 120.0
 REQUEST_MIN_Bps = 1 * MiB
-def _drop_expect_100(request: object, **_: object) -> None:
-    """botocore ``before-send`` hook: send bodies at once instead of awaiting ``100 Continue``."""
-    request.headers.pop("Expect", None)  # type: ignore[attr-defined]
-
-
 class FsspecTarget(Target):
     """A ``Target`` rooted at an fsspec URL, e.g. ``s3://bucket/prefix``.
 
@@ -106,7 +110,7 @@ class FsspecTarget(Target):
             if opts.get("session") is None:  # our own, so that the hook below reaches every client
                 session_args = ("profile", "session_vars", "event_hooks", "include_builtin_handlers")
                 opts["session"] = AioSession(**{k: opts.pop(k) for k in session_args if k in opts})
-            opts["session"].register("before-send.s3", _drop_expect_100, unique_id="fastckpt-drop-expect-100")
+            opts["session"].register("before-send.s3", drop_expect_100, unique_id="fastckpt-drop-expect-100")
         try:
             self.fs = fsspec.filesystem(protocol, **opts)
         except ImportError as exc:
@@ -120,6 +124,7 @@ class FsspecTarget(Target):
         if self.is_s3 and not self.bucket:
             raise ConfigError(f"{url_root!r} names no bucket: use s3://<bucket>[/<prefix>]")
         self._transient = transient_types()
+        self._answered = False  # no request has had an answer yet: a failure to connect is then config
 
     @property
     def url(self) -> str:
@@ -139,14 +144,18 @@ class FsspecTarget(Target):
     def _s3(self, method: str, **kwargs: object) -> dict:
         body = kwargs.get("Body")
         limit_s = REQUEST_FLOOR_S + (len(body) if isinstance(body, (bytes, bytearray)) else 0) / REQUEST_MIN_Bps
-        return self.fs.call_s3(method, Bucket=self.bucket, timeout=limit_s, **kwargs)  # timeout: fsspec's sync()
+        out = self.fs.call_s3(method, Bucket=self.bucket, timeout=limit_s, **kwargs)  # timeout: fsspec's sync()
+        self._answered = True
+        return out
 
     def _cat(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
         if not self.is_s3:
             return self.fs.cat_file(self._full(key), start=start, end=end)
         n = (end or 0) - (start or 0)
-        return self.fs.cat_file(self._full(key), start=start, end=end,
-                                timeout=REQUEST_FLOOR_S + max(n, 0) / REQUEST_MIN_Bps)
+        limit_s = REQUEST_FLOOR_S + max(n, 0) / REQUEST_MIN_Bps
+        data = self.fs.cat_file(self._full(key), start=start, end=end, timeout=limit_s)
+        self._answered = True
+        return data
 
     def _endpoint(self) -> str:
         try:
@@ -158,40 +167,16 @@ class FsspecTarget(Target):
     def _is_transient(self, exc: BaseException) -> bool:
         ce = client_error(exc)
         if ce is not None:
+            self._answered = True  # an error response: the endpoint is there
             code, status, _ = ce
             return code in TRANSIENT_CODES or status >= 500 or status == 429
+        if not self._answered and unreachable(exc, "", "") is not None:  # never reached: not an outage
+            return False
         return isinstance(exc, self._transient) or is_transient_oserror(exc)
 
     def _permanent(self, exc: BaseException, what: str) -> ReplicationError | None:
-        ce = client_error(exc)
-        name = type(exc).__name__
-        if ce is not None:
-            code, status, message = ce
-            if code == "NoSuchBucket":
-                return storage_error(TargetNotFoundError, f"{what}: bucket {self.bucket!r} does not exist at "
-                                     f"{self._endpoint()}: create it (e.g. `aws s3 mb s3://{self.bucket}`) or fix the "
-                                     "target URL", exc, errno.ENOENT)
-            if code in ("NoSuchKey", "404") or status == 404:
-                return storage_error(TargetNotFoundError, f"{what}: not found ({code or status}); if the object "
-                                     f"should be there, check that bucket {self.bucket!r} exists", exc, errno.ENOENT)
-            if code in AUTH_CODES or status == 403:
-                return storage_error(TargetPermissionError, f"{what}: {self._endpoint()} refused the request "
-                                     f"({code}: {message}); check the credentials (AWS_ACCESS_KEY_ID/"
-                                     "AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or storage_options key/secret) and that "
-                                     f"they may read and write bucket {self.bucket!r}", exc, errno.EACCES)
-            return storage_error(ReplicationError, f"{what}: {code} (HTTP {status}): {message}", exc, errno.EIO)
-        if name in ("NoCredentialsError", "PartialCredentialsError"):
-            return storage_error(TargetPermissionError, f"{what}: no usable credentials ({exc}); set "
-                                 "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or storage_options "
-                                 "key/secret", exc, errno.EACCES)
-        if isinstance(exc, FileNotFoundError):
-            return storage_error(TargetNotFoundError, f"{what}: not found ({exc})", exc, errno.ENOENT)
-        if isinstance(exc, PermissionError):
-            return storage_error(TargetPermissionError, f"{what}: permission denied ({exc}); check the credentials",
-                                 exc, errno.EACCES)
-        if isinstance(exc, OSError) or type(exc).__module__.startswith(("botocore", "aiobotocore", "s3fs")):
-            return storage_error(ReplicationError, f"{what}: {name}: {exc}", exc)
-        return None
+        far = None if self._answered else unreachable(exc, what, self._endpoint())
+        return far or permanent_error(exc, what, self.bucket, self._endpoint)
 
     # ------------------------------------------------------------------ writing
     def _put_file(self, local_path: str, key: str, size: int, limiter: TokenBucket | None, chunk_bytes: int,
@@ -280,6 +265,12 @@ class FsspecTarget(Target):
         self.fs.invalidate_cache(full)
         return self._retry(f"size of {self.url_of(key)}", lambda: int(self.fs.info(full)["size"]))
 
+    def modified(self, key: str) -> float:
+        if self.is_s3:
+            return self._retry(f"date of {self.url_of(key)}", lambda: self._s3(
+                "head_object", Key=self._obj(key))["LastModified"].timestamp())
+        return self._retry(f"date of {self.url_of(key)}", lambda: mtime(self.fs.info(self._full(key))))
+
     def exists(self, key: str) -> bool:
         try:
             self.size(key)
@@ -329,7 +320,7 @@ class FsspecTarget(Target):
             self.fs.invalidate_cache()
             for p, info in self.fs.find(self.root, detail=True).items():
                 key = p[len(self.root) + 1:]
-                if is_tmp(key.rsplit("/", 1)[-1]) and key.startswith(prefix) and _mtime(info) < cutoff:
+                if is_tmp(key.rsplit("/", 1)[-1]) and key.startswith(prefix) and mtime(info) < cutoff:
                     self.fs.rm_file(p)
                     removed += 1
             return removed
@@ -347,13 +338,3 @@ class FsspecTarget(Target):
                 return removed
             marker = {"KeyMarker": page["NextKeyMarker"], "UploadIdMarker": page["NextUploadIdMarker"]}
 
-
-def _mtime(info: dict) -> float:
-    """Modification time from an fsspec info dict (keys differ by backend); unknown: now."""
-    for k in ("mtime", "LastModified", "last_modified", "created"):
-        v = info.get(k)
-        if isinstance(v, datetime):
-            return v.timestamp()
-        if isinstance(v, (int, float)):
-            return float(v)
-    return time.time()

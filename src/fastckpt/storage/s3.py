@@ -21,18 +21,30 @@ give ``config_kwargs={"s3": {"payload_signing_enabled": True}}`` to sign bodies 
 from __future__ import annotations
 
 import base64
+import errno
 import logging
+import socket
 import threading
+import time
 import zlib
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from datetime import datetime
 
-from ..errors import ConfigError, CorruptCheckpointError
+from ..errors import ConfigError, CorruptCheckpointError, ReplicationError
 from ..format import checksum
 from ..io.ops import FileOps, pread_exact
 from ..units import MiB
-from .types import Expected, TokenBucket, source_changed
+from .types import (
+    Expected,
+    TargetNotFoundError,
+    TargetPermissionError,
+    TargetUnreachableError,
+    TokenBucket,
+    source_changed,
+    storage_error,
+)
 
 log = logging.getLogger(__name__)
 S3_MIN_PART_BYTES = 5 * MiB
@@ -47,6 +59,81 @@ TRANSIENT_CODES = frozenset({"SlowDown", "RequestTimeout", "RequestTimeoutExcept
 AUTH_CODES = frozenset({"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken",
                          "InvalidToken", "TokenRefreshRequired", "AllAccessDisabled", "403"})
 
+
+
+def drop_expect_100(request: object, **_: object) -> None:
+    """botocore ``before-send`` hook: send bodies at once instead of awaiting ``100 Continue``."""
+    request.headers.pop("Expect", None)  # type: ignore[attr-defined]
+
+
+def mtime(info: dict) -> float:
+    """Modification time from an fsspec info dict (keys differ by backend); unknown: now."""
+    for k in ("mtime", "LastModified", "last_modified", "created"):
+        v = info.get(k)
+        if isinstance(v, datetime):
+            return v.timestamp()
+        if isinstance(v, (int, float)):
+            return float(v)
+    return time.time()
+
+
+def unreachable(exc: BaseException, what: str, endpoint: str) -> TargetUnreachableError | None:
+    """The error for a first request that could not connect at all (``exc``'s chain holds a DNS
+    failure or a refused connection), or None: the endpoint is wrong or missing, not down for a
+    while, so the caller should hear it in seconds rather than after ``retry_deadline_s``."""
+    cur: BaseException | None = exc
+    for _ in range(8):
+        if cur is None:
+            return None
+        if isinstance(cur, (socket.gaierror, ConnectionRefusedError)):
+            break
+        cur = cur.__cause__ or cur.__context__
+    else:
+        return None
+    why = "no such host" if isinstance(cur, socket.gaierror) else "connection refused"
+    default = " (AWS's default: no endpoint_url was given)" if "amazonaws.com" in endpoint else ""
+    return storage_error(TargetUnreachableError, f"{what}: cannot reach the endpoint {endpoint}{default}: {why} "
+                         f"({cur}). The first request to it failed, so this is taken for a wrong or missing "
+                         "endpoint rather than an outage. Set it with AWS_ENDPOINT_URL, or storage_options="
+                         "{'endpoint_url': 'http://host:port'} (Checkpointer, fastckpt.latest/load, FastCkptIO; "
+                         "--storage-options on the command line), and check that the store is up and reachable "
+                         "from this node", exc,
+                         errno.EHOSTUNREACH if isinstance(cur, socket.gaierror) else errno.ECONNREFUSED)
+
+
+def permanent_error(exc: BaseException, what: str, bucket: str, endpoint: Callable[[], str]) -> ReplicationError | None:
+    """The ``ReplicationError`` for a permanent error of a request to ``bucket`` (None: not a
+    storage error, re-raise it): a missing bucket or object, refused credentials, any other
+    refusal; each message names ``what`` and the fix."""
+    ce = client_error(exc)
+    name = type(exc).__name__
+    if ce is not None:
+        code, status, message = ce
+        if code == "NoSuchBucket":
+            return storage_error(TargetNotFoundError, f"{what}: bucket {bucket!r} does not exist at "
+                                 f"{endpoint()}: create it (e.g. `aws s3 mb s3://{bucket}`) or fix the "
+                                 "target URL", exc, errno.ENOENT)
+        if code in ("NoSuchKey", "404") or status == 404:
+            return storage_error(TargetNotFoundError, f"{what}: not found ({code or status}); if the object "
+                                 f"should be there, check that bucket {bucket!r} exists", exc, errno.ENOENT)
+        if code in AUTH_CODES or status == 403:
+            return storage_error(TargetPermissionError, f"{what}: {endpoint()} refused the request "
+                                 f"({code}: {message}); check the credentials (AWS_ACCESS_KEY_ID/"
+                                 "AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or storage_options key/secret) and that "
+                                 f"they may read and write bucket {bucket!r}", exc, errno.EACCES)
+        return storage_error(ReplicationError, f"{what}: {code} (HTTP {status}): {message}", exc, errno.EIO)
+    if name in ("NoCredentialsError", "PartialCredentialsError"):
+        return storage_error(TargetPermissionError, f"{what}: no usable credentials ({exc}); set "
+                             "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or storage_options "
+                             "key/secret", exc, errno.EACCES)
+    if isinstance(exc, FileNotFoundError):
+        return storage_error(TargetNotFoundError, f"{what}: not found ({exc})", exc, errno.ENOENT)
+    if isinstance(exc, PermissionError):
+        return storage_error(TargetPermissionError, f"{what}: permission denied ({exc}); check the credentials",
+                             exc, errno.EACCES)
+    if isinstance(exc, OSError) or type(exc).__module__.startswith(("botocore", "aiobotocore", "s3fs")):
+        return storage_error(ReplicationError, f"{what}: {name}: {exc}", exc)
+    return None
 
 
 def transient_types() -> tuple[type[BaseException], ...]:
@@ -98,7 +185,7 @@ def client_error(exc: BaseException) -> tuple[str, int, str] | None:
 
 
 def put_s3(t: S3Session, fd: int, local_path: str, url: str, obj: str, size: int, limiter: TokenBucket | None,
-           chunk_bytes: int, progress, expect: Expected | None) -> int:  # noqa: ANN001 (a base.Progress)
+           chunk_bytes: int, progress, expect: Expected | None) -> int:
     """Upload the open file ``fd`` to the object ``obj`` (``url`` for messages); return the
     number of parts. Sets ``progress.verified`` when the store confirmed every part's CRC32 and
     ``expect`` held.
@@ -188,7 +275,7 @@ def put_s3(t: S3Session, fd: int, local_path: str, url: str, obj: str, size: int
     return n_parts
 
 def _complete(t: S3Session, url: str, obj: str, upload_id: str, part_list: list[dict], size: int,
-              progress) -> None:  # noqa: ANN001
+              progress) -> None:
     parts = {"Parts": part_list}
     tried = False
 

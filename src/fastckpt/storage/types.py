@@ -27,6 +27,11 @@ class TargetPermissionError(ReplicationError, PermissionError):
     """The target refused the credentials or the operation (AccessDenied, EACCES, EPERM)."""
 
 
+class TargetUnreachableError(ConfigError, TargetUnavailableError):
+    """The very first request to a target's endpoint could not connect (no such host, connection
+    refused): a wrong or missing endpoint, raised at once rather than retried as an outage."""
+
+
 @dataclass(frozen=True)
 class Expected:
     """What an uploaded file must be: the local manifest's record of it.

@@ -28,14 +28,13 @@ from megatron.core.dist_checkpointing.mapping import (
 from megatron.core.dist_checkpointing.strategies.base import LoadShardedStrategy
 from megatron.core.dist_checkpointing.strategies.common import COMMON_STATE_FNAME
 
-from fastckpt import Checkpointer
 from fastckpt.errors import CorruptCheckpointError
 from fastckpt.io.ops import FileOps
 
-from ._megatron_common import BACKEND, INDEX_FILE, VERSION, CheckpointerSource, checkpoint_group, resolve
-from ._megatron_compat import incomplete_group_error, read_group_manifest
-from ._megatron_layout import Index, ReshardingError, SavedTensor, byte_range, plan_tensor, shard_view, tensor_box
-from ._megatron_read import VerifiedFile, ensure_all
+from .common import BACKEND, INDEX_FILE, VERSION, CheckpointerSource, ThroughCheckpointer, checkpoint_group
+from .compat import incomplete_group_error, read_group_manifest
+from .layout import Index, ReshardingError, SavedTensor, byte_range, plan_tensor, shard_view, tensor_box
+from .read import VerifiedFile, ensure_all
 
 
 @dataclass(frozen=True)
@@ -50,7 +49,7 @@ class LoadReport:
     seconds: float
 
 
-class FastCkptLoadStrategy(LoadShardedStrategy):
+class FastCkptLoadStrategy(ThroughCheckpointer, LoadShardedStrategy):
     """Loads a fastckpt Megatron checkpoint with any sharding: each rank reads, from every
     rank's file, only the verified checksum blocks that hold the shards it asks for.
 
@@ -67,14 +66,6 @@ class FastCkptLoadStrategy(LoadShardedStrategy):
         super().__init__()
         self._source, self._ops, self._weights_only = checkpointer, ops or FileOps(), weights_only
         self.last_load: LoadReport | None = None
-
-    @property
-    def checkpointer(self) -> Checkpointer:
-        return resolve(self._source)
-
-    @property
-    def can_handle_sharded_objects(self) -> bool:
-        return True
 
     def check_backend_compatibility(self, loaded_backend: str) -> None:
         if loaded_backend != BACKEND:
@@ -135,8 +126,8 @@ class FastCkptLoadStrategy(LoadShardedStrategy):
     def _open(self, group: str, manifest: dict, rel: str) -> VerifiedFile:
         info = manifest["files"].get(rel)
         if info is None:
-            raise CorruptCheckpointError(f"{os.path.join(group, rel)} is named by the index but not by the checkpoint's "
-                                         "manifest; the checkpoint is damaged: load an earlier one")
+            raise CorruptCheckpointError(f"{os.path.join(group, rel)} is named by the index but not by the "
+                                         "checkpoint's manifest; the checkpoint is damaged: load an earlier one")
         return VerifiedFile(self._ops, os.path.join(group, rel), info["checksum"],
                             odirect=self.checkpointer.config.odirect)
 

@@ -2,9 +2,10 @@
 
 Lightning ships the same classes twice (``lightning.pytorch`` and ``pytorch_lightning``) and a
 Trainer of one rejects a plugin built on the other, so the plugin (here) and its callback
-(``_lightning_callback``) are mixins that import neither package; ``lightning.py`` and
-``pytorch_lightning.py`` combine them with their package's ``CheckpointIO`` and ``Callback``.
-``_lightning_saves`` keeps the books of the saves in flight.
+(``callback.py``) are mixins that import neither package; ``build`` (``__init__.py``) combines
+them with a package's ``CheckpointIO`` and ``Callback`` for ``lightning.py`` and
+``pytorch_lightning.py``. ``link.py`` keeps the books of the saves in flight and answers the
+callback; ``options.py`` checks what the plugin is given.
 
 Who calls what (everything runs on the training thread; only global rank 0 saves and removes):
 
@@ -36,57 +37,23 @@ import os
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from fastckpt.checkpointer import Checkpointer
-from fastckpt.config import CheckpointerConfig, option_names
 from fastckpt.errors import ConfigError
 from fastckpt.monitor import OverheadReport, Stats
-from fastckpt.records import SaveHandle
 from fastckpt.urls import is_url, normalize
 
-from ._lightning_saves import SaveLedger, copy_unfenced_tensors, state_nbytes
+from .link import TrainerLink
+from .options import checkpointer_config, parse_storage_options
+from .saves import SaveLedger, copy_unfenced_tensors
 
 log = logging.getLogger("fastckpt.lightning")
 
-#: The ``storage_options`` keys FastCkptIO understands (``Trainer.save_checkpoint(...,
-#: storage_options=...)``); any other key is rejected by name.
-STORAGE_OPTIONS = {"wait": "True: return only once the checkpoint is durable at its path"}
-#: Strategies whose rank 0 does not hold the whole state in its own tensors.
-SHARDED_STRATEGIES = {"FSDPStrategy", "DeepSpeedStrategy", "ModelParallelStrategy"}
-#: Added to the tensors' bytes when reserving: Lightning's metadata (loops, callbacks, hparams)
-#: and the pickle around the tensors. The core adds its own headroom on top.
-RESERVE_MARGIN = 1 << 20
 
-
-def _config(**options: object) -> CheckpointerConfig:
-    """The Checkpointer options FastCkptIO was given, validated; an unknown name lists the valid ones."""
-    unknown = sorted(set(options) - set(option_names()))
-    if unknown:
-        raise ConfigError(f"FastCkptIO got unknown option(s) {unknown}; it takes local_dir, lazy_snapshot, "
-                          f"staging_buffers, checkpointer and the Checkpointer options: {', '.join(option_names())}")
-    return CheckpointerConfig(**options)  # type: ignore[arg-type]
-
-
-def _parse_storage_options(storage_options: object) -> bool:
-    """Returns ``wait``. Unknown keys are rejected by name."""
-    if storage_options is None:
-        return False
-    if not isinstance(storage_options, Mapping):
-        raise TypeError(f"storage_options must be a dict (FastCkptIO understands {sorted(STORAGE_OPTIONS)}), "
-                        f"got {type(storage_options).__name__}")
-    unknown = sorted(set(storage_options) - set(STORAGE_OPTIONS))
-    if unknown:
-        known = "; ".join(f"{k!r}: {v}" for k, v in STORAGE_OPTIONS.items())
-        raise ConfigError(f"storage_options {unknown} not understood by FastCkptIO (it understands {known}). "
-                          "Storage settings are FastCkptIO(...) arguments: local_dir, tier, and storage_options "
-                          "for fsspec credentials of a URL dirpath.")
-    return bool(storage_options.get("wait", False))
-
-
-class FastCkptIOMixin:
+class FastCkptIOMixin(TrainerLink):
     """A Lightning ``CheckpointIO`` whose saves return after a snapshot (docs/lightning.md).
 
     ``Trainer(plugins=[FastCkptIO(local_dir="/local_nvme/ckpt")])``: keep ``ModelCheckpoint``;
@@ -135,8 +102,9 @@ class FastCkptIOMixin:
                                   f"pass {', '.join(given + sorted(options))} (set them on the Checkpointer)")
         options.setdefault("replicate_policy", "all")
         # validated now: a bad option should fail where the Trainer is built, not at the first save
-        self.config = _config(local_dir=local_dir, staging_buffers=1 if staging_buffers is None else staging_buffers,
-                              **options)
+        self.config = checkpointer_config(local_dir=local_dir,
+                                          staging_buffers=1 if staging_buffers is None else staging_buffers,
+                                          **options)
         self._options = options
         self.local_dir, self.lazy_snapshot, self.staging_buffers = local_dir, bool(lazy_snapshot), staging_buffers
         self._given = checkpointer
@@ -146,10 +114,10 @@ class FastCkptIOMixin:
 
     def _reset_runtime(self) -> None:
         self._saves = SaveLedger()
-        self._removals: dict[str, Future] = {}
+        self._removals = {}
         self._remover: ThreadPoolExecutor | None = None
-        self._trainer_ref: Callable[[], Any] | None = None
-        self._callback: object = None
+        self._trainer_ref = None
+        self._callback = None
         self._final_stats: Stats | None = None
         self._in_fit = True  # saves may stay in flight until teardown (False after it: synchronous)
         self._crashed = False
@@ -220,9 +188,6 @@ class FastCkptIOMixin:
         option), else None."""
         return self._ck.metrics_url if self._ck is not None else None
 
-    def _trainer(self) -> Any:
-        return self._trainer_ref() if self._trainer_ref is not None else None
-
     def _on_overhead(self, report: OverheadReport) -> None:
         warnings.warn(f"fastckpt: {report.advice()}", UserWarning, stacklevel=2)
 
@@ -235,7 +200,7 @@ class FastCkptIOMixin:
             ConfigError: ``storage_options`` holds a key FastCkptIO does not understand.
             FastCkptError: a previous save failed in the background (raised once).
         """
-        wait = _parse_storage_options(storage_options)
+        wait = parse_storage_options(storage_options)
         path = os.fspath(path)
         self._settle_removal(path)
         self._raise_removal_errors()
@@ -343,88 +308,3 @@ class FastCkptIOMixin:
             return
         self._raise_first(unique)
 
-    # ------------------------------------------------------------------ internals
-    def _raise_first(self, errors: list[BaseException]) -> None:
-        if not errors:
-            return
-        for e in errors[1:]:
-            log.error("fastckpt: another checkpoint operation failed as well: %r", e)
-        raise errors[0]
-
-    def _harvest(self) -> list[BaseException]:
-        ck = self._ck
-        return self._saves.harvest(lambda: ck.stats() if ck is not None else None,
-                                   keep_rows=self._callback is not None)
-
-    def _fence(self) -> None:
-        self._saves.fence(self._ck)
-
-    def _settle_removal(self, path: str) -> None:
-        fut = self._removals.pop(normalize(path), None)
-        if fut is not None:
-            fut.result()
-
-    def _raise_removal_errors(self) -> None:
-        for p in [p for p, f in self._removals.items() if f.done()]:
-            fut = self._removals.pop(p)
-            if fut.exception() is not None:
-                raise fut.exception()  # type: ignore[misc]
-
-    def _track_commit(self, handle: SaveHandle, step: int | None) -> None:
-        """DeepSpeed: one entry per group commit (the engine's ``on_commit``)."""
-        item = self._saves.add(handle, step, None)
-        if not self._in_fit:
-            self._saves.wait(item)
-
-    # ------------------------------------------------------------------ called by the callback
-    def _connect(self, trainer: Any, callback: object) -> bool:
-        if self._callback is not None and self._callback is not callback and self._trainer() is trainer:
-            return False  # another FastCkptCallback (explicit and from the entry point) got here first
-        self._callback = callback
-        self._trainer_ref = weakref.ref(trainer)
-        self._in_fit, self._crashed, self._reserved = True, False, False
-        self._sharded = bool(SHARDED_STRATEGIES & {c.__name__ for c in type(trainer.strategy).__mro__})
-        if trainer.is_global_zero:
-            self._checkpointer()  # start the overhead clock with the run, not at the first save
-        strategy = trainer.strategy
-        if "FSDPStrategy" in (c.__name__ for c in type(strategy).__mro__) \
-                and getattr(strategy, "_state_dict_type", "full") == "sharded":
-            warnings.warn("fastckpt: FSDPStrategy(state_dict_type='sharded') writes its shards with "
-                          "torch.distributed.checkpoint and never calls CheckpointIO, so FastCkptIO does not "
-                          "see those saves. Use state_dict_type='full' to save through FastCkptIO.",
-                          UserWarning, stacklevel=2)
-        return True
-
-    def _reserve(self, trainer: Any) -> None:
-        """Once per fit, after the first optimizer step (when the optimizer state exists):
-        have the core allocate the staging buffer in the background, so the first save does not
-        allocate and prefault it on the training thread. Only where rank 0 holds whole tensors
-        (single device, DDP); sharded strategies' local tensors do not tell the saved size."""
-        if self._reserved or self._ck is None or not trainer.is_global_zero:
-            return
-        self._reserved = True
-        if self._sharded:
-            return
-        nbytes, cuda = state_nbytes(trainer.lightning_module, trainer.optimizers)
-        if nbytes:
-            self._ck.reserve(nbytes + RESERVE_MARGIN, pinned=cuda)
-
-    def _install_deepspeed(self, trainer: Any) -> None:
-        engine = getattr(trainer.strategy, "deepspeed_engine", None)
-        if engine is None:
-            return
-        from .deepspeed import install
-
-        install(engine, self._checkpointer,
-                on_commit=lambda handle: self._track_commit(handle, trainer.global_step))
-
-    def _log_metrics(self, trainer: Any) -> None:
-        self._raise_first(self._harvest())
-        for row in self._saves.drain_rows():
-            for lg in trainer.loggers:
-                lg.log_metrics(row, step=trainer.global_step)
-
-    def _disconnect(self, callback: object) -> None:
-        if self._callback is callback:
-            self._callback = None
-            self._trainer_ref = None

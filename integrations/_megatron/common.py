@@ -11,7 +11,7 @@ import torch
 from fastckpt import Checkpointer
 from fastckpt.errors import ConfigError
 
-from ._megatron_compat import is_url, normalize
+from .compat import is_url, normalize
 
 BACKEND, VERSION = "fastckpt", 1
 INDEX_FILE = "fastckpt-index.pt"
@@ -36,6 +36,21 @@ def resolve(source: CheckpointerSource) -> Checkpointer:
     if source is None:
         return default_checkpointer()
     return source if isinstance(source, Checkpointer) else source()
+
+
+class ThroughCheckpointer:
+    """What both strategies say alike: the Checkpointer they work through (``_source``) and that
+    they handle ShardedObjects."""
+
+    _source: CheckpointerSource
+
+    @property
+    def checkpointer(self) -> Checkpointer:
+        return resolve(self._source)
+
+    @property
+    def can_handle_sharded_objects(self) -> bool:
+        return True
 
 
 def checkpoint_group(checkpoint_dir: str | Path) -> str:

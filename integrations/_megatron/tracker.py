@@ -29,7 +29,7 @@ from fastckpt.errors import CheckpointWriteError, CommitTimeoutError
 from fastckpt.io.ops import FileOps
 from fastckpt.records import SaveHandle, SaveRecord
 
-from ._megatron_compat import publish_bytes, read_group_manifest
+from .compat import publish_bytes, read_group_manifest
 
 log = logging.getLogger("fastckpt.megatron")
 

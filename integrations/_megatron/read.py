@@ -15,7 +15,6 @@ the tail and the manifest -> ``records()`` the zip directory -> ``ensure(ranges,
 from __future__ import annotations
 
 import errno
-import io
 import os
 import struct
 import threading
@@ -28,8 +27,9 @@ from fastckpt.errors import CorruptCheckpointError
 from fastckpt.format.layout import ALIGN
 from fastckpt.io.engine import alloc_aligned
 from fastckpt.io.ops import FileOps
+from fastckpt.io.ranges import RangeReader
 
-from ._megatron_compat import BLOCK_BYTES, block_digest, combine, parse_tail
+from .compat import BLOCK_BYTES, block_digest, combine, parse_tail
 
 TAIL_BYTES = 65536 + 22  # the zip comment (the manifest) and the end-of-directory record
 _LOCAL_HEADER = struct.Struct("<4s22xHH")  # signature ... name length, extra length
@@ -104,8 +104,8 @@ class VerifiedFile:
 
     def _done(self, blocks: list[int], digests: list[int]) -> None:
         if self._digests is None and blocks and combine(digests) != self.checksum:
-            raise CorruptCheckpointError(f"{self.path}: checksum {combine(digests)} != {self.checksum} recorded when it "
-                                         f"was written; {_FIX}")
+            raise CorruptCheckpointError(f"{self.path}: checksum {combine(digests)} != {self.checksum} recorded "
+                                         f"when it was written; {_FIX}")
         with self._lock:
             self._loaded.update(blocks)
 
@@ -147,7 +147,7 @@ class VerifiedFile:
     # ------------------------------------------------------------------ zip records
     def records(self, pool: Executor | None) -> dict[str, tuple[int, int]]:
         """The zip records' names -> (offset of their data, size); all read from verified bytes."""
-        with zipfile.ZipFile(_Reader(self)) as zf:
+        with zipfile.ZipFile(RangeReader(self.size, self.read)) as zf:
             infos = zf.infolist()
         self.ensure([(i.header_offset, i.header_offset + _LOCAL_HEADER.size) for i in infos], pool)
         out = {}
@@ -178,34 +178,3 @@ def ensure_all(wants: dict[VerifiedFile, list[tuple[int, int]]], pool: Executor 
     for vf in wants:
         mine = [(k, d) for (f, k), d in zip(jobs, digests) if f is vf]
         vf._done([k for k, _ in mine], [d for _, d in mine])
-
-
-class _Reader(io.RawIOBase):
-    """A read-only file over a VerifiedFile, for ``zipfile`` to parse the directory."""
-
-    def __init__(self, vf: VerifiedFile) -> None:
-        self._vf, self._pos = vf, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def seek(self, offset: int, whence: int = 0) -> int:
-        self._pos = {0: 0, 1: self._pos, 2: self._vf.size}[whence] + offset
-        return self._pos
-
-    def tell(self) -> int:
-        return self._pos
-
-    def read(self, n: int = -1) -> bytes:
-        end = self._vf.size if n is None or n < 0 else min(self._vf.size, self._pos + n)
-        data = self._vf.read(self._pos, end) if end > self._pos else b""
-        self._pos = max(self._pos, end)
-        return data
-
-    def readinto(self, b) -> int:  # type: ignore[override]
-        data = self.read(len(b))
-        b[: len(data)] = data
-        return len(data)

@@ -1,0 +1,136 @@
+"""FastCkptIO's books and its link to the Trainer: the saves in flight, queued removals, and
+what the callback (``callback.py``) calls on the training thread (see ``plugin.py``)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+import weakref
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+from fastckpt.checkpointer import Checkpointer
+from fastckpt.records import SaveHandle
+from fastckpt.urls import normalize
+
+from .saves import SaveLedger, state_nbytes
+
+log = logging.getLogger("fastckpt.lightning")
+
+#: Strategies whose rank 0 does not hold the whole state in its own tensors.
+SHARDED_STRATEGIES = {"FSDPStrategy", "DeepSpeedStrategy", "ModelParallelStrategy"}
+#: Added to the tensors' bytes when reserving: Lightning's metadata (loops, callbacks, hparams)
+#: and the pickle around the tensors. The core adds its own headroom on top.
+RESERVE_MARGIN = 1 << 20
+
+
+class TrainerLink:
+    """The part of ``FastCkptIO`` that keeps its books and talks to the Trainer."""
+
+    _ck: Checkpointer | None
+    _saves: SaveLedger
+    _removals: dict[str, Future]
+    _trainer_ref: Callable[[], Any] | None
+    _callback: object
+    _in_fit: bool
+    _crashed: bool
+    _reserved: bool
+    _sharded: bool
+
+    def _checkpointer(self) -> Checkpointer:
+        raise NotImplementedError  # FastCkptIOMixin builds it
+
+    def _trainer(self) -> Any:
+        return self._trainer_ref() if self._trainer_ref is not None else None
+
+    # ------------------------------------------------------------------ internals
+    def _raise_first(self, errors: list[BaseException]) -> None:
+        if not errors:
+            return
+        for e in errors[1:]:
+            log.error("fastckpt: another checkpoint operation failed as well: %r", e)
+        raise errors[0]
+
+    def _harvest(self) -> list[BaseException]:
+        ck = self._ck
+        return self._saves.harvest(lambda: ck.stats() if ck is not None else None,
+                                   keep_rows=self._callback is not None)
+
+    def _fence(self) -> None:
+        self._saves.fence(self._ck)
+
+    def _in_flight(self, path: str | os.PathLike) -> bool:
+        """Whether a save to ``path`` has not finished yet (its file may not exist)."""
+        return any(not t.handle.done() for t in self._saves.to(normalize(os.fspath(path))))
+
+    def _settle_removal(self, path: str) -> None:
+        fut = self._removals.pop(normalize(path), None)
+        if fut is not None:
+            fut.result()
+
+    def _raise_removal_errors(self) -> None:
+        for p in [p for p, f in self._removals.items() if f.done()]:
+            fut = self._removals.pop(p)
+            if fut.exception() is not None:
+                raise fut.exception()  # type: ignore[misc]
+
+    def _track_commit(self, handle: SaveHandle, step: int | None) -> None:
+        """DeepSpeed: one entry per group commit (the engine's ``on_commit``)."""
+        item = self._saves.add(handle, step, None)
+        if not self._in_fit:
+            self._saves.wait(item)
+
+    # ------------------------------------------------------------------ called by the callback
+    def _connect(self, trainer: Any, callback: object) -> bool:
+        if self._callback is not None and self._callback is not callback and self._trainer() is trainer:
+            return False  # another FastCkptCallback (explicit and from the entry point) got here first
+        self._callback = callback
+        self._trainer_ref = weakref.ref(trainer)
+        self._in_fit, self._crashed, self._reserved = True, False, False
+        self._sharded = bool(SHARDED_STRATEGIES & {c.__name__ for c in type(trainer.strategy).__mro__})
+        if trainer.is_global_zero:
+            self._checkpointer()  # start the overhead clock with the run, not at the first save
+        strategy = trainer.strategy
+        if "FSDPStrategy" in (c.__name__ for c in type(strategy).__mro__) \
+                and getattr(strategy, "_state_dict_type", "full") == "sharded":
+            warnings.warn("fastckpt: FSDPStrategy(state_dict_type='sharded') writes its shards with "
+                          "torch.distributed.checkpoint and never calls CheckpointIO, so FastCkptIO does not "
+                          "see those saves. Use state_dict_type='full' to save through FastCkptIO.",
+                          UserWarning, stacklevel=2)
+        return True
+
+    def _reserve(self, trainer: Any) -> None:
+        """Once per fit, after the first optimizer step (when the optimizer state exists):
+        have the core allocate the staging buffer in the background, so the first save does not
+        allocate and prefault it on the training thread. Only where rank 0 holds whole tensors
+        (single device, DDP); sharded strategies' local tensors do not tell the saved size."""
+        if self._reserved or self._ck is None or not trainer.is_global_zero:
+            return
+        self._reserved = True
+        if self._sharded:
+            return
+        nbytes, cuda = state_nbytes(trainer.lightning_module, trainer.optimizers)
+        if nbytes:
+            self._ck.reserve(nbytes + RESERVE_MARGIN, pinned=cuda)
+
+    def _install_deepspeed(self, trainer: Any) -> None:
+        engine = getattr(trainer.strategy, "deepspeed_engine", None)
+        if engine is None:
+            return
+        from ..deepspeed import install
+
+        install(engine, self._checkpointer,
+                on_commit=lambda handle: self._track_commit(handle, trainer.global_step))
+
+    def _log_metrics(self, trainer: Any) -> None:
+        self._raise_first(self._harvest())
+        for row in self._saves.drain_rows():
+            for lg in trainer.loggers:
+                lg.log_metrics(row, step=trainer.global_step)
+
+    def _disconnect(self, callback: object) -> None:
+        if self._callback is callback:
+            self._callback = None
+            self._trainer_ref = None

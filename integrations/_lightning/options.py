@@ -1,0 +1,38 @@
+"""What FastCkptIO accepts: its Checkpointer options and Lightning's ``storage_options``."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from fastckpt.config import CheckpointerConfig, option_names
+from fastckpt.errors import ConfigError
+
+#: The ``storage_options`` keys FastCkptIO understands (``Trainer.save_checkpoint(...,
+#: storage_options=...)``); any other key is rejected by name.
+STORAGE_OPTIONS = {"wait": "True: return only once the checkpoint is durable at its path"}
+
+
+def checkpointer_config(**options: object) -> CheckpointerConfig:
+    """The Checkpointer options FastCkptIO was given, validated; an unknown name lists the valid ones."""
+    unknown = sorted(set(options) - set(option_names()))
+    if unknown:
+        raise ConfigError(f"FastCkptIO got unknown option(s) {unknown}; it takes local_dir, lazy_snapshot, "
+                          f"staging_buffers, checkpointer and the Checkpointer options: {', '.join(option_names())}")
+    return CheckpointerConfig(**options)  # type: ignore[arg-type]
+
+
+def parse_storage_options(storage_options: object) -> bool:
+    """Returns ``wait``. Unknown keys are rejected by name."""
+    if storage_options is None:
+        return False
+    if not isinstance(storage_options, Mapping):
+        raise TypeError(f"storage_options must be a dict (FastCkptIO understands {sorted(STORAGE_OPTIONS)}), "
+                        f"got {type(storage_options).__name__}")
+    unknown = sorted(set(storage_options) - set(STORAGE_OPTIONS))
+    if unknown:
+        known = "; ".join(f"{k!r}: {v}" for k, v in STORAGE_OPTIONS.items())
+        raise ConfigError(f"storage_options {unknown} not understood by FastCkptIO (it understands {known}). "
+                          "Storage settings are FastCkptIO(...) arguments: local_dir, tier, and storage_options "
+                          "for fsspec credentials of a URL dirpath.")
+    return bool(storage_options.get("wait", False))
+

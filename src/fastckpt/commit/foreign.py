@@ -1,0 +1,77 @@
+"""Reading checkpoints written without fastckpt through a ``Target``, for ``discovery``: a
+complete ``torch.save`` zip (``format.foreign`` says how it is recognised) and a DeepSpeed tag
+directory named by DeepSpeed's own ``latest`` file. A few small ranged reads each: the file's
+tail, its zip directory, and its pickle when the step is wanted.
+"""
+
+from __future__ import annotations
+
+import posixpath
+import re
+
+from ..errors import CorruptCheckpointError
+from ..format import foreign
+from ..format.manifest import TAIL_BYTES
+from ..storage.base import Target
+
+#: DeepSpeed's per-rank files: never checkpoints on their own, only as part of their tag.
+DEEPSPEED_FILE = re.compile(r".*(model_states|optim_states)\.pt$")  # mp_rank_00_model_states.pt, zero_pp_rank_..
+MAX_DIRECTORY_BYTES = 64 << 20
+MAX_POINTER_BYTES = 4096
+
+
+def torch_zip(target: Target, key: str) -> foreign.Record | None:
+    """The pickle record of the complete ``torch.save`` zip at ``key``; None for anything else
+    (not a zip, a zip cut short, a zip without ``data.pkl``)."""
+    size = target.size(key)
+    if size < foreign.LOCAL_HEADER_LEN:
+        return None
+    tail = bytes(target.read_range(key, max(0, size - TAIL_BYTES), min(size, TAIL_BYTES)))
+    end = foreign.zip_end(tail, size)
+    if isinstance(end, int):  # zip64: one more read for its record
+        end = foreign.zip_end(tail, size, bytes(target.read_range(key, end, 56))) if end + 56 <= size else None
+    if end is None or not 0 < end.cd_size <= MAX_DIRECTORY_BYTES:
+        return None
+    return foreign.pickle_record(bytes(target.read_range(key, end.cd_offset, end.cd_size)))
+
+
+def pickle_step(target: Target, key: str, record: foreign.Record | None = None) -> int | None:
+    """The step the ``torch.save`` file at ``key`` records at its top level, or None."""
+    record = record or torch_zip(target, key)
+    if record is None or record.size > foreign.MAX_PICKLE_BYTES:
+        return None
+    head = bytes(target.read_range(key, record.header_offset, foreign.LOCAL_HEADER_LEN + 1024))
+    start = foreign.data_offset(head)
+    if start is None:
+        return None
+    return foreign.step_in_pickle(bytes(target.read_range(key, record.header_offset + start, record.size)))
+
+
+def deepspeed_tag(target: Target, prefix: str, rel: str, rels: set[str]) -> str | None:
+    """The tag directory (relative to ``prefix``) that the DeepSpeed ``latest`` file at ``rel``
+    names, when that directory holds DeepSpeed files written by DeepSpeed itself; None otherwise
+    (fastckpt's own pointer names a file or a group; a tag written through fastckpt's DeepSpeed
+    engine is a group, complete once its manifest is published, whatever DeepSpeed's ``latest``
+    says)."""
+    try:
+        if target.size(prefix + rel) > MAX_POINTER_BYTES:
+            return None
+        tag = target.get_bytes(prefix + rel).decode("utf-8").strip()
+    except (OSError, UnicodeDecodeError):  # gone meanwhile, or not a text file
+        return None
+    if not tag or "/" in tag or tag.startswith("."):
+        return None
+    tag_rel = posixpath.join(posixpath.dirname(rel), tag)
+    files = sorted(r for r in rels if r.startswith(f"{tag_rel}/") and DEEPSPEED_FILE.match(posixpath.basename(r)))
+    if not files:
+        return None
+    try:  # written through fastckpt's DeepSpeed engine: a group, complete only once its manifest is published
+        return None if target.read_manifest(prefix + files[0]) else tag_rel
+    except (OSError, CorruptCheckpointError):
+        return None
+
+
+def tag_step(tag_rel: str) -> int | None:
+    """The step in a DeepSpeed tag's name (``global_step1200`` -> 1200), or None."""
+    m = re.search(r"(\d+)$", posixpath.basename(tag_rel))
+    return int(m.group(1)) if m else None

@@ -1,0 +1,167 @@
+"""Checkpoints written without fastckpt (``torch.save``, Lightning's ``TorchCheckpointIO``,
+DeepSpeed's own engine), recognised from their bytes so that a run that switches to fastckpt
+resumes from the checkpoints it already has.
+
+A ``torch.save`` file is a zip whose central directory holds ``<archive>/data.pkl``. It is
+complete when its end-of-central-directory record (zip64 included) ends the file and the
+central directory it points at lies before it: a writer killed mid-file leaves no such record
+(it is written last). Nothing here checks the payload: such a file has no checksum, so it loads
+unverified.
+
+The training step such a file records is read from its pickle (``data.pkl``) without running
+any of its code: every class it names is replaced by an inert stub and every tensor storage by
+None, so only plain values (the top-level ``global_step``, ``iteration`` or ``step``) survive.
+
+Only bytes are handled here; the reads are the caller's (``commit.discovery``), so the same
+code serves a directory and an object store.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import struct
+from dataclasses import dataclass
+
+from .manifest import EOCD_LEN, EOCD_SIG
+
+STEP_KEYS = ("global_step", "iteration", "step")  # Lightning, Megatron, plain loops (and fastckpt's docs)
+CD_SIG = b"PK\x01\x02"
+LOCAL_SIG = b"PK\x03\x04"
+ZIP64_LOCATOR_SIG = b"PK\x06\x07"
+ZIP64_EOCD_SIG = b"PK\x06\x06"
+LOCAL_HEADER_LEN = 30
+MAX_PICKLE_BYTES = 64 << 20  # a pickle this large is not read for its step
+
+
+@dataclass(frozen=True)
+class ZipEnd:
+    """Where a complete zip's central directory is (from its end-of-central-directory record)."""
+
+    cd_offset: int
+    cd_size: int
+
+
+@dataclass(frozen=True)
+class Record:
+    """One stored (uncompressed) member of a zip: its local header's offset and its size."""
+
+    name: str
+    header_offset: int
+    size: int
+
+
+def zip_end(tail: bytes, size: int, zip64: bytes = b"") -> ZipEnd | int | None:
+    """The central directory of a complete zip whose last ``len(tail)`` bytes are ``tail``.
+
+    Returns a ``ZipEnd``; None when the bytes do not end with an end-of-central-directory record
+    (not a zip, or one cut short); or, for a zip64 file whose ``zip64`` record was not passed,
+    the offset of that record: call again with the 56 bytes read there.
+    """
+    start = size - len(tail)
+    idx = tail.rfind(EOCD_SIG)
+    while idx >= 0:
+        if idx + EOCD_LEN <= len(tail) and idx + EOCD_LEN + struct.unpack_from("<H", tail, idx + 20)[0] == len(tail):
+            break
+        idx = tail.rfind(EOCD_SIG, 0, idx)
+    else:
+        return None
+    cd_size, cd_offset = struct.unpack_from("<II", tail, idx + 12)
+    if 0xFFFFFFFF in (cd_size, cd_offset):  # zip64: the locator sits right before the record
+        loc = idx - 20
+        if loc < 0 or tail[loc:loc + 4] != ZIP64_LOCATOR_SIG:
+            return None
+        (rec,) = struct.unpack_from("<Q", tail, loc + 8)
+        if not zip64:
+            return rec
+        if zip64[:4] != ZIP64_EOCD_SIG or len(zip64) < 56:
+            return None
+        cd_size, cd_offset = struct.unpack_from("<QQ", zip64, 40)
+        end_of_cd = rec
+    else:
+        end_of_cd = start + idx
+    if cd_offset + cd_size > end_of_cd:
+        return None
+    return ZipEnd(cd_offset, cd_size)
+
+
+def pickle_record(cd: bytes) -> Record | None:
+    """The ``<archive>/data.pkl`` member named in a central directory; None when there is none
+    (a zip that is not a ``torch.save`` file) or it is compressed (torch never compresses it)."""
+    pos = 0
+    while pos + 46 <= len(cd) and cd[pos:pos + 4] == CD_SIG:
+        method, = struct.unpack_from("<H", cd, pos + 10)
+        csize, = struct.unpack_from("<I", cd, pos + 20)
+        name_len, extra_len, comment_len = struct.unpack_from("<HHH", cd, pos + 28)
+        offset, = struct.unpack_from("<I", cd, pos + 42)
+        name = cd[pos + 46:pos + 46 + name_len].decode("utf-8", "replace")
+        if name.endswith("/data.pkl") and name.count("/") == 1:
+            if method != 0:
+                return None
+            if 0xFFFFFFFF in (csize, offset):
+                csize, offset = _zip64_extra(cd[pos + 46 + name_len:pos + 46 + name_len + extra_len], csize, offset)
+            return Record(name, offset, csize)
+        pos += 46 + name_len + extra_len + comment_len
+    return None
+
+
+def _zip64_extra(extra: bytes, csize: int, offset: int) -> tuple[int, int]:
+    """Sizes and offset from a zip64 extra field (only the fields that overflowed are there)."""
+    pos = 0
+    while pos + 4 <= len(extra):
+        tag, n = struct.unpack_from("<HH", extra, pos)
+        if tag == 0x0001:
+            vals = list(struct.unpack_from(f"<{n // 8}Q", extra, pos + 4))
+            # order: uncompressed size, compressed size, header offset (each only if overflowed)
+            usize = vals.pop(0) if csize == 0xFFFFFFFF and vals else None
+            csize = vals.pop(0) if csize == 0xFFFFFFFF and vals else (usize if usize is not None else csize)
+            offset = vals.pop(0) if offset == 0xFFFFFFFF and vals else offset
+            return csize, offset
+        pos += 4 + n
+    return csize, offset
+
+
+def data_offset(local_header: bytes) -> int | None:
+    """Where a member's bytes start, relative to its local header (None: not a local header)."""
+    if local_header[:4] != LOCAL_SIG or len(local_header) < LOCAL_HEADER_LEN:
+        return None
+    name_len, extra_len = struct.unpack_from("<HH", local_header, 26)
+    return LOCAL_HEADER_LEN + name_len + extra_len
+
+
+class _Stub:
+    """Stands in for every class a pickle names: accepts any arguments and state, runs nothing."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        pass
+
+    def __setstate__(self, state: object) -> None:
+        pass
+
+    def __call__(self, *args: object, **kwargs: object) -> _Stub:
+        return _Stub()
+
+
+class _InertUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> type:
+        return _Stub
+
+    def persistent_load(self, pid: object) -> None:
+        return None
+
+
+def step_in_pickle(data: bytes) -> int | None:
+    """The step a ``torch.save`` pickle records at its top level (``STEP_KEYS``, in that order of
+    preference), read without running any of its code; None when it records none or does not
+    parse."""
+    try:
+        obj = _InertUnpickler(io.BytesIO(data)).load()
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError,
+            struct.error, UnicodeDecodeError, RecursionError):
+        return None
+    if isinstance(obj, dict):
+        for key in STEP_KEYS:
+            value = obj.get(key)
+            if isinstance(value, int) and not isinstance(value, bool):
+                return value
+    return None

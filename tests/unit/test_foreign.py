@@ -1,0 +1,139 @@
+"""Checkpoints written without fastckpt: recognised from their bytes (format/foreign.py), found by
+``latest`` beside fastckpt's own and ordered by step (commit/discovery.py), listed as unverified
+by ``fastckpt ls``; fastckpt files copied in by another tool are found and verified on load."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import shutil
+import struct
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+import fastckpt
+from fastckpt.cli.ls import ls
+from fastckpt.format import foreign
+from tests.helpers import scan
+
+
+def _torch_save(path: Path, step: int | None, mtime: float | None = None) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    state = {"state_dict": {"w": torch.full((256,), float(step or 0))}, "epoch": 0}
+    if step is not None:
+        state["global_step"] = step
+    torch.save(state, path)
+    if mtime is not None:
+        os.utime(path, (mtime, mtime))
+    return path
+
+
+def _bytes_of(path: Path) -> tuple[bytes, int]:
+    data = path.read_bytes()
+    return data, len(data)
+
+
+def _read_step(data: bytes) -> int | None:
+    size = len(data)
+    end = foreign.zip_end(data[-min(size, 65557):], size)
+    if isinstance(end, int):
+        end = foreign.zip_end(data[-min(size, 65557):], size, data[end:end + 56])
+    assert isinstance(end, foreign.ZipEnd)
+    rec = foreign.pickle_record(data[end.cd_offset:end.cd_offset + end.cd_size])
+    assert rec is not None
+    start = foreign.data_offset(data[rec.header_offset:rec.header_offset + 2000])
+    return foreign.step_in_pickle(data[rec.header_offset + start:rec.header_offset + start + rec.size])
+
+
+def test_a_torch_save_zip_is_recognised_and_its_step_read_without_running_it(tmp_path: Path) -> None:
+    data, size = _bytes_of(_torch_save(tmp_path / "a.pt", 42))
+    assert _read_step(data) == 42
+    assert foreign.zip_end(data[:-1][-65557:], size - 1) is None  # cut short: the record no longer ends the file
+    assert foreign.zip_end(b"hello world" * 10, 110) is None
+
+    class Boom:
+        def __reduce__(self):  # would run os.system on a real unpickle
+            return (os.system, ("touch " + str(tmp_path / "pwned"),))
+
+    torch.save({"step": 7, "evil": Boom()}, tmp_path / "evil.pt")
+    assert _read_step((tmp_path / "evil.pt").read_bytes()) == 7
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_zip64_directories_are_followed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # torch writes zip64 records for files past 4 GiB; make Python's zipfile write them for a small
+    # one (zip64 extra fields in the entries, a zip64 end record and locator), then mark the plain
+    # end record's fields as overflowed, as a writer does for a big file
+    monkeypatch.setattr(zipfile, "ZIP64_LIMIT", 8)
+    path = tmp_path / "z.pt"
+    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_STORED) as z:
+        z.writestr("archive/data.pkl", pickle.dumps({"iteration": 5, "x": 1}, protocol=2))
+        z.writestr("archive/version", b"3\n")
+    monkeypatch.undo()
+    data = bytearray(path.read_bytes())
+    data[-22 + 8:-22 + 20] = struct.pack("<HHII", 0xFFFF, 0xFFFF, 0xFFFFFFFF, 0xFFFFFFFF)
+    data = bytes(data)
+    assert isinstance(foreign.zip_end(data[-65557:], len(data)), int)  # asks for the zip64 record
+    assert _read_step(data) == 5
+    assert zipfile.ZipFile(io.BytesIO(data)).read("archive/data.pkl")  # Python's zipfile reads it too
+
+
+def test_latest_finds_old_checkpoints_and_fastckpt_takes_over_by_step(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    _torch_save(run / "step-100.pt", 100, mtime=1_000_000)
+    _torch_save(run / "step-300.pt", 300, mtime=1_000_100)
+    _torch_save(run / "step-200.pt", 200, mtime=1_000_200)  # copied in last, but an older step
+    (run / "partial.pt").write_bytes((run / "step-100.pt").read_bytes()[:-100])  # a writer killed mid-file
+    assert fastckpt.latest(str(run)) == str(run / "step-300.pt")
+    found = scan(run)
+    assert [(Path(f.path).name, f.foreign, f.step) for f in found] == [
+        ("step-100.pt", "torch.save", 100), ("step-200.pt", "torch.save", 200), ("step-300.pt", "torch.save", 300)]
+    state = fastckpt.load(fastckpt.latest(str(run)))  # loads, unverified
+    assert state["global_step"] == 300
+    with fastckpt.Checkpointer() as ck:  # the run switched to fastckpt and saves its next step
+        ck.save({"w": torch.zeros(256), "global_step": 400}, str(run / "step-400.pt"))
+    assert fastckpt.latest(str(run)) == str(run / "step-400.pt")
+    assert [f.foreign for f in scan(run)][-1] is None
+
+
+def test_without_a_step_everywhere_the_order_is_by_time(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    _torch_save(run / "old.pt", 500, mtime=1_000_000)
+    with fastckpt.Checkpointer() as ck:  # records no step: written now, so newer
+        ck.save({"w": torch.zeros(8)}, str(run / "new.pt"))
+    assert fastckpt.latest(str(run)) == str(run / "new.pt")
+
+
+def test_ls_marks_foreign_checkpoints_unverified(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    _torch_save(run / "epoch=0-step=20.ckpt", 20)
+    with fastckpt.Checkpointer() as ck:
+        ck.save({"w": torch.zeros(8), "global_step": 40}, str(run / "step-40.pt"))
+    out = CliRunner().invoke(ls, [str(run), "--json"])
+    assert out.exit_code == 0, out.output
+    rows = {Path(c["path"]).name: c for c in json.loads(out.output)["checkpoints"]}
+    assert rows["epoch=0-step=20.ckpt"]["status"] == "unverified" and rows["epoch=0-step=20.ckpt"]["kind"] == "torch.save"
+    assert rows["epoch=0-step=20.ckpt"]["step"] == 20 and rows["step-40.pt"]["step"] == 40
+    assert rows["step-40.pt"]["status"] == "complete" and rows["step-40.pt"]["latest"]
+
+
+def test_a_fastckpt_file_copied_in_by_another_tool_is_found_and_verified(tmp_path: Path) -> None:
+    with fastckpt.Checkpointer() as ck:
+        ck.save({"w": torch.arange(1000), "step": 9}, str(tmp_path / "elsewhere" / "step-9.pt"))
+    run = tmp_path / "run"
+    run.mkdir()
+    shutil.copy2(tmp_path / "elsewhere" / "step-9.pt", run / "step-9.pt")  # rsync -a, cp -p
+    assert fastckpt.latest(str(run)) == str(run / "step-9.pt")
+    assert [f.foreign for f in scan(run)] == [None]  # its manifest came with it: fastckpt's own
+    assert torch.equal(fastckpt.load(str(run / "step-9.pt"))["w"], torch.arange(1000))
+    data = bytearray((run / "step-9.pt").read_bytes())
+    data[4096] ^= 0xFF
+    (run / "step-9.pt").write_bytes(bytes(data))
+    with pytest.raises(fastckpt.CorruptCheckpointError):
+        fastckpt.load(str(run / "step-9.pt"))
