@@ -65,7 +65,7 @@ def test_64_ranks_commit_through_the_store(tmp_path: Path, store: dist.TCPStore)
             assert all(1 <= rec.store_ops <= 8 for rec in recs[1:])
             assert recs[0].store_ops <= 10
             assert _fastckpt_keys(store) == []  # ... and nothing left behind once every rank knows
-            assert sorted(P.read_markers(place(str(g)))) == list(range(W))  # the crash trail
+            assert P.read_markers(place(str(g))) == {}  # markers are written only when a commit fails
         assert marker_reads == []  # rank 0 never read a marker: it learned everything from the store
     finally:
         for ck in cks:

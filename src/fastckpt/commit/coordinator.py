@@ -21,6 +21,7 @@ from __future__ import annotations
 import errno
 import itertools
 import logging
+import os
 import threading
 import time
 import uuid
@@ -28,7 +29,7 @@ from collections.abc import Callable
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 
-from ..errors import CommitTimeoutError, FastCkptError, GroupRemovedError
+from ..errors import CommitTimeoutError, CorruptCheckpointError, FastCkptError, GroupRemovedError
 from ..inflight import raise_as_write_error
 from ..records import SaveHandle, SaveRecord
 from ..storage.places import Place
@@ -38,6 +39,7 @@ from . import resave
 from . import store as S
 
 log = logging.getLogger("fastckpt")
+LOCAL_WAIT_S = 10.0  # how long a rank waits for its node's copy of a manifest before reading it itself
 
 def _grace(timeout_s: float) -> float:
     """How much longer than rank 0 the other ranks wait, so that rank 0's verdict (naming the
@@ -143,11 +145,14 @@ class Coordinator:
         if prev is not None:
             prev[1].exception()  # waits; its failure is the previous commit's handle's to report
         home = self._place_for(group)
-        old = P.read_group_manifest(home) if home.get(P.GROUP_MANIFEST) is not None else None
-        if old is not None and not home.target.mounted:
+        try:
+            old = P.read_group_manifest(home)
+            published = old is not None
+        except CorruptCheckpointError:  # a damaged manifest: still replaced only by a whole new attempt
+            old, published = None, True
+        if published and not home.target.mounted:
             raise resave.refusal(home)
-        place = P.staged_place(home) if old is not None else home
-        place.delete(P.marker_rel(rank))
+        place = P.staged_place(home) if published else home
         local = self._local_for(group)
         if local is not None:
             local.delete(P.GROUP_MANIFEST)  # the local copy is rewritten in place: not complete until committed
@@ -265,7 +270,7 @@ class Coordinator:
             return SaveRecord(att.group, tier, 0, blocked, 0.0, done, None, rank=rank, group=att.group,
                               superseded=True, **cost)
         if att.local is not None:
-            self._publish_local(att, ended.manifest)
+            self._publish_local(att, att.local, ended.manifest)
         self._emit("commit", att.group, ended.total, c0, tier, detail="group")
         return SaveRecord(att.group, tier, ended.total, blocked, 0.0, done, done, rank=rank, group=att.group, **cost)
 
@@ -284,7 +289,6 @@ class Coordinator:
 
     def _via_store(self, att: _Attempt, ch: S.Channel, rank: int, world: int, files: dict, superseded: bool,
                    extra: dict, requested_at: float) -> _Ended:
-        P.write_marker(att.place, rank, world, files, att.token, superseded)
         ch.announce(rank, {"files": files, "superseded": superseded})
         if rank != 0:
             said = ch.hear(self._timeout + _grace(self._timeout), self._stop, att.home.label)
@@ -296,7 +300,14 @@ class Coordinator:
             if kind == S.REMOVED:
                 raise F.removed_error(att.home)
             raise CommitTimeoutError(rest)
-        entries = ch.gather(self._timeout, self._stop, att.home.label)
+        entries = ch.gather(self._timeout, self._stop)
+        if entries is None:
+            present = ch.entries()
+            err = F.not_committed(att.home, [r for r in range(world) if r not in present], world, self._timeout)
+            ch.tell(f"{S.FAILED}:{err}")
+            for r, e in present.items():  # the crash trail: who did commit (readers name the others)
+                P.write_marker(att.place, r, world, e["files"], att.token, bool(e.get("superseded")))
+            raise err
         if ch.claim("rank 0") != "rank 0":
             ch.tell(None)
             raise F.removed_error(att.home)
@@ -336,11 +347,41 @@ class Coordinator:
         manifest = self._publish(att, world, markers, extra, requested_at, check_sizes=True)
         return _Ended(manifest, sum(f["size"] for f in manifest["files"].values()))
 
-    def _publish_local(self, att: _Attempt, manifest: dict | None) -> None:
-        """The burst-buffer copy of this rank's files is complete: give it the group's manifest
-        (read from the home where this rank does not have it)."""
+    def _publish_local(self, att: _Attempt, local: Place, manifest: dict | None) -> None:
+        """The burst-buffer copy of this rank's files is complete: give it the group's manifest.
+
+        Ranks on one node share the burst buffer. A rank that does not hold the manifest (ranks
+        other than 0 with a store) takes it from there if another rank of its node put it
+        there; otherwise one of them (the first to create ``.fastckpt/fetch-<attempt>``) reads
+        it from the home, and the others wait for it: one read per node, not per rank.
+        """
         if manifest is None:
+            claim = f"{P.MARKER_DIR}/fetch-{att.token}"
+            if not _claim(local, claim):
+                F.poll(lambda: self._local_manifest(local, att.token), time.monotonic() + LOCAL_WAIT_S, self._stop)
+                if self._local_manifest(local, att.token) is not None:
+                    return
             manifest = P.read_group_manifest(att.home)
             if manifest is None or manifest.get("attempt") != att.token:
                 return  # a newer attempt already replaced it (or it was removed): nothing to vouch for
-        att.local.put(P.GROUP_MANIFEST, P.manifest_bytes(manifest))  # type: ignore[union-attr]
+        local.put(P.GROUP_MANIFEST, P.manifest_bytes(manifest))
+        local.delete(f"{P.MARKER_DIR}/fetch-{att.token}")
+
+    @staticmethod
+    def _local_manifest(local: Place, token: str | None) -> dict | None:
+        try:
+            m = P.read_group_manifest(local)
+        except CorruptCheckpointError:
+            return None
+        return m if m is not None and m.get("attempt") == token else None
+
+
+def _claim(place: Place, rel: str) -> bool:
+    """Create the empty file ``rel`` in the (local, POSIX) ``place``; False if it exists."""
+    path, ops = place.url(rel), place.target.ops
+    ops.makedirs(os.path.dirname(path))
+    try:
+        ops.close(ops.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL))
+    except FileExistsError:
+        return False
+    return True

@@ -76,12 +76,15 @@ def wait_for_markers(place: Place, world_size: int, timeout_s: float, stop: thre
 
     got = poll(ready, time.monotonic() + timeout_s, stop)
     if got is None:
-        missing = [r for r in range(world_size) if r not in seen]
-        raise CommitTimeoutError(
-            f"checkpoint group {place.label} not committed: ranks {missing} of {world_size} did "
-            f"not commit within {timeout_s:.0f} s. The group stays incomplete (readers skip it); "
-            "check those ranks' logs, or raise commit_timeout_s for slow storage.")
+        raise not_committed(place, [r for r in range(world_size) if r not in seen], world_size, timeout_s)
     return got  # type: ignore[return-value]
+
+
+def not_committed(place: Place, missing: list[int], world_size: int, timeout_s: float) -> CommitTimeoutError:
+    return CommitTimeoutError(
+        f"checkpoint group {place.label} not committed: ranks {missing} of {world_size} did "
+        f"not commit within {timeout_s:.0f} s. The group stays incomplete (readers skip it); "
+        "check those ranks' logs, or raise commit_timeout_s for slow storage.")
 
 
 def current_attempt(place: Place) -> str | None:

@@ -195,8 +195,18 @@ def publish_group(place: Place, world_size: int, markers: dict[int, dict], extra
     return manifest
 
 
-def incomplete_group_error(place: Place, world_size: int | None) -> IncompleteCheckpointError:
+def current_markers(place: Place) -> dict[int, dict]:
+    """The markers of the newest attempt at ``place`` (the one of the newest marker): a rank's
+    marker of an older attempt stays until it commits again, and does not count."""
     markers = read_markers(place)
+    if not markers:
+        return {}
+    newest = max(markers.values(), key=lambda m: float(m.get("written_at", 0.0)))
+    return {r: m for r, m in markers.items() if m.get("attempt") == newest.get("attempt")}
+
+
+def incomplete_group_error(place: Place, world_size: int | None) -> IncompleteCheckpointError:
+    markers = current_markers(place)
     ws = world_size or max((m["world_size"] for m in markers.values()), default=0)
     missing = [r for r in range(ws) if r not in markers]
     what = f"ranks {missing} of {ws} never committed" if missing else "its manifest was never published"

@@ -215,7 +215,8 @@ class Channel:
         waiter by setting the key it waits for.)"""
         return bool(self._op(name, lambda: self._link.waits.wait(self._k(name), deadline, stop)))
 
-    def _entries(self) -> dict[int, dict]:
+    def entries(self) -> dict[int, dict]:
+        """Every entry announced so far (rank -> entry)."""
         store = self._link.store
         raw = self._op("files", lambda: store.get(self._k("files"))) if self._has("files") else b""
         self.nbytes += len(raw)  # type: ignore[arg-type]
@@ -228,22 +229,12 @@ class Channel:
     def _has(self, name: str) -> bool:
         return bool(self._op(name, lambda: self._link.store.check([self._k(name)])))
 
-    def gather(self, timeout_s: float, stop: threading.Event, label: str) -> dict[int, dict]:
-        """Rank 0: every rank's entry, once all W announced (or ``cancel`` woke it).
-
-        Raises:
-            CommitTimeoutError: naming the ranks that never announced (and telling the others).
-        """
+    def gather(self, timeout_s: float, stop: threading.Event) -> dict[int, dict] | None:
+        """Rank 0: every rank's entry, once all W announced (or ``cancel`` woke it); None when
+        they did not within ``timeout_s``."""
         if not self._wait("ready", time.monotonic() + timeout_s, stop):
-            entries = self._entries()
-            missing = [r for r in range(self._link.world) if r not in entries]
-            err = CommitTimeoutError(
-                f"checkpoint group {label} not committed: ranks {missing} of {self._link.world} did not commit "
-                f"within {timeout_s:.0f} s. The group stays incomplete (readers skip it); check those ranks' "
-                "logs, or raise commit_timeout_s for slow storage.")
-            self.tell(f"{FAILED}:{err}")
-            raise err
-        return self._entries()
+            return None
+        return self.entries()
 
     def claim(self, who: str) -> str:
         """Decide, once, who ends this attempt; returns the winner (``who`` if it was first)."""
