@@ -4,13 +4,15 @@ Calls, all on the training thread: ``begin`` (first save into a group by this ra
 attempt), ``add``/``skipped`` (each save), ``commit`` (every rank, once per attempt), ``cancel``
 (``Checkpointer.remove`` of the group). The work of a commit runs on the committer pool:
 
-  every rank   wait for its saves (and their replication) -> write its marker (the crash trail)
+  every rank   wait for its saves (and their replication)
   with a store (``store.py``): announce its files there; rank 0 waits for all W, publishes the
                manifest and moves ``latest``, then announces the outcome the others wait for
-  without one (``fallback.py``): rank 0 polls the markers of its attempt, publishes; the other
-               ranks poll for the manifest
+               (rank 0 writes the markers of the ranks that committed only if it fails)
+  without one (``fallback.py``): each rank writes its marker; rank 0 polls the markers of its
+               attempt and publishes; the other ranks poll for the manifest
   every rank   with ``local_dir``: publish the burst-buffer copy's manifest too, so that loads
                of the group's files read the local copy
+``attempt.py`` holds the work of one attempt on one rank.
 
 ``begin`` decides where the attempt writes: in place, or, when the group is already published,
 beside it (``resave.py``), so that a new attempt never unpublishes the old one.
@@ -21,68 +23,23 @@ from __future__ import annotations
 import errno
 import itertools
 import logging
-import os
 import threading
 import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import Executor, Future
-from dataclasses import dataclass, field
 
-from ..errors import CommitTimeoutError, CorruptCheckpointError, FastCkptError, GroupRemovedError
+from ..errors import CorruptCheckpointError, FastCkptError, GroupRemovedError
 from ..inflight import raise_as_write_error
 from ..records import SaveHandle, SaveRecord
 from ..storage.places import Place
+from . import attempt as A
 from . import fallback as F
 from . import protocol as P
 from . import resave
 from . import store as S
 
 log = logging.getLogger("fastckpt")
-LOCAL_WAIT_S = 10.0  # how long a rank waits for its node's copy of a manifest before reading it itself
-
-def _grace(timeout_s: float) -> float:
-    """How much longer than rank 0 the other ranks wait, so that rank 0's verdict (naming the
-    missing ranks) reaches them before their own timeout."""
-    return min(30.0, max(1.0, 0.1 * timeout_s))
-
-
-@dataclass
-class _Attempt:
-    """This rank's part of one attempt at a group.
-
-    ``home`` is the group's place; ``place`` is where this attempt's files, markers and records
-    go (``home``, or ``protocol.staged_place(home)`` for a re-save of a published group, then
-    ``old`` is the manifest it replaces). ``channel`` is the attempt's store keys (None: the
-    storage fallback). ``token`` names the attempt (None on other ranks without a store until
-    they read rank 0's). ``cancel`` is set by ``remove()``.
-    """
-
-    group: str
-    home: Place
-    place: Place
-    local: Place | None
-    channel: S.Channel | None
-    token: str | None
-    old: dict | None
-    cancel: threading.Event = field(default_factory=threading.Event)
-    handles: list[SaveHandle] = field(default_factory=list)
-    skipped: list[str] = field(default_factory=list)
-
-    @property
-    def staged(self) -> bool:
-        return self.place.key != self.home.key
-
-
-@dataclass(frozen=True)
-class _Ended:
-    """How an attempt ended on this rank: the manifest (rank 0, or read by others), the group's
-    total bytes, and whether replication's coalescing dropped it."""
-
-    manifest: dict | None
-    total: int
-    superseded: bool = False
-
 
 class Coordinator:
     """This rank's attempts at groups, and their commits on the committer pool.
@@ -105,8 +62,8 @@ class Coordinator:
         self._store = store
         self._link: S.StoreLink | None = None
         self._lock = threading.Lock()
-        self._open: dict[str, _Attempt] = {}
-        self._running: dict[str, tuple[_Attempt, Future]] = {}
+        self._open: dict[str, A.Attempt] = {}
+        self._running: dict[str, tuple[A.Attempt, Future]] = {}
         self._counts: dict[str, itertools.count] = {}
 
     def connect(self, world: int) -> None:
@@ -161,7 +118,7 @@ class Coordinator:
         if channel is None and rank == 0 and world > 1:
             P.write_record(place, P.ATTEMPT, attempt=token, world_size=world)
         with self._lock:
-            self._open[group] = _Attempt(group, home, place, local, channel, token, old)
+            self._open[group] = A.Attempt(group, home, place, local, channel, token, old)
 
     def home_path(self, group: str, path: str) -> str:
         """Where ``path`` (a file of ``group``) is written at its home in this attempt."""
@@ -217,7 +174,7 @@ class Coordinator:
         return fut
 
     @staticmethod
-    def _removed(att: _Attempt, exc: OSError) -> bool:
+    def _removed(att: A.Attempt, exc: OSError) -> bool:
         """Whether ``exc`` (this rank's commit failed on storage) is the group being removed:
         the store says so, or, without one, the group's own directory vanished (nothing else
         deletes it)."""
@@ -231,7 +188,7 @@ class Coordinator:
             return False
 
     @staticmethod
-    def _drop_marker(att: _Attempt, rank: int) -> None:
+    def _drop_marker(att: A.Attempt, rank: int) -> None:
         """A cancelled attempt leaves nothing behind: a marker written after the group was
         deleted would bring its directory back."""
         try:
@@ -244,7 +201,7 @@ class Coordinator:
             if self._running.get(group, (None, None))[1] is fut:
                 del self._running[group]
 
-    def _run(self, att: _Attempt, rank: int, world: int, extra: dict, t_call: float,
+    def _run(self, att: A.Attempt, rank: int, world: int, extra: dict, t_call: float,
              requested_at: float) -> SaveRecord:
         c0, cpu0 = time.time(), time.thread_time()
         recs = [h.result() for h in att.handles]  # a failed save stops the commit here
@@ -260,9 +217,10 @@ class Coordinator:
         files = {} if superseded else {r.path[len(att.group):].lstrip("/"): {"size": r.bytes, "checksum": r.checksum}
                                       for r in recs}
         if att.channel is not None:
-            ended = self._via_store(att, att.channel, rank, world, files, superseded, extra, requested_at)
+            ended = A.via_store(att, att.channel, rank, world, files, superseded, extra, requested_at, self._timeout,
+                                self._stop)
         else:
-            ended = self._via_storage(att, rank, world, files, superseded, extra, requested_at)
+            ended = A.via_storage(att, rank, world, files, superseded, extra, requested_at, self._timeout, self._stop)
         done = time.monotonic() - t_call
         ops, nbytes = (att.channel.ops, att.channel.nbytes) if att.channel is not None else (0, 0)
         cost = {"store_ops": ops, "store_bytes": nbytes, "commit_cpu_s": time.thread_time() - cpu0}
@@ -270,118 +228,6 @@ class Coordinator:
             return SaveRecord(att.group, tier, 0, blocked, 0.0, done, None, rank=rank, group=att.group,
                               superseded=True, **cost)
         if att.local is not None:
-            self._publish_local(att, att.local, ended.manifest)
+            A.publish_local(att, att.local, ended.manifest, self._stop)
         self._emit("commit", att.group, ended.total, c0, tier, detail="group")
         return SaveRecord(att.group, tier, ended.total, blocked, 0.0, done, done, rank=rank, group=att.group, **cost)
-
-    def _publish(self, att: _Attempt, world: int, entries: dict[int, dict], extra: dict, requested_at: float,
-                 check_sizes: bool) -> dict:
-        """Rank 0: the manifest of this attempt, published (in place, or swapped in), then
-        ``latest`` moved to it."""
-        manifest = P.build_manifest(att.home, world, entries, extra, requested_at, att.token, check_sizes,
-                                    files_at=att.place)
-        if att.staged:
-            resave.swap_in(att.home, att.place, manifest, att.old)
-        else:
-            att.home.put(P.GROUP_MANIFEST, P.manifest_bytes(manifest))
-        P.move_pointer(att.home.parent(), manifest["tag"], P.group_order(manifest))
-        return manifest
-
-    def _via_store(self, att: _Attempt, ch: S.Channel, rank: int, world: int, files: dict, superseded: bool,
-                   extra: dict, requested_at: float) -> _Ended:
-        ch.announce(rank, {"files": files, "superseded": superseded})
-        if rank != 0:
-            said = ch.hear(self._timeout + _grace(self._timeout), self._stop, att.home.label)
-            kind, _, rest = said.partition(":")
-            if kind == S.PUBLISHED:
-                return _Ended(None, int(rest or 0))
-            if kind == S.SUPERSEDED:
-                return _Ended(None, 0, superseded=True)
-            if kind == S.REMOVED:
-                raise F.removed_error(att.home)
-            raise CommitTimeoutError(rest)
-        entries = ch.gather(self._timeout, self._stop)
-        if entries is None:
-            present = ch.entries()
-            err = F.not_committed(att.home, [r for r in range(world) if r not in present], world, self._timeout)
-            ch.tell(f"{S.FAILED}:{err}")
-            for r, e in present.items():  # the crash trail: who did commit (readers name the others)
-                P.write_marker(att.place, r, world, e["files"], att.token, bool(e.get("superseded")))
-            raise err
-        if ch.claim("rank 0") != "rank 0":
-            ch.tell(None)
-            raise F.removed_error(att.home)
-        if any(e.get("superseded") for e in entries.values()):
-            ch.tell(S.SUPERSEDED)
-            return _Ended(None, 0, superseded=True)
-        try:
-            manifest = self._publish(att, world, entries, extra, requested_at, check_sizes=False)
-        except BaseException as exc:
-            ch.tell(f"{S.FAILED}:checkpoint group {att.home.label} not committed: rank 0 could not publish it: {exc}")
-            raise
-        total = sum(f["size"] for f in manifest["files"].values())
-        ch.tell(f"{S.PUBLISHED}:{total}")
-        return _Ended(manifest, total)
-
-    def _via_storage(self, att: _Attempt, rank: int, world: int, files: dict, superseded: bool, extra: dict,
-                     requested_at: float) -> _Ended:
-        if rank != 0:
-            token = F.current_attempt(att.place)
-            P.write_marker(att.place, rank, world, files, token, superseded)
-            m = F.wait_for_manifest(att.home, self._timeout + _grace(self._timeout), self._stop, token, files, me=rank,
-                                    restamp=lambda aid: P.write_marker(att.place, rank, world, files, aid, superseded),
-                                    cancel=att.cancel, records=att.place)
-            if m.get("superseded"):
-                return _Ended(None, 0, superseded=True)
-            return _Ended(m, sum(f["size"] for f in m["files"].values()))
-        P.write_marker(att.place, rank, world, files, att.token, superseded)
-        try:
-            markers = F.wait_for_markers(att.place, world, self._timeout, self._stop, att.token, me=rank,
-                                         cancel=att.cancel)
-        except CommitTimeoutError as exc:
-            P.write_record(att.place, P.OUTCOME, attempt=att.token, outcome=str(exc))
-            raise
-        if any(m.get("superseded") for m in markers.values()):
-            P.write_record(att.place, P.OUTCOME, attempt=att.token, outcome="superseded")
-            return _Ended(None, 0, superseded=True)
-        manifest = self._publish(att, world, markers, extra, requested_at, check_sizes=True)
-        return _Ended(manifest, sum(f["size"] for f in manifest["files"].values()))
-
-    def _publish_local(self, att: _Attempt, local: Place, manifest: dict | None) -> None:
-        """The burst-buffer copy of this rank's files is complete: give it the group's manifest.
-
-        Ranks on one node share the burst buffer. A rank that does not hold the manifest (ranks
-        other than 0 with a store) takes it from there if another rank of its node put it
-        there; otherwise one of them (the first to create ``.fastckpt/fetch-<attempt>``) reads
-        it from the home, and the others wait for it: one read per node, not per rank.
-        """
-        if manifest is None:
-            claim = f"{P.MARKER_DIR}/fetch-{att.token}"
-            if not _claim(local, claim):
-                F.poll(lambda: self._local_manifest(local, att.token), time.monotonic() + LOCAL_WAIT_S, self._stop)
-                if self._local_manifest(local, att.token) is not None:
-                    return
-            manifest = P.read_group_manifest(att.home)
-            if manifest is None or manifest.get("attempt") != att.token:
-                return  # a newer attempt already replaced it (or it was removed): nothing to vouch for
-        local.put(P.GROUP_MANIFEST, P.manifest_bytes(manifest))
-        local.delete(f"{P.MARKER_DIR}/fetch-{att.token}")
-
-    @staticmethod
-    def _local_manifest(local: Place, token: str | None) -> dict | None:
-        try:
-            m = P.read_group_manifest(local)
-        except CorruptCheckpointError:
-            return None
-        return m if m is not None and m.get("attempt") == token else None
-
-
-def _claim(place: Place, rel: str) -> bool:
-    """Create the empty file ``rel`` in the (local, POSIX) ``place``; False if it exists."""
-    path, ops = place.url(rel), place.target.ops
-    ops.makedirs(os.path.dirname(path))
-    try:
-        ops.close(ops.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL))
-    except FileExistsError:
-        return False
-    return True

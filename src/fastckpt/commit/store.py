@@ -35,6 +35,7 @@ import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
+from typing import ClassVar
 
 from ..errors import CommitTimeoutError, FastCkptError
 
@@ -74,8 +75,8 @@ class _Waits:
     store that cannot clone is polled with ``check`` instead.
     """
 
-    _by_store: dict[int, _Waits] = {}
-    _registry_lock = threading.Lock()
+    _by_store: ClassVar[dict[int, _Waits]] = {}
+    _registry_lock: ClassVar[threading.Lock] = threading.Lock()
 
     def __init__(self, store: object) -> None:
         self.store = store
