@@ -4,7 +4,7 @@
 Run (from the repository root, with the project's venv):
 
     python benchmarks/commit_scale.py [--worlds 8,64,256,1024] [--procs 4] [--rounds 3]
-        [--warmup 1] [--backends local,s3] [--modes store,markers] [--s3-markers-max 64]
+        [--warmup 1] [--backends local,s3] [--modes store,markers] [--markers-max local:256,s3:64]
         [--dir DIR] [--json OUT] [--plot PNG]
 
 Ranks are real Checkpointers(rank=r, world_size=W, store=...), spread over --procs processes
@@ -48,7 +48,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import _commit_ranks as R  # noqa: E402
+import _commit_ranks as R
 
 
 def _spawn(ctx: mp.context.BaseContext, jobs: list[R.Job]) -> list[tuple[object, object]]:
@@ -170,13 +170,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--backends", default="local,s3")
     p.add_argument("--modes", default="store,markers", help="store: through a TCPStore; markers: without one")
-    p.add_argument("--s3-markers-max", type=int, default=64,
-                   help="the largest W the storage-marker fallback runs at on S3 (it polls the store: slow)")
+    p.add_argument("--markers-max", default="local:256,s3:64",
+                   help="the largest W the storage-marker fallback runs at, per backend (every rank polls the "
+                        "storage: at 1,024 simulated ranks it overloads a small machine)")
     p.add_argument("--dir", default=None, help="a directory on a disk (default: a temporary one)")
     p.add_argument("--json", default=None, help="write every measurement here")
     p.add_argument("--plot", default=None, help="draw the growth curves into this PNG")
     args = p.parse_args(argv)
     worlds = [int(w) for w in args.worlds.split(",")]
+    markers_max = {b: int(w) for b, w in (item.split(":") for item in args.markers_max.split(","))}
     work = Path(tempfile.mkdtemp(prefix="commit-scale-", dir=args.dir))
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "fastckpt", "_commit_ranks"])
@@ -186,24 +188,24 @@ def main(argv: list[str] | None = None) -> int:
             with _backend(backend, work) as (root, options):
                 for mode in args.modes.split(","):
                     for world in worlds:
-                        if backend == "s3" and mode == "markers" and world > args.s3_markers_max:
+                        if mode == "markers" and world > markers_max.get(backend, world):
                             continue
                         t0 = time.monotonic()
                         results.append(run_one(ctx, args, backend, mode, world, root, work, options))
                         print(f"# {backend} {mode} W={world}: {time.monotonic() - t0:.0f} s", flush=True)
                         print(_table(results[-1:]).splitlines()[1], flush=True)
+                        if args.json:  # after each, so that an interrupted run keeps what it measured
+                            Path(args.json).write_text(json.dumps(results, indent=1))
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print(_table(results))
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1))
     if args.plot:
         plot(results, args.plot)
     return 0
 
 
 @contextlib.contextmanager
-def _backend(backend: str, work: Path):  # noqa: ANN202 (yields (root, storage_options))
+def _backend(backend: str, work: Path):  # yields (root, storage_options)
     if backend == "local":
         (work / "local").mkdir()
         yield str(work / "local"), None

@@ -153,6 +153,8 @@ def publish_local(att: Attempt, local: Place, manifest: dict | None, stop: threa
     it from the home, and the others wait for it: one read per node, not per rank.
     """
     if manifest is None:
+        if _local_manifest(local, att.token) is not None:
+            return  # another rank of this node put it there
         claim = f"{P.MARKER_DIR}/fetch-{att.token}"
         if not _claim(local, claim):
             F.poll(lambda: _local_manifest(local, att.token), time.monotonic() + LOCAL_WAIT_S, stop)
@@ -161,8 +163,7 @@ def publish_local(att: Attempt, local: Place, manifest: dict | None, stop: threa
         manifest = P.read_group_manifest(att.home)
         if manifest is None or manifest.get("attempt") != att.token:
             return  # a newer attempt already replaced it (or it was removed): nothing to vouch for
-    local.put(P.GROUP_MANIFEST, P.manifest_bytes(manifest))
-    local.delete(f"{P.MARKER_DIR}/fetch-{att.token}")
+    local.put(P.GROUP_MANIFEST, P.manifest_bytes(manifest))  # the claim stays (deleting it races the others)
 
 
 def _local_manifest(local: Place, token: str | None) -> dict | None:
@@ -173,12 +174,20 @@ def _local_manifest(local: Place, token: str | None) -> dict | None:
     return m if m is not None and m.get("attempt") == token else None
 
 
-def _claim(place: Place, rel: str) -> bool:
+def _claim(place: Place, rel: str, attempts: int = 5) -> bool:
     """Create the empty file ``rel`` in the (local, POSIX) ``place``; False if it exists."""
     path, ops = place.url(rel), place.target.ops
-    ops.makedirs(os.path.dirname(path))
-    try:
-        ops.close(ops.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL))
-    except FileExistsError:
-        return False
-    return True
+    for attempt in range(1, attempts + 1):
+        try:
+            ops.makedirs(os.path.dirname(path))
+            ops.close(ops.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL))
+            return True
+        except FileExistsError:
+            if os.path.exists(path):
+                return False
+            if attempt == attempts:  # makedirs met a directory being removed and made at once
+                raise
+        except FileNotFoundError:  # a deletion pruned the emptied directory just now
+            if attempt == attempts:
+                raise
+    return False

@@ -33,6 +33,7 @@ import hashlib
 import json
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from datetime import timedelta
 from typing import ClassVar
@@ -75,11 +76,11 @@ class _Waits:
     store that cannot clone is polled with ``check`` instead.
     """
 
-    _by_store: ClassVar[dict[int, _Waits]] = {}
+    _by_store: ClassVar[weakref.WeakKeyDictionary] = weakref.WeakKeyDictionary()  # store -> _Waits
     _registry_lock: ClassVar[threading.Lock] = threading.Lock()
 
     def __init__(self, store: object) -> None:
-        self.store = store
+        self._store = weakref.ref(store)  # the registry must not keep a store (and its server) alive
         self._lock = threading.Lock()
         self._free: list[object] = []
         self._keys: dict[str, list] = {}  # key -> [Event, found]
@@ -87,25 +88,28 @@ class _Waits:
     @classmethod
     def of(cls, store: object) -> _Waits:
         with cls._registry_lock:
-            waits = cls._by_store.get(id(store))
-            if waits is None or waits.store is not store:
-                waits = cls._by_store[id(store)] = cls(store)
+            waits = cls._by_store.get(store)
+            if waits is None:
+                waits = cls._by_store[store] = cls(store)
             return waits
 
-    def _conn(self) -> object | None:
+    def _conn(self, store: object) -> object | None:
         with self._lock:
             if self._free:
                 return self._free.pop()
         try:
-            return self.store.clone()
+            return store.clone()
         except (RuntimeError, AttributeError, NotImplementedError):
             return None
 
     def _wait_once(self, key: str, slice_s: float) -> bool:
-        conn = self._conn()
+        store = self._store()
+        if store is None:  # its Checkpointers are gone
+            return False
+        conn = self._conn(store)
         if conn is None:  # no clone: poll this slice away
             end = time.monotonic() + slice_s
-            while not self.store.check([key]):
+            while not store.check([key]):
                 if time.monotonic() >= end:
                     return False
                 time.sleep(0.05)
