@@ -147,17 +147,15 @@ def via_storage(att: Attempt, rank: int, world: int, files: dict, superseded: bo
 def publish_local(att: Attempt, local: Place, manifest: dict | None, stop: threading.Event) -> None:
     """The burst-buffer copy of this rank's files is complete: give it the group's manifest.
 
-    Ranks on one node share the burst buffer. A rank that does not hold the manifest (ranks
-    other than 0 with a store) takes it from there if another rank of its node put it
-    there; otherwise one of them (the first to create ``.fastckpt/fetch-<attempt>``) reads
-    it from the home, and the others wait for it: one read per node, not per rank.
+    Ranks on one node share the burst buffer. Of the ranks that do not hold the manifest (all
+    but rank 0 with a store), the first to create ``.fastckpt/fetch-<attempt>`` there reads it
+    from the home and puts it in the burst buffer; the others wait for it (up to
+    ``LOCAL_WAIT_S``, then read it themselves): one read per node, not per rank.
     """
     if manifest is None:
-        if _local_manifest(local, att.token) is not None:
-            return  # another rank of this node put it there
-        claim = f"{P.MARKER_DIR}/fetch-{att.token}"
-        if not _claim(local, claim):
-            F.poll(lambda: _local_manifest(local, att.token), time.monotonic() + LOCAL_WAIT_S, stop)
+        if not _claim(local, f"{P.MARKER_DIR}/fetch-{att.token}"):  # another rank of this node fetches it
+            F.poll(lambda: True if local.size(P.GROUP_MANIFEST) >= 0 else None, time.monotonic() + LOCAL_WAIT_S,
+                   stop)  # a stat per poll: the manifest is parsed once, when it is there
             if _local_manifest(local, att.token) is not None:
                 return
         manifest = P.read_group_manifest(att.home)
