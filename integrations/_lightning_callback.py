@@ -37,8 +37,28 @@ class FastCkptCallbackMixin:
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         io = trainer.strategy.checkpoint_io
         self._io(trainer)  # raises for a wrapped FastCkptIO
-        if isinstance(io, FastCkptIOMixin):
-            io._connect(trainer, self)
+        if isinstance(io, FastCkptIOMixin) and io._connect(trainer, self):
+            self._count_saves_in_flight(trainer, io)
+
+    def _count_saves_in_flight(self, trainer: Any, io: FastCkptIOMixin) -> None:
+        """ModelCheckpoint picks a version suffix (``name-v1.ckpt``...) only when a file of the name
+        exists, asking its public ``file_exists``; a save still in flight has no file yet, so its
+        name would be reused and a checkpoint the user asked to keep replaced. Each callback's
+        ``file_exists`` also counts this plugin's saves in flight (decided on rank 0, which saves,
+        and reduced across ranks like Lightning's own answer); ``teardown`` restores it."""
+        self._wrapped = getattr(self, "_wrapped", [])
+        for cb in trainer.checkpoint_callbacks:
+            original = getattr(cb, "file_exists", None)
+            if original is None or getattr(original, "_fastckpt", False):
+                continue
+
+            def file_exists(filepath: Any, trainer: Any, _original: Any = original) -> bool:
+                return bool(_original(filepath, trainer)) or bool(trainer.strategy.reduce_boolean_decision(
+                    trainer.is_global_zero and io._in_flight(filepath), all=False))
+
+            file_exists._fastckpt = True  # type: ignore[attr-defined]
+            cb.file_exists = file_exists
+            self._wrapped.append(cb)
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         io = self._io(trainer)
@@ -80,6 +100,10 @@ class FastCkptCallbackMixin:
             io._log_metrics(trainer)
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        for cb in getattr(self, "_wrapped", []):
+            if getattr(cb.__dict__.get("file_exists"), "_fastckpt", False):
+                del cb.file_exists  # the class's own method again
+        self._wrapped = []
         io = self._io(trainer)
         if io is not None:
             io._disconnect(self)

@@ -359,6 +359,10 @@ class FastCkptIOMixin:
     def _fence(self) -> None:
         self._saves.fence(self._ck)
 
+    def _in_flight(self, path: str | os.PathLike) -> bool:
+        """Whether a save to ``path`` has not finished yet (its file may not exist)."""
+        return any(not t.handle.done() for t in self._saves.to(normalize(os.fspath(path))))
+
     def _settle_removal(self, path: str) -> None:
         fut = self._removals.pop(normalize(path), None)
         if fut is not None:

@@ -1,116 +1,157 @@
-"""DeepSpeed integration: a DeepSpeed ``CheckpointEngine`` backed by fastckpt.
+"""DeepSpeed integration: a ``"fastckpt"`` section in the DeepSpeed config turns on saves that
+return after a snapshot, atomic per-tag group commits and a ``latest`` that only names complete
+checkpoints (docs/deepspeed.md).
 
-DeepSpeed picks its checkpoint engine from its own config only, so fastckpt's is installed in
-code, after ``deepspeed.initialize``::
+The one line a user changes is the import::
 
-    from fastckpt.integrations.deepspeed import install
-    install(model_engine, fastckpt.Checkpointer(local_dir="/local_nvme/ckpt"))
-    model_engine.save_checkpoint(save_dir, tag)   # returns after the snapshot
+    from fastckpt.integrations.deepspeed import initialize   # instead of deepspeed.initialize
+    engine, optimizer, _, scheduler = initialize(model=model, optimizer=opt, config="ds_config.json")
+    engine.save_checkpoint(save_dir, tag)   # returns after the snapshot, on every rank
+    engine.load_checkpoint(save_dir)        # the newest complete tag
 
-(Lightning's ``DeepSpeedStrategy`` never calls CheckpointIO; ``FastCkptIO`` installs this engine
-on ``trainer.strategy.deepspeed_engine`` itself.)
+with ``"fastckpt": {"local_dir": "/local_nvme/ckpt"}`` in ``ds_config.json``. DeepSpeed picks its
+checkpoint engine from its own config only (it ignores unknown keys), so the section is read
+here and the engine installed in code; ``attach(engine)`` does the same for an engine built
+elsewhere (Lightning's ``DeepSpeedStrategy`` goes through ``install``, see FastCkptIO).
 
-Order of calls, from ``DeepSpeedEngine.save_checkpoint``, on every rank, training thread:
-  makedirs(save_dir)  (rank 0)  -> create(info) -> makedirs(save_dir/tag)
-  -> save(state_dict=..., path=...) for each file this rank writes
-  -> commit(info) -> rank 0 writes save_dir/latest -> barrier
-Each file is saved into the group ``save_dir/tag`` (``Checkpointer.save(..., group=)``), and
-``commit`` calls ``Checkpointer.commit(group)`` and returns at once: rank 0 publishes the group
-manifest, and fastckpt's own ``latest`` pointer (in DeepSpeed's format: the tag), once every
-rank's files are durable. Loading an uncommitted tag through this engine raises
-``IncompleteCheckpointError``.
-
-``is_decoupled()`` is False on purpose. True would make DeepSpeed call ``commit`` at the next
-``engine.step()`` boundary and then write ``latest`` and run a barrier: to keep ``latest``
-truthful ``commit`` would have to block there until the group is durable, every rank would have
-to decide at the same step, and the last checkpoint before the process ends would never be
-committed. With False, DeepSpeed's plain ``latest`` write may name a tag that is still being
-written; fastckpt's reader refuses it until it is complete, and ``fastckpt.latest(save_dir)``
-names the newest complete one.
+The pieces: ``_deepspeed_config`` (the section), ``_deepspeed_engine`` (the CheckpointEngine:
+one call per file), ``_deepspeed_hooks`` (wrappers of the engine's public save_checkpoint,
+load_checkpoint and destroy: ``latest``, resume, flushing, reporting).
 """
 
 from __future__ import annotations
 
-import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 
-from deepspeed.runtime.checkpoint_engine.checkpoint_engine import (
-    CheckpointCommitInfo,
-    CheckpointEngine,
-)
+import deepspeed
+import torch
+from deepspeed.constants import TORCH_DISTRIBUTED_DEFAULT_PORT
+from deepspeed.runtime.engine import DeepSpeedEngine
 
-from fastckpt.checkpointer import Checkpointer
-from fastckpt.records import SaveHandle
-from fastckpt.urls import normalize
+from fastckpt import Checkpointer, SaveHandle
+from fastckpt.errors import ConfigError
 
-__all__ = ["FastCkptEngine", "install"]
+from ._deepspeed_config import SECTION, Section, parse_section, read_config, redacted, section_of
+from ._deepspeed_engine import SAFE_GLOBALS, FastCkptEngine
+from ._deepspeed_hooks import CheckpointReport, EngineHooks, OwnedCheckpointer, resolve_tag
+
+__all__ = ["FastCkptEngine", "CheckpointReport", "SAFE_GLOBALS", "attach", "initialize", "install", "resolve_tag"]
+
+_HOOKS = "_fastckpt_hooks"  # the engine attribute holding its EngineHooks
 
 
-class FastCkptEngine(CheckpointEngine):
-    """DeepSpeed checkpoint engine whose saves return after the snapshot.
+def initialize(args: object = None, model: torch.nn.Module | None = None,
+               optimizer: torch.optim.Optimizer | Callable | None = None,
+               model_parameters: Iterable | None = None, training_data: torch.utils.data.Dataset | None = None,
+               lr_scheduler: object = None, distributed_port: int = TORCH_DISTRIBUTED_DEFAULT_PORT,
+               mpu: object = None, dist_init_required: bool | None = None, collate_fn: Callable | None = None,
+               config: str | dict | None = None, mesh_param: object = None,
+               config_params: str | dict | None = None) -> tuple:
+    """``deepspeed.initialize`` with fastckpt attached when the config has a ``"fastckpt"`` section.
 
-    Args:
-        checkpointer: the Checkpointer to save through, or a function returning the one to use
-            now (FastCkptIO passes its own, which it replaces after each fit).
-        on_commit: called with each group commit's SaveHandle (FastCkptIO logs its numbers).
+    Same arguments and return value as ``deepspeed.initialize``. The section is validated
+    before DeepSpeed starts; fsspec credentials in it (``storage_options``) are not passed on to
+    DeepSpeed, which prints its config and stores it in every ZeRO checkpoint.
+
+    Raises:
+        ConfigError: the section has an unknown key or a value of the wrong type (the message
+            lists the valid keys).
     """
+    source = config if config is not None else config_params
+    from_args = source is None and args is not None
+    if from_args:
+        source = getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)
+    ds_config = read_config(source)
+    section = section_of(ds_config)
+    if section.enabled and ds_config is not None and redacted(ds_config) is not ds_config:
+        if from_args:  # DeepSpeed refuses both args.deepspeed_config and config: pass a copy of args
+            import copy
 
-    def __init__(self, checkpointer: Checkpointer | Callable[[], Checkpointer],
-                 on_commit: Callable[[SaveHandle], None] | None = None) -> None:
-        super().__init__(None)
-        self.name = "FastCkptEngine"
-        self._source = checkpointer
-        self._on_commit = on_commit
-        self._group: str | None = None
-
-    @property
-    def checkpointer(self) -> Checkpointer:
-        return self._source if isinstance(self._source, Checkpointer) else self._source()
-
-    def create(self, info: CheckpointCommitInfo) -> None:
-        self._group = normalize(os.path.join(info.save_dir, str(info.tag)))
-
-    def makedirs(self, path: str, exist_ok: bool = False) -> None:
-        os.makedirs(path, exist_ok=exist_ok)
-
-    def save(self, state_dict: object, path: str) -> None:
-        """DeepSpeed calls this with the keyword ``state_dict``; returns after the snapshot."""
-        path = normalize(path)
-        group = self._group if self._group is not None and path.startswith(self._group + os.sep) else None
-        self.checkpointer.save(state_dict, path, group=group)
-
-    def load(self, path: str, map_location: object = None) -> object:
-        """Verified load. DeepSpeed's files hold its config objects, which its own engine also
-        loads with ``weights_only=False``: load only checkpoints you trust."""
-        return self.checkpointer.load(path, map_location, weights_only=False)
-
-    def commit(self, info: CheckpointCommitInfo) -> bool:
-        """This rank is done with ``info.tag``; the group is published in the background."""
-        group = normalize(os.path.join(info.save_dir, str(info.tag)))
-        handle = self.checkpointer.commit(group, tag=str(info.tag))
-        self._group = None
-        if self._on_commit is not None:
-            self._on_commit(handle)
-        return True
-
-    def is_decoupled(self) -> bool:
-        return False  # see the module docstring
-
-    def wait(self) -> None:
-        """Block until every save and commit so far is durable (raises a failure once)."""
-        self.checkpointer.wait()
+            args = copy.copy(args)
+            args.deepspeed_config = args.deepscale_config = None
+        config, config_params = redacted(ds_config), None
+    out = deepspeed.initialize(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
+                               training_data=training_data, lr_scheduler=lr_scheduler,
+                               distributed_port=distributed_port, mpu=mpu, dist_init_required=dist_init_required,
+                               collate_fn=collate_fn, config=config, mesh_param=mesh_param,
+                               config_params=config_params)
+    if section.enabled:
+        attach(out[0], section)
+    return out
 
 
-def install(engine: object, checkpointer: Checkpointer | Callable[[], Checkpointer] | None = None,
-            on_commit: Callable[[SaveHandle], None] | None = None) -> FastCkptEngine:
+def attach(engine: DeepSpeedEngine, config: str | Mapping | Section | None = None, *, checkpointer: Checkpointer | None = None,
+           on_commit: Callable[[SaveHandle], None] | None = None) -> FastCkptEngine | None:
     """Make ``engine`` (a ``DeepSpeedEngine``) save and load through fastckpt.
 
-    Without ``checkpointer`` a default ``Checkpointer()`` is created; call ``.wait()`` on the
-    returned engine (or close your own Checkpointer) before the process ends.
+    Args:
+        engine: from ``deepspeed.initialize``.
+        config: the ``"fastckpt"`` section (a dict), or a whole DeepSpeed config (dict or file
+            path) holding one; None reads the section of the config the engine was built with.
+            No section at all means the defaults; ``"enabled": false`` leaves the engine alone.
+        checkpointer: a Checkpointer of your own (for options a config cannot hold, such as
+            ``on_overhead_exceeded``); the section may then hold only ``enabled`` and
+            ``weights_only``. You close it; ``destroy()`` and interpreter exit flush it.
+        on_commit: called with each checkpoint's group-commit SaveHandle; the caller then
+            reports and waits for them (FastCkptIO does) instead of this integration.
+
+    Returns:
+        The installed FastCkptEngine, or None when the section says ``"enabled": false``.
+
+    Raises:
+        ConfigError: an invalid section, or options given twice.
     """
     if not hasattr(engine, "save_checkpoint") or not hasattr(engine, "checkpoint_engine"):
-        raise TypeError(f"install() needs a deepspeed.DeepSpeedEngine (from deepspeed.initialize), "
+        raise TypeError(f"attach() needs a deepspeed.DeepSpeedEngine (from deepspeed.initialize), "
                         f"got {type(engine).__name__}")
-    fe = FastCkptEngine(checkpointer if checkpointer is not None else Checkpointer(), on_commit)
-    engine.checkpoint_engine = fe  # type: ignore[attr-defined]
+    section = _section(engine, config)
+    if not section.enabled:
+        return None
+    if checkpointer is not None and section.options:
+        raise ConfigError(f"attach(engine, checkpointer=...) uses that Checkpointer's settings; do not also set "
+                          f'{sorted(section.options)} in the "{SECTION}" section (set them on the Checkpointer)')
+    return _install(engine, checkpointer, section, on_commit)
+
+
+def install(engine: DeepSpeedEngine, checkpointer: Checkpointer | Callable[[], Checkpointer] | None = None,
+            on_commit: Callable[[SaveHandle], None] | None = None) -> FastCkptEngine:
+    """``attach`` for code that already holds a Checkpointer, or a function returning the one to
+    use now (FastCkptIO with Lightning's DeepSpeedStrategy); None creates a default one."""
+    if checkpointer is None:
+        return attach(engine, {}, on_commit=on_commit)  # type: ignore[return-value]
+    return _install(engine, checkpointer, Section(), on_commit)
+
+
+def _section(engine: DeepSpeedEngine, config: str | Mapping | Section | None) -> Section:
+    if isinstance(config, Section):
+        return config
+    if config is None:
+        ds_config = getattr(engine, "config", None)
+        if isinstance(ds_config, dict):
+            if SECTION not in ds_config:
+                return Section()
+            section = parse_section(ds_config[SECTION], "the engine's DeepSpeed config")
+            if redacted(ds_config) is not ds_config:  # keep credentials out of every ZeRO checkpoint
+                ds_config[SECTION] = redacted(ds_config)[SECTION]
+            return section
+        return Section()
+    if isinstance(config, Mapping) and SECTION not in config:
+        return parse_section(config, "attach(config=...)")
+    whole = read_config(config)
+    return section_of(whole) if SECTION in (whole or {}) else Section()
+
+
+def _install(engine: DeepSpeedEngine, source: Checkpointer | Callable[[], Checkpointer] | None, section: Section,
+             on_commit: Callable[[SaveHandle], None] | None) -> FastCkptEngine:
+    previous: EngineHooks | None = getattr(engine, _HOOKS, None)
+    if previous is not None:  # attached before (a second fit on the same engine): flush, then replace
+        previous.close()
+        for name in ("save_checkpoint", "load_checkpoint", "destroy"):
+            engine.__dict__.pop(name, None)
+    owned = OwnedCheckpointer(section.options) if source is None else None
+    fe = FastCkptEngine(owned if owned is not None else source, on_commit,  # type: ignore[arg-type]
+                        weights_only=section.weights_only)
+    hooks = EngineHooks(engine, fe, owned, flush_at_exit=source is None or isinstance(source, Checkpointer))
+    hooks.install()
+    object.__setattr__(engine, _HOOKS, hooks)
     return fe

@@ -19,6 +19,7 @@ from .errors import (
     ReplicationError,
     TierUnavailableError,
     UnsupportedObjectError,
+    UnverifiableCheckpointError,
 )
 from .events import Event
 from .monitor import OverheadReport, Stats
@@ -29,15 +30,16 @@ __all__ = [
     "Checkpointer", "latest", "load", "Event", "OverheadReport", "Stats", "SaveHandle", "SaveRecord",
     "FastCkptError", "CheckpointWriteError", "ClosedError", "CommitTimeoutError", "ConfigError",
     "CorruptCheckpointError", "IncompleteCheckpointError", "ReplicationError", "TierUnavailableError",
-    "UnsupportedObjectError", "FastCkptIO", "__version__",
+    "UnsupportedObjectError", "UnverifiableCheckpointError", "FastCkptIO", "__version__",
 ]
 
 
-def load(path: str, map_location: object = None, *, weights_only: bool = True,
+def load(path: str, map_location: object = None, *, weights_only: bool = True, verify: bool = False,
          storage_options: dict | None = None) -> object:
-    """Load one checkpoint file (a path or URL) with verification (a one-off Checkpointer)."""
+    """Load one checkpoint file (a path or URL) with verification (a one-off Checkpointer; see
+    ``Checkpointer.load``)."""
     with Checkpointer(storage_options=storage_options) as ck:
-        return ck.load(path, map_location, weights_only=weights_only)
+        return ck.load(path, map_location, weights_only=weights_only, verify=verify)
 
 
 def latest(root: str, storage_options: dict | None = None) -> str | None:

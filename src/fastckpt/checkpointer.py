@@ -11,7 +11,6 @@ Order of work for one ``save(state, path)`` (docs/architecture.md has the whole 
 
 from __future__ import annotations
 
-import atexit
 import concurrent.futures as cf
 import logging
 import os
@@ -26,11 +25,13 @@ from .commit.coordinator import Coordinator
 from .config import CheckpointerConfig, options_doc, options_signature
 from .errors import FastCkptError, ReplicationError
 from .events import Event, EventSink, JsonlSink
+from .exits import flush_at_exit, forget_at_exit
 from .format.manifest import TAIL_ROOM
 from .inflight import InFlight
 from .io.ops import FileOps
-from .load.loader import Loader
+from .load.loader import Loader, LoadOptions
 from .monitor import Monitor, Stats
+from .progress import Progress
 from .records import SaveHandle, SaveRecord
 from .save.replicator import Replicator
 from .save.retention import Retention
@@ -44,7 +45,8 @@ from .storage.types import RetryNotice
 from .urls import mirror_path, normalize
 
 log = logging.getLogger("fastckpt")
-PROGRESS_EVERY_S = 10.0
+PROGRESS_EVERY_S = 10.0  # a log line this often while wait() or close() waits (off a terminal)
+PROGRESS_DELAY_S = 3.0  # silent for waits shorter than this
 
 
 class ClosedError(FastCkptError, RuntimeError):
@@ -99,7 +101,7 @@ class Checkpointer:
 
             self._metrics = start_exporter(cfg.metrics_port, self.stats, lambda: self.rank, cfg.local_dir)
             self._sinks += (self._metrics,)
-        atexit.register(self._atexit)
+        flush_at_exit(self)
 
     # ------------------------------------------------------------------ identity and events
     @property
@@ -181,12 +183,13 @@ class Checkpointer:
         return self._saver.save(state_dict, normalize(path), normalize(group) if group is not None else None,
                                 lazy, self.rank, self.world_size)
 
-    def commit(self, group: str, **extra: object) -> SaveHandle:
+    def commit(self, group: str, *, move_latest: bool = True, **extra: object) -> SaveHandle:
         """This rank is done saving into ``group``; every rank must call it.
 
         Returns a handle that completes when the whole group is durable and published (on
         rank 0 after it wrote the manifest, on other ranks once they see it). ``extra``
-        (e.g. ``step=100``) is recorded in the group manifest.
+        (e.g. ``step=100``) is recorded in the group manifest. ``move_latest=False`` publishes
+        the group without pointing ``parent/latest`` at it (give the same value on every rank).
         """
         self._check_open()
         self._inflight.raise_unseen()
@@ -198,7 +201,7 @@ class Checkpointer:
                 self._retention.durable(group, has_local, owns_persistent=rank == 0)
             return rec
 
-        fut = self._coordinator.commit(group, rank, self.world_size, dict(extra), retain)
+        fut = self._coordinator.commit(group, rank, self.world_size, dict(extra), retain, move_latest)
         return self._inflight.track(fut, group, group)
 
     def fence(self) -> float:
@@ -211,23 +214,28 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ load, latest, remove
     def load(self, path: str, map_location: object = None, *, weights_only: bool = True,
-             prefetch: bool = False) -> object:
+             prefetch: bool = False, verify: bool = False) -> object:
         """Read a checkpoint file in parallel, verify its checksum, return the saved object.
 
         Prefers a verified burst-buffer copy in ``local_dir`` and falls back to ``path``
         (a URL is read with parallel ranged requests into memory; with ``prefetch=True`` and
         local_dir it is first downloaded into the burst buffer, so the next load is local).
+        A plain torch.save file (no fastckpt manifest) loads unverified, with a warning once
+        per path; ``verify=True`` refuses it.
 
         Raises:
-            CorruptCheckpointError: the bytes do not match the recorded checksum.
+            CorruptCheckpointError: the bytes do not match the recorded checksum, or the file
+                is empty, truncated or not a torch file.
+            UnverifiableCheckpointError: ``verify=True`` and the file has no manifest.
             IncompleteCheckpointError: the file belongs to a group that was never committed.
         """
         self._check_open()
         t0, w0 = time.monotonic(), time.time()
-        got = self._loader.load(normalize(path), map_location, weights_only, prefetch)
+        got = self._loader.load(normalize(path), LoadOptions(map_location, weights_only, prefetch, verify))
         rto = time.monotonic() - t0
         self._last_restore = (rto, got.where)
-        self._emit("load", got.url, got.size, w0, got.where, detail=f"rto_s={rto:.6f}")
+        self._emit("load", got.url, got.size, w0, got.where,
+                   detail=f"rto_s={rto:.6f}" + ("" if got.verified else " unverified"))
         return got.obj
 
     def latest(self, root: str) -> str | None:
@@ -252,7 +260,8 @@ class Checkpointer:
     # ------------------------------------------------------------------ lifecycle
     def wait(self, timeout_s: float | None = None) -> None:
         """Block until every pending save, replication and commit is done; raise a background
-        error once. Logs progress every 10 s while it waits.
+        error once. A wait longer than a few seconds shows progress (a bar on a terminal, a log
+        line every few seconds otherwise: ``fastckpt.progress``), drawn off this thread.
 
         Raises:
             ReplicationError: ``timeout_s`` passed first (naming what is still pending; the
@@ -260,24 +269,23 @@ class Checkpointer:
         """
         self.fence()
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while True:
-            futures = self._inflight.futures()
-            if not futures:
-                break
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            step = PROGRESS_EVERY_S if left is None else min(PROGRESS_EVERY_S, left)
-            _, not_done = cf.wait(futures, timeout=step)
-            if not not_done:
-                continue
-            pending = self._replicator.pending()
-            if deadline is not None and time.monotonic() >= deadline:
-                raise ReplicationError(
-                    f"{len(not_done)} save(s) still pending after {timeout_s:.0f} s (replicating: {pending}); "
-                    f"their local copies are kept in {self.config.local_dir}. Raise close_timeout_s, or check "
-                    "the storage target.")
-            log.warning("fastckpt: waiting for %d pending save(s); replicating %s (lag %.0f s)",
-                        len(not_done), pending, self._replicator.lag_s())
+        first = len(self._inflight)
+        if first:
+            with Progress(f"fastckpt: waiting for {first} pending save(s)", total=first, unit="saves",
+                          read=lambda: first - len(self._inflight), delay_s=PROGRESS_DELAY_S,
+                          every_s=PROGRESS_EVERY_S):
+                self._wait_until(deadline, timeout_s)
         self._inflight.raise_unseen()
+
+    def _wait_until(self, deadline: float | None, timeout_s: float | None) -> None:
+        while futures := self._inflight.futures():
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            _, not_done = cf.wait(futures, timeout=left)
+            if not_done and deadline is not None and time.monotonic() >= deadline:
+                raise ReplicationError(
+                    f"{len(not_done)} save(s) still pending after {timeout_s:.0f} s (replicating: "
+                    f"{self._replicator.pending()}); their local copies are kept in {self.config.local_dir}. "
+                    "Raise close_timeout_s, or check the storage target.")
 
     def stats(self) -> Stats:
         r = self._replicator
@@ -305,7 +313,7 @@ class Checkpointer:
                 self._jsonl.close()
             if self._metrics is not None:
                 self._metrics.close()
-            atexit.unregister(self._atexit)
+            forget_at_exit(self)
 
     def _atexit(self) -> None:
         if self._closed:

@@ -23,6 +23,11 @@ class CorruptCheckpointError(FastCkptError, ValueError):
     """A file's bytes do not match the checksum recorded when it was written."""
 
 
+class UnverifiableCheckpointError(CorruptCheckpointError):
+    """``load(..., verify=True)`` of a file that carries no fastckpt manifest (a plain
+    torch.save file): nothing records what its bytes should be."""
+
+
 class IncompleteCheckpointError(FastCkptError, FileNotFoundError):
     """A checkpoint was never committed: files or ranks are missing (named in the message)."""
 

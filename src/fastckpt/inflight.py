@@ -9,6 +9,8 @@ errors alive would pin their tracebacks' frames (staging buffers, the state's te
 
 from __future__ import annotations
 
+import errno
+import os
 import threading
 from concurrent.futures import Future
 
@@ -37,9 +39,23 @@ def raise_as_write_error(exc: BaseException, path: str, renamed: bool = False) -
         raise exc
     state = ("the new file is in place but its directory entry may not be durable (directory fsync failed)"
              if renamed else "the previous checkpoint is untouched")
-    err = CheckpointWriteError(exc.errno, f"saving {path} failed: {exc.strerror or exc}; {state}")
+    why = exc.strerror or str(exc)
+    blocker = _file_in_the_way(path) if exc.errno in (errno.EEXIST, errno.ENOTDIR) else None
+    if blocker is not None:
+        why = f"{blocker} is a file, not a directory (choose another path, or move that file away)"
+    err = CheckpointWriteError(exc.errno, f"saving {path} failed: {why}; {state}")
     err.filename = path
     raise err from exc
+
+
+def _file_in_the_way(path: str) -> str | None:
+    """The first parent of ``path`` that exists and is not a directory, if any."""
+    parts = os.path.dirname(os.path.abspath(path)).split(os.sep)
+    for i in range(2, len(parts) + 1):
+        p = os.sep.join(parts[:i])
+        if os.path.lexists(p) and not os.path.isdir(p):
+            return p
+    return None
 
 
 class InFlight:

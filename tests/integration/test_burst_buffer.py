@@ -325,3 +325,54 @@ def test_bandwidth_cap_bounds_replication_rate(tmp_path) -> None:
 def test_url_without_local_dir_is_refused(tmp_path) -> None:
     with fastckpt.Checkpointer() as ck, pytest.raises(fastckpt.ConfigError, match="local_dir"):
         ck.save(_state(1), "s3://bucket/x.pt")
+
+
+# ----------------------------------------------------------------------------- groups in the burst buffer
+
+
+def test_group_load_after_commit_reads_the_local_copy(tmp_path, caplog) -> None:
+    """The burst-buffer copy of a committed group gets the group's manifest, so a load reads it
+    (issue #9 item 11); a new attempt at the same group withdraws it until that one commits."""
+    group = str(tmp_path / "t" / "global_step3")
+    with fastckpt.Checkpointer(local_dir=str(tmp_path / "nvme"), rank=0, world_size=1) as ck:
+        ck.save(_state(3), f"{group}/rank0.pt", group=group)
+        ck.commit(group, step=3).wait()
+        local_group = ck.local_path(group)
+        assert os.path.exists(os.path.join(local_group, "fastckpt-manifest.json"))
+        with caplog.at_level("WARNING", logger="fastckpt"):
+            assert _same(ck.load(f"{group}/rank0.pt"), 3)
+        assert ck.stats().last_restore_from == "local"
+        assert not [r for r in caplog.records if "unusable" in r.getMessage()]
+        ck.save(_state(4), f"{group}/rank0.pt", group=group)  # a new attempt: not complete yet
+        assert not os.path.exists(os.path.join(local_group, "fastckpt-manifest.json"))
+        ck.commit(group, step=4).wait()
+        assert _same(ck.load(f"{group}/rank0.pt"), 4) and ck.stats().last_restore_from == "local"
+
+
+def test_s3_group_load_after_commit_reads_the_local_copy(s3_server, s3_bucket, tmp_path) -> None:
+    opts = s3_server.storage_options()
+    group = f"s3://{s3_bucket}/ds/global_step5"
+    with fastckpt.Checkpointer(local_dir=str(tmp_path / "nvme"), storage_options=opts, rank=0, world_size=1) as ck:
+        ck.save(_state(5), f"{group}/rank0.pt", group=group)
+        ck.commit(group).wait()
+        assert _same(ck.load(f"{group}/rank0.pt"), 5)
+        assert ck.stats().last_restore_from == "local"
+
+
+def test_ranks_sharing_a_burst_buffer_trim_it_quietly(tmp_path, caplog) -> None:
+    """Two ranks of one node share local_dir; both apply keep_local to the same group directory
+    there, and the one that finds it gone says nothing."""
+    nvme, root = str(tmp_path / "nvme"), tmp_path / "t"
+    cks = [fastckpt.Checkpointer(local_dir=nvme, rank=r, world_size=2, keep_local=1, commit_timeout_s=60)
+           for r in range(2)]
+    with caplog.at_level("WARNING", logger="fastckpt"):
+        for step in range(4):
+            group = str(root / f"global_step{step}")
+            for r, ck in enumerate(cks):
+                ck.save(_state(step), f"{group}/rank{r}.pt", group=group)
+            for h in [ck.commit(group) for ck in cks]:
+                h.wait()
+        for ck in cks:
+            ck.close()
+    assert not [r for r in caplog.records if "retention" in r.getMessage()], caplog.text
+    assert sorted(os.listdir(os.path.join(nvme, str(root).lstrip(os.sep)))) == ["global_step3"]

@@ -30,6 +30,7 @@ from lightning.pytorch.plugins.io import AsyncCheckpointIO
 import fastckpt
 from fastckpt.errors import CheckpointWriteError, ConfigError
 from fastckpt.testing import Fault, FaultyOps
+from tests.integration._trees import tree_equal  # noqa: F401 (the Lightning tests import it from here)
 
 STEPS_PER_EPOCH = 8  # 32 samples, batch 4
 
@@ -99,24 +100,6 @@ def make_trainer(root: str, io: object, max_steps: int, callbacks: list | None =
                      logger=logger, enable_progress_bar=False, enable_model_summary=False,
                      default_root_dir=root, num_sanity_val_steps=0,
                      callbacks=[*(callbacks or []), ModelCheckpoint(**mc)])
-
-
-def tree_equal(a: object, b: object, where: str = "") -> None:
-    """Assert bit-exact equality of nested checkpoint structures."""
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor), where
-        assert a.dtype == b.dtype and a.shape == b.shape, where
-        assert torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and set(a) == set(b), f"{where}: keys {sorted(map(str, a))} != {sorted(map(str, b))}"
-        for k in a:
-            tree_equal(a[k], b[k], f"{where}/{k}")
-    elif isinstance(a, (list, tuple)):
-        assert isinstance(b, (list, tuple)) and len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            tree_equal(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, f"{where}: {a!r} != {b!r}"
 
 
 def spy_saves(io: FastCkptIO) -> dict[str, dict]:

@@ -381,3 +381,16 @@ def test_group_manifest_is_json_with_sizes_and_checksums(tmp_path: Path) -> None
         assert info["size"] == (g / name).stat().st_size
         assert info["checksum"] == read_file_manifest(str(g / name))["checksum"]["value"]
     assert m["format"] == 1 and m["step"] == 9
+
+
+def test_commit_without_moving_latest(tmp_path: Path) -> None:
+    """``commit(group, move_latest=False)`` publishes the group but leaves ``latest`` alone
+    (DeepSpeed's ``save_checkpoint(..., save_latest=False)``)."""
+    parent = tmp_path / "run"
+    with fastckpt.Checkpointer(rank=0, world_size=1) as ck:
+        for name, move in (("global_step1", True), ("best", False)):
+            g = str(parent / name)
+            ck.save(_state(1), f"{g}/shard0.pt", group=g)
+            ck.commit(g, move_latest=move).wait()
+    assert P.read_group_manifest(place(parent / "best")) is not None
+    assert (parent / P.LATEST).read_text() == "global_step1"

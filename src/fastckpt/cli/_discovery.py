@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, replace
 
 from ..commit.discovery import Found, scan
-from ..commit.protocol import GROUP_MANIFEST, MARKER_DIR, SIDECAR, read_group_manifest
+from ..commit.protocol import GROUP_MANIFEST, MARKER_DIR, SIDECAR, member_files, read_group_manifest
 from ..errors import CorruptCheckpointError, FastCkptError
 from ..storage.homes import Homes, Location
 from ..storage.types import TargetNotFoundError
@@ -87,7 +87,7 @@ def checkpoint_files(h: Homes, path: str) -> tuple[list[FileSpec], dict]:
     m = group_manifest(loc)
     if m is not None:
         return [FileSpec(join(loc.url, rel), int(f["size"]), f.get("checksum"))
-                for rel, f in sorted(m.get("files", {}).items())], m
+                for rel, f in sorted(member_files(m, loc.url).items())], m
     m = file_manifest(loc)
     if not m:
         raise FastCkptError(f"{path} is not a complete fastckpt checkpoint: no {GROUP_MANIFEST} there, and no "

@@ -63,11 +63,14 @@ def check_file(h: Homes, spec: FileSpec, on_bytes=None) -> str | None:  # noqa: 
 
 
 def _checkpoints(h: Homes, path: str, opts: dict | None, newest_only: bool
-                 ) -> tuple[list[tuple[str, list[FileSpec]]], list[str]]:
-    """The checkpoints to check (each with its files) and the incomplete ones seen."""
+                 ) -> tuple[list[tuple[str, list[FileSpec]]], list[str], list[Checked]]:
+    """The checkpoints to check (each with its files), the incomplete ones seen, and the ones
+    whose manifest is damaged (reported bad, their files not read)."""
     try:
         files, _ = checkpoint_files(h, path)
-        return [(path, files)], []
+        return [(path, files)], [], []
+    except CorruptCheckpointError as exc:
+        return [], [], [Checked(path, path, None, str(exc).removeprefix(f"{path}: "))]
     except FastCkptError:
         pass  # not one checkpoint: a directory (or prefix) holding them
     entries = list_checkpoints(path, opts)
@@ -75,7 +78,13 @@ def _checkpoints(h: Homes, path: str, opts: dict | None, newest_only: bool
     if newest_only:
         complete = [e for e in complete if e.latest] or complete[-1:]
     incomplete = [e.path for e in entries if e.status == "incomplete"]
-    return [(e.path, checkpoint_files(h, e.path)[0]) for e in complete], incomplete
+    todo, broken = [], []
+    for e in complete:
+        try:
+            todo.append((e.path, checkpoint_files(h, e.path)[0]))
+        except CorruptCheckpointError as exc:
+            broken.append(Checked(e.path, e.path, None, str(exc).removeprefix(f"{e.path}: ")))
+    return todo, incomplete, broken
 
 
 @click.command()
@@ -94,10 +103,9 @@ def verify(path: str, newest_only: bool, jobs: int, storage_options: dict | None
     path = normalize(path)
     h = homes(storage_options)
     try:
-        todo, incomplete = _checkpoints(h, path, storage_options, newest_only)
+        todo, incomplete, results = _checkpoints(h, path, storage_options, newest_only)
         specs = [(ck, s) for ck, files in todo for s in files]
         sizes = [_size(h, s) for _, s in specs]
-        results: list[Checked] = []
         with progress(f"verifying {len(specs)} files", sum(x or 0 for x in sizes), enabled=not as_json) as bar, \
                 ThreadPoolExecutor(jobs, thread_name_prefix="fastckpt-verify") as files:
             futures = [files.submit(check_file, h, s, bar.advance) for _, s in specs]

@@ -37,7 +37,8 @@ class Attempt:
     go (``home``, or ``protocol.staged_place(home)`` for a re-save of a published group, then
     ``old`` is the manifest it replaces). ``channel`` is the attempt's store keys (None: the
     storage fallback). ``token`` names the attempt (None on other ranks without a store until
-    they read rank 0's). ``cancel`` is set by ``remove()``.
+    they read rank 0's). ``cancel`` is set by ``remove()``; ``move_latest=False`` (``commit``'s)
+    publishes the group without moving ``latest``.
     """
 
     group: str
@@ -47,6 +48,7 @@ class Attempt:
     channel: S.Channel | None
     token: str | None
     old: dict | None
+    move_latest: bool = True
     cancel: threading.Event = field(default_factory=threading.Event)
     handles: list[SaveHandle] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
@@ -69,14 +71,15 @@ class Ended:
 def publish(att: Attempt, world: int, entries: dict[int, dict], extra: dict, requested_at: float,
             check_sizes: bool) -> dict:
     """Rank 0: the manifest of this attempt, published (in place, or swapped in), then
-    ``latest`` moved to it."""
+    ``latest`` moved to it (unless ``att.move_latest`` is False)."""
     manifest = P.build_manifest(att.home, world, entries, extra, requested_at, att.token, check_sizes,
                                 files_at=att.place)
     if att.staged:
         resave.swap_in(att.home, att.place, manifest, att.old)
     else:
         att.home.put(P.GROUP_MANIFEST, P.manifest_bytes(manifest))
-    P.move_pointer(att.home.parent(), manifest["tag"], P.group_order(manifest))
+    if att.move_latest:
+        P.move_pointer(att.home.parent(), manifest["tag"], P.group_order(manifest))
     return manifest
 
 

@@ -145,13 +145,14 @@ class Coordinator:
                 att.channel.cancel(f"rank {rank} removed the group")
 
     def commit(self, group: str, rank: int, world: int, extra: dict,
-               finish: Callable[[SaveRecord], SaveRecord] = lambda r: r) -> Future:
+               finish: Callable[[SaveRecord], SaveRecord] = lambda r: r, move_latest: bool = True) -> Future:
         with self._lock:
             att = self._open.pop(group, None)
         if att is None:  # a rank that saved nothing into this group
             self.begin(group, rank, world)
             with self._lock:
                 att = self._open.pop(group)
+        att.move_latest = move_latest
         t_call, requested_at = time.monotonic(), time.time()
 
         def run() -> SaveRecord:

@@ -113,8 +113,8 @@ def _pointed(parent: Place) -> tuple[str, float] | None:
     """
     try:
         name = (parent.get(LATEST) or b"").decode().strip()
-        if not name or "/" in name or name in (".", "..") or name.startswith("."):
-            return None
+        if not name or "/" in name or "\\" in name or name.startswith(".") or parent.is_link(name):
+            return None  # garbage, or a name leading out of the directory: never followed
         m = read_group_manifest(parent.child(name))
         if m is not None:
             return name, group_order(m)
@@ -162,7 +162,7 @@ def build_manifest(place: Place, world_size: int, entries: dict[int, dict], extr
     files: dict[str, dict] = {}
     at = files_at or place
     for r in sorted(entries):
-        for rel, info in entries[r]["files"].items():
+        for rel, info in member_files(entries[r], f"{place.label} (rank {r}'s files)").items():
             size = at.size(rel) if check_sizes else info["size"]
             if size != info["size"]:
                 raise IncompleteCheckpointError(
@@ -182,16 +182,36 @@ def manifest_bytes(manifest: dict) -> bytes:
     return json.dumps(manifest, sort_keys=True, separators=(",", ":")).encode()
 
 
+def member_files(manifest: dict, where: str) -> dict[str, dict]:
+    """A group manifest's (or marker's) files, each name checked to stay inside the group: a
+    relative, '/'-separated path without '.', '..' or empty parts.
+
+    Raises:
+        CorruptCheckpointError: naming ``where`` and the entry that would lead out of it.
+    """
+    files = manifest.get("files")
+    if not isinstance(files, dict):
+        raise CorruptCheckpointError(f"{where}: its manifest has no file list")
+    for rel in files:
+        parts = rel.split("/") if isinstance(rel, str) else [""]
+        if rel.startswith("/") or "\\" in rel or any(p in ("", ".", "..") for p in parts):
+            raise CorruptCheckpointError(f"{where}: its manifest names {rel!r}, which leads out of the checkpoint; "
+                                         "not following it (the manifest is damaged or was edited)")
+    return files
+
+
 def publish_group(place: Place, world_size: int, markers: dict[int, dict], extra: dict,
-                  requested_at: float | None = None, token: str | None = None) -> dict:
-    """Check every rank's files, then publish the group manifest and move the latest pointer.
+                  requested_at: float | None = None, token: str | None = None, move_latest: bool = True) -> dict:
+    """Check every rank's files, then publish the group manifest and (``move_latest``) move the
+    latest pointer.
 
     Raises:
         IncompleteCheckpointError: a file's size is not what its rank committed.
     """
     manifest = build_manifest(place, world_size, markers, extra, requested_at, token)
     place.put(GROUP_MANIFEST, manifest_bytes(manifest))
-    move_pointer(place.parent(), manifest["tag"], group_order(manifest))
+    if move_latest:
+        move_pointer(place.parent(), manifest["tag"], group_order(manifest))
     return manifest
 
 
@@ -217,18 +237,22 @@ def incomplete_group_error(place: Place, world_size: int | None) -> IncompleteCh
 
 
 def publish_file(loc: Location, manifest: dict) -> None:
-    """A single file is durable and verified at ``loc``: publish it and move the pointer.
+    """A single file is durable and verified at ``loc``: publish it and, where the directory
+    keeps its pointer for files, move the pointer.
 
-    On an object store the sidecar is its publication (written last, after verification) and
-    the directory's ``latest`` pointer always follows. On a mounted file system the rename
-    already published the file; the pointer is moved only where a directory already keeps one
-    (group commits made it), so that pointer-first lookups stay right in a directory that mixes
-    groups and files, and a directory of plain files gets no extra file.
+    On an object store the sidecar is its publication (written last, after verification), and
+    the directory's ``latest`` follows it unless it names a group: a directory of groups keeps
+    its pointer for them (it is DeepSpeed's and Megatron's ``latest``: a file saved beside the
+    tags, such as ``save_16bit_model``'s, must not take it over). On a mounted file system the
+    rename already published the file, and files never write a pointer: a scan finds them, and a
+    directory of plain files gets no extra file.
     """
     parent, name = loc.place().parent(), posixpath.basename(loc.key)
-    if not loc.target.mounted:
-        parent.put(name + SIDECAR, json.dumps(manifest, sort_keys=True).encode())
-    elif parent.get(LATEST) is None:
+    if loc.target.mounted:
+        return
+    parent.put(name + SIDECAR, json.dumps(manifest, sort_keys=True).encode())
+    current = (parent.get(LATEST) or b"").decode().strip()
+    if current and "/" not in current and read_group_manifest(parent.child(current)) is not None:
         return
     move_pointer(parent, name, float(manifest.get("written_at", 0.0)))
 

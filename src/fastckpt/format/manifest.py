@@ -61,11 +61,24 @@ def tail_bytes(manifest: dict) -> bytes:
     return struct.pack("<H", len(body)) + body
 
 
+#: Pieces of every fastckpt manifest: a comment or trailer holding any of them is a fastckpt
+#: file, and must parse as one, or it is corrupt (never a plain zip to load unverified).
+_MARKERS = (b'{"' + MANIFEST_KEY.encode() + b'":', b'"' + ALGO.encode() + b'"', b'"covered":')
+
+
+def _carries_manifest(data: bytes) -> bool:
+    return any(m in data for m in _MARKERS)
+
+
 def parse_tail(tail: bytes, file_size: int) -> dict | None:
     """Find the fastckpt manifest in the last bytes of a file; None for a foreign zip.
 
+    A file whose comment (or, with a damaged end-of-directory record, whose last bytes) shows
+    any piece of a fastckpt manifest is a fastckpt file: one damaged byte must not turn off its
+    verification by making it look like a plain torch.save file.
+
     Raises:
-        CorruptCheckpointError: the trailer names a manifest that does not parse.
+        CorruptCheckpointError: a manifest is there but damaged, or does not parse.
     """
     idx = tail.rfind(EOCD_SIG)
     while idx >= 0:
@@ -73,16 +86,16 @@ def parse_tail(tail: bytes, file_size: int) -> dict | None:
             (n,) = struct.unpack_from("<H", tail, idx + 20)
             if idx + EOCD_LEN + n == len(tail):
                 comment = tail[idx + EOCD_LEN :]
-                if not comment.startswith(b'{"' + MANIFEST_KEY.encode()):
-                    return None
-                try:
-                    return json.loads(comment)[MANIFEST_KEY]
-                except (ValueError, KeyError) as exc:
-                    raise CorruptCheckpointError(f"manifest in the zip comment does not parse: {exc}") from exc
+                if comment.startswith(b'{"' + MANIFEST_KEY.encode() + b'":'):
+                    try:
+                        return json.loads(comment)[MANIFEST_KEY]
+                    except (ValueError, KeyError) as exc:
+                        raise CorruptCheckpointError(f"manifest in the zip comment does not parse: {exc}") from exc
+                if _carries_manifest(comment):
+                    raise CorruptCheckpointError("the zip comment holds a damaged fastckpt manifest")
+                return None
         idx = tail.rfind(EOCD_SIG, 0, idx)
-    if b'{"' + MANIFEST_KEY.encode() + b'":' in tail:
-        # A fastckpt manifest is there but the zip trailer around it is damaged: never let
-        # such a file pass as a plain torch.save file that loads unverified.
+    if _carries_manifest(tail):
         raise CorruptCheckpointError("the zip trailer holding the fastckpt manifest is damaged")
     return None
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -84,6 +85,22 @@ def sweep_stale_tmp(ops: FileOps, directory: str) -> int:
         discard(ops, os.path.join(directory, name))
         removed += 1
     return removed
+
+
+_swept: set[str] = set()
+_swept_lock = threading.Lock()
+
+
+def sweep_once(ops: FileOps, directory: str) -> None:
+    """``sweep_stale_tmp`` the first time this process writes into ``directory`` (a burst buffer,
+    a checkpoint's directory, a replication destination); logs what it removed."""
+    with _swept_lock:
+        if directory in _swept:
+            return
+        _swept.add(directory)
+    n = sweep_stale_tmp(ops, directory)
+    if n:
+        log.info("fastckpt: removed %d temp file(s) of dead processes in %s", n, directory)
 
 
 def discard(ops: FileOps, path: str) -> None:

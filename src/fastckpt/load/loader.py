@@ -8,21 +8,44 @@ the checksum of the covered bytes is computed while the bytes arrive. A copy tha
 or verify falls back to the next one with a warning. A file of a group is loaded only once its
 group is published. With ``prefetch=True`` a remote file is first downloaded into the burst
 buffer, so the next load is local.
+
+A file without a fastckpt manifest (written by plain ``torch.save``, another checkpointer, or a
+tool) loads unverified: reported at WARNING once per path and in the load's event, and refused
+with ``verify=True``. Such a file that is empty, not a torch file, or truncated raises
+``CorruptCheckpointError`` naming it and what is wrong.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import pickle
+import threading
+import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..commit.discovery import require_complete_group
-from ..errors import CorruptCheckpointError
+from ..errors import CorruptCheckpointError, UnverifiableCheckpointError
+from ..io.engine import ReadResult
 from ..storage.homes import Homes, Location
-from .deserialize import deserialize
+from .deserialize import ZIP_MAGIC, deserialize
 
 log = logging.getLogger("fastckpt")
+LEGACY_MAGIC = b"\x80\x02"  # torch.save's pre-zip format: a pickle, protocol 2
+_warned: set[str] = set()  # paths loaded unverified that were reported already
+_warned_lock = threading.Lock()
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    """How to load: ``map_location`` and ``weights_only`` as torch.load takes them; ``prefetch``
+    a remote file into the burst buffer first; ``verify``: refuse a file without a manifest."""
+
+    map_location: object = None
+    weights_only: bool = True
+    prefetch: bool = False
+    verify: bool = False
 
 
 @dataclass(frozen=True)
@@ -34,6 +57,7 @@ class Loaded:
     url: str
     size: int
     where: str
+    verified: bool = True
 
 
 class Loader:
@@ -46,25 +70,25 @@ class Loader:
     def __init__(self, homes: Homes, local_path: Callable[[str], str | None], chunk_bytes: int) -> None:
         self._homes, self._local_path, self._chunk = homes, local_path, chunk_bytes
 
-    def load(self, path: str, map_location: object, weights_only: bool, prefetch: bool) -> Loaded:
+    def load(self, path: str, opts: LoadOptions) -> Loaded:
         """Load ``path`` (normalised), preferring its verified burst-buffer copy.
 
         Raises:
-            CorruptCheckpointError: the bytes do not match the recorded checksum (every copy).
+            CorruptCheckpointError: the bytes do not match the recorded checksum (every copy),
+                or an unverifiable file is damaged.
+            UnverifiableCheckpointError: ``verify=True`` and the file has no manifest.
             IncompleteCheckpointError: the file's group was never committed.
         """
         home = self._homes.resolve(path)
         candidates = self._candidates(path, home)
-        if prefetch and not home.target.mounted and not candidates[:-1] and self._local_path(path):
+        if opts.prefetch and not home.target.mounted and not candidates[:-1] and self._local_path(path):
             local = self._homes.resolve(self._local_path(path))  # type: ignore[arg-type]
             os.makedirs(os.path.dirname(local.url), exist_ok=True)
             home.target.download(home.key, local.url)
-            obj, size = self._verified(local, map_location, weights_only)
-            return Loaded(obj, path, size, "remote (prefetched)")
+            return self._read(local, opts, path, "remote (prefetched)")
         for i, (loc, where) in enumerate(candidates):
             try:
-                obj, size = self._verified(loc, map_location, weights_only)
-                return Loaded(obj, loc.url, size, where)
+                return self._read(loc, opts, loc.url, where)
             except (CorruptCheckpointError, OSError) as exc:
                 if i + 1 == len(candidates):
                     raise
@@ -90,15 +114,47 @@ class Loader:
             return False
         return bool(a and b) and a.get("checksum") != b.get("checksum")
 
-    def _verified(self, loc: Location, map_location: object, weights_only: bool) -> tuple[object, int]:
+    def _read(self, loc: Location, opts: LoadOptions, url: str, where: str) -> Loaded:
         res = loc.target.read_object(loc.key, chunk_bytes=self._chunk)
         if res.manifest is None:
-            log.info("fastckpt: %s has no fastckpt manifest; loading it unverified", loc.url)
-        else:
-            require_complete_group(self._homes, loc.url, res.manifest)
-            want = res.manifest["checksum"]["value"]
-            if res.checksum != want:
-                raise CorruptCheckpointError(
-                    f"{loc.url} is corrupt: checksum {res.checksum} != {want} recorded when it was written. "
-                    "Restore from another copy or an earlier checkpoint (fastckpt.latest(...)).")
-        return deserialize(res.buffer, res.size, map_location, weights_only, loc.url), res.size
+            if opts.verify:
+                raise UnverifiableCheckpointError(
+                    f"{loc.url} has no fastckpt manifest (a plain torch.save file?): nothing records what its bytes "
+                    "should be. Load it with verify=False to accept it unverified.")
+            _warn_unverified(loc.url)
+            return Loaded(_unverified(res, loc.url, opts), url, res.size, where, verified=False)
+        require_complete_group(self._homes, loc.url, res.manifest)
+        want = res.manifest["checksum"]["value"]
+        if res.checksum != want:
+            raise CorruptCheckpointError(
+                f"{loc.url} is corrupt: checksum {res.checksum} != {want} recorded when it was written. "
+                "Restore from another copy or an earlier checkpoint (fastckpt.latest(...)).")
+        return Loaded(deserialize(res.buffer, res.size, opts.map_location, opts.weights_only, loc.url), url, res.size,
+                      where)
+
+
+def _warn_unverified(url: str) -> None:
+    with _warned_lock:
+        first = url not in _warned
+        _warned.add(url)
+    if first:
+        log.warning("fastckpt: %s has no fastckpt manifest (written by plain torch.save or another tool?): loading "
+                    "it unverified; load(..., verify=True) refuses such files", url)
+
+
+def _unverified(res: ReadResult, url: str, opts: LoadOptions) -> object:
+    """A file without a manifest: only its own structure can say it is damaged."""
+    head = bytes(memoryview(res.buffer)[: min(4, res.size)])
+    if res.size == 0:
+        raise CorruptCheckpointError(f"{url} is empty (0 bytes): it was truncated or never written. Load an "
+                                     "earlier checkpoint (fastckpt.latest(...)).")
+    if head != ZIP_MAGIC and not head.startswith(LEGACY_MAGIC):
+        raise CorruptCheckpointError(f"{url} is not a torch.save file (it starts with {head!r}, not a zip or "
+                                     "pickle header): damaged, or not a checkpoint.")
+    try:
+        return deserialize(res.buffer, res.size, opts.map_location, opts.weights_only, url)
+    except pickle.UnpicklingError:
+        raise  # weights_only refused an object: not damage (the error says how to opt in)
+    except (RuntimeError, EOFError, KeyError, ValueError, zipfile.BadZipFile, pickle.PickleError) as exc:
+        raise CorruptCheckpointError(f"{url} is truncated or damaged: torch cannot read it ({exc}). Load an "
+                                     "earlier checkpoint (fastckpt.latest(...)).") from exc

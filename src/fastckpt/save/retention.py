@@ -69,6 +69,8 @@ class Retention:
         try:
             fn(path)
             log.info("fastckpt: retention removed the %s of %s", what, path)
+        except FileNotFoundError:  # another rank sharing this burst buffer removed it first
+            log.debug("fastckpt: the %s of %s was already removed", what, path)
         except OSError as exc:  # retention must not fail a save; say so and go on
             log.warning("fastckpt: retention could not remove the %s of %s: %s", what, path, exc)
 

@@ -81,6 +81,7 @@ class StagingPool:
         self._cv = threading.Condition()
         self._buffers: list[StagingBuffer] = []
         self._pending: list[tuple[int, bool]] = []  # reservations being allocated: (capacity, pinned)
+        self._fillers: list[threading.Thread] = []  # their threads, joined by close()
         self._closed = False
         self.max_buffers = max_buffers
 
@@ -140,7 +141,10 @@ class StagingPool:
                 return fut
             self._pending.extend([(cap, pinned)] * n)
         # not a daemon: the interpreter waits for it at exit instead of killing it inside torch
-        threading.Thread(target=self._fill, args=(cap, pinned, n, fut), name="fastckpt-reserve").start()
+        t = threading.Thread(target=self._fill, args=(cap, pinned, n, fut), name="fastckpt-reserve")
+        with self._cv:
+            self._fillers = [f for f in self._fillers if f.is_alive()] + [t]
+        t.start()
         return fut
 
     def _fill(self, cap: int, pinned: bool, n: int, fut: Future) -> None:
@@ -180,18 +184,19 @@ class StagingPool:
             self._cv.notify_all()
 
     def close(self) -> None:
-        """Drop the idle buffers (busy ones go when released). Their memory is unmapped on a
-        short-lived thread: freeing a prefaulted buffer costs about 60 ms per GB here, which
-        the caller (e.g. a framework's teardown on the training thread) need not wait for."""
+        """Drop the idle buffers (busy ones go when released), after any reservation still
+        allocating has stopped: no thread of the pool outlives ``close`` (a framework's teardown
+        may check that none of fastckpt's threads is left). Freeing a prefaulted buffer costs
+        about 60 ms per GB here, on the caller's thread."""
         with self._cv:
-            self._closed = True
+            self._closed = True  # a reservation thread stops after its current buffer
+            fillers, self._fillers = self._fillers, []
+        for t in fillers:
+            t.join()
+        with self._cv:
             idle = [b for b in self._buffers if b.owner is None]
             self._buffers = [b for b in self._buffers if b.owner is not None]
-        # At interpreter exit (the Checkpointer's atexit flush; the main thread no longer counts
-        # as alive) a thread started now would not be joined and could be killed inside torch's
-        # deallocation: the buffers are freed here instead, when ``idle`` goes.
-        if idle and threading.main_thread().is_alive():
-            threading.Thread(target=idle.clear, name="fastckpt-free").start()
+        idle.clear()
 
 
 @dataclass

@@ -20,7 +20,7 @@ from dataclasses import replace
 from ..format import layout as F
 from ..format.manifest import file_manifest, tail_bytes
 from ..inflight import raise_as_write_error
-from ..io.atomic import Staged, sweep_stale_tmp
+from ..io.atomic import Staged, sweep_once
 from ..io.engine import WriteResult, write_file
 from ..io.gds import finish_gds_file, gds_write
 from ..io.ops import FileOps
@@ -58,15 +58,6 @@ class FileWriter:
                  emit: Callable[..., None], local_dir: str | None = None) -> None:
         self._ops, self._io, self._staging, self._chunk = ops, io_pool, staging, chunk_bytes
         self._emit, self._local_dir = emit, local_dir
-        self._swept: set[str] = set()
-
-    def _sweep(self, directory: str) -> None:
-        """Once per directory: remove temp files that killed processes left there."""
-        if directory not in self._swept:
-            self._swept.add(directory)
-            n = sweep_stale_tmp(self._ops, directory)
-            if n:
-                log.info("fastckpt: removed %d temp file(s) of dead processes in %s", n, directory)
 
     def write(self, snap: Snapshot, base: SaveRecord, dest: str, t_call: float, odirect: bool) -> SaveRecord:
         """Write the snapshot to ``dest`` (temp, fsync, rename, dir fsync); release its buffer.
@@ -89,7 +80,7 @@ class FileWriter:
                 snap.wait_ready()
             layout = snap.layout
             self._ops.makedirs(os.path.dirname(dest))
-            self._sweep(os.path.dirname(dest))
+            sweep_once(self._ops, os.path.dirname(dest))  # what killed writers left there
             res = write_file(self._ops, self._io, st.tmp, snap.buffer.view, layout.covered_bytes,
                              lambda digest, blocks: tail_bytes(manifest_of(base_now(), layout, digest, blocks)),
                              chunk_bytes=self._chunk, odirect=odirect,

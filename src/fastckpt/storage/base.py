@@ -111,6 +111,10 @@ class Target(ReadSide, abc.ABC):
     #: to it go through a local burst buffer.
     mounted = False
 
+    def is_link(self, key: str) -> bool:
+        """Whether ``key`` is a symbolic link (readers never follow one out of a checkpoint root)."""
+        return False
+
     def part_bytes(self, chunk_bytes: int) -> int:
         """The transfer size this target prefers for copies of ``chunk_bytes`` I/O chunks."""
         return chunk_bytes

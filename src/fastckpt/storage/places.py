@@ -75,6 +75,10 @@ class Place:
         except TargetNotFoundError:
             return -1
 
+    def is_link(self, rel: str) -> bool:
+        """Whether ``rel`` is a symbolic link."""
+        return self.target.is_link(self._k(rel))
+
     def delete(self, rel: str) -> None:
         """Remove a file; a missing one is fine."""
         self.target.delete(self._k(rel))

@@ -88,6 +88,9 @@ class PosixTarget(Target):
     def url_of(self, key: str) -> str:
         return self._path(key)
 
+    def is_link(self, key: str) -> bool:
+        return os.path.islink(self._path(key))
+
     def _path(self, key: str) -> str:
         return os.path.join(self.root, *check_key(key).split("/"))
 
@@ -116,6 +119,7 @@ class PosixTarget(Target):
                   progress: Progress, expect: Expected | None) -> int:
         what = f"copy of {local_path} to {self.url_of(key)}"
         self._check_root(writing_for=what)
+        atomic.sweep_once(self.ops, os.path.dirname(self._path(key)))  # temp files of killed copies
         if expect is not None:
             progress.copies = self._retry(what, lambda: self._copy_verified(local_path, key, expect, limiter,
                                                                             chunk_bytes, what), progress=progress)

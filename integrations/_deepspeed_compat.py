@@ -1,0 +1,75 @@
+"""The group protocol's small files the DeepSpeed integration reads and writes (manifest, rank
+markers, DeepSpeed's ``latest`` file) at a directory or a URL, and a group's files downloaded
+into the burst buffer: all through ``storage.homes``, as the core does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from fastckpt.commit.discovery import scan
+from fastckpt.commit.protocol import GROUP_MANIFEST, LATEST, MARKER_DIR, group_order
+from fastckpt.storage.homes import Homes
+from fastckpt.storage.places import Place
+from fastckpt.urls import is_url, normalize
+
+__all__ = ["GROUP_MANIFEST", "is_url", "normalize", "Store"]
+
+
+class Store:
+    """The small files of checkpoints under one root (a directory or URL).
+
+    Args:
+        storage_options: fsspec options for URLs (the Checkpointer's).
+    """
+
+    def __init__(self, storage_options: dict | None) -> None:
+        self._homes = Homes(storage_options)
+
+    def place(self, where: str) -> Place:
+        return self._homes.resolve(where).place()
+
+    def pointer(self, root: str) -> str | None:
+        """What ``root/latest`` says (stripped), or None when there is none."""
+        data = self.place(root).get(LATEST)
+        name = data.decode().strip() if data is not None else ""
+        return name or None
+
+    def set_pointer(self, root: str, name: str) -> None:
+        """Point ``root/latest`` at ``name`` (atomic: temp, fsync, rename; one PUT at a URL)."""
+        self.place(root).put(LATEST, name.encode())
+
+    def newest_group(self, root: str) -> str | None:
+        """The newest complete group directly under ``root`` by a scan (not the pointer: the
+        caller compares the two), or None."""
+        groups = [f for f in scan(self._homes.resolve(root), max_depth=1) if f.kind == "group"]
+        return groups[-1].path if groups else None
+
+    def manifest(self, group: str) -> dict | None:
+        data = self.place(group).get(GROUP_MANIFEST)
+        return json.loads(data) if data is not None else None
+
+    def attempted(self, group: str) -> bool:
+        """fastckpt started saving ``group`` (rank markers or a manifest exist)."""
+        place = self.place(group)
+        return bool(place.names(MARKER_DIR)) or place.get(GROUP_MANIFEST) is not None
+
+    def download_group(self, url: str, local: str, names: list[str]) -> None:
+        """Copy ``names`` (files of the committed group at ``url``) that are missing in
+        ``local``, then its manifest, so loads there read the burst buffer."""
+        home = self._homes.resolve(url)
+        os.makedirs(local, exist_ok=True)
+        for name in names:
+            dest = os.path.join(local, *name.split("/"))
+            if not os.path.exists(dest):
+                os.makedirs(os.path.dirname(dest), exist_ok=True)
+                home.target.download(f"{home.key}/{name}", dest)
+        data = self.place(url).get(GROUP_MANIFEST)
+        if data is not None:
+            self.place(local).put(GROUP_MANIFEST, data)
+
+
+def order(manifest: dict) -> float:
+    """When a group was committed, for ordering (rank 0's commit call)."""
+    return group_order(manifest)

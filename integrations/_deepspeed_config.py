@@ -1,0 +1,150 @@
+"""The ``"fastckpt"`` section of a DeepSpeed config, read and validated once, where the engine
+is built (``initialize`` before DeepSpeed starts; ``attach`` for an engine built elsewhere).
+
+The section holds ``enabled``, ``weights_only`` and the Checkpointer options (the fields of
+``fastckpt.config.CheckpointerConfig``); docs/deepspeed.md lists them all. DeepSpeed ignores
+keys it does not know, so a typo here would silently turn nothing on: every key and type is
+checked, and an error lists the valid keys.
+"""
+
+from __future__ import annotations
+
+import copy
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from types import MappingProxyType, NoneType
+
+from fastckpt import config as config_module
+from fastckpt.config import CheckpointerConfig
+from fastckpt.errors import ConfigError
+
+SECTION = "fastckpt"
+#: The section's own keys (not Checkpointer options): name -> (type, meaning).
+OWN_KEYS: dict[str, tuple[type, str]] = {
+    "enabled": (bool, "false leaves DeepSpeed's own checkpoint engine in place (default true)"),
+    "weights_only": (bool, "false unpickles checkpoints with arbitrary Python objects: only for files you "
+                           "trust (default true: tensors, plain types and DeepSpeed's own classes)"),
+}
+#: Checkpointer options that a config file cannot carry, and where they go instead.
+NOT_IN_CONFIG = {
+    "on_overhead_exceeded": "a function: pass attach(engine, checkpointer=fastckpt.Checkpointer(on_overhead_exceeded=...))",
+    "rank": "taken from torch.distributed",
+    "world_size": "taken from torch.distributed",
+    "ops": "an object (the FileOps seam): pass attach(engine, checkpointer=fastckpt.Checkpointer(ops=...))",
+    "sinks": "objects (EventSinks): pass attach(engine, checkpointer=fastckpt.Checkpointer(sinks=...))",
+}
+#: Option values never written back into the config DeepSpeed keeps (it prints its config at
+#: start-up and stores it in every ZeRO checkpoint file).
+SECRET_KEYS = ("storage_options",)
+REDACTED = "<redacted by fastckpt>"
+
+
+@dataclass(frozen=True)
+class Section:
+    """A validated ``"fastckpt"`` section.
+
+    Attributes:
+        enabled: False leaves DeepSpeed alone.
+        weights_only: load with ``torch.load(weights_only=True)`` plus DeepSpeed's classes.
+        options: keyword arguments for ``fastckpt.Checkpointer`` (already validated).
+    """
+
+    enabled: bool = True
+    weights_only: bool = True
+    options: Mapping[str, object] = field(default_factory=lambda: MappingProxyType({}))
+
+
+def _option_types() -> dict[str, tuple[type, ...]]:
+    namespace = vars(config_module)  # the options a config can carry have plain JSON types
+    out: dict[str, tuple[type, ...]] = {}
+    for f in fields(CheckpointerConfig):
+        if f.name in NOT_IN_CONFIG:
+            continue
+        hint = eval(f.type, namespace) if isinstance(f.type, str) else f.type  # noqa: S307 (our own annotation)
+        args = typing.get_args(hint) or (hint,)
+        out[f.name] = tuple(a for a in args if isinstance(a, type))
+    return out
+
+
+def _type_name(types: tuple[type, ...]) -> str:
+    json_names = {NoneType: "null", float: "number", dict: "object"}
+    names = [json_names.get(t, t.__name__) for t in types]
+    return " or ".join(names)
+
+
+def valid_keys() -> str:
+    """Every key the section accepts, with its type, for error messages."""
+    own = [f"{k} ({t.__name__})" for k, (t, _) in OWN_KEYS.items()]
+    return ", ".join(own + [f"{k} ({_type_name(t)})" for k, t in _option_types().items()])
+
+
+def _type_ok(value: object, types: tuple[type, ...]) -> bool:
+    if isinstance(value, bool):  # a bool is an int to Python, never a number to a config
+        return bool in types
+    if isinstance(value, int) and float in types:
+        return True
+    return isinstance(value, types)
+
+
+def parse_section(raw: object, where: str = "the DeepSpeed config") -> Section:
+    """Validate a ``"fastckpt"`` section (a dict).
+
+    Raises:
+        ConfigError: not a dict, an unknown key, a value of the wrong type, or a value the
+            Checkpointer refuses; the message names the key and lists the valid keys.
+    """
+    if raw is None:
+        return Section(enabled=False)
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f'"{SECTION}" in {where} must be an object of options, got {type(raw).__name__}; '
+                          f"valid keys: {valid_keys()}")
+    types = _option_types()
+    misplaced = sorted(k for k in raw if k in NOT_IN_CONFIG)
+    if misplaced:
+        raise ConfigError(f'"{SECTION}" in {where}: {", ".join(f"{k} is {NOT_IN_CONFIG[k]}" for k in misplaced)}')
+    unknown = sorted(k for k in raw if k not in types and k not in OWN_KEYS)
+    if unknown:
+        raise ConfigError(f'unknown key(s) {unknown} in the "{SECTION}" section of {where}; '
+                          f"valid keys: {valid_keys()}")
+    for key, value in raw.items():
+        want = (OWN_KEYS[key][0],) if key in OWN_KEYS else types[key]
+        if not _type_ok(value, want):
+            raise ConfigError(f'"{SECTION}.{key}" in {where} must be {_type_name(want)}, got {value!r}; '
+                              f"valid keys: {valid_keys()}")
+    options = {k: v for k, v in raw.items() if k not in OWN_KEYS}
+    try:
+        CheckpointerConfig(**options)  # type: ignore[arg-type]
+    except ConfigError as exc:
+        exc.add_note(f'(in the "{SECTION}" section of {where})')
+        raise
+    return Section(bool(raw.get("enabled", True)), bool(raw.get("weights_only", True)),
+                   MappingProxyType(dict(options)))
+
+
+def read_config(config: str | Mapping | None) -> dict | None:
+    """A DeepSpeed config given as DeepSpeed accepts it: a dict, a JSON/HJSON file path, or
+    base64 JSON. None stays None."""
+    if config is None:
+        return None
+    if isinstance(config, Mapping):
+        return dict(config)
+    from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config
+
+    return load_ds_config(config)
+
+
+def section_of(config: Mapping | None, where: str = "the DeepSpeed config") -> Section:
+    """The validated section of a whole DeepSpeed config (disabled when there is none)."""
+    return parse_section((config or {}).get(SECTION), where)
+
+
+def redacted(config: dict) -> dict:
+    """``config`` with the section's secrets (fsspec credentials) replaced, for DeepSpeed to keep."""
+    raw = config.get(SECTION)
+    if not isinstance(raw, Mapping) or not any(isinstance(raw.get(k), Mapping) for k in SECRET_KEYS):
+        return config
+    out = dict(config)
+    out[SECTION] = {k: ({kk: REDACTED for kk in v} if k in SECRET_KEYS and isinstance(v, Mapping) else copy.copy(v))
+                    for k, v in raw.items()}
+    return out

@@ -1,0 +1,303 @@
+"""The engine-level half of the DeepSpeed integration: thin wrappers around one engine's public
+``save_checkpoint``, ``load_checkpoint`` and ``destroy`` (set on the instance; DeepSpeed's
+classes are untouched), and the report of each checkpoint.
+
+Who calls what (every rank, training thread, unless noted):
+  save_checkpoint(save_dir, tag, ..., save_latest)
+      report the checkpoints that finished since the last call (raises a failed one, once)
+      -> rank 0: remove an incomplete earlier attempt at save_dir/tag (a crashed run's
+         leftovers; DeepSpeed's barrier right after orders this before any rank's save)
+      -> DeepSpeed's save_checkpoint(..., save_latest=False): snapshots, then
+         FastCkptEngine.commit, which asks the group commit to move ``latest`` if the caller
+         asked for save_latest. DeepSpeed's own plain write of ``latest`` is switched off: it
+         would name the tag before its files are durable, and race the commit's atomic one.
+  load_checkpoint(load_dir, tag=None, ...)
+      wait for this engine's pending saves -> resolve the tag (``resolve_tag``) -> a URL's
+      group is read through the burst buffer (downloaded first on a fresh node) -> DeepSpeed's
+      load_checkpoint
+  destroy() and interpreter exit: wait for pending saves, report them, close an owned
+      Checkpointer.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import posixpath
+import threading
+import time
+import weakref
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from fastckpt import Checkpointer, IncompleteCheckpointError
+from fastckpt.errors import ConfigError, ReplicationError
+
+from ._deepspeed_compat import Store, is_url, normalize, order
+from ._deepspeed_engine import FastCkptEngine, PendingCommit
+
+if TYPE_CHECKING:
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+log = logging.getLogger("fastckpt.deepspeed")
+
+
+class OwnedCheckpointer:
+    """The Checkpointer the integration made from the config section: created at attach (so the
+    overhead clock starts with training), closed by ``destroy()``, made again if saves follow."""
+
+    def __init__(self, options: Mapping[str, object]) -> None:
+        self._options = dict(options)
+        self._ck: Checkpointer | None = Checkpointer(**self._options)  # type: ignore[arg-type]
+
+    def __call__(self) -> Checkpointer:
+        if self._ck is None:
+            self._ck = Checkpointer(**self._options)  # type: ignore[arg-type]
+        return self._ck
+
+    def close(self) -> None:
+        ck, self._ck = self._ck, None
+        if ck is not None:
+            ck.close()
+
+
+@dataclass(frozen=True)
+class CheckpointReport:
+    """One committed checkpoint, as rank 0 logs it and writes it to DeepSpeed's monitor."""
+
+    tag: str
+    group: str
+    samples: int
+    stall_s: float  # the training thread inside save_checkpoint
+    blocked_s: float  # of which snapshots (fastckpt's blocked time)
+    durable_s: float | None  # save_checkpoint called -> every rank's files durable, published
+    overhead: float  # fastckpt's blocked time / wall time, over the run
+
+    def events(self) -> list[tuple[str, float, int]]:
+        """DeepSpeed monitor events (name, value, step: global samples, as DeepSpeed's own)."""
+        rows = [("Checkpoint/fastckpt_stall_s", self.stall_s), ("Checkpoint/fastckpt_blocked_s", self.blocked_s),
+                ("Checkpoint/fastckpt_overhead", self.overhead)]
+        if self.durable_s is not None:
+            rows.append(("Checkpoint/fastckpt_durable_s", self.durable_s))
+        return [(name, float(value), self.samples) for name, value in rows]
+
+
+def _join(root: str, name: str) -> str:
+    return posixpath.join(root, name) if is_url(root) else os.path.join(root, name)
+
+
+def _parent(path: str) -> str:
+    return normalize(posixpath.dirname(path) if is_url(path) else os.path.dirname(path))
+
+
+def resolve_tag(store: Store, root: str, storage_options: dict | None) -> tuple[str | None, bool]:
+    """The tag ``load_checkpoint(root)`` loads, and whether ``root/latest`` lags behind it.
+
+    ``root/latest`` decides when it names a complete checkpoint (or a tag fastckpt never
+    wrote: DeepSpeed's own engine's). It can name an incomplete one only after a re-save of
+    that tag began; it lags when a crash fell between a group's publication and the pointer's
+    move. Then the newest complete group under ``root`` that was saved with save_latest wins.
+    """
+    named = store.pointer(root)
+    newest = store.newest_group(root)
+    cand, cand_m = None, None
+    if newest is not None and _parent(newest) == root:
+        cand = newest.rsplit("/", 1)[-1]
+        cand_m = store.manifest(newest)
+    if named is None:
+        return cand, cand is not None
+    named_m = store.manifest(_join(root, named))
+    if named_m is None:  # not complete: a plain DeepSpeed tag, or a fastckpt attempt under way
+        if store.attempted(_join(root, named)):
+            return cand, cand is not None
+        return named, False
+    if cand_m is not None and cand != named and cand_m.get("save_latest", True) and order(cand_m) > order(named_m):
+        return cand, True
+    return named, False
+
+
+class EngineHooks:
+    """The wrappers of one DeepSpeedEngine (see the module docstring)."""
+
+    def __init__(self, engine: DeepSpeedEngine, fe: FastCkptEngine, owned: OwnedCheckpointer | None, flush_at_exit: bool) -> None:
+        self.engine, self.fe, self.owned = engine, fe, owned
+        self._save = engine.save_checkpoint  # DeepSpeed's, bound
+        self._load = engine.load_checkpoint
+        self._destroy = engine.destroy
+        self.closed = False
+        if flush_at_exit:
+            threading._register_atexit(_flush_at_exit, weakref.ref(self))  # noqa: SLF001 (see _flush_at_exit)
+
+    def install(self) -> None:
+        self.engine.checkpoint_engine = self.fe
+        self.engine.save_checkpoint = self.save_checkpoint
+        self.engine.load_checkpoint = self.load_checkpoint
+        self.engine.destroy = self.destroy
+
+    @property
+    def _rank0(self) -> bool:
+        return self.engine.global_rank == 0
+
+    def _store(self) -> Store:
+        return Store(self.fe.checkpointer.config.storage_options)
+
+    def _where(self, home: str) -> tuple[str, tuple[str, str] | None]:
+        """The directory DeepSpeed is given for ``home``: itself, or for a URL its burst-buffer
+        mirror (DeepSpeed globs, opens and copies scripts into real directories)."""
+        if not is_url(home):
+            return home, None
+        local = self.fe.checkpointer.local_path(home)
+        if local is None:
+            raise ConfigError(f"{home} is a URL: saving or loading DeepSpeed checkpoints there needs a burst "
+                              'buffer: set "local_dir" in the "fastckpt" section of the DeepSpeed config')
+        return local, (local, home)
+
+    # ------------------------------------------------------------------ wrappers
+    def save_checkpoint(self, save_dir: str, tag: object = None, client_state: dict | None = None,
+                        save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
+        """DeepSpeed's ``save_checkpoint``; returns once every rank's snapshot is taken."""
+        self.closed = False
+        self.report(wait=False)
+        tag = str(tag) if tag is not None else f"global_step{self.engine.global_steps}"  # DeepSpeed's default
+        home = normalize(save_dir)
+        where, alias = self._where(home)
+        if self._rank0:
+            self._clear_leftover(_join(home, tag))
+        self.fe.begin(alias, bool(save_latest), int(self.engine.global_samples))
+        try:
+            return self._save(where, tag=tag, client_state={} if client_state is None else client_state,
+                              save_latest=False, exclude_frozen_parameters=exclude_frozen_parameters)
+        finally:
+            self.fe.end()
+
+    def load_checkpoint(self, load_dir: str, tag: object = None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False, custom_load_fn: Callable | None = None) -> tuple:
+        """DeepSpeed's ``load_checkpoint``, after this engine's pending saves are durable; with no
+        tag, the newest complete checkpoint (``resolve_tag``)."""
+        self.flush()
+        home = normalize(load_dir)
+        where, alias = self._where(home)
+        if tag is None and not self.engine.load_universal_checkpoint():
+            tag = self._resolve(home)
+        if tag is not None and alias is not None:
+            self._fetch(home, where, str(tag))
+        self.fe.begin(alias, None, int(self.engine.global_samples))
+        try:
+            return self._load(where, tag=tag, load_module_strict=load_module_strict,
+                              load_optimizer_states=load_optimizer_states,
+                              load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
+                              custom_load_fn=custom_load_fn)
+        finally:
+            self.fe.end()
+
+    def destroy(self) -> None:
+        """Flush pending saves (and close an owned Checkpointer), then DeepSpeed's ``destroy``."""
+        try:
+            self.close()
+        finally:
+            self._destroy()
+
+    # ------------------------------------------------------------------ flushing and reporting
+    def flush(self) -> None:
+        """Wait until every save so far is durable (at most ``close_timeout_s`` when set);
+        report them; raise a failure once."""
+        timeout = self.fe.checkpointer.config.close_timeout_s
+        self.report(wait=True, timeout_s=timeout)
+        self.fe.checkpointer.wait(timeout)
+
+    def close(self) -> None:
+        self.flush()
+        self.closed = True
+        if self.owned is not None:
+            self.owned.close()
+
+    def report(self, wait: bool, timeout_s: float | None = None) -> None:
+        """Report finished checkpoints (with ``wait``, all of them, within ``timeout_s``), oldest
+        first; a failed one is raised here (its handle marks it seen, so the Checkpointer does
+        not raise it again).
+
+        Raises:
+            ReplicationError: ``timeout_s`` passed with checkpoints still pending.
+        """
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while self.fe.pending and (wait or self.fe.pending[0].handle.done()):
+            p = self.fe.pending.pop(0)
+            try:
+                rec = p.handle.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                if p.handle.done():  # the commit's own failure (CommitTimeoutError), not our wait
+                    raise
+                self.fe.pending.insert(0, p)
+                raise ReplicationError(f"checkpoint {p.group} is still not committed after close_timeout_s="
+                                       f"{timeout_s} s; its files stay where they are (an incomplete tag is "
+                                       "never loaded)") from None
+            if not self._rank0:
+                continue
+            stall = p.stall_s if p.stall_s is not None else p.committed - p.started
+            durable = None if rec.durable_s is None else p.committed - p.started + rec.durable_s
+            self._publish(CheckpointReport(p.tag, p.group, p.samples, stall, rec.blocked_s, durable,
+                                           self.fe.checkpointer.stats().overhead))
+
+    def _publish(self, r: CheckpointReport) -> None:
+        from deepspeed.utils import logger as ds_logger
+
+        if r.durable_s is None:
+            ds_logger.info("fastckpt: checkpoint %s: training blocked %.3f s; superseded by a newer one before "
+                           "it was replicated", r.group, r.stall_s)
+        else:
+            ds_logger.info("fastckpt: checkpoint %s: training blocked %.3f s (snapshot %.3f s), durable after "
+                           "%.3f s; checkpoint overhead %.2f %% of wall time", r.group, r.stall_s, r.blocked_s,
+                           r.durable_s, 100 * r.overhead)
+        monitor = getattr(self.engine, "monitor", None)
+        if monitor is not None and monitor.enabled:
+            monitor.write_events(r.events())
+
+    # ------------------------------------------------------------------ internals
+    def _pending_for(self, group: str) -> list[PendingCommit]:
+        return [p for p in self.fe.pending if p.group == group]
+
+    def _clear_leftover(self, group: str) -> None:
+        """Rank 0, before a save into ``group``: an attempt that never completed (a crashed
+        run's) is removed, so its rank markers cannot be mistaken for the new attempt's."""
+        if self._pending_for(group):
+            self.flush()  # this run's own attempt at the same tag: let it finish first
+        store = self._store()
+        if store.attempted(group) and store.manifest(group) is None:
+            log.info("fastckpt: removing %s, an incomplete earlier attempt at this checkpoint", group)
+            self.fe.checkpointer.remove(group)
+
+    def _resolve(self, root: str) -> str | None:
+        tag, lagging = resolve_tag(self._store(), root, self.fe.checkpointer.config.storage_options)
+        if lagging and self._rank0 and tag is not None:
+            log.info("fastckpt: %s/latest moves to %s, the newest complete checkpoint", root, tag)
+            self._store().set_pointer(root, tag)
+        return tag
+
+    def _fetch(self, url: str, local_root: str, tag: str) -> None:
+        """Make the burst-buffer copy of ``url/tag`` complete (a fresh node has none)."""
+        store = self._store()
+        local = os.path.join(local_root, tag)
+        if store.manifest(local) is not None:
+            return
+        manifest = store.manifest(_join(url, tag))
+        if manifest is None:
+            raise IncompleteCheckpointError(
+                f"checkpoint {url}/{tag} is incomplete (it has no manifest); load the newest complete one with "
+                f"load_checkpoint({url!r}) and no tag, or fastckpt.latest({url!r}, storage_options=...)")
+        started = time.monotonic()
+        store.download_group(_join(url, tag), local, sorted(manifest["files"]))
+        log.info("fastckpt: downloaded %s into the burst buffer in %.2f s", _join(url, tag), time.monotonic() - started)
+
+
+def _flush_at_exit(ref: weakref.ref) -> None:
+    """Runs before the interpreter stops its thread pools (``threading._register_atexit``: a
+    plain ``atexit`` hook runs after them, when no write could be scheduled any more)."""
+    hooks = ref()
+    if hooks is None or hooks.closed:
+        return
+    try:
+        hooks.close()
+    except BaseException as exc:  # noqa: BLE001 (at exit there is no caller left to raise to)
+        log.error("fastckpt: a pending DeepSpeed checkpoint failed at exit: %r", exc)

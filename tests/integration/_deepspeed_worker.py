@@ -1,0 +1,268 @@
+"""Run by test_deepspeed.py under torchrun (1 or 2 processes, gloo, DS_ACCELERATOR=cpu).
+
+Usage: _deepspeed_worker.py ROOT SCENARIO[,SCENARIO...]. The scenarios run one after another in
+one process, so DeepSpeed's start-up is paid once; each asserts what it can see itself, and each
+rank writes ROOT/results/rank{r}.json with what the test checks from outside:
+  roundtrip  ZeRO 0-3: train, save, train on, load into a fresh engine: weights, optimizer
+             state, lr scheduler and client_state equal the saved ones, and training from there
+             matches the uninterrupted run
+  convert    DeepSpeed's zero_to_fp32 reads the ZeRO-2 and ZeRO-3 checkpoints (after roundtrip)
+  interop    DeepSpeed's own engine loads a fastckpt checkpoint and the other way round; a load
+             right after a save waits for it
+  report     attach() on an engine from deepspeed.initialize; DeepSpeed's logger and its CSV
+             monitor get each checkpoint's numbers
+  unsafe     a crafted checkpoint that would run code is refused; "weights_only": false opts in
+  switch     no section, or "enabled": false, leaves DeepSpeed's own engine
+  s3         save to s3:// (FASTCKPT_TEST_S3 names the server), load there, and on a fresh node
+  destroy    destroy() returns with the checkpoint durable
+  exit       the last save is still in flight when main returns: interpreter exit flushes it
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pickle
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+import deepspeed  # noqa: E402
+import torch  # noqa: E402
+from deepspeed import comm as dist  # noqa: E402
+
+import fastckpt  # noqa: E402
+from fastckpt.integrations.deepspeed import attach  # noqa: E402
+from tests.integration._ds_common import engine, frozen, full_weights, same, train  # noqa: E402
+
+RESULTS: dict[str, object] = {}
+
+
+class Note:
+    """A user's object in client_state: not on weights_only's allow-list."""
+
+    def __init__(self, v: int) -> None:
+        self.v = v
+
+
+class Evil:
+    """Unpickling this runs a shell command."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):  # noqa: ANN204
+        return (os.system, (f"touch {self.path}",))
+
+
+def roundtrip(root: str, stage: int) -> None:
+    d = os.path.join(root, f"zero{stage}")
+    fck = {"local_dir": os.path.join(root, "nvme")}
+    a = engine(stage, fck, seed=0)
+    assert type(a.checkpoint_engine).__name__ == "FastCkptEngine"
+    train(a, 1, 3)
+    ref_w, ref_opt = full_weights(a), frozen(a.optimizer.state_dict())
+    ref_sched = frozen(a.lr_scheduler.state_dict())
+    t = torch.arange(6.0)
+    a.save_checkpoint(d, "t3", client_state={"note": "hello", "t": t, "step": 3})
+    train(a, 4, 5)  # keep training: mutates everything the snapshot copied
+    w5 = full_weights(a)
+    a.destroy()
+    assert fastckpt.latest(d) == os.path.join(d, "t3")
+
+    b = engine(stage, fck, seed=1)
+    path, client = b.load_checkpoint(d)
+    assert path is not None and os.path.basename(os.path.dirname(path)) == "t3", path
+    same(full_weights(b), ref_w, f"zero{stage} weights")
+    same(b.optimizer.state_dict(), ref_opt, f"zero{stage} optimizer")
+    same(b.lr_scheduler.state_dict(), ref_sched, f"zero{stage} lr scheduler")
+    assert client["note"] == "hello" and client["step"] == 3 and torch.equal(client["t"], t)
+    assert b.checkpoint_engine.checkpointer.stats().last_restore_from == "local"
+    train(b, 4, 5)
+    same(full_weights(b), w5, f"zero{stage} training after the load")
+    b.destroy()
+    RESULTS.setdefault("roundtrip", {})[stage] = {k: v.tolist() for k, v in ref_w.items()}
+
+
+def convert(root: str) -> None:
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    dist.barrier()
+    if dist.get_rank() == 0:
+        for stage in (2, 3):
+            sd = get_fp32_state_dict_from_zero_checkpoint(os.path.join(root, f"zero{stage}"), tag="t3")
+            want = RESULTS["roundtrip"][stage]  # type: ignore[index]
+            assert sorted(sd) == sorted(want), sorted(sd)
+            for k, v in sd.items():
+                assert torch.equal(v, torch.tensor(want[k])), (stage, k)
+        RESULTS["convert"] = [2, 3]
+    dist.barrier()
+
+
+def interop(root: str) -> None:
+    plain_dir, fast_dir = os.path.join(root, "by-deepspeed"), os.path.join(root, "by-fastckpt")
+    d = engine(2, None, seed=0)
+    assert type(d.checkpoint_engine).__name__ == "TorchCheckpointEngine"
+    train(d, 1, 3)
+    want = full_weights(d)
+    d.save_checkpoint(plain_dir, "ds3")
+    d.destroy()
+
+    f = engine(2, {}, seed=1)
+    path, _ = f.load_checkpoint(plain_dir)  # DeepSpeed's files and its own latest
+    assert path is not None and "ds3" in path, path
+    same(full_weights(f), want, "fastckpt engine loading DeepSpeed's checkpoint")
+    train(f, 4, 4)
+    want = full_weights(f)
+    f.save_checkpoint(fast_dir, "fc4")
+    path, _ = f.load_checkpoint(fast_dir)  # right after the save: waits for it
+    assert path is not None and "fc4" in path, path
+    f.destroy()
+
+    d2 = engine(2, None, seed=2)
+    path, _ = d2.load_checkpoint(fast_dir)
+    assert path is not None and "fc4" in path, path
+    same(full_weights(d2), want, "DeepSpeed's engine loading fastckpt's checkpoint")
+    d2.destroy()
+
+
+class Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def report(root: str) -> None:
+    from deepspeed.utils import logger as ds_logger
+
+    from tests.integration._ds_common import ds_config, make_model
+
+    records = Records()
+    ds_logger.addHandler(records)
+    ds_logger.setLevel(logging.INFO)  # DeepSpeed's default is WARNING: its own save messages are INFO too
+    csv = {"enabled": True, "output_path": os.path.join(root, "csv"), "job_name": "run"}
+    model = make_model(0)
+    eng, _, _, _ = deepspeed.initialize(model=model, optimizer=torch.optim.Adam(model.parameters(), lr=1e-2),
+                                        config=ds_config(2, {"local_dir": os.path.join(root, "nvme")},
+                                                         csv_monitor=csv))
+    assert type(eng.checkpoint_engine).__name__ == "TorchCheckpointEngine"  # DeepSpeed ignores the section
+    fe = attach(eng)
+    assert eng.checkpoint_engine is fe and fe.checkpointer.config.local_dir == os.path.join(root, "nvme")
+    for step in (1, 2):
+        train(eng, step, step)
+        eng.save_checkpoint(os.path.join(root, "reported"))
+    eng.destroy()
+    ds_logger.removeHandler(records)
+    ds_logger.setLevel(logging.WARNING)
+    RESULTS["report_log"] = [m for m in records.messages if m.startswith("fastckpt: checkpoint")]
+
+
+def unsafe(root: str) -> None:
+    evil_dir, pwned = os.path.join(root, "evil"), os.path.join(root, "pwned")
+    if dist.get_rank() == 0:
+        os.makedirs(os.path.join(evil_dir, "e1"))
+        torch.save({"module": Evil(pwned)}, os.path.join(evil_dir, "e1", "mp_rank_00_model_states.pt"))
+    dist.barrier()
+    eng = engine(2, {}, seed=0)
+    try:
+        eng.load_checkpoint(evil_dir, "e1")
+        raise AssertionError("a checkpoint that runs code was loaded")
+    except pickle.UnpicklingError as exc:
+        notes = "\n".join(getattr(exc, "__notes__", []))
+        assert '"weights_only": false' in notes, notes
+    assert not os.path.exists(pwned)
+    eng.destroy()
+
+    note_dir = os.path.join(root, "note")
+    trusting = engine(2, {"weights_only": False}, seed=0)
+    train(trusting, 1, 1)
+    trusting.save_checkpoint(note_dir, "n1", client_state={"obj": Note(5)})
+    _, client = trusting.load_checkpoint(note_dir)
+    assert isinstance(client["obj"], Note) and client["obj"].v == 5
+    trusting.destroy()
+    careful = engine(2, {}, seed=0)
+    try:
+        careful.load_checkpoint(note_dir)
+        raise AssertionError("a client_state object off the allow-list was unpickled with weights_only=True")
+    except pickle.UnpicklingError as exc:
+        assert "Note" in str(exc), str(exc)
+    careful.destroy()
+    RESULTS["unsafe"] = {"pwned": os.path.exists(pwned)}
+
+
+def switch(root: str) -> None:
+    for section in (None, {"enabled": False}):
+        eng = engine(1, section, seed=0)
+        assert type(eng.checkpoint_engine).__name__ == "TorchCheckpointEngine", section
+        eng.destroy()
+
+
+def s3(root: str) -> None:
+    spec = json.loads(os.environ["FASTCKPT_TEST_S3"])
+    url, opts = f"s3://{spec['bucket']}/run", spec["storage_options"]
+    a = engine(2, {"local_dir": os.path.join(root, "nvme-s3"), "storage_options": opts}, seed=0)
+    train(a, 1, 2)
+    want = full_weights(a)
+    a.save_checkpoint(url, "s2")
+    assert "storage_options" not in json.dumps(a.config["fastckpt"]) or \
+        set(a.config["fastckpt"]["storage_options"].values()) == {"<redacted by fastckpt>"}
+    path, _ = a.load_checkpoint(url)
+    assert path is not None and "s2" in path, path
+    same(full_weights(a), want, "load from s3 on the same node")
+    assert a.checkpoint_engine.checkpointer.stats().last_restore_from == "local"
+    a.destroy()
+    fresh = engine(2, {"local_dir": os.path.join(root, "nvme-fresh"), "storage_options": opts}, seed=3)
+    path, _ = fresh.load_checkpoint(url)
+    assert path is not None and "s2" in path, path
+    same(full_weights(fresh), want, "load from s3 on a fresh node")
+    fresh.destroy()
+    RESULTS["s3"] = url
+
+
+def destroy(root: str) -> None:
+    d = os.path.join(root, "destroyed")
+    eng = engine(2, {"local_dir": os.path.join(root, "nvme")}, seed=0)
+    train(eng, 1, 1)
+    eng.save_checkpoint(d, "g1")
+    eng.save_16bit_model(d)  # DeepSpeed's other save: one file beside the tags, not a group
+    eng.destroy()
+    g1 = os.path.join(d, "g1")
+    assert fastckpt.latest(g1) == g1  # complete: durable and published when destroy() returned
+    with open(os.path.join(d, "latest")) as f:
+        assert f.read() == "g1"
+    assert sorted(n for n in os.listdir(d) if not n.endswith(".py")) == ["g1", "latest", "pytorch_model.bin"]
+    assert sorted(fastckpt.load(os.path.join(d, "pytorch_model.bin"))) == ["0.bias", "0.weight", "2.bias", "2.weight"]
+
+
+def exit_flush(root: str) -> None:
+    eng = engine(2, {"local_dir": os.path.join(root, "nvme")}, seed=0, width=1024)
+    train(eng, 1, 1)
+    eng.save_checkpoint(os.path.join(root, "at-exit"), "x1")
+    RESULTS["exit_pending"] = len(eng.checkpoint_engine.pending)
+    # no wait, no destroy: returning from main leaves the commit to the exit hook
+
+
+SCENARIOS = {"roundtrip": lambda root: [roundtrip(root, s) for s in (0, 1, 2, 3)], "convert": convert,
+             "interop": interop, "report": report, "unsafe": unsafe, "switch": switch, "s3": s3,
+             "destroy": destroy, "exit": exit_flush}
+
+
+def main(root: str, names: list[str]) -> None:
+    logging.getLogger("fastckpt").setLevel(logging.ERROR)  # the overhead alarm fires in tiny runs
+    deepspeed.init_distributed(dist_backend="gloo")
+    for name in names:
+        SCENARIOS[name](root)
+        RESULTS.setdefault("done", []).append(name)  # type: ignore[union-attr]
+    rank = dist.get_rank()
+    os.makedirs(os.path.join(root, "results"), exist_ok=True)
+    with open(os.path.join(root, "results", f"rank{rank}.json"), "w") as f:
+        json.dump({k: v for k, v in RESULTS.items() if k != "roundtrip"}, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2].split(","))

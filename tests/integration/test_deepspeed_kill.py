@@ -1,0 +1,61 @@
+"""Crash-safe resume: a 2-process ZeRO-2 run is SIGKILLed at random moments and resumes with
+``engine.load_checkpoint(save_dir)`` each time (``_deepspeed_kill_worker.py``).
+
+One torchrun launch per generation: a rank SIGKILLs itself at a random moment, torchrun stops
+the other, and the next launch resumes. (``torchrun --max-restarts`` would restart in one launch,
+but its restarted gloo workers read the dead generation's addresses from the rendezvous store
+and fail to connect.) Every resume must load the newest complete tag: never an incomplete one
+(an error or mixed weights), never one older than a checkpoint already reported committed, and
+always the one DeepSpeed's ``latest`` and ``fastckpt.latest`` name.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("deepspeed")
+
+import fastckpt  # noqa: E402
+
+from .test_deepspeed import HERE, ds_env, torchrun  # noqa: E402
+
+KILLS = 10
+
+
+def _last_phase(events: Path) -> str:
+    """The phase the kill interrupted: the last event the victim logged."""
+    lines = events.read_text().splitlines() if events.exists() else []
+    return json.loads(lines[-1])["name"] if lines else "none"
+
+
+@pytest.mark.slow
+def test_sigkill_at_random_moments_always_resumes_from_a_complete_tag(tmp_path: Path) -> None:
+    for gen in range(KILLS + 1):
+        proc = torchrun(["--monitor-interval=0.1", "--nproc-per-node=2", str(HERE / "_deepspeed_kill_worker.py"),
+                         str(tmp_path), str(gen), str(KILLS)], ds_env(), 120, tmp_path)
+        if gen < KILLS:
+            assert proc.returncode != 0 and "exitcode  : -9" in proc.stdout, proc.stdout[-8000:]
+        else:
+            assert proc.returncode == 0, proc.stdout[-8000:]
+    records = {(g, r): json.loads((tmp_path / "gen" / f"g{g}-r{r}.json").read_text())
+               for g in range(KILLS + 1) for r in (0, 1)}
+    assert not [rec for rec in records.values() if "error" in rec]
+    assert records[(0, 0)]["fresh"] and records[(0, 1)]["fresh"]
+    resumed = [rec for (g, _), rec in sorted(records.items()) if g > 0 and rec["tag"] is not None]
+    for rec in resumed:
+        assert rec["weights_match"], rec
+        assert rec["tag"] == rec["latest_file"] == rec["fastckpt_latest"] == f"global_step{rec['step']}", rec
+        assert rec["step"] == rec["client_step"] >= rec["floor"], rec
+    for g in range(1, KILLS + 1):
+        assert records[(g, 0)]["tag"] == records[(g, 1)]["tag"]
+    final = [json.loads((tmp_path / "gen" / f"final-r{r}.json").read_text()) for r in (0, 1)]
+    assert final[0] == final[1]
+    assert fastckpt.latest(str(tmp_path / "ckpt")) == str(tmp_path / "ckpt" / f"global_step{final[0]['step']}")
+    phases = collections.Counter(_last_phase(tmp_path / "events" / f"g{g}-r{g % 2}.jsonl") for g in range(KILLS))
+    print(f"kills interrupted (last event the victim logged): {dict(phases)}; resumed tags: "
+          f"{[records[(g, 0)]['tag'] for g in range(1, KILLS + 1)]}")
+    assert len(resumed) >= KILLS - 2  # a kill before the first commit leaves nothing to resume

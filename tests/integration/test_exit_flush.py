@@ -1,0 +1,67 @@
+"""A save still in flight when the script returns from main is flushed, not lost (issue #9.2).
+
+The flush has to run before concurrent.futures' own exit hook stops accepting work: the pending
+save still submits chunks, its replication and its group commit after that point.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import fastckpt
+
+SCRIPT = textwrap.dedent("""
+    import sys, torch, fastckpt
+
+    def main(path, local_dir, group):
+        ck = fastckpt.Checkpointer(local_dir=local_dir or None, rank=0, world_size=1)
+        state = {"w": torch.arange(1 << 20), "step": 7}
+        if group:
+            ck.save(state, path, group=group)
+            ck.commit(group, step=7)
+        else:
+            ck.save(state, path)
+        # no wait(), no close(): the script just ends
+
+    main(*sys.argv[1:4])
+""")
+
+
+@pytest.mark.parametrize("mode", ["direct", "burst-buffer", "group"])
+def test_a_save_in_flight_at_exit_is_flushed(tmp_path: Path, mode: str) -> None:
+    group = str(tmp_path / "home" / "step-7") if mode == "group" else ""
+    path = f"{group}/model.pt" if group else str(tmp_path / "home" / "a.pt")
+    local = str(tmp_path / "nvme") if mode == "burst-buffer" else ""
+    r = subprocess.run([sys.executable, "-c", SCRIPT, path, local, group], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "flushing 1 pending save" in r.stderr or "flushing 2 pending save" in r.stderr
+    assert fastckpt.load(path)["step"] == 7
+    assert fastckpt.latest(str(tmp_path / "home")) == (group or path)
+
+
+FORK = textwrap.dedent("""
+    import multiprocessing as mp, sys, torch, fastckpt
+
+    def child():
+        pass  # exits at once: it must not flush (and wait on) the parent's Checkpointer
+
+    ck = fastckpt.Checkpointer()
+    ck.save({"w": torch.arange(1 << 20), "step": 3}, sys.argv[1])
+    p = mp.get_context("fork").Process(target=child)
+    p.start()
+    p.join(60)
+    sys.exit(0 if p.exitcode == 0 else 3)
+""")
+
+
+def test_a_forked_child_does_not_flush_the_parents_checkpointer(tmp_path: Path) -> None:
+    path = str(tmp_path / "a.pt")
+    r = subprocess.run([sys.executable, "-c", FORK, path], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert fastckpt.load(path)["step"] == 3

@@ -1,0 +1,94 @@
+"""The "fastckpt" section of a DeepSpeed config: validated where the engine is built, before
+DeepSpeed starts (these tests never initialise torch.distributed)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("deepspeed")
+
+from fastckpt.errors import ConfigError  # noqa: E402
+from fastckpt.integrations._deepspeed_config import (  # noqa: E402
+    REDACTED,
+    parse_section,
+    read_config,
+    redacted,
+    section_of,
+)
+from fastckpt.integrations.deepspeed import attach, initialize  # noqa: E402
+
+
+def _initialize(section: object) -> None:
+    model = torch.nn.Linear(2, 2)
+    initialize(model=model, config={"train_micro_batch_size_per_gpu": 1, "fastckpt": section})
+
+
+@pytest.mark.parametrize("section, words", [
+    ({"locall_dir": "/x"}, ["unknown key(s) ['locall_dir']", "local_dir (str or null)", "enabled (bool)"]),
+    ({"local_dir": 5}, ['"fastckpt.local_dir"', "must be str or null, got 5", "valid keys:"]),
+    ({"enabled": "yes"}, ['"fastckpt.enabled" in the DeepSpeed config must be bool', "valid keys:"]),
+    ({"overhead_budget": True}, ['"fastckpt.overhead_budget"', "must be number"]),
+    ({"keep_local": 1.5}, ['"fastckpt.keep_local"', "must be int or null"]),
+    ({"on_overhead_exceeded": "f"}, ["on_overhead_exceeded is a function", "checkpointer=fastckpt.Checkpointer"]),
+    (["local_dir"], ['"fastckpt" in the DeepSpeed config must be an object', "valid keys:"]),
+])
+def test_bad_sections_fail_before_deepspeed_starts(section: object, words: list[str]) -> None:
+    with pytest.raises(ConfigError) as info:
+        _initialize(section)
+    for w in words:
+        assert w in str(info.value), str(info.value)
+    assert not torch.distributed.is_initialized()
+
+
+def test_values_the_checkpointer_refuses_name_the_section() -> None:
+    with pytest.raises(ConfigError) as info:
+        _initialize({"overhead_budget": 2})
+    assert "overhead_budget=2 must be a fraction" in str(info.value)
+    assert 'in the "fastckpt" section of the DeepSpeed config' in "".join(info.value.__notes__)
+
+
+def test_a_full_section_parses() -> None:
+    s = parse_section({"enabled": True, "weights_only": False, "local_dir": "/nvme", "overhead_budget": 0.05,
+                       "keep_local": 2, "storage_options": {"key": "k"}, "commit_timeout_s": 60})
+    assert s.enabled and not s.weights_only
+    assert dict(s.options) == {"local_dir": "/nvme", "overhead_budget": 0.05, "keep_local": 2,
+                               "storage_options": {"key": "k"}, "commit_timeout_s": 60}
+    assert section_of({"train_batch_size": 8}).enabled is False  # no section: DeepSpeed alone
+    assert section_of({"fastckpt": {"enabled": False, "local_dir": "/nvme"}}).enabled is False
+    assert section_of({"fastckpt": {}}).enabled is True
+
+
+def test_config_file_path_is_read_like_deepspeed_does(tmp_path) -> None:
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps({"train_batch_size": 8, "fastckpt": {"local_dir": "/nvme", "keep_local": 2}}))
+    assert dict(section_of(read_config(str(path))).options) == {"local_dir": "/nvme", "keep_local": 2}
+
+
+def test_credentials_are_not_passed_on_to_deepspeed() -> None:
+    cfg = {"train_batch_size": 8, "fastckpt": {"local_dir": "/nvme", "storage_options": {"key": "AK", "secret": "SK"}}}
+    out = redacted(cfg)
+    assert out["fastckpt"]["storage_options"] == {"key": REDACTED, "secret": REDACTED}
+    assert out["fastckpt"]["local_dir"] == "/nvme" and out["train_batch_size"] == 8
+    assert cfg["fastckpt"]["storage_options"]["secret"] == "SK"  # the caller's dict is untouched
+    plain = {"fastckpt": {"local_dir": "/nvme"}}
+    assert redacted(plain) is plain  # nothing secret: passed on as given
+
+
+def test_attach_refuses_what_is_not_an_engine() -> None:
+    with pytest.raises(TypeError, match="needs a deepspeed.DeepSpeedEngine"):
+        attach(torch.nn.Linear(2, 2))
+
+
+def test_docs_list_every_key_with_its_type() -> None:
+    """docs/deepspeed.md's table of the section is the list the validator accepts."""
+    import re
+    from pathlib import Path
+
+    from fastckpt.integrations._deepspeed_config import valid_keys
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "deepspeed.md").read_text()
+    rows = dict(re.findall(r"^\| `(\w+)` \| ([\w ]+?) \|", text, flags=re.M))
+    assert valid_keys() == ", ".join(f"{k} ({t})" for k, t in rows.items())

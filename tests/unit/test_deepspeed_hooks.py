@@ -1,0 +1,118 @@
+"""The engine wrappers (``_deepspeed_hooks``): which tag ``engine.load_checkpoint(save_dir)``
+loads without a tag (``resolve_tag``, on directories laid out as the group commit leaves them),
+and how long a flush waits."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("deepspeed")
+
+from fastckpt.commit.protocol import GROUP_MANIFEST, MARKER_DIR  # noqa: E402
+from fastckpt.integrations._deepspeed_compat import Store  # noqa: E402
+from fastckpt.integrations.deepspeed import resolve_tag  # noqa: E402
+
+
+def _group(root: Path, tag: str, order: float, **extra: object) -> None:
+    (root / tag / MARKER_DIR).mkdir(parents=True)
+    (root / tag / MARKER_DIR / "rank-00000.json").write_text("{}")
+    manifest = {"kind": "group", "files": {}, "requested_at": order, "committed_at": order, **extra}
+    (root / tag / GROUP_MANIFEST).write_text(json.dumps(manifest))
+
+
+def _attempt(root: Path, tag: str) -> None:
+    (root / tag / MARKER_DIR).mkdir(parents=True)
+    (root / tag / MARKER_DIR / "rank-00001.json").write_text("{}")
+
+
+def _resolve(root: Path) -> tuple[str | None, bool]:
+    return resolve_tag(Store(None), os.path.abspath(root), None)
+
+
+def test_latest_names_a_complete_tag(tmp_path: Path) -> None:
+    _group(tmp_path, "global_step1", 1.0)
+    _group(tmp_path, "global_step2", 2.0)
+    (tmp_path / "latest").write_text("global_step2")
+    assert _resolve(tmp_path) == ("global_step2", False)
+
+
+def test_no_latest_file_means_the_newest_complete_tag(tmp_path: Path) -> None:
+    assert _resolve(tmp_path) == (None, False)
+    _group(tmp_path, "global_step1", 1.0)
+    _attempt(tmp_path, "global_step2")
+    assert _resolve(tmp_path) == ("global_step1", True)
+
+
+def test_latest_lagging_behind_a_committed_tag_moves_forward(tmp_path: Path) -> None:
+    """A crash between a manifest's publication and the pointer's move."""
+    _group(tmp_path, "global_step1", 1.0)
+    _group(tmp_path, "global_step2", 2.0)
+    (tmp_path / "latest").write_text("global_step1")
+    assert _resolve(tmp_path) == ("global_step2", True)
+
+
+def test_latest_naming_an_attempt_under_way_falls_back(tmp_path: Path) -> None:
+    _group(tmp_path, "global_step1", 1.0)
+    _attempt(tmp_path, "global_step2")  # a re-save of the tag latest names: its manifest is gone
+    (tmp_path / "latest").write_text("global_step2")
+    assert _resolve(tmp_path) == ("global_step1", True)
+
+
+def test_a_tag_saved_without_save_latest_does_not_win(tmp_path: Path) -> None:
+    _group(tmp_path, "global_step1", 1.0)
+    _group(tmp_path, "best", 2.0, save_latest=False)
+    (tmp_path / "latest").write_text("global_step1")
+    assert _resolve(tmp_path) == ("global_step1", False)
+
+
+def test_deepspeeds_own_tags_are_trusted(tmp_path: Path) -> None:
+    """A tag written by DeepSpeed's default engine has neither manifest nor markers."""
+    _group(tmp_path, "global_step1", 1.0)
+    (tmp_path / "global_step2").mkdir()
+    (tmp_path / "global_step2" / "mp_rank_00_model_states.pt").write_bytes(b"not read here")
+    (tmp_path / "latest").write_text("global_step2")
+    assert _resolve(tmp_path) == ("global_step2", False)
+
+
+class _Engine:
+    """What EngineHooks touches of a DeepSpeedEngine (no process group needed here)."""
+
+    global_rank = 0
+
+    def save_checkpoint(self, *args: object, **kwargs: object) -> bool:
+        return True
+
+    def load_checkpoint(self, *args: object, **kwargs: object) -> tuple:
+        return None, None
+
+    def destroy(self) -> None:
+        pass
+
+
+def test_flush_gives_up_after_close_timeout_s(tmp_path: Path) -> None:
+    """Rank 1 never commits: destroy() and exit stop waiting after close_timeout_s."""
+    import torch
+    from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo
+
+    from fastckpt import Checkpointer, ReplicationError
+    from fastckpt.integrations._deepspeed_engine import FastCkptEngine
+    from fastckpt.integrations._deepspeed_hooks import EngineHooks
+
+    ck = Checkpointer(rank=0, world_size=2, close_timeout_s=0.5, commit_timeout_s=60)
+    fe = FastCkptEngine(ck)
+    hooks = EngineHooks(_Engine(), fe, None, flush_at_exit=False)
+    info = CheckpointCommitInfo(tag="t1", save_dir=str(tmp_path), save_latest=True)
+    fe.begin(None, True, 0)
+    fe.create(info)
+    fe.save(state_dict={"w": torch.ones(4)}, path=str(tmp_path / "t1" / "mp_rank_00_model_states.pt"))
+    fe.commit(info)
+    fe.end()
+    with pytest.raises(ReplicationError, match="still not committed after close_timeout_s=0.5"):
+        hooks.flush()
+    assert len(fe.pending) == 1  # still reported later, if it ever completes
+    with pytest.raises(ReplicationError):
+        ck.close()

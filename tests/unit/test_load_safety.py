@@ -1,0 +1,113 @@
+"""Loads never report false corruption, never load damaged bytes unverified, and say clearly what
+is wrong with a file that is not a checkpoint (issue #9 items 3, 4 and 10)."""
+
+from __future__ import annotations
+
+import logging
+import struct
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+import fastckpt
+from fastckpt import CorruptCheckpointError, UnverifiableCheckpointError
+from fastckpt.format.manifest import EOCD_LEN
+from tests.helpers import read_file_manifest
+
+
+def _state(v: int) -> dict:
+    return {"w": torch.full((64 << 10,), v, dtype=torch.int32), "v": v}
+
+
+def _save(path: Path, v: int = 1) -> Path:
+    with fastckpt.Checkpointer() as ck:
+        ck.save(_state(v), str(path)).wait()
+    return path
+
+
+def _comment_offset(path: Path) -> int:
+    data = path.read_bytes()
+    eocd = data.rfind(b"PK\x05\x06")
+    (n,) = struct.unpack_from("<H", data, eocd + 20)
+    assert eocd + EOCD_LEN + n == len(data)
+    return eocd + EOCD_LEN
+
+
+def _flip(path: Path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+# ---------------------------------------------------------------------- 3: replace while reading
+def test_loads_racing_a_writer_that_replaces_the_file_never_see_corruption(tmp_path: Path) -> None:
+    path = tmp_path / "last.pt"
+    _save(path, 0)
+    versions = 40
+    done, errors, seen = threading.Event(), [], set()
+
+    def reader() -> None:
+        while not done.is_set():
+            try:
+                seen.add(int(fastckpt.load(str(path))["v"]))
+            except Exception as exc:  # noqa: BLE001 (any error is a failure of the test)
+                errors.append(exc)
+
+    readers = [threading.Thread(target=reader) for _ in range(2)]
+    for t in readers:
+        t.start()
+    try:
+        with fastckpt.Checkpointer() as ck:
+            for v in range(1, versions + 1):
+                ck.save(_state(v), str(path)).wait()
+    finally:
+        done.set()
+        for t in readers:
+            t.join()
+    assert errors == []
+    assert seen <= set(range(versions + 1)) and len(seen) > 1
+
+
+# ---------------------------------------------------------------------- 4: verification stays on
+@pytest.mark.parametrize("where", ["comment's first byte", "manifest key", "comment length", "eocd signature"])
+def test_a_damaged_manifest_never_turns_verification_off(tmp_path: Path, where: str) -> None:
+    path = _save(tmp_path / "a.pt")
+    start = _comment_offset(path)
+    offset = {"comment's first byte": start, "manifest key": start + 3, "comment length": start - 2,
+              "eocd signature": start - EOCD_LEN}[where]
+    _flip(path, offset)
+    _flip(path, 8192 + 5)  # and a data byte: without verification, wrong tensors would load
+    with pytest.raises(CorruptCheckpointError):
+        fastckpt.load(str(path))
+
+
+def test_plain_torch_files_load_unverified_with_one_warning_and_verify_refuses_them(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = tmp_path / "fastckpt-plain.pt"  # its zip records carry the name: not a manifest
+    torch.save(_state(3), path)
+    events = tmp_path / "events.jsonl"
+    with caplog.at_level(logging.WARNING, logger="fastckpt"), \
+            fastckpt.Checkpointer(event_log=str(events)) as ck:
+        assert ck.load(str(path))["v"] == 3
+        assert ck.load(str(path))["v"] == 3
+        with pytest.raises(UnverifiableCheckpointError, match="verify=False"):
+            ck.load(str(path), verify=True)
+    warnings = [r for r in caplog.records if "unverified" in r.getMessage() and str(path) in r.getMessage()]
+    assert len(warnings) == 1
+    assert events.read_text().count("unverified") == 2
+    assert read_file_manifest(path) is None
+
+
+# ---------------------------------------------------------------------- 10: clear errors
+@pytest.mark.parametrize("damage", ["empty", "not a zip", "truncated"])
+def test_damaged_files_raise_corruption_naming_the_file(tmp_path: Path, damage: str) -> None:
+    path = _save(tmp_path / "a.pt")
+    data = path.read_bytes()
+    path.write_bytes({"empty": b"", "not a zip": b"hello, world" * 100, "truncated": data[: len(data) // 2]}[damage])
+    with pytest.raises(CorruptCheckpointError, match=str(path)) as ei:
+        fastckpt.load(str(path))
+    assert {"empty": "empty", "not a zip": "not a torch.save file", "truncated": "truncated"}[damage] in str(ei.value)
