@@ -1,6 +1,7 @@
 """Groups at an S3 URL (SeaweedFS), with simulated ranks sharing a TCPStore: a group commits
 through the store and its burst-buffer copy serves loads; re-saving a published group is
-refused (an object store cannot swap it in atomically) and leaves it whole."""
+refused (an object store cannot swap it in atomically) and leaves it whole, unless its commit
+died before moving ``latest`` (a restarted job resumes from the older checkpoint and saves it again)."""
 
 from __future__ import annotations
 
@@ -39,3 +40,28 @@ def test_a_group_at_a_url_commits_and_a_published_one_is_not_resaved(s3_server, 
             ck.close()
     assert fastckpt.latest(f"s3://{s3_bucket}/run", storage_options=opts) == g
     assert fastckpt.load(f"{g}/rank0.pt", storage_options=opts)["version"] == 1
+
+
+def test_a_group_whose_commit_died_before_moving_latest_is_saved_again_in_place(s3_server, s3_bucket,
+                                                                                  tmp_path: Path) -> None:
+    from fastckpt.storage.homes import Homes
+
+    opts = s3_server.storage_options()
+    run = f"s3://{s3_bucket}/run"
+    ck = fastckpt.Checkpointer(storage_options=opts, overhead_budget=0.99, local_dir=str(tmp_path / "nvme"))
+    try:
+        for v in (1, 2):
+            g = f"{run}/step{v}"
+            ck.save(_state(v, 0), f"{g}/rank0.pt", group=g)
+            ck.commit(g, step=v).wait(60)
+        # the job was killed between step2's manifest and its move of latest, then resumed from step1
+        Homes(opts).resolve(run).place().put("latest", b"step1")
+        assert fastckpt.latest(run, storage_options=opts) == f"{run}/step1"
+        ck.save(_state(3, 0), f"{run}/step2/rank0.pt", group=f"{run}/step2")  # not refused
+        ck.commit(f"{run}/step2", step=2).wait(60)
+        assert fastckpt.latest(run, storage_options=opts) == f"{run}/step2"
+        assert fastckpt.load(f"{run}/step2/rank0.pt", storage_options=opts)["version"] == 3
+        with pytest.raises(ConfigError, match="object store cannot replace a group atomically"):
+            ck.save(_state(4, 0), f"{run}/step2/rank0.pt", group=f"{run}/step2")  # now the latest: refused
+    finally:
+        ck.close()

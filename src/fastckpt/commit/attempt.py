@@ -72,7 +72,8 @@ def publish(att: Attempt, world: int, entries: dict[int, dict], extra: dict, req
             check_sizes: bool) -> dict:
     """Rank 0: the manifest of this attempt, published (in place, or swapped in), then
     ``latest`` moved to it (unless ``att.move_latest`` is False)."""
-    manifest = P.build_manifest(att.home, world, entries, extra, requested_at, att.token, check_sizes,
+    recorded = extra if att.move_latest else {**extra, "moved_latest": False}  # see protocol.never_latest
+    manifest = P.build_manifest(att.home, world, entries, recorded, requested_at, att.token, check_sizes,
                                 files_at=att.place)
     if att.staged:
         resave.swap_in(att.home, att.place, manifest, att.old)

@@ -92,7 +92,8 @@ class Coordinator:
         files never named by the new manifest. The burst-buffer copy's manifest goes now.
 
         Raises:
-            ConfigError: re-saving a published group on an object store.
+            ConfigError: re-saving a published group on an object store (unless its commit
+                died before moving ``latest``: ``protocol.never_latest``; then in place).
         """
         with self._lock:
             att = self._open.get(group)
@@ -108,7 +109,10 @@ class Coordinator:
         except CorruptCheckpointError:  # a damaged manifest: still replaced only by a whole new attempt
             old, published = None, True
         if published and not home.target.mounted:
-            raise resave.refusal(home)
+            if old is None or not P.never_latest(home, old):
+                raise resave.refusal(home)
+            home.delete(P.GROUP_MANIFEST)  # never reported nor the latest: re-saved in place, like a failed one
+            old, published = None, False
         place = P.staged_place(home) if published else home
         local = self._local_for(group)
         if local is not None:

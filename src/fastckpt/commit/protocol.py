@@ -126,6 +126,17 @@ def _pointed(parent: Place) -> tuple[str, float] | None:
     return None
 
 
+def never_latest(place: Place, manifest: dict) -> bool:
+    """Whether the published group ``place`` is one whose commit died between its manifest and
+    its ``latest`` move: the parent's pointer names an older complete checkpoint, though this
+    group was committed to move it (``moved_latest`` is absent: ``commit(move_latest=False)``
+    records False). Its commit never returned, and ``latest()`` never answered it."""
+    if manifest.get("moved_latest", True) is False:
+        return False
+    found = _pointed(place.parent())
+    return found is not None and found[0] != manifest.get("tag") and found[1] < group_order(manifest)
+
+
 def pointed_name(parent: Place) -> str | None:
     """The name in ``parent/latest`` when it is a complete checkpoint; None when stale or absent."""
     found = _pointed(parent)
