@@ -40,6 +40,7 @@ from .save.staging import StagingPool
 from .save.tiers import TierSelector
 from .save.writer import FileWriter
 from .storage.homes import Homes
+from .storage.places import Place
 from .storage.types import RetryNotice
 from .urls import mirror_path, normalize
 
@@ -81,11 +82,15 @@ class Checkpointer:
                             on_retry=self._on_retry, ops=self._ops, odirect=cfg.odirect, executor=self._io)
         self._replicator = Replicator(cfg, self._homes, self._emit, self._monitor.record_durable)
         self._coordinator = Coordinator(self._committer, self._stop, cfg.commit_timeout_s,
-                                        lambda g: self._homes.resolve(g).place(), self._emit)
+                                        lambda g: self._homes.resolve(g).place(), self._emit,
+                                        local_for=self._local_place, store=cfg.store)
+        if cfg.store is not None:
+            self._coordinator.connect(self.world_size)
         self._retention = Retention(cfg.keep_local, cfg.keep_persistent, self._homes, self.local_path)
         self._saver = Saver(cfg, tiers=TierSelector(cfg.tier, cfg.local_dir, cfg.odirect, self._ops),
                             staging=self._staging, monitor=self._monitor,
-                            writer=FileWriter(self._ops, self._io, self._staging, cfg.chunk_bytes, self._emit),
+                            writer=FileWriter(self._ops, self._io, self._staging, cfg.chunk_bytes, self._emit,
+                                              normalize(cfg.local_dir) if cfg.local_dir else None),
                             writer_thread=self._writer, snapshot_thread=self._snapper, inflight=self._inflight,
                             coordinator=self._coordinator, replicator=self._replicator, retention=self._retention,
                             homes=self._homes, local_path=self.local_path, emit=self._emit)
@@ -117,6 +122,10 @@ class Checkpointer:
         if self.config.local_dir is None:
             return None
         return mirror_path(self.config.local_dir, normalize(path))
+
+    def _local_place(self, group: str) -> Place | None:
+        local = self.local_path(group)
+        return None if local is None else self._homes.resolve(local).place()
 
     def _emit(self, name: str, path: str, nbytes: int, start: float, tier: str,
               error: BaseException | None = None, detail: str | None = None) -> None:
@@ -189,8 +198,6 @@ class Checkpointer:
 
         def retain(rec: SaveRecord) -> SaveRecord:
             if not rec.superseded:
-                if has_local:
-                    self._saver.group_committed(group)
                 self._retention.durable(group, has_local, owns_persistent=rank == 0)
             return rec
 
@@ -243,10 +250,14 @@ class Checkpointer:
     def remove(self, path: str) -> None:
         """Delete a checkpoint file or group, after any save in flight to it has finished.
 
-        A single file whose replication has not started yet is not replicated (its handle
-        resolves with ``cancelled=True``); an upload or group commit under way is waited for.
+        A file whose replication has not started yet is not replicated (its handle resolves
+        with ``cancelled=True``); an upload under way is waited for. A group's commit in flight
+        is cancelled (on every rank, with a store) and fails at once with
+        ``GroupRemovedError``, as does a later ``commit`` of what was saved into it before;
+        a commit rank 0 is already publishing completes first, then the group is deleted.
         """
         path = normalize(path)
+        self._coordinator.cancel(path, self.rank)
         with self._replicator.cancelling(path):
             self._inflight.wait_writing(path)
         self._retention.remove(path)

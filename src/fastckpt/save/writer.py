@@ -25,6 +25,7 @@ from ..io.engine import WriteResult, write_file
 from ..io.gds import finish_gds_file, gds_write
 from ..io.ops import FileOps
 from ..records import SaveRecord
+from ..urls import is_within, normalize
 from ..version import __version__
 from .staging import Snapshot, StagingPool
 
@@ -49,12 +50,14 @@ class FileWriter:
         staging: the pool each snapshot's buffer goes back to once written.
         chunk_bytes: bytes per parallel write.
         emit: the Checkpointer's event emitter.
+        local_dir: the burst buffer: a file written there is a local copy, still to be replicated
+            (any other file is at its home, durable once renamed).
     """
 
     def __init__(self, ops: FileOps, io_pool: Executor, staging: StagingPool, chunk_bytes: int,
-                 emit: Callable[..., None]) -> None:
+                 emit: Callable[..., None], local_dir: str | None = None) -> None:
         self._ops, self._io, self._staging, self._chunk = ops, io_pool, staging, chunk_bytes
-        self._emit = emit
+        self._emit, self._local_dir = emit, local_dir
 
     def write(self, snap: Snapshot, base: SaveRecord, dest: str, t_call: float, odirect: bool) -> SaveRecord:
         """Write the snapshot to ``dest`` (temp, fsync, rename, dir fsync); release its buffer.
@@ -104,7 +107,7 @@ class FileWriter:
             raise_as_write_error(exc, base.path, st.renamed)
         commit_s = time.monotonic() - t_call
         self._emit("commit", st.dest, res.bytes, c0, base.tier)
-        local = st.dest != base.path
+        local = self._local_dir is not None and is_within(normalize(st.dest), self._local_dir)
         return replace(base, bytes=res.bytes, write_s=write_s, commit_s=commit_s,
                        durable_s=None if local else commit_s, local_durable_s=commit_s if local else None,
                        checksum=res.checksum, odirect=res.odirect, odirect_reason=res.odirect_reason)
