@@ -34,6 +34,8 @@ NOT_IN_CONFIG = {
     "world_size": "taken from torch.distributed",
     "ops": "an object (the FileOps seam): pass attach(engine, checkpointer=fastckpt.Checkpointer(ops=...))",
     "sinks": "objects (EventSinks): pass attach(engine, checkpointer=fastckpt.Checkpointer(sinks=...))",
+    "store": "an object (a torch.distributed Store; the default process group's is used): pass "
+             "attach(engine, checkpointer=fastckpt.Checkpointer(store=...))",
 }
 #: Option values never written back into the config DeepSpeed keeps (it prints its config at
 #: start-up and stores it in every ZeRO checkpoint file).

@@ -42,8 +42,9 @@ from .save.stripes import Stripes
 from .save.tiers import TierSelector
 from .save.writer import FileWriter
 from .storage.homes import Homes
+from .storage.places import Place
 from .storage.types import RetryNotice
-from .urls import normalize
+from .urls import mirror_path, normalize
 
 log = logging.getLogger("fastckpt")
 PROGRESS_EVERY_S = 10.0  # a log line this often while wait() or close() waits (off a terminal)
@@ -84,13 +85,16 @@ class Checkpointer:
                             on_retry=self._on_retry, ops=self._ops, odirect=cfg.odirect, executor=self._io)
         self._replicator = Replicator(cfg, self._homes, self._emit, self._monitor.record_durable)
         self._coordinator = Coordinator(self._committer, self._stop, cfg.commit_timeout_s,
-                                        lambda g: self._homes.resolve(g).place(), self._emit)
+                                        lambda g: self._homes.resolve(g).place(), self._emit,
+                                        local_for=self._local_places, store=cfg.store)
+        if cfg.store is not None:
+            self._coordinator.connect(self.world_size)
         self._stripes = Stripes(cfg.local_dirs, self.rank)
         self._retention = Retention(cfg.keep_local, cfg.keep_persistent, self._homes, self._stripes.copies)
         self._saver = Saver(cfg, tiers=TierSelector(cfg.tier, cfg.local_dir, cfg.odirect, self._ops),
                             staging=self._staging, monitor=self._monitor,
                             writer=FileWriter(self._ops, self._io, self._staging, cfg.chunk_bytes, self._emit,
-                                              self._stripes.record),
+                                              self._stripes.record, self._stripes.dirs),
                             writer_threads=self._writers, snapshot_thread=self._snapper, inflight=self._inflight,
                             coordinator=self._coordinator, replicator=self._replicator, retention=self._retention,
                             homes=self._homes, stripes=self._stripes, emit=self._emit)
@@ -122,6 +126,12 @@ class Checkpointer:
         """Where the burst-buffer copy of ``path`` lives (None without local_dir; with several
         directories, the one that holds it, else the first)."""
         return self._stripes.local_path(normalize(path))
+
+    def _local_places(self, group: str) -> tuple[Place, ...]:
+        """The burst-buffer copies of ``group``: one per ``local_dir`` directory (none without),
+        since its files may be spread over all of them."""
+        g = normalize(group)
+        return tuple(self._homes.resolve(mirror_path(d, g)).place() for d in self._stripes.dirs)
 
     def _emit(self, name: str, path: str, nbytes: int, start: float, tier: str,
               error: BaseException | None = None, detail: str | None = None) -> None:
@@ -194,8 +204,6 @@ class Checkpointer:
 
         def retain(rec: SaveRecord) -> SaveRecord:
             if not rec.superseded:
-                if has_local:
-                    self._saver.group_committed(group)
                 self._retention.durable(group, has_local, owns_persistent=rank == 0)
             return rec
 
@@ -248,10 +256,14 @@ class Checkpointer:
     def remove(self, path: str) -> None:
         """Delete a checkpoint file or group, after any save in flight to it has finished.
 
-        A single file whose replication has not started yet is not replicated (its handle
-        resolves with ``cancelled=True``); an upload or group commit under way is waited for.
+        A file whose replication has not started yet is not replicated (its handle resolves
+        with ``cancelled=True``); an upload under way is waited for. A group's commit in flight
+        is cancelled (on every rank, with a store) and fails at once with
+        ``GroupRemovedError``, as does a later ``commit`` of what was saved into it before;
+        a commit rank 0 is already publishing completes first, then the group is deleted.
         """
         path = normalize(path)
+        self._coordinator.cancel(path, self.rank)
         with self._replicator.cancelling(path):
             self._inflight.wait_writing(path)
         self._retention.remove(path)

@@ -22,6 +22,8 @@ from .errors import ConfigError
 from .units import MiB
 
 if TYPE_CHECKING:
+    from torch.distributed import Store
+
     from .events import EventSink
     from .io.ops import FileOps
     from .monitor import OverheadReport
@@ -63,6 +65,9 @@ class CheckpointerConfig:
     commit_timeout_s: float = _opt(600.0, "how long a group commit waits for every rank.")
     rank: int | None = _opt(None, "this process's rank (default: torch.distributed's, else $RANK or 0).")
     world_size: int | None = _opt(None, "number of ranks (default: torch.distributed's, else $WORLD_SIZE or 1).")
+    store: Store | None = _opt(None, "the torch.distributed Store (e.g. a TCPStore every rank reaches) that group "
+                                     "commits coordinate through (default: the default process group's, once "
+                                     "initialised; without one, marker files in the group's directory).")
     keep_local: int | None = _opt(None, "checkpoints to keep in local_dir once replicated (None: all).")
     keep_persistent: int | None = _opt(None, "checkpoints to keep at their durable home (None: all).")
     replicate_bandwidth_Bps: float | None = _opt(None, "cap on replication (and its verification) in bytes/s "
@@ -110,6 +115,11 @@ class CheckpointerConfig:
             raise ConfigError("give both rank and world_size, or neither (they default to torch.distributed's)")
         if self.world_size is not None and not 0 <= self.rank < self.world_size:  # type: ignore[operator]
             raise ConfigError(f"rank={self.rank} must be in [0, world_size={self.world_size})")
+        lacking = [m for m in ("add", "append", "check", "compare_set", "delete_key", "get", "set", "wait")
+                   if self.store is not None and not callable(getattr(self.store, m, None))]
+        if lacking:
+            raise ConfigError(f"store={self.store!r} lacks {', '.join(lacking)}: pass a torch.distributed Store "
+                              "(TCPStore, or torch.distributed.distributed_c10d._get_default_store()), or None")
 
     def _check_replication(self) -> None:
         for name in ("keep_local", "keep_persistent"):

@@ -32,6 +32,11 @@ class IncompleteCheckpointError(FastCkptError, FileNotFoundError):
     """A checkpoint was never committed: files or ranks are missing (named in the message)."""
 
 
+class GroupRemovedError(IncompleteCheckpointError):
+    """A group was removed (``Checkpointer.remove``) while it was being saved or committed; its
+    commit fails at once and nothing of it is published."""
+
+
 class CommitTimeoutError(FastCkptError, TimeoutError):
     """Not every rank committed its part of a group within the timeout."""
 

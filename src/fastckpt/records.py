@@ -15,7 +15,10 @@ class SaveRecord:
     file renamed into place there. ``local_durable_s``: durable in ``local_dir`` (nvme tier,
     else None). ``durable_s``: durable and verified at the path given to ``save``; None when
     ``superseded`` (replication coalesced it away: only the local copy exists), ``skipped``, or
-    ``cancelled`` (``remove()`` deleted it while its replication was still queued).
+    ``cancelled`` (``remove()`` deleted it while its replication was still queued). A group
+    commit's record also tells what the commit cost this rank: ``store_ops`` and
+    ``store_bytes`` (torch.distributed store operations and the bytes of their keys and
+    values; 0 without a store) and ``commit_cpu_s`` (CPU seconds of the committing thread).
     """
 
     path: str
@@ -34,6 +37,9 @@ class SaveRecord:
     skipped: bool = False
     superseded: bool = False
     cancelled: bool = False
+    store_ops: int = 0
+    store_bytes: int = 0
+    commit_cpu_s: float = 0.0
 
     @property
     def write_GBps(self) -> float:

@@ -39,7 +39,7 @@ from .io.ops import FileOps
 __all__ = ["Fault", "FaultyOps", "Gate", "OPS"]
 
 OPS = ("open", "pwrite", "preadv", "fsync", "ftruncate", "replace", "unlink", "rmdir", "fsync_dir", "makedirs",
-       "write_small")
+       "write_small", "exchange", "link")
 
 
 @dataclass(frozen=True)
@@ -258,6 +258,14 @@ class FaultyOps(FileOps):
     def replace(self, src: str, dst: str) -> None:
         self._guard("replace", src, dst)
         super().replace(src, dst)
+
+    def exchange(self, a: str, b: str) -> None:
+        self._guard("exchange", a, b)
+        super().exchange(a, b)
+
+    def link(self, src: str, dst: str) -> None:
+        self._guard("link", src, dst)
+        super().link(src, dst)
 
     def unlink(self, path: str) -> None:
         self._guard("unlink", path)

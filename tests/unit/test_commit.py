@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import fastckpt
-from fastckpt.commit import coordinator as W
+from fastckpt.commit import fallback as W
 from fastckpt.commit import protocol as P
 from fastckpt.errors import CommitTimeoutError, CorruptCheckpointError, IncompleteCheckpointError
 from fastckpt.io import atomic as A
@@ -290,9 +290,9 @@ def test_latest_pointer_follows_commit_order_when_publishes_overlap(tmp_path: Pa
         for g in (g1, g2):
             ck.save(_state(1), str(g / "shard0.pt"), group=str(g)).wait()
             handles.append(ck.commit(str(g)))
-        P.write_marker(place(str(g1)), 1, 2, {})
+        P.write_marker(place(str(g1)), 1, 2, {}, W.current_attempt(place(str(g1))))  # rank 1 echoes rank 0's attempt
         assert gate.wait_entered()
-        P.write_marker(place(str(g2)), 1, 2, {})
+        P.write_marker(place(str(g2)), 1, 2, {}, W.current_attempt(place(str(g2))))
         handles[1].wait(timeout=60)
         assert (parent / P.LATEST).read_text() == "global_step2"
         gate.open()

@@ -1,112 +1,46 @@
 """Group commits: several files from one or many ranks become one checkpoint.
 
-Calls, all on the training thread: ``begin`` (first save into a group by this rank),
-``add``/``skipped`` (each save), ``commit`` (every rank, once per attempt). The work of a commit
-runs on the committer pool: wait for this rank's saves (and their replication) -> write this
-rank's marker -> rank 0: wait for every marker of this attempt, publish the manifest and move
-the ``latest`` pointer; other ranks: wait for that manifest (or rank 0's announced outcome).
-Waiting polls the group's place with backoff; ``stop`` (set by ``close``) ends it early.
-See ``protocol.py`` for the files and ``attempts.py`` for the tokens.
+Calls, all on the training thread: ``begin`` (first save into a group by this rank in this
+attempt), ``add``/``skipped`` (each save), ``commit`` (every rank, once per attempt), ``cancel``
+(``Checkpointer.remove`` of the group). The work of a commit runs on the committer pool:
+
+  every rank   wait for its saves (and their replication)
+  with a store (``store.py``): announce its files there; rank 0 waits for all W, publishes the
+               manifest and moves ``latest``, then announces the outcome the others wait for
+               (rank 0 writes the markers of the ranks that committed only if it fails)
+  without one (``fallback.py``): each rank writes its marker; rank 0 polls the markers of its
+               attempt and publishes; the other ranks poll for the manifest
+  every rank   with ``local_dir``: publish the burst-buffer copy's manifest too, so that loads
+               of the group's files read the local copy
+``attempt.py`` holds the work of one attempt on one rank.
+
+``begin`` decides where the attempt writes: in place, or, when the group is already published,
+beside it (``resave.py``), so that a new attempt never unpublishes the old one.
 """
 
 from __future__ import annotations
 
+import errno
+import itertools
+import logging
+import os
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from concurrent.futures import Executor, Future
-from dataclasses import dataclass, field
 
-from ..errors import CommitTimeoutError, FastCkptError
+from ..errors import CorruptCheckpointError, FastCkptError, GroupRemovedError
 from ..inflight import raise_as_write_error
 from ..records import SaveHandle, SaveRecord
 from ..storage.places import Place
+from . import attempt as A
+from . import fallback as F
 from . import protocol as P
-from .attempts import announce_outcome, attempt_token, outcome
+from . import resave
+from . import store as S
 
-POLL_FIRST_S = 0.005
-POLL_MAX_S = 0.5
-
-
-@dataclass
-class _Attempt:
-    """This rank's part of one attempt at a group: its saves, skips, token and start time."""
-
-    token: str | None
-    started_at: float
-    place: Place
-    handles: list[SaveHandle] = field(default_factory=list)
-    skipped: list[str] = field(default_factory=list)
-
-
-def _poll(until: Callable[[], object], deadline: float, stop: threading.Event) -> object:
-    """Call ``until`` with backoff until it returns something other than None; None on timeout."""
-    delay = POLL_FIRST_S
-    while True:
-        got = until()
-        if got is not None:
-            return got
-        if time.monotonic() >= deadline or stop.is_set():
-            return None
-        stop.wait(min(delay, max(0.0, deadline - time.monotonic())))
-        delay = min(delay * 2, POLL_MAX_S)
-
-
-def _current(marker: dict, world_size: int, token: str | None, not_before: float) -> bool:
-    return (marker["world_size"] == world_size and marker.get("attempt") == token
-            and float(marker.get("written_at", 0.0)) >= not_before)
-
-
-def wait_for_markers(place: Place, world_size: int, timeout_s: float, stop: threading.Event,
-                     token: str | None = None, not_before: float = 0.0) -> dict[int, dict]:
-    """Rank 0: every rank's marker of this attempt (or one that dropped it).
-
-    Raises:
-        CommitTimeoutError: naming the ranks that never committed.
-    """
-    seen: dict[int, dict] = {}
-
-    def ready() -> dict[int, dict] | None:
-        seen.clear()
-        seen.update({r: m for r, m in P.read_markers(place).items() if _current(m, world_size, token, not_before)})
-        done = all(r in seen for r in range(world_size)) or any(m.get("superseded") for m in seen.values())
-        return dict(seen) if done else None
-
-    got = _poll(ready, time.monotonic() + timeout_s, stop)
-    if got is None:
-        missing = [r for r in range(world_size) if r not in seen]
-        raise CommitTimeoutError(
-            f"checkpoint group {place.label} not committed: ranks {missing} of {world_size} did "
-            f"not commit within {timeout_s:.0f} s. The group stays incomplete (readers skip it); "
-            "check those ranks' logs, or raise commit_timeout_s for slow storage.")
-    return got  # type: ignore[return-value]
-
-
-def wait_for_manifest(place: Place, timeout_s: float, stop: threading.Event, token: str | None = None,
-                      mine: dict | None = None, group: str | None = None) -> dict:
-    """Other ranks: this attempt's manifest, listing this rank's files with the checksums just
-    written (an older attempt's manifest does not count), or rank 0's announced outcome."""
-    def ready() -> dict | None:
-        m = P.read_group_manifest(place)
-        if m is not None and m.get("attempt") == token and all(
-                m["files"].get(rel, {}).get("checksum") == info["checksum"] for rel, info in (mine or {}).items()):
-            return m
-        said = outcome(group, token)
-        if said == b"superseded":
-            return {"superseded": True, "files": {}}
-        if said == b"published":  # published, then deleted or replaced before this rank looked
-            return {"files": dict(mine or {}), "attempt": token, "retired": True}
-        if any(mk.get("superseded") and mk.get("attempt") == token for mk in P.read_markers(place).values()):
-            return {"superseded": True, "files": {}}  # a rank dropped this attempt: it will not be published
-        return None
-
-    got = _poll(ready, time.monotonic() + timeout_s, stop)
-    if got is None:
-        raise CommitTimeoutError(
-            f"checkpoint group {place.label}: rank 0 did not publish {P.GROUP_MANIFEST} within "
-            f"{timeout_s:.0f} s; some rank did not commit (see rank 0's error).")
-    return got  # type: ignore[return-value]
-
+log = logging.getLogger("fastckpt")
 
 class Coordinator:
     """This rank's attempts at groups, and their commits on the committer pool.
@@ -116,78 +50,191 @@ class Coordinator:
         stop: set by ``Checkpointer.close``: waits end early.
         timeout_s: how long a commit waits for the other ranks.
         place_for: the ``Place`` of a group name.
+        local_for: the ``Place`` of each burst-buffer copy of a group (one per ``local_dir``
+            directory; none without).
+        store: the store to coordinate through (None: the default process group's, if any).
         emit: the Checkpointer's event emitter.
     """
 
     def __init__(self, pool: Executor, stop: threading.Event, timeout_s: float,
-                 place_for: Callable[[str], Place], emit: Callable[..., None]) -> None:
+                 place_for: Callable[[str], Place], emit: Callable[..., None],
+                 local_for: Callable[[str], tuple[Place, ...]] = lambda g: (), store: object | None = None) -> None:
         self._pool, self._stop, self._timeout = pool, stop, timeout_s
-        self._place_for, self._emit = place_for, emit
-        self._attempts: dict[str, _Attempt] = {}
+        self._place_for, self._local_for, self._emit = place_for, local_for, emit
+        self._store = store
+        self._link: S.StoreLink | None = None
+        self._lock = threading.Lock()
+        self._open: dict[str, A.Attempt] = {}
+        self._running: dict[str, tuple[A.Attempt, Future]] = {}
+        self._counts: dict[str, itertools.count] = {}
+
+    def connect(self, world: int) -> None:
+        """Join the store's session now (the Checkpointer does this when it is made with an
+        explicit store): every rank's Checkpointer counts once, whether it commits groups or not."""
+        store = self._store if self._store is not None else S.default_store()
+        if store is not None and world > 1 and (self._link is None or self._link.store is not store
+                                                 or self._link.world != world):
+            self._link = S.StoreLink(store, world)
+            self._link.session()
+
+    def _channel(self, group: str, world: int) -> S.Channel | None:
+        if world < 2:
+            return None
+        self.connect(world)
+        if self._link is None:
+            return None
+        return self._link.channel(group, next(self._counts.setdefault(group, itertools.count())))
 
     def begin(self, group: str, rank: int, world: int) -> None:
-        """First touch of ``group`` by this rank in this attempt.
+        """First touch of ``group`` by this rank in this attempt: decide where it writes.
 
-        An earlier attempt at the same tag is invalidated first: its manifest goes, so no
-        reader mixes old and new files, and this rank's old marker goes.
+        This rank's previous commit of the same group is waited for first, so that every rank
+        sees the same published state. A published group is re-saved beside itself
+        (``resave.py``; refused on an object store); an unpublished one in place, its stale
+        files never named by the new manifest. The burst-buffer copy's manifest goes now.
+
+        Raises:
+            ConfigError: re-saving a published group on an object store (unless its commit
+                died before moving ``latest``: ``protocol.never_latest``; then in place).
         """
-        if group in self._attempts:
+        with self._lock:
+            att = self._open.get(group)
+            prev = self._running.get(group)
+        if att is not None and not att.cancel.is_set():
             return
-        place = self._place_for(group)
-        self._attempts[group] = _Attempt(attempt_token(group, world), time.time(), place)
-        place.delete(P.GROUP_MANIFEST)
-        place.delete(P.marker_rel(rank))
+        if prev is not None:
+            prev[1].exception()  # waits; its failure is the previous commit's handle's to report
+        home = self._place_for(group)
+        try:
+            old = P.read_group_manifest(home)
+            published = old is not None
+        except CorruptCheckpointError:  # a damaged manifest: still replaced only by a whole new attempt
+            old, published = None, True
+        if published and not home.target.mounted:
+            if old is None or not P.never_latest(home, old):
+                raise resave.refusal(home)
+            home.delete(P.GROUP_MANIFEST)  # never reported nor the latest: re-saved in place, like a failed one
+            old, published = None, False
+        place = P.staged_place(home) if published else home
+        local = self._local_for(group)
+        for copy in local:
+            copy.delete(P.GROUP_MANIFEST)  # the local copy is rewritten in place: not complete until committed
+        channel = self._channel(group, world)
+        token = channel.token if channel is not None else (uuid.uuid4().hex[:16] if rank == 0 else None)
+        if channel is None and rank == 0 and world > 1:
+            P.write_record(place, P.ATTEMPT, attempt=token, world_size=world)
+        with self._lock:
+            self._open[group] = A.Attempt(group, home, place, local, channel, token, old)
+
+    def home_path(self, group: str, path: str) -> str:
+        """Where ``path`` (a file of ``group``) is written at its home in this attempt."""
+        att = self._open[group]
+        if not att.staged:
+            return path
+        return att.place.url(path[len(group):].lstrip("/"))
 
     def add(self, group: str, handle: SaveHandle) -> None:
-        self._attempts[group].handles.append(handle)
+        self._open[group].handles.append(handle)
 
     def skipped(self, group: str, path: str) -> None:
-        self._attempts[group].skipped.append(path)
+        self._open[group].skipped.append(path)
+
+    def cancel(self, group: str, rank: int) -> None:
+        """``remove(group)`` on this rank: its attempt at the group ends, on every rank with a
+        store (unless rank 0 is already publishing it: then it completes and is removed after).
+        A later ``commit`` of the cancelled attempt fails at once."""
+        with self._lock:
+            atts = [a for a in (self._open.get(group), self._running.get(group, (None,))[0]) if a is not None]
+        for att in atts:
+            att.cancel.set()
+            if att.channel is not None:
+                att.channel.cancel(f"rank {rank} removed the group")
 
     def commit(self, group: str, rank: int, world: int, extra: dict,
                finish: Callable[[SaveRecord], SaveRecord] = lambda r: r, move_latest: bool = True) -> Future:
-        self.begin(group, rank, world)  # a rank that saved nothing into this group
-        att = self._attempts.pop(group)
+        with self._lock:
+            att = self._open.pop(group, None)
+        if att is None:  # a rank that saved nothing into this group
+            self.begin(group, rank, world)
+            with self._lock:
+                att = self._open.pop(group)
+        att.move_latest = move_latest
         t_call, requested_at = time.monotonic(), time.time()
 
         def run() -> SaveRecord:
             try:
-                return finish(self._run(group, att, rank, world, extra, t_call, requested_at, move_latest))
+                return finish(self._run(att, rank, world, extra, t_call, requested_at))
+            except GroupRemovedError:
+                self._drop_marker(att, rank)
+                raise
             except OSError as exc:
+                if self._removed(att, exc):  # the group's directory went while this rank wrote its marker
+                    self._drop_marker(att, rank)
+                    raise F.removed_error(att.home) from exc
                 raise_as_write_error(exc, group)
                 raise  # unreachable: raise_as_write_error always raises
 
-        return self._pool.submit(run)
+        fut = self._pool.submit(run)
+        with self._lock:
+            self._running[group] = (att, fut)
+        fut.add_done_callback(lambda f: self._forget(group, f))
+        return fut
 
-    def _run(self, group: str, att: _Attempt, rank: int, world: int, extra: dict,
-             t_call: float, requested_at: float, move_latest: bool) -> SaveRecord:
-        c0 = time.time()
+    @staticmethod
+    def _removed(att: A.Attempt, exc: OSError) -> bool:
+        """Whether ``exc`` (this rank's commit failed on storage) is the group being removed:
+        the store says so, or, without one, the group's own directory vanished (nothing else
+        deletes it)."""
+        if att.cancel.is_set():
+            return True
+        if att.channel is None:
+            return exc.errno == errno.ENOENT
+        try:
+            return att.channel.removed()
+        except S.StoreError:
+            return False
+
+    @staticmethod
+    def _drop_marker(att: A.Attempt, rank: int) -> None:
+        """A cancelled attempt leaves nothing behind: a marker written after the group was
+        deleted would bring its directory back."""
+        try:
+            att.place.delete(P.marker_rel(rank))
+        except OSError as exc:
+            log.warning("fastckpt: could not remove the marker of removed group %s: %s", att.home.label, exc)
+
+    def _forget(self, group: str, fut: Future) -> None:
+        with self._lock:
+            if self._running.get(group, (None, None))[1] is fut:
+                del self._running[group]
+
+    def _run(self, att: A.Attempt, rank: int, world: int, extra: dict, t_call: float,
+             requested_at: float) -> SaveRecord:
+        c0, cpu0 = time.time(), time.thread_time()
         recs = [h.result() for h in att.handles]  # a failed save stops the commit here
+        if att.cancel.is_set():
+            raise F.removed_error(att.home)
         if att.skipped:
             raise FastCkptError(
-                f"checkpoint group {group} not committed: this rank skipped {att.skipped} "
+                f"checkpoint group {att.group} not committed: this rank skipped {att.skipped} "
                 "(when_busy='skip' found the staging buffer busy); the group stays incomplete")
         tier = recs[0].tier if recs else "direct"
         blocked = sum(r.blocked_s for r in recs)
-        if any(r.superseded for r in recs):  # replication coalesced this attempt away
-            P.write_marker(att.place, rank, world, {}, att.token, att.started_at, superseded=True)
-            return SaveRecord(group, tier, 0, blocked, 0.0, time.monotonic() - t_call, None,
-                              rank=rank, group=group, superseded=True)
-        files = {r.path[len(group):].lstrip("/"): {"size": r.bytes, "checksum": r.checksum} for r in recs}
-        P.write_marker(att.place, rank, world, files, att.token, att.started_at)
-        if rank == 0:
-            markers = wait_for_markers(att.place, world, self._timeout, self._stop, att.token,
-                                       att.started_at - P.STALE_MARKER_S)
-            if any(m.get("superseded") for m in markers.values()):
-                manifest = {"superseded": True, "files": {}}
-            else:
-                manifest = P.publish_group(att.place, world, markers, extra, requested_at, att.token, move_latest)
-            announce_outcome(group, att.token, superseded=bool(manifest.get("superseded")))
+        superseded = any(r.superseded for r in recs)  # replication coalesced this attempt away
+        files = {} if superseded else {r.path[len(att.group):].lstrip("/"): {"size": r.bytes, "checksum": r.checksum}
+                                      for r in recs}
+        if att.channel is not None:
+            ended = A.via_store(att, att.channel, rank, world, files, superseded, extra, requested_at, self._timeout,
+                                self._stop)
         else:
-            manifest = wait_for_manifest(att.place, self._timeout, self._stop, att.token, files, group=group)
+            ended = A.via_storage(att, rank, world, files, superseded, extra, requested_at, self._timeout, self._stop)
         done = time.monotonic() - t_call
-        if manifest.get("superseded"):
-            return SaveRecord(group, tier, 0, blocked, 0.0, done, None, rank=rank, group=group, superseded=True)
-        total = sum(f["size"] for f in manifest["files"].values())
-        self._emit("commit", group, total, c0, tier, detail="group")
-        return SaveRecord(group, tier, total, blocked, 0.0, done, done, rank=rank, group=group)
+        ops, nbytes = (att.channel.ops, att.channel.nbytes) if att.channel is not None else (0, 0)
+        cost = {"store_ops": ops, "store_bytes": nbytes, "commit_cpu_s": time.thread_time() - cpu0}
+        if ended.superseded:
+            return SaveRecord(att.group, tier, 0, blocked, 0.0, done, None, rank=rank, group=att.group,
+                              superseded=True, **cost)
+        for local in att.local if len(att.local) == 1 else [p for p in att.local if os.path.isdir(p.url())]:
+            A.publish_local(att, local, ended.manifest, self._stop)  # striped: each drive holding files
+        self._emit("commit", att.group, ended.total, c0, tier, detail="group")
+        return SaveRecord(att.group, tier, ended.total, blocked, 0.0, done, done, rank=rank, group=att.group, **cost)

@@ -34,7 +34,7 @@ import logging
 import posixpath
 from dataclasses import dataclass, replace
 
-from ..errors import CorruptCheckpointError
+from ..errors import CorruptCheckpointError, IncompleteCheckpointError
 from ..storage.homes import Homes, Location
 from ..storage.types import TargetNotFoundError
 from ..urls import join
@@ -169,15 +169,25 @@ def latest(homes: Homes, root: str) -> str | None:
 
 
 def require_complete_group(homes: Homes, url: str, manifest: dict) -> None:
-    """A file that belongs to a group may be loaded only once the group is published.
+    """A file that belongs to a group may be loaded only once the group is published, and only
+    if it is the file the group's manifest names (same checksum): a file left by another
+    attempt at the same tag never loads as part of the published group.
 
     Raises:
-        IncompleteCheckpointError: naming the group and the ranks that never committed.
+        IncompleteCheckpointError: naming the group and the ranks that never committed, or the
+            attempt the file does not belong to.
     """
     if not manifest.get("group"):
         return
     rel = manifest.get("group_rel") or posixpath.basename(url)
     group = url[: -len(rel) - 1] if url.endswith("/" + rel) else posixpath.dirname(url)
     place = homes.resolve(group).place()
-    if read_group_manifest(place) is None:
+    published = read_group_manifest(place)
+    if published is None:
         raise incomplete_group_error(place, None)
+    entry = published.get("files", {}).get(rel)
+    if entry is None or entry.get("checksum") != manifest["checksum"]["value"]:
+        raise IncompleteCheckpointError(
+            f"{url} is not part of checkpoint group {place.label} as published: its manifest "
+            f"{'does not name it' if entry is None else 'names another version of it'} (the file was left by "
+            "another attempt at this tag). Load the group's published files, or fastckpt.latest(<parent dir>).")

@@ -1,18 +1,22 @@
-"""The group commit protocol: rank markers, the group manifest, the ``latest`` pointer, and the
-attempt token every rank of one attempt agrees on. Everything goes through a ``Place``
+"""The group commit protocol's files: rank markers, the group manifest, the ``latest`` pointer,
+and (without a store) the attempt and outcome records. Everything goes through a ``Place``
 (``storage.places``), so the protocol is the same on a local disk, a parallel file system and S3.
 
 A group (several files from one or several ranks under one directory) is complete only when
-its manifest ``fastckpt-manifest.json`` exists. Each rank first leaves a marker
-``.fastckpt/rank-NNNNN.json`` listing its durable files; the coordinator (rank 0) publishes the
-manifest once every rank's marker of this attempt is there, then moves ``latest`` forward.
-Markers are files so that completeness can be checked by any process, after any crash, without
-collectives (which must never run on background threads). A single file at a URL is published
-by its sidecar ``NAME.fastckpt.json`` (see ``save/replicator.py``).
+its manifest ``fastckpt-manifest.json`` exists; it names the files of exactly one attempt, each
+with its size and checksum. Each rank leaves a marker ``.fastckpt/rank-NNNNN.json`` listing its
+durable files and the attempt they belong to: the commit itself goes through the store when
+there is one (``store.py``), and the markers are the crash trail that names missing ranks.
+Without a store, rank 0 names each attempt in ``.fastckpt/attempt.json`` (a random id every
+rank echoes in its marker) and publishes the manifest once every rank's marker of that
+attempt is there; ``.fastckpt/outcome.json`` tells the other ranks an attempt that ended
+without a manifest. A single file at a URL is published by its sidecar ``NAME.fastckpt.json``
+(see ``save/replicator.py``). docs/groups.md describes the whole protocol.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import posixpath
 import threading
@@ -27,7 +31,10 @@ GROUP_MANIFEST = "fastckpt-manifest.json"
 MARKER_DIR = ".fastckpt"
 LATEST = "latest"
 SIDECAR = ".fastckpt.json"  # a single file's publication record at a URL: NAME.fastckpt.json
-STALE_MARKER_S = 60.0  # without a shared store, markers older than the attempt by this much are stale
+ATTEMPT = f"{MARKER_DIR}/attempt.json"  # without a store: the attempt rank 0 started
+OUTCOME = f"{MARKER_DIR}/outcome.json"  # without a store: an attempt that ended unpublished
+NEXT_TAG = ".fastckpt-next"
+DELETE_ATTEMPTS = 5  # tree deletions of a group that concurrent writers disturbed, before giving up  # a re-saved group's new attempt, beside it: .TAG.fastckpt-next
 
 _latest_lock = threading.Lock()  # commits of several groups publish from concurrent threads
 
@@ -37,25 +44,46 @@ def marker_rel(rank: int) -> str:
 
 
 def write_marker(place: Place, rank: int, world_size: int, files: dict, token: str | None = None,
-                 started_at: float | None = None, superseded: bool = False) -> None:
+                 superseded: bool = False) -> None:
     """Publish this rank's marker: its durable files of this attempt (or that it gave up)."""
     body = {"format": FORMAT_VERSION, "rank": rank, "world_size": world_size, "files": files,
-            "written_at": time.time(), "attempt": token, "started_at": started_at}
+            "written_at": time.time(), "attempt": token}
     if superseded:
         body["superseded"] = True
     place.put(marker_rel(rank), json.dumps(body, sort_keys=True).encode())
 
 
+def marker_ranks(place: Place) -> dict[int, str]:
+    """rank -> marker name, from one listing of the marker directory."""
+    return {int(n[5:-5]): f"{MARKER_DIR}/{n}" for n in place.names(MARKER_DIR)
+            if n.startswith("rank-") and n.endswith(".json") and n[5:-5].isdigit()}
+
+
+def read_marker(place: Place, rel: str) -> dict | None:
+    data = place.get(rel)
+    return None if data is None else json.loads(data)
+
+
 def read_markers(place: Place) -> dict[int, dict]:
     out: dict[int, dict] = {}
-    for name in place.names(MARKER_DIR):
-        if not (name.startswith("rank-") and name.endswith(".json")):
-            continue
-        data = place.get(f"{MARKER_DIR}/{name}")
-        if data is not None:
-            body = json.loads(data)
-            out[int(body["rank"])] = body
+    for rank, rel in marker_ranks(place).items():
+        body = read_marker(place, rel)
+        if body is not None:
+            out[rank] = body
     return out
+
+
+def write_record(place: Place, rel: str, **body: object) -> None:
+    """The attempt or outcome record (``ATTEMPT``, ``OUTCOME``) of the storage protocol."""
+    place.put(rel, json.dumps(dict(body, written_at=time.time()), sort_keys=True).encode())
+
+
+def read_record(place: Place, rel: str) -> dict | None:
+    data = place.get(rel)
+    try:
+        return None if data is None else json.loads(data)
+    except ValueError:  # written by put (atomic): only a foreign file could be damaged
+        return None
 
 
 def group_order(manifest: dict) -> float:
@@ -98,6 +126,17 @@ def _pointed(parent: Place) -> tuple[str, float] | None:
     return None
 
 
+def never_latest(place: Place, manifest: dict) -> bool:
+    """Whether the published group ``place`` is one whose commit died between its manifest and
+    its ``latest`` move: the parent's pointer names an older complete checkpoint, though this
+    group was committed to move it (``moved_latest`` is absent: ``commit(move_latest=False)``
+    records False). Its commit never returned, and ``latest()`` never answered it."""
+    if manifest.get("moved_latest", True) is False:
+        return False
+    found = _pointed(place.parent())
+    return found is not None and found[0] != manifest.get("tag") and found[1] < group_order(manifest)
+
+
 def pointed_name(parent: Place) -> str | None:
     """The name in ``parent/latest`` when it is a complete checkpoint; None when stale or absent."""
     found = _pointed(parent)
@@ -116,6 +155,42 @@ def move_pointer(parent: Place, name: str, order: float) -> bool:
             return False
         parent.put(LATEST, name.encode())
         return True
+
+
+def build_manifest(place: Place, world_size: int, entries: dict[int, dict], extra: dict,
+                   requested_at: float | None, token: str | None, check_sizes: bool = True,
+                   files_at: Place | None = None) -> dict:
+    """The manifest of one attempt at the group ``place``: every rank's files (``entries``:
+    rank -> marker or store entry, each with ``files``), the attempt and ``extra``.
+
+    Args:
+        check_sizes: stat every file (in ``files_at``, default ``place``) against its entry.
+
+    Raises:
+        IncompleteCheckpointError: with ``check_sizes``, a file's size is not what its rank
+            committed (it was replaced or truncated since).
+    """
+    files: dict[str, dict] = {}
+    at = files_at or place
+    for r in sorted(entries):
+        for rel, info in member_files(entries[r], f"{place.label} (rank {r}'s files)").items():
+            size = at.size(rel) if check_sizes else info["size"]
+            if size != info["size"]:
+                raise IncompleteCheckpointError(
+                    f"group {place.label}: rank {r} committed {rel} with {info['size']} bytes but the "
+                    f"file has {size}; not publishing this checkpoint."
+                )
+            files[rel] = {"size": info["size"], "checksum": info["checksum"], "rank": r}
+    manifest = {"format": FORMAT_VERSION, "kind": "group", "world_size": world_size,
+                "tag": place.label.rstrip("/").rsplit("/", 1)[-1], "ranks": sorted(entries),
+                "attempt": token, "files": files, "committed_at": time.time(), **extra}
+    if requested_at is not None:
+        manifest["requested_at"] = requested_at
+    return manifest
+
+
+def manifest_bytes(manifest: dict) -> bytes:
+    return json.dumps(manifest, sort_keys=True, separators=(",", ":")).encode()
 
 
 def member_files(manifest: dict, where: str) -> dict[str, dict]:
@@ -144,29 +219,25 @@ def publish_group(place: Place, world_size: int, markers: dict[int, dict], extra
     Raises:
         IncompleteCheckpointError: a file's size is not what its rank committed.
     """
-    files: dict[str, dict] = {}
-    for r in sorted(markers):
-        for rel, info in member_files(markers[r], f"{place.label} (rank {r}'s marker)").items():
-            size = place.size(rel)
-            if size != info["size"]:
-                raise IncompleteCheckpointError(
-                    f"group {place.label}: rank {r} committed {rel} with {info['size']} bytes but the "
-                    f"file has {size}; not publishing this checkpoint."
-                )
-            files[rel] = dict(info, rank=r)
-    manifest = {"format": FORMAT_VERSION, "kind": "group", "world_size": world_size,
-                "tag": place.label.rstrip("/").rsplit("/", 1)[-1], "ranks": sorted(markers),
-                "attempt": token, "files": files, "committed_at": time.time(), **extra}
-    if requested_at is not None:
-        manifest["requested_at"] = requested_at
-    place.put(GROUP_MANIFEST, json.dumps(manifest, sort_keys=True, indent=1).encode())
+    manifest = build_manifest(place, world_size, markers, extra, requested_at, token)
+    place.put(GROUP_MANIFEST, manifest_bytes(manifest))
     if move_latest:
         move_pointer(place.parent(), manifest["tag"], group_order(manifest))
     return manifest
 
 
-def incomplete_group_error(place: Place, world_size: int | None) -> IncompleteCheckpointError:
+def current_markers(place: Place) -> dict[int, dict]:
+    """The markers of the newest attempt at ``place`` (the one of the newest marker): a rank's
+    marker of an older attempt stays until it commits again, and does not count."""
     markers = read_markers(place)
+    if not markers:
+        return {}
+    newest = max(markers.values(), key=lambda m: float(m.get("written_at", 0.0)))
+    return {r: m for r, m in markers.items() if m.get("attempt") == newest.get("attempt")}
+
+
+def incomplete_group_error(place: Place, world_size: int | None) -> IncompleteCheckpointError:
+    markers = current_markers(place)
     ws = world_size or max((m["world_size"] for m in markers.values()), default=0)
     missing = [r for r in range(ws) if r not in markers]
     what = f"ranks {missing} of {ws} never committed" if missing else "its manifest was never published"
@@ -197,12 +268,33 @@ def publish_file(loc: Location, manifest: dict) -> None:
     move_pointer(parent, name, float(manifest.get("written_at", 0.0)))
 
 
+def staged_place(home: Place) -> Place:
+    """Where a new attempt at the published group ``home`` is written: ``.TAG.fastckpt-next``
+    beside it (hidden: never a checkpoint itself)."""
+    return home.parent().child(f".{posixpath.basename(home.key)}{NEXT_TAG}")
+
+
 def delete_checkpoint(loc: Location) -> None:
     """Delete a checkpoint (a single file or a group): its publication record first, so that it
-    is invisible before any of its bytes go."""
+    is invisible before any of its bytes go; a group's unpublished new attempt goes too."""
     target, key = loc.target, loc.key
     if target.exists(key) or target.exists(key + SIDECAR):
         target.delete(key + SIDECAR)
         target.delete(key)
     else:
-        target.delete_tree(key, first=(GROUP_MANIFEST,))
+        _delete_group(loc)
+        if key:
+            staged_place(loc.place()).delete_all()
+
+
+def _delete_group(loc: Location) -> None:
+    """``delete_tree`` of a group, again while a writer of the group (another rank still saving
+    or committing into it) adds or removes entries under it meanwhile."""
+    for attempt in range(1, DELETE_ATTEMPTS + 1):
+        try:
+            loc.target.delete_tree(loc.key, first=(GROUP_MANIFEST,))
+            return
+        except OSError as exc:
+            if getattr(exc, "errno", None) not in (errno.ENOTEMPTY, errno.ENOENT, errno.EISDIR, errno.EEXIST) \
+                    or attempt == DELETE_ATTEMPTS:
+                raise

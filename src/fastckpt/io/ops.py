@@ -12,10 +12,16 @@ exactly one of each: ``pwrite_all`` and ``pread_exact``.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
 
 _RWF_NOWAIT = getattr(os, "RWF_NOWAIT", 0)
+
+
+_LIBC = ctypes.CDLL(None, use_errno=True)
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
 
 
 class FileOps:
@@ -64,6 +70,23 @@ class FileOps:
 
     def rmdir(self, path: str) -> None:
         os.rmdir(path)
+
+    def exchange(self, a: str, b: str) -> None:
+        """Swap two paths (directories) in one atomic step: Linux ``renameat2(RENAME_EXCHANGE)``.
+
+        Raises:
+            OSError: ENOSYS where the C library lacks ``renameat2``; EINVAL where the file
+                system cannot exchange (e.g. some network file systems).
+        """
+        fn = getattr(_LIBC, "renameat2", None)
+        if fn is None:
+            raise OSError(errno.ENOSYS, "renameat2() is not available in this C library", a)
+        if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) != 0:
+            code = ctypes.get_errno()
+            raise OSError(code, os.strerror(code), a, None, b)
+
+    def link(self, src: str, dst: str) -> None:
+        os.link(src, dst)
 
     def makedirs(self, path: str) -> None:
         os.makedirs(path, exist_ok=True)

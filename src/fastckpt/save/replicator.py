@@ -49,6 +49,7 @@ class ReplicaJob:
     committed_at: float
     future: Future = field(default_factory=Future)
     finish: Callable[[SaveRecord], SaveRecord] = lambda rec: rec  # runs before the future resolves
+    home: str = ""  # where the copy goes when not rec.path (a re-saved group's new attempt, beside it)
 
 
 class Replicator:
@@ -97,7 +98,8 @@ class Replicator:
 
     @contextmanager
     def cancelling(self, path: str) -> Iterator[None]:
-        """While ``remove(path)`` runs: the single file ``path`` is not replicated.
+        """While ``remove(path)`` runs: the single file ``path`` (or the files of the group
+        ``path``) is not replicated.
 
         Its queued job is dropped now, and one submitted meanwhile (its local write was still
         finishing) is dropped on arrival; both resolve as ``cancelled``. An upload already
@@ -135,7 +137,7 @@ class Replicator:
         return None
 
     def _cancelled(self, job: ReplicaJob) -> bool:
-        return job.rec.group is None and job.rec.path in self._cancel
+        return (job.rec.group if job.rec.group is not None else job.rec.path) in self._cancel
 
     def _drop(self, job: ReplicaJob) -> None:
         log.info("fastckpt: replication of %s cancelled: the checkpoint is being removed", job.rec.path)
@@ -218,7 +220,7 @@ class Replicator:
     def _copy(self, job: ReplicaJob, manifest: dict) -> str:
         """Copy, verify and publish one file at its home; returns the event's detail."""
         rec, cfg = job.rec, self._cfg
-        home = self._homes.resolve(rec.path)
+        home = self._homes.resolve(job.home or rec.path)
         target = home.target
         expect = Expected(rec.bytes, rec.checksum, manifest["covered"])
         readback = cfg.replicate_verify == "readback"

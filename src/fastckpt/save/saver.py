@@ -16,7 +16,6 @@ resolves, so ``wait()`` returning means retention has run.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 import warnings
@@ -25,7 +24,7 @@ from concurrent.futures import Executor, Future
 from dataclasses import replace
 
 from ..commit.coordinator import Coordinator
-from ..commit.protocol import GROUP_MANIFEST, publish_file
+from ..commit.protocol import publish_file
 from ..config import CheckpointerConfig
 from ..errors import ConfigError, ReplicationError
 from ..format import layout as F
@@ -88,18 +87,20 @@ class Saver:
             raise_as_write_error(exc, path)
         if choice.tier == "gds" and layout.align != F.ALIGN:  # GDS writes each record: page-aligned
             layout = self._planner.plan(state_dict, page_aligned=True)
+        home = path
         if group is not None:
-            self.begin_group(group, rank, world)
-        dest = spot.local if spot else path
+            self._coord.begin(group, rank, world)
+            home = self._coord.home_path(group, path)  # beside a published group when re-saving it
+        dest = spot.local if spot else home
         base = SaveRecord(path, choice.tier, layout.data_size, 0.0, 0.0, 0.0, None, rank=rank, group=group)
         if choice.tier == "gds":
-            return self._save_gds(layout, base, dest, t_call, w_call, spot)
+            return self._save_gds(layout, base, dest, home, t_call, w_call, spot)
         buf = self._staging.acquire(layout.data_size + TAIL_ROOM, owner=group or object(),
                                     pinned=has_cuda, wait=self._cfg.when_busy == "wait")
         if buf is None:
             return self._skipped(base, group, t_call)
         if self._cfg.overlap_write and not lazy and not has_cuda:
-            return self._save_overlapped(layout, buf, base, dest, t_call, w_call, choice, spot)
+            return self._save_overlapped(layout, buf, base, dest, home, t_call, w_call, choice, spot)
         if lazy:  # CUDA: the copy follows the work queued so far and runs beside what comes next
             copy = self._snap_thread.submit(snapshot, layout, buf, after=cuda_marks(layout), hold_stream=False)
             snap: Snapshot | LazySnapshot = LazySnapshot(copy, layout, buf)
@@ -118,9 +119,9 @@ class Saver:
         self._emit("snapshot", path, layout.payload_bytes, w_call, choice.tier, detail="lazy" if lazy else None)
         base = replace(base, blocked_s=blocked)
         fut = self._submit(spot, self._writer.write, snap, base, dest, t_call, choice.odirect)
-        return self._track(fut, base, dest, t_call, spot)
+        return self._track(fut, base, dest, home, t_call, spot)
 
-    def _save_gds(self, layout: F.FileLayout, base: SaveRecord, dest: str, t_call: float, w_call: float,
+    def _save_gds(self, layout: F.FileLayout, base: SaveRecord, dest: str, home: str, t_call: float, w_call: float,
                   spot: Reservation | None) -> SaveHandle:
         st = self._writer.gds_write(layout, dest)
         blocked = time.monotonic() - t_call
@@ -128,7 +129,7 @@ class Saver:
         self._emit("snapshot", base.path, layout.payload_bytes, w_call, base.tier, detail="gds write")
         base = replace(base, blocked_s=blocked)
         fut = self._submit(spot, self._writer.gds_finish, st, layout, base, t_call)
-        return self._track(fut, base, dest, t_call, spot)
+        return self._track(fut, base, dest, home, t_call, spot)
 
     def _skipped(self, base: SaveRecord, group: str | None, t_call: float) -> SaveHandle:
         self._monitor.record_skipped()
@@ -138,8 +139,8 @@ class Saver:
             self._coord.skipped(group, base.path)
         return SaveHandle.finished(replace(base, bytes=0, blocked_s=time.monotonic() - t_call, skipped=True))
 
-    def _save_overlapped(self, layout: F.FileLayout, buf: StagingBuffer, base: SaveRecord, dest: str, t_call: float,
-                         w_call: float, choice: TierChoice, spot: Reservation | None) -> SaveHandle:
+    def _save_overlapped(self, layout: F.FileLayout, buf: StagingBuffer, base: SaveRecord, dest: str, home: str,
+                         t_call: float, w_call: float, choice: TierChoice, spot: Reservation | None) -> SaveHandle:
         """CPU state: the writer starts at once and follows the copy into the staging buffer,
         so the file is durable about one write time after the call, not copy + write."""
         progress = Progress()
@@ -156,7 +157,7 @@ class Saver:
         progress.finish(blocked_s=blocked)
         self._monitor.record_blocked(t_call, blocked, layout.payload_bytes)
         self._emit("snapshot", base.path, layout.payload_bytes, w_call, choice.tier)
-        return self._track(fut, replace(base, blocked_s=blocked), dest, t_call, spot)
+        return self._track(fut, replace(base, blocked_s=blocked), dest, home, t_call, spot)
 
     def _submit(self, spot: Reservation | None, write: Callable[..., SaveRecord], *args: object) -> Future:
         """Run ``write`` on the writer thread of the save's burst-buffer directory (one per
@@ -175,19 +176,20 @@ class Saver:
             publish_file(self._homes.resolve(rec.path), {"written_at": time.time()})
         return self._retain(rec)
 
-    def _track(self, fut: Future, base: SaveRecord, dest: str, t_call: float, spot: Reservation | None
+    def _track(self, fut: Future, base: SaveRecord, dest: str, home: str, t_call: float, spot: Reservation | None
                ) -> SaveHandle:
-        """Replication follows a write to the burst buffer; track the save; join its group."""
-        if dest != base.path:
+        """Replication (to ``home``) follows a write to the burst buffer; track the save; join
+        its group."""
+        if dest != home:
             fut.add_done_callback(lambda _: self._stripes.release(spot))
-            fut = self._then_replicate(fut, dest, t_call)
+            fut = self._then_replicate(fut, dest, home, t_call)
         handle = self._inflight.track(fut, base.path, base.group)
         if base.group is not None:
             self._coord.add(base.group, handle)
         return handle
 
-    def _then_replicate(self, written: Future, local: str, t_call: float) -> Future:
-        """A future that resolves once the file written to ``local`` is replicated to its path."""
+    def _then_replicate(self, written: Future, local: str, home: str, t_call: float) -> Future:
+        """A future that resolves once the file written to ``local`` is replicated to ``home``."""
         final: Future = Future()
 
         def enqueue(f: Future) -> None:
@@ -197,7 +199,8 @@ class Saver:
                 return
             rec = f.result()
             try:
-                self._replicator.submit(ReplicaJob(rec, local, t_call, time.time(), final, finish=self._retain))
+                self._replicator.submit(ReplicaJob(rec, local, t_call, time.time(), final, finish=self._retain,
+                                                   home=home if home != rec.path else ""))
             except RuntimeError as err:  # closed under us: nothing will replicate it
                 final.set_exception(ReplicationError(f"{rec.path} was not replicated: {err}"))
 
@@ -209,23 +212,6 @@ class Saver:
         if rec.group is None and not rec.superseded and not rec.skipped:
             self._retention.durable(rec.path, bool(self._cfg.local_dirs), owns_persistent=True)
         return rec
-
-    def begin_group(self, group: str, rank: int, world: int) -> None:
-        """This rank's first save into ``group`` in this attempt: the burst-buffer copy of an
-        earlier attempt stops counting as complete until this one commits."""
-        self._coord.begin(group, rank, world)
-        for local in self._stripes.copies(group):  # the group's files may lie on every drive
-            self._homes.resolve(local).place().delete(GROUP_MANIFEST)
-
-    def group_committed(self, group: str) -> None:
-        """``group`` is durable and published at its home: this node's burst-buffer copy gets the
-        same manifest, so loads read the local files (each still verified by its own checksum)."""
-        locals_ = [d for d in self._stripes.copies(group) if os.path.isdir(d)]  # one per drive holding files
-        data = self._homes.resolve(group).place().get(GROUP_MANIFEST) if locals_ else None
-        if data is None:
-            return  # a newer attempt replaced it already, or this rank kept no local files
-        for local in locals_:
-            self._homes.resolve(local).place().put(GROUP_MANIFEST, data)
 
     def fence(self) -> float:
         """Wait until every lazy save has copied its tensors; return the seconds waited (counted

@@ -25,6 +25,7 @@ from ..io.engine import WriteResult, write_file
 from ..io.gds import finish_gds_file, gds_write
 from ..io.ops import FileOps
 from ..records import SaveRecord
+from ..urls import is_within, normalize
 from ..version import __version__
 from .snapshot import Snapshot
 from .staging import StagingPool
@@ -52,12 +53,15 @@ class FileWriter:
         emit: the Checkpointer's event emitter.
         on_written: called with (file, bytes, seconds) after each file is written and fsynced
             (the burst buffer's per-directory bandwidth, ``save.stripes``).
+        local_dirs: the burst-buffer directories: a file written in one is a local copy, still
+            to be replicated (any other file is at its home, durable once renamed).
     """
 
     def __init__(self, ops: FileOps, io_pool: Executor, staging: StagingPool, chunk_bytes: int,
-                 emit: Callable[..., None], on_written: Callable[[str, int, float], None] | None = None) -> None:
+                 emit: Callable[..., None], on_written: Callable[[str, int, float], None] | None = None,
+                 local_dirs: Sequence[str] = ()) -> None:
         self._ops, self._io, self._staging, self._chunk = ops, io_pool, staging, chunk_bytes
-        self._emit, self._on_written = emit, on_written
+        self._emit, self._on_written, self._local_dirs = emit, on_written, tuple(local_dirs)
 
     def write(self, snap: Snapshot, base: SaveRecord, dest: str, t_call: float, odirect: bool) -> SaveRecord:
         """Write the snapshot to ``dest`` (temp, fsync, rename, dir fsync); release its buffer.
@@ -111,7 +115,7 @@ class FileWriter:
             raise_as_write_error(exc, base.path, st.renamed)
         commit_s = time.monotonic() - t_call
         self._emit("commit", st.dest, res.bytes, c0, base.tier)
-        local = st.dest != base.path
+        local = any(is_within(normalize(st.dest), d) for d in self._local_dirs)
         return replace(base, bytes=res.bytes, write_s=write_s, commit_s=commit_s,
                        durable_s=None if local else commit_s, local_durable_s=commit_s if local else None,
                        checksum=res.checksum, odirect=res.odirect, odirect_reason=res.odirect_reason)

@@ -230,6 +230,20 @@ class Target(ReadSide, abc.ABC):
         for k in head + [k for k in keys if k not in head]:
             self.delete(k)
 
+    def exchange(self, key_a: str, key_b: str) -> None:
+        """Swap two directories in one atomic step (a re-saved group's new attempt and the
+        published one). Only a mounted file system can; this default raises.
+
+        Raises:
+            NotImplementedError: an object store has no atomic rename.
+        """
+        raise NotImplementedError(f"{self.url}: an object store cannot swap {key_a} and {key_b} atomically")
+
+    def link(self, src: str, dst: str) -> None:
+        """Give the file at ``src`` the second name ``dst`` (a hard link). Only a mounted file
+        system can; this default raises ``NotImplementedError``."""
+        raise NotImplementedError(f"{self.url}: an object store cannot link {src} to {dst}")
+
     def close(self) -> None:
         """End this target's worker threads (a later call starts new ones)."""
         with self._pool_lock:

@@ -47,6 +47,27 @@ class Place:
             return []
         return sorted({k[len(prefix):] for k in keys if "/" not in k[len(prefix):]})
 
+    def files(self) -> list[str]:
+        """Every file below this place (no temp files), relative to it; [] when it is missing."""
+        prefix = f"{self.key}/" if self.key else ""
+        try:
+            return [k[len(prefix):] for k in self.target.list(prefix)]
+        except TargetNotFoundError:
+            return []
+
+    def link(self, rel: str, to: Place, to_rel: str) -> None:
+        """Give the file ``rel`` the second name ``to_rel`` in ``to`` (same target; see
+        ``Target.link``)."""
+        self.target.link(self._k(rel), to._k(to_rel))
+
+    def swap(self, other: Place) -> None:
+        """Exchange this directory and ``other`` atomically (see ``Target.exchange``)."""
+        self.target.exchange(self.key, other.key)
+
+    def delete_all(self) -> None:
+        """Remove this place and everything in it; a missing one is fine."""
+        self.target.delete_tree(self.key)
+
     def size(self, rel: str) -> int:
         """The file's size, -1 when it does not exist."""
         try:

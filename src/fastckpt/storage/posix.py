@@ -194,6 +194,25 @@ class PosixTarget(Target):
 
         self._retry(f"publish of {dest}", publish)
 
+    def exchange(self, key_a: str, key_b: str) -> None:
+        """``Target.exchange``: ``renameat2(RENAME_EXCHANGE)``, then the parent directory's fsync."""
+        a, b = self._path(key_a), self._path(key_b)
+        self._retry(f"exchange of {a} and {b}", lambda: self.ops.exchange(a, b))
+        self._retry(f"fsync of {os.path.dirname(a)}", lambda: self.ops.fsync_dir(os.path.dirname(a)))
+
+    def link(self, src: str, dst: str) -> None:
+        """``Target.link``: a hard link (an existing ``dst`` is left as it is)."""
+        s, d = self._path(src), self._path(dst)
+
+        def link() -> None:
+            self.ops.makedirs(os.path.dirname(d))
+            try:
+                self.ops.link(s, d)
+            except FileExistsError:
+                return
+
+        self._retry(f"link of {s} to {d}", link)
+
     def _publish(self, dest: str, write: Callable[[int], None]) -> None:
         """``io.atomic``'s recipe with ``write(fd)`` filling the temp file."""
         parent = os.path.dirname(dest)

@@ -1,0 +1,195 @@
+"""One attempt at a group, on one rank: what it is (``Attempt``), and the two ways its commit
+runs once the rank's files are durable: through the store (``via_store``, ``store.py``) or
+through marker files (``via_storage``, ``fallback.py``); rank 0 publishes (``publish``: in place,
+or swapped in by ``resave.py``), and with ``local_dir`` every rank publishes the burst-buffer
+copy's manifest (``publish_local``). ``coordinator.py`` runs these on the committer pool.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+
+from ..errors import CommitTimeoutError, CorruptCheckpointError
+from ..records import SaveHandle
+from ..storage.places import Place
+from . import fallback as F
+from . import protocol as P
+from . import resave
+from . import store as S
+
+LOCAL_WAIT_S = 10.0  # how long a rank waits for its node's copy of a manifest before reading it itself
+
+
+def grace(timeout_s: float) -> float:
+    """How much longer than rank 0 the other ranks wait, so that rank 0's verdict (naming the
+    missing ranks) reaches them before their own timeout."""
+    return min(30.0, max(1.0, 0.1 * timeout_s))
+
+
+@dataclass
+class Attempt:
+    """This rank's part of one attempt at a group.
+
+    ``home`` is the group's place; ``place`` is where this attempt's files, markers and records
+    go (``home``, or ``protocol.staged_place(home)`` for a re-save of a published group, then
+    ``old`` is the manifest it replaces). ``channel`` is the attempt's store keys (None: the
+    storage fallback). ``token`` names the attempt (None on other ranks without a store until
+    they read rank 0's). ``cancel`` is set by ``remove()``; ``move_latest=False`` (``commit``'s)
+    publishes the group without moving ``latest``.
+    """
+
+    group: str
+    home: Place
+    place: Place
+    local: tuple[Place, ...]  # the burst-buffer copies (one per local_dir directory)
+    channel: S.Channel | None
+    token: str | None
+    old: dict | None
+    move_latest: bool = True
+    cancel: threading.Event = field(default_factory=threading.Event)
+    handles: list[SaveHandle] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+
+    @property
+    def staged(self) -> bool:
+        return self.place.key != self.home.key
+
+
+@dataclass(frozen=True)
+class Ended:
+    """How an attempt ended on this rank: the manifest (rank 0, or read by others), the group's
+    total bytes, and whether replication's coalescing dropped it."""
+
+    manifest: dict | None
+    total: int
+    superseded: bool = False
+
+
+def publish(att: Attempt, world: int, entries: dict[int, dict], extra: dict, requested_at: float,
+            check_sizes: bool) -> dict:
+    """Rank 0: the manifest of this attempt, published (in place, or swapped in), then
+    ``latest`` moved to it (unless ``att.move_latest`` is False)."""
+    recorded = extra if att.move_latest else {**extra, "moved_latest": False}  # see protocol.never_latest
+    manifest = P.build_manifest(att.home, world, entries, recorded, requested_at, att.token, check_sizes,
+                                files_at=att.place)
+    if att.staged:
+        resave.swap_in(att.home, att.place, manifest, att.old)
+    else:
+        att.home.put(P.GROUP_MANIFEST, P.manifest_bytes(manifest))
+    if att.move_latest:
+        P.move_pointer(att.home.parent(), manifest["tag"], P.group_order(manifest))
+    return manifest
+
+
+def via_store(att: Attempt, ch: S.Channel, rank: int, world: int, files: dict, superseded: bool, extra: dict,
+              requested_at: float, timeout_s: float, stop: threading.Event) -> Ended:
+    """The commit through the store (``store.py``), on this rank."""
+    ch.announce(rank, {"files": files, "superseded": superseded})
+    if rank != 0:
+        said = ch.hear(timeout_s + grace(timeout_s), stop, att.home.label)
+        kind, _, rest = said.partition(":")
+        if kind == S.PUBLISHED:
+            return Ended(None, int(rest or 0))
+        if kind == S.SUPERSEDED:
+            return Ended(None, 0, superseded=True)
+        if kind == S.REMOVED:
+            raise F.removed_error(att.home)
+        raise CommitTimeoutError(rest)
+    entries = ch.gather(timeout_s, stop)
+    if entries is None:
+        present = ch.entries()
+        err = F.not_committed(att.home, [r for r in range(world) if r not in present], world, timeout_s)
+        ch.tell(f"{S.FAILED}:{err}")
+        for r, e in present.items():  # the crash trail: who did commit (readers name the others)
+            P.write_marker(att.place, r, world, e["files"], att.token, bool(e.get("superseded")))
+        raise err
+    if ch.claim("rank 0") != "rank 0":
+        ch.tell(None)
+        raise F.removed_error(att.home)
+    if any(e.get("superseded") for e in entries.values()):
+        ch.tell(S.SUPERSEDED)
+        return Ended(None, 0, superseded=True)
+    try:
+        manifest = publish(att, world, entries, extra, requested_at, check_sizes=False)
+    except BaseException as exc:
+        ch.tell(f"{S.FAILED}:checkpoint group {att.home.label} not committed: rank 0 could not publish it: {exc}")
+        raise
+    total = sum(f["size"] for f in manifest["files"].values())
+    ch.tell(f"{S.PUBLISHED}:{total}")
+    return Ended(manifest, total)
+
+
+def via_storage(att: Attempt, rank: int, world: int, files: dict, superseded: bool, extra: dict,
+                requested_at: float, timeout_s: float, stop: threading.Event) -> Ended:
+    """The commit through marker files (``fallback.py``), on this rank."""
+    if rank != 0:
+        token = F.current_attempt(att.place)
+        P.write_marker(att.place, rank, world, files, token, superseded)
+        m = F.wait_for_manifest(att.home, timeout_s + grace(timeout_s), stop, token, files, me=rank,
+                                restamp=lambda aid: P.write_marker(att.place, rank, world, files, aid, superseded),
+                                cancel=att.cancel, records=att.place)
+        if m.get("superseded"):
+            return Ended(None, 0, superseded=True)
+        return Ended(m, sum(f["size"] for f in m["files"].values()))
+    P.write_marker(att.place, rank, world, files, att.token, superseded)
+    try:
+        markers = F.wait_for_markers(att.place, world, timeout_s, stop, att.token, me=rank,
+                                     cancel=att.cancel)
+    except CommitTimeoutError as exc:
+        P.write_record(att.place, P.OUTCOME, attempt=att.token, outcome=str(exc))
+        raise
+    if any(m.get("superseded") for m in markers.values()):
+        P.write_record(att.place, P.OUTCOME, attempt=att.token, outcome="superseded")
+        return Ended(None, 0, superseded=True)
+    manifest = publish(att, world, markers, extra, requested_at, check_sizes=True)
+    return Ended(manifest, sum(f["size"] for f in manifest["files"].values()))
+
+
+def publish_local(att: Attempt, local: Place, manifest: dict | None, stop: threading.Event) -> None:
+    """The burst-buffer copy of this rank's files is complete: give it the group's manifest.
+
+    Ranks on one node share the burst buffer. Of the ranks that do not hold the manifest (all
+    but rank 0 with a store), the first to create ``.fastckpt/fetch-<attempt>`` there reads it
+    from the home and puts it in the burst buffer; the others wait for it (up to
+    ``LOCAL_WAIT_S``, then read it themselves): one read per node, not per rank.
+    """
+    if manifest is None:
+        if not _claim(local, f"{P.MARKER_DIR}/fetch-{att.token}"):  # another rank of this node fetches it
+            F.poll(lambda: True if local.size(P.GROUP_MANIFEST) >= 0 else None, time.monotonic() + LOCAL_WAIT_S,
+                   stop)  # a stat per poll: the manifest is parsed once, when it is there
+            if _local_manifest(local, att.token) is not None:
+                return
+        manifest = P.read_group_manifest(att.home)
+        if manifest is None or manifest.get("attempt") != att.token:
+            return  # a newer attempt already replaced it (or it was removed): nothing to vouch for
+    local.put(P.GROUP_MANIFEST, P.manifest_bytes(manifest))  # the claim stays (deleting it races the others)
+
+
+def _local_manifest(local: Place, token: str | None) -> dict | None:
+    try:
+        m = P.read_group_manifest(local)
+    except CorruptCheckpointError:
+        return None
+    return m if m is not None and m.get("attempt") == token else None
+
+
+def _claim(place: Place, rel: str, attempts: int = 5) -> bool:
+    """Create the empty file ``rel`` in the (local, POSIX) ``place``; False if it exists."""
+    path, ops = place.url(rel), place.target.ops
+    for attempt in range(1, attempts + 1):
+        try:
+            ops.makedirs(os.path.dirname(path))
+            ops.close(ops.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL))
+            return True
+        except FileExistsError:
+            if os.path.exists(path):
+                return False
+            if attempt == attempts:  # makedirs met a directory being removed and made at once
+                raise
+        except FileNotFoundError:  # a deletion pruned the emptied directory just now
+            if attempt == attempts:
+                raise
+    return False

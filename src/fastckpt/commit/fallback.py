@@ -1,0 +1,159 @@
+"""Group commits without a store: rank markers in the group's directory, polled with backoff.
+
+The fallback for launches without torch.distributed (``protocol.py`` has the files). Attempts
+are told apart by an id, not by age: rank 0 picks a random one when it starts an attempt and
+writes it to ``.fastckpt/attempt.json``; every other rank echoes the id it finds there in its
+marker, and writes its marker again whenever the id changes while it waits (it may have read
+the record of an earlier attempt before this attempt's rank 0 started). Rank 0 publishes only
+when every rank's marker carries its id, so a dead rank's leftover marker never counts, and
+the manifest names the files of this attempt only. An attempt that ends without a manifest
+(dropped by replication's coalescing, or failed) is recorded in ``.fastckpt/outcome.json`` so
+the other ranks stop waiting. A rank whose own marker vanished learns that the group was
+removed. Each poll of rank 0 lists the marker directory once and reads only markers it has
+not accepted yet: O(W) reads per commit, plus one listing per poll.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+from ..errors import CommitTimeoutError, GroupRemovedError
+from ..storage.places import Place
+from . import protocol as P
+
+POLL_FIRST_S = 0.005
+POLL_MAX_S = 0.5
+
+
+def poll(until: Callable[[], object], deadline: float, stop: threading.Event) -> object:
+    """Call ``until`` with backoff until it returns something other than None; None on timeout."""
+    delay = POLL_FIRST_S
+    while True:
+        got = until()
+        if got is not None:
+            return got
+        if time.monotonic() >= deadline or stop.is_set():
+            return None
+        stop.wait(min(delay, max(0.0, deadline - time.monotonic())))
+        delay = min(delay * 2, POLL_MAX_S)
+
+
+def removed_error(place: Place) -> GroupRemovedError:
+    return GroupRemovedError(f"checkpoint group {place.label} was removed while it was being committed "
+                             "(Checkpointer.remove); nothing of it is published")
+
+
+def wait_for_markers(place: Place, world_size: int, timeout_s: float, stop: threading.Event,
+                     token: str | None = None, me: int | None = None,
+                     cancel: threading.Event | None = None) -> dict[int, dict]:
+    """Rank 0: every rank's marker of attempt ``token`` (or one that dropped it).
+
+    Args:
+        me: this rank, whose own marker vanishing means the group was removed.
+        cancel: set by ``remove()`` on this rank.
+
+    Raises:
+        CommitTimeoutError: naming the ranks that never committed.
+        GroupRemovedError: the group was removed meanwhile.
+    """
+    seen: dict[int, dict] = {}
+
+    def ready() -> dict[int, dict] | None:
+        if cancel is not None and cancel.is_set():
+            raise removed_error(place)
+        names = P.marker_ranks(place)
+        if me is not None and me not in names:
+            raise removed_error(place)
+        for rank, rel in names.items():
+            if rank not in seen:
+                m = P.read_marker(place, rel)
+                if m is not None and m["world_size"] == world_size and m.get("attempt") == token:
+                    seen[rank] = m
+        done = all(r in seen for r in range(world_size)) or any(m.get("superseded") for m in seen.values())
+        return dict(seen) if done else None
+
+    got = poll(ready, time.monotonic() + timeout_s, stop)
+    if got is None:
+        raise not_committed(place, [r for r in range(world_size) if r not in seen], world_size, timeout_s)
+    return got  # type: ignore[return-value]
+
+
+def not_committed(place: Place, missing: list[int], world_size: int, timeout_s: float) -> CommitTimeoutError:
+    return CommitTimeoutError(
+        f"checkpoint group {place.label} not committed: ranks {missing} of {world_size} did "
+        f"not commit within {timeout_s:.0f} s. The group stays incomplete (readers skip it); "
+        "check those ranks' logs, or raise commit_timeout_s for slow storage.")
+
+
+def current_attempt(place: Place) -> str | None:
+    """The attempt rank 0 is running at ``place``, as far as this rank can tell: the id in
+    ``attempt.json``, unless ``outcome.json`` says that attempt already ended (then None: rank 0
+    will start the next one)."""
+    current = P.read_record(place, P.ATTEMPT)
+    if current is None:
+        return None
+    ended = P.read_record(place, P.OUTCOME)
+    return None if ended is not None and ended.get("attempt") == current.get("attempt") else current.get("attempt")
+
+
+def wait_for_manifest(place: Place, timeout_s: float, stop: threading.Event, token: str | None = None,
+                      mine: dict | None = None, me: int | None = None,
+                      restamp: Callable[[str], None] | None = None, cancel: threading.Event | None = None,
+                      records: Place | None = None) -> dict:
+    """Other ranks: the manifest at ``place`` of this rank's attempt, listing its files with the
+    checksums just written, or the attempt's recorded outcome (``{"superseded": True}``).
+
+    Args:
+        token: the attempt id this rank's marker carries.
+        me, cancel: as for ``wait_for_markers``.
+        restamp: called with rank 0's current attempt id (``current_attempt``) when it differs
+            from ``token``: this rank writes its marker again with it.
+        records: where this attempt's markers and records are, when not at ``place`` (a
+            re-saved group's new attempt is written beside it until rank 0 swaps it in).
+
+    Raises:
+        CommitTimeoutError: no manifest or outcome within ``timeout_s``, or the outcome
+            records a failure.
+        GroupRemovedError: the group was removed meanwhile.
+    """
+    state = {"token": token}
+    rec = records or place
+
+    def published() -> dict | None:
+        m = P.read_group_manifest(place)
+        if m is not None and m.get("attempt") == state["token"] and all(
+                m["files"].get(rel, {}).get("checksum") == info["checksum"] for rel, info in (mine or {}).items()):
+            return m
+        return None
+
+    def ready() -> dict | None:
+        if cancel is not None and cancel.is_set():
+            raise removed_error(place)
+        m = published()
+        if m is not None:
+            return m
+        ended = P.read_record(rec, P.OUTCOME)
+        if ended is not None and ended.get("attempt") == state["token"]:
+            if ended.get("outcome") == "superseded":
+                return {"superseded": True, "files": {}}
+            raise CommitTimeoutError(str(ended.get("outcome")))
+        if restamp is not None:
+            current = current_attempt(rec)
+            own = rec.get(P.marker_rel(me)) if me is not None else b""
+            if (m := published()) is not None:  # swapped in since the first read: ``rec`` now holds the old group
+                return m
+            if own is None:
+                raise removed_error(place)
+            if current is not None and current != state["token"]:
+                state["token"] = current
+                restamp(current)
+        return None
+
+    got = poll(ready, time.monotonic() + timeout_s, stop)
+    if got is None:
+        raise CommitTimeoutError(
+            f"checkpoint group {place.label}: rank 0 did not publish {P.GROUP_MANIFEST} within "
+            f"{timeout_s:.0f} s; some rank did not commit (see rank 0's error).")
+    return got  # type: ignore[return-value]

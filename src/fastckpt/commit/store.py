@@ -1,0 +1,291 @@
+"""Group commits through torch.distributed's key-value store: O(W) store operations, no polling.
+
+Every rank of one attempt at a group uses the same keys, under
+``fastckpt/<session>/<group hash>/<attempt>/`` (``StoreLink.channel``):
+
+  ``files``    each rank appends one JSON line: its durable files and their checksums
+  ``count``    each rank adds 1 after appending; the rank that brings it to W sets ``ready``
+  ``ready``    rank 0 waits on it (a blocking ``wait``, one operation however long it takes)
+  ``claim``    ``compare_set`` from "" decides, once, whether rank 0 publishes or ``remove``
+               cancelled the attempt (whoever comes first)
+  ``outcome``  rank 0 (or the remover) says how the attempt ended; the other ranks wait on it
+  ``seen``     each other rank adds 1 after reading the outcome; the last one deletes the keys
+
+So one commit costs about 5 operations per rank, and rank 0 reads every announcement with a
+single ``get``. Rank 0 deletes ``files``, ``count`` and ``ready`` once it has read them, the
+last rank to learn the outcome deletes the rest: a run of thousands of checkpoints leaves
+nothing behind. An attempt that fails because a rank died leaves ``claim``, ``outcome`` and
+``seen`` (a few bytes) until the store goes away with the job.
+
+Every call here is safe from any thread and none is a collective. A blocking ``wait`` holds
+its client connection for as long as it waits, so waits run on clones of the store
+(``Store.clone``, kept for reuse; ``_Waits``), never on the connection the training thread or
+the process group uses. Attempt numbers are each rank's own count of its attempts at a group within a session;
+a session is one Checkpointer's lifetime (each rank adds 1 to ``fastckpt/session/W`` when its
+Checkpointer is made with an explicit store, or when it first commits a group through the
+default process group's), so Checkpointers made again later never reuse the keys of a failed
+attempt.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from datetime import timedelta
+from typing import ClassVar
+
+from ..errors import CommitTimeoutError, FastCkptError
+
+WAIT_SLICE_S = 30.0  # a blocking wait is re-armed this often, to notice close() and cancellation
+PUBLISHED, SUPERSEDED, FAILED, REMOVED = "published", "superseded", "failed", "removed"
+
+
+def default_store() -> object | None:
+    """The default process group's store, or None when torch.distributed is not initialised."""
+    try:
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        return dist.distributed_c10d._get_default_store()
+    except (ImportError, RuntimeError, AttributeError):
+        return None
+
+
+def _store_errors() -> tuple[type[BaseException], type[BaseException]]:
+    """(the error a ``wait`` that timed out raises, any store error)."""
+    import torch.distributed as dist
+
+    return dist.DistStoreError, dist.DistError
+
+
+class StoreError(FastCkptError, RuntimeError):
+    """The store stopped answering (the process that hosts it ended)."""
+
+
+class _Waits:
+    """Blocking waits on one store, shared by every thread of this process.
+
+    A blocking ``wait`` holds its client connection, so each runs on a clone of the store (its
+    own connection), taken from a small free list and given back after; threads that wait for
+    the same key share one wait (simulated ranks in one process all wait for one outcome). A
+    store that cannot clone is polled with ``check`` instead.
+    """
+
+    _by_store: ClassVar[weakref.WeakKeyDictionary] = weakref.WeakKeyDictionary()  # store -> _Waits
+    _registry_lock: ClassVar[threading.Lock] = threading.Lock()
+
+    def __init__(self, store: object) -> None:
+        self._store = weakref.ref(store)  # the registry must not keep a store (and its server) alive
+        self._lock = threading.Lock()
+        self._free: list[object] = []
+        self._keys: dict[str, list] = {}  # key -> [Event, found]
+
+    @classmethod
+    def of(cls, store: object) -> _Waits:
+        with cls._registry_lock:
+            waits = cls._by_store.get(store)
+            if waits is None:
+                waits = cls._by_store[store] = cls(store)
+            return waits
+
+    def _conn(self, store: object) -> object | None:
+        with self._lock:
+            if self._free:
+                return self._free.pop()
+        try:
+            return store.clone()
+        except (RuntimeError, AttributeError, NotImplementedError):
+            return None
+
+    def _wait_once(self, key: str, slice_s: float) -> bool:
+        store = self._store()
+        if store is None:  # its Checkpointers are gone
+            return False
+        conn = self._conn(store)
+        if conn is None:  # no clone: poll this slice away
+            end = time.monotonic() + slice_s
+            while not store.check([key]):
+                if time.monotonic() >= end:
+                    return False
+                time.sleep(0.05)
+            return True
+        try:
+            conn.wait([key], timedelta(seconds=slice_s))
+            return True
+        except _store_errors()[0]:
+            return False
+        finally:
+            with self._lock:
+                self._free.append(conn)
+
+    def wait(self, key: str, deadline: float, stop: threading.Event) -> bool:
+        """Block until ``key`` exists; False at the deadline or once ``stop`` is set (noticed
+        within ``WAIT_SLICE_S``)."""
+        while not stop.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            with self._lock:
+                shared = self._keys.get(key)
+                lead = shared is None
+                if lead:
+                    shared = self._keys[key] = [threading.Event(), False]
+            if not lead:
+                shared[0].wait(min(left, WAIT_SLICE_S))
+                if shared[1]:
+                    return True
+                continue
+            try:
+                shared[1] = self._wait_once(key, min(left, WAIT_SLICE_S))
+            finally:
+                with self._lock:
+                    del self._keys[key]
+                shared[0].set()
+            if shared[1]:
+                return True
+        return False
+
+
+class StoreLink:
+    """One Checkpointer's use of a store for group commits (thread-safe).
+
+    Args:
+        store: a ``torch.distributed.Store`` shared by every rank (TCPStore, or the default
+            process group's store).
+        world_size: the number of ranks.
+    """
+
+    def __init__(self, store: object, world_size: int) -> None:
+        self.store, self.world = store, world_size
+        self.waits = _Waits.of(store)
+        self._lock = threading.Lock()
+        self._session: int | None = None
+
+    def session(self) -> int:
+        with self._lock:
+            if self._session is None:
+                self._session = (int(self.store.add(f"fastckpt/session/{self.world}", 1)) - 1) // self.world
+            return self._session
+
+    def channel(self, group: str, attempt: int) -> Channel:
+        """The keys of this rank's ``attempt``-th attempt at ``group`` (a normalised name)."""
+        digest = hashlib.sha1(group.encode()).hexdigest()[:16]
+        return Channel(self, f"fastckpt/{self.session()}/{digest}/{attempt}/", group)
+
+
+class Channel:
+    """One attempt's keys, and the operations on them; counts the operations and bytes it used
+    (``ops``, ``nbytes``) for the commit event.
+
+    Order of calls: every rank ``announce``; rank 0 ``gather`` -> ``claim`` -> ``tell``; other
+    ranks ``hear``. ``cancel`` (``remove()``, any rank, any time) ends the attempt.
+    """
+
+    def __init__(self, link: StoreLink, prefix: str, group: str) -> None:
+        self._link, self.prefix, self.group = link, prefix, group
+        self.token = prefix.split("/", 2)[1] + "." + prefix.rstrip("/").rsplit("/", 1)[1]
+        self.ops = 0
+        self.nbytes = 0
+        self.keys: set[str] = set()
+
+    def _op(self, name: str, fn: Callable[[], object], nbytes: int = 0) -> object:
+        self.ops += 1
+        self.nbytes += nbytes + len(self.prefix) + len(name)
+        self.keys.add(name)
+        try:
+            return fn()
+        except _store_errors()[1] as exc:
+            raise StoreError(f"checkpoint group {self.group}: the torch.distributed store stopped answering "
+                             f"({exc}); the process that hosts it (rank 0's agent) probably ended. The group "
+                             "stays incomplete.") from exc
+
+    def _k(self, name: str) -> str:
+        return self.prefix + name
+
+    def announce(self, rank: int, entry: dict) -> None:
+        """Every rank, once its files are durable: add its entry (a JSON line) to ``files``."""
+        line = json.dumps(dict(entry, rank=rank), sort_keys=True, separators=(",", ":")) + "\n"
+        store = self._link.store
+        self._op("files", lambda: store.append(self._k("files"), line), len(line))
+        if int(self._op("count", lambda: store.add(self._k("count"), 1))) == self._link.world:
+            self._op("ready", lambda: store.set(self._k("ready"), "1"), 1)
+
+    def _wait(self, name: str, deadline: float, stop: threading.Event) -> bool:
+        """Block until the key exists; False at the deadline or on close. (``cancel`` wakes a
+        waiter by setting the key it waits for.)"""
+        return bool(self._op(name, lambda: self._link.waits.wait(self._k(name), deadline, stop)))
+
+    def entries(self) -> dict[int, dict]:
+        """Every entry announced so far (rank -> entry)."""
+        store = self._link.store
+        raw = self._op("files", lambda: store.get(self._k("files"))) if self._has("files") else b""
+        self.nbytes += len(raw)  # type: ignore[arg-type]
+        out: dict[int, dict] = {}
+        for line in bytes(raw).decode().splitlines():  # type: ignore[arg-type]
+            entry = json.loads(line)
+            out[int(entry["rank"])] = entry
+        return out
+
+    def _has(self, name: str) -> bool:
+        return bool(self._op(name, lambda: self._link.store.check([self._k(name)])))
+
+    def gather(self, timeout_s: float, stop: threading.Event) -> dict[int, dict] | None:
+        """Rank 0: every rank's entry, once all W announced (or ``cancel`` woke it); None when
+        they did not within ``timeout_s``."""
+        if not self._wait("ready", time.monotonic() + timeout_s, stop):
+            return None
+        return self.entries()
+
+    def claim(self, who: str) -> str:
+        """Decide, once, who ends this attempt; returns the winner (``who`` if it was first)."""
+        store = self._link.store
+        return bytes(self._op("claim", lambda: store.compare_set(self._k("claim"), "", who), len(who))).decode()  # type: ignore[arg-type]
+
+    def tell(self, outcome: str | None) -> None:
+        """Rank 0: announce the outcome (None: a remover already did) and drop the keys only
+        rank 0 reads."""
+        store = self._link.store
+        if outcome is not None:
+            self._op("outcome", lambda: store.set(self._k("outcome"), outcome), len(outcome))
+        for name in ("files", "count", "ready"):
+            self._op(name, lambda name=name: store.delete_key(self._k(name)))
+
+    def hear(self, timeout_s: float, stop: threading.Event, label: str) -> str:
+        """Other ranks: the outcome rank 0 announced; the last rank to hear it deletes the keys.
+
+        Raises:
+            CommitTimeoutError: rank 0 announced nothing in time.
+        """
+        if not self._wait("outcome", time.monotonic() + timeout_s, stop):
+            raise CommitTimeoutError(
+                f"checkpoint group {label}: rank 0 did not publish the group within {timeout_s:.0f} s; some rank "
+                "did not commit (see rank 0's error).")
+        store = self._link.store
+        said = bytes(self._op("outcome", lambda: store.get(self._k("outcome")))).decode()  # type: ignore[arg-type]
+        self.nbytes += len(said)
+        if int(self._op("seen", lambda: store.add(self._k("seen"), 1))) == self._link.world - 1:
+            for name in ("claim", "outcome", "seen"):
+                self._op(name, lambda name=name: store.delete_key(self._k(name)))
+        return said
+
+    def removed(self) -> bool:
+        """Whether ``remove()`` cancelled this attempt (on any rank)."""
+        store = self._link.store
+        if not self._has("claim"):
+            return False
+        return bytes(self._op("claim", lambda: store.get(self._k("claim")))).decode().startswith(REMOVED)  # type: ignore[arg-type]
+
+    def cancel(self, why: str) -> bool:
+        """``remove()`` of the group: end the attempt on every rank unless rank 0 already claimed
+        it (then it completes, and the caller waits for it). Returns whether it was cancelled."""
+        who = f"{REMOVED}:{why}"
+        if self.claim(who) != who:
+            return False
+        self._op("outcome", lambda: self._link.store.set(self._k("outcome"), who), len(who))
+        self._op("ready", lambda: self._link.store.set(self._k("ready"), "1"), 1)  # wakes rank 0
+        return True

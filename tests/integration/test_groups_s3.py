@@ -1,0 +1,67 @@
+"""Groups at an S3 URL (SeaweedFS), with simulated ranks sharing a TCPStore: a group commits
+through the store and its burst-buffer copy serves loads; re-saving a published group is
+refused (an object store cannot swap it in atomically) and leaves it whole, unless its commit
+died before moving ``latest`` (a restarted job resumes from the older checkpoint and saves it again)."""
+
+from __future__ import annotations
+
+import datetime
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import fastckpt
+from fastckpt.errors import ConfigError
+
+
+def _state(version: int, rank: int) -> dict:
+    return {"w": torch.arange(64, dtype=torch.int64) * version + rank, "version": version}
+
+
+def test_a_group_at_a_url_commits_and_a_published_one_is_not_resaved(s3_server, s3_bucket, tmp_path: Path) -> None:
+    opts = s3_server.storage_options()
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=60))
+    g = f"s3://{s3_bucket}/run/global_step1"
+    cks = [fastckpt.Checkpointer(rank=r, world_size=2, store=store, storage_options=opts, overhead_budget=0.99,
+                                 local_dir=str(tmp_path / "nvme"), commit_timeout_s=60) for r in (0, 1)]
+    try:
+        for ck in cks:
+            ck.save(_state(1, ck.rank), f"{g}/rank{ck.rank}.pt", group=g)
+        records = [h.wait(60) for h in [ck.commit(g, step=1) for ck in cks]]
+        assert all(rec.store_ops > 0 for rec in records)
+        assert cks[1].load(f"{g}/rank1.pt")["version"] == 1
+        assert cks[1].stats().last_restore_from == "local"
+        with pytest.raises(ConfigError, match="object store cannot replace a group atomically"):
+            cks[0].save(_state(2, 0), f"{g}/rank0.pt", group=g)
+    finally:
+        for ck in cks:
+            ck.close()
+    assert fastckpt.latest(f"s3://{s3_bucket}/run", storage_options=opts) == g
+    assert fastckpt.load(f"{g}/rank0.pt", storage_options=opts)["version"] == 1
+
+
+def test_a_group_whose_commit_died_before_moving_latest_is_saved_again_in_place(s3_server, s3_bucket,
+                                                                                  tmp_path: Path) -> None:
+    from fastckpt.storage.homes import Homes
+
+    opts = s3_server.storage_options()
+    run = f"s3://{s3_bucket}/run"
+    ck = fastckpt.Checkpointer(storage_options=opts, overhead_budget=0.99, local_dir=str(tmp_path / "nvme"))
+    try:
+        for v in (1, 2):
+            g = f"{run}/step{v}"
+            ck.save(_state(v, 0), f"{g}/rank0.pt", group=g)
+            ck.commit(g, step=v).wait(60)
+        # the job was killed between step2's manifest and its move of latest, then resumed from step1
+        Homes(opts).resolve(run).place().put("latest", b"step1")
+        assert fastckpt.latest(run, storage_options=opts) == f"{run}/step1"
+        ck.save(_state(3, 0), f"{run}/step2/rank0.pt", group=f"{run}/step2")  # not refused
+        ck.commit(f"{run}/step2", step=2).wait(60)
+        assert fastckpt.latest(run, storage_options=opts) == f"{run}/step2"
+        assert fastckpt.load(f"{run}/step2/rank0.pt", storage_options=opts)["version"] == 3
+        with pytest.raises(ConfigError, match="object store cannot replace a group atomically"):
+            ck.save(_state(4, 0), f"{run}/step2/rank0.pt", group=f"{run}/step2")  # now the latest: refused
+    finally:
+        ck.close()

@@ -1,0 +1,128 @@
+"""Group commits through a torch.distributed store (issue #15), with simulated ranks.
+
+Every "rank" is a Checkpointer(rank=r, world_size=W, store=...) in this process, all sharing
+one real TCPStore (the way the default process group's store is shared by a job's ranks).
+The multi-process protocol over torchrun's store is covered by tests/integration/test_groups.py.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import fastckpt
+from fastckpt.commit import protocol as P
+from fastckpt.errors import CommitTimeoutError, ConfigError, IncompleteCheckpointError
+from fastckpt.testing import FaultyOps
+from tests.helpers import latest, place
+
+W = 64
+
+
+@pytest.fixture
+def store() -> Iterator[dist.TCPStore]:
+    s = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=60))
+    yield s
+
+
+def _ranks(n: int, store: object, ops0: FaultyOps | None = None, **kw: object) -> list[fastckpt.Checkpointer]:
+    kw.setdefault("commit_timeout_s", 60)
+    return [fastckpt.Checkpointer(rank=r, world_size=n, store=store, io_threads=1, overhead_budget=0.99,
+                                  ops=ops0 if r == 0 else None, **kw) for r in range(n)]
+
+
+def _state(step: int, rank: int) -> dict:
+    return {"w": torch.arange(64, dtype=torch.int64) + 1000 * step + rank, "step": step, "rank": rank}
+
+
+def _fastckpt_keys(s: dist.TCPStore) -> list[str]:
+    return sorted(k for k in s.list_keys() if k.startswith("fastckpt/") and not k.startswith("fastckpt/session/"))
+
+
+def test_64_ranks_commit_through_the_store(tmp_path: Path, store: dist.TCPStore) -> None:
+    marker_reads: list[str] = []
+    ops0 = FaultyOps(on_call=lambda op, path: marker_reads.append(path)
+                     if op == "open" and os.path.basename(path).startswith("rank-") else None)
+    cks = _ranks(W, store, ops0)
+    try:
+        for step in (1, 2):
+            g = tmp_path / f"global_step{step}"
+            for r, ck in enumerate(cks):
+                ck.save(_state(step, r), str(g / f"rank{r:03d}.pt"), group=str(g))
+            recs = [h.wait(60) for h in [ck.commit(str(g), step=step) for ck in cks]]
+            m = P.read_group_manifest(place(str(g)))
+            assert m["world_size"] == W and m["step"] == step and m["ranks"] == list(range(W))
+            assert sorted(m["files"]) == [f"rank{r:03d}.pt" for r in range(W)]
+            assert all(rec.bytes == sum(f["size"] for f in m["files"].values()) for rec in recs)
+            # about 5 store operations per rank, one blocking wait each: no polling of the store...
+            assert all(1 <= rec.store_ops <= 8 for rec in recs[1:])
+            assert recs[0].store_ops <= 10
+            assert _fastckpt_keys(store) == []  # ... and nothing left behind once every rank knows
+            assert P.read_markers(place(str(g))) == {}  # markers are written only when a commit fails
+        assert marker_reads == []  # rank 0 never read a marker: it learned everything from the store
+    finally:
+        for ck in cks:
+            ck.close()
+    assert latest(str(tmp_path)) == str(tmp_path / "global_step2")
+    for r in (0, W - 1):
+        got = fastckpt.load(str(tmp_path / "global_step2" / f"rank{r:03d}.pt"))
+        assert torch.equal(got["w"], _state(2, r)["w"])
+
+
+def test_a_dead_rank_fails_the_commit_on_every_rank_naming_it(tmp_path: Path, store: dist.TCPStore) -> None:
+    cks = _ranks(3, store, commit_timeout_s=1.5)
+    g1, g2 = tmp_path / "global_step1", tmp_path / "global_step2"
+    try:
+        for h in [ck.commit(str(g1)) for ck in cks if ck.save(_state(1, ck.rank), str(g1 / f"r{ck.rank}.pt"),
+                                                                 group=str(g1))]:
+            h.wait(60)
+        for ck in cks:
+            ck.save(_state(2, ck.rank), str(g2 / f"r{ck.rank}.pt"), group=str(g2)).wait(60)
+        t0 = time.monotonic()
+        handles = [cks[0].commit(str(g2)), cks[1].commit(str(g2))]  # rank 2 "died" before its commit
+        for h in handles:
+            with pytest.raises(CommitTimeoutError, match=r"ranks \[2\] of 3 did not commit"):
+                h.wait(60)
+        assert time.monotonic() - t0 < 1.5 + 10  # rank 1 learned rank 0's verdict from the store
+    finally:
+        for ck in cks[:2]:
+            ck.close()
+    assert latest(str(tmp_path)) == str(g1)
+    assert not (g2 / P.GROUP_MANIFEST).exists()
+    with pytest.raises(IncompleteCheckpointError, match=r"ranks \[2\] of 3 never committed"):
+        fastckpt.load(str(g2 / "r0.pt"))
+    assert torch.equal(fastckpt.load(str(g1 / "r2.pt"))["w"], _state(1, 2)["w"])
+
+
+def test_a_checkpointer_made_again_does_not_reuse_a_failed_attempts_keys(tmp_path: Path,
+                                                                         store: dist.TCPStore) -> None:
+    g = tmp_path / "global_step1"
+    first = _ranks(2, store, commit_timeout_s=0.5)
+    first[1].save(_state(1, 1), str(g / "r1.pt"), group=str(g)).wait(60)
+    with pytest.raises(CommitTimeoutError):
+        first[1].commit(str(g)).wait(60)  # rank 0 never came: rank 1 gives up
+    for ck in first:
+        ck.close()
+    second = _ranks(2, store)  # a new session: attempt 0 again, under other keys
+    try:
+        for h in [ck.commit(str(g)) for ck in second if ck.save(_state(2, ck.rank), str(g / f"r{ck.rank}.pt"),
+                                                               group=str(g))]:
+            h.wait(60)
+    finally:
+        for ck in second:
+            ck.close()
+    m = P.read_group_manifest(place(str(g)))
+    assert sorted(m["files"]) == ["r0.pt", "r1.pt"]
+    assert torch.equal(fastckpt.load(str(g / "r1.pt"))["w"], _state(2, 1)["w"])
+
+
+def test_store_option_must_be_a_store() -> None:
+    with pytest.raises(ConfigError, match="lacks add, append"):
+        fastckpt.Checkpointer(rank=0, world_size=2, store=object())

@@ -1,0 +1,228 @@
+"""Attempts at a group, removal during a commit, and the burst-buffer copy of a group
+(issue #9, items 1, 7 and 11), with simulated ranks in one process: with a shared TCPStore and
+without one (the storage-marker fallback)."""
+
+from __future__ import annotations
+
+import datetime
+import errno
+import logging
+import os
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import fastckpt
+from fastckpt.commit import protocol as P
+from fastckpt.errors import CheckpointWriteError, CommitTimeoutError, GroupRemovedError, IncompleteCheckpointError
+from fastckpt.testing import Fault, FaultyOps
+from tests.helpers import latest, place
+
+
+@pytest.fixture(params=["store", "no store"])
+def store(request: pytest.FixtureRequest) -> Iterator[object | None]:
+    yield dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=60)) \
+        if request.param == "store" else None
+
+
+def _ck(rank: int, store: object | None, world: int = 2, **kw: object) -> fastckpt.Checkpointer:
+    kw.setdefault("commit_timeout_s", 60)
+    return fastckpt.Checkpointer(rank=rank, world_size=world, store=store, overhead_budget=0.99, **kw)
+
+
+def _state(version: int, rank: int) -> dict:
+    return {"w": torch.arange(128, dtype=torch.int64) * version + rank, "version": version, "rank": rank}
+
+
+def _save_all(cks: list[fastckpt.Checkpointer], g: Path, version: int) -> None:
+    """Every rank saves its file of ``version`` into ``g`` and commits; waits for all."""
+    for ck in cks:
+        ck.save(_state(version, ck.rank), str(g / f"rank{ck.rank}.pt"), group=str(g))
+    for h in [ck.commit(str(g), step=version) for ck in cks]:
+        h.wait(60)
+
+
+def _close(cks: list[fastckpt.Checkpointer]) -> None:
+    for ck in cks:
+        ck.close()
+
+
+def _versions(g: Path) -> list[int]:
+    return [fastckpt.load(str(g / f"rank{r}.pt"))["version"] for r in (0, 1)]
+
+
+# --------------------------------------------------------------------------- item 1
+def test_a_dead_attempts_marker_is_never_published(tmp_path: Path) -> None:
+    """Without torch.distributed: rank 1's commit timed out and its process died, leaving its
+    marker; a fresh rank 0 must not publish a manifest naming rank 1's old file."""
+    g = tmp_path / "G"
+    old1 = _ck(1, None, commit_timeout_s=0.3)
+    old1.save(_state(1, 1), str(g / "rank1.pt"), group=str(g)).wait(60)
+    with pytest.raises(CommitTimeoutError):
+        old1.commit(str(g)).wait(60)
+    old1.close()
+    assert sorted(P.read_markers(place(str(g)))) == [1]  # the leftover
+    fresh0 = _ck(0, None, commit_timeout_s=0.5)
+    try:
+        fresh0.save(_state(2, 0), str(g / "rank0.pt"), group=str(g)).wait(60)
+        with pytest.raises(CommitTimeoutError, match=r"ranks \[1\] of 2"):
+            fresh0.commit(str(g)).wait(60)
+    finally:
+        fresh0.close()
+    assert P.read_group_manifest(place(str(g))) is None
+    assert latest(str(tmp_path)) is None
+
+
+def test_a_published_group_stays_published_until_its_resave_is(tmp_path: Path, store: object | None) -> None:
+    g = tmp_path / "G"
+    first = [_ck(r, store) for r in (0, 1)]
+    _save_all(first, g, 1)
+    _close(first)
+    (g / "zero_to_fp32.py").write_text("# a file the framework wrote beside its shards\n")
+    published = (g / P.GROUP_MANIFEST).read_bytes()
+    second = [_ck(r, store) for r in (0, 1)]
+    try:
+        second[1].save(_state(2, 1), str(g / "rank1.pt"), group=str(g)).wait(60)  # a fresh rank 1 re-saves G
+        assert latest(str(tmp_path)) == str(g)
+        assert (g / P.GROUP_MANIFEST).read_bytes() == published
+        assert _versions(g) == [1, 1]  # the published attempt, whole: nothing of the new one yet
+        second[0].save(_state(2, 0), str(g / "rank0.pt"), group=str(g)).wait(60)
+        for h in [ck.commit(str(g), step=2) for ck in second]:
+            h.wait(60)
+    finally:
+        _close(second)
+    assert latest(str(tmp_path)) == str(g)
+    assert _versions(g) == [2, 2]
+    m = P.read_group_manifest(place(str(g)))
+    assert m["step"] == 2 and sorted(m["files"]) == ["rank0.pt", "rank1.pt"]
+    assert (g / "zero_to_fp32.py").read_text().startswith("# a file the framework")
+    assert sorted(os.listdir(tmp_path)) == ["G", P.LATEST]  # the old attempt is gone
+    for r in (0, 1):
+        assert torch.equal(torch.load(g / f"rank{r}.pt", weights_only=True)["w"], _state(2, r)["w"])
+
+
+def test_a_resave_that_cannot_be_swapped_in_leaves_the_old_group(tmp_path: Path) -> None:
+    g = tmp_path / "G"
+    first = [_ck(r, None) for r in (0, 1)]
+    _save_all(first, g, 1)
+    _close(first)
+    ops = FaultyOps([Fault("exchange", errno.EINVAL)])  # a file system without RENAME_EXCHANGE
+    second = [_ck(0, None, ops=ops), _ck(1, None, commit_timeout_s=5)]
+    try:
+        for ck in second:
+            ck.save(_state(2, ck.rank), str(g / f"rank{ck.rank}.pt"), group=str(g))
+        handles = [ck.commit(str(g)) for ck in second]
+        with pytest.raises(CheckpointWriteError, match="Invalid argument"):
+            handles[0].wait(60)
+        with pytest.raises(CommitTimeoutError):
+            handles[1].wait(60)
+    finally:
+        _close(second)
+    ops.assert_all_reached()
+    assert latest(str(tmp_path)) == str(g)
+    assert _versions(g) == [1, 1]
+
+
+def test_a_file_of_another_attempt_never_loads_as_part_of_the_group(tmp_path: Path) -> None:
+    g, other = tmp_path / "G", tmp_path / "other" / "G"
+    for where, version in ((g, 1), (other, 2)):
+        cks = [_ck(r, None) for r in (0, 1)]
+        _save_all(cks, where, version)
+        _close(cks)
+    shutil.copy(other / "rank1.pt", g / "rank1.pt")  # the same name, written by another attempt
+    with pytest.raises(IncompleteCheckpointError, match="names another version of it"):
+        fastckpt.load(str(g / "rank1.pt"))
+    assert fastckpt.load(str(g / "rank0.pt"))["version"] == 1
+
+
+# --------------------------------------------------------------------------- item 7
+def test_remove_cancels_the_commit_on_every_rank(tmp_path: Path, store: object | None) -> None:
+    g = tmp_path / "G"
+    cks = [_ck(r, store) for r in (0, 1)]
+    try:
+        for ck in cks:
+            ck.save(_state(1, ck.rank), str(g / f"rank{ck.rank}.pt"), group=str(g)).wait(60)
+        t0 = time.monotonic()
+        pending = cks[0].commit(str(g))  # rank 0 waits for rank 1 ...
+        cks[1].remove(str(g))  # ... which removes the group instead of committing it
+        with pytest.raises(GroupRemovedError, match="was removed while it was being committed"):
+            pending.wait(60)
+        assert time.monotonic() - t0 < 30  # at once, not after commit_timeout_s
+        with pytest.raises(GroupRemovedError):
+            cks[1].commit(str(g)).wait(60)  # what rank 1 saved before remove() is not committed either
+    finally:
+        _close(cks)
+    assert not g.exists()
+    assert latest(str(tmp_path)) is None
+
+
+def test_remove_waits_for_saves_in_flight_then_the_commit_fails_at_once(tmp_path: Path) -> None:
+    g = tmp_path / "G"
+    ops = FaultyOps()
+    gate = ops.gate("fsync", path_contains="rank0")
+    ck = _ck(0, None, world=1, ops=ops)
+    try:
+        save = ck.save(_state(1, 0), str(g / "rank0.pt"), group=str(g))
+        assert gate.wait_entered()
+        ck.save(_state(1, 0), str(g / "extra.pt"), group=str(g))
+        ops.gate("fsync", path_contains="nothing")  # later fsyncs run freely
+        gate_opener = gate.open
+        gate_opener()
+        ck.remove(str(g))
+        assert save.wait(60).durable_s is not None  # it finished; then the group was deleted
+        t0 = time.monotonic()
+        with pytest.raises(GroupRemovedError):
+            ck.commit(str(g)).wait(60)
+        assert time.monotonic() - t0 < 30
+    finally:
+        gate.open()
+        ck.close()
+    assert not g.exists()
+
+
+def test_a_group_saved_again_after_remove_commits(tmp_path: Path, store: object | None) -> None:
+    g = tmp_path / "G"
+    cks = [_ck(r, store) for r in (0, 1)]
+    try:
+        _save_all(cks, g, 1)
+        for ck in cks:
+            ck.remove(str(g))
+        _save_all(cks, g, 2)
+    finally:
+        _close(cks)
+    assert _versions(g) == [2, 2]
+
+
+# --------------------------------------------------------------------------- item 11
+def test_group_loads_read_the_burst_buffer_copy(tmp_path: Path, store: object | None,
+                                                caplog: pytest.LogCaptureFixture) -> None:
+    g, local = tmp_path / "durable" / "G", tmp_path / "nvme"
+    cks = [_ck(r, store, local_dir=str(local)) for r in (0, 1)]
+    try:
+        _save_all(cks, g, 1)
+        for ck in cks:
+            assert ck.local_path(str(g / P.GROUP_MANIFEST)) is not None
+            assert os.path.exists(ck.local_path(str(g / P.GROUP_MANIFEST)))
+        with caplog.at_level(logging.WARNING, logger="fastckpt"):
+            for ck in cks:
+                got = ck.load(str(g / f"rank{ck.rank}.pt"))
+                assert got["version"] == 1
+                assert ck.stats().last_restore_from == "local"
+        assert "unusable" not in caplog.text
+        # a new attempt takes the local manifest away until it is committed itself
+        cks[0].save(_state(2, 0), str(g / "rank0.pt"), group=str(g)).wait(60)
+        assert not os.path.exists(cks[0].local_path(str(g / P.GROUP_MANIFEST)))
+        assert cks[0].load(str(g / "rank0.pt"))["version"] == 1  # the published one, from its home
+        assert cks[0].stats().last_restore_from == "path"
+        cks[1].save(_state(2, 1), str(g / "rank1.pt"), group=str(g))
+        for h in [ck.commit(str(g)) for ck in cks]:
+            h.wait(60)
+        assert cks[0].load(str(g / "rank0.pt"))["version"] == 2
+        assert cks[0].stats().last_restore_from == "local"
+    finally:
+        _close(cks)
