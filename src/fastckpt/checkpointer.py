@@ -28,7 +28,6 @@ from .events import Event, EventSink, JsonlSink
 from .exits import flush_at_exit, forget_at_exit
 from .format.manifest import TAIL_ROOM
 from .inflight import InFlight
-from .io.engine import release_read_buffer
 from .io.ops import FileOps
 from .load.loader import Loader, LoadOptions
 from .monitor import Monitor, Stats
@@ -320,7 +319,6 @@ class Checkpointer:
                 ex.shutdown(wait=True)
             self._homes.close()
             self._staging.close()
-            release_read_buffer()
             if self._jsonl:
                 self._jsonl.close()
             if self._metrics is not None:

@@ -109,35 +109,3 @@ def test_twin_reads_the_open_file_not_the_path(direct_dir) -> None:
     finally:
         ops.close(fd)
 
-
-def test_idle_read_buffer_is_reused_and_a_held_one_never(tmp_path) -> None:
-    import torch
-
-    from fastckpt import Checkpointer
-
-    state = {"a": torch.arange(3 * MiB, dtype=torch.float32), "b": torch.ones(5)}
-    path = str(tmp_path / "s.pt")
-    with Checkpointer() as ck:
-        ck.save(state, path).wait()
-        first = ck.load(path)
-        held = first["a"].clone()
-        second = ck.load(path)  # `first` still refers to its buffer: a fresh one
-        assert first["a"].data_ptr() != second["a"].data_ptr()
-        ptr, kept = second["a"].data_ptr(), id(engine._READ_BUFFER._last)
-        del second
-        third = ck.load(path)  # nothing refers to the last buffer: reused, no page faults
-        assert third["a"].data_ptr() == ptr and id(engine._READ_BUFFER._last) == kept
-        assert torch.equal(first["a"], held) and torch.equal(third["a"], state["a"])
-        del first, third
-    assert engine._READ_BUFFER._last is None  # close() unmaps the idle buffer
-
-
-def test_a_read_buffer_its_reader_closed_is_not_reused(tmp_path) -> None:
-    path = tmp_path / "f.bin"
-    path.write_bytes(os.urandom(MiB))
-    with ThreadPoolExecutor(2) as pool:
-        first = engine.read_file(FileOps(), pool, str(path), chunk_bytes=16 * MiB, covered=MiB)
-        first.buffer.close()  # as the doctor's and the gds tier's read-backs do
-        del first
-        again = engine.read_file(FileOps(), pool, str(path), chunk_bytes=16 * MiB, covered=MiB)
-    assert bytes(again.buffer[:MiB]) == path.read_bytes()

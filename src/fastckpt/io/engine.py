@@ -11,7 +11,6 @@ from __future__ import annotations
 import errno
 import mmap
 import os
-import sys
 import threading
 from collections.abc import Callable
 from concurrent.futures import Executor
@@ -240,44 +239,6 @@ def alloc_aligned(nbytes: int) -> mmap.mmap:
     return mmap.mmap(-1, max(ALIGN, round_up(nbytes)), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
 
 
-class _ReadBuffer:
-    """The last whole-file read buffer, reused by the next read once nothing refers to it.
-
-    A loaded state's tensors are views of its read buffer; once the caller drops them, the
-    mapping is idle. Mapping fresh memory costs a page fault per 4 KiB page (about 0.6-0.9 s
-    per GiB on a 2-core VM: more than reading a cached file), which ``torch.load`` avoids by
-    getting its storages from the allocator's heap; keeping the last buffer does the same. At
-    most one idle buffer is kept, until ``release_read_buffer()``.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._last: mmap.mmap | None = None
-
-    def take(self, nbytes: int) -> mmap.mmap:
-        with self._lock:
-            # not closed by its last reader, not pinning far more than asked, and idle: two
-            # references, the attribute and getrefcount's argument (CPython: exact)
-            last = self._last
-            fits = last is not None and not last.closed and nbytes <= len(last) <= 2 * nbytes + ALIGN
-            del last
-            if not fits or sys.getrefcount(self._last) != 2:
-                self._last = None  # an idle one is unmapped now, before the new one is faulted in
-                self._last = alloc_aligned(nbytes)
-            return self._last
-
-    def release(self) -> None:
-        with self._lock:
-            self._last = None
-
-
-_READ_BUFFER = _ReadBuffer()
-
-
-def release_read_buffer() -> None:
-    """Unmap the kept read buffer if it is idle (a later read maps fresh memory)."""
-    _READ_BUFFER.release()
-
 
 def read_file(ops: FileOps, pool: Executor, path: str, *, chunk_bytes: int, odirect: bool = True,
               covered: int | None = None) -> ReadResult:
@@ -307,7 +268,7 @@ def read_file(ops: FileOps, pool: Executor, path: str, *, chunk_bytes: int, odir
         if direct:
             cached = _buffered_twin(ops, fd)
         size = os.fstat(fd).st_size
-        buf = _READ_BUFFER.take(size)
+        buf = alloc_aligned(size)
         view = memoryview(buf)
         early = covered if covered is not None else max(0, size - TAIL_BYTES)
         early -= early % checksum.BLOCK_BYTES if covered is None else 0
