@@ -140,6 +140,15 @@ def fio_seconds(path: Path, nbytes: int, rw: str) -> float:
     return nbytes / job[rw]["bw_bytes"]
 
 
+def rss_bytes() -> int:
+    """This process's resident memory (VmRSS), in bytes."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
 def median(xs: list[float]) -> float | None:
     xs = [x for x in xs if x is not None]
     return statistics.median(xs) if xs else None

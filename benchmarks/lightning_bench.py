@@ -13,9 +13,9 @@ checkpoint), same data, same ``ModelCheckpoint(every_n_train_steps=--every, save
   async           Lightning's AsyncCheckpointIO around TorchCheckpointIO
   fastckpt        FastCkptIO (direct tier: straight to --dir, no burst buffer)
   fastckpt-lazy   FastCkptIO(lazy_snapshot=True)
-  fastckpt-overlap  FastCkptIO(checkpointer=Checkpointer(overlap_write=True)): the writer follows
-                  the copy, so the final flush is shorter; its Checkpointer is closed after
-                  the fit, outside the timing (FastCkptIO waits for a given one, not closes it)
+  fastckpt-after-copy  FastCkptIO(checkpointer=Checkpointer(overlap_write=False)): the writer starts
+                  only after the copy (the default overlaps them); its Checkpointer is closed
+                  after the fit, outside the timing (FastCkptIO waits for a given one, not closes it)
 
 Variants are interleaved (none, torch, async, fastckpt, fastckpt-lazy, then the next round
 rotated by one) for --warmup + --repeat rounds; warm-up rounds are discarded, tables show
@@ -51,7 +51,7 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-VARIANTS = ("none", "torch", "async", "fastckpt", "fastckpt-lazy", "fastckpt-overlap")
+VARIANTS = ("none", "torch", "async", "fastckpt", "fastckpt-lazy", "fastckpt-after-copy")
 
 
 class Clock:
@@ -91,8 +91,8 @@ def build(variant: str, clock: Clock) -> object | None:
     elif variant == "async":
         io = AsyncCheckpointIO(TorchCheckpointIO())
     else:
-        if variant == "fastckpt-overlap":
-            io = FastCkptIO(checkpointer=Checkpointer(overlap_write=True, replicate_policy="all"))
+        if variant == "fastckpt-after-copy":
+            io = FastCkptIO(checkpointer=Checkpointer(overlap_write=False, replicate_policy="all"))
         else:
             io = FastCkptIO(lazy_snapshot=variant == "fastckpt-lazy")
         for name in ("_fence", "_log_metrics", "_connect", "_install_deepspeed", "_reserve"):
@@ -184,13 +184,12 @@ def main() -> None:
                     "wall_pct": 100 * (wall - base) / base}
         print(f"{v:>14} {blocked:>10.3f} {100 * blocked / base:>9.2f}% {wall:>8.2f} {100 * (wall - base) / base:>7.1f}%")
 
-    peers = [table[v]["blocked_pct"] for v in ("torch", "async") if v in table]
-    for v in ("fastckpt", "fastckpt-lazy", "fastckpt-overlap"):
-        if v in table and peers:
-            b = table[v]["blocked_pct"]
-            ok = b < 2.0 and b <= 0.5 * min(peers)
-            print(f"target {v}: blocked {b:.2f}% < 2% and <= 0.5 x best peer ({min(peers):.2f}%): "
-                  f"{'PASS' if ok else 'MISS'}")
+    for v in ("fastckpt", "fastckpt-lazy", "fastckpt-after-copy"):  # issue #16's targets
+        if v in table and "async" in table:
+            b, a = table[v]["blocked_pct"], table["async"]["blocked_pct"]
+            ok = b < 0.5 and b <= 0.25 * a
+            print(f"target {v}: blocked {b:.2f}% < 0.5% and <= 0.25 x AsyncCheckpointIO's ({a:.2f}%; ratio "
+                  f"{b / a:.2f}): {'PASS' if ok else 'MISS'}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "runs": runs, "table": table, "baseline_wall_s": base}, f, indent=1)

@@ -37,6 +37,7 @@ from .save.replicator import Replicator
 from .save.retention import Retention
 from .save.saver import Saver
 from .save.staging import StagingPool
+from .save.stripes import Stripes
 from .save.tiers import TierSelector
 from .save.writer import FileWriter
 from .storage.homes import Homes
@@ -71,7 +72,8 @@ class Checkpointer:
         self._sinks: tuple[EventSink, ...] = tuple(cfg.sinks) + ((self._jsonl,) if self._jsonl else ())
         self._staging = StagingPool(cfg.staging_buffers)
         self._io = ThreadPoolExecutor(cfg.io_threads, thread_name_prefix="fastckpt-io")
-        self._writer = ThreadPoolExecutor(1, thread_name_prefix="fastckpt-write")
+        self._writers = tuple(ThreadPoolExecutor(1, thread_name_prefix="fastckpt-write")  # one per burst-buffer drive
+                              for _ in range(max(1, len(cfg.local_dirs))))
         self._committer = ThreadPoolExecutor(4, thread_name_prefix="fastckpt-commit")
         self._snapper = ThreadPoolExecutor(1, thread_name_prefix="fastckpt-snapshot")  # lazy saves
         self._inflight = InFlight()
@@ -83,23 +85,25 @@ class Checkpointer:
         self._replicator = Replicator(cfg, self._homes, self._emit, self._monitor.record_durable)
         self._coordinator = Coordinator(self._committer, self._stop, cfg.commit_timeout_s,
                                         lambda g: self._homes.resolve(g).place(), self._emit,
-                                        local_for=self._local_place, store=cfg.store)
+                                        local_for=self._local_places, store=cfg.store)
         if cfg.store is not None:
             self._coordinator.connect(self.world_size)
-        self._retention = Retention(cfg.keep_local, cfg.keep_persistent, self._homes, self.local_path)
+        self._stripes = Stripes(cfg.local_dirs, self.rank)
+        self._retention = Retention(cfg.keep_local, cfg.keep_persistent, self._homes, self._stripes.copies)
         self._saver = Saver(cfg, tiers=TierSelector(cfg.tier, cfg.local_dir, cfg.odirect, self._ops),
                             staging=self._staging, monitor=self._monitor,
                             writer=FileWriter(self._ops, self._io, self._staging, cfg.chunk_bytes, self._emit,
-                                              normalize(cfg.local_dir) if cfg.local_dir else None),
-                            writer_thread=self._writer, snapshot_thread=self._snapper, inflight=self._inflight,
+                                              self._stripes.record, self._stripes.dirs),
+                            writer_threads=self._writers, snapshot_thread=self._snapper, inflight=self._inflight,
                             coordinator=self._coordinator, replicator=self._replicator, retention=self._retention,
-                            homes=self._homes, local_path=self.local_path, emit=self._emit)
+                            homes=self._homes, stripes=self._stripes, emit=self._emit)
         self._loader = Loader(self._homes, self.local_path, cfg.chunk_bytes)
         self._metrics = None
         if cfg.metrics_port is not None:  # last: a scrape may call stats() as soon as it serves
             from .metrics import start_exporter  # lazy: prometheus-client is the optional extra [metrics]
 
-            self._metrics = start_exporter(cfg.metrics_port, self.stats, lambda: self.rank, cfg.local_dir)
+            self._metrics = start_exporter(cfg.metrics_port, self.stats, lambda: self.rank,
+                                           cfg.local_dirs[0] if cfg.local_dirs else None)
             self._sinks += (self._metrics,)
         flush_at_exit(self)
 
@@ -118,14 +122,15 @@ class Checkpointer:
         return self._metrics.url if self._metrics is not None else None
 
     def local_path(self, path: str) -> str | None:
-        """Where the burst-buffer copy of ``path`` lives (None without local_dir)."""
-        if self.config.local_dir is None:
-            return None
-        return mirror_path(self.config.local_dir, normalize(path))
+        """Where the burst-buffer copy of ``path`` lives (None without local_dir; with several
+        directories, the one that holds it, else the first)."""
+        return self._stripes.local_path(normalize(path))
 
-    def _local_place(self, group: str) -> Place | None:
-        local = self.local_path(group)
-        return None if local is None else self._homes.resolve(local).place()
+    def _local_places(self, group: str) -> tuple[Place, ...]:
+        """The burst-buffer copies of ``group``: one per ``local_dir`` directory (none without),
+        since its files may be spread over all of them."""
+        g = normalize(group)
+        return tuple(self._homes.resolve(mirror_path(d, g)).place() for d in self._stripes.dirs)
 
     def _emit(self, name: str, path: str, nbytes: int, start: float, tier: str,
               error: BaseException | None = None, detail: str | None = None) -> None:
@@ -194,7 +199,7 @@ class Checkpointer:
         self._check_open()
         self._inflight.raise_unseen()
         group = normalize(group)
-        rank, has_local = self.rank, self.config.local_dir is not None
+        rank, has_local = self.rank, bool(self.config.local_dirs)
 
         def retain(rec: SaveRecord) -> SaveRecord:
             if not rec.superseded:
@@ -297,7 +302,7 @@ class Checkpointer:
         rto, where = self._last_restore
         return self._monitor.stats(len(self._inflight), replication_lag_s=r.lag_s(), rpo_s=r.rpo_s(),
                                    replication_pending=len(r.pending()), replication_failures=r.failures,
-                                   last_restore_s=rto, last_restore_from=where)
+                                   last_restore_s=rto, last_restore_from=where, local_dirs=self._stripes.stats())
 
     def close(self) -> None:
         """Flush pending saves and replication (up to ``close_timeout_s``), stop the workers,
@@ -310,7 +315,7 @@ class Checkpointer:
             self._closed = True
             self._stop.set()
             self._replicator.close()
-            for ex in (self._snapper, self._committer, self._writer, self._io):
+            for ex in (self._snapper, self._committer, *self._writers, self._io):
                 ex.shutdown(wait=True)
             self._homes.close()
             self._staging.close()

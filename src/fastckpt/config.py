@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Sequence
 from dataclasses import KW_ONLY, dataclass, field
 from typing import TYPE_CHECKING, Concatenate, ParamSpec, TypeVar
 
@@ -39,9 +40,10 @@ def _opt(default: object, meaning: str) -> object:
 class CheckpointerConfig:
     """How a Checkpointer saves, replicates, loads and reports (docs/core.md, docs/burst-buffer.md)."""
 
-    local_dir: str | None = _opt(None, "node-local burst buffer (NVMe): files land there first and are copied "
-                                       "to their path in the background (nvme tier); None writes straight to the "
-                                       "path (direct tier). URL paths (s3://...) need it.")
+    local_dir: str | Sequence[str] | None = _opt(
+        None, "node-local burst buffer (NVMe): files land there first and are copied to their path in the "
+              "background (nvme tier); a list of directories (one per drive) stripes files across them; None "
+              "writes straight to the path (direct tier). URL paths (s3://...) need it.")
     tier: str = _opt("auto", "'auto', 'gds', 'nvme' or 'direct' (docs/tiers.md).")
     overhead_budget: float = _opt(0.02, "fraction of wall time saves may block before the alarm (0.02 = 2 %).")
     event_log: str | None = _opt(None, "JSONL file that receives one event per phase of every save and load "
@@ -55,8 +57,9 @@ class CheckpointerConfig:
     io_threads: int = _opt(4, "threads that write, read and copy file chunks in parallel.")
     chunk_bytes: int = _opt(64 * MiB, "bytes per parallel write/read (a multiple of 16 MiB).")
     odirect: bool = _opt(True, "write and read with O_DIRECT where the file system honours it.")
-    overlap_write: bool = _opt(False, "CPU states: start writing while the snapshot still copies (durable "
-                                      "sooner, but the copy competes with the writers for cores).")
+    overlap_write: bool = _opt(True, "CPU states: start writing while the snapshot still copies (durable about "
+                                     "one write time after the call; the checksum is computed once the copy "
+                                     "is done). False: write after the copy.")
     staging_buffers: int = _opt(1, "host copies of a checkpoint that saves may use at once (1-4): more lets a "
                                    "save start while the previous one still writes, at one copy of memory each.")
     commit_timeout_s: float = _opt(600.0, "how long a group commit waits for every rank.")
@@ -145,8 +148,27 @@ class CheckpointerConfig:
         if port is not None and (type(port) is not int or not 0 <= port <= 65535):  # noqa: E721 (bool is no port)
             raise ConfigError(f"metrics_port={self.metrics_port!r} must be a TCP port from 1 to 65535 (each rank "
                               "serves on metrics_port + LOCAL_RANK), 0 for any free port, or None for no exporter")
-        if self.local_dir is not None and "://" in self.local_dir:
-            raise ConfigError(f"local_dir={self.local_dir!r} must be a node-local directory, not a URL")
+        self._check_local_dirs()
+
+    def _check_local_dirs(self) -> None:
+        if self.local_dir is None:
+            return
+        dirs = [self.local_dir] if isinstance(self.local_dir, str) else self.local_dir
+        if not isinstance(dirs, Sequence) or not dirs or not all(isinstance(d, str) and d for d in dirs):
+            raise ConfigError(f"local_dir={self.local_dir!r} must be a directory or a non-empty list of "
+                              "directories (one per local drive)")
+        for d in dirs:
+            if "://" in d:
+                raise ConfigError(f"local_dir={d!r} must be a node-local directory, not a URL")
+        if len({os.path.abspath(d) for d in dirs}) != len(dirs):
+            raise ConfigError(f"local_dir={self.local_dir!r} names a directory twice: give each drive once")
+
+    @property
+    def local_dirs(self) -> tuple[str, ...]:
+        """The burst-buffer directories (``local_dir`` as a tuple; empty without one)."""
+        if self.local_dir is None:
+            return ()
+        return (self.local_dir,) if isinstance(self.local_dir, str) else tuple(self.local_dir)
 
 
 def option_names() -> tuple[str, ...]:

@@ -22,6 +22,10 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .save.stripes import DirStats
 
 log = logging.getLogger("fastckpt")
 ADVICE_INTERVALS = 3  # intervals between saves measured before the alarm sizes a fix
@@ -108,6 +112,7 @@ class Stats:
     replication_failures: int = 0
     last_restore_s: float | None = None  # the RTO of the newest load(): call to deserialised state
     last_restore_from: str | None = None  # where that load read from: "local", "path" or "remote"
+    local_dirs: tuple[DirStats, ...] = ()  # each burst-buffer directory: bytes, write time, bandwidth, queue
 
 
 class Monitor:

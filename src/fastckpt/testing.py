@@ -237,6 +237,16 @@ class FaultyOps(FileOps):
         self._guard("preadv", self._path_of(fd))
         return super().preadv(fd, buf, offset)
 
+    def preadv_cached(self, fd: int, buf: memoryview, offset: int) -> int:
+        self._guard("preadv", self._path_of(fd))
+        return super().preadv_cached(fd, buf, offset)
+
+    def reopen(self, fd: int, flags: int) -> int:
+        new = super().reopen(fd, flags)
+        with self._lock:
+            self._fd_paths[new] = self._fd_paths.get(fd, f"<fd {fd}>")
+        return new
+
     def fsync(self, fd: int) -> None:
         self._guard("fsync", self._path_of(fd))
         super().fsync(fd)

@@ -4,6 +4,7 @@ in the zip comment, and that plain torch.load reads what fastckpt writes."""
 from __future__ import annotations
 
 import collections
+import io
 import zipfile
 
 import pytest
@@ -13,6 +14,8 @@ import fastckpt
 from fastckpt.errors import UnsupportedObjectError
 from fastckpt.format import layout as F
 from fastckpt.format import manifest as M
+from fastckpt.format import walk
+from torch.utils.serialization import config as ser_config
 
 
 def _state() -> dict:
@@ -27,18 +30,56 @@ def _state() -> dict:
     }
 
 
-def test_plan_matches_torch_records() -> None:
+def _zip_offsets(buf: io.BytesIO) -> dict[str, int]:
+    buf.seek(0)
+    reader = torch._C.PyTorchFileReader(buf)
+    return {r: reader.get_record_offset(r) for r in reader.get_all_records() if r.startswith("data/")}
+
+
+@pytest.mark.parametrize("page_aligned", [None, True, False])
+def test_plan_matches_torch_records(page_aligned) -> None:
     sd = _state()
-    layout = F.plan(sd)
+    layout = F.plan(sd, page_aligned=page_aligned)
     assert layout.data_size > 0
     keys = [s.key for s in layout.storages]
     assert keys == [str(i) for i in range(len(keys))]
     # one record per distinct storage: w and view share theirs
     assert len(layout.storages) == 5
-    assert all(s.offset % F.ALIGN == 0 for s in layout.storages)
+    assert layout.align == (F.ALIGN if page_aligned else F.SMALL_ALIGN)  # None: small tensors pack
     by_ptr = {s.storage.data_ptr(): s for s in layout.storages}
     assert by_ptr[sd["w"].untyped_storage().data_ptr()].nbytes == sd["w"].untyped_storage().nbytes()
-    assert by_ptr[sd["w"].untyped_storage().data_ptr()].where == "state['w']"
+    assert walk.key_path(sd, lambda v: v is sd["w"]) == "state['w']"
+    # the offsets taken from torch's seeks are those its own reader finds in the written file
+    buf = io.BytesIO()  # the same archive name as the plan's
+    old = ser_config.save.storage_alignment
+    ser_config.save.storage_alignment = layout.align
+    try:
+        torch.save(sd, buf)
+    finally:
+        ser_config.save.storage_alignment = old
+    assert buf.getbuffer().nbytes == layout.data_size
+    want = _zip_offsets(buf)
+    assert {f"data/{s.key}": s.offset for s in layout.storages if s.nbytes} == \
+        {k: v for k, v in want.items() if layout.storages[int(k[5:])].nbytes}
+    assert all(s.offset % layout.align == 0 for s in layout.storages if s.nbytes)
+
+
+def test_offsets_from_zip_directory_agree_with_seeks() -> None:
+    # the slow way stays as the fallback: it must give the same answer
+    sd = _state()
+    layout = F.plan(sd)
+    sizes = [s.nbytes for s in layout.storages]
+    slow = F._offsets_from_zip(list(layout.segments), layout.data_size, sizes)
+    assert [o for o, n in zip(slow, sizes) if n] == [s.offset for s in layout.storages if s.nbytes]
+
+
+def test_alignment_choice() -> None:
+    big = {"w": torch.zeros(1 << 20), **{f"s{i}": torch.tensor(float(i)) for i in range(10)}}
+    assert F.plan(big).align == F.ALIGN  # at most 11 pages of padding on 4 MiB: under PAD_BUDGET
+    small = {f"s{i}": torch.zeros(4) for i in range(10)}
+    assert F.plan(small).align == F.SMALL_ALIGN
+    assert F.choose_align([1 << 20] * 3) == F.ALIGN and F.choose_align([4096] * 3) == F.SMALL_ALIGN
+    assert F.choose_align([4096], page_aligned=True) == F.ALIGN and F.choose_align([1 << 30], page_aligned=False) == 64
 
 
 def test_written_file_is_plain_torch_zip(tmp_path) -> None:
@@ -114,17 +155,18 @@ def test_fast_storage_order_matches_pickling_order() -> None:
                    "param_groups": [{"lr": 0.1, "params": list(range(20))}]},
          "shared": [shared, shared[2:], (shared, 3)], "p": torch.nn.Parameter(torch.ones(3))},
     ]
+    cyclic: list = [torch.ones(2)]
+    cyclic.append(cyclic)
+    states.append({"c": cyclic, "t": (shared, [cyclic, torch.zeros(3)])})
     for sd in states:
-        fast = F._fast_order(sd)
-        slow = F._StorageOrder()
-        slow.dump(sd)
+        fast = walk.scan(sd)
         assert fast is not None
-        assert [s._cdata for s in fast] == [s._cdata for s in slow.order]
+        assert [s._cdata for s in fast.storages] == [s._cdata for s in walk.pickling_order(sd)]
 
 
 def test_custom_objects_fall_back_to_pickling_order(tmp_path) -> None:
     sd = {"cfg": F.StorageRecord, "w": torch.arange(5)}  # a class: not a plain value
-    assert F._fast_order(sd) is None
+    assert walk.scan(sd) is None
     path = tmp_path / "c.pt"
     with fastckpt.Checkpointer() as ck:
         ck.save(sd, str(path)).wait()

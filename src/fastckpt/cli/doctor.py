@@ -28,7 +28,8 @@ class Size(click.ParamType):
 
 
 @click.command()
-@click.option("--local-dir", type=click.Path(file_okay=False), default=None, help="The burst buffer (local_dir).")
+@click.option("--local-dir", type=click.Path(file_okay=False), multiple=True,
+              help="The burst buffer (local_dir); repeat it for striped drives (each is measured).")
 @click.option("--target", default=None, help="Where checkpoints are saved: a directory or a URL (default: here).")
 @click.option("--tier", type=click.Choice(["auto", "gds", "nvme", "direct"]), default="auto", show_default=True,
               help="The tier you will ask for: exit 1 when it cannot work here.")
@@ -40,7 +41,7 @@ class Size(click.ParamType):
 @click.option("--storage-options", "options_file", type=click.Path(exists=True, dir_okay=False), default=None,
               help="A JSON file of fsspec options for a URL target (endpoint_url, key, secret...; never printed).")
 @click.option("--json", "as_json", is_flag=True, help="Print the findings as JSON.")
-def doctor(local_dir: str | None, target: str | None, tier: str, state_size: int | None, keep: int,
+def doctor(local_dir: tuple[str, ...], target: str | None, tier: str, state_size: int | None, keep: int,
            probe_size: int, options_file: str | None, as_json: bool) -> None:
     """Probe this machine's tiers and storage; say what tier=auto would pick and why.
 
@@ -55,7 +56,7 @@ def doctor(local_dir: str | None, target: str | None, tier: str, state_size: int
             storage_options = json.load(f)
         if not isinstance(storage_options, dict):
             raise click.BadParameter("must hold a JSON object", param_hint="--storage-options")
-    opts = DoctorOptions(local_dir, target, tier, state_size, keep, probe_size, storage_options,
+    opts = DoctorOptions(local_dir[0] if len(local_dir) == 1 else (local_dir or None), target, tier, state_size, keep, probe_size, storage_options,
                          progress="off" if as_json else "auto")
     dx = diagnose(opts)
     if as_json:

@@ -44,7 +44,7 @@ class Attempt:
     group: str
     home: Place
     place: Place
-    local: Place | None
+    local: tuple[Place, ...]  # the burst-buffer copies (one per local_dir directory)
     channel: S.Channel | None
     token: str | None
     old: dict | None

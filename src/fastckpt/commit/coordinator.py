@@ -23,6 +23,7 @@ from __future__ import annotations
 import errno
 import itertools
 import logging
+import os
 import threading
 import time
 import uuid
@@ -49,14 +50,15 @@ class Coordinator:
         stop: set by ``Checkpointer.close``: waits end early.
         timeout_s: how long a commit waits for the other ranks.
         place_for: the ``Place`` of a group name.
-        local_for: the ``Place`` of a group's burst-buffer copy (None without ``local_dir``).
+        local_for: the ``Place`` of each burst-buffer copy of a group (one per ``local_dir``
+            directory; none without).
         store: the store to coordinate through (None: the default process group's, if any).
         emit: the Checkpointer's event emitter.
     """
 
     def __init__(self, pool: Executor, stop: threading.Event, timeout_s: float,
                  place_for: Callable[[str], Place], emit: Callable[..., None],
-                 local_for: Callable[[str], Place | None] = lambda g: None, store: object | None = None) -> None:
+                 local_for: Callable[[str], tuple[Place, ...]] = lambda g: (), store: object | None = None) -> None:
         self._pool, self._stop, self._timeout = pool, stop, timeout_s
         self._place_for, self._local_for, self._emit = place_for, local_for, emit
         self._store = store
@@ -115,8 +117,8 @@ class Coordinator:
             old, published = None, False
         place = P.staged_place(home) if published else home
         local = self._local_for(group)
-        if local is not None:
-            local.delete(P.GROUP_MANIFEST)  # the local copy is rewritten in place: not complete until committed
+        for copy in local:
+            copy.delete(P.GROUP_MANIFEST)  # the local copy is rewritten in place: not complete until committed
         channel = self._channel(group, world)
         token = channel.token if channel is not None else (uuid.uuid4().hex[:16] if rank == 0 else None)
         if channel is None and rank == 0 and world > 1:
@@ -232,7 +234,7 @@ class Coordinator:
         if ended.superseded:
             return SaveRecord(att.group, tier, 0, blocked, 0.0, done, None, rank=rank, group=att.group,
                               superseded=True, **cost)
-        if att.local is not None:
-            A.publish_local(att, att.local, ended.manifest, self._stop)
+        for local in att.local if len(att.local) == 1 else [p for p in att.local if os.path.isdir(p.url())]:
+            A.publish_local(att, local, ended.manifest, self._stop)  # striped: each drive holding files
         self._emit("commit", att.group, ended.total, c0, tier, detail="group")
         return SaveRecord(att.group, tier, ended.total, blocked, 0.0, done, done, rank=rank, group=att.group, **cost)

@@ -21,7 +21,8 @@ class DoctorOptions:
     """What to check.
 
     Args:
-        local_dir: the burst buffer (Checkpointer ``local_dir``), or None.
+        local_dir: the burst buffer (Checkpointer ``local_dir``: a directory, or several striped,
+            each checked and measured on its own), or None.
         target: where checkpoints are saved: a directory or a URL (None: the current directory).
         tier: the tier asked for; a tier other than "auto" that cannot work here is a failure.
         state_size: bytes of one checkpoint (per node), for the free-space checks.
@@ -32,7 +33,7 @@ class DoctorOptions:
         progress: the progress display for the bandwidth probe ("auto", "log", "off"...).
     """
 
-    local_dir: str | None = None
+    local_dir: str | tuple[str, ...] | None = None
     target: str | None = None
     tier: str = "auto"
     state_size: int | None = None
@@ -41,6 +42,12 @@ class DoctorOptions:
     storage_options: dict = field(default_factory=dict)
     target_deadline_s: float = 20.0
     progress: str = "auto"
+
+    @property
+    def local_dirs(self) -> tuple[str, ...]:
+        if not self.local_dir:
+            return ()
+        return (self.local_dir,) if isinstance(self.local_dir, str) else tuple(self.local_dir)
 
 
 def _directory_checks(role: str, path: str, o: DoctorOptions, burst_buffer: bool) -> list[Finding]:
@@ -84,27 +91,30 @@ def diagnose(o: DoctorOptions) -> Diagnosis:
     """Run every check that applies to ``o``."""
     findings: list[Finding] = []
     cuda_finding, has_cuda = gpu.cuda()
-    findings += [cuda_finding, gpu.libcuda(), gpu.kvikio(), gpu.gds(has_cuda, o.local_dir)]
-    if o.local_dir is not None:
-        findings += _directory_checks("local_dir", o.local_dir, o, burst_buffer=True)
+    dirs = o.local_dirs
+    findings += [cuda_finding, gpu.libcuda(), gpu.kvikio(), gpu.gds(has_cuda, dirs[0] if dirs else None)]
+    for i, d in enumerate(dirs):  # striped: each drive's own checks and bandwidth
+        findings += _directory_checks("local_dir" if len(dirs) == 1 else f"local_dir[{i}]", d, o, burst_buffer=True)
     target = o.target or os.getcwd()
     url = "://" in target
     if url:
-        if o.local_dir is None:
+        if not dirs:
             findings.append(Finding("target.burst_buffer", "fail", f"{target} is a URL: saves there go through a "
                                     "burst buffer", "pass --local-dir (Checkpointer(local_dir=...))"))
         findings += [remote.credentials(target, o.storage_options),
                      remote.reachable(target, o.storage_options, o.target_deadline_s)]
     else:
         # the target's bandwidth matters when saves write there directly (no burst buffer)
-        findings += _directory_checks("target", target, o if o.local_dir is None else replace(o, probe_bytes=0),
+        findings += _directory_checks("target", target, o if not dirs else replace(o, probe_bytes=0),
                                       burst_buffer=False)
-        if o.local_dir is not None and _same_device(o.local_dir, target):
-            findings.append(Finding("target.separate", "warn", f"{target} and the burst buffer {o.local_dir} are on "
+        shared = [d for d in dirs if _same_device(d, target)]
+        if shared:
+            findings.append(Finding("target.separate", "warn", f"{target} and the burst buffer {shared[0]} are on "
                                     "the same filesystem: losing it loses both copies",
                                     "save to a persistent filesystem (or URL) other than the burst buffer's"))
-    blocked = any(f.status == "fail" for f in findings if f.check.startswith(("local_dir.writable", "target.writable")))
-    dest = target if not url and not blocked else (o.local_dir or os.getcwd())
+    blocked = any(f.status == "fail" for f in findings
+                  if f.check.startswith(("local_dir", "target")) and f.check.endswith(".writable"))
+    dest = target if not url and not blocked else (dirs[0] if dirs else os.getcwd())
     if blocked:
         tier_findings, auto = [], {}
     else:

@@ -1,42 +1,55 @@
 """torch.save-compatible files, laid out for fast writes.
 
 The metadata (pickle, zip headers) comes from ``torch.save`` itself under
-``torch.serialization.skip_data()`` with every storage record aligned to 4 KiB; torch seeks
-over the storages' bytes, so the layout costs no copy. fastckpt then fills the storages at
-their record offsets (read back from the zip directory with torch's own reader) and appends
-its manifest as the zip archive comment, so every file is a plain ``torch.load``-able zip
-that also carries its own checksum. Storage keys are derived by pickling the object once
-more with torch's storage-identity rule, and checked against the records torch wrote.
+``torch.serialization.skip_data()``; torch seeks over the storages' bytes, so the layout costs
+no copy, and the seeks it makes are where the storages' bytes go. fastckpt then fills the
+storages at those offsets and appends its manifest as the zip archive comment, so every file is
+a plain ``torch.load``-able zip that also carries its own checksum.
+
+Alignment: every record of a file starts on one boundary, recorded by torch in the file's
+``.storage_alignment`` record (``torch.load`` with ``calculate_storage_offsets`` computes the
+offsets from it, so one file cannot mix two). Page alignment (``ALIGN``, 4 KiB), as GPUDirect
+Storage writes of single records need, is used whenever it costs at most ``PAD_BUDGET`` of the
+payload; a state of many small tensors is packed at torch's default 64 bytes instead, so its
+file is no larger than torch.save's. The writer does not need either: it writes the whole file
+image in page-aligned chunks.
+
+``Planner`` keeps the layouts of the last few state structures: a state whose ``walk.scan``
+signature (keys, values, tensor shapes, strides, dtypes, storage sharing) equals one seen before
+reuses that layout, so the metadata pass (about 60 us per tensor) leaves the save's hot path.
 """
 
 from __future__ import annotations
 
 import bisect
-import collections
 import io
-import pickle
+import threading
 import zipfile
-from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch.utils.serialization import config as _ser_config
 
 from ..errors import UnsupportedObjectError
 from .manifest import EOCD_LEN, EOCD_SIG
+from .walk import Scan, check_tensors, find_unpicklable, pickling_order, scan
 
-ALIGN = 4096  # every storage record starts on a page boundary, as O_DIRECT and GDS need
+ALIGN = 4096  # page alignment, as O_DIRECT and GDS need
+SMALL_ALIGN = 64  # torch.save's default storage alignment
+#: Page alignment is used when its padding adds at most this fraction to the payload.
+PAD_BUDGET = 1 / 64
+CACHED_LAYOUTS = 4  # state structures a Planner remembers
 
 
-@dataclass(frozen=True)
-class StorageRecord:
-    """One storage of the object and where its bytes go in the file."""
+class StorageRecord(NamedTuple):
+    """One storage of the object and where its bytes go in the file (``storage`` is None in a
+    cached template)."""
 
     key: str
     offset: int
     nbytes: int
-    storage: torch.UntypedStorage
-    where: str  # the first key path that refers to it, for messages
+    storage: torch.UntypedStorage | None
 
 
 @dataclass(frozen=True)
@@ -45,28 +58,59 @@ class FileLayout:
 
     ``data_size`` is the size of the zip without comment; the checksum covers
     ``[0, covered_bytes)``, which is everything but the comment-length field and the comment.
+    ``align``: the boundary every storage record starts on; ``cuda``: some storage is on a
+    CUDA device.
     """
 
     segments: tuple[tuple[int, bytes], ...]
     storages: tuple[StorageRecord, ...]
     data_size: int
+    align: int = ALIGN
+    payload_bytes: int = -1  # computed from ``storages`` when not given
+    cuda: bool = False
+
+    def __post_init__(self) -> None:
+        if self.payload_bytes < 0:
+            object.__setattr__(self, "payload_bytes", sum(s.nbytes for s in self.storages))
 
     @property
     def covered_bytes(self) -> int:
         return self.data_size - 2
 
-    @property
-    def payload_bytes(self) -> int:
-        return sum(s.nbytes for s in self.storages)
+    def bind(self, storages: tuple[torch.UntypedStorage, ...], cuda: bool) -> FileLayout:
+        """This layout with ``storages`` (same sizes, same order) in its slots."""
+        recs = tuple(StorageRecord(r.key, r.offset, r.nbytes, st) for r, st in zip(self.storages, storages, strict=True))
+        return FileLayout(self.segments, recs, self.data_size, self.align, self.payload_bytes, cuda)
+
+
+def choose_align(sizes: list[int], page_aligned: bool | None = None) -> int:
+    """``ALIGN`` when asked, or when page padding adds at most ``PAD_BUDGET`` to the payload.
+
+    Each record may cost up to a page of padding (its zip header and the previous record's data
+    descriptor sit between the records), so page alignment pays when the storages average at
+    least ``ALIGN / PAD_BUDGET`` (256 KiB).
+    """
+    if page_aligned is not None:
+        return ALIGN if page_aligned else SMALL_ALIGN
+    return ALIGN if len(sizes) * ALIGN <= sum(sizes) * PAD_BUDGET else SMALL_ALIGN
 
 
 class _SeekOnlySink(io.RawIOBase):
-    """File-like sink that keeps written bytes as segments and seeks over skipped data."""
+    """File-like sink that keeps written bytes as segments and records the spans torch seeks
+    over (``skips``: the storages' bytes, in the order torch writes its records). Lean: torch
+    calls ``write`` about five times per storage."""
 
     def __init__(self) -> None:
         self.pos = 0
-        self.end = 0
-        self.segments: list[tuple[int, bytes]] = []
+        self._end = 0  # the end before the current run of writes; ``end`` is the true one
+        self.skips: list[tuple[int, int]] = []
+        self._segments: list[tuple[int, bytes]] = []
+        self._run: list[bytes] = []  # pieces of the contiguous run being written
+        self._run_start = self._run_end = 0
+
+    @property
+    def end(self) -> int:
+        return max(self._end, self.pos)
 
     def writable(self) -> bool:
         return True
@@ -75,32 +119,42 @@ class _SeekOnlySink(io.RawIOBase):
         return True
 
     def write(self, b) -> int:  # type: ignore[override]
-        data = bytes(b)
-        if self.segments and self.segments[-1][0] + len(self.segments[-1][1]) == self.pos:
-            off, prev = self.segments[-1]
-            self.segments[-1] = (off, prev + data)
-        else:
-            self.segments.append((self.pos, data))
-        self.pos += len(data)
-        self.end = max(self.end, self.pos)
+        if self.pos != self._run_end:
+            self._flush()
+            self._run_start = self.pos
+        data = bytes(b)  # torch hands out a view of a buffer it reuses
+        self._run.append(data)
+        self.pos = self._run_end = self.pos + len(data)
         return len(data)
 
     def seek(self, offset: int, whence: int = 0) -> int:
-        base = {0: 0, 1: self.pos, 2: self.end}[whence]
-        self.pos = base + offset
-        self.end = max(self.end, self.pos)
-        return self.pos
+        end = self.end
+        new = (0, self.pos, end)[whence] + offset
+        if self.pos == end and new > end:
+            self.skips.append((end, new - end))
+        self.pos, self._end = new, max(end, new)
+        return new
 
     def tell(self) -> int:
         return self.pos
+
+    def _flush(self) -> None:
+        if self._run:
+            self._segments.append((self._run_start, b"".join(self._run)))
+            self._run = []
+
+    def segments(self) -> list[tuple[int, bytes]]:
+        """What was written, in write order (a later segment may overwrite an earlier one)."""
+        self._flush()
+        return self._segments
 
 
 class _SparseReader(io.RawIOBase):
     """Reads a sparse image (segments, zeros elsewhere) for torch's zip reader."""
 
     def __init__(self, segments: list[tuple[int, bytes]], size: int) -> None:
-        self._segments = segments  # in increasing offset order, not overlapping
-        self._starts = [off for off, _ in segments]
+        self._segments = sorted(segments)
+        self._starts = [off for off, _ in self._segments]
         self._size = size
         self._pos = 0
 
@@ -111,8 +165,7 @@ class _SparseReader(io.RawIOBase):
         return True
 
     def seek(self, offset: int, whence: int = 0) -> int:
-        base = {0: 0, 1: self._pos, 2: self._size}[whence]
-        self._pos = base + offset
+        self._pos = {0: 0, 1: self._pos, 2: self._size}[whence] + offset
         return self._pos
 
     def tell(self) -> int:
@@ -140,160 +193,122 @@ class _SparseReader(io.RawIOBase):
         return len(data)
 
 
-class _StorageOrder(pickle.Pickler):
-    """Pickles to nowhere, recording storages in first-seen order: torch's key order."""
-
-    def __init__(self) -> None:
-        super().__init__(io.BytesIO(), protocol=2)
-        self.order: list[torch.UntypedStorage] = []
-        self._seen: dict[int, int] = {}
-
-    def persistent_id(self, obj):  # noqa: ANN001 (pickle protocol)
-        if isinstance(obj, torch.storage.TypedStorage) or torch.is_storage(obj):
-            st = obj._untyped_storage if isinstance(obj, torch.storage.TypedStorage) else obj
-            if st._cdata not in self._seen:
-                self._seen[st._cdata] = len(self.order)
-                self.order.append(st)
-            return ("s", self._seen[st._cdata])
-        return None
-
-
-_PLAIN = (int, float, str, bytes, bool, type(None), torch.dtype, torch.device, torch.Size)
-
-
-def _fast_order(obj: object) -> list[torch.UntypedStorage] | None:
-    """Storages in pickling order for plain states (dicts, lists, tuples, plain tensors, scalars).
-
-    Pickle visits dict items, list and tuple elements in order, and a plain tensor reduces to
-    its storage first, so a walk gives torch's key order without a second pickling pass.
-    Anything else (custom objects, tensor subclasses, sparse tensors...) returns None: the
-    caller then pickles to find the order.
-    """
-    order: list[torch.UntypedStorage] = []
-    seen: set[int] = set()
-    stack = [obj]
-    while stack:
-        o = stack.pop()
-        t = type(o)
-        if t is dict or t is collections.OrderedDict:
-            stack.extend(reversed(list(o.values())))  # type: ignore[union-attr]
-            if not all(type(k) in _PLAIN for k in o):  # type: ignore[union-attr]
+def _offsets_from_skips(sink: _SeekOnlySink, sizes: list[int]) -> list[int] | None:
+    """Record offsets from the spans torch skipped (one per non-empty storage, in key order);
+    None if they do not line up with ``sizes``. An empty storage gets the previous end."""
+    skips = iter(sink.skips)
+    out, end = [], 0
+    for n in sizes:
+        if n:
+            off, skipped = next(skips, (-1, -1))
+            if skipped != n:
                 return None
-        elif t is list or t is tuple:
-            stack.extend(reversed(o))  # type: ignore[arg-type]
-        elif t is torch.Tensor or t is torch.nn.Parameter:
-            if o.layout != torch.strided or o.__dict__ or o.is_quantized:  # type: ignore[union-attr]
-                return None
-            st = o.untyped_storage()  # type: ignore[union-attr]
-            if st._cdata not in seen:
-                seen.add(st._cdata)
-                order.append(st)
-        elif t not in _PLAIN:
-            return None
-    return order
+            end = off + n
+            out.append(off)
+        else:
+            out.append(end)
+    return out if next(skips, None) is None else None
 
 
-def _record_sizes(reader: io.RawIOBase) -> dict[int, int]:
-    """data/N record sizes from the zip's central directory."""
-    with zipfile.ZipFile(reader) as zf:  # type: ignore[arg-type]
-        out = {}
+def _offsets_from_zip(segments: list[tuple[int, bytes]], size: int, sizes: list[int]) -> list[int] | None:
+    """Record offsets read back from the zip directory with torch's own reader (the slow way);
+    None when the records do not match ``sizes``."""
+    with zipfile.ZipFile(_SparseReader(segments, size)) as zf:  # type: ignore[arg-type]
+        found = {}
         for info in zf.infolist():
             head, _, key = info.filename.rpartition("/")
             if head.endswith("data") and key.isdigit():
-                out[int(key)] = info.file_size
-        return out
+                found[int(key)] = info.file_size
+    if found != dict(enumerate(sizes)):
+        return None
+    reader = torch._C.PyTorchFileReader(_SparseReader(segments, size))
+    return [reader.get_record_offset(f"data/{i}") for i in range(len(sizes))]
 
 
-def _walk(obj: object, path: str, depth: int = 0) -> Iterator[tuple[str, object]]:
-    yield path, obj
-    if depth > 64:
-        return
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            yield from _walk(v, f"{path}[{k!r}]", depth + 1)
-    elif isinstance(obj, (list, tuple)):
-        for i, v in enumerate(obj):
-            yield from _walk(v, f"{path}[{i}]", depth + 1)
-
-
-def _find_unpicklable(obj: object) -> str:
-    """The deepest key path whose value cannot be pickled (for the error message)."""
-    worst = "state"
-    for path, value in _walk(obj, "state"):
-        if isinstance(value, (dict, list, tuple, torch.Tensor)):
-            continue
-        try:
-            pickle.dumps(value, protocol=2)
-        except Exception:  # noqa: BLE001 (we only look for the culprit; the caller re-raises)
-            return path
-    return worst
-
-
-def _check_tensors(obj: object) -> dict[int, str]:
-    """Reject tensors whose bytes cannot be written; map storage id -> first key path."""
-    where: dict[int, str] = {}
-    for path, value in _walk(obj, "state"):
-        if not isinstance(value, torch.Tensor):
-            continue
-        if value.device.type == "meta":
-            raise UnsupportedObjectError(
-                f"{path} is a tensor on the meta device: it has no data to save. "
-                "Materialise it (e.g. model.to_empty(device=...) and initialise) before saving."
-            )
-        if value.is_sparse or value.layout != torch.strided:
-            continue  # pickled through its strided components
-        try:
-            st = value.untyped_storage()
-        except Exception as exc:  # noqa: BLE001
-            raise UnsupportedObjectError(
-                f"{path} ({type(value).__name__}) has no plain storage fastckpt can copy; "
-                "convert it to a regular tensor before saving."
-            ) from exc
-        where.setdefault(st._cdata, path)
-    return where
-
-
-def plan(obj: object) -> FileLayout:
-    """Lay out ``obj`` as a torch.save zip without touching the tensors' bytes.
-
-    Raises:
-        UnsupportedObjectError: something in ``obj`` cannot be saved; the message names the key.
-    """
-    where = _check_tensors(obj)
+def _metadata(obj: object, align: int) -> _SeekOnlySink:
+    """torch.save's metadata pass: the archive without the storages' bytes."""
     sink = _SeekOnlySink()
     old_align = _ser_config.save.storage_alignment
-    _ser_config.save.storage_alignment = ALIGN
+    _ser_config.save.storage_alignment = align
     try:
         with torch.serialization.skip_data():
             torch.save(obj, sink)
     except Exception as exc:
-        culprit = _find_unpicklable(obj)
         raise UnsupportedObjectError(
-            f"cannot save {culprit}: {exc}. Only tensors, containers and plain Python values "
+            f"cannot save {find_unpicklable(obj)}: {exc}. Only tensors, containers and plain Python values "
             "can be saved; drop or convert that entry."
         ) from exc
     finally:
         _ser_config.save.storage_alignment = old_align
-    sizes = _record_sizes(_SparseReader(sink.segments, sink.end))
-    found = _fast_order(obj)
-    if found is None or [st.nbytes() for st in found] != [sizes.get(i) for i in range(len(found))] \
-            or len(found) != len(sizes):
-        pickler = _StorageOrder()
-        pickler.dump(obj)
-        found = pickler.order
-    if len(sizes) != len(found) or any(sizes.get(i) != st.nbytes() for i, st in enumerate(found)):
+    return sink
+
+
+def plan(obj: object, *, page_aligned: bool | None = None, scanned: Scan | None = None) -> FileLayout:
+    """Lay out ``obj`` as a torch.save zip without touching the tensors' bytes.
+
+    Args:
+        page_aligned: True: every record on a 4 KiB boundary (the gds tier); False: packed at
+            64 bytes; None: ``choose_align``.
+        scanned: ``walk.scan(obj)``, when the caller has it.
+
+    Raises:
+        UnsupportedObjectError: something in ``obj`` cannot be saved; the message names the key.
+    """
+    scanned = scanned or scan(obj)
+    if scanned is None:
+        check_tensors(obj)
+        try:
+            storages = tuple(pickling_order(obj))
+        except Exception:
+            _metadata(obj, ALIGN)  # torch.save fails too: raises the error naming the culprit
+            raise
+        cuda = any(st.device.type == "cuda" for st in storages)
+    else:
+        storages, cuda = scanned.storages, scanned.cuda
+    sizes = [st.nbytes() for st in storages]
+    align = choose_align(sizes, page_aligned)
+    sink = _metadata(obj, align)
+    segments = sink.segments()
+    offsets = _offsets_from_skips(sink, sizes) or _offsets_from_zip(segments, sink.end, sizes)
+    if offsets is None:
         raise UnsupportedObjectError(
-            f"torch.save wrote {len(sizes)} storages but fastckpt found {len(found)} (or their sizes "
-            "differ); the object holds a tensor type fastckpt does not support yet."
+            f"torch.save wrote other storages than the {len(sizes)} fastckpt found (or of other sizes); "
+            "the object holds a tensor type fastckpt does not support yet."
         )
-    reader = torch._C.PyTorchFileReader(_SparseReader(sink.segments, sink.end))
-    storages = []
-    for i, st in enumerate(found):
-        off = reader.get_record_offset(f"data/{i}")
-        if off % ALIGN:
-            raise UnsupportedObjectError(f"storage data/{i} is not {ALIGN}-aligned in the file")
-        storages.append(StorageRecord(str(i), off, st.nbytes(), st, where.get(st._cdata, f"data/{i}")))
-    tail_off, tail = sink.segments[-1]
-    if tail_off + len(tail) != sink.end or tail[-EOCD_LEN:-EOCD_LEN + 4] != EOCD_SIG:
+    for i, (off, n) in enumerate(zip(offsets, sizes, strict=True)):
+        if n and off % align:
+            raise UnsupportedObjectError(f"storage data/{i} is not {align}-aligned in the file")
+    tail_off, tail = max(segments, key=lambda s: s[0] + len(s[1]))
+    if tail_off + len(tail) != sink.end or tail[-EOCD_LEN : -EOCD_LEN + 4] != EOCD_SIG:
         raise UnsupportedObjectError("torch.save did not end the archive with a plain zip trailer")
-    return FileLayout(tuple(sink.segments), tuple(storages), sink.end)
+    recs = tuple(StorageRecord(str(i), off, n, st) for i, (off, n, st) in enumerate(zip(offsets, sizes, storages)))
+    return FileLayout(tuple(segments), recs, sink.end, align, sum(sizes), cuda)
+
+
+class Planner:
+    """``plan`` with memory: a state whose signature equals one of the last ``CACHED_LAYOUTS``
+    structures planned reuses that layout (thread-safe; one per Checkpointer)."""
+
+    def __init__(self, cached: int = CACHED_LAYOUTS) -> None:
+        self._cached = cached
+        self._lock = threading.Lock()
+        self._layouts: list[tuple[tuple, bool | None, FileLayout]] = []  # newest last
+        self.hits = 0
+
+    def plan(self, obj: object, *, page_aligned: bool | None = None) -> FileLayout:
+        """See ``plan``."""
+        found = scan(obj)
+        if found is None:
+            return plan(obj, page_aligned=page_aligned)
+        with self._lock:
+            for i, (sig, aligned, layout) in enumerate(self._layouts):
+                if aligned == page_aligned and sig == found.signature:
+                    self._layouts.append(self._layouts.pop(i))
+                    self.hits += 1
+                    return layout.bind(found.storages, found.cuda)
+        layout = plan(obj, page_aligned=page_aligned, scanned=found)
+        template = layout.bind((None,) * len(layout.storages), False)  # type: ignore[arg-type]  (holds no storage)
+        with self._lock:
+            self._layouts.append((found.signature, page_aligned, template))
+            del self._layouts[: -self._cached]
+        return layout

@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import mmap
 import os
+import threading
 from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass
@@ -98,25 +99,41 @@ def write_file(
     chunk_bytes: int,
     odirect: bool = True,
     ready: Callable[[int], None] | None = None,
+    copying: Callable[[], bool] | None = None,
 ) -> WriteResult:
     """Write ``image[:covered]`` plus a tail computed from its checksum, then fsync.
 
     ``image`` must be page aligned with room for the tail after ``covered``. Chunks run in
-    ``pool``; each hashes its checksum blocks before writing them. ``tail(checksum, blocks)``
-    (``blocks``: the block digests, in file order) returns the bytes that follow ``covered``
-    (for fastckpt files: the comment-length field and the manifest); they are placed in
-    ``image`` and written last, so the checksum is known.
+    ``pool``; each hashes its checksum blocks once written (``_Hashes``). ``tail(checksum,
+    blocks)`` (``blocks``: the block digests, in file order) returns the bytes that follow
+    ``covered`` (for fastckpt files: the comment-length field and the manifest); they are placed
+    in ``image`` and written last, so the checksum is known.
     ``ready(end)``, if given, blocks until ``image[:end]`` is filled: writing overlaps the
-    snapshot that is still copying into the image.
+    snapshot that is still copying into the image. ``copying()``, if given, is True until that
+    copy is done: hashing waits for it, so that it does not take cores from the copy.
     """
     if chunk_bytes % checksum.BLOCK_BYTES:
         raise ValueError("chunk_bytes must be a multiple of the checksum block")
     fd, direct, reason = open_for_write(ops, path, odirect)
     try:
         head = covered // ALIGN * ALIGN  # written by the workers; the rest goes with the tail
+
+        def write_all(fd: int) -> list[int]:
+            hashes = _Hashes(image, covered, copying)
+
+            def one(off: int, n: int) -> list[int]:
+                if ready is not None:
+                    ready(off + n)
+                if min(off + n, head) > off:
+                    pwrite_all(ops, fd, image[off : min(off + n, head)], off, path)
+                hashes.add(off, n)
+                return []
+
+            run_chunks(pool, covered, chunk_bytes, one)
+            return hashes.digests()
+
         try:
-            digests = run_chunks(pool, covered, chunk_bytes, lambda off, n: _write_chunk(
-                ops, fd, image, off, n, head, covered, path, ready))
+            digests = write_all(fd)
         except OSError as exc:
             if not direct or exc.errno != errno.EINVAL:
                 raise
@@ -125,8 +142,7 @@ def write_file(
             fd = -1  # closed: if the re-open fails, the finally below must not close it again
             fd, direct = ops.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), False
             reason = "filesystem refused O_DIRECT writes (EINVAL)"
-            digests = run_chunks(pool, covered, chunk_bytes, lambda off, n: _write_chunk(
-                ops, fd, image, off, n, head, covered, path, ready))
+            digests = write_all(fd)
         digest = checksum.combine(digests)
         extra = tail(digest, digests)
         total = covered + len(extra)
@@ -144,16 +160,44 @@ def write_file(
     return WriteResult(path, total, digest, direct, reason)
 
 
-def _write_chunk(ops, fd, image, off, n, head, covered, path, ready=None) -> list[int]:  # noqa: ANN001
-    if ready is not None:
-        ready(off + n)
-    view = image[off : off + n]
-    digests = [checksum.block_digest(view[b : b + checksum.BLOCK_BYTES])
-               for b in range(0, n, checksum.BLOCK_BYTES)]
-    w_end = min(off + n, head)
-    if w_end > off:
-        pwrite_all(ops, fd, image[off:w_end], off, path)
-    return digests
+class _Hashes:
+    """The block digests of an image's chunks, each hashed once its chunk is written: at once,
+    or, while a snapshot is still copying into the image (``copying()``), later, so that the
+    hashing does not compete with the copy for cores and memory bandwidth. Deferred chunks are
+    hashed by whichever worker finishes a write after the copy ended, and the rest at the end
+    by ``digests``."""
+
+    def __init__(self, image: memoryview, covered: int, copying: Callable[[], bool] | None) -> None:
+        self._image, self._covered, self._copying = image, covered, copying
+        self._lock = threading.Lock()
+        self._pending: list[tuple[int, int]] = []
+        self._done: dict[int, list[int]] = {}
+
+    def add(self, off: int, n: int) -> None:
+        if self._copying is not None and self._copying():
+            with self._lock:
+                self._pending.append((off, n))
+            return
+        self._hash(off, n)
+        self._drain()
+
+    def _hash(self, off: int, n: int) -> None:
+        digests = block_digests(self._image[off : off + n], off, n, self._covered)
+        with self._lock:
+            self._done[off] = digests
+
+    def _drain(self) -> None:
+        while True:
+            with self._lock:
+                if not self._pending:
+                    return
+                off, n = self._pending.pop()
+            self._hash(off, n)
+
+    def digests(self) -> list[int]:
+        """Every block digest, in file order (hashes what is still pending on this thread)."""
+        self._drain()
+        return [d for off in sorted(self._done) for d in self._done[off]]
 
 
 def run_chunks(pool: Executor, size: int, chunk: int, fn) -> list[int]:  # noqa: ANN001
@@ -170,19 +214,43 @@ def run_chunks(pool: Executor, size: int, chunk: int, fn) -> list[int]:  # noqa:
     return digests
 
 
+def _buffered_twin(ops: FileOps, fd: int) -> int:
+    """The O_DIRECT file ``fd`` opened again through the page cache, or -1 where it cannot be."""
+    try:
+        return ops.reopen(fd, os.O_RDONLY)
+    except OSError:
+        return -1
+
+
+def _read_chunk(ops: FileOps, fd: int, cached: int, chunk: memoryview, off: int, n: int, path: str) -> None:
+    """Fill ``chunk[:n]`` with the file's bytes from ``off``: from the page cache as far as it
+    holds them (through ``cached``, when >= 0), the rest from ``fd``."""
+    got = 0
+    if cached >= 0:
+        while got < n and (r := ops.preadv_cached(cached, chunk[got:n], off + got)) > 0:
+            got += r
+    if got < n:
+        got -= got % ALIGN  # O_DIRECT continues from a page boundary
+        pread_exact(ops, fd, chunk[got:], off + got, n - got, path)
+
+
 def alloc_aligned(nbytes: int) -> mmap.mmap:
     """Page-aligned anonymous memory (as O_DIRECT needs), at least one page."""
     return mmap.mmap(-1, max(ALIGN, round_up(nbytes)), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
 
 
+
 def read_file(ops: FileOps, pool: Executor, path: str, *, chunk_bytes: int, odirect: bool = True,
               covered: int | None = None) -> ReadResult:
-    """Read a whole file into page-aligned memory in parallel, through one open descriptor.
+    """Read a whole file into page-aligned memory in parallel, through one open file.
 
     The file is opened once, so a concurrent rename-replace of ``path`` gives this read the old
-    file or the new one, never parts of both. The workers hash every checksum block that lies
-    wholly before the last ``TAIL_BYTES`` (those are inside the checksummed range whatever the
-    manifest says); the few blocks after that are hashed once the manifest is parsed.
+    file or the new one, never parts of both. With O_DIRECT, what the page cache already holds
+    is copied from it instead (``_read_chunk``): a file read or written through the cache
+    moments ago loads at memory speed, as ``torch.load`` would read it. The workers hash every
+    checksum block that lies wholly before the last ``TAIL_BYTES`` (those are inside the
+    checksummed range whatever the manifest says); the few blocks after that are hashed once
+    the manifest is parsed.
 
     Args:
         covered: hash ``[0, covered)`` (a file being written has no manifest yet); None: the
@@ -195,7 +263,10 @@ def read_file(ops: FileOps, pool: Executor, path: str, *, chunk_bytes: int, odir
     if chunk_bytes % checksum.BLOCK_BYTES:
         raise ValueError("chunk_bytes must be a multiple of the checksum block")
     fd, direct = open_for_read(ops, path, odirect)
+    cached = -1
     try:
+        if direct:
+            cached = _buffered_twin(ops, fd)
         size = os.fstat(fd).st_size
         buf = alloc_aligned(size)
         view = memoryview(buf)
@@ -204,12 +275,13 @@ def read_file(ops: FileOps, pool: Executor, path: str, *, chunk_bytes: int, odir
 
         def read_chunk(off: int, n: int) -> list[int]:
             want = min(round_up(n) if direct else n, len(view) - off)
-            chunk = view[off : off + want]
-            pread_exact(ops, fd, chunk, off, n, path)
-            return block_digests(chunk, off, n, early)
+            _read_chunk(ops, fd, cached, view[off : off + want], off, n, path)
+            return block_digests(view[off : off + want], off, n, early)
 
         digests = run_chunks(pool, size, chunk_bytes, read_chunk)
     finally:
+        if cached >= 0:
+            ops.close(cached)
         ops.close(fd)
     manifest = manifest_in(bytes(view[max(0, size - TAIL_BYTES) : size]), size, path) if covered is None else None
     want = covered if covered is not None else (manifest or {}).get("covered")

@@ -46,7 +46,7 @@ def gds_write(path: str, layout: FileLayout) -> None:
 def finish_gds_file(ops: FileOps, pool: Executor, tmp: str, layout: FileLayout, tail: Callable[[str], bytes],
                     chunk_bytes: int) -> WriteResult:
     """Checksum the GDS-written file by reading it back, append the manifest, fsync."""
-    res = read_file(ops, pool, tmp, layout.data_size, layout.covered_bytes, chunk_bytes=chunk_bytes)
+    res = read_file(ops, pool, tmp, chunk_bytes=chunk_bytes, covered=layout.covered_bytes)
     res.buffer.close()
     extra = tail(res.checksum)
     fd = ops.open(tmp, os.O_WRONLY)

@@ -16,6 +16,8 @@ import ctypes
 import errno
 import os
 
+_RWF_NOWAIT = getattr(os, "RWF_NOWAIT", 0)
+
 
 _LIBC = ctypes.CDLL(None, use_errno=True)
 _AT_FDCWD = -100
@@ -33,6 +35,23 @@ class FileOps:
 
     def preadv(self, fd: int, buf: memoryview, offset: int) -> int:
         return os.preadv(fd, [buf], offset)
+
+    def preadv_cached(self, fd: int, buf: memoryview, offset: int) -> int:
+        """Read only what the page cache holds now (``RWF_NOWAIT``): the bytes read, 0 when the
+        first page is not cached or the system cannot tell (the caller reads from the device)."""
+        try:
+            return os.preadv(fd, [buf], offset, _RWF_NOWAIT) if _RWF_NOWAIT else 0
+        except (BlockingIOError, InterruptedError):
+            return 0
+        except OSError as exc:
+            if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL):
+                return 0
+            raise
+
+    def reopen(self, fd: int, flags: int) -> int:
+        """The file open on ``fd`` opened again with ``flags`` (not through its path: a rename
+        over the path since does not matter). Raises OSError where /proc is not mounted."""
+        return os.open(f"/proc/self/fd/{fd}", flags)
 
     def fsync(self, fd: int) -> None:
         os.fsync(fd)

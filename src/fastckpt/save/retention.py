@@ -26,13 +26,14 @@ class Retention:
     """Args:
         keep_local, keep_persistent: the options of the same names.
         homes: resolves names to their targets.
-        local_path: where the burst-buffer copy of a name lives (None without local_dir).
+        local_copies: the burst-buffer copies of a name (several with striped ``local_dir``s: a
+            group's files may live on every drive).
     """
 
     def __init__(self, keep_local: int | None, keep_persistent: int | None, homes: Homes,
-                 local_path: Callable[[str], str | None]) -> None:
+                 local_copies: Callable[[str], list[str]]) -> None:
         self._keep_local, self._keep_persistent = keep_local, keep_persistent
-        self._homes, self._local_path = homes, local_path
+        self._homes, self._local_copies = homes, local_copies
         self._local: deque[str] = deque()
         self._persistent: deque[str] = deque()
         self._lock = threading.Lock()
@@ -57,8 +58,7 @@ class Retention:
         self._delete_persistent(path)
 
     def _delete_local(self, path: str) -> None:
-        local = self._local_path(path)
-        if local is not None:
+        for local in self._local_copies(path):
             delete_checkpoint(self._homes.resolve(local))
 
     def _delete_persistent(self, path: str) -> None:

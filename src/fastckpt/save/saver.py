@@ -19,7 +19,7 @@ from __future__ import annotations
 import threading
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future
 from dataclasses import replace
 
@@ -36,7 +36,9 @@ from ..storage.homes import Homes
 from ..urls import is_within
 from .replicator import ReplicaJob, Replicator
 from .retention import Retention
-from .staging import LazySnapshot, Progress, Snapshot, StagingBuffer, StagingPool, snapshot
+from .snapshot import LazySnapshot, Progress, Snapshot, cuda_marks, snapshot
+from .staging import StagingBuffer, StagingPool
+from .stripes import Reservation, Stripes
 from .tiers import TierChoice, TierSelector
 from .writer import FileWriter
 
@@ -45,14 +47,15 @@ class Saver:
     """The save path of one Checkpointer (its collaborators are the Checkpointer's own)."""
 
     def __init__(self, cfg: CheckpointerConfig, *, tiers: TierSelector, staging: StagingPool, monitor: Monitor,
-                 writer: FileWriter, writer_thread: Executor, snapshot_thread: Executor, inflight: InFlight,
+                 writer: FileWriter, writer_threads: Sequence[Executor], snapshot_thread: Executor, inflight: InFlight,
                  coordinator: Coordinator, replicator: Replicator, retention: Retention, homes: Homes,
-                 local_path: Callable[[str], str | None], emit: Callable[..., None]) -> None:
+                 stripes: Stripes, emit: Callable[..., None]) -> None:
         self._cfg, self._tiers, self._staging, self._monitor = cfg, tiers, staging, monitor
-        self._writer, self._write_thread, self._snap_thread = writer, writer_thread, snapshot_thread
+        self._writer, self._write_threads, self._snap_thread = writer, tuple(writer_threads), snapshot_thread
         self._inflight, self._coord, self._replicator, self._retention = inflight, coordinator, replicator, retention
-        self._homes, self._local_path, self._emit = homes, local_path, emit
+        self._homes, self._stripes, self._emit = homes, stripes, emit
         self._lock = threading.Lock()
+        self._planner = F.Planner()
         self._lazy: list[tuple[Future, float, float, int]] = []  # (copy, t_call, blocked, bytes)
 
     def save(self, state_dict: object, path: str, group: str | None, lazy: bool, rank: int, world: int) -> SaveHandle:
@@ -60,31 +63,47 @@ class Saver:
         t_call, w_call = time.monotonic(), time.time()
         if group is not None and not is_within(path, group):
             raise ConfigError(f"{path} is not inside its group directory {group}")
-        if self._cfg.local_dir is None and not self._homes.resolve(path).target.mounted:
+        if not self._cfg.local_dirs and not self._homes.resolve(path).target.mounted:
             raise ConfigError(f"{path} is a URL: saving there needs local_dir=<node-local directory>, the "
                               "burst buffer the upload is made from")
-        layout = F.plan(state_dict)
-        has_cuda = any(r.storage.device.type == "cuda" for r in layout.storages)
+        layout = self._planner.plan(state_dict)
+        spot = self._stripes.choose(path, layout.data_size)  # the burst-buffer drive, if any
         try:
-            choice = self._tiers.choose(path, has_cuda)
+            handle = self._save_planned(state_dict, layout, path, spot, group, lazy, rank, world, t_call, w_call)
+        except BaseException:
+            self._stripes.release(spot)
+            raise
+        if handle.done():  # skipped: nothing will be written
+            self._stripes.release(spot)
+        return handle
+
+    def _save_planned(self, state_dict: object, layout: F.FileLayout, path: str, spot: Reservation | None,
+                      group: str | None, lazy: bool, rank: int, world: int, t_call: float, w_call: float
+                      ) -> SaveHandle:
+        has_cuda = layout.cuda
+        try:
+            choice = self._tiers.choose(path, has_cuda, spot.root if spot else None)
         except OSError as exc:  # the probe could not write there: unwritable, not a directory...
             raise_as_write_error(exc, path)
+        if choice.tier == "gds" and layout.align != F.ALIGN:  # GDS writes each record: page-aligned
+            layout = self._planner.plan(state_dict, page_aligned=True)
         home = path
         if group is not None:
             self._coord.begin(group, rank, world)
             home = self._coord.home_path(group, path)  # beside a published group when re-saving it
-        dest = self._local_path(path) or home
+        dest = spot.local if spot else home
         base = SaveRecord(path, choice.tier, layout.data_size, 0.0, 0.0, 0.0, None, rank=rank, group=group)
         if choice.tier == "gds":
-            return self._save_gds(layout, base, dest, home, t_call, w_call)
+            return self._save_gds(layout, base, dest, home, t_call, w_call, spot)
         buf = self._staging.acquire(layout.data_size + TAIL_ROOM, owner=group or object(),
                                     pinned=has_cuda, wait=self._cfg.when_busy == "wait")
         if buf is None:
             return self._skipped(base, group, t_call)
         if self._cfg.overlap_write and not lazy and not has_cuda:
-            return self._save_overlapped(layout, buf, base, dest, home, t_call, w_call, choice)
-        if lazy:
-            snap: Snapshot | LazySnapshot = LazySnapshot(self._snap_thread.submit(snapshot, layout, buf), layout, buf)
+            return self._save_overlapped(layout, buf, base, dest, home, t_call, w_call, choice, spot)
+        if lazy:  # CUDA: the copy follows the work queued so far and runs beside what comes next
+            copy = self._snap_thread.submit(snapshot, layout, buf, after=cuda_marks(layout), hold_stream=False)
+            snap: Snapshot | LazySnapshot = LazySnapshot(copy, layout, buf)
         else:
             try:
                 snap = snapshot(layout, buf)
@@ -99,18 +118,18 @@ class Saver:
             self._monitor.record_blocked(t_call, blocked, layout.payload_bytes)
         self._emit("snapshot", path, layout.payload_bytes, w_call, choice.tier, detail="lazy" if lazy else None)
         base = replace(base, blocked_s=blocked)
-        fut = self._write_thread.submit(self._written, self._writer.write, snap, base, dest, t_call, choice.odirect)
-        return self._track(fut, base, dest, home, t_call)
+        fut = self._submit(spot, self._writer.write, snap, base, dest, t_call, choice.odirect)
+        return self._track(fut, base, dest, home, t_call, spot)
 
-    def _save_gds(self, layout: F.FileLayout, base: SaveRecord, dest: str, home: str, t_call: float,
-                  w_call: float) -> SaveHandle:
+    def _save_gds(self, layout: F.FileLayout, base: SaveRecord, dest: str, home: str, t_call: float, w_call: float,
+                  spot: Reservation | None) -> SaveHandle:
         st = self._writer.gds_write(layout, dest)
         blocked = time.monotonic() - t_call
         self._monitor.record_blocked(t_call, blocked, layout.payload_bytes)
         self._emit("snapshot", base.path, layout.payload_bytes, w_call, base.tier, detail="gds write")
         base = replace(base, blocked_s=blocked)
-        fut = self._write_thread.submit(self._written, self._writer.gds_finish, st, layout, base, t_call)
-        return self._track(fut, base, dest, home, t_call)
+        fut = self._submit(spot, self._writer.gds_finish, st, layout, base, t_call)
+        return self._track(fut, base, dest, home, t_call, spot)
 
     def _skipped(self, base: SaveRecord, group: str | None, t_call: float) -> SaveHandle:
         self._monitor.record_skipped()
@@ -121,12 +140,12 @@ class Saver:
         return SaveHandle.finished(replace(base, bytes=0, blocked_s=time.monotonic() - t_call, skipped=True))
 
     def _save_overlapped(self, layout: F.FileLayout, buf: StagingBuffer, base: SaveRecord, dest: str, home: str,
-                         t_call: float, w_call: float, choice: TierChoice) -> SaveHandle:
+                         t_call: float, w_call: float, choice: TierChoice, spot: Reservation | None) -> SaveHandle:
         """CPU state: the writer starts at once and follows the copy into the staging buffer,
         so the file is durable about one write time after the call, not copy + write."""
         progress = Progress()
-        fut = self._write_thread.submit(self._written, self._writer.write, Snapshot(buf, layout, None, progress),
-                                        base, dest, t_call, choice.odirect)
+        fut = self._submit(spot, self._writer.write, Snapshot(buf, layout, None, progress), base, dest, t_call,
+                           choice.odirect)
         try:
             snapshot(layout, buf, progress)
         except BaseException as exc:
@@ -138,7 +157,13 @@ class Saver:
         progress.finish(blocked_s=blocked)
         self._monitor.record_blocked(t_call, blocked, layout.payload_bytes)
         self._emit("snapshot", base.path, layout.payload_bytes, w_call, choice.tier)
-        return self._track(fut, replace(base, blocked_s=blocked), dest, home, t_call)
+        return self._track(fut, replace(base, blocked_s=blocked), dest, home, t_call, spot)
+
+    def _submit(self, spot: Reservation | None, write: Callable[..., SaveRecord], *args: object) -> Future:
+        """Run ``write`` on the writer thread of the save's burst-buffer directory (one per
+        directory: the drives write at once; files of one directory, and so every save of one
+        path, are written in order)."""
+        return self._write_threads[spot.index if spot else 0].submit(self._written, write, *args)
 
     def _written(self, write: Callable[..., SaveRecord], *args: object) -> SaveRecord:
         """The writer thread's job: write; a file written to its own path is durable and
@@ -151,10 +176,12 @@ class Saver:
             publish_file(self._homes.resolve(rec.path), {"written_at": time.time()})
         return self._retain(rec)
 
-    def _track(self, fut: Future, base: SaveRecord, dest: str, home: str, t_call: float) -> SaveHandle:
+    def _track(self, fut: Future, base: SaveRecord, dest: str, home: str, t_call: float, spot: Reservation | None
+               ) -> SaveHandle:
         """Replication (to ``home``) follows a write to the burst buffer; track the save; join
         its group."""
         if dest != home:
+            fut.add_done_callback(lambda _: self._stripes.release(spot))
             fut = self._then_replicate(fut, dest, home, t_call)
         handle = self._inflight.track(fut, base.path, base.group)
         if base.group is not None:
@@ -183,7 +210,7 @@ class Saver:
     def _retain(self, rec: SaveRecord) -> SaveRecord:
         """A single-file checkpoint is verified at its home: apply keep_local/keep_persistent."""
         if rec.group is None and not rec.superseded and not rec.skipped:
-            self._retention.durable(rec.path, self._cfg.local_dir is not None, owns_persistent=True)
+            self._retention.durable(rec.path, bool(self._cfg.local_dirs), owns_persistent=True)
         return rec
 
     def fence(self) -> float:
@@ -193,7 +220,8 @@ class Saver:
             lazy, self._lazy = self._lazy, []
         t0 = time.monotonic()
         for fut, _, _, _ in lazy:
-            fut.exception()  # only waits: the write stage re-raises a failed copy
+            if fut.exception() is None:  # a failed copy: the write stage re-raises it
+                fut.result().order_before()  # CUDA: the next kernels wait for the copy on the GPU
         waited = time.monotonic() - t0
         for i, (_, t_call, blocked, nbytes) in enumerate(lazy):
             self._monitor.record_blocked(t_call, blocked + (waited if i == 0 else 0.0), nbytes)

@@ -1,7 +1,8 @@
 """Reusable staging buffers: the snapshot's destination, laid out exactly like the file.
 
-One buffer holds one file image (metadata and storages at their file offsets), so the
-background writer sends it to disk in large aligned chunks with no further copy. Buffers are
+One buffer holds one file image (metadata and storages at their file offsets, copied there by
+``save.snapshot``), so the background writer sends it to disk in large aligned chunks with no
+further copy. Buffers are
 reused across saves: in steady state the pool holds one copy of the state per staging buffer
 (``staging_buffers``, 1 by default), plus a little headroom (``capacity_for``). CPU buffers are
 page-aligned anonymous memory; buffers for CUDA states are pinned host memory, filled by
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..format.layout import ALIGN, FileLayout
+from ..format.layout import ALIGN
 from ..io.engine import alloc_aligned
 
 log = logging.getLogger("fastckpt")
@@ -197,119 +198,3 @@ class StagingPool:
             idle = [b for b in self._buffers if b.owner is None]
             self._buffers = [b for b in self._buffers if b.owner is not None]
         idle.clear()
-
-
-@dataclass
-class Snapshot:
-    """A filled staging buffer; ``ready`` is set once device copies have landed."""
-
-    buffer: StagingBuffer
-    layout: FileLayout
-    cuda_event: object = None
-    progress: Progress | None = None
-
-    def wait_ready(self) -> None:
-        if self.cuda_event is not None:
-            self.cuda_event.synchronize()
-
-
-class Progress:
-    """How far a CPU snapshot has filled its buffer, so the writer can start behind it.
-
-    The training thread calls ``advance`` after each storage (storages lie in increasing
-    offset order, and the metadata between them is copied first) and ``finish`` at the end,
-    with the exception if the copy failed (or the time the caller was blocked); writer threads
-    call ``wait_for(end)``.
-    """
-
-    def __init__(self) -> None:
-        self._cv = threading.Condition()
-        self._upto = 0
-        self._done = False
-        self._error: BaseException | None = None
-        self.blocked_s = 0.0  # how long the caller was blocked: set by ``finish``
-
-    def advance(self, upto: int) -> None:
-        with self._cv:
-            self._upto = upto
-            self._cv.notify_all()
-
-    def finish(self, error: BaseException | None = None, blocked_s: float = 0.0) -> None:
-        with self._cv:
-            self._done, self._error, self.blocked_s = True, error, blocked_s
-            self._cv.notify_all()
-
-    def wait_done(self) -> None:
-        with self._cv:
-            while not self._done:
-                self._cv.wait()
-
-    def wait_for(self, end: int) -> None:
-        with self._cv:
-            while not self._done and self._upto < end:
-                self._cv.wait()
-            if self._error is not None:
-                raise self._error
-
-
-def snapshot(layout: FileLayout, buf: StagingBuffer, progress: Progress | None = None) -> Snapshot:
-    """Copy the metadata and every storage into ``buf`` at their file offsets.
-
-    CPU storages are copied before this returns. CUDA storages are copied on a side stream;
-    the caller's current stream is made to wait for that copy, so later kernels cannot change
-    the bytes being saved, while the CPU returns at once.
-    """
-    view, dst = buf.view, buf.tensor
-    for off, data in layout.segments:
-        view[off : off + len(data)] = data
-    storages = layout.storages
-    if progress is not None:
-        progress.advance(storages[0].offset if storages else layout.data_size)
-    streams: dict[torch.device, object] = {}
-    for rec in layout.storages:
-        if rec.nbytes == 0:
-            continue
-        st = rec.storage
-        src = torch.empty(0, dtype=torch.uint8, device=st.device).set_(st)
-        target = dst[rec.offset : rec.offset + rec.nbytes]
-        if st.device.type == "cuda":
-            stream = streams.get(st.device)
-            if stream is None:
-                stream = torch.cuda.Stream(st.device)
-                stream.wait_stream(torch.cuda.current_stream(st.device))
-                streams[st.device] = stream
-            with torch.cuda.stream(stream):
-                target.copy_(src, non_blocking=True)
-            src.record_stream(stream)
-        else:
-            target.copy_(src)
-            if progress is not None:
-                progress.advance(rec.offset + rec.nbytes)
-    event = None
-    for device, stream in streams.items():
-        event = torch.cuda.Event()
-        event.record(stream)
-        torch.cuda.current_stream(device).wait_event(event)
-    if len(streams) > 1:  # one event per stream is needed only to order the writer
-        torch.cuda.synchronize()
-        event = None
-    if progress is not None:
-        progress.advance(layout.data_size)  # the caller calls finish() with its blocked time
-    return Snapshot(buf, layout, event, progress)
-
-
-@dataclass
-class LazySnapshot:
-    """A snapshot still being copied on the snapshot thread (``Checkpointer.save(lazy=True)``).
-
-    Quacks like ``Snapshot`` for the writer: ``wait_ready`` waits for the copy (re-raising its
-    failure) and then for its device copies; ``buffer`` is released by the writer either way.
-    """
-
-    future: Future
-    layout: FileLayout
-    buffer: StagingBuffer
-    progress: None = None  # the writer never runs behind a lazy copy: it waits for it whole
-
-    def wait_ready(self) -> None:
-        self.future.result().wait_ready()

@@ -15,6 +15,7 @@ import logging
 import mmap
 import os
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ..errors import TierUnavailableError
@@ -119,22 +120,24 @@ class TierSelector:
 
     Args:
         requested: the ``tier`` option (validated by ``CheckpointerConfig``).
-        local_dir: the burst buffer, or None.
+        local_dir: the burst buffer (one directory, or several striped), or None.
         odirect: the ``odirect`` option.
         ops: the FileOps the probes write through.
     """
 
-    def __init__(self, requested: str, local_dir: str | None, odirect: bool, ops: FileOps | None = None) -> None:
+    def __init__(self, requested: str, local_dir: str | Sequence[str] | None, odirect: bool,
+                 ops: FileOps | None = None) -> None:
         self.requested = requested
-        self.local_dir = local_dir
+        self.local_dir = (local_dir if isinstance(local_dir, str) else local_dir[0]) if local_dir else None
         self.odirect = odirect
         self.ops = ops or FileOps()
         self._cache: dict[tuple[str, bool], TierChoice] = {}
         self._lock = threading.Lock()
 
-    def choose(self, path: str, has_cuda: bool) -> TierChoice:
-        """The tier for a save to ``path`` (a URL only with local_dir: the config checks that)."""
-        dest_dir = os.path.dirname(path) if self.local_dir is None else self.local_dir
+    def choose(self, path: str, has_cuda: bool, local_dir: str | None = None) -> TierChoice:
+        """The tier for a save to ``path`` (a URL only with local_dir: the config checks that);
+        ``local_dir``: the burst-buffer directory this save writes to, when there are several."""
+        dest_dir = os.path.dirname(path) if self.local_dir is None else (local_dir or self.local_dir)
         key = (dest_dir, has_cuda)
         with self._lock:
             if key not in self._cache:
@@ -144,7 +147,7 @@ class TierSelector:
 
     def _decide(self, dest_dir: str, has_cuda: bool) -> TierChoice:
         reasons: dict[str, str] = {}
-        write_dir = self.local_dir or dest_dir
+        write_dir = dest_dir
         if self.requested in ("auto", "gds"):
             why = gds_unavailable_reason(has_cuda) or gds_probe_write(write_dir, self.ops)
             if why is None:

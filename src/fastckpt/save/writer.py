@@ -27,7 +27,8 @@ from ..io.ops import FileOps
 from ..records import SaveRecord
 from ..urls import is_within, normalize
 from ..version import __version__
-from .staging import Snapshot, StagingPool
+from .snapshot import Snapshot
+from .staging import StagingPool
 
 log = logging.getLogger("fastckpt")
 
@@ -50,14 +51,17 @@ class FileWriter:
         staging: the pool each snapshot's buffer goes back to once written.
         chunk_bytes: bytes per parallel write.
         emit: the Checkpointer's event emitter.
-        local_dir: the burst buffer: a file written there is a local copy, still to be replicated
-            (any other file is at its home, durable once renamed).
+        on_written: called with (file, bytes, seconds) after each file is written and fsynced
+            (the burst buffer's per-directory bandwidth, ``save.stripes``).
+        local_dirs: the burst-buffer directories: a file written in one is a local copy, still
+            to be replicated (any other file is at its home, durable once renamed).
     """
 
     def __init__(self, ops: FileOps, io_pool: Executor, staging: StagingPool, chunk_bytes: int,
-                 emit: Callable[..., None], local_dir: str | None = None) -> None:
+                 emit: Callable[..., None], on_written: Callable[[str, int, float], None] | None = None,
+                 local_dirs: Sequence[str] = ()) -> None:
         self._ops, self._io, self._staging, self._chunk = ops, io_pool, staging, chunk_bytes
-        self._emit, self._local_dir = emit, local_dir
+        self._emit, self._on_written, self._local_dirs = emit, on_written, tuple(local_dirs)
 
     def write(self, snap: Snapshot, base: SaveRecord, dest: str, t_call: float, odirect: bool) -> SaveRecord:
         """Write the snapshot to ``dest`` (temp, fsync, rename, dir fsync); release its buffer.
@@ -81,10 +85,12 @@ class FileWriter:
             layout = snap.layout
             self._ops.makedirs(os.path.dirname(dest))
             sweep_once(self._ops, os.path.dirname(dest))  # what killed writers left there
+            t0 = time.monotonic()
             res = write_file(self._ops, self._io, st.tmp, snap.buffer.view, layout.covered_bytes,
                              lambda digest, blocks: tail_bytes(manifest_of(base_now(), layout, digest, blocks)),
                              chunk_bytes=self._chunk, odirect=odirect,
-                             ready=progress.wait_for if progress is not None else None)
+                             ready=progress.wait_for if progress is not None else None,
+                             copying=progress.copying if progress is not None else None)
         except BaseException as exc:
             st.discard()
             self._emit("write", base.path, base.bytes, w0, base.tier, exc)
@@ -94,6 +100,8 @@ class FileWriter:
                 progress.wait_done()  # never hand the buffer back while the copy still fills it
             self._staging.release(snap.buffer)
         write_s = time.monotonic() - t_call
+        if self._on_written is not None:
+            self._on_written(dest, res.bytes, time.monotonic() - t0)
         self._emit("write", dest, res.bytes, w0, base.tier,
                    detail=None if res.odirect else f"buffered: {res.odirect_reason}")
         return self._publish(base_now(), st, res, t_call, write_s)
@@ -107,7 +115,7 @@ class FileWriter:
             raise_as_write_error(exc, base.path, st.renamed)
         commit_s = time.monotonic() - t_call
         self._emit("commit", st.dest, res.bytes, c0, base.tier)
-        local = self._local_dir is not None and is_within(normalize(st.dest), self._local_dir)
+        local = any(is_within(normalize(st.dest), d) for d in self._local_dirs)
         return replace(base, bytes=res.bytes, write_s=write_s, commit_s=commit_s,
                        durable_s=None if local else commit_s, local_durable_s=commit_s if local else None,
                        checksum=res.checksum, odirect=res.odirect, odirect_reason=res.odirect_reason)

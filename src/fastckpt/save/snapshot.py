@@ -1,0 +1,183 @@
+"""Snapshots: the state's bytes copied into a staging buffer at their file offsets.
+
+``snapshot`` runs on the training thread (eager and overlapped saves) or the snapshot thread
+(lazy saves); ``Progress`` tells a writer that follows an overlapped copy how far it got;
+``Snapshot`` and ``LazySnapshot`` are what the writer receives (``save.writer``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import torch
+
+from ..format.layout import FileLayout
+from .staging import StagingBuffer
+
+
+@dataclass
+class Snapshot:
+    """A filled staging buffer; ``ready`` is set once device copies have landed."""
+
+    buffer: StagingBuffer
+    layout: FileLayout
+    cuda_event: object = None
+    progress: Progress | None = None
+    cuda_device: object = None  # the device whose side stream ``cuda_event`` was recorded on
+
+    def order_before(self) -> None:
+        """Make the caller's current CUDA stream wait (on the GPU, not the CPU) until the device
+        copies have landed: later kernels, the optimizer step's, cannot change what is saved."""
+        if self.cuda_event is not None:
+            torch.cuda.current_stream(self.cuda_device).wait_event(self.cuda_event)
+
+    def wait_ready(self) -> None:
+        if self.cuda_event is not None:
+            self.cuda_event.synchronize()
+
+
+class Progress:
+    """How far a CPU snapshot has filled its buffer, so the writer can start behind it.
+
+    The training thread calls ``advance`` after each storage (storages lie in increasing
+    offset order, and the metadata between them is copied first) and ``finish`` at the end,
+    with the exception if the copy failed (or the time the caller was blocked); writer threads
+    call ``wait_for(end)``.
+    """
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._upto = 0
+        self._done = False
+        self._error: BaseException | None = None
+        self.blocked_s = 0.0  # how long the caller was blocked: set by ``finish``
+
+    def advance(self, upto: int) -> None:
+        with self._cv:
+            self._upto = upto
+            self._cv.notify_all()
+
+    def finish(self, error: BaseException | None = None, blocked_s: float = 0.0) -> None:
+        with self._cv:
+            self._done, self._error, self.blocked_s = True, error, blocked_s
+            self._cv.notify_all()
+
+    def copying(self) -> bool:
+        """True until ``finish`` (the writer's hashing waits for the copy to end)."""
+        return not self._done
+
+    def wait_done(self) -> None:
+        with self._cv:
+            while not self._done:
+                self._cv.wait()
+
+    def wait_for(self, end: int) -> None:
+        with self._cv:
+            while not self._done and self._upto < end:
+                self._cv.wait()
+            if self._error is not None:
+                raise self._error
+
+
+#: Storages smaller than this are copied with one ``memmove`` each (no tensor objects: about
+#: 0.3 us instead of 10 us per storage, which decides the stall for states of many small tensors).
+SMALL_COPY_BYTES = 1 << 20
+#: How far a copy runs ahead before it tells a writer that follows it (``Progress``).
+ADVANCE_BYTES = 8 << 20
+# Holds the GIL: 100,000 tiny copies releasing it would hand it to other threads each time.
+_memmove = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)(
+    ctypes._memmove_addr)  # type: ignore[attr-defined]
+
+
+def cuda_marks(layout: FileLayout) -> dict[torch.device, object] | None:
+    """An event on each of the state's devices' current streams, recorded now (the training
+    thread, at the call): a lazy snapshot's copies start after it, not after later kernels."""
+    if not layout.cuda:
+        return None
+    marks = {}
+    for rec in layout.storages:
+        if rec.storage.is_cuda and rec.storage.device not in marks:
+            marks[rec.storage.device] = torch.cuda.Event()
+            marks[rec.storage.device].record(torch.cuda.current_stream(rec.storage.device))
+    return marks
+
+
+def snapshot(layout: FileLayout, buf: StagingBuffer, progress: Progress | None = None, *,
+             after: dict[torch.device, object] | None = None, hold_stream: bool = True) -> Snapshot:
+    """Copy the metadata and every storage into ``buf`` at their file offsets.
+
+    CPU storages are copied before this returns (small ones by ``memmove``, large ones by
+    torch, which copies with its intra-op threads). CUDA storages are copied on a side stream,
+    after the work on the current stream so far (or after the events in ``after``:
+    ``cuda_marks``); with ``hold_stream`` the current stream is made to wait for that copy, so
+    later kernels cannot change the bytes being saved, while the CPU returns at once. Without
+    it (a lazy snapshot, on the snapshot thread) forward and backward kernels run beside the
+    copy, and ``Snapshot.order_before`` (``fence()``) orders the optimizer step after it.
+    """
+    view, dst = buf.view, buf.tensor
+    for off, data in layout.segments:
+        view[off : off + len(data)] = data
+    storages = layout.storages
+    told = storages[0].offset if storages else layout.data_size
+    if progress is not None:
+        progress.advance(told)
+    streams: dict[torch.device, object] = {}
+    base = dst.data_ptr()
+    for rec in storages:
+        n = rec.nbytes
+        if n == 0:
+            continue
+        st = rec.storage
+        if layout.cuda and st.is_cuda:
+            stream = streams.get(st.device)
+            if stream is None:
+                stream = torch.cuda.Stream(st.device)
+                if after is not None and st.device in after:
+                    stream.wait_event(after[st.device])
+                else:
+                    stream.wait_stream(torch.cuda.current_stream(st.device))
+                streams[st.device] = stream
+            src = torch.empty(0, dtype=torch.uint8, device=st.device).set_(st)
+            with torch.cuda.stream(stream):
+                dst[rec.offset : rec.offset + n].copy_(src, non_blocking=True)
+            src.record_stream(stream)
+            continue
+        if n < SMALL_COPY_BYTES:
+            _memmove(base + rec.offset, st.data_ptr(), n)
+        else:
+            dst[rec.offset : rec.offset + n].copy_(torch.empty(0, dtype=torch.uint8).set_(st))
+        if progress is not None and rec.offset + n - told >= ADVANCE_BYTES:
+            told = rec.offset + n
+            progress.advance(told)
+    event = device = None
+    for device, stream in streams.items():
+        event = torch.cuda.Event()
+        event.record(stream)
+        if hold_stream:
+            torch.cuda.current_stream(device).wait_event(event)
+    if len(streams) > 1:  # one event per stream is needed only to order the writer
+        torch.cuda.synchronize()
+        event = device = None
+    if progress is not None:
+        progress.advance(layout.data_size)  # the caller calls finish() with its blocked time
+    return Snapshot(buf, layout, event, progress, device)
+
+
+@dataclass
+class LazySnapshot:
+    """A snapshot still being copied on the snapshot thread (``Checkpointer.save(lazy=True)``).
+
+    Quacks like ``Snapshot`` for the writer: ``wait_ready`` waits for the copy (re-raising its
+    failure) and then for its device copies; ``buffer`` is released by the writer either way.
+    """
+
+    future: Future
+    layout: FileLayout
+    buffer: StagingBuffer
+    progress: None = None  # the writer never runs behind a lazy copy: it waits for it whole
+
+    def wait_ready(self) -> None:
+        self.future.result().wait_ready()

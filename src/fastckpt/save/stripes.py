@@ -1,0 +1,130 @@
+"""The burst buffer's directories: one, or several striped (``local_dir=[...]``, one per drive).
+
+A new file goes to the directory with the fewest bytes queued (reserved by saves whose local
+write has not finished), so the files of a group (per-rank shards, model and optimizer files)
+spread across the drives by size, and a single large file goes to the least busy drive. Ties
+go round-robin, starting at this process's rank, so that ranks sharing a node start on
+different drives without talking to each other. A file saved again to the same path stays on
+the drive that holds it (so there is never a stale copy elsewhere); reads find each file
+wherever it lives. Each directory has its own writer thread (``Saver``), so the drives write
+at once. Each directory's written bytes and write time give its bandwidth
+(``Checkpointer.stats().local_dirs``).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass
+
+from ..urls import mirror_path
+
+
+@dataclass(frozen=True)
+class DirStats:
+    """One burst-buffer directory, as ``stats()`` reports it.
+
+    Attributes:
+        path: the directory.
+        files: files written there (completed local writes, failed ones included).
+        bytes: bytes written there.
+        write_s: seconds spent writing them (write, fsync; summed over files).
+        queued_bytes: bytes of saves whose local write there is still in progress.
+    """
+
+    path: str
+    files: int
+    bytes: int
+    write_s: float
+    queued_bytes: int
+
+    @property
+    def bandwidth_Bps(self) -> float | None:
+        """Mean write bandwidth of its files (None before the first)."""
+        return self.bytes / self.write_s if self.write_s > 0 else None
+
+
+@dataclass(frozen=True, eq=False)
+class Reservation:
+    """A save's place in the burst buffer: ``local`` under ``root`` (directory number
+    ``index``), holding ``nbytes`` queued."""
+
+    root: str
+    local: str
+    nbytes: int
+    index: int
+
+
+class Stripes:
+    """Chooses and finds burst-buffer copies (thread-safe).
+
+    Order of calls for one save (``Saver``): ``choose`` on the training thread reserves the
+    bytes; ``record`` (the writer thread, when the local write ends) counts the bandwidth;
+    ``release`` (once the local write is done, or the save failed before it) frees the queue.
+
+    Args:
+        dirs: the ``local_dir`` directories (empty: no burst buffer).
+        rank: where round-robin starts (ranks on one node start on different drives).
+    """
+
+    def __init__(self, dirs: tuple[str, ...], rank: int = 0) -> None:
+        self.dirs = tuple(os.path.abspath(d) for d in dirs)
+        self._lock = threading.Lock()
+        self._queued = [0] * len(self.dirs)
+        self._files = [0] * len(self.dirs)
+        self._bytes = [0] * len(self.dirs)
+        self._write_s = [0.0] * len(self.dirs)
+        self._live: set[int] = set()  # ids of reservations not released yet
+        self._next = rank % len(self.dirs) if self.dirs else 0
+
+    def copies(self, path: str) -> list[str]:
+        """The burst-buffer copies of ``path`` that exist (at most one, but look everywhere)."""
+        return [p for p in (mirror_path(d, path) for d in self.dirs) if os.path.lexists(p)]
+
+    def local_path(self, path: str) -> str | None:
+        """Where the copy of ``path`` lives: the existing one, else the first directory's place."""
+        if not self.dirs:
+            return None
+        found = self.copies(path)
+        return found[0] if found else mirror_path(self.dirs[0], path)
+
+    def choose(self, path: str, nbytes: int) -> Reservation | None:
+        """Where a new save of ``path`` (``nbytes``) writes; None without a burst buffer."""
+        if not self.dirs:
+            return None
+        found = [i for i, d in enumerate(self.dirs) if os.path.lexists(mirror_path(d, path))]
+        with self._lock:
+            if found:
+                i = found[0]
+            else:
+                order = [(self._next + k) % len(self.dirs) for k in range(len(self.dirs))]
+                i = min(order, key=lambda j: self._queued[j])
+                self._next = (i + 1) % len(self.dirs)
+            self._queued[i] += nbytes
+            res = Reservation(self.dirs[i], mirror_path(self.dirs[i], path), nbytes, i)
+            self._live.add(id(res))
+        return res
+
+    def release(self, res: Reservation | None) -> None:
+        """Free ``res``'s queued bytes (again: nothing happens)."""
+        if res is None:
+            return
+        with self._lock:
+            if id(res) in self._live:
+                self._live.discard(id(res))
+                self._queued[res.index] -= res.nbytes
+
+    def record(self, local: str, nbytes: int, seconds: float) -> None:
+        """A local write to ``local`` ended: ``nbytes`` in ``seconds`` (for the bandwidth)."""
+        for i, d in enumerate(self.dirs):
+            if local.startswith(d.rstrip(os.sep) + os.sep):
+                with self._lock:
+                    self._files[i] += 1
+                    self._bytes[i] += nbytes
+                    self._write_s[i] += seconds
+                return
+
+    def stats(self) -> tuple[DirStats, ...]:
+        with self._lock:
+            return tuple(DirStats(d, self._files[i], self._bytes[i], self._write_s[i], self._queued[i])
+                         for i, d in enumerate(self.dirs))

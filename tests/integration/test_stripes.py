@@ -1,0 +1,132 @@
+"""Striped burst buffer: ``local_dir=[dir_a, dir_b]`` (one per drive). Files spread across the
+directories by the bytes queued on each, a file saved while one drive is busy goes to the
+other, each file is restored from wherever it lives, retention removes copies on every drive,
+and ``stats()`` and ``fastckpt doctor`` report each directory's bandwidth. Real files; the busy
+drive is a write held at a gate (``FaultyOps.gate``), never a sleep."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import fastckpt
+from fastckpt.doctor import DoctorOptions, diagnose
+from fastckpt.errors import ConfigError
+from fastckpt.save.stripes import Stripes
+from fastckpt.testing import FaultyOps
+
+MiB = 1 << 20
+
+
+def _state(nbytes: int, seed: int) -> dict:
+    return {"w": torch.full((nbytes // 4,), float(seed)), "seed": seed}
+
+
+def _where(ck: fastckpt.Checkpointer, path: str, dirs: list[str]) -> int:
+    local = ck.local_path(path)
+    assert local is not None and os.path.exists(local)
+    return next(i for i, d in enumerate(dirs) if local.startswith(d + os.sep))
+
+
+@pytest.fixture
+def dirs(tmp_path) -> list[str]:  # noqa: ANN001
+    return [str(tmp_path / "nvme0"), str(tmp_path / "nvme1")]
+
+
+def test_a_busy_drive_gets_no_new_file(tmp_path, dirs) -> None:
+    ops = FaultyOps()
+    home = tmp_path / "home"
+    with fastckpt.Checkpointer(local_dir=dirs, ops=ops, staging_buffers=2, rank=0, world_size=1) as ck:
+        gate = ops.gate("fsync", path_contains=dirs[0])  # the first drive's first file stays in flight
+        big = ck.save(_state(8 * MiB, 1), str(home / "big.pt"))
+        assert gate.wait_entered()
+        small = [ck.save(_state(MiB, 2 + i), str(home / f"small{i}.pt")) for i in range(2)]
+        for h in small:
+            h.wait()
+        # round-robin alone would have sent small1 to the first drive: its queue decided
+        assert [_where(ck, str(home / f"small{i}.pt"), dirs) for i in range(2)] == [1, 1]
+        queued = {s.path: s.queued_bytes for s in ck.stats().local_dirs}
+        assert queued[dirs[0]] >= 8 * MiB and queued[dirs[1]] == 0
+        gate.open()
+        big.wait()
+        assert _where(ck, str(home / "big.pt"), dirs) == 0
+        st = {s.path: s for s in ck.stats().local_dirs}
+        assert st[dirs[0]].files == 1 and st[dirs[1]].files == 2
+        assert st[dirs[0]].bytes > 8 * MiB and st[dirs[0]].bandwidth_Bps > 0 and st[dirs[1]].bandwidth_Bps > 0
+        assert all(s.queued_bytes == 0 for s in st.values())
+        for name, seed in (("big.pt", 1), ("small0.pt", 2), ("small1.pt", 3)):
+            out = ck.load(str(home / name))
+            assert out["seed"] == seed and ck.stats().last_restore_from == "local"
+
+
+def test_group_files_spread_and_load_from_where_they_live(tmp_path, dirs) -> None:
+    group = tmp_path / "home" / "step-1"
+    files = [f"shard{i}.pt" for i in range(4)]
+    with fastckpt.Checkpointer(local_dir=dirs, rank=0, world_size=1, staging_buffers=1) as ck:
+        handles = [ck.save(_state(2 * MiB, i), str(group / f), group=str(group)) for i, f in enumerate(files)]
+        ck.commit(str(group), step=1).wait()
+        for h in handles:
+            h.wait()
+        used = {_where(ck, str(group / f), dirs) for f in files}
+        assert used == {0, 1}
+        for d in dirs:  # each drive's copy of the group is published (issue #9 item 11)
+            local_group = os.path.join(d, str(group).lstrip(os.sep))
+            assert os.path.exists(os.path.join(local_group, "fastckpt-manifest.json"))
+        for i, f in enumerate(files):
+            assert ck.load(str(group / f))["seed"] == i
+            assert ck.stats().last_restore_from == "local"  # not a fallback to the durable copy
+        ck.save(_state(2 * MiB, 9), str(group / files[0]), group=str(group))  # a new attempt
+        for d in dirs:  # withdraws every drive's manifest until it commits
+            assert not os.path.exists(os.path.join(d, str(group).lstrip(os.sep), "fastckpt-manifest.json"))
+        ck.commit(str(group), step=2).wait()
+        assert ck.load(str(group / files[0]))["seed"] == 9 and ck.stats().last_restore_from == "local"
+    assert fastckpt.latest(str(tmp_path / "home")) == str(group)
+
+
+def test_same_path_stays_on_its_drive_and_retention_cleans_every_drive(tmp_path, dirs) -> None:
+    home = tmp_path / "home"
+    with fastckpt.Checkpointer(local_dir=dirs, keep_local=1, rank=0, world_size=1) as ck:
+        ck.save(_state(MiB, 0), str(home / "last.pt")).wait()
+        first = _where(ck, str(home / "last.pt"), dirs)
+        ck.save(_state(MiB, 1), str(home / "last.pt")).wait()
+        assert _where(ck, str(home / "last.pt"), dirs) == first  # no stale copy on the other drive
+        for i in range(3):
+            ck.save(_state(MiB, i), str(home / f"c{i}.pt")).wait()
+        kept = [p for d in dirs for _, _, fs in os.walk(d) for p in fs if p.endswith(".pt")]
+        assert kept == ["c2.pt"]
+        assert ck.load(str(home / "c2.pt"))["seed"] == 2
+
+
+def test_ranks_start_on_different_drives(dirs) -> None:
+    a, b = Stripes(tuple(dirs), rank=0), Stripes(tuple(dirs), rank=1)
+    assert a.choose("/x/r0.pt", 10).root != b.choose("/x/r1.pt", 10).root
+
+
+@pytest.mark.parametrize("bad", [[], ["/a", "/a/"], ["s3://b/x"], ["/a", 3]])
+def test_bad_local_dirs_are_refused(bad) -> None:  # noqa: ANN001
+    with pytest.raises(ConfigError, match="local_dir"):
+        fastckpt.Checkpointer(local_dir=bad)
+
+
+def test_doctor_measures_each_drive(tmp_path, dirs) -> None:
+    dx = diagnose(DoctorOptions(local_dir=tuple(dirs), target=str(tmp_path / "home"), probe_bytes=8 * MiB,
+                                progress="off"))
+    bw = {f.check: f for f in dx.findings if f.check.endswith(".bandwidth")}
+    assert set(bw) == {"local_dir[0].bandwidth", "local_dir[1].bandwidth"}
+    assert dx.auto["cpu"] == "nvme"
+
+
+def test_doctor_cli_takes_local_dir_twice(tmp_path) -> None:
+    import json
+    import subprocess
+    import sys
+
+    res = subprocess.run([sys.executable, "-m", "fastckpt.cli", "doctor", "--local-dir", str(tmp_path / "a"),
+                          "--local-dir", str(tmp_path / "b"), "--target", str(tmp_path / "home"), "--probe-size",
+                          "8MiB", "--json"], capture_output=True, text=True)
+    out = json.loads(res.stdout)
+    checks = {f["check"] for f in out["findings"]}
+    assert {"local_dir[0].bandwidth", "local_dir[1].bandwidth", "local_dir[0].writable"} <= checks
+    assert out["auto"]["cpu"] == "nvme"

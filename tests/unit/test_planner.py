@@ -1,0 +1,83 @@
+"""format.layout.Planner: a state whose structure and values were planned before reuses that
+layout (the metadata pass leaves the save's hot path); any difference torch.save's metadata
+would show plans afresh."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+
+import fastckpt
+from fastckpt.format import layout as F
+
+
+def _state(step: object = 7, lr: float = 0.1) -> dict:
+    w = torch.randn(64, 32)
+    return {"model": collections.OrderedDict(w=w, b=torch.zeros(32), view=w[1:]),
+            "optim": {"state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.zeros(64, 32)}},
+                      "param_groups": [{"lr": lr, "betas": (0.9, 0.999), "params": [0]}]},
+            "step": step, "name": "run", "dtype": torch.bfloat16, "size": torch.Size([2, 3]), "none": None}
+
+
+def _same_layout(a: F.FileLayout, b: F.FileLayout) -> bool:
+    return (a.segments, a.data_size, a.align, [(r.key, r.offset, r.nbytes) for r in a.storages]) == \
+        (b.segments, b.data_size, b.align, [(r.key, r.offset, r.nbytes) for r in b.storages])
+
+
+def test_same_structure_reuses_the_layout_bound_to_the_new_storages() -> None:
+    planner = F.Planner()
+    first = planner.plan(_state())
+    again = _state()  # equal structure and values, new tensors
+    reused = planner.plan(again)
+    assert planner.hits == 1
+    assert _same_layout(reused, F.plan(again))
+    assert _same_layout(reused, first)
+    assert [r.storage._cdata for r in reused.storages] == [r.storage._cdata for r in F.plan(again).storages]
+
+
+@pytest.mark.parametrize("change", [
+    lambda s: s.__setitem__("step", 8),  # a value
+    lambda s: s.__setitem__("step", True),  # 1 == True, but they pickle differently
+    lambda s: s["optim"]["param_groups"][0].__setitem__("lr", -0.0),
+    lambda s: s["model"].__setitem__("b", torch.zeros(33)),  # a shape
+    lambda s: s["model"].__setitem__("b", torch.zeros(32, dtype=torch.float64)),  # a dtype
+    lambda s: s["model"].__setitem__("b", torch.zeros(64)[::2]),  # a stride and a storage size
+    lambda s: s["model"].__setitem__("view", s["model"]["w"].clone()[1:]),  # storage sharing
+    lambda s: s["model"].__setitem__("b", s["model"]["w"]),  # the same tensor twice (a memo reference)
+    lambda s: s["model"].move_to_end("w"),  # key order
+    lambda s: s["model"]["w"].requires_grad_(True),
+])
+def test_any_difference_plans_afresh(change) -> None:  # noqa: ANN001
+    planner = F.Planner()
+    base = _state(lr=0.0)
+    planner.plan(base)
+    other = _state(lr=0.0)
+    change(other)
+    layout = planner.plan(other)
+    assert planner.hits == 0
+    assert _same_layout(layout, F.plan(other))
+
+
+def test_templates_hold_no_storage_and_are_bounded() -> None:
+    planner = F.Planner(cached=2)
+    for step in range(5):
+        planner.plan(_state(step=step))
+    assert len(planner._layouts) == 2
+    assert all(r.storage is None for _, _, t in planner._layouts for r in t.storages)
+    planner.plan(_state(step=4))
+    assert planner.hits == 1
+
+
+def test_reused_layouts_write_correct_files(tmp_path) -> None:
+    states = [_state(step=s % 2) for s in range(4)]  # two structures, alternating
+    with fastckpt.Checkpointer() as ck:
+        for i, st in enumerate(states):
+            ck.save(st, str(tmp_path / f"{i}.pt")).wait()
+        assert ck._saver._planner.hits == 2
+        for i, st in enumerate(states):
+            out = ck.load(str(tmp_path / f"{i}.pt"))
+            assert out["step"] == st["step"] and torch.equal(out["model"]["w"], st["model"]["w"])
+            assert out["model"]["view"].untyped_storage().data_ptr() == out["model"]["w"].untyped_storage().data_ptr()
+            assert torch.load(tmp_path / f"{i}.pt", weights_only=True)["size"] == torch.Size([2, 3])
