@@ -201,11 +201,9 @@ def _finalize(watch: T.Watch) -> None:
     try:
         failed = T.failures(watch.job)
         if watch.error is not None:
-            raise watch.error
+            raise T.cause(watch.job, watch.error)
         if failed:
-            raise CheckpointWriteError(
-                f"saving {watch.job.group} failed on another rank: {'; '.join(failed)}; the checkpoint is "
-                "incomplete and the previous one is intact")
+            raise T.failed_error(watch.job, failed)
         if not watch.done.is_set() and not T.committed(watch.job):
             watch.handle.wait(watch.job.timeout_s)  # its async part was never run: wait here
         if watch.record is not None and watch.record.superseded:

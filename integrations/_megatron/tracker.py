@@ -215,14 +215,13 @@ def await_commit(job: Job) -> None:
     while True:
         if local and w.done.is_set():  # type: ignore[union-attr]
             if w.error is not None:  # type: ignore[union-attr]
-                raise w.error  # type: ignore[union-attr]
+                raise cause(job, w.error)  # type: ignore[union-attr]
             return
         if not local and committed(job):
             return
         failed = failures(job)
         if failed:
-            raise CheckpointWriteError(f"saving {job.group} failed on another rank: {'; '.join(failed)}. This "
-                                       "checkpoint is incomplete; the previous one is intact")
+            raise failed_error(job, failed)
         if time.monotonic() >= deadline:
             raise CommitTimeoutError(f"{job.group} was not committed within {job.timeout_s:.0f} s (commit_timeout_s); "
                                      "some rank did not finish its part (see its log)")
@@ -231,6 +230,20 @@ def await_commit(job: Job) -> None:
         else:
             time.sleep(delay)  # another process: the files are the only signal
         delay = min(delay * 2, 0.2)
+
+
+def failed_error(job: Job, failed: list[str]) -> CheckpointWriteError:
+    return CheckpointWriteError(f"saving {job.group} failed on another rank: {'; '.join(failed)}. This "
+                                "checkpoint is incomplete; the previous one is intact")
+
+
+def cause(job: Job, error: BaseException) -> BaseException:
+    """This rank's commit ``error``, or, when it only timed out and another rank left a failure
+    note, that rank's failure (the cause; the timeout is its consequence)."""
+    failed = failures(job) if isinstance(error, CommitTimeoutError) else []
+    if not failed:
+        return error
+    return failed_error(job, failed)
 
 
 def committed(job: Job) -> bool:

@@ -197,8 +197,8 @@ class Checkpointer:
         the group without pointing ``parent/latest`` at it (give the same value on every rank).
         """
         self._check_open()
-        self._inflight.raise_unseen()
-        group = normalize(group)
+        group = normalize(group)  # a failure raised here ends the attempt: no rank waits for this one
+        self._inflight.raise_unseen(before=lambda exc: self._coordinator.abandon(group, self.rank, exc))
         rank, has_local = self.rank, bool(self.config.local_dirs)
 
         def retain(rec: SaveRecord) -> SaveRecord:

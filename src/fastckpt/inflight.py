@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import os
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
 
 from .errors import CheckpointWriteError, FastCkptError
@@ -87,8 +88,8 @@ class InFlight:
             self._pending.pop(id(fut), None)
             self._remember(exc)
 
-    def raise_unseen(self) -> None:
-        """Raise the oldest failure nobody has seen yet (once)."""
+    def raise_unseen(self, before: Callable[[BaseException], None] | None = None) -> None:
+        """Raise the oldest failure nobody has seen yet (once), calling ``before(exc)`` first."""
         with self._lock:
             # A future is done before its done-callbacks run (and result() returns then): collect
             # failures of finished futures here too, so the sync point that follows sees them.
@@ -99,6 +100,8 @@ class InFlight:
                 return
             exc = self._unseen.pop(0)
             set_surfaced(exc)
+        if before is not None:
+            before(exc)
         raise exc
 
     def futures(self) -> list[Future]:

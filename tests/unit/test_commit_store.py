@@ -19,8 +19,8 @@ import torch.distributed as dist
 
 import fastckpt
 from fastckpt.commit import protocol as P
-from fastckpt.errors import CommitTimeoutError, ConfigError, IncompleteCheckpointError
-from fastckpt.testing import FaultyOps
+from fastckpt.errors import CheckpointWriteError, CommitTimeoutError, ConfigError, IncompleteCheckpointError
+from fastckpt.testing import Fault, FaultyOps
 from tests.helpers import latest, place
 
 W = 64
@@ -99,6 +99,36 @@ def test_a_dead_rank_fails_the_commit_on_every_rank_naming_it(tmp_path: Path, st
     with pytest.raises(IncompleteCheckpointError, match=r"ranks \[2\] of 3 never committed"):
         fastckpt.load(str(g2 / "r0.pt"))
     assert torch.equal(fastckpt.load(str(g1 / "r2.pt"))["w"], _state(1, 2)["w"])
+
+
+def test_a_failed_save_ends_the_commit_on_every_rank_at_once(tmp_path: Path, store: dist.TCPStore) -> None:
+    """A rank whose save into the group fails tells the others through the store: none of them
+    waits commit_timeout_s (600 s here) for its announcement."""
+    ops1 = FaultyOps()
+    cks = [fastckpt.Checkpointer(rank=r, world_size=3, store=store, io_threads=1, overhead_budget=0.99,
+                                 commit_timeout_s=600, ops=ops1 if r == 1 else None) for r in range(3)]
+    g1, g2 = tmp_path / "global_step1", tmp_path / "global_step2"
+    try:
+        for h in [ck.commit(str(g1)) for ck in cks if ck.save(_state(1, ck.rank), str(g1 / f"r{ck.rank}.pt"),
+                                                                 group=str(g1))]:
+            h.wait(60)
+        ops1.inject(Fault("pwrite", 28, path_contains="r1.pt"))  # ENOSPC on rank 1's file of step 2
+        for ck in cks:
+            ck.save(_state(2, ck.rank), str(g2 / f"r{ck.rank}.pt"), group=str(g2))
+        handles = [cks[0].commit(str(g2)), cks[2].commit(str(g2))]
+        with pytest.raises(CheckpointWriteError, match="No space left"):  # the failure, raised where it can be
+            cks[1].commit(str(g2)).wait(60)  # raises at the call or from the handle, as the save ends first
+        for h in handles:  # within 60 s, though the commit timeout is 600 s
+            with pytest.raises(CheckpointWriteError, match=r"failed on another rank \(rank 1: .*No space left"):
+                h.wait(60)
+    finally:
+        for ck in cks:
+            try:
+                ck.close()
+            except CheckpointWriteError:
+                pass  # rank 1's failed save, raised once more at close
+    assert latest(str(tmp_path)) == str(g1)
+    assert not (g2 / P.GROUP_MANIFEST).exists()
 
 
 def test_a_checkpointer_made_again_does_not_reuse_a_failed_attempts_keys(tmp_path: Path,

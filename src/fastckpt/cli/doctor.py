@@ -56,7 +56,8 @@ def doctor(local_dir: tuple[str, ...], target: str | None, tier: str, state_size
             storage_options = json.load(f)
         if not isinstance(storage_options, dict):
             raise click.BadParameter("must hold a JSON object", param_hint="--storage-options")
-    opts = DoctorOptions(local_dir[0] if len(local_dir) == 1 else (local_dir or None), target, tier, state_size, keep, probe_size, storage_options,
+    opts = DoctorOptions(local_dir[0] if len(local_dir) == 1 else (local_dir or None), target, tier, state_size, keep,
+                         probe_size, storage_options,
                          progress="off" if as_json else "auto")
     dx = diagnose(opts)
     if as_json:

@@ -12,7 +12,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from ..errors import CommitTimeoutError, CorruptCheckpointError
+from ..errors import CheckpointWriteError, CommitTimeoutError, CorruptCheckpointError
 from ..records import SaveHandle
 from ..storage.places import Place
 from . import fallback as F
@@ -97,6 +97,8 @@ def via_store(att: Attempt, ch: S.Channel, rank: int, world: int, files: dict, s
             return Ended(None, 0, superseded=True)
         if kind == S.REMOVED:
             raise F.removed_error(att.home)
+        if kind == S.ABORTED:
+            raise aborted_error(att.home.label, rest)
         raise CommitTimeoutError(rest)
     entries = ch.gather(timeout_s, stop)
     if entries is None:
@@ -106,8 +108,11 @@ def via_store(att: Attempt, ch: S.Channel, rank: int, world: int, files: dict, s
         for r, e in present.items():  # the crash trail: who did commit (readers name the others)
             P.write_marker(att.place, r, world, e["files"], att.token, bool(e.get("superseded")))
         raise err
-    if ch.claim("rank 0") != "rank 0":
+    won = ch.claim("rank 0")
+    if won != "rank 0":
         ch.tell(None)
+        if won.startswith(S.ABORTED + ":"):
+            raise aborted_error(att.home.label, won.partition(":")[2])
         raise F.removed_error(att.home)
     if any(e.get("superseded") for e in entries.values()):
         ch.tell(S.SUPERSEDED)
@@ -120,6 +125,12 @@ def via_store(att: Attempt, ch: S.Channel, rank: int, world: int, files: dict, s
     total = sum(f["size"] for f in manifest["files"].values())
     ch.tell(f"{S.PUBLISHED}:{total}")
     return Ended(manifest, total)
+
+
+def aborted_error(label: str, why: str) -> CheckpointWriteError:
+    """What the other ranks raise when one rank's save into the group failed (``Channel.abort``)."""
+    return CheckpointWriteError(f"checkpoint group {label} not committed: its save failed on another rank ({why}). "
+                                "The group stays incomplete; the previous checkpoint is intact.")
 
 
 def via_storage(att: Attempt, rank: int, world: int, files: dict, superseded: bool, extra: dict,

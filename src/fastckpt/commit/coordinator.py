@@ -150,6 +150,14 @@ class Coordinator:
             if att.channel is not None:
                 att.channel.cancel(f"rank {rank} removed the group")
 
+    def abandon(self, group: str, rank: int, exc: BaseException) -> None:
+        """This rank will not commit its attempt at ``group`` (its ``commit`` raised ``exc``, an
+        earlier save's failure): end the attempt, on every rank at once with a store."""
+        with self._lock:
+            att = self._open.pop(group, None)
+        if att is not None:
+            self._abort(att, rank, exc)
+
     def commit(self, group: str, rank: int, world: int, extra: dict,
                finish: Callable[[SaveRecord], SaveRecord] = lambda r: r, move_latest: bool = True) -> Future:
         with self._lock:
@@ -208,10 +216,25 @@ class Coordinator:
             if self._running.get(group, (None, None))[1] is fut:
                 del self._running[group]
 
+    def _abort(self, att: A.Attempt, rank: int, exc: BaseException) -> None:
+        """With a store, end the attempt on every rank at once: they need not wait
+        ``commit_timeout_s`` for a rank whose save failed (without one they do)."""
+        if att.channel is None:
+            return
+        try:
+            att.channel.abort(rank, f"{type(exc).__name__}: {exc}"[:500])
+        except S.StoreError as store_exc:  # the others then time out, naming this rank
+            log.warning("fastckpt: could not tell the other ranks that the save into %s failed: %s",
+                        att.group, store_exc)
+
     def _run(self, att: A.Attempt, rank: int, world: int, extra: dict, t_call: float,
              requested_at: float) -> SaveRecord:
         c0, cpu0 = time.time(), time.thread_time()
-        recs = [h.result() for h in att.handles]  # a failed save stops the commit here
+        try:
+            recs = [h.result() for h in att.handles]  # a failed save stops the commit here
+        except BaseException as exc:
+            self._abort(att, rank, exc)
+            raise
         if att.cancel.is_set():
             raise F.removed_error(att.home)
         if att.skipped:

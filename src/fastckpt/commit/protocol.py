@@ -33,8 +33,8 @@ LATEST = "latest"
 SIDECAR = ".fastckpt.json"  # a single file's publication record at a URL: NAME.fastckpt.json
 ATTEMPT = f"{MARKER_DIR}/attempt.json"  # without a store: the attempt rank 0 started
 OUTCOME = f"{MARKER_DIR}/outcome.json"  # without a store: an attempt that ended unpublished
-NEXT_TAG = ".fastckpt-next"
-DELETE_ATTEMPTS = 5  # tree deletions of a group that concurrent writers disturbed, before giving up  # a re-saved group's new attempt, beside it: .TAG.fastckpt-next
+NEXT_TAG = ".fastckpt-next"  # a re-saved group's new attempt, beside it: .TAG.fastckpt-next
+DELETE_ATTEMPTS = 5  # tree deletions of a group that concurrent writers disturbed, before giving up
 
 _latest_lock = threading.Lock()  # commits of several groups publish from concurrent threads
 

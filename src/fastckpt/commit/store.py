@@ -42,6 +42,7 @@ from ..errors import CommitTimeoutError, FastCkptError
 
 WAIT_SLICE_S = 30.0  # a blocking wait is re-armed this often, to notice close() and cancellation
 PUBLISHED, SUPERSEDED, FAILED, REMOVED = "published", "superseded", "failed", "removed"
+ABORTED = "aborted"  # a rank's save failed: the attempt ends on every rank at once
 
 
 def default_store() -> object | None:
@@ -183,7 +184,8 @@ class Channel:
     (``ops``, ``nbytes``) for the commit event.
 
     Order of calls: every rank ``announce``; rank 0 ``gather`` -> ``claim`` -> ``tell``; other
-    ranks ``hear``. ``cancel`` (``remove()``, any rank, any time) ends the attempt.
+    ranks ``hear``. ``cancel`` (``remove()``, any rank, any time) and ``abort`` (a rank whose
+    save failed, instead of ``announce``) end the attempt.
     """
 
     def __init__(self, link: StoreLink, prefix: str, group: str) -> None:
@@ -280,10 +282,18 @@ class Channel:
             return False
         return bytes(self._op("claim", lambda: store.get(self._k("claim")))).decode().startswith(REMOVED)  # type: ignore[arg-type]
 
+    def abort(self, rank: int, why: str) -> bool:
+        """A rank whose save into the group failed: end the attempt on every rank now (rank 0
+        and the others would otherwise wait ``commit_timeout_s`` for its announcement). Returns
+        whether it ended it (False: rank 0 or a remover already had)."""
+        return self._end(f"{ABORTED}:rank {rank}: {why}")
+
     def cancel(self, why: str) -> bool:
         """``remove()`` of the group: end the attempt on every rank unless rank 0 already claimed
         it (then it completes, and the caller waits for it). Returns whether it was cancelled."""
-        who = f"{REMOVED}:{why}"
+        return self._end(f"{REMOVED}:{why}")
+
+    def _end(self, who: str) -> bool:
         if self.claim(who) != who:
             return False
         self._op("outcome", lambda: self._link.store.set(self._k("outcome"), who), len(who))

@@ -79,7 +79,8 @@ class FileLayout:
 
     def bind(self, storages: tuple[torch.UntypedStorage, ...], cuda: bool) -> FileLayout:
         """This layout with ``storages`` (same sizes, same order) in its slots."""
-        recs = tuple(StorageRecord(r.key, r.offset, r.nbytes, st) for r, st in zip(self.storages, storages, strict=True))
+        recs = tuple(StorageRecord(r.key, r.offset, r.nbytes, st)
+                     for r, st in zip(self.storages, storages, strict=True))
         return FileLayout(self.segments, recs, self.data_size, self.align, self.payload_bytes, cuda)
 
 
