@@ -25,9 +25,9 @@ import torch
 
 from fastckpt.errors import CorruptCheckpointError
 from fastckpt.format.layout import ALIGN
+from fastckpt.format.ranges import RangeReader
 from fastckpt.io.engine import alloc_aligned
 from fastckpt.io.ops import FileOps
-from fastckpt.io.ranges import RangeReader
 
 from .compat import BLOCK_BYTES, block_digest, combine, parse_tail
 

@@ -33,6 +33,7 @@ from torch.utils.serialization import config as _ser_config
 
 from ..errors import UnsupportedObjectError
 from .manifest import EOCD_LEN, EOCD_SIG
+from .ranges import RangeReader
 from .walk import Scan, check_tensors, find_unpicklable, pickling_order, scan
 
 ALIGN = 4096  # page alignment, as O_DIRECT and GDS need
@@ -150,48 +151,23 @@ class _SeekOnlySink(io.RawIOBase):
         return self._segments
 
 
-class _SparseReader(io.RawIOBase):
-    """Reads a sparse image (segments, zeros elsewhere) for torch's zip reader."""
+def _sparse_reader(segments: list[tuple[int, bytes]], size: int) -> RangeReader:
+    """A file over a sparse image (segments, zeros elsewhere), for torch's zip reader."""
+    segments = sorted(segments)
+    starts = [off for off, _ in segments]
 
-    def __init__(self, segments: list[tuple[int, bytes]], size: int) -> None:
-        self._segments = sorted(segments)
-        self._starts = [off for off, _ in self._segments]
-        self._size = size
-        self._pos = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def seek(self, offset: int, whence: int = 0) -> int:
-        self._pos = {0: 0, 1: self._pos, 2: self._size}[whence] + offset
-        return self._pos
-
-    def tell(self) -> int:
-        return self._pos
-
-    def read(self, n: int = -1) -> bytes:
-        if n is None or n < 0:
-            n = self._size - self._pos
-        n = max(0, min(n, self._size - self._pos))
-        out = bytearray(n)
-        lo, hi = self._pos, self._pos + n
-        i = max(0, bisect.bisect_right(self._starts, lo) - 1)
-        while i < len(self._segments) and self._segments[i][0] < hi:
-            off, data = self._segments[i]
+    def fetch(lo: int, hi: int) -> bytes:
+        out = bytearray(hi - lo)
+        i = max(0, bisect.bisect_right(starts, lo) - 1)
+        while i < len(segments) and segments[i][0] < hi:
+            off, data = segments[i]
             a, b = max(lo, off), min(hi, off + len(data))
             if a < b:
                 out[a - lo : b - lo] = data[a - off : b - off]
             i += 1
-        self._pos = hi
         return bytes(out)
 
-    def readinto(self, b) -> int:  # type: ignore[override]
-        data = self.read(len(b))
-        b[: len(data)] = data
-        return len(data)
+    return RangeReader(size, fetch)
 
 
 def _offsets_from_skips(sink: _SeekOnlySink, sizes: list[int]) -> list[int] | None:
@@ -214,7 +190,7 @@ def _offsets_from_skips(sink: _SeekOnlySink, sizes: list[int]) -> list[int] | No
 def _offsets_from_zip(segments: list[tuple[int, bytes]], size: int, sizes: list[int]) -> list[int] | None:
     """Record offsets read back from the zip directory with torch's own reader (the slow way);
     None when the records do not match ``sizes``."""
-    with zipfile.ZipFile(_SparseReader(segments, size)) as zf:  # type: ignore[arg-type]
+    with zipfile.ZipFile(_sparse_reader(segments, size)) as zf:  # type: ignore[arg-type]
         found = {}
         for info in zf.infolist():
             head, _, key = info.filename.rpartition("/")
@@ -222,7 +198,7 @@ def _offsets_from_zip(segments: list[tuple[int, bytes]], size: int, sizes: list[
                 found[int(key)] = info.file_size
     if found != dict(enumerate(sizes)):
         return None
-    reader = torch._C.PyTorchFileReader(_SparseReader(segments, size))
+    reader = torch._C.PyTorchFileReader(_sparse_reader(segments, size))
     return [reader.get_record_offset(f"data/{i}") for i in range(len(sizes))]
 
 

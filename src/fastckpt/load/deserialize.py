@@ -11,7 +11,7 @@ import pickle
 
 import torch
 
-from ..io.ranges import RangeReader
+from ..format.ranges import RangeReader
 
 ZIP_MAGIC = b"PK\x03\x04"
 

@@ -1,4 +1,6 @@
-"""A read-only, seekable file over any source of byte ranges (for torch's and zipfile's readers)."""
+"""A read-only, seekable file over any source of byte ranges (for torch's and zipfile's readers).
+
+In format/ (the lowest layer) because the layout reads sparse images through it too."""
 
 from __future__ import annotations
 
