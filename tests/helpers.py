@@ -27,3 +27,12 @@ def scan(root: str | os.PathLike, **kw: int) -> list[discovery.Found]:
 
 def latest(root: str | os.PathLike) -> str | None:
     return discovery.latest(Homes(), os.fspath(root))
+
+
+def flip_byte(path: str | os.PathLike, offset: int, mask: int = 0xFF) -> None:
+    """Damage one byte of ``path`` in place (XOR with ``mask``)."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ mask]))

@@ -13,6 +13,7 @@ from click.testing import CliRunner
 import fastckpt
 from fastckpt.cli import cli
 from fastckpt.errors import CommitTimeoutError
+from tests.helpers import flip_byte
 
 
 def run(*args: str):
@@ -21,14 +22,6 @@ def run(*args: str):
 
 def state(step: int) -> dict:
     return {"w": torch.full((1 << 16,), float(step)), "step": step}
-
-
-def flip_byte(path: str, offset: int = 4096 + 7) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(-1, 1)
-        f.write(bytes([b[0] ^ 0xFF]))
 
 
 def save_group(ck: fastckpt.Checkpointer, group: str, step: int) -> None:
@@ -97,9 +90,9 @@ def test_verify_intact(home: str) -> None:
 
 
 def test_verify_names_each_bad_or_missing_file(home: str) -> None:
-    flip_byte(f"{home}/step-5/a.pt")
+    flip_byte(f"{home}/step-5/a.pt", 4096 + 7)
     os.unlink(f"{home}/step-5/b.pt")
-    flip_byte(f"{home}/two.pt")
+    flip_byte(f"{home}/two.pt", 4096 + 7)
     r = run("verify", home)
     assert r.exit_code == 1
     assert f"BAD {home}/step-5/a.pt: checksum" in r.stderr

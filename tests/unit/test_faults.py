@@ -27,6 +27,7 @@ from fastckpt import Checkpointer, CheckpointWriteError, CorruptCheckpointError,
 from fastckpt.io.atomic import TMP_TAG
 from fastckpt.save.tiers import probe_odirect
 from fastckpt.testing import Fault, FaultyOps
+from tests.helpers import flip_byte
 
 
 def _state(v: int) -> dict:
@@ -382,14 +383,6 @@ def _record_span(path: str, suffix: str) -> tuple[int, int]:
     return reader.get_record_offset(suffix.lstrip("/")), info.file_size
 
 
-def _flip(path: str, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0x5A]))
-
-
 @pytest.mark.parametrize("where", ["storage", "pickle", "central directory", "manifest"])
 def test_flipped_byte_is_detected(tmp_path, where: str) -> None:
     path = str(tmp_path / "ck.pt")
@@ -399,19 +392,19 @@ def test_flipped_byte_is_detected(tmp_path, where: str) -> None:
     size = os.path.getsize(path)
     if where == "storage":
         off, n = _record_span(path, "/data/0")
-        _flip(path, off + n // 2)
+        flip_byte(path, off + n // 2, mask=0x5A)
     elif where == "pickle":
         off, n = _record_span(path, "/data.pkl")
-        _flip(path, off + n // 2)
+        flip_byte(path, off + n // 2, mask=0x5A)
     elif where == "central directory":
         with zipfile.ZipFile(path) as zf:
             comment = len(zf.comment)
-        _flip(path, size - comment - 22 - 30)  # inside the last central directory entry
+        flip_byte(path, size - comment - 22 - 30, mask=0x5A)  # inside the last central directory entry
     else:
         with zipfile.ZipFile(path) as zf:
             comment = zf.comment
         # Break the JSON's structure (a flipped digit of a timestamp would be harmless).
-        _flip(path, size - len(comment) + comment.index(b":"))
+        flip_byte(path, size - len(comment) + comment.index(b":"), mask=0x5A)
     for load in (fastckpt.load, lambda p: Checkpointer().load(p)):
         with pytest.raises(CorruptCheckpointError) as ei:
             load(path)

@@ -14,7 +14,7 @@ import torch
 import fastckpt
 from fastckpt import CorruptCheckpointError, UnverifiableCheckpointError
 from fastckpt.format.manifest import EOCD_LEN
-from tests.helpers import read_file_manifest
+from tests.helpers import flip_byte, read_file_manifest
 
 
 def _state(v: int) -> dict:
@@ -33,14 +33,6 @@ def _comment_offset(path: Path) -> int:
     (n,) = struct.unpack_from("<H", data, eocd + 20)
     assert eocd + EOCD_LEN + n == len(data)
     return eocd + EOCD_LEN
-
-
-def _flip(path: Path, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0xFF]))
 
 
 # ---------------------------------------------------------------------- 3: replace while reading
@@ -79,8 +71,8 @@ def test_a_damaged_manifest_never_turns_verification_off(tmp_path: Path, where: 
     start = _comment_offset(path)
     offset = {"comment's first byte": start, "manifest key": start + 3, "comment length": start - 2,
               "eocd signature": start - EOCD_LEN}[where]
-    _flip(path, offset)
-    _flip(path, 8192 + 5)  # and a data byte: without verification, wrong tensors would load
+    flip_byte(path, offset, mask=0xFF)
+    flip_byte(path, 8192 + 5, mask=0xFF)  # and a data byte: without verification, wrong tensors would load
     with pytest.raises(CorruptCheckpointError):
         fastckpt.load(str(path))
 
