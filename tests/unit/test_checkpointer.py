@@ -156,6 +156,22 @@ def test_overlapped_write_round_trip(tmp_path, overlap) -> None:
     assert all(bool((out[f"t{i}"] == i).all()) for i in range(24))
 
 
+def test_large_storages_of_odd_lengths_and_offsets_round_trip(tmp_path) -> None:
+    # large storages are copied as 8-byte words with a byte tail: lengths that are not a multiple
+    # of 8, one-byte dtypes, a view into the middle of a storage (the whole storage is saved)
+    gen = torch.Generator().manual_seed(1)
+    base = torch.randint(0, 255, ((1 << 20) * 3 + 5,), dtype=torch.uint8, generator=gen)
+    sd = {"odd_u8": torch.randint(0, 255, ((1 << 20) + 3,), dtype=torch.uint8, generator=gen),
+          "bool": torch.rand((1 << 21) + 1, generator=gen) > 0.5,
+          "f16": torch.randn((1 << 20) + 1, generator=gen).half(),
+          "view": base[7 : (1 << 21) + 3], "f64": torch.randn(1 << 18, generator=gen, dtype=torch.float64)}
+    with fastckpt.Checkpointer() as ck:
+        ck.save(sd, str(tmp_path / "odd.pt")).wait()
+        out = ck.load(str(tmp_path / "odd.pt"))
+    assert all(torch.equal(out[k], v) for k, v in sd.items())
+    assert torch.equal(torch.load(str(tmp_path / "odd.pt"), weights_only=True)["view"], sd["view"])
+
+
 def test_overlapped_write_failure_surfaces_once_and_keeps_previous(tmp_path) -> None:
     import errno
 

@@ -92,6 +92,17 @@ _memmove = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, 
     ctypes._memmove_addr)  # type: ignore[attr-defined]
 
 
+def _copy_wide(dst: torch.Tensor, off: int, st: torch.UntypedStorage, n: int) -> None:
+    """Copy storage ``st`` (``n`` bytes) to ``dst[off:]`` by torch, as 8-byte words where the
+    offsets allow: torch's copy of uint8 elements took 1.2 x as long as the same bytes as int64."""
+    src = torch.empty(0, dtype=torch.uint8).set_(st)
+    wide = n & ~7 if off % 8 == 0 and st.data_ptr() % 8 == 0 else 0
+    if wide:
+        dst[off : off + wide].view(torch.int64).copy_(src[:wide].view(torch.int64))
+    if wide < n:
+        dst[off + wide : off + n].copy_(src[wide:])
+
+
 def cuda_marks(layout: FileLayout) -> dict[torch.device, object] | None:
     """An event on each of the state's devices' current streams, recorded now (the training
     thread, at the call): a lazy snapshot's copies start after it, not after later kernels."""
@@ -148,7 +159,7 @@ def snapshot(layout: FileLayout, buf: StagingBuffer, progress: Progress | None =
         if n < SMALL_COPY_BYTES:
             _memmove(base + rec.offset, st.data_ptr(), n)
         else:
-            dst[rec.offset : rec.offset + n].copy_(torch.empty(0, dtype=torch.uint8).set_(st))
+            _copy_wide(dst, rec.offset, st, n)
         if progress is not None and rec.offset + n - told >= ADVANCE_BYTES:
             told = rec.offset + n
             progress.advance(told)
