@@ -219,14 +219,16 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ load, latest, remove
     def load(self, path: str, map_location: object = None, *, weights_only: bool = True,
-             prefetch: bool = False, verify: bool = False) -> object:
+             prefetch: bool = False, verify: bool = False, mmap: bool = False) -> object:
         """Read a checkpoint file in parallel, verify its checksum, return the saved object.
 
         Prefers a verified burst-buffer copy in ``local_dir`` and falls back to ``path``
         (a URL is read with parallel ranged requests into memory; with ``prefetch=True`` and
         local_dir it is first downloaded into the burst buffer, so the next load is local).
         A plain torch.save file (no fastckpt manifest) loads unverified, with a warning once
-        per path; ``verify=True`` refuses it.
+        per path; ``verify=True`` refuses it. ``mmap=True`` (as in ``torch.load``) maps a file
+        copy-on-write instead of reading it: the tensors share the page cache (no copy, no new
+        memory; verified all the same), so the file must not be changed in place while they live.
 
         Raises:
             CorruptCheckpointError: the bytes do not match the recorded checksum, or the file
@@ -241,7 +243,7 @@ class Checkpointer:
                               "directory holds no complete checkpoint yet (a save still being written or uploaded "
                               "is not complete: wait() for it first); start from scratch in that case")
         t0, w0 = time.monotonic(), time.time()
-        got = self._loader.load(normalize(path), LoadOptions(map_location, weights_only, prefetch, verify))
+        got = self._loader.load(normalize(path), LoadOptions(map_location, weights_only, prefetch, verify, mmap))
         rto = time.monotonic() - t0
         self._last_restore = (rto, got.where)
         self._emit("load", got.url, got.size, w0, got.where,

@@ -283,6 +283,37 @@ def read_file(ops: FileOps, pool: Executor, path: str, *, chunk_bytes: int, odir
         if cached >= 0:
             ops.close(cached)
         ops.close(fd)
+    return _verified(buf, view, size, early, covered, digests, path, direct)
+
+
+def map_file(ops: FileOps, pool: Executor, path: str, *, chunk_bytes: int) -> ReadResult:
+    """Map a whole file copy-on-write instead of reading it (``load(..., mmap=True)``), hashing
+    its blocks in parallel: no copy and no fresh memory, so a file in the page cache "loads" at
+    hashing speed. The buffer shares the file's cached pages until written to, so the file must
+    not be changed in place while the mapping is in use (fastckpt never does: it replaces files
+    by rename); truncating it would make access to the lost pages raise SIGBUS.
+    """
+    fd = ops.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        if size == 0:  # nothing to map: an empty buffer, judged like any empty file
+            return ReadResult(alloc_aligned(0), 0, None, None, False)
+        buf = ops.map_private(fd, size)
+    finally:
+        ops.close(fd)
+    if hasattr(buf, "madvise"):
+        buf.madvise(mmap.MADV_WILLNEED)  # start reading what is not cached yet
+    view = memoryview(buf)
+    early = max(0, size - TAIL_BYTES)
+    early -= early % checksum.BLOCK_BYTES
+    digests = run_chunks(pool, size, chunk_bytes, lambda off, n: block_digests(view[off : off + n], off, n, early))
+    return _verified(buf, view, size, early, None, digests, path, False)
+
+
+def _verified(buf: mmap.mmap, view: memoryview, size: int, early: int, covered: int | None, digests: list[int],
+              path: str, direct: bool) -> ReadResult:
+    """The read's result: the manifest parsed from the tail (unless ``covered`` was given) and the
+    checksum of the covered range, from the workers' digests of ``[0, early)`` and the rest."""
     manifest = manifest_in(bytes(view[max(0, size - TAIL_BYTES) : size]), size, path) if covered is None else None
     want = covered if covered is not None else (manifest or {}).get("covered")
     digest = None

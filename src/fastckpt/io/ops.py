@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import mmap
 import os
 
 _RWF_NOWAIT = getattr(os, "RWF_NOWAIT", 0)
@@ -61,6 +62,11 @@ class FileOps:
 
     def close(self, fd: int) -> None:
         os.close(fd)
+
+    def map_private(self, fd: int, size: int) -> mmap.mmap:
+        """The file's first ``size`` bytes mapped copy-on-write (``MAP_PRIVATE``): reads come from
+        the page cache without a copy, writes to the mapping never reach the file."""
+        return mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
 
     def replace(self, src: str, dst: str) -> None:
         os.replace(src, dst)

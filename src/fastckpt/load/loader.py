@@ -40,12 +40,14 @@ _warned_lock = threading.Lock()
 @dataclass(frozen=True)
 class LoadOptions:
     """How to load: ``map_location`` and ``weights_only`` as torch.load takes them; ``prefetch``
-    a remote file into the burst buffer first; ``verify``: refuse a file without a manifest."""
+    a remote file into the burst buffer first; ``verify``: refuse a file without a manifest;
+    ``mmap``: map a file copy-on-write instead of reading it (an object store's is read)."""
 
     map_location: object = None
     weights_only: bool = True
     prefetch: bool = False
     verify: bool = False
+    mmap: bool = False
 
 
 @dataclass(frozen=True)
@@ -115,7 +117,7 @@ class Loader:
         return bool(a and b) and a.get("checksum") != b.get("checksum")
 
     def _read(self, loc: Location, opts: LoadOptions, url: str, where: str) -> Loaded:
-        res = loc.target.read_object(loc.key, chunk_bytes=self._chunk)
+        res = loc.target.read_object(loc.key, chunk_bytes=self._chunk, mapped=opts.mmap)
         if res.manifest is None:
             if opts.verify:
                 raise UnverifiableCheckpointError(

@@ -23,7 +23,7 @@ from ..config import DEFAULT_RETRY_DEADLINE_S
 from ..errors import CorruptCheckpointError, ReplicationError
 from ..format import checksum
 from ..io import atomic
-from ..io.engine import ReadResult, read_file
+from ..io.engine import ReadResult, map_file, read_file
 from ..io.ops import FileOps, pread_exact, pwrite_all
 from ..io.stream import checksum_file, copy_file, drop_cache
 from ..units import MiB
@@ -240,12 +240,13 @@ class PosixTarget(Target):
             self.ops, self._executor(), path, covered, covered, chunk_bytes=reads.READ_CHUNK_BYTES,
             odirect=self.odirect, throttle=throttle))
 
-    def read_object(self, key: str, *, chunk_bytes: int = 64 * MiB) -> ReadResult:
-        """The whole file, read in parallel through one descriptor (O_DIRECT where honoured): a
-        concurrent replace of the file gives this read the old or the new one, never a mix."""
-        path = self._path(key)
-        return self._retry(f"read of {path}", lambda: read_file(self.ops, self._executor(), path,
-                                                               chunk_bytes=chunk_bytes, odirect=self.odirect))
+    def read_object(self, key: str, *, chunk_bytes: int = 64 * MiB, mapped: bool = False) -> ReadResult:
+        """The whole file, read in parallel through one descriptor (O_DIRECT where honoured), or
+        with ``mapped`` mapped copy-on-write (``io.engine.map_file``): a concurrent replace of
+        the file gives this read the old or the new one, never a mix."""
+        path, pool, n, ops = self._path(key), self._executor(), chunk_bytes, self.ops
+        return self._retry(f"{'map' if mapped else 'read'} of {path}", lambda: map_file(ops, pool, path, chunk_bytes=n)
+                           if mapped else read_file(ops, pool, path, chunk_bytes=n, odirect=self.odirect))
 
     def get_bytes(self, key: str) -> bytes:
         path = self._path(key)

@@ -98,9 +98,10 @@ class ReadSide:
                 self.ops.close(fd)
         return size
 
-    def read_object(self, key: str, *, chunk_bytes: int = READ_CHUNK_BYTES) -> ReadResult:
+    def read_object(self, key: str, *, chunk_bytes: int = READ_CHUNK_BYTES, mapped: bool = False) -> ReadResult:
         """The whole object in page-aligned memory, with its manifest and the checksum of the
-        range the manifest covers (parallel ranged reads, hashed as they arrive).
+        range the manifest covers (parallel ranged reads, hashed as they arrive). ``mapped`` is
+        for files only: an object is always read into memory.
 
         Raises:
             TargetNotFoundError: the object is missing.
