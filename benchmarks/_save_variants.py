@@ -3,7 +3,10 @@ folder ``d`` and returning its seconds (see save_bench.py for what each number m
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,8 +48,15 @@ def warm(paths: list[str]) -> None:
                 pass
 
 
+def load_in_new_process(kind: str, path: str) -> float:
+    """Seconds a fresh process took to load ``path`` from the page cache (``_load_once.py``)."""
+    out = subprocess.run([sys.executable, str(Path(__file__).with_name("_load_once.py")), kind, path],
+                         check=True, capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])["seconds"]
+
+
 def bench_memcpy(ctx: Ctx, d: Path) -> dict:
-    flat = ctx.memcpy_dst.get("*")  # one buffer every tensor is copied into (saves memory at 4 GiB)
+    flat = ctx.memcpy_dst.get("*")  # one buffer every tensor is copied into (states over 1 GiB)
     t0 = time.perf_counter()
     for k, src in ctx.state.items():
         (flat[: src.numel()].view_as(src) if flat is not None else ctx.memcpy_dst[k]).copy_(src)
@@ -95,6 +105,12 @@ def bench_fastckpt(ctx: Ctx, d: Path) -> dict:
         objs = [ck.load(p) for p in paths]  # type: ignore[attr-defined]
         out["restore_cached_s"] = time.perf_counter() - t5
         del objs
+        t6 = time.perf_counter()
+        objs = [ck.load(p, mmap=True) for p in paths]  # type: ignore[attr-defined]
+        out["restore_mmap_s"] = time.perf_counter() - t6
+        del objs
+        if len(read_from) == 1:
+            out["restore_fresh_s"] = load_in_new_process("fastckpt", paths[0])
     return out
 
 
@@ -117,6 +133,7 @@ def bench_torch(ctx: Ctx, d: Path) -> dict:
         t4 = time.perf_counter()
         torch.load(path, weights_only=True)
         out["restore_cached_s"] = time.perf_counter() - t4
+        out["restore_fresh_s"] = load_in_new_process("torch", str(path))
     return out
 
 

@@ -27,10 +27,15 @@ What each number means (all wall-clock seconds from time.perf_counter):
               POSIX_FADV_DONTNEED), checksum verification included for fastckpt. A restore
               faster than 1.5x fio's O_DIRECT read is flagged "cached?": the drop probably did
               not work and the number is not a disk read.
-  cached      a restore of a file that is in the page cache (fastckpt: after reading it once
-              through the cache; torch.load: its second load).
-  memcpy      `dst.copy_(src)` into reused, already-touched buffers: the floor for blocking
-              (with --sizes, every tensor into one buffer of the largest one's size).
+  cached      a restore of a file that is in the page cache, twice: in this process
+              (fastckpt: after reading it once through the cache; torch.load: its second load,
+              which reuses the heap its first load freed), and in a new process that loads
+              it once (`_load_once.py`: what a restarted job pays; imports not counted).
+              fastckpt's `load(..., mmap=True)` of the cached file is printed below the table.
+  memcpy      `dst.copy_(src)` into reused, already-touched buffers, one per tensor: the floor
+              for blocking (states over 1 GiB: every tensor into one buffer of the largest
+              one's size, so that a 4 GiB state leaves memory for the rest; with tensors of
+              hundreds of MB that flatters the floor little).
   fio         O_DIRECT sequential write (with a final fsync) and read of the same size in the
               same folder, bs=1M, libaio, iodepth=16: the device limit.
   memory      the process's resident memory after fastckpt's first save, above what it was
@@ -58,6 +63,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as c  # noqa: E402
 import _save_report as R  # noqa: E402
 from _save_variants import VARIANTS, Ctx  # noqa: E402
+
+FLAT_FLOOR_ABOVE = 1 << 30
 
 
 def small_state(n: int) -> dict[str, torch.Tensor]:
@@ -150,9 +157,9 @@ def run(args: argparse.Namespace, tmp: Path) -> dict:
             nbytes = c.state_bytes(state)
             ctx = Ctx(state=state, nbytes=nbytes, local_dirs=tuple(args.local_dir),
                       files=max(args.files, len(args.local_dir) or 1), cached=mode != "scaling")
-            if mode == "scaling":  # one reused (touched) buffer: 4 GiB states leave room for the rest
+            if "memcpy" in names and nbytes > FLAT_FLOOR_ABOVE:  # memory: one reused buffer, the largest tensor's size
                 ctx.memcpy_dst = {"*": torch.zeros(max(v.numel() for v in state.values()))}
-            elif "memcpy" in names:
+            elif "memcpy" in names:  # one destination per tensor, as a snapshot has
                 ctx.memcpy_dst = {k: torch.empty_like(v).fill_(0.0) for k, v in state.items()}  # touched
             res.update(describe(tmp, nbytes, len(state), c.drop_cache(tmp)))
             chosen = enabled_variants(ctx, names)
