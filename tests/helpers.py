@@ -36,3 +36,29 @@ def flip_byte(path: str | os.PathLike, offset: int, mask: int = 0xFF) -> None:
         b = f.read(1)
         f.seek(offset)
         f.write(bytes([b[0] ^ mask]))
+
+
+def expect_aborted_by_rank_1(failing: object, waiting: list, group: str) -> None:
+    """Rank 1's commit of ``group`` raises its own ENOSPC (at the call or from the handle, as its
+    save may end first); the other ranks' commit handles ``waiting`` raise within 60 s that the
+    save failed on rank 1 (the commit timeout of these tests is 600 s)."""
+    import pytest
+
+    from fastckpt.errors import CheckpointWriteError
+
+    with pytest.raises(CheckpointWriteError, match="No space left"):
+        failing.commit(group).wait(60)  # type: ignore[attr-defined]
+    for h in waiting:
+        with pytest.raises(CheckpointWriteError, match=r"failed on another rank \(rank 1: .*No space left"):
+            h.wait(60)
+
+
+def close_all(cks: list) -> None:
+    """Close every Checkpointer; a failed save raised once more at close is expected."""
+    from fastckpt.errors import CheckpointWriteError
+
+    for ck in cks:
+        try:
+            ck.close()
+        except CheckpointWriteError:
+            pass

@@ -127,10 +127,7 @@ def via_store(att: Attempt, ch: S.Channel, rank: int, world: int, files: dict, s
     return Ended(manifest, total)
 
 
-def aborted_error(label: str, why: str) -> CheckpointWriteError:
-    """What the other ranks raise when one rank's save into the group failed (``Channel.abort``)."""
-    return CheckpointWriteError(f"checkpoint group {label} not committed: its save failed on another rank ({why}). "
-                                "The group stays incomplete; the previous checkpoint is intact.")
+aborted_error = F.aborted_error  # what the other ranks raise when one rank's save into the group failed
 
 
 def via_storage(att: Attempt, rank: int, world: int, files: dict, superseded: bool, extra: dict,
@@ -151,6 +148,9 @@ def via_storage(att: Attempt, rank: int, world: int, files: dict, superseded: bo
                                      cancel=att.cancel)
     except CommitTimeoutError as exc:
         P.write_record(att.place, P.OUTCOME, attempt=att.token, outcome=str(exc))
+        raise
+    except CheckpointWriteError as exc:  # a rank's save failed: the others stop waiting too
+        P.write_record(att.place, P.OUTCOME, attempt=att.token, outcome="aborted", why=getattr(exc, "why", str(exc)))
         raise
     if any(m.get("superseded") for m in markers.values()):
         P.write_record(att.place, P.OUTCOME, attempt=att.token, outcome="superseded")

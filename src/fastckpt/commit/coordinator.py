@@ -217,15 +217,22 @@ class Coordinator:
                 del self._running[group]
 
     def _abort(self, att: A.Attempt, rank: int, exc: BaseException) -> None:
-        """With a store, end the attempt on every rank at once: they need not wait
-        ``commit_timeout_s`` for a rank whose save failed (without one they do)."""
-        if att.channel is None:
-            return
+        """End the attempt on every rank at once: they need not wait ``commit_timeout_s`` for a
+        rank whose save failed. With a store, through it; without one, through the group's
+        directory: rank 0 records the attempt's outcome, another rank a failure record for rank
+        0's current attempt (``fallback.wait_for_markers`` ends on it). Should rank 0 not have
+        started the attempt yet, the record names an older one, and the others time out."""
+        why = f"{type(exc).__name__}: {exc}"[:500]
         try:
-            att.channel.abort(rank, f"{type(exc).__name__}: {exc}"[:500])
-        except S.StoreError as store_exc:  # the others then time out, naming this rank
+            if att.channel is not None:
+                att.channel.abort(rank, why)
+            elif rank == 0:
+                P.write_record(att.place, P.OUTCOME, attempt=att.token, outcome="aborted", why=f"rank 0: {why}")
+            else:
+                P.write_failure(att.place, rank, F.current_attempt(att.place), why)
+        except (S.StoreError, OSError) as tell_exc:  # the others then time out, naming this rank
             log.warning("fastckpt: could not tell the other ranks that the save into %s failed: %s",
-                        att.group, store_exc)
+                        att.group, tell_exc)
 
     def _run(self, att: A.Attempt, rank: int, world: int, extra: dict, t_call: float,
              requested_at: float) -> SaveRecord:

@@ -9,8 +9,10 @@ when every rank's marker carries its id, so a dead rank's leftover marker never 
 the manifest names the files of this attempt only. An attempt that ends without a manifest
 (dropped by replication's coalescing, or failed) is recorded in ``.fastckpt/outcome.json`` so
 the other ranks stop waiting. A rank whose own marker vanished learns that the group was
-removed. Each poll of rank 0 lists the marker directory once and reads only markers it has
-not accepted yet: O(W) reads per commit, plus one listing per poll.
+removed. A rank whose save failed leaves a failure record for rank 0's current attempt
+(``protocol.write_failure``): rank 0 ends the attempt on it and records an "aborted" outcome.
+Each poll of rank 0 lists the marker directory once and reads only markers it has not
+accepted yet (and any failure records): O(W) reads per commit, plus one listing per poll.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from ..errors import CommitTimeoutError, GroupRemovedError
+from ..errors import CheckpointWriteError, CommitTimeoutError, GroupRemovedError
 from ..storage.places import Place
 from . import protocol as P
 
@@ -40,6 +42,15 @@ def poll(until: Callable[[], object], deadline: float, stop: threading.Event) ->
         delay = min(delay * 2, POLL_MAX_S)
 
 
+def aborted_error(label: str, why: str) -> CheckpointWriteError:
+    """What the other ranks raise when one rank's save into the group failed (``why``: which
+    rank, and its error; kept on the exception for the outcome record)."""
+    err = CheckpointWriteError(f"checkpoint group {label} not committed: its save failed on another rank ({why}). "
+                               "The group stays incomplete; the previous checkpoint is intact.")
+    err.why = why  # type: ignore[attr-defined]
+    return err
+
+
 def removed_error(place: Place) -> GroupRemovedError:
     return GroupRemovedError(f"checkpoint group {place.label} was removed while it was being committed "
                              "(Checkpointer.remove); nothing of it is published")
@@ -56,6 +67,7 @@ def wait_for_markers(place: Place, world_size: int, timeout_s: float, stop: thre
 
     Raises:
         CommitTimeoutError: naming the ranks that never committed.
+        CheckpointWriteError: a rank's save into this attempt failed (``protocol.write_failure``).
         GroupRemovedError: the group was removed meanwhile.
     """
     seen: dict[int, dict] = {}
@@ -63,7 +75,12 @@ def wait_for_markers(place: Place, world_size: int, timeout_s: float, stop: thre
     def ready() -> dict[int, dict] | None:
         if cancel is not None and cancel.is_set():
             raise removed_error(place)
-        names = P.marker_ranks(place)
+        listing = place.names(P.MARKER_DIR)
+        for rank, rel in P.failure_ranks(listing).items():  # none, unless a save failed
+            failed = P.read_record(place, rel)
+            if failed is not None and failed.get("attempt") == token:
+                raise aborted_error(place.label, f"rank {rank}: {failed.get('why')}")
+        names = P.marker_ranks(place, listing)
         if me is not None and me not in names:
             raise removed_error(place)
         for rank, rel in names.items():
@@ -138,6 +155,8 @@ def wait_for_manifest(place: Place, timeout_s: float, stop: threading.Event, tok
         if ended is not None and ended.get("attempt") == state["token"]:
             if ended.get("outcome") == "superseded":
                 return {"superseded": True, "files": {}}
+            if ended.get("outcome") == "aborted":
+                raise aborted_error(place.label, str(ended.get("why")))
             raise CommitTimeoutError(str(ended.get("outcome")))
         if restamp is not None:
             current = current_attempt(rec)

@@ -53,10 +53,23 @@ def write_marker(place: Place, rank: int, world_size: int, files: dict, token: s
     place.put(marker_rel(rank), json.dumps(body, sort_keys=True).encode())
 
 
-def marker_ranks(place: Place) -> dict[int, str]:
-    """rank -> marker name, from one listing of the marker directory."""
-    return {int(n[5:-5]): f"{MARKER_DIR}/{n}" for n in place.names(MARKER_DIR)
+def marker_ranks(place: Place, names: list[str] | None = None) -> dict[int, str]:
+    """rank -> marker name, from one listing of the marker directory (``names``, if given)."""
+    return {int(n[5:-5]): f"{MARKER_DIR}/{n}" for n in (place.names(MARKER_DIR) if names is None else names)
             if n.startswith("rank-") and n.endswith(".json") and n[5:-5].isdigit()}
+
+
+def write_failure(place: Place, rank: int, token: str | None, why: str) -> None:
+    """Without a store: this rank's save into attempt ``token`` failed (rank 0 ends the attempt).
+    Not a marker: ``marker_ranks`` and the readers that name missing ranks never see it."""
+    place.put(f"{MARKER_DIR}/failed-{rank:05d}.json",
+              json.dumps({"rank": rank, "attempt": token, "why": why, "written_at": time.time()}).encode())
+
+
+def failure_ranks(names: list[str]) -> dict[int, str]:
+    """rank -> failure record name (``write_failure``), from a listing of the marker directory."""
+    return {int(n[7:-5]): f"{MARKER_DIR}/{n}" for n in names
+            if n.startswith("failed-") and n.endswith(".json") and n[7:-5].isdigit()}
 
 
 def read_marker(place: Place, rel: str) -> dict | None:

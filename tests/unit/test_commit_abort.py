@@ -1,0 +1,75 @@
+"""Without a store, a rank whose save into a group failed ends the commit for the ranks that
+wait on it (with a store: tests/unit/test_commit_store.py)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+import fastckpt
+from fastckpt.commit import protocol as P
+from fastckpt.testing import Fault, FaultyOps
+from tests.helpers import close_all, expect_aborted_by_rank_1, latest, place
+
+
+def _state(v: int) -> dict:
+    return {"w": torch.arange(256, dtype=torch.int64) + v, "v": v}
+
+
+def _until(cond: Callable[[], bool], timeout_s: float = 60.0) -> None:
+    """Wait for a condition another thread brings about (polled: it is a file appearing)."""
+    deadline, tick = time.monotonic() + timeout_s, threading.Event()
+    while not cond():
+        assert time.monotonic() < deadline, "the condition never held"
+        tick.wait(0.01)
+
+
+def test_a_failed_save_ends_the_commit_on_the_waiting_ranks_without_a_store(tmp_path: Path) -> None:
+    """Rank 1's save fails while ranks 0 and 2 already wait in their commits (no store: marker
+    files). Rank 1 leaves a failure record for rank 0's attempt; rank 0 ends the attempt on it
+    and records the outcome, which rank 2 is polling for. Neither waits commit_timeout_s (600 s
+    here): each raises within the 60 s the test gives it, naming rank 1's error."""
+    ops1 = FaultyOps()
+    cks = [fastckpt.Checkpointer(rank=r, world_size=3, io_threads=1, overhead_budget=0.99, commit_timeout_s=600,
+                                 ops=ops1 if r == 1 else None) for r in range(3)]
+    g1, g2 = tmp_path / "global_step1", tmp_path / "global_step2"
+    try:
+        for ck in cks:
+            ck.save(_state(1), str(g1 / f"r{ck.rank}.pt"), group=str(g1))
+        for h in [ck.commit(str(g1)) for ck in cks]:
+            h.wait(60)
+        handles = []
+        for r in (0, 2):
+            cks[r].save(_state(2), str(g2 / f"r{r}.pt"), group=str(g2))
+            handles.append(cks[r].commit(str(g2)))
+        _until(lambda: 2 in P.read_markers(place(str(g2))))  # rank 2 is waiting for the manifest
+        ops1.inject(Fault("pwrite", 28, path_contains="r1.pt"))  # ENOSPC on rank 1's file of step 2
+        cks[1].save(_state(2), str(g2 / "r1.pt"), group=str(g2))
+        expect_aborted_by_rank_1(cks[1], handles, str(g2))
+    finally:
+        close_all(cks)
+    assert latest(str(tmp_path)) == str(g1)
+    assert not (g2 / P.GROUP_MANIFEST).exists()
+    assert torch.equal(fastckpt.load(str(g1 / "r1.pt"))["w"], _state(1)["w"])
+
+
+def test_a_failure_record_of_an_earlier_attempt_does_not_end_the_next(tmp_path: Path) -> None:
+    """The group is saved again after an attempt failed on rank 1: its failure record names
+    the old attempt, so the new one commits."""
+    g = tmp_path / "global_step1"
+    cks = [fastckpt.Checkpointer(rank=r, world_size=2, overhead_budget=0.99, commit_timeout_s=60) for r in range(2)]
+    try:
+        P.write_failure(place(str(g)), 1, "an-earlier-attempt", "OSError: [Errno 28] No space left on device")
+        for ck in cks:
+            ck.save(_state(3), str(g / f"r{ck.rank}.pt"), group=str(g))
+        for h in [ck.commit(str(g)) for ck in cks]:
+            h.wait(60)
+    finally:
+        for ck in cks:
+            ck.close()
+    assert latest(str(tmp_path)) == str(g)
+    assert torch.equal(fastckpt.load(str(g / "r1.pt"))["w"], _state(3)["w"])
