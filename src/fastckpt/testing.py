@@ -15,7 +15,7 @@ damages the previous checkpoint::
 Counting: each ``Fault`` counts the calls of its ``op`` whose path matches, from the moment it
 was configured, and fires on the ``nth`` one, once. ``write_small`` (manifests, markers,
 pointers) is itself built from ``open``/``pwrite``/``fsync``, so those calls count for faults on
-those ops too. ``fsync``, ``pwrite``, ``preadv`` and ``ftruncate`` match against the path their
+those ops too. ``fsync``, ``pwrite``, ``preadv``, ``ftruncate`` and ``map_private`` match against the path their
 descriptor was opened with; ``replace`` matches if either its source or its destination does.
 
 Pausing: ``gate(op, ...)`` returns a ``Gate`` that holds every matching call (on whatever thread
@@ -39,7 +39,7 @@ from .io.ops import FileOps
 __all__ = ["Fault", "FaultyOps", "Gate", "OPS"]
 
 OPS = ("open", "pwrite", "preadv", "fsync", "ftruncate", "replace", "unlink", "rmdir", "fsync_dir", "makedirs",
-       "write_small", "exchange", "link")
+       "write_small", "exchange", "link", "map_private")
 
 
 @dataclass(frozen=True)
@@ -240,6 +240,10 @@ class FaultyOps(FileOps):
     def preadv_cached(self, fd: int, buf: memoryview, offset: int) -> int:
         self._guard("preadv", self._path_of(fd))
         return super().preadv_cached(fd, buf, offset)
+
+    def map_private(self, fd: int, size: int):  # noqa: ANN201 (an mmap.mmap)
+        self._guard("map_private", self._path_of(fd))
+        return super().map_private(fd, size)
 
     def reopen(self, fd: int, flags: int) -> int:
         new = super().reopen(fd, flags)

@@ -59,3 +59,18 @@ def test_mapped_load_of_an_empty_file_says_it_is_empty(tmp_path: Path) -> None:
     path.write_bytes(b"")
     with fastckpt.Checkpointer() as ck, pytest.raises(CorruptCheckpointError, match="empty"):
         ck.load(str(path), mmap=True)
+
+
+def test_a_file_system_that_cannot_map_files_is_read_instead(tmp_path: Path) -> None:
+    import errno
+
+    from fastckpt.testing import Fault, FaultyOps
+
+    path = str(tmp_path / "m.pt")
+    state = _state()
+    ops = FaultyOps([Fault("map_private", errno.ENODEV)])
+    with fastckpt.Checkpointer(ops=ops) as ck:
+        ck.save(state, path).wait()
+        out = ck.load(path, mmap=True)
+    assert torch.equal(out["w"], state["w"])
+    assert ops.calls("map_private") == 1 and ops.fired  # it tried, was refused, and read the file

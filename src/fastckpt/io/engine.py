@@ -286,12 +286,13 @@ def read_file(ops: FileOps, pool: Executor, path: str, *, chunk_bytes: int, odir
     return _verified(buf, view, size, early, covered, digests, path, direct)
 
 
-def map_file(ops: FileOps, pool: Executor, path: str, *, chunk_bytes: int) -> ReadResult:
+def map_file(ops: FileOps, pool: Executor, path: str, *, chunk_bytes: int, odirect: bool = True) -> ReadResult:
     """Map a whole file copy-on-write instead of reading it (``load(..., mmap=True)``), hashing
     its blocks in parallel: no copy and no fresh memory, so a file in the page cache "loads" at
     hashing speed. The buffer shares the file's cached pages until written to, so the file must
     not be changed in place while the mapping is in use (fastckpt never does: it replaces files
-    by rename); truncating it would make access to the lost pages raise SIGBUS.
+    by rename); truncating it would make access to the lost pages raise SIGBUS. A file system
+    that cannot map files (``ENODEV``) is read as ``read_file`` reads it.
     """
     fd = ops.open(path, os.O_RDONLY)
     try:
@@ -299,6 +300,10 @@ def map_file(ops: FileOps, pool: Executor, path: str, *, chunk_bytes: int) -> Re
         if size == 0:  # nothing to map: an empty buffer, judged like any empty file
             return ReadResult(alloc_aligned(0), 0, None, None, False)
         buf = ops.map_private(fd, size)
+    except OSError as exc:
+        if exc.errno not in (errno.ENODEV, errno.EOPNOTSUPP, errno.EINVAL):
+            raise
+        return read_file(ops, pool, path, chunk_bytes=chunk_bytes, odirect=odirect)
     finally:
         ops.close(fd)
     if hasattr(buf, "madvise"):

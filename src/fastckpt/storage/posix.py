@@ -244,9 +244,10 @@ class PosixTarget(Target):
         """The whole file, read in parallel through one descriptor (O_DIRECT where honoured), or
         with ``mapped`` mapped copy-on-write (``io.engine.map_file``): a concurrent replace of
         the file gives this read the old or the new one, never a mix."""
-        path, pool, n, ops = self._path(key), self._executor(), chunk_bytes, self.ops
-        return self._retry(f"{'map' if mapped else 'read'} of {path}", lambda: map_file(ops, pool, path, chunk_bytes=n)
-                           if mapped else read_file(ops, pool, path, chunk_bytes=n, odirect=self.odirect))
+        path, pool, n, ops, direct = self._path(key), self._executor(), chunk_bytes, self.ops, self.odirect
+        read = map_file if mapped else read_file
+        return self._retry(f"{'map' if mapped else 'read'} of {path}", lambda: read(ops, pool, path, chunk_bytes=n,
+                                                                                    odirect=direct))
 
     def get_bytes(self, key: str) -> bytes:
         path = self._path(key)
