@@ -8,10 +8,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 import torch
 
 import fastckpt
 from fastckpt.commit import protocol as P
+from fastckpt.errors import CheckpointWriteError
 from fastckpt.testing import Fault, FaultyOps
 from tests.helpers import close_all, expect_aborted_by_rank_1, latest, place
 
@@ -73,3 +75,26 @@ def test_a_failure_record_of_an_earlier_attempt_does_not_end_the_next(tmp_path: 
             ck.close()
     assert latest(str(tmp_path)) == str(g)
     assert torch.equal(fastckpt.load(str(g / "r1.pt"))["w"], _state(3)["w"])
+
+
+def test_a_rank_that_commits_after_rank_0_ended_the_attempt_fails_too(tmp_path: Path) -> None:
+    """Rank 2 began (saved) while rank 0's attempt ran, but reaches its commit only after rank 0
+    ended that attempt on rank 1's failure: it reads the outcome and fails at once, instead of
+    waiting commit_timeout_s for an attempt that is over."""
+    ops1 = FaultyOps()
+    cks = [fastckpt.Checkpointer(rank=r, world_size=3, io_threads=1, overhead_budget=0.99, commit_timeout_s=600,
+                                 ops=ops1 if r == 1 else None) for r in range(3)]
+    g = tmp_path / "global_step1"
+    try:
+        for r in (0, 2):
+            cks[r].save(_state(1), str(g / f"r{r}.pt"), group=str(g)).wait(60)
+        first = cks[0].commit(str(g))
+        ops1.inject(Fault("pwrite", 28, path_contains="r1.pt"))
+        cks[1].save(_state(1), str(g / "r1.pt"), group=str(g))
+        expect_aborted_by_rank_1(cks[1], [first], str(g))  # rank 0 ended the attempt
+        late = cks[2].commit(str(g))
+        with pytest.raises(CheckpointWriteError, match=r"failed on another rank \(rank 1: .*No space left"):
+            late.wait(60)
+    finally:
+        close_all(cks)
+    assert latest(str(tmp_path)) is None

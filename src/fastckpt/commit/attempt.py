@@ -37,8 +37,9 @@ class Attempt:
     go (``home``, or ``protocol.staged_place(home)`` for a re-save of a published group, then
     ``old`` is the manifest it replaces). ``channel`` is the attempt's store keys (None: the
     storage fallback). ``token`` names the attempt (None on other ranks without a store until
-    they read rank 0's). ``cancel`` is set by ``remove()``; ``move_latest=False`` (``commit``'s)
-    publishes the group without moving ``latest``.
+    they read rank 0's; ``begun_in`` is the attempt rank 0 was running when such a rank began:
+    if that one ends aborted before the rank commits, it was this rank's). ``cancel`` is set by
+    ``remove()``; ``move_latest=False`` (``commit``'s) publishes the group without moving ``latest``.
     """
 
     group: str
@@ -52,6 +53,7 @@ class Attempt:
     cancel: threading.Event = field(default_factory=threading.Event)
     handles: list[SaveHandle] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
+    begun_in: str | None = None
 
     @property
     def staged(self) -> bool:
@@ -135,6 +137,10 @@ def via_storage(att: Attempt, rank: int, world: int, files: dict, superseded: bo
     """The commit through marker files (``fallback.py``), on this rank."""
     if rank != 0:
         token = F.current_attempt(att.place)
+        if token is None and att.begun_in is not None:  # ended already: aborted, while this rank wrote?
+            ended = P.read_record(att.place, P.OUTCOME)
+            if ended is not None and ended.get("attempt") == att.begun_in and ended.get("outcome") == "aborted":
+                raise aborted_error(att.home.label, str(ended.get("why")))
         P.write_marker(att.place, rank, world, files, token, superseded)
         m = F.wait_for_manifest(att.home, timeout_s + grace(timeout_s), stop, token, files, me=rank,
                                 restamp=lambda aid: P.write_marker(att.place, rank, world, files, aid, superseded),

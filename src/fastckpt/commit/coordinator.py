@@ -123,8 +123,9 @@ class Coordinator:
         token = channel.token if channel is not None else (uuid.uuid4().hex[:16] if rank == 0 else None)
         if channel is None and rank == 0 and world > 1:
             P.write_record(place, P.ATTEMPT, attempt=token, world_size=world)
+        begun_in = F.current_attempt(place) if channel is None and rank != 0 else None
         with self._lock:
-            self._open[group] = A.Attempt(group, home, place, local, channel, token, old)
+            self._open[group] = A.Attempt(group, home, place, local, channel, token, old, begun_in=begun_in)
 
     def home_path(self, group: str, path: str) -> str:
         """Where ``path`` (a file of ``group``) is written at its home in this attempt."""
