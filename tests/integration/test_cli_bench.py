@@ -136,7 +136,11 @@ def test_interrupt_removes_the_files(tmp_path, engine: str, sig: int) -> None:
 # Runs bench for a minute in a child and prints "started" once the first block is written
 # (spied on through FileOps.pwrite), so the parent interrupts it mid-run without sleeping.
 _WATCHED = """
+import signal
 import sys
+# Ctrl-C as in a terminal, even when the suite runs in the background: a shell without job
+# control starts background commands with SIGINT ignored, and children inherit that
+signal.signal(signal.SIGINT, signal.default_int_handler)
 from fastckpt.io.ops import FileOps
 from fastckpt.cli import main
 real = FileOps.pwrite
