@@ -4,8 +4,6 @@ wait on it (with a store: tests/unit/test_commit_store.py)."""
 from __future__ import annotations
 
 import threading
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -22,22 +20,17 @@ def _state(v: int) -> dict:
     return {"w": torch.arange(256, dtype=torch.int64) + v, "v": v}
 
 
-def _until(cond: Callable[[], bool], timeout_s: float = 60.0) -> None:
-    """Wait for a condition another thread brings about (polled: it is a file appearing)."""
-    deadline, tick = time.monotonic() + timeout_s, threading.Event()
-    while not cond():
-        assert time.monotonic() < deadline, "the condition never held"
-        tick.wait(0.01)
-
-
 def test_a_failed_save_ends_the_commit_on_the_waiting_ranks_without_a_store(tmp_path: Path) -> None:
     """Rank 1's save fails while ranks 0 and 2 already wait in their commits (no store: marker
     files). Rank 1 leaves a failure record for rank 0's attempt; rank 0 ends the attempt on it
     and records the outcome, which rank 2 is polling for. Neither waits commit_timeout_s (600 s
     here): each raises within the 60 s the test gives it, naming rank 1's error."""
     ops1 = FaultyOps()
+    waiting = threading.Event()  # rank 2 wrote its marker of step 2: it polls for the manifest next
+    ops2 = FaultyOps(on_call=lambda op, path: waiting.set() if op == "replace" and "global_step2" in path
+                     and "rank-00002" in path else None)
     cks = [fastckpt.Checkpointer(rank=r, world_size=3, io_threads=1, overhead_budget=0.99, commit_timeout_s=600,
-                                 ops=ops1 if r == 1 else None) for r in range(3)]
+                                 ops={1: ops1, 2: ops2}.get(r)) for r in range(3)]
     g1, g2 = tmp_path / "global_step1", tmp_path / "global_step2"
     try:
         for ck in cks:
@@ -48,7 +41,7 @@ def test_a_failed_save_ends_the_commit_on_the_waiting_ranks_without_a_store(tmp_
         for r in (0, 2):
             cks[r].save(_state(2), str(g2 / f"r{r}.pt"), group=str(g2))
             handles.append(cks[r].commit(str(g2)))
-        _until(lambda: 2 in P.read_markers(place(str(g2))))  # rank 2 is waiting for the manifest
+        assert waiting.wait(60)
         ops1.inject(Fault("pwrite", 28, path_contains="r1.pt"))  # ENOSPC on rank 1's file of step 2
         cks[1].save(_state(2), str(g2 / "r1.pt"), group=str(g2))
         expect_aborted_by_rank_1(cks[1], handles, str(g2))

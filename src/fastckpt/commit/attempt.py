@@ -100,7 +100,7 @@ def via_store(att: Attempt, ch: S.Channel, rank: int, world: int, files: dict, s
         if kind == S.REMOVED:
             raise F.removed_error(att.home)
         if kind == S.ABORTED:
-            raise aborted_error(att.home.label, rest)
+            raise F.aborted_error(att.home.label, rest)
         raise CommitTimeoutError(rest)
     entries = ch.gather(timeout_s, stop)
     if entries is None:
@@ -114,7 +114,7 @@ def via_store(att: Attempt, ch: S.Channel, rank: int, world: int, files: dict, s
     if won != "rank 0":
         ch.tell(None)
         if won.startswith(S.ABORTED + ":"):
-            raise aborted_error(att.home.label, won.partition(":")[2])
+            raise F.aborted_error(att.home.label, won.partition(":")[2])
         raise F.removed_error(att.home)
     if any(e.get("superseded") for e in entries.values()):
         ch.tell(S.SUPERSEDED)
@@ -129,9 +129,6 @@ def via_store(att: Attempt, ch: S.Channel, rank: int, world: int, files: dict, s
     return Ended(manifest, total)
 
 
-aborted_error = F.aborted_error  # what the other ranks raise when one rank's save into the group failed
-
-
 def via_storage(att: Attempt, rank: int, world: int, files: dict, superseded: bool, extra: dict,
                 requested_at: float, timeout_s: float, stop: threading.Event) -> Ended:
     """The commit through marker files (``fallback.py``), on this rank."""
@@ -139,8 +136,8 @@ def via_storage(att: Attempt, rank: int, world: int, files: dict, superseded: bo
         token = F.current_attempt(att.place)
         if token is None and att.begun_in is not None:  # ended already: aborted, while this rank wrote?
             ended = P.read_record(att.place, P.OUTCOME)
-            if ended is not None and ended.get("attempt") == att.begun_in and ended.get("outcome") == "aborted":
-                raise aborted_error(att.home.label, str(ended.get("why")))
+            if ended is not None and ended.get("attempt") == att.begun_in and ended.get("outcome") == F.ABORTED:
+                raise F.aborted_error(att.home.label, str(ended.get("why")))
         P.write_marker(att.place, rank, world, files, token, superseded)
         m = F.wait_for_manifest(att.home, timeout_s + grace(timeout_s), stop, token, files, me=rank,
                                 restamp=lambda aid: P.write_marker(att.place, rank, world, files, aid, superseded),
@@ -156,7 +153,7 @@ def via_storage(att: Attempt, rank: int, world: int, files: dict, superseded: bo
         P.write_record(att.place, P.OUTCOME, attempt=att.token, outcome=str(exc))
         raise
     except CheckpointWriteError as exc:  # a rank's save failed: the others stop waiting too
-        P.write_record(att.place, P.OUTCOME, attempt=att.token, outcome="aborted", why=getattr(exc, "why", str(exc)))
+        F.record_aborted(att.place, att.token, getattr(exc, "why", str(exc)))
         raise
     if any(m.get("superseded") for m in markers.values()):
         P.write_record(att.place, P.OUTCOME, attempt=att.token, outcome="superseded")

@@ -228,7 +228,7 @@ class Coordinator:
             if att.channel is not None:
                 att.channel.abort(rank, why)
             elif rank == 0:
-                P.write_record(att.place, P.OUTCOME, attempt=att.token, outcome="aborted", why=f"rank 0: {why}")
+                F.record_aborted(att.place, att.token, f"rank 0: {why}")
             else:
                 P.write_failure(att.place, rank, F.current_attempt(att.place), why)
         except (S.StoreError, OSError) as tell_exc:  # the others then time out, naming this rank

@@ -25,6 +25,7 @@ from ..errors import CheckpointWriteError, CommitTimeoutError, GroupRemovedError
 from ..storage.places import Place
 from . import protocol as P
 
+ABORTED = "aborted"  # the outcome of an attempt that a rank's failed save ended
 POLL_FIRST_S = 0.005
 POLL_MAX_S = 0.5
 
@@ -49,6 +50,12 @@ def aborted_error(label: str, why: str) -> CheckpointWriteError:
                                "The group stays incomplete; the previous checkpoint is intact.")
     err.why = why  # type: ignore[attr-defined]
     return err
+
+
+def record_aborted(place: Place, token: str | None, why: str) -> None:
+    """Rank 0: attempt ``token`` ended because a save failed (``why``: which rank, and its error);
+    the ranks polling for the manifest raise ``aborted_error`` on it."""
+    P.write_record(place, P.OUTCOME, attempt=token, outcome=ABORTED, why=why)
 
 
 def removed_error(place: Place) -> GroupRemovedError:
@@ -155,7 +162,7 @@ def wait_for_manifest(place: Place, timeout_s: float, stop: threading.Event, tok
         if ended is not None and ended.get("attempt") == state["token"]:
             if ended.get("outcome") == "superseded":
                 return {"superseded": True, "files": {}}
-            if ended.get("outcome") == "aborted":
+            if ended.get("outcome") == ABORTED:
                 raise aborted_error(place.label, str(ended.get("why")))
             raise CommitTimeoutError(str(ended.get("outcome")))
         if restamp is not None:
