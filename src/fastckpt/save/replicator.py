@@ -197,15 +197,17 @@ class Replicator:
             raise CheckpointWriteError(f"local copy {job.local} of {rec.path} has no manifest: it was replaced "
                                        "or damaged after it was committed; not replicating it")
         if rec.checksum and manifest["checksum"]["value"] != rec.checksum:
-            call_wall = job.committed_at - (rec.local_durable_s or 0.0)
-            if float(manifest.get("written_at", 0.0)) < call_wall:
+            if not self._replaced_by_newer(job, manifest):
                 raise CheckpointWriteError(f"local copy {job.local} of {rec.path} no longer has the checksum it was "
                                            "committed with: it changed after it was committed; not replicating it")
-            # a newer save to the same path replaced the local copy; that save's own job sends it
-            log.info("fastckpt: replication of %s superseded: a newer save replaced its local copy", rec.path)
-            return replace(rec, durable_s=None, superseded=True)
+            return self._superseded(rec)
         try:
             detail = self._copy(job, manifest)
+        except CheckpointWriteError as exc:  # the copy read other bytes: a newer save replaced the file meanwhile?
+            if self._replaced_by_newer(job):
+                return self._superseded(rec)
+            self._emit("replicate", rec.path, rec.bytes, r0, rec.tier, exc)
+            raise
         except BaseException as exc:
             self._emit("replicate", rec.path, rec.bytes, r0, rec.tier, exc)
             raise
@@ -216,6 +218,24 @@ class Replicator:
         with self._cv:
             self.newest_verified_call = max(self.newest_verified_call or 0.0, call_wall)
         return replace(rec, durable_s=durable)
+
+    def _replaced_by_newer(self, job: ReplicaJob, manifest: dict | None = None) -> bool:
+        """Whether the local copy (its ``manifest``, read again if not given) is another save's,
+        written after this one was called: a newer save to the same path, whose own job sends it."""
+        if manifest is None:
+            try:
+                local = self._homes.resolve(job.local)
+                manifest = local.target.read_manifest(local.key)
+            except (OSError, CorruptCheckpointError):
+                return False
+        if manifest is None or manifest["checksum"]["value"] == job.rec.checksum:
+            return False
+        return float(manifest.get("written_at", 0.0)) >= job.committed_at - (job.rec.local_durable_s or 0.0)
+
+    @staticmethod
+    def _superseded(rec: SaveRecord) -> SaveRecord:
+        log.info("fastckpt: replication of %s superseded: a newer save replaced its local copy", rec.path)
+        return replace(rec, durable_s=None, superseded=True)
 
     def _copy(self, job: ReplicaJob, manifest: dict) -> str:
         """Copy, verify and publish one file at its home; returns the event's detail."""
