@@ -13,13 +13,14 @@ import torch
 pytest.importorskip("lightning")
 
 from tests.integration.test_lightning import leftovers, tree_equal
+from tests.s3server import free_ports
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_lightning_ddp_script.py")
 
 
 def test_ddp_two_processes_save_resume_top_k(tmp_path):
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29500 + os.getpid() % 1000),
-               OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_ports(1)[0]),
+               OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONFAULTHANDLER="1")
     # Lightning starts rank 1 from rank 0; the script's watchdog ends both if a rank hangs
     proc = subprocess.run([sys.executable, SCRIPT, str(tmp_path)], env=env, capture_output=True, text=True, check=False,
                           timeout=150, start_new_session=True)

@@ -21,6 +21,7 @@ pytest.importorskip("lightning")
 pytest.importorskip("deepspeed")
 
 from tests.integration.test_lightning import leftovers, tree_equal
+from tests.s3server import free_ports
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
@@ -29,7 +30,7 @@ SCRIPT = os.path.join(HERE, "_lightning_deepspeed_script.py")
 
 def _env() -> dict[str, str]:
     return dict(os.environ, DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", OMP_NUM_THREADS="1",
-                MASTER_PORT=str(30500 + os.getpid() % 1000), PYTHONWARNINGS="ignore",
+                MASTER_PORT=str(free_ports(1)[0]), PYTHONWARNINGS="ignore",
                 TORCH_EXTENSIONS_DIR=os.environ.get("TORCH_EXTENSIONS_DIR",
                                                     os.path.join(REPO, ".venv", "torch_extensions")))
 

@@ -13,14 +13,15 @@ import torch
 pytest.importorskip("lightning")
 
 from tests.integration.test_lightning import leftovers, tree_equal
+from tests.s3server import free_ports
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_lightning_fsdp_script.py")
 
 
 def run_fsdp_script(tmp_path, **env_extra: str) -> dict:
     """Run the script (Lightning starts the other ranks); return its summary."""
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(30500 + os.getpid() % 1000),
-               OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", **env_extra)
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_ports(1)[0]),
+               OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONFAULTHANDLER="1", **env_extra)
     proc = subprocess.run([sys.executable, SCRIPT, str(tmp_path)], env=env, capture_output=True, text=True, check=False,
                           timeout=200, start_new_session=True)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]

@@ -20,6 +20,7 @@ from fastckpt.cli.ls import ls
 from fastckpt.commit import discovery
 from fastckpt.storage.homes import Homes
 from tests.helpers import scan
+from tests.s3server import free_ports
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -81,7 +82,7 @@ if ck is not None:
 def test_deepspeed_engine_checkpoints_are_found_as_one_tag(tmp_path: Path) -> None:
     pytest.importorskip("deepspeed")
     save_dir = tmp_path / "ds"
-    env = dict(os.environ, DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(31500 + os.getpid() % 1000),
+    env = dict(os.environ, DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_ports(1)[0]),
                RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
                TORCH_EXTENSIONS_DIR=os.environ.get("TORCH_EXTENSIONS_DIR", str(REPO / ".venv" / "torch_extensions")))
     done = subprocess.run([sys.executable, "-c", DEEPSPEED_RUN, str(save_dir), "before"], env=env,
