@@ -4,7 +4,9 @@ would show plans afresh."""
 
 from __future__ import annotations
 
+import array
 import collections
+import dataclasses
 
 import pytest
 import torch
@@ -65,7 +67,10 @@ def test_templates_hold_no_storage_and_are_bounded() -> None:
     for step in range(5):
         planner.plan(_state(step=step))
     assert len(planner._layouts) == 2
-    assert all(r.storage is None for _, _, t in planner._layouts for r in t.storages)
+    templates = [t for _, _, t in planner._layouts]
+    assert all(type(t) is F.Template for t in templates)
+    kept = [getattr(t, f.name) for t in templates for f in dataclasses.fields(t)]
+    assert all(type(v) in (F.Segments, array.array, int) for v in kept), [type(v) for v in kept]
     planner.plan(_state(step=4))
     assert planner.hits == 1
 
