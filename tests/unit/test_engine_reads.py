@@ -11,7 +11,7 @@ import pytest
 
 from fastckpt.format import checksum
 from fastckpt.io import engine
-from fastckpt.io.ops import FileOps
+from fastckpt.io.ops import FileOps, resident_bytes
 from fastckpt.save.tiers import probe_odirect
 
 MiB = 1 << 20
@@ -89,6 +89,52 @@ def test_partly_cached_file_mixes_cache_and_device(direct_dir) -> None:
     assert bytes(memoryview(res.buffer)[:size]) == data
     assert res.checksum == checksum.checksum_bytes(data)
     assert ops.device > 0
+
+
+def _cached_pages(path) -> int:  # noqa: ANN001
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        return sum(resident_bytes(fd, off, 4096) > 0 for off in range(0, size, 4096))
+    finally:
+        os.close(fd)
+
+
+def test_a_cold_read_leaves_the_page_cache_alone(direct_dir) -> None:
+    """Asking the cache for a page it lacks (RWF_NOWAIT) starts the kernel's readahead of it:
+    the O_DIRECT load would read those bytes twice. The cache is asked only for resident pages."""
+    size = 40 * MiB + 12345
+    path = direct_dir / "c.bin"
+    data = _file(path, size)
+    _evict(path)
+    with open(path, "rb") as f:  # one cached page, so the count below is not vacuous
+        f.seek(20 * MiB)
+        f.read(1)
+    before = _cached_pages(path)
+    assert 1 <= before <= 2048  # the page read, and whatever readahead the kernel chose for it
+    ops = CountingOps()
+    res = _read(ops, path)
+    assert bytes(memoryview(res.buffer)[:size]) == data
+    assert res.checksum == checksum.checksum_bytes(data)
+    assert _cached_pages(path) == before
+    assert ops.device >= size - before * 4096 - 4096
+
+
+def test_resident_bytes_counts_up_to_the_first_missing_page(direct_dir) -> None:
+    path = direct_dir / "m.bin"
+    _file(path, 8 * 4096)
+    _evict(path)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert resident_bytes(fd, 0, 8 * 4096) == 0
+        os.pread(fd, 1, 2 * 4096)  # page 2 (and what readahead adds after it)
+        assert resident_bytes(fd, 0, 8 * 4096) == 0
+        assert resident_bytes(fd, 2 * 4096 + 100, 3996) == 3996  # the rest of page 2
+        got = resident_bytes(fd, 2 * 4096 + 100, 6 * 4096 - 100)  # to the end of the file
+        assert 3996 <= got and got % 4096 == 3996  # whole pages from there: as far as readahead went
+        assert resident_bytes(fd, 0, 0) == 0
+    finally:
+        os.close(fd)
 
 
 def test_twin_reads_the_open_file_not_the_path(direct_dir) -> None:

@@ -23,6 +23,35 @@ _RWF_NOWAIT = getattr(os, "RWF_NOWAIT", 0)
 _LIBC = ctypes.CDLL(None, use_errno=True)
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
+_PAGE = mmap.PAGESIZE
+_MAP_FAILED = ctypes.c_void_p(-1).value
+_mmap_fn, _munmap, _mincore = _LIBC.mmap, _LIBC.munmap, _LIBC.mincore
+_mmap_fn.restype, _mmap_fn.argtypes = ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                                                       ctypes.c_int, ctypes.c_long]
+_munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+_LOW_BIT = bytes(i & 1 for i in range(256))
+
+
+def resident_bytes(fd: int, offset: int, n: int) -> int:
+    """How many of the ``n`` bytes of ``fd`` from ``offset`` lie in pages the page cache holds,
+    counted up to the first page it does not (``mincore`` on a mapping that is never touched:
+    no I/O). ``n`` when the system cannot tell, so that the caller's ``RWF_NOWAIT`` decides."""
+    start = offset - offset % _PAGE
+    length = offset + n - start
+    if n <= 0:
+        return 0
+    addr = _mmap_fn(None, length, mmap.PROT_READ, mmap.MAP_SHARED, fd, start)
+    if addr in (None, _MAP_FAILED):
+        return n
+    try:
+        vec = ctypes.create_string_buffer((length + _PAGE - 1) // _PAGE)
+        if _mincore(addr, length, vec) != 0:
+            return n
+        missing = vec.raw.translate(_LOW_BIT).find(0)  # a page is resident when its low bit is set
+    finally:
+        _munmap(addr, length)
+    return n if missing < 0 else max(0, min(n, missing * _PAGE - (offset - start)))
 
 
 class FileOps:
@@ -38,10 +67,20 @@ class FileOps:
         return os.preadv(fd, [buf], offset)
 
     def preadv_cached(self, fd: int, buf: memoryview, offset: int) -> int:
-        """Read only what the page cache holds now (``RWF_NOWAIT``): the bytes read, 0 when the
-        first page is not cached or the system cannot tell (the caller reads from the device)."""
+        """Read only what the page cache holds now: the bytes read, 0 when the first page is not
+        cached or the system cannot tell (the caller reads from the device).
+
+        The read stops before the first page that is not resident (``resident_bytes``), because
+        ``RWF_NOWAIT`` alone is not "no I/O": a read that reaches a missing page returns early
+        but starts the kernel's readahead of it (8 MiB on a cold file here), so an O_DIRECT
+        load would read those bytes twice and fill the cache with them."""
+        if not _RWF_NOWAIT:
+            return 0
+        n = resident_bytes(fd, offset, len(buf))
+        if n == 0:
+            return 0
         try:
-            return os.preadv(fd, [buf], offset, _RWF_NOWAIT) if _RWF_NOWAIT else 0
+            return os.preadv(fd, [buf[:n]], offset, _RWF_NOWAIT)
         except (BlockingIOError, InterruptedError):
             return 0
         except OSError as exc:
