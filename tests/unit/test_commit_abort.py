@@ -52,13 +52,54 @@ def test_a_failed_save_ends_the_commit_on_the_waiting_ranks_without_a_store(tmp_
     assert torch.equal(fastckpt.load(str(g1 / "r1.pt"))["w"], _state(1)["w"])
 
 
-def test_a_failure_record_of_an_earlier_attempt_does_not_end_the_next(tmp_path: Path) -> None:
+def test_a_save_that_failed_before_rank_0_began_ends_the_attempt_rank_0_begins(tmp_path: Path) -> None:
+    """Rank 1's save fails before rank 0 has started the attempt (rank 0 has not saved into the
+    group yet), so no attempt id exists for its failure record: it records the id attempt.json
+    held (none, in a new group). Rank 0's attempt replaces exactly that one, so it ends on the
+    record, and rank 2, which began before any attempt too, reads the outcome as its own. Before,
+    both waited commit_timeout_s (600 s here)."""
+    ops1 = FaultyOps()
+    waiting = threading.Event()  # rank 2 wrote its marker of step 2: it polls for the manifest next
+    ops2 = FaultyOps(on_call=lambda op, path: waiting.set() if op == "replace" and "global_step2" in path
+                     and "rank-00002" in path else None)
+    cks = [fastckpt.Checkpointer(rank=r, world_size=3, io_threads=1, overhead_budget=0.99, commit_timeout_s=600,
+                                 ops={1: ops1, 2: ops2}.get(r)) for r in range(3)]
+    g1, g2 = tmp_path / "global_step1", tmp_path / "global_step2"
+    try:
+        for ck in cks:
+            ck.save(_state(1), str(g1 / f"r{ck.rank}.pt"), group=str(g1))
+        for h in [ck.commit(str(g1)) for ck in cks]:
+            h.wait(60)
+        ops1.inject(Fault("pwrite", 28, path_contains="r1.pt"))  # ENOSPC on rank 1's file of step 2
+        cks[1].save(_state(2), str(g2 / "r1.pt"), group=str(g2))
+        with pytest.raises(CheckpointWriteError, match="No space left"):
+            cks[1].commit(str(g2)).wait(60)
+        assert not (g2 / P.ATTEMPT).exists()  # rank 0 has not begun: the record names no attempt
+        records = P.failure_ranks(sorted(p.name for p in (g2 / P.MARKER_DIR).iterdir()))
+        assert records == {1: f"{P.MARKER_DIR}/failed-00001.json"}
+        cks[2].save(_state(2), str(g2 / "r2.pt"), group=str(g2))
+        late = cks[2].commit(str(g2))
+        assert waiting.wait(60)
+        cks[0].save(_state(2), str(g2 / "r0.pt"), group=str(g2))
+        for h in (cks[0].commit(str(g2)), late):
+            with pytest.raises(CheckpointWriteError, match=r"failed on another rank \(rank 1: .*No space left"):
+                h.wait(60)
+    finally:
+        close_all(cks)
+    assert latest(str(tmp_path)) == str(g1)
+    assert not (g2 / P.GROUP_MANIFEST).exists()
+
+
+@pytest.mark.parametrize(("attempt", "seen"), [("an-earlier-attempt", None), (None, "an-older-attempt")])
+def test_a_failure_record_of_an_earlier_attempt_does_not_end_the_next(tmp_path: Path, attempt: str | None,
+                                                                      seen: str | None) -> None:
     """The group is saved again after an attempt failed on rank 1: its failure record names
-    the old attempt, so the new one commits."""
+    the old attempt (or, written before any attempt ran, the attempt then recorded, which is
+    not the one the new attempt replaces), so the new one commits."""
     g = tmp_path / "global_step1"
     cks = [fastckpt.Checkpointer(rank=r, world_size=2, overhead_budget=0.99, commit_timeout_s=60) for r in range(2)]
     try:
-        P.write_failure(place(str(g)), 1, "an-earlier-attempt", "OSError: [Errno 28] No space left on device")
+        P.write_failure(place(str(g)), 1, attempt, "OSError: [Errno 28] No space left on device", seen=seen)
         for ck in cks:
             ck.save(_state(3), str(g / f"r{ck.rank}.pt"), group=str(g))
         for h in [ck.commit(str(g)) for ck in cks]:

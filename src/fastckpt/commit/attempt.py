@@ -38,7 +38,9 @@ class Attempt:
     ``old`` is the manifest it replaces). ``channel`` is the attempt's store keys (None: the
     storage fallback). ``token`` names the attempt (None on other ranks without a store until
     they read rank 0's; ``begun_in`` is the attempt rank 0 was running when such a rank began:
-    if that one ends aborted before the rank commits, it was this rank's). ``cancel`` is set by
+    if that one ends aborted before the rank commits, it was this rank's); ``replaced``, on rank 0,
+    the attempt id ``attempt.json`` held before this attempt's, and ``seen``, on the others, the one
+    it held when they began (False: not read). ``cancel`` is set by
     ``remove()``; ``move_latest=False`` (``commit``'s) publishes the group without moving ``latest``.
     """
 
@@ -54,6 +56,8 @@ class Attempt:
     handles: list[SaveHandle] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
     begun_in: str | None = None
+    replaced: str | None = None
+    seen: str | None | bool = False  # other ranks without a store: attempt.json's id at begin
 
     @property
     def staged(self) -> bool:
@@ -141,22 +145,22 @@ def via_storage(att: Attempt, rank: int, world: int, files: dict, superseded: bo
         P.write_marker(att.place, rank, world, files, token, superseded)
         m = F.wait_for_manifest(att.home, timeout_s + grace(timeout_s), stop, token, files, me=rank,
                                 restamp=lambda aid: P.write_marker(att.place, rank, world, files, aid, superseded),
-                                cancel=att.cancel, records=att.place)
+                                cancel=att.cancel, records=att.place, seen=att.seen)
         if m.get("superseded"):
             return Ended(None, 0, superseded=True)
         return Ended(m, sum(f["size"] for f in m["files"].values()))
     P.write_marker(att.place, rank, world, files, att.token, superseded)
     try:
         markers = F.wait_for_markers(att.place, world, timeout_s, stop, att.token, me=rank,
-                                     cancel=att.cancel)
+                                     cancel=att.cancel, replaced=att.replaced)
     except CommitTimeoutError as exc:
-        P.write_record(att.place, P.OUTCOME, attempt=att.token, outcome=str(exc))
+        P.write_record(att.place, P.OUTCOME, attempt=att.token, outcome=str(exc), replaced=att.replaced)
         raise
     except CheckpointWriteError as exc:  # a rank's save failed: the others stop waiting too
-        F.record_aborted(att.place, att.token, getattr(exc, "why", str(exc)))
+        F.record_aborted(att.place, att.token, getattr(exc, "why", str(exc)), att.replaced)
         raise
     if any(m.get("superseded") for m in markers.values()):
-        P.write_record(att.place, P.OUTCOME, attempt=att.token, outcome="superseded")
+        P.write_record(att.place, P.OUTCOME, attempt=att.token, outcome="superseded", replaced=att.replaced)
         return Ended(None, 0, superseded=True)
     manifest = publish(att, world, markers, extra, requested_at, check_sizes=True)
     return Ended(manifest, sum(f["size"] for f in manifest["files"].values()))

@@ -121,11 +121,14 @@ class Coordinator:
             copy.delete(P.GROUP_MANIFEST)  # the local copy is rewritten in place: not complete until committed
         channel = self._channel(group, world)
         token = channel.token if channel is not None else (uuid.uuid4().hex[:16] if rank == 0 else None)
+        replaced = None
         if channel is None and rank == 0 and world > 1:
+            replaced = P.attempt_id(place)
             P.write_record(place, P.ATTEMPT, attempt=token, world_size=world)
-        begun_in = F.current_attempt(place) if channel is None and rank != 0 else None
+        seen, begun_in = F.attempt_ids(place) if channel is None and rank != 0 else (False, None)
         with self._lock:
-            self._open[group] = A.Attempt(group, home, place, local, channel, token, old, begun_in=begun_in)
+            self._open[group] = A.Attempt(group, home, place, local, channel, token, old, begun_in=begun_in,
+                                          replaced=replaced, seen=seen)
 
     def home_path(self, group: str, path: str) -> str:
         """Where ``path`` (a file of ``group``) is written at its home in this attempt."""
@@ -221,16 +224,17 @@ class Coordinator:
         """End the attempt on every rank at once: they need not wait ``commit_timeout_s`` for a
         rank whose save failed. With a store, through it; without one, through the group's
         directory: rank 0 records the attempt's outcome, another rank a failure record for rank
-        0's current attempt (``fallback.wait_for_markers`` ends on it). Should rank 0 not have
-        started the attempt yet, the record names an older one, and the others time out."""
+        0's current attempt, or, when rank 0 has not started it yet, for the one that follows
+        the attempt recorded there now (``fallback.wait_for_markers`` ends on either)."""
         why = f"{type(exc).__name__}: {exc}"[:500]
         try:
             if att.channel is not None:
                 att.channel.abort(rank, why)
             elif rank == 0:
-                F.record_aborted(att.place, att.token, f"rank 0: {why}")
+                F.record_aborted(att.place, att.token, f"rank 0: {why}", att.replaced)
             else:
-                P.write_failure(att.place, rank, F.current_attempt(att.place), why)
+                seen = P.attempt_id(att.place)  # read first: rank 0 may replace it meanwhile
+                P.write_failure(att.place, rank, F.current_attempt(att.place), why, seen=seen)
         except (S.StoreError, OSError) as tell_exc:  # the others then time out, naming this rank
             log.warning("fastckpt: could not tell the other ranks that the save into %s failed: %s",
                         att.group, tell_exc)

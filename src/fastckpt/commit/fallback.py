@@ -9,8 +9,9 @@ when every rank's marker carries its id, so a dead rank's leftover marker never 
 the manifest names the files of this attempt only. An attempt that ends without a manifest
 (dropped by replication's coalescing, or failed) is recorded in ``.fastckpt/outcome.json`` so
 the other ranks stop waiting. A rank whose own marker vanished learns that the group was
-removed. A rank whose save failed leaves a failure record for rank 0's current attempt
-(``protocol.write_failure``): rank 0 ends the attempt on it and records an "aborted" outcome.
+removed. A rank whose save failed leaves a failure record for rank 0's current attempt, or, before rank 0
+started it, for the one that replaces the attempt recorded then (``protocol.write_failure``):
+rank 0 ends the attempt on it and records an "aborted" outcome.
 Each poll of rank 0 lists the marker directory once and reads only markers it has not
 accepted yet (and any failure records): O(W) reads per commit, plus one listing per poll.
 """
@@ -52,10 +53,11 @@ def aborted_error(label: str, why: str) -> CheckpointWriteError:
     return err
 
 
-def record_aborted(place: Place, token: str | None, why: str) -> None:
-    """Rank 0: attempt ``token`` ended because a save failed (``why``: which rank, and its error);
-    the ranks polling for the manifest raise ``aborted_error`` on it."""
-    P.write_record(place, P.OUTCOME, attempt=token, outcome=ABORTED, why=why)
+def record_aborted(place: Place, token: str | None, why: str, replaced: str | None = None) -> None:
+    """Rank 0: attempt ``token`` (which replaced attempt ``replaced``) ended because a save
+    failed (``why``: which rank, and its error); the ranks polling for the manifest raise
+    ``aborted_error`` on it."""
+    P.write_record(place, P.OUTCOME, attempt=token, outcome=ABORTED, why=why, replaced=replaced)
 
 
 def removed_error(place: Place) -> GroupRemovedError:
@@ -65,12 +67,14 @@ def removed_error(place: Place) -> GroupRemovedError:
 
 def wait_for_markers(place: Place, world_size: int, timeout_s: float, stop: threading.Event,
                      token: str | None = None, me: int | None = None,
-                     cancel: threading.Event | None = None) -> dict[int, dict]:
+                     cancel: threading.Event | None = None, replaced: str | None = None) -> dict[int, dict]:
     """Rank 0: every rank's marker of attempt ``token`` (or one that dropped it).
 
     Args:
         me: this rank, whose own marker vanishing means the group was removed.
         cancel: set by ``remove()`` on this rank.
+        replaced: the attempt id ``attempt.json`` held before ``token``'s: a failure record
+            written before this attempt started, while that one was recorded, is this attempt's.
 
     Raises:
         CommitTimeoutError: naming the ranks that never committed.
@@ -85,7 +89,7 @@ def wait_for_markers(place: Place, world_size: int, timeout_s: float, stop: thre
         listing = place.names(P.MARKER_DIR)
         for rank, rel in P.failure_ranks(listing).items():  # none, unless a save failed
             failed = P.read_record(place, rel)
-            if failed is not None and failed.get("attempt") == token:
+            if failed is not None and _failed_in(failed, token, replaced):
                 raise aborted_error(place.label, f"rank {rank}: {failed.get('why')}")
         names = P.marker_ranks(place, listing)
         if me is not None and me not in names:
@@ -104,6 +108,15 @@ def wait_for_markers(place: Place, world_size: int, timeout_s: float, stop: thre
     return got  # type: ignore[return-value]
 
 
+def _failed_in(failed: dict, token: str | None, replaced: str | None) -> bool:
+    """Whether a failure record belongs to attempt ``token``: it names it, or it was written
+    before rank 0 started it (no running attempt) while ``attempt.json`` still held ``replaced``.
+    A record naming an earlier attempt, running then, is that attempt's."""
+    if failed.get("attempt") == token:
+        return True
+    return failed.get("attempt") is None and "seen" in failed and failed["seen"] == replaced
+
+
 def not_committed(place: Place, missing: list[int], world_size: int, timeout_s: float) -> CommitTimeoutError:
     return CommitTimeoutError(
         f"checkpoint group {place.label} not committed: ranks {missing} of {world_size} did "
@@ -115,17 +128,32 @@ def current_attempt(place: Place) -> str | None:
     """The attempt rank 0 is running at ``place``, as far as this rank can tell: the id in
     ``attempt.json``, unless ``outcome.json`` says that attempt already ended (then None: rank 0
     will start the next one)."""
+    return attempt_ids(place)[1]
+
+
+def attempt_ids(place: Place) -> tuple[str | None, str | None]:
+    """(the id in ``attempt.json``, ended or not; ``current_attempt``), from one read of each."""
     current = P.read_record(place, P.ATTEMPT)
     if current is None:
-        return None
+        return None, None
     ended = P.read_record(place, P.OUTCOME)
-    return None if ended is not None and ended.get("attempt") == current.get("attempt") else current.get("attempt")
+    aid = current.get("attempt")
+    return aid, None if ended is not None and ended.get("attempt") == aid else aid
+
+
+def _outcome_of(ended: dict, token: str | None, seen: str | None | bool) -> bool:
+    """Whether an outcome record is of this rank's attempt: it names ``token``, or, while this
+    rank knows no attempt id yet (it began before rank 0 started one), it is of the attempt that
+    replaced ``seen`` (the id ``attempt.json`` held when this rank began; False: not known)."""
+    if ended.get("attempt") == token:
+        return True
+    return token is None and seen is not False and "replaced" in ended and ended["replaced"] == seen
 
 
 def wait_for_manifest(place: Place, timeout_s: float, stop: threading.Event, token: str | None = None,
                       mine: dict | None = None, me: int | None = None,
                       restamp: Callable[[str], None] | None = None, cancel: threading.Event | None = None,
-                      records: Place | None = None) -> dict:
+                      records: Place | None = None, seen: str | None | bool = False) -> dict:
     """Other ranks: the manifest at ``place`` of this rank's attempt, listing its files with the
     checksums just written, or the attempt's recorded outcome (``{"superseded": True}``).
 
@@ -136,6 +164,7 @@ def wait_for_manifest(place: Place, timeout_s: float, stop: threading.Event, tok
             from ``token``: this rank writes its marker again with it.
         records: where this attempt's markers and records are, when not at ``place`` (a
             re-saved group's new attempt is written beside it until rank 0 swaps it in).
+        seen: the attempt id ``attempt.json`` held when this rank began (``_outcome_of``).
 
     Raises:
         CommitTimeoutError: no manifest or outcome within ``timeout_s``, or the outcome
@@ -159,7 +188,7 @@ def wait_for_manifest(place: Place, timeout_s: float, stop: threading.Event, tok
         if m is not None:
             return m
         ended = P.read_record(rec, P.OUTCOME)
-        if ended is not None and ended.get("attempt") == state["token"]:
+        if ended is not None and _outcome_of(ended, state["token"], seen):
             if ended.get("outcome") == "superseded":
                 return {"superseded": True, "files": {}}
             if ended.get("outcome") == ABORTED:

@@ -59,11 +59,18 @@ def marker_ranks(place: Place, names: list[str] | None = None) -> dict[int, str]
             if n.startswith("rank-") and n.endswith(".json") and n[5:-5].isdigit()}
 
 
-def write_failure(place: Place, rank: int, token: str | None, why: str) -> None:
+def write_failure(place: Place, rank: int, token: str | None, why: str, seen: str | None = None) -> None:
     """Without a store: this rank's save into attempt ``token`` failed (rank 0 ends the attempt).
-    Not a marker: ``marker_ranks`` and the readers that name missing ranks never see it."""
-    place.put(f"{MARKER_DIR}/failed-{rank:05d}.json",
-              json.dumps({"rank": rank, "attempt": token, "why": why, "written_at": time.time()}).encode())
+    ``token`` None: rank 0 has not started it yet; ``seen`` is the attempt ``attempt.json``
+    named (one that ended, or none), which rank 0's next attempt replaces. Not a marker:
+    ``marker_ranks`` and the readers that name missing ranks never see it."""
+    body = {"rank": rank, "attempt": token, "seen": seen, "why": why, "written_at": time.time()}
+    place.put(f"{MARKER_DIR}/failed-{rank:05d}.json", json.dumps(body).encode())
+
+
+def attempt_id(place: Place) -> str | None:
+    """The attempt id in ``attempt.json`` (None when there is none), ended or not."""
+    return (read_record(place, ATTEMPT) or {}).get("attempt")
 
 
 def failure_ranks(names: list[str]) -> dict[int, str]:
