@@ -20,23 +20,36 @@ def _state(v: int) -> dict:
     return {"w": torch.arange(256, dtype=torch.int64) + v, "v": v}
 
 
-def test_a_failed_save_ends_the_commit_on_the_waiting_ranks_without_a_store(tmp_path: Path) -> None:
-    """Rank 1's save fails while ranks 0 and 2 already wait in their commits (no store: marker
-    files). Rank 1 leaves a failure record for rank 0's attempt; rank 0 ends the attempt on it
-    and records the outcome, which rank 2 is polling for. Neither waits commit_timeout_s (600 s
-    here): each raises within the 60 s the test gives it, naming rank 1's error."""
+def _three_ranks_after_step_1(tmp_path: Path) -> tuple[list, FaultyOps, threading.Event]:
+    """Three ranks without a store (commit timeout 600 s) that committed global_step1; rank 1's
+    FaultyOps; an event set once rank 2 wrote its marker of global_step2 (it polls for the
+    manifest next)."""
     ops1 = FaultyOps()
-    waiting = threading.Event()  # rank 2 wrote its marker of step 2: it polls for the manifest next
+    waiting = threading.Event()
     ops2 = FaultyOps(on_call=lambda op, path: waiting.set() if op == "replace" and "global_step2" in path
                      and "rank-00002" in path else None)
     cks = [fastckpt.Checkpointer(rank=r, world_size=3, io_threads=1, overhead_budget=0.99, commit_timeout_s=600,
                                  ops={1: ops1, 2: ops2}.get(r)) for r in range(3)]
-    g1, g2 = tmp_path / "global_step1", tmp_path / "global_step2"
+    g1 = tmp_path / "global_step1"
     try:
         for ck in cks:
             ck.save(_state(1), str(g1 / f"r{ck.rank}.pt"), group=str(g1))
         for h in [ck.commit(str(g1)) for ck in cks]:
             h.wait(60)
+    except BaseException:
+        close_all(cks)
+        raise
+    return cks, ops1, waiting
+
+
+def test_a_failed_save_ends_the_commit_on_the_waiting_ranks_without_a_store(tmp_path: Path) -> None:
+    """Rank 1's save fails while ranks 0 and 2 already wait in their commits (no store: marker
+    files). Rank 1 leaves a failure record for rank 0's attempt; rank 0 ends the attempt on it
+    and records the outcome, which rank 2 is polling for. Neither waits commit_timeout_s (600 s
+    here): each raises within the 60 s the test gives it, naming rank 1's error."""
+    cks, ops1, waiting = _three_ranks_after_step_1(tmp_path)
+    g1, g2 = tmp_path / "global_step1", tmp_path / "global_step2"
+    try:
         handles = []
         for r in (0, 2):
             cks[r].save(_state(2), str(g2 / f"r{r}.pt"), group=str(g2))
@@ -58,18 +71,9 @@ def test_a_save_that_failed_before_rank_0_began_ends_the_attempt_rank_0_begins(t
     held (none, in a new group). Rank 0's attempt replaces exactly that one, so it ends on the
     record, and rank 2, which began before any attempt too, reads the outcome as its own. Before,
     both waited commit_timeout_s (600 s here)."""
-    ops1 = FaultyOps()
-    waiting = threading.Event()  # rank 2 wrote its marker of step 2: it polls for the manifest next
-    ops2 = FaultyOps(on_call=lambda op, path: waiting.set() if op == "replace" and "global_step2" in path
-                     and "rank-00002" in path else None)
-    cks = [fastckpt.Checkpointer(rank=r, world_size=3, io_threads=1, overhead_budget=0.99, commit_timeout_s=600,
-                                 ops={1: ops1, 2: ops2}.get(r)) for r in range(3)]
+    cks, ops1, waiting = _three_ranks_after_step_1(tmp_path)
     g1, g2 = tmp_path / "global_step1", tmp_path / "global_step2"
     try:
-        for ck in cks:
-            ck.save(_state(1), str(g1 / f"r{ck.rank}.pt"), group=str(g1))
-        for h in [ck.commit(str(g1)) for ck in cks]:
-            h.wait(60)
         ops1.inject(Fault("pwrite", 28, path_contains="r1.pt"))  # ENOSPC on rank 1's file of step 2
         cks[1].save(_state(2), str(g2 / "r1.pt"), group=str(g2))
         with pytest.raises(CheckpointWriteError, match="No space left"):
