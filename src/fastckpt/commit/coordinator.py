@@ -233,8 +233,8 @@ class Coordinator:
             elif rank == 0:
                 F.record_aborted(att.place, att.token, f"rank 0: {why}", att.replaced)
             else:
-                seen = P.attempt_id(att.place)  # read first: rank 0 may replace it meanwhile
-                P.write_failure(att.place, rank, F.current_attempt(att.place), why, seen=seen)
+                seen, current = F.attempt_ids(att.place)  # one read: both of the same attempt.json
+                P.write_failure(att.place, rank, current, why, seen=seen)
         except (S.StoreError, OSError) as tell_exc:  # the others then time out, naming this rank
             log.warning("fastckpt: could not tell the other ranks that the save into %s failed: %s",
                         att.group, tell_exc)
