@@ -25,7 +25,7 @@ from ..runstate import DEFAULT_BUDGET, DEFAULT_WINDOW_S
 @click.option("--overhead-window-s", type=click.FloatRange(0, min_open=True), default=DEFAULT_WINDOW_S,
               show_default=True, help="The Checkpointer's overhead_window_s.")
 @click.option("--poll-s", type=click.FloatRange(0, min_open=True), default=1.0, show_default=True,
-              help="How often to read what the logs gained.")
+              help="How often to read what the logs gained between scrapes (each scrape reads them too).")
 @click.option("--once", is_flag=True, help="Read the logs once, print the metrics and exit (no server).")
 @click.option("--json", "as_json", is_flag=True, help="Print the startup line (or, with --once, the ranks' "
               "status) as JSON.")

@@ -13,9 +13,11 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
 
 from ..errors import ConfigError
 from ..eventlog import LogFollower
@@ -90,7 +92,8 @@ def start_exporter(port: int, stats: Callable[[], Stats], rank: Callable[[], int
 class LogExporter(MetricsServer):
     """Follows event logs (one per rank, or several ranks' in one) and serves their metrics.
 
-    ``poll()`` reads what was appended since the last call; ``run()`` polls until stopped.
+    ``poll()`` reads what was appended since the last call; every scrape polls first (so it
+    sees each event written before it), and ``run()`` polls in between until stopped.
     Overhead, alarm, pending saves, lag and RPO are replayed from the logs (fastckpt.runstate).
 
     Args:
@@ -105,10 +108,12 @@ class LogExporter(MetricsServer):
     def __init__(self, logs: Sequence[str], port: int, addr: str = "0.0.0.0", *, local_dir: str | None = None,
                  budget: float = DEFAULT_BUDGET, window_s: float = DEFAULT_WINDOW_S) -> None:
         registry = CollectorRegistry(auto_describe=False)
+        registry.register(_PollFirst(self))  # registered first: collected before the families it feeds
         self._sink = EventMetrics(registry, RunState(budget, window_s, keep_done=256))
         registry.register(StatusCollector(lambda: self._sink.status(time.time())))
         registry.register(NodeHealth(local_dir, self._sink.target_dirs))
         self._followers = [LogFollower(p) for p in logs]
+        self._lock = threading.Lock()  # scrapes (the server's threads) and run() both poll
         self.events = 0
         super().__init__(registry, port, addr)
 
@@ -119,11 +124,12 @@ class LogExporter(MetricsServer):
     def poll(self) -> int:
         """Read and export the events appended since the last poll; returns how many."""
         n = 0
-        for f in self._followers:
-            for ev in f.poll():
-                self._sink.emit(ev)
-                n += 1
-        self.events += n
+        with self._lock:
+            for f in self._followers:
+                for ev in f.poll():
+                    self._sink.emit(ev)
+                    n += 1
+            self.events += n
         return n
 
     def run(self, stop: threading.Event, poll_s: float = 1.0) -> None:
@@ -132,3 +138,14 @@ class LogExporter(MetricsServer):
             self.poll()
             if stop.wait(poll_s):
                 return
+
+
+class _PollFirst(Collector):
+    """Yields nothing: reads what the logs gained when a scrape starts (``LogExporter.poll``)."""
+
+    def __init__(self, exporter: LogExporter) -> None:
+        self._exporter = exporter
+
+    def collect(self) -> Iterator[Metric]:
+        self._exporter.poll()
+        return iter(())
