@@ -83,9 +83,8 @@ class Checkpointer:
         self._homes = Homes(cfg.storage_options, retry_deadline_s=cfg.retry_deadline_s, parallelism=cfg.io_threads,
                             on_retry=self._on_retry, ops=self._ops, odirect=cfg.odirect, executor=self._io)
         self._replicator = Replicator(cfg, self._homes, self._emit, self._monitor.record_durable)
-        self._coordinator = Coordinator(self._committer, self._stop, cfg.commit_timeout_s,
-                                        lambda g: self._homes.resolve(g).place(), self._emit,
-                                        local_for=self._local_places, store=cfg.store)
+        self._coordinator = Coordinator(self._committer, self._stop, cfg, lambda g: self._homes.resolve(g).place(),
+                                        self._emit, local_for=self._local_places)
         if cfg.store is not None:
             self._coordinator.connect(self.world_size)
         self._stripes = Stripes(cfg.local_dirs, self.rank)

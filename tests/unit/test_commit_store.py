@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +20,7 @@ import torch.distributed as dist
 
 import fastckpt
 from fastckpt.commit import protocol as P
+from fastckpt.commit import store as S
 from fastckpt.errors import CommitTimeoutError, ConfigError, IncompleteCheckpointError
 from fastckpt.testing import Fault, FaultyOps
 from tests.helpers import close_all, expect_aborted_by_rank_1, latest, place
@@ -151,3 +153,52 @@ def test_a_checkpointer_made_again_does_not_reuse_a_failed_attempts_keys(tmp_pat
 def test_store_option_must_be_a_store() -> None:
     with pytest.raises(ConfigError, match="lacks add, append"):
         fastckpt.Checkpointer(rank=0, world_size=2, store=object())
+
+
+
+class _CountingStore(dist.TCPStore):
+    """A TCPStore whose clones record the timeout of every blocking ``wait``."""
+
+    def __init__(self) -> None:
+        super().__init__("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=60))
+        self.timeouts: list[float] = []
+
+    def clone(self) -> object:
+        outer, conn = self, super().clone()
+
+        class Conn:
+            def wait(self, keys: list[str], timeout: datetime.timedelta) -> None:
+                outer.timeouts.append(timeout.total_seconds())
+                conn.wait(keys, timeout)
+        return Conn()
+
+
+@pytest.mark.parametrize("close_timeout_s", [None, 5.0])
+def test_a_commit_waits_in_one_store_wait_unless_close_can_end_it_early(tmp_path: Path,
+                                                                        close_timeout_s: float | None) -> None:
+    # Each c10d wait that times out logs two warnings: slices re-armed every 30 s filled the logs
+    # of a commit that waited minutes. Only a close() with a time limit can end a wait early.
+    store = _CountingStore()
+    cks = _ranks(2, store, close_timeout_s=close_timeout_s, commit_timeout_s=120)
+    g = tmp_path / "global_step1"
+    try:
+        cks[1].save(_state(1, 1), str(g / "r1.pt"), group=str(g))
+        h1 = cks[1].commit(str(g))  # waits for rank 0's outcome
+        cks[0].save(_state(1, 0), str(g / "r0.pt"), group=str(g))
+        cks[0].commit(str(g)).wait(60)
+        h1.wait(60)
+    finally:
+        close_all(cks)
+    assert store.timeouts
+    if close_timeout_s is None:
+        assert min(store.timeouts) > S.WAIT_SLICE_S  # the whole commit timeout, in one wait
+    else:
+        assert max(store.timeouts) <= S.WAIT_SLICE_S
+
+
+def test_a_wait_ends_at_its_deadline_or_when_stopped() -> None:
+    waits = S._Waits.of(_CountingStore())
+    assert not waits.wait("never", time.monotonic() + 0.5, threading.Event(), None)
+    stopped = threading.Event()
+    stopped.set()
+    assert not waits.wait("never", time.monotonic() + 600, stopped, S.WAIT_SLICE_S)

@@ -30,6 +30,7 @@ import uuid
 from collections.abc import Callable
 from concurrent.futures import Executor, Future
 
+from ..config import CheckpointerConfig
 from ..errors import CorruptCheckpointError, FastCkptError, GroupRemovedError
 from ..inflight import raise_as_write_error
 from ..records import SaveHandle, SaveRecord
@@ -48,20 +49,24 @@ class Coordinator:
     Args:
         pool: the committer threads.
         stop: set by ``Checkpointer.close``: waits end early.
-        timeout_s: how long a commit waits for the other ranks.
+        cfg: ``commit_timeout_s`` (how long a commit waits for the other ranks), ``store`` (the
+            store to coordinate through; None: the default process group's, if any) and
+            ``close_timeout_s`` (None: close() waits for every commit to end before it sets
+            ``stop``, so a store wait is one c10d ``wait`` to its deadline, not slices re-armed
+            to notice ``stop``, each of which logs two c10d warnings when it times out).
         place_for: the ``Place`` of a group name.
         local_for: the ``Place`` of each burst-buffer copy of a group (one per ``local_dir``
             directory; none without).
-        store: the store to coordinate through (None: the default process group's, if any).
         emit: the Checkpointer's event emitter.
     """
 
-    def __init__(self, pool: Executor, stop: threading.Event, timeout_s: float,
+    def __init__(self, pool: Executor, stop: threading.Event, cfg: CheckpointerConfig,
                  place_for: Callable[[str], Place], emit: Callable[..., None],
-                 local_for: Callable[[str], tuple[Place, ...]] = lambda g: (), store: object | None = None) -> None:
-        self._pool, self._stop, self._timeout = pool, stop, timeout_s
+                 local_for: Callable[[str], tuple[Place, ...]] = lambda g: ()) -> None:
+        self._pool, self._stop, self._timeout = pool, stop, cfg.commit_timeout_s
         self._place_for, self._local_for, self._emit = place_for, local_for, emit
-        self._store = store
+        self._store = cfg.store
+        self._slice_s = None if cfg.close_timeout_s is None else S.WAIT_SLICE_S
         self._link: S.StoreLink | None = None
         self._lock = threading.Lock()
         self._open: dict[str, A.Attempt] = {}
@@ -74,7 +79,7 @@ class Coordinator:
         store = self._store if self._store is not None else S.default_store()
         if store is not None and world > 1 and (self._link is None or self._link.store is not store
                                                  or self._link.world != world):
-            self._link = S.StoreLink(store, world)
+            self._link = S.StoreLink(store, world, self._slice_s)
             self._link.session()
 
     def _channel(self, group: str, world: int) -> S.Channel | None:

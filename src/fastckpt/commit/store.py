@@ -40,7 +40,7 @@ from typing import ClassVar
 
 from ..errors import CommitTimeoutError, FastCkptError
 
-WAIT_SLICE_S = 30.0  # a blocking wait is re-armed this often, to notice close() and cancellation
+WAIT_SLICE_S = 30.0  # how often a wait that close() may end early is re-armed, to notice it
 PUBLISHED, SUPERSEDED, FAILED, REMOVED = "published", "superseded", "failed", "removed"
 ABORTED = "aborted"  # a rank's save failed: the attempt ends on every rank at once
 
@@ -124,9 +124,13 @@ class _Waits:
             with self._lock:
                 self._free.append(conn)
 
-    def wait(self, key: str, deadline: float, stop: threading.Event) -> bool:
-        """Block until ``key`` exists; False at the deadline or once ``stop`` is set (noticed
-        within ``WAIT_SLICE_S``)."""
+    def wait(self, key: str, deadline: float, stop: threading.Event, slice_s: float | None) -> bool:
+        """Block until ``key`` exists; False at the deadline or once ``stop`` is set.
+
+        Each c10d ``wait`` that times out logs two warnings, so the wait is re-armed every
+        ``slice_s`` (noticing ``stop`` then) only where ``stop`` can come before the deadline;
+        ``slice_s=None``: one ``wait`` until the deadline.
+        """
         while not stop.is_set():
             left = deadline - time.monotonic()
             if left <= 0:
@@ -137,12 +141,12 @@ class _Waits:
                 if lead:
                     shared = self._keys[key] = [threading.Event(), False]
             if not lead:
-                shared[0].wait(min(left, WAIT_SLICE_S))
+                shared[0].wait(min(left, WAIT_SLICE_S))  # a caller checks stop at least this often
                 if shared[1]:
                     return True
                 continue
             try:
-                shared[1] = self._wait_once(key, min(left, WAIT_SLICE_S))
+                shared[1] = self._wait_once(key, left if slice_s is None else min(left, slice_s))
             finally:
                 with self._lock:
                     del self._keys[key]
@@ -159,10 +163,12 @@ class StoreLink:
         store: a ``torch.distributed.Store`` shared by every rank (TCPStore, or the default
             process group's store).
         world_size: the number of ranks.
+        slice_s: how often a blocking wait is re-armed to notice ``stop``; None: never (nothing
+            sets ``stop`` while a wait may still succeed).
     """
 
-    def __init__(self, store: object, world_size: int) -> None:
-        self.store, self.world = store, world_size
+    def __init__(self, store: object, world_size: int, slice_s: float | None = WAIT_SLICE_S) -> None:
+        self.store, self.world, self.slice_s = store, world_size, slice_s
         self.waits = _Waits.of(store)
         self._lock = threading.Lock()
         self._session: int | None = None
@@ -220,7 +226,7 @@ class Channel:
     def _wait(self, name: str, deadline: float, stop: threading.Event) -> bool:
         """Block until the key exists; False at the deadline or on close. (``cancel`` wakes a
         waiter by setting the key it waits for.)"""
-        return bool(self._op(name, lambda: self._link.waits.wait(self._k(name), deadline, stop)))
+        return bool(self._op(name, lambda: self._link.waits.wait(self._k(name), deadline, stop, self._link.slice_s)))
 
     def entries(self) -> dict[int, dict]:
         """Every entry announced so far (rank -> entry)."""
