@@ -3,21 +3,30 @@ durable home, and ``remove``.
 
 A checkpoint enters the lists only once it is verified at its durable home, so a local copy
 is never deleted before its replica is verified, and the newest verified checkpoint is never
-deleted (both limits are >= 1). Deletions wait for nothing: only finished checkpoints are
-listed; ``Checkpointer.remove`` waits for saves in flight before it calls ``remove`` here.
-Each deletion goes through the checkpoint's home (``storage.homes``) and removes its
-publication record first (``commit.protocol.delete_checkpoint``).
+deleted (both limits are >= 1).
+
+The burst buffer outlives the process: a restarted job finds the copies its earlier runs left
+there. The first time a checkpoint in a directory becomes durable, the local list takes in,
+oldest first, the other checkpoints in that directory's burst-buffer copy whose copy at the
+durable home is the same save (same checksum; a group's local copy is complete only once it
+was published): its groups, and the single files this rank wrote. So ``keep_local`` bounds
+the burst buffer across restarts, and a local copy that never reached its home (the job was
+killed first) is never deleted. ``keep_persistent`` counts the checkpoints this process saved:
+what earlier runs left at the durable home is the user's to keep or delete.
 """
 
 from __future__ import annotations
 
 import logging
+import posixpath
 import threading
 from collections import deque
 from collections.abc import Callable
 
+from ..commit.discovery import scan
 from ..commit.protocol import delete_checkpoint
 from ..storage.homes import Homes
+from ..urls import join
 
 log = logging.getLogger("fastckpt")
 
@@ -28,19 +37,23 @@ class Retention:
         homes: resolves names to their targets.
         local_copies: the burst-buffer copies of a name (several with striped ``local_dir``s: a
             group's files may live on every drive).
+        rank: this process's rank: of the single files earlier runs left, only its own count.
     """
 
     def __init__(self, keep_local: int | None, keep_persistent: int | None, homes: Homes,
-                 local_copies: Callable[[str], list[str]]) -> None:
-        self._keep_local, self._keep_persistent = keep_local, keep_persistent
+                 local_copies: Callable[[str], list[str]], rank: int = 0) -> None:
+        self._keep_local, self._keep_persistent, self._rank = keep_local, keep_persistent, rank
         self._homes, self._local_copies = homes, local_copies
         self._local: deque[str] = deque()
         self._persistent: deque[str] = deque()
         self._lock = threading.Lock()
+        self._looked: set[str] = set()  # directories whose earlier burst-buffer copies were taken in
 
     def durable(self, path: str, has_local: bool, owns_persistent: bool) -> None:
         """``path`` (a file or group) is verified at its durable home; trim both lists."""
+        earlier = self._earlier_local(path) if has_local and self._keep_local is not None else []
         with self._lock:
+            self._local.extendleft(reversed([p for p in earlier if p not in self._local]))
             drop_local = _push(self._local, path, self._keep_local) if has_local else []
             drop_persistent = _push(self._persistent, path, self._keep_persistent) if owns_persistent else []
         for p in drop_local:
@@ -56,6 +69,35 @@ class Retention:
                     q.remove(path)
         self._delete_local(path)
         self._delete_persistent(path)
+
+    def _earlier_local(self, path: str) -> list[str]:
+        """Once per directory: the checkpoints beside ``path`` that earlier runs left in the burst
+        buffer and that are safe at their home, oldest first."""
+        parent = posixpath.dirname(path)
+        with self._lock:
+            if parent in self._looked:
+                return []
+            self._looked.add(parent)
+        found = []
+        for mirror in self._local_copies(parent):
+            try:
+                found += [(f, rel) for f in scan(self._homes.resolve(mirror), max_depth=1)
+                          if "/" not in (rel := posixpath.relpath(f.path, mirror))]
+            except (OSError, ValueError) as exc:  # retention must not fail a save
+                log.warning("fastckpt: retention could not list the burst-buffer copy %s: %s", mirror, exc)
+        found.sort(key=lambda fr: fr[0].time)
+        return [name for f, rel in found if (name := join(parent, rel)) != path and not f.foreign
+                and (f.kind == "group" or f.manifest.get("rank", 0) == self._rank
+                     and self._same_at_home(name, f.manifest))]
+
+    def _same_at_home(self, name: str, local_manifest: dict) -> bool:
+        """Whether the durable home holds the save that ``local_manifest`` describes."""
+        home = self._homes.resolve(name)
+        try:
+            m = home.target.read_manifest(home.key)
+        except (OSError, ValueError):  # absent (never replicated) or unreadable: keep the local copy
+            return False
+        return bool(m) and m.get("checksum") == local_manifest.get("checksum")
 
     def _delete_local(self, path: str) -> None:
         for local in self._local_copies(path):

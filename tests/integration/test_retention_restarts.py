@@ -1,0 +1,124 @@
+"""keep_local bounds the burst buffer across restarts: a restarted job trims what earlier runs
+left there, and never a copy that did not reach its durable home.
+
+Each "run" is a Checkpointer that is closed (or a process that is SIGKILLed) before the next
+one is made on the same local_dir and destination; the retention of the next run must count
+what the earlier ones left.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+import fastckpt
+from fastckpt.urls import mirror_path
+
+
+def _state(step: int) -> dict:
+    return {"w": torch.full((1024,), step, dtype=torch.int32), "step": step}
+
+
+def _run(nvme: Path, dest: Path, steps: range, keep_local: int = 2, rank: int = 0, world: int = 1) -> None:
+    with fastckpt.Checkpointer(local_dir=str(nvme), keep_local=keep_local, rank=rank, world_size=world,
+                                 overhead_budget=0.99) as ck:
+        for i in steps:
+            ck.save(_state(i), str(dest / f"c{i}-r{rank}.pt")).wait()
+
+
+def _local(nvme: Path, dest: Path) -> list[str]:
+    mirror = mirror_path(str(nvme), str(dest))
+    return sorted(n for n in os.listdir(mirror) if not n.startswith(".") and n != "latest")
+
+
+def test_a_restarted_run_trims_what_earlier_runs_left(tmp_path: Path) -> None:
+    nvme, dest = tmp_path / "nvme", tmp_path / "ckpt"
+    _run(nvme, dest, range(0, 3))
+    _run(nvme, dest, range(3, 5))  # each run alone keeps 2: together they left 4 before this change
+    _run(nvme, dest, range(5, 6))
+    assert _local(nvme, dest) == ["c4-r0.pt", "c5-r0.pt"]
+    assert sorted(os.listdir(dest)) == [f"c{i}-r0.pt" for i in range(6)]  # the durable home keeps every one
+
+
+def test_a_copy_that_never_reached_its_home_is_kept(tmp_path: Path) -> None:
+    nvme, dest = tmp_path / "nvme", tmp_path / "ckpt"
+    _run(nvme, dest, range(0, 3))
+    os.remove(dest / "c1-r0.pt")  # as if the job died before replicating it: the local copy is the only one
+    (dest / "c2-r0.pt").write_bytes((dest / "c0-r0.pt").read_bytes())  # home holds another save of c2
+    _run(nvme, dest, range(3, 5), keep_local=1)
+    assert _local(nvme, dest) == ["c1-r0.pt", "c2-r0.pt", "c4-r0.pt"]
+
+
+def test_another_ranks_files_are_its_own_to_trim(tmp_path: Path) -> None:
+    nvme, dest = tmp_path / "nvme", tmp_path / "ckpt"
+    _run(nvme, dest, range(0, 2), keep_local=1, rank=1, world=2)
+    _run(nvme, dest, range(0, 3), keep_local=1, rank=0, world=2)
+    assert _local(nvme, dest) == ["c1-r1.pt", "c2-r0.pt"]
+
+
+def test_a_restarted_group_job_trims_the_groups_earlier_runs_published(tmp_path: Path) -> None:
+    nvme, root = tmp_path / "nvme", tmp_path / "ckpt"
+
+    def run(steps: range) -> None:
+        cks = [fastckpt.Checkpointer(local_dir=str(nvme), rank=r, world_size=2, keep_local=1, commit_timeout_s=60,
+                                     overhead_budget=0.99)
+               for r in range(2)]
+        try:
+            for step in steps:
+                group = str(root / f"global_step{step}")
+                for r, ck in enumerate(cks):
+                    ck.save(_state(step), f"{group}/rank{r}.pt", group=group)
+                for h in [ck.commit(group, step=step) for ck in cks]:
+                    h.wait()
+        finally:
+            for ck in cks:
+                ck.close()
+
+    run(range(0, 2))
+    (root / "global_step9").mkdir()  # an attempt that never published: its local copy stays
+    local9 = Path(mirror_path(str(nvme), str(root / "global_step9")))
+    local9.mkdir(parents=True)
+    (local9 / "rank0.pt").write_bytes(b"partial")
+    run(range(2, 4))
+    assert _local(nvme, root) == ["global_step3", "global_step9"]
+    assert fastckpt.latest(str(root)) == str(root / "global_step3")
+
+
+_KILLED_RUN = """
+import os, signal, sys, torch, fastckpt
+nvme, dest = sys.argv[1], sys.argv[2]
+ck = fastckpt.Checkpointer(local_dir=nvme, keep_local=2)
+for i in range(3):
+    ck.save({"w": torch.full((1024,), i, dtype=torch.int32), "step": i}, f"{dest}/c{i}-r0.pt").wait()
+ck.save({"w": torch.zeros(1 << 20), "step": 3}, f"{dest}/c3-r0.pt")  # in flight when the kill comes
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_run_killed_with_sigkill_is_trimmed_by_the_next(tmp_path: Path) -> None:
+    nvme, dest = tmp_path / "nvme", tmp_path / "ckpt"
+    proc = subprocess.run([sys.executable, "-c", _KILLED_RUN, str(nvme), str(dest)], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    _run(nvme, dest, range(10, 12))
+    left = _local(nvme, dest)
+    assert left[-2:] == ["c10-r0.pt", "c11-r0.pt"]
+    assert not {"c0-r0.pt", "c1-r0.pt", "c2-r0.pt"} & set(left)
+    for name in left:  # whatever the killed save left locally is only kept if it is not safe at home
+        assert name in ("c10-r0.pt", "c11-r0.pt", "c3-r0.pt")
+    assert fastckpt.load(str(dest / "c11-r0.pt"))["step"] == 11
+
+
+def test_a_restarted_run_trims_copies_replicated_to_s3(s3_server, s3_bucket, tmp_path: Path) -> None:
+    opts, nvme, url = s3_server.storage_options(), tmp_path / "nvme", f"s3://{s3_bucket}/run8"
+    for steps in (range(0, 3), range(3, 4)):
+        with fastckpt.Checkpointer(local_dir=str(nvme), keep_local=1, storage_options=opts, overhead_budget=0.99) as ck:
+            for i in steps:
+                ck.save(_state(i), f"{url}/c{i}.pt").wait()
+    assert sorted(n for n in os.listdir(mirror_path(str(nvme), url)) if not n.startswith(".")) == ["c3.pt"]
+    assert fastckpt.load(f"{url}/c0.pt", storage_options=opts)["step"] == 0  # the bucket keeps every one
