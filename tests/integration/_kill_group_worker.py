@@ -52,7 +52,8 @@ def run_rank(rank: int, job: Launch, events: object) -> None:
         client = dist.TCPStore("127.0.0.1", job.store_port, 2, False, timeout=datetime.timedelta(seconds=60))
         store = dist.PrefixStore(f"launch{job.launch}", client)  # like torchelastic's restart rounds
     ck = fastckpt.Checkpointer(rank=rank, world_size=2, store=store, local_dir=job.local_dir, io_threads=1,
-                               commit_timeout_s=TIMEOUT_S, overhead_budget=0.99, odirect=False)
+                               commit_timeout_s=TIMEOUT_S, overhead_budget=0.99, odirect=False,
+                               keep_local=2 if job.local_dir else None)
     if job.start:
         path = os.path.join(job.root, f"step{job.start}", f"rank{rank}.pt")
         try:

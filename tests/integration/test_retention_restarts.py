@@ -87,6 +87,8 @@ def test_a_restarted_group_job_trims_the_groups_earlier_runs_published(tmp_path:
     run(range(2, 4))
     assert _local(nvme, root) == ["global_step3", "global_step9"]
     assert fastckpt.latest(str(root)) == str(root / "global_step3")
+    run(range(2, 3))  # resumed from step 1: step 3 is a later tag this run may save again, so it stays
+    assert _local(nvme, root) == ["global_step2", "global_step3", "global_step9"]
 
 
 _KILLED_RUN = """

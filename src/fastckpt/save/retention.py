@@ -9,10 +9,12 @@ The burst buffer outlives the process: a restarted job finds the copies its earl
 there. The first time a checkpoint in a directory becomes durable, the local list takes in,
 oldest first, the other checkpoints in that directory's burst-buffer copy whose copy at the
 durable home is the same save (same checksum; a group's local copy is complete only once it
-was published): its groups, and the single files this rank wrote. So ``keep_local`` bounds
-the burst buffer across restarts, and a local copy that never reached its home (the job was
-killed first) is never deleted. ``keep_persistent`` counts the checkpoints this process saved:
-what earlier runs left at the durable home is the user's to keep or delete.
+was published): its groups of earlier steps, and the single files this rank wrote. A group
+whose step is unknown or not below the one just saved is left alone: a job resumed from an
+older checkpoint saves those tags again, and another rank may be writing into them. So
+``keep_local`` bounds the burst buffer across restarts, and a local copy that never reached
+its home (the job was killed first) is never deleted. ``keep_persistent`` counts the
+checkpoints this process saved: what earlier runs left at the durable home is the user's.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from collections import deque
 from collections.abc import Callable
 
 from ..commit.discovery import scan
-from ..commit.protocol import delete_checkpoint
+from ..commit.foreign import tag_step
+from ..commit.protocol import delete_checkpoint, read_group_manifest
 from ..storage.homes import Homes
 from ..urls import join
 
@@ -48,12 +51,14 @@ class Retention:
         self._persistent: deque[str] = deque()
         self._lock = threading.Lock()
         self._looked: set[str] = set()  # directories whose earlier burst-buffer copies were taken in
+        self._busy: set[str] = set()  # names being saved again (a save that fails leaves its name here)
 
     def durable(self, path: str, has_local: bool, owns_persistent: bool) -> None:
         """``path`` (a file or group) is verified at its durable home; trim both lists."""
         earlier = self._earlier_local(path) if has_local and self._keep_local is not None else []
         with self._lock:
-            self._local.extendleft(reversed([p for p in earlier if p not in self._local]))
+            self._busy.discard(path)
+            self._local.extendleft(reversed([p for p in earlier if p not in self._local and p not in self._busy]))
             drop_local = _push(self._local, path, self._keep_local) if has_local else []
             drop_persistent = _push(self._persistent, path, self._keep_persistent) if owns_persistent else []
         for p in drop_local:
@@ -61,12 +66,22 @@ class Retention:
         for p in drop_persistent:
             self._run(self._delete_persistent, p, "persistent copy")
 
+    def replacing(self, path: str) -> None:
+        """A new save of ``path`` (a file or group) began: until it is durable, no trim may delete
+        the copies it is replacing (a group's burst-buffer directory is the one it writes into)."""
+        with self._lock:
+            self._forget(path)
+            self._busy.add(path)
+
+    def _forget(self, path: str) -> None:
+        for q in (self._local, self._persistent):
+            if path in q:
+                q.remove(path)
+
     def remove(self, path: str) -> None:
         """Delete both copies of ``path`` (a file or a group) now and stop tracking it."""
         with self._lock:
-            for q in (self._local, self._persistent):
-                if path in q:
-                    q.remove(path)
+            self._forget(path)
         self._delete_local(path)
         self._delete_persistent(path)
 
@@ -86,9 +101,19 @@ class Retention:
             except (OSError, ValueError) as exc:  # retention must not fail a save
                 log.warning("fastckpt: retention could not list the burst-buffer copy %s: %s", mirror, exc)
         found.sort(key=lambda fr: fr[0].time)
+        mine = _step(read_group_manifest(self._homes.resolve(path).place()) or {}, path) \
+            if any(f.kind == "group" for f, _ in found) else None
         return [name for f, rel in found if (name := join(parent, rel)) != path and not f.foreign
-                and (f.kind == "group" or f.manifest.get("rank", 0) == self._rank
-                     and self._same_at_home(name, f.manifest))]
+                and (self._earlier_group(f.manifest, rel, mine) if f.kind == "group"
+                     else f.manifest.get("rank", 0) == self._rank and self._same_at_home(name, f.manifest))]
+
+    @staticmethod
+    def _earlier_group(manifest: dict, rel: str, mine: int | None) -> bool:
+        """A group of an earlier run counts only if its step is below the one just durable: a
+        job resumed from an older checkpoint saves the later tags again, and another rank may
+        already be writing into their burst-buffer directory when this one would delete it."""
+        theirs = _step(manifest, rel)
+        return mine is not None and theirs is not None and theirs < mine
 
     def _same_at_home(self, name: str, local_manifest: dict) -> bool:
         """Whether the durable home holds the save that ``local_manifest`` describes."""
@@ -115,6 +140,12 @@ class Retention:
             log.debug("fastckpt: the %s of %s was already removed", what, path)
         except OSError as exc:  # retention must not fail a save; say so and go on
             log.warning("fastckpt: retention could not remove the %s of %s: %s", what, path, exc)
+
+
+def _step(manifest: dict, name: str) -> int | None:
+    """A group's step: ``commit(step=...)``, else the number its tag ends with (global_step1200)."""
+    step = manifest.get("step")
+    return step if isinstance(step, int) else tag_step(name)
 
 
 def _push(queue: deque[str], path: str, keep: int | None) -> list[str]:

@@ -67,6 +67,7 @@ class Saver:
             raise ConfigError(f"{path} is a URL: saving there needs local_dir=<node-local directory>, the "
                               "burst buffer the upload is made from")
         layout = self._planner.plan(state_dict)
+        self._retention.replacing(group or path)
         spot = self._stripes.choose(path, layout.data_size)  # the burst-buffer drive, if any
         try:
             handle = self._save_planned(state_dict, layout, path, spot, group, lazy, rank, world, t_call, w_call)
