@@ -3,7 +3,11 @@ durable home, and ``remove``.
 
 A checkpoint enters the lists only once it is verified at its durable home, so a local copy
 is never deleted before its replica is verified, and the newest verified checkpoint is never
-deleted (both limits are >= 1).
+deleted (both limits are >= 1). Deletions wait for nothing: only finished checkpoints are
+listed, a name being saved again leaves the lists until that save is durable, and
+``Checkpointer.remove`` waits for saves in flight before it calls ``remove`` here. Each
+deletion goes through the checkpoint's home (``storage.homes``) and removes its publication
+record first (``commit.protocol.delete_checkpoint``).
 
 The burst buffer outlives the process: a restarted job finds the copies its earlier runs left
 there. The first time a checkpoint in a directory becomes durable, the local list takes in,
@@ -93,19 +97,20 @@ class Retention:
             if parent in self._looked:
                 return []
             self._looked.add(parent)
-        found = []
-        for mirror in self._local_copies(parent):
-            try:
-                found += [(f, rel) for f in scan(self._homes.resolve(mirror), max_depth=1)
-                          if "/" not in (rel := posixpath.relpath(f.path, mirror))]
-            except (OSError, ValueError) as exc:  # retention must not fail a save
-                log.warning("fastckpt: retention could not list the burst-buffer copy %s: %s", mirror, exc)
-        found.sort(key=lambda fr: fr[0].time)
-        mine = _step(read_group_manifest(self._homes.resolve(path).place()) or {}, path) \
-            if any(f.kind == "group" for f, _ in found) else None
-        return [name for f, rel in found if (name := join(parent, rel)) != path and not f.foreign
-                and (self._earlier_group(f.manifest, rel, mine) if f.kind == "group"
-                     else f.manifest.get("rank", 0) == self._rank and self._same_at_home(name, f.manifest))]
+        try:
+            found = [(f, rel) for mirror in self._local_copies(parent)
+                     for f in scan(self._homes.resolve(mirror), max_depth=1)
+                     if "/" not in (rel := posixpath.relpath(f.path, mirror))]
+            found.sort(key=lambda fr: fr[0].time)
+            mine = _step(read_group_manifest(self._homes.resolve(path).place()) or {}, path) \
+                if any(f.kind == "group" for f, _ in found) else None
+            return [name for f, rel in found if (name := join(parent, rel)) != path and not f.foreign
+                    and (self._earlier_group(f.manifest, rel, mine) if f.kind == "group"
+                         else f.manifest.get("rank", 0) == self._rank and self._same_at_home(name, f.manifest))]
+        except (OSError, ValueError) as exc:  # retention must not fail a save: say so, count none of them
+            log.warning("fastckpt: retention could not look at what earlier runs left in the burst buffer "
+                        "beside %s: %s", path, exc)
+            return []
 
     @staticmethod
     def _earlier_group(manifest: dict, rel: str, mine: int | None) -> bool:
