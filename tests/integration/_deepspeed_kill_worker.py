@@ -76,7 +76,7 @@ def build(root: str, gen: int, rank: int):  # noqa: ANN201
                                         config=ds_config(2))
     handles: list = []
     os.makedirs(os.path.join(root, "events"), exist_ok=True)
-    attach(eng, {"local_dir": os.path.join(root, "nvme"), "commit_timeout_s": 60,
+    attach(eng, {"local_dir": os.path.join(root, "nvme"), "commit_timeout_s": 60, "keep_local": 2,
                  "event_log": os.path.join(root, "events", f"g{gen}-r{rank}.jsonl")}, on_commit=handles.append)
     return eng, handles
 

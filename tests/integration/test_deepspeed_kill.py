@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,8 @@ import pytest
 pytest.importorskip("deepspeed")
 
 import fastckpt  # noqa: E402
+from fastckpt.commit.protocol import GROUP_MANIFEST  # noqa: E402
+from fastckpt.urls import mirror_path  # noqa: E402
 
 from .test_deepspeed import HERE, ds_env, torchrun  # noqa: E402
 
@@ -55,6 +58,8 @@ def test_sigkill_at_random_moments_always_resumes_from_a_complete_tag(tmp_path: 
     final = [json.loads((tmp_path / "gen" / f"final-r{r}.json").read_text()) for r in (0, 1)]
     assert final[0] == final[1]
     assert fastckpt.latest(str(tmp_path / "ckpt")) == str(tmp_path / "ckpt" / f"global_step{final[0]['step']}")
+    local = Path(mirror_path(str(tmp_path / "nvme"), str(tmp_path / "ckpt")))  # keep_local=2, over every restart
+    assert len([t for t in local.iterdir() if (t / GROUP_MANIFEST).exists()]) <= 2, sorted(os.listdir(local))
     phases = collections.Counter(_last_phase(tmp_path / "events" / f"g{g}-r{g % 2}.jsonl") for g in range(KILLS))
     print(f"kills interrupted (last event the victim logged): {dict(phases)}; resumed tags: "
           f"{[records[(g, 0)]['tag'] for g in range(1, KILLS + 1)]}")
