@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 import fastckpt
@@ -36,10 +37,13 @@ def _local(nvme: Path, dest: Path) -> list[str]:
     return sorted(n for n in os.listdir(mirror) if not n.startswith(".") and n != "latest")
 
 
-def test_a_restarted_run_trims_what_earlier_runs_left(tmp_path: Path) -> None:
+def test_a_restarted_run_trims_what_earlier_runs_left(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     nvme, dest = tmp_path / "nvme", tmp_path / "ckpt"
     _run(nvme, dest, range(0, 3))
-    _run(nvme, dest, range(3, 5))  # each run alone keeps 2: together they left 4 before this change
+    with caplog.at_level("INFO", logger="fastckpt"):
+        _run(nvme, dest, range(3, 5))  # each run alone keeps 2: together they left 4 before this change
+    assert f"keep_local=2 also counts 2 burst-buffer copies that earlier runs left beside {dest}/c3-r0.pt" \
+        in caplog.text
     _run(nvme, dest, range(5, 6))
     assert _local(nvme, dest) == ["c4-r0.pt", "c5-r0.pt"]
     assert sorted(os.listdir(dest)) == [f"c{i}-r0.pt" for i in range(6)]  # the durable home keeps every one

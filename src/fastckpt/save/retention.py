@@ -104,13 +104,17 @@ class Retention:
             found.sort(key=lambda fr: fr[0].time)
             mine = _step(read_group_manifest(self._homes.resolve(path).place()) or {}, path) \
                 if any(f.kind == "group" for f, _ in found) else None
-            return [name for f, rel in found if (name := join(parent, rel)) != path and not f.foreign
-                    and (self._earlier_group(f.manifest, rel, mine) if f.kind == "group"
-                         else f.manifest.get("rank", 0) == self._rank and self._same_at_home(name, f.manifest))]
+            earlier = [name for f, rel in found if (name := join(parent, rel)) != path and not f.foreign
+                       and (self._earlier_group(f.manifest, rel, mine) if f.kind == "group"
+                            else f.manifest.get("rank", 0) == self._rank and self._same_at_home(name, f.manifest))]
         except (OSError, ValueError) as exc:  # retention must not fail a save: say so, count none of them
             log.warning("fastckpt: retention could not look at what earlier runs left in the burst buffer "
                         "beside %s: %s", path, exc)
             return []
+        if earlier:
+            log.info("fastckpt: keep_local=%d also counts %d burst-buffer copies that earlier runs left beside %s",
+                     self._keep_local, len(earlier), path)
+        return earlier
 
     @staticmethod
     def _earlier_group(manifest: dict, rel: str, mine: int | None) -> bool:
