@@ -155,7 +155,6 @@ def test_store_option_must_be_a_store() -> None:
         fastckpt.Checkpointer(rank=0, world_size=2, store=object())
 
 
-
 class _CountingStore(dist.TCPStore):
     """A TCPStore whose clones record the timeout of every blocking ``wait``."""
 

@@ -2,30 +2,26 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from fastckpt.save.retention import Retention
+from fastckpt.save.stripes import Stripes
 from fastckpt.storage.homes import Homes
-
-
-def _copies(local: Path):  # noqa: ANN202
-    def copies(name: str) -> list[str]:
-        p = local / Path(name).name
-        return [str(p)] if p.exists() else []
-    return copies
+from fastckpt.urls import mirror_path
 
 
 def test_a_name_being_saved_again_is_not_trimmed_until_that_save_is_durable(tmp_path: Path) -> None:
-    home, local = tmp_path / "home", tmp_path / "nvme"
-    home.mkdir(), local.mkdir()
+    home, nvme = tmp_path / "home", str(tmp_path / "nvme")
     names = [str(home / f"g{i}") for i in range(2)]
     for n in names:
-        Path(n).mkdir()
-        (local / Path(n).name).mkdir()
-    r = Retention(1, None, Homes(), _copies(local))
+        os.makedirs(n)
+        os.makedirs(mirror_path(nvme, n))
+    local = [Path(mirror_path(nvme, n)) for n in names]
+    r = Retention(1, None, Homes(), Stripes((nvme,)).copies)
     r.durable(names[0], has_local=True, owns_persistent=True)
     r.replacing(names[0])  # a new attempt at g0 writes into its burst-buffer directory
     r.durable(names[1], has_local=True, owns_persistent=True)
-    assert (local / "g0").exists()  # before: trimmed here, under the save writing into it
+    assert local[0].exists()  # before: trimmed here, under the save writing into it
     r.durable(names[0], has_local=True, owns_persistent=True)  # that save is durable: g0 is the newest
-    assert (local / "g0").exists() and not (local / "g1").exists()
+    assert local[0].exists() and not local[1].exists()
