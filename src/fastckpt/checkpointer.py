@@ -34,7 +34,7 @@ from .monitor import Monitor, Stats
 from .progress import Progress
 from .records import SaveHandle, SaveRecord
 from .save.replicator import Replicator
-from .save.retention import Retention
+from .save.retention import Retention, group_step
 from .save.saver import Saver
 from .save.staging import StagingPool
 from .save.stripes import Stripes
@@ -198,11 +198,11 @@ class Checkpointer:
         self._check_open()
         group = normalize(group)  # a failure raised here ends the attempt: no rank waits for this one
         self._inflight.raise_unseen(before=lambda exc: self._coordinator.abandon(group, self.rank, exc))
-        rank, has_local = self.rank, bool(self.config.local_dirs)
+        rank, has_local, token = self.rank, bool(self.config.local_dirs), self._retention.saving(group)
+        step = group_step(group, extra) if move_latest else None  # a series that moves latest: see Retention
 
         def retain(rec: SaveRecord) -> SaveRecord:
-            if not rec.superseded:
-                self._retention.durable(group, has_local, owns_persistent=rank == 0)
+            self._retention.ended(group, rec.superseded, has_local, rank == 0, token, step)
             return rec
 
         fut = self._coordinator.commit(group, rank, self.world_size, dict(extra), retain, move_latest)

@@ -69,7 +69,7 @@ class CheckpointerConfig:
                                      "commits coordinate through (default: the default process group's, once "
                                      "initialised; without one, marker files in the group's directory).")
     keep_local: int | None = _opt(None, "checkpoints to keep in local_dir once replicated, counting those earlier "
-                                  "runs left there (None: all).")
+                                  "runs left there and the groups replication dropped for later steps (None: all).")
     keep_persistent: int | None = _opt(None, "checkpoints to keep at their durable home (None: all).")
     replicate_bandwidth_Bps: float | None = _opt(None, "cap on replication (and its verification) in bytes/s "
                                                        "(None: no cap).")

@@ -277,6 +277,28 @@ def test_retention_keeps_newest_local_and_persistent(tmp_path) -> None:
     assert [os.path.basename(p) for p in local_files] == ["c3.pt"]
 
 
+def test_retention_keeps_the_newest_save_when_an_older_one_is_verified_last(tmp_path) -> None:
+    nvme, dest = str(tmp_path / "nvme"), tmp_path / "t"
+    old, new = str(dest / "c1.pt"), str(dest / "c2.pt")
+    entered, release = threading.Event(), threading.Event()
+
+    def hold_upload_of_c1(op: str, path: str) -> None:  # its copy to dest waits; c2's runs beside it
+        if op == "pwrite" and path.startswith(str(dest / f".c1.pt{TMP_TAG}")):
+            entered.set()
+            assert release.wait(60)
+
+    ck = fastckpt.Checkpointer(local_dir=nvme, ops=FaultyOps(on_call=hold_upload_of_c1), keep_local=1,
+                               keep_persistent=1, replicate_workers=2)
+    h1 = ck.save(_state(1), old)
+    assert entered.wait(60)
+    ck.save(_state(2), new).wait()
+    release.set()
+    h1.wait()
+    assert os.listdir(dest) == ["c2.pt"] and not os.path.exists(ck.local_path(old))
+    assert os.path.exists(ck.local_path(new))  # before: c2 was trimmed, as the first one verified
+    ck.close()
+
+
 class BadReadBack(FaultyOps):
     """Reads of the destination's temp file (only the verification reads it) come back with
     one byte flipped, the first ``times`` times: storage that returns other bytes than it was

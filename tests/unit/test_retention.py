@@ -1,4 +1,5 @@
-"""Retention's lists against real files: a name being saved again is never trimmed."""
+"""Retention's lists against real files: a name being saved again is never trimmed, and a group
+that replication dropped counts once a later step beside it is durable."""
 
 from __future__ import annotations
 
@@ -24,4 +25,77 @@ def test_a_name_being_saved_again_is_not_trimmed_until_that_save_is_durable(tmp_
     r.durable(names[1], has_local=True, owns_persistent=True)
     assert local[0].exists()  # before: trimmed here, under the save writing into it
     r.durable(names[0], has_local=True, owns_persistent=True)  # that save is durable: g0 is the newest
+    assert local[0].exists() and not local[1].exists()
+
+
+
+def _copies(tmp_path: Path, names: list[str], keep_local: int = 1) -> tuple[list[str], list[Path], Retention]:
+    """Burst-buffer copies of ``names`` (files or group directories under home/), and their
+    Retention."""
+    home, nvme = tmp_path / "home", str(tmp_path / "nvme")
+    paths = [str(home / n) for n in names]
+    local = [Path(mirror_path(nvme, p)) for p in paths]
+    for p in local:
+        p.mkdir(parents=True)
+        (p / "rank0.pt").write_bytes(b"x")
+    return paths, local, Retention(keep_local, None, Homes(), Stripes((nvme,)).copies)
+
+
+def test_a_dropped_group_counts_once_a_later_step_beside_it_is_durable(tmp_path: Path) -> None:
+    tags, local, r = _copies(tmp_path, ["run/global_step100", "run/global_step200", "run/global_step300"])
+    tokens = [r.replacing(t) for t in tags]
+    r.ended(tags[1], True, True, True, tokens[1], step=200)  # coalesced away by step 300
+    r.ended(tags[0], False, True, True, tokens[0], step=100)
+    assert local[1].exists()  # step 100 is older: step 200 is still the newest state on this node
+    r.ended(tags[2], False, True, True, tokens[2], step=300)
+    assert [p.exists() for p in local] == [False, False, True]
+
+
+def test_a_dropped_group_counts_in_save_order(tmp_path: Path) -> None:
+    tags, local, r = _copies(tmp_path, ["run/iter_1", "run/iter_2", "run/iter_3"], keep_local=2)
+    tokens = [r.replacing(t) for t in tags]
+    r.ended(tags[0], False, True, True, tokens[0], step=1)
+    r.ended(tags[1], True, True, True, tokens[1], step=2)
+    r.ended(tags[2], False, True, True, tokens[2], step=3)
+    assert [p.exists() for p in local] == [False, True, True]  # the two newest saves stay
+
+
+def test_the_lists_are_in_save_order_when_saves_become_durable_out_of_order(tmp_path: Path) -> None:
+    """Two uploads at once: the older, larger save is verified last. It is the one trimmed, at
+    home too: the newest save, which ``latest`` names, stays."""
+    tags, local, _ = _copies(tmp_path, ["run/global_step1", "run/global_step2"])
+    homes = [Path(t) for t in tags]
+    for h in homes:
+        h.mkdir(parents=True)
+    r = Retention(1, 1, Homes(), Stripes((str(tmp_path / "nvme"),)).copies)
+    tokens = [r.replacing(t) for t in tags]
+    r.ended(tags[1], False, True, True, tokens[1], step=2)
+    r.ended(tags[0], False, True, True, tokens[0], step=1)
+    assert [p.exists() for p in local] == [False, True] and [h.exists() for h in homes] == [False, True]
+
+
+def test_dropped_copies_that_no_later_series_replaces_stay(tmp_path: Path) -> None:
+    """A dropped single file may be a checkpoint the user still names (a Lightning top-k file);
+    a dropped group that does not move latest, or another directory's, or one of a later step
+    than what became durable, is not replaced by it."""
+    names = ["best.ckpt", "run/global_step200", "other/global_step100", "run/global_step400",
+             "run/global_step300"]
+    paths, local, r = _copies(tmp_path, names)
+    tokens = [r.replacing(p) for p in paths]
+    r.ended(paths[0], True, True, True, tokens[0])
+    r.ended(paths[1], True, True, True, tokens[1])  # does not move latest: no step
+    r.ended(paths[2], True, True, True, tokens[2], step=100)
+    r.ended(paths[3], True, True, True, tokens[3], step=400)
+    r.ended(paths[4], False, True, True, tokens[4], step=300)
+    assert [p.exists() for p in local] == [True, True, True, True, True]
+
+
+def test_an_older_save_of_a_name_that_ends_late_changes_nothing(tmp_path: Path) -> None:
+    paths, local, r = _copies(tmp_path, ["g0", "g1"])
+    old, g1 = r.replacing(paths[0]), r.replacing(paths[1])
+    new = r.replacing(paths[0])  # a newer attempt at g0 writes into its burst-buffer copy
+    r.ended(paths[0], False, True, True, old)
+    r.ended(paths[1], False, True, True, g1)
+    assert local[0].exists()  # before the tokens: listed by the older save and trimmed here
+    r.ended(paths[0], False, True, True, new)
     assert local[0].exists() and not local[1].exists()

@@ -85,7 +85,7 @@ class Replicator:
                 why = "replicate_policy='coalesce'" if coalesce else "a newer save to the same path"
                 log.info("fastckpt: replication of %s superseded by %s (%s); its local copy stays at %s",
                          old.rec.path, job.rec.path, why, old.local)
-                old.future.set_result(replace(old.rec, durable_s=None, superseded=True))
+                old.future.set_result(old.finish(replace(old.rec, durable_s=None, superseded=True)))
             self._queue.append(job)
             self._emit("queued", job.rec.path, job.rec.bytes, job.committed_at, job.rec.tier,
                        detail=f"waiting={len(self._queue)} running={len(self._running)}")

@@ -2,9 +2,20 @@
 durable home, and ``remove``.
 
 A checkpoint enters the lists only once it is verified at its durable home, so a local copy
-is never deleted before its replica is verified, and the newest verified checkpoint is never
-deleted (both limits are >= 1). Deletions wait for nothing: only finished checkpoints are
-listed, a name being saved again leaves the lists until that save is durable, and
+is never deleted before its replica is verified. The lists are in the order the saves began,
+not the order they became durable (two uploads run at once, and a large older one may finish
+last), so the newest verified save is never deleted (both limits are >= 1).
+
+The one exception is a group that replication dropped (``replicate_policy="coalesce"``): it
+never gets a replica. One that would have moved its directory's ``latest`` is listed, in its
+place in save order, once a group of a later step in the same directory, saved after it, is
+verified at its home and moves ``latest``: so a DeepSpeed or Megatron job whose replication
+falls behind does not fill its burst buffer. A single file that replication dropped stays: it
+may be a checkpoint the user still names (a Lightning top-k file) and loads from this node.
+
+Deletions wait for nothing: only finished checkpoints are listed, a name being saved again
+leaves the lists until that save is durable (each save of a name is told apart by the token
+``replacing`` returns: an older save of the name that ends later changes nothing), and
 ``Checkpointer.remove`` waits for saves in flight before it calls ``remove`` here. Each
 deletion goes through the checkpoint's home (``storage.homes``) and removes its publication
 record first (``commit.protocol.delete_checkpoint``).
@@ -23,10 +34,10 @@ checkpoints this process saved: what earlier runs left at the durable home is th
 
 from __future__ import annotations
 
+import itertools
 import logging
 import posixpath
 import threading
-from collections import deque
 from collections.abc import Callable
 
 from ..commit.discovery import scan
@@ -51,36 +62,92 @@ class Retention:
                  local_copies: Callable[[str], list[str]], rank: int = 0) -> None:
         self._keep_local, self._keep_persistent, self._rank = keep_local, keep_persistent, rank
         self._homes, self._local_copies = homes, local_copies
-        self._local: deque[str] = deque()
-        self._persistent: deque[str] = deque()
+        self._local: dict[str, int] = {}  # listed name -> its save's token: the lists are in save order
+        self._persistent: dict[str, int] = {}
         self._lock = threading.Lock()
         self._looked: set[str] = set()  # directories whose earlier burst-buffer copies were taken in
-        self._busy: set[str] = set()  # names being saved again (a save that fails leaves its name here)
+        self._tokens = itertools.count(1)  # one per save, in the order the saves began
+        self._busy: dict[str, int] = {}  # name -> its newest save in flight (a failed save's name stays)
+        self._dropped: dict[str, tuple[int, int]] = {}  # group -> (token, step) of a save replication dropped
 
-    def durable(self, path: str, has_local: bool, owns_persistent: bool) -> None:
-        """``path`` (a file or group) is verified at its durable home; trim both lists."""
+    def replacing(self, path: str) -> int:
+        """A new save of ``path`` (a file or group) began: until it is durable, no trim may delete
+        the copies it is replacing (a group's burst-buffer directory is the one it writes into).
+        Returns the save's token, for ``durable`` and ``dropped``."""
+        with self._lock:
+            self._forget(path)
+            token = self._busy[path] = next(self._tokens)
+            return token
+
+    def saving(self, path: str) -> int | None:
+        """The token of the newest save of ``path`` in flight (a group's commit takes it)."""
+        with self._lock:
+            return self._busy.get(path)
+
+    def ended(self, path: str, dropped: bool, has_local: bool, owns_persistent: bool, token: int | None = None,
+              step: int | None = None) -> None:
+        """Save ``token`` of ``path`` ended: verified at its durable home, or ``dropped`` by
+        replication for a newer checkpoint. ``step``: a group's that moves ``latest``."""
+        if dropped:
+            self.dropped(path, token, step)
+        else:
+            self.durable(path, has_local, owns_persistent, token, step)
+
+    def durable(self, path: str, has_local: bool, owns_persistent: bool, token: int | None = None,
+                step: int | None = None) -> None:
+        """``path`` (a file or group; ``token``: its save, None for the newest; ``step``: a
+        group's that moves ``latest``) is verified at its durable home; trim both lists."""
+        with self._lock:
+            if not self._ended(path, token):
+                return  # a newer save of path is in flight: it takes path into the lists once durable
         earlier = self._earlier_local(path) if has_local and self._keep_local is not None else []
         with self._lock:
-            self._busy.discard(path)
-            self._local.extendleft(reversed([p for p in earlier if p not in self._local and p not in self._busy]))
-            drop_local = _push(self._local, path, self._keep_local) if has_local else []
-            drop_persistent = _push(self._persistent, path, self._keep_persistent) if owns_persistent else []
+            token = next(self._tokens) if token is None else token
+            ahead = [p for p in earlier if p not in self._local and p not in self._busy]
+            self._local.update({p: i - len(ahead) for i, p in enumerate(ahead)})  # before any save of this run
+            self._local.update(self._replaced_drops(path, token, step) if has_local else {})
+            drop_local = _push(self._local, path, token, self._keep_local) if has_local else []
+            drop_persistent = _push(self._persistent, path, token, self._keep_persistent) if owns_persistent else []
         for p in drop_local:
             self._run(self._delete_local, p, "burst-buffer copy")
         for p in drop_persistent:
             self._run(self._delete_persistent, p, "persistent copy")
 
-    def replacing(self, path: str) -> None:
-        """A new save of ``path`` (a file or group) began: until it is durable, no trim may delete
-        the copies it is replacing (a group's burst-buffer directory is the one it writes into)."""
+    def dropped(self, path: str, token: int | None = None, step: int | None = None) -> None:
+        """Replication dropped the save ``token`` of ``path`` for a newer checkpoint: only its
+        burst-buffer copy exists. A group of a known ``step`` that moves ``latest`` counts once a
+        later one beside it is durable; anything else stays."""
         with self._lock:
-            self._forget(path)
-            self._busy.add(path)
+            if self._ended(path, token) and self._keep_local is not None and token is not None \
+                    and step is not None:
+                self._dropped[path] = (token, step)
+
+    def _ended(self, path: str, token: int | None) -> bool:
+        """Save ``token`` of ``path`` ended; False when a newer save of path is in flight."""
+        if token is not None and self._busy.get(path, token) != token:
+            return False
+        self._busy.pop(path, None)
+        return True
+
+    def _replaced_drops(self, path: str, token: int, step: int | None) -> dict[str, int]:
+        """The dropped groups beside group ``path`` (save ``token``, ``step``) that began before it
+        and are of earlier steps, with their tokens."""
+        if step is None:
+            return {}
+        parent = posixpath.dirname(path)
+        old = {p: t for p, (t, s) in sorted(self._dropped.items(), key=lambda kv: kv[1]) if t < token and s < step
+               and posixpath.dirname(p) == parent and p not in self._busy and p not in self._local}
+        for p in old:
+            del self._dropped[p]
+        if old:
+            log.info("fastckpt: keep_local=%d now counts the burst-buffer copies of %s: replication dropped them for "
+                     "newer checkpoints", self._keep_local, ", ".join(old))
+        return old
 
     def _forget(self, path: str) -> None:
-        for q in (self._local, self._persistent):
-            if path in q:
-                q.remove(path)
+        self._dropped.pop(path, None)
+        self._local.pop(path, None)
+        self._persistent.pop(path, None)
 
     def remove(self, path: str) -> None:
         """Delete both copies of ``path`` (a file or a group) now and stop tracking it."""
@@ -151,17 +218,23 @@ class Retention:
             log.warning("fastckpt: retention could not remove the %s of %s: %s", what, path, exc)
 
 
+def group_step(group: str, extra: dict) -> int | None:
+    """The step of a group being committed: ``commit(step=...)``, else its tag's number."""
+    return _step(extra, group)
+
+
 def _step(manifest: dict, name: str) -> int | None:
     """A group's step: ``commit(step=...)``, else the number its tag ends with (global_step1200)."""
     step = manifest.get("step")
     return step if isinstance(step, int) else tag_step(name)
 
 
-def _push(queue: deque[str], path: str, keep: int | None) -> list[str]:
-    """Make ``path`` the newest entry; return the oldest ones beyond ``keep`` (removed)."""
+def _push(listed: dict[str, int], path: str, token: int, keep: int | None) -> list[str]:
+    """List ``path`` (save ``token``); return the names beyond the ``keep`` newest saves (removed)."""
     if keep is None:
         return []
-    if path in queue:
-        queue.remove(path)
-    queue.append(path)
-    return [queue.popleft() for _ in range(len(queue) - keep)]
+    listed[path] = token
+    over = sorted(listed, key=listed.__getitem__)[:max(0, len(listed) - keep)]
+    for p in over:
+        del listed[p]
+    return over

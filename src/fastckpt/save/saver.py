@@ -16,6 +16,7 @@ resolves, so ``wait()`` returning means retention has run.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 import warnings
@@ -67,10 +68,11 @@ class Saver:
             raise ConfigError(f"{path} is a URL: saving there needs local_dir=<node-local directory>, the "
                               "burst buffer the upload is made from")
         layout = self._planner.plan(state_dict)
-        self._retention.replacing(group or path)
+        token = self._retention.replacing(group or path)
         spot = self._stripes.choose(path, layout.data_size)  # the burst-buffer drive, if any
         try:
-            handle = self._save_planned(state_dict, layout, path, spot, group, lazy, rank, world, t_call, w_call)
+            handle = self._save_planned(state_dict, layout, path, spot, group, lazy, rank, world, t_call, w_call,
+                                        token)
         except BaseException:
             self._stripes.release(spot)
             raise
@@ -79,8 +81,8 @@ class Saver:
         return handle
 
     def _save_planned(self, state_dict: object, layout: F.FileLayout, path: str, spot: Reservation | None,
-                      group: str | None, lazy: bool, rank: int, world: int, t_call: float, w_call: float
-                      ) -> SaveHandle:
+                      group: str | None, lazy: bool, rank: int, world: int, t_call: float, w_call: float,
+                      token: int) -> SaveHandle:
         has_cuda = layout.cuda
         try:
             choice = self._tiers.choose(path, has_cuda, spot.root if spot else None)
@@ -95,13 +97,13 @@ class Saver:
         dest = spot.local if spot else home
         base = SaveRecord(path, choice.tier, layout.data_size, 0.0, 0.0, 0.0, None, rank=rank, group=group)
         if choice.tier == "gds":
-            return self._save_gds(layout, base, dest, home, t_call, w_call, spot)
+            return self._save_gds(layout, base, dest, home, t_call, w_call, spot, token)
         buf = self._staging.acquire(layout.data_size + TAIL_ROOM, owner=group or object(),
                                     pinned=has_cuda, wait=self._cfg.when_busy == "wait")
         if buf is None:
             return self._skipped(base, group, t_call)
         if self._cfg.overlap_write and not lazy and not has_cuda:
-            return self._save_overlapped(layout, buf, base, dest, home, t_call, w_call, choice, spot)
+            return self._save_overlapped(layout, buf, base, dest, home, t_call, w_call, choice, spot, token)
         if lazy:  # CUDA: the copy follows the work queued so far and runs beside what comes next
             copy = self._snap_thread.submit(snapshot, layout, buf, after=cuda_marks(layout), hold_stream=False)
             snap: Snapshot | LazySnapshot = LazySnapshot(copy, layout, buf)
@@ -119,18 +121,18 @@ class Saver:
             self._monitor.record_blocked(t_call, blocked, layout.payload_bytes)
         self._emit("snapshot", path, layout.payload_bytes, w_call, choice.tier, detail="lazy" if lazy else None)
         base = replace(base, blocked_s=blocked)
-        fut = self._submit(spot, self._writer.write, snap, base, dest, t_call, choice.odirect)
-        return self._track(fut, base, dest, home, t_call, spot)
+        fut = self._submit(spot, token, self._writer.write, snap, base, dest, t_call, choice.odirect)
+        return self._track(fut, base, dest, home, t_call, spot, token)
 
     def _save_gds(self, layout: F.FileLayout, base: SaveRecord, dest: str, home: str, t_call: float, w_call: float,
-                  spot: Reservation | None) -> SaveHandle:
+                  spot: Reservation | None, token: int) -> SaveHandle:
         st = self._writer.gds_write(layout, dest)
         blocked = time.monotonic() - t_call
         self._monitor.record_blocked(t_call, blocked, layout.payload_bytes)
         self._emit("snapshot", base.path, layout.payload_bytes, w_call, base.tier, detail="gds write")
         base = replace(base, blocked_s=blocked)
-        fut = self._submit(spot, self._writer.gds_finish, st, layout, base, t_call)
-        return self._track(fut, base, dest, home, t_call, spot)
+        fut = self._submit(spot, token, self._writer.gds_finish, st, layout, base, t_call)
+        return self._track(fut, base, dest, home, t_call, spot, token)
 
     def _skipped(self, base: SaveRecord, group: str | None, t_call: float) -> SaveHandle:
         self._monitor.record_skipped()
@@ -141,11 +143,12 @@ class Saver:
         return SaveHandle.finished(replace(base, bytes=0, blocked_s=time.monotonic() - t_call, skipped=True))
 
     def _save_overlapped(self, layout: F.FileLayout, buf: StagingBuffer, base: SaveRecord, dest: str, home: str,
-                         t_call: float, w_call: float, choice: TierChoice, spot: Reservation | None) -> SaveHandle:
+                         t_call: float, w_call: float, choice: TierChoice, spot: Reservation | None, token: int
+                         ) -> SaveHandle:
         """CPU state: the writer starts at once and follows the copy into the staging buffer,
         so the file is durable about one write time after the call, not copy + write."""
         progress = Progress()
-        fut = self._submit(spot, self._writer.write, Snapshot(buf, layout, None, progress), base, dest, t_call,
+        fut = self._submit(spot, token, self._writer.write, Snapshot(buf, layout, None, progress), base, dest, t_call,
                            choice.odirect)
         try:
             snapshot(layout, buf, progress)
@@ -158,15 +161,16 @@ class Saver:
         progress.finish(blocked_s=blocked)
         self._monitor.record_blocked(t_call, blocked, layout.payload_bytes)
         self._emit("snapshot", base.path, layout.payload_bytes, w_call, choice.tier)
-        return self._track(fut, replace(base, blocked_s=blocked), dest, home, t_call, spot)
+        return self._track(fut, replace(base, blocked_s=blocked), dest, home, t_call, spot, token)
 
-    def _submit(self, spot: Reservation | None, write: Callable[..., SaveRecord], *args: object) -> Future:
+    def _submit(self, spot: Reservation | None, token: int, write: Callable[..., SaveRecord], *args: object
+                ) -> Future:
         """Run ``write`` on the writer thread of the save's burst-buffer directory (one per
         directory: the drives write at once; files of one directory, and so every save of one
         path, are written in order)."""
-        return self._write_threads[spot.index if spot else 0].submit(self._written, write, *args)
+        return self._write_threads[spot.index if spot else 0].submit(self._written, token, write, *args)
 
-    def _written(self, write: Callable[..., SaveRecord], *args: object) -> SaveRecord:
+    def _written(self, token: int, write: Callable[..., SaveRecord], *args: object) -> SaveRecord:
         """The writer thread's job: write; a file written to its own path is durable and
         published now (``commit.protocol.publish_file``), so retention runs before its handle
         resolves."""
@@ -175,21 +179,21 @@ class Saver:
             return rec
         if rec.group is None:
             publish_file(self._homes.resolve(rec.path), {"written_at": time.time()})
-        return self._retain(rec)
+        return self._retain(rec, token)
 
-    def _track(self, fut: Future, base: SaveRecord, dest: str, home: str, t_call: float, spot: Reservation | None
-               ) -> SaveHandle:
+    def _track(self, fut: Future, base: SaveRecord, dest: str, home: str, t_call: float, spot: Reservation | None,
+               token: int) -> SaveHandle:
         """Replication (to ``home``) follows a write to the burst buffer; track the save; join
         its group."""
         if dest != home:
             fut.add_done_callback(lambda _: self._stripes.release(spot))
-            fut = self._then_replicate(fut, dest, home, t_call)
+            fut = self._then_replicate(fut, dest, home, t_call, token)
         handle = self._inflight.track(fut, base.path, base.group)
         if base.group is not None:
             self._coord.add(base.group, handle)
         return handle
 
-    def _then_replicate(self, written: Future, local: str, home: str, t_call: float) -> Future:
+    def _then_replicate(self, written: Future, local: str, home: str, t_call: float, token: int) -> Future:
         """A future that resolves once the file written to ``local`` is replicated to ``home``."""
         final: Future = Future()
 
@@ -200,7 +204,8 @@ class Saver:
                 return
             rec = f.result()
             try:
-                self._replicator.submit(ReplicaJob(rec, local, t_call, time.time(), final, finish=self._retain,
+                self._replicator.submit(ReplicaJob(rec, local, t_call, time.time(), final,
+                                                   finish=functools.partial(self._retain, token=token),
                                                    home=home if home != rec.path else ""))
             except RuntimeError as err:  # closed under us: nothing will replicate it
                 final.set_exception(ReplicationError(f"{rec.path} was not replicated: {err}"))
@@ -208,10 +213,12 @@ class Saver:
         written.add_done_callback(enqueue)
         return final
 
-    def _retain(self, rec: SaveRecord) -> SaveRecord:
-        """A single-file checkpoint is verified at its home: apply keep_local/keep_persistent."""
-        if rec.group is None and not rec.superseded and not rec.skipped:
-            self._retention.durable(rec.path, bool(self._cfg.local_dirs), owns_persistent=True)
+    def _retain(self, rec: SaveRecord, token: int) -> SaveRecord:
+        """A single-file checkpoint (save ``token``) is verified at its home, or replication dropped
+        it for a newer one: apply keep_local/keep_persistent."""
+        if rec.group is None and not rec.skipped:
+            self._retention.ended(rec.path, rec.superseded, bool(self._cfg.local_dirs), owns_persistent=True,
+                                  token=token)
         return rec
 
     def fence(self) -> float:
