@@ -1,21 +1,27 @@
 """keep_local counts the groups that replication dropped (``replicate_policy="coalesce"``) once a
 later step beside them is verified at its home: a DeepSpeed or Megatron job whose replication
 falls behind keeps a bounded burst buffer. A dropped single file stays (it may be a checkpoint
-the user still names). Backpressure is made real by holding the one replication worker on a
-gate (a FaultyOps read of the burst buffer), never by sleeping.
+the user still names). Ranks that share a burst buffer delete only what they know is settled.
+Backpressure and slow ranks are made real by holding file operations (FaultyOps), never by
+sleeping.
 """
 
 from __future__ import annotations
 
+import datetime
 import logging
 import os
+import threading
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import fastckpt
+from fastckpt.io.atomic import TMP_TAG
 from fastckpt.testing import FaultyOps
+from fastckpt.urls import mirror_path
 
 from .test_burst_buffer import QueueWaiter as Queued
 
@@ -64,3 +70,96 @@ def test_a_dropped_group_is_trimmed_once_a_later_group_is_published(
     assert [os.path.isdir(ck.local_path(t)) for t in tags] == [False, False, True]
     assert fastckpt.latest(str(run)) == tags[2]
     ck.close()
+
+
+class _Hold:
+    """A FileOps hook that holds the upload of one file (its first write at the durable home)."""
+
+    def __init__(self, home_file: str) -> None:
+        d, name = os.path.split(home_file)
+        self.prefix = os.path.join(d, f".{name}{TMP_TAG}")
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def __call__(self, op: str, path: str) -> None:
+        if op == "pwrite" and path.startswith(self.prefix):
+            self.entered.set()
+            assert self.release.wait(60)
+
+
+@pytest.mark.parametrize("with_store", [False, True])
+def test_a_rank_trims_only_its_own_files_of_a_dropped_group(tmp_path: Path, with_store: bool) -> None:
+    """Two ranks share one burst buffer. Rank 0 dropped step 200 and trims it once step 300 is
+    published; rank 1 is still uploading its file of step 200 then, so rank 0 deletes only its
+    own file. Rank 1's upload completes and its commit ends as dropped too (before, without a
+    store, it waited for an attempt that had ended until commit_timeout_s). Its trim, after
+    step 400, removes the rest."""
+    nvme, run = str(tmp_path / "nvme"), tmp_path / "run"
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=60)) if with_store else None
+    tags = [str(run / f"global_step{s}") for s in (100, 200, 300, 400)]
+    hold0, hold1 = _Hold(f"{tags[0]}/rank0.pt"), _Hold(f"{tags[1]}/rank1.pt")
+    queued = Queued(f"{tags[2]}/rank0.pt")
+    cks = [fastckpt.Checkpointer(rank=r, world_size=2, store=store, local_dir=nvme, keep_local=1, overhead_budget=0.99,
+                                 ops=FaultyOps(on_call=(hold0, hold1)[r]), replicate_workers=(1, 2)[r],
+                                 sinks=(queued,) if r == 0 else ()) for r in range(2)]
+    try:
+        commits: list[list] = [[], []]
+        for i, tag in enumerate(tags[:3]):
+            for ck in cks:
+                ck.save(_state(i), f"{tag}/rank{ck.rank}.pt", group=tag)
+                commits[ck.rank].append(ck.commit(tag))
+            assert (hold0.entered, hold1.entered, queued.seen)[i].wait(60)  # rank 0's step 100 held, rank 1's
+            # step 200 held, then rank 0's step 300 queued behind its step 200: that one is dropped
+        hold0.release.set()  # step 100 publishes; rank 0 dropped step 200 for step 300
+        if not with_store:  # rank 0 ends the attempt on its own dropped file (a store waits for every rank)
+            assert commits[0][1].wait(60).superseded and not commits[0][2].wait(60).superseded
+            own0, own1 = (Path(cks[0].local_path(f"{tags[1]}/rank{r}.pt")) for r in range(2))
+            assert not own0.exists() and own1.exists()  # rank 1 is still uploading its file of step 200
+        hold1.release.set()
+        for c in commits:
+            assert c[1].wait(60).superseded and not c[2].wait(60).superseded
+        for ck in cks:
+            ck.save(_state(3), f"{tags[3]}/rank{ck.rank}.pt", group=tags[3])
+        for h in [ck.commit(tags[3]) for ck in cks]:
+            h.wait(60)
+        assert [os.path.isdir(cks[0].local_path(t)) for t in tags] == [False, False, False, True]
+        assert fastckpt.latest(str(run)) == tags[3]
+    finally:
+        hold0.release.set()
+        hold1.release.set()
+        for ck in cks:
+            ck.close()
+
+
+def test_a_rank_whose_group_copy_another_rank_trimmed_still_commits(tmp_path: Path) -> None:
+    """Rank 1 is giving the burst-buffer copy of step 100 its manifest when rank 0, on
+    the same node, trims that copy (keep_local=1, step 200 is durable). Before, rank 1's commit
+    of step 100, published at its home, failed as "removed"; now it succeeds, and the trimmed
+    copy is not brought back."""
+    nvme, run = str(tmp_path / "nvme"), tmp_path / "run"
+    tags = [str(run / f"global_step{s}") for s in (100, 200)]
+    entered, release = threading.Event(), threading.Event()
+
+    def hold_local_manifest(op: str, path: str) -> None:  # rank 1 writes step 100's manifest into the burst buffer
+        if op == "write_small" and path.startswith(os.path.join(mirror_path(nvme, tags[0]), ".fastckpt-manifest")):
+            entered.set()
+            assert release.wait(60)
+
+    cks = [fastckpt.Checkpointer(rank=r, world_size=2, local_dir=nvme, keep_local=1, overhead_budget=0.99,
+                                 ops=FaultyOps(on_call=hold_local_manifest) if r else None) for r in range(2)]
+    try:
+        commits = []
+        for tag in tags:
+            for ck in cks:
+                ck.save(_state(0), f"{tag}/rank{ck.rank}.pt", group=tag)
+            commits.append([ck.commit(tag) for ck in cks])
+        assert entered.wait(60)
+        commits[0][0].wait(60)
+        assert commits[1][0].wait(60).durable_s is not None  # rank 0 trimmed step 100's copy
+        assert not os.path.exists(mirror_path(nvme, tags[0]))
+        release.set()
+        assert commits[0][1].wait(60).durable_s is not None and commits[1][1].wait(60).durable_s is not None
+        assert not os.path.exists(mirror_path(nvme, tags[0])) and fastckpt.latest(str(run)) == tags[1]
+    finally:
+        release.set()
+        for ck in cks:
+            ck.close()

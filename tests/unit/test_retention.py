@@ -6,6 +6,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import torch
+
+import fastckpt
 from fastckpt.save.retention import Retention
 from fastckpt.save.stripes import Stripes
 from fastckpt.storage.homes import Homes
@@ -35,9 +38,9 @@ def _copies(tmp_path: Path, names: list[str], keep_local: int = 1) -> tuple[list
     home, nvme = tmp_path / "home", str(tmp_path / "nvme")
     paths = [str(home / n) for n in names]
     local = [Path(mirror_path(nvme, p)) for p in paths]
-    for p in local:
-        p.mkdir(parents=True)
-        (p / "rank0.pt").write_bytes(b"x")
+    with fastckpt.Checkpointer() as ck:  # rank 0's file, with its manifest (a dropped group loses only those)
+        for p in local:
+            ck.save({"w": torch.zeros(4)}, str(p / "rank0.pt")).wait()
     return paths, local, Retention(keep_local, None, Homes(), Stripes((nvme,)).copies)
 
 

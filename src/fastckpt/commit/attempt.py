@@ -7,12 +7,14 @@ copy's manifest (``publish_local``). ``coordinator.py`` runs these on the commit
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
 from dataclasses import dataclass, field
 
 from ..errors import CheckpointWriteError, CommitTimeoutError, CorruptCheckpointError
+from ..io import atomic
 from ..records import SaveHandle
 from ..storage.places import Place
 from . import fallback as F
@@ -138,10 +140,12 @@ def via_storage(att: Attempt, rank: int, world: int, files: dict, superseded: bo
     """The commit through marker files (``fallback.py``), on this rank."""
     if rank != 0:
         token = F.current_attempt(att.place)
-        if token is None and att.begun_in is not None:  # ended already: aborted, while this rank wrote?
+        if token is None and att.begun_in is not None:  # ended already, while this rank wrote?
             ended = P.read_record(att.place, P.OUTCOME)
             if ended is not None and ended.get("attempt") == att.begun_in and ended.get("outcome") == F.ABORTED:
                 raise F.aborted_error(att.home.label, str(ended.get("why")))
+            if ended is not None and ended.get("attempt") == att.begun_in and ended.get("outcome") == "superseded":
+                return Ended(None, 0, superseded=True)  # another rank's file was dropped: so is this attempt
         P.write_marker(att.place, rank, world, files, token, superseded)
         m = F.wait_for_manifest(att.home, timeout_s + grace(timeout_s), stop, token, files, me=rank,
                                 restamp=lambda aid: P.write_marker(att.place, rank, world, files, aid, superseded),
@@ -173,6 +177,10 @@ def publish_local(att: Attempt, local: Place, manifest: dict | None, stop: threa
     but rank 0 with a store), the first to create ``.fastckpt/fetch-<attempt>`` there reads it
     from the home and puts it in the burst buffer; the others wait for it (up to
     ``LOCAL_WAIT_S``, then read it themselves): one read per node, not per rank.
+
+    Nothing here creates the copy's directory: another rank of this node may have trimmed it
+    (``keep_local``, once a later group was durable) while this one waited. Then this raises
+    ``FileNotFoundError``, and the group stays what it is, published at its home.
     """
     if manifest is None:
         if not _claim(local, f"{P.MARKER_DIR}/fetch-{att.token}"):  # another rank of this node fetches it
@@ -183,7 +191,8 @@ def publish_local(att: Attempt, local: Place, manifest: dict | None, stop: threa
         manifest = P.read_group_manifest(att.home)
         if manifest is None or manifest.get("attempt") != att.token:
             return  # a newer attempt already replaced it (or it was removed): nothing to vouch for
-    local.put(P.GROUP_MANIFEST, P.manifest_bytes(manifest))  # the claim stays (deleting it races the others)
+    # the claim stays (deleting it races the others); no makedirs: a trimmed copy is not brought back
+    atomic.publish_bytes(local.target.ops, local.url(P.GROUP_MANIFEST), P.manifest_bytes(manifest))
 
 
 def _local_manifest(local: Place, token: str | None) -> dict | None:
@@ -195,19 +204,18 @@ def _local_manifest(local: Place, token: str | None) -> dict | None:
 
 
 def _claim(place: Place, rel: str, attempts: int = 5) -> bool:
-    """Create the empty file ``rel`` in the (local, POSIX) ``place``; False if it exists."""
+    """Create the empty file ``rel`` (one directory deep) in the (local, POSIX) ``place``; False if
+    it exists. ``FileNotFoundError`` when the place itself is gone (it is never made again)."""
     path, ops = place.url(rel), place.target.ops
     for attempt in range(1, attempts + 1):
         try:
-            ops.makedirs(os.path.dirname(path))
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(os.path.dirname(path))
             ops.close(ops.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL))
             return True
         except FileExistsError:
-            if os.path.exists(path):
-                return False
-            if attempt == attempts:  # makedirs met a directory being removed and made at once
-                raise
-        except FileNotFoundError:  # a deletion pruned the emptied directory just now
-            if attempt == attempts:
+            return False
+        except FileNotFoundError:  # the place is gone, or a deletion pruned the emptied marker directory
+            if attempt == attempts or not os.path.isdir(os.path.dirname(os.path.dirname(path))):
                 raise
     return False

@@ -274,7 +274,10 @@ class Coordinator:
         if ended.superseded:
             return SaveRecord(att.group, tier, 0, blocked, 0.0, done, None, rank=rank, group=att.group,
                               superseded=True, **cost)
-        for local in att.local if len(att.local) == 1 else [p for p in att.local if os.path.isdir(p.url())]:
-            A.publish_local(att, local, ended.manifest, self._stop)  # striped: each drive holding files
+        for local in [p for p in att.local if os.path.isdir(p.url())]:  # striped: each drive holding files
+            try:
+                A.publish_local(att, local, ended.manifest, self._stop)
+            except FileNotFoundError:  # another rank of this node trimmed the copy (keep_local): loads read the home
+                log.debug("fastckpt: the burst-buffer copy %s of %s went meanwhile", local.label, att.group)
         self._emit("commit", att.group, ended.total, c0, tier, detail="group")
         return SaveRecord(att.group, tier, ended.total, blocked, 0.0, done, done, rank=rank, group=att.group, **cost)

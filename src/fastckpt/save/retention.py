@@ -34,8 +34,10 @@ checkpoints this process saved: what earlier runs left at the durable home is th
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
+import os
 import posixpath
 import threading
 from collections.abc import Callable
@@ -69,6 +71,7 @@ class Retention:
         self._tokens = itertools.count(1)  # one per save, in the order the saves began
         self._busy: dict[str, int] = {}  # name -> its newest save in flight (a failed save's name stays)
         self._dropped: dict[str, tuple[int, int]] = {}  # group -> (token, step) of a save replication dropped
+        self._listed_drops: set[str] = set()  # dropped groups in the local list: this rank deletes its files only
 
     def replacing(self, path: str) -> int:
         """A new save of ``path`` (a file or group) began: until it is durable, no trim may delete
@@ -108,8 +111,10 @@ class Retention:
             self._local.update(self._replaced_drops(path, token, step) if has_local else {})
             drop_local = _push(self._local, path, token, self._keep_local) if has_local else []
             drop_persistent = _push(self._persistent, path, token, self._keep_persistent) if owns_persistent else []
+            own = {p for p in drop_local if p in self._listed_drops}
+            self._listed_drops -= own
         for p in drop_local:
-            self._run(self._delete_local, p, "burst-buffer copy")
+            self._run(self._delete_own_files if p in own else self._delete_local, p, "burst-buffer copy")
         for p in drop_persistent:
             self._run(self._delete_persistent, p, "persistent copy")
 
@@ -139,6 +144,7 @@ class Retention:
                and posixpath.dirname(p) == parent and p not in self._busy and p not in self._local}
         for p in old:
             del self._dropped[p]
+        self._listed_drops.update(old)
         if old:
             log.info("fastckpt: keep_local=%d now counts the burst-buffer copies of %s: replication dropped them for "
                      "newer checkpoints", self._keep_local, ", ".join(old))
@@ -146,6 +152,7 @@ class Retention:
 
     def _forget(self, path: str) -> None:
         self._dropped.pop(path, None)
+        self._listed_drops.discard(path)
         self._local.pop(path, None)
         self._persistent.pop(path, None)
 
@@ -203,6 +210,23 @@ class Retention:
     def _delete_local(self, path: str) -> None:
         for local in self._local_copies(path):
             delete_checkpoint(self._homes.resolve(local))
+
+    def _delete_own_files(self, group: str) -> None:
+        """A dropped group's burst-buffer copy: only the files this rank wrote, the only ones it
+        knows are settled (another rank of this node may still be uploading its own file of that
+        group); each directory goes once it is empty."""
+        for local in self._local_copies(group):
+            loc = self._homes.resolve(local)
+            for key in loc.target.list(loc.key + "/"):
+                try:
+                    mine = (loc.target.read_manifest(key) or {}).get("rank", -1) == self._rank
+                except (OSError, ValueError):  # a partial or foreign file: not this rank's to delete
+                    mine = False
+                if mine:
+                    loc.target.delete(key)
+            for d, _, _ in sorted(os.walk(local), reverse=True):  # deepest first
+                with contextlib.suppress(OSError):  # not empty: another rank's files are still there
+                    os.rmdir(d)
 
     def _delete_persistent(self, path: str) -> None:
         delete_checkpoint(self._homes.resolve(path))
