@@ -95,6 +95,36 @@ def test_a_restarted_group_job_trims_the_groups_earlier_runs_published(tmp_path:
     assert _local(nvme, root) == ["global_step2", "global_step3", "global_step9"]
 
 
+def test_a_restarted_group_job_removes_its_files_of_groups_earlier_runs_left_unpublished(tmp_path: Path) -> None:
+    """An earlier run saved steps 2 and 5 on both ranks but never committed them (killed first).
+    They can never load. The next run, resumed from step 1, saves steps 3 and 4: each rank
+    removes its own files of step 2, below them, and the directory goes with the last one; step
+    5, a tag this run may save again, stays."""
+    nvme, root = tmp_path / "nvme", tmp_path / "ckpt"
+
+    def run(steps: range, commit: bool = True, keep_local: int | None = 1) -> None:
+        cks = [fastckpt.Checkpointer(local_dir=str(nvme), rank=r, world_size=2, keep_local=keep_local,
+                                     commit_timeout_s=60, overhead_budget=0.99) for r in range(2)]
+        try:
+            for step in steps:
+                group = str(root / f"global_step{step}")
+                for r, ck in enumerate(cks):
+                    ck.save(_state(step), f"{group}/rank{r}.pt", group=group).wait()
+                for h in [ck.commit(group) for ck in cks] if commit else []:
+                    h.wait()
+        finally:
+            for ck in cks:
+                ck.close()
+
+    run(range(0, 2), keep_local=None)
+    run(range(2, 6, 3), commit=False, keep_local=None)
+    assert _local(nvme, root) == ["global_step0", "global_step1", "global_step2", "global_step5"]
+    run(range(3, 5))
+    assert _local(nvme, root) == ["global_step4", "global_step5"]
+    assert sorted(os.listdir(Path(mirror_path(str(nvme), str(root / "global_step5"))))) == ["rank0.pt", "rank1.pt"]
+    assert fastckpt.latest(str(root)) == str(root / "global_step4")
+
+
 _KILLED_RUN = """
 import os, signal, sys, torch, fastckpt
 nvme, dest = sys.argv[1], sys.argv[2]

@@ -28,7 +28,8 @@ was published): its groups of earlier steps, and the single files this rank wrot
 whose step is unknown or not below the one just saved is left alone: a job resumed from an
 older checkpoint saves those tags again, and another rank may be writing into them. So
 ``keep_local`` bounds the burst buffer across restarts, and a local copy that never reached
-its home (the job was killed first) is never deleted. ``keep_persistent`` counts the
+its home (the job was killed first) is never deleted. A group earlier runs left unpublished
+at an earlier step can never load: this rank's files of it are removed. ``keep_persistent`` counts the
 checkpoints this process saved: what earlier runs left at the durable home is the user's.
 """
 
@@ -176,19 +177,36 @@ class Retention:
                      for f in scan(self._homes.resolve(mirror), max_depth=1)
                      if "/" not in (rel := posixpath.relpath(f.path, mirror))]
             found.sort(key=lambda fr: fr[0].time)
-            mine = _step(read_group_manifest(self._homes.resolve(path).place()) or {}, path) \
-                if any(f.kind == "group" for f, _ in found) else None
+            group = read_group_manifest(self._homes.resolve(path).place())
+            mine = _step(group or {}, path) if any(f.kind == "group" for f, _ in found) else None
             earlier = [name for f, rel in found if (name := join(parent, rel)) != path and not f.foreign
                        and (self._earlier_group(f.manifest, rel, mine) if f.kind == "group"
                             else f.manifest.get("rank", 0) == self._rank and self._same_at_home(name, f.manifest))]
+            unpublished = self._unpublished_earlier(parent, {rel for _, rel in found},
+                                                    _step(group, path) if group is not None else None)
         except (OSError, ValueError) as exc:  # retention must not fail a save: say so, count none of them
             log.warning("fastckpt: retention could not look at what earlier runs left in the burst buffer "
                         "beside %s: %s", path, exc)
             return []
+        for g in unpublished:
+            self._run(self._delete_own_files, g, "files this rank left in the unpublished burst-buffer copy")
         if earlier:
             log.info("fastckpt: keep_local=%d also counts %d burst-buffer copies that earlier runs left beside %s",
                      self._keep_local, len(earlier), path)
         return earlier
+
+    def _unpublished_earlier(self, parent: str, complete: set[str], mine: int | None) -> list[str]:
+        """The groups beside ``parent``'s group of step ``mine`` that earlier runs left unpublished
+        in the burst buffer (a job killed before their commit, or one whose replication dropped
+        them), of earlier steps. They can never load (a group loads once published), and this run
+        goes on from a later step: this rank's files of them are removed."""
+        if mine is None:
+            return []
+        names = {join(parent, e.name) for mirror in self._local_copies(parent) if os.path.isdir(mirror)
+                 for e in os.scandir(mirror) if e.is_dir(follow_symlinks=False) and not e.name.startswith(".")
+                 and e.name not in complete and (step := tag_step(e.name)) is not None and step < mine}
+        with self._lock:
+            return sorted(n for n in names if n not in self._busy and n not in self._local and n not in self._dropped)
 
     @staticmethod
     def _earlier_group(manifest: dict, rel: str, mine: int | None) -> bool:
@@ -212,9 +230,9 @@ class Retention:
             delete_checkpoint(self._homes.resolve(local))
 
     def _delete_own_files(self, group: str) -> None:
-        """A dropped group's burst-buffer copy: only the files this rank wrote, the only ones it
-        knows are settled (another rank of this node may still be uploading its own file of that
-        group); each directory goes once it is empty."""
+        """A group's burst-buffer copy that other ranks of this node may still use (one that
+        replication dropped: another rank may still be uploading its file of it): only the files
+        this rank wrote; each directory goes once it is empty."""
         for local in self._local_copies(group):
             loc = self._homes.resolve(local)
             for key in loc.target.list(loc.key + "/"):
