@@ -29,8 +29,9 @@ whose step is unknown or not below the one just saved is left alone: a job resum
 older checkpoint saves those tags again, and another rank may be writing into them. So
 ``keep_local`` bounds the burst buffer across restarts, and a local copy that never reached
 its home (the job was killed first) is never deleted. A group earlier runs left unpublished
-at an earlier step can never load: this rank's files of it are removed. ``keep_persistent`` counts the
-checkpoints this process saved: what earlier runs left at the durable home is the user's.
+at an earlier step can never load: this rank's files of it are removed. ``keep_persistent``
+counts the checkpoints this process saved: what earlier runs left at the durable home is the
+user's.
 """
 
 from __future__ import annotations
