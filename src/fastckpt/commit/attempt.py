@@ -141,10 +141,10 @@ def via_storage(att: Attempt, rank: int, world: int, files: dict, superseded: bo
     if rank != 0:
         token = F.current_attempt(att.place)
         if token is None and att.begun_in is not None:  # ended already, while this rank wrote?
-            ended = P.read_record(att.place, P.OUTCOME)
-            if ended is not None and ended.get("attempt") == att.begun_in and ended.get("outcome") == F.ABORTED:
+            ended = P.read_record(att.place, P.OUTCOME) or {}
+            if ended.get("attempt") == att.begun_in and ended.get("outcome") == F.ABORTED:
                 raise F.aborted_error(att.home.label, str(ended.get("why")))
-            if ended is not None and ended.get("attempt") == att.begun_in and ended.get("outcome") == "superseded":
+            if ended.get("attempt") == att.begun_in and ended.get("outcome") == "superseded":
                 return Ended(None, 0, superseded=True)  # another rank's file was dropped: so is this attempt
         P.write_marker(att.place, rank, world, files, token, superseded)
         m = F.wait_for_manifest(att.home, timeout_s + grace(timeout_s), stop, token, files, me=rank,

@@ -36,7 +36,6 @@ user's.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
 import os
@@ -233,7 +232,7 @@ class Retention:
     def _delete_own_files(self, group: str) -> None:
         """A group's burst-buffer copy that other ranks of this node may still use (one that
         replication dropped: another rank may still be uploading its file of it): only the files
-        this rank wrote; each directory goes once it is empty."""
+        this rank wrote (``Target.delete`` prunes the directories it empties, so the last goes)."""
         for local in self._local_copies(group):
             loc = self._homes.resolve(local)
             for key in loc.target.list(loc.key + "/"):
@@ -243,9 +242,6 @@ class Retention:
                     mine = False
                 if mine:
                     loc.target.delete(key)
-            for d, _, _ in sorted(os.walk(local), reverse=True):  # deepest first
-                with contextlib.suppress(OSError):  # not empty: another rank's files are still there
-                    os.rmdir(d)
 
     def _delete_persistent(self, path: str) -> None:
         delete_checkpoint(self._homes.resolve(path))
