@@ -11,7 +11,6 @@ pipe: ``("durable", rank, step, launch)``. A load that returns the wrong tensors
 from __future__ import annotations
 
 import datetime
-import os
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +29,7 @@ class Launch:
     steps: int
     local_dir: str | None
     store_port: int | None  # a TCPStore the test hosts, as torchrun's agent would
+    storage_options: dict | None = None  # the S3 endpoint, when ``root`` is an s3:// URL
 
 
 def state(step: int, rank: int, launch: int) -> dict:
@@ -53,9 +53,9 @@ def run_rank(rank: int, job: Launch, events: object) -> None:
         store = dist.PrefixStore(f"launch{job.launch}", client)  # like torchelastic's restart rounds
     ck = fastckpt.Checkpointer(rank=rank, world_size=2, store=store, local_dir=job.local_dir, io_threads=1,
                                commit_timeout_s=TIMEOUT_S, overhead_budget=0.99, odirect=False,
-                               keep_local=2 if job.local_dir else None)
+                               keep_local=2 if job.local_dir else None, storage_options=job.storage_options)
     if job.start:
-        path = os.path.join(job.root, f"step{job.start}", f"rank{rank}.pt")
+        path = f"{job.root}/step{job.start}/rank{rank}.pt"
         try:
             got = ck.load(path)
             if not matches(got, job.start, rank):
@@ -63,8 +63,8 @@ def run_rank(rank: int, job: Launch, events: object) -> None:
         except Exception as exc:  # noqa: BLE001 (reported to the test, which fails on it)
             events.send(("bad-load", rank, job.start, repr(exc)))
     for step in range(job.start + 1, job.start + 1 + job.steps):
-        group = os.path.join(job.root, f"step{step}")
-        ck.save(state(step, rank, job.launch), os.path.join(group, f"rank{rank}.pt"), group=group)
+        group = f"{job.root}/step{step}"
+        ck.save(state(step, rank, job.launch), f"{group}/rank{rank}.pt", group=group)
         ck.commit(group, step=step).wait(TIMEOUT_S + 30)
         events.send(("durable", rank, step, job.launch))
     ck.close()
