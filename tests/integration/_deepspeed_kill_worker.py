@@ -1,6 +1,8 @@
 """Run by test_deepspeed_kill.py: ZeRO-2, 2 CPU processes under torchrun, once per generation.
 
-Usage: _deepspeed_kill_worker.py ROOT GEN KILLS. Generation GEN resumes with
+Usage: _deepspeed_kill_worker.py ROOT GEN KILLS. The checkpoints go to ROOT/ckpt, or, when
+FASTCKPT_TEST_S3 names a SeaweedFS bucket (``{"bucket": ..., "storage_options": ...}``), to
+``s3://BUCKET/run`` through the burst buffer ROOT/nvme. Generation GEN resumes with
 ``engine.load_checkpoint(save_dir)`` and records what it loaded; generations before KILLS then
 train with a checkpoint every step until rank GEN % 2 SIGKILLs itself at a random moment
 (torchrun then stops the other rank); generation KILLS trains a few steps more, destroys the
@@ -8,7 +10,8 @@ engine (flush) and exits 0.
 
 Each rank writes ROOT/gen/g{g}-r{rank}.json: the loaded tag and the checks below (recorded,
 not asserted, so a failed check does not cost a restart; a load that raises is recorded too):
-  - the tag equals DeepSpeed's ``latest`` and ``fastckpt.latest(save_dir)``;
+  - the tag equals DeepSpeed's ``latest`` (at the URL: the pointer fastckpt published there)
+    and ``fastckpt.latest(save_dir)``;
   - the weights after the load hash to what the tag's client_state recorded at save time
     (every rank's files of one attempt: mixed files would give other weights);
   - the tag is no older than any checkpoint rank 0 saw committed before the kill
@@ -68,7 +71,25 @@ def record_durable(root: str, step: int) -> None:
         os.close(fd)
 
 
-def build(root: str, gen: int, rank: int):  # noqa: ANN201
+def home(root: str) -> tuple[str, dict | None]:
+    """The save_dir, and its storage_options when it is an S3 URL."""
+    spec = os.environ.get("FASTCKPT_TEST_S3")
+    if not spec:
+        return os.path.join(root, "ckpt"), None
+    s3 = json.loads(spec)
+    return f"s3://{s3['bucket']}/run", s3["storage_options"]
+
+
+def read_latest(save_dir: str, opts: dict | None) -> str:
+    if opts is None:
+        with open(os.path.join(save_dir, "latest")) as f:
+            return f.read()
+    import fsspec
+
+    return fsspec.filesystem("s3", **opts).cat_file(f"{save_dir}/latest").decode()
+
+
+def build(root: str, gen: int, rank: int, opts: dict | None):  # noqa: ANN201
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 1024),
                                 torch.nn.ReLU(), torch.nn.Linear(1024, 4))
@@ -77,11 +98,12 @@ def build(root: str, gen: int, rank: int):  # noqa: ANN201
     handles: list = []
     os.makedirs(os.path.join(root, "events"), exist_ok=True)
     attach(eng, {"local_dir": os.path.join(root, "nvme"), "commit_timeout_s": 60, "keep_local": 2,
-                 "event_log": os.path.join(root, "events", f"g{gen}-r{rank}.jsonl")}, on_commit=handles.append)
+                 "event_log": os.path.join(root, "events", f"g{gen}-r{rank}.jsonl"), "storage_options": opts},
+           on_commit=handles.append)
     return eng, handles
 
 
-def resume(eng, save_dir: str, root: str) -> dict:  # noqa: ANN001
+def resume(eng, save_dir: str, root: str, opts: dict | None) -> dict:  # noqa: ANN001
     floor = max(durable_steps(root), default=0)
     try:
         path, client = eng.load_checkpoint(save_dir)
@@ -89,12 +111,11 @@ def resume(eng, save_dir: str, root: str) -> dict:  # noqa: ANN001
         return {"error": repr(exc)}
     if path is None:
         return {"tag": None, "floor": floor, "fresh": True}
-    tag = os.path.basename(os.path.dirname(path))
+    tag = os.path.basename(os.path.dirname(path))  # DeepSpeed's path: in the burst buffer for a URL
     torch.distributed.barrier()  # rank 0 may have moved a lagging latest forward while rank 1 loaded
-    with open(os.path.join(save_dir, "latest")) as f:
-        named = f.read()
-    newest = fastckpt.latest(save_dir)
-    return {"tag": tag, "latest_file": named, "fastckpt_latest": os.path.basename(newest or ""),
+    named = read_latest(save_dir, opts)
+    newest = fastckpt.latest(save_dir, storage_options=opts)
+    return {"tag": tag, "latest_file": named, "fastckpt_latest": (newest or "").rsplit("/", 1)[-1],
             "step": eng.global_steps, "client_step": client["step"], "floor": floor,
             "weights_match": weights_hash(eng) == client["wsum"]}
 
@@ -115,9 +136,9 @@ def main(root: str, gen: int, kills: int) -> None:
     logging.getLogger("fastckpt").setLevel(logging.ERROR)  # the overhead alarm fires in this tight loop
     deepspeed.init_distributed(dist_backend="gloo")
     rank = torch.distributed.get_rank()
-    save_dir = os.path.join(root, "ckpt")
-    eng, handles = build(root, gen, rank)
-    rec = resume(eng, save_dir, root)
+    save_dir, opts = home(root)
+    eng, handles = build(root, gen, rank, opts)
+    rec = resume(eng, save_dir, root, opts)
     rec.update(gen=gen, rank=rank, final=gen == kills)
     os.makedirs(os.path.join(root, "gen"), exist_ok=True)
     with open(os.path.join(root, "gen", f"g{gen}-r{rank}.json"), "w") as f:

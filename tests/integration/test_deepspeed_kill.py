@@ -6,7 +6,9 @@ the other, and the next launch resumes. (``torchrun --max-restarts`` would resta
 but its restarted gloo workers read the dead generation's addresses from the rendezvous store
 and fail to connect.) Every resume must load the newest complete tag: never an incomplete one
 (an error or mixed weights), never one older than a checkpoint already reported committed, and
-always the one DeepSpeed's ``latest`` and ``fastckpt.latest`` name.
+always the one DeepSpeed's ``latest`` and ``fastckpt.latest`` name. Twice: with ``save_dir`` a
+directory, and an ``s3://`` URL on a real SeaweedFS server through the burst buffer, where a kill
+also lands in uploads and their verification.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from fastckpt.urls import mirror_path  # noqa: E402
 
 from .test_deepspeed import HERE, ds_env, torchrun  # noqa: E402
 
+MODES = ("posix", "s3")
+
 KILLS = 10
 
 
@@ -36,10 +40,18 @@ def _last_phase(events: Path) -> str:
 
 
 @pytest.mark.slow
-def test_sigkill_at_random_moments_always_resumes_from_a_complete_tag(tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", MODES)
+def test_sigkill_at_random_moments_always_resumes_from_a_complete_tag(tmp_path: Path, mode: str,
+                                                                       request: pytest.FixtureRequest) -> None:
+    save_dir, opts, env = str(tmp_path / "ckpt"), None, {}
+    if mode == "s3":
+        server = request.getfixturevalue("s3_server")
+        bucket, opts = server.make_bucket(), server.storage_options()
+        save_dir = f"s3://{bucket}/run"
+        env["FASTCKPT_TEST_S3"] = json.dumps({"bucket": bucket, "storage_options": opts})
     for gen in range(KILLS + 1):
         proc = torchrun(["--monitor-interval=0.1", "--nproc-per-node=2", str(HERE / "_deepspeed_kill_worker.py"),
-                         str(tmp_path), str(gen), str(KILLS)], ds_env(), 120, tmp_path)
+                         str(tmp_path), str(gen), str(KILLS)], ds_env(**env), 120, tmp_path)
         if gen < KILLS:
             assert proc.returncode != 0 and "exitcode  : -9" in proc.stdout, proc.stdout[-8000:]
         else:
@@ -57,8 +69,8 @@ def test_sigkill_at_random_moments_always_resumes_from_a_complete_tag(tmp_path: 
         assert records[(g, 0)]["tag"] == records[(g, 1)]["tag"]
     final = [json.loads((tmp_path / "gen" / f"final-r{r}.json").read_text()) for r in (0, 1)]
     assert final[0] == final[1]
-    assert fastckpt.latest(str(tmp_path / "ckpt")) == str(tmp_path / "ckpt" / f"global_step{final[0]['step']}")
-    local = Path(mirror_path(str(tmp_path / "nvme"), str(tmp_path / "ckpt")))  # keep_local=2, over every restart
+    assert fastckpt.latest(save_dir, storage_options=opts) == f"{save_dir}/global_step{final[0]['step']}"
+    local = Path(mirror_path(str(tmp_path / "nvme"), save_dir))  # keep_local=2, over every restart
     assert len([t for t in local.iterdir() if (t / GROUP_MANIFEST).exists()]) <= 2, sorted(os.listdir(local))
     phases = collections.Counter(_last_phase(tmp_path / "events" / f"g{g}-r{g % 2}.jsonl") for g in range(KILLS))
     print(f"kills interrupted (last event the victim logged): {dict(phases)}; resumed tags: "
