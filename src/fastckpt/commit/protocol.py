@@ -260,7 +260,8 @@ def incomplete_group_error(place: Place, world_size: int | None) -> IncompleteCh
     markers = current_markers(place)
     ws = world_size or max((m["world_size"] for m in markers.values()), default=0)
     missing = [r for r in range(ws) if r not in markers]
-    what = f"ranks {missing} of {ws} never committed" if missing else "its manifest was never published"
+    what = f"ranks {missing} of {ws} never committed" if missing else \
+        "it has no published manifest (its commit never finished, or it is being removed)"
     return IncompleteCheckpointError(
         f"checkpoint {place.label} is incomplete: {what} (no {GROUP_MANIFEST}). "
         "Load an earlier checkpoint: fastckpt.latest(<parent dir>) returns the newest complete one."
