@@ -86,6 +86,21 @@ def test_round_trip_small_objects(s3_server: S3Server, s3_bucket: str, tmp_path:
         t.get_bytes("run/step_1/rank0.pt")
 
 
+def test_targets_share_the_parsed_botocore_data_and_still_talk_to_the_store(s3_server: S3Server, s3_bucket: str,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each target has a session of its own (``fs.session``), as every ``fastckpt.load`` of a URL
+    makes one; parsing botocore's JSON again for each took 100-250 ms per call."""
+    a, b = _target(s3_server, s3_bucket), _target(s3_server, s3_bucket)
+    assert a.fs.session is not b.fs.session
+    a.put_bytes("k", b"v")
+    assert b.get_bytes("k") == b"v"
+    assert a.fs.session.get_component("data_loader") is b.fs.session.get_component("data_loader")
+    monkeypatch.setenv("AWS_DATA_PATH", str(Path(s3_bucket).resolve()))  # another data path: another loader
+    c = _target(s3_server, s3_bucket)
+    assert c.get_bytes("k") == b"v"
+    assert c.fs.session.get_component("data_loader") is not a.fs.session.get_component("data_loader")
+
+
 def test_multipart_upload_verify_download(s3_server: S3Server, s3_bucket: str, big: tuple[Path, bytes],
                                           tmp_path: Path) -> None:
     local, data = big

@@ -50,6 +50,7 @@ from .s3 import (
     mtime,
     permanent_error,
     put_s3,
+    share_loader,
     transient_types,
     unreachable,
 )
@@ -110,6 +111,7 @@ class FsspecTarget(Target):
             if opts.get("session") is None:  # our own, so that the hook below reaches every client
                 session_args = ("profile", "session_vars", "event_hooks", "include_builtin_handlers")
                 opts["session"] = AioSession(**{k: opts.pop(k) for k in session_args if k in opts})
+                share_loader(opts["session"])
             opts["session"].register("before-send.s3", drop_expect_100, unique_id="fastckpt-drop-expect-100")
         try:
             self.fs = fsspec.filesystem(protocol, **opts)

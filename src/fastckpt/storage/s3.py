@@ -66,6 +66,23 @@ def drop_expect_100(request: object, **_: object) -> None:
     request.headers.pop("Expect", None)  # type: ignore[attr-defined]
 
 
+_loaders: dict[object, object] = {}
+_loaders_lock = threading.Lock()
+
+
+def share_loader(session: object) -> None:
+    """Give ``session`` the process's botocore data loader for its data path, so that a new
+    session (every ``fastckpt.load``, ``latest`` or CLI call on a URL makes one) does not parse
+    botocore's endpoint and S3 model JSON again: that took 100-250 ms of every such call.
+    The loader only reads and caches those files, as it does for every client of one session."""
+    key = session.get_config_variable("data_path")  # type: ignore[attr-defined]
+    with _loaders_lock:
+        loader = _loaders.get(key)
+        if loader is None:
+            loader = _loaders[key] = session.get_component("data_loader")  # type: ignore[attr-defined]
+    session.register_component("data_loader", loader)  # type: ignore[attr-defined]
+
+
 def mtime(info: dict) -> float:
     """Modification time from an fsspec info dict (keys differ by backend); unknown: now."""
     for k in ("mtime", "LastModified", "last_modified", "created"):
