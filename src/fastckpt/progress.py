@@ -23,19 +23,16 @@ import time
 from collections.abc import Callable
 from typing import TextIO
 
+from .units import fmt_bytes
+
 log = logging.getLogger("fastckpt")
 MODES = ("auto", "bar", "log", "off")
 
 
 def human(n: float, unit: str = "B") -> str:
-    """1536 -> '1.5 KiB' for bytes; other units print plainly ('3 files')."""
-    if unit != "B":
-        return f"{n:,.0f} {unit}"
-    for prefix in ("", "Ki", "Mi", "Gi", "Ti"):
-        if abs(n) < 1024 or prefix == "Ti":
-            return f"{n:.0f} B" if not prefix else f"{n:.1f} {prefix}B"
-        n /= 1024
-    return f"{n:.1f} TiB"
+    """1536 -> '1.54 kB' for bytes (``units.fmt_bytes``, as the CLI prints them); other units
+    print plainly ('3 files')."""
+    return fmt_bytes(n) if unit == "B" else f"{n:,.0f} {unit}"
 
 
 class Progress:

@@ -23,7 +23,7 @@ def test_log_mode_off_a_terminal(caplog: pytest.LogCaptureFixture) -> None:
         p.advance(1024)
         p.advance(1024)
     assert p.lines >= 1
-    assert "copying: 2.0 KiB of 4.0 KiB (50%)" in caplog.messages[-1]
+    assert "copying: 2.05 kB of 4.1 kB (50%)" in caplog.messages[-1]
 
 
 def test_read_is_polled_on_the_progress_thread(caplog: pytest.LogCaptureFixture) -> None:
@@ -62,4 +62,4 @@ def test_off_and_bad_arguments() -> None:
     assert p.lines == 0 and p.done == 1
     with pytest.raises(ValueError, match="mode"):
         Progress("x", mode="loud")
-    assert human(1536) == "1.5 KiB" and human(12, "files") == "12 files" and human(3) == "3 B"
+    assert human(1536) == "1.54 kB" and human(12, "files") == "12 files" and human(3) == "3 B"

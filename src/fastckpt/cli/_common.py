@@ -19,6 +19,8 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
+from ..units import fmt_bytes
+
 PASS, FAIL = 0, 1
 
 _SIZE_UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "PB": 1e15,
@@ -115,16 +117,6 @@ json_option = click.option("--json", "as_json", is_flag=True, help="Print one JS
 
 
 # ---------------------------------------------------------------------------- formatting
-def fmt_bytes(n: float | None) -> str:
-    """SI bytes: ``1.12 TB``."""
-    if n is None:
-        return "-"
-    for unit, scale in (("PB", 1e15), ("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if abs(n) >= scale:
-            return f"{n / scale:.3g} {unit}"
-    return f"{n:.0f} B"
-
-
 def fmt_rate(bps: float | None) -> str:
     return "-" if bps is None else fmt_bytes(bps) + "/s"
 
