@@ -1,0 +1,83 @@
+"""Crash-safe resume with Lightning: a real Trainer with FastCkptIO and a burst buffer, saving
+every step, is SIGKILLed at random moments and resumed from ``FastCkptIO.latest(dirpath)``
+each time (``_lightning_kill_worker.py``, one process per generation).
+
+Every resume must load a whole checkpoint (verified; the weights after the restore hash to what
+that checkpoint recorded when it was saved) that is no older than the newest checkpoint the
+killed generation's event log reports verified at its home. The last generation ends with its
+final checkpoint durable at its home and named by ``latest``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("lightning")
+
+import fastckpt  # noqa: E402
+
+HERE = Path(__file__).parent
+REPO = HERE.parent.parent
+KILLS = 6
+STEP_FILE = re.compile(r"step=(\d+)\.ckpt$")
+
+
+def _verified_at_home(events: Path) -> list[int]:
+    """Steps of the step=N.ckpt files a generation's log reports verified at their home."""
+    steps = []
+    for line in events.read_text().splitlines() if events.exists() else []:
+        try:
+            e = json.loads(line)
+        except json.JSONDecodeError:  # the line the kill cut short
+            continue
+        m = STEP_FILE.search(e.get("path", ""))
+        if e.get("name") == "replicate" and not e.get("error") and m:
+            steps.append(int(m.group(1)))
+    return steps
+
+
+def _last_event(events: Path) -> str:
+    lines = events.read_text().splitlines() if events.exists() else []
+    for line in reversed(lines):
+        try:
+            return json.loads(line)["name"]
+        except json.JSONDecodeError:
+            continue
+    return "none"
+
+
+@pytest.mark.slow
+def test_sigkill_at_random_moments_always_resumes_lightning_from_a_whole_checkpoint(tmp_path: Path) -> None:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO / "src"), str(REPO)]), OMP_NUM_THREADS="1")
+    floor = 0
+    for gen in range(KILLS + 1):
+        proc = subprocess.run([sys.executable, str(HERE / "_lightning_kill_worker.py"), str(tmp_path), str(gen),
+                               str(KILLS)], env=env, capture_output=True, text=True, timeout=300)
+        out = proc.stdout[-4000:] + proc.stderr[-8000:]
+        if gen < KILLS:
+            assert proc.returncode == -9, out
+        else:
+            assert proc.returncode == 0, out
+        rec = json.loads((tmp_path / "gen" / f"g{gen}.json").read_text())
+        if gen == 0 or rec["path"] is None:
+            assert floor == 0 and rec["path"] is None, rec
+        else:
+            assert rec["weights_match"], rec
+            assert rec["step"] == rec["saved_step"] >= floor, (rec, floor)
+        floor = max([floor, *_verified_at_home(tmp_path / "events" / f"g{gen}.jsonl")])
+    final = fastckpt.latest(str(tmp_path / "ckpt"))
+    assert final is not None
+    got = fastckpt.load(final, weights_only=False)
+    assert got["global_step"] == (rec["step"] + 4), (final, got["global_step"], rec)
+    resumed = [json.loads((tmp_path / "gen" / f"g{g}.json").read_text())["step"] for g in range(1, KILLS + 1)]
+    assert sum(s > 0 for s in resumed) >= KILLS - 2, resumed  # most generations got past a first save
+    local = sorted(p.name for p in (tmp_path / "nvme").rglob("*.ckpt"))
+    print(f"resumed at steps {resumed}; last durable floor {floor}; kills interrupted (last event logged): "
+          f"{[_last_event(tmp_path / 'events' / f'g{g}.jsonl') for g in range(KILLS)]}; burst buffer: {local}")
