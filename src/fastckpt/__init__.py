@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from .checkpointer import Checkpointer, ClosedError
 from .errors import (
+    CheckpointNotFoundError,
     CheckpointWriteError,
     CommitTimeoutError,
     ConfigError,
@@ -28,8 +29,8 @@ from .version import __version__
 
 __all__ = [
     "Checkpointer", "latest", "load", "Event", "OverheadReport", "Stats", "SaveHandle", "SaveRecord",
-    "FastCkptError", "CheckpointWriteError", "ClosedError", "CommitTimeoutError", "ConfigError",
-    "CorruptCheckpointError", "IncompleteCheckpointError", "ReplicationError", "TierUnavailableError",
+    "FastCkptError", "CheckpointNotFoundError", "CheckpointWriteError", "ClosedError", "CommitTimeoutError",
+    "ConfigError", "CorruptCheckpointError", "IncompleteCheckpointError", "ReplicationError", "TierUnavailableError",
     "UnsupportedObjectError", "UnverifiableCheckpointError", "FastCkptIO", "__version__",
 ]
 

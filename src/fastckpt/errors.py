@@ -28,6 +28,11 @@ class UnverifiableCheckpointError(CorruptCheckpointError):
     torch.save file): nothing records what its bytes should be."""
 
 
+class CheckpointNotFoundError(FastCkptError, FileNotFoundError):
+    """The checkpoint to load is not there: never saved at that path, or deleted since (retention,
+    ``remove``); the message says which copies were looked at."""
+
+
 class IncompleteCheckpointError(FastCkptError, FileNotFoundError):
     """A checkpoint was never committed: files or ranks are missing (named in the message)."""
 

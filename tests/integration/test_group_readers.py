@@ -4,9 +4,9 @@ checkpoint, and a group that goes from under it fails with an error that says so
 
 Each reader loops until the writer is done: ``latest(root)``, then every file of that group,
 each checked whole (verified by the load) and of that group's step. The only errors allowed are
-``FileNotFoundError`` kinds (``IncompleteCheckpointError``, ``TargetNotFoundError``): retention
-deleted the group between ``latest`` and the load. A ``CorruptCheckpointError`` would be a false
-corruption report, anything else a fault.
+``FileNotFoundError`` kinds (``CheckpointNotFoundError``, ``IncompleteCheckpointError``):
+retention deleted the group between ``latest`` and the load (the last test makes that happen).
+A ``CorruptCheckpointError`` would be a false corruption report, anything else a fault.
 
 On a directory the writer also re-saves the group before the newest one every few steps (an
 atomic exchange: a file read then is of the old attempt or the new, never a mix of the two);
@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import fastckpt
-from fastckpt import CorruptCheckpointError
+from fastckpt import CheckpointNotFoundError, CorruptCheckpointError
 
 STEPS = 24  # on a directory; on S3, whose round trips take tens of ms, S3_STEPS
 S3_STEPS = 10
@@ -111,3 +111,27 @@ def test_readers_of_latest_never_see_a_partial_or_damaged_group_on_a_directory(t
 def test_readers_of_latest_never_see_a_partial_or_damaged_group_on_s3(s3_server, s3_bucket, tmp_path: Path) -> None:
     _judge(_race(f"s3://{s3_bucket}/run", s3_server.storage_options(), resave=False, steps=S3_STEPS,
                  local_dir=str(tmp_path / "nvme")))
+
+
+@pytest.mark.parametrize("where", ["directory", "s3"])
+def test_a_group_retention_deletes_after_latest_named_it_fails_as_not_found(where: str, tmp_path: Path,
+                                                                            request: pytest.FixtureRequest) -> None:
+    """The path the racing readers allow, made to happen: ``latest`` names a group, three more
+    commits make ``keep_persistent=3`` delete it, then the reader loads it."""
+    root, opts, options = str(tmp_path / "ckpt"), None, {}
+    if where == "s3":
+        server = request.getfixturevalue("s3_server")
+        root, opts = f"s3://{request.getfixturevalue('s3_bucket')}/run", server.storage_options()
+        options["local_dir"] = str(tmp_path / "nvme")
+    with fastckpt.Checkpointer(keep_persistent=3, overhead_budget=0.99, storage_options=opts, **options) as ck:
+        named = None
+        for step in range(4):
+            group = f"{root}/step{step}"
+            for name in FILES:
+                ck.save(_state(step, name, 0), f"{group}/{name}", group=group)
+            ck.commit(group, step=step).wait(60)
+            if step == 0:
+                named = fastckpt.latest(root, storage_options=opts)
+        assert named == f"{root}/step0"
+        with pytest.raises(CheckpointNotFoundError, match=r"step0/model.pt does not exist: .* deleted since"):
+            fastckpt.load(f"{named}/model.pt", storage_options=opts)

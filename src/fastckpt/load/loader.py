@@ -26,7 +26,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..commit.discovery import require_complete_group
-from ..errors import CorruptCheckpointError, UnverifiableCheckpointError
+from ..errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    UnverifiableCheckpointError,
+)
 from ..io.engine import ReadResult
 from ..storage.homes import Homes, Location
 from .deserialize import ZIP_MAGIC, deserialize
@@ -80,6 +85,7 @@ class Loader:
                 or an unverifiable file is damaged.
             UnverifiableCheckpointError: ``verify=True`` and the file has no manifest.
             IncompleteCheckpointError: the file's group was never committed.
+            CheckpointNotFoundError: no copy of it exists (never saved there, or deleted since).
         """
         home = self._homes.resolve(path)
         candidates = self._candidates(path, home)
@@ -93,6 +99,8 @@ class Loader:
                 return self._read(loc, opts, loc.url, where)
             except (CorruptCheckpointError, OSError) as exc:
                 if i + 1 == len(candidates):
+                    if isinstance(exc, FileNotFoundError) and not isinstance(exc, IncompleteCheckpointError):
+                        raise _not_found(path, candidates, exc) from exc
                     raise
                 log.warning("fastckpt: %s unusable (%s); falling back to %s", loc.url, exc, candidates[i + 1][0].url)
         raise AssertionError("unreachable: the last candidate returns or raises")
@@ -160,3 +168,13 @@ def _unverified(res: ReadResult, url: str, opts: LoadOptions) -> object:
     except (RuntimeError, EOFError, KeyError, ValueError, zipfile.BadZipFile, pickle.PickleError) as exc:
         raise CorruptCheckpointError(f"{url} is truncated or damaged: torch cannot read it ({exc}). Load an "
                                      "earlier checkpoint (fastckpt.latest(...)).") from exc
+
+
+def _not_found(path: str, candidates: list, exc: OSError) -> CheckpointNotFoundError:
+    local = f" (nor its burst-buffer copy {candidates[0][0].url})" if len(candidates) > 1 else ""
+    home = candidates[-1][0]
+    said = "" if home.target.mounted else f" The store said: {exc}"
+    return CheckpointNotFoundError(
+        f"{path} does not exist{local}: it was never saved there, or it was deleted since (retention: "
+        "keep_persistent, keep_local; or remove()). A checkpoint latest() named a while ago may be gone: "
+        f"fastckpt.latest(<its directory>) names the newest complete one now.{said}")
