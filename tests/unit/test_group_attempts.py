@@ -9,6 +9,7 @@ import errno
 import logging
 import os
 import shutil
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -159,6 +160,43 @@ def test_remove_cancels_the_commit_on_every_rank(tmp_path: Path, store: object |
         _close(cks)
     assert not g.exists()
     assert latest(str(tmp_path)) is None
+
+
+@pytest.mark.parametrize(("committer", "hold"), [(0, "P.attempt_id"), (0, "P.write_marker"),
+                                                  (1, "_files_gone"), (1, "P.write_marker")])
+def test_a_removal_that_wins_the_race_with_a_commit_fails_it_at_once_and_leaves_nothing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, committer: int, hold: str) -> None:
+    """Without a store, one rank's ``remove()`` can run before the other rank's commit thread has
+    looked at the group (rank 0: ``attempt_id``; another rank: ``_files_gone``) or written its
+    marker. That marker used to bring the directory back, and the committing rank then waited
+    out commit_timeout_s (600 s by default) for a rank that had removed the group."""
+    from fastckpt.commit import attempt as A
+
+    g = tmp_path / "G"
+    cks = [_ck(r, None, commit_timeout_s=120) for r in (0, 1)]
+    removed = threading.Event()
+    owner, name = (A.P, hold[2:]) if hold.startswith("P.") else (A, hold)
+    original = getattr(owner, name)
+
+    def held(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        assert removed.wait(60)  # only the committing rank's thread calls these now
+        return original(*args, **kwargs)
+
+    try:
+        for ck in cks:
+            ck.save(_state(1, ck.rank), str(g / f"rank{ck.rank}.pt"), group=str(g)).wait(60)
+        monkeypatch.setattr(owner, name, held)
+        pending = cks[committer].commit(str(g))
+        cks[1 - committer].remove(str(g))
+        removed.set()
+        t0 = time.monotonic()
+        with pytest.raises(GroupRemovedError, match="was removed while it was being committed"):
+            pending.wait(60)
+        assert time.monotonic() - t0 < 60  # at once, not after commit_timeout_s
+    finally:
+        removed.set()
+        _close(cks)
+    assert not g.exists(), sorted(str(p.relative_to(tmp_path)) for p in g.rglob("*"))
 
 
 def test_remove_waits_for_saves_in_flight_then_the_commit_fails_at_once(tmp_path: Path) -> None:

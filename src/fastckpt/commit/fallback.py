@@ -67,12 +67,16 @@ def removed_error(place: Place) -> GroupRemovedError:
 
 def wait_for_markers(place: Place, world_size: int, timeout_s: float, stop: threading.Event,
                      token: str | None = None, me: int | None = None,
-                     cancel: threading.Event | None = None, replaced: str | None = None) -> dict[int, dict]:
+                     cancel: threading.Event | None = None, replaced: str | None = None,
+                     recorded: bool = False) -> dict[int, dict]:
     """Rank 0: every rank's marker of attempt ``token`` (or one that dropped it).
 
     Args:
         me: this rank, whose own marker vanishing means the group was removed.
         cancel: set by ``remove()`` on this rank.
+        recorded: this attempt is in ``attempt.json``, which vanishing also means the group was
+            removed (another rank's ``remove()`` may have run before this rank's marker was
+            written, and the marker brought the directory back).
         replaced: the attempt id ``attempt.json`` held before ``token``'s: a failure record
             written before this attempt started, while that one was recorded, is this attempt's.
 
@@ -92,7 +96,7 @@ def wait_for_markers(place: Place, world_size: int, timeout_s: float, stop: thre
             if failed is not None and _failed_in(failed, token, replaced):
                 raise aborted_error(place.label, f"rank {rank}: {failed.get('why')}")
         names = P.marker_ranks(place, listing)
-        if me is not None and me not in names:
+        if (me is not None and me not in names) or (recorded and P.ATTEMPT.rsplit("/", 1)[1] not in listing):
             raise removed_error(place)
         for rank, rel in names.items():
             if rank not in seen:
