@@ -145,6 +145,7 @@ def main(root: str, gen: int, kills: int) -> None:
         json.dump(rec, f)
     if "error" in rec:
         raise SystemExit(f"resume failed: {rec['error']}")
+    torch.distributed.barrier()  # both records are written before the victim's timer starts
     if gen < kills:
         if rank == gen % 2:
             delay = random.Random(gen).uniform(*KILL_WINDOW_S)
