@@ -146,26 +146,19 @@ def via_storage(att: Attempt, rank: int, world: int, files: dict, superseded: bo
                 raise F.aborted_error(att.home.label, str(ended.get("why")))
             if ended.get("attempt") == att.begun_in and ended.get("outcome") == "superseded":
                 return Ended(None, 0, superseded=True)  # another rank's file was dropped: so is this attempt
-        if _files_gone(att, files):  # another rank's remove() took the group before this commit began
-            raise F.removed_error(att.home)
         P.write_marker(att.place, rank, world, files, token, superseded)
-        if _files_gone(att, files):  # ... or while it wrote the marker, which brought the directory back
-            raise F.removed_error(att.home)  # (the coordinator deletes the marker again)
+        if _files_gone(att, files):  # another rank's remove() took the group before the marker, which
+            raise F.removed_error(att.home)  # brought the directory back: the coordinator deletes it again
         m = F.wait_for_manifest(att.home, timeout_s + grace(timeout_s), stop, token, files, me=rank,
                                 restamp=lambda aid: P.write_marker(att.place, rank, world, files, aid, superseded),
                                 cancel=att.cancel, records=att.place, seen=att.seen)
         if m.get("superseded"):
             return Ended(None, 0, superseded=True)
         return Ended(m, sum(f["size"] for f in m["files"].values()))
-    # Another rank's remove() deletes the attempt record with the group: if it did so before this
-    # commit began, fail at once, and do not bring the directory back with a marker.
-    recorded = world > 1 and att.token is not None
-    if recorded and P.attempt_id(att.place) != att.token:
-        raise F.removed_error(att.home)
     P.write_marker(att.place, rank, world, files, att.token, superseded)
-    try:
-        markers = F.wait_for_markers(att.place, world, timeout_s, stop, att.token, me=rank,
-                                     cancel=att.cancel, replaced=att.replaced, recorded=recorded)
+    try:  # recorded: another rank's remove() deletes attempt.json with the group, even before this marker
+        markers = F.wait_for_markers(att.place, world, timeout_s, stop, att.token, me=rank, cancel=att.cancel,
+                                     replaced=att.replaced, recorded=world > 1 and att.token is not None)
     except CommitTimeoutError as exc:
         P.write_record(att.place, P.OUTCOME, attempt=att.token, outcome=str(exc), replaced=att.replaced)
         raise
