@@ -22,6 +22,7 @@ import pytest
 pytest.importorskip("lightning")
 
 import fastckpt  # noqa: E402
+from fastckpt.eventlog import read_events  # noqa: E402
 
 HERE = Path(__file__).parent
 REPO = HERE.parent.parent
@@ -29,28 +30,20 @@ KILLS = 6
 STEP_FILE = re.compile(r"step=(\d+)\.ckpt$")
 
 
-def _verified_at_home(events: Path) -> list[int]:
+def _events(log: Path) -> list:
+    """A generation's events (``read_events`` skips the line a kill cut short)."""
+    return read_events(str(log)) if log.exists() else []
+
+
+def _verified_at_home(log: Path) -> list[int]:
     """Steps of the step=N.ckpt files a generation's log reports verified at their home."""
-    steps = []
-    for line in events.read_text().splitlines() if events.exists() else []:
-        try:
-            e = json.loads(line)
-        except json.JSONDecodeError:  # the line the kill cut short
-            continue
-        m = STEP_FILE.search(e.get("path", ""))
-        if e.get("name") == "replicate" and not e.get("error") and m:
-            steps.append(int(m.group(1)))
-    return steps
+    return [int(m.group(1)) for e in _events(log)
+            if e.name == "replicate" and not e.error and (m := STEP_FILE.search(e.path))]
 
 
-def _last_event(events: Path) -> str:
-    lines = events.read_text().splitlines() if events.exists() else []
-    for line in reversed(lines):
-        try:
-            return json.loads(line)["name"]
-        except json.JSONDecodeError:
-            continue
-    return "none"
+def _last_event(log: Path) -> str:
+    events = _events(log)
+    return max(events, key=lambda e: e.end).name if events else "none"
 
 
 @pytest.mark.slow
