@@ -113,7 +113,8 @@ def test_the_built_in_job_needs_an_empty_home(tmp_path) -> None:
 
     import fastckpt
 
-    fastckpt.Checkpointer().save({"x": torch.zeros(4)}, str(tmp_path / "old.pt")).wait()
+    with fastckpt.Checkpointer() as ck:
+        ck.save({"x": torch.zeros(4)}, str(tmp_path / "old.pt")).wait()
     r = CliRunner().invoke(cli, ["drill", "--dir", str(tmp_path)])
     assert r.exit_code == 2 and "already holds a checkpoint" in r.output
 
