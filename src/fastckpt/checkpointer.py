@@ -331,9 +331,10 @@ class Checkpointer:
             return
         n = len(self._inflight)
         if n:
-            log.warning("fastckpt: flushing %d pending save(s) at interpreter exit (replicating: %s); call "
-                        "close() (or use the Checkpointer as a context manager) to do this explicitly",
-                        n, self._replicator.pending())
+            copies = self._replicator.pending()
+            log.warning("fastckpt: flushing %d pending save(s) at interpreter exit%s; call close() (or use the "
+                        "Checkpointer as a context manager) to do this explicitly",
+                        n, f" (replicating {', '.join(copies)})" if copies else "")
         try:
             self.close()
         except BaseException as exc:  # noqa: BLE001 (at exit there is no caller left to raise to)
