@@ -96,7 +96,7 @@ def wait_for_markers(place: Place, world_size: int, timeout_s: float, stop: thre
             if failed is not None and _failed_in(failed, token, replaced):
                 raise aborted_error(place.label, f"rank {rank}: {failed.get('why')}")
         names = P.marker_ranks(place, listing)
-        if (me is not None and me not in names) or (recorded and P.ATTEMPT.rsplit("/", 1)[1] not in listing):
+        if (me is not None and me not in names) or (recorded and P.ATTEMPT_NAME not in listing):
             raise removed_error(place)
         for rank, rel in names.items():
             if rank not in seen:
