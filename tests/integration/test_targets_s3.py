@@ -33,7 +33,7 @@ from fastckpt.storage.types import (  # noqa: E402
     TargetPermissionError,
     TargetUnavailableError,
 )
-from tests.s3server import S3Server  # noqa: E402
+from tests.s3server import MAX_VOLUMES, S3Server  # noqa: E402
 
 MiB = 1 << 20
 PART = 5 * MiB
@@ -59,6 +59,16 @@ def _open_uploads(s3: S3Server, bucket: str) -> list:
 def big(tmp_path: Path) -> tuple[Path, bytes]:
     p = tmp_path / "big.bin"
     return p, _file(p, 4 * PART + 12345)  # 5 parts of 5 MiB
+
+
+def test_a_bucket_costs_one_volume_slot_whatever_the_free_disk(s3_server: S3Server, s3_bucket: str) -> None:
+    # Each bucket is a SeaweedFS collection with volumes of its own. Grown 7 at a time under a
+    # cap of free disk / volume size, the slots ran out after ~55 buckets on a 25 GB disk, and
+    # a CI machine with less free disk failed every later upload with InternalError.
+    total, free = s3_server.process.volume_slots()
+    s3_server.client().put_object(Bucket=s3_bucket, Key="first", Body=b"x")
+    assert total == MAX_VOLUMES
+    assert s3_server.process.volume_slots() == (MAX_VOLUMES, free - 1)
 
 
 def test_round_trip_small_objects(s3_server: S3Server, s3_bucket: str, tmp_path: Path) -> None:
