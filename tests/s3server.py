@@ -35,6 +35,7 @@ Choices worth knowing:
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import ctypes
 import json
@@ -266,13 +267,16 @@ class SeaweedProcess:
         self.stop(grace_s=1.0)  # weed's graceful stop takes ~15 s; the data is disposable
         self._spawner.shutdown(wait=True)
 
-    def volume_slots(self) -> tuple[int, int]:
-        """(volume slots in all, free slots) as the master counts them now."""
+    def volumes(self) -> tuple[int, collections.Counter[str]]:
+        """The volume slots in all, and how many volumes each collection (bucket) has, as the
+        master counts them now."""
         import urllib.request
 
-        with urllib.request.urlopen(f"http://{HOST}:{self.ports['master']}/dir/status", timeout=5) as resp:
-            topo = json.load(resp)["Topology"]
-        return int(topo["Max"]), int(topo["Free"])
+        with urllib.request.urlopen(f"http://{HOST}:{self.ports['master']}/vol/status", timeout=5) as resp:
+            status = json.load(resp)["Volumes"]
+        per = collections.Counter(v["Collection"] for dc in status["DataCenters"].values()
+                                  for rack in dc.values() for node in rack.values() for v in node)
+        return int(status["Max"]), per
 
     def log_tail(self, n_bytes: int = 4000) -> str:
         try:
