@@ -56,10 +56,15 @@ REGION = "us-east-1"
 ACCESS_KEY = "fastckpt-test-access"
 SECRET_KEY = "fastckpt-test-secret-0123456789abcdef"
 HEALTH_BUCKET = "fastckpt-health"
+PROBE_KEY = ".fastckpt-probe"  # written and deleted in each new bucket
 MAX_VOLUMES = 4000  # one per bucket (more for one over 64 MiB); a session makes ~100
 # Read by weed from its working directory: grow a collection one volume at a time, not 7.
 MASTER_TOML = "[master.volume_growth]\ncopy_1 = 1\ncopy_2 = 1\ncopy_3 = 1\ncopy_other = 1\n"
 PORT_NAMES = ("master", "master_grpc", "volume", "volume_grpc", "filer", "filer_grpc", "s3", "s3_grpc")
+
+
+class WeedStorageError(RuntimeError):
+    """``weed server`` answers requests but cannot store objects (out of volumes, disk full)."""
 
 
 class WeedNotFoundError(RuntimeError):
@@ -316,8 +321,20 @@ class S3Server:
 
     def make_bucket(self, prefix: str = "t") -> str:
         """Create a fresh, empty bucket with a unique name and return the name."""
+        import botocore.exceptions
+
         name = f"{prefix}-{uuid.uuid4().hex[:20]}".lower()
-        self.client().create_bucket(Bucket=name)
+        client = self.client()
+        client.create_bucket(Bucket=name)
+        # Store and remove one byte: the bucket gets its volume now, so a server that can no
+        # longer store objects fails here, at once and with its log, not in every test after
+        # retry_deadline_s (300 s) of InternalError.
+        try:
+            client.put_object(Bucket=name, Key=PROBE_KEY, Body=b"x")
+        except botocore.exceptions.ClientError as exc:
+            raise WeedStorageError(f"SeaweedFS at {self.endpoint_url} cannot store an object in a new bucket "
+                                   f"({exc}); log tail:\n{self.process.log_tail()}") from exc
+        client.delete_object(Bucket=name, Key=PROBE_KEY)
         return name
 
     def stop(self, grace_s: float = 0.0) -> None:
