@@ -46,6 +46,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -57,7 +58,7 @@ ACCESS_KEY = "fastckpt-test-access"
 SECRET_KEY = "fastckpt-test-secret-0123456789abcdef"
 HEALTH_BUCKET = "fastckpt-health"
 PROBE_KEY = ".fastckpt-probe"  # written and deleted in each new bucket
-MAX_VOLUMES = 4000  # one per bucket (more for one over 64 MiB); a session makes ~100
+MAX_VOLUMES = 4000  # one per bucket (more for one over 64 MiB); a session makes about 45
 # Read by weed from its working directory: grow a collection one volume at a time, not 7.
 MASTER_TOML = "[master.volume_growth]\ncopy_1 = 1\ncopy_2 = 1\ncopy_3 = 1\ncopy_other = 1\n"
 PORT_NAMES = ("master", "master_grpc", "volume", "volume_grpc", "filer", "filer_grpc", "s3", "s3_grpc")
@@ -275,8 +276,6 @@ class SeaweedProcess:
     def volumes(self) -> tuple[int, collections.Counter[str]]:
         """The volume slots in all, and how many volumes each collection (bucket) has, as the
         master counts them now."""
-        import urllib.request
-
         with urllib.request.urlopen(f"http://{HOST}:{self.ports['master']}/vol/status", timeout=5) as resp:
             status = json.load(resp)["Volumes"]
         per = collections.Counter(v["Collection"] for dc in status["DataCenters"].values()
