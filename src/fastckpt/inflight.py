@@ -30,11 +30,14 @@ def set_surfaced(exc: BaseException) -> None:
     setattr(exc, _SURFACED, True)
 
 
-def raise_as_write_error(exc: BaseException, path: str, renamed: bool = False) -> None:
+def raise_as_write_error(exc: BaseException, path: str, renamed: bool = False, where: str | None = None,
+                         local: bool = False) -> None:
     """Raise ``exc``; an OSError becomes a CheckpointWriteError that names the checkpoint.
 
     ``renamed``: the failure came after the new file was renamed into place (the directory
-    fsync), so the message must not claim the previous file is still there.
+    fsync), so the message must not claim the previous file is still there. ``where``: the
+    directory being written, when that is not ``path``'s; ``local``: it is the burst buffer
+    (the file's copy in ``local_dir``), so a full or unwritable drive is named as that.
     """
     if isinstance(exc, FastCkptError) or not isinstance(exc, OSError) or surfaced(exc):
         raise exc
@@ -44,9 +47,22 @@ def raise_as_write_error(exc: BaseException, path: str, renamed: bool = False) -
     blocker = _file_in_the_way(path) if exc.errno in (errno.EEXIST, errno.ENOTDIR) else None
     if blocker is not None:
         why = f"{blocker} is a file, not a directory (choose another path, or move that file away)"
+    elif exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        why = _full(why, where or os.path.dirname(path) or ".", local)
+    elif local:
+        why = f"{why} (writing its burst-buffer copy in {where})"
     err = CheckpointWriteError(exc.errno, f"saving {path} failed: {why}; {state}")
     err.filename = path
     raise err from exc
+
+
+def _full(why: str, where: str, local: bool) -> str:
+    """A full drive: which one, and the fixes."""
+    if local:
+        return (f"{why} in the burst buffer {where} (the file's local copy is written there first): free space "
+                "there, keep fewer local copies (keep_local=N), or point local_dir at a larger drive")
+    return (f"{why} in {where}: free space there, keep fewer checkpoints (keep_persistent=N), or save to a "
+            "larger file system")
 
 
 def _file_in_the_way(path: str) -> str | None:

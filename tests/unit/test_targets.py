@@ -7,14 +7,11 @@ is not root (root ignores them).
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
 import shutil
-import subprocess
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -34,6 +31,7 @@ from fastckpt.storage.types import (
     TokenBucket,
 )
 from fastckpt.testing import Fault, FaultyOps
+from tests.helpers import tmpfs
 
 KiB, MiB = 1 << 10, 1 << 20
 
@@ -60,21 +58,6 @@ def root(tmp_path: Path) -> Path:
 def src(tmp_path: Path) -> tuple[Path, bytes]:
     p = tmp_path / "local.bin"
     return p, _file(p, 3 * MiB + 17)
-
-
-@contextlib.contextmanager
-def _tmpfs(path: Path, options: str) -> Iterator[Path]:
-    """Mount a tmpfs at ``path`` (skip the test where this process may not mount)."""
-    path.mkdir(parents=True, exist_ok=True)
-    if shutil.which("mount") is None:
-        pytest.skip("no `mount` binary: cannot build a tiny or read-only file system")
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root/CAP_SYS_ADMIN): {r.stderr.strip()}")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", str(path)], check=True)
 
 
 # ---------------------------------------------------------------------- round trip
@@ -246,7 +229,7 @@ def test_transient_errors_past_the_deadline(root: Path, src: tuple[Path, bytes])
 
 
 def test_full_file_system(tmp_path: Path) -> None:
-    with _tmpfs(tmp_path / "tiny", "size=2m") as mnt:
+    with tmpfs(tmp_path / "tiny", "size=2m") as mnt:
         t = PosixTarget(mnt)
         small = tmp_path / "small.bin"
         old = _file(small, 100 * KiB)
@@ -262,7 +245,7 @@ def test_full_file_system(tmp_path: Path) -> None:
 
 
 def test_read_only_file_system(tmp_path: Path, src: tuple[Path, bytes]) -> None:
-    with _tmpfs(tmp_path / "ro", "ro,size=1m") as mnt:
+    with tmpfs(tmp_path / "ro", "ro,size=1m") as mnt:
         t = PosixTarget(mnt)
         with pytest.raises(ReplicationError, match="read-only.*remount it read-write") as ei:
             t.put_file(src[0], "a.pt")

@@ -188,7 +188,7 @@ class Coordinator:
                 if self._removed(att, exc):  # the group's directory went while this rank wrote its marker
                     self._drop_marker(att, rank)
                     raise F.removed_error(att.home) from exc
-                raise_as_write_error(exc, group)
+                raise_as_write_error(exc, group, where=group)
                 raise  # unreachable: raise_as_write_error always raises
 
         fut = self._pool.submit(run)

@@ -87,7 +87,7 @@ class Saver:
         try:
             choice = self._tiers.choose(path, has_cuda, spot.root if spot else None)
         except OSError as exc:  # the probe could not write there: unwritable, not a directory...
-            raise_as_write_error(exc, path)
+            raise_as_write_error(exc, path, where=spot.root if spot else None, local=spot is not None)
         if choice.tier == "gds" and layout.align != F.ALIGN:  # GDS writes each record: page-aligned
             layout = self._planner.plan(state_dict, page_aligned=True)
         home = path

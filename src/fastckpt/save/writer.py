@@ -71,6 +71,7 @@ class FileWriter:
         """
         w0 = time.time()
         st = Staged(self._ops, dest)
+        in_dir, local = os.path.dirname(dest), self._is_local(dest)
         progress = snap.progress
 
         def base_now() -> SaveRecord:
@@ -94,7 +95,7 @@ class FileWriter:
         except BaseException as exc:
             st.discard()
             self._emit("write", base.path, base.bytes, w0, base.tier, exc)
-            raise_as_write_error(exc, base.path)
+            raise_as_write_error(exc, base.path, where=in_dir, local=local)
         finally:
             if progress is not None:
                 progress.wait_done()  # never hand the buffer back while the copy still fills it
@@ -112,13 +113,17 @@ class FileWriter:
             st.commit()
         except BaseException as exc:
             self._emit("commit", st.dest, res.bytes, c0, base.tier, exc)
-            raise_as_write_error(exc, base.path, st.renamed)
+            raise_as_write_error(exc, base.path, st.renamed, os.path.dirname(st.dest), self._is_local(st.dest))
         commit_s = time.monotonic() - t_call
         self._emit("commit", st.dest, res.bytes, c0, base.tier)
-        local = any(is_within(normalize(st.dest), d) for d in self._local_dirs)
+        local = self._is_local(st.dest)
         return replace(base, bytes=res.bytes, write_s=write_s, commit_s=commit_s,
                        durable_s=None if local else commit_s, local_durable_s=commit_s if local else None,
                        checksum=res.checksum, odirect=res.odirect, odirect_reason=res.odirect_reason)
+
+    def _is_local(self, dest: str) -> bool:
+        """``dest`` is in the burst buffer (a drive of ``local_dir``)."""
+        return any(is_within(normalize(dest), d) for d in self._local_dirs)
 
     def gds_write(self, layout: F.FileLayout, dest: str) -> Staged:
         """GPU -> temp file through kvikio, on the training thread."""
@@ -138,5 +143,5 @@ class FileWriter:
                                   lambda d: tail_bytes(manifest_of(base, layout, d)), self._chunk)
         except BaseException as exc:
             st.discard()
-            raise_as_write_error(exc, base.path)
+            raise_as_write_error(exc, base.path, where=os.path.dirname(st.dest), local=self._is_local(st.dest))
         return self._publish(base, st, res, t_call, time.monotonic() - t_call)

@@ -1,0 +1,123 @@
+"""A full or unwritable drive: the error names the drive that failed (the target, or the burst
+buffer the file is written to first) and the fix, and the previous checkpoint stays loadable.
+
+FaultyOps picks the failing call; where this process may mount (root), a real 4 MiB tmpfs
+fills up for real.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+import fastckpt
+from fastckpt.io.atomic import PROBE_TAG, is_tmp
+from fastckpt.testing import Fault, FaultyOps
+from tests.helpers import tmpfs
+
+MiB = 1 << 20
+
+
+def _state(v: int, mib: float = 0.01) -> dict:
+    return {"w": torch.full((int(mib * MiB) // 4,), float(v)), "v": v}
+
+
+def _leftovers(*roots: Path) -> list[str]:
+    return sorted(str(p) for r in roots for p in r.rglob("*") if is_tmp(p.name))
+
+
+def test_full_target_names_its_directory_and_the_fix(tmp_path: Path) -> None:
+    ops = FaultyOps()
+    with fastckpt.Checkpointer(ops=ops) as ck:
+        ck.save(_state(1), str(tmp_path / "a.pt")).wait()
+        ops.inject(Fault("pwrite", errno.ENOSPC, path_contains="b.pt"))
+        with pytest.raises(fastckpt.CheckpointWriteError) as ei:
+            ck.save(_state(2), str(tmp_path / "b.pt")).wait()
+    ops.assert_all_reached()
+    msg = str(ei.value)
+    assert ei.value.errno == errno.ENOSPC
+    assert msg.count("No space left on device") == 1 and f") in {tmp_path}: free space there" in msg
+    assert "keep_persistent=N" in msg and "previous checkpoint is untouched" in msg
+    assert "burst buffer" not in msg
+    assert fastckpt.load(str(tmp_path / "a.pt"))["v"] == 1
+    assert fastckpt.latest(str(tmp_path)) == str(tmp_path / "a.pt")
+    assert _leftovers(tmp_path) == []
+
+
+def test_full_burst_buffer_is_named_not_the_target(tmp_path: Path) -> None:
+    home, local = tmp_path / "home", tmp_path / "nvme"
+    ops = FaultyOps()
+    with fastckpt.Checkpointer(local_dir=str(local), ops=ops) as ck:
+        ck.save(_state(1), str(home / "a.pt")).wait()
+        ops.inject(Fault("pwrite", errno.ENOSPC, path_startswith=str(local)))
+        with pytest.raises(fastckpt.CheckpointWriteError) as ei:
+            ck.save(_state(2), str(home / "b.pt")).wait()
+    ops.assert_all_reached()
+    msg = str(ei.value)
+    assert ei.value.errno == errno.ENOSPC
+    assert f"saving {home / 'b.pt'} failed: No space left on device" in msg
+    assert f"in the burst buffer {local}{home}" in msg  # the copy's directory there
+    assert "keep_local=N" in msg and "point local_dir at a larger drive" in msg
+    assert "keep_persistent" not in msg
+    assert fastckpt.load(str(home / "a.pt"))["v"] == 1
+    assert not (home / "b.pt").exists()
+    assert _leftovers(home, local) == []
+
+
+def test_burst_buffer_probe_and_other_errors_name_the_burst_buffer(tmp_path: Path) -> None:
+    home, local = tmp_path / "home", tmp_path / "nvme"
+    ops = FaultyOps([Fault("pwrite", errno.ENOSPC, path_contains=PROBE_TAG)])
+    with fastckpt.Checkpointer(local_dir=str(local), ops=ops) as ck:
+        with pytest.raises(fastckpt.CheckpointWriteError) as ei:
+            ck.save(_state(1), str(home / "a.pt"))  # the tier probe runs at the call
+        assert f"in the burst buffer {local} (the file's local copy is written there first)" in str(ei.value)
+        ck.save(_state(1), str(home / "a.pt")).wait()  # probes again, and works
+        ops.inject(Fault("open", errno.EACCES, path_startswith=str(local)))
+        with pytest.raises(fastckpt.CheckpointWriteError) as ei:
+            ck.save(_state(2), str(home / "b.pt")).wait()
+    ops.assert_all_reached()
+    assert ei.value.errno == errno.EACCES
+    assert f"(writing its burst-buffer copy in {local}{home})" in str(ei.value)
+    assert fastckpt.load(str(home / "a.pt"))["v"] == 1
+    assert _leftovers(home, local) == []
+
+
+def _fill(ck: fastckpt.Checkpointer, root: Path, first: int) -> tuple[list[Path], fastckpt.CheckpointWriteError]:
+    """Save 1 MiB files into ``root`` until one fails; (the saved ones, the error)."""
+    saved: list[Path] = []
+    for v in range(first, first + 8):
+        path = root / f"step{v}.pt"
+        try:
+            ck.save(_state(v, mib=1), str(path)).wait()
+        except fastckpt.CheckpointWriteError as exc:
+            return saved, exc
+        saved.append(path)
+    raise AssertionError(f"8 MiB fit on a 4 MiB tmpfs: {saved}")
+
+
+@pytest.mark.parametrize("full", ["target", "burst buffer"])
+def test_a_really_full_drive_keeps_every_checkpoint_and_recovers_once_freed(tmp_path: Path, full: str) -> None:
+    with tmpfs(tmp_path / "small", "size=4m") as small:
+        home, local = (small, None) if full == "target" else (tmp_path / "home", small)
+        with fastckpt.Checkpointer(local_dir=str(local) if local else None) as ck:
+            saved, err = _fill(ck, home, 1)
+            assert err.errno == errno.ENOSPC and len(saved) >= 2
+            where = f"in the burst buffer {small}" if local else f"in {small}: free space there"
+            assert where in str(err)
+            assert not (home / f"step{len(saved) + 1}.pt").exists()
+            assert _leftovers(home, small) == []  # the failed file's blocks are freed
+            for v, path in enumerate(saved, 1):
+                assert fastckpt.load(str(path))["v"] == v
+            assert fastckpt.latest(str(home)) == str(saved[-1])
+            for path in saved[:2]:  # free space: the oldest two go
+                os.unlink(path)
+                if local:  # its burst-buffer copy fills the small drive
+                    os.unlink(local / str(path).lstrip(os.sep))
+            again, _ = _fill(ck, home, len(saved) + 1)
+            assert len(again) >= 1
+        assert fastckpt.load(str(again[0]))["v"] == len(saved) + 1
+        assert _leftovers(home, small) == []
