@@ -43,7 +43,7 @@ from .save.writer import FileWriter
 from .storage.homes import Homes
 from .storage.places import Place
 from .storage.types import RetryNotice
-from .urls import mirror_path, normalize
+from .urls import file_name, mirror_path, normalize
 
 log = logging.getLogger("fastckpt")
 PROGRESS_EVERY_S = 10.0  # a log line this often while wait() or close() waits (off a terminal)
@@ -184,7 +184,7 @@ class Checkpointer:
         """
         self._check_open()
         self._inflight.raise_unseen()
-        return self._saver.save(state_dict, normalize(path), normalize(group) if group is not None else None,
+        return self._saver.save(state_dict, file_name(path), normalize(group) if group is not None else None,
                                 lazy, self.rank, self.world_size)
 
     def commit(self, group: str, *, move_latest: bool = True, **extra: object) -> SaveHandle:
@@ -242,7 +242,7 @@ class Checkpointer:
                               "directory holds no complete checkpoint yet (a save still being written or uploaded "
                               "is not complete: wait() for it first); start from scratch in that case")
         t0, w0 = time.monotonic(), time.time()
-        got = self._loader.load(normalize(path), LoadOptions(map_location, weights_only, prefetch, verify, mmap))
+        got = self._loader.load(file_name(path), LoadOptions(map_location, weights_only, prefetch, verify, mmap))
         rto = time.monotonic() - t0
         self._last_restore = (rto, got.where)
         self._emit("load", got.url, got.size, w0, got.where,

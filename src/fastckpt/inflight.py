@@ -47,6 +47,8 @@ def raise_as_write_error(exc: BaseException, path: str, renamed: bool = False, w
     blocker = _file_in_the_way(path) if exc.errno in (errno.EEXIST, errno.ENOTDIR) else None
     if blocker is not None:
         why = f"{blocker} is a file, not a directory (choose another path, or move that file away)"
+    elif exc.errno == errno.EISDIR and not local:
+        why = f"{path} is a directory, not a file (name a file inside it, or move the directory away)"
     elif exc.errno in (errno.ENOSPC, errno.EDQUOT):
         why = _full(why, where or os.path.dirname(path) or ".", local)
     elif local:

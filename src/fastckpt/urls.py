@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 
+from .errors import ConfigError
+
 
 def is_url(path: str) -> bool:
     """An fsspec URL (``s3://bucket/key``); ``file://`` and plain paths are local."""
@@ -21,6 +23,18 @@ def normalize(path: str | os.PathLike) -> str:
     if is_url(s):
         return s.rstrip("/")
     return os.path.abspath(s.removeprefix("file://"))
+
+
+def file_name(path: str | os.PathLike) -> str:
+    """``normalize`` the name of a checkpoint *file* (``save``, ``load``), refusing a name that
+    cannot be one: empty (it would mean the working directory) or ending in a separator."""
+    s = os.fspath(path)
+    if not s.strip():
+        raise ConfigError("the checkpoint path is empty: name the file to save or load, e.g. 'ckpt/step-100.pt'")
+    if s.endswith(("/", os.sep)):
+        raise ConfigError(f"{s!r} ends with a separator, so it names a directory, not a checkpoint file: name the "
+                          f"file inside it, e.g. {s + 'step-100.pt'!r}")
+    return normalize(s)
 
 
 def split_url(url: str) -> tuple[str, str]:

@@ -128,12 +128,27 @@ def _file(loc: Location, prefix: str, rel: str) -> Found | None:
 def _ordered(loc: Location, prefix: str, own: list[Found], others: list[Found]) -> list[Found]:
     """Oldest first: by time, or, with foreign checkpoints among them and a step for every one,
     by step, then time."""
+    own = _one_copy_each(own)
     if others:
         own = [replace(f, step=_step(loc, prefix, f)) for f in own]
     found = own + others
     by_step = bool(others) and all(f.step is not None for f in found)
     found.sort(key=lambda f: (f.step if by_step else 0, f.time, f.path))
     return found
+
+
+def _one_copy_each(own: list[Found]) -> list[Found]:
+    """One entry per save. Two copies of one save carry the same manifest: a burst-buffer copy
+    inside the scanned root (a ``local_dir`` under the checkpoint directory) or a file copied
+    within it. The copy nearest the root stands for the save (the burst-buffer copy, deeper
+    by its mirrored path, is never named by ``latest``)."""
+    best: dict[str, Found] = {}
+    for f in own:
+        key = f"{f.kind} {json.dumps(f.manifest, sort_keys=True, default=str)}"
+        have = best.get(key)
+        if have is None or (f.path.count("/"), f.path) < (have.path.count("/"), have.path):
+            best[key] = f
+    return list(best.values())
 
 
 def _step(loc: Location, prefix: str, f: Found) -> int | None:

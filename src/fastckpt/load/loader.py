@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from ..commit.discovery import require_complete_group
 from ..errors import (
     CheckpointNotFoundError,
+    ConfigError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
     UnverifiableCheckpointError,
@@ -84,10 +85,14 @@ class Loader:
             CorruptCheckpointError: the bytes do not match the recorded checksum (every copy),
                 or an unverifiable file is damaged.
             UnverifiableCheckpointError: ``verify=True`` and the file has no manifest.
+            ConfigError: ``path`` is a directory.
             IncompleteCheckpointError: the file's group was never committed.
             CheckpointNotFoundError: no copy of it exists (never saved there, or deleted since).
         """
         home = self._homes.resolve(path)
+        if home.target.mounted and os.path.isdir(path):
+            raise ConfigError(f"{path} is a directory, not a checkpoint file: load a file inside it (a group's files "
+                              f"load one at a time), or fastckpt.latest({path!r}) for the newest checkpoint under it")
         candidates = self._candidates(path, home)
         if opts.prefetch and not home.target.mounted and not candidates[:-1] and self._local_path(path):
             local = self._homes.resolve(self._local_path(path))  # type: ignore[arg-type]

@@ -5,9 +5,8 @@ rename over the final name, fsync the directory. With ``expect`` (the replicator
 committed checkpoints) the copy runs in parallel chunks and every chunk is read back with
 O_DIRECT right after it is written (from the device, not the page cache) and hashed: the file
 is renamed into place only when the bytes read back hash to the manifest's checksum, so a file
-visible here is complete and verified (``mounted``). All system calls go through
-a ``FileOps`` so that tests can inject ENOSPC, EIO, failed fsyncs or renames
-(``fastckpt.testing.FaultyOps``).
+visible here is complete and verified (``mounted``). All system calls go through a ``FileOps``
+so that tests can inject ENOSPC, EIO, failed fsyncs or renames (``fastckpt.testing.FaultyOps``).
 """
 
 from __future__ import annotations
@@ -50,6 +49,7 @@ _FIXES = {
     errno.EROFS: "the file system is mounted read-only: remount it read-write or choose another target",
     errno.EACCES: "fix the directory's owner/mode, or run as a user who may write there",
     errno.EPERM: "fix the directory's owner/mode, or run as a user who may write there",
+    errno.EISDIR: "a directory stands where the file goes: name a file inside it, or move the directory away",
     errno.EIO: "the storage reported an I/O error: check the mount (dmesg) and the storage system's health",
 }
 

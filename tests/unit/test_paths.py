@@ -1,0 +1,83 @@
+"""Names that cannot be a checkpoint file fail clearly, and a burst buffer inside the
+checkpoint directory never makes ``latest`` name its copies."""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+import fastckpt
+from fastckpt.errors import ConfigError
+from tests.helpers import scan
+
+
+def _state(v: int) -> dict:
+    return {"w": torch.full((16,), float(v)), "v": v}
+
+
+@pytest.mark.parametrize("bad", ["", "  ", "ckpt/", "s3://bucket/run/"])
+def test_a_name_that_is_no_file_fails_at_the_call(tmp_path: Path, bad: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    with fastckpt.Checkpointer(local_dir=str(tmp_path / "nvme")) as ck:
+        with pytest.raises(ConfigError, match="empty: name the file|ends with a separator, so it names a directory"):
+            ck.save(_state(1), bad)
+        with pytest.raises(ConfigError, match="empty: name the file|ends with a separator, so it names a directory"):
+            ck.load(bad)
+    assert sorted(p.name for p in tmp_path.iterdir()) in ([], ["nvme"])
+
+
+def test_loading_a_directory_says_so(tmp_path: Path) -> None:
+    (tmp_path / "step-1").mkdir()
+    with pytest.raises(ConfigError, match=r"step-1 is a directory, not a checkpoint file: .*fastckpt\.latest\("):
+        fastckpt.load(str(tmp_path / "step-1"))
+
+
+@pytest.mark.parametrize("local", [False, True])
+def test_saving_over_a_directory_names_it_and_keeps_it(tmp_path: Path, local: bool) -> None:
+    home = tmp_path / "home"
+    (home / "x.pt").mkdir(parents=True)
+    (home / "x.pt" / "keep").write_bytes(b"k")
+    with fastckpt.Checkpointer(local_dir=str(tmp_path / "nvme") if local else None) as ck:
+        with pytest.raises(fastckpt.CheckpointWriteError) as ei:
+            ck.save(_state(1), str(home / "x.pt")).wait()
+    assert ei.value.errno == errno.EISDIR
+    said = "a directory stands where the file goes: name a file inside it" if local else \
+        f"{home / 'x.pt'} is a directory, not a file (name a file inside it"
+    assert said in str(ei.value)
+    assert (home / "x.pt" / "keep").read_bytes() == b"k"
+    assert sorted(p.name for p in home.iterdir()) == ["x.pt"]  # no temp file left
+
+
+@pytest.fixture
+def shallow() -> Iterator[Path]:
+    """A directory two levels below the root, so the burst-buffer copies of what is saved in it
+    (at local_dir + its absolute path) lie within ``latest``'s scan depth."""
+    d = Path(tempfile.mkdtemp(prefix="fck-", dir="/tmp"))
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d)
+
+
+@pytest.mark.parametrize("local", [".", "nvme"])
+def test_burst_buffer_inside_the_checkpoint_directory_is_not_a_checkpoint(shallow: Path, local: str) -> None:
+    with fastckpt.Checkpointer(local_dir=str(shallow / local), rank=0, world_size=1) as ck:
+        ck.save(_state(1), str(shallow / "a.pt")).wait()
+        mirror = Path(ck.local_path(str(shallow / "a.pt")))
+        assert mirror.exists() and mirror.is_relative_to(shallow)  # the copy really is inside
+        assert fastckpt.latest(str(shallow)) == str(shallow / "a.pt")
+        group = shallow / "step-2"
+        ck.save(_state(2), str(group / "m.pt"), group=str(group))
+        ck.commit(str(group), step=2).wait()
+    os.unlink(shallow / "latest")  # the pointer names the group: make latest() scan
+    assert fastckpt.latest(str(shallow)) == str(group)
+    found = [f.path for f in scan(shallow)]
+    assert found == [str(shallow / "a.pt"), str(group)]  # one entry per save, each the copy at its home
+    assert fastckpt.load(fastckpt.latest(str(shallow)) + "/m.pt")["v"] == 2
