@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from fastckpt.commit import discovery
+from fastckpt.io.atomic import is_tmp
 from fastckpt.io.ops import FileOps
 from fastckpt.storage.homes import Homes
 from fastckpt.storage.places import Place
@@ -34,6 +35,12 @@ def scan(root: str | os.PathLike, **kw: int) -> list[discovery.Found]:
 
 def latest(root: str | os.PathLike) -> str | None:
     return discovery.latest(Homes(), os.fspath(root))
+
+
+def tmp_files(*roots: str | os.PathLike) -> list[str]:
+    """The temp and probe files under ``roots`` (``io.atomic.is_tmp``), sorted: a failed or
+    finished save must leave none."""
+    return sorted(str(p) for r in roots for p in Path(r).rglob("*") if is_tmp(p.name))
 
 
 def flip_byte(path: str | os.PathLike, offset: int, mask: int = 0xFF) -> None:

@@ -22,7 +22,7 @@ pytest.importorskip("deepspeed")
 
 import fastckpt  # noqa: E402
 from fastckpt.commit import protocol as C  # noqa: E402
-from fastckpt.io.atomic import is_tmp  # noqa: E402
+from tests.helpers import tmp_files  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -89,16 +89,12 @@ def two_processes(tmp_path_factory: pytest.TempPathFactory, request: pytest.Fixt
     return replace(run, s3=(server, env.get("FASTCKPT_TEST_S3")))
 
 
-def _temp_files(root: Path) -> list[str]:
-    return [str(p) for p in root.rglob("*") if is_tmp(p.name)]
-
-
 def test_round_trip_zero_0_to_3_one_process(one_process: Run) -> None:
     assert one_process.results[0]["done"] == ["roundtrip"]
     for stage in range(4):
         group = one_process.root / f"zero{stage}" / "t3"
         assert json.loads((group / C.GROUP_MANIFEST).read_text())["world_size"] == 1
-    assert _temp_files(one_process.root) == []
+    assert tmp_files(one_process.root) == []
 
 
 def test_round_trip_zero_0_to_3_two_processes(two_processes: Run) -> None:
@@ -113,7 +109,7 @@ def test_round_trip_zero_0_to_3_two_processes(two_processes: Run) -> None:
         assert {f["rank"] for f in manifest["files"].values()} == ({0} if stage == 0 else {0, 1})
         assert (d / "latest").read_text() == "t3"
         assert fastckpt.latest(str(d)) == str(d / "t3")
-    assert _temp_files(two_processes.root) == []
+    assert tmp_files(two_processes.root) == []
 
 
 def test_zero_to_fp32_converts_zero2_and_zero3(two_processes: Run) -> None:

@@ -22,8 +22,7 @@ import torch
 
 import fastckpt
 from fastckpt.commit import protocol as C
-from fastckpt.io.atomic import is_tmp
-from tests.helpers import place, read_file_manifest, scan
+from tests.helpers import place, read_file_manifest, scan, tmp_files
 
 from . import _group_worker as W
 
@@ -135,10 +134,6 @@ def _assert_loads(path: Path, want: dict) -> None:
         _assert_equal_state(got, want)
 
 
-def _no_temp_files(root: Path) -> list[str]:
-    return [str(p) for p in root.rglob("*") if is_tmp(p.name)]
-
-
 # --------------------------------------------------------------------------- (a)
 def test_two_ranks_three_steps_commit_and_load(torchrun_run: Run) -> None:
     parent = torchrun_run.root / "a"
@@ -169,7 +164,7 @@ def test_two_ranks_three_steps_commit_and_load(torchrun_run: Run) -> None:
         res = torchrun_run.results[r]
         assert (res["ck_rank"], res["ck_world_size"]) == (r, 2)  # taken from torch.distributed
         assert res["a"]["groups"] == [str(parent / f"global_step{s}") for s in W.STEPS]
-    assert _no_temp_files(parent) == []
+    assert tmp_files(parent) == []
 
 
 def test_torchrun_exits_cleanly(torchrun_run: Run) -> None:
@@ -231,7 +226,7 @@ def _check_dead_rank(run: Run, how: str) -> None:
         model, optim = _shard_files(g1, r)
         _assert_loads(model, W.expected_model(r, 1))
         _assert_loads(optim, W.expected_optim(r, 1))
-    assert _no_temp_files(parent) == []
+    assert tmp_files(parent) == []
 
 
 def test_rank_exits_before_commit_times_out_rank0(torchrun_run: Run) -> None:

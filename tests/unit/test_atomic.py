@@ -13,10 +13,7 @@ import pytest
 from fastckpt.io import atomic as A
 from fastckpt.io.ops import FileOps
 from fastckpt.testing import Fault, FaultyOps
-
-
-def _tmp_files(root: Path) -> list[str]:
-    return sorted(str(p) for p in root.rglob("*") if A.is_tmp(p.name))
+from tests.helpers import tmp_files
 
 
 # --------------------------------------------------------------------------- publish_bytes
@@ -39,7 +36,7 @@ def test_publish_bytes_writes_and_replaces(tmp_path: Path) -> None:
     assert target.read_bytes() == b"global_step20"
     assert ops.calls("replace") == 2
     assert ops.calls("fsync_dir") == 2  # the rename itself is made durable
-    assert _tmp_files(tmp_path) == []
+    assert tmp_files(tmp_path) == []
 
 
 @pytest.mark.parametrize("fault", [Fault("write_small", errno.ENOSPC), Fault("pwrite", errno.EIO),
@@ -53,7 +50,7 @@ def test_publish_bytes_failure_keeps_old_content_and_no_temp(tmp_path: Path, fau
         A.publish_bytes(ops, str(target), b"new content")
     ops.assert_all_reached()
     assert target.read_bytes() == b"old"
-    assert _tmp_files(tmp_path) == []
+    assert tmp_files(tmp_path) == []
 
 
 def test_publish_bytes_failure_on_a_new_file_leaves_nothing(tmp_path: Path) -> None:

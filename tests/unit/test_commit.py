@@ -32,10 +32,6 @@ def _missing(g: str, world: int) -> list[int]:
     return [r for r in range(world) if r not in got or got[r]["world_size"] != world]
 
 
-def _tmp_files(root: Path) -> list[str]:
-    return sorted(str(p) for p in root.rglob("*") if A.is_tmp(p.name))
-
-
 def _state(v: int) -> dict:
     return {"w": torch.arange(256, dtype=torch.int64) + v, "v": v}
 

@@ -15,19 +15,15 @@ import pytest
 import torch
 
 import fastckpt
-from fastckpt.io.atomic import PROBE_TAG, is_tmp
+from fastckpt.io.atomic import PROBE_TAG
 from fastckpt.testing import Fault, FaultyOps
-from tests.helpers import tmpfs
+from tests.helpers import tmp_files, tmpfs
 
 MiB = 1 << 20
 
 
 def _state(v: int, mib: float = 0.01) -> dict:
     return {"w": torch.full((int(mib * MiB) // 4,), float(v)), "v": v}
-
-
-def _leftovers(*roots: Path) -> list[str]:
-    return sorted(str(p) for r in roots for p in r.rglob("*") if is_tmp(p.name))
 
 
 def test_full_target_names_its_directory_and_the_fix(tmp_path: Path) -> None:
@@ -45,7 +41,7 @@ def test_full_target_names_its_directory_and_the_fix(tmp_path: Path) -> None:
     assert "burst buffer" not in msg
     assert fastckpt.load(str(tmp_path / "a.pt"))["v"] == 1
     assert fastckpt.latest(str(tmp_path)) == str(tmp_path / "a.pt")
-    assert _leftovers(tmp_path) == []
+    assert tmp_files(tmp_path) == []
 
 
 def test_full_burst_buffer_is_named_not_the_target(tmp_path: Path) -> None:
@@ -65,7 +61,7 @@ def test_full_burst_buffer_is_named_not_the_target(tmp_path: Path) -> None:
     assert "keep_persistent" not in msg
     assert fastckpt.load(str(home / "a.pt"))["v"] == 1
     assert not (home / "b.pt").exists()
-    assert _leftovers(home, local) == []
+    assert tmp_files(home, local) == []
 
 
 def test_burst_buffer_probe_and_other_errors_name_the_burst_buffer(tmp_path: Path) -> None:
@@ -83,7 +79,7 @@ def test_burst_buffer_probe_and_other_errors_name_the_burst_buffer(tmp_path: Pat
     assert ei.value.errno == errno.EACCES
     assert f"(writing its burst-buffer copy in {local}{home})" in str(ei.value)
     assert fastckpt.load(str(home / "a.pt"))["v"] == 1
-    assert _leftovers(home, local) == []
+    assert tmp_files(home, local) == []
 
 
 def _fill(ck: fastckpt.Checkpointer, root: Path, first: int) -> tuple[list[Path], fastckpt.CheckpointWriteError]:
@@ -109,7 +105,7 @@ def test_a_really_full_drive_keeps_every_checkpoint_and_recovers_once_freed(tmp_
             where = f"in the burst buffer {small}" if local else f"in {small}: free space there"
             assert where in str(err)
             assert not (home / f"step{len(saved) + 1}.pt").exists()
-            assert _leftovers(home, small) == []  # the failed file's blocks are freed
+            assert tmp_files(home, small) == []  # the failed file's blocks are freed
             for v, path in enumerate(saved, 1):
                 assert fastckpt.load(str(path))["v"] == v
             assert fastckpt.latest(str(home)) == str(saved[-1])
@@ -120,4 +116,4 @@ def test_a_really_full_drive_keeps_every_checkpoint_and_recovers_once_freed(tmp_
             again, _ = _fill(ck, home, len(saved) + 1)
             assert len(again) >= 1
         assert fastckpt.load(str(again[0]))["v"] == len(saved) + 1
-        assert _leftovers(home, small) == []
+        assert tmp_files(home, small) == []

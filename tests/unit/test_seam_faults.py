@@ -12,17 +12,14 @@ import pytest
 import torch
 
 import fastckpt
-from fastckpt.io.atomic import PROBE_TAG, is_tmp
+from fastckpt.io.atomic import PROBE_TAG
 from fastckpt.storage.posix import PosixTarget
 from fastckpt.testing import Fault, FaultyOps
+from tests.helpers import tmp_files
 
 
 def _state(v: int) -> dict:
     return {"w": torch.arange(1024, dtype=torch.int64) + v, "v": v}
-
-
-def _leftovers(root: Path) -> list[str]:
-    return sorted(str(p) for p in root.rglob("*") if is_tmp(p.name))
 
 
 def test_tier_probe_fault_fails_the_save_at_the_call(tmp_path: Path) -> None:
@@ -32,7 +29,7 @@ def test_tier_probe_fault_fails_the_save_at_the_call(tmp_path: Path) -> None:
             ck.save(_state(1), str(tmp_path / "a.pt"))  # the probe runs on the training thread
         assert ei.value.errno == errno.EIO
         ops.assert_all_reached()
-        assert _leftovers(tmp_path) == []
+        assert tmp_files(tmp_path) == []
         ck.save(_state(2), str(tmp_path / "a.pt")).wait()  # the next save probes again and works
     assert fastckpt.load(str(tmp_path / "a.pt"))["v"] == 2
 
@@ -52,7 +49,7 @@ def test_marker_read_fault_fails_the_commit_and_keeps_the_previous_group(tmp_pat
     ops.assert_all_reached()
     assert fastckpt.latest(str(tmp_path)) == str(g1)
     assert fastckpt.load(str(g1 / "m.pt"))["v"] == 1
-    assert _leftovers(tmp_path) == []
+    assert tmp_files(tmp_path) == []
 
 
 def test_download_fault_leaves_the_old_file_and_no_temp(tmp_path: Path) -> None:
@@ -67,7 +64,7 @@ def test_download_fault_leaves_the_old_file_and_no_temp(tmp_path: Path) -> None:
         PosixTarget(root, ops=ops).download("x.bin", dest)
     assert ei.value.errno == errno.ENOSPC
     ops.assert_all_reached()
-    assert dest.read_bytes() == b"old" and _leftovers(tmp_path) == []
+    assert dest.read_bytes() == b"old" and tmp_files(tmp_path) == []
 
 
 def test_group_removal_fault_after_the_manifest_leaves_it_invisible_then_finishes(tmp_path: Path) -> None:

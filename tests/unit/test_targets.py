@@ -31,7 +31,7 @@ from fastckpt.storage.types import (
     TokenBucket,
 )
 from fastckpt.testing import Fault, FaultyOps
-from tests.helpers import tmpfs
+from tests.helpers import tmp_files, tmpfs
 
 KiB, MiB = 1 << 10, 1 << 20
 
@@ -41,10 +41,6 @@ def _file(path: Path, size: int, seed: int = 0) -> bytes:
     data = bytes([(b + seed) % 256 for b in data[:4096]]) + data[4096:] if seed else data
     path.write_bytes(data)
     return data
-
-
-def _tmp_files(root: Path) -> list[str]:
-    return [str(p) for p in root.rglob("*") if ".fastckpt-tmp-" in p.name]
 
 
 @pytest.fixture
@@ -96,7 +92,7 @@ def test_posix_round_trip(root: Path, src: tuple[Path, bytes], tmp_path: Path, p
     t.delete("run/step_1/fastckpt-manifest.json")
     assert t.list() == []
     assert list(root.iterdir()) == []  # emptied directories are pruned
-    assert _tmp_files(root) == []
+    assert tmp_files(root) == []
 
 
 def test_verify_multi_block_parallel_ranges(root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -166,7 +162,7 @@ def test_interrupted_upload_leaves_nothing_and_keeps_previous(root: Path, src: t
     with pytest.raises(Stop):  # the callback's own exception, unchanged
         t.put_file(local, "a.pt", chunk_bytes=MiB, on_progress=stop_after_first_chunk)
     assert (root / "a.pt").read_bytes() == old
-    assert _tmp_files(root) == []
+    assert tmp_files(root) == []
 
 
 @pytest.mark.parametrize("fault, cls, code", [
@@ -187,7 +183,7 @@ def test_permanent_faults_raise_at_once_and_clean_up(root: Path, src: tuple[Path
     assert str(root) in str(ei.value) and "d/a.pt" in str(ei.value)
     assert retried == []  # permanent: no retries
     assert not (root / "d/a.pt").exists()
-    assert _tmp_files(root) == []
+    assert tmp_files(root) == []
 
 
 def test_enospc_message_names_the_fix(root: Path, src: tuple[Path, bytes]) -> None:
@@ -209,7 +205,7 @@ def test_transient_error_is_retried(root: Path, src: tuple[Path, bytes]) -> None
     assert "a.pt" in notices[0].what
     assert seen == sorted(seen) and seen[-1] == len(data)  # a retry never reports bytes twice
     assert (root / "a.pt").read_bytes() == data
-    assert _tmp_files(root) == []
+    assert tmp_files(root) == []
 
 
 def test_transient_errors_past_the_deadline(root: Path, src: tuple[Path, bytes]) -> None:
@@ -222,7 +218,7 @@ def test_transient_errors_past_the_deadline(root: Path, src: tuple[Path, bytes])
     assert isinstance(ei.value, TimeoutError) and isinstance(ei.value, ReplicationError)
     assert ei.value.errno == errno.ETIMEDOUT
     assert isinstance(ei.value.__cause__, OSError) and ei.value.__cause__.errno == errno.ECONNRESET
-    assert _tmp_files(root) == []
+    assert tmp_files(root) == []
 
 
 # ---------------------------------------------------------------------- real file systems
@@ -240,7 +236,7 @@ def test_full_file_system(tmp_path: Path) -> None:
             t.put_file(big, "a.pt", chunk_bytes=256 * KiB)
         assert ei.value.errno == errno.ENOSPC
         assert (mnt / "a.pt").read_bytes() == old
-        assert _tmp_files(mnt) == []
+        assert tmp_files(mnt) == []
         assert shutil.disk_usage(mnt).used <= 200 * KiB  # the partial temp file's blocks were freed
 
 

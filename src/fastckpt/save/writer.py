@@ -71,7 +71,6 @@ class FileWriter:
         """
         w0 = time.time()
         st = Staged(self._ops, dest)
-        in_dir, local = os.path.dirname(dest), self._is_local(dest)
         progress = snap.progress
 
         def base_now() -> SaveRecord:
@@ -95,7 +94,7 @@ class FileWriter:
         except BaseException as exc:
             st.discard()
             self._emit("write", base.path, base.bytes, w0, base.tier, exc)
-            raise_as_write_error(exc, base.path, where=in_dir, local=local)
+            self._raise(exc, base, dest)
         finally:
             if progress is not None:
                 progress.wait_done()  # never hand the buffer back while the copy still fills it
@@ -113,13 +112,17 @@ class FileWriter:
             st.commit()
         except BaseException as exc:
             self._emit("commit", st.dest, res.bytes, c0, base.tier, exc)
-            raise_as_write_error(exc, base.path, st.renamed, os.path.dirname(st.dest), self._is_local(st.dest))
+            self._raise(exc, base, st.dest, st.renamed)
         commit_s = time.monotonic() - t_call
         self._emit("commit", st.dest, res.bytes, c0, base.tier)
         local = self._is_local(st.dest)
         return replace(base, bytes=res.bytes, write_s=write_s, commit_s=commit_s,
                        durable_s=None if local else commit_s, local_durable_s=commit_s if local else None,
                        checksum=res.checksum, odirect=res.odirect, odirect_reason=res.odirect_reason)
+
+    def _raise(self, exc: BaseException, base: SaveRecord, dest: str, renamed: bool = False) -> None:
+        """Raise the failure of writing ``dest`` for ``base.path``, naming the drive written."""
+        raise_as_write_error(exc, base.path, renamed, os.path.dirname(dest), self._is_local(dest))
 
     def _is_local(self, dest: str) -> bool:
         """``dest`` is in the burst buffer (a drive of ``local_dir``)."""
@@ -143,5 +146,5 @@ class FileWriter:
                                   lambda d: tail_bytes(manifest_of(base, layout, d)), self._chunk)
         except BaseException as exc:
             st.discard()
-            raise_as_write_error(exc, base.path, where=os.path.dirname(st.dest), local=self._is_local(st.dest))
+            self._raise(exc, base, st.dest)
         return self._publish(base, st, res, t_call, time.monotonic() - t_call)
