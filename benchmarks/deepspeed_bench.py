@@ -19,6 +19,9 @@ same MLP, AdamW, data and schedule, a ``save_checkpoint`` every ``--every`` step
   ds-fast-decoupled  the same, decoupled
   fastckpt           the "fastckpt" section, no burst buffer (direct tier)
   fastckpt-nvme      the "fastckpt" section with local_dir (a burst buffer on the same disk here)
+  fastckpt-lazy      the "fastckpt" section with "lazy_snapshot": true (no burst buffer): the copy
+                     runs beside the next step's forward and backward; its stall adds the wait of
+                     that step's optimizer step for the copy (the fence)
 DeepSpeed 0.19.8's writer options need an ``mpu`` (without one, engine creation fails with
 "'UniversalParallelInfo' object has no attribute 'dp_rank'") and the CROSS_SIZE/CROSS_RANK
 variables its own launcher sets: the ds-* variants get a data-parallel-only ``DataParallelMPU``
@@ -53,7 +56,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 VARIANTS = ["none", "deepspeed", "ds-python", "ds-python-decoupled", "ds-fast", "ds-fast-decoupled", "fastckpt",
-            "fastckpt-nvme"]
+            "fastckpt-nvme", "fastckpt-lazy"]
 WRITERS = {"ds-python": {"type": "python"}, "ds-python-decoupled": {"type": "python", "decoupled": True},
            "ds-fast": {"type": "fast"}, "ds-fast-decoupled": {"type": "fast", "decoupled": True}}
 
@@ -67,6 +70,8 @@ def variant_config(name: str, root: Path) -> dict:
         cfg["fastckpt"] = {"overhead_budget": 0.5}
     if name == "fastckpt-nvme":
         cfg["fastckpt"] = {"local_dir": str(root / "nvme"), "overhead_budget": 0.5, "keep_local": 2}
+    if name == "fastckpt-lazy":
+        cfg["fastckpt"] = {"overhead_budget": 0.5, "lazy_snapshot": True}
     if name.startswith("fastckpt"):
         cfg["csv_monitor"] = {"enabled": True, "output_path": str(root / "csv"), "job_name": name}
     return cfg
@@ -140,7 +145,7 @@ def worker(args: argparse.Namespace) -> None:
         mpu = DataParallelMPU()
     engine, _, _, _ = initialize(model=model, model_parameters=model.parameters(), config=config, mpu=mpu)
     save_dir = root / "ckpt" / args.variant
-    stalls, fsyncs = [], []
+    stalls, fsyncs, fences = [], [], []
     t0 = time.perf_counter()
     for step in range(1, args.steps + 1):
         g = torch.Generator().manual_seed(step * 10 + engine.global_rank)
@@ -148,6 +153,8 @@ def worker(args: argparse.Namespace) -> None:
         loss = torch.nn.functional.mse_loss(engine(x), x.mean(dim=1, keepdim=True))
         engine.backward(loss)
         engine.step()
+        if args.variant == "fastckpt-lazy" and len(fences) < len(stalls):  # this step fenced the last save
+            fences.append(next(p.fence_s or 0.0 for p in engine.checkpoint_engine.pending if p.tag == f"step{step - 1}"))
         if args.variant != "none" and step % args.every == 0:
             s0 = time.perf_counter()
             engine.save_checkpoint(str(save_dir), tag=f"step{step}")
@@ -160,6 +167,7 @@ def worker(args: argparse.Namespace) -> None:
                     os.close(fd)
                 fsyncs.append(time.perf_counter() - f0)
     train_wall = time.perf_counter() - t0
+    stalls = [s + f for s, f in zip(stalls, fences + [0.0] * (len(stalls) - len(fences)))]  # the last: no step after
     f0 = time.perf_counter()
     engine.destroy()  # fastckpt: flushes; the others: nothing pending on this thread
     flush_s = time.perf_counter() - f0
@@ -170,7 +178,7 @@ def worker(args: argparse.Namespace) -> None:
         durable = [s + f for s, f in zip(stalls, fsyncs)] if fsyncs else _fastckpt_durable(root, args.variant)
         size = sum(p.stat().st_size for p in (save_dir / f"step{args.steps}").iterdir()) if stalls else 0
         out = {"variant": args.variant, "wall_s": wall, "flush_s": flush_s, "stalls": stalls, "durable": durable,
-               "checkpoint_bytes": size}
+               "checkpoint_bytes": size, "fences": fences}
         Path(args.result).write_text(json.dumps(out))
 
 

@@ -16,7 +16,8 @@ elsewhere (Lightning's ``DeepSpeedStrategy`` goes through ``install``, see FastC
 
 The pieces: ``_deepspeed.config`` (the section), ``_deepspeed.engine`` (the CheckpointEngine:
 one call per file), ``_deepspeed.hooks`` (wrappers of the engine's public save_checkpoint,
-load_checkpoint and destroy: ``latest``, resume, flushing, reporting).
+load_checkpoint and destroy: ``latest``, resume, flushing, reporting; and, for a lazy snapshot,
+of its optimizer's step: the fence).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from fastckpt.errors import ConfigError
 
 from ._deepspeed.config import SECTION, Section, parse_section, read_config, redacted, section_of
 from ._deepspeed.engine import SAFE_GLOBALS, FastCkptEngine
-from ._deepspeed.hooks import CheckpointReport, EngineHooks, OwnedCheckpointer, resolve_tag
+from ._deepspeed.hooks import CheckpointReport, EngineHooks, OwnedCheckpointer, fenced_tensors, resolve_tag
 
 __all__ = ["FastCkptEngine", "CheckpointReport", "SAFE_GLOBALS", "attach", "initialize", "install", "resolve_tag"]
 
@@ -115,12 +116,13 @@ def attach(engine: DeepSpeedEngine, config: str | Mapping | Section | None = Non
 
 
 def install(engine: DeepSpeedEngine, checkpointer: Checkpointer | Callable[[], Checkpointer] | None = None,
-            on_commit: Callable[[SaveHandle], None] | None = None) -> FastCkptEngine:
+            on_commit: Callable[[SaveHandle], None] | None = None, *, lazy_snapshot: bool = False) -> FastCkptEngine:
     """``attach`` for code that already holds a Checkpointer, or a function returning the one to
-    use now (FastCkptIO with Lightning's DeepSpeedStrategy); None creates a default one."""
+    use now (FastCkptIO with Lightning's DeepSpeedStrategy); None creates a default one.
+    ``lazy_snapshot`` as in the config section."""
     if checkpointer is None:
-        return attach(engine, {}, on_commit=on_commit)  # type: ignore[return-value]
-    return _install(engine, checkpointer, Section(), on_commit)
+        return attach(engine, {"lazy_snapshot": lazy_snapshot}, on_commit=on_commit)  # type: ignore[return-value]
+    return _install(engine, checkpointer, Section(lazy_snapshot=lazy_snapshot), on_commit)
 
 
 def _section(engine: DeepSpeedEngine, config: str | Mapping | Section | None) -> Section:
@@ -147,11 +149,11 @@ def _install(engine: DeepSpeedEngine, source: Checkpointer | Callable[[], Checkp
     previous: EngineHooks | None = getattr(engine, _HOOKS, None)
     if previous is not None:  # attached before (a second fit on the same engine): flush, then replace
         previous.close()
-        for name in ("save_checkpoint", "load_checkpoint", "destroy"):
-            engine.__dict__.pop(name, None)
+        previous.uninstall()
     owned = OwnedCheckpointer(section.options) if source is None else None
     fe = FastCkptEngine(owned if owned is not None else source, on_commit,  # type: ignore[arg-type]
-                        weights_only=section.weights_only)
+                        weights_only=section.weights_only,
+                        fenced=(lambda: fenced_tensors(engine)) if section.lazy_snapshot else None)
     hooks = EngineHooks(engine, fe, owned, flush_at_exit=source is None or isinstance(source, Checkpointer))
     hooks.install()
     object.__setattr__(engine, _HOOKS, hooks)

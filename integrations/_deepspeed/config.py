@@ -1,7 +1,7 @@
 """The ``"fastckpt"`` section of a DeepSpeed config, read and validated once, where the engine
 is built (``initialize`` before DeepSpeed starts; ``attach`` for an engine built elsewhere).
 
-The section holds ``enabled``, ``weights_only`` and the Checkpointer options (the fields of
+The section holds ``enabled``, ``weights_only``, ``lazy_snapshot`` and the Checkpointer options (the fields of
 ``fastckpt.config.CheckpointerConfig``); docs/deepspeed.md lists them all. DeepSpeed ignores
 keys it does not know, so a typo here would silently turn nothing on: every key and type is
 checked, and an error lists the valid keys.
@@ -25,6 +25,8 @@ OWN_KEYS: dict[str, tuple[type, str]] = {
     "enabled": (bool, "false leaves DeepSpeed's own checkpoint engine in place (default true)"),
     "weights_only": (bool, "false unpickles checkpoints with arbitrary Python objects: only for files you "
                            "trust (default true: tensors, plain types and DeepSpeed's own classes)"),
+    "lazy_snapshot": (bool, ("copy parameters and optimizer state while the next step's forward and backward run; "
+                             "the optimizer step waits for the copy (default false)")),
 }
 #: Checkpointer options that a config file cannot carry, and where they go instead.
 NOT_IN_CONFIG = {
@@ -50,11 +52,13 @@ class Section:
     Attributes:
         enabled: False leaves DeepSpeed alone.
         weights_only: load with ``torch.load(weights_only=True)`` plus DeepSpeed's classes.
+        lazy_snapshot: saves return before the tensors are copied; the optimizer step waits.
         options: keyword arguments for ``fastckpt.Checkpointer`` (already validated).
     """
 
     enabled: bool = True
     weights_only: bool = True
+    lazy_snapshot: bool = False
     options: Mapping[str, object] = field(default_factory=lambda: MappingProxyType({}))
 
 
@@ -122,7 +126,7 @@ def parse_section(raw: object, where: str = "the DeepSpeed config") -> Section:
         exc.add_note(f'(in the "{SECTION}" section of {where})')
         raise
     return Section(bool(raw.get("enabled", True)), bool(raw.get("weights_only", True)),
-                   MappingProxyType(dict(options)))
+                   bool(raw.get("lazy_snapshot", False)), MappingProxyType(dict(options)))
 
 
 def read_config(config: str | Mapping | None) -> dict | None:

@@ -16,6 +16,11 @@ every rank's files are durable. Loading a tag that never committed raises
 ``latest`` truthful ``commit`` would have to block there until the group is durable, and the
 last checkpoint before the process ends would never be committed.
 
+With ``"lazy_snapshot": true`` the snapshots taken in ``commit`` copy parameters and optimizer
+state on the Checkpointer's snapshot thread while training goes on (everything else is cloned
+there and then), and ``fence`` (called before every optimizer step: ``hooks.StepFence``) waits
+for the copies.
+
 Loads unpickle with ``weights_only=True`` and DeepSpeed's own classes allow-listed
 (``SAFE_GLOBALS``), unless the user opted out in the config.
 """
@@ -25,13 +30,14 @@ from __future__ import annotations
 import os
 import pickle
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, replace
 
 import torch
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
 
 from fastckpt import Checkpointer, SaveHandle
+from fastckpt.save.fencing import copy_unfenced
 
 from .compat import is_url, normalize
 
@@ -61,6 +67,7 @@ class PendingCommit:
     committed: float  # time.monotonic() when commit() was called
     stall_s: float | None  # time inside save_checkpoint (set once it returned)
     samples: int  # engine.global_samples at the save (the step DeepSpeed's monitor uses)
+    fence_s: float | None = None  # lazy snapshot: the optimizer step's wait for its copy (None: not yet)
 
 
 class FastCkptEngine(CheckpointEngine):
@@ -72,12 +79,18 @@ class FastCkptEngine(CheckpointEngine):
         on_commit: called with each group commit's SaveHandle (FastCkptIO logs its numbers).
         weights_only: load with ``weights_only=True`` and DeepSpeed's classes allow-listed;
             False unpickles anything (only for checkpoints you trust).
+        fenced: with a lazy snapshot, a function returning the tensors that only the optimizer
+            step changes (``fence`` runs before it): their copy is left for later, every other
+            tensor is cloned in ``commit`` (``fastckpt.save.fencing``). None: eager snapshots.
     """
 
     def __init__(self, checkpointer: Checkpointer | Callable[[], Checkpointer],
-                 on_commit: Callable[[SaveHandle], None] | None = None, *, weights_only: bool = True) -> None:
+                 on_commit: Callable[[SaveHandle], None] | None = None, *, weights_only: bool = True,
+                 fenced: Callable[[], Iterable[torch.Tensor]] | None = None) -> None:
         super().__init__(None)
         self.name = "FastCkptEngine"
+        self._fenced = fenced
+        self._unfenced = False  # lazy snapshots were started since the last fence
         self._source = checkpointer
         self._on_commit = on_commit
         self.weights_only = weights_only
@@ -88,6 +101,11 @@ class FastCkptEngine(CheckpointEngine):
         self._started = time.monotonic()
         self._samples = 0
         self.pending: list[PendingCommit] = []
+
+    @property
+    def lazy(self) -> bool:
+        """Snapshots are lazy (``"lazy_snapshot": true``)."""
+        return self._fenced is not None
 
     @property
     def checkpointer(self) -> Checkpointer:
@@ -166,8 +184,12 @@ class FastCkptEngine(CheckpointEngine):
         if self._group is None:
             return True  # not a save_checkpoint (see create)
         deferred, self._deferred = self._deferred, []
+        lazy = self._fenced is not None
+        protected = list(self._fenced()) if self._fenced is not None else []
         for state_dict, path in deferred:
-            self.checkpointer.save(state_dict, path, group=self._group)
+            state = copy_unfenced(state_dict, protected) if lazy else state_dict
+            self.checkpointer.save(state, path, group=self._group, lazy=lazy)
+        self._unfenced = self._unfenced or (lazy and bool(deferred))
         group = self.home(os.path.join(info.save_dir, str(info.tag)))
         move = bool(self._move_latest)
         handle = self.checkpointer.commit(group, move_latest=move, tag=str(info.tag), save_latest=move)
@@ -176,8 +198,21 @@ class FastCkptEngine(CheckpointEngine):
             self._on_commit(handle)
         else:  # the engine wrapper reports it (deepspeed.py)
             self.pending.append(PendingCommit(str(info.tag), group, handle, self._started, time.monotonic(),
-                                              None, self._samples))
+                                              None, self._samples, None if lazy else 0.0))
         return True
+
+    def fence(self) -> float:
+        """Called before every optimizer step (``hooks.StepFence``): wait until the lazy
+        snapshots started since the last step are copied, and count the wait as the stall of
+        the checkpoints that took them. Returns the seconds waited."""
+        if not self._unfenced:
+            return 0.0
+        self._unfenced = False
+        waited = share = self.checkpointer.fence()
+        for i, p in enumerate(self.pending):
+            if p.fence_s is None:  # one wait covers them all: the first carries it
+                self.pending[i], share = replace(p, fence_s=share), 0.0
+        return waited
 
     def is_decoupled(self) -> bool:
         return False  # see the module docstring

@@ -17,6 +17,11 @@ Who calls what (every rank, training thread, unless noted):
       load_checkpoint
   destroy() and interpreter exit: wait for pending saves, report them, close an owned
       Checkpointer.
+  engine.optimizer.step()  (lazy snapshot only; ``StepFence``, set on the optimizer instance:
+      every optimizer step DeepSpeed takes goes through it, ``engine.step()`` and the pipeline
+      engine's ``train_batch`` alike)
+      FastCkptEngine.fence: wait for the snapshots of the checkpoints saved since the last
+      step -> the optimizer's own step
 """
 
 from __future__ import annotations
@@ -26,13 +31,17 @@ import os
 import posixpath
 import threading
 import time
+import types
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import torch
+
 from fastckpt import Checkpointer, IncompleteCheckpointError
 from fastckpt.errors import ConfigError, ReplicationError
+from fastckpt.save.fencing import optimizer_tensors
 
 from .compat import Store, is_url, normalize, order
 from .engine import FastCkptEngine, PendingCommit
@@ -69,7 +78,7 @@ class CheckpointReport:
     tag: str
     group: str
     samples: int
-    stall_s: float  # the training thread inside save_checkpoint
+    stall_s: float  # the training thread inside save_checkpoint (+ a lazy snapshot's fence)
     blocked_s: float  # of which snapshots (fastckpt's blocked time)
     durable_s: float | None  # save_checkpoint called -> every rank's files durable, published
     overhead: float  # fastckpt's blocked time / wall time, over the run
@@ -81,6 +90,47 @@ class CheckpointReport:
         if self.durable_s is not None:
             rows.append(("Checkpoint/fastckpt_durable_s", self.durable_s))
         return [(name, float(value), self.samples) for name, value in rows]
+
+
+class StepFence:
+    """The optimizer's ``step``, preceded by the lazy snapshot's fence. It is set on the
+    optimizer instance as a bound method, so that code wrapping ``step`` in turn (a torch LR
+    scheduler built later wraps ``step.__func__``) keeps working."""
+
+    def __init__(self, optimizer: object, fence: Callable[[], float]) -> None:
+        self._optimizer, self._fence = optimizer, fence
+        self._own = optimizer.__dict__.get("step")  # an instance attribute (an LR scheduler's wrapper), or None
+        inner = optimizer.step  # type: ignore[attr-defined]
+
+        def step(opt: object, *args: object, **kwargs: object) -> object:
+            if self.active:
+                self._fence()
+            return inner(*args, **kwargs)
+
+        self.method = types.MethodType(step, optimizer)
+        self.active = True
+
+    def install(self) -> None:
+        self._optimizer.step = self.method  # type: ignore[attr-defined]
+
+    def remove(self) -> None:
+        """Put the optimizer's step back (a wrapper set on top of this one keeps it, inactive)."""
+        self.active = False
+        if self._optimizer.__dict__.get("step") is self.method:
+            if self._own is None:
+                del self._optimizer.step  # type: ignore[attr-defined]
+            else:
+                self._optimizer.step = self._own  # type: ignore[attr-defined]
+
+
+def fenced_tensors(engine: DeepSpeedEngine) -> list[torch.Tensor]:
+    """What only the optimizer step changes: the module's parameters (ZeRO copies its updated
+    master weights into them within the step) and the underlying torch optimizer's parameters
+    (ZeRO's fp32 partitions) and state."""
+    out = list(engine.module.parameters())
+    if isinstance(engine.basic_optimizer, torch.optim.Optimizer):
+        out.extend(optimizer_tensors(engine.basic_optimizer))
+    return out
 
 
 def _join(root: str, name: str) -> str:
@@ -126,6 +176,9 @@ class EngineHooks:
         self._save = engine.save_checkpoint  # DeepSpeed's, bound
         self._load = engine.load_checkpoint
         self._destroy = engine.destroy
+        self._fence: StepFence | None = None
+        if fe.lazy and engine.optimizer is not None:  # no optimizer: nothing ever changes the weights
+            self._fence = StepFence(engine.optimizer, fe.fence)
         self.closed = False
         if flush_at_exit:
             threading._register_atexit(_flush_at_exit, weakref.ref(self))  # noqa: SLF001 (see _flush_at_exit)
@@ -135,6 +188,15 @@ class EngineHooks:
         self.engine.save_checkpoint = self.save_checkpoint
         self.engine.load_checkpoint = self.load_checkpoint
         self.engine.destroy = self.destroy
+        if self._fence is not None:
+            self._fence.install()
+
+    def uninstall(self) -> None:
+        """Undo ``install`` (before another attach replaces these hooks)."""
+        for name in ("save_checkpoint", "load_checkpoint", "destroy"):
+            self.engine.__dict__.pop(name, None)
+        if self._fence is not None:
+            self._fence.remove()
 
     @property
     def _rank0(self) -> bool:
@@ -236,7 +298,7 @@ class EngineHooks:
                                        "never loaded)") from None
             if not self._rank0:
                 continue
-            stall = p.stall_s if p.stall_s is not None else p.committed - p.started
+            stall = (p.stall_s if p.stall_s is not None else p.committed - p.started) + (p.fence_s or 0.0)
             durable = None if rec.durable_s is None else p.committed - p.started + rec.durable_s
             self._publish(CheckpointReport(p.tag, p.group, p.samples, stall, rec.blocked_s, durable,
                                            self.fe.checkpointer.stats().overhead))

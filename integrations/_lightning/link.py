@@ -121,8 +121,8 @@ class TrainerLink:
             return
         from ..deepspeed import install
 
-        install(engine, self._checkpointer,
-                on_commit=lambda handle: self._track_commit(handle, trainer.global_step))
+        install(engine, self._checkpointer, on_commit=lambda handle: self._track_commit(handle, trainer.global_step),
+                lazy_snapshot=self.lazy_snapshot)
 
     def _log_metrics(self, trainer: Any) -> None:
         self._raise_first(self._harvest())

@@ -7,7 +7,6 @@ handed back to be raised once).
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -16,6 +15,7 @@ import torch
 from fastckpt.checkpointer import Checkpointer
 from fastckpt.monitor import Stats
 from fastckpt.records import SaveHandle, SaveRecord
+from fastckpt.save.fencing import copy_unfenced, optimizer_tensors, storage_key
 
 
 @dataclass(eq=False)
@@ -117,35 +117,15 @@ def row(t: Tracked, rec: SaveRecord, stats: Stats | None) -> dict[str, float]:
     return out
 
 
-def _storage_key(t: torch.Tensor) -> tuple[str, int]:
-    return str(t.device), t.untyped_storage().data_ptr()
-
-
-def map_tensors(obj: object, fn: Callable[[torch.Tensor], torch.Tensor]) -> object:
-    """A copy of the containers of ``obj`` (types and attributes kept) with ``fn`` applied to tensors."""
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if isinstance(obj, (dict, list)):
-        new = copy.copy(obj)  # keeps the type and attributes, e.g. a state_dict's _metadata
-        for k, v in (obj.items() if isinstance(obj, dict) else enumerate(obj)):
-            new[k] = map_tensors(v, fn)
-        return new
-    if isinstance(obj, tuple):
-        items = [map_tensors(v, fn) for v in obj]
-        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
-    return obj
-
-
 def copy_unfenced_tensors(checkpoint: object, params: Iterable[torch.Tensor],
                           optimizers: Iterable[torch.optim.Optimizer]) -> object:
     """Lazy mode defers only what the fence protects: parameters and optimizer state (changed
     only by the optimizer step). Everything else, such as BatchNorm buffers that forward
-    updates or a user's extras, is copied now."""
-    protected = {_storage_key(p) for p in params}
+    updates or a user's extras, is copied now (``fastckpt.save.fencing``)."""
+    protected = list(params)
     for opt in optimizers:
-        for st in opt.state.values():
-            protected.update(_storage_key(v) for v in st.values() if isinstance(v, torch.Tensor))
-    return map_tensors(checkpoint, lambda t: t if _storage_key(t) in protected else t.detach().clone())
+        protected.extend(optimizer_tensors(opt))
+    return copy_unfenced(checkpoint, protected)
 
 
 def state_nbytes(module: torch.nn.Module, optimizers: Iterable[torch.optim.Optimizer]) -> tuple[int, bool]:
@@ -160,6 +140,6 @@ def state_nbytes(module: torch.nn.Module, optimizers: Iterable[torch.optim.Optim
             tensors.extend(v for v in st.values() if isinstance(v, torch.Tensor))
     for t in tensors:
         if isinstance(t, torch.Tensor):
-            seen[_storage_key(t)] = t.untyped_storage().nbytes()
+            seen[storage_key(t)] = t.untyped_storage().nbytes()
     total = sum((n + ALIGN - 1) // ALIGN * ALIGN for n in seen.values())
     return total, any(dev.startswith("cuda") for dev, _ in seen)

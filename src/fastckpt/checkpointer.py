@@ -174,9 +174,9 @@ class Checkpointer:
                 other ranks, that form one checkpoint; finish with ``commit(group)`` on every rank.
             lazy: return before the tensors' bytes are copied: the copy runs on a background
                 thread while training goes on, and ``fence()`` must be called before anything
-                mutates them (the next optimizer step). The record's ``blocked_s`` is the part
-                spent here; ``fence()`` returns its wait, which ``stats()`` counts as blocked
-                time too. Ignored on the gds tier.
+                mutates them (the next optimizer step; ``save.fencing.copy_unfenced`` clones the
+                rest). The record's ``blocked_s`` is the part spent here; ``fence()`` returns its
+                wait, which ``stats()`` counts as blocked time too. Ignored on the gds tier.
 
         Raises:
             UnsupportedObjectError: an entry cannot be saved (the message names its key).

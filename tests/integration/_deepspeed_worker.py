@@ -14,6 +14,9 @@ rank writes ROOT/results/rank{r}.json with what the test checks from outside:
   unsafe     a crafted checkpoint that would run code is refused; "weights_only": false opts in
   switch     no section, or "enabled": false, leaves DeepSpeed's own engine
   s3         save to s3:// (FASTCKPT_TEST_S3 names the server), load there, and on a fresh node
+  lazy       ZeRO 0-3 with "lazy_snapshot": the copy is held until the optimizer step's fence
+             (after the next forward, which changes BatchNorm's buffers, and backward): the
+             loaded checkpoint equals the state at save time
   destroy    destroy() returns with the checkpoint durable
   exit       the last save is still in flight when main returns: interpreter exit flushes it
 """
@@ -34,7 +37,7 @@ import torch  # noqa: E402
 from deepspeed import comm as dist  # noqa: E402
 
 import fastckpt  # noqa: E402
-from fastckpt.integrations.deepspeed import attach  # noqa: E402
+from fastckpt.integrations.deepspeed import attach, initialize  # noqa: E402
 from tests.integration._ds_common import engine, frozen, full_weights, same, train  # noqa: E402
 
 RESULTS: dict[str, object] = {}
@@ -224,6 +227,68 @@ def s3(root: str) -> None:
     RESULTS["s3"] = url
 
 
+def lazy(root: str, stage: int) -> None:
+    import threading
+
+    import fastckpt.save.saver as core
+
+    from tests.integration._ds_common import ds_config
+
+    def bn_model(seed: int) -> torch.nn.Module:  # BatchNorm: buffers that forward changes
+        torch.manual_seed(seed)
+        return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.BatchNorm1d(32), torch.nn.ReLU(),
+                                   torch.nn.Linear(32, 4))
+
+    def make(seed: int):
+        model = bn_model(seed)
+        cfg = ds_config(stage, {"local_dir": os.path.join(root, "nvme"), "lazy_snapshot": True})
+        return initialize(model=model, optimizer=torch.optim.Adam(model.parameters(), lr=1e-2), config=cfg)[0]
+
+    d = os.path.join(root, f"lazy{stage}")
+    a = make(0)
+    train(a, 1, 3)
+    ref_w, ref_opt = full_weights(a), frozen(a.optimizer.state_dict())
+    ref_buf = {n: b.detach().clone() for n, b in a.module.named_buffers()}
+    for buf in ref_buf.values() if stage < 3 else ():  # ranks' BatchNorm statistics differ, and below
+        dist.broadcast(buf, 0)  # ZeRO-3 every rank loads the model file rank 0 wrote (ZeRO-3: its own)
+    ck = a.checkpoint_engine.checkpointer
+    release, fenced = threading.Event(), []
+    real_snapshot, real_fence = core.snapshot, ck.fence
+
+    def held(*args, **kwargs):  # the snapshot thread: no copy before the fence
+        assert release.wait(60), "the optimizer step never fenced the lazy snapshot"
+        return real_snapshot(*args, **kwargs)
+
+    def fence() -> float:  # a spy on the real fence: it releases the held copy, then waits for it
+        fenced.append(a.global_steps)
+        release.set()
+        return real_fence()
+
+    core.snapshot, ck.fence = held, fence
+    try:
+        a.save_checkpoint(d, "t3")
+        assert not release.is_set() and not fenced
+        train(a, 4, 5)  # forward and backward of step 4 run beside the held copy; its step fences
+    finally:
+        core.snapshot = real_snapshot
+    writes = stage > 0 or a.global_rank == 0  # without ZeRO only rank 0 saves files
+    assert fenced == ([3] if writes else []), fenced  # once, by step 4's optimizer step (global_steps is 3 in it)
+    assert not same_tensors(full_weights(a), ref_w)  # training went on after the save
+    a.destroy()
+
+    b = make(1)
+    path, _ = b.load_checkpoint(d)
+    assert path is not None and os.path.basename(os.path.dirname(path)) == "t3", path
+    same(full_weights(b), ref_w, f"lazy zero{stage} weights")
+    same(b.optimizer.state_dict(), ref_opt, f"lazy zero{stage} optimizer")
+    same({n: x.detach().clone() for n, x in b.module.named_buffers()}, ref_buf, f"lazy zero{stage} buffers")
+    b.destroy()
+
+
+def same_tensors(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def destroy(root: str) -> None:
     d = os.path.join(root, "destroyed")
     eng = engine(2, {"local_dir": os.path.join(root, "nvme")}, seed=0)
@@ -249,7 +314,7 @@ def exit_flush(root: str) -> None:
 
 SCENARIOS = {"roundtrip": lambda root: [roundtrip(root, s) for s in (0, 1, 2, 3)], "convert": convert,
              "interop": interop, "report": report, "unsafe": unsafe, "switch": switch, "s3": s3,
-             "destroy": destroy, "exit": exit_flush}
+             "destroy": destroy, "exit": exit_flush, "lazy": lambda root: [lazy(root, s) for s in (0, 1, 2, 3)]}
 
 
 def main(root: str, names: list[str]) -> None:

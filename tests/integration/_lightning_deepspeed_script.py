@@ -8,7 +8,8 @@ everything checkpoint-related (``save_checkpoint`` -> ``deepspeed_engine.save_ch
 ``remove_checkpoint``) is Lightning's own code.
 
 Three fits, as in the DDP script: a reference, a run stopped after one epoch, and one resumed
-from "last". Each rank writes its final weights; rank 0 writes a summary.
+from "last", both with the lazy snapshot (the engine's optimizer step waits for the copy). Each
+rank writes its final weights; rank 0 writes a summary.
 """
 
 from __future__ import annotations
@@ -61,9 +62,9 @@ class Model(L.LightningModule):  # DeepSpeed wants one optimizer and no BatchNor
         return torch.optim.Adam(self.parameters(), lr=1e-2)
 
 
-def trainer(root: str, max_steps: int, logger: object = False) -> L.Trainer:
+def trainer(root: str, max_steps: int, logger: object = False, lazy: bool = False) -> L.Trainer:
     return L.Trainer(max_steps=max_steps, accelerator="cpu", devices=2, strategy=CPUDeepSpeedStrategy(stage=2),
-                     plugins=[FastCkptIO(local_dir=os.path.join(root, "nvme"))], logger=logger,
+                     plugins=[FastCkptIO(local_dir=os.path.join(root, "nvme"), lazy_snapshot=lazy)], logger=logger,
                      enable_progress_bar=False, enable_model_summary=False, default_root_dir=root,
                      callbacks=[ModelCheckpoint(dirpath=os.path.join(root, "ckpt"), every_n_train_steps=STEPS_PER_EPOCH,
                                                 save_top_k=1, monitor="step", mode="max", save_last=True)])
@@ -80,19 +81,21 @@ def main(out: str) -> None:
     engine_name = type(t_ref.strategy.deepspeed_engine.checkpoint_engine).__name__
 
     L.seed_everything(0, verbose=False)
-    trainer(os.path.join(out, "run"), STEPS_PER_EPOCH).fit(Model(), loader())
+    trainer(os.path.join(out, "run"), STEPS_PER_EPOCH, lazy=True).fit(Model(), loader())
     L.seed_everything(0, verbose=False)
     resumed = Model()
     with torch.no_grad():
         for p in resumed.parameters():
             p.add_(1.0)  # the checkpoint must restore the weights
-    t_res = trainer(os.path.join(out, "run"), 3 * STEPS_PER_EPOCH)
+    t_res = trainer(os.path.join(out, "run"), 3 * STEPS_PER_EPOCH, lazy=True)
     t_res.fit(resumed, loader(), ckpt_path="last")
+    fenced = "step" in vars(t_res.strategy.deepspeed_engine.optimizer)  # StepFence, on the instance
 
     rank = t_res.global_rank
     torch.save({"ref": ref.state_dict(), "resumed": resumed.state_dict()}, os.path.join(out, f"weights-rank{rank}.pt"))
     if rank == 0:
         summary = {"engine": engine_name, "ckpt_rows": spy.ckpt_rows(), "global_step": t_res.global_step,
+                   "ref_fenced": "step" in vars(t_ref.strategy.deepspeed_engine.optimizer), "run_fenced": fenced,
                    "ref_files": sorted(os.listdir(os.path.join(out, "ref", "ckpt"))),
                    "run_files": sorted(os.listdir(os.path.join(out, "run", "ckpt")))}
         with open(os.path.join(out, "summary.json"), "w") as f:

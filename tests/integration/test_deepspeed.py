@@ -27,7 +27,7 @@ from tests.helpers import tmp_files  # noqa: E402
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 WORKER = str(HERE / "_deepspeed_worker.py")
-TWO_PROCESS_SCENARIOS = "roundtrip,convert,interop,report,unsafe,switch,destroy"
+TWO_PROCESS_SCENARIOS = "roundtrip,convert,interop,report,unsafe,switch,lazy,destroy"
 
 
 @dataclass(frozen=True)
@@ -143,6 +143,18 @@ def test_crafted_checkpoint_is_refused_and_weights_only_false_opts_in(two_proces
 
 def test_no_section_or_disabled_leaves_deepspeed_alone(two_processes: Run) -> None:
     assert "switch" in two_processes.results[0]["done"]
+
+
+def test_lazy_snapshot_saves_the_state_of_its_step_zero_0_to_3(two_processes: Run) -> None:
+    """The copy is held until the next optimizer step's fence, after that step's forward (which
+    changes BatchNorm's statistics) and backward; the loaded checkpoint equals the state at
+    save time (asserted in the worker), and each tag committed as one group."""
+    for r in (0, 1):
+        assert "lazy" in two_processes.results[r]["done"]
+    for stage in range(4):
+        d = two_processes.root / f"lazy{stage}"
+        assert json.loads((d / "t3" / C.GROUP_MANIFEST).read_text())["ranks"] == [0, 1]
+        assert (d / "latest").read_text() == "t3"
 
 
 def test_destroy_returns_with_the_checkpoint_durable(two_processes: Run) -> None:

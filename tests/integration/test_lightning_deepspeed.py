@@ -66,6 +66,7 @@ def test_deepspeed_zero2_two_processes_save_resume_top_k(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["engine"] == "FastCkptEngine"
+    assert (summary["ref_fenced"], summary["run_fenced"]) == (False, True)  # lazy_snapshot reached the engine
 
     # Lightning's checkpoint "files" are DeepSpeed directories; save_top_k=1 removed the older ones
     assert summary["ref_files"] == summary["run_files"] == ["epoch=2-step=12.ckpt", "last.ckpt"]

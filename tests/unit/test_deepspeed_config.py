@@ -30,6 +30,7 @@ def _initialize(section: object) -> None:
     ({"locall_dir": "/x"}, ["unknown key(s) ['locall_dir']", "local_dir (str or null)", "enabled (bool)"]),
     ({"local_dir": 5}, ['"fastckpt.local_dir"', "must be str or null, got 5", "valid keys:"]),
     ({"enabled": "yes"}, ['"fastckpt.enabled" in the DeepSpeed config must be bool', "valid keys:"]),
+    ({"lazy_snapshot": 1}, ['"fastckpt.lazy_snapshot" in the DeepSpeed config must be bool', "lazy_snapshot (bool)"]),
     ({"overhead_budget": True}, ['"fastckpt.overhead_budget"', "must be number"]),
     ({"keep_local": 1.5}, ['"fastckpt.keep_local"', "must be int or null"]),
     ({"on_overhead_exceeded": "f"}, ["on_overhead_exceeded is a function", "checkpointer=fastckpt.Checkpointer"]),
@@ -53,7 +54,8 @@ def test_values_the_checkpointer_refuses_name_the_section() -> None:
 def test_a_full_section_parses() -> None:
     s = parse_section({"enabled": True, "weights_only": False, "local_dir": "/nvme", "overhead_budget": 0.05,
                        "keep_local": 2, "storage_options": {"key": "k"}, "commit_timeout_s": 60})
-    assert s.enabled and not s.weights_only
+    assert s.enabled and not s.weights_only and not s.lazy_snapshot
+    assert parse_section({"lazy_snapshot": True}).lazy_snapshot
     assert dict(s.options) == {"local_dir": "/nvme", "overhead_budget": 0.05, "keep_local": 2,
                                "storage_options": {"key": "k"}, "commit_timeout_s": 60}
     assert section_of({"train_batch_size": 8}).enabled is False  # no section: DeepSpeed alone

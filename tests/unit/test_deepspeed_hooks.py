@@ -9,11 +9,13 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("deepspeed")
 
 from fastckpt.commit.protocol import GROUP_MANIFEST, MARKER_DIR  # noqa: E402
 from fastckpt.integrations._deepspeed.compat import Store  # noqa: E402
+from fastckpt.integrations._deepspeed.hooks import StepFence  # noqa: E402
 from fastckpt.integrations.deepspeed import resolve_tag  # noqa: E402
 
 
@@ -116,3 +118,31 @@ def test_flush_gives_up_after_close_timeout_s(tmp_path: Path) -> None:
     assert len(fe.pending) == 1  # still reported later, if it ever completes
     with pytest.raises(ReplicationError):
         ck.close()
+
+
+# --------------------------------------------------------------------------- the lazy snapshot's fence
+def test_the_step_fence_runs_before_the_step_and_comes_off_again() -> None:
+    """``StepFence`` is set on the optimizer instance as a bound method: the fence runs before
+    every step, a torch LR scheduler built afterwards still wraps it (it takes ``step.__func__``),
+    and ``remove`` puts the optimizer's own step back."""
+    w = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([w], lr=1.0)
+    order: list[str] = []
+    fence = StepFence(opt, lambda: order.append("fence") or 0.0)
+    fence.install()
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1)  # wraps opt.step on the instance
+    w.grad = torch.ones(2)
+    opt.register_step_pre_hook(lambda *_: order.append("step"))
+    opt.step()
+    sched.step()
+    assert order == ["fence", "step"] and torch.equal(w.detach(), torch.zeros(2))
+    fence.remove()  # the scheduler's wrapper sits on top: it stays, the fence goes quiet
+    opt.step()
+    assert order == ["fence", "step", "step"]
+
+    bare = torch.optim.SGD([w], lr=1.0)
+    fence = StepFence(bare, lambda: order.append("fence") or 0.0)
+    fence.install()
+    assert "step" in bare.__dict__
+    fence.remove()
+    assert "step" not in bare.__dict__  # the class's step again

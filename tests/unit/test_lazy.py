@@ -33,3 +33,27 @@ def test_lazy_copy_fence_then_mutate(tmp_path, monkeypatch) -> None:
         out = ck.load(str(tmp_path / "l.pt"))
         assert ck.stats().saves == 1
     assert torch.equal(out["w"], ref) and out["step"] == 3
+
+
+def test_copy_unfenced_defers_only_the_protected_storages() -> None:
+    """What an integration passes to a lazy save: tensors of the protected storages (views
+    included) as they are, every other tensor cloned, the containers' types kept."""
+    from collections import OrderedDict
+
+    from fastckpt.save.fencing import copy_unfenced, optimizer_tensors
+
+    w = torch.nn.Parameter(torch.ones(4))
+    opt = torch.optim.Adam([w])
+    w.grad = torch.ones(4)
+    opt.step()
+    running = torch.zeros(4)
+    state = {"model": OrderedDict(w=w, half=w.detach()[:2], running=running), "opt": opt.state_dict(),
+             "pair": (running, 3)}
+    out = copy_unfenced(state, optimizer_tensors(opt))
+    assert out["model"]["w"] is w and out["model"]["half"] is state["model"]["half"]
+    assert type(out["model"]) is OrderedDict
+    assert out["opt"]["state"][0]["exp_avg"] is opt.state[w]["exp_avg"]
+    assert out["model"]["running"] is not running and torch.equal(out["model"]["running"], running)
+    assert out["pair"][0] is not running and out["pair"][1] == 3
+    running.add_(1)  # what forward does to a BatchNorm buffer after the save returned
+    assert torch.equal(out["model"]["running"], torch.zeros(4))
