@@ -6,7 +6,9 @@ FASTCKPT_TEST_S3 names a SeaweedFS bucket (``{"bucket": ..., "storage_options": 
 ``engine.load_checkpoint(save_dir)`` and records what it loaded; generations before KILLS then
 train with a checkpoint every step until rank GEN % 2 SIGKILLs itself at a random moment
 (torchrun then stops the other rank); generation KILLS trains a few steps more, destroys the
-engine (flush) and exits 0.
+engine (flush) and exits 0. With save_dir a directory, odd generations save with the lazy snapshot
+(``"lazy_snapshot": true``: each save's copy runs beside the next step's forward and backward),
+so resumes cross between checkpoints saved both ways.
 
 Each rank writes ROOT/gen/g{g}-r{rank}.json: the loaded tag and the checks below (recorded,
 not asserted, so a failed check does not cost a restart; a load that raises is recorded too):
@@ -89,7 +91,7 @@ def read_latest(save_dir: str, opts: dict | None) -> str:
     return fsspec.filesystem("s3", **opts).cat_file(f"{save_dir}/latest").decode()
 
 
-def build(root: str, gen: int, rank: int, opts: dict | None):  # noqa: ANN201
+def build(root: str, gen: int, rank: int, opts: dict | None, lazy: bool):  # noqa: ANN201
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 1024),
                                 torch.nn.ReLU(), torch.nn.Linear(1024, 4))
@@ -98,7 +100,8 @@ def build(root: str, gen: int, rank: int, opts: dict | None):  # noqa: ANN201
     handles: list = []
     os.makedirs(os.path.join(root, "events"), exist_ok=True)
     attach(eng, {"local_dir": os.path.join(root, "nvme"), "commit_timeout_s": 60, "keep_local": 2,
-                 "event_log": os.path.join(root, "events", f"g{gen}-r{rank}.jsonl"), "storage_options": opts},
+                 "event_log": os.path.join(root, "events", f"g{gen}-r{rank}.jsonl"), "storage_options": opts,
+                 "lazy_snapshot": lazy},
            on_commit=handles.append)
     return eng, handles
 
@@ -137,9 +140,10 @@ def main(root: str, gen: int, kills: int) -> None:
     deepspeed.init_distributed(dist_backend="gloo")
     rank = torch.distributed.get_rank()
     save_dir, opts = home(root)
-    eng, handles = build(root, gen, rank, opts)
+    lazy = opts is None and gen % 2 == 1
+    eng, handles = build(root, gen, rank, opts, lazy)
     rec = resume(eng, save_dir, root, opts)
-    rec.update(gen=gen, rank=rank, final=gen == kills)
+    rec.update(gen=gen, rank=rank, final=gen == kills, lazy=lazy)
     os.makedirs(os.path.join(root, "gen"), exist_ok=True)
     with open(os.path.join(root, "gen", f"g{gen}-r{rank}.json"), "w") as f:
         json.dump(rec, f)

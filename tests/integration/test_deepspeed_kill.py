@@ -8,7 +8,9 @@ and fail to connect.) Every resume must load the newest complete tag: never an i
 (an error or mixed weights), never one older than a checkpoint already reported committed, and
 always the one DeepSpeed's ``latest`` and ``fastckpt.latest`` name. Twice: with ``save_dir`` a
 directory, and an ``s3://`` URL on a real SeaweedFS server through the burst buffer, where a kill
-also lands in uploads and their verification.
+also lands in uploads and their verification. With a directory, every other generation saves
+with the lazy snapshot: a resume from one of its checkpoints checks the weights against the hash
+taken at the save, before the next step changed them beside the copy.
 """
 
 from __future__ import annotations
@@ -67,6 +69,11 @@ def test_sigkill_at_random_moments_always_resumes_from_a_complete_tag(tmp_path: 
         assert rec["step"] == rec["client_step"] >= rec["floor"], rec
     for g in range(1, KILLS + 1):
         assert records[(g, 0)]["tag"] == records[(g, 1)]["tag"]
+    # resumes from a tag the generation before saved (its steps start after its own resume), lazily or not
+    started = [records[(g, 0)].get("step", 0) for g in range(KILLS + 1)]
+    saved_by_last = [g for g in range(1, KILLS + 1) if records[(g, 0)].get("step", 0) > started[g - 1]]
+    lazy_resumes = [g for g in saved_by_last if records[(g - 1, 0)]["lazy"]]
+    assert bool(lazy_resumes) == (mode == "posix"), (saved_by_last, lazy_resumes)
     final = [json.loads((tmp_path / "gen" / f"final-r{r}.json").read_text()) for r in (0, 1)]
     assert final[0] == final[1]
     assert fastckpt.latest(save_dir, storage_options=opts) == f"{save_dir}/global_step{final[0]['step']}"
