@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import sys
 
@@ -67,7 +68,7 @@ def test_lost_node_restores_from_s3(tmp_path, s3_server, s3_bucket) -> None:
 
 def test_a_users_job(tmp_path) -> None:
     code, d = drill("--trials", "2", "--dir", str(tmp_path / "home"), "--local-dir", str(tmp_path / "bb"),
-                    "--min-run", "2s", "--max-run", "3s", "--seed", "3", "--", sys.executable, USER_JOB)
+                    "--min-run", "8s", "--max-run", "10s", "--seed", "3", "--", sys.executable, USER_JOB)
     assert code == 0, d
     assert d["restored"] == 2 and d["corrupt_loads"] == 0
     for row in d["rows"]:
@@ -95,6 +96,17 @@ def test_a_damaged_checkpoint_counts_as_a_corrupt_load_and_fails(tmp_path) -> No
     assert d["corrupt_loads"] == 1 and d["restored"] == 0
     assert "CorruptCheckpointError" in d["rows"][0]["error"]
     assert d["logs"] and os.path.isdir(d["logs"])  # kept for the post-mortem
+    shutil.rmtree(d["logs"])
+
+
+def test_a_job_killed_before_its_first_checkpoint_is_told_to_raise_min_run(tmp_path) -> None:
+    idle = [sys.executable, "-c", "import time; time.sleep(3600)"]  # never saves
+    code, d = drill("--trials", "1", "--dir", str(tmp_path / "home"), "--min-run", "0.5s", "--max-run", "1s",
+                    "--", *idle)
+    assert code == 1 and d["restored"] == 0
+    assert re.fullmatch(r"no complete checkpoint was found after the job ran [\d.]+ s \(it reported no step\): if "
+                        r"it needs longer to start and make its first checkpoint durable, raise --min-run",
+                        d["rows"][0]["error"]), d["rows"][0]["error"]
     shutil.rmtree(d["logs"])
 
 

@@ -286,8 +286,9 @@ class Drill:
         trials = []
         for k in range(1, c.trials + 1):
             job = _Proc(list(c.command), self._log("job.log"), env, json_lines=False)
+            ran_s = self.rng.uniform(c.min_run_s, c.max_run_s)
             try:
-                job.proc.wait(self.rng.uniform(c.min_run_s, c.max_run_s))
+                job.proc.wait(ran_s)
             except subprocess.TimeoutExpired:
                 job.kill()
             else:
@@ -305,6 +306,10 @@ class Drill:
                 probe.proc.kill()
             r = rest.get("step")
             ok = bool(rest.get("verified"))
+            if rest["ev"] == "fresh":  # nothing durable yet: say how long the job had
+                last = f"its last step report was {killed_at}" if killed_at is not None else "it reported no step"
+                rest["error"] += (f" after the job ran {ran_s:.1f} s ({last}): if it needs longer to start and make "
+                                  "its first checkpoint durable, raise --min-run")
             trial = Trial(k, None, (), killed_at, None, r, rest.get("source"),
                           loaded["t"] - probe.proc.t_spawn if loaded["ev"] == "loaded" else None,
                           killed_at - r if killed_at is not None and r is not None else None, ok,
