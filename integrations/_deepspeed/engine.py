@@ -185,7 +185,7 @@ class FastCkptEngine(CheckpointEngine):
             return True  # not a save_checkpoint (see create)
         deferred, self._deferred = self._deferred, []
         lazy = self._fenced is not None
-        protected = list(self._fenced()) if self._fenced is not None else []
+        protected = list(self._fenced()) if self._fenced is not None and deferred else []
         for state_dict, path in deferred:
             state = copy_unfenced(state_dict, protected) if lazy else state_dict
             self.checkpointer.save(state, path, group=self._group, lazy=lazy)
