@@ -184,7 +184,7 @@ class FastCkptEngine(CheckpointEngine):
         if self._group is None:
             return True  # not a save_checkpoint (see create)
         deferred, self._deferred = self._deferred, []
-        lazy = self._fenced is not None
+        lazy = self.lazy
         protected = list(self._fenced()) if self._fenced is not None and deferred else []
         for state_dict, path in deferred:
             state = copy_unfenced(state_dict, protected) if lazy else state_dict

@@ -100,7 +100,7 @@ def test_a_damaged_checkpoint_counts_as_a_corrupt_load_and_fails(tmp_path) -> No
 
 
 def test_a_job_killed_before_its_first_checkpoint_is_told_to_raise_min_run(tmp_path) -> None:
-    idle = [sys.executable, "-c", "import time; time.sleep(3600)"]  # never saves
+    idle = [sys.executable, "-c", "import signal; signal.pause()"]  # never saves; waits for its SIGKILL
     code, d = drill("--trials", "1", "--dir", str(tmp_path / "home"), "--min-run", "0.5s", "--max-run", "1s",
                     "--", *idle)
     assert code == 1 and d["restored"] == 0
