@@ -77,8 +77,10 @@ class TrainerLink:
                 raise fut.exception()  # type: ignore[misc]
 
     def _track_commit(self, handle: SaveHandle, step: int | None) -> None:
-        """DeepSpeed: one entry per group commit (the engine's ``on_commit``)."""
-        item = self._saves.add(handle, step, None)
+        """DeepSpeed: one entry per group commit (the engine's ``on_commit``). With the lazy
+        snapshot its row counts the fence wait too: the callback's fence, before DeepSpeed's
+        step, is the one that waits (the engine's own finds the copies done)."""
+        item = self._saves.add(handle, step, None, lazy=self.lazy_snapshot and self._in_fit)
         if not self._in_fit:
             self._saves.wait(item)
 

@@ -24,7 +24,8 @@ class Tracked:
 
     handle: SaveHandle
     step: int | None
-    blocked_s: float | None  # training-thread time in save_checkpoint (+ fence); None: the record's
+    blocked_s: float | None  # training-thread time in save_checkpoint; None: the record's (a group commit)
+    fence_s: float = 0.0  # lazy snapshot: the optimizer step's wait for the copy (on the first save fenced)
 
 
 class SaveLedger:
@@ -44,9 +45,7 @@ class SaveLedger:
         """Lazy saves: wait for their copies; the wait is blocked time of the first of them."""
         if not self._unfenced or ck is None:
             return
-        waited = ck.fence()
-        first = self._unfenced[0]
-        first.blocked_s = (first.blocked_s or 0.0) + waited
+        self._unfenced[0].fence_s += ck.fence()
         self._unfenced = []
 
     def wait(self, item: Tracked) -> None:
@@ -99,7 +98,7 @@ class SaveLedger:
 
 def row(t: Tracked, rec: SaveRecord, stats: Stats | None) -> dict[str, float]:
     """The ``ckpt/*`` metrics of one save (docs/lightning.md says what each one means)."""
-    out = {"ckpt/blocked_s": rec.blocked_s if t.blocked_s is None else t.blocked_s,
+    out = {"ckpt/blocked_s": (rec.blocked_s if t.blocked_s is None else t.blocked_s) + t.fence_s,
            "ckpt/write_GBps": rec.write_GBps, "ckpt/GB": rec.bytes / 1e9}
     if rec.durable_s is not None:
         out["ckpt/durable_s"] = rec.durable_s

@@ -57,3 +57,39 @@ def test_copy_unfenced_defers_only_the_protected_storages() -> None:
     assert out["pair"][0] is not running and out["pair"][1] == 3
     running.add_(1)  # what forward does to a BatchNorm buffer after the save returned
     assert torch.equal(out["model"]["running"], torch.zeros(4))
+
+
+def test_lightning_row_counts_the_fence_of_a_group_commit(tmp_path, monkeypatch) -> None:
+    """FastCkptIO under DeepSpeedStrategy: a lazily snapshotted group commit's ``ckpt/blocked_s``
+    row is the commit's blocked time plus the optimizer step's wait for the copy."""
+    from fastckpt.integrations._lightning.saves import SaveLedger
+
+    release = threading.Event()
+    real = snapshots.snapshot
+
+    def held(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202 (no copy before the fence)
+        assert release.wait(30)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr("fastckpt.save.saver.snapshot", held)
+    group = str(tmp_path / "tag")
+    with fastckpt.Checkpointer() as ck:
+        real_fence, waits = ck.fence, []
+
+        def fence() -> float:  # a spy on the real fence: it releases the held copy, then waits for it
+            release.set()
+            waits.append(real_fence())
+            return waits[-1]
+
+        ck.fence = fence  # type: ignore[method-assign]
+        ck.save({"w": torch.ones(1 << 16)}, f"{group}/model.pt", group=group, lazy=True)
+        ledger = SaveLedger()
+        item = ledger.add(ck.commit(group), step=1, blocked_s=None, lazy=True)
+        assert ledger.harvest(ck.stats, keep_rows=True) == [] and ledger.drain_rows() == []  # unfenced: no row
+        ledger.fence(ck)
+        ledger.wait(item)
+        rec = item.handle.wait()
+        assert ledger.harvest(ck.stats, keep_rows=True) == []
+        (row,) = ledger.drain_rows()
+    assert waits[0] > 0  # (closing the Checkpointer fences again: nothing is left to wait for)
+    assert row["ckpt/blocked_s"] == rec.blocked_s + waits[0] and row["ckpt/step"] == 1.0
