@@ -2,13 +2,16 @@
 
 Public API: ``Checkpointer`` (save/commit/load/remove/wait/close), ``latest`` and ``load``;
 integrations live in ``fastckpt.integrations`` (Lightning, DeepSpeed, Megatron)
-and are imported lazily so the core never imports a framework. docs/architecture.md maps the
-package.
+and are imported lazily so the core never imports a framework. ``Checkpointer`` is resolved
+on first use too, so ``import fastckpt`` does not import torch (the command line's readers start
+without it). docs/architecture.md maps the package.
 """
 
 from __future__ import annotations
 
-from .checkpointer import Checkpointer, ClosedError
+from typing import TYPE_CHECKING
+
+from . import load as _load_path  # noqa: F401 (imported first, so the function ``load`` below keeps the name)
 from .errors import (
     CheckpointNotFoundError,
     CheckpointWriteError,
@@ -27,6 +30,9 @@ from .monitor import OverheadReport, Stats
 from .records import SaveHandle, SaveRecord
 from .version import __version__
 
+if TYPE_CHECKING:
+    from .checkpointer import Checkpointer, ClosedError
+
 __all__ = [
     "Checkpointer", "latest", "load", "Event", "OverheadReport", "Stats", "SaveHandle", "SaveRecord",
     "FastCkptError", "CheckpointNotFoundError", "CheckpointWriteError", "ClosedError", "CommitTimeoutError",
@@ -39,6 +45,8 @@ def load(path: str, map_location: object = None, *, weights_only: bool = True, v
          storage_options: dict | None = None) -> object:
     """Load one checkpoint file (a path or URL) with verification (a one-off Checkpointer; see
     ``Checkpointer.load``)."""
+    from .checkpointer import Checkpointer
+
     with Checkpointer(storage_options=storage_options) as ck:
         return ck.load(path, map_location, weights_only=weights_only, verify=verify)
 
@@ -61,8 +69,16 @@ def latest(root: str, storage_options: dict | None = None) -> str | None:
 
 
 def __getattr__(name: str) -> object:
+    if name in ("Checkpointer", "ClosedError"):  # lazy: the command line's tools that never save start without torch
+        from . import checkpointer
+
+        return getattr(checkpointer, name)
     if name == "FastCkptIO":  # lazy: importing fastckpt must not import Lightning
         from .integrations.lightning import FastCkptIO
 
         return FastCkptIO
     raise AttributeError(f"module 'fastckpt' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

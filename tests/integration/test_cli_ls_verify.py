@@ -141,3 +141,23 @@ def test_ls_and_verify_at_a_url(tmp_path, s3_server, s3_bucket) -> None:
     r = run("verify", url, "--storage-options", o)
     assert r.exit_code == 1
     assert f"BAD {url}/step-4/b.pt" in r.stderr and "checksum" in r.stderr
+
+
+def test_readers_and_planners_start_without_torch(home, tmp_path) -> None:
+    """The tools an operator runs by hand on a login node (ls, verify, latest, plan, report,
+    serve-metrics) never import torch, which takes seconds to import: run each in a process
+    where importing torch fails."""
+    import subprocess
+    import sys
+
+    log = tmp_path / "events.jsonl"
+    with fastckpt.Checkpointer(event_log=str(log)) as ck:
+        ck.save(state(3), str(tmp_path / "logged.pt")).wait()
+    commands = [["ls", home], ["verify", f"{home}/step-5"], ["latest", home],
+                ["plan", "--params", "7e9", "--gpus", "16", "--bandwidth", "2GB/s"],
+                ["report", str(log), "--json"], ["serve-metrics", "--event-log", str(log), "--once"]]
+    blocked = "import sys; sys.modules['torch'] = None; from fastckpt.cli import main; sys.exit(main(sys.argv[1:]))"
+    for args in commands:
+        res = subprocess.run([sys.executable, "-c", blocked, *args], capture_output=True, text=True, timeout=60, check=False)
+        assert res.returncode in (0, 1) and "torch" not in res.stderr, (args, res.stdout, res.stderr)
+        assert res.stdout.strip(), args

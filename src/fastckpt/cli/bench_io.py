@@ -32,7 +32,7 @@ from concurrent.futures import wait as wait_futures
 
 import xxhash
 
-from ..format.layout import ALIGN
+from ..format.align import ALIGN
 from ..io.engine import alloc_aligned
 from ..io.ops import FileOps, pread_exact, pwrite_all
 from .bench_job import Job, WorkerResult, block_order, pattern

@@ -34,11 +34,11 @@ import torch
 from torch.utils.serialization import config as _ser_config
 
 from ..errors import UnsupportedObjectError
+from .align import ALIGN
 from .manifest import EOCD_LEN, EOCD_SIG
 from .ranges import RangeReader
 from .walk import Scan, check_tensors, find_unpicklable, pickling_order, scan
 
-ALIGN = 4096  # page alignment, as O_DIRECT and GDS need
 SMALL_ALIGN = 64  # torch.save's default storage alignment
 #: Page alignment is used when its padding adds at most this fraction to the payload.
 PAD_BUDGET = 1 / 64

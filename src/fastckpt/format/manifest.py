@@ -13,8 +13,6 @@ import struct
 import time
 from collections.abc import Sequence
 
-import torch
-
 from ..errors import CorruptCheckpointError, UnsupportedObjectError
 from .checksum import ALGO
 
@@ -39,6 +37,8 @@ def file_manifest(*, covered: int, digest: str, rank: int, group_name: str | Non
     they fit the zip comment, so a reader of part of the file can verify the blocks it reads
     (docs/format.md).
     """
+    import torch  # here, not at import: the command line's readers (ls, verify) start without torch
+
     listed = {"blocks": "".join(f"{b:016x}" for b in blocks)} if 0 < len(blocks) <= MAX_LISTED_BLOCKS else {}
     return {"format": FORMAT_VERSION, "kind": "file", "covered": covered,
             "checksum": {"algo": ALGO, "value": digest, **listed}, "rank": rank,

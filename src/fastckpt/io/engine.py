@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from ..errors import CorruptCheckpointError
 from ..format import checksum
-from ..format.layout import ALIGN
+from ..format.align import ALIGN
 from ..format.manifest import TAIL_BYTES, manifest_in
 from .ops import FileOps, pread_exact, pwrite_all
 

@@ -11,7 +11,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 
 from ..format import checksum
-from ..format.layout import ALIGN
+from ..format.align import ALIGN
 from .engine import alloc_aligned, block_digests, open_for_read, open_for_write, round_up, run_chunks
 from .ops import FileOps, pread_exact, pwrite_all
 

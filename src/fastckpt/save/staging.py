@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..format.layout import ALIGN
+from ..format.align import ALIGN
 from ..io.engine import alloc_aligned
 
 log = logging.getLogger("fastckpt")
