@@ -136,6 +136,11 @@ class InFlight:
         for f in futures:
             f.exception()
 
+    def writing(self, path: str) -> bool:
+        """Whether a save of the file ``path`` (its write or its replication) has not ended."""
+        with self._lock:
+            return any(p == path and not f.done() for f, p, _ in self._pending.values())
+
     def __len__(self) -> int:
         with self._lock:
             return len(self._pending)

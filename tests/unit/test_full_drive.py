@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -82,13 +83,19 @@ def test_burst_buffer_probe_and_other_errors_name_the_burst_buffer(tmp_path: Pat
     assert tmp_files(home, local) == []
 
 
-def _fill(ck: fastckpt.Checkpointer, root: Path, first: int) -> tuple[list[Path], fastckpt.CheckpointWriteError]:
-    """Save 1 MiB files into ``root`` until one fails; (the saved ones, the error)."""
+def _fill(ck: fastckpt.Checkpointer, root: Path, first: int, groups: bool = False
+          ) -> tuple[list[Path], fastckpt.CheckpointWriteError]:
+    """Save 1 MiB files into ``root`` (each as a one-file group: ``groups``) until one fails;
+    (the saved ones, the error)."""
     saved: list[Path] = []
     for v in range(first, first + 8):
-        path = root / f"step{v}.pt"
+        path = root / (f"step{v}/model.pt" if groups else f"step{v}.pt")
         try:
-            ck.save(_state(v, mib=1), str(path)).wait()
+            if groups:
+                ck.save(_state(v, mib=1), str(path), group=str(path.parent))
+                ck.commit(str(path.parent)).wait()
+            else:
+                ck.save(_state(v, mib=1), str(path)).wait()
         except fastckpt.CheckpointWriteError as exc:
             return saved, exc
         saved.append(path)
@@ -97,23 +104,29 @@ def _fill(ck: fastckpt.Checkpointer, root: Path, first: int) -> tuple[list[Path]
 
 @pytest.mark.parametrize("full", ["target", "burst buffer"])
 def test_a_really_full_drive_keeps_every_checkpoint_and_recovers_once_freed(tmp_path: Path, full: str) -> None:
+    """A full target, or a full burst buffer under a group's files (a single file skips a full
+    burst buffer: tests/unit/test_full_burst_buffer.py)."""
     with tmpfs(tmp_path / "small", "size=4m") as small:
         home, local = (small, None) if full == "target" else (tmp_path / "home", small)
+        groups = local is not None
         with fastckpt.Checkpointer(local_dir=str(local) if local else None) as ck:
-            saved, err = _fill(ck, home, 1)
+            saved, err = _fill(ck, home, 1, groups)
             assert err.errno == errno.ENOSPC and len(saved) >= 2
             where = f"in the burst buffer {small}" if local else f"in {small}: free space there"
             assert where in str(err)
-            assert not (home / f"step{len(saved) + 1}.pt").exists()
+            failed = home / (f"step{len(saved) + 1}/model.pt" if groups else f"step{len(saved) + 1}.pt")
+            assert not failed.exists()
             assert tmp_files(home, small) == []  # the failed file's blocks are freed
             for v, path in enumerate(saved, 1):
                 assert fastckpt.load(str(path))["v"] == v
-            assert fastckpt.latest(str(home)) == str(saved[-1])
+            assert fastckpt.latest(str(home)) == str(saved[-1].parent if groups else saved[-1])
             for path in saved[:2]:  # free space: the oldest two go
-                os.unlink(path)
-                if local:  # its burst-buffer copy fills the small drive
-                    os.unlink(local / str(path).lstrip(os.sep))
-            again, _ = _fill(ck, home, len(saved) + 1)
+                if groups:  # its burst-buffer copy fills the small drive
+                    shutil.rmtree(local / str(path.parent).lstrip(os.sep))
+                    shutil.rmtree(path.parent)
+                else:
+                    os.unlink(path)
+            again, _ = _fill(ck, home, len(saved) + 1, groups)
             assert len(again) >= 1
         assert fastckpt.load(str(again[0]))["v"] == len(saved) + 1
         assert tmp_files(home, small) == []

@@ -119,6 +119,16 @@ class Retention:
         for p in drop_persistent:
             self._run(self._delete_persistent, p, "persistent copy")
 
+    def bypassed(self, path: str, token: int) -> None:
+        """Save ``token`` of the single file ``path`` went straight to its home (the burst buffer
+        had no room) and is durable there: an earlier save's burst-buffer copy of it is stale
+        now, so it goes and leaves the local list (unless a newer save of path is in flight)."""
+        with self._lock:
+            if self._busy.get(path, token) != token:
+                return
+            self._local.pop(path, None)
+        self._run(self._delete_local, path, "stale burst-buffer copy")
+
     def dropped(self, path: str, token: int | None = None, step: int | None = None) -> None:
         """Replication dropped the save ``token`` of ``path`` for a newer checkpoint: only its
         burst-buffer copy exists. A group of a known ``step`` that moves ``latest`` counts once a

@@ -17,6 +17,7 @@ resolves, so ``wait()`` returning means retention has run.
 from __future__ import annotations
 
 import functools
+import logging
 import threading
 import time
 import warnings
@@ -34,6 +35,7 @@ from ..inflight import InFlight, raise_as_write_error, set_surfaced
 from ..monitor import Monitor
 from ..records import SaveHandle, SaveRecord
 from ..storage.homes import Homes
+from ..units import fmt_bytes
 from ..urls import is_within
 from .replicator import ReplicaJob, Replicator
 from .retention import Retention
@@ -42,6 +44,8 @@ from .staging import StagingBuffer, StagingPool
 from .stripes import Reservation, Stripes
 from .tiers import TierChoice, TierSelector
 from .writer import FileWriter
+
+log = logging.getLogger("fastckpt")
 
 
 class Saver:
@@ -58,18 +62,25 @@ class Saver:
         self._lock = threading.Lock()
         self._planner = F.Planner()
         self._lazy: list[tuple[Future, float, float, int]] = []  # (copy, t_call, blocked, bytes)
+        self._bypassing = False  # the last save skipped a full burst buffer
 
     def save(self, state_dict: object, path: str, group: str | None, lazy: bool, rank: int, world: int) -> SaveHandle:
         """See ``Checkpointer.save``; ``path`` and ``group`` are normalised."""
         t_call, w_call = time.monotonic(), time.time()
         if group is not None and not is_within(path, group):
             raise ConfigError(f"{path} is not inside its group directory {group}")
-        if not self._cfg.local_dirs and not self._homes.resolve(path).target.mounted:
+        mounted = self._homes.resolve(path).target.mounted
+        if not self._cfg.local_dirs and not mounted:
             raise ConfigError(f"{path} is a URL: saving there needs local_dir=<node-local directory>, the "
                               "burst buffer the upload is made from")
         layout = self._planner.plan(state_dict)
+        # A single file skips a burst buffer that has no room for it and goes straight to its
+        # mounted home, unless an earlier save of it is still being written or replicated (that
+        # copy could land after this one). A group's files always go through the burst buffer.
+        may_bypass = group is None and mounted and not self._inflight.writing(path)
         token = self._retention.replacing(group or path)
-        spot = self._stripes.choose(path, layout.data_size)  # the burst-buffer drive, if any
+        spot = self._stripes.choose(path, layout.data_size, may_bypass)  # the burst-buffer drive, if any
+        self._note_bypass(path, layout.data_size, spot is None and bool(self._cfg.local_dirs))
         try:
             handle = self._save_planned(state_dict, layout, path, spot, group, lazy, rank, world, t_call, w_call,
                                         token)
@@ -85,7 +96,10 @@ class Saver:
                       token: int) -> SaveHandle:
         has_cuda = layout.cuda
         try:
-            choice = self._tiers.choose(path, has_cuda, spot.root if spot else None)
+            if spot is None and self._cfg.local_dirs:
+                choice = self._tiers.choose_bypass(path, has_cuda)
+            else:
+                choice = self._tiers.choose(path, has_cuda, spot.root if spot else None)
         except OSError as exc:  # the probe could not write there: unwritable, not a directory...
             raise_as_write_error(exc, path, where=spot.root if spot else None, local=spot is not None)
         if choice.tier == "gds" and layout.align != F.ALIGN:  # GDS writes each record: page-aligned
@@ -123,6 +137,17 @@ class Saver:
         base = replace(base, blocked_s=blocked)
         fut = self._submit(spot, token, self._writer.write, snap, base, dest, t_call, choice.odirect)
         return self._track(fut, base, dest, home, t_call, spot, token)
+
+    def _note_bypass(self, path: str, nbytes: int, bypass: bool) -> None:
+        """Say when saves start skipping the full burst buffer, and when it takes them again."""
+        if bypass and not self._bypassing:
+            log.warning("fastckpt: the burst buffer (%s) has no room for %s (%s): saving it straight to its path, "
+                        "and so every save until there is room again (the stall is the same; it is durable at the "
+                        "path's write speed). Free space there, keep fewer local copies (keep_local=N), or point "
+                        "local_dir at a larger drive", ", ".join(self._cfg.local_dirs), path, fmt_bytes(nbytes))
+        elif self._bypassing and not bypass:
+            log.info("fastckpt: the burst buffer has room again: %s is saved through it", path)
+        self._bypassing = bypass
 
     def _save_gds(self, layout: F.FileLayout, base: SaveRecord, dest: str, home: str, t_call: float, w_call: float,
                   spot: Reservation | None, token: int) -> SaveHandle:
@@ -179,7 +204,9 @@ class Saver:
             return rec
         if rec.group is None:
             publish_file(self._homes.resolve(rec.path), {"written_at": time.time()})
-        return self._retain(rec, token)
+            if self._cfg.local_dirs:  # it skipped the burst buffer: a copy there of an earlier save is stale
+                self._retention.bypassed(rec.path, token)
+        return self._retain(rec, token, has_local=False)
 
     def _track(self, fut: Future, base: SaveRecord, dest: str, home: str, t_call: float, spot: Reservation | None,
                token: int) -> SaveHandle:
@@ -213,12 +240,13 @@ class Saver:
         written.add_done_callback(enqueue)
         return final
 
-    def _retain(self, rec: SaveRecord, token: int) -> SaveRecord:
+    def _retain(self, rec: SaveRecord, token: int, has_local: bool = True) -> SaveRecord:
         """A single-file checkpoint (save ``token``) is verified at its home, or replication dropped
-        it for a newer one: apply keep_local/keep_persistent."""
+        it for a newer one: apply keep_local/keep_persistent. ``has_local``: it was written
+        through the burst buffer (if there is one)."""
         if rec.group is None and not rec.skipped:
-            self._retention.ended(rec.path, rec.superseded, bool(self._cfg.local_dirs), owns_persistent=True,
-                                  token=token)
+            self._retention.ended(rec.path, rec.superseded, has_local and bool(self._cfg.local_dirs),
+                                  owns_persistent=True, token=token)
         return rec
 
     def fence(self) -> float:

@@ -6,18 +6,24 @@ spread across the drives by size, and a single large file goes to the least busy
 go round-robin, starting at this process's rank, so that ranks sharing a node start on
 different drives without talking to each other. A file saved again to the same path stays on
 the drive that holds it (so there is never a stale copy elsewhere); reads find each file
-wherever it lives. Each directory has its own writer thread (``Saver``), so the drives write
-at once. Each directory's written bytes and write time give its bandwidth
+wherever it lives. A single file may skip the burst buffer when the drive it would use has no
+room for it (free space, less the bytes already queued there): ``choose`` then returns None and
+the file is written straight to its path (``Saver``). Striped, a new file also passes over the
+drives without room for it. Each directory has its own writer thread
+(``Saver``), so the drives write at once. Each directory's written bytes and write time give its bandwidth
 (``Checkpointer.stats().local_dirs``).
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import threading
 from dataclasses import dataclass
 
 from ..urls import mirror_path
+
+ROOM_MARGIN = 1 << 20  # free bytes a drive must keep beyond a file for it to take the file
 
 
 @dataclass(frozen=True)
@@ -88,16 +94,26 @@ class Stripes:
         found = self.copies(path)
         return found[0] if found else mirror_path(self.dirs[0], path)
 
-    def choose(self, path: str, nbytes: int) -> Reservation | None:
-        """Where a new save of ``path`` (``nbytes``) writes; None without a burst buffer."""
+    def choose(self, path: str, nbytes: int, may_bypass: bool = False) -> Reservation | None:
+        """Where a new save of ``path`` (``nbytes``) writes: a drive with room for it if there is
+        one (the one holding its copy, if there is one; else any). None without a burst buffer,
+        or, with ``may_bypass``, when no drive it may use has room for it."""
         if not self.dirs:
             return None
         found = [i for i, d in enumerate(self.dirs) if os.path.lexists(mirror_path(d, path))]
+        allowed = found[:1] or list(range(len(self.dirs)))
+        free = {i: _free_bytes(self.dirs[i]) for i in allowed} if may_bypass or len(allowed) > 1 else {}
         with self._lock:
+            if free:
+                roomy = [i for i in allowed if free[i] - self._queued[i] >= nbytes + ROOM_MARGIN]
+                if not roomy and may_bypass:
+                    return None
+                allowed = roomy or allowed  # none has room: the write names the full drive
             if found:
-                i = found[0]
+                i = allowed[0]
             else:
-                order = [(self._next + k) % len(self.dirs) for k in range(len(self.dirs))]
+                order = [(self._next + k) % len(self.dirs) for k in range(len(self.dirs)) if
+                         (self._next + k) % len(self.dirs) in allowed]
                 i = min(order, key=lambda j: self._queued[j])
                 self._next = (i + 1) % len(self.dirs)
             self._queued[i] += nbytes
@@ -128,3 +144,20 @@ class Stripes:
         with self._lock:
             return tuple(DirStats(d, self._files[i], self._bytes[i], self._write_s[i], self._queued[i])
                          for i, d in enumerate(self.dirs))
+
+
+def _free_bytes(directory: str) -> int:
+    """Bytes an unprivileged writer may still use on the drive of ``directory`` (or of its
+    nearest existing parent: the burst buffer's folders are made by the first save)."""
+    d = directory
+    while True:
+        try:
+            st = os.statvfs(d)
+            return st.f_bavail * st.f_frsize
+        except FileNotFoundError:
+            parent = os.path.dirname(d)
+            if parent == d:
+                return sys.maxsize
+            d = parent
+        except OSError:  # cannot tell (permissions, a stale mount): let the write find out
+            return sys.maxsize

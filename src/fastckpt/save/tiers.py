@@ -131,7 +131,7 @@ class TierSelector:
         self.local_dir = (local_dir if isinstance(local_dir, str) else local_dir[0]) if local_dir else None
         self.odirect = odirect
         self.ops = ops or FileOps()
-        self._cache: dict[tuple[str, bool], TierChoice] = {}
+        self._cache: dict[tuple[str, bool] | tuple[str, bool, str], TierChoice] = {}
         self._lock = threading.Lock()
 
     def choose(self, path: str, has_cuda: bool, local_dir: str | None = None) -> TierChoice:
@@ -143,6 +143,18 @@ class TierSelector:
             if key not in self._cache:
                 self._cache[key] = self._decide(dest_dir, has_cuda)
                 log.info("fastckpt: %s for %s", self._cache[key].describe(), key[0])
+            return self._cache[key]
+
+    def choose_bypass(self, path: str, has_cuda: bool) -> TierChoice:
+        """The tier of a save that skips a full burst buffer (``Saver``): direct, to the path's
+        directory, with or without O_DIRECT as a probe there says."""
+        dest_dir = os.path.dirname(path)
+        key = (dest_dir, has_cuda, "bypass")
+        with self._lock:
+            if key not in self._cache:
+                no = (False, "O_DIRECT disabled by odirect=False")
+                ok, why = probe_odirect(dest_dir, self.ops) if self.odirect else no
+                self._cache[key] = TierChoice("direct", {"nvme": "the burst buffer has no room for it"}, ok, why)
             return self._cache[key]
 
     def _decide(self, dest_dir: str, has_cuda: bool) -> TierChoice:

@@ -1,0 +1,126 @@
+"""A burst buffer without room for a single file: the file goes straight to its path (same
+stall, durable at the path's speed), a warning says so once, and saves go through the burst
+buffer again once it has room. A stale burst-buffer copy of an earlier save is removed; an
+earlier save of the same path still replicating keeps the new one in the burst buffer.
+
+A real 4 MiB tmpfs is the burst buffer, where this process may mount (root).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+import fastckpt
+from fastckpt.testing import FaultyOps
+from fastckpt.urls import mirror_path
+from tests.helpers import tmp_files, tmpfs
+
+MiB = 1 << 20
+NO_ROOM = "has no room for"
+
+
+def _state(v: int, mib: float = 1) -> dict:
+    return {"w": torch.full((int(mib * MiB) // 4,), float(v)), "v": v}
+
+
+def _local(local: Path, path: Path) -> Path:
+    return Path(mirror_path(str(local), str(path)))
+
+
+def test_single_files_skip_a_full_burst_buffer_and_return_once_it_has_room(tmp_path: Path, caplog) -> None:
+    home = tmp_path / "home"
+    caplog.set_level(logging.INFO, logger="fastckpt")
+    with tmpfs(tmp_path / "nvme", "size=4m") as local, fastckpt.Checkpointer(local_dir=str(local)) as ck:
+        recs = [ck.save(_state(v), str(home / f"step{v}.pt")).wait() for v in range(1, 7)]
+        through = [r.tier for r in recs]
+        assert through[0] == "nvme" and through[-1] == "direct", through
+        skipped = [r for r in recs if r.tier == "direct"]
+        assert all(r.local_durable_s is None and r.durable_s > 0 for r in skipped)
+        assert [_local(local, Path(r.path)).exists() for r in recs] == [r.tier == "nvme" for r in recs]
+        for v, r in enumerate(recs, 1):
+            assert fastckpt.load(r.path)["v"] == v
+        assert fastckpt.latest(str(home)) == str(home / "step6.pt")
+        assert caplog.text.count(NO_ROOM) == 1, caplog.text  # once, when saves start skipping it
+        first_skipped = home / f"step{through.index('direct') + 1}.pt"
+        assert f"the burst buffer ({local}) has no room for {first_skipped} (" in caplog.text
+        assert "keep_local=N" in caplog.text
+        for r in recs:  # room again
+            if r.tier == "nvme":
+                os.unlink(_local(local, Path(r.path)))
+        again = ck.save(_state(7), str(home / "step7.pt")).wait()
+        assert again.tier == "nvme" and _local(local, home / "step7.pt").exists()
+        assert "has room again" in caplog.text
+        assert ck.load(str(home / "step7.pt"))["v"] == 7
+    assert tmp_files(home, local) == []
+
+
+def test_a_stale_burst_buffer_copy_goes_when_its_path_skips_the_burst_buffer(tmp_path: Path) -> None:
+    home, path = tmp_path / "home", tmp_path / "home" / "last.pt"
+    with tmpfs(tmp_path / "nvme", "size=4m") as local, fastckpt.Checkpointer(local_dir=str(local)) as ck:
+        assert ck.save(_state(1, mib=0.5), str(path)).wait().tier == "nvme"
+        assert _local(local, path).exists()
+        (local / "filler").write_bytes(b"\0" * (2 * MiB))  # another job's scratch data
+        rec = ck.save(_state(2), str(path)).wait()  # 1 MiB, plus the margin: no room beside the old copy
+        assert rec.tier == "direct" and not _local(local, path).exists()
+        assert ck.load(str(path))["v"] == 2 and fastckpt.load(str(path))["v"] == 2
+    assert tmp_files(home, local) == []
+
+
+def test_a_path_still_replicating_keeps_its_next_save_in_the_burst_buffer(tmp_path: Path) -> None:
+    """The earlier save's copy to the path could land after a direct write of the new one, so
+    the new save stays in the burst buffer although it looks full (here the file still fits
+    in the margin kept free), and the path ends up holding the newer save."""
+    home, path = tmp_path / "home", tmp_path / "home" / "last.pt"
+    entered, second_written, release = threading.Event(), threading.Event(), threading.Event()
+
+    def hold(op: str, p: str) -> None:
+        if op == "fsync_dir" and entered.is_set():  # after its rename: the second save is written
+            second_written.set()
+        if op == "replace" and p.startswith(f"{home}{os.sep}") and not entered.is_set():
+            entered.set()  # the first save's replication, about to rename its copy into place
+            assert release.wait(60)
+
+    ops = FaultyOps(on_call=hold)
+    with tmpfs(tmp_path / "nvme", "size=4m") as local, fastckpt.Checkpointer(local_dir=str(local), ops=ops) as ck:
+        first = ck.save(_state(1, mib=0.5), str(path))
+        assert entered.wait(30)
+        (local / "filler").write_bytes(b"\0" * (2 * MiB))
+        second = ck.save(_state(2), str(path))
+        assert second_written.wait(30)  # (in the burst buffer; straight to the path, it would be the newest there)
+        release.set()
+        assert first.wait().tier == "nvme" and second.wait().tier == "nvme"
+        assert ck.load(str(path))["v"] == 2 and fastckpt.load(str(path))["v"] == 2
+    assert tmp_files(home, local) == []
+
+
+def test_a_group_file_never_skips_the_burst_buffer(tmp_path: Path) -> None:
+    """A group's files are committed together from the burst buffer: a full one fails the save,
+    naming it (tests/unit/test_full_drive.py fills one up with groups)."""
+    group = tmp_path / "home" / "step1"
+    with tmpfs(tmp_path / "nvme", "size=4m") as local, fastckpt.Checkpointer(local_dir=str(local)) as ck:
+        with pytest.raises(fastckpt.CheckpointWriteError) as ei:
+            ck.save(_state(1, mib=5), str(group / "model.pt"), group=str(group)).wait()
+        assert f"in the burst buffer {local}" in str(ei.value)
+
+
+def test_striped_files_pass_over_the_drive_without_room(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    with tmpfs(tmp_path / "nvme0", "size=4m") as small:
+        (small / "filler").write_bytes(b"\0" * (3 * MiB))
+        roomy = tmp_path / "nvme1"
+        with fastckpt.Checkpointer(local_dir=[str(small), str(roomy)]) as ck:
+            for v in range(1, 4):  # round-robin would put one of them on nvme0
+                group = home / f"step{v}"
+                ck.save(_state(v), str(group / "model.pt"), group=str(group))
+                ck.commit(str(group)).wait()
+                assert ck.local_path(str(group / "model.pt")).startswith(f"{roomy}{os.sep}")
+            rec = ck.save(_state(4), str(home / "last.pt")).wait()
+            assert rec.tier == "nvme" and _local(roomy, home / "last.pt").exists()
+            for v in range(1, 4):
+                assert ck.load(str(home / f"step{v}" / "model.pt"))["v"] == v
