@@ -195,8 +195,10 @@ def _finalize(watch: T.Watch) -> None:
     """Megatron's finalize step (every rank, training thread, after every rank's async part):
     raise this save's failure, if any, before megatron writes metadata.json and the tracker.
 
-    It does not wait for this rank's commit handle once the group is committed: on ranks other
-    than 0 the handle resolves when its poll sees the manifest, which may be a moment later.
+    Rank 0 waits for its watch, which moves the tracker right after the commit: when finalize
+    returns there, the tracker names this iteration. Other ranks do not wait for their commit
+    handle once the group is committed: theirs resolves when its poll sees the manifest, which
+    may be a moment later.
     """
     try:
         failed = T.failures(watch.job)
@@ -204,8 +206,11 @@ def _finalize(watch: T.Watch) -> None:
             raise T.cause(watch.job, watch.error)
         if failed:
             raise T.failed_error(watch.job, failed)
-        if not watch.done.is_set() and not T.committed(watch.job):
-            watch.handle.wait(watch.job.timeout_s)  # its async part was never run: wait here
+        if not watch.done.is_set() and (watch.job.rank == 0 or not T.committed(watch.job)):
+            watch.handle.wait(watch.job.timeout_s)  # (its async part was never run: this waits for the commit)
+            watch.done.wait(watch.job.timeout_s)  # rank 0: the tracker, moved just after
+            if watch.error is not None:
+                raise T.cause(watch.job, watch.error)
         if watch.record is not None and watch.record.superseded:
             log.warning("fastckpt: %s was superseded before it reached its home (replicate_policy='coalesce')",
                         watch.job.group)
