@@ -10,8 +10,10 @@ returns; docs/core.md):
   skipped    every staging buffer busy and ``when_busy="skip"``: nothing is saved
 After the snapshot the writer thread writes, fsyncs and renames the file (``FileWriter``). A file
 written to its own path is durable then; one written to the burst buffer is handed to the
-``Replicator``, which copies it to its path. Either way retention runs before the handle
-resolves, so ``wait()`` returning means retention has run.
+``Replicator``, which copies it to its path. A single file that the burst buffer has no room
+for (``Stripes.choose``) is written straight to its path instead, and the stale burst-buffer
+copy of an earlier save of it goes once it is durable. Either way retention runs before the
+handle resolves, so ``wait()`` returning means retention has run.
 """
 
 from __future__ import annotations
