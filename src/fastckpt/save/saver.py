@@ -79,7 +79,7 @@ class Saver:
         # A single file skips a burst buffer that has no room for it and goes straight to its
         # mounted home, unless an earlier save of it is still being written or replicated (that
         # copy could land after this one). A group's files always go through the burst buffer.
-        may_bypass = group is None and mounted and not self._inflight.writing(path)
+        may_bypass = bool(self._cfg.local_dirs) and group is None and mounted and not self._inflight.writing(path)
         token = self._retention.replacing(group or path)
         spot = self._stripes.choose(path, layout.data_size, may_bypass)  # the burst-buffer drive, if any
         self._note_bypass(path, layout.data_size, spot is None and bool(self._cfg.local_dirs))

@@ -152,9 +152,8 @@ class TierSelector:
         key = (dest_dir, has_cuda, "bypass")
         with self._lock:
             if key not in self._cache:
-                no = (False, "O_DIRECT disabled by odirect=False")
-                ok, why = probe_odirect(dest_dir, self.ops) if self.odirect else no
-                self._cache[key] = TierChoice("direct", {"nvme": "the burst buffer has no room for it"}, ok, why)
+                self._cache[key] = TierChoice("direct", {"nvme": "the burst buffer has no room for it"},
+                                              *self._odirect(dest_dir))
             return self._cache[key]
 
     def _decide(self, dest_dir: str, has_cuda: bool) -> TierChoice:
@@ -176,5 +175,8 @@ class TierSelector:
             reasons["direct"] = "local_dir is set (burst buffer)"
         elif self.requested == "auto":
             reasons["nvme"] = "no local_dir set"
-        ok, why = probe_odirect(write_dir, self.ops) if self.odirect else (False, "O_DIRECT disabled by odirect=False")
-        return TierChoice(tier, reasons, ok, why)
+        return TierChoice(tier, reasons, *self._odirect(write_dir))
+
+    def _odirect(self, directory: str) -> tuple[bool, str | None]:
+        """Whether writes in ``directory`` use O_DIRECT, and why not."""
+        return probe_odirect(directory, self.ops) if self.odirect else (False, "O_DIRECT disabled by odirect=False")
