@@ -9,8 +9,8 @@ the drive that holds it (so there is never a stale copy elsewhere); reads find e
 wherever it lives. A single file may skip the burst buffer when the drive it would use has no
 room for it (free space, less the bytes already queued there): ``choose`` then returns None and
 the file is written straight to its path (``Saver``). Striped, a new file also passes over the
-drives without room for it. Each directory has its own writer thread
-(``Saver``), so the drives write at once. Each directory's written bytes and write time give its bandwidth
+drives without room for it. Each directory has its own writer thread (``Saver``), so the drives
+write at once. Each directory's written bytes and write time give its bandwidth
 (``Checkpointer.stats().local_dirs``).
 """
 
@@ -112,8 +112,8 @@ class Stripes:
             if found:
                 i = allowed[0]
             else:
-                order = [(self._next + k) % len(self.dirs) for k in range(len(self.dirs)) if
-                         (self._next + k) % len(self.dirs) in allowed]
+                ring = ((self._next + k) % len(self.dirs) for k in range(len(self.dirs)))
+                order = [j for j in ring if j in allowed]
                 i = min(order, key=lambda j: self._queued[j])
                 self._next = (i + 1) % len(self.dirs)
             self._queued[i] += nbytes
