@@ -1,11 +1,11 @@
-"""Run by test_deepspeed_kill.py: ZeRO-2, 2 CPU processes under torchrun, once per generation.
-
-Usage: _deepspeed_kill_worker.py ROOT GEN KILLS. The checkpoints go to ROOT/ckpt, or, when
+"""Run by test_deepspeed_kill.py: ZeRO-2, 2 CPU processes, once per generation: forked by
+``_fork_launcher.py`` (``run_rank``), or under torchrun (``_deepspeed_kill_worker.py ROOT GEN
+KILLS``). The checkpoints go to ROOT/ckpt, or, when
 FASTCKPT_TEST_S3 names a SeaweedFS bucket (``{"bucket": ..., "storage_options": ...}``), to
 ``s3://BUCKET/run`` through the burst buffer ROOT/nvme. Generation GEN resumes with
 ``engine.load_checkpoint(save_dir)`` and records what it loaded; generations before KILLS then
 train with a checkpoint every step until rank GEN % 2 SIGKILLs itself at a random moment
-(torchrun then stops the other rank); generation KILLS trains a few steps more, destroys the
+(the launcher then stops the other rank); generation KILLS trains a few steps more, destroys the
 engine (flush) and exits 0. With save_dir a directory, odd generations save with the lazy snapshot
 (``"lazy_snapshot": true``: each save's copy runs beside the next step's forward and backward),
 so resumes cross between checkpoints saved both ways.
@@ -154,7 +154,7 @@ def main(root: str, gen: int, kills: int) -> None:
         if rank == gen % 2:
             delay = random.Random(gen).uniform(*KILL_WINDOW_S)
             threading.Timer(delay, os.kill, (os.getpid(), signal.SIGKILL)).start()
-        while True:  # until the victim's timer fires (and torchrun stops the other rank)
+        while True:  # until the victim's timer fires (and the launcher stops the other rank)
             train(eng, eng.global_steps + 1, eng.global_steps + 1)
             save(eng, save_dir)
             report_durable(handles, root, rank)
@@ -168,10 +168,26 @@ def main(root: str, gen: int, kills: int) -> None:
         json.dump({"step": eng.global_steps, "wsum": final_hash}, f)
 
 
-if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
+def prepare() -> None:
+    """What ``_fork_launcher`` imports before forking the ranks: what the first generation
+    would otherwise import in every rank (the optimizer's constructor imports torch._dynamo;
+    DeepSpeed's optimizer check imports its Muon module, which compiles at import)."""
+    import torch._dynamo  # noqa: F401
+    from deepspeed.runtime.zero.muon import muon_optimizer  # noqa: F401
+
+    if os.environ.get("FASTCKPT_TEST_S3"):
+        import s3fs  # noqa: F401
+
+
+def run_rank(gen: int, root: str, kills: str) -> None:
+    """One rank of generation ``gen`` (``_fork_launcher`` calls it in each forked rank)."""
+    main(root, int(gen), int(kills))
     # Destroy the process group before the interpreter's finalization: gloo's worker threads,
     # torn down there, abort the process ("terminate called without an active exception"), as
     # the suite saw about once in six runs (pytorch/pytorch#190489).
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":  # under torchrun: _deepspeed_kill_worker.py ROOT GEN KILLS
+    run_rank(int(sys.argv[2]), sys.argv[1], sys.argv[3])

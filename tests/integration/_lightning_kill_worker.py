@@ -1,6 +1,7 @@
 """Run by test_lightning_kill.py: one generation of a Lightning run that is SIGKILLed and resumed.
 
-Usage: _lightning_kill_worker.py ROOT GEN KILLS. A real Trainer with FastCkptIO (burst buffer
+Forked by ``_fork_launcher.py`` (``run_rank``), or run alone: ``_lightning_kill_worker.py ROOT
+GEN KILLS``. A real Trainer with FastCkptIO (burst buffer
 ROOT/nvme, home ROOT/ckpt) and ModelCheckpoint (every step, the 2 newest by step, and
 last.ckpt). Generation GEN resumes from ``FastCkptIO.latest(ROOT/ckpt)`` and records in
 ROOT/gen/gGEN.json what it loaded: the path, the step, and whether the weights after the
@@ -83,6 +84,16 @@ def main(root: str, gen: int, kills: int) -> None:
     trainer = make_trainer(root, io, max_steps, callbacks=[rec], every_n_train_steps=1, save_top_k=2,
                            monitor="step", mode="max", save_last=True)
     trainer.fit(TinyModel(), loader(), ckpt_path=ckpt_path)
+
+
+def prepare() -> None:
+    """What ``_fork_launcher`` imports before forking: what each generation would otherwise
+    import again (the optimizer's constructor imports torch._dynamo on its first call)."""
+    import torch._dynamo  # noqa: F401
+
+
+def run_rank(gen: int, root: str, kills: str) -> None:
+    main(root, int(gen), int(kills))
 
 
 if __name__ == "__main__":

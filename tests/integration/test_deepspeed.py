@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 from dataclasses import dataclass, replace
@@ -23,6 +22,7 @@ pytest.importorskip("deepspeed")
 import fastckpt  # noqa: E402
 from fastckpt.commit import protocol as C  # noqa: E402
 from tests.helpers import tmp_files  # noqa: E402
+from tests.integration._fork_launcher import run_session  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -48,16 +48,7 @@ def ds_env(**extra: str) -> dict[str, str]:
 
 def torchrun(args: list[str], env: dict[str, str], limit_s: float, cwd: Path) -> subprocess.CompletedProcess:
     """Run ``torch.distributed.run ARGS`` in its own session; kill the whole session on a hang."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", *args]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True, cwd=cwd)
-    try:
-        out, _ = proc.communicate(timeout=limit_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"{cmd} hung for {limit_s} s:\n{out[-6000:]}")
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, None)
+    return run_session([sys.executable, "-m", "torch.distributed.run", "--standalone", *args], env, limit_s, str(cwd))
 
 
 def _launch(root: Path, nproc: int, scenarios: str, **env: str) -> Run:

@@ -1,16 +1,19 @@
 """Crash-safe resume: a 2-process ZeRO-2 run is SIGKILLed at random moments and resumes with
 ``engine.load_checkpoint(save_dir)`` each time (``_deepspeed_kill_worker.py``).
 
-One torchrun launch per generation: a rank SIGKILLs itself at a random moment, torchrun stops
-the other, and the next launch resumes. (``torchrun --max-restarts`` would restart in one launch,
-but its restarted gloo workers read the dead generation's addresses from the rendezvous store
-and fail to connect.) Every resume must load the newest complete tag: never an incomplete one
-(an error or mixed weights), never one older than a checkpoint already reported committed, and
-always the one DeepSpeed's ``latest`` and ``fastckpt.latest`` name. Twice: with ``save_dir`` a
-directory, and an ``s3://`` URL on a real SeaweedFS server through the burst buffer, where a kill
-also lands in uploads and their verification. With a directory, every other generation saves
-with the lazy snapshot: a resume from one of its checkpoints checks the weights against the hash
-taken at the save, before the next step changed them beside the copy.
+One launch per generation: a rank SIGKILLs itself at a random moment, the launcher stops the
+other (SIGTERM, as torchrun does), and the next generation resumes. The ranks are forked by
+``_fork_launcher.py`` from one process that imported torch, DeepSpeed and torch._dynamo once:
+under torchrun each generation spent about 11 of its 13 s on those imports (the two modes took
+almost 5 minutes of the suite); after the fork each rank runs as a torchrun rank does (its
+environment, gloo over loopback, the real engine and signals). Every resume must load the
+newest complete tag: never an incomplete one (an error or mixed weights), never one older than
+a checkpoint already reported committed, and always the one DeepSpeed's ``latest`` and
+``fastckpt.latest`` name. Twice: with ``save_dir`` a directory, and an ``s3://`` URL on a real
+SeaweedFS server through the burst buffer, where a kill also lands in uploads and their
+verification. With a directory, every other generation saves with the lazy snapshot: a resume
+from one of its checkpoints checks the weights against the hash taken at the save, before the
+next step changed them beside the copy.
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ import fastckpt  # noqa: E402
 from fastckpt.commit.protocol import GROUP_MANIFEST  # noqa: E402
 from fastckpt.urls import mirror_path  # noqa: E402
 
-from .test_deepspeed import HERE, ds_env, torchrun  # noqa: E402
+from ._fork_launcher import launch  # noqa: E402
+from .test_deepspeed import REPO, ds_env  # noqa: E402
 
 MODES = ("posix", "s3")
 
@@ -51,13 +55,11 @@ def test_sigkill_at_random_moments_always_resumes_from_a_complete_tag(tmp_path: 
         bucket, opts = server.make_bucket(), server.storage_options()
         save_dir = f"s3://{bucket}/run"
         env["FASTCKPT_TEST_S3"] = json.dumps({"bucket": bucket, "storage_options": opts})
-    for gen in range(KILLS + 1):
-        proc = torchrun(["--monitor-interval=0.1", "--nproc-per-node=2", str(HERE / "_deepspeed_kill_worker.py"),
-                         str(tmp_path), str(gen), str(KILLS)], ds_env(**env), 120, tmp_path)
-        if gen < KILLS:
-            assert proc.returncode != 0 and "exitcode  : -9" in proc.stdout, proc.stdout[-8000:]
-        else:
-            assert proc.returncode == 0, proc.stdout[-8000:]
+    run = launch("tests.integration._deepspeed_kill_worker", 2, KILLS + 1, [str(tmp_path), str(KILLS)],
+                 ds_env(**env), str(REPO))
+    for g in run.generations[:KILLS]:  # the victim, rank gen % 2, died of its own SIGKILL
+        assert g["exitcodes"][g["gen"] % 2] == -9 and not g["hung"], (g, run.output[-8000:])
+    assert run.generations[KILLS]["exitcodes"] == [0, 0], run.output[-8000:]
     records = {(g, r): json.loads((tmp_path / "gen" / f"g{g}-r{r}.json").read_text())
                for g in range(KILLS + 1) for r in (0, 1)}
     assert not [rec for rec in records.values() if "error" in rec]

@@ -1,6 +1,8 @@
 """Crash-safe resume with Lightning: a real Trainer with FastCkptIO and a burst buffer, saving
 every step, is SIGKILLed at random moments and resumed from ``FastCkptIO.latest(dirpath)``
-each time (``_lightning_kill_worker.py``, one process per generation).
+each time (``_lightning_kill_worker.py``, one process per generation, forked by
+``_fork_launcher.py`` from a process that imported torch, Lightning and torch._dynamo once: a
+generation's own imports took 6 of its 8 s).
 
 Every resume must load a whole checkpoint (verified; the weights after the restore hash to what
 that checkpoint recorded when it was saved) that is no older than the newest checkpoint the
@@ -13,8 +15,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,6 +23,8 @@ pytest.importorskip("lightning")
 
 import fastckpt  # noqa: E402
 from fastckpt.eventlog import read_events  # noqa: E402
+
+from ._fork_launcher import launch  # noqa: E402
 
 HERE = Path(__file__).parent
 REPO = HERE.parent.parent
@@ -49,15 +51,11 @@ def _last_event(log: Path) -> str:
 @pytest.mark.slow
 def test_sigkill_at_random_moments_always_resumes_lightning_from_a_whole_checkpoint(tmp_path: Path) -> None:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO / "src"), str(REPO)]), OMP_NUM_THREADS="1")
+    run = launch("tests.integration._lightning_kill_worker", 1, KILLS + 1, [str(tmp_path), str(KILLS)], env,
+                 str(REPO), timeout_s=900)
+    assert [g["exitcodes"] for g in run.generations] == [[-9]] * KILLS + [[0]], run.output[-8000:]
     floor = 0
     for gen in range(KILLS + 1):
-        proc = subprocess.run([sys.executable, str(HERE / "_lightning_kill_worker.py"), str(tmp_path), str(gen),
-                               str(KILLS)], env=env, capture_output=True, text=True, timeout=300)
-        out = proc.stdout[-4000:] + proc.stderr[-8000:]
-        if gen < KILLS:
-            assert proc.returncode == -9, out
-        else:
-            assert proc.returncode == 0, out
         rec = json.loads((tmp_path / "gen" / f"g{gen}.json").read_text())
         if gen == 0 or rec["path"] is None:
             assert floor == 0 and rec["path"] is None, rec
