@@ -1,16 +1,23 @@
 """Zero-copy deserialisation of a checkpoint file already in memory.
 
 The verified buffer is handed to torch's own zip loader as the "overall storage" (the path
-torch uses for ``mmap=True``), so every tensor is a view of that buffer: no second copy.
+torch uses for ``mmap=True``), so every tensor is a view of that buffer: no second copy. Each
+record that spans whole pages gets a storage of its own over its part of the buffer
+(``_Records``), and when that storage dies its pages go back to the system, so dropping some
+tensors of a loaded state frees their memory as it would after ``torch.load``; the buffer is
+unmapped once the last of its records is gone.
 """
 
 from __future__ import annotations
 
 import io
+import mmap
 import pickle
+import weakref
 
 import torch
 
+from ..format.align import ALIGN
 from ..format.ranges import RangeReader
 
 ZIP_MAGIC = b"PK\x03\x04"
@@ -21,13 +28,43 @@ def deserialize(buf, size: int, map_location: object, weights_only: bool, path: 
     torch file is loaded through ``torch.load`` from a copy)."""
     if bytes(memoryview(buf)[:4]) != ZIP_MAGIC:
         return torch.load(io.BytesIO(memoryview(buf)[:size]), map_location=map_location, weights_only=weights_only)
-    storage = torch.frombuffer(buf, dtype=torch.uint8).untyped_storage()
     view = memoryview(buf)
     reader = torch._C.PyTorchFileReader(RangeReader(size, lambda lo, hi: bytes(view[lo:hi])))
     module = torch.serialization._weights_only_unpickler if weights_only else pickle
     try:
-        return torch.serialization._load(reader, map_location, module, overall_storage=storage)
+        return torch.serialization._load(reader, map_location, module, overall_storage=_Records(buf))
     except pickle.UnpicklingError as exc:
         exc.add_note(f"{path} holds objects that weights_only=True refuses. If you trust this file, "
                      "load it with weights_only=False.")
         raise
+
+
+class _Records:
+    """What torch's ``_load`` slices each record's storage from (``overall_storage[lo:hi]``).
+
+    A record with at least one whole page inside it gets its own storage, over its own
+    memoryview of the buffer; when torch lets go of that storage (its last tensor died, or
+    ``map_location`` copied it elsewhere), ``_give_back`` drops those pages (``MADV_DONTNEED``).
+    Smaller records are slices of one storage over the whole buffer, as before: they have no
+    page of their own to give back.
+    """
+
+    def __init__(self, buf: mmap.mmap) -> None:
+        self._buf, self._view = buf, memoryview(buf)
+        self._whole: torch.UntypedStorage | None = None
+
+    def __getitem__(self, span: slice) -> torch.UntypedStorage:
+        lo, hi = span.start, span.stop
+        first, end = -(-lo // ALIGN) * ALIGN, hi // ALIGN * ALIGN
+        if end <= first or not hasattr(self._buf, "madvise"):
+            if self._whole is None:
+                self._whole = torch.frombuffer(self._buf, dtype=torch.uint8).untyped_storage()
+            return self._whole[lo:hi]
+        piece = self._view[lo:hi]
+        storage = torch.frombuffer(piece, dtype=torch.uint8).untyped_storage()
+        weakref.finalize(piece, _give_back, self._buf, first, end - first)
+        return storage
+
+
+def _give_back(buf: mmap.mmap, offset: int, length: int) -> None:
+    buf.madvise(mmap.MADV_DONTNEED, offset, length)

@@ -1,0 +1,63 @@
+"""A loaded state's memory goes back tensor by tensor, as after ``torch.load``.
+
+The tensors are views of the verified read buffer; each record's whole pages are given back
+when its last tensor dies (``load/deserialize.py``). Before, the buffer stayed whole while any
+tensor of it lived: keeping a state's model weights kept its optimizer's bytes resident too.
+"""
+
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+import fastckpt
+
+MiB = 1 << 20
+
+
+def _rss() -> int:
+    gc.collect()
+    return psutil.Process().memory_info().rss
+
+
+def _state() -> dict:
+    gen = torch.Generator().manual_seed(0)
+    return {"model": torch.randn((4 << 20) + 3, generator=gen),  # 16 MiB + 12 B: its last page is shared
+            "optim": torch.randn(24 << 20, generator=gen),  # 96 MiB
+            "tiny": [torch.arange(5) + i for i in range(50)], "step": 7}
+
+
+@pytest.mark.parametrize("mapped", [False, True], ids=["read", "mmap"])
+def test_dropping_part_of_a_loaded_state_gives_its_memory_back(tmp_path: Path, mapped: bool) -> None:
+    path, state = str(tmp_path / "s.pt"), _state()
+    with fastckpt.Checkpointer() as ck:
+        ck.save(state, path).wait()
+        base = _rss()
+        out = ck.load(path, mmap=mapped)
+        loaded = _rss()
+        assert loaded - base > 100 * MiB  # read into memory, or mapped and hashed page by page
+        optim = out.pop("optim")
+        assert torch.equal(optim, state["optim"])
+        del optim
+        freed = loaded - _rss()
+        # what is kept is whole, the records that share a page with the freed ones among it
+        assert torch.equal(out["model"], state["model"]) and out["step"] == 7
+        assert all(torch.equal(a, b) for a, b in zip(out["tiny"], state["tiny"], strict=True))
+        del out
+        gone = loaded - _rss()
+    assert freed > 90 * MiB, f"dropping 96 MiB of a loaded state gave back {freed / MiB:.1f} MiB"
+    assert gone > 100 * MiB, f"dropping the whole state gave back {gone / MiB:.1f} MiB"
+
+
+def test_a_tensor_outlives_the_state_it_was_loaded_with(tmp_path: Path) -> None:
+    path, state = str(tmp_path / "s.pt"), _state()
+    with fastckpt.Checkpointer() as ck:
+        ck.save(state, path).wait()
+        kept = ck.load(path)["tiny"][49]  # a slice of the whole buffer's storage, which must stay mapped
+        model = ck.load(path)["model"]
+    gc.collect()
+    assert torch.equal(kept, state["tiny"][49]) and torch.equal(model, state["model"])
