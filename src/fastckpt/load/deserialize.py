@@ -62,7 +62,7 @@ class _Records:
             return self._whole[lo:hi]
         piece = self._view[lo:hi]
         storage = torch.frombuffer(piece, dtype=torch.uint8).untyped_storage()
-        weakref.finalize(piece, _give_back, self._buf, first, end - first)
+        weakref.finalize(piece, _give_back, self._buf, first, end - first).atexit = False  # exit unmaps all
         return storage
 
 
