@@ -4,7 +4,7 @@
 One launch per generation: a rank SIGKILLs itself at a random moment, the launcher stops the
 other (SIGTERM, as torchrun does), and the next generation resumes. The ranks are forked by
 ``_fork_launcher.py`` from one process that imported torch, DeepSpeed and torch._dynamo once:
-under torchrun each generation spent about 11 of its 13 s on those imports (the two modes took
+under torchrun each generation spent about 11 of its 14 s on those imports (the two modes took
 almost 5 minutes of the suite); after the fork each rank runs as a torchrun rank does (its
 environment, gloo over loopback, the real engine and signals). Every resume must load the
 newest complete tag: never an incomplete one (an error or mixed weights), never one older than
