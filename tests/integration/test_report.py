@@ -30,7 +30,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list]:
-    """Five saves through a burst buffer, a sixth whose write fails (ENOSPC), and a load."""
+    """Five saves through a burst buffer, a sixth whose write fails (EIO), and a load."""
     root = tmp_path_factory.mktemp("report")
     log = root / "events.jsonl"
     ops = FaultyOps()
@@ -38,7 +38,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list]:
     with Checkpointer(local_dir=str(root / "bb"), event_log=str(log), ops=ops) as ck:
         for i in range(SAVES):
             recs.append(ck.save({"w": torch.randn(256 * 1024), "i": i}, str(root / "home" / f"s{i}.pt")).wait())
-        ops.inject(Fault("pwrite", errno.ENOSPC))
+        ops.inject(Fault("pwrite", errno.EIO))
         with pytest.raises(CheckpointWriteError):
             ck.save({"w": torch.randn(1024)}, str(root / "home" / "bad.pt")).wait()
         ck.load(str(root / "home" / "s1.pt"))

@@ -1,6 +1,6 @@
 """A burst buffer without room for a single file: the file goes straight to its path (same
 stall, durable at the path's speed), a warning says so once, and saves go through the burst
-buffer again once it has room. A stale burst-buffer copy of an earlier save is removed; an
+buffer again once it has room. So does a file the drive runs out of room for mid-write. A stale burst-buffer copy of an earlier save is removed; an
 earlier save of the same path still replicating keeps the new one in the burst buffer.
 
 A real 4 MiB tmpfs is the burst buffer, where this process may mount (root).
@@ -8,6 +8,7 @@ A real 4 MiB tmpfs is the burst buffer, where this process may mount (root).
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import threading
@@ -17,6 +18,7 @@ import pytest
 import torch
 
 import fastckpt
+from fastckpt.io.atomic import TMP_TAG
 from fastckpt.testing import FaultyOps
 from fastckpt.urls import mirror_path
 from tests.helpers import tmp_files, tmpfs
@@ -124,3 +126,27 @@ def test_striped_files_pass_over_the_drive_without_room(tmp_path: Path) -> None:
             assert rec.tier == "nvme" and _local(roomy, home / "last.pt").exists()
             for v in range(1, 4):
                 assert ck.load(str(home / f"step{v}" / "model.pt"))["v"] == v
+
+
+def test_a_burst_buffer_another_writer_fills_mid_write_sends_the_file_to_its_path(tmp_path: Path, caplog) -> None:
+    """The room check passes, then another job fills the drive before the first byte lands:
+    the write fails for real (ENOSPC) and the file is written straight to its path."""
+    path = tmp_path / "home" / "last.pt"
+    ops = FaultyOps()
+    with tmpfs(tmp_path / "nvme", "size=4m") as local, fastckpt.Checkpointer(local_dir=str(local), ops=ops) as ck:
+        gate = ops.gate("pwrite", path_contains=TMP_TAG)  # the file's first write, after the check
+        handle = ck.save(_state(1, mib=2), str(path))
+        assert gate.wait_entered()
+        fd = os.open(local / "filler", os.O_WRONLY | os.O_CREAT)
+        with pytest.raises(OSError) as full:
+            while os.write(fd, b"\0" * MiB):
+                pass
+        os.close(fd)
+        assert full.value.errno == errno.ENOSPC
+        gate.open()
+        rec = handle.wait()
+        assert rec.tier == "direct" and rec.local_durable_s is None and rec.durable_s > 0
+        assert ck.load(str(path))["v"] == 1 and fastckpt.load(str(path))["v"] == 1
+        assert not _local(local, path).exists()
+        assert "ran out of space while writing" in caplog.text
+        assert tmp_files(path.parent, local) == []

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import fastckpt
+from fastckpt.eventlog import read_events
 from fastckpt.io.atomic import PROBE_TAG
 from fastckpt.testing import Fault, FaultyOps
 from tests.helpers import tmp_files, tmpfs
@@ -46,23 +47,49 @@ def test_full_target_names_its_directory_and_the_fix(tmp_path: Path) -> None:
 
 
 def test_full_burst_buffer_is_named_not_the_target(tmp_path: Path) -> None:
+    """A group's file (which commits from the burst buffer) fails there, naming it."""
     home, local = tmp_path / "home", tmp_path / "nvme"
+    group = home / "step-2"
     ops = FaultyOps()
     with fastckpt.Checkpointer(local_dir=str(local), ops=ops) as ck:
         ck.save(_state(1), str(home / "a.pt")).wait()
         ops.inject(Fault("pwrite", errno.ENOSPC, path_startswith=str(local)))
         with pytest.raises(fastckpt.CheckpointWriteError) as ei:
-            ck.save(_state(2), str(home / "b.pt")).wait()
+            ck.save(_state(2), str(group / "b.pt"), group=str(group)).wait()
     ops.assert_all_reached()
     msg = str(ei.value)
     assert ei.value.errno == errno.ENOSPC
-    assert f"saving {home / 'b.pt'} failed: No space left on device" in msg
-    assert f"in the burst buffer {local}{home}" in msg  # the copy's directory there
+    assert f"saving {group / 'b.pt'} failed: No space left on device" in msg
+    assert f"in the burst buffer {local}{group}" in msg  # the copy's directory there
     assert "keep_local=N" in msg and "point local_dir at a larger drive" in msg
     assert "keep_persistent" not in msg
     assert fastckpt.load(str(home / "a.pt"))["v"] == 1
-    assert not (home / "b.pt").exists()
+    assert not (group / "b.pt").exists()
     assert tmp_files(home, local) == []
+
+
+def test_a_single_file_the_burst_buffer_runs_out_of_room_for_mid_write_goes_to_its_path(tmp_path: Path,
+                                                                                       caplog) -> None:
+    """The room check passed (another writer filled the drive since): the file is written
+    straight to its path, as when the check finds no room, and it says so."""
+    home, local, log = tmp_path / "home", tmp_path / "nvme", tmp_path / "events.jsonl"
+    ops = FaultyOps()
+    with fastckpt.Checkpointer(local_dir=str(local), ops=ops, event_log=str(log)) as ck:
+        assert ck.save(_state(1), str(home / "b.pt")).wait().tier == "nvme"
+        ops.inject(Fault("pwrite", errno.ENOSPC, path_startswith=str(local)))
+        rec = ck.save(_state(2), str(home / "b.pt")).wait()
+        ops.assert_all_reached()
+        assert rec.tier == "direct" and rec.durable_s > 0 and rec.local_durable_s is None
+        assert ck.load(str(home / "b.pt"))["v"] == 2
+        assert ck.save(_state(3), str(home / "b.pt")).wait().tier == "nvme"  # room again: the burst buffer
+    assert fastckpt.load(str(home / "b.pt"))["v"] == 3
+    assert f"the burst buffer ran out of space while writing {home / 'b.pt'}" in caplog.text
+    assert "keep_local=N" in caplog.text
+    assert tmp_files(home, local) == []
+    events = read_events(str(log))  # a save that went on, not a failure (metrics, report, drill)
+    assert [e for e in events if e.error] == []
+    assert [(e.name, e.tier) for e in events if e.path == str(home / "b.pt") and e.name in ("write", "commit")] == [
+        ("write", "direct"), ("commit", "direct")]
 
 
 def test_burst_buffer_probe_and_other_errors_name_the_burst_buffer(tmp_path: Path) -> None:

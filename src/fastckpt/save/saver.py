@@ -11,7 +11,8 @@ returns; docs/core.md):
 After the snapshot the writer thread writes, fsyncs and renames the file (``FileWriter``). A file
 written to its own path is durable then; one written to the burst buffer is handed to the
 ``Replicator``, which copies it to its path. A single file that the burst buffer has no room
-for (``Stripes.choose``) is written straight to its path instead, and the stale burst-buffer
+for (``Stripes.choose``), or runs out of room for mid-write (``FileWriter.write``'s fallback),
+is written straight to its path instead, and the stale burst-buffer
 copy of an earlier save of it goes once it is durable. Either way retention runs before the
 handle resolves, so ``wait()`` returning means retention has run.
 """
@@ -83,9 +84,12 @@ class Saver:
         token = self._retention.replacing(group or path)
         spot = self._stripes.choose(path, layout.data_size, may_bypass)  # the burst-buffer drive, if any
         self._note_bypass(path, layout.data_size, spot is None and bool(self._cfg.local_dirs))
+        # Such a file that finds the burst buffer full only mid-write (another writer filled it
+        # since the check) is written to its path then (``FileWriter.write``'s fallback).
+        fallback = functools.partial(self._tiers.choose_bypass, path, layout.cuda) if may_bypass and spot else None
         try:
             handle = self._save_planned(state_dict, layout, path, spot, group, lazy, rank, world, t_call, w_call,
-                                        token)
+                                        token, fallback)
         except BaseException:
             self._stripes.release(spot)
             raise
@@ -95,7 +99,7 @@ class Saver:
 
     def _save_planned(self, state_dict: object, layout: F.FileLayout, path: str, spot: Reservation | None,
                       group: str | None, lazy: bool, rank: int, world: int, t_call: float, w_call: float,
-                      token: int) -> SaveHandle:
+                      token: int, fallback: Callable[[], TierChoice] | None) -> SaveHandle:
         has_cuda = layout.cuda
         try:
             if spot is None and self._cfg.local_dirs:
@@ -119,7 +123,7 @@ class Saver:
         if buf is None:
             return self._skipped(base, group, t_call)
         if self._cfg.overlap_write and not lazy and not has_cuda:
-            return self._save_overlapped(layout, buf, base, dest, home, t_call, w_call, choice, spot, token)
+            return self._save_overlapped(layout, buf, base, dest, home, t_call, w_call, choice, spot, token, fallback)
         if lazy:  # CUDA: the copy follows the work queued so far and runs beside what comes next
             copy = self._snap_thread.submit(snapshot, layout, buf, after=cuda_marks(layout), hold_stream=False)
             snap: Snapshot | LazySnapshot = LazySnapshot(copy, layout, buf)
@@ -137,7 +141,7 @@ class Saver:
             self._monitor.record_blocked(t_call, blocked, layout.payload_bytes)
         self._emit("snapshot", path, layout.payload_bytes, w_call, choice.tier, detail="lazy" if lazy else None)
         base = replace(base, blocked_s=blocked)
-        fut = self._submit(spot, token, self._writer.write, snap, base, dest, t_call, choice.odirect)
+        fut = self._submit(spot, token, self._writer.write, snap, base, dest, t_call, choice.odirect, fallback)
         return self._track(fut, base, dest, home, t_call, spot, token)
 
     def _note_bypass(self, path: str, nbytes: int, bypass: bool) -> None:
@@ -170,13 +174,13 @@ class Saver:
         return SaveHandle.finished(replace(base, bytes=0, blocked_s=time.monotonic() - t_call, skipped=True))
 
     def _save_overlapped(self, layout: F.FileLayout, buf: StagingBuffer, base: SaveRecord, dest: str, home: str,
-                         t_call: float, w_call: float, choice: TierChoice, spot: Reservation | None, token: int
-                         ) -> SaveHandle:
+                         t_call: float, w_call: float, choice: TierChoice, spot: Reservation | None, token: int,
+                         fallback: Callable[[], TierChoice] | None) -> SaveHandle:
         """CPU state: the writer starts at once and follows the copy into the staging buffer,
         so the file is durable about one write time after the call, not copy + write."""
         progress = Progress()
         fut = self._submit(spot, token, self._writer.write, Snapshot(buf, layout, None, progress), base, dest, t_call,
-                           choice.odirect)
+                           choice.odirect, fallback)
         try:
             snapshot(layout, buf, progress)
         except BaseException as exc:
@@ -232,6 +236,9 @@ class Saver:
                 final.set_exception(exc)
                 return
             rec = f.result()
+            if rec.durable_s is not None:  # the burst buffer filled up mid-write: written to its path instead
+                final.set_result(rec)
+                return
             try:
                 self._replicator.submit(ReplicaJob(rec, local, t_call, time.time(), final,
                                                    finish=functools.partial(self._retain, token=token),

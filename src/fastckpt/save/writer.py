@@ -10,6 +10,7 @@ comment (``format.manifest``), computed from the checksum of the bytes just writ
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import time
@@ -29,8 +30,10 @@ from ..urls import is_within, normalize
 from ..version import __version__
 from .snapshot import Snapshot
 from .staging import StagingPool
+from .tiers import TierChoice
 
 log = logging.getLogger("fastckpt")
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
 
 def manifest_of(rec: SaveRecord, layout: F.FileLayout, digest: str, blocks: Sequence[int] = ()) -> dict:
@@ -63,14 +66,18 @@ class FileWriter:
         self._ops, self._io, self._staging, self._chunk = ops, io_pool, staging, chunk_bytes
         self._emit, self._on_written, self._local_dirs = emit, on_written, tuple(local_dirs)
 
-    def write(self, snap: Snapshot, base: SaveRecord, dest: str, t_call: float, odirect: bool) -> SaveRecord:
-        """Write the snapshot to ``dest`` (temp, fsync, rename, dir fsync); release its buffer.
+    def write(self, snap: Snapshot, base: SaveRecord, dest: str, t_call: float, odirect: bool,
+              fallback: Callable[[], TierChoice] | None = None) -> SaveRecord:
+        """Write the snapshot to ``dest`` (temp, fsync, rename, dir fsync); release its buffer
+        once written (before the rename, so the next save can take it).
 
         With ``snap.progress`` the writer starts while the snapshot is still copying (chunks wait
         for their bytes), and the time the caller was blocked is known only when the copy ends.
+        ``fallback`` (a single file whose ``dest`` is in the burst buffer, ``Saver``): when that
+        drive runs out of space mid-write, the file is written straight to its path instead,
+        with the tier ``fallback()`` returns.
         """
         w0 = time.time()
-        st = Staged(self._ops, dest)
         progress = snap.progress
 
         def base_now() -> SaveRecord:
@@ -83,16 +90,30 @@ class FileWriter:
             if progress is None:
                 snap.wait_ready()
             layout = snap.layout
-            self._ops.makedirs(os.path.dirname(dest))
-            sweep_once(self._ops, os.path.dirname(dest))  # what killed writers left there
-            t0 = time.monotonic()
-            res = write_file(self._ops, self._io, st.tmp, snap.buffer.view, layout.covered_bytes,
-                             lambda digest, blocks: tail_bytes(manifest_of(base_now(), layout, digest, blocks)),
-                             chunk_bytes=self._chunk, odirect=odirect,
-                             ready=progress.wait_for if progress is not None else None,
-                             copying=progress.copying if progress is not None else None)
+            while True:
+                st = Staged(self._ops, dest)
+                try:
+                    self._ops.makedirs(os.path.dirname(dest))
+                    sweep_once(self._ops, os.path.dirname(dest))  # what killed writers left there
+                    t0 = time.monotonic()
+                    res = write_file(self._ops, self._io, st.tmp, snap.buffer.view, layout.covered_bytes,
+                                     lambda digest, blocks: tail_bytes(manifest_of(base_now(), layout, digest, blocks)),
+                                     chunk_bytes=self._chunk, odirect=odirect,
+                                     ready=progress.wait_for if progress is not None else None,
+                                     copying=progress.copying if progress is not None else None)
+                    break
+                except BaseException as exc:
+                    st.discard()
+                    if fallback is None or not isinstance(exc, OSError) or exc.errno not in _NO_SPACE:
+                        raise
+                    # The save goes on (its events show the write to the path): no failed event.
+                    log.warning("fastckpt: the burst buffer ran out of space while writing %s (%s): writing it "
+                                "straight to its path instead. Free space on %s, keep fewer local copies "
+                                "(keep_local=N), or point local_dir at a larger drive", base.path, exc,
+                                os.path.dirname(dest))
+                    choice = fallback()
+                    base, dest, odirect, fallback = replace(base, tier=choice.tier), base.path, choice.odirect, None
         except BaseException as exc:
-            st.discard()
             self._emit("write", base.path, base.bytes, w0, base.tier, exc)
             self._raise(exc, base, dest)
         finally:
