@@ -52,11 +52,12 @@ class _Records:
     def __init__(self, buf: mmap.mmap) -> None:
         self._buf, self._view = buf, memoryview(buf)
         self._whole: torch.UntypedStorage | None = None
+        self._pages = hasattr(buf, "madvise")  # its pages can be given back
 
     def __getitem__(self, span: slice) -> torch.UntypedStorage:
         lo, hi = span.start, span.stop
         first, end = -(-lo // ALIGN) * ALIGN, hi // ALIGN * ALIGN
-        if end <= first or not hasattr(self._buf, "madvise"):
+        if end <= first or not self._pages:
             if self._whole is None:
                 self._whole = torch.frombuffer(self._buf, dtype=torch.uint8).untyped_storage()
             return self._whole[lo:hi]

@@ -89,30 +89,18 @@ class FileWriter:
         try:
             if progress is None:
                 snap.wait_ready()
-            layout = snap.layout
-            while True:
-                st = Staged(self._ops, dest)
-                try:
-                    self._ops.makedirs(os.path.dirname(dest))
-                    sweep_once(self._ops, os.path.dirname(dest))  # what killed writers left there
-                    t0 = time.monotonic()
-                    res = write_file(self._ops, self._io, st.tmp, snap.buffer.view, layout.covered_bytes,
-                                     lambda digest, blocks: tail_bytes(manifest_of(base_now(), layout, digest, blocks)),
-                                     chunk_bytes=self._chunk, odirect=odirect,
-                                     ready=progress.wait_for if progress is not None else None,
-                                     copying=progress.copying if progress is not None else None)
-                    break
-                except BaseException as exc:
-                    st.discard()
-                    if fallback is None or not isinstance(exc, OSError) or exc.errno not in _NO_SPACE:
-                        raise
-                    # The save goes on (its events show the write to the path): no failed event.
-                    log.warning("fastckpt: the burst buffer ran out of space while writing %s (%s): writing it "
-                                "straight to its path instead. Free space on %s, keep fewer local copies "
-                                "(keep_local=N), or point local_dir at a larger drive", base.path, exc,
-                                os.path.dirname(dest))
-                    choice = fallback()
-                    base, dest, odirect, fallback = replace(base, tier=choice.tier), base.path, choice.odirect, None
+            try:
+                st, res, t0 = self._write_once(snap, dest, odirect, base_now)
+            except OSError as exc:
+                if fallback is None or exc.errno not in _NO_SPACE:
+                    raise
+                # The save goes on (its events show the write to the path): no failed event.
+                log.warning("fastckpt: the burst buffer ran out of space while writing %s (%s): writing it straight "
+                            "to its path instead. Free space on %s, keep fewer local copies (keep_local=N), or point "
+                            "local_dir at a larger drive", base.path, exc, os.path.dirname(dest))
+                choice = fallback()
+                base, dest = replace(base, tier=choice.tier), base.path
+                st, res, t0 = self._write_once(snap, dest, choice.odirect, base_now)
         except BaseException as exc:
             self._emit("write", base.path, base.bytes, w0, base.tier, exc)
             self._raise(exc, base, dest)
@@ -126,6 +114,25 @@ class FileWriter:
         self._emit("write", dest, res.bytes, w0, base.tier,
                    detail=None if res.odirect else f"buffered: {res.odirect_reason}")
         return self._publish(base_now(), st, res, t_call, write_s)
+
+    def _write_once(self, snap: Snapshot, dest: str, odirect: bool, base_now: Callable[[], SaveRecord]
+                    ) -> tuple[Staged, WriteResult, float]:
+        """Write the snapshot to a temp file beside ``dest`` (removed again if that fails); return
+        it, the result and when the write started."""
+        st, layout, progress = Staged(self._ops, dest), snap.layout, snap.progress
+        try:
+            self._ops.makedirs(os.path.dirname(dest))
+            sweep_once(self._ops, os.path.dirname(dest))  # what killed writers left there
+            t0 = time.monotonic()
+            res = write_file(self._ops, self._io, st.tmp, snap.buffer.view, layout.covered_bytes,
+                             lambda digest, blocks: tail_bytes(manifest_of(base_now(), layout, digest, blocks)),
+                             chunk_bytes=self._chunk, odirect=odirect,
+                             ready=progress.wait_for if progress is not None else None,
+                             copying=progress.copying if progress is not None else None)
+        except BaseException:
+            st.discard()
+            raise
+        return st, res, t0
 
     def _publish(self, base: SaveRecord, st: Staged, res: WriteResult, t_call: float, write_s: float) -> SaveRecord:
         c0 = time.time()
