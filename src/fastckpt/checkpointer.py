@@ -92,7 +92,7 @@ class Checkpointer:
         self._saver = Saver(cfg, tiers=TierSelector(cfg.tier, cfg.local_dir, cfg.odirect, self._ops),
                             staging=self._staging, monitor=self._monitor,
                             writer=FileWriter(self._ops, self._io, self._staging, cfg.chunk_bytes, self._emit,
-                                              self._stripes.record, self._stripes.dirs),
+                                              self._stripes.record, self._stripes.dirs, self._homes.reaper.unlink_later),
                             writer_threads=self._writers, snapshot_thread=self._snapper, inflight=self._inflight,
                             coordinator=self._coordinator, replicator=self._replicator, retention=self._retention,
                             homes=self._homes, stripes=self._stripes, emit=self._emit)
@@ -133,8 +133,7 @@ class Checkpointer:
 
     def _emit(self, name: str, path: str, nbytes: int, start: float, tier: str,
               error: BaseException | None = None, detail: str | None = None) -> None:
-        ev = Event(name, self.rank, path, nbytes, start, time.time(), tier,
-                   repr(error) if error else None, detail)
+        ev = Event(name, self.rank, path, nbytes, start, time.time(), tier, repr(error) if error else None, detail)
         for s in self._sinks:
             s.emit(ev)
 
@@ -286,6 +285,7 @@ class Checkpointer:
                           read=lambda: first - len(self._inflight), delay_s=PROGRESS_DELAY_S,
                           every_s=PROGRESS_EVERY_S):
                 self._wait_until(deadline, timeout_s)
+        self._homes.reaper.drain()  # and the files they replaced are gone (io.atomic.Staged)
         self._inflight.raise_unseen()
 
     def _wait_until(self, deadline: float | None, timeout_s: float | None) -> None:

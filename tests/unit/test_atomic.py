@@ -109,3 +109,95 @@ def test_sweep_removes_only_dead_local_processes_temp_files(tmp_path) -> None:
         open(p, "wb").close()
     assert sweep_stale_tmp(FileOps(), str(tmp_path)) == 1
     assert os.path.exists(mine) and os.path.exists(other_host) and not os.path.exists(stale)
+
+
+# --------------------------------------------------------------------------- replacing, the old file freed later
+def _replace(ops: FileOps, target: Path, data: bytes, later: list[str]) -> None:
+    with A.replacing(ops, str(target), later.append) as st:
+        ops.write_small(st.tmp, data)
+
+
+def test_the_replaced_file_keeps_a_temp_name_until_unlink_later_removes_it(tmp_path: Path) -> None:
+    target = tmp_path / "ckpt.pt"
+    target.write_bytes(b"old" * 1000)
+    old_inode = os.stat(target).st_ino
+    later: list[str] = []
+    with open(target, "rb") as reader:  # opened before the replace: still reads the old bytes
+        _replace(FileOps(), target, b"new", later)
+        assert reader.read() == b"old" * 1000
+    assert target.read_bytes() == b"new"
+    # the rename dropped a name, not the file: it lives on under a hidden temp name, its only one
+    assert len(later) == 1 and A.is_tmp(later[0]) and os.path.dirname(later[0]) == str(tmp_path)
+    assert (os.stat(later[0]).st_ino, os.stat(later[0]).st_nlink) == (old_inode, 1)
+    assert tmp_files(tmp_path) == later
+    A.discard(FileOps(), later[0])
+    assert tmp_files(tmp_path) == []
+
+
+def test_a_first_save_or_a_file_system_without_hard_links_frees_in_the_rename(tmp_path: Path) -> None:
+    later: list[str] = []
+    _replace(FileOps(), tmp_path / "first.pt", b"1", later)  # nothing to replace
+    target = tmp_path / "ckpt.pt"
+    target.write_bytes(b"old")
+    ops = FaultyOps([Fault("link", errno.EPERM)])  # as on file systems without hard links
+    _replace(ops, target, b"new", later)
+    ops.assert_all_reached()
+    assert (later, target.read_bytes(), tmp_files(tmp_path)) == ([], b"new", [])
+
+
+@pytest.mark.parametrize("fault", [Fault("replace", errno.EACCES), Fault("fsync_dir", errno.EIO)],
+                         ids=lambda f: f.describe())
+def test_a_failed_commit_leaves_no_second_name(tmp_path: Path, fault: Fault) -> None:
+    target = tmp_path / "ckpt.pt"
+    target.write_bytes(b"old")
+    ops, later = FaultyOps([fault]), []
+    with pytest.raises(OSError):
+        _replace(ops, target, b"new", later)
+    ops.assert_all_reached()
+    # a failed rename keeps the old file; a failed directory fsync comes after it (the new one)
+    assert target.read_bytes() == (b"old" if fault.op == "replace" else b"new")
+    assert (later, tmp_files(tmp_path)) == ([], [])
+
+
+def test_a_kill_before_the_old_file_is_removed_leaves_a_temp_name_the_sweep_removes(tmp_path: Path) -> None:
+    import signal
+    import subprocess
+    import sys
+
+    target = tmp_path / "ckpt.pt"
+    target.write_bytes(b"old")
+    child = ("import os, signal, sys\nfrom fastckpt.io import atomic as A\nfrom fastckpt.io.ops import FileOps\n"
+             "ops = FileOps()\n"
+             "with A.replacing(ops, sys.argv[1], lambda p: os.kill(os.getpid(), signal.SIGKILL)) as st:\n"
+             "    ops.write_small(st.tmp, b'new')\n")
+    proc = subprocess.run([sys.executable, "-c", child, str(target)], capture_output=True, text=True)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    assert target.read_bytes() == b"new"
+    left = tmp_files(tmp_path)
+    assert len(left) == 1 and Path(left[0]).read_bytes() == b"old"
+    assert A.sweep_stale_tmp(FileOps(), str(tmp_path)) == 1
+    assert tmp_files(tmp_path) == []
+
+
+def test_reaper_drains_what_it_was_given_and_works_again_after_close(tmp_path: Path) -> None:
+    ops = FaultyOps()
+    gate = ops.gate("unlink")
+    reaper = A.Reaper(ops)
+    victims = [tmp_path / f"v{i}" for i in range(3)]
+    for v in victims[:2]:
+        v.write_bytes(b"x")
+        reaper.unlink_later(str(v))
+    assert gate.wait_entered()
+    drained = threading.Thread(target=reaper.drain)
+    drained.start()
+    drained.join(timeout=0.2)
+    assert drained.is_alive() and victims[1].exists()  # held at the gate: drain waits for both
+    gate.open()
+    drained.join()
+    assert not any(v.exists() for v in victims[:2])
+    reaper.close()
+    victims[2].write_bytes(b"x")
+    reaper.unlink_later(str(victims[2]))  # a pool closed by Homes.close() is made again
+    reaper.drain()
+    assert not victims[2].exists()
+    reaper.close()

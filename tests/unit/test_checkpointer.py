@@ -85,6 +85,29 @@ def test_overwrite_same_path_keeps_a_complete_file(tmp_path) -> None:
     assert [n for n in os.listdir(tmp_path) if ".fastckpt-tmp-" in n] == []
 
 
+@pytest.mark.parametrize("burst_buffer", [False, True], ids=["direct", "burst buffer"])
+def test_a_save_that_replaces_a_file_is_durable_before_the_old_one_is_freed(tmp_path, burst_buffer) -> None:
+    # freeing a large file can take a third of its write (ext4 with discard): not on the path to durable
+    from fastckpt.testing import FaultyOps
+    from tests.helpers import tmp_files
+
+    ops = FaultyOps()
+    gate = ops.gate("unlink", ".fastckpt-tmp-")  # only removals of replaced files unlink temp names here
+    path, local = tmp_path / "home" / "last.pt", tmp_path / "nvme"
+    with fastckpt.Checkpointer(ops=ops, local_dir=str(local) if burst_buffer else None) as ck:
+        ck.save(_state(1), str(path)).wait()
+        homes = [path, ck.local_path(str(path))] if burst_buffer else [path]
+        first = [os.stat(p).st_ino for p in homes]
+        rec = ck.save(_state(2), str(path)).wait()  # returns with the removal held at the gate
+        assert gate.wait_entered()
+        assert rec.durable_s is not None and _same(ck.load(str(path)), _state(2))
+        held = {os.stat(t).st_ino for t in tmp_files(tmp_path)}
+        assert held and held <= set(first)  # the old files, under temp names only
+        gate.open()
+        ck.wait()  # and once waited for, they are gone
+        assert tmp_files(tmp_path) == []
+
+
 def test_manifest_records_versions_and_timings(tmp_path) -> None:
     path = str(tmp_path / "m.pt")
     with fastckpt.Checkpointer() as ck:

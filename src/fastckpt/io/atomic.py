@@ -6,6 +6,13 @@ separate phases); ``replacing`` is the same as a context manager; ``publish_byte
 small file (manifest, marker, pointer) with it. Temp names carry this host and process, so a
 process that starts later can tell a dead writer's leftovers from a live one's
 (``sweep_stale_tmp``). Every call goes through ``FileOps``.
+
+Replacing a large file frees the old one's blocks, and the rename that drops its last name pays
+for that: on ext4 mounted with ``discard`` (common on cloud VMs and NVMe) a 1 GiB file took
+0.22 s to free, measured, a third of the time to write it. With ``unlink_later`` the old file
+first gets a second, temp name (a hard link), so the rename only moves a name; the temp name is
+handed to ``unlink_later`` once the new file is durable, and the freeing runs off the path to
+durable. A process killed in between leaves that temp name, which ``sweep_stale_tmp`` removes.
 """
 
 from __future__ import annotations
@@ -15,7 +22,8 @@ import os
 import socket
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent import futures
 from contextlib import contextmanager
 
 from .ops import FileOps
@@ -118,21 +126,39 @@ class Staged:
 
     ``renamed`` tells, after a failed ``commit``, whether the new file already replaced the old
     one (the directory fsync failed), so an error message never claims the previous file is
-    still there when it is not.
+    still there when it is not. ``unlink_later`` (see the module's docstring) takes the temp
+    name of the file replaced, to remove it off the caller's thread; without it the rename frees
+    the old file.
     """
 
-    def __init__(self, ops: FileOps, dest: str) -> None:
+    def __init__(self, ops: FileOps, dest: str, unlink_later: Callable[[str], None] | None = None) -> None:
         self.ops, self.dest, self.tmp = ops, dest, tmp_name(dest)
         self.renamed = False
+        self._unlink_later = unlink_later
 
     def commit(self) -> None:
+        old = self._keep_old() if self._unlink_later is not None else None
         try:
             self.ops.replace(self.tmp, self.dest)
             self.renamed = True
             self.ops.fsync_dir(os.path.dirname(self.dest) or ".")
         except BaseException:
             self.discard()
+            if old is not None:
+                discard(self.ops, old)
             raise
+        if old is not None:
+            self._unlink_later(old)  # type: ignore[misc]
+
+    def _keep_old(self) -> str | None:
+        """A second name for the file about to be replaced, so the rename does not free it; None
+        when there is none (nothing to replace) or the file system has no hard links."""
+        old = tmp_name(self.dest)
+        try:
+            self.ops.link(self.dest, old)
+        except OSError:  # ENOENT: a first save; EPERM/ENOTSUP/EMLINK: the rename frees it, as without
+            return None
+        return old
 
     def discard(self) -> None:
         if not self.renamed:
@@ -140,16 +166,54 @@ class Staged:
 
 
 @contextmanager
-def replacing(ops: FileOps, dest: str) -> Iterator[Staged]:
+def replacing(ops: FileOps, dest: str, unlink_later: Callable[[str], None] | None = None) -> Iterator[Staged]:
     """``with replacing(ops, dest) as st:`` write and fsync ``st.tmp``; it replaces ``dest`` when
-    the block ends, or is removed if the block raises."""
-    st = Staged(ops, dest)
+    the block ends, or is removed if the block raises (``unlink_later``: see ``Staged``)."""
+    st = Staged(ops, dest, unlink_later)
     try:
         yield st
     except BaseException:
         st.discard()
         raise
     st.commit()
+
+
+class Reaper:
+    """Removes the files ``Staged`` replaced (``unlink_later``) on one background thread.
+
+    ``drain`` (any thread) waits for every removal handed over so far; ``close`` waits for them
+    and ends the thread (a later removal starts another).
+    """
+
+    def __init__(self, ops: FileOps) -> None:
+        self._ops = ops
+        self._pool = futures.ThreadPoolExecutor(1, thread_name_prefix="fastckpt-reap")  # started at first use
+        self._pending: set[futures.Future] = set()
+        self._lock = threading.Lock()
+
+    def unlink_later(self, path: str) -> None:
+        try:
+            fut = self._pool.submit(discard, self._ops, path)
+        except RuntimeError:  # the pool closed between our look and the submit: remove it here
+            discard(self._ops, path)
+            return
+        with self._lock:
+            self._pending.add(fut)
+        fut.add_done_callback(self._done)
+
+    def _done(self, fut: futures.Future) -> None:
+        with self._lock:
+            self._pending.discard(fut)
+
+    def drain(self) -> None:
+        with self._lock:
+            pending = list(self._pending)
+        futures.wait(pending)
+
+    def close(self) -> None:
+        with self._lock:
+            pool, self._pool = self._pool, futures.ThreadPoolExecutor(1, thread_name_prefix="fastckpt-reap")
+        pool.shutdown(wait=True)
 
 
 def publish_bytes(ops: FileOps, path: str, data: bytes) -> None:

@@ -58,13 +58,15 @@ class FileWriter:
             (the burst buffer's per-directory bandwidth, ``save.stripes``).
         local_dirs: the burst-buffer directories: a file written in one is a local copy, still
             to be replicated (any other file is at its home, durable once renamed).
+        unlink_later: removes a replaced file off the writer thread (``io.atomic.Staged``).
     """
 
     def __init__(self, ops: FileOps, io_pool: Executor, staging: StagingPool, chunk_bytes: int,
                  emit: Callable[..., None], on_written: Callable[[str, int, float], None] | None = None,
-                 local_dirs: Sequence[str] = ()) -> None:
+                 local_dirs: Sequence[str] = (), unlink_later: Callable[[str], None] | None = None) -> None:
         self._ops, self._io, self._staging, self._chunk = ops, io_pool, staging, chunk_bytes
         self._emit, self._on_written, self._local_dirs = emit, on_written, tuple(local_dirs)
+        self._unlink_later = unlink_later
 
     def write(self, snap: Snapshot, base: SaveRecord, dest: str, t_call: float, odirect: bool,
               fallback: Callable[[], TierChoice] | None = None) -> SaveRecord:
@@ -119,7 +121,7 @@ class FileWriter:
                     ) -> tuple[Staged, WriteResult, float]:
         """Write the snapshot to a temp file beside ``dest`` (removed again if that fails); return
         it, the result and when the write started."""
-        st, layout, progress = Staged(self._ops, dest), snap.layout, snap.progress
+        st, layout, progress = Staged(self._ops, dest, self._unlink_later), snap.layout, snap.progress
         try:
             self._ops.makedirs(os.path.dirname(dest))
             sweep_once(self._ops, os.path.dirname(dest))  # what killed writers left there
@@ -159,7 +161,7 @@ class FileWriter:
     def gds_write(self, layout: F.FileLayout, dest: str) -> Staged:
         """GPU -> temp file through kvikio, on the training thread."""
         self._ops.makedirs(os.path.dirname(dest))
-        st = Staged(self._ops, dest)
+        st = Staged(self._ops, dest, self._unlink_later)
         try:
             gds_write(st.tmp, layout)
         except BaseException:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from ..config import DEFAULT_RETRY_DEADLINE_S
 from ..errors import ConfigError
+from ..io.atomic import Reaper
 from ..io.ops import FileOps
 from ..urls import is_url, normalize, split_url
 from .base import Target
@@ -47,6 +48,9 @@ class Homes:
         ops: the FileOps every local read and write goes through.
         odirect: POSIX homes copy and read with O_DIRECT where honoured.
         executor: worker threads shared by POSIX homes (the Checkpointer's I/O pool).
+
+    ``reaper`` removes the files that copies to POSIX homes replaced (``io.atomic.Staged``); the
+    Checkpointer's writer shares it.
     """
 
     def __init__(self, storage_options: dict | None = None, *, retry_deadline_s: float = DEFAULT_RETRY_DEADLINE_S,
@@ -55,6 +59,7 @@ class Homes:
         self._opts = storage_options
         self._common = {"retry_deadline_s": retry_deadline_s, "parallelism": parallelism, "on_retry": on_retry,
                         "ops": ops or FileOps()}  # passed to every Target this makes
+        self.reaper = Reaper(self._common["ops"])
         self._odirect, self._shared = odirect, executor
         self._lock = threading.Lock()
         self._remote: dict[str, Target] = {}
@@ -73,7 +78,7 @@ class Homes:
 
         parent, base = os.path.split(name)
         return Location(PosixTarget(parent or os.sep, odirect=self._odirect, executor=self._executor(),
-                                    create_root=True, **self._common), base)
+                                    create_root=True, unlink_later=self.reaper.unlink_later, **self._common), base)
 
     def _executor(self) -> Executor:
         if self._shared is not None:
@@ -91,6 +96,7 @@ class Homes:
             t.close()
         if own is not None:
             own.shutdown(wait=True)
+        self.reaper.close()
 
 
 def open_target(url_or_path: str | os.PathLike, storage_options: dict | None = None, *,

@@ -67,6 +67,7 @@ class PosixTarget(Target):
         ops: the system-call layer (default: the real one).
         odirect: copy, verify and read with O_DIRECT where the file system honours it.
         retry_deadline_s, parallelism, on_retry: see ``Target``.
+        unlink_later: removes a file a copy replaced off the copying thread (``io.atomic.Staged``).
     """
 
     mounted = True
@@ -74,12 +75,11 @@ class PosixTarget(Target):
     def __init__(self, root: str | os.PathLike, *, ops: FileOps | None = None, odirect: bool = True,
                  retry_deadline_s: float = DEFAULT_RETRY_DEADLINE_S, parallelism: int = 4,
                  on_retry: RetryCallback | None = None, executor: Executor | None = None,
-                 create_root: bool = False) -> None:
+                 create_root: bool = False, unlink_later: Callable[[str], None] | None = None) -> None:
         super().__init__(retry_deadline_s=retry_deadline_s, parallelism=parallelism, on_retry=on_retry, ops=ops,
                          executor=executor)
         self.root = os.path.abspath(os.fspath(root))
-        self.odirect = odirect
-        self.create_root = create_root
+        self.odirect, self.create_root, self._unlink_later = odirect, create_root, unlink_later
 
     @property
     def url(self) -> str:
@@ -163,7 +163,7 @@ class PosixTarget(Target):
         self.ops.makedirs(os.path.dirname(dest))
         for attempt in range(1, VERIFY_ATTEMPTS + 1):
             try:
-                with atomic.replacing(self.ops, dest) as st:
+                with atomic.replacing(self.ops, dest, self._unlink_later) as st:
                     res = copy_file(self.ops, self._executor(), local_path, st.tmp, expect.size, expect.covered,
                                     chunk_bytes=chunk, odirect=self.odirect, throttle=throttle, read_back=True)
                     if res.checksum != expect.xxh3:
@@ -217,7 +217,7 @@ class PosixTarget(Target):
         """``io.atomic``'s recipe with ``write(fd)`` filling the temp file."""
         parent = os.path.dirname(dest)
         self.ops.makedirs(parent)
-        with atomic.replacing(self.ops, dest) as st:
+        with atomic.replacing(self.ops, dest, self._unlink_later) as st:
             try:
                 fd = self.ops.open(st.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             except FileNotFoundError:  # a concurrent delete_tree() removed the directory just now
