@@ -42,6 +42,8 @@ def test_same_structure_reuses_the_layout_bound_to_the_new_storages() -> None:
 @pytest.mark.parametrize("change", [
     lambda s: s.__setitem__("step", 8),  # a value
     lambda s: s.__setitem__("step", True),  # 1 == True, but they pickle differently
+    lambda s: s.__setitem__("step", 7.0),  # 7 == 7.0 too
+    lambda s: s["model"].__setitem__("b", torch.zeros(32).unsqueeze(1)),  # one more dimension, the same numbers
     lambda s: s["optim"]["param_groups"][0].__setitem__("lr", -0.0),
     lambda s: s["model"].__setitem__("b", torch.zeros(33)),  # a shape
     lambda s: s["model"].__setitem__("b", torch.zeros(32, dtype=torch.float64)),  # a dtype

@@ -51,10 +51,13 @@ def scan(obj: object) -> Scan | None:
     storages: list[torch.UntypedStorage] = []
     index: dict[int, int] = {}  # storage _cdata -> key
     memo: dict[int, int] = {}  # id of a container or tensor -> order of first visit
+    # The signature is one flat sequence (a tuple per object would hold most of a state of
+    # 100,000 tiny tensors). Each entry starts with a type (or "@"), which fixes how many items
+    # follow, so two different states never flatten to the same sequence.
     sig: list[object] = []
     cuda = False
     stack = [obj]
-    pop, extend, emit = stack.pop, stack.extend, sig.append
+    pop, extend, emit = stack.pop, stack.extend, sig.extend
     while stack:
         o = pop()
         t = type(o)
@@ -93,8 +96,9 @@ def scan(obj: object) -> Scan | None:
                     key = index[st._cdata] = len(storages)
                     storages.append(st)
                     cuda = cuda or o.is_cuda  # type: ignore[union-attr]
-                emit((t, o.dtype, o.shape, o.stride(), o.storage_offset(), o.requires_grad, key,  # type: ignore[union-attr]
-                      (o.device, st.nbytes()) if new else None))  # type: ignore[union-attr]
+                shape = o.shape  # type: ignore[union-attr]
+                emit((t, o.dtype, len(shape), *shape, *o.stride(), o.storage_offset(),  # type: ignore[union-attr]
+                      o.requires_grad, key, *((o.device, st.nbytes()) if new else (None,))))  # type: ignore[union-attr]
             else:
                 return None
     return Scan(tuple(storages), tuple(sig), cuda)
