@@ -77,8 +77,7 @@ class Checkpointer:
         self._committer = ThreadPoolExecutor(4, thread_name_prefix="fastckpt-commit")
         self._snapper = ThreadPoolExecutor(1, thread_name_prefix="fastckpt-snapshot")  # lazy saves
         self._inflight = InFlight()
-        self._stop = threading.Event()
-        self._closed = False
+        self._stop, self._closed = threading.Event(), False
         self._last_restore: tuple[float | None, str | None] = (None, None)
         self._homes = Homes(cfg.storage_options, retry_deadline_s=cfg.retry_deadline_s, parallelism=cfg.io_threads,
                             on_retry=self._on_retry, ops=self._ops, odirect=cfg.odirect, executor=self._io)
@@ -92,7 +91,8 @@ class Checkpointer:
         self._saver = Saver(cfg, tiers=TierSelector(cfg.tier, cfg.local_dir, cfg.odirect, self._ops),
                             staging=self._staging, monitor=self._monitor,
                             writer=FileWriter(self._ops, self._io, self._staging, cfg.chunk_bytes, self._emit,
-                                              self._stripes.record, self._stripes.dirs, self._homes.reaper.unlink_later),
+                                              self._stripes.record, self._stripes.dirs,
+                                              self._homes.reaper.unlink_later),
                             writer_threads=self._writers, snapshot_thread=self._snapper, inflight=self._inflight,
                             coordinator=self._coordinator, replicator=self._replicator, retention=self._retention,
                             homes=self._homes, stripes=self._stripes, emit=self._emit)
@@ -285,7 +285,7 @@ class Checkpointer:
                           read=lambda: first - len(self._inflight), delay_s=PROGRESS_DELAY_S,
                           every_s=PROGRESS_EVERY_S):
                 self._wait_until(deadline, timeout_s)
-        self._homes.reaper.drain()  # and the files they replaced are gone (io.atomic.Staged)
+        self._homes.reaper.drain(None if deadline is None else max(0.0, deadline - time.monotonic()))  # replaced files
         self._inflight.raise_unseen()
 
     def _wait_until(self, deadline: float | None, timeout_s: float | None) -> None:

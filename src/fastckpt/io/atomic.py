@@ -181,8 +181,8 @@ def replacing(ops: FileOps, dest: str, unlink_later: Callable[[str], None] | Non
 class Reaper:
     """Removes the files ``Staged`` replaced (``unlink_later``) on one background thread.
 
-    ``drain`` (any thread) waits for every removal handed over so far; ``close`` waits for them
-    and ends the thread (a later removal starts another).
+    ``drain`` (any thread) waits for every removal handed over so far (at most ``timeout_s``;
+    the rest go on); ``close`` waits for them and ends the thread (a later removal starts another).
     """
 
     def __init__(self, ops: FileOps) -> None:
@@ -205,10 +205,10 @@ class Reaper:
         with self._lock:
             self._pending.discard(fut)
 
-    def drain(self) -> None:
+    def drain(self, timeout_s: float | None = None) -> None:
         with self._lock:
             pending = list(self._pending)
-        futures.wait(pending)
+        futures.wait(pending, timeout=timeout_s)
 
     def close(self) -> None:
         with self._lock:
