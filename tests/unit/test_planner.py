@@ -7,6 +7,7 @@ from __future__ import annotations
 import array
 import collections
 import dataclasses
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -88,3 +89,30 @@ def test_reused_layouts_write_correct_files(tmp_path) -> None:
             assert out["step"] == st["step"] and torch.equal(out["model"]["w"], st["model"]["w"])
             assert out["model"]["view"].untyped_storage().data_ptr() == out["model"]["w"].untyped_storage().data_ptr()
             assert torch.load(tmp_path / f"{i}.pt", weights_only=True)["size"] == torch.Size([2, 3])
+
+
+def test_the_collector_is_paused_for_the_walk_and_a_reuse_only(monkeypatch) -> None:
+    import gc
+
+    seen: list[tuple[str, bool]] = []
+
+    def spy(name: str, fn: Callable) -> Callable:
+        def wrapped(*args: object, **kwargs: object) -> object:
+            seen.append((name, gc.isenabled()))
+            return fn(*args, **kwargs)
+        return wrapped
+
+    monkeypatch.setattr(F, "scan", spy("walk", F.scan))
+    monkeypatch.setattr(F, "plan", spy("metadata pass", F.plan))  # a new structure: torch.save's pass
+    monkeypatch.setattr(F.Template, "bind", spy("reuse", F.Template.bind))
+    planner, state = F.Planner(), _state()
+    planner.plan(state)
+    planner.plan(state)
+    assert planner.hits == 1 and gc.isenabled()
+    assert seen == [("walk", False), ("metadata pass", True), ("walk", False), ("reuse", False)]
+    gc.disable()
+    try:
+        planner.plan(state)
+        assert not gc.isenabled()  # a collector the caller turned off stays off
+    finally:
+        gc.enable()

@@ -22,6 +22,8 @@ reuses that layout, so the metadata pass (about 60 us per tensor) leaves the sav
 from __future__ import annotations
 
 import bisect
+import contextlib
+import gc
 import io
 import threading
 import zipfile
@@ -318,18 +320,41 @@ class Planner:
 
     def plan(self, obj: object, *, page_aligned: bool | None = None) -> FileLayout:
         """See ``plan``."""
-        found = scan(obj)
+        with _gc_paused():  # the walk and a reuse: an object or more per tensor
+            found = scan(obj)
+            reused = self._reuse(found, page_aligned) if found is not None else None
+        if reused is not None:
+            return reused
         if found is None:
             return plan(obj, page_aligned=page_aligned)
-        with self._lock:
-            for i, (sig, aligned, layout) in enumerate(self._layouts):
-                if aligned == page_aligned and sig == found.signature:
-                    self._layouts.append(self._layouts.pop(i))
-                    self.hits += 1
-                    return layout.bind(found.storages, found.cuda)
         layout = plan(obj, page_aligned=page_aligned, scanned=found)
         template = Template.of(layout)
         with self._lock:
             self._layouts.append((found.signature, page_aligned, template))
             del self._layouts[: -self._cached]
         return layout
+
+    def _reuse(self, found: Scan, page_aligned: bool | None) -> FileLayout | None:
+        """The cached layout of ``found``'s structure bound to its storages, or None."""
+        with self._lock:
+            for i, (sig, aligned, template) in enumerate(self._layouts):
+                if aligned == page_aligned and sig == found.signature:
+                    self._layouts.append(self._layouts.pop(i))
+                    self.hits += 1
+                    return template.bind(found.storages, found.cuda)
+        return None
+
+
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """The cyclic collector off while a save walks its state and binds a cached layout (the
+    caller's thread): an object or more per tensor, whose collections traversed the whole heap at
+    100,000 tensors (blocked 0.66 s, paused 0.49 s). Not during torch's metadata pass, whose
+    garbage it must collect; a collector the caller turned off stays off."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
