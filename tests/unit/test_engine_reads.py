@@ -6,12 +6,17 @@ from __future__ import annotations
 
 import os
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
+import torch
 
+import fastckpt
 from fastckpt.format import checksum
 from fastckpt.io import engine
 from fastckpt.io.ops import FileOps, resident_bytes
+from fastckpt.load.deserialize import deserialize
+from fastckpt.load.image import HeapImage, heap_image
 from fastckpt.save.tiers import probe_odirect
 
 MiB = 1 << 20
@@ -118,6 +123,31 @@ def test_a_cold_read_leaves_the_page_cache_alone(direct_dir) -> None:
     assert res.checksum == checksum.checksum_bytes(data)
     assert _cached_pages(path) == before
     assert ops.device >= size - before * 4096 - 4096
+
+
+@pytest.mark.parametrize("warm", [False, True], ids=["cold", "cached"])
+def test_a_read_into_a_heap_image_finds_its_layout_as_the_chunks_read(direct_dir, warm: bool) -> None:
+    """The zip directory that lays out a ``HeapImage`` is read as the chunks are: a cold read
+    leaves the page cache alone and fetches each block once, a cached one takes it all from the
+    cache."""
+    path = str(direct_dir / "s.pt")
+    state = {"a": torch.randn(3 << 20), "b": torch.randn((1 << 20) + 1), "step": 1}
+    with fastckpt.Checkpointer() as ck:
+        ck.save(state, path).wait()
+    _evict(path)  # written with O_DIRECT, or through the cache: either way, a known start
+    if warm:
+        Path(path).read_bytes()
+    before, size, ops = _cached_pages(path), os.path.getsize(path), CountingOps()
+    with ThreadPoolExecutor(3) as pool:
+        res = engine.read_file(ops, pool, path, chunk_bytes=16 * MiB, into=heap_image)
+    assert isinstance(res.buffer, HeapImage) and res.checksum == res.manifest["checksum"]["value"]
+    got = deserialize(res.buffer, res.size, None, True, path)
+    assert torch.equal(got["a"], state["a"]) and torch.equal(got["b"], state["b"])
+    assert _cached_pages(path) == before
+    if warm:  # a partial last page may come from the device, as for any cached read
+        assert ops.device <= 2 * 4096 and ops.cached >= size - 4096
+    else:  # the whole file once, plus the directory's few 64 KiB blocks
+        assert size <= ops.device <= size + 4 * 65536 + 4096
 
 
 def test_resident_bytes_counts_up_to_the_first_missing_page(direct_dir) -> None:

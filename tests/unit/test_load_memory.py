@@ -1,8 +1,9 @@
 """A loaded state's memory goes back tensor by tensor, as after ``torch.load``.
 
-The tensors are views of the verified read buffer; each record's whole pages are given back
-when its last tensor dies (``load/deserialize.py``). Before, the buffer stayed whole while any
-tensor of it lived: keeping a state's model weights kept its optimizer's bytes resident too.
+A read puts each large record in heap memory of its own (``load/image.py``), which its tensors
+free as ``torch.load``'s do; a mapped file's records give their pages back when their last
+tensor dies (``load/deserialize.py``). Before either, the buffer stayed whole while any tensor
+of it lived: keeping a state's model weights kept its optimizer's bytes resident too.
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ def test_dropping_part_of_a_loaded_state_gives_its_memory_back(tmp_path: Path, m
         base = _rss()
         out = ck.load(path, mmap=mapped)
         loaded = _rss()
-        assert loaded - base > 100 * MiB  # read into memory, or mapped and hashed page by page
+        if mapped:  # mapped and hashed page by page (a read may reuse heap memory freed before)
+            assert loaded - base > 100 * MiB
         optim = out.pop("optim")
         assert torch.equal(optim, state["optim"])
         del optim
@@ -50,14 +52,15 @@ def test_dropping_part_of_a_loaded_state_gives_its_memory_back(tmp_path: Path, m
         del out
         gone = loaded - _rss()
     assert freed > 90 * MiB, f"dropping 96 MiB of a loaded state gave back {freed / MiB:.1f} MiB"
-    assert gone > 100 * MiB, f"dropping the whole state gave back {gone / MiB:.1f} MiB"
+    # The heap may keep the read's 16 MiB model for the next allocation, as after torch.load.
+    assert gone > (100 if mapped else 90) * MiB, f"dropping the whole state gave back {gone / MiB:.1f} MiB"
 
 
 def test_a_tensor_outlives_the_state_it_was_loaded_with(tmp_path: Path) -> None:
     path, state = str(tmp_path / "s.pt"), _state()
     with fastckpt.Checkpointer() as ck:
         ck.save(state, path).wait()
-        kept = ck.load(path)["tiny"][49]  # a slice of the whole buffer's storage, which must stay mapped
+        kept = ck.load(path)["tiny"][49]  # a view of a piece (or the buffer) that must stay alive
         model = ck.load(path)["model"]
     gc.collect()
     assert torch.equal(kept, state["tiny"][49]) and torch.equal(model, state["model"])

@@ -20,9 +20,12 @@ from ..errors import CorruptCheckpointError
 from ..format import checksum
 from ..format.align import ALIGN
 from ..format.manifest import TAIL_BYTES, manifest_in
+from .image import BlockFetch, FlatImage, Image, aligned_share, image_digests
 from .ops import FileOps, pread_exact, pwrite_all
 
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
+#: ``into(fetch, size)``: the image a read fills (``io.image``), or None for one flat buffer.
+ImageFactory = Callable[[Callable[[int, int], bytes], int], "Image | None"]
 
 
 @dataclass(frozen=True)
@@ -39,14 +42,15 @@ class ReadResult:
     """A whole file in page-aligned memory.
 
     Attributes:
-        buffer: the bytes (``size`` of them; the mapping may be longer).
+        buffer: the bytes (``size`` of them; the mapping may be longer): an mmap, or the
+            ``memory`` of the image ``read_file(into=...)`` built.
         manifest: the fastckpt manifest from the file's zip comment; None for a plain zip.
         checksum: the checksum of ``[0, covered)`` (``covered`` from the manifest, or the
             caller's); None for a file without a manifest when the caller gave no ``covered``.
         odirect: whether the reads bypassed the page cache.
     """
 
-    buffer: mmap.mmap
+    buffer: mmap.mmap | object
     size: int
     manifest: dict | None
     checksum: str | None
@@ -241,20 +245,20 @@ def alloc_aligned(nbytes: int) -> mmap.mmap:
 
 
 def read_file(ops: FileOps, pool: Executor, path: str, *, chunk_bytes: int, odirect: bool = True,
-              covered: int | None = None) -> ReadResult:
+              covered: int | None = None, into: ImageFactory | None = None) -> ReadResult:
     """Read a whole file into page-aligned memory in parallel, through one open file.
 
     The file is opened once, so a concurrent rename-replace of ``path`` gives this read the old
     file or the new one, never parts of both. With O_DIRECT, what the page cache already holds
-    is copied from it instead (``_read_chunk``): a file read or written through the cache
-    moments ago loads at memory speed, as ``torch.load`` would read it. The workers hash every
-    checksum block that lies wholly before the last ``TAIL_BYTES`` (those are inside the
-    checksummed range whatever the manifest says); the few blocks after that are hashed once
-    the manifest is parsed.
+    is copied from it instead (``_read_chunk``), as ``torch.load`` would read it. The workers
+    hash every checksum block wholly before the last ``TAIL_BYTES`` (inside the checksummed
+    range whatever the manifest says); the few after that once the manifest is parsed.
 
     Args:
         covered: hash ``[0, covered)`` (a file being written has no manifest yet); None: the
             range the file's own manifest names.
+        into: ``into(fetch, size)`` builds the image to read into (``io.image``; ``fetch(lo, hi)``
+            reads bytes of this open file first), or returns None for one flat buffer.
 
     Raises:
         CorruptCheckpointError: the manifest names a range outside the file.
@@ -268,22 +272,36 @@ def read_file(ops: FileOps, pool: Executor, path: str, *, chunk_bytes: int, odir
         if direct:
             cached = _buffered_twin(ops, fd)
         size = os.fstat(fd).st_size
-        buf = alloc_aligned(size)
-        view = memoryview(buf)
+        image = into(BlockFetch(_block_reader(ops, fd, cached, path, direct), size).fetch, size) if into else None
+        image = image or FlatImage(alloc_aligned(size), size)
         early = covered if covered is not None else max(0, size - TAIL_BYTES)
         early -= early % checksum.BLOCK_BYTES if covered is None else 0
 
         def read_chunk(off: int, n: int) -> list[int]:
-            want = min(round_up(n) if direct else n, len(view) - off)
-            _read_chunk(ops, fd, cached, view[off : off + want], off, n, path)
-            return block_digests(view[off : off + want], off, n, early)
+            for at, count, view in image.pieces(off, n):
+                _read_chunk(ops, fd, cached, aligned_share(count, view, direct), at, count, path)
+            return image_digests(image, off, n, early)
 
         digests = run_chunks(pool, size, chunk_bytes, read_chunk)
     finally:
         if cached >= 0:
             ops.close(cached)
         ops.close(fd)
-    return _verified(buf, view, size, early, covered, digests, path, direct)
+    return _verified(image, early, covered, digests, path, direct)
+
+
+def _block_reader(ops: FileOps, fd: int, cached: int, path: str, direct: bool) -> Callable[[int, int], bytes]:
+    """Reads of single blocks as the chunks read (the cache where it holds them, else O_DIRECT)."""
+
+    def read(off: int, n: int) -> bytes:
+        buf = alloc_aligned(n)
+        with memoryview(buf) as view:
+            _read_chunk(ops, fd, cached, aligned_share(n, view, direct), off, n, path)
+            data = bytes(view[:n])
+        buf.close()
+        return data
+
+    return read
 
 
 def map_file(ops: FileOps, pool: Executor, path: str, *, chunk_bytes: int, odirect: bool = True) -> ReadResult:
@@ -308,24 +326,25 @@ def map_file(ops: FileOps, pool: Executor, path: str, *, chunk_bytes: int, odire
         ops.close(fd)
     if hasattr(buf, "madvise"):
         buf.madvise(mmap.MADV_WILLNEED)  # start reading what is not cached yet
-    view = memoryview(buf)
+    image = FlatImage(buf, size)
     early = max(0, size - TAIL_BYTES)
     early -= early % checksum.BLOCK_BYTES
-    digests = run_chunks(pool, size, chunk_bytes, lambda off, n: block_digests(view[off : off + n], off, n, early))
-    return _verified(buf, view, size, early, None, digests, path, False)
+    digests = run_chunks(pool, size, chunk_bytes, lambda off, n: image_digests(image, off, n, early))
+    return _verified(image, early, None, digests, path, False)
 
 
-def _verified(buf: mmap.mmap, view: memoryview, size: int, early: int, covered: int | None, digests: list[int],
-              path: str, direct: bool) -> ReadResult:
+def _verified(image: Image, early: int, covered: int | None, digests: list[int], path: str,
+              direct: bool) -> ReadResult:
     """The read's result: the manifest parsed from the tail (unless ``covered`` was given) and the
     checksum of the covered range, from the workers' digests of ``[0, early)`` and the rest."""
-    manifest = manifest_in(bytes(view[max(0, size - TAIL_BYTES) : size]), size, path) if covered is None else None
+    size = image.size
+    manifest = manifest_in(image.fetch(max(0, size - TAIL_BYTES), size), size, path) if covered is None else None
     want = covered if covered is not None else (manifest or {}).get("covered")
     digest = None
     if want is not None:
         if want < early:
             raise CorruptCheckpointError(f"{path}: its manifest covers {want} bytes of a {size}-byte file")
-        digests += block_digests(view[early:], early, want - early, want)
+        digests += image_digests(image, early, want - early, want)
         digest = checksum.combine(digests)
-    view.release()
-    return ReadResult(buf, size, manifest, digest, direct)
+    image.release()
+    return ReadResult(image.memory, size, manifest, digest, direct)

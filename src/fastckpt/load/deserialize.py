@@ -1,7 +1,9 @@
 """Zero-copy deserialisation of a checkpoint file already in memory.
 
-The verified buffer is handed to torch's own zip loader as the "overall storage" (the path
-torch uses for ``mmap=True``), so every tensor is a view of that buffer: no second copy. Each
+A ``load.image.HeapImage`` is its own "overall storage" (the path torch uses for ``mmap=True``):
+each record's storage is a view of the heap piece it was read into. One buffer (an object
+store's read, a mapped file, a file of small records) is handed to torch's loader through
+``_Records``, so every tensor is a view of that buffer: no second copy either. Each
 record that spans whole pages gets a storage of its own over its part of the buffer
 (``_Records``), and when that storage dies its pages go back to the system, so dropping some
 tensors of a loaded state frees their memory as it would after ``torch.load``; the buffer is
@@ -19,20 +21,23 @@ import torch
 
 from ..format.align import ALIGN
 from ..format.ranges import RangeReader
-
-ZIP_MAGIC = b"PK\x03\x04"
+from .image import ZIP_MAGIC, HeapImage
 
 
 def deserialize(buf, size: int, map_location: object, weights_only: bool, path: str) -> object:  # noqa: ANN001
-    """The object saved in the file image ``buf[:size]`` (a torch.save zip; a legacy, non-zip
-    torch file is loaded through ``torch.load`` from a copy)."""
-    if bytes(memoryview(buf)[:4]) != ZIP_MAGIC:
+    """The object saved in the file image ``buf[:size]``: a ``HeapImage``, or one buffer (a
+    torch.save zip; a legacy, non-zip torch file is loaded through ``torch.load`` from a copy)."""
+    if isinstance(buf, HeapImage):
+        fetch, records = buf.fetch, buf
+    elif bytes(memoryview(buf)[:4]) != ZIP_MAGIC:
         return torch.load(io.BytesIO(memoryview(buf)[:size]), map_location=map_location, weights_only=weights_only)
-    view = memoryview(buf)
-    reader = torch._C.PyTorchFileReader(RangeReader(size, lambda lo, hi: bytes(view[lo:hi])))
+    else:
+        view = memoryview(buf)
+        fetch, records = (lambda lo, hi: bytes(view[lo:hi])), _Records(buf)
+    reader = torch._C.PyTorchFileReader(RangeReader(size, fetch))
     module = torch.serialization._weights_only_unpickler if weights_only else pickle
     try:
-        return torch.serialization._load(reader, map_location, module, overall_storage=_Records(buf))
+        return torch.serialization._load(reader, map_location, module, overall_storage=records)
     except pickle.UnpicklingError as exc:
         exc.add_note(f"{path} holds objects that weights_only=True refuses. If you trust this file, "
                      "load it with weights_only=False.")

@@ -35,7 +35,8 @@ from ..errors import (
 )
 from ..io.engine import ReadResult
 from ..storage.homes import Homes, Location
-from .deserialize import ZIP_MAGIC, deserialize
+from .deserialize import deserialize
+from .image import ZIP_MAGIC, HeapImage, heap_image
 
 log = logging.getLogger("fastckpt")
 LEGACY_MAGIC = b"\x80\x02"  # torch.save's pre-zip format: a pickle, protocol 2
@@ -130,7 +131,7 @@ class Loader:
         return bool(a and b) and a.get("checksum") != b.get("checksum")
 
     def _read(self, loc: Location, opts: LoadOptions, url: str, where: str) -> Loaded:
-        res = loc.target.read_object(loc.key, chunk_bytes=self._chunk, mapped=opts.mmap)
+        res = loc.target.read_object(loc.key, chunk_bytes=self._chunk, mapped=opts.mmap, into=heap_image)
         if res.manifest is None:
             if opts.verify:
                 raise UnverifiableCheckpointError(
@@ -159,7 +160,8 @@ def _warn_unverified(url: str) -> None:
 
 def _unverified(res: ReadResult, url: str, opts: LoadOptions) -> object:
     """A file without a manifest: only its own structure can say it is damaged."""
-    head = bytes(memoryview(res.buffer)[: min(4, res.size)])
+    buf = res.buffer
+    head = buf.fetch(0, 4) if isinstance(buf, HeapImage) else bytes(memoryview(buf)[: min(4, res.size)])
     if res.size == 0:
         raise CorruptCheckpointError(f"{url} is empty (0 bytes): it was truncated or never written. Load an "
                                      "earlier checkpoint (fastckpt.latest(...)).")

@@ -22,7 +22,7 @@ from ..config import DEFAULT_RETRY_DEADLINE_S
 from ..errors import CorruptCheckpointError, ReplicationError
 from ..format import checksum
 from ..io import atomic
-from ..io.engine import ReadResult, map_file, read_file
+from ..io.engine import ImageFactory, ReadResult, map_file, read_file
 from ..io.ops import FileOps, pread_exact, pwrite_all
 from ..io.stream import checksum_file, copy_file, drop_cache
 from ..units import MiB
@@ -240,12 +240,12 @@ class PosixTarget(Target):
             self.ops, self._executor(), path, covered, covered, chunk_bytes=reads.READ_CHUNK_BYTES,
             odirect=self.odirect, throttle=throttle))
 
-    def read_object(self, key: str, *, chunk_bytes: int = 64 * MiB, mapped: bool = False) -> ReadResult:
-        """The whole file, read in parallel through one descriptor (O_DIRECT where honoured), or
-        with ``mapped`` mapped copy-on-write (``io.engine.map_file``): a concurrent replace of
-        the file gives this read the old or the new one, never a mix."""
+    def read_object(self, key: str, *, chunk_bytes: int = 64 * MiB, mapped: bool = False,
+                    into: ImageFactory | None = None) -> ReadResult:
+        """The whole file through one descriptor: read in parallel (``io.engine.read_file``), or
+        mapped copy-on-write (``map_file``). A concurrent replace gives it the old or the new one."""
         path, pool, n, ops, direct = self._path(key), self._executor(), chunk_bytes, self.ops, self.odirect
-        read = map_file if mapped else read_file
+        read = map_file if mapped else lambda *args, **kw: read_file(*args, into=into, **kw)
         return self._retry(f"{'map' if mapped else 'read'} of {path}", lambda: read(ops, pool, path, chunk_bytes=n,
                                                                                     odirect=direct))
 

@@ -13,7 +13,8 @@ from ..errors import CorruptCheckpointError
 from ..format import checksum
 from ..format.manifest import TAIL_BYTES, manifest_in
 from ..io import atomic
-from ..io.engine import ReadResult, alloc_aligned, block_digests
+from ..io.engine import ImageFactory, ReadResult, alloc_aligned, block_digests
+from ..io.image import BlockFetch, FlatImage, image_digests
 from ..io.ops import FileOps, pwrite_all
 from .types import TokenBucket, as_limiter, check_key
 
@@ -98,10 +99,12 @@ class ReadSide:
                 self.ops.close(fd)
         return size
 
-    def read_object(self, key: str, *, chunk_bytes: int = READ_CHUNK_BYTES, mapped: bool = False) -> ReadResult:
-        """The whole object in page-aligned memory, with its manifest and the checksum of the
-        range the manifest covers (parallel ranged reads, hashed as they arrive). ``mapped`` is
-        for files only: an object is always read into memory.
+    def read_object(self, key: str, *, chunk_bytes: int = READ_CHUNK_BYTES, mapped: bool = False,
+                    into: ImageFactory | None = None) -> ReadResult:
+        """The whole object in memory (the image ``into`` builds, ``io.engine.read_file``; else one
+        page-aligned buffer), with its manifest and the checksum of the range the manifest covers
+        (parallel ranged reads, hashed as they arrive). ``mapped`` is for files only: an object
+        is always read into memory.
 
         Raises:
             TargetNotFoundError: the object is missing.
@@ -109,16 +112,20 @@ class ReadSide:
         """
         size, manifest = self._size_and_manifest(key)
         covered = manifest["covered"] if manifest else None
-        buf = alloc_aligned(size)
-        view = memoryview(buf)
+        image = into(BlockFetch(lambda lo, n: bytes(self.read_range(key, lo, n)), size).fetch, size) if into else None
+        image = image or FlatImage(alloc_aligned(size), size)
 
         def fetch(offset: int, length: int) -> list[int]:
-            view[offset : offset + length] = self.read_range(key, offset, length)
-            return block_digests(view[offset:], offset, length, covered or 0)
+            data, at = memoryview(self.read_range(key, offset, length)), 0
+            for _, count, view in image.pieces(offset, length):
+                view[:count] = data[at : at + count]
+                at += count
+            return image_digests(image, offset, length, covered or 0)
 
         digests = [d for ds in self._map_ranges(size, chunk_bytes, fetch) for d in ds]
-        view.release()
-        return ReadResult(buf, size, manifest, checksum.combine(digests) if covered is not None else None, False)
+        image.release()
+        return ReadResult(image.memory, size, manifest, checksum.combine(digests) if covered is not None else None,
+                          False)
 
     def read_manifest(self, key: str) -> dict | None:
         """The fastckpt manifest in the zip comment of the file at ``key`` (its last bytes only);

@@ -1,0 +1,107 @@
+"""Where a read puts a file's bytes: a file image in memory, one buffer or several pieces.
+
+``read_file`` fills an image chunk by chunk from its worker threads. ``FlatImage`` is one
+page-aligned buffer (an anonymous mapping, fresh pages every read). A caller may build its own
+image instead (``read_file(into=...)``: ``load.image.HeapImage`` puts each large record of a
+torch zip in memory of its own, from the process's heap), so the engine only asks an image for
+the memory behind a range of the file (``pieces``) and for a few bytes of it (``fetch``).
+
+The protocol (``Image``), in call order, all from the reading thread except ``pieces``:
+  1. the caller's ``into(fetch, size)`` builds it (``fetch`` reads the file, before the image
+     is filled), or the engine makes a ``FlatImage``;
+  2. ``pieces(off, n)``, from the workers, once per chunk: the memory of ``[off, off + n)``;
+  3. ``fetch(lo, hi)``: bytes of the filled image (the manifest in the tail);
+  4. ``memory``: what ``ReadResult.buffer`` hands on; ``release()`` ends the engine's use.
+Every piece starts on a page of the file and of memory, so O_DIRECT can read straight into it.
+"""
+
+from __future__ import annotations
+
+import mmap
+from collections.abc import Callable
+from typing import Protocol
+
+import xxhash
+
+from ..format import checksum
+from ..format.align import ALIGN
+
+
+class Image(Protocol):
+    size: int
+
+    def pieces(self, off: int, n: int) -> list[tuple[int, int, memoryview]]:
+        """``(file offset, bytes of the range in it, memory)`` in file order; the memory may be
+        longer than the bytes (room to round an O_DIRECT read up to a page), never shorter."""
+        ...
+
+    def fetch(self, lo: int, hi: int) -> bytes: ...
+
+    @property
+    def memory(self) -> object: ...
+
+    def release(self) -> None: ...
+
+
+class FlatImage:
+    """The whole file in one page-aligned buffer: ``memory`` is the mmap itself."""
+
+    def __init__(self, buf: mmap.mmap, size: int) -> None:
+        self.size, self._buf, self._view = size, buf, memoryview(buf)
+
+    def pieces(self, off: int, n: int) -> list[tuple[int, int, memoryview]]:
+        return [(off, n, self._view[off:])]
+
+    def fetch(self, lo: int, hi: int) -> bytes:
+        return bytes(self._view[lo:hi])
+
+    @property
+    def memory(self) -> mmap.mmap:
+        return self._buf
+
+    def release(self) -> None:
+        self._view.release()
+
+
+class BlockFetch:
+    """``fetch(lo, hi)`` over ``read(off, n)``, which reads whole aligned 64 KiB blocks, each
+    once: the few scattered reads that find an image's layout (a zip's directory) cost a
+    handful of block reads, on a device or from an object store."""
+
+    BLOCK = 64 << 10
+
+    def __init__(self, read: Callable[[int, int], bytes], size: int) -> None:
+        self._read, self._size, self._blocks = read, size, {}
+
+    def fetch(self, lo: int, hi: int) -> bytes:
+        out = bytearray()
+        for b in range(lo - lo % self.BLOCK, min(hi, self._size), self.BLOCK):
+            if b not in self._blocks:
+                self._blocks[b] = self._read(b, min(self.BLOCK, self._size - b))
+            out += self._blocks[b][max(lo, b) - b : min(hi, b + self.BLOCK) - b]
+        return bytes(out)
+
+
+def image_digests(image: Image, off: int, n: int, covered: int) -> list[int]:
+    """Block digests of the file bytes ``[off, off + n)`` held in ``image`` that fall inside
+    ``[0, covered)``; ``off`` is on a block boundary. A block that spans pieces is hashed as one
+    stream over them (the same digest as over contiguous bytes)."""
+    out = []
+    for lo in range(off, min(off + n, covered), checksum.BLOCK_BYTES):
+        hi = min(lo + checksum.BLOCK_BYTES, off + n, covered)
+        parts = [view[:count] for _, count, view in image.pieces(lo, hi - lo)]
+        if len(parts) == 1:
+            out.append(checksum.block_digest(parts[0]))
+            continue
+        h = xxhash.xxh3_64()
+        for part in parts:
+            h.update(part)
+        out.append(h.intdigest())
+    return out
+
+
+def aligned_share(count: int, view: memoryview, direct: bool) -> memoryview:
+    """The memory a read of ``count`` bytes fills: rounded up to whole pages for O_DIRECT, as
+    far as ``view`` has room (the last page of a file is short)."""
+    want = -(-count // ALIGN) * ALIGN if direct else count
+    return view[: min(want, len(view))]

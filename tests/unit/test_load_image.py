@@ -1,0 +1,194 @@
+"""load.image: a page-aligned checkpoint is read into heap pieces, each large record in memory of
+its own (as torch.load allocates storages), the checksum still over every byte wherever it landed;
+any other file is read into one buffer, as before."""
+
+from __future__ import annotations
+
+import importlib
+import mmap
+import os
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+import fastckpt
+from fastckpt.errors import CorruptCheckpointError
+from fastckpt.format import checksum
+from fastckpt.io.engine import block_digests
+from fastckpt.io.image import BlockFetch, image_digests
+from fastckpt.load.deserialize import deserialize
+from fastckpt.load.image import OWN_BYTES, HeapImage, heap_image
+from fastckpt.storage.homes import open_target
+
+loader = importlib.import_module("fastckpt.load.loader")  # fastckpt.load is the function
+MiB = 1 << 20
+
+
+def _state() -> dict:
+    gen = torch.Generator().manual_seed(1)
+    return {"a": torch.randn(1 << 20, generator=gen),  # 4 MiB
+            "b": torch.randn((3 << 18) + 5, generator=gen),  # 3 MiB + 20 B: its last page is shared
+            "small": [torch.arange(5) + i for i in range(8)],  # between and after the large ones
+            "c": torch.randn(300_000, generator=gen).to(torch.float64),
+            "step": 3}
+
+
+def _same(a: dict, b: dict) -> bool:
+    return (all(torch.equal(a[k], b[k]) for k in "abc") and b["step"] == 3
+            and all(torch.equal(x, y) for x, y in zip(a["small"], b["small"], strict=True)))
+
+
+@pytest.fixture
+def images(monkeypatch: pytest.MonkeyPatch) -> list:
+    """Every image the loader's reads built (None: one buffer)."""
+    built: list = []
+
+    def spy(fetch: Callable[[int, int], bytes], size: int) -> HeapImage | None:
+        built.append(heap_image(fetch, size))
+        return built[-1]
+
+    monkeypatch.setattr(loader, "heap_image", spy)
+    return built
+
+
+def _record_offsets(path: str) -> dict[str, tuple[int, int]]:
+    reader = torch._C.PyTorchFileReader(path)
+    return {n: (reader.get_record_offset(n), reader.get_record_size(n))
+            for n in reader.get_all_records() if n.startswith("data/")}
+
+
+def test_large_records_get_heap_pieces_of_their_own(tmp_path: Path, images: list) -> None:
+    path, state = str(tmp_path / "s.pt"), _state()
+    with fastckpt.Checkpointer() as ck:
+        ck.save(state, path).wait()
+        out = ck.load(path)
+    assert _same(state, out)
+    (image,) = images
+    assert isinstance(image, HeapImage)
+    large = [(off, n) for off, n in _record_offsets(path).values() if n >= OWN_BYTES]
+    assert len(large) == 3
+    for off, n in large:  # a piece starts at the record, the next one only after it
+        i = image.starts.index(off)
+        assert image.starts[i + 1] >= off + n
+    for key in "abc":  # each large tensor owns its storage: no other record's bytes in it
+        st = out[key].untyped_storage()
+        assert st.nbytes() == out[key].numel() * out[key].element_size() and st.data_ptr() % 4096 == 0
+    del image, images[:]
+    out["a"].add_(1)  # the storages are the loaded memory, writable, and outlive the image
+    assert torch.equal(out["a"], state["a"] + 1)
+
+
+def _flip(path: str, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x40]))
+
+
+@pytest.mark.parametrize("where", ["large record", "last page of a large record", "pickle", "small record",
+                                   "central directory"])
+def test_a_damaged_byte_in_any_piece_is_caught(tmp_path: Path, images: list, where: str) -> None:
+    path, state = str(tmp_path / "s.pt"), _state()
+    with fastckpt.Checkpointer() as ck:
+        ck.save(state, path).wait()
+        recs = sorted(_record_offsets(path).values(), key=lambda r: -r[1])
+        if where == "large record":
+            offset = recs[0][0] + 12345
+        elif where == "last page of a large record":  # "b": the piece after it starts on the next page
+            offset = sum(next(r for r in recs if r[1] % 4096)) - 1
+        elif where == "pickle":
+            offset = torch._C.PyTorchFileReader(path).get_record_offset("data.pkl") + 10
+        elif where == "small record":
+            offset = recs[-1][0] + 3
+        else:  # an entry's sizes in the central directory, found from the end record
+            tail = Path(path).read_bytes()[-70000:]
+            at = tail.rfind(b"PK\x05\x06")
+            offset = int.from_bytes(tail[at + 16 : at + 20], "little") + 20
+        _flip(path, offset)
+        with pytest.raises(CorruptCheckpointError, match="corrupt|damaged|truncated"):
+            ck.load(path)
+    assert images  # the read went through the factory, whatever it decided
+
+
+def test_small_records_are_read_into_one_buffer(tmp_path: Path, images: list) -> None:
+    path = str(tmp_path / "s.pt")
+    state = {f"t{i}": torch.arange(10) + i for i in range(200)}
+    with fastckpt.Checkpointer() as ck:
+        ck.save(state, path).wait()
+        out = ck.load(path)
+    assert all(torch.equal(out[k], v) for k, v in state.items())
+    assert images == [None]
+
+
+def test_a_plain_torch_save_file_is_read_into_one_buffer(tmp_path: Path, images: list) -> None:
+    path = str(tmp_path / "plain.pt")
+    state = {"w": torch.randn(1 << 20)}
+    torch.save(state, path)  # 64-byte alignment: no record starts on a page
+    with fastckpt.Checkpointer() as ck:
+        assert torch.equal(ck.load(path)["w"], state["w"])
+    assert images == [None]
+
+
+def _filled(size: int, spans: list[tuple[int, int]]) -> tuple[HeapImage, bytes]:
+    data = os.urandom(size)
+    image = HeapImage(size, spans)
+    for off in range(0, size, 3 * MiB):  # pieces of ranges that start anywhere
+        n = min(3 * MiB, size - off)
+        at = off
+        for start, count, view in image.pieces(off, n):
+            assert start == at and len(view) >= count
+            view[:count] = data[start : start + count]
+            at += count
+        assert at == off + n
+    return image, data
+
+
+def test_block_digests_over_pieces_equal_those_over_contiguous_bytes() -> None:
+    size = 40 * MiB + 777
+    image, data = _filled(size, [(4096, 20 * MiB + 3), (24 * MiB, 5 * MiB), (30 * MiB, 8 * MiB)])
+    assert len(image.starts) == 7  # three records, and the bytes before, between and after them
+    blocks = checksum.BLOCK_BYTES
+    for off in range(0, size, blocks):
+        n = min(blocks, size - off)
+        assert image_digests(image, off, n, size) == block_digests(memoryview(data)[off:], off, n, size)
+    assert image.fetch(24 * MiB - 10, 24 * MiB + 10) == data[24 * MiB - 10 : 24 * MiB + 10]
+
+
+def test_a_record_across_pieces_is_copied_not_misread() -> None:
+    image, data = _filled(8 * MiB, [(MiB, 2 * MiB)])
+    inside = image[MiB + 8 : MiB + 100]  # within a piece: a view of it
+    across = image[MiB - 50 : MiB + 50]  # a damaged directory could name this
+    assert bytes(inside.tolist()) == data[MiB + 8 : MiB + 100]
+    assert bytes(across.tolist()) == data[MiB - 50 : MiB + 50]
+
+
+def test_block_fetch_reads_each_block_once() -> None:
+    data = os.urandom(300_000)
+    reads: list[tuple[int, int]] = []
+
+    def read(off: int, n: int) -> bytes:
+        reads.append((off, n))
+        return data[off : off + n]
+
+    f = BlockFetch(read, len(data))
+    assert f.fetch(65530, 65540) == data[65530:65540]  # across two blocks
+    assert f.fetch(65536, 70000) == data[65536:70000]
+    assert f.fetch(299_990, 400_000) == data[299_990:]  # past the end: what there is
+    assert reads == [(0, 65536), (65536, 65536), (262144, 300_000 - 262144)]
+
+
+def test_an_object_store_read_fills_a_heap_image(tmp_path: Path) -> None:
+    path, state = str(tmp_path / "s.pt"), _state()
+    with fastckpt.Checkpointer() as ck:
+        ck.save(state, path).wait()
+    t = open_target(f"memory://fastckpt-{uuid.uuid4().hex[:8]}/run", parallelism=2)
+    t.put_file(path, "s.pt", chunk_bytes=MiB)
+    res = t.read_object("s.pt", chunk_bytes=checksum.BLOCK_BYTES, into=heap_image)
+    flat = t.read_object("s.pt", chunk_bytes=checksum.BLOCK_BYTES)
+    assert isinstance(res.buffer, HeapImage) and isinstance(flat.buffer, mmap.mmap)
+    assert res.checksum == flat.checksum == res.manifest["checksum"]["value"]
+    assert _same(state, deserialize(res.buffer, res.size, None, True, "s.pt"))
