@@ -34,7 +34,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .io.ops import FileOps
+from .io.ops import FileOps, Residency
 
 __all__ = ["Fault", "FaultyOps", "Gate", "OPS"]
 
@@ -237,9 +237,9 @@ class FaultyOps(FileOps):
         self._guard("preadv", self._path_of(fd))
         return super().preadv(fd, buf, offset)
 
-    def preadv_cached(self, fd: int, buf: memoryview, offset: int) -> int:
+    def preadv_cached(self, fd: int, buf: memoryview, offset: int, residency: Residency | None = None) -> int:
         self._guard("preadv", self._path_of(fd))
-        return super().preadv_cached(fd, buf, offset)
+        return super().preadv_cached(fd, buf, offset, residency)
 
     def map_private(self, fd: int, size: int):  # noqa: ANN201 (an mmap.mmap)
         self._guard("map_private", self._path_of(fd))

@@ -14,7 +14,8 @@ import torch
 import fastckpt
 from fastckpt.format import checksum
 from fastckpt.io import engine
-from fastckpt.io.ops import FileOps, resident_bytes
+from fastckpt.io import ops as ops_module
+from fastckpt.io.ops import FileOps, Residency, resident_bytes
 from fastckpt.load.deserialize import deserialize
 from fastckpt.load.image import HeapImage, heap_image
 from fastckpt.save.tiers import probe_odirect
@@ -33,8 +34,8 @@ class CountingOps(FileOps):
         self.device += n
         return n
 
-    def preadv_cached(self, fd: int, buf: memoryview, offset: int) -> int:
-        n = super().preadv_cached(fd, buf, offset)
+    def preadv_cached(self, fd: int, buf: memoryview, offset: int, residency: Residency | None = None) -> int:
+        n = super().preadv_cached(fd, buf, offset, residency)
         self.cached += n
         return n
 
@@ -165,6 +166,29 @@ def test_resident_bytes_counts_up_to_the_first_missing_page(direct_dir) -> None:
         assert resident_bytes(fd, 0, 0) == 0
     finally:
         os.close(fd)
+
+
+def test_one_residency_mapping_answers_every_chunk_of_a_read(direct_dir, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A mapping made and removed per chunk stalls the page faults of the other workers: a read
+    maps the file once and asks that mapping (the same answers as ``resident_bytes``)."""
+    size = 40 * MiB + 12345
+    path = direct_dir / "q.bin"
+    data = _file(path, size)
+    _evict(path)
+    with open(path, "rb") as f:
+        f.seek(17 * MiB + 5)
+        f.read(3 * MiB)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with Residency(fd, 0, size) as res:
+            for off, n in [(0, size), (17 * MiB, 4 * MiB), (17 * MiB + 4096 + 7, MiB), (size - 100, 100), (5, 0)]:
+                assert res.resident(off, n) == resident_bytes(fd, off, n)
+    finally:
+        os.close(fd)
+    asked = []
+    monkeypatch.setattr(ops_module, "resident_bytes", lambda *a: asked.append(a) or 0)
+    res = _read(CountingOps(), path)
+    assert bytes(memoryview(res.buffer)[:size]) == data and asked == []
 
 
 def test_twin_reads_the_open_file_not_the_path(direct_dir) -> None:

@@ -21,7 +21,7 @@ from ..format import checksum
 from ..format.align import ALIGN
 from ..format.manifest import TAIL_BYTES, manifest_in
 from .image import BlockFetch, FlatImage, Image, aligned_share, image_digests
-from .ops import FileOps, pread_exact, pwrite_all
+from .ops import FileOps, Residency, pread_exact, pwrite_all
 
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 #: ``into(fetch, size)``: the image a read fills (``io.image``), or None for one flat buffer.
@@ -226,12 +226,14 @@ def _buffered_twin(ops: FileOps, fd: int) -> int:
         return -1
 
 
-def _read_chunk(ops: FileOps, fd: int, cached: int, chunk: memoryview, off: int, n: int, path: str) -> None:
+def _read_chunk(ops: FileOps, fd: int, cached: int, chunk: memoryview, off: int, n: int, path: str,
+                residency: Residency | None = None) -> None:
     """Fill ``chunk[:n]`` with the file's bytes from ``off``: from the page cache as far as it
-    holds them (through ``cached``, when >= 0), the rest from ``fd``."""
+    holds them (through ``cached``, when >= 0; ``residency`` of it, if given, says where), the
+    rest from ``fd``."""
     got = 0
     if cached >= 0:
-        while got < n and (r := ops.preadv_cached(cached, chunk[got:n], off + got)) > 0:
+        while got < n and (r := ops.preadv_cached(cached, chunk[got:n], off + got, residency)) > 0:
             got += r
     if got < n:
         got -= got % ALIGN  # O_DIRECT continues from a page boundary
@@ -267,36 +269,39 @@ def read_file(ops: FileOps, pool: Executor, path: str, *, chunk_bytes: int, odir
     if chunk_bytes % checksum.BLOCK_BYTES:
         raise ValueError("chunk_bytes must be a multiple of the checksum block")
     fd, direct = open_for_read(ops, path, odirect)
-    cached = -1
+    cached, res = -1, None
     try:
-        if direct:
-            cached = _buffered_twin(ops, fd)
         size = os.fstat(fd).st_size
-        image = into(BlockFetch(_block_reader(ops, fd, cached, path, direct), size).fetch, size) if into else None
+        if direct and (cached := _buffered_twin(ops, fd)) >= 0:
+            res = Residency(cached, 0, size)  # one mapping asked by every chunk (see Residency)
+        image = into(BlockFetch(_block_reader(ops, fd, cached, path, direct, res), size).fetch, size) if into else None
         image = image or FlatImage(alloc_aligned(size), size)
         early = covered if covered is not None else max(0, size - TAIL_BYTES)
         early -= early % checksum.BLOCK_BYTES if covered is None else 0
 
         def read_chunk(off: int, n: int) -> list[int]:
             for at, count, view in image.pieces(off, n):
-                _read_chunk(ops, fd, cached, aligned_share(count, view, direct), at, count, path)
+                _read_chunk(ops, fd, cached, aligned_share(count, view, direct), at, count, path, res)
             return image_digests(image, off, n, early)
 
         digests = run_chunks(pool, size, chunk_bytes, read_chunk)
     finally:
+        if res is not None:
+            res.close()
         if cached >= 0:
             ops.close(cached)
         ops.close(fd)
     return _verified(image, early, covered, digests, path, direct)
 
 
-def _block_reader(ops: FileOps, fd: int, cached: int, path: str, direct: bool) -> Callable[[int, int], bytes]:
+def _block_reader(ops: FileOps, fd: int, cached: int, path: str, direct: bool,
+                  res: Residency | None) -> Callable[[int, int], bytes]:
     """Reads of single blocks as the chunks read (the cache where it holds them, else O_DIRECT)."""
 
     def read(off: int, n: int) -> bytes:
         buf = alloc_aligned(n)
         with memoryview(buf) as view:
-            _read_chunk(ops, fd, cached, aligned_share(n, view, direct), off, n, path)
+            _read_chunk(ops, fd, cached, aligned_share(n, view, direct), off, n, path, res)
             data = bytes(view[:n])
         buf.close()
         return data
