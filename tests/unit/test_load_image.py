@@ -18,7 +18,7 @@ import fastckpt
 from fastckpt.errors import CorruptCheckpointError
 from fastckpt.format import checksum
 from fastckpt.io.engine import block_digests
-from fastckpt.io.image import BlockFetch, image_digests
+from fastckpt.io.image import BlockFetch, BlockStream, image_digests
 from fastckpt.load.deserialize import deserialize
 from fastckpt.load.image import OWN_BYTES, HeapImage, heap_image
 from fastckpt.storage.homes import open_target
@@ -156,6 +156,23 @@ def test_block_digests_over_pieces_equal_those_over_contiguous_bytes() -> None:
         n = min(blocks, size - off)
         assert image_digests(image, off, n, size) == block_digests(memoryview(data)[off:], off, n, size)
     assert image.fetch(24 * MiB - 10, 24 * MiB + 10) == data[24 * MiB - 10 : 24 * MiB + 10]
+
+
+@pytest.mark.parametrize("limit", [40 * MiB + 777, 32 * MiB, 20 * MiB + 5, 16 * MiB])
+def test_a_block_stream_fed_in_any_parts_gives_the_contiguous_digests(limit: int) -> None:
+    """What a read hashes as it copies from the page cache, a few MiB at a time (io.image.BlockStream)."""
+    data = memoryview(os.urandom(40 * MiB + 777))
+    want = block_digests(data[16 * MiB :], 16 * MiB, len(data) - 16 * MiB, limit)
+    for cuts in ([], [1, 4096, 2 << 20, 16 * MiB - 1, 16 * MiB, 16 * MiB + 3], list(range(0, 25 * MiB, 3 << 20))):
+        stream, at = BlockStream(16 * MiB, limit), 16 * MiB
+        for end in [16 * MiB + c for c in cuts] + [len(data)]:
+            stream.feed(data[at:end])
+            at = max(at, end)
+        assert stream.digests() == want
+    short = BlockStream(0, limit)
+    short.feed(data[: limit - 1])
+    with pytest.raises(AssertionError, match="fed up to"):
+        short.digests()
 
 
 def test_a_record_across_pieces_is_copied_not_misread() -> None:

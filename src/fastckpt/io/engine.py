@@ -20,10 +20,11 @@ from ..errors import CorruptCheckpointError
 from ..format import checksum
 from ..format.align import ALIGN
 from ..format.manifest import TAIL_BYTES, manifest_in
-from .image import BlockFetch, FlatImage, Image, aligned_share, image_digests
+from .image import BlockFetch, BlockStream, FlatImage, Image, aligned_share, block_digests, image_digests
 from .ops import FileOps, Residency, pread_exact, pwrite_all
 
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
+HOT_BYTES = 2 << 20  # what a read from the page cache hashes at a time
 #: ``into(fetch, size)``: the image a read fills (``io.image``), or None for one flat buffer.
 ImageFactory = Callable[[Callable[[int, int], bytes], int], "Image | None"]
 
@@ -83,13 +84,6 @@ def open_for_read(ops: FileOps, path: str, want_direct: bool) -> tuple[int, bool
             if exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
                 raise
     return ops.open(path, os.O_RDONLY), False
-
-
-def block_digests(view: memoryview, off: int, n: int, covered: int) -> list[int]:
-    """Block digests of ``view[:n]`` (file bytes from ``off``) that fall inside ``[0, covered)``."""
-    lim = max(0, min(n, covered - off))
-    return [checksum.block_digest(view[b : min(b + checksum.BLOCK_BYTES, lim)])
-            for b in range(0, lim, checksum.BLOCK_BYTES)]
 
 
 def write_file(
@@ -227,17 +221,23 @@ def _buffered_twin(ops: FileOps, fd: int) -> int:
 
 
 def _read_chunk(ops: FileOps, fd: int, cached: int, chunk: memoryview, off: int, n: int, path: str,
-                residency: Residency | None = None) -> None:
+                residency: Residency | None = None, feed: Callable[[memoryview], None] | None = None) -> None:
     """Fill ``chunk[:n]`` with the file's bytes from ``off``: from the page cache as far as it
     holds them (through ``cached``, when >= 0; ``residency`` of it, if given, says where), the
-    rest from ``fd``."""
-    got = 0
+    rest from ``fd``. ``feed`` gets the bytes in order, those from the cache ``HOT_BYTES`` at a
+    time: hashed while they are still in the CPU's caches."""
+    step, got, fed = (HOT_BYTES if feed is not None else n), 0, 0
     if cached >= 0:
-        while got < n and (r := ops.preadv_cached(cached, chunk[got:n], off + got, residency)) > 0:
+        while got < n and (r := ops.preadv_cached(cached, chunk[got : min(n, got + step)], off + got, residency)) > 0:
             got += r
+            if feed is not None:
+                feed(chunk[fed:got])
+                fed = got
     if got < n:
         got -= got % ALIGN  # O_DIRECT continues from a page boundary
         pread_exact(ops, fd, chunk[got:], off + got, n - got, path)
+    if feed is not None and fed < n:
+        feed(chunk[fed:n])
 
 
 def alloc_aligned(nbytes: int) -> mmap.mmap:
@@ -251,10 +251,9 @@ def read_file(ops: FileOps, pool: Executor, path: str, *, chunk_bytes: int, odir
     """Read a whole file into page-aligned memory in parallel, through one open file.
 
     The file is opened once, so a concurrent rename-replace of ``path`` gives this read the old
-    file or the new one, never parts of both. With O_DIRECT, what the page cache already holds
-    is copied from it instead (``_read_chunk``), as ``torch.load`` would read it. The workers
-    hash every checksum block wholly before the last ``TAIL_BYTES`` (inside the checksummed
-    range whatever the manifest says); the few after that once the manifest is parsed.
+    file or the new one, never parts of both. What the page cache holds is copied from it
+    (``_read_chunk``), the rest read with O_DIRECT. The workers hash each checksum block wholly
+    before the last ``TAIL_BYTES`` as it arrives; the few after that once the manifest is parsed.
 
     Args:
         covered: hash ``[0, covered)`` (a file being written has no manifest yet); None: the
@@ -280,9 +279,10 @@ def read_file(ops: FileOps, pool: Executor, path: str, *, chunk_bytes: int, odir
         early -= early % checksum.BLOCK_BYTES if covered is None else 0
 
         def read_chunk(off: int, n: int) -> list[int]:
+            stream = BlockStream(off, min(off + n, early))
             for at, count, view in image.pieces(off, n):
-                _read_chunk(ops, fd, cached, aligned_share(count, view, direct), at, count, path, res)
-            return image_digests(image, off, n, early)
+                _read_chunk(ops, fd, cached, aligned_share(count, view, direct), at, count, path, res, stream.feed)
+            return stream.digests()
 
         digests = run_chunks(pool, size, chunk_bytes, read_chunk)
     finally:

@@ -82,6 +82,13 @@ class BlockFetch:
         return bytes(out)
 
 
+def block_digests(view: memoryview, off: int, n: int, covered: int) -> list[int]:
+    """Block digests of ``view[:n]`` (file bytes from ``off``) that fall inside ``[0, covered)``."""
+    lim = max(0, min(n, covered - off))
+    return [checksum.block_digest(view[b : min(b + checksum.BLOCK_BYTES, lim)])
+            for b in range(0, lim, checksum.BLOCK_BYTES)]
+
+
 def image_digests(image: Image, off: int, n: int, covered: int) -> list[int]:
     """Block digests of the file bytes ``[off, off + n)`` held in ``image`` that fall inside
     ``[0, covered)``; ``off`` is on a block boundary. A block that spans pieces is hashed as one
@@ -98,6 +105,29 @@ def image_digests(image: Image, off: int, n: int, covered: int) -> list[int]:
             h.update(part)
         out.append(h.intdigest())
     return out
+
+
+class BlockStream:
+    """Block digests of file bytes ``feed`` gets in order, from ``off`` (a block boundary) up to
+    ``limit``: a reader hashes each part as soon as it has it (the same digests as over the
+    contiguous bytes; bytes past ``limit`` are ignored)."""
+
+    def __init__(self, off: int, limit: int) -> None:
+        self._pos, self._limit, self._hash, self._out = off, limit, xxhash.xxh3_64(), []
+
+    def feed(self, part: memoryview) -> None:
+        while len(part) and self._pos < self._limit:
+            take = min(len(part), checksum.BLOCK_BYTES - self._pos % checksum.BLOCK_BYTES, self._limit - self._pos)
+            self._hash.update(part[:take])
+            self._pos, part = self._pos + take, part[take:]
+            if self._pos % checksum.BLOCK_BYTES == 0 or self._pos == self._limit:
+                self._out.append(self._hash.intdigest())
+                self._hash = xxhash.xxh3_64()
+
+    def digests(self) -> list[int]:
+        if self._pos < self._limit:
+            raise AssertionError(f"fed up to byte {self._pos}, not {self._limit}")
+        return self._out
 
 
 def aligned_share(count: int, view: memoryview, direct: bool) -> memoryview:
