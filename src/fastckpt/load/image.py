@@ -31,7 +31,9 @@ from ..format.ranges import RangeReader
 
 ZIP_MAGIC = b"PK\x03\x04"
 OWN_BYTES = 64 << 10  # a record this large gets a piece of its own
-MIN_AVERAGE = 256 << 10  # below this many bytes per zip entry the records are not page aligned
+#: Fewer bytes than this per zip entry: the layout packed the records at 64 bytes (a page pays
+#: from 256 KiB per record, ``format.layout.choose_align``), so skip reading the directory.
+MIN_AVERAGE = 256 << 10
 
 
 class HeapImage:
