@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from ..errors import CorruptCheckpointError
 from ..format import checksum
-from ..format.align import ALIGN
+from ..format.align import ALIGN, round_up
 from ..format.manifest import TAIL_BYTES, manifest_in
 from .image import BlockFetch, BlockStream, FlatImage, Image, aligned_share, block_digests, image_digests
 from .ops import FileOps, Residency, pread_exact, pwrite_all
@@ -56,10 +56,6 @@ class ReadResult:
     manifest: dict | None
     checksum: str | None
     odirect: bool
-
-
-def round_up(n: int, a: int = ALIGN) -> int:
-    return (n + a - 1) // a * a
 
 
 def open_for_write(ops: FileOps, path: str, want_direct: bool) -> tuple[int, bool, str | None]:

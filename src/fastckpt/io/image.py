@@ -24,7 +24,7 @@ from typing import Protocol
 import xxhash
 
 from ..format import checksum
-from ..format.align import ALIGN
+from ..format.align import round_up
 
 
 class Image(Protocol):
@@ -133,5 +133,5 @@ class BlockStream:
 def aligned_share(count: int, view: memoryview, direct: bool) -> memoryview:
     """The memory a read of ``count`` bytes fills: rounded up to whole pages for O_DIRECT, as
     far as ``view`` has room (the last page of a file is short)."""
-    want = -(-count // ALIGN) * ALIGN if direct else count
+    want = round_up(count) if direct else count
     return view[: min(want, len(view))]

@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..format.align import ALIGN
+from ..format.align import ALIGN, round_up
 from ..format.manifest import EOCD_SIG, TAIL_BYTES
 from ..format.ranges import RangeReader
 
@@ -48,13 +48,13 @@ class HeapImage:
         for off, n in spans:
             if off > pos:
                 self._add(pos, off - pos)
-            pos = min(size, off + -(-n // ALIGN) * ALIGN)
+            pos = min(size, off + round_up(n))
             self._add(off, pos - off)
         if pos < size or not self.starts:
             self._add(pos, size - pos)
 
     def _add(self, off: int, n: int) -> None:
-        room = -(-n // ALIGN) * ALIGN  # O_DIRECT fills whole pages
+        room = round_up(n)  # O_DIRECT fills whole pages
         base = torch.empty(room + ALIGN, dtype=torch.uint8).untyped_storage()
         pad = -base.data_ptr() % ALIGN
         view = memoryview((ctypes.c_char * room).from_address(base.data_ptr() + pad)).cast("B")
