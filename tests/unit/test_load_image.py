@@ -196,6 +196,10 @@ def test_block_fetch_reads_each_block_once() -> None:
     assert f.fetch(65536, 70000) == data[65536:70000]
     assert f.fetch(299_990, 400_000) == data[299_990:]  # past the end: what there is
     assert reads == [(0, 65536), (65536, 65536), (262144, 300_000 - 262144)]
+    reads.clear()
+    tail = BlockFetch(read, len(data), (250_000, data[250_000:]))  # an object's tail, read already
+    assert tail.fetch(260_000, 400_000) == data[260_000:] and reads == []
+    assert tail.fetch(0, 4) == data[:4] and reads == [(0, 65536)]
 
 
 def test_an_object_store_read_fills_a_heap_image(tmp_path: Path) -> None:
@@ -204,7 +208,14 @@ def test_an_object_store_read_fills_a_heap_image(tmp_path: Path) -> None:
         ck.save(state, path).wait()
     t = open_target(f"memory://fastckpt-{uuid.uuid4().hex[:8]}/run", parallelism=2)
     t.put_file(path, "s.pt", chunk_bytes=MiB)
+    ranges: list[tuple[int, int]] = []
+    read_range = t.read_range
+    t.read_range = lambda key, lo, n: ranges.append((lo, n)) or read_range(key, lo, n)  # type: ignore[method-assign]
     res = t.read_object("s.pt", chunk_bytes=checksum.BLOCK_BYTES, into=heap_image)
+    size = os.path.getsize(path)
+    assert size < checksum.BLOCK_BYTES  # one chunk
+    # the tail (for the manifest, and the zip directory in it), the first block, the chunk
+    assert ranges == [(size - 65557, 65557), (0, 65536), (0, size)]
     flat = t.read_object("s.pt", chunk_bytes=checksum.BLOCK_BYTES)
     assert isinstance(res.buffer, HeapImage) and isinstance(flat.buffer, mmap.mmap)
     assert res.checksum == flat.checksum == res.manifest["checksum"]["value"]

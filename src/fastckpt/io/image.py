@@ -66,14 +66,18 @@ class FlatImage:
 class BlockFetch:
     """``fetch(lo, hi)`` over ``read(off, n)``, which reads whole aligned 64 KiB blocks, each
     once: the few scattered reads that find an image's layout (a zip's directory) cost a
-    handful of block reads, on a device or from an object store."""
+    handful of block reads, on a device or from an object store. ``known``: ``(offset, bytes)``
+    the caller has read already (an object's tail), served without a read."""
 
     BLOCK = 64 << 10
 
-    def __init__(self, read: Callable[[int, int], bytes], size: int) -> None:
-        self._read, self._size, self._blocks = read, size, {}
+    def __init__(self, read: Callable[[int, int], bytes], size: int, known: tuple[int, bytes] = (0, b"")) -> None:
+        self._read, self._size, self._blocks, self._known = read, size, {}, known
 
     def fetch(self, lo: int, hi: int) -> bytes:
+        at, data = self._known
+        if at <= lo and min(hi, self._size) <= at + len(data):
+            return data[lo - at : min(hi, self._size) - at]
         out = bytearray()
         for b in range(lo - lo % self.BLOCK, min(hi, self._size), self.BLOCK):
             if b not in self._blocks:

@@ -110,9 +110,10 @@ class ReadSide:
             TargetNotFoundError: the object is missing.
             CorruptCheckpointError: its trailer or manifest is damaged.
         """
-        size, manifest = self._size_and_manifest(key)
+        size, manifest, tail = self._size_and_manifest(key)
         covered = manifest["covered"] if manifest else None
-        image = into(BlockFetch(lambda lo, n: bytes(self.read_range(key, lo, n)), size).fetch, size) if into else None
+        blocks = BlockFetch(lambda lo, n: bytes(self.read_range(key, lo, n)), size, (size - len(tail), tail))
+        image = into(blocks.fetch, size) if into else None  # the directory: mostly in the tail already read
         image = image or FlatImage(alloc_aligned(size), size)
 
         def fetch(offset: int, length: int) -> list[int]:
@@ -136,8 +137,9 @@ class ReadSide:
         """
         return self._size_and_manifest(key)[1]
 
-    def _size_and_manifest(self, key: str) -> tuple[int, dict | None]:
+    def _size_and_manifest(self, key: str) -> tuple[int, dict | None, bytes]:
+        """The object's size, its manifest and its last ``TAIL_BYTES`` (where both came from)."""
         size = self.size(check_key(key))
-        tail = self.read_range(key, max(0, size - TAIL_BYTES), min(size, TAIL_BYTES)) if size else b""
-        return size, manifest_in(bytes(tail), size, self.url_of(key))
+        tail = bytes(self.read_range(key, max(0, size - TAIL_BYTES), min(size, TAIL_BYTES))) if size else b""
+        return size, manifest_in(tail, size, self.url_of(key)), tail
 
