@@ -96,19 +96,11 @@ def block_digests(view: memoryview, off: int, n: int, covered: int) -> list[int]
 def image_digests(image: Image, off: int, n: int, covered: int) -> list[int]:
     """Block digests of the file bytes ``[off, off + n)`` held in ``image`` that fall inside
     ``[0, covered)``; ``off`` is on a block boundary. A block that spans pieces is hashed as one
-    stream over them (the same digest as over contiguous bytes)."""
-    out = []
-    for lo in range(off, min(off + n, covered), checksum.BLOCK_BYTES):
-        hi = min(lo + checksum.BLOCK_BYTES, off + n, covered)
-        parts = [view[:count] for _, count, view in image.pieces(lo, hi - lo)]
-        if len(parts) == 1:
-            out.append(checksum.block_digest(parts[0]))
-            continue
-        h = xxhash.xxh3_64()
-        for part in parts:
-            h.update(part)
-        out.append(h.intdigest())
-    return out
+    stream over them (``BlockStream``: the same digest as over contiguous bytes)."""
+    stream = BlockStream(off, min(off + n, covered))
+    for _, count, view in image.pieces(off, n):
+        stream.feed(view[:count])
+    return stream.digests()
 
 
 class BlockStream:
