@@ -233,7 +233,7 @@ class FaultyOps(FileOps):
             return super().pwrite(fd, memoryview(data)[: min(fault.short, len(data))], offset)
         return super().pwrite(fd, data, offset)
 
-    def preadv(self, fd: int, buf: memoryview, offset: int) -> int:
+    def preadv(self, fd: int, buf: memoryview | list[memoryview], offset: int) -> int:
         self._guard("preadv", self._path_of(fd))
         return super().preadv(fd, buf, offset)
 

@@ -275,8 +275,14 @@ def read_file(ops: FileOps, pool: Executor, path: str, *, chunk_bytes: int, odir
         early -= early % checksum.BLOCK_BYTES if covered is None else 0
 
         def read_chunk(off: int, n: int) -> list[int]:
-            stream = BlockStream(off, min(off + n, early))
-            for at, count, view in image.pieces(off, n):
+            stream, parts = BlockStream(off, min(off + n, early)), image.pieces(off, n)
+            if len(parts) > 1 and direct and (res is None or res.resident(off, n) == 0):
+                # Not cached: the whole chunk in one request, however many pieces hold it.
+                pread_exact(ops, fd, [aligned_share(count, view, direct) for _, count, view in parts], off, n, path)
+                for _, count, view in parts:
+                    stream.feed(view[:count])
+                return stream.digests()
+            for at, count, view in parts:
                 _read_chunk(ops, fd, cached, aligned_share(count, view, direct), at, count, path, res, stream.feed)
             return stream.digests()
 

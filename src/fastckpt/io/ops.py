@@ -32,6 +32,7 @@ _mmap_fn.restype, _mmap_fn.argtypes = ctypes.c_void_p, [ctypes.c_void_p, ctypes.
 _munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
 _LOW_BIT = bytes(i & 1 for i in range(256))
+_IOV_MAX = 1024  # buffers one preadv takes (POSIX's minimum for IOV_MAX is 16; Linux's is 1024)
 
 
 def resident_bytes(fd: int, offset: int, n: int) -> int:
@@ -92,8 +93,10 @@ class FileOps:
     def pwrite(self, fd: int, data: memoryview, offset: int) -> int:
         return os.pwrite(fd, data, offset)
 
-    def preadv(self, fd: int, buf: memoryview, offset: int) -> int:
-        return os.preadv(fd, [buf], offset)
+    def preadv(self, fd: int, buf: memoryview | list[memoryview], offset: int) -> int:
+        """One read into ``buf``, or into several buffers in order (one system call: an O_DIRECT
+        read into many pieces goes to the device as one request, not one per piece)."""
+        return os.preadv(fd, buf if isinstance(buf, list) else [buf], offset)
 
     def preadv_cached(self, fd: int, buf: memoryview, offset: int, residency: Residency | None = None) -> int:
         """Read only what the page cache holds now: the bytes read, 0 when the first page is not
@@ -207,16 +210,22 @@ def pwrite_all(ops: FileOps, fd: int, view: memoryview, offset: int, path: str) 
         done += n
 
 
-def pread_exact(ops: FileOps, fd: int, view: memoryview, offset: int, n: int, path: str) -> None:
-    """Fill ``view[:n]`` from ``offset`` (``view`` may be longer: O_DIRECT reads whole blocks).
+def pread_exact(ops: FileOps, fd: int, view: memoryview | list[memoryview], offset: int, n: int, path: str) -> None:
+    """Fill ``view[:n]`` from ``offset`` (``view`` may be longer: O_DIRECT reads whole blocks), or
+    the first ``n`` bytes of a list of views, in order, with as few reads as the system allows.
 
     Raises:
         OSError: EIO when the file ends first (it is shorter than the caller was told).
     """
+    views = list(view) if isinstance(view, list) else [view]
     got = 0
     while got < n:
-        r = ops.preadv(fd, view[got:], offset + got)
+        r = ops.preadv(fd, views[:_IOV_MAX] if len(views) != 1 else views[0], offset + got)
         if r <= 0:
             raise OSError(errno.EIO, f"{path} ended at byte {offset + got}, but bytes [{offset}, {offset + n}) "
                                      "were expected")
         got += r
+        while views and r >= len(views[0]):  # drop what is filled, start inside the next view
+            r -= len(views.pop(0))
+        if views and r:
+            views[0] = views[0][r:]
