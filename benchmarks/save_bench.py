@@ -26,7 +26,9 @@ What each number means (all wall-clock seconds from time.perf_counter):
   restore     reading back after dropping the page cache (best effort: drop_caches and
               POSIX_FADV_DONTNEED), checksum verification included for fastckpt. A restore
               faster than 1.5x fio's O_DIRECT read is flagged "cached?": the drop probably did
-              not work and the number is not a disk read.
+              not work and the number is not a disk read. fastckpt also restores a second time,
+              into the tensors its first restore made (`load(..., into=...)`: memory that exists,
+              as a resumed job's built model), printed below the table and judged against fio.
   cached      a restore of a file that is in the page cache, twice: in this process
               (fastckpt: after reading it once through the cache; torch.load: its second load,
               which reuses the heap its first load freed), and in a new process that loads

@@ -217,23 +217,23 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ load, latest, remove
     def load(self, path: str, map_location: object = None, *, weights_only: bool = True,
-             prefetch: bool = False, verify: bool = False, mmap: bool = False) -> object:
+             prefetch: bool = False, verify: bool = False, mmap: bool = False, into: object = None) -> object:
         """Read a checkpoint file in parallel, verify its checksum, return the saved object.
 
-        Prefers a verified burst-buffer copy in ``local_dir`` and falls back to ``path``
-        (a URL is read with parallel ranged requests into memory; with ``prefetch=True`` and
-        local_dir it is first downloaded into the burst buffer, so the next load is local).
-        A plain torch.save file (no fastckpt manifest) loads unverified, with a warning once
-        per path; ``verify=True`` refuses it. ``mmap=True`` (as in ``torch.load``) maps a file
-        copy-on-write instead of reading it: the tensors share the page cache (no copy, no new
-        memory; verified all the same), so the file must not be changed in place while they live.
+        Prefers a verified burst-buffer copy in ``local_dir``, then ``path`` (a URL: parallel ranged reads into
+        memory; ``prefetch=True`` with local_dir downloads it into the burst buffer first). A file without a
+        fastckpt manifest loads unverified, with a warning once per path; ``verify=True`` refuses it.
+        ``mmap=True`` (as in ``torch.load``) maps a file copy-on-write: the tensors share the page cache (no
+        copy, no new memory; verified all the same), so the file must not change in place while they live.
+        ``into``: tensors that exist (``{"model": model.state_dict()}``), filled in place with the saved ones at
+        their keys and returned in the object (``load.into``); if the load raises, their contents are unspecified.
 
         Raises:
-            CorruptCheckpointError: the bytes do not match the recorded checksum, or the file
-                is empty, truncated or not a torch file.
+            CorruptCheckpointError: the bytes do not match the recorded checksum, or the file is empty,
+                truncated or not a torch file.
             UnverifiableCheckpointError: ``verify=True`` and the file has no manifest.
             IncompleteCheckpointError: the file belongs to a group that was never committed.
-            ConfigError: ``path`` is None (what ``latest`` returns when nothing is complete).
+            ConfigError: ``path`` is None (``latest`` found nothing complete), or ``into`` does not match.
         """
         self._check_open()
         if path is None:
@@ -241,7 +241,7 @@ class Checkpointer:
                               "directory holds no complete checkpoint yet (a save still being written or uploaded "
                               "is not complete: wait() for it first); start from scratch in that case")
         t0, w0 = time.monotonic(), time.time()
-        got = self._loader.load(file_name(path), LoadOptions(map_location, weights_only, prefetch, verify, mmap))
+        got = self._loader.load(file_name(path), LoadOptions(map_location, weights_only, prefetch, verify, mmap, into))
         rto = time.monotonic() - t0
         self._last_restore = (rto, got.where)
         self._emit("load", got.url, got.size, w0, got.where,

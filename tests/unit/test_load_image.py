@@ -18,10 +18,11 @@ import fastckpt
 from fastckpt.errors import CorruptCheckpointError
 from fastckpt.format import checksum
 from fastckpt.io.engine import block_digests
-from fastckpt.io.image import BlockFetch, BlockStream, image_digests
+from fastckpt.io.image import BlockFetch, BlockStream, Bounce, image_digests, needs_bounce
 from fastckpt.load.deserialize import deserialize
 from fastckpt.load.image import OWN_BYTES, HeapImage, heap_image
 from fastckpt.storage.homes import open_target
+from tests.helpers import flip_byte
 
 loader = importlib.import_module("fastckpt.load.loader")  # fastckpt.load is the function
 MiB = 1 << 20
@@ -81,14 +82,6 @@ def test_large_records_get_heap_pieces_of_their_own(tmp_path: Path, images: list
     assert torch.equal(out["a"], state["a"] + 1)
 
 
-def _flip(path: str, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        byte = f.read(1)
-        f.seek(offset)
-        f.write(bytes([byte[0] ^ 0x40]))
-
-
 @pytest.mark.parametrize("where", ["large record", "last page of a large record", "pickle", "small record",
                                    "central directory"])
 def test_a_damaged_byte_in_any_piece_is_caught(tmp_path: Path, images: list, where: str) -> None:
@@ -108,7 +101,7 @@ def test_a_damaged_byte_in_any_piece_is_caught(tmp_path: Path, images: list, whe
             tail = Path(path).read_bytes()[-70000:]
             at = tail.rfind(b"PK\x05\x06")
             offset = int.from_bytes(tail[at + 16 : at + 20], "little") + 20
-        _flip(path, offset)
+        flip_byte(path, offset, 0x40)
         with pytest.raises(CorruptCheckpointError, match="corrupt|damaged|truncated"):
             ck.load(path)
     assert images  # the read went through the factory, whatever it decided
@@ -220,3 +213,34 @@ def test_an_object_store_read_fills_a_heap_image(tmp_path: Path) -> None:
     assert isinstance(res.buffer, HeapImage) and isinstance(flat.buffer, mmap.mmap)
     assert res.checksum == flat.checksum == res.manifest["checksum"]["value"]
     assert _same(state, deserialize(res.buffer, res.size, None, True, "s.pt"))
+
+
+def test_needs_bounce_for_memory_or_offsets_off_a_page() -> None:
+    buf = mmap.mmap(-1, 3 * 4096)
+    view = memoryview(buf)
+    try:
+        assert not needs_bounce(4096, 8000, view[4096:])  # on pages, room for the last whole page
+        assert needs_bounce(4096, 8000, view[64:])  # memory 64 bytes into a page
+        assert needs_bounce(100, 8000, view)  # a file offset inside a page
+        assert needs_bounce(0, 8000, view[: 8000])  # no room for the rest of the last page
+    finally:
+        view.release()
+        buf.close()
+
+
+def test_bounce_moves_a_piece_a_buffer_at_a_time_from_any_offset() -> None:
+    data = os.urandom(50_000)
+    calls: list[tuple[int, int]] = []
+
+    def read(buf: memoryview, off: int, n: int) -> None:
+        assert off % 4096 == 0 and len(buf) % 4096 == 0 and len(buf) >= n
+        calls.append((off, n))
+        buf[:n] = data[off : off + n]
+
+    bounce, out, fed = Bounce(nbytes=8192), bytearray(30_000), bytearray()
+    try:
+        bounce.read_through(read, memoryview(out), 10_001, 30_000, fed.extend)
+    finally:
+        bounce.close()
+    assert bytes(out) == data[10_001:40_001] == bytes(fed)
+    assert calls == [(8192, 8192), (16384, 8192), (24576, 8192), (32768, 7233)]  # from the page of byte 10,001

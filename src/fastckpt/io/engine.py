@@ -20,11 +20,11 @@ from ..errors import CorruptCheckpointError
 from ..format import checksum
 from ..format.align import ALIGN, round_up
 from ..format.manifest import TAIL_BYTES, manifest_in
-from .image import BlockFetch, BlockStream, FlatImage, Image, aligned_share, block_digests, image_digests
-from .ops import FileOps, Residency, pread_exact, pwrite_all
+from .image import BlockFetch, BlockStream, FlatImage, Image, block_digests, image_digests
+from .ops import FileOps, Residency, pwrite_all
+from .parts import PartReader, alloc_aligned
 
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
-HOT_BYTES = 2 << 20  # what a read from the page cache hashes at a time
 #: ``into(fetch, size)``: the image a read fills (``io.image``), or None for one flat buffer.
 ImageFactory = Callable[[Callable[[int, int], bytes], int], "Image | None"]
 
@@ -216,39 +216,13 @@ def _buffered_twin(ops: FileOps, fd: int) -> int:
         return -1
 
 
-def _read_chunk(ops: FileOps, fd: int, cached: int, chunk: memoryview, off: int, n: int, path: str,
-                residency: Residency | None = None, feed: Callable[[memoryview], None] | None = None) -> None:
-    """Fill ``chunk[:n]`` with the file's bytes from ``off``: from the page cache as far as it
-    holds them (through ``cached``, when >= 0; ``residency`` of it, if given, says where), the
-    rest from ``fd``. ``feed`` gets the bytes in order, those from the cache ``HOT_BYTES`` at a
-    time: hashed while they are still in the CPU's caches."""
-    step, got, fed = (HOT_BYTES if feed is not None else n), 0, 0
-    if cached >= 0:
-        while got < n and (r := ops.preadv_cached(cached, chunk[got : min(n, got + step)], off + got, residency)) > 0:
-            got += r
-            if feed is not None:
-                feed(chunk[fed:got])
-                fed = got
-    if got < n:
-        got -= got % ALIGN  # O_DIRECT continues from a page boundary
-        pread_exact(ops, fd, chunk[got:], off + got, n - got, path)
-    if feed is not None and fed < n:
-        feed(chunk[fed:n])
-
-
-def alloc_aligned(nbytes: int) -> mmap.mmap:
-    """Page-aligned anonymous memory (as O_DIRECT needs), at least one page."""
-    return mmap.mmap(-1, max(ALIGN, round_up(nbytes)), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-
-
-
 def read_file(ops: FileOps, pool: Executor, path: str, *, chunk_bytes: int, odirect: bool = True,
               covered: int | None = None, into: ImageFactory | None = None) -> ReadResult:
     """Read a whole file into page-aligned memory in parallel, through one open file.
 
     The file is opened once, so a concurrent rename-replace of ``path`` gives this read the old
     file or the new one, never parts of both. What the page cache holds is copied from it
-    (``_read_chunk``), the rest read with O_DIRECT. The workers hash each checksum block wholly
+    (``io.parts``), the rest read with O_DIRECT. The workers hash each checksum block wholly
     before the last ``TAIL_BYTES`` as it arrives; the few after that once the manifest is parsed.
 
     Args:
@@ -264,51 +238,32 @@ def read_file(ops: FileOps, pool: Executor, path: str, *, chunk_bytes: int, odir
     if chunk_bytes % checksum.BLOCK_BYTES:
         raise ValueError("chunk_bytes must be a multiple of the checksum block")
     fd, direct = open_for_read(ops, path, odirect)
-    cached, res = -1, None
+    cached, res, reader = -1, None, None
     try:
         size = os.fstat(fd).st_size
         if direct and (cached := _buffered_twin(ops, fd)) >= 0:
             res = Residency(cached, 0, size)  # one mapping asked by every chunk (see Residency)
-        image = into(BlockFetch(_block_reader(ops, fd, cached, path, direct, res), size).fetch, size) if into else None
+        reader = PartReader(ops, fd, cached, path, direct, res)
+        image = into(BlockFetch(reader.block, size).fetch, size) if into else None
         image = image or FlatImage(alloc_aligned(size), size)
         early = covered if covered is not None else max(0, size - TAIL_BYTES)
         early -= early % checksum.BLOCK_BYTES if covered is None else 0
 
         def read_chunk(off: int, n: int) -> list[int]:
-            stream, parts = BlockStream(off, min(off + n, early)), image.pieces(off, n)
-            if len(parts) > 1 and direct and (res is None or res.resident(off, n) == 0):
-                # Not cached: the whole chunk in one request, however many pieces hold it.
-                pread_exact(ops, fd, [aligned_share(count, view, direct) for _, count, view in parts], off, n, path)
-                for _, count, view in parts:
-                    stream.feed(view[:count])
-                return stream.digests()
-            for at, count, view in parts:
-                _read_chunk(ops, fd, cached, aligned_share(count, view, direct), at, count, path, res, stream.feed)
+            stream = BlockStream(off, min(off + n, early))
+            reader.fill(image.pieces(off, n), stream.feed)
             return stream.digests()
 
         digests = run_chunks(pool, size, chunk_bytes, read_chunk)
     finally:
+        if reader is not None:
+            reader.close()
         if res is not None:
             res.close()
         if cached >= 0:
             ops.close(cached)
         ops.close(fd)
     return _verified(image, early, covered, digests, path, direct)
-
-
-def _block_reader(ops: FileOps, fd: int, cached: int, path: str, direct: bool,
-                  res: Residency | None) -> Callable[[int, int], bytes]:
-    """Reads of single blocks as the chunks read (the cache where it holds them, else O_DIRECT)."""
-
-    def read(off: int, n: int) -> bytes:
-        buf = alloc_aligned(n)
-        with memoryview(buf) as view:
-            _read_chunk(ops, fd, cached, aligned_share(n, view, direct), off, n, path, res)
-            data = bytes(view[:n])
-        buf.close()
-        return data
-
-    return read
 
 
 def map_file(ops: FileOps, pool: Executor, path: str, *, chunk_bytes: int, odirect: bool = True) -> ReadResult:

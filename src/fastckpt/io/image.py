@@ -12,19 +12,24 @@ The protocol (``Image``), in call order, all from the reading thread except ``pi
   2. ``pieces(off, n)``, from the workers, once per chunk: the memory of ``[off, off + n)``;
   3. ``fetch(lo, hi)``: bytes of the filled image (the manifest in the tail);
   4. ``memory``: what ``ReadResult.buffer`` hands on; ``release()`` ends the engine's use.
-Every piece starts on a page of the file and of memory, so O_DIRECT can read straight into it.
+A piece that starts on a page of the file and of memory, with room for whole pages, is read
+straight into with O_DIRECT; any other (``needs_bounce``: a tensor of the caller's, which torch
+aligns to 64 bytes, ``load(..., into=...)``) is read through a small page-aligned buffer of the
+reading thread's (``Bounce``) and copied.
 """
 
 from __future__ import annotations
 
+import ctypes
 import mmap
+import threading
 from collections.abc import Callable
 from typing import Protocol
 
 import xxhash
 
 from ..format import checksum
-from ..format.align import round_up
+from ..format.align import ALIGN, round_up
 
 
 class Image(Protocol):
@@ -131,3 +136,49 @@ def aligned_share(count: int, view: memoryview, direct: bool) -> memoryview:
     far as ``view`` has room (the last page of a file is short)."""
     want = round_up(count) if direct else count
     return view[: min(want, len(view))]
+
+
+def needs_bounce(at: int, count: int, view: memoryview) -> bool:
+    """Whether O_DIRECT cannot read file bytes ``[at, at + count)`` straight into ``view``: the
+    range or the memory is not on a page, or the memory has no room for the last whole page."""
+    if at % ALIGN or len(view) < round_up(count):
+        return True
+    return ctypes.addressof(ctypes.c_char.from_buffer(view)) % ALIGN != 0
+
+
+class Bounce:
+    """One page-aligned buffer of ``nbytes`` per reading thread, made at its first use and
+    unmapped by ``close``; ``read_through`` moves a piece that ``needs_bounce`` through it."""
+
+    def __init__(self, nbytes: int = 4 << 20) -> None:
+        self._nbytes, self._local, self._lock, self._made = nbytes, threading.local(), threading.Lock(), []
+
+    def _buffer(self) -> memoryview:
+        view = getattr(self._local, "view", None)
+        if view is None:
+            buf = mmap.mmap(-1, self._nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            view = self._local.view = memoryview(buf)
+            with self._lock:
+                self._made.append((buf, view))
+        return view
+
+    def read_through(self, read: Callable[[memoryview, int, int], None], view: memoryview, at: int, count: int,
+                     feed: Callable[[memoryview], None]) -> None:
+        """Fill ``view[:count]`` with file bytes from ``at``: ``read(buffer, offset, n)`` fills
+        ``buffer`` from a page-aligned ``offset``, a buffer at a time; ``feed`` gets the bytes in
+        order (hashed while the buffer is in the CPU's caches)."""
+        bounce, pos = self._buffer(), 0
+        while pos < count:
+            head = (at + pos) % ALIGN
+            n = min(count - pos, len(bounce) - head)
+            read(bounce[: round_up(head + n)], at + pos - head, head + n)
+            feed(bounce[head : head + n])
+            view[pos : pos + n] = bounce[head : head + n]
+            pos += n
+
+    def close(self) -> None:
+        with self._lock:
+            made, self._made = self._made, []
+        for buf, view in made:
+            view.release()
+            buf.close()

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import bisect
 import ctypes
+import pickle
 import struct
 from collections.abc import Callable
 
@@ -28,6 +29,7 @@ import torch
 from ..format.align import ALIGN, round_up
 from ..format.manifest import EOCD_SIG, TAIL_BYTES
 from ..format.ranges import RangeReader
+from .into import plan
 
 ZIP_MAGIC = b"PK\x03\x04"
 OWN_BYTES = 64 << 10  # a record this large gets a piece of its own
@@ -40,23 +42,27 @@ class HeapImage:
     """A file of ``size`` bytes in heap pieces that start at ``starts`` (file offsets, the first
     0); ``__getitem__`` gives torch's loader the storage of a record (``overall_storage``)."""
 
-    def __init__(self, size: int, spans: list[tuple[int, int]]) -> None:
+    def __init__(self, size: int, spans: list[tuple[int, int]],
+                 own: dict[int, torch.UntypedStorage] | None = None) -> None:
         self.size = size
         self.starts: list[int] = []
         self._pieces: list[tuple[torch.UntypedStorage, int, memoryview]] = []  # storage, pad, memory
-        pos = 0
+        own, pos = own or {}, 0
         for off, n in spans:
             if off > pos:
                 self._add(pos, off - pos)
-            pos = min(size, off + round_up(n))
-            self._add(off, pos - off)
+            pos = min(size, off + (n if off in own else round_up(n)))
+            self._add(off, pos - off, own.get(off))
         if pos < size or not self.starts:
             self._add(pos, size - pos)
 
-    def _add(self, off: int, n: int) -> None:
-        room = round_up(n)  # O_DIRECT fills whole pages
-        base = torch.empty(room + ALIGN, dtype=torch.uint8).untyped_storage()
-        pad = -base.data_ptr() % ALIGN
+    def _add(self, off: int, n: int, storage: torch.UntypedStorage | None = None) -> None:
+        """A piece for ``n`` bytes from ``off``: heap memory with room for whole pages (O_DIRECT
+        fills whole pages), or ``storage``, a tensor's of ``load(into=...)``, exactly ``n`` bytes
+        (the engine reads it through a bounce buffer)."""
+        room = round_up(n) if storage is None else n
+        base = torch.empty(room + ALIGN, dtype=torch.uint8).untyped_storage() if storage is None else storage
+        pad = -base.data_ptr() % ALIGN if storage is None else 0
         view = memoryview((ctypes.c_char * room).from_address(base.data_ptr() + pad)).cast("B")
         self.starts.append(off)
         self._pieces.append((base, pad, view))
@@ -95,9 +101,16 @@ class HeapImage:
         then the loaded storages alone keep their pieces."""
 
 
-def heap_image(fetch: Callable[[int, int], bytes], size: int) -> HeapImage | None:
+def heap_image(fetch: Callable[[int, int], bytes], size: int, into: object = None,
+               weights_only: bool = True) -> HeapImage | None:
     """The heap image for a torch zip of ``size`` bytes whose large records are page aligned;
-    None for any other file (read into one buffer, as before)."""
+    None for any other file (read into one buffer, as before). ``into``: the tensors of
+    ``load(into=...)``; each record that can be read into one of them (``load.into.plan``, from
+    the file's pickle loaded onto the meta device) gets that tensor's memory as its piece.
+
+    Raises:
+        ConfigError: ``into`` does not match the saved object (``load.into.check``).
+    """
     if size < OWN_BYTES or fetch(0, 4) != ZIP_MAGIC:
         return None
     tail = fetch(max(0, size - TAIL_BYTES), size)
@@ -108,10 +121,43 @@ def heap_image(fetch: Callable[[int, int], bytes], size: int) -> HeapImage | Non
     if entries in (0, 0xFFFF) or size // entries < MIN_AVERAGE:
         return None  # small records (packed at 64 bytes), or a zip64 directory: one buffer
     try:
-        spans = record_spans(torch._C.PyTorchFileReader(RangeReader(size, fetch)), size)
+        reader = torch._C.PyTorchFileReader(RangeReader(size, fetch))
+        spans = record_spans(reader, size)
     except RuntimeError:  # not a zip torch can read: the verified read says what is wrong
         return None
-    return HeapImage(size, spans) if spans else None
+    if not spans:
+        return None
+    return HeapImage(size, spans, _own(reader, spans, into, weights_only) if into is not None else None)
+
+
+def _own(reader: torch._C.PyTorchFileReader, spans: list[tuple[int, int]], into: object,
+         weights_only: bool) -> dict[int, torch.UntypedStorage]:
+    """The records to read into ``into``'s tensors: the saved object loaded onto the meta device
+    (its pickle only; each storage carries its record's offset), matched against ``into``."""
+    module = torch.serialization._weights_only_unpickler if weights_only else pickle
+    try:
+        meta = torch.serialization._load(_Directory(reader), "meta", module)
+    except Exception:  # noqa: BLE001 (an unreadable pickle: the verified load says what is wrong)
+        return {}
+    return plan(into, meta, {off for off, _ in spans})
+
+
+class _Directory:
+    """A ``PyTorchFileReader`` whose records' offsets come from the central directory alone, as
+    ``record_spans`` takes them: the meta pass then reads the pickle, not every record's local
+    header (a block read from the device each, before the parallel read starts)."""
+
+    def __init__(self, reader: torch._C.PyTorchFileReader) -> None:
+        self._reader = reader
+        has = reader.has_record(".storage_alignment")
+        self._align = int(reader.get_record(".storage_alignment")) if has else 64
+
+    def get_record_offset(self, name: str) -> int:
+        r = self._reader
+        return r.get_record_offset_no_read(r.get_record_header_offset(name), name, r.get_record_size(name), self._align)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._reader, name)
 
 
 def record_spans(reader: torch._C.PyTorchFileReader, size: int) -> list[tuple[int, int]]:

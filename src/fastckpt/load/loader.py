@@ -17,6 +17,7 @@ with ``verify=True``. Such a file that is empty, not a torch file, or truncated 
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import pickle
@@ -33,10 +34,11 @@ from ..errors import (
     IncompleteCheckpointError,
     UnverifiableCheckpointError,
 )
-from ..io.engine import ReadResult
+from ..io.engine import ImageFactory, ReadResult
 from ..storage.homes import Homes, Location
 from .deserialize import deserialize
 from .image import ZIP_MAGIC, HeapImage, heap_image
+from .into import in_place, place
 
 log = logging.getLogger("fastckpt")
 LEGACY_MAGIC = b"\x80\x02"  # torch.save's pre-zip format: a pickle, protocol 2
@@ -48,13 +50,30 @@ _warned_lock = threading.Lock()
 class LoadOptions:
     """How to load: ``map_location`` and ``weights_only`` as torch.load takes them; ``prefetch``
     a remote file into the burst buffer first; ``verify``: refuse a file without a manifest;
-    ``mmap``: map a file copy-on-write instead of reading it (an object store's is read)."""
+    ``mmap``: map a file copy-on-write instead of reading it (an object store's is read); ``into``:
+    tensors to fill in place (``load.into``)."""
 
     map_location: object = None
     weights_only: bool = True
     prefetch: bool = False
     verify: bool = False
     mmap: bool = False
+    into: object = None
+
+    def __post_init__(self) -> None:
+        if self.into is not None and self.mmap:
+            raise ConfigError("load(..., mmap=True, into=...): mmap=True maps the file's pages as the tensors, into= "
+                              "reads the file into your tensors. Pass one of them.")
+
+    def image(self) -> ImageFactory:
+        """What the read fills: a heap image, with ``into``'s memory where the saved tensor can be
+        read straight into it (not when ``map_location`` sends the storages elsewhere)."""
+        if self.into is None or not in_place(self.map_location):
+            return heap_image
+        return functools.partial(heap_image, into=self.into, weights_only=self.weights_only)
+
+    def done(self, obj: object) -> object:
+        return obj if self.into is None else place(self.into, obj)
 
 
 @dataclass(frozen=True)
@@ -131,22 +150,22 @@ class Loader:
         return bool(a and b) and a.get("checksum") != b.get("checksum")
 
     def _read(self, loc: Location, opts: LoadOptions, url: str, where: str) -> Loaded:
-        res = loc.target.read_object(loc.key, chunk_bytes=self._chunk, mapped=opts.mmap, into=heap_image)
+        res = loc.target.read_object(loc.key, chunk_bytes=self._chunk, mapped=opts.mmap, into=opts.image())
         if res.manifest is None:
             if opts.verify:
                 raise UnverifiableCheckpointError(
                     f"{loc.url} has no fastckpt manifest (a plain torch.save file?): nothing records what its bytes "
                     "should be. Load it with verify=False to accept it unverified.")
             _warn_unverified(loc.url)
-            return Loaded(_unverified(res, loc.url, opts), url, res.size, where, verified=False)
+            return Loaded(opts.done(_unverified(res, loc.url, opts)), url, res.size, where, verified=False)
         require_complete_group(self._homes, loc.url, res.manifest)
         want = res.manifest["checksum"]["value"]
         if res.checksum != want:
             raise CorruptCheckpointError(
                 f"{loc.url} is corrupt: checksum {res.checksum} != {want} recorded when it was written. "
                 "Restore from another copy or an earlier checkpoint (fastckpt.latest(...)).")
-        return Loaded(deserialize(res.buffer, res.size, opts.map_location, opts.weights_only, loc.url), url, res.size,
-                      where)
+        obj = deserialize(res.buffer, res.size, opts.map_location, opts.weights_only, loc.url)
+        return Loaded(opts.done(obj), url, res.size, where)
 
 
 def _warn_unverified(url: str) -> None:

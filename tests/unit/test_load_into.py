@@ -1,0 +1,180 @@
+"""load(..., into=state): the saved tensors land in tensors that exist already, read straight
+into their memory where the layout allows (through a bounce buffer: torch's memory is not page
+aligned), copied in where it does not; a mismatch is refused before any byte is written."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+
+import pytest
+import torch
+
+import fastckpt
+from fastckpt import Checkpointer, ConfigError, CorruptCheckpointError
+from fastckpt.io import engine
+from fastckpt.io.ops import FileOps
+from fastckpt.load.image import HeapImage, heap_image
+from fastckpt.save.tiers import probe_odirect
+from fastckpt.storage.homes import open_target
+from tests.helpers import flip_byte
+
+MiB = 1 << 20
+
+
+def _model(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 300))
+
+
+def _state(model: torch.nn.Module) -> dict:
+    return {"model": model.state_dict(), "step": 7, "rng": torch.arange(5)}
+
+
+def _read_into(path: str, dest: dict, direct: bool) -> engine.ReadResult:
+    with ThreadPoolExecutor(3) as pool:
+        return engine.read_file(FileOps(), pool, path, chunk_bytes=16 * MiB, odirect=direct,
+                                into=partial(heap_image, into=dest))
+
+
+def test_large_tensors_are_read_into_the_given_memory(tmp_path) -> None:
+    saved, mine = _model(0), _model(1)
+    path = str(tmp_path / "m.pt")
+    with Checkpointer() as ck:
+        ck.save(_state(saved), path).wait()
+        ptrs = {k: v.data_ptr() for k, v in mine.state_dict().items()}
+        got = ck.load(path, into={"model": mine.state_dict()})
+    for k, v in saved.state_dict().items():
+        assert torch.equal(mine.state_dict()[k], v)  # the module itself holds the saved values
+        assert got["model"][k].data_ptr() == ptrs[k]  # the loaded object holds the module's tensors
+    assert got["step"] == 7 and torch.equal(got["rng"], torch.arange(5))  # the rest loads as without into
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["odirect", "buffered"])
+def test_each_large_record_gets_the_given_tensor_as_its_piece(tmp_path, direct: bool) -> None:
+    if direct and not probe_odirect(str(tmp_path))[0]:
+        pytest.skip("needs O_DIRECT")
+    saved, mine = _model(0), _model(1)
+    path = str(tmp_path / "p.pt")
+    with Checkpointer() as ck:
+        ck.save(_state(saved), path).wait()
+    dest = {"model": mine.state_dict()}
+    res = _read_into(path, dest, direct)
+    assert isinstance(res.buffer, HeapImage) and res.checksum == res.manifest["checksum"]["value"]
+    big = [k for k, v in dest["model"].items() if v.nbytes >= 64 << 10]
+    assert big == ["0.weight", "2.weight"]
+    for k in big:  # read into the module's memory: no copy later
+        assert torch.equal(dest["model"][k], saved.state_dict()[k])
+    assert not torch.equal(dest["model"]["0.bias"], saved.state_dict()["0.bias"])  # small: copied in by place
+
+
+@pytest.mark.parametrize("cache", ["cold", "half cached"])
+def test_records_of_odd_sizes_read_in_place_through_the_bounce_buffers(tmp_path, cache: str) -> None:
+    """Records that end inside a page: the bytes after each (in the file's next page) are read
+    from an unaligned offset, through the bounce buffer, from the cache where it holds them."""
+    if not probe_odirect(str(tmp_path))[0]:
+        pytest.skip("needs O_DIRECT")
+    state = {f"t{i}": torch.randn(300_001 + 17 * i) for i in range(6)}  # 1,200,004 bytes and up
+    path = str(tmp_path / "odd.pt")
+    with Checkpointer() as ck:
+        ck.save(state, path).wait()
+    fd = os.open(path, os.O_RDONLY)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    if cache == "half cached":
+        os.pread(fd, os.path.getsize(path) // 2, os.path.getsize(path) // 4)
+    os.close(fd)
+    dest = {k: torch.zeros_like(v) for k, v in state.items()}
+    res = _read_into(path, dest, True)
+    assert res.checksum == res.manifest["checksum"]["value"]
+    assert all(torch.equal(dest[k], v) for k, v in state.items())  # before deserialising: read in place
+    ptrs = {s.data_ptr() for s, _, _ in res.buffer._pieces}
+    assert {v.data_ptr() for v in dest.values()} <= ptrs
+
+
+def test_other_dtype_device_view_or_layout_is_copied_in(tmp_path) -> None:
+    """A tensor that cannot be the saved record's memory still receives its values."""
+    path = str(tmp_path / "c.pt")
+    w = torch.randn(300, 400)
+    shared = torch.randn(200_000)
+    state = {"half": w, "strided": w.clone(), "view": shared[:100_000], "rest": shared[100_000:], "ok": w.clone()}
+    with Checkpointer() as ck:
+        ck.save(state, path).wait()
+        dest = {"half": torch.zeros(300, 400, dtype=torch.float64), "strided": torch.zeros(400, 300).t(),
+                "view": torch.zeros(100_000), "ok": torch.zeros(300, 400)}
+        got = ck.load(path, into=dest)
+    assert torch.equal(dest["half"], w.double()) and torch.equal(dest["strided"], w)
+    assert torch.equal(dest["view"], shared[:100_000]) and torch.equal(dest["ok"], w)
+    assert all(got[k] is dest[k] for k in dest)
+    assert torch.equal(got["rest"], shared[100_000:])
+
+
+def test_a_mismatch_is_refused_before_anything_is_written(tmp_path) -> None:
+    saved = _model(0)
+    path = str(tmp_path / "x.pt")
+    with Checkpointer() as ck:
+        ck.save(_state(saved), path).wait()
+        wrong = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 301))
+        before = {k: v.clone() for k, v in wrong.state_dict().items()}
+        with pytest.raises(ConfigError, match=r"\['model'\]\['2.weight'\]: saved with shape \(300, 1024\), into= "
+                                              r"has \(301, 1024\).*Nothing was read"):
+            ck.load(path, into={"model": wrong.state_dict()})
+        assert all(torch.equal(v, before[k]) for k, v in wrong.state_dict().items())
+        with pytest.raises(ConfigError, match=r"\['optimizer'\]\['m'\]: not in the checkpoint.*'step'\]: the "
+                                              r"checkpoint holds a int there"):
+            ck.load(path, into={"optimizer": {"m": torch.zeros(3)}, "step": torch.zeros(1)})
+        with pytest.raises(ConfigError, match="mmap=True"):
+            ck.load(path, mmap=True, into={"model": wrong.state_dict()})
+
+
+def test_a_corrupt_local_copy_falls_back_and_the_tensors_end_right(tmp_path) -> None:
+    """The first copy's damaged bytes were read into the tensors: the next copy reads them again."""
+    saved, mine = _model(0), _model(1)
+    path = str(tmp_path / "home" / "f.pt")
+    with Checkpointer(local_dir=str(tmp_path / "nvme")) as ck:
+        ck.save(_state(saved), path).wait()
+        flip_byte(ck.local_path(path), os.path.getsize(path) // 3)  # inside the first large record
+        got = ck.load(path, into={"model": mine.state_dict()})
+        assert all(torch.equal(mine.state_dict()[k], v) for k, v in saved.state_dict().items())
+        assert got["model"]["0.weight"].data_ptr() == mine[0].weight.data_ptr()
+        flip_byte(path, os.path.getsize(path) // 3)
+        with pytest.raises(CorruptCheckpointError):
+            ck.load(path, into={"model": mine.state_dict()})
+
+
+def test_a_record_shared_by_two_places_is_read_once_into_their_memory(tmp_path) -> None:
+    """Tied weights: two keys, one storage, saved once; into= ties them the same way."""
+    w = torch.randn(256, 512)
+    path = str(tmp_path / "t.pt")
+    with Checkpointer() as ck:
+        ck.save({"embed": w, "head": w}, path).wait()
+        mine = torch.zeros(256, 512)
+        got = ck.load(path, into={"embed": mine, "head": mine})
+    assert got["embed"] is mine and got["head"] is mine and torch.equal(mine, w)
+
+
+def test_module_load_reads_into_a_plain_torch_save_file(tmp_path) -> None:
+    """A file written by torch.save (no manifest, 64-byte aligned records) loads unverified and
+    still fills the tensors, by copy."""
+    saved, mine = _model(0), _model(1)
+    path = str(tmp_path / "plain.pt")
+    torch.save(_state(saved), path)
+    dest = {"model": mine.state_dict()}
+    got = fastckpt.load(path, into=dest)
+    assert all(torch.equal(mine.state_dict()[k], v) for k, v in saved.state_dict().items())
+    assert got["model"]["2.weight"] is dest["model"]["2.weight"]
+
+
+def test_into_over_an_object_store_read(tmp_path) -> None:
+    """Ranged reads fill the given tensors' memory too (fsspec's memory file system)."""
+    saved, mine = _model(0), _model(1)
+    path = str(tmp_path / "m.pt")
+    with Checkpointer() as ck:
+        ck.save(_state(saved), path).wait()
+    url = f"memory://fastckpt-{uuid.uuid4().hex[:8]}/run"
+    open_target(url, parallelism=2).put_file(path, "m.pt", chunk_bytes=MiB)
+    dest = {"model": mine.state_dict()}
+    got = fastckpt.load(f"{url}/m.pt", into=dest)
+    assert all(torch.equal(mine.state_dict()[k], v) for k, v in saved.state_dict().items())
+    assert got["model"]["0.weight"].data_ptr() == mine[0].weight.data_ptr()
