@@ -141,9 +141,12 @@ def aligned_share(count: int, view: memoryview, direct: bool) -> memoryview:
 def needs_bounce(at: int, count: int, view: memoryview) -> bool:
     """Whether O_DIRECT cannot read file bytes ``[at, at + count)`` straight into ``view``: the
     range or the memory is not on a page, or the memory has no room for the last whole page."""
-    if at % ALIGN or len(view) < round_up(count):
-        return True
-    return ctypes.addressof(ctypes.c_char.from_buffer(view)) % ALIGN != 0
+    return bool(at % ALIGN or len(view) < round_up(count) or _address(view) % ALIGN)
+
+
+def _address(view: memoryview) -> int:
+    """Where writable ``view`` starts in memory (an empty view: 0)."""
+    return ctypes.addressof(ctypes.c_char.from_buffer(view)) if len(view) else 0
 
 
 class Bounce:
@@ -168,12 +171,13 @@ class Bounce:
         ``buffer`` from a page-aligned ``offset``, a buffer at a time; ``feed`` gets the bytes in
         order (hashed while the buffer is in the CPU's caches)."""
         bounce, pos = self._buffer(), 0
+        src, dst = _address(bounce), _address(view)
         while pos < count:
             head = (at + pos) % ALIGN
             n = min(count - pos, len(bounce) - head)
             read(bounce[: round_up(head + n)], at + pos - head, head + n)
             feed(bounce[head : head + n])
-            view[pos : pos + n] = bounce[head : head + n]
+            ctypes.memmove(dst + pos, src + head, n)  # releases the GIL (a slice assignment holds it)
             pos += n
 
     def close(self) -> None:

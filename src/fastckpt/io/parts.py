@@ -18,6 +18,7 @@ from .image import Bounce, aligned_share, needs_bounce
 from .ops import FileOps, Residency, pread_exact
 
 HOT_BYTES = 2 << 20  # what a read from the page cache hashes at a time
+BOUNCE_BYTES = 4 << 20  # per reading thread, for pieces O_DIRECT cannot fill
 Part = tuple[int, int, memoryview]  # file offset, bytes, memory (``Image.pieces``)
 
 
@@ -32,18 +33,24 @@ def read_part(ops: FileOps, fd: int, cached: int, chunk: memoryview, off: int, n
     holds them (through ``cached``, when >= 0; ``residency`` of it, if given, says where), the
     rest from ``fd``. ``feed`` gets the bytes in order, those from the cache ``HOT_BYTES`` at a
     time: hashed while they are still in the CPU's caches."""
-    step, got, fed = (HOT_BYTES if feed is not None else n), 0, 0
-    if cached >= 0:
-        while got < n and (r := ops.preadv_cached(cached, chunk[got : min(n, got + step)], off + got, residency)) > 0:
-            got += r
-            if feed is not None:
-                feed(chunk[fed:got])
-                fed = got
+    got = fed = read_cached(ops, cached, chunk, off, n, residency, feed) if cached >= 0 else 0
     if got < n:
         got -= got % ALIGN  # O_DIRECT continues from a page boundary
         pread_exact(ops, fd, chunk[got:], off + got, n - got, path)
     if feed is not None and fed < n:
         feed(chunk[fed:n])
+
+
+def read_cached(ops: FileOps, cached: int, view: memoryview, off: int, n: int, residency: Residency | None,
+                feed: Callable[[memoryview], None] | None) -> int:
+    """Fill ``view`` from the page cache (the buffered ``cached``) from ``off`` as far as it holds
+    the bytes, up to ``n``: the bytes read, each fed ``HOT_BYTES`` at a time (any memory will do)."""
+    step, got = (HOT_BYTES if feed is not None else n), 0
+    while got < n and (r := ops.preadv_cached(cached, view[got : min(n, got + step)], off + got, residency)) > 0:
+        if feed is not None:
+            feed(view[got : got + r])
+        got += r
+    return got
 
 
 class PartReader:
@@ -53,7 +60,7 @@ class PartReader:
 
     def __init__(self, ops: FileOps, fd: int, cached: int, path: str, direct: bool, res: Residency | None) -> None:
         self._ops, self._fd, self._cached, self._path, self._direct, self._res = ops, fd, cached, path, direct, res
-        self._bounce = Bounce()
+        self._bounce = Bounce(BOUNCE_BYTES)
 
     def _part(self, chunk: memoryview, off: int, n: int, feed: Callable[[memoryview], None] | None = None) -> None:
         read_part(self._ops, self._fd, self._cached, chunk, off, n, self._path, self._res, feed)
@@ -68,8 +75,10 @@ class PartReader:
             j = i + 1
             while cold and not odd[i] and j < len(parts) and not odd[j]:
                 j += 1
-            if odd[i]:
-                self._bounce.read_through(self._part, view, at, count, feed)
+            if odd[i]:  # what the cache holds straight into the memory, the rest through the bounce buffer
+                got = read_cached(self._ops, self._cached, view, at, count, self._res, feed) if self._cached >= 0 else 0
+                if got < count:
+                    self._bounce.read_through(self._part, view[got:], at + got, count - got, feed)
             elif j - i > 1:  # not cached: one request, however many pieces hold it
                 run = parts[i:j]
                 pread_exact(self._ops, self._fd, [aligned_share(c, v, True) for _, c, v in run], at,
