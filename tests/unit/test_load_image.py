@@ -47,8 +47,8 @@ def images(monkeypatch: pytest.MonkeyPatch) -> list:
     """Every image the loader's reads built (None: one buffer)."""
     built: list = []
 
-    def spy(fetch: Callable[[int, int], bytes], size: int) -> HeapImage | None:
-        built.append(heap_image(fetch, size))
+    def spy(fetch: Callable[[int, int], bytes], size: int, **kw: object) -> HeapImage | None:
+        built.append(heap_image(fetch, size, **kw))
         return built[-1]
 
     monkeypatch.setattr(loader, "heap_image", spy)
@@ -244,3 +244,4 @@ def test_bounce_moves_a_piece_a_buffer_at_a_time_from_any_offset() -> None:
         bounce.close()
     assert bytes(out) == data[10_001:40_001] == bytes(fed)
     assert calls == [(8192, 8192), (16384, 8192), (24576, 8192), (32768, 7233)]  # from the page of byte 10,001
+
