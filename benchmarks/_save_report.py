@@ -150,7 +150,8 @@ def plot(res: dict, path: Path) -> None:
     sizes = [s["size_bytes"] / 2**30 for s in res["sections"]]
     series = [("fastckpt blocked", "fastckpt", "blocked_s", "-o"), ("memcpy floor", "memcpy", "blocked_s", ":o"),
               ("fastckpt durable", "fastckpt", "durable_s", "-s"), ("fio O_DIRECT write", "fio", "durable_s", ":s"),
-              ("fastckpt restore", "fastckpt", "restore_s", "-^"), ("fio O_DIRECT read", "fio", "restore_s", ":^")]
+              ("fastckpt restore", "fastckpt", "restore_s", "-^"), ("fio O_DIRECT read", "fio", "restore_s", ":^"),
+              ("fastckpt restore into existing tensors", "fastckpt", "restore_into_s", "--v")]
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for label, variant, key, style in series:
         ys = [s["medians"].get(variant, {}).get(key) for s in res["sections"]]

@@ -244,4 +244,3 @@ def test_bounce_moves_a_piece_a_buffer_at_a_time_from_any_offset() -> None:
         bounce.close()
     assert bytes(out) == data[10_001:40_001] == bytes(fed)
     assert calls == [(8192, 8192), (16384, 8192), (24576, 8192), (32768, 7233)]  # from the page of byte 10,001
-
