@@ -557,3 +557,72 @@ def test_s3_dirpath_top_k_and_resume_from_last(tmp_path, monkeypatch, request):
     assert resumed.global_step == 4
     tree_equal(restored.state_dict(), model.state_dict(), "weights from S3")
     assert io.latest(f"s3://{bucket}/nothing-here") is None
+
+
+class WideModel(TinyModel):
+    """TinyModel with a 512 KiB layer: a record large enough to be read in place."""
+
+    def __init__(self, extra: bool = False) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 512), torch.nn.ReLU(), torch.nn.Linear(512, 256),
+                                       torch.nn.ReLU(), torch.nn.Linear(256, 1))
+        if extra:  # a buffer the checkpoint lacks: resumable only with strict_loading=False
+            self.register_buffer("extra", torch.zeros(3))
+            self.strict_loading = False
+
+
+def spy_loads(monkeypatch: pytest.MonkeyPatch) -> list[tuple[dict, str]]:
+    """Records the keyword arguments of every Checkpointer.load, and how it ended."""
+    calls: list[tuple[dict, str]] = []
+    original = fastckpt.Checkpointer.load
+
+    def load(self, path, map_location=None, **kw):
+        try:
+            out = original(self, path, map_location, **kw)
+        except ConfigError:
+            calls.append((kw, "ConfigError"))
+            raise
+        calls.append((kw, "ok"))
+        return out
+
+    monkeypatch.setattr(fastckpt.Checkpointer, "load", load)
+    return calls
+
+
+def test_resume_reads_the_weights_into_the_module(tmp_path, monkeypatch):
+    """fit(ckpt_path=...) on the CPU reads the checkpoint's state_dict straight into the module's
+    tensors: they hold the saved weights in the memory they had before, and the rest (optimizer,
+    loops) resumes as always."""
+    L.seed_everything(0, verbose=False)
+    first = make_trainer(str(tmp_path), FastCkptIO(), STEPS_PER_EPOCH, save_last=True)
+    first.fit(WideModel(), loader())
+    saved = torch.load(str(tmp_path / "ckpt" / "last.ckpt"), weights_only=True)["state_dict"]
+
+    L.seed_everything(123, verbose=False)
+    resumed = WideModel()
+    where = {k: v.data_ptr() for k, v in resumed.state_dict().items()}
+    calls = spy_loads(monkeypatch)
+    second = make_trainer(str(tmp_path), FastCkptIO(), STEPS_PER_EPOCH, save_last=True)
+    second.fit(resumed, loader(), ckpt_path="last")  # at max_steps already: restores, trains no step
+    assert [(sorted(kw["into"]), how) for kw, how in calls] == [(["state_dict"], "ok")]
+    assert second.global_step == STEPS_PER_EPOCH
+    tree_equal(resumed.state_dict(), saved, "weights")
+    assert {k: v.data_ptr() for k, v in resumed.state_dict().items()} == where
+
+
+def test_resume_of_a_module_the_checkpoint_does_not_match_loads_it_whole(tmp_path, monkeypatch):
+    """strict_loading=False with a buffer the checkpoint lacks: into= is refused before a byte
+    is read, and the plain load resumes as Lightning would without fastckpt."""
+    L.seed_everything(0, verbose=False)
+    first = make_trainer(str(tmp_path), FastCkptIO(), STEPS_PER_EPOCH, save_last=True)
+    first.fit(WideModel(), loader())
+    saved = torch.load(str(tmp_path / "ckpt" / "last.ckpt"), weights_only=True)["state_dict"]
+
+    resumed = WideModel(extra=True)
+    calls = spy_loads(monkeypatch)
+    second = make_trainer(str(tmp_path), FastCkptIO(), STEPS_PER_EPOCH, save_last=True)
+    second.fit(resumed, loader(), ckpt_path="last")
+    assert [("into" in kw, how) for kw, how in calls] == [(True, "ConfigError"), (False, "ok")]
+    got = resumed.state_dict()
+    tree_equal({k: got[k] for k in saved}, saved, "weights")
+    assert torch.equal(got["extra"], torch.zeros(3))
