@@ -178,3 +178,34 @@ def test_into_over_an_object_store_read(tmp_path) -> None:
     got = fastckpt.load(f"{url}/m.pt", into=dest)
     assert all(torch.equal(mine.state_dict()[k], v) for k, v in saved.state_dict().items())
     assert got["model"]["0.weight"].data_ptr() == mine[0].weight.data_ptr()
+
+
+def test_only_the_named_tensors_memory_is_written(tmp_path) -> None:
+    """A tensor of into that is a view of a larger buffer gets its values copied in: reading the
+    record in place would also write the rest of the buffer, which into= does not name."""
+    saved = torch.randn(200_000)
+    path = str(tmp_path / "v.pt")
+    with Checkpointer() as ck:
+        ck.save({"w": saved[:100_000].clone(), "whole": saved}, path).wait()
+        buf = torch.zeros(200_000)
+        got = ck.load(path, into={"w": buf[:100_000]})
+    assert torch.equal(buf[:100_000], saved[:100_000]) and torch.equal(buf[100_000:], torch.zeros(100_000))
+    assert got["w"].data_ptr() == buf.data_ptr() and torch.equal(got["whole"], saved)
+
+
+def test_a_graph_that_saved_a_tensor_read_in_place_refuses_to_use_it(tmp_path, monkeypatch) -> None:
+    """Writing a parameter's memory bumps its version, as an in-place op would: backward through a
+    graph built before the load raises instead of computing with the new values."""
+    lin = torch.nn.Linear(1024, 1024)
+    path = str(tmp_path / "g.pt")
+    copies: list = []
+    with Checkpointer() as ck:
+        ck.save({"w": torch.randn(1024, 1024)}, path).wait()
+        monkeypatch.setattr(torch.Tensor, "copy_", lambda self, src, *a: copies.append(1) or self)  # none may run
+        x = torch.randn(4, 1024, requires_grad=True)
+        loss = (x @ lin.weight).square().sum()  # saves lin.weight, for the gradient of x
+        before = lin.weight._version
+        ck.load(path, into={"w": lin.weight})
+    assert copies == [] and lin.weight._version > before  # read in place, not copied in
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()

@@ -5,8 +5,9 @@ load into fresh memory pays a page fault per 4 KiB page (0.2-0.4 s per GiB on th
 more than the copy), and ``load_state_dict`` then copies every byte again. With ``into``, each
 tensor of ``into`` (nested dicts, lists and tuples, as ``state_dict()`` gives them) receives the
 saved tensor at the same place (the same keys and positions) of the saved object:
-  - read straight into its memory, when it is a CPU tensor of the saved dtype, strides and
-    storage size (``plan``, from the file's pickle before any large record is read);
+  - read straight into its memory, when it is a contiguous CPU tensor of the saved dtype that
+    fills its storage as the saved one fills its record (``plan``, from the file's pickle before
+    any large record is read); its autograd version is bumped, as an in-place op's would be;
   - else copied into it once the checkpoint is verified (``place``: another dtype or device,
     or a file whose records are not laid out to read in place).
 The loaded object holds the ``into`` tensors themselves at those places; what ``into`` does not
@@ -64,8 +65,9 @@ def plan(dest: object, meta: object, records: set[int]) -> dict[int, torch.Untyp
 
     ``meta`` is the saved object loaded onto the meta device (each storage carries its record's
     offset); ``records``: the offsets of the records that have a piece of their own. A record is
-    read in place when every tensor of ``dest`` on it matches its saved tensor in dtype, strides,
-    storage offset and storage size, on the CPU, and no other record goes into that storage.
+    read in place when every tensor of ``dest`` on it is a contiguous CPU tensor of the saved
+    dtype that fills its storage, as the saved tensor fills the record (so no byte outside the
+    tensors ``dest`` names is written), and no other record goes into that storage.
     """
     into: dict[int, torch.UntypedStorage] = {}
     refused: set[int] = set()
@@ -77,8 +79,8 @@ def plan(dest: object, meta: object, records: set[int]) -> dict[int, torch.Untyp
             refused.add(off)
             continue
         s = d.untyped_storage()
-        same = (d.dtype == m.dtype and d.stride() == m.stride() and d.storage_offset() == m.storage_offset()
-                and s.nbytes() == m.untyped_storage().nbytes())
+        same = (d.dtype == m.dtype and d.is_contiguous() and m.is_contiguous() and d.storage_offset() == 0
+                and m.storage_offset() == 0 and d.nbytes == s.nbytes() == m.nbytes == m.untyped_storage().nbytes())
         if not same or (off in into and into[off].data_ptr() != s.data_ptr()):
             refused.add(off)
         into.setdefault(off, s)
@@ -95,6 +97,8 @@ def place(dest: object, saved: object) -> object:
         if not _shares(s, d):
             with torch.no_grad():
                 d.copy_(s)
+        else:  # its bytes changed under autograd's eyes: a graph that saved it must refuse to use it
+            torch.autograd.graph.increment_version(d)
     return _put(dest, saved)
 
 
