@@ -209,3 +209,20 @@ def test_a_graph_that_saved_a_tensor_read_in_place_refuses_to_use_it(tmp_path, m
     assert copies == [] and lin.weight._version > before  # read in place, not copied in
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()
+
+
+def test_a_trusted_pickle_is_not_run_before_its_file_is_verified(tmp_path) -> None:
+    """weights_only=False: finding the records' places would run the file's pickle before its
+    checksum is checked, so every tensor is copied in after the verified load instead."""
+    state = {f"t{i}": torch.randn(300_000) for i in range(4)}
+    path = str(tmp_path / "trusted.pt")
+    with Checkpointer() as ck:
+        ck.save(state, path).wait()
+        dest = {k: torch.zeros_like(v) for k, v in state.items()}
+        with ThreadPoolExecutor(2) as pool:
+            res = engine.read_file(FileOps(), pool, path, chunk_bytes=16 * MiB,
+                                   into=partial(heap_image, into=dest, weights_only=False))
+        assert isinstance(res.buffer, HeapImage)
+        assert all(torch.equal(v, torch.zeros_like(v)) for v in dest.values())  # nothing read into them
+        got = ck.load(path, weights_only=False, into=dest)
+    assert all(torch.equal(dest[k], v) and got[k] is dest[k] for k, v in state.items())

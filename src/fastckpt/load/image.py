@@ -133,12 +133,14 @@ def heap_image(fetch: Callable[[int, int], bytes], size: int, into: object = Non
 def _own(reader: torch._C.PyTorchFileReader, spans: list[tuple[int, int]], into: object,
          weights_only: bool) -> dict[int, torch.UntypedStorage]:
     """The records to read into ``into``'s tensors: the saved object loaded onto the meta device
-    (its pickle only; each storage carries its record's offset), matched against ``into``."""
-    module = torch.serialization._weights_only_unpickler if weights_only else pickle
-    try:
-        meta = torch.serialization._load(_Directory(reader), "meta", module)
-    except Exception:  # noqa: BLE001 (an unreadable pickle: the verified load says what is wrong)
+    (its pickle only, with torch's safe unpickler; each storage carries its record's offset),
+    matched against ``into``."""
+    if not weights_only:  # a trusted pickle's code runs only once its file is verified: copy into ``into``
         return {}
+    try:
+        meta = torch.serialization._load(_Directory(reader), "meta", torch.serialization._weights_only_unpickler)
+    except (pickle.PickleError, RuntimeError, EOFError, KeyError, ValueError, TypeError, IndexError):
+        return {}  # an unreadable pickle: copy into ``into`` after the verified load, which says what is wrong
     return plan(into, meta, {off for off, _ in spans})
 
 
