@@ -60,9 +60,12 @@ class HeapImage:
         """A piece for ``n`` bytes from ``off``: heap memory with room for whole pages (O_DIRECT
         fills whole pages), or ``storage``, a tensor's of ``load(into=...)``, exactly ``n`` bytes
         (the engine reads it through a bounce buffer)."""
-        room = round_up(n) if storage is None else n
-        base = torch.empty(room + ALIGN, dtype=torch.uint8).untyped_storage() if storage is None else storage
-        pad = -base.data_ptr() % ALIGN if storage is None else 0
+        if storage is None:
+            room = round_up(n)
+            base = torch.empty(room + ALIGN, dtype=torch.uint8).untyped_storage()
+            pad = -base.data_ptr() % ALIGN
+        else:
+            room, base, pad = n, storage, 0
         view = memoryview((ctypes.c_char * room).from_address(base.data_ptr() + pad)).cast("B")
         self.starts.append(off)
         self._pieces.append((base, pad, view))
@@ -150,9 +153,7 @@ class _Directory:
     header (a block read from the device each, before the parallel read starts)."""
 
     def __init__(self, reader: torch._C.PyTorchFileReader) -> None:
-        self._reader = reader
-        has = reader.has_record(".storage_alignment")
-        self._align = int(reader.get_record(".storage_alignment")) if has else 64
+        self._reader, self._align = reader, _alignment(reader)
 
     def get_record_offset(self, name: str) -> int:
         r = self._reader
@@ -165,7 +166,7 @@ class _Directory:
 def record_spans(reader: torch._C.PyTorchFileReader, size: int) -> list[tuple[int, int]]:
     """``(offset, bytes)`` of the page-aligned storage records of at least ``OWN_BYTES``, in file
     order, from the central directory alone; [] when the layout is not one to split."""
-    align = int(reader.get_record(".storage_alignment")) if reader.has_record(".storage_alignment") else 64
+    align = _alignment(reader)
     if align % ALIGN:
         return []
     spans, end = [], 0
@@ -178,3 +179,8 @@ def record_spans(reader: torch._C.PyTorchFileReader, size: int) -> list[tuple[in
             return []  # not the layout torch's writer makes: do not trust it
         end = off + n
     return spans
+
+
+def _alignment(reader: torch._C.PyTorchFileReader) -> int:
+    """The alignment of the file's storage records (torch's writer records it; 64 before that)."""
+    return int(reader.get_record(".storage_alignment")) if reader.has_record(".storage_alignment") else 64
