@@ -39,6 +39,7 @@ from ..errors import UnsupportedObjectError
 from .align import ALIGN
 from .manifest import EOCD_LEN, EOCD_SIG
 from .ranges import RangeReader
+from .segments import Segments
 from .walk import Scan, check_tensors, find_unpicklable, pickling_order, scan
 
 SMALL_ALIGN = 64  # torch.save's default storage alignment
@@ -54,33 +55,6 @@ class StorageRecord(NamedTuple):
     offset: int
     nbytes: int
     storage: torch.UntypedStorage
-
-
-@dataclass(frozen=True, eq=False)
-class Segments:
-    """The metadata torch.save wrote, in write order (a later segment may overwrite an earlier
-    one): one byte string and two arrays, not an object per segment, because a state of 100,000
-    small tensors has 100,000 segments and a cached layout lives as long as its Checkpointer
-    (per-segment objects, made while torch's metadata pass churns through its own temporaries,
-    kept 140 MB of the heap resident for 27 MB of bytes). Iterates as ``(file offset, bytes)``."""
-
-    blob: bytes
-    offsets: array  # file offset of each segment
-    starts: array  # where each segment starts in ``blob`` (it ends where the next one starts)
-
-    def __len__(self) -> int:
-        return len(self.offsets)
-
-    def __iter__(self) -> Iterator[tuple[int, memoryview]]:
-        view, starts, end = memoryview(self.blob), self.starts, len(self.blob)
-        for i, off in enumerate(self.offsets):
-            yield off, view[starts[i] : starts[i + 1] if i + 1 < len(starts) else end]
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Segments) and (self.blob, self.offsets, self.starts) == (
-            other.blob, other.offsets, other.starts)
-
-    __hash__ = None  # type: ignore[assignment]  (equal by value, and arrays are mutable)
 
 
 @dataclass(frozen=True)

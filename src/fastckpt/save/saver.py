@@ -40,6 +40,7 @@ from ..records import SaveHandle, SaveRecord
 from ..storage.homes import Homes
 from ..units import fmt_bytes
 from ..urls import is_within
+from . import heap
 from .replicator import ReplicaJob, Replicator
 from .retention import Retention
 from .snapshot import LazySnapshot, Progress, Snapshot, cuda_marks, snapshot
@@ -141,7 +142,7 @@ class Saver:
             self._monitor.record_blocked(t_call, blocked, layout.payload_bytes)
         self._emit("snapshot", path, layout.payload_bytes, w_call, choice.tier, detail="lazy" if lazy else None)
         base = replace(base, blocked_s=blocked)
-        fut = self._submit(spot, token, self._writer.write, snap, base, dest, t_call, choice.odirect, fallback)
+        fut = self._submit(spot, token, layout, self._writer.write, snap, base, dest, t_call, choice.odirect, fallback)
         return self._track(fut, base, dest, home, t_call, spot, token)
 
     def _note_bypass(self, path: str, nbytes: int, bypass: bool) -> None:
@@ -162,7 +163,7 @@ class Saver:
         self._monitor.record_blocked(t_call, blocked, layout.payload_bytes)
         self._emit("snapshot", base.path, layout.payload_bytes, w_call, base.tier, detail="gds write")
         base = replace(base, blocked_s=blocked)
-        fut = self._submit(spot, token, self._writer.gds_finish, st, layout, base, t_call)
+        fut = self._submit(spot, token, layout, self._writer.gds_finish, st, layout, base, t_call)
         return self._track(fut, base, dest, home, t_call, spot, token)
 
     def _skipped(self, base: SaveRecord, group: str | None, t_call: float) -> SaveHandle:
@@ -179,7 +180,7 @@ class Saver:
         """CPU state: the writer starts at once and follows the copy into the staging buffer,
         so the file is durable about one write time after the call, not copy + write."""
         progress = Progress()
-        fut = self._submit(spot, token, self._writer.write, Snapshot(buf, layout, None, progress), base, dest, t_call,
+        fut = self._submit(spot, token, layout, self._writer.write, Snapshot(buf, layout, None, progress), base, dest, t_call,
                            choice.odirect, fallback)
         try:
             snapshot(layout, buf, progress)
@@ -194,25 +195,33 @@ class Saver:
         self._emit("snapshot", base.path, layout.payload_bytes, w_call, choice.tier)
         return self._track(fut, replace(base, blocked_s=blocked), dest, home, t_call, spot, token)
 
-    def _submit(self, spot: Reservation | None, token: int, write: Callable[..., SaveRecord], *args: object
-                ) -> Future:
+    def _submit(self, spot: Reservation | None, token: int, layout: F.FileLayout, write: Callable[..., SaveRecord],
+                *args: object) -> Future:
         """Run ``write`` on the writer thread of the save's burst-buffer directory (one per
         directory: the drives write at once; files of one directory, and so every save of one
         path, are written in order)."""
-        return self._write_threads[spot.index if spot else 0].submit(self._written, token, write, *args)
+        big = len(layout.storages) >= heap.TRIM_AFTER_RECORDS
+        return self._write_threads[spot.index if spot else 0].submit(self._written, token, big, write, list(args))
 
-    def _written(self, token: int, write: Callable[..., SaveRecord], *args: object) -> SaveRecord:
+    def _written(self, token: int, big: bool, write: Callable[..., SaveRecord], args: list) -> SaveRecord:
         """The writer thread's job: write; a file written to its own path is durable and
         published now (``commit.protocol.publish_file``), so retention runs before its handle
-        resolves."""
-        rec = write(*args)
-        if rec.durable_s is None:
-            return rec
-        if rec.group is None:
-            publish_file(self._homes.resolve(rec.path), {"written_at": time.time()})
-            if self._cfg.local_dirs:  # it skipped the burst buffer: a copy there of an earlier save is stale
-                self._retention.bypassed(rec.path, token)
-        return self._retain(rec, token, has_local=False)
+        resolves. After a save of many tensors, the heap's free pages go back (``save.heap``):
+        ``args`` is emptied first, so the snapshot and its layout are freed by then."""
+        try:
+            rec = write(*args)
+            args.clear()
+            if rec.durable_s is None:
+                return rec
+            if rec.group is None:
+                publish_file(self._homes.resolve(rec.path), {"written_at": time.time()})
+                if self._cfg.local_dirs:  # it skipped the burst buffer: a copy there of an earlier save is stale
+                    self._retention.bypassed(rec.path, token)
+            return self._retain(rec, token, has_local=False)
+        finally:
+            args.clear()
+            if big:
+                heap.trim()
 
     def _track(self, fut: Future, base: SaveRecord, dest: str, home: str, t_call: float, spot: Reservation | None,
                token: int) -> SaveHandle:

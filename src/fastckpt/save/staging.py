@@ -33,6 +33,9 @@ class StagingBuffer:
     view: memoryview
     keepalive: object = None
     owner: object = None
+    #: ``Segments.serial`` of the metadata at its file offsets here (0: none): set by the
+    #: snapshot that copied it, so the next snapshot of the same layout skips that copy
+    holds: int = 0
 
 
 def _new_buffer(capacity: int, pinned: bool) -> StagingBuffer:
