@@ -6,16 +6,22 @@ from __future__ import annotations
 import os
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
 import torch
 
 import fastckpt
 from fastckpt.format import layout as F
+from fastckpt.format import segments
 from fastckpt.format.manifest import file_manifest, tail_bytes
 from fastckpt.io.gds import finish_gds_file
 from fastckpt.io.ops import FileOps
 
 
-def test_finish_after_a_record_by_record_write(tmp_path) -> None:
+@pytest.mark.parametrize("packed", [False, True])
+def test_finish_after_a_record_by_record_write(tmp_path, monkeypatch, packed) -> None:
+    if packed:  # the metadata kept compressed and inflated in pieces that spans cross
+        monkeypatch.setattr(segments, "PACK_ABOVE", -1)
+        monkeypatch.setattr(segments, "INFLATE_BYTES", 100)
     state = {"w": torch.randn(1 << 18), "b": torch.arange(10)}
     layout = F.plan(state, page_aligned=True)  # what the gds tier plans
     path = tmp_path / "g.pt"
