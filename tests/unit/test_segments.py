@@ -137,3 +137,15 @@ def test_a_save_of_many_tensors_gives_the_heap_back_once_its_objects_are_gone(tm
 
 def test_trim_runs_where_the_c_library_has_it() -> None:
     assert heap.trim() == hasattr(heap._libc(), "malloc_trim")
+
+
+def test_the_trailer_is_found_without_inflating_the_metadata() -> None:
+    sink = F._SeekOnlySink()
+    sink.write(b"head")
+    sink.seek(100)
+    sink.write(b"trailer")  # ends the file
+    assert sink.tail() == (100, b"trailer")
+    sink.seek(0)
+    sink.write(b"HEAD")  # a header rewritten after the trailer: the trailer still ends last
+    assert sink.tail() == (100, b"trailer")
+    assert [(off, bytes(b)) for off, b in sink.segments()] == [(0, b"head"), (100, b"trailer"), (0, b"HEAD")]

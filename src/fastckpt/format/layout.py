@@ -170,6 +170,25 @@ class _SeekOnlySink(io.RawIOBase):
         """What was written, in write order."""
         return Segments(bytes(self._blob), self._offsets, self._starts)
 
+    def tail(self) -> tuple[int, bytes]:
+        """The file offset and bytes of the last segment that ends where the file ends (torch
+        writes the archive's trailer last), else of the one that ends last; from the sink's own
+        bytes, so a large layout's compressed metadata is not inflated for it."""
+        starts, offsets, size = self._starts, self._offsets, len(self._blob)
+
+        def span(i: int) -> tuple[int, int]:
+            return starts[i], starts[i + 1] if i + 1 < len(starts) else size
+
+        def end(i: int) -> int:
+            lo, hi = span(i)
+            return offsets[i] + hi - lo
+
+        last = len(offsets) - 1
+        if end(last) != self.end:
+            last = max(range(len(offsets)), key=end)
+        lo, hi = span(last)
+        return offsets[last], bytes(self._blob[lo:hi])
+
 
 def _sparse_reader(segments: Segments | list[tuple[int, bytes]], size: int) -> RangeReader:
     """A file over a sparse image (segments, zeros elsewhere), for torch's zip reader."""
@@ -275,7 +294,7 @@ def plan(obj: object, *, page_aligned: bool | None = None, scanned: Scan | None 
     for i, (off, n) in enumerate(zip(offsets, sizes, strict=True)):
         if n and off % align:
             raise UnsupportedObjectError(f"storage data/{i} is not {align}-aligned in the file")
-    tail_off, tail = max(segments, key=lambda s: s[0] + len(s[1]))
+    tail_off, tail = sink.tail()
     if tail_off + len(tail) != sink.end or tail[-EOCD_LEN : -EOCD_LEN + 4] != EOCD_SIG:
         raise UnsupportedObjectError("torch.save did not end the archive with a plain zip trailer")
     recs = tuple(StorageRecord(str(i), off, n, st) for i, (off, n, st) in enumerate(zip(offsets, sizes, storages)))
