@@ -210,7 +210,6 @@ class Saver:
         ``args`` is emptied first, so the snapshot and its layout are freed by then."""
         try:
             rec = write(*args)
-            args.clear()
             if rec.durable_s is None:
                 return rec
             if rec.group is None:
