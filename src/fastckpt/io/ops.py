@@ -35,6 +35,16 @@ _LOW_BIT = bytes(i & 1 for i in range(256))
 _IOV_MAX = 1024  # buffers one preadv takes (POSIX's minimum for IOV_MAX is 16; Linux's is 1024)
 
 
+def malloc_trim() -> bool:
+    """Hand the C heap's free pages back to the system (glibc's ``malloc_trim(0)``); False where
+    the C library has no such call."""
+    fn = getattr(_LIBC, "malloc_trim", None)
+    if fn is None:
+        return False
+    fn(0)
+    return True
+
+
 def resident_bytes(fd: int, offset: int, n: int) -> int:
     """How many of the ``n`` bytes of ``fd`` from ``offset`` lie in pages the page cache holds,
     counted up to the first page it does not (``mincore`` on a mapping that is never touched:

@@ -13,26 +13,9 @@ per such save. Elsewhere than glibc it does nothing.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import functools
+from ..io.ops import malloc_trim as trim
+
+__all__ = ["TRIM_AFTER_RECORDS", "trim"]
 
 #: A save of at least this many storages trims the heap after its write.
 TRIM_AFTER_RECORDS = 10_000
-
-
-def trim() -> bool:
-    """Return the heap's free pages to the system; False where the C library cannot."""
-    fn = getattr(_libc(), "malloc_trim", None)
-    if fn is None:
-        return False
-    fn(0)
-    return True
-
-
-@functools.cache
-def _libc() -> object:
-    try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-    except OSError:
-        return None
