@@ -151,3 +151,28 @@ def test_the_trailer_is_found_without_inflating_the_metadata() -> None:
     sink.write(b"HEAD")  # a header rewritten after the trailer: the trailer still ends last
     assert sink.tail() == (100, b"trailer")
     assert [(off, bytes(b)) for off, b in sink.segments()] == [(0, b"head"), (100, b"trailer"), (0, b"HEAD")]
+
+
+def test_files_of_equal_size_keep_to_the_buffers_that_hold_their_metadata(tmp_path, monkeypatch) -> None:
+    x = _state(0)
+    y = {"small": {f"u{i}": t.clone() for i, t in enumerate(x["small"].values())}, "big": x["big"].clone(),
+         "step": 1}  # another structure, of the same size: the pool's two buffers fit either
+    copies: list[int] = []
+    real_iter = S.Segments.__iter__
+    monkeypatch.setattr(S.Segments, "__iter__", lambda self: (copies.append(self.serial), real_iter(self))[1])
+    ops = FaultyOps()
+    with fastckpt.Checkpointer(ops=ops, staging_buffers=2) as ck:
+        for rnd in range(4):  # the first file of each round holds its buffer while the second is saved
+            first, second = (("x", x), ("y", y)) if rnd % 2 == 0 else (("y", y), ("x", x))
+            gate = ops.gate("fsync", f"{first[0]}{rnd}.pt")
+            h1 = ck.save(first[1], str(tmp_path / f"{first[0]}{rnd}.pt"))
+            assert gate.wait_entered()
+            h2 = ck.save(second[1], str(tmp_path / f"{second[0]}{rnd}.pt"))
+            gate.open()
+            h1.wait()
+            h2.wait()
+        assert ck._saver._planner.hits == 6 and len(ck._saver._staging.capacities()) == 2
+    assert len(copies) == 2  # each structure's metadata copied once, by its first save
+    for rnd in range(4):
+        assert list(fastckpt.load(str(tmp_path / f"y{rnd}.pt"))["small"])[:2] == ["u0", "u1"]
+        assert torch.equal(fastckpt.load(str(tmp_path / f"x{rnd}.pt"))["big"], x["big"])

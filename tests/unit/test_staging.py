@@ -187,3 +187,19 @@ def test_cpu_buffers_are_prefaulted_without_holding_the_gil(monkeypatch) -> None
     assert int(buf.tensor[:: 4096].sum()) == 0  # every page was written
 
 
+
+
+def test_an_idle_buffer_that_holds_the_layouts_metadata_is_preferred() -> None:
+    pool = StagingPool(max_buffers=2)
+    a = pool.acquire(4 * MiB, object(), pinned=False, wait=True)
+    b = pool.acquire(4 * MiB, object(), pinned=False, wait=True)
+    a.holds, b.holds = 11, 12
+    pool.release(a)
+    pool.release(b)
+    assert pool.acquire(4 * MiB, object(), pinned=False, wait=True, holds=12) is b
+    assert pool.acquire(4 * MiB, object(), pinned=False, wait=True, holds=99) is a  # none holds it: any that fits
+    pool.release(a)
+    pool.release(b)
+    small = pool.acquire(MiB, object(), pinned=False, wait=True)  # one of them: no third buffer
+    assert small in (a, b)
+    pool.close()

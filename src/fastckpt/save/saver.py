@@ -120,7 +120,7 @@ class Saver:
         if choice.tier == "gds":
             return self._save_gds(layout, base, dest, home, t_call, w_call, spot, token)
         buf = self._staging.acquire(layout.data_size + TAIL_ROOM, owner=group or object(),
-                                    pinned=has_cuda, wait=self._cfg.when_busy == "wait")
+                                    pinned=has_cuda, wait=self._cfg.when_busy == "wait", holds=layout.segments.serial)
         if buf is None:
             return self._skipped(base, group, t_call)
         if self._cfg.overlap_write and not lazy and not has_cuda:
