@@ -215,6 +215,12 @@ def gds_numbers(state: dict, root: Path, nbytes: int) -> None:
         rec = ck.save(state, path).wait()
         total = time.perf_counter() - t0
         out = ck.load(path)
+        probe = torch.zeros(16 << 20, device="cuda")  # cuFile reads outside torch's stream order
+        torch.cuda._sleep(int(1e9))  # the kernel that produces it is still queued at the call
+        probe.fill_(7.0)
+        ck.save({"p": probe}, str(root / "gds_order.pt")).wait()
+        check("gds: a save waits for the kernels queued before it",
+              bool(torch.all(ck.load(str(root / "gds_order.pt"))["p"] == 7.0)), "64 MiB behind a 1e9-cycle kernel")
     ok = rec.tier == "gds" and all(torch.equal(out[k], v.cpu()) for k, v in state.items())
     n |= {"gds_blocked_s": rec.blocked_s, "gds_durable_s": total}
     fio = n.get("fio_write_s")

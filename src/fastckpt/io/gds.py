@@ -22,11 +22,16 @@ def gds_write(path: str, layout: FileLayout) -> None:
     """Write every storage and metadata segment of ``layout`` to ``path`` (blocking).
 
     The caller holds the training thread until this returns: the GPU tensors are read in
-    place, so they must not change before the write completes.
+    place, so they must not change before the write completes. cuFile reads device memory
+    outside torch's stream order, so the kernels queued so far on each device's current
+    stream (the optimizer step that produced the state) are waited for first.
     """
     import kvikio
     import numpy as np
     import torch
+
+    for device in {rec.storage.device for rec in layout.storages if rec.storage.is_cuda}:
+        torch.cuda.current_stream(device).synchronize()
 
     with kvikio.CuFile(path, "w") as f:
         futures = []

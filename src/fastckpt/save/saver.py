@@ -180,8 +180,8 @@ class Saver:
         """CPU state: the writer starts at once and follows the copy into the staging buffer,
         so the file is durable about one write time after the call, not copy + write."""
         progress = Progress()
-        fut = self._submit(spot, token, layout, self._writer.write, Snapshot(buf, layout, None, progress), base, dest, t_call,
-                           choice.odirect, fallback)
+        fut = self._submit(spot, token, layout, self._writer.write, Snapshot(buf, layout, progress=progress), base,
+                           dest, t_call, choice.odirect, fallback)
         try:
             snapshot(layout, buf, progress)
         except BaseException as exc:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import ctypes
 import threading
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -20,23 +20,23 @@ from .staging import StagingBuffer
 
 @dataclass
 class Snapshot:
-    """A filled staging buffer; ``ready`` is set once device copies have landed."""
+    """A filled staging buffer, whose device copies have landed once ``wait_ready`` returns."""
 
     buffer: StagingBuffer
     layout: FileLayout
-    cuda_event: object = None
+    #: an event recorded after the copies of each device's side stream (a state may span GPUs)
+    cuda_events: dict[torch.device, object] = field(default_factory=dict)
     progress: Progress | None = None
-    cuda_device: object = None  # the device whose side stream ``cuda_event`` was recorded on
 
     def order_before(self) -> None:
-        """Make the caller's current CUDA stream wait (on the GPU, not the CPU) until the device
+        """Make each device's current CUDA stream wait (on the GPU, not the CPU) until the device
         copies have landed: later kernels, the optimizer step's, cannot change what is saved."""
-        if self.cuda_event is not None:
-            torch.cuda.current_stream(self.cuda_device).wait_event(self.cuda_event)
+        for device, event in self.cuda_events.items():
+            torch.cuda.current_stream(device).wait_event(event)
 
     def wait_ready(self) -> None:
-        if self.cuda_event is not None:
-            self.cuda_event.synchronize()
+        for event in self.cuda_events.values():
+            event.synchronize()
 
 
 class Progress:
@@ -170,18 +170,15 @@ def snapshot(layout: FileLayout, buf: StagingBuffer, progress: Progress | None =
         if progress is not None and rec.offset + n - told >= ADVANCE_BYTES:
             told = rec.offset + n
             progress.advance(told)
-    event = device = None
+    events = {}
     for device, stream in streams.items():
-        event = torch.cuda.Event()
-        event.record(stream)
+        events[device] = torch.cuda.Event()
+        events[device].record(stream)
         if hold_stream:
-            torch.cuda.current_stream(device).wait_event(event)
-    if len(streams) > 1:  # one event per stream is needed only to order the writer
-        torch.cuda.synchronize()
-        event = device = None
+            torch.cuda.current_stream(device).wait_event(events[device])
     if progress is not None:
         progress.advance(layout.data_size)  # the caller calls finish() with its blocked time
-    return Snapshot(buf, layout, event, progress, device)
+    return Snapshot(buf, layout, events, progress)
 
 
 @dataclass
