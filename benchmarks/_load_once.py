@@ -14,6 +14,7 @@ import sys
 import time
 
 import torch
+
 from _save_variants import warm  # this script's folder is on sys.path
 
 

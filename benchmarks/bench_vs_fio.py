@@ -88,7 +88,8 @@ def main() -> int:
         ratio = f / r
         ok &= ratio >= TARGET
         rows.append({"op": op, "fastckpt_Bps": f, "fio_Bps": r, "ratio": ratio})
-        print(f"| {op} | {f / GB:.2f} | {r / GB:.2f} | {ratio:.2f} | >= {TARGET} | {'PASS' if ratio >= TARGET else 'MISS'} |")
+        verdict = "PASS" if ratio >= TARGET else "MISS"
+        print(f"| {op} | {f / GB:.2f} | {r / GB:.2f} | {ratio:.2f} | >= {TARGET} | {verdict} |")
     if a.json:
         a.json.write_text(json.dumps({"settings": vars(a) | {"dir": str(a.dir), "json": str(a.json)}, "runs": runs,
                                       "rows": rows}, indent=1))

@@ -154,7 +154,8 @@ def worker(args: argparse.Namespace) -> None:
         engine.backward(loss)
         engine.step()
         if args.variant == "fastckpt-lazy" and len(fences) < len(stalls):  # this step fenced the last save
-            fences.append(next(p.fence_s or 0.0 for p in engine.checkpoint_engine.pending if p.tag == f"step{step - 1}"))
+            fences.append(next(p.fence_s or 0.0 for p in engine.checkpoint_engine.pending
+                               if p.tag == f"step{step - 1}"))
         if args.variant != "none" and step % args.every == 0:
             s0 = time.perf_counter()
             engine.save_checkpoint(str(save_dir), tag=f"step{step}")
@@ -241,7 +242,8 @@ def _combine(name: str, results: list[dict]) -> dict:
         return results[0] if results else {"variant": name, "error": "not run"}
     failed = [r["error"] for r in results if "error" in r]
     results = ok
-    return {"variant": name, "failed_rounds": failed, "wall_s": min(r["wall_s"] for r in results), "walls": [r["wall_s"] for r in results],
+    return {"variant": name, "failed_rounds": failed, "wall_s": min(r["wall_s"] for r in results),
+            "walls": [r["wall_s"] for r in results],
             "stalls": [x for r in results for x in r["stalls"]], "durable": [x for r in results for x in r["durable"]],
             "checkpoint_bytes": results[0]["checkpoint_bytes"], "flush_s": [r["flush_s"] for r in results]}
 

@@ -43,10 +43,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common as c  # noqa: E402
-
 import fastckpt  # noqa: E402
 from fastckpt.save.tiers import gds_unavailable_reason  # noqa: E402
+
+import _common as c  # noqa: E402
 
 results: dict = {"checks": [], "numbers": {}}
 
@@ -115,7 +115,8 @@ def staging_path(state: dict, root: Path, rounds: int, floor: float) -> Path:
     stall = med(stalls)
     results["numbers"] |= {"floor_s": floor, "stall_s": stall, "return_s": med(returns), "durable_s": med(durables)}
     check("blocked: stall <= 1.1 x pinned copy_ floor", stall <= 1.1 * floor,
-          f"stall {stall * 1e3:.1f} ms (save() returned after {med(returns) * 1e3:.1f} ms), floor {floor * 1e3:.1f} ms, "
+          f"stall {stall * 1e3:.1f} ms (save() returned after {med(returns) * 1e3:.1f} ms), "
+          f"floor {floor * 1e3:.1f} ms, "
           f"ratio {stall / floor:.2f}")
     return path
 
@@ -128,7 +129,8 @@ def disk_numbers(path: Path, root: Path, nbytes: int) -> None:
         n["fio_read_s"] = c.fio_seconds(root / "fio.dat", nbytes, "read")
         (root / "fio.dat").unlink()
         check("durable <= 1.1 x fio O_DIRECT write", n["durable_s"] <= 1.1 * n["fio_write_s"],
-              f"durable {n['durable_s']:.2f} s, fio {n['fio_write_s']:.2f} s ({nbytes / n['fio_write_s'] / 1e9:.2f} GB/s), "
+              f"durable {n['durable_s']:.2f} s, fio {n['fio_write_s']:.2f} s "
+              f"({nbytes / n['fio_write_s'] / 1e9:.2f} GB/s), "
               f"ratio {n['durable_s'] / n['fio_write_s']:.2f}")
     else:
         check("fio", None, "not installed (apt-get install -y fio): no device-limit numbers")
@@ -188,7 +190,8 @@ def gds_numbers(state: dict, root: Path, nbytes: int) -> None:
         check("gds", None, "kvikio is not installed (pip install 'fastckpt[gds]'): no GDS numbers")
         return
     preferred = getattr(kd, "is_compat_mode_preferred", lambda: None)()
-    check("gds: kvikio", None, f"version {getattr(kvikio, '__version__', '?')}, compat mode preferred here: {preferred}")
+    version = getattr(kvikio, "__version__", "?")
+    check("gds: kvikio", None, f"version {version}, compat mode preferred here: {preferred}")
     flat = torch.cat([v.view(-1).view(torch.uint8) for v in state.values()])
     n = results["numbers"]
     for on in (True, False):

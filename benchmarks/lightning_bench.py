@@ -24,9 +24,10 @@ medians of the rest.
   blocked    seconds the training thread spent inside the checkpoint plugin: its
              save_checkpoint and remove_checkpoint, its teardown (the final flush), and for
              FastCkptIO the work its callback does on the training thread (the lazy fence,
-             handing metrics to the loggers, connecting, starting the staging reservation). Measured by wrapping those methods
-             of the plugin object with perf_counter. Lightning's own dump_checkpoint (building
-             the dict) is the same for every variant and is not counted.
+             handing metrics to the loggers, connecting, starting the staging reservation).
+             Measured by wrapping those methods of the plugin object with perf_counter.
+             Lightning's own dump_checkpoint (building the dict) is the same for every variant
+             and is not counted.
   blocked %  blocked / the fastest "none" run (the least disturbed one: on a shared machine
              other jobs only ever add time): the figure that holds on a noisy machine.
   wall %     (median wall of the variant - fastest "none") / fastest "none"; noisy.
@@ -182,7 +183,8 @@ def main() -> None:
         wall = statistics.median(x["wall_s"] for x in mine)
         table[v] = {"blocked_s": blocked, "blocked_pct": 100 * blocked / base, "wall_s": wall,
                     "wall_pct": 100 * (wall - base) / base}
-        print(f"{v:>14} {blocked:>10.3f} {100 * blocked / base:>9.2f}% {wall:>8.2f} {100 * (wall - base) / base:>7.1f}%")
+        pct, wall_pct = 100 * blocked / base, 100 * (wall - base) / base
+        print(f"{v:>14} {blocked:>10.3f} {pct:>9.2f}% {wall:>8.2f} {wall_pct:>7.1f}%")
 
     for v in ("fastckpt", "fastckpt-lazy", "fastckpt-overlap"):  # issue #16's targets
         if v in table and "async" in table:

@@ -94,7 +94,8 @@ def main() -> None:
     print("| variant | load s | loaded MB | kept model MB | dropped MB |")
     print("|---|---:|---:|---:|---:|")
     for v, r in rows.items():
-        print(f"| {v} | {r['seconds']:.3f} | {r['loaded'] / 1e6:.0f} | {r['kept'] / 1e6:.0f} | {r['dropped'] / 1e6:.0f} |")
+        mb = [f"{r[k] / 1e6:.0f}" for k in ("loaded", "kept", "dropped")]
+        print(f"| {v} | {r['seconds']:.3f} | {' | '.join(mb)} |")
     for v in ("fastckpt", "fastckpt mmap=True"):
         r = rows[v]
         bound = r["model"] * 1.05 + 16 * MiB

@@ -49,10 +49,10 @@ from pathlib import Path
 warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import drop_cache, fmt, make_state, median, parse_size  # noqa: E402
-
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+
+from _common import drop_cache, fmt, make_state, median, parse_size  # noqa: E402
 
 VARIANTS = ("torch", "torch_dcp", "dcp_async", "torch_dist", "torch_dist_async", "fastckpt", "fastckpt_async",
             "fastckpt_async_overlap")
@@ -223,7 +223,8 @@ def worker(args: argparse.Namespace) -> None:
             if rank == 0:
                 shutil.rmtree(os.path.dirname(d))
                 print(f"round {rnd} {variant}: blocked {max(t[0] for t in times):.3f} s, durable "
-                      f"{max(t[1] for t in times):.3f} s" + (f", load {max(t[2] for t in times):.3f} s" if load else ""),
+                      f"{max(t[1] for t in times):.3f} s"
+                      + (f", load {max(t[2] for t in times):.3f} s" if load else ""),
                       flush=True)
     for ck in set(bench.cks.values()):
         ck.close()

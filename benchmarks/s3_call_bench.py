@@ -18,10 +18,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _s3  # noqa: E402
-
 import fastckpt  # noqa: E402
 from fastckpt.storage import fsspec as fsspec_target  # noqa: E402
+
+import _s3  # noqa: E402
 
 
 def main() -> None:

@@ -64,7 +64,8 @@ def main() -> None:
         engine.backward(loss)
         engine.step()
         if engine.global_steps % args.every == 0:
-            engine.save_checkpoint(args.save_dir, client_state={"step": engine.global_steps})  # returns after the snapshot
+            # returns after the snapshot
+            engine.save_checkpoint(args.save_dir, client_state={"step": engine.global_steps})
     wall = time.monotonic() - t0
     stats = engine.checkpoint_engine.checkpointer.stats()
     engine.destroy()  # waits until every checkpoint is durable

@@ -88,7 +88,8 @@ def main() -> None:
                         logger=False, enable_progress_bar=False, enable_model_summary=False,
                         enable_checkpointing=False)
     resumed.fit(MLP(), data(), ckpt_path=os.path.join(args.out, "last.ckpt"))  # restores, then stops: max_steps
-    same = all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), resumed.lightning_module.state_dict().values()))
+    pairs = zip(model.state_dict().values(), resumed.lightning_module.state_dict().values())
+    same = all(torch.equal(a, b) for a, b in pairs)
     print(f"resumed from last.ckpt in {time.perf_counter() - t1:.2f} s: global_step={resumed.global_step}, "
           f"weights match: {same}")
 

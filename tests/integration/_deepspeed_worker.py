@@ -231,7 +231,6 @@ def lazy(root: str, stage: int) -> None:
     import threading
 
     import fastckpt.save.saver as core
-
     from tests.integration._ds_common import ds_config
 
     def bn_model(seed: int) -> torch.nn.Module:  # BatchNorm: buffers that forward changes

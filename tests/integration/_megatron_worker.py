@@ -363,15 +363,16 @@ def scenario_verify(dirs: str, rank: int, world: int) -> dict:
         want = make_state(synced, 0, 1, "full")
         got = dc.load(without_data(want), os.path.join(d, f"iter_{synced:07d}"))
         out[d] = {"raw": raw, "synced": synced, "latest": latest, "equal": same(got, expected(want, synced)),
-                  "iter3": _error(lambda: dc.load(without_data(make_state(3, 0, 1, "full")),
-                                                  os.path.join(d, "iter_0000003")))}
+                  "iter3": _error(lambda d=d: dc.load(without_data(make_state(3, 0, 1, "full")),
+                                                      os.path.join(d, "iter_0000003")))}
     return out
 
 
 def main() -> None:
     scenario, d, out_path = sys.argv[1:4]
     if "RANK" not in os.environ:  # one rank, without torchrun
-        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("PORT", "29533"))
+        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=os.environ.get("PORT", "29533"))
     if scenario == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group("nccl" if scenario == "cuda" else "gloo")

@@ -158,6 +158,7 @@ def test_readers_and_planners_start_without_torch(home, tmp_path) -> None:
                 ["report", str(log), "--json"], ["serve-metrics", "--event-log", str(log), "--once"]]
     blocked = "import sys; sys.modules['torch'] = None; from fastckpt.cli import main; sys.exit(main(sys.argv[1:]))"
     for args in commands:
-        res = subprocess.run([sys.executable, "-c", blocked, *args], capture_output=True, text=True, timeout=60, check=False)
+        res = subprocess.run([sys.executable, "-c", blocked, *args], capture_output=True, text=True, timeout=60,
+                             check=False)
         assert res.returncode in (0, 1) and "torch" not in res.stderr, (args, res.stdout, res.stderr)
         assert res.stdout.strip(), args

@@ -20,7 +20,6 @@ import pytest
 import torch
 
 L = pytest.importorskip("lightning")
-from fastckpt.integrations.lightning import FastCkptCallback, FastCkptIO
 from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
@@ -29,6 +28,7 @@ from lightning.pytorch.plugins.io import AsyncCheckpointIO
 
 import fastckpt
 from fastckpt.errors import CheckpointWriteError, ConfigError
+from fastckpt.integrations.lightning import FastCkptCallback, FastCkptIO
 from fastckpt.testing import Fault, FaultyOps
 from tests.integration._trees import tree_equal  # noqa: F401 (the Lightning tests import it from here)
 

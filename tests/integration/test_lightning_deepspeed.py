@@ -61,7 +61,8 @@ def test_deepspeed_strategy_refuses_cpu():
 
 
 def test_deepspeed_zero2_two_processes_save_resume_top_k(tmp_path):
-    proc = subprocess.run([sys.executable, SCRIPT, str(tmp_path)], env=_env(), capture_output=True, text=True, check=False,
+    proc = subprocess.run([sys.executable, SCRIPT, str(tmp_path)], env=_env(), capture_output=True, text=True,
+                          check=False,
                           timeout=400, start_new_session=True)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     summary = json.loads((tmp_path / "summary.json").read_text())

@@ -10,9 +10,9 @@ import threading
 import pytest
 
 L = pytest.importorskip("lightning")
-from fastckpt.integrations.lightning import FastCkptIO
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
+from fastckpt.integrations.lightning import FastCkptIO
 from fastckpt.testing import FaultyOps
 from tests.integration.test_lightning import TinyModel, loader, make_trainer
 

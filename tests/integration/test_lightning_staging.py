@@ -12,10 +12,10 @@ import pytest
 
 pytest.importorskip("lightning")
 import lightning as L
-from fastckpt.integrations.lightning import FastCkptIO
 from lightning.pytorch.callbacks import Callback
 
 import fastckpt.checkpointer as core
+from fastckpt.integrations.lightning import FastCkptIO
 from fastckpt.save import staging
 from fastckpt.testing import FaultyOps
 from tests.integration.test_lightning import TinyModel, loader, make_trainer

@@ -91,7 +91,8 @@ def test_deepspeed_engine_checkpoints_are_found_as_one_tag(tmp_path: Path) -> No
     assert (save_dir / "latest").read_text().strip() == "global_step3"
     assert fastckpt.latest(str(save_dir)) == str(save_dir / "global_step3")
     found = scan(save_dir)  # one checkpoint: the tag DeepSpeed's latest names, not its per-rank files
-    assert [(Path(f.path).name, f.kind, f.foreign, f.step) for f in found] == [("global_step3", "group", "DeepSpeed", 3)]
+    rows = [(Path(f.path).name, f.kind, f.foreign, f.step) for f in found]
+    assert rows == [("global_step3", "group", "DeepSpeed", 3)]
     out = CliRunner().invoke(ls, [str(save_dir), "--json"])
     (row,) = json.loads(out.output)["checkpoints"]
     assert (row["kind"], row["status"], row["step"], row["latest"]) == ("DeepSpeed", "unverified", 3, True)

@@ -56,7 +56,8 @@ def test_replication_to_a_refusing_endpoint_fails_the_save_once_and_keeps_the_lo
 def test_cli_names_the_endpoint_without_a_traceback() -> None:
     endpoint = _refusing_endpoint()
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
-    env.update(AWS_ENDPOINT_URL=endpoint, AWS_ACCESS_KEY_ID="k", AWS_SECRET_ACCESS_KEY="s", AWS_DEFAULT_REGION="us-east-1")
+    env.update(AWS_ENDPOINT_URL=endpoint, AWS_ACCESS_KEY_ID="k", AWS_SECRET_ACCESS_KEY="s",
+               AWS_DEFAULT_REGION="us-east-1")
     done = subprocess.run([sys.executable, "-m", "fastckpt.cli", "latest", "s3://bucket/run7"], env=env,
                           capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 1

@@ -12,8 +12,7 @@ import torch
 from click.testing import CliRunner
 
 import fastckpt
-from fastckpt.cli import cli
-from fastckpt.cli import sizing
+from fastckpt.cli import cli, sizing
 from fastckpt.cli._common import parse_bandwidth, parse_count, parse_duration, parse_size
 from fastckpt.cli.runlog import profile, read_events
 

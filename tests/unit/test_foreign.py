@@ -118,7 +118,8 @@ def test_ls_marks_foreign_checkpoints_unverified(tmp_path: Path) -> None:
     out = CliRunner().invoke(ls, [str(run), "--json"])
     assert out.exit_code == 0, out.output
     rows = {Path(c["path"]).name: c for c in json.loads(out.output)["checkpoints"]}
-    assert rows["epoch=0-step=20.ckpt"]["status"] == "unverified" and rows["epoch=0-step=20.ckpt"]["kind"] == "torch.save"
+    row = rows["epoch=0-step=20.ckpt"]
+    assert row["status"] == "unverified" and row["kind"] == "torch.save"
     assert rows["epoch=0-step=20.ckpt"]["step"] == 20 and rows["step-40.pt"]["step"] == 40
     assert rows["step-40.pt"]["status"] == "complete" and rows["step-40.pt"]["latest"]
 

@@ -9,13 +9,13 @@ import zipfile
 
 import pytest
 import torch
+from torch.utils.serialization import config as ser_config
 
 import fastckpt
 from fastckpt.errors import UnsupportedObjectError
 from fastckpt.format import layout as F
 from fastckpt.format import manifest as M
 from fastckpt.format import walk
-from torch.utils.serialization import config as ser_config
 
 
 def _state() -> dict:
@@ -140,7 +140,8 @@ def test_manifest_lists_block_digests(tmp_path) -> None:
         ck.save({"big": torch.arange(40 << 20, dtype=torch.uint8)}, str(path)).wait()
     m = read_file_manifest(str(path))["checksum"]
     data = path.read_bytes()[: read_file_manifest(str(path))["covered"]]
-    want = [checksum.block_digest(data[o : o + checksum.BLOCK_BYTES]) for o in range(0, len(data), checksum.BLOCK_BYTES)]
+    step = checksum.BLOCK_BYTES
+    want = [checksum.block_digest(data[o : o + step]) for o in range(0, len(data), step)]
     assert len(want) == 3
     assert [int(m["blocks"][i : i + 16], 16) for i in range(0, len(m["blocks"]), 16)] == want
     assert checksum.combine(want) == m["value"]

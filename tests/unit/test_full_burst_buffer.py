@@ -1,7 +1,8 @@
 """A burst buffer without room for a single file: the file goes straight to its path (same
 stall, durable at the path's speed), a warning says so once, and saves go through the burst
-buffer again once it has room. So does a file the drive runs out of room for mid-write. A stale burst-buffer copy of an earlier save is removed; an
-earlier save of the same path still replicating keeps the new one in the burst buffer.
+buffer again once it has room. So does a file the drive runs out of room for mid-write. A stale
+burst-buffer copy of an earlier save is removed; an earlier save of the same path still
+replicating keeps the new one in the burst buffer.
 
 A real 4 MiB tmpfs is the burst buffer, where this process may mount (root).
 """

@@ -85,7 +85,7 @@ def plan(dest: object, meta: object, records: set[int]) -> dict[int, torch.Untyp
             refused.add(off)
         into.setdefault(off, s)
     owners: dict[int, int] = {}
-    for off, s in into.items():
+    for s in into.values():
         owners[s.data_ptr()] = owners.get(s.data_ptr(), 0) + 1
     return {off: s for off, s in into.items() if off not in refused and owners[s.data_ptr()] == 1}
 
