@@ -16,6 +16,7 @@ from fastckpt.doctor import DoctorOptions, diagnose
 from fastckpt.errors import ConfigError
 from fastckpt.save.stripes import Stripes
 from fastckpt.testing import FaultyOps
+from fastckpt.urls import mirror_path
 
 MiB = 1 << 20
 
@@ -97,6 +98,41 @@ def test_same_path_stays_on_its_drive_and_retention_cleans_every_drive(tmp_path,
         kept = [p for d in dirs for _, _, fs in os.walk(d) for p in fs if p.endswith(".pt")]
         assert kept == ["c2.pt"]
         assert ck.load(str(home / "c2.pt"))["seed"] == 2
+
+
+def test_saves_of_one_path_in_flight_are_written_on_one_drive_in_order(tmp_path, dirs) -> None:
+    """Two quick saves of a new path: the second waits behind the first on the first's drive (one
+    writer thread, in order), instead of racing it on the other drive, where it could finish
+    first and then be replaced at the home by the older save's replication."""
+    ops, path = FaultyOps(), str(tmp_path / "home" / "last.pt")
+    with fastckpt.Checkpointer(local_dir=dirs, ops=ops, staging_buffers=2, rank=0, world_size=1) as ck:
+        # the first drive is slow right now (its files, not the tier's probe of the drive)
+        gate = ops.gate("pwrite", path_contains=mirror_path(dirs[0], str(tmp_path / "home")) + os.sep)
+        try:
+            first = ck.save(_state(MiB, 1), path)
+            assert gate.wait_entered()
+            second = ck.save(_state(MiB, 2), path)
+            queued = {s.path: s.queued_bytes for s in ck.stats().local_dirs}
+            assert queued[dirs[1]] == 0 and queued[dirs[0]] >= 2 * MiB
+        finally:
+            gate.open()
+        assert first.wait().superseded or first.wait().durable_s is not None
+        assert second.wait().durable_s is not None
+        assert fastckpt.load(path)["seed"] == 2 and ck.load(path)["seed"] == 2
+        assert [c.startswith(dirs[0] + os.sep) for c in ck._stripes.copies(path)] == [True]
+
+
+def test_a_path_in_flight_keeps_its_drive(dirs) -> None:
+    stripes = Stripes(tuple(dirs), rank=1)  # round-robin alone would start on the second drive
+    direct = stripes.choose("/x/last.pt", 1 << 62, may_bypass=True)  # no room anywhere: straight to its path
+    assert direct is not None and direct.local is None and direct.index == 0
+    again = stripes.choose("/x/last.pt", 10, may_bypass=True)  # while it is written: its writer, no bypass
+    assert again is not None and again.index == 0 and again.local is not None
+    third = stripes.choose("/x/last.pt", 10)
+    assert third is not None and third.index == 0
+    for r in (direct, again, third, third):
+        stripes.release(r)
+    assert stripes.choose("/x/last.pt", 10).index == 1  # nothing in flight and no copy: free to move
 
 
 def test_ranks_start_on_different_drives(dirs) -> None:

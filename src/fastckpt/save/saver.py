@@ -84,10 +84,11 @@ class Saver:
         may_bypass = bool(self._cfg.local_dirs) and group is None and mounted and not self._inflight.writing(path)
         token = self._retention.replacing(group or path)
         spot = self._stripes.choose(path, layout.data_size, may_bypass)  # the burst-buffer drive, if any
-        self._note_bypass(path, layout.data_size, spot is None and bool(self._cfg.local_dirs))
+        self._note_bypass(path, layout.data_size, spot is not None and spot.local is None)
         # Such a file that finds the burst buffer full only mid-write (another writer filled it
         # since the check) is written to its path then (``FileWriter.write``'s fallback).
-        fallback = functools.partial(self._tiers.choose_bypass, path, layout.cuda) if may_bypass and spot else None
+        fallback = functools.partial(self._tiers.choose_bypass, path, layout.cuda) \
+            if may_bypass and spot and spot.local else None
         try:
             handle = self._save_planned(state_dict, layout, path, spot, group, lazy, rank, world, t_call, w_call,
                                         token, fallback)
@@ -101,21 +102,21 @@ class Saver:
     def _save_planned(self, state_dict: object, layout: F.FileLayout, path: str, spot: Reservation | None,
                       group: str | None, lazy: bool, rank: int, world: int, t_call: float, w_call: float,
                       token: int, fallback: Callable[[], TierChoice] | None) -> SaveHandle:
-        has_cuda = layout.cuda
+        has_cuda, bb = layout.cuda, spot if spot is not None and spot.local is not None else None  # bb: its copy
         try:
-            if spot is None and self._cfg.local_dirs:
+            if spot is not None and bb is None:  # it skips the burst buffer
                 choice = self._tiers.choose_bypass(path, has_cuda)
             else:
-                choice = self._tiers.choose(path, has_cuda, spot.root if spot else None)
+                choice = self._tiers.choose(path, has_cuda, bb.root if bb else None)
         except OSError as exc:  # the probe could not write there: unwritable, not a directory...
-            raise_as_write_error(exc, path, where=spot.root if spot else None, local=spot is not None)
+            raise_as_write_error(exc, path, where=bb.root if bb else None, local=bb is not None)
         if choice.tier == "gds" and layout.align != F.ALIGN:  # GDS writes each record: page-aligned
             layout = self._planner.plan(state_dict, page_aligned=True)
         home = path
         if group is not None:
             self._coord.begin(group, rank, world)
             home = self._coord.home_path(group, path)  # beside a published group when re-saving it
-        dest = spot.local if spot else home
+        dest = bb.local if bb and bb.local else home
         base = SaveRecord(path, choice.tier, layout.data_size, 0.0, 0.0, 0.0, None, rank=rank, group=group)
         if choice.tier == "gds":
             return self._save_gds(layout, base, dest, home, t_call, w_call, spot, token)
@@ -225,9 +226,9 @@ class Saver:
     def _track(self, fut: Future, base: SaveRecord, dest: str, home: str, t_call: float, spot: Reservation | None,
                token: int) -> SaveHandle:
         """Replication (to ``home``) follows a write to the burst buffer; track the save; join
-        its group."""
+        its group. The save's reservation holds its path on its drive until the write ends."""
+        fut.add_done_callback(lambda _: self._stripes.release(spot))
         if dest != home:
-            fut.add_done_callback(lambda _: self._stripes.release(spot))
             fut = self._then_replicate(fut, dest, home, t_call, token)
         handle = self._inflight.track(fut, base.path, base.group)
         if base.group is not None:

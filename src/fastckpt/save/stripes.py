@@ -5,13 +5,16 @@ write has not finished), so the files of a group (per-rank shards, model and opt
 spread across the drives by size, and a single large file goes to the least busy drive. Ties
 go round-robin, starting at this process's rank, so that ranks sharing a node start on
 different drives without talking to each other. A file saved again to the same path stays on
-the drive that holds it (so there is never a stale copy elsewhere); reads find each file
-wherever it lives. A single file may skip the burst buffer when the drive it would use has no
-room for it (free space, less the bytes already queued there): ``choose`` then returns None and
-the file is written straight to its path (``Saver``). Striped, a new file also passes over the
-drives without room for it. Each directory has its own writer thread (``Saver``), so the drives
-write at once. Each directory's written bytes and write time give its bandwidth
-(``Checkpointer.stats().local_dirs``).
+the drive of its save still queued or being written there (its reservation), else on the drive
+that holds it: every save of one path is written by one writer thread, in the order of the
+calls, so its replication never lands an older save over a newer one, and there is never a
+stale copy elsewhere; reads find each file wherever it lives. A single file may skip the burst
+buffer when the drive it would use has no room for it (free space, less the bytes already
+queued there), unless a save of it is still queued: ``choose`` then returns a reservation
+without a ``local`` place and the file is written straight to its path by that drive's writer
+thread (``Saver``). Striped, a new file also passes over the drives without room for it. Each
+directory has its own writer thread (``Saver``), so the drives write at once. Each directory's
+written bytes and write time give its bandwidth (``Checkpointer.stats().local_dirs``).
 """
 
 from __future__ import annotations
@@ -53,12 +56,14 @@ class DirStats:
 @dataclass(frozen=True, eq=False)
 class Reservation:
     """A save's place in the burst buffer: ``local`` under ``root`` (directory number
-    ``index``), holding ``nbytes`` queued."""
+    ``index``, whose writer thread writes it), holding ``nbytes`` queued. ``local`` is None
+    when the file skips the burst buffer: it goes straight to ``path``, on that writer thread."""
 
     root: str
-    local: str
+    local: str | None
     nbytes: int
     index: int
+    path: str
 
 
 class Stripes:
@@ -81,6 +86,7 @@ class Stripes:
         self._bytes = [0] * len(self.dirs)
         self._write_s = [0.0] * len(self.dirs)
         self._live: set[int] = set()  # ids of reservations not released yet
+        self._held: dict[str, tuple[int, int]] = {}  # path -> (directory, its live reservations)
         self._next = rank % len(self.dirs) if self.dirs else 0
 
     def copies(self, path: str) -> list[str]:
@@ -95,19 +101,25 @@ class Stripes:
         return found[0] if found else mirror_path(self.dirs[0], path)
 
     def choose(self, path: str, nbytes: int, may_bypass: bool = False) -> Reservation | None:
-        """Where a new save of ``path`` (``nbytes``) writes: a drive with room for it if there is
-        one (the one holding its copy, if there is one; else any). None without a burst buffer,
-        or, with ``may_bypass``, when no drive it may use has room for it."""
+        """Where a new save of ``path`` (``nbytes``) writes: the drive of its live reservation if
+        it has one (an earlier save of it queued or being written there), else a drive with room
+        for it if there is one (the one holding its copy, if there is one; else any). None
+        without a burst buffer. With ``may_bypass`` and no live reservation of ``path``, when no
+        drive it may use has room for it: a reservation with ``local=None`` (write it straight
+        to its path)."""
         if not self.dirs:
             return None
-        found = [i for i, d in enumerate(self.dirs) if os.path.lexists(mirror_path(d, path))]
-        allowed = found[:1] or list(range(len(self.dirs)))
-        free = {i: _free_bytes(self.dirs[i]) for i in allowed} if may_bypass or len(allowed) > 1 else {}
-        with self._lock:
-            if free:
-                roomy = [i for i in allowed if free[i] - self._queued[i] >= nbytes + ROOM_MARGIN]
-                if not roomy and may_bypass:
-                    return None
+        with self._lock:  # the check and the reservation are one step: saves of a path never part ways
+            held = self._held.get(path)
+            if held is not None:
+                found, may_bypass = [held[0]], False
+            else:
+                found = [i for i, d in enumerate(self.dirs) if os.path.lexists(mirror_path(d, path))]
+            allowed = found[:1] or list(range(len(self.dirs)))
+            if may_bypass or len(allowed) > 1:
+                roomy = [i for i in allowed if _free_bytes(self.dirs[i]) - self._queued[i] >= nbytes + ROOM_MARGIN]
+                if not roomy and may_bypass:  # written by the writer of the drive its old copy is on
+                    return self._reserve(path, found[0] if found else 0, 0, direct=True)
                 allowed = roomy or allowed  # none has room: the write names the full drive
             if found:
                 i = allowed[0]
@@ -116,19 +128,27 @@ class Stripes:
                 order = [j for j in ring if j in allowed]
                 i = min(order, key=lambda j: self._queued[j])
                 self._next = (i + 1) % len(self.dirs)
-            self._queued[i] += nbytes
-            res = Reservation(self.dirs[i], mirror_path(self.dirs[i], path), nbytes, i)
-            self._live.add(id(res))
+            return self._reserve(path, i, nbytes)
+
+    def _reserve(self, path: str, i: int, nbytes: int, direct: bool = False) -> Reservation:
+        """A live reservation of ``nbytes`` on directory ``i`` for ``path`` (lock held)."""
+        self._queued[i] += nbytes
+        res = Reservation(self.dirs[i], None if direct else mirror_path(self.dirs[i], path), nbytes, i, path)
+        self._live.add(id(res))
+        self._held[path] = (i, self._held.get(path, (i, 0))[1] + 1)
         return res
 
     def release(self, res: Reservation | None) -> None:
-        """Free ``res``'s queued bytes (again: nothing happens)."""
+        """Free ``res``'s queued bytes, and its hold on its path's drive (again: nothing happens)."""
         if res is None:
             return
         with self._lock:
             if id(res) in self._live:
                 self._live.discard(id(res))
                 self._queued[res.index] -= res.nbytes
+                i, n = self._held.pop(res.path)
+                if n > 1:
+                    self._held[res.path] = (i, n - 1)
 
     def record(self, local: str, nbytes: int, seconds: float) -> None:
         """A local write to ``local`` ended: ``nbytes`` in ``seconds`` (for the bandwidth)."""
