@@ -203,3 +203,31 @@ def test_an_idle_buffer_that_holds_the_layouts_metadata_is_preferred() -> None:
     small = pool.acquire(MiB, object(), pinned=False, wait=True)  # one of them: no third buffer
     assert small in (a, b)
     pool.close()
+
+
+def test_a_larger_save_counts_busy_smaller_buffers_against_the_limit(monkeypatch) -> None:
+    """A state that outgrows the buffer while it is being written: the save is skipped (or
+    waits), never given another full copy; once it gets its buffer, the small one goes."""
+    spy = AllocSpy(monkeypatch)
+    pool = StagingPool(max_buffers=1)
+    small = pool.acquire(4 * MiB, object(), pinned=False, wait=True)
+    assert pool.acquire(8 * MiB, object(), pinned=False, wait=False) is None  # skipped, not allocated
+    assert pool.reserve(8 * MiB, pinned=False).result(30) == 0  # a reservation keeps the bound too
+    waiting = spy_waits(pool)
+    got: list[staging.StagingBuffer] = []
+    saver = threading.Thread(target=lambda: got.append(pool.acquire(8 * MiB, object(), False, True)))
+    saver.start()
+    assert waiting.wait(30)  # the save waits for the busy buffer
+    assert len(spy.calls) == 1
+    pool.release(small)
+    saver.join(30)
+    assert len(spy.calls) == 2 and pool.capacities() == [got[0].capacity]  # the small one was freed
+
+
+def test_a_groups_own_buffers_of_any_size_do_not_count_against_it(monkeypatch) -> None:
+    AllocSpy(monkeypatch)
+    pool = StagingPool(max_buffers=1)
+    model = pool.acquire(MiB, "step-1", pinned=False, wait=True)
+    optim = pool.acquire(4 * MiB, "step-1", pinned=False, wait=False)  # the same group's next file
+    assert optim is not None and optim is not model
+    assert pool.acquire(8 * MiB, "step-2", pinned=False, wait=False) is None  # another group waits

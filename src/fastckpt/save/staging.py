@@ -76,12 +76,13 @@ class StagingPool:
     inflating and copying 27 MB of it; files of equal size, a group's shards, may otherwise swap
     buffers from save to save). If none is idle, a
     reservation in progress (``reserve``) is waited for and adopted. Otherwise, while fewer than
-    ``max_buffers`` buffers that would fit exist (not counting those the same group already
-    holds: each file of a group needs its own), a new one is allocated with headroom
-    (``capacity_for``); at the limit the save waits for a buffer held by an older checkpoint
-    (or, with ``wait=False``, gets None so the caller can skip): that is the backpressure that
-    keeps memory at ``max_buffers`` copies of the state. ``release`` (writer thread) hands a
-    buffer back. ``reserve`` (any thread) allocates buffers ahead of time on a background thread.
+    ``max_buffers`` buffers are busy, whatever their size (not counting those the same group
+    already holds: each file of a group needs its own), a new one is allocated with headroom
+    (``capacity_for``), and the idle ones too small for it are freed; at the limit the save
+    waits for a buffer held by an older checkpoint (or, with ``wait=False``, gets None so the
+    caller can skip): that is the backpressure that keeps memory at ``max_buffers`` copies of
+    the state, also while the state grows. ``release`` (writer thread) hands a buffer back.
+    ``reserve`` (any thread) allocates buffers ahead of time on a background thread.
     """
 
     def __init__(self, max_buffers: int = 1) -> None:
@@ -110,7 +111,7 @@ class StagingPool:
                 if any(p == pinned for _, p in self._pending):
                     self._cv.wait()  # a reservation is being allocated: adopt it (or see it was too small)
                     continue
-                if sum(b.owner != owner for b in fits) < self.max_buffers:  # == : a group is named by equal strings
+                if self._busy(pinned, but=owner) < self.max_buffers:
                     break
                 if not wait:
                     return None
@@ -122,6 +123,12 @@ class StagingPool:
             self._buffers.append(buf)
         return buf
 
+    def _busy(self, pinned: bool, but: object = None) -> int:
+        """Buffers of this kind held by checkpoints other than ``but``, whatever their size (lock
+        held): a larger save must not get one more copy of the state while they are written."""
+        # != : a group is named by equal strings
+        return sum(b.owner is not None and b.owner != but and b.pinned == pinned for b in self._buffers)
+
     def _drop_idle_smaller(self, need: int, pinned: bool) -> None:
         """Idle buffers too small for ``need`` would never serve again: free them (lock held)."""
         for b in [b for b in self._buffers if b.owner is None and b.capacity < need and b.pinned == pinned]:
@@ -130,8 +137,9 @@ class StagingPool:
     def reserve(self, nbytes: int, pinned: bool) -> Future:
         """Allocate (and prefault) up to ``max_buffers`` buffers for checkpoints of ``nbytes``
         on a background thread, so the first saves find them ready instead of allocating on
-        the training thread. Buffers that already fit count; a save that arrives meanwhile
-        waits for the reservation rather than allocating a second copy.
+        the training thread. Buffers that already fit count, and so do busy ones (the bound);
+        a save that arrives meanwhile waits for the reservation rather than allocating a second
+        copy.
 
         Returns:
             A Future that resolves (to the number of buffers allocated) when they are in the
@@ -141,7 +149,7 @@ class StagingPool:
         cap = capacity_for((nbytes + ALIGN - 1) // ALIGN * ALIGN)
         fut: Future = Future()
         with self._cv:
-            have = sum(b.capacity >= cap and b.pinned == pinned for b in self._buffers)
+            have = sum((b.capacity >= cap or b.owner is not None) and b.pinned == pinned for b in self._buffers)
             n = self.max_buffers - have - sum(p == pinned for _, p in self._pending)
             if self._closed or n <= 0:
                 fut.set_result(0)
