@@ -142,7 +142,8 @@ class Monitor:
         return sum(b for _, b, _ in self._saves) / span if span > 0 else 0.0
 
     def record_blocked(self, start: float, blocked_s: float, nbytes: int) -> None:
-        """Called on the training thread when a save returns (``start`` is monotonic)."""
+        """Called on the training thread when a save returns or fences, or on the snapshot thread
+        when the copy of a lazy save that no fence took yet ends (``start`` is monotonic)."""
         now = time.monotonic()
         report, crossed = None, False
         with self._lock:

@@ -93,3 +93,24 @@ def test_lightning_row_counts_the_fence_of_a_group_commit(tmp_path, monkeypatch)
         (row,) = ledger.drain_rows()
     assert waits[0] > 0  # (closing the Checkpointer fences again: nothing is left to wait for)
     assert row["ckpt/blocked_s"] == rec.blocked_s + waits[0] and row["ckpt/step"] == 1.0
+
+
+def test_lazy_saves_never_fenced_hold_no_state_and_are_counted(tmp_path) -> None:
+    """A loop that waits on each lazy save's handle and never fences (nothing mutates what it
+    saved): once a copy ends its state is let go, and stats() counts the save."""
+    import gc
+    import weakref
+
+    import numpy as np
+
+    with fastckpt.Checkpointer() as ck:
+        for i in range(3):
+            arr = np.full(1 << 16, float(i), dtype=np.float32)  # the tensor's memory: alive while it is
+            alive = weakref.ref(arr)
+            rec = ck.save({"w": torch.from_numpy(arr)}, str(tmp_path / f"s{i}.pt"), lazy=True).wait()
+            del arr
+            gc.collect()
+            assert alive() is None  # nothing of fastckpt holds the saved state any more
+            assert ck.stats().saves == i + 1 and ck.stats().blocked_s >= rec.blocked_s
+        assert ck.fence() >= 0.0 and ck.stats().saves == 3  # a late fence counts nothing twice
+        assert ck.load(str(tmp_path / "s2.pt"))["w"][0] == 2.0

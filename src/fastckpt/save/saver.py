@@ -26,7 +26,7 @@ import time
 import warnings
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 
 from ..commit.coordinator import Coordinator
 from ..commit.protocol import publish_file
@@ -43,13 +43,26 @@ from ..urls import is_within
 from . import heap
 from .replicator import ReplicaJob, Replicator
 from .retention import Retention
-from .snapshot import LazySnapshot, Progress, Snapshot, cuda_marks, snapshot
+from .snapshot import LazySnapshot, Progress, Snapshot, cuda_marks, order_before, snapshot
 from .staging import StagingBuffer, StagingPool
 from .stripes import Reservation, Stripes
 from .tiers import TierChoice, TierSelector
 from .writer import FileWriter
 
 log = logging.getLogger("fastckpt")
+
+
+@dataclass(eq=False)
+class Unfenced:
+    """A lazy save that no ``fence()`` has taken yet. ``copy`` is None once the copy ended: its
+    snapshot (which holds the state's storages) is let go and the save is counted; a CUDA copy
+    keeps only ``cuda_events``, which the fence orders the next kernels after."""
+
+    copy: Future | None
+    t_call: float
+    blocked: float
+    nbytes: int
+    cuda_events: dict = field(default_factory=dict)
 
 
 class Saver:
@@ -65,7 +78,7 @@ class Saver:
         self._homes, self._stripes, self._emit = homes, stripes, emit
         self._lock = threading.Lock()
         self._planner = F.Planner()
-        self._lazy: list[tuple[Future, float, float, int]] = []  # (copy, t_call, blocked, bytes)
+        self._lazy: list[Unfenced] = []
         self._bypassing = False  # the last save skipped a full burst buffer
 
     def save(self, state_dict: object, path: str, group: str | None, lazy: bool, rank: int, world: int) -> SaveHandle:
@@ -128,7 +141,8 @@ class Saver:
             return self._save_overlapped(layout, buf, base, dest, home, t_call, w_call, choice, spot, token, fallback)
         if lazy:  # CUDA: the copy follows the work queued so far and runs beside what comes next
             copy = self._snap_thread.submit(snapshot, layout, buf, after=cuda_marks(layout), hold_stream=False)
-            snap: Snapshot | LazySnapshot = LazySnapshot(copy, layout, buf)
+            counted: Future = Future()  # the copy's outcome, once ``_copied`` has run: the writer waits for it
+            snap: Snapshot | LazySnapshot = LazySnapshot(counted, layout, buf)
         else:
             try:
                 snap = snapshot(layout, buf)
@@ -136,9 +150,11 @@ class Saver:
                 self._staging.release(buf)
                 raise
         blocked = time.monotonic() - t_call
-        if lazy:  # fence() waits for the copy and counts that wait as blocked time
+        if lazy:  # fence() waits for the copy and counts that wait as blocked time (or the copy ends first)
+            entry = Unfenced(copy, t_call, blocked, layout.payload_bytes)
             with self._lock:
-                self._lazy.append((snap.future, t_call, blocked, layout.payload_bytes))  # type: ignore[union-attr]
+                self._lazy.append(entry)
+            copy.add_done_callback(functools.partial(self._copied, entry, counted))
         else:
             self._monitor.record_blocked(t_call, blocked, layout.payload_bytes)
         self._emit("snapshot", path, layout.payload_bytes, w_call, choice.tier, detail="lazy" if lazy else None)
@@ -267,16 +283,39 @@ class Saver:
                                   owns_persistent=True, token=token)
         return rec
 
+    def _copied(self, entry: Unfenced, counted: Future, copy: Future) -> None:
+        """A lazy copy ended (snapshot thread). If no fence took it yet: let its snapshot go, so a
+        loop that never fences (it waits on handles instead) does not hold one state per save,
+        and count the save now, with the time its call blocked (a fence after this waits for
+        nothing; a CUDA copy's events stay for it). Then ``counted`` gets the copy's outcome:
+        the save is counted before its writer, and so its handle, can go on."""
+        try:
+            with self._lock:
+                if all(e is not entry for e in self._lazy):
+                    return  # a fence took it: the fence counts it, with its wait
+                entry.copy = None
+                if copy.exception() is None:  # a failed copy: the write stage re-raises it
+                    entry.cuda_events = copy.result().cuda_events
+                if not entry.cuda_events:
+                    self._lazy.remove(entry)
+            self._monitor.record_blocked(entry.t_call, entry.blocked, entry.nbytes)
+        finally:
+            if (exc := copy.exception()) is not None:
+                counted.set_exception(exc)
+            else:
+                counted.set_result(copy.result())
+
     def fence(self) -> float:
         """Wait until every lazy save has copied its tensors; return the seconds waited (counted
         as blocked time). A failed copy surfaces through its save's handle."""
         with self._lock:
             lazy, self._lazy = self._lazy, []
         t0 = time.monotonic()
-        for fut, _, _, _ in lazy:
-            if fut.exception() is None:  # a failed copy: the write stage re-raises it
-                fut.result().order_before()  # CUDA: the next kernels wait for the copy on the GPU
+        for e in lazy:
+            if e.copy is not None and e.copy.exception() is None:  # a failed copy: the write stage re-raises it
+                e.cuda_events = e.copy.result().cuda_events
+            order_before(e.cuda_events)  # CUDA: the next kernels wait for the copy on the GPU
         waited = time.monotonic() - t0
-        for i, (_, t_call, blocked, nbytes) in enumerate(lazy):
-            self._monitor.record_blocked(t_call, blocked + (waited if i == 0 else 0.0), nbytes)
+        for i, e in enumerate(e for e in lazy if e.copy is not None):  # the others were counted when they ended
+            self._monitor.record_blocked(e.t_call, e.blocked + (waited if i == 0 else 0.0), e.nbytes)
         return waited

@@ -29,14 +29,19 @@ class Snapshot:
     progress: Progress | None = None
 
     def order_before(self) -> None:
-        """Make each device's current CUDA stream wait (on the GPU, not the CPU) until the device
-        copies have landed: later kernels, the optimizer step's, cannot change what is saved."""
-        for device, event in self.cuda_events.items():
-            torch.cuda.current_stream(device).wait_event(event)
+        order_before(self.cuda_events)
 
     def wait_ready(self) -> None:
         for event in self.cuda_events.values():
             event.synchronize()
+
+
+def order_before(cuda_events: dict[torch.device, object]) -> None:
+    """Make each device's current CUDA stream wait (on the GPU, not the CPU) until the device
+    copies that recorded ``cuda_events`` have landed: later kernels, the optimizer step's,
+    cannot change what is saved."""
+    for device, event in cuda_events.items():
+        torch.cuda.current_stream(device).wait_event(event)
 
 
 class Progress:
