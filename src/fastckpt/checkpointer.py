@@ -24,7 +24,7 @@ from .commit import discovery
 from .commit.coordinator import Coordinator
 from .config import CheckpointerConfig, options_doc, options_signature
 from .errors import ConfigError, FastCkptError, ReplicationError
-from .events import Event, EventSink, JsonlSink
+from .events import Event, Fanout, JsonlSink
 from .exits import flush_at_exit, forget_at_exit
 from .format.manifest import TAIL_ROOM
 from .inflight import InFlight
@@ -69,7 +69,7 @@ class Checkpointer:
         self._ops = cfg.ops or FileOps()
         self._monitor = Monitor(cfg.overhead_budget, cfg.overhead_window_s, cfg.on_overhead_exceeded)
         self._jsonl = JsonlSink(cfg.event_log) if cfg.event_log else None
-        self._sinks: tuple[EventSink, ...] = tuple(cfg.sinks) + ((self._jsonl,) if self._jsonl else ())
+        self._sinks = Fanout(tuple(cfg.sinks) + ((self._jsonl,) if self._jsonl else ()))
         self._staging = StagingPool(cfg.staging_buffers)
         self._io = ThreadPoolExecutor(cfg.io_threads, thread_name_prefix="fastckpt-io")
         self._writers = tuple(ThreadPoolExecutor(1, thread_name_prefix="fastckpt-write")  # one per burst-buffer drive
@@ -103,7 +103,7 @@ class Checkpointer:
 
             self._metrics = start_exporter(cfg.metrics_port, self.stats, lambda: self.rank,
                                            cfg.local_dirs[0] if cfg.local_dirs else None)
-            self._sinks += (self._metrics,)
+            self._sinks.add(self._metrics)
         flush_at_exit(self)
 
     # ------------------------------------------------------------------ identity and events
@@ -133,9 +133,8 @@ class Checkpointer:
 
     def _emit(self, name: str, path: str, nbytes: int, start: float, tier: str,
               error: BaseException | None = None, detail: str | None = None) -> None:
-        ev = Event(name, self.rank, path, nbytes, start, time.time(), tier, repr(error) if error else None, detail)
-        for s in self._sinks:
-            s.emit(ev)
+        self._sinks.emit(Event(name, self.rank, path, nbytes, start, time.time(), tier, repr(error) if error else None,
+                               detail))
 
     def _on_retry(self, notice: RetryNotice) -> None:
         """A transient storage error is being retried: an event, so outages are visible."""

@@ -13,8 +13,12 @@ import dataclasses
 import json
 import logging
 import os
+import threading
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
+
+log = logging.getLogger("fastckpt")
 
 
 @dataclass(frozen=True)
@@ -45,9 +49,41 @@ class Event:
 
 
 class EventSink(Protocol):
-    """Receives every event. Called from the training thread and from worker threads."""
+    """Receives every event. Called from the training thread and from worker threads; what it
+    raises is logged, never raised to the save (``Fanout``)."""
 
     def emit(self, event: Event) -> None: ...
+
+
+class Fanout:
+    """Hands every event to each sink, in order (``Checkpointer`` emits through one).
+
+    Observability never fails or hangs a save: a sink that raises (a user's ``sinks=``, a full
+    disk under the event log) loses that event, the other sinks still get it, and the save that
+    emitted it goes on as if nothing happened. The failure is logged at ERROR with its
+    traceback, once per sink (a sink that raises on every event would flood the log otherwise).
+    """
+
+    def __init__(self, sinks: Iterable[EventSink]) -> None:
+        self.sinks = tuple(sinks)
+        self._lock = threading.Lock()
+        self._failed: set[int] = set()  # id()s of the sinks that raised: each is logged once
+
+    def add(self, sink: EventSink) -> None:
+        self.sinks += (sink,)
+
+    def emit(self, event: Event) -> None:
+        for sink in self.sinks:
+            try:
+                sink.emit(event)
+            except Exception as exc:  # noqa: BLE001 (logged once per sink below; the save goes on)
+                with self._lock:
+                    first = id(sink) not in self._failed
+                    self._failed.add(id(sink))
+                if first:
+                    log.error("fastckpt: the event sink %r raised %r on the %s event of %s; the save goes on, and "
+                              "this sink's failures are not logged again (fix or remove it: sinks=...)",
+                              sink, exc, event.name, event.path, exc_info=exc)
 
 
 class JsonlSink:

@@ -65,6 +65,48 @@ def test_event_log_has_every_phase(tmp_path) -> None:
     assert all(e["end"] >= e["start"] for e in events)
 
 
+def test_a_sink_that_raises_neither_fails_nor_hangs_a_save(tmp_path, caplog) -> None:
+    """A user's sink that raises (here on the event emitted when a replication is queued, and on
+    every write) loses those events only: the saves are durable, the other sinks get every
+    event, and the failure is logged once for that sink."""
+    from fastckpt.events import Event
+
+    class Broken:
+        def emit(self, ev: Event) -> None:
+            if ev.name in ("queued", "write"):
+                raise OSError(28, "No space left on device (metrics spool)")
+
+    seen: list[str] = []
+
+    class Recorder:
+        def emit(self, ev: Event) -> None:
+            seen.append(ev.name)
+
+    broken = Broken()
+    # close_timeout_s: without the fix close() would wait forever for the handle that never resolves
+    with fastckpt.Checkpointer(local_dir=str(tmp_path / "nvme"), sinks=(broken, Recorder()), close_timeout_s=30,
+                               rank=0, world_size=1) as ck:
+        for step in (1, 2):
+            rec = ck.save(_state(step), str(tmp_path / "home" / f"s{step}.pt")).wait(timeout=30)
+            assert rec.durable_s is not None and ck.load(rec.path)["step"] == step
+    assert seen.count("queued") == 2 and seen.count("write") == 2 and seen.count("replicate") == 2
+    errors = [r for r in caplog.records if r.levelno == logging.ERROR and "event sink" in r.getMessage()]
+    assert len(errors) == 1 and repr(broken) in errors[0].getMessage()
+    assert errors[0].exc_info is not None
+
+
+def test_a_save_whose_replication_cannot_be_queued_fails_instead_of_hanging(tmp_path) -> None:
+    """Whatever the replicator's submit raises resolves the save's handle with it (a done-callback
+    would otherwise swallow it and leave the handle pending for ever)."""
+    with fastckpt.Checkpointer(local_dir=str(tmp_path / "nvme"), close_timeout_s=30, rank=0, world_size=1) as ck:
+        def refuse(job: object) -> None:
+            raise ValueError("the replicator refused the job")
+
+        ck._replicator.submit = refuse  # type: ignore[method-assign]
+        with pytest.raises(ValueError, match="refused"):
+            ck.save(_state(1), str(tmp_path / "home" / "a.pt")).wait(timeout=30)
+
+
 def test_overhead_callback_and_stats(tmp_path) -> None:
     seen = []
     with fastckpt.Checkpointer(overhead_budget=1e-6, on_overhead_exceeded=seen.append) as ck:

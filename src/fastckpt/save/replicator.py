@@ -87,12 +87,17 @@ class Replicator:
                          old.rec.path, job.rec.path, why, old.local)
                 old.future.set_result(old.finish(replace(old.rec, durable_s=None, superseded=True)))
             self._queue.append(job)
-            self._emit("queued", job.rec.path, job.rec.bytes, job.committed_at, job.rec.tier,
-                       detail=f"waiting={len(self._queue)} running={len(self._running)}")
-            while len(self._threads) < self._cfg.replicate_workers:
-                t = threading.Thread(target=self._work, name=f"fastckpt-replicate-{len(self._threads)}", daemon=True)
-                self._threads.append(t)
-                t.start()
+            try:
+                self._emit("queued", job.rec.path, job.rec.bytes, job.committed_at, job.rec.tier,
+                           detail=f"waiting={len(self._queue)} running={len(self._running)}")
+                while len(self._threads) < self._cfg.replicate_workers:
+                    t = threading.Thread(target=self._work, name=f"fastckpt-replicate-{len(self._threads)}",
+                                         daemon=True)
+                    t.start()
+                    self._threads.append(t)
+            except BaseException:  # the caller resolves the job's future with this: no worker may take it
+                self._queue.remove(job)  # (none could yet: they need the lock held here)
+                raise
             self._cv.notify()
         return job.future
 

@@ -270,6 +270,8 @@ class Saver:
                                                    home=home if home != rec.path else ""))
             except RuntimeError as err:  # closed under us: nothing will replicate it
                 final.set_exception(ReplicationError(f"{rec.path} was not replicated: {err}"))
+            except BaseException as err:  # noqa: BLE001 (a done-callback's error is swallowed: the handle must resolve)
+                final.set_exception(err)
 
         written.add_done_callback(enqueue)
         return final
