@@ -11,7 +11,6 @@ Order of work for one ``save(state, path)`` (docs/architecture.md has the whole 
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import logging
 import os
 import threading
@@ -283,19 +282,13 @@ class Checkpointer:
             with Progress(f"fastckpt: waiting for {first} pending save(s)", total=first, unit="saves",
                           read=lambda: first - len(self._inflight), delay_s=PROGRESS_DELAY_S,
                           every_s=PROGRESS_EVERY_S):
-                self._wait_until(deadline, timeout_s)
+                if left := self._inflight.wait_all(deadline):
+                    raise ReplicationError(
+                        f"{left} save(s) still pending after {timeout_s:.0f} s (replicating: "
+                        f"{self._replicator.pending()}); their local copies are kept in {self.config.local_dir}. "
+                        "Raise close_timeout_s, or check the storage target.")
         self._homes.reaper.drain(None if deadline is None else max(0.0, deadline - time.monotonic()))  # replaced files
         self._inflight.raise_unseen()
-
-    def _wait_until(self, deadline: float | None, timeout_s: float | None) -> None:
-        while futures := self._inflight.futures():
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            _, not_done = cf.wait(futures, timeout=left)
-            if not_done and deadline is not None and time.monotonic() >= deadline:
-                raise ReplicationError(
-                    f"{len(not_done)} save(s) still pending after {timeout_s:.0f} s (replicating: "
-                    f"{self._replicator.pending()}); their local copies are kept in {self.config.local_dir}. "
-                    "Raise close_timeout_s, or check the storage target.")
 
     def stats(self) -> Stats:
         r = self._replicator
@@ -306,7 +299,10 @@ class Checkpointer:
 
     def close(self) -> None:
         """Flush pending saves and replication (up to ``close_timeout_s``), stop the workers,
-        and raise any background error once."""
+        and raise any background error once. Past ``close_timeout_s`` it stops without waiting
+        (docs/burst-buffer.md): replications not started resolve as not replicated (local copies
+        kept), running work is not waited for, and a background error hidden by the timeout's
+        ``ReplicationError`` is logged."""
         if self._closed:
             return
         try:
@@ -314,10 +310,13 @@ class Checkpointer:
         finally:
             self._closed = True
             self._stop.set()
-            self._replicator.close()
+            wait = self.config.close_timeout_s is None or not len(self._inflight)  # False: it gave up on them
+            if not wait:
+                self._inflight.log_unseen("close() gave up waiting (close_timeout_s)")
+            self._replicator.close(wait)
             for ex in (self._snapper, self._committer, *self._writers, self._io):
-                ex.shutdown(wait=True)
-            self._homes.close()
+                ex.shutdown(wait=wait, cancel_futures=not wait)
+            self._homes.close(wait)
             self._staging.close()
             if self._jsonl:
                 self._jsonl.close()

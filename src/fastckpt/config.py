@@ -81,8 +81,8 @@ class CheckpointerConfig:
     storage_options: dict | None = _opt(None, "fsspec options for URL homes (endpoint_url, key, secret, ...).")
     retry_deadline_s: float = _opt(DEFAULT_RETRY_DEADLINE_S, "how long one storage request keeps retrying "
                                                              "transient errors.")
-    close_timeout_s: float | None = _opt(None, "how long close() waits for pending saves (None: as long as it "
-                                               "takes).")
+    close_timeout_s: float | None = _opt(None, "how long close() waits for pending saves, then gives up on them "
+                                               "(None: as long as it takes).")
     metrics_port: int | None = _opt(None, "serve Prometheus metrics on this port + LOCAL_RANK (0: any free port; "
                                           "docs/metrics.md; needs fastckpt[metrics]).")
     ops: FileOps | None = _opt(None, "the system-call seam (fastckpt.testing.FaultyOps injects faults).")

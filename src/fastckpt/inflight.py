@@ -9,9 +9,12 @@ errors alive would pin their tracebacks' frames (staging buffers, the state's te
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import errno
+import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 
@@ -19,6 +22,7 @@ from .errors import CheckpointWriteError, FastCkptError
 from .records import SaveHandle
 from .urls import is_within
 
+log = logging.getLogger("fastckpt")
 _SURFACED = "_fastckpt_surfaced"
 
 
@@ -101,7 +105,7 @@ class InFlight:
             self._unseen.append(exc)
 
     def _on_done(self, fut: Future) -> None:
-        exc = fut.exception()
+        exc = None if fut.cancelled() else fut.exception()  # cancelled: by a close() that gave up waiting
         with self._lock:
             self._pending.pop(id(fut), None)
             self._remember(exc)
@@ -109,11 +113,7 @@ class InFlight:
     def raise_unseen(self, before: Callable[[BaseException], None] | None = None) -> None:
         """Raise the oldest failure nobody has seen yet (once), calling ``before(exc)`` first."""
         with self._lock:
-            # A future is done before its done-callbacks run (and result() returns then): collect
-            # failures of finished futures here too, so the sync point that follows sees them.
-            for fut, _, _ in self._pending.values():
-                if fut.done() and not fut.cancelled():
-                    self._remember(fut.exception())
+            self._collect()
             if not self._unseen:
                 return
             exc = self._unseen.pop(0)
@@ -122,9 +122,36 @@ class InFlight:
             before(exc)
         raise exc
 
+    def _collect(self) -> None:
+        """A future is done before its done-callbacks run (and result() returns then): collect
+        failures of finished futures here too, so the sync point that follows sees them."""
+        for fut, _, _ in self._pending.values():
+            if fut.done() and not fut.cancelled():
+                self._remember(fut.exception())
+
     def futures(self) -> list[Future]:
         with self._lock:
             return [f for f, _, _ in self._pending.values()]
+
+    def wait_all(self, deadline: float | None) -> int:
+        """Wait until nothing is pending (or the ``time.monotonic()`` ``deadline`` passed; None:
+        no limit); return how many are still pending then. Failures are not raised here."""
+        while futures := self.futures():
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            _, not_done = cf.wait(futures, timeout=left)
+            if not_done and deadline is not None and time.monotonic() >= deadline:
+                return len(not_done)
+        return 0
+
+    def log_unseen(self, why: str) -> None:
+        """Log (ERROR, with its traceback) each failure nobody has seen yet, and mark it seen:
+        for a sync point that raises something else (``why``) and cannot raise them too."""
+        with self._lock:
+            self._collect()
+            unseen, self._unseen = self._unseen, []
+        for exc in unseen:
+            set_surfaced(exc)
+            log.error("fastckpt: a background failure not raised because %s: %r", why, exc, exc_info=exc)
 
     def wait_writing(self, path: str) -> None:
         """Wait for the saves that write ``path``, the group ``path`` or anything below it.

@@ -400,3 +400,57 @@ def test_ranks_sharing_a_burst_buffer_trim_it_quietly(tmp_path, caplog) -> None:
             ck.close()
     assert not [r for r in caplog.records if "retention" in r.getMessage()], caplog.text
     assert sorted(os.listdir(os.path.join(nvme, str(root).lstrip(os.sep)))) == ["global_step3"]
+
+
+def test_close_timeout_bounds_close_and_keeps_what_it_gave_up(tmp_path, caplog) -> None:
+    """close_timeout_s: close() gives up on a replication held at its start and returns, raising
+    the ReplicationError that names what is pending; the replication still queued resolves as
+    not replicated (its local copy stays), the running one is not waited for, and an earlier
+    failure nobody saw, which that error hides, is logged."""
+    import errno
+    import time
+
+    from fastckpt.testing import Fault
+
+    ops, local, home = FaultyOps(), str(tmp_path / "nvme"), tmp_path / "home"
+    queued = QueueWaiter(str(home / "b.pt"))
+    ck = fastckpt.Checkpointer(local_dir=local, ops=ops, replicate_workers=1, close_timeout_s=0.5, sinks=(queued,),
+                               rank=0, world_size=1)
+    gate = ops.gate("preadv", path_contains=local)  # holds the first replication as it starts
+    try:
+        running = ck.save(_state(1), str(home / "a.pt"))
+        assert gate.wait_entered(60)
+        waiting = ck.save(_state(2), str(home / "b.pt"))
+        assert queued.seen.wait(60)
+        ops.inject(Fault("pwrite", errno.EIO, path_contains="bad.pt"))
+        bad = ck.save(_state(3), str(home / "bad.pt"))
+        with pytest.raises(fastckpt.CheckpointWriteError):
+            bad.result(60)  # failed, and still unseen: close() would raise it, if not for the timeout
+        outcome: list[BaseException | None] = []
+
+        def close() -> None:
+            try:
+                ck.close()
+                outcome.append(None)
+            except BaseException as exc:  # noqa: BLE001 (checked below)
+                outcome.append(exc)
+
+        t0 = time.monotonic()
+        closer = threading.Thread(target=close)
+        closer.start()
+        closer.join(60)
+        assert not closer.is_alive()  # returned while the replication is still held
+        assert time.monotonic() - t0 < 30
+    finally:
+        gate.open()
+    (err,) = outcome
+    assert isinstance(err, ReplicationError) and "still pending after" in str(err)
+    assert str(home / "a.pt") in str(err) and str(home / "b.pt") in str(err)
+    with pytest.raises(ReplicationError, match="was not replicated: close"):
+        waiting.wait(60)
+    assert os.path.exists(ck.local_path(str(home / "b.pt"))) and not os.path.exists(home / "b.pt")
+    logged = [r for r in caplog.records if "background failure not raised" in r.getMessage()]
+    assert len(logged) == 1 and "bad.pt" in logged[0].getMessage()
+    with pytest.raises(RuntimeError, match="after shutdown"):  # it ended on its own: close() stopped the I/O under it
+        running.result(60)
+    assert os.path.exists(ck.local_path(str(home / "a.pt")))

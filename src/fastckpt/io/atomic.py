@@ -182,7 +182,8 @@ class Reaper:
     """Removes the files ``Staged`` replaced (``unlink_later``) on one background thread.
 
     ``drain`` (any thread) waits for every removal handed over so far (at most ``timeout_s``;
-    the rest go on); ``close`` waits for them and ends the thread (a later removal starts another).
+    the rest go on); ``close`` waits for them (unless ``wait=False``: they go on) and ends the
+    thread (a later removal starts another).
     """
 
     def __init__(self, ops: FileOps) -> None:
@@ -210,10 +211,10 @@ class Reaper:
             pending = list(self._pending)
         futures.wait(pending, timeout=timeout_s)
 
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> None:
         with self._lock:
             pool, self._pool = self._pool, futures.ThreadPoolExecutor(1, thread_name_prefix="fastckpt-reap")
-        pool.shutdown(wait=True)
+        pool.shutdown(wait=wait)
 
 
 def publish_bytes(ops: FileOps, path: str, data: bytes) -> None:

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field, replace
 
 from ..commit.protocol import publish_file
 from ..config import CheckpointerConfig
-from ..errors import CheckpointWriteError, CorruptCheckpointError
+from ..errors import CheckpointWriteError, CorruptCheckpointError, ReplicationError
 from ..inflight import raise_as_write_error
 from ..records import SaveRecord
 from ..storage.homes import Homes
@@ -183,11 +183,25 @@ class Replicator:
         with self._cv:
             return [j.rec.path for j in (*self._running, *self._queue)]
 
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> None:
+        """Stop taking jobs. With ``wait``, after the workers ran every queued job (joined);
+        without, at once: the queued jobs resolve as not replicated (``ReplicationError``; their
+        local copies stay), and the running ones finish or fail on their (daemon) threads,
+        unwaited for (``Checkpointer.close`` past ``close_timeout_s``)."""
         with self._cv:
             self._closed = True
+            dropped = [] if wait else list(self._queue)
+            if not wait:
+                self._queue.clear()
             self._cv.notify_all()
-        for t in self._threads:
+        if dropped:
+            log.warning("fastckpt: not replicating %s: close() stopped waiting (close_timeout_s); the local copies "
+                        "stay at %s", ", ".join(j.rec.path for j in dropped), ", ".join(j.local for j in dropped))
+        for job in dropped:
+            job.future.set_exception(ReplicationError(
+                f"{job.rec.path} was not replicated: close() stopped waiting for it (close_timeout_s); its local "
+                f"copy stays at {job.local}"))
+        for t in self._threads if wait else ():
             t.join()
 
     # ------------------------------------------------------------------ one file

@@ -296,13 +296,15 @@ class Saver:
                 if all(e is not entry for e in self._lazy):
                     return  # a fence took it: the fence counts it, with its wait
                 entry.copy = None
-                if copy.exception() is None:  # a failed copy: the write stage re-raises it
+                if not copy.cancelled() and copy.exception() is None:  # failed: the write stage re-raises it
                     entry.cuda_events = copy.result().cuda_events
                 if not entry.cuda_events:
                     self._lazy.remove(entry)
             self._monitor.record_blocked(entry.t_call, entry.blocked, entry.nbytes)
         finally:
-            if (exc := copy.exception()) is not None:
+            if copy.cancelled():  # by a close() that gave up waiting: the writer must not wait for ever
+                counted.cancel()
+            elif (exc := copy.exception()) is not None:
                 counted.set_exception(exc)
             else:
                 counted.set_result(copy.result())
@@ -314,7 +316,7 @@ class Saver:
             lazy, self._lazy = self._lazy, []
         t0 = time.monotonic()
         for e in lazy:
-            if e.copy is not None and e.copy.exception() is None:  # a failed copy: the write stage re-raises it
+            if e.copy is not None and not e.copy.cancelled() and e.copy.exception() is None:  # failed: writer raises
                 e.cuda_events = e.copy.result().cuda_events
             order_before(e.cuda_events)  # CUDA: the next kernels wait for the copy on the GPU
         waited = time.monotonic() - t0

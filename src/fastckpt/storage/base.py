@@ -244,12 +244,13 @@ class Target(ReadSide, abc.ABC):
         system can; this default raises ``NotImplementedError``."""
         raise NotImplementedError(f"{self.url}: an object store cannot link {src} to {dst}")
 
-    def close(self) -> None:
-        """End this target's worker threads (a later call starts new ones)."""
+    def close(self, wait: bool = True) -> None:
+        """End this target's worker threads (a later call starts new ones); without ``wait``,
+        at once: queued work is cancelled and running work is not waited for."""
         with self._pool_lock:
             pool, self._pool = self._pool, None
         if pool is not None:
-            pool.shutdown(wait=True)
+            pool.shutdown(wait=wait, cancel_futures=not wait)
 
     # ------------------------------------------------------------------ helpers for implementations
     def _executor(self) -> Executor:

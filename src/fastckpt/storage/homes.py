@@ -88,15 +88,16 @@ class Homes:
                 self._own = ThreadPoolExecutor(self._common["parallelism"], thread_name_prefix="fastckpt-homes")
             return self._own
 
-    def close(self) -> None:
-        """End the worker threads (they are made again if needed)."""
+    def close(self, wait: bool = True) -> None:
+        """End the worker threads (they are made again if needed); without ``wait``, at once:
+        queued transfers are cancelled, and running ones and removals are not waited for."""
         with self._lock:
             targets, own, self._own = list(self._remote.values()), self._own, None
         for t in targets:
-            t.close()
+            t.close(wait)
         if own is not None:
-            own.shutdown(wait=True)
-        self.reaper.close()
+            own.shutdown(wait=wait, cancel_futures=not wait)
+        self.reaper.close(wait)
 
 
 def open_target(url_or_path: str | os.PathLike, storage_options: dict | None = None, *,
