@@ -237,35 +237,16 @@ class FastCkptIOMixin(TrainerLink):
         to the same path. ``weights_only=None`` means torch's default, True; ``map_location=None``
         loads to CPU as ``TorchCheckpointIO`` does.
 
-        A resume (``fit(ckpt_path=...)``) of a module on the CPU, outside a sharded strategy,
-        reads ``state_dict`` straight into the module's own tensors (``load(..., into=...)``: no
-        second copy of the weights in memory); Lightning's ``load_state_dict`` then finds them in
-        place. A checkpoint that does not match the module key for key (``strict_loading=False``)
-        loads as without it."""
+        Returns a new dict and changes nothing else, as ``TorchCheckpointIO``: Lightning loads
+        it into the module itself (``load_model_state_dict``), after the ``on_load_checkpoint``
+        hooks, which may drop or change keys; and a ``strategy.load_checkpoint`` during fit (to
+        inspect an older checkpoint) must not touch the weights being trained."""
         path = os.fspath(path)
         self._settle_removal(path)
         for t in self._saves.to(normalize(path)):
             self._saves.wait(t)
-        ck, kw = self._checkpointer(), {"weights_only": True if weights_only is None else weights_only}
-        into = self._module_tensors() if map_location is None else None
-        if into is not None:
-            try:
-                return ck.load(path, "cpu", into=into, **kw)
-            except ConfigError as exc:
-                log.info("fastckpt: %s does not match the module key for key, loading it as a whole (%s)", path, exc)
-        return ck.load(path, "cpu" if map_location is None else map_location, **kw)
-
-    def _module_tensors(self) -> dict | None:
-        """``{"state_dict": module.state_dict()}`` to load into, or None (no module connected, a
-        sharded strategy, whose state_dict() gathers, or tensors off the CPU: nothing to gain)."""
-        trainer = self._trainer()
-        module = getattr(trainer, "lightning_module", None) if trainer is not None else None
-        if module is None or self._sharded:
-            return None
-        tensors = module.state_dict()
-        if not tensors or any(getattr(t, "device", None) is None or t.device.type != "cpu" for t in tensors.values()):
-            return None
-        return {"state_dict": tensors}
+        return self._checkpointer().load(path, "cpu" if map_location is None else map_location,
+                                         weights_only=True if weights_only is None else weights_only)
 
     def remove_checkpoint(self, path: str | os.PathLike) -> None:
         """Delete ``path`` (and its burst-buffer copy) once any save to it is durable.

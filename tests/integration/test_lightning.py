@@ -564,70 +564,52 @@ def test_s3_dirpath_top_k_and_resume_from_last(tmp_path, monkeypatch, request):
     assert io.latest(f"s3://{bucket}/nothing-here") is None
 
 
-class WideModel(TinyModel):
-    """TinyModel with a 512 KiB layer: a record large enough to be read in place."""
+class DropsHead(TinyModel):
+    """Keeps its freshly initialised last layer on resume: drops it from the checkpoint in
+    ``on_load_checkpoint`` (Lightning loads what is left, ``strict_loading=False``)."""
 
-    def __init__(self, extra: bool = False) -> None:
+    def __init__(self) -> None:
         super().__init__()
-        self.net = torch.nn.Sequential(torch.nn.Linear(8, 512), torch.nn.ReLU(), torch.nn.Linear(512, 256),
-                                       torch.nn.ReLU(), torch.nn.Linear(256, 1))
-        if extra:  # a buffer the checkpoint lacks: resumable only with strict_loading=False
-            self.register_buffer("extra", torch.zeros(3))
-            self.strict_loading = False
+        self.strict_loading = False
+        with torch.no_grad():
+            self.net[4].weight.fill_(7.0)
+        self.weight_in_hook: torch.Tensor | None = None
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        super().on_load_checkpoint(checkpoint)
+        self.weight_in_hook = self.net[0].weight.detach().clone()
+        del checkpoint["state_dict"]["net.4.weight"]
 
 
-def spy_loads(monkeypatch: pytest.MonkeyPatch) -> list[tuple[dict, str]]:
-    """Records the keyword arguments of every Checkpointer.load, and how it ended."""
-    calls: list[tuple[dict, str]] = []
-    original = fastckpt.Checkpointer.load
-
-    def load(self, path, map_location=None, **kw):
-        try:
-            out = original(self, path, map_location, **kw)
-        except ConfigError:
-            calls.append((kw, "ConfigError"))
-            raise
-        calls.append((kw, "ok"))
-        return out
-
-    monkeypatch.setattr(fastckpt.Checkpointer, "load", load)
-    return calls
-
-
-def test_resume_reads_the_weights_into_the_module(tmp_path, monkeypatch):
-    """fit(ckpt_path=...) on the CPU reads the checkpoint's state_dict straight into the module's
-    tensors: they hold the saved weights in the memory they had before, and the rest (optimizer,
-    loops) resumes as always."""
+@pytest.mark.parametrize("make_io", [TorchCheckpointIO, FastCkptIO], ids=["torch", "fastckpt"])
+def test_load_checkpoint_leaves_the_module_to_lightning(tmp_path, make_io):
+    """CheckpointIO.load_checkpoint returns a dict and changes nothing else: Lightning changes
+    the module only in load_model_state_dict, after the on_load_checkpoint hooks. So a module that
+    drops a key in its hook keeps that tensor, the hook sees the module as it was, and a
+    strategy.load_checkpoint of an older checkpoint during fit leaves the trained weights alone."""
     L.seed_everything(0, verbose=False)
-    first = make_trainer(str(tmp_path), FastCkptIO(), STEPS_PER_EPOCH, save_last=True)
-    first.fit(WideModel(), loader())
-    saved = torch.load(str(tmp_path / "ckpt" / "last.ckpt"), weights_only=True)["state_dict"]
+    make_trainer(str(tmp_path), make_io(), 4, every_n_train_steps=2, save_top_k=-1).fit(TinyModel(), loader())
+    older = str(tmp_path / "ckpt" / "epoch=0-step=2.ckpt")
+    saved = torch.load(str(tmp_path / "ckpt" / "epoch=0-step=4.ckpt"), weights_only=True)["state_dict"]
 
-    L.seed_everything(123, verbose=False)
-    resumed = WideModel()
-    where = {k: v.data_ptr() for k, v in resumed.state_dict().items()}
-    calls = spy_loads(monkeypatch)
-    second = make_trainer(str(tmp_path), FastCkptIO(), STEPS_PER_EPOCH, save_last=True)
-    second.fit(resumed, loader(), ckpt_path="last")  # at max_steps already: restores, trains no step
-    assert [(sorted(kw["into"]), how) for kw, how in calls] == [(["state_dict"], "ok")]
-    assert second.global_step == STEPS_PER_EPOCH
-    tree_equal(resumed.state_dict(), saved, "weights")
-    assert {k: v.data_ptr() for k, v in resumed.state_dict().items()} == where
-
-
-def test_resume_of_a_module_the_checkpoint_does_not_match_loads_it_whole(tmp_path, monkeypatch):
-    """strict_loading=False with a buffer the checkpoint lacks: into= is refused before a byte
-    is read, and the plain load resumes as Lightning would without fastckpt."""
-    L.seed_everything(0, verbose=False)
-    first = make_trainer(str(tmp_path), FastCkptIO(), STEPS_PER_EPOCH, save_last=True)
-    first.fit(WideModel(), loader())
-    saved = torch.load(str(tmp_path / "ckpt" / "last.ckpt"), weights_only=True)["state_dict"]
-
-    resumed = WideModel(extra=True)
-    calls = spy_loads(monkeypatch)
-    second = make_trainer(str(tmp_path), FastCkptIO(), STEPS_PER_EPOCH, save_last=True)
-    second.fit(resumed, loader(), ckpt_path="last")
-    assert [("into" in kw, how) for kw, how in calls] == [(True, "ConfigError"), (False, "ok")]
+    resumed = DropsHead()
+    fresh = resumed.net[0].weight.detach().clone()
+    trainer = make_trainer(str(tmp_path / "b"), make_io(), 4, every_n_train_steps=4)
+    trainer.fit(resumed, loader(), ckpt_path=str(tmp_path / "ckpt" / "epoch=0-step=4.ckpt"))  # restores only
+    assert torch.equal(resumed.weight_in_hook, fresh)  # not yet the checkpoint's: Lightning loads after the hook
+    assert torch.equal(resumed.net[4].weight, torch.full_like(resumed.net[4].weight, 7.0))
     got = resumed.state_dict()
-    tree_equal({k: got[k] for k in saved}, saved, "weights")
-    assert torch.equal(got["extra"], torch.zeros(3))
+    tree_equal({k: got[k] for k in saved if k != "net.4.weight"},
+               {k: v for k, v in saved.items() if k != "net.4.weight"}, "weights")
+
+    class Peek(Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if trainer.global_step == 2:
+                before = copy.deepcopy(pl_module.state_dict())
+                peeked = trainer.strategy.load_checkpoint(older)
+                assert peeked["global_step"] == 2
+                tree_equal(pl_module.state_dict(), before, "live weights after load_checkpoint")
+
+    peek = make_trainer(str(tmp_path / "c"), make_io(), 3, callbacks=[Peek()], every_n_train_steps=3)
+    peek.fit(TinyModel(), loader())
+    assert peek.global_step == 3
