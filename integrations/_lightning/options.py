@@ -1,7 +1,10 @@
-"""What FastCkptIO accepts: its Checkpointer options and Lightning's ``storage_options``."""
+"""What FastCkptIO accepts: its Checkpointer options, Lightning's ``storage_options``, and the
+saves Lightning expects on disk when ``save_checkpoint`` returns."""
 
 from __future__ import annotations
 
+import os
+import re
 from collections.abc import Mapping
 
 from fastckpt.config import CheckpointerConfig, option_names
@@ -10,6 +13,11 @@ from fastckpt.errors import ConfigError
 #: The ``storage_options`` keys FastCkptIO understands (``Trainer.save_checkpoint(...,
 #: storage_options=...)``); any other key is rejected by name.
 STORAGE_OPTIONS = {"wait": "True: return only once the checkpoint is durable at its path"}
+
+#: The name Lightning's SLURM auto-requeue handler gives its checkpoint (``hpc_save_path``:
+#: ``<default_root_dir>/hpc_ckpt_<N>.ckpt``): it saves it, then runs ``scontrol requeue``, which
+#: ends the job, and the requeued job resumes from the highest N it finds.
+REQUEUE_CHECKPOINT = re.compile(r"hpc_ckpt_\d+\.ckpt")
 
 
 def checkpointer_config(**options: object) -> CheckpointerConfig:
@@ -36,3 +44,11 @@ def parse_storage_options(storage_options: object) -> bool:
                           "for fsspec credentials of a URL dirpath.")
     return bool(storage_options.get("wait", False))
 
+
+
+def is_requeue_checkpoint(path: str) -> bool:
+    """Whether Lightning saves ``path`` right before the job is requeued (and killed), so the
+    save must be durable when ``save_checkpoint`` returns. Lightning tells a CheckpointIO nothing
+    else about that save (it calls ``trainer.save_checkpoint(path)`` from its signal handler):
+    its file name is the one public mark, and the one its resume looks for."""
+    return REQUEUE_CHECKPOINT.fullmatch(os.path.basename(path)) is not None

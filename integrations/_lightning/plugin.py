@@ -47,7 +47,7 @@ from fastckpt.monitor import OverheadReport, Stats
 from fastckpt.urls import is_url, normalize
 
 from .link import TrainerLink
-from .options import checkpointer_config, parse_storage_options
+from .options import checkpointer_config, is_requeue_checkpoint, parse_storage_options
 from .saves import SaveLedger, copy_unfenced_tensors
 
 log = logging.getLogger("fastckpt.lightning")
@@ -196,12 +196,20 @@ class FastCkptIOMixin(TrainerLink):
                         storage_options: object = None) -> None:
         """Snapshot ``checkpoint`` and return; it becomes durable at ``path`` in the background.
 
+        Synchronous (durable at ``path`` on return) outside fit, for ``storage_options={"wait":
+        True}``, and for Lightning's SLURM requeue checkpoint (``hpc_ckpt_<N>.ckpt``), after
+        which the job is killed.
+
         Raises:
             ConfigError: ``storage_options`` holds a key FastCkptIO does not understand.
             FastCkptError: a previous save failed in the background (raised once).
         """
         wait = parse_storage_options(storage_options)
         path = os.fspath(path)
+        if not wait and is_requeue_checkpoint(path):
+            log.info("fastckpt: %s is Lightning's SLURM requeue checkpoint (`scontrol requeue` follows and ends the "
+                     "job): waiting until it is durable", path)
+            wait = True
         self._settle_removal(path)
         self._raise_removal_errors()
         ck = self._checkpointer()

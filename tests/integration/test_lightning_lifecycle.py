@@ -1,10 +1,14 @@
 """FastCkptIO inside Lightning's own expectations (issue #9 items 12 and 13): no thread of
-fastckpt outlives the Trainer, and ModelCheckpoint's version suffixes never reuse the name of a
-checkpoint still in flight."""
+fastckpt outlives the Trainer, ModelCheckpoint's version suffixes never reuse the name of a
+checkpoint still in flight, and the SLURM auto-requeue checkpoint exists before the requeue."""
 
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
+import textwrap
 import threading
 
 import pytest
@@ -12,6 +16,7 @@ import pytest
 L = pytest.importorskip("lightning")
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
+import fastckpt
 from fastckpt.integrations.lightning import FastCkptIO
 from fastckpt.testing import FaultyOps
 from tests.integration.test_lightning import TinyModel, loader, make_trainer
@@ -81,3 +86,70 @@ def test_version_suffixes_count_saves_in_flight(tmp_path) -> None:
     assert names == ["test-v1.ckpt", "test-v2.ckpt", "test-v3.ckpt", "test.ckpt"]
     assert len(mc.best_k_models) == 4
     assert "file_exists" not in mc.__dict__  # restored at teardown
+
+
+SLURM_JOB = textwrap.dedent("""
+    import os, signal, sys
+    import lightning as L
+    from lightning.pytorch.callbacks import Callback
+    sys.path.insert(0, {repo!r})
+    import fastckpt
+    from fastckpt.integrations.lightning import FastCkptIO
+    from fastckpt.records import SaveHandle
+    from fastckpt.testing import FaultyOps
+    from tests.integration.test_lightning import TinyModel, loader
+
+    ops = FaultyOps()
+    renamed = ops.gate("replace")  # no checkpoint is renamed into place until someone waits for it
+    real_wait = SaveHandle.wait
+
+    def wait(self, timeout=None):
+        renamed.open()
+        return real_wait(self, timeout)
+
+    SaveHandle.wait = wait
+
+    class Preempted(Callback):  # SLURM's warning signal (sbatch --signal=USR1@90) at step 2
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if trainer.global_step == 2 and {signal_at_2}:
+                os.kill(os.getpid(), signal.SIGUSR1)
+
+    io = FastCkptIO(checkpointer=fastckpt.Checkpointer(ops=ops))
+    trainer = L.Trainer(max_steps=3, accelerator="cpu", devices=1, plugins=[io], logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        default_root_dir={root!r}, callbacks=[Preempted()])
+    trainer.fit(TinyModel(), loader())
+    print("resumed from", trainer.ckpt_path)
+""")
+
+
+def test_slurm_requeue_checkpoint_is_durable_before_scontrol_requeue(tmp_path) -> None:
+    """Lightning's SLURM handler saves hpc_ckpt_1.ckpt, then runs `scontrol requeue`, which ends
+    the job. A fake scontrol on PATH lists the directory, then SIGKILLs the job as SLURM would.
+    Renames into place are held until a save is waited for, so an asynchronous save would show
+    no checkpoint at requeue; the requeued job resumes from it (Lightning finds hpc_ckpt_*)."""
+    root, bin_dir = tmp_path / "root", tmp_path / "bin"
+    root.mkdir()
+    bin_dir.mkdir()
+    scontrol = bin_dir / "scontrol"
+    scontrol.write_text(f'#!/bin/bash\nls -a {root} > {tmp_path / "at_requeue.txt"}\nkill -9 $PPID\n')
+    scontrol.chmod(0o755)
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_NTASKS="1", SLURM_NTASKS_PER_NODE="1",
+               SLURM_JOB_NAME="train", SLURM_JOB_ID="123", SLURM_PROCID="0", SLURM_LOCALID="0", SLURM_NODEID="0",
+               SLURM_NODELIST="localhost", SLURM_CPUS_ON_NODE="2")
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+    def job(signal_at_2: bool) -> subprocess.CompletedProcess:
+        script = SLURM_JOB.format(repo=repo, root=str(root), signal_at_2=signal_at_2)
+        return subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                              timeout=300, check=False)
+
+    first = job(signal_at_2=True)
+    assert first.returncode == -signal.SIGKILL, first.stderr[-3000:]
+    at_requeue = (tmp_path / "at_requeue.txt").read_text().split()
+    assert "hpc_ckpt_1.ckpt" in at_requeue
+    assert fastckpt.load(str(root / "hpc_ckpt_1.ckpt"))["global_step"] == 2
+
+    second = job(signal_at_2=False)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert f"resumed from {root / 'hpc_ckpt_1.ckpt'}" in second.stdout
