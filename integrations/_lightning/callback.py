@@ -38,7 +38,20 @@ class FastCkptCallbackMixin:
         io = trainer.strategy.checkpoint_io
         self._io(trainer)  # raises for a wrapped FastCkptIO
         if isinstance(io, FastCkptIOMixin) and io._connect(trainer, self):
+            self._run_first(trainer)
             self._count_saves_in_flight(trainer, io)
+
+    def _run_first(self, trainer: Any) -> None:
+        """Lightning calls each hook on the callbacks in ``trainer.callbacks`` order, then on the
+        module. This callback goes first, so its lazy-snapshot fences run before any other
+        callback's hook of a phase can change the weights in place (StochasticWeightAveraging and
+        WeightAveraging copy the averaged weights in at ``on_train_end``, EMA callbacks swap them
+        in for validation). Lightning is iterating that list to call ``setup`` right now: moving
+        the callback being called to the front leaves every other callback's turn as it was."""
+        callbacks = trainer.callbacks
+        if callbacks and callbacks[0] is not self:
+            callbacks.remove(self)
+            callbacks.insert(0, self)
 
     def _count_saves_in_flight(self, trainer: Any, io: FastCkptIOMixin) -> None:
         """ModelCheckpoint picks a version suffix (``name-v1.ckpt``...) only when a file of the name
@@ -65,10 +78,24 @@ class FastCkptCallbackMixin:
         if io is not None and "DeepSpeedStrategy" in (c.__name__ for c in type(trainer.strategy).__mro__):
             io._install_deepspeed(trainer)
 
-    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+    def _fence(self, trainer: Any) -> None:
         io = self._io(trainer)
         if io is not None:
             io._fence()
+
+    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        self._fence(trainer)  # the lazy copy overlaps the step's forward and backward, no more
+
+    # Any other phase after a save may change the weights in place before the next optimizer step
+    # (another callback's or the module's hooks): fence first, before them (``_run_first``).
+    def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
+        self._fence(trainer)
+
+    def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+        self._fence(trainer)
+
+    def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
+        self._fence(trainer)
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
@@ -79,9 +106,7 @@ class FastCkptCallbackMixin:
             io._log_metrics(trainer)
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-        io = self._io(trainer)
-        if io is not None:
-            io._fence()
+        self._fence(trainer)
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         io = self._io(trainer)

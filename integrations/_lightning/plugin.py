@@ -15,7 +15,9 @@ Who calls what (everything runs on the training thread; only global rank 0 saves
   callback.setup                 connects ``io`` to the Trainer; rejects a wrapped FastCkptIO
   callback.on_fit_start          DeepSpeedStrategy: installs fastckpt's engine on deepspeed_engine
   io.save_checkpoint             Checkpointer.save, returns after the snapshot (lazy: earlier)
-  callback.on_before_optimizer_step   lazy snapshot: Checkpointer.fence()
+  callback.on_before_optimizer_step   lazy snapshot: Checkpointer.fence(); also in on_train_epoch_start
+                                 and _end, on_validation_start, on_train_end, where the callback
+                                 runs first (moved to the front of trainer.callbacks in setup)
   callback.on_train_batch_end    after the first optimizer step (rank 0): Checkpointer.reserve, so
                                  the staging buffer is allocated off the training thread; logs
                                  finished saves' ``ckpt/*`` metrics to trainer.loggers
@@ -64,10 +66,11 @@ class FastCkptIOMixin(TrainerLink):
         local_dir: node-local burst buffer (see ``fastckpt.Checkpointer``); None writes straight
             to the checkpoint path.
         lazy_snapshot: copy parameters and optimizer state while the next step's forward and
-            backward run, blocking only in ``on_before_optimizer_step`` (other tensors, such as
-            BatchNorm buffers that forward updates, are copied at once). Needs the callback
-            (installed automatically) and a training step that does not modify parameters or
-            optimizer state in place outside the optimizer step.
+            backward run, blocking in ``on_before_optimizer_step`` (or, first, when an epoch ends
+            or starts, validation starts or training ends); other tensors, such as BatchNorm
+            buffers that forward updates, are copied at once. Needs the callback (installed
+            automatically) and a training step that does not modify parameters or optimizer
+            state in place outside the optimizer step.
         staging_buffers: host copies of the checkpoint the saves may use at once (1 to 4; see
             ``fastckpt.Checkpointer``). None (default): 2 when a ``ModelCheckpoint`` has
             ``save_last=True`` (it saves the same state twice in one step, and the second save

@@ -418,41 +418,135 @@ def test_overhead_alarm_warns_with_the_numbers(tmp_path):
     assert spy.ckpt_rows()[-1]["ckpt/over_budget"] == 1.0
 
 
+class LateCopies:
+    """Holds every lazy copy (the core's snapshot, on its background thread) until the training
+    thread fences, or until ``run_now`` lets the held copies run at a moment the test picks: a
+    background copy that runs as late as it may, deterministically. Eager copies (on the
+    training thread) are not held."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        import fastckpt.save.saver as core
+
+        self._cond = threading.Condition()
+        self._saves = self._entered = self._allowed = self._done = 0
+        real_snapshot, real_save, real_fence = core.snapshot, fastckpt.Checkpointer.save, fastckpt.Checkpointer.fence
+
+        def snapshot(*args, **kwargs):
+            if threading.current_thread() is threading.main_thread():
+                return real_snapshot(*args, **kwargs)
+            with self._cond:  # copies run one at a time, in the order of their saves
+                n, self._entered = self._entered, self._entered + 1
+                assert self._cond.wait_for(lambda: self._allowed > n, timeout=60), "a lazy copy was never let run"
+            try:
+                return real_snapshot(*args, **kwargs)
+            finally:
+                with self._cond:
+                    self._done += 1
+                    self._cond.notify_all()
+
+        def save(ck, *args, **kwargs):
+            if kwargs.get("lazy"):
+                with self._cond:
+                    self._saves += 1
+            return real_save(ck, *args, **kwargs)
+
+        def fence(ck):
+            self._let_run()
+            return real_fence(ck)
+
+        monkeypatch.setattr(core, "snapshot", snapshot)
+        monkeypatch.setattr(fastckpt.Checkpointer, "save", save)
+        monkeypatch.setattr(fastckpt.Checkpointer, "fence", fence)
+
+    def _let_run(self) -> None:
+        with self._cond:
+            self._allowed = self._saves
+            self._cond.notify_all()
+
+    def run_now(self) -> None:
+        """Run the held copies and wait until they have read the tensors."""
+        self._let_run()
+        with self._cond:
+            assert self._cond.wait_for(lambda: self._done >= self._saves, timeout=60), "a lazy copy did not finish"
+
+
 def test_lazy_snapshot_saves_the_state_of_its_step(tmp_path, monkeypatch):
-    """The lazy copy is held until the next step's forward and backward have run (BatchNorm has
-    updated its buffers by then): the file still holds the state at save time, because buffers
-    are copied at once and parameters and optimizer state are fenced before the optimizer step."""
-    import fastckpt.save.saver as core
-
-    release = threading.Event()
-    real_snapshot = core.snapshot
-
-    def held_snapshot(*args, **kwargs):
-        assert release.wait(60), "the test never released the lazy copy"
-        return real_snapshot(*args, **kwargs)
-
-    monkeypatch.setattr(core, "snapshot", held_snapshot)
-
-    class Release(Callback):  # user callbacks run before FastCkptCallback and ModelCheckpoint
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            release.clear()  # ModelCheckpoint saves right after this: its copy is held
-
-        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-            release.set()  # the next step's forward and backward have run; then comes the fence
-
-        def on_train_end(self, trainer, pl_module):
-            release.set()
-
+    """The lazy copy is held until the fence, after the next step's forward and backward have run
+    (BatchNorm has updated its buffers by then): the file still holds the state at save time,
+    because buffers are copied at once and parameters and optimizer state are fenced before the
+    optimizer step."""
+    LateCopies(monkeypatch)
     L.seed_everything(0, verbose=False)
     io, spy = FastCkptIO(lazy_snapshot=True), SpyLogger()
     seen = spy_saves(io)
-    trainer = make_trainer(str(tmp_path), io, 6, callbacks=[Release()], logger=spy,
-                           every_n_train_steps=2, save_top_k=-1)
+    trainer = make_trainer(str(tmp_path), io, 6, logger=spy, every_n_train_steps=2, save_top_k=-1)
     trainer.fit(TinyModel(), loader())
     for name in ("epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt", "epoch=0-step=6.ckpt"):
         tree_equal(torch.load(tmp_path / "ckpt" / name, weights_only=True), seen[name], name)
     assert len(spy.ckpt_rows()) == 3
     assert all(r["ckpt/blocked_s"] > 0 for r in spy.ckpt_rows())
+
+
+class NoNorm(TinyModel):
+    """TinyModel without BatchNorm (StochasticWeightAveraging then averages to the last epoch and
+    copies the average in at on_train_end), and with validation."""
+
+    def __init__(self, norm: bool = False) -> None:
+        super().__init__()
+        if not norm:
+            self.net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+
+    def validation_step(self, batch, batch_idx):
+        return self.training_step(batch, batch_idx)
+
+
+class CopyLate(Callback):
+    """Placed after the callbacks that change the weights: at each phase boundary, the held lazy
+    copies run only once every other callback's hook has (as a slow background copy would)."""
+
+    def __init__(self, late: LateCopies) -> None:
+        self.late = late
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        self.late.run_now()
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        self.late.run_now()
+
+    def on_validation_epoch_start(self, trainer, pl_module):
+        self.late.run_now()
+
+    def on_train_end(self, trainer, pl_module):
+        self.late.run_now()
+
+
+@pytest.mark.parametrize("case", ["swa", "swa-batchnorm", "ema-validation"])
+def test_lazy_snapshot_fences_before_callbacks_change_the_weights(tmp_path, monkeypatch, case):
+    """Callbacks that write into the weights outside the optimizer step: StochasticWeightAveraging
+    copies the average in at on_train_end (or, with BatchNorm, at the next epoch's start), EMA
+    swaps it in for validation and copies it in at on_train_end. The fence runs before their
+    hooks, so every file holds the state of its save even when the copy would run late."""
+    from lightning.pytorch.callbacks import EMAWeightAveraging, StochasticWeightAveraging
+
+    late = LateCopies(monkeypatch)
+    L.seed_everything(0, verbose=False)
+    io = FastCkptIO(lazy_snapshot=True)
+    seen = spy_saves(io)
+    if case.startswith("swa"):
+        changes, val = StochasticWeightAveraging(swa_lrs=0.05, swa_epoch_start=1), {}
+        model = NoNorm(norm=case == "swa-batchnorm")
+        mc = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), save_top_k=-1)  # at each epoch's end
+    else:
+        changes, model, val = EMAWeightAveraging(decay=0.5), NoNorm(), {"val_check_interval": 4}
+        mc = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), save_top_k=-1, every_n_train_steps=4)
+    trainer = L.Trainer(max_epochs=2, accelerator="cpu", devices=1, plugins=[io], logger=False,
+                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                        limit_val_batches=2, callbacks=[changes, CopyLate(late), mc], **val)
+    trainer.fit(model, loader(), loader() if val else None)
+    names = sorted(os.listdir(tmp_path / "ckpt"))
+    assert names == sorted(seen) and len(names) >= 2
+    for name in names:
+        tree_equal(torch.load(tmp_path / "ckpt" / name, weights_only=True), seen[name], name)
 
 
 def test_resume_from_a_torch_checkpoint_io_file(tmp_path):
