@@ -7,8 +7,9 @@ import logging
 import os
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
+from contextlib import contextmanager
 from typing import Any
 
 from fastckpt.checkpointer import Checkpointer
@@ -44,6 +45,20 @@ class TrainerLink:
 
     def _trainer(self) -> Any:
         return self._trainer_ref() if self._trainer_ref is not None else None
+
+    @contextmanager
+    def _core(self) -> Iterator[Checkpointer]:
+        """The Checkpointer for one CheckpointIO call. After fit no teardown follows to close one,
+        so a Checkpointer made for a call there is closed when the call returns (such calls are
+        synchronous: its work is done by then), and nothing of fastckpt outlives the call."""
+        made = self._ck is None
+        ck = self._checkpointer()
+        try:
+            yield ck
+        finally:
+            if made and not self._in_fit:
+                self._ck = None
+                ck.close()
 
     # ------------------------------------------------------------------ internals
     def _raise_first(self, errors: list[BaseException]) -> None:

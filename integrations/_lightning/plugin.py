@@ -215,7 +215,10 @@ class FastCkptIOMixin(TrainerLink):
             wait = True
         self._settle_removal(path)
         self._raise_removal_errors()
-        ck = self._checkpointer()
+        with self._core() as ck:
+            self._save(ck, checkpoint, path, wait)
+
+    def _save(self, ck: Checkpointer, checkpoint: dict[str, Any], path: str, wait: bool) -> None:
         if not is_url(path):  # as TorchCheckpointIO does: ModelCheckpoint(save_last="link") links into it now
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         trainer = self._trainer()
@@ -256,17 +259,23 @@ class FastCkptIOMixin(TrainerLink):
         self._settle_removal(path)
         for t in self._saves.to(normalize(path)):
             self._saves.wait(t)
-        return self._checkpointer().load(path, "cpu" if map_location is None else map_location,
-                                         weights_only=True if weights_only is None else weights_only)
+        with self._core() as ck:
+            return ck.load(path, "cpu" if map_location is None else map_location,
+                           weights_only=True if weights_only is None else weights_only)
 
     def remove_checkpoint(self, path: str | os.PathLike) -> None:
         """Delete ``path`` (and its burst-buffer copy) once any save to it is durable.
 
-        Returns at once: the deletion is queued, so removing a checkpoint whose save is still in
-        flight neither blocks training nor races the write. A later save to the same path waits
-        for the queued deletion first.
+        During fit it returns at once: the deletion is queued, so removing a checkpoint whose
+        save is still in flight neither blocks training nor races the write. A later save to the
+        same path waits for the queued deletion first. After fit (no teardown follows) it deletes
+        before it returns, as ``TorchCheckpointIO`` does.
         """
         path = normalize(path)
+        if not self._in_fit:
+            with self._core() as ck:
+                ck.remove(path)
+            return
         ck = self._checkpointer()
         if self._remover is None:
             self._remover = ThreadPoolExecutor(1, thread_name_prefix="fastckpt-lightning-remove")

@@ -1,6 +1,7 @@
 """FastCkptIO inside Lightning's own expectations (issue #9 items 12 and 13): no thread of
-fastckpt outlives the Trainer, ModelCheckpoint's version suffixes never reuse the name of a
-checkpoint still in flight, and the SLURM auto-requeue checkpoint exists before the requeue."""
+fastckpt outlives the Trainer (nor a call after fit), ModelCheckpoint's version suffixes never
+reuse the name of a checkpoint still in flight, and the SLURM auto-requeue checkpoint exists
+before the requeue."""
 
 from __future__ import annotations
 
@@ -51,6 +52,25 @@ def test_no_fastckpt_thread_outlives_the_trainer(tmp_path, how: str) -> None:
     else:
         trainer.fit(model, loader())
         trainer.validate(model, loader())
+    assert _fastckpt_threads(before) == []
+
+
+def test_calls_after_fit_finish_before_they_return_and_leave_no_thread(tmp_path) -> None:
+    """After fit no teardown follows: save, load and remove each do their work before they return
+    (as TorchCheckpointIO does; the burst-buffer copy goes too) and close what they opened."""
+    before = frozenset(threading.enumerate())
+    nvme = tmp_path / "nvme"
+    trainer = make_trainer(str(tmp_path), FastCkptIO(local_dir=str(nvme)), max_steps=2, every_n_train_steps=2)
+    trainer.fit(TinyModel(), loader())
+    assert _fastckpt_threads(before) == []
+    path = str(tmp_path / "final.ckpt")
+    trainer.save_checkpoint(path)
+    assert _fastckpt_threads(before) == []
+    assert trainer.strategy.load_checkpoint(path)["global_step"] == 2
+    assert _fastckpt_threads(before) == []
+    trainer.strategy.remove_checkpoint(path)
+    assert not os.path.exists(path)
+    assert [f for _, _, files in os.walk(nvme) for f in files if "final.ckpt" in f] == []
     assert _fastckpt_threads(before) == []
 
 
