@@ -16,8 +16,9 @@ Order of calls for one save (every rank, training thread unless noted), docs/meg
   megatron: save_preprocess (validation) -> rank 0 writes common.pt -> ``async_save``:
     (rank 0: metadata.json on a side thread) -> snapshot this rank's main replicas into one
     file (``Checkpointer.save(..., group=)``) and its ShardedObjects into another ->
-    all_gather the index -> rank 0: the index file, common.pt again through fastckpt (so the
-    commit covers it), metadata.json joined -> request the group commit
+    all_gather the index -> rank 0: the index file (which keeps the bytes of common.pt and
+    metadata.json, written in place by megatron: ``_megatron.inplace``), metadata.json
+    joined -> request the group commit
     (``Checkpointer.commit``), which completes in the background: every rank's
     files durable -> manifest -> fastckpt's ``latest``; then rank 0 moves Megatron-LM's
     tracker (``latest_checkpointed_iteration.txt``) forward. The returned AsyncRequest's
@@ -52,12 +53,12 @@ from megatron.core.dist_checkpointing.strategies.base import (
     StrategyAction,
     register_default_strategy,
 )
-from megatron.core.dist_checkpointing.strategies.common import COMMON_STATE_FNAME
 
 from fastckpt import Checkpointer, SaveHandle
 from fastckpt.errors import CheckpointWriteError
 from fastckpt.io.ops import FileOps
 
+from ._megatron import inplace
 from ._megatron import tracker as T
 from ._megatron.common import (
     BACKEND,
@@ -79,7 +80,7 @@ from ._megatron.tracker import TRACKER, advance_tracker, newest_complete_iterati
 __all__ = [
     "BACKEND", "VERSION", "TRACKER", "FastCkptSaveStrategy", "FastCkptLoadStrategy", "MegatronSave", "LoadReport",
     "ReshardingError", "register", "default_checkpointer", "advance_tracker", "sync_tracker", "read_tracker",
-    "newest_complete_iteration",
+    "newest_complete_iteration", "repair_checkpoint",
 ]
 
 log = logging.getLogger("fastckpt.megatron")
@@ -124,11 +125,25 @@ class FastCkptSaveStrategy(ThroughCheckpointer, AsyncSaveShardedStrategy):
 
     def async_save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str | Path) -> AsyncRequest:
         """Snapshot this rank's shards and return; the files are written and committed in the
-        background. Called on every rank (it exchanges the index with all_gather_object)."""
+        background. Called on every rank (it exchanges the index with all_gather_object).
+
+        When it fails, rank 0 first puts back what megatron rewrote in place (``common.pt``) in
+        the checkpoint already committed at ``checkpoint_dir``, if any (``_megatron.inplace``)."""
+        group, rank = checkpoint_group(checkpoint_dir), rank_world()[0]
+        try:
+            return self._save(sharded_state_dict, group)
+        except BaseException as exc:
+            if rank == 0:
+                inplace.restore_after(group, self._ops, exc)
+            raise
+
+    def _save(self, sharded_state_dict: ShardedStateDict, group: str) -> AsyncRequest:
         t0 = time.monotonic()
-        ck, group = self.checkpointer, checkpoint_group(checkpoint_dir)
+        ck = self.checkpointer
         rank, world = rank_world()
-        config = _in_thread(self._write_config, group) if rank == 0 else None  # its fsync overlaps the snapshot
+        config_bytes = json.dumps(asdict(CheckpointingConfig(self.backend, self.version))).encode()
+        config = _in_thread(publish_bytes, self._ops, os.path.join(group, CONFIG_FNAME), config_bytes) \
+            if rank == 0 else None  # metadata.json, durable before the commit; its fsync overlaps the snapshot
         tfile, ofile = TENSOR_FILE.format(rank), OBJECT_FILE.format(rank)
         tensors: dict = {}
         try:
@@ -150,11 +165,11 @@ class FastCkptSaveStrategy(ThroughCheckpointer, AsyncSaveShardedStrategy):
             raise CheckpointWriteError(f"{group} was not saved (nothing is committed; the previous checkpoint is "
                                        f"intact): {'; '.join(failed)}")
         save_id = gathered[0][2]
-        if rank == 0:
-            self._save_rank0_files(ck, group, gathered, world)
-            config.result()  # type: ignore[union-attr]  (metadata.json is durable before the commit)
         iteration = T.iteration_of(group)
-        extra = {"megatron_save": save_id, **({"step": iteration} if isinstance(iteration, int) else {})}
+        extra: dict = {"megatron_save": save_id, **({"step": iteration} if isinstance(iteration, int) else {})}
+        if rank == 0:
+            extra[inplace.KEY] = self._save_index(ck, group, gathered, world, config_bytes)
+            config.result()  # type: ignore[union-attr]  (metadata.json is durable before the commit)
         handle = ck.commit(group, **extra)
         job = T.Job(group, save_id, rank, ck.config.commit_timeout_s + 30.0)
         watch = T.watch(handle, job, self._tracker and iteration is not None, self._ops)
@@ -162,19 +177,13 @@ class FastCkptSaveStrategy(ThroughCheckpointer, AsyncSaveShardedStrategy):
         self.last_save = MegatronSave(group, iteration, time.monotonic() - t0, nbytes, handle)
         return AsyncRequest(T.await_commit, (job,), [partial(_finalize, watch)])
 
-    def _save_rank0_files(self, ck: Checkpointer, group: str, gathered: list, world: int) -> None:
-        """The index, and common.pt through fastckpt, so that the group's commit covers it."""
+    def _save_index(self, ck: Checkpointer, group: str, gathered: list, world: int, config: bytes) -> dict[str, str]:
+        """Rank 0: the index, which also keeps the bytes of the files megatron writes in place
+        (common.pt, metadata.json); returns their checksums, for the group manifest."""
         index = index_body([t for g in gathered for t in g[0]], [o for g in gathered for o in g[1]], world)
+        index[inplace.KEY] = kept = inplace.record(group, config)
         ck.save(index, os.path.join(group, INDEX_FILE), group=group)
-        common = os.path.join(group, COMMON_STATE_FNAME)
-        if os.path.exists(common):  # megatron's common strategy torch.saved it a moment ago: trusted
-            ck.save(torch.load(common, map_location="cpu", weights_only=False), common, group=group)
-
-    def _write_config(self, group: str) -> None:
-        """metadata.json (megatron's record of the backend), atomically and durably, before the
-        commit, so that a committed group is a complete megatron checkpoint."""
-        config = CheckpointingConfig(self.backend, self.version)
-        publish_bytes(self._ops, os.path.join(group, CONFIG_FNAME), json.dumps(asdict(config)).encode())
+        return inplace.checksums(kept)
 
 
 def _in_thread(fn: Callable[..., None], *args: object) -> Future:
@@ -207,8 +216,10 @@ def _finalize(watch: T.Watch) -> None:
         if failed:
             raise T.failed_error(watch.job, failed)
         if not watch.done.is_set() and (watch.job.rank == 0 or not T.committed(watch.job)):
-            watch.handle.wait(watch.job.timeout_s)  # (its async part was never run: this waits for the commit)
-            watch.done.wait(watch.job.timeout_s)  # rank 0: the tracker, moved just after
+            try:
+                watch.handle.wait(watch.job.timeout_s)  # (its async part was never run: this waits for the commit)
+            finally:  # rank 0: the tracker, moved just after; or, on failure, common.pt put back
+                watch.done.wait(watch.job.timeout_s)
             if watch.error is not None:
                 raise T.cause(watch.job, watch.error)
         if watch.record is not None and watch.record.superseded:
@@ -216,6 +227,20 @@ def _finalize(watch: T.Watch) -> None:
                         watch.job.group)
     finally:
         T.forget(watch.job.save_id)
+
+
+def repair_checkpoint(checkpoint_dir: str | Path, *, ops: FileOps | None = None) -> list[str]:
+    """Put back the files megatron-core writes in place (``common.pt``, ``metadata.json``) of
+    the committed checkpoint at ``checkpoint_dir``, where a save into it was killed while
+    rewriting them; the patched Megatron-LM does it in ``sync_tracker`` before it loads.
+
+    Returns:
+        The names of the files put back (none when they are as committed).
+
+    Raises:
+        CorruptCheckpointError: the checkpoint's index does not hold their committed bytes.
+    """
+    return inplace.restore(checkpoint_group(checkpoint_dir), ops or FileOps())
 
 
 def register(checkpointer: CheckpointerSource = None, *, tracker: bool = True, ops: FileOps | None = None

@@ -9,7 +9,7 @@ from __future__ import annotations
 from fastckpt.commit import protocol as _protocol
 from fastckpt.commit.protocol import GROUP_MANIFEST
 from fastckpt.errors import IncompleteCheckpointError
-from fastckpt.format.checksum import BLOCK_BYTES, block_digest, combine
+from fastckpt.format.checksum import BLOCK_BYTES, block_digest, checksum_bytes, combine
 from fastckpt.format.manifest import parse_tail
 from fastckpt.io.atomic import publish_bytes
 from fastckpt.storage.homes import Homes
@@ -27,6 +27,6 @@ def incomplete_group_error(group: str, world_size: int | None) -> IncompleteChec
 
 
 __all__ = [
-    "BLOCK_BYTES", "GROUP_MANIFEST", "block_digest", "combine", "incomplete_group_error", "is_url", "normalize",
-    "parse_tail", "publish_bytes", "read_group_manifest",
+    "BLOCK_BYTES", "GROUP_MANIFEST", "block_digest", "checksum_bytes", "combine", "incomplete_group_error", "is_url",
+    "normalize", "parse_tail", "publish_bytes", "read_group_manifest",
 ]

@@ -33,6 +33,7 @@ from fastckpt.io.ops import FileOps
 
 from .common import BACKEND, INDEX_FILE, VERSION, CheckpointerSource, ThroughCheckpointer, checkpoint_group
 from .compat import incomplete_group_error, read_group_manifest
+from .inplace import check as check_inplace
 from .layout import Index, ReshardingError, SavedTensor, byte_range, plan_tensor, shard_view, tensor_box
 from .read import VerifiedFile, ensure_all
 
@@ -97,7 +98,8 @@ class FastCkptLoadStrategy(ThroughCheckpointer, LoadShardedStrategy):
         leaves = list(nested_values(sharded_state_dict))
         plans = {id(sh): plan_tensor(sh, index) for sh in leaves if isinstance(sh, ShardedTensor)}
         tensor_files = sorted({saved.file for parts in plans.values() for saved, _ in parts})
-        whole = [COMMON_STATE_FNAME] if COMMON_STATE_FNAME in manifest["files"] else []  # small: verified whole
+        check_inplace(group, manifest)  # common.pt, which megatron has read: the committed bytes?
+        whole = [COMMON_STATE_FNAME] if COMMON_STATE_FNAME in manifest["files"] else []  # (older saves: in the group)
         with ThreadPoolExecutor(self.checkpointer.config.io_threads, thread_name_prefix="fastckpt-mload") as pool:
             opened = {rel: self._open(group, manifest, rel) for rel in tensor_files + whole}
             records = {rel: opened[rel].records(pool) for rel in tensor_files}

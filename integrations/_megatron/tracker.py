@@ -30,6 +30,7 @@ from fastckpt.io.ops import FileOps
 from fastckpt.records import SaveHandle, SaveRecord
 
 from .compat import publish_bytes, read_group_manifest
+from .inplace import restore, restore_after
 
 log = logging.getLogger("fastckpt.megatron")
 
@@ -101,17 +102,23 @@ def newest_complete_iteration(save_dir: str) -> int | None:
     return next((it for it in found if is_complete(save_dir, it)), None)
 
 
-def sync_tracker(save_dir: str, *, ops: FileOps | None = None) -> int | str | None:
+def sync_tracker(save_dir: str, *, load_iteration: int | None = None, ops: FileOps | None = None
+                 ) -> int | str | None:
     """Move the tracker forward to the newest complete iteration and return what it names.
 
     Call it before Megatron-LM reads the tracker (the patch in examples/megatron does, on
-    every rank: each reaches the same answer from the same files).
+    every rank: each reaches the same answer from the same files). It also puts back the
+    files megatron rewrites in place (``common.pt``, ``metadata.json``) of the iteration the
+    tracker then names, and of ``load_iteration`` (Megatron-LM's ``--ckpt-step``), where a save
+    into that committed iteration was killed (``_megatron.inplace``).
     """
     newest = newest_complete_iteration(save_dir)
     current = read_tracker(save_dir)
     if newest is not None and current != "release" and (current is None or newest > current):
         advance_tracker(save_dir, newest, ops=ops)
-        return newest
+        current = newest
+    for it in {current, load_iteration} - {None}:
+        restore(_group_of(save_dir, it), ops or FileOps())  # type: ignore[arg-type]
     return current
 
 
@@ -172,6 +179,8 @@ class Watch:
             elif self._tracker and job.rank == 0:
                 advance_tracker(os.path.dirname(job.group), iteration_of(job.group), ops=self._ops)  # type: ignore[arg-type]
         except BaseException as exc:  # noqa: BLE001 (kept for finalize, which raises it)
+            if job.rank == 0:  # before finalize can raise it: the committed checkpoint is whole again
+                restore_after(job.group, self._ops, exc)
             self.error = exc
             self._leave("failed", repr(exc))
         finally:

@@ -19,6 +19,13 @@ Scenarios (each rank writes OUT_JSON.<rank>):
           the values of the save call. Then iter 2 is loaded with the saved layout and iter 3
           resharded along other axes; iter 4 fails on rank 1 (ENOSPC), which both ranks report;
           iter 5 holds a tensor rank 1 cannot save, which both ranks report without hanging.
+  resave  1 rank. Commits iteration 100, then saves into it again (megatron rewrites common.pt
+          in place before our strategy runs): one the strategy refuses, one that succeeds, one
+          whose write fails (ENOSPC); prints ``REPORT <json>`` with what iteration 100 loaded
+          after each, then a fourth save stops at its first tensor write (``GATE``) until the
+          test SIGKILLs it.
+  resave_check  1 rank, after ``resave`` was killed: loading iteration 100 as it is, then with
+          its metadata.json also torn (a kill in megatron's finalize), after ``sync_tracker``.
   load    1 rank. Loads iter 2 and 3 whole; then the error cases: another global shape, another
           object layout, a flipped byte, an uncommitted checkpoint.
 The state (``make_state``) is a function of the step, the rank and a layout name, so any
@@ -316,6 +323,86 @@ def scenario_loop(d: str, rank: int, world: int) -> dict:
     return {"error": f"iteration 3 finished although KILL_AT={target} should have stopped it"}
 
 
+def _iteration_100(d: str) -> tuple[str, dict, object]:
+    """Iteration 100's directory, a save state of value ``v`` with a ``note`` in common.pt, and
+    a function that loads it back as ``[w value, note]`` (or the error, as ``_error`` has it)."""
+    from megatron.core import dist_checkpointing as dc
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    path = os.path.join(d, "iter_0000100")
+    os.makedirs(path, exist_ok=True)
+
+    def state(v: float, note: str) -> dict:
+        return {"w": ShardedTensor.from_rank_offsets("w", torch.full((4, 4), v)), "iteration": 100, "note": note}
+
+    def loaded() -> list | dict:
+        got: dict = {}
+        failed = _error(lambda: got.update(dc.load({"w": ShardedTensor.from_rank_offsets("w", torch.empty(4, 4))},
+                                                   path)))
+        return failed or [got["w"][0, 0].item(), got["note"]]
+
+    return path, state, loaded
+
+
+def scenario_resave(d: str, rank: int, world: int) -> dict:
+    import threading
+
+    from megatron.core import dist_checkpointing as dc
+
+    import fastckpt
+    from fastckpt.integrations import megatron as fm
+    from fastckpt.testing import Fault, FaultyOps
+
+    armed, hold = threading.Event(), threading.Event()
+
+    def hook(op: str, path: str) -> None:
+        if armed.is_set() and op == "pwrite" and ".fastckpt-next" in path:
+            print("GATE resave", flush=True)
+            hold.wait()  # until SIGKILL
+
+    ops = FaultyOps(on_call=hook)
+    fm.register(fastckpt.Checkpointer(ops=ops, commit_timeout_s=10.0), ops=ops)
+    path, state, loaded = _iteration_100(d)
+    out: dict = {}
+    dc.save(state(1.0, "first"), path, ("fastckpt", 1))
+    out["first"] = loaded()
+
+    class Odd(torch.Tensor):  # a tensor subclass (like FP8's) that fastckpt refuses
+        pass
+
+    bad = state(2.0, "refused")
+    bad["w"].data = bad["w"].data.as_subclass(Odd)
+    out["refused"] = _error(lambda: dc.save(bad, path, ("fastckpt", 1)))
+    out["after_refused"] = loaded()
+    dc.save(state(3.0, "second"), path, ("fastckpt", 1))
+    out["second"] = loaded()
+    ops.inject(Fault("pwrite", errno.ENOSPC, path_contains=f".fastckpt-next{os.sep}.fastckpt-rank00000"))
+    out["failed"] = _error(lambda: dc.save(state(4.0, "failed"), path, ("fastckpt", 1)))
+    out["after_failed"] = loaded()
+    out["tracker"] = fm.read_tracker(d)
+    print("REPORT " + json.dumps(out, default=str), flush=True)
+    # a fresh Checkpointer: the failed save's attempt at iteration 100 is still open in the first
+    # one (it was never committed), and a later save into that group would join it
+    fm.register(fastckpt.Checkpointer(ops=ops), ops=ops)
+    armed.set()
+    dc.save(state(5.0, "killed"), path, ("fastckpt", 1))
+    return {"error": "the killed save finished"}
+
+
+def scenario_resave_check(d: str, rank: int, world: int) -> dict:
+    from fastckpt.integrations import megatron as fm
+
+    path, _, loaded = _iteration_100(d)
+    out = {"as_left": loaded()}
+    with open(os.path.join(path, "metadata.json"), "w"):
+        pass  # torn as a kill inside megatron's finalize leaves it (open(..., "w") truncates)
+    out["torn_metadata"] = loaded()
+    out["synced"] = fm.sync_tracker(d)
+    out["after_sync"] = loaded()
+    out["repair_again"] = fm.repair_checkpoint(path)
+    return out
+
+
 def scenario_cuda(d: str, rank: int, world: int) -> dict:
     """GPU machines: the same save through megatron's AsyncCallsQueue as it ships (NCCL, CUDA
     tensors, no stand-ins), loaded back onto CUDA."""
@@ -379,7 +466,8 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     try:
         out = {"save": scenario_save, "load": scenario_load, "loop": scenario_loop, "verify": scenario_verify,
-               "cuda": scenario_cuda}[scenario](d, rank, world)
+               "cuda": scenario_cuda, "resave": scenario_resave,
+               "resave_check": scenario_resave_check}[scenario](d, rank, world)
     except BaseException:  # noqa: BLE001 (the test shows it)
         out = {"crash": traceback.format_exc()}
     with open(f"{out_path}.{rank}", "w") as f:

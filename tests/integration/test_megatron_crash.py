@@ -12,10 +12,16 @@ Afterwards the tracker never names an incomplete iteration, fastckpt's ``latest`
 newest complete one, and ``sync_tracker`` (what the patched Megatron-LM load path runs first)
 makes them agree; that iteration loads with exactly its step's values. Only in ``tracker`` does
 the raw tracker lag ``latest`` by one: the kill fell between the two renames.
+
+Saving into an iteration that is already committed (``_megatron_worker.py resave``, 1 rank):
+megatron-core rewrites its ``common.pt`` in place before our strategy runs. A save that fails
+leaves the committed iteration loadable; one that is SIGKILLed leaves it for ``sync_tracker``
+to put back (a load before that is refused, naming the fix).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import signal
@@ -34,19 +40,19 @@ SMALL = {"MEGATRON_TEST_BIG": "1024,2048"}  # 8 MiB: still more than one checksu
 LINE_TIMEOUT_S = 120.0
 
 
-def _run_until_gate(d: str, kill_at: str) -> list[str]:
-    """Start both ranks, wait for the GATE line, SIGKILL everything; return the lines seen."""
+def _run_until_gate(d: str, kill_at: str, scenario: str = "loop", ranks: int = 2) -> list[str]:
+    """Start the ranks, wait for the GATE line, SIGKILL everything; return the lines seen."""
     port, lines, procs, logs = free_port(), queue.Queue(), [], []
 
     def forward(p: subprocess.Popen) -> None:
         for line in p.stdout:  # type: ignore[union-attr]
             lines.put(line.strip())
 
-    for rank in range(2):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+    for rank in range(ranks):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(ranks), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                    KILL_AT=kill_at, **SMALL)
         logs.append(open(f"{d}.err{rank}", "w"))  # noqa: SIM115 (closed below)
-        procs.append(subprocess.Popen([sys.executable, WORKER, "loop", d, d + ".out"], env=env, text=True,
+        procs.append(subprocess.Popen([sys.executable, WORKER, scenario, d, d + ".out"], env=env, text=True,
                                       stdout=subprocess.PIPE, stderr=logs[-1], start_new_session=True))
         threading.Thread(target=forward, args=(procs[-1],), daemon=True).start()
     seen: list[str] = []
@@ -94,3 +100,34 @@ def test_only_a_kill_between_the_manifest_and_the_tracker_leaves_the_tracker_beh
     assert [killed[p]["raw_before"] for p in KILL_POINTS] == [2, 2, 2]
     assert [killed[p]["synced"] for p in KILL_POINTS] == [2, 2, 3]
     assert killed["manifest"]["iter3"]["type"] == "IncompleteCheckpointError"
+
+
+# ------------------------------------------------------------------------ saving into a committed iteration
+@pytest.fixture(scope="module")
+def resaved(tmp_path_factory) -> tuple[str, dict]:
+    d = str(tmp_path_factory.mktemp("megatron-resave") / "ckpt")
+    seen = _run_until_gate(d, "resave", "resave", ranks=1)
+    return d, json.loads(next(x for x in seen if x.startswith("REPORT "))[len("REPORT "):])
+
+
+def test_a_failed_save_into_a_committed_iteration_leaves_it_loadable(resaved) -> None:
+    _, report = resaved
+    assert report["first"] == [1.0, "first"]
+    assert report["refused"]["type"] == "UnsupportedObjectError"  # in the strategy, on the training thread
+    assert report["after_refused"] == [1.0, "first"]
+    assert report["second"] == [3.0, "second"]  # a save that succeeds replaces it, common.pt included
+    assert report["failed"]["type"] == "CheckpointWriteError" and "No space left" in report["failed"]["message"]
+    assert report["after_failed"] == [3.0, "second"]
+    assert report["tracker"] == 100
+
+
+def test_a_killed_save_into_a_committed_iteration_is_put_back_by_sync_tracker(resaved) -> None:
+    d, _ = resaved
+    check = run_worker("resave_check", d, d + ".check", 1)[0]
+    left = check["as_left"]
+    assert left["type"] == "CorruptCheckpointError" and "common.pt is not the one committed" in left["message"]
+    assert "repair_checkpoint(" in left["message"]
+    assert check["torn_metadata"]["type"] == "JSONDecodeError"  # megatron cannot even pick a loader
+    assert check["synced"] == 100
+    assert check["after_sync"] == [3.0, "second"]  # the committed save, not the killed one
+    assert check["repair_again"] == []
