@@ -59,7 +59,7 @@ from fastckpt.errors import CheckpointWriteError
 from fastckpt.io.ops import FileOps
 
 from ._megatron import inplace
-from ._megatron import tracker as T
+from ._megatron import waiting as W
 from ._megatron.common import (
     BACKEND,
     INDEX_FILE,
@@ -75,7 +75,14 @@ from ._megatron.common import (
 from ._megatron.compat import publish_bytes
 from ._megatron.layout import ReshardingError, index_body, split_rank_state
 from ._megatron.load import FastCkptLoadStrategy, LoadReport
-from ._megatron.tracker import TRACKER, advance_tracker, newest_complete_iteration, read_tracker, sync_tracker
+from ._megatron.tracker import (
+    TRACKER,
+    advance_tracker,
+    iteration_of,
+    newest_complete_iteration,
+    read_tracker,
+    sync_tracker,
+)
 
 __all__ = [
     "BACKEND", "VERSION", "TRACKER", "FastCkptSaveStrategy", "FastCkptLoadStrategy", "MegatronSave", "LoadReport",
@@ -165,17 +172,17 @@ class FastCkptSaveStrategy(ThroughCheckpointer, AsyncSaveShardedStrategy):
             raise CheckpointWriteError(f"{group} was not saved (nothing is committed; the previous checkpoint is "
                                        f"intact): {'; '.join(failed)}")
         save_id = gathered[0][2]
-        iteration = T.iteration_of(group)
+        iteration = iteration_of(group)
         extra: dict = {"megatron_save": save_id, **({"step": iteration} if isinstance(iteration, int) else {})}
         if rank == 0:
             extra[inplace.KEY] = self._save_index(ck, group, gathered, world, config_bytes)
             config.result()  # type: ignore[union-attr]  (metadata.json is durable before the commit)
         handle = ck.commit(group, **extra)
-        job = T.Job(group, save_id, rank, ck.config.commit_timeout_s + 30.0)
-        watch = T.watch(handle, job, self._tracker and iteration is not None, self._ops)
+        job = W.Job(group, save_id, rank, ck.config.commit_timeout_s + 30.0)
+        watch = W.watch(handle, job, self._tracker and iteration is not None, self._ops)
         nbytes = sum({t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tensors.values()}.values())
         self.last_save = MegatronSave(group, iteration, time.monotonic() - t0, nbytes, handle)
-        return AsyncRequest(T.await_commit, (job,), [partial(_finalize, watch)])
+        return AsyncRequest(W.await_commit, (job,), [partial(_finalize, watch)])
 
     def _save_index(self, ck: Checkpointer, group: str, gathered: list, world: int, config: bytes) -> dict[str, str]:
         """Rank 0: the index, which also keeps the bytes of the files megatron writes in place
@@ -200,7 +207,7 @@ def _in_thread(fn: Callable[..., None], *args: object) -> Future:
     return fut
 
 
-def _finalize(watch: T.Watch) -> None:
+def _finalize(watch: W.Watch) -> None:
     """Megatron's finalize step (every rank, training thread, after every rank's async part):
     raise this save's failure, if any, before megatron writes metadata.json and the tracker.
 
@@ -210,23 +217,23 @@ def _finalize(watch: T.Watch) -> None:
     may be a moment later.
     """
     try:
-        failed = T.failures(watch.job)
+        failed = W.failures(watch.job)
         if watch.error is not None:
-            raise T.cause(watch.job, watch.error)
+            raise W.cause(watch.job, watch.error)
         if failed:
-            raise T.failed_error(watch.job, failed)
-        if not watch.done.is_set() and (watch.job.rank == 0 or not T.committed(watch.job)):
+            raise W.failed_error(watch.job, failed)
+        if not watch.done.is_set() and (watch.job.rank == 0 or not W.committed(watch.job)):
             try:
                 watch.handle.wait(watch.job.timeout_s)  # (its async part was never run: this waits for the commit)
             finally:  # rank 0: the tracker, moved just after; or, on failure, common.pt put back
                 watch.done.wait(watch.job.timeout_s)
             if watch.error is not None:
-                raise T.cause(watch.job, watch.error)
+                raise W.cause(watch.job, watch.error)
         if watch.record is not None and watch.record.superseded:
             log.warning("fastckpt: %s was superseded before it reached its home (replicate_policy='coalesce')",
                         watch.job.group)
     finally:
-        T.forget(watch.job.save_id)
+        W.forget(watch.job.save_id)
 
 
 def repair_checkpoint(checkpoint_dir: str | Path, *, ops: FileOps | None = None) -> list[str]:

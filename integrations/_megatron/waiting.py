@@ -1,0 +1,175 @@
+"""Waiting for a group's commit from any process, and following it in the training process.
+
+``await_commit`` is the ``async_fn`` of the AsyncRequest the save strategy returns: Megatron
+runs it in the training process (``execute_sync``), in a forked child (its temporal async
+caller) or in a spawned worker (the persistent one), and treats its return as "this rank's
+part is done". In the training process it waits for the save's ``Watch``; elsewhere it polls
+for the group manifest that carries the save's id. Failure notes (``Watch`` writes one when a
+rank's commit fails) end every rank's wait at once instead of at the commit timeout.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+
+from fastckpt.errors import CheckpointWriteError, CommitTimeoutError
+from fastckpt.io.ops import FileOps
+from fastckpt.records import SaveHandle, SaveRecord
+
+from .compat import publish_bytes, read_group_manifest
+from .inplace import restore_after
+from .tracker import advance_tracker, iteration_of
+
+log = logging.getLogger("fastckpt.megatron")
+
+
+def _note(group: str, save_id: str, rank: int, kind: str) -> str:
+    return os.path.join(group, f".fastckpt-megatron-{save_id}-rank{rank:05d}.{kind}")
+
+
+def _notes(group: str, save_id: str) -> dict[str, str]:
+    """This save's notes in ``group``: file name -> text."""
+    prefix = f".fastckpt-megatron-{save_id}-"
+    out = {}
+    try:
+        names = [n for n in os.listdir(group) if n.startswith(prefix)]
+    except FileNotFoundError:
+        return out
+    for n in names:
+        try:
+            with open(os.path.join(group, n)) as f:
+                out[n] = f.read()
+        except FileNotFoundError:
+            continue
+    return out
+
+
+@dataclass(frozen=True)
+class Job:
+    """What ``await_commit`` needs; plain values, so Megatron can pickle it to a spawned worker."""
+
+    group: str
+    save_id: str
+    rank: int
+    timeout_s: float
+
+
+class Watch:
+    """Follows one rank's commit in the training process (a daemon thread per save).
+
+    On success rank 0 advances the tracker (when the group is a Megatron-LM iteration
+    directory and ``tracker`` is set); on failure it leaves a note in the group, which ends
+    every rank's ``await_commit``. ``error`` keeps the failure for the finalize step.
+    """
+
+    def __init__(self, handle: SaveHandle, job: Job, tracker: bool, ops: FileOps) -> None:
+        self.handle, self.job, self.pid = handle, job, os.getpid()
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+        self.record: SaveRecord | None = None
+        self._tracker, self._ops = tracker, ops
+        threading.Thread(target=self._run, name="fastckpt-megatron-watch", daemon=True).start()
+
+    def _run(self) -> None:
+        job = self.job
+        try:
+            self.record = self.handle.wait()
+            if self.record.superseded:
+                self._leave("superseded", "replication coalesced this checkpoint away (replicate_policy='coalesce')")
+            elif self._tracker and job.rank == 0:
+                advance_tracker(os.path.dirname(job.group), iteration_of(job.group), ops=self._ops)  # type: ignore[arg-type]
+        except BaseException as exc:  # noqa: BLE001 (kept for finalize, which raises it)
+            if job.rank == 0:  # before finalize can raise it: the committed checkpoint is whole again
+                restore_after(job.group, self._ops, exc)
+            self.error = exc
+            self._leave("failed", repr(exc))
+        finally:
+            self.done.set()
+
+    def _leave(self, kind: str, text: str) -> None:
+        try:
+            publish_bytes(self._ops, _note(self.job.group, self.job.save_id, self.job.rank, kind), text.encode())
+        except OSError as exc:  # the other ranks then wait until the commit timeout instead
+            log.warning("fastckpt: could not leave a %s note in %s: %s", kind, self.job.group, exc)
+
+
+_watches: dict[str, Watch] = {}  # save id -> this process's watch of it
+
+
+def watch(handle: SaveHandle, job: Job, tracker: bool, ops: FileOps) -> Watch:
+    w = _watches[job.save_id] = Watch(handle, job, tracker, ops)
+    return w
+
+
+def forget(save_id: str) -> None:
+    _watches.pop(save_id, None)
+
+
+def failures(job: Job) -> list[str]:
+    """The notes of ranks whose commit of this save failed (``failed`` notes), as messages."""
+    return [f"{name}: {text}" for name, text in sorted(_notes(job.group, job.save_id).items())
+            if name.endswith(".failed")]
+
+
+def await_commit(job: Job) -> None:
+    """Return once ``job``'s group is committed (or dropped by coalescing replication).
+
+    Raises:
+        CheckpointWriteError: some rank's commit failed (its note is in the message).
+        CommitTimeoutError: nothing happened within ``job.timeout_s``.
+    """
+    w = _watches.get(job.save_id)
+    local = w is not None and w.pid == os.getpid()  # a forked child sees the dict, not the thread
+    deadline, delay = time.monotonic() + job.timeout_s, 0.005
+    while True:
+        if local and w.done.is_set():  # type: ignore[union-attr]
+            if w.error is not None:  # type: ignore[union-attr]
+                raise cause(job, w.error)  # type: ignore[union-attr]
+            return
+        if not local and committed(job):
+            return
+        failed = failures(job)
+        if failed:
+            raise failed_error(job, failed)
+        if time.monotonic() >= deadline:
+            raise CommitTimeoutError(f"{job.group} was not committed within {job.timeout_s:.0f} s (commit_timeout_s); "
+                                     "some rank did not finish its part (see its log)")
+        if local:
+            w.done.wait(delay)  # type: ignore[union-attr]
+        else:
+            time.sleep(delay)  # another process: the files are the only signal
+        delay = min(delay * 2, 0.2)
+
+
+def failed_error(job: Job, failed: list[str]) -> CheckpointWriteError:
+    return CheckpointWriteError(f"saving {job.group} failed on another rank: {'; '.join(failed)}. This "
+                                "checkpoint is incomplete; the previous one is intact")
+
+
+def cause(job: Job, error: BaseException) -> BaseException:
+    """This rank's commit ``error``, or, when it only timed out and another rank left a failure
+    note, that rank's failure (the cause; the timeout is its consequence)."""
+    failed = failures(job) if isinstance(error, CommitTimeoutError) else []
+    if not failed:
+        return error
+    return failed_error(job, failed)
+
+
+def committed(job: Job) -> bool:
+    """True once ``job``'s group manifest is published (or the save was dropped by coalescing
+    replication, which a note says)."""
+    manifest = _manifest(job.group)
+    if manifest is not None and manifest.get("megatron_save") == job.save_id:
+        return True
+    return any(n.endswith(".superseded") for n in _notes(job.group, job.save_id))
+
+
+def _manifest(group: str) -> dict | None:
+    try:
+        return read_group_manifest(group)
+    except (OSError, ValueError):  # being replaced, or half-visible on a network filesystem
+        return None
