@@ -20,8 +20,8 @@ Order of calls for one save (every rank, training thread unless noted), docs/meg
     metadata.json, written in place by megatron: ``_megatron.inplace``), metadata.json
     joined -> request the group commit
     (``Checkpointer.commit``), which completes in the background: every rank's
-    files durable -> manifest -> fastckpt's ``latest``; then rank 0 moves Megatron-LM's
-    tracker (``latest_checkpointed_iteration.txt``) forward. The returned AsyncRequest's
+    files durable -> manifest -> fastckpt's ``latest``; then rank 0 points Megatron-LM's
+    tracker (``latest_checkpointed_iteration.txt``) at it. The returned AsyncRequest's
     ``async_fn`` waits for that commit (in whatever process megatron runs it); its finalize
     step raises any failure, then megatron rewrites metadata.json (same bytes) and
     Megatron-LM its tracker.
@@ -118,8 +118,8 @@ class FastCkptSaveStrategy(ThroughCheckpointer, AsyncSaveShardedStrategy):
     Args:
         checkpointer: the Checkpointer to save through, a function returning it, or None for
             ``default_checkpointer()``.
-        tracker: move Megatron-LM's ``latest_checkpointed_iteration.txt`` (in the parent of an
-            ``iter_NNNNNNN`` checkpoint directory) forward right after each commit.
+        tracker: point Megatron-LM's ``latest_checkpointed_iteration.txt`` (in the parent of an
+            ``iter_NNNNNNN`` checkpoint directory) at it right after each commit.
         ops: the FileOps for the files this strategy writes itself (metadata.json, the
             tracker, failure notes).
     """

@@ -7,7 +7,7 @@ these imports and nothing more.
 from __future__ import annotations
 
 from fastckpt.commit import protocol as _protocol
-from fastckpt.commit.protocol import GROUP_MANIFEST
+from fastckpt.commit.protocol import GROUP_MANIFEST, group_order
 from fastckpt.errors import IncompleteCheckpointError
 from fastckpt.format.checksum import BLOCK_BYTES, block_digest, checksum_bytes, combine
 from fastckpt.format.manifest import parse_tail
@@ -21,12 +21,19 @@ def read_group_manifest(group: str) -> dict | None:
     return _protocol.read_group_manifest(Homes().resolve(group).place())
 
 
+def latest_name(directory: str) -> str | None:
+    """What ``directory/latest`` (fastckpt's pointer, moved by every commit of a group in it)
+    names, if that is a complete checkpoint."""
+    return _protocol.pointed_name(Homes().resolve(directory).place())
+
+
 def incomplete_group_error(group: str, world_size: int | None) -> IncompleteCheckpointError:
     """The error that names what a never-published group is missing."""
     return _protocol.incomplete_group_error(Homes().resolve(group).place(), world_size)
 
 
 __all__ = [
-    "BLOCK_BYTES", "GROUP_MANIFEST", "block_digest", "checksum_bytes", "combine", "incomplete_group_error", "is_url",
-    "normalize", "parse_tail", "publish_bytes", "read_group_manifest",
+    "BLOCK_BYTES", "GROUP_MANIFEST", "block_digest", "checksum_bytes", "combine", "group_order",
+    "incomplete_group_error", "is_url", "latest_name", "normalize", "parse_tail", "publish_bytes",
+    "read_group_manifest",
 ]

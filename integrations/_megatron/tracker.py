@@ -1,29 +1,38 @@
 """Megatron-LM's tracker file: which iteration to resume from.
 
-Megatron-LM names the newest checkpoint in ``<save dir>/latest_checkpointed_iteration.txt``
+Megatron-LM names the checkpoint to resume from in ``<save dir>/latest_checkpointed_iteration.txt``
 (an iteration number, or ``release``); its checkpoints are ``<save dir>/iter_NNNNNNN``.
 fastckpt's own truth is the group manifest: an iteration is complete once
-``iter_NNNNNNN/fastckpt-manifest.json`` exists. The tracker is only ever moved forward, to a
-complete iteration, atomically (temp, fsync, rename, directory fsync): ``advance_tracker``
-right after the commit, ``sync_tracker`` at load time (a kill between the manifest and the
-tracker's rename leaves the tracker one iteration behind; the loader moves it on).
+``iter_NNNNNNN/fastckpt-manifest.json`` exists. As Megatron-LM's finalize step does, the tracker
+names the iteration committed last (which, after a rollback, may be a lower number than others
+on disk), but only once it is complete, and atomically (temp, fsync, rename, directory fsync):
+``advance_tracker`` right after the commit, which then records that commit in
+``.fastckpt-tracker.json`` beside it. ``sync_tracker``, at load time, repairs only what a crash
+can leave: a tracker written before the commit that fastckpt's ``latest`` names (a kill
+between that commit and the tracker's write), or one that names an incomplete iteration. Any
+other tracker, a user's edit to roll back included, is left as it is.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
 import threading
 
+from megatron.core.dist_checkpointing.core import CONFIG_FNAME
+
 from fastckpt.io.ops import FileOps
 
-from .compat import publish_bytes, read_group_manifest
+from .common import BACKEND
+from .compat import group_order, latest_name, publish_bytes, read_group_manifest
 from .inplace import restore
 
 log = logging.getLogger("fastckpt.megatron")
 
 TRACKER = "latest_checkpointed_iteration.txt"
+RECORD = ".fastckpt-tracker.json"  # the commit of the iteration advance_tracker last wrote
 _ITER_DIR = re.compile(r"iter_(\d{7,})")
 _lock = threading.Lock()  # the committer's watchers and Megatron-LM's finalize both advance it
 
@@ -58,8 +67,27 @@ def is_complete(save_dir: str, iteration: int | str) -> bool:
     return read_group_manifest(_group_of(save_dir, iteration)) is not None
 
 
+def _recorded(save_dir: str) -> float | None:
+    """When the commit of the iteration ``advance_tracker`` last wrote was made (its
+    ``group_order``); None if it never wrote one here."""
+    try:
+        with open(os.path.join(save_dir, RECORD)) as f:
+            return float(json.load(f)["order"])
+    except FileNotFoundError:
+        return None
+    except (ValueError, KeyError, TypeError):  # written atomically: only a foreign edit damages it
+        return None
+
+
+def _write(save_dir: str, iteration: int | str, order: float, ops: FileOps, tracker: bool = True) -> None:
+    """The tracker (Megatron-LM's format: the number, nothing else), then the record of its commit."""
+    if tracker:
+        publish_bytes(ops, os.path.join(save_dir, TRACKER), str(iteration).encode())
+    publish_bytes(ops, os.path.join(save_dir, RECORD), json.dumps({"iteration": iteration, "order": order}).encode())
+
+
 def advance_tracker(save_dir: str, iteration: int | str, *, ops: FileOps | None = None) -> bool:
-    """Point Megatron-LM's tracker at ``iteration``, if that checkpoint is complete and newer.
+    """Point Megatron-LM's tracker at ``iteration``, just committed (its finalize step).
 
     Args:
         save_dir: the directory holding ``iter_NNNNNNN`` checkpoints (Megatron-LM's ``--save``).
@@ -67,45 +95,95 @@ def advance_tracker(save_dir: str, iteration: int | str, *, ops: FileOps | None 
         ops: the FileOps to write through.
 
     Returns:
-        Whether the tracker moved (it never moves backward, nor to an incomplete checkpoint).
+        Whether the tracker was written: not when that checkpoint is not complete, nor when
+        the tracker was written for a commit made after this one (commits that finish out of
+        order). A lower number than the tracker's is written (a rollback saves one).
     """
-    if not is_complete(save_dir, iteration):
+    manifest = read_group_manifest(_group_of(save_dir, iteration))
+    if manifest is None:
         log.warning("fastckpt: not pointing %s at iteration %s: that checkpoint is not complete",
                     os.path.join(save_dir, TRACKER), iteration)
         return False
+    order = group_order(manifest)
     with _lock:
-        current = read_tracker(save_dir)
-        if isinstance(current, int) and iteration != "release" and current >= int(iteration):
+        last = _recorded(save_dir)
+        if last is not None and last > order:
             return False
-        publish_bytes(ops or FileOps(), os.path.join(save_dir, TRACKER), str(iteration).encode())
+        _write(save_dir, iteration, order, ops or FileOps())
     return True
 
 
-def newest_complete_iteration(save_dir: str) -> int | None:
-    """The highest ``iter_NNNNNNN`` under ``save_dir`` whose group manifest exists."""
+def _committed_last(save_dir: str) -> tuple[int | str, float] | None:
+    """The complete iteration committed last and its ``group_order``: the one fastckpt's
+    ``latest`` pointer names, else (no usable pointer) the newest a scan finds."""
+    pointed = latest_name(save_dir)
+    it = iteration_of(pointed) if pointed is not None else None
+    manifest = read_group_manifest(_group_of(save_dir, it)) if it is not None else None
+    if it is not None and manifest is not None:
+        return it, group_order(manifest)
     try:
         names = os.listdir(save_dir)
     except FileNotFoundError:
         return None
-    found = sorted((int(m.group(1)) for n in names if (m := _ITER_DIR.fullmatch(n))), reverse=True)
-    return next((it for it in found if is_complete(save_dir, it)), None)
+    found = [(it, group_order(m)) for n in names if (it := iteration_of(n)) is not None
+             and (m := read_group_manifest(_group_of(save_dir, it))) is not None]
+    return max(found, key=lambda f: f[1], default=None)
+
+
+def newest_complete_iteration(save_dir: str) -> int | str | None:
+    """The complete iteration under ``save_dir`` committed last (what ``fastckpt.latest`` names)."""
+    found = _committed_last(save_dir)
+    return found[0] if found is not None else None
+
+
+def _incomplete(save_dir: str, iteration: int | str) -> bool:
+    """Whether ``iteration`` cannot be loaded: its directory is gone, or holds a fastckpt save
+    that was never committed (a checkpoint of another format is not judged)."""
+    group = _group_of(save_dir, iteration)
+    if is_complete(save_dir, iteration):
+        return False
+    try:
+        names = os.listdir(group)
+    except FileNotFoundError:
+        return True
+    if any(n.startswith(("fastckpt-", ".fastckpt")) for n in names):
+        return True
+    try:
+        with open(os.path.join(group, CONFIG_FNAME)) as f:
+            return json.load(f).get("sharded_backend") == BACKEND
+    except (OSError, ValueError, AttributeError):  # no or another metadata.json: not ours to judge
+        return False
 
 
 def sync_tracker(save_dir: str, *, load_iteration: int | None = None, ops: FileOps | None = None
                  ) -> int | str | None:
-    """Move the tracker forward to the newest complete iteration and return what it names.
+    """Repair what a crash can leave in the tracker, and return what it names.
 
     Call it before Megatron-LM reads the tracker (the patch in examples/megatron does, on
-    every rank: each reaches the same answer from the same files). It also puts back the
-    files megatron rewrites in place (``common.pt``, ``metadata.json``) of the iteration the
-    tracker then names, and of ``load_iteration`` (Megatron-LM's ``--ckpt-step``), where a save
-    into that committed iteration was killed (``_megatron.inplace``).
+    every rank: each reaches the same answer from the same files). It moves the tracker to the
+    iteration committed last when that commit came after the tracker's last write through
+    ``advance_tracker`` (a kill fell between the two), or when the tracker names an incomplete
+    iteration; and says so in a log line. Any other tracker is left as it is: a user who
+    rolled back by editing it keeps that. It also puts back the files megatron rewrites in
+    place (``common.pt``, ``metadata.json``) of the iteration the tracker then names, and of
+    ``load_iteration`` (Megatron-LM's ``--ckpt-step``), where a save into that committed
+    iteration was killed (``_megatron.inplace``).
     """
-    newest = newest_complete_iteration(save_dir)
-    current = read_tracker(save_dir)
-    if newest is not None and current != "release" and (current is None or newest > current):
-        advance_tracker(save_dir, newest, ops=ops)
-        current = newest
+    ops = ops or FileOps()
+    current, newest, last = read_tracker(save_dir), _committed_last(save_dir), _recorded(save_dir)
+    if newest is not None:
+        it, order = newest
+        why = None
+        if current != it and (last is None or last < order):
+            why = f"iteration {it} was committed after the tracker was last written (a kill between the two)"
+        elif current is not None and current != it and _incomplete(save_dir, current):
+            why = f"iteration {current} is not a complete checkpoint"
+        if why is not None or (current == it and (last is None or last < order)):
+            with _lock:  # (the tracker already right: only its record was not written yet)
+                _write(save_dir, it, order, ops, tracker=why is not None)
+        if why is not None:
+            log.warning("fastckpt: %s named %s, now %s: %s", os.path.join(save_dir, TRACKER), current, it, why)
+            current = it
     for it in {current, load_iteration} - {None}:
-        restore(_group_of(save_dir, it), ops or FileOps())  # type: ignore[arg-type]
+        restore(_group_of(save_dir, it), ops)  # type: ignore[arg-type]
     return current

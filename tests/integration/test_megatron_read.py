@@ -94,19 +94,44 @@ def _group(root: str, it: int) -> str:
     return d
 
 
-def test_the_tracker_moves_only_forward_and_only_to_a_committed_iteration(tmp_path) -> None:
+def test_the_tracker_names_the_iteration_just_committed_once_it_is_complete(tmp_path) -> None:
     root = str(tmp_path)
     _group(root, 2)
     os.makedirs(os.path.join(root, "iter_0000003"))  # never committed
     assert fm.advance_tracker(root, 3) is False and fm.read_tracker(root) is None
     assert fm.advance_tracker(root, 2) is True and fm.read_tracker(root) == 2
-    _group(root, 1)
-    assert fm.advance_tracker(root, 1) is False and fm.read_tracker(root) == 2
+    _group(root, 1)  # a rollback: resumed from an earlier iteration, saved a lower number
+    assert fm.advance_tracker(root, 1) is True and fm.read_tracker(root) == 1
     with open(os.path.join(root, fm.TRACKER)) as f:
-        assert f.read() == "2"  # Megatron-LM's format: the number, nothing else
+        assert f.read() == "1"  # Megatron-LM's format: the number, nothing else
+    _group(root, 5)
+    _group(root, 6)
+    assert fm.advance_tracker(root, 6) is True
+    assert fm.advance_tracker(root, 5) is False  # committed before 6, finishing late: not back to it
+    assert fm.read_tracker(root) == 6
 
 
-def test_sync_tracker_catches_up_with_the_newest_committed_iteration(tmp_path) -> None:
+def _edit_tracker(root: str, text: str) -> None:
+    with open(os.path.join(root, fm.TRACKER), "w") as f:  # as a user rolling back does
+        f.write(text)
+
+
+def test_sync_tracker_keeps_a_users_rollback(tmp_path, caplog) -> None:
+    root = str(tmp_path)
+    for it in (100, 200):
+        _group(root, it)
+        fm.advance_tracker(root, it)  # Megatron-LM's finalize step
+    _edit_tracker(root, "100")
+    with caplog.at_level("WARNING", logger="fastckpt.megatron"):
+        assert fm.sync_tracker(root) == 100 == fm.read_tracker(root)
+    assert not [r for r in caplog.records if fm.TRACKER in r.getMessage()]
+    _group(root, 150)  # the rerun from 100
+    assert fm.advance_tracker(root, 150) is True
+    assert fm.sync_tracker(root) == 150 == fm.read_tracker(root) == fm.newest_complete_iteration(root)
+    assert fastckpt.latest(root) == os.path.join(root, "iter_0000150")
+
+
+def test_sync_tracker_catches_up_with_a_commit_its_write_missed(tmp_path, caplog) -> None:
     root = str(tmp_path)
     _group(root, 1)
     assert fm.sync_tracker(root) == 1  # no tracker yet: a kill fell before its first write
@@ -115,6 +140,32 @@ def test_sync_tracker_catches_up_with_the_newest_committed_iteration(tmp_path) -
     assert fm.newest_complete_iteration(root) == 5
     assert fm.read_tracker(root) == 1 and fm.sync_tracker(root) == 5 == fm.read_tracker(root)
     assert fastckpt.latest(root) == os.path.join(root, "iter_0000005")
+    _edit_tracker(root, "1")  # a rollback, then the rerun's commit of 3 is killed before the tracker
+    _group(root, 3)
+    with caplog.at_level("WARNING", logger="fastckpt.megatron"):
+        assert fm.sync_tracker(root) == 3 == fm.read_tracker(root)
+    assert any("named 1, now 3" in r.getMessage() for r in caplog.records)
+
+
+def test_sync_tracker_moves_off_an_incomplete_iteration_only(tmp_path, caplog) -> None:
+    root = str(tmp_path)
+    _group(root, 4)
+    fm.advance_tracker(root, 4)
+    _edit_tracker(root, "9")  # no such checkpoint
+    with caplog.at_level("WARNING", logger="fastckpt.megatron"):
+        assert fm.sync_tracker(root) == 4
+    assert any("iteration 9 is not a complete checkpoint" in r.getMessage() for r in caplog.records)
+    half = os.path.join(root, "iter_0000008")
+    with fastckpt.Checkpointer() as ck:
+        ck.save({"x": torch.ones(2)}, os.path.join(half, fm.TENSOR_FILE.format(0)), group=half).wait()  # uncommitted
+    _edit_tracker(root, "8")
+    assert fm.sync_tracker(root) == 4
+    other = os.path.join(root, "iter_0000002")  # a checkpoint of another format (torch_dist)
+    os.makedirs(other)
+    with open(os.path.join(other, "metadata.json"), "w") as f:
+        f.write('{"sharded_backend": "torch_dist", "sharded_backend_version": 1}')
+    _edit_tracker(root, "2")
+    assert fm.sync_tracker(root) == 2 == fm.read_tracker(root)
 
 
 def test_byte_range_and_view_of_a_non_contiguous_shard() -> None:
