@@ -5,7 +5,9 @@ aligned), copied in where it does not; a mismatch is refused before any byte is 
 from __future__ import annotations
 
 import os
+import struct
 import uuid
+import zipfile
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
@@ -226,3 +228,31 @@ def test_a_trusted_pickle_is_not_run_before_its_file_is_verified(tmp_path) -> No
         assert all(torch.equal(v, torch.zeros_like(v)) for v in dest.values())  # nothing read into them
         got = ck.load(path, weights_only=False, into=dest)
     assert all(torch.equal(dest[k], v) and got[k] is dest[k] for k, v in state.items())
+
+
+def _grow_record(path: str, record: str, by: int) -> None:
+    """Damage the sizes the zip's central directory gives ``record`` (``.../data/0``): ``by`` more."""
+    data = bytearray(open(path, "rb").read())
+    name = next(n for n in zipfile.ZipFile(path).namelist() if n.endswith(f"/{record}")).encode()
+    at = data.find(b"PK\x01\x02")
+    while data[at + 46 : at + 46 + struct.unpack_from("<H", data, at + 28)[0]] != name:
+        at = data.find(b"PK\x01\x02", at + 4)
+    csize, usize = struct.unpack_from("<II", data, at + 20)
+    struct.pack_into("<II", data, at + 20, csize + by, usize + by)
+    open(path, "wb").write(data)
+
+
+def test_a_damaged_record_size_never_writes_past_the_tensor(tmp_path) -> None:
+    """The zip's directory is read before the checksum is known: a record size there that differs
+    from the pickle's is damage, refused before any byte lands in the tensors (read in place, the
+    64 bytes more went past the tensor's storage into memory it does not own)."""
+    path = str(tmp_path / "x.pt")
+    with Checkpointer() as ck:
+        ck.save({"a": torch.randn(20_000), "b": torch.randn(2_000_000)}, path).wait()
+    _grow_record(path, "data/0", 64)  # "a": 80,000 bytes, a record of its own
+    backing = bytearray(b"\xaa" * (80_000 + 4096))  # the tensor's 80,000 bytes, then memory it does not own
+    a = torch.frombuffer(memoryview(backing)[:80_000], dtype=torch.float32)
+    assert a.untyped_storage().nbytes() == 80_000
+    with pytest.raises(CorruptCheckpointError, match=str(path)):
+        fastckpt.load(path, into={"a": a, "b": torch.zeros(2_000_000)})
+    assert bytes(backing) == b"\xaa" * (80_000 + 4096)  # neither the tensor nor what follows it was written

@@ -26,6 +26,7 @@ from collections.abc import Callable
 
 import torch
 
+from ..errors import CorruptCheckpointError
 from ..format.align import ALIGN, round_up
 from ..format.manifest import EOCD_SIG, TAIL_BYTES
 from ..format.ranges import RangeReader
@@ -64,6 +65,9 @@ class HeapImage:
             room = round_up(n)
             base = torch.empty(room + ALIGN, dtype=torch.uint8).untyped_storage()
             pad = -base.data_ptr() % ALIGN
+        elif n > storage.nbytes():  # ``load.into.plan`` matched the sizes: only a bug gets here
+            raise CorruptCheckpointError(f"a piece of {n} bytes at byte {off} does not fit the {storage.nbytes()} "
+                                         "bytes of the tensor given for it")
         else:
             room, base, pad = n, storage, 0
         view = memoryview((ctypes.c_char * room).from_address(base.data_ptr() + pad)).cast("B")
@@ -105,14 +109,16 @@ class HeapImage:
 
 
 def heap_image(fetch: Callable[[int, int], bytes], size: int, into: object = None,
-               weights_only: bool = True) -> HeapImage | None:
+               weights_only: bool = True, where: str = "the file") -> HeapImage | None:
     """The heap image for a torch zip of ``size`` bytes whose large records are page aligned;
     None for any other file (read into one buffer, as before). ``into``: the tensors of
     ``load(into=...)``; each record that can be read into one of them (``load.into.plan``, from
     the file's pickle loaded onto the meta device) gets that tensor's memory as its piece.
+    ``where``: the file, for messages.
 
     Raises:
         ConfigError: ``into`` does not match the saved object (``load.into.check``).
+        CorruptCheckpointError: naming ``where``: its directory and pickle disagree.
     """
     if size < OWN_BYTES or fetch(0, 4) != ZIP_MAGIC:
         return None
@@ -130,7 +136,11 @@ def heap_image(fetch: Callable[[int, int], bytes], size: int, into: object = Non
         return None
     if not spans:
         return None
-    return HeapImage(size, spans, _own(reader, spans, into, weights_only) if into is not None else None)
+    try:
+        return HeapImage(size, spans, _own(reader, spans, into, weights_only) if into is not None else None)
+    except CorruptCheckpointError as exc:
+        raise CorruptCheckpointError(f"{where} is corrupt: {exc}. Restore from another copy or an earlier "
+                                     "checkpoint (fastckpt.latest(...)).") from exc
 
 
 def _own(reader: torch._C.PyTorchFileReader, spans: list[tuple[int, int]], into: object,
@@ -144,7 +154,7 @@ def _own(reader: torch._C.PyTorchFileReader, spans: list[tuple[int, int]], into:
         meta = torch.serialization._load(_Directory(reader), "meta", torch.serialization._weights_only_unpickler)
     except (pickle.PickleError, RuntimeError, EOFError, KeyError, ValueError, TypeError, IndexError):
         return {}  # an unreadable pickle: copy into ``into`` after the verified load, which says what is wrong
-    return plan(into, meta, {off for off, _ in spans})
+    return plan(into, meta, dict(spans))
 
 
 class _Directory:

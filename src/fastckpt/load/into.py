@@ -23,7 +23,7 @@ from collections.abc import Iterator, Mapping
 
 import torch
 
-from ..errors import ConfigError
+from ..errors import ConfigError, CorruptCheckpointError
 
 Where = tuple[object, ...]
 
@@ -60,14 +60,21 @@ def check(dest: object, saved: object) -> list[tuple[Where, torch.Tensor, torch.
     return out
 
 
-def plan(dest: object, meta: object, records: set[int]) -> dict[int, torch.UntypedStorage]:
+def plan(dest: object, meta: object, records: dict[int, int]) -> dict[int, torch.UntypedStorage]:
     """The records to read in place: record offset -> the storage of ``dest`` to read it into.
 
     ``meta`` is the saved object loaded onto the meta device (each storage carries its record's
-    offset); ``records``: the offsets of the records that have a piece of their own. A record is
-    read in place when every tensor of ``dest`` on it is a contiguous CPU tensor of the saved
-    dtype that fills its storage, as the saved tensor fills the record (so no byte outside the
-    tensors ``dest`` names is written), and no other record goes into that storage.
+    offset and its size, from the pickle); ``records``: offset -> size, from the zip's directory,
+    of the records that have a piece of their own. A record is read in place when every tensor
+    of ``dest`` on it is a contiguous CPU tensor of the saved dtype that fills its storage, as
+    the saved tensor fills the record (so no byte outside the tensors ``dest`` names is
+    written), and no other record goes into that storage.
+
+    Raises:
+        ConfigError: ``dest`` does not match ``meta`` (``check``).
+        CorruptCheckpointError: the directory and the pickle give a record different sizes:
+            one of them is damaged (neither is verified yet), and a read sized by the directory
+            would write past the tensor.
     """
     into: dict[int, torch.UntypedStorage] = {}
     refused: set[int] = set()
@@ -75,6 +82,9 @@ def plan(dest: object, meta: object, records: set[int]) -> dict[int, torch.Untyp
         off = getattr(m.untyped_storage(), "_checkpoint_offset", None)
         if off is None or off not in records:
             continue
+        if records[off] != m.untyped_storage().nbytes():
+            raise CorruptCheckpointError(f"the zip directory gives the record at byte {off} {records[off]} bytes, "
+                                         f"the pickle {m.untyped_storage().nbytes()}: the file is damaged")
         if d.layout != torch.strided or d.device.type != "cpu" or type(d) not in (torch.Tensor, torch.nn.Parameter):
             refused.add(off)
             continue

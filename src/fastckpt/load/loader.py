@@ -65,12 +65,12 @@ class LoadOptions:
             raise ConfigError("load(..., mmap=True, into=...): mmap=True maps the file's pages as the tensors, into= "
                               "reads the file into your tensors. Pass one of them.")
 
-    def image(self) -> ImageFactory:
-        """What the read fills: a heap image, with ``into``'s memory where the saved tensor can be
-        read straight into it (not when ``map_location`` sends the storages elsewhere)."""
+    def image(self, url: str) -> ImageFactory:
+        """What the read of ``url`` fills: a heap image, with ``into``'s memory where the saved
+        tensor can be read straight into it (not when ``map_location`` sends the storages elsewhere)."""
         if self.into is None or not in_place(self.map_location):
-            return heap_image
-        return functools.partial(heap_image, into=self.into, weights_only=self.weights_only)
+            return functools.partial(heap_image, where=url)
+        return functools.partial(heap_image, into=self.into, weights_only=self.weights_only, where=url)
 
     def done(self, obj: object) -> object:
         return obj if self.into is None else place(self.into, obj)
@@ -150,7 +150,7 @@ class Loader:
         return bool(a and b) and a.get("checksum") != b.get("checksum")
 
     def _read(self, loc: Location, opts: LoadOptions, url: str, where: str) -> Loaded:
-        res = loc.target.read_object(loc.key, chunk_bytes=self._chunk, mapped=opts.mmap, into=opts.image())
+        res = loc.target.read_object(loc.key, chunk_bytes=self._chunk, mapped=opts.mmap, into=opts.image(loc.url))
         if res.manifest is None:
             if opts.verify:
                 raise UnverifiableCheckpointError(
