@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import struct
 import threading
+import uuid
 from pathlib import Path
 
 import pytest
@@ -103,3 +104,40 @@ def test_damaged_files_raise_corruption_naming_the_file(tmp_path: Path, damage: 
     with pytest.raises(CorruptCheckpointError, match=str(path)) as ei:
         fastckpt.load(str(path))
     assert {"empty": "empty", "not a zip": "not a torch.save file", "truncated": "truncated"}[damage] in str(ei.value)
+
+
+# ---------------------------------------------------------------------- a manifest that parses, damaged
+_DAMAGE = {"checksum key": (b'"checksum":', b'"checksul":'), "value key": (b'"value":', b'"valuf":'),
+           "covered key": (b'"covered":', b'"coverec":'), "a block digest": (b'"blocks":"', b'"blocks":"x')}
+
+
+def _damage_manifest(path: str, what: str) -> None:
+    """One byte of the manifest's JSON changed so that it still parses (``what``: ``_DAMAGE``)."""
+    key, new = _DAMAGE[what]
+    data = Path(path).read_bytes()
+    at = data.rfind(key)
+    assert at > _comment_offset(Path(path))
+    cut = at + len(key) + (len(new) - len(key))  # "a block digest": its first digit replaced
+    Path(path).write_bytes(data[:at] + new + data[cut:])
+
+
+@pytest.mark.parametrize("what", list(_DAMAGE))
+def test_a_manifest_that_parses_but_is_damaged_is_corruption(tmp_path: Path, what: str) -> None:
+    """The manifest holds the checksum, so no checksum covers it: one damaged byte in a key still
+    parses as JSON. That is corruption naming the file, not a KeyError."""
+    path = _save(tmp_path / "a.pt")
+    _damage_manifest(str(path), what)
+    with pytest.raises(CorruptCheckpointError, match=str(path)):
+        fastckpt.load(str(path))
+
+
+@pytest.mark.parametrize("home", ["directory", "object store"])
+def test_a_burst_buffer_copy_whose_manifest_lost_a_key_falls_back(tmp_path: Path, home: str) -> None:
+    """The copy at home is good: the load reads it, as for any other damage to the local copy."""
+    url = str(tmp_path / "home" / "x.pt") if home == "directory" else f"memory://fastckpt-{uuid.uuid4().hex[:8]}/x.pt"
+    state = _state(5)
+    with fastckpt.Checkpointer(local_dir=str(tmp_path / "nvme")) as ck:
+        ck.save(state, url).wait()
+        _damage_manifest(ck.local_path(url), "checksum key")
+        got = ck.load(url)
+        assert torch.equal(got["w"], state["w"]) and ck.stats().last_restore_from != "local"

@@ -9,12 +9,13 @@ file and its checksum together. A reader needs only the file's last ``TAIL_BYTES
 from __future__ import annotations
 
 import json
+import re
 import struct
 import time
 from collections.abc import Sequence
 
 from ..errors import CorruptCheckpointError, UnsupportedObjectError
-from .checksum import ALGO
+from .checksum import ALGO, BLOCK_BYTES, combine
 
 FORMAT_VERSION = 1
 MANIFEST_KEY = "fastckpt"
@@ -70,6 +71,57 @@ def _carries_manifest(data: bytes) -> bool:
     return any(m in data for m in _MARKERS)
 
 
+_HEX16 = re.compile(r"[0-9a-f]{16}")
+_HEX_BLOCKS = re.compile(r"(?:[0-9a-f]{16})*")
+
+
+def check_manifest(manifest: object) -> dict:
+    """``manifest`` if it has the shape every reader relies on, else the damage it shows.
+
+    The manifest is not covered by the checksum (it holds it), so one damaged byte can turn a
+    key (``"checksum"`` into ``"checksul"``) or a value into something else and still parse:
+    what readers index (``covered``, ``checksum.value``, the listed ``blocks``, ``group``,
+    ``group_rel``) is checked here, where a manifest is parsed, so that damage is corruption
+    and never a ``KeyError`` further on.
+
+    Raises:
+        CorruptCheckpointError: what is missing or malformed.
+    """
+    if not isinstance(manifest, dict):
+        raise CorruptCheckpointError(f"it is a {type(manifest).__name__}, not an object")
+    covered, digest = manifest.get("covered"), manifest.get("checksum")
+    if not isinstance(covered, int) or isinstance(covered, bool) or covered < 0:
+        raise CorruptCheckpointError(f"its covered byte count is {covered!r}")
+    if not isinstance(digest, dict) or digest.get("algo") != ALGO or not isinstance(digest.get("value"), str) \
+            or not _HEX16.fullmatch(digest["value"]):
+        raise CorruptCheckpointError(f"its checksum is {digest!r:.200}, not a {ALGO} checksum")
+    blocks = digest.get("blocks")
+    if blocks is not None and (not isinstance(blocks, str) or not _HEX_BLOCKS.fullmatch(blocks)
+                               or len(blocks) // 16 != -(-covered // BLOCK_BYTES)):
+        raise CorruptCheckpointError(f"its block digests do not list the {-(-covered // BLOCK_BYTES)} "
+                                     "blocks of its covered bytes")
+    for key in ("group", "group_rel"):
+        if not isinstance(manifest.get(key), (str, type(None))):
+            raise CorruptCheckpointError(f"its {key} is {manifest[key]!r:.100}")
+    return manifest
+
+
+def listed_blocks(manifest: dict) -> list[int] | None:
+    """The block digests a (checked) manifest lists, in file order; None when it lists none
+    (a file over 46.9 GiB, ``MAX_LISTED_BLOCKS``).
+
+    Raises:
+        CorruptCheckpointError: they do not combine to the manifest's checksum (damaged).
+    """
+    listed = manifest["checksum"].get("blocks")
+    if listed is None:
+        return None
+    digests = [int(listed[i : i + 16], 16) for i in range(0, len(listed), 16)]
+    if combine(digests) != manifest["checksum"]["value"]:
+        raise CorruptCheckpointError("the block digests in the manifest do not make up its checksum")
+    return digests
+
+
 def parse_tail(tail: bytes, file_size: int) -> dict | None:
     """Find the fastckpt manifest in the last bytes of a file; None for a foreign zip.
 
@@ -78,7 +130,8 @@ def parse_tail(tail: bytes, file_size: int) -> dict | None:
     verification by making it look like a plain torch.save file.
 
     Raises:
-        CorruptCheckpointError: a manifest is there but damaged, or does not parse.
+        CorruptCheckpointError: a manifest is there but damaged: it does not parse, or lacks
+            what readers need (``check_manifest``).
     """
     idx = tail.rfind(EOCD_SIG)
     while idx >= 0:
@@ -87,10 +140,7 @@ def parse_tail(tail: bytes, file_size: int) -> dict | None:
             if idx + EOCD_LEN + n == len(tail):
                 comment = tail[idx + EOCD_LEN :]
                 if comment.startswith(b'{"' + MANIFEST_KEY.encode() + b'":'):
-                    try:
-                        return json.loads(comment)[MANIFEST_KEY]
-                    except (ValueError, KeyError) as exc:
-                        raise CorruptCheckpointError(f"manifest in the zip comment does not parse: {exc}") from exc
+                    return _parsed(comment)
                 if _carries_manifest(comment):
                     raise CorruptCheckpointError("the zip comment holds a damaged fastckpt manifest")
                 return None
@@ -98,6 +148,18 @@ def parse_tail(tail: bytes, file_size: int) -> dict | None:
     if _carries_manifest(tail):
         raise CorruptCheckpointError("the zip trailer holding the fastckpt manifest is damaged")
     return None
+
+
+def _parsed(comment: bytes) -> dict:
+    """The manifest in a zip comment that starts as a fastckpt one (``parse_tail``)."""
+    try:
+        manifest = json.loads(comment)[MANIFEST_KEY]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CorruptCheckpointError(f"manifest in the zip comment does not parse: {exc}") from exc
+    try:
+        return check_manifest(manifest)
+    except CorruptCheckpointError as exc:
+        raise CorruptCheckpointError(f"the manifest in the zip comment is damaged: {exc}") from exc
 
 
 def manifest_in(tail: bytes, size: int, where: str) -> dict | None:
@@ -111,7 +173,6 @@ def manifest_in(tail: bytes, size: int, where: str) -> dict | None:
         manifest = parse_tail(tail, size)
     except CorruptCheckpointError as exc:
         raise CorruptCheckpointError(f"{where}: {exc}") from exc
-    covered = manifest.get("covered") if manifest is not None else None
-    if manifest is not None and (not isinstance(covered, int) or not 0 <= covered <= size):
-        raise CorruptCheckpointError(f"{where}: its manifest covers {covered!r} bytes of a {size}-byte file")
+    if manifest is not None and manifest["covered"] > size:
+        raise CorruptCheckpointError(f"{where}: its manifest covers {manifest['covered']} bytes of a {size}-byte file")
     return manifest
