@@ -44,11 +44,12 @@ def _same(a: dict, b: dict) -> bool:
 
 @pytest.fixture
 def images(monkeypatch: pytest.MonkeyPatch) -> list:
-    """Every image the loader's reads built (None: one buffer)."""
+    """Every image the loader's reads built (None: one buffer, or the factory raised)."""
     built: list = []
 
     def spy(fetch: Callable[[int, int], bytes], size: int, **kw: object) -> HeapImage | None:
-        built.append(heap_image(fetch, size, **kw))
+        built.append(None)
+        built[-1] = heap_image(fetch, size, **kw)
         return built[-1]
 
     monkeypatch.setattr(loader, "heap_image", spy)
@@ -188,7 +189,7 @@ def test_block_fetch_reads_each_block_once() -> None:
     assert f.fetch(65530, 65540) == data[65530:65540]  # across two blocks
     assert f.fetch(65536, 70000) == data[65536:70000]
     assert f.fetch(299_990, 400_000) == data[299_990:]  # past the end: what there is
-    assert reads == [(0, 65536), (65536, 65536), (262144, 300_000 - 262144)]
+    assert reads == [(0, 131072), (262144, 300_000 - 262144)]  # two blocks not read yet: one request
     reads.clear()
     tail = BlockFetch(read, len(data), (250_000, data[250_000:]))  # an object's tail, read already
     assert tail.fetch(260_000, 400_000) == data[260_000:] and reads == []
@@ -244,3 +245,49 @@ def test_bounce_moves_a_piece_a_buffer_at_a_time_from_any_offset() -> None:
         bounce.close()
     assert bytes(out) == data[10_001:40_001] == bytes(fed)
     assert calls == [(8192, 8192), (16384, 8192), (24576, 8192), (32768, 7233)]  # from the page of byte 10,001
+
+
+def _pickle_at(path: str) -> int:
+    """Where the bytes of ``path``'s ``data.pkl`` start."""
+    return torch._C.PyTorchFileReader(path).get_record_offset("data.pkl")
+
+
+#: One byte of the metadata, damaged so that parsing it (before the checksum is known) fails in
+#: a different way each: (the bytes to find, where it starts in the pickle or the directory, the
+#: byte to change in them, the mask, whether the load fills ``into``).
+_METADATA = {
+    "a record's name in the directory": (b"archive/data.pkl", "directory", 9, 0xFF, False),  # UnicodeDecodeError
+    "the alignment record": (b"4096", "file", 1, 0x40, False),  # ValueError from int()
+    "a key the tensors are under": (b"weight", "pickle", 0, 0x01, True),  # 'veight': into= does not match
+    "a storage's key": (b"X\x01\x00\x00\x000", "pickle", 5, 0x01, True),  # AssertionError in torch's loader
+    "a class name": (b"FloatStorage", "pickle", 11, 0x01, True),  # the safe unpickler refuses it
+    "an opcode": (b"K\x07u", "pickle", 0, 0x01, True),  # struct.error
+}
+
+
+def _damage_metadata(path: str, case: str) -> None:
+    find, region, at, mask, _ = _METADATA[case]
+    data = Path(path).read_bytes()
+    start = {"pickle": _pickle_at(path), "file": 0,
+             "directory": int.from_bytes(data[data.rfind(b"PK\x05\x06") + 16:][:4], "little")}[region]
+    flip_byte(path, data.index(find, start) + at, mask)
+
+
+@pytest.mark.parametrize("case", list(_METADATA))
+def test_damaged_metadata_is_corruption_and_falls_back(tmp_path: Path, case: str) -> None:
+    """The zip's directory (and, for into=, the pickle) is parsed before the checksum is known:
+    whatever that parse raises on a damaged byte, the load reports corruption naming the file,
+    and a damaged burst-buffer copy falls back to the good one at the path."""
+    state = {"model": {"weight": torch.randn(1_000_000), "bias": torch.randn(300_000)}, "step": 7}
+    into = _METADATA[case][4]
+    dest = {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()}}
+    path = str(tmp_path / "home" / "x.pt")
+    with fastckpt.Checkpointer(local_dir=str(tmp_path / "nvme")) as ck:
+        ck.save(state, path).wait()
+        _damage_metadata(ck.local_path(path), case)
+        got = ck.load(path, into=dest) if into else ck.load(path)
+        assert ck.stats().last_restore_from == "path"
+        assert all(torch.equal(got["model"][k], v) for k, v in state["model"].items())
+        _damage_metadata(path, case)
+        with pytest.raises(CorruptCheckpointError, match=f"{path} is corrupt"):
+            ck.load(path, into=dest) if into else ck.load(path)

@@ -256,3 +256,23 @@ def test_a_damaged_record_size_never_writes_past_the_tensor(tmp_path) -> None:
     with pytest.raises(CorruptCheckpointError, match=str(path)):
         fastckpt.load(path, into={"a": a, "b": torch.zeros(2_000_000)})
     assert bytes(backing) == b"\xaa" * (80_000 + 4096)  # neither the tensor nor what follows it was written
+
+
+def test_without_block_digests_the_checksum_judges_a_pickle_that_does_not_match(tmp_path, monkeypatch) -> None:
+    """A file too large for its manifest to list block digests (over 46.9 GiB; here: none listed)
+    cannot have its pickle verified alone: into= that does not match it is then judged after the
+    whole file is read and verified, without reading into the tensors: damage is corruption, a
+    genuine mismatch a ConfigError."""
+    monkeypatch.setattr("fastckpt.format.manifest.MAX_LISTED_BLOCKS", 0)
+    saved, mine = _model(0), _model(1)
+    path = str(tmp_path / "x.pt")
+    with Checkpointer() as ck:
+        ck.save(_state(saved), path).wait()
+        before = {k: v.clone() for k, v in mine.state_dict().items()}
+        with pytest.raises(ConfigError, match="does not match"):
+            ck.load(path, into={"model": mine.state_dict(), "extra": torch.zeros(3)})
+        data = open(path, "rb").read()
+        flip_byte(path, data.index(b"2.weight", torch._C.PyTorchFileReader(path).get_record_offset("data.pkl")), 0x01)
+        with pytest.raises(CorruptCheckpointError, match=f"{path} is corrupt"):
+            ck.load(path, into={"model": mine.state_dict()})
+    assert all(torch.equal(v, before[k]) for k, v in mine.state_dict().items())

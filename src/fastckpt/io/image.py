@@ -70,9 +70,11 @@ class FlatImage:
 
 class BlockFetch:
     """``fetch(lo, hi)`` over ``read(off, n)``, which reads whole aligned 64 KiB blocks, each
-    once: the few scattered reads that find an image's layout (a zip's directory) cost a
-    handful of block reads, on a device or from an object store. ``known``: ``(offset, bytes)``
-    the caller has read already (an object's tail), served without a read."""
+    once, consecutive ones not read yet in one request: the few scattered reads that find an
+    image's layout (a zip's directory) cost a handful of block reads, on a device or from an
+    object store, and a long range (a large pickle, a checksum block to verify) one request.
+    ``known``: ``(offset, bytes)`` the caller has read already (an object's tail), served
+    without a read."""
 
     BLOCK = 64 << 10
 
@@ -81,14 +83,19 @@ class BlockFetch:
 
     def fetch(self, lo: int, hi: int) -> bytes:
         at, data = self._known
-        if at <= lo and min(hi, self._size) <= at + len(data):
-            return data[lo - at : min(hi, self._size) - at]
-        out = bytearray()
-        for b in range(lo - lo % self.BLOCK, min(hi, self._size), self.BLOCK):
-            if b not in self._blocks:
-                self._blocks[b] = self._read(b, min(self.BLOCK, self._size - b))
-            out += self._blocks[b][max(lo, b) - b : min(hi, b + self.BLOCK) - b]
-        return bytes(out)
+        hi = min(hi, self._size)
+        if at <= lo and hi <= at + len(data):
+            return data[lo - at : hi - at]
+        wanted = range(lo - lo % self.BLOCK, hi, self.BLOCK)
+        missing = [b for b in wanted if b not in self._blocks]
+        while missing:
+            n = next((i for i in range(1, len(missing)) if missing[i] != missing[i - 1] + self.BLOCK), len(missing))
+            start, end = missing[0], min(missing[n - 1] + self.BLOCK, self._size)
+            got = self._read(start, end - start)
+            for b in missing[:n]:
+                self._blocks[b] = got[b - start : b - start + self.BLOCK]
+            missing = missing[n:]
+        return b"".join(self._blocks[b][max(lo, b) - b : min(hi, b + self.BLOCK) - b] for b in wanted)
 
 
 def block_digests(view: memoryview, off: int, n: int, covered: int) -> list[int]:

@@ -14,21 +14,28 @@ freed memory goes back to the system is the allocator's choice, the same as for 
 The layout (which bytes are records) comes from the zip's central directory, read before the
 rest: wrong or damaged entries only cost a copy (``__getitem__`` copies a record that crosses
 pieces), never the bytes, which the checksum covers wherever they land.
+
+That parse (and, for ``load(into=...)``, the pickle's) runs before the checksum is known, so a
+damaged byte there can make it raise anything. Whatever it raises is judged by the bytes it read
+(``_unparsed``): the manifest lists the digest of every 16 MiB checksum block, and the few blocks
+holding the directory and the pickle are read and hashed only then, on the error path, so a load
+whose metadata parses pays nothing for it. A damaged block is corruption naming the file; intact
+ones make the error genuine (``into=`` that does not match the file: ``ConfigError``).
 """
 
 from __future__ import annotations
 
 import bisect
 import ctypes
-import pickle
 import struct
 from collections.abc import Callable
 
 import torch
 
-from ..errors import CorruptCheckpointError
+from ..errors import ConfigError, CorruptCheckpointError
 from ..format.align import ALIGN, round_up
-from ..format.manifest import EOCD_SIG, TAIL_BYTES
+from ..format.checksum import BLOCK_BYTES, block_digest
+from ..format.manifest import EOCD_SIG, TAIL_BYTES, listed_blocks, manifest_in
 from ..format.ranges import RangeReader
 from .into import plan
 
@@ -117,30 +124,77 @@ def heap_image(fetch: Callable[[int, int], bytes], size: int, into: object = Non
     ``where``: the file, for messages.
 
     Raises:
-        ConfigError: ``into`` does not match the saved object (``load.into.check``).
-        CorruptCheckpointError: naming ``where``: its directory and pickle disagree.
+        ConfigError: ``into`` does not match the saved object (``load.into.check``), and the
+            bytes that say so are intact.
+        CorruptCheckpointError: naming ``where``: its directory or pickle is damaged.
     """
-    if size < OWN_BYTES or fetch(0, 4) != ZIP_MAGIC:
+    reads = _Reads(fetch)
+    if size < OWN_BYTES or reads(0, 4) != ZIP_MAGIC:
         return None
-    tail = fetch(max(0, size - TAIL_BYTES), size)
+    tail = reads(max(0, size - TAIL_BYTES), size)
     at = tail.rfind(EOCD_SIG)
     if at < 0 or at + 12 > len(tail):
         return None
     (entries,) = struct.unpack_from("<H", tail, at + 10)
     if entries in (0, 0xFFFF) or size // entries < MIN_AVERAGE:
         return None  # small records (packed at 64 bytes), or a zip64 directory: one buffer
+    spans: list[tuple[int, int]] = []
     try:
-        reader = torch._C.PyTorchFileReader(RangeReader(size, fetch))
+        reader = torch._C.PyTorchFileReader(RangeReader(size, reads))
         spans = record_spans(reader, size)
-    except RuntimeError:  # not a zip torch can read: the verified read says what is wrong
-        return None
-    if not spans:
-        return None
-    try:
+        if not spans:
+            return None
         return HeapImage(size, spans, _own(reader, spans, into, weights_only) if into is not None else None)
+    except OSError:
+        raise  # the read itself failed: the target's retries and the loader's fallback handle that
+    except Exception as exc:  # noqa: BLE001 (any failure to parse: judged by the bytes it read)
+        return _unparsed(exc, reads, size, tail, spans, where)
+
+
+class _Reads:
+    """``fetch`` that remembers the ranges it gave: the bytes a parse of the metadata read."""
+
+    def __init__(self, fetch: Callable[[int, int], bytes]) -> None:
+        self.fetch, self.ranges = fetch, []
+
+    def __call__(self, lo: int, hi: int) -> bytes:
+        self.ranges.append((lo, hi))
+        return self.fetch(lo, hi)
+
+
+def _unparsed(exc: Exception, reads: _Reads, size: int, tail: bytes, spans: list[tuple[int, int]],
+              where: str) -> HeapImage | None:
+    """What a load does when parsing the metadata raised ``exc``: corruption if a checksum block
+    it read is damaged; ``exc`` itself if it is ``into=``'s mismatch and those blocks are intact.
+    Otherwise (a plain torch file, or one too large to list its block digests: nothing to judge
+    by yet) the file is read without ``into``'s memory: its checksum, then ``load.into.place``
+    (which finds a genuine mismatch again), or torch's loader for a plain file, say what is wrong."""
+    intact = _intact(reads, size, tail, where)
+    if intact is False:
+        raise CorruptCheckpointError(
+            f"{where} is corrupt: its zip directory or pickle does not parse ({type(exc).__name__}: {exc}), and the "
+            "bytes it was read from do not match the checksums recorded when it was written. Restore from another "
+            "copy or an earlier checkpoint (fastckpt.latest(...)).") from exc
+    if intact and isinstance(exc, ConfigError):
+        raise exc
+    return HeapImage(size, spans) if spans else None
+
+
+def _intact(reads: _Reads, size: int, tail: bytes, where: str) -> bool | None:
+    """Whether every checksum block holding a byte ``reads`` gave matches the digest the file's
+    manifest lists for it; None when there is nothing to compare with (no manifest, no list)."""
+    manifest = manifest_in(tail, size, where)
+    try:
+        digests = listed_blocks(manifest) if manifest is not None else None
     except CorruptCheckpointError as exc:
-        raise CorruptCheckpointError(f"{where} is corrupt: {exc}. Restore from another copy or an earlier "
-                                     "checkpoint (fastckpt.latest(...)).") from exc
+        raise CorruptCheckpointError(f"{where}: {exc}") from exc
+    if digests is None:
+        return None
+    covered = manifest["covered"]  # type: ignore[index]
+    blocks = sorted({b for lo, hi in reads.ranges if lo < min(hi, covered)
+                     for b in range(lo // BLOCK_BYTES, (min(hi, covered) - 1) // BLOCK_BYTES + 1)})
+    return all(block_digest(reads.fetch(b * BLOCK_BYTES, min((b + 1) * BLOCK_BYTES, covered))) == digests[b]
+               for b in blocks)
 
 
 def _own(reader: torch._C.PyTorchFileReader, spans: list[tuple[int, int]], into: object,
@@ -150,10 +204,7 @@ def _own(reader: torch._C.PyTorchFileReader, spans: list[tuple[int, int]], into:
     matched against ``into``."""
     if not weights_only:  # a trusted pickle's code runs only once its file is verified: copy into ``into``
         return {}
-    try:
-        meta = torch.serialization._load(_Directory(reader), "meta", torch.serialization._weights_only_unpickler)
-    except (pickle.PickleError, RuntimeError, EOFError, KeyError, ValueError, TypeError, IndexError):
-        return {}  # an unreadable pickle: copy into ``into`` after the verified load, which says what is wrong
+    meta = torch.serialization._load(_Directory(reader), "meta", torch.serialization._weights_only_unpickler)
     return plan(into, meta, dict(spans))
 
 
