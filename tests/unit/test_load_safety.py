@@ -141,3 +141,18 @@ def test_a_burst_buffer_copy_whose_manifest_lost_a_key_falls_back(tmp_path: Path
         _damage_manifest(ck.local_path(url), "checksum key")
         got = ck.load(url)
         assert torch.equal(got["w"], state["w"]) and ck.stats().last_restore_from != "local"
+
+
+def test_a_corrupt_last_copy_is_reported_as_corrupt_not_missing(tmp_path: Path) -> None:
+    """The copy at the path is missing (its replication never finished, or it was removed) and the
+    burst-buffer copy is damaged: that is corruption, naming both, never "not found", which a job
+    may take for "start fresh"."""
+    path = str(tmp_path / "home" / "x.pt")
+    with fastckpt.Checkpointer(local_dir=str(tmp_path / "nvme")) as ck:
+        ck.save(_state(2), path).wait()
+        Path(path).unlink()
+        flip_byte(ck.local_path(path), 300)
+        with pytest.raises(CorruptCheckpointError) as err:
+            ck.load(path)
+    assert not isinstance(err.value, FileNotFoundError)
+    assert f"{ck.local_path(path)} is corrupt" in str(err.value) and f"{path} does not exist" in str(err.value)

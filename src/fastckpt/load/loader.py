@@ -119,14 +119,23 @@ class Loader:
             os.makedirs(os.path.dirname(local.url), exist_ok=True)
             home.target.download(home.key, local.url)
             return self._read(local, opts, path, "remote (prefetched)")
+        corrupt: CorruptCheckpointError | None = None  # an earlier copy's damage
         for i, (loc, where) in enumerate(candidates):
             try:
                 return self._read(loc, opts, loc.url, where)
             except (CorruptCheckpointError, OSError) as exc:
                 if i + 1 == len(candidates):
-                    if isinstance(exc, FileNotFoundError) and not isinstance(exc, IncompleteCheckpointError):
+                    missing = isinstance(exc, FileNotFoundError) and not isinstance(exc, IncompleteCheckpointError)
+                    if missing and corrupt is not None:  # a damaged copy is no missing checkpoint: never "start fresh"
+                        raise CorruptCheckpointError(
+                            f"{path} does not exist (the save never reached it, or it was deleted since), and the only "
+                            f"copy left is damaged: {corrupt}") from corrupt
+                    if missing:
                         raise _not_found(path, candidates, exc) from exc
+                    if corrupt is not None and exc is not corrupt:
+                        exc.add_note(f"Its burst-buffer copy was unusable too: {corrupt}")
                     raise
+                corrupt = exc if isinstance(exc, CorruptCheckpointError) else corrupt
                 log.warning("fastckpt: %s unusable (%s); falling back to %s", loc.url, exc, candidates[i + 1][0].url)
         raise AssertionError("unreachable: the last candidate returns or raises")
 
