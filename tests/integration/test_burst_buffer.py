@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
 
 import pytest
 import torch
@@ -213,6 +214,34 @@ def test_s3_corrupted_remote_detected_and_local_preferred(s3_server, s3_bucket, 
     with fastckpt.Checkpointer(local_dir=str(tmp_path / "fresh"), storage_options=opts) as ck2:
         with pytest.raises(CorruptCheckpointError, match="x.pt"):
             ck2.load(url)
+
+
+def test_s3_a_burst_buffer_copy_of_another_save_is_not_loaded(s3_server, s3_bucket, tmp_path) -> None:
+    """Node A saves step 100, node B then saves step 200 to the same URL: node A's burst-buffer
+    copy is of another save than the one at the home (its sidecar says so), so node A loads 200."""
+    opts, url = s3_server.storage_options(), f"s3://{s3_bucket}/stale/last.ckpt"
+    with fastckpt.Checkpointer(local_dir=str(tmp_path / "nodeA"), storage_options=opts) as a:
+        a.save(_state(100), url).wait()
+        with fastckpt.Checkpointer(local_dir=str(tmp_path / "nodeB"), storage_options=opts) as b:
+            b.save(_state(200), url).wait()
+        assert _same(a.load(url), 200) and a.stats().last_restore_from == "remote"
+        a.save(_state(300), url).wait()  # the same save at both: the local copy is read
+        assert _same(a.load(url), 300) and a.stats().last_restore_from == "local"
+
+
+def test_s3_unreachable_home_still_loads_the_burst_buffer_copy(s3_server, s3_bucket, tmp_path) -> None:
+    """Which save the home holds cannot be asked: the local copy is loaded, as without the
+    check, after a short wait (not the retry deadline of 300 s)."""
+    url = f"s3://{s3_bucket}/down/x.pt"
+    with fastckpt.Checkpointer(local_dir=str(tmp_path / "nvme"), storage_options=s3_server.storage_options()) as ck:
+        ck.save(_state(7), url).wait()
+        s3_server.stop()
+        try:
+            t0 = time.monotonic()
+            assert _same(ck.load(url), 7) and ck.stats().last_restore_from == "local"
+            assert time.monotonic() - t0 < 60
+        finally:
+            s3_server.start()
 
 
 def test_s3_group_from_two_ranks(s3_server, s3_bucket, tmp_path) -> None:

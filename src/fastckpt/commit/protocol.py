@@ -23,9 +23,10 @@ import threading
 import time
 
 from ..errors import CorruptCheckpointError, IncompleteCheckpointError
-from ..format.manifest import FORMAT_VERSION
+from ..format.manifest import FORMAT_VERSION, check_manifest
 from ..storage.homes import Location
 from ..storage.places import Place
+from ..storage.types import TargetNotFoundError
 
 GROUP_MANIFEST = "fastckpt-manifest.json"
 MARKER_DIR = ".fastckpt"
@@ -288,6 +289,23 @@ def publish_file(loc: Location, manifest: dict) -> None:
     if current and "/" not in current and read_group_manifest(parent.child(current)) is not None:
         return
     move_pointer(parent, name, float(manifest.get("written_at", 0.0)))
+
+
+def read_sidecar(loc: Location, deadline_s: float | None = None) -> dict | None:
+    """The manifest the single file at ``loc`` (a URL) was published with, from its sidecar; None
+    when it has none (not published yet, or deleted). ``deadline_s``: see ``Target.get_bytes``.
+
+    Raises:
+        CorruptCheckpointError: the sidecar does not parse as a manifest.
+    """
+    try:
+        data = loc.target.get_bytes(loc.key + SIDECAR, deadline_s=deadline_s)
+    except TargetNotFoundError:
+        return None
+    try:
+        return check_manifest(json.loads(data))
+    except (ValueError, CorruptCheckpointError) as exc:
+        raise CorruptCheckpointError(f"{loc.url}{SIDECAR} is damaged: {exc}") from exc
 
 
 def staged_place(home: Place) -> Place:

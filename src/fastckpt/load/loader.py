@@ -1,7 +1,8 @@
 """``Checkpointer.load``: find the best copy, read it whole, verify it, deserialise it.
 
 Copies are tried in order: the burst-buffer copy in ``local_dir`` (when there is one, and it is
-of the same save as the copy at the path), then the path itself. Each copy is read through its
+of the same save as the copy at the path, by the checksum in its manifest or, at a URL, its
+sidecar), then the path itself. Each copy is read through its
 home's ``Target`` (``storage.homes``): a file on a mounted file system in parallel through one
 open descriptor (O_DIRECT where honoured), an object with parallel ranged reads; either way
 the checksum of the covered bytes is computed while the bytes arrive. A copy that fails to read
@@ -27,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..commit.discovery import require_complete_group
+from ..commit.protocol import read_sidecar
 from ..errors import (
     CheckpointNotFoundError,
     ConfigError,
@@ -44,6 +46,9 @@ log = logging.getLogger("fastckpt")
 LEGACY_MAGIC = b"\x80\x02"  # torch.save's pre-zip format: a pickle, protocol 2
 _warned: set[str] = set()  # paths loaded unverified that were reported already
 _warned_lock = threading.Lock()
+#: How long the check that the burst-buffer copy is of the save at an object-store home retries
+#: a store that does not answer, before the local copy is loaded anyway (as without the check).
+SAME_SAVE_CHECK_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -145,18 +150,26 @@ class Loader:
         if local_name is None or not os.path.exists(local_name):
             return [(home, where)]
         local = self._homes.resolve(local_name)
-        if home.target.mounted and home.target.exists(home.key) and self._other_save(local, home):
-            return [(home, where)]  # the local copy is of a save that never reached path (it failed)
+        if self._other_save(local, home):
+            return [(home, where)]  # the local copy is of a save that never reached path, or another node saved since
         return [(local, "local"), (home, where)]
 
     @staticmethod
     def _other_save(local: Location, home: Location) -> bool:
-        """True when both copies carry readable manifests with different checksums."""
+        """True when both copies carry readable manifests with different checksums. The home's
+        is read cheaply: from the file's tail on a mounted file system, else from its sidecar (one
+        small GET, retried for ``SAME_SAVE_CHECK_S`` at most): a home that cannot say which save
+        it holds (missing, unreachable, damaged) leaves the local copy first, as the verified
+        load then decides."""
         try:
-            a, b = local.target.read_manifest(local.key), home.target.read_manifest(home.key)
+            if home.target.mounted:
+                theirs = home.target.read_manifest(home.key) if home.target.exists(home.key) else None
+            else:
+                theirs = read_sidecar(home, deadline_s=SAME_SAVE_CHECK_S)
+            ours = local.target.read_manifest(local.key) if theirs else None
         except (OSError, ValueError):  # unreadable: let the verified load decide
             return False
-        return bool(a and b) and a.get("checksum") != b.get("checksum")
+        return bool(ours and theirs) and ours["checksum"]["value"] != theirs["checksum"]["value"]
 
     def _read(self, loc: Location, opts: LoadOptions, url: str, where: str) -> Loaded:
         res = loc.target.read_object(loc.key, chunk_bytes=self._chunk, mapped=opts.mmap, into=opts.image(loc.url))

@@ -185,8 +185,9 @@ class Target(ReadSide, abc.ABC):
         """Publish a small object atomically (replacing any previous one)."""
 
     @abc.abstractmethod
-    def get_bytes(self, key: str) -> bytes:
-        """The whole object."""
+    def get_bytes(self, key: str, *, deadline_s: float | None = None) -> bytes:
+        """The whole object. ``deadline_s``: retry transient errors for at most that long
+        instead of ``retry_deadline_s`` (a check that has a fallback should not wait minutes)."""
 
     @abc.abstractmethod
     def read_range(self, key: str, offset: int, length: int) -> bytes:

@@ -242,8 +242,8 @@ class FsspecTarget(Target):
         self._retry(what, publish)
 
     # ------------------------------------------------------------------ reading
-    def get_bytes(self, key: str) -> bytes:
-        return self._retry(f"read of {self.url_of(key)}", lambda: self._cat(key))
+    def get_bytes(self, key: str, *, deadline_s: float | None = None) -> bytes:
+        return self._retry(f"read of {self.url_of(key)}", lambda: self._cat(key), deadline_s=deadline_s)
 
     def read_range(self, key: str, offset: int, length: int) -> bytes:
         url = self.url_of(key)

@@ -249,7 +249,7 @@ class PosixTarget(Target):
         return self._retry(f"{'map' if mapped else 'read'} of {path}", lambda: read(ops, pool, path, chunk_bytes=n,
                                                                                     odirect=direct))
 
-    def get_bytes(self, key: str) -> bytes:
+    def get_bytes(self, key: str, *, deadline_s: float | None = None) -> bytes:
         path = self._path(key)
 
         def read() -> bytes:
@@ -258,7 +258,7 @@ class PosixTarget(Target):
                 raise FileNotFoundError(errno.ENOENT, "no such file", path)
             return data
 
-        return self._retry(f"read of {path}", read)
+        return self._retry(f"read of {path}", read, deadline_s=deadline_s)
 
     def read_range(self, key: str, offset: int, length: int) -> bytes:
         path = self._path(key)
