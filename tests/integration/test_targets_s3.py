@@ -407,3 +407,69 @@ def test_stalled_body_write_is_cut_and_reported(silent_endpoint: str, monkeypatc
     with pytest.raises(TargetUnavailableError, match="kept failing"):
         t.put_bytes("big", b"\0" * (64 * MiB))
     assert time.monotonic() - t0 < 10.0
+
+
+# ---------------------------------------------------------------------- an object replaced while read
+def _versions(tmp_path: Path, sizes: tuple[int, int]) -> list[tuple[bytes, object]]:
+    """Two fastckpt files (bytes, state) of the given numbers of float32 elements."""
+    import torch
+
+    import fastckpt
+
+    out = []
+    for i, n in enumerate(sizes):
+        state, path = {"w": torch.full((n,), float(i + 1))}, tmp_path / f"v{i}.pt"
+        with fastckpt.Checkpointer() as ck:
+            ck.save(state, str(path)).wait()
+        out.append((path.read_bytes(), state))
+    return out
+
+
+def _replace_at_first_read(monkeypatch: pytest.MonkeyPatch, s3: S3Server, bucket: str, key: str,
+                           bodies: list[bytes]) -> list[int]:
+    """Each ranged read of the object's first byte (the zip directory's parse reads it, after the
+    size and the tail were read) first replaces the object with the next of ``bodies``: the read
+    then spans two versions, as when another job saves the same URL during a load."""
+    client, done = s3.client(), []
+    real = FsspecTarget.read_range
+
+    def read_range(self: FsspecTarget, k: str, offset: int, length: int, **kw: object) -> bytes:
+        if offset == 0 and k.endswith(key) and len(done) < len(bodies):
+            client.put_object(Bucket=bucket, Key=f"ckpt/{key}", Body=bodies[len(done)])
+            done.append(offset)
+        return real(self, k, offset, length, **kw)
+
+    monkeypatch.setattr(FsspecTarget, "read_range", read_range)
+    return done
+
+
+@pytest.mark.parametrize("sizes", [(3 << 20, 3 << 20), (3 << 20, (3 << 20) + 4096)], ids=["same size", "larger"])
+def test_an_object_replaced_while_loaded_is_read_again_not_called_corrupt(
+        s3_server: S3Server, s3_bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        sizes: tuple[int, int]) -> None:
+    """Every ranged GET of one read asks for the version whose size it read first (If-Match on
+    its ETag): a read that would mix two versions starts again, on the new one."""
+    import torch
+
+    import fastckpt
+
+    (old, _), (new, state) = _versions(tmp_path, sizes)
+    s3_server.client().put_object(Bucket=s3_bucket, Key="ckpt/last.ckpt", Body=old)
+    done = _replace_at_first_read(monkeypatch, s3_server, s3_bucket, "last.ckpt", [new])
+    got = fastckpt.load(f"s3://{s3_bucket}/ckpt/last.ckpt", storage_options=s3_server.storage_options())
+    assert done == [0] and torch.equal(got["w"], state["w"])
+
+
+def test_an_object_that_keeps_changing_is_not_called_corrupt(s3_server: S3Server, s3_bucket: str, tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Replaced during every read: after a few reads the load gives up, saying so (not damage)."""
+    import fastckpt
+    from fastckpt.storage.reads import READ_ATTEMPTS
+    from fastckpt.storage.types import ObjectChangedError
+
+    (old, _), (new, _) = _versions(tmp_path, (3 << 20, 3 << 20))
+    s3_server.client().put_object(Bucket=s3_bucket, Key="ckpt/busy.ckpt", Body=old)
+    _replace_at_first_read(monkeypatch, s3_server, s3_bucket, "busy.ckpt", [new, old] * READ_ATTEMPTS)
+    with pytest.raises(ObjectChangedError, match=f"replaced {READ_ATTEMPTS} times while it was read") as err:
+        fastckpt.load(f"s3://{s3_bucket}/ckpt/busy.ckpt", storage_options=s3_server.storage_options())
+    assert not isinstance(err.value, CorruptCheckpointError)

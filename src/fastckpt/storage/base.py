@@ -190,8 +190,10 @@ class Target(ReadSide, abc.ABC):
         instead of ``retry_deadline_s`` (a check that has a fallback should not wait minutes)."""
 
     @abc.abstractmethod
-    def read_range(self, key: str, offset: int, length: int) -> bytes:
-        """Exactly ``length`` bytes from ``offset``."""
+    def read_range(self, key: str, offset: int, length: int, *, version: str | None = None) -> bytes:
+        """Exactly ``length`` bytes from ``offset``; with ``version`` (from ``version(key)``), of
+        that version of the object only, else ``ObjectChangedError`` (a target without versions
+        ignores it)."""
 
     @abc.abstractmethod
     def size(self, key: str) -> int:

@@ -54,6 +54,7 @@ from .s3 import (
     transient_types,
     unreachable,
 )
+from .s3_read import get_range
 from .types import (
     Expected,
     Progress,
@@ -245,17 +246,30 @@ class FsspecTarget(Target):
     def get_bytes(self, key: str, *, deadline_s: float | None = None) -> bytes:
         return self._retry(f"read of {self.url_of(key)}", lambda: self._cat(key), deadline_s=deadline_s)
 
-    def read_range(self, key: str, offset: int, length: int) -> bytes:
+    def read_range(self, key: str, offset: int, length: int, *, version: str | None = None) -> bytes:
         url = self.url_of(key)
 
         def read() -> bytes:
-            data = self._cat(key, offset, offset + length)
+            data = self._get(key, offset, offset + length, version) if self.is_s3 else self._cat(key, offset,
+                                                                                                 offset + length)
             if len(data) != length:
                 raise storage_error(ReplicationError, f"{url} returned {len(data)} bytes for the range "
                                     f"[{offset}, {offset + length}): the object is shorter", err_no=errno.EIO)
             return data
 
         return self._retry(f"read of {url}", read)
+
+    def _get(self, key: str, start: int, end: int, version: str | None) -> bytes:
+        data = get_range(self.fs, self.bucket, self._obj(key), start, end, version, self.url_of(key),
+                         REQUEST_FLOOR_S + (end - start) / REQUEST_MIN_Bps)
+        self._answered = True
+        return data
+
+    def version(self, key: str) -> tuple[int, str | None]:
+        if not self.is_s3:
+            return super().version(key)
+        head = self._retry(f"size of {self.url_of(key)}", lambda: self._s3("head_object", Key=self._obj(key)))
+        return int(head["ContentLength"]), head.get("ETag")
 
     def _head_size(self, obj: str) -> int:
         return int(self._s3("head_object", Key=obj)["ContentLength"])

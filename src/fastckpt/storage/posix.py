@@ -260,8 +260,8 @@ class PosixTarget(Target):
 
         return self._retry(f"read of {path}", read, deadline_s=deadline_s)
 
-    def read_range(self, key: str, offset: int, length: int) -> bytes:
-        path = self._path(key)
+    def read_range(self, key: str, offset: int, length: int, *, version: str | None = None) -> bytes:
+        path = self._path(key)  # a file has no versions to ask for: read_object reads through one descriptor
 
         def read() -> bytes:
             fd = self.ops.open(path, os.O_RDONLY)

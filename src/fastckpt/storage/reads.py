@@ -1,10 +1,20 @@
-"""The read side every ``Target`` shares, built on its primitives (``size``, ``read_range``,
-``url_of``, ``ops`` and the parallel ``_map_ranges``): size checks, verification by read-back,
-downloads, whole-object reads with their manifest, and manifest reads. A backend overrides one
-where it can do better (``PosixTarget`` reads a whole file through one open descriptor)."""
+"""The read side every ``Target`` shares, built on its primitives (``size``, ``version``,
+``read_range``, ``url_of``, ``ops`` and the parallel ``_map_ranges``): size checks, verification
+by read-back, downloads, whole-object reads with their manifest, and manifest reads. A backend
+overrides one where it can do better (``PosixTarget`` reads a whole file through one open
+descriptor).
+
+An object is read in several requests (its size, its tail, ranges in parallel), and another
+writer may replace it meanwhile (Lightning's ``last.ckpt``, saved again and again). So a read
+that takes more than one request asks for one version of the object: the one its first request
+saw (``version``: S3's ETag), which every ranged read then requires (``read_range(version=)``:
+If-Match). A read that finds the object replaced (``ObjectChangedError``) starts again, whole, on
+the new version, up to ``READ_ATTEMPTS`` times: a replaced object is not a damaged one.
+"""
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, TypeVar
@@ -16,10 +26,12 @@ from ..io import atomic
 from ..io.engine import ImageFactory, ReadResult, alloc_aligned, block_digests
 from ..io.image import BlockFetch, FlatImage, image_digests
 from ..io.ops import FileOps, pwrite_all
-from .types import TokenBucket, as_limiter, check_key
+from .types import ObjectChangedError, TokenBucket, as_limiter, check_key, storage_error
 
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 READ_CHUNK_BYTES = 4 * checksum.BLOCK_BYTES  # a multiple of the checksum block: see verify()
+READ_ATTEMPTS = 3  # reads of an object replaced while it was read, each started again on the new version
 
 
 class ReadSide:
@@ -32,8 +44,31 @@ class ReadSide:
 
         def url_of(self, key: str) -> str: ...
         def size(self, key: str) -> int: ...
-        def read_range(self, key: str, offset: int, length: int) -> bytes: ...
+        def read_range(self, key: str, offset: int, length: int, *, version: str | None = None) -> bytes: ...
         def _map_ranges(self, size: int, chunk_bytes: int, fn: Callable[[int, int], T]) -> Iterator[T]: ...
+
+    def version(self, key: str) -> tuple[int, str | None]:
+        """The object's size and its version, which ``read_range(version=)`` then requires; None
+        where there is none to ask for (a file system; an fsspec store without ETags)."""
+        return self.size(check_key(key)), None
+
+    def _one_version(self, key: str, read: Callable[[], T]) -> T:
+        """``read()`` (which reads one version of ``key``), again while the object is replaced
+        under it, up to ``READ_ATTEMPTS`` times.
+
+        Raises:
+            ObjectChangedError: it was replaced during every attempt.
+        """
+        for attempt in range(1, READ_ATTEMPTS + 1):
+            try:
+                return read()
+            except ObjectChangedError as exc:
+                if attempt == READ_ATTEMPTS:
+                    raise storage_error(ObjectChangedError, f"{self.url_of(key)} was replaced {READ_ATTEMPTS} times "
+                                        "while it was read (another job is saving it again and again): load it "
+                                        "once those saves stop, or load an earlier checkpoint", exc) from exc
+                log.info("%s was replaced while it was read (%s): reading the new version", self.url_of(key), exc)
+        raise AssertionError("unreachable: the last attempt returns or raises")
 
     def check_size(self, key: str, expected_size: int) -> int:
         """The object's size, which must be ``expected_size``.
@@ -84,12 +119,16 @@ class ReadSide:
         Returns:
             The number of bytes written.
         """
-        size = self.size(check_key(key))
-        with atomic.replacing(self.ops, os.fspath(local_path)) as st:
+        return self._one_version(key, lambda: self._download(key, os.fspath(local_path), chunk_bytes))
+
+    def _download(self, key: str, local_path: str, chunk_bytes: int) -> int:
+        size, version = self.version(check_key(key))
+        with atomic.replacing(self.ops, local_path) as st:
             fd = self.ops.open(st.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             try:
                 def fetch(offset: int, length: int) -> None:
-                    pwrite_all(self.ops, fd, memoryview(self.read_range(key, offset, length)), offset, st.tmp)
+                    data = self.read_range(key, offset, length, version=version)
+                    pwrite_all(self.ops, fd, memoryview(data), offset, st.tmp)
 
                 for _ in self._map_ranges(size, chunk_bytes, fetch):
                     pass
@@ -109,15 +148,20 @@ class ReadSide:
         Raises:
             TargetNotFoundError: the object is missing.
             CorruptCheckpointError: its trailer or manifest is damaged.
+            ObjectChangedError: it was replaced during every one of ``READ_ATTEMPTS`` reads.
         """
-        size, manifest, tail = self._size_and_manifest(key)
+        return self._one_version(key, lambda: self._read_object(key, chunk_bytes, into))
+
+    def _read_object(self, key: str, chunk_bytes: int, into: ImageFactory | None) -> ReadResult:
+        size, version, manifest, tail = self._size_and_manifest(key)
         covered = manifest["covered"] if manifest else None
-        blocks = BlockFetch(lambda lo, n: bytes(self.read_range(key, lo, n)), size, (size - len(tail), tail))
+        blocks = BlockFetch(lambda lo, n: bytes(self.read_range(key, lo, n, version=version)), size,
+                            (size - len(tail), tail))
         image = into(blocks.fetch, size) if into else None  # the directory: mostly in the tail already read
         image = image or FlatImage(alloc_aligned(size), size)
 
         def fetch(offset: int, length: int) -> list[int]:
-            data, at = memoryview(self.read_range(key, offset, length)), 0
+            data, at = memoryview(self.read_range(key, offset, length, version=version)), 0
             for _, count, view in image.pieces(offset, length):
                 view[:count] = data[at : at + count]
                 at += count
@@ -135,11 +179,13 @@ class ReadSide:
         Raises:
             CorruptCheckpointError: the trailer holding a manifest is damaged.
         """
-        return self._size_and_manifest(key)[1]
+        return self._one_version(key, lambda: self._size_and_manifest(key)[2])
 
-    def _size_and_manifest(self, key: str) -> tuple[int, dict | None, bytes]:
-        """The object's size, its manifest and its last ``TAIL_BYTES`` (where both came from)."""
-        size = self.size(check_key(key))
-        tail = bytes(self.read_range(key, max(0, size - TAIL_BYTES), min(size, TAIL_BYTES))) if size else b""
-        return size, manifest_in(tail, size, self.url_of(key)), tail
+    def _size_and_manifest(self, key: str) -> tuple[int, str | None, dict | None, bytes]:
+        """The object's size, version, manifest and last ``TAIL_BYTES`` (where the manifest came from)."""
+        size, version = self.version(check_key(key))
+        tail = b""
+        if size:
+            tail = bytes(self.read_range(key, max(0, size - TAIL_BYTES), min(size, TAIL_BYTES), version=version))
+        return size, version, manifest_in(tail, size, self.url_of(key)), tail
 

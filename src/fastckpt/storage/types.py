@@ -23,6 +23,11 @@ class TargetNotFoundError(ReplicationError, FileNotFoundError):
     """The bucket, the target directory or the object does not exist."""
 
 
+class ObjectChangedError(ReplicationError):
+    """The object was replaced while it was being read (its version, S3's ETag, changed between
+    requests): the bytes read could mix two versions. Not damage: read it again, whole."""
+
+
 class TargetPermissionError(ReplicationError, PermissionError):
     """The target refused the credentials or the operation (AccessDenied, EACCES, EPERM)."""
 

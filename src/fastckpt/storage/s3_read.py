@@ -1,0 +1,46 @@
+"""One ranged GET of an S3 object, of one version of it: the S3 side of
+``Target.read_range(version=)`` (``storage.reads`` says why a read asks for one version).
+
+s3fs's ``cat_file`` neither sends a condition nor returns the answer's ETag, so the GET is made
+here through s3fs's client: ``If-Match`` with the ETag the read saw first (SeaweedFS and AWS S3
+answer another version with 412 PreconditionFailed), and the ETag of the answer compared too,
+for a store that ignores the condition.
+"""
+
+from __future__ import annotations
+
+from .s3 import client_error
+from .types import ObjectChangedError
+
+
+def get_range(fs: object, bucket: str, obj: str, start: int, end: int, version: str | None, url: str,
+              timeout_s: float) -> bytes:
+    """Bytes ``[start, end)`` of ``obj`` in ``bucket`` through the s3fs file system ``fs``, in one
+    request bounded by ``timeout_s``; with ``version`` (an ETag), of that version only.
+
+    Raises:
+        ObjectChangedError: naming ``url``: the object is another version now.
+    """
+    from fsspec.asyn import sync
+
+    if end <= start:
+        return b""
+
+    async def get() -> tuple[bytes, str | None]:
+        resp = await fs._call_s3("get_object", Bucket=bucket, Key=obj, Range=f"bytes={start}-{end - 1}",  # type: ignore[attr-defined]
+                                 **({"IfMatch": version} if version else {}))
+        try:
+            return await resp["Body"].read(), resp.get("ETag")
+        finally:
+            resp["Body"].close()
+
+    try:
+        data, etag = sync(fs.loop, get, timeout=timeout_s)  # type: ignore[attr-defined]
+    except OSError as exc:
+        ce = client_error(exc)
+        if version is None or ce is None or (ce[0] != "PreconditionFailed" and ce[1] != 412):
+            raise
+        etag = None
+    if version is not None and etag != version:
+        raise ObjectChangedError(f"{url} is no longer version {version} (now {etag or 'another'})")
+    return data
