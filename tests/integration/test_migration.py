@@ -55,6 +55,27 @@ def test_lightning_run_switches_to_fastckpt_and_resumes(tmp_path: Path, io_name:
     assert [f.foreign for f in scan(run)][-1] is None  # fastckpt's own, verified, is the newest now
 
 
+def test_lightning_checkpoints_are_ordered_by_the_step_they_record_not_their_dates(tmp_path: Path) -> None:
+    """Checkpoints Lightning wrote (its state_dict an OrderedDict), copied so that their
+    modification times no longer follow their steps (rsync without -t, a restore from a backup):
+    ``latest`` reads each one's global_step without running its pickle, and names the newest step."""
+    pytest.importorskip("lightning")
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    run = tmp_path / "run"
+    L.Trainer(max_steps=20, logger=False, enable_progress_bar=False, enable_model_summary=False,
+              default_root_dir=str(tmp_path),
+              callbacks=[ModelCheckpoint(dirpath=str(run), every_n_train_steps=10, save_top_k=-1)]).fit(BoringModel())
+    names = sorted(p.name for p in run.iterdir())
+    assert names == ["epoch=0-step=10.ckpt", "epoch=0-step=20.ckpt"]
+    os.utime(run / names[1], (1_000_000_100, 1_000_000_100))  # the newer step copied first
+    os.utime(run / names[0], (1_000_000_200, 1_000_000_200))
+    assert [f.step for f in scan(run)] == [10, 20]
+    assert fastckpt.latest(str(run)) == str(run / "epoch=0-step=20.ckpt")
+
+
 DEEPSPEED_RUN = """
 import os, sys, torch
 import deepspeed

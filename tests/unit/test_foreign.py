@@ -4,6 +4,7 @@ by ``fastckpt ls``; fastckpt files copied in by another tool are found and verif
 
 from __future__ import annotations
 
+import collections
 import io
 import json
 import os
@@ -64,6 +65,33 @@ def test_a_torch_save_zip_is_recognised_and_its_step_read_without_running_it(tmp
     torch.save({"step": 7, "evil": Boom()}, tmp_path / "evil.pt")
     assert _read_step((tmp_path / "evil.pt").read_bytes()) == 7
     assert not (tmp_path / "pwned").exists()
+
+
+class _Hparams(dict):
+    """A dict subclass of the user's, as Lightning's ``AttributeDict`` hyper-parameters are."""
+
+
+class _Record:
+    def __init__(self) -> None:
+        self.lr = 0.1
+
+
+class _History(list):
+    pass
+
+
+def test_the_step_is_read_past_dict_and_list_subclasses(tmp_path: Path) -> None:
+    """Lightning saves ``model.state_dict()`` (an OrderedDict), hyper-parameters in a dict
+    subclass, loops' states in defaultdicts: their classes are stubs (nothing is run), which
+    still take the items the pickle sets or appends, so the step around them is read."""
+    state = {"epoch": 9, "global_step": 1000, "state_dict": torch.nn.Linear(4, 4).state_dict(),
+             "hyper_parameters": _Hparams(lr=0.1), "loops": collections.defaultdict(list, {"a": [1]}),
+             "history": _History([1, 2]), "record": _Record(), "keyed": {_Record(): 1}}
+    assert isinstance(state["state_dict"], collections.OrderedDict)
+    torch.save(state, tmp_path / "l.ckpt")
+    assert _read_step((tmp_path / "l.ckpt").read_bytes()) == 1000
+    torch.save(collections.OrderedDict(state), tmp_path / "top.ckpt")  # an OrderedDict at the top too
+    assert _read_step((tmp_path / "top.ckpt").read_bytes()) == 1000
 
 
 def test_zip64_directories_are_followed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -9,8 +9,9 @@ central directory it points at lies before it: a writer killed mid-file leaves n
 unverified.
 
 The training step such a file records is read from its pickle (``data.pkl``) without running
-any of its code: every class it names is replaced by an inert stub and every tensor storage by
-None, so only plain values (the top-level ``global_step``, ``iteration`` or ``step``) survive.
+any of its code: every class it names is replaced by an inert stub (a dict that takes the items
+of dict and list subclasses, ``_Stub``) and every tensor storage by None, so only plain values
+(the top-level ``global_step``, ``iteration`` or ``step``) survive.
 
 Only bytes are handled here; the reads are the caller's (``commit.discovery``), so the same
 code serves a directory and an object store.
@@ -129,17 +130,33 @@ def data_offset(local_header: bytes) -> int | None:
     return LOCAL_HEADER_LEN + name_len + extra_len
 
 
-class _Stub:
-    """Stands in for every class a pickle names: accepts any arguments and state, runs nothing."""
+class _Stub(dict):
+    """Stands in for every class a pickle names: accepts any arguments and state, runs nothing.
+
+    It is a dict, and accepts appends, because the pickles of dict and list subclasses set or
+    append their items after building the object (``SETITEMS``, ``APPENDS``): Lightning saves
+    ``model.state_dict()`` (an ``OrderedDict``), hyper-parameters in an ``AttributeDict``, loop
+    states in ``defaultdict``s. A stub that refused them failed the whole parse, and the step
+    beside them was lost. Items set are kept (a top-level ``OrderedDict`` still shows its step);
+    appended ones are dropped. Hashable by identity, as a plain object is, for a stub used as a key.
+    """
+
+    __hash__ = object.__hash__
 
     def __init__(self, *args: object, **kwargs: object) -> None:
-        pass
+        super().__init__()
 
     def __setstate__(self, state: object) -> None:
         pass
 
     def __call__(self, *args: object, **kwargs: object) -> _Stub:
         return _Stub()
+
+    def append(self, item: object) -> None:
+        pass
+
+    def extend(self, items: object) -> None:
+        pass
 
 
 class _InertUnpickler(pickle.Unpickler):
