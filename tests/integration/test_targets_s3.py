@@ -473,3 +473,39 @@ def test_an_object_that_keeps_changing_is_not_called_corrupt(s3_server: S3Server
     with pytest.raises(ObjectChangedError, match=f"replaced {READ_ATTEMPTS} times while it was read") as err:
         fastckpt.load(f"s3://{s3_bucket}/ckpt/busy.ckpt", storage_options=s3_server.storage_options())
     assert not isinstance(err.value, CorruptCheckpointError)
+
+
+# ---------------------------------------------------------------------- a Complete whose reply was lost
+@pytest.mark.parametrize("first_complete", ["landed", "upload aborted"])
+def test_a_retried_complete_accepts_only_its_own_object(s3_server: S3Server, s3_bucket: str, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch, first_complete: str) -> None:
+    """The first CompleteMultipartUpload gets no reply; its retry finds no upload. That upload
+    completed (the reply was lost), or it was aborted meanwhile (clean_incomplete, a lifecycle
+    rule), and the object at the key is still the previous save's, of the same size (a re-saved
+    last.ckpt). Only the object this upload makes (its ETag, from its parts') may count as landed."""
+    local = tmp_path / "new.bin"
+    old, new = bytes(reversed(_file(tmp_path / "old.bin", 3 * PART))), _file(local, 3 * PART)
+    assert len(old) == len(new) and old != new
+    s3_server.client().put_object(Bucket=s3_bucket, Key="ckpt/last.ckpt", Body=old)  # the previous save
+    real = FsspecTarget._s3
+    completes: list[str] = []
+
+    def s3(self: FsspecTarget, method: str, **kw: object) -> dict:
+        if method == "complete_multipart_upload" and not completes:
+            completes.append(first_complete)
+            if first_complete == "landed":
+                real(self, method, **kw)
+            else:
+                real(self, "abort_multipart_upload", Key=kw["Key"], UploadId=kw["UploadId"])
+            raise TimeoutError("the reply to CompleteMultipartUpload was lost")
+        return real(self, method, **kw)
+
+    monkeypatch.setattr(FsspecTarget, "_s3", s3)
+    t = _target(s3_server, s3_bucket)
+    if first_complete == "landed":
+        assert t.put_file(local, "last.ckpt", chunk_bytes=PART).parts == 3
+    else:
+        with pytest.raises(CheckpointWriteError, match="NoSuchUpload"):
+            t.put_file(local, "last.ckpt", chunk_bytes=PART)
+    body = s3_server.client().get_object(Bucket=s3_bucket, Key="ckpt/last.ckpt")["Body"].read()
+    assert completes == [first_complete] and body == (new if first_complete == "landed" else old)

@@ -187,7 +187,7 @@ class FsspecTarget(Target):
         fd = self.ops.open(local_path, os.O_RDONLY)
         try:
             if self.is_s3:
-                session = S3Session(self._s3, self._retry, self._head_size, self.ops, self.parallelism,
+                session = S3Session(self._s3, self._retry, self._head, self.ops, self.parallelism,
                                     self.retry_deadline_s)
                 return put_s3(session, fd, local_path, self.url_of(key), self._obj(key), size, limiter, chunk_bytes,
                               progress, expect)
@@ -268,15 +268,15 @@ class FsspecTarget(Target):
     def version(self, key: str) -> tuple[int, str | None]:
         if not self.is_s3:
             return super().version(key)
-        head = self._retry(f"size of {self.url_of(key)}", lambda: self._s3("head_object", Key=self._obj(key)))
+        head = self._retry(f"size of {self.url_of(key)}", lambda: self._head(self._obj(key)))
         return int(head["ContentLength"]), head.get("ETag")
 
-    def _head_size(self, obj: str) -> int:
-        return int(self._s3("head_object", Key=obj)["ContentLength"])
+    def _head(self, obj: str) -> dict:
+        return self._s3("head_object", Key=obj)
 
     def size(self, key: str) -> int:
         if self.is_s3:
-            return self._retry(f"size of {self.url_of(key)}", lambda: self._head_size(self._obj(key)))
+            return self._retry(f"size of {self.url_of(key)}", lambda: int(self._head(self._obj(key))["ContentLength"]))
         full = self._full(key)
         self.fs.invalidate_cache(full)
         return self._retry(f"size of {self.url_of(key)}", lambda: int(self.fs.info(full)["size"]))

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import base64
 import errno
+import hashlib
 import logging
 import socket
 import threading
@@ -177,11 +178,11 @@ def transient_types() -> tuple[type[BaseException], ...]:
 class S3Session:
     """What an upload needs from its ``FsspecTarget``: one S3 request (``call(method, **kwargs)``,
     no retries), the target's retry policy (``retry(what, fn, progress=, cancel=, deadline_s=)``),
-    a HEAD of an object's size, the file seam for reading the local file, and the limits."""
+    a HEAD of an object (its response), the file seam for reading the local file, and the limits."""
 
     call: Callable[..., dict]
     retry: Callable[..., object]
-    head_size: Callable[[str], int]
+    head: Callable[[str], dict]
     ops: FileOps
     parallelism: int
     retry_deadline_s: float
@@ -294,6 +295,7 @@ def put_s3(t: S3Session, fd: int, local_path: str, url: str, obj: str, size: int
 def _complete(t: S3Session, url: str, obj: str, upload_id: str, part_list: list[dict], size: int,
               progress) -> None:
     parts = {"Parts": part_list}
+    made = multipart_etag(part_list)
     tried = False
 
     def complete() -> None:
@@ -301,14 +303,34 @@ def _complete(t: S3Session, url: str, obj: str, upload_id: str, part_list: list[
         try:
             t.call("complete_multipart_upload", Key=obj, UploadId=upload_id, MultipartUpload=parts)
         except Exception as exc:
-            # A retried Complete whose first try did land (the reply was lost) finds no upload.
+            # A retried Complete whose first try did land (the reply was lost) finds no upload, and
+            # the object that upload made: its ETag says so, not its size. An upload aborted in the
+            # meantime (clean_incomplete, a lifecycle rule) leaves the previous object at the key,
+            # often of the same size (a re-saved last.ckpt): that one never counts as this upload.
             ce = client_error(exc)
-            if tried and ce is not None and ce[0] == "NoSuchUpload" and t.head_size(obj) == size:
-                return
+            if tried and ce is not None and ce[0] == "NoSuchUpload":
+                head = t.head(obj)
+                if int(head["ContentLength"]) == size and made is not None and head.get("ETag") == made:
+                    return
+                raise storage_error(ReplicationError, f"completion of the multipart upload of {url}: the upload is "
+                                    f"gone (NoSuchUpload), and the object there is not the one it makes (ETag "
+                                    f"{head.get('ETag')}, not {made}): it was aborted meanwhile (clean_incomplete, "
+                                    "a lifecycle rule); upload again", exc, errno.EIO) from exc
             tried = True
             raise
 
     t.retry(f"completion of the multipart upload of {url}", complete, progress=progress)
+
+
+def multipart_etag(part_list: list[dict]) -> str | None:
+    """The ETag S3 gives the object a multipart upload of ``part_list`` makes: the MD5 of its
+    parts' MD5s (their ETags), then ``-N``; None when a part's ETag is no MD5 (a store that
+    makes them otherwise: nothing then passes for this upload's object)."""
+    try:
+        md5s = b"".join(bytes.fromhex(p["ETag"].strip('"')) for p in part_list)
+    except ValueError:
+        return None
+    return f'"{hashlib.md5(md5s).hexdigest()}-{len(part_list)}"'
 
 def _abort(t: S3Session, url: str, obj: str, upload_id: str, exc: BaseException) -> None:
     try:
