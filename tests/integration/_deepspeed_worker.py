@@ -17,6 +17,8 @@ rank writes ROOT/results/rank{r}.json with what the test checks from outside:
   lazy       ZeRO 0-3 with "lazy_snapshot": the copy is held until the optimizer step's fence
              (after the next forward, which changes BatchNorm's buffers, and backward): the
              loaded checkpoint equals the state at save time
+  universal  DeepSpeed's ds_to_universal converts a fastckpt checkpoint (it copies the mp_rank_*
+             files out of the tag) and load_universal loads the result
   destroy    destroy() returns with the checkpoint durable
   exit       the last save is still in flight when main returns: interpreter exit flushes it
 """
@@ -284,6 +286,31 @@ def lazy(root: str, stage: int) -> None:
     b.destroy()
 
 
+def universal(root: str) -> None:
+    import subprocess
+
+    from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
+
+    d = os.path.join(root, "universal")
+    a = engine(1, {}, seed=0)
+    train(a, 1, 2)
+    want = full_weights(a)
+    a.save_checkpoint(d, "u2", client_state={UNIVERSAL_CHECKPOINT_INFO: {"universal_checkpoint_version": 0.2}})
+    a.destroy()
+    if dist.get_rank() == 0:
+        proc = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+                               os.path.join(d, "u2"), "--output_folder", os.path.join(d, "u2_universal"),
+                               "--num_extract_workers", "1", "--num_merge_workers", "1"],
+                              capture_output=True, text=True, check=False)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+    dist.barrier()
+    b = engine(1, {}, seed=1, checkpoint={"load_universal": True})
+    path, _ = b.load_checkpoint(d, "u2_universal")
+    assert path is not None and "u2_universal" in path, path
+    same(full_weights(b), want, "load_universal of the converted fastckpt checkpoint")
+    b.destroy()
+
+
 def same_tensors(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
@@ -313,7 +340,8 @@ def exit_flush(root: str) -> None:
 
 SCENARIOS = {"roundtrip": lambda root: [roundtrip(root, s) for s in (0, 1, 2, 3)], "convert": convert,
              "interop": interop, "report": report, "unsafe": unsafe, "switch": switch, "s3": s3,
-             "destroy": destroy, "exit": exit_flush, "lazy": lambda root: [lazy(root, s) for s in (0, 1, 2, 3)]}
+             "universal": universal, "destroy": destroy, "exit": exit_flush,
+             "lazy": lambda root: [lazy(root, s) for s in (0, 1, 2, 3)]}
 
 
 def main(root: str, names: list[str]) -> None:

@@ -27,7 +27,7 @@ from tests.integration._fork_launcher import run_session  # noqa: E402
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 WORKER = str(HERE / "_deepspeed_worker.py")
-TWO_PROCESS_SCENARIOS = "roundtrip,convert,interop,report,unsafe,switch,lazy,destroy"
+TWO_PROCESS_SCENARIOS = "roundtrip,convert,interop,report,unsafe,switch,lazy,universal,destroy"
 
 
 @dataclass(frozen=True)
@@ -146,6 +146,15 @@ def test_lazy_snapshot_saves_the_state_of_its_step_zero_0_to_3(two_processes: Ru
         d = two_processes.root / f"lazy{stage}"
         assert json.loads((d / "t3" / C.GROUP_MANIFEST).read_text())["ranks"] == [0, 1]
         assert (d / "latest").read_text() == "t3"
+
+
+def test_deepspeeds_universal_conversion_of_a_checkpoint_loads(two_processes: Run) -> None:
+    """ds_to_universal copies the mp_rank_* files into u2_universal/, outside their group (which
+    has no group manifest): they load as files of their own, verified by their checksums
+    (asserted in the worker: the weights equal the saved ones)."""
+    assert "universal" in two_processes.results[0]["done"]
+    converted = two_processes.root / "universal" / "u2_universal"
+    assert (converted / "mp_rank_00_model_states.pt").exists() and not (converted / C.GROUP_MANIFEST).exists()
 
 
 def test_destroy_returns_with_the_checkpoint_durable(two_processes: Run) -> None:

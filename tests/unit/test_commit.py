@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
 import threading
 from pathlib import Path
 
@@ -24,7 +25,7 @@ from fastckpt.io import atomic as A
 from fastckpt.io.ops import FileOps
 from fastckpt.storage.homes import Homes
 from fastckpt.testing import Fault, FaultyOps
-from tests.helpers import latest, place, read_file_manifest, scan
+from tests.helpers import flip_byte, latest, place, read_file_manifest, scan
 
 
 def _missing(g: str, world: int) -> list[int]:
@@ -268,6 +269,41 @@ def test_files_of_a_complete_group_load(tmp_path: Path) -> None:
     for r in range(2):
         got = fastckpt.load(str(g / f"shard{r}.pt"))
         assert torch.equal(got["w"], _state(30 + r)["w"])
+
+
+def test_a_group_file_copied_out_of_its_group_loads_on_its_own_verified(tmp_path: Path) -> None:
+    """DeepSpeed's ds_to_universal copies mp_rank_* files into TAG_universal/: a file copied to a
+    place that is not its group is a file of its own, which its checksum verifies."""
+    g = Path(_save_group(tmp_path / "global_step3", step=3))
+    copies = [tmp_path / "global_step3_universal" / "shard0.pt", tmp_path / "elsewhere" / "renamed.pt"]
+    for c in copies:
+        c.parent.mkdir()
+        shutil.copy2(g / "shard0.pt", c)
+        assert torch.equal(fastckpt.load(str(c))["w"], _state(30)["w"])
+    off = torch._C.PyTorchFileReader(str(copies[0])).get_record_offset(_record(copies[0], "data/0"))
+    flip_byte(copies[0], off + 8, mask=0x5A)
+    with pytest.raises(CorruptCheckpointError, match="checksum"):
+        fastckpt.load(str(copies[0]))
+
+
+def test_a_group_file_where_its_group_lies_loads_only_once_that_group_is_published(tmp_path: Path) -> None:
+    """The crash-safety side: in a directory named as its group (at the group's place, a
+    directory of that name elsewhere, its re-save directory, a folder inside it), a file waits
+    for that directory's published manifest."""
+    g = Path(_save_group(tmp_path / "global_step5", world=3, step=5, commit_ranks=(0, 2)))
+    places = [tmp_path / "copy" / "global_step5" / "shard0.pt", tmp_path / ".global_step5.fastckpt-next" / "shard0.pt",
+              g / "sub" / "shard0.pt"]
+    for p in places:
+        p.parent.mkdir(parents=True)
+        shutil.copy2(g / "shard0.pt", p)
+    for p in [g / "shard0.pt", *places]:
+        with pytest.raises(IncompleteCheckpointError, match="is incomplete"):
+            fastckpt.load(str(p))
+
+
+def _record(path: Path, suffix: str) -> str:
+    """The full name of the zip record ending in ``suffix`` (torch prefixes the archive's name)."""
+    return next(n for n in torch._C.PyTorchFileReader(str(path)).get_all_records() if n.endswith(suffix))
 
 
 def test_latest_pointer_follows_commit_order_when_publishes_overlap(tmp_path: Path) -> None:

@@ -42,6 +42,7 @@ from . import foreign
 from .protocol import (
     GROUP_MANIFEST,
     MARKER_DIR,
+    NEXT_TAG,
     SIDECAR,
     group_order,
     incomplete_group_error,
@@ -183,19 +184,46 @@ def latest(homes: Homes, root: str) -> str | None:
     return found[-1].path
 
 
+def group_dir(url: str, manifest: dict) -> str | None:
+    """The group directory ``url`` (a file with ``manifest``) belongs to where it lies, or None
+    when it is a standalone file.
+
+    A group file's manifest names its group (the directory's name, ``group``) and its place in
+    it (``group_rel``). The file is in its group when the directory that place leads back to,
+    or any directory above the file, has that name or is the group's re-save directory
+    ``.NAME.fastckpt-next``: then the group decides whether it loads (published, and naming this
+    file). A copy elsewhere (DeepSpeed's ``ds_to_universal`` copies ``mp_rank_*`` files into
+    ``TAG_universal/``; a user copies a shard out) is a file on its own, which the checksum in
+    its manifest verifies whole.
+    """
+    name = manifest.get("group")
+    if not name:
+        return None
+    rel = manifest.get("group_rel") or posixpath.basename(url)
+    names = (name, f".{name}{NEXT_TAG}")
+    if url.endswith("/" + rel) and posixpath.basename(url[: -len(rel) - 1]) in names:
+        return url[: -len(rel) - 1]
+    d, up = url, posixpath.dirname(url)
+    while up != d:
+        if posixpath.basename(up) in names:
+            return up
+        d, up = up, posixpath.dirname(up)
+    return None
+
+
 def require_complete_group(homes: Homes, url: str, manifest: dict) -> None:
-    """A file that belongs to a group may be loaded only once the group is published, and only
-    if it is the file the group's manifest names (same checksum): a file left by another
+    """A file in its group (``group_dir``) may be loaded only once the group is published, and
+    only if it is the file the group's manifest names (same checksum): a file left by another
     attempt at the same tag never loads as part of the published group.
 
     Raises:
         IncompleteCheckpointError: naming the group and the ranks that never committed, or the
             attempt the file does not belong to.
     """
-    if not manifest.get("group"):
+    group = group_dir(url, manifest)
+    if group is None:
         return
     rel = manifest.get("group_rel") or posixpath.basename(url)
-    group = url[: -len(rel) - 1] if url.endswith("/" + rel) else posixpath.dirname(url)
     place = homes.resolve(group).place()
     published = read_group_manifest(place)
     if published is None:
