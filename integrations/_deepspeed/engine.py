@@ -37,6 +37,7 @@ import torch
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
 
 from fastckpt import Checkpointer, SaveHandle
+from fastckpt.errors import CheckpointWriteError
 from fastckpt.save.fencing import copy_unfenced
 
 from .compat import is_url, normalize
@@ -138,7 +139,7 @@ class FastCkptEngine(CheckpointEngine):
     def create(self, info: CheckpointCommitInfo) -> None:
         """A tag's saves begin. Only ``save_checkpoint`` makes a tag a group: DeepSpeed also calls
         create/commit around other saves (``save_16bit_model``: one file beside the tags), which
-        stay single-file checkpoints."""
+        stay single-file checkpoints, written before ``save`` returns."""
         saving = self._move_latest is not None
         self._group = self.home(os.path.join(info.save_dir, str(info.tag))) if saving else None
 
@@ -148,13 +149,25 @@ class FastCkptEngine(CheckpointEngine):
 
     def save(self, state_dict: object, path: str) -> None:
         """DeepSpeed calls this with the keyword ``state_dict``. Inside ``save_checkpoint`` the
-        snapshot waits for ``commit`` (see there); elsewhere it is taken now."""
+        snapshot waits for ``commit`` (see there). Elsewhere (``save_16bit_model``) the file is
+        durable at ``path`` when this returns, as DeepSpeed's own engine writes it: callers
+        export, then load or evaluate the file at once.
+
+        Raises:
+            CheckpointWriteError: the file was not written (``"when_busy": "skip"`` dropped it, or
+                the write failed).
+        """
         path = self.home(path)
         inside = self._group is not None and path.startswith(self._group + ("/" if is_url(path) else os.sep))
         if inside:
             self._deferred.append((state_dict, path))
-        else:
-            self.checkpointer.save(state_dict, path)
+            return
+        rec = self.checkpointer.save(state_dict, path).wait()
+        if rec.durable_s is None:
+            why = "the staging buffers were busy and when_busy is \"skip\"" if rec.skipped else "it was dropped"
+            raise CheckpointWriteError(f"{path} was not written: {why}. DeepSpeed's saves outside save_checkpoint "
+                                       "(save_16bit_model) need the file: set \"when_busy\": \"wait\" (the default) "
+                                       "in the \"fastckpt\" section, or save when no checkpoint is being copied")
 
     def load(self, path: str, map_location: object = None) -> object:
         """Verified load; unpickling as ``weights_only`` says (see the module docstring)."""

@@ -19,6 +19,8 @@ rank writes ROOT/results/rank{r}.json with what the test checks from outside:
              loaded checkpoint equals the state at save time
   universal  DeepSpeed's ds_to_universal converts a fastckpt checkpoint (it copies the mp_rank_*
              files out of the tag) and load_universal loads the result
+  export     save_16bit_model returns with its file written, as DeepSpeed's own engine does (the
+             file's rename is held until the save is waited for)
   destroy    destroy() returns with the checkpoint durable
   exit       the last save is still in flight when main returns: interpreter exit flushes it
 """
@@ -315,6 +317,62 @@ def same_tensors(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def export(root: str) -> None:
+    from fastckpt.testing import FaultyOps
+
+    d = os.path.join(root, "export")
+    ops = FaultyOps()
+    gate = ops.gate("replace", path_contains="pytorch_model.bin")  # the file's publication
+    ck = fastckpt.Checkpointer(ops=ops, overhead_budget=0.99)
+    real_save = ck.save
+
+    def save(state_dict, path, group=None, **kw):  # a spy: a wait for the file opens the gate
+        handle = real_save(state_dict, path, group, **kw)
+        real_wait = handle.wait
+
+        def wait(timeout=None):
+            gate.open()
+            return real_wait(timeout)
+
+        handle.wait = wait
+        return handle
+
+    ck.save = save
+    eng = engine(2, None, seed=0)
+    attach(eng, {}, checkpointer=ck)
+    train(eng, 1, 1)
+    want = {k: v.clone() for k, v in eng.module_state_dict().items()}
+    try:
+        eng.save_16bit_model(d)
+        written = os.path.exists(os.path.join(d, "pytorch_model.bin"))
+    finally:
+        gate.open()
+    assert written == (eng.global_rank == 0), written  # DeepSpeed writes it on rank 0
+    if written:
+        same(fastckpt.load(os.path.join(d, "pytorch_model.bin")), want, "the 16-bit export")
+    eng.destroy()
+    ck.close()
+
+    # "when_busy": "skip" drops a save that finds the staging buffer busy: the export says so
+    busy_ops = FaultyOps()
+    held = busy_ops.gate("pwrite", path_contains="mp_rank_00_model_states")  # the checkpoint keeps the buffer
+    eng = engine(0, None, seed=0)
+    attach(eng, {}, checkpointer=fastckpt.Checkpointer(ops=busy_ops, when_busy="skip", overhead_budget=0.99))
+    train(eng, 1, 1)
+    eng.save_checkpoint(os.path.join(root, "export-busy"), "b1")
+    try:
+        if eng.global_rank == 0:  # the only rank that writes, without ZeRO
+            assert held.wait_entered(60)
+            try:
+                eng.save_16bit_model(os.path.join(root, "export-busy"))
+                raise AssertionError("a dropped 16-bit export returned as if written")
+            except fastckpt.CheckpointWriteError as exc:
+                assert "when_busy" in str(exc), str(exc)
+    finally:
+        held.open()
+    eng.destroy()
+
+
 def destroy(root: str) -> None:
     d = os.path.join(root, "destroyed")
     eng = engine(2, {"local_dir": os.path.join(root, "nvme")}, seed=0)
@@ -340,7 +398,7 @@ def exit_flush(root: str) -> None:
 
 SCENARIOS = {"roundtrip": lambda root: [roundtrip(root, s) for s in (0, 1, 2, 3)], "convert": convert,
              "interop": interop, "report": report, "unsafe": unsafe, "switch": switch, "s3": s3,
-             "universal": universal, "destroy": destroy, "exit": exit_flush,
+             "universal": universal, "export": export, "destroy": destroy, "exit": exit_flush,
              "lazy": lambda root: [lazy(root, s) for s in (0, 1, 2, 3)]}
 
 

@@ -27,7 +27,7 @@ from tests.integration._fork_launcher import run_session  # noqa: E402
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 WORKER = str(HERE / "_deepspeed_worker.py")
-TWO_PROCESS_SCENARIOS = "roundtrip,convert,interop,report,unsafe,switch,lazy,universal,destroy"
+TWO_PROCESS_SCENARIOS = "roundtrip,convert,interop,report,unsafe,switch,lazy,universal,export,destroy"
 
 
 @dataclass(frozen=True)
@@ -155,6 +155,14 @@ def test_deepspeeds_universal_conversion_of_a_checkpoint_loads(two_processes: Ru
     assert "universal" in two_processes.results[0]["done"]
     converted = two_processes.root / "universal" / "u2_universal"
     assert (converted / "mp_rank_00_model_states.pt").exists() and not (converted / C.GROUP_MANIFEST).exists()
+
+
+def test_save_16bit_model_returns_with_its_file_written(two_processes: Run) -> None:
+    """As DeepSpeed's own engine: export, then load at once (asserted in the worker, with the
+    file's rename held until the save is waited for)."""
+    for r in (0, 1):
+        assert "export" in two_processes.results[r]["done"]
+    assert (two_processes.root / "export" / "pytorch_model.bin").exists()
 
 
 def test_destroy_returns_with_the_checkpoint_durable(two_processes: Run) -> None:
