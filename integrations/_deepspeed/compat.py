@@ -40,11 +40,14 @@ class Store:
         """Point ``root/latest`` at ``name`` (atomic: temp, fsync, rename; one PUT at a URL)."""
         self.place(root).put(LATEST, name.encode())
 
-    def newest_group(self, root: str) -> str | None:
-        """The newest complete group directly under ``root`` by a scan (not the pointer: the
-        caller compares the two), or None."""
-        groups = [f for f in scan(self._homes.resolve(root), max_depth=1) if f.kind == "group"]
-        return groups[-1].path if groups else None
+    def newest_group(self, root: str) -> tuple[str, dict] | None:
+        """The newest complete group directly under ``root`` whose commit was to move ``latest``
+        (not saved with ``save_latest=False``), by a scan (not the pointer: the caller compares
+        the two): its path and manifest, or None."""
+        loc = self._homes.resolve(root)
+        groups = [f for f in scan(loc, max_depth=1) if f.kind == "group" and not f.foreign and _tag(loc.url, f.path)
+                  and f.manifest.get("save_latest", True)]
+        return (groups[-1].path, groups[-1].manifest) if groups else None
 
     def manifest(self, group: str) -> dict | None:
         data = self.place(group).get(GROUP_MANIFEST)
@@ -68,6 +71,12 @@ class Store:
         data = self.place(url).get(GROUP_MANIFEST)
         if data is not None:
             self.place(local).put(GROUP_MANIFEST, data)
+
+
+def _tag(root: str, path: str) -> bool:
+    """``path`` is a directory right inside ``root`` (a tag), not ``root`` itself."""
+    rel = path[len(root):].strip("/") if path.startswith(root) else ""
+    return bool(rel) and "/" not in rel
 
 
 def order(manifest: dict) -> float:

@@ -137,24 +137,19 @@ def _join(root: str, name: str) -> str:
     return posixpath.join(root, name) if is_url(root) else os.path.join(root, name)
 
 
-def _parent(path: str) -> str:
-    return normalize(posixpath.dirname(path) if is_url(path) else os.path.dirname(path))
-
-
 def resolve_tag(store: Store, root: str, storage_options: dict | None) -> tuple[str | None, bool]:
     """The tag ``load_checkpoint(root)`` loads, and whether ``root/latest`` lags behind it.
 
     ``root/latest`` decides when it names a complete checkpoint (or a tag fastckpt never
     wrote: DeepSpeed's own engine's). It can name an incomplete one only after a re-save of
-    that tag began; it lags when a crash fell between a group's publication and the pointer's
-    move. Then the newest complete group under ``root`` that was saved with save_latest wins.
+    that tag began; it lags, or is missing, when a crash fell between a group's publication and
+    the pointer's move. Then the newest complete group under ``root`` that was saved with
+    save_latest wins. Tags saved with ``save_latest=False`` never do: without a ``latest``
+    file and any other tag, the answer is None, and DeepSpeed loads nothing, as its own engine.
     """
     named = store.pointer(root)
     newest = store.newest_group(root)
-    cand, cand_m = None, None
-    if newest is not None and _parent(newest) == root:
-        cand = newest.rsplit("/", 1)[-1]
-        cand_m = store.manifest(newest)
+    cand, cand_m = (newest[0].rsplit("/", 1)[-1], newest[1]) if newest is not None else (None, None)
     if named is None:
         return cand, cand is not None
     named_m = store.manifest(_join(root, named))
@@ -162,7 +157,7 @@ def resolve_tag(store: Store, root: str, storage_options: dict | None) -> tuple[
         if store.attempted(_join(root, named)):
             return cand, cand is not None
         return named, False
-    if cand_m is not None and cand != named and cand_m.get("save_latest", True) and order(cand_m) > order(named_m):
+    if cand_m is not None and cand != named and order(cand_m) > order(named_m):
         return cand, True
     return named, False
 

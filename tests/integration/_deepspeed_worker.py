@@ -21,6 +21,8 @@ rank writes ROOT/results/rank{r}.json with what the test checks from outside:
              files out of the tag) and load_universal loads the result
   export     save_16bit_model returns with its file written, as DeepSpeed's own engine does (the
              file's rename is held until the save is waited for)
+  nolatest   a directory holding only a tag saved with save_latest=False: load_checkpoint(dir)
+             loads nothing and writes no latest file, as DeepSpeed's own engine
   destroy    destroy() returns with the checkpoint durable
   exit       the last save is still in flight when main returns: interpreter exit flushes it
 """
@@ -373,6 +375,19 @@ def export(root: str) -> None:
     eng.destroy()
 
 
+def nolatest(root: str) -> None:
+    d = os.path.join(root, "no-latest")
+    a = engine(0, {}, seed=0)
+    train(a, 1, 1)
+    a.save_checkpoint(d, "export", save_latest=False)
+    a.destroy()
+    b = engine(0, {}, seed=1)
+    assert b.load_checkpoint(d) == (None, None)
+    b.destroy()
+    assert not os.path.exists(os.path.join(d, "latest"))
+    assert os.path.exists(os.path.join(d, "export", "fastckpt-manifest.json"))  # committed all the same
+
+
 def destroy(root: str) -> None:
     d = os.path.join(root, "destroyed")
     eng = engine(2, {"local_dir": os.path.join(root, "nvme")}, seed=0)
@@ -398,7 +413,8 @@ def exit_flush(root: str) -> None:
 
 SCENARIOS = {"roundtrip": lambda root: [roundtrip(root, s) for s in (0, 1, 2, 3)], "convert": convert,
              "interop": interop, "report": report, "unsafe": unsafe, "switch": switch, "s3": s3,
-             "universal": universal, "export": export, "destroy": destroy, "exit": exit_flush,
+             "universal": universal, "export": export, "nolatest": nolatest,
+             "destroy": destroy, "exit": exit_flush,
              "lazy": lambda root: [lazy(root, s) for s in (0, 1, 2, 3)]}
 
 

@@ -27,7 +27,7 @@ from tests.integration._fork_launcher import run_session  # noqa: E402
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 WORKER = str(HERE / "_deepspeed_worker.py")
-TWO_PROCESS_SCENARIOS = "roundtrip,convert,interop,report,unsafe,switch,lazy,universal,export,destroy"
+TWO_PROCESS_SCENARIOS = "roundtrip,convert,interop,report,unsafe,switch,lazy,universal,export,nolatest,destroy"
 
 
 @dataclass(frozen=True)
@@ -163,6 +163,14 @@ def test_save_16bit_model_returns_with_its_file_written(two_processes: Run) -> N
     for r in (0, 1):
         assert "export" in two_processes.results[r]["done"]
     assert (two_processes.root / "export" / "pytorch_model.bin").exists()
+
+
+def test_a_tag_saved_without_save_latest_is_not_loaded_without_a_tag(two_processes: Run) -> None:
+    """Only such a tag, no latest file: load_checkpoint(dir) returns (None, None) and writes no
+    latest file, as DeepSpeed's own engine (asserted in the worker)."""
+    for r in (0, 1):
+        assert "nolatest" in two_processes.results[r]["done"]
+    assert sorted(p.name for p in (two_processes.root / "no-latest").iterdir() if p.suffix != ".py") == ["export"]
 
 
 def test_destroy_returns_with_the_checkpoint_durable(two_processes: Run) -> None:

@@ -71,6 +71,23 @@ def test_a_tag_saved_without_save_latest_does_not_win(tmp_path: Path) -> None:
     assert _resolve(tmp_path) == ("global_step1", False)
 
 
+def test_without_latest_a_tag_saved_without_save_latest_is_never_loaded(tmp_path: Path) -> None:
+    """As DeepSpeed's own engine: no ``latest`` file, nothing to load (it warns, returns None)."""
+    _group(tmp_path, "export", 1.0, save_latest=False)
+    assert _resolve(tmp_path) == (None, False)
+    _group(tmp_path, "global_step1", 2.0)  # its commit died before writing latest
+    _group(tmp_path, "export2", 3.0, save_latest=False)
+    assert _resolve(tmp_path) == ("global_step1", True)
+
+
+def test_a_lagging_latest_moves_past_newer_tags_saved_without_save_latest(tmp_path: Path) -> None:
+    _group(tmp_path, "global_step1", 1.0)
+    _group(tmp_path, "global_step2", 2.0)  # its commit died before moving latest
+    _group(tmp_path, "best", 3.0, save_latest=False)
+    (tmp_path / "latest").write_text("global_step1")
+    assert _resolve(tmp_path) == ("global_step2", True)
+
+
 def test_deepspeeds_own_tags_are_trusted(tmp_path: Path) -> None:
     """A tag written by DeepSpeed's default engine has neither manifest nor markers."""
     _group(tmp_path, "global_step1", 1.0)
