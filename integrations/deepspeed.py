@@ -23,6 +23,7 @@ of its optimizer's step: the fence).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import replace
 
 import deepspeed
 import torch
@@ -116,13 +117,32 @@ def attach(engine: DeepSpeedEngine, config: str | Mapping | Section | None = Non
 
 
 def install(engine: DeepSpeedEngine, checkpointer: Checkpointer | Callable[[], Checkpointer] | None = None,
-            on_commit: Callable[[SaveHandle], None] | None = None, *, lazy_snapshot: bool = False) -> FastCkptEngine:
+            on_commit: Callable[[SaveHandle], None] | None = None, *,
+            lazy_snapshot: bool = False) -> FastCkptEngine | None:
     """``attach`` for code that already holds a Checkpointer, or a function returning the one to
-    use now (FastCkptIO with Lightning's DeepSpeedStrategy); None creates a default one.
-    ``lazy_snapshot`` as in the config section."""
-    if checkpointer is None:
-        return attach(engine, {"lazy_snapshot": lazy_snapshot}, on_commit=on_commit)  # type: ignore[return-value]
-    return _install(engine, checkpointer, Section(lazy_snapshot=lazy_snapshot), on_commit)
+    use now (FastCkptIO with Lightning's DeepSpeedStrategy); None creates one from the section.
+
+    The ``"fastckpt"`` section of the engine's DeepSpeed config (Lightning:
+    ``DeepSpeedStrategy(config=...)``) is honoured: ``"enabled": false`` leaves the engine alone,
+    ``weights_only`` is taken from it, ``"lazy_snapshot": true`` turns the lazy snapshot on as
+    ``lazy_snapshot`` does. Without ``weights_only`` there, loads unpickle anything
+    (``weights_only=False``), as DeepSpeed's own engine under Lightning does: Lightning keeps the
+    module's hyper-parameters, of any type, in every checkpoint.
+
+    Raises:
+        ConfigError: an invalid section, or one with Checkpointer options while ``checkpointer``
+            is given (set them on FastCkptIO, or on that Checkpointer).
+    """
+    section = _section(engine, None)
+    if not section.enabled:
+        return None
+    if checkpointer is not None and section.options:
+        raise ConfigError(f"FastCkptIO (and install(engine, checkpointer)) saves through its own Checkpointer; do not "
+                          f'also set {sorted(section.options)} in the "{SECTION}" section of the DeepSpeed config: '
+                          "pass them to FastCkptIO(...) (or to that Checkpointer)")
+    section = replace(section, weights_only=False if section.weights_only is None else section.weights_only,
+                      lazy_snapshot=section.lazy_snapshot or lazy_snapshot)
+    return _install(engine, checkpointer, section, on_commit)
 
 
 def _section(engine: DeepSpeedEngine, config: str | Mapping | Section | None) -> Section:
@@ -152,7 +172,7 @@ def _install(engine: DeepSpeedEngine, source: Checkpointer | Callable[[], Checkp
         previous.uninstall()
     owned = OwnedCheckpointer(section.options) if source is None else None
     fe = FastCkptEngine(owned if owned is not None else source, on_commit,  # type: ignore[arg-type]
-                        weights_only=section.weights_only,
+                        weights_only=section.weights_only is not False,  # unset: True (attach's default)
                         fenced=(lambda: fenced_tensors(engine)) if section.lazy_snapshot else None)
     hooks = EngineHooks(engine, fe, owned, flush_at_exit=source is None or isinstance(source, Checkpointer))
     hooks.install()

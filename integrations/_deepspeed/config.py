@@ -51,13 +51,15 @@ class Section:
 
     Attributes:
         enabled: False leaves DeepSpeed alone.
-        weights_only: load with ``torch.load(weights_only=True)`` plus DeepSpeed's classes.
+        weights_only: load with ``torch.load(weights_only=True)`` plus DeepSpeed's classes;
+            None when the section does not say: each entry point applies its documented default
+            (``attach``: True; ``install``, Lightning's path: False).
         lazy_snapshot: saves return before the tensors are copied; the optimizer step waits.
         options: keyword arguments for ``fastckpt.Checkpointer`` (already validated).
     """
 
     enabled: bool = True
-    weights_only: bool = True
+    weights_only: bool | None = None
     lazy_snapshot: bool = False
     options: Mapping[str, object] = field(default_factory=lambda: MappingProxyType({}))
 
@@ -125,7 +127,8 @@ def parse_section(raw: object, where: str = "the DeepSpeed config") -> Section:
     except ConfigError as exc:
         exc.add_note(f'(in the "{SECTION}" section of {where})')
         raise
-    return Section(bool(raw.get("enabled", True)), bool(raw.get("weights_only", True)),
+    weights_only = raw.get("weights_only")
+    return Section(bool(raw.get("enabled", True)), None if weights_only is None else bool(weights_only),
                    bool(raw.get("lazy_snapshot", False)), MappingProxyType(dict(options)))
 
 

@@ -54,7 +54,8 @@ def _safe_globals() -> list:
 
 
 SAFE_GLOBALS = _safe_globals()
-OPT_OUT = '"fastckpt": {"weights_only": false} in the DeepSpeed config'
+OPT_OUT = ('"fastckpt": {"weights_only": false} in the DeepSpeed config (under Lightning: the config given to '
+           "DeepSpeedStrategy(config=...))")
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,9 @@ rank writes ROOT/results/rank{r}.json with what the test checks from outside:
              file's rename is held until the save is waited for)
   nolatest   a directory holding only a tag saved with save_latest=False: load_checkpoint(dir)
              loads nothing and writes no latest file, as DeepSpeed's own engine
+  install    install() (FastCkptIO's path under Lightning's DeepSpeedStrategy) honours the
+             config's section: weights_only (default false there), enabled, and refuses
+             Checkpointer options it cannot apply
   destroy    destroy() returns with the checkpoint durable
   exit       the last save is still in flight when main returns: interpreter exit flushes it
 """
@@ -388,6 +391,47 @@ def nolatest(root: str) -> None:
     assert os.path.exists(os.path.join(d, "export", "fastckpt-manifest.json"))  # committed all the same
 
 
+def install_section(root: str) -> None:
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+    from fastckpt.errors import ConfigError
+    from fastckpt.integrations.deepspeed import install
+
+    def built(section: dict | None):  # as Lightning's DeepSpeedStrategy builds it: the section in its config
+        return engine(0, section, seed=0, use_fastckpt_initialize=False)
+
+    d = os.path.join(root, "installed")
+    ck = fastckpt.Checkpointer(overhead_budget=0.99)
+    a = built(None)
+    assert install(a, ck).weights_only is False  # no section: as DeepSpeed's engine under Lightning
+    train(a, 1, 1)
+    a.save_checkpoint(d, "i1", client_state={"obj": Note(7)})  # Lightning's hparams may be of any type
+    _, client = a.load_checkpoint(d)
+    assert client["obj"].v == 7
+    a.destroy()
+    b = built({"weights_only": True})
+    assert install(b, ck).weights_only is True
+    try:
+        b.load_checkpoint(d)
+        raise AssertionError("weights_only=True in the section was not honoured")
+    except pickle.UnpicklingError as exc:
+        notes = "\n".join(getattr(exc, "__notes__", []))
+        assert '"weights_only": false' in notes and "DeepSpeedStrategy(config=...)" in notes, notes
+    b.destroy()
+    c = built({"weights_only": False, "local_dir": os.path.join(root, "nvme")})
+    try:
+        install(c, ck)
+        raise AssertionError("a section's Checkpointer options were silently ignored")
+    except ConfigError as exc:
+        assert "['local_dir']" in str(exc) and "FastCkptIO(...)" in str(exc), str(exc)
+    assert install(c, None).checkpointer.config.local_dir == os.path.join(root, "nvme")  # no Checkpointer: used
+    c.destroy()
+    off = built({"enabled": False})
+    assert install(off, ck) is None and isinstance(off.checkpoint_engine, TorchCheckpointEngine)
+    off.destroy()
+    ck.close()
+
+
 def destroy(root: str) -> None:
     d = os.path.join(root, "destroyed")
     eng = engine(2, {"local_dir": os.path.join(root, "nvme")}, seed=0)
@@ -413,7 +457,7 @@ def exit_flush(root: str) -> None:
 
 SCENARIOS = {"roundtrip": lambda root: [roundtrip(root, s) for s in (0, 1, 2, 3)], "convert": convert,
              "interop": interop, "report": report, "unsafe": unsafe, "switch": switch, "s3": s3,
-             "universal": universal, "export": export, "nolatest": nolatest,
+             "universal": universal, "export": export, "nolatest": nolatest, "install": install_section,
              "destroy": destroy, "exit": exit_flush,
              "lazy": lambda root: [lazy(root, s) for s in (0, 1, 2, 3)]}
 

@@ -8,8 +8,10 @@ everything checkpoint-related (``save_checkpoint`` -> ``deepspeed_engine.save_ch
 ``remove_checkpoint``) is Lightning's own code.
 
 Three fits, as in the DDP script: a reference, a run stopped after one epoch, and one resumed
-from "last", both with the lazy snapshot (the engine's optimizer step waits for the copy). Each
-rank writes its final weights; rank 0 writes a summary.
+from "last", both with the lazy snapshot (the engine's optimizer step waits for the copy). The
+module's hyper-parameters hold a ``pathlib.Path``, which the resume unpickles (the engine loads
+with ``weights_only=False`` on this path, as DeepSpeed's own). Each rank writes its final
+weights; rank 0 writes a summary.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import faulthandler
 import json
 import os
+import pathlib
 import sys
 import warnings
 
@@ -50,8 +53,9 @@ class CPUDeepSpeedStrategy(DeepSpeedStrategy):
 
 
 class Model(L.LightningModule):  # DeepSpeed wants one optimizer and no BatchNorm subtleties
-    def __init__(self) -> None:
+    def __init__(self, data_dir: pathlib.Path = pathlib.Path("/data")) -> None:
         super().__init__()
+        self.save_hyperparameters()  # in every checkpoint's client_state: a Path is no plain type
         self.net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
 
     def training_step(self, batch, batch_idx):

@@ -27,7 +27,7 @@ from tests.integration._fork_launcher import run_session  # noqa: E402
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 WORKER = str(HERE / "_deepspeed_worker.py")
-TWO_PROCESS_SCENARIOS = "roundtrip,convert,interop,report,unsafe,switch,lazy,universal,export,nolatest,destroy"
+TWO_PROCESS_SCENARIOS = "roundtrip,convert,interop,report,unsafe,switch,lazy,universal,export,nolatest,install,destroy"
 
 
 @dataclass(frozen=True)
@@ -171,6 +171,12 @@ def test_a_tag_saved_without_save_latest_is_not_loaded_without_a_tag(two_process
     for r in (0, 1):
         assert "nolatest" in two_processes.results[r]["done"]
     assert sorted(p.name for p in (two_processes.root / "no-latest").iterdir() if p.suffix != ".py") == ["export"]
+
+
+def test_install_honours_the_section_of_the_engines_config(two_processes: Run) -> None:
+    """FastCkptIO's path under Lightning's DeepSpeedStrategy (asserted in the worker)."""
+    for r in (0, 1):
+        assert "install" in two_processes.results[r]["done"]
 
 
 def test_destroy_returns_with_the_checkpoint_durable(two_processes: Run) -> None:

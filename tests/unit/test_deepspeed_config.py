@@ -56,6 +56,7 @@ def test_a_full_section_parses() -> None:
                        "keep_local": 2, "storage_options": {"key": "k"}, "commit_timeout_s": 60})
     assert s.enabled and not s.weights_only and not s.lazy_snapshot
     assert parse_section({"lazy_snapshot": True}).lazy_snapshot
+    assert parse_section({}).weights_only is None  # unset: each entry point's documented default applies
     assert dict(s.options) == {"local_dir": "/nvme", "overhead_budget": 0.05, "keep_local": 2,
                                "storage_options": {"key": "k"}, "commit_timeout_s": 60}
     assert section_of({"train_batch_size": 8}).enabled is False  # no section: DeepSpeed alone
