@@ -480,6 +480,7 @@ def test_close_timeout_bounds_close_and_keeps_what_it_gave_up(tmp_path, caplog) 
     assert os.path.exists(ck.local_path(str(home / "b.pt"))) and not os.path.exists(home / "b.pt")
     logged = [r for r in caplog.records if "background failure not raised" in r.getMessage()]
     assert len(logged) == 1 and "bad.pt" in logged[0].getMessage()
-    with pytest.raises(RuntimeError, match="after shutdown"):  # it ended on its own: close() stopped the I/O under it
-        running.result(60)
+    with pytest.raises(ReplicationError, match="stopped waiting for it .*while it was copied") as stopped:
+        running.result(60)  # it ended on its own: close() stopped the I/O under it, and the error says so
+    assert "after shutdown" in repr(stopped.value.__cause__)
     assert os.path.exists(ck.local_path(str(home / "a.pt")))

@@ -64,6 +64,7 @@ class Replicator:
         self._running: list[ReplicaJob] = []
         self._threads: list[threading.Thread] = []
         self._closed = False
+        self._gave_up = False  # close(wait=False): running copies fail as their pools stop under them
         self._cancel: dict[str, int] = {}  # paths being removed -> how many remove() calls
         self.failures = 0
         self.newest_verified_call: float | None = None  # wall time of that checkpoint's save call
@@ -161,8 +162,18 @@ class Replicator:
             except BaseException as exc:  # noqa: BLE001 (delivered through the future, raised once)
                 with self._cv:
                     self.failures += 1
-                log.error("fastckpt: replication of %s failed: %s; the local copy is kept at %s",
-                          job.rec.path, exc, job.local)
+                    gave_up = self._gave_up
+                if gave_up:  # its pools were stopped under it: say why, not "cannot schedule new futures"
+                    log.warning("fastckpt: replication of %s stopped: close() stopped waiting for it "
+                                "(close_timeout_s); the local copy is kept at %s", job.rec.path, job.local)
+                    err = ReplicationError(f"{job.rec.path} was not replicated: close() stopped waiting for it "
+                                           f"(close_timeout_s) while it was copied; its local copy stays at "
+                                           f"{job.local}")
+                    err.__cause__ = exc
+                    exc = err
+                else:
+                    log.error("fastckpt: replication of %s failed: %s; the local copy is kept at %s",
+                              job.rec.path, exc, job.local)
                 job.future.set_exception(exc)
             finally:
                 with self._cv:
@@ -190,6 +201,7 @@ class Replicator:
         unwaited for (``Checkpointer.close`` past ``close_timeout_s``)."""
         with self._cv:
             self._closed = True
+            self._gave_up = not wait
             dropped = [] if wait else list(self._queue)
             if not wait:
                 self._queue.clear()
