@@ -156,3 +156,20 @@ def test_a_corrupt_last_copy_is_reported_as_corrupt_not_missing(tmp_path: Path) 
             ck.load(path)
     assert not isinstance(err.value, FileNotFoundError)
     assert f"{ck.local_path(path)} is corrupt" in str(err.value) and f"{path} does not exist" in str(err.value)
+
+
+def test_latest_skips_a_file_whose_sidecar_is_damaged(tmp_path: Path) -> None:
+    """On an object store a single file is published by its sidecar. A damaged one (a partial
+    copy between buckets, an edit) makes that file no candidate: ``latest`` names the newest
+    complete one instead of failing every resume on a JSON error."""
+    import fsspec
+
+    bucket = f"fastckpt-{uuid.uuid4().hex[:8]}"
+    root = f"memory://{bucket}/run"
+    with fastckpt.Checkpointer(local_dir=str(tmp_path / "nvme")) as ck:
+        ck.save(_state(1), f"{root}/a.pt").wait()
+        ck.save(_state(2), f"{root}/b.pt").wait()
+        assert ck.latest(root).endswith(f"{bucket}/run/b.pt")
+        fsspec.filesystem("memory").pipe_file(f"/{bucket}/run/b.pt.fastckpt.json", b'{"written_at": 1')
+        assert ck.latest(root).endswith(f"{bucket}/run/a.pt")
+        assert fastckpt.latest(root).endswith(f"{bucket}/run/a.pt")

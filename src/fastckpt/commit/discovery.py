@@ -32,7 +32,9 @@ from __future__ import annotations
 import json
 import logging
 import posixpath
+from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import TypeVar
 
 from ..errors import CorruptCheckpointError, IncompleteCheckpointError
 from ..storage.homes import Homes, Location
@@ -48,10 +50,12 @@ from .protocol import (
     incomplete_group_error,
     pointed_name,
     read_group_manifest,
+    read_sidecar,
 )
 
 log = logging.getLogger("fastckpt")
 MAX_DEPTH = 4
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -84,7 +88,7 @@ def scan(loc: Location, max_depth: int = MAX_DEPTH) -> list[Found]:
     marked = {"" if m.startswith(f"{MARKER_DIR}/") else m for m in marked}
     found: list[Found] = []
     for g in sorted(groups):
-        m = read_group_manifest(loc.place().child(g) if g else loc.place())
+        m = _damaged_is_none(read_group_manifest, loc.place().child(g) if g else loc.place())
         if m is not None:
             found.append(Found(join(loc.url, g), "group", group_order(m), m))
     ds_tags = {t for r in rels if posixpath.basename(r) == "latest" and not _hidden(r)
@@ -96,8 +100,10 @@ def scan(loc: Location, max_depth: int = MAX_DEPTH) -> list[Found]:
         if rel.count("/") > max_depth or _hidden(rel) or any(rel.startswith(f"{g}/") or not g for g in inside):
             continue
         if rel.endswith(SIDECAR):
-            side = json.loads(loc.target.get_bytes(prefix + rel))
-            found.append(Found(join(loc.url, rel[: -len(SIDECAR)]), "file", float(side.get("written_at", 0.0)), side))
+            side = _damaged_is_none(read_sidecar, Location(loc.target, prefix + rel[: -len(SIDECAR)]))
+            if side is not None:  # None: deleted since the listing (retention), or damaged
+                found.append(Found(join(loc.url, rel[: -len(SIDECAR)]), "file", float(side.get("written_at", 0.0)),
+                                   side))
         elif rel not in sidecars and posixpath.basename(rel) != "latest":
             f = _file(loc, prefix, rel)
             if f is not None:
@@ -106,6 +112,16 @@ def scan(loc: Location, max_depth: int = MAX_DEPTH) -> list[Found]:
         written = loc.target.modified(prefix + posixpath.join(posixpath.dirname(t), "latest"))
         others.append(Found(join(loc.url, t), "group", written, {}, "DeepSpeed", foreign.tag_step(t)))
     return _ordered(loc, prefix, found, others)
+
+
+def _damaged_is_none(read: Callable[[T], dict | None], where: T) -> dict | None:
+    """``read(where)``: a publication record (a group's manifest, a file's sidecar); None when it
+    is damaged, which makes that checkpoint no candidate, and says so."""
+    try:
+        return read(where)
+    except CorruptCheckpointError as exc:
+        log.warning("fastckpt: skipping a damaged checkpoint: %s", exc)
+        return None
 
 
 def _file(loc: Location, prefix: str, rel: str) -> Found | None:
