@@ -16,7 +16,8 @@ Counting: each ``Fault`` counts the calls of its ``op`` whose path matches, from
 was configured, and fires on the ``nth`` one, once. ``write_small`` (manifests, markers,
 pointers) is itself built from ``open``/``pwrite``/``fsync``, so those calls count for faults on
 those ops too. ``fsync``, ``pwrite``, ``preadv``, ``ftruncate`` and ``map_private`` match against the path their
-descriptor was opened with; ``replace`` matches if either its source or its destination does.
+descriptor was opened with; ``replace`` matches if either its source or its destination does. A
+temp file (``io.atomic.tmp_name``) matches as the path it becomes, too.
 
 Pausing: ``gate(op, ...)`` returns a ``Gate`` that holds every matching call (on whatever thread
 makes it) until ``Gate.open()``; ``Gate.wait_entered()`` lets a test know a call reached it. An
@@ -34,6 +35,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from .io.atomic import final_path
 from .io.ops import FileOps, Residency
 
 __all__ = ["Fault", "FaultyOps", "Gate", "OPS"]
@@ -178,6 +180,7 @@ class FaultyOps(FileOps):
     def _check(self, op: str, *paths: str) -> Fault | None:
         """Count this call, run the hooks, and return the fault that fires on it (if any)."""
         hit: Fault | None = None
+        paths += tuple(p for p in map(final_path, paths) if p is not None)  # a temp file matches as its name too
         with self._lock:
             self._calls[op] += 1
             for i, f in enumerate(self._faults):

@@ -233,7 +233,7 @@ def scenario_save(d: str, rank: int, world: int) -> dict:
     index = ck.load(os.path.join(it(3), fm.INDEX_FILE))
     out["index_counts"] = {k: sum(t["key"] == k for t in index["tensors"]) for k in ("ln", "grid", "big", "stack")}
 
-    ops.inject(Fault("pwrite", errno.ENOSPC, path_contains=f"iter_0000004{os.sep}.fastckpt-rank00001"))
+    ops.inject(Fault("pwrite", errno.ENOSPC, path_contains=f"iter_0000004{os.sep}fastckpt-rank00001"))
     sd = make_state(4, rank, world, "save")
     out["failed_save"] = _error(lambda: dc.save(sd, it(4), ("fastckpt", 1)))
     out["tracker_after_failure"] = fm.read_tracker(d)
@@ -293,17 +293,18 @@ def scenario_loop(d: str, rank: int, world: int) -> dict:
 
     import fastckpt
     from fastckpt.integrations import megatron as fm
+    from fastckpt.io.atomic import final_path
     from fastckpt.testing import FaultyOps
 
     target, hold, trackers = os.environ["KILL_AT"], threading.Event(), []
 
     def hook(op: str, path: str) -> None:
-        name = os.path.basename(path)
-        if op == "replace" and name.startswith(f".{fm.TRACKER}"):
+        name = os.path.basename(final_path(path) or path)  # a temp file's name carries the name it gets
+        if op == "replace" and name == fm.TRACKER:
             trackers.append(path)
-        hit = {"write": op == "pwrite" and "iter_0000003" in path and name.startswith(".fastckpt-rank00001"),
-               "manifest": op == "replace" and "iter_0000003" in path and name.startswith(".fastckpt-manifest.json"),
-               "tracker": op == "replace" and name.startswith(f".{fm.TRACKER}") and len(trackers) == 3}[target]
+        hit = {"write": op == "pwrite" and "iter_0000003" in path and name.startswith("fastckpt-rank00001"),
+               "manifest": op == "replace" and "iter_0000003" in path and name == "fastckpt-manifest.json",
+               "tracker": op == "replace" and name == fm.TRACKER and len(trackers) == 3}[target]
         if hit:
             print(f"GATE {target} rank={rank}", flush=True)
             hold.wait()  # until SIGKILL
@@ -376,7 +377,7 @@ def scenario_resave(d: str, rank: int, world: int) -> dict:
     out["after_refused"] = loaded()
     dc.save(state(3.0, "second"), path, ("fastckpt", 1))
     out["second"] = loaded()
-    ops.inject(Fault("pwrite", errno.ENOSPC, path_contains=f".fastckpt-next{os.sep}.fastckpt-rank00000"))
+    ops.inject(Fault("pwrite", errno.ENOSPC, path_contains=f".fastckpt-next{os.sep}fastckpt-rank00000"))
     out["failed"] = _error(lambda: dc.save(state(4.0, "failed"), path, ("fastckpt", 1)))
     out["after_failed"] = loaded()
     out["tracker"] = fm.read_tracker(d)

@@ -17,7 +17,7 @@ import torch
 import fastckpt
 from fastckpt.commit.protocol import SIDECAR
 from fastckpt.errors import CorruptCheckpointError, ReplicationError
-from fastckpt.io.atomic import TMP_TAG
+from fastckpt.io.atomic import TMP_TAG, final_path
 from fastckpt.testing import FaultyOps
 
 
@@ -312,7 +312,7 @@ def test_retention_keeps_the_newest_save_when_an_older_one_is_verified_last(tmp_
     entered, release = threading.Event(), threading.Event()
 
     def hold_upload_of_c1(op: str, path: str) -> None:  # its copy to dest waits; c2's runs beside it
-        if op == "pwrite" and path.startswith(str(dest / f".c1.pt{TMP_TAG}")):
+        if op == "pwrite" and final_path(path) == str(dest / "c1.pt"):
             entered.set()
             assert release.wait(60)
 

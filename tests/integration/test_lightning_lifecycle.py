@@ -170,6 +170,36 @@ def test_slurm_requeue_checkpoint_is_durable_before_scontrol_requeue(tmp_path) -
     assert "hpc_ckpt_1.ckpt" in at_requeue
     assert fastckpt.load(str(root / "hpc_ckpt_1.ckpt"))["global_step"] == 2
 
+    # A later preemption's save of hpc_ckpt_2.ckpt killed before its rename leaves a temp file
+    # beside hpc_ckpt_1.ckpt. Lightning's resume takes the digits after "hpc_ckpt_" in every
+    # name holding it: a temp name carrying the file's name would send it to a version that
+    # does not exist.
+    killed = subprocess.Popen([sys.executable, "-c", KILLED_SAVE.format(repo=repo, path=str(root / "hpc_ckpt_2.ckpt"))],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert killed.stdout.readline().strip() == "renaming", killed.communicate(timeout=60)
+    killed.kill()
+    killed.wait(timeout=60)
+    leftovers = [n for n in os.listdir(root) if n.startswith(".") and n not in (".", "..")]
+    assert leftovers and "hpc_ckpt_2.ckpt" not in os.listdir(root), os.listdir(root)
+
     second = job(signal_at_2=False)
     assert second.returncode == 0, second.stderr[-3000:]
     assert f"resumed from {root / 'hpc_ckpt_1.ckpt'}" in second.stdout
+
+
+KILLED_SAVE = textwrap.dedent("""
+    import sys, threading
+    sys.path.insert(0, {repo!r})
+    import torch
+    import fastckpt
+    from fastckpt.testing import FaultyOps
+
+    def hook(op, path):
+        if op == "replace":  # the temp file is written and fsynced: stop here until killed
+            print("renaming", flush=True)
+            threading.Event().wait()
+
+    ck = fastckpt.Checkpointer(ops=FaultyOps(on_call=hook))
+    ck.save({{"w": torch.ones(1024)}}, {path!r})
+    ck.wait()
+""")

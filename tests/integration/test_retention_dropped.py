@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 import fastckpt
-from fastckpt.io.atomic import TMP_TAG
+from fastckpt.io.atomic import final_path
 from fastckpt.testing import FaultyOps
 from fastckpt.urls import mirror_path
 
@@ -76,12 +76,11 @@ class _Hold:
     """A FileOps hook that holds the upload of one file (its first write at the durable home)."""
 
     def __init__(self, home_file: str) -> None:
-        d, name = os.path.split(home_file)
-        self.prefix = os.path.join(d, f".{name}{TMP_TAG}")
+        self.home_file = home_file
         self.entered, self.release = threading.Event(), threading.Event()
 
     def __call__(self, op: str, path: str) -> None:
-        if op == "pwrite" and path.startswith(self.prefix):
+        if op == "pwrite" and final_path(path) == self.home_file:
             self.entered.set()
             assert self.release.wait(60)
 

@@ -18,11 +18,16 @@ from tests.helpers import tmp_files
 
 # --------------------------------------------------------------------------- publish_bytes
 def test_tmp_name_is_hidden_unique_and_beside_the_path(tmp_path: Path) -> None:
-    p = str(tmp_path / "dir" / "latest")
+    p = str(tmp_path / "dir" / "hpc_ckpt_1.ckpt")
     a, b = A.tmp_name(p), A.tmp_name(p)
     assert a != b
     assert os.path.dirname(a) == os.path.dirname(p)
-    assert os.path.basename(a).startswith(".latest")
+    assert os.path.basename(a).startswith(".")
+    # never the file's name: Lightning's SLURM resume parses a version out of any name holding "hpc_ckpt_"
+    assert "hpc_ckpt" not in os.path.basename(a)
+    assert A.final_path(a) == p and A.final_path(p) is None  # read back from the name (fault seams match it)
+    long = str(tmp_path / ("x" * 200))
+    assert len(os.path.basename(A.tmp_name(long))) <= A.NAME_MAX and A.final_path(A.tmp_name(long)) is None
     assert A.is_tmp(a) and A.is_tmp(os.path.basename(a))
     assert not A.is_tmp(p)
 
@@ -103,12 +108,14 @@ def test_sweep_removes_only_dead_local_processes_temp_files(tmp_path) -> None:
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True, check=True).stdout.strip()
     mine = tmp_name(str(tmp_path / "a.pt"))
-    stale = str(tmp_path / f".b.pt.fastckpt-tmp-{_HOST}.{dead}.0123456789ab")
-    other_host = str(tmp_path / f".c.pt.fastckpt-tmp-elsewhere.{dead}.0123456789ab")
-    for p in (mine, stale, other_host):
+    stale = str(tmp_path / f".fastckpt-tmp-{_HOST}.{dead}.0123456789ab~{b'b.pt'.hex()}")
+    stale_old_form = str(tmp_path / f".b.pt.fastckpt-tmp-{_HOST}.{dead}.0123456789ab")  # earlier versions' names
+    other_host = str(tmp_path / f".fastckpt-tmp-elsewhere.{dead}.0123456789ab~{b'c.pt'.hex()}")
+    for p in (mine, stale, stale_old_form, other_host):
         open(p, "wb").close()
-    assert sweep_stale_tmp(FileOps(), str(tmp_path)) == 1
-    assert os.path.exists(mine) and os.path.exists(other_host) and not os.path.exists(stale)
+    assert sweep_stale_tmp(FileOps(), str(tmp_path)) == 2
+    assert os.path.exists(mine) and os.path.exists(other_host)
+    assert not os.path.exists(stale) and not os.path.exists(stale_old_form)
 
 
 # --------------------------------------------------------------------------- replacing, the old file freed later

@@ -12,6 +12,7 @@ import torch
 import fastckpt
 from fastckpt.commit import protocol as P
 from fastckpt.errors import CheckpointWriteError
+from fastckpt.io.atomic import final_path
 from fastckpt.testing import Fault, FaultyOps
 from tests.helpers import close_all, expect_aborted_by_rank_1, latest, place
 
@@ -26,8 +27,8 @@ def _three_ranks_after_step_1(tmp_path: Path) -> tuple[list, FaultyOps, threadin
     manifest next)."""
     ops1 = FaultyOps()
     waiting = threading.Event()
-    ops2 = FaultyOps(on_call=lambda op, path: waiting.set() if op == "replace" and "global_step2" in path
-                     and "rank-00002" in path else None)
+    ops2 = FaultyOps(on_call=lambda op, path: waiting.set() if op == "replace"
+                     and (final_path(path) or "").endswith(f"global_step2/{P.marker_rel(2)}") else None)
     cks = [fastckpt.Checkpointer(rank=r, world_size=3, io_threads=1, overhead_budget=0.99, commit_timeout_s=600,
                                  ops={1: ops1, 2: ops2}.get(r)) for r in range(3)]
     g1 = tmp_path / "global_step1"

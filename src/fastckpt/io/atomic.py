@@ -34,10 +34,34 @@ PROBE_TAG = ".fastckpt-probe-"
 _HOST = socket.gethostname().replace(os.sep, "_")
 
 
+NAME_MAX = 255  # bytes of one directory entry's name (Linux file systems)
+
+
 def tmp_name(path: str) -> str:
-    """A hidden temp name beside ``path``, unique per attempt, naming its host and process."""
+    """A hidden temp name beside ``path``, unique per attempt, naming its host and process:
+    ``.fastckpt-tmp-HOST.PID.XXXXXXXXXXXX~<path's name in hex>``.
+
+    The name of the file it becomes is there only in hex (``final_path`` reads it back; it is
+    left out where the whole would not fit in one name): frameworks find their checkpoints by
+    listing the directory and matching parts of names (Lightning's SLURM resume takes the digits
+    after ``hpc_ckpt_`` in every name that holds it), so a temp file a killed save left behind
+    must never look like a checkpoint of some version."""
     d, base = os.path.split(path)
-    return os.path.join(d, f".{base}{TMP_TAG}{_HOST}.{os.getpid()}.{uuid.uuid4().hex[:12]}")
+    name = f"{TMP_TAG}{_HOST}.{os.getpid()}.{uuid.uuid4().hex[:12]}"
+    named = f"{name}~{base.encode().hex()}"
+    return os.path.join(d, named if len(named.encode()) <= NAME_MAX else name)
+
+
+def final_path(tmp: str) -> str | None:
+    """The path a temp file made by ``tmp_name`` becomes once published; None when its name
+    does not say (not a temp name, or too long to carry it)."""
+    d, base = os.path.split(tmp)
+    if TMP_TAG not in base or "~" not in base:
+        return None
+    try:
+        return os.path.join(d, bytes.fromhex(base.rsplit("~", 1)[1]).decode())
+    except (ValueError, UnicodeDecodeError):
+        return None
 
 
 def probe_name(directory: str) -> str:
@@ -51,10 +75,11 @@ def is_tmp(name: str) -> bool:
 
 
 def _writer_of(name: str) -> tuple[str, int] | None:
-    """(host, pid) of the process that made a temp or probe file, from its name."""
+    """(host, pid) of the process that made a temp or probe file, from its name (also the
+    ``.NAME.fastckpt-tmp-HOST.PID.X`` names of earlier versions)."""
     tail = name.split(TMP_TAG, 1)[1] if TMP_TAG in name else name[len(PROBE_TAG):]
     try:
-        host, pid, _ = tail.rsplit(".", 2)
+        host, pid, _ = tail.split("~", 1)[0].rsplit(".", 2)
         return host, int(pid)
     except ValueError:
         return None
