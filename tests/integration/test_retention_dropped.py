@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 import fastckpt
+from fastckpt.commit import protocol as P
 from fastckpt.io.atomic import final_path
 from fastckpt.testing import FaultyOps
 from fastckpt.urls import mirror_path
@@ -139,7 +140,8 @@ def test_a_rank_whose_group_copy_another_rank_trimmed_still_commits(tmp_path: Pa
     entered, release = threading.Event(), threading.Event()
 
     def hold_local_manifest(op: str, path: str) -> None:  # rank 1 writes step 100's manifest into the burst buffer
-        if op == "write_small" and path.startswith(os.path.join(mirror_path(nvme, tags[0]), ".fastckpt-manifest")):
+        manifest = os.path.join(mirror_path(nvme, tags[0]), P.GROUP_MANIFEST)
+        if op == "write_small" and manifest in (path, final_path(path)):
             entered.set()
             assert release.wait(60)
 
