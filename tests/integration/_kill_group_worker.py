@@ -30,6 +30,7 @@ class Launch:
     local_dir: str | None
     store_port: int | None  # a TCPStore the test hosts, as torchrun's agent would
     storage_options: dict | None = None  # the S3 endpoint, when ``root`` is an s3:// URL
+    launch_prefix: bool = True  # False: every launch uses the store's keys as they are (a long-lived store)
 
 
 def state(step: int, rank: int, launch: int) -> dict:
@@ -50,7 +51,9 @@ def run_rank(rank: int, job: Launch, events: object) -> None:
         import torch.distributed as dist
 
         client = dist.TCPStore("127.0.0.1", job.store_port, 2, False, timeout=datetime.timedelta(seconds=60))
-        store = dist.PrefixStore(f"launch{job.launch}", client)  # like torchelastic's restart rounds
+        # with launch_prefix, each launch sees keys of its own (as a store made anew per restart);
+        # without, the keys of killed launches stay (torchrun's agent store, a TCPStore the user keeps)
+        store = dist.PrefixStore(f"launch{job.launch}", client) if job.launch_prefix else client
     ck = fastckpt.Checkpointer(rank=rank, world_size=2, store=store, local_dir=job.local_dir, io_threads=1,
                                commit_timeout_s=TIMEOUT_S, overhead_budget=0.99, odirect=False,
                                keep_local=2 if job.local_dir else None, storage_options=job.storage_options)

@@ -3,7 +3,9 @@ corrupt (issue #9: "a committed group never vanishes or mixes two attempts").
 
 Each mode runs launches of 2 real rank processes (``_kill_group_worker.py``) against one
 checkpoint directory: without a store (the storage-marker protocol), with a TCPStore the test
-hosts (as torchrun's agent does), with a POSIX burst buffer (``local_dir``) besides, and with
+hosts (as torchrun's agent does; each launch under a prefix of its own, or every launch on the
+same keys, as torchrun's agent store keeps them across restarts: a launch killed before one
+rank made its Checkpointer must not leave the next launches' ranks disagreeing), with a POSIX burst buffer (``local_dir``) besides, and with
 that burst buffer replicating to an S3 home (a real SeaweedFS server), where a kill lands in
 multipart uploads too. A launch resumes from the newest checkpoint, or (one launch in three,
 on a POSIX home) from an older published one, so that published groups get re-saved (an
@@ -45,7 +47,7 @@ from fastckpt.commit import protocol as P
 from . import _kill_group_worker as K
 
 KILLS_PER_MODE = 11
-MODES = ("no store", "store", "store + burst buffer", "store + burst buffer + S3 home")
+MODES = ("no store", "store", "store kept across launches", "store + burst buffer", "store + burst buffer + S3 home")
 
 
 @pytest.fixture(scope="module")
@@ -195,7 +197,8 @@ def test_random_kills_never_lose_or_mix_a_published_group(tmp_path: Path, forkse
         if published and home.server is None and rng.random() < 1 / 3:
             start = rng.choice(sorted(published))  # resume from an older checkpoint: re-saves published tags
         job = K.Launch(home.root, launch, start, steps=4, local_dir=local_dir,
-                       store_port=store.port if store is not None else None, storage_options=home.options)
+                       store_port=store.port if store is not None else None, storage_options=home.options,
+                       launch_prefix="kept" not in mode)
         why = f"seed={seed} mode={mode} launch={launch} start={start}"
         procs, conns = _launch(forkserver, job)
         commits, delay = rng.randint(0, 3), rng.uniform(0.0, 0.05)
