@@ -5,12 +5,15 @@ fastckpt imported, so a restart costs milliseconds), as one of 2 ranks of one "l
 resumes from ``start`` (loading and checking its own file of that step), then saves and commits
 ``steps`` more steps, ``ROOT/step{N}/rank{R}.pt``, reporting each commit that completed on its
 pipe: ``("durable", rank, step, launch)``. A load that returns the wrong tensors is reported as
-``("bad-load", rank, step, repr)``. The test SIGKILLs both ranks at a random moment.
+``("bad-load", rank, step, repr)``. The test SIGKILLs both ranks at a random moment, or (``die_rank``)
+one rank kills itself before it makes its Checkpointer while the other's first commit is under way.
 """
 
 from __future__ import annotations
 
 import datetime
+import os
+import signal
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +34,8 @@ class Launch:
     store_port: int | None  # a TCPStore the test hosts, as torchrun's agent would
     storage_options: dict | None = None  # the S3 endpoint, when ``root`` is an s3:// URL
     launch_prefix: bool = True  # False: every launch uses the store's keys as they are (a long-lived store)
+    die_rank: int | None = None  # this rank SIGKILLs itself before making its Checkpointer, once the
+    #                              other rank's first commit is under way (needs a store)
 
 
 def state(step: int, rank: int, launch: int) -> dict:
@@ -45,6 +50,10 @@ def matches(got: object, step: int, rank: int) -> bool:
     return torch.equal(got["w"], state(step, rank, int(got["launch"]))["w"])
 
 
+def _die_key(job: Launch) -> str:
+    return f"kill-test/launch{job.launch}/committing"
+
+
 def run_rank(rank: int, job: Launch, events: object) -> None:
     store = None
     if job.store_port is not None:
@@ -54,6 +63,9 @@ def run_rank(rank: int, job: Launch, events: object) -> None:
         # with launch_prefix, each launch sees keys of its own (as a store made anew per restart);
         # without, the keys of killed launches stay (torchrun's agent store, a TCPStore the user keeps)
         store = dist.PrefixStore(f"launch{job.launch}", client) if job.launch_prefix else client
+        if job.die_rank == rank:
+            store.wait([_die_key(job)])
+            os.kill(os.getpid(), signal.SIGKILL)
     ck = fastckpt.Checkpointer(rank=rank, world_size=2, store=store, local_dir=job.local_dir, io_threads=1,
                                commit_timeout_s=TIMEOUT_S, overhead_budget=0.99, odirect=False,
                                keep_local=2 if job.local_dir else None, storage_options=job.storage_options)
@@ -68,7 +80,10 @@ def run_rank(rank: int, job: Launch, events: object) -> None:
     for step in range(job.start + 1, job.start + 1 + job.steps):
         group = f"{job.root}/step{step}"
         ck.save(state(step, rank, job.launch), f"{group}/rank{rank}.pt", group=group)
-        ck.commit(group, step=step).wait(TIMEOUT_S + 30)
+        handle = ck.commit(group, step=step)
+        if job.die_rank is not None and step == job.start + 1:
+            store.set(_die_key(job), "1")
+        handle.wait(TIMEOUT_S + 30)
         events.send(("durable", rank, step, job.launch))
     ck.close()
     events.send(("done", rank, job.start + job.steps, job.launch))

@@ -47,6 +47,7 @@ from fastckpt.commit import protocol as P
 from . import _kill_group_worker as K
 
 KILLS_PER_MODE = 11
+RESTART_COMMIT_S = 10.0  # a commit takes well under a second; a store session the ranks disagree on, forever
 MODES = ("no store", "store", "store kept across launches", "store + burst buffer", "store + burst buffer + S3 home")
 
 
@@ -190,20 +191,27 @@ def test_random_kills_never_lose_or_mix_a_published_group(tmp_path: Path, forkse
     floor = 0.0  # the request order of the last group reported durable
     checked: dict[int, tuple] = {}
     kills = 0
+    died: int | None = None  # the rank the previous launch lost before it made its Checkpointer
     for launch in range(KILLS_PER_MODE):
         published = home.published()
         newest = home.latest()
         start = int(newest.rsplit("/", 1)[1][4:]) if newest else 0
         if published and home.server is None and rng.random() < 1 / 3:
             start = rng.choice(sorted(published))  # resume from an older checkpoint: re-saves published tags
+        die = rng.choice((0, 1)) if "kept" in mode and launch % 3 == 0 else None
         job = K.Launch(home.root, launch, start, steps=4, local_dir=local_dir,
                        store_port=store.port if store is not None else None, storage_options=home.options,
-                       launch_prefix="kept" not in mode)
-        why = f"seed={seed} mode={mode} launch={launch} start={start}"
+                       launch_prefix="kept" not in mode, die_rank=die)
+        why = f"seed={seed} mode={mode} launch={launch} start={start} die={die}"
         procs, conns = _launch(forkserver, job)
-        commits, delay = rng.randint(0, 3), rng.uniform(0.0, 0.05)
-        events = _events_until(conns, commits, limit_s=60)
-        time.sleep(delay)  # where inside the next save or commit the kill lands; every outcome must pass
+        if die is not None:  # it kills itself once the other rank's first commit is under way
+            procs[die].join(30)
+            assert procs[die].exitcode == -signal.SIGKILL, why
+            events = []
+        else:
+            commits, delay = rng.randint(1 if died is not None else 0, 3), rng.uniform(0.0, 0.05)
+            events = _events_until(conns, commits, limit_s=RESTART_COMMIT_S if died is not None else 60)
+            time.sleep(delay)  # where inside the next save or commit the kill lands; every outcome must pass
         for p in rng.sample(procs, 2):
             if p.is_alive():
                 with contextlib.suppress(ProcessLookupError):  # it may have ended since is_alive()
@@ -213,6 +221,11 @@ def test_random_kills_never_lose_or_mix_a_published_group(tmp_path: Path, forkse
         events += _drain(conns)
         kills += 1
         assert [e for e in events if e[0] == "bad-load"] == [], why
+        if died is not None:
+            assert [e for e in events if e[0] == "durable" and e[1] == 0], (
+                f"{why}: no group committed within {RESTART_COMMIT_S} s after a launch lost rank {died} "
+                "before its Checkpointer (do the ranks disagree on the store's session?)")
+        died = die
         reported = [e[2] for e in events if e[0] == "durable" and e[1] == 0]
         durable.update({step: launch for step in reported})
         if reported:
