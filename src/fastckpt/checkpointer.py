@@ -83,8 +83,6 @@ class Checkpointer:
         self._replicator = Replicator(cfg, self._homes, self._emit, self._monitor.record_durable)
         self._coordinator = Coordinator(self._committer, self._stop, cfg, lambda g: self._homes.resolve(g).place(),
                                         self._emit, local_for=self._local_places)
-        if cfg.store is not None:
-            self._coordinator.connect(self.world_size)
         self._stripes = Stripes(cfg.local_dirs, self.rank)
         self._retention = Retention(cfg.keep_local, cfg.keep_persistent, self._homes, self._stripes.copies, self.rank)
         self._saver = Saver(cfg, tiers=TierSelector(cfg.tier, cfg.local_dir, cfg.odirect, self._ops),

@@ -12,12 +12,16 @@ rank lost to the OOM killer while loading, say). The agent tears rank 0 down and
 Second run: both ranks save into ``DIR/step1`` and commit, and write what they saw to
 ``DIR/results/rank{R}.json``: whether the commit completed, how long it took, and the error.
 
-``TORCHELASTIC_RESTART_COUNT`` tells the worker which run it is in; fastckpt never reads it.
+``TORCHELASTIC_RESTART_COUNT`` tells the worker which run it is in (and prefixes the process
+group's keys, see below); fastckpt never reads it. fastckpt gets the agent's store itself
+(``store=``): what ``Checkpointer()`` would use under a plain ``init_process_group("gloo")``, but
+gloo in torch 2.13 may fail to start a restarted run on the stale keys of the first one.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import signal
@@ -38,21 +42,27 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, required=True)
     args = ap.parse_args()
     rank, run = int(os.environ["RANK"]), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
-    dist.init_process_group("gloo")
-    store = dist.distributed_c10d._get_default_store()
+    # The agent's store, as torchrun's env:// rendezvous connects to it (no prefix of any run).
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=datetime.timedelta(seconds=60))
+    # gloo's connectFullMesh reads the peers' addresses from the store, and in a restarted run may
+    # read the first run's (pytorch#135712: "Connection refused"): the process group, and only it,
+    # gets a prefix per run. fastckpt is given the agent's store itself, keys of the dead run and all.
+    dist.init_process_group("gloo", store=dist.PrefixStore(f"test-run{run}", store), rank=rank,
+                            world_size=int(os.environ["WORLD_SIZE"]))
     state = {"w": torch.arange(256, dtype=torch.int64) + 1000 * run + rank, "run": run, "rank": rank}
     if run == 0:
         if rank == 1:
             store.wait([SIGNAL_KEY])
             os.kill(os.getpid(), signal.SIGKILL)
-        ck = fastckpt.Checkpointer(commit_timeout_s=args.timeout, overhead_budget=0.99)
+        ck = fastckpt.Checkpointer(store=store, commit_timeout_s=args.timeout, overhead_budget=0.99)
         group = f"{args.root}/run0"
         ck.save(state, f"{group}/rank{rank}.pt", group=group)
         handle = ck.commit(group, step=0)
         store.set(SIGNAL_KEY, "1")
         handle.wait(args.timeout + 60)  # the agent ends this process once rank 1 is gone
         return
-    ck = fastckpt.Checkpointer(commit_timeout_s=args.timeout, overhead_budget=0.99)
+    ck = fastckpt.Checkpointer(store=store, commit_timeout_s=args.timeout, overhead_budget=0.99)
     group = f"{args.root}/step1"
     ck.save(state, f"{group}/rank{rank}.pt", group=group)
     t0 = time.monotonic()

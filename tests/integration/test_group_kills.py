@@ -4,15 +4,17 @@ corrupt (issue #9: "a committed group never vanishes or mixes two attempts").
 Each mode runs launches of 2 real rank processes (``_kill_group_worker.py``) against one
 checkpoint directory: without a store (the storage-marker protocol), with a TCPStore the test
 hosts (as torchrun's agent does; each launch under a prefix of its own, or every launch on the
-same keys, as torchrun's agent store keeps them across restarts: a launch killed before one
-rank made its Checkpointer must not leave the next launches' ranks disagreeing), with a POSIX burst buffer (``local_dir``) besides, and with
-that burst buffer replicating to an S3 home (a real SeaweedFS server), where a kill lands in
-multipart uploads too. A launch resumes from the newest checkpoint, or (one launch in three,
-on a POSIX home) from an older published one, so that published groups get re-saved (an
-object store refuses that: there a launch resumes from ``latest``, and re-saves in place only
-a group whose commit died before moving it). Each launch is SIGKILLed after a random number of
-commits and a random delay, both ranks (as a launcher tears a failed job down). After every
-kill the test checks, from the stored objects alone:
+same keys, as torchrun's agent store keeps them across restarts: a launch killed before one rank
+made its Checkpointer must not leave the next launches' ranks disagreeing), with a POSIX burst
+buffer (``local_dir``) besides, and with that burst buffer replicating to an S3 home (a real
+SeaweedFS server), where a kill lands in multipart uploads too. A launch resumes from the newest
+checkpoint, or (one launch in three, on a POSIX home) from an older published one, so that
+published groups get re-saved (an object store refuses that: there a launch resumes from
+``latest``, and re-saves in place only a group whose commit died before moving it). Each launch
+is SIGKILLed after a random number of commits and a random delay, both ranks (as a launcher
+tears a failed job down); on the kept keys, every third launch loses one rank before it makes
+its Checkpointer instead, and the next launch must commit within ``RESTART_COMMIT_S``. After
+every kill the test checks, from the stored objects alone:
 
 * every group rank 0 reported durable is still published;
 * every published group loads, verified, and both of its files come from one launch;

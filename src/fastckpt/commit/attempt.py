@@ -94,10 +94,17 @@ def publish(att: Attempt, world: int, entries: dict[int, dict], extra: dict, req
 
 def via_store(att: Attempt, ch: S.Channel, rank: int, world: int, files: dict, superseded: bool, extra: dict,
               requested_at: float, timeout_s: float, stop: threading.Event) -> Ended:
-    """The commit through the store (``store.py``), on this rank."""
+    """The commit through the store (``store.py``), on this rank: the session is agreed first
+    (``session.py``; at once after the first commit), within the commit's own deadline."""
+    waited_s = timeout_s if rank == 0 else timeout_s + grace(timeout_s)
+    deadline = time.monotonic() + waited_s
+    if not ch.join(deadline, stop):  # only another rank, stopped by close(): rank 0 always knows its own
+        raise CommitTimeoutError(f"checkpoint group {att.home.label}: closed before rank 0 said which session "
+                                 "of the store the group commits use; the group stays incomplete")
+    att.token = ch.token
     ch.announce(rank, {"files": files, "superseded": superseded})
     if rank != 0:
-        said = ch.hear(timeout_s + grace(timeout_s), stop, att.home.label)
+        said = ch.hear(deadline, stop, att.home.label, waited_s)
         kind, _, rest = said.partition(":")
         if kind == S.PUBLISHED:
             return Ended(None, int(rest or 0))
@@ -108,7 +115,7 @@ def via_store(att: Attempt, ch: S.Channel, rank: int, world: int, files: dict, s
         if kind == S.ABORTED:
             raise F.aborted_error(att.home.label, rest)
         raise CommitTimeoutError(rest)
-    entries = ch.gather(timeout_s, stop)
+    entries = ch.gather(deadline, stop)  # at once when some rank never joined the session by then
     if entries is None:
         present = ch.entries()
         err = F.not_committed(att.home, [r for r in range(world) if r not in present], world, timeout_s)

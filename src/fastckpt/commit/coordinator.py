@@ -31,7 +31,7 @@ from collections.abc import Callable
 from concurrent.futures import Executor, Future
 
 from ..config import CheckpointerConfig
-from ..errors import CorruptCheckpointError, FastCkptError, GroupRemovedError
+from ..errors import CommitTimeoutError, CorruptCheckpointError, FastCkptError, GroupRemovedError
 from ..inflight import raise_as_write_error
 from ..records import SaveHandle, SaveRecord
 from ..storage.places import Place
@@ -73,22 +73,16 @@ class Coordinator:
         self._running: dict[str, tuple[A.Attempt, Future]] = {}
         self._counts: dict[str, itertools.count] = {}
 
-    def connect(self, world: int) -> None:
-        """Join the store's session now (the Checkpointer does this when it is made with an
-        explicit store): every rank's Checkpointer counts once, whether it commits groups or not."""
+    def _channel(self, group: str, rank: int, world: int) -> S.Channel | None:
+        """The store keys of this rank's next attempt at ``group`` (None: no store, or one rank).
+        No store call here: the session is agreed on the committer thread (``session.py``)."""
         store = self._store if self._store is not None else S.default_store()
-        if store is not None and world > 1 and (self._link is None or self._link.store is not store
-                                                 or self._link.world != world):
-            self._link = S.StoreLink(store, world, self._slice_s)
-            self._link.session()
-
-    def _channel(self, group: str, world: int) -> S.Channel | None:
-        if world < 2:
+        if store is None or world < 2:
             return None
-        self.connect(world)
-        if self._link is None:
-            return None
-        return self._link.channel(group, next(self._counts.setdefault(group, itertools.count())))
+        link = self._link
+        if link is None or link.store is not store or link.world != world or link.rank != rank:
+            link = self._link = S.StoreLink(store, rank, world, self._slice_s)
+        return link.channel(group, next(self._counts.setdefault(group, itertools.count())))
 
     def begin(self, group: str, rank: int, world: int) -> None:
         """First touch of ``group`` by this rank in this attempt: decide where it writes.
@@ -124,8 +118,8 @@ class Coordinator:
         local = self._local_for(group)
         for copy in local:
             copy.delete(P.GROUP_MANIFEST)  # the local copy is rewritten in place: not complete until committed
-        channel = self._channel(group, world)
-        token = channel.token if channel is not None else (uuid.uuid4().hex[:16] if rank == 0 else None)
+        channel = self._channel(group, rank, world)
+        token = None if channel is not None else (uuid.uuid4().hex[:16] if rank == 0 else None)
         replaced = None
         if channel is None and rank == 0 and world > 1:
             replaced = P.attempt_id(place)
@@ -157,7 +151,8 @@ class Coordinator:
         for att in atts:
             att.cancel.set()
             if att.channel is not None:
-                att.channel.cancel(f"rank {rank} removed the group")
+                why = f"rank {rank} removed the group"
+                self._through_store(att.channel, group, rank, lambda ch, why=why: ch.cancel(why), "the removal of")
 
     def abandon(self, group: str, rank: int, exc: BaseException) -> None:
         """This rank will not commit its attempt at ``group`` (its ``commit`` raised ``exc``, an
@@ -165,7 +160,7 @@ class Coordinator:
         with self._lock:
             att = self._open.pop(group, None)
         if att is not None:
-            self._abort(att, rank, exc)
+            self._abort(att, rank, exc, background=True)
 
     def commit(self, group: str, rank: int, world: int, extra: dict,
                finish: Callable[[SaveRecord], SaveRecord] = lambda r: r, move_latest: bool = True) -> Future:
@@ -225,24 +220,47 @@ class Coordinator:
             if self._running.get(group, (None, None))[1] is fut:
                 del self._running[group]
 
-    def _abort(self, att: A.Attempt, rank: int, exc: BaseException) -> None:
+    def _abort(self, att: A.Attempt, rank: int, exc: BaseException, background: bool = False) -> None:
         """End the attempt on every rank at once: they need not wait ``commit_timeout_s`` for a
-        rank whose save failed. With a store, through it; without one, through the group's
-        directory: rank 0 records the attempt's outcome, another rank a failure record for rank
-        0's current attempt, or, when rank 0 has not started it yet, for the one that follows
-        the attempt recorded there now (``fallback.wait_for_markers`` ends on either)."""
+        rank whose save failed. With a store, through it (``background``: called on the training
+        thread, so a session still to agree is agreed on the committer pool); without one,
+        through the group's directory: rank 0 records the attempt's outcome, another rank a
+        failure record for rank 0's current attempt, or, when rank 0 has not started it yet, for
+        the one that follows the attempt recorded there now (``fallback.wait_for_markers`` ends
+        on either)."""
         why = f"{type(exc).__name__}: {exc}"[:500]
+        if att.channel is not None:
+            self._through_store(att.channel, att.group, rank, lambda ch: ch.abort(rank, why), "the failure of",
+                                background)
+            return
         try:
-            if att.channel is not None:
-                att.channel.abort(rank, why)
-            elif rank == 0:
+            if rank == 0:
                 F.record_aborted(att.place, att.token, f"rank 0: {why}", att.replaced)
             else:
                 seen, current = F.attempt_ids(att.place)  # one read: both of the same attempt.json
                 P.write_failure(att.place, rank, current, why, seen=seen)
-        except (S.StoreError, OSError) as tell_exc:  # the others then time out, naming this rank
+        except OSError as tell_exc:  # the others then time out, naming this rank
             log.warning("fastckpt: could not tell the other ranks that the save into %s failed: %s",
                         att.group, tell_exc)
+
+    def _through_store(self, ch: S.Channel, group: str, rank: int, act: Callable[[S.Channel], object], what: str,
+                       background: bool = True) -> None:
+        """``act`` on the attempt's keys, once the session is agreed. From the training thread
+        (``background``), a session still to agree is agreed on the committer pool, polling, so
+        that close() ends it at once: the commit's own join, if any, is what close() waits for."""
+        timeout_s = self._timeout + (0 if rank == 0 else A.grace(self._timeout))
+
+        def run(poll: bool) -> None:
+            try:
+                if ch.join(time.monotonic() + timeout_s, self._stop, poll=poll):
+                    act(ch)
+            except (S.StoreError, CommitTimeoutError) as exc:  # the others then time out, naming this rank
+                log.warning("fastckpt: could not tell the other ranks of %s %s: %s", what, group, exc)
+
+        if background and not ch.agreed:
+            self._pool.submit(run, True)
+        else:
+            run(False)
 
     def _run(self, att: A.Attempt, rank: int, world: int, extra: dict, t_call: float,
              requested_at: float) -> SaveRecord:

@@ -39,6 +39,7 @@ from datetime import timedelta
 from typing import ClassVar
 
 from ..errors import CommitTimeoutError, FastCkptError
+from .session import Session
 
 WAIT_SLICE_S = 30.0  # how often a wait that close() may end early is re-armed, to notice it
 PUBLISHED, SUPERSEDED, FAILED, REMOVED = "published", "superseded", "failed", "removed"
@@ -162,44 +163,89 @@ class StoreLink:
     Args:
         store: a ``torch.distributed.Store`` shared by every rank (TCPStore, or the default
             process group's store).
+        rank: this rank.
         world_size: the number of ranks.
         slice_s: how often a blocking wait is re-armed to notice ``stop``; None: never (nothing
             sets ``stop`` while a wait may still succeed).
     """
 
-    def __init__(self, store: object, world_size: int, slice_s: float | None = WAIT_SLICE_S) -> None:
-        self.store, self.world, self.slice_s = store, world_size, slice_s
+    def __init__(self, store: object, rank: int, world_size: int, slice_s: float | None = WAIT_SLICE_S) -> None:
+        self.store, self.rank, self.world, self.slice_s = store, rank, world_size, slice_s
         self.waits = _Waits.of(store)
-        self._lock = threading.Lock()
-        self._session: int | None = None
+        self.agreed = Session(store, self.waits, rank, world_size, slice_s)
 
     def session(self) -> int:
-        with self._lock:
-            if self._session is None:
-                self._session = (int(self.store.add(f"fastckpt/session/{self.world}", 1)) - 1) // self.world
-            return self._session
+        """The session agreed with rank 0 (``session.py``); ``join`` first."""
+        number = self.agreed.number
+        if number is None:
+            raise FastCkptError("fastckpt: a group commit used the store before its ranks agreed on a session "
+                                "(a bug in fastckpt: please report it)")
+        return number
 
     def channel(self, group: str, attempt: int) -> Channel:
-        """The keys of this rank's ``attempt``-th attempt at ``group`` (a normalised name)."""
-        digest = hashlib.sha1(group.encode()).hexdigest()[:16]
-        return Channel(self, f"fastckpt/{self.session()}/{digest}/{attempt}/", group)
+        """The keys of this rank's ``attempt``-th attempt at ``group`` (a normalised name); no
+        store call until the session is agreed (``Channel.join``)."""
+        return Channel(self, group, attempt)
 
 
 class Channel:
     """One attempt's keys, and the operations on them; counts the operations and bytes it used
     (``ops``, ``nbytes``) for the commit event.
 
-    Order of calls: every rank ``announce``; rank 0 ``gather`` -> ``claim`` -> ``tell``; other
-    ranks ``hear``. ``cancel`` (``remove()``, any rank, any time) and ``abort`` (a rank whose
-    save failed, instead of ``announce``) end the attempt.
+    Order of calls, all on the committer thread: ``join`` (agree on the session with rank 0, at
+    once after the first commit); every rank ``announce``; rank 0 ``gather`` -> ``claim`` ->
+    ``tell``; other ranks ``hear``. ``cancel`` (``remove()``, any rank, any time) and ``abort``
+    (a rank whose save failed, instead of ``announce``) end the attempt; they too come after
+    ``join``.
     """
 
-    def __init__(self, link: StoreLink, prefix: str, group: str) -> None:
-        self._link, self.prefix, self.group = link, prefix, group
-        self.token = prefix.split("/", 2)[1] + "." + prefix.rstrip("/").rsplit("/", 1)[1]
+    def __init__(self, link: StoreLink, group: str, attempt: int) -> None:
+        self._link, self.group, self.attempt = link, group, attempt
+        self._digest = hashlib.sha1(group.encode()).hexdigest()[:16]
         self.ops = 0
         self.nbytes = 0
         self.keys: set[str] = set()
+
+    @property
+    def joined(self) -> bool:
+        """Whether this rank knows the session: the keys are known."""
+        return self._link.agreed.number is not None
+
+    @property
+    def agreed(self) -> bool:
+        """Whether this rank needs no store call to agree (rank 0: every rank joined)."""
+        return self._link.agreed.complete
+
+    def join(self, deadline: float, stop: threading.Event, poll: bool = False) -> bool:
+        """Agree on the session with rank 0 (``session.py``); whether it is known now (False:
+        ``stop``, or rank 0 ran out of time waiting for the others).
+
+        Raises:
+            CommitTimeoutError: a rank other than 0 that rank 0 did not answer by ``deadline``.
+        """
+        agreed = self._link.agreed
+        before = agreed.ops
+        try:
+            agreed.join(deadline, stop, self.group, poll)
+        except _store_errors()[1] as exc:
+            raise self._stopped(exc) from exc
+        finally:
+            self.ops += agreed.ops - before
+        return self.joined
+
+    @property
+    def prefix(self) -> str:
+        return f"fastckpt/{self._link.session()}/{self._digest}/{self.attempt}/"
+
+    @property
+    def token(self) -> str:
+        """The attempt's id (in its manifest and markers): session and attempt number."""
+        return f"{self._link.session()}.{self.attempt}"
+
+    def _stopped(self, exc: BaseException) -> StoreError:
+        return StoreError(f"checkpoint group {self.group}: the torch.distributed store stopped answering "
+                          f"({exc}); the process that hosts it (rank 0's agent) probably ended. The group "
+                          "stays incomplete.")
 
     def _op(self, name: str, fn: Callable[[], object], nbytes: int = 0) -> object:
         self.ops += 1
@@ -208,9 +254,7 @@ class Channel:
         try:
             return fn()
         except _store_errors()[1] as exc:
-            raise StoreError(f"checkpoint group {self.group}: the torch.distributed store stopped answering "
-                             f"({exc}); the process that hosts it (rank 0's agent) probably ended. The group "
-                             "stays incomplete.") from exc
+            raise self._stopped(exc) from exc
 
     def _k(self, name: str) -> str:
         return self.prefix + name
@@ -242,10 +286,10 @@ class Channel:
     def _has(self, name: str) -> bool:
         return bool(self._op(name, lambda: self._link.store.check([self._k(name)])))
 
-    def gather(self, timeout_s: float, stop: threading.Event) -> dict[int, dict] | None:
+    def gather(self, deadline: float, stop: threading.Event) -> dict[int, dict] | None:
         """Rank 0: every rank's entry, once all W announced (or ``cancel`` woke it); None when
-        they did not within ``timeout_s``."""
-        if not self._wait("ready", time.monotonic() + timeout_s, stop):
+        they did not by ``deadline``."""
+        if not self._wait("ready", deadline, stop):
             return None
         return self.entries()
 
@@ -263,13 +307,13 @@ class Channel:
         for name in ("files", "count", "ready"):
             self._op(name, lambda name=name: store.delete_key(self._k(name)))
 
-    def hear(self, timeout_s: float, stop: threading.Event, label: str) -> str:
+    def hear(self, deadline: float, stop: threading.Event, label: str, timeout_s: float) -> str:
         """Other ranks: the outcome rank 0 announced; the last rank to hear it deletes the keys.
 
         Raises:
             CommitTimeoutError: rank 0 announced nothing in time.
         """
-        if not self._wait("outcome", time.monotonic() + timeout_s, stop):
+        if not self._wait("outcome", deadline, stop):
             raise CommitTimeoutError(
                 f"checkpoint group {label}: rank 0 did not publish the group within {timeout_s:.0f} s; some rank "
                 "did not commit (see rank 0's error).")
@@ -284,7 +328,7 @@ class Channel:
     def removed(self) -> bool:
         """Whether ``remove()`` cancelled this attempt (on any rank)."""
         store = self._link.store
-        if not self._has("claim"):
+        if not self.joined or not self._has("claim"):
             return False
         return bytes(self._op("claim", lambda: store.get(self._k("claim")))).decode().startswith(REMOVED)  # type: ignore[arg-type]
 

@@ -1,0 +1,174 @@
+"""Which store session a Checkpointer's group commits use: rank 0 chooses it, the others ask rank 0.
+
+A group commit's keys live under ``fastckpt/<session>/`` (``store.py``) and attempts are counted
+per Checkpointer, so every Checkpointer needs a session no earlier one used, and all ranks of a
+job the same one. The store can outlive the processes: torchrun's agent store keeps its keys
+across ``--max-restarts`` restarts, a user's TCPStore lives as long as they keep it. So any value
+a rank reads there may have been left by a launch that is dead, and a session each rank derives
+on its own (a shared counter every rank adds to) is off for good once one rank of some launch
+died before it counted: the ranks of every later launch then wait under different keys, and no
+group commit completes again.
+
+The agreement (keys under ``fastckpt/session/``; ``W`` is the world size), made at the
+Checkpointer's first multi-rank commit, on the committer thread, through plain store calls (no
+collective, nothing on the training thread, nothing when the Checkpointer is made):
+
+  rank 0   ``S = add("next", 1)``: a number no earlier Checkpointer got. Then, until every other
+           rank has joined S: read ``W/asks`` (a line ``rank nonce`` per asking rank), set
+           ``answer/<nonce>`` to S for each line, drop the lines answered (``compare_set``),
+           read ``S/joined``; between rounds, one blocking wait on ``W/bell``.
+  rank r   append ``r nonce`` (a nonce of this Checkpointer's own) to ``W/asks`` and set
+           ``W/bell``; wait for ``answer/<nonce>``, read S, delete it; append ``r nonce`` to
+           ``S/joined`` and set ``W/bell``.
+
+A rank never reads a value that could be stale: it waits for the answer to its own nonce, which
+only a live rank 0 gives, however early it looks. Asks left by dead launches are answered too
+(harmless: nobody reads those answers, and rank 0 deletes them once every rank joined). Rank 0
+serves at each commit, under the commit's own deadline, until every rank has joined; a rank
+that rank 0 does not answer in time fails its commit with an error that says so.
+
+Every rank must commit the same groups in the same order, and a job should not run two
+Checkpointers that commit groups through one store at once: rank 0 answers whichever rank asks.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+
+from ..errors import CommitTimeoutError
+
+POLL_S = 0.2  # how often a wait that close() must be able to end at once polls the store
+
+
+class Session:
+    """One Checkpointer's session of a store (thread-safe).
+
+    Args:
+        store: the store every rank reaches.
+        waits: its blocking waits (``store._Waits``).
+        rank, world: this rank and the number of ranks.
+        slice_s: how often a blocking wait is re-armed to notice ``stop``; None: never.
+    """
+
+    def __init__(self, store: object, waits: object, rank: int, world: int, slice_s: float | None) -> None:
+        self._store, self._waits, self.rank, self.world, self._slice_s = store, waits, rank, world, slice_s
+        self._turn = threading.Lock()  # held by the thread of this rank that asks or serves
+        self._nonce = uuid.uuid4().hex
+        self.number: int | None = None  # the session, once known
+        self._joined: set[int] = set()  # rank 0: the ranks that joined
+        self._answered: set[str] = set()  # rank 0: the nonces answered
+        self.ops = 0  # store operations made, for the commit event that made them
+
+    @property
+    def complete(self) -> bool:
+        """Whether this rank needs no more store calls to agree (rank 0: every rank joined)."""
+        return self.number is not None and (self.rank != 0 or len(self._joined) >= self.world - 1)
+
+    def _k(self, name: str) -> str:
+        return f"fastckpt/session/{name}"
+
+    def _op(self, fn: object, *args: object) -> object:
+        self.ops += 1
+        return fn(*args)  # type: ignore[operator]
+
+    def join(self, deadline: float, stop: threading.Event, label: str, poll: bool = False) -> None:
+        """Agree on the session (at once when done already). ``poll``: wait by polling the store
+        every ``POLL_S``, so that ``stop`` ends the wait at once (work close() does not wait for).
+        One thread of this rank asks or serves at a time; the others wait for its turn to end.
+
+        Raises:
+            CommitTimeoutError: another rank, and rank 0 did not answer by ``deadline``. (Rank 0
+                returns at the deadline however many ranks joined: the commit then names them.)
+        """
+        t0 = time.monotonic()
+        while not self.complete:
+            if self._turn.acquire(timeout=POLL_S):
+                try:
+                    if self.complete:
+                        return
+                    if self.rank != 0:
+                        self._ask(deadline, stop, label, poll)
+                        return
+                    if self.number is None:
+                        self.number = int(self._op(self._store.add, self._k("next"), 1))  # type: ignore[attr-defined]
+                    self._serve(deadline, stop, poll)
+                    return
+                finally:
+                    self._turn.release()
+            if stop.is_set() or time.monotonic() >= deadline:
+                if self.rank != 0 and not stop.is_set():
+                    raise self._unanswered(label, time.monotonic() - t0)
+                return
+
+    def _unanswered(self, label: str, waited_s: float) -> CommitTimeoutError:
+        return CommitTimeoutError(
+            f"checkpoint group {label}: rank {self.rank} asked rank 0 which session of the store this job's group "
+            f"commits use, and rank 0 did not answer within {waited_s:.0f} s: it has not reached its commit of a "
+            "group through this store, or it died. Every rank must commit the same groups in the same order "
+            "(check rank 0's logs), or raise commit_timeout_s.")
+
+    def _wait(self, key: str, deadline: float, stop: threading.Event, poll: bool) -> bool:
+        self.ops += 1
+        if not poll:
+            return bool(self._waits.wait(key, deadline, stop, self._slice_s))  # type: ignore[attr-defined]
+        while not stop.is_set() and time.monotonic() < deadline:
+            if self._store.check([key]):  # type: ignore[attr-defined]
+                return True
+            stop.wait(min(POLL_S, max(0.0, deadline - time.monotonic())))
+        return False
+
+    def _serve(self, deadline: float, stop: threading.Event, poll: bool) -> None:
+        """Rank 0: answer every ask until each other rank joined, the deadline or ``stop``."""
+        store, bell = self._store, self._k(f"{self.world}/bell")
+        while True:
+            self._op(store.delete_key, bell)  # type: ignore[attr-defined]
+            self._answer()
+            if self.complete:
+                self._tidy()
+                return
+            if not self._wait(bell, deadline, stop, poll):
+                return
+
+    def _answer(self) -> None:
+        store, asks = self._store, self._k(f"{self.world}/asks")
+        raw = bytes(self._op(store.get, asks)) if self._op(store.check, [asks]) else b""  # type: ignore[attr-defined]
+        for line in raw.decode().splitlines():
+            nonce = line.split()[1]
+            if nonce not in self._answered:
+                self._op(store.set, self._k(f"answer/{nonce}"), str(self.number))  # type: ignore[attr-defined]
+                self._answered.add(nonce)
+        if raw:  # lines appended meanwhile keep it from matching: they are answered next round
+            self._op(store.compare_set, asks, raw.decode(), "")  # type: ignore[attr-defined]
+        joined = self._k(f"{self.number}/joined")
+        if self._op(store.check, [joined]):  # type: ignore[attr-defined]
+            for line in bytes(self._op(store.get, joined)).decode().splitlines():  # type: ignore[attr-defined]
+                rank, nonce = line.split()
+                self._joined.add(int(rank))
+                self._answered.discard(nonce)  # read its answer: the rank deleted it
+
+    def _tidy(self) -> None:
+        """Every rank joined: delete the answers nobody will read (asks of dead launches)."""
+        store = self._store
+        for nonce in self._answered:
+            self._op(store.delete_key, self._k(f"answer/{nonce}"))  # type: ignore[attr-defined]
+        self._answered.clear()
+        self._op(store.delete_key, self._k(f"{self.number}/joined"))  # type: ignore[attr-defined]
+
+    def _ask(self, deadline: float, stop: threading.Event, label: str, poll: bool) -> None:
+        """Any other rank: ask rank 0, wait for the answer to this Checkpointer's nonce."""
+        store, line = self._store, f"{self.rank} {self._nonce}\n"
+        answer = self._k(f"answer/{self._nonce}")
+        self._op(store.append, self._k(f"{self.world}/asks"), line)  # type: ignore[attr-defined]
+        self._op(store.set, self._k(f"{self.world}/bell"), "1")  # type: ignore[attr-defined]
+        t0 = time.monotonic()
+        if not self._wait(answer, deadline, stop, poll):
+            if stop.is_set():
+                return  # closing: the caller finds the session unknown
+            raise self._unanswered(label, time.monotonic() - t0)
+        number = int(bytes(self._op(store.get, answer)).decode())  # type: ignore[attr-defined]
+        self._op(store.delete_key, answer)  # type: ignore[attr-defined]
+        self._op(store.append, self._k(f"{number}/joined"), line)  # type: ignore[attr-defined]
+        self._op(store.set, self._k(f"{self.world}/bell"), "1")  # type: ignore[attr-defined]
+        self.number = number
