@@ -1,0 +1,183 @@
+"""The store session group commits use is agreed through rank 0 (``commit/session.py``).
+
+Every "rank" is a Checkpointer (or a ``Session``) in this process around one real TCPStore that
+outlives them, as torchrun's agent store outlives a restart: a dead launch's keys stay. The
+real restart is ``tests/integration/test_group_restart.py``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import fastckpt
+from fastckpt.commit import protocol as P
+from fastckpt.commit import session as SS
+from fastckpt.commit import store as S
+from fastckpt.errors import CheckpointWriteError, CommitTimeoutError
+from fastckpt.testing import Fault, FaultyOps
+from tests.helpers import close_all, place
+
+QUICK_S = 15.0  # a commit that agrees takes well under a second; one that does not, commit_timeout_s
+
+
+@pytest.fixture
+def store() -> Iterator[dist.TCPStore]:
+    yield dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=60))
+
+
+def _ck(rank: int, store: object, world: int = 2, **kw: object) -> fastckpt.Checkpointer:
+    kw.setdefault("commit_timeout_s", 60)
+    return fastckpt.Checkpointer(rank=rank, world_size=world, store=store, io_threads=1, overhead_budget=0.99, **kw)
+
+
+def _state(step: int, rank: int) -> dict:
+    return {"w": torch.arange(32, dtype=torch.int64) + 1000 * step + rank, "step": step, "rank": rank}
+
+
+def _commit_all(cks: list[fastckpt.Checkpointer], group: Path, step: int) -> None:
+    """Every rank saves its file into ``group`` and commits; all must complete well within the
+    commit timeout (60 s)."""
+    t0 = time.monotonic()
+    handles = []
+    for ck in cks:
+        ck.save(_state(step, ck.rank), str(group / f"r{ck.rank}.pt"), group=str(group))
+        handles.append(ck.commit(str(group), step=step))
+    for h in handles:
+        h.wait(60)
+    assert time.monotonic() - t0 < QUICK_S
+    assert P.read_group_manifest(place(str(group)))["ranks"] == list(range(len(cks)))
+
+
+# A test's blocking wait runs on a clone of the store: a wait holds its connection, which the
+# Checkpointers' own calls share.
+
+
+def _session_keys(s: dist.TCPStore) -> list[str]:
+    """Keys of the agreement that should be gone once every rank joined (answers, joins)."""
+    return sorted(k for k in s.list_keys() if k.startswith("fastckpt/session/")
+                  and ("/answer/" in k or k.endswith("/joined")))
+
+
+def test_a_launch_that_lost_a_rank_before_its_checkpointer_leaves_nothing_stale(tmp_path: Path,
+                                                                                  store: dist.TCPStore) -> None:
+    # The dead launch: rank 0's Checkpointer was made and committed; rank 1 died before making
+    # one (it left only an ask, as a rank killed while it waited for rank 0's answer would).
+    dead0 = _ck(0, store, commit_timeout_s=0.5)
+    dead0.save(_state(1, 0), str(tmp_path / "step1" / "r0.pt"), group=str(tmp_path / "step1"))
+    with pytest.raises(CommitTimeoutError, match=r"ranks \[1\] of 2 did not commit"):
+        dead0.commit(str(tmp_path / "step1")).wait(60)
+    dead0.close()
+    store.append("fastckpt/session/2/asks", "1 0123456789abcdef0123456789abcdef\n")
+    cks = [_ck(r, store) for r in (0, 1)]  # the next launch, on the same store
+    try:
+        _commit_all(cks, tmp_path / "step2", 2)
+        _commit_all(cks, tmp_path / "step3", 3)
+    finally:
+        close_all(cks)
+    assert _session_keys(store) == []  # the dead rank's answer too: deleted once every rank joined
+
+
+def test_rank_0_late_answers_the_ask_that_waited(tmp_path: Path, store: dist.TCPStore) -> None:
+    cks = [_ck(r, store) for r in (0, 1)]
+    g = tmp_path / "step1"
+    try:
+        cks[1].save(_state(1, 1), str(g / "r1.pt"), group=str(g))
+        h1 = cks[1].commit(str(g))
+        store.clone().wait(["fastckpt/session/2/asks"])  # rank 1 asked before rank 0 chose anything
+        assert not store.check(["fastckpt/session/next"])
+        cks[0].save(_state(1, 0), str(g / "r0.pt"), group=str(g))
+        cks[0].commit(str(g)).wait(QUICK_S)
+        h1.wait(QUICK_S)
+    finally:
+        close_all(cks)
+
+
+def test_rank_1_late_is_answered_by_rank_0_waiting(tmp_path: Path, store: dist.TCPStore) -> None:
+    cks = [_ck(r, store) for r in (0, 1)]
+    g = tmp_path / "step1"
+    try:
+        cks[0].save(_state(1, 0), str(g / "r0.pt"), group=str(g))
+        h0 = cks[0].commit(str(g))
+        store.clone().wait(["fastckpt/session/next"])  # rank 0 chose, and waits for asks
+        cks[1].save(_state(1, 1), str(g / "r1.pt"), group=str(g))
+        cks[1].commit(str(g)).wait(QUICK_S)
+        h0.wait(QUICK_S)
+    finally:
+        close_all(cks)
+
+
+def test_extra_checkpointers_on_one_rank_change_nothing(tmp_path: Path, store: dist.TCPStore) -> None:
+    # Rank 1 makes a Checkpointer for a single file (no group), and another whose group commit
+    # rank 0 never joins: neither moves the session the real pair agrees on.
+    extra = _ck(1, store)
+    extra.save(_state(0, 1), str(tmp_path / "single" / "r1.pt")).wait(60)
+    extra.close()
+    lone = _ck(1, store, commit_timeout_s=0.5)
+    lone.save(_state(0, 1), str(tmp_path / "lone" / "r1.pt"), group=str(tmp_path / "lone"))
+    with pytest.raises(CommitTimeoutError, match="rank 0 did not answer"):
+        lone.commit(str(tmp_path / "lone")).wait(60)
+    lone.close()
+    cks = [_ck(r, store) for r in (0, 1)]
+    try:
+        _commit_all(cks, tmp_path / "step1", 1)
+    finally:
+        close_all(cks)
+
+
+def test_simulated_ranks_in_one_process_agree_generation_after_generation(tmp_path: Path,
+                                                                         store: dist.TCPStore) -> None:
+    # Three generations of 4 ranks (Checkpointers made again, as after a restart), each
+    # committing twice; one generation's rank 2 is made and closed twice before its real one.
+    for gen in range(3):
+        if gen == 1:
+            for _ in range(2):
+                _ck(2, store, world=4).close()
+        cks = [_ck(r, store, world=4) for r in (3, 1, 0, 2)]  # made in any order
+        cks.sort(key=lambda ck: ck.rank)
+        try:
+            for step in (1, 2):
+                _commit_all(cks, tmp_path / f"gen{gen}" / f"step{step}", step)
+        finally:
+            close_all(cks)
+    assert _session_keys(store) == []
+
+
+def test_sessions_of_one_store_never_repeat(store: dist.TCPStore) -> None:
+    stop, got = threading.Event(), []
+    for _ in range(3):
+        waits = S._Waits.of(store)
+        ranks = [SS.Session(store, waits, r, 3, None) for r in range(3)]
+        threads = [threading.Thread(target=s.join, args=(time.monotonic() + 30, stop, "g")) for s in ranks]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert all(s.complete for s in ranks)
+        assert len({s.number for s in ranks}) == 1
+        got.append(ranks[0].number)
+    assert len(set(got)) == 3
+
+
+def test_close_does_not_wait_for_an_agreement_nobody_needs(tmp_path: Path, store: dist.TCPStore) -> None:
+    # Rank 1's save failed; its commit raises at once and tells the others in the background,
+    # which first needs the session: rank 0 never comes, and close() must not wait for it.
+    ops = FaultyOps()
+    ck = _ck(1, store, ops=ops, commit_timeout_s=600)
+    g = tmp_path / "step1"
+    ops.inject(Fault("pwrite", 28, path_contains="r1.pt"))
+    h = ck.save(_state(1, 1), str(g / "r1.pt"), group=str(g))
+    with pytest.raises(CheckpointWriteError):
+        h.result(60)  # ended, still unseen: commit() raises it
+    with pytest.raises(CheckpointWriteError, match="No space left"):
+        ck.commit(str(g))
+    t0 = time.monotonic()
+    ck.close()
+    assert time.monotonic() - t0 < 5
