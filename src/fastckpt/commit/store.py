@@ -15,16 +15,19 @@ So one commit costs about 5 operations per rank, and rank 0 reads every announce
 single ``get``. Rank 0 deletes ``files``, ``count`` and ``ready`` once it has read them, the
 last rank to learn the outcome deletes the rest: a run of thousands of checkpoints leaves
 nothing behind. An attempt that fails because a rank died leaves ``claim``, ``outcome`` and
-``seen`` (a few bytes) until the store goes away with the job.
+``seen`` (a few bytes, under a session nothing uses again) until the store goes away.
 
 Every call here is safe from any thread and none is a collective. A blocking ``wait`` holds
 its client connection for as long as it waits, so waits run on clones of the store
 (``Store.clone``, kept for reuse; ``_Waits``), never on the connection the training thread or
-the process group uses. Attempt numbers are each rank's own count of its attempts at a group within a session;
-a session is one Checkpointer's lifetime (each rank adds 1 to ``fastckpt/session/W`` when its
-Checkpointer is made with an explicit store, or when it first commits a group through the
-default process group's), so Checkpointers made again later never reuse the keys of a failed
-attempt.
+the process group uses.
+
+Attempt numbers are each rank's own count of its attempts at a group within a session. A
+session is one Checkpointer's group commits: a number no earlier Checkpointer of the store got,
+chosen by rank 0 and learnt by the others from rank 0 itself at their first multi-rank commit
+(``session.py``, which says why a number each rank derives on its own goes wrong on a store
+that outlives a launch). So Checkpointers made again later, in this launch or after a restart,
+never reuse the keys of a failed attempt, and a dead launch's keys never mislead a live rank.
 """
 
 from __future__ import annotations
