@@ -181,3 +181,41 @@ def test_close_does_not_wait_for_an_agreement_nobody_needs(tmp_path: Path, store
     t0 = time.monotonic()
     ck.close()
     assert time.monotonic() - t0 < 5
+
+
+class _LateAsks:
+    """The store, where the next ``n`` ``compare_set`` calls find one more ask appended just before
+    (another rank asked while rank 0 answered the ones it had read)."""
+
+    def __init__(self, store: dist.TCPStore, n: int) -> None:
+        self._store, self._n, self._next = store, n, 100
+
+    def compare_set(self, key: str, expected: str, value: str) -> bytes:
+        if self._n:
+            self._n -= 1
+            self._next += 1
+            self._store.append(key, f"2 late{self._next}\n")
+        return self._store.compare_set(key, expected, value)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._store, name)
+
+
+def test_a_joined_rank_whose_ask_outlives_two_rounds_is_not_answered_again(store: dist.TCPStore) -> None:
+    # Rank 1's ask stays in the list for two rounds (each round's clearing lost to a late ask);
+    # it joined in between: answering it again would leave an answer nobody reads or deletes.
+    racy, stop = _LateAsks(store, 2), threading.Event()
+    rank0 = SS.Session(racy, S._Waits.of(store), 0, 3, None)
+    rank0.number = int(store.add("fastckpt/session/next", 1))
+    store.append("fastckpt/session/3/asks", "1 n1\n")
+    rank0._answer()  # answers n1; the late ask keeps the list
+    assert int(store.get("fastckpt/session/answer/n1")) == rank0.number
+    store.delete_key("fastckpt/session/answer/n1")  # rank 1 read its answer and joined
+    store.append(f"fastckpt/session/{rank0.number}/joined", "1 n1\n")
+    rank0._answer()  # sees the join; the list is kept again
+    rank0._answer()  # n1 is still listed
+    assert not store.check(["fastckpt/session/answer/n1"])
+    store.delete_key("fastckpt/session/answer/late102")  # rank 2 (the last late ask) joins
+    store.append(f"fastckpt/session/{rank0.number}/joined", "2 late102\n")
+    rank0._serve(time.monotonic() + 10, stop, poll=True)
+    assert rank0.complete and _session_keys(store) == []

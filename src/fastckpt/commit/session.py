@@ -58,7 +58,8 @@ class Session:
         self._nonce = uuid.uuid4().hex
         self.number: int | None = None  # the session, once known
         self._joined: set[int] = set()  # rank 0: the ranks that joined
-        self._answered: set[str] = set()  # rank 0: the nonces answered
+        self._answered: set[str] = set()  # rank 0: the nonces answered, their answers not yet read
+        self._read: set[str] = set()  # rank 0: the nonces whose ranks read their answer and joined
         self.ops = 0  # store operations made, for the commit event that made them
 
     @property
@@ -136,7 +137,7 @@ class Session:
         raw = bytes(self._op(store.get, asks)) if self._op(store.check, [asks]) else b""  # type: ignore[attr-defined]
         for line in raw.decode().splitlines():
             nonce = line.split()[1]
-            if nonce not in self._answered:
+            if nonce not in self._answered and nonce not in self._read:  # its line may outlive a round
                 self._op(store.set, self._k(f"answer/{nonce}"), str(self.number))  # type: ignore[attr-defined]
                 self._answered.add(nonce)
         if raw:  # lines appended meanwhile keep it from matching: they are answered next round
@@ -147,6 +148,7 @@ class Session:
                 rank, nonce = line.split()
                 self._joined.add(int(rank))
                 self._answered.discard(nonce)  # read its answer: the rank deleted it
+                self._read.add(nonce)  # never answered again, though its ask may still be listed
 
     def _tidy(self) -> None:
         """Every rank joined: delete the answers nobody will read (asks of dead launches)."""
