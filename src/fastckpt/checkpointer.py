@@ -177,8 +177,7 @@ class Checkpointer:
             UnsupportedObjectError: an entry cannot be saved (the message names its key).
             ConfigError: a URL path without local_dir, or a path outside its group.
         """
-        self._check_open()
-        self._inflight.raise_unseen()
+        self._check_open()  # an earlier save's failure is raised by the Saver, once: see Saver.save
         return self._saver.save(state_dict, file_name(path), normalize(group) if group is not None else None,
                                 lazy, self.rank, self.world_size)
 

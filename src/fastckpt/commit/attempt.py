@@ -8,6 +8,7 @@ copy's manifest (``publish_local``). ``coordinator.py`` runs these on the commit
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import threading
 import time
@@ -15,13 +16,14 @@ from dataclasses import dataclass, field
 
 from ..errors import CheckpointWriteError, CommitTimeoutError, CorruptCheckpointError
 from ..io import atomic
-from ..records import SaveHandle
+from ..records import SaveHandle, SaveRecord
 from ..storage.places import Place
 from . import fallback as F
 from . import protocol as P
 from . import resave
 from . import store as S
 
+log = logging.getLogger("fastckpt")
 LOCAL_WAIT_S = 10.0  # how long a rank waits for its node's copy of a manifest before reading it itself
 
 
@@ -56,7 +58,6 @@ class Attempt:
     move_latest: bool = True
     cancel: threading.Event = field(default_factory=threading.Event)
     handles: list[SaveHandle] = field(default_factory=list)
-    skipped: list[str] = field(default_factory=list)
     begun_in: str | None = None
     replaced: str | None = None
     seen: str | None | bool = False  # other ranks without a store: attempt.json's id at begin
@@ -74,6 +75,25 @@ class Ended:
     manifest: dict | None
     total: int
     superseded: bool = False
+
+
+def records(handles: list[SaveHandle]) -> list[SaveRecord]:
+    """The records of an attempt's saves, waited for in order; a failure is raised. A path saved
+    more than once in the attempt counts its last save: an earlier one that failed is excused
+    (its error is raised to the user once, by its handle or the next sync point), since the
+    later save's file replaced it (one writer thread per drive writes a path's saves in order,
+    and the replicator uploads them in order)."""
+    last = {h.path: h for h in handles}
+    recs = []
+    for h in handles:
+        if last[h.path] is h:
+            recs.append(h.result())
+            continue
+        try:
+            h.result()
+        except Exception:  # noqa: BLE001 (saved again since: see above)
+            log.debug("fastckpt: a failed save of %s was saved again in the same attempt", h.path)
+    return recs
 
 
 def publish(att: Attempt, world: int, entries: dict[int, dict], extra: dict, requested_at: float,

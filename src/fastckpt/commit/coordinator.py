@@ -1,8 +1,8 @@
 """Group commits: several files from one or many ranks become one checkpoint.
 
 Calls, all on the training thread: ``begin`` (first save into a group by this rank in this
-attempt), ``add``/``skipped`` (each save), ``commit`` (every rank, once per attempt), ``cancel``
-(``Checkpointer.remove`` of the group). The work of a commit runs on the committer pool:
+attempt), ``add``/``skipped``/``failed`` (each save), ``commit`` (every rank, once per attempt),
+``cancel`` (``Checkpointer.remove`` of the group). The work of a commit runs on the committer pool:
 
   every rank   wait for its saves (and their replication)
   with a store (``store.py``): announce its files there; rank 0 waits for all W, publishes the
@@ -16,6 +16,12 @@ attempt), ``add``/``skipped`` (each save), ``commit`` (every rank, once per atte
 
 ``begin`` decides where the attempt writes: in place, or, when the group is already published,
 beside it (``resave.py``), so that a new attempt never unpublishes the old one.
+
+A file of the attempt whose save did not happen (it raised on the training thread, or
+``when_busy='skip'`` skipped it) is marked: ``commit`` then ends the attempt on every rank and
+raises, naming it, instead of publishing the group without it. A later save of the same path
+that succeeds in the same attempt clears the mark (and one whose write failed in the background
+no longer counts once the same path is saved again): the group commits with the good file.
 """
 
 from __future__ import annotations
@@ -29,9 +35,10 @@ import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import Executor, Future
+from typing import NoReturn
 
 from ..config import CheckpointerConfig
-from ..errors import CommitTimeoutError, CorruptCheckpointError, FastCkptError, GroupRemovedError
+from ..errors import CommitTimeoutError, CorruptCheckpointError, GroupRemovedError
 from ..inflight import raise_as_write_error
 from ..records import SaveHandle, SaveRecord
 from ..storage.places import Place
@@ -72,6 +79,7 @@ class Coordinator:
         self._open: dict[str, A.Attempt] = {}
         self._running: dict[str, tuple[A.Attempt, Future]] = {}
         self._counts: dict[str, itertools.count] = {}
+        self._missing: dict[str, dict[str, str]] = {}  # group -> path -> why its save did not happen
 
     def _channel(self, group: str, rank: int, world: int) -> S.Channel | None:
         """The store keys of this rank's next attempt at ``group`` (None: no store, or one rank).
@@ -137,10 +145,23 @@ class Coordinator:
         return att.place.url(path[len(group):].lstrip("/"))
 
     def add(self, group: str, handle: SaveHandle) -> None:
+        """A save of ``handle.path`` into ``group`` is under way: it clears the path's mark."""
+        with self._lock:
+            self._missing.get(group, {}).pop(handle.path, None)
         self._open[group].handles.append(handle)
 
     def skipped(self, group: str, path: str) -> None:
-        self._open[group].skipped.append(path)
+        self._mark(group, path, "skipped: when_busy='skip' found the staging buffer busy")
+
+    def failed(self, group: str, path: str, exc: BaseException) -> None:
+        """The save of ``path`` into ``group`` raised ``exc`` on the training thread, perhaps
+        before this rank's attempt began: the attempt cannot commit without the file. (Only its
+        text is kept: the exception's traceback would pin the state's tensors until then.)"""
+        self._mark(group, path, f"{type(exc).__name__}: {exc}")
+
+    def _mark(self, group: str, path: str, why: str) -> None:
+        with self._lock:
+            self._missing.setdefault(group, {})[path] = why
 
     def cancel(self, group: str, rank: int) -> None:
         """``remove(group)`` on this rank: its attempt at the group ends, on every rank with a
@@ -148,6 +169,7 @@ class Coordinator:
         A later ``commit`` of the cancelled attempt fails at once."""
         with self._lock:
             atts = [a for a in (self._open.get(group), self._running.get(group, (None,))[0]) if a is not None]
+            self._missing.pop(group, None)  # the attempt ends as removed
         for att in atts:
             att.cancel.set()
             if att.channel is not None:
@@ -159,6 +181,7 @@ class Coordinator:
         earlier save's failure): end the attempt, on every rank at once with a store."""
         with self._lock:
             att = self._open.pop(group, None)
+            self._missing.pop(group, None)
         if att is not None:
             self._abort(att, rank, exc, background=True)
 
@@ -166,6 +189,9 @@ class Coordinator:
                finish: Callable[[SaveRecord], SaveRecord] = lambda r: r, move_latest: bool = True) -> Future:
         with self._lock:
             att = self._open.pop(group, None)
+            missing = self._missing.pop(group, None)
+        if missing:
+            self._refuse(group, att, rank, world, missing)
         if att is None:  # a rank that saved nothing into this group
             self.begin(group, rank, world)
             with self._lock:
@@ -191,6 +217,23 @@ class Coordinator:
             self._running[group] = (att, fut)
         fut.add_done_callback(lambda f: self._forget(group, f))
         return fut
+
+    def _refuse(self, group: str, att: A.Attempt | None, rank: int, world: int, missing: dict[str, str]) -> NoReturn:
+        """Files of this rank's attempt at ``group`` were never saved (``missing``: path -> why):
+        end the attempt on every rank at once, and raise, naming them. A rank whose save failed
+        before its attempt began (``att`` None) begins it now, to know which attempt to end."""
+        files = "; ".join(f"{path[len(group):].lstrip('/')} ({why})" for path, why in missing.items())
+        err = F.unsaved_error(group, files)
+        try:
+            if att is None:
+                self.begin(group, rank, world)
+                with self._lock:
+                    att = self._open.pop(group)
+        except BaseException as exc:  # the others then time out, naming this rank
+            err.add_note(f"the other ranks were not told, and wait commit_timeout_s: {type(exc).__name__}: {exc}")
+            raise err from exc
+        self._abort(att, rank, err, background=True, why=f"the save of {files} did not happen")
+        raise err
 
     @staticmethod
     def _removed(att: A.Attempt, exc: OSError) -> bool:
@@ -220,15 +263,16 @@ class Coordinator:
             if self._running.get(group, (None, None))[1] is fut:
                 del self._running[group]
 
-    def _abort(self, att: A.Attempt, rank: int, exc: BaseException, background: bool = False) -> None:
+    def _abort(self, att: A.Attempt, rank: int, exc: BaseException, background: bool = False,
+               why: str | None = None) -> None:
         """End the attempt on every rank at once: they need not wait ``commit_timeout_s`` for a
         rank whose save failed. With a store, through it (``background``: called on the training
         thread, so a session still to agree is agreed on the committer pool); without one,
         through the group's directory: rank 0 records the attempt's outcome, another rank a
         failure record for rank 0's current attempt, or, when rank 0 has not started it yet, for
         the one that follows the attempt recorded there now (``fallback.wait_for_markers`` ends
-        on either)."""
-        why = f"{type(exc).__name__}: {exc}"[:500]
+        on either). ``why``: what the others are told (default: ``exc``)."""
+        why = (why or f"{type(exc).__name__}: {exc}")[:500]
         if att.channel is not None:
             self._through_store(att.channel, att.group, rank, lambda ch: ch.abort(rank, why), "the failure of",
                                 background)
@@ -266,16 +310,12 @@ class Coordinator:
              requested_at: float) -> SaveRecord:
         c0, cpu0 = time.time(), time.thread_time()
         try:
-            recs = [h.result() for h in att.handles]  # a failed save stops the commit here
+            recs = A.records(att.handles)  # a failed save stops the commit here
         except BaseException as exc:
             self._abort(att, rank, exc)
             raise
         if att.cancel.is_set():
             raise F.removed_error(att.home)
-        if att.skipped:
-            raise FastCkptError(
-                f"checkpoint group {att.group} not committed: this rank skipped {att.skipped} "
-                "(when_busy='skip' found the staging buffer busy); the group stays incomplete")
         tier = recs[0].tier if recs else "direct"
         blocked = sum(r.blocked_s for r in recs)
         superseded = any(r.superseded for r in recs)  # replication coalesced this attempt away
@@ -299,3 +339,4 @@ class Coordinator:
                 log.debug("fastckpt: the burst-buffer copy %s of %s went meanwhile", local.label, att.group)
         self._emit("commit", att.group, ended.total, c0, tier, detail="group")
         return SaveRecord(att.group, tier, ended.total, blocked, 0.0, done, done, rank=rank, group=att.group, **cost)
+

@@ -53,6 +53,16 @@ def aborted_error(label: str, why: str) -> CheckpointWriteError:
     return err
 
 
+
+def unsaved_error(label: str, files: str) -> CheckpointWriteError:
+    """What a rank raises at ``commit`` when its save of ``files`` (each with why) into the group
+    did not happen: the group would lack them, so it is not committed (``Coordinator._refuse``)."""
+    return CheckpointWriteError(
+        f"checkpoint group {label} not committed: this rank's save of {files} did not happen, and the group would "
+        "lack it. It ends on every rank; the group stays incomplete and the previous checkpoint is intact. To "
+        "commit a group after such a failure, save the file again before commit() (a save of the same path that "
+        "succeeds counts).")
+
 def record_aborted(place: Place, token: str | None, why: str, replaced: str | None = None) -> None:
     """Rank 0: attempt ``token`` (which replaced attempt ``replaced``) ended because a save
     failed (``why``: which rank, and its error); the ranks polling for the manifest raise

@@ -82,7 +82,21 @@ class Saver:
         self._bypassing = False  # the last save skipped a full burst buffer
 
     def save(self, state_dict: object, path: str, group: str | None, lazy: bool, rank: int, world: int) -> SaveHandle:
-        """See ``Checkpointer.save``; ``path`` and ``group`` are normalised."""
+        """See ``Checkpointer.save``; ``path`` and ``group`` are normalised. An earlier save's
+        failure nobody has seen is raised first (the sync point). A save into a group that
+        raises, that one included, marks its file in the group's attempt: the group's commit
+        then fails on every rank instead of publishing the group without it, unless the file is
+        saved again first (``Coordinator.failed``)."""
+        try:
+            self._inflight.raise_unseen()
+            return self._save(state_dict, path, group, lazy, rank, world)
+        except BaseException as exc:
+            if group is not None:
+                self._coord.failed(group, path, exc)
+            raise
+
+    def _save(self, state_dict: object, path: str, group: str | None, lazy: bool, rank: int,
+              world: int) -> SaveHandle:
         t_call, w_call = time.monotonic(), time.time()
         if group is not None and not is_within(path, group):
             raise ConfigError(f"{path} is not inside its group directory {group}")
