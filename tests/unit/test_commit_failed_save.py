@@ -29,8 +29,6 @@ from fastckpt.save import staging
 from fastckpt.testing import Fault, FaultyOps
 from tests.helpers import close_all, latest, place
 
-OTHER = r"failed on another rank \(rank 1: "  # what rank 0's commit says
-
 
 @pytest.fixture(params=["store", "no store"])
 def store(request: pytest.FixtureRequest) -> object | None:
@@ -46,11 +44,12 @@ def _state(step: int, rank: int, big: bool = False) -> dict:
     return s
 
 
-def _ranks(store: object | None, ops1: FaultyOps | None = None, **kw1: object) -> list[fastckpt.Checkpointer]:
-    """Ranks 0 and 1 (``ops1`` and ``kw1`` for rank 1), commit timeout 60 s: a commit that
-    is not ended by rank 1's failure would wait that long."""
+def _ranks(store: object | None, ops: FaultyOps | None = None, bad: int = 1,
+           **kw: object) -> list[fastckpt.Checkpointer]:
+    """Ranks 0 and 1 (``ops`` and ``kw`` for rank ``bad``), commit timeout 60 s: a commit
+    that is not ended by rank ``bad``'s failure would wait that long."""
     return [fastckpt.Checkpointer(rank=r, world_size=2, store=store, io_threads=1, overhead_budget=0.99,
-                                  commit_timeout_s=60, **({"ops": ops1, **kw1} if r == 1 else {}))
+                                  commit_timeout_s=60, **({"ops": ops, **kw} if r == bad else {}))
             for r in range(2)]
 
 
@@ -66,15 +65,15 @@ def _files(group: Path) -> list[str] | None:
     return None if m is None else sorted(m["files"])
 
 
-def _expect_not_committed(cks: list, g2: Path, file_and_error: str) -> None:
-    """Rank 1's commit raises at the call, naming its file and the error; rank 0's fails at once
-    (not after commit_timeout_s), naming rank 1 and the same."""
-    h0 = cks[0].commit(str(g2))
+def _expect_not_committed(cks: list, g2: Path, file_and_error: str, bad: int = 1) -> None:
+    """Rank ``bad``'s commit raises at the call, naming its file and the error; the other's
+    (called first) fails at once, not after commit_timeout_s, naming rank ``bad`` and the same."""
+    h = cks[1 - bad].commit(str(g2))
     with pytest.raises(CheckpointWriteError, match=f"not committed: .*{file_and_error}") as info:
-        cks[1].commit(str(g2))
+        cks[bad].commit(str(g2))
     assert "the previous checkpoint is intact" in str(info.value)
-    with pytest.raises(CheckpointWriteError, match=OTHER + f".*{file_and_error}"):
-        h0.wait(60)
+    with pytest.raises(CheckpointWriteError, match=rf"failed on another rank \(rank {bad}: .*{file_and_error}"):
+        h.wait(60)
 
 
 def _then_intact_and_next_commits(cks: list, tmp_path: Path) -> None:
@@ -88,8 +87,8 @@ def _then_intact_and_next_commits(cks: list, tmp_path: Path) -> None:
 
 
 @contextlib.contextmanager
-def _failing(where: str, monkeypatch: pytest.MonkeyPatch, ops1: FaultyOps) -> Iterator[None]:
-    """Make rank 1's next save fail on the training thread, ``where``:
+def _failing(where: str, monkeypatch: pytest.MonkeyPatch, ops: FaultyOps) -> Iterator[None]:
+    """Make the next save (of the rank with ``ops``) fail on the training thread, ``where``:
     probe     the tier's O_DIRECT probe in the new group's directory (EACCES), before the
               attempt at the group begins
     staging   allocating a larger staging buffer (MemoryError), after it began
@@ -98,7 +97,7 @@ def _failing(where: str, monkeypatch: pytest.MonkeyPatch, ops1: FaultyOps) -> It
     """
     with monkeypatch.context() as m:
         if where == "probe":
-            ops1.inject(Fault("makedirs", errno.EACCES, path_contains="global_step2"))
+            ops.inject(Fault("makedirs", errno.EACCES, path_contains="global_step2"))
         elif where == "staging":
             def no_memory(capacity: int, pinned: bool) -> object:
                 raise MemoryError(f"cannot allocate {capacity} bytes of staging memory")
@@ -111,29 +110,30 @@ def _failing(where: str, monkeypatch: pytest.MonkeyPatch, ops1: FaultyOps) -> It
             m.setattr(saver_module, "snapshot", copy_fails)
         yield
     if where == "probe":
-        ops1.assert_all_reached()
+        ops.assert_all_reached()
 
 
 ERRORS = {"probe": (CheckpointWriteError, "Permission denied"), "staging": (MemoryError, "cannot allocate"),
           "snapshot": (RuntimeError, "copy into the staging buffer failed")}
 
 
+@pytest.mark.parametrize("bad", [1, 0])
 @pytest.mark.parametrize("where", list(ERRORS))
 def test_a_group_file_whose_save_raised_is_not_committed_on_any_rank(tmp_path: Path, store: object | None,
-                                                                     where: str,
+                                                                     where: str, bad: int,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    """Before, rank 1's commit found no handle for its file (the save raised before it had one)
-    and committed the group without it: rank 0 published a manifest lacking ``r1.pt``."""
-    ops1 = FaultyOps()
-    cks = _ranks(store, ops1, overlap_write=where == "snapshot")
+    """Before, rank ``bad``'s commit found no handle for its file (the save raised before it had
+    one) and committed the group without it: rank 0 published a manifest lacking it."""
+    ops = FaultyOps()
+    cks = _ranks(store, ops, bad, overlap_write=where == "snapshot")
     g1, g2 = tmp_path / "global_step1", tmp_path / "global_step2"
     try:
         _commit(cks, g1, 1)
-        cks[0].save(_state(2, 0), str(g2 / "r0.pt"), group=str(g2))
+        cks[1 - bad].save(_state(2, 1 - bad), str(g2 / f"r{1 - bad}.pt"), group=str(g2))
         kind, message = ERRORS[where]
-        with _failing(where, monkeypatch, ops1), pytest.raises(kind, match=message):
-            cks[1].save(_state(2, 1, big=True), str(g2 / "r1.pt"), group=str(g2))
-        _expect_not_committed(cks, g2, rf"r1\.pt .*{message}")
+        with _failing(where, monkeypatch, ops), pytest.raises(kind, match=message):
+            cks[bad].save(_state(2, bad, big=True), str(g2 / f"r{bad}.pt"), group=str(g2))
+        _expect_not_committed(cks, g2, rf"r{bad}\.pt .*{message}", bad)
         _then_intact_and_next_commits(cks, tmp_path)
     finally:
         close_all(cks)
@@ -144,7 +144,8 @@ def test_a_file_saved_again_after_its_save_raised_commits_the_group(tmp_path: Pa
                                                                     where: str,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """The mark of a failed save is cleared by a save of the same path that succeeds in the same
-    attempt: the group commits with the good file. A failed save of another path is not."""
+    attempt: the group commits with the good file. (Passed before the fix too: it guards that
+    the marks do not block a group whose file was saved again.)"""
     ops1 = FaultyOps()
     cks = _ranks(store, ops1, overlap_write=where == "snapshot")
     g1, g2 = tmp_path / "global_step1", tmp_path / "global_step2"
@@ -159,6 +160,43 @@ def test_a_file_saved_again_after_its_save_raised_commits_the_group(tmp_path: Pa
             h.wait(60)
         assert _files(g2) == ["r0.pt", "r1.pt"]
         assert torch.equal(fastckpt.load(str(g2 / "r1.pt"))["big"], _state(2, 1, big=True)["big"])
+    finally:
+        close_all(cks)
+
+
+def test_another_file_saved_does_not_clear_the_mark(tmp_path: Path, store: object | None,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only a save of the same path clears a failed save's mark: after rank 1's ``r1.pt``
+    failed, its ``r1-extra.pt`` succeeds, and the group is still not committed."""
+    cks = _ranks(store)
+    g1, g2 = tmp_path / "global_step1", tmp_path / "global_step2"
+    try:
+        _commit(cks, g1, 1)
+        cks[0].save(_state(2, 0), str(g2 / "r0.pt"), group=str(g2))
+        with _failing("staging", monkeypatch, FaultyOps()), pytest.raises(MemoryError):
+            cks[1].save(_state(2, 1, big=True), str(g2 / "r1.pt"), group=str(g2))
+        cks[1].save(_state(2, 1), str(g2 / "r1-extra.pt"), group=str(g2))
+        _expect_not_committed(cks, g2, r"r1\.pt \(MemoryError: cannot allocate")
+        _then_intact_and_next_commits(cks, tmp_path)
+    finally:
+        close_all(cks)
+
+
+def test_a_failed_save_in_the_first_group_ends_its_commit_on_every_rank(tmp_path: Path, store: object | None,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Checkpointers' first group, so (with a store) the session is not agreed yet when rank
+    1's commit ends the attempt; then the next group commits."""
+    cks = _ranks(store)
+    g2, g3 = tmp_path / "global_step2", tmp_path / "global_step3"
+    try:
+        cks[0].save(_state(2, 0), str(g2 / "r0.pt"), group=str(g2))
+        with _failing("staging", monkeypatch, FaultyOps()), pytest.raises(MemoryError):
+            cks[1].save(_state(2, 1), str(g2 / "r1.pt"), group=str(g2))
+        _expect_not_committed(cks, g2, r"r1\.pt \(MemoryError: cannot allocate")
+        assert _files(g2) is None
+        assert latest(str(tmp_path)) is None
+        _commit(cks, g3, 3)
+        assert _files(g3) == ["r0.pt", "r1.pt"]
     finally:
         close_all(cks)
 
