@@ -188,6 +188,10 @@ class Checkpointer:
         rank 0 after it wrote the manifest, on other ranks once they see it). ``extra``
         (e.g. ``step=100``) is recorded in the group manifest. ``move_latest=False`` publishes
         the group without pointing ``parent/latest`` at it (give the same value on every rank).
+
+        Raises:
+            CheckpointWriteError: a save of this rank into ``group`` raised or was skipped, and
+                its path was not saved again since: the attempt ends on every rank (docs/groups.md).
         """
         self._check_open()
         group = normalize(group)  # a failure raised here ends the attempt: no rank waits for this one
