@@ -339,4 +339,3 @@ class Coordinator:
                 log.debug("fastckpt: the burst-buffer copy %s of %s went meanwhile", local.label, att.group)
         self._emit("commit", att.group, ended.total, c0, tier, detail="group")
         return SaveRecord(att.group, tier, ended.total, blocked, 0.0, done, done, rank=rank, group=att.group, **cost)
-
