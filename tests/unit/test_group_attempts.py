@@ -162,12 +162,12 @@ def test_remove_cancels_the_commit_on_every_rank(tmp_path: Path, store: object |
     assert latest(str(tmp_path)) is None
 
 
-@pytest.mark.parametrize(("committer", "hold"), [(0, "P.write_marker"), (1, "F.current_attempt"),
+@pytest.mark.parametrize(("committer", "hold"), [(0, "P.write_marker"), (1, "F.own_attempt"),
                                                   (1, "P.write_marker")])
 def test_a_removal_that_wins_the_race_with_a_commit_fails_it_at_once_and_leaves_nothing(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, committer: int, hold: str) -> None:
     """Without a store, one rank's ``remove()`` can run before the other rank's commit thread has
-    begun (another rank: ``current_attempt``, its first look at the group) or written its marker
+    begun (another rank: ``own_attempt``, its first look at the group) or written its marker
     (rank 0 writes it first). That marker used to bring the directory back, and the committing
     rank then waited out commit_timeout_s (600 s by default) for a rank that had removed the group."""
     from fastckpt.commit import attempt as A

@@ -41,11 +41,10 @@ class Attempt:
     go (``home``, or ``protocol.staged_place(home)`` for a re-save of a published group, then
     ``old`` is the manifest it replaces). ``channel`` is the attempt's store keys (None: the
     storage fallback). ``token`` names the attempt (None on other ranks without a store until
-    they read rank 0's; ``begun_in`` is the attempt rank 0 was running when such a rank began:
-    if that one ends aborted before the rank commits, it was this rank's); ``replaced``, on rank 0,
-    the attempt id ``attempt.json`` held before this attempt's, and ``seen``, on the others, the one
-    it held when they began (False: not read). ``cancel`` is set by
-    ``remove()``; ``move_latest=False`` (``commit``'s) publishes the group without moving ``latest``.
+    they join rank 0's: ``fallback.own_attempt`` says which, from ``began``, what such a rank saw
+    of rank 0's attempts when it began); ``replaced``, on rank 0, the attempt id ``attempt.json``
+    held before this attempt's. ``cancel`` is set by ``remove()``; ``move_latest=False``
+    (``commit``'s) publishes the group without moving ``latest``.
     """
 
     group: str
@@ -58,9 +57,8 @@ class Attempt:
     move_latest: bool = True
     cancel: threading.Event = field(default_factory=threading.Event)
     handles: list[SaveHandle] = field(default_factory=list)
-    begun_in: str | None = None
     replaced: str | None = None
-    seen: str | None | bool = False  # other ranks without a store: attempt.json's id at begin
+    began: F.Began | None = None  # other ranks without a store
 
     @property
     def staged(self) -> bool:
@@ -166,19 +164,26 @@ def via_storage(att: Attempt, rank: int, world: int, files: dict, superseded: bo
                 requested_at: float, timeout_s: float, stop: threading.Event) -> Ended:
     """The commit through marker files (``fallback.py``), on this rank."""
     if rank != 0:
-        token = F.current_attempt(att.place)
-        if token is None and att.begun_in is not None:  # ended already, while this rank wrote?
-            ended = P.read_record(att.place, P.OUTCOME) or {}
-            if ended.get("attempt") == att.begun_in and ended.get("outcome") == F.ABORTED:
+        began = att.began or F.Began()
+        ended = P.read_record(att.place, P.OUTCOME) or {}
+        if began.running is not None and ended.get("attempt") == began.running:  # ended while this rank wrote
+            if ended.get("outcome") == F.ABORTED:
                 raise F.aborted_error(att.home.label, str(ended.get("why")))
-            if ended.get("attempt") == att.begun_in and ended.get("outcome") == "superseded":
+            if ended.get("outcome") == "superseded":
                 return Ended(None, 0, superseded=True)  # another rank's file was dropped: so is this attempt
-        P.write_marker(att.place, rank, world, files, token, superseded)
+            F.own_attempt(att.place, rank, began)  # raises, naming the newer attempt if rank 0 began one
+            raise F.left_behind(att.home, rank, None, str(ended.get("outcome")))
+        att.token = F.own_attempt(att.place, rank, began)  # before the marker: a newer attempt never gets it
+
+        def restamp(aid: str) -> None:
+            att.token = aid
+            P.write_marker(att.place, rank, world, files, aid, superseded)
+
+        P.write_marker(att.place, rank, world, files, att.token, superseded)
         if _files_gone(att, files):  # another rank's remove() took the group before the marker, which
             raise F.removed_error(att.home)  # brought the directory back: the coordinator deletes it again
-        m = F.wait_for_manifest(att.home, timeout_s + grace(timeout_s), stop, token, files, me=rank,
-                                restamp=lambda aid: P.write_marker(att.place, rank, world, files, aid, superseded),
-                                cancel=att.cancel, records=att.place, seen=att.seen)
+        m = F.wait_for_manifest(att.home, timeout_s + grace(timeout_s), stop, att.token, files, me=rank,
+                                restamp=restamp, cancel=att.cancel, records=att.place, began=began)
         if m.get("superseded"):
             return Ended(None, 0, superseded=True)
         return Ended(m, sum(f["size"] for f in m["files"].values()))

@@ -80,6 +80,10 @@ class Coordinator:
         self._running: dict[str, tuple[A.Attempt, Future]] = {}
         self._counts: dict[str, itertools.count] = {}
         self._missing: dict[str, dict[str, str]] = {}  # group -> path -> why its save did not happen
+        # without a store: this rank-0 session's id in attempt.json, when this rank was born (for
+        # ``fallback.began``), and the attempt each group's last failed commit of another rank was in
+        self._session, self._born = uuid.uuid4().hex[:16], time.time()
+        self._given_up: dict[str, str] = {}
 
     def _channel(self, group: str, rank: int, world: int) -> S.Channel | None:
         """The store keys of this rank's next attempt at ``group`` (None: no store, or one rank).
@@ -128,14 +132,17 @@ class Coordinator:
             copy.delete(P.GROUP_MANIFEST)  # the local copy is rewritten in place: not complete until committed
         channel = self._channel(group, rank, world)
         token = None if channel is not None else (uuid.uuid4().hex[:16] if rank == 0 else None)
-        replaced = None
+        replaced, began = None, None
         if channel is None and rank == 0 and world > 1:
             replaced = P.attempt_id(place)
-            P.write_record(place, P.ATTEMPT, attempt=token, world_size=world)
-        seen, begun_in = F.attempt_ids(place) if channel is None and rank != 0 else (False, None)
+            P.write_record(place, P.ATTEMPT, attempt=token, world_size=world, replaced=replaced, session=self._session)
+        if channel is None and rank != 0:
+            with self._lock:
+                given_up = self._given_up.pop(group, None)
+            began = F.began(place, self._born, given_up)
         with self._lock:
-            self._open[group] = A.Attempt(group, home, place, local, channel, token, old, begun_in=begun_in,
-                                          replaced=replaced, seen=seen)
+            self._open[group] = A.Attempt(group, home, place, local, channel, token, old, replaced=replaced,
+                                          began=began)
 
     def home_path(self, group: str, path: str) -> str:
         """Where ``path`` (a file of ``group``) is written at its home in this attempt."""
@@ -183,7 +190,17 @@ class Coordinator:
             att = self._open.pop(group, None)
             self._missing.pop(group, None)
         if att is not None:
+            self._give_up(att)
             self._abort(att, rank, exc, background=True)
+
+    def _give_up(self, att: A.Attempt) -> None:
+        """This rank's commit of ``att`` failed: without a store, on a rank other than 0, rank 0
+        may still run the attempt its files were for, but its next save into the group is for
+        the next attempt (``fallback.began``)."""
+        mine = att.token or (att.began.running if att.began is not None else None)
+        if att.channel is None and att.began is not None and mine is not None:
+            with self._lock:
+                self._given_up[att.group] = mine
 
     def commit(self, group: str, rank: int, world: int, extra: dict,
                finish: Callable[[SaveRecord], SaveRecord] = lambda r: r, move_latest: bool = True) -> Future:
@@ -202,6 +219,13 @@ class Coordinator:
         def run() -> SaveRecord:
             try:
                 return finish(self._run(att, rank, world, extra, t_call, requested_at))
+            except BaseException:
+                self._give_up(att)
+                raise
+
+        def commit() -> SaveRecord:
+            try:
+                return run()
             except GroupRemovedError:
                 self._drop_marker(att, rank)
                 raise
@@ -212,7 +236,7 @@ class Coordinator:
                 raise_as_write_error(exc, group, where=group)
                 raise  # unreachable: raise_as_write_error always raises
 
-        fut = self._pool.submit(run)
+        fut = self._pool.submit(commit)
         with self._lock:
             self._running[group] = (att, fut)
         fut.add_done_callback(lambda f: self._forget(group, f))

@@ -21,6 +21,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from ..errors import CheckpointWriteError, CommitTimeoutError, GroupRemovedError
 from ..storage.places import Place
@@ -155,34 +156,114 @@ def attempt_ids(place: Place) -> tuple[str | None, str | None]:
     return aid, None if ended is not None and ended.get("attempt") == aid else aid
 
 
-def _outcome_of(ended: dict, token: str | None, seen: str | None | bool) -> bool:
+@dataclass(frozen=True)
+class Began:
+    """What a rank other than 0 saw of rank 0's attempts at its first save into a group (no
+    store): ``own_attempt`` tells from it which attempt its files are for.
+
+    ``seen`` is the id ``attempt.json`` held (None: there was none). ``running`` is that attempt,
+    if it ran then (no outcome names it) and was not one this rank had given up (its commit of
+    it failed): this rank's files are for it. ``stale`` is that attempt's rank-0 session ("" in a
+    record without one), if its record is older than this rank's Checkpointer: then it may be
+    what a job that died left behind, which a restarted rank 0 (another session) replaces.
+    """
+
+    seen: str | None = None
+    running: str | None = None
+    stale: str | None = None
+
+
+def began(place: Place, born: float, given_up: str | None = None) -> Began:
+    """A rank other than 0 begins an attempt at ``place``: what it sees (``Began``). ``born``:
+    when its Checkpointer was made; ``given_up``: the attempt its last commit here failed in."""
+    rec = P.read_record(place, P.ATTEMPT)
+    if rec is None:
+        return Began()
+    aid = rec.get("attempt")
+    ended = P.read_record(place, P.OUTCOME)
+    if aid == given_up or (ended is not None and ended.get("attempt") == aid):
+        return Began(aid)
+    stale = str(rec.get("session", "")) if float(rec.get("written_at", 0.0)) < born else None
+    return Began(aid, aid, stale)
+
+
+def own_attempt(place: Place, me: int | None, began: Began) -> str | None:
+    """Other ranks: the attempt rank 0 runs now at ``place``, if this rank's files are for it;
+    None while there is none (not started yet, or ended: its outcome says how).
+
+    The files are for the attempt that ran when this rank began (``began.running``), or, when
+    none ran, for the first one rank 0 starts after the one recorded then (each ``attempt.json``
+    names the id it replaced). A rank 0 that started another attempt instead gave up on this
+    rank's or restarted: this rank was left behind, and joining the newer attempt would publish
+    its old files with rank 0's new ones. The one exception is an attempt recorded before this
+    rank's Checkpointer was made (``began.stale``) that a rank 0 of another session replaced:
+    it was a dead job's leftover, and the new rank 0's attempt is this rank's.
+
+    Raises:
+        CommitTimeoutError: this rank was left behind (``left_behind``).
+    """
+    rec = P.read_record(place, P.ATTEMPT)
+    if rec is None:
+        return None
+    aid = rec.get("attempt")
+    ended = P.read_record(place, P.OUTCOME)
+    now = None if ended is not None and ended.get("attempt") == aid else aid
+    if aid == began.running:
+        return now
+    if aid == began.seen:  # ended, or given up by this rank: the next one is this rank's
+        return None
+    if "replaced" not in rec:  # written by a fastckpt that did not record it: joined, as before
+        return now
+    if began.running is None and rec["replaced"] == began.seen:
+        return now
+    if began.stale is not None and rec["replaced"] == began.running and rec.get("session") != began.stale:
+        return now
+    raise left_behind(place, me, aid)
+
+
+def left_behind(place: Place, me: int | None, newer: str | None, why: str | None = None) -> CommitTimeoutError:
+    """What a rank raises when rank 0 ended its attempt (``why``: the recorded outcome) or moved
+    on to the ``newer`` one without it (``own_attempt``)."""
+    what = f"moved on to a newer attempt ({newer})" if newer is not None else \
+        f"ended this rank's attempt without it ({why})"
+    return CommitTimeoutError(
+        f"checkpoint group {place.label} not committed on rank {me}: rank 0 {what} before this rank "
+        "committed its files (rank 0 gave up waiting for this rank, or was restarted). This rank's "
+        "files are not part of any published attempt; save the group again on this rank to join "
+        "rank 0's current attempt (the previous checkpoint is intact).")
+
+
+def _outcome_of(ended: dict, token: str | None, began: Began | None) -> bool:
     """Whether an outcome record is of this rank's attempt: it names ``token``, or, while this
-    rank knows no attempt id yet (it began before rank 0 started one), it is of the attempt that
-    replaced ``seen`` (the id ``attempt.json`` held when this rank began; False: not known)."""
+    rank has joined none, the attempt that ran when it began, or the one that replaced the
+    attempt recorded then (it began before rank 0 started one)."""
     if ended.get("attempt") == token:
         return True
-    return token is None and seen is not False and "replaced" in ended and ended["replaced"] == seen
+    if token is not None or began is None:
+        return False
+    return ended.get("attempt") == began.running or ("replaced" in ended and ended["replaced"] == began.seen)
 
 
 def wait_for_manifest(place: Place, timeout_s: float, stop: threading.Event, token: str | None = None,
                       mine: dict | None = None, me: int | None = None,
                       restamp: Callable[[str], None] | None = None, cancel: threading.Event | None = None,
-                      records: Place | None = None, seen: str | None | bool = False) -> dict:
+                      records: Place | None = None, began: Began | None = None) -> dict:
     """Other ranks: the manifest at ``place`` of this rank's attempt, listing its files with the
     checksums just written, or the attempt's recorded outcome (``{"superseded": True}``).
 
     Args:
         token: the attempt id this rank's marker carries.
         me, cancel: as for ``wait_for_markers``.
-        restamp: called with rank 0's current attempt id (``current_attempt``) when it differs
-            from ``token``: this rank writes its marker again with it.
+        restamp: called with rank 0's current attempt id when it differs from ``token`` and
+            is this rank's (``own_attempt``, given ``began``; else ``current_attempt``): this
+            rank writes its marker again with it.
         records: where this attempt's markers and records are, when not at ``place`` (a
             re-saved group's new attempt is written beside it until rank 0 swaps it in).
-        seen: the attempt id ``attempt.json`` held when this rank began (``_outcome_of``).
+        began: what this rank saw when it began (``Began``).
 
     Raises:
-        CommitTimeoutError: no manifest or outcome within ``timeout_s``, or the outcome
-            records a failure.
+        CommitTimeoutError: no manifest or outcome within ``timeout_s``, the outcome records a
+            failure, or rank 0 moved on to a newer attempt without this rank (``left_behind``).
         GroupRemovedError: the group was removed meanwhile.
     """
     state = {"token": token}
@@ -202,14 +283,19 @@ def wait_for_manifest(place: Place, timeout_s: float, stop: threading.Event, tok
         if m is not None:
             return m
         ended = P.read_record(rec, P.OUTCOME)
-        if ended is not None and _outcome_of(ended, state["token"], seen):
+        if ended is not None and _outcome_of(ended, state["token"], began):
             if ended.get("outcome") == "superseded":
                 return {"superseded": True, "files": {}}
             if ended.get("outcome") == ABORTED:
                 raise aborted_error(place.label, str(ended.get("why")))
             raise CommitTimeoutError(str(ended.get("outcome")))
         if restamp is not None:
-            current = current_attempt(rec)
+            try:
+                current = own_attempt(rec, me, began) if began is not None else current_attempt(rec)
+            except CommitTimeoutError:
+                if (m := published()) is not None:  # swapped in meanwhile: ``rec`` holds the old group
+                    return m
+                raise
             own = rec.get(P.marker_rel(me)) if me is not None else b""
             if (m := published()) is not None:  # swapped in since the first read: ``rec`` now holds the old group
                 return m
