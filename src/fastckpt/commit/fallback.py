@@ -2,16 +2,30 @@
 
 The fallback for launches without torch.distributed (``protocol.py`` has the files). Attempts
 are told apart by an id, not by age: rank 0 picks a random one when it starts an attempt and
-writes it to ``.fastckpt/attempt.json``; every other rank echoes the id it finds there in its
-marker, and writes its marker again whenever the id changes while it waits (it may have read
-the record of an earlier attempt before this attempt's rank 0 started). Rank 0 publishes only
-when every rank's marker carries its id, so a dead rank's leftover marker never counts, and
-the manifest names the files of this attempt only. An attempt that ends without a manifest
-(dropped by replication's coalescing, or failed) is recorded in ``.fastckpt/outcome.json`` so
-the other ranks stop waiting. A rank whose own marker vanished learns that the group was
-removed. A rank whose save failed leaves a failure record for rank 0's current attempt, or, before rank 0
-started it, for the one that replaces the attempt recorded then (``protocol.write_failure``):
-rank 0 ends the attempt on it and records an "aborted" outcome.
+writes it to ``.fastckpt/attempt.json``, with the id it replaced and its session (one random id
+per Checkpointer); every other rank echoes the id in its marker. Rank 0 publishes only when
+every rank's marker carries its id, so a dead rank's leftover marker never counts, and the
+manifest names the files of this attempt only.
+
+Which attempt a rank's files are for is fixed when it begins (its first save into the group,
+``began``): the one running then, or, when none ran, the first that replaces the one recorded
+then. While it waits it writes its marker again when that attempt appears (it may have read
+the record of an earlier attempt before rank 0 started it), and for no other: a newer attempt
+means that rank 0 gave up on this rank's (a timeout, a failed save) or was restarted, and the
+rank's old files must not complete it, or the group would mix two saves. The rank fails instead
+(``own_attempt``, ``left_behind``), and the newer attempt waits for its next save. Only an
+attempt recorded before the rank's Checkpointer was made (by the record's wall-clock time) and
+replaced by a rank 0 of another session was a dead job's leftover, not the rank's: the
+replacing one is (a resumed job whose rank 1 begins before its rank 0). A rank whose commit
+failed remembers that attempt (``Coordinator``), so its next save joins rank 0's retry rather
+than the attempt it left.
+
+An attempt that ends without a manifest (dropped by replication's coalescing, or failed) is
+recorded in ``.fastckpt/outcome.json`` so the other ranks stop waiting. A rank whose own marker
+vanished learns that the group was removed. A rank whose save failed leaves a failure record
+for rank 0's current attempt, or, before rank 0 started it, for the one that replaces the
+attempt recorded then (``protocol.write_failure``): rank 0 ends the attempt on it and records
+an "aborted" outcome.
 Each poll of rank 0 lists the marker directory once and reads only markers it has not
 accepted yet (and any failure records): O(W) reads per commit, plus one listing per poll.
 """
