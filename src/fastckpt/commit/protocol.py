@@ -10,8 +10,9 @@ there is one (``store.py``), and the markers are the crash trail that names miss
 Without a store, rank 0 names each attempt in ``.fastckpt/attempt.json`` (a random id every
 rank echoes in its marker, with the id it replaced and rank 0's session) and publishes the
 manifest once every rank's marker of that attempt is there; ``.fastckpt/outcome.json`` tells
-the other ranks an attempt that ended without a manifest. A single file at a URL is published by its sidecar ``NAME.fastckpt.json``
-(see ``save/replicator.py``). docs/groups.md describes the whole protocol.
+the other ranks an attempt that ended without a manifest. A single file at a URL is published
+by its sidecar ``NAME.fastckpt.json`` (see ``save/replicator.py``). docs/groups.md describes
+the whole protocol.
 """
 
 from __future__ import annotations
