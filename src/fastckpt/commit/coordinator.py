@@ -216,16 +216,16 @@ class Coordinator:
         att.move_latest = move_latest
         t_call, requested_at = time.monotonic(), time.time()
 
-        def run() -> SaveRecord:
+        def committed() -> SaveRecord:
             try:
-                return finish(self._run(att, rank, world, extra, t_call, requested_at))
+                return self._run(att, rank, world, extra, t_call, requested_at)
             except BaseException:
                 self._give_up(att)
                 raise
 
-        def commit() -> SaveRecord:
+        def run() -> SaveRecord:
             try:
-                return run()
+                return finish(committed())
             except GroupRemovedError:
                 self._drop_marker(att, rank)
                 raise
@@ -236,7 +236,7 @@ class Coordinator:
                 raise_as_write_error(exc, group, where=group)
                 raise  # unreachable: raise_as_write_error always raises
 
-        fut = self._pool.submit(commit)
+        fut = self._pool.submit(run)
         with self._lock:
             self._running[group] = (att, fut)
         fut.add_done_callback(lambda f: self._forget(group, f))
