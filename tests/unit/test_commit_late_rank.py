@@ -23,7 +23,7 @@ from fastckpt.errors import CheckpointWriteError, CommitTimeoutError
 from fastckpt.testing import Fault, FaultyOps, Gate
 from tests.helpers import close_all, latest, place
 
-LEFT_BEHIND = r"checkpoint group .*G not committed on rank 1: rank 0 moved on to a newer attempt"
+LEFT_BEHIND = r"checkpoint group .*/G not committed on rank 1: rank 0 moved on to a newer attempt"
 
 
 def _ck(rank: int, **kw: object) -> fastckpt.Checkpointer:
@@ -51,30 +51,44 @@ def _published_versions(g: Path) -> list[int]:
     return [fastckpt.load(str(g / f"rank{r}.pt"))["version"] for r in (0, 1)]
 
 
-def _rank_1_marker_attempt(g: Path) -> str | None:
-    return P.read_markers(place(str(g))).get(1, {}).get("attempt")
+def _records(g: Path) -> object:
+    """Where the attempts at ``g`` keep their records: beside it while it is re-saved."""
+    staged = P.staged_place(place(str(g)))
+    return staged if staged.get(P.ATTEMPT) is not None else place(str(g))
 
 
 def _left_behind(g: Path, ck1: fastckpt.Checkpointer, gate: Gate, pending: fastckpt.SaveHandle) -> None:
     """Rank 1's held save completes after rank 0 began a newer attempt: its commit fails at
     once, and its marker does not take the newer attempt's id."""
-    newer = P.attempt_id(place(str(g)))
+    newer = P.attempt_id(_records(g))
     gate.open()
     with pytest.raises(CommitTimeoutError, match=LEFT_BEHIND) as info:
         pending.wait(60)
     assert "save the group again" in str(info.value)
-    assert _rank_1_marker_attempt(g) != newer
+    assert ".fastckpt-next" not in str(info.value)  # names the group, not where its attempt is staged
+    assert newer is not None
+    assert P.read_markers(_records(g)).get(1, {}).get("attempt") != newer
 
 
-def test_a_rank_left_behind_by_a_timed_out_attempt_does_not_join_the_next(tmp_path: Path) -> None:
+@pytest.mark.parametrize("published", [False, True], ids=["new group", "re-saved group"])
+def test_a_rank_left_behind_by_a_timed_out_attempt_does_not_join_the_next(tmp_path: Path, published: bool) -> None:
     """Rank 0's commit times out waiting for a slow rank 1, and rank 0 saves the group again.
     Rank 1's old files then reach its commit: they are not published with rank 0's new ones; the
-    new attempt waits for rank 1's new save, and publishes that."""
+    new attempt waits for rank 1's new save, and publishes that. A re-saved published group
+    (its attempts beside it, in ``.G.fastckpt-next``) stays the published one meanwhile."""
     g = tmp_path / "G"
-    ck1, gate = _gated_rank_1()
     ck0 = _ck(0, commit_timeout_s=0.3)
-    cks = [ck0, ck1]
+    cks = [ck0]
     try:
+        if published:
+            first = _ck(1)
+            cks.append(first)
+            for ck in (ck0, first):
+                _save(ck, g, 0).wait(60)
+            for h in [first.commit(str(g)), ck0.commit(str(g))]:
+                h.wait(60)
+        ck1, gate = _gated_rank_1()
+        cks.append(ck1)
         _save(ck0, g, 1).wait(60)
         _save(ck1, g, 1)
         pending = ck1.commit(str(g))
@@ -85,8 +99,11 @@ def test_a_rank_left_behind_by_a_timed_out_attempt_does_not_join_the_next(tmp_pa
         _left_behind(g, ck1, gate, pending)
         with pytest.raises(CommitTimeoutError, match=r"ranks \[1\] of 2"):  # nothing of rank 1's is in it
             ck0.commit(str(g)).wait(60)
-        assert P.read_group_manifest(place(str(g))) is None
-        for ck in cks:  # both ranks save again: the next attempt publishes both new files
+        if published:
+            assert _published_versions(g) == [0, 0]
+        else:
+            assert P.read_group_manifest(place(str(g))) is None
+        for ck in (ck0, ck1):  # both ranks save again: the next attempt publishes both new files
             _save(ck, g, 3)
         for h in [ck1.commit(str(g)), ck0.commit(str(g))]:
             h.wait(60)

@@ -171,9 +171,9 @@ def via_storage(att: Attempt, rank: int, world: int, files: dict, superseded: bo
                 raise F.aborted_error(att.home.label, str(ended.get("why")))
             if ended.get("outcome") == "superseded":
                 return Ended(None, 0, superseded=True)  # another rank's file was dropped: so is this attempt
-            F.own_attempt(att.place, rank, began)  # raises, naming the newer attempt if rank 0 began one
+            F.own_attempt(att.place, rank, began, att.home)  # raises, naming the newer attempt if rank 0 began one
             raise F.left_behind(att.home, rank, None, str(ended.get("outcome")))
-        att.token = F.own_attempt(att.place, rank, began)  # before the marker: a newer attempt never gets it
+        att.token = F.own_attempt(att.place, rank, began, att.home)  # before the marker: a newer attempt never gets it
 
         def restamp(aid: str) -> None:
             att.token = aid

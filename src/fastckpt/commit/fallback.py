@@ -201,9 +201,10 @@ def began(place: Place, born: float, given_up: str | None = None) -> Began:
     return Began(aid, aid, stale)
 
 
-def own_attempt(place: Place, me: int | None, began: Began) -> str | None:
-    """Other ranks: the attempt rank 0 runs now at ``place``, if this rank's files are for it;
-    None while there is none (not started yet, or ended: its outcome says how).
+def own_attempt(place: Place, me: int | None, began: Began, home: Place | None = None) -> str | None:
+    """Other ranks: the attempt rank 0 runs now at ``place`` (the records of the group ``home``,
+    default ``place``), if this rank's files are for it; None while there is none (not started
+    yet, or ended: its outcome says how).
 
     The files are for the attempt that ran when this rank began (``began.running``), or, when
     none ran, for the first one rank 0 starts after the one recorded then (each ``attempt.json``
@@ -232,7 +233,7 @@ def own_attempt(place: Place, me: int | None, began: Began) -> str | None:
         return now
     if began.stale is not None and rec["replaced"] == began.running and rec.get("session") != began.stale:
         return now
-    raise left_behind(place, me, aid)
+    raise left_behind(home or place, me, aid)
 
 
 def left_behind(place: Place, me: int | None, newer: str | None, why: str | None = None) -> CommitTimeoutError:
@@ -305,7 +306,7 @@ def wait_for_manifest(place: Place, timeout_s: float, stop: threading.Event, tok
             raise CommitTimeoutError(str(ended.get("outcome")))
         if restamp is not None:
             try:
-                current = own_attempt(rec, me, began) if began is not None else current_attempt(rec)
+                current = own_attempt(rec, me, began, place) if began is not None else current_attempt(rec)
             except CommitTimeoutError:
                 if (m := published()) is not None:  # swapped in meanwhile: ``rec`` holds the old group
                     return m
