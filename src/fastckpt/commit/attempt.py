@@ -8,6 +8,7 @@ copy's manifest (``publish_local``). ``coordinator.py`` runs these on the commit
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import threading
@@ -260,3 +261,26 @@ def _claim(place: Place, rel: str, attempts: int = 5) -> bool:
             if attempt == attempts or not os.path.isdir(os.path.dirname(os.path.dirname(path))):
                 raise
     return False
+
+
+def removed(att: Attempt, exc: OSError) -> bool:
+    """Whether ``exc`` (this rank's commit failed on storage) is the group being removed:
+    the store says so, or, without one, the group's own directory vanished (nothing else
+    deletes it)."""
+    if att.cancel.is_set():
+        return True
+    if att.channel is None:
+        return exc.errno == errno.ENOENT
+    try:
+        return att.channel.removed()
+    except S.StoreError:
+        return False
+
+
+def drop_marker(att: Attempt, rank: int) -> None:
+    """A cancelled attempt leaves nothing behind: a marker written after the group was
+    deleted would bring its directory back."""
+    try:
+        att.place.delete(P.marker_rel(rank))
+    except OSError as exc:
+        log.warning("fastckpt: could not remove the marker of removed group %s: %s", att.home.label, exc)

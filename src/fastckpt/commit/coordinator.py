@@ -26,7 +26,6 @@ no longer counts once the same path is saved again): the group commits with the 
 
 from __future__ import annotations
 
-import errno
 import itertools
 import logging
 import os
@@ -227,11 +226,11 @@ class Coordinator:
             try:
                 return finish(committed())
             except GroupRemovedError:
-                self._drop_marker(att, rank)
+                A.drop_marker(att, rank)
                 raise
             except OSError as exc:
-                if self._removed(att, exc):  # the group's directory went while this rank wrote its marker
-                    self._drop_marker(att, rank)
+                if A.removed(att, exc):  # the group's directory went while this rank wrote its marker
+                    A.drop_marker(att, rank)
                     raise F.removed_error(att.home) from exc
                 raise_as_write_error(exc, group, where=group)
                 raise  # unreachable: raise_as_write_error always raises
@@ -258,29 +257,6 @@ class Coordinator:
             raise err from exc
         self._abort(att, rank, err, background=True, why=f"the save of {files} did not happen")
         raise err
-
-    @staticmethod
-    def _removed(att: A.Attempt, exc: OSError) -> bool:
-        """Whether ``exc`` (this rank's commit failed on storage) is the group being removed:
-        the store says so, or, without one, the group's own directory vanished (nothing else
-        deletes it)."""
-        if att.cancel.is_set():
-            return True
-        if att.channel is None:
-            return exc.errno == errno.ENOENT
-        try:
-            return att.channel.removed()
-        except S.StoreError:
-            return False
-
-    @staticmethod
-    def _drop_marker(att: A.Attempt, rank: int) -> None:
-        """A cancelled attempt leaves nothing behind: a marker written after the group was
-        deleted would bring its directory back."""
-        try:
-            att.place.delete(P.marker_rel(rank))
-        except OSError as exc:
-            log.warning("fastckpt: could not remove the marker of removed group %s: %s", att.home.label, exc)
 
     def _forget(self, group: str, fut: Future) -> None:
         with self._lock:
