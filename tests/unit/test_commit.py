@@ -292,7 +292,9 @@ def test_a_group_file_where_its_group_lies_loads_only_once_that_group_is_publish
     directory of that name elsewhere, its re-save directory, a folder inside it), a file waits
     for that directory's published manifest."""
     g = Path(_save_group(tmp_path / "global_step5", world=3, step=5, commit_ranks=(0, 2)))
-    places = [tmp_path / "copy" / "global_step5" / "shard0.pt", tmp_path / ".global_step5.fastckpt-next" / "shard0.pt",
+    places = [tmp_path / "copy" / "global_step5" / "shard0.pt",
+              tmp_path / ".global_step5.fastckpt-next-0123456789ab" / "shard0.pt",
+              tmp_path / ".global_step5.fastckpt-next" / "shard0.pt",
               g / "sub" / "shard0.pt"]
     for p in places:
         p.parent.mkdir(parents=True)

@@ -53,7 +53,8 @@ def _published_versions(g: Path) -> list[int]:
 
 def _records(g: Path) -> object:
     """Where the attempts at ``g`` keep their records: beside it while it is re-saved."""
-    staged = P.staged_place(place(str(g)))
+    home = place(str(g))
+    staged = P.staged_place(home, P.read_group_manifest(home))
     return staged if staged.get(P.ATTEMPT) is not None else place(str(g))
 
 

@@ -39,7 +39,7 @@ class Attempt:
     """This rank's part of one attempt at a group.
 
     ``home`` is the group's place; ``place`` is where this attempt's files, markers and records
-    go (``home``, or ``protocol.staged_place(home)`` for a re-save of a published group, then
+    go (``home``, or ``protocol.staged_place(home, old)`` for a re-save of a published group, then
     ``old`` is the manifest it replaces). ``channel`` is the attempt's store keys (None: the
     storage fallback). ``token`` names the attempt (None on other ranks without a store until
     they join rank 0's: ``fallback.own_attempt`` says which, from ``began``, what such a rank saw
@@ -98,7 +98,8 @@ def records(handles: list[SaveHandle]) -> list[SaveRecord]:
 def publish(att: Attempt, world: int, entries: dict[int, dict], extra: dict, requested_at: float,
             check_sizes: bool) -> dict:
     """Rank 0: the manifest of this attempt, published (in place, or swapped in), then
-    ``latest`` moved to it (unless ``att.move_latest`` is False)."""
+    ``latest`` moved to it (unless ``att.move_latest`` is False). A re-save's replaced attempt
+    is deleted after that, once the other ranks were told (``cleared``)."""
     recorded = extra if att.move_latest else {**extra, "moved_latest": False}  # see protocol.never_latest
     manifest = P.build_manifest(att.home, world, entries, recorded, requested_at, att.token, check_sizes,
                                 files_at=att.place)
@@ -158,7 +159,7 @@ def via_store(att: Attempt, ch: S.Channel, rank: int, world: int, files: dict, s
         raise
     total = sum(f["size"] for f in manifest["files"].values())
     ch.tell(f"{S.PUBLISHED}:{total}")
-    return Ended(manifest, total)
+    return cleared(att, Ended(manifest, total))
 
 
 def via_storage(att: Attempt, rank: int, world: int, files: dict, superseded: bool, extra: dict,
@@ -202,7 +203,15 @@ def via_storage(att: Attempt, rank: int, world: int, files: dict, superseded: bo
         P.write_record(att.place, P.OUTCOME, attempt=att.token, outcome="superseded", replaced=att.replaced)
         return Ended(None, 0, superseded=True)
     manifest = publish(att, world, markers, extra, requested_at, check_sizes=True)
-    return Ended(manifest, sum(f["size"] for f in manifest["files"].values()))
+    return cleared(att, Ended(manifest, sum(f["size"] for f in manifest["files"].values())))
+
+
+def cleared(att: Attempt, ended: Ended) -> Ended:
+    """Rank 0, a re-save published (the other ranks know, ``latest`` moved): delete the attempt
+    it replaced (``resave.clear``; a failure only warns)."""
+    if att.staged and ended.manifest is not None:
+        resave.clear(att.home, att.place, ended.manifest)
+    return ended
 
 
 def _files_gone(att: Attempt, files: dict) -> bool:

@@ -125,7 +125,7 @@ class Coordinator:
                 raise resave.refusal(home)
             home.delete(P.GROUP_MANIFEST)  # never reported nor the latest: re-saved in place, like a failed one
             old, published = None, False
-        place = P.staged_place(home) if published else home
+        place = P.staged_place(home, old) if published else home
         local = self._local_for(group)
         for copy in local:
             copy.delete(P.GROUP_MANIFEST)  # the local copy is rewritten in place: not complete until committed

@@ -207,7 +207,7 @@ def group_dir(url: str, manifest: dict) -> str | None:
     A group file's manifest names its group (the directory's name, ``group``) and its place in
     it (``group_rel``). The file is in its group when the directory that place leads back to,
     or any directory above the file, has that name or is the group's re-save directory
-    ``.NAME.fastckpt-next``: then the group decides whether it loads (published, and naming this
+    ``.NAME.fastckpt-next-<digest>``: then the group decides whether it loads (published, and naming this
     file). A copy elsewhere (DeepSpeed's ``ds_to_universal`` copies ``mp_rank_*`` files into
     ``TAG_universal/``; a user copies a shard out) is a file on its own, which the checksum in
     its manifest verifies whole.
@@ -216,12 +216,15 @@ def group_dir(url: str, manifest: dict) -> str | None:
     if not name:
         return None
     rel = manifest.get("group_rel") or posixpath.basename(url)
-    names = (name, f".{name}{NEXT_TAG}")
-    if url.endswith("/" + rel) and posixpath.basename(url[: -len(rel) - 1]) in names:
+    def named(d: str) -> bool:  # the group's directory, or one of its re-save directories
+        base = posixpath.basename(d)
+        return base == name or base == f".{name}{NEXT_TAG}" or base.startswith(f".{name}{NEXT_TAG}-")
+
+    if url.endswith("/" + rel) and named(url[: -len(rel) - 1]):
         return url[: -len(rel) - 1]
     d, up = url, posixpath.dirname(url)
     while up != d:
-        if posixpath.basename(up) in names:
+        if named(up):
             return up
         d, up = up, posixpath.dirname(up)
     return None

@@ -18,6 +18,7 @@ the whole protocol.
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import posixpath
 import threading
@@ -36,7 +37,7 @@ SIDECAR = ".fastckpt.json"  # a single file's publication record at a URL: NAME.
 ATTEMPT_NAME = "attempt.json"  # without a store: the attempt rank 0 started, in MARKER_DIR
 ATTEMPT = f"{MARKER_DIR}/{ATTEMPT_NAME}"
 OUTCOME = f"{MARKER_DIR}/outcome.json"  # without a store: an attempt that ended unpublished
-NEXT_TAG = ".fastckpt-next"  # a re-saved group's new attempt, beside it: .TAG.fastckpt-next
+NEXT_TAG = ".fastckpt-next"  # a re-saved group's new attempt, beside it: .TAG.fastckpt-next-<digest>
 DELETE_ATTEMPTS = 5  # tree deletions of a group that concurrent writers disturbed, before giving up
 
 _latest_lock = threading.Lock()  # commits of several groups publish from concurrent threads
@@ -309,10 +310,26 @@ def read_sidecar(loc: Location, deadline_s: float | None = None) -> dict | None:
         raise CorruptCheckpointError(f"{loc.url}{SIDECAR} is damaged: {exc}") from exc
 
 
-def staged_place(home: Place) -> Place:
-    """Where a new attempt at the published group ``home`` is written: ``.TAG.fastckpt-next``
-    beside it (hidden: never a checkpoint itself)."""
-    return home.parent().child(f".{posixpath.basename(home.key)}{NEXT_TAG}")
+def staged_place(home: Place, old: dict | None) -> Place:
+    """Where a new attempt at the published group ``home`` is written: hidden beside it, named
+    after the attempt it replaces (``old``, its manifest; None: damaged), so every rank picks the
+    same one, and the next re-save (it may start once this one is published) never writes into
+    the directory rank 0 still deletes: ``.TAG.fastckpt-next-<digest>``."""
+    seed = "damaged" if old is None else f"{old.get('attempt')}:{float(old.get('committed_at', 0.0))!r}"
+    digest = hashlib.sha1(seed.encode()).hexdigest()[:12]
+    return home.parent().child(f".{posixpath.basename(home.key)}{NEXT_TAG}-{digest}")
+
+
+def staged_places(home: Place) -> list[Place]:
+    """Every re-save directory of ``home`` that holds a file (and ``.TAG.fastckpt-next``, earlier
+    versions' one name for all)."""
+    parent, prefix = home.parent(), f".{posixpath.basename(home.key)}{NEXT_TAG}"
+    start = parent.key + "/" if parent.key else ""
+    try:
+        names = {k[len(start):].split("/", 1)[0] for k in parent.target.list(start + prefix)}
+    except TargetNotFoundError:
+        return []
+    return [parent.child(n) for n in sorted(names) if n == prefix or n.startswith(prefix + "-")]
 
 
 def delete_checkpoint(loc: Location) -> None:
@@ -325,7 +342,8 @@ def delete_checkpoint(loc: Location) -> None:
     else:
         _delete_group(loc)
         if key:
-            staged_place(loc.place()).delete_all()
+            for staged in staged_places(loc.place()):
+                staged.delete_all()
 
 
 def _delete_group(loc: Location) -> None:

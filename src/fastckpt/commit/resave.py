@@ -3,14 +3,20 @@ published (issue #9, item 1).
 
 Loaders read ``save_dir/TAG/<file>`` by name (DeepSpeed, Megatron), so a group's files must end
 up at their names. A new attempt at a published tag therefore writes beside it, into the hidden
-directory ``.TAG.fastckpt-next`` (``protocol.staged_place``; its markers and records too), and
-rank 0, once every rank's files are there, writes the new manifest inside it and exchanges the
-two directories in one ``renameat2(RENAME_EXCHANGE)``: a reader sees the old complete group or
-the new complete group, and a crash at any moment leaves one of them published. Files of the
-old directory that no manifest names (DeepSpeed's ``zero_to_fp32.py``, Megatron's
-``metadata.json``) are hard-linked into the new one first; files a crashed earlier attempt
-left in ``.TAG.fastckpt-next`` that the new manifest does not name are deleted. The old
-attempt, now at the hidden name, is deleted last.
+directory ``.TAG.fastckpt-next-<digest of the attempt it replaces>`` (``protocol.staged_place``;
+its markers and records too), and rank 0, once every rank's files are there, writes the new
+manifest inside it and exchanges the two directories in one ``renameat2(RENAME_EXCHANGE)``: a
+reader sees the old complete group or the new complete group, and a crash at any moment leaves
+one of them published. Files of the old directory that no manifest names (DeepSpeed's
+``zero_to_fp32.py``, Megatron's ``metadata.json``) are hard-linked into the new one first;
+files a crashed earlier attempt left in the directory that the new manifest does not name are
+deleted.
+
+The old attempt, now at the hidden name, is deleted last (``clear``), after ``latest`` moved: a
+slow or failed delete never holds back or fails a checkpoint that is published (a failure is
+logged; the next re-save of the tag sweeps what is left). The next re-save, which other ranks
+may start as soon as they see the new manifest, writes into the directory named after the new
+attempt, never into the one being deleted.
 
 Only a mounted file system can exchange directories. On an object store a re-save of a
 published group is refused at its first save (``refusal``): remove the group first, or save
@@ -50,7 +56,7 @@ def swap_in(home: Place, staged: Place, manifest: dict, old: dict | None) -> Non
 
     Args:
         home: the published group's place.
-        staged: ``protocol.staged_place(home)``, holding every file of the new attempt.
+        staged: ``protocol.staged_place(home, old)``, holding every file of the new attempt.
         manifest: the new attempt's manifest.
         old: the published manifest the new attempt replaces (None if it is gone by now).
     """
@@ -65,8 +71,21 @@ def swap_in(home: Place, staged: Place, manifest: dict, old: dict | None) -> Non
             home.link(rel, staged, rel)
     staged.put(P.GROUP_MANIFEST, P.manifest_bytes(manifest))
     home.swap(staged)
-    staged.delete_all()  # the previous attempt, now at the hidden name
     log.info("fastckpt: %s re-saved: the new attempt replaced the published one", home.label)
+
+
+def clear(home: Place, staged: Place, manifest: dict) -> None:
+    """Rank 0, after ``swap_in`` (and after ``latest`` moved): delete the replaced attempt, now
+    in ``staged``, and any re-save directory of the tag an earlier clear left, except the one
+    the next re-save writes to. A failure is only logged: the group is published."""
+    keep = P.staged_place(home, manifest).key
+    for place in [staged] + [p for p in P.staged_places(home) if p.key not in (staged.key, keep)]:
+        try:
+            place.delete_all()
+        except OSError as exc:
+            log.warning("fastckpt: %s is published, but the attempt it replaced could not be deleted from %s "
+                        "(%s); the next re-save of the tag deletes it, or remove it by hand", home.label,
+                        place.url(), exc)
 
 
 def _internal(rel: str) -> bool:

@@ -1,0 +1,123 @@
+"""Re-saving a published group while the attempt it replaced is still being deleted
+(``commit/resave.py``): the next re-save writes elsewhere, ``latest`` moves first, and a failed
+delete does not fail a published checkpoint.
+
+Ranks are Checkpointers in this process (with a real TCPStore, and without a store); rank 0's
+deletion of the replaced attempt is held at a ``FaultyOps`` gate.
+"""
+
+from __future__ import annotations
+
+import datetime
+import errno
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import fastckpt
+from fastckpt.commit import protocol as P
+from fastckpt.testing import Fault, FaultyOps
+from tests.helpers import close_all, place
+
+MODES = ("no store", "store")
+
+
+def _cks(mode: str, ops: FaultyOps) -> list[fastckpt.Checkpointer]:
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=60)) \
+        if mode == "store" else None
+    return [fastckpt.Checkpointer(rank=r, world_size=2, store=store, io_threads=1, overhead_budget=0.99,
+                                  commit_timeout_s=60, ops=ops if r == 0 else None) for r in range(2)]
+
+
+def _save(ck: fastckpt.Checkpointer, g: Path, version: int) -> fastckpt.SaveHandle:
+    state = {"w": torch.full((64,), float(version)), "version": version, "rank": ck.rank}
+    return ck.save(state, str(g / f"rank{ck.rank}.pt"), group=str(g))
+
+
+def _versions(g: Path) -> list[int]:
+    m = P.read_group_manifest(place(str(g)))
+    assert m is not None and sorted(m["files"]) == ["rank0.pt", "rank1.pt"]
+    return [fastckpt.load(str(g / f"rank{r}.pt"))["version"] for r in (0, 1)]
+
+
+def _publish(cks: list[fastckpt.Checkpointer], g: Path, version: int) -> None:
+    for ck in cks:
+        _save(ck, g, version)
+    for h in [ck.commit(str(g), step=version) for ck in cks]:
+        h.wait(60)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_next_resave_never_writes_where_the_replaced_attempt_is_being_deleted(tmp_path: Path,
+                                                                                   mode: str) -> None:
+    ops = FaultyOps()
+    cks = _cks(mode, ops)
+    g = tmp_path / "run" / "global_step10"
+    try:
+        _publish(cks, g, 1)
+        held = ops.gate("rmdir", path_contains=".fastckpt-next")  # rank 0 deleting the replaced attempt
+        for ck in cks:
+            _save(ck, g, 2)
+        commits = [ck.commit(str(g), step=2) for ck in cks]
+        assert held.wait_entered(60)  # version 2 is published (swapped in); version 1 is half deleted
+        commits[1].wait(60)  # rank 1 saw it published: it re-saves the tag at once
+        assert _versions(g) == [2, 2]
+        assert fastckpt.latest(str(tmp_path / "run")) == str(g)  # moved before the delete
+        _save(cks[1], g, 3).wait(60)  # rank 1's file of version 3 is durable while rank 0 still deletes
+        held.open()
+        commits[0].wait(60)
+        _save(cks[0], g, 3)
+        for h in [ck.commit(str(g), step=3) for ck in cks]:
+            h.wait(60)
+        assert _versions(g) == [3, 3]
+        assert not [n for n in os.listdir(g.parent) if ".fastckpt-next" in n]  # every replaced attempt went
+    finally:
+        close_all(cks)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_failed_delete_of_the_replaced_attempt_does_not_fail_the_published_resave(tmp_path: Path, mode: str,
+                                                                                  caplog: pytest.LogCaptureFixture
+                                                                                  ) -> None:
+    ops = FaultyOps()
+    cks = _cks(mode, ops)
+    g = tmp_path / "run" / "global_step10"
+    try:
+        _publish(cks, g, 1)
+        ops.inject(Fault("unlink", errno.EACCES, path_contains=".fastckpt-next"))
+        with caplog.at_level("WARNING", logger="fastckpt"):
+            _publish(cks, g, 2)  # every commit succeeds: the group is published
+        assert _versions(g) == [2, 2]
+        assert fastckpt.latest(str(tmp_path / "run")) == str(g)
+        assert "could not be deleted" in caplog.text
+        leftovers = [n for n in os.listdir(g.parent) if ".fastckpt-next" in n]
+        assert leftovers  # the replaced attempt, still there
+        _publish(cks, g, 3)  # the next re-save sweeps it
+        assert _versions(g) == [3, 3]
+        assert not set(leftovers) & set(os.listdir(g.parent))
+        m = json.loads((g / P.GROUP_MANIFEST).read_bytes())
+        assert m["step"] == 3
+    finally:
+        close_all(cks)
+
+
+def test_removing_a_group_removes_every_resave_directory_it_has(tmp_path: Path) -> None:
+    ops = FaultyOps()
+    cks = _cks("no store", ops)
+    g = tmp_path / "run" / "global_step10"
+    try:
+        _publish(cks, g, 1)
+        stale = g.parent / ".global_step10.fastckpt-next"  # an earlier version's name
+        (stale / "sub").mkdir(parents=True)
+        (stale / "sub" / "x").write_bytes(b"x")
+        for ck in cks:
+            _save(ck, g, 2)  # an attempt at re-saving it, never committed
+        for ck in cks:
+            ck.remove(str(g))
+        assert not [n for n in os.listdir(g.parent) if "global_step10" in n]
+    finally:
+        close_all(cks)
