@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 import fastckpt
 from fastckpt.commit import protocol as P
+from fastckpt.io import atomic
 from fastckpt.testing import Fault, FaultyOps
 from tests.helpers import close_all, place
 
@@ -116,6 +117,31 @@ def test_removing_a_group_removes_every_resave_directory_it_has(tmp_path: Path) 
         (stale / "sub" / "x").write_bytes(b"x")
         for ck in cks:
             _save(ck, g, 2)  # an attempt at re-saving it, never committed
+        for ck in cks:
+            ck.remove(str(g))
+        assert not [n for n in os.listdir(g.parent) if "global_step10" in n]
+    finally:
+        close_all(cks)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_resave_directories_a_crash_left_with_only_temp_files_are_swept(tmp_path: Path, mode: str) -> None:
+    # A writer killed during its first file of a re-save leaves a hidden directory holding only
+    # its temp file (invisible to list()); a crash between mkdir and open leaves it empty.
+    cks = _cks(mode, FaultyOps())
+    g = tmp_path / "run" / "global_step10"
+    try:
+        _publish(cks, g, 1)
+        crashed = [g.parent / ".global_step10.fastckpt-next-0123456789ab", g.parent / ".global_step10.fastckpt-next"]
+        for d in crashed:
+            d.mkdir()
+        Path(atomic.tmp_name(str(crashed[0] / "rank0.pt"))).write_bytes(b"\0" * 4096)
+        _publish(cks, g, 2)
+        assert _versions(g) == [2, 2]
+        assert not [n for n in os.listdir(g.parent) if ".fastckpt-next" in n]  # cleared, with the crashed ones
+        for d in crashed:
+            d.mkdir()
+        Path(atomic.tmp_name(str(crashed[0] / "rank1.pt"))).write_bytes(b"\0" * 4096)
         for ck in cks:
             ck.remove(str(g))
         assert not [n for n in os.listdir(g.parent) if "global_step10" in n]

@@ -18,6 +18,7 @@ import pytest
 
 from fastckpt.errors import ConfigError, CorruptCheckpointError, ReplicationError
 from fastckpt.format import checksum
+from fastckpt.io import atomic
 from fastckpt.storage import reads as targets
 from fastckpt.storage.fsspec import FsspecTarget
 from fastckpt.storage.homes import open_target
@@ -279,6 +280,48 @@ def test_clean_incomplete_removes_only_stale_temp_files(root: Path) -> None:
     assert not stale.exists() and fresh.exists()
     assert t.clean_incomplete("other/", older_than_s=0) == 0
     assert t.clean_incomplete(older_than_s=0) == 1
+
+
+def test_list_walks_only_the_directories_its_prefix_names(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A string prefix: "run/.s9.n" names run/.s9.next-a/..., run/.s9.nx (a file), not run/s1/.
+    for rel in ["run/.s9.next-a/x.pt", "run/.s9.next-a/sub/y.pt", "run/.s9.nx", "run/s1/a.pt", "run/s1/b/c.pt",
+                "other/z.pt", "top.pt"]:
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_bytes(b"x")
+    (root / "run" / ".s9.next-b").mkdir()
+    Path(atomic.tmp_name(str(root / "run" / ".s9.next-a" / "w.pt"))).write_bytes(b"t")
+    (root / "run" / ".s9.next-link").symlink_to(root / "run" / "s1")
+    scanned: list[str] = []
+    real = os.scandir
+
+    def spy(path: str | os.PathLike = ".") -> os.ScandirIterator:  # type: ignore[name-defined]
+        scanned.append(os.path.relpath(os.fspath(path), root))
+        return real(path)
+
+    monkeypatch.setattr(os, "scandir", spy)
+    t = PosixTarget(root)
+    assert t.list("run/.s9.n") == ["run/.s9.next-a/sub/y.pt", "run/.s9.next-a/x.pt", "run/.s9.nx"]
+    assert sorted(scanned) == ["run", "run/.s9.next-a", "run/.s9.next-a/sub", "run/.s9.next-b"]
+    assert t.list("run/s1/", max_depth=0) == ["run/s1/a.pt"]
+    assert t.list("ru") == ["run/.s9.next-a/sub/y.pt", "run/.s9.next-a/x.pt", "run/.s9.nx", "run/s1/a.pt",
+                            "run/s1/b/c.pt"]
+    assert t.list() == sorted(t.list("ru") + ["other/z.pt", "top.pt"])
+    # dirs(): every directory the prefix names, also an empty one or one of temp files only; no links.
+    (root / "run" / ".s9.next-c").mkdir()
+    Path(atomic.tmp_name(str(root / "run" / ".s9.next-c" / "v.pt"))).write_bytes(b"t")
+    assert t.dirs("run/.s9.next") == ["run/.s9.next-a", "run/.s9.next-b", "run/.s9.next-c"]
+    assert t.dirs("run/") == ["run/.s9.next-a", "run/.s9.next-b", "run/.s9.next-c", "run/s1"]
+    assert t.dirs("") == ["other", "run"]
+    assert t.dirs("gone/x") == [] and t.dirs("top.pt/x") == []
+
+
+def test_dirs_on_an_object_store_are_those_holding_objects() -> None:
+    t = open_target(f"memory://fastckpt-{uuid.uuid4().hex[:8]}/run", parallelism=1)
+    for key in ["a/.s9.next-a/x.pt", "a/.s9.next-a/sub/y.pt", "a/.s9.nx", "a/s1/z.pt", "b/q.pt"]:
+        t.put_bytes(key, b"x")
+    assert t.dirs("a/.s9.n") == ["a/.s9.next-a"]
+    assert t.dirs("a/") == ["a/.s9.next-a", "a/s1"]
+    assert t.dirs("") == ["a", "b"]
 
 
 def test_token_bucket_paces_without_real_sleeps() -> None:

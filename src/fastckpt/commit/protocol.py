@@ -321,15 +321,15 @@ def staged_place(home: Place, old: dict | None) -> Place:
 
 
 def staged_places(home: Place) -> list[Place]:
-    """Every re-save directory of ``home`` that holds a file (and ``.TAG.fastckpt-next``, earlier
-    versions' one name for all)."""
+    """Every re-save directory of ``home`` (and ``.TAG.fastckpt-next``, earlier versions' one
+    name for all), also one a crash left empty or holding only temp files."""
     parent, prefix = home.parent(), f".{posixpath.basename(home.key)}{NEXT_TAG}"
     start = parent.key + "/" if parent.key else ""
     try:
-        names = {k[len(start):].split("/", 1)[0] for k in parent.target.list(start + prefix)}
+        names = [k[len(start):] for k in parent.target.dirs(start + prefix)]
     except TargetNotFoundError:
         return []
-    return [parent.child(n) for n in sorted(names) if n == prefix or n.startswith(prefix + "-")]
+    return [parent.child(n) for n in names if n == prefix or n.startswith(prefix + "-")]
 
 
 def delete_checkpoint(loc: Location) -> None:

@@ -213,6 +213,14 @@ class Target(ReadSide, abc.ABC):
         """Keys starting with ``prefix`` (a plain string prefix, recursive), sorted; with
         ``max_depth``, only keys with at most that many '/' after the prefix's last '/'."""
 
+    def dirs(self, prefix: str) -> list[str]:
+        """Keys of the directories directly in the one ``prefix`` names (``"run/.step_9"``: in
+        ``run``) whose keys start with ``prefix``, sorted. A file system lists every such
+        directory, also one holding nothing or only temp files; this default (an object store)
+        those that hold an object."""
+        at = prefix.rsplit("/", 1)[0] + "/" if "/" in prefix else ""
+        return sorted({at + rest.split("/", 1)[0] for k in self.list(prefix) if "/" in (rest := k[len(at):])})
+
     @abc.abstractmethod
     def delete(self, key: str) -> None:
         """Remove the object; a missing one is fine."""

@@ -26,7 +26,7 @@ from ..io.engine import ImageFactory, ReadResult, map_file, read_file
 from ..io.ops import FileOps, pread_exact, pwrite_all
 from ..io.stream import checksum_file, copy_file, drop_cache
 from ..units import MiB
-from . import reads
+from . import posix_walk, reads
 from .base import Target
 from .types import (
     Expected,
@@ -286,23 +286,13 @@ class PosixTarget(Target):
         path = self._path(key)
         return self._retry(f"stat of {path}", lambda: os.path.isfile(path))
 
-    def _walk_base(self, prefix: str) -> str:
-        """The deepest directory ``prefix`` names: the only one worth walking."""
-        return os.path.join(self.root, *prefix.split("/")[:-1]) if "/" in prefix else self.root
-
     def list(self, prefix: str = "", *, max_depth: int | None = None) -> list[str]:
         self._check_root()
-        base = self._walk_base(prefix)
-        out = []
-        for d, dirs, files in os.walk(base):  # never follows symlinks to directories
-            depth = 0 if d == base else os.path.relpath(d, base).count(os.sep) + 1
-            dirs[:] = [x for x in dirs if not atomic.is_tmp(x)] if max_depth is None or depth < max_depth else []
-            rel = os.path.relpath(d, self.root)
-            for f in files:
-                key = f if rel == "." else f"{rel.replace(os.sep, '/')}/{f}"
-                if key.startswith(prefix) and not atomic.is_tmp(f) and not os.path.islink(os.path.join(d, f)):
-                    out.append(key)
-        return sorted(out)
+        return posix_walk.keys(self.root, prefix, max_depth)
+
+    def dirs(self, prefix: str) -> list[str]:
+        self._check_root()
+        return posix_walk.dirs(self.root, prefix)
 
     def delete(self, key: str) -> None:
         path = self._path(key)
@@ -346,13 +336,10 @@ class PosixTarget(Target):
         self._check_root()
         cutoff = time.time() - older_than_s
         removed = 0
-        for d, _dirs, files in os.walk(self._walk_base(prefix)):
-            for f in files:
-                p = os.path.join(d, f)
-                key = os.path.relpath(p, self.root).replace(os.sep, "/")
-                if atomic.is_tmp(f) and key.startswith(prefix) and os.lstat(p).st_mtime < cutoff:
-                    atomic.discard(self.ops, p)
-                    removed += 1
+        for p in posix_walk.temp_files(self.root, prefix):
+            if os.lstat(p).st_mtime < cutoff:
+                atomic.discard(self.ops, p)
+                removed += 1
         return removed
 
 

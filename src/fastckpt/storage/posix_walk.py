@@ -1,0 +1,71 @@
+"""Walking a ``PosixTarget``'s directory tree for the keys a prefix names.
+
+A key prefix is a plain string prefix (``Target.list``), so ``run/.step_9.fastckpt-next`` names
+files in every directory of ``run`` whose name starts with ``.step_9.fastckpt-next``, and in no
+other. The walk starts in the deepest directory the prefix names and enters only directories
+whose keys the prefix can still match: listing one group's re-save directories in a save_dir
+of a thousand checkpoints reads one directory, not the whole tree. Symbolic links to
+directories are never followed.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+from ..io import atomic
+
+
+def _base(root: str, prefix: str) -> str:
+    """The deepest directory ``prefix`` names: the only one worth walking."""
+    return os.path.join(root, *prefix.split("/")[:-1]) if "/" in prefix else root
+
+
+def _key_dir(root: str, d: str) -> str:
+    """The key prefix of the files directly in directory ``d`` ('' at the root, else 'a/b/')."""
+    rel = os.path.relpath(d, root)
+    return "" if rel == "." else rel.replace(os.sep, "/") + "/"
+
+
+def _walk(root: str, prefix: str, max_depth: int | None = None) -> Iterator[tuple[str, str, list[str]]]:
+    """(directory, its key prefix, its file names) of every directory that may hold a key
+    starting with ``prefix``, to ``max_depth`` levels below the walk's base."""
+    base = _base(root, prefix)
+    for d, dirs, files in os.walk(base):
+        at = _key_dir(root, d)
+        depth = 0 if d == base else os.path.relpath(d, base).count(os.sep) + 1
+        if max_depth is not None and depth >= max_depth:
+            dirs[:] = []
+        else:
+            dirs[:] = [x for x in dirs if not atomic.is_tmp(x)
+                       and ((k := f"{at}{x}/").startswith(prefix) or prefix.startswith(k))]
+        yield d, at, files
+
+
+def keys(root: str, prefix: str, max_depth: int | None) -> list[str]:
+    """``Target.list``: the keys of the regular files (no temp files, no symbolic links)."""
+    out = []
+    for d, at, files in _walk(root, prefix, max_depth):
+        out += [at + f for f in files if (at + f).startswith(prefix) and not atomic.is_tmp(f)
+                and not os.path.islink(os.path.join(d, f))]
+    return sorted(out)
+
+
+def temp_files(root: str, prefix: str) -> Iterator[str]:
+    """Paths of the temp files whose keys start with ``prefix`` (``clean_incomplete``)."""
+    for d, at, files in _walk(root, prefix):
+        yield from (os.path.join(d, f) for f in files if atomic.is_tmp(f) and (at + f).startswith(prefix))
+
+
+def dirs(root: str, prefix: str) -> list[str]:
+    """``Target.dirs``: keys of the directories (not symbolic links) directly in the directory
+    ``prefix`` names whose keys start with ``prefix``, whatever they hold: nothing, or only the
+    temp files of a writer that died."""
+    base, head = _base(root, prefix), prefix.rsplit("/", 1)[-1]
+    try:
+        entries = list(os.scandir(base))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    at = _key_dir(root, base)
+    return sorted(at + e.name for e in entries if e.name.startswith(head) and not atomic.is_tmp(e.name)
+                  and e.is_dir(follow_symlinks=False))
