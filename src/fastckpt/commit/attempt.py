@@ -13,6 +13,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from ..errors import CheckpointWriteError, CommitTimeoutError, CorruptCheckpointError
@@ -96,13 +97,15 @@ def records(handles: list[SaveHandle]) -> list[SaveRecord]:
 
 
 def publish(att: Attempt, world: int, entries: dict[int, dict], extra: dict, requested_at: float,
-            check_sizes: bool) -> dict:
+            check_sizes: bool, last_check: Callable[[], None] = lambda: None) -> dict:
     """Rank 0: the manifest of this attempt, published (in place, or swapped in), then
     ``latest`` moved to it (unless ``att.move_latest`` is False). A re-save's replaced attempt
-    is deleted after that, once the other ranks were told (``cleared``)."""
+    is deleted after that, once the other ranks were told (``cleared``). ``last_check`` runs
+    right before the manifest goes, and raises to keep it from going."""
     recorded = extra if att.move_latest else {**extra, "moved_latest": False}  # see protocol.never_latest
     manifest = P.build_manifest(att.home, world, entries, recorded, requested_at, att.token, check_sizes,
                                 files_at=att.place)
+    last_check()
     if att.staged:
         resave.swap_in(att.home, att.place, manifest, att.old)
     else:
@@ -124,7 +127,7 @@ def via_store(att: Attempt, ch: S.Channel, rank: int, world: int, files: dict, s
     att.token = ch.token
     ch.announce(rank, {"files": files, "superseded": superseded})
     if rank != 0:
-        said = ch.hear(deadline, stop, att.home.label, waited_s)
+        said = _verdict(att, ch, rank, deadline, stop, waited_s)
         kind, _, rest = said.partition(":")
         if kind == S.PUBLISHED:
             return Ended(None, int(rest or 0))
@@ -148,6 +151,8 @@ def via_store(att: Attempt, ch: S.Channel, rank: int, world: int, files: dict, s
         ch.tell(None)
         if won.startswith(S.ABORTED + ":"):
             raise F.aborted_error(att.home.label, won.partition(":")[2])
+        if won.startswith(S.FAILED + ":"):  # a rank gave up waiting (``_verdict``)
+            raise CommitTimeoutError(won.partition(":")[2])
         raise F.removed_error(att.home)
     if any(e.get("superseded") for e in entries.values()):
         ch.tell(S.SUPERSEDED)
@@ -160,6 +165,26 @@ def via_store(att: Attempt, ch: S.Channel, rank: int, world: int, files: dict, s
     total = sum(f["size"] for f in manifest["files"].values())
     ch.tell(f"{S.PUBLISHED}:{total}")
     return cleared(att, Ended(manifest, total))
+
+
+def _verdict(att: Attempt, ch: S.Channel, rank: int, deadline: float, stop: threading.Event,
+             waited_s: float) -> str:
+    """Another rank: rank 0's outcome of the attempt. One that does not come in time ends the
+    attempt on every rank (``Channel.give_up``) before this rank reports it not committed: else a
+    rank 0 that is only late would still publish it, with this rank's files, which this rank's
+    next save of the group may overwrite in place. Unless rank 0 claimed it first: then it is
+    publishing, and its outcome is waited for once more."""
+    try:
+        return ch.hear(deadline, stop, att.home.label, waited_s)
+    except CommitTimeoutError as exc:
+        try:
+            ended = ch.give_up(F.gave_up_why(att.home.label, rank, waited_s))
+        except S.StoreError as store_exc:
+            exc.add_note(f"the other ranks were not told: {store_exc}")
+            raise exc from None
+        if ended:
+            raise
+    return ch.hear(time.monotonic() + waited_s, stop, att.home.label, waited_s)
 
 
 def via_storage(att: Attempt, rank: int, world: int, files: dict, superseded: bool, extra: dict,
@@ -190,20 +215,34 @@ def via_storage(att: Attempt, rank: int, world: int, files: dict, superseded: bo
             return Ended(None, 0, superseded=True)
         return Ended(m, sum(f["size"] for f in m["files"].values()))
     P.write_marker(att.place, rank, world, files, att.token, superseded)
-    try:  # recorded: another rank's remove() deletes attempt.json with the group, even before this marker
+    # recorded: another rank's remove() deletes attempt.json with the group, even before this marker
+    with _recorded(att):
         markers = F.wait_for_markers(att.place, world, timeout_s, stop, att.token, me=rank, cancel=att.cancel,
                                      replaced=att.replaced, recorded=world > 1 and att.token is not None)
+    if any(m.get("superseded") for m in markers.values()):
+        P.write_record(att.place, P.OUTCOME, attempt=att.token, outcome="superseded", replaced=att.replaced)
+        return Ended(None, 0, superseded=True)
+
+    def last_check() -> None:  # a rank that gave up (or failed) since its marker came: not published
+        with _recorded(att):
+            F.check_failures(att.place, att.token, att.replaced)
+
+    manifest = publish(att, world, markers, extra, requested_at, check_sizes=True, last_check=last_check)
+    return cleared(att, Ended(manifest, sum(f["size"] for f in manifest["files"].values())))
+
+
+@contextlib.contextmanager
+def _recorded(att: Attempt) -> Iterator[None]:
+    """Rank 0 without a store: an attempt that ends here unpublished is recorded in its outcome
+    (``fallback.py``), so that the other ranks stop waiting for it."""
+    try:
+        yield
     except CommitTimeoutError as exc:
         P.write_record(att.place, P.OUTCOME, attempt=att.token, outcome=str(exc), replaced=att.replaced)
         raise
     except CheckpointWriteError as exc:  # a rank's save failed: the others stop waiting too
         F.record_aborted(att.place, att.token, getattr(exc, "why", str(exc)), att.replaced)
         raise
-    if any(m.get("superseded") for m in markers.values()):
-        P.write_record(att.place, P.OUTCOME, attempt=att.token, outcome="superseded", replaced=att.replaced)
-        return Ended(None, 0, superseded=True)
-    manifest = publish(att, world, markers, extra, requested_at, check_sizes=True)
-    return cleared(att, Ended(manifest, sum(f["size"] for f in manifest["files"].values())))
 
 
 def cleared(att: Attempt, ended: Ended) -> Ended:

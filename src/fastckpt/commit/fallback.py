@@ -78,6 +78,14 @@ def unsaved_error(label: str, files: str) -> CheckpointWriteError:
         "commit a group after such a failure, save the file again before commit() (a save of the same path that "
         "succeeds counts).")
 
+def gave_up_why(label: str, rank: int, waited_s: float) -> str:
+    """Why an attempt ended when rank ``rank`` waited ``waited_s`` for rank 0's verdict in vain:
+    what rank 0 and the other ranks raise (``CommitTimeoutError``)."""
+    return (f"checkpoint group {label} not committed: rank {rank} gave up waiting {waited_s:.0f} s for rank 0 "
+            "to publish it, and reported it not committed, so no rank publishes it. If rank 0 was only slow "
+            "(see its log), raise commit_timeout_s; the previous checkpoint is intact.")
+
+
 def record_aborted(place: Place, token: str | None, why: str, replaced: str | None = None) -> None:
     """Rank 0: attempt ``token`` (which replaced attempt ``replaced``) ended because a save
     failed (``why``: which rank, and its error); the ranks polling for the manifest raise
@@ -116,10 +124,7 @@ def wait_for_markers(place: Place, world_size: int, timeout_s: float, stop: thre
         if cancel is not None and cancel.is_set():
             raise removed_error(place)
         listing = place.names(P.MARKER_DIR)
-        for rank, rel in P.failure_ranks(listing).items():  # none, unless a save failed
-            failed = P.read_record(place, rel)
-            if failed is not None and _failed_in(failed, token, replaced):
-                raise aborted_error(place.label, f"rank {rank}: {failed.get('why')}")
+        check_failures(place, token, replaced, listing)
         names = P.marker_ranks(place, listing)
         if (me is not None and me not in names) or (recorded and P.ATTEMPT_NAME not in listing):
             raise removed_error(place)
@@ -135,6 +140,19 @@ def wait_for_markers(place: Place, world_size: int, timeout_s: float, stop: thre
     if got is None:
         raise not_committed(place, [r for r in range(world_size) if r not in seen], world_size, timeout_s)
     return got  # type: ignore[return-value]
+
+
+def check_failures(place: Place, token: str | None, replaced: str | None, listing: list[str] | None = None) -> None:
+    """Rank 0: raise if a rank ended attempt ``token`` with a failure record: its save failed
+    (``CheckpointWriteError``), or it gave up waiting for the verdict (``CommitTimeoutError``).
+    ``listing``: the marker directory's, if read already."""
+    names = place.names(P.MARKER_DIR) if listing is None else listing
+    for rank, rel in P.failure_ranks(names).items():  # none, unless a rank ended an attempt
+        failed = P.read_record(place, rel)
+        if failed is not None and _failed_in(failed, token, replaced):
+            if failed.get("kind") == P.GAVE_UP:
+                raise CommitTimeoutError(str(failed.get("why")))
+            raise aborted_error(place.label, f"rank {rank}: {failed.get('why')}")
 
 
 def _failed_in(failed: dict, token: str | None, replaced: str | None) -> bool:
@@ -323,7 +341,15 @@ def wait_for_manifest(place: Place, timeout_s: float, stop: threading.Event, tok
 
     got = poll(ready, time.monotonic() + timeout_s, stop)
     if got is None:
-        raise CommitTimeoutError(
+        err = CommitTimeoutError(
             f"checkpoint group {place.label}: rank 0 did not publish {P.GROUP_MANIFEST} within "
             f"{timeout_s:.0f} s; some rank did not commit (see rank 0's error).")
+        if me is not None and state["token"] is not None:  # rank 0 must not publish it later (``check_failures``)
+            try:
+                P.write_failure(rec, me, state["token"], gave_up_why(place.label, me, timeout_s), kind=P.GAVE_UP)
+            except OSError as exc:
+                err.add_note(f"rank 0 was not told, and may still publish it: {exc}")
+            if (m := published()) is not None:  # rank 0 published it just before
+                return m
+        raise err
     return got  # type: ignore[return-value]

@@ -6,8 +6,8 @@ Every rank of one attempt at a group uses the same keys, under
   ``files``    each rank appends one JSON line: its durable files and their checksums
   ``count``    each rank adds 1 after appending; the rank that brings it to W sets ``ready``
   ``ready``    rank 0 waits on it (a blocking ``wait``, one operation however long it takes)
-  ``claim``    ``compare_set`` from "" decides, once, whether rank 0 publishes or ``remove``
-               cancelled the attempt (whoever comes first)
+  ``claim``    ``compare_set`` from "" decides, once, whether rank 0 publishes, or the attempt
+               ended without it: ``remove``, a failed save, a rank that gave up waiting
   ``outcome``  rank 0 (or the remover) says how the attempt ended; the other ranks wait on it
   ``seen``     each other rank adds 1 after reading the outcome; the last one deletes the keys
 
@@ -345,6 +345,12 @@ class Channel:
         """``remove()`` of the group: end the attempt on every rank unless rank 0 already claimed
         it (then it completes, and the caller waits for it). Returns whether it was cancelled."""
         return self._end(f"{REMOVED}:{why}")
+
+    def give_up(self, why: str) -> bool:
+        """Another rank that waited for the outcome in vain: end the attempt on every rank, so
+        that rank 0 never publishes what this rank reports not committed. False: rank 0 claimed
+        it first (it is publishing; its outcome follows), or another rank or a remover ended it."""
+        return self._end(f"{FAILED}:{why}")
 
     def _end(self, who: str) -> bool:
         if self.claim(who) != who:

@@ -1,0 +1,88 @@
+"""A rank whose commit gave up waiting for rank 0's verdict has reported the group not
+committed: a rank 0 that was only late must not publish that attempt afterwards
+(``attempt._verdict`` with a store, ``fallback.wait_for_manifest`` without one). Else the
+rank's next save of the group, in place while it is unpublished, replaces a file that the late
+manifest names with the old checksum: a published checkpoint that fails verification.
+
+Ranks are Checkpointers in this process, with a real TCPStore and without a store. Rank 1's
+commit_timeout_s is short; each step waits for the previous one's outcome (no sleeps).
+"""
+
+from __future__ import annotations
+
+import datetime
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import fastckpt
+from fastckpt.commit import protocol as P
+from fastckpt.errors import CommitTimeoutError
+from tests.helpers import close_all, latest, place
+
+GAVE_UP = r"checkpoint group .*/G not committed: rank 1 gave up waiting \d+ s for rank 0"
+
+
+def _cks(mode: str) -> list[fastckpt.Checkpointer]:
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=60)) \
+        if mode == "store" else None
+    return [fastckpt.Checkpointer(rank=r, world_size=2, store=store, io_threads=1, overhead_budget=0.99,
+                                  commit_timeout_s=60 if r == 0 else 0.2) for r in range(2)]
+
+
+def _save(ck: fastckpt.Checkpointer, g: Path, version: int) -> fastckpt.SaveHandle:
+    state = {"w": torch.full((256,), float(version)), "version": version, "rank": ck.rank}
+    return ck.save(state, str(g / f"rank{ck.rank}.pt"), group=str(g))
+
+
+def _versions(g: Path) -> list[int]:
+    m = P.read_group_manifest(place(str(g)))
+    assert m is not None and sorted(m["files"]) == ["rank0.pt", "rank1.pt"]
+    return [fastckpt.load(str(g / f"rank{r}.pt"))["version"] for r in (0, 1)]  # verified against the manifest
+
+
+def _agree_on_a_session(cks: list[fastckpt.Checkpointer], root: Path) -> None:
+    """A first group committed by both ranks (with a store: the session is agreed then)."""
+    warm = root / "warm"
+    for ck in cks:
+        ck.save({"x": torch.zeros(4)}, str(warm / f"rank{ck.rank}.pt"), group=str(warm)).wait(60)
+    for h in [ck.commit(str(warm)) for ck in cks]:
+        h.wait(60)
+
+
+@pytest.mark.parametrize("mode", ["no store", "store"])
+@pytest.mark.parametrize("published", [False, True], ids=["new group", "re-saved group"])
+def test_a_late_rank_0_never_publishes_an_attempt_a_rank_gave_up_on(tmp_path: Path, mode: str,
+                                                                     published: bool) -> None:
+    cks = _cks(mode)
+    root = tmp_path / "run"
+    g = root / "G"
+    try:
+        _agree_on_a_session(cks, root)
+        if published:  # the group is published already: its attempts are staged beside it
+            for ck in cks:
+                _save(ck, g, 0).wait(60)
+            for h in [cks[0].commit(str(g)), cks[1].commit(str(g))]:  # rank 1's timeout is short: 0 first
+                h.wait(60)
+        for ck in cks:
+            _save(ck, g, 1).wait(60)
+        with pytest.raises(CommitTimeoutError, match="rank 0 did not publish"):
+            cks[1].commit(str(g)).wait(60)  # rank 0 is late: it has not even called commit yet
+        _save(cks[1], g, 2).wait(60)  # rank 1 saves the group again: a new file where version 1's was
+        with pytest.raises(CommitTimeoutError, match=GAVE_UP) as info:
+            cks[0].commit(str(g)).wait(60)  # late: it must not publish version 1 now
+        assert "raise commit_timeout_s" in str(info.value)
+        if published:
+            assert _versions(g) == [0, 0]
+        else:
+            assert P.read_group_manifest(place(str(g))) is None
+        assert latest(str(root)) == str(g if published else root / "warm")
+        _save(cks[0], g, 2).wait(60)  # both ranks' next attempt publishes version 2 of both files
+        for h in [cks[0].commit(str(g)), cks[1].commit(str(g))]:
+            h.wait(60)
+        assert _versions(g) == [2, 2]
+        assert latest(str(root)) == str(g)
+    finally:
+        close_all(cks)
