@@ -25,11 +25,11 @@ from tests.helpers import close_all, latest, place
 GAVE_UP = r"checkpoint group .*/G not committed: rank 1 gave up waiting \d+ s for rank 0"
 
 
-def _cks(mode: str) -> list[fastckpt.Checkpointer]:
+def _cks(mode: str, world: int = 2) -> list[fastckpt.Checkpointer]:
     store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=60)) \
         if mode == "store" else None
-    return [fastckpt.Checkpointer(rank=r, world_size=2, store=store, io_threads=1, overhead_budget=0.99,
-                                  commit_timeout_s=60 if r == 0 else 0.2) for r in range(2)]
+    return [fastckpt.Checkpointer(rank=r, world_size=world, store=store, io_threads=1, overhead_budget=0.99,
+                                  commit_timeout_s=0.2 if r == 1 else 60) for r in range(world)]
 
 
 def _save(ck: fastckpt.Checkpointer, g: Path, version: int) -> fastckpt.SaveHandle:
@@ -84,5 +84,24 @@ def test_a_late_rank_0_never_publishes_an_attempt_a_rank_gave_up_on(tmp_path: Pa
             h.wait(60)
         assert _versions(g) == [2, 2]
         assert latest(str(root)) == str(g)
+    finally:
+        close_all(cks)
+
+
+@pytest.mark.parametrize("mode", ["no store", "store"])
+def test_rank_0_names_the_ranks_that_held_up_the_attempt_a_rank_gave_up_on(tmp_path: Path, mode: str) -> None:
+    cks = _cks(mode, world=3)
+    root = tmp_path / "run"
+    g = root / "G"
+    try:
+        _agree_on_a_session(cks, root)
+        for ck in cks[:2]:  # rank 2 is stuck before its save
+            _save(ck, g, 1).wait(60)
+        with pytest.raises(CommitTimeoutError, match="rank 0 did not publish"):
+            cks[1].commit(str(g)).wait(60)
+        with pytest.raises(CommitTimeoutError, match=GAVE_UP) as info:
+            cks[0].commit(str(g)).wait(60)
+        assert info.value.__notes__ == ["ranks [2] of 3 had not committed by then"]
+        assert P.read_group_manifest(place(str(g))) is None
     finally:
         close_all(cks)

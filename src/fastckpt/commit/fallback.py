@@ -124,7 +124,6 @@ def wait_for_markers(place: Place, world_size: int, timeout_s: float, stop: thre
         if cancel is not None and cancel.is_set():
             raise removed_error(place)
         listing = place.names(P.MARKER_DIR)
-        check_failures(place, token, replaced, listing)
         names = P.marker_ranks(place, listing)
         if (me is not None and me not in names) or (recorded and P.ATTEMPT_NAME not in listing):
             raise removed_error(place)
@@ -133,10 +132,16 @@ def wait_for_markers(place: Place, world_size: int, timeout_s: float, stop: thre
                 m = P.read_marker(place, rel)
                 if m is not None and m["world_size"] == world_size and m.get("attempt") == token:
                     seen[rank] = m
+        check_failures(place, token, replaced, listing)  # after the markers: an error names who is missing
         done = all(r in seen for r in range(world_size)) or any(m.get("superseded") for m in seen.values())
         return dict(seen) if done else None
 
-    got = poll(ready, time.monotonic() + timeout_s, stop)
+    try:
+        got = poll(ready, time.monotonic() + timeout_s, stop)
+    except CommitTimeoutError as exc:  # a rank gave up waiting (``check_failures``): which ranks held it up
+        if missing := [r for r in range(world_size) if r not in seen]:
+            exc.add_note(f"ranks {missing} of {world_size} had not committed by then")
+        raise
     if got is None:
         raise not_committed(place, [r for r in range(world_size) if r not in seen], world_size, timeout_s)
     return got  # type: ignore[return-value]
