@@ -20,6 +20,7 @@ import torch.distributed as dist
 import fastckpt
 from fastckpt.commit import protocol as P
 from fastckpt.errors import CommitTimeoutError
+from fastckpt.testing import FaultyOps
 from tests.helpers import close_all, latest, place
 
 GAVE_UP = r"checkpoint group .*/G not committed: rank 1 gave up waiting \d+ s for rank 0"
@@ -103,5 +104,30 @@ def test_rank_0_names_the_ranks_that_held_up_the_attempt_a_rank_gave_up_on(tmp_p
             cks[0].commit(str(g)).wait(60)
         assert info.value.__notes__ == ["ranks [2] of 3 had not committed by then"]
         assert P.read_group_manifest(place(str(g))) is None
+    finally:
+        close_all(cks)
+
+
+def test_a_rank_that_gives_up_after_rank_0_claimed_the_attempt_waits_for_its_manifest(tmp_path: Path) -> None:
+    """Without a store: rank 0 has claimed the attempt (``commit/claim.py``) and is about to write
+    the manifest when rank 1's wait runs out. Rank 1's own claim loses, so it waits for the
+    manifest once more, and its commit succeeds with rank 0's."""
+    ops0, ops1 = FaultyOps(), FaultyOps()
+    cks = [fastckpt.Checkpointer(rank=r, world_size=2, io_threads=1, overhead_budget=0.99, ops=ops,
+                                 commit_timeout_s=0.2 if r == 1 else 60) for r, ops in enumerate((ops0, ops1))]
+    g = tmp_path / "run" / "G"
+    try:
+        for ck in cks:
+            _save(ck, g, 1).wait(60)
+        manifest = ops0.gate("write_small", path_contains=P.GROUP_MANIFEST)  # rank 0, after its claim
+        claim = ops1.gate("link", path_contains="claim-")  # rank 1's claim, once its wait ran out
+        commits = [ck.commit(str(g)) for ck in cks]
+        assert manifest.wait_entered(60)
+        assert claim.wait_entered(60)
+        claim.open()
+        manifest.open()
+        for h in commits:
+            h.wait(60)
+        assert _versions(g) == [1, 1]
     finally:
         close_all(cks)

@@ -89,7 +89,8 @@ def test_a_failed_delete_of_the_replaced_attempt_does_not_fail_the_published_res
     g = tmp_path / "run" / "global_step10"
     try:
         _publish(cks, g, 1)
-        ops.inject(Fault("unlink", errno.EACCES, path_contains=".fastckpt-next"))
+        ops.inject(Fault("unlink", errno.EACCES, path_contains="rank0.pt",  # the replaced attempt's file
+                         path_startswith=str(g.parent / ".global_step10.fastckpt-next")))
         with caplog.at_level("WARNING", logger="fastckpt"):
             _publish(cks, g, 2)  # every commit succeeds: the group is published
         assert _versions(g) == [2, 2]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -322,6 +323,30 @@ def test_dirs_on_an_object_store_are_those_holding_objects() -> None:
     assert t.dirs("a/.s9.n") == ["a/.s9.next-a"]
     assert t.dirs("a/") == ["a/.s9.next-a", "a/s1"]
     assert t.dirs("") == ["a", "b"]
+
+
+def test_put_new_creates_once_and_returns_what_won(root: Path) -> None:
+    # Racing creators (threads released together by a barrier): exactly one wins, the others get its bytes.
+    t = PosixTarget(root)
+    barrier, results = threading.Barrier(8), {}
+
+    def create(i: int) -> None:
+        barrier.wait()
+        results[i] = t.put_new("run/.fastckpt/claim-a.json", f"who {i}".encode())
+
+    threads = [threading.Thread(target=create, args=(i,)) for i in range(8)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    winners = [i for i, got in results.items() if got is None]
+    assert len(winners) == 1
+    assert {got for got in results.values() if got is not None} == {f"who {winners[0]}".encode()}
+    assert t.get_bytes("run/.fastckpt/claim-a.json") == f"who {winners[0]}".encode()
+    assert tmp_files(root) == []
+    mem = open_target(f"memory://fastckpt-{uuid.uuid4().hex[:8]}/run", parallelism=1)  # the two-step default
+    assert mem.put_new("a/claim.json", b"first") is None
+    assert mem.put_new("a/claim.json", b"second") == b"first"
 
 
 def test_token_bucket_paces_without_real_sleeps() -> None:

@@ -20,6 +20,7 @@ from ..errors import CheckpointWriteError, CommitTimeoutError, CorruptCheckpoint
 from ..io import atomic
 from ..records import SaveHandle, SaveRecord
 from ..storage.places import Place
+from . import claim as C
 from . import fallback as F
 from . import protocol as P
 from . import resave
@@ -181,7 +182,7 @@ def _verdict(att: Attempt, ch: S.Channel, rank: int, deadline: float, stop: thre
         return ch.hear(deadline, stop, att.home.label, waited_s)
     except CommitTimeoutError as exc:
         try:
-            ended = ch.give_up(F.gave_up_why(att.home.label, rank, waited_s))
+            ended = ch.give_up(C.gave_up_why(att.home.label, rank, waited_s))
         except S.StoreError as store_exc:
             exc.add_note(f"the other ranks were not told: {store_exc}")
             raise exc from None
@@ -227,8 +228,12 @@ def via_storage(att: Attempt, rank: int, world: int, files: dict, superseded: bo
         return Ended(None, 0, superseded=True)
 
     def last_check() -> None:  # a rank that gave up (or failed) since its marker came: not published
-        with _recorded(att):
-            F.check_failures(att.place, att.token, att.replaced)
+        if world > 1 and att.token is not None:
+            with _recorded(att):
+                F.check_failures(att.place, att.token, att.replaced, att.place.names(P.MARKER_DIR))
+                won = C.claim(att.place, att.token, C.RANK_0)
+                if won["who"] != C.RANK_0:
+                    raise CommitTimeoutError(str(won.get("why")))
 
     manifest = publish(att, world, markers, extra, requested_at, check_sizes=True, last_check=last_check)
     return cleared(att, Ended(manifest, sum(f["size"] for f in manifest["files"].values())))

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 
 from ..errors import CheckpointWriteError, CommitTimeoutError, GroupRemovedError
 from ..storage.places import Place
+from . import claim as C
 from . import protocol as P
 
 ABORTED = "aborted"  # the outcome of an attempt that a rank's failed save ended
@@ -68,7 +69,6 @@ def aborted_error(label: str, why: str) -> CheckpointWriteError:
     return err
 
 
-
 def unsaved_error(label: str, files: str) -> CheckpointWriteError:
     """What a rank raises at ``commit`` when its save of ``files`` (each with why) into the group
     did not happen: the group would lack them, so it is not committed (``Coordinator._refuse``)."""
@@ -77,13 +77,6 @@ def unsaved_error(label: str, files: str) -> CheckpointWriteError:
         "lack it. It ends on every rank; the group stays incomplete and the previous checkpoint is intact. To "
         "commit a group after such a failure, save the file again before commit() (a save of the same path that "
         "succeeds counts).")
-
-def gave_up_why(label: str, rank: int, waited_s: float) -> str:
-    """Why an attempt ended when rank ``rank`` waited ``waited_s`` for rank 0's verdict in vain:
-    what rank 0 and the other ranks raise (``CommitTimeoutError``)."""
-    return (f"checkpoint group {label} not committed: rank {rank} gave up waiting {waited_s:.0f} s for rank 0 "
-            "to publish it, and reported it not committed, so no rank publishes it. If rank 0 was only slow "
-            "(see its log), raise commit_timeout_s; the previous checkpoint is intact.")
 
 
 def record_aborted(place: Place, token: str | None, why: str, replaced: str | None = None) -> None:
@@ -147,17 +140,16 @@ def wait_for_markers(place: Place, world_size: int, timeout_s: float, stop: thre
     return got  # type: ignore[return-value]
 
 
-def check_failures(place: Place, token: str | None, replaced: str | None, listing: list[str] | None = None) -> None:
-    """Rank 0: raise if a rank ended attempt ``token`` with a failure record: its save failed
-    (``CheckpointWriteError``), or it gave up waiting for the verdict (``CommitTimeoutError``).
-    ``listing``: the marker directory's, if read already."""
-    names = place.names(P.MARKER_DIR) if listing is None else listing
-    for rank, rel in P.failure_ranks(names).items():  # none, unless a rank ended an attempt
+def check_failures(place: Place, token: str | None, replaced: str | None, listing: list[str]) -> None:
+    """Rank 0: raise if a rank ended attempt ``token``: with a failure record, its save failed
+    (``CheckpointWriteError``); with a claim (``claim.py``), it gave up waiting for the manifest
+    (``CommitTimeoutError``). ``listing``: the marker directory's names."""
+    for rank, rel in P.failure_ranks(listing).items():  # none, unless a save failed
         failed = P.read_record(place, rel)
         if failed is not None and _failed_in(failed, token, replaced):
-            if failed.get("kind") == P.GAVE_UP:
-                raise CommitTimeoutError(str(failed.get("why")))
             raise aborted_error(place.label, f"rank {rank}: {failed.get('why')}")
+    if (won := C.claimed(place, token, listing)) is not None:
+        raise CommitTimeoutError(str(won.get("why")))
 
 
 def _failed_in(failed: dict, token: str | None, replaced: str | None) -> bool:
@@ -349,12 +341,15 @@ def wait_for_manifest(place: Place, timeout_s: float, stop: threading.Event, tok
         err = CommitTimeoutError(
             f"checkpoint group {place.label}: rank 0 did not publish {P.GROUP_MANIFEST} within "
             f"{timeout_s:.0f} s; some rank did not commit (see rank 0's error).")
-        if me is not None and state["token"] is not None:  # rank 0 must not publish it later (``check_failures``)
+        if me is not None and state["token"] is not None:  # a late rank 0 must not publish it (``claim.py``)
             try:
-                P.write_failure(rec, me, state["token"], gave_up_why(place.label, me, timeout_s), kind=P.GAVE_UP)
+                won = C.claim(rec, state["token"], f"rank {me}", C.gave_up_why(place.label, me, timeout_s))
             except OSError as exc:
                 err.add_note(f"rank 0 was not told, and may still publish it: {exc}")
-            if (m := published()) is not None:  # rank 0 published it just before
-                return m
+                raise err from exc
+            if won["who"] == C.RANK_0:  # rank 0 is publishing it: the manifest follows
+                if (m := poll(published, time.monotonic() + timeout_s, stop)) is not None:
+                    return m  # type: ignore[return-value]
+                err.add_note("rank 0 claimed the attempt to publish it, but its manifest did not follow")
         raise err
     return got  # type: ignore[return-value]

@@ -37,7 +37,6 @@ SIDECAR = ".fastckpt.json"  # a single file's publication record at a URL: NAME.
 ATTEMPT_NAME = "attempt.json"  # without a store: the attempt rank 0 started, in MARKER_DIR
 ATTEMPT = f"{MARKER_DIR}/{ATTEMPT_NAME}"
 OUTCOME = f"{MARKER_DIR}/outcome.json"  # without a store: an attempt that ended unpublished
-GAVE_UP = "gave_up"  # a failure record's kind: the rank waited for the manifest in vain (``write_failure``)
 NEXT_TAG = ".fastckpt-next"  # a re-saved group's new attempt, beside it: .TAG.fastckpt-next-<digest>
 DELETE_ATTEMPTS = 5  # tree deletions of a group that concurrent writers disturbed, before giving up
 
@@ -62,14 +61,12 @@ def marker_ranks(place: Place, names: list[str] | None = None) -> dict[int, str]
             if n.startswith("rank-") and n.endswith(".json") and n[5:-5].isdigit()}
 
 
-def write_failure(place: Place, rank: int, token: str | None, why: str, seen: str | None = None,
-                  kind: str = "failed") -> None:
-    """Without a store: this rank's save into attempt ``token`` failed, or (``kind=GAVE_UP``) it
-    waited for the manifest in vain; rank 0 ends the attempt. ``token`` None: rank 0 has not
-    started it yet; ``seen`` is the attempt ``attempt.json`` named (one that ended, or none),
-    which rank 0's next attempt replaces. Not a marker: ``marker_ranks`` and the readers that
-    name missing ranks never see it."""
-    body = {"rank": rank, "attempt": token, "seen": seen, "why": why, "kind": kind, "written_at": time.time()}
+def write_failure(place: Place, rank: int, token: str | None, why: str, seen: str | None = None) -> None:
+    """Without a store: this rank's save into attempt ``token`` failed (rank 0 ends the attempt).
+    ``token`` None: rank 0 has not started it yet; ``seen`` is the attempt ``attempt.json``
+    named (one that ended, or none), which rank 0's next attempt replaces. Not a marker:
+    ``marker_ranks`` and the readers that name missing ranks never see it."""
+    body = {"rank": rank, "attempt": token, "seen": seen, "why": why, "written_at": time.time()}
     place.put(f"{MARKER_DIR}/failed-{rank:05d}.json", json.dumps(body).encode())
 
 

@@ -31,6 +31,7 @@ import posixpath
 from ..errors import ConfigError
 from ..storage.places import Place
 from . import protocol as P
+from .claim import claim_rel
 
 log = logging.getLogger("fastckpt")
 
@@ -45,7 +46,7 @@ def refusal(home: Place) -> ConfigError:
 def _ours(rel: str, manifest: dict, world_size: int) -> bool:
     """Whether ``rel`` in the new attempt's directory belongs there: a file the manifest names,
     or this attempt's markers and records."""
-    if rel in manifest["files"] or rel == P.GROUP_MANIFEST:
+    if rel in manifest["files"] or rel in (P.GROUP_MANIFEST, claim_rel(manifest.get("attempt"))):
         return True
     return posixpath.dirname(rel) == P.MARKER_DIR and (
         rel in (P.ATTEMPT, P.OUTCOME) or any(rel == P.marker_rel(r) for r in range(world_size)))

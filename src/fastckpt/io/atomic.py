@@ -246,3 +246,21 @@ def publish_bytes(ops: FileOps, path: str, data: bytes) -> None:
     """Write a small file atomically: temp, fsync, rename, directory fsync."""
     with replacing(ops, path) as st:
         ops.write_small(st.tmp, data)
+
+
+def create_bytes(ops: FileOps, path: str, data: bytes) -> bytes | None:
+    """Write a small file only if ``path`` does not exist, atomically: temp, fsync, hard link to
+    ``path`` (which fails if it exists: exactly one of several creators wins, and no reader sees
+    it partial), directory fsync. Returns None when this call created it, else the bytes found
+    there (a temp left by a retry of this call is not this call's win: compare the bytes)."""
+    tmp = tmp_name(path)
+    try:
+        ops.write_small(tmp, data)
+        try:
+            ops.link(tmp, path)
+        except FileExistsError:
+            return ops.read_small(path) or b""
+        ops.fsync_dir(os.path.dirname(path) or ".")
+        return None
+    finally:
+        discard(ops, tmp)

@@ -184,6 +184,15 @@ class Target(ReadSide, abc.ABC):
     def put_bytes(self, key: str, data: bytes) -> None:
         """Publish a small object atomically (replacing any previous one)."""
 
+    def put_new(self, key: str, data: bytes) -> bytes | None:
+        """Publish a small object only if ``key`` has none: None when this call did, else the
+        bytes there. A file system decides that atomically (one of several callers wins); this
+        default (an object store without conditional writes) checks and writes in two steps."""
+        if self.exists(key):
+            return self.get_bytes(key)
+        self.put_bytes(key, data)
+        return None
+
     @abc.abstractmethod
     def get_bytes(self, key: str, *, deadline_s: float | None = None) -> bytes:
         """The whole object. ``deadline_s``: retry transient errors for at most that long

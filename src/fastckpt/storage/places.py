@@ -31,6 +31,11 @@ class Place:
         """Publish a small file atomically (replacing an existing one)."""
         self.target.put_bytes(self._k(rel), data)
 
+    def put_new(self, rel: str, data: bytes) -> bytes | None:
+        """Publish a small file unless ``rel`` exists: None when this call did, else the bytes
+        there (``Target.put_new``: atomic on a file system)."""
+        return self.target.put_new(self._k(rel), data)
+
     def get(self, rel: str) -> bytes | None:
         """The file's bytes, or None when it does not exist."""
         try:

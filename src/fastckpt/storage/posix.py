@@ -194,6 +194,16 @@ class PosixTarget(Target):
 
         self._retry(f"publish of {dest}", publish)
 
+    def put_new(self, key: str, data: bytes) -> bytes | None:
+        dest = self._path(key)
+        self._check_root(writing_for=f"creation of {dest}")
+
+        def create() -> bytes | None:
+            self.ops.makedirs(os.path.dirname(dest))
+            return atomic.create_bytes(self.ops, dest, data)
+
+        return self._retry(f"creation of {dest}", create)
+
     def exchange(self, key_a: str, key_b: str) -> None:
         """``Target.exchange``: ``renameat2(RENAME_EXCHANGE)``, then the parent directory's fsync."""
         a, b = self._path(key_a), self._path(key_b)

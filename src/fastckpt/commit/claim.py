@@ -1,0 +1,59 @@
+"""Without a store: who ends an attempt, decided once (the storage fallback's ``compare_set``).
+
+Rank 0 claims its attempt right before the manifest goes. Another rank that waited for the
+manifest in vain claims it first, if it can, before it reports the group not committed: a rank 0
+that is only late then never publishes what that rank reported not committed (its next save of
+the group, in place while the group is unpublished, would replace a file the late manifest names
+with the old checksum). A rank that finds rank 0's claim waits for the manifest once more.
+
+The claim is the small file ``.fastckpt/claim-<attempt>.json``, created only if absent
+(``Place.put_new``): on a file system a hard link of a complete temp file, so exactly one
+claimant wins and no reader sees it partial. An object store has no such write here: the check
+and the put are two steps, and a rank that gives up in the milliseconds between rank 0's check
+and its put fails although the group is published. (With a store, ``store.Channel.claim``
+decides the same in one ``compare_set``.)
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+from ..storage.places import Place
+from . import protocol as P
+
+RANK_0 = "rank 0"
+
+
+def claim_rel(token: str | None) -> str:
+    return f"{P.MARKER_DIR}/claim-{token}.json"
+
+
+def claim(place: Place, token: str, who: str, why: str = "") -> dict:
+    """Claim attempt ``token`` for ``who`` (``why``: how it ended, when not published); returns
+    the claim that won: ``{"who": ..., "why": ...}``."""
+    body = {"who": who, "why": why, "written_at": time.time()}
+    found = place.put_new(claim_rel(token), json.dumps(body).encode())
+    if found is None:
+        return body
+    try:
+        return json.loads(found)
+    except ValueError:  # put_new writes whole files: only a foreign one could be damaged
+        return {"who": "?", "why": f"{place.url(claim_rel(token))} does not parse"}
+
+
+def claimed(place: Place, token: str | None, listing: list[str]) -> dict | None:
+    """The claim of attempt ``token`` other than rank 0's, if there is one (``listing``: the
+    marker directory's names)."""
+    if token is None or claim_rel(token).rsplit("/", 1)[1] not in listing:
+        return None
+    body = P.read_record(place, claim_rel(token))
+    return body if body is not None and body.get("who") != RANK_0 else None
+
+
+def gave_up_why(label: str, rank: int, waited_s: float) -> str:
+    """Why an attempt ended when rank ``rank`` waited ``waited_s`` for rank 0's verdict in vain:
+    what rank 0 and the other ranks raise (``CommitTimeoutError``)."""
+    return (f"checkpoint group {label} not committed: rank {rank} gave up waiting {waited_s:.0f} s for rank 0 "
+            "to publish it, and reported it not committed, so no rank publishes it. If rank 0 was only slow "
+            "(see its log), raise commit_timeout_s; the previous checkpoint is intact.")
