@@ -6,7 +6,8 @@ import contextlib
 import os
 import shutil
 import subprocess
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -76,6 +77,27 @@ def close_all(cks: list) -> None:
             ck.close()
         except CheckpointWriteError:
             pass
+
+
+def claim_race(put_new: Callable[[str, bytes], bytes | None], key: str, n: int) -> bytes:
+    """``n`` threads, released together by a barrier, each ``put_new(key, b"who <i>")``:
+    asserts that exactly one created it and the others got its bytes; returns them."""
+    barrier, results = threading.Barrier(n), {}
+
+    def create(i: int) -> None:
+        barrier.wait()
+        results[i] = put_new(key, f"who {i}".encode())
+
+    threads = [threading.Thread(target=create, args=(i,)) for i in range(n)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    winners = [i for i, got in results.items() if got is None]
+    assert len(winners) == 1
+    won = f"who {winners[0]}".encode()
+    assert set(results.values()) == {None, won}
+    return won
 
 
 @contextlib.contextmanager

@@ -33,6 +33,7 @@ from fastckpt.storage.types import (  # noqa: E402
     TargetPermissionError,
     TargetUnavailableError,
 )
+from tests.helpers import claim_race  # noqa: E402
 from tests.s3server import MAX_VOLUMES, S3Server  # noqa: E402
 
 MiB = 1 << 20
@@ -93,6 +94,20 @@ def test_round_trip_small_objects(s3_server: S3Server, s3_bucket: str, tmp_path:
     assert t.list() == ["run/step_1/fastckpt-manifest.json"]
     with pytest.raises(TargetNotFoundError):
         t.get_bytes("run/step_1/rank0.pt")
+
+
+def test_put_new_is_a_conditional_put_that_one_of_racing_callers_wins(s3_server: S3Server, s3_bucket: str,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    # A commit's claim (commit/claim.py) on S3: the callers all pass the existence check (forced
+    # here), and the store's If-None-Match decides; the losers get the winner's bytes.
+    t = _target(s3_server, s3_bucket)
+    key = "g/.fastckpt/claim-a.json"
+    monkeypatch.setattr(t, "exists", lambda k: False)
+    won = claim_race(t.put_new, key, 6)
+    assert t.get_bytes(key) == won
+    monkeypatch.undo()
+    assert t.put_new(key, b"late") == won  # found by the check: no write
+    assert t.put_new("g/.fastckpt/claim-b.json", b"first") is None
 
 
 def test_targets_share_the_parsed_botocore_data_and_still_talk_to_the_store(s3_server: S3Server, s3_bucket: str,

@@ -10,7 +10,6 @@ from __future__ import annotations
 import errno
 import os
 import shutil
-import threading
 import time
 import uuid
 from pathlib import Path
@@ -33,7 +32,7 @@ from fastckpt.storage.types import (
     TokenBucket,
 )
 from fastckpt.testing import Fault, FaultyOps
-from tests.helpers import tmp_files, tmpfs
+from tests.helpers import claim_race, tmp_files, tmpfs
 
 KiB, MiB = 1 << 10, 1 << 20
 
@@ -326,23 +325,9 @@ def test_dirs_on_an_object_store_are_those_holding_objects() -> None:
 
 
 def test_put_new_creates_once_and_returns_what_won(root: Path) -> None:
-    # Racing creators (threads released together by a barrier): exactly one wins, the others get its bytes.
     t = PosixTarget(root)
-    barrier, results = threading.Barrier(8), {}
-
-    def create(i: int) -> None:
-        barrier.wait()
-        results[i] = t.put_new("run/.fastckpt/claim-a.json", f"who {i}".encode())
-
-    threads = [threading.Thread(target=create, args=(i,)) for i in range(8)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    winners = [i for i, got in results.items() if got is None]
-    assert len(winners) == 1
-    assert {got for got in results.values() if got is not None} == {f"who {winners[0]}".encode()}
-    assert t.get_bytes("run/.fastckpt/claim-a.json") == f"who {winners[0]}".encode()
+    won = claim_race(t.put_new, "run/.fastckpt/claim-a.json", 8)
+    assert t.get_bytes("run/.fastckpt/claim-a.json") == won
     assert tmp_files(root) == []
     mem = open_target(f"memory://fastckpt-{uuid.uuid4().hex[:8]}/run", parallelism=1)  # the two-step default
     assert mem.put_new("a/claim.json", b"first") is None

@@ -7,11 +7,11 @@ the group, in place while the group is unpublished, would replace a file the lat
 with the old checksum). A rank that finds rank 0's claim waits for the manifest once more.
 
 The claim is the small file ``.fastckpt/claim-<attempt>.json``, created only if absent
-(``Place.put_new``): on a file system a hard link of a complete temp file, so exactly one
-claimant wins and no reader sees it partial. An object store has no such write here: the check
-and the put are two steps, and a rank that gives up in the milliseconds between rank 0's check
-and its put fails although the group is published. (With a store, ``store.Channel.claim``
-decides the same in one ``compare_set``.)
+(``Place.put_new``): on a file system a hard link of a complete temp file, on S3 a ``PutObject``
+with ``If-None-Match: *``, so exactly one claimant wins and no reader sees it partial. Other
+fsspec stores (and an S3-compatible store that ignores the header) check, then put: a rank
+that gives up in the milliseconds between rank 0's check and its put fails although the group
+is published. (With a store, ``store.Channel.claim`` decides the same in one ``compare_set``.)
 """
 
 from __future__ import annotations

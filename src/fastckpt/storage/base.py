@@ -186,12 +186,17 @@ class Target(ReadSide, abc.ABC):
 
     def put_new(self, key: str, data: bytes) -> bytes | None:
         """Publish a small object only if ``key`` has none: None when this call did, else the
-        bytes there. A file system decides that atomically (one of several callers wins); this
-        default (an object store without conditional writes) checks and writes in two steps."""
-        if self.exists(key):
+        bytes there. A file system and S3 (``If-None-Match``) decide that atomically: one of
+        several callers wins. This default checks first, then ``_create``s."""
+        if self.exists(key) or not self._create(key, data):
             return self.get_bytes(key)
-        self.put_bytes(key, data)
         return None
+
+    def _create(self, key: str, data: bytes) -> bool:
+        """``put_new``'s write after its check: False when ``key`` had an object by then. This
+        default (a store without conditional writes) overwrites whatever came in between."""
+        self.put_bytes(key, data)
+        return True
 
     @abc.abstractmethod
     def get_bytes(self, key: str, *, deadline_s: float | None = None) -> bytes:

@@ -1,11 +1,8 @@
 """``FsspecTarget``: replication to an object store through fsspec (S3 through s3fs).
 
 S3: a file no larger than one part is one ``PutObject``; a larger one is a multipart upload
-(parts on ``parallelism`` threads, each part retried on its own), and S3 makes the object
-visible only at ``CompleteMultipartUpload``: complete or not at all. Any failure aborts the
-upload. The upload itself is in ``storage/s3.py``.
-
-Integrity in flight: see ``storage/s3.py``.
+(parts on ``parallelism`` threads, each retried on its own) that S3 makes visible only at
+``CompleteMultipartUpload``, whole; any failure aborts it (``storage/s3.py``, with integrity in flight).
 
 Endpoint and credentials come from where boto always looks (``AWS_ENDPOINT_URL``,
 ``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``, ``AWS_PROFILE``, ``~/.aws/config`` and
@@ -49,6 +46,7 @@ from .s3 import (
     drop_expect_100,
     mtime,
     permanent_error,
+    put_if_absent,
     put_s3,
     share_loader,
     transient_types,
@@ -241,6 +239,12 @@ class FsspecTarget(Target):
             self.fs.mv(tmp, final)
 
         self._retry(what, publish)
+
+    def _create(self, key: str, data: bytes) -> bool:
+        if not self.is_s3:
+            return super()._create(key, data)
+        return self._retry(f"creation of {self.url_of(key)}",
+                           lambda: put_if_absent(self._s3, self._obj(key), bytes(data)))
 
     # ------------------------------------------------------------------ reading
     def get_bytes(self, key: str, *, deadline_s: float | None = None) -> bytes:

@@ -56,10 +56,11 @@ TRANSIENT_CODES = frozenset({"SlowDown", "RequestTimeout", "RequestTimeoutExcept
                               "ServiceUnavailable", "Throttling", "ThrottlingException", "RequestLimitExceeded",
                               "TooManyRequests", "500", "502", "503", "504",
                               # the body's checksum did not match what the store received: send it again
-                              "BadDigest", "XAmzContentSHA256Mismatch"})
+                              "BadDigest", "XAmzContentSHA256Mismatch",
+                              # a conditional put raced another write of the key: S3 asks to retry
+                              "ConditionalRequestConflict"})
 AUTH_CODES = frozenset({"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken",
                          "InvalidToken", "TokenRefreshRequired", "AllAccessDisabled", "403"})
-
 
 
 def drop_expect_100(request: object, **_: object) -> None:
@@ -345,3 +346,15 @@ def _abort(t: S3Session, url: str, obj: str, upload_id: str, exc: BaseException)
 def crc32_header(data: bytes) -> str:
     """The ``x-amz-checksum-crc32`` value of ``data``: base64 of the big-endian CRC32."""
     return base64.b64encode(zlib.crc32(data).to_bytes(4, "big")).decode()
+
+
+def put_if_absent(call: Callable[..., dict], obj: str, body: bytes) -> bool:
+    """One ``PutObject`` of ``obj`` with ``If-None-Match: *``; False when it had an object
+    already (412 PreconditionFailed). A store that ignores the header overwrites: check first."""
+    try:
+        call("put_object", Key=obj, Body=body, ChecksumCRC32=crc32_header(body), IfNoneMatch="*")
+    except Exception as exc:
+        if (ce := client_error(exc)) is not None and (ce[0] == "PreconditionFailed" or ce[1] == 412):
+            return False
+        raise
+    return True
