@@ -23,6 +23,7 @@ from fastckpt.commit import session as SS
 from fastckpt.commit import store as S
 from fastckpt.errors import CheckpointWriteError, CommitTimeoutError
 from fastckpt.testing import Fault, FaultyOps
+from fastckpt.urls import normalize
 from tests.helpers import close_all, place
 
 QUICK_S = 15.0  # a commit that agrees takes well under a second; one that does not, commit_timeout_s
@@ -60,6 +61,11 @@ def _commit_all(cks: list[fastckpt.Checkpointer], group: Path, step: int) -> Non
 # Checkpointers' own calls share.
 
 
+def _asks(group: Path, world: int = 2) -> str:
+    """The store key under which the other ranks ask rank 0 for the session at a commit of ``group``."""
+    return f"fastckpt/session/{world}/{SS.group_digest(normalize(str(group)))}/asks"
+
+
 def _session_keys(s: dist.TCPStore) -> list[str]:
     """Keys of the agreement that should be gone once every rank joined (answers, joins)."""
     return sorted(k for k in s.list_keys() if k.startswith("fastckpt/session/")
@@ -75,7 +81,7 @@ def test_a_launch_that_lost_a_rank_before_its_checkpointer_leaves_nothing_stale(
     with pytest.raises(CommitTimeoutError, match=r"ranks \[1\] of 2 did not commit"):
         dead0.commit(str(tmp_path / "step1")).wait(60)
     dead0.close()
-    store.append("fastckpt/session/2/asks", "1 0123456789abcdef0123456789abcdef\n")
+    store.append(_asks(tmp_path / "step2"), "1 0123456789abcdef0123456789abcdef\n")
     cks = [_ck(r, store) for r in (0, 1)]  # the next launch, on the same store
     try:
         _commit_all(cks, tmp_path / "step2", 2)
@@ -91,7 +97,7 @@ def test_rank_0_late_answers_the_ask_that_waited(tmp_path: Path, store: dist.TCP
     try:
         cks[1].save(_state(1, 1), str(g / "r1.pt"), group=str(g))
         h1 = cks[1].commit(str(g))
-        store.clone().wait(["fastckpt/session/2/asks"])  # rank 1 asked before rank 0 chose anything
+        store.clone().wait([_asks(g)])  # rank 1 asked before rank 0 chose anything
         assert not store.check(["fastckpt/session/next"])
         cks[0].save(_state(1, 0), str(g / "r0.pt"), group=str(g))
         cks[0].commit(str(g)).wait(QUICK_S)
@@ -207,6 +213,7 @@ def test_a_joined_rank_whose_ask_outlives_two_rounds_is_not_answered_again(store
     racy, stop = _LateAsks(store, 2), threading.Event()
     rank0 = SS.Session(racy, S._Waits.of(store), 0, 3, None)
     rank0.number = int(store.add("fastckpt/session/next", 1))
+    rank0._groups.add("")  # as join(group="") would: the asks of no particular group
     store.append("fastckpt/session/3/asks", "1 n1\n")
     rank0._answer()  # answers n1; the late ask keeps the list
     assert int(store.get("fastckpt/session/answer/n1")) == rank0.number
@@ -219,3 +226,48 @@ def test_a_joined_rank_whose_ask_outlives_two_rounds_is_not_answered_again(store
     store.append(f"fastckpt/session/{rank0.number}/joined", "2 late102\n")
     rank0._serve(time.monotonic() + 10, stop, poll=True)
     assert rank0.complete and _session_keys(store) == []
+
+
+def test_two_checkpointers_per_rank_each_agree_with_their_own_rank_0(store: dist.TCPStore) -> None:
+    # Two DeepSpeed engines (an actor and a critic), each with its own Checkpointer on the job's
+    # one store. Both rank-1 Checkpointers ask before either rank 0 serves: each rank 0 must
+    # answer only the asks of the groups it commits, or the critic's rank 1 learns the actor's
+    # session and its commits wait under keys its rank 0 never uses.
+    stop, waits = threading.Event(), S._Waits.of(store)
+    actor, critic = (SS.group_digest(g) for g in ("/ckpt/actor/global_step5", "/ckpt/critic/global_step5"))
+    r1 = {"actor": SS.Session(store, waits, 1, 2, None), "critic": SS.Session(store, waits, 1, 2, None)}
+    asking = [threading.Thread(target=r1[name].join, args=(time.monotonic() + 30, stop, name),
+                               kwargs={"group": digest}) for name, digest in (("critic", critic), ("actor", actor))]
+    for t in asking:
+        t.start()
+    store.clone().wait([f"fastckpt/session/2/{d}/asks" for d in (actor, critic)])  # both asked
+    r0 = {"actor": SS.Session(store, waits, 0, 2, None), "critic": SS.Session(store, waits, 0, 2, None)}
+    r0["actor"].join(time.monotonic() + 30, stop, "actor", group=actor)  # serves first, with both asks listed
+    r0["critic"].join(time.monotonic() + 30, stop, "critic", group=critic)
+    for t in asking:
+        t.join(60)
+    assert r1["actor"].number == r0["actor"].number != r0["critic"].number == r1["critic"].number
+    assert r0["actor"].complete and r0["critic"].complete
+    assert _session_keys(store) == []
+
+
+def test_two_checkpointers_per_rank_commit_their_own_groups(tmp_path: Path, store: dist.TCPStore) -> None:
+    # The same through Checkpointers: both rank-1 Checkpointers ask (at their first commit) before
+    # either rank 0 commits; then a second commit of each, on the agreed sessions.
+    cks = {name: [_ck(r, store) for r in (0, 1)] for name in ("actor", "critic")}
+    try:
+        for step in (1, 2):
+            groups = {name: tmp_path / name / f"step{step}" for name in cks}
+            for name, (ck0, ck1) in cks.items():
+                for ck in (ck0, ck1):
+                    ck.save(_state(step, ck.rank), str(groups[name] / f"r{ck.rank}.pt"), group=str(groups[name]))
+            handles = [cks[name][1].commit(str(groups[name]), step=step) for name in ("critic", "actor")]
+            if step == 1:
+                store.clone().wait([_asks(g) for g in groups.values()])
+            handles += [cks[name][0].commit(str(groups[name]), step=step) for name in ("actor", "critic")]
+            for h in handles:
+                h.wait(QUICK_S)
+    finally:
+        close_all(cks["actor"] + cks["critic"])
+    for name in cks:
+        assert P.read_group_manifest(place(str(tmp_path / name / "step2")))["ranks"] == [0, 1]

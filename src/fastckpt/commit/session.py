@@ -14,12 +14,13 @@ Checkpointer's first multi-rank commit, on the committer thread, through plain s
 collective, nothing on the training thread, nothing when the Checkpointer is made):
 
   rank 0   ``S = add("next", 1)``: a number no earlier Checkpointer got. Then, until every other
-           rank has joined S: read ``W/asks`` (a line ``rank nonce`` per asking rank), set
-           ``answer/<nonce>`` to S for each line, drop the lines answered (``compare_set``),
-           read ``S/joined``; between rounds, one blocking wait on ``W/bell``.
-  rank r   append ``r nonce`` (a nonce of this Checkpointer's own) to ``W/asks`` and set
-           ``W/bell``; wait for ``answer/<nonce>``, read S, delete it; append ``r nonce`` to
-           ``S/joined`` and set ``W/bell``.
+           rank has joined S: read ``W/<group>/asks`` (a line ``rank nonce`` per asking rank) of
+           each group it committed so far, set ``answer/<nonce>`` to S for each line, drop the
+           lines answered (``compare_set``), read ``S/joined``; between rounds, one blocking
+           wait on ``W/bell``.
+  rank r   append ``r nonce`` (a nonce of this Checkpointer's own) to ``W/<group>/asks`` (the
+           group it commits) and set ``W/bell``; wait for ``answer/<nonce>``, read S, delete it;
+           append ``r nonce`` to ``S/joined`` and set ``W/bell``.
 
 A rank never reads a value that could be stale: it waits for the answer to its own nonce, which
 only a live rank 0 gives, however early it looks. Asks left by dead launches are answered too
@@ -27,12 +28,15 @@ only a live rank 0 gives, however early it looks. Asks left by dead launches are
 serves at each commit, under the commit's own deadline, until every rank has joined; a rank
 that rank 0 does not answer in time fails its commit with an error that says so.
 
-Every rank must commit the same groups in the same order, and a job should not run two
-Checkpointers that commit groups through one store at once: rank 0 answers whichever rank asks.
+Asks are filed under the group being committed (its digest), and rank 0 answers only those of
+the groups it commits: a job with two Checkpointers on one store (two DeepSpeed engines, an actor
+and a critic, each with its own) agrees twice, each rank's Checkpointer with the rank-0 one that
+commits the same groups. Every rank must commit the same groups in the same order.
 """
 
 from __future__ import annotations
 
+import hashlib
 import threading
 import time
 import uuid
@@ -40,6 +44,11 @@ import uuid
 from ..errors import CommitTimeoutError
 
 POLL_S = 0.2  # how often a wait that close() must be able to end at once polls the store
+
+
+def group_digest(group: str) -> str:
+    """The name of a group (normalised) in store keys: its commits' and its session asks'."""
+    return hashlib.sha1(group.encode()).hexdigest()[:16]
 
 
 class Session:
@@ -60,6 +69,7 @@ class Session:
         self._joined: set[int] = set()  # rank 0: the ranks that joined
         self._answered: set[str] = set()  # rank 0: the nonces answered, their answers not yet read
         self._read: set[str] = set()  # rank 0: the nonces whose ranks read their answer and joined
+        self._groups: set[str] = set()  # rank 0: the groups (digests) whose asks it answers
         self.ops = 0  # store operations made, for the commit event that made them
 
     @property
@@ -74,23 +84,26 @@ class Session:
         self.ops += 1
         return fn(*args)  # type: ignore[operator]
 
-    def join(self, deadline: float, stop: threading.Event, label: str, poll: bool = False) -> None:
-        """Agree on the session (at once when done already). ``poll``: wait by polling the store
-        every ``POLL_S``, so that ``stop`` ends the wait at once (work close() does not wait for).
-        One thread of this rank asks or serves at a time; the others wait for its turn to end.
+    def join(self, deadline: float, stop: threading.Event, label: str, poll: bool = False, group: str = "") -> None:
+        """Agree on the session (at once when done already), for a commit of ``group`` (its digest;
+        ``label`` names it in messages). ``poll``: wait by polling the store every ``POLL_S``, so
+        that ``stop`` ends the wait at once (work close() does not wait for). One thread of this
+        rank asks or serves at a time; the others wait for its turn to end.
 
         Raises:
             CommitTimeoutError: another rank, and rank 0 did not answer by ``deadline``. (Rank 0
                 returns at the deadline however many ranks joined: the commit then names them.)
         """
         t0 = time.monotonic()
+        if self.rank == 0:
+            self._groups.add(group)
         while not self.complete:
             if self._turn.acquire(timeout=POLL_S):
                 try:
                     if self.complete:
                         return
                     if self.rank != 0:
-                        self._ask(deadline, stop, label, poll)
+                        self._ask(deadline, stop, label, poll, group)
                         return
                     if self.number is None:
                         self.number = int(self._op(self._store.add, self._k("next"), 1))  # type: ignore[attr-defined]
@@ -132,16 +145,20 @@ class Session:
             if not self._wait(bell, deadline, stop, poll):
                 return
 
+    def _asks(self, group: str) -> str:
+        return self._k(f"{self.world}/{group}/asks" if group else f"{self.world}/asks")
+
     def _answer(self) -> None:
-        store, asks = self._store, self._k(f"{self.world}/asks")
-        raw = bytes(self._op(store.get, asks)) if self._op(store.check, [asks]) else b""  # type: ignore[attr-defined]
-        for line in raw.decode().splitlines():
-            nonce = line.split()[1]
-            if nonce not in self._answered and nonce not in self._read:  # its line may outlive a round
-                self._op(store.set, self._k(f"answer/{nonce}"), str(self.number))  # type: ignore[attr-defined]
-                self._answered.add(nonce)
-        if raw:  # lines appended meanwhile keep it from matching: they are answered next round
-            self._op(store.compare_set, asks, raw.decode(), "")  # type: ignore[attr-defined]
+        store = self._store
+        for asks in sorted(map(self._asks, self._groups)):
+            raw = bytes(self._op(store.get, asks)) if self._op(store.check, [asks]) else b""  # type: ignore[attr-defined]
+            for line in raw.decode().splitlines():
+                nonce = line.split()[1]
+                if nonce not in self._answered and nonce not in self._read:  # its line may outlive a round
+                    self._op(store.set, self._k(f"answer/{nonce}"), str(self.number))  # type: ignore[attr-defined]
+                    self._answered.add(nonce)
+            if raw:  # lines appended meanwhile keep it from matching: they are answered next round
+                self._op(store.compare_set, asks, raw.decode(), "")  # type: ignore[attr-defined]
         joined = self._k(f"{self.number}/joined")
         if self._op(store.check, [joined]):  # type: ignore[attr-defined]
             for line in bytes(self._op(store.get, joined)).decode().splitlines():  # type: ignore[attr-defined]
@@ -158,11 +175,11 @@ class Session:
         self._answered.clear()
         self._op(store.delete_key, self._k(f"{self.number}/joined"))  # type: ignore[attr-defined]
 
-    def _ask(self, deadline: float, stop: threading.Event, label: str, poll: bool) -> None:
+    def _ask(self, deadline: float, stop: threading.Event, label: str, poll: bool, group: str) -> None:
         """Any other rank: ask rank 0, wait for the answer to this Checkpointer's nonce."""
         store, line = self._store, f"{self.rank} {self._nonce}\n"
         answer = self._k(f"answer/{self._nonce}")
-        self._op(store.append, self._k(f"{self.world}/asks"), line)  # type: ignore[attr-defined]
+        self._op(store.append, self._asks(group), line)  # type: ignore[attr-defined]
         self._op(store.set, self._k(f"{self.world}/bell"), "1")  # type: ignore[attr-defined]
         t0 = time.monotonic()
         if not self._wait(answer, deadline, stop, poll):

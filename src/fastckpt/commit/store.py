@@ -32,7 +32,6 @@ never reuse the keys of a failed attempt, and a dead launch's keys never mislead
 
 from __future__ import annotations
 
-import hashlib
 import json
 import threading
 import time
@@ -42,7 +41,7 @@ from datetime import timedelta
 from typing import ClassVar
 
 from ..errors import CommitTimeoutError, FastCkptError
-from .session import Session
+from .session import Session, group_digest
 
 WAIT_SLICE_S = 30.0  # how often a wait that close() may end early is re-armed, to notice it
 PUBLISHED, SUPERSEDED, FAILED, REMOVED = "published", "superseded", "failed", "removed"
@@ -204,7 +203,7 @@ class Channel:
 
     def __init__(self, link: StoreLink, group: str, attempt: int) -> None:
         self._link, self.group, self.attempt = link, group, attempt
-        self._digest = hashlib.sha1(group.encode()).hexdigest()[:16]
+        self._digest = group_digest(group)
         self.ops = 0
         self.nbytes = 0
         self.keys: set[str] = set()
@@ -229,7 +228,7 @@ class Channel:
         agreed = self._link.agreed
         before = agreed.ops
         try:
-            agreed.join(deadline, stop, self.group, poll)
+            agreed.join(deadline, stop, self.group, poll, self._digest)
         except _store_errors()[1] as exc:
             raise self._stopped(exc) from exc
         finally:
