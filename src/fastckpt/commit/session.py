@@ -17,10 +17,10 @@ collective, nothing on the training thread, nothing when the Checkpointer is mad
            rank has joined S: read ``W/<group>/asks`` (a line ``rank nonce`` per asking rank) of
            each group it committed so far, set ``answer/<nonce>`` to S for each line, drop the
            lines answered (``compare_set``), read ``S/joined``; between rounds, one blocking
-           wait on ``W/bell``.
+           wait on ``W/<group>/bell`` (the group it commits now).
   rank r   append ``r nonce`` (a nonce of this Checkpointer's own) to ``W/<group>/asks`` (the
-           group it commits) and set ``W/bell``; wait for ``answer/<nonce>``, read S, delete it;
-           append ``r nonce`` to ``S/joined`` and set ``W/bell``.
+           group it commits) and set ``W/<group>/bell``; wait for ``answer/<nonce>``, read S,
+           delete it; append ``r nonce`` to ``S/joined`` and set ``W/<group>/bell``.
 
 A rank never reads a value that could be stale: it waits for the answer to its own nonce, which
 only a live rank 0 gives, however early it looks. Asks left by dead launches are answered too
@@ -107,7 +107,7 @@ class Session:
                         return
                     if self.number is None:
                         self.number = int(self._op(self._store.add, self._k("next"), 1))  # type: ignore[attr-defined]
-                    self._serve(deadline, stop, poll)
+                    self._serve(deadline, stop, poll, group)
                     return
                 finally:
                     self._turn.release()
@@ -133,9 +133,11 @@ class Session:
             stop.wait(min(POLL_S, max(0.0, deadline - time.monotonic())))
         return False
 
-    def _serve(self, deadline: float, stop: threading.Event, poll: bool) -> None:
-        """Rank 0: answer every ask until each other rank joined, the deadline or ``stop``."""
-        store, bell = self._store, self._k(f"{self.world}/bell")
+    def _serve(self, deadline: float, stop: threading.Event, poll: bool, group: str = "") -> None:
+        """Rank 0: answer every ask until each other rank joined, the deadline or ``stop``; woken
+        by the bell of ``group`` (per group: another Checkpointer's rank 0 serving at the same
+        time deletes only its own, which this one might otherwise miss)."""
+        store, bell = self._store, self._in(group, "bell")
         while True:
             self._op(store.delete_key, bell)  # type: ignore[attr-defined]
             self._answer()
@@ -145,12 +147,13 @@ class Session:
             if not self._wait(bell, deadline, stop, poll):
                 return
 
-    def _asks(self, group: str) -> str:
-        return self._k(f"{self.world}/{group}/asks" if group else f"{self.world}/asks")
+    def _in(self, group: str, name: str) -> str:
+        """The agreement's key ``name`` for commits of ``group`` (a digest; "": of no group)."""
+        return self._k(f"{self.world}/{group}/{name}" if group else f"{self.world}/{name}")
 
     def _answer(self) -> None:
         store = self._store
-        for asks in sorted(map(self._asks, self._groups)):
+        for asks in sorted(self._in(g, "asks") for g in self._groups):
             raw = bytes(self._op(store.get, asks)) if self._op(store.check, [asks]) else b""  # type: ignore[attr-defined]
             for line in raw.decode().splitlines():
                 nonce = line.split()[1]
@@ -179,8 +182,8 @@ class Session:
         """Any other rank: ask rank 0, wait for the answer to this Checkpointer's nonce."""
         store, line = self._store, f"{self.rank} {self._nonce}\n"
         answer = self._k(f"answer/{self._nonce}")
-        self._op(store.append, self._asks(group), line)  # type: ignore[attr-defined]
-        self._op(store.set, self._k(f"{self.world}/bell"), "1")  # type: ignore[attr-defined]
+        self._op(store.append, self._in(group, "asks"), line)  # type: ignore[attr-defined]
+        self._op(store.set, self._in(group, "bell"), "1")  # type: ignore[attr-defined]
         t0 = time.monotonic()
         if not self._wait(answer, deadline, stop, poll):
             if stop.is_set():
@@ -189,5 +192,5 @@ class Session:
         number = int(bytes(self._op(store.get, answer)).decode())  # type: ignore[attr-defined]
         self._op(store.delete_key, answer)  # type: ignore[attr-defined]
         self._op(store.append, self._k(f"{number}/joined"), line)  # type: ignore[attr-defined]
-        self._op(store.set, self._k(f"{self.world}/bell"), "1")  # type: ignore[attr-defined]
+        self._op(store.set, self._in(group, "bell"), "1")  # type: ignore[attr-defined]
         self.number = number
