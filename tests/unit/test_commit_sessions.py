@@ -271,3 +271,25 @@ def test_two_checkpointers_per_rank_commit_their_own_groups(tmp_path: Path, stor
         close_all(cks["actor"] + cks["critic"])
     for name in cks:
         assert P.read_group_manifest(place(str(tmp_path / name / "step2")))["ranks"] == [0, 1]
+
+
+def test_rank_0_answers_the_ask_of_a_group_it_began_but_commits_later(tmp_path: Path, store: dist.TCPStore) -> None:
+    # Commits of different groups run on the committer pool: rank 0's commit of B may reach the
+    # agreement before its commit of A (a slow save), while rank 1's first commit is A's. Rank 0
+    # answers the asks of every group it began.
+    cks = [_ck(r, store) for r in (0, 1)]
+    a, b = tmp_path / "A", tmp_path / "B"
+    try:
+        for g in (a, b):
+            for ck in cks:
+                ck.save(_state(1, ck.rank), str(g / f"r{ck.rank}.pt"), group=str(g)).wait(60)
+        late = [cks[1].commit(str(a))]
+        store.clone().wait([_asks(a)])  # rank 1 asked at its commit of A
+        for h in [cks[0].commit(str(b)), cks[1].commit(str(b))]:  # rank 0 agrees at its commit of B
+            h.wait(QUICK_S)
+        late.append(cks[0].commit(str(a)))
+        for h in late:
+            h.wait(QUICK_S)
+    finally:
+        close_all(cks)
+    assert P.read_group_manifest(place(str(a)))["ranks"] == [0, 1]

@@ -15,12 +15,12 @@ collective, nothing on the training thread, nothing when the Checkpointer is mad
 
   rank 0   ``S = add("next", 1)``: a number no earlier Checkpointer got. Then, until every other
            rank has joined S: read ``W/<group>/asks`` (a line ``rank nonce`` per asking rank) of
-           each group it committed so far, set ``answer/<nonce>`` to S for each line, drop the
-           lines answered (``compare_set``), read ``S/joined``; between rounds, one blocking
-           wait on ``W/<group>/bell`` (the group it commits now).
+           each group this Checkpointer began, set ``answer/<nonce>`` to S for each line, drop
+           the lines answered (``compare_set``), read ``S/joined``; between rounds, one blocking
+           wait on ``W/bell``.
   rank r   append ``r nonce`` (a nonce of this Checkpointer's own) to ``W/<group>/asks`` (the
-           group it commits) and set ``W/<group>/bell``; wait for ``answer/<nonce>``, read S,
-           delete it; append ``r nonce`` to ``S/joined`` and set ``W/<group>/bell``.
+           group it commits) and set ``W/bell``; wait for ``answer/<nonce>``, read S, delete it;
+           append ``r nonce`` to ``S/joined`` and set ``W/bell``.
 
 A rank never reads a value that could be stale: it waits for the answer to its own nonce, which
 only a live rank 0 gives, however early it looks. Asks left by dead launches are answered too
@@ -29,9 +29,12 @@ serves at each commit, under the commit's own deadline, until every rank has joi
 that rank 0 does not answer in time fails its commit with an error that says so.
 
 Asks are filed under the group being committed (its digest), and rank 0 answers only those of
-the groups it commits: a job with two Checkpointers on one store (two DeepSpeed engines, an actor
-and a critic, each with its own) agrees twice, each rank's Checkpointer with the rank-0 one that
-commits the same groups. Every rank must commit the same groups in the same order.
+the groups it began (saved into; its commits of them may reach the agreement in any order): a
+job with two Checkpointers on one store (two DeepSpeed engines, an actor and a critic, each with
+its own) agrees twice, each rank's Checkpointer with the rank-0 one that saves the same groups.
+Two rank-0 Checkpointers serving at the same moment share the bell: one may delete a ring meant
+for the other, which then answers that ask at its next commit (its current one times out).
+Every rank must commit the same groups.
 """
 
 from __future__ import annotations
@@ -69,8 +72,13 @@ class Session:
         self._joined: set[int] = set()  # rank 0: the ranks that joined
         self._answered: set[str] = set()  # rank 0: the nonces answered, their answers not yet read
         self._read: set[str] = set()  # rank 0: the nonces whose ranks read their answer and joined
-        self._groups: set[str] = set()  # rank 0: the groups (digests) whose asks it answers
+        self._groups: set[str] = set()  # rank 0: the groups (digests) whose asks it answers (``serves``)
         self.ops = 0  # store operations made, for the commit event that made them
+
+    def serves(self, group: str) -> None:
+        """Rank 0: answer the asks filed under ``group`` (a digest) too: this Checkpointer began it."""
+        if self.rank == 0:
+            self._groups.add(group)
 
     @property
     def complete(self) -> bool:
@@ -95,8 +103,7 @@ class Session:
                 returns at the deadline however many ranks joined: the commit then names them.)
         """
         t0 = time.monotonic()
-        if self.rank == 0:
-            self._groups.add(group)
+        self.serves(group)
         while not self.complete:
             if self._turn.acquire(timeout=POLL_S):
                 try:
@@ -107,7 +114,7 @@ class Session:
                         return
                     if self.number is None:
                         self.number = int(self._op(self._store.add, self._k("next"), 1))  # type: ignore[attr-defined]
-                    self._serve(deadline, stop, poll, group)
+                    self._serve(deadline, stop, poll)
                     return
                 finally:
                     self._turn.release()
@@ -120,8 +127,8 @@ class Session:
         return CommitTimeoutError(
             f"checkpoint group {label}: rank {self.rank} asked rank 0 which session of the store this job's group "
             f"commits use, and rank 0 did not answer within {waited_s:.0f} s: it has not reached its commit of a "
-            "group through this store, or it died. Every rank must commit the same groups in the same order "
-            "(check rank 0's logs), or raise commit_timeout_s.")
+            "group through this store, or it died. Every rank must save and commit the same groups (check "
+            "rank 0's logs), or raise commit_timeout_s.")
 
     def _wait(self, key: str, deadline: float, stop: threading.Event, poll: bool) -> bool:
         self.ops += 1
@@ -133,11 +140,9 @@ class Session:
             stop.wait(min(POLL_S, max(0.0, deadline - time.monotonic())))
         return False
 
-    def _serve(self, deadline: float, stop: threading.Event, poll: bool, group: str = "") -> None:
-        """Rank 0: answer every ask until each other rank joined, the deadline or ``stop``; woken
-        by the bell of ``group`` (per group: another Checkpointer's rank 0 serving at the same
-        time deletes only its own, which this one might otherwise miss)."""
-        store, bell = self._store, self._in(group, "bell")
+    def _serve(self, deadline: float, stop: threading.Event, poll: bool) -> None:
+        """Rank 0: answer every ask until each other rank joined, the deadline or ``stop``."""
+        store, bell = self._store, self._in("", "bell")
         while True:
             self._op(store.delete_key, bell)  # type: ignore[attr-defined]
             self._answer()
@@ -153,7 +158,7 @@ class Session:
 
     def _answer(self) -> None:
         store = self._store
-        for asks in sorted(self._in(g, "asks") for g in self._groups):
+        for asks in [self._in(g, "asks") for g in sorted(self._groups)]:  # sorted(): a copy made in C
             raw = bytes(self._op(store.get, asks)) if self._op(store.check, [asks]) else b""  # type: ignore[attr-defined]
             for line in raw.decode().splitlines():
                 nonce = line.split()[1]
@@ -183,7 +188,7 @@ class Session:
         store, line = self._store, f"{self.rank} {self._nonce}\n"
         answer = self._k(f"answer/{self._nonce}")
         self._op(store.append, self._in(group, "asks"), line)  # type: ignore[attr-defined]
-        self._op(store.set, self._in(group, "bell"), "1")  # type: ignore[attr-defined]
+        self._op(store.set, self._in("", "bell"), "1")  # type: ignore[attr-defined]
         t0 = time.monotonic()
         if not self._wait(answer, deadline, stop, poll):
             if stop.is_set():
@@ -192,5 +197,5 @@ class Session:
         number = int(bytes(self._op(store.get, answer)).decode())  # type: ignore[attr-defined]
         self._op(store.delete_key, answer)  # type: ignore[attr-defined]
         self._op(store.append, self._k(f"{number}/joined"), line)  # type: ignore[attr-defined]
-        self._op(store.set, self._in(group, "bell"), "1")  # type: ignore[attr-defined]
+        self._op(store.set, self._in("", "bell"), "1")  # type: ignore[attr-defined]
         self.number = number

@@ -204,6 +204,7 @@ class Channel:
     def __init__(self, link: StoreLink, group: str, attempt: int) -> None:
         self._link, self.group, self.attempt = link, group, attempt
         self._digest = group_digest(group)
+        link.agreed.serves(self._digest)  # made when this rank begins the group
         self.ops = 0
         self.nbytes = 0
         self.keys: set[str] = set()
