@@ -154,8 +154,7 @@ def via_store(att: Attempt, ch: S.Channel, rank: int, world: int, files: dict, s
             raise F.aborted_error(att.home.label, won.partition(":")[2])
         if won.startswith(S.FAILED + ":"):  # a rank gave up waiting (``_verdict``)
             err = CommitTimeoutError(won.partition(":")[2])
-            if missing := [r for r in range(world) if r not in entries]:  # which ranks held it up
-                err.add_note(f"ranks {missing} of {world} had not committed by then")
+            C.note_held_up(err, entries, world)
             raise err
         raise F.removed_error(att.home)
     if any(e.get("superseded") for e in entries.values()):

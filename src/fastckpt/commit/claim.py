@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Container
 
 from ..storage.places import Place
 from . import protocol as P
@@ -49,6 +50,13 @@ def claimed(place: Place, token: str | None, listing: list[str]) -> dict | None:
         return None
     body = P.read_record(place, claim_rel(token))
     return body if body is not None and body.get("who") != RANK_0 else None
+
+
+def note_held_up(exc: BaseException, seen: Container[int], world: int) -> None:
+    """Rank 0, on an attempt a rank gave up on: note which ranks had not committed by then
+    (``seen``: the ranks that had)."""
+    if missing := [r for r in range(world) if r not in seen]:
+        exc.add_note(f"ranks {missing} of {world} had not committed by then")
 
 
 def gave_up_why(label: str, rank: int, waited_s: float) -> str:

@@ -131,9 +131,8 @@ def wait_for_markers(place: Place, world_size: int, timeout_s: float, stop: thre
 
     try:
         got = poll(ready, time.monotonic() + timeout_s, stop)
-    except CommitTimeoutError as exc:  # a rank gave up waiting (``check_failures``): which ranks held it up
-        if missing := [r for r in range(world_size) if r not in seen]:
-            exc.add_note(f"ranks {missing} of {world_size} had not committed by then")
+    except CommitTimeoutError as exc:  # a rank gave up waiting (``check_failures``)
+        C.note_held_up(exc, seen, world_size)
         raise
     if got is None:
         raise not_committed(place, [r for r in range(world_size) if r not in seen], world_size, timeout_s)
