@@ -249,6 +249,7 @@ def test_two_checkpointers_per_rank_each_agree_with_their_own_rank_0(store: dist
     assert r1["actor"].number == r0["actor"].number != r0["critic"].number == r1["critic"].number
     assert r0["actor"].complete and r0["critic"].complete
     assert _session_keys(store) == []
+    assert store.get("fastckpt/session/2/servers") == b""  # each rank 0 took itself off the list
 
 
 def test_two_checkpointers_per_rank_commit_their_own_groups(tmp_path: Path, store: dist.TCPStore) -> None:
@@ -293,3 +294,69 @@ def test_rank_0_answers_the_ask_of_a_group_it_began_but_commits_later(tmp_path: 
     finally:
         close_all(cks)
     assert P.read_group_manifest(place(str(a)))["ranks"] == [0, 1]
+
+
+class _Gated:
+    """The store, where each ``check`` of a key containing ``part`` sets ``reached``; the first
+    one then waits for ``go`` (when given) before it checks."""
+
+    def __init__(self, store: dist.TCPStore, part: str, go: threading.Event | None = None) -> None:
+        self._store, self._part, self._go = store, part, go
+        self.reached = threading.Event()
+
+    def check(self, keys: list[str]) -> bool:
+        if any(self._part in k for k in keys):
+            self.reached.set()
+            go, self._go = self._go, None
+            if go is not None:
+                go.wait(30)
+        return self._store.check(keys)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._store, name)
+
+
+def test_two_rank_0s_serving_at_once_never_take_each_others_wake_up(store: dist.TCPStore) -> None:
+    # The actor's and the critic's rank 0 both serve. The critic's rank 1 asks just after the
+    # critic's rank 0 read the asks, and wakes it; the actor's rank 0 runs a round in between.
+    # With one shared bell the actor's round deleted the critic's ring, and the critic's rank 0
+    # slept through the ask until both commits timed out.
+    stop, waits = threading.Event(), S._Waits.of(store)
+    actor, critic = (SS.group_digest(g) for g in ("/ckpt/actor/global_step5", "/ckpt/critic/global_step5"))
+    a_store, b_go = _Gated(store, "/joined"), threading.Event()
+    b_store = _Gated(store, "/joined", go=b_go)
+    r0a, r0b = SS.Session(a_store, waits, 0, 2, None), SS.Session(b_store, waits, 0, 2, None)
+    serving_a = threading.Thread(target=r0a.join, args=(time.monotonic() + 30, stop, "actor"),
+                                 kwargs={"group": actor, "poll": True})
+    serving_a.start()
+    assert a_store.reached.wait(30)  # the actor's rank 0 ran its first round and waits for a ring
+    a_store.reached.clear()
+    serving_b = threading.Thread(target=r0b.join, args=(time.monotonic() + 10, stop, "critic"),
+                                 kwargs={"group": critic})
+    serving_b.start()
+    assert b_store.reached.wait(30)  # the critic's rank 0 read the asks (none yet) and is held there
+    r1_store = _Gated(store, "/answer/")
+    r1 = SS.Session(r1_store, waits, 1, 2, None)
+    errors: list[BaseException] = []
+
+    def ask() -> None:
+        try:
+            r1.join(time.monotonic() + 10, stop, "critic", poll=True, group=critic)
+        except CommitTimeoutError as e:
+            errors.append(e)
+
+    asking = threading.Thread(target=ask)
+    asking.start()
+    try:
+        assert r1_store.reached.wait(30)  # rank 1 asked, rang, and waits for its answer
+        assert a_store.reached.wait(30)  # the ring woke the actor's rank 0 too: it ran a round
+        b_go.set()  # the critic's rank 0 ends its round and waits for a ring
+        asking.join(30)
+        serving_b.join(30)
+        assert errors == [] and r1.number == r0b.number and r0b.complete
+    finally:
+        b_go.set()
+        stop.set()
+        for t in (asking, serving_a, serving_b):
+            t.join(30)
+    assert _session_keys(store) == []

@@ -13,27 +13,31 @@ The agreement (keys under ``fastckpt/session/``; ``W`` is the world size), made 
 Checkpointer's first multi-rank commit, on the committer thread, through plain store calls (no
 collective, nothing on the training thread, nothing when the Checkpointer is made):
 
-  rank 0   ``S = add("next", 1)``: a number no earlier Checkpointer got. Then, until every other
-           rank has joined S: read ``W/<group>/asks`` (a line ``rank nonce`` per asking rank) of
-           each group this Checkpointer began, set ``answer/<nonce>`` to S for each line, drop
-           the lines answered (``compare_set``), read ``S/joined``; between rounds, one blocking
-           wait on ``W/bell``.
+  rank 0   ``S = add("next", 1)``: a number no earlier Checkpointer got. It lists itself in
+           ``W/servers`` (a line with a nonce of its own; the line goes once every rank joined).
+           Then, until every other rank has joined S: read ``W/<group>/asks`` (a line ``rank
+           nonce`` per asking rank) of each group this Checkpointer began, set ``answer/<nonce>``
+           to S for each line, drop the lines answered (``compare_set``), read ``S/joined``;
+           between rounds, one blocking wait on its own bell ``W/bell/<its nonce>``.
   rank r   append ``r nonce`` (a nonce of this Checkpointer's own) to ``W/<group>/asks`` (the
-           group it commits) and set ``W/bell``; wait for ``answer/<nonce>``, read S, delete it;
-           append ``r nonce`` to ``S/joined`` and set ``W/bell``.
+           group it commits), then ring the bell of every rank 0 listed in ``W/servers``; wait
+           for ``answer/<nonce>``, read S, delete it; append ``r nonce`` to ``S/joined`` and ring
+           the listed bells again.
 
 A rank never reads a value that could be stale: it waits for the answer to its own nonce, which
 only a live rank 0 gives, however early it looks. Asks left by dead launches are answered too
 (harmless: nobody reads those answers, and rank 0 deletes them once every rank joined). Rank 0
 serves at each commit, under the commit's own deadline, until every rank has joined; a rank
-that rank 0 does not answer in time fails its commit with an error that says so.
+that rank 0 does not answer in time fails its commit with an error that says so. No ring is
+lost: a rank 0 lists itself before its first round, so a rank that read the list without it
+appended its ask before that round read the asks; and only its own serving deletes its bell.
 
 Asks are filed under the group being committed (its digest), and rank 0 answers only those of
 the groups it began (saved into; its commits of them may reach the agreement in any order): a
 job with two Checkpointers on one store (two DeepSpeed engines, an actor and a critic, each with
 its own) agrees twice, each rank's Checkpointer with the rank-0 one that saves the same groups.
-Two rank-0 Checkpointers serving at the same moment share the bell: one may delete a ring meant
-for the other, which then answers that ask at its next commit (its current one times out).
+Each rank 0 has a bell of its own, so two of them serving at once never take each other's ring
+(a shared bell did: one deleted the ring meant for the other, whose commit then timed out).
 Every rank must commit the same groups.
 """
 
@@ -73,6 +77,7 @@ class Session:
         self._answered: set[str] = set()  # rank 0: the nonces answered, their answers not yet read
         self._read: set[str] = set()  # rank 0: the nonces whose ranks read their answer and joined
         self._groups: set[str] = set()  # rank 0: the groups (digests) whose asks it answers (``serves``)
+        self._listed = False  # rank 0: whether it is listed in ``W/servers`` (rings reach its bell)
         self.ops = 0  # store operations made, for the commit event that made them
 
     def serves(self, group: str) -> None:
@@ -142,7 +147,10 @@ class Session:
 
     def _serve(self, deadline: float, stop: threading.Event, poll: bool) -> None:
         """Rank 0: answer every ask until each other rank joined, the deadline or ``stop``."""
-        store, bell = self._store, self._in("", "bell")
+        store, bell = self._store, self._bell(self._nonce)
+        if not self._listed:
+            self._op(store.append, self._in("", "servers"), f"{self._nonce}\n")  # type: ignore[attr-defined]
+            self._listed = True
         while True:
             self._op(store.delete_key, bell)  # type: ignore[attr-defined]
             self._answer()
@@ -155,6 +163,17 @@ class Session:
     def _in(self, group: str, name: str) -> str:
         """The agreement's key ``name`` for commits of ``group`` (a digest; "": of no group)."""
         return self._k(f"{self.world}/{group}/{name}" if group else f"{self.world}/{name}")
+
+    def _bell(self, nonce: str) -> str:
+        """The bell of the rank 0 whose nonce is ``nonce``: set to wake it."""
+        return self._in("", f"bell/{nonce}")
+
+    def _ring(self) -> None:
+        """Another rank: wake every rank 0 that serves (its own Checkpointer's among them)."""
+        store, servers = self._store, self._in("", "servers")
+        if self._op(store.check, [servers]):  # type: ignore[attr-defined]
+            for nonce in bytes(self._op(store.get, servers)).decode().split():  # type: ignore[attr-defined]
+                self._op(store.set, self._bell(nonce), "1")  # type: ignore[attr-defined]
 
     def _answer(self) -> None:
         store = self._store
@@ -182,13 +201,25 @@ class Session:
             self._op(store.delete_key, self._k(f"answer/{nonce}"))  # type: ignore[attr-defined]
         self._answered.clear()
         self._op(store.delete_key, self._k(f"{self.number}/joined"))  # type: ignore[attr-defined]
+        self._unlist()
+
+    def _unlist(self) -> None:
+        """Every rank joined: take this rank 0 off ``W/servers`` and delete its bell."""
+        store, servers, line = self._store, self._in("", "servers"), f"{self._nonce}\n"
+        for _ in range(100):  # another rank 0 may list or unlist itself meanwhile: read again
+            raw = bytes(self._op(store.get, servers)).decode()  # type: ignore[attr-defined]
+            rest = raw.replace(line, "")
+            if rest == raw or bytes(self._op(store.compare_set, servers, raw, rest)).decode() == rest:  # type: ignore[attr-defined]
+                break
+        self._op(store.delete_key, self._bell(self._nonce))  # type: ignore[attr-defined]
+        self._listed = False
 
     def _ask(self, deadline: float, stop: threading.Event, label: str, poll: bool, group: str) -> None:
         """Any other rank: ask rank 0, wait for the answer to this Checkpointer's nonce."""
         store, line = self._store, f"{self.rank} {self._nonce}\n"
         answer = self._k(f"answer/{self._nonce}")
         self._op(store.append, self._in(group, "asks"), line)  # type: ignore[attr-defined]
-        self._op(store.set, self._in("", "bell"), "1")  # type: ignore[attr-defined]
+        self._ring()
         t0 = time.monotonic()
         if not self._wait(answer, deadline, stop, poll):
             if stop.is_set():
@@ -197,5 +228,5 @@ class Session:
         number = int(bytes(self._op(store.get, answer)).decode())  # type: ignore[attr-defined]
         self._op(store.delete_key, answer)  # type: ignore[attr-defined]
         self._op(store.append, self._k(f"{number}/joined"), line)  # type: ignore[attr-defined]
-        self._op(store.set, self._in("", "bell"), "1")  # type: ignore[attr-defined]
+        self._ring()
         self.number = number
