@@ -85,6 +85,10 @@ def test_a_late_rank_0_never_publishes_an_attempt_a_rank_gave_up_on(tmp_path: Pa
             h.wait(60)
         assert _versions(g) == [2, 2]
         assert latest(str(root)) == str(g)
+        if mode == "no store":  # only the published attempt's claim is left: the failed one's was swept
+            m = P.read_group_manifest(place(str(g)))
+            assert [n for n in place(str(g)).names(P.MARKER_DIR) if n.startswith("claim-")] == \
+                [f"claim-{m['attempt']}.json"]
     finally:
         close_all(cks)
 

@@ -235,6 +235,8 @@ def via_storage(att: Attempt, rank: int, world: int, files: dict, superseded: bo
                     raise CommitTimeoutError(str(won.get("why")))
 
     manifest = publish(att, world, markers, extra, requested_at, check_sizes=True, last_check=last_check)
+    if world > 1 and att.token is not None and not att.staged:  # a re-save's swap keeps only its own claim
+        C.sweep(att.place, att.token)
     return cleared(att, Ended(manifest, sum(f["size"] for f in manifest["files"].values())))
 
 

@@ -17,6 +17,7 @@ is published. (With a store, ``store.Channel.claim`` decides the same in one ``c
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Container
 
@@ -24,6 +25,7 @@ from ..storage.places import Place
 from . import protocol as P
 
 RANK_0 = "rank 0"
+log = logging.getLogger("fastckpt")
 
 
 def claim_rel(token: str | None) -> str:
@@ -41,6 +43,20 @@ def claim(place: Place, token: str, who: str, why: str = "") -> dict:
         return json.loads(found)
     except ValueError:  # put_new writes whole files: only a foreign one could be damaged
         return {"who": "?", "why": f"{place.url(claim_rel(token))} does not parse"}
+
+
+def sweep(place: Place, token: str) -> None:
+    """Rank 0, attempt ``token`` published in place: delete the claims of the attempts that ended
+    unpublished before it (a group saved again after failed commits kept one claim per attempt).
+    Best effort: a claim left behind is a few bytes that nothing reads again."""
+    keep = claim_rel(token).rsplit("/", 1)[1]
+    for name in place.names(P.MARKER_DIR):
+        if name.startswith("claim-") and name.endswith(".json") and name != keep:
+            try:
+                place.delete(f"{P.MARKER_DIR}/{name}")
+            except OSError as exc:
+                log.warning("fastckpt: could not delete %s (%s); it is only a record of an attempt that "
+                            "ended unpublished", place.url(f"{P.MARKER_DIR}/{name}"), exc)
 
 
 def claimed(place: Place, token: str | None, listing: list[str]) -> dict | None:
