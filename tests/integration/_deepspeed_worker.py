@@ -27,6 +27,8 @@ rank writes ROOT/results/rank{r}.json with what the test checks from outside:
              config's section: weights_only (default false there), enabled, and refuses
              Checkpointer options it cannot apply
   destroy    destroy() returns with the checkpoint durable
+  engines    two engines in one job (an actor and a critic), each with its own Checkpointer on
+             the job's one store: both commit every save, and each loads its own state back
   exit       the last save is still in flight when main returns: interpreter exit flushes it
 """
 
@@ -447,6 +449,27 @@ def destroy(root: str) -> None:
     assert sorted(fastckpt.load(os.path.join(d, "pytorch_model.bin"))) == ["0.bias", "0.weight", "2.bias", "2.weight"]
 
 
+def two_engines(root: str) -> None:
+    shapes = {"actor": (2, 0, 64), "critic": (1, 1, 32)}  # ZeRO stage, seed, width
+    dirs = {name: os.path.join(root, "rlhf", name) for name in shapes}
+    fck = {name: {"local_dir": os.path.join(root, "nvme", name)} for name in shapes}
+    engines = {name: engine(stage, fck[name], seed=seed, width=width) for name, (stage, seed, width) in shapes.items()}
+    for step in (1, 2):
+        for name, eng in engines.items():
+            train(eng, step, step)
+            eng.save_checkpoint(dirs[name], f"s{step}")
+    saved = {name: full_weights(eng) for name, eng in engines.items()}
+    for eng in engines.values():
+        eng.destroy()
+    for name, (stage, _, width) in shapes.items():
+        assert fastckpt.latest(dirs[name]) == os.path.join(dirs[name], "s2"), name
+        fresh = engine(stage, fck[name], seed=7, width=width)
+        path, _ = fresh.load_checkpoint(dirs[name])
+        assert path is not None and os.path.basename(os.path.dirname(path)) == "s2", path
+        same(full_weights(fresh), saved[name], f"{name} weights")
+        fresh.destroy()
+
+
 def exit_flush(root: str) -> None:
     eng = engine(2, {"local_dir": os.path.join(root, "nvme")}, seed=0, width=1024)
     train(eng, 1, 1)
@@ -458,7 +481,7 @@ def exit_flush(root: str) -> None:
 SCENARIOS = {"roundtrip": lambda root: [roundtrip(root, s) for s in (0, 1, 2, 3)], "convert": convert,
              "interop": interop, "report": report, "unsafe": unsafe, "switch": switch, "s3": s3,
              "universal": universal, "export": export, "nolatest": nolatest, "install": install_section,
-             "destroy": destroy, "exit": exit_flush,
+             "destroy": destroy, "engines": two_engines, "exit": exit_flush,
              "lazy": lambda root: [lazy(root, s) for s in (0, 1, 2, 3)]}
 
 

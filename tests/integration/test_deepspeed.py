@@ -27,7 +27,8 @@ from tests.integration._fork_launcher import run_session  # noqa: E402
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 WORKER = str(HERE / "_deepspeed_worker.py")
-TWO_PROCESS_SCENARIOS = "roundtrip,convert,interop,report,unsafe,switch,lazy,universal,export,nolatest,install,destroy"
+TWO_PROCESS_SCENARIOS = ("roundtrip,convert,interop,report,unsafe,switch,lazy,universal,export,nolatest,install,"
+                         "destroy,engines")
 
 
 @dataclass(frozen=True)
@@ -181,6 +182,18 @@ def test_install_honours_the_section_of_the_engines_config(two_processes: Run) -
 
 def test_destroy_returns_with_the_checkpoint_durable(two_processes: Run) -> None:
     assert "destroy" in two_processes.results[1]["done"]
+
+
+def test_two_engines_in_one_job_commit_through_the_one_store(two_processes: Run) -> None:
+    """An actor and a critic, each with its own Checkpointer on the default process group's
+    store (asserted in the worker): every save of both is committed and loads back."""
+    for r in (0, 1):
+        assert "engines" in two_processes.results[r]["done"]
+    for name in ("actor", "critic"):
+        d = two_processes.root / "rlhf" / name
+        assert (d / "latest").read_text() == "s2"
+        for tag in ("s1", "s2"):
+            assert json.loads((d / tag / C.GROUP_MANIFEST).read_text())["ranks"] == [0, 1]
 
 
 def test_interpreter_exit_flushes_the_last_checkpoint(two_processes: Run) -> None:
