@@ -31,6 +31,8 @@ serves at each commit, under the commit's own deadline, until every rank has joi
 that rank 0 does not answer in time fails its commit with an error that says so. No ring is
 lost: a rank 0 lists itself before its first round, so a rank that read the list without it
 appended its ask before that round read the asks; and only its own serving deletes its bell.
+A rank 0 that died while it served stays listed: later launches ring its bell too, one ``set``
+per asking rank and dead rank 0 (a ring after a rank 0 took itself off may leave its bell set).
 
 Asks are filed under the group being committed (its digest), and rank 0 answers only those of
 the groups it began (saved into; its commits of them may reach the agreement in any order): a
