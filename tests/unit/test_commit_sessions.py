@@ -8,6 +8,7 @@ real restart is ``tests/integration/test_group_restart.py``.
 from __future__ import annotations
 
 import datetime
+import random
 import threading
 import time
 from collections.abc import Iterator
@@ -360,3 +361,29 @@ def test_two_rank_0s_serving_at_once_never_take_each_others_wake_up(store: dist.
         for t in (asking, serving_a, serving_b):
             t.join(30)
     assert _session_keys(store) == []
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_three_checkpointers_per_rank_commit_in_any_order(tmp_path: Path, seed: int) -> None:
+    # Three engines on three ranks, each (engine, rank) a Checkpointer on the one store; every
+    # step's saves and commits are issued in a shuffled order, so rank 0s serve while other
+    # engines' ranks ask, and asks of one engine come in before its rank 0 began the group.
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=60))
+    rnd = random.Random(seed)
+    cks = {(e, r): _ck(r, store, world=3) for e in range(3) for r in range(3)}
+    try:
+        for step in (1, 2):
+            order = list(cks)
+            rnd.shuffle(order)
+            for e, r in order:
+                g = tmp_path / f"engine{e}" / f"step{step}"
+                cks[(e, r)].save(_state(step, r), str(g / f"r{r}.pt"), group=str(g))
+            rnd.shuffle(order)
+            for h in [cks[k].commit(str(tmp_path / f"engine{k[0]}" / f"step{step}"), step=step) for k in order]:
+                h.wait(QUICK_S)
+            for e in range(3):
+                assert P.read_group_manifest(place(str(tmp_path / f"engine{e}" / f"step{step}")))["ranks"] == [0, 1, 2]
+    finally:
+        close_all(list(cks.values()))
+    assert _session_keys(store) == []
+    assert store.get("fastckpt/session/3/servers") == b""
