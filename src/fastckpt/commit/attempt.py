@@ -226,17 +226,20 @@ def via_storage(att: Attempt, rank: int, world: int, files: dict, superseded: bo
         P.write_record(att.place, P.OUTCOME, attempt=att.token, outcome="superseded", replaced=att.replaced)
         return Ended(None, 0, superseded=True)
 
+    listing: list[str] = []  # the marker directory's names, read by last_check
+
     def last_check() -> None:  # a rank that gave up (or failed) since its marker came: not published
         if world > 1 and att.token is not None:
             with _recorded(att):
-                F.check_failures(att.place, att.token, att.replaced, att.place.names(P.MARKER_DIR))
+                listing[:] = att.place.names(P.MARKER_DIR)
+                F.check_failures(att.place, att.token, att.replaced, listing)
                 won = C.claim(att.place, att.token, C.RANK_0)
                 if won["who"] != C.RANK_0:
                     raise CommitTimeoutError(str(won.get("why")))
 
     manifest = publish(att, world, markers, extra, requested_at, check_sizes=True, last_check=last_check)
-    if world > 1 and att.token is not None and not att.staged:  # a re-save's swap keeps only its own claim
-        C.sweep(att.place, att.token)
+    if listing and not att.staged:  # a re-save's swap keeps only its own claim
+        C.sweep(att.place, att.token, listing)  # claims of earlier attempts were all there by then
     return cleared(att, Ended(manifest, sum(f["size"] for f in manifest["files"].values())))
 
 

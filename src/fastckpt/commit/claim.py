@@ -28,8 +28,13 @@ RANK_0 = "rank 0"
 log = logging.getLogger("fastckpt")
 
 
+def claim_name(token: str | None) -> str:
+    """The name of attempt ``token``'s claim in the marker directory."""
+    return f"claim-{token}.json"
+
+
 def claim_rel(token: str | None) -> str:
-    return f"{P.MARKER_DIR}/claim-{token}.json"
+    return f"{P.MARKER_DIR}/{claim_name(token)}"
 
 
 def claim(place: Place, token: str, who: str, why: str = "") -> dict:
@@ -45,13 +50,13 @@ def claim(place: Place, token: str, who: str, why: str = "") -> dict:
         return {"who": "?", "why": f"{place.url(claim_rel(token))} does not parse"}
 
 
-def sweep(place: Place, token: str) -> None:
+def sweep(place: Place, token: str | None, listing: list[str]) -> None:
     """Rank 0, attempt ``token`` published in place: delete the claims of the attempts that ended
-    unpublished before it (a group saved again after failed commits kept one claim per attempt).
-    Best effort: a claim left behind is a few bytes that nothing reads again."""
-    keep = claim_rel(token).rsplit("/", 1)[1]
-    for name in place.names(P.MARKER_DIR):
-        if name.startswith("claim-") and name.endswith(".json") and name != keep:
+    unpublished before it (a group saved again after failed commits kept one claim per attempt;
+    ``listing``: the marker directory's names, read after they ended). Best effort: a claim left
+    behind is a few bytes that nothing reads again."""
+    for name in listing:
+        if name.startswith("claim-") and name.endswith(".json") and name != claim_name(token):
             try:
                 place.delete(f"{P.MARKER_DIR}/{name}")
             except OSError as exc:
@@ -62,7 +67,7 @@ def sweep(place: Place, token: str) -> None:
 def claimed(place: Place, token: str | None, listing: list[str]) -> dict | None:
     """The claim of attempt ``token`` other than rank 0's, if there is one (``listing``: the
     marker directory's names)."""
-    if token is None or claim_rel(token).rsplit("/", 1)[1] not in listing:
+    if token is None or claim_name(token) not in listing:
         return None
     body = P.read_record(place, claim_rel(token))
     return body if body is not None and body.get("who") != RANK_0 else None
