@@ -148,3 +148,43 @@ def test_resave_directories_a_crash_left_with_only_temp_files_are_swept(tmp_path
         assert not [n for n in os.listdir(g.parent) if "global_step10" in n]
     finally:
         close_all(cks)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_group_trimmed_while_one_rank_re_saves_it_is_never_published_without_that_ranks_file(
+        tmp_path: Path, mode: str) -> None:
+    """Rank 1 begins re-saving the published tag ``last`` (beside it); rank 0's commit of a newer
+    tag then trims ``last`` (``keep_persistent=1``) with rank 1's new file, and rank 0 saves into
+    ``last`` in place. Before the fix, with a store, both commits succeeded and ``latest`` named a
+    manifest whose rank-1 file was not there."""
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=60)) \
+        if mode == "store" else None
+    cks = [fastckpt.Checkpointer(rank=r, world_size=2, store=store, io_threads=1, overhead_budget=0.99,
+                                 keep_persistent=1, commit_timeout_s=60 if store else 2) for r in range(2)]
+    run = tmp_path / "run"
+    last, newer = run / "last", run / "global_step200"
+    try:
+        _publish(cks, last, 1)
+        for ck in cks:
+            _save(ck, newer, 2).wait(60)
+        h1 = cks[1].commit(str(newer), step=200)
+        _save(cks[1], last, 3).wait(60)  # 'last' is published: rank 1 writes beside it
+        assert [n for n in os.listdir(run) if n.startswith(".last")]
+        cks[0].commit(str(newer), step=200).wait(60)  # rank 0 trims 'last', and rank 1's new file with it
+        h1.wait(60)
+        assert not last.exists()
+        _save(cks[0], last, 3)  # 'last' is not published now: rank 0 writes in place
+        commits = [ck.commit(str(last), step=300) for ck in cks]
+        for h in commits:
+            with pytest.raises((fastckpt.CheckpointWriteError, fastckpt.CommitTimeoutError,
+                                fastckpt.IncompleteCheckpointError)) as err:
+                h.wait(60)
+            if store is not None:
+                assert "disagree on where it lives" in str(err.value)
+        assert P.read_group_manifest(place(str(last))) is None
+        assert fastckpt.latest(str(run)) == str(newer)
+        _publish(cks, last, 4)  # the next save on every rank commits
+        assert _versions(last) == [4, 4]
+        assert fastckpt.latest(str(run)) == str(last)
+    finally:
+        close_all(cks)

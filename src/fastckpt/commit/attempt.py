@@ -126,7 +126,7 @@ def via_store(att: Attempt, ch: S.Channel, rank: int, world: int, files: dict, s
         raise CommitTimeoutError(f"checkpoint group {att.home.label}: closed before rank 0 said which session "
                                  "of the store the group commits use; the group stays incomplete")
     att.token = ch.token
-    ch.announce(rank, {"files": files, "superseded": superseded})
+    ch.announce(rank, {"files": files, "superseded": superseded, "place": att.place.key})
     if rank != 0:
         said = _verdict(att, ch, rank, deadline, stop, waited_s)
         kind, _, rest = said.partition(":")
@@ -147,6 +147,8 @@ def via_store(att: Attempt, ch: S.Channel, rank: int, world: int, files: dict, s
         for r, e in present.items():  # the crash trail: who did commit (readers name the others)
             P.write_marker(att.place, r, world, e["files"], att.token, bool(e.get("superseded")))
         raise err
+    if (apart := _elsewhere(att, entries)) and ch.abort(0, apart):  # nothing of it is published
+        raise F.aborted_error(att.home.label, f"rank 0: {apart}")
     won = ch.claim("rank 0")
     if won != "rank 0":
         ch.tell(None)
@@ -168,6 +170,18 @@ def via_store(att: Attempt, ch: S.Channel, rank: int, world: int, files: dict, s
     total = sum(f["size"] for f in manifest["files"].values())
     ch.tell(f"{S.PUBLISHED}:{total}")
     return cleared(att, Ended(manifest, total))
+
+
+def _elsewhere(att: Attempt, entries: dict[int, dict]) -> str | None:
+    """Rank 0: why the attempt cannot be published, if a rank wrote it elsewhere than rank 0 (in
+    place, or beside the published group): each rank decides at its first save (``coordinator.begin``)."""
+    apart = sorted(r for r, e in entries.items() if e.get("place", att.place.key) != att.place.key)
+    if not apart:
+        return None
+    return (f"ranks {apart} wrote this attempt to {att.home.target.url_of(entries[apart[0]]['place'])}, rank 0 to "
+            f"{att.place.label}: the group was removed (retention: keep_persistent; or remove()) or published "
+            "after some ranks had begun saving into it, so they disagree on where it lives, and nothing of it "
+            "is published. Its next save on every rank starts from one state and commits")
 
 
 def _verdict(att: Attempt, ch: S.Channel, rank: int, deadline: float, stop: threading.Event,
