@@ -4,6 +4,7 @@ that replication dropped counts once a later step beside it is durable."""
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 import torch
@@ -102,3 +103,36 @@ def test_an_older_save_of_a_name_that_ends_late_changes_nothing(tmp_path: Path) 
     assert local[0].exists()  # before the tokens: listed by the older save and trimmed here
     r.ended(paths[0], False, True, True, new)
     assert local[0].exists() and not local[1].exists()
+
+
+def test_a_save_of_the_name_that_begins_while_its_older_save_scans_the_burst_buffer_is_not_trimmed(
+        tmp_path: Path) -> None:
+    """The first durable save in a directory scans the burst buffer for what earlier runs left
+    (a listing, and a manifest read per file at an S3 home: slow). A new save of the same name
+    that began during that scan was not protected: the older save was listed after the scan and
+    trimmed, with the copy the new save writes into."""
+    paths, local, _ = _copies(tmp_path, ["a.pt", "b.pt"])
+    for p in paths:
+        Path(p).parent.mkdir(parents=True, exist_ok=True)
+        Path(p).write_bytes(b"home copy")
+    copies = Stripes((str(tmp_path / "nvme"),)).copies
+    scanning, go = threading.Event(), threading.Event()
+
+    def slow_copies(path: str) -> list[str]:
+        if path == os.path.dirname(paths[0]) and not scanning.is_set():  # the scan of the directory
+            scanning.set()
+            assert go.wait(30)
+        return copies(path)
+
+    r = Retention(1, 1, Homes(), slow_copies)
+    old, b = r.replacing(paths[0]), r.replacing(paths[1])
+    ended = threading.Thread(target=r.ended, args=(paths[0], False, True, True, old))
+    ended.start()
+    assert scanning.wait(30)
+    new = r.replacing(paths[0])  # the newest save of all begins: a.pt's, into local[0]
+    r.ended(paths[1], False, True, True, b)
+    go.set()
+    ended.join(30)
+    assert local[0].exists() and Path(paths[0]).exists()  # before: both deleted here
+    r.ended(paths[0], False, True, True, new)  # the newest save of all: b.pt goes
+    assert local[0].exists() and Path(paths[0]).exists() and not local[1].exists() and not Path(paths[1]).exists()

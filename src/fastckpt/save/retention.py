@@ -102,16 +102,21 @@ class Retention:
         """``path`` (a file or group; ``token``: its save, None for the newest; ``step``: a
         group's that moves ``latest``) is verified at its durable home; trim both lists."""
         with self._lock:
-            if not self._ended(path, token):
+            if token is not None and self._busy.get(path, token) != token:
                 return  # a newer save of path is in flight: it takes path into the lists once durable
         earlier = self._earlier_local(path) if has_local and self._keep_local is not None else []
-        with self._lock:
+        with self._lock:  # ``_ended`` only now: a save of path may have begun during the scan
+            listed = self._ended(path, token)
             token = next(self._tokens) if token is None else token
             ahead = [p for p in earlier if p not in self._local and p not in self._busy]
             self._local.update({p: i - len(ahead) for i, p in enumerate(ahead)})  # before any save of this run
+            if ahead:
+                log.info("fastckpt: keep_local=%d also counts %d burst-buffer copies that earlier runs left beside %s",
+                         self._keep_local, len(ahead), path)
             self._local.update(self._replaced_drops(path, token, step) if has_local else {})
-            drop_local = _push(self._local, path, token, self._keep_local) if has_local else []
-            drop_persistent = _push(self._persistent, path, token, self._keep_persistent) if owns_persistent else []
+            drop_local = _push(self._local, path, token, self._keep_local) if has_local and listed else []
+            drop_persistent = _push(self._persistent, path, token, self._keep_persistent) \
+                if owns_persistent and listed else []
             own = {p for p in drop_local if p in self._listed_drops}
             self._listed_drops -= own
         for p in drop_local:
@@ -200,9 +205,6 @@ class Retention:
             return []
         for g in unpublished:
             self._run(self._delete_own_files, g, "files this rank left in the unpublished burst-buffer copy")
-        if earlier:
-            log.info("fastckpt: keep_local=%d also counts %d burst-buffer copies that earlier runs left beside %s",
-                     self._keep_local, len(earlier), path)
         return earlier
 
     def _unpublished_earlier(self, parent: str, complete: set[str], mine: int | None) -> list[str]:
