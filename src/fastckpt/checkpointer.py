@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -24,7 +25,7 @@ from .commit.coordinator import Coordinator
 from .config import CheckpointerConfig, options_doc, options_signature
 from .errors import ConfigError, FastCkptError, ReplicationError
 from .events import Event, Fanout, JsonlSink
-from .exits import flush_at_exit, forget_at_exit
+from .exits import close_at_exit, flush_at_exit, forget_at_exit
 from .format.manifest import TAIL_ROOM
 from .inflight import InFlight
 from .io.ops import FileOps
@@ -324,20 +325,15 @@ class Checkpointer:
             if self._metrics is not None:
                 self._metrics.close()
             forget_at_exit(self)
+            try:  # a failure that ended while the workers stopped, or one more than close() raises
+                if sys.exc_info()[1] is None:
+                    self._inflight.raise_unseen()
+            finally:
+                self._inflight.log_unseen("close() raised another failure")
 
     def _atexit(self) -> None:
-        if self._closed:
-            return
-        n = len(self._inflight)
-        if n:
-            copies = self._replicator.pending()
-            log.warning("fastckpt: flushing %d pending save(s) at interpreter exit%s; call close() (or use the "
-                        "Checkpointer as a context manager) to do this explicitly",
-                        n, f" (replicating {', '.join(copies)})" if copies else "")
-        try:
-            self.close()
-        except BaseException as exc:  # noqa: BLE001 (at exit there is no caller left to raise to)
-            log.error("fastckpt: a pending save failed at exit: %r", exc)
+        if not self._closed:
+            close_at_exit(self.close, lambda: len(self._inflight), self._replicator.pending)
 
     def _check_open(self) -> None:
         if self._closed:

@@ -11,10 +11,14 @@ One hook serves every Checkpointer, over a WeakSet, so an unclosed one is not ke
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import threading
 import weakref
+from collections.abc import Callable
 from typing import Protocol
+
+log = logging.getLogger("fastckpt")
 
 
 class Flushable(Protocol):
@@ -38,6 +42,25 @@ def flush_at_exit(obj: Flushable) -> None:
 
 def forget_at_exit(obj: Flushable) -> None:
     _LIVE.discard(obj)
+
+
+def close_at_exit(close: Callable[[], None], pending: Callable[[], int], replicating: Callable[[], list[str]]) -> None:
+    """A Checkpointer's ``_atexit``: ``close()`` it, saying what it flushes, and log what it
+    raises (at exit there is no caller left to raise to)."""
+    if n := pending():
+        copies = replicating()
+        log.warning("fastckpt: flushing %d pending save(s) at interpreter exit%s; call close() (or use the "
+                    "Checkpointer as a context manager) to do this explicitly",
+                    n, f" (replicating {', '.join(copies)})" if copies else "")
+    try:
+        close()
+    except KeyboardInterrupt:
+        left = pending()
+        log.error("fastckpt: interrupted while flushing at interpreter exit: %s",
+                  f"{left} save(s) not durable (the checkpoints before them are intact)" if left
+                  else "every pending save ended (failures, if any, are logged above)")
+    except BaseException as exc:  # noqa: BLE001
+        log.error("fastckpt: a pending save failed at exit: %r", exc)
 
 
 def _flush_live() -> None:

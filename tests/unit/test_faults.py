@@ -491,3 +491,35 @@ def test_resident_memory_is_flat_over_saves(env: Env) -> None:
         gc.collect()
         grown = proc.memory_info().rss - base
     assert grown < nbytes, f"RSS grew by {grown / 2**20:.1f} MiB over 18 saves of a 64 MiB state"
+
+
+def test_close_raises_one_background_failure_and_logs_every_other(tmp_path, caplog) -> None:
+    """Two saves fail in the background and nobody calls wait() in between: close() raises one
+    of them, and the other is logged with its traceback, not dropped (before: dropped)."""
+    ops = FaultyOps([Fault("fsync", errno.EIO, path_contains=f"{tmp_path}/Y/"),
+                     Fault("fsync", errno.EIO, path_contains=f"{tmp_path}/Z/")])
+    ck = Checkpointer(ops=ops, overhead_budget=0.99)
+    ck.save(_state(1), str(tmp_path / "Y" / "b.pt"))
+    ck.save(_state(2), str(tmp_path / "Z" / "c.pt"))
+    with caplog.at_level(logging.ERROR, logger="fastckpt"), pytest.raises(CheckpointWriteError) as err:
+        ck.close()
+    logged = "\n".join(r.getMessage() for r in caplog.records if "close() raised another failure" in r.getMessage())
+    raised, other = ("b.pt", "c.pt") if "b.pt" in str(err.value) else ("c.pt", "b.pt")
+    assert raised in str(err.value) and other in logged and raised not in logged
+    ops.assert_all_reached()
+
+
+def test_an_interrupted_exit_flush_says_what_is_left_not_that_a_save_failed(caplog) -> None:
+    """Ctrl-C while close() waits at exit: close() still ends the pending work in its finally
+    (the workers are shut down waiting), so the log says how many saves are not durable."""
+    from fastckpt.exits import close_at_exit
+
+    def interrupted() -> None:
+        raise KeyboardInterrupt
+
+    for left, said in ((0, "every pending save ended"), (2, "2 save(s) not durable")):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="fastckpt"):
+            close_at_exit(interrupted, lambda n=left: n, lambda: [])
+        assert any(said in r.getMessage() for r in caplog.records)
+        assert not any("failed at exit" in r.getMessage() for r in caplog.records)
