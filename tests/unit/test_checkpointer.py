@@ -95,6 +95,29 @@ def test_a_sink_that_raises_neither_fails_nor_hangs_a_save(tmp_path, caplog) -> 
     assert errors[0].exc_info is not None
 
 
+@pytest.mark.parametrize("lazy", [False, True])
+def test_a_ctrl_c_right_after_the_snapshot_gives_the_staging_buffer_back(tmp_path, lazy: bool) -> None:
+    """A KeyboardInterrupt between the snapshot and the hand-over to the writer (here raised by a
+    sink on the snapshot event, as a Ctrl-C lands; a notebook catches it and saves again): the
+    buffer goes back, so the next save gets it (before: it waited for ever, or was skipped)."""
+    from fastckpt.events import Event
+
+    class CtrlC:
+        fired = False
+
+        def emit(self, ev: Event) -> None:
+            if ev.name == "snapshot" and not self.fired:
+                self.fired = True
+                raise KeyboardInterrupt
+
+    with fastckpt.Checkpointer(staging_buffers=1, when_busy="skip", sinks=(CtrlC(),)) as ck:
+        with pytest.raises(KeyboardInterrupt):
+            ck.save(_state(1), str(tmp_path / "a.pt"), lazy=lazy)
+        ck.fence()
+        rec = ck.save(_state(2), str(tmp_path / "a.pt"), lazy=lazy).wait(timeout=30)
+        assert not rec.skipped and ck.load(rec.path)["step"] == 2
+
+
 def test_a_save_whose_replication_cannot_be_queued_fails_instead_of_hanging(tmp_path) -> None:
     """Whatever the replicator's submit raises resolves the save's handle with it (a done-callback
     would otherwise swallow it and leave the handle pending for ever)."""

@@ -163,16 +163,23 @@ class Saver:
             except BaseException:
                 self._staging.release(buf)
                 raise
-        blocked = time.monotonic() - t_call
-        if lazy:  # fence() waits for the copy and counts that wait as blocked time (or the copy ends first)
-            entry = Unfenced(copy, t_call, blocked, layout.payload_bytes)
-            with self._lock:
-                self._lazy.append(entry)
-            copy.add_done_callback(functools.partial(self._copied, entry, counted))
-        else:
-            self._monitor.record_blocked(t_call, blocked, layout.payload_bytes)
-        self._emit("snapshot", path, layout.payload_bytes, w_call, choice.tier, detail="lazy" if lazy else None)
-        base = replace(base, blocked_s=blocked)
+        try:
+            blocked = time.monotonic() - t_call
+            if lazy:  # fence() waits for the copy and counts that wait as blocked time (or the copy ends first)
+                entry = Unfenced(copy, t_call, blocked, layout.payload_bytes)
+                with self._lock:
+                    self._lazy.append(entry)
+                copy.add_done_callback(functools.partial(self._copied, entry, counted))
+            else:
+                self._monitor.record_blocked(t_call, blocked, layout.payload_bytes)
+            self._emit("snapshot", path, layout.payload_bytes, w_call, choice.tier, detail="lazy" if lazy else None)
+            base = replace(base, blocked_s=blocked)
+        except BaseException:  # a Ctrl-C (in a user's sink, say): no writer has the buffer, so it goes back
+            if lazy:
+                copy.add_done_callback(lambda _: self._staging.release(buf))  # once its copy ended
+            else:
+                self._staging.release(buf)
+            raise
         fut = self._submit(spot, token, layout, self._writer.write, snap, base, dest, t_call, choice.odirect, fallback)
         return self._track(fut, base, dest, home, t_call, spot, token)
 
