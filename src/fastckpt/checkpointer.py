@@ -286,9 +286,9 @@ class Checkpointer:
                           every_s=PROGRESS_EVERY_S):
                 if left := self._inflight.wait_all(deadline):
                     raise ReplicationError(
-                        f"{left} save(s) still pending after {timeout_s:.0f} s (replicating: "
-                        f"{self._replicator.pending()}); their local copies are kept in {self.config.local_dir}. "
-                        "Raise close_timeout_s, or check the storage target.")
+                        f"{left} save(s) still pending after {timeout_s:.0f} s: {', '.join(self._inflight.paths())} "
+                        f"(replicating: {', '.join(self._replicator.pending()) or 'none'}). Raise close_timeout_s, "
+                        "or check the storage target.")
         self._homes.reaper.drain(None if deadline is None else max(0.0, deadline - time.monotonic()))  # replaced files
         self._inflight.raise_unseen()
 
@@ -315,6 +315,11 @@ class Checkpointer:
             wait = self.config.close_timeout_s is None or not len(self._inflight)  # False: it gave up on them
             if not wait:
                 self._inflight.log_unseen("close() gave up waiting (close_timeout_s)")
+                if (gave_up := sys.exc_info()[1]) is not None:
+                    kept = f"; copies already in the burst buffer stay there ({', '.join(self.config.local_dirs)})"
+                    gave_up.add_note("close() stopped without them: a save whose write had not started is not written "
+                                     "(its handle raises CheckpointWriteError), and the checkpoint before each is "
+                                     f"untouched{kept if self.config.local_dirs else ''}")
             self._replicator.close(wait)
             for ex in (self._snapper, self._committer, *self._writers, self._io):
                 ex.shutdown(wait=wait, cancel_futures=not wait)

@@ -168,6 +168,11 @@ class InFlight:
         with self._lock:
             return any(p == path and not f.done() for f, p, _ in self._pending.values())
 
+    def paths(self) -> list[str]:
+        """The paths (or groups) of the saves and commits in flight."""
+        with self._lock:
+            return sorted({g or p for _, p, g in self._pending.values()})
+
     def __len__(self) -> int:
         with self._lock:
             return len(self._pending)

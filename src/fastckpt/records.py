@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from concurrent.futures import Future
+from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass
+
+from .errors import CheckpointWriteError
 
 
 @dataclass(frozen=True)
@@ -73,6 +75,8 @@ class SaveHandle:
     def wait(self, timeout: float | None = None) -> SaveRecord:
         try:
             return self._future.result(timeout)
+        except CancelledError:
+            raise not_written(self.path) from None
         except BaseException as exc:
             self._on_seen(exc)
             raise
@@ -82,3 +86,11 @@ class SaveHandle:
         f: Future = Future()
         f.set_result(record)
         return cls(f, record.path, lambda exc: None)
+
+
+def not_written(path: str) -> CheckpointWriteError:
+    """A save's next step never ran: ``close()`` gave up waiting (``close_timeout_s``) and
+    stopped its workers first."""
+    return CheckpointWriteError(f"{path} was not saved: close() gave up waiting (close_timeout_s) before this "
+                                "save's next step started; it was not published, and the checkpoint before it "
+                                "is untouched")

@@ -523,3 +523,28 @@ def test_an_interrupted_exit_flush_says_what_is_left_not_that_a_save_failed(capl
             close_at_exit(interrupted, lambda n=left: n, lambda: [])
         assert any(said in r.getMessage() for r in caplog.records)
         assert not any("failed at exit" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("local", [False, True])
+def test_a_save_close_gave_up_on_before_its_write_started_says_so(tmp_path, local: bool) -> None:
+    """close() past close_timeout_s while a.pt is being written and b.pt waits behind it: b.pt's
+    handle raises a CheckpointWriteError naming it (before: a bare CancelledError, or, through
+    the burst buffer, it never resolved), and close()'s error says what stopped."""
+    ops = FaultyOps()
+    held = ops.gate("pwrite", path_contains="a.pt")
+    ck = Checkpointer(ops=ops, staging_buffers=2, close_timeout_s=0.5, overhead_budget=0.99,
+                      local_dir=str(tmp_path / "nvme") if local else None)
+    try:
+        ck.save(_state(1), str(tmp_path / "home" / "a.pt"))
+        queued = ck.save(_state(2), str(tmp_path / "home" / "b.pt"))
+        assert held.wait_entered(30)
+        with pytest.raises(fastckpt.ReplicationError, match="still pending after") as err:
+            ck.close()
+        notes = "\n".join(getattr(err.value, "__notes__", []))
+        assert "a save whose write had not started is not written" in notes
+        assert ("copies already in the burst buffer stay there" in notes) == local
+        with pytest.raises(CheckpointWriteError, match="b.pt was not saved: close"):
+            queued.wait(30)
+    finally:
+        held.open()
+    assert not (tmp_path / "home" / "b.pt").exists()

@@ -36,7 +36,7 @@ from ..format import layout as F
 from ..format.manifest import TAIL_ROOM
 from ..inflight import InFlight, raise_as_write_error, set_surfaced
 from ..monitor import Monitor
-from ..records import SaveHandle, SaveRecord
+from ..records import SaveHandle, SaveRecord, not_written
 from ..storage.homes import Homes
 from ..units import fmt_bytes
 from ..urls import is_within
@@ -277,6 +277,9 @@ class Saver:
         final: Future = Future()
 
         def enqueue(f: Future) -> None:
+            if f.cancelled():  # a close() that gave up waiting: its local copy was never written
+                final.set_exception(not_written(home))
+                return
             exc = f.exception()
             if exc is not None:
                 final.set_exception(exc)
