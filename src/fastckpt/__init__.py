@@ -42,13 +42,13 @@ __all__ = [
 
 
 def load(path: str, map_location: object = None, *, weights_only: bool = True, verify: bool = False,
-         storage_options: dict | None = None, into: object = None) -> object:
+         storage_options: dict | None = None, mmap: bool = False, into: object = None) -> object:
     """Load one checkpoint file (a path or URL) with verification (a one-off Checkpointer; see
     ``Checkpointer.load``, and its ``into`` to fill tensors that exist already)."""
     from .checkpointer import Checkpointer
 
     with Checkpointer(storage_options=storage_options) as ck:
-        return ck.load(path, map_location, weights_only=weights_only, verify=verify, into=into)
+        return ck.load(path, map_location, weights_only=weights_only, verify=verify, mmap=mmap, into=into)
 
 
 def latest(root: str, storage_options: dict | None = None) -> str | None:

@@ -4,6 +4,7 @@ is wrong with a file that is not a checkpoint (issue #9 items 3, 4 and 10)."""
 from __future__ import annotations
 
 import logging
+import pickle
 import struct
 import threading
 import uuid
@@ -66,13 +67,22 @@ def test_loads_racing_a_writer_that_replaces_the_file_never_see_corruption(tmp_p
 
 
 # ---------------------------------------------------------------------- 4: verification stays on
-@pytest.mark.parametrize("where", ["comment's first byte", "manifest key", "comment length", "eocd signature"])
+@pytest.mark.parametrize("where", ["comment's first byte", "manifest key", "comment length", "eocd signature",
+                                   "comment zeroed", "cut after the comment length"])
 def test_a_damaged_manifest_never_turns_verification_off(tmp_path: Path, where: str) -> None:
+    """Also a comment overwritten with zeros, and a file cut right after its comment-length field
+    (before: both loaded as plain torch.save files, unverified, and wrong tensors came back)."""
     path = _save(tmp_path / "a.pt")
     start = _comment_offset(path)
-    offset = {"comment's first byte": start, "manifest key": start + 3, "comment length": start - 2,
-              "eocd signature": start - EOCD_LEN}[where]
-    flip_byte(path, offset, mask=0xFF)
+    if where == "comment zeroed":
+        data = path.read_bytes()
+        path.write_bytes(data[:start] + bytes(len(data) - start))
+    elif where == "cut after the comment length":
+        path.write_bytes(path.read_bytes()[:start])
+    else:
+        offset = {"comment's first byte": start, "manifest key": start + 3, "comment length": start - 2,
+                  "eocd signature": start - EOCD_LEN}[where]
+        flip_byte(path, offset, mask=0xFF)
     flip_byte(path, 8192 + 5, mask=0xFF)  # and a data byte: without verification, wrong tensors would load
     with pytest.raises(CorruptCheckpointError):
         fastckpt.load(str(path))
@@ -95,6 +105,27 @@ def test_plain_torch_files_load_unverified_with_one_warning_and_verify_refuses_t
     assert read_file_manifest(path) is None
 
 
+@pytest.mark.parametrize("protocol", [2, 3, 4, 5])
+def test_legacy_torch_save_files_of_every_pickle_protocol_load(tmp_path: Path, protocol: int) -> None:
+    """torch.save's pre-zip format starts with the pickle protocol's header (before: only
+    protocol 2's was known, and 3-5 were reported corrupt)."""
+    path = tmp_path / "legacy.pt"
+    torch.save(_state(protocol), path, _use_new_zipfile_serialization=False, pickle_protocol=protocol)
+    if protocol >= 4:  # torch's weights-only unpickler refuses their FRAME opcode: so do we, the same way
+        with pytest.raises(pickle.UnpicklingError):
+            torch.load(path)
+        with pytest.raises(pickle.UnpicklingError):
+            fastckpt.load(str(path))
+    got = fastckpt.load(str(path), weights_only=protocol < 4)
+    assert got["v"] == protocol and torch.equal(got["w"], _state(protocol)["w"])
+
+
+def test_the_top_level_load_maps_the_file_with_mmap_true(tmp_path: Path) -> None:
+    path = _save(tmp_path / "a.pt", v=4)
+    got = fastckpt.load(str(path), mmap=True)
+    assert got["v"] == 4 and torch.equal(got["w"], _state(4)["w"])
+
+
 # ---------------------------------------------------------------------- 10: clear errors
 @pytest.mark.parametrize("damage", ["empty", "not a zip", "truncated"])
 def test_damaged_files_raise_corruption_naming_the_file(tmp_path: Path, damage: str) -> None:
@@ -108,7 +139,10 @@ def test_damaged_files_raise_corruption_naming_the_file(tmp_path: Path, damage: 
 
 # ---------------------------------------------------------------------- a manifest that parses, damaged
 _DAMAGE = {"checksum key": (b'"checksum":', b'"checksul":'), "value key": (b'"value":', b'"valuf":'),
-           "covered key": (b'"covered":', b'"coverec":'), "a block digest": (b'"blocks":"', b'"blocks":"x')}
+           "covered key": (b'"covered":', b'"coverec":'), "a block digest": (b'"blocks":"', b'"blocks":"x'),
+           "group key": (b'"group":', b'"grouq":'), "format": (b'"format":1', b'"format":0'),
+           "kind": (b'"kind":"file"', b'"kind":"filf"'), "rank": (b'"rank":0', b'"rank":1'),
+           "tier": (b'"tier":"direct"', b'"tier":"dirEct"'), "sum key": (b'"sum":"', b'"sun":"')}
 
 
 def _damage_manifest(path: str, what: str) -> None:
@@ -127,6 +161,41 @@ def test_a_manifest_that_parses_but_is_damaged_is_corruption(tmp_path: Path, wha
     parses as JSON. That is corruption naming the file, not a KeyError."""
     path = _save(tmp_path / "a.pt")
     _damage_manifest(str(path), what)
+    with pytest.raises(CorruptCheckpointError, match=str(path)):
+        fastckpt.load(str(path))
+
+
+def test_a_manifest_whose_listed_block_digest_changed_is_corruption(tmp_path: Path) -> None:
+    """A block digest changed to another valid one: the manifest's sum says so (and, in a file
+    written before there was a sum, the digests no longer combine to the checksum)."""
+    path = _save(tmp_path / "a.pt")
+    data = path.read_bytes()
+    at = data.rfind(b'"blocks":"') + len(b'"blocks":"')
+    digit = b"%x" % ((int(data[at : at + 1], 16) + 1) % 16)
+    path.write_bytes(data[:at] + digit + data[at + 1 :])
+    with pytest.raises(CorruptCheckpointError, match="sum"):
+        fastckpt.load(str(path))
+    _legacy_comment(path)
+    with pytest.raises(CorruptCheckpointError, match="block digests"):
+        fastckpt.load(str(path))
+
+
+def _legacy_comment(path: Path) -> None:
+    """Rewrite the file's comment as files were written before the manifest had a sum:
+    ``{"fastckpt": manifest}`` alone (the checksum covers neither the length field nor it)."""
+    start = _comment_offset(path)
+    data = path.read_bytes()
+    comment = data[start:]
+    body = comment[len(b'{"fastckpt":') : comment.rindex(b',"sum":"')]
+    legacy = b'{"fastckpt":' + body + b"}"
+    path.write_bytes(data[: start - 2] + struct.pack("<H", len(legacy)) + legacy)
+
+
+def test_a_file_written_before_the_manifest_had_a_sum_still_loads_verified(tmp_path: Path) -> None:
+    path = _save(tmp_path / "a.pt", v=5)
+    _legacy_comment(path)
+    assert fastckpt.load(str(path), verify=True)["v"] == 5
+    flip_byte(path, 8192 + 5, mask=0xFF)
     with pytest.raises(CorruptCheckpointError, match=str(path)):
         fastckpt.load(str(path))
 

@@ -14,6 +14,8 @@ import struct
 import time
 from collections.abc import Sequence
 
+from xxhash import xxh3_64_hexdigest
+
 from ..errors import CorruptCheckpointError, UnsupportedObjectError
 from .checksum import ALGO, BLOCK_BYTES, combine
 
@@ -49,8 +51,11 @@ def file_manifest(*, covered: int, digest: str, rank: int, group_name: str | Non
 
 
 def comment_bytes(manifest: dict) -> bytes:
-    """The manifest as the zip comment (``{"fastckpt": manifest}`` in compact JSON)."""
-    data = json.dumps({MANIFEST_KEY: manifest}, separators=(",", ":"), sort_keys=True).encode()
+    """The manifest as the zip comment: ``{"fastckpt":M,"sum":D}`` (compact JSON), ``D`` the
+    xxh3_64 of ``M``'s bytes. The checksum does not cover the comment (it is in it), so ``sum``
+    makes any damage to the manifest corruption, not a changed field."""
+    body = json.dumps(manifest, separators=(",", ":"), sort_keys=True).encode()
+    data = b'{"' + MANIFEST_KEY.encode() + b'":' + body + b',"sum":"' + xxh3_64_hexdigest(body).encode() + b'"}'
     if len(data) > MAX_COMMENT:
         raise UnsupportedObjectError(f"manifest of {len(data)} bytes exceeds the zip comment limit")
     return data
@@ -103,6 +108,10 @@ def check_manifest(manifest: object) -> dict:
     for key in ("group", "group_rel"):
         if not isinstance(manifest.get(key), (str, type(None))):
             raise CorruptCheckpointError(f"its {key} is {manifest[key]!r:.100}")
+    if manifest.get("format") != FORMAT_VERSION or manifest.get("kind") != "file":
+        raise CorruptCheckpointError(f"its format is {manifest.get('format')!r:.20} and its kind "
+                                     f"{manifest.get('kind')!r:.20}, not {FORMAT_VERSION} and 'file'")
+    listed_blocks(manifest)
     return manifest
 
 
@@ -133,7 +142,7 @@ def parse_tail(tail: bytes, file_size: int) -> dict | None:
         CorruptCheckpointError: a manifest is there but damaged: it does not parse, or lacks
             what readers need (``check_manifest``).
     """
-    idx = tail.rfind(EOCD_SIG)
+    idx, last = tail.rfind(EOCD_SIG), True
     while idx >= 0:
         if idx + EOCD_LEN <= len(tail):
             (n,) = struct.unpack_from("<H", tail, idx + 20)
@@ -143,19 +152,44 @@ def parse_tail(tail: bytes, file_size: int) -> dict | None:
                     return _parsed(comment)
                 if _carries_manifest(comment):
                     raise CorruptCheckpointError("the zip comment holds a damaged fastckpt manifest")
+                if comment and not _text(comment):  # torch.save writes none; zeroed or damaged bytes
+                    raise CorruptCheckpointError(f"its zip comment of {n} bytes is not text ({comment[:16]!r}...): "
+                                                 "a fastckpt manifest that was overwritten")
                 return None
+            if last:  # the last end-of-directory record promises more comment than the file holds
+                raise CorruptCheckpointError(f"it ends {idx + EOCD_LEN + n - len(tail)} bytes short of the end of its "
+                                             "zip comment (the file was cut short)")
+        last = False
         idx = tail.rfind(EOCD_SIG, 0, idx)
     if _carries_manifest(tail):
         raise CorruptCheckpointError("the zip trailer holding the fastckpt manifest is damaged")
     return None
 
 
-def _parsed(comment: bytes) -> dict:
-    """The manifest in a zip comment that starts as a fastckpt one (``parse_tail``)."""
+def _text(data: bytes) -> bool:
     try:
-        manifest = json.loads(comment)[MANIFEST_KEY]
+        return all(c.isprintable() or c in "\t\n\r" for c in data.decode())
+    except UnicodeDecodeError:
+        return False
+
+
+_SUM = re.compile(rb',"sum":"([0-9a-f]{16})"\}\Z')
+
+
+def _parsed(comment: bytes) -> dict:
+    """The manifest in a zip comment that starts as a fastckpt one (``parse_tail``); its ``sum``
+    is checked (files written before there was one have none: then the comment holds only the
+    manifest)."""
+    if (m := _SUM.search(comment)) is not None \
+            and xxh3_64_hexdigest(comment[len(MANIFEST_KEY) + 4 : m.start()]) != m.group(1).decode():
+        raise CorruptCheckpointError("the manifest's bytes do not match its sum: damaged")
+    try:
+        whole = json.loads(comment)
+        manifest = whole[MANIFEST_KEY]
     except (ValueError, KeyError, TypeError) as exc:
         raise CorruptCheckpointError(f"manifest in the zip comment does not parse: {exc}") from exc
+    if set(whole) != ({MANIFEST_KEY, "sum"} if m is not None else {MANIFEST_KEY}):
+        raise CorruptCheckpointError(f"the zip comment holds {sorted(whole)!r:.100} besides the manifest: damaged")
     try:
         return check_manifest(manifest)
     except CorruptCheckpointError as exc:

@@ -43,7 +43,8 @@ from .image import ZIP_MAGIC, HeapImage, heap_image
 from .into import in_place, place
 
 log = logging.getLogger("fastckpt")
-LEGACY_MAGIC = b"\x80\x02"  # torch.save's pre-zip format: a pickle, protocol 2
+#: torch.save's pre-zip format: a pickle (protocol 2 by default; ``pickle_protocol=`` 3 to 5)
+LEGACY_MAGIC = tuple(bytes([0x80, p]) for p in range(2, 6))
 _warned: set[str] = set()  # paths loaded unverified that were reported already
 _warned_lock = threading.Lock()
 #: How long the check that the burst-buffer copy is of the save at an object-store home retries
