@@ -32,7 +32,7 @@ from .io.ops import FileOps
 from .load.loader import Loader, LoadOptions
 from .monitor import Monitor, Stats
 from .progress import Progress
-from .records import SaveHandle, SaveRecord
+from .records import SaveHandle, SaveRecord, stopped_note
 from .save.replicator import Replicator
 from .save.retention import Retention, group_step
 from .save.saver import Saver
@@ -316,10 +316,7 @@ class Checkpointer:
             if not wait:
                 self._inflight.log_unseen("close() gave up waiting (close_timeout_s)")
                 if (gave_up := sys.exc_info()[1]) is not None:
-                    kept = f"; copies already in the burst buffer stay there ({', '.join(self.config.local_dirs)})"
-                    gave_up.add_note("close() stopped without them: a save whose write had not started is not written "
-                                     "(its handle raises CheckpointWriteError), and the checkpoint before each is "
-                                     f"untouched{kept if self.config.local_dirs else ''}")
+                    gave_up.add_note(stopped_note(self.config.local_dirs))
             self._replicator.close(wait)
             for ex in (self._snapper, self._committer, *self._writers, self._io):
                 ex.shutdown(wait=wait, cancel_futures=not wait)
@@ -338,11 +335,13 @@ class Checkpointer:
 
     def _atexit(self) -> None:
         if not self._closed:
+            self._closed_by = "at interpreter exit (the main thread ended: join a thread that still saves first)"
             close_at_exit(self.close, lambda: len(self._inflight), self._replicator.pending)
 
     def _check_open(self) -> None:
         if self._closed:
-            raise ClosedError("this Checkpointer is closed; create a new one (or use fastckpt.load)")
+            raise ClosedError(f"this Checkpointer was closed {getattr(self, '_closed_by', 'by close()')}; create a "
+                              "new one (or use fastckpt.load)")
 
     def __enter__(self) -> Checkpointer:
         return self

@@ -94,3 +94,10 @@ def not_written(path: str) -> CheckpointWriteError:
     return CheckpointWriteError(f"{path} was not saved: close() gave up waiting (close_timeout_s) before this "
                                 "save's next step started; it was not published, and the checkpoint before it "
                                 "is untouched")
+
+
+def stopped_note(local_dirs: tuple[str, ...]) -> str:
+    """What ``close()`` adds to its timeout's error once it stops without the pending saves."""
+    kept = f"; copies already in the burst buffer stay there ({', '.join(local_dirs)})" if local_dirs else ""
+    return ("close() stopped without them: a save whose write had not started is not written (its handle raises "
+            f"CheckpointWriteError), and the checkpoint before each is untouched{kept}")

@@ -66,3 +66,30 @@ def test_a_forked_child_does_not_flush_the_parents_checkpointer(tmp_path: Path) 
     r = subprocess.run([sys.executable, "-c", FORK, path], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert fastckpt.load(path)["step"] == 3
+
+
+THREAD = textwrap.dedent("""
+    import threading, sys, torch, fastckpt
+
+    go = threading.Event()
+    threading._register_atexit(go.set)  # registered before fastckpt's exit flush, so it runs after it
+    ck = fastckpt.Checkpointer()
+
+    def train():  # a non-daemon training thread that saves after the main thread returned
+        go.wait()
+        try:
+            ck.save({"w": torch.zeros(4)}, sys.argv[1])
+        except fastckpt.ClosedError as exc:
+            print(exc)
+
+    threading.Thread(target=train).start()
+""")
+
+
+def test_a_save_after_the_exit_flush_closed_the_checkpointer_says_why(tmp_path: Path) -> None:
+    """The exit flush runs when the main thread ends, before Python joins the other threads: a
+    thread that saves after that gets a ClosedError that says who closed it and what to do."""
+    r = subprocess.run([sys.executable, "-c", THREAD, str(tmp_path / "a.pt")], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "closed at interpreter exit (the main thread ended: join a thread that still saves first)" in r.stdout
