@@ -349,6 +349,26 @@ def test_latest_pointer_to_a_removed_or_damaged_group_is_replaced(tmp_path: Path
         assert pointer.read_text() == "global_step7"
 
 
+@pytest.mark.parametrize("ahead_s", [3600.0, 30.0])
+def test_a_pointer_dated_ahead_of_the_clock_by_a_skewed_node_is_replaced(tmp_path: Path, ahead_s: float) -> None:
+    """The pointer only moves forward, by rank 0's clock at commit(). A group a node whose clock
+    ran an hour ahead committed held it for that hour against every later run (a crash then
+    resumed from it); a checkpoint dated more than a minute after this host's clock now is such
+    a one, and is replaced. Within that minute it is taken as newer, as before."""
+    parent = tmp_path / "run"
+    g100, g200 = parent / "global_step100", parent / "global_step200"
+    with fastckpt.Checkpointer(overhead_budget=0.99) as ck:
+        ck.save(_state(1), str(g100 / "rank0.pt"), group=str(g100))
+        ck.commit(str(g100), step=100).wait(60)
+    m = json.loads((g100 / P.GROUP_MANIFEST).read_text())
+    m["requested_at"] += ahead_s  # as the skewed node dated it
+    A.publish_bytes(FileOps(), str(g100 / P.GROUP_MANIFEST), P.manifest_bytes(m))
+    with fastckpt.Checkpointer(overhead_budget=0.99) as ck:  # the next run, on a node with the right time
+        ck.save(_state(2), str(g200 / "rank0.pt"), group=str(g200))
+        ck.commit(str(g200), step=200).wait(60)
+    assert (parent / P.LATEST).read_text() == ("global_step200" if ahead_s > P.AHEAD_S else "global_step100")
+
+
 def test_group_order_prefers_the_commit_request_time() -> None:
     assert P.group_order({"committed_at": 5.0}) == 5.0
     assert P.group_order({"committed_at": 5.0, "requested_at": 2.0}) == 2.0

@@ -164,15 +164,19 @@ def pointed_name(parent: Place) -> str | None:
     return found[0] if found is not None else None
 
 
+AHEAD_S = 60.0  # a checkpoint dated this far ahead of the clock now was dated by a clock that ran ahead
+
+
 def move_pointer(parent: Place, name: str, order: float) -> bool:
     """Point ``parent/latest`` at ``name`` (just published, of the given order); only forward.
 
     Called after the checkpoint's publication (manifest or sidecar), so the pointer never names
-    a partial checkpoint. Returns whether it moved (it stays when it names a newer checkpoint).
+    a partial checkpoint. Returns whether it moved (it stays when it names a newer checkpoint,
+    unless that one is dated more than ``AHEAD_S`` after this host's clock: a skewed node wrote it).
     """
     with _latest_lock:
         found = _pointed(parent)
-        if found is not None and found[1] > order:
+        if found is not None and order < found[1] <= time.time() + AHEAD_S:
             return False
         parent.put(LATEST, name.encode())
         return True
