@@ -93,3 +93,23 @@ def test_a_save_after_the_exit_flush_closed_the_checkpointer_says_why(tmp_path: 
                        timeout=120)
     assert r.returncode == 0, r.stderr
     assert "closed at interpreter exit (the main thread ended: join a thread that still saves first)" in r.stdout
+
+
+SIGTERM_SCRIPT = textwrap.dedent("""
+    import os, signal, sys, torch, fastckpt
+
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))  # docs/core.md
+    ck = fastckpt.Checkpointer()
+    ck.save({"w": torch.arange(16 << 20), "step": 9}, sys.argv[1])  # 128 MB: still being written
+    os.kill(os.getpid(), signal.SIGTERM)  # as torchrun or SLURM stop a job
+    signal.pause()  # never returns: the handler exits
+""")
+
+
+def test_a_sigterm_handler_that_exits_flushes_the_save_in_flight(tmp_path: Path) -> None:
+    """SIGTERM's default action kills the process at once, saves in flight with it; the one-line
+    handler docs/core.md shows turns it into an exit, and the exit flush makes the save durable."""
+    path = tmp_path / "a.pt"
+    r = subprocess.run([sys.executable, "-c", SIGTERM_SCRIPT, str(path)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 128 + 15, r.stderr
+    assert fastckpt.load(str(path))["step"] == 9
