@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import collections
 import io
+import json
+import struct
 import zipfile
 
 import pytest
 import torch
+import xxhash
 from torch.utils.serialization import config as ser_config
 
 import fastckpt
@@ -172,3 +175,22 @@ def test_custom_objects_fall_back_to_pickling_order(tmp_path) -> None:
     with fastckpt.Checkpointer() as ck:
         ck.save(sd, str(path)).wait()
         assert torch.equal(ck.load(str(path), weights_only=False)["w"], torch.arange(5))
+
+
+def test_a_signature_inside_the_end_record_never_makes_a_valid_file_look_cut_short(tmp_path) -> None:
+    """The end-of-directory record's own fields can hold the bytes of its signature: here its
+    directory offset ends in b"PK" and its comment is 0x0605 bytes long. The search finds that
+    copy first; its "comment length" overruns the file, and the real record behind it fits."""
+    path = tmp_path / "a.pt"
+    with fastckpt.Checkpointer() as ck:
+        ck.save({"w": torch.zeros(4)}, str(path)).wait()
+    data = path.read_bytes()
+    manifest = M.parse_tail(data[-M.TAIL_BYTES:], len(data))
+    compact = json.dumps(manifest, separators=(",", ":"), sort_keys=True).encode()
+    body = compact[:-1] + b" " * (0x0605 - 38 - len(compact)) + b"}"
+    comment = b'{"fastckpt":' + body + b',"sum":"' + xxhash.xxh3_64_hexdigest(body).encode() + b'"}'
+    assert len(comment) == 0x0605
+    eocd = M.EOCD_SIG + bytes(12) + b"\x00\x00PK" + struct.pack("<H", len(comment))
+    assert eocd.rfind(M.EOCD_SIG) == 18
+    tail = b"\x00" * 64 + eocd + comment
+    assert M.parse_tail(tail, len(tail)) == manifest

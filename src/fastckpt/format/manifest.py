@@ -142,7 +142,7 @@ def parse_tail(tail: bytes, file_size: int) -> dict | None:
         CorruptCheckpointError: a manifest is there but damaged: it does not parse, or lacks
             what readers need (``check_manifest``).
     """
-    idx, last = tail.rfind(EOCD_SIG), True
+    idx, short = tail.rfind(EOCD_SIG), None
     while idx >= 0:
         if idx + EOCD_LEN <= len(tail):
             (n,) = struct.unpack_from("<H", tail, idx + 20)
@@ -156,13 +156,13 @@ def parse_tail(tail: bytes, file_size: int) -> dict | None:
                     raise CorruptCheckpointError(f"its zip comment of {n} bytes is not text ({comment[:16]!r}...): "
                                                  "a fastckpt manifest that was overwritten")
                 return None
-            if last:  # the last end-of-directory record promises more comment than the file holds
-                raise CorruptCheckpointError(f"it ends {idx + EOCD_LEN + n - len(tail)} bytes short of the end of its "
-                                             "zip comment (the file was cut short)")
-        last = False
+            if short is None:  # the last one that may be an end-of-directory record: how far the file is short
+                short = idx + EOCD_LEN + n - len(tail)
         idx = tail.rfind(EOCD_SIG, 0, idx)
     if _carries_manifest(tail):
         raise CorruptCheckpointError("the zip trailer holding the fastckpt manifest is damaged")
+    if short is not None and short > 0:  # no record fits: the last promises more comment than there is
+        raise CorruptCheckpointError(f"it ends {short} bytes short of the end of its zip comment (cut short)")
     return None
 
 
