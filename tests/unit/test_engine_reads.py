@@ -260,3 +260,21 @@ def test_twin_reads_the_open_file_not_the_path(direct_dir) -> None:
     finally:
         ops.close(fd)
 
+
+
+def test_a_file_system_that_refuses_o_direct_reads_is_read_buffered(direct_dir, caplog) -> None:
+    """Some file systems accept O_DIRECT at open and refuse the reads (EINVAL), as writes there
+    are refused (and fall back): a load reads the file again through the page cache."""
+    import errno
+    import logging
+
+    from fastckpt.testing import Fault, FaultyOps
+
+    path = direct_dir / "a.pt"
+    with fastckpt.Checkpointer() as ck:
+        ck.save({"w": torch.arange(1 << 20)}, str(path)).wait()
+    ops = FaultyOps([Fault("preadv", errno.EINVAL)])
+    with caplog.at_level(logging.INFO, logger="fastckpt"), fastckpt.Checkpointer(ops=ops) as ck:
+        assert torch.equal(ck.load(str(path))["w"], torch.arange(1 << 20))
+    ops.assert_all_reached()
+    assert any("refused an O_DIRECT read" in r.getMessage() for r in caplog.records)

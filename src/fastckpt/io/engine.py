@@ -9,6 +9,7 @@ the caller's buffer, or one reusable chunk buffer per worker thread for streamin
 from __future__ import annotations
 
 import errno
+import logging
 import mmap
 import os
 import threading
@@ -23,6 +24,8 @@ from ..format.manifest import TAIL_BYTES, manifest_in
 from .image import BlockFetch, BlockStream, FlatImage, Image, block_digests, image_digests
 from .ops import FileOps, Residency, pwrite_all
 from .parts import PartReader, alloc_aligned
+
+log = logging.getLogger("fastckpt")
 
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 #: ``into(fetch, size)``: the image a read fills (``io.image``), or None for one flat buffer.
@@ -218,6 +221,19 @@ def _buffered_twin(ops: FileOps, fd: int) -> int:
 
 def read_file(ops: FileOps, pool: Executor, path: str, *, chunk_bytes: int, odirect: bool = True,
               covered: int | None = None, into: ImageFactory | None = None) -> ReadResult:
+    """``read_one`` (its docstring says what it does); again through the page cache if the file
+    system accepted O_DIRECT at open but refuses its reads (EINVAL), as writes fall back."""
+    try:
+        return read_one(ops, pool, path, chunk_bytes=chunk_bytes, odirect=odirect, covered=covered, into=into)
+    except OSError as exc:
+        if not odirect or exc.errno != errno.EINVAL:
+            raise
+        log.info("fastckpt: the file system refused an O_DIRECT read of %s (EINVAL): reading it buffered", path)
+        return read_one(ops, pool, path, chunk_bytes=chunk_bytes, odirect=False, covered=covered, into=into)
+
+
+def read_one(ops: FileOps, pool: Executor, path: str, *, chunk_bytes: int, odirect: bool = True,
+             covered: int | None = None, into: ImageFactory | None = None) -> ReadResult:
     """Read a whole file into page-aligned memory in parallel, through one open file.
 
     The file is opened once, so a concurrent rename-replace of ``path`` gives this read the old
