@@ -45,6 +45,7 @@ from .session import Session, group_digest
 
 WAIT_SLICE_S = 30.0  # how often a wait that close() may end early is re-armed, to notice it
 PUBLISHED, SUPERSEDED, FAILED, REMOVED = "published", "superseded", "failed", "removed"
+_ABSENT = "\x00absent"  # ``_peek``'s expected value: never one fastckpt stores
 ABORTED = "aborted"  # a rank's save failed: the attempt ends on every rank at once
 
 
@@ -277,8 +278,7 @@ class Channel:
 
     def entries(self) -> dict[int, dict]:
         """Every entry announced so far (rank -> entry)."""
-        store = self._link.store
-        raw = self._op("files", lambda: store.get(self._k("files"))) if self._has("files") else b""
+        raw = self._peek("files") or b""
         self.nbytes += len(raw)  # type: ignore[arg-type]
         out: dict[int, dict] = {}
         for line in bytes(raw).decode().splitlines():  # type: ignore[arg-type]
@@ -286,8 +286,11 @@ class Channel:
             out[int(entry["rank"])] = entry
         return out
 
-    def _has(self, name: str) -> bool:
-        return bool(self._op(name, lambda: self._link.store.check([self._k(name)])))
+    def _peek(self, name: str) -> bytes | None:
+        """The key's value, or None without one, in one operation that never blocks (a ``get`` of a
+        missing key waits; ``check`` then ``get`` races a delete: ``hear`` drops the claim)."""
+        got = bytes(self._op(name, lambda: self._link.store.compare_set(self._k(name), _ABSENT, _ABSENT)))  # type: ignore[arg-type]
+        return None if got == _ABSENT.encode() else got
 
     def gather(self, deadline: float, stop: threading.Event) -> dict[int, dict] | None:
         """Rank 0: every rank's entry, once all W announced (or ``cancel`` woke it); None when
@@ -330,10 +333,9 @@ class Channel:
 
     def removed(self) -> bool:
         """Whether ``remove()`` cancelled this attempt (on any rank)."""
-        store = self._link.store
-        if not self.joined or not self._has("claim"):
+        if not self.joined:
             return False
-        return bytes(self._op("claim", lambda: store.get(self._k("claim")))).decode().startswith(REMOVED)  # type: ignore[arg-type]
+        return (self._peek("claim") or b"").decode().startswith(REMOVED)
 
     def abort(self, rank: int, why: str) -> bool:
         """A rank whose save into the group failed: end the attempt on every rank now (rank 0
