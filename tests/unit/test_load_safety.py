@@ -68,15 +68,16 @@ def test_loads_racing_a_writer_that_replaces_the_file_never_see_corruption(tmp_p
 
 # ---------------------------------------------------------------------- 4: verification stays on
 @pytest.mark.parametrize("where", ["comment's first byte", "manifest key", "comment length", "eocd signature",
-                                   "comment zeroed", "cut after the comment length"])
+                                   "comment zeroed", "length and comment zeroed", "cut after the comment length"])
 def test_a_damaged_manifest_never_turns_verification_off(tmp_path: Path, where: str) -> None:
     """Also a comment overwritten with zeros, and a file cut right after its comment-length field
     (before: both loaded as plain torch.save files, unverified, and wrong tensors came back)."""
     path = _save(tmp_path / "a.pt")
     start = _comment_offset(path)
-    if where == "comment zeroed":
+    if where in ("comment zeroed", "length and comment zeroed"):  # a lost last page, say
         data = path.read_bytes()
-        path.write_bytes(data[:start] + bytes(len(data) - start))
+        cut = start if where == "comment zeroed" else start - 2
+        path.write_bytes(data[:cut] + bytes(len(data) - cut))
     elif where == "cut after the comment length":
         path.write_bytes(path.read_bytes()[:start])
     else:
@@ -118,6 +119,19 @@ def test_legacy_torch_save_files_of_every_pickle_protocol_load(tmp_path: Path, p
             fastckpt.load(str(path))
     got = fastckpt.load(str(path), weights_only=protocol < 4)
     assert got["v"] == protocol and torch.equal(got["w"], _state(protocol)["w"])
+
+
+@pytest.mark.parametrize("trailer", [b"PK\x05\x06" + bytes(16) + b"\xff\xff",  # "comment" past the end
+                                     b"PK\x05\x06" + bytes(16) + b"\x01\x00\x00"])  # a 1-byte "comment", not text
+def test_a_legacy_file_ending_in_bytes_that_look_like_an_end_record_loads(tmp_path: Path, trailer: bytes) -> None:
+    """A pre-zip torch.save file whose last tensor ends in the end-of-directory signature: only a
+    record whose central directory (or zip64 locator) sits right before it is judged."""
+    tail = torch.frombuffer(bytearray(trailer), dtype=torch.uint8)
+    t = torch.cat([torch.arange(4096, dtype=torch.uint8) % 251, tail])
+    path = tmp_path / "legacy.pt"
+    torch.save({"w": t}, path, _use_new_zipfile_serialization=False)
+    assert path.read_bytes().endswith(trailer)
+    assert torch.equal(fastckpt.load(str(path))["w"], t)
 
 
 def test_the_top_level_load_maps_the_file_with_mmap_true(tmp_path: Path) -> None:

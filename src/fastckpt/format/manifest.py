@@ -142,7 +142,7 @@ def parse_tail(tail: bytes, file_size: int) -> dict | None:
         CorruptCheckpointError: a manifest is there but damaged: it does not parse, or lacks
             what readers need (``check_manifest``).
     """
-    idx, short = tail.rfind(EOCD_SIG), None
+    idx, off = tail.rfind(EOCD_SIG), None
     while idx >= 0:
         if idx + EOCD_LEN <= len(tail):
             (n,) = struct.unpack_from("<H", tail, idx + 20)
@@ -152,18 +152,28 @@ def parse_tail(tail: bytes, file_size: int) -> dict | None:
                     return _parsed(comment)
                 if _carries_manifest(comment):
                     raise CorruptCheckpointError("the zip comment holds a damaged fastckpt manifest")
-                if comment and not _text(comment):  # torch.save writes none; zeroed or damaged bytes
+                if comment and not _text(comment) and _record(tail, idx, file_size):  # torch.save writes none
                     raise CorruptCheckpointError(f"its zip comment of {n} bytes is not text ({comment[:16]!r}...): "
                                                  "a fastckpt manifest that was overwritten")
                 return None
-            if short is None:  # the last one that may be an end-of-directory record: how far the file is short
-                short = idx + EOCD_LEN + n - len(tail)
+            if off is None and _record(tail, idx, file_size):
+                off = idx + EOCD_LEN + n - len(tail)
         idx = tail.rfind(EOCD_SIG, 0, idx)
     if _carries_manifest(tail):
         raise CorruptCheckpointError("the zip trailer holding the fastckpt manifest is damaged")
-    if short is not None and short > 0:  # no record fits: the last promises more comment than there is
-        raise CorruptCheckpointError(f"it ends {short} bytes short of the end of its zip comment (cut short)")
+    if off is not None:  # a real end record whose comment does not end where the file does
+        raise CorruptCheckpointError(f"its end-of-directory record announces a zip comment {abs(off)} bytes "
+                                     f"{'longer' if off > 0 else 'shorter'} than what follows it: the file was cut "
+                                     "short, or its trailer is damaged")
     return None
+
+
+def _record(tail: bytes, idx: int, file_size: int) -> bool:
+    """Whether the signature at ``tail[idx]`` starts a real end-of-directory record, not bytes of
+    data that match it by chance: the central directory it names ends right before it, or a
+    zip64 locator does (then its own fields may be 0xFFFFFFFF)."""
+    size, offset = struct.unpack_from("<II", tail, idx + 12)
+    return offset + size == file_size - len(tail) + idx or tail[max(0, idx - 20) : idx - 16] == b"PK\x06\x07"
 
 
 def _text(data: bytes) -> bool:
