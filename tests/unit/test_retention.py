@@ -136,3 +136,27 @@ def test_a_save_of_the_name_that_begins_while_its_older_save_scans_the_burst_buf
     assert local[0].exists() and Path(paths[0]).exists()  # before: both deleted here
     r.ended(paths[0], False, True, True, new)  # the newest save of all: b.pt goes
     assert local[0].exists() and Path(paths[0]).exists() and not local[1].exists() and not Path(paths[1]).exists()
+
+
+def test_a_commit_without_a_save_token_leaves_a_save_that_began_during_its_scan_protected(tmp_path: Path) -> None:
+    """``durable(path, token=None)`` (a group commit of a rank with no save of it in flight) ends
+    whatever save of path was in flight when it began, not one that began during its scan."""
+    home = str(tmp_path / "home" / "last")
+    os.makedirs(home)
+    copies = Stripes((str(tmp_path / "nvme"),)).copies
+    scanning, go = threading.Event(), threading.Event()
+
+    def slow_copies(path: str) -> list[str]:
+        if not scanning.is_set():
+            scanning.set()
+            assert go.wait(30)
+        return copies(path)
+
+    r = Retention(1, 1, Homes(), slow_copies)
+    ended = threading.Thread(target=r.durable, args=(home, True, True, None, None))
+    ended.start()
+    assert scanning.wait(30)
+    new = r.replacing(home)  # a new save of 'last' begins during the scan
+    go.set()
+    ended.join(30)
+    assert r.saving(home) == new  # still protected from trims until it is durable

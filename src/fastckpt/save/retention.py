@@ -102,11 +102,13 @@ class Retention:
         """``path`` (a file or group; ``token``: its save, None for the newest; ``step``: a
         group's that moves ``latest``) is verified at its durable home; trim both lists."""
         with self._lock:
-            if token is not None and self._busy.get(path, token) != token:
+            mine = self._busy.get(path) if token is None else token  # None: the newest save's, as of now
+            if self._busy.get(path, mine) != mine:
                 return  # a newer save of path is in flight: it takes path into the lists once durable
         earlier = self._earlier_local(path) if has_local and self._keep_local is not None else []
-        with self._lock:  # ``_ended`` only now: a save of path may have begun during the scan
-            listed = self._ended(path, token)
+        with self._lock:  # it ends only now: a save of path may have begun during the scan
+            if listed := self._busy.get(path, mine) == mine:
+                self._busy.pop(path, None)
             token = next(self._tokens) if token is None else token
             ahead = [p for p in earlier if p not in self._local and p not in self._busy]
             self._local.update({p: i - len(ahead) for i, p in enumerate(ahead)})  # before any save of this run
