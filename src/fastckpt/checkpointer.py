@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -307,16 +306,20 @@ class Checkpointer:
         ``ReplicationError`` is logged."""
         if self._closed:
             return
+        raised: BaseException | None = None  # not sys.exc_info(): that is also a caller's (``__exit__``)
         try:
             self.wait(self.config.close_timeout_s)
+        except BaseException as exc:
+            raised = exc
+            raise
         finally:
             self._closed = True
             self._stop.set()
             wait = self.config.close_timeout_s is None or not len(self._inflight)  # False: it gave up on them
             if not wait:
                 self._inflight.log_unseen("close() gave up waiting (close_timeout_s)")
-                if (gave_up := sys.exc_info()[1]) is not None:
-                    gave_up.add_note(stopped_note(self.config.local_dirs))
+                if raised is not None:
+                    raised.add_note(stopped_note(self.config.local_dirs))
             self._replicator.close(wait)
             for ex in (self._snapper, self._committer, *self._writers, self._io):
                 ex.shutdown(wait=wait, cancel_futures=not wait)
@@ -328,7 +331,7 @@ class Checkpointer:
                 self._metrics.close()
             forget_at_exit(self)
             try:  # a failure that ended while the workers stopped, or one more than close() raises
-                if sys.exc_info()[1] is None:
+                if raised is None:
                     self._inflight.raise_unseen()
             finally:
                 self._inflight.log_unseen("close() raised another failure")

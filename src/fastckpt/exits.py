@@ -55,10 +55,8 @@ def close_at_exit(close: Callable[[], None], pending: Callable[[], int], replica
     try:
         close()
     except KeyboardInterrupt:
-        left = pending()
-        log.error("fastckpt: interrupted while flushing at interpreter exit: %s",
-                  f"{left} save(s) not durable (the checkpoints before them are intact)" if left
-                  else "every pending save ended (failures, if any, are logged above)")
+        log.error("fastckpt: interrupted while flushing %d pending save(s) at interpreter exit: those not durable by "
+                  "then are lost (failures are logged above); the checkpoints before them are intact", n)
     except BaseException as exc:  # noqa: BLE001
         log.error("fastckpt: a pending save failed at exit: %r", exc)
 

@@ -89,11 +89,11 @@ class SaveHandle:
 
 
 def not_written(path: str) -> CheckpointWriteError:
-    """A save's next step never ran: ``close()`` gave up waiting (``close_timeout_s``) and
-    stopped its workers first."""
-    return CheckpointWriteError(f"{path} was not saved: close() gave up waiting (close_timeout_s) before this "
-                                "save's next step started; it was not published, and the checkpoint before it "
-                                "is untouched")
+    """A save's next step never ran: ``close()`` stopped its workers first (``close_timeout_s``
+    passed, or it was interrupted)."""
+    return CheckpointWriteError(f"{path} was not saved: close() stopped before this save's next step started "
+                                "(close_timeout_s passed, or it was interrupted); it was not published, and the "
+                                "checkpoint before it is untouched")
 
 
 def stopped_note(local_dirs: tuple[str, ...]) -> str:
