@@ -299,11 +299,9 @@ class Checkpointer:
                                    last_restore_s=rto, last_restore_from=where, local_dirs=self._stripes.stats())
 
     def close(self) -> None:
-        """Flush pending saves and replication (up to ``close_timeout_s``), stop the workers,
-        and raise any background error once. Past ``close_timeout_s`` it stops without waiting
-        (docs/burst-buffer.md): replications not started resolve as not replicated (local copies
-        kept), running work is not waited for, and a background error hidden by the timeout's
-        ``ReplicationError`` is logged."""
+        """Flush pending saves and replication (up to ``close_timeout_s``), stop the workers, and
+        raise the oldest background error (the others are logged). Past ``close_timeout_s`` it stops
+        without waiting for them (docs/burst-buffer.md)."""
         if self._closed:
             return
         raised: BaseException | None = None  # not sys.exc_info(): that is also a caller's (``__exit__``)

@@ -287,14 +287,12 @@ class Channel:
         return out
 
     def _peek(self, name: str) -> bytes | None:
-        """The key's value, or None without one, in one operation that never blocks (a ``get`` of a
-        missing key waits; ``check`` then ``get`` races a delete: ``hear`` drops the claim)."""
+        """The key's value (None: none) in one call that never blocks, as ``get`` of a missing key does."""
         got = bytes(self._op(name, lambda: self._link.store.compare_set(self._k(name), _ABSENT, _ABSENT)))  # type: ignore[arg-type]
         return None if got == _ABSENT.encode() else got
 
     def gather(self, deadline: float, stop: threading.Event) -> dict[int, dict] | None:
-        """Rank 0: every rank's entry, once all W announced (or ``cancel`` woke it); None when
-        they did not by ``deadline``."""
+        """Rank 0: every rank's entry once all W announced (or ``cancel`` woke it); None at ``deadline``."""
         if not self._wait("ready", deadline, stop):
             return None
         return self.entries()
