@@ -21,6 +21,7 @@ from .checksum import ALGO, BLOCK_BYTES, combine
 
 FORMAT_VERSION = 1
 MANIFEST_KEY = "fastckpt"
+_PREFIX = b'{"' + MANIFEST_KEY.encode() + b'":'  # how every fastckpt zip comment starts
 EOCD_SIG = b"PK\x05\x06"
 EOCD_LEN = 22
 MAX_COMMENT = 0xFFFF
@@ -55,7 +56,7 @@ def comment_bytes(manifest: dict) -> bytes:
     xxh3_64 of ``M``'s bytes. The checksum does not cover the comment (it is in it), so ``sum``
     makes any damage to the manifest corruption, not a changed field."""
     body = json.dumps(manifest, separators=(",", ":"), sort_keys=True).encode()
-    data = b'{"' + MANIFEST_KEY.encode() + b'":' + body + b',"sum":"' + xxh3_64_hexdigest(body).encode() + b'"}'
+    data = _PREFIX + body + b',"sum":"' + xxh3_64_hexdigest(body).encode() + b'"}'
     if len(data) > MAX_COMMENT:
         raise UnsupportedObjectError(f"manifest of {len(data)} bytes exceeds the zip comment limit")
     return data
@@ -69,7 +70,7 @@ def tail_bytes(manifest: dict) -> bytes:
 
 #: Pieces of every fastckpt manifest: a comment or trailer holding any of them is a fastckpt
 #: file, and must parse as one, or it is corrupt (never a plain zip to load unverified).
-_MARKERS = (b'{"' + MANIFEST_KEY.encode() + b'":', b'"' + ALGO.encode() + b'"', b'"covered":')
+_MARKERS = (_PREFIX, b'"' + ALGO.encode() + b'"', b'"covered":')
 
 
 def _carries_manifest(data: bytes) -> bool:
@@ -148,7 +149,7 @@ def parse_tail(tail: bytes, file_size: int) -> dict | None:
             (n,) = struct.unpack_from("<H", tail, idx + 20)
             if idx + EOCD_LEN + n == len(tail):
                 comment = tail[idx + EOCD_LEN :]
-                if comment.startswith(b'{"' + MANIFEST_KEY.encode() + b'":'):
+                if comment.startswith(_PREFIX):
                     return _parsed(comment)
                 if _carries_manifest(comment):
                     raise CorruptCheckpointError("the zip comment holds a damaged fastckpt manifest")
@@ -191,7 +192,7 @@ def _parsed(comment: bytes) -> dict:
     is checked (files written before there was one have none: then the comment holds only the
     manifest)."""
     if (m := _SUM.search(comment)) is not None \
-            and xxh3_64_hexdigest(comment[len(MANIFEST_KEY) + 4 : m.start()]) != m.group(1).decode():
+            and xxh3_64_hexdigest(comment[len(_PREFIX) : m.start()]) != m.group(1).decode():
         raise CorruptCheckpointError("the manifest's bytes do not match its sum: damaged")
     try:
         whole = json.loads(comment)
