@@ -33,7 +33,7 @@ class Store:
     def pointer(self, root: str) -> str | None:
         """What ``root/latest`` says (stripped), or None when there is none."""
         data = self.place(root).get(LATEST)
-        name = data.decode().strip() if data is not None else ""
+        name = data.decode(errors="replace").strip() if data is not None else ""
         return name or None
 
     def set_pointer(self, root: str, name: str) -> None:

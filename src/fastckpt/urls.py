@@ -34,7 +34,30 @@ def file_name(path: str | os.PathLike) -> str:
     if s.endswith(("/", os.sep)):
         raise ConfigError(f"{s!r} ends with a separator, so it names a directory, not a checkpoint file: name the "
                           f"file inside it, e.g. {s + 'step-100.pt'!r}")
+    if is_url(s):
+        _, key = split_url(s)
+        try:
+            check_key(key)
+        except ConfigError as exc:
+            raise ConfigError(f"{s} cannot name a checkpoint: its {exc}") from None
     return normalize(s)
+
+
+def check_key(key: str) -> str:
+    """Validate a key within a target (a bucket, a directory) and return it: relative,
+    '/'-separated, no empty, '.' or '..' component (it could lead out of the target, or of
+    ``local_dir`` for the burst-buffer copy).
+
+    Raises:
+        ConfigError: naming the key and the rule it breaks.
+    """
+    if not isinstance(key, str) or not key:
+        raise ConfigError(f"key {key!r} must be a non-empty str relative to the target root")
+    parts = key.split("/")
+    if key.startswith("/") or "\\" in key or "\x00" in key or any(p in ("", ".", "..") for p in parts):
+        raise ConfigError(f"key {key!r} must be relative to the target root, '/'-separated, without a leading "
+                          "'/', empty, '.' or '..' components (e.g. 'run1/step_100/rank0.pt')")
+    return key
 
 
 def split_url(url: str) -> tuple[str, str]:

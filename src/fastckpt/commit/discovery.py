@@ -38,7 +38,7 @@ from typing import TypeVar
 
 from ..errors import CorruptCheckpointError, IncompleteCheckpointError
 from ..storage.homes import Homes, Location
-from ..storage.types import TargetNotFoundError
+from ..storage.types import BucketNotFoundError, TargetNotFoundError
 from ..urls import join
 from . import foreign
 from .protocol import (
@@ -80,6 +80,8 @@ def scan(loc: Location, max_depth: int = MAX_DEPTH) -> list[Found]:
     prefix = f"{loc.key}/" if loc.key else ""
     try:
         keys = loc.target.list(prefix, max_depth=max_depth + 1)  # +1: the markers of the deepest groups
+    except BucketNotFoundError:
+        raise  # a typo in the URL or a deleted bucket: never "nothing saved yet, start fresh"
     except TargetNotFoundError:
         return []
     rels = [k[len(prefix):] for k in keys]

@@ -29,11 +29,8 @@ from ..format.manifest import FORMAT_VERSION, check_manifest
 from ..storage.homes import Location
 from ..storage.places import Place
 from ..storage.types import TargetNotFoundError
+from .names import GROUP_MANIFEST, LATEST, MARKER_DIR, SIDECAR
 
-GROUP_MANIFEST = "fastckpt-manifest.json"
-MARKER_DIR = ".fastckpt"
-LATEST = "latest"
-SIDECAR = ".fastckpt.json"  # a single file's publication record at a URL: NAME.fastckpt.json
 ATTEMPT_NAME = "attempt.json"  # without a store: the attempt rank 0 started, in MARKER_DIR
 ATTEMPT = f"{MARKER_DIR}/{ATTEMPT_NAME}"
 OUTCOME = f"{MARKER_DIR}/outcome.json"  # without a store: an attempt that ended unpublished
@@ -126,6 +123,10 @@ def read_group_manifest(place: Place) -> dict | None:
         raise CorruptCheckpointError(f"{place.url(GROUP_MANIFEST)} does not parse: {exc}") from exc
 
 
+def _followable(name: str) -> bool:
+    return bool(name) and not any(c in name for c in "/\\\x00") and not name.startswith(".")
+
+
 def _pointed(parent: Place) -> tuple[str, float] | None:
     """What ``parent/latest`` names, if that is a complete checkpoint, and its order.
 
@@ -134,7 +135,7 @@ def _pointed(parent: Place) -> tuple[str, float] | None:
     """
     try:
         name = (parent.get(LATEST) or b"").decode().strip()
-        if not name or "/" in name or "\\" in name or name.startswith(".") or parent.is_link(name):
+        if not _followable(name) or parent.is_link(name):
             return None  # garbage, or a name leading out of the directory: never followed
         m = read_group_manifest(parent.child(name))
         if m is not None:
@@ -281,15 +282,14 @@ def publish_file(loc: Location, manifest: dict) -> None:
     the directory's ``latest`` follows it unless it names a group: a directory of groups keeps
     its pointer for them (it is DeepSpeed's and Megatron's ``latest``: a file saved beside the
     tags, such as ``save_16bit_model``'s, must not take it over). On a mounted file system the
-    rename already published the file, and files never write a pointer: a scan finds them, and a
-    directory of plain files gets no extra file.
+    rename already published the file, and files never write a pointer: a scan finds them.
     """
     parent, name = loc.place().parent(), posixpath.basename(loc.key)
     if loc.target.mounted:
         return
     parent.put(name + SIDECAR, json.dumps(manifest, sort_keys=True).encode())
-    current = (parent.get(LATEST) or b"").decode().strip()
-    if current and "/" not in current and read_group_manifest(parent.child(current)) is not None:
+    current = (parent.get(LATEST) or b"").decode(errors="replace").strip()  # not text: no group, replaced
+    if _followable(current) and read_group_manifest(parent.child(current)) is not None:
         return
     move_pointer(parent, name, float(manifest.get("written_at", 0.0)))
 

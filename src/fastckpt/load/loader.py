@@ -1,8 +1,9 @@
 """``Checkpointer.load``: find the best copy, read it whole, verify it, deserialise it.
 
-Copies are tried in order: the burst-buffer copy in ``local_dir`` (when there is one, and it is
-of the same save as the copy at the path, by the checksum in its manifest or, at a URL, its
-sidecar), then the path itself. Each copy is read through its
+A save of the path in flight on the same Checkpointer is waited for first. Copies are then
+tried in order: the burst-buffer copy in ``local_dir`` (when there is one, and it is of the same
+save as the copy at the path, by the checksum in its manifest or, at a URL, its sidecar), then
+the path itself. Each copy is read through its
 home's ``Target`` (``storage.homes``): a file on a mounted file system in parallel through one
 open descriptor (O_DIRECT where honoured), an object with parallel ranged reads; either way
 the checksum of the covered bytes is computed while the bytes arrive. A copy that fails to read
@@ -101,8 +102,10 @@ class Loader:
         chunk_bytes: bytes per parallel read.
     """
 
-    def __init__(self, homes: Homes, local_path: Callable[[str], str | None], chunk_bytes: int) -> None:
+    def __init__(self, homes: Homes, local_path: Callable[[str], str | None], chunk_bytes: int,
+                 saving: Callable[[str], None] = lambda path: None) -> None:
         self._homes, self._local_path, self._chunk = homes, local_path, chunk_bytes
+        self._saving = saving  # waits for this Checkpointer's saves of a path in flight (their write and upload)
 
     def load(self, path: str, opts: LoadOptions) -> Loaded:
         """Load ``path`` (normalised), preferring its verified burst-buffer copy.
@@ -115,12 +118,13 @@ class Loader:
             IncompleteCheckpointError: the file's group was never committed.
             CheckpointNotFoundError: no copy of it exists (never saved there, or deleted since).
         """
+        self._saving(path)  # a save of it in flight here is the newest: load that, not the copy before it
         home = self._homes.resolve(path)
         if home.target.mounted and os.path.isdir(path):
             raise ConfigError(f"{path} is a directory, not a checkpoint file: load a file inside it (a group's files "
                               f"load one at a time), or fastckpt.latest({path!r}) for the newest checkpoint under it")
         candidates = self._candidates(path, home)
-        if opts.prefetch and not home.target.mounted and not candidates[:-1] and self._local_path(path):
+        if opts.prefetch and not home.target.mounted and not candidates[:-1] and self._may_replace(path):
             local = self._homes.resolve(self._local_path(path))  # type: ignore[arg-type]
             os.makedirs(os.path.dirname(local.url), exist_ok=True)
             home.target.download(home.key, local.url)
@@ -154,6 +158,26 @@ class Loader:
         if self._other_save(local, home):
             return [(home, where)]  # the local copy is of a save that never reached path, or another node saved since
         return [(local, "local"), (home, where)]
+
+    def _may_replace(self, path: str) -> bool:
+        """Whether a prefetch may download ``path`` over its burst-buffer copy: there is none,
+        or it is of an older save than the home's. A later one (its upload failed, or a crash cut
+        it short) is not a checkpoint, but it is the only copy of that save: it stays."""
+        local_name = self._local_path(path)
+        if local_name is None or not os.path.exists(local_name):
+            return local_name is not None
+        local = self._homes.resolve(local_name)
+        try:
+            ours = local.target.read_manifest(local.key)
+        except CorruptCheckpointError:
+            return True  # damaged: no use to anyone
+        except OSError:
+            return False
+        try:
+            theirs = read_sidecar(self._homes.resolve(path), deadline_s=SAME_SAVE_CHECK_S)
+        except (OSError, ValueError):
+            return False
+        return bool(ours and theirs) and float(ours.get("written_at", 0.0)) <= float(theirs.get("written_at", 0.0))
 
     @staticmethod
     def _other_save(local: Location, home: Location) -> bool:

@@ -29,6 +29,7 @@ from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field, replace
 
 from ..commit.coordinator import Coordinator
+from ..commit.names import check_save_name
 from ..commit.protocol import publish_file
 from ..config import CheckpointerConfig
 from ..errors import ConfigError, ReplicationError
@@ -98,6 +99,7 @@ class Saver:
     def _save(self, state_dict: object, path: str, group: str | None, lazy: bool, rank: int,
               world: int) -> SaveHandle:
         t_call, w_call = time.monotonic(), time.time()
+        check_save_name(path)
         if group is not None and not is_within(path, group):
             raise ConfigError(f"{path} is not inside its group directory {group}")
         mounted = self._homes.resolve(path).target.mounted

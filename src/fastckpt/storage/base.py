@@ -42,6 +42,7 @@ from ..config import DEFAULT_RETRY_DEADLINE_S
 from ..errors import ConfigError, ReplicationError
 from ..io.ops import FileOps
 from ..units import MiB
+from ..urls import check_key
 from .reads import ReadSide
 from .retry import retry_call
 from .types import (
@@ -52,7 +53,6 @@ from .types import (
     RetryCallback,
     TokenBucket,
     as_limiter,
-    check_key,
     is_transient_oserror,
     source_changed,
 )

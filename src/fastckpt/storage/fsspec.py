@@ -37,6 +37,7 @@ from ..errors import ConfigError, ReplicationError
 from ..io.atomic import is_tmp, tmp_name
 from ..io.ops import FileOps, pread_exact
 from ..units import MiB
+from ..urls import check_key
 from .base import Target
 from .s3 import (
     TRANSIENT_CODES,
@@ -59,7 +60,6 @@ from .types import (
     RetryCallback,
     TargetNotFoundError,
     TokenBucket,
-    check_key,
     is_transient_oserror,
     storage_error,
 )

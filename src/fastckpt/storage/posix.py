@@ -26,6 +26,7 @@ from ..io.engine import ImageFactory, ReadResult, map_file, read_file
 from ..io.ops import FileOps, pread_exact, pwrite_all
 from ..io.stream import checksum_file, copy_file, drop_cache
 from ..units import MiB
+from ..urls import check_key
 from . import posix_walk, reads
 from .base import Target
 from .types import (
@@ -35,7 +36,6 @@ from .types import (
     TargetNotFoundError,
     TargetPermissionError,
     TokenBucket,
-    check_key,
     source_changed,
     storage_error,
 )

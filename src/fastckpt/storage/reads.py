@@ -26,7 +26,8 @@ from ..io import atomic
 from ..io.engine import ImageFactory, ReadResult, alloc_aligned, block_digests
 from ..io.image import BlockFetch, FlatImage, image_digests
 from ..io.ops import FileOps, pwrite_all
-from .types import ObjectChangedError, TokenBucket, as_limiter, check_key, storage_error
+from ..urls import check_key
+from .types import ObjectChangedError, TokenBucket, as_limiter, storage_error
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

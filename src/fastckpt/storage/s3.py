@@ -14,9 +14,8 @@ its 16 MiB block) and the upload is completed only if they hash to the manifest'
 that returns none leaves it False, and the caller reads the object back). Because the CRC32
 protects the body, the SigV4 signature does not hash it (``payload_signing_enabled=False``,
 the ``UNSIGNED-PAYLOAD`` of the S3 API), which saves a SHA-256 pass over every byte on plain
-``http://`` endpoints (on ``https://`` botocore already skips it when a checksum is sent);
-give ``config_kwargs={"s3": {"payload_signing_enabled": True}}`` to sign bodies anyway.
-"""
+``http://`` endpoints (on ``https://`` botocore already skips it when a checksum is sent); give
+``config_kwargs={"s3": {"payload_signing_enabled": True}}`` to sign bodies anyway."""
 
 from __future__ import annotations
 
@@ -38,6 +37,7 @@ from ..format import checksum
 from ..io.ops import FileOps, pread_exact
 from ..units import MiB
 from .types import (
+    BucketNotFoundError,
     Expected,
     TargetNotFoundError,
     TargetPermissionError,
@@ -129,7 +129,7 @@ def permanent_error(exc: BaseException, what: str, bucket: str, endpoint: Callab
     if ce is not None:
         code, status, message = ce
         if code == "NoSuchBucket":
-            return storage_error(TargetNotFoundError, f"{what}: bucket {bucket!r} does not exist at "
+            return storage_error(BucketNotFoundError, f"{what}: bucket {bucket!r} does not exist at "
                                  f"{endpoint()}: create it (e.g. `aws s3 mb s3://{bucket}`) or fix the "
                                  "target URL", exc, errno.ENOENT)
         if code in ("NoSuchKey", "404") or status == 404:

@@ -23,6 +23,10 @@ class TargetNotFoundError(ReplicationError, FileNotFoundError):
     """The bucket, the target directory or the object does not exist."""
 
 
+class BucketNotFoundError(TargetNotFoundError):
+    """The bucket itself does not exist: a wrong URL or a deleted bucket, never an empty run."""
+
+
 class ObjectChangedError(ReplicationError):
     """The object was replaced while it was being read (its version, S3's ETag, changed between
     requests): the bytes read could mix two versions. Not damage: read it again, whole."""
@@ -138,21 +142,6 @@ class TokenBucket:
             self._sleep(wait)
             return wait
         return 0.0
-
-
-def check_key(key: str) -> str:
-    """Validate a key (see the module docstring) and return it.
-
-    Raises:
-        ConfigError: naming the key and the rule it breaks.
-    """
-    if not isinstance(key, str) or not key:
-        raise ConfigError(f"key {key!r} must be a non-empty str relative to the target root")
-    parts = key.split("/")
-    if key.startswith("/") or "\\" in key or "\x00" in key or any(p in ("", ".", "..") for p in parts):
-        raise ConfigError(f"key {key!r} must be relative to the target root, '/'-separated, without a leading "
-                          "'/', empty, '.' or '..' components (e.g. 'run1/step_100/rank0.pt')")
-    return key
 
 
 def _errno_of(exc: BaseException) -> int | None:

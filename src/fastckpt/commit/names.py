@@ -1,0 +1,43 @@
+"""The names fastckpt keeps for its own files beside the checkpoints, and the check that a
+checkpoint is not saved under one of them.
+
+A checkpoint saved as ``run/latest`` would replace the directory's pointer, one saved as
+``a.pt.fastckpt.json`` would be replaced by ``a.pt``'s publication record at a URL, and one
+inside ``.fastckpt/`` would be taken for a commit marker and deleted with it. ``save`` refuses
+such names before anything is written.
+"""
+
+from __future__ import annotations
+
+import posixpath
+
+from ..errors import ConfigError
+
+GROUP_MANIFEST = "fastckpt-manifest.json"
+MARKER_DIR = ".fastckpt"
+LATEST = "latest"
+SIDECAR = ".fastckpt.json"  # a single file's publication record at a URL: NAME.fastckpt.json
+
+
+def check_save_name(path: str) -> None:
+    """Refuse a checkpoint name (normalised path or URL) that fastckpt uses for its own files.
+
+    Raises:
+        ConfigError: naming the file and a name to use instead.
+    """
+    parts = path.replace("\\", "/").split("/")
+    base = parts[-1]
+    if base == LATEST:
+        why = "the name of the directory's pointer to its newest checkpoint"
+    elif base == GROUP_MANIFEST:
+        why = "the name of a group's manifest"
+    elif base.endswith(SIDECAR):
+        why = f"how a checkpoint's publication record at a URL is named (NAME{SIDECAR})"
+    elif any(p.startswith(".") and "fastckpt" in p for p in parts):
+        why = "a hidden name of the kind fastckpt gives its markers, temp files and attempts"
+    else:
+        return
+    stem = posixpath.splitext(base.lstrip("."))[0] or "checkpoint"
+    raise ConfigError(f"cannot save a checkpoint as {path}: {base!r} is {why}, so fastckpt's own file would "
+                      f"replace it or it would replace fastckpt's. Choose another name, e.g. "
+                      f"{posixpath.join(posixpath.dirname(path), stem.replace('fastckpt', 'ckpt') + '.pt')!r}")

@@ -1,0 +1,172 @@
+"""A load returns the newest save of its path, and never replaces it with an older copy.
+
+- A save of the path still in flight on the same Checkpointer (its upload held by a FaultyOps
+  hook) is waited for: the load returns it, not the copy at the home from before.
+- A burst-buffer copy of a save whose upload failed (or whose job was killed before it ended)
+  is not a checkpoint: a load returns the home's, as ``fastckpt.load`` does. But it is the only
+  copy of that save, and ``prefetch=True`` does not download the older home copy over it. A
+  burst-buffer copy older than the home's (another node saved since) is replaced.
+- Names fastckpt keeps for its own files, and URL keys that leave their bucket or ``local_dir``,
+  are refused at ``save`` before anything is written.
+- ``latest`` at a URL whose bucket does not exist raises, naming the bucket, instead of
+  answering "nothing saved yet".
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+
+import pytest
+import torch
+
+import fastckpt
+from fastckpt.errors import ConfigError, ReplicationError
+from fastckpt.storage.types import BucketNotFoundError
+from fastckpt.testing import Fault, FaultyOps
+
+
+def _state(step: int, n: int = 1 << 16) -> dict:
+    return {"w": torch.full((n,), step, dtype=torch.int32), "step": step}
+
+
+def _step(obj: dict) -> int:
+    assert bool((obj["w"] == obj["step"]).all())
+    return obj["step"]
+
+
+class HoldUpload:
+    """FaultyOps ``on_call``: once armed, holds the first rename into ``home`` (the replica's
+    publication; the local write renames inside local_dir) until ``release``."""
+
+    def __init__(self, home: str) -> None:
+        self.home, self.armed = home + os.sep, False
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def __call__(self, op: str, path: str) -> None:
+        if self.armed and op == "replace" and path.startswith(self.home) and not self.entered.is_set():
+            self.entered.set()
+            assert self.release.wait(60)
+
+
+def test_load_waits_for_a_save_of_the_path_in_flight(tmp_path) -> None:
+    home = str(tmp_path / "home")
+    hold = HoldUpload(home)
+    path = os.path.join(home, "last.ckpt")
+    with fastckpt.Checkpointer(local_dir=str(tmp_path / "nvme"), ops=FaultyOps(on_call=hold)) as ck:
+        ck.save(_state(1), path).wait()
+        hold.armed = True
+        h2 = ck.save(_state(2), path)
+        assert hold.entered.wait(60)  # step 2 is written locally; its copy at the home is held
+        got: list = []
+        loaded = threading.Event()
+        t = threading.Thread(target=lambda: (got.append(ck.load(path)), loaded.set()))
+        t.start()
+        # The load cannot end while step 2's save is in flight: it waits for it (a check that
+        # it has not ended, not a wait for something to happen; it never passes by chance).
+        assert not loaded.wait(1.0)
+        hold.release.set()
+        t.join(60)
+        assert _step(got[0]) == 2
+        assert h2.wait().durable_s is not None
+
+
+def _failing_upload(home: str) -> FaultyOps:
+    """Every open under ``home`` fails: the save is written to the burst buffer, never copied."""
+    ops = FaultyOps()
+    for nth in range(1, 20):
+        ops.inject(Fault("open", errno.EIO, nth=nth, path_startswith=home + os.sep))
+    return ops
+
+
+def test_a_failed_save_is_not_loaded_after_a_restart_and_its_copy_stays(tmp_path) -> None:
+    local, home = str(tmp_path / "nvme"), str(tmp_path / "home")
+    path = os.path.join(home, "last.ckpt")
+    with fastckpt.Checkpointer(local_dir=local) as ck:
+        ck.save(_state(1), path).wait()
+    with fastckpt.Checkpointer(local_dir=local, ops=_failing_upload(home)) as ck:
+        with pytest.raises(ReplicationError):
+            ck.save(_state(2), path).wait()
+        kept = ck.local_path(path)
+    with fastckpt.Checkpointer(local_dir=local) as ck:  # the restarted job
+        assert _step(ck.load(path)) == 1 and ck.stats().last_restore_from == "path"
+    assert _step(fastckpt.load(path)) == 1
+    assert _step(torch.load(kept, weights_only=True)) == 2  # the failed save's only copy is still there
+
+
+def test_an_older_local_copy_gives_way_to_the_home(tmp_path) -> None:
+    """Another node (its own burst buffer) saved the path since: the home's save is newer."""
+    home = str(tmp_path / "home")
+    path = os.path.join(home, "last.ckpt")
+    with fastckpt.Checkpointer(local_dir=str(tmp_path / "nodeA")) as a:
+        a.save(_state(1), path).wait()
+        with fastckpt.Checkpointer(local_dir=str(tmp_path / "nodeB")) as b:
+            b.save(_state(2), path).wait()
+        assert _step(a.load(path)) == 2 and a.stats().last_restore_from == "path"
+
+
+def test_s3_prefetch_never_replaces_a_newer_local_copy(s3_server, s3_bucket, tmp_path) -> None:
+    local, opts = str(tmp_path / "nvme"), s3_server.storage_options()
+    url = f"s3://{s3_bucket}/run/last.ckpt"
+    with fastckpt.Checkpointer(local_dir=local, storage_options=opts) as ck:
+        ck.save(_state(1), url).wait()
+    ck = fastckpt.Checkpointer(local_dir=local, storage_options=opts, retry_deadline_s=2)
+    s3_server.stop()
+    try:
+        with pytest.raises(ReplicationError):
+            ck.save(_state(2), url).wait()  # written on the node, never uploaded
+        ck.close()
+    finally:
+        s3_server.start()
+    with fastckpt.Checkpointer(local_dir=local, storage_options=opts) as ck:  # the restarted job
+        assert _step(ck.load(url, prefetch=True)) == 1 and ck.stats().last_restore_from == "remote"
+        assert _step(torch.load(ck.local_path(url), weights_only=True)) == 2  # not replaced by step 1
+    with fastckpt.Checkpointer(local_dir=str(tmp_path / "fresh"), storage_options=opts) as other:
+        assert _step(other.load(url, prefetch=True)) == 1
+        assert other.stats().last_restore_from == "remote (prefetched)"
+        assert _step(other.load(url)) == 1 and other.stats().last_restore_from == "local"
+
+
+def test_s3_prefetch_replaces_an_older_local_copy(s3_server, s3_bucket, tmp_path) -> None:
+    opts, url = s3_server.storage_options(), f"s3://{s3_bucket}/run/last.ckpt"
+    with fastckpt.Checkpointer(local_dir=str(tmp_path / "nodeA"), storage_options=opts) as a:
+        a.save(_state(1), url).wait()
+        with fastckpt.Checkpointer(local_dir=str(tmp_path / "nodeB"), storage_options=opts) as b:
+            b.save(_state(2), url).wait()
+        assert _step(a.load(url, prefetch=True)) == 2
+        assert a.stats().last_restore_from == "remote (prefetched)"
+        assert _step(torch.load(a.local_path(url), weights_only=True)) == 2
+
+
+@pytest.mark.parametrize("name", ["latest", "a.pt.fastckpt.json", "fastckpt-manifest.json", ".fastckpt/x.pt",
+                                  ".fastckpt-tmp-x"])
+def test_names_fastckpt_keeps_are_refused(tmp_path, name: str) -> None:
+    with fastckpt.Checkpointer(local_dir=str(tmp_path / "nvme")) as ck:
+        with pytest.raises(ConfigError, match="Choose another name"):
+            ck.save(_state(1), str(tmp_path / "run" / name))
+    assert not (tmp_path / "run").exists() and not any(files for _, _, files in os.walk(tmp_path / "nvme"))
+
+
+@pytest.mark.parametrize("key", ["run/../../../escaped/x.pt", "run//x.pt", "run/./x.pt"])
+def test_url_keys_that_leave_their_place_are_refused_before_writing(tmp_path, key: str) -> None:
+    with fastckpt.Checkpointer(local_dir=str(tmp_path / "nvme"),
+                               storage_options={"endpoint_url": "http://127.0.0.1:9"}) as ck:
+        with pytest.raises(ConfigError, match="cannot name a checkpoint"):
+            ck.save(_state(1), f"s3://bucket/{key}")
+        with pytest.raises(ConfigError, match="cannot name a checkpoint"):
+            ck.load(f"s3://bucket/{key}")
+    assert not any(files for _, _, files in os.walk(tmp_path))
+
+
+def test_s3_latest_in_a_missing_bucket_raises(s3_server, tmp_path) -> None:
+    with pytest.raises(BucketNotFoundError, match="no-such-bucket-fastckpt"):
+        fastckpt.latest("s3://no-such-bucket-fastckpt/run", storage_options=s3_server.storage_options())
+
+
+def test_s3_a_pointer_that_is_not_text_is_replaced(s3_server, s3_bucket, tmp_path) -> None:
+    s3_server.client().put_object(Bucket=s3_bucket, Key="run/latest", Body=b"\xff\xfe\x00garbage")
+    url = f"s3://{s3_bucket}/run/step-5.pt"
+    with fastckpt.Checkpointer(local_dir=str(tmp_path / "nvme"), storage_options=s3_server.storage_options()) as ck:
+        ck.save(_state(5), url).wait()
+        assert ck.latest(f"s3://{s3_bucket}/run") == url
