@@ -58,14 +58,17 @@ class Store:
         place = self.place(group)
         return bool(place.names(MARKER_DIR)) or place.get(GROUP_MANIFEST) is not None
 
-    def download_group(self, url: str, local: str, names: list[str]) -> None:
+    def download_group(self, url: str, local: str, names: list[str], replace: bool = False) -> None:
         """Copy ``names`` (files of the committed group at ``url``) that are missing in
-        ``local``, then its manifest, so loads there read the burst buffer."""
+        ``local`` (``replace``: all of them, over a copy of another save, unpublished there
+        first), then its manifest, so loads there read the burst buffer."""
         home = self._homes.resolve(url)
         os.makedirs(local, exist_ok=True)
+        if replace:
+            self.place(local).delete(GROUP_MANIFEST)
         for name in names:
             dest = os.path.join(local, *name.split("/"))
-            if not os.path.exists(dest):
+            if replace or not os.path.exists(dest):
                 os.makedirs(os.path.dirname(dest), exist_ok=True)
                 home.target.download(f"{home.key}/{name}", dest)
         data = self.place(url).get(GROUP_MANIFEST)
@@ -82,3 +85,10 @@ def _tag(root: str, path: str) -> bool:
 def order(manifest: dict) -> float:
     """When a group was committed, for ordering (rank 0's commit call)."""
     return group_order(manifest)
+
+
+def same_files(a: dict, b: dict) -> bool:
+    """Two group manifests name the same files with the same checksums (one save)."""
+    def sums(m: dict) -> dict:
+        return {k: v.get("checksum") for k, v in (m.get("files") or {}).items()}
+    return sums(a) == sums(b)

@@ -43,7 +43,7 @@ from fastckpt import Checkpointer, IncompleteCheckpointError
 from fastckpt.errors import ConfigError, ReplicationError
 from fastckpt.save.fencing import optimizer_tensors
 
-from .compat import Store, is_url, normalize, order
+from .compat import Store, is_url, normalize, order, same_files
 from .engine import FastCkptEngine, PendingCommit
 
 if TYPE_CHECKING:
@@ -334,18 +334,20 @@ class EngineHooks:
         return tag
 
     def _fetch(self, url: str, local_root: str, tag: str) -> None:
-        """Make the burst-buffer copy of ``url/tag`` complete (a fresh node has none)."""
+        """Make the burst-buffer copy of ``url/tag`` complete and of the save published at
+        ``url`` (a fresh node has none; a node whose copy another node's save of the tag
+        replaced at ``url`` has an older one, which is replaced)."""
         store = self._store()
         local = os.path.join(local_root, tag)
-        if store.manifest(local) is not None:
-            return
-        manifest = store.manifest(_join(url, tag))
+        ours, manifest = store.manifest(local), store.manifest(_join(url, tag))
+        if ours is not None and (manifest is None or same_files(ours, manifest)):
+            return  # the published save, or the only copy left (removed at url): loads verify it
         if manifest is None:
             raise IncompleteCheckpointError(
                 f"checkpoint {url}/{tag} is incomplete (it has no manifest); load the newest complete one with "
                 f"load_checkpoint({url!r}) and no tag, or fastckpt.latest({url!r}, storage_options=...)")
         started = time.monotonic()
-        store.download_group(_join(url, tag), local, sorted(manifest["files"]))
+        store.download_group(_join(url, tag), local, sorted(manifest["files"]), replace=ours is not None)
         log.info("fastckpt: downloaded %s into the burst buffer in %.2f s", _join(url, tag), time.monotonic() - started)
 
 

@@ -234,7 +234,17 @@ def s3(root: str) -> None:
     path, _ = fresh.load_checkpoint(url)
     assert path is not None and "s2" in path, path
     same(full_weights(fresh), want, "load from s3 on a fresh node")
+    dist.barrier()  # every rank has loaded s2: the fresh node saves it again, as the refusal of a
+    fresh.checkpoint_engine.checkpointer.remove(f"{url}/s2")  # re-save at a URL tells: remove it first,
+    dist.barrier()  # on every rank
+    train(fresh, 3, 4)
+    newer = full_weights(fresh)
+    fresh.save_checkpoint(url, "s2")
     fresh.destroy()
+    back = engine(2, {"local_dir": os.path.join(root, "nvme-s3"), "storage_options": opts}, seed=5)
+    path, _ = back.load_checkpoint(url, tag="s2")  # the first node's burst buffer holds the older s2
+    same(full_weights(back), newer, "load of a tag another node saved again, over an older local copy")
+    back.destroy()
     RESULTS["s3"] = url
 
 

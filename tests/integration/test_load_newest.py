@@ -170,3 +170,30 @@ def test_s3_a_pointer_that_is_not_text_is_replaced(s3_server, s3_bucket, tmp_pat
     with fastckpt.Checkpointer(local_dir=str(tmp_path / "nvme"), storage_options=s3_server.storage_options()) as ck:
         ck.save(_state(5), url).wait()
         assert ck.latest(f"s3://{s3_bucket}/run") == url
+
+
+def test_a_plain_torch_file_that_replaced_ours_at_the_home_is_loaded(tmp_path) -> None:
+    """Plain torch.save (or DeepSpeed without fastckpt) re-saved the path after our save: the
+    home's file has no manifest, so it is another save than the burst-buffer copy."""
+    path = str(tmp_path / "home" / "mp_rank_00_model_states.pt")
+    with fastckpt.Checkpointer(local_dir=str(tmp_path / "nvme")) as ck:
+        ck.save(_state(1), path).wait()
+        torch.save(_state(2), path)
+        assert _step(ck.load(path)) == 2 and ck.stats().last_restore_from == "path"
+
+
+def test_s3_a_group_file_saved_again_by_another_node_is_loaded_from_the_home(s3_server, s3_bucket, tmp_path) -> None:
+    """Node A's burst buffer holds its copy of the published group; node B removed the group at
+    the URL and saved it again. Group files have no sidecar: the group's manifest at the URL
+    says which save each file is of."""
+    opts, group = s3_server.storage_options(), f"s3://{s3_bucket}/ds/global_step5"
+    file = f"{group}/rank0.pt"
+    with fastckpt.Checkpointer(local_dir=str(tmp_path / "nodeA"), storage_options=opts, rank=0, world_size=1) as a:
+        a.save(_state(1), file, group=group)
+        a.commit(group).wait()
+        with fastckpt.Checkpointer(local_dir=str(tmp_path / "nodeB"), storage_options=opts, rank=0,
+                                   world_size=1) as b:
+            b.remove(group)
+            b.save(_state(2), file, group=group)
+            b.commit(group).wait()
+        assert _step(a.load(file)) == 2 and a.stats().last_restore_from == "remote"

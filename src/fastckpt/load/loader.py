@@ -28,8 +28,8 @@ import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..commit.discovery import require_complete_group
-from ..commit.protocol import read_sidecar
+from ..commit.discovery import group_dir, require_complete_group
+from ..commit.protocol import read_group_manifest, read_sidecar
 from ..errors import (
     CheckpointNotFoundError,
     ConfigError,
@@ -179,22 +179,35 @@ class Loader:
             return False
         return bool(ours and theirs) and float(ours.get("written_at", 0.0)) <= float(theirs.get("written_at", 0.0))
 
-    @staticmethod
-    def _other_save(local: Location, home: Location) -> bool:
+    def _other_save(self, local: Location, home: Location) -> bool:
         """True when both copies carry readable manifests with different checksums. The home's
         is read cheaply: from the file's tail on a mounted file system, else from its sidecar (one
         small GET, retried for ``SAME_SAVE_CHECK_S`` at most): a home that cannot say which save
         it holds (missing, unreachable, damaged) leaves the local copy first, as the verified
         load then decides."""
         try:
+            ours = local.target.read_manifest(local.key)
             if home.target.mounted:
-                theirs = home.target.read_manifest(home.key) if home.target.exists(home.key) else None
+                if not home.target.exists(home.key):
+                    return False
+                theirs = home.target.read_manifest(home.key)
+                if theirs is None:
+                    return True  # a file without a manifest replaced ours there (plain torch.save, DeepSpeed)
             else:
-                theirs = read_sidecar(home, deadline_s=SAME_SAVE_CHECK_S)
-            ours = local.target.read_manifest(local.key) if theirs else None
+                theirs = read_sidecar(home, deadline_s=SAME_SAVE_CHECK_S) or self._in_group(home, ours)
         except (OSError, ValueError):  # unreadable: let the verified load decide
             return False
         return bool(ours and theirs) and ours["checksum"]["value"] != theirs["checksum"]["value"]
+
+    def _in_group(self, home: Location, ours: dict | None) -> dict | None:
+        """For a group's file at a URL (no sidecar): the checksum its group's published manifest
+        there gives it, as a manifest's ``checksum``; None when that cannot say."""
+        group = group_dir(home.url, ours) if ours else None
+        if ours is None or group is None:
+            return None
+        published = read_group_manifest(self._homes.resolve(group).place()) or {}
+        entry = (published.get("files") or {}).get(ours.get("group_rel") or os.path.basename(home.key))
+        return {"checksum": {"value": entry["checksum"]}} if entry else None
 
     def _read(self, loc: Location, opts: LoadOptions, url: str, where: str) -> Loaded:
         res = loc.target.read_object(loc.key, chunk_bytes=self._chunk, mapped=opts.mmap, into=opts.image(loc.url))
