@@ -215,12 +215,28 @@ def plan_tensor(sh: ShardedTensor, index: Index) -> list[tuple[SavedTensor, Box]
             f"{tuple(sh.global_shape)}. Only the split may change between save and load, not the global shape "
             "(set allow_shape_mismatch=True on the ShardedTensor for a padded tensor)")
     parts = [(s, box) for s in shards if (box := s.box.intersect(want)) is not None]
-    covered = sum(box.numel for _, box in parts)
-    if covered != want.numel and not sh.allow_shape_mismatch:
+    missing = uncovered(want, [box for _, box in parts])
+    if missing and not sh.allow_shape_mismatch:
         raise ReshardingError(
-            f"tensor {sh.key!r} cannot be loaded as {want}: the saved shards ({_layout(shards)}) cover {covered} "
-            f"of its {want.numel} elements; the checkpoint is missing shards of it")
+            f"tensor {sh.key!r} cannot be loaded as {want}: the saved shards ({_layout(shards)}) leave {missing} "
+            f"of its {want.numel} elements uncovered; the checkpoint is missing shards of it")
     return parts
+
+
+def uncovered(want: Box, boxes: list[Box]) -> int:
+    """How many elements of ``want`` none of ``boxes`` (each inside it) covers. Boxes may overlap
+    (a shard saved twice): the count is over the grid their edges cut ``want`` into, not a sum."""
+    edges = [sorted({o, o + n} | {b.offset[d] for b in boxes} | {b.offset[d] + b.shape[d] for b in boxes})
+             for d, (o, n) in enumerate(zip(want.offset, want.shape))]
+    if not edges:
+        return 0 if boxes else 1  # a scalar: covered by any box
+    at = [{v: i for i, v in enumerate(e)} for e in edges]
+    hit = torch.zeros([len(e) - 1 for e in edges], dtype=torch.bool)
+    for b in boxes:
+        hit[tuple(slice(p[a], p[a + n]) for p, a, n in zip(at, b.offset, b.shape))] = True
+    sizes = [torch.tensor([hi - lo for lo, hi in zip(e, e[1:])], dtype=torch.float64) for e in edges]
+    volume = sizes[0] if len(sizes) == 1 else torch.cartesian_prod(*sizes).prod(dim=1).reshape(hit.shape)
+    return int(volume[~hit].sum().item())
 
 
 def byte_range(saved: SavedTensor, part: Box) -> tuple[int, int]:
