@@ -30,6 +30,8 @@ rank writes ROOT/results/rank{r}.json with what the test checks from outside:
   engines    two engines in one job (an actor and a critic), each with its own Checkpointer on
              the job's one store: both commit every save, and each loads its own state back
   exit       the last save is still in flight when main returns: interpreter exit flushes it
+  skip       "when_busy": "skip" drops a tag on rank 0 only (its previous write held by a gate):
+             save_checkpoint returns on every rank, the tag is not committed, training goes on
 """
 
 from __future__ import annotations
@@ -478,10 +480,35 @@ def exit_flush(root: str) -> None:
     # no wait, no destroy: returning from main leaves the commit to the exit hook
 
 
+def skip(root: str) -> None:
+    from fastckpt.testing import FaultyOps
+
+    d, rank = os.path.join(root, "skipped"), dist.get_rank()
+    ops = FaultyOps()
+    held = os.path.join(d, "k1", "mp_rank_00_model_states.pt")  # (not the tier probe in k1/: another file)
+    gate = ops.gate("pwrite", path_contains=held) if rank == 0 else None
+    eng = engine(2, None, seed=0, use_fastckpt_initialize=False)
+    ck = fastckpt.Checkpointer(ops=ops, when_busy="skip" if rank == 0 else "wait")  # only rank 0 skips
+    fe = attach(eng, {}, checkpointer=ck)
+    train(eng, 1, 1)
+    eng.save_checkpoint(d, "k1")  # rank 0's write is held: its staging buffer stays busy
+    eng.save_checkpoint(d, "k2")  # rank 0 skips; every rank returns (none raises, none waits in a barrier)
+    assert fe.skipped == ["k2"], fe.skipped
+    if gate is not None:
+        gate.open()
+    train(eng, 2, 2)
+    eng.save_checkpoint(d, "k3")
+    eng.destroy()
+    ck.close()
+    assert fastckpt.latest(d) == os.path.join(d, "k3")
+    assert not os.path.exists(os.path.join(d, "k2", "fastckpt-manifest.json"))
+    RESULTS["skipped"] = fe.skipped
+
+
 SCENARIOS = {"roundtrip": lambda root: [roundtrip(root, s) for s in (0, 1, 2, 3)], "convert": convert,
              "interop": interop, "report": report, "unsafe": unsafe, "switch": switch, "s3": s3,
              "universal": universal, "export": export, "nolatest": nolatest, "install": install_section,
-             "destroy": destroy, "engines": two_engines, "exit": exit_flush,
+             "destroy": destroy, "engines": two_engines, "exit": exit_flush, "skip": skip,
              "lazy": lambda root: [lazy(root, s) for s in (0, 1, 2, 3)]}
 
 

@@ -28,7 +28,8 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 WORKER = str(HERE / "_deepspeed_worker.py")
 TWO_PROCESS_SCENARIOS = ("roundtrip,convert,interop,report,unsafe,switch,lazy,universal,export,nolatest,install,"
-                         "destroy,engines")
+                         "destroy,engines,skip")
+ONE_PROCESS_SCENARIOS = "roundtrip,skip"
 
 
 @dataclass(frozen=True)
@@ -61,7 +62,7 @@ def _launch(root: Path, nproc: int, scenarios: str, **env: str) -> Run:
 
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory: pytest.TempPathFactory) -> Run:
-    return _launch(tmp_path_factory.mktemp("ds1"), 1, "roundtrip")
+    return _launch(tmp_path_factory.mktemp("ds1"), 1, ONE_PROCESS_SCENARIOS)
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +83,7 @@ def two_processes(tmp_path_factory: pytest.TempPathFactory, request: pytest.Fixt
 
 
 def test_round_trip_zero_0_to_3_one_process(one_process: Run) -> None:
-    assert one_process.results[0]["done"] == ["roundtrip"]
+    assert one_process.results[0]["done"] == ONE_PROCESS_SCENARIOS.split(",")
     for stage in range(4):
         group = one_process.root / f"zero{stage}" / "t3"
         assert json.loads((group / C.GROUP_MANIFEST).read_text())["world_size"] == 1
@@ -202,6 +203,19 @@ def test_interpreter_exit_flushes_the_last_checkpoint(two_processes: Run) -> Non
     assert fastckpt.latest(str(d)) == str(d / "x1")
     assert (d / "latest").read_text() == "x1"
     assert two_processes.results[0]["exit_pending"] == 1
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_a_skipped_save_returns_on_every_rank_and_never_commits(nproc: int, one_process: Run,
+                                                                two_processes: Run) -> None:
+    """Rank 0's previous write is held, so "when_busy": "skip" drops its files of k2 (rank 1's
+    are saved): save_checkpoint returns on every rank, none raises or waits in DeepSpeed's
+    barrier, k2 is recorded as skipped on every rank and never committed, and k3 commits."""
+    run = one_process if nproc == 1 else two_processes
+    for r in range(nproc):
+        assert "skip" in run.results[r]["done"] and run.results[r]["skipped"] == ["k2"]
+    d = run.root / "skipped"
+    assert (d / "latest").read_text() == "k3" and not (d / "k2" / C.GROUP_MANIFEST).exists()
 
 
 def test_s3_save_load_and_fresh_node(two_processes: Run) -> None:
