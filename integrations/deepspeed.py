@@ -65,7 +65,7 @@ def initialize(args: object = None, model: torch.nn.Module | None = None,
         source = getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)
     ds_config = read_config(source)
     section = section_of(ds_config)
-    if section.enabled and ds_config is not None and redacted(ds_config) is not ds_config:
+    if ds_config is not None and redacted(ds_config) is not ds_config:  # enabled or not: DeepSpeed keeps it
         if from_args:  # DeepSpeed refuses both args.deepspeed_config and config: pass a copy of args
             import copy
 
@@ -154,8 +154,8 @@ def _section(engine: DeepSpeedEngine, config: str | Mapping | Section | None) ->
             if SECTION not in ds_config:
                 return Section()
             section = parse_section(ds_config[SECTION], "the engine's DeepSpeed config")
-            if redacted(ds_config) is not ds_config:  # keep credentials out of every ZeRO checkpoint
-                ds_config[SECTION] = redacted(ds_config)[SECTION]
+            if redacted(ds_config) is not ds_config:  # out of every ZeRO checkpoint; a copy: the dict is the user's
+                engine.config = redacted(ds_config)
             return section
         return Section()
     if isinstance(config, Mapping) and SECTION not in config:

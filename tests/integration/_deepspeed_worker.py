@@ -51,7 +51,7 @@ from deepspeed import comm as dist  # noqa: E402
 
 import fastckpt  # noqa: E402
 from fastckpt.integrations.deepspeed import attach, initialize  # noqa: E402
-from tests.integration._ds_common import engine, frozen, full_weights, same, train  # noqa: E402
+from tests.integration._ds_common import ds_config, engine, frozen, full_weights, make_model, same, train  # noqa: E402
 
 RESULTS: dict[str, object] = {}
 
@@ -505,10 +505,32 @@ def skip(root: str) -> None:
     RESULTS["skipped"] = fe.skipped
 
 
+def redaction(root: str) -> None:
+    from fastckpt.integrations._deepspeed.config import REDACTED
+
+    secret = {"key": "AKIAEXAMPLE", "secret": "TOPSECRET123"}
+    cfg = ds_config(1, {"storage_options": dict(secret)})
+    models = [make_model(s) for s in (0, 1)]
+    shared = [deepspeed.initialize(model=m, optimizer=torch.optim.Adam(m.parameters()), config=cfg)[0] for m in models]
+    for e in shared:  # both from the one dict: the second must still see the credentials
+        assert attach(e).checkpointer.config.storage_options == secret
+        assert set(e.config["fastckpt"]["storage_options"].values()) == {REDACTED}
+        e.destroy()
+    assert cfg["fastckpt"]["storage_options"] == secret
+    off = engine(1, {"enabled": False, "storage_options": dict(secret)}, seed=0)
+    train(off, 1, 1)
+    d = os.path.join(root, "disabled", "t1")
+    off.save_checkpoint(os.path.dirname(d), "t1")  # DeepSpeed's own engine, with its ds_config copy
+    off.destroy()
+    for name in os.listdir(d):
+        with open(os.path.join(d, name), "rb") as f:
+            assert b"TOPSECRET123" not in f.read(), name
+
+
 SCENARIOS = {"roundtrip": lambda root: [roundtrip(root, s) for s in (0, 1, 2, 3)], "convert": convert,
              "interop": interop, "report": report, "unsafe": unsafe, "switch": switch, "s3": s3,
              "universal": universal, "export": export, "nolatest": nolatest, "install": install_section,
-             "destroy": destroy, "engines": two_engines, "exit": exit_flush, "skip": skip,
+             "destroy": destroy, "engines": two_engines, "exit": exit_flush, "skip": skip, "redaction": redaction,
              "lazy": lambda root: [lazy(root, s) for s in (0, 1, 2, 3)]}
 
 

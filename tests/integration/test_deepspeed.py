@@ -29,7 +29,7 @@ REPO = HERE.parents[1]
 WORKER = str(HERE / "_deepspeed_worker.py")
 TWO_PROCESS_SCENARIOS = ("roundtrip,convert,interop,report,unsafe,switch,lazy,universal,export,nolatest,install,"
                          "destroy,engines,skip")
-ONE_PROCESS_SCENARIOS = "roundtrip,skip"
+ONE_PROCESS_SCENARIOS = "roundtrip,skip,redaction"
 
 
 @dataclass(frozen=True)
@@ -216,6 +216,12 @@ def test_a_skipped_save_returns_on_every_rank_and_never_commits(nproc: int, one_
         assert "skip" in run.results[r]["done"] and run.results[r]["skipped"] == ["k2"]
     d = run.root / "skipped"
     assert (d / "latest").read_text() == "k3" and not (d / "k2" / C.GROUP_MANIFEST).exists()
+
+
+def test_credentials_are_redacted_in_a_copy_and_when_disabled(one_process: Run) -> None:
+    """The user's dict keeps them (a second engine built from it works); DeepSpeed's copy, which
+    its own engine pickles into every checkpoint file, never has them, "enabled": false or not."""
+    assert "redaction" in one_process.results[0]["done"]
 
 
 def test_s3_save_load_and_fresh_node(two_processes: Run) -> None:
