@@ -33,7 +33,7 @@ from deepspeed.runtime.engine import DeepSpeedEngine
 from fastckpt import Checkpointer, SaveHandle
 from fastckpt.errors import ConfigError
 
-from ._deepspeed.config import SECTION, Section, parse_section, read_config, redacted, section_of
+from ._deepspeed.config import SECTION, Section, parse_section, read_config, redacted, section_of, whole_config
 from ._deepspeed.engine import SAFE_GLOBALS, FastCkptEngine
 from ._deepspeed.hooks import CheckpointReport, EngineHooks, OwnedCheckpointer, fenced_tensors, resolve_tag
 
@@ -158,7 +158,7 @@ def _section(engine: DeepSpeedEngine, config: str | Mapping | Section | None) ->
                 engine.config = redacted(ds_config)
             return section
         return Section()
-    if isinstance(config, Mapping) and SECTION not in config:
+    if isinstance(config, Mapping) and SECTION not in config and not whole_config(config):
         return parse_section(config, "attach(config=...)")
     whole = read_config(config)
     return section_of(whole) if SECTION in (whole or {}) else Section()

@@ -32,6 +32,12 @@ rank writes ROOT/results/rank{r}.json with what the test checks from outside:
   exit       the last save is still in flight when main returns: interpreter exit flushes it
   skip       "when_busy": "skip" drops a tag on rank 0 only (its previous write held by a gate):
              save_checkpoint returns on every rank, the tag is not committed, training goes on
+  badtag     a tag with '/' and an empty save_dir are refused (ConfigError naming them)
+  drives     "local_dir" as a list (one directory per drive)
+  notag      load_checkpoint(url, tag=) of a tag never saved: CheckpointNotFoundError
+  wholeconfig  attach(engine, a whole DeepSpeed config without a "fastckpt" section): the defaults
+  redaction  credentials redacted in a copy (the user's dict is untouched), and with
+             "enabled": false too (none in DeepSpeed's own checkpoint files)
 """
 
 from __future__ import annotations
@@ -505,6 +511,56 @@ def skip(root: str) -> None:
     RESULTS["skipped"] = fe.skipped
 
 
+def bad_tag(root: str) -> None:
+    from fastckpt.errors import ConfigError
+
+    eng = engine(2, {}, seed=0)
+    train(eng, 1, 1)
+    for save_dir, tag, named in ((os.path.join(root, "nested"), "epoch1/step1", "'epoch1/step1'"),
+                                 ("", "t1", "save_dir=''")):
+        try:
+            eng.save_checkpoint(save_dir, tag)
+            raise AssertionError(f"save_checkpoint({save_dir!r}, {tag!r}) was not refused")
+        except ConfigError as exc:
+            assert named in str(exc), str(exc)
+    eng.destroy()
+    assert not os.path.exists(os.path.join(root, "nested", "epoch1"))
+
+
+def drives(root: str) -> None:
+    dirs = [os.path.join(root, "nvme-a"), os.path.join(root, "nvme-b")]  # one directory per drive
+    eng = engine(2, {"local_dir": dirs}, seed=0)
+    assert eng.checkpoint_engine.checkpointer.config.local_dirs == tuple(dirs)
+    train(eng, 1, 1)
+    eng.save_checkpoint(os.path.join(root, "drives"), "t1")
+    path, _ = eng.load_checkpoint(os.path.join(root, "drives"))
+    assert path is not None and "t1" in path, path
+    eng.destroy()
+
+
+def no_such_tag(root: str) -> None:
+    import uuid
+
+    from fastckpt.errors import CheckpointNotFoundError
+
+    eng = engine(2, {"local_dir": os.path.join(root, "nvme-url")}, seed=0)
+    train(eng, 1, 1)
+    url = f"memory://fastckpt-{uuid.uuid4().hex[:8]}/run"
+    eng.save_checkpoint(url, "t1")
+    try:
+        eng.load_checkpoint(url, tag="nope")
+        raise AssertionError("a tag never saved was loaded")
+    except CheckpointNotFoundError as exc:
+        assert "does not exist" in str(exc) and "'nope'" in str(exc), str(exc)
+    eng.destroy()
+
+
+def whole_config(root: str) -> None:
+    plain = engine(1, None, seed=0, use_fastckpt_initialize=False)
+    assert attach(plain, ds_config(1, None)) is not None  # a DeepSpeed config without a section: the defaults
+    plain.destroy()
+
+
 def redaction(root: str) -> None:
     from fastckpt.integrations._deepspeed.config import REDACTED
 
@@ -530,7 +586,8 @@ def redaction(root: str) -> None:
 SCENARIOS = {"roundtrip": lambda root: [roundtrip(root, s) for s in (0, 1, 2, 3)], "convert": convert,
              "interop": interop, "report": report, "unsafe": unsafe, "switch": switch, "s3": s3,
              "universal": universal, "export": export, "nolatest": nolatest, "install": install_section,
-             "destroy": destroy, "engines": two_engines, "exit": exit_flush, "skip": skip, "redaction": redaction,
+             "destroy": destroy, "engines": two_engines, "exit": exit_flush, "skip": skip, "badtag": bad_tag,
+             "drives": drives, "notag": no_such_tag, "wholeconfig": whole_config, "redaction": redaction,
              "lazy": lambda root: [lazy(root, s) for s in (0, 1, 2, 3)]}
 
 

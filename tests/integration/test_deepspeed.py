@@ -29,7 +29,7 @@ REPO = HERE.parents[1]
 WORKER = str(HERE / "_deepspeed_worker.py")
 TWO_PROCESS_SCENARIOS = ("roundtrip,convert,interop,report,unsafe,switch,lazy,universal,export,nolatest,install,"
                          "destroy,engines,skip")
-ONE_PROCESS_SCENARIOS = "roundtrip,skip,redaction"
+ONE_PROCESS_SCENARIOS = "roundtrip,skip,badtag,drives,notag,wholeconfig,redaction"
 
 
 @dataclass(frozen=True)
@@ -216,6 +216,22 @@ def test_a_skipped_save_returns_on_every_rank_and_never_commits(nproc: int, one_
         assert "skip" in run.results[r]["done"] and run.results[r]["skipped"] == ["k2"]
     d = run.root / "skipped"
     assert (d / "latest").read_text() == "k3" and not (d / "k2" / C.GROUP_MANIFEST).exists()
+
+
+def test_a_tag_with_a_slash_and_an_empty_save_dir_are_refused(one_process: Run) -> None:
+    assert "badtag" in one_process.results[0]["done"]
+
+
+def test_local_dir_may_list_one_directory_per_drive(one_process: Run) -> None:
+    assert "drives" in one_process.results[0]["done"]
+
+
+def test_loading_a_tag_never_saved_at_a_url_says_it_does_not_exist(one_process: Run) -> None:
+    assert "notag" in one_process.results[0]["done"]
+
+
+def test_attach_takes_a_whole_deepspeed_config_without_a_section(one_process: Run) -> None:
+    assert "wholeconfig" in one_process.results[0]["done"]
 
 
 def test_credentials_are_redacted_in_a_copy_and_when_disabled(one_process: Run) -> None:
