@@ -36,6 +36,8 @@ rank writes ROOT/results/rank{r}.json with what the test checks from outside:
   drives     "local_dir" as a list (one directory per drive)
   notag      load_checkpoint(url, tag=) of a tag never saved: CheckpointNotFoundError
   wholeconfig  attach(engine, a whole DeepSpeed config without a "fastckpt" section): the defaults
+  keepbest   a tag saved with save_latest=False ("best") is never trimmed by keep_persistent or
+             keep_local
   redaction  credentials redacted in a copy (the user's dict is untouched), and with
              "enabled": false too (none in DeepSpeed's own checkpoint files)
 """
@@ -583,11 +585,28 @@ def redaction(root: str) -> None:
             assert b"TOPSECRET123" not in f.read(), name
 
 
+def keep_best(root: str) -> None:
+    d = os.path.join(root, "keep-best")
+    eng = engine(2, {"keep_persistent": 1, "local_dir": os.path.join(root, "nvme-keep"), "keep_local": 1}, seed=0)
+    train(eng, 1, 1)
+    eng.save_checkpoint(d, "best", save_latest=False)  # beside the series: retention leaves it
+    for step in (2, 3, 4):
+        train(eng, step, step)
+        eng.save_checkpoint(d, f"global_step{step}")
+    ck = eng.checkpoint_engine.checkpointer
+    local = {tag: ck.local_path(os.path.join(d, tag)) for tag in ("best", "global_step3")}
+    eng.destroy()
+    assert sorted(n for n in os.listdir(d) if os.path.isdir(os.path.join(d, n))) == ["best", "global_step4"]
+    assert os.path.isdir(local["best"]) and not os.path.exists(local["global_step3"]), local
+    assert fastckpt.latest(os.path.join(d, "best")) == os.path.join(d, "best")
+
+
 SCENARIOS = {"roundtrip": lambda root: [roundtrip(root, s) for s in (0, 1, 2, 3)], "convert": convert,
              "interop": interop, "report": report, "unsafe": unsafe, "switch": switch, "s3": s3,
              "universal": universal, "export": export, "nolatest": nolatest, "install": install_section,
              "destroy": destroy, "engines": two_engines, "exit": exit_flush, "skip": skip, "badtag": bad_tag,
              "drives": drives, "notag": no_such_tag, "wholeconfig": whole_config, "redaction": redaction,
+             "keepbest": keep_best,
              "lazy": lambda root: [lazy(root, s) for s in (0, 1, 2, 3)]}
 
 

@@ -28,7 +28,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 WORKER = str(HERE / "_deepspeed_worker.py")
 TWO_PROCESS_SCENARIOS = ("roundtrip,convert,interop,report,unsafe,switch,lazy,universal,export,nolatest,install,"
-                         "destroy,engines,skip")
+                         "destroy,engines,skip,keepbest")
 ONE_PROCESS_SCENARIOS = "roundtrip,skip,badtag,drives,notag,wholeconfig,redaction"
 
 
@@ -238,6 +238,14 @@ def test_credentials_are_redacted_in_a_copy_and_when_disabled(one_process: Run) 
     """The user's dict keeps them (a second engine built from it works); DeepSpeed's copy, which
     its own engine pickles into every checkpoint file, never has them, "enabled": false or not."""
     assert "redaction" in one_process.results[0]["done"]
+
+
+def test_a_tag_saved_without_save_latest_is_never_trimmed_by_retention(two_processes: Run) -> None:
+    """keep_persistent=1 and keep_local=1 keep the newest of the series that moves latest, and
+    the "best" tag saved beside it (asserted in the worker)."""
+    for r in (0, 1):
+        assert "keepbest" in two_processes.results[r]["done"]
+    assert (two_processes.root / "keep-best" / "latest").read_text() == "global_step4"
 
 
 def test_s3_save_load_and_fresh_node(two_processes: Run) -> None:
