@@ -118,8 +118,7 @@ class Checkpointer:
         return self._metrics.url if self._metrics is not None else None
 
     def local_path(self, path: str) -> str | None:
-        """Where the burst-buffer copy of ``path`` lives (None without local_dir; with several
-        directories, the one that holds it, else the first)."""
+        """Where the burst-buffer copy of ``path`` lives: None without local_dir (see ``Stripes.local_path``)."""
         return self._stripes.local_path(normalize(path))
 
     def _local_places(self, group: str) -> tuple[Place, ...]:
@@ -186,7 +185,7 @@ class Checkpointer:
         Returns a handle that completes when the whole group is durable and published (on
         rank 0 after it wrote the manifest, on other ranks once they see it). ``extra``
         (e.g. ``step=100``) is recorded in the group manifest. ``move_latest=False`` (the same on every
-        rank) publishes it without moving ``parent/latest``, and keep_local/keep_persistent never trim it.
+        rank) publishes it without moving ``parent/latest``; retention and coalescing never drop it.
 
         Raises:
             CheckpointWriteError: a save of this rank into ``group`` raised or was skipped, and
@@ -197,6 +196,7 @@ class Checkpointer:
         self._inflight.raise_unseen(before=lambda exc: self._coordinator.abandon(group, self.rank, exc))
         rank, has_local, token = self.rank, bool(self.config.local_dirs), self._retention.saving(group)
         step = group_step(group, extra) if move_latest else None  # a series that moves latest: see Retention
+        self._replicator.keep(group, not move_latest)  # beside the series: never coalesced away
 
         def retain(rec: SaveRecord) -> SaveRecord:
             self._retention.ended(group, rec.superseded, has_local and move_latest, rank == 0 and move_latest, token,

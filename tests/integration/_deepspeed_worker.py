@@ -38,6 +38,8 @@ rank writes ROOT/results/rank{r}.json with what the test checks from outside:
   wholeconfig  attach(engine, a whole DeepSpeed config without a "fastckpt" section): the defaults
   keepbest   a tag saved with save_latest=False ("best") is never trimmed by keep_persistent or
              keep_local
+  coalescebest  replicate_policy "coalesce" drops queued tags for a newer one, never one saved
+             with save_latest=False (the upload of the first tag is held, so the others queue)
   redaction  credentials redacted in a copy (the user's dict is untouched), and with
              "enabled": false too (none in DeepSpeed's own checkpoint files)
 """
@@ -601,12 +603,38 @@ def keep_best(root: str) -> None:
     assert fastckpt.latest(os.path.join(d, "best")) == os.path.join(d, "best")
 
 
+def coalesce_best(root: str) -> None:
+    import threading
+
+    from fastckpt.testing import FaultyOps
+
+    d, release = os.path.join(root, "coalesced"), threading.Event()
+
+    def hold(op: str, path: str) -> None:  # the upload of t1 to save_dir (not its burst-buffer copy)
+        if op == "pwrite" and path.startswith(os.path.join(d, "t1") + os.sep) and not release.wait(120):
+            raise TimeoutError("the test never released the upload of t1")
+
+    eng = engine(2, None, seed=0, use_fastckpt_initialize=False)
+    ck = fastckpt.Checkpointer(ops=FaultyOps(on_call=hold), local_dir=os.path.join(root, "nvme-co"),
+                               replicate_workers=1)  # replicate_policy "coalesce", the default
+    attach(eng, {}, checkpointer=ck)
+    train(eng, 1, 1)
+    eng.save_checkpoint(d, "t1")  # its upload holds the one replicator: the next tags queue
+    eng.save_checkpoint(d, "best", save_latest=False)
+    eng.save_checkpoint(d, "t2")  # coalesces the tags queued before it, except "best"
+    release.set()
+    eng.destroy()
+    ck.close()
+    assert fastckpt.latest(os.path.join(d, "best")) == os.path.join(d, "best")  # committed
+    assert fastckpt.latest(d) == os.path.join(d, "t2")
+
+
 SCENARIOS = {"roundtrip": lambda root: [roundtrip(root, s) for s in (0, 1, 2, 3)], "convert": convert,
              "interop": interop, "report": report, "unsafe": unsafe, "switch": switch, "s3": s3,
              "universal": universal, "export": export, "nolatest": nolatest, "install": install_section,
              "destroy": destroy, "engines": two_engines, "exit": exit_flush, "skip": skip, "badtag": bad_tag,
              "drives": drives, "notag": no_such_tag, "wholeconfig": whole_config, "redaction": redaction,
-             "keepbest": keep_best,
+             "keepbest": keep_best, "coalescebest": coalesce_best,
              "lazy": lambda root: [lazy(root, s) for s in (0, 1, 2, 3)]}
 
 

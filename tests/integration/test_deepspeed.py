@@ -29,7 +29,7 @@ REPO = HERE.parents[1]
 WORKER = str(HERE / "_deepspeed_worker.py")
 TWO_PROCESS_SCENARIOS = ("roundtrip,convert,interop,report,unsafe,switch,lazy,universal,export,nolatest,install,"
                          "destroy,engines,skip,keepbest")
-ONE_PROCESS_SCENARIOS = "roundtrip,skip,badtag,drives,notag,wholeconfig,redaction"
+ONE_PROCESS_SCENARIOS = "roundtrip,skip,badtag,drives,notag,wholeconfig,redaction,coalescebest"
 
 
 @dataclass(frozen=True)
@@ -246,6 +246,14 @@ def test_a_tag_saved_without_save_latest_is_never_trimmed_by_retention(two_proce
     for r in (0, 1):
         assert "keepbest" in two_processes.results[r]["done"]
     assert (two_processes.root / "keep-best" / "latest").read_text() == "global_step4"
+
+
+def test_coalescing_never_drops_a_tag_saved_without_save_latest(one_process: Run) -> None:
+    """t1's upload is held, so "best" (save_latest=False) is still queued when t2 commits: the
+    default replicate_policy "coalesce" drops the queued series tags, not "best" (asserted in the
+    worker: it is committed, and latest names t2)."""
+    assert "coalescebest" in one_process.results[0]["done"]
+    assert (one_process.root / "coalesced" / "best" / C.GROUP_MANIFEST).exists()
 
 
 def test_s3_save_load_and_fresh_node(two_processes: Run) -> None:
