@@ -33,7 +33,7 @@ from deepspeed.runtime.engine import DeepSpeedEngine
 from fastckpt import Checkpointer, SaveHandle
 from fastckpt.errors import ConfigError
 
-from ._deepspeed.config import SECTION, Section, parse_section, read_config, redacted, section_of
+from ._deepspeed.config import SECTION, Section, parse_section, read_config, redacted, section_of, whole_config
 from ._deepspeed.engine import SAFE_GLOBALS, FastCkptEngine
 from ._deepspeed.hooks import CheckpointReport, EngineHooks, OwnedCheckpointer, fenced_tensors, resolve_tag
 
@@ -65,7 +65,7 @@ def initialize(args: object = None, model: torch.nn.Module | None = None,
         source = getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)
     ds_config = read_config(source)
     section = section_of(ds_config)
-    if section.enabled and ds_config is not None and redacted(ds_config) is not ds_config:
+    if ds_config is not None and redacted(ds_config) is not ds_config:  # enabled or not: DeepSpeed keeps it
         if from_args:  # DeepSpeed refuses both args.deepspeed_config and config: pass a copy of args
             import copy
 
@@ -154,11 +154,11 @@ def _section(engine: DeepSpeedEngine, config: str | Mapping | Section | None) ->
             if SECTION not in ds_config:
                 return Section()
             section = parse_section(ds_config[SECTION], "the engine's DeepSpeed config")
-            if redacted(ds_config) is not ds_config:  # keep credentials out of every ZeRO checkpoint
-                ds_config[SECTION] = redacted(ds_config)[SECTION]
+            if redacted(ds_config) is not ds_config:  # out of every ZeRO checkpoint; a copy: the dict is the user's
+                engine.config = redacted(ds_config)
             return section
         return Section()
-    if isinstance(config, Mapping) and SECTION not in config:
+    if isinstance(config, Mapping) and SECTION not in config and not whole_config(config):
         return parse_section(config, "attach(config=...)")
     whole = read_config(config)
     return section_of(whole) if SECTION in (whole or {}) else Section()

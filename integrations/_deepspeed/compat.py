@@ -10,6 +10,7 @@ import os
 
 from fastckpt.commit.discovery import scan
 from fastckpt.commit.protocol import GROUP_MANIFEST, LATEST, MARKER_DIR, group_order
+from fastckpt.errors import CheckpointNotFoundError, ConfigError
 from fastckpt.storage.homes import Homes
 from fastckpt.storage.places import Place
 from fastckpt.urls import is_url, normalize
@@ -58,6 +59,14 @@ class Store:
         place = self.place(group)
         return bool(place.names(MARKER_DIR)) or place.get(GROUP_MANIFEST) is not None
 
+    def check_exists(self, url: str, local: str, tag: str) -> None:
+        """Raise ``CheckpointNotFoundError`` when ``url/tag`` (nor its burst-buffer copy ``local``)
+        was never saved: no manifest and no rank marker (an incomplete one is told apart at the fetch)."""
+        if not self.attempted(f"{url}/{tag}") and self.manifest(local) is None:
+            raise CheckpointNotFoundError(f"checkpoint {url}/{tag} does not exist (no tag {tag!r} was saved under "
+                                          f"{url}); load the newest complete one with load_checkpoint({url!r}) "
+                                          "and no tag, or list the tags with: fastckpt ls " + url)
+
     def download_group(self, url: str, local: str, names: list[str], replace: bool = False) -> None:
         """Copy ``names`` (files of the committed group at ``url``) that are missing in
         ``local`` (``replace``: all of them, over a copy of another save, unpublished there
@@ -92,3 +101,21 @@ def same_files(a: dict, b: dict) -> bool:
     def sums(m: dict) -> dict:
         return {k: v.get("checksum") for k, v in (m.get("files") or {}).items()}
     return sums(a) == sums(b)
+
+
+def checked_tag(save_dir: str, tag: str) -> str:
+    """``tag`` if ``save_checkpoint(save_dir, tag)`` can commit it as one checkpoint.
+
+    Raises:
+        ConfigError: an empty ``save_dir`` (DeepSpeed's own engine refuses it too), or a tag that
+            is not one directory name: ``save_dir/epoch1/step1`` would be a group nested in
+            ``save_dir/epoch1``, with its ``latest`` there, and a load of ``save_dir`` would find nothing.
+    """
+    if not save_dir:
+        raise ConfigError(f"save_checkpoint(save_dir={save_dir!r}): save_dir must be a non-empty directory or URL")
+    if not tag or tag in (".", "..") or "/" in tag or os.sep in tag:
+        safe = tag.strip("/").replace("/", "_").replace(os.sep, "_") or "global_step1"
+        raise ConfigError(f"save_checkpoint tag {tag!r} is not one directory name: fastckpt commits each tag as "
+                          f"one checkpoint directly under save_dir, with save_dir/latest naming it. Use a tag "
+                          f"without '/' (e.g. {safe!r})")
+    return tag

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import copy
 import typing
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from types import MappingProxyType, NoneType
 
@@ -42,6 +42,10 @@ NOT_IN_CONFIG = {
 #: Option values never written back into the config DeepSpeed keeps (it prints its config at
 #: start-up and stores it in every ZeRO checkpoint file).
 SECRET_KEYS = ("storage_options",)
+#: Keys of a whole DeepSpeed config, never of the section: a dict with one of them and no section
+#: is a DeepSpeed config without one (the defaults), not a section with unknown keys.
+DEEPSPEED_KEYS = frozenset({"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+                            "zero_optimization", "optimizer", "scheduler", "fp16", "bf16", "checkpoint"})
 REDACTED = "<redacted by fastckpt>"
 
 
@@ -71,13 +75,13 @@ def _option_types() -> dict[str, tuple[type, ...]]:
         if f.name in NOT_IN_CONFIG:
             continue
         hint = eval(f.type, namespace) if isinstance(f.type, str) else f.type  # noqa: S307 (our own annotation)
-        args = typing.get_args(hint) or (hint,)
-        out[f.name] = tuple(a for a in args if isinstance(a, type))
+        args = [typing.get_origin(a) or a for a in typing.get_args(hint) or (hint,)]  # Sequence[str]: Sequence
+        out[f.name] = tuple(list if a is Sequence else a for a in args if isinstance(a, type))  # JSON: a list
     return out
 
 
 def _type_name(types: tuple[type, ...]) -> str:
-    json_names = {NoneType: "null", float: "number", dict: "object"}
+    json_names = {NoneType: "null", float: "number", dict: "object", list: "list of str"}
     names = [json_names.get(t, t.__name__) for t in types]
     return " or ".join(names)
 
@@ -91,7 +95,7 @@ def valid_keys() -> str:
 def _type_ok(value: object, types: tuple[type, ...]) -> bool:
     if isinstance(value, bool):  # a bool is an int to Python, never a number to a config
         return bool in types
-    if isinstance(value, int) and float in types:
+    if isinstance(value, int) and float in types or isinstance(value, tuple) and list in types:
         return True
     return isinstance(value, types)
 
@@ -147,6 +151,11 @@ def read_config(config: str | Mapping | None) -> dict | None:
 def section_of(config: Mapping | None, where: str = "the DeepSpeed config") -> Section:
     """The validated section of a whole DeepSpeed config (disabled when there is none)."""
     return parse_section((config or {}).get(SECTION), where)
+
+
+def whole_config(config: Mapping) -> bool:
+    """``config`` is a whole DeepSpeed config (see ``DEEPSPEED_KEYS``), not a section."""
+    return SECTION in config or any(k in DEEPSPEED_KEYS for k in config)
 
 
 def redacted(config: dict) -> dict:

@@ -27,6 +27,7 @@ Loads unpickle with ``weights_only=True`` and DeepSpeed's own classes allow-list
 
 from __future__ import annotations
 
+import logging
 import os
 import pickle
 import time
@@ -54,6 +55,7 @@ def _safe_globals() -> list:
 
 
 SAFE_GLOBALS = _safe_globals()
+log = logging.getLogger("fastckpt.deepspeed")
 OPT_OUT = ('"fastckpt": {"weights_only": false} in the DeepSpeed config (under Lightning: the config given to '
            "DeepSpeedStrategy(config=...))")
 
@@ -103,6 +105,7 @@ class FastCkptEngine(CheckpointEngine):
         self._started = time.monotonic()
         self._samples = 0
         self.pending: list[PendingCommit] = []
+        self.skipped: list[str] = []  # tags "when_busy": "skip" dropped (never committed), oldest first
 
     @property
     def lazy(self) -> bool:
@@ -200,20 +203,37 @@ class FastCkptEngine(CheckpointEngine):
         deferred, self._deferred = self._deferred, []
         lazy = self.lazy
         protected = list(self._fenced()) if self._fenced is not None and deferred else []
+        handles = []
         for state_dict, path in deferred:
             state = copy_unfenced(state_dict, protected) if lazy else state_dict
-            self.checkpointer.save(state, path, group=self._group, lazy=lazy)
+            handles.append(self.checkpointer.save(state, path, group=self._group, lazy=lazy))
         self._unfenced = self._unfenced or (lazy and bool(deferred))
         group = self.home(os.path.join(info.save_dir, str(info.tag)))
         move = bool(self._move_latest)
-        handle = self.checkpointer.commit(group, move_latest=move, tag=str(info.tag), save_latest=move)
         self._group = None
+        if _any_rank(any(_skipped(h) for h in handles)):
+            self._drop(group, str(info.tag), move)
+            return True
+        handle = self.checkpointer.commit(group, move_latest=move, tag=str(info.tag), save_latest=move)
         if self._on_commit is not None:  # the caller reports it (FastCkptIO)
             self._on_commit(handle)
         else:  # the engine wrapper reports it (deepspeed.py)
             self.pending.append(PendingCommit(str(info.tag), group, handle, self._started, time.monotonic(),
                                               None, self._samples, None if lazy else 0.0))
         return True
+
+    def _drop(self, group: str, tag: str, move: bool) -> None:
+        """``"when_busy": "skip"`` dropped a file of this tag on some rank: every rank ends the
+        attempt here, the same way, so that ``save_checkpoint`` returns on all of them (an error
+        on one rank only would leave the others in DeepSpeed's barrier). The rank that skipped
+        has its commit raise (and end the attempt on every rank); the others wait for that end."""
+        try:
+            self.checkpointer.commit(group, move_latest=move, tag=tag, save_latest=move).wait()
+        except CheckpointWriteError as exc:
+            log.warning("fastckpt: [rank=%d] checkpoint %s skipped (\"when_busy\": \"skip\": the previous "
+                        "checkpoint still held the staging buffer on a rank); the tag is not committed and "
+                        "latest still names the previous one: %s", self.checkpointer.rank, group, exc)
+        self.skipped.append(tag)
 
     def fence(self) -> float:
         """Called before every optimizer step (``hooks.StepFence``): wait until the lazy
@@ -234,3 +254,25 @@ class FastCkptEngine(CheckpointEngine):
     def wait(self) -> None:
         """Block until every save and commit so far is durable (raises a failure once)."""
         self.checkpointer.wait()
+
+
+def _skipped(handle: SaveHandle) -> bool:
+    """The save was dropped by ``"when_busy": "skip"`` (such a handle is finished at once)."""
+    if not handle.done():
+        return False
+    try:
+        return handle.result().skipped
+    except Exception:  # noqa: BLE001 (a failed save, not a skip: the commit raises it, as before)
+        return False
+
+
+def _any_rank(flag: bool) -> bool:
+    """``flag`` on any rank of the job (every rank calls ``commit`` for each tag)."""
+    from deepspeed import comm as dist
+    from deepspeed.accelerator import get_accelerator
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return flag
+    t = torch.tensor([int(flag)], device=get_accelerator().current_device_name())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())

@@ -43,8 +43,8 @@ from fastckpt import Checkpointer, IncompleteCheckpointError
 from fastckpt.errors import ConfigError, ReplicationError
 from fastckpt.save.fencing import optimizer_tensors
 
-from .compat import Store, is_url, normalize, order, same_files
-from .engine import FastCkptEngine, PendingCommit
+from .compat import Store, checked_tag, is_url, normalize, order, same_files
+from .engine import FastCkptEngine
 
 if TYPE_CHECKING:
     from deepspeed.runtime.engine import DeepSpeedEngine
@@ -217,7 +217,7 @@ class EngineHooks:
         """DeepSpeed's ``save_checkpoint``; returns once every rank's snapshot is taken."""
         self.closed = False
         self.report(wait=False)
-        tag = str(tag) if tag is not None else f"global_step{self.engine.global_steps}"  # DeepSpeed's default
+        tag = checked_tag(save_dir, str(tag) if tag is not None else f"global_step{self.engine.global_steps}")
         home = normalize(save_dir)
         where, alias = self._where(home)
         if self._rank0:
@@ -240,6 +240,7 @@ class EngineHooks:
         if tag is None and not self.engine.load_universal_checkpoint():
             tag = self._resolve(home)
         if tag is not None and alias is not None:
+            self._store().check_exists(home, os.path.join(where, str(tag)), str(tag))
             self._fetch(home, where, str(tag))
         self.fe.begin(alias, None, int(self.engine.global_samples))
         try:
@@ -313,13 +314,10 @@ class EngineHooks:
             monitor.write_events(r.events())
 
     # ------------------------------------------------------------------ internals
-    def _pending_for(self, group: str) -> list[PendingCommit]:
-        return [p for p in self.fe.pending if p.group == group]
-
     def _clear_leftover(self, group: str) -> None:
         """Rank 0, before a save into ``group``: an attempt that never completed (a crashed
         run's) is removed, so its rank markers cannot be mistaken for the new attempt's."""
-        if self._pending_for(group):
+        if any(p.group == group for p in self.fe.pending):
             self.flush()  # this run's own attempt at the same tag: let it finish first
         store = self._store()
         if store.attempted(group) and store.manifest(group) is None:

@@ -118,13 +118,11 @@ class Checkpointer:
         return self._metrics.url if self._metrics is not None else None
 
     def local_path(self, path: str) -> str | None:
-        """Where the burst-buffer copy of ``path`` lives (None without local_dir; with several
-        directories, the one that holds it, else the first)."""
+        """Where the burst-buffer copy of ``path`` lives: None without local_dir (see ``Stripes.local_path``)."""
         return self._stripes.local_path(normalize(path))
 
     def _local_places(self, group: str) -> tuple[Place, ...]:
-        """The burst-buffer copies of ``group``: one per ``local_dir`` directory (none without),
-        since its files may be spread over all of them."""
+        """The burst-buffer copies of ``group``: one per ``local_dir`` directory (its files may be in any)."""
         g = normalize(group)
         return tuple(self._homes.resolve(mirror_path(d, g)).place() for d in self._stripes.dirs)
 
@@ -186,8 +184,8 @@ class Checkpointer:
 
         Returns a handle that completes when the whole group is durable and published (on
         rank 0 after it wrote the manifest, on other ranks once they see it). ``extra``
-        (e.g. ``step=100``) is recorded in the group manifest. ``move_latest=False`` publishes
-        the group without pointing ``parent/latest`` at it (give the same value on every rank).
+        (e.g. ``step=100``) is recorded in the group manifest. ``move_latest=False`` (the same on every
+        rank) publishes it without moving ``parent/latest``; retention and coalescing never drop it.
 
         Raises:
             CheckpointWriteError: a save of this rank into ``group`` raised or was skipped, and
@@ -198,9 +196,11 @@ class Checkpointer:
         self._inflight.raise_unseen(before=lambda exc: self._coordinator.abandon(group, self.rank, exc))
         rank, has_local, token = self.rank, bool(self.config.local_dirs), self._retention.saving(group)
         step = group_step(group, extra) if move_latest else None  # a series that moves latest: see Retention
+        self._replicator.keep(group, not move_latest)  # beside the series: never coalesced away
 
         def retain(rec: SaveRecord) -> SaveRecord:
-            self._retention.ended(group, rec.superseded, has_local, rank == 0, token, step)
+            self._retention.ended(group, rec.superseded, has_local and move_latest, rank == 0 and move_latest, token,
+                                  step)
             return rec
 
         fut = self._coordinator.commit(group, rank, self.world_size, dict(extra), retain, move_latest)

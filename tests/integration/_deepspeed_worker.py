@@ -30,6 +30,18 @@ rank writes ROOT/results/rank{r}.json with what the test checks from outside:
   engines    two engines in one job (an actor and a critic), each with its own Checkpointer on
              the job's one store: both commit every save, and each loads its own state back
   exit       the last save is still in flight when main returns: interpreter exit flushes it
+  skip       "when_busy": "skip" drops a tag on rank 0 only (its previous write held by a gate):
+             save_checkpoint returns on every rank, the tag is not committed, training goes on
+  badtag     a tag with '/' and an empty save_dir are refused (ConfigError naming them)
+  drives     "local_dir" as a list (one directory per drive)
+  notag      load_checkpoint(url, tag=) of a tag never saved: CheckpointNotFoundError
+  wholeconfig  attach(engine, a whole DeepSpeed config without a "fastckpt" section): the defaults
+  keepbest   a tag saved with save_latest=False ("best") is never trimmed by keep_persistent or
+             keep_local
+  coalescebest  replicate_policy "coalesce" drops queued tags for a newer one, never one saved
+             with save_latest=False (the upload of the first tag is held, so the others queue)
+  redaction  credentials redacted in a copy (the user's dict is untouched), and with
+             "enabled": false too (none in DeepSpeed's own checkpoint files)
 """
 
 from __future__ import annotations
@@ -49,7 +61,7 @@ from deepspeed import comm as dist  # noqa: E402
 
 import fastckpt  # noqa: E402
 from fastckpt.integrations.deepspeed import attach, initialize  # noqa: E402
-from tests.integration._ds_common import engine, frozen, full_weights, same, train  # noqa: E402
+from tests.integration._ds_common import ds_config, engine, frozen, full_weights, make_model, same, train  # noqa: E402
 
 RESULTS: dict[str, object] = {}
 
@@ -488,10 +500,151 @@ def exit_flush(root: str) -> None:
     # no wait, no destroy: returning from main leaves the commit to the exit hook
 
 
+def skip(root: str) -> None:
+    from fastckpt.testing import FaultyOps
+
+    d, rank = os.path.join(root, "skipped"), dist.get_rank()
+    ops = FaultyOps()
+    held = os.path.join(d, "k1", "mp_rank_00_model_states.pt")  # (not the tier probe in k1/: another file)
+    gate = ops.gate("pwrite", path_contains=held) if rank == 0 else None
+    eng = engine(2, None, seed=0, use_fastckpt_initialize=False)
+    ck = fastckpt.Checkpointer(ops=ops, when_busy="skip" if rank == 0 else "wait")  # only rank 0 skips
+    fe = attach(eng, {}, checkpointer=ck)
+    train(eng, 1, 1)
+    eng.save_checkpoint(d, "k1")  # rank 0's write is held: its staging buffer stays busy
+    eng.save_checkpoint(d, "k2")  # rank 0 skips; every rank returns (none raises, none waits in a barrier)
+    assert fe.skipped == ["k2"], fe.skipped
+    if gate is not None:
+        gate.open()
+    train(eng, 2, 2)
+    eng.save_checkpoint(d, "k3")
+    eng.destroy()
+    ck.close()
+    assert fastckpt.latest(d) == os.path.join(d, "k3")
+    assert not os.path.exists(os.path.join(d, "k2", "fastckpt-manifest.json"))
+    RESULTS["skipped"] = fe.skipped
+
+
+def bad_tag(root: str) -> None:
+    from fastckpt.errors import ConfigError
+
+    eng = engine(2, {}, seed=0)
+    train(eng, 1, 1)
+    for save_dir, tag, named in ((os.path.join(root, "nested"), "epoch1/step1", "'epoch1/step1'"),
+                                 ("", "t1", "save_dir=''")):
+        try:
+            eng.save_checkpoint(save_dir, tag)
+            raise AssertionError(f"save_checkpoint({save_dir!r}, {tag!r}) was not refused")
+        except ConfigError as exc:
+            assert named in str(exc), str(exc)
+    eng.destroy()
+    assert not os.path.exists(os.path.join(root, "nested", "epoch1"))
+
+
+def drives(root: str) -> None:
+    dirs = [os.path.join(root, "nvme-a"), os.path.join(root, "nvme-b")]  # one directory per drive
+    eng = engine(2, {"local_dir": dirs}, seed=0)
+    assert eng.checkpoint_engine.checkpointer.config.local_dirs == tuple(dirs)
+    train(eng, 1, 1)
+    eng.save_checkpoint(os.path.join(root, "drives"), "t1")
+    path, _ = eng.load_checkpoint(os.path.join(root, "drives"))
+    assert path is not None and "t1" in path, path
+    eng.destroy()
+
+
+def no_such_tag(root: str) -> None:
+    import uuid
+
+    from fastckpt.errors import CheckpointNotFoundError
+
+    eng = engine(2, {"local_dir": os.path.join(root, "nvme-url")}, seed=0)
+    train(eng, 1, 1)
+    url = f"memory://fastckpt-{uuid.uuid4().hex[:8]}/run"
+    eng.save_checkpoint(url, "t1")
+    try:
+        eng.load_checkpoint(url, tag="nope")
+        raise AssertionError("a tag never saved was loaded")
+    except CheckpointNotFoundError as exc:
+        assert "does not exist" in str(exc) and "'nope'" in str(exc), str(exc)
+    eng.destroy()
+
+
+def whole_config(root: str) -> None:
+    plain = engine(1, None, seed=0, use_fastckpt_initialize=False)
+    assert attach(plain, ds_config(1, None)) is not None  # a DeepSpeed config without a section: the defaults
+    plain.destroy()
+
+
+def redaction(root: str) -> None:
+    from fastckpt.integrations._deepspeed.config import REDACTED
+
+    secret = {"key": "AKIAEXAMPLE", "secret": "TOPSECRET123"}
+    cfg = ds_config(1, {"storage_options": dict(secret)})
+    models = [make_model(s) for s in (0, 1)]
+    shared = [deepspeed.initialize(model=m, optimizer=torch.optim.Adam(m.parameters()), config=cfg)[0] for m in models]
+    for e in shared:  # both from the one dict: the second must still see the credentials
+        assert attach(e).checkpointer.config.storage_options == secret
+        assert set(e.config["fastckpt"]["storage_options"].values()) == {REDACTED}
+        e.destroy()
+    assert cfg["fastckpt"]["storage_options"] == secret
+    off = engine(1, {"enabled": False, "storage_options": dict(secret)}, seed=0)
+    train(off, 1, 1)
+    d = os.path.join(root, "disabled", "t1")
+    off.save_checkpoint(os.path.dirname(d), "t1")  # DeepSpeed's own engine, with its ds_config copy
+    off.destroy()
+    for name in os.listdir(d):
+        with open(os.path.join(d, name), "rb") as f:
+            assert b"TOPSECRET123" not in f.read(), name
+
+
+def keep_best(root: str) -> None:
+    d = os.path.join(root, "keep-best")
+    eng = engine(2, {"keep_persistent": 1, "local_dir": os.path.join(root, "nvme-keep"), "keep_local": 1}, seed=0)
+    train(eng, 1, 1)
+    eng.save_checkpoint(d, "best", save_latest=False)  # beside the series: retention leaves it
+    for step in (2, 3, 4):
+        train(eng, step, step)
+        eng.save_checkpoint(d, f"global_step{step}")
+    ck = eng.checkpoint_engine.checkpointer
+    local = {tag: ck.local_path(os.path.join(d, tag)) for tag in ("best", "global_step3")}
+    eng.destroy()
+    assert sorted(n for n in os.listdir(d) if os.path.isdir(os.path.join(d, n))) == ["best", "global_step4"]
+    assert os.path.isdir(local["best"]) and not os.path.exists(local["global_step3"]), local
+    assert fastckpt.latest(os.path.join(d, "best")) == os.path.join(d, "best")
+
+
+def coalesce_best(root: str) -> None:
+    import threading
+
+    from fastckpt.testing import FaultyOps
+
+    d, release = os.path.join(root, "coalesced"), threading.Event()
+
+    def hold(op: str, path: str) -> None:  # the upload of t1 to save_dir (not its burst-buffer copy)
+        if op == "pwrite" and path.startswith(os.path.join(d, "t1") + os.sep) and not release.wait(120):
+            raise TimeoutError("the test never released the upload of t1")
+
+    eng = engine(2, None, seed=0, use_fastckpt_initialize=False)
+    ck = fastckpt.Checkpointer(ops=FaultyOps(on_call=hold), local_dir=os.path.join(root, "nvme-co"),
+                               replicate_workers=1)  # replicate_policy "coalesce", the default
+    attach(eng, {}, checkpointer=ck)
+    train(eng, 1, 1)
+    eng.save_checkpoint(d, "t1")  # its upload holds the one replicator: the next tags queue
+    eng.save_checkpoint(d, "best", save_latest=False)
+    eng.save_checkpoint(d, "t2")  # coalesces the tags queued before it, except "best"
+    release.set()
+    eng.destroy()
+    ck.close()
+    assert fastckpt.latest(os.path.join(d, "best")) == os.path.join(d, "best")  # committed
+    assert fastckpt.latest(d) == os.path.join(d, "t2")
+
+
 SCENARIOS = {"roundtrip": lambda root: [roundtrip(root, s) for s in (0, 1, 2, 3)], "convert": convert,
              "interop": interop, "report": report, "unsafe": unsafe, "switch": switch, "s3": s3,
              "universal": universal, "export": export, "nolatest": nolatest, "install": install_section,
-             "destroy": destroy, "engines": two_engines, "exit": exit_flush,
+             "destroy": destroy, "engines": two_engines, "exit": exit_flush, "skip": skip, "badtag": bad_tag,
+             "drives": drives, "notag": no_such_tag, "wholeconfig": whole_config, "redaction": redaction,
+             "keepbest": keep_best, "coalescebest": coalesce_best,
              "lazy": lambda root: [lazy(root, s) for s in (0, 1, 2, 3)]}
 
 

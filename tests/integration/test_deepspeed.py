@@ -28,7 +28,8 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 WORKER = str(HERE / "_deepspeed_worker.py")
 TWO_PROCESS_SCENARIOS = ("roundtrip,convert,interop,report,unsafe,switch,lazy,universal,export,nolatest,install,"
-                         "destroy,engines")
+                         "destroy,engines,skip,keepbest")
+ONE_PROCESS_SCENARIOS = "roundtrip,skip,badtag,drives,notag,wholeconfig,redaction,coalescebest"
 
 
 @dataclass(frozen=True)
@@ -61,7 +62,7 @@ def _launch(root: Path, nproc: int, scenarios: str, **env: str) -> Run:
 
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory: pytest.TempPathFactory) -> Run:
-    return _launch(tmp_path_factory.mktemp("ds1"), 1, "roundtrip")
+    return _launch(tmp_path_factory.mktemp("ds1"), 1, ONE_PROCESS_SCENARIOS)
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +83,7 @@ def two_processes(tmp_path_factory: pytest.TempPathFactory, request: pytest.Fixt
 
 
 def test_round_trip_zero_0_to_3_one_process(one_process: Run) -> None:
-    assert one_process.results[0]["done"] == ["roundtrip"]
+    assert one_process.results[0]["done"] == ONE_PROCESS_SCENARIOS.split(",")
     for stage in range(4):
         group = one_process.root / f"zero{stage}" / "t3"
         assert json.loads((group / C.GROUP_MANIFEST).read_text())["world_size"] == 1
@@ -202,6 +203,57 @@ def test_interpreter_exit_flushes_the_last_checkpoint(two_processes: Run) -> Non
     assert fastckpt.latest(str(d)) == str(d / "x1")
     assert (d / "latest").read_text() == "x1"
     assert two_processes.results[0]["exit_pending"] == 1
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_a_skipped_save_returns_on_every_rank_and_never_commits(nproc: int, one_process: Run,
+                                                                two_processes: Run) -> None:
+    """Rank 0's previous write is held, so "when_busy": "skip" drops its files of k2 (rank 1's
+    are saved): save_checkpoint returns on every rank, none raises or waits in DeepSpeed's
+    barrier, k2 is recorded as skipped on every rank and never committed, and k3 commits."""
+    run = one_process if nproc == 1 else two_processes
+    for r in range(nproc):
+        assert "skip" in run.results[r]["done"] and run.results[r]["skipped"] == ["k2"]
+    d = run.root / "skipped"
+    assert (d / "latest").read_text() == "k3" and not (d / "k2" / C.GROUP_MANIFEST).exists()
+
+
+def test_a_tag_with_a_slash_and_an_empty_save_dir_are_refused(one_process: Run) -> None:
+    assert "badtag" in one_process.results[0]["done"]
+
+
+def test_local_dir_may_list_one_directory_per_drive(one_process: Run) -> None:
+    assert "drives" in one_process.results[0]["done"]
+
+
+def test_loading_a_tag_never_saved_at_a_url_says_it_does_not_exist(one_process: Run) -> None:
+    assert "notag" in one_process.results[0]["done"]
+
+
+def test_attach_takes_a_whole_deepspeed_config_without_a_section(one_process: Run) -> None:
+    assert "wholeconfig" in one_process.results[0]["done"]
+
+
+def test_credentials_are_redacted_in_a_copy_and_when_disabled(one_process: Run) -> None:
+    """The user's dict keeps them (a second engine built from it works); DeepSpeed's copy, which
+    its own engine pickles into every checkpoint file, never has them, "enabled": false or not."""
+    assert "redaction" in one_process.results[0]["done"]
+
+
+def test_a_tag_saved_without_save_latest_is_never_trimmed_by_retention(two_processes: Run) -> None:
+    """keep_persistent=1 and keep_local=1 keep the newest of the series that moves latest, and
+    the "best" tag saved beside it (asserted in the worker)."""
+    for r in (0, 1):
+        assert "keepbest" in two_processes.results[r]["done"]
+    assert (two_processes.root / "keep-best" / "latest").read_text() == "global_step4"
+
+
+def test_coalescing_never_drops_a_tag_saved_without_save_latest(one_process: Run) -> None:
+    """t1's upload is held, so "best" (save_latest=False) is still queued when t2 commits: the
+    default replicate_policy "coalesce" drops the queued series tags, not "best" (asserted in the
+    worker: it is committed, and latest names t2)."""
+    assert "coalescebest" in one_process.results[0]["done"]
+    assert (one_process.root / "coalesced" / "best" / C.GROUP_MANIFEST).exists()
 
 
 def test_s3_save_load_and_fresh_node(two_processes: Run) -> None:

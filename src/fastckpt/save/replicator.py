@@ -15,7 +15,8 @@ through the home's ``Target`` (``storage.homes``):
      it is not a checkpoint yet). Group files get neither: the group manifest, written by rank 0
      after every rank's marker, is their publication.
 Backpressure: with ``replicate_policy="coalesce"`` a newly committed checkpoint drops the
-older ones still queued (not started); their handles resolve with ``superseded=True``.
+older ones still queued (not started); their handles resolve with ``superseded=True``. A group
+committed with ``move_latest=False`` (``keep``: a "best" checkpoint beside the series) is never dropped.
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ class Replicator:
         self._closed = False
         self._gave_up = False  # close(wait=False): running copies fail as their pools stop under them
         self._cancel: dict[str, int] = {}  # paths being removed -> how many remove() calls
+        self._kept: set[str] = set()  # groups committed with move_latest=False: never coalesced
         self.failures = 0
         self.newest_verified_call: float | None = None  # wall time of that checkpoint's save call
         self._bucket = None
@@ -81,7 +83,7 @@ class Replicator:
                 self._drop(job)
                 return job.future
             coalesce = self._cfg.replicate_policy == "coalesce"
-            for old in [j for j in self._queue if self._supersedes(job, j, coalesce)]:
+            for old in [j for j in self._queue if self._supersedes(job, j, coalesce) and j.rec.group not in self._kept]:
                 self._queue.remove(old)
                 why = "replicate_policy='coalesce'" if coalesce else "a newer save to the same path"
                 log.info("fastckpt: replication of %s superseded by %s (%s); its local copy stays at %s",
@@ -123,6 +125,11 @@ class Replicator:
                 self._cancel[path] -= 1
                 if not self._cancel[path]:
                     del self._cancel[path]
+
+    def keep(self, group: str, kept: bool) -> None:
+        """``group`` was committed with ``move_latest=False`` (``kept``) or not: coalescing skips it."""
+        with self._cv:
+            (self._kept.add if kept else self._kept.discard)(group)
 
     @staticmethod
     def _supersedes(new: ReplicaJob, old: ReplicaJob, coalesce: bool) -> bool:
