@@ -266,6 +266,10 @@ class FastCkptIOMixin(TrainerLink):
     def remove_checkpoint(self, path: str | os.PathLike) -> None:
         """Delete ``path`` (and its burst-buffer copy) once any save to it is durable.
 
+        It is kept (with a WARNING) if a save started before the removal, or the one just before
+        it, failed or was skipped (``when_busy="skip"``): ModelCheckpoint removes a file after
+        saving its replacement, so then ``path`` may be the only good checkpoint.
+
         During fit it returns at once: the deletion is queued, so removing a checkpoint whose
         save is still in flight neither blocks training nor races the write. A later save to the
         same path waits for the queued deletion first. After fit (no teardown follows) it deletes
@@ -282,7 +286,7 @@ class FastCkptIOMixin(TrainerLink):
         prev = self._removals.get(path)
         if prev is not None and not prev.done():
             return
-        self._removals[path] = self._remover.submit(ck.remove, path)
+        self._removals[path] = self._remover.submit(self._remove_after, ck, path, self._saves.before_removal(path))
 
     def teardown(self) -> None:
         """Wait for every pending save and removal; raise the first failure once.
