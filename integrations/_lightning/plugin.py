@@ -122,7 +122,7 @@ class FastCkptIOMixin(TrainerLink):
         self._trainer_ref = None
         self._callback = None
         self._final_stats: Stats | None = None
-        self._in_fit = True  # saves may stay in flight until teardown (False after it: synchronous)
+        self._in_fit = False  # saves may stay in flight until teardown: only while connected (``_connect``)
         self._crashed = False
         self._warned_unconnected = False
         self._reserved = False
@@ -222,12 +222,12 @@ class FastCkptIOMixin(TrainerLink):
         if not is_url(path):  # as TorchCheckpointIO does: ModelCheckpoint(save_last="link") links into it now
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         trainer = self._trainer()
-        if trainer is None and not self._warned_unconnected and self._in_fit:
+        if trainer is None and not self._warned_unconnected:  # never connected (``_connect`` sets it)
             self._warned_unconnected = True
-            warnings.warn("fastckpt: FastCkptIO is not connected to the Trainer, so ckpt/* metrics are not logged "
-                          "and lazy_snapshot is off. fastckpt's `callbacks_factory` entry point connects it; "
-                          "without an installed fastckpt, add `callbacks=[FastCkptCallback()]` to the Trainer.",
-                          UserWarning, stacklevel=2)
+            warnings.warn("fastckpt: FastCkptIO is not connected to a Trainer, so each save and removal finishes "
+                          "before it returns, ckpt/* metrics are not logged and lazy_snapshot is off. In a Trainer, "
+                          "fastckpt's `callbacks_factory` entry point connects it; without an installed fastckpt, "
+                          "add `callbacks=[FastCkptCallback()]` to the Trainer.", UserWarning, stacklevel=2)
         # sharded strategies hand rank 0 a gathered copy: there is nothing to defer
         lazy = self.lazy_snapshot and trainer is not None and self._in_fit and not wait and not self._sharded
         t0 = time.monotonic()

@@ -11,8 +11,10 @@ import subprocess
 import sys
 import textwrap
 import threading
+import warnings
 
 import pytest
+import torch
 
 L = pytest.importorskip("lightning")
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
@@ -71,6 +73,22 @@ def test_calls_after_fit_finish_before_they_return_and_leave_no_thread(tmp_path)
     trainer.strategy.remove_checkpoint(path)
     assert not os.path.exists(path)
     assert [f for _, _, files in os.walk(nvme) for f in files if "final.ckpt" in f] == []
+    assert _fastckpt_threads(before) == []
+
+
+def test_plugin_outside_a_trainer_finishes_each_call_before_it_returns(tmp_path) -> None:
+    """Never connected to a Trainer (used directly, or ddp_spawn's parent process): no teardown
+    will flush, so save and remove do their work before they return and leave no thread."""
+    before = frozenset(threading.enumerate())
+    io, path = FastCkptIO(), str(tmp_path / "direct.ckpt")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        io.save_checkpoint({"w": torch.ones(3)}, path)
+    assert _fastckpt_threads(before) == []
+    assert [str(w.message) for w in caught if "finishes before it returns" in str(w.message)] != []
+    assert torch.equal(fastckpt.load(path)["w"], torch.ones(3))
+    io.remove_checkpoint(path)
+    assert not os.path.exists(path)
     assert _fastckpt_threads(before) == []
 
 
