@@ -257,7 +257,9 @@ class FastCkptIOMixin(TrainerLink):
         inspect an older checkpoint) must not touch the weights being trained."""
         path = os.fspath(path)
         self._settle_removal(path)
-        for t in self._saves.to(normalize(path)):
+        # save_last="link": last.ckpt is a symlink to a file whose save may be in flight
+        paths = {normalize(path)} | (set() if is_url(path) else {normalize(os.path.realpath(path))})
+        for t in [t for t in self._saves.tracked if t.handle.path in paths]:
             self._saves.wait(t)
         with self._core() as ck:
             return ck.load(path, "cpu" if map_location is None else map_location,
