@@ -41,6 +41,7 @@ import warnings
 import weakref
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from typing import Any
 
 from fastckpt.checkpointer import Checkpointer
@@ -291,7 +292,8 @@ class FastCkptIOMixin(TrainerLink):
         self._removals[path] = self._remover.submit(self._remove_after, ck, path, self._saves.before_removal(path))
 
     def teardown(self) -> None:
-        """Wait for every pending save and removal; raise the first failure once.
+        """Wait for every pending save and removal, each wait up to the Checkpointer's
+        ``close_timeout_s`` (None: as long as the storage takes); raise the first failure once.
 
         With several ranks, every rank then meets at a barrier (the training thread, as in
         Lightning's own teardown), so no rank leaves fit() before rank 0's saves are durable.
@@ -300,28 +302,32 @@ class FastCkptIOMixin(TrainerLink):
         """
         self._in_fit = False
         errors: list[BaseException] = []
-        for fut in self._removals.values():
-            exc = fut.exception()
-            if exc is not None:
-                errors.append(exc)
-        self._removals.clear()
         ck = self._ck
+        # Every wait is bounded by close_timeout_s (None: as long as the storage takes): Lightning
+        # ignores SIGINT while it tears down after a Ctrl-C, so a stalled store must not hold it.
+        timeout_s = ck.config.close_timeout_s if ck is not None else None
+        self._fence()
+        removals, self._removals = self._removals, {}
+        _, stuck = wait_futures(removals.values(), timeout=timeout_s)
+        for path, fut in removals.items():
+            if fut in stuck:
+                log.warning("fastckpt: gave up waiting for the deletion of %s (close_timeout_s=%s): the save it "
+                            "waits for is still pending, so the file may remain", path, timeout_s)
+            elif fut.exception() is not None:
+                errors.append(fut.exception())  # type: ignore[arg-type]
         if ck is not None:
-            self._fence()
             try:
-                ck.wait()
+                if self._given is None:
+                    self._ck = None
+                    ck.close()  # waits up to close_timeout_s, stops the workers
+                else:
+                    ck.wait(timeout_s)
             except BaseException as exc:  # noqa: BLE001 (collected, raised below)
                 errors.append(exc)
-            errors.extend(self._harvest())
+            errors.extend(self._saves.harvest(ck.stats, keep_rows=self._callback is not None))
             self._final_stats = ck.stats()
-            if self._given is None:
-                self._ck = None
-                try:
-                    ck.close()
-                except BaseException as exc:  # noqa: BLE001 (collected, raised below)
-                    errors.append(exc)
         if self._remover is not None:
-            self._remover.shutdown(wait=True)
+            self._remover.shutdown(wait=not stuck, cancel_futures=True)
             self._remover = None
         trainer = self._trainer()
         if trainer is not None and trainer.world_size > 1 and not self._crashed:

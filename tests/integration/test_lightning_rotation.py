@@ -1,11 +1,14 @@
 """ModelCheckpoint's rotation with FastCkptIO: a removal never deletes the only good checkpoint
-(a replacement that failed or was skipped), and teardown's bounds (docs/lightning.md)."""
+(a replacement that failed or was skipped); teardown after Ctrl-C stops waiting for a stalled
+store after close_timeout_s (docs/lightning.md)."""
 
 from __future__ import annotations
 
 import errno
 import logging
 import os
+import signal
+import threading
 
 import pytest
 
@@ -54,3 +57,30 @@ def test_skipped_replacement_keeps_the_previous_top_k_file(tmp_path, caplog):
     assert fastckpt.load(str(tmp_path / "ckpt" / "epoch=0-step=2.ckpt"))["global_step"] == 2
     kept = [r.getMessage() for r in caplog.records if r.getMessage().startswith("fastckpt: kept")]
     assert len(kept) == 1 and "step=4.ckpt" in kept[0] and "skipped" in kept[0]
+
+
+def test_teardown_after_ctrl_c_stops_waiting_for_a_stalled_store(tmp_path):
+    """Lightning ignores SIGINT while it tears down after a KeyboardInterrupt, so a second Ctrl-C
+    cannot end a teardown that waits for a stalled store: it must give up after close_timeout_s.
+    step=2's final rename is held for the whole fit (the timer only turns a hang into a failure)."""
+    ops = FaultyOps()
+    gate = ops.gate("replace", path_contains="step=2.ckpt")
+
+    class CtrlC(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if trainer.global_step == 3:
+                raise KeyboardInterrupt
+
+    io = FastCkptIO(ops=ops, close_timeout_s=0.5)
+    trainer = make_trainer(str(tmp_path), io, 6, callbacks=[CtrlC()], every_n_train_steps=2, save_top_k=-1)
+    sigint, timer = signal.getsignal(signal.SIGINT), threading.Timer(60, gate.open)
+    timer.start()
+    try:
+        with pytest.raises(SystemExit):
+            trainer.fit(TinyModel(), loader())
+        assert timer.is_alive()  # fit ended while the save was still held
+        assert gate.wait_entered(0)
+    finally:
+        timer.cancel()
+        gate.open()
+        signal.signal(signal.SIGINT, sigint)  # Lightning left it ignored
