@@ -230,7 +230,10 @@ class FastCkptIOMixin(TrainerLink):
                           "fastckpt's `callbacks_factory` entry point connects it; without an installed fastckpt, "
                           "add `callbacks=[FastCkptCallback()]` to the Trainer.", UserWarning, stacklevel=2)
         # sharded strategies hand rank 0 a gathered copy: there is nothing to defer
-        lazy = self.lazy_snapshot and trainer is not None and self._in_fit and not wait and not self._sharded
+        # and only while training: a save in validation (ModelCheckpoint's on_validation_end) is
+        # followed by the module's own on_validation_end, which no callback hook can fence
+        lazy = self.lazy_snapshot and trainer is not None and self._in_fit and not wait and not self._sharded \
+            and trainer.state.stage == "train"
         t0 = time.monotonic()
         state = copy_unfenced_tensors(checkpoint, trainer.lightning_module.parameters(), trainer.optimizers) \
             if lazy else checkpoint
