@@ -8,7 +8,7 @@ import os
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future
+from concurrent.futures import CancelledError, Future
 from contextlib import contextmanager
 from typing import Any
 
@@ -79,6 +79,20 @@ class TrainerLink:
     def _in_flight(self, path: str | os.PathLike) -> bool:
         """Whether a save to ``path`` has not finished yet (its file may not exist)."""
         return any(not t.handle.done() for t in self._saves.to(normalize(os.fspath(path))))
+
+    def _remove_after(self, ck: Checkpointer, path: str, saves: list[SaveHandle]) -> None:
+        """The remover thread: delete ``path`` once ``saves`` (``SaveLedger.before_removal``) are all
+        durable. If one failed or was skipped, Lightning counts a checkpoint that does not exist,
+        and ``path`` may be the only good one left: keep it (a WARNING says so). Not an error:
+        the failed save's own error is raised once, by the training thread."""
+        for h in saves:
+            why = not_durable(h)
+            if why is not None:
+                log.warning("fastckpt: kept %s although Lightning asked to delete it: the save of %s before it %s, "
+                            "so deleting it could leave no checkpoint. Delete it yourself once a newer checkpoint "
+                            "is durable.", path, h.path, why)
+                return
+        ck.remove(path)
 
     def _settle_removal(self, path: str) -> None:
         fut = self._removals.pop(normalize(path), None)
@@ -151,3 +165,18 @@ class TrainerLink:
         if self._callback is callback:
             self._callback = None
             self._trainer_ref = None
+
+
+def not_durable(handle: SaveHandle) -> str | None:
+    """Why ``handle``'s save did not leave a file at its path (waiting for it), or None if it did."""
+    try:
+        rec = handle.result()  # not wait(): its failure stays the training thread's to raise once
+    except CancelledError:
+        return "was never written (the Checkpointer stopped first)"
+    except BaseException as exc:  # noqa: BLE001 (reported as the reason; raised once elsewhere)
+        return f"failed ({type(exc).__name__}, raised on the training thread)"
+    if rec.skipped:
+        return "was skipped (when_busy='skip')"
+    if rec.cancelled:
+        return "was deleted before it was replicated"
+    return None

@@ -41,6 +41,7 @@ import warnings
 import weakref
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from typing import Any
 
 from fastckpt.checkpointer import Checkpointer
@@ -122,7 +123,7 @@ class FastCkptIOMixin(TrainerLink):
         self._trainer_ref = None
         self._callback = None
         self._final_stats: Stats | None = None
-        self._in_fit = True  # saves may stay in flight until teardown (False after it: synchronous)
+        self._in_fit = False  # saves may stay in flight until teardown: only while connected (``_connect``)
         self._crashed = False
         self._warned_unconnected = False
         self._reserved = False
@@ -222,14 +223,17 @@ class FastCkptIOMixin(TrainerLink):
         if not is_url(path):  # as TorchCheckpointIO does: ModelCheckpoint(save_last="link") links into it now
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         trainer = self._trainer()
-        if trainer is None and not self._warned_unconnected and self._in_fit:
+        if trainer is None and not self._warned_unconnected:  # never connected (``_connect`` sets it)
             self._warned_unconnected = True
-            warnings.warn("fastckpt: FastCkptIO is not connected to the Trainer, so ckpt/* metrics are not logged "
-                          "and lazy_snapshot is off. fastckpt's `callbacks_factory` entry point connects it; "
-                          "without an installed fastckpt, add `callbacks=[FastCkptCallback()]` to the Trainer.",
-                          UserWarning, stacklevel=2)
+            warnings.warn("fastckpt: FastCkptIO is not connected to a Trainer, so each save and removal finishes "
+                          "before it returns, ckpt/* metrics are not logged and lazy_snapshot is off. In a Trainer, "
+                          "fastckpt's `callbacks_factory` entry point connects it; without an installed fastckpt, "
+                          "add `callbacks=[FastCkptCallback()]` to the Trainer.", UserWarning, stacklevel=2)
         # sharded strategies hand rank 0 a gathered copy: there is nothing to defer
-        lazy = self.lazy_snapshot and trainer is not None and self._in_fit and not wait and not self._sharded
+        # and only while training: a save in validation (ModelCheckpoint's on_validation_end) is
+        # followed by the module's own on_validation_end, which no callback hook can fence
+        lazy = self.lazy_snapshot and trainer is not None and self._in_fit and not wait and not self._sharded \
+            and trainer.state.stage == "train"
         t0 = time.monotonic()
         state = copy_unfenced_tensors(checkpoint, trainer.lightning_module.parameters(), trainer.optimizers) \
             if lazy else checkpoint
@@ -257,7 +261,9 @@ class FastCkptIOMixin(TrainerLink):
         inspect an older checkpoint) must not touch the weights being trained."""
         path = os.fspath(path)
         self._settle_removal(path)
-        for t in self._saves.to(normalize(path)):
+        # save_last="link": last.ckpt is a symlink to a file whose save may be in flight
+        paths = {normalize(path)} | (set() if is_url(path) else {normalize(os.path.realpath(path))})
+        for t in [t for t in self._saves.tracked if t.handle.path in paths]:
             self._saves.wait(t)
         with self._core() as ck:
             return ck.load(path, "cpu" if map_location is None else map_location,
@@ -265,6 +271,10 @@ class FastCkptIOMixin(TrainerLink):
 
     def remove_checkpoint(self, path: str | os.PathLike) -> None:
         """Delete ``path`` (and its burst-buffer copy) once any save to it is durable.
+
+        It is kept (with a WARNING) if a save started before the removal, or the one just before
+        it, failed or was skipped (``when_busy="skip"``): ModelCheckpoint removes a file after
+        saving its replacement, so then ``path`` may be the only good checkpoint.
 
         During fit it returns at once: the deletion is queued, so removing a checkpoint whose
         save is still in flight neither blocks training nor races the write. A later save to the
@@ -282,10 +292,11 @@ class FastCkptIOMixin(TrainerLink):
         prev = self._removals.get(path)
         if prev is not None and not prev.done():
             return
-        self._removals[path] = self._remover.submit(ck.remove, path)
+        self._removals[path] = self._remover.submit(self._remove_after, ck, path, self._saves.before_removal(path))
 
     def teardown(self) -> None:
-        """Wait for every pending save and removal; raise the first failure once.
+        """Wait for every pending save and removal, each wait up to the Checkpointer's
+        ``close_timeout_s`` (None: as long as the storage takes); raise the first failure once.
 
         With several ranks, every rank then meets at a barrier (the training thread, as in
         Lightning's own teardown), so no rank leaves fit() before rank 0's saves are durable.
@@ -294,28 +305,32 @@ class FastCkptIOMixin(TrainerLink):
         """
         self._in_fit = False
         errors: list[BaseException] = []
-        for fut in self._removals.values():
-            exc = fut.exception()
-            if exc is not None:
-                errors.append(exc)
-        self._removals.clear()
         ck = self._ck
+        # Every wait is bounded by close_timeout_s (None: as long as the storage takes): Lightning
+        # ignores SIGINT while it tears down after a Ctrl-C, so a stalled store must not hold it.
+        timeout_s = ck.config.close_timeout_s if ck is not None else None
+        self._fence()
+        removals, self._removals = self._removals, {}
+        _, stuck = wait_futures(removals.values(), timeout=timeout_s)
+        for path, fut in removals.items():
+            if fut in stuck:
+                log.warning("fastckpt: gave up waiting for the deletion of %s (close_timeout_s=%s): the save it "
+                            "waits for is still pending, so the file may remain", path, timeout_s)
+            elif fut.exception() is not None:
+                errors.append(fut.exception())  # type: ignore[arg-type]
         if ck is not None:
-            self._fence()
             try:
-                ck.wait()
+                if self._given is None:
+                    self._ck = None
+                    ck.close()  # waits up to close_timeout_s, stops the workers
+                else:
+                    ck.wait(timeout_s)
             except BaseException as exc:  # noqa: BLE001 (collected, raised below)
                 errors.append(exc)
-            errors.extend(self._harvest())
+            errors.extend(self._saves.harvest(ck.stats, keep_rows=self._callback is not None))
             self._final_stats = ck.stats()
-            if self._given is None:
-                self._ck = None
-                try:
-                    ck.close()
-                except BaseException as exc:  # noqa: BLE001 (collected, raised below)
-                    errors.append(exc)
         if self._remover is not None:
-            self._remover.shutdown(wait=True)
+            self._remover.shutdown(wait=not stuck, cancel_futures=True)
             self._remover = None
         trainer = self._trainer()
         if trainer is not None and trainer.world_size > 1 and not self._crashed:

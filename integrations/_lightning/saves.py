@@ -33,10 +33,12 @@ class SaveLedger:
         self.tracked: list[Tracked] = []
         self._unfenced: list[Tracked] = []
         self._rows: list[dict[str, float]] = []
+        self._last: SaveHandle | None = None
 
     def add(self, handle: SaveHandle, step: int | None, blocked_s: float | None, lazy: bool = False) -> Tracked:
         item = Tracked(handle, step, blocked_s)
         self.tracked.append(item)
+        self._last = handle
         if lazy:
             self._unfenced.append(item)
         return item
@@ -55,6 +57,16 @@ class SaveLedger:
         except BaseException:
             self.tracked = [t for t in self.tracked if t is not item]
             raise
+
+    def before_removal(self, path: str) -> list[SaveHandle]:
+        """The saves a removal of ``path`` must see durable first: every save still in flight, and
+        the newest save even if done (a skipped one is done at once). ModelCheckpoint removes a file
+        right after saving the one that replaces it; if that one never lands, the old file is all
+        there is. Saves to ``path`` itself are the core's to order."""
+        saves = [t.handle for t in self.tracked if not t.handle.done()]
+        if self._last is not None and all(h is not self._last for h in saves):
+            saves.append(self._last)
+        return [h for h in saves if h.path != path]
 
     def to(self, path: str) -> list[Tracked]:
         return [t for t in self.tracked if t.handle.path == path]

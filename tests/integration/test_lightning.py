@@ -549,6 +549,38 @@ def test_lazy_snapshot_fences_before_callbacks_change_the_weights(tmp_path, monk
         tree_equal(torch.load(tmp_path / "ckpt" / name, weights_only=True), seen[name], name)
 
 
+def test_lazy_snapshot_copies_a_save_in_validation_at_once(tmp_path, monkeypatch):
+    """ModelCheckpoint(monitor="val_loss") saves in the callbacks' on_validation_end; the module's
+    own on_validation_end (an EMA swap-back, say) runs after it, and no callback hook comes
+    between them to fence. So a save outside the training stage copies at once: every file
+    holds the state of its save even though held lazy copies would run only at the next step."""
+    LateCopies(monkeypatch)
+    L.seed_everything(0, verbose=False)
+
+    class ChangesAfterValidation(NoNorm):
+        def validation_step(self, batch, batch_idx):
+            loss = self.training_step(batch, batch_idx)
+            self.log("val_loss", loss)
+            return loss
+
+        def on_validation_end(self) -> None:
+            with torch.no_grad():
+                for p in self.parameters():
+                    p.add_(1.0)
+
+    io = FastCkptIO(lazy_snapshot=True)
+    seen = spy_saves(io)
+    mc = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), monitor="val_loss", save_top_k=-1)
+    trainer = L.Trainer(max_steps=8, accelerator="cpu", devices=1, plugins=[io], logger=False,
+                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                        limit_val_batches=2, val_check_interval=4, callbacks=[mc])
+    trainer.fit(ChangesAfterValidation(), loader(), loader())
+    names = sorted(os.listdir(tmp_path / "ckpt"))
+    assert names == sorted(seen) and len(names) == 2
+    for name in names:
+        tree_equal(torch.load(tmp_path / "ckpt" / name, weights_only=True), seen[name], name)
+
+
 def test_resume_from_a_torch_checkpoint_io_file(tmp_path):
     """Checkpoints written by Lightning's own TorchCheckpointIO load through FastCkptIO."""
     make_trainer(str(tmp_path / "a"), TorchCheckpointIO(), 4, every_n_train_steps=4).fit(TinyModel(), loader())
@@ -563,7 +595,7 @@ def test_unconnected_plugin_still_saves_and_says_why_no_metrics(tmp_path):
     io = FastCkptIO()
     trainer = make_trainer(str(tmp_path), io, 2, every_n_train_steps=2)
     trainer.callbacks[:] = [c for c in trainer.callbacks if not isinstance(c, FastCkptCallback)]
-    with pytest.warns(UserWarning, match="not connected to the Trainer"):
+    with pytest.warns(UserWarning, match="not connected to a Trainer"):
         trainer.fit(TinyModel(), loader())
     assert fastckpt.load(str(tmp_path / "ckpt" / "epoch=0-step=2.ckpt"))["global_step"] == 2
 

@@ -11,8 +11,10 @@ import subprocess
 import sys
 import textwrap
 import threading
+import warnings
 
 import pytest
+import torch
 
 L = pytest.importorskip("lightning")
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
@@ -72,6 +74,56 @@ def test_calls_after_fit_finish_before_they_return_and_leave_no_thread(tmp_path)
     assert not os.path.exists(path)
     assert [f for _, _, files in os.walk(nvme) for f in files if "final.ckpt" in f] == []
     assert _fastckpt_threads(before) == []
+
+
+def test_plugin_outside_a_trainer_finishes_each_call_before_it_returns(tmp_path) -> None:
+    """Never connected to a Trainer (used directly, or ddp_spawn's parent process): no teardown
+    will flush, so save and remove do their work before they return and leave no thread."""
+    before = frozenset(threading.enumerate())
+    io, path = FastCkptIO(), str(tmp_path / "direct.ckpt")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        io.save_checkpoint({"w": torch.ones(3)}, path)
+    assert _fastckpt_threads(before) == []
+    assert [str(w.message) for w in caught if "finishes before it returns" in str(w.message)] != []
+    assert torch.equal(fastckpt.load(path)["w"], torch.ones(3))
+    io.remove_checkpoint(path)
+    assert not os.path.exists(path)
+    assert _fastckpt_threads(before) == []
+
+
+def test_loading_last_link_waits_for_its_target_in_flight(tmp_path) -> None:
+    """save_last="link": last.ckpt links to step=2.ckpt, whose save is held before its final
+    rename. Loading last.ckpt waits for that save, as loading step=2.ckpt itself does; the spy
+    lets the save land only once the load waits for it."""
+    ops = FaultyOps()
+    gate = ops.gate("replace", path_contains="step=2.ckpt")
+    io = FastCkptIO(ops=ops)
+    loaded: dict = {}
+
+    class LoadLast(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if trainer.global_step != 2 or loaded:
+                return
+            last = trainer.checkpoint_callback.last_model_path
+            loaded["dangling"] = os.path.islink(last) and not os.path.exists(last)
+            real_wait = io._saves.wait
+
+            def wait(item):  # noqa: ANN001, ANN202
+                loaded["waited"] = item.handle.path
+                gate.open()
+                return real_wait(item)
+
+            io._saves.wait = wait  # type: ignore[method-assign]
+            try:
+                loaded["step"] = trainer.strategy.load_checkpoint(last)["global_step"]
+            finally:
+                io._saves.wait = real_wait  # type: ignore[method-assign]
+                gate.open()
+
+    trainer = make_trainer(str(tmp_path), io, 3, callbacks=[LoadLast()], every_n_train_steps=2, save_last="link")
+    trainer.fit(TinyModel(), loader())
+    assert loaded == {"dangling": True, "waited": str(tmp_path / "ckpt" / "epoch=0-step=2.ckpt"), "step": 2}
 
 
 class OpenAtEnd(Callback):

@@ -1,0 +1,86 @@
+"""ModelCheckpoint's rotation with FastCkptIO: a removal never deletes the only good checkpoint
+(a replacement that failed or was skipped); teardown after Ctrl-C stops waiting for a stalled
+store after close_timeout_s (docs/lightning.md)."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import signal
+import threading
+
+import pytest
+
+L = pytest.importorskip("lightning")
+from lightning.pytorch.callbacks import Callback
+
+import fastckpt
+from fastckpt.errors import CheckpointWriteError
+from fastckpt.integrations.lightning import FastCkptIO
+from fastckpt.testing import Fault, FaultyOps
+from tests.integration.test_lightning import TinyModel, loader, make_trainer
+
+
+def test_failed_replacement_keeps_the_previous_top_k_file(tmp_path, caplog):
+    """save_top_k=1: step=4's write fails (ENOSPC) after ModelCheckpoint queued the removal of
+    step=2. TorchCheckpointIO would have raised before removing it; FastCkptIO keeps it too."""
+    ops = FaultyOps([Fault("pwrite", errno.ENOSPC, path_contains="step=4.ckpt")])
+    io = FastCkptIO(ops=ops)
+    trainer = make_trainer(str(tmp_path), io, 8, every_n_train_steps=2, save_top_k=1, monitor="step", mode="max")
+    with caplog.at_level(logging.WARNING, logger="fastckpt.lightning"), pytest.raises(CheckpointWriteError):
+        trainer.fit(TinyModel(), loader())
+    ops.assert_all_reached()
+    assert os.listdir(tmp_path / "ckpt") == ["epoch=0-step=2.ckpt"]
+    assert fastckpt.load(str(tmp_path / "ckpt" / "epoch=0-step=2.ckpt"))["global_step"] == 2
+    kept = [r.getMessage() for r in caplog.records if r.getMessage().startswith("fastckpt: kept")]
+    assert len(kept) == 1 and "step=2.ckpt" in kept[0] and "step=4.ckpt" in kept[0] and "failed" in kept[0]
+
+
+def test_skipped_replacement_keeps_the_previous_top_k_file(tmp_path, caplog):
+    """when_busy="skip": step=2's write is held (its fsync), so step=4's save is skipped; the
+    removal of step=2 that follows must not run, or no checkpoint is left at all."""
+    ops = FaultyOps()
+    gate = ops.gate("fsync", path_contains="step=2.ckpt")
+
+    class OpenAtTrainEnd(Callback):  # after the last save, before teardown waits for step=2
+        def on_train_end(self, trainer, pl_module):
+            gate.open()
+
+    io = FastCkptIO(ops=ops, when_busy="skip")
+    trainer = make_trainer(str(tmp_path), io, 4, callbacks=[OpenAtTrainEnd()], every_n_train_steps=2,
+                           save_top_k=1, monitor="step", mode="max")
+    with caplog.at_level(logging.WARNING, logger="fastckpt.lightning"):
+        trainer.fit(TinyModel(), loader())
+    assert gate.wait_entered(0)
+    assert os.listdir(tmp_path / "ckpt") == ["epoch=0-step=2.ckpt"]
+    assert fastckpt.load(str(tmp_path / "ckpt" / "epoch=0-step=2.ckpt"))["global_step"] == 2
+    kept = [r.getMessage() for r in caplog.records if r.getMessage().startswith("fastckpt: kept")]
+    assert len(kept) == 1 and "step=4.ckpt" in kept[0] and "skipped" in kept[0]
+
+
+def test_teardown_after_ctrl_c_stops_waiting_for_a_stalled_store(tmp_path):
+    """Lightning ignores SIGINT while it tears down after a KeyboardInterrupt, so a second Ctrl-C
+    cannot end a teardown that waits for a stalled store: it must give up after close_timeout_s.
+    step=2's final rename is held for the whole fit (the timer only turns a hang into a failure)."""
+    ops = FaultyOps()
+    gate = ops.gate("replace", path_contains="step=2.ckpt")
+
+    class CtrlC(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if trainer.global_step == 3:
+                raise KeyboardInterrupt
+
+    io = FastCkptIO(ops=ops, close_timeout_s=0.5)
+    trainer = make_trainer(str(tmp_path), io, 6, callbacks=[CtrlC()], every_n_train_steps=2, save_top_k=-1)
+    sigint, timer = signal.getsignal(signal.SIGINT), threading.Timer(60, gate.open)
+    timer.start()
+    try:
+        with pytest.raises(SystemExit):
+            trainer.fit(TinyModel(), loader())
+        assert timer.is_alive()  # fit ended while the save was still held
+        assert gate.wait_entered(0)
+    finally:
+        timer.cancel()
+        gate.open()
+        signal.signal(signal.SIGINT, sigint)  # Lightning left it ignored
