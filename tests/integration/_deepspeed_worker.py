@@ -608,6 +608,7 @@ def keep_best(root: str) -> None:
     ck = eng.checkpoint_engine.checkpointer
     local = {tag: ck.local_path(os.path.join(d, tag)) for tag in ("best", "global_step3")}
     eng.destroy()
+    dist.barrier()  # rank 0's retention of the shared directory has ended too
     assert sorted(n for n in os.listdir(d) if os.path.isdir(os.path.join(d, n))) == ["best", "global_step4"]
     assert os.path.isdir(local["best"]) and not os.path.exists(local["global_step3"]), local
     assert fastckpt.latest(os.path.join(d, "best")) == os.path.join(d, "best")

@@ -27,8 +27,8 @@ def _initialize(section: object) -> None:
 
 
 @pytest.mark.parametrize("section, words", [
-    ({"locall_dir": "/x"},
-     ["unknown key(s) ['locall_dir']", "local_dir (str or list of str or null)", "enabled (bool)"]),
+    ({"locall_dir": "/x"}, ["unknown key(s) ['locall_dir']", "local_dir (str or list of str or null)",
+                             "enabled (bool)"]),
     ({"local_dir": 5}, ['"fastckpt.local_dir"', "must be str or list of str or null, got 5", "valid keys:"]),
     ({"enabled": "yes"}, ['"fastckpt.enabled" in the DeepSpeed config must be bool', "valid keys:"]),
     ({"lazy_snapshot": 1}, ['"fastckpt.lazy_snapshot" in the DeepSpeed config must be bool', "lazy_snapshot (bool)"]),
