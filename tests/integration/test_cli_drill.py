@@ -120,6 +120,24 @@ def test_bad_usage_exits_2(tmp_path, args: list[str], msg: str) -> None:
     assert r.exit_code == 2 and msg in r.output
 
 
+def test_lose_local_never_wipes_what_the_drill_did_not_write(tmp_path) -> None:
+    """--lose-local wipes --local-dir before each restart: it once deleted a user's unrelated
+    files there, and a home inside it."""
+    bb = tmp_path / "bb"
+    bb.mkdir()
+    (bb / "keep.txt").write_text("not the drill's")
+    for cmd in ([], ["--", sys.executable, USER_JOB]):
+        r = CliRunner().invoke(cli, ["drill", "--trials", "1", "--state-size", "1MiB", "--every", "1",
+                                     "--min-run", "0.1s", "--max-run", "0.1s", "--dir", str(tmp_path / "home"),
+                                     "--local-dir", str(bb), "--lose-local", *cmd])
+        assert r.exit_code == 2, r.output
+        assert f"--local-dir {bb} already holds keep.txt" in r.output and "Traceback" not in r.output
+        assert (bb / "keep.txt").read_text() == "not the drill's"
+    r = CliRunner().invoke(cli, ["drill", "--dir", str(tmp_path / "bb2" / "home"), "--local-dir",
+                                 str(tmp_path / "bb2"), "--lose-local"])
+    assert r.exit_code == 2 and "is inside --local-dir" in r.output
+
+
 def test_the_built_in_job_needs_an_empty_home(tmp_path) -> None:
     import torch
 

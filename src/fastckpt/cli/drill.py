@@ -21,7 +21,7 @@ from ._common import (
     table,
     warn,
 )
-from .drill_run import Drill, DrillConfig, DrillError, summarize
+from .drill_run import Drill, DrillConfig, DrillError, lose_local_problem, summarize
 
 
 def _validate(cfg: DrillConfig) -> None:
@@ -29,6 +29,8 @@ def _validate(cfg: DrillConfig) -> None:
 
     if cfg.lose_local and not cfg.local_dir:
         raise click.UsageError("--lose-local wipes the burst buffer: give --local-dir too")
+    if cfg.lose_local and (problem := lose_local_problem(cfg.home, cfg.local_dir)):
+        raise click.UsageError(problem)
     if is_url(cfg.home) and not cfg.local_dir:
         raise click.UsageError(f"--dir {cfg.home} is a URL: saving there needs --local-dir (the burst buffer)")
     if cfg.min_run_s > cfg.max_run_s:
