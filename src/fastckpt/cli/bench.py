@@ -10,11 +10,8 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import socket
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import click
@@ -33,6 +30,7 @@ from ._common import (
     progress,
     table,
 )
+from ._signals import sigterm_interrupts
 from .bench_io import ALIGN, Job, Phase, WorkerResult, drop_cache, percentiles
 
 PASS_FRACTION = 0.8  # the readiness checklist's gate: >= 80 % of the fabric's capacity
@@ -99,23 +97,6 @@ class _Dist:
             self._dist.destroy_process_group()
 
 
-@contextmanager
-def _sigterm_interrupts() -> Iterator[None]:
-    """SIGTERM (a scheduler's cancel) cleans up like Ctrl-C does."""
-    def handler(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt
-
-    try:
-        old = signal.signal(signal.SIGTERM, handler)
-    except ValueError:  # not the main thread: leave signals alone
-        yield
-        return
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, old)
-
-
 def _run_dirs(s: Settings, rank: int) -> list[str]:
     tag = f"fastckpt-bench-{socket.gethostname()}-{os.getpid()}-r{rank}"
     return [os.path.join(d, tag) for d in s.dirs]
@@ -161,7 +142,7 @@ def run(s: Settings, show_progress: bool = True) -> tuple[list[PhaseResult], _Di
     run_dirs = _run_dirs(s, d.rank)
     show = show_progress and d.rank == 0
     try:
-        with _sigterm_interrupts():
+        with sigterm_interrupts():
             for rd in run_dirs:
                 os.makedirs(rd)
             ops = {"write": ["write"], "read": ["prepare", "read"], "both": ["write", "read"]}[s.mode]

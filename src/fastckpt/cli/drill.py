@@ -123,6 +123,12 @@ def drill(command: tuple[str, ...], trials: int, state_size: int, home: str, loc
             drill_.run(lambda t: (done.append(t), bar.advance()))
         except DrillError as exc:
             error = str(exc)
+        except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the jobs are killed (Drill.run); their logs go too
+            if keep_logs:
+                warn(f"interrupted: logs kept in {workdir}")
+            else:
+                shutil.rmtree(workdir)
+            raise
     data = summarize(cfg, done) | {"dir": cfg.home, "local_dir": cfg.local_dir, "lose_local": lose_local,
                                    "state_bytes": state_size if not command else None, "seed": seed,
                                    "command": list(command) or None, "error": error, "logs": workdir}

@@ -62,7 +62,10 @@ class Child:
         return line
 
     def kill(self) -> list[dict]:
-        """SIGKILL the process group; return the lines it wrote that were not read yet."""
+        """SIGKILL the process group; return the lines it wrote that were not read yet. Once:
+        a second call (the drill's cleanup) returns nothing and signals no one."""
+        if self._log.closed:
+            return []
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:

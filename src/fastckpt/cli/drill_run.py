@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 from ..urls import is_url
 from . import drill_phases as ph
+from ._signals import sigterm_interrupts
 from .drill_job import FILES
 from .drill_proc import Child, DrillError
 from .runlog import read_events
@@ -144,6 +145,12 @@ class Drill:
         self.cfg, self.workdir = cfg, workdir
         self.rng = random.Random(cfg.seed)
         self._n = 0
+        self._children: list[Child] = []
+
+    def _child(self, argv: list[str], log_path: str, env: dict | None = None, json_lines: bool = True) -> Child:
+        """Start a child; ``run`` kills it (and its process group) however it ends."""
+        self._children.append(Child(argv, log_path, env, json_lines))
+        return self._children[-1]
 
     def _log(self, what: str) -> str:
         self._n += 1
@@ -161,7 +168,7 @@ class Drill:
 
     def _start(self) -> _Incarnation:
         ev = self._log("events.jsonl")
-        return _Incarnation(Child(self._job_argv(ev), self._log("job.log")), ev)
+        return _Incarnation(self._child(self._job_argv(ev), self._log("job.log")), ev)
 
     def _restore(self, inc: _Incarnation) -> tuple[dict, dict]:
         """Wait for the restarted job's ``loaded`` and ``restored`` (or ``fresh``) lines."""
@@ -241,7 +248,7 @@ class Drill:
                    FASTCKPT_DRILL_LOCAL_DIR=c.local_dir or "")
         trials = []
         for k in range(1, c.trials + 1):
-            job = Child(list(c.command), self._log("job.log"), env, json_lines=False)
+            job = self._child(list(c.command), self._log("job.log"), env, json_lines=False)
             ran_s = self.rng.uniform(c.min_run_s, c.max_run_s)
             try:
                 job.proc.wait(ran_s)
@@ -255,7 +262,7 @@ class Drill:
             killed_at = _read_step(step_file)
             if c.lose_local and c.local_dir:
                 wipe(c.local_dir)
-            probe = _Incarnation(Child(self._job_argv("", probe=True), self._log("probe.log")), "")
+            probe = _Incarnation(self._child(self._job_argv("", probe=True), self._log("probe.log")), "")
             try:
                 loaded, rest = self._restore(probe)
             finally:
@@ -275,7 +282,13 @@ class Drill:
         return trials
 
     def run(self, on_trial: Callable[[Trial], None] = lambda t: None) -> list[Trial]:
-        return self._user(on_trial) if self.cfg.command else self._builtin(on_trial)
+        """The trials; no child outlives it, also on Ctrl-C or SIGTERM (KeyboardInterrupt)."""
+        try:
+            with sigterm_interrupts():
+                return self._user(on_trial) if self.cfg.command else self._builtin(on_trial)
+        finally:
+            for child in self._children:
+                child.kill()
 
 
 def _read_step(path: str) -> int | None:
