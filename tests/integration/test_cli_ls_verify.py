@@ -138,6 +138,20 @@ def test_ls_and_verify_of_a_directory_report_damaged_manifests(home: str) -> Non
     assert fastckpt.latest(home) == f"{home}/three.pt"  # readers still skip them
 
 
+def test_latest_passes_over_a_group_with_a_missing_file(home: str) -> None:
+    """A resume script loads what ``fastckpt latest`` prints: once, a group one of whose files
+    was deleted, which failed to load instead of falling back."""
+    assert run("latest", home).stdout.strip() == f"{home}/step-5"
+    os.unlink(f"{home}/step-5/b.pt")
+    r = run("latest", home)
+    assert r.exit_code == 0 and r.stdout.strip() == f"{home}/two.pt"
+    assert f"passing over {home}/step-5: {home}/step-5/b.pt missing" in r.stderr
+    fastckpt.load(r.stdout.strip())
+    os.unlink(f"{home}/one.pt"), os.unlink(f"{home}/two.pt")
+    r = run("latest", home)
+    assert r.exit_code == 1 and r.stdout == "" and "no complete checkpoint" in r.stderr
+
+
 def test_verify_with_nothing_to_check_exits_1(tmp_path) -> None:
     assert run("verify", str(tmp_path)).exit_code == 1
 
