@@ -9,12 +9,14 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 
 import pytest
 from click.testing import CliRunner
 
 from fastckpt.cli import cli
 from fastckpt.cli.bench_io import Job, percentiles, run_posix
+from fastckpt.io.ops import resident_bytes
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -63,6 +65,49 @@ def test_duration_passes_over_the_file_again(tmp_path) -> None:
     assert code == 0
     assert d["write_seconds"] >= 0.5
     assert d["write_bytes"] >= 4 << 20  # at least one pass over the 4 MiB file
+
+
+def _passes(job: Job, passes: int, each: Callable[[int], None]) -> None:
+    """Run ``job`` (with a long ``duration_s``) for ``passes`` passes and the first block of the
+    next; ``each(k)`` after the k-th block (1-based)."""
+    stop, moved = threading.Event(), [0]
+
+    def progress(n: int) -> None:
+        moved[0] += 1
+        each(moved[0])
+        if moved[0] == passes * (job.file_bytes // job.block_bytes) + 1:
+            stop.set()
+
+    run_posix(job, progress, stop, lambda: None)
+
+
+def test_buffered_reads_come_from_storage_every_pass(tmp_path) -> None:
+    """A read without O_DIRECT (--buffered, or refused by the filesystem) must not be served from
+    the page cache: not the pages a write just left (once, dropped only when --buffered was
+    asked, not when O_DIRECT was refused), nor those its own last pass cached (--duration)."""
+    path, mib = str(tmp_path / "f.dat"), 1 << 20
+    run_posix(Job("write", 0, 0, path, 16 * mib, mib, direct=False), lambda n: None, threading.Event(),
+              lambda: None)  # buffered: the whole file is in the page cache now
+    fd = os.open(path, os.O_RDONLY)
+    cached = {}
+    try:
+        def each(k: int) -> None:
+            if k in (1, 17):  # the first block of each pass read: is the last block in the cache?
+                cached[k] = resident_bytes(fd, 15 * mib, mib)
+        _passes(Job("read", 0, 0, path, 16 * mib, mib, direct=False, duration_s=600.0), 1, each)
+    finally:
+        os.close(fd)
+    assert cached == {1: 0, 17: 0}
+
+
+def test_duration_writes_a_new_file_each_pass(tmp_path) -> None:
+    """A checkpoint writes a new file: overwriting the blocks a pass allocated measured ~2x too fast."""
+    path, mib = str(tmp_path / "f.dat"), 1 << 20
+    inodes = {}
+    _passes(Job("write", 0, 0, path, 4 * mib, mib, direct=True, duration_s=600.0), 1,
+            lambda k: inodes.update({k: os.stat(path).st_ino}) if k in (1, 5) else None)
+    assert inodes[1] != inodes[5]
+    assert os.path.getsize(path) == mib  # the second pass's file, one block so far
 
 
 def test_fabric_capacity_gate(tmp_path) -> None:

@@ -11,6 +11,8 @@ import json
 import os
 import re
 import shutil
+import signal
+import subprocess
 import sys
 
 import pytest
@@ -19,6 +21,7 @@ from click.testing import CliRunner
 from fastckpt.cli import cli
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
 USER_JOB = os.path.join(HERE, "_drill_user_job.py")
 
 
@@ -118,6 +121,79 @@ def test_a_job_killed_before_its_first_checkpoint_is_told_to_raise_min_run(tmp_p
 def test_bad_usage_exits_2(tmp_path, args: list[str], msg: str) -> None:
     r = CliRunner().invoke(cli, ["drill", *[a.format(tmp=tmp_path) for a in args]])
     assert r.exit_code == 2 and msg in r.output
+
+
+# A user's job that tells the test it runs (its pid, through a FIFO the test blocks on), then
+# waits for its SIGKILL with a child of its own (in its process group).
+_ANNOUNCED_JOB = """
+import os, signal, subprocess, sys
+subprocess.Popen([sys.executable, "-c", "import signal; signal.pause()"])
+with open(sys.argv[1], "w") as fifo:
+    fifo.write(str(os.getpid()))
+signal.pause()
+"""
+
+# The drill in a child, with Ctrl-C as in a terminal (a shell without job control starts
+# background commands with SIGINT ignored, and children inherit that).
+_DRILL = """
+import signal, sys
+signal.signal(signal.SIGINT, signal.default_int_handler)
+from fastckpt.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def _running_in_group(pgid: int) -> list[int]:
+    """Processes of process group ``pgid`` not yet dead (zombies are: init reaps them later)."""
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:  # exited meanwhile
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            out.append(int(pid))
+    return out
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_an_interrupted_drill_kills_the_job_and_removes_its_logs(tmp_path, sig: int) -> None:
+    fifo, tmp = str(tmp_path / "started"), tmp_path / "tmp"
+    os.mkfifo(fifo)
+    tmp.mkdir()
+    env = dict(os.environ, TMPDIR=str(tmp), PYTHONPATH=os.pathsep.join(filter(None, [REPO, *sys.path])))
+    p = subprocess.Popen([sys.executable, "-c", _DRILL, "drill", "--dir", str(tmp_path / "home"), "--min-run", "10m",
+                          "--max-run", "10m", "--", sys.executable, "-c", _ANNOUNCED_JOB, fifo],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    with open(fifo) as f:  # blocks until the job runs
+        job = int(f.read())
+    p.send_signal(sig)
+    _, err = p.communicate(timeout=60)
+    left = _running_in_group(job)
+    if left:  # what a failure leaves, this test removes
+        os.killpg(job, signal.SIGKILL)
+    assert p.returncode == 1 and "Aborted" in err and "Traceback" not in err, err
+    assert left == []  # neither the job nor its child is left
+    assert os.listdir(tmp) == []  # no fastckpt-drill-* log folder
+
+
+def test_lose_local_never_wipes_what_the_drill_did_not_write(tmp_path) -> None:
+    """--lose-local wipes --local-dir before each restart: it once deleted a user's unrelated
+    files there, and a home inside it."""
+    bb = tmp_path / "bb"
+    bb.mkdir()
+    (bb / "keep.txt").write_text("not the drill's")
+    for cmd in ([], ["--", sys.executable, USER_JOB]):
+        r = CliRunner().invoke(cli, ["drill", "--trials", "1", "--state-size", "1MiB", "--every", "1",
+                                     "--min-run", "0.1s", "--max-run", "0.1s", "--dir", str(tmp_path / "home"),
+                                     "--local-dir", str(bb), "--lose-local", *cmd])
+        assert r.exit_code == 2, r.output
+        assert f"--local-dir {bb} already holds keep.txt" in r.output and "Traceback" not in r.output
+        assert (bb / "keep.txt").read_text() == "not the drill's"
+    r = CliRunner().invoke(cli, ["drill", "--dir", str(tmp_path / "bb2" / "home"), "--local-dir",
+                                 str(tmp_path / "bb2"), "--lose-local"])
+    assert r.exit_code == 2 and "is inside --local-dir" in r.output
 
 
 def test_the_built_in_job_needs_an_empty_home(tmp_path) -> None:

@@ -113,6 +113,45 @@ def test_verify_catches_a_truncated_group_file(home: str) -> None:
     assert bad["path"] == path
 
 
+def test_ls_and_verify_of_a_directory_report_damaged_manifests(home: str) -> None:
+    """A damaged manifest makes a checkpoint no candidate for ``latest``; a directory's ``ls`` and
+    ``verify`` must still show it (once, they left it out and verify passed)."""
+    with fastckpt.Checkpointer() as ck:
+        ck.save(state(3), f"{home}/three.pt").wait()  # intact: verify once passed on it alone
+    manifest = f"{home}/step-5/fastckpt-manifest.json"
+    os.truncate(manifest, os.path.getsize(manifest) // 2)  # a group's manifest cut in half
+    os.truncate(f"{home}/one.pt", os.path.getsize(f"{home}/one.pt") - 1)  # a single file cut short
+    flip_byte(f"{home}/two.pt", os.path.getsize(f"{home}/two.pt") - 30, 0x01)  # its trailing manifest damaged
+    r = run("verify", home, "--json")
+    assert r.exit_code == 1, r.output
+    d = json.loads(r.stdout)
+    assert not d["passed"]
+    assert sorted(b["path"] for b in d["bad"]) == [f"{home}/one.pt", f"{home}/step-5", f"{home}/two.pt"]
+    assert all(b["problem"].startswith("damaged: ") for b in d["bad"])
+    assert f"BAD {home}/step-5: damaged: " in run("verify", home).stderr
+    ls = json.loads(run("ls", home, "--json").stdout)
+    got = {e["name"]: (e["kind"], e["status"]) for e in ls["checkpoints"]}
+    assert got == {"one.pt": ("file", "damaged"), "two.pt": ("file", "damaged"), "step-5": ("group", "damaged"),
+                   "step-9": ("group", "incomplete"), "three.pt": ("file", "complete")}
+    assert "does not parse" in next(e["problem"] for e in ls["checkpoints"] if e["name"] == "step-5")
+    assert f"- {home}/step-5 is damaged" in run("ls", home).stdout
+    assert fastckpt.latest(home) == f"{home}/three.pt"  # readers still skip them
+
+
+def test_latest_passes_over_a_group_with_a_missing_file(home: str) -> None:
+    """A resume script loads what ``fastckpt latest`` prints: once, a group one of whose files
+    was deleted, which failed to load instead of falling back."""
+    assert run("latest", home).stdout.strip() == f"{home}/step-5"
+    os.unlink(f"{home}/step-5/b.pt")
+    r = run("latest", home)
+    assert r.exit_code == 0 and r.stdout.strip() == f"{home}/two.pt"
+    assert f"passing over {home}/step-5: {home}/step-5/b.pt missing" in r.stderr
+    fastckpt.load(r.stdout.strip())
+    os.unlink(f"{home}/one.pt"), os.unlink(f"{home}/two.pt")
+    r = run("latest", home)
+    assert r.exit_code == 1 and r.stdout == "" and "no complete checkpoint" in r.stderr
+
+
 def test_verify_with_nothing_to_check_exits_1(tmp_path) -> None:
     assert run("verify", str(tmp_path)).exit_code == 1
 

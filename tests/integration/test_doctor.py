@@ -52,6 +52,16 @@ def test_direct_tier_probes_the_target(tmp_path: Path) -> None:
     assert "local_dir.writable" not in f
 
 
+def test_tier_probes_a_relative_target_itself(tmp_path: Path) -> None:
+    """The tier probes once ran in the target's parent: '' for a one-part relative target."""
+    code, out = _doctor("--target", "bd", "--probe-size", "0", "--json", cwd=tmp_path)
+    assert code == 0, out
+    f = _by_check(out)
+    assert f["tier.auto.cpu"]["data"]["tier"] == "direct"
+    assert f["tier.auto.cpu"]["data"]["odirect"] is True  # probed in tmp_path/bd, a file system that allows it
+    assert os.listdir(tmp_path / "bd") == []  # the probe's file was removed
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="here GDS may work: the failure path needs no GPU")
 def test_a_requested_tier_that_cannot_work_exits_1(tmp_path: Path) -> None:
     code, out = _doctor("--local-dir", str(tmp_path / "bb"), "--tier", "gds", "--probe-size", "0", "--json")

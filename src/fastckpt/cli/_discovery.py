@@ -17,7 +17,7 @@ import posixpath
 import time
 from dataclasses import dataclass, replace
 
-from ..commit.discovery import Found, scan
+from ..commit.discovery import Damaged, Found, scan
 from ..commit.protocol import GROUP_MANIFEST, MARKER_DIR, SIDECAR, member_files, read_group_manifest
 from ..errors import CorruptCheckpointError, FastCkptError
 from ..storage.homes import Homes, Location
@@ -29,8 +29,9 @@ STEP_KEYS = ("step", "global_step", "iteration")  # fastckpt groups, Lightning, 
 
 @dataclass(frozen=True)
 class Entry:
-    """One checkpoint as ``ls`` shows it. ``status``: complete, incomplete, local only, or
-    replicated (complete at the home and in the burst buffer)."""
+    """One checkpoint as ``ls`` shows it. ``status``: complete, incomplete, local only,
+    replicated (complete at the home and in the burst buffer), or damaged (its manifest is:
+    ``problem`` says how; readers skip it)."""
 
     path: str
     name: str
@@ -41,6 +42,7 @@ class Entry:
     files: int
     time: float | None
     latest: bool = False
+    problem: str | None = None
 
     @property
     def age_s(self) -> float | None:
@@ -132,6 +134,18 @@ def _found_entry(h: Homes, f: Found, root: str, status: str) -> Entry:
                  _size(h.resolve(f.path)), 1, f.time)
 
 
+def _damaged_entry(h: Homes, d: Damaged, root: str) -> Entry:
+    loc = h.resolve(d.path)
+    rels = [join(loc.url, r) for r in _keys(loc)] if d.kind == "group" else [loc.url]
+    sizes = [_size(h.resolve(r)) for r in rels]
+    try:
+        when = loc.target.modified(posixpath.join(loc.key, GROUP_MANIFEST) if d.kind == "group" else loc.key)
+    except OSError:
+        when = None
+    return Entry(d.path, d.path[len(root):].lstrip("/") or posixpath.basename(d.path), d.kind, "damaged", None,
+                 sum(s or 0 for s in sizes), len(sizes), when, problem=d.problem.removeprefix(f"{d.path}: "))
+
+
 def _keys(loc: Location) -> list[str]:
     """Every key under ``loc``, relative to it."""
     prefix = f"{loc.key}/" if loc.key else ""
@@ -192,7 +206,9 @@ def list_checkpoints(root: str, storage_options: dict | None = None, local_dir: 
     h = homes(storage_options)
     try:
         loc = h.resolve(root)
-        entries = [_found_entry(h, f, loc.url, "complete") for f in scan(loc)] + _incomplete(h, loc)
+        damaged: list[Damaged] = []
+        entries = [_found_entry(h, f, loc.url, "complete") for f in scan(loc, damaged=damaged)] + _incomplete(h, loc)
+        entries += [_damaged_entry(h, d, loc.url) for d in damaged]
         if local_dir is not None:
             home = {e.name: i for i, e in enumerate(entries)}
             for local in _local_copies(h, mirror_path(local_dir, root)):

@@ -10,11 +10,8 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import socket
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import click
@@ -33,7 +30,8 @@ from ._common import (
     progress,
     table,
 )
-from .bench_io import ALIGN, Job, Phase, WorkerResult, drop_cache, percentiles
+from ._signals import sigterm_interrupts
+from .bench_io import ALIGN, Job, Phase, WorkerResult, percentiles
 
 PASS_FRACTION = 0.8  # the readiness checklist's gate: >= 80 % of the fabric's capacity
 
@@ -99,23 +97,6 @@ class _Dist:
             self._dist.destroy_process_group()
 
 
-@contextmanager
-def _sigterm_interrupts() -> Iterator[None]:
-    """SIGTERM (a scheduler's cancel) cleans up like Ctrl-C does."""
-    def handler(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt
-
-    try:
-        old = signal.signal(signal.SIGTERM, handler)
-    except ValueError:  # not the main thread: leave signals alone
-        yield
-        return
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, old)
-
-
 def _run_dirs(s: Settings, rank: int) -> list[str]:
     tag = f"fastckpt-bench-{socket.gethostname()}-{os.getpid()}-r{rank}"
     return [os.path.join(d, tag) for d in s.dirs]
@@ -148,9 +129,6 @@ def _phase(s: Settings, op: str, run_dirs: list[str], d: _Dist, show: bool) -> P
         seconds = time.perf_counter() - t0
     finally:
         phase.close()
-    if op != "read" and not s.gds and not s.direct:
-        for j in jobs:  # reads that follow must come from storage, not the page cache
-            drop_cache(j.path)
     everyone = [r for rs in d.gather(results) for r in rs]
     return PhaseResult(op, sum(r.bytes for r in everyone), seconds, tuple(everyone))
 
@@ -161,7 +139,7 @@ def run(s: Settings, show_progress: bool = True) -> tuple[list[PhaseResult], _Di
     run_dirs = _run_dirs(s, d.rank)
     show = show_progress and d.rank == 0
     try:
-        with _sigterm_interrupts():
+        with sigterm_interrupts():
             for rd in run_dirs:
                 os.makedirs(rd)
             ops = {"write": ["write"], "read": ["prepare", "read"], "both": ["write", "read"]}[s.mode]
@@ -249,7 +227,8 @@ def render(data: dict) -> None:
 @click.option("--engine", type=click.Choice(["threads", "processes"]), default="threads", show_default=True)
 @click.option("--block-size", type=SIZE, default="8MiB", show_default=True, help="Bytes per I/O call.")
 @click.option("--size", type=SIZE, default="1GiB", show_default=True, help="File size per worker.")
-@click.option("--duration", type=DURATION, help="Run each phase this long, passing over the files again and again.")
+@click.option("--duration", type=DURATION,
+              help="Run each phase this long, passing over the files again (each write pass: a new file).")
 @click.option("--mode", type=click.Choice(["write", "read", "both"]), default="both", show_default=True)
 @click.option("--direct/--buffered", default=True, show_default=True, help="O_DIRECT, or through the page cache.")
 @click.option("--gds", is_flag=True, help="GPUDirect Storage through kvikio (says why not when it cannot).")

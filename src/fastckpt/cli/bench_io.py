@@ -69,10 +69,14 @@ def run_posix(job: Job, progress: Callable[[int], None], stop: threading.Event,
     lat = array("d")
     moved = checked = bad = 0
     try:
+        if job.op == "read" and not direct:  # buffered (asked, or O_DIRECT refused): from storage, not memory
+            drop_cache(job.path)
         nxt = block_order(job, stop)
         start()
         t0 = time.perf_counter()
         while (i := nxt()) is not None:
+            if i == 0 and moved:  # another pass (--duration): as the first, never what it left behind
+                fd = _next_pass(ops, job, fd, direct)
             off = i * job.block_bytes
             s = time.perf_counter()
             if job.op == "write":
@@ -95,6 +99,22 @@ def run_posix(job: Job, progress: Callable[[int], None], stop: threading.Event,
         ops.close(fd)
         view.release()
     return WorkerResult(job.op, job.rank, job.worker, job.path, moved, seconds, lat, direct, reason, checked, bad)
+
+
+def _next_pass(ops: FileOps, job: Job, fd: int, direct: bool) -> int:
+    """Ready ``fd`` for another pass over the file (timed, like the pass): a write goes to a new
+    file, as each checkpoint does (overwriting allocated blocks in place is faster than
+    allocating them: the rate would be too high); a buffered read drops the pages the last pass
+    cached. Returns the descriptor to go on with."""
+    if job.op == "read":
+        if not direct:
+            drop_cache(job.path)
+        return fd
+    ops.fsync(fd)
+    ops.unlink(job.path)
+    new = _open(ops, job)[0]
+    ops.close(fd)
+    return new
 
 
 def _run(job: Job, progress: Callable[[int], None], stop: threading.Event, barrier, go) -> WorkerResult:  # noqa: ANN001

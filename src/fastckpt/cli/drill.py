@@ -21,7 +21,7 @@ from ._common import (
     table,
     warn,
 )
-from .drill_run import Drill, DrillConfig, DrillError, summarize
+from .drill_run import Drill, DrillConfig, DrillError, lose_local_problem, summarize
 
 
 def _validate(cfg: DrillConfig) -> None:
@@ -29,6 +29,8 @@ def _validate(cfg: DrillConfig) -> None:
 
     if cfg.lose_local and not cfg.local_dir:
         raise click.UsageError("--lose-local wipes the burst buffer: give --local-dir too")
+    if cfg.lose_local and (problem := lose_local_problem(cfg.home, cfg.local_dir)):
+        raise click.UsageError(problem)
     if is_url(cfg.home) and not cfg.local_dir:
         raise click.UsageError(f"--dir {cfg.home} is a URL: saving there needs --local-dir (the burst buffer)")
     if cfg.min_run_s > cfg.max_run_s:
@@ -121,6 +123,12 @@ def drill(command: tuple[str, ...], trials: int, state_size: int, home: str, loc
             drill_.run(lambda t: (done.append(t), bar.advance()))
         except DrillError as exc:
             error = str(exc)
+        except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the jobs are killed (Drill.run); their logs go too
+            if keep_logs:
+                warn(f"interrupted: logs kept in {workdir}")
+            else:
+                shutil.rmtree(workdir)
+            raise
     data = summarize(cfg, done) | {"dir": cfg.home, "local_dir": cfg.local_dir, "lose_local": lose_local,
                                    "state_bytes": state_size if not command else None, "seed": seed,
                                    "command": list(command) or None, "error": error, "logs": workdir}

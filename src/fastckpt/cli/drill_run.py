@@ -16,28 +16,21 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import random
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ..errors import FastCkptError
+from ..urls import is_url
 from . import drill_phases as ph
+from ._signals import sigterm_interrupts
 from .drill_job import FILES
+from .drill_proc import Child, DrillError
 from .runlog import read_events
-
-TAIL_BYTES = 4000
-
-
-class DrillError(FastCkptError, RuntimeError):
-    """The job or the probe did not behave as the drill needs (it exited, or went silent)."""
 
 
 @dataclass(frozen=True)
@@ -78,70 +71,11 @@ class Trial:
     error: str | None = None
 
 
-class _Proc:
-    """A child (in its own process group, so a kill takes its children too) whose stdout
-    JSON lines are read by a thread into a queue; stderr goes to a log file."""
-
-    def __init__(self, argv: list[str], log_path: str, env: dict | None = None, json_lines: bool = True) -> None:
-        self.log_path = log_path
-        self._log = open(log_path, "ab")  # noqa: SIM115 (closed in kill() / close())
-        self.t_spawn = time.time()
-        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE if json_lines else self._log, stderr=self._log,
-                                     env=env, start_new_session=True, text=json_lines)
-        self.lines: queue.Queue[dict | None] = queue.Queue()
-        self._reader = threading.Thread(target=self._read, daemon=True) if json_lines else None
-        if self._reader:
-            self._reader.start()
-
-    def _read(self) -> None:
-        for raw in self.proc.stdout:  # type: ignore[union-attr]
-            try:
-                self.lines.put(json.loads(raw))
-            except ValueError:
-                continue  # not a protocol line (a library printed something)
-        self.lines.put(None)
-
-    def tail(self) -> str:
-        self._log.flush()
-        with open(self.log_path, "rb") as f:
-            f.seek(max(0, os.path.getsize(self.log_path) - TAIL_BYTES))
-            return f.read().decode(errors="replace")
-
-    def next(self, timeout_s: float) -> dict:
-        try:
-            line = self.lines.get(timeout=timeout_s)
-        except queue.Empty:
-            raise DrillError(f"the job said nothing for {timeout_s:.0f} s; its log {self.log_path} ends:\n"
-                             f"{self.tail()}") from None
-        if line is None:
-            self.proc.wait()
-            raise DrillError(f"the job exited with {self.proc.returncode}; its log {self.log_path} ends:\n"
-                             f"{self.tail()}")
-        return line
-
-    def kill(self) -> list[dict]:
-        """SIGKILL the process group; return the lines it wrote that were not read yet."""
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.proc.wait()
-        rest = []
-        if self._reader:
-            self._reader.join()  # it has queued everything, up to its end mark (perhaps taken already)
-            while not self.lines.empty():
-                line = self.lines.get_nowait()
-                if line is not None:
-                    rest.append(line)
-        self._log.close()
-        return rest
-
-
 @dataclass
 class _Incarnation:
     """One run of the built-in job, from its restart to its kill, and what it reported."""
 
-    proc: _Proc
+    proc: Child
     events_path: str
     start_step: int = 0
     saves: dict[int, float] = field(default_factory=dict)
@@ -175,10 +109,33 @@ def _summary(values: list[float]) -> dict[str, float | None]:
     return {"min": min(values), "median": statistics.median(values), "max": max(values)}
 
 
+def lose_local_problem(home: str, local_dir: str) -> str | None:
+    """Why ``--lose-local`` must not wipe ``local_dir`` (None when it may): only what the drill's
+    jobs write there is the drill's to delete, so it must start empty, and not hold ``home``."""
+    inside = os.path.commonpath([home, local_dir]) == local_dir if not is_url(home) else False
+    if inside:
+        return (f"--dir {home} is inside --local-dir {local_dir}, which --lose-local wipes before each restart: "
+                "give a burst buffer apart from the home")
+    try:
+        held = sorted(os.listdir(local_dir))
+    except FileNotFoundError:
+        return None
+    if held:
+        shown = ", ".join(held[:3]) + (f" and {len(held) - 3} more" if len(held) > 3 else "")
+        return (f"--local-dir {local_dir} already holds {shown}: --lose-local wipes it before each restart and "
+                "would delete them. Give an empty or new directory (the drill's own burst buffer)")
+    return None
+
+
 def wipe(local_dir: str) -> None:
-    """A lost node: the burst buffer is gone."""
-    shutil.rmtree(local_dir, ignore_errors=False)
-    os.makedirs(local_dir)
+    """A lost node: the burst buffer is gone (everything in it: the drill's jobs wrote it all,
+    ``lose_local_problem``); the directory itself stays, as a mount point would."""
+    for name in os.listdir(local_dir):
+        path = os.path.join(local_dir, name)
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)
+        else:
+            os.unlink(path)
 
 
 class Drill:
@@ -188,6 +145,12 @@ class Drill:
         self.cfg, self.workdir = cfg, workdir
         self.rng = random.Random(cfg.seed)
         self._n = 0
+        self._children: list[Child] = []
+
+    def _child(self, argv: list[str], log_path: str, env: dict | None = None, json_lines: bool = True) -> Child:
+        """Start a child; ``run`` kills it (and its process group) however it ends."""
+        self._children.append(Child(argv, log_path, env, json_lines))
+        return self._children[-1]
 
     def _log(self, what: str) -> str:
         self._n += 1
@@ -205,7 +168,7 @@ class Drill:
 
     def _start(self) -> _Incarnation:
         ev = self._log("events.jsonl")
-        return _Incarnation(_Proc(self._job_argv(ev), self._log("job.log")), ev)
+        return _Incarnation(self._child(self._job_argv(ev), self._log("job.log")), ev)
 
     def _restore(self, inc: _Incarnation) -> tuple[dict, dict]:
         """Wait for the restarted job's ``loaded`` and ``restored`` (or ``fresh``) lines."""
@@ -285,7 +248,7 @@ class Drill:
                    FASTCKPT_DRILL_LOCAL_DIR=c.local_dir or "")
         trials = []
         for k in range(1, c.trials + 1):
-            job = _Proc(list(c.command), self._log("job.log"), env, json_lines=False)
+            job = self._child(list(c.command), self._log("job.log"), env, json_lines=False)
             ran_s = self.rng.uniform(c.min_run_s, c.max_run_s)
             try:
                 job.proc.wait(ran_s)
@@ -299,7 +262,7 @@ class Drill:
             killed_at = _read_step(step_file)
             if c.lose_local and c.local_dir:
                 wipe(c.local_dir)
-            probe = _Incarnation(_Proc(self._job_argv("", probe=True), self._log("probe.log")), "")
+            probe = _Incarnation(self._child(self._job_argv("", probe=True), self._log("probe.log")), "")
             try:
                 loaded, rest = self._restore(probe)
             finally:
@@ -319,7 +282,13 @@ class Drill:
         return trials
 
     def run(self, on_trial: Callable[[Trial], None] = lambda t: None) -> list[Trial]:
-        return self._user(on_trial) if self.cfg.command else self._builtin(on_trial)
+        """The trials; no child outlives it, also on Ctrl-C or SIGTERM (KeyboardInterrupt)."""
+        try:
+            with sigterm_interrupts():
+                return self._user(on_trial) if self.cfg.command else self._builtin(on_trial)
+        finally:
+            for child in self._children:
+                child.kill()
 
 
 def _read_step(path: str) -> int | None:

@@ -1,10 +1,38 @@
-"""``fastckpt latest ROOT``: print the newest complete checkpoint under a directory or URL."""
+"""``fastckpt latest ROOT``: print the newest complete checkpoint under a directory or URL.
+
+The answer is ``fastckpt.latest``'s, unless a file its manifest names is missing or of another
+size (deleted, or cut short, after the commit): a resume script would then fail to load it, so
+the newest older checkpoint whose files are all there is printed instead, and the one passed
+over is named on stderr.
+"""
 
 from __future__ import annotations
 
 import click
 
+from ..errors import FastCkptError
+from ..storage.homes import Homes
 from ._common import storage_options_option
+from ._discovery import checkpoint_files, homes
+
+
+def _missing(h: Homes, path: str) -> list[str]:
+    """The files of ``path`` that are not there as committed (none for a checkpoint written
+    without fastckpt: it records no sizes)."""
+    try:
+        files, _ = checkpoint_files(h, path)
+    except FastCkptError:
+        return []
+    out = []
+    for f in files:
+        loc = h.resolve(f.path)
+        try:
+            size = loc.target.size(loc.key)
+        except OSError:
+            size = None
+        if size is None or (f.size is not None and size != f.size):
+            out.append(f.path)
+    return out
 
 
 @click.command()
@@ -14,11 +42,23 @@ def latest(root: str, storage_options: dict | None) -> None:
     """Print the newest complete checkpoint under ROOT (a directory or an s3:// URL).
 
     Checkpoints written by torch.save, Lightning or DeepSpeed before a run switched to fastckpt
-    count too (unverified). Exit 1 when there is none.
+    count too (unverified). A checkpoint with a missing or truncated file is passed over (named
+    on stderr) for the newest older one that is whole. Exit 1 when there is none.
     """
     from .. import latest as find_latest
+    from ..commit.discovery import scan
+    from ..urls import normalize
 
     found = find_latest(root, storage_options)
+    h = homes(storage_options)
+    try:
+        if found is not None and (gone := _missing(h, found)):
+            click.echo(f"fastckpt: passing over {found}: {', '.join(gone)} missing or not the committed size "
+                       "(`fastckpt verify` checks it)", err=True)
+            older = [f.path for f in reversed(scan(h.resolve(normalize(root)))) if f.path != found]
+            found = next((p for p in older if not _missing(h, p)), None)
+    finally:
+        h.close()
     if found is None:
         click.echo(f"no complete checkpoint under {root}", err=True)
         raise SystemExit(1)

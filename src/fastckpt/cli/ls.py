@@ -28,7 +28,9 @@ def ls(root: str, local_dir: str | None, storage_options: dict | None, as_json: 
 
     Shows step (or name), size, files, status (complete, incomplete, local only, replicated, or
     unverified: written by torch.save, Lightning or DeepSpeed, with no checksum), age, and which
-    one `latest` names. Exit 1 when ROOT holds no complete checkpoint.
+    one `latest` names. A checkpoint whose manifest is damaged is listed as damaged, with what
+    is wrong (readers skip it; `fastckpt verify` fails on it). Exit 1 when ROOT holds no
+    complete checkpoint.
     """
     entries = list_checkpoints(root, storage_options, local_dir)
     if as_json:
@@ -39,4 +41,7 @@ def ls(root: str, local_dir: str | None, storage_options: dict | None, as_json: 
                  _age(e.age_s), "<- latest" if e.latest else ""] for e in entries]
         console().print(table(f"Checkpoints under {root}", ["name", "kind", "step", "size", "files", "status",
                                                             "age", "latest"], rows, right_from=2, text=(5, 7)))
+        for e in entries:
+            if e.status == "damaged":
+                console().print(f"- {e.path} is damaged ({e.problem}): readers skip it", markup=False)
     exit_with(any(e.status in ("complete", "replicated", "unverified") for e in entries))

@@ -78,7 +78,11 @@ def _checkpoints(h: Homes, path: str, opts: dict | None, newest_only: bool
     if newest_only:
         complete = [e for e in complete if e.latest] or complete[-1:]
     incomplete = [e.path for e in entries if e.status == "incomplete"]
-    todo, broken = [], []
+    # a damaged manifest makes readers skip the checkpoint: never a silent pass (--latest: one
+    # is checked, the newest complete, which is what a resume loads)
+    broken = [] if newest_only else [Checked(e.path, e.path, e.bytes, f"damaged: {e.problem}")
+                                     for e in entries if e.status == "damaged"]
+    todo = []
     for e in complete:
         try:
             todo.append((e.path, checkpoint_files(h, e.path)[0]))
@@ -97,8 +101,9 @@ def verify(path: str, newest_only: bool, jobs: int, storage_options: dict | None
     """Recompute the checksum of every file of PATH against its manifest.
 
     PATH is a checkpoint (a file or a group directory, or their URL) or a directory holding
-    checkpoints (each complete one is checked; --latest: the newest). Exit 1 naming each bad
-    or missing file, or when there is no complete checkpoint to check.
+    checkpoints (each complete one is checked, and each with a damaged manifest is BAD;
+    --latest: only the newest complete one). Exit 1 naming each bad or missing file or damaged
+    checkpoint, or when there is no complete checkpoint to check.
     """
     path = normalize(path)
     h = homes(storage_options)

@@ -75,8 +75,22 @@ class Found:
     step: int | None = None
 
 
-def scan(loc: Location, max_depth: int = MAX_DEPTH) -> list[Found]:
-    """Every complete checkpoint under ``loc``, oldest first."""
+@dataclass(frozen=True)
+class Damaged:
+    """A checkpoint whose publication record (a group's manifest, a file's own manifest or
+    sidecar) is damaged: never a candidate, but an operator's listing must show it."""
+
+    path: str
+    kind: str
+    problem: str
+
+
+def scan(loc: Location, max_depth: int = MAX_DEPTH, damaged: list[Damaged] | None = None) -> list[Found]:
+    """Every complete checkpoint under ``loc``, oldest first.
+
+    ``damaged``: when given, each checkpoint skipped for a damaged manifest is appended to it
+    (``fastckpt ls`` and ``verify`` report them; ``latest`` only skips them).
+    """
     prefix = f"{loc.key}/" if loc.key else ""
     try:
         keys = loc.target.list(prefix, max_depth=max_depth + 1)  # +1: the markers of the deepest groups
@@ -90,7 +104,8 @@ def scan(loc: Location, max_depth: int = MAX_DEPTH) -> list[Found]:
     marked = {"" if m.startswith(f"{MARKER_DIR}/") else m for m in marked}
     found: list[Found] = []
     for g in sorted(groups):
-        m = _damaged_is_none(read_group_manifest, loc.place().child(g) if g else loc.place())
+        m = _damaged_is_none(read_group_manifest, loc.place().child(g) if g else loc.place(),
+                             damaged, join(loc.url, g), "group")
         if m is not None:
             found.append(Found(join(loc.url, g), "group", group_order(m), m))
     ds_tags = {t for r in rels if posixpath.basename(r) == "latest" and not _hidden(r)
@@ -102,12 +117,13 @@ def scan(loc: Location, max_depth: int = MAX_DEPTH) -> list[Found]:
         if rel.count("/") > max_depth or _hidden(rel) or any(rel.startswith(f"{g}/") or not g for g in inside):
             continue
         if rel.endswith(SIDECAR):
-            side = _damaged_is_none(read_sidecar, Location(loc.target, prefix + rel[: -len(SIDECAR)]))
+            side = _damaged_is_none(read_sidecar, Location(loc.target, prefix + rel[: -len(SIDECAR)]),
+                                    damaged, join(loc.url, rel[: -len(SIDECAR)]), "file")
             if side is not None:  # None: deleted since the listing (retention), or damaged
                 found.append(Found(join(loc.url, rel[: -len(SIDECAR)]), "file", float(side.get("written_at", 0.0)),
                                    side))
         elif rel not in sidecars and posixpath.basename(rel) != "latest":
-            f = _file(loc, prefix, rel)
+            f = _file(loc, prefix, rel, damaged)
             if f is not None:
                 (others if f.foreign else found).append(f)
     for t in sorted(ds_tags):  # ordered by when DeepSpeed's latest file named it
@@ -116,17 +132,20 @@ def scan(loc: Location, max_depth: int = MAX_DEPTH) -> list[Found]:
     return _ordered(loc, prefix, found, others)
 
 
-def _damaged_is_none(read: Callable[[T], dict | None], where: T) -> dict | None:
+def _damaged_is_none(read: Callable[[T], dict | None], where: T, damaged: list[Damaged] | None, path: str,
+                     kind: str) -> dict | None:
     """``read(where)``: a publication record (a group's manifest, a file's sidecar); None when it
-    is damaged, which makes that checkpoint no candidate, and says so."""
+    is damaged, which makes that checkpoint no candidate, and says so (in ``damaged`` too)."""
     try:
         return read(where)
     except CorruptCheckpointError as exc:
         log.warning("fastckpt: skipping a damaged checkpoint: %s", exc)
+        if damaged is not None:
+            damaged.append(Damaged(path, kind, str(exc)))
         return None
 
 
-def _file(loc: Location, prefix: str, rel: str) -> Found | None:
+def _file(loc: Location, prefix: str, rel: str, damaged: list[Damaged] | None = None) -> Found | None:
     """A single file: fastckpt's (its manifest: verified on a mounted target, and on any target
     once copied in whole), or a complete torch.save zip written without fastckpt; else None."""
     if foreign.DEEPSPEED_FILE.match(posixpath.basename(rel)):
@@ -140,7 +159,11 @@ def _file(loc: Location, prefix: str, rel: str) -> Found | None:
             return None
         return Found(join(loc.url, rel), "file", loc.target.modified(prefix + rel), {}, "torch.save",
                      foreign.pickle_step(loc.target, prefix + rel, record))
-    except (OSError, CorruptCheckpointError):  # gone meanwhile, unreadable, or a damaged manifest: not a candidate
+    except CorruptCheckpointError as exc:  # a damaged manifest: not a candidate, but no silent one either
+        if damaged is not None:
+            damaged.append(Damaged(join(loc.url, rel), "file", str(exc)))
+        return None
+    except OSError:  # gone meanwhile, or unreadable: not a candidate
         return None
 
 

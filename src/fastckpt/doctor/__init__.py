@@ -69,6 +69,7 @@ def _same_device(a: str, b: str) -> bool:
 
 def _tier_findings(o: DoctorOptions, dest: str, has_cuda: bool) -> tuple[list[Finding], dict[str, str]]:
     out, auto = [], {}
+    dest = os.path.join(os.path.abspath(dest), "probe")  # choose() takes a save's path: it probes its directory
     for state, cuda in (("cpu", False), ("cuda", True)) if has_cuda else (("cpu", False),):
         choice = _core.TierSelector("auto", o.local_dir, True).choose(dest, cuda)
         auto[state] = choice.tier
