@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -143,6 +144,18 @@ BANDWIDTH = _Parsed("bandwidth", parse_bandwidth, positive=True)
 DURATION = _Parsed("duration", parse_duration)
 COUNT = _Parsed("count", parse_count, positive=True)
 FINITE_POSITIVE = _FinitePositive()
+
+
+def distinct_dirs(ctx: click.Context, param: click.Parameter, dirs: tuple[str, ...]) -> tuple[str, ...]:
+    """A click callback: a repeated option's directories, each given once (by real path)."""
+    seen: dict[str, str] = {}
+    for d in dirs:
+        real = os.path.realpath(d)
+        if real in seen:
+            raise click.BadParameter(f"{d} is given twice (as {seen[real]}); give each directory once",
+                                     ctx=ctx, param=param)
+        seen[real] = d
+    return dirs
 
 
 def _json_object(text: str) -> dict:
