@@ -42,12 +42,43 @@ def parse_event(line: str, where: str = "event log") -> Event:
     missing = [f for f in _FIELDS if f not in d]
     if missing:
         raise ValueError(f"{where}: missing {', '.join(missing)}; is this a fastckpt event log (event_log=...)?")
-    return Event(str(d["name"]), int(d["rank"]), str(d["path"]), int(d["bytes"]), float(d["start"]),
-                 float(d["end"]), str(d["tier"]), d.get("error"), d.get("detail"))
+    try:
+        return Event(str(d["name"]), int(d["rank"]), str(d["path"]), int(d["bytes"]), float(d["start"]),
+                     float(d["end"]), str(d["tier"]), d.get("error"), d.get("detail"))
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{where}: a field has the wrong type ({exc}); is this a fastckpt event log?") from exc
+
+
+def decode_line(raw: bytes, where: str) -> str:
+    """One raw log line -> text.
+
+    Raises:
+        ValueError: not UTF-8 (binary junk, not an event log); the message names ``where``.
+    """
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{where}: not UTF-8 text ({exc.reason} at byte {exc.start}); is this a fastckpt "
+                         "event log (event_log=...)?") from exc
 
 
 def _parse_lines(lines: Iterable[tuple[int, str]], path: str) -> list[Event]:
     return [parse_event(text, f"{path}:{no}") for no, text in lines if text.strip()]
+
+
+def unique_paths(paths: Iterable[str]) -> list[str]:
+    """``paths`` in order, each file once: the same log given twice, or through a symlink, would
+    count its events twice. Compared by real path, so a log that does not exist yet is kept."""
+    seen: set[str] = set()
+    out: list[str] = []
+    for p in paths:
+        real = os.path.realpath(p)
+        if real in seen:
+            log.warning("fastckpt: %s is a log already given (%s); read once", p, real)
+            continue
+        seen.add(real)
+        out.append(p)
+    return out
 
 
 def read_events(paths: str | Iterable[str]) -> list[Event]:
@@ -55,16 +86,15 @@ def read_events(paths: str | Iterable[str]) -> list[Event]:
 
     Raises:
         FileNotFoundError: a log does not exist.
-        ValueError: a complete line is not an event (named by file and line number).
+        ValueError: a complete line is not an event, or not text (named by file and line number).
     """
     events: list[Event] = []
-    for path in [paths] if isinstance(paths, str) else list(paths):
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-        lines = text.split("\n")
+    for path in unique_paths([paths] if isinstance(paths, str) else paths):
+        with open(path, "rb") as f:
+            lines = f.read().split(b"\n")
         if lines[-1].strip():
             log.warning("fastckpt: %s ends in an incomplete line (its writer stopped mid-line); skipped", path)
-        events += _parse_lines(enumerate(lines[:-1], 1), path)
+        events += _parse_lines(((no, decode_line(raw, f"{path}:{no}")) for no, raw in enumerate(lines[:-1], 1)), path)
     events.sort(key=lambda e: (e.start, e.end))
     return events
 
@@ -74,7 +104,9 @@ class LogFollower:
 
     The log may not exist yet (the job has not started): ``poll()`` then returns nothing. When
     the file shrinks or is replaced (a new job writing the same path), it starts over from
-    the beginning of the new file.
+    the beginning of the new file. A complete line that is not an event (a torn write followed
+    by appends, binary junk) is skipped with a warning naming the file and line, and counted in
+    ``bad_lines``: the events after it are still read, and a live exporter keeps serving.
     """
 
     def __init__(self, path: str) -> None:
@@ -83,6 +115,7 @@ class LogFollower:
         self._line = 0
         self._inode: int | None = None
         self._partial = b""
+        self.bad_lines = 0
 
     def poll(self) -> list[Event]:
         """The complete events written since the last call (possibly none)."""
@@ -104,4 +137,12 @@ class LogFollower:
         self._partial = chunks.pop()  # after the last newline: not complete yet
         first = self._line + 1
         self._line += len(chunks)
-        return _parse_lines(((first + i, c.decode("utf-8")) for i, c in enumerate(chunks)), self.path)
+        events = []
+        for no, chunk in enumerate(chunks, first):
+            try:  # one bad line costs that line, not the events after it nor the exporter
+                if chunk.strip():
+                    events.append(parse_event(decode_line(chunk, f"{self.path}:{no}"), f"{self.path}:{no}"))
+            except ValueError as exc:
+                self.bad_lines += 1
+                log.warning("fastckpt: skipped a line that is not an event: %s", exc)
+        return events

@@ -107,18 +107,24 @@ class _Overhead:
         self.alarms = 0
         self.points: list[OverheadPoint] = []
         self._recent: deque[tuple[float, float]] = deque()
+        self._recent_s = 0.0  # the blocked seconds in _recent, kept as it changes: a report of a
+        # long run replays one save a second against an hour's window, and summing it each time
+        # made reading the log quadratic
 
     def window(self, now: float) -> float:
         while self._recent and self._recent[0][0] < now - self.window_s:
-            self._recent.popleft()
+            self._recent_s -= self._recent.popleft()[1]
+        if not self._recent:
+            self._recent_s = 0.0  # no rounding left over
         span = min(self.window_s, now - (self.t0 or now))
-        return sum(b for _, b in self._recent) / span if span > 0 else 0.0
+        return max(self._recent_s, 0.0) / span if span > 0 else 0.0
 
     def record(self, start: float, blocked: float, now: float) -> None:
         self.t0 = start if self.t0 is None else self.t0
         self.count += 1
         self.blocked += blocked
         self._recent.append((start, blocked))
+        self._recent_s += blocked
         if self.count < 2:
             return
         overhead = self.blocked / (now - self.t0) if now > self.t0 else 0.0

@@ -181,3 +181,58 @@ def test_serve_metrics_once_prints_the_exposition(tmp_path: Path) -> None:
                                     "--once", "--json"], capture_output=True, text=True, check=True).stdout)
     assert js["events"] == 3 and js["ranks"][0]["pending"] == 0
     assert os.path.exists(log)
+
+
+def _serve(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "fastckpt.cli", "serve-metrics", *args], capture_output=True,
+                          text=True, timeout=60)
+
+
+def test_a_line_that_is_not_an_event_is_skipped_while_serving(tmp_path: Path) -> None:
+    """A scrape, and the exporter's own poll, read past a bad line to the events after it."""
+    from fastckpt.metrics import LogExporter
+
+    log = tmp_path / "events.jsonl"
+    with Checkpointer(event_log=str(log)) as ck:
+        ck.save(_state(1024), str(tmp_path / "a.pt")).wait()
+    good = log.read_text()
+    exporter = LogExporter([str(log)], 0, "127.0.0.1")
+    try:
+        assert value(scrape(exporter.url), "fastckpt_saves_total", rank="0", tier="direct") == 1
+        with open(log, "ab") as f:
+            f.write(b"not an event\n\x00\xff binary\n" + good.splitlines(keepends=True)[-1].encode())
+        got = scrape(exporter.url)  # was HTTP 500, and the commit after the junk was lost
+        assert exporter.bad_lines == 2 and exporter.events == good.count("\n") + 1
+        with open(log, "ab") as f:
+            f.write(b"more junk\n")
+        assert exporter.poll() == 0 and exporter.bad_lines == 3  # the background poll: raised, rc 1
+        assert value(got, "fastckpt_saves_total", rank="0", tier="direct") == 1
+    finally:
+        exporter.close()
+    r = _serve("--event-log", str(log), "--event-log", str(log), "--once", "--json")
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    assert json.loads(r.stdout)["bad_lines"] == 3 and f"{log}:{good.count(chr(10)) + 1}" in r.stderr
+
+
+def test_the_same_log_twice_or_through_a_symlink_is_counted_once(tmp_path: Path) -> None:
+    log = tmp_path / "events.jsonl"
+    with Checkpointer(event_log=str(log)) as ck:
+        ck.save(_state(1024), str(tmp_path / "a.pt")).wait()
+    (tmp_path / "link.jsonl").symlink_to(log)
+    r = _serve("--event-log", str(log), "--event-log", str(tmp_path / "link.jsonl"), "--once")
+    assert r.returncode == 0, r.stderr
+    from ._scrape import parse
+
+    assert value(parse(r.stdout), "fastckpt_saves_total", rank="0", tier="direct") == 1
+
+
+def test_serve_metrics_bind_errors_name_the_flag(tmp_path: Path) -> None:
+    log = str(tmp_path / "events.jsonl")
+    r = _serve("--event-log", log, "--addr", "256.1.1.1", "--port", "0")
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert "cannot serve metrics on 256.1.1.1" in r.stderr
+    with Checkpointer(metrics_port=0) as ck:
+        port = ck.metrics_url.rsplit(":", 1)[1].split("/")[0]
+        r = _serve("--event-log", log, "--port", port)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert "Choose another --port" in r.stderr and "LOCAL_RANK" not in r.stderr

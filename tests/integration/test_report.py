@@ -115,3 +115,68 @@ def test_a_clean_run_passes(tmp_path: Path) -> None:
     res = _cli(str(log))
     assert res.returncode == 0, res.stdout + res.stderr
     assert "overhead n/a (fewer than 2 saves)" in res.stdout
+
+
+def test_an_output_in_a_missing_directory_is_named_without_a_traceback(run: tuple[Path, list], tmp_path: Path) -> None:
+    log, _ = run
+    for flag, name in (("-o", "x.png"), ("--html", "x.html")):
+        target = tmp_path / "missing" / name
+        res = _cli(str(log), flag, str(target))
+        assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+        assert f"{target}: the directory {target.parent} does not exist" in res.stderr
+        assert ".html.png" not in res.stderr
+
+
+def test_html_leaves_a_users_file_beside_it_alone(run: tuple[Path, list], tmp_path: Path) -> None:
+    log, _ = run
+    mine = tmp_path / "page.html.png"
+    mine.write_bytes(b"the user's own file")
+    assert _cli(str(log), "--html", str(tmp_path / "page.html")).returncode == 1
+    assert mine.read_bytes() == b"the user's own file"
+
+
+def test_a_binary_log_is_named(tmp_path: Path) -> None:
+    bad = tmp_path / "bin.jsonl"
+    bad.write_bytes(b'\x89PNG\r\n\x1a\n\x00\xff\n')
+    res = _cli(str(bad))
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+    assert f"{bad}:" in res.stderr and "not UTF-8" in res.stderr
+
+
+def test_a_long_runs_log_is_drawn(tmp_path: Path) -> None:
+    """20,000 saves (100,000 events) of four ranks: one artist per phase never finished."""
+    from fastckpt.events import Event
+
+    log = tmp_path / "long.jsonl"
+    t = 1.7e9
+    with open(log, "w") as f:
+        for i in range(20_000):
+            p = f"/h/s{i}.pt"
+            for name, a, b, path in (("snapshot", 0, 0.01, p), ("write", 0.01, 0.2, "/bb" + p),
+                                     ("commit", 0.2, 0.21, "/bb" + p), ("queued", 0.21, 0.21, p),
+                                     ("replicate", 0.22, 0.5, p)):
+                f.write(Event(name, i % 4, path, 1000, t + a, t + b, "nvme").to_json() + "\n")
+            t += 1.0
+    png = tmp_path / "long.png"
+    res = _cli(str(log), "-o", str(png))
+    assert res.returncode == 0, res.stderr
+    assert "20000 saves (nvme 20000) by 4 rank(s)" in res.stdout
+    with Image.open(png) as im:
+        assert im.format == "PNG" and im.size[0] >= 800
+
+
+def test_over_the_log_spans_the_group_commit(tmp_path: Path) -> None:
+    """docs/report.md: over the log = blocked / (the last event's end - the first save's start)."""
+    from fastckpt.events import Event
+
+    log = tmp_path / "events.jsonl"
+    evs = []
+    for t in (0.0, 10.0):
+        p = f"/h/g{t}/a.pt"
+        evs += [Event("snapshot", 0, p, 10, 100 + t, 101 + t, "direct"),
+                Event("commit", 0, p, 10, 101 + t, 102 + t, "direct")]
+    evs.append(Event("commit", 0, "/h/g10.0", 20, 112, 140, "direct", detail="group"))
+    log.write_text("".join(e.to_json() + "\n" for e in evs))
+    res = _cli(str(log), "--json")
+    (rank,) = json.loads(res.stdout)["ranks"]
+    assert rank["log_overhead"] == pytest.approx(2.0 / 40.0)

@@ -54,6 +54,40 @@ def test_unreadable_units_say_how_to_write_them(parse, text: str) -> None:
         parse(text)
 
 
+@pytest.mark.parametrize("text, want", [("400gbps", 50e9), ("400gb/s", 50e9), ("400Gbps", 50e9),
+                                        ("400gbit/s", 50e9), ("400Gbit/s", 50e9), ("10gbps", 1.25e9),
+                                        ("10Gib/s", 10 * 2**30 / 8), ("10GiB/s", 10 * 2**30), ("10gB/s", 10e9),
+                                        ("10GBps", 10e9), ("800bps", 100)])
+def test_a_lower_case_b_is_bits_whatever_the_prefix_case(text: str, want: float) -> None:
+    assert parse_bandwidth(text) == pytest.approx(want)
+
+
+@pytest.mark.parametrize("text", ["10G/s", "10gi/s", "10ps", "10Gx/s"])
+def test_a_bandwidth_without_b_or_bit_shows_the_accepted_forms(text: str) -> None:
+    with pytest.raises(ValueError, match="400Gbps or 400Gbit/s"):
+        parse_bandwidth(text)
+
+
+@pytest.mark.parametrize("text, fix", [("8Gb", "8GB"), ("8gib", "8GiB"), ("100b", "100B")])
+def test_a_size_in_bits_is_refused_with_the_byte_spelling(text: str, fix: str) -> None:
+    with pytest.raises(ValueError, match=f"in bits.*e.g. {fix}"):
+        parse_size(text)
+
+
+def test_bench_fabric_capacity_in_lower_case_bits(tmp_path) -> None:
+    r = CliRunner().invoke(cli, ["bench", "--dir", str(tmp_path), "--size", "1MiB", "--block-size", "1MiB",
+                                 "--workers", "1", "--buffered", "--fabric-capacity", "10gbps", "--json"])
+    assert r.exit_code in (0, 1), r.output
+    assert json.loads(r.stdout)["fabric_capacity_Bps"] == 1.25e9
+
+
+@pytest.mark.parametrize("parse, text", [(parse_size, "1e400"), (parse_bandwidth, "1e400GB/s"),
+                                         (parse_count, "1e400"), (parse_duration, "1e400h"), (parse_duration, "1e400")])
+def test_a_value_too_large_to_be_finite_is_refused(parse, text: str) -> None:
+    with pytest.raises(ValueError, match="finite"):
+        parse(text)
+
+
 # ---------------------------------------------------------------- the worked examples
 def test_70b_mixed_adam_is_1_12_tb() -> None:
     assert sizing.PRESETS["mixed-adam"][0] == 2 + 2 + 4 + 4 + 4
@@ -183,6 +217,39 @@ def test_a_missed_budget_exits_1_with_the_fix() -> None:
                                    "--bandwidth", "1GB/s"]])
 def test_bad_usage_exits_2(args: list[str]) -> None:
     assert invoke(*args).exit_code == 2
+
+
+@pytest.mark.parametrize("args, flag", [
+    (["--gpus", "0", "--params", "7B"], "--gpus"),
+    (["--gpus-per-node", "0", "--params", "7B"], "--gpus-per-node"),
+    (["--bytes-per-param", "0", "--params", "7B"], "--bytes-per-param"),
+    (["--state-size", "0", "--params", "7B"], "--state-size"),
+    (["--state-size", "0"], "--state-size"),
+    (["--params", "0"], "--params"),
+    (["--params", "1e400"], "--params"),
+    (["--params", "7B", "--days", "inf"], "--days"),
+    (["--params", "7B", "--days", "nan"], "--days"),
+    (["--params", "7B", "--gpu-hour-cost", "inf"], "--gpu-hour-cost")])
+def test_a_zero_or_non_finite_flag_is_named_not_replaced_by_a_default(args: list[str], flag: str) -> None:
+    r = invoke(*args, "--bandwidth", "10GB/s", "--json")
+    assert r.exit_code == 2, r.output
+    assert f"'{flag}'" in r.output and "Traceback" not in r.output
+
+
+@pytest.mark.parametrize("opts", [["--params", "1e300", "--bytes-per-param", "1e300"],
+                                  ["--params", "7B", "--bandwidth", "1e-300B/s"]])
+def test_inputs_that_overflow_the_arithmetic_are_refused_not_printed_as_infinity(opts: list[str]) -> None:
+    r = invoke("--bandwidth", "10GB/s", *opts, "--json")
+    assert r.exit_code == 2, r.output
+    assert "non-finite" in r.output and "Infinity" not in r.output
+
+
+def test_from_run_on_a_log_without_saves_says_so(tmp_path) -> None:
+    log = tmp_path / "events.jsonl"
+    log.write_text("")
+    r = invoke("--from-run", str(log), "--bandwidth", "10GB/s")
+    assert r.exit_code == 2, r.output
+    assert "no completed save" in r.output and str(log) in r.output
 
 
 def test_help() -> None:

@@ -65,3 +65,34 @@ def test_the_sink_creates_its_directory(tmp_path: Path) -> None:
     sink.close()
     sink.emit(_ev("write", 2.0))  # after close: dropped, the file is not opened again
     assert [e.name for e in read_events(str(log))] == ["snapshot"]
+
+
+def test_follower_skips_a_bad_line_counts_it_and_keeps_the_events_after_it(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    log = tmp_path / "e.jsonl"
+    f = LogFollower(str(log))
+    torn = _ev("snapshot", 1.0).to_json()[:12]  # a writer killed mid-line, then another appending
+    log.write_bytes((_ev("snapshot", 0.5).to_json() + "\n" + torn + _ev("write", 1.5).to_json() + "\n").encode()
+                    + b"\x00\xff\xfe junk\n" + (_ev("commit", 2.0).to_json() + "\n").encode())
+    assert [e.name for e in f.poll()] == ["snapshot", "commit"]
+    assert f.bad_lines == 2
+    assert f"{log}:2: not JSON" in caplog.text and f"{log}:3: not UTF-8" in caplog.text
+    with open(log, "a") as out:
+        out.write('{"name": "x", "rank": null, "path": "p", "bytes": 1, "start": 0, "end": 1, "tier": "t"}\n')
+        out.write(_ev("load", 3.0).to_json() + "\n")
+    assert [e.name for e in f.poll()] == ["load"]
+    assert f.bad_lines == 3 and f"{log}:5: a field has the wrong type" in caplog.text
+
+
+def test_a_binary_log_names_the_file_and_line(tmp_path: Path) -> None:
+    log = tmp_path / "e.jsonl"
+    log.write_bytes((_ev("snapshot", 1.0).to_json() + "\n").encode() + b"\x89PNG\r\n\x1a\n")
+    with pytest.raises(ValueError, match=rf"{log}:2: not UTF-8"):
+        read_events(str(log))
+
+
+def test_a_log_given_twice_or_through_a_symlink_is_read_once(tmp_path: Path) -> None:
+    log = tmp_path / "e.jsonl"
+    log.write_text(_ev("snapshot", 1.0).to_json() + "\n")
+    (tmp_path / "link.jsonl").symlink_to(log)
+    assert len(read_events([str(log), str(log), str(tmp_path / "link.jsonl")])) == 1

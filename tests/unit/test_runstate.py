@@ -87,3 +87,16 @@ def test_url_saves_match_their_burst_buffer_copy() -> None:
     rs.feed(_ev("replicate", 0.4, 0.9, url))
     (s,) = rs.saves()
     assert s.bytes == 100 and s.durable_s == pytest.approx(0.9)
+
+
+def test_the_alarm_is_the_last_saves_check_while_the_ratios_are_at_now() -> None:
+    """The alarm gauge and the ratio gauges can disagree between saves: the HELP says so."""
+    from fastckpt.metrics import FAMILIES
+
+    rs = RunState(budget=0.02, window_s=100.0)
+    for t in (0.0, 10.0):
+        rs.feed(_ev("snapshot", t, t + 1.0, f"/h/{t}.pt", tier="direct"))
+    late = rs.status(10_000.0)[0]
+    assert late.over_budget and late.overhead < 0.02 and late.window_overhead < 0.02
+    help_ = next(f.help for f in FAMILIES if f.name == "fastckpt_overhead_alarm")
+    assert "last save" in help_ and "as of the scrape" in help_

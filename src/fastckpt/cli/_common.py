@@ -2,7 +2,8 @@
 JSON or rich-table output, a progress bar, and the exit codes.
 
 Units: sizes and bandwidths are SI unless they say otherwise (GB = 1e9 bytes, GiB = 2**30);
-a lower-case ``b`` means bits (``400Gb/s`` = 50 GB/s). Exit codes: ``PASS`` (0), ``FAIL`` (1,
+a lower-case ``b`` (or ``bit``) means bits, whatever the prefix's case (``400Gb/s`` = ``400gbps`` =
+50 GB/s), and a size in bits is refused. Exit codes: ``PASS`` (0), ``FAIL`` (1,
 a target missed or a check failed); bad usage is click's own 2.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -23,50 +25,73 @@ from ..units import fmt_bytes
 
 PASS, FAIL = 0, 1
 
-_SIZE_UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "PB": 1e15,
-               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "PIB": 2**50}
-_BIT_UNITS = {"b": 1 / 8, "Kb": 1e3 / 8, "Mb": 1e6 / 8, "Gb": 1e9 / 8, "Tb": 1e12 / 8}
+_PREFIXES = {"": 1, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15,
+             "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40, "PI": 2**50}
+# a prefix in any case, then B (bytes) or b / bit / bits (bits, in any case but a lone B)
+_UNIT = re.compile(r"([kmgtp]i?)?(b|bits?)", re.IGNORECASE)
 _COUNT_UNITS = {"": 1, "K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
 _DURATION_UNITS = {"ms": 1e-3, "s": 1, "sec": 1, "m": 60, "min": 60, "h": 3600, "d": 86400}
 _NUMBER = r"([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)"
+_BANDWIDTH_FORMS = "e.g. bytes as 10GB/s, 10GBps or 2.5GiB/s; bits with a lower-case b as 400Gb/s, 400Gbps or 400Gbit/s"
+
+
+def _finite(value: float, text: str, what: str) -> float:
+    if not math.isfinite(value):
+        raise ValueError(f"{text!r} is too large to be {what}: give a finite number")
+    return value
+
+
+def _unit(unit: str) -> tuple[float, bool] | None:
+    """``GB`` -> (1e9, False); ``Gb``, ``gbit``, ``Gibit`` -> (bytes per unit, True); None when
+    not a byte or bit unit (``G``, ``Gi``, ``x``)."""
+    if unit == "":
+        return 1.0, False
+    m = _UNIT.fullmatch(unit)
+    if m is None:
+        return None
+    bits = m.group(2) != "B"
+    scale = _PREFIXES[(m.group(1) or "").upper()]
+    return (scale / 8, True) if bits else (scale, False)
 
 
 def parse_size(text: str) -> int:
     """``8MiB``, ``1.4TB``, ``4096`` -> bytes (SI for KB/MB/GB/TB, binary for KiB/MiB/GiB).
 
     Raises:
-        ValueError: not a size, or a bare ``K``/``M``/``G`` (ambiguous: say ``MB`` or ``MiB``).
+        ValueError: not a size, a bare ``K``/``M``/``G`` (ambiguous: say ``MB`` or ``MiB``), a
+            size in bits (``8Gb``: say ``8GB`` or ``1GB``), or too large to be finite.
     """
     m = re.fullmatch(rf"\s*{_NUMBER}\s*([A-Za-z]*)\s*", str(text))
-    unit = m.group(2).upper() if m else ""
-    if m is None or unit not in _SIZE_UNITS:
+    unit = _unit(m.group(2)) if m else None
+    if unit is not None and unit[1]:
+        prefix = _UNIT.fullmatch(m.group(2)).group(1) or ""
+        raise ValueError(f"{text!r} is in bits (a lower-case b): write the size in bytes with a capital B, "
+                         f"e.g. {m.group(1)}{prefix[:1].upper()}{prefix[1:].lower()}B; "
+                         f"{text.strip()} is {fmt_bytes(float(m.group(1)) * unit[0])}")
+    if m is None or unit is None:
         raise ValueError(f"cannot read {text!r} as a size: write e.g. 8MiB, 1GiB, 1.4TB (GB = 1e9 bytes)")
-    return int(round(float(m.group(1)) * _SIZE_UNITS[unit]))
+    return int(round(_finite(float(m.group(1)) * unit[0], text, "a size")))
 
 
 def parse_bandwidth(text: str) -> float:
-    """``10GB/s``, ``2.5GiB/s``, ``400Gb/s`` or ``400Gbps`` (bits) -> bytes per second."""
-    m = re.fullmatch(rf"\s*{_NUMBER}\s*([A-Za-z]*?)\s*(?:/s|ps)\s*", str(text))
-    if m is not None:
-        unit = m.group(2)
-        if unit in _BIT_UNITS or unit.lower().endswith("bit"):
-            key = unit[:-3] + "b" if unit.lower().endswith("bit") else unit
-            if key in _BIT_UNITS:
-                return float(m.group(1)) * _BIT_UNITS[key]
-        elif unit.upper() in _SIZE_UNITS:
-            return float(m.group(1)) * _SIZE_UNITS[unit.upper()]
-    raise ValueError(f"cannot read {text!r} as a bandwidth: write e.g. 10GB/s, 2.5GiB/s or 400Gb/s (bits)")
+    """``10GB/s``, ``2.5GiB/s`` (bytes); ``400Gb/s``, ``400gbps``, ``400Gbit/s`` (bits, a
+    lower-case ``b``; the prefix in any case) -> bytes per second."""
+    m = re.fullmatch(rf"\s*{_NUMBER}\s*([A-Za-z]*?)\s*(/s|ps)\s*", str(text))
+    unit = _unit(m.group(2)) if m and (m.group(2) or m.group(3) == "/s") else None
+    if m is None or unit is None:
+        raise ValueError(f"cannot read {text!r} as a bandwidth: write {_BANDWIDTH_FORMS}")
+    return _finite(float(m.group(1)) * unit[0], text, "a bandwidth")
 
 
 def parse_duration(text: str) -> float:
     """``2h``, ``90m``, ``1h30m``, ``60s``, ``500ms``, ``1.5d`` or plain seconds -> seconds."""
     s = str(text).strip().replace(" ", "")
     if re.fullmatch(_NUMBER, s):
-        return float(s)
+        return _finite(float(s), text, "a duration")
     parts = re.findall(rf"{_NUMBER}([a-z]+)", s)
     if not parts or "".join(n + u for n, u in parts) != s or any(u not in _DURATION_UNITS for _, u in parts):
         raise ValueError(f"cannot read {text!r} as a duration: write e.g. 2h, 90m, 1h30m, 60s, 500ms, 30d")
-    return sum(float(n) * _DURATION_UNITS[u] for n, u in parts)
+    return _finite(sum(float(n) * _DURATION_UNITS[u] for n, u in parts), text, "a duration")
 
 
 def parse_count(text: str) -> float:
@@ -74,29 +99,63 @@ def parse_count(text: str) -> float:
     m = re.fullmatch(rf"\s*{_NUMBER}\s*([A-Za-z]?)\s*", str(text))
     if m is None or m.group(2).upper() not in _COUNT_UNITS:
         raise ValueError(f"cannot read {text!r} as a count: write e.g. 70B, 7e9, 1.5T, 350M")
-    return float(m.group(1)) * _COUNT_UNITS[m.group(2).upper()]
+    return _finite(float(m.group(1)) * _COUNT_UNITS[m.group(2).upper()], text, "a count")
 
 
 class _Parsed(click.ParamType):
     """A click parameter type over one of the parsers above (errors become exit code 2)."""
 
-    def __init__(self, name: str, parse: Callable[[str], object]) -> None:
+    def __init__(self, name: str, parse: Callable[[str], float], positive: bool = False) -> None:
         self.name = name
         self._parse = parse
+        self._positive = positive
 
     def convert(self, value, param, ctx):  # noqa: ANN001, ANN201 (click's signature)
         if not isinstance(value, str):
             return value
         try:
-            return self._parse(value)
+            parsed = self._parse(value)
         except ValueError as exc:
             self.fail(str(exc), param, ctx)
+        if self._positive and not parsed > 0:
+            self.fail(f"{value!r} must be more than 0", param, ctx)
+        return parsed
 
 
-SIZE = _Parsed("size", parse_size)
-BANDWIDTH = _Parsed("bandwidth", parse_bandwidth)
+class _FinitePositive(click.ParamType):
+    """A plain number, finite and more than 0 (``inf``, ``nan``, ``1e400`` and ``0`` are refused)."""
+
+    name = "number"
+
+    def convert(self, value, param, ctx):  # noqa: ANN001, ANN201 (click's signature)
+        try:
+            number = float(value)
+        except ValueError:
+            self.fail(f"{value!r} is not a number", param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number: give e.g. 30 or 0.5", param, ctx)
+        if not number > 0:
+            self.fail(f"{value!r} must be more than 0", param, ctx)
+        return number
+
+
+SIZE = _Parsed("size", parse_size, positive=True)
+BANDWIDTH = _Parsed("bandwidth", parse_bandwidth, positive=True)
 DURATION = _Parsed("duration", parse_duration)
-COUNT = _Parsed("count", parse_count)
+COUNT = _Parsed("count", parse_count, positive=True)
+FINITE_POSITIVE = _FinitePositive()
+
+
+def distinct_dirs(ctx: click.Context, param: click.Parameter, dirs: tuple[str, ...]) -> tuple[str, ...]:
+    """A click callback: a repeated option's directories, each given once (by real path)."""
+    seen: dict[str, str] = {}
+    for d in dirs:
+        real = os.path.realpath(d)
+        if real in seen:
+            raise click.BadParameter(f"{d} is given twice (as {seen[real]}); give each directory once",
+                                     ctx=ctx, param=param)
+        seen[real] = d
+    return dirs
 
 
 def _json_object(text: str) -> dict:

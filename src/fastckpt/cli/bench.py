@@ -21,6 +21,7 @@ from ._common import (
     DURATION,
     SIZE,
     console,
+    distinct_dirs,
     emit_json,
     exit_with,
     fmt_bytes,
@@ -222,6 +223,7 @@ def render(data: dict) -> None:
 
 @click.command()
 @click.option("--dir", "dirs", multiple=True, required=True, type=click.Path(exists=True, file_okay=False),
+              callback=distinct_dirs,
               help="Directory to test (repeat to stripe workers over several mounts or drives).")
 @click.option("--workers", type=click.IntRange(1, 1024), default=4, show_default=True, help="Workers per node.")
 @click.option("--engine", type=click.Choice(["threads", "processes"]), default="threads", show_default=True)

@@ -52,8 +52,13 @@ def doctor(local_dir: tuple[str, ...], target: str | None, tier: str, state_size
 
     storage_options = {}
     if options_file:
-        with open(options_file, encoding="utf-8") as f:
-            storage_options = json.load(f)
+        try:
+            with open(options_file, encoding="utf-8") as f:
+                storage_options = json.load(f)
+        except ValueError as exc:  # not JSON, or not text at all
+            raise click.BadParameter(f"{options_file} is not a JSON file ({exc}); write e.g. "
+                                     '{"endpoint_url": "http://127.0.0.1:8333"}',
+                                     param_hint="--storage-options") from exc
         if not isinstance(storage_options, dict):
             raise click.BadParameter("must hold a JSON object", param_hint="--storage-options")
     opts = DoctorOptions(local_dir[0] if len(local_dir) == 1 else (local_dir or None), target, tier, state_size, keep,

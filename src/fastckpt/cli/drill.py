@@ -35,6 +35,9 @@ def _validate(cfg: DrillConfig) -> None:
         raise click.UsageError(f"--dir {cfg.home} is a URL: saving there needs --local-dir (the burst buffer)")
     if cfg.min_run_s > cfg.max_run_s:
         raise click.UsageError("--min-run must not exceed --max-run")
+    if cfg.command and shutil.which(cfg.command[0]) is None:
+        raise click.UsageError(f"the command after -- is not found or not executable: {cfg.command[0]!r} "
+                               "(give a program on PATH, or its path, e.g. -- python train.py)")
     if not cfg.command:
         from .. import latest
 
@@ -112,7 +115,11 @@ def drill(command: tuple[str, ...], trials: int, state_size: int, home: str, loc
                       min_run_s=min_run, max_run_s=max_run, device=device)
     _validate(cfg)
     if cfg.local_dir:
-        os.makedirs(cfg.local_dir, exist_ok=True)
+        try:
+            os.makedirs(cfg.local_dir, exist_ok=True)
+        except OSError as exc:  # a file on the way (file/x), no permission
+            raise click.BadParameter(f"cannot create {cfg.local_dir}: {exc.strerror}; give a directory path",
+                                     param_hint="--local-dir") from exc
     workdir = tempfile.mkdtemp(prefix="fastckpt-drill-")
     what = "your job" if command else f"the built-in job ({fmt_bytes(state_size)} of state)"
     error = None

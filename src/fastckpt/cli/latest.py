@@ -43,12 +43,18 @@ def latest(root: str, storage_options: dict | None) -> None:
 
     Checkpoints written by torch.save, Lightning or DeepSpeed before a run switched to fastckpt
     count too (unverified). A checkpoint with a missing or truncated file is passed over (named
-    on stderr) for the newest older one that is whole. Exit 1 when there is none.
+    on stderr) for the newest older one that is whole. Exit 1 when there is none, or ROOT does
+    not exist.
     """
+    import os
+
     from .. import latest as find_latest
     from ..commit.discovery import scan
-    from ..urls import normalize
+    from ..urls import is_url, normalize
 
+    if not is_url(root) and not os.path.exists(root):
+        click.echo(f"{root} does not exist: check the path (no checkpoint was saved there yet)", err=True)
+        raise SystemExit(1)
     found = find_latest(root, storage_options)
     h = homes(storage_options)
     try:

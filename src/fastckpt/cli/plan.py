@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import click
 
@@ -11,6 +12,7 @@ from ._common import (
     BANDWIDTH,
     COUNT,
     DURATION,
+    FINITE_POSITIVE,
     SIZE,
     console,
     emit_json,
@@ -25,29 +27,35 @@ from ._common import (
 from .runlog import RunProfile, profile, read_events
 
 
-def _resolve(opts: dict, run: RunProfile | None) -> tuple[sizing.PlanInputs, list[str]]:
+def _resolve(opts: dict, run: RunProfile | None, from_run: str | None) -> tuple[sizing.PlanInputs, list[str]]:
     """Flags win; a run's measurements fill the gaps; defaults last. Returns the inputs and
     a note per value that did not come from a flag."""
     notes: list[str] = []
-    if opts["preset"] and opts["bytes_per_param"]:
+    if opts["preset"] and opts["bytes_per_param"] is not None:
         raise click.UsageError("give --preset or --bytes-per-param, not both")
-    bpp = opts["bytes_per_param"] or sizing.PRESETS[opts["preset"] or "mixed-adam"][0]
+    bpp = opts["bytes_per_param"]
+    if bpp is None:
+        bpp = sizing.PRESETS[opts["preset"] or "mixed-adam"][0]
     gpn = opts["gpus_per_node"]
-    gpus = opts["gpus"] or (run.ranks if run else None)
-    if gpus is None:
+    gpus = opts["gpus"]
+    if gpus is None and run and run.ranks:
+        gpus = run.ranks
+        notes.append(f"GPUs: {gpus}, the ranks in the run's event log")
+    elif gpus is None:
         gpus = gpn
         notes.append(f"--gpus not given: one node of {gpn} GPUs")
-    elif not opts["gpus"]:
-        notes.append(f"GPUs: {gpus}, the ranks in the run's event log")
-    if opts["state_size"] and opts["params"]:
+    if opts["state_size"] is not None and opts["params"] is not None:
         raise click.UsageError("give --params (with --preset) or --state-size, not both")
-    if opts["state_size"]:
+    if opts["state_size"] is not None:
         state = float(opts["state_size"])
-    elif opts["params"]:
+    elif opts["params"] is not None:
         state = sizing.state_bytes(opts["params"], bpp)
     elif run and run.state_bytes:
         state = run.state_bytes
         notes.append(f"state {fmt_bytes(state)}: one checkpoint of the run")
+    elif run:
+        raise click.UsageError(f"the event log {from_run} has no completed save to size the state from "
+                               f"({run.events} events): give --params (e.g. 70B) or --state-size (e.g. 1.4TB)")
     else:
         raise click.UsageError("give --params (e.g. 70B), --state-size (e.g. 1.4TB) or --from-run events.jsonl")
     bandwidth = opts["bandwidth"]
@@ -147,22 +155,23 @@ def render(p: sizing.Plan, notes: list[str]) -> None:
 @click.option("--preset", type=click.Choice(sorted(sizing.PRESETS)),
               help="Bytes per parameter: " + "; ".join(f"{k} {v[0]:g} B ({v[1]})" for k, v in sizing.PRESETS.items())
               + ". Default mixed-adam.")
-@click.option("--bytes-per-param", type=float, help="Bytes per parameter, instead of --preset.")
+@click.option("--bytes-per-param", type=FINITE_POSITIVE, help="Bytes per parameter, instead of --preset.")
 @click.option("--state-size", type=SIZE, help="The whole checkpoint, instead of --params (e.g. 1.4TB).")
-@click.option("--gpus", type=int, help="GPUs in the job (default: one node).")
-@click.option("--gpus-per-node", type=int, default=8, show_default=True)
+@click.option("--gpus", type=click.IntRange(1), help="GPUs in the job (default: one node).")
+@click.option("--gpus-per-node", type=click.IntRange(1), default=8, show_default=True)
 @click.option("--interval", type=DURATION, default="2h", show_default=True, help="Time between checkpoints.")
 @click.option("--bandwidth", type=BANDWIDTH, help="Aggregate persistent write bandwidth, e.g. 10GB/s.")
 @click.option("--budget", type=DURATION, default="60s", show_default=True, help="Write budget per checkpoint.")
-@click.option("--days", type=float, default=30.0, show_default=True, help="Length of the training campaign.")
-@click.option("--gpu-hour-cost", type=float, help="Cost of one GPU-hour (any currency).")
+@click.option("--days", type=FINITE_POSITIVE, default=30.0, show_default=True, help="Length of the training campaign.")
+@click.option("--gpu-hour-cost", type=FINITE_POSITIVE, help="Cost of one GPU-hour (any currency).")
 @click.option("--mtbf", type=DURATION, help="Mean time between failures, e.g. 5000h (see --mtbf-per).")
 @click.option("--mtbf-per", type=click.Choice(["node", "job"]), default="node", show_default=True,
               help="Whether --mtbf is one node's (the job's is that / nodes) or the whole job's.")
 @click.option("--local-bandwidth", type=BANDWIDTH, help="Per-node burst buffer (NVMe) write bandwidth.")
 @click.option("--snapshot-bandwidth", type=BANDWIDTH,
               help="Per-GPU device-to-host (or memcpy) bandwidth [default: 20GB/s].")
-@click.option("--overhead-budget", type=float, default=0.02, show_default=True,
+@click.option("--overhead-budget", type=click.FloatRange(0, 1, min_open=True, max_open=True), default=0.02,
+              show_default=True,
               help="Largest acceptable fraction of wall time spent stalled.")
 @click.option("--from-run", type=click.Path(exists=True, dir_okay=False),
               help="A run's event log (Checkpointer(event_log=...)): measured sizes and bandwidths.")
@@ -180,10 +189,15 @@ def plan(as_json: bool, from_run: str | None, **opts: object) -> None:
             run = profile(read_events(from_run))
         except ValueError as exc:
             raise click.UsageError(str(exc)) from exc
-    inputs, notes = _resolve(opts, run)
+    inputs, notes = _resolve(opts, run, from_run)
     result = sizing.plan(inputs)
+    data = to_json(result, notes, run)
+    overflowed = [k for k, v in data.items() if isinstance(v, float) and not math.isfinite(v)]
+    if overflowed:  # JSON has no infinity: a number too large or too small in the inputs
+        raise click.UsageError(f"the inputs give non-finite {', '.join(overflowed)}: check the sizes and "
+                               "bandwidths for a value far too large or too small")
     if as_json:
-        emit_json(to_json(result, notes, run))
+        emit_json(data)
     else:
         render(result, notes)
     exit_with(result.passed)

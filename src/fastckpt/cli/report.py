@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import os
 
@@ -32,6 +33,11 @@ def report(logs: tuple[str, ...], png: str | None, page: str | None, as_json: bo
     from ..progress import Progress
     from ..report import load_run
 
+    for flag, where in (("-o", png), ("--html", page)):
+        parent = os.path.dirname(os.path.abspath(where)) if where else None
+        if parent is not None and not os.path.isdir(parent):
+            raise click.BadParameter(f"{where}: the directory {parent} does not exist; create it or write elsewhere",
+                                     param_hint=flag)
     total = sum(os.path.getsize(p) for p in logs)
     with Progress(f"reading {len(logs)} event log(s)", total=total, delay_s=2.0):
         try:
@@ -40,21 +46,10 @@ def report(logs: tuple[str, ...], png: str | None, page: str | None, as_json: bo
             raise click.BadParameter(str(exc), param_hint="LOGS") from exc
     if not run.events:
         raise click.BadParameter(f"{', '.join(logs)}: no events in the log(s)", param_hint="LOGS")
-    image = None
-    if png or page:
-        from ..report.plot import render_png
-
-        target = png or f"{page}.png"
-        with Progress("drawing", total=None, unit="figures", delay_s=2.0):
-            render_png(run, summary, target)
-        with open(target, "rb") as f:
-            image = f.read()
-        if png is None:
-            os.unlink(target)
-    if page:
-        from ..report.page import render_html
-
-        render_html(summary, image, page)
+    try:
+        _write(run, summary, png, page)
+    except OSError as exc:  # a read-only directory, a full disk: no traceback
+        raise click.ClickException(f"cannot write the report: {exc}") from exc
     if as_json:
         out = dataclasses.asdict(summary)
         out["outputs"] = {"png": png, "html": page}
@@ -66,3 +61,22 @@ def report(logs: tuple[str, ...], png: str | None, page: str | None, as_json: bo
                 click.echo(f"{what}: {where}")
     if summary.failed or summary.alarms:
         raise SystemExit(1)
+
+
+def _write(run, summary, png: str | None, page: str | None) -> None:  # noqa: ANN001 (RunState, Summary)
+    """Draw once; the page embeds the PNG from memory, so no file is written beside it."""
+    if not (png or page):
+        return
+    from ..progress import Progress
+    from ..report.plot import render_png
+
+    buf = io.BytesIO()
+    with Progress("drawing", total=None, unit="figures", delay_s=2.0):
+        render_png(run, summary, buf)
+    if png:
+        with open(png, "wb") as f:
+            f.write(buf.getvalue())
+    if page:
+        from ..report.page import render_html
+
+        render_html(summary, buf.getvalue(), page)

@@ -35,10 +35,14 @@ def serve_metrics(logs: tuple[str, ...], port: int, addr: str, local_dir: str | 
 
     One exporter per node: pass every rank's log of this node. Stops on Ctrl-C or SIGTERM.
     """
+    from ..errors import ConfigError
     from ..metrics import LogExporter
 
-    exporter = LogExporter(logs, 0 if once else port, addr, local_dir=local_dir, budget=overhead_budget,
-                           window_s=overhead_window_s)
+    try:
+        exporter = LogExporter(logs, 0 if once else port, addr, local_dir=local_dir, budget=overhead_budget,
+                               window_s=overhead_window_s)
+    except ConfigError as exc:  # the port is taken, or --addr is not an address of this node
+        raise click.ClickException(str(exc)) from exc
     try:
         if once:
             _print_once(exporter, as_json)
@@ -65,4 +69,5 @@ def _print_once(exporter, as_json: bool) -> None:  # noqa: ANN001 (a LogExporter
             click.echo(resp.read().decode(), nl=False)
         return
     status = exporter.status(time.time())
-    click.echo(json.dumps({"events": exporter.events, "ranks": [dataclasses.asdict(s) for s in status]}, indent=2))
+    click.echo(json.dumps({"events": exporter.events, "bad_lines": exporter.bad_lines,
+                           "ranks": [dataclasses.asdict(s) for s in status]}, indent=2))

@@ -20,7 +20,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from ..errors import ConfigError
-from ..eventlog import LogFollower
+from ..eventlog import LogFollower, unique_paths
 from ..events import Event
 from ..monitor import Stats
 from ..runstate import DEFAULT_BUDGET, DEFAULT_WINDOW_S, RankStatus, RunState
@@ -39,18 +39,22 @@ class MetricsServer:
     """Serves one registry over HTTP on a daemon thread until ``close()``.
 
     Raises:
-        ConfigError: the port is taken (the message says which and what to do).
+        ConfigError: the port is taken, or the address cannot be listened on (the message says
+            which and what to do).
     """
+
+    # what to do when the port is taken; a subclass run by hand says which flag to change
+    in_use_fix = ("With several ranks per node each rank serves on metrics_port + LOCAL_RANK: choose a base port "
+                  "with enough free ports above it, or run one `fastckpt serve-metrics` per node instead")
 
     def __init__(self, registry: CollectorRegistry, port: int, addr: str = "0.0.0.0") -> None:
         try:
             self._httpd, self._thread = start_http_server(port, addr, registry=registry)
-        except OSError as exc:
-            if exc.errno != errno.EADDRINUSE:
-                raise
-            raise ConfigError(f"metrics port {port} is already in use on this node. With several ranks per node "
-                              "each rank serves on metrics_port + LOCAL_RANK: choose a base port with enough free "
-                              "ports above it, or run one `fastckpt serve-metrics` per node instead") from exc
+        except OSError as exc:  # socket.gaierror too: an address that does not resolve
+            if exc.errno == errno.EADDRINUSE:
+                raise ConfigError(f"metrics port {port} is already in use on this node. {self.in_use_fix}") from exc
+            raise ConfigError(f"cannot serve metrics on {addr}:{port} ({exc}): give an address of this node, "
+                              "e.g. 0.0.0.0 (all) or 127.0.0.1, and a free port") from exc
         host = self._httpd.server_address[0]
         self.port: int = self._httpd.server_address[1]
         self.url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::', '') else host}:{self.port}/metrics"
@@ -95,6 +99,8 @@ class LogExporter(MetricsServer):
     ``poll()`` reads what was appended since the last call; every scrape polls first (so it
     sees each event written before it), and ``run()`` polls in between until stopped.
     Overhead, alarm, pending saves, lag and RPO are replayed from the logs (fastckpt.runstate).
+    A log given twice (or through a symlink) is followed once; a line that is not an event is
+    skipped, logged and counted in ``bad_lines``.
 
     Args:
         logs: the event logs to follow (they may not exist yet).
@@ -112,10 +118,17 @@ class LogExporter(MetricsServer):
         self._sink = EventMetrics(registry, RunState(budget, window_s, keep_done=256))
         registry.register(StatusCollector(lambda: self._sink.status(time.time())))
         registry.register(NodeHealth(local_dir, self._sink.target_dirs))
-        self._followers = [LogFollower(p) for p in logs]
+        self._followers = [LogFollower(p) for p in unique_paths(logs)]
         self._lock = threading.Lock()  # scrapes (the server's threads) and run() both poll
         self.events = 0
         super().__init__(registry, port, addr)
+
+    in_use_fix = "Choose another --port (0 picks a free one), or stop the exporter already serving on it"
+
+    @property
+    def bad_lines(self) -> int:
+        """Complete lines of the logs that were not events (skipped)."""
+        return sum(f.bad_lines for f in self._followers)
 
     def status(self, now: float) -> list[RankStatus]:
         """The ranks' status replayed from the logs read so far."""

@@ -69,7 +69,8 @@ FAMILIES: tuple[Family, ...] = (
     Family("fastckpt_overhead_ratio", "gauge", "Blocked time / wall time: window=run since the start, "
            "window=sliding over overhead_window_s.", ("rank", "window")),
     Family("fastckpt_overhead_budget_ratio", "gauge", "The overhead budget (overhead_budget).", ("rank",)),
-    Family("fastckpt_overhead_alarm", "gauge", "1 while the overhead is above the budget, else 0.", ("rank",)),
+    Family("fastckpt_overhead_alarm", "gauge", "1 if the overhead was above the budget at the last save's check, "
+           "else 0 (the ratios are as of the scrape).", ("rank",)),
     Family("fastckpt_overhead_alarms", "counter", "Times the overhead crossed above the budget.", ("rank",)),
     Family("fastckpt_pending_saves", "gauge", "Saves, commits and replications not finished yet.", ("rank",)),
     Family("fastckpt_replication_pending_saves", "gauge", "Checkpoints waiting for or in replication.", ("rank",)),

@@ -8,8 +8,9 @@ blocked time and durable time of each save.
 from __future__ import annotations
 
 import datetime as dt
+from typing import BinaryIO
 
-from ..runstate import RunState
+from ..runstate import Phase, RunState
 from .summary import Summary
 
 PHASES = ("snapshot", "write", "commit", "replicate")
@@ -33,8 +34,23 @@ def _when(t: float) -> dt.datetime:
     return dt.datetime.fromtimestamp(t)
 
 
-def render_png(run: RunState, summary: Summary, path: str, *, dpi: int = 100) -> None:
-    """Draw the run and write a PNG to ``path``."""
+def _date_nums(ts: list[float]) -> list[float]:
+    """matplotlib date numbers of ``_when(t)`` for many ``t``: one date2num per call, not per
+    value (per value it took most of the drawing time), unless the UTC offset changes between
+    the first and the last (a DST switch in the run)."""
+    import matplotlib.dates as mdates
+
+    if not ts:
+        return []
+    lo, hi = min(ts), max(ts)
+    off_lo, off_hi = (mdates.date2num(_when(t)) - t / 86400.0 for t in (lo, hi))
+    if abs(off_lo - off_hi) > 1e-9:
+        return [mdates.date2num(_when(t)) for t in ts]
+    return [t / 86400.0 + off_lo for t in ts]
+
+
+def render_png(run: RunState, summary: Summary, path: str | BinaryIO, *, dpi: int = 100) -> None:
+    """Draw the run and write a PNG to ``path`` (a file name, or a binary file object)."""
     plt = _pyplot()
     import matplotlib.dates as mdates
 
@@ -43,17 +59,20 @@ def render_png(run: RunState, summary: Summary, path: str, *, dpi: int = 100) ->
                                            gridspec_kw={"height_ratios": [1 + 0.4 * len(ranks), 1.2, 1.2]})
     saves = run.saves()
     lane_h = 1.0 / (len(PHASES) + 1)
-    for i, rank in enumerate(ranks):
-        for s in (s for s in saves if s.rank == rank):
-            for p in s.phases:
-                lane = PHASES.index(p.name) if p.name in PHASES else None
-                if lane is None:
-                    continue
-                y = i + 1 - (lane + 1) * lane_h
-                start = mdates.date2num(_when(p.start))
-                width = max(p.end - p.start, 1e-4) / 86400.0
-                ax_t.broken_barh([(start, width)], (y, lane_h * 0.8), facecolors=COLORS[p.name],
-                                 edgecolors="black" if p.error else "none")
+    # one collection per rank, phase and outcome, not one artist per phase: a long run's log has
+    # hundreds of thousands of phases, and an artist each took matplotlib hours to draw
+    bars: dict[tuple[int, str, bool], list[Phase]] = {}
+    index = {rank: i for i, rank in enumerate(ranks)}
+    for s in saves:
+        for p in s.phases:
+            if p.name in PHASES:
+                bars.setdefault((index[s.rank], p.name, p.error is not None), []).append(p)
+    for (i, name, failed), phases in bars.items():
+        y = i + 1 - (PHASES.index(name) + 1) * lane_h
+        starts = _date_nums([p.start for p in phases])
+        xranges = [(x, max(p.end - p.start, 1e-4) / 86400.0) for x, p in zip(starts, phases)]
+        ax_t.broken_barh(xranges, (y, lane_h * 0.8), facecolors=COLORS[name],
+                         edgecolors="black" if failed else "none")
     ax_t.set_yticks([i + 0.5 for i in range(len(ranks))], [f"rank {r}" for r in ranks])
     ax_t.set_ylim(0, max(len(ranks), 1))
     ax_t.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=COLORS[p]) for p in PHASES], labels=list(PHASES),

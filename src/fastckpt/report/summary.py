@@ -119,6 +119,7 @@ def _rank_summary(run: RunState, rank: int, saves: list) -> RankSummary:
     pts = run.overhead_points(rank)
     blocked = sum(s.blocked_s for s in mine)
     ends = [p.end for s in saves if s.rank == rank for p in s.phases]
+    ends += [e.end for e in run.group_commits if e.rank == rank]  # "the last event's end" (docs/report.md)
     span = max(ends) - min(s.start for s in mine) if mine and ends else 0.0
     return RankSummary(rank, len(mine), blocked, pts[-1].overhead if pts else None,
                        max(p.window_overhead for p in pts) if pts else None,
