@@ -148,6 +148,13 @@ def test_names_fastckpt_keeps_are_refused(tmp_path, name: str) -> None:
     assert not (tmp_path / "run").exists() and not any(files for _, _, files in os.walk(tmp_path / "nvme"))
 
 
+def test_a_hidden_folder_of_the_users_higher_up_is_fine(tmp_path) -> None:
+    path = str(tmp_path / ".fastckpt-runs" / "run1" / "step-1.pt")
+    with fastckpt.Checkpointer() as ck:
+        ck.save(_state(1), path).wait()
+        assert _step(ck.load(path)) == 1
+
+
 @pytest.mark.parametrize("key", ["run/../../../escaped/x.pt", "run//x.pt", "run/./x.pt"])
 def test_url_keys_that_leave_their_place_are_refused_before_writing(tmp_path, key: str) -> None:
     with fastckpt.Checkpointer(local_dir=str(tmp_path / "nvme"),

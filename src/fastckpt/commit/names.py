@@ -33,7 +33,7 @@ def check_save_name(path: str) -> None:
         why = "the name of a group's manifest"
     elif base.endswith(SIDECAR):
         why = f"how a checkpoint's publication record at a URL is named (NAME{SIDECAR})"
-    elif any(p.startswith(".") and "fastckpt" in p for p in parts):
+    elif any(p.startswith(".") and "fastckpt" in p for p in parts[-2:]):  # a folder higher up is the user's
         why = "a hidden name of the kind fastckpt gives its markers, temp files and attempts"
     else:
         return
