@@ -55,3 +55,48 @@ def test_hashing_waits_for_the_copy(tmp_path, monkeypatch: pytest.MonkeyPatch) -
     assert state["hashed"] == 6 and state["hashed_while_copying"] == 0
     assert res.checksum == checksum.checksum_bytes(src)
     assert (tmp_path / "f").read_bytes() == src
+
+
+def _fallocate_works(directory) -> bool:  # noqa: ANN001
+    fd = os.open(os.path.join(directory, "probe"), os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        FileOps().preallocate(fd, MiB)
+        return os.fstat(fd).st_blocks * 512 >= MiB
+    finally:
+        os.close(fd)
+        os.unlink(os.path.join(directory, "probe"))
+
+
+def test_the_file_is_preallocated_before_the_parallel_writes(tmp_path) -> None:
+    """Parallel O_DIRECT writes past the end of a file are serialised by ext4 and XFS (each one
+    allocates blocks and moves the end): the writer reserves the file's blocks first, as fio does."""
+    if not _fallocate_works(tmp_path):
+        pytest.skip("this file system does not preallocate (fallocate refused)")
+    size = 3 * 16 * MiB + 4321
+    src = os.urandom(size)
+    image = memoryview(engine.alloc_aligned(size + (1 << 17)))
+    image[:size] = src
+    seen: list[int] = []
+
+    class Ops(FileOps):
+        def pwrite(self, fd: int, data: memoryview, offset: int) -> int:
+            seen.append(os.fstat(fd).st_blocks * 512)
+            return super().pwrite(fd, data, offset)
+
+    with ThreadPoolExecutor(3) as pool:
+        engine.write_file(Ops(), pool, str(tmp_path / "f"), image, size, lambda d, b: b"tail",
+                          chunk_bytes=16 * MiB)
+    assert seen and min(seen) >= size // 4096 * 4096  # every write found the blocks reserved
+    assert (tmp_path / "f").read_bytes() == src + b"tail"  # and the file is exactly its bytes
+
+
+def test_preallocation_is_best_effort(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Off (or refused by the file system), the file is written the same."""
+    monkeypatch.setattr("fastckpt.io.ops.PREALLOCATE", False)
+    src = os.urandom(16 * MiB + 5)
+    image = memoryview(engine.alloc_aligned(len(src) + (1 << 17)))
+    image[: len(src)] = src
+    with ThreadPoolExecutor(2) as pool:
+        engine.write_file(FileOps(), pool, str(tmp_path / "f"), image, len(src), lambda d, b: b"",
+                          chunk_bytes=16 * MiB)
+    assert (tmp_path / "f").read_bytes() == src
