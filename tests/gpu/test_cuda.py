@@ -19,7 +19,8 @@ def test_cuda_state_round_trip_and_mutation_after_save(tmp_path) -> None:
         state["w"].add_(1)  # queued after the side-stream copy by the event wait
         h.wait()
         out = ck.load(str(tmp_path / "c.pt"))
-    assert torch.equal(out["w"], ref)
+    assert out["w"].is_cuda  # as torch.load: back on the device it was saved from
+    assert torch.equal(out["w"].cpu(), ref)
 
 
 def test_load_to_cuda(tmp_path) -> None:
