@@ -23,6 +23,7 @@ import torch
 
 import fastckpt
 from fastckpt.errors import ConfigError, ReplicationError
+from fastckpt.load import loader
 from fastckpt.storage.types import BucketNotFoundError
 from fastckpt.testing import Fault, FaultyOps
 
@@ -128,13 +129,17 @@ def test_s3_prefetch_never_replaces_a_newer_local_copy(s3_server, s3_bucket, tmp
         assert _step(other.load(url)) == 1 and other.stats().last_restore_from == "local"
 
 
-def test_s3_prefetch_replaces_an_older_local_copy(s3_server, s3_bucket, tmp_path) -> None:
+def test_s3_prefetch_replaces_an_older_local_copy(s3_server, s3_bucket, tmp_path, monkeypatch) -> None:
     opts, url = s3_server.storage_options(), f"s3://{s3_bucket}/run/last.ckpt"
     with fastckpt.Checkpointer(local_dir=str(tmp_path / "nodeA"), storage_options=opts) as a:
         a.save(_state(1), url).wait()
         with fastckpt.Checkpointer(local_dir=str(tmp_path / "nodeB"), storage_options=opts) as b:
             b.save(_state(2), url).wait()
+        sidecar_reads = []
+        real = loader.read_sidecar
+        monkeypatch.setattr(loader, "read_sidecar", lambda *a, **k: sidecar_reads.append(1) or real(*a, **k))
         assert _step(a.load(url, prefetch=True)) == 2
+        assert len(sidecar_reads) == 1  # which copy is newer is decided from one read of each manifest
         assert a.stats().last_restore_from == "remote (prefetched)"
         assert _step(torch.load(a.local_path(url), weights_only=True)) == 2
 

@@ -38,6 +38,7 @@ from typing import TypeVar
 
 from ..errors import CorruptCheckpointError, IncompleteCheckpointError
 from ..storage.homes import Homes, Location
+from ..storage.places import Place
 from ..storage.types import BucketNotFoundError, TargetNotFoundError
 from ..urls import join
 from . import foreign
@@ -255,6 +256,19 @@ def group_dir(url: str, manifest: dict) -> str | None:
     return None
 
 
+def group_entry(homes: Homes, url: str, manifest: dict) -> tuple[Place, dict | None, dict | None] | None:
+    """For a file in its group (``group_dir``): the group's place, its published manifest (None
+    before it is published) and the entry that manifest has for the file (None when it names
+    none). None for a file that is in no group."""
+    group = group_dir(url, manifest)
+    if group is None:
+        return None
+    place = homes.resolve(group).place()
+    published = read_group_manifest(place)
+    rel = manifest.get("group_rel") or posixpath.basename(url)
+    return place, published, (published.get("files") or {}).get(rel) if published else None
+
+
 def require_complete_group(homes: Homes, url: str, manifest: dict) -> None:
     """A file in its group (``group_dir``) may be loaded only once the group is published, and
     only if it is the file the group's manifest names (same checksum): a file left by another
@@ -264,15 +278,12 @@ def require_complete_group(homes: Homes, url: str, manifest: dict) -> None:
         IncompleteCheckpointError: naming the group and the ranks that never committed, or the
             attempt the file does not belong to.
     """
-    group = group_dir(url, manifest)
-    if group is None:
+    found = group_entry(homes, url, manifest)
+    if found is None:
         return
-    rel = manifest.get("group_rel") or posixpath.basename(url)
-    place = homes.resolve(group).place()
-    published = read_group_manifest(place)
+    place, published, entry = found
     if published is None:
         raise incomplete_group_error(place, None)
-    entry = published.get("files", {}).get(rel)
     if entry is None or entry.get("checksum") != manifest["checksum"]["value"]:
         raise IncompleteCheckpointError(
             f"{url} is not part of checkpoint group {place.label} as published: its manifest "

@@ -28,8 +28,8 @@ import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..commit.discovery import group_dir, require_complete_group
-from ..commit.protocol import read_group_manifest, read_sidecar
+from ..commit.discovery import group_entry, require_complete_group
+from ..commit.protocol import read_sidecar
 from ..errors import (
     CheckpointNotFoundError,
     ConfigError,
@@ -123,8 +123,8 @@ class Loader:
         if home.target.mounted and os.path.isdir(path):
             raise ConfigError(f"{path} is a directory, not a checkpoint file: load a file inside it (a group's files "
                               f"load one at a time), or fastckpt.latest({path!r}) for the newest checkpoint under it")
-        candidates = self._candidates(path, home)
-        if opts.prefetch and not home.target.mounted and not candidates[:-1] and self._may_replace(path):
+        candidates, replaceable = self._candidates(path, home)
+        if opts.prefetch and not home.target.mounted and replaceable:
             local = self._homes.resolve(self._local_path(path))  # type: ignore[arg-type]
             os.makedirs(os.path.dirname(local.url), exist_ok=True)
             home.target.download(home.key, local.url)
@@ -149,64 +149,49 @@ class Loader:
                 log.warning("fastckpt: %s unusable (%s); falling back to %s", loc.url, exc, candidates[i + 1][0].url)
         raise AssertionError("unreachable: the last candidate returns or raises")
 
-    def _candidates(self, path: str, home: Location) -> list[tuple[Location, str]]:
+    def _candidates(self, path: str, home: Location) -> tuple[list[tuple[Location, str]], bool]:
+        """The copies to try, in order, and whether a prefetch may download ``path`` over its
+        burst-buffer copy: there is none, or it is of an older save than the home's. A later one
+        (its upload failed, or a crash cut it short) is not a checkpoint, but it is the only copy
+        of that save: it stays."""
         where = "path" if home.target.mounted else "remote"
         local_name = self._local_path(path)
         if local_name is None or not os.path.exists(local_name):
-            return [(home, where)]
+            return [(home, where)], local_name is not None
         local = self._homes.resolve(local_name)
-        if self._other_save(local, home):
-            return [(home, where)]  # the local copy is of a save that never reached path, or another node saved since
-        return [(local, "local"), (home, where)]
+        other, older = self._other_save(local, home)
+        if other:  # the local copy is of a save that never reached path, or another node saved since
+            return [(home, where)], older
+        return [(local, "local"), (home, where)], False
 
-    def _may_replace(self, path: str) -> bool:
-        """Whether a prefetch may download ``path`` over its burst-buffer copy: there is none,
-        or it is of an older save than the home's. A later one (its upload failed, or a crash cut
-        it short) is not a checkpoint, but it is the only copy of that save: it stays."""
-        local_name = self._local_path(path)
-        if local_name is None or not os.path.exists(local_name):
-            return local_name is not None
-        local = self._homes.resolve(local_name)
-        try:
-            ours = local.target.read_manifest(local.key)
-        except CorruptCheckpointError:
-            return True  # damaged: no use to anyone
-        except OSError:
-            return False
-        try:
-            theirs = read_sidecar(self._homes.resolve(path), deadline_s=SAME_SAVE_CHECK_S)
-        except (OSError, ValueError):
-            return False
-        return bool(ours and theirs) and float(ours.get("written_at", 0.0)) <= float(theirs.get("written_at", 0.0))
-
-    def _other_save(self, local: Location, home: Location) -> bool:
-        """True when both copies carry readable manifests with different checksums. The home's
-        is read cheaply: from the file's tail on a mounted file system, else from its sidecar (one
-        small GET, retried for ``SAME_SAVE_CHECK_S`` at most): a home that cannot say which save
-        it holds (missing, unreachable, damaged) leaves the local copy first, as the verified
-        load then decides."""
+    def _other_save(self, local: Location, home: Location) -> tuple[bool, bool]:
+        """Whether the copies hold different saves: both carry readable manifests with different
+        checksums; and whether ours is then the older one. The home's manifest is read cheaply:
+        from the file's tail on a mounted file system, else from its sidecar or its group's
+        manifest (one small GET, retried for ``SAME_SAVE_CHECK_S`` at most): a home that cannot
+        say which save it holds (missing, unreachable, damaged) leaves the local copy first, as
+        the verified load then decides."""
         try:
             ours = local.target.read_manifest(local.key)
             if home.target.mounted:
                 if not home.target.exists(home.key):
-                    return False
+                    return False, False
                 theirs = home.target.read_manifest(home.key)
                 if theirs is None:
-                    return True  # a file without a manifest replaced ours there (plain torch.save, DeepSpeed)
+                    return True, False  # a file without a manifest replaced ours there (plain torch.save, DeepSpeed)
             else:
                 theirs = read_sidecar(home, deadline_s=SAME_SAVE_CHECK_S) or self._in_group(home, ours)
         except (OSError, ValueError):  # unreadable: let the verified load decide
-            return False
-        return bool(ours and theirs) and ours["checksum"]["value"] != theirs["checksum"]["value"]
+            return False, False
+        if not (ours and theirs) or ours["checksum"]["value"] == theirs["checksum"]["value"]:
+            return False, False
+        return True, float(ours.get("written_at", 0.0)) <= float(theirs.get("written_at", 0.0))
 
     def _in_group(self, home: Location, ours: dict | None) -> dict | None:
         """For a group's file at a URL (no sidecar): the checksum its group's published manifest
         there gives it, as a manifest's ``checksum``; None when that cannot say."""
-        group = group_dir(home.url, ours) if ours else None
-        if ours is None or group is None:
-            return None
-        published = read_group_manifest(self._homes.resolve(group).place()) or {}
-        entry = (published.get("files") or {}).get(ours.get("group_rel") or os.path.basename(home.key))
+        found = group_entry(self._homes, home.url, ours) if ours else None
+        entry = found[2] if found else None
         return {"checksum": {"value": entry["checksum"]}} if entry else None
 
     def _read(self, loc: Location, opts: LoadOptions, url: str, where: str) -> Loaded:
