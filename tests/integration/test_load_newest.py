@@ -209,3 +209,19 @@ def test_s3_a_group_file_saved_again_by_another_node_is_loaded_from_the_home(s3_
             b.save(_state(2), file, group=group)
             b.commit(group).wait()
         assert _step(a.load(file)) == 2 and a.stats().last_restore_from == "remote"
+
+
+def test_a_cut_short_burst_buffer_copy_falls_back_without_calling_it_unverified(tmp_path, caplog) -> None:
+    """A burst-buffer copy that lost its tail (a crash while it was written, a bad drive) has no
+    manifest: the load falls back to the path. The log says the copy was unusable, not that a file
+    without a manifest is being loaded unverified (it never was)."""
+    path = str(tmp_path / "run" / "last.pt")
+    with fastckpt.Checkpointer(local_dir=str(tmp_path / "nvme")) as ck:
+        ck.save(_state(3), path).wait()
+        local = ck.local_path(path)
+        os.truncate(local, os.path.getsize(local) // 2)
+        with caplog.at_level("WARNING", logger="fastckpt"):
+            assert _step(ck.load(path)) == 3 and ck.stats().last_restore_from == "path"
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert "unusable" in said and local in said
+    assert "unverified" not in said

@@ -201,8 +201,9 @@ class Loader:
                 raise UnverifiableCheckpointError(
                     f"{loc.url} has no fastckpt manifest (a plain torch.save file?): nothing records what its bytes "
                     "should be. Load it with verify=False to accept it unverified.")
+            obj = _unverified(res, loc.url, opts)  # a damaged one raises: no "loading unverified" then
             _warn_unverified(loc.url)
-            return Loaded(opts.done(_unverified(res, loc.url, opts)), url, res.size, where, verified=False)
+            return Loaded(opts.done(obj), url, res.size, where, verified=False)
         require_complete_group(self._homes, loc.url, res.manifest)
         want = res.manifest["checksum"]["value"]
         if res.checksum != want:
