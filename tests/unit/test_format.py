@@ -111,6 +111,13 @@ def test_unpicklable_entry_named() -> None:
         F.plan({"opt": {"lr": 1.0, "hook": lambda: 1}})
 
 
+@pytest.mark.filterwarnings("ignore:.*quantize")
+def test_quantized_tensor_named() -> None:
+    q = torch.quantize_per_tensor(torch.randn(4), 0.1, 0, torch.qint8)
+    with pytest.raises(UnsupportedObjectError, match=r"state\['m'\]\['q'\].*dequantize\(\)"):
+        F.plan({"m": {"w": torch.ones(2), "q": q}})
+
+
 def test_meta_tensor_named() -> None:
     with pytest.raises(UnsupportedObjectError, match=r"\['m'\].*meta"):
         F.plan({"m": torch.empty(3, device="meta")})

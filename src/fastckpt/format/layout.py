@@ -250,9 +250,10 @@ def _metadata(obj: object, align: int) -> _SeekOnlySink:
         with torch.serialization.skip_data():
             torch.save(obj, sink)
     except Exception as exc:
+        where = find_unpicklable(obj)
+        fix = ("dequantize() it, or save it with torch.save" if "qtensor" in str(exc) else "drop or convert that entry")
         raise UnsupportedObjectError(
-            f"cannot save {find_unpicklable(obj)}: {exc}. Only tensors, containers and plain Python values "
-            "can be saved; drop or convert that entry."
+            f"cannot save {where}: {exc}. Only tensors, containers and plain Python values can be saved; {fix}."
         ) from exc
     finally:
         _ser_config.save.storage_alignment = old_align

@@ -177,7 +177,9 @@ def check_tensors(obj: object) -> None:
 
 
 def _unpicklable(value: object) -> bool:
-    if isinstance(value, (dict, *_SEQUENCES, torch.Tensor)):
+    if isinstance(value, torch.Tensor):
+        return value.is_quantized  # torch.save's metadata pass (skip_data) refuses quantized tensors
+    if isinstance(value, (dict, *_SEQUENCES)):
         return False
     try:
         pickle.dumps(value, protocol=2)
@@ -187,7 +189,8 @@ def _unpicklable(value: object) -> bool:
 
 
 def find_unpicklable(obj: object) -> str:
-    """The key path of the first value that cannot be pickled (for the error message)."""
+    """The key path of the first value that cannot be pickled, or is a quantized tensor (for the
+    error message)."""
     return key_path(obj, _unpicklable) or "state"
 
 
