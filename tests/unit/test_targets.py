@@ -20,6 +20,7 @@ from fastckpt.errors import ConfigError, CorruptCheckpointError, ReplicationErro
 from fastckpt.format import checksum
 from fastckpt.io import atomic
 from fastckpt.storage import reads as targets
+from fastckpt.storage import retry
 from fastckpt.storage.fsspec import FsspecTarget
 from fastckpt.storage.homes import open_target
 from fastckpt.storage.posix import PosixTarget
@@ -222,7 +223,21 @@ def test_transient_errors_past_the_deadline(root: Path, src: tuple[Path, bytes])
     assert tmp_files(root) == []
 
 
-# ---------------------------------------------------------------------- real file systems
+def test_the_last_attempt_starts_at_the_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Retries ride out an outage for the whole deadline: a long random backoff near the end is
+    cut short to the deadline, instead of giving up a backoff early."""
+    monkeypatch.setattr(retry, "BACKOFF_FIRST_S", 0.5)  # backoffs up to BACKOFF_MAX_S from the start
+    starts: list[float] = []
+
+    def down() -> None:
+        starts.append(time.monotonic())
+        raise ConnectionResetError("down")
+
+    t0 = time.monotonic()
+    with pytest.raises(TargetUnavailableError):
+        retry.retry_call(down, what="upload", url="s3://b", deadline_s=1.0, is_transient=lambda e: True,
+                         permanent=lambda e, w: None)
+    assert starts[-1] - t0 >= 1.0 - 0.05  # (the clock's resolution)
 
 
 def test_full_file_system(tmp_path: Path) -> None:

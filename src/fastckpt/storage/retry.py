@@ -1,6 +1,7 @@
 """Retrying one storage request, with tenacity: transient errors (connection refused or reset,
 timeouts, HTTP 5xx/429, SlowDown) are retried with exponential backoff and full jitter until
-the next attempt would start after ``deadline_s``; anything else becomes the target's permanent
+``deadline_s`` has passed (the last backoff is cut short so that one attempt starts at the
+deadline, not up to a backoff before it); anything else becomes the target's permanent
 ``ReplicationError`` at once. The deadline applies to one request (one part, one small object,
 one range), so a long upload that keeps making progress is never cut off, while a target that
 stays down fails after the deadline with ``TargetUnavailableError``.
@@ -45,8 +46,7 @@ def retry_call(fn: Callable[[], T], *, what: str, url: str, deadline_s: float,
     Args:
         what: the request, for messages (``"upload of part 2/4 of s3://b/k"``).
         url: the target's root, for messages.
-        deadline_s: stop retrying when the next attempt would start later than this after the
-            first one (0: no retries).
+        deadline_s: the last attempt starts this long after the first one (0: no retries).
         is_transient: whether an error is worth retrying.
         permanent: the ``ReplicationError`` for a permanent error (None: re-raise it as is).
         on_retry: called with a ``RetryNotice`` before each backoff.
@@ -82,9 +82,14 @@ def retry_call(fn: Callable[[], T], *, what: str, url: str, deadline_s: float,
                             "up and reachable from this node, or raise retry_deadline_s "
                             f"(now {deadline_s:g} s) to ride out longer outages", err_no=errno.ETIMEDOUT) from exc
 
+    backoff = tenacity.wait_random_exponential(multiplier=BACKOFF_FIRST_S, max=BACKOFF_MAX_S)
+
+    def wait(state: tenacity.RetryCallState) -> float:  # the last backoff ends at the deadline, not before
+        return min(backoff(state), max(0.0, deadline_s - (time.monotonic() - t0)))
+
     retrying = tenacity.Retrying(
-        stop=tenacity.stop_before_delay(deadline_s),
-        wait=tenacity.wait_random_exponential(multiplier=BACKOFF_FIRST_S, max=BACKOFF_MAX_S),
+        stop=tenacity.stop_after_delay(deadline_s),
+        wait=wait,
         retry=tenacity.retry_if_exception(retryable), before_sleep=before_sleep, retry_error_callback=give_up,
         sleep=cancel.wait if cancel is not None else time.sleep)
     try:
