@@ -138,6 +138,24 @@ def test_ls_and_verify_of_a_directory_report_damaged_manifests(home: str) -> Non
     assert fastckpt.latest(home) == f"{home}/three.pt"  # readers still skip them
 
 
+def test_verify_latest_names_a_newer_damaged_checkpoint(tmp_path) -> None:
+    """``verify --latest`` checks what a resume loads; a newer checkpoint that the resume passes
+    over because its manifest is damaged is BAD too (once, --latest passed on the older one)."""
+    h = str(tmp_path / "home")
+    with fastckpt.Checkpointer() as ck:
+        ck.save(state(1), f"{h}/one.pt").wait()
+        ck.save(state(2), f"{h}/two.pt").wait()
+    os.utime(f"{h}/one.pt", (1, 1))  # older, whatever the clock's resolution
+    flip_byte(f"{h}/two.pt", os.path.getsize(f"{h}/two.pt") - 30, 0x01)  # its trailing manifest damaged
+    r = run("verify", h, "--latest", "--json")
+    assert r.exit_code == 1, r.output
+    d = json.loads(r.stdout)
+    assert [f["path"] for f in d["files"] if f["problem"] is None] == [f"{h}/one.pt"]
+    assert [b["path"] for b in d["bad"]] == [f"{h}/two.pt"] and d["bad"][0]["problem"].startswith("damaged: ")
+    os.utime(f"{h}/two.pt", (0, 0))  # now older than the one a resume loads: not --latest's business
+    assert run("verify", h, "--latest").exit_code == 0
+
+
 def test_latest_passes_over_a_group_with_a_missing_file(home: str) -> None:
     """A resume script loads what ``fastckpt latest`` prints: once, a group one of whose files
     was deleted, which failed to load instead of falling back."""

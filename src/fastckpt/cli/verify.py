@@ -75,13 +75,12 @@ def _checkpoints(h: Homes, path: str, opts: dict | None, newest_only: bool
         pass  # not one checkpoint: a directory (or prefix) holding them
     entries = list_checkpoints(path, opts)
     complete = [e for e in entries if e.status in ("complete", "replicated")]
-    if newest_only:
+    newer = entries  # a damaged manifest makes readers skip the checkpoint: never a silent pass
+    if newest_only:  # the newest complete, which is what a resume loads, and the damaged ones it passes over
         complete = [e for e in complete if e.latest] or complete[-1:]
+        newer = entries[entries.index(complete[0]) + 1:] if complete else entries
     incomplete = [e.path for e in entries if e.status == "incomplete"]
-    # a damaged manifest makes readers skip the checkpoint: never a silent pass (--latest: one
-    # is checked, the newest complete, which is what a resume loads)
-    broken = [] if newest_only else [Checked(e.path, e.path, e.bytes, f"damaged: {e.problem}")
-                                     for e in entries if e.status == "damaged"]
+    broken = [Checked(e.path, e.path, e.bytes, f"damaged: {e.problem}") for e in newer if e.status == "damaged"]
     todo = []
     for e in complete:
         try:
@@ -93,7 +92,8 @@ def _checkpoints(h: Homes, path: str, opts: dict | None, newest_only: bool
 
 @click.command()
 @click.argument("path")
-@click.option("--latest", "newest_only", is_flag=True, help="Under a directory: only the newest checkpoint.")
+@click.option("--latest", "newest_only", is_flag=True,
+              help="Under a directory: only the newest complete checkpoint (and damaged ones newer than it).")
 @click.option("--jobs", type=click.IntRange(1, 64), default=4, show_default=True, help="Files checked at once.")
 @storage_options_option
 @json_option
@@ -102,7 +102,8 @@ def verify(path: str, newest_only: bool, jobs: int, storage_options: dict | None
 
     PATH is a checkpoint (a file or a group directory, or their URL) or a directory holding
     checkpoints (each complete one is checked, and each with a damaged manifest is BAD;
-    --latest: only the newest complete one). Exit 1 naming each bad or missing file or damaged
+    --latest: only the newest complete one, and the damaged ones newer than it, which a resume
+    passes over). Exit 1 naming each bad or missing file or damaged
     checkpoint, or when there is no complete checkpoint to check.
     """
     path = normalize(path)
