@@ -199,6 +199,7 @@ class Checkpointer:
         self._replicator.keep(group, not move_latest)  # beside the series: never coalesced away
 
         def retain(rec: SaveRecord) -> SaveRecord:
+            self._monitor.record_durable(None if has_local else rec.durable_s, time.time() - (rec.durable_s or 0))
             self._retention.ended(group, rec.superseded, has_local and move_latest, rank == 0 and move_latest, token,
                                   step)
             return rec
@@ -292,11 +293,10 @@ class Checkpointer:
         self._inflight.raise_unseen()
 
     def stats(self) -> Stats:
-        r = self._replicator
-        rto, where = self._last_restore
-        return self._monitor.stats(len(self._inflight), replication_lag_s=r.lag_s(), rpo_s=r.rpo_s(),
-                                   replication_pending=len(r.pending()), replication_failures=r.failures,
-                                   last_restore_s=rto, last_restore_from=where, local_dirs=self._stripes.stats())
+        r, (rto, where) = self._replicator, self._last_restore
+        return self._monitor.stats(len(self._inflight), replication_lag_s=r.lag_s(), replication_failures=r.failures,
+                                   replication_pending=len(r.pending()), last_restore_s=rto, last_restore_from=where,
+                                   local_dirs=self._stripes.stats())
 
     def close(self) -> None:
         """Flush pending saves and replication (up to ``close_timeout_s``), stop the workers, and

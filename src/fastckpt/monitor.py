@@ -134,6 +134,7 @@ class Monitor:
         self.alarms = 0
         self.last_blocked: float | None = None
         self.last_durable: float | None = None
+        self._newest_durable_call: float | None = None  # wall time
 
     def _window(self, now: float) -> float:
         while self._saves and self._saves[0][0] < now - self.window_s:
@@ -183,12 +184,26 @@ class Monitor:
         with self._lock:
             self.skipped += 1
 
-    def record_durable(self, durable_s: float) -> None:
+    def record_durable(self, durable_s: float | None, call_wall: float | None = None) -> None:
+        """A checkpoint became durable where it is kept (its path, or its replica), ``durable_s``
+        after its save (or commit) was called at wall time ``call_wall``. None: it did not, or its
+        replication records it (a group's commit with a burst buffer)."""
+        if durable_s is None:
+            return
         with self._lock:
             self.last_durable = durable_s
+            if call_wall is not None:
+                self._newest_durable_call = max(self._newest_durable_call or 0.0, call_wall)
+
+    def rpo_s(self) -> float | None:
+        """Seconds of training a node loss would cost now: since the call of the newest save that
+        is durable where it is kept; None before the first."""
+        with self._lock:
+            newest = self._newest_durable_call
+        return None if newest is None else time.time() - newest
 
     def stats(self, pending: int, **extra: object) -> Stats:
-        now = time.monotonic()
+        now, extra["rpo_s"] = time.monotonic(), self.rpo_s()
         with self._lock:
             wall = now - self._t0
             return Stats(self.count, self.skipped, self.bytes, self.blocked_total, wall,

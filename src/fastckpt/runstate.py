@@ -154,7 +154,7 @@ class RunState:
         self._overtaken: deque[_Building] = deque(maxlen=64)
         self._done: deque[SaveTrace] = deque(maxlen=keep_done)
         self._overhead: dict[int, _Overhead] = {}
-        self._newest_replicated_start: dict[int, float] = {}
+        self._newest_durable_start: dict[int, float] = {}
         self.events: dict[str, int] = {}
         self.failures: deque[Event] = deque(maxlen=keep_done)
         self.retries: deque[Event] = deque(maxlen=keep_done)
@@ -223,15 +223,15 @@ class RunState:
             self._overtake(b)
         if ev.name == "replicate" or (ev.name == "commit" and ev.path == b.trace.path):
             b.trace = replace(b.trace, durable_at=ev.end)
+            rank, start = b.trace.rank, b.trace.start  # the newest durable save: what a node loss goes back to
+            self._newest_durable_start[rank] = max(start, self._newest_durable_start.get(rank, start))
             return self._close(b)
         return None
 
     def _overtake(self, b: _Building) -> None:
         """``b`` replicated: saves of its rank queued before it and not replicated yet were (most
         likely) superseded by replicate_policy='coalesce'; they stop counting as pending."""
-        rank, start = b.trace.rank, b.trace.start
-        self._newest_replicated_start[rank] = max(start, self._newest_replicated_start.get(rank, start))
-        queued = _queued_at(b)
+        rank, queued = b.trace.rank, _queued_at(b)
         for key in [k for k in self._open if k[0] == rank]:
             for o in list(self._open[key]):
                 q = _queued_at(o)
@@ -279,7 +279,7 @@ class RunState:
             o = self._overhead.get(rank) or _Overhead(self.budget, self.window_s)
             waiting = [b for k, cands in self._open.items() if k[0] == rank for b in cands]
             queued = [q for b in waiting if (q := _queued_at(b)) is not None]
-            newest = self._newest_replicated_start.get(rank)
+            newest = self._newest_durable_start.get(rank)
             overhead = o.blocked / (now - o.t0) if o.t0 is not None and now > o.t0 else 0.0
             out.append(RankStatus(rank, overhead, o.window(now), self.budget, o.over, o.alarms, len(waiting),
                                   len(queued), now - min(queued) if queued else 0.0,

@@ -331,3 +331,19 @@ def test_staging_buffers_is_bounded() -> None:
     for bad in (0, 5, 1.5):
         with pytest.raises(fastckpt.ConfigError, match="staging_buffers"):
             fastckpt.Checkpointer(staging_buffers=bad)
+
+
+def test_stats_tell_durability_and_rpo_without_a_burst_buffer(tmp_path) -> None:
+    """On the default tier (no local_dir) a save is durable at its path when its handle resolves:
+    stats() (and so the Prometheus gauges) say so, as they do for a replicated save."""
+    with fastckpt.Checkpointer() as ck:
+        assert ck.stats().last_durable_s is None and ck.stats().rpo_s is None
+        rec = ck.save({"w": torch.ones(8)}, str(tmp_path / "a.pt")).wait()
+        s = ck.stats()
+        assert s.last_durable_s == rec.durable_s and 0.0 <= s.rpo_s < 60.0
+        group = str(tmp_path / "g")
+        for name in ("a.pt", "b.pt"):
+            ck.save({"w": torch.ones(8)}, f"{group}/{name}", group=group)
+        rec = ck.commit(group, step=1).wait()
+        assert ck.stats().last_durable_s == rec.durable_s and ck.stats().rpo_s <= s.rpo_s + 60.0
+

@@ -38,7 +38,7 @@ def test_direct_saves_are_durable_at_their_commit() -> None:
     done = [rs.feed(e) for e in (_ev("snapshot", 1, 1.1, tier="direct"), _ev("write", 1.1, 1.5, tier="direct"),
                                  _ev("commit", 1.5, 1.6, tier="direct"))]
     assert done[:2] == [None, None] and done[2].durable_s == pytest.approx(0.6)
-    assert rs.status(2.0)[0].rpo_s is None  # RPO counts replicas only, as the Checkpointer's does
+    assert rs.status(2.0)[0].rpo_s == pytest.approx(1.0)  # durable at its path, as the Checkpointer counts it
 
 
 def test_pending_lag_and_coalesced_saves() -> None:

@@ -57,7 +57,7 @@ class Replicator:
     """Copies committed local files to their destinations on ``replicate_workers`` threads."""
 
     def __init__(self, cfg: CheckpointerConfig, homes: Homes, emit: Callable[..., None],
-                 on_durable: Callable[[float], None]) -> None:
+                 on_durable: Callable[[float, float], None]) -> None:
         self._cfg, self._homes = cfg, homes
         self._emit, self._on_durable = emit, on_durable
         self._cv = threading.Condition()
@@ -69,7 +69,6 @@ class Replicator:
         self._cancel: dict[str, int] = {}  # paths being removed -> how many remove() calls
         self._kept: set[str] = set()  # groups committed with move_latest=False: never coalesced
         self.failures = 0
-        self.newest_verified_call: float | None = None  # wall time of that checkpoint's save call
         self._bucket = None
         if cfg.replicate_bandwidth_Bps:
             self._bucket = TokenBucket(cfg.replicate_bandwidth_Bps, burst_bytes=cfg.chunk_bytes)
@@ -193,10 +192,6 @@ class Replicator:
             waiting = [j.committed_at for j in (*self._running, *self._queue)]
         return time.time() - min(waiting) if waiting else 0.0
 
-    def rpo_s(self) -> float | None:
-        """Seconds of training a node loss would cost now: since the newest verified replica's save."""
-        return None if self.newest_verified_call is None else time.time() - self.newest_verified_call
-
     def pending(self) -> list[str]:
         with self._cv:
             return [j.rec.path for j in (*self._running, *self._queue)]
@@ -251,10 +246,7 @@ class Replicator:
             raise
         durable = time.monotonic() - job.t_call
         self._emit("replicate", rec.path, rec.bytes, r0, rec.tier, detail=detail)
-        self._on_durable(durable)
-        call_wall = job.committed_at - (rec.local_durable_s or 0.0)
-        with self._cv:
-            self.newest_verified_call = max(self.newest_verified_call or 0.0, call_wall)
+        self._on_durable(durable, job.committed_at - (rec.local_durable_s or 0.0))
         return replace(rec, durable_s=durable)
 
     def _replaced_by_newer(self, job: ReplicaJob, manifest: dict | None = None) -> bool:
