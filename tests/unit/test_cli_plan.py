@@ -307,3 +307,26 @@ def test_a_torn_last_line_is_skipped_and_a_bad_middle_line_is_named(tmp_path, ru
     bad.write_text(lines[0] + "\nnot json\n" + lines[1] + "\n")
     r = invoke("--from-run", str(bad))
     assert r.exit_code == 2 and "bad.jsonl:2" in r.output
+
+
+# ---------------------------------------------------------------- host memory for the staging buffers
+def test_staging_buffers_that_do_not_fit_the_host_memory_miss() -> None:
+    # 70B, mixed Adam: 1.12 TB over 8 nodes is 140 GB of pinned staging per node
+    small = sizing.plan(sizing.PlanInputs(state_bytes=1.12 * TB, bandwidth_Bps=20 * GB, gpus=64,
+                                          host_memory_bytes=256 * GB))
+    assert not small.fastckpt.passed
+    assert "pin 140 GB per node, more than 50% of its 256 GB" in small.fastckpt.problems[0]
+    assert "9 nodes or more" in small.fastckpt.advice[0] and "tier='gds'" in small.fastckpt.advice[0]
+    big = sizing.plan(sizing.PlanInputs(state_bytes=1.12 * TB, bandwidth_Bps=20 * GB, gpus=64,
+                                        host_memory_bytes=2 * TB))
+    assert big.fastckpt.passed and big.fastckpt.problems == ()
+    assert not any("host memory" in n for n in big.notes)
+
+
+def test_plan_says_what_the_staging_buffers_pin_and_checks_host_memory() -> None:
+    r = invoke("--params", "70B", "--gpus", "64", "--bandwidth", "20GB/s", "--json")
+    d = json.loads(r.stdout)
+    assert r.exit_code == 0 and d["staging_bytes_per_node"] == pytest.approx(140 * GB)
+    assert any("pins 140 GB of host memory per node" in n and "--host-memory" in n for n in d["notes"])
+    r = invoke("--params", "70B", "--gpus", "64", "--bandwidth", "20GB/s", "--host-memory", "256GB")
+    assert r.exit_code == 1 and "the staging buffers pin 140 GB per node" in r.stdout

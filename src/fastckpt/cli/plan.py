@@ -85,7 +85,7 @@ def _resolve(opts: dict, run: RunProfile | None, from_run: str | None) -> tuple[
             state_bytes=state, bandwidth_Bps=bandwidth, gpus=gpus, gpus_per_node=gpn, interval_s=opts["interval"],
             budget_s=opts["budget"], days=opts["days"], gpu_hour_cost=opts["gpu_hour_cost"], mtbf_s=opts["mtbf"],
             mtbf_per=opts["mtbf_per"], local_bandwidth_Bps=local, snapshot_bandwidth_Bps=snap,
-            overhead_budget=opts["overhead_budget"])
+            overhead_budget=opts["overhead_budget"], host_memory_bytes=opts["host_memory"])
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
     return inputs, notes
@@ -102,7 +102,8 @@ def to_json(p: sizing.Plan, notes: list[str], run: RunProfile | None) -> dict:
     s = p.synchronous
     return {
         "state_bytes": p.state_bytes, "state_bytes_per_node": p.state_bytes_per_node,
-        "state_bytes_per_gpu": p.state_bytes_per_gpu, "nodes": p.nodes, "gpus": p.inputs.gpus,
+        "state_bytes_per_gpu": p.state_bytes_per_gpu, "staging_bytes_per_node": p.state_bytes_per_node,
+        "nodes": p.nodes, "gpus": p.inputs.gpus,
         "write_seconds": p.write_s, "required_write_Bps": p.required_write_Bps,
         "required_write_Bps_per_node": p.required_write_Bps_per_node, "checkpoints": p.checkpoints,
         "overhead_fraction": s.overhead_fraction, "campaign_stall_hours": s.campaign_stall_hours,
@@ -170,6 +171,7 @@ def render(p: sizing.Plan, notes: list[str]) -> None:
 @click.option("--local-bandwidth", type=BANDWIDTH, help="Per-node burst buffer (NVMe) write bandwidth.")
 @click.option("--snapshot-bandwidth", type=BANDWIDTH,
               help="Per-GPU device-to-host (or memcpy) bandwidth [default: 20GB/s].")
+@click.option("--host-memory", type=SIZE, help="Host memory per node (e.g. 2TB): checks that the staging buffers fit.")
 @click.option("--overhead-budget", type=click.FloatRange(0, 1, min_open=True, max_open=True), default=0.02,
               show_default=True,
               help="Largest acceptable fraction of wall time spent stalled.")

@@ -30,6 +30,8 @@ PRESETS: dict[str, tuple[float, str]] = {
     "weights-bf16": (2, "bf16 weights 2"),
     "fp8-adam": (11, "fp8 weights 1 + bf16 gradients 2 + fp32 master 4 + bf16 Adam m 2 + bf16 Adam v 2"),
 }
+#: the share of a node's host memory the staging buffers may pin (the rest: the job, its loaders, the OS)
+STAGING_SHARE = 0.5
 DEFAULT_SNAPSHOT_Bps = 20e9  # per GPU: pinned device-to-host over PCIe Gen4 x16, about 20-25 GB/s
 HOUR, DAY = 3600.0, 86400.0
 
@@ -45,7 +47,8 @@ class PlanInputs:
     ``bandwidth_Bps`` is the aggregate persistent write bandwidth; ``local_bandwidth_Bps``
     the per-node burst buffer (NVMe) write bandwidth (None: no burst buffer, fastckpt's
     direct tier); ``snapshot_bandwidth_Bps`` the per-GPU device-to-host (or memcpy) rate.
-    ``mtbf_s`` is per node or per job as ``mtbf_per`` says.
+    ``mtbf_s`` is per node or per job as ``mtbf_per`` says; ``host_memory_bytes`` a node's
+    host memory (None: not checked), which holds fastckpt's pinned staging buffers.
     """
 
     state_bytes: float
@@ -61,12 +64,13 @@ class PlanInputs:
     local_bandwidth_Bps: float | None = None
     snapshot_bandwidth_Bps: float = DEFAULT_SNAPSHOT_Bps
     overhead_budget: float = 0.02
+    host_memory_bytes: float | None = None
 
     def __post_init__(self) -> None:
         positive = {"state_bytes": self.state_bytes, "bandwidth_Bps": self.bandwidth_Bps, "gpus": self.gpus,
                     "gpus_per_node": self.gpus_per_node, "interval_s": self.interval_s, "budget_s": self.budget_s,
                     "days": self.days, "snapshot_bandwidth_Bps": self.snapshot_bandwidth_Bps}
-        for name in ("mtbf_s", "local_bandwidth_Bps", "gpu_hour_cost"):
+        for name in ("mtbf_s", "local_bandwidth_Bps", "gpu_hour_cost", "host_memory_bytes"):
             if getattr(self, name) is not None:
                 positive[name] = getattr(self, name)
         for name, v in positive.items():
@@ -210,6 +214,13 @@ def tiered(p: PlanInputs) -> Strategy:
                         f"{_s(p.interval_s)} interval: bandwidth falls short by {shortfall / 1e9:.4g} GB/s")
         advice.append(f"drain: persistent bandwidth {drain_need / 1e9:.4g} GB/s, or an interval of "
                       f"{drain_s / HOUR:.4g} h")
+    staging = p.state_bytes / p.nodes  # one host copy of every rank's state on the node
+    if p.host_memory_bytes is not None and staging > p.host_memory_bytes * STAGING_SHARE:
+        problems.append(f"the staging buffers pin {staging / 1e9:.4g} GB per node, more than "
+                        f"{STAGING_SHARE:.0%} of its {p.host_memory_bytes / 1e9:.4g} GB of host memory")
+        advice.append(f"staging: spread the job over {math.ceil(p.state_bytes / (p.host_memory_bytes * STAGING_SHARE))}"
+                      " nodes or more, nodes with more memory, or tier='gds' where GPUDirect Storage works "
+                      "(no host copy)")
     return Strategy(**c, passed=not problems, problems=tuple(problems), advice=tuple(advice),
                     snapshot_s=snapshot_s, local_write_s=local_s, drain_s=drain_s,
                     drain_required_Bps=drain_need, drain_shortfall_Bps=shortfall)
@@ -223,6 +234,10 @@ def plan(p: PlanInputs) -> Plan:
     if not sync.passed and fc.passed:
         sync = dataclasses.replace(sync, advice=sync.advice + (
             f"or save asynchronously: fastckpt stalls {fc.stall_s:.3g} s per checkpoint with these tiers",))
+    if p.host_memory_bytes is None:
+        notes.append(f"fastckpt pins {p.state_bytes / p.nodes / 1e9:.4g} GB of host memory per node for its staging "
+                     "buffers (one copy of each rank's state; staging_buffers=N holds N): give --host-memory to "
+                     "check that it fits")
     if fc.young_daly_interval_s is not None and fc.drain_s is not None and fc.young_daly_interval_s < fc.drain_s:
         notes.append(f"fastckpt's Young/Daly interval ({_s(fc.young_daly_interval_s)}) is shorter than the drain "
                      f"({_s(fc.drain_s)}): checkpoints cannot come more often than the drain allows")
