@@ -111,10 +111,11 @@ def test_sweep_removes_only_dead_local_processes_temp_files(tmp_path) -> None:
     stale = str(tmp_path / f".fastckpt-tmp-{_HOST}.{dead}.0123456789ab~{b'b.pt'.hex()}")
     stale_old_form = str(tmp_path / f".b.pt.fastckpt-tmp-{_HOST}.{dead}.0123456789ab")  # earlier versions' names
     other_host = str(tmp_path / f".fastckpt-tmp-elsewhere.{dead}.0123456789ab~{b'c.pt'.hex()}")
-    for p in (mine, stale, stale_old_form, other_host):
+    other_pidns = str(tmp_path / f".fastckpt-tmp-{_HOST.split('@')[0]}@1.{dead}.0123456789ab~{b'd.pt'.hex()}")
+    for p in (mine, stale, stale_old_form, other_host, other_pidns):
         open(p, "wb").close()
     assert sweep_stale_tmp(FileOps(), str(tmp_path)) == 2
-    assert os.path.exists(mine) and os.path.exists(other_host)
+    assert os.path.exists(mine) and os.path.exists(other_host) and os.path.exists(other_pidns)
     assert not os.path.exists(stale) and not os.path.exists(stale_old_form)
 
 

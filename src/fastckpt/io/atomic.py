@@ -3,8 +3,9 @@ the final name -> fsync the directory. A reader sees the old file or the new one
 
 ``Staged`` is the recipe in two steps (the save pipeline times the write and the rename as
 separate phases); ``replacing`` is the same as a context manager; ``publish_bytes`` writes a
-small file (manifest, marker, pointer) with it. Temp names carry this host and process, so a
-process that starts later can tell a dead writer's leftovers from a live one's
+small file (manifest, marker, pointer) with it. Temp names carry this host, its PID namespace
+and the process, so a process that starts later can tell a dead writer's leftovers from a live
+one's
 (``sweep_stale_tmp``). Every call goes through ``FileOps``.
 
 Replacing a large file frees the old one's blocks, and the rename that drops its last name pays
@@ -31,7 +32,19 @@ from .ops import FileOps
 log = logging.getLogger(__name__)
 TMP_TAG = ".fastckpt-tmp-"
 PROBE_TAG = ".fastckpt-probe-"
-_HOST = socket.gethostname().replace(os.sep, "_")
+
+
+def _pid_namespace() -> str:
+    """This process's PID namespace (``@`` and its inode), or "" where there is none to read.
+    Containers with the host's network share its host name but not its PIDs: without the
+    namespace in a temp name, one container would take another's live writer for a dead one."""
+    try:
+        return "@" + os.readlink("/proc/self/ns/pid").split("[", 1)[1].rstrip("]")
+    except (OSError, IndexError):
+        return ""
+
+
+_HOST = socket.gethostname().replace(os.sep, "_") + _pid_namespace()  # whose PIDs a temp name's PID is
 
 
 NAME_MAX = 255  # bytes of one directory entry's name (Linux file systems)
@@ -39,7 +52,7 @@ NAME_MAX = 255  # bytes of one directory entry's name (Linux file systems)
 
 def tmp_name(path: str) -> str:
     """A hidden temp name beside ``path``, unique per attempt, naming its host and process:
-    ``.fastckpt-tmp-HOST.PID.XXXXXXXXXXXX~<path's name in hex>``.
+    ``.fastckpt-tmp-HOST@PIDNS.PID.XXXXXXXXXXXX~<path's name in hex>``.
 
     The name of the file it becomes is there only in hex (``final_path`` reads it back; it is
     left out where the whole would not fit in one name): frameworks find their checkpoints by
@@ -99,7 +112,8 @@ def sweep_stale_tmp(ops: FileOps, directory: str) -> int:
     """Remove temp and probe files in ``directory`` left by dead processes of this host.
 
     A killed save leaves its temp file behind (never a visible checkpoint). Files of live
-    processes and of other hosts are left alone: only this host can tell a process is gone.
+    processes, of other hosts, and of other PID namespaces of this host (other containers) are
+    left alone: only the same host and namespace can tell a process is gone.
 
     Returns:
         How many files were removed.
