@@ -114,7 +114,6 @@ def write_file(
     fd, direct, reason = open_for_write(ops, path, odirect)
     try:
         head = covered // ALIGN * ALIGN  # written by the workers; the rest goes with the tail
-        ops.preallocate(fd, head)  # parallel writes inside the file's blocks are not serialised
 
         def write_all(fd: int) -> list[int]:
             hashes = _Hashes(image, covered, copying)

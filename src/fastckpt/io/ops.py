@@ -32,11 +32,6 @@ _mmap_fn.restype, _mmap_fn.argtypes = ctypes.c_void_p, [ctypes.c_void_p, ctypes.
 _munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
 _LOW_BIT = bytes(i & 1 for i in range(256))
-#: ``FileOps.preallocate`` is on (benchmarks switch it off to measure what it gains).
-PREALLOCATE = True
-_FALLOCATE = getattr(_LIBC, "fallocate", None)
-if _FALLOCATE is not None:
-    _FALLOCATE.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong]
 _IOV_MAX = 1024  # buffers one preadv takes (POSIX's minimum for IOV_MAX is 16; Linux's is 1024)
 
 
@@ -146,13 +141,6 @@ class FileOps:
 
     def ftruncate(self, fd: int, size: int) -> None:
         os.ftruncate(fd, size)
-
-    def preallocate(self, fd: int, size: int) -> None:
-        """Best effort: reserve ``size`` bytes of blocks (as fio does before it writes), so that
-        parallel O_DIRECT writes do not each allocate blocks past the end of the file, which ext4
-        and XFS serialise. A file system that cannot (tmpfs on old kernels, NFS) is left as is."""
-        if PREALLOCATE and size > 0 and _FALLOCATE is not None:
-            _FALLOCATE(fd, 0, 0, size)  # fallocate(2), not posix_fallocate: glibc's emulation writes zeros
 
     def close(self, fd: int) -> None:
         os.close(fd)
