@@ -25,6 +25,7 @@ import torch
 import fastckpt
 from fastckpt import Checkpointer, CheckpointWriteError, CorruptCheckpointError, UnsupportedObjectError
 from fastckpt.io.atomic import TMP_TAG
+from fastckpt.io.ops import FileOps
 from fastckpt.save.tiers import probe_odirect
 from fastckpt.testing import Fault, FaultyOps
 from tests.helpers import flip_byte
@@ -253,6 +254,38 @@ def test_odirect_einval_falls_back_to_buffered(tmp_path) -> None:
     ops.assert_all_reached()
     assert rec.odirect is False and "EINVAL" in (rec.odirect_reason or "")
     _assert_state(fastckpt.load(path), 4)
+
+
+def test_odirect_einval_in_the_replication_falls_back_to_buffered(tmp_path) -> None:
+    """The copy from the burst buffer to the path falls back as the save's own write does."""
+    if not _odirect_here(str(tmp_path)):
+        pytest.skip("O_DIRECT is not honoured here")
+    home = str(tmp_path / "home")
+    path = os.path.join(home, "ck.pt")
+
+    class NoDirectWritesAtHome(FileOps):  # a file system that takes O_DIRECT at open, refuses its writes
+        def __init__(self) -> None:
+            self.direct: set[int] = set()
+            self.refused = 0
+
+        def open(self, path: str, flags: int, mode: int = 0o644) -> int:
+            fd = super().open(path, flags, mode)
+            writing_direct = flags & os.O_DIRECT and flags & os.O_WRONLY and path.startswith(home + os.sep + TMP_TAG)
+            (self.direct.add if writing_direct else self.direct.discard)(fd)
+            return fd
+
+        def pwrite(self, fd: int, data: memoryview, offset: int) -> int:
+            if fd in self.direct:
+                self.refused += 1
+                raise OSError(errno.EINVAL, "Invalid argument")
+            return super().pwrite(fd, data, offset)
+
+    ops = NoDirectWritesAtHome()
+    with Checkpointer(ops=ops, local_dir=str(tmp_path / "nvme")) as ck:
+        rec = ck.save(_state(4), path).wait()
+    assert ops.refused and rec.tier == "nvme" and rec.durable_s is not None
+    _assert_state(fastckpt.load(path), 4)
+    assert _tmp_files(tmp_path / "home") == []
 
 
 def test_failed_reopen_after_einval_reports_the_open_error(tmp_path) -> None:

@@ -3,6 +3,7 @@ worker thread, on the caller's executor (replication to a POSIX home, verificati
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import threading
@@ -73,40 +74,62 @@ def copy_file(
     rfd, _ = open_for_read(ops, src, odirect)
     try:
         wfd, direct, reason = open_for_write(ops, dst, odirect)
-        vfd = -1
         try:
-            if read_back and direct:
-                vfd, back_direct = open_for_read(ops, dst, True)
-                if not back_direct:  # cannot happen when the write side got O_DIRECT; be safe
-                    ops.close(vfd)
-                    vfd = -1
-
-            def one(off: int, n: int) -> list[tuple[int, int]]:
-                view = _chunk_buffer(round_up(n))
-                pread_exact(ops, rfd, view, off, n, src)
-                digests = block_digests(view, off, n, covered)
-                if throttle is not None:
-                    throttle(n)  # the bandwidth cap (replicate_bandwidth_Bps)
-                pwrite_all(ops, wfd, view[: round_up(n) if direct else n], off, dst)
-                if vfd < 0:
-                    return [(d, 0) for d in digests]
-                if throttle is not None:
-                    throttle(n)
-                pread_exact(ops, vfd, view, off, n, dst)
-                return list(zip(digests, block_digests(view, off, n, covered), strict=True))
-
-            pairs = run_chunks(pool, size, chunk_bytes, one)
-            back = checksum.combine(b for _, b in pairs) if vfd >= 0 else None
-            if direct and size % ALIGN:
-                ops.ftruncate(wfd, size)
-            ops.fsync(wfd)
-        finally:
-            if vfd >= 0:
-                ops.close(vfd)
+            pairs, back = _copy_chunks(ops, pool, src, dst, size, covered, rfd, wfd, direct, chunk_bytes, throttle,
+                                       read_back)
+        except OSError as exc:
+            if not direct or exc.errno != errno.EINVAL:
+                raise
+            # accepted O_DIRECT at open, refused it on write (as write_file handles): go buffered
             ops.close(wfd)
+            wfd = -1  # closed: if the re-open fails, the finally below must not close it again
+            wfd, direct = ops.open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), False
+            reason = "filesystem refused O_DIRECT writes (EINVAL)"
+            pairs, back = _copy_chunks(ops, pool, src, dst, size, covered, rfd, wfd, direct, chunk_bytes, throttle,
+                                       read_back)
+        finally:
+            if wfd >= 0:
+                ops.close(wfd)
     finally:
         ops.close(rfd)
     return CopyResult(dst, size, checksum.combine(d for d, _ in pairs), back, direct, reason)
+
+
+def _copy_chunks(ops: FileOps, pool: Executor, src: str, dst: str, size: int, covered: int, rfd: int, wfd: int,
+                 direct: bool, chunk_bytes: int, throttle: Callable[[int], object] | None,
+                 read_back: bool) -> tuple[list[tuple[int, int]], int | None]:
+    """``copy_file``'s chunks into ``wfd`` (and fsync): each chunk's block digests as read, and
+    as read back when ``read_back`` on an O_DIRECT destination (else 0); the read-back checksum."""
+    vfd = -1
+    try:
+        if read_back and direct:
+            vfd, back_direct = open_for_read(ops, dst, True)
+            if not back_direct:  # cannot happen when the write side got O_DIRECT; be safe
+                ops.close(vfd)
+                vfd = -1
+
+        def one(off: int, n: int) -> list[tuple[int, int]]:
+            view = _chunk_buffer(round_up(n))
+            pread_exact(ops, rfd, view, off, n, src)
+            digests = block_digests(view, off, n, covered)
+            if throttle is not None:
+                throttle(n)  # the bandwidth cap (replicate_bandwidth_Bps)
+            pwrite_all(ops, wfd, view[: round_up(n) if direct else n], off, dst)
+            if vfd < 0:
+                return [(d, 0) for d in digests]
+            if throttle is not None:
+                throttle(n)
+            pread_exact(ops, vfd, view, off, n, dst)
+            return list(zip(digests, block_digests(view, off, n, covered), strict=True))
+
+        pairs = run_chunks(pool, size, chunk_bytes, one)
+        if direct and size % ALIGN:
+            ops.ftruncate(wfd, size)
+        ops.fsync(wfd)
+        return pairs, checksum.combine(b for _, b in pairs) if vfd >= 0 else None
+    finally:
+        if vfd >= 0:
+            ops.close(vfd)
 
 
 def checksum_file(ops: FileOps, pool: Executor, path: str, size: int, covered: int, *,
