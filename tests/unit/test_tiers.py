@@ -76,3 +76,17 @@ def test_odirect_probe_reports_tmpfs(tmp_path) -> None:
             assert ok or "refused O_DIRECT" in why
         finally:
             shutil.rmtree(d)
+
+
+def test_one_probe_per_file_system_not_per_directory(tmp_path) -> None:
+    """Megatron and DeepSpeed save each checkpoint into a new directory (iter_0000100/, ...): the
+    O_DIRECT probe, on the training thread, runs once for their file system, not once a save."""
+    from fastckpt.io.atomic import PROBE_TAG
+    from fastckpt.testing import FaultyOps
+
+    probes: list[str] = []
+    ops = FaultyOps(on_call=lambda op, path: probes.append(path) if op == "open" and PROBE_TAG in path else None)
+    with fastckpt.Checkpointer(ops=ops) as ck:
+        for step in (100, 200, 300):
+            ck.save({"w": torch.ones(4)}, str(tmp_path / f"iter_{step:07d}" / "model.pt")).wait()
+    assert len(probes) == 1, probes

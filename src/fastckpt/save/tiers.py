@@ -115,8 +115,23 @@ def gds_probe_write(directory: str, ops: FileOps | None = None) -> str | None:
     return None
 
 
+def _file_system(directory: str) -> int | str:
+    """The file system ``directory`` is on (or will be: its nearest existing parent's), as its
+    device number; the directory itself where none can be read."""
+    d = directory
+    while True:
+        try:
+            return os.stat(d).st_dev
+        except FileNotFoundError:
+            if os.path.dirname(d) == d:
+                return directory
+            d = os.path.dirname(d)
+        except OSError:
+            return directory
+
+
 class TierSelector:
-    """Chooses and caches the tier per (directory written first, CUDA or not).
+    """Chooses and caches the tier per (file system written first, CUDA or not).
 
     Args:
         requested: the ``tier`` option (validated by ``CheckpointerConfig``).
@@ -131,25 +146,25 @@ class TierSelector:
         self.local_dir = (local_dir if isinstance(local_dir, str) else local_dir[0]) if local_dir else None
         self.odirect = odirect
         self.ops = ops or FileOps()
-        self._cache: dict[tuple[str, bool] | tuple[str, bool, str], TierChoice] = {}
+        self._cache: dict[tuple[int | str, bool] | tuple[int | str, bool, str], TierChoice] = {}
         self._lock = threading.Lock()
 
     def choose(self, path: str, has_cuda: bool, local_dir: str | None = None) -> TierChoice:
         """The tier for a save to ``path`` (a URL only with local_dir: the config checks that);
         ``local_dir``: the burst-buffer directory this save writes to, when there are several."""
         dest_dir = os.path.dirname(path) if self.local_dir is None else (local_dir or self.local_dir)
-        key = (dest_dir, has_cuda)
+        key = (_file_system(dest_dir), has_cuda)  # one probe per file system, not per directory (iter_N/...)
         with self._lock:
             if key not in self._cache:
                 self._cache[key] = self._decide(dest_dir, has_cuda)
-                log.info("fastckpt: %s for %s", self._cache[key].describe(), key[0])
+                log.info("fastckpt: %s for %s", self._cache[key].describe(), dest_dir)
             return self._cache[key]
 
     def choose_bypass(self, path: str, has_cuda: bool) -> TierChoice:
         """The tier of a save that skips a full burst buffer (``Saver``): direct, to the path's
         directory, with or without O_DIRECT as a probe there says."""
         dest_dir = os.path.dirname(path)
-        key = (dest_dir, has_cuda, "bypass")
+        key = (_file_system(dest_dir), has_cuda, "bypass")
         with self._lock:
             if key not in self._cache:
                 self._cache[key] = TierChoice("direct", {"nvme": "the burst buffer has no room for it"},
