@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -10,6 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from tests.helpers import tmpfs
 
 
 def _doctor(*args: str, cwd: Path | None = None) -> tuple[int, dict | str]:
@@ -92,6 +95,20 @@ def test_not_enough_space_and_unwritable_dirs(tmp_path: Path) -> None:
     assert not any(c.startswith("tier.") for c in f)  # no tier decision on a directory it cannot write
 
 
+def test_a_full_burst_buffer_is_named_full_with_its_fix(tmp_path: Path) -> None:
+    """Not "not writable, create it and make it writable": the free-space finding says how much."""
+    with tmpfs(tmp_path / "bb", "size=1m") as bb:
+        (bb / "fill").write_bytes(b"\0" * (1 << 20))  # tmpfs rounds: fill what is left
+        with contextlib.suppress(OSError), open(bb / "fill2", "wb") as f:
+            f.write(b"\0" * (1 << 20))
+        code, out = _doctor("--local-dir", str(bb), "--state-size", "1MiB", "--probe-size", "0", "--json")
+    f = _by_check(out)
+    assert code == 1 and f["local_dir.writable"]["status"] == "fail"
+    fix = f["local_dir.writable"]["fix"]
+    assert "free space" in fix and "writable by this user" not in fix
+    assert f["local_dir.free_space"]["status"] == "fail"
+
+
 @pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm")
 def test_memory_filesystem_as_burst_buffer_is_a_warning(tmp_path: Path) -> None:
     bb = Path("/dev/shm") / f"fastckpt-doctor-{os.getpid()}"
@@ -150,3 +167,4 @@ def test_url_target_needs_a_burst_buffer(tmp_path: Path, s3_server, s3_bucket) -
     code, out = _doctor("--target", f"s3://{s3_bucket}/run", "--storage-options",
                         _options(tmp_path, s3_server.storage_options()), "--json")
     assert code == 1 and _by_check(out)["target.burst_buffer"]["status"] == "fail"
+    assert not any(c.startswith("tier.") for c in _by_check(out)) and not out["auto"]  # a save there raises

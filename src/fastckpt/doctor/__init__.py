@@ -6,6 +6,7 @@ and returns a Diagnosis: one Finding per check with its status and fix. docs/doc
 
 from __future__ import annotations
 
+import errno
 import os
 from dataclasses import dataclass, field, replace
 
@@ -52,8 +53,9 @@ class DoctorOptions:
 
 def _directory_checks(role: str, path: str, o: DoctorOptions, burst_buffer: bool) -> list[Finding]:
     out = [local.filesystem(role, path, burst_buffer), local.writable(role, path)]
-    if out[-1].status == "fail":
-        return out
+    if out[-1].status == "fail":  # a full one still gets its free-space finding (how much a save needs)
+        full = out[-1].data.get("errno") in (errno.ENOSPC, errno.EDQUOT)
+        return out + ([local.free_space(role, path, o.state_size, o.keep)] if full else [])
     out += [local.odirect(role, path), local.free_space(role, path, o.state_size, o.keep)]
     if o.probe_bytes > 0:
         out.append(local.bandwidth(role, path, o.probe_bytes, o.state_size, o.progress))
@@ -116,7 +118,7 @@ def diagnose(o: DoctorOptions) -> Diagnosis:
     blocked = any(f.status == "fail" for f in findings
                   if f.check.startswith(("local_dir", "target")) and f.check.endswith(".writable"))
     dest = target if not url and not blocked else (dirs[0] if dirs else os.getcwd())
-    if blocked:
+    if blocked or (url and not dirs):  # nothing a save could write to: no tier to name
         tier_findings, auto = [], {}
     else:
         tier_findings, auto = _tier_findings(o, dest, has_cuda)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import time
 import uuid
@@ -60,9 +61,10 @@ def writable(role: str, path: str) -> Finding:
             f.write(b"x")
         os.unlink(probe)
     except OSError as exc:
-        return Finding(check, "fail", f"cannot write in {path}: {exc.strerror or exc}",
-                       f"create {path} and make it writable by this user, or choose another {role}",
-                       {"errno": exc.errno})
+        full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
+        fix = (f"free space in {path} (or raise the quota), or choose another {role}" if full else
+               f"create {path} and make it writable by this user, or choose another {role}")
+        return Finding(check, "fail", f"cannot write in {path}: {exc.strerror or exc}", fix, {"errno": exc.errno})
     return Finding(check, "ok", f"{path} is writable")
 
 
