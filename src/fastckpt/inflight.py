@@ -46,7 +46,8 @@ def raise_as_write_error(exc: BaseException, path: str, renamed: bool = False, w
     if isinstance(exc, FastCkptError) or not isinstance(exc, OSError) or surfaced(exc):
         raise exc
     state = ("the new file is in place but its directory entry may not be durable (directory fsync failed)"
-             if renamed else "the previous checkpoint is untouched")
+             if renamed else "the previous checkpoint is untouched" if "://" in path or os.path.lexists(path)
+             else "nothing was there before")
     why = exc.strerror or str(exc)
     blocker = _file_in_the_way(path) if exc.errno in (errno.EEXIST, errno.ENOTDIR) else None
     if blocker is not None:

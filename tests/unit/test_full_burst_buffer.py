@@ -129,6 +129,29 @@ def test_striped_files_pass_over_the_drive_without_room(tmp_path: Path) -> None:
                 assert ck.load(str(home / f"step{v}" / "model.pt"))["v"] == v
 
 
+def test_a_read_only_drive_leaves_the_rotation_after_its_first_refusal(tmp_path: Path, caplog) -> None:
+    """A striped drive that takes no writes (remounted read-only) failed every other save; now
+    the first failure takes it out of the rotation, and that error does not claim a previous
+    checkpoint is untouched when there was none."""
+    home = tmp_path / "home"
+    with tmpfs(tmp_path / "nvme0", "size=4m,ro") as ro:
+        good = tmp_path / "nvme1"
+        failed = []
+        with caplog.at_level(logging.WARNING, logger="fastckpt"), \
+                fastckpt.Checkpointer(local_dir=[str(ro), str(good)]) as ck:
+            for v in range(1, 6):
+                try:
+                    ck.save(_state(v, 0.1), str(home / f"step-{v}.pt")).wait()
+                except fastckpt.CheckpointWriteError as exc:
+                    failed.append(str(exc))
+        assert len(failed) <= 1  # the first save on the read-only drive, at most
+        assert all("nothing was there before" in m and "untouched" not in m for m in failed)
+        if failed:
+            assert any("refused a write" in r.getMessage() and str(ro) in r.getMessage() for r in caplog.records)
+        assert [fastckpt.load(str(home / f"step-{v}.pt"))["v"] for v in range(len(failed) + 1, 6)] == list(
+            range(len(failed) + 1, 6))
+
+
 def test_a_burst_buffer_another_writer_fills_mid_write_sends_the_file_to_its_path(tmp_path: Path, caplog) -> None:
     """The room check passes, then another job fills the drive before the first byte lands:
     the write fails for real (ENOSPC) and the file is written straight to its path."""

@@ -121,8 +121,8 @@ class Saver:
         try:
             handle = self._save_planned(state_dict, layout, path, spot, group, lazy, rank, world, t_call, w_call,
                                         token, fallback)
-        except BaseException:
-            self._stripes.release(spot)
+        except BaseException as exc:
+            self._stripes.release(spot, exc)
             raise
         if handle.done():  # skipped: nothing will be written
             self._stripes.release(spot)
@@ -267,7 +267,7 @@ class Saver:
                token: int) -> SaveHandle:
         """Replication (to ``home``) follows a write to the burst buffer; track the save; join
         its group. The save's reservation holds its path on its drive until the write ends."""
-        fut.add_done_callback(lambda _: self._stripes.release(spot))
+        fut.add_done_callback(lambda f: self._stripes.release(spot, None if f.cancelled() else f.exception()))
         if dest != home:
             fut = self._then_replicate(fut, dest, home, t_call, token)
         handle = self._inflight.track(fut, base.path, base.group)

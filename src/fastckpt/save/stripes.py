@@ -19,12 +19,18 @@ written bytes and write time give its bandwidth (``Checkpointer.stats().local_di
 
 from __future__ import annotations
 
+import errno
+import logging
 import os
 import sys
 import threading
 from dataclasses import dataclass
 
 from ..urls import mirror_path
+
+log = logging.getLogger("fastckpt")
+#: errors that say a drive takes no writes at all (not: this file did not fit)
+_REFUSED = (errno.EROFS, errno.EACCES, errno.EPERM)
 
 ROOM_MARGIN = 1 << 20  # free bytes a drive must keep beyond a file for it to take the file
 
@@ -88,6 +94,7 @@ class Stripes:
         self._live: set[int] = set()  # ids of reservations not released yet
         self._held: dict[str, tuple[int, int]] = {}  # path -> (directory, its live reservations)
         self._next = rank % len(self.dirs) if self.dirs else 0
+        self._refused: set[int] = set()  # drives that refused a write (read-only, no permission): new paths avoid them
 
     def copies(self, path: str) -> list[str]:
         """The burst-buffer copies of ``path`` that exist (at most one, but look everywhere)."""
@@ -115,7 +122,8 @@ class Stripes:
                 found, may_bypass = [held[0]], False
             else:
                 found = [i for i, d in enumerate(self.dirs) if os.path.lexists(mirror_path(d, path))]
-            allowed = found[:1] or list(range(len(self.dirs)))
+            taking = [i for i in range(len(self.dirs)) if i not in self._refused]
+            allowed = found[:1] or taking or list(range(len(self.dirs)))
             if may_bypass or len(allowed) > 1:
                 roomy = [i for i in allowed if _free_bytes(self.dirs[i]) - self._queued[i] >= nbytes + ROOM_MARGIN]
                 if not roomy and may_bypass:  # written by the writer of the drive its old copy is on
@@ -138,11 +146,18 @@ class Stripes:
         self._held[path] = (i, self._held.get(path, (i, 0))[1] + 1)
         return res
 
-    def release(self, res: Reservation | None) -> None:
-        """Free ``res``'s queued bytes, and its hold on its path's drive (again: nothing happens)."""
+    def release(self, res: Reservation | None, failure: BaseException | None = None) -> None:
+        """Free ``res``'s queued bytes, and its hold on its path's drive (again: nothing happens).
+        A ``failure`` that says the drive takes no writes (read-only, permission) takes it out of
+        the rotation for new paths, with a warning, when other drives are left."""
         if res is None:
             return
+        refused = isinstance(failure, OSError) and failure.errno in _REFUSED and res.local is not None
         with self._lock:
+            if refused and res.index not in self._refused and len(self._refused) + 1 < len(self.dirs):
+                self._refused.add(res.index)
+                log.warning("fastckpt: burst-buffer directory %s refused a write (%s): new checkpoints go to the "
+                            "other local_dir directories from now on", self.dirs[res.index], failure)
             if id(res) in self._live:
                 self._live.discard(id(res))
                 self._queued[res.index] -= res.nbytes
