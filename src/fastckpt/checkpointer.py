@@ -194,7 +194,7 @@ class Checkpointer:
         self._check_open()
         group = normalize(group)  # a failure raised here ends the attempt: no rank waits for this one
         self._inflight.raise_unseen(before=lambda exc: self._coordinator.abandon(group, self.rank, exc))
-        rank, has_local, token = self.rank, bool(self.config.local_dirs), self._retention.saving(group)
+        rank, has_local, token = self.rank, bool(self.config.local_dirs), self._retention.committing(group)
         step = group_step(group, extra) if move_latest else None  # a series that moves latest: see Retention
         self._replicator.keep(group, not move_latest)  # beside the series: never coalesced away
 

@@ -45,7 +45,7 @@ from collections.abc import Callable
 
 from ..commit.discovery import scan
 from ..commit.foreign import tag_step
-from ..commit.protocol import delete_checkpoint, read_group_manifest
+from ..commit.protocol import delete_checkpoint, pointed_name, read_group_manifest
 from ..storage.homes import Homes
 from ..urls import join
 
@@ -84,9 +84,18 @@ class Retention:
             return token
 
     def saving(self, path: str) -> int | None:
-        """The token of the newest save of ``path`` in flight (a group's commit takes it)."""
+        """The token of the newest save of ``path`` in flight."""
         with self._lock:
             return self._busy.get(path)
+
+    def committing(self, group: str) -> int:
+        """This rank commits ``group``: a group's place in the lists is its commit's, as its place
+        in ``latest``'s order is (``requested_at``), not its first save's: a rank that saved no
+        file into it, or groups saved in one order and committed in another, must never make
+        retention delete the group ``latest`` names. Returns the token for ``ended``."""
+        with self._lock:
+            token = self._busy[group] = next(self._tokens)
+            return token
 
     def ended(self, path: str, dropped: bool, has_local: bool, owns_persistent: bool, token: int | None = None,
               step: int | None = None) -> None:
@@ -124,7 +133,7 @@ class Retention:
         for p in drop_local:
             self._run(self._delete_own_files if p in own else self._delete_local, p, "burst-buffer copy")
         for p in drop_persistent:
-            self._run(self._delete_persistent, p, "persistent copy")
+            self._run(self._trim_persistent, p, "persistent copy")
 
     def bypassed(self, path: str, token: int) -> None:
         """Save ``token`` of the single file ``path`` went straight to its home (the burst buffer
@@ -259,6 +268,15 @@ class Retention:
 
     def _delete_persistent(self, path: str) -> None:
         delete_checkpoint(self._homes.resolve(path))
+
+    def _trim_persistent(self, path: str) -> None:
+        """keep_persistent's deletion: never of what its directory's ``latest`` names (a last line
+        of defence; ``remove`` deletes it, as asked)."""
+        loc = self._homes.resolve(path)
+        if pointed_name(loc.place().parent()) == posixpath.basename(loc.key.rstrip("/")):
+            log.warning("fastckpt: retention kept %s: its directory's latest names it", path)
+            return
+        delete_checkpoint(loc)
 
     @staticmethod
     def _run(fn: Callable[[str], None], path: str, what: str) -> None:

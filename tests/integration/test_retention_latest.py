@@ -1,0 +1,78 @@
+"""keep_persistent never deletes the group ``latest`` names. A group's place in retention's
+order is its commit's (as in ``latest``'s), not its first save's: once, a rank 0 that saved no
+file into step 1 gave it a place after step 2 (the token came when the commit ended), and a
+group saved first but committed last was listed as the older; retention then deleted the newest
+committed group right after its commit moved ``latest`` to it, and a restart went back a step."""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import fastckpt
+from fastckpt.commit import protocol as P
+from tests.helpers import place
+
+
+def _state(step: int) -> dict:
+    return {"w": torch.full((16,), float(step)), "step": step}
+
+
+@pytest.mark.parametrize("with_store", [True, False])
+def test_a_rank_with_no_file_in_a_group_never_costs_the_newest_group(tmp_path, with_store: bool) -> None:
+    run = str(tmp_path / "run")
+    one, two = os.path.join(run, "global_step1"), os.path.join(run, "global_step2")
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=60)) if with_store else None
+    r0, r1 = (fastckpt.Checkpointer(rank=r, world_size=2, store=store, keep_persistent=1, commit_timeout_s=60)
+              for r in range(2))
+    try:
+        r1.save(_state(1), one + "/r1.pt", group=one)  # rank 0 saves nothing into step 1
+        h0 = r0.commit(one, step=1)
+        r0.save(_state(2), two + "/r0.pt", group=two)  # rank 0 goes on before rank 1 commits step 1
+        h1 = r1.commit(one, step=1)
+        h0.wait(60)
+        h1.wait(60)
+        r1.save(_state(2), two + "/r1.pt", group=two)
+        for h in (r0.commit(two, step=2), r1.commit(two, step=2)):
+            h.wait(60)
+        r0.wait()
+        r1.wait()
+    finally:
+        r0.close()
+        r1.close()
+    assert fastckpt.latest(run) == two and P.read_group_manifest(place(two)) is not None
+    assert fastckpt.load(two + "/r0.pt")["step"] == 2
+    assert not os.path.exists(one)  # keep_persistent=1: the older one went
+
+
+def test_groups_committed_in_another_order_than_saved_keep_the_one_latest_names(tmp_path) -> None:
+    run = str(tmp_path / "run")
+    a, b = os.path.join(run, "step_a"), os.path.join(run, "step_b")
+    with fastckpt.Checkpointer(keep_persistent=1) as ck:
+        ck.save(_state(1), a + "/model.pt", group=a)  # a's save begins first
+        ck.save(_state(2), b + "/model.pt", group=b)
+        ck.commit(b).wait()
+        ck.commit(a).wait()  # ...and is committed last: latest names it
+        ck.wait()
+    assert fastckpt.latest(run) == a and fastckpt.load(a + "/model.pt")["step"] == 1
+    assert not os.path.exists(b)
+
+
+def test_retention_never_deletes_what_latest_names(tmp_path, caplog) -> None:
+    """The last line of defence: whatever the lists say, the checkpoint ``latest`` names stays."""
+    from fastckpt.save.retention import Retention
+    from fastckpt.storage.homes import Homes
+
+    run = str(tmp_path / "run")
+    g = os.path.join(run, "step_1")
+    with fastckpt.Checkpointer() as ck:
+        ck.save(_state(1), g + "/model.pt", group=g)
+        ck.commit(g).wait()
+    r = Retention(None, 1, Homes(), lambda p: [])
+    with caplog.at_level("WARNING", logger="fastckpt"):
+        r._trim_persistent(g)
+    assert fastckpt.latest(run) == g and "latest names it" in caplog.text
