@@ -7,11 +7,14 @@ Every hook runs on the training thread; a Trainer without a FastCkptIO is left a
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from fastckpt.errors import ConfigError
 
 from .plugin import FastCkptIOMixin
+
+log = logging.getLogger("fastckpt")
 
 
 class FastCkptCallbackMixin:
@@ -54,24 +57,47 @@ class FastCkptCallbackMixin:
             callbacks.insert(0, self)
 
     def _count_saves_in_flight(self, trainer: Any, io: FastCkptIOMixin) -> None:
-        """ModelCheckpoint picks a version suffix (``name-v1.ckpt``...) only when a file of the name
-        exists, asking its public ``file_exists``; a save still in flight has no file yet, so its
-        name would be reused and a checkpoint the user asked to keep replaced. Each callback's
-        ``file_exists`` also counts this plugin's saves in flight (decided on rank 0, which saves,
-        and reduced across ranks like Lightning's own answer); ``teardown`` restores it."""
+        """Each ModelCheckpoint asks its public ``file_exists`` before it picks a version suffix
+        (``name-v1.ckpt``...), and links ``last.ckpt`` with ``_link_checkpoint``
+        (``save_last="link"``). A save in flight has no file yet: its name would be reused (a
+        checkpoint the user asked to keep replaced), and the link would name a file that is not
+        there (a kill, or a failed or skipped save, then leaves ``last.ckpt`` dangling and
+        ``ckpt_path="last"`` starts over). So ``file_exists`` also counts the plugin's saves in
+        flight (decided on rank 0, which saves, and reduced across ranks like Lightning's own
+        answer), and the link waits for its target's save (``TrainerLink._link_later``). Both ask
+        the Trainer's CheckpointIO when called, so a wrapper a crashed fit left behind serves the
+        next Trainer's plugin; ``teardown`` and ``on_exception`` restore the methods."""
         self._wrapped = getattr(self, "_wrapped", [])
         for cb in trainer.checkpoint_callbacks:
-            original = getattr(cb, "file_exists", None)
+            original, link = getattr(cb, "file_exists", None), getattr(cb, "_link_checkpoint", None)
             if original is None or getattr(original, "_fastckpt", False):
                 continue
 
             def file_exists(filepath: Any, trainer: Any, _original: Any = original) -> bool:
+                io = trainer.strategy.checkpoint_io
                 return bool(_original(filepath, trainer)) or bool(trainer.strategy.reduce_boolean_decision(
-                    trainer.is_global_zero and io._in_flight(filepath), all=False))
+                    trainer.is_global_zero and isinstance(io, FastCkptIOMixin) and io._in_flight(filepath), all=False))
+
+            def link_checkpoint(trainer: Any, filepath: str, linkpath: str, _original: Any = link) -> None:
+                io = trainer.strategy.checkpoint_io
+                if isinstance(io, FastCkptIOMixin) and io._link_later(trainer, filepath, linkpath):
+                    trainer.strategy.barrier()  # as Lightning's own, on every rank
+                else:
+                    _original(trainer, filepath, linkpath)
 
             file_exists._fastckpt = True  # type: ignore[attr-defined]
             cb.file_exists = file_exists
+            if link is not None:
+                link_checkpoint._fastckpt = True  # type: ignore[attr-defined]
+                cb._link_checkpoint = link_checkpoint
             self._wrapped.append(cb)
+
+    def _unwrap(self) -> None:
+        for cb in getattr(self, "_wrapped", []):
+            for name in ("file_exists", "_link_checkpoint"):
+                if getattr(cb.__dict__.get(name), "_fastckpt", False):
+                    delattr(cb, name)  # the class's own method again
+        self._wrapped = []
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         io = self._io(trainer)
@@ -114,8 +140,14 @@ class FastCkptCallbackMixin:
             io._crashed = True
             # Flush now (failures are logged, not raised): not every strategy's teardown calls
             # CheckpointIO.teardown (Lightning 2.6's FSDPStrategy does not). A second teardown
-            # by the strategy finds nothing left to do.
+            # by the strategy finds nothing left to do. Lightning calls no teardown hook after
+            # an exception: the ModelCheckpoints get their own methods back here.
             io.teardown()
+            self._unwrap()
+            try:
+                io._log_metrics(trainer)  # the rows of the saves that teardown just finished
+            except Exception as exc:  # noqa: BLE001 (never hide the exception that stopped training)
+                log.error("fastckpt: could not log the last checkpoints' metrics: %r", exc)
 
     def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
         io = self._io(trainer)
@@ -125,10 +157,9 @@ class FastCkptCallbackMixin:
             io._log_metrics(trainer)
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
-        for cb in getattr(self, "_wrapped", []):
-            if getattr(cb.__dict__.get("file_exists"), "_fastckpt", False):
-                del cb.file_exists  # the class's own method again
-        self._wrapped = []
+        self._unwrap()
         io = self._io(trainer)
         if io is not None:
+            if io._in_fit:  # a teardown that did not reach CheckpointIO.teardown (FSDPStrategy): flush now
+                io.teardown()
             io._disconnect(self)

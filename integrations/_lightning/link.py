@@ -3,8 +3,11 @@ what the callback (``callback.py``) calls on the training thread (see ``plugin.p
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import shutil
+import threading
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
@@ -13,6 +16,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from fastckpt.checkpointer import Checkpointer
+from fastckpt.io.atomic import tmp_name
 from fastckpt.records import SaveHandle
 from fastckpt.urls import normalize
 
@@ -20,6 +24,8 @@ from .saves import SaveLedger, state_nbytes
 
 log = logging.getLogger("fastckpt.lightning")
 
+#: The key of a queued link (``_link_later``) among the queued removals.
+LINK = "link:"
 #: Strategies whose rank 0 does not hold the whole state in its own tensors.
 SHARDED_STRATEGIES = {"FSDPStrategy", "DeepSpeedStrategy", "ModelParallelStrategy"}
 #: Added to the tensors' bytes when reserving: Lightning's metadata (loops, callbacks, hparams)
@@ -33,6 +39,8 @@ class TrainerLink:
     _ck: Checkpointer | None
     _saves: SaveLedger
     _removals: dict[str, Future]
+    _links: dict[str, tuple[list[SaveHandle], str]]  # linkpath -> (its target's saves, the target), queued
+    _links_lock: threading.Lock
     _trainer_ref: Callable[[], Any] | None
     _callback: object
     _in_fit: bool
@@ -92,12 +100,42 @@ class TrainerLink:
                             "so deleting it could leave no checkpoint. Delete it yourself once a newer checkpoint "
                             "is durable.", path, h.path, why)
                 return
+        for linkpath in list(self._links):  # last.ckpt may name path: move it on first (it is queued after)
+            self._relink(linkpath, False)
         ck.remove(path)
 
+    def _link_later(self, trainer: Any, filepath: str, linkpath: str) -> bool:
+        """ModelCheckpoint(save_last="link") links ``linkpath`` to ``filepath`` right after asking
+        for its save. With that save in flight, queue the link behind it on the remover thread (in
+        order with the removals) and return True; ``linkpath`` keeps its old target until then."""
+        if not self._in_fit or not trainer.is_global_zero or not self._in_flight(filepath):
+            return False
+        saves = [t.handle for t in self._saves.to(normalize(os.fspath(filepath)))]
+        with self._links_lock:
+            self._links[linkpath] = (saves, filepath)
+        self._removals[LINK + normalize(linkpath)] = self._queue(self._relink, linkpath, True)
+        return True
+
+    def _relink(self, linkpath: str, wait: bool) -> None:
+        """The remover thread: make the newest link queued for ``linkpath``, once its target's
+        saves are done (``wait``: waiting for them; else only if they are done already)."""
+        with self._links_lock:
+            entry = self._links.get(linkpath)
+        if entry is None or (not wait and not all(h.done() for h in entry[0])):
+            return
+        _link_after(*entry, linkpath)
+        with self._links_lock:
+            if self._links.get(linkpath) is entry:
+                del self._links[linkpath]
+
+    def _queue(self, fn: Callable[..., None], *args: Any) -> Future:
+        raise NotImplementedError  # FastCkptIOMixin runs it on its remover thread
+
     def _settle_removal(self, path: str) -> None:
-        fut = self._removals.pop(normalize(path), None)
-        if fut is not None:
-            fut.result()
+        for key in (normalize(path), LINK + normalize(path)):  # its deletion, or its link, queued
+            fut = self._removals.pop(key, None)
+            if fut is not None:
+                fut.result()
 
     def _raise_removal_errors(self) -> None:
         for p in [p for p, f in self._removals.items() if f.done()]:
@@ -119,9 +157,12 @@ class TrainerLink:
             return False  # another FastCkptCallback (explicit and from the entry point) got here first
         self._callback = callback
         self._trainer_ref = weakref.ref(trainer)
-        self._in_fit, self._crashed, self._reserved = True, False, False
+        # a save outside fit (validate, test, predict) is synchronous: no teardown hook flushes
+        # there under every strategy (FSDPStrategy's never calls CheckpointIO.teardown)
+        fitting = str(getattr(trainer.state.fn, "value", "fit")) == "fit"
+        self._in_fit, self._crashed, self._reserved = fitting, False, False
         self._sharded = bool(SHARDED_STRATEGIES & {c.__name__ for c in type(trainer.strategy).__mro__})
-        if trainer.is_global_zero:
+        if trainer.is_global_zero and fitting:
             self._checkpointer()  # start the overhead clock with the run, not at the first save
         strategy = trainer.strategy
         if "FSDPStrategy" in (c.__name__ for c in type(strategy).__mro__) \
@@ -165,6 +206,31 @@ class TrainerLink:
         if self._callback is callback:
             self._callback = None
             self._trainer_ref = None
+
+
+def _link_after(saves: list[SaveHandle], filepath: str, linkpath: str) -> None:
+    """The remover thread: point ``linkpath`` at ``filepath`` once its ``saves`` are durable,
+    atomically (a symlink made beside it and renamed over it: ``linkpath`` never goes missing).
+    If one failed or was skipped, ``linkpath`` keeps naming the checkpoint before."""
+    for h in saves:
+        why = not_durable(h)
+        if why is not None:
+            log.warning("fastckpt: %s still names the checkpoint before: the save of %s it was to name %s",
+                        linkpath, filepath, why)
+            return
+    if os.path.isdir(linkpath) and not os.path.islink(linkpath):
+        shutil.rmtree(linkpath)
+    tmp = tmp_name(linkpath)
+    try:
+        os.symlink(os.path.relpath(filepath, os.path.dirname(linkpath)), tmp)
+    except OSError:  # no symlinks here (Windows without the privilege): a copy, as Lightning's fallback
+        shutil.copy(filepath, tmp)
+    try:
+        os.replace(tmp, linkpath)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def not_durable(handle: SaveHandle) -> str | None:

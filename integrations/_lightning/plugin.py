@@ -36,11 +36,12 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 import warnings
 import weakref
-from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from typing import Any
 
@@ -49,7 +50,7 @@ from fastckpt.errors import ConfigError
 from fastckpt.monitor import OverheadReport, Stats
 from fastckpt.urls import is_url, normalize
 
-from .link import TrainerLink
+from .link import LINK, TrainerLink
 from .options import checkpointer_config, is_requeue_checkpoint, parse_storage_options
 from .saves import SaveLedger, copy_unfenced_tensors
 
@@ -119,6 +120,7 @@ class FastCkptIOMixin(TrainerLink):
     def _reset_runtime(self) -> None:
         self._saves = SaveLedger()
         self._removals = {}
+        self._links, self._links_lock = {}, threading.Lock()
         self._remover: ThreadPoolExecutor | None = None
         self._trainer_ref = None
         self._callback = None
@@ -287,12 +289,16 @@ class FastCkptIOMixin(TrainerLink):
                 ck.remove(path)
             return
         ck = self._checkpointer()
-        if self._remover is None:
-            self._remover = ThreadPoolExecutor(1, thread_name_prefix="fastckpt-lightning-remove")
         prev = self._removals.get(path)
         if prev is not None and not prev.done():
             return
-        self._removals[path] = self._remover.submit(self._remove_after, ck, path, self._saves.before_removal(path))
+        self._removals[path] = self._queue(self._remove_after, ck, path, self._saves.before_removal(path))
+
+    def _queue(self, fn: Callable[..., None], *args: Any) -> Future:
+        """Run ``fn(*args)`` on the remover thread, after what was queued before."""
+        if self._remover is None:
+            self._remover = ThreadPoolExecutor(1, thread_name_prefix="fastckpt-lightning-remove")
+        return self._remover.submit(fn, *args)
 
     def teardown(self) -> None:
         """Wait for every pending save and removal, each wait up to the Checkpointer's
@@ -314,8 +320,9 @@ class FastCkptIOMixin(TrainerLink):
         _, stuck = wait_futures(removals.values(), timeout=timeout_s)
         for path, fut in removals.items():
             if fut in stuck:
-                log.warning("fastckpt: gave up waiting for the deletion of %s (close_timeout_s=%s): the save it "
-                            "waits for is still pending, so the file may remain", path, timeout_s)
+                log.warning("fastckpt: gave up waiting for the %s (close_timeout_s=%s): the save it waits for is "
+                            "still pending", f"link {path[len(LINK):]}" if path.startswith(LINK) else
+                            f"deletion of {path}, which may remain", timeout_s)
             elif fut.exception() is not None:
                 errors.append(fut.exception())  # type: ignore[arg-type]
         if ck is not None:

@@ -92,10 +92,19 @@ def test_plugin_outside_a_trainer_finishes_each_call_before_it_returns(tmp_path)
     assert _fastckpt_threads(before) == []
 
 
+class OpenAtEnd(Callback):
+    def __init__(self, gate) -> None:  # noqa: ANN001
+        self.gate = gate
+
+    def on_train_end(self, trainer, pl_module):
+        self.gate.open()  # every save of the fit was chosen a name while in flight
+
+
 def test_loading_last_link_waits_for_its_target_in_flight(tmp_path) -> None:
-    """save_last="link": last.ckpt links to step=2.ckpt, whose save is held before its final
-    rename. Loading last.ckpt waits for that save, as loading step=2.ckpt itself does; the spy
-    lets the save land only once the load waits for it."""
+    """save_last="link": the link to step=2.ckpt, whose save is held before its final rename, is
+    made only once that save is durable (last.ckpt never names a file that is not there).
+    Loading last.ckpt meanwhile waits for the link, and so for the save; the spy lets the save
+    land only once the load waits."""
     ops = FaultyOps()
     gate = ops.gate("replace", path_contains="step=2.ckpt")
     io = FastCkptIO(ops=ops)
@@ -106,32 +115,54 @@ def test_loading_last_link_waits_for_its_target_in_flight(tmp_path) -> None:
             if trainer.global_step != 2 or loaded:
                 return
             last = trainer.checkpoint_callback.last_model_path
-            loaded["dangling"] = os.path.islink(last) and not os.path.exists(last)
-            real_wait = io._saves.wait
+            loaded["there"] = os.path.lexists(last)
+            real_settle = io._settle_removal
 
-            def wait(item):  # noqa: ANN001, ANN202
-                loaded["waited"] = item.handle.path
+            def settle(path):  # noqa: ANN001, ANN202
+                loaded["waited"] = path
                 gate.open()
-                return real_wait(item)
+                return real_settle(path)
 
-            io._saves.wait = wait  # type: ignore[method-assign]
+            io._settle_removal = settle  # type: ignore[method-assign]
             try:
                 loaded["step"] = trainer.strategy.load_checkpoint(last)["global_step"]
             finally:
-                io._saves.wait = real_wait  # type: ignore[method-assign]
+                io._settle_removal = real_settle  # type: ignore[method-assign]
                 gate.open()
 
     trainer = make_trainer(str(tmp_path), io, 3, callbacks=[LoadLast()], every_n_train_steps=2, save_last="link")
     trainer.fit(TinyModel(), loader())
-    assert loaded == {"dangling": True, "waited": str(tmp_path / "ckpt" / "epoch=0-step=2.ckpt"), "step": 2}
+    assert loaded == {"there": False, "waited": str(tmp_path / "ckpt" / "last.ckpt"), "step": 2}
+    assert os.path.realpath(tmp_path / "ckpt" / "last.ckpt") == str(tmp_path / "ckpt" / "epoch=0-step=2.ckpt")
 
 
-class OpenAtEnd(Callback):
-    def __init__(self, gate) -> None:  # noqa: ANN001
-        self.gate = gate
+def test_last_link_keeps_a_complete_target_when_the_newest_save_is_skipped(tmp_path) -> None:
+    """when_busy="skip" drops the saves of steps 2 and 3 while step 1's is still being written:
+    once, last.ckpt was linked to a skipped file anyway, dangled after a clean fit, and
+    ckpt_path="last" silently started over from step 0. It keeps naming step 1 now."""
+    ops = FaultyOps()
+    gate = ops.gate("pwrite", path_contains="step=1")  # opened at on_train_end, after step 3's save was asked for
+    io = FastCkptIO(checkpointer=fastckpt.Checkpointer(ops=ops, when_busy="skip"))
+    mc = {"every_n_train_steps": 1, "save_top_k": 1, "monitor": "step", "mode": "max", "save_last": "link"}
+    try:
+        trainer = L.Trainer(max_steps=3, accelerator="cpu", devices=1, plugins=[io], logger=False,
+                            enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path),
+                            num_sanity_val_steps=0,
+                            callbacks=[ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), **mc), OpenAtEnd(gate)])
+        trainer.fit(TinyModel(), loader())
+    finally:
+        gate.open()
+    last = tmp_path / "ckpt" / "last.ckpt"
+    assert os.path.exists(last) and os.path.realpath(last) == str(tmp_path / "ckpt" / "epoch=0-step=1.ckpt")
+    started: list[int] = []
 
-    def on_train_end(self, trainer, pl_module):
-        self.gate.open()  # every save of the fit was chosen a name while in flight
+    class Start(Callback):
+        def on_train_start(self, trainer, pl_module):
+            started.append(trainer.global_step)
+
+    resumed = make_trainer(str(tmp_path), FastCkptIO(), 4, callbacks=[Start()], **mc)
+    resumed.fit(TinyModel(), loader(), ckpt_path="last")
+    assert started == [1]  # from step 1, not from 0
 
 
 def test_version_suffixes_count_saves_in_flight(tmp_path) -> None:
@@ -255,3 +286,114 @@ KILLED_SAVE = textwrap.dedent("""
     ck.save({{"w": torch.ones(1024)}}, {path!r})
     ck.wait()
 """)
+
+
+LINK_JOB = textwrap.dedent("""
+    import os, signal, sys
+    import lightning as L
+    from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+    sys.path.insert(0, {repo!r})
+    import fastckpt
+    from fastckpt.integrations.lightning import FastCkptIO
+    from fastckpt.testing import FaultyOps
+    from tests.integration.test_lightning import TinyModel, loader
+
+    ops = FaultyOps()
+    ops.gate("replace", path_contains="step=6")  # the step-6 save is in flight when the job dies
+
+    class Kill(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if trainer.global_step == 6:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    mc = ModelCheckpoint(dirpath={ckpt!r}, every_n_train_steps=2, save_top_k=1, monitor="step", mode="max",
+                         save_last="link")
+    trainer = L.Trainer(max_steps=100, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, num_sanity_val_steps=0, callbacks=[Kill(), mc],
+                        plugins=[FastCkptIO(checkpointer=fastckpt.Checkpointer(ops=ops))])
+    trainer.fit(TinyModel(), loader())
+""")
+
+
+def test_last_link_survives_a_kill_while_its_next_target_is_saved(tmp_path) -> None:
+    """save_last="link" and ckpt_path="last" (docs/lightning.md's resume): a job killed with
+    the step-6 save in flight. last.ckpt was linked to the step-6 file before it existed, so
+    Lightning dropped the dangling link and the resume started over from step 0; now last.ckpt
+    names the newest checkpoint that is durable."""
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    ckpt = tmp_path / "ckpt"
+    job = subprocess.run([sys.executable, "-c", LINK_JOB.format(repo=repo, ckpt=str(ckpt))], capture_output=True,
+                         text=True, timeout=300, check=False)
+    assert job.returncode == -signal.SIGKILL, job.stderr[-3000:]
+    target = os.path.realpath(ckpt / "last.ckpt")  # step 4's, or step 2's if step 4 was not durable yet either
+    assert target in (str(ckpt / "epoch=0-step=4.ckpt"), str(ckpt / "epoch=0-step=2.ckpt"))
+    step = fastckpt.load(target)["global_step"]
+    started: list[int] = []
+
+    class Start(Callback):
+        def on_train_start(self, trainer, pl_module):
+            started.append(trainer.global_step)
+
+    resumed = make_trainer(str(tmp_path), FastCkptIO(), 6, callbacks=[Start()], every_n_train_steps=2,
+                           save_top_k=1, monitor="step", mode="max", save_last="link")
+    resumed.fit(TinyModel(), loader(), ckpt_path="last")
+    assert started == [step]
+
+
+def test_a_retry_with_the_same_model_checkpoint_after_a_crash_counts_saves_in_flight(tmp_path) -> None:
+    """Lightning calls no teardown hook after an exception: the ModelCheckpoint kept a
+    file_exists wrapper tied to the crashed run's plugin, so a retry with a new Trainer and
+    plugin but the same ModelCheckpoint reused the names of its saves in flight and overwrote
+    checkpoints the user asked to keep (save_top_k=-1)."""
+    from fastckpt import Checkpointer
+
+    class Boom(TinyModel):
+        def training_step(self, batch, batch_idx):
+            raise RuntimeError("boom")
+
+    mc = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), filename="{epoch}", every_n_train_steps=1, save_top_k=-1,
+                         monitor="step", mode="max")
+
+    def trainer(io: FastCkptIO, max_steps: int, *extra: Callback) -> L.Trainer:
+        return L.Trainer(max_steps=max_steps, accelerator="cpu", devices=1, plugins=[io], logger=False,
+                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                         default_root_dir=str(tmp_path), callbacks=[*extra, mc])
+
+    with pytest.raises(RuntimeError, match="boom"):
+        trainer(FastCkptIO(), 3).fit(Boom(), loader())
+    assert "file_exists" not in mc.__dict__ and "_link_checkpoint" not in mc.__dict__  # restored at the crash
+    ops = FaultyOps()
+    gate = ops.gate("replace")  # every save of the retry is in flight when the next one picks its name
+    ck = Checkpointer(ops=ops, staging_buffers=4)
+    try:
+        trainer(FastCkptIO(checkpointer=ck), 3, OpenAtEnd(gate)).fit(TinyModel(), loader())
+    finally:
+        gate.open()
+        ck.close()
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["epoch=0-v1.ckpt", "epoch=0-v2.ckpt", "epoch=0.ckpt"]
+
+
+def test_a_save_during_validate_is_synchronous(tmp_path) -> None:
+    """Outside fit no teardown hook flushes under every strategy (FSDPStrategy's never reaches
+    CheckpointIO.teardown): a trainer.save_checkpoint in validate() is durable when it returns."""
+    path = tmp_path / "during_validate.ckpt"
+    seen: dict = {}
+
+    class SaveInValidation(Callback):
+        def on_validation_end(self, trainer, pl_module):
+            trainer.save_checkpoint(str(path))
+            seen["exists"] = path.exists()
+
+    class Validated(TinyModel):
+        def validation_step(self, batch, batch_idx):
+            x, y = batch
+            self.log("val_loss", torch.nn.functional.mse_loss(self.net(x), y))
+
+    io = FastCkptIO()
+    trainer = L.Trainer(accelerator="cpu", devices=1, plugins=[io], logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, default_root_dir=str(tmp_path), callbacks=[SaveInValidation()])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # nor the "not connected to a Trainer" warning
+        warnings.filterwarnings("ignore", message=".*(num_workers|does not have many workers|val_dataloader).*")
+        trainer.validate(Validated(), loader())
+    assert seen == {"exists": True} and io._ck is None  # nothing of fastckpt left running
