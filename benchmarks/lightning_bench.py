@@ -145,7 +145,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=1, help="rounds run first and discarded")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--dir", default=str(REPO.parent / "bench_tmp"),
-                    help="where checkpoints go (a real disk: /tmp may be tmpfs, RAM, which older kernels refuse O_DIRECT on)")
+                    help="where checkpoints go (a real disk: /tmp may be tmpfs, which is RAM)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     warnings.filterwarnings("ignore")
