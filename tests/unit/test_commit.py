@@ -451,3 +451,31 @@ def test_commit_without_moving_latest(tmp_path: Path) -> None:
             ck.commit(g, move_latest=move).wait()
     assert P.read_group_manifest(place(parent / "best")) is not None
     assert (parent / P.LATEST).read_text() == "global_step1"
+
+
+def test_a_group_is_deleted_manifest_first_and_commit_markers_last(tmp_path) -> None:
+    """A reader that catches a group mid-deletion finds no manifest; were its rank markers gone
+    before its files, it would be told that ranks "never committed" a group that was committed
+    and is being removed."""
+    from fastckpt.testing import FaultyOps
+
+    g = str(tmp_path / "run" / "global_step7")
+    gone: list[str] = []
+    ops = FaultyOps(on_call=lambda op, path: gone.append(path) if op in ("unlink", "rmdir") else None)
+    cks = [fastckpt.Checkpointer(rank=r, world_size=2, ops=ops) for r in range(2)]
+    try:
+        for ck in cks:
+            ck.save({"w": torch.ones(4)}, f"{g}/r{ck.rank}.pt", group=g)
+        for h in [ck.commit(g) for ck in cks]:
+            h.wait(60)
+        gone.clear()
+        cks[0].remove(g)
+    finally:
+        for ck in cks:
+            ck.close()
+    names = [p.removeprefix(g + "/") for p in gone if p.startswith(g)]
+    assert names[0] == "fastckpt-manifest.json"
+    markers = [i for i, n in enumerate(names) if n.startswith(".fastckpt")]
+    files = [i for i, n in enumerate(names) if n in ("r0.pt", "r1.pt")]
+    assert len(files) == 2 and markers and max(files) < min(markers), names
+    assert not os.path.exists(g)

@@ -352,7 +352,7 @@ def _delete_group(loc: Location) -> None:
     or committing into it) adds or removes entries under it meanwhile."""
     for attempt in range(1, DELETE_ATTEMPTS + 1):
         try:
-            loc.target.delete_tree(loc.key, first=(GROUP_MANIFEST,))
+            loc.target.delete_tree(loc.key, first=(GROUP_MANIFEST,), last=(MARKER_DIR,))
             return
         except OSError as exc:
             if getattr(exc, "errno", None) not in (errno.ENOTEMPTY, errno.ENOENT, errno.EISDIR, errno.EEXIST) \

@@ -153,6 +153,7 @@ class TierSelector:
         """The tier for a save to ``path`` (a URL only with local_dir: the config checks that);
         ``local_dir``: the burst-buffer directory this save writes to, when there are several."""
         dest_dir = os.path.dirname(path) if self.local_dir is None else (local_dir or self.local_dir)
+        self.ops.makedirs(dest_dir)  # a directory that cannot be made fails the save at the call
         key = (_file_system(dest_dir), has_cuda)  # one probe per file system, not per directory (iter_N/...)
         with self._lock:
             if key not in self._cache:

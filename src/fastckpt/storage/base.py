@@ -247,12 +247,15 @@ class Target(ReadSide, abc.ABC):
         Call it from one process while no upload under ``prefix`` is younger than that.
         """
 
-    def delete_tree(self, prefix: str, first: tuple[str, ...] = ()) -> None:
+    def delete_tree(self, prefix: str, first: tuple[str, ...] = (), last: tuple[str, ...] = ()) -> None:
         """Delete every object under ``prefix/``, the ``first`` ones (relative to ``prefix``,
-        e.g. a group's manifest, whose absence makes the rest invisible) before the others."""
+        e.g. a group's manifest, whose absence makes the rest invisible) before the others, and
+        those under the ``last`` folders (a group's commit markers, which tell a reader meanwhile
+        that the group was committed) after them."""
         keys = self.list(check_key(prefix) + "/")
         head = [k for k in (f"{prefix}/{rel}" for rel in first) if k in keys]
-        for k in head + [k for k in keys if k not in head]:
+        tail = [k for k in keys if any(k.startswith(f"{prefix}/{rel}/") for rel in last) and k not in head]
+        for k in head + [k for k in keys if k not in head and k not in tail] + tail:
             self.delete(k)
 
     def exchange(self, key_a: str, key_b: str) -> None:

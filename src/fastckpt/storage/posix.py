@@ -323,11 +323,11 @@ class PosixTarget(Target):
 
         self._retry(f"delete of {path}", unlink)
 
-    def delete_tree(self, prefix: str, first: tuple[str, ...] = ()) -> None:
+    def delete_tree(self, prefix: str, first: tuple[str, ...] = (), last: tuple[str, ...] = ()) -> None:
         """``Target.delete_tree``; the removal of the ``first`` keys is made durable (directory
         fsync) before anything else goes, and then everything in the directory goes, temp files
-        of dead writers included. A symlink is removed, never followed; emptied parent
-        directories are pruned up to the root."""
+        of dead writers included, the ``last`` folders' after the rest. A symlink is removed,
+        never followed; emptied parent directories are pruned up to the root."""
         top = self._path(prefix)
         if os.path.islink(top) or not os.path.isdir(top):
             self.delete(prefix)
@@ -336,10 +336,11 @@ class PosixTarget(Target):
             self.delete(f"{prefix}/{rel}")
         if first:
             self._retry(f"fsync of {top}", lambda: self.ops.fsync_dir(top))
-        for d, dirs, files in os.walk(top, topdown=False):
-            for name in files + [x for x in dirs if os.path.islink(os.path.join(d, x))]:
+        for d, names, rmdir in posix_walk.deletion_order(top, last):
+            for name in names:
                 atomic.discard(self.ops, os.path.join(d, name))
-            self._retry(f"delete of {d}", lambda d=d: self.ops.rmdir(d))
+            if rmdir:
+                self._retry(f"delete of {d}", lambda d=d: self.ops.rmdir(d))
         self.delete(prefix)  # prunes the parents the removal emptied (the directory itself is gone)
 
     def clean_incomplete(self, prefix: str = "", older_than_s: float = 3600.0) -> int:

@@ -69,3 +69,21 @@ def dirs(root: str, prefix: str) -> list[str]:
     at = _key_dir(root, base)
     return sorted(at + e.name for e in entries if e.name.startswith(head) and not atomic.is_tmp(e.name)
                   and e.is_dir(follow_symlinks=False))
+
+
+
+def deletion_order(top: str, last: tuple[str, ...]) -> list[tuple[str, list[str], bool]]:
+    """How a deletion of directory ``top`` goes, step by step: (a directory, the names in it to
+    remove: files and symbolic links, whether the directory goes after them). Every directory
+    goes after what is in it; the folders ``last`` names (relative to ``top``) after all the
+    rest, ``top``'s own files included; ``top`` itself at the end."""
+    held = [os.path.join(top, rel) for rel in last]
+
+    def in_held(d: str) -> bool:
+        return any(d == h or d.startswith(h + os.sep) for h in held)
+
+    walk = [(d, files + [x for x in dirs if os.path.islink(os.path.join(d, x))])
+            for d, dirs, files in os.walk(top, topdown=False)]
+    return [(d, names, True) for d, names in walk if d != top and not in_held(d)] \
+        + [(d, names, False) for d, names in walk if d == top] \
+        + [(d, names, True) for d, names in walk if in_held(d)] + [(top, [], True)]
