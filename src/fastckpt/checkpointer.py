@@ -182,10 +182,10 @@ class Checkpointer:
     def commit(self, group: str, *, move_latest: bool = True, **extra: object) -> SaveHandle:
         """This rank is done saving into ``group``; every rank must call it.
 
-        Returns a handle that completes when the whole group is durable and published (on
-        rank 0 after it wrote the manifest, on other ranks once they see it). ``extra``
-        (e.g. ``step=100``) is recorded in the group manifest. ``move_latest=False`` (the same on every
-        rank) publishes it without moving ``parent/latest``; retention and coalescing never drop it.
+        Returns a handle that completes when the whole group is durable and published (on rank 0 after it wrote the
+        manifest, other ranks once they see it). ``extra`` (e.g. ``step=100``) goes in the group manifest.
+        ``move_latest=False`` (the same on every rank) publishes it without moving ``parent/latest``; retention and
+        coalescing never drop it.
 
         Raises:
             CheckpointWriteError: a save of this rank into ``group`` raised or was skipped, and
@@ -203,8 +203,8 @@ class Checkpointer:
             self._retention.ended(group, rec.superseded, has_local and move_latest, rank == 0 and move_latest, token,
                                   step)
             return rec
-
         fut = self._coordinator.commit(group, rank, self.world_size, dict(extra), retain, move_latest)
+        self._retention.watch_commit(fut, group, token)
         return self._inflight.track(fut, group, group)
 
     def fence(self) -> float:

@@ -76,3 +76,33 @@ def test_retention_never_deletes_what_latest_names(tmp_path, caplog) -> None:
     with caplog.at_level("WARNING", logger="fastckpt"):
         r._trim_persistent(g)
     assert fastckpt.latest(run) == g and "latest names it" in caplog.text
+
+
+def test_a_failed_re_save_leaves_the_published_group_to_retention(tmp_path) -> None:
+    """A re-save of a published tag whose commit fails (rank 1 never commits it) took the tag out
+    of retention's lists for good: the old group, still published, was never trimmed again."""
+    run = str(tmp_path / "run")
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=60))
+    cks = [fastckpt.Checkpointer(rank=r, world_size=2, store=store, keep_persistent=1, commit_timeout_s=2)
+           for r in range(2)]
+
+    def step(n: int, ranks: tuple[int, ...] = (0, 1)) -> None:
+        g = os.path.join(run, f"global_step{n}")
+        for r in ranks:
+            cks[r].save(_state(n), f"{g}/r{r}.pt", group=g)
+        for h in [cks[r].commit(g, step=n) for r in ranks]:
+            h.wait(60)
+
+    try:
+        step(1)
+        step(2)
+        with pytest.raises(fastckpt.CommitTimeoutError):
+            step(2, ranks=(0,))  # the re-save: rank 1 never commits it
+        step(3)
+        step(4)
+        for ck in cks:
+            ck.wait()
+    finally:
+        for ck in cks:
+            ck.close()
+    assert sorted(d for d in os.listdir(run) if not d.startswith(".") and d != "latest") == ["global_step4"]

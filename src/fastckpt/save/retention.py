@@ -42,6 +42,7 @@ import os
 import posixpath
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future
 
 from ..commit.discovery import scan
 from ..commit.foreign import tag_step
@@ -73,15 +74,30 @@ class Retention:
         self._busy: dict[str, int] = {}  # name -> its newest save in flight (a failed save's name stays)
         self._dropped: dict[str, tuple[int, int]] = {}  # group -> (token, step) of a save replication dropped
         self._listed_drops: set[str] = set()  # dropped groups in the local list: this rank deletes its files only
+        self._replaced: dict[str, int] = {}  # name being saved again -> its persistent-list token before
 
     def replacing(self, path: str) -> int:
         """A new save of ``path`` (a file or group) began: until it is durable, no trim may delete
         the copies it is replacing (a group's burst-buffer directory is the one it writes into).
         Returns the save's token, for ``durable`` and ``dropped``."""
         with self._lock:
+            if path in self._persistent:  # a re-save of it whose commit fails lists the published one again
+                self._replaced[path] = self._persistent[path]
             self._forget(path)
             token = self._busy[path] = next(self._tokens)
             return token
+
+    def watch_commit(self, commit: Future, group: str, token: int) -> None:
+        """If the commit ``token`` of ``group`` fails, the group published before it (if this rank
+        listed one) is still whole at its home: it takes its old place in the persistent list
+        again (else no later trim would ever delete it)."""
+        commit.add_done_callback(lambda f: f.cancelled() or f.exception() is None or self._commit_failed(group, token))
+
+    def _commit_failed(self, group: str, token: int) -> None:
+        with self._lock:
+            old = self._replaced.pop(group, None)
+            if old is not None and self._busy.get(group) == token and group not in self._persistent:
+                self._persistent[group] = old
 
     def saving(self, path: str) -> int | None:
         """The token of the newest save of ``path`` in flight."""
@@ -118,6 +134,7 @@ class Retention:
         with self._lock:  # it ends only now: a save of path may have begun during the scan
             if listed := self._busy.get(path, mine) == mine:
                 self._busy.pop(path, None)
+                self._replaced.pop(path, None)
             token = next(self._tokens) if token is None else token
             ahead = [p for p in earlier if p not in self._local and p not in self._busy]
             self._local.update({p: i - len(ahead) for i, p in enumerate(ahead)})  # before any save of this run
