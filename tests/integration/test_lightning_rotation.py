@@ -4,6 +4,7 @@ store after close_timeout_s (docs/lightning.md)."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -27,7 +28,16 @@ def test_failed_replacement_keeps_the_previous_top_k_file(tmp_path, caplog):
     step=2. TorchCheckpointIO would have raised before removing it; FastCkptIO keeps it too."""
     ops = FaultyOps([Fault("pwrite", errno.ENOSPC, path_contains="step=4.ckpt")])
     io = FastCkptIO(ops=ops)
-    trainer = make_trainer(str(tmp_path), io, 8, every_n_train_steps=2, save_top_k=1, monitor="step", mode="max")
+
+    class Step4Ended(Callback):  # step=4's failure is raised at the next save (a loaded machine is slow)
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if trainer.global_step == 5:
+                for t in list(io._saves.tracked):
+                    with contextlib.suppress(Exception):
+                        t.handle.result()  # waits; its failure stays the training thread's to raise
+
+    trainer = make_trainer(str(tmp_path), io, 8, callbacks=[Step4Ended()], every_n_train_steps=2, save_top_k=1,
+                           monitor="step", mode="max")
     with caplog.at_level(logging.WARNING, logger="fastckpt.lightning"), pytest.raises(CheckpointWriteError):
         trainer.fit(TinyModel(), loader())
     ops.assert_all_reached()
@@ -44,6 +54,10 @@ def test_skipped_replacement_keeps_the_previous_top_k_file(tmp_path, caplog):
     gate = ops.gate("fsync", path_contains="step=2.ckpt")
 
     class OpenAtTrainEnd(Callback):  # after the last save, before teardown waits for step=2
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if trainer.global_step == 3:  # step=2's write is held before step=4's save (a loaded machine is slow)
+                assert gate.wait_entered(60)
+
         def on_train_end(self, trainer, pl_module):
             gate.open()
 
