@@ -18,6 +18,7 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from .. import sysinfo
 from ..errors import TierUnavailableError
 from ..io.atomic import discard, probe_name
 from ..io.ops import FileOps
@@ -118,16 +119,10 @@ def gds_probe_write(directory: str, ops: FileOps | None = None) -> str | None:
 def _file_system(directory: str) -> int | str:
     """The file system ``directory`` is on (or will be: its nearest existing parent's), as its
     device number; the directory itself where none can be read."""
-    d = directory
-    while True:
-        try:
-            return os.stat(d).st_dev
-        except FileNotFoundError:
-            if os.path.dirname(d) == d:
-                return directory
-            d = os.path.dirname(d)
-        except OSError:
-            return directory
+    try:
+        return os.stat(sysinfo.existing_parent(directory)).st_dev
+    except OSError:
+        return directory
 
 
 class TierSelector:
