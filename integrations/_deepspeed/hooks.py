@@ -14,7 +14,8 @@ Who calls what (every rank, training thread, unless noted):
   load_checkpoint(load_dir, tag=None, ...)
       wait for this engine's pending saves -> resolve the tag (``resolve_tag``) -> a URL's
       group is read through the burst buffer (downloaded first on a fresh node) -> DeepSpeed's
-      load_checkpoint
+      load_checkpoint, every file from the one save of the tag published when it began
+      (``Checkpointer.reading``; a tag saved again and swapped in meanwhile is loaded again)
   destroy() and interpreter exit: wait for pending saves, report them, close an owned
       Checkpointer.
   engine.optimizer.step()  (lazy snapshot only; ``StepFence``, set on the optimizer instance:
@@ -26,6 +27,7 @@ Who calls what (every rank, training thread, unless noted):
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import posixpath
@@ -39,7 +41,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from fastckpt import Checkpointer, IncompleteCheckpointError
+from fastckpt import Checkpointer, GroupChangedError, IncompleteCheckpointError
 from fastckpt.errors import ConfigError, ReplicationError
 from fastckpt.save.fencing import optimizer_tensors
 
@@ -50,6 +52,7 @@ if TYPE_CHECKING:
     from deepspeed.runtime.engine import DeepSpeedEngine
 
 log = logging.getLogger("fastckpt.deepspeed")
+LOAD_TRIES = 3  # loads of a tag that is saved again and swapped in meanwhile, before the error is raised
 
 
 class OwnedCheckpointer:
@@ -233,23 +236,44 @@ class EngineHooks:
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                         load_module_only: bool = False, custom_load_fn: Callable | None = None) -> tuple:
         """DeepSpeed's ``load_checkpoint``, after this engine's pending saves are durable; with no
-        tag, the newest complete checkpoint (``resolve_tag``)."""
+        tag, the newest complete checkpoint (``resolve_tag``). Every file comes from one save of
+        the tag (``Checkpointer.reading``): a tag saved again and swapped in during the load is
+        loaded again, whole (up to ``LOAD_TRIES`` times)."""
         self.flush()
         home = normalize(load_dir)
         where, alias = self._where(home)
-        if tag is None and not self.engine.load_universal_checkpoint():
-            tag = self._resolve(home)
-        if tag is not None and alias is not None:
-            self._store().check_exists(home, os.path.join(where, str(tag)), str(tag))
-            self._fetch(home, where, str(tag))
-        self.fe.begin(alias, None, int(self.engine.global_samples))
+        resolve = tag is None and not self.engine.load_universal_checkpoint()
+        for attempt in range(1, LOAD_TRIES + 1):
+            if resolve:
+                tag = self._resolve(home)
+            if tag is not None and alias is not None:
+                self._store().check_exists(home, os.path.join(where, str(tag)), str(tag))
+                self._fetch(home, where, str(tag))
+            self.fe.begin(alias, None, int(self.engine.global_samples))
+            try:
+                with contextlib.ExitStack() as pinned:
+                    if tag is not None:
+                        self._pin(pinned, os.path.join(where, str(tag)))
+                    return self._load(where, tag=tag, load_module_strict=load_module_strict,
+                                      load_optimizer_states=load_optimizer_states,
+                                      load_lr_scheduler_states=load_lr_scheduler_states,
+                                      load_module_only=load_module_only, custom_load_fn=custom_load_fn)
+            except GroupChangedError as exc:
+                if attempt == LOAD_TRIES:
+                    raise
+                log.warning("fastckpt: checkpoint %s was saved again during its load (%s); loading it again",
+                            os.path.join(home, str(tag)), exc)
+            finally:
+                self.fe.end()
+        raise AssertionError("unreachable: the last try returns or raises")
+
+    def _pin(self, stack: contextlib.ExitStack, group: str) -> None:
+        """Pin the published save of the tag ``group`` for this thread's loads; a tag that is no
+        fastckpt group (DeepSpeed's own checkpoint) loads as DeepSpeed loads it."""
         try:
-            return self._load(where, tag=tag, load_module_strict=load_module_strict,
-                              load_optimizer_states=load_optimizer_states,
-                              load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
-                              custom_load_fn=custom_load_fn)
-        finally:
-            self.fe.end()
+            stack.enter_context(self.fe.checkpointer.reading(group))
+        except IncompleteCheckpointError:  # no manifest: its files' own loads say what is wrong, if anything
+            pass
 
     def destroy(self) -> None:
         """Flush pending saves (and close an owned Checkpointer), then DeepSpeed's ``destroy``."""

@@ -28,7 +28,7 @@ from megatron.core.dist_checkpointing.mapping import (
 from megatron.core.dist_checkpointing.strategies.base import LoadShardedStrategy
 from megatron.core.dist_checkpointing.strategies.common import COMMON_STATE_FNAME
 
-from fastckpt.errors import CorruptCheckpointError
+from fastckpt.errors import CorruptCheckpointError, GroupChangedError
 from fastckpt.io.ops import FileOps
 
 from .common import BACKEND, INDEX_FILE, VERSION, CheckpointerSource, ThroughCheckpointer, checkpoint_group
@@ -78,8 +78,8 @@ class FastCkptLoadStrategy(ThroughCheckpointer, LoadShardedStrategy):
             raise CheckpointingException(f"this checkpoint has fastckpt format version {loaded_version}; this "
                                          f"fastckpt reads up to {VERSION}: upgrade fastckpt")
 
-    def _index(self, group: str) -> tuple[dict, Index]:
-        manifest = read_group_manifest(group)
+    def _index(self, group: str, manifest: dict | None = None) -> tuple[dict, Index]:
+        manifest = manifest or read_group_manifest(group)
         if manifest is None:
             raise incomplete_group_error(group, None)
         path = os.path.join(group, INDEX_FILE)
@@ -92,9 +92,21 @@ class FastCkptLoadStrategy(ThroughCheckpointer, LoadShardedStrategy):
             IncompleteCheckpointError: the checkpoint was never committed.
             CorruptCheckpointError: bytes that do not match their recorded digests (names the file).
             ReshardingError: a tensor or object cannot be loaded with the requested layout.
+            GroupChangedError: the iteration was saved again (and swapped in) during the load.
         """
         t0, group = time.monotonic(), checkpoint_group(checkpoint_dir)
-        manifest, index = self._index(group)
+        with self.checkpointer.reading(group) as manifest:  # every file of the one save published now
+            try:
+                return self._load(sharded_state_dict, group, manifest, t0)
+            except (CorruptCheckpointError, FileNotFoundError) as exc:
+                if _changed(group, manifest):  # saved again and swapped in under the reads: not damage
+                    raise GroupChangedError(
+                        f"{group} was saved again while this load read it (its manifest changed): what was read "
+                        f"so far is of the earlier save ({exc}). Nothing was loaded: load it again.") from exc
+                raise
+
+    def _load(self, sharded_state_dict: ShardedStateDict, group: str, manifest: dict, t0: float) -> StateDict:
+        manifest, index = self._index(group, manifest)
         leaves = list(nested_values(sharded_state_dict))
         plans = {id(sh): plan_tensor(sh, index) for sh in leaves if isinstance(sh, ShardedTensor)}
         tensor_files = sorted({saved.file for parts in plans.values() for saved, _ in parts})
@@ -198,3 +210,13 @@ def _assemble(sh: ShardedTensor, parts: list, opened: dict[str, VerifiedFile],
         for saved, part in parts:
             view[part.within(want)].copy_(source(saved)[part.within(saved.box)])
     return out.to(device) if device.type != "cpu" else out
+
+
+def _changed(group: str, pinned: dict) -> bool:
+    """Whether ``group``'s published manifest is no longer ``pinned`` (another save was swapped in)."""
+    try:
+        now = read_group_manifest(group)
+    except (OSError, ValueError):  # unreadable now: nothing says it changed
+        return False
+    return now is not None and (now.get("attempt"), now.get("committed_at")) != (pinned.get("attempt"),
+                                                                                 pinned.get("committed_at"))

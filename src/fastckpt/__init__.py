@@ -19,6 +19,7 @@ from .errors import (
     ConfigError,
     CorruptCheckpointError,
     FastCkptError,
+    GroupChangedError,
     IncompleteCheckpointError,
     ReplicationError,
     TierUnavailableError,
@@ -36,8 +37,8 @@ if TYPE_CHECKING:
 __all__ = [
     "Checkpointer", "latest", "load", "Event", "OverheadReport", "Stats", "SaveHandle", "SaveRecord",
     "FastCkptError", "CheckpointNotFoundError", "CheckpointWriteError", "ClosedError", "CommitTimeoutError",
-    "ConfigError", "CorruptCheckpointError", "IncompleteCheckpointError", "ReplicationError", "TierUnavailableError",
-    "UnsupportedObjectError", "UnverifiableCheckpointError", "FastCkptIO", "__version__",
+    "ConfigError", "CorruptCheckpointError", "GroupChangedError", "IncompleteCheckpointError", "ReplicationError",
+    "TierUnavailableError", "UnsupportedObjectError", "UnverifiableCheckpointError", "FastCkptIO", "__version__",
 ]
 
 

@@ -16,6 +16,7 @@ import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import AbstractContextManager
 
 import torch
 
@@ -139,19 +140,12 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ save and commit
     def reserve(self, nbytes: int, *, pinned: bool = False) -> Future:
-        """Allocate the ``staging_buffers`` staging buffers for files of about ``nbytes`` now, on
-        a background thread, so the first save does not (docs/core.md). A save arriving meanwhile
-        waits for them and never allocates a second copy; a larger one allocates its own.
-
-        Args:
-            nbytes: one checkpoint file's expected size: the tensors' bytes, each rounded up to
-                4 KiB, plus a margin for the metadata.
-            pinned: True for states on CUDA devices (pinned host memory).
-
-        Returns:
-            A Future resolving to the number of buffers allocated, or holding the allocation's
-            error (logged; the next save then allocates, and raises, itself).
-        """
+        """Allocate the ``staging_buffers`` staging buffers for files of about ``nbytes`` now, on a background
+        thread, so the first save does not (docs/core.md); a save arriving meanwhile waits for them, a larger one
+        allocates its own. ``nbytes``: one file's expected size (the tensors' bytes, each rounded up to 4 KiB, plus a
+        margin for the metadata); ``pinned``: True for states on CUDA devices (pinned host memory). Returns a
+        Future of the number of buffers allocated, or holding the allocation's error (logged; the next save then
+        allocates, and raises, itself)."""
         self._check_open()
         if nbytes < 0:
             raise ValueError(f"nbytes={nbytes} must be >= 0")
@@ -229,8 +223,7 @@ class Checkpointer:
         their keys and returned in the object (``load.into``); if the load raises, their contents are unspecified.
 
         Raises:
-            CorruptCheckpointError: the bytes do not match the recorded checksum, or the file is empty,
-                truncated or not a torch file.
+            CorruptCheckpointError: bytes not matching the recorded checksum; an empty, truncated or non-torch file.
             UnverifiableCheckpointError: ``verify=True`` and the file has no manifest.
             IncompleteCheckpointError: the file belongs to a group that was never committed.
             ConfigError: ``path`` is None (``latest`` found nothing complete), or ``into`` does not match.
@@ -247,6 +240,12 @@ class Checkpointer:
         self._emit("load", got.url, got.size, w0, got.where,
                    detail=f"rto_s={rto:.6f}" + ("" if got.verified else " unverified"))
         return got.obj
+
+    def reading(self, group: str) -> AbstractContextManager[dict]:
+        """``with ck.reading(group) as manifest:`` this thread's loads of the group's files read the save
+        published when it began, or raise ``GroupChangedError`` (a re-save was swapped in since): two saves
+        are never mixed. Raises IncompleteCheckpointError: ``group`` is not published."""
+        return self._loader.reading(normalize(group))
 
     def latest(self, root: str) -> str | None:
         """The newest complete checkpoint under ``root`` (directory or URL), or None."""

@@ -42,6 +42,11 @@ class GroupRemovedError(IncompleteCheckpointError):
     commit fails at once and nothing of it is published."""
 
 
+class GroupChangedError(FastCkptError, RuntimeError):
+    """A group was re-saved (a new attempt swapped in) while ``Checkpointer.reading`` read it:
+    the file just read is of the new save, the ones read before of the old one. Load again."""
+
+
 class CommitTimeoutError(FastCkptError, TimeoutError):
     """Not every rank committed its part of a group within the timeout."""
 

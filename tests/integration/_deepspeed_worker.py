@@ -40,6 +40,8 @@ rank writes ROOT/results/rank{r}.json with what the test checks from outside:
              keep_local
   coalescebest  replicate_policy "coalesce" drops queued tags for a newer one, never one saved
              with save_latest=False (the upload of the first tag is held, so the others queue)
+  resaved    a tag saved again by another engine during a load of it: the load starts over, every
+             file from the new save
   redaction  credentials redacted in a copy (the user's dict is untouched), and with
              "enabled": false too (none in DeepSpeed's own checkpoint files)
 """
@@ -569,6 +571,42 @@ def no_such_tag(root: str) -> None:
     eng.destroy()
 
 
+def resaved(root: str) -> None:
+    """A tag saved again (and swapped in) by another engine between the loader's model file and
+    its optimizer file: the load starts over and every file is of the new save, never a mix."""
+    d, fck = os.path.join(root, "resaved"), {"commit_timeout_s": 60}
+    writer = engine(2, fck, seed=0)
+    train(writer, 1, 2)
+    writer.save_checkpoint(d, "t1")
+    writer.checkpoint_engine.checkpointer.wait()
+    train(writer, 3, 4)  # the state the tag is saved with again
+    ref_w, ref_opt = full_weights(writer), frozen(writer.optimizer.state_dict())
+    reader = engine(2, fck, seed=1)
+    fe, files = reader.checkpoint_engine, []
+    load = fe.load
+
+    def load_then_resave(path: str, map_location: object = None) -> object:
+        try:
+            obj = load(path, map_location)
+        except fastckpt.GroupChangedError:
+            files.append("changed")
+            raise
+        files.append(os.path.basename(path))
+        if len(files) == 1:  # after the model file, before the optimizer's
+            writer.save_checkpoint(d, "t1")
+            writer.checkpoint_engine.checkpointer.wait()
+        return obj
+
+    fe.load = load_then_resave
+    path, _ = reader.load_checkpoint(d, "t1")
+    assert path is not None and files.count("changed") == 1, files  # then loaded again, whole
+    same(full_weights(reader), ref_w, "weights after a re-save during the load")
+    same(reader.optimizer.state_dict(), ref_opt, "optimizer state after a re-save during the load")
+    RESULTS["resaved_files"] = files
+    writer.destroy()
+    reader.destroy()
+
+
 def whole_config(root: str) -> None:
     plain = engine(1, None, seed=0, use_fastckpt_initialize=False)
     assert attach(plain, ds_config(1, None)) is not None  # a DeepSpeed config without a section: the defaults
@@ -645,7 +683,7 @@ SCENARIOS = {"roundtrip": lambda root: [roundtrip(root, s) for s in (0, 1, 2, 3)
              "universal": universal, "export": export, "nolatest": nolatest, "install": install_section,
              "destroy": destroy, "engines": two_engines, "exit": exit_flush, "skip": skip, "badtag": bad_tag,
              "drives": drives, "notag": no_such_tag, "wholeconfig": whole_config, "redaction": redaction,
-             "keepbest": keep_best, "coalescebest": coalesce_best,
+             "keepbest": keep_best, "coalescebest": coalesce_best, "resaved": resaved,
              "lazy": lambda root: [lazy(root, s) for s in (0, 1, 2, 3)]}
 
 

@@ -279,11 +279,41 @@ def scenario_load(d: str, rank: int, world: int) -> dict:
     out["corrupt_error"] = _error(lambda: dc.load(without_data(want), bad))
     out["corrupt_file"] = victim
 
+    out["swapped_error"] = _swapped_mid_load(d, it(2), it(3))
+
     half = os.path.join(d, "incomplete", "iter_0000003")
     shutil.copytree(it(3), half)
     os.unlink(os.path.join(half, "fastckpt-manifest.json"))
     out["incomplete_error"] = _error(lambda: dc.load(without_data(want), half))
     return out
+
+
+def _swapped_mid_load(d: str, older: str, newer: str) -> dict | None:
+    """Load iteration 3 while another save of it is swapped in (a directory exchange, as a re-save
+    publishes) after the first tensor block was read: the error ``dc.load`` raises, if any."""
+    from megatron.core import dist_checkpointing as dc
+
+    import fastckpt
+    from fastckpt.integrations import megatron as fm
+    from fastckpt.io.ops import FileOps
+    from fastckpt.testing import FaultyOps
+
+    here, other = os.path.join(d, "swap", "iter_0000003"), os.path.join(d, "swap-other", "iter_0000003")
+    shutil.copytree(newer, here)
+    shutil.copytree(older, other)  # another save of the tag (iteration 2's values): a re-save swapped in
+    swapped = []
+
+    def hook(op: str, path: str) -> None:
+        if op == "preadv" and os.path.basename(path).startswith("fastckpt-rank") and not swapped:
+            swapped.append(path)
+            FileOps().exchange(here, other)
+
+    ops = FaultyOps(on_call=hook)
+    fm.register(fastckpt.Checkpointer(ops=ops), ops=ops)
+    try:
+        return _error(lambda: dc.load(without_data(make_state(3, 0, 1, "full")), here))
+    finally:
+        fm.register()
 
 
 def scenario_loop(d: str, rank: int, world: int) -> dict:

@@ -29,7 +29,7 @@ REPO = HERE.parents[1]
 WORKER = str(HERE / "_deepspeed_worker.py")
 TWO_PROCESS_SCENARIOS = ("roundtrip,convert,interop,report,unsafe,switch,lazy,universal,export,nolatest,install,"
                          "destroy,engines,skip,keepbest")
-ONE_PROCESS_SCENARIOS = "roundtrip,skip,badtag,drives,notag,wholeconfig,redaction,coalescebest"
+ONE_PROCESS_SCENARIOS = "roundtrip,skip,badtag,drives,notag,wholeconfig,redaction,coalescebest,resaved"
 
 
 @dataclass(frozen=True)
@@ -254,6 +254,14 @@ def test_coalescing_never_drops_a_tag_saved_without_save_latest(one_process: Run
     worker: it is committed, and latest names t2)."""
     assert "coalescebest" in one_process.results[0]["done"]
     assert (one_process.root / "coalesced" / "best" / C.GROUP_MANIFEST).exists()
+
+
+def test_a_tag_saved_again_during_its_load_loads_again_whole(one_process: Run) -> None:
+    """Asserted in the worker: the model file loaded again, weights and optimizer of the new save."""
+    assert "resaved" in one_process.results[0]["done"]
+    files = one_process.results[0]["resaved_files"]
+    again = files[files.index("changed") + 1:]  # the load after the re-save was swapped in: every file
+    assert any(f.endswith("model_states.pt") for f in again) and any(f.endswith("optim_states.pt") for f in again)
 
 
 def test_s3_save_load_and_fresh_node(two_processes: Run) -> None:

@@ -154,5 +154,11 @@ def test_a_flipped_byte_raises_corrupt_checkpoint_error_naming_the_file(loaded) 
     assert loaded["corrupt_file"] in err["message"] and "checksum block" in err["message"]
 
 
+def test_a_resave_swapped_in_during_a_load_is_no_corruption_report(loaded) -> None:
+    err = loaded["swapped_error"]  # without the pin: CorruptCheckpointError naming a checksum block
+    assert err is not None and err["type"] == "GroupChangedError", err
+    assert "saved again while this load read it" in err["message"] and "load it again" in err["message"]
+
+
 def test_an_uncommitted_checkpoint_is_refused(loaded) -> None:
     assert loaded["incomplete_error"]["type"] == "IncompleteCheckpointError"

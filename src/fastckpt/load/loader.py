@@ -25,15 +25,17 @@ import os
 import pickle
 import threading
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from ..commit.discovery import group_entry, require_complete_group
-from ..commit.protocol import read_sidecar
+from ..commit.protocol import incomplete_group_error, read_group_manifest, read_sidecar
 from ..errors import (
     CheckpointNotFoundError,
     ConfigError,
     CorruptCheckpointError,
+    GroupChangedError,
     IncompleteCheckpointError,
     UnverifiableCheckpointError,
 )
@@ -93,6 +95,7 @@ class Loaded:
     size: int
     where: str
     verified: bool = True
+    checksum: str | None = None  # the one its manifest records (verified): None when unverified
 
 
 class Loader:
@@ -106,6 +109,42 @@ class Loader:
                  saving: Callable[[str], None] = lambda path: None) -> None:
         self._homes, self._local_path, self._chunk = homes, local_path, chunk_bytes
         self._saving = saving  # waits for this Checkpointer's saves of a path in flight (their write and upload)
+        self._pins = threading.local()  # .groups: group -> the manifest ``reading`` pinned (this thread's loads)
+
+    @contextmanager
+    def reading(self, group: str) -> Iterator[dict]:
+        """``Checkpointer.reading``: pin the published manifest of ``group`` (normalised) for this
+        thread's loads of its files; yields it. Nested for the same group: the outer pin holds.
+
+        Raises:
+            IncompleteCheckpointError: ``group`` has no published manifest.
+        """
+        pins: dict[str, dict] = self._pins.__dict__.setdefault("groups", {})
+        if group in pins:
+            yield pins[group]
+            return
+        place = self._homes.resolve(group).place()
+        manifest = read_group_manifest(place)
+        if manifest is None:
+            raise incomplete_group_error(place, None)
+        pins[group] = manifest
+        try:
+            yield manifest
+        finally:
+            del pins[group]
+
+    def _check_pinned(self, path: str, got: Loaded) -> None:
+        """A file of a group pinned by ``reading`` must be the one its pinned manifest names."""
+        for group, manifest in getattr(self._pins, "groups", {}).items():
+            if got.checksum is None or not path.startswith(group.rstrip("/") + "/"):
+                continue
+            entry = (manifest.get("files") or {}).get(path[len(group.rstrip("/")) + 1:])
+            if entry is None or entry.get("checksum") != got.checksum:
+                raise GroupChangedError(
+                    f"{path} is not the file group {group} held when reading it began (committed at "
+                    f"{manifest.get('committed_at')}, attempt {manifest.get('attempt')}): the group was saved again "
+                    "and swapped in since, so the files loaded before are of the earlier save. Nothing was mixed: "
+                    "load the group again (all its files, in a new reading()).")
 
     def load(self, path: str, opts: LoadOptions) -> Loaded:
         """Load ``path`` (normalised), preferring its verified burst-buffer copy.
@@ -128,11 +167,15 @@ class Loader:
             local = self._homes.resolve(self._local_path(path))  # type: ignore[arg-type]
             os.makedirs(os.path.dirname(local.url), exist_ok=True)
             home.target.download(home.key, local.url)
-            return self._read(local, opts, path, "remote (prefetched)")
+            got = self._read(local, opts, path, "remote (prefetched)")
+            self._check_pinned(path, got)
+            return got
         corrupt: CorruptCheckpointError | None = None  # an earlier copy's damage
         for i, (loc, where) in enumerate(candidates):
             try:
-                return self._read(loc, opts, loc.url, where)
+                got = self._read(loc, opts, loc.url, where)
+                self._check_pinned(path, got)
+                return got
             except (CorruptCheckpointError, OSError) as exc:
                 if i + 1 == len(candidates):
                     missing = isinstance(exc, FileNotFoundError) and not isinstance(exc, IncompleteCheckpointError)
@@ -211,7 +254,7 @@ class Loader:
                 f"{loc.url} is corrupt: checksum {res.checksum} != {want} recorded when it was written. "
                 "Restore from another copy or an earlier checkpoint (fastckpt.latest(...)).")
         obj = deserialize(res.buffer, res.size, opts.map_location, opts.weights_only, loc.url)
-        return Loaded(opts.done(obj), url, res.size, where)
+        return Loaded(opts.done(obj), url, res.size, where, checksum=want)
 
 
 def _warn_unverified(url: str) -> None:

@@ -1,0 +1,90 @@
+"""``Checkpointer.reading(group)``: a reader that loads a group's files one at a time while the
+same tag is saved again and swapped in gets ``GroupChangedError``, never files of two saves
+(docs/groups.md#reading-a-group-while-it-is-saved-again). Simulated ranks in one process, no store."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import fastckpt
+from fastckpt.errors import GroupChangedError, IncompleteCheckpointError
+
+
+def _state(version: int, rank: int) -> dict:
+    return {"w": torch.arange(64, dtype=torch.int64) * version + rank, "version": version}
+
+
+def _save(g: Path, version: int) -> None:
+    """Both ranks save their file of ``version`` into ``g`` and commit (a re-save swaps it in)."""
+    cks = [fastckpt.Checkpointer(rank=r, world_size=2, commit_timeout_s=60) for r in (0, 1)]
+    try:
+        for ck in cks:
+            ck.save(_state(version, ck.rank), str(g / f"rank{ck.rank}.pt"), group=str(g))
+        for h in [ck.commit(str(g), step=version) for ck in cks]:
+            h.wait(60)
+    finally:
+        for ck in cks:
+            ck.close()
+
+
+def test_a_resave_between_two_loads_of_one_reading_raises_instead_of_mixing(tmp_path: Path) -> None:
+    g = tmp_path / "step-1"
+    _save(g, 1)
+    with fastckpt.Checkpointer(rank=0, world_size=1) as reader:
+        with reader.reading(str(g)) as manifest:
+            assert sorted(manifest["files"]) == ["rank0.pt", "rank1.pt"] and manifest["step"] == 1
+            assert reader.load(str(g / "rank0.pt"))["version"] == 1
+            _save(g, 2)  # another job saves the same tag again: swapped in between the two loads
+            with pytest.raises(GroupChangedError, match=r"rank1\.pt is not the file group .*step-1 held") as info:
+                reader.load(str(g / "rank1.pt"))
+            assert "load the group again" in str(info.value)
+        with reader.reading(str(g)):  # a new reading: the new save, whole
+            assert [reader.load(str(g / f"rank{r}.pt"))["version"] for r in (0, 1)] == [2, 2]
+
+
+def test_within_a_reading_a_file_of_the_new_save_is_refused_even_as_the_first_load(tmp_path: Path) -> None:
+    g = tmp_path / "step-1"
+    _save(g, 1)
+    with fastckpt.Checkpointer(rank=0, world_size=1) as reader:
+        with reader.reading(str(g)):
+            _save(g, 2)
+            for r in (0, 1):
+                with pytest.raises(GroupChangedError):
+                    reader.load(str(g / f"rank{r}.pt"))
+        assert reader.load(str(g / "rank1.pt"))["version"] == 2  # outside a reading: each file on its own
+
+
+def test_a_reading_pins_only_its_group_and_its_thread(tmp_path: Path) -> None:
+    import threading
+
+    g, other = tmp_path / "step-1", tmp_path / "step-2"
+    _save(g, 1)
+    _save(other, 1)
+    with fastckpt.Checkpointer(rank=0, world_size=1) as reader:
+        with reader.reading(str(g)) as outer, reader.reading(str(g) + "/") as inner:
+            assert inner is outer  # nested: the outer pin holds
+            _save(other, 2)  # another group: not pinned
+            assert reader.load(str(other / "rank0.pt"))["version"] == 2
+            _save(g, 2)
+            seen: list[int] = []  # another thread's loads are not pinned by this one's reading
+            t = threading.Thread(target=lambda: seen.append(reader.load(str(g / "rank0.pt"))["version"]))
+            t.start()
+            t.join()
+            assert seen == [2]
+            with pytest.raises(GroupChangedError):
+                reader.load(str(g / "rank0.pt"))
+
+
+def test_reading_a_group_that_is_not_published_raises(tmp_path: Path) -> None:
+    with fastckpt.Checkpointer(rank=0, world_size=2, commit_timeout_s=60) as ck:
+        g = tmp_path / "step-1"
+        ck.save(_state(1, 0), str(g / "rank0.pt"), group=str(g)).wait(60)  # rank 1 never saves nor commits
+        with pytest.raises(IncompleteCheckpointError, match="step-1"):
+            with ck.reading(str(g)):
+                pass
+        with pytest.raises(IncompleteCheckpointError):
+            with ck.reading(str(tmp_path / "never")):
+                pass
