@@ -19,8 +19,10 @@ import torch
 import torch.distributed as dist
 
 import fastckpt
+from fastckpt.commit import discovery
 from fastckpt.commit import protocol as P
 from fastckpt.errors import CheckpointWriteError, CommitTimeoutError, GroupRemovedError, IncompleteCheckpointError
+from fastckpt.storage.homes import Homes
 from fastckpt.testing import Fault, FaultyOps
 from tests.helpers import latest, place
 
@@ -127,6 +129,11 @@ def test_a_resave_that_cannot_be_swapped_in_leaves_the_old_group(tmp_path: Path)
     ops.assert_all_reached()
     assert latest(str(tmp_path)) == str(g)
     assert _versions(g) == [1, 1]
+    staged = [n for n in os.listdir(tmp_path) if n.startswith(".G.fastckpt-next")]
+    assert staged and (tmp_path / staged[0] / P.GROUP_MANIFEST).exists()  # the new attempt, never swapped in
+    (tmp_path / P.LATEST).unlink()  # the scan decides: never the hidden re-save directory, though newer
+    assert latest(str(tmp_path)) == str(g)
+    assert [f.path for f in discovery.scan(Homes().resolve(str(tmp_path)))] == [str(g)]
 
 
 def test_a_file_of_another_attempt_never_loads_as_part_of_the_group(tmp_path: Path) -> None:

@@ -100,7 +100,8 @@ def scan(loc: Location, max_depth: int = MAX_DEPTH, damaged: list[Damaged] | Non
     except TargetNotFoundError:
         return []
     rels = [k[len(prefix):] for k in keys]
-    groups = {posixpath.dirname(r) for r in rels if posixpath.basename(r) == GROUP_MANIFEST}
+    groups = {d for r in rels if posixpath.basename(r) == GROUP_MANIFEST  # not a re-save's staging directory
+              for d in [posixpath.dirname(r)] if not _hidden(d)}
     marked = {r.split(f"/{MARKER_DIR}/")[0] for r in rels if f"/{MARKER_DIR}/" in f"/{r}"}
     marked = {"" if m.startswith(f"{MARKER_DIR}/") else m for m in marked}
     found: list[Found] = []
