@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import KW_ONLY, dataclass, field
@@ -94,8 +95,7 @@ class CheckpointerConfig:
         if not 0 < self.overhead_budget < 1:
             raise ConfigError(f"overhead_budget={self.overhead_budget!r} must be a fraction in (0, 1), "
                               "e.g. 0.02 for 2 %")
-        if self.overhead_window_s <= 0:
-            raise ConfigError("overhead_window_s must be > 0 seconds")
+        _seconds("overhead_window_s", self.overhead_window_s)
         if self.when_busy not in ("wait", "skip"):
             raise ConfigError(f"when_busy={self.when_busy!r} must be 'wait' (block until the staging buffer "
                               "is free) or 'skip' (drop this save with a warning)")
@@ -106,8 +106,7 @@ class CheckpointerConfig:
                               "holds one copy of the state in host memory)")
         if self.chunk_bytes <= 0 or self.chunk_bytes % (16 * MiB):
             raise ConfigError(f"chunk_bytes={self.chunk_bytes} must be a positive multiple of 16 MiB")
-        if self.commit_timeout_s <= 0:
-            raise ConfigError("commit_timeout_s must be > 0 seconds")
+        _seconds("commit_timeout_s", self.commit_timeout_s)
         self._check_ranks()
         self._check_replication()
 
@@ -141,10 +140,9 @@ class CheckpointerConfig:
                               "part's checksum while uploading) or 'readback' (also read every replica back)")
         if not 1 <= self.replicate_workers <= 64:
             raise ConfigError(f"replicate_workers={self.replicate_workers} must be between 1 and 64")
-        if self.retry_deadline_s <= 0:
-            raise ConfigError("retry_deadline_s must be > 0 seconds")
-        if self.close_timeout_s is not None and self.close_timeout_s < 0:
-            raise ConfigError("close_timeout_s must be >= 0 seconds, or None to wait as long as it takes")
+        _seconds("retry_deadline_s", self.retry_deadline_s)
+        if self.close_timeout_s is not None:
+            _seconds("close_timeout_s", self.close_timeout_s, zero=True, none=" or None to wait as long as it takes")
         port = self.metrics_port
         if port is not None and (type(port) is not int or not 0 <= port <= 65535):  # noqa: E721 (bool is no port)
             raise ConfigError(f"metrics_port={self.metrics_port!r} must be a TCP port from 1 to 65535 (each rank "
@@ -203,3 +201,12 @@ def options_signature(config: Callable[P, CheckpointerConfig]
         return init  # type: ignore[return-value]
 
     return decorate
+
+
+def _seconds(name: str, v: object, zero: bool = False, none: str = "") -> None:
+    """``v`` is a finite number of seconds, > 0 (>= 0 with ``zero``): never NaN, which every
+    comparison lets through, nor infinity, which no timer takes."""
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and (v >= 0 if zero else v > 0)
+    if not ok:
+        raise ConfigError(f"{name}={v!r} must be a finite number of seconds {'>= 0' if zero else '> 0'}" + (
+            f",{none}" if none else ""))

@@ -232,6 +232,15 @@ def test_config_errors_name_the_fix() -> None:
         fastckpt.Checkpointer(local_dir="s3://b/x")
 
 
+@pytest.mark.parametrize("name", ["commit_timeout_s", "retry_deadline_s", "close_timeout_s", "overhead_window_s"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -1.0, "10"])
+def test_a_time_that_is_no_finite_number_of_seconds_is_refused_at_once(name: str, bad: object) -> None:
+    # NaN passed every `x <= 0` check: close_timeout_s=nan made destroy() report a commit "still not
+    # committed after nan s", and retry_deadline_s=nan failed only at the first save
+    with pytest.raises(fastckpt.ConfigError, match=f"{name}=.* must be a finite number of seconds"):
+        fastckpt.Checkpointer(**{name: bad})
+
+
 @pytest.mark.parametrize("overlap", [False, True])
 def test_overlapped_write_round_trip(tmp_path, overlap) -> None:
     sd = {f"t{i}": torch.full((1 << 20,), i, dtype=torch.int32) for i in range(24)}  # 96 MiB, several chunks
