@@ -27,6 +27,7 @@ Loads unpickle with ``weights_only=True`` and DeepSpeed's own classes allow-list
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import pickle
@@ -203,37 +204,69 @@ class FastCkptEngine(CheckpointEngine):
         deferred, self._deferred = self._deferred, []
         lazy = self.lazy
         protected = list(self._fenced()) if self._fenced is not None and deferred else []
-        handles = []
-        for state_dict, path in deferred:
-            state = copy_unfenced(state_dict, protected) if lazy else state_dict
-            handles.append(self.checkpointer.save(state, path, group=self._group, lazy=lazy))
-        self._unfenced = self._unfenced or (lazy and bool(deferred))
         group = self.home(os.path.join(info.save_dir, str(info.tag)))
-        move = bool(self._move_latest)
+        move, tag = bool(self._move_latest), str(info.tag)
         self._group = None
-        if _any_rank(any(_skipped(h) for h in handles)):
-            self._drop(group, str(info.tag), move)
+        handles: list[SaveHandle] = []
+        handle, error, committed = None, None, False
+        try:
+            for state_dict, path in deferred:
+                state = copy_unfenced(state_dict, protected) if lazy else state_dict
+                handles.append(self.checkpointer.save(state, path, group=group, lazy=lazy))
+            self._unfenced = self._unfenced or (lazy and bool(deferred))
+            if not any(_skipped(h) for h in handles):
+                committed = True
+                handle = self.checkpointer.commit(group, move_latest=move, tag=tag, save_latest=move)
+        except Exception as exc:  # noqa: BLE001 (raised below, on every rank: see _failed)
+            error = exc
+        outcome = worst_on_any_rank(FAILED if error is not None else SKIPPED if handle is None else COMMITTED)
+        if outcome == FAILED:
+            self._failed(group, tag, move, handle, error, committed)
+        if outcome == SKIPPED:
+            self._drop(group, tag, move, handle)
             return True
-        handle = self.checkpointer.commit(group, move_latest=move, tag=str(info.tag), save_latest=move)
         if self._on_commit is not None:  # the caller reports it (FastCkptIO)
             self._on_commit(handle)
         else:  # the engine wrapper reports it (deepspeed.py)
-            self.pending.append(PendingCommit(str(info.tag), group, handle, self._started, time.monotonic(),
+            self.pending.append(PendingCommit(tag, group, handle, self._started, time.monotonic(),
                                               None, self._samples, None if lazy else 0.0))
         return True
 
-    def _drop(self, group: str, tag: str, move: bool) -> None:
+    def _drop(self, group: str, tag: str, move: bool, handle: SaveHandle | None) -> None:
         """``"when_busy": "skip"`` dropped a file of this tag on some rank: every rank ends the
         attempt here, the same way, so that ``save_checkpoint`` returns on all of them (an error
         on one rank only would leave the others in DeepSpeed's barrier). The rank that skipped
         has its commit raise (and end the attempt on every rank); the others wait for that end."""
         try:
-            self.checkpointer.commit(group, move_latest=move, tag=tag, save_latest=move).wait()
+            (handle or self.checkpointer.commit(group, move_latest=move, tag=tag, save_latest=move)).wait()
         except CheckpointWriteError as exc:
             log.warning("fastckpt: [rank=%d] checkpoint %s skipped (\"when_busy\": \"skip\": the previous "
                         "checkpoint still held the staging buffer on a rank); the tag is not committed and "
                         "latest still names the previous one: %s", self.checkpointer.rank, group, exc)
         self.skipped.append(tag)
+
+    def _failed(self, group: str, tag: str, move: bool, handle: SaveHandle | None, error: BaseException | None,
+                committed: bool) -> None:
+        """A save or the commit of this tag raised on some rank: every rank ends the attempt and
+        raises here, so that ``save_checkpoint`` raises on all of them, before DeepSpeed's
+        barrier (raised on one rank only, it would leave the others waiting there for ever). A
+        rank that failed or skipped before its commit commits now, which raises and ends the
+        attempt on every rank; the others wait until their commit ends that way (its error seen).
+
+        Raises:
+            this rank's error, else CheckpointWriteError naming the tag.
+        """
+        if not committed:  # (a commit that raised has ended the attempt already)
+            with contextlib.suppress(Exception):
+                handle = self.checkpointer.commit(group, move_latest=move, tag=tag, save_latest=move)
+        if handle is not None:
+            with contextlib.suppress(Exception):  # its failure is the attempt's end; raised below as this tag's
+                handle.wait(self.checkpointer.config.commit_timeout_s)
+        if error is not None:
+            raise error
+        raise CheckpointWriteError(f"checkpoint {group} was not saved: a save or commit of it failed on another "
+                                   "rank (that rank raised its error); the tag is not committed and latest still "
+                                   "names the previous checkpoint")
 
     def fence(self) -> float:
         """Called before every optimizer step (``hooks.StepFence``): wait until the lazy
@@ -266,13 +299,16 @@ def _skipped(handle: SaveHandle) -> bool:
         return False
 
 
-def _any_rank(flag: bool) -> bool:
-    """``flag`` on any rank of the job (every rank calls ``commit`` for each tag)."""
+COMMITTED, SKIPPED, FAILED = 0, 1, 2  # a rank's outcome of ``commit``, worst last
+
+
+def worst_on_any_rank(outcome: int) -> int:
+    """The worst ``outcome`` of any rank of the job (every rank calls ``commit`` for each tag)."""
     from deepspeed import comm as dist
     from deepspeed.accelerator import get_accelerator
 
     if not dist.is_initialized() or dist.get_world_size() == 1:
-        return flag
-    t = torch.tensor([int(flag)], device=get_accelerator().current_device_name())
+        return outcome
+    t = torch.tensor([outcome], device=get_accelerator().current_device_name())
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
+    return int(t.item())

@@ -42,11 +42,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from fastckpt import Checkpointer, GroupChangedError, IncompleteCheckpointError
-from fastckpt.errors import ConfigError, ReplicationError
+from fastckpt.errors import CheckpointWriteError, ConfigError, ReplicationError
 from fastckpt.save.fencing import optimizer_tensors
 
 from .compat import Store, checked_tag, is_url, normalize, order, same_files
-from .engine import FastCkptEngine
+from .engine import COMMITTED, FAILED, FastCkptEngine, worst_on_any_rank
 
 if TYPE_CHECKING:
     from deepspeed.runtime.engine import DeepSpeedEngine
@@ -219,7 +219,7 @@ class EngineHooks:
                         save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
         """DeepSpeed's ``save_checkpoint``; returns once every rank's snapshot is taken."""
         self.closed = False
-        self.report(wait=False)
+        self._report_on_every_rank()
         tag = checked_tag(save_dir, str(tag) if tag is not None else f"global_step{self.engine.global_steps}")
         home = normalize(save_dir)
         where, alias = self._where(home)
@@ -295,6 +295,25 @@ class EngineHooks:
         self.closed = True
         if self.owned is not None:
             self.owned.close()
+
+    def _report_on_every_rank(self) -> None:
+        """``report`` the checkpoints that finished; a failed one is raised on every rank or on
+        none (its commit ends on every rank, but not at the same moment: raised where it ended
+        first only, it would leave the other ranks inside DeepSpeed's save for ever)."""
+        error: BaseException | None = None
+        try:
+            self.report(wait=False)
+        except Exception as exc:  # noqa: BLE001 (raised below, on every rank)
+            error = exc
+        if worst_on_any_rank(FAILED if error is not None else COMMITTED) == COMMITTED:
+            return
+        if error is None:  # it ended on another rank first: here it ends the same way (bounded)
+            try:
+                self.report(wait=True, timeout_s=self.fe.checkpointer.config.commit_timeout_s)
+            except Exception as exc:  # noqa: BLE001
+                error = exc
+        raise error or CheckpointWriteError("an earlier checkpoint failed on another rank (that rank raised its "
+                                            "error); it is not committed, and latest names the one before it")
 
     def report(self, wait: bool, timeout_s: float | None = None) -> None:
         """Report finished checkpoints (with ``wait``, all of them, within ``timeout_s``), oldest

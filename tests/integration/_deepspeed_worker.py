@@ -29,6 +29,8 @@ rank writes ROOT/results/rank{r}.json with what the test checks from outside:
   destroy    destroy() returns with the checkpoint durable
   engines    two engines in one job (an actor and a critic), each with its own Checkpointer on
              the job's one store: both commit every save, and each loads its own state back
+  onerank    a save fails on rank 1 only (at the call, then in the background): save_checkpoint
+             raises on both ranks at the same call, never on one only; the next tag commits
   exit       the last save is still in flight when main returns: interpreter exit flushes it
   skip       "when_busy": "skip" drops a tag on rank 0 only (its previous write held by a gate):
              save_checkpoint returns on every rank, the tag is not committed, training goes on
@@ -494,6 +496,37 @@ def two_engines(root: str) -> None:
         fresh.destroy()
 
 
+def one_rank_fails(root: str) -> None:
+    """A save fails on rank 1 only, at the call (t2: its directory cannot be made) and in the
+    background (t3: ENOSPC mid-write): save_checkpoint raises on both ranks at the same call
+    (raised on one rank only, the other would wait in DeepSpeed's barrier for ever), the tags are
+    not committed, and the next tag commits on both."""
+    import errno
+
+    from fastckpt.testing import Fault, FaultyOps
+
+    d, rank, ops = os.path.join(root, "onerank"), dist.get_rank(), FaultyOps()
+    ck = fastckpt.Checkpointer(ops=ops, commit_timeout_s=60)
+    eng = engine(2, None, use_fastckpt_initialize=False)
+    attach(eng, checkpointer=ck)
+    train(eng, 1, 1)
+    eng.save_checkpoint(d, "t1")
+    if rank == 1:
+        ops.inject(Fault("makedirs", errno.ENOSPC, path_contains=f"{os.sep}t2"))
+        ops.inject(Fault("pwrite", errno.ENOSPC, path_contains=f"t3{os.sep}zero_pp_rank_1"))
+    raised = {}
+    for step, tag in ((2, "t2"), (3, "t3"), (4, "t4"), (5, "t5")):
+        train(eng, step, step)
+        try:
+            eng.save_checkpoint(d, tag)
+            raised[tag] = None
+        except Exception as exc:  # noqa: BLE001 (the training loop that goes on after a failed checkpoint)
+            raised[tag] = type(exc).__name__
+    eng.destroy()
+    ck.close()
+    RESULTS["onerank"] = {"raised": raised, "latest": fastckpt.latest(d)}
+
+
 def exit_flush(root: str) -> None:
     eng = engine(2, {"local_dir": os.path.join(root, "nvme")}, seed=0, width=1024)
     train(eng, 1, 1)
@@ -683,7 +716,7 @@ SCENARIOS = {"roundtrip": lambda root: [roundtrip(root, s) for s in (0, 1, 2, 3)
              "universal": universal, "export": export, "nolatest": nolatest, "install": install_section,
              "destroy": destroy, "engines": two_engines, "exit": exit_flush, "skip": skip, "badtag": bad_tag,
              "drives": drives, "notag": no_such_tag, "wholeconfig": whole_config, "redaction": redaction,
-             "keepbest": keep_best, "coalescebest": coalesce_best, "resaved": resaved,
+             "keepbest": keep_best, "coalescebest": coalesce_best, "resaved": resaved, "onerank": one_rank_fails,
              "lazy": lambda root: [lazy(root, s) for s in (0, 1, 2, 3)]}
 
 

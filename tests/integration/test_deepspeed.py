@@ -28,7 +28,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 WORKER = str(HERE / "_deepspeed_worker.py")
 TWO_PROCESS_SCENARIOS = ("roundtrip,convert,interop,report,unsafe,switch,lazy,universal,export,nolatest,install,"
-                         "destroy,engines,skip,keepbest")
+                         "destroy,engines,skip,keepbest,onerank")
 ONE_PROCESS_SCENARIOS = "roundtrip,skip,badtag,drives,notag,wholeconfig,redaction,coalescebest,resaved"
 
 
@@ -262,6 +262,17 @@ def test_a_tag_saved_again_during_its_load_loads_again_whole(one_process: Run) -
     files = one_process.results[0]["resaved_files"]
     again = files[files.index("changed") + 1:]  # the load after the re-save was swapped in: every file
     assert any(f.endswith("model_states.pt") for f in again) and any(f.endswith("optim_states.pt") for f in again)
+
+
+def test_a_save_failing_on_one_rank_raises_on_every_rank_and_never_hangs(two_processes: Run) -> None:
+    """Rank 1's save of t2 fails at the call, its write of t3 in the background: both ranks
+    raise at t2, and both at t3 or both at t4 (wherever t3's failure is seen first); t5 commits."""
+    got = [two_processes.results[r]["onerank"] for r in (0, 1)]
+    assert got[0]["raised"] == got[1]["raised"], got
+    raised = got[0]["raised"]
+    assert raised["t2"] == "CheckpointWriteError" and raised["t5"] is None, raised
+    assert [raised["t3"], raised["t4"]].count(None) == 1, raised
+    assert got[0]["latest"].endswith("t5"), got
 
 
 def test_s3_save_load_and_fresh_node(two_processes: Run) -> None:
