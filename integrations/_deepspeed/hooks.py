@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from fastckpt import Checkpointer, GroupChangedError, IncompleteCheckpointError
+from fastckpt import Checkpointer, CheckpointNotFoundError, GroupChangedError, IncompleteCheckpointError
 from fastckpt.errors import CheckpointWriteError, ConfigError, ReplicationError
 from fastckpt.save.fencing import optimizer_tensors
 
@@ -258,6 +258,13 @@ class EngineHooks:
                                       load_optimizer_states=load_optimizer_states,
                                       load_lr_scheduler_states=load_lr_scheduler_states,
                                       load_module_only=load_module_only, custom_load_fn=custom_load_fn)
+            except AssertionError as exc:  # DeepSpeed's bare assert on a file it did not find: name it
+                if (missing := self._missing(where, tag)) is None:
+                    raise
+                raise CheckpointNotFoundError(
+                    f"checkpoint {os.path.join(home, str(tag))} cannot be loaded: {missing} does not exist (deleted "
+                    f"since it was saved). Load another tag, or the newest complete one with "
+                    f"load_checkpoint({load_dir!r}) and no tag; list them with: fastckpt ls {home}") from exc
             except GroupChangedError as exc:
                 if attempt == LOAD_TRIES:
                     raise
@@ -266,6 +273,18 @@ class EngineHooks:
             finally:
                 self.fe.end()
         raise AssertionError("unreachable: the last try returns or raises")
+
+    def _missing(self, where: str, tag: object) -> str | None:
+        """The tag directory, or the first file its manifest names, that is not there; None when
+        nothing is missing, or there is no fastckpt manifest to say what should be."""
+        if tag is None or is_url(where):
+            return None
+        group = os.path.join(where, str(tag))
+        if not os.path.isdir(group):
+            return group
+        manifest = self._store().manifest(group)
+        gone = [r for r in sorted((manifest or {}).get("files", ())) if not os.path.exists(os.path.join(group, r))]
+        return os.path.join(group, gone[0]) if gone else None
 
     def _pin(self, stack: contextlib.ExitStack, group: str) -> None:
         """Pin the published save of the tag ``group`` for this thread's loads; a tag that is no

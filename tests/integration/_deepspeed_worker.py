@@ -42,6 +42,7 @@ rank writes ROOT/results/rank{r}.json with what the test checks from outside:
              keep_local
   coalescebest  replicate_policy "coalesce" drops queued tags for a newer one, never one saved
              with save_latest=False (the upload of the first tag is held, so the others queue)
+  missing    a committed tag missing a file, or its directory: CheckpointNotFoundError naming it
   resaved    a tag saved again by another engine during a load of it: the load starts over, every
              file from the new save
   redaction  credentials redacted in a copy (the user's dict is untouched), and with
@@ -640,6 +641,34 @@ def resaved(root: str) -> None:
     reader.destroy()
 
 
+def missing(root: str) -> None:
+    """A committed tag whose optimizer file, or whole directory, was deleted since: the load
+    raises CheckpointNotFoundError naming it, not DeepSpeed's bare AssertionError."""
+    import shutil
+
+    from fastckpt.errors import CheckpointNotFoundError
+
+    d = os.path.join(root, "missing")
+    eng = engine(2, {}, seed=0)
+    train(eng, 1, 1)
+    eng.save_checkpoint(d, "t1")
+    eng.checkpoint_engine.checkpointer.wait()
+    (optim,) = [n for n in os.listdir(os.path.join(d, "t1")) if n.endswith("optim_states.pt")]
+    os.unlink(os.path.join(d, "t1", optim))
+    try:
+        eng.load_checkpoint(d, "t1")
+        raise AssertionError("a tag missing its optimizer file was loaded")
+    except CheckpointNotFoundError as exc:
+        assert optim in str(exc) and "does not exist" in str(exc), str(exc)
+    shutil.rmtree(os.path.join(d, "t1"))
+    try:
+        eng.load_checkpoint(d, "t1")
+        raise AssertionError("a deleted tag was loaded")
+    except CheckpointNotFoundError as exc:
+        assert f"{os.sep}t1 does not exist" in str(exc), str(exc)
+    eng.destroy()
+
+
 def whole_config(root: str) -> None:
     plain = engine(1, None, seed=0, use_fastckpt_initialize=False)
     assert attach(plain, ds_config(1, None)) is not None  # a DeepSpeed config without a section: the defaults
@@ -717,6 +746,7 @@ SCENARIOS = {"roundtrip": lambda root: [roundtrip(root, s) for s in (0, 1, 2, 3)
              "destroy": destroy, "engines": two_engines, "exit": exit_flush, "skip": skip, "badtag": bad_tag,
              "drives": drives, "notag": no_such_tag, "wholeconfig": whole_config, "redaction": redaction,
              "keepbest": keep_best, "coalescebest": coalesce_best, "resaved": resaved, "onerank": one_rank_fails,
+             "missing": missing,
              "lazy": lambda root: [lazy(root, s) for s in (0, 1, 2, 3)]}
 
 

@@ -29,7 +29,7 @@ REPO = HERE.parents[1]
 WORKER = str(HERE / "_deepspeed_worker.py")
 TWO_PROCESS_SCENARIOS = ("roundtrip,convert,interop,report,unsafe,switch,lazy,universal,export,nolatest,install,"
                          "destroy,engines,skip,keepbest,onerank")
-ONE_PROCESS_SCENARIOS = "roundtrip,skip,badtag,drives,notag,wholeconfig,redaction,coalescebest,resaved"
+ONE_PROCESS_SCENARIOS = "roundtrip,skip,badtag,drives,notag,wholeconfig,redaction,coalescebest,resaved,missing"
 
 
 @dataclass(frozen=True)
@@ -273,6 +273,11 @@ def test_a_save_failing_on_one_rank_raises_on_every_rank_and_never_hangs(two_pro
     assert raised["t2"] == "CheckpointWriteError" and raised["t5"] is None, raised
     assert [raised["t3"], raised["t4"]].count(None) == 1, raised
     assert got[0]["latest"].endswith("t5"), got
+
+
+def test_a_tag_missing_a_file_or_its_directory_names_it(one_process: Run) -> None:
+    """Asserted in the worker: CheckpointNotFoundError naming the file, then the directory."""
+    assert "missing" in one_process.results[0]["done"]
 
 
 def test_s3_save_load_and_fresh_node(two_processes: Run) -> None:
