@@ -232,6 +232,20 @@ def test_config_errors_name_the_fix() -> None:
         fastckpt.Checkpointer(local_dir="s3://b/x")
 
 
+def test_a_local_dir_that_cannot_be_made_is_refused_at_once_or_left_out(tmp_path, caplog) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    with pytest.raises(fastckpt.ConfigError, match=r"local_dir .*a-file/nvme cannot hold checkpoints: .*writable"):
+        fastckpt.Checkpointer(local_dir=str(blocker / "nvme"))  # was: a CheckpointWriteError at the first save
+    good = tmp_path / "nvme1"
+    with caplog.at_level("WARNING", logger="fastckpt"):
+        with fastckpt.Checkpointer(local_dir=[str(blocker / "nvme0"), str(good)]) as ck:
+            for i in range(3):
+                ck.save({"i": torch.tensor(i)}, str(tmp_path / "home" / f"s{i}.pt")).wait()
+    assert "a-file/nvme0 cannot be used" in caplog.text
+    assert sorted(os.listdir(good / tmp_path.relative_to("/") / "home")) == ["s0.pt", "s1.pt", "s2.pt"]
+
+
 @pytest.mark.parametrize("name", ["commit_timeout_s", "retry_deadline_s", "close_timeout_s", "overhead_window_s"])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -1.0, "10"])
 def test_a_time_that_is_no_finite_number_of_seconds_is_refused_at_once(name: str, bad: object) -> None:

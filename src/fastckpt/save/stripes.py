@@ -26,6 +26,7 @@ import sys
 import threading
 from dataclasses import dataclass
 
+from ..errors import ConfigError
 from ..urls import mirror_path
 
 log = logging.getLogger("fastckpt")
@@ -95,6 +96,27 @@ class Stripes:
         self._held: dict[str, tuple[int, int]] = {}  # path -> (directory, its live reservations)
         self._next = rank % len(self.dirs) if self.dirs else 0
         self._refused: set[int] = set()  # drives that refused a write (read-only, no permission): new paths avoid them
+        self._check_usable()
+
+    def _check_usable(self) -> None:
+        """At start, make each directory: one that cannot be made (a typo under /proc, a path
+        below a file, no permission) is left out, with a warning; none usable is a ConfigError
+        now, not a failed first save hours into training."""
+        failed: dict[int, OSError] = {}
+        for i, d in enumerate(self.dirs):
+            try:
+                os.makedirs(d, exist_ok=True)
+                if not os.access(d, os.W_OK | os.X_OK):
+                    raise PermissionError(errno.EACCES, "no permission to write there", d)
+            except OSError as exc:
+                failed[i] = exc
+        if failed and len(failed) == len(self.dirs):
+            raise ConfigError(f"local_dir {self.dirs[0]} cannot hold checkpoints: {failed[0]}. Point local_dir at a "
+                              "writable directory on a node-local drive (it is created if missing), or drop it")
+        for i, exc in failed.items():
+            self._refused.add(i)
+            log.warning("fastckpt: burst-buffer directory %s cannot be used (%s): checkpoints go to the other "
+                        "local_dir directories", self.dirs[i], exc)
 
     def copies(self, path: str) -> list[str]:
         """The burst-buffer copies of ``path`` that exist (at most one, but look everywhere)."""
