@@ -3,7 +3,8 @@ serve-metrics`` follows a running job's log).
 
 A log holds one JSON object per line, as ``JsonlSink`` writes them (``fastckpt.events``). A line
 is read only once its newline is there, so a follower never sees half a line; the last line
-of a log whose writer was killed mid-line is skipped with a warning.
+of a log whose writer was killed mid-line is skipped with a warning, and so is a line that is
+not an event with events after it (that writer resumed, appending to the same log).
 """
 
 from __future__ import annotations
@@ -62,8 +63,29 @@ def decode_line(raw: bytes, where: str) -> str:
                          "event log (event_log=...)?") from exc
 
 
-def _parse_lines(lines: Iterable[tuple[int, str]], path: str) -> list[Event]:
-    return [parse_event(text, f"{path}:{no}") for no, text in lines if text.strip()]
+def _parse_lines(lines: Iterable[tuple[int, bytes]], path: str, skipped: list[str], warn: bool) -> list[Event]:
+    """The events of one log's complete lines. A line that is not an event with an event after
+    it (a torn write a resumed job appended after, junk) is skipped, its message added to
+    ``skipped`` and logged; one after the last event (or in a log with no event) raises."""
+    events: list[Event] = []
+    bad: list[str] = []
+    for no, raw in lines:
+        where = f"{path}:{no}"
+        try:
+            text = decode_line(raw, where)
+            if not text.strip():
+                continue
+            events.append(parse_event(text, where))
+        except ValueError as exc:
+            bad.append(str(exc))
+            continue
+        for msg in bad if warn else ():  # an event follows them: they were in the middle
+            log.warning("fastckpt: skipped a line that is not an event: %s", msg)
+        skipped += bad
+        bad = []
+    if bad:
+        raise ValueError(bad[0])
+    return events
 
 
 def unique_paths(paths: Iterable[str]) -> list[str]:
@@ -81,20 +103,27 @@ def unique_paths(paths: Iterable[str]) -> list[str]:
     return out
 
 
-def read_events(paths: str | Iterable[str]) -> list[Event]:
+def read_events(paths: str | Iterable[str], skipped: list[str] | None = None, *, warn: bool = True) -> list[Event]:
     """Every event of one or more logs (one per rank, say), sorted by start time.
+
+    A line that is not an event between two events (a job killed mid-line, then resumed with
+    the same log) is skipped with a warning, as ``LogFollower`` does; its message is appended
+    to ``skipped`` when given. An incomplete last line (no newline: the writer was killed) is
+    skipped too. ``warn=False``: no warnings (a reader of a log its job is still writing).
 
     Raises:
         FileNotFoundError: a log does not exist.
-        ValueError: a complete line is not an event, or not text (named by file and line number).
+        ValueError: a complete line after a log's last event is not an event, or not text, or
+            the log has no event but such lines: not an event log (named by file and line number).
     """
     events: list[Event] = []
+    skipped = [] if skipped is None else skipped
     for path in unique_paths([paths] if isinstance(paths, str) else paths):
         with open(path, "rb") as f:
             lines = f.read().split(b"\n")
-        if lines[-1].strip():
+        if lines[-1].strip() and warn:
             log.warning("fastckpt: %s ends in an incomplete line (its writer stopped mid-line); skipped", path)
-        events += _parse_lines(((no, decode_line(raw, f"{path}:{no}")) for no, raw in enumerate(lines[:-1], 1)), path)
+        events += _parse_lines(enumerate(lines[:-1], 1), path, skipped, warn)
     events.sort(key=lambda e: (e.start, e.end))
     return events
 

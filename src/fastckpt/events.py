@@ -13,6 +13,7 @@ import dataclasses
 import json
 import logging
 import os
+import stat
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -88,20 +89,43 @@ class Fanout:
 
 class JsonlSink:
     """Appends one JSON line per event to ``path`` (flushed per line, safe across threads),
-    creating its directory as saves create theirs. Events after ``close()`` are dropped."""
+    creating its directory as saves create theirs. Events after ``close()`` are dropped. A log
+    whose last line a killed job left torn gets a newline before the first event, so that line
+    alone is lost."""
 
     def __init__(self, path: str) -> None:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        self._path = path
         self._handler = logging.FileHandler(path, mode="a", encoding="utf-8")
         self._closed = False
+        self._first = True
 
     def emit(self, event: Event) -> None:
         record = logging.makeLogRecord({"msg": event.to_json(), "levelno": logging.INFO})
         with self._handler.lock:  # an RLock: handle() takes it again
             if not self._closed:  # a closed FileHandler would open the file again
+                if self._first:  # not at open: a job that emits nothing leaves the log as it found it
+                    self._first = False
+                    _end_torn_line(self._path)
                 self._handler.handle(record)
 
     def close(self) -> None:
         with self._handler.lock:
             self._closed = True
             self._handler.close()
+
+
+def _end_torn_line(path: str) -> None:
+    """A job killed mid-line left its log's last line torn: end that line, so the resumed job's
+    first event starts a line of its own (readers then skip only the torn line)."""
+    try:
+        if not stat.S_ISREG((st := os.stat(path)).st_mode) or st.st_size == 0:  # new, or a FIFO, a tty
+            return
+        with open(path, "rb") as f:
+            f.seek(-1, os.SEEK_END)
+            torn = f.read(1) != b"\n"
+        if torn:
+            with open(path, "ab") as f:
+                f.write(b"\n")
+    except OSError:  # not there yet, or not ours to read: the FileHandler opening it says what is wrong
+        return

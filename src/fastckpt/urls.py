@@ -60,6 +60,35 @@ def check_key(key: str) -> str:
     return key
 
 
+_FORMS = "give a directory path (/data/ckpt, file:///data/ckpt) or a URL such as s3://bucket/prefix"
+
+
+def check_url(url: str) -> str:
+    """``url`` when fsspec can open it; a local path is returned as it is.
+
+    Raises:
+        ConfigError: a malformed URL (``http://[::1``), or a scheme fsspec does not know
+            (checked when fsspec is installed), naming the URL and the accepted forms.
+    """
+    if not is_url(url):
+        return url
+    from urllib.parse import urlsplit
+
+    try:
+        urlsplit(url)
+    except ValueError as exc:
+        raise ConfigError(f"{url!r} is not a valid URL ({exc}): {_FORMS}") from None
+    scheme = url.split("://", 1)[0]
+    try:
+        import fsspec
+    except ImportError:  # the storage layer says what to install
+        return url
+    if scheme not in fsspec.available_protocols():
+        raise ConfigError(f"{url!r}: {scheme}:// is not a storage scheme fsspec knows (s3://, gs://, az://, "
+                          f"memory://, ...; another needs its fsspec package installed): {_FORMS}")
+    return url
+
+
 def split_url(url: str) -> tuple[str, str]:
     """``s3://bucket/a/b`` -> (``s3://bucket``, ``a/b``): the target root and the key."""
     scheme, rest = url.split("://", 1)

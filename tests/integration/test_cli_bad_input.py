@@ -1,5 +1,6 @@
-"""Bad input to doctor, drill, latest and bench: exit 2 (1 for latest, as for no checkpoint)
-with a message that names the problem and the fix, never a traceback. Real files and processes."""
+"""Bad input to doctor, drill, latest, ls, verify and bench: exit 2 (1 for a path that does not
+exist or holds no checkpoint) with a message that names the problem and the fix, never a
+traceback. Real files and processes."""
 
 from __future__ import annotations
 
@@ -48,3 +49,21 @@ def test_latest_of_a_path_that_does_not_exist(tmp_path: Path) -> None:
 def test_bench_the_same_dir_twice(tmp_path: Path) -> None:
     _refused(_cli("bench", "--dir", str(tmp_path), "--dir", f"{tmp_path}/", "--size", "1MiB", "--block-size", "1MiB"),
              2, "given twice", "give each directory once")
+
+
+def test_a_malformed_url_or_an_unknown_scheme_is_named(tmp_path: Path) -> None:
+    for url, args in (("http://[::1", ["ls"]), ("http://[::1", ["verify"]), ("foo://bar/x", ["latest"]),
+                      ("foo://bar/x", ["ls"]), ("http://[::1", ["drill", "--local-dir", str(tmp_path / "bb"), "--dir"]),
+                      ("foo://bar", ["doctor", "--probe-size", "0", "--target"])):
+        _refused(_cli(*args, url), 2, f"'{url}'", "s3://bucket/prefix")
+    assert not (tmp_path / "bb").exists()
+
+
+def test_ls_and_verify_of_a_path_that_does_not_exist_or_is_not_a_checkpoint(tmp_path: Path) -> None:
+    missing = tmp_path / "nope"
+    for cmd in ("ls", "verify"):
+        _refused(_cli(cmd, str(missing)), 1, f"{missing} does not exist")
+    notes = tmp_path / "notes.txt"
+    notes.write_text("hello\n")
+    _refused(_cli("verify", str(notes)), 1, f"{notes} is not a complete fastckpt checkpoint")
+    _refused(_cli("ls", str(notes)), 1, f"{notes} is a file", f"fastckpt verify {notes}")

@@ -67,6 +67,43 @@ def test_duration_passes_over_the_file_again(tmp_path) -> None:
     assert d["write_bytes"] >= 4 << 20  # at least one pass over the 4 MiB file
 
 
+def test_duration_with_both_modes_reads_whole_files(tmp_path) -> None:
+    """The last timed write pass runs to the end of the file, so the read phase (the whole
+    --size) reads what was written; it used to stop part-way and the read failed with EIO."""
+    code, d = bench(tmp_path, "--workers", "2", "--size", "4MiB", "--block-size", "1MiB", "--duration", "0.3s",
+                    "--verify")
+    assert code == 0
+    assert d["write_bytes"] % (2 * (4 << 20)) == 0 and d["write_bytes"] >= 2 * (4 << 20)  # whole passes
+    assert d["read_bytes"] > 0 and d["read_seconds"] >= 0.3
+    reads = [w for w in d["workers"] if w["op"] == "read"]
+    assert all(w["checked_blocks"] > 0 and w["bad_blocks"] == 0 for w in reads)
+    assert leftovers(tmp_path) == []
+
+
+def test_cleanup_leaves_a_folder_of_the_same_name_that_another_run_made(tmp_path, monkeypatch) -> None:
+    """Two benches with one host name and PID (containers on a shared --dir): the folder this run
+    could not create is another's, and stays; the random suffix makes such a clash unlikely."""
+    import secrets
+    import socket
+
+    monkeypatch.setattr(os, "getpid", lambda: 4242)
+    monkeypatch.setattr(secrets, "token_hex", lambda n: "feedbeef")
+    host = socket.gethostname()
+    theirs = [tmp_path / f"fastckpt-bench-{host}-4242-r0", tmp_path / f"fastckpt-bench-{host}-4242-feedbeef-r0"]
+    for t in theirs:
+        t.mkdir()
+        (t / "worker-000.dat").write_text("another bench's live file")
+    r = CliRunner().invoke(cli, ["bench", "--dir", str(tmp_path), "--workers", "1", "--size", "1MiB",
+                                 "--block-size", "1MiB", "--mode", "write"])
+    assert all((t / "worker-000.dat").read_text() == "another bench's live file" for t in theirs)
+    assert r.exit_code == 1 and "File exists" in r.output
+    monkeypatch.undo()
+    from fastckpt.cli.bench import Settings, _run_dirs
+
+    s = Settings((str(tmp_path),), 1, "threads", 1 << 20, 1 << 20, None, "write", True, False, False)
+    assert _run_dirs(s, 0) != _run_dirs(s, 0)
+
+
 def _passes(job: Job, passes: int, each: Callable[[int], None]) -> None:
     """Run ``job`` (with a long ``duration_s``) for ``passes`` passes and the first block of the
     next; ``each(k)`` after the k-th block (1-based)."""
@@ -145,7 +182,8 @@ def test_percentiles_nearest_rank() -> None:
 @pytest.mark.parametrize("args, msg", [(["--block-size", "1000"], "multiple of 4096"),
                                        (["--size", "1MiB", "--block-size", "2MiB"], "at least one"),
                                        (["--verify", "--mode", "write"], "--verify checks reads"),
-                                       (["--size", "1PB"], "free")])
+                                       (["--size", "1PB"], "free"),
+                                       (["--duration", "0"], "'0' must be more than 0")])
 def test_bad_usage_exits_2(tmp_path, args: list[str], msg: str) -> None:
     r = CliRunner().invoke(cli, ["bench", "--dir", str(tmp_path), *args])
     assert r.exit_code == 2 and msg in r.output

@@ -102,6 +102,63 @@ def test_verify_names_each_bad_or_missing_file(home: str) -> None:
     assert "1 of 4 files intact" in r.stdout
 
 
+@pytest.mark.parametrize("when", ["after the listing", "after its files were read"])
+def test_verify_a_checkpoint_deleted_during_the_check_is_not_bad(home: str, monkeypatch, when: str) -> None:
+    """A job's retention deletes old checkpoints while verify runs: deleted, not BAD (exit 0 for
+    that), while a real corruption of another one is still BAD. The deletions happen at the
+    moment named, through the functions verify calls."""
+    import shutil
+
+    import fastckpt.cli.verify as verify_mod
+
+    victims = {f"{home}/step-5": lambda: shutil.rmtree(f"{home}/step-5"),
+               f"{home}/one.pt": lambda: os.unlink(f"{home}/one.pt")}
+    if when == "after the listing":
+        listed = verify_mod.list_checkpoints
+
+        def listing(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            out = listed(*args, **kwargs)
+            for delete in victims.values():
+                delete()
+            return out
+        monkeypatch.setattr(verify_mod, "list_checkpoints", listing)
+    else:
+        files_of = verify_mod.checkpoint_files
+
+        def files(h, path: str):  # noqa: ANN001, ANN202
+            out = files_of(h, path)
+            if path in victims:
+                victims.pop(path)()
+            return out
+        monkeypatch.setattr(verify_mod, "checkpoint_files", files)
+    r = run("verify", home, "--json")
+    d = json.loads(r.stdout)
+    assert r.exit_code == 0, r.output
+    assert sorted(d["deleted"]) == [f"{home}/one.pt", f"{home}/step-5"]
+    assert (d["bad"], d["checked"]) == ([], 1)  # two.pt
+
+
+def test_verify_still_names_a_damaged_checkpoint_beside_a_deleted_one(home: str, monkeypatch) -> None:
+    import fastckpt.cli.verify as verify_mod
+
+    flip_byte(f"{home}/two.pt", 4096 + 7)
+    with open(f"{home}/step-5/a.pt", "r+b") as f:
+        f.truncate(os.path.getsize(f"{home}/step-5/a.pt") - 100)
+    files_of = verify_mod.checkpoint_files
+
+    def files(h, path: str):  # noqa: ANN001, ANN202
+        out = files_of(h, path)
+        if path == f"{home}/one.pt":
+            os.unlink(path)
+        return out
+    monkeypatch.setattr(verify_mod, "checkpoint_files", files)
+    r = run("verify", home)
+    assert r.exit_code == 1
+    assert f"BAD {home}/two.pt: checksum" in r.stderr and f"BAD {home}/step-5/a.pt" in r.stderr
+    assert f"{home}/one.pt" not in r.stderr
+    assert f"- {home}/one.pt was deleted during the check" in r.stdout
+
+
 def test_verify_catches_a_truncated_group_file(home: str) -> None:
     path = f"{home}/step-5/a.pt"
     size = os.path.getsize(path)

@@ -128,6 +128,22 @@ def test_bad_usage_exits_2() -> None:
     assert _doctor("--tier", "fast")[0] == 2
 
 
+@pytest.mark.parametrize("size, problem", [("8Gb", "is in bits"), ("0", "must be more than 0"),
+                                           ("8G", "cannot read '8G' as a size")])
+def test_sizes_are_read_as_every_other_command_reads_them(tmp_path: Path, size: str, problem: str) -> None:
+    code, text = _doctor("--target", str(tmp_path), "--state-size", size, "--probe-size", "0")
+    assert code == 2 and problem in text and "--state-size" in text
+    code, out = _doctor("--target", str(tmp_path), "--state-size", "1e9", "--probe-size", "0", "--json")
+    assert code in (0, 1) and _by_check(out)["target.free_space"]["data"]["need_bytes"] == 2e9
+
+
+@pytest.mark.parametrize("asked, probed", [("32MiB", 32 << 20), ("1MiB", 1 << 20), ("3.5MiB", 3 << 20)])
+def test_the_probe_writes_what_was_asked_in_whole_mib(tmp_path: Path, asked: str, probed: int) -> None:
+    code, out = _doctor("--target", str(tmp_path), "--probe-size", asked, "--json")
+    assert code in (0, 1)
+    assert _by_check(out)["target.bandwidth"]["data"]["probe_bytes"] == probed
+
+
 # ----------------------------------------------------------------------------- S3 (SeaweedFS)
 def _options(tmp_path: Path, opts: dict) -> str:
     p = tmp_path / "storage.json"

@@ -14,7 +14,8 @@ from click.testing import CliRunner
 import fastckpt
 from fastckpt.cli import cli, sizing
 from fastckpt.cli._common import parse_bandwidth, parse_count, parse_duration, parse_size
-from fastckpt.cli.runlog import profile, read_events
+from fastckpt.cli.runlog import profile
+from fastckpt.eventlog import read_events
 
 TB, GB = 1e12, 1e9
 
@@ -229,7 +230,10 @@ def test_bad_usage_exits_2(args: list[str]) -> None:
     (["--params", "1e400"], "--params"),
     (["--params", "7B", "--days", "inf"], "--days"),
     (["--params", "7B", "--days", "nan"], "--days"),
-    (["--params", "7B", "--gpu-hour-cost", "inf"], "--gpu-hour-cost")])
+    (["--params", "7B", "--gpu-hour-cost", "inf"], "--gpu-hour-cost"),
+    (["--params", "7B", "--interval", "0"], "--interval"),
+    (["--params", "7B", "--budget", "0s"], "--budget"),
+    (["--params", "7B", "--mtbf", "0h"], "--mtbf")])
 def test_a_zero_or_non_finite_flag_is_named_not_replaced_by_a_default(args: list[str], flag: str) -> None:
     r = invoke(*args, "--bandwidth", "10GB/s", "--json")
     assert r.exit_code == 2, r.output
@@ -298,15 +302,102 @@ def test_from_run_fills_in_the_measured_values(run_log: str) -> None:
     assert d2["inputs"]["bandwidth_Bps"] == 5e9
 
 
-def test_a_torn_last_line_is_skipped_and_a_bad_middle_line_is_named(tmp_path, run_log: str) -> None:
+def test_a_torn_last_line_is_skipped_and_a_bad_last_line_is_named(tmp_path, run_log: str) -> None:
     lines = open(run_log).read().splitlines()
     torn = tmp_path / "torn.jsonl"
     torn.write_text("\n".join(lines) + '\n{"name": "snap')
     assert len(read_events(str(torn))) == len(lines)
     bad = tmp_path / "bad.jsonl"
-    bad.write_text(lines[0] + "\nnot json\n" + lines[1] + "\n")
+    bad.write_text(lines[0] + "\n" + lines[1] + "\nnot json\n")
     r = invoke("--from-run", str(bad))
-    assert r.exit_code == 2 and "bad.jsonl:2" in r.output
+    assert r.exit_code == 2 and "bad.jsonl:3: not JSON" in r.output
+
+
+def _event(name: str, rank: int, path: str, start: float, nbytes: int = 1000, detail: str | None = None) -> str:
+    return json.dumps({"name": name, "rank": rank, "path": path, "bytes": nbytes, "start": start, "end": start + 0.01,
+                       "tier": "direct", "error": None, "detail": detail})
+
+
+@pytest.mark.parametrize("line, problem", [("null", "a JSON NoneType, not an event object"),
+                                           ('"a string"', "a JSON str, not an event object"),
+                                           ('[1, 2]', "a JSON list, not an event object"),
+                                           (_event("snapshot", 0, "/x/a.pt", 1.0).replace('"rank": 0', '"rank": [0]'),
+                                            "a field has the wrong type"),
+                                           ('{"name": "snapshot"}', "missing rank")])
+def test_from_run_names_a_line_that_is_not_an_event_as_report_does(tmp_path, line: str, problem: str) -> None:
+    log = tmp_path / "events.jsonl"
+    log.write_text(_event("snapshot", 0, "/x/a.pt", 1.0) + "\n" + line + "\n")
+    r = invoke("--from-run", str(log), "--bandwidth", "1GB/s")
+    assert r.exit_code == 2, r.output
+    assert f"events.jsonl:2: {problem}" in r.output and "Traceback" not in r.output
+    rep = CliRunner().invoke(cli, ["report", str(log)])
+    assert rep.exit_code == 2 and f"events.jsonl:2: {problem}" in rep.output
+
+
+def test_a_resumed_jobs_log_skips_the_torn_line_and_counts_it(tmp_path, caplog) -> None:
+    """A job killed mid-line, then resumed with the same event_log: the new job ends the torn
+    line, and plan --from-run and report skip it with a warning (as serve-metrics does)."""
+    log = tmp_path / "events.jsonl"
+
+    def job(step: int) -> None:
+        with fastckpt.Checkpointer(event_log=str(log), overhead_budget=0.99) as ck:
+            ck.save({"w": torch.randn(1000)}, str(tmp_path / "home" / f"step-{step}.pt")).wait()
+
+    job(1)
+    with open(log, "a") as f:
+        f.write('{"bytes": 4000, "detail": null, "name": "snaps')  # killed mid-line
+    with fastckpt.Checkpointer(event_log=str(log)):  # a job that saved nothing leaves the log as it was
+        pass
+    assert log.read_text().endswith('"name": "snaps')
+    job(2)
+    lines = log.read_text().splitlines()
+    torn = lines.index('{"bytes": 4000, "detail": null, "name": "snaps') + 1  # a line of its own
+    assert 1 < torn < len(lines)
+    r = invoke("--from-run", str(log), "--bandwidth", "1GB/s", "--json")
+    assert r.exit_code in (0, 1), r.output
+    measured = json.loads(r.stdout)["measured"]
+    assert (measured["checkpoints"], measured["skipped_lines"]) == (2, 1)
+    assert f"skipped a line that is not an event: {log}:{torn}: not JSON" in caplog.text
+    rep = CliRunner().invoke(cli, ["report", str(log), "--json"])
+    assert rep.exit_code in (0, 1), rep.output
+    assert json.loads(rep.stdout)["events"] == len(lines) - 1
+    junk = tmp_path / "junk.jsonl"  # no event at all: not an event log, refused
+    junk.write_text("hello\nworld\n")
+    assert invoke("--from-run", str(junk), "--bandwidth", "1GB/s").exit_code == 2
+
+
+def test_separate_single_file_saves_in_quick_succession_are_separate_checkpoints(tmp_path) -> None:
+    log = str(tmp_path / "events.jsonl")
+    with fastckpt.Checkpointer(event_log=log, overhead_budget=0.99) as ck:
+        for step in range(5):  # 5 checkpoints of 1 MiB each, one file each, ms apart
+            ck.save({"w": torch.randn(1 << 18), "step": step}, str(tmp_path / "home" / f"step-{step}.pt")).wait()
+    r = invoke("--from-run", log, "--bandwidth", "1GB/s", "--json")
+    d = json.loads(r.stdout)
+    assert (d["measured"]["checkpoints"], d["state_bytes"]) == (5, 1 << 20)
+
+
+def test_what_makes_one_checkpoint_without_group_commits() -> None:
+    from fastckpt.eventlog import parse_event
+
+    def ckpts(*lines: str) -> tuple[int, float]:
+        prof = profile([parse_event(x) for x in lines])
+        return prof.checkpoints, prof.state_bytes
+
+    # DeepSpeed's tag directories: several files of one rank, and of several ranks, are one checkpoint
+    tag = [_event("snapshot", r, f"/c/global_step{s}/{f}", s + k * 0.001)
+           for s in (10, 20) for k, (r, f) in enumerate([(0, "mp_rank_00_model_states.pt"),
+                                                          (0, "zero_pp_rank_0_mp_rank_00_optim_states.pt"),
+                                                          (1, "zero_pp_rank_1_mp_rank_00_optim_states.pt")])]
+    assert ckpts(*tag) == (2, 3000)
+    # a directory the log commits as a group (the commit failed), whatever its name
+    group = [_event("snapshot", 0, f"/c/latest/{f}", 1.0 + k * 0.001) for k, f in enumerate(("a.pt", "b.pt"))]
+    assert ckpts(*group, _event("commit", 0, "/c/latest", 1.1, 2000, detail="group").replace(
+        '"error": null', '"error": "OSError()"')) == (1, 2000)
+    # one file per rank, saved again and again at the same path, ms apart
+    per_rank = [_event("snapshot", r, f"/c/rank{r}.pt", s + r * 0.001) for s in (1.0, 1.05, 1.1) for r in (0, 1)]
+    assert ckpts(*per_rank) == (3, 2000)
+    # a rank's separate files in one directory: one checkpoint each
+    assert ckpts(*[_event("snapshot", 0, f"/c/home/model-{k}.pt", 1.0 + k * 0.03) for k in range(4)]) == (4, 1000)
 
 
 # ---------------------------------------------------------------- host memory for the staging buffers

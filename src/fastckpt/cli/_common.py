@@ -140,8 +140,10 @@ class _FinitePositive(click.ParamType):
 
 
 SIZE = _Parsed("size", parse_size, positive=True)
+SIZE_OR_ZERO = _Parsed("size", parse_size)  # 0 turns something off (doctor --probe-size)
 BANDWIDTH = _Parsed("bandwidth", parse_bandwidth, positive=True)
-DURATION = _Parsed("duration", parse_duration)
+DURATION = _Parsed("duration", parse_duration, positive=True)
+DURATION_OR_ZERO = _Parsed("duration", parse_duration)  # a wait that may be none (drill --min-run)
 COUNT = _Parsed("count", parse_count, positive=True)
 FINITE_POSITIVE = _FinitePositive()
 
@@ -168,6 +170,23 @@ def _json_object(text: str) -> dict:
     return value
 
 
+class _Location(click.ParamType):
+    """A directory path or a URL fsspec can open (``urls.check_url``): a malformed URL or an
+    unknown scheme is a usage error naming it, not a traceback from the storage layer."""
+
+    name = "path_or_url"
+
+    def convert(self, value, param, ctx):  # noqa: ANN001, ANN201 (click's signature)
+        from ..errors import ConfigError
+        from ..urls import check_url
+
+        try:
+            return check_url(value)
+        except ConfigError as exc:
+            self.fail(str(exc), param, ctx)
+
+
+LOCATION = _Location()
 JSON_OBJECT = _Parsed("json", _json_object)
 storage_options_option = click.option(
     "--storage-options", type=JSON_OBJECT, default=None,
@@ -222,6 +241,20 @@ def emit_json(data: dict) -> None:
 def exit_with(passed: bool) -> None:
     """End the command: exit 0 when every check passed, 1 otherwise."""
     raise SystemExit(PASS if passed else FAIL)
+
+
+def fail_with(message: str) -> None:
+    """End the command with exit 1, ``message`` (the problem and the fix) on stderr."""
+    click.echo(message, err=True)
+    raise SystemExit(FAIL)
+
+
+def must_exist(path: str) -> None:
+    """Exit 1 naming a local ``path`` that does not exist (a URL's storage answers for itself)."""
+    from ..urls import is_url
+
+    if not is_url(path) and not os.path.exists(path.removeprefix("file://")):
+        fail_with(f"{path} does not exist: check the path (no checkpoint was saved there yet)")
 
 
 class _Bar:

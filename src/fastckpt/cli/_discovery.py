@@ -12,6 +12,7 @@ listed as **unverified**: found, but with no checksum to check.
 
 from __future__ import annotations
 
+import errno
 import json
 import posixpath
 import time
@@ -82,6 +83,10 @@ def file_manifest(loc: Location) -> dict | None:
         return loc.target.read_manifest(loc.key)
     except (TargetNotFoundError, FileNotFoundError, IsADirectoryError, NotADirectoryError):
         return None
+    except OSError as exc:  # the storage layer's error, wrapping one of those (a directory, a group being deleted)
+        if exc.errno in (errno.ENOENT, errno.EISDIR, errno.ENOTDIR):
+            return None
+        raise
 
 
 def checkpoint_files(h: Homes, path: str) -> tuple[list[FileSpec], dict]:

@@ -9,6 +9,7 @@ nodes' bytes by the time between the barriers: the aggregate is what the fabric 
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import socket
 import time
@@ -99,7 +100,8 @@ class _Dist:
 
 
 def _run_dirs(s: Settings, rank: int) -> list[str]:
-    tag = f"fastckpt-bench-{socket.gethostname()}-{os.getpid()}-r{rank}"
+    """This run's folders: host and PID can repeat (containers sharing a --dir), so a random suffix too."""
+    tag = f"fastckpt-bench-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}-r{rank}"
     return [os.path.join(d, tag) for d in s.dirs]
 
 
@@ -139,14 +141,16 @@ def run(s: Settings, show_progress: bool = True) -> tuple[list[PhaseResult], _Di
     d = _Dist()
     run_dirs = _run_dirs(s, d.rank)
     show = show_progress and d.rank == 0
+    created: list[str] = []  # removed at the end: only what this run made, never another's folder
     try:
         with sigterm_interrupts():
             for rd in run_dirs:
-                os.makedirs(rd)
+                os.mkdir(rd)
+                created.append(rd)
             ops = {"write": ["write"], "read": ["prepare", "read"], "both": ["write", "read"]}[s.mode]
             results = [_phase(s, op, run_dirs, d, show) for op in ops]
     finally:
-        for rd in run_dirs:
+        for rd in created:
             if os.path.exists(rd):
                 shutil.rmtree(rd)
     return [r for r in results if r.op != "prepare"], d
@@ -230,7 +234,8 @@ def render(data: dict) -> None:
 @click.option("--block-size", type=SIZE, default="8MiB", show_default=True, help="Bytes per I/O call.")
 @click.option("--size", type=SIZE, default="1GiB", show_default=True, help="File size per worker.")
 @click.option("--duration", type=DURATION,
-              help="Run each phase this long, passing over the files again (each write pass: a new file).")
+              help="Run each phase this long, passing over the files again (each write pass: a new file, the last one "
+                   "written to its end).")
 @click.option("--mode", type=click.Choice(["write", "read", "both"]), default="both", show_default=True)
 @click.option("--direct/--buffered", default=True, show_default=True, help="O_DIRECT, or through the page cache.")
 @click.option("--gds", is_flag=True, help="GPUDirect Storage through kvikio (says why not when it cannot).")

@@ -56,7 +56,11 @@ def pattern(job: Job) -> bytes:
 
 
 def block_order(job: Job, stop: threading.Event) -> Callable[[], int | None]:
-    """The next block index to move: one pass over the file, or passes until ``duration_s``."""
+    """The next block index to move: one pass over the file, or passes until ``duration_s``.
+
+    A write's last pass runs to the end of the file (the phase may run past ``duration_s`` by
+    up to one pass, and counts it): a checkpoint is a whole file, and the read phase that
+    follows reads whole files. A read stops at the deadline, mid-pass."""
     n = job.file_bytes // job.block_bytes
     state = {"i": 0, "deadline": None}
 
@@ -66,7 +70,8 @@ def block_order(job: Job, stop: threading.Event) -> Callable[[], int | None]:
             state["deadline"] = time.perf_counter() + job.duration_s
         if stop.is_set() or (job.duration_s is None and i >= n):
             return None
-        if job.duration_s is not None and time.perf_counter() >= state["deadline"]:
+        if job.duration_s is not None and time.perf_counter() >= state["deadline"] and \
+                (job.op != "write" or i % n == 0):
             return None
         state["i"] = i + 1
         return i % n

@@ -4,40 +4,26 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 
 import click
 
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
-          "t": 1000**4, "tb": 1000**4, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+from ._common import LOCATION, SIZE, SIZE_OR_ZERO
+
 _STYLE = {"ok": "green", "info": "blue", "warn": "yellow", "fail": "bold red"}
-
-
-class Size(click.ParamType):
-    """A byte count: 1073741824, 8GB, 8GiB, 512MiB, 1.5T."""
-
-    name = "size"
-
-    def convert(self, value: object, param: click.Parameter | None, ctx: click.Context | None) -> int:
-        if isinstance(value, int):
-            return value
-        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
-        if not m or m.group(2).lower() not in _UNITS:
-            self.fail(f"{value!r} is not a size (e.g. 8GiB, 500MB, 1073741824)", param, ctx)
-        return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
 @click.command()
 @click.option("--local-dir", type=click.Path(file_okay=False), multiple=True,
               help="The burst buffer (local_dir); repeat it for striped drives (each is measured).")
-@click.option("--target", default=None, help="Where checkpoints are saved: a directory or a URL (default: here).")
+@click.option("--target", default=None, type=LOCATION,
+              help="Where checkpoints are saved: a directory or a URL (default: here).")
 @click.option("--tier", type=click.Choice(["auto", "gds", "nvme", "direct"]), default="auto", show_default=True,
               help="The tier you will ask for: exit 1 when it cannot work here.")
-@click.option("--state-size", type=Size(), default=None, help="Bytes of one checkpoint on this node (e.g. 40GiB).")
+@click.option("--state-size", type=SIZE, default=None, help="Bytes of one checkpoint on this node (e.g. 40GiB).")
 @click.option("--keep", type=click.IntRange(1), default=2, show_default=True,
               help="Checkpoints each place must hold at once.")
-@click.option("--probe-size", type=Size(), default="256MiB", show_default=True,
-              help="Bytes written and read by the bandwidth probe (0 skips it).")
+@click.option("--probe-size", type=SIZE_OR_ZERO, default="256MiB", show_default=True,
+              help="Bytes written and read by the bandwidth probe, rounded down to whole MiB (0 skips it).")
 @click.option("--storage-options", "options_file", type=click.Path(exists=True, dir_okay=False), default=None,
               help="A JSON file of fsspec options for a URL target (endpoint_url, key, secret...; never printed).")
 @click.option("--json", "as_json", is_flag=True, help="Print the findings as JSON.")

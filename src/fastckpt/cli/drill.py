@@ -10,6 +10,8 @@ import click
 
 from ._common import (
     DURATION,
+    DURATION_OR_ZERO,
+    LOCATION,
     SIZE,
     console,
     emit_json,
@@ -77,16 +79,16 @@ def render(data: dict) -> None:
 @click.option("--trials", type=click.IntRange(1), default=10, show_default=True)
 @click.option("--state-size", type=SIZE, default="256MiB", show_default=True,
               help="State of the built-in job (two files per checkpoint).")
-@click.option("--dir", "home", required=True, help="The durable home: a directory or a URL (s3://...).")
+@click.option("--dir", "home", required=True, type=LOCATION, help="The durable home: a directory or a URL (s3://...).")
 @click.option("--local-dir", type=click.Path(file_okay=False), help="The burst buffer (node-local directory).")
 @click.option("--lose-local", is_flag=True, help="Wipe the burst buffer before each restart (a lost node).")
 @click.option("--rto-target", type=DURATION, default="180s", show_default=True, help="Slowest acceptable restore.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seeds the kill moments and the state.")
 @click.option("--every", type=click.IntRange(1), default=5, show_default=True, help="Built-in job: save every N steps.")
-@click.option("--step-time", type=DURATION, default="50ms", show_default=True,
+@click.option("--step-time", type=DURATION_OR_ZERO, default="50ms", show_default=True,
               help="Built-in job: compute time per step.")
 @click.option("--device", default="cpu", show_default=True, help="Built-in job: cpu or cuda.")
-@click.option("--min-run", type=DURATION, default="5s", show_default=True,
+@click.option("--min-run", type=DURATION_OR_ZERO, default="5s", show_default=True,
               help="Your job: earliest kill after a (re)start.")
 @click.option("--max-run", type=DURATION, default="30s", show_default=True, help="Your job: latest kill.")
 @click.option("--trial-timeout", type=DURATION, default="300s", show_default=True,

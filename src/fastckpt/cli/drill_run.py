@@ -25,12 +25,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from ..eventlog import read_events
 from ..urls import is_url
 from . import drill_phases as ph
 from ._signals import sigterm_interrupts
 from .drill_job import FILES
 from .drill_proc import Child, DrillError
-from .runlog import read_events
 
 
 @dataclass(frozen=True)
@@ -92,7 +92,7 @@ class _Incarnation:
             self.step = max(self.step, s)
 
     def events(self) -> list:
-        return read_events(self.events_path) if os.path.exists(self.events_path) else []
+        return read_events(self.events_path, warn=False) if os.path.exists(self.events_path) else []
 
     def until(self, want: Callable[[dict], bool], timeout_s: float) -> dict:
         deadline = time.monotonic() + timeout_s

@@ -12,7 +12,7 @@ import click
 
 from ..errors import FastCkptError
 from ..storage.homes import Homes
-from ._common import storage_options_option
+from ._common import LOCATION, must_exist, storage_options_option
 from ._discovery import checkpoint_files, homes
 
 
@@ -36,7 +36,7 @@ def _missing(h: Homes, path: str) -> list[str]:
 
 
 @click.command()
-@click.argument("root")
+@click.argument("root", type=LOCATION)
 @storage_options_option
 def latest(root: str, storage_options: dict | None) -> None:
     """Print the newest complete checkpoint under ROOT (a directory or an s3:// URL).
@@ -46,15 +46,11 @@ def latest(root: str, storage_options: dict | None) -> None:
     on stderr) for the newest older one that is whole. Exit 1 when there is none, or ROOT does
     not exist.
     """
-    import os
-
     from .. import latest as find_latest
     from ..commit.discovery import scan
-    from ..urls import is_url, normalize
+    from ..urls import normalize
 
-    if not is_url(root) and not os.path.exists(root):
-        click.echo(f"{root} does not exist: check the path (no checkpoint was saved there yet)", err=True)
-        raise SystemExit(1)
+    must_exist(root)
     found = find_latest(root, storage_options)
     h = homes(storage_options)
     try:

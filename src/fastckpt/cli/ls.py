@@ -2,9 +2,22 @@
 
 from __future__ import annotations
 
+import os
+
 import click
 
-from ._common import console, emit_json, exit_with, fmt_bytes, json_option, storage_options_option, table
+from ._common import (
+    LOCATION,
+    console,
+    emit_json,
+    exit_with,
+    fail_with,
+    fmt_bytes,
+    json_option,
+    must_exist,
+    storage_options_option,
+    table,
+)
 from ._discovery import list_checkpoints
 
 
@@ -18,7 +31,7 @@ def _age(s: float | None) -> str:
 
 
 @click.command()
-@click.argument("root")
+@click.argument("root", type=LOCATION)
 @click.option("--local-dir", type=click.Path(file_okay=False),
               help="The burst buffer: mark each checkpoint replicated or local only.")
 @storage_options_option
@@ -32,6 +45,10 @@ def ls(root: str, local_dir: str | None, storage_options: dict | None, as_json: 
     is wrong (readers skip it; `fastckpt verify` fails on it). Exit 1 when ROOT holds no
     complete checkpoint.
     """
+    must_exist(root)
+    if os.path.isfile(root.removeprefix("file://")):
+        fail_with(f"{root} is a file: `fastckpt ls` lists the checkpoints under a directory; `fastckpt verify {root}` "
+                  "checks one checkpoint file")
     entries = list_checkpoints(root, storage_options, local_dir)
     if as_json:
         emit_json({"root": root, "checkpoints": [e.__dict__ | {"age_s": e.age_s} for e in entries],

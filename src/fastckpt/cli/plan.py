@@ -7,6 +7,7 @@ import math
 
 import click
 
+from ..eventlog import read_events
 from . import sizing
 from ._common import (
     BANDWIDTH,
@@ -24,7 +25,7 @@ from ._common import (
     json_option,
     table,
 )
-from .runlog import RunProfile, profile, read_events
+from .runlog import RunProfile, profile
 
 
 def _resolve(opts: dict, run: RunProfile | None, from_run: str | None) -> tuple[sizing.PlanInputs, list[str]]:
@@ -187,8 +188,9 @@ def plan(as_json: bool, from_run: str | None, **opts: object) -> None:
     """
     run = None
     if from_run:
+        skipped: list[str] = []
         try:
-            run = profile(read_events(from_run))
+            run = profile(read_events(from_run, skipped), len(skipped))
         except ValueError as exc:
             raise click.UsageError(str(exc)) from exc
     inputs, notes = _resolve(opts, run, from_run)

@@ -2,18 +2,22 @@
 
 Each line is one ``fastckpt.events.Event`` as JSON: ``name`` (snapshot, write, commit, queued,
 replicate, retry, load), ``rank``, ``path``, ``bytes``, ``start``, ``end``, ``tier``. Rates are
-medians over events of bytes / duration, per process (one process per GPU).
+medians over events of bytes / duration, per process (one process per GPU). The log is read
+with ``eventlog.read_events``, as ``fastckpt report`` reads it.
 """
 
 from __future__ import annotations
 
-import json
+import posixpath
+import re
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..events import Event
 
-CLUSTER_GAP_S = 1.0  # single-file saves starting within this of each other are one checkpoint
+CLUSTER_GAP_S = 1.0  # snapshots further apart than this (end to next start) are separate checkpoints
+# a directory named for a step (step-5, global_step10, iter_0000100): its files form one checkpoint
+_STEP_DIR = re.compile(r"(step|iter|iteration|epoch)[-_=]?\d+$", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -21,8 +25,9 @@ class RunProfile:
     """Measured on one run. Rates are per process; None where the log has no such phase.
 
     ``state_bytes``: one checkpoint (all ranks: a group's committed total, else the bytes of
-    the saves that started together). ``write_tier``: where ``write`` events wrote (nvme or gds:
-    the local tier; direct: persistent storage). ``interval_s``: median time between checkpoints.
+    the snapshots of one checkpoint, see ``_checkpoints``). ``write_tier``: where ``write``
+    events wrote (nvme or gds: the local tier; direct: persistent storage). ``interval_s``:
+    median time between checkpoints. ``skipped_lines``: lines of the log that were not events.
     """
 
     events: int
@@ -34,30 +39,7 @@ class RunProfile:
     write_tier: str | None
     replicate_Bps: float | None
     interval_s: float | None
-
-
-def read_events(path: str) -> list[Event]:
-    """Parse an event log; a torn last line (the writer was killed) is skipped.
-
-    Raises:
-        ValueError: a line in the middle does not parse (names the line).
-    """
-    events: list[Event] = []
-    with open(path, encoding="utf-8") as f:
-        lines = f.read().splitlines()
-    for i, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            d = json.loads(line)
-            d.pop("duration_s", None)
-            events.append(Event(**d))
-        except (ValueError, TypeError) as exc:
-            if i == len(lines):
-                break
-            raise ValueError(f"{path}:{i} is not a fastckpt event ({exc}); pass the file given as "
-                             "Checkpointer(event_log=...)") from exc
-    return events
+    skipped_lines: int = 0
 
 
 def _rate(events: list[Event]) -> float | None:
@@ -65,25 +47,57 @@ def _rate(events: list[Event]) -> float | None:
     return statistics.median(rates) if rates else None
 
 
+@dataclass
+class _Cluster:
+    """One checkpoint being gathered from snapshots: its start, bytes, latest end, and what each
+    rank saved into it (the files, and the units: a group directory, or a single file)."""
+
+    start: float
+    bytes: float = 0.0
+    end: float = 0.0
+    files: set[tuple[int, str]] = field(default_factory=set)
+    units: dict[int, set[str]] = field(default_factory=dict)
+
+
+def _unit(path: str, groups: set[str]) -> str:
+    """What a file is saved as part of: its group directory (one the log commits as a group, or
+    one named for a step), else the file itself."""
+    d = posixpath.dirname(path)
+    return d if d in groups or _STEP_DIR.search(posixpath.basename(d)) else path
+
+
 def _checkpoints(events: list[Event]) -> list[tuple[float, float]]:
-    """(start, bytes) of each checkpoint: group commits, else clusters of snapshots."""
+    """(start, bytes) of each checkpoint: group commits, else snapshots gathered into checkpoints.
+
+    Without a group commit, a snapshot starts a new checkpoint when its rank already saved the
+    same file in the current one, or a file of another unit (the next single file, the next
+    step's directory), or when it starts more than ``CLUSTER_GAP_S`` after the last one ended.
+    Files of one group directory, from one rank or many, and the single files of different
+    ranks saved together, are one checkpoint."""
     commits = [e for e in events if e.name == "commit" and e.detail == "group" and e.error is None]
     if commits:  # one per rank and group: the first commit call of each group starts it
         first: dict[str, Event] = {}
         for e in sorted(commits, key=lambda e: e.start):
             first.setdefault(e.path, e)
         return sorted((e.start, float(e.bytes)) for e in first.values())
-    out: list[tuple[float, float]] = []
+    groups = {e.path for e in events if e.name == "commit" and e.detail == "group"}  # failed ones name them too
+    out: list[_Cluster] = []
     for e in sorted((e for e in events if e.name == "snapshot" and e.error is None), key=lambda e: e.start):
-        if out and e.start - out[-1][0] <= CLUSTER_GAP_S:
-            out[-1] = (out[-1][0], out[-1][1] + e.bytes)
-        else:
-            out.append((e.start, float(e.bytes)))
-    return out
+        unit, c = _unit(e.path, groups), out[-1] if out else None
+        if c is None or e.start - c.end > CLUSTER_GAP_S or (e.rank, e.path) in c.files or \
+                unit not in c.units.get(e.rank, {unit}):
+            c = _Cluster(e.start)
+            out.append(c)
+        c.bytes += e.bytes
+        c.end = max(c.end, e.end)
+        c.files.add((e.rank, e.path))
+        c.units.setdefault(e.rank, set()).add(unit)
+    return [(c.start, c.bytes) for c in out]
 
 
-def profile(events: list[Event]) -> RunProfile:
-    """Summarise an event log (see ``RunProfile``)."""
+def profile(events: list[Event], skipped_lines: int = 0) -> RunProfile:
+    """Summarise an event log (see ``RunProfile``); ``skipped_lines``: lines of it that were not
+    events (``eventlog.read_events``)."""
     by = {name: [e for e in events if e.name == name] for name in ("snapshot", "write", "replicate")}
     ckpts = _checkpoints(events)
     gaps = [b[0] - a[0] for a, b in zip(ckpts, ckpts[1:])]
@@ -93,4 +107,5 @@ def profile(events: list[Event]) -> RunProfile:
         state_bytes=statistics.median(b for _, b in ckpts) if ckpts else None,
         snapshot_Bps=_rate(by["snapshot"]), write_Bps=_rate(by["write"]),
         write_tier=max(set(tiers), key=tiers.count) if tiers else None,
-        replicate_Bps=_rate(by["replicate"]), interval_s=statistics.median(gaps) if gaps else None)
+        replicate_Bps=_rate(by["replicate"]), interval_s=statistics.median(gaps) if gaps else None,
+        skipped_lines=skipped_lines)

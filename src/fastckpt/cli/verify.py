@@ -8,6 +8,7 @@ checksum too, and both must agree. Local files are read with O_DIRECT in paralle
 
 from __future__ import annotations
 
+import errno
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -16,10 +17,23 @@ import click
 
 from ..errors import CorruptCheckpointError, FastCkptError
 from ..storage.homes import Homes
-from ..storage.types import TargetNotFoundError
 from ..urls import normalize
-from ._common import console, emit_json, exit_with, fmt_bytes, json_option, progress, storage_options_option, table
-from ._discovery import FileSpec, checkpoint_files, file_covered, homes, list_checkpoints
+from ._common import (
+    LOCATION,
+    console,
+    emit_json,
+    exit_with,
+    fail_with,
+    fmt_bytes,
+    json_option,
+    must_exist,
+    progress,
+    storage_options_option,
+    table,
+)
+from ._discovery import FileSpec, checkpoint_files, file_covered, group_manifest, homes, list_checkpoints
+
+MISSING = "missing"
 
 
 @dataclass(frozen=True)
@@ -38,13 +52,36 @@ def _size(h: Homes, spec: FileSpec) -> int | None:
         return None
 
 
+def _vanished(exc: OSError) -> bool:
+    """A file (or the directory it was in) that is not there, also as the storage layer wraps it."""
+    return isinstance(exc, FileNotFoundError) or exc.errno in (errno.ENOENT, errno.ENOTDIR)
+
+
+def _gone(h: Homes, checkpoint: str, group: bool) -> bool:
+    """Whether ``checkpoint`` was deleted since it was listed (retention, or `fastckpt`'s
+    ``remove``): a group's manifest is deleted first, a single file at once. A damaged manifest
+    or a truncated file is still there."""
+    loc = h.resolve(checkpoint)
+    try:
+        if group:
+            return group_manifest(loc) is None
+        loc.target.size(loc.key)
+    except CorruptCheckpointError:
+        return False
+    except OSError as exc:
+        return _vanished(exc)
+    return False
+
+
 def check_file(h: Homes, spec: FileSpec, on_bytes=None) -> str | None:  # noqa: ANN001
     """None when the file is intact; else what is wrong with it (read back in parallel through
     its target: O_DIRECT chunks on a file system, ranged reads at a URL)."""
     try:
         size, covered, own = file_covered(h, spec)
-    except (FileNotFoundError, TargetNotFoundError):
-        return "missing"
+    except OSError as exc:
+        if _vanished(exc):
+            return MISSING
+        raise
     except CorruptCheckpointError as exc:
         return str(exc)
     want = own["checksum"]["value"]
@@ -57,22 +94,28 @@ def check_file(h: Homes, spec: FileSpec, on_bytes=None) -> str | None:  # noqa: 
         loc.target.verify(loc.key, size, want, covered)
     except CorruptCheckpointError as exc:
         return str(exc).removeprefix(f"{loc.url}: ")
+    except OSError as exc:  # deleted while it was read
+        if _vanished(exc):
+            return MISSING
+        raise
     if on_bytes:
         on_bytes(size)
     return None
 
 
 def _checkpoints(h: Homes, path: str, opts: dict | None, newest_only: bool
-                 ) -> tuple[list[tuple[str, list[FileSpec]]], list[str], list[Checked]]:
-    """The checkpoints to check (each with its files), the incomplete ones seen, and the ones
-    whose manifest is damaged (reported bad, their files not read)."""
+                 ) -> tuple[list[tuple[str, list[FileSpec]]], list[str], list[Checked], list[str]]:
+    """The checkpoints to check (each with its files), the incomplete ones seen, the ones
+    whose manifest is damaged (reported bad, their files not read), and those deleted since
+    they were listed."""
     try:
         files, _ = checkpoint_files(h, path)
-        return [(path, files)], [], []
+        return [(path, files)], [], [], []
     except CorruptCheckpointError as exc:
-        return [], [], [Checked(path, path, None, str(exc).removeprefix(f"{path}: "))]
-    except FastCkptError:
-        pass  # not one checkpoint: a directory (or prefix) holding them
+        return [], [], [Checked(path, path, None, str(exc).removeprefix(f"{path}: "))], []
+    except FastCkptError as exc:  # not one checkpoint: a directory (or prefix) holding them, or not one at all
+        if os.path.isfile(path):
+            fail_with(str(exc))
     entries = list_checkpoints(path, opts)
     complete = [e for e in entries if e.status in ("complete", "replicated")]
     newer = entries  # a damaged manifest makes readers skip the checkpoint: never a silent pass
@@ -81,17 +124,21 @@ def _checkpoints(h: Homes, path: str, opts: dict | None, newest_only: bool
         newer = entries[entries.index(complete[0]) + 1:] if complete else entries
     incomplete = [e.path for e in entries if e.status == "incomplete"]
     broken = [Checked(e.path, e.path, e.bytes, f"damaged: {e.problem}") for e in newer if e.status == "damaged"]
-    todo = []
+    todo, deleted = [], []
     for e in complete:
         try:
             todo.append((e.path, checkpoint_files(h, e.path)[0]))
         except CorruptCheckpointError as exc:
             broken.append(Checked(e.path, e.path, None, str(exc).removeprefix(f"{e.path}: ")))
-    return todo, incomplete, broken
+        except (FastCkptError, OSError):
+            if not _gone(h, e.path, e.kind == "group"):
+                raise
+            deleted.append(e.path)
+    return todo, incomplete, broken, deleted
 
 
 @click.command()
-@click.argument("path")
+@click.argument("path", type=LOCATION)
 @click.option("--latest", "newest_only", is_flag=True,
               help="Under a directory: only the newest complete checkpoint (and damaged ones newer than it).")
 @click.option("--jobs", type=click.IntRange(1, 64), default=4, show_default=True, help="Files checked at once.")
@@ -107,9 +154,10 @@ def verify(path: str, newest_only: bool, jobs: int, storage_options: dict | None
     checkpoint, or when there is no complete checkpoint to check.
     """
     path = normalize(path)
+    must_exist(path)
     h = homes(storage_options)
     try:
-        todo, incomplete, results = _checkpoints(h, path, storage_options, newest_only)
+        todo, incomplete, results, deleted = _checkpoints(h, path, storage_options, newest_only)
         specs = [(ck, s) for ck, files in todo for s in files]
         sizes = [_size(h, s) for _, s in specs]
         with progress(f"verifying {len(specs)} files", sum(x or 0 for x in sizes), enabled=not as_json) as bar, \
@@ -117,6 +165,10 @@ def verify(path: str, newest_only: bool, jobs: int, storage_options: dict | None
             futures = [files.submit(check_file, h, s, bar.advance) for _, s in specs]
             for (ck, s), n, fut in zip(specs, sizes, futures, strict=True):
                 results.append(Checked(ck, s.path, n, fut.result()))
+        # a job's retention may delete a checkpoint while it is read: gone, not bad
+        gone = {r.checkpoint for r in results if r.problem and _gone(h, r.checkpoint, r.path != r.checkpoint)}
+        deleted += sorted(gone)
+        results = [r for r in results if r.checkpoint not in gone]
     finally:
         h.close()
     bad = [r for r in results if r.problem]
@@ -124,6 +176,7 @@ def verify(path: str, newest_only: bool, jobs: int, storage_options: dict | None
     if as_json:
         emit_json({"path": path, "checkpoints": len(todo), "checked": len(results), "passed": passed,
                    "bad": [{"path": r.path, "problem": r.problem} for r in bad], "incomplete": incomplete,
+                   "deleted": deleted,
                    "files": [r.__dict__ for r in results]})
     else:
         out = console()
@@ -135,6 +188,8 @@ def verify(path: str, newest_only: bool, jobs: int, storage_options: dict | None
             out.print(f"- no complete checkpoint under {path}")
         for p in incomplete:
             out.print(f"- {p} is incomplete (never committed): not checked; readers skip it")
+        for p in deleted:
+            out.print(f"- {p} was deleted during the check (retention, or a remove): not checked")
         out.print(f"- {len(results) - len(bad)} of {len(results)} files intact")
     for r in bad:
         click.echo(f"BAD {r.path}: {r.problem}", err=True)

@@ -18,6 +18,7 @@ from .findings import Finding
 GB = 1e9
 NETWORK_FS = ("nfs", "nfs4", "lustre", "gpfs", "beegfs", "cifs", "smb3", "ceph", "glusterfs", "9p", "wekafs")
 CHUNK = 64 << 20
+MIB = 1 << 20
 
 
 def _kind(fstype: str) -> str:
@@ -103,7 +104,7 @@ def bandwidth(role: str, path: str, probe_bytes: int, state_size: int | None, pr
     checksummed, fsynced), read them back the same way, and time both."""
     check = f"{role}.bandwidth"
     sp = sysinfo.space(path)
-    size = min(probe_bytes, (sp.free // 4) if sp else probe_bytes) // CHUNK * CHUNK or 4 << 20
+    size = max(MIB, min(probe_bytes, (sp.free // 4) if sp else probe_bytes) // MIB * MIB)  # as asked, in whole MiB
     ops, buf = FileOps(), alloc_aligned(size + 4096)
     view = memoryview(buf)
     view[:size] = os.urandom(1 << 20) * (size >> 20)
