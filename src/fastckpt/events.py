@@ -19,6 +19,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
+from .errors import ConfigError
+
 log = logging.getLogger("fastckpt")
 
 
@@ -94,9 +96,13 @@ class JsonlSink:
     alone is lost."""
 
     def __init__(self, path: str) -> None:
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        try:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            self._handler = logging.FileHandler(path, mode="a", encoding="utf-8")
+        except OSError as exc:  # at start, not as a raw OSError from deep inside: name the option
+            raise ConfigError(f"event_log={path!r} cannot be written ({exc}): point event_log at a file in a "
+                              "writable directory (it is created if missing), or drop it") from exc
         self._path = path
-        self._handler = logging.FileHandler(path, mode="a", encoding="utf-8")
         self._closed = False
         self._first = True
 

@@ -246,6 +246,13 @@ def test_a_local_dir_that_cannot_be_made_is_refused_at_once_or_left_out(tmp_path
     assert sorted(os.listdir(good / tmp_path.relative_to("/") / "home")) == ["s0.pt", "s1.pt", "s2.pt"]
 
 
+def test_an_event_log_that_cannot_be_written_is_a_config_error(tmp_path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    with pytest.raises(fastckpt.ConfigError, match=r"event_log=.*a-file/run/events.jsonl' cannot be written"):
+        fastckpt.Checkpointer(event_log=str(blocker / "run" / "events.jsonl"))  # was: a raw FileNotFoundError
+
+
 @pytest.mark.parametrize("name", ["commit_timeout_s", "retry_deadline_s", "close_timeout_s", "overhead_window_s"])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -1.0, "10"])
 def test_a_time_that_is_no_finite_number_of_seconds_is_refused_at_once(name: str, bad: object) -> None:
