@@ -23,8 +23,9 @@ $(STAMP): pyproject.toml Makefile
 demo: $(STAMP)
 	$(BIN)/python examples/demo.py
 
+# --durations: the slowest tests close the output (the suite must stay well inside CI's 20 minutes)
 test: $(STAMP)
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=25 tests
 
 docs: $(STAMP)
 	$(BIN)/mkdocs build --strict -d site
