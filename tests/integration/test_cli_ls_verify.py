@@ -222,6 +222,7 @@ def test_latest_passes_over_a_group_with_a_missing_file(home: str) -> None:
     assert r.exit_code == 0 and r.stdout.strip() == f"{home}/two.pt"
     assert f"passing over {home}/step-5: {home}/step-5/b.pt missing" in r.stderr
     fastckpt.load(r.stdout.strip())
+    assert json.loads(run("ls", home, "--json").stdout)["latest"] == f"{home}/two.pt"  # as latest (was: step-5)
     os.unlink(f"{home}/one.pt"), os.unlink(f"{home}/two.pt")
     r = run("latest", home)
     assert r.exit_code == 1 and r.stdout == "" and "no complete checkpoint" in r.stderr

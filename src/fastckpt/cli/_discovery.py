@@ -222,11 +222,47 @@ def list_checkpoints(root: str, storage_options: dict | None = None, local_dir: 
                     entries.append(local)
                 elif entries[i].status == "complete":
                     entries[i] = replace(entries[i], status="replicated")
+        newest, _ = whole_latest(h, root, latest(root, storage_options))  # as `fastckpt latest` answers
     finally:
         h.close()
-    newest = latest(root, storage_options)
     entries = [replace(e, latest=e.path.rstrip("/") == (newest or "").rstrip("/")) for e in entries]
     return sorted(entries, key=lambda e: (e.time or 0.0, e.name))
+
+
+def missing_files(h: Homes, path: str) -> list[str]:
+    """The files of ``path`` that are not there as committed (none for a checkpoint written
+    without fastckpt: it records no sizes)."""
+    try:
+        files, _ = checkpoint_files(h, path)
+    except FastCkptError:
+        return []
+    out = []
+    for f in files:
+        loc = h.resolve(f.path)
+        try:
+            size = loc.target.size(loc.key)
+        except OSError:
+            size = None
+        if size is None or (f.size is not None and size != f.size):
+            out.append(f.path)
+    return out
+
+
+def whole_latest(h: Homes, root: str, found: str | None) -> tuple[str | None, list[tuple[str, list[str]]]]:
+    """``found`` (``fastckpt.latest``'s answer for ``root``), unless a file its manifest names
+    is missing or not its committed size (a resume would fail to load it): then the newest
+    older checkpoint whose files are all there. Also what was passed over, with its files."""
+    passed: list[tuple[str, list[str]]] = []
+    if found is None or not (gone := missing_files(h, found)):
+        return found, passed
+    passed.append((found, gone))
+    for f in reversed(scan(h.resolve(normalize(root)))):
+        if f.path == found:
+            continue
+        if not (gone := missing_files(h, f.path)):
+            return f.path, passed
+        passed.append((f.path, gone))
+    return None, passed
 
 
 def file_covered(h: Homes, spec: FileSpec) -> tuple[int, int, dict]:

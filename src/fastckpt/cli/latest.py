@@ -10,29 +10,8 @@ from __future__ import annotations
 
 import click
 
-from ..errors import FastCkptError
-from ..storage.homes import Homes
 from ._common import LOCATION, must_exist, storage_options_option
-from ._discovery import checkpoint_files, homes
-
-
-def _missing(h: Homes, path: str) -> list[str]:
-    """The files of ``path`` that are not there as committed (none for a checkpoint written
-    without fastckpt: it records no sizes)."""
-    try:
-        files, _ = checkpoint_files(h, path)
-    except FastCkptError:
-        return []
-    out = []
-    for f in files:
-        loc = h.resolve(f.path)
-        try:
-            size = loc.target.size(loc.key)
-        except OSError:
-            size = None
-        if size is None or (f.size is not None and size != f.size):
-            out.append(f.path)
-    return out
+from ._discovery import homes, whole_latest
 
 
 @click.command()
@@ -47,20 +26,17 @@ def latest(root: str, storage_options: dict | None) -> None:
     not exist.
     """
     from .. import latest as find_latest
-    from ..commit.discovery import scan
-    from ..urls import normalize
 
     must_exist(root)
     found = find_latest(root, storage_options)
     h = homes(storage_options)
     try:
-        if found is not None and (gone := _missing(h, found)):
-            click.echo(f"fastckpt: passing over {found}: {', '.join(gone)} missing or not the committed size "
-                       "(`fastckpt verify` checks it)", err=True)
-            older = [f.path for f in reversed(scan(h.resolve(normalize(root)))) if f.path != found]
-            found = next((p for p in older if not _missing(h, p)), None)
+        found, passed = whole_latest(h, root, found)
     finally:
         h.close()
+    for path, gone in passed:
+        click.echo(f"fastckpt: passing over {path}: {', '.join(gone)} missing or not the committed size "
+                   "(`fastckpt verify` checks it)", err=True)
     if found is None:
         click.echo(f"no complete checkpoint under {root}", err=True)
         raise SystemExit(1)
