@@ -28,7 +28,7 @@ from megatron.core.dist_checkpointing.mapping import (
 from megatron.core.dist_checkpointing.strategies.base import LoadShardedStrategy
 from megatron.core.dist_checkpointing.strategies.common import COMMON_STATE_FNAME
 
-from fastckpt.errors import CorruptCheckpointError, GroupChangedError
+from fastckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, GroupChangedError
 from fastckpt.io.ops import FileOps
 
 from .common import BACKEND, INDEX_FILE, VERSION, CheckpointerSource, ThroughCheckpointer, checkpoint_group
@@ -142,8 +142,13 @@ class FastCkptLoadStrategy(ThroughCheckpointer, LoadShardedStrategy):
         if info is None:
             raise CorruptCheckpointError(f"{os.path.join(group, rel)} is named by the index but not by the "
                                          "checkpoint's manifest; the checkpoint is damaged: load an earlier one")
-        return VerifiedFile(self._ops, os.path.join(group, rel), info["checksum"],
-                            odirect=self.checkpointer.config.odirect)
+        try:
+            return VerifiedFile(self._ops, os.path.join(group, rel), info["checksum"],
+                                odirect=self.checkpointer.config.odirect)
+        except FileNotFoundError as exc:
+            raise CheckpointNotFoundError(
+                f"{os.path.join(group, rel)} is named by the checkpoint's manifest but does not exist (deleted since "
+                "the commit): the checkpoint is damaged; load an earlier one (fastckpt.latest(<save dir>))") from exc
 
     def _objects(self, group: str, index: Index, leaves: list) -> dict[str, object]:
         wanted = [sh for sh in leaves if isinstance(sh, ShardedObject)]

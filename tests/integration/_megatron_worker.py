@@ -281,6 +281,11 @@ def scenario_load(d: str, rank: int, world: int) -> dict:
 
     out["swapped_error"] = _swapped_mid_load(d, it(2), it(3))
 
+    lost = os.path.join(d, "lost", "iter_0000003")
+    shutil.copytree(it(3), lost)
+    os.unlink(os.path.join(lost, "fastckpt-rank00001.pt"))  # a rank's tensor file deleted after the commit
+    out["lost_error"] = _error(lambda: dc.load(without_data(want), lost))
+
     half = os.path.join(d, "incomplete", "iter_0000003")
     shutil.copytree(it(3), half)
     os.unlink(os.path.join(half, "fastckpt-manifest.json"))

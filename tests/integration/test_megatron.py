@@ -160,5 +160,11 @@ def test_a_resave_swapped_in_during_a_load_is_no_corruption_report(loaded) -> No
     assert "saved again while this load read it" in err["message"] and "load it again" in err["message"]
 
 
+def test_a_tensor_file_deleted_after_the_commit_is_named(loaded) -> None:
+    err = loaded["lost_error"]  # was: a bare FileNotFoundError from os.path.getsize
+    assert err["type"] == "CheckpointNotFoundError", err
+    assert "fastckpt-rank00001.pt is named by the checkpoint's manifest but does not exist" in err["message"]
+
+
 def test_an_uncommitted_checkpoint_is_refused(loaded) -> None:
     assert loaded["incomplete_error"]["type"] == "IncompleteCheckpointError"
