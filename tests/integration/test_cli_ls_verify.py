@@ -277,3 +277,21 @@ def test_readers_and_planners_start_without_torch(home, tmp_path) -> None:
                              check=False)
         assert res.returncode in (0, 1) and "torch" not in res.stderr, (args, res.stdout, res.stderr)
         assert res.stdout.strip(), args
+
+
+def test_ls_lists_a_group_saved_but_never_committed_as_incomplete(tmp_path) -> None:
+    """Through a store a commit leaves no rank marker: a group whose files were saved and whose
+    commit never ran (the job was killed) was not listed at all."""
+    import datetime
+
+    import torch.distributed as dist
+
+    h = str(tmp_path / "home")
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=30))
+    with fastckpt.Checkpointer() as ck:
+        ck.save(state(1), f"{h}/a.pt").wait()
+    with fastckpt.Checkpointer(rank=0, world_size=2, store=store) as ck:
+        for name in ("model.pt", "optim.pt"):
+            ck.save(state(2), f"{h}/grp/step-1/{name}", group=f"{h}/grp/step-1").wait()
+    listed = {c["name"]: c["status"] for c in json.loads(run("ls", h, "--json").stdout)["checkpoints"]}
+    assert listed == {"a.pt": "complete", "grp/step-1": "incomplete"}, listed

@@ -18,7 +18,7 @@ import posixpath
 import time
 from dataclasses import dataclass, replace
 
-from ..commit.discovery import Damaged, Found, scan
+from ..commit.discovery import Damaged, Found, group_dir, scan
 from ..commit.protocol import GROUP_MANIFEST, MARKER_DIR, SIDECAR, member_files, read_group_manifest
 from ..errors import CorruptCheckpointError, FastCkptError
 from ..storage.homes import Homes, Location
@@ -161,10 +161,12 @@ def _keys(loc: Location) -> list[str]:
 
 
 def _incomplete(h: Homes, loc: Location) -> list[Entry]:
-    """Group directories under ``loc`` with rank markers and no manifest."""
+    """Group directories under ``loc`` with no manifest: with rank markers, or holding files
+    whose own manifests name their group there (a commit through a store leaves no marker)."""
     rels = _keys(loc)
     marker = f"/{MARKER_DIR}/"
     groups = {("/" + r).split(marker)[0].lstrip("/") for r in rels if marker in f"/{r}"}
+    groups |= _unpublished_groups(h, loc, rels, groups)
     out = []
     for g in sorted(groups):
         members = [r for r in rels if r.startswith(f"{g}/") and marker not in f"/{r}"]
@@ -173,6 +175,26 @@ def _incomplete(h: Homes, loc: Location) -> list[Entry]:
         sizes = [_size(h.resolve(join(loc.url, r))) for r in members]
         out.append(Entry(join(loc.url, g), g, "group", "incomplete", None, sum(s or 0 for s in sizes),
                          len(members), None))
+    return out
+
+
+def _unpublished_groups(h: Homes, loc: Location, rels: list[str], known: set[str]) -> set[str]:
+    """Directories (relative to ``loc``) without a group manifest whose files name them as their group."""
+    published = {posixpath.dirname(r) for r in rels if posixpath.basename(r) == GROUP_MANIFEST}
+    out: set[str] = set()
+    for rel in rels:
+        d = posixpath.dirname(rel)
+        if not d or d in published | known | out or any(p.startswith(".") for p in rel.split("/")) \
+                or rel.endswith((SIDECAR, GROUP_MANIFEST)):
+            continue
+        f = h.resolve(join(loc.url, rel))
+        try:
+            m = f.target.read_manifest(f.key)
+        except (OSError, CorruptCheckpointError):
+            continue
+        g = group_dir(f.url, m) if m else None
+        if g is not None and g.rstrip("/") == join(loc.url, d).rstrip("/"):
+            out.add(d)
     return out
 
 
