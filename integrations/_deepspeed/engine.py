@@ -203,22 +203,27 @@ class FastCkptEngine(CheckpointEngine):
             return True  # not a save_checkpoint (see create)
         deferred, self._deferred = self._deferred, []
         lazy = self.lazy
-        protected = list(self._fenced()) if self._fenced is not None and deferred else []
         group = self.home(os.path.join(info.save_dir, str(info.tag)))
         move, tag = bool(self._move_latest), str(info.tag)
         self._group = None
         handles: list[SaveHandle] = []
         handle, error, committed = None, None, False
+        current = deferred[0][1] if deferred else None  # the file whose save is next
         try:
+            protected = list(self._fenced()) if self._fenced is not None and deferred else []
             for state_dict, path in deferred:
+                current = path
                 state = copy_unfenced(state_dict, protected) if lazy else state_dict
                 handles.append(self.checkpointer.save(state, path, group=group, lazy=lazy))
-            self._unfenced = self._unfenced or (lazy and bool(deferred))
+                self._unfenced = self._unfenced or lazy
+            current = None
             if not any(_skipped(h) for h in handles):
                 committed = True
                 handle = self.checkpointer.commit(group, move_latest=move, tag=tag, save_latest=move)
         except Exception as exc:  # noqa: BLE001 (raised below, on every rank: see _failed)
             error = exc
+            if current is not None:  # its save was never called: the commit must not publish the group without it
+                self.checkpointer.unsaved(current, group, exc)
         outcome = worst_on_any_rank(FAILED if error is not None else SKIPPED if handle is None else COMMITTED)
         if outcome == FAILED:
             self._failed(group, tag, move, handle, error, committed)

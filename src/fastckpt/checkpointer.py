@@ -127,10 +127,9 @@ class Checkpointer:
         g = normalize(group)
         return tuple(self._homes.resolve(mirror_path(d, g)).place() for d in self._stripes.dirs)
 
-    def _emit(self, name: str, path: str, nbytes: int, start: float, tier: str,
-              error: BaseException | None = None, detail: str | None = None) -> None:
-        self._sinks.emit(Event(name, self.rank, path, nbytes, start, time.time(), tier, repr(error) if error else None,
-                               detail))
+    def _emit(self, name: str, path: str, nbytes: int, start: float, tier: str, error: BaseException | None = None,
+              detail: str | None = None) -> None:
+        self._sinks.emit(Event(name, self.rank, path, nbytes, start, time.time(), tier, error and repr(error), detail))
 
     def _on_retry(self, notice: RetryNotice) -> None:
         """A transient storage error is being retried: an event, so outages are visible."""
@@ -159,11 +158,10 @@ class Checkpointer:
             path: the checkpoint file's durable home: a path, or an fsspec URL with local_dir.
             group: a directory (or URL prefix) holding this file and others, from this and
                 other ranks, that form one checkpoint; finish with ``commit(group)`` on every rank.
-            lazy: return before the tensors' bytes are copied: the copy runs on a background
-                thread while training goes on, and ``fence()`` must be called before anything
-                mutates them (the next optimizer step; ``save.fencing.copy_unfenced`` clones the
-                rest). The record's ``blocked_s`` is the part spent here; ``fence()`` returns its
-                wait, which ``stats()`` counts as blocked time too. Ignored on the gds tier.
+            lazy: return before the tensors' bytes are copied: the copy runs on a background thread while
+                training goes on, and ``fence()`` must be called before anything mutates them (the next optimizer
+                step; ``save.fencing.copy_unfenced`` clones the rest). ``blocked_s`` is the part spent here;
+                ``fence()`` returns its wait, which ``stats()`` counts as blocked too. Ignored on the gds tier.
 
         Raises:
             UnsupportedObjectError: an entry cannot be saved (the message names its key).
@@ -176,10 +174,9 @@ class Checkpointer:
     def commit(self, group: str, *, move_latest: bool = True, **extra: object) -> SaveHandle:
         """This rank is done saving into ``group``; every rank must call it.
 
-        Returns a handle that completes when the whole group is durable and published (on rank 0 after it wrote the
-        manifest, other ranks once they see it). ``extra`` (e.g. ``step=100``) goes in the group manifest.
-        ``move_latest=False`` (the same on every rank) publishes it without moving ``parent/latest``; retention and
-        coalescing never drop it.
+        Returns a handle that completes when the whole group is durable and published (rank 0: after it wrote the
+        manifest; others: once they see it). ``extra`` (``step=100``) goes in the manifest. ``move_latest=False``
+        (the same on every rank) does not move ``parent/latest``; retention and coalescing never drop it.
 
         Raises:
             CheckpointWriteError: a save of this rank into ``group`` raised or was skipped, and
@@ -200,6 +197,11 @@ class Checkpointer:
         fut = self._coordinator.commit(group, rank, self.world_size, dict(extra), retain, move_latest)
         self._retention.watch_commit(fut, group, token)
         return self._inflight.track(fut, group, group)
+
+    def unsaved(self, path: str, group: str, error: BaseException) -> None:
+        """``path`` of ``group`` will not be saved: ``error`` was raised before ``save`` (a copy the caller
+        made). ``commit(group)`` then raises and ends the attempt on every rank, as after a save that raised."""
+        self._coordinator.failed(normalize(group), file_name(path), error)
 
     def fence(self) -> float:
         """Wait until every lazy save has copied its tensors; return the seconds waited.
@@ -242,9 +244,9 @@ class Checkpointer:
         return got.obj
 
     def reading(self, group: str) -> AbstractContextManager[dict]:
-        """``with ck.reading(group) as manifest:`` this thread's loads of the group's files read the save
-        published when it began, or raise ``GroupChangedError`` (a re-save was swapped in since): two saves
-        are never mixed. Raises IncompleteCheckpointError: ``group`` is not published."""
+        """``with ck.reading(group) as manifest:`` this thread's loads of its files read the save published when
+        it began, else raise ``GroupChangedError`` (a re-save was swapped in since); IncompleteCheckpointError:
+        ``group`` is not published."""
         return self._loader.reading(normalize(group))
 
     def latest(self, root: str) -> str | None:
@@ -254,12 +256,10 @@ class Checkpointer:
     def remove(self, path: str) -> None:
         """Delete a checkpoint file or group, after any save in flight to it has finished.
 
-        A file whose replication has not started yet is not replicated (its handle resolves
-        with ``cancelled=True``); an upload under way is waited for. A group's commit in flight
-        is cancelled (on every rank, with a store) and fails at once with
-        ``GroupRemovedError``, as does a later ``commit`` of what was saved into it before;
-        a commit rank 0 is already publishing completes first, then the group is deleted.
-        """
+        A file whose replication has not started yet is not replicated (its handle resolves with
+        ``cancelled=True``); an upload under way is waited for. A group's commit in flight is cancelled (on every
+        rank, with a store) and fails at once with ``GroupRemovedError``, as does a later ``commit`` of what was
+        saved into it before; a commit rank 0 is already publishing completes first, then the group is deleted."""
         path = normalize(path)
         self._coordinator.cancel(path, self.rank)
         with self._replicator.cancelling(path):

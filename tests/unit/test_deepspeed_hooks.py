@@ -163,3 +163,42 @@ def test_the_step_fence_runs_before_the_step_and_comes_off_again() -> None:
     assert "step" in bare.__dict__
     fence.remove()
     assert "step" not in bare.__dict__  # the class's step again
+
+
+@pytest.mark.parametrize("fails", ["the fence's tensors", "the clone of the 2nd file"])
+def test_a_file_whose_copy_raised_before_its_save_is_never_published_without(tmp_path: Path, monkeypatch,
+                                                                             fails: str) -> None:
+    """A lazy snapshot clones what the optimizer step does not change before it calls save; a
+    clone that raised (CUDA out of memory) left the file unsaved but unrecorded, and the commit
+    that ends the attempt published the tag without it, with latest moved to it."""
+    from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo
+
+    import fastckpt
+    from fastckpt.integrations._deepspeed import engine as E
+
+    real, calls = E.copy_unfenced, []
+
+    def copy(state: dict, protected: list) -> dict:
+        calls.append(1)
+        if len(calls) == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real(state, protected)
+
+    def fenced() -> list:
+        if fails == "the fence's tensors":
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return []
+
+    monkeypatch.setattr(E, "copy_unfenced", copy)
+    with fastckpt.Checkpointer(rank=0, world_size=1) as ck:
+        fe = E.FastCkptEngine(ck, fenced=fenced)
+        fe.begin(None, True, 0)
+        info = CheckpointCommitInfo(tag="global_step1", save_dir=str(tmp_path), save_latest=True)
+        fe.create(info)
+        for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"):
+            fe.save({"w": torch.ones(4)}, str(tmp_path / "global_step1" / name))
+        with pytest.raises(torch.OutOfMemoryError):
+            fe.commit(info)
+        ck.wait()
+    assert fastckpt.latest(str(tmp_path)) is None
+    assert not (tmp_path / "global_step1" / GROUP_MANIFEST).exists()
