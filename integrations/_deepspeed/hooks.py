@@ -219,12 +219,10 @@ class EngineHooks:
                         save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
         """DeepSpeed's ``save_checkpoint``; returns once every rank's snapshot is taken."""
         self.closed = False
-        self._report_on_every_rank()
         tag = checked_tag(save_dir, str(tag) if tag is not None else f"global_step{self.engine.global_steps}")
         home = normalize(save_dir)
         where, alias = self._where(home)
-        if self._rank0:
-            self._clear_leftover(_join(home, tag))
+        self._report_on_every_rank(clear=_join(home, tag))
         self.fe.begin(alias, bool(save_latest), int(self.engine.global_samples))
         try:
             return self._save(where, tag=tag, client_state={} if client_state is None else client_state,
@@ -252,8 +250,8 @@ class EngineHooks:
             self.fe.begin(alias, None, int(self.engine.global_samples))
             try:
                 with contextlib.ExitStack() as pinned:
-                    if tag is not None:
-                        self._pin(pinned, os.path.join(where, str(tag)))
+                    if tag is not None:  # the home's save (DeepSpeed's paths map back to it: FastCkptEngine.home)
+                        self._pin(pinned, _join(home, str(tag)))
                     return self._load(where, tag=tag, load_module_strict=load_module_strict,
                                       load_optimizer_states=load_optimizer_states,
                                       load_lr_scheduler_states=load_lr_scheduler_states,
@@ -315,13 +313,16 @@ class EngineHooks:
         if self.owned is not None:
             self.owned.close()
 
-    def _report_on_every_rank(self) -> None:
-        """``report`` the checkpoints that finished; a failed one is raised on every rank or on
-        none (its commit ends on every rank, but not at the same moment: raised where it ended
-        first only, it would leave the other ranks inside DeepSpeed's save for ever)."""
+    def _report_on_every_rank(self, clear: str) -> None:
+        """``report`` the checkpoints that finished, and on rank 0 clear a leftover attempt at
+        ``clear`` (which waits for this run's own attempt at it); a failure is raised on every
+        rank or on none (a commit ends on every rank, but not at the same moment: raised where it
+        ended first only, it would leave the other ranks inside DeepSpeed's save for ever)."""
         error: BaseException | None = None
         try:
             self.report(wait=False)
+            if self._rank0:
+                self._clear_leftover(clear)
         except Exception as exc:  # noqa: BLE001 (raised below, on every rank)
             error = exc
         if worst_on_any_rank(FAILED if error is not None else COMMITTED) == COMMITTED:
