@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -157,6 +158,20 @@ def test_verify_still_names_a_damaged_checkpoint_beside_a_deleted_one(home: str,
     assert f"BAD {home}/two.pt: checksum" in r.stderr and f"BAD {home}/step-5/a.pt" in r.stderr
     assert f"{home}/one.pt" not in r.stderr
     assert f"- {home}/one.pt was deleted during the check" in r.stdout
+
+
+def test_verify_never_counts_a_damaged_manifest_or_checksum_as_deleted(home: str, monkeypatch) -> None:
+    """On S3 the deletion check of a damaged group (a prefix: no object) said "not found", and
+    the damaged checkpoint was counted as deleted during the check: exit 0. Only a file found
+    missing may be; here every deletion check says "gone"."""
+    import fastckpt.cli.verify as verify_mod
+
+    monkeypatch.setattr(verify_mod, "_gone", lambda *a: True)
+    (Path(home) / "step-5" / "fastckpt-manifest.json").write_text("{ not json")
+    flip_byte(f"{home}/two.pt", 4096 + 7)
+    r = run("verify", home)
+    assert r.exit_code == 1, r.output
+    assert f"BAD {home}/step-5: damaged" in r.stderr and f"BAD {home}/two.pt: checksum" in r.stderr, r.stderr
 
 
 def test_verify_catches_a_truncated_group_file(home: str) -> None:

@@ -88,3 +88,22 @@ def test_reading_a_group_that_is_not_published_raises(tmp_path: Path) -> None:
         with pytest.raises(IncompleteCheckpointError):
             with ck.reading(str(tmp_path / "never")):
                 pass
+
+
+
+def test_a_reading_at_a_url_checks_every_file_even_from_the_burst_buffer(tmp_path: Path) -> None:
+    """At a URL, loads read the burst-buffer copies of the same save (same checksums): they pass;
+    a file whose checksum is not the pinned one is refused (here: the pinned entry altered)."""
+    import uuid
+
+    g = f"memory://fastckpt-{uuid.uuid4().hex[:8]}/run/step-1"
+    with fastckpt.Checkpointer(rank=0, world_size=1, local_dir=str(tmp_path / "nvme")) as ck:
+        for r in (0, 1):
+            ck.save(_state(1, r), f"{g}/rank{r}.pt", group=g)
+        ck.commit(g).wait(60)
+        with ck.reading(g) as manifest:
+            assert ck.load(f"{g}/rank0.pt")["version"] == 1
+            assert ck.stats().last_restore_from == "local"
+            manifest["files"]["rank1.pt"]["checksum"] = "0" * 16  # as if another save were published since
+            with pytest.raises(GroupChangedError, match=r"rank1\.pt is not the file group memory://"):
+                ck.load(f"{g}/rank1.pt")

@@ -163,10 +163,13 @@ def verify(path: str, newest_only: bool, jobs: int, storage_options: dict | None
         with progress(f"verifying {len(specs)} files", sum(x or 0 for x in sizes), enabled=not as_json) as bar, \
                 ThreadPoolExecutor(jobs, thread_name_prefix="fastckpt-verify") as files:
             futures = [files.submit(check_file, h, s, bar.advance) for _, s in specs]
-            for (ck, s), n, fut in zip(specs, sizes, futures, strict=True):
-                results.append(Checked(ck, s.path, n, fut.result()))
-        # a job's retention may delete a checkpoint while it is read: gone, not bad
-        gone = {r.checkpoint for r in results if r.problem and _gone(h, r.checkpoint, r.path != r.checkpoint)}
+            checked = [Checked(ck, s.path, n, fut.result())
+                       for (ck, s), n, fut in zip(specs, sizes, futures, strict=True)]
+        results += checked
+        # a job's retention may delete a checkpoint while it is read: gone, not bad (a file found missing only;
+        # a damaged manifest or a checksum that differs is bad, wherever it lies)
+        gone = {r.checkpoint for r in checked
+                if r.problem == MISSING and _gone(h, r.checkpoint, r.path != r.checkpoint)}
         deleted += sorted(gone)
         results = [r for r in results if r.checkpoint not in gone]
     finally:
