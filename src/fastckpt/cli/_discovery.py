@@ -178,6 +178,15 @@ def _incomplete(h: Homes, loc: Location) -> list[Entry]:
     return out
 
 
+def _own_manifest(h: Homes, loc: Location, rel: str) -> tuple[Location, dict | None]:
+    """The file ``rel`` under ``loc`` and the manifest in its tail (None: none, or unreadable)."""
+    f = h.resolve(join(loc.url, rel))
+    try:
+        return f, f.target.read_manifest(f.key)
+    except (OSError, CorruptCheckpointError):
+        return f, None
+
+
 def _unpublished_groups(h: Homes, loc: Location, rels: list[str], known: set[str]) -> set[str]:
     """Directories (relative to ``loc``) without a group manifest whose files name them as their group."""
     published = {posixpath.dirname(r) for r in rels if posixpath.basename(r) == GROUP_MANIFEST}
@@ -187,11 +196,7 @@ def _unpublished_groups(h: Homes, loc: Location, rels: list[str], known: set[str
         if not d or d in published | known | out or any(p.startswith(".") for p in rel.split("/")) \
                 or rel.endswith((SIDECAR, GROUP_MANIFEST)):
             continue
-        f = h.resolve(join(loc.url, rel))
-        try:
-            m = f.target.read_manifest(f.key)
-        except (OSError, CorruptCheckpointError):
-            continue
+        f, m = _own_manifest(h, loc, rel)
         g = group_dir(f.url, m) if m else None
         if g is not None and g.rstrip("/") == join(loc.url, d).rstrip("/"):
             out.add(d)
@@ -207,11 +212,7 @@ def _local_copies(h: Homes, mirror: str) -> list[Entry]:
     for rel in _keys(loc):
         if any(part.startswith(".") for part in rel.split("/")) or posixpath.basename(rel) == GROUP_MANIFEST:
             continue
-        f = h.resolve(join(loc.url, rel))
-        try:
-            m = f.target.read_manifest(f.key)
-        except (OSError, CorruptCheckpointError):
-            continue
+        f, m = _own_manifest(h, loc, rel)
         if not m:
             continue
         if m.get("group"):
