@@ -83,7 +83,8 @@ def check_url(url: str) -> str:
         import fsspec
     except ImportError:  # the storage layer says what to install
         return url
-    if scheme not in fsspec.available_protocols():
+    known = fsspec.available_protocols()
+    if any(p.lower() not in known for p in scheme.split("::")):  # a chain (simplecache::s3) names several
         raise ConfigError(f"{url!r}: {scheme}:// is not a storage scheme fsspec knows (s3://, gs://, az://, "
                           f"memory://, ...; another needs its fsspec package installed): {_FORMS}")
     return url

@@ -57,6 +57,9 @@ def test_a_malformed_url_or_an_unknown_scheme_is_named(tmp_path: Path) -> None:
                       ("foo://bar", ["doctor", "--probe-size", "0", "--target"])):
         _refused(_cli(*args, url), 2, f"'{url}'", "s3://bucket/prefix")
     assert not (tmp_path / "bb").exists()
+    from fastckpt.urls import check_url  # fsspec's chained URLs and upper-case schemes are no typos
+
+    assert check_url("simplecache::s3://b/x") == "simplecache::s3://b/x" and check_url("S3://b/x") == "S3://b/x"
 
 
 def test_ls_and_verify_of_a_path_that_does_not_exist_or_is_not_a_checkpoint(tmp_path: Path) -> None:
