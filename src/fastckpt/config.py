@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
+import numbers
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import KW_ONLY, dataclass, field
@@ -206,7 +207,7 @@ def options_signature(config: Callable[P, CheckpointerConfig]
 def _seconds(name: str, v: object, zero: bool = False, none: str = "") -> None:
     """``v`` is a finite number of seconds, > 0 (>= 0 with ``zero``): never NaN, which every
     comparison lets through, nor infinity, which no timer takes."""
-    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and (v >= 0 if zero else v > 0)
+    ok = isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v) and (v >= 0 if zero else v > 0)
     if not ok:
         raise ConfigError(f"{name}={v!r} must be a finite number of seconds {'>= 0' if zero else '> 0'}" + (
             f",{none}" if none else ""))
