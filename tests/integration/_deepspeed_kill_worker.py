@@ -5,7 +5,7 @@ FASTCKPT_TEST_S3 names a SeaweedFS bucket (``{"bucket": ..., "storage_options": 
 ``s3://BUCKET/run`` through the burst buffer ROOT/nvme. Generation GEN resumes with
 ``engine.load_checkpoint(save_dir)`` and records what it loaded; generations before KILLS then
 train with a checkpoint every step until rank GEN % 2 SIGKILLs itself at a random moment
-(the launcher then stops the other rank); generation KILLS trains a few steps more, destroys the
+(in a lazy generation, counted from its first durable tag; the launcher then stops the other rank); generation KILLS trains a few steps more, destroys the
 engine (flush) and exits 0. With save_dir a directory, odd generations save with the lazy snapshot
 (``"lazy_snapshot": true``: each save's copy runs beside the next step's forward and backward),
 so resumes cross between checkpoints saved both ways.
@@ -151,12 +151,14 @@ def main(root: str, gen: int, kills: int) -> None:
         raise SystemExit(f"resume failed: {rec['error']}")
     torch.distributed.barrier()  # both records are written before the victim's timer starts
     if gen < kills:
-        if rank == gen % 2:
-            delay = random.Random(gen).uniform(*KILL_WINDOW_S)
-            threading.Timer(delay, os.kill, (os.getpid(), signal.SIGKILL)).start()
+        victim = rank == gen % 2
         while True:  # until the victim's timer fires (and the launcher stops the other rank)
             train(eng, eng.global_steps + 1, eng.global_steps + 1)
             save(eng, save_dir)
+            if victim and (not lazy or handles[0].wait(60)):  # a lazy generation leaves one durable tag first,
+                victim = False  # so some generation resumes from a lazily saved tag (the test checks it)
+                delay = random.Random(gen).uniform(*KILL_WINDOW_S)
+                threading.Timer(delay, os.kill, (os.getpid(), signal.SIGKILL)).start()
             report_durable(handles, root, rank)
     for _ in range(FINAL_STEPS):
         train(eng, eng.global_steps + 1, eng.global_steps + 1)
