@@ -5,8 +5,9 @@ FASTCKPT_TEST_S3 names a SeaweedFS bucket (``{"bucket": ..., "storage_options": 
 ``s3://BUCKET/run`` through the burst buffer ROOT/nvme. Generation GEN resumes with
 ``engine.load_checkpoint(save_dir)`` and records what it loaded; generations before KILLS then
 train with a checkpoint every step until rank GEN % 2 SIGKILLs itself at a random moment
-(in a lazy generation, counted from its first durable tag; the launcher then stops the other rank); generation KILLS trains a few steps more, destroys the
-engine (flush) and exits 0. With save_dir a directory, odd generations save with the lazy snapshot
+(in a lazy generation, counted from its first durable tag; the launcher then stops the other
+rank); generation KILLS trains a few steps more, destroys the engine (flush) and exits 0. With
+save_dir a directory, odd generations save with the lazy snapshot
 (``"lazy_snapshot": true``: each save's copy runs beside the next step's forward and backward),
 so resumes cross between checkpoints saved both ways.
 
