@@ -42,6 +42,7 @@ from fastckpt import Checkpointer, SaveHandle
 from fastckpt.errors import CheckpointWriteError
 from fastckpt.save.fencing import copy_unfenced
 
+from .agree import COMMITTED, FAILED, SKIPPED, worst_on_any_rank
 from .compat import is_url, normalize
 
 
@@ -302,18 +303,3 @@ def _skipped(handle: SaveHandle) -> bool:
         return handle.result().skipped
     except Exception:  # noqa: BLE001 (a failed save, not a skip: the commit raises it, as before)
         return False
-
-
-COMMITTED, SKIPPED, FAILED = 0, 1, 2  # a rank's outcome of ``commit``, worst last
-
-
-def worst_on_any_rank(outcome: int) -> int:
-    """The worst ``outcome`` of any rank of the job (every rank calls ``commit`` for each tag)."""
-    from deepspeed import comm as dist
-    from deepspeed.accelerator import get_accelerator
-
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return outcome
-    t = torch.tensor([outcome], device=get_accelerator().current_device_name())
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return int(t.item())

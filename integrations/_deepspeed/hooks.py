@@ -28,6 +28,7 @@ Who calls what (every rank, training thread, unless noted):
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import posixpath
@@ -45,8 +46,9 @@ from fastckpt import Checkpointer, CheckpointNotFoundError, GroupChangedError, I
 from fastckpt.errors import CheckpointWriteError, ConfigError, ReplicationError
 from fastckpt.save.fencing import optimizer_tensors
 
+from .agree import COMMITTED, FAILED, agree_on_load, error_on_any_rank, worst_on_any_rank
 from .compat import Store, checked_tag, is_url, normalize, order, same_files
-from .engine import COMMITTED, FAILED, FastCkptEngine, worst_on_any_rank
+from .engine import FastCkptEngine
 
 if TYPE_CHECKING:
     from deepspeed.runtime.engine import DeepSpeedEngine
@@ -138,6 +140,11 @@ def fenced_tensors(engine: DeepSpeedEngine) -> list[torch.Tensor]:
 
 def _join(root: str, name: str) -> str:
     return posixpath.join(root, name) if is_url(root) else os.path.join(root, name)
+
+
+def _checksums(manifest: dict | None) -> list:
+    """A group manifest's files and their checksums, sorted: the same on every rank for one save."""
+    return sorted((k, v.get("checksum")) for k, v in ((manifest or {}).get("files") or {}).items())
 
 
 def resolve_tag(store: Store, root: str, storage_options: dict | None) -> tuple[str | None, bool]:
@@ -234,43 +241,66 @@ class EngineHooks:
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                         load_module_only: bool = False, custom_load_fn: Callable | None = None) -> tuple:
         """DeepSpeed's ``load_checkpoint``, after this engine's pending saves are durable; with no
-        tag, the newest complete checkpoint (``resolve_tag``). Every file comes from one save of
-        the tag (``Checkpointer.reading``): a tag saved again and swapped in during the load is
-        loaded again, whole (up to ``LOAD_TRIES`` times)."""
+        tag, the newest complete checkpoint (``resolve_tag``). Every rank loads one and the same
+        save: each pins the tag's published save for its loads (``Checkpointer.reading``), and the
+        ranks then agree (``agree_on_load``). A tag saved again and swapped in during the load, or
+        ranks that resolved different tags (the newest moved between them), load again, whole, on
+        every rank (up to ``LOAD_TRIES`` times); a load that raised on one rank raises on all."""
         self.flush()
         home = normalize(load_dir)
         where, alias = self._where(home)
         resolve = tag is None and not self.engine.load_universal_checkpoint()
+        kwargs = {"load_module_strict": load_module_strict, "load_optimizer_states": load_optimizer_states,
+                  "load_lr_scheduler_states": load_lr_scheduler_states, "load_module_only": load_module_only,
+                  "custom_load_fn": custom_load_fn}
         for attempt in range(1, LOAD_TRIES + 1):
-            if resolve:
-                tag = self._resolve(home)
-            if tag is not None and alias is not None:
-                self._store().check_exists(home, os.path.join(where, str(tag)), str(tag))
-                self._fetch(home, where, str(tag))
-            self.fe.begin(alias, None, int(self.engine.global_samples))
+            loaded, save, error, changed = None, "", None, None
             try:
-                with contextlib.ExitStack() as pinned:
-                    if tag is not None:  # the home's save (DeepSpeed's paths map back to it: FastCkptEngine.home)
-                        self._pin(pinned, _join(home, str(tag)))
-                    return self._load(where, tag=tag, load_module_strict=load_module_strict,
-                                      load_optimizer_states=load_optimizer_states,
-                                      load_lr_scheduler_states=load_lr_scheduler_states,
-                                      load_module_only=load_module_only, custom_load_fn=custom_load_fn)
-            except AssertionError as exc:  # DeepSpeed's bare assert on a file it did not find: name it
-                if (missing := self._missing(where, tag)) is None:
-                    raise
-                raise CheckpointNotFoundError(
-                    f"checkpoint {os.path.join(home, str(tag))} cannot be loaded: {missing} does not exist (deleted "
-                    f"since it was saved). Load another tag, or the newest complete one with "
-                    f"load_checkpoint({load_dir!r}) and no tag; list them with: fastckpt ls {home}") from exc
+                if resolve:
+                    tag = self._resolve(home)
+                loaded, save = self._load_once(home, where, alias, tag, kwargs)
             except GroupChangedError as exc:
-                if attempt == LOAD_TRIES:
-                    raise
-                log.warning("fastckpt: checkpoint %s was saved again during its load (%s); loading it again",
-                            os.path.join(home, str(tag)), exc)
-            finally:
-                self.fe.end()
+                changed = exc
+            except Exception as exc:  # noqa: BLE001 (raised below, on every rank)
+                error = exc
+            outcome = agree_on_load(error, changed is not None, save)
+            if outcome.failed:
+                raise error_on_any_rank(error)
+            if not (outcome.changed or outcome.mixed):
+                return loaded
+            what = (f"checkpoint {_join(home, str(tag))} was saved again during its load ({changed})"
+                    if changed is not None else "the ranks loaded different saves (a tag was saved again, or the "
+                    "newest checkpoint moved, between their loads)" if outcome.mixed else
+                    "another rank's tag was saved again during its load")
+            if attempt == LOAD_TRIES:
+                raise changed or GroupChangedError(
+                    f"{what}, {LOAD_TRIES} times: no save of {home} stayed in place for a whole load. Load again "
+                    "once the saves of that tag, or of the newest, stop")
+            log.warning("fastckpt: %s; loading again on every rank", what)
         raise AssertionError("unreachable: the last try returns or raises")
+
+    def _load_once(self, home: str, where: str, alias: tuple[str, str] | None, tag: object,
+                   kwargs: dict) -> tuple[tuple, str]:
+        """One ``_load`` of ``tag`` (None: DeepSpeed's own choice), its files pinned to one save;
+        returns DeepSpeed's result and what was loaded: the tag and the pinned save's checksums."""
+        if tag is not None and alias is not None:
+            self._store().check_exists(home, os.path.join(where, str(tag)), str(tag))
+            self._fetch(home, where, str(tag))
+        self.fe.begin(alias, None, int(self.engine.global_samples))
+        try:
+            with contextlib.ExitStack() as pinned:
+                manifest = self._pin(pinned, _join(home, str(tag))) if tag is not None else None  # the home's save
+                loaded = self._load(where, tag=tag, **kwargs)  # (DeepSpeed's paths map back to it: fe.home)
+                return loaded, json.dumps([str(tag), *_checksums(manifest)])
+        except AssertionError as exc:  # DeepSpeed's bare assert on a file it did not find: name it
+            if (missing := self._missing(where, tag)) is None:
+                raise
+            raise CheckpointNotFoundError(
+                f"checkpoint {_join(home, str(tag))} cannot be loaded: {missing} does not exist (deleted since it "
+                f"was saved). Load another tag, or the newest complete one with load_checkpoint({home!r}) and no "
+                f"tag; list them with: fastckpt ls {home}") from exc
+        finally:
+            self.fe.end()
 
     def _missing(self, where: str, tag: object) -> str | None:
         """The tag directory, or the first file its manifest names, that is not there; None when
@@ -284,13 +314,14 @@ class EngineHooks:
         gone = [r for r in sorted((manifest or {}).get("files", ())) if not os.path.exists(os.path.join(group, r))]
         return os.path.join(group, gone[0]) if gone else None
 
-    def _pin(self, stack: contextlib.ExitStack, group: str) -> None:
-        """Pin the published save of the tag ``group`` for this thread's loads; a tag that is no
-        fastckpt group (DeepSpeed's own checkpoint) loads as DeepSpeed loads it."""
+    def _pin(self, stack: contextlib.ExitStack, group: str) -> dict | None:
+        """Pin the published save of the tag ``group`` for this thread's loads and return its
+        manifest; a tag that is no fastckpt group (DeepSpeed's own checkpoint) loads as DeepSpeed
+        loads it (None)."""
         try:
-            stack.enter_context(self.fe.checkpointer.reading(group))
+            return stack.enter_context(self.fe.checkpointer.reading(group))
         except IncompleteCheckpointError:  # no manifest: its files' own loads say what is wrong, if anything
-            pass
+            return None
 
     def destroy(self) -> None:
         """Flush pending saves (and close an owned Checkpointer), then DeepSpeed's ``destroy``."""

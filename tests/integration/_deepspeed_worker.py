@@ -31,6 +31,8 @@ rank writes ROOT/results/rank{r}.json with what the test checks from outside:
              the job's one store: both commit every save, and each loads its own state back
   onerank    a save fails on rank 1 only (at the call, then in the background): save_checkpoint
              raises on both ranks at the same call, never on one only; the next tag commits
+  loadrace   the newest tag moves between two ranks' resolutions of it: every rank loads the
+             same tag, whole; a load failing on one rank raises the same error on every rank
   exit       the last save is still in flight when main returns: interpreter exit flushes it
   skip       "when_busy": "skip" drops a tag on rank 0 only (its previous write held by a gate):
              save_checkpoint returns on every rank, the tag is not committed, training goes on
@@ -529,6 +531,66 @@ def one_rank_fails(root: str) -> None:
     RESULTS["onerank"] = {"raised": raised, "latest": fastckpt.latest(d)}
 
 
+def load_race(root: str) -> None:
+    """An evaluation job's two ranks load the newest tag while it moves: rank 0 resolves t1,
+    then latest moves to t2 before rank 1 resolves. Both ranks end with t2, whole (rank 0 loads
+    again), never rank 0's t1 with rank 1's t2. Then a load that fails on rank 1 only (its copy
+    of the model file is corrupt) raises CorruptCheckpointError on both ranks, and a fallback to
+    an older tag in ``except CorruptCheckpointError`` runs on both."""
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    from fastckpt.errors import CorruptCheckpointError
+
+    d, rank, store = os.path.join(root, "loadrace"), dist.get_rank(), _get_default_store()
+    writer = engine(2, {"commit_timeout_s": 60}, seed=0)
+    train(writer, 1, 1)
+    writer.save_checkpoint(d, "t1")
+    t1_w = full_weights(writer)
+    train(writer, 2, 2)
+    writer.save_checkpoint(d, "t2", save_latest=False)  # not the newest until latest names it (below)
+    writer.checkpoint_engine.checkpointer.wait()
+    t2_w, t2_opt = full_weights(writer), frozen(writer.optimizer.state_dict())
+    dist.barrier()
+    reader = engine(2, {"commit_timeout_s": 60}, seed=1)
+    fe, load, tries = reader.checkpoint_engine, reader.checkpoint_engine.load, []
+
+    def move_latest_first(path: str, map_location: object = None) -> object:
+        tries.append(os.path.basename(os.path.dirname(path)))
+        if len(tries) == 1 and rank == 0:  # rank 0 has resolved t1 and pinned it; rank 1 has not begun
+            with open(os.path.join(d, ".latest.tmp"), "w") as f:
+                f.write("t2")
+            os.replace(os.path.join(d, ".latest.tmp"), os.path.join(d, "latest"))
+            store.set("loadrace-moved", "1")
+        return load(path, map_location)
+
+    fe.load = move_latest_first
+    if rank == 1:
+        store.wait(["loadrace-moved"])
+    path, _ = reader.load_checkpoint(d)
+    assert path is not None and os.path.basename(os.path.dirname(path)) == "t2", path  # its model file
+    assert rank == 1 or tries[0] == "t1", tries  # rank 0 began with t1, then loaded again
+    same(full_weights(reader), t2_w, "weights after the newest moved during the load")
+    same(reader.optimizer.state_dict(), t2_opt, "optimizer state after the newest moved during the load")
+
+    def corrupt_on_rank1(path: str, map_location: object = None) -> object:
+        if rank == 1 and os.sep + "t2" + os.sep in path:
+            raise CorruptCheckpointError(f"{path}: block 0 does not match its checksum (a bad copy on this node)")
+        return load(path, map_location)
+
+    fe.load, fell_back = corrupt_on_rank1, None
+    try:
+        reader.load_checkpoint(d, "t2")
+        raise AssertionError("a load that failed on rank 1 returned")
+    except CorruptCheckpointError as exc:
+        fell_back = str(exc)
+        reader.load_checkpoint(d, "t1")  # the fallback: collective, so it runs only if every rank came here
+    assert rank == 1 or "rank 1 failed to load it" in fell_back, fell_back
+    same(full_weights(reader), t1_w, "weights after the fallback to t1")
+    RESULTS["loadrace"] = {"tries": tries}
+    writer.destroy()
+    reader.destroy()
+
+
 def exit_flush(root: str) -> None:
     eng = engine(2, {"local_dir": os.path.join(root, "nvme")}, seed=0, width=1024)
     train(eng, 1, 1)
@@ -747,7 +809,7 @@ SCENARIOS = {"roundtrip": lambda root: [roundtrip(root, s) for s in (0, 1, 2, 3)
              "destroy": destroy, "engines": two_engines, "exit": exit_flush, "skip": skip, "badtag": bad_tag,
              "drives": drives, "notag": no_such_tag, "wholeconfig": whole_config, "redaction": redaction,
              "keepbest": keep_best, "coalescebest": coalesce_best, "resaved": resaved, "onerank": one_rank_fails,
-             "missing": missing,
+             "loadrace": load_race, "missing": missing,
              "lazy": lambda root: [lazy(root, s) for s in (0, 1, 2, 3)]}
 
 

@@ -28,7 +28,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 WORKER = str(HERE / "_deepspeed_worker.py")
 TWO_PROCESS_SCENARIOS = ("roundtrip,convert,interop,report,unsafe,switch,lazy,universal,export,nolatest,install,"
-                         "destroy,engines,skip,keepbest,onerank")
+                         "destroy,engines,skip,keepbest,onerank,loadrace")
 ONE_PROCESS_SCENARIOS = "roundtrip,skip,badtag,drives,notag,wholeconfig,redaction,coalescebest,resaved,missing"
 
 
@@ -273,6 +273,13 @@ def test_a_save_failing_on_one_rank_raises_on_every_rank_and_never_hangs(two_pro
     assert raised["t2"] == "CheckpointWriteError" and raised["t5"] is None, raised
     assert [raised["t3"], raised["t4"]].count(None) == 1, raised
     assert got[0]["latest"].endswith("t5"), got
+
+
+def test_ranks_load_one_save_and_fail_together(two_processes: Run) -> None:
+    """Asserted in the worker: latest moved between the ranks' resolutions, and both loaded t2
+    (rank 0 began with t1 and loaded again); a load failing on rank 1 raised on both."""
+    tries = [two_processes.results[r]["loadrace"]["tries"] for r in (0, 1)]
+    assert tries[0][0] == "t1" and "t2" in tries[0] and set(tries[1]) == {"t2"}, tries
 
 
 def test_a_tag_missing_a_file_or_its_directory_names_it(one_process: Run) -> None:
