@@ -160,3 +160,43 @@ def test_a_commit_without_a_save_token_leaves_a_save_that_began_during_its_scan_
     go.set()
     ended.join(30)
     assert r.saving(home) == new  # still protected from trims until it is durable
+
+
+def test_a_trim_still_deleting_a_name_delays_a_new_save_of_it_and_never_deletes_that(tmp_path: Path,
+                                                                                        monkeypatch) -> None:
+    """keep_persistent=1, a.pt and b.pt saved in turn through a burst buffer. b's durability
+    trims the old a.pt, and that deletion is slow (an object-store request retried). A new save
+    of a.pt that began meanwhile became durable first, and the stale deletion then removed it:
+    b.pt was trimmed for it, and the home held nothing. Now the new save waits for the deletion."""
+    from fastckpt.save import retention
+
+    entered, release, first = threading.Event(), threading.Event(), []
+    trim = retention.Retention._trim_persistent
+
+    def slow_trim(self, path: str) -> None:
+        if not first:
+            first.append(path)
+            entered.set()
+            assert release.wait(60)  # the new save of a.pt is durable (old code) or waits for this (new)
+        trim(self, path)
+
+    monkeypatch.setattr(retention.Retention, "_trim_persistent", slow_trim)
+    home = tmp_path / "home"
+    with fastckpt.Checkpointer(local_dir=str(tmp_path / "nvme"), keep_persistent=1, overhead_budget=0.99) as ck:
+
+        class Waits(threading.Condition):  # replacing() waiting for the deletion lets it go on
+            def wait(self, timeout: float | None = None) -> bool:
+                release.set()
+                return super().wait(timeout)
+
+        ck._retention._deleted = Waits(ck._retention._lock)  # noqa: SLF001
+        ck.save({"w": torch.full((8,), 1.0)}, str(home / "a.pt")).wait()
+        b = ck.save({"w": torch.full((8,), 2.0)}, str(home / "b.pt"))  # its durability trims a.pt: slowly
+        assert entered.wait(60)
+        ck.save({"w": torch.full((8,), 3.0)}, str(home / "a.pt")).wait()
+        release.set()
+        b.wait()
+        ck.wait()
+    assert first == [str(home / "a.pt")]
+    assert sorted(os.listdir(home)) == ["a.pt"]  # before: [] (the new a.pt deleted by the stale trim)
+    assert fastckpt.load(str(home / "a.pt"))["w"][0] == 3.0

@@ -16,7 +16,8 @@ may be a checkpoint the user still names (a Lightning top-k file) and loads from
 Deletions wait for nothing: only finished checkpoints are listed, a name being saved again
 leaves the lists until that save is durable (each save of a name is told apart by the token
 ``replacing`` returns: an older save of the name that ends later changes nothing), and
-``Checkpointer.remove`` waits for saves in flight before it calls ``remove`` here. Each
+``Checkpointer.remove`` waits for saves in flight before it calls ``remove`` here. A new save
+of a name waits for a trim still deleting an older save of it (``replacing``). Each
 deletion goes through the checkpoint's home (``storage.homes``) and removes its publication
 record first (``commit.protocol.delete_checkpoint``).
 
@@ -75,12 +76,19 @@ class Retention:
         self._dropped: dict[str, tuple[int, int]] = {}  # group -> (token, step) of a save replication dropped
         self._listed_drops: set[str] = set()  # dropped groups in the local list: this rank deletes its files only
         self._replaced: dict[str, int] = {}  # name being saved again -> its persistent-list token before
+        self._deleting: dict[str, int] = {}  # name -> deletions of it decided and not yet done
+        self._deleted = threading.Condition(self._lock)
+
 
     def replacing(self, path: str) -> int:
         """A new save of ``path`` (a file or group) began: until it is durable, no trim may delete
         the copies it is replacing (a group's burst-buffer directory is the one it writes into).
-        Returns the save's token, for ``durable`` and ``dropped``."""
+        A trim of an older save of ``path`` that is still deleting it (a slow object-store
+        request) is waited for: it would delete what this save writes. Returns the save's
+        token, for ``durable`` and ``dropped``."""
         with self._lock:
+            while path in self._deleting:
+                self._deleted.wait()
             if path in self._persistent:  # a re-save of it whose commit fails lists the published one again
                 self._replaced[path] = self._persistent[path]
             self._forget(path)
@@ -147,6 +155,7 @@ class Retention:
                 if owns_persistent and listed else []
             own = {p for p in drop_local if p in self._listed_drops}
             self._listed_drops -= own
+            self._deciding([*drop_local, *drop_persistent])
         for p in drop_local:
             self._run(self._delete_own_files if p in own else self._delete_local, p, "burst-buffer copy")
         for p in drop_persistent:
@@ -160,6 +169,7 @@ class Retention:
             if self._busy.get(path, token) != token:
                 return
             self._local.pop(path, None)
+            self._deciding([path])
         self._run(self._delete_local, path, "stale burst-buffer copy")
 
     def dropped(self, path: str, token: int | None = None, step: int | None = None) -> None:
@@ -246,7 +256,9 @@ class Retention:
                  for e in os.scandir(mirror) if e.is_dir(follow_symlinks=False) and not e.name.startswith(".")
                  and e.name not in complete and (step := tag_step(e.name)) is not None and step < mine}
         with self._lock:
-            return sorted(n for n in names if n not in self._busy and n not in self._local and n not in self._dropped)
+            gone = sorted(n for n in names if n not in self._busy and n not in self._local and n not in self._dropped)
+            self._deciding(gone)
+            return gone
 
     @staticmethod
     def _earlier_group(manifest: dict, rel: str, mine: int | None) -> bool:
@@ -295,15 +307,28 @@ class Retention:
             return
         delete_checkpoint(loc)
 
-    @staticmethod
-    def _run(fn: Callable[[str], None], path: str, what: str) -> None:
+    def _deciding(self, names: list[str]) -> None:
+        """(Under the lock.) ``names`` are to be deleted: a new save of one waits in ``replacing``
+        until ``_run`` has done it, so that the deletion, decided for an older save, never
+        removes the new one's copies (at an object store a delete can take seconds)."""
+        for n in names:
+            self._deleting[n] = self._deleting.get(n, 0) + 1
+
+    def _run(self, fn: Callable[[str], None], path: str, what: str) -> None:
         try:
             fn(path)
             log.info("fastckpt: retention removed the %s of %s", what, path)
         except FileNotFoundError:  # another rank sharing this burst buffer removed it first
             log.debug("fastckpt: the %s of %s was already removed", what, path)
-        except OSError as exc:  # retention must not fail a save; say so and go on
+        except Exception as exc:  # noqa: BLE001 (retention must not fail a save; say so and go on)
             log.warning("fastckpt: retention could not remove the %s of %s: %s", what, path, exc)
+        finally:
+            with self._lock:
+                if (left := self._deleting.get(path, 0) - 1) > 0:
+                    self._deleting[path] = left
+                else:
+                    self._deleting.pop(path, None)
+                self._deleted.notify_all()
 
 
 def group_step(group: str, extra: dict) -> int | None:
