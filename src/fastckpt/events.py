@@ -29,6 +29,9 @@ class Event:
     """One phase of one save (or a load).
 
     Times are ``time.time()`` seconds; ``error`` is the exception's repr when the phase failed.
+    ``session`` is set by ``JsonlSink``, one per Checkpointer: a job resumed with the same log
+    appends events that must not be matched with the killed job's saves (None: not from a log,
+    or from a log written before sessions).
     """
 
     name: str
@@ -40,6 +43,7 @@ class Event:
     tier: str
     error: str | None = None
     detail: str | None = None
+    session: str | None = None
 
     @property
     def duration_s(self) -> float:
@@ -93,7 +97,8 @@ class JsonlSink:
     """Appends one JSON line per event to ``path`` (flushed per line, safe across threads),
     creating its directory as saves create theirs. Events after ``close()`` are dropped. A log
     whose last line a killed job left torn gets a newline before the first event, so that line
-    alone is lost."""
+    alone is lost. Each line carries this sink's ``session`` (random, one per sink, so one per
+    Checkpointer): readers tell a resumed job's saves from those its killed predecessor left open."""
 
     def __init__(self, path: str) -> None:
         try:
@@ -105,9 +110,11 @@ class JsonlSink:
         self._path = path
         self._closed = False
         self._first = True
+        self.session = os.urandom(6).hex()
 
     def emit(self, event: Event) -> None:
-        record = logging.makeLogRecord({"msg": event.to_json(), "levelno": logging.INFO})
+        line = dataclasses.replace(event, session=self.session).to_json()
+        record = logging.makeLogRecord({"msg": line, "levelno": logging.INFO})
         with self._handler.lock:  # an RLock: handle() takes it again
             if not self._closed:  # a closed FileHandler would open the file again
                 if self._first:  # not at open: a job that emits nothing leaves the log as it found it

@@ -10,6 +10,11 @@ Both see only the event log, so some numbers are reconstructions (docs/report.md
 - a save is durable at the end of its ``replicate`` phase (burst buffer), or of its ``commit``
   when it was written straight to its path; a queued replication that a later one overtook
   (``replicate_policy='coalesce'``) counts as superseded, not pending.
+- sessions: a job killed and resumed with the same ``event_log`` appends to it. Events carry
+  their Checkpointer's session (``JsonlSink``), and are matched only with saves of their own
+  session; when a new session of a rank starts, that rank's saves left open by earlier ones
+  count as abandoned (their job died), not pending, and its overhead replay starts over, as the
+  new Checkpointer's Monitor does. Logs without sessions read as one session.
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ class SaveTrace:
     durable_at: float | None  # None: not (yet) durable at its path
     error: str | None = None
     superseded: bool = False
+    abandoned: bool = False  # left open by a session of its rank that a newer one followed
 
     @property
     def durable_s(self) -> float | None:
@@ -93,6 +99,7 @@ class RankStatus:
 class _Building:
     trace: SaveTrace
     phases: list[Phase] = field(default_factory=list)
+    session: str | None = None
 
 
 class _Overhead:
@@ -152,6 +159,8 @@ class RunState:
         self._open: dict[tuple[int, str], list[_Building]] = {}
         # overtaken by a later replication: superseded, unless their own replicate event still comes
         self._overtaken: deque[_Building] = deque(maxlen=64)
+        self._abandoned: deque[_Building] = deque(maxlen=keep_done)  # open when a newer session started
+        self._sessions: set[tuple[int, str | None]] = set()  # (rank, session) seen
         self._done: deque[SaveTrace] = deque(maxlen=keep_done)
         self._overhead: dict[int, _Overhead] = {}
         self._newest_durable_start: dict[int, float] = {}
@@ -171,10 +180,13 @@ class RunState:
         self.last_end = ev.end if self.last_end is None else max(self.last_end, ev.end)
         if ev.error is not None and ev.name != "retry":
             self.failures.append(ev)
+        if (ev.rank, ev.session) not in self._sessions:
+            self._new_session(ev.rank, ev.session)
         if ev.name == "snapshot":
             return self._snapshot(ev)
         if ev.name == "commit" and ev.detail == "group":
-            self.group_commits.append(ev)
+            if ev.error is None:  # published; a failed one is in ``failures``
+                self.group_commits.append(ev)
         elif ev.name in ("write", "commit", "queued", "replicate"):
             return self._phase(ev)
         elif ev.name in ("retry", "load"):
@@ -183,7 +195,7 @@ class RunState:
 
     def _snapshot(self, ev: Event) -> SaveTrace | None:
         trace = SaveTrace(ev.rank, ev.path, ev.tier, 0, ev.start, ev.duration_s, (), None, ev.error)
-        b = _Building(trace, [Phase("snapshot", ev.start, ev.end, ev.error)])
+        b = _Building(trace, [Phase("snapshot", ev.start, ev.end, ev.error)], ev.session)
         if ev.error is not None:
             return self._close(b)
         self._open.setdefault((ev.rank, ev.path), []).append(b)
@@ -191,22 +203,38 @@ class RunState:
             ev.start, ev.duration_s, ev.end)
         return None
 
+    def _new_session(self, rank: int, session: str | None) -> None:
+        """A Checkpointer of ``rank`` logs its first event: the saves that the rank's earlier
+        sessions left open were abandoned (that job was killed and this one resumed it)."""
+        self._sessions.add((rank, session))
+        for key in [k for k in self._open if k[0] == rank]:
+            for b in list(self._open[key]):
+                if b.session != session:
+                    self._unlist(b)
+                    self._abandoned.append(b)
+        old = self._overhead.get(rank)
+        if old is not None:  # a new Monitor, but the curve and the alarm count go on
+            self._overhead[rank] = new = _Overhead(self.budget, self.window_s)
+            new.points, new.alarms = old.points, old.alarms
+
     def _owner(self, ev: Event) -> _Building | None:
-        """The oldest open save of this rank that the event belongs to: same path, or a burst-buffer
-        copy of it (whose path ends with the save's path, or ``scheme/rest`` for a URL)."""
+        """The oldest open save of this rank and session that the event belongs to: same path, or a
+        burst-buffer copy of it (whose path ends with the save's path, or ``scheme/rest`` for a URL)."""
         def takes(b: _Building) -> bool:
-            return all(p.name != ev.name for p in b.phases)
+            return b.session == ev.session and all(p.name != ev.name for p in b.phases)
 
         cands = self._open.get((ev.rank, ev.path))
         if cands is None:
             hits = [k for k in self._open if k[0] == ev.rank and ev.path.endswith(k[1].replace("://", "/"))]
             cands = self._open[max(hits, key=lambda k: len(k[1]))] if hits else []
         found = next((b for b in cands if takes(b)), None)
-        if found is None and ev.name == "replicate":  # an overtaken save that did replicate after all
-            found = next((b for b in self._overtaken if b.trace.rank == ev.rank and b.trace.path == ev.path), None)
-            if found is not None:
-                self._overtaken.remove(found)
-                self._open.setdefault((ev.rank, ev.path), []).append(found)
+        for kept, matches in ((self._overtaken, ev.name == "replicate"), (self._abandoned, True)):
+            if found is None and matches:  # overtaken, or abandoned, but its own session went on after all
+                found = next((b for b in kept if b.trace.rank == ev.rank and takes(b) and (
+                    b.trace.path == ev.path or ev.path.endswith(b.trace.path.replace("://", "/")))), None)
+                if found is not None:
+                    kept.remove(found)
+                    self._open.setdefault((ev.rank, found.trace.path), []).append(found)
         return found
 
     def _phase(self, ev: Event) -> SaveTrace | None:
@@ -235,7 +263,7 @@ class RunState:
         for key in [k for k in self._open if k[0] == rank]:
             for o in list(self._open[key]):
                 q = _queued_at(o)
-                if o is not b and q is not None and queued is not None and q < queued:
+                if o is not b and o.session == b.session and q is not None and queued is not None and q < queued:
                     self._unlist(o)
                     self._overtaken.append(o)
 
@@ -259,6 +287,7 @@ class RunState:
         out = list(self._done)
         out += [replace(b.trace, phases=tuple(b.phases)) for cands in self._open.values() for b in cands]
         out += [replace(b.trace, phases=tuple(b.phases), superseded=True) for b in self._overtaken]
+        out += [replace(b.trace, phases=tuple(b.phases), abandoned=True) for b in self._abandoned]
         return sorted(out, key=lambda s: (s.start, s.rank))
 
     def ranks(self) -> list[int]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,21 @@ def test_round_trip_through_the_jsonl_sink(tmp_path: Path) -> None:
     for e in reversed(evs):
         sink.emit(e)
     sink.close()
-    assert read_events(str(log)) == evs  # sorted by start
+    assert read_events(str(log)) == [replace(e, session=sink.session) for e in evs]  # sorted by start
+
+
+def test_each_sink_is_a_session_and_old_lines_have_none(tmp_path: Path) -> None:
+    """A resumed job's Checkpointer appends to the log with a session of its own; lines written
+    before sessions existed read as session None."""
+    log = tmp_path / "e.jsonl"
+    old = _ev("snapshot", 0.5).to_json().replace(', "session": null', "")
+    log.write_text(old + "\n")
+    sinks = [JsonlSink(str(log)), JsonlSink(str(log))]
+    for t, sink in zip((1.0, 2.0), sinks):
+        sink.emit(_ev("snapshot", t))
+        sink.close()
+    assert '"session"' not in old and sinks[0].session != sinks[1].session
+    assert [e.session for e in read_events(str(log))] == [None, sinks[0].session, sinks[1].session]
 
 
 def test_bad_lines_are_named(tmp_path: Path) -> None:

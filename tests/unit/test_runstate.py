@@ -100,3 +100,39 @@ def test_the_alarm_is_the_last_saves_check_while_the_ratios_are_at_now() -> None
     assert late.over_budget and late.overhead < 0.02 and late.window_overhead < 0.02
     help_ = next(f.help for f in FAMILIES if f.name == "fastckpt_overhead_alarm")
     assert "last save" in help_ and "as of the scrape" in help_
+
+
+def _direct_save(t: float, session: str, path: str = "/h/last.ckpt", rank: int = 0) -> list[Event]:
+    return [_ev("snapshot", t, t + 0.1, path, rank, "direct", session=session),
+            _ev("write", t + 0.1, t + 0.5, path, rank, "direct", session=session),
+            _ev("commit", t + 0.5, t + 0.6, path, rank, "direct", session=session)]
+
+
+def test_a_resumed_jobs_saves_are_not_matched_with_the_killed_jobs() -> None:
+    """A job killed while writing last.ckpt, resumed with the same log: each new save is durable
+    0.6 s after its own call (not after the killed save's), and the killed save is abandoned,
+    not pending for ever. Rank 1's new session in the shared log does not touch rank 0's saves."""
+    rs = RunState(budget=0.02, window_s=1000.0)
+    killed = _direct_save(0.0, "a")[:2]  # snapshot and write: killed before its commit
+    for e in killed + [_ev("snapshot", 1.0, 1.1, "/h/r1.pt", 1, "direct", session="c")]:
+        rs.feed(e)
+    assert {s.rank: s.pending for s in rs.status(2.0)} == {0: 1, 1: 1}  # both still running
+    for t in (100.0, 110.0, 120.0):
+        done = [rs.feed(e) for e in _direct_save(t, "b")]
+        assert done[-1].durable_s == pytest.approx(0.6)
+    assert {s.rank: s.pending for s in rs.status(130.0)} == {0: 0, 1: 1}
+    saves = [s for s in rs.saves() if s.rank == 0]
+    assert [(s.abandoned, s.durable_at is None) for s in saves] == [(True, True)] + [(False, False)] * 3
+    assert [p.name for p in saves[0].phases] == ["snapshot", "write"]
+    assert rs.overhead_points(0)[0].overhead == pytest.approx(0.2 / 10.1)  # the new Monitor's clock
+
+
+def test_a_session_that_goes_on_after_a_newer_one_keeps_its_saves() -> None:
+    """Two Checkpointers of one rank appending to one log at once: each event goes to its own
+    session's save, even one first counted as abandoned when the other session started."""
+    rs = RunState()
+    a, b = _direct_save(0.0, "a"), _direct_save(0.2, "b")
+    for e in (a[0], b[0], b[1], a[1], b[2], a[2]):
+        rs.feed(e)
+    assert [(s.durable_s, s.abandoned) for s in rs.saves()] == [(pytest.approx(0.6), False)] * 2
+    assert rs.status(1.0)[0].pending == 0

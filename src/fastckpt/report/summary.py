@@ -83,6 +83,7 @@ class Summary:
     durable: int
     superseded: int
     pending: int
+    abandoned: int  # left open by a job that died, then was resumed with the same log
     failed: int
     blocked_s: Distribution
     durable_s: Distribution
@@ -98,7 +99,8 @@ class Summary:
         """The summary as the lines the CLI prints."""
         lines = [f"{self.saves} saves ({', '.join(f'{t} {n}' for t, n in sorted(self.tiers.items())) or 'none'}) "
                  f"by {len(self.ranks)} rank(s) over {self.span_s:.1f} s, {self.bytes / 1e9:.3f} GB committed; "
-                 f"{self.durable} durable, {self.superseded} superseded, {self.pending} pending, {self.failed} failed",
+                 f"{self.durable} durable, {self.superseded} superseded, {self.pending} pending, "
+                 f"{self.abandoned} abandoned, {self.failed} failed",
                  f"blocked: {self.blocked_s.text()}",
                  f"durable after: {self.durable_s.text()}",
                  f"replication lag: {self.replication_lag_s.text()}"]
@@ -138,7 +140,8 @@ def summarize(run: RunState, logs: Sequence[str] = ()) -> Summary:
         tuple(logs), sum(run.events.values()), tuple(_rank_summary(run, r, saves) for r in run.ranks()), span,
         len(saves), dict(Counter(s.tier for s in saves)), sum(s.bytes for s in ok),
         sum(s.durable_at is not None for s in ok), sum(s.superseded for s in ok),
-        sum(s.durable_at is None and not s.superseded for s in ok), len(saves) - len(ok),
+        sum(s.durable_at is None and not s.superseded and not s.abandoned for s in ok),
+        sum(s.abandoned for s in ok), len(saves) - len(ok),
         Distribution.of([s.blocked_s for s in saves if s.phase("snapshot").error is None]),
         Distribution.of([d for s in ok if (d := s.durable_s) is not None]), Distribution.of(lags), run.budget,
         sum(run.alarms(r) for r in run.ranks()), dict(failures), len(run.retries),
