@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from .monitor import OverheadReport
 
 TIERS = ("auto", "gds", "nvme", "direct")
+MAX_PORT = 65535  # the last TCP port: metrics_port + LOCAL_RANK must not pass it (metrics/exporter.py)
 DEFAULT_RETRY_DEADLINE_S = 300.0
 
 
@@ -100,13 +101,11 @@ class CheckpointerConfig:
         if self.when_busy not in ("wait", "skip"):
             raise ConfigError(f"when_busy={self.when_busy!r} must be 'wait' (block until the staging buffer "
                               "is free) or 'skip' (drop this save with a warning)")
-        if not 1 <= self.io_threads <= 256:
-            raise ConfigError(f"io_threads={self.io_threads} must be between 1 and 256")
-        if not isinstance(self.staging_buffers, int) or not 1 <= self.staging_buffers <= 4:
-            raise ConfigError(f"staging_buffers={self.staging_buffers!r} must be a whole number from 1 to 4 (each "
-                              "holds one copy of the state in host memory)")
-        if self.chunk_bytes <= 0 or self.chunk_bytes % (16 * MiB):
-            raise ConfigError(f"chunk_bytes={self.chunk_bytes} must be a positive multiple of 16 MiB")
+        _count("io_threads", self.io_threads, 1, 256)
+        _count("staging_buffers", self.staging_buffers, 1, 4, " (each holds one copy of the state in host memory)")
+        if not _whole(self.chunk_bytes) or self.chunk_bytes <= 0 or self.chunk_bytes % (16 * MiB):
+            raise ConfigError(f"chunk_bytes={self.chunk_bytes!r} must be a positive multiple of 16 MiB"
+                              + _bool_hint(self.chunk_bytes, "a number of bytes"))
         _seconds("commit_timeout_s", self.commit_timeout_s)
         self._check_ranks()
         self._check_replication()
@@ -114,8 +113,9 @@ class CheckpointerConfig:
     def _check_ranks(self) -> None:
         if (self.rank is None) != (self.world_size is None):
             raise ConfigError("give both rank and world_size, or neither (they default to torch.distributed's)")
-        if self.world_size is not None and not 0 <= self.rank < self.world_size:  # type: ignore[operator]
-            raise ConfigError(f"rank={self.rank} must be in [0, world_size={self.world_size})")
+        if self.world_size is not None:
+            _count("world_size", self.world_size, 1)
+            _count("rank", self.rank, 0, self.world_size - 1, f" (world_size={self.world_size})", "this process's rank")
         lacking = [m for m in ("add", "append", "check", "compare_set", "delete_key", "get", "set", "wait")
                    if self.store is not None and not callable(getattr(self.store, m, None))]
         if lacking:
@@ -124,29 +124,27 @@ class CheckpointerConfig:
 
     def _check_replication(self) -> None:
         for name in ("keep_local", "keep_persistent"):
-            v = getattr(self, name)
-            if v is not None and (not isinstance(v, int) or v < 1):
-                raise ConfigError(f"{name}={v!r} must be a whole number >= 1 (how many checkpoints to keep), "
-                                  "or None to keep all")
+            if getattr(self, name) is not None:
+                _count(name, getattr(self, name), 1, None, " (how many checkpoints to keep), or None to keep all")
         if self.keep_local is not None and self.local_dir is None:
             raise ConfigError("keep_local applies to the burst buffer: set local_dir too, or drop keep_local")
-        if self.replicate_bandwidth_Bps is not None and not self.replicate_bandwidth_Bps > 0:
-            raise ConfigError(f"replicate_bandwidth_Bps={self.replicate_bandwidth_Bps!r} must be > 0 bytes/s, "
-                              "or None for no cap")
+        bps = self.replicate_bandwidth_Bps
+        if bps is not None and (isinstance(bps, bool) or not isinstance(bps, numbers.Real) or not bps > 0):
+            raise ConfigError(f"replicate_bandwidth_Bps={bps!r} must be > 0 bytes/s, or None for no cap"
+                              + _bool_hint(bps, "a number of bytes/s"))
         if self.replicate_policy not in ("coalesce", "all"):
             raise ConfigError(f"replicate_policy={self.replicate_policy!r} must be 'coalesce' (replicate the newest, "
                               "drop superseded queued ones) or 'all'")
         if self.replicate_verify not in ("checksum", "readback"):
             raise ConfigError(f"replicate_verify={self.replicate_verify!r} must be 'checksum' (the store checks each "
                               "part's checksum while uploading) or 'readback' (also read every replica back)")
-        if not 1 <= self.replicate_workers <= 64:
-            raise ConfigError(f"replicate_workers={self.replicate_workers} must be between 1 and 64")
+        _count("replicate_workers", self.replicate_workers, 1, 64)
         _seconds("retry_deadline_s", self.retry_deadline_s)
         if self.close_timeout_s is not None:
             _seconds("close_timeout_s", self.close_timeout_s, zero=True, none=" or None to wait as long as it takes")
         port = self.metrics_port
-        if port is not None and (type(port) is not int or not 0 <= port <= 65535):  # noqa: E721 (bool is no port)
-            raise ConfigError(f"metrics_port={self.metrics_port!r} must be a TCP port from 1 to 65535 (each rank "
+        if port is not None and (type(port) is not int or not 0 <= port <= MAX_PORT):  # noqa: E721 (bool is no port)
+            raise ConfigError(f"metrics_port={self.metrics_port!r} must be a TCP port from 1 to {MAX_PORT} (each rank "
                               "serves on metrics_port + LOCAL_RANK), 0 for any free port, or None for no exporter")
         self._check_local_dirs()
 
@@ -211,3 +209,20 @@ def _seconds(name: str, v: object, zero: bool = False, none: str = "") -> None:
     if not ok:
         raise ConfigError(f"{name}={v!r} must be a finite number of seconds {'>= 0' if zero else '> 0'}" + (
             f",{none}" if none else ""))
+
+
+def _whole(v: object) -> bool:
+    """An int, numpy's too; never a bool, which Python counts as 1 or 0 (``keep_persistent=True``
+    kept a single checkpoint, without a word)."""
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def _bool_hint(v: object, what: str) -> str:
+    return f"; {v} is a bool (Python would take it as {int(v)}): give {what}" if isinstance(v, bool) else ""
+
+
+def _count(name: str, v: object, lo: int, hi: int | None = None, meaning: str = "", what: str = "the count") -> None:
+    """``v`` is a whole number (``_whole``) from ``lo`` to ``hi`` (None: no limit)."""
+    if not _whole(v) or not lo <= v or (hi is not None and v > hi):  # type: ignore[operator]
+        span = f">= {lo}" if hi is None else f"from {lo} to {hi}"
+        raise ConfigError(f"{name}={v!r} must be a whole number {span}{meaning}" + _bool_hint(v, what))

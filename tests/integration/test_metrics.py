@@ -17,9 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from fastckpt import Checkpointer, CheckpointWriteError, sysinfo
+from fastckpt import Checkpointer, CheckpointWriteError, CommitTimeoutError, sysinfo
 from fastckpt.io.atomic import TMP_TAG
 from fastckpt.metrics import sample_names
+from fastckpt.report import load_run
 from fastckpt.testing import Fault, FaultyOps
 
 from ._scrape import names, scrape, value
@@ -119,6 +120,46 @@ def test_a_failed_write_is_counted_by_phase_and_type(tmp_path: Path) -> None:
     assert ("phase", "write") in next(iter(failures))
 
 
+def test_a_failed_group_commit_is_counted_once(tmp_path: Path) -> None:
+    """Rank 1 saved into the group but never commits: rank 0's commit times out. Before, a group
+    commit emitted its event only on success, so neither fastckpt_failures_total nor the event
+    log ``fastckpt report`` reads showed the failure; now each counts it once."""
+    g, log = tmp_path / "G", tmp_path / "events.jsonl"
+    ck1 = Checkpointer(rank=1, world_size=2, commit_timeout_s=60)
+    try:
+        with Checkpointer(rank=0, world_size=2, commit_timeout_s=0.5, metrics_port=0, event_log=str(log)) as ck0:
+            for ck in (ck0, ck1):
+                ck.save(_state(1024), str(g / f"r{ck.rank}.pt"), group=str(g)).wait(60)
+            with pytest.raises(CommitTimeoutError, match=r"ranks \[1\] of 2 did not"):
+                ck0.commit(str(g)).wait(60)
+            got = scrape(ck0.metrics_url)
+    finally:
+        ck1.close()
+    failures = {(dict(lab)["phase"], dict(lab)["error"]): v for (n, lab), v in got.items()
+                if n == "fastckpt_failures_total"}
+    assert failures == {("commit", "CommitTimeoutError"): 1.0}
+    assert value(got, "fastckpt_group_commit_seconds_count", rank="0") is None  # a failure is no commit time
+    _, summary = load_run([str(log)])
+    assert summary.failures == {"commit: CommitTimeoutError": 1} and summary.group_commits == 0
+    from click.testing import CliRunner
+
+    from fastckpt.cli import cli
+
+    got = CliRunner().invoke(cli, ["report", str(log)])
+    assert got.exit_code == 1 and "commit: CommitTimeoutError x1" in got.output, got.output  # before: exit 0
+
+
+def test_a_port_past_the_last_one_for_this_local_rank_names_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torchrun's second rank on a node (LOCAL_RANK=1) with metrics_port=65535 would serve on
+    65536: before, bind() raised a raw OverflowError from deep inside prometheus-client."""
+    from fastckpt import ConfigError
+
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    with pytest.raises(ConfigError, match=r"metrics_port=65535 with LOCAL_RANK=1 would serve on port 65536, past the "
+                                          r"last TCP port 65535 .*65534 or lower.*metrics_port=0 for any free port"):
+        Checkpointer(metrics_port=65535)
+
+
 def test_port_in_use_names_the_fix(tmp_path: Path) -> None:
     from fastckpt import ConfigError
 
@@ -212,6 +253,54 @@ def test_a_line_that_is_not_an_event_is_skipped_while_serving(tmp_path: Path) ->
     r = _serve("--event-log", str(log), "--event-log", str(log), "--once", "--json")
     assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
     assert json.loads(r.stdout)["bad_lines"] == 3 and f"{log}:{good.count(chr(10)) + 1}" in r.stderr
+
+
+_KILLED_MID_SAVE = """
+import os, sys, torch, fastckpt
+from fastckpt.testing import FaultyOps
+ops = FaultyOps()
+gate = ops.gate("fsync", "last.ckpt")
+ck = fastckpt.Checkpointer(event_log=sys.argv[1], ops=ops, overhead_budget=0.99)
+ck.save({"w": torch.ones(1000)}, sys.argv[2])
+assert gate.wait_entered()
+os._exit(9)  # killed while last.ckpt is being written
+"""
+
+
+def test_a_resumed_jobs_log_measures_each_save_from_its_own_call(tmp_path: Path) -> None:
+    """A job killed mid-save, then resumed with the same event_log, saves the same fixed name
+    (Lightning's last.ckpt) again: serve-metrics and report measure each new save from its own
+    call, and the killed job's save is abandoned, not pending for ever."""
+    log, path = tmp_path / "events.jsonl", str(tmp_path / "last.ckpt")
+    killed = subprocess.run([sys.executable, "-c", _KILLED_MID_SAVE, str(log), path], capture_output=True,
+                            text=True, timeout=120)
+    assert killed.returncode == 9, killed.stderr
+    with Checkpointer(event_log=str(log), overhead_budget=0.99) as ck:
+        recs = [ck.save(_state(1024), path).wait() for _ in range(3)]
+    r = _serve("--event-log", str(log), "--once")
+    assert r.returncode == 0, r.stderr
+    from ._scrape import parse
+
+    got, lab = parse(r.stdout), {"rank": "0", "tier": "direct"}
+    assert value(got, "fastckpt_saves_total", **lab) == 4
+    assert value(got, "fastckpt_save_durable_seconds_count", **lab) == 3
+    assert value(got, "fastckpt_save_durable_seconds_sum", **lab) == pytest.approx(
+        sum(rec.durable_s for rec in recs), abs=0.05)
+    assert value(got, "fastckpt_pending_saves", **R0) == 0  # was 1 for good
+    from fastckpt.report import load_run
+
+    run, summary = load_run([str(log)], budget=0.99)
+    saves = run.saves()
+    snaps = [s.start for s in saves]
+    # each save's commit is matched with its own call, not the previous one's (the killed one's, first)
+    assert [s.start for s in saves if s.durable_at is not None] == snaps[1:]
+    assert all(s.start < s.durable_at < later for s, later in zip(saves[1:], snaps[2:] + [float("inf")]))
+    assert [s.abandoned for s in saves] == [True, False, False, False]
+    assert (summary.durable, summary.pending, summary.abandoned, summary.failed) == (3, 0, 1, 0)
+    rep = subprocess.run([sys.executable, "-m", "fastckpt.cli", "report", str(log), "--json", "--overhead-budget",
+                          "0.99"], capture_output=True, text=True, timeout=120)
+    assert rep.returncode == 0, rep.stderr
+    assert json.loads(rep.stdout)["abandoned"] == 1
 
 
 def test_the_same_log_twice_or_through_a_symlink_is_counted_once(tmp_path: Path) -> None:

@@ -262,6 +262,31 @@ def test_a_time_that_is_no_finite_number_of_seconds_is_refused_at_once(name: str
         fastckpt.Checkpointer(**{name: bad})
 
 
+@pytest.mark.parametrize(("options", "what"), [
+    ({"keep_persistent": True}, "the count"), ({"keep_local": True}, "the count"),
+    ({"keep_persistent": False}, "the count"), ({"io_threads": True}, "the count"),
+    ({"staging_buffers": True}, "the count"), ({"replicate_workers": True}, "the count"),
+    ({"chunk_bytes": True}, "a number of bytes"), ({"replicate_bandwidth_Bps": True}, "a number of bytes/s"),
+    ({"rank": True, "world_size": 2}, "this process's rank"), ({"world_size": True, "rank": 0}, "the count")],
+    ids=lambda v: ",".join(f"{k}={x}" for k, x in v.items()) if isinstance(v, dict) else None)
+def test_a_bool_given_for_a_number_is_refused_at_once(options: dict, what: str) -> None:
+    # a bool is an int to Python: keep_persistent=True passed as 1, and every save trimmed the
+    # checkpoints to the newest one without a word; the time options already refused bools
+    name, value = next(iter(options.items()))
+    with pytest.raises(fastckpt.ConfigError,
+                       match=rf"{name}={value} must be .*; {value} is a bool \(Python would take it as {int(value)}\): "
+                             f"give {what}"):
+        fastckpt.Checkpointer(**options)
+
+
+@pytest.mark.parametrize(("name", "bad"), [("io_threads", 2.5), ("io_threads", "4"), ("replicate_workers", 1.5),
+                                           ("keep_persistent", 1.5), ("chunk_bytes", float(16 << 20))])
+def test_a_count_that_is_no_whole_number_is_refused_at_once(name: str, bad: object) -> None:
+    # io_threads=2.5 reached ThreadPoolExecutor, io_threads="4" a raw TypeError from the comparison
+    with pytest.raises(fastckpt.ConfigError, match=f"{name}={bad!r} must be a (whole number|positive multiple)"):
+        fastckpt.Checkpointer(**{name: bad})
+
+
 @pytest.mark.parametrize("overlap", [False, True])
 def test_overlapped_write_round_trip(tmp_path, overlap) -> None:
     sd = {f"t{i}": torch.full((1 << 20,), i, dtype=torch.int32) for i in range(24)}  # 96 MiB, several chunks

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -12,6 +13,8 @@ import torch
 import fastckpt
 from fastckpt.commit import protocol as P
 from fastckpt.errors import CheckpointWriteError
+from fastckpt.eventlog import error_type
+from fastckpt.events import Event
 from fastckpt.io.atomic import final_path
 from fastckpt.testing import Fault, FaultyOps
 from tests.helpers import close_all, expect_aborted_by_rank_1, latest, place
@@ -21,16 +24,18 @@ def _state(v: int) -> dict:
     return {"w": torch.arange(256, dtype=torch.int64) + v, "v": v}
 
 
-def _three_ranks_after_step_1(tmp_path: Path) -> tuple[list, FaultyOps, threading.Event]:
+def _three_ranks_after_step_1(tmp_path: Path, events: list[Event] | None = None
+                              ) -> tuple[list, FaultyOps, threading.Event]:
     """Three ranks without a store (commit timeout 600 s) that committed global_step1; rank 1's
     FaultyOps; an event set once rank 2 wrote its marker of global_step2 (it polls for the
-    manifest next)."""
+    manifest next). ``events``: receives every rank's events."""
     ops1 = FaultyOps()
     waiting = threading.Event()
     ops2 = FaultyOps(on_call=lambda op, path: waiting.set() if op == "replace"
                      and (final_path(path) or "").endswith(f"global_step2/{P.marker_rel(2)}") else None)
+    sinks = (SimpleNamespace(emit=events.append),) if events is not None else ()
     cks = [fastckpt.Checkpointer(rank=r, world_size=3, io_threads=1, overhead_budget=0.99, commit_timeout_s=600,
-                                 ops={1: ops1, 2: ops2}.get(r)) for r in range(3)]
+                                 ops={1: ops1, 2: ops2}.get(r), sinks=sinks) for r in range(3)]
     g1 = tmp_path / "global_step1"
     try:
         for ck in cks:
@@ -64,6 +69,31 @@ def test_a_failed_save_ends_the_commit_on_the_waiting_ranks_without_a_store(tmp_
     assert latest(str(tmp_path)) == str(g1)
     assert not (g2 / P.GROUP_MANIFEST).exists()
     assert torch.equal(fastckpt.load(str(g1 / "r1.pt"))["w"], _state(1)["w"])
+
+
+def test_a_commit_a_failed_save_ended_is_one_failure_event_on_each_rank(tmp_path: Path) -> None:
+    """Ranks 0 and 2, whose commit rank 1's failed save ended, each emit one failed group
+    ``commit`` event, so fastckpt_failures_total and ``fastckpt report`` count their failed
+    commits (before, a failed group commit emitted nothing). Rank 1 emits none for the group:
+    its save's own failed event counts that failure, once."""
+    events: list[Event] = []
+    cks, ops1, waiting = _three_ranks_after_step_1(tmp_path, events)
+    g2 = tmp_path / "global_step2"
+    try:
+        handles = []
+        for r in (0, 2):
+            cks[r].save(_state(2), str(g2 / f"r{r}.pt"), group=str(g2))
+            handles.append(cks[r].commit(str(g2)))
+        assert waiting.wait(60)
+        ops1.inject(Fault("pwrite", 28, path_contains="r1.pt"))
+        cks[1].save(_state(2), str(g2 / "r1.pt"), group=str(g2))
+        expect_aborted_by_rank_1(cks[1], handles, str(g2))
+    finally:
+        close_all(cks)
+    failed = sorted((e.rank, e.name, e.detail, e.path, error_type(e.error)) for e in events if e.error is not None)
+    assert failed == [(0, "commit", "group", str(g2), "CheckpointWriteError"),
+                      (1, "write", None, str(g2 / "r1.pt"), "OSError"),
+                      (2, "commit", "group", str(g2), "CheckpointWriteError")]
 
 
 def test_a_save_that_failed_before_rank_0_began_ends_the_attempt_rank_0_begins(tmp_path: Path) -> None:

@@ -16,6 +16,7 @@ import errno
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -24,6 +25,8 @@ import torch.distributed as dist
 import fastckpt
 from fastckpt.commit import protocol as P
 from fastckpt.errors import CheckpointWriteError
+from fastckpt.eventlog import error_type
+from fastckpt.events import Event
 from fastckpt.save import saver as saver_module
 from fastckpt.save import staging
 from fastckpt.testing import Fault, FaultyOps
@@ -280,3 +283,23 @@ def test_a_skipped_group_file_ends_the_commit_on_every_rank(tmp_path: Path, stor
         _then_intact_and_next_commits(cks, tmp_path)
     finally:
         close_all(cks)
+
+
+def test_a_commit_ended_by_an_unsaved_file_is_one_failure_event_on_each_rank(tmp_path: Path,
+                                                                            store: object | None) -> None:
+    """Rank 1's commit refuses at the call (its file was never saved: ``unsaved``) and ends rank
+    0's: each rank emits one failed group ``commit`` event, so fastckpt_failures_total and
+    ``fastckpt report`` count both failed commits. Before, neither rank emitted one, and the
+    unsaved file left no event at all."""
+    events: list[Event] = []
+    cks = [fastckpt.Checkpointer(rank=r, world_size=2, store=store, io_threads=1, overhead_budget=0.99,
+                                 commit_timeout_s=60, sinks=(SimpleNamespace(emit=events.append),)) for r in range(2)]
+    g = tmp_path / "global_step1"
+    try:
+        cks[0].save(_state(1, 0), str(g / "r0.pt"), group=str(g))
+        cks[1].unsaved(str(g / "r1.pt"), str(g), RuntimeError("the copy of the state failed"))
+        _expect_not_committed(cks, g, r"r1\.pt .*the copy of the state failed")
+    finally:
+        close_all(cks)
+    failed = sorted((e.rank, e.name, e.detail, e.path, error_type(e.error)) for e in events if e.error is not None)
+    assert failed == [(r, "commit", "group", str(g), "CheckpointWriteError") for r in (0, 1)]

@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -22,6 +23,8 @@ import fastckpt
 from fastckpt.commit import discovery
 from fastckpt.commit import protocol as P
 from fastckpt.errors import CheckpointWriteError, CommitTimeoutError, GroupRemovedError, IncompleteCheckpointError
+from fastckpt.eventlog import error_type
+from fastckpt.events import Event
 from fastckpt.storage.homes import Homes
 from fastckpt.testing import Fault, FaultyOps
 from tests.helpers import latest, place
@@ -48,6 +51,14 @@ def _save_all(cks: list[fastckpt.Checkpointer], g: Path, version: int) -> None:
         ck.save(_state(version, ck.rank), str(g / f"rank{ck.rank}.pt"), group=str(g))
     for h in [ck.commit(str(g), step=version) for ck in cks]:
         h.wait(60)
+
+
+def _failed_group_commits(events: list[Event]) -> list[tuple[int, str]]:
+    """(rank, error type) of each failed group ``commit`` event: what fastckpt_failures_total and
+    ``fastckpt report`` count. Checks that no other phase failed."""
+    failed = [e for e in events if e.error is not None]
+    assert all(e.name == "commit" and e.detail == "group" for e in failed), failed
+    return sorted((e.rank, error_type(e.error or "")) for e in failed)
 
 
 def _close(cks: list[fastckpt.Checkpointer]) -> None:
@@ -150,8 +161,11 @@ def test_a_file_of_another_attempt_never_loads_as_part_of_the_group(tmp_path: Pa
 
 # --------------------------------------------------------------------------- item 7
 def test_remove_cancels_the_commit_on_every_rank(tmp_path: Path, store: object | None) -> None:
+    """Each rank's cancelled commit is reported as a failed one: one group ``commit`` event with
+    the GroupRemovedError (before, none: metrics and reports never saw it)."""
     g = tmp_path / "G"
-    cks = [_ck(r, store) for r in (0, 1)]
+    events: list[Event] = []
+    cks = [_ck(r, store, sinks=(SimpleNamespace(emit=events.append),)) for r in (0, 1)]
     try:
         for ck in cks:
             ck.save(_state(1, ck.rank), str(g / f"rank{ck.rank}.pt"), group=str(g)).wait(60)
@@ -167,6 +181,7 @@ def test_remove_cancels_the_commit_on_every_rank(tmp_path: Path, store: object |
         _close(cks)
     assert not g.exists()
     assert latest(str(tmp_path)) is None
+    assert _failed_group_commits(events) == [(0, "GroupRemovedError"), (1, "GroupRemovedError")]
 
 
 @pytest.mark.parametrize(("committer", "hold"), [(0, "P.write_marker"), (1, "F.own_attempt"),
@@ -176,11 +191,14 @@ def test_a_removal_that_wins_the_race_with_a_commit_fails_it_at_once_and_leaves_
     """Without a store, one rank's ``remove()`` can run before the other rank's commit thread has
     begun (another rank: ``own_attempt``, its first look at the group) or written its marker
     (rank 0 writes it first). That marker used to bring the directory back, and the committing
-    rank then waited out commit_timeout_s (600 s by default) for a rank that had removed the group."""
+    rank then waited out commit_timeout_s (600 s by default) for a rank that had removed the group.
+    The failed commit is one group ``commit`` event with the GroupRemovedError, whichever way it
+    learnt of the removal (the cancel flag, or its marker's directory gone)."""
     from fastckpt.commit import attempt as A
 
     g = tmp_path / "G"
-    cks = [_ck(r, None, commit_timeout_s=120) for r in (0, 1)]
+    events: list[Event] = []
+    cks = [_ck(r, None, commit_timeout_s=120, sinks=(SimpleNamespace(emit=events.append),)) for r in (0, 1)]
     removed = threading.Event()
     owner, name = {"P": A.P, "F": A.F}[hold[0]], hold[2:]
     original = getattr(owner, name)
@@ -204,6 +222,26 @@ def test_a_removal_that_wins_the_race_with_a_commit_fails_it_at_once_and_leaves_
         removed.set()
         _close(cks)
     assert not g.exists(), sorted(str(p.relative_to(tmp_path)) for p in g.rglob("*"))
+    assert _failed_group_commits(events) == [(committer, "GroupRemovedError")]  # however the removal was seen
+
+
+def test_a_commit_that_finds_its_group_gone_reports_the_removal_once(tmp_path: Path) -> None:
+    """Without a store, a removal by another rank shows as ENOENT when rank 0 writes its marker:
+    the commit fails with GroupRemovedError, and its one group ``commit`` event carries that
+    error too, not the raw FileNotFoundError it was seen as."""
+    g = tmp_path / "G"
+    events: list[Event] = []
+    ops = FaultyOps([Fault("open", errno.ENOENT, path_contains=P.marker_rel(0))])
+    cks = [_ck(r, None, ops=ops if r == 0 else None, sinks=(SimpleNamespace(emit=events.append),)) for r in (0, 1)]
+    try:
+        for ck in cks:
+            ck.save(_state(1, ck.rank), str(g / f"rank{ck.rank}.pt"), group=str(g)).wait(60)
+        with pytest.raises(GroupRemovedError, match="was removed while it was being committed"):
+            cks[0].commit(str(g)).wait(60)
+        ops.assert_all_reached()
+    finally:
+        _close(cks)
+    assert _failed_group_commits(events) == [(0, "GroupRemovedError")]
 
 
 def test_remove_waits_for_saves_in_flight_then_the_commit_fails_at_once(tmp_path: Path) -> None:

@@ -28,7 +28,8 @@ def report(logs: tuple[str, ...], png: str | None, page: str | None, as_json: bo
     """Summarise and draw a run from its event logs (one per rank, or one shared).
 
     Prints saves, bytes, blocked and durable percentiles, overhead per rank, alarms,
-    replication lag and failures. Exit 1 when a save failed or an alarm fired (docs/report.md).
+    replication lag and failures. Exit 1 when a save or a group commit failed or an alarm fired
+    (docs/report.md).
     """
     from ..progress import Progress
     from ..report import load_run
@@ -59,7 +60,7 @@ def report(logs: tuple[str, ...], png: str | None, page: str | None, as_json: bo
         for what, where in (("figure", png), ("page", page)):
             if where:
                 click.echo(f"{what}: {where}")
-    if summary.failed or summary.alarms:
+    if summary.failed or summary.alarms or any(k.startswith("commit: ") for k in summary.failures):  # a group's too
         raise SystemExit(1)
 
 

@@ -215,25 +215,16 @@ class Coordinator:
         att.move_latest = move_latest
         t_call, requested_at = time.monotonic(), time.time()
 
-        def committed() -> SaveRecord:
+        def run() -> SaveRecord:
             try:
-                return self._run(att, rank, world, extra, t_call, requested_at)
+                rec = self._run(att, rank, world, extra, t_call, requested_at)  # raises the handle's error, emitted
             except BaseException:
                 self._give_up(att)
                 raise
-
-        def run() -> SaveRecord:
             try:
-                return finish(committed())
-            except GroupRemovedError:
-                A.drop_marker(att, rank)
-                raise
-            except OSError as exc:
-                if A.removed(att, exc):  # the group's directory went while this rank wrote its marker
-                    A.drop_marker(att, rank)
-                    raise F.removed_error(att.home) from exc
-                raise_as_write_error(exc, group, where=group)
-                raise  # unreachable: raise_as_write_error always raises
+                return finish(rec)
+            except BaseException as exc:
+                raise self._failure(att, rank, exc)  # noqa: B904 (``_failure`` chains it when it replaces it)
 
         fut = self._pool.submit(run)
         with self._lock:
@@ -247,6 +238,7 @@ class Coordinator:
         before its attempt began (``att`` None) begins it now, to know which attempt to end."""
         files = "; ".join(f"{path[len(group):].lstrip('/')} ({why})" for path, why in missing.items())
         err = F.unsaved_error(group, files)
+        self._emit("commit", group, 0, time.time(), "direct", err, detail="group")  # those saves emitted none
         try:
             if att is None:
                 self.begin(group, rank, world)
@@ -306,6 +298,32 @@ class Coordinator:
         else:
             run(False)
 
+    def _failure(self, att: A.Attempt, rank: int, exc: BaseException) -> BaseException:
+        """What the handle of this rank's failed commit of ``att`` raises: ``exc``, or a
+        GroupRemovedError when the group was removed meanwhile (its directory went while this
+        rank wrote its marker, which is dropped), or an OSError as a CheckpointWriteError."""
+        if isinstance(exc, GroupRemovedError) or (isinstance(exc, OSError) and A.removed(att, exc)):
+            A.drop_marker(att, rank)
+            if not isinstance(exc, GroupRemovedError):
+                err = F.removed_error(att.home)
+                err.__cause__ = exc
+                return err
+        elif isinstance(exc, OSError):
+            try:
+                raise_as_write_error(exc, att.group, where=att.group)
+            except BaseException as err:  # noqa: BLE001 (it always raises: ``exc``, or the error naming the group)
+                return err
+        return exc
+
+    def _failed(self, att: A.Attempt, rank: int, exc: BaseException, start: float, tier: str,
+                saved: bool = False) -> BaseException:
+        """``_failure``, emitted as the group ``commit`` event (one per rank, as a success is) for metrics and
+        reports; not a save's error (``saved``: its own event counted it), unless it was the group's removal."""
+        err = self._failure(att, rank, exc)
+        if not saved or isinstance(err, GroupRemovedError):
+            self._emit("commit", att.group, 0, start, tier, err, detail="group")
+        return err
+
     def _run(self, att: A.Attempt, rank: int, world: int, extra: dict, t_call: float,
              requested_at: float) -> SaveRecord:
         c0, cpu0 = time.time(), time.thread_time()
@@ -313,29 +331,30 @@ class Coordinator:
             recs = A.records(att.handles)  # a failed save stops the commit here
         except BaseException as exc:
             self._abort(att, rank, exc)
-            raise
-        if att.cancel.is_set():
-            raise F.removed_error(att.home)
+            raise self._failed(att, rank, exc, c0, "direct", saved=True)  # noqa: B904 (as ``run``)
         tier = recs[0].tier if recs else "direct"
         blocked = sum(r.blocked_s for r in recs)
         superseded = any(r.superseded for r in recs)  # replication coalesced this attempt away
         files = {} if superseded else {r.path[len(att.group):].lstrip("/"): {"size": r.bytes, "checksum": r.checksum}
                                       for r in recs}
-        if att.channel is not None:
-            ended = A.via_store(att, att.channel, rank, world, files, superseded, extra, requested_at, self._timeout,
-                                self._stop)
-        else:
-            ended = A.via_storage(att, rank, world, files, superseded, extra, requested_at, self._timeout, self._stop)
-        done = time.monotonic() - t_call
-        ops, nbytes = (att.channel.ops, att.channel.nbytes) if att.channel is not None else (0, 0)
-        cost = {"store_ops": ops, "store_bytes": nbytes, "commit_cpu_s": time.thread_time() - cpu0}
-        if ended.superseded:
-            return SaveRecord(att.group, tier, 0, blocked, 0.0, done, None, rank=rank, group=att.group,
-                              superseded=True, **cost)
-        for local in [p for p in att.local if os.path.isdir(p.url())]:  # striped: each drive holding files
-            try:
-                A.publish_local(att, local, ended.manifest, self._stop)
-            except FileNotFoundError:  # another rank of this node trimmed the copy (keep_local): loads read the home
-                log.debug("fastckpt: the burst-buffer copy %s of %s went meanwhile", local.label, att.group)
+        try:
+            if att.cancel.is_set():
+                raise F.removed_error(att.home)
+            ended = (A.via_store(att, att.channel, rank, world, files, superseded, extra, requested_at, self._timeout,
+                                 self._stop) if att.channel is not None else
+                     A.via_storage(att, rank, world, files, superseded, extra, requested_at, self._timeout, self._stop))
+            done = time.monotonic() - t_call
+            ops, nbytes = (att.channel.ops, att.channel.nbytes) if att.channel is not None else (0, 0)
+            cost = {"store_ops": ops, "store_bytes": nbytes, "commit_cpu_s": time.thread_time() - cpu0}
+            if ended.superseded:
+                return SaveRecord(att.group, tier, 0, blocked, 0.0, done, None, rank=rank, group=att.group,
+                                  superseded=True, **cost)
+            for local in [p for p in att.local if os.path.isdir(p.url())]:  # striped: each drive holding files
+                try:
+                    A.publish_local(att, local, ended.manifest, self._stop)
+                except FileNotFoundError:  # another rank of this node trimmed the copy (keep_local): loads read home
+                    log.debug("fastckpt: the burst-buffer copy %s of %s went meanwhile", local.label, att.group)
+        except BaseException as exc:
+            raise self._failed(att, rank, exc, c0, tier)  # noqa: B904 (as ``run``)
         self._emit("commit", att.group, ended.total, c0, tier, detail="group")
         return SaveRecord(att.group, tier, ended.total, blocked, 0.0, done, done, rank=rank, group=att.group, **cost)

@@ -19,6 +19,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
+from ..config import MAX_PORT
 from ..errors import ConfigError
 from ..eventlog import LogFollower, unique_paths
 from ..events import Event
@@ -87,9 +88,14 @@ def start_exporter(port: int, stats: Callable[[], Stats], rank: Callable[[], int
     """Serve a Checkpointer's metrics on ``port + LOCAL_RANK`` (``port=0``: any free port).
 
     Raises:
-        ConfigError: the port is taken.
+        ConfigError: the port is taken, or ``port + LOCAL_RANK`` is past the last TCP port.
     """
     lr = local_rank()
+    if port and port + lr > MAX_PORT:  # here, not in the config: LOCAL_RANK is read here
+        raise ConfigError(f"metrics_port={port} with LOCAL_RANK={lr} would serve on port {port + lr}, past the last "
+                          f"TCP port {MAX_PORT} (each rank serves on metrics_port + LOCAL_RANK): choose a metrics_port "
+                          f"no higher than {MAX_PORT} minus the node's highest LOCAL_RANK ({MAX_PORT - lr} or lower "
+                          "for this rank), or metrics_port=0 for any free port")
     return CheckpointerExporter(port + lr if port else 0, stats, rank, local_dir, node=lr == 0)
 
 
