@@ -47,6 +47,7 @@ from typing import Any
 
 from fastckpt.checkpointer import Checkpointer
 from fastckpt.errors import ConfigError
+from fastckpt.exits import stop_pools
 from fastckpt.monitor import OverheadReport, Stats
 from fastckpt.urls import is_url, normalize
 
@@ -337,7 +338,7 @@ class FastCkptIOMixin(TrainerLink):
             errors.extend(self._saves.harvest(ck.stats, keep_rows=self._callback is not None))
             self._final_stats = ck.stats()
         if self._remover is not None:
-            self._remover.shutdown(wait=not stuck, cancel_futures=True)
+            stop_pools((self._remover,), wait=not stuck)
             self._remover = None
         trainer = self._trainer()
         if trainer is not None and trainer.world_size > 1 and not self._crashed:

@@ -25,7 +25,7 @@ from .commit.coordinator import Coordinator
 from .config import CheckpointerConfig, options_doc, options_signature
 from .errors import ConfigError, FastCkptError, ReplicationError
 from .events import Event, Fanout, JsonlSink
-from .exits import close_at_exit, flush_at_exit, forget_at_exit
+from .exits import close_at_exit, flush_at_exit, forget_at_exit, stop_pools
 from .format.manifest import TAIL_ROOM
 from .inflight import InFlight
 from .io.ops import FileOps
@@ -285,7 +285,7 @@ class Checkpointer:
                           every_s=PROGRESS_EVERY_S):
                 if left := self._inflight.wait_all(deadline):
                     raise ReplicationError(
-                        f"{left} save(s) still pending after {timeout_s:.0f} s: {', '.join(self._inflight.paths())} "
+                        f"{left} save(s) still pending after {timeout_s:g} s: {', '.join(self._inflight.paths())} "
                         f"(replicating: {', '.join(self._replicator.pending()) or 'none'}). Raise close_timeout_s, "
                         "or check the storage target.")
         self._homes.reaper.drain(None if deadline is None else max(0.0, deadline - time.monotonic()))  # replaced files
@@ -318,8 +318,7 @@ class Checkpointer:
                 if raised is not None:
                     raised.add_note(stopped_note(self.config.local_dirs))
             self._replicator.close(wait)
-            for ex in (self._snapper, self._committer, *self._writers, self._io):
-                ex.shutdown(wait=wait, cancel_futures=not wait)
+            stop_pools((self._snapper, self._committer, *self._writers, self._io), wait)
             self._homes.close(wait)
             self._staging.close()
             if self._jsonl:

@@ -15,7 +15,8 @@ import logging
 import os
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from concurrent.futures import Executor
 from typing import Protocol
 
 log = logging.getLogger("fastckpt")
@@ -59,6 +60,40 @@ def close_at_exit(close: Callable[[], None], pending: Callable[[], int], replica
                   "then are lost (failures are logged above); the checkpoints before them are intact", n)
     except BaseException as exc:  # noqa: BLE001
         log.error("fastckpt: a pending save failed at exit: %r", exc)
+
+
+def stop_pools(executors: Iterable[Executor], wait: bool) -> None:
+    """Shut ``executors`` down: after their work (``wait``), or at once, dropping what has not
+    started and leaving what runs to end with the process (``abandon_at_exit``)."""
+    executors = tuple(executors)
+    for ex in executors:
+        ex.shutdown(wait=wait, cancel_futures=not wait)
+    if not wait:
+        abandon_at_exit(executors, "close() gave up waiting (close_timeout_s)")
+
+
+def abandon_at_exit(executors: Iterable[Executor], why: str) -> list[str]:
+    """``executors`` were shut down without waiting (``close_timeout_s`` passed): the threads
+    still running their work (a write stuck on a stalled mount) must not hold the process at
+    exit, or the timeout bounds nothing. A ThreadPoolExecutor's threads are joined at exit twice,
+    by concurrent.futures' exit hook (``_threads_queues``) and by threading's join of non-daemon
+    threads (``_shutdown_locks``); both forget them here, so they end with the interpreter, as
+    daemon threads do. Returns their names (logged with ``why``)."""
+    import concurrent.futures.thread as cft
+
+    busy = [t for ex in executors for t in list(getattr(ex, "_threads", ())) if t.is_alive()]
+    locks, guard = getattr(threading, "_shutdown_locks", None), getattr(threading, "_shutdown_locks_lock", None)
+    for t in busy:
+        with cft._global_shutdown_lock:  # noqa: SLF001 (see the docstring)
+            cft._threads_queues.pop(t, None)  # noqa: SLF001
+        if locks is not None and guard is not None and (lock := getattr(t, "_tstate_lock", None)) is not None:
+            with guard:
+                locks.discard(lock)
+    if busy:
+        held = "" if locks is not None else " (this Python joins them at exit all the same)"
+        log.warning("fastckpt: %s: %d worker thread(s) still busy (%s) are left to end with the process%s",
+                    why, len(busy), ", ".join(t.name for t in busy), held)
+    return [t.name for t in busy]
 
 
 def _flush_live() -> None:

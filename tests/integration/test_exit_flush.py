@@ -113,3 +113,29 @@ def test_a_sigterm_handler_that_exits_flushes_the_save_in_flight(tmp_path: Path)
     r = subprocess.run([sys.executable, "-c", SIGTERM_SCRIPT, str(path)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 128 + 15, r.stderr
     assert fastckpt.load(str(path))["step"] == 9
+
+
+HELD = textwrap.dedent("""
+    import sys, torch, fastckpt
+    from fastckpt.testing import FaultyOps
+
+    ops = FaultyOps()
+    gate = ops.gate("replace", path_contains="a.pt")  # the final rename hangs, as on a stalled mount
+    ck = fastckpt.Checkpointer(ops=ops, close_timeout_s=0.5, local_dir=sys.argv[1] + "/nvme")
+    ck.save({"w": torch.zeros(4)}, sys.argv[1] + "/home/a.pt")
+    assert gate.wait_entered(30)
+    try:
+        ck.close()
+    except fastckpt.ReplicationError:
+        print("gave up", flush=True)
+    # main returns with the write still held (the gate opens only after 120 s)
+""")
+
+
+def test_close_timeout_bounds_the_exit_too(tmp_path: Path) -> None:
+    """close() gave up after close_timeout_s, but the write stuck on the stalled mount kept its
+    (non-daemon) worker thread busy and the interpreter joined it at exit: the process was held
+    as long as the mount (here until the test gate's own 120 s limit). Now it exits."""
+    r = subprocess.run([sys.executable, "-c", HELD, str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout == "gave up\n", r.stderr
+    assert "still busy (fastckpt-write_0" in r.stderr and "left to end with the process" in r.stderr, r.stderr
