@@ -39,7 +39,7 @@ class TrainerLink:
     _ck: Checkpointer | None
     _saves: SaveLedger
     _removals: dict[str, Future]
-    _links: dict[str, tuple[list[SaveHandle], str]]  # linkpath -> (its target's saves, the target), queued
+    _links: dict[str, list[tuple[SaveHandle, str]]]  # linkpath -> queued links (target's save, target), oldest first
     _links_lock: threading.Lock
     _trainer_ref: Callable[[], Any] | None
     _callback: object
@@ -90,43 +90,57 @@ class TrainerLink:
 
     def _remove_after(self, ck: Checkpointer, path: str, saves: list[SaveHandle]) -> None:
         """The remover thread: delete ``path`` once ``saves`` (``SaveLedger.before_removal``) are all
-        durable. If one failed or was skipped, Lightning counts a checkpoint that does not exist,
-        and ``path`` may be the only good one left: keep it (a WARNING says so). Not an error:
-        the failed save's own error is raised once, by the training thread."""
+        durable. If one failed, was skipped or never reached its path (``not_durable``), Lightning
+        counts a checkpoint that does not exist, and ``path`` may be the only good one left: keep
+        it (a WARNING says so). Not an error: the failed save's own error is raised once, by the
+        training thread."""
         for h in saves:
-            why = not_durable(h)
+            why = not_durable(h, self._saves.newest.get)
             if why is not None:
                 log.warning("fastckpt: kept %s although Lightning asked to delete it: the save of %s before it %s, "
                             "so deleting it could leave no checkpoint. Delete it yourself once a newer checkpoint "
                             "is durable.", path, h.path, why)
                 return
         for linkpath in list(self._links):  # last.ckpt may name path: move it on first (it is queued after)
-            self._relink(linkpath, False)
+            self._relink(linkpath, None)
         ck.remove(path)
 
     def _link_later(self, trainer: Any, filepath: str, linkpath: str) -> bool:
         """ModelCheckpoint(save_last="link") links ``linkpath`` to ``filepath`` right after asking
-        for its save. With that save in flight, queue the link behind it on the remover thread (in
-        order with the removals) and return True; ``linkpath`` keeps its old target until then."""
-        if not self._in_fit or not trainer.is_global_zero or not self._in_flight(filepath):
+        for its save. If this fit saved ``filepath`` (in flight, or done: durable, skipped or
+        failed), queue the link on the remover thread (in order with the removals) and return True:
+        ``linkpath`` keeps its old target until that save is durable, and for good if it is not.
+        Lightning's own link (False) is only for a file this fit did not save, which exists."""
+        if not self._in_fit or not trainer.is_global_zero:
             return False
-        saves = [t.handle for t in self._saves.to(normalize(os.fspath(filepath)))]
+        save = self._saves.newest.get(normalize(os.fspath(filepath)))
+        if save is None:
+            return False
+        entry = (save, os.fspath(filepath))
         with self._links_lock:
-            self._links[linkpath] = (saves, filepath)
-        self._removals[LINK + normalize(linkpath)] = self._queue(self._relink, linkpath, True)
+            self._links.setdefault(linkpath, []).append(entry)
+        self._removals[LINK + normalize(linkpath)] = self._queue(self._relink, linkpath, entry)
         return True
 
-    def _relink(self, linkpath: str, wait: bool) -> None:
-        """The remover thread: make the newest link queued for ``linkpath``, once its target's
-        saves are done (``wait``: waiting for them; else only if they are done already)."""
-        with self._links_lock:
-            entry = self._links.get(linkpath)
-        if entry is None or (not wait and not all(h.done() for h in entry[0])):
-            return
-        _link_after(*entry, linkpath)
-        with self._links_lock:
-            if self._links.get(linkpath) is entry:
-                del self._links[linkpath]
+    def _relink(self, linkpath: str, upto: tuple[SaveHandle, str] | None) -> None:
+        """The remover thread: make the links queued for ``linkpath``, oldest first, so it ends
+        at the newest durable target: up to ``upto`` (waiting for each save), or (None) those
+        whose saves are done already. One whose save is not durable is passed over (a WARNING)."""
+        while True:
+            with self._links_lock:
+                queued = self._links.get(linkpath, [])
+                if not queued or (upto is not None and all(e is not upto for e in queued)):
+                    return  # made already (by a removal, which moves links first)
+                entry = queued[0]
+            if upto is None and not entry[0].done():
+                return
+            _link_after(entry[0], entry[1], linkpath, self._saves.newest.get)
+            with self._links_lock:
+                queued.pop(0)
+                if not queued:
+                    del self._links[linkpath]
+            if entry is upto:
+                return
 
     def _queue(self, fn: Callable[..., None], *args: Any) -> Future:
         raise NotImplementedError  # FastCkptIOMixin runs it on its remover thread
@@ -161,6 +175,7 @@ class TrainerLink:
         # there under every strategy (FSDPStrategy's never calls CheckpointIO.teardown)
         fitting = str(getattr(trainer.state.fn, "value", "fit")) == "fit"
         self._in_fit, self._crashed, self._reserved = fitting, False, False
+        self._saves.newest.clear()  # the saves of this fit only
         self._sharded = bool(SHARDED_STRATEGIES & {c.__name__ for c in type(trainer.strategy).__mro__})
         if trainer.is_global_zero and fitting:
             self._checkpointer()  # start the overhead clock with the run, not at the first save
@@ -208,16 +223,16 @@ class TrainerLink:
             self._trainer_ref = None
 
 
-def _link_after(saves: list[SaveHandle], filepath: str, linkpath: str) -> None:
-    """The remover thread: point ``linkpath`` at ``filepath`` once its ``saves`` are durable,
+def _link_after(save: SaveHandle, filepath: str, linkpath: str,
+                newest: Callable[[str], SaveHandle | None]) -> None:
+    """The remover thread: point ``linkpath`` at ``filepath`` once its ``save`` is durable,
     atomically (a symlink made beside it and renamed over it: ``linkpath`` never goes missing).
-    If one failed or was skipped, ``linkpath`` keeps naming the checkpoint before."""
-    for h in saves:
-        why = not_durable(h)
-        if why is not None:
-            log.warning("fastckpt: %s still names the checkpoint before: the save of %s it was to name %s",
-                        linkpath, filepath, why)
-            return
+    If it failed or was skipped, ``linkpath`` keeps naming the checkpoint before."""
+    why = not_durable(save, newest)
+    if why is not None:
+        log.warning("fastckpt: %s still names the checkpoint before: the save of %s it was to name %s",
+                    linkpath, filepath, why)
+        return
     if os.path.isdir(linkpath) and not os.path.islink(linkpath):
         shutil.rmtree(linkpath)
     tmp = tmp_name(linkpath)
@@ -233,8 +248,10 @@ def _link_after(saves: list[SaveHandle], filepath: str, linkpath: str) -> None:
         raise
 
 
-def not_durable(handle: SaveHandle) -> str | None:
-    """Why ``handle``'s save did not leave a file at its path (waiting for it), or None if it did."""
+def not_durable(handle: SaveHandle, newest: Callable[[str], SaveHandle | None]) -> str | None:
+    """Why ``handle``'s save did not leave a file at its path (waiting for it), or None if it did.
+    One the replicator dropped for a newer save to the same path (it does under any
+    replicate_policy) is as durable as that save (``newest``: the newest save to a path)."""
     try:
         rec = handle.result()  # not wait(): its failure stays the training thread's to raise once
     except CancelledError:
@@ -245,4 +262,10 @@ def not_durable(handle: SaveHandle) -> str | None:
         return "was skipped (when_busy='skip')"
     if rec.cancelled:
         return "was deleted before it was replicated"
+    if rec.superseded or rec.durable_s is None:
+        newer = newest(handle.path)
+        if newer is not None and newer is not handle:
+            return not_durable(newer, newest)
+        return ("was dropped from the replication queue for a newer checkpoint (the Checkpointer's "
+                "replicate_policy='coalesce'): only its burst-buffer copy exists")
     return None

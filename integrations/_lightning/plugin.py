@@ -79,7 +79,8 @@ class FastCkptIOMixin(TrainerLink):
             ``save_last=True`` (it saves the same state twice in one step, and the second save
             would otherwise wait for the first one's write), else 1.
         checkpointer: an existing ``fastckpt.Checkpointer`` to use instead; then no other option
-            may be given. FastCkptIO waits for it but does not close it.
+            may be given. FastCkptIO waits for it but does not close it, and warns if it has a
+            ``local_dir`` without ``replicate_policy="all"`` (below).
         **options: any other ``fastckpt.Checkpointer`` option (``tier``, ``overhead_budget``,
             ``event_log``, ``when_busy``, ``storage_options`` for a URL dirpath, ``keep_local``,
             ...): each is defined once, in ``fastckpt.config.CheckpointerConfig``.
@@ -106,6 +107,15 @@ class FastCkptIOMixin(TrainerLink):
             if given or options:
                 raise ConfigError(f"FastCkptIO(checkpointer=...) uses that Checkpointer's settings; do not also "
                                   f"pass {', '.join(given + sorted(options))} (set them on the Checkpointer)")
+            if checkpointer.config.local_dirs and checkpointer.config.replicate_policy != "all":
+                # a warning, not an error: FastCkptIO(replicate_policy="coalesce") is allowed too
+                policy = checkpointer.config.replicate_policy
+                warnings.warn(f"fastckpt: the Checkpointer given to FastCkptIO has a local_dir and replicate_policy="
+                              f"{policy!r} (the core's default): when uploads fall behind it replicates only the "
+                              "newest checkpoint, so files ModelCheckpoint saved (top-k, last.ckpt) may never reach "
+                              "their path, and the older files they were to replace are kept instead. Build it with "
+                              "Checkpointer(..., replicate_policy='all'), as FastCkptIO does when it builds its own.",
+                              UserWarning, stacklevel=2)
         options.setdefault("replicate_policy", "all")
         # validated now: a bad option should fail where the Trainer is built, not at the first save
         self.config = checkpointer_config(local_dir=local_dir,

@@ -34,11 +34,14 @@ class SaveLedger:
         self._unfenced: list[Tracked] = []
         self._rows: list[dict[str, float]] = []
         self._last: SaveHandle | None = None
+        #: Each path's newest save this fit, done or not, kept after ``harvest``: a skipped or
+        #: failed save is done (and harvested) before ModelCheckpoint links last.ckpt to it.
+        self.newest: dict[str, SaveHandle] = {}
 
     def add(self, handle: SaveHandle, step: int | None, blocked_s: float | None, lazy: bool = False) -> Tracked:
         item = Tracked(handle, step, blocked_s)
         self.tracked.append(item)
-        self._last = handle
+        self._last = self.newest[handle.path] = handle
         if lazy:
             self._unfenced.append(item)
         return item

@@ -393,6 +393,20 @@ def test_bad_options_fail_at_construction():
         FastCkptIO(local_dir="/tmp", checkpointer=ck)
 
 
+
+def test_given_checkpointer_that_may_drop_uploads_warns(tmp_path):
+    """FastCkptIO asks for replicate_policy="all" only when it builds the Checkpointer: one of
+    one's own with a burst buffer has the core's "coalesce", which drops uploads Lightning counts."""
+    fix = r"replicate_policy='coalesce'.*Checkpointer\(\.\.\., replicate_policy='all'\)"
+    with fastckpt.Checkpointer(str(tmp_path / "nvme")) as ck, pytest.warns(UserWarning, match=fix):
+        FastCkptIO(checkpointer=ck)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with fastckpt.Checkpointer(str(tmp_path / "nvme"), replicate_policy="all") as ck:
+            FastCkptIO(checkpointer=ck)
+        with fastckpt.Checkpointer() as ck:  # no burst buffer: nothing to replicate
+            FastCkptIO(checkpointer=ck)
+
 def test_storage_options(tmp_path):
     io = FastCkptIO()
     trainer = make_trainer(str(tmp_path), io, 2, every_n_train_steps=100)

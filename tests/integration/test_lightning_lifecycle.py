@@ -5,7 +5,11 @@ before the requeue."""
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -20,8 +24,9 @@ L = pytest.importorskip("lightning")
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 import fastckpt
+from fastckpt.errors import CheckpointWriteError
 from fastckpt.integrations.lightning import FastCkptIO
-from fastckpt.testing import FaultyOps
+from fastckpt.testing import Fault, FaultyOps
 from tests.integration.test_lightning import TinyModel, loader, make_trainer
 
 
@@ -163,6 +168,80 @@ def test_last_link_keeps_a_complete_target_when_the_newest_save_is_skipped(tmp_p
     resumed = make_trainer(str(tmp_path), FastCkptIO(), 4, callbacks=[Start()], **mc)
     resumed.fit(TinyModel(), loader(), ckpt_path="last")
     assert started == [1]  # from step 1, not from 0
+
+
+def _resumed_from_last(root: str, ckdir: str) -> int:
+    """The global step a new fit with ckpt_path="last" starts at, for the checkpoints in ``ckdir``."""
+    started: list[int] = []
+
+    class Start(Callback):
+        def on_train_start(self, trainer, pl_module):
+            started.append(trainer.global_step)
+
+    mc = {"dirpath": ckdir, "every_n_train_steps": 1, "save_top_k": 1, "monitor": "step", "mode": "max",
+          "save_last": "link"}
+    make_trainer(root, FastCkptIO(), 6, callbacks=[Start()], **mc).fit(TinyModel(), loader(), ckpt_path="last")
+    return started[0]
+
+
+def test_last_link_never_names_a_skipped_save_meanwhile(tmp_path) -> None:
+    """when_busy="skip": step 1 is durable and linked, step 2 is held mid-write, so step 3's save
+    is skipped. Lightning used to link last.ckpt to the skipped file at once (only a save in
+    flight had its link queued): a job killed then left last.ckpt dangling and ckpt_path="last"
+    started over from step 0. The kill is a copy of the directory taken at that moment."""
+    ops = FaultyOps()
+    gate = ops.gate("pwrite", path_contains="step=2.ckpt")
+    io = FastCkptIO(checkpointer=fastckpt.Checkpointer(ops=ops, when_busy="skip"))
+    ckdir, killed = tmp_path / "ckpt", tmp_path / "as_left_by_a_kill"
+    last = ckdir / "last.ckpt"
+
+    class KillAtStep3(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if trainer.global_step == 1:  # step 1 durable, and its queued link made
+                io._ck.wait()
+                trainer.strategy.load_checkpoint(str(last))
+            elif trainer.global_step == 3:  # step 2 held in its write, step 3 skipped
+                assert gate.wait_entered(60)
+                shutil.copytree(ckdir, killed, symlinks=True)
+                gate.open()
+
+    try:
+        make_trainer(str(tmp_path), io, 4, callbacks=[KillAtStep3()], every_n_train_steps=1, save_top_k=1,
+                     monitor="step", mode="max", save_last="link").fit(TinyModel(), loader())
+    finally:
+        gate.open()
+        io._ck.close()
+    assert os.path.realpath(killed / "last.ckpt") == str(killed / "epoch=0-step=1.ckpt")
+    assert _resumed_from_last(str(tmp_path), str(killed)) == 1  # from step 1, not from 0
+
+
+def test_last_link_never_names_a_save_that_failed_already(tmp_path, caplog) -> None:
+    """Step 2's write fails (ENOSPC) before ModelCheckpoint links last.ckpt to it, as a fast
+    failure does. Only a save still in flight had its link queued, so Lightning linked last.ckpt
+    to the missing file for good, and ckpt_path="last" started over from step 0."""
+    ops = FaultyOps([Fault("pwrite", errno.ENOSPC, path_contains="step=2.ckpt")])
+    gate = ops.gate("pwrite", path_contains="step=2.ckpt")  # fails once opened
+    io = FastCkptIO(ops=ops)
+    save = io.save_checkpoint
+
+    def save_checkpoint(checkpoint, path, storage_options=None):  # noqa: ANN001, ANN202
+        save(checkpoint, path, storage_options)
+        if "step=2.ckpt" in str(path):  # returned with the write held: let it fail before the link
+            gate.open()
+            with contextlib.suppress(Exception):  # its error is raised once, by the training thread
+                io._saves.tracked[-1].handle.result()
+
+    io.save_checkpoint = save_checkpoint  # type: ignore[method-assign]
+    ckdir = tmp_path / "ckpt"
+    trainer = make_trainer(str(tmp_path), io, 4, every_n_train_steps=1, save_top_k=1, monitor="step", mode="max",
+                           save_last="link")
+    with caplog.at_level(logging.WARNING, logger="fastckpt.lightning"), pytest.raises(CheckpointWriteError):
+        trainer.fit(TinyModel(), loader())
+    ops.assert_all_reached()
+    assert os.path.realpath(ckdir / "last.ckpt") == str(ckdir / "epoch=0-step=1.ckpt")
+    kept = [r.getMessage() for r in caplog.records if "still names the checkpoint before" in r.getMessage()]
+    assert len(kept) == 1 and "step=2.ckpt" in kept[0] and "failed" in kept[0]
+    assert _resumed_from_last(str(tmp_path), str(ckdir)) == 1
 
 
 def test_version_suffixes_count_saves_in_flight(tmp_path) -> None:

@@ -1,5 +1,5 @@
 """ModelCheckpoint's rotation with FastCkptIO: a removal never deletes the only good checkpoint
-(a replacement that failed or was skipped); teardown after Ctrl-C stops waiting for a stalled
+(a replacement that failed, was skipped or was never replicated); teardown after Ctrl-C stops waiting for a stalled
 store after close_timeout_s (docs/lightning.md)."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import logging
 import os
 import signal
 import threading
+import warnings
 
 import pytest
 
@@ -19,6 +20,8 @@ from lightning.pytorch.callbacks import Callback
 import fastckpt
 from fastckpt.errors import CheckpointWriteError
 from fastckpt.integrations.lightning import FastCkptIO
+from fastckpt.io.atomic import final_path
+from fastckpt.records import SaveHandle
 from fastckpt.testing import Fault, FaultyOps
 from tests.integration.test_lightning import TinyModel, loader, make_trainer
 
@@ -98,3 +101,100 @@ def test_teardown_after_ctrl_c_stops_waiting_for_a_stalled_store(tmp_path):
         timer.cancel()
         gate.open()
         signal.signal(signal.SIGINT, sigint)  # Lightning left it ignored
+
+
+def test_replacement_dropped_by_coalescing_keeps_the_previous_top_k_file(tmp_path, caplog):
+    """A Checkpointer of one's own has the core's replicate_policy="coalesce": step=4's upload
+    made the replicator drop step=3's, queued behind step=2's (held). The removal of step=2 then
+    counted step=3 as durable and deleted step=2 at the home, where step=3 never arrives: a kill
+    before step=4 lands left no checkpoint there. Both home-side renames are held by events."""
+    ckdir = str(tmp_path / "ckpt")
+    release = {"step=2.ckpt": threading.Event(), "step=4.ckpt": threading.Event()}
+
+    def hold_home_rename(op, path):  # noqa: ANN001, ANN202
+        path = final_path(path) or path
+        if op == "replace" and path.startswith(ckdir):
+            for name, event in release.items():
+                if path.endswith(name):
+                    assert event.wait(60)
+
+    ck = fastckpt.Checkpointer(local_dir=str(tmp_path / "nvme"), ops=FaultyOps(on_call=hold_home_rename),
+                               replicate_workers=1, staging_buffers=4)
+    saves: dict[str, SaveHandle] = {}
+    save = ck.save
+
+    def record(state, path, **kw):  # noqa: ANN001, ANN003, ANN202
+        saves[os.path.basename(path)] = handle = save(state, path, **kw)
+        return handle
+
+    ck.save = record  # type: ignore[method-assign]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # it warns about the policy (test_lightning.py)
+        io = FastCkptIO(checkpointer=ck)
+    at_home: list[str] = []
+
+    class KillAtStep4(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if trainer.global_step == 1:
+                ck.wait()  # step=1 durable at the home
+            elif trainer.global_step == 4:
+                assert saves["epoch=0-step=3.ckpt"].result(60).superseded  # step=4's upload replaced it
+                release["step=2.ckpt"].set()
+                io._removals[os.path.join(ckdir, "epoch=0-step=2.ckpt")].result(60)
+                at_home.extend(sorted(f for f in os.listdir(ckdir) if f.endswith(".ckpt")))
+                release["step=4.ckpt"].set()
+
+    trainer = make_trainer(str(tmp_path), io, 5, callbacks=[KillAtStep4()], every_n_train_steps=1, save_top_k=1,
+                           monitor="step", mode="max")
+    try:
+        with caplog.at_level(logging.WARNING, logger="fastckpt.lightning"):
+            trainer.fit(TinyModel(), loader())
+    finally:
+        for event in release.values():
+            event.set()
+        ck.close()
+    assert at_home == ["epoch=0-step=2.ckpt"]  # what a kill at step 4 leaves at the home
+    kept = [r.getMessage() for r in caplog.records if r.getMessage().startswith("fastckpt: kept")]
+    assert any("step=2.ckpt" in m and "step=3.ckpt" in m and "coalesce" in m for m in kept), kept
+
+
+def test_last_ckpt_replaced_before_its_upload_does_not_keep_a_top_k_file(tmp_path, caplog):
+    """replicate_policy="all" still drops a queued upload for a newer save to the same path
+    (save_last=True writes last.ckpt every step). The removal of step=1 waits for last.ckpt of
+    step 1, dropped that way: it counts as the newer last.ckpt, which lands, so step=1 goes."""
+    ckdir = str(tmp_path / "ckpt")
+    release = threading.Event()
+
+    def hold_home_rename(op, path):  # noqa: ANN001, ANN202
+        path = final_path(path) or path
+        if op == "replace" and path == os.path.join(ckdir, "epoch=0-step=1.ckpt"):
+            assert release.wait(60)
+
+    saves: dict[str, list[SaveHandle]] = {}
+
+    class DropLastOfStep1(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if trainer.global_step == 2:
+                assert saves["last.ckpt"][0].result(60).superseded  # last.ckpt of step 2 replaced it
+                release.set()
+
+    io = FastCkptIO(local_dir=str(tmp_path / "nvme"), ops=FaultyOps(on_call=hold_home_rename),
+                    replicate_workers=1, staging_buffers=4)
+    trainer = make_trainer(str(tmp_path), io, 3, callbacks=[DropLastOfStep1()], every_n_train_steps=1,
+                           save_top_k=1, monitor="step", mode="max", save_last=True)
+    ck = io._checkpointer()
+    save = ck.save
+
+    def record(state, path, **kw):  # noqa: ANN001, ANN003, ANN202
+        handle = save(state, path, **kw)
+        saves.setdefault(os.path.basename(path), []).append(handle)
+        return handle
+
+    ck.save = record  # type: ignore[method-assign]
+    try:
+        with caplog.at_level(logging.WARNING, logger="fastckpt.lightning"):
+            trainer.fit(TinyModel(), loader())
+    finally:
+        release.set()
+    assert sorted(os.listdir(ckdir)) == ["epoch=0-step=3.ckpt", "last.ckpt"]
+    assert not [r for r in caplog.records if r.getMessage().startswith("fastckpt: kept")]
