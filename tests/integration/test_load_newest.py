@@ -17,12 +17,13 @@ from __future__ import annotations
 import errno
 import os
 import threading
+import uuid
 
 import pytest
 import torch
 
 import fastckpt
-from fastckpt.errors import ConfigError, ReplicationError
+from fastckpt.errors import ConfigError, CorruptCheckpointError, ReplicationError
 from fastckpt.load import loader
 from fastckpt.storage.types import BucketNotFoundError
 from fastckpt.testing import Fault, FaultyOps
@@ -225,3 +226,117 @@ def test_a_cut_short_burst_buffer_copy_falls_back_without_calling_it_unverified(
     said = " ".join(r.getMessage() for r in caplog.records)
     assert "unusable" in said and local in said
     assert "unverified" not in said
+
+
+def _memory_url(name: str) -> str:
+    return f"memory://fastckpt-{uuid.uuid4().hex[:8]}/run/{name}"
+
+
+def _put_plain(url: str, obj: object) -> None:
+    """``obj`` as a plain torch.save file at the memory:// ``url`` (a migrated run's checkpoint)."""
+    import io
+
+    import fsspec
+
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    fsspec.filesystem("memory").pipe_file(url.removeprefix("memory://"), buf.getvalue())
+
+
+def test_a_plain_file_prefetched_before_gives_way_to_a_fastckpt_save_at_the_url(tmp_path) -> None:
+    """The burst buffer holds a download of a plain torch.save file (no manifest); another node
+    then saved the URL with fastckpt. A local copy without a manifest is no copy of that save
+    (before: "same save" whenever either side lacked a manifest, and the stale file loaded)."""
+    url = _memory_url("last.ckpt")
+    _put_plain(url, _state(1))
+    with fastckpt.Checkpointer(local_dir=str(tmp_path / "nodeA")) as a:
+        assert _step(a.load(url, prefetch=True)) == 1 and a.stats().last_restore_from == "remote (prefetched)"
+        with fastckpt.Checkpointer(local_dir=str(tmp_path / "nodeB")) as b:
+            b.save(_state(2), url).wait()
+        assert _step(a.load(url)) == 2 and a.stats().last_restore_from == "remote"
+        assert _step(a.load(url, prefetch=True)) == 2  # and a prefetch replaces the stale download
+        assert _step(a.load(url)) == 2 and a.stats().last_restore_from == "local"
+
+
+def test_a_prefetched_plain_file_is_used_until_the_url_holds_another(tmp_path) -> None:
+    """Two files without a manifest: the download is used while the URL's file has its size and
+    was written before it; a plain file saved there since (another size) is loaded instead."""
+    url = _memory_url("plain.ckpt")
+    _put_plain(url, _state(1))
+    with fastckpt.Checkpointer(local_dir=str(tmp_path / "nvme")) as ck:
+        assert _step(ck.load(url, prefetch=True)) == 1
+        assert _step(ck.load(url)) == 1 and ck.stats().last_restore_from == "local"
+        _put_plain(url, _state(2, n=1 << 15))
+        assert _step(ck.load(url)) == 2 and ck.stats().last_restore_from == "remote"
+
+
+class ReplaceOnOpen:
+    """FaultyOps ``on_call``: once armed, renames ``staged`` over ``path`` at the first open of
+    ``path`` (another node's save landing while this one reads it)."""
+
+    def __init__(self, path: str, staged: str) -> None:
+        self.path, self.staged, self.armed, self.fired = path, staged, False, False
+
+    def __call__(self, op: str, path: str) -> None:
+        if self.armed and not self.fired and op == "open" and path == self.path:
+            self.fired = True
+            os.replace(self.staged, self.path)
+
+
+def test_a_save_landing_during_the_same_save_check_never_loads_the_stale_copy(tmp_path) -> None:
+    """Node A's burst buffer holds step 1; the home holds step 2, and step 3 (another size) is
+    renamed over it just as A's check reads the home's manifest. The size and the tail are read
+    through one descriptor, so the check sees one whole file (before: step 2's size with step 3's
+    tail did not parse, and the check fell back to A's stale step 1)."""
+    home = str(tmp_path / "home")
+    path, staged = os.path.join(home, "x.pt"), str(tmp_path / "staged" / "x.pt")
+    hook = ReplaceOnOpen(path, staged)
+    with fastckpt.Checkpointer(local_dir=str(tmp_path / "nodeA"), ops=FaultyOps(on_call=hook)) as a:
+        a.save(_state(1), path).wait()
+        with fastckpt.Checkpointer() as other:
+            other.save(_state(2, n=(1 << 16) + 3000), path).wait()
+            other.save(_state(3, n=(1 << 16) + 1000), staged).wait()
+        hook.armed = True
+        assert _step(a.load(path)) == 3 and a.stats().last_restore_from == "path"
+        assert hook.fired
+
+
+def test_a_home_whose_manifest_will_not_read_is_loaded_before_the_local_copy(tmp_path, caplog) -> None:
+    """Reading the home's manifest fails twice (EIO) although the file is there: the home is read
+    first (it verifies itself), not skipped for the burst-buffer copy, here of an older save."""
+    home = str(tmp_path / "home")
+    path = os.path.join(home, "x.pt")
+    ops = FaultyOps()
+    with fastckpt.Checkpointer(local_dir=str(tmp_path / "nodeA"), ops=ops) as a:
+        a.save(_state(1), path).wait()
+        with fastckpt.Checkpointer() as other:
+            other.save(_state(2), path).wait()
+        ops.inject(Fault("preadv", errno.EIO, nth=1, path_startswith=path),
+                   Fault("preadv", errno.EIO, nth=2, path_startswith=path))
+        with caplog.at_level("WARNING", logger="fastckpt"):
+            assert _step(a.load(path)) == 2 and a.stats().last_restore_from == "path"
+    assert any("cannot read which save" in r.getMessage() and path in r.getMessage() for r in caplog.records)
+
+
+def test_prefetch_of_a_url_that_holds_nothing_is_not_found(tmp_path) -> None:
+    with fastckpt.Checkpointer(local_dir=str(tmp_path / "nvme"), retry_deadline_s=1) as ck:
+        for prefetch in (False, True):
+            with pytest.raises(fastckpt.CheckpointNotFoundError, match="does not exist"):
+                ck.load(_memory_url("gone.pt"), prefetch=prefetch)
+
+
+def test_prefetch_of_a_damaged_object_names_it_and_removes_the_download(tmp_path) -> None:
+    import fsspec
+
+    url = _memory_url("x.pt")
+    with fastckpt.Checkpointer(local_dir=str(tmp_path / "nodeA")) as a:
+        a.save(_state(1), url).wait()
+    fs, key = fsspec.filesystem("memory"), url.removeprefix("memory://")
+    data = bytearray(fs.cat_file(key))
+    data[100_000] ^= 1
+    fs.pipe_file(key, bytes(data))
+    with fastckpt.Checkpointer(local_dir=str(tmp_path / "fresh")) as fresh:
+        with pytest.raises(CorruptCheckpointError) as err:
+            fresh.load(url, prefetch=True)
+        assert str(err.value).startswith("memory://") and "is corrupt" in str(err.value)
+        assert not os.path.exists(fresh.local_path(url))

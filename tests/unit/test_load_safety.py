@@ -256,3 +256,56 @@ def test_latest_skips_a_file_whose_sidecar_is_damaged(tmp_path: Path) -> None:
         fsspec.filesystem("memory").pipe_file(f"/{bucket}/run/b.pt.fastckpt.json", b'{"written_at": 1')
         assert ck.latest(root).endswith(f"{bucket}/run/a.pt")
         assert fastckpt.latest(root).endswith(f"{bucket}/run/a.pt")
+
+
+def _plain_state() -> dict:
+    return {"m": {f"p{i}": torch.arange(100.0) + i for i in range(20)}, "step": 3}
+
+
+@pytest.mark.parametrize("damage", ["legacy cut in its pickle", "legacy cut in its storages", "zip pickle opcode",
+                                    "zip pickle argument"])
+def test_damaged_plain_torch_files_raise_corruption_not_torch_internals(tmp_path: Path, damage: str) -> None:
+    """A plain torch.save file has no checksum: whatever torch raises on its damaged bytes (before:
+    a raw struct.error or IndexError, or an UnpicklingError whose note advised weights_only=False)
+    is corruption naming the file."""
+    path = tmp_path / "plain.pt"
+    torch.save(_plain_state(), path, _use_new_zipfile_serialization=damage.startswith("zip"))
+    data = bytearray(path.read_bytes())
+    if damage.startswith("legacy"):
+        data = data[: 417 if "pickle" in damage else 1407]
+    else:
+        pk = torch._C.PyTorchFileReader(str(path)).get_record_offset("data.pkl")
+        at, mask = (pk + 7, 0x10) if damage == "zip pickle opcode" else (pk + 100, 0x01)
+        data[at] ^= mask
+    path.write_bytes(bytes(data))
+    for mmap in (False, True):
+        with pytest.raises(CorruptCheckpointError, match=f"{path} is truncated or damaged") as err:
+            fastckpt.load(str(path), mmap=mmap)
+        assert "weights_only=False" not in str(err.value) + "".join(getattr(err.value, "__notes__", []))
+
+
+class _NotAllowed:
+    """A class weights_only=True refuses."""
+
+
+def test_a_plain_file_holding_a_refused_class_keeps_the_weights_only_refusal(tmp_path: Path) -> None:
+    """Its pickle is well formed: that is a refusal to opt out of, not damage."""
+    path = tmp_path / "obj.pt"
+    torch.save({"cfg": _NotAllowed(), "w": torch.ones(3)}, path)
+    with pytest.raises(pickle.UnpicklingError) as err:
+        fastckpt.load(str(path))
+    assert not isinstance(err.value, CorruptCheckpointError)
+    assert "weights_only=False" in "".join(getattr(err.value, "__notes__", []))
+    assert isinstance(fastckpt.load(str(path), weights_only=False)["cfg"], _NotAllowed)
+
+
+@pytest.mark.parametrize("cut", ["empty", "half"])
+def test_verify_true_reports_a_checkpoint_cut_short_as_damaged(tmp_path: Path, cut: str) -> None:
+    """Not as a plain file to load with verify=False (before: "has no fastckpt manifest")."""
+    path = _save(tmp_path / "a.pt")
+    data = path.read_bytes()
+    path.write_bytes(b"" if cut == "empty" else data[: len(data) // 2])
+    with pytest.raises(CorruptCheckpointError, match=str(path)) as err:
+        fastckpt.load(str(path), verify=True)
+    assert not isinstance(err.value, UnverifiableCheckpointError)
+    assert ("empty" if cut == "empty" else "truncated") in str(err.value) and "verify=False" not in str(err.value)

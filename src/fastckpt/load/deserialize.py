@@ -39,8 +39,9 @@ def deserialize(buf, size: int, map_location: object, weights_only: bool, path: 
     try:
         return torch.serialization._load(reader, map_location, module, overall_storage=records)
     except pickle.UnpicklingError as exc:
-        exc.add_note(f"{path} holds objects that weights_only=True refuses. If you trust this file, "
-                     "load it with weights_only=False.")
+        if weights_only:  # the stock unpickler raises it on a malformed pickle: no object to opt in to
+            exc.add_note(f"{path} holds objects that weights_only=True refuses. If you trust this file, "
+                         "load it with weights_only=False.")
         raise
 
 

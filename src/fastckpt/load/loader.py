@@ -2,8 +2,8 @@
 
 A save of the path in flight on the same Checkpointer is waited for first. Copies are then
 tried in order: the burst-buffer copy in ``local_dir`` (when there is one, and it is of the same
-save as the copy at the path, by the checksum in its manifest or, at a URL, its sidecar), then
-the path itself. Each copy is read through its
+save as the copy at the path, by the checksum in its manifest or, at a URL, its sidecar: see
+``Loader._compare``), then the path itself. Each copy is read through its
 home's ``Target`` (``storage.homes``): a file on a mounted file system in parallel through one
 open descriptor (O_DIRECT where honoured), an object with parallel ranged reads; either way
 the checksum of the covered bytes is computed while the bytes arrive. A copy that fails to read
@@ -13,18 +13,17 @@ buffer, so the next load is local.
 
 A file without a fastckpt manifest (written by plain ``torch.save``, another checkpointer, or a
 tool) loads unverified: reported at WARNING once per path and in the load's event, and refused
-with ``verify=True``. Such a file that is empty, not a torch file, or truncated raises
-``CorruptCheckpointError`` naming it and what is wrong.
+with ``verify=True``. Such a file that is empty, not a torch file, truncated or otherwise
+damaged raises ``CorruptCheckpointError`` naming it and what is wrong (``load.unverified``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
-import pickle
 import threading
-import zipfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -39,20 +38,20 @@ from ..errors import (
     IncompleteCheckpointError,
     UnverifiableCheckpointError,
 )
-from ..io.engine import ImageFactory, ReadResult
+from ..io.engine import ImageFactory
 from ..storage.homes import Homes, Location
+from ..storage.types import TargetNotFoundError, TargetUnavailableError
 from .deserialize import deserialize
-from .image import ZIP_MAGIC, HeapImage, heap_image
+from .image import heap_image
 from .into import in_place, place
+from .unverified import damage, load_unverified, warn_unverified
 
 log = logging.getLogger("fastckpt")
-#: torch.save's pre-zip format: a pickle (protocol 2 by default; ``pickle_protocol=`` 3 to 5)
-LEGACY_MAGIC = tuple(bytes([0x80, p]) for p in range(2, 6))
-_warned: set[str] = set()  # paths loaded unverified that were reported already
-_warned_lock = threading.Lock()
 #: How long the check that the burst-buffer copy is of the save at an object-store home retries
 #: a store that does not answer, before the local copy is loaded anyway (as without the check).
 SAME_SAVE_CHECK_S = 5.0
+#: How the burst-buffer copy relates to the home's (``Loader._compare``)
+SAME, OTHER, OLDER, HOME_FIRST = "same", "other", "older", "home first"
 
 
 @dataclass(frozen=True)
@@ -164,13 +163,11 @@ class Loader:
                               f"load one at a time), or fastckpt.latest({path!r}) for the newest checkpoint under it")
         candidates, replaceable = self._candidates(path, home)
         if opts.prefetch and not home.target.mounted and replaceable:
-            local = self._homes.resolve(self._local_path(path))  # type: ignore[arg-type]
-            os.makedirs(os.path.dirname(local.url), exist_ok=True)
-            home.target.download(home.key, local.url)
-            got = self._read(local, opts, path, "remote (prefetched)")
+            got = self._prefetch(path, home, opts)
             self._check_pinned(path, got)
             return got
         corrupt: CorruptCheckpointError | None = None  # an earlier copy's damage
+        earlier: BaseException | None = None  # an earlier copy's failure
         for i, (loc, where) in enumerate(candidates):
             try:
                 got = self._read(loc, opts, loc.url, where)
@@ -178,6 +175,9 @@ class Loader:
                 return got
             except (CorruptCheckpointError, OSError) as exc:
                 if i + 1 == len(candidates):
+                    if where == "local" and earlier is not None:  # the home was read first: its failure counts
+                        earlier.add_note(f"Its burst-buffer copy {loc.url} was unusable too: {exc}")
+                        raise earlier  # noqa: B904 (exc is its context)
                     missing = isinstance(exc, FileNotFoundError) and not isinstance(exc, IncompleteCheckpointError)
                     if missing and corrupt is not None:  # a damaged copy is no missing checkpoint: never "start fresh"
                         raise CorruptCheckpointError(
@@ -188,47 +188,105 @@ class Loader:
                     if corrupt is not None and exc is not corrupt:
                         exc.add_note(f"Its burst-buffer copy was unusable too: {corrupt}")
                     raise
-                corrupt = exc if isinstance(exc, CorruptCheckpointError) else corrupt
+                corrupt, earlier = exc if isinstance(exc, CorruptCheckpointError) else corrupt, exc
                 log.warning("fastckpt: %s unusable (%s); falling back to %s", loc.url, exc, candidates[i + 1][0].url)
         raise AssertionError("unreachable: the last candidate returns or raises")
 
+    def _prefetch(self, path: str, home: Location, opts: LoadOptions) -> Loaded:
+        """Download ``path`` into the burst buffer, then load that copy. A download that does not
+        verify is removed (the next load would try it first), and the error names the URL."""
+        local = self._homes.resolve(self._local_path(path))  # type: ignore[arg-type]
+        os.makedirs(os.path.dirname(local.url), exist_ok=True)
+        try:
+            home.target.download(home.key, local.url)
+        except FileNotFoundError as exc:  # as a load without prefetch says it: nothing there to resume from
+            raise _not_found(path, [(home, "remote")], exc) from exc
+        try:
+            return self._read(local, opts, path, "remote (prefetched)")
+        except CorruptCheckpointError as exc:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(local.url)
+            cls = UnverifiableCheckpointError if isinstance(exc, UnverifiableCheckpointError) else None
+            raise (cls or CorruptCheckpointError)(f"{str(exc).replace(local.url, home.url)} (read from its download "
+                                                  f"into the burst buffer, {local.url}, which was removed)") from exc
+
     def _candidates(self, path: str, home: Location) -> tuple[list[tuple[Location, str]], bool]:
         """The copies to try, in order, and whether a prefetch may download ``path`` over its
-        burst-buffer copy: there is none, or it is of an older save than the home's. A later one
-        (its upload failed, or a crash cut it short) is not a checkpoint, but it is the only copy
-        of that save: it stays."""
+        burst-buffer copy: there is none, or it is of an older save than the home's (or of none:
+        it has no manifest). A later one (its upload failed, or a crash cut it short) is not a
+        checkpoint, but it is the only copy of that save: it stays."""
         where = "path" if home.target.mounted else "remote"
         local_name = self._local_path(path)
         if local_name is None or not os.path.exists(local_name):
             return [(home, where)], local_name is not None
         local = self._homes.resolve(local_name)
-        other, older = self._other_save(local, home)
-        if other:  # the local copy is of a save that never reached path, or another node saved since
-            return [(home, where)], older
-        return [(local, "local"), (home, where)], False
+        verdict = self._compare(local, home)
+        if verdict == HOME_FIRST:
+            return [(home, where), (local, "local")], False
+        if verdict == SAME:
+            return [(local, "local"), (home, where)], False
+        return [(home, where)], verdict == OLDER  # the local copy is of a save that never reached path, or older
 
-    def _other_save(self, local: Location, home: Location) -> tuple[bool, bool]:
-        """Whether the copies hold different saves: both carry readable manifests with different
-        checksums; and whether ours is then the older one. The home's manifest is read cheaply:
-        from the file's tail on a mounted file system, else from its sidecar or its group's
-        manifest (one small GET, retried for ``SAME_SAVE_CHECK_S`` at most): a home that cannot
-        say which save it holds (missing, unreachable, damaged) leaves the local copy first, as
-        the verified load then decides."""
+    def _compare(self, local: Location, home: Location) -> str:
+        """How the burst-buffer copy relates to the home's, read cheaply: on a mounted file system
+        the home file's own manifest (``_file_manifest``), at a URL its sidecar or its group's
+        manifest (one small GET, retried for ``SAME_SAVE_CHECK_S`` at most).
+
+        ``SAME``: the same save (equal checksums), or a home that cannot say which save it holds
+        (missing, unreachable, a damaged sidecar): the local copy first, as the verified load then
+        decides. ``OTHER``: the home holds another save (one without a manifest on a file system:
+        plain torch.save, DeepSpeed); ``OLDER``: another, and ours is older by ``written_at``, or
+        ours has no manifest while the home's has (a plain file prefetched before the path was
+        saved with fastckpt, or a copy cut short: no save's only copy), so a prefetch may replace
+        it. ``HOME_FIRST``: see ``_file_manifest``.
+        """
         try:
             ours = local.target.read_manifest(local.key)
+        except (OSError, ValueError):  # a damaged local copy: the load falls back from it, with a warning
+            return SAME
+        try:
             if home.target.mounted:
-                if not home.target.exists(home.key):
-                    return False, False
-                theirs = home.target.read_manifest(home.key)
+                theirs = self._file_manifest(home)
+                if isinstance(theirs, str):
+                    return theirs
                 if theirs is None:
-                    return True, False  # a file without a manifest replaced ours there (plain torch.save, DeepSpeed)
+                    return OTHER  # a file without a manifest replaced ours there (plain torch.save, DeepSpeed)
             else:
                 theirs = read_sidecar(home, deadline_s=SAME_SAVE_CHECK_S) or self._in_group(home, ours)
-        except (OSError, ValueError):  # unreadable: let the verified load decide
-            return False, False
-        if not (ours and theirs) or ours["checksum"]["value"] == theirs["checksum"]["value"]:
-            return False, False
-        return True, float(ours.get("written_at", 0.0)) <= float(theirs.get("written_at", 0.0))
+                if theirs is None and ours is None:
+                    return _plain_copies(local, home)
+        except (OSError, ValueError):  # unreachable, or a damaged sidecar: the home cannot say
+            return SAME
+        if ours is None and theirs is not None:
+            log.warning("fastckpt: burst-buffer copy %s unusable: it has no fastckpt manifest while %s has one (a "
+                        "plain file prefetched before the path was saved with fastckpt, or a copy cut short); "
+                        "loading %s", local.url, home.url, home.url)
+            return OLDER
+        if theirs is None or ours["checksum"]["value"] == theirs["checksum"]["value"]:
+            return SAME
+        return OLDER if float(ours.get("written_at", 0.0)) <= float(theirs.get("written_at", 0.0)) else OTHER
+
+    def _file_manifest(self, home: Location) -> dict | None | str:
+        """The manifest of the file at a mounted home (None: it has none), or ``SAME`` when the home
+        cannot say (the file is missing, or the storage does not answer). The size and tail are read
+        through one descriptor, so a save renamed over the file meanwhile gives the old or the new
+        one; a read that fails anyway (EIO, a stale NFS handle after such a rename, a trailer torn or
+        damaged) is tried once more, and then gives ``HOME_FIRST``: the file is there, and its load
+        verifies itself, so it is read before the local copy, never skipped for it (which could be
+        of an older save)."""
+        failed: BaseException | None = None
+        for _ in range(2):
+            try:
+                if not home.target.exists(home.key):
+                    return SAME
+                return home.target.read_manifest(home.key)
+            except (TargetNotFoundError, TargetUnavailableError):  # deleted since, or not answering
+                return SAME
+            except (OSError, ValueError) as exc:
+                failed = exc
+        log.warning("fastckpt: cannot read which save %s holds (%s): loading it before the burst-buffer copy, "
+                    "which is the fallback", home.url, failed)
+        return HOME_FIRST
 
     def _in_group(self, home: Location, ours: dict | None) -> dict | None:
         """For a group's file at a URL (no sidecar): the checksum its group's published manifest
@@ -241,11 +299,15 @@ class Loader:
         res = loc.target.read_object(loc.key, chunk_bytes=self._chunk, mapped=opts.mmap, into=opts.image(loc.url))
         if res.manifest is None:
             if opts.verify:
+                found = damage(res, loc.url)  # a checkpoint cut short is damaged, not a plain file to accept
+                if found is not None:
+                    raise found
                 raise UnverifiableCheckpointError(
-                    f"{loc.url} has no fastckpt manifest (a plain torch.save file?): nothing records what its bytes "
-                    "should be. Load it with verify=False to accept it unverified.")
-            obj = _unverified(res, loc.url, opts)  # a damaged one raises: no "loading unverified" then
-            _warn_unverified(loc.url)
+                    f"{loc.url} has no fastckpt manifest (a plain torch.save file, or a checkpoint that lost its "
+                    "tail?): nothing records what its bytes should be. If it is a plain torch.save file you trust, "
+                    "load it with verify=False to accept it unverified.")
+            obj = load_unverified(res, loc.url, opts)  # a damaged one raises: no "loading unverified" then
+            warn_unverified(loc.url)
             return Loaded(opts.done(obj), url, res.size, where, verified=False)
         require_complete_group(self._homes, loc.url, res.manifest)
         want = res.manifest["checksum"]["value"]
@@ -257,37 +319,21 @@ class Loader:
         return Loaded(opts.done(obj), url, res.size, where, checksum=want)
 
 
-def _warn_unverified(url: str) -> None:
-    with _warned_lock:
-        first = url not in _warned
-        _warned.add(url)
-    if first:
-        log.warning("fastckpt: %s has no fastckpt manifest (written by plain torch.save or another tool?): loading "
-                    "it unverified; load(..., verify=True) refuses such files", url)
-
-
-def _unverified(res: ReadResult, url: str, opts: LoadOptions) -> object:
-    """A file without a manifest: only its own structure can say it is damaged."""
-    buf = res.buffer
-    head = buf.fetch(0, 4) if isinstance(buf, HeapImage) else bytes(memoryview(buf)[: min(4, res.size)])
-    if res.size == 0:
-        raise CorruptCheckpointError(f"{url} is empty (0 bytes): it was truncated or never written. Load an "
-                                     "earlier checkpoint (fastckpt.latest(...)).")
-    if head != ZIP_MAGIC and not head.startswith(LEGACY_MAGIC):
-        raise CorruptCheckpointError(f"{url} is not a torch.save file (it starts with {head!r}, not a zip or "
-                                     "pickle header): damaged, or not a checkpoint.")
-    try:
-        return deserialize(res.buffer, res.size, opts.map_location, opts.weights_only, url)
-    except pickle.UnpicklingError:
-        raise  # weights_only refused an object: not damage (the error says how to opt in)
-    except (RuntimeError, EOFError, KeyError, ValueError, zipfile.BadZipFile, pickle.PickleError) as exc:
-        raise CorruptCheckpointError(f"{url} is truncated or damaged: torch cannot read it ({exc}). Load an "
-                                     "earlier checkpoint (fastckpt.latest(...)).") from exc
+def _plain_copies(local: Location, home: Location) -> str:
+    """``SAME`` or ``OLDER`` for two files without a manifest at a URL (a plain torch.save file and
+    its download by a prefetch). No checksum exists and no ETag is kept locally, so what both sides
+    have decides: the same size, and the home's written no later than the local copy (the
+    download, written after what it copied). A store's clock ahead of this node's only makes a copy
+    look older (the home is loaded: correct, slower); one behind by more than the time between the
+    download and a re-save of the same size is the case this misses."""
+    size, date = home.target.size(home.key), home.target.modified(home.key)
+    mine = os.stat(local.url)
+    return SAME if size == mine.st_size and date <= mine.st_mtime else OLDER
 
 
 def _not_found(path: str, candidates: list, exc: OSError) -> CheckpointNotFoundError:
-    local = f" (nor its burst-buffer copy {candidates[0][0].url})" if len(candidates) > 1 else ""
-    home = candidates[-1][0]
+    local = "".join(f" (nor its burst-buffer copy {loc.url})" for loc, where in candidates if where == "local")
+    home = next(loc for loc, where in candidates if where != "local")
     said = "" if home.target.mounted else f" The store said: {exc}"
     return CheckpointNotFoundError(
         f"{path} does not exist{local}: it was never saved there, or it was deleted since (retention: "

@@ -284,13 +284,15 @@ class PosixTarget(Target):
 
         return self._retry(f"read of {path}", read)
 
+    def _size_and_tail(self, key: str) -> tuple[int, str | None, bytes]:
+        path = self._path(key)  # one descriptor for both (reads.file_tail): a replace gives old or new, whole
+        return self._retry(f"read of {path}", lambda: reads.file_tail(self.ops, path))
+
     def size(self, key: str) -> int:
-        path = self._path(key)
-        return self._retry(f"stat of {path}", lambda: os.stat(path).st_size)
+        return self._retry(f"stat of {self._path(key)}", lambda: os.stat(self._path(key)).st_size)
 
     def modified(self, key: str) -> float:
-        path = self._path(key)
-        return self._retry(f"stat of {path}", lambda: os.stat(path).st_mtime)
+        return self._retry(f"stat of {self._path(key)}", lambda: os.stat(self._path(key)).st_mtime)
 
     def exists(self, key: str) -> bool:
         path = self._path(key)

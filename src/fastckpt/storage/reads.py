@@ -25,7 +25,7 @@ from ..format.manifest import TAIL_BYTES, manifest_in
 from ..io import atomic
 from ..io.engine import ImageFactory, ReadResult, alloc_aligned, block_digests
 from ..io.image import BlockFetch, FlatImage, image_digests
-from ..io.ops import FileOps, pwrite_all
+from ..io.ops import FileOps, pread_exact, pwrite_all
 from ..urls import check_key
 from .types import ObjectChangedError, TokenBucket, as_limiter, storage_error
 
@@ -184,9 +184,29 @@ class ReadSide:
 
     def _size_and_manifest(self, key: str) -> tuple[int, str | None, dict | None, bytes]:
         """The object's size, version, manifest and last ``TAIL_BYTES`` (where the manifest came from)."""
+        size, version, tail = self._size_and_tail(key)
+        return size, version, manifest_in(tail, size, self.url_of(key)), tail
+
+    def _size_and_tail(self, key: str) -> tuple[int, str | None, bytes]:
+        """The object's size, version and last ``TAIL_BYTES``: two requests, the second asking
+        for the version the first saw. A file system has no versions (``file_tail``)."""
         size, version = self.version(check_key(key))
         tail = b""
         if size:
             tail = bytes(self.read_range(key, max(0, size - TAIL_BYTES), min(size, TAIL_BYTES), version=version))
-        return size, version, manifest_in(tail, size, self.url_of(key)), tail
+        return size, version, tail
+
+
+def file_tail(ops: FileOps, path: str) -> tuple[int, None, bytes]:
+    """The size and last ``TAIL_BYTES`` of the file at ``path``, through one descriptor (fstat,
+    pread), as ``read_object`` reads it: a save renamed over the path meanwhile gives the old file
+    or the new one, never the old one's size with the new one's tail (a false "damaged trailer")."""
+    fd = ops.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        tail = bytearray(min(size, TAIL_BYTES))
+        pread_exact(ops, fd, memoryview(tail), size - len(tail), len(tail), path)
+        return size, None, bytes(tail)
+    finally:
+        ops.close(fd)
 

@@ -1,0 +1,148 @@
+"""Files without a fastckpt manifest (plain ``torch.save``, another checkpointer, a tool).
+
+Nothing records what their bytes should be, so only their own structure can say they are
+damaged: an empty file, one that starts with neither a zip nor a pickle header, a zip without its
+end record, or one that torch fails to read. Whatever torch raises on a damaged byte (a struct or
+index error of a truncated legacy file, an unknown opcode, a pickle that pops an empty stack) is
+``CorruptCheckpointError`` naming the file. Only an ``UnpicklingError`` of a file whose pickles
+parse (``pickletools``, which runs nothing) is weights_only refusing an object it does not allow:
+that error keeps its note saying how to opt in, which must never be advice for a damaged file.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+import logging
+import pickle
+import pickletools
+import struct
+import sys
+import threading
+import zipfile
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..errors import CorruptCheckpointError
+from ..format.manifest import EOCD_SIG, TAIL_BYTES
+from ..format.ranges import RangeReader
+from .deserialize import deserialize
+from .image import ZIP_MAGIC, HeapImage
+
+if TYPE_CHECKING:
+    from ..io.engine import ReadResult
+    from .loader import LoadOptions
+
+log = logging.getLogger("fastckpt")
+#: torch.save's pre-zip format: a pickle (protocol 2 by default; ``pickle_protocol=`` 3 to 5)
+LEGACY_MAGIC = tuple(bytes([0x80, p]) for p in range(2, 6))
+#: the pickles of a pre-zip file before its storages: magic number, protocol, sys info, the object, storage keys
+LEGACY_PICKLES = 5
+#: what torch's readers raise on damaged bytes (the weights-only unpickler runs no code of the file's)
+DAMAGE = (RuntimeError, EOFError, KeyError, ValueError, zipfile.BadZipFile, pickle.PickleError, struct.error,
+          IndexError, AttributeError, TypeError, AssertionError, OverflowError)
+_warned: set[str] = set()  # paths loaded unverified that were reported already
+_warned_lock = threading.Lock()
+
+
+def warn_unverified(url: str) -> None:
+    with _warned_lock:
+        first = url not in _warned
+        _warned.add(url)
+    if first:
+        log.warning("fastckpt: %s has no fastckpt manifest (written by plain torch.save or another tool?): loading "
+                    "it unverified; load(..., verify=True) refuses such files", url)
+
+
+def damage(res: ReadResult, url: str) -> CorruptCheckpointError | None:
+    """What its first and last bytes show is wrong with a file without a manifest (None: nothing):
+    cheap enough to run before ``verify=True`` refuses it, so that a checkpoint cut short is
+    reported as damaged, not as a plain file to load unverified."""
+    if res.size == 0:
+        return CorruptCheckpointError(f"{url} is empty (0 bytes): it was truncated or never written. Load an "
+                                      "earlier checkpoint (fastckpt.latest(...)).")
+    fetch = _fetch(res)
+    head = fetch(0, min(4, res.size))
+    if head != ZIP_MAGIC and not head.startswith(LEGACY_MAGIC):
+        return CorruptCheckpointError(f"{url} is not a torch.save file (it starts with {head!r}, not a zip or "
+                                      "pickle header): damaged, or not a checkpoint.")
+    if head == ZIP_MAGIC and EOCD_SIG not in fetch(max(0, res.size - TAIL_BYTES), res.size):
+        return CorruptCheckpointError(f"{url} is truncated: it is a zip (a torch.save or fastckpt file) without "
+                                      "the end record every zip ends with. Load an earlier checkpoint "
+                                      "(fastckpt.latest(...)).")
+    return None
+
+
+def load_unverified(res: ReadResult, url: str, opts: LoadOptions) -> object:
+    """The object in a file without a manifest.
+
+    Raises:
+        CorruptCheckpointError: naming ``url``: it is damaged (``damage``), or torch cannot read it.
+        pickle.UnpicklingError: weights_only refused an object of a well-formed file (its note
+            says how to opt in).
+    """
+    found = damage(res, url)
+    if found is not None:
+        raise found
+    try:
+        return deserialize(res.buffer, res.size, opts.map_location, opts.weights_only, url)
+    except pickle.UnpicklingError as exc:
+        if opts.weights_only and _pickles_parse(res):
+            raise  # weights_only refused an object: not damage (the error says how to opt in)
+        raise _damaged(url, exc) from exc
+    except DAMAGE as exc:
+        raise _damaged(url, exc) from exc
+
+
+def _damaged(url: str, exc: BaseException) -> CorruptCheckpointError:
+    said = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return CorruptCheckpointError(f"{url} is truncated or damaged: torch cannot read it ({type(exc).__name__}: "
+                                  f"{said}). Load an earlier checkpoint (fastckpt.latest(...)).")
+
+
+def _fetch(res: ReadResult):  # noqa: ANN202
+    if isinstance(res.buffer, HeapImage):
+        return res.buffer.fetch
+    view = memoryview(res.buffer)
+    return lambda lo, hi: bytes(view[lo:hi])
+
+
+def _pickles_parse(res: ReadResult) -> bool:
+    """Whether the file's pickles are well formed: every opcode known, its argument whole, the
+    stack and memo consistent to the STOP (``pickletools.dis``, which builds no object), and every
+    global a name that could exist (``_could_exist``: ``torcj.FloatStorage`` is no class to opt in to)."""
+    fetch = _fetch(res)
+    try:
+        if fetch(0, 4) == ZIP_MAGIC:
+            reader = torch._C.PyTorchFileReader(RangeReader(res.size, fetch))
+            name = next(r for r in reader.get_all_records() if r.rsplit("/", 1)[-1] == "data.pkl")
+            stream, count = io.BytesIO(reader.get_record(name)), 1
+        else:
+            stream, count = io.BufferedReader(RangeReader(res.size, fetch)), LEGACY_PICKLES
+        for _ in range(count):
+            start = stream.tell()
+            pickletools.dis(stream, out=_Sink())
+            stream.seek(start)
+            for op, arg, _pos in pickletools.genops(stream):  # a name no import could find: a damaged byte
+                if op.name == "GLOBAL" and not _could_exist(str(arg)):
+                    return False
+    except Exception:  # noqa: BLE001 (any failure to parse is a malformed pickle)
+        return False
+    return True
+
+
+def _could_exist(ref: str) -> bool:
+    """Whether ``module name`` (a GLOBAL's argument) is dotted identifiers whose top-level package
+    is installed: looked up, never imported (``find_spec`` of a top-level name imports nothing)."""
+    parts = ref.replace(" ", ".").split(".")
+    if not all(p.isidentifier() for p in parts):
+        return False
+    return parts[0] in sys.modules or importlib.util.find_spec(parts[0]) is not None
+
+
+class _Sink(io.TextIOBase):
+    """Where ``pickletools.dis`` writes its listing: nowhere (only its checks are wanted)."""
+
+    def write(self, s: str) -> int:
+        return len(s)
