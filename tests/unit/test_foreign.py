@@ -9,8 +9,11 @@ import io
 import json
 import os
 import pickle
+import pickletools
 import shutil
 import struct
+import subprocess
+import sys
 import zipfile
 from pathlib import Path
 
@@ -94,22 +97,83 @@ def test_the_step_is_read_past_dict_and_list_subclasses(tmp_path: Path) -> None:
     assert _read_step((tmp_path / "top.ckpt").read_bytes()) == 1000
 
 
-def test_zip64_directories_are_followed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def _zip64(path: Path, monkeypatch: pytest.MonkeyPatch) -> bytes:
     # torch writes zip64 records for files past 4 GiB; make Python's zipfile write them for a small
     # one (zip64 extra fields in the entries, a zip64 end record and locator), then mark the plain
     # end record's fields as overflowed, as a writer does for a big file
     monkeypatch.setattr(zipfile, "ZIP64_LIMIT", 8)
-    path = tmp_path / "z.pt"
     with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_STORED) as z:
         z.writestr("archive/data.pkl", pickle.dumps({"iteration": 5, "x": 1}, protocol=2))
         z.writestr("archive/version", b"3\n")
+        z.writestr("archive/data/0", bytes(2048))  # a record: the scan reads 1 KiB past data.pkl's header
     monkeypatch.undo()
     data = bytearray(path.read_bytes())
     data[-22 + 8:-22 + 20] = struct.pack("<HHII", 0xFFFF, 0xFFFF, 0xFFFFFFFF, 0xFFFFFFFF)
-    data = bytes(data)
+    return bytes(data)
+
+
+def test_zip64_directories_are_followed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    data = _zip64(tmp_path / "z.pt", monkeypatch)
     assert isinstance(foreign.zip_end(data[-65557:], len(data)), int)  # asks for the zip64 record
     assert _read_step(data) == 5
     assert zipfile.ZipFile(io.BytesIO(data)).read("archive/data.pkl")  # Python's zipfile reads it too
+
+
+def test_a_zip64_field_longer_than_its_entry_raises_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A damaged length of a zip64 extra field made the directory's parse read past the field
+    (struct.error), and latest() failed with it: the values the field does hold are read."""
+    (tmp_path / "run").mkdir()
+    data = bytearray(_zip64(tmp_path / "run" / "z.pt", monkeypatch))
+    entry = data.index(foreign.CD_SIG)
+    (name_len,) = struct.unpack_from("<H", data, entry + 28)
+    struct.pack_into("<H", data, entry + 46 + name_len + 2, 248)  # the zip64 field says 248 bytes, holds 16
+    (tmp_path / "run" / "z.pt").write_bytes(bytes(data))
+    assert _read_step(bytes(data)) == 5
+    assert fastckpt.latest(str(tmp_path / "run")) == str(tmp_path / "run" / "z.pt")
+
+
+def test_a_damaged_pickle_costs_its_step_and_raises_nothing() -> None:
+    """A damaged length field made the unpickler raise OverflowError (and latest() with it): the
+    step is only an ordering hint, so a pickle that does not parse records none."""
+    good = pickle.dumps({"global_step": 5}, protocol=4)
+    assert foreign.step_in_pickle(good) == 5
+    frame = b"\x80\x04\x95" + struct.pack("<Q", 1 << 63) + good[11:]  # FRAME: 2**63 bytes follow
+    unicode8 = b"\x80\x04\x8d" + struct.pack("<Q", 1 << 63) + b"step"  # BINUNICODE8 of 2**63 bytes
+    assert foreign.step_in_pickle(frame) is None and foreign.step_in_pickle(unicode8) is None
+
+
+_LATEST_UNDER_A_LIMIT = """
+import resource, sys
+import fastckpt
+vm = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmSize:")) << 10
+resource.setrlimit(resource.RLIMIT_AS, (vm + (1 << 30), vm + (1 << 30)))  # 1 GiB more than it holds now
+print(fastckpt.latest(sys.argv[1]))
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads its address space from /proc")
+def test_a_damaged_memo_index_does_not_make_latest_allocate_by_it(tmp_path: Path) -> None:
+    """torch.save numbers its pickle's memo with 4-byte LONG_BINPUTs past 255 entries, and the C
+    unpickler grows and zeroes its memo array to the index it reads: one flipped high byte asked
+    for up to 32 GiB (an OOM kill) while latest() read the file's step. Run under an address-space
+    limit, so that the old behaviour fails here as a MemoryError instead."""
+    run = tmp_path / "run"
+    run.mkdir()
+    path = run / "epoch=3-step=300.ckpt"
+    torch.save({"state_dict": {f"layer{i}.weight": torch.zeros(2) for i in range(150)}, "global_step": 300}, path)
+    clean = path.read_bytes()
+    with zipfile.ZipFile(path) as z:
+        pkl = z.read(next(n for n in z.namelist() if n.endswith("/data.pkl")))
+    at = clean.index(pkl) + next(pos for op, _, pos in pickletools.genops(pkl) if op.name == "LONG_BINPUT")
+    for byte, mask in ((4, 0x10), (4, 0x80), (3, 0x08)):  # memo indices past 2**28, 2**31 and 2**19
+        data = bytearray(clean)
+        data[at + byte] ^= mask
+        path.write_bytes(bytes(data))
+        got = subprocess.run([sys.executable, "-c", _LATEST_UNDER_A_LIMIT, str(run)], capture_output=True, text=True,
+                             timeout=120, check=False)
+        assert got.returncode == 0, got.stderr[-2000:]
+        assert got.stdout.strip() == str(path)
+        assert [f.step for f in scan(run)] == [None]  # its step is lost, not the scan: ordered by time
 
 
 def test_latest_finds_old_checkpoints_and_fastckpt_takes_over_by_step(tmp_path: Path) -> None:

@@ -112,6 +112,22 @@ def test_other_dtype_device_view_or_layout_is_copied_in(tmp_path) -> None:
     assert torch.equal(got["rest"], shared[100_000:])
 
 
+def test_conjugate_and_negative_views_receive_the_saved_values(tmp_path) -> None:
+    """A conjugate or negative view's values are not its bytes: the saved bytes read into its
+    memory read back as conj(saved) or -saved, silently. Either side's bit sends it through
+    copy_, which resolves them."""
+    z, r = torch.randn(300_000, dtype=torch.complex64), torch.randn(300_000)
+    path = str(tmp_path / "bits.pt")
+    with Checkpointer() as ck:
+        ck.save({"z": z, "r": r, "zc": z.clone().conj(), "rn": torch._neg_view(r.clone())}, path).wait()
+        dest = {"z": torch.zeros(300_000, dtype=torch.complex64).conj(), "r": torch._neg_view(torch.zeros(300_000)),
+                "zc": torch.zeros(300_000, dtype=torch.complex64), "rn": torch.zeros(300_000)}
+        got = ck.load(path, into=dest)
+    assert torch.equal(dest["z"], z) and torch.equal(dest["r"], r)
+    assert torch.equal(dest["zc"], z.conj()) and torch.equal(dest["rn"], -r)
+    assert all(got[k] is dest[k] for k in dest)
+
+
 def test_a_mismatch_is_refused_before_anything_is_written(tmp_path) -> None:
     saved = _model(0)
     path = str(tmp_path / "x.pt")

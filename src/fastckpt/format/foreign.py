@@ -11,7 +11,9 @@ unverified.
 The training step such a file records is read from its pickle (``data.pkl``) without running
 any of its code: every class it names is replaced by an inert stub (a dict that takes the items
 of dict and list subclasses, ``_Stub``) and every tensor storage by None, so only plain values
-(the top-level ``global_step``, ``iteration`` or ``step``) survive.
+(the top-level ``global_step``, ``iteration`` or ``step``) survive. Its opcodes are walked first
+(``_bounded``): the unpickler sizes memory by the pickle's own fields (its memo array grows to
+the largest index a ``PUT`` names), and one damaged byte there would have it allocate gigabytes.
 
 Only bytes are handled here; the reads are the caller's (``commit.discovery``), so the same
 code serves a directory and an object store.
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import io
 import pickle
+import pickletools
 import struct
 from dataclasses import dataclass
 
@@ -33,6 +36,7 @@ ZIP64_LOCATOR_SIG = b"PK\x06\x07"
 ZIP64_EOCD_SIG = b"PK\x06\x06"
 LOCAL_HEADER_LEN = 30
 MAX_PICKLE_BYTES = 64 << 20  # a pickle this large is not read for its step
+MEMO_PUTS = ("PUT", "BINPUT", "LONG_BINPUT")
 
 
 @dataclass(frozen=True)
@@ -111,8 +115,8 @@ def _zip64_extra(extra: bytes, csize: int, offset: int) -> tuple[int, int]:
     pos = 0
     while pos + 4 <= len(extra):
         tag, n = struct.unpack_from("<HH", extra, pos)
-        if tag == 0x0001:
-            vals = list(struct.unpack_from(f"<{n // 8}Q", extra, pos + 4))
+        if tag == 0x0001:  # a damaged length may claim more bytes than the field has: read those it has
+            vals = list(struct.unpack_from(f"<{min(n, len(extra) - pos - 4) // 8}Q", extra, pos + 4))
             # order: uncompressed size, compressed size, header offset (each only if overflowed)
             usize = vals.pop(0) if csize == 0xFFFFFFFF and vals else None
             csize = vals.pop(0) if csize == 0xFFFFFFFF and vals else (usize if usize is not None else csize)
@@ -170,11 +174,12 @@ class _InertUnpickler(pickle.Unpickler):
 def step_in_pickle(data: bytes) -> int | None:
     """The step a ``torch.save`` pickle records at its top level (``STEP_KEYS``, in that order of
     preference), read without running any of its code; None when it records none or does not
-    parse."""
+    parse. Never raises: a damaged pickle only costs its file its step (``latest`` orders it by time)."""
     try:
+        if not _bounded(data):
+            return None
         obj = _InertUnpickler(io.BytesIO(data)).load()
-    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError,
-            struct.error, UnicodeDecodeError, RecursionError):
+    except Exception:  # noqa: BLE001 (whatever a damaged pickle makes the unpickler raise)
         return None
     if isinstance(obj, dict):
         for key in STEP_KEYS:
@@ -182,3 +187,18 @@ def step_in_pickle(data: bytes) -> int | None:
             if isinstance(value, int) and not isinstance(value, bool):
                 return value
     return None
+
+
+def _bounded(data: bytes) -> bool:
+    """Whether no opcode of ``data`` asks the unpickler for memory the pickle does not pay for.
+
+    Every counted argument (a string's or bytes' length) must lie inside ``data`` (``genops``
+    reads it, and fails when it does not), a frame must fit in ``data``, and each memo index a
+    ``PUT`` names must be no larger than the number of opcodes before it (a pickler numbers its
+    memo 0, 1, 2, ...): the C unpickler grows and zeroes its memo array up to that index, so one
+    flipped high byte of a ``LONG_BINPUT`` (torch uses them past 255 memo entries) asked for 32 GiB.
+    """
+    for n, (op, arg, _) in enumerate(pickletools.genops(data)):
+        if op.name in MEMO_PUTS and int(arg) > n or op.name == "FRAME" and arg > len(data):
+            return False
+    return True

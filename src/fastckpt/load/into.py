@@ -68,7 +68,9 @@ def plan(dest: object, meta: object, records: dict[int, int]) -> dict[int, torch
     of the records that have a piece of their own. A record is read in place when every tensor
     of ``dest`` on it is a contiguous CPU tensor of the saved dtype that fills its storage, as
     the saved tensor fills the record (so no byte outside the tensors ``dest`` names is
-    written), and no other record goes into that storage.
+    written), and no other record goes into that storage. Neither may be a conjugate or negative
+    view (``is_conj``, ``is_neg``): its values are not its bytes, so raw bytes read into it would
+    read back as conj(saved) or -saved; ``copy_`` resolves those bits.
 
     Raises:
         ConfigError: ``dest`` does not match ``meta`` (``check``).
@@ -90,7 +92,8 @@ def plan(dest: object, meta: object, records: dict[int, int]) -> dict[int, torch
             continue
         s = d.untyped_storage()
         same = (d.dtype == m.dtype and d.is_contiguous() and m.is_contiguous() and d.storage_offset() == 0
-                and m.storage_offset() == 0 and d.nbytes == s.nbytes() == m.nbytes == m.untyped_storage().nbytes())
+                and m.storage_offset() == 0 and d.nbytes == s.nbytes() == m.nbytes == m.untyped_storage().nbytes()
+                and not (d.is_conj() or d.is_neg() or m.is_conj() or m.is_neg()))
         if not same or (off in into and into[off].data_ptr() != s.data_ptr()):
             refused.add(off)
         into.setdefault(off, s)
@@ -113,11 +116,13 @@ def place(dest: object, saved: object) -> object:
 
 
 def _shares(s: torch.Tensor, d: torch.Tensor) -> bool:
-    """Whether ``s`` is ``d``'s memory, seen the same way (it was read in place)."""
+    """Whether ``s`` is ``d``'s memory, seen the same way (it was read in place): the same bytes
+    under another conjugate or negative bit are other values, which only ``copy_`` gives ``d``."""
     if s.layout != torch.strided or d.layout != torch.strided or s.device != d.device:
         return False
     return (s.untyped_storage().data_ptr() == d.untyped_storage().data_ptr() and s.dtype == d.dtype
-            and s.storage_offset() == d.storage_offset() and s.stride() == d.stride())
+            and s.storage_offset() == d.storage_offset() and s.stride() == d.stride()
+            and s.is_conj() == d.is_conj() and s.is_neg() == d.is_neg())
 
 
 _MISSING = object()
