@@ -184,7 +184,7 @@ class Checkpointer:
         """
         self._check_open()
         group = normalize(group)  # a failure raised here ends the attempt: no rank waits for this one
-        self._inflight.raise_unseen(before=lambda exc: self._coordinator.abandon(group, self.rank, exc))
+        self._inflight.raise_unseen(before=lambda e: self._coordinator.abandon(group, self.rank, self.world_size, e))
         rank, has_local, token = self.rank, bool(self.config.local_dirs), self._retention.committing(group)
         step = group_step(group, extra) if move_latest else None  # a series that moves latest: see Retention
         self._replicator.keep(group, not move_latest)  # beside the series: never coalesced away
@@ -261,7 +261,7 @@ class Checkpointer:
         rank, with a store) and fails at once with ``GroupRemovedError``, as does a later ``commit`` of what was
         saved into it before; a commit rank 0 is already publishing completes first, then the group is deleted."""
         path = normalize(path)
-        self._coordinator.cancel(path, self.rank)
+        self._coordinator.cancel(path, self.rank, self.world_size)
         with self._replicator.cancelling(path):
             self._inflight.wait_writing(path)
         self._retention.remove(path)

@@ -303,3 +303,32 @@ def test_a_commit_ended_by_an_unsaved_file_is_one_failure_event_on_each_rank(tmp
         close_all(cks)
     failed = sorted((e.rank, e.name, e.detail, e.path, error_type(e.error)) for e in events if e.error is not None)
     assert failed == [(r, "commit", "group", str(g), "CheckpointWriteError") for r in (0, 1)]
+
+
+def test_an_earlier_failure_raised_at_the_commit_of_a_rank_that_saved_nothing_ends_it(tmp_path: Path,
+                                                                                       store: object | None) -> None:
+    """Rank 1 saves nothing into the group (a rank that only commits); an earlier single file's
+    failure, unseen, is raised at its ``commit``. Before, no rank was told: rank 0 waited
+    commit_timeout_s, and with a store rank 1's count of attempts at the group fell one behind
+    rank 0's, so every later commit of the group failed on every rank."""
+    ops1 = FaultyOps()
+    cks = _ranks(store, ops1)
+    g = tmp_path / "global_step2"
+    try:
+        ops1.inject(Fault("pwrite", errno.ENOSPC, path_contains="extra.pt"))
+        h = cks[1].save(_state(2, 1), str(tmp_path / "extra.pt"))
+        with pytest.raises(CheckpointWriteError, match="No space left"):
+            h.result(60)  # ended; still unseen by the user
+        cks[0].save(_state(2, 0), str(g / "r0.pt"), group=str(g))
+        pending = cks[0].commit(str(g))
+        with pytest.raises(CheckpointWriteError, match="No space left"):
+            cks[1].commit(str(g))
+        with pytest.raises(CheckpointWriteError, match=r"failed on another rank \(rank 1: .*No space left"):
+            pending.wait(60)  # at once, not after commit_timeout_s
+        assert _files(g) is None
+        cks[0].save(_state(2, 0), str(g / "r0.pt"), group=str(g))
+        for h in [ck.commit(str(g)) for ck in cks]:
+            h.wait(60)
+        assert _files(g) == ["r0.pt"]
+    finally:
+        close_all(cks)

@@ -92,6 +92,45 @@ def test_a_dead_attempts_marker_is_never_published(tmp_path: Path) -> None:
     assert latest(str(tmp_path)) is None
 
 
+def test_a_restarted_rank_that_rejoins_the_attempt_is_published_with_its_new_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without a store: rank 1 wrote its marker for rank 0's attempt and died; restarted, it
+    joins the same attempt and saves its file again in place, while rank 0 (slow, alive) has not
+    committed yet. Before, rank 0 published the old marker's checksum (its check of the size
+    passed, or failed by chance) for the file that now holds the new bytes; now the restarted
+    rank's first save deletes its old marker, and rank 0 waits for the new one."""
+    from fastckpt.commit import fallback as F
+
+    g = tmp_path / "G"
+    rank0, dead1 = _ck(0, None), _ck(1, None)
+    polled, check = threading.Event(), F.check_failures
+
+    def checked(*args):  # noqa: ANN002, ANN202
+        check(*args)
+        polled.set()  # rank 0 has read every marker there once
+
+    monkeypatch.setattr(F, "check_failures", checked)
+    try:
+        rank0.save(_state(2, 0), str(g / "rank0.pt"), group=str(g)).wait(60)  # rank 0 begins the attempt
+        rec = dead1.save(_state(2, 1), str(g / "rank1.pt"), group=str(g)).wait(60)
+        P.write_marker(place(str(g)), 1, 2, {"rank1.pt": {"size": rec.bytes, "checksum": rec.checksum}},
+                       P.attempt_id(place(str(g))))  # what its commit wrote before it died
+        dead1.close()
+        restarted1 = _ck(1, None, commit_timeout_s=5)
+        try:
+            restarted1.save(_state(3, 1), str(g / "rank1.pt"), group=str(g)).wait(60)
+            pending = rank0.commit(str(g), step=2)  # after the re-save, before the restarted rank's commit
+            assert polled.wait(60)
+            restarted1.commit(str(g), step=2).wait(60)
+            pending.wait(60)
+        finally:
+            restarted1.close()
+    finally:
+        rank0.close()
+    assert _versions(g) == [2, 3]
+    assert latest(str(tmp_path)) == str(g)
+
+
 def test_a_published_group_stays_published_until_its_resave_is(tmp_path: Path, store: object | None) -> None:
     g = tmp_path / "G"
     first = [_ck(r, store) for r in (0, 1)]
@@ -223,6 +262,76 @@ def test_a_removal_that_wins_the_race_with_a_commit_fails_it_at_once_and_leaves_
         _close(cks)
     assert not g.exists(), sorted(str(p.relative_to(tmp_path)) for p in g.rglob("*"))
     assert _failed_group_commits(events) == [(committer, "GroupRemovedError")]  # however the removal was seen
+
+
+@pytest.mark.parametrize("first", ["rank 0", "remover", "removed"])
+def test_a_removal_while_rank_0_publishes_never_publishes_a_group_without_files(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, first: str) -> None:
+    """Without a store, rank 1's ``remove()`` while rank 0 publishes. Before, rank 0 checked the
+    files, rank 1 deleted them, and rank 0's claim and manifest brought the directory back: a
+    published group without files, which ``latest`` named. Now the attempt's claim decides. Rank
+    0 first: the remover waits for its manifest, then deletes the group. The remover first: rank
+    0's commit fails with GroupRemovedError, whether it claims while the remover deletes
+    (``remover``) or once the claim went with the group (``removed``)."""
+    from fastckpt.commit import claim as C
+
+    prev, g = tmp_path / "P", tmp_path / "G"
+    ops0, ops1 = FaultyOps(), FaultyOps()
+    cks = [_ck(r, None, ops=(ops0, ops1)[r]) for r in (0, 1)]
+    claiming, go, removal_claimed = threading.Event(), threading.Event(), threading.Event()
+    original = C.claim
+
+    def claim(place, token, who, why=""):  # noqa: ANN001, ANN202
+        if who == C.RANK_0 and place.url().rstrip("/") == str(g):
+            claiming.set()
+            assert go.wait(60)
+        won = original(place, token, who, why)
+        if who == "removed":
+            removal_claimed.set()
+        return won
+
+    monkeypatch.setattr(C, "claim", claim)
+    manifest = ops0.gate("write_small", path_contains=f"G/{P.GROUP_MANIFEST}") if first == "rank 0" else None
+    deleting = ops1.gate("unlink", path_contains=str(g / "rank")) if first == "remover" else None
+    remover = threading.Thread(target=cks[1].remove, args=(str(g),))
+    try:
+        _save_all(cks, prev, 1)
+        for ck in cks:
+            ck.save(_state(2, ck.rank), str(g / f"rank{ck.rank}.pt"), group=str(g)).wait(60)
+        pending = [ck.commit(str(g), step=2) for ck in cks]
+        if first == "rank 0":
+            go.set()
+            assert manifest.wait_entered()  # rank 0 holds the claim; its manifest is on its way
+            remover.start()
+            while not removal_claimed.is_set() and remover.is_alive():
+                remover.join(0.05)
+            assert removal_claimed.is_set() and remover.is_alive()  # it waits for rank 0's manifest
+            manifest.open()
+            remover.join(60)
+            assert pending[0].wait(60).group == str(g)  # published, then removed
+        else:
+            assert claiming.wait(60)  # rank 0 has every marker; it claims next
+            remover.start()
+            if first == "remover":
+                assert deleting.wait_entered()  # the remover's claim is there while it deletes
+            else:
+                remover.join(60)
+            go.set()
+            with pytest.raises(GroupRemovedError, match="was removed while it was being committed|is gone"):
+                pending[0].wait(60)
+            if deleting is not None:
+                deleting.open()
+            remover.join(60)
+        with pytest.raises(GroupRemovedError):
+            pending[1].wait(60)
+    finally:
+        go.set()
+        for gate in (manifest, deleting):
+            if gate is not None:
+                gate.open()
+        _close(cks)
+    assert not g.exists(), sorted(str(p.relative_to(tmp_path)) for p in g.rglob("*"))
+    assert latest(str(tmp_path)) == str(prev)
 
 
 def test_a_commit_that_finds_its_group_gone_reports_the_removal_once(tmp_path: Path) -> None:

@@ -8,7 +8,6 @@ copy's manifest (``publish_local``). ``coordinator.py`` runs these on the commit
 from __future__ import annotations
 
 import contextlib
-import errno
 import logging
 import os
 import threading
@@ -16,7 +15,13 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from ..errors import CheckpointWriteError, CommitTimeoutError, CorruptCheckpointError
+from ..errors import (
+    CheckpointWriteError,
+    CommitTimeoutError,
+    CorruptCheckpointError,
+    GroupRemovedError,
+    IncompleteCheckpointError,
+)
 from ..io import atomic
 from ..records import SaveHandle, SaveRecord
 from ..storage.places import Place
@@ -102,11 +107,12 @@ def publish(att: Attempt, world: int, entries: dict[int, dict], extra: dict, req
     """Rank 0: the manifest of this attempt, published (in place, or swapped in), then
     ``latest`` moved to it (unless ``att.move_latest`` is False). A re-save's replaced attempt
     is deleted after that, once the other ranks were told (``cleared``). ``last_check`` runs
-    right before the manifest goes, and raises to keep it from going."""
+    before the files are checked and the manifest goes (without a store it claims the attempt,
+    ``removal.py``), and raises to keep the manifest from going."""
     recorded = extra if att.move_latest else {**extra, "moved_latest": False}  # see protocol.never_latest
+    last_check()
     manifest = P.build_manifest(att.home, world, entries, recorded, requested_at, att.token, check_sizes,
                                 files_at=att.place)
-    last_check()
     if att.staged:
         resave.swap_in(att.home, att.place, manifest, att.old)
     else:
@@ -248,10 +254,17 @@ def via_storage(att: Attempt, rank: int, world: int, files: dict, superseded: bo
                 listing[:] = att.place.names(P.MARKER_DIR)
                 F.check_failures(att.place, att.token, att.replaced, listing)
                 won = C.claim(att.place, att.token, C.RANK_0)
+                if won["who"] == C.REMOVED:  # another rank's remove() came first: it deletes the group
+                    raise F.removed_error(att.home)
                 if won["who"] != C.RANK_0:
                     raise CommitTimeoutError(str(won.get("why")))
 
-    manifest = publish(att, world, markers, extra, requested_at, check_sizes=True, last_check=last_check)
+    try:
+        manifest = publish(att, world, markers, extra, requested_at, check_sizes=True, last_check=last_check)
+    except IncompleteCheckpointError as exc:  # claimed, then a file did not match: the others stop waiting
+        if listing and not isinstance(exc, GroupRemovedError):
+            P.write_record(att.place, P.OUTCOME, attempt=att.token, outcome=str(exc), replaced=att.replaced)
+        raise
     if listing and not att.staged:  # a re-save's swap keeps only its own claim
         C.sweep(att.place, att.token, listing)  # claims of earlier attempts were all there by then
     return cleared(att, Ended(manifest, sum(f["size"] for f in manifest["files"].values())))
@@ -336,25 +349,3 @@ def _claim(place: Place, rel: str, attempts: int = 5) -> bool:
                 raise
     return False
 
-
-def removed(att: Attempt, exc: OSError) -> bool:
-    """Whether ``exc`` (this rank's commit failed on storage) is the group being removed:
-    the store says so, or, without one, the group's own directory vanished (nothing else
-    deletes it)."""
-    if att.cancel.is_set():
-        return True
-    if att.channel is None:
-        return exc.errno == errno.ENOENT
-    try:
-        return att.channel.removed()
-    except S.StoreError:
-        return False
-
-
-def drop_marker(att: Attempt, rank: int) -> None:
-    """A cancelled attempt leaves nothing behind: a marker written after the group was
-    deleted would bring its directory back."""
-    try:
-        att.place.delete(P.marker_rel(rank))
-    except OSError as exc:
-        log.warning("fastckpt: could not remove the marker of removed group %s: %s", att.home.label, exc)

@@ -25,6 +25,7 @@ from ..storage.places import Place
 from . import protocol as P
 
 RANK_0 = "rank 0"
+REMOVED = "removed"  # the claim of a remover (``removal.py``): the group is deleted after it
 log = logging.getLogger("fastckpt")
 
 

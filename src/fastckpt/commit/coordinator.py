@@ -38,12 +38,12 @@ from typing import NoReturn
 
 from ..config import CheckpointerConfig
 from ..errors import CommitTimeoutError, CorruptCheckpointError, GroupRemovedError
-from ..inflight import raise_as_write_error
 from ..records import SaveHandle, SaveRecord
 from ..storage.places import Place
 from . import attempt as A
 from . import fallback as F
 from . import protocol as P
+from . import removal as R
 from . import resave
 from . import store as S
 
@@ -139,6 +139,8 @@ class Coordinator:
             with self._lock:
                 given_up = self._given_up.pop(group, None)
             began = F.began(place, self._born, given_up)
+            if began.running is not None:  # this rank's marker of it is an earlier process's: never published
+                place.delete(P.marker_rel(rank))  # (it restarted and re-saves its files in place)
         with self._lock:
             self._open[group] = A.Attempt(group, home, place, local, channel, token, old, replaced=replaced,
                                           began=began)
@@ -169,25 +171,37 @@ class Coordinator:
         with self._lock:
             self._missing.setdefault(group, {})[path] = why
 
-    def cancel(self, group: str, rank: int) -> None:
-        """``remove(group)`` on this rank: its attempt at the group ends, on every rank with a
-        store (unless rank 0 is already publishing it: then it completes and is removed after).
-        A later ``commit`` of the cancelled attempt fails at once."""
+    def cancel(self, group: str, rank: int, world: int = 1) -> None:
+        """``remove(group)`` on this rank: its attempt at the group ends, on every rank (unless
+        rank 0 is already publishing it: then it completes, waited for, and is removed after;
+        ``removal.py``). A later ``commit`` of the cancelled attempt fails at once."""
         with self._lock:
-            atts = [a for a in (self._open.get(group), self._running.get(group, (None,))[0]) if a is not None]
+            running = self._running.get(group, (None,))[0]
+            atts = [a for a in (self._open.get(group), running) if a is not None]
             self._missing.pop(group, None)  # the attempt ends as removed
         for att in atts:
             att.cancel.set()
             if att.channel is not None:
                 why = f"rank {rank} removed the group"
                 self._through_store(att.channel, group, rank, lambda ch, why=why: ch.cancel(why), "the removal of")
+        if running is not None and running.channel is None and world > 1:  # its marker may be in rank 0's hands
+            R.claim(running, rank, self._timeout, self._stop)
 
-    def abandon(self, group: str, rank: int, exc: BaseException) -> None:
+    def abandon(self, group: str, rank: int, world: int, exc: BaseException) -> None:
         """This rank will not commit its attempt at ``group`` (its ``commit`` raised ``exc``, an
-        earlier save's failure): end the attempt, on every rank at once with a store."""
+        earlier save's failure): end the attempt, on every rank at once with a store. A rank that
+        saved nothing into it begins it now (as ``_refuse``): else rank 0 waits for it, and with
+        a store its attempt count at the group falls one behind the others' for good."""
         with self._lock:
             att = self._open.pop(group, None)
             self._missing.pop(group, None)
+        if att is None and world > 1:
+            try:
+                att = self._begun(group, rank, world)
+            except BaseException as begin_exc:  # the others then time out, naming this rank
+                exc.add_note(f"the other ranks were not told, and wait commit_timeout_s: "
+                             f"{type(begin_exc).__name__}: {begin_exc}")
+                return
         if att is not None:
             self._give_up(att)
             self._abort(att, rank, exc, background=True)
@@ -209,9 +223,7 @@ class Coordinator:
         if missing:
             self._refuse(group, att, rank, world, missing)
         if att is None:  # a rank that saved nothing into this group
-            self.begin(group, rank, world)
-            with self._lock:
-                att = self._open.pop(group)
+            att = self._begun(group, rank, world)
         att.move_latest = move_latest
         t_call, requested_at = time.monotonic(), time.time()
 
@@ -224,7 +236,7 @@ class Coordinator:
             try:
                 return finish(rec)
             except BaseException as exc:
-                raise self._failure(att, rank, exc)  # noqa: B904 (``_failure`` chains it when it replaces it)
+                raise R.failure(att, rank, exc)  # noqa: B904 (``failure`` chains it when it replaces it)
 
         fut = self._pool.submit(run)
         with self._lock:
@@ -241,14 +253,18 @@ class Coordinator:
         self._emit("commit", group, 0, time.time(), "direct", err, detail="group")  # those saves emitted none
         try:
             if att is None:
-                self.begin(group, rank, world)
-                with self._lock:
-                    att = self._open.pop(group)
+                att = self._begun(group, rank, world)
         except BaseException as exc:  # the others then time out, naming this rank
             err.add_note(f"the other ranks were not told, and wait commit_timeout_s: {type(exc).__name__}: {exc}")
             raise err from exc
         self._abort(att, rank, err, background=True, why=f"the save of {files} did not happen")
         raise err
+
+    def _begun(self, group: str, rank: int, world: int) -> A.Attempt:
+        """This rank's attempt at ``group``, begun now: it saved nothing into it."""
+        self.begin(group, rank, world)
+        with self._lock:
+            return self._open.pop(group)
 
     def _forget(self, group: str, fut: Future) -> None:
         with self._lock:
@@ -298,28 +314,11 @@ class Coordinator:
         else:
             run(False)
 
-    def _failure(self, att: A.Attempt, rank: int, exc: BaseException) -> BaseException:
-        """What the handle of this rank's failed commit of ``att`` raises: ``exc``, or a
-        GroupRemovedError when the group was removed meanwhile (its directory went while this
-        rank wrote its marker, which is dropped), or an OSError as a CheckpointWriteError."""
-        if isinstance(exc, GroupRemovedError) or (isinstance(exc, OSError) and A.removed(att, exc)):
-            A.drop_marker(att, rank)
-            if not isinstance(exc, GroupRemovedError):
-                err = F.removed_error(att.home)
-                err.__cause__ = exc
-                return err
-        elif isinstance(exc, OSError):
-            try:
-                raise_as_write_error(exc, att.group, where=att.group)
-            except BaseException as err:  # noqa: BLE001 (it always raises: ``exc``, or the error naming the group)
-                return err
-        return exc
-
     def _failed(self, att: A.Attempt, rank: int, exc: BaseException, start: float, tier: str,
                 saved: bool = False) -> BaseException:
         """``_failure``, emitted as the group ``commit`` event (one per rank, as a success is) for metrics and
         reports; not a save's error (``saved``: its own event counted it), unless it was the group's removal."""
-        err = self._failure(att, rank, exc)
+        err = R.failure(att, rank, exc)
         if not saved or isinstance(err, GroupRemovedError):
             self._emit("commit", att.group, 0, start, tier, err, detail="group")
         return err

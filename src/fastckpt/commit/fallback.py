@@ -142,12 +142,15 @@ def wait_for_markers(place: Place, world_size: int, timeout_s: float, stop: thre
 def check_failures(place: Place, token: str | None, replaced: str | None, listing: list[str]) -> None:
     """Rank 0: raise if a rank ended attempt ``token``: with a failure record, its save failed
     (``CheckpointWriteError``); with a claim (``claim.py``), it gave up waiting for the manifest
-    (``CommitTimeoutError``). ``listing``: the marker directory's names."""
+    (``CommitTimeoutError``), or it removed the group (``GroupRemovedError``). ``listing``: the
+    marker directory's names."""
     for rank, rel in P.failure_ranks(listing).items():  # none, unless a save failed
         failed = P.read_record(place, rel)
         if failed is not None and _failed_in(failed, token, replaced):
             raise aborted_error(place.label, f"rank {rank}: {failed.get('why')}")
     if (won := C.claimed(place, token, listing)) is not None:
+        if won.get("who") == C.REMOVED:  # another rank's remove() (``removal.py``)
+            raise removed_error(place)
         raise CommitTimeoutError(str(won.get("why")))
 
 
@@ -346,6 +349,8 @@ def wait_for_manifest(place: Place, timeout_s: float, stop: threading.Event, tok
             except OSError as exc:
                 err.add_note(f"rank 0 was not told, and may still publish it: {exc}")
                 raise err from exc
+            if won["who"] == C.REMOVED:
+                raise removed_error(place)
             if won["who"] == C.RANK_0:  # rank 0 is publishing it: the manifest follows
                 if (m := poll(published, time.monotonic() + timeout_s, stop)) is not None:
                     return m  # type: ignore[return-value]

@@ -24,7 +24,7 @@ import posixpath
 import threading
 import time
 
-from ..errors import CorruptCheckpointError, IncompleteCheckpointError
+from ..errors import CorruptCheckpointError, GroupRemovedError, IncompleteCheckpointError
 from ..format.manifest import FORMAT_VERSION, check_manifest
 from ..storage.homes import Location
 from ..storage.places import Place
@@ -194,18 +194,18 @@ def build_manifest(place: Place, world_size: int, entries: dict[int, dict], extr
 
     Raises:
         IncompleteCheckpointError: with ``check_sizes``, a file's size is not what its rank
-            committed (it was replaced or truncated since).
+            committed (it was replaced or truncated since); GroupRemovedError when it is gone.
     """
     files: dict[str, dict] = {}
     at = files_at or place
     for r in sorted(entries):
         for rel, info in member_files(entries[r], f"{place.label} (rank {r}'s files)").items():
             size = at.size(rel) if check_sizes else info["size"]
-            if size != info["size"]:
-                raise IncompleteCheckpointError(
+            if size != info["size"]:  # a file is gone only when remove() deleted the group
+                what = "is gone: the group was removed (Checkpointer.remove)" if size < 0 else f"has {size}"
+                raise (GroupRemovedError if size < 0 else IncompleteCheckpointError)(
                     f"group {place.label}: rank {r} committed {rel} with {info['size']} bytes but the "
-                    f"file has {size}; not publishing this checkpoint."
-                )
+                    f"file {what}; not publishing this checkpoint.")
             files[rel] = {"size": info["size"], "checksum": info["checksum"], "rank": r}
     manifest = {"format": FORMAT_VERSION, "kind": "group", "world_size": world_size,
                 "tag": place.label.rstrip("/").rsplit("/", 1)[-1], "ranks": sorted(entries),
@@ -239,12 +239,8 @@ def member_files(manifest: dict, where: str) -> dict[str, dict]:
 
 def publish_group(place: Place, world_size: int, markers: dict[int, dict], extra: dict,
                   requested_at: float | None = None, token: str | None = None, move_latest: bool = True) -> dict:
-    """Check every rank's files, then publish the group manifest and (``move_latest``) move the
-    latest pointer.
-
-    Raises:
-        IncompleteCheckpointError: a file's size is not what its rank committed.
-    """
+    """Check every rank's files (raising as ``build_manifest``), then publish the group manifest
+    and (``move_latest``) move the latest pointer."""
     manifest = build_manifest(place, world_size, markers, extra, requested_at, token)
     place.put(GROUP_MANIFEST, manifest_bytes(manifest))
     if move_latest:
