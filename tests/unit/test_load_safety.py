@@ -3,11 +3,17 @@ is wrong with a file that is not a checkpoint (issue #9 items 3, 4 and 10)."""
 
 from __future__ import annotations
 
+import io
 import logging
+import os
 import pickle
+import pickletools
 import struct
+import subprocess
+import sys
 import threading
 import uuid
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -309,3 +315,42 @@ def test_verify_true_reports_a_checkpoint_cut_short_as_damaged(tmp_path: Path, c
         fastckpt.load(str(path), verify=True)
     assert not isinstance(err.value, UnverifiableCheckpointError)
     assert ("empty" if cut == "empty" else "truncated") in str(err.value) and "verify=False" not in str(err.value)
+
+
+_LOAD_UNDER_A_LIMIT = """
+import resource, sys
+import fastckpt
+vm = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmSize:")) << 10
+resource.setrlimit(resource.RLIMIT_AS, (vm + (1 << 30), vm + (1 << 30)))  # 1 GiB more than it holds now
+try:
+    fastckpt.load(sys.argv[1], weights_only=False)
+except fastckpt.CorruptCheckpointError as exc:
+    print("corrupt:", exc)
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads its address space from /proc")
+@pytest.mark.parametrize("legacy", [False, True], ids=["zip", "legacy"])
+def test_a_damaged_memo_index_in_a_plain_file_is_corruption_not_gigabytes(tmp_path: Path, legacy: bool) -> None:
+    """weights_only=False unpickles with the C unpickler, which grows and zeroes its memo array to
+    the index a LONG_BINPUT names: one flipped high byte of a plain torch.save file asked for up
+    to 32 GiB (a raw MemoryError here, under an address-space limit; the OOM killer without one)."""
+    path = tmp_path / "plain.pt"
+    state = {f"layer{i}.weight": torch.zeros(2) for i in range(150)}
+    torch.save(state, path, _use_new_zipfile_serialization=not legacy)
+    clean = path.read_bytes()
+    if legacy:  # five pickles one after another (magic, protocol, sys info, the object, storage keys)
+        start, stream = 0, io.BytesIO(clean)
+        ops = [op for _ in range(5) for op in pickletools.genops(stream)]
+    else:
+        with zipfile.ZipFile(path) as z:
+            pkl = z.read(next(n for n in z.namelist() if n.endswith("/data.pkl")))
+        start, ops = clean.index(pkl), list(pickletools.genops(pkl))
+    puts = [pos for op, _, pos in ops if op.name == "LONG_BINPUT"]
+    data = bytearray(clean)
+    data[start + puts[0] + 4] ^= 0x80  # its memo index past 2**31
+    path.write_bytes(bytes(data))
+    got = subprocess.run([sys.executable, "-c", _LOAD_UNDER_A_LIMIT, str(path)], capture_output=True, text=True,
+                         timeout=120, check=False)
+    assert got.returncode == 0, got.stderr[-2000:]  # before: MemoryError
+    assert got.stdout.startswith(f"corrupt: {path} is damaged: its pickle names a memo slot"), got.stdout

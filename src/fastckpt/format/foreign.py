@@ -12,7 +12,7 @@ The training step such a file records is read from its pickle (``data.pkl``) wit
 any of its code: every class it names is replaced by an inert stub (a dict that takes the items
 of dict and list subclasses, ``_Stub``) and every tensor storage by None, so only plain values
 (the top-level ``global_step``, ``iteration`` or ``step``) survive. Its opcodes are walked first
-(``_bounded``): the unpickler sizes memory by the pickle's own fields (its memo array grows to
+(``bounded``): the unpickler sizes memory by the pickle's own fields (its memo array grows to
 the largest index a ``PUT`` names), and one damaged byte there would have it allocate gigabytes.
 
 Only bytes are handled here; the reads are the caller's (``commit.discovery``), so the same
@@ -25,6 +25,7 @@ import io
 import pickle
 import pickletools
 import struct
+import typing
 from dataclasses import dataclass
 
 from .manifest import EOCD_LEN, EOCD_SIG
@@ -176,7 +177,7 @@ def step_in_pickle(data: bytes) -> int | None:
     preference), read without running any of its code; None when it records none or does not
     parse. Never raises: a damaged pickle only costs its file its step (``latest`` orders it by time)."""
     try:
-        if not _bounded(data):
+        if not bounded(data):
             return None
         obj = _InertUnpickler(io.BytesIO(data)).load()
     except Exception:  # noqa: BLE001 (whatever a damaged pickle makes the unpickler raise)
@@ -189,7 +190,7 @@ def step_in_pickle(data: bytes) -> int | None:
     return None
 
 
-def _bounded(data: bytes) -> bool:
+def bounded(data: bytes | typing.IO[bytes], size: int | None = None) -> bool:
     """Whether no opcode of ``data`` asks the unpickler for memory the pickle does not pay for.
 
     Every counted argument (a string's or bytes' length) must lie inside ``data`` (``genops``
@@ -198,7 +199,8 @@ def _bounded(data: bytes) -> bool:
     memo 0, 1, 2, ...): the C unpickler grows and zeroes its memo array up to that index, so one
     flipped high byte of a ``LONG_BINPUT`` (torch uses them past 255 memo entries) asked for 32 GiB.
     """
-    for n, (op, arg, _) in enumerate(pickletools.genops(data)):
-        if op.name in MEMO_PUTS and int(arg) > n or op.name == "FRAME" and arg > len(data):
+    limit = len(data) if size is None else size  # type: ignore[arg-type]
+    for n, (op, arg, _) in enumerate(pickletools.genops(data)):  # one pickle: a stream is read to its STOP
+        if op.name in MEMO_PUTS and int(arg) > n or op.name == "FRAME" and arg > limit:
             return False
     return True

@@ -19,12 +19,14 @@ import pickletools
 import struct
 import sys
 import threading
+import typing
 import zipfile
 from typing import TYPE_CHECKING
 
 import torch
 
 from ..errors import CorruptCheckpointError
+from ..format.foreign import bounded
 from ..format.manifest import EOCD_SIG, TAIL_BYTES
 from ..format.ranges import RangeReader
 from .deserialize import deserialize
@@ -85,6 +87,10 @@ def load_unverified(res: ReadResult, url: str, opts: LoadOptions) -> object:
     found = damage(res, url)
     if found is not None:
         raise found
+    if not opts.weights_only and not _pickles_bounded(res):  # the C unpickler: see ``format.foreign.bounded``
+        raise CorruptCheckpointError(f"{url} is damaged: its pickle names a memo slot or frame larger than the "
+                                     "file (unpickling it would allocate gigabytes). Load an earlier checkpoint "
+                                     "(fastckpt.latest(...)).")
     try:
         return deserialize(res.buffer, res.size, opts.map_location, opts.weights_only, url)
     except pickle.UnpicklingError as exc:
@@ -108,18 +114,34 @@ def _fetch(res: ReadResult):  # noqa: ANN202
     return lambda lo, hi: bytes(view[lo:hi])
 
 
+def _pickles(res: ReadResult) -> tuple[typing.IO[bytes], int]:
+    """The stream of the file's pickles, and how many it holds (``data.pkl`` of a zip; the
+    ``LEGACY_PICKLES`` of a pre-zip file, one after another)."""
+    fetch = _fetch(res)
+    if fetch(0, 4) == ZIP_MAGIC:
+        reader = torch._C.PyTorchFileReader(RangeReader(res.size, fetch))
+        name = next(r for r in reader.get_all_records() if r.rsplit("/", 1)[-1] == "data.pkl")
+        return io.BytesIO(reader.get_record(name)), 1
+    return io.BufferedReader(RangeReader(res.size, fetch)), LEGACY_PICKLES
+
+
+def _pickles_bounded(res: ReadResult) -> bool:
+    """Whether no pickle of the file asks the unpickler for memory it does not pay for (a damaged
+    byte of a memo index: ``format.foreign.bounded``); torch's weights-only unpickler keeps its memo
+    in a dict, the C one used with ``weights_only=False`` in an array grown to the index."""
+    try:
+        stream, count = _pickles(res)
+        return all(bounded(stream, res.size) for _ in range(count))
+    except Exception:  # noqa: BLE001 (a malformed pickle: torch's own read then says what is wrong)
+        return True
+
+
 def _pickles_parse(res: ReadResult) -> bool:
     """Whether the file's pickles are well formed: every opcode known, its argument whole, the
     stack and memo consistent to the STOP (``pickletools.dis``, which builds no object), and every
     global a name that could exist (``_could_exist``: ``torcj.FloatStorage`` is no class to opt in to)."""
-    fetch = _fetch(res)
     try:
-        if fetch(0, 4) == ZIP_MAGIC:
-            reader = torch._C.PyTorchFileReader(RangeReader(res.size, fetch))
-            name = next(r for r in reader.get_all_records() if r.rsplit("/", 1)[-1] == "data.pkl")
-            stream, count = io.BytesIO(reader.get_record(name)), 1
-        else:
-            stream, count = io.BufferedReader(RangeReader(res.size, fetch)), LEGACY_PICKLES
+        stream, count = _pickles(res)
         for _ in range(count):
             start = stream.tell()
             pickletools.dis(stream, out=_Sink())
