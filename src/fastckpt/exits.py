@@ -14,6 +14,7 @@ import atexit
 import logging
 import os
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterable
 from concurrent.futures import Executor
@@ -81,7 +82,9 @@ def abandon_at_exit(executors: Iterable[Executor], why: str) -> list[str]:
     daemon threads do. Returns their names (logged with ``why``)."""
     import concurrent.futures.thread as cft
 
-    busy = [t for ex in executors for t in list(getattr(ex, "_threads", ())) if t.is_alive()]
+    deadline = time.monotonic() + 0.1  # idle workers end at once on shutdown: only busy ones are left
+    busy = [t for ex in executors for t in list(getattr(ex, "_threads", ()))
+            if t.join(max(0.0, deadline - time.monotonic())) or t.is_alive()]
     locks, guard = getattr(threading, "_shutdown_locks", None), getattr(threading, "_shutdown_locks_lock", None)
     for t in busy:
         with cft._global_shutdown_lock:  # noqa: SLF001 (see the docstring)

@@ -140,6 +140,9 @@ def test_multipart_upload_verify_download(s3_server: S3Server, s3_bucket: str, b
     assert out.read_bytes() == data
     with pytest.raises(ConfigError, match=">= 5 MiB"):
         t.put_file(local, "x.pt", chunk_bytes=MiB)
+    t.close(wait=False)  # close() past close_timeout_s: every pool the target made, stopped at once
+    assert t.put_file(local, "step_3/rank0.pt", chunk_bytes=PART).parts == 5  # a later call makes new ones
+    t.close()
 
 
 def test_verify_detects_a_corrupted_object(s3_server: S3Server, s3_bucket: str, tmp_path: Path) -> None:

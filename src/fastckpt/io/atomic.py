@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterator
 from concurrent import futures
 from contextlib import contextmanager
 
+from ..exits import abandon_at_exit
 from .ops import FileOps
 
 log = logging.getLogger(__name__)
@@ -253,7 +254,9 @@ class Reaper:
     def close(self, wait: bool = True) -> None:
         with self._lock:
             pool, self._pool = self._pool, futures.ThreadPoolExecutor(1, thread_name_prefix="fastckpt-reap")
-        pool.shutdown(wait=wait)
+        pool.shutdown(wait=wait)  # without wait the queued removals still run, unless the process ends first
+        if not wait:
+            abandon_at_exit((pool,), "close() gave up waiting (close_timeout_s)")
 
 
 def publish_bytes(ops: FileOps, path: str, data: bytes) -> None:

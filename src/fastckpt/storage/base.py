@@ -29,6 +29,7 @@ ENOSPC...) raise at once, naming the target and the fix.
 from __future__ import annotations
 
 import abc
+import contextlib
 import logging
 import os
 import threading
@@ -40,6 +41,7 @@ from typing import TypeVar
 
 from ..config import DEFAULT_RETRY_DEADLINE_S
 from ..errors import ConfigError, ReplicationError
+from ..exits import stop_pools
 from ..io.ops import FileOps
 from ..units import MiB
 from ..urls import check_key
@@ -103,6 +105,7 @@ class Target(ReadSide, abc.ABC):
         self._shared = executor
         self._pool_lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
+        self._part_pools: set[ThreadPoolExecutor] = set()  # ``transient_pool``s in use
 
     #: True: a file system this node mounts. fastckpt writes there in place (no burst buffer
     #: needed), and a file visible at its key is complete and verified (copies are verified
@@ -277,8 +280,23 @@ class Target(ReadSide, abc.ABC):
         at once: queued work is cancelled and running work is not waited for."""
         with self._pool_lock:
             pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.shutdown(wait=wait, cancel_futures=not wait)
+            transient = [] if wait else list(self._part_pools)  # (with wait, each is shut by its transfer)
+        stop_pools([p for p in (pool, *transient) if p is not None], wait)
+
+    @contextlib.contextmanager
+    def transient_pool(self, workers: int, name: str) -> Iterator[ThreadPoolExecutor]:
+        """A pool for one transfer's parts, shut down (waited for) when it ends; ``close(wait=False)``
+        cancels its queued parts and leaves its running ones to end with the process, as the
+        target's own pool (``exits.stop_pools``)."""
+        pool = ThreadPoolExecutor(workers, thread_name_prefix=name)
+        with self._pool_lock:
+            self._part_pools.add(pool)
+        try:
+            with pool:
+                yield pool
+        finally:
+            with self._pool_lock:
+                self._part_pools.discard(pool)
 
     # ------------------------------------------------------------------ helpers for implementations
     def _executor(self) -> Executor:

@@ -186,7 +186,7 @@ class FsspecTarget(Target):
         try:
             if self.is_s3:
                 session = S3Session(self._s3, self._retry, self._head, self.ops, self.parallelism,
-                                    self.retry_deadline_s)
+                                    self.retry_deadline_s, self.transient_pool)
                 return put_s3(session, fd, local_path, self.url_of(key), self._obj(key), size, limiter, chunk_bytes,
                               progress, expect)
             return self._put_generic(fd, local_path, key, size, limiter, chunk_bytes, progress)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from ..config import DEFAULT_RETRY_DEADLINE_S
 from ..errors import ConfigError
+from ..exits import stop_pools
 from ..io.atomic import Reaper
 from ..io.ops import FileOps
 from ..urls import is_url, normalize, split_url
@@ -95,8 +96,7 @@ class Homes:
             targets, own, self._own = list(self._remote.values()), self._own, None
         for t in targets:
             t.close(wait)
-        if own is not None:
-            own.shutdown(wait=wait, cancel_futures=not wait)
+        stop_pools([own] if own is not None else [], wait)
         self.reaper.close(wait)
 
 

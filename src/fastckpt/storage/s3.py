@@ -28,7 +28,7 @@ import threading
 import time
 import zlib
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -177,9 +177,8 @@ def transient_types() -> tuple[type[BaseException], ...]:
 
 @dataclass(frozen=True)
 class S3Session:
-    """What an upload needs from its ``FsspecTarget``: one S3 request (``call(method, **kwargs)``,
-    no retries), the target's retry policy (``retry(what, fn, progress=, cancel=, deadline_s=)``),
-    a HEAD of an object (its response), the file seam for reading the local file, and the limits."""
+    """What an upload needs from its ``FsspecTarget``: one S3 request (``call(method, **kwargs)``, no retries),
+    its retry policy (``retry(what, fn, progress=, cancel=, deadline_s=)``), a HEAD, the file seam, the limits."""
 
     call: Callable[..., dict]
     retry: Callable[..., object]
@@ -187,6 +186,7 @@ class S3Session:
     ops: FileOps
     parallelism: int
     retry_deadline_s: float
+    pool: Callable[[int, str], AbstractContextManager]  # the target's ``transient_pool``
 
 
 def client_error(exc: BaseException) -> tuple[str, int, str] | None:
@@ -277,7 +277,7 @@ def put_s3(t: S3Session, fd: int, local_path: str, url: str, obj: str, size: int
         progress.add(len(data))
 
     try:
-        with ThreadPoolExecutor(min(t.parallelism, n_parts), thread_name_prefix="fastckpt-put") as pool:
+        with t.pool(min(t.parallelism, n_parts), "fastckpt-put") as pool:
             futures = [pool.submit(send, i) for i in range(n_parts)]
             try:
                 for f in futures:
