@@ -135,3 +135,30 @@ def test_a_rank_that_gives_up_after_rank_0_claimed_the_attempt_waits_for_its_man
         assert _versions(g) == [1, 1]
     finally:
         close_all(cks)
+
+
+def test_a_rank_0_that_fails_after_its_claim_tells_the_others_at_once(tmp_path: Path) -> None:
+    """Without a store rank 0 claims the attempt before it checks the files and writes the
+    manifest. A storage error after the claim (EIO on the manifest's rename) recorded no outcome:
+    the other ranks took the claim for "rank 0 is publishing it" and waited a second
+    commit_timeout_s, then reported a timeout. Now they fail with rank 0's error at once."""
+    import errno
+
+    from fastckpt.testing import Fault
+
+    ops0 = FaultyOps([Fault("replace", errno.EIO, path_contains=P.GROUP_MANIFEST)])
+    cks = [fastckpt.Checkpointer(rank=r, world_size=2, io_threads=1, overhead_budget=0.99, commit_timeout_s=600,
+                                 ops=ops0 if r == 0 else None) for r in range(2)]
+    g = tmp_path / "run" / "G"
+    try:
+        for ck in cks:
+            _save(ck, g, 1).wait(60)
+        handles = [ck.commit(str(g)) for ck in cks]
+        with pytest.raises(OSError, match="Input/output error"):
+            handles[0].wait(60)
+        with pytest.raises(CommitTimeoutError, match="Input/output error") as info:
+            handles[1].wait(60)  # before: after 600 s, "rank 0 claimed the attempt ... its manifest did not follow"
+        assert "did not follow" not in str(info.value)
+        assert P.read_group_manifest(place(str(g))) is None and latest(tmp_path / "run") is None
+    finally:
+        close_all(cks)

@@ -60,7 +60,8 @@ def report(logs: tuple[str, ...], png: str | None, page: str | None, as_json: bo
         for what, where in (("figure", png), ("page", page)):
             if where:
                 click.echo(f"{what}: {where}")
-    if summary.failed or summary.alarms or any(k.startswith("commit: ") for k in summary.failures):  # a group's too
+    if summary.failed or summary.alarms or any(k.startswith("commit: ") and k != "commit: GroupRemovedError"
+                                               for k in summary.failures):  # a group's too, unless remove()d
         raise SystemExit(1)
 
 

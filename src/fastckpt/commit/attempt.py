@@ -20,7 +20,6 @@ from ..errors import (
     CommitTimeoutError,
     CorruptCheckpointError,
     GroupRemovedError,
-    IncompleteCheckpointError,
 )
 from ..io import atomic
 from ..records import SaveHandle, SaveRecord
@@ -247,6 +246,7 @@ def via_storage(att: Attempt, rank: int, world: int, files: dict, superseded: bo
         return Ended(None, 0, superseded=True)
 
     listing: list[str] = []  # the marker directory's names, read by last_check
+    claimed: list[bool] = []  # rank 0 won the attempt's claim: its failure is the attempt's outcome
 
     def last_check() -> None:  # a rank that gave up (or failed) since its marker came: not published
         if world > 1 and att.token is not None:
@@ -258,12 +258,16 @@ def via_storage(att: Attempt, rank: int, world: int, files: dict, superseded: bo
                     raise F.removed_error(att.home)
                 if won["who"] != C.RANK_0:
                     raise CommitTimeoutError(str(won.get("why")))
+                claimed.append(True)
 
     try:
         manifest = publish(att, world, markers, extra, requested_at, check_sizes=True, last_check=last_check)
-    except IncompleteCheckpointError as exc:  # claimed, then a file did not match: the others stop waiting
-        if listing and not isinstance(exc, GroupRemovedError):
-            P.write_record(att.place, P.OUTCOME, attempt=att.token, outcome=str(exc), replaced=att.replaced)
+    except Exception as exc:  # claimed, then a file did not match or the storage failed: the others stop waiting
+        if claimed and not isinstance(exc, GroupRemovedError):
+            try:  # (else they wait for the manifest the claim promised, a second commit_timeout_s)
+                P.write_record(att.place, P.OUTCOME, attempt=att.token, outcome=str(exc), replaced=att.replaced)
+            except OSError as why:
+                exc.add_note(f"the other ranks were not told, and wait commit_timeout_s for it: {why}")
         raise
     if listing and not att.staged:  # a re-save's swap keeps only its own claim
         C.sweep(att.place, att.token, listing)  # claims of earlier attempts were all there by then
