@@ -57,4 +57,5 @@ class TierUnavailableError(FastCkptError, RuntimeError):
 
 class ReplicationError(CheckpointWriteError):
     """Copying a committed checkpoint to its durable home failed after all retries (a
-    CheckpointWriteError: the previous checkpoint there is intact)."""
+    CheckpointWriteError: the previous checkpoint there is intact, except at an object store
+    where the failure came after the object of the same key was replaced: docs/faults.md)."""
