@@ -48,6 +48,19 @@ def _three_ranks_after_step_1(tmp_path: Path, events: list[Event] | None = None
     return cks, ops1, waiting
 
 
+def _rank_1_fails_while_0_and_2_wait(cks: list, ops1: FaultyOps, waiting: threading.Event, g2: Path) -> None:
+    """Ranks 0 and 2 save step 2 and wait in their commits; then rank 1's save of it fails
+    (ENOSPC on its file): both commits end, naming rank 1's error (``expect_aborted_by_rank_1``)."""
+    handles = []
+    for r in (0, 2):
+        cks[r].save(_state(2), str(g2 / f"r{r}.pt"), group=str(g2))
+        handles.append(cks[r].commit(str(g2)))
+    assert waiting.wait(60)
+    ops1.inject(Fault("pwrite", 28, path_contains="r1.pt"))
+    cks[1].save(_state(2), str(g2 / "r1.pt"), group=str(g2))
+    expect_aborted_by_rank_1(cks[1], handles, str(g2))
+
+
 def test_a_failed_save_ends_the_commit_on_the_waiting_ranks_without_a_store(tmp_path: Path) -> None:
     """Rank 1's save fails while ranks 0 and 2 already wait in their commits (no store: marker
     files). Rank 1 leaves a failure record for rank 0's attempt; rank 0 ends the attempt on it
@@ -56,14 +69,7 @@ def test_a_failed_save_ends_the_commit_on_the_waiting_ranks_without_a_store(tmp_
     cks, ops1, waiting = _three_ranks_after_step_1(tmp_path)
     g1, g2 = tmp_path / "global_step1", tmp_path / "global_step2"
     try:
-        handles = []
-        for r in (0, 2):
-            cks[r].save(_state(2), str(g2 / f"r{r}.pt"), group=str(g2))
-            handles.append(cks[r].commit(str(g2)))
-        assert waiting.wait(60)
-        ops1.inject(Fault("pwrite", 28, path_contains="r1.pt"))  # ENOSPC on rank 1's file of step 2
-        cks[1].save(_state(2), str(g2 / "r1.pt"), group=str(g2))
-        expect_aborted_by_rank_1(cks[1], handles, str(g2))
+        _rank_1_fails_while_0_and_2_wait(cks, ops1, waiting, g2)
     finally:
         close_all(cks)
     assert latest(str(tmp_path)) == str(g1)
@@ -80,14 +86,7 @@ def test_a_commit_a_failed_save_ended_is_one_failure_event_on_each_rank(tmp_path
     cks, ops1, waiting = _three_ranks_after_step_1(tmp_path, events)
     g2 = tmp_path / "global_step2"
     try:
-        handles = []
-        for r in (0, 2):
-            cks[r].save(_state(2), str(g2 / f"r{r}.pt"), group=str(g2))
-            handles.append(cks[r].commit(str(g2)))
-        assert waiting.wait(60)
-        ops1.inject(Fault("pwrite", 28, path_contains="r1.pt"))
-        cks[1].save(_state(2), str(g2 / "r1.pt"), group=str(g2))
-        expect_aborted_by_rank_1(cks[1], handles, str(g2))
+        _rank_1_fails_while_0_and_2_wait(cks, ops1, waiting, g2)
     finally:
         close_all(cks)
     failed = sorted((e.rank, e.name, e.detail, e.path, error_type(e.error)) for e in events if e.error is not None)
