@@ -527,3 +527,44 @@ def test_a_retried_complete_accepts_only_its_own_object(s3_server: S3Server, s3_
             t.put_file(local, "last.ckpt", chunk_bytes=PART)
     body = s3_server.client().get_object(Bucket=s3_bucket, Key="ckpt/last.ckpt")["Body"].read()
     assert completes == [first_complete] and body == (new if first_complete == "landed" else old)
+
+
+def test_a_part_that_fails_for_good_stops_the_other_parts_at_once(s3_server: S3Server, s3_bucket: str,
+                                                                   big: tuple[Path, bytes], monkeypatch) -> None:
+    """The parts' futures were awaited in order, so a permanent failure of part 2 (credentials
+    expired: 403) went unseen while part 1 was still in flight, and every other part was read and
+    sent for an upload that was then aborted. Parts 1 and 3 are held until the upload is
+    cancelled (or 30 s): now only part 3, which had begun, is sent after part 2 failed."""
+    from fastckpt.storage import s3 as s3mod
+
+    cancelled = threading.Event()
+
+    class Cancel(threading.Event):  # the upload's cancel event: tells the held parts when it is set
+        def set(self) -> None:
+            super().set()
+            cancelled.set()
+
+    monkeypatch.setattr(s3mod, "threading", type("T", (), {"Event": Cancel, "local": threading.local}))
+    local, _ = big
+    t = _target(s3_server, s3_bucket, parallelism=2, retry_deadline_s=30)
+    call, after = t._s3, []  # noqa: SLF001
+
+    def s3(method: str, **kw: object) -> dict:
+        if method == "upload_part":
+            n = kw["PartNumber"]
+            if n == 2:
+                raise botocore.exceptions.ClientError(
+                    {"Error": {"Code": "ExpiredToken", "Message": "The provided token has expired."},
+                     "ResponseMetadata": {"HTTPStatusCode": 403}}, "UploadPart")
+            if n != 1:
+                after.append(n)
+            if n in (1, 3):
+                cancelled.wait(30)  # before: never set while part 1 was awaited; both went on after 30 s
+        return call(method, **kw)
+
+    t._s3 = s3  # noqa: SLF001
+    with pytest.raises(CheckpointWriteError, match="ExpiredToken|expired"):
+        t.put_file(local, "run/x.pt", chunk_bytes=PART)
+    assert after == [3], after  # before: [3, 4] (part 4 sent while part 1 was awaited)
+    assert _open_uploads(s3_server, s3_bucket) == []
+    t.close()

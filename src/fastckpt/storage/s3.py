@@ -28,6 +28,7 @@ import threading
 import time
 import zlib
 from collections.abc import Callable
+from concurrent.futures import FIRST_EXCEPTION, wait
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from datetime import datetime
@@ -205,10 +206,8 @@ def client_error(exc: BaseException) -> tuple[str, int, str] | None:
 
 def put_s3(t: S3Session, fd: int, local_path: str, url: str, obj: str, size: int, limiter: TokenBucket | None,
            chunk_bytes: int, progress, expect: Expected | None) -> int:
-    """Upload the open file ``fd`` to the object ``obj`` (``url`` for messages); return the
-    number of parts. Sets ``progress.verified`` when the store confirmed every part's CRC32 and
-    ``expect`` held.
-    """
+    """Upload the open file ``fd`` to the object ``obj`` (``url`` for messages); return the number of
+    parts. Sets ``progress.verified`` when the store confirmed every part's CRC32 and ``expect`` held."""
     if chunk_bytes < S3_MIN_PART_BYTES:
         raise ConfigError(f"chunk_bytes={chunk_bytes} is below S3's minimum part size: use >= 5 MiB")
     part = max(chunk_bytes, -(-size // S3_MAX_PARTS))  # S3 allows 10,000 parts: grow parts to fit
@@ -279,8 +278,9 @@ def put_s3(t: S3Session, fd: int, local_path: str, url: str, obj: str, size: int
     try:
         with t.pool(min(t.parallelism, n_parts), "fastckpt-put") as pool:
             futures = [pool.submit(send, i) for i in range(n_parts)]
-            try:
-                for f in futures:
+            try:  # a part that failed for good stops the others at once, wherever it is in the order
+                wait(futures, return_when=FIRST_EXCEPTION)
+                for f in sorted(futures, key=lambda f: not f.done() or f.exception() is None):  # failed first
                     f.result()
             except BaseException:
                 cancel.set()  # parts not started are skipped; running ones stop retrying
