@@ -16,6 +16,7 @@ import io
 import mmap
 import pickle
 import weakref
+from collections.abc import Callable
 
 import torch
 
@@ -27,13 +28,9 @@ from .image import ZIP_MAGIC, HeapImage
 def deserialize(buf, size: int, map_location: object, weights_only: bool, path: str) -> object:  # noqa: ANN001
     """The object saved in the file image ``buf[:size]``: a ``HeapImage``, or one buffer (a
     torch.save zip; a legacy, non-zip torch file is loaded through ``torch.load`` from a copy)."""
-    if isinstance(buf, HeapImage):
-        fetch, records = buf.fetch, buf
-    elif bytes(memoryview(buf)[:4]) != ZIP_MAGIC:
+    if not isinstance(buf, HeapImage) and bytes(memoryview(buf)[:4]) != ZIP_MAGIC:
         return torch.load(io.BytesIO(memoryview(buf)[:size]), map_location=map_location, weights_only=weights_only)
-    else:
-        view = memoryview(buf)
-        fetch, records = (lambda lo, hi: bytes(view[lo:hi])), _Records(buf)
+    fetch, records = fetcher(buf), (buf if isinstance(buf, HeapImage) else _Records(buf))
     reader = torch._C.PyTorchFileReader(RangeReader(size, fetch))
     module = torch.serialization._weights_only_unpickler if weights_only else pickle
     try:
@@ -43,6 +40,14 @@ def deserialize(buf, size: int, map_location: object, weights_only: bool, path: 
             exc.add_note(f"{path} holds objects that weights_only=True refuses. If you trust this file, "
                          "load it with weights_only=False.")
         raise
+
+
+def fetcher(buf) -> Callable[[int, int], bytes]:  # noqa: ANN001
+    """``fetch(lo, hi)``: the bytes ``[lo, hi)`` of a file image (a ``HeapImage``, or one buffer)."""
+    if isinstance(buf, HeapImage):
+        return buf.fetch
+    view = memoryview(buf)
+    return lambda lo, hi: bytes(view[lo:hi])
 
 
 class _Records:

@@ -29,8 +29,8 @@ from ..errors import CorruptCheckpointError
 from ..format.foreign import bounded
 from ..format.manifest import EOCD_SIG, TAIL_BYTES
 from ..format.ranges import RangeReader
-from .deserialize import deserialize
-from .image import ZIP_MAGIC, HeapImage
+from .deserialize import deserialize, fetcher
+from .image import ZIP_MAGIC
 
 if TYPE_CHECKING:
     from ..io.engine import ReadResult
@@ -64,7 +64,7 @@ def damage(res: ReadResult, url: str) -> CorruptCheckpointError | None:
     if res.size == 0:
         return CorruptCheckpointError(f"{url} is empty (0 bytes): it was truncated or never written. Load an "
                                       "earlier checkpoint (fastckpt.latest(...)).")
-    fetch = _fetch(res)
+    fetch = fetcher(res.buffer)
     head = fetch(0, min(4, res.size))
     if head != ZIP_MAGIC and not head.startswith(LEGACY_MAGIC):
         return CorruptCheckpointError(f"{url} is not a torch.save file (it starts with {head!r}, not a zip or "
@@ -107,17 +107,10 @@ def _damaged(url: str, exc: BaseException) -> CorruptCheckpointError:
                                   f"{said}). Load an earlier checkpoint (fastckpt.latest(...)).")
 
 
-def _fetch(res: ReadResult):  # noqa: ANN202
-    if isinstance(res.buffer, HeapImage):
-        return res.buffer.fetch
-    view = memoryview(res.buffer)
-    return lambda lo, hi: bytes(view[lo:hi])
-
-
 def _pickles(res: ReadResult) -> tuple[typing.IO[bytes], int]:
     """The stream of the file's pickles, and how many it holds (``data.pkl`` of a zip; the
     ``LEGACY_PICKLES`` of a pre-zip file, one after another)."""
-    fetch = _fetch(res)
+    fetch = fetcher(res.buffer)
     if fetch(0, 4) == ZIP_MAGIC:
         reader = torch._C.PyTorchFileReader(RangeReader(res.size, fetch))
         name = next(r for r in reader.get_all_records() if r.rsplit("/", 1)[-1] == "data.pkl")
