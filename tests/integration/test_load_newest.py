@@ -340,3 +340,13 @@ def test_prefetch_of_a_damaged_object_names_it_and_removes_the_download(tmp_path
             fresh.load(url, prefetch=True)
         assert str(err.value).startswith("memory://") and "is corrupt" in str(err.value)
         assert not os.path.exists(fresh.local_path(url))
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_s3_load_from_a_missing_bucket_names_the_bucket(s3_server, tmp_path, prefetch: bool) -> None:
+    """A typo in the bucket is a wrong URL, never "nothing saved there yet, start fresh"."""
+    url = "s3://no-such-bucket-fastckpt/run/step-1.pt"
+    with fastckpt.Checkpointer(local_dir=str(tmp_path / "nvme"), storage_options=s3_server.storage_options()) as ck:
+        with pytest.raises(BucketNotFoundError, match="bucket 'no-such-bucket-fastckpt' does not exist") as ei:
+            ck.load(url, prefetch=prefetch)
+    assert not isinstance(ei.value, fastckpt.CheckpointNotFoundError)

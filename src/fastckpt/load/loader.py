@@ -40,7 +40,7 @@ from ..errors import (
 )
 from ..io.engine import ImageFactory
 from ..storage.homes import Homes, Location
-from ..storage.types import TargetNotFoundError, TargetUnavailableError
+from ..storage.types import BucketNotFoundError, TargetNotFoundError, TargetUnavailableError
 from .deserialize import deserialize
 from .image import heap_image
 from .into import in_place, place
@@ -155,6 +155,7 @@ class Loader:
             ConfigError: ``path`` is a directory.
             IncompleteCheckpointError: the file's group was never committed.
             CheckpointNotFoundError: no copy of it exists (never saved there, or deleted since).
+            BucketNotFoundError: the URL's bucket does not exist (never a CheckpointNotFoundError).
         """
         self._saving(path)  # a save of it in flight here is the newest: load that, not the copy before it
         home = self._homes.resolve(path)
@@ -331,9 +332,16 @@ def _plain_copies(local: Location, home: Location) -> str:
     return SAME if size == mine.st_size and date <= mine.st_mtime else OLDER
 
 
-def _not_found(path: str, candidates: list, exc: OSError) -> CheckpointNotFoundError:
+def _not_found(path: str, candidates: list, exc: OSError) -> CheckpointNotFoundError | BucketNotFoundError:
     local = "".join(f" (nor its burst-buffer copy {loc.url})" for loc, where in candidates if where == "local")
     home = next(loc for loc, where in candidates if where != "local")
+    if not home.target.mounted:  # a store answers 404 to a HEAD in a missing bucket as to a missing key
+        try:
+            home.target.list(home.key, max_depth=0)  # one request; its error names the bucket
+        except BucketNotFoundError as missing:  # a wrong URL, never "nothing saved there yet, start fresh"
+            return missing
+        except OSError:  # it cannot tell: the key's absence stands
+            pass
     said = "" if home.target.mounted else f" The store said: {exc}"
     return CheckpointNotFoundError(
         f"{path} does not exist{local}: it was never saved there, or it was deleted since (retention: "
