@@ -461,3 +461,23 @@ def test_fsspec_generic_path_on_memory_fs(src: tuple[Path, bytes], tmp_path: Pat
     assert not t.exists("s1/a.pt")
     with pytest.raises(TargetNotFoundError):
         t.get_bytes("s1/a.pt")
+
+
+@pytest.mark.parametrize("call", ["put_bytes", "put_file"])
+def test_a_failed_publish_on_a_generic_object_store_leaves_no_temp_key(tmp_path: Path, call: str,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Other fsspec protocols write a temp key, then move it: a move refused for good must not
+    leave the temp key behind (a bucket that fills with them, forever)."""
+    t = open_target(f"memory://fastckpt-{uuid.uuid4().hex[:8]}/run", parallelism=1)
+    t.put_bytes("latest", b"old")
+
+    def refused(*_a: object, **_k: object) -> None:
+        raise PermissionError(errno.EACCES, "read-only bucket")
+
+    monkeypatch.setattr(t.fs, "mv", refused)
+    local = tmp_path / "f.bin"
+    local.write_bytes(b"new" * 100)
+    with pytest.raises(ReplicationError, match="permission denied"):
+        t.put_bytes("latest", b"new") if call == "put_bytes" else t.put_file(local, "latest")
+    assert sorted(p.rsplit("/", 1)[-1] for p in t.fs.find(t.root)) == ["latest"]
+    assert t.get_bytes("latest") == b"old"

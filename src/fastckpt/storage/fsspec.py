@@ -26,10 +26,12 @@ object stores, itself atomic), best effort removal of the temp key on failure.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
 import time
+from collections.abc import Callable
 from concurrent.futures import Executor
 
 from ..config import DEFAULT_RETRY_DEADLINE_S
@@ -38,7 +40,7 @@ from ..io.atomic import is_tmp, tmp_name
 from ..io.ops import FileOps, pread_exact
 from ..units import MiB
 from ..urls import check_key
-from .base import Target
+from .base import T, Target
 from .s3 import (
     TRANSIENT_CODES,
     S3Session,
@@ -195,10 +197,7 @@ class FsspecTarget(Target):
 
     def _put_generic(self, fd: int, local_path: str, key: str, size: int, limiter: TokenBucket | None,
                      chunk_bytes: int, progress: Progress) -> int:
-        final = self._full(key)
-        tmp = tmp_name(final)
-
-        def copy() -> int:
+        def copy(tmp: str) -> int:
             reported = progress.done
             with self.fs.open(tmp, "wb") as f:
                 for off in range(0, size, chunk_bytes):
@@ -210,35 +209,38 @@ class FsspecTarget(Target):
                     if off + len(data) > reported:
                         progress.add(off + len(data) - reported)
                         reported = off + len(data)
-            self.fs.mv(tmp, final)
             return 1
 
-        try:
-            return self._retry(f"upload of {self.url_of(key)}", copy, progress=progress)
-        except BaseException:
-            try:
-                self.fs.rm_file(tmp)
-            except FileNotFoundError:
-                pass
-            except Exception as rm_exc:  # the upload's error matters more; leave a trace of this one
-                log.warning("could not remove temp object %s: %s", tmp, rm_exc)
-            raise
+        return self._via_tmp(f"upload of {self.url_of(key)}", key, copy, progress=progress)
 
     def put_bytes(self, key: str, data: bytes) -> None:
         what = f"publish of {self.url_of(key)}"
-        if self.is_s3:
-            body = bytes(data)
-            self._retry(what, lambda: self._s3("put_object", Key=self._obj(key), Body=body,
-                                               ChecksumCRC32=crc32_header(body)))
-            return
+        if not self.is_s3:
+            return self._via_tmp(what, key, lambda tmp: self.fs.pipe_file(tmp, bytes(data)))
+        body = bytes(data)
+        self._retry(what, lambda: self._s3("put_object", Key=self._obj(key), Body=body,
+                                           ChecksumCRC32=crc32_header(body)))
+
+    def _via_tmp(self, what: str, key: str, write: Callable[[str], T], progress: Progress | None = None) -> T:
+        """``write`` a temp key beside ``key``, move it into place, retried; failing, remove the temp key."""
         final = self._full(key)
         tmp = tmp_name(final)
 
-        def publish() -> None:
-            self.fs.pipe_file(tmp, bytes(data))
+        def attempt() -> T:
+            out = write(tmp)
             self.fs.mv(tmp, final)
+            return out
 
-        self._retry(what, publish)
+        try:
+            return self._retry(what, attempt, progress=progress)
+        except BaseException:
+            try:
+                self.fs.rm_file(tmp)
+            except FileNotFoundError:  # it was never written
+                pass
+            except Exception as rm_exc:  # the write's error is the one to raise
+                log.warning("could not remove temp object %s: %s", tmp, rm_exc)
+            raise
 
     def _create(self, key: str, data: bytes) -> bool:
         if not self.is_s3:
@@ -326,10 +328,8 @@ class FsspecTarget(Target):
             return
 
         def rm() -> None:
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 self.fs.rm_file(self._full(key))
-            except FileNotFoundError:
-                pass
 
         self._retry(what, rm)
 
