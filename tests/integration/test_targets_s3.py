@@ -534,7 +534,7 @@ def test_a_part_that_fails_for_good_stops_the_other_parts_at_once(s3_server: S3S
     """The parts' futures were awaited in order, so a permanent failure of part 2 (credentials
     expired: 403) went unseen while part 1 was still in flight, and every other part was read and
     sent for an upload that was then aborted. Parts 1 and 3 are held until the upload is
-    cancelled (or 30 s): now only part 3, which had begun, is sent after part 2 failed."""
+    cancelled (or 30 s): now at most part 3, which may have begun, is sent after part 2 failed."""
     from fastckpt.storage import s3 as s3mod
 
     cancelled = threading.Event()
@@ -565,6 +565,45 @@ def test_a_part_that_fails_for_good_stops_the_other_parts_at_once(s3_server: S3S
     t._s3 = s3  # noqa: SLF001
     with pytest.raises(CheckpointWriteError, match="ExpiredToken|expired"):
         t.put_file(local, "run/x.pt", chunk_bytes=PART)
-    assert after == [3], after  # before: [3, 4] (part 4 sent while part 1 was awaited)
+    # Part 3 starts on part 2's thread, before or after the cancel: sent or skipped, never part 4
+    assert after in ([], [3]), after  # before: [3, 4] (part 4 sent while part 1 was awaited)
     assert _open_uploads(s3_server, s3_bucket) == []
+    t.close()
+
+
+@pytest.mark.parametrize("size", [1000, 3 * PART - 7], ids=["one PutObject", "multipart"])
+def test_a_retried_body_counts_against_the_bandwidth_cap_again(s3_server: S3Server, s3_bucket: str, tmp_path: Path,
+                                                               size: int) -> None:
+    """The cap was charged when a part was read, once: a part sent three times (a store that
+    throttles, a flaky link) put three times its bytes on the wire for one charge."""
+    from fastckpt.storage.types import TokenBucket
+
+    charged: list[int] = []  # list.append: safe from the parts' threads
+
+    class Counted(TokenBucket):
+        def consume(self, n: int) -> float:
+            charged.append(n)
+            return super().consume(n)
+
+    local = tmp_path / "f.bin"
+    _file(local, size)
+    t = _target(s3_server, s3_bucket, parallelism=2, retry_deadline_s=30)
+    call, sent, failed = t._s3, [], set()  # noqa: SLF001
+
+    def s3(method: str, **kw: object) -> dict:
+        if method in ("put_object", "upload_part"):
+            body = kw["Body"]
+            sent.append(len(body))  # type: ignore[arg-type]
+            n = kw.get("PartNumber", 1)
+            if n == 1 and n not in failed:  # the first try of the first body is throttled
+                failed.add(n)
+                raise botocore.exceptions.ClientError(
+                    {"Error": {"Code": "SlowDown", "Message": "Reduce your request rate."},
+                     "ResponseMetadata": {"HTTPStatusCode": 503}}, method)
+        return call(method, **kw)
+
+    t._s3 = s3  # noqa: SLF001
+    t.put_file(local, "x.pt", chunk_bytes=PART, bandwidth_Bps=Counted(1 << 40))
+    assert sum(sent) > size  # the throttled body was sent twice
+    assert sum(charged) == sum(sent)  # before: == size
     t.close()

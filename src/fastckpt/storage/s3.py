@@ -52,7 +52,6 @@ log = logging.getLogger(__name__)
 S3_MIN_PART_BYTES = 5 * MiB
 S3_MAX_PARTS = 10_000
 
-
 TRANSIENT_CODES = frozenset({"SlowDown", "RequestTimeout", "RequestTimeoutException", "InternalError",
                               "ServiceUnavailable", "Throttling", "ThrottlingException", "RequestLimitExceeded",
                               "TooManyRequests", "500", "502", "503", "504",
@@ -231,9 +230,12 @@ def put_s3(t: S3Session, fd: int, local_path: str, url: str, obj: str, size: int
             mv = memoryview(data)[: max(0, covered - off)]
             digests[i] = [checksum.block_digest(mv[o:o + checksum.BLOCK_BYTES])
                           for o in range(0, len(mv), checksum.BLOCK_BYTES)]
-        if limiter is not None:
-            limiter.consume(len(data))
         return data, crc32_header(data)
+
+    def call(method: str, body: bytearray, **kw: object) -> dict:
+        if limiter is not None:  # each try sends the body again: each counts against the cap
+            limiter.consume(len(body))
+        return t.call(method, Key=obj, Body=body, **kw)
 
     def check_echo(i: int, what: str, crc: str, resp: dict) -> None:
         echoed = resp.get("ChecksumCRC32")
@@ -253,8 +255,7 @@ def put_s3(t: S3Session, fd: int, local_path: str, url: str, obj: str, size: int
         data, crc = read(0)
         check_source()  # before the PutObject: a single object is visible as soon as it lands
         what = f"upload of {url}"
-        check_echo(0, what, crc, t.retry(what, lambda: t.call(
-            "put_object", Key=obj, Body=data, ChecksumCRC32=crc), progress=progress))
+        check_echo(0, what, crc, t.retry(what, lambda: call("put_object", data, ChecksumCRC32=crc), progress=progress))
         progress.verified = expect is not None and all(confirmed)
         progress.add(size)
         return 1
@@ -268,9 +269,8 @@ def put_s3(t: S3Session, fd: int, local_path: str, url: str, obj: str, size: int
             return
         data, crc = read(i)
         what = f"upload of part {i + 1}/{n_parts} of {url}"
-        resp = t.retry(what, lambda: t.call(
-            "upload_part", Key=obj, UploadId=upload_id, PartNumber=i + 1, Body=data, ChecksumCRC32=crc),
-            progress=progress, cancel=cancel)
+        resp = t.retry(what, lambda: call("upload_part", data, UploadId=upload_id, PartNumber=i + 1,
+                                          ChecksumCRC32=crc), progress=progress, cancel=cancel)
         check_echo(i, what, crc, resp)
         parts[i] = {"PartNumber": i + 1, "ETag": resp["ETag"], "ChecksumCRC32": crc}
         progress.add(len(data))
