@@ -162,3 +162,35 @@ def test_a_rank_0_that_fails_after_its_claim_tells_the_others_at_once(tmp_path: 
         assert P.read_group_manifest(place(str(g))) is None and latest(tmp_path / "run") is None
     finally:
         close_all(cks)
+
+
+def test_a_rank_that_gives_up_after_rank_0_claimed_learns_rank_0s_failure_at_once(tmp_path: Path) -> None:
+    """As above, but rank 0's manifest then fails (EIO). Rank 1 polled for the manifest only,
+    so it waited a second commit_timeout_s and said "its manifest did not follow"; it now stops
+    at rank 0's recorded outcome and names rank 0's error."""
+    import errno
+
+    from fastckpt.testing import Fault
+
+    ops0, ops1 = FaultyOps([Fault("replace", errno.EIO, path_contains=P.GROUP_MANIFEST)]), FaultyOps()
+    cks = [fastckpt.Checkpointer(rank=r, world_size=2, io_threads=1, overhead_budget=0.99, ops=ops,
+                                 commit_timeout_s=0.2 if r == 1 else 60) for r, ops in enumerate((ops0, ops1))]
+    g = tmp_path / "run" / "G"
+    try:
+        for ck in cks:
+            _save(ck, g, 1).wait(60)
+        manifest = ops0.gate("write_small", path_contains=P.GROUP_MANIFEST)  # rank 0, after its claim
+        claim = ops1.gate("link", path_contains="claim-")  # rank 1's claim, once its wait ran out
+        commits = [ck.commit(str(g)) for ck in cks]
+        assert manifest.wait_entered(60)
+        assert claim.wait_entered(60)
+        claim.open()  # rank 1's claim loses to rank 0's: it waits for the manifest, or rank 0's outcome
+        manifest.open()
+        with pytest.raises(OSError, match="Input/output error"):
+            commits[0].wait(60)
+        with pytest.raises(CommitTimeoutError, match="Input/output error") as info:
+            commits[1].wait(60)
+        assert "did not follow" not in str(info.value)
+        assert P.read_group_manifest(place(str(g))) is None
+    finally:
+        close_all(cks)

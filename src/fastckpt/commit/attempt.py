@@ -25,6 +25,7 @@ from ..io import atomic
 from ..records import SaveHandle, SaveRecord
 from ..storage.places import Place
 from . import claim as C
+from . import failures as E
 from . import fallback as F
 from . import protocol as P
 from . import resave
@@ -140,30 +141,30 @@ def via_store(att: Attempt, ch: S.Channel, rank: int, world: int, files: dict, s
         if kind == S.SUPERSEDED:
             return Ended(None, 0, superseded=True)
         if kind == S.REMOVED:
-            raise F.removed_error(att.home)
+            raise E.removed_error(att.home)
         if kind == S.ABORTED:
-            raise F.aborted_error(att.home.label, rest)
+            raise E.aborted_error(att.home.label, rest)
         raise CommitTimeoutError(rest)
     entries = ch.gather(deadline, stop)  # at once when some rank never joined the session by then
     if entries is None:
         present = ch.entries()
-        err = F.not_committed(att.home, [r for r in range(world) if r not in present], world, timeout_s)
+        err = E.not_committed(att.home, [r for r in range(world) if r not in present], world, timeout_s)
         ch.tell(f"{S.FAILED}:{err}")
         for r, e in present.items():  # the crash trail: who did commit (readers name the others)
             P.write_marker(att.place, r, world, e["files"], att.token, bool(e.get("superseded")))
         raise err
     if (apart := _elsewhere(att, entries)) and ch.abort(0, apart):  # nothing of it is published
-        raise F.aborted_error(att.home.label, f"rank 0: {apart}")
+        raise E.aborted_error(att.home.label, f"rank 0: {apart}")
     won = ch.claim("rank 0")
     if won != "rank 0":
         ch.tell(None)
         if won.startswith(S.ABORTED + ":"):
-            raise F.aborted_error(att.home.label, won.partition(":")[2])
+            raise E.aborted_error(att.home.label, won.partition(":")[2])
         if won.startswith(S.FAILED + ":"):  # a rank gave up waiting (``_verdict``)
             err = CommitTimeoutError(won.partition(":")[2])
             C.note_held_up(err, entries, world)
             raise err
-        raise F.removed_error(att.home)
+        raise E.removed_error(att.home)
     if any(e.get("superseded") for e in entries.values()):
         ch.tell(S.SUPERSEDED)
         return Ended(None, 0, superseded=True)
@@ -217,11 +218,11 @@ def via_storage(att: Attempt, rank: int, world: int, files: dict, superseded: bo
         ended = P.read_record(att.place, P.OUTCOME) or {}
         if began.running is not None and ended.get("attempt") == began.running:  # ended while this rank wrote
             if ended.get("outcome") == F.ABORTED:
-                raise F.aborted_error(att.home.label, str(ended.get("why")))
+                raise E.aborted_error(att.home.label, str(ended.get("why")))
             if ended.get("outcome") == "superseded":
                 return Ended(None, 0, superseded=True)  # another rank's file was dropped: so is this attempt
             F.own_attempt(att.place, rank, began, att.home)  # raises, naming the newer attempt if rank 0 began one
-            raise F.left_behind(att.home, rank, None, str(ended.get("outcome")))
+            raise E.left_behind(att.home, rank, None, str(ended.get("outcome")))
         att.token = F.own_attempt(att.place, rank, began, att.home)  # before the marker: a newer attempt never gets it
 
         def restamp(aid: str) -> None:
@@ -230,7 +231,7 @@ def via_storage(att: Attempt, rank: int, world: int, files: dict, superseded: bo
 
         P.write_marker(att.place, rank, world, files, att.token, superseded)
         if _files_gone(att, files):  # another rank's remove() took the group before the marker, which
-            raise F.removed_error(att.home)  # brought the directory back: the coordinator deletes it again
+            raise E.removed_error(att.home)  # brought the directory back: the coordinator deletes it again
         m = F.wait_for_manifest(att.home, timeout_s + grace(timeout_s), stop, att.token, files, me=rank,
                                 restamp=restamp, cancel=att.cancel, records=att.place, began=began)
         if m.get("superseded"):
@@ -255,7 +256,7 @@ def via_storage(att: Attempt, rank: int, world: int, files: dict, superseded: bo
                 F.check_failures(att.place, att.token, att.replaced, listing)
                 won = C.claim(att.place, att.token, C.RANK_0)
                 if won["who"] == C.REMOVED:  # another rank's remove() came first: it deletes the group
-                    raise F.removed_error(att.home)
+                    raise E.removed_error(att.home)
                 if won["who"] != C.RANK_0:
                     raise CommitTimeoutError(str(won.get("why")))
                 claimed.append(True)

@@ -4,7 +4,8 @@ Rank 0 claims its attempt right before the manifest goes. Another rank that wait
 manifest in vain claims it first, if it can, before it reports the group not committed: a rank 0
 that is only late then never publishes what that rank reported not committed (its next save of
 the group, in place while the group is unpublished, would replace a file the late manifest names
-with the old checksum). A rank that finds rank 0's claim waits for the manifest once more.
+with the old checksum). A rank that finds rank 0's claim waits once more for the manifest, or for
+the failure rank 0 records when it cannot publish it.
 
 The claim is the small file ``.fastckpt/claim-<attempt>.json``, created only if absent
 (``Place.put_new``): on a file system a hard link of a complete temp file, on S3 a ``PutObject``

@@ -41,6 +41,7 @@ from ..errors import CommitTimeoutError, CorruptCheckpointError, GroupRemovedErr
 from ..records import SaveHandle, SaveRecord
 from ..storage.places import Place
 from . import attempt as A
+from . import failures as E
 from . import fallback as F
 from . import protocol as P
 from . import removal as R
@@ -249,7 +250,7 @@ class Coordinator:
         end the attempt on every rank at once, and raise, naming them. A rank whose save failed
         before its attempt began (``att`` None) begins it now, to know which attempt to end."""
         files = "; ".join(f"{path[len(group):].lstrip('/')} ({why})" for path, why in missing.items())
-        err = F.unsaved_error(group, files)
+        err = E.unsaved_error(group, files)
         self._emit("commit", group, 0, time.time(), "direct", err, detail="group")  # those saves emitted none
         try:
             if att is None:
@@ -338,7 +339,7 @@ class Coordinator:
                                       for r in recs}
         try:
             if att.cancel.is_set():
-                raise F.removed_error(att.home)
+                raise E.removed_error(att.home)
             ended = (A.via_store(att, att.channel, rank, world, files, superseded, extra, requested_at, self._timeout,
                                  self._stop) if att.channel is not None else
                      A.via_storage(att, rank, world, files, superseded, extra, requested_at, self._timeout, self._stop))

@@ -37,10 +37,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..errors import CheckpointWriteError, CommitTimeoutError, GroupRemovedError
+from ..errors import CommitTimeoutError
 from ..storage.places import Place
 from . import claim as C
 from . import protocol as P
+from .failures import aborted_error, left_behind, not_committed, removed_error
 
 ABORTED = "aborted"  # the outcome of an attempt that a rank's failed save ended
 POLL_FIRST_S = 0.005
@@ -60,35 +61,11 @@ def poll(until: Callable[[], object], deadline: float, stop: threading.Event) ->
         delay = min(delay * 2, POLL_MAX_S)
 
 
-def aborted_error(label: str, why: str) -> CheckpointWriteError:
-    """What the other ranks raise when one rank's save into the group failed (``why``: which
-    rank, and its error; kept on the exception for the outcome record)."""
-    err = CheckpointWriteError(f"checkpoint group {label} not committed: its save failed on another rank ({why}). "
-                               "The group stays incomplete; the previous checkpoint is intact.")
-    err.why = why  # type: ignore[attr-defined]
-    return err
-
-
-def unsaved_error(label: str, files: str) -> CheckpointWriteError:
-    """What a rank raises at ``commit`` when its save of ``files`` (each with why) into the group
-    did not happen: the group would lack them, so it is not committed (``Coordinator._refuse``)."""
-    return CheckpointWriteError(
-        f"checkpoint group {label} not committed: this rank's save of {files} did not happen, and the group would "
-        "lack it. It ends on every rank; the group stays incomplete and the previous checkpoint is intact. To "
-        "commit a group after such a failure, save the file again before commit() (a save of the same path that "
-        "succeeds counts).")
-
-
 def record_aborted(place: Place, token: str | None, why: str, replaced: str | None = None) -> None:
     """Rank 0: attempt ``token`` (which replaced attempt ``replaced``) ended because a save
     failed (``why``: which rank, and its error); the ranks polling for the manifest raise
     ``aborted_error`` on it."""
     P.write_record(place, P.OUTCOME, attempt=token, outcome=ABORTED, why=why, replaced=replaced)
-
-
-def removed_error(place: Place) -> GroupRemovedError:
-    return GroupRemovedError(f"checkpoint group {place.label} was removed while it was being committed "
-                             "(Checkpointer.remove); nothing of it is published")
 
 
 def wait_for_markers(place: Place, world_size: int, timeout_s: float, stop: threading.Event,
@@ -158,16 +135,8 @@ def _failed_in(failed: dict, token: str | None, replaced: str | None) -> bool:
     """Whether a failure record belongs to attempt ``token``: it names it, or it was written
     before rank 0 started it (no running attempt) while ``attempt.json`` still held ``replaced``.
     A record naming an earlier attempt, running then, is that attempt's."""
-    if failed.get("attempt") == token:
-        return True
-    return failed.get("attempt") is None and "seen" in failed and failed["seen"] == replaced
-
-
-def not_committed(place: Place, missing: list[int], world_size: int, timeout_s: float) -> CommitTimeoutError:
-    return CommitTimeoutError(
-        f"checkpoint group {place.label} not committed: ranks {missing} of {world_size} did "
-        f"not commit within {timeout_s:.0f} s. The group stays incomplete (readers skip it); "
-        "check those ranks' logs, or raise commit_timeout_s for slow storage.")
+    return failed.get("attempt") == token or (
+        failed.get("attempt") is None and "seen" in failed and failed["seen"] == replaced)
 
 
 def current_attempt(place: Place) -> str | None:
@@ -253,18 +222,6 @@ def own_attempt(place: Place, me: int | None, began: Began, home: Place | None =
     raise left_behind(home or place, me, aid)
 
 
-def left_behind(place: Place, me: int | None, newer: str | None, why: str | None = None) -> CommitTimeoutError:
-    """What a rank raises when rank 0 ended its attempt (``why``: the recorded outcome) or moved
-    on to the ``newer`` one without it (``own_attempt``)."""
-    what = f"moved on to a newer attempt ({newer})" if newer is not None else \
-        f"ended this rank's attempt without it ({why})"
-    return CommitTimeoutError(
-        f"checkpoint group {place.label} not committed on rank {me}: rank 0 {what} before this rank "
-        "committed its files (rank 0 gave up waiting for this rank, or was restarted). This rank's "
-        "files are not part of any published attempt; save the group again on this rank to join "
-        "rank 0's current attempt (the previous checkpoint is intact).")
-
-
 def _outcome_of(ended: dict, token: str | None, began: Began | None) -> bool:
     """Whether an outcome record is of this rank's attempt: it names ``token``, or, while this
     rank has joined none, the attempt that ran when it began, or the one that replaced the
@@ -308,11 +265,9 @@ def wait_for_manifest(place: Place, timeout_s: float, stop: threading.Event, tok
             return m
         return None
 
-    def ready() -> dict | None:
-        if cancel is not None and cancel.is_set():
-            raise removed_error(place)
-        m = published()
-        if m is not None:
+    def settled() -> dict | None:
+        """The attempt's manifest, or its recorded outcome (raised when it failed)."""
+        if (m := published()) is not None:
             return m
         ended = P.read_record(rec, P.OUTCOME)
         if ended is not None and _outcome_of(ended, state["token"], began):
@@ -321,6 +276,13 @@ def wait_for_manifest(place: Place, timeout_s: float, stop: threading.Event, tok
             if ended.get("outcome") == ABORTED:
                 raise aborted_error(place.label, str(ended.get("why")))
             raise CommitTimeoutError(str(ended.get("outcome")))
+        return None
+
+    def ready() -> dict | None:
+        if cancel is not None and cancel.is_set():
+            raise removed_error(place)
+        if (m := settled()) is not None:
+            return m
         if restamp is not None:
             try:
                 current = own_attempt(rec, me, began, place) if began is not None else current_attempt(rec)
@@ -351,8 +313,8 @@ def wait_for_manifest(place: Place, timeout_s: float, stop: threading.Event, tok
                 raise err from exc
             if won["who"] == C.REMOVED:
                 raise removed_error(place)
-            if won["who"] == C.RANK_0:  # rank 0 is publishing it: the manifest follows
-                if (m := poll(published, time.monotonic() + timeout_s, stop)) is not None:
+            if won["who"] == C.RANK_0:  # rank 0 is publishing it: the manifest follows, or its failure
+                if (m := poll(settled, time.monotonic() + timeout_s, stop)) is not None:
                     return m  # type: ignore[return-value]
                 err.add_note("rank 0 claimed the attempt to publish it, but its manifest did not follow")
         raise err

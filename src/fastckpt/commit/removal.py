@@ -22,6 +22,7 @@ import time
 from ..errors import CorruptCheckpointError, GroupRemovedError
 from ..inflight import raise_as_write_error
 from . import claim as C
+from . import failures as E
 from . import fallback as F
 from . import protocol as P
 from . import store as S
@@ -68,7 +69,7 @@ def failure(att: Attempt, rank: int, exc: BaseException) -> BaseException:
     if isinstance(exc, GroupRemovedError) or (isinstance(exc, OSError) and removed(att, exc)):
         drop_marker(att, rank)
         if not isinstance(exc, GroupRemovedError):
-            err = F.removed_error(att.home)
+            err = E.removed_error(att.home)
             err.__cause__ = exc
             return err
     elif isinstance(exc, OSError):

@@ -1,0 +1,50 @@
+"""What the ranks of a group commit raise when it does not complete: one message each, shared by
+rank 0 and the others, with a store (``attempt.py``) and without one (``fallback.py``)."""
+
+from __future__ import annotations
+
+from ..errors import CheckpointWriteError, CommitTimeoutError, GroupRemovedError
+from ..storage.places import Place
+
+
+def aborted_error(label: str, why: str) -> CheckpointWriteError:
+    """What the other ranks raise when one rank's save into the group failed (``why``: which
+    rank, and its error; kept on the exception for the outcome record)."""
+    err = CheckpointWriteError(f"checkpoint group {label} not committed: its save failed on another rank ({why}). "
+                               "The group stays incomplete; the previous checkpoint is intact.")
+    err.why = why  # type: ignore[attr-defined]
+    return err
+
+
+def unsaved_error(label: str, files: str) -> CheckpointWriteError:
+    """What a rank raises at ``commit`` when its save of ``files`` (each with why) into the group
+    did not happen: the group would lack them, so it is not committed (``Coordinator._refuse``)."""
+    return CheckpointWriteError(
+        f"checkpoint group {label} not committed: this rank's save of {files} did not happen, and the group would "
+        "lack it. It ends on every rank; the group stays incomplete and the previous checkpoint is intact. To "
+        "commit a group after such a failure, save the file again before commit() (a save of the same path that "
+        "succeeds counts).")
+
+
+def removed_error(place: Place) -> GroupRemovedError:
+    return GroupRemovedError(f"checkpoint group {place.label} was removed while it was being committed "
+                             "(Checkpointer.remove); nothing of it is published")
+
+
+def not_committed(place: Place, missing: list[int], world_size: int, timeout_s: float) -> CommitTimeoutError:
+    return CommitTimeoutError(
+        f"checkpoint group {place.label} not committed: ranks {missing} of {world_size} did "
+        f"not commit within {timeout_s:.0f} s. The group stays incomplete (readers skip it); "
+        "check those ranks' logs, or raise commit_timeout_s for slow storage.")
+
+
+def left_behind(place: Place, me: int | None, newer: str | None, why: str | None = None) -> CommitTimeoutError:
+    """What a rank raises when rank 0 ended its attempt (``why``: the recorded outcome) or moved
+    on to the ``newer`` one without it (``own_attempt``)."""
+    what = f"moved on to a newer attempt ({newer})" if newer is not None else \
+        f"ended this rank's attempt without it ({why})"
+    return CommitTimeoutError(
+        f"checkpoint group {place.label} not committed on rank {me}: rank 0 {what} before this rank "
+        "committed its files (rank 0 gave up waiting for this rank, or was restarted). This rank's "
+        "files are not part of any published attempt; save the group again on this rank to join "
+        "rank 0's current attempt (the previous checkpoint is intact).")
