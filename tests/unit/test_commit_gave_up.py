@@ -10,7 +10,10 @@ commit_timeout_s is short; each step waits for the previous one's outcome (no sl
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import errno
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,7 +23,7 @@ import torch.distributed as dist
 import fastckpt
 from fastckpt.commit import protocol as P
 from fastckpt.errors import CommitTimeoutError
-from fastckpt.testing import FaultyOps
+from fastckpt.testing import Fault, FaultyOps
 from tests.helpers import close_all, latest, place
 
 GAVE_UP = r"checkpoint group .*/G not committed: rank 1 gave up waiting \d+ s for rank 0"
@@ -112,11 +115,12 @@ def test_rank_0_names_the_ranks_that_held_up_the_attempt_a_rank_gave_up_on(tmp_p
         close_all(cks)
 
 
-def test_a_rank_that_gives_up_after_rank_0_claimed_the_attempt_waits_for_its_manifest(tmp_path: Path) -> None:
-    """Without a store: rank 0 has claimed the attempt (``commit/claim.py``) and is about to write
-    the manifest when rank 1's wait runs out. Rank 1's own claim loses, so it waits for the
-    manifest once more, and its commit succeeds with rank 0's."""
-    ops0, ops1 = FaultyOps(), FaultyOps()
+@contextlib.contextmanager
+def _rank_1_gives_up_after_rank_0s_claim(tmp_path: Path, ops0: FaultyOps) -> Iterator[tuple[Path, list]]:
+    """Without a store: both ranks saved the group; rank 0 has claimed the attempt
+    (``commit/claim.py``) and is about to write the manifest when rank 1's wait runs out and its
+    own claim (which loses) goes. Yields the group and both commits' handles, both ranks let go."""
+    ops1 = FaultyOps()
     cks = [fastckpt.Checkpointer(rank=r, world_size=2, io_threads=1, overhead_budget=0.99, ops=ops,
                                  commit_timeout_s=0.2 if r == 1 else 60) for r, ops in enumerate((ops0, ops1))]
     g = tmp_path / "run" / "G"
@@ -130,11 +134,18 @@ def test_a_rank_that_gives_up_after_rank_0_claimed_the_attempt_waits_for_its_man
         assert claim.wait_entered(60)
         claim.open()
         manifest.open()
+        yield g, commits
+    finally:
+        close_all(cks)
+
+
+def test_a_rank_that_gives_up_after_rank_0_claimed_the_attempt_waits_for_its_manifest(tmp_path: Path) -> None:
+    """Rank 1's own claim loses, so it waits for the manifest once more, and its commit succeeds
+    with rank 0's."""
+    with _rank_1_gives_up_after_rank_0s_claim(tmp_path, FaultyOps()) as (g, commits):
         for h in commits:
             h.wait(60)
         assert _versions(g) == [1, 1]
-    finally:
-        close_all(cks)
 
 
 def test_a_rank_0_that_fails_after_its_claim_tells_the_others_at_once(tmp_path: Path) -> None:
@@ -142,10 +153,6 @@ def test_a_rank_0_that_fails_after_its_claim_tells_the_others_at_once(tmp_path: 
     manifest. A storage error after the claim (EIO on the manifest's rename) recorded no outcome:
     the other ranks took the claim for "rank 0 is publishing it" and waited a second
     commit_timeout_s, then reported a timeout. Now they fail with rank 0's error at once."""
-    import errno
-
-    from fastckpt.testing import Fault
-
     ops0 = FaultyOps([Fault("replace", errno.EIO, path_contains=P.GROUP_MANIFEST)])
     cks = [fastckpt.Checkpointer(rank=r, world_size=2, io_threads=1, overhead_budget=0.99, commit_timeout_s=600,
                                  ops=ops0 if r == 0 else None) for r in range(2)]
@@ -168,29 +175,11 @@ def test_a_rank_that_gives_up_after_rank_0_claimed_learns_rank_0s_failure_at_onc
     """As above, but rank 0's manifest then fails (EIO). Rank 1 polled for the manifest only,
     so it waited a second commit_timeout_s and said "its manifest did not follow"; it now stops
     at rank 0's recorded outcome and names rank 0's error."""
-    import errno
-
-    from fastckpt.testing import Fault
-
-    ops0, ops1 = FaultyOps([Fault("replace", errno.EIO, path_contains=P.GROUP_MANIFEST)]), FaultyOps()
-    cks = [fastckpt.Checkpointer(rank=r, world_size=2, io_threads=1, overhead_budget=0.99, ops=ops,
-                                 commit_timeout_s=0.2 if r == 1 else 60) for r, ops in enumerate((ops0, ops1))]
-    g = tmp_path / "run" / "G"
-    try:
-        for ck in cks:
-            _save(ck, g, 1).wait(60)
-        manifest = ops0.gate("write_small", path_contains=P.GROUP_MANIFEST)  # rank 0, after its claim
-        claim = ops1.gate("link", path_contains="claim-")  # rank 1's claim, once its wait ran out
-        commits = [ck.commit(str(g)) for ck in cks]
-        assert manifest.wait_entered(60)
-        assert claim.wait_entered(60)
-        claim.open()  # rank 1's claim loses to rank 0's: it waits for the manifest, or rank 0's outcome
-        manifest.open()
+    ops0 = FaultyOps([Fault("replace", errno.EIO, path_contains=P.GROUP_MANIFEST)])
+    with _rank_1_gives_up_after_rank_0s_claim(tmp_path, ops0) as (g, commits):
         with pytest.raises(OSError, match="Input/output error"):
             commits[0].wait(60)
         with pytest.raises(CommitTimeoutError, match="Input/output error") as info:
             commits[1].wait(60)
         assert "did not follow" not in str(info.value)
         assert P.read_group_manifest(place(str(g))) is None
-    finally:
-        close_all(cks)
