@@ -243,6 +243,25 @@ def test_latest_passes_over_a_group_with_a_missing_file(home: str) -> None:
     assert r.exit_code == 1 and r.stdout == "" and "no complete checkpoint" in r.stderr
 
 
+def test_verify_latest_fails_on_a_newer_group_cut_short_after_its_commit(home: str) -> None:
+    """``fastckpt.latest()`` (what a resume script calls) names the newest committed group even
+    when a file of it was cut short since; ``fastckpt latest`` passes over it. ``verify --latest``
+    checked only the older one and exited 0: it now checks the one passed over too."""
+    path = f"{home}/step-5/b.pt"
+    committed = os.path.getsize(path)
+    os.truncate(path, committed - 4096)
+    assert fastckpt.latest(home) == f"{home}/step-5"
+    r = run("verify", home, "--latest", "--json")
+    assert r.exit_code == 1, r.output  # before: 0, checking two.pt alone
+    d = json.loads(r.stdout)
+    assert [b["path"] for b in d["bad"]] == [path]
+    assert d["bad"][0]["problem"] == f"{committed - 4096} bytes, but {committed} were committed"
+    assert f"{home}/two.pt" in [f["path"] for f in d["files"] if f["problem"] is None]
+    entry = next(e for e in json.loads(run("ls", home, "--json").stdout)["checkpoints"] if e["name"] == "step-5")
+    assert entry["status"] == "complete" and entry["problem"] == f"{path} missing or not the committed size"
+    assert f"- {home}/step-5: {path} missing or not the committed size" in " ".join(run("ls", home).stdout.split())
+
+
 def test_verify_with_nothing_to_check_exits_1(tmp_path) -> None:
     assert run("verify", str(tmp_path)).exit_code == 1
 

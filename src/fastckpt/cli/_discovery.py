@@ -245,10 +245,13 @@ def list_checkpoints(root: str, storage_options: dict | None = None, local_dir: 
                     entries.append(local)
                 elif entries[i].status == "complete":
                     entries[i] = replace(entries[i], status="replicated")
-        newest, _ = whole_latest(h, root, latest(root, storage_options))  # as `fastckpt latest` answers
+        newest, passed = whole_latest(h, root, latest(root, storage_options))  # as `fastckpt latest` answers
     finally:
         h.close()
-    entries = [replace(e, latest=e.path.rstrip("/") == (newest or "").rstrip("/")) for e in entries]
+    gone = {p.rstrip("/"): files for p, files in passed}  # fastckpt.latest() may name them: a resume fails
+    entries = [replace(e, latest=e.path.rstrip("/") == (newest or "").rstrip("/"),
+                       problem=e.problem or (f"{', '.join(gone[k])} missing or not the committed size"
+                                             if (k := e.path.rstrip("/")) in gone else None)) for e in entries]
     return sorted(entries, key=lambda e: (e.time or 0.0, e.name))
 
 

@@ -82,8 +82,10 @@ def check_file(h: Homes, spec: FileSpec, on_bytes=None) -> str | None:  # noqa: 
         if _vanished(exc):
             return MISSING
         raise
-    except CorruptCheckpointError as exc:
-        return str(exc)
+    except CorruptCheckpointError as exc:  # no manifest in its tail: cut short, if it is not the committed size
+        got = _size(h, spec)
+        return f"{got} bytes, but {spec.size} were committed" if None not in (got, spec.size) and got != spec.size \
+            else str(exc)
     want = own["checksum"]["value"]
     if spec.size is not None and size != spec.size:
         return f"{size} bytes, but {spec.size} were committed"
@@ -119,9 +121,10 @@ def _checkpoints(h: Homes, path: str, opts: dict | None, newest_only: bool
     entries = list_checkpoints(path, opts)
     complete = [e for e in entries if e.status in ("complete", "replicated")]
     newer = entries  # a damaged manifest makes readers skip the checkpoint: never a silent pass
-    if newest_only:  # the newest complete, which is what a resume loads, and the damaged ones it passes over
-        complete = [e for e in complete if e.latest] or complete[-1:]
-        newer = entries[entries.index(complete[0]) + 1:] if complete else entries
+    if newest_only:  # the newest whole one (what `fastckpt latest` names), the damaged ones it passes over, and
+        chosen = [e for e in complete if e.latest] or complete[-1:]  # the complete ones that are not whole: a
+        newer = entries[entries.index(chosen[0]) + 1:] if chosen else entries  # fastckpt.latest() may name them
+        complete = chosen + [e for e in complete if e.problem and e not in chosen]
     incomplete = [e.path for e in entries if e.status == "incomplete"]
     broken = [Checked(e.path, e.path, e.bytes, f"damaged: {e.problem}") for e in newer if e.status == "damaged"]
     todo, deleted = [], []
