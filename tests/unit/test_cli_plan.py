@@ -130,6 +130,20 @@ def test_state_per_node_and_per_gpu() -> None:
                                                                        pytest.approx(1.09375 * GB))
 
 
+def test_a_job_that_does_not_fill_its_last_node_is_sized_by_a_full_node() -> None:
+    """12 GPUs at 8 per node: one node holds 8/12 of the state, not half. Sized by the even split,
+    its local tier and staging passed where a full node's missed."""
+    p = sizing.plan(sizing.PlanInputs(state_bytes=1.12 * TB, bandwidth_Bps=20 * GB, gpus=12, gpus_per_node=8,
+                                      local_bandwidth_Bps=2 * GB, host_memory_bytes=1.2 * TB))
+    full = 1.12 * TB * 8 / 12
+    assert (p.nodes, p.state_bytes_per_node) == (2, pytest.approx(full))  # before: 560 GB
+    assert p.fastckpt.local_write_s == pytest.approx(full / (2 * GB))
+    assert p.required_write_Bps_per_node == pytest.approx(full / p.inputs.budget_s)
+    assert not p.fastckpt.passed and "the staging buffers pin 746.7 GB per node" in p.fastckpt.problems[-1]
+    even = sizing.plan(sizing.PlanInputs(state_bytes=1.12 * TB, bandwidth_Bps=20 * GB, gpus=16, gpus_per_node=8))
+    assert even.state_bytes_per_node == pytest.approx(1.12 * TB / 2)  # whole nodes: state / nodes, as before
+
+
 # ---------------------------------------------------------------- fastckpt's tiers
 def test_fastckpt_stalls_for_the_snapshot_and_drains_in_the_background() -> None:
     # 1.12 TB on 1024 GPUs: 1.09375 GB per GPU at 20 GB/s is 0.0547 s of stall
@@ -241,7 +255,8 @@ def test_a_zero_or_non_finite_flag_is_named_not_replaced_by_a_default(args: list
 
 
 @pytest.mark.parametrize("opts", [["--params", "1e300", "--bytes-per-param", "1e300"],
-                                  ["--params", "7B", "--bandwidth", "1e-300B/s"]])
+                                  ["--params", "7B", "--bandwidth", "1e-300B/s"],
+                                  ["--params", "70B", "--snapshot-bandwidth", "1e-297B/s"]])  # only nested ones
 def test_inputs_that_overflow_the_arithmetic_are_refused_not_printed_as_infinity(opts: list[str]) -> None:
     r = invoke("--bandwidth", "10GB/s", *opts, "--json")
     assert r.exit_code == 2, r.output

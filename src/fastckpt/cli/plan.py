@@ -116,6 +116,17 @@ def to_json(p: sizing.Plan, notes: list[str], run: RunProfile | None) -> dict:
     }
 
 
+def _non_finite(data: dict, at: str = "") -> list[str]:
+    """The keys (``fastckpt.stall_seconds`` for nested ones) whose value is an infinity or a NaN."""
+    out = []
+    for k, v in data.items():
+        if isinstance(v, dict):
+            out += _non_finite(v, f"{at}{k}.")
+        elif isinstance(v, float) and not math.isfinite(v):
+            out.append(f"{at}{k}")
+    return out
+
+
 def render(p: sizing.Plan, notes: list[str]) -> None:
     out = console()
     i = p.inputs
@@ -196,7 +207,7 @@ def plan(as_json: bool, from_run: str | None, **opts: object) -> None:
     inputs, notes = _resolve(opts, run, from_run)
     result = sizing.plan(inputs)
     data = to_json(result, notes, run)
-    overflowed = [k for k, v in data.items() if isinstance(v, float) and not math.isfinite(v)]
+    overflowed = _non_finite(data)
     if overflowed:  # JSON has no infinity: a number too large or too small in the inputs
         raise click.UsageError(f"the inputs give non-finite {', '.join(overflowed)}: check the sizes and "
                                "bandwidths for a value far too large or too small")

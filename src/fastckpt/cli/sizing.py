@@ -86,6 +86,12 @@ class PlanInputs:
         return math.ceil(self.gpus / self.gpus_per_node)
 
     @property
+    def node_state_bytes(self) -> float:
+        """The state on a full node: its GPUs' share (``state / nodes`` when the GPUs fill whole
+        nodes; a job of 12 GPUs at 8 per node holds 8/12 of it on one node, not half)."""
+        return self.state_bytes * min(self.gpus, self.gpus_per_node) / self.gpus
+
+    @property
     def campaign_s(self) -> float:
         return self.days * DAY
 
@@ -201,9 +207,9 @@ def tiered(p: PlanInputs) -> Strategy:
                                      p.snapshot_bandwidth_Bps))
     local_s = None
     if p.local_bandwidth_Bps is not None:
-        local_s = (p.state_bytes / p.nodes) / p.local_bandwidth_Bps
+        local_s = p.node_state_bytes / p.local_bandwidth_Bps
         if local_s > p.interval_s:
-            need = (p.state_bytes / p.nodes) / p.interval_s
+            need = p.node_state_bytes / p.interval_s
             problems.append(f"the local tier needs {_s(local_s)} per checkpoint, longer than the interval")
             advice.append(f"local tier: {need / 1e9:.4g} GB/s per node, or an interval of {local_s / HOUR:.4g} h")
     drain_s = p.state_bytes / p.bandwidth_Bps
@@ -214,7 +220,7 @@ def tiered(p: PlanInputs) -> Strategy:
                         f"{_s(p.interval_s)} interval: bandwidth falls short by {shortfall / 1e9:.4g} GB/s")
         advice.append(f"drain: persistent bandwidth {drain_need / 1e9:.4g} GB/s, or an interval of "
                       f"{drain_s / HOUR:.4g} h")
-    staging = p.state_bytes / p.nodes  # one host copy of every rank's state on the node
+    staging = p.node_state_bytes  # one host copy of every rank's state on the fullest node
     if p.host_memory_bytes is not None and staging > p.host_memory_bytes * STAGING_SHARE:
         problems.append(f"the staging buffers pin {staging / 1e9:.4g} GB per node, more than "
                         f"{STAGING_SHARE:.0%} of its {p.host_memory_bytes / 1e9:.4g} GB of host memory")
@@ -235,16 +241,16 @@ def plan(p: PlanInputs) -> Plan:
         sync = dataclasses.replace(sync, advice=sync.advice + (
             f"or save asynchronously: fastckpt stalls {fc.stall_s:.3g} s per checkpoint with these tiers",))
     if p.host_memory_bytes is None:
-        notes.append(f"fastckpt pins {p.state_bytes / p.nodes / 1e9:.4g} GB of host memory per node for its staging "
+        notes.append(f"fastckpt pins {p.node_state_bytes / 1e9:.4g} GB of host memory per node for its staging "
                      "buffers (one copy of each rank's state; staging_buffers=N holds N): give --host-memory to "
                      "check that it fits")
     if fc.young_daly_interval_s is not None and fc.drain_s is not None and fc.young_daly_interval_s < fc.drain_s:
         notes.append(f"fastckpt's Young/Daly interval ({_s(fc.young_daly_interval_s)}) is shorter than the drain "
                      f"({_s(fc.drain_s)}): checkpoints cannot come more often than the drain allows")
-    return Plan(inputs=p, state_bytes=p.state_bytes, state_bytes_per_node=p.state_bytes / p.nodes,
+    return Plan(inputs=p, state_bytes=p.state_bytes, state_bytes_per_node=p.node_state_bytes,
                 state_bytes_per_gpu=p.state_bytes / p.gpus, nodes=p.nodes, write_s=p.state_bytes / p.bandwidth_Bps,
                 required_write_Bps=p.state_bytes / p.budget_s,
-                required_write_Bps_per_node=p.state_bytes / p.budget_s / p.nodes,
+                required_write_Bps_per_node=p.node_state_bytes / p.budget_s,
                 checkpoints=p.campaign_s / p.interval_s, job_mtbf_s=p.job_mtbf_s,
                 synchronous=sync, fastckpt=fc, notes=tuple(notes))
 
