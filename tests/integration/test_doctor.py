@@ -109,6 +109,24 @@ def test_a_full_burst_buffer_is_named_full_with_its_fix(tmp_path: Path) -> None:
     assert f["local_dir.free_space"]["status"] == "fail"
 
 
+@pytest.mark.parametrize("size, verdict", [("12MiB", "ok"), ("20MiB", "fail")])
+def test_a_striped_burst_buffer_needs_a_share_of_the_state_on_each_drive(tmp_path: Path, size: str,
+                                                                          verdict: str) -> None:
+    """Striping spreads a checkpoint's files over the drives: each drive was checked against the
+    whole state, so two 8 MiB drives failed for a 12 MiB checkpoint that a save stripes over them."""
+    with tmpfs(tmp_path / "nvme0", "size=8m") as d0, tmpfs(tmp_path / "nvme1", "size=8m") as d1:
+        code, out = _doctor("--local-dir", str(d0 / "bb"), "--local-dir", str(d1 / "bb"), "--target",
+                            str(tmp_path / "home"), "--state-size", size, "--keep", "1", "--probe-size", "0", "--json")
+    f = _by_check(out)
+    share = -(-int(size.removesuffix("MiB")) * (1 << 20) // 2)
+    for i in (0, 1):
+        assert f[f"local_dir[{i}].free_space"]["data"]["need_bytes"] == share  # before: the whole state
+        assert "a 1/2 share striped over 2 drives" in f[f"local_dir[{i}].free_space"]["summary"]
+    whole = f["local_dir.free_space"]  # the sum of the drives against the whole state
+    assert whole["status"] == verdict and whole["data"]["need_bytes"] == 2 * share
+    assert (code == 0) == (verdict == "ok")  # before: 1 for both
+
+
 @pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm")
 def test_memory_filesystem_as_burst_buffer_is_a_warning(tmp_path: Path) -> None:
     bb = Path("/dev/shm") / f"fastckpt-doctor-{os.getpid()}"

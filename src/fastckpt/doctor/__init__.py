@@ -51,12 +51,13 @@ class DoctorOptions:
         return (self.local_dir,) if isinstance(self.local_dir, str) else tuple(self.local_dir)
 
 
-def _directory_checks(role: str, path: str, o: DoctorOptions, burst_buffer: bool) -> list[Finding]:
+def _directory_checks(role: str, path: str, o: DoctorOptions, burst_buffer: bool, drives: int = 1) -> list[Finding]:
     out = [local.filesystem(role, path, burst_buffer), local.writable(role, path)]
+    space = local.free_space(role, path, o.state_size, o.keep, drives)
     if out[-1].status == "fail":  # a full one still gets its free-space finding (how much a save needs)
         full = out[-1].data.get("errno") in (errno.ENOSPC, errno.EDQUOT)
-        return out + ([local.free_space(role, path, o.state_size, o.keep)] if full else [])
-    out += [local.odirect(role, path), local.free_space(role, path, o.state_size, o.keep)]
+        return out + ([space] if full else [])
+    out += [local.odirect(role, path), space]
     if o.probe_bytes > 0:
         out.append(local.bandwidth(role, path, o.probe_bytes, o.state_size, o.progress))
     return out
@@ -96,8 +97,11 @@ def diagnose(o: DoctorOptions) -> Diagnosis:
     cuda_finding, has_cuda = gpu.cuda()
     dirs = o.local_dirs
     findings += [cuda_finding, gpu.libcuda(), gpu.kvikio(), gpu.gds(has_cuda, dirs[0] if dirs else None)]
-    for i, d in enumerate(dirs):  # striped: each drive's own checks and bandwidth
-        findings += _directory_checks("local_dir" if len(dirs) == 1 else f"local_dir[{i}]", d, o, burst_buffer=True)
+    drives = len({sp.mountpoint for d in dirs if (sp := local.sysinfo.space(d)) is not None}) or 1
+    for i, d in enumerate(dirs):  # striped: each drive's own checks and bandwidth, and its share of the space
+        findings += _directory_checks("local_dir" if len(dirs) == 1 else f"local_dir[{i}]", d, o, True, drives)
+    if len(dirs) > 1 and (whole := local.stripe_space(dirs, o.state_size, o.keep)) is not None:
+        findings.append(whole)
     target = o.target or os.getcwd()
     url = "://" in target
     if url:

@@ -78,20 +78,23 @@ def odirect(role: str, path: str) -> Finding:
                    "use ext4 or xfs on a local NVMe device", {"odirect": False, "reason": why})
 
 
-def free_space(role: str, path: str, state_size: int | None, copies: int) -> Finding:
+def free_space(role: str, path: str, state_size: int | None, copies: int, drives: int = 1) -> Finding:
+    """Free space against ``copies`` checkpoints of ``state_size`` bytes, of which a burst buffer
+    striped over ``drives`` filesystems puts an even share on each (``stripe_space`` checks the sum)."""
     sp = sysinfo.space(path)
     check = f"{role}.free_space"
     if sp is None:
         return Finding(check, "info", f"cannot stat the filesystem of {path}")
     data = {"free_bytes": sp.free, "size_bytes": sp.size, "mountpoint": sp.mountpoint}
-    have = f"{sp.free / GB:.1f} GB free of {sp.size / GB:.1f} GB at {sp.mountpoint}"
+    have = f"{sp.free / GB:.3g} GB free of {sp.size / GB:.3g} GB at {sp.mountpoint}"
     if state_size is None:
         return Finding(check, "info", have, "pass --state-size to check it against your checkpoints", data)
-    need = state_size * copies
-    data.update(need_bytes=need, copies=copies)
-    about = f"{have}; {copies} checkpoint(s) of {state_size / GB:.2f} GB need {need / GB:.1f} GB"
+    need = -(-state_size * copies // drives)
+    data.update(need_bytes=need, copies=copies, drives=drives)
+    about = f"{have}; {copies} checkpoint(s) of {state_size / GB:.3g} GB need {need / GB:.3g} GB" + (
+        f" here, a 1/{drives} share striped over {drives} drives" if drives > 1 else "")
     if sp.free < need:
-        return Finding(check, "fail", about, f"free {(need - sp.free) / GB:.1f} GB, lower keep_local/keep_persistent, "
+        return Finding(check, "fail", about, f"free {(need - sp.free) / GB:.3g} GB, lower keep_local/keep_persistent, "
                        f"or choose a larger {role}", data)
     if sp.free < 1.25 * need:
         return Finding(check, "warn", about + " (less than 25 % to spare)", "leave room for growth of the state",
@@ -136,3 +139,20 @@ def bandwidth(role: str, path: str, probe_bytes: int, state_size: int | None, pr
         text += f"; a {state_size / GB:.2f} GB checkpoint takes about {state_size / (size / w):.1f} s to write here"
         data["write_s_for_state"] = state_size / (size / w)
     return Finding(check, "ok", text, data=data)
+
+
+def stripe_space(paths: tuple[str, ...], state_size: int | None, copies: int) -> Finding | None:
+    """The striped burst buffer as a whole: the free space of its filesystems (each counted
+    once) against every copy; None without ``state_size``."""
+    if state_size is None:
+        return None
+    spaces = {sp.mountpoint: sp for p in paths if (sp := sysinfo.space(p)) is not None}
+    free, need = sum(sp.free for sp in spaces.values()), state_size * copies
+    about = (f"{free / GB:.3g} GB free on the {len(spaces)} filesystem(s) of the {len(paths)} directories; "
+             f"{copies} checkpoint(s) of {state_size / GB:.3g} GB need {need / GB:.3g} GB (a checkpoint that is "
+             "one file needs all of its size on one drive)")
+    data = {"free_bytes": free, "need_bytes": need, "filesystems": sorted(spaces)}
+    if free < need:
+        return Finding("local_dir.free_space", "fail", about, "free space on the drives, lower keep_local, or add "
+                       "a drive", data)
+    return Finding("local_dir.free_space", "ok", about, data=data)
