@@ -229,6 +229,13 @@ def _serve(*args: str) -> subprocess.CompletedProcess:
                           text=True, timeout=60)
 
 
+def test_serve_metrics_once_on_a_log_that_does_not_exist_is_a_usage_error(tmp_path: Path) -> None:
+    """A server may start before its job writes the log; a one-shot read of a path that is not
+    there is a typo, and printed zero events with exit 0."""
+    r = _serve("--event-log", str(tmp_path / "typo.jsonl"), "--once", "--json")
+    assert r.returncode == 2 and "typo.jsonl does not exist" in r.stderr and r.stdout == ""
+
+
 def test_a_line_that_is_not_an_event_is_skipped_while_serving(tmp_path: Path) -> None:
     """A scrape, and the exporter's own poll, read past a bad line to the events after it."""
     from fastckpt.metrics import LogExporter

@@ -35,9 +35,14 @@ def serve_metrics(logs: tuple[str, ...], port: int, addr: str, local_dir: str | 
 
     One exporter per node: pass every rank's log of this node. Stops on Ctrl-C or SIGTERM.
     """
+    import os
+
     from ..errors import ConfigError
     from ..metrics import LogExporter
 
+    if once and (missing := [p for p in logs if not os.path.exists(p)]):  # nothing will write them before it exits
+        raise click.UsageError(f"--once reads the logs as they are now, and {', '.join(missing)} does not exist: "
+                               "check the path (the Checkpointer's event_log)")
     try:
         exporter = LogExporter(logs, 0 if once else port, addr, local_dir=local_dir, budget=overhead_budget,
                                window_s=overhead_window_s)
