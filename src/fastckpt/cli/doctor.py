@@ -23,7 +23,7 @@ _STYLE = {"ok": "green", "info": "blue", "warn": "yellow", "fail": "bold red"}
 @click.option("--keep", type=click.IntRange(1), default=2, show_default=True,
               help="Checkpoints each place must hold at once.")
 @click.option("--probe-size", type=SIZE_OR_ZERO, default="256MiB", show_default=True,
-              help="Bytes written and read by the bandwidth probe, rounded down to whole MiB (0 skips it).")
+              help="Bytes the bandwidth probe writes and reads: whole MiB, at least 1 MiB (0 skips it).")
 @click.option("--storage-options", "options_file", type=click.Path(exists=True, dir_okay=False), default=None,
               help="A JSON file of fsspec options for a URL target (endpoint_url, key, secret...; never printed).")
 @click.option("--json", "as_json", is_flag=True, help="Print the findings as JSON.")
