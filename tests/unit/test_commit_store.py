@@ -91,7 +91,12 @@ def test_64_ranks_commit_through_the_store(tmp_path: Path, store: dist.TCPStore)
         assert torch.equal(got["w"], _state(2, r)["w"])
 
 
-def test_a_dead_rank_fails_the_commit_on_every_rank_naming_it(tmp_path: Path, store: dist.TCPStore) -> None:
+@pytest.mark.parametrize("kind", ["TCPStore", "FileStore"])
+def test_a_dead_rank_fails_the_commit_on_every_rank_naming_it(tmp_path: Path, kind: str) -> None:
+    """A FileStore (``init_method="file://..."``) times a wait out with a plain RuntimeError("Wait
+    timeout"), not a DistStoreError: it went through as that, after commit_timeout_s, on every rank."""
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=60)) if kind == "TCPStore" \
+        else dist.FileStore(str(tmp_path / "filestore"), 1)
     cks = _ranks(3, store, commit_timeout_s=1.5)
     g1, g2 = tmp_path / "global_step1", tmp_path / "global_step2"
     try:

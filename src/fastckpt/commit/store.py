@@ -122,7 +122,9 @@ class _Waits:
         try:
             conn.wait([key], timedelta(seconds=slice_s))
             return True
-        except _store_errors()[0]:
+        except RuntimeError as exc:  # a TCPStore's timed-out wait: DistStoreError; a FileStore's: this text
+            if not isinstance(exc, _store_errors()[0]) and str(exc) != "Wait timeout":
+                raise
             return False
         finally:
             with self._lock:
@@ -206,8 +208,7 @@ class Channel:
         self._link, self.group, self.attempt = link, group, attempt
         self._digest = group_digest(group)
         link.agreed.serves(self._digest)  # made when this rank begins the group
-        self.ops = 0
-        self.nbytes = 0
+        self.ops = self.nbytes = 0
         self.keys: set[str] = set()
 
     @property
@@ -331,9 +332,7 @@ class Channel:
 
     def removed(self) -> bool:
         """Whether ``remove()`` cancelled this attempt (on any rank)."""
-        if not self.joined:
-            return False
-        return (self._peek("claim") or b"").decode().startswith(REMOVED)
+        return self.joined and (self._peek("claim") or b"").decode().startswith(REMOVED)
 
     def abort(self, rank: int, why: str) -> bool:
         """A rank whose save into the group failed: end the attempt on every rank now (rank 0
