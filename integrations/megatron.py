@@ -31,6 +31,7 @@ shards this rank asks for (resharding), verified (``_megatron.read``).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -134,14 +135,14 @@ class FastCkptSaveStrategy(ThroughCheckpointer, AsyncSaveShardedStrategy):
         """Snapshot this rank's shards and return; the files are written and committed in the
         background. Called on every rank (it exchanges the index with all_gather_object).
 
-        When it fails, rank 0 first puts back what megatron rewrote in place (``common.pt``) in
-        the checkpoint already committed at ``checkpoint_dir``, if any (``_megatron.inplace``)."""
-        group, rank = checkpoint_group(checkpoint_dir), rank_world()[0]
+        When it fails, every rank first puts back what megatron rewrote in place (``common.pt``)
+        in the checkpoint already committed at ``checkpoint_dir``, if any (``_megatron.inplace``;
+        the same bytes, written atomically), so that no rank's caller sees it torn."""
+        group = checkpoint_group(checkpoint_dir)
         try:
             return self._save(sharded_state_dict, group)
         except BaseException as exc:
-            if rank == 0:
-                inplace.restore_after(group, self._ops, exc)
+            inplace.restore_after(group, self._ops, exc)
             raise
 
     def _save(self, sharded_state_dict: ShardedStateDict, group: str) -> AsyncRequest:
@@ -175,8 +176,14 @@ class FastCkptSaveStrategy(ThroughCheckpointer, AsyncSaveShardedStrategy):
         iteration = iteration_of(group)
         extra: dict = {"megatron_save": save_id, **({"step": iteration} if isinstance(iteration, int) else {})}
         if rank == 0:
-            extra[inplace.KEY] = self._save_index(ck, group, gathered, world, config_bytes)
-            config.result()  # type: ignore[union-attr]  (metadata.json is durable before the commit)
+            try:
+                extra[inplace.KEY] = self._save_index(ck, group, gathered, world, config_bytes)
+                config.result()  # type: ignore[union-attr]  (metadata.json is durable before the commit)
+            except Exception as exc:  # the others wait in their commit already: end it on every rank now
+                ck.unsaved(os.path.join(group, INDEX_FILE), group, exc)
+                with contextlib.suppress(CheckpointWriteError):
+                    ck.commit(group)  # raises: this rank's index is missing
+                raise
         handle = ck.commit(group, **extra)
         job = W.Job(group, save_id, rank, ck.config.commit_timeout_s + 30.0)
         watch = W.watch(handle, job, self._tracker and iteration is not None, self._ops)

@@ -13,8 +13,8 @@ keeps instead is enough to put both files back:
 - ``record`` (rank 0, during the save): their exact bytes go into the index, a fastckpt file
   committed with the group, and their checksums into the group manifest (``megatron_files``);
 - ``restore(group)``: the files that no longer match the published manifest's checksums are
-  written back from the index (atomically; each is checked against the manifest first). Rank 0
-  runs it when a save fails, before the error reaches the caller, and ``sync_tracker`` runs it
+  written back from the index (atomically; each is checked against the manifest first). Every
+  rank runs it when a save fails, before its error reaches its caller, and ``sync_tracker`` runs it
   for the iteration Megatron-LM is about to load (after a kill);
 - ``check(group, manifest)``: the loader refuses a ``common.pt`` that is not the committed one
   (megatron has read it by then) and names the fix.
@@ -118,7 +118,7 @@ def restore(group: str, ops: FileOps) -> list[str]:
 
 
 def restore_after(group: str, ops: FileOps, error: BaseException) -> None:
-    """Rank 0, when a save into ``group`` failed: ``restore`` it; if that fails too, say so on
+    """Any rank, when a save into ``group`` failed: ``restore`` it; if that fails too, say so on
     ``error`` (which the caller raises) and in the log."""
     try:
         restore(group, ops)

@@ -170,7 +170,10 @@ def sync_tracker(save_dir: str, *, load_iteration: int | None = None, ops: FileO
     iteration was killed (``_megatron.inplace``).
     """
     ops = ops or FileOps()
-    current, newest, last = read_tracker(save_dir), _committed_last(save_dir), _recorded(save_dir)
+    # The record before the tracker: writers write the tracker, then the record, so a record that
+    # is new means a tracker that is new too. Read the other way round, a rank that saw the old
+    # tracker and another rank's new record took the tracker for a user's edit and kept it.
+    last, current, newest = _recorded(save_dir), read_tracker(save_dir), _committed_last(save_dir)
     if newest is not None:
         it, order = newest
         why = None

@@ -22,7 +22,7 @@ from fastckpt.records import SaveHandle, SaveRecord
 
 from .compat import publish_bytes, read_group_manifest
 from .inplace import restore_after
-from .tracker import advance_tracker, iteration_of
+from .tracker import TRACKER, advance_tracker, iteration_of
 
 log = logging.getLogger("fastckpt.megatron")
 
@@ -62,8 +62,10 @@ class Watch:
     """Follows one rank's commit in the training process (a daemon thread per save).
 
     On success rank 0 advances the tracker (when the group is a Megatron-LM iteration
-    directory and ``tracker`` is set); on failure it leaves a note in the group, which ends
-    every rank's ``await_commit``. ``error`` keeps the failure for the finalize step.
+    directory and ``tracker`` is set; a failure to write it is logged, not raised: the
+    checkpoint is committed on every rank). On failure the rank puts back what megatron
+    rewrote in the committed checkpoint, then leaves a note in the group, which ends every
+    rank's ``await_commit``. ``error`` keeps the failure for the finalize step.
     """
 
     def __init__(self, handle: SaveHandle, job: Job, tracker: bool, ops: FileOps) -> None:
@@ -78,15 +80,23 @@ class Watch:
         job = self.job
         try:
             self.record = self.handle.wait()
+        except BaseException as exc:  # noqa: BLE001 (kept for finalize, which raises it)
+            # every rank, before its error can reach a caller, and before its note ends the other
+            # ranks' waits: the committed checkpoint is whole again (the same bytes, atomically)
+            restore_after(job.group, self._ops, exc)
+            self.error = exc
+            self._leave("failed", repr(exc))
+            self.done.set()
+            return
+        try:
             if self.record.superseded:
                 self._leave("superseded", "replication coalesced this checkpoint away (replicate_policy='coalesce')")
             elif self._tracker and job.rank == 0:
                 advance_tracker(os.path.dirname(job.group), iteration_of(job.group), ops=self._ops)  # type: ignore[arg-type]
-        except BaseException as exc:  # noqa: BLE001 (kept for finalize, which raises it)
-            if job.rank == 0:  # before finalize can raise it: the committed checkpoint is whole again
-                restore_after(job.group, self._ops, exc)
-            self.error = exc
-            self._leave("failed", repr(exc))
+        except Exception as exc:  # noqa: BLE001 (the checkpoint is committed, on every rank: no failure of the save)
+            log.error("fastckpt: %s is committed, but %s could not be pointed at it (%r); the patched Megatron-LM's "
+                      "sync_tracker moves it there before the next load", job.group,
+                      os.path.join(os.path.dirname(job.group), TRACKER), exc)
         finally:
             self.done.set()
 

@@ -24,6 +24,9 @@ Scenarios (each rank writes OUT_JSON.<rank>):
           whose write fails (ENOSPC); prints ``REPORT <json>`` with what iteration 100 loaded
           after each, then a fourth save stops at its first tensor write (``GATE``) until the
           test SIGKILLs it.
+  failures  2 ranks. Saves that fail on one rank: into a committed iteration (rank 1's file), at
+          rank 0's metadata.json (after the index exchange), at rank 0's tracker (after the
+          commit); what each rank raised, how long it took, and what then loads.
   resave_check  1 rank, after ``resave`` was killed: loading iteration 100 as it is, then with
           its metadata.json also torn (a kill in megatron's finalize), after ``sync_tracker``.
   load    1 rank. Loads iter 2 and 3 whole; then the error cases: another global shape, another
@@ -426,6 +429,65 @@ def scenario_resave(d: str, rank: int, world: int) -> dict:
     return {"error": "the killed save finished"}
 
 
+def scenario_failures(d: str, rank: int, world: int) -> dict:
+    """2 ranks. Iteration 100 is committed; a save into it fails on rank 1 only (EIO on its
+    file's fsync), and each rank loads 100 as soon as its error reaches it. Then iteration 200's
+    metadata.json cannot be written (EIO on rank 0, after the index exchange), then iteration
+    300's tracker cannot be written (ENOSPC on rank 0, after the commit): how long each rank's
+    save took, and what it raised."""
+    import time
+
+    from megatron.core import dist_checkpointing as dc
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    import fastckpt
+    from fastckpt.integrations import megatron as fm
+    from fastckpt.testing import Fault, FaultyOps
+
+    ops = FaultyOps()
+    ck = fastckpt.Checkpointer(ops=ops, commit_timeout_s=120.0)
+    fm.register(ck, ops=ops)
+    path, _, _ = _iteration_100(d) if rank == 0 else (os.path.join(d, "iter_0000100"), None, None)
+    dist.barrier()
+
+    def state(v: float, note: str, it: int = 100) -> dict:
+        return {"w": ShardedTensor.from_rank_offsets("w", torch.full((4, 4), v), (0, rank, world)),
+                "iteration": it, "note": note}
+
+    def loaded(where: str) -> list | dict:
+        got: dict = {}
+        failed = _error(lambda: got.update(dc.load(
+            {"w": ShardedTensor.from_rank_offsets("w", torch.empty(4, 4), (0, rank, world))}, where)))
+        return failed or [got["w"][0, 0].item(), got["note"]]
+
+    def timed(fn) -> dict:  # noqa: ANN001
+        t0 = time.monotonic()
+        return dict(_error(fn) or {"type": None}, seconds=time.monotonic() - t0)
+
+    out: dict = {}
+    dc.save(state(1.0, "first"), path, ("fastckpt", 1))
+    if rank == 1:
+        ops.inject(Fault("fsync", errno.EIO, path_contains="fastckpt-rank00001"))
+    out["resave"] = timed(lambda: dc.save(state(2.0, "failed"), path, ("fastckpt", 1)))
+    out["after_resave"] = loaded(path)  # at once: before, rank 1 found common.pt not yet put back
+    for n, (op, err, name) in {200: ("write_small", errno.EIO, "metadata.json"),
+                               300: ("write_small", errno.ENOSPC, fm.TRACKER)}.items():
+        where = os.path.join(d, f"iter_{n:07d}")
+        if rank == 0:
+            os.makedirs(where, exist_ok=True)
+            ops.inject(Fault(op, err, path_contains=name))
+        dist.barrier()
+        out[str(n)] = timed(lambda n=n, where=where: dc.save(state(float(n), "new", n), where, ("fastckpt", 1)))
+    dist.barrier()
+    out["tracker"] = fm.read_tracker(d)
+    out["latest"] = fastckpt.latest(d)
+    dist.barrier()  # both read the tracker before either syncs it
+    out["synced"] = fm.sync_tracker(d)
+    out["after_sync"] = loaded(os.path.join(d, f"iter_{out['synced']:07d}"))
+    out["close"] = _error(ck.close)
+    return out
+
+
 def scenario_resave_check(d: str, rank: int, world: int) -> dict:
     from fastckpt.integrations import megatron as fm
 
@@ -503,7 +565,7 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     try:
         out = {"save": scenario_save, "load": scenario_load, "loop": scenario_loop, "verify": scenario_verify,
-               "cuda": scenario_cuda, "resave": scenario_resave,
+               "cuda": scenario_cuda, "resave": scenario_resave, "failures": scenario_failures,
                "resave_check": scenario_resave_check}[scenario](d, rank, world)
     except BaseException:  # noqa: BLE001 (the test shows it)
         out = {"crash": traceback.format_exc()}

@@ -132,6 +132,42 @@ def test_a_state_one_rank_cannot_save_is_refused_on_every_rank(saved) -> None:
     assert fastckpt.latest(d) == os.path.join(d, "iter_0000003")
 
 
+@pytest.fixture(scope="module")
+def failures(tmp_path_factory) -> tuple[str, list[dict]]:
+    base = tmp_path_factory.mktemp("megatron-failures")
+    d = str(base / "ckpt")
+    return d, run_worker("failures", d, str(base / "failures"), 2)
+
+
+def test_a_save_into_a_committed_iteration_failing_on_rank_1_leaves_it_loadable_on_every_rank(failures) -> None:
+    """Only rank 0 put back the common.pt megatron had rewritten, and rank 1's own error reached
+    its caller first: its load of the "intact" checkpoint failed on the torn common.pt."""
+    _, reps = failures
+    assert [r["resave"]["type"] for r in reps] == ["CheckpointWriteError"] * 2, reps
+    assert "Input/output error" in reps[1]["resave"]["message"] and "rank 1" in reps[0]["resave"]["message"]
+    assert [r["after_resave"] for r in reps] == [[1.0, "first"], [1.0, "first"]]  # before: rank 1 corrupt
+
+
+def test_rank_0s_failure_after_the_index_exchange_ends_every_ranks_save_at_once(failures) -> None:
+    """Rank 0 raised, and rank 1 waited commit_timeout_s (120 s here) in its commit."""
+    _, reps = failures
+    rank0, rank1 = (r["200"] for r in reps)
+    assert rank0["type"] == "OSError" and "metadata.json" in rank0["message"]
+    assert rank1["type"] == "CheckpointWriteError" and "rank 0" in rank1["message"], rank1
+    assert "metadata.json" in rank1["message"] and rank1["seconds"] < 60
+
+
+def test_a_tracker_that_cannot_be_written_fails_no_rank(failures) -> None:
+    """The checkpoint is committed on every rank: rank 0 raised while rank 1 returned (and, in
+    megatron's async queue, waited in its finalize barrier for rank 0)."""
+    d, reps = failures
+    assert [r["300"]["type"] for r in reps] == [None, None], reps
+    assert [r["tracker"] for r in reps] == [100, 100]  # left behind, as after a kill before its write
+    assert reps[0]["latest"] == os.path.join(d, "iter_0000300")
+    assert [r["synced"] for r in reps] == [300, 300] and [r["after_sync"] for r in reps] == [[300.0, "new"]] * 2
+    assert [r["close"] for r in reps] == [None, None]
+
+
 def test_load_on_one_rank_reads_whole_tensors(loaded) -> None:
     assert loaded["full_equal_2"] is True and loaded["full_equal_3"] is True
     rep = loaded["report_3"]

@@ -147,6 +147,31 @@ def test_sync_tracker_catches_up_with_a_commit_its_write_missed(tmp_path, caplog
     assert any("named 1, now 3" in r.getMessage() for r in caplog.records)
 
 
+def test_ranks_that_sync_the_tracker_at_once_reach_the_same_iteration(tmp_path, monkeypatch) -> None:
+    """Every rank runs sync_tracker before Megatron-LM reads the tracker. A rank that read the old
+    tracker, then the record another rank had just written with the new one, took the tracker
+    for a user's edit and kept the old iteration: the ranks resumed from different iterations."""
+    from fastckpt.integrations._megatron import tracker as T
+
+    root = str(tmp_path)
+    _group(root, 2)
+    fm.advance_tracker(root, 2)
+    _group(root, 3)  # committed, then killed before the tracker moved: the tracker names 2
+    read, other = T.read_tracker, []
+
+    def read_then_let_another_rank_sync(save_dir: str) -> int | str | None:
+        got = read(save_dir)
+        if not other:  # the other rank's whole sync_tracker lands right after this rank's read
+            other.append(True)
+            other.append(T.sync_tracker(save_dir))
+        return got
+
+    monkeypatch.setattr(T, "read_tracker", read_then_let_another_rank_sync)
+    mine = T.sync_tracker(root)
+    assert (mine, other[1]) == (3, 3)  # before: (2, 3)
+    assert fm.read_tracker(root) == 3
+
+
 def test_sync_tracker_moves_off_an_incomplete_iteration_only(tmp_path, caplog) -> None:
     root = str(tmp_path)
     _group(root, 4)
