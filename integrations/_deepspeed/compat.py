@@ -9,7 +9,7 @@ import json
 import os
 
 from fastckpt.commit.discovery import scan
-from fastckpt.commit.protocol import GROUP_MANIFEST, LATEST, MARKER_DIR, group_order
+from fastckpt.commit.protocol import GROUP_MANIFEST, LATEST, MARKER_DIR, group_order, move_pointer
 from fastckpt.errors import CheckpointNotFoundError, ConfigError
 from fastckpt.storage.homes import Homes
 from fastckpt.storage.places import Place
@@ -37,9 +37,19 @@ class Store:
         name = data.decode(errors="replace").strip() if data is not None else ""
         return name or None
 
-    def set_pointer(self, root: str, name: str) -> None:
-        """Point ``root/latest`` at ``name`` (atomic: temp, fsync, rename; one PUT at a URL)."""
-        self.place(root).put(LATEST, name.encode())
+    def set_pointer(self, root: str, name: str, committed: float) -> bool:
+        """Point ``root/latest`` at ``name``, a group committed at ``committed`` (``order``), only
+        forward: not over a pointer a writer moved to a newer commit meanwhile (atomic: temp,
+        fsync, rename; one PUT at a URL). Returns whether it moved."""
+        return move_pointer(self.place(root), name, committed)
+
+    def pointer_written(self, root: str) -> float | None:
+        """When ``root/latest`` was last written (its modification time); None when unknown."""
+        loc = self._homes.resolve(f"{root.rstrip('/')}/{LATEST}")
+        try:
+            return loc.target.modified(loc.key)
+        except OSError:
+            return None
 
     def newest_group(self, root: str) -> tuple[str, dict] | None:
         """The newest complete group directly under ``root`` whose commit was to move ``latest``

@@ -126,7 +126,11 @@ class FastCkptEngine(CheckpointEngine):
         self._started = time.monotonic()
 
     def end(self) -> None:
-        """Record how long the training thread spent in ``save_checkpoint``."""
+        """Record how long the training thread spent in ``save_checkpoint``. A tag whose
+        ``commit`` never came (DeepSpeed raised between its saves and the commit: a full disk
+        copying zero_to_fp32.py, a Ctrl-C) is forgotten: nothing of it was saved (its snapshots
+        wait for the commit), and the next ``save_checkpoint`` starts clean."""
+        self._group, self._deferred = None, []
         now = time.monotonic()
         self.pending = [p if p.stall_s is not None else PendingCommit(p.tag, p.group, p.handle, p.started,
                                                                       p.committed, now - p.started, p.samples)

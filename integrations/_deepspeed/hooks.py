@@ -166,6 +166,9 @@ def resolve_tag(store: Store, root: str, storage_options: dict | None) -> tuple[
     if named_m is None:  # not complete: a plain DeepSpeed tag, or a fastckpt attempt under way
         if store.attempted(_join(root, named)):
             return cand, cand is not None
+        written = store.pointer_written(root)  # DeepSpeed's own tag: a group committed after the pointer was
+        if cand_m is not None and written is not None and order(cand_m) > written:  # written lost its move
+            return cand, True  # (a kill between its manifest and the pointer, the run's first fastckpt save)
         return named, False
     if cand_m is not None and cand != named and order(cand_m) > order(named_m):
         return cand, True
@@ -295,10 +298,12 @@ class EngineHooks:
         except AssertionError as exc:  # DeepSpeed's bare assert on a file it did not find: name it
             if (missing := self._missing(where, tag)) is None:
                 raise
+            why = f"no tag {str(tag)!r} is saved under {home}: never saved, or deleted since" \
+                if missing == os.path.join(where, str(tag)) else "deleted since it was saved"
             raise CheckpointNotFoundError(
-                f"checkpoint {_join(home, str(tag))} cannot be loaded: {missing} does not exist (deleted since it "
-                f"was saved). Load another tag, or the newest complete one with load_checkpoint({home!r}) and no "
-                f"tag; list them with: fastckpt ls {home}") from exc
+                f"checkpoint {_join(home, str(tag))} cannot be loaded: {missing} does not exist ({why}). Load another "
+                f"tag, or the newest complete one with load_checkpoint({home!r}) and no tag; list them with: "
+                f"fastckpt ls {home}") from exc
         finally:
             self.fe.end()
 
@@ -419,10 +424,15 @@ class EngineHooks:
             self.fe.checkpointer.remove(group)
 
     def _resolve(self, root: str) -> str | None:
-        tag, lagging = resolve_tag(self._store(), root, self.fe.checkpointer.config.storage_options)
-        if lagging and self._rank0 and tag is not None:
-            log.info("fastckpt: %s/latest moves to %s, the newest complete checkpoint", root, tag)
-            self._store().set_pointer(root, tag)
+        store = self._store()
+        tag, lagging = resolve_tag(store, root, self.fe.checkpointer.config.storage_options)
+        if lagging and self._rank0 and tag is not None and (m := store.manifest(_join(root, tag))) is not None:
+            try:  # forward only: a writer may have moved it to a newer commit since
+                if store.set_pointer(root, tag, order(m)):
+                    log.info("fastckpt: %s/latest moves to %s, the newest complete checkpoint", root, tag)
+            except OSError as exc:  # a reader that may not write there (an evaluation job): it loads all the same
+                log.warning("fastckpt: could not move %s/latest to %s, the newest complete checkpoint (%s); "
+                            "loading %s", root, tag, exc, tag)
         return tag
 
     def _fetch(self, url: str, local_root: str, tag: str) -> None:

@@ -202,3 +202,71 @@ def test_a_file_whose_copy_raised_before_its_save_is_never_published_without(tmp
         ck.wait()
     assert fastckpt.latest(str(tmp_path)) is None
     assert not (tmp_path / "global_step1" / GROUP_MANIFEST).exists()
+
+
+# --------------------------------------------------------------------------- found by the DeepSpeed review
+def test_a_commit_made_after_deepspeeds_own_latest_was_written_wins(tmp_path: Path) -> None:
+    """A run that switched to fastckpt: `latest` names DeepSpeed's own global_step1; the first
+    fastckpt commit (global_step2) was killed between its manifest and the pointer's move. The
+    resume loaded step 1. `latest`'s modification time tells the two cases apart."""
+    (tmp_path / "global_step1").mkdir()
+    (tmp_path / "global_step1" / "mp_rank_00_model_states.pt").write_bytes(b"DeepSpeed's own")
+    (tmp_path / "latest").write_text("global_step1")
+    os.utime(tmp_path / "latest", (1000.0, 1000.0))
+    _group(tmp_path, "global_step2", 2000.0)
+    assert _resolve(tmp_path) == ("global_step2", True)  # before: ("global_step1", False)
+    os.utime(tmp_path / "latest", (3000.0, 3000.0))  # written after that commit: a user's choice
+    assert _resolve(tmp_path) == ("global_step1", False)
+
+
+def test_a_load_moves_latest_only_forward_and_loads_where_it_may_not_write(tmp_path: Path, caplog) -> None:
+    """An evaluation job resolved global_step2 (latest lagged at step 1) while training committed
+    global_step3 and moved latest there: the load's move set it back to step 2. On a read-only
+    mount the move raised a ReplicationError and the load never happened."""
+    from fastckpt import Checkpointer
+    from fastckpt.integrations._deepspeed.engine import FastCkptEngine
+    from fastckpt.integrations._deepspeed.hooks import EngineHooks
+    from tests.helpers import tmpfs
+
+    for i in (1, 2, 3):
+        _group(tmp_path, f"global_step{i}", float(i))
+    (tmp_path / "latest").write_text("global_step3")
+    assert Store(None).set_pointer(str(tmp_path), "global_step2", 2.0) is False  # before: it moved back
+    assert (tmp_path / "latest").read_text() == "global_step3"
+    with tmpfs(tmp_path / "ro", "size=1m") as mnt:
+        for i in (1, 2):
+            _group(mnt, f"global_step{i}", float(i))
+        (mnt / "latest").write_text("global_step1")
+        import subprocess
+
+        subprocess.run(["mount", "-o", "remount,ro", str(mnt)], check=True)
+        with Checkpointer() as ck, caplog.at_level("WARNING", logger="fastckpt"):
+            hooks = EngineHooks(_Engine(), FastCkptEngine(ck), None, flush_at_exit=False)
+            assert hooks._resolve(str(mnt)) == "global_step2"  # noqa: SLF001  (before: ReplicationError)
+        assert any("could not move" in r.getMessage() for r in caplog.records)
+        assert (mnt / "latest").read_text() == "global_step1"
+
+
+def test_a_save_checkpoint_that_raised_before_its_commit_leaves_the_next_tag_clean(tmp_path: Path) -> None:
+    """DeepSpeed raised between its saves and the commit (a full disk copying zero_to_fp32.py):
+    the tag's deferred files stayed, and the next tag's save failed with "... is not inside its
+    group directory"."""
+    from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo
+
+    import fastckpt
+    from fastckpt.integrations._deepspeed.engine import FastCkptEngine
+
+    with fastckpt.Checkpointer(rank=0, world_size=1) as ck:
+        fe = FastCkptEngine(ck)
+        for tag, commits in (("global_step2", False), ("global_step3", True)):
+            info = CheckpointCommitInfo(tag=tag, save_dir=str(tmp_path), save_latest=True)
+            fe.begin(None, True, 0)
+            fe.create(info)
+            fe.save({"w": torch.ones(4)}, str(tmp_path / tag / "mp_rank_00_model_states.pt"))
+            if commits:
+                assert fe.commit(info)
+            fe.end()  # (save_checkpoint's finally)
+        ck.wait()
+    m = json.loads((tmp_path / "global_step3" / GROUP_MANIFEST).read_text())
+    assert sorted(m["files"]) == ["mp_rank_00_model_states.pt"]
+    assert not (tmp_path / "global_step2").exists() or not (tmp_path / "global_step2" / GROUP_MANIFEST).exists()
