@@ -117,9 +117,10 @@ def checked_tag(save_dir: str, tag: str) -> str:
     """``tag`` if ``save_checkpoint(save_dir, tag)`` can commit it as one checkpoint.
 
     Raises:
-        ConfigError: an empty ``save_dir`` (DeepSpeed's own engine refuses it too), or a tag that
+        ConfigError: an empty ``save_dir`` (DeepSpeed's own engine refuses it too), a tag that
             is not one directory name: ``save_dir/epoch1/step1`` would be a group nested in
-            ``save_dir/epoch1``, with its ``latest`` there, and a load of ``save_dir`` would find nothing.
+            ``save_dir/epoch1``, with its ``latest`` there, and a load of ``save_dir`` would find
+            nothing; or a tag named as a file beside the tags (``latest``).
     """
     if not save_dir:
         raise ConfigError(f"save_checkpoint(save_dir={save_dir!r}): save_dir must be a non-empty directory or URL")
@@ -128,4 +129,7 @@ def checked_tag(save_dir: str, tag: str) -> str:
         raise ConfigError(f"save_checkpoint tag {tag!r} is not one directory name: fastckpt commits each tag as "
                           f"one checkpoint directly under save_dir, with save_dir/latest naming it. Use a tag "
                           f"without '/' (e.g. {safe!r})")
+    if tag in (LATEST, "latest_universal") or tag.startswith(".fastckpt"):
+        raise ConfigError(f"save_checkpoint tag {tag!r} is the name of a file beside the tags (DeepSpeed's pointer "
+                          "to the newest one, or fastckpt's own): use another tag (e.g. 'global_step1')")
     return tag

@@ -270,3 +270,15 @@ def test_a_save_checkpoint_that_raised_before_its_commit_leaves_the_next_tag_cle
     m = json.loads((tmp_path / "global_step3" / GROUP_MANIFEST).read_text())
     assert sorted(m["files"]) == ["mp_rank_00_model_states.pt"]
     assert not (tmp_path / "global_step2").exists() or not (tmp_path / "global_step2" / GROUP_MANIFEST).exists()
+
+
+@pytest.mark.parametrize("tag", ["latest", "latest_universal"])
+def test_a_tag_named_as_the_pointer_beside_the_tags_is_refused(tag: str) -> None:
+    """A tag 'latest' saved right after another tag made that tag's commit fail ("Is a
+    directory", when it moved the pointer); refused up front, naming it."""
+    from fastckpt.errors import ConfigError
+    from fastckpt.integrations._deepspeed.compat import checked_tag
+
+    with pytest.raises(ConfigError, match=f"tag '{tag}' is the name of a file beside the tags"):
+        checked_tag("/ckpt", tag)
+    assert checked_tag("/ckpt", "latest_step") == "latest_step"
