@@ -344,7 +344,18 @@ class EngineHooks:
         self.fe.checkpointer.wait(timeout)
 
     def close(self) -> None:
-        self.flush()
+        """Flush, then close an owned Checkpointer: also when the flush raised a pending save's
+        failure, which is then raised (once: not again at exit), with the close's own if any."""
+        try:
+            self.flush()
+        except BaseException as exc:
+            self.closed = True
+            if self.owned is not None:
+                try:
+                    self.owned.close()
+                except Exception as close_exc:  # noqa: BLE001 (the flush's failure is the one raised)
+                    exc.add_note(f"closing fastckpt's Checkpointer failed too: {close_exc!r}")
+            raise
         self.closed = True
         if self.owned is not None:
             self.owned.close()

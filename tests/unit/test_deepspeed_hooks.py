@@ -137,6 +137,30 @@ def test_flush_gives_up_after_close_timeout_s(tmp_path: Path) -> None:
         ck.close()
 
 
+def test_destroy_closes_the_owned_checkpointer_even_when_a_pending_save_failed(tmp_path: Path) -> None:
+    """close() stopped at the flush's raise: the Checkpointer the integration made stayed open
+    (its threads, a metrics port), and exit tried to flush it again."""
+    from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo
+
+    from fastckpt import ReplicationError
+    from fastckpt.integrations._deepspeed.engine import FastCkptEngine
+    from fastckpt.integrations._deepspeed.hooks import EngineHooks, OwnedCheckpointer
+
+    owned = OwnedCheckpointer({"rank": 0, "world_size": 2, "close_timeout_s": 0.5, "commit_timeout_s": 60})
+    fe = FastCkptEngine(owned)
+    hooks = EngineHooks(_Engine(), fe, owned, flush_at_exit=False)
+    info = CheckpointCommitInfo(tag="t1", save_dir=str(tmp_path), save_latest=True)
+    fe.begin(None, True, 0)
+    fe.create(info)
+    fe.save(state_dict={"w": torch.ones(4)}, path=str(tmp_path / "t1" / "mp_rank_00_model_states.pt"))
+    fe.commit(info)  # rank 1 never commits
+    fe.end()
+    ck = owned()
+    with pytest.raises(ReplicationError, match="close_timeout_s=0.5"):
+        hooks.destroy()
+    assert hooks.closed and owned._ck is None and ck._closed  # noqa: SLF001  (before: left open)
+
+
 # --------------------------------------------------------------------------- the lazy snapshot's fence
 def test_the_step_fence_runs_before_the_step_and_comes_off_again() -> None:
     """``StepFence`` is set on the optimizer instance as a bound method: the fence runs before
