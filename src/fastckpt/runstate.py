@@ -53,6 +53,7 @@ class SaveTrace:
     error: str | None = None
     superseded: bool = False
     abandoned: bool = False  # left open by a session of its rank that a newer one followed
+    session: str | None = None  # its Checkpointer's session (None: a log written without)
 
     @property
     def durable_s(self) -> float | None:
@@ -194,7 +195,8 @@ class RunState:
         return None
 
     def _snapshot(self, ev: Event) -> SaveTrace | None:
-        trace = SaveTrace(ev.rank, ev.path, ev.tier, 0, ev.start, ev.duration_s, (), None, ev.error)
+        trace = SaveTrace(ev.rank, ev.path, ev.tier, 0, ev.start, ev.duration_s, (), None, ev.error,
+                          session=ev.session)
         b = _Building(trace, [Phase("snapshot", ev.start, ev.end, ev.error)], ev.session)
         if ev.error is not None:
             return self._close(b)

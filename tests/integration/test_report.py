@@ -166,7 +166,7 @@ def test_a_long_runs_log_is_drawn(tmp_path: Path) -> None:
 
 
 def test_over_the_log_spans_the_group_commit(tmp_path: Path) -> None:
-    """docs/report.md: over the log = blocked / (the last event's end - the first save's start)."""
+    """docs/report.md: over the log = blocked / (the last event's end - the first save's start), in one session."""
     from fastckpt.events import Event
 
     log = tmp_path / "events.jsonl"
@@ -180,3 +180,21 @@ def test_over_the_log_spans_the_group_commit(tmp_path: Path) -> None:
     res = _cli(str(log), "--json")
     (rank,) = json.loads(res.stdout)["ranks"]
     assert rank["log_overhead"] == pytest.approx(2.0 / 40.0)
+
+
+def test_over_the_log_leaves_out_the_gap_between_a_killed_job_and_its_resume(tmp_path: Path) -> None:
+    """A resumed job appends to the killed one's log: each session counts from its first save to
+    its last event; the hour in between was no run time (before: 4 s blocked over 3,620 s)."""
+    from fastckpt.events import Event
+
+    log = tmp_path / "events.jsonl"
+    evs = []
+    for session, t0 in (("a" * 12, 100.0), ("b" * 12, 3700.0)):
+        for t in (0.0, 10.0):
+            p = f"/h/s{t0 + t}.pt"
+            evs += [Event("snapshot", 0, p, 10, t0 + t, t0 + t + 1, "direct", session=session),
+                    Event("commit", 0, p, 10, t0 + t + 1, t0 + t + 2, "direct", session=session)]
+    log.write_text("".join(e.to_json() + "\n" for e in evs))
+    res = _cli(str(log), "--json")
+    (rank,) = json.loads(res.stdout)["ranks"]
+    assert rank["log_overhead"] == pytest.approx(4.0 / (12.0 + 12.0))

@@ -65,7 +65,7 @@ class RankSummary:
     blocked_s: float
     overhead: float | None  # the Monitor's run overhead after the last save (None: < 2 saves)
     max_window_overhead: float | None
-    log_overhead: float | None  # blocked / (last event end - first save start)
+    log_overhead: float | None  # blocked / each session's (last event end - first save start), summed
     alarms: int
 
 
@@ -120,9 +120,16 @@ def _rank_summary(run: RunState, rank: int, saves: list) -> RankSummary:
     mine = [s for s in saves if s.rank == rank and s.phase("snapshot").error is None]
     pts = run.overhead_points(rank)
     blocked = sum(s.blocked_s for s in mine)
-    ends = [p.end for s in saves if s.rank == rank for p in s.phases]
-    ends += [e.end for e in run.group_commits if e.rank == rank]  # "the last event's end" (docs/report.md)
-    span = max(ends) - min(s.start for s in mine) if mine and ends else 0.0
+    # each session from its first save to its last event (a group commit's included), summed: a
+    # resumed job appends to the killed one's log, and the time between the two is no run time
+    first: dict = {}
+    last: dict = {}
+    for s in mine:
+        first[s.session] = min(first.get(s.session, s.start), s.start)
+    for k, end in [(s.session, p.end) for s in saves if s.rank == rank for p in s.phases] + \
+            [(e.session, e.end) for e in run.group_commits if e.rank == rank]:
+        last[k] = max(last.get(k, end), end)
+    span = sum(max(last[k] - t0, 0.0) for k, t0 in first.items() if k in last)
     return RankSummary(rank, len(mine), blocked, pts[-1].overhead if pts else None,
                        max(p.window_overhead for p in pts) if pts else None,
                        blocked / span if span > 0 and len(mine) > 1 else None, run.alarms(rank))
