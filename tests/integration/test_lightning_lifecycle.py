@@ -271,7 +271,7 @@ def test_version_suffixes_count_saves_in_flight(tmp_path) -> None:
 
 
 SLURM_JOB = textwrap.dedent("""
-    import os, signal, sys
+    import os, signal, sys, time
     import lightning as L
     from lightning.pytorch.callbacks import Callback
     sys.path.insert(0, {repo!r})
@@ -368,7 +368,7 @@ KILLED_SAVE = textwrap.dedent("""
 
 
 LINK_JOB = textwrap.dedent("""
-    import os, signal, sys
+    import os, signal, sys, time
     import lightning as L
     from lightning.pytorch.callbacks import Callback, ModelCheckpoint
     sys.path.insert(0, {repo!r})
@@ -380,9 +380,17 @@ LINK_JOB = textwrap.dedent("""
     ops = FaultyOps()
     ops.gate("replace", path_contains="step=6")  # the step-6 save is in flight when the job dies
 
+    last = os.path.join({ckpt!r}, "last.ckpt")
+
     class Kill(Callback):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             if trainer.global_step == 6:
+                # the moment the link moves past step 2 (to step 4 once it is durable; before the fix, to
+                # step 6 at once): a loaded machine had not linked anything yet when the kill came
+                deadline = time.monotonic() + 120
+                while not os.path.realpath(last).endswith(("step=4.ckpt", "step=6.ckpt")):
+                    assert time.monotonic() < deadline, "last.ckpt never moved past step 2"
+                    time.sleep(0.01)
                 os.kill(os.getpid(), signal.SIGKILL)
 
     mc = ModelCheckpoint(dirpath={ckpt!r}, every_n_train_steps=2, save_top_k=1, monitor="step", mode="max",
@@ -404,8 +412,8 @@ def test_last_link_survives_a_kill_while_its_next_target_is_saved(tmp_path) -> N
     job = subprocess.run([sys.executable, "-c", LINK_JOB.format(repo=repo, ckpt=str(ckpt))], capture_output=True,
                          text=True, timeout=300, check=False)
     assert job.returncode == -signal.SIGKILL, job.stderr[-3000:]
-    target = os.path.realpath(ckpt / "last.ckpt")  # step 4's, or step 2's if step 4 was not durable yet either
-    assert target in (str(ckpt / "epoch=0-step=4.ckpt"), str(ckpt / "epoch=0-step=2.ckpt"))
+    target = os.path.realpath(ckpt / "last.ckpt")
+    assert target == str(ckpt / "epoch=0-step=4.ckpt")
     step = fastckpt.load(target)["global_step"]
     started: list[int] = []
 
