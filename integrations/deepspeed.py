@@ -33,6 +33,7 @@ from deepspeed.runtime.engine import DeepSpeedEngine
 from fastckpt import Checkpointer, SaveHandle
 from fastckpt.errors import ConfigError
 
+from ._deepspeed import config as section_rules
 from ._deepspeed.config import SECTION, Section, parse_section, read_config, redacted, section_of, whole_config
 from ._deepspeed.engine import SAFE_GLOBALS, FastCkptEngine
 from ._deepspeed.hooks import CheckpointReport, EngineHooks, OwnedCheckpointer, fenced_tensors, resolve_tag
@@ -58,6 +59,8 @@ def initialize(args: object = None, model: torch.nn.Module | None = None,
     Raises:
         ConfigError: the section has an unknown key or a value of the wrong type (the message
             lists the valid keys).
+        ConfigError: the config also picks another checkpoint engine or layout (a ``"checkpoint"``
+            ``"writer"``, ``"use_node_local_storage"``, ``"datastates_ckpt"``).
     """
     source = config if config is not None else config_params
     from_args = source is None and args is not None
@@ -65,6 +68,8 @@ def initialize(args: object = None, model: torch.nn.Module | None = None,
         source = getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)
     ds_config = read_config(source)
     section = section_of(ds_config)
+    if section.enabled:
+        section_rules.refuse_other_writers(ds_config)  # before DeepSpeed builds its engine (a decoupled one forks)
     if ds_config is not None and redacted(ds_config) is not ds_config:  # enabled or not: DeepSpeed keeps it
         if from_args:  # DeepSpeed refuses both args.deepspeed_config and config: pass a copy of args
             import copy
@@ -102,7 +107,8 @@ def attach(engine: DeepSpeedEngine, config: str | Mapping | Section | None = Non
         The installed FastCkptEngine, or None when the section says ``"enabled": false``.
 
     Raises:
-        ConfigError: an invalid section, or options given twice.
+        ConfigError: an invalid section, options given twice, or an engine config that picks
+            another checkpoint engine or layout (see ``initialize``).
     """
     if not hasattr(engine, "save_checkpoint") or not hasattr(engine, "checkpoint_engine"):
         raise TypeError(f"attach() needs a deepspeed.DeepSpeedEngine (from deepspeed.initialize), "
@@ -132,6 +138,7 @@ def install(engine: DeepSpeedEngine, checkpointer: Checkpointer | Callable[[], C
     Raises:
         ConfigError: an invalid section, or one with Checkpointer options while ``checkpointer``
             is given (set them on FastCkptIO, or on that Checkpointer).
+            Or the engine's config picks another checkpoint engine or layout (see ``initialize``).
     """
     section = _section(engine, None)
     if not section.enabled:
@@ -166,6 +173,7 @@ def _section(engine: DeepSpeedEngine, config: str | Mapping | Section | None) ->
 
 def _install(engine: DeepSpeedEngine, source: Checkpointer | Callable[[], Checkpointer] | None, section: Section,
              on_commit: Callable[[SaveHandle], None] | None) -> FastCkptEngine:
+    section_rules.refuse_other_writers(getattr(engine, "config", None))
     previous: EngineHooks | None = getattr(engine, _HOOKS, None)
     if previous is not None:  # attached before (a second fit on the same engine): flush, then replace
         previous.close()

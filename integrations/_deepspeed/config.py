@@ -167,3 +167,30 @@ def redacted(config: dict) -> dict:
     out[SECTION] = {k: ({kk: REDACTED for kk in v} if k in SECRET_KEYS and isinstance(v, Mapping) else copy.copy(v))
                     for k, v in raw.items()}
     return out
+
+
+def refuse_other_writers(config: Mapping | None) -> None:
+    """Refuse the DeepSpeed options that pick another checkpoint engine or file layout: with the
+    section on, fastckpt replaces DeepSpeed's checkpoint engine, so they would be dropped without
+    a word (a FastPersist ``writer``, DataStates) or break the group commit
+    (``use_node_local_storage`` names ZeRO files by local rank: two nodes write the same name).
+
+    Raises:
+        ConfigError: naming each such option, and the fix.
+    """
+    if not isinstance(config, Mapping):
+        return
+    ckpt = config.get("checkpoint")
+    found = []
+    if isinstance(ckpt, Mapping) and ckpt.get("writer") is not None:
+        found.append('"checkpoint": {"writer": ...} (DeepSpeed\'s FastPersist writer)')
+    if isinstance(ckpt, Mapping) and ckpt.get("use_node_local_storage"):
+        found.append('"checkpoint": {"use_node_local_storage": true}')
+    if config.get("datastates_ckpt", False) is not False:
+        found.append('"datastates_ckpt" (the DataStates engine)')
+    if found:
+        raise ConfigError(f"{' and '.join(found)} in the DeepSpeed config picks another checkpoint engine or file "
+                          f'layout, but the "{SECTION}" section replaces DeepSpeed\'s checkpoint engine: remove '
+                          f'{"them" if len(found) > 1 else "it"}, or set "{SECTION}": {{"enabled": false}} to keep '
+                          f"DeepSpeed's own (for a copy on each node's own drive, fastckpt's \"local_dir\" is a "
+                          "burst buffer)")

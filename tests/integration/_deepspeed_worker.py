@@ -37,6 +37,9 @@ rank writes ROOT/results/rank{r}.json with what the test checks from outside:
   skip       "when_busy": "skip" drops a tag on rank 0 only (its previous write held by a gate):
              save_checkpoint returns on every rank, the tag is not committed, training goes on
   badtag     a tag with '/' and an empty save_dir are refused (ConfigError naming them)
+  otherengine  a DeepSpeed config that also picks another checkpoint engine or layout (a
+             FastPersist "writer", "use_node_local_storage", "datastates_ckpt") is refused, by
+             initialize before DeepSpeed starts and by attach, naming the option
   drives     "local_dir" as a list (one directory per drive)
   notag      load_checkpoint(url, tag=) of a tag never saved: CheckpointNotFoundError
   wholeconfig  attach(engine, a whole DeepSpeed config without a "fastckpt" section): the defaults
@@ -67,7 +70,7 @@ import torch  # noqa: E402
 from deepspeed import comm as dist  # noqa: E402
 
 import fastckpt  # noqa: E402
-from fastckpt.integrations.deepspeed import attach, initialize  # noqa: E402
+from fastckpt.integrations.deepspeed import FastCkptEngine, attach, initialize  # noqa: E402
 from tests.integration._ds_common import ds_config, engine, frozen, full_weights, make_model, same, train  # noqa: E402
 
 RESULTS: dict[str, object] = {}
@@ -640,6 +643,28 @@ def bad_tag(root: str) -> None:
     assert not os.path.exists(os.path.join(root, "nested", "epoch1"))
 
 
+def other_engine(root: str) -> None:
+    from fastckpt.errors import ConfigError
+
+    def refused(named: str, build) -> None:
+        try:
+            build()
+            raise AssertionError(f"{named} was not refused")
+        except ConfigError as exc:
+            assert named in str(exc) and '"enabled": false' in str(exc), str(exc)
+
+    ckpt = {"tag_validation": "FAIL"}
+    refused('"writer"', lambda: engine(2, {}, checkpoint={**ckpt, "writer": {"type": "fast"}}))
+    refused('"datastates_ckpt"', lambda: engine(2, {}, datastates_ckpt={"host_cache_size": 1}))
+    refused('"use_node_local_storage"', lambda: engine(2, {}, checkpoint={**ckpt, "use_node_local_storage": True}))
+    eng = engine(2, None, use_fastckpt_initialize=False, checkpoint={**ckpt, "use_node_local_storage": True})
+    refused('"use_node_local_storage"', lambda: attach(eng))
+    assert not isinstance(eng.checkpoint_engine, FastCkptEngine)  # left as it was
+    eng.destroy()
+    eng = engine(2, {"enabled": False}, checkpoint={**ckpt, "use_node_local_storage": True})  # off: DeepSpeed's own
+    eng.destroy()
+
+
 def drives(root: str) -> None:
     dirs = [os.path.join(root, "nvme-a"), os.path.join(root, "nvme-b")]  # one directory per drive
     eng = engine(2, {"local_dir": dirs}, seed=0)
@@ -808,6 +833,7 @@ SCENARIOS = {"roundtrip": lambda root: [roundtrip(root, s) for s in (0, 1, 2, 3)
              "interop": interop, "report": report, "unsafe": unsafe, "switch": switch, "s3": s3,
              "universal": universal, "export": export, "nolatest": nolatest, "install": install_section,
              "destroy": destroy, "engines": two_engines, "exit": exit_flush, "skip": skip, "badtag": bad_tag,
+             "otherengine": other_engine,
              "drives": drives, "notag": no_such_tag, "wholeconfig": whole_config, "redaction": redaction,
              "keepbest": keep_best, "coalescebest": coalesce_best, "resaved": resaved, "onerank": one_rank_fails,
              "loadrace": load_race, "missing": missing,

@@ -29,7 +29,8 @@ REPO = HERE.parents[1]
 WORKER = str(HERE / "_deepspeed_worker.py")
 TWO_PROCESS_SCENARIOS = ("roundtrip,convert,interop,report,unsafe,switch,lazy,universal,export,nolatest,install,"
                          "destroy,engines,skip,keepbest,onerank,loadrace")
-ONE_PROCESS_SCENARIOS = "roundtrip,skip,badtag,drives,notag,wholeconfig,redaction,coalescebest,resaved,missing"
+ONE_PROCESS_SCENARIOS = ("roundtrip,skip,badtag,otherengine,drives,notag,wholeconfig,redaction,coalescebest,resaved,"
+                         "missing")
 
 
 @dataclass(frozen=True)
@@ -220,6 +221,10 @@ def test_a_skipped_save_returns_on_every_rank_and_never_commits(nproc: int, one_
 
 def test_a_tag_with_a_slash_and_an_empty_save_dir_are_refused(one_process: Run) -> None:
     assert "badtag" in one_process.results[0]["done"]
+
+
+def test_a_config_that_also_picks_another_checkpoint_engine_is_refused(one_process: Run) -> None:
+    assert "otherengine" in one_process.results[0]["done"]
 
 
 def test_local_dir_may_list_one_directory_per_drive(one_process: Run) -> None:

@@ -81,6 +81,20 @@ def test_credentials_are_not_passed_on_to_deepspeed() -> None:
     assert redacted(plain) is plain  # nothing secret: passed on as given
 
 
+@pytest.mark.parametrize("extra, named", [
+    ({"checkpoint": {"writer": {"type": "fast", "decoupled": True}}}, '"writer"'),
+    ({"checkpoint": {"use_node_local_storage": True}}, '"use_node_local_storage"'),
+    ({"datastates_ckpt": {"host_cache_size": 16}}, '"datastates_ckpt"'),
+])
+def test_options_for_another_checkpoint_engine_are_refused_before_deepspeed_starts(extra: dict, named: str) -> None:
+    """DeepSpeed would have built that engine (a decoupled writer forks processes) and fastckpt
+    replaced it without a word; use_node_local_storage put two nodes' files under one name."""
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(ConfigError, match=named) as info:
+        initialize(model=model, config={"train_micro_batch_size_per_gpu": 1, "fastckpt": {}, **extra})
+    assert '"fastckpt": {"enabled": false}' in str(info.value)
+
+
 def test_attach_refuses_what_is_not_an_engine() -> None:
     with pytest.raises(TypeError, match="needs a deepspeed.DeepSpeedEngine"):
         attach(torch.nn.Linear(2, 2))
