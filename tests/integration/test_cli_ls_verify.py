@@ -52,7 +52,8 @@ def test_ls_lists_complete_and_incomplete_and_latest(home: str) -> None:
     assert r.exit_code == 0, r.output
     d = json.loads(r.stdout)
     got = {e["name"]: (e["kind"], e["status"], e["step"], e["files"], e["latest"]) for e in d["checkpoints"]}
-    assert got == {"one.pt": ("file", "complete", None, 1, False), "two.pt": ("file", "complete", None, 1, False),
+    # a single file's step is the one its state records at the top level (before: none shown)
+    assert got == {"one.pt": ("file", "complete", 1, 1, False), "two.pt": ("file", "complete", 2, 1, False),
                    "step-5": ("group", "complete", 5, 2, True), "step-9": ("group", "incomplete", None, 1, False)}
     assert d["latest"] == f"{home}/step-5"
     sizes = {e["name"]: e["bytes"] for e in d["checkpoints"]}
@@ -275,7 +276,7 @@ def test_ls_and_verify_at_a_url(tmp_path, s3_server, s3_bucket) -> None:
     o = json.dumps(opts)
     d = json.loads(run("ls", url, "--storage-options", o, "--json").stdout)
     got = {e["name"]: (e["kind"], e["status"], e["step"]) for e in d["checkpoints"]}
-    assert got == {"one.pt": ("file", "complete", None), "step-4": ("group", "complete", 4)}
+    assert got == {"one.pt": ("file", "complete", 1), "step-4": ("group", "complete", 4)}
     assert sum(e["latest"] for e in d["checkpoints"]) == 1
     d = json.loads(run("ls", url, "--storage-options", o, "--local-dir", str(tmp_path / "bb"), "--json").stdout)
     assert {e["name"]: e["status"] for e in d["checkpoints"]} == {"one.pt": "replicated", "step-4": "replicated"}

@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass, replace
 
 from ..commit.discovery import Damaged, Found, group_dir, scan
+from ..commit.foreign import pickle_step
 from ..commit.protocol import GROUP_MANIFEST, MARKER_DIR, SIDECAR, member_files, read_group_manifest
 from ..errors import CorruptCheckpointError, FastCkptError
 from ..storage.homes import Homes, Location
@@ -135,8 +136,19 @@ def _found_entry(h: Homes, f: Found, root: str, status: str) -> Entry:
         files = f.manifest.get("files", {})
         size = sum(int(v["size"]) for v in files.values())
         return Entry(f.path, name, "group", status, step_of(f.manifest), size, len(files), f.time)
-    return Entry(f.path, name, "file", status, f.step if f.step is not None else step_of(f.manifest),
-                 _size(h.resolve(f.path)), 1, f.time)
+    loc = h.resolve(f.path)
+    step = f.step if f.step is not None else step_of(f.manifest)
+    return Entry(f.path, name, "file", status, step if step is not None else _pickled_step(loc), _size(loc), 1,
+                 f.time)
+
+
+def _pickled_step(loc: Location) -> int | None:
+    """The step a file records at its top level (Lightning's ``global_step``, a ``step`` key): one
+    small read of its pickle; None when it has none, or cannot be read."""
+    try:
+        return pickle_step(loc.target, loc.key)
+    except (OSError, ValueError, FastCkptError):
+        return None
 
 
 def _damaged_entry(h: Homes, d: Damaged, root: str) -> Entry:
