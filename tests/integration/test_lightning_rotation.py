@@ -110,12 +110,15 @@ def test_replacement_dropped_by_coalescing_keeps_the_previous_top_k_file(tmp_pat
     before step=4 lands left no checkpoint there. Both home-side renames are held by events."""
     ckdir = str(tmp_path / "ckpt")
     release = {"step=2.ckpt": threading.Event(), "step=4.ckpt": threading.Event()}
+    held = threading.Event()  # step=2's upload reached its rename (else step=3 could coalesce step=2 away)
 
     def hold_home_rename(op, path):  # noqa: ANN001, ANN202
         path = final_path(path) or path
         if op == "replace" and path.startswith(ckdir):
             for name, event in release.items():
                 if path.endswith(name):
+                    if name == "step=2.ckpt":
+                        held.set()
                     assert event.wait(60)
 
     ck = fastckpt.Checkpointer(local_dir=str(tmp_path / "nvme"), ops=FaultyOps(on_call=hold_home_rename),
@@ -137,6 +140,8 @@ def test_replacement_dropped_by_coalescing_keeps_the_previous_top_k_file(tmp_pat
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             if trainer.global_step == 1:
                 ck.wait()  # step=1 durable at the home
+            elif trainer.global_step == 2:
+                assert held.wait(60)  # step=2's upload is under way (held), so step=3 queues behind it
             elif trainer.global_step == 4:
                 assert saves["epoch=0-step=3.ckpt"].result(60).superseded  # step=4's upload replaced it
                 release["step=2.ckpt"].set()
