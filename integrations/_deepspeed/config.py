@@ -181,10 +181,11 @@ def refuse_other_writers(config: Mapping | None) -> None:
     if not isinstance(config, Mapping):
         return
     ckpt = config.get("checkpoint")
+    ckpt = ckpt if isinstance(ckpt, Mapping) else {}
     found = []
-    if isinstance(ckpt, Mapping) and ckpt.get("writer") is not None:
+    if ckpt.get("writer") is not None:
         found.append('"checkpoint": {"writer": ...} (DeepSpeed\'s FastPersist writer)')
-    if isinstance(ckpt, Mapping) and ckpt.get("use_node_local_storage"):
+    if ckpt.get("use_node_local_storage"):
         found.append('"checkpoint": {"use_node_local_storage": true}')
     if config.get("datastates_ckpt", False) is not False:
         found.append('"datastates_ckpt" (the DataStates engine)')

@@ -271,7 +271,7 @@ def test_version_suffixes_count_saves_in_flight(tmp_path) -> None:
 
 
 SLURM_JOB = textwrap.dedent("""
-    import os, signal, sys, time
+    import os, signal, sys
     import lightning as L
     from lightning.pytorch.callbacks import Callback
     sys.path.insert(0, {repo!r})
@@ -368,13 +368,15 @@ KILLED_SAVE = textwrap.dedent("""
 
 
 LINK_JOB = textwrap.dedent("""
-    import os, signal, sys, time
+    import os, signal, sys
     import lightning as L
     from lightning.pytorch.callbacks import Callback, ModelCheckpoint
     sys.path.insert(0, {repo!r})
     import fastckpt
     from fastckpt.integrations.lightning import FastCkptIO
+    from fastckpt.integrations._lightning.link import LINK
     from fastckpt.testing import FaultyOps
+    from fastckpt.urls import normalize
     from tests.integration.test_lightning import TinyModel, loader
 
     ops = FaultyOps()
@@ -384,13 +386,11 @@ LINK_JOB = textwrap.dedent("""
 
     class Kill(Callback):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            if trainer.global_step == 6:
-                # the moment the link moves past step 2 (to step 4 once it is durable; before the fix, to
-                # step 6 at once): a loaded machine had not linked anything yet when the kill came
-                deadline = time.monotonic() + 120
-                while not os.path.realpath(last).endswith(("step=4.ckpt", "step=6.ckpt")):
-                    assert time.monotonic() < deadline, "last.ckpt never moved past step 2"
-                    time.sleep(0.01)
+            if trainer.global_step == 5:
+                # step 4's link, queued on the plugin's remover thread at its save, is made (a loaded
+                # machine had linked nothing yet when the kill came)
+                trainer.strategy.checkpoint_io._removals[LINK + normalize(last)].result(120)
+            elif trainer.global_step == 6:
                 os.kill(os.getpid(), signal.SIGKILL)
 
     mc = ModelCheckpoint(dirpath={ckpt!r}, every_n_train_steps=2, save_top_k=1, monitor="step", mode="max",
