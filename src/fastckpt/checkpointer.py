@@ -128,8 +128,9 @@ class Checkpointer:
         return tuple(self._homes.resolve(mirror_path(d, g)).place() for d in self._stripes.dirs)
 
     def _emit(self, name: str, path: str, nbytes: int, start: float, tier: str, error: BaseException | None = None,
-              detail: str | None = None) -> None:
-        self._sinks.emit(Event(name, self.rank, path, nbytes, start, time.time(), tier, error and repr(error), detail))
+              detail: str | None = None, group: str | None = None) -> None:
+        self._sinks.emit(Event(name, self.rank, path, nbytes, start, time.time(), tier, error and repr(error), detail,
+                               group=group))
 
     def _on_retry(self, notice: RetryNotice) -> None:
         """A transient storage error is being retried: an event, so outages are visible."""

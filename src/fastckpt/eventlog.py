@@ -46,7 +46,8 @@ def parse_event(line: str, where: str = "event log") -> Event:
     try:
         return Event(str(d["name"]), int(d["rank"]), str(d["path"]), int(d["bytes"]), float(d["start"]),
                      float(d["end"]), str(d["tier"]), d.get("error"), d.get("detail"),
-                     None if d.get("session") is None else str(d["session"]))
+                     None if d.get("session") is None else str(d["session"]),
+                     None if d.get("group") is None else str(d["group"]))
     except (TypeError, ValueError) as exc:
         raise ValueError(f"{where}: a field has the wrong type ({exc}); is this a fastckpt event log?") from exc
 

@@ -31,7 +31,9 @@ class Event:
     Times are ``time.time()`` seconds; ``error`` is the exception's repr when the phase failed.
     ``session`` is set by ``JsonlSink``, one per Checkpointer: a job resumed with the same log
     appends events that must not be matched with the killed job's saves (None: not from a log,
-    or from a log written before sessions).
+    or from a log written before sessions). ``group``: on a ``snapshot``, the group the file was
+    saved into (``save(group=...)``): it is durable once that group's ``commit`` succeeds, not at
+    its own.
     """
 
     name: str
@@ -44,6 +46,7 @@ class Event:
     error: str | None = None
     detail: str | None = None
     session: str | None = None
+    group: str | None = None
 
     @property
     def duration_s(self) -> float:

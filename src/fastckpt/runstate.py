@@ -8,8 +8,10 @@ Both see only the event log, so some numbers are reconstructions (docs/report.md
   the clock starting at the first save's start, since the log does not say when the
   Checkpointer was built. A lazy save's later ``fence()`` wait is not in the log.
 - a save is durable at the end of its ``replicate`` phase (burst buffer), or of its ``commit``
-  when it was written straight to its path; a queued replication that a later one overtook
-  (``replicate_policy='coalesce'``) counts as superseded, not pending.
+  when it was written straight to its path; a file saved into a group (its snapshot names the
+  group) counts for the RPO only once its rank's group ``commit`` succeeds; a queued
+  replication that a later one overtook (``replicate_policy='coalesce'``) counts as
+  superseded, not pending.
 - sessions: a job killed and resumed with the same ``event_log`` appends to it. Events carry
   their Checkpointer's session (``JsonlSink``), and are matched only with saves of their own
   session; when a new session of a rank starts, that rank's saves left open by earlier ones
@@ -101,6 +103,7 @@ class _Building:
     trace: SaveTrace
     phases: list[Phase] = field(default_factory=list)
     session: str | None = None
+    group: str | None = None  # saved into this group
 
 
 class _Overhead:
@@ -165,6 +168,7 @@ class RunState:
         self._done: deque[SaveTrace] = deque(maxlen=keep_done)
         self._overhead: dict[int, _Overhead] = {}
         self._newest_durable_start: dict[int, float] = {}
+        self._group_durable: dict[tuple[int, str], float] = {}  # (rank, group): its newest durable file's start
         self.events: dict[str, int] = {}
         self.failures: deque[Event] = deque(maxlen=keep_done)
         self.retries: deque[Event] = deque(maxlen=keep_done)
@@ -186,8 +190,11 @@ class RunState:
         if ev.name == "snapshot":
             return self._snapshot(ev)
         if ev.name == "commit" and ev.detail == "group":
+            start = self._group_durable.pop((ev.rank, ev.path), None)
             if ev.error is None:  # published; a failed one is in ``failures``
                 self.group_commits.append(ev)
+                if start is not None:
+                    self._durable(ev.rank, start)
         elif ev.name in ("write", "commit", "queued", "replicate"):
             return self._phase(ev)
         elif ev.name in ("retry", "load"):
@@ -197,7 +204,7 @@ class RunState:
     def _snapshot(self, ev: Event) -> SaveTrace | None:
         trace = SaveTrace(ev.rank, ev.path, ev.tier, 0, ev.start, ev.duration_s, (), None, ev.error,
                           session=ev.session)
-        b = _Building(trace, [Phase("snapshot", ev.start, ev.end, ev.error)], ev.session)
+        b = _Building(trace, [Phase("snapshot", ev.start, ev.end, ev.error)], ev.session, ev.group)
         if ev.error is not None:
             return self._close(b)
         self._open.setdefault((ev.rank, ev.path), []).append(b)
@@ -209,6 +216,8 @@ class RunState:
         """A Checkpointer of ``rank`` logs its first event: the saves that the rank's earlier
         sessions left open were abandoned (that job was killed and this one resumed it)."""
         self._sessions.add((rank, session))
+        for key in [k for k in self._group_durable if k[0] == rank]:  # their commits died with the job
+            del self._group_durable[key]
         for key in [k for k in self._open if k[0] == rank]:
             for b in list(self._open[key]):
                 if b.session != session:
@@ -253,10 +262,18 @@ class RunState:
             self._overtake(b)
         if ev.name == "replicate" or (ev.name == "commit" and ev.path == b.trace.path):
             b.trace = replace(b.trace, durable_at=ev.end)
-            rank, start = b.trace.rank, b.trace.start  # the newest durable save: what a node loss goes back to
-            self._newest_durable_start[rank] = max(start, self._newest_durable_start.get(rank, start))
+            rank, start = b.trace.rank, b.trace.start
+            if b.group is None:
+                self._durable(rank, start)
+            else:  # a loss goes back to it only once its group is published
+                key = (rank, b.group)
+                self._group_durable[key] = max(start, self._group_durable.get(key, start))
             return self._close(b)
         return None
+
+    def _durable(self, rank: int, start: float) -> None:
+        """The save that ``rank`` called at ``start`` is durable: what a node loss goes back to, if newest."""
+        self._newest_durable_start[rank] = max(start, self._newest_durable_start.get(rank, start))
 
     def _overtake(self, b: _Building) -> None:
         """``b`` replicated: saves of its rank queued before it and not replicated yet were (most

@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
-import pytest
+import errno
+from pathlib import Path
 
+import pytest
+import torch
+
+import fastckpt
+from fastckpt.commit import protocol as P
+from fastckpt.eventlog import read_events
 from fastckpt.events import Event
 from fastckpt.runstate import RunState
+from fastckpt.testing import Fault, FaultyOps
 
 
 def _ev(name: str, start: float, end: float, path: str = "/h/a.pt", rank: int = 0, tier: str = "nvme",
@@ -136,3 +144,30 @@ def test_a_session_that_goes_on_after_a_newer_one_keeps_its_saves() -> None:
         rs.feed(e)
     assert [(s.durable_s, s.abandoned) for s in rs.saves()] == [(pytest.approx(0.6), False)] * 2
     assert rs.status(1.0)[0].pending == 0
+
+
+def test_a_group_file_is_durable_only_when_its_group_commits(tmp_path: Path) -> None:
+    """A group's files count for the RPO once the group is published, as the Checkpointer's own
+    ``stats().rpo_s`` counts them. Before: each file counted at its own commit, so the exported
+    ``fastckpt_rpo_seconds`` stayed low while every group commit failed (a node loss would have
+    gone back further than it said)."""
+    log = tmp_path / "events.jsonl"
+    ops = FaultyOps([Fault("replace", errno.EIO, path_contains=P.GROUP_MANIFEST)])
+    with fastckpt.Checkpointer(event_log=str(log), ops=ops, overhead_budget=0.99) as ck:
+        g = tmp_path / "run" / "step-1"
+        ck.save({"w": torch.ones(64)}, str(g / "r0.pt"), group=str(g)).wait(60)
+        with pytest.raises(OSError, match="Input/output error"):
+            ck.commit(str(g)).wait(60)
+        assert ck.stats().rpo_s is None  # nothing is durable: the group never was published
+        rs = RunState()
+        for e in read_events(str(log)):
+            rs.feed(e)
+        assert rs.status(e.end + 1)[0].rpo_s is None
+        g2 = tmp_path / "run" / "step-2"
+        ck.save({"w": torch.ones(64)}, str(g2 / "r0.pt"), group=str(g2)).wait(60)
+        ck.commit(str(g2)).wait(60)
+    rs = RunState()
+    for e in read_events(str(log)):
+        rs.feed(e)
+    step2 = next(s for s in rs.saves() if "step-2" in s.path)
+    assert rs.status(step2.start + 5)[0].rpo_s == pytest.approx(5.0)

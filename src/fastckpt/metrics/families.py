@@ -77,8 +77,8 @@ FAMILIES: tuple[Family, ...] = (
     Family("fastckpt_replication_lag_seconds", "gauge", "Age of the oldest checkpoint waiting for replication "
            "(0 when none waits).", ("rank",)),
     Family("fastckpt_rpo_seconds", "gauge", "Training a node loss would cost now: seconds since the newest "
-           "durable checkpoint's save: replicated with a burst buffer, else at its path (absent before the first "
-           "one).", ("rank",)),
+           "durable checkpoint's save: replicated with a burst buffer, else at its path; a group's files once the "
+           "group is published (absent before the first one).", ("rank",)),
     # storage health of the node
     Family("fastckpt_health_source_available", "gauge", "1 when a storage-health source could be read, 0 when "
            "it is absent (its series are then absent, never zero).", ("source",), node=True),

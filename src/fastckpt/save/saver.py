@@ -174,7 +174,8 @@ class Saver:
                 copy.add_done_callback(functools.partial(self._copied, entry, counted))
             else:
                 self._monitor.record_blocked(t_call, blocked, layout.payload_bytes)
-            self._emit("snapshot", path, layout.payload_bytes, w_call, choice.tier, detail="lazy" if lazy else None)
+            self._emit("snapshot", path, layout.payload_bytes, w_call, choice.tier, detail="lazy" if lazy else None,
+                       group=group)
             base = replace(base, blocked_s=blocked)
         except BaseException:  # a Ctrl-C (in a user's sink, say): no writer has the buffer, so it goes back
             if lazy:
@@ -201,7 +202,7 @@ class Saver:
         st = self._writer.gds_write(layout, dest)
         blocked = time.monotonic() - t_call
         self._monitor.record_blocked(t_call, blocked, layout.payload_bytes)
-        self._emit("snapshot", base.path, layout.payload_bytes, w_call, base.tier, detail="gds write")
+        self._emit("snapshot", base.path, layout.payload_bytes, w_call, base.tier, detail="gds write", group=base.group)
         base = replace(base, blocked_s=blocked)
         fut = self._submit(spot, token, layout, self._writer.gds_finish, st, layout, base, t_call)
         return self._track(fut, base, dest, home, t_call, spot, token)
@@ -232,7 +233,7 @@ class Saver:
         blocked = time.monotonic() - t_call
         progress.finish(blocked_s=blocked)
         self._monitor.record_blocked(t_call, blocked, layout.payload_bytes)
-        self._emit("snapshot", base.path, layout.payload_bytes, w_call, choice.tier)
+        self._emit("snapshot", base.path, layout.payload_bytes, w_call, choice.tier, group=base.group)
         return self._track(fut, replace(base, blocked_s=blocked), dest, home, t_call, spot, token)
 
     def _submit(self, spot: Reservation | None, token: int, layout: F.FileLayout, write: Callable[..., SaveRecord],
