@@ -14,6 +14,7 @@ import logging
 import os
 import re
 from collections.abc import Iterable
+from typing import BinaryIO
 
 from .events import Event
 
@@ -135,35 +136,43 @@ class LogFollower:
 
     The log may not exist yet (the job has not started): ``poll()`` then returns nothing. When
     the file shrinks or is replaced (a new job writing the same path), it starts over from
-    the beginning of the new file. A complete line that is not an event (a torn write followed
-    by appends, binary junk) is skipped with a warning naming the file and line, and counted in
+    the beginning of the new file: a file replaced by one with the same inode number (deleted,
+    then created again) or rewritten in place, and grown past the old offset before the next
+    poll, is told by the bytes just before the offset (the end of the last line read), which
+    no longer match. A complete line that is not an event (a torn write followed by appends,
+    binary junk) is skipped with a warning naming the file and line, and counted in
     ``bad_lines``: the events after it are still read, and a live exporter keeps serving.
     """
+
+    TAIL = 256  # bytes before the offset kept to recognise the file (a line's session and times)
 
     def __init__(self, path: str) -> None:
         self.path = path
         self._offset = 0
         self._line = 0
-        self._inode: int | None = None
+        self._file: tuple[int, int] | None = None  # (st_dev, st_ino)
+        self._tail = b""  # the last bytes read, up to the offset
         self._partial = b""
         self.bad_lines = 0
 
     def poll(self) -> list[Event]:
         """The complete events written since the last call (possibly none)."""
         try:
-            st = os.stat(self.path)
+            with open(self.path, "rb") as f:
+                st = os.fstat(f.fileno())
+                if (st.st_dev, st.st_ino) != self._file or st.st_size < self._offset or not self._same(f):
+                    if self._file is not None:
+                        log.warning("fastckpt: %s was replaced or truncated; reading it from the start", self.path)
+                    self._file, self._offset, self._line, self._tail, self._partial = (
+                        (st.st_dev, st.st_ino), 0, 0, b"", b"")
+                f.seek(self._offset)
+                data = f.read(st.st_size - self._offset) if st.st_size > self._offset else b""
         except FileNotFoundError:
             return []
-        if st.st_ino != self._inode or st.st_size < self._offset:
-            if self._inode is not None:
-                log.warning("fastckpt: %s was replaced or truncated; reading it from the start", self.path)
-            self._inode, self._offset, self._line, self._partial = st.st_ino, 0, 0, b""
-        if st.st_size == self._offset:
+        if not data:
             return []
-        with open(self.path, "rb") as f:
-            f.seek(self._offset)
-            data = f.read(st.st_size - self._offset)
         self._offset += len(data)
+        self._tail = (self._tail + data)[-self.TAIL:]
         chunks = (self._partial + data).split(b"\n")
         self._partial = chunks.pop()  # after the last newline: not complete yet
         first = self._line + 1
@@ -177,3 +186,8 @@ class LogFollower:
                 self.bad_lines += 1
                 log.warning("fastckpt: skipped a line that is not an event: %s", exc)
         return events
+
+    def _same(self, f: BinaryIO) -> bool:
+        """The file still holds, just before the offset, the bytes read there last."""
+        f.seek(self._offset - len(self._tail))
+        return f.read(len(self._tail)) == self._tail

@@ -111,3 +111,24 @@ def test_a_log_given_twice_or_through_a_symlink_is_read_once(tmp_path: Path) -> 
     log.write_text(_ev("snapshot", 1.0).to_json() + "\n")
     (tmp_path / "link.jsonl").symlink_to(log)
     assert len(read_events([str(log), str(log), str(tmp_path / "link.jsonl")])) == 1
+
+
+def test_follower_starts_over_when_the_log_is_rewritten_and_grows_past_its_offset(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A new job truncates the log in place (or deletes and writes it again, and the filesystem
+    gives it the old inode number), and it grows past the follower's offset before the next
+    poll: neither the inode nor the size tells. Before: the follower went on from its old
+    offset, dropping the new job's first events without a warning."""
+    log = tmp_path / "e.jsonl"
+    f = LogFollower(str(log))
+    log.write_text(_ev("snapshot", 1.0).to_json() + "\n")
+    assert [e.name for e in f.poll()] == ["snapshot"]
+    with open(log, "r+") as out:
+        out.truncate(0)
+        out.write("".join(_ev(n, 10.0 + i, rank=1).to_json() + "\n"
+                          for i, n in enumerate(["load", "snapshot", "write"])))
+    assert [(e.name, e.rank) for e in f.poll()] == [("load", 1), ("snapshot", 1), ("write", 1)]
+    assert "replaced or truncated" in caplog.text
+    with open(log, "a") as out:  # appends after that are read once, as before
+        out.write(_ev("commit", 14.0).to_json() + "\n")
+    assert [e.name for e in f.poll()] == ["commit"] and f.poll() == []
