@@ -16,6 +16,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 from fastckpt.cli import cli
@@ -31,9 +32,9 @@ def drill(*args: str) -> tuple[int, dict]:
     return r.exit_code, json.loads(r.stdout)
 
 
-def builtin(tmp_path, trials: int, *args: str) -> tuple[int, dict]:
+def builtin(tmp_path, trials: int, *args: str, home: str = "home") -> tuple[int, dict]:
     return drill("--trials", str(trials), "--state-size", "8MiB", "--every", "3", "--step-time", "20ms",
-                 "--seed", "7", "--dir", str(tmp_path / "home"), *args)
+                 "--seed", "7", "--dir", str(tmp_path / home), *args)
 
 
 def test_ci_drill_ten_kills_through_a_burst_buffer(tmp_path) -> None:
@@ -53,7 +54,9 @@ def test_ci_drill_ten_kills_through_a_burst_buffer(tmp_path) -> None:
 
 
 def test_lost_node_restores_from_the_durable_home(tmp_path) -> None:
-    code, d = builtin(tmp_path, 3, "--local-dir", str(tmp_path / "bb"), "--lose-local")
+    # a --dir with a step-N of its own: the phases are read from the checkpoints' step-N, not
+    # from the first one in the path (before: "no durable checkpoint... is it saving?")
+    code, d = builtin(tmp_path, 3, "--local-dir", str(tmp_path / "bb"), "--lose-local", home="step-7/home")
     assert code == 0, d
     assert d["restored"] == 3 and d["corrupt_loads"] == 0
     assert {row["source"] for row in d["rows"]} == {"path"}  # never the wiped burst buffer
@@ -80,8 +83,6 @@ def test_a_users_job(tmp_path) -> None:
 
 
 def test_a_damaged_checkpoint_counts_as_a_corrupt_load_and_fails(tmp_path) -> None:
-    import torch
-
     import fastckpt
 
     home = tmp_path / "home"
@@ -113,6 +114,27 @@ def test_a_job_killed_before_its_first_checkpoint_is_told_to_raise_min_run(tmp_p
     shutil.rmtree(d["logs"])
 
 
+_REPORTS_ONCE = """
+import os, signal, sys
+if not os.path.exists(sys.argv[1]):  # the first incarnation only
+    open(sys.argv[1], "w").close()
+    with open(os.environ["FASTCKPT_DRILL_STEP_FILE"], "w") as f:
+        f.write("9")
+signal.pause()
+"""
+
+
+def test_a_step_reported_in_one_trial_is_not_read_in_the_next(tmp_path) -> None:
+    """Before: the step file outlived its trial, so a job that had not reported a step yet was
+    "killed at" the previous trial's step (a wrong RPO, or here a wrong hint)."""
+    code, d = drill("--trials", "2", "--dir", str(tmp_path / "home"), "--min-run", "2s", "--max-run", "2.5s",
+                    "--", sys.executable, "-c", _REPORTS_ONCE, str(tmp_path / "reported"))
+    assert code == 1 and [r["killed_at_step"] for r in d["rows"]] == [9, None]
+    assert "(its last step report was 9)" in d["rows"][0]["error"]
+    assert "(it reported no step)" in d["rows"][1]["error"]
+    shutil.rmtree(d["logs"])
+
+
 @pytest.mark.parametrize("args, msg", [
     (["--dir", "{tmp}/h", "--lose-local"], "--local-dir"),
     (["--dir", "s3://bucket/x"], "URL"),
@@ -121,6 +143,22 @@ def test_a_job_killed_before_its_first_checkpoint_is_told_to_raise_min_run(tmp_p
 def test_bad_usage_exits_2(tmp_path, args: list[str], msg: str) -> None:
     r = CliRunner().invoke(cli, ["drill", *[a.format(tmp=tmp_path) for a in args]])
     assert r.exit_code == 2 and msg in r.output
+
+
+def test_a_dir_that_is_a_file_is_a_usage_error(tmp_path) -> None:
+    """Before: the drill ran, every save failed, and it ended in a traceback."""
+    (tmp_path / "f").write_text("not a directory")
+    r = CliRunner().invoke(cli, ["drill", "--dir", str(tmp_path / "f")])
+    assert r.exit_code == 2 and f"--dir {tmp_path / 'f'} is a file" in r.output
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
+def test_device_cuda_without_cuda_is_a_usage_error(tmp_path) -> None:
+    """Before: the built-in job failed at its first tensor and the drill ended in a traceback."""
+    r = CliRunner().invoke(cli, ["drill", "--dir", str(tmp_path / "h"), "--device", "cuda"])
+    assert r.exit_code == 2 and "no CUDA device" in r.output
+    r = CliRunner().invoke(cli, ["drill", "--dir", str(tmp_path / "h"), "--device", "tpu"])
+    assert r.exit_code == 2 and "'tpu' is not one of 'cpu', 'cuda'" in r.output
 
 
 # A user's job that tells the test it runs (its pid, through a FIFO the test blocks on), then

@@ -74,3 +74,7 @@ def test_nothing_in_flight_is_idle() -> None:
 def test_step_of_path() -> None:
     assert ph.step_of_path("/a/step-00000042/model.pt") == 42
     assert ph.step_of_path("/a/other.pt") is None
+    # a --dir (or its burst-buffer mirror) with a step-N of its own: the checkpoint's step counts
+    assert ph.step_of_path("/scratch/step-7/ckpt/step-00000042/model.pt") == 42
+    assert ph.step_of_path("/bb/scratch/step-7/ckpt/step-00000042") == 42
+    assert ph.step_of_path("/a/my-step-3.pt") is None

@@ -35,6 +35,14 @@ def _validate(cfg: DrillConfig) -> None:
         raise click.UsageError(problem)
     if is_url(cfg.home) and not cfg.local_dir:
         raise click.UsageError(f"--dir {cfg.home} is a URL: saving there needs --local-dir (the burst buffer)")
+    if not is_url(cfg.home) and os.path.exists(cfg.home) and not os.path.isdir(cfg.home):
+        raise click.UsageError(f"--dir {cfg.home} is a file: give a directory (it is created if missing) or a URL")
+    if not cfg.command and cfg.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise click.UsageError("--device cuda: this machine has no CUDA device torch can use; drop --device "
+                                   "(the built-in job then runs on cpu) or run the drill on a GPU node")
     if cfg.min_run_s > cfg.max_run_s:
         raise click.UsageError("--min-run must not exceed --max-run")
     if cfg.command and shutil.which(cfg.command[0]) is None:
@@ -87,7 +95,8 @@ def render(data: dict) -> None:
 @click.option("--every", type=click.IntRange(1), default=5, show_default=True, help="Built-in job: save every N steps.")
 @click.option("--step-time", type=DURATION_OR_ZERO, default="50ms", show_default=True,
               help="Built-in job: compute time per step.")
-@click.option("--device", default="cpu", show_default=True, help="Built-in job: cpu or cuda.")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
+              help="Built-in job: where its state lives.")
 @click.option("--min-run", type=DURATION_OR_ZERO, default="5s", show_default=True,
               help="Your job: earliest kill after a (re)start.")
 @click.option("--max-run", type=DURATION, default="30s", show_default=True, help="Your job: latest kill.")

@@ -22,12 +22,14 @@ from dataclasses import dataclass
 from ..events import Event
 
 PHASES = ("snapshot", "write", "commit", "replicate", "idle")
-_STEP = re.compile(r"step-(\d+)")
+_STEP = re.compile(r"(?:^|/)step-(\d+)(?=/|$)")
 
 
 def step_of_path(path: str) -> int | None:
-    m = _STEP.search(path)
-    return int(m.group(1)) if m else None
+    """The step of the drill job's checkpoint ``path`` is in: its last ``step-N`` component (the
+    directory the drill saves into may hold one too: ``--dir /scratch/step-7/ckpt``)."""
+    found = _STEP.findall(path)
+    return int(found[-1]) if found else None
 
 
 def _by_step(events: Iterable[Event]) -> dict[int, list[Event]]:

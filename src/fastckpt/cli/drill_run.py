@@ -14,6 +14,7 @@ current step to ``$FASTCKPT_DRILL_STEP_FILE``, RPO is counted in steps.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -248,6 +249,8 @@ class Drill:
                    FASTCKPT_DRILL_LOCAL_DIR=c.local_dir or "")
         trials = []
         for k in range(1, c.trials + 1):
+            with contextlib.suppress(FileNotFoundError):  # the last trial's step is not this one's
+                os.unlink(step_file)
             job = self._child(list(c.command), self._log("job.log"), env, json_lines=False)
             ran_s = self.rng.uniform(c.min_run_s, c.max_run_s)
             try:
