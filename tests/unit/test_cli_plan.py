@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import statistics
 
 import pytest
@@ -16,6 +17,7 @@ from fastckpt.cli import cli, sizing
 from fastckpt.cli._common import parse_bandwidth, parse_count, parse_duration, parse_size
 from fastckpt.cli.runlog import profile
 from fastckpt.eventlog import read_events
+from tests.helpers import close_all
 
 TB, GB = 1e12, 1e9
 
@@ -315,6 +317,33 @@ def test_from_run_fills_in_the_measured_values(run_log: str) -> None:
     # flags win over measurements
     d2 = json.loads(invoke("--from-run", run_log, "--bandwidth", "5GB/s", "--json").stdout)
     assert d2["inputs"]["bandwidth_Bps"] == 5e9
+
+
+def test_from_run_with_each_ranks_log_and_with_one_of_them(tmp_path) -> None:
+    """Two ranks, each with its own event log, commit groups. Both logs: 2 GPUs, measured. One
+    rank's log alone: before, plan took it for a 1-GPU run holding the whole state (so the
+    bandwidth it derived was one process's); now it estimates the ranks from the share of each
+    group that log's saves hold, and says how to give them all."""
+    logs = [str(tmp_path / f"events-{r}.jsonl") for r in range(2)]
+    cks = [fastckpt.Checkpointer(rank=r, world_size=2, event_log=logs[r], overhead_budget=0.99) for r in range(2)]
+    try:
+        for step in (1, 2):
+            group = str(tmp_path / "home" / f"step-{step}")
+            for ck in cks:
+                ck.save({"w": torch.full((1 << 18,), step, dtype=torch.float32)}, f"{group}/r{ck.rank}.pt",
+                        group=group)
+            for h in [ck.commit(group, step=step) for ck in cks]:
+                h.wait(60)
+    finally:
+        close_all(cks)
+    both = json.loads(invoke("--from-run", logs[0], "--from-run", logs[1], "--json").stdout)
+    assert both["gpus"] == 2 and "GPUs: 2, the ranks in the run's event log" in both["notes"]
+    assert both["measured"]["logged_share"] == pytest.approx(1.0, abs=0.05)
+    one = json.loads(invoke("--from-run", logs[1], "--json").stdout)
+    assert one["gpus"] == 2 and one["state_bytes"] == both["state_bytes"]
+    assert one["measured"]["logged_share"] == pytest.approx(0.5, abs=0.03)
+    assert any(re.match(r"GPUs: 2, estimated: the 1 rank\(s\) in the event log saved 4\d% of each checkpoint", n)
+               for n in one["notes"]), one["notes"]
 
 
 def test_a_torn_last_line_is_skipped_and_a_bad_last_line_is_named(tmp_path, run_log: str) -> None:

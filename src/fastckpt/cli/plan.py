@@ -27,8 +27,11 @@ from ._common import (
 )
 from .runlog import RunProfile, profile
 
+# a log whose saves hold less than this share of the groups it committed lacks other ranks' events
+MISSING_RANKS_SHARE = 0.75
 
-def _resolve(opts: dict, run: RunProfile | None, from_run: str | None) -> tuple[sizing.PlanInputs, list[str]]:
+
+def _resolve(opts: dict, run: RunProfile | None, from_run: tuple[str, ...]) -> tuple[sizing.PlanInputs, list[str]]:
     """Flags win; a run's measurements fill the gaps; defaults last. Returns the inputs and
     a note per value that did not come from a flag."""
     notes: list[str] = []
@@ -39,7 +42,12 @@ def _resolve(opts: dict, run: RunProfile | None, from_run: str | None) -> tuple[
         bpp = sizing.PRESETS[opts["preset"] or "mixed-adam"][0]
     gpn = opts["gpus_per_node"]
     gpus = opts["gpus"]
-    if gpus is None and run and run.ranks:
+    share = run.logged_share if run else None
+    if gpus is None and run and run.ranks and share is not None and share < MISSING_RANKS_SHARE:
+        gpus = max(run.ranks + 1, round(run.ranks / share))  # its groups hold more than its ranks saved
+        notes.append(f"GPUs: {gpus}, estimated: the {run.ranks} rank(s) in the event log saved {share:.0%} of each "
+                     "checkpoint they committed; give every rank's log (--from-run once per log) or --gpus")
+    elif gpus is None and run and run.ranks:
         gpus = run.ranks
         notes.append(f"GPUs: {gpus}, the ranks in the run's event log")
     elif gpus is None:
@@ -55,7 +63,7 @@ def _resolve(opts: dict, run: RunProfile | None, from_run: str | None) -> tuple[
         state = run.state_bytes
         notes.append(f"state {fmt_bytes(state)}: one checkpoint of the run")
     elif run:
-        raise click.UsageError(f"the event log {from_run} has no completed save to size the state from "
+        raise click.UsageError(f"the event log {', '.join(from_run)} has no completed save to size the state from "
                                f"({run.events} events): give --params (e.g. 70B) or --state-size (e.g. 1.4TB)")
     else:
         raise click.UsageError("give --params (e.g. 70B), --state-size (e.g. 1.4TB) or --from-run events.jsonl")
@@ -187,10 +195,11 @@ def render(p: sizing.Plan, notes: list[str]) -> None:
 @click.option("--overhead-budget", type=click.FloatRange(0, 1, min_open=True, max_open=True), default=0.02,
               show_default=True,
               help="Largest acceptable fraction of wall time spent stalled.")
-@click.option("--from-run", type=click.Path(exists=True, dir_okay=False),
-              help="A run's event log (Checkpointer(event_log=...)): measured sizes and bandwidths.")
+@click.option("--from-run", type=click.Path(exists=True, dir_okay=False), multiple=True,
+              help="A run's event log (Checkpointer(event_log=...)): measured sizes and bandwidths. Once per log "
+                   "when each rank (or node) has its own.")
 @json_option
-def plan(as_json: bool, from_run: str | None, **opts: object) -> None:
+def plan(as_json: bool, from_run: tuple[str, ...], **opts: object) -> None:
     """Size checkpoint storage: state, write time, bandwidth needed, overhead, cost, Young/Daly.
 
     Shows a synchronous save and fastckpt (snapshot, local tier, drain) side by side. SI

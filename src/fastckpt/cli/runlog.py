@@ -28,6 +28,9 @@ class RunProfile:
     the snapshots of one checkpoint, see ``_checkpoints``). ``write_tier``: where ``write``
     events wrote (nvme or gds: the local tier; direct: persistent storage). ``interval_s``:
     median time between checkpoints. ``skipped_lines``: lines of the log that were not events.
+    ``logged_share``: the median share of a committed group's bytes that the log's own saves
+    hold (about 1 when the log has every rank's events; 1/8 for one of 8 ranks' logs); None
+    without group commits.
     """
 
     events: int
@@ -40,6 +43,7 @@ class RunProfile:
     replicate_Bps: float | None
     interval_s: float | None
     skipped_lines: int = 0
+    logged_share: float | None = None
 
 
 def _rate(events: list[Event]) -> float | None:
@@ -95,6 +99,19 @@ def _checkpoints(events: list[Event]) -> list[tuple[float, float]]:
     return [(c.start, c.bytes) for c in out]
 
 
+def _logged_share(events: list[Event]) -> float | None:
+    """See ``RunProfile.logged_share``: each committed group's total against the bytes of the
+    snapshots in the log that saved into it (each file's last one)."""
+    totals = {e.path: e.bytes for e in events if e.name == "commit" and e.detail == "group" and e.error is None}
+    saved: dict[str, dict[tuple[int, str], int]] = {}
+    for e in events:
+        group = posixpath.dirname(e.path)
+        if e.name == "snapshot" and e.error is None and group in totals:
+            saved.setdefault(group, {})[(e.rank, e.path)] = e.bytes
+    shares = [sum(saved[g].values()) / t for g, t in totals.items() if t > 0 and g in saved]
+    return statistics.median(shares) if shares else None
+
+
 def profile(events: list[Event], skipped_lines: int = 0) -> RunProfile:
     """Summarise an event log (see ``RunProfile``); ``skipped_lines``: lines of it that were not
     events (``eventlog.read_events``)."""
@@ -108,4 +125,4 @@ def profile(events: list[Event], skipped_lines: int = 0) -> RunProfile:
         snapshot_Bps=_rate(by["snapshot"]), write_Bps=_rate(by["write"]),
         write_tier=max(set(tiers), key=tiers.count) if tiers else None,
         replicate_Bps=_rate(by["replicate"]), interval_s=statistics.median(gaps) if gaps else None,
-        skipped_lines=skipped_lines)
+        skipped_lines=skipped_lines, logged_share=_logged_share(events))
