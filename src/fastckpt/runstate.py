@@ -8,9 +8,9 @@ Both see only the event log, so some numbers are reconstructions (docs/report.md
   the clock starting at the first save's start, since the log does not say when the
   Checkpointer was built. A lazy save's later ``fence()`` wait is not in the log.
 - a save is durable at the end of its ``replicate`` phase (burst buffer), or of its ``commit``
-  when it was written straight to its path; a file saved into a group (its snapshot names the
-  group) counts for the RPO only once its rank's group ``commit`` succeeds; a queued
-  replication that a later one overtook (``replicate_policy='coalesce'``) counts as
+  when written straight to its path; a file of a group (its snapshot names it) at its rank's
+  group ``commit`` (pending until then; failed with it, or with another file of the attempt);
+  a queued replication that a later one overtook (``replicate_policy='coalesce'``) counts as
   superseded, not pending.
 - sessions: a job killed and resumed with the same ``event_log`` appends to it. Events carry
   their Checkpointer's session (``JsonlSink``), and are matched only with saves of their own
@@ -21,13 +21,14 @@ Both see only the event log, so some numbers are reconstructions (docs/report.md
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field, replace
 
 from .events import Event
 
 DEFAULT_BUDGET = 0.02
 DEFAULT_WINDOW_S = 3600.0
+_OUTCOMES_KEPT = 4096  # groups' outcomes remembered (per rank and group)
 
 
 @dataclass(frozen=True)
@@ -168,7 +169,11 @@ class RunState:
         self._done: deque[SaveTrace] = deque(maxlen=keep_done)
         self._overhead: dict[int, _Overhead] = {}
         self._newest_durable_start: dict[int, float] = {}
-        self._group_durable: dict[tuple[int, str], float] = {}  # (rank, group): its newest durable file's start
+        # (rank, group) -> its files durable at their paths, waiting for the group's commit
+        self._awaiting: dict[tuple[int, str], list[_Building]] = {}
+        # (rank, group) -> how the rank's attempt ended: its commit's (end, error) or a file's failure (read_events
+        # sorts by start: a group's commit, called before its files replicate, comes before their events)
+        self._outcomes: OrderedDict[tuple[int, str], tuple[float, str | None]] = OrderedDict()
         self.events: dict[str, int] = {}
         self.failures: deque[Event] = deque(maxlen=keep_done)
         self.retries: deque[Event] = deque(maxlen=keep_done)
@@ -176,10 +181,13 @@ class RunState:
         self.group_commits: deque[Event] = deque(maxlen=keep_done)
         self.first_start: float | None = None
         self.last_end: float | None = None
+        self._finished: list[SaveTrace] = []  # by the event being fed
 
     # ------------------------------------------------------------------ feeding
-    def feed(self, ev: Event) -> SaveTrace | None:
-        """Take one event; returns the save it finished (durable or failed), if any."""
+    def feed(self, ev: Event) -> list[SaveTrace]:
+        """Take one event; returns the saves it finished (durable or failed): a group's commit
+        finishes each file of the rank's attempt."""
+        self._finished = []
         self.events[ev.name] = self.events.get(ev.name, 0) + 1
         self.first_start = ev.start if self.first_start is None else min(self.first_start, ev.start)
         self.last_end = ev.end if self.last_end is None else max(self.last_end, ev.end)
@@ -188,36 +196,35 @@ class RunState:
         if (ev.rank, ev.session) not in self._sessions:
             self._new_session(ev.rank, ev.session)
         if ev.name == "snapshot":
-            return self._snapshot(ev)
-        if ev.name == "commit" and ev.detail == "group":
-            start = self._group_durable.pop((ev.rank, ev.path), None)
+            self._snapshot(ev)
+        elif ev.name == "commit" and ev.detail == "group":
             if ev.error is None:  # published; a failed one is in ``failures``
                 self.group_commits.append(ev)
-                if start is not None:
-                    self._durable(ev.rank, start)
+            self._outcome((ev.rank, ev.path), ev.end, ev.error)
         elif ev.name in ("write", "commit", "queued", "replicate"):
-            return self._phase(ev)
+            self._phase(ev)
         elif ev.name in ("retry", "load"):
             (self.retries if ev.name == "retry" else self.loads).append(ev)
-        return None
+        return self._finished
 
-    def _snapshot(self, ev: Event) -> SaveTrace | None:
+    def _snapshot(self, ev: Event) -> None:
         trace = SaveTrace(ev.rank, ev.path, ev.tier, 0, ev.start, ev.duration_s, (), None, ev.error,
                           session=ev.session)
         b = _Building(trace, [Phase("snapshot", ev.start, ev.end, ev.error)], ev.session, ev.group)
         if ev.error is not None:
-            return self._close(b)
+            return self._failed(b)
+        if ev.group is not None:  # a new attempt at the group
+            self._outcomes.pop((ev.rank, ev.group), None)
         self._open.setdefault((ev.rank, ev.path), []).append(b)
         self._overhead.setdefault(ev.rank, _Overhead(self.budget, self.window_s)).record(
             ev.start, ev.duration_s, ev.end)
-        return None
 
     def _new_session(self, rank: int, session: str | None) -> None:
         """A Checkpointer of ``rank`` logs its first event: the saves that the rank's earlier
         sessions left open were abandoned (that job was killed and this one resumed it)."""
         self._sessions.add((rank, session))
-        for key in [k for k in self._group_durable if k[0] == rank]:  # their commits died with the job
-            del self._group_durable[key]
+        for key in [k for k in self._awaiting if k[0] == rank]:
+            self._awaiting[key] = [b for b in self._awaiting[key] if b.session == session]
         for key in [k for k in self._open if k[0] == rank]:
             for b in list(self._open[key]):
                 if b.session != session:
@@ -248,32 +255,45 @@ class RunState:
                     self._open.setdefault((ev.rank, found.trace.path), []).append(found)
         return found
 
-    def _phase(self, ev: Event) -> SaveTrace | None:
+    def _phase(self, ev: Event) -> None:
         b = self._owner(ev)
         if b is None:
-            return None  # its snapshot is before the log's start
+            return  # its snapshot is before the log's start
         b.phases.append(Phase(ev.name, ev.start, ev.end, ev.error))
         if ev.name == "commit" and not b.trace.bytes:
             b.trace = replace(b.trace, bytes=ev.bytes)
         if ev.error is not None:
             b.trace = replace(b.trace, error=ev.error)
-            return self._close(b)
+            return self._failed(b)
         if ev.name == "replicate":
             self._overtake(b)
         if ev.name == "replicate" or (ev.name == "commit" and ev.path == b.trace.path):
-            b.trace = replace(b.trace, durable_at=ev.end)
-            rank, start = b.trace.rank, b.trace.start
-            if b.group is None:
-                self._durable(rank, start)
-            else:  # a loss goes back to it only once its group is published
-                key = (rank, b.group)
-                self._group_durable[key] = max(start, self._group_durable.get(key, start))
-            return self._close(b)
-        return None
+            key = (b.trace.rank, b.group or "")
+            if b.group is None or key in self._outcomes:  # ended (a file failed: no commit follows)
+                return self._ended(b, *self._outcomes.get(key, (ev.end, None)))
+            self._awaiting.setdefault(key, []).append(b)  # durable once its group is published
 
-    def _durable(self, rank: int, start: float) -> None:
-        """The save that ``rank`` called at ``start`` is durable: what a node loss goes back to, if newest."""
-        self._newest_durable_start[rank] = max(start, self._newest_durable_start.get(rank, start))
+    def _failed(self, b: _Building) -> None:
+        """``b`` failed, and so did the rank's attempt at its group, if any (no commit event follows)."""
+        if b.group is not None:
+            self._outcome((b.trace.rank, b.group), b.trace.start, f"{b.group} was not committed: {b.trace.error}")
+        self._close(b)
+
+    def _outcome(self, key: tuple[int, str], end: float, error: str | None) -> None:
+        """The rank's attempt at the group ended: its files waiting, and those still to come, end with it."""
+        self._outcomes[key] = (end, error)
+        while len(self._outcomes) > _OUTCOMES_KEPT:
+            self._outcomes.popitem(last=False)
+        for o in self._awaiting.pop(key, []):
+            self._ended(o, end, error)
+
+    def _ended(self, b: _Building, end: float, error: str | None) -> None:
+        """``b`` is durable at ``end`` (its own path, or its group's commit), or failed with ``error``."""
+        b.trace = replace(b.trace, error=error) if error is not None else replace(b.trace, durable_at=end)
+        if error is None:  # what a node loss goes back to, if the newest
+            rank, start = b.trace.rank, b.trace.start
+            self._newest_durable_start[rank] = max(start, self._newest_durable_start.get(rank, start))
+        self._close(b)
 
     def _overtake(self, b: _Building) -> None:
         """``b`` replicated: saves of its rank queued before it and not replicated yet were (most
@@ -282,7 +302,8 @@ class RunState:
         for key in [k for k in self._open if k[0] == rank]:
             for o in list(self._open[key]):
                 q = _queued_at(o)
-                if o is not b and o.session == b.session and q is not None and queued is not None and q < queued:
+                if o is not b and o.session == b.session and q is not None and queued is not None and q < queued \
+                        and all(p.name != "replicate" for p in o.phases):  # not one waiting for its group
                     self._unlist(o)
                     self._overtaken.append(o)
 
@@ -294,11 +315,11 @@ class RunState:
             if not cands:
                 del self._open[key]
 
-    def _close(self, b: _Building) -> SaveTrace:
+    def _close(self, b: _Building) -> None:
         self._unlist(b)
         done = replace(b.trace, phases=tuple(b.phases))
         self._done.append(done)
-        return done
+        self._finished.append(done)
 
     # ------------------------------------------------------------------ asking
     def saves(self) -> list[SaveTrace]:
@@ -326,7 +347,7 @@ class RunState:
         for rank in self.ranks():
             o = self._overhead.get(rank) or _Overhead(self.budget, self.window_s)
             waiting = [b for k, cands in self._open.items() if k[0] == rank for b in cands]
-            queued = [q for b in waiting if (q := _queued_at(b)) is not None]
+            queued = [q for b in waiting if (q := _queued_at(b)) is not None and b.phases[-1].name == "queued"]
             newest = self._newest_durable_start.get(rank)
             overhead = o.blocked / (now - o.t0) if o.t0 is not None and now > o.t0 else 0.0
             out.append(RankStatus(rank, overhead, o.window(now), self.budget, o.over, o.alarms, len(waiting),

@@ -45,7 +45,7 @@ def test_direct_saves_are_durable_at_their_commit() -> None:
     rs = RunState()
     done = [rs.feed(e) for e in (_ev("snapshot", 1, 1.1, tier="direct"), _ev("write", 1.1, 1.5, tier="direct"),
                                  _ev("commit", 1.5, 1.6, tier="direct"))]
-    assert done[:2] == [None, None] and done[2].durable_s == pytest.approx(0.6)
+    assert done[:2] == [[], []] and done[2][0].durable_s == pytest.approx(0.6)
     assert rs.status(2.0)[0].rpo_s == pytest.approx(1.0)  # durable at its path, as the Checkpointer counts it
 
 
@@ -127,7 +127,7 @@ def test_a_resumed_jobs_saves_are_not_matched_with_the_killed_jobs() -> None:
     assert {s.rank: s.pending for s in rs.status(2.0)} == {0: 1, 1: 1}  # both still running
     for t in (100.0, 110.0, 120.0):
         done = [rs.feed(e) for e in _direct_save(t, "b")]
-        assert done[-1].durable_s == pytest.approx(0.6)
+        assert done[-1][0].durable_s == pytest.approx(0.6)
     assert {s.rank: s.pending for s in rs.status(130.0)} == {0: 0, 1: 1}
     saves = [s for s in rs.saves() if s.rank == 0]
     assert [(s.abandoned, s.durable_at is None) for s in saves] == [(True, True)] + [(False, False)] * 3
@@ -171,3 +171,57 @@ def test_a_group_file_is_durable_only_when_its_group_commits(tmp_path: Path) -> 
         rs.feed(e)
     step2 = next(s for s in rs.saves() if "step-2" in s.path)
     assert rs.status(step2.start + 5)[0].rpo_s == pytest.approx(5.0)
+
+
+def _group_files(t: float, names: tuple[str, ...] = ("a", "b"), g: str = "/h/g") -> list[Event]:
+    """Two files of one rank's attempt at group ``g`` through a burst buffer, replicated."""
+    evs = []
+    for k, n in enumerate(names):
+        p = f"{g}/{n}.pt"
+        evs += [_ev("snapshot", t + k, t + k + 0.1, p, group=g), _ev("write", t + k + 0.1, t + k + 0.5, "/bb" + p),
+                _ev("commit", t + k + 0.5, t + k + 0.6, "/bb" + p), _ev("queued", t + k + 0.6, t + k + 0.6, p),
+                _ev("replicate", t + k + 0.6, t + k + 0.9, p)]
+    return evs
+
+
+def test_a_groups_files_are_durable_at_its_commit_and_pending_until_then() -> None:
+    """Before: each file was durable at its replication, so a report's "durable after" left out
+    the group's commit, and a file whose group never committed counted as durable."""
+    rs = RunState()
+    for e in _group_files(0.0):
+        assert rs.feed(e) == []
+    (st,) = rs.status(5.0)
+    assert (st.pending, st.replication_pending, st.replication_lag_s, st.rpo_s) == (2, 0, 0.0, None)
+    done = rs.feed(_ev("commit", 2.0, 3.0, "/h/g", tier="nvme", detail="group"))
+    assert [(s.path, s.durable_at, s.error) for s in done] == [("/h/g/a.pt", 3.0, None), ("/h/g/b.pt", 3.0, None)]
+    assert [s.durable_s for s in rs.saves()] == [3.0, 2.0]
+    (st,) = rs.status(5.0)
+    assert (st.pending, st.rpo_s) == (0, 4.0)  # since its newest file's save began
+
+
+def test_a_groups_files_fail_with_its_commit_or_with_a_file_of_the_attempt() -> None:
+    rs = RunState()
+    for e in _group_files(0.0):
+        rs.feed(e)
+    err = "CommitTimeoutError('rank 1 did not commit')"
+    done = rs.feed(_ev("commit", 2.0, 3.0, "/h/g", detail="group", error=err))
+    assert [s.error for s in done] == [err, err] and rs.status(5.0)[0].pending == 0
+    # the next attempt: its first file is durable, its second fails; no group commit event follows
+    a, b = _group_files(10.0, g="/h/g2")[:5], _group_files(10.0, ("b",), g="/h/g2")[:2]
+    for e in a + b:
+        rs.feed(e)
+    done = rs.feed(_ev("commit", 11.5, 11.6, "/bb/h/g2/b.pt", error="OSError(28, 'No space left on device')"))
+    assert [(s.path, s.error is not None) for s in done] == [("/h/g2/a.pt", True), ("/h/g2/b.pt", True)]
+    assert "/h/g2 was not committed: OSError(28" in done[0].error
+    (st,) = rs.status(20.0)
+    assert (st.pending, st.rpo_s) == (0, None)
+
+
+def test_a_group_commit_read_before_its_files_replication_still_ends_them() -> None:
+    """``read_events`` sorts by start: a commit called while the files still replicate comes first."""
+    rs = RunState()
+    evs = _group_files(0.0) + [_ev("commit", 1.2, 3.0, "/h/g", detail="group")]
+    for e in sorted(evs, key=lambda e: (e.start, e.end)):
+        rs.feed(e)
+    assert [(s.durable_at, s.error) for s in rs.saves()] == [(3.0, None), (3.0, None)]
+    assert rs.status(5.0)[0].pending == 0

@@ -50,9 +50,9 @@ class EventMetrics:
     def emit(self, event: Event) -> None:
         with self._lock:
             self._observe(event)
-            done = self._run.feed(event)
-            if done is not None and done.durable_s is not None:
-                self._m["fastckpt_save_durable_seconds"].labels(str(done.rank), done.tier).observe(done.durable_s)
+            for done in self._run.feed(event):
+                if done.durable_s is not None:
+                    self._m["fastckpt_save_durable_seconds"].labels(str(done.rank), done.tier).observe(done.durable_s)
 
     def status(self, now: float) -> list[RankStatus]:
         """The ranks' status replayed from the events (for an exporter that follows a log)."""
