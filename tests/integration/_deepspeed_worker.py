@@ -72,6 +72,7 @@ from deepspeed import comm as dist  # noqa: E402
 import fastckpt  # noqa: E402
 from fastckpt.integrations.deepspeed import FastCkptEngine, attach, initialize  # noqa: E402
 from tests.integration._ds_common import ds_config, engine, frozen, full_weights, make_model, same, train  # noqa: E402
+from tests.integration._exit import leave  # noqa: E402
 
 RESULTS: dict[str, object] = {}
 
@@ -854,8 +855,4 @@ def main(root: str, names: list[str]) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2].split(","))
-    # Destroy the process group before the interpreter's finalization: gloo's worker threads,
-    # torn down there, abort the process ("terminate called without an active exception"), as
-    # the suite saw about once in six runs (pytorch/pytorch#190489).
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    leave()  # not through the interpreter's finalization: see _exit.leave

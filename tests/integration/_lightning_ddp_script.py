@@ -19,6 +19,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from fastckpt import FastCkptIO
+from tests.integration._exit import leave
 from tests.integration.test_lightning import SpyLogger, TinyModel, loader
 
 STEPS_PER_EPOCH = 4  # 32 samples, 2 ranks, batch 4
@@ -68,8 +69,4 @@ def main(out: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
-    # Destroy the process group before the interpreter's finalization: gloo's worker threads,
-    # torn down there, abort the process ("terminate called without an active exception"), as
-    # the suite saw about once in six runs (pytorch/pytorch#190489).
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    leave()  # not through the interpreter's finalization: see _exit.leave

@@ -42,6 +42,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from fastckpt import FastCkptIO
+from tests.integration._exit import leave
 from tests.integration.test_lightning import SpyLogger, loader
 
 CUDA = os.environ.get("FASTCKPT_TEST_FSDP_CUDA") == "1"
@@ -119,8 +120,4 @@ def main(out: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
-    # Destroy the process group before the interpreter's finalization: gloo's worker threads,
-    # torn down there, abort the process ("terminate called without an active exception"), as
-    # the suite saw about once in six runs (pytorch/pytorch#190489).
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    leave()  # not through the interpreter's finalization: see _exit.leave
