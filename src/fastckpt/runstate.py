@@ -9,7 +9,8 @@ Both see only the event log, so some numbers are reconstructions (docs/report.md
   Checkpointer was built. A lazy save's later ``fence()`` wait is not in the log.
 - a save is durable at the end of its ``replicate`` phase (burst buffer), or of its ``commit``
   when written straight to its path; a file of a group (its snapshot names it) at its rank's
-  group ``commit`` (pending until then; failed with it, or with another file of the attempt);
+  group ``commit`` (pending until then; failed with it, or with another file of the attempt;
+  abandoned when the group was ``remove()``d first);
   a queued replication that a later one overtook (``replicate_policy='coalesce'``) counts as
   superseded, not pending.
 - sessions: a job killed and resumed with the same ``event_log`` appends to it. Events carry
@@ -24,6 +25,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field, replace
 
+from .eventlog import error_type
 from .events import Event
 
 DEFAULT_BUDGET = 0.02
@@ -119,9 +121,7 @@ class _Overhead:
         self.alarms = 0
         self.points: list[OverheadPoint] = []
         self._recent: deque[tuple[float, float]] = deque()
-        self._recent_s = 0.0  # the blocked seconds in _recent, kept as it changes: a report of a
-        # long run replays one save a second against an hour's window, and summing it each time
-        # made reading the log quadratic
+        self._recent_s = 0.0  # _recent's sum, kept as it changes (summing each time was quadratic)
 
     def window(self, now: float) -> float:
         while self._recent and self._recent[0][0] < now - self.window_s:
@@ -162,8 +162,7 @@ class RunState:
                  keep_done: int | None = None) -> None:
         self.budget, self.window_s = budget, window_s
         self._open: dict[tuple[int, str], list[_Building]] = {}
-        # overtaken by a later replication: superseded, unless their own replicate event still comes
-        self._overtaken: deque[_Building] = deque(maxlen=64)
+        self._overtaken: deque[_Building] = deque(maxlen=64)  # by a later replication, unless their own comes
         self._abandoned: deque[_Building] = deque(maxlen=keep_done)  # open when a newer session started
         self._sessions: set[tuple[int, str | None]] = set()  # (rank, session) seen
         self._done: deque[SaveTrace] = deque(maxlen=keep_done)
@@ -171,15 +170,15 @@ class RunState:
         self._newest_durable_start: dict[int, float] = {}
         # (rank, group) -> its files durable at their paths, waiting for the group's commit
         self._awaiting: dict[tuple[int, str], list[_Building]] = {}
-        # (rank, group) -> how the rank's attempt ended: its commit's (end, error) or a file's failure (read_events
-        # sorts by start: a group's commit, called before its files replicate, comes before their events)
+        # (rank, group) -> how the rank's attempt ended: its commit's (end, error) or a file's failure (the commit
+        # can come first: read_events sorts by start, and a group's commit is called before its files replicate)
         self._outcomes: OrderedDict[tuple[int, str], tuple[float, str | None]] = OrderedDict()
         self.events: dict[str, int] = {}
         self.failures: deque[Event] = deque(maxlen=keep_done)
         self.retries: deque[Event] = deque(maxlen=keep_done)
         self.loads: deque[Event] = deque(maxlen=keep_done)
         self.group_commits: deque[Event] = deque(maxlen=keep_done)
-        self.first_start: float | None = None
+        self.first_start: float | None = None  # the log's first start and last end
         self.last_end: float | None = None
         self._finished: list[SaveTrace] = []  # by the event being fed
 
@@ -288,8 +287,10 @@ class RunState:
             self._ended(o, end, error)
 
     def _ended(self, b: _Building, end: float, error: str | None) -> None:
-        """``b`` is durable at ``end`` (its own path, or its group's commit), or failed with ``error``."""
-        b.trace = replace(b.trace, error=error) if error is not None else replace(b.trace, durable_at=end)
+        """``b`` is durable at ``end`` (its own path, or its group's commit), or failed with ``error``
+        (abandoned, not failed, when its group was ``remove()``d before it committed)."""
+        b.trace = replace(b.trace, durable_at=end) if error is None else replace(b.trace, abandoned=True) \
+            if error_type(error) == "GroupRemovedError" else replace(b.trace, error=error)
         if error is None:  # what a node loss goes back to, if the newest
             rank, start = b.trace.rank, b.trace.start
             self._newest_durable_start[rank] = max(start, self._newest_durable_start.get(rank, start))
@@ -309,8 +310,7 @@ class RunState:
 
     def _unlist(self, b: _Building) -> None:
         key = (b.trace.rank, b.trace.path)
-        cands = self._open.get(key, [])
-        if b in cands:
+        if b in (cands := self._open.get(key, [])):
             cands.remove(b)
             if not cands:
                 del self._open[key]

@@ -117,6 +117,28 @@ def test_a_clean_run_passes(tmp_path: Path) -> None:
     assert "overhead n/a (fewer than 2 saves)" in res.stdout
 
 
+def test_a_group_removed_before_its_commit_is_no_failure(tmp_path: Path) -> None:
+    """docs/report.md: exit 1 when a group commit failed, not one ended by ``remove()``. The file
+    saved into the removed group is abandoned (not pending, not failed). Before: the group's
+    GroupRemovedError failed its file too, and the report exited 1."""
+    from fastckpt.errors import GroupRemovedError
+
+    log = tmp_path / "events.jsonl"
+    g = tmp_path / "run" / "step-1"
+    with Checkpointer(event_log=str(log)) as ck:
+        ck.save({"w": torch.randn(1024)}, str(g / "r0.pt"), group=str(g)).wait()
+        ck.remove(str(g))
+        with pytest.raises(GroupRemovedError):
+            ck.commit(str(g)).wait()
+    assert [(e["name"], e.get("error", "")[:17]) for e in _log(log) if e.get("detail") == "group"] == \
+        [("commit", "GroupRemovedError")]
+    res = _cli(str(log), "--json")
+    assert res.returncode == 0, res.stdout + res.stderr
+    out = json.loads(res.stdout)
+    assert (out["durable"], out["pending"], out["abandoned"], out["failed"]) == (0, 0, 1, 0)
+    assert out["failures"] == {"commit: GroupRemovedError": 1}
+
+
 def test_an_output_in_a_missing_directory_is_named_without_a_traceback(run: tuple[Path, list], tmp_path: Path) -> None:
     log, _ = run
     for flag, name in (("-o", "x.png"), ("--html", "x.html")):
