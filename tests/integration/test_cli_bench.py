@@ -45,6 +45,16 @@ def test_write_and_read_with_verify(tmp_path, engine: str) -> None:
     assert leftovers(tmp_path) == []
 
 
+def test_a_block_of_256_mib(tmp_path) -> None:
+    """Before: the block's random body came from one ``randbytes`` call, which overflows at 2**28
+    bytes: ``--block-size 256MiB`` (a size gdsio users pick) ended in an OverflowError."""
+    code, d = bench(tmp_path, "--workers", "1", "--size", "256MiB", "--block-size", "256MiB", "--verify")
+    assert code == 0
+    assert d["write_bytes"] == d["read_bytes"] == 256 << 20
+    assert [(w["checked_blocks"], w["bad_blocks"]) for w in d["workers"] if w["op"] == "read"] == [(1, 0)]
+    assert leftovers(tmp_path) == []
+
+
 def test_buffered_read_only_striped_over_two_dirs(tmp_path) -> None:
     a, b = tmp_path / "a", tmp_path / "b"
     a.mkdir(), b.mkdir()

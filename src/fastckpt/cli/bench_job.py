@@ -50,9 +50,13 @@ class WorkerResult:
         return self.bytes / self.seconds if self.seconds > 0 else 0.0
 
 
+_PATTERN_PIECE = 64 << 20  # randbytes takes at most 2**28 - 1 bytes at a time
+
+
 def pattern(job: Job) -> bytes:
     """The body every block of this worker carries (random, reproducible)."""
-    return random.Random(f"fastckpt-bench/{job.rank}/{job.worker}").randbytes(job.block_bytes)
+    rnd, n = random.Random(f"fastckpt-bench/{job.rank}/{job.worker}"), job.block_bytes
+    return b"".join(rnd.randbytes(min(_PATTERN_PIECE, n - o)) for o in range(0, n, _PATTERN_PIECE))
 
 
 def block_order(job: Job, stop: threading.Event) -> Callable[[], int | None]:
