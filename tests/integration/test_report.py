@@ -139,6 +139,24 @@ def test_a_group_removed_before_its_commit_is_no_failure(tmp_path: Path) -> None
     assert out["failures"] == {"commit: GroupRemovedError": 1}
 
 
+@pytest.mark.parametrize("flag", ["-o", "--html"])
+def test_a_figure_without_matplotlib_is_a_usage_error(run: tuple[Path, list], tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch, flag: str) -> None:
+    """Before: the log was read, then drawing raised ModuleNotFoundError with a traceback and no
+    summary. Now: exit 2 at once, naming the extra to install."""
+    from click.testing import CliRunner
+
+    from fastckpt.cli import cli
+
+    log, _ = run
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # what an install without the extra has
+    res = CliRunner().invoke(cli, ["report", str(log), flag, str(tmp_path / "out")])
+    assert res.exit_code == 2, res.output
+    assert f"{flag}: fastckpt report draws with matplotlib: pip install 'fastckpt[report]'" in res.output
+    assert res.exception is None or isinstance(res.exception, SystemExit)
+    assert not (tmp_path / "out").exists()
+
+
 def test_an_output_in_a_missing_directory_is_named_without_a_traceback(run: tuple[Path, list], tmp_path: Path) -> None:
     log, _ = run
     for flag, name in (("-o", "x.png"), ("--html", "x.html")):

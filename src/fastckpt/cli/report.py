@@ -39,6 +39,13 @@ def report(logs: tuple[str, ...], png: str | None, page: str | None, as_json: bo
         if parent is not None and not os.path.isdir(parent):
             raise click.BadParameter(f"{where}: the directory {parent} does not exist; create it or write elsewhere",
                                      param_hint=flag)
+    if png or page:  # before the logs are read: a long run's log takes a while
+        from ..report.plot import pyplot
+
+        try:
+            pyplot()
+        except ModuleNotFoundError as exc:
+            raise click.UsageError(f"{'-o' if png else '--html'}: {exc}") from exc
     total = sum(os.path.getsize(p) for p in logs)
     with Progress(f"reading {len(logs)} event log(s)", total=total, delay_s=2.0):
         try:

@@ -18,7 +18,7 @@ COLORS = {"snapshot": "#d62728", "write": "#1f77b4", "commit": "#2ca02c", "repli
           "queued": "#bbbbbb"}
 
 
-def _pyplot():  # noqa: ANN202
+def pyplot():  # noqa: ANN202
     try:
         import matplotlib
     except ImportError as exc:
@@ -51,7 +51,7 @@ def _date_nums(ts: list[float]) -> list[float]:
 
 def render_png(run: RunState, summary: Summary, path: str | BinaryIO, *, dpi: int = 100) -> None:
     """Draw the run and write a PNG to ``path`` (a file name, or a binary file object)."""
-    plt = _pyplot()
+    plt = pyplot()
     import matplotlib.dates as mdates
 
     ranks = run.ranks()
