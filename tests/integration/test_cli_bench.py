@@ -3,6 +3,7 @@ capacity gate, cleanup on Ctrl-C and SIGTERM, two nodes through torchrun (gloo),
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -200,6 +201,32 @@ def test_percentiles_nearest_rank() -> None:
 def test_bad_usage_exits_2(tmp_path, args: list[str], msg: str) -> None:
     r = CliRunner().invoke(cli, ["bench", "--dir", str(tmp_path), *args])
     assert r.exit_code == 2 and msg in r.output
+
+
+def test_a_worker_failing_before_the_start_is_named_without_a_traceback(tmp_path, monkeypatch) -> None:
+    """Worker 1 cannot open its file (EMFILE) after worker 0 opened its own and went to the start
+    barrier. Before: the BrokenBarrierError that its failure gave worker 0 (or the main thread) could
+    be raised instead of its OSError, and as a traceback; now exit 1 naming the cause."""
+    from fastckpt.cli import bench_io
+
+    opened = threading.Event()
+
+    class Ops(bench_io.FileOps):
+        def open(self, path: str, flags: int, mode: int = 0o644) -> int:
+            if path.endswith("worker-001.dat"):
+                assert opened.wait(60)
+                raise OSError(errno.EMFILE, os.strerror(errno.EMFILE), path)
+            fd = super().open(path, flags, mode)
+            opened.set()
+            return fd
+
+    monkeypatch.setattr(bench_io, "FileOps", Ops)
+    r = CliRunner().invoke(cli, ["bench", "--dir", str(tmp_path), "--workers", "2", "--engine", "threads",
+                                 "--size", "4MiB", "--block-size", "1MiB"])
+    assert r.exit_code == 1, r.output
+    assert isinstance(r.exception, SystemExit)
+    assert "bench failed: [Errno 24] Too many open files" in r.output and "worker-001.dat" in r.output
+    assert leftovers(tmp_path) == []
 
 
 def test_gds_says_why_not_on_a_machine_without_it(tmp_path) -> None:

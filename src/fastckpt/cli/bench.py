@@ -12,6 +12,7 @@ import os
 import secrets
 import shutil
 import socket
+import threading
 import time
 from dataclasses import dataclass
 
@@ -33,7 +34,7 @@ from ._common import (
     table,
 )
 from ._signals import sigterm_interrupts
-from .bench_io import ALIGN, Job, Phase, WorkerResult, percentiles
+from .bench_io import ALIGN, START_TIMEOUT_S, Job, Phase, WorkerResult, percentiles
 
 PASS_FRACTION = 0.8  # the readiness checklist's gate: >= 80 % of the fabric's capacity
 
@@ -274,7 +275,12 @@ def bench(dirs: tuple[str, ...], workers: int, engine: str, block_size: int, siz
     _check_space(s)
     try:
         phases, d = run(s, show_progress=not as_json)
-    except OSError as exc:  # ENOSPC, EIO, permission: the storage failed the test
+    except (OSError, MemoryError) as exc:  # ENOSPC, EIO, EMFILE, permission: the storage (or the node) failed it
+        raise click.ClickException(f"bench failed: {exc or repr(exc)}") from exc
+    except threading.BrokenBarrierError as exc:  # no worker failed: one is still opening its file
+        raise click.ClickException(f"bench failed: a worker did not open its file within {START_TIMEOUT_S:.0f} s "
+                                   "(is the storage hung?)") from exc
+    except RuntimeError as exc:  # a worker process died without a word (killed, out of memory)
         raise click.ClickException(f"bench failed: {exc}") from exc
     try:
         if d.rank == 0:

@@ -163,7 +163,7 @@ class Phase:
                                        args=(j, k, self._counts, self._stop, self._barrier, self._go, self._queue))
                            for k, j in enumerate(self.jobs)]
         self._futures: list = []
-        self._results: dict[int, WorkerResult] = {}
+        self._results: dict[int, WorkerResult | BaseException] = {}
 
     def launch(self) -> None:
         if self.engine == "threads":
@@ -181,7 +181,7 @@ class Phase:
         try:
             self._barrier.wait(START_TIMEOUT_S)
         except threading.BrokenBarrierError:
-            self._collect()  # a worker failed before the start: raise its error
+            self.results()  # a worker failed before the start: raise its error
             raise
 
     def go(self) -> float:
@@ -200,8 +200,9 @@ class Phase:
                 return True
             return not pending
         self._drain(timeout_s)
-        return len(self._results) == len(self.jobs) or any(not p.is_alive() and p.exitcode not in (0, None)
-                                                          for p in self._procs)
+        failed = any(isinstance(r, BaseException) for r in self._results.values())
+        return failed or len(self._results) == len(self.jobs) or \
+            any(not p.is_alive() and p.exitcode not in (0, None) for p in self._procs)
 
     def _drain(self, timeout_s: float) -> None:
         import queue as _queue
@@ -212,25 +213,29 @@ class Phase:
             return
         if isinstance(outcome, BaseException):
             self._stop.set()
-            raise outcome
         self._results[k] = outcome
 
-    def _collect(self) -> None:
-        if self.engine == "threads":
-            for f in self._futures:
-                if f.done() and f.exception() is not None:
-                    raise f.exception()
-            return
-        while len(self._results) < len(self.jobs):
-            if all(not p.is_alive() for p in self._procs) and self._queue.empty():
-                codes = [p.exitcode for p in self._procs]
-                raise RuntimeError(f"bench worker processes exited with {codes} before reporting")
-            self._drain(0.2)
-
     def results(self) -> list[WorkerResult]:
+        """Each worker's result, once all have ended. When one failed, the others are stopped and
+        its error is raised: the cause, not the BrokenBarrierError that its failure before the
+        start gave the workers waiting there."""
         if self.engine == "threads":
-            return [f.result() for f in self._futures]
-        self._collect()
+            if any(f.done() and f.exception() is not None for f in self._futures):
+                self._stop.set()
+            wait_futures(self._futures, START_TIMEOUT_S)
+            self._results = {k: f.exception() or f.result() for k, f in enumerate(self._futures) if f.done()}
+        while len(self._results) < len(self.jobs):
+            if self.engine == "threads" or (all(not p.is_alive() for p in self._procs) and self._queue.empty()):
+                ended = sorted(set(range(len(self.jobs))) - set(self._results))
+                raise RuntimeError(f"bench workers {ended} ended without a result"
+                                   + ("" if self.engine == "threads" else
+                                      f" (exit codes {[self._procs[k].exitcode for k in ended]})"))
+            if any(not p.is_alive() and p.exitcode not in (0, None) for p in self._procs):
+                self._stop.set()  # one died without a word: the others need not finish their files
+            self._drain(0.2)
+        errors = [r for r in self._results.values() if isinstance(r, BaseException)]
+        if errors:  # the cause first; a BrokenBarrierError only when that is all there is
+            raise min(errors, key=lambda e: isinstance(e, threading.BrokenBarrierError))
         return [self._results[k] for k in range(len(self.jobs))]
 
     def stop(self) -> None:
