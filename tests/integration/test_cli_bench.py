@@ -229,6 +229,28 @@ def test_a_worker_failing_before_the_start_is_named_without_a_traceback(tmp_path
     assert leftovers(tmp_path) == []
 
 
+def test_free_space_is_checked_per_filesystem(tmp_path, monkeypatch) -> None:
+    """Two --dir on one filesystem share its free space. Before: each was checked alone, so two
+    workers of 64 MiB passed a check of 100 MiB free, and the disk filled up mid-run."""
+    from fastckpt.cli import bench as B
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir(), b.mkdir()
+    real = os.statvfs
+
+    def statvfs(path):  # noqa: ANN001, ANN202 (the real numbers, with 100 MiB available)
+        st = real(path)
+        return os.statvfs_result((st.f_bsize, 4096, st.f_blocks, st.f_bfree, (100 << 20) // 4096, st.f_files,
+                                  st.f_ffree, st.f_favail, st.f_flag, st.f_namemax))
+
+    monkeypatch.setattr(B.os, "statvfs", statvfs)
+    args = ["bench", "--dir", str(a), "--dir", str(b), "--size", "64MiB", "--block-size", "4MiB"]
+    r = CliRunner().invoke(cli, [*args, "--workers", "2"])
+    assert r.exit_code == 2, r.output
+    assert f"{a}, {b} (one filesystem) has 105 MB free; this bench needs 134 MB there" in r.output
+    assert leftovers(a, b) == []
+
+
 def test_gds_says_why_not_on_a_machine_without_it(tmp_path) -> None:
     from fastckpt.save.tiers import gds_unavailable_reason
 

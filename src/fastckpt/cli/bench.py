@@ -158,16 +158,22 @@ def run(s: Settings, show_progress: bool = True) -> tuple[list[PhaseResult], _Di
 
 
 def _check_space(s: Settings) -> None:
-    need: dict[str, int] = {}
+    """Per filesystem: two --dir on one drive share its free space."""
+    need: dict[int, int] = {}
+    dirs: dict[int, list[str]] = {}
     for w in range(s.workers):
         d = s.dirs[w % len(s.dirs)]
-        need[d] = need.get(d, 0) + s.file_bytes
-    for d, n in need.items():
-        st = os.statvfs(d)
+        dev = os.stat(d).st_dev
+        need[dev] = need.get(dev, 0) + s.file_bytes
+        if d not in dirs.setdefault(dev, []):
+            dirs[dev].append(d)
+    for dev, n in need.items():
+        st = os.statvfs(dirs[dev][0])
         free = st.f_bavail * st.f_frsize
         if n > free * 0.95:
-            raise click.UsageError(f"{d} has {fmt_bytes(free)} free; this bench needs {fmt_bytes(n)} there "
-                                   "(--workers x --size): lower them or add --dir")
+            where = dirs[dev][0] if len(dirs[dev]) == 1 else f"{', '.join(dirs[dev])} (one filesystem)"
+            raise click.UsageError(f"{where} has {fmt_bytes(free)} free; this bench needs {fmt_bytes(n)} there "
+                                   "(--workers x --size): lower them or add a --dir on another drive")
 
 
 def to_json(s: Settings, phases: list[PhaseResult], world: int, capacity: float | None, pass_fraction: float) -> dict:
