@@ -4,15 +4,13 @@
 Both see only the event log, so some numbers are reconstructions (docs/report.md says how):
 
 - overhead: the Monitor's rule replayed (blocked time = the ``snapshot`` phases; checked at the
-  end of each save from the second one on; the sliding window of ``overhead_window_s``), with
-  the clock starting at the first save's start, since the log does not say when the
-  Checkpointer was built. A lazy save's later ``fence()`` wait is not in the log.
+  end of each save from the second one on; the window of ``overhead_window_s``), the clock
+  starting at the first save's start. A lazy save's later ``fence()`` wait is not in the log.
 - a save is durable at the end of its ``replicate`` phase (burst buffer), or of its ``commit``
   when written straight to its path; a file of a group (its snapshot names it) at its rank's
   group ``commit`` (pending until then; failed with it, or with another file of the attempt;
-  abandoned when the group was ``remove()``d first);
-  a queued replication that a later one overtook (``replicate_policy='coalesce'``) counts as
-  superseded, not pending.
+  abandoned when the group was ``remove()``d first). A queued replication that a later one
+  overtook (``replicate_policy='coalesce'``, or a newer save to its path) is superseded.
 - sessions: a job killed and resumed with the same ``event_log`` appends to it. Events carry
   their Checkpointer's session (``JsonlSink``), and are matched only with saves of their own
   session; when a new session of a rank starts, that rank's saves left open by earlier ones
@@ -235,8 +233,8 @@ class RunState:
             new.points, new.alarms = old.points, old.alarms
 
     def _owner(self, ev: Event) -> _Building | None:
-        """The oldest open save of this rank and session that the event belongs to: same path, or a
-        burst-buffer copy of it (whose path ends with the save's path, or ``scheme/rest`` for a URL)."""
+        """The oldest open save (for a replicate, the newest queued) of this rank and session that the event
+        belongs to: same path, or a burst-buffer copy (its path ends with the save's path, or ``scheme/rest``)."""
         def takes(b: _Building) -> bool:
             return b.session == ev.session and all(p.name != ev.name for p in b.phases)
 
@@ -245,6 +243,9 @@ class RunState:
             hits = [k for k in self._open if k[0] == ev.rank and ev.path.endswith(k[1].replace("://", "/"))]
             cands = self._open[max(hits, key=lambda k: len(k[1]))] if hits else []
         found = next((b for b in cands if takes(b)), None)
+        if ev.name == "replicate":  # the newest queued by then (a newer save to a path supersedes older queued ones)
+            found = max((b for b in cands if takes(b) and (_queued_at(b) or 0.0) <= ev.start),
+                        key=lambda b: _queued_at(b) or 0.0, default=found)
         for kept, matches in ((self._overtaken, ev.name == "replicate"), (self._abandoned, True)):
             if found is None and matches:  # overtaken, or abandoned, but its own session went on after all
                 found = next((b for b in kept if b.trace.rank == ev.rank and takes(b) and (
@@ -338,8 +339,7 @@ class RunState:
         return list(o.points) if o is not None else []
 
     def alarms(self, rank: int) -> int:
-        o = self._overhead.get(rank)
-        return o.alarms if o is not None else 0
+        return o.alarms if (o := self._overhead.get(rank)) is not None else 0
 
     def status(self, now: float) -> list[RankStatus]:
         """Each rank's numbers as its Checkpointer's ``stats()`` would give them at ``now``."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import threading
 from pathlib import Path
 
 import pytest
@@ -63,6 +64,46 @@ def test_pending_lag_and_coalesced_saves() -> None:
     assert [s.superseded for s in rs.saves()] == [True, True, False]
     rs.feed(_ev("replicate", 12.5, 13.0, "/h/b.pt"))  # b was running after all: durable, not superseded
     assert [s.durable_at is not None for s in rs.saves()] == [False, True, True]
+
+
+def test_saves_to_one_path_while_its_upload_is_held(tmp_path: Path) -> None:
+    """Three saves to ``last.pt`` through a burst buffer; the first one's upload is held until the
+    third is queued. The newer local copies supersede the first two, and only the third replicates.
+    Before: the replicate event went to the oldest open save of the path (the first), so the log
+    left two saves pending for good while ``stats()`` had none."""
+    ops, local, log = FaultyOps(), str(tmp_path / "nvme"), tmp_path / "events.jsonl"
+    gate = ops.gate("preadv", path_contains=local)
+    queued = _Count("queued", 3)
+    path = str(tmp_path / "home" / "last.pt")
+    with fastckpt.Checkpointer(local_dir=local, ops=ops, replicate_workers=1, sinks=(queued,),
+                               event_log=str(log), overhead_budget=0.99) as ck:
+        hs = [ck.save({"w": torch.full((256,), 0.0)}, path)]
+        assert gate.wait_entered(60)
+        hs += [ck.save({"w": torch.full((256,), float(i))}, path) for i in (1, 2)]
+        assert queued.reached.wait(60)
+        gate.open()
+        recs = [h.wait(60) for h in hs]
+        assert ck.stats().pending == 0
+    rs = RunState()
+    for e in read_events(str(log)):
+        rs.feed(e)
+    assert [(s.superseded, s.durable_at is not None) for s in rs.saves()] == \
+        [(r.superseded, r.durable_s is not None) for r in recs] == [(True, False), (True, False), (False, True)]
+    (st,) = rs.status(e.end + 1)
+    assert (st.pending, st.replication_pending) == (0, 0)
+
+
+class _Count:
+    """An event sink: ``reached`` is set at the ``n``-th event named ``name``."""
+
+    def __init__(self, name: str, n: int) -> None:
+        self.name, self.n, self.reached = name, n, threading.Event()
+
+    def emit(self, ev: Event) -> None:
+        if ev.name == self.name:
+            self.n -= 1
+            if self.n == 0:
+                self.reached.set()
 
 
 def test_overhead_replays_the_monitor_rule() -> None:
