@@ -278,6 +278,34 @@ def test_interrupt_removes_the_files(tmp_path, engine: str, sig: int) -> None:
     assert leftovers(tmp_path) == []
 
 
+def test_a_worker_process_killed_mid_run_ends_the_bench_with_its_exit_code(tmp_path) -> None:
+    """Before: the other workers ran on to the end of --duration, then the RuntimeError about the
+    dead worker ended bench in a traceback. Now they are stopped, and bench exits 1 naming it."""
+    p = subprocess.Popen([sys.executable, "-u", "-c", _KILLED, str(tmp_path)], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, env=_env())
+    pid = int(p.stdout.readline())  # worker 0, released at the start barrier
+    os.kill(pid, signal.SIGKILL)
+    _, err = p.communicate(timeout=50)  # well before --duration's 60 s
+    assert p.returncode == 1, err
+    assert "bench failed: bench workers [0] ended without a result (exit codes [-9])" in err
+    assert "Traceback" not in err
+    assert leftovers(tmp_path) == []
+
+
+_KILLED = """
+import sys
+from fastckpt.cli import bench_io, main
+go = bench_io.Phase.go
+def announced(self):
+    t = go(self)
+    print(self._procs[0].pid, flush=True)
+    return t
+bench_io.Phase.go = announced
+sys.exit(main(["bench", "--dir", sys.argv[1], "--workers", "2", "--size", "16MiB", "--block-size", "1MiB",
+               "--duration", "60s", "--engine", "processes"]))
+"""
+
+
 # Runs bench for a minute in a child and prints "started" once the first block is written
 # (spied on through FileOps.pwrite), so the parent interrupts it mid-run without sleeping.
 _WATCHED = """

@@ -227,9 +227,9 @@ class Phase:
         while len(self._results) < len(self.jobs):
             if self.engine == "threads" or (all(not p.is_alive() for p in self._procs) and self._queue.empty()):
                 ended = sorted(set(range(len(self.jobs))) - set(self._results))
-                raise RuntimeError(f"bench workers {ended} ended without a result"
-                                   + ("" if self.engine == "threads" else
-                                      f" (exit codes {[self._procs[k].exitcode for k in ended]})"))
+                raise RuntimeError(f"bench workers {ended} did not end within {START_TIMEOUT_S:.0f} s (is the "
+                                   "storage hung?)" if self.engine == "threads" else f"bench workers {ended} ended "
+                                   f"without a result (exit codes {[self._procs[k].exitcode for k in ended]})")
             if any(not p.is_alive() and p.exitcode not in (0, None) for p in self._procs):
                 self._stop.set()  # one died without a word: the others need not finish their files
             self._drain(0.2)
