@@ -67,10 +67,11 @@ class Checkpointer:
     def __init__(self, *args: object, **options: object) -> None:
         self.config = cfg = CheckpointerConfig(*args, **options)  # type: ignore[arg-type]
         self._ops = cfg.ops or FileOps()
-        self._monitor = Monitor(cfg.overhead_budget, cfg.overhead_window_s, cfg.on_overhead_exceeded)
+        self._staging = StagingPool(cfg.staging_buffers)
+        self._monitor = Monitor(cfg.overhead_budget, cfg.overhead_window_s, cfg.on_overhead_exceeded,
+                                lambda: self._staging.busy_waited_s)
         self._jsonl = JsonlSink(cfg.event_log) if cfg.event_log else None
         self._sinks = Fanout(tuple(cfg.sinks) + ((self._jsonl,) if self._jsonl else ()))
-        self._staging = StagingPool(cfg.staging_buffers)
         self._io = ThreadPoolExecutor(cfg.io_threads, thread_name_prefix="fastckpt-io")
         self._writers = tuple(ThreadPoolExecutor(1, thread_name_prefix="fastckpt-write")  # one per burst-buffer drive
                               for _ in range(max(1, len(cfg.local_dirs))))

@@ -71,6 +71,7 @@ class OverheadReport:
     mean_bytes: float
     needed_snapshot_Bps: float
     min_interval_s: float
+    mean_waited_s: float = 0.0  # of mean_blocked_s: waiting for a staging buffer older saves held (their writes)
 
     @property
     def intervals(self) -> int:
@@ -85,8 +86,14 @@ class OverheadReport:
         if self.intervals < ADVICE_INTERVALS:
             return (f"{head} Too early to size a fix from {self.intervals} interval(s) between saves: the "
                     f"advice follows after {ADVICE_INTERVALS} if the overhead stays above the budget.")
-        return (f"{head} To meet it, snapshot at >= {fmt_rate(self.needed_snapshot_Bps, up=True)} (use a local_dir "
-                f"burst buffer or a faster tier), or save every >= {fmt_duration(self.min_interval_s, up=True)}.")
+        every = f"save every >= {fmt_duration(self.min_interval_s, up=True)}"
+        if self.mean_waited_s >= self.mean_blocked_s / 2:  # backpressure, not the copy
+            return (f"{head} Of that, {fmt_duration(self.mean_waited_s)} per save waited for a staging buffer that "
+                    "the save before still held while it was written. To meet it, write faster (a local_dir burst "
+                    "buffer on NVMe, a faster tier), add staging_buffers (one more copy of the state in host memory "
+                    f"each), or {every}.")
+        return (f"{head} To meet it, snapshot at >= {fmt_rate(self.needed_snapshot_Bps, up=True)} (the copy into "
+                f"host memory; save(..., lazy=True) overlaps it with compute), or {every}.")
 
 
 @dataclass(frozen=True)
@@ -116,9 +123,11 @@ class Stats:
 
 
 class Monitor:
-    def __init__(self, budget: float, window_s: float,
-                 callback: Callable[[OverheadReport], None] | None = None) -> None:
+    def __init__(self, budget: float, window_s: float, callback: Callable[[OverheadReport], None] | None = None,
+                 waited: Callable[[], float] | None = None) -> None:
+        """``waited``: seconds saves have waited so far for staging buffers held by older saves."""
         self.budget = budget
+        self._waited = waited
         self.window_s = window_s
         self._callback = callback
         self._lock = threading.Lock()
@@ -177,8 +186,9 @@ class Monitor:
         interval = (start - (self.first_start or start)) / (self.count - 1)
         mean_b = self.blocked_total / self.count
         mean_bytes = self.bytes / self.count
+        waited = self._waited() / self.count if self._waited is not None else 0.0
         return OverheadReport(overhead, window, self.budget, self.count, wall, self.blocked_total, interval, mean_b,
-                              mean_bytes, mean_bytes / max(self.budget * interval, 1e-9), mean_b / self.budget)
+                              mean_bytes, mean_bytes / max(self.budget * interval, 1e-9), mean_b / self.budget, waited)
 
     def record_skipped(self) -> None:
         with self._lock:

@@ -70,3 +70,51 @@ def test_stats_fields() -> None:
     assert (s.saves, s.skipped, s.bytes, s.pending) == (1, 1, 10, 3)
     assert s.last_blocked_s == 0.01 and s.last_durable_s == 0.2
     assert s.overhead_budget == 0.02 and not s.over_budget
+
+
+def test_advice_tells_a_wait_for_the_staging_buffer_from_the_copy() -> None:
+    """Before: the advice always said "use a local_dir burst buffer or a faster tier", to runs
+    that had one, and when the stall was the copy into host memory, which neither shortens."""
+    copy = OverheadReport(0.05, 0.05, 0.02, 5, 60.0, 0.3, 12.0, 0.06, 1e9, 1e9 / 0.24, 3.0, 0.01)
+    text = copy.advice()
+    assert "snapshot at >= 4.2 GB/s (the copy into host memory; save(..., lazy=True) overlaps it" in text
+    assert "burst buffer" not in text and "save every >= 3 s" in text
+    waited = OverheadReport(0.05, 0.05, 0.02, 5, 60.0, 0.3, 12.0, 0.06, 1e9, 1e9 / 0.24, 3.0, 0.05)
+    text = waited.advice()
+    assert "Of that, 50 ms per save waited for a staging buffer that the save before still held" in text
+    assert "a local_dir burst buffer on NVMe, a faster tier), add staging_buffers" in text
+    assert "save every >= 3 s" in text and "snapshot at" not in text
+
+
+def test_a_save_that_waits_for_the_previous_write_is_counted_as_waiting(tmp_path) -> None:
+    """A real Checkpointer, one staging buffer: the second save waits for the first one's write
+    (held by a gate until the second save waits), and the alarm's report says how long."""
+    import threading
+
+    import torch
+
+    import fastckpt
+    from fastckpt.testing import FaultyOps
+
+    ops = FaultyOps()
+    gate = ops.gate("pwrite", path_contains="a.pt")
+    reports: list[OverheadReport] = []
+    with fastckpt.Checkpointer(ops=ops, overhead_budget=1e-9, on_overhead_exceeded=reports.append) as ck:
+        waiting = threading.Event()
+
+        class Cond(threading.Condition):
+            def wait(self, timeout: float | None = None) -> bool:
+                waiting.set()
+                return super().wait(timeout)
+
+        ck._staging._cv = Cond()  # tells when the second save waits for the buffer
+        first = ck.save({"w": torch.ones(1 << 16)}, str(tmp_path / "a.pt"))
+        assert gate.wait_entered(60)
+        opener = threading.Thread(target=lambda: (waiting.wait(60), gate.open()))
+        opener.start()
+        second = ck.save({"w": torch.ones(1 << 16)}, str(tmp_path / "b.pt"))
+        opener.join()
+        first.wait(60), second.wait(60)
+    (rep,) = reports
+    assert rep.saves == 2 and waiting.is_set()
+    assert 0 < rep.mean_waited_s * 2 <= second.result().blocked_s

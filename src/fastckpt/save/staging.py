@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import mmap
 import threading
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -92,6 +93,7 @@ class StagingPool:
         self._fillers: list[threading.Thread] = []  # their threads, joined by close()
         self._closed = False
         self.max_buffers = max_buffers
+        self.busy_waited_s = 0.0  # seconds acquire waited for a buffer that older checkpoints held
 
     def capacities(self, pinned: bool = False) -> list[int]:
         """The capacities of the buffers held now (for tests and reports)."""
@@ -115,7 +117,9 @@ class StagingPool:
                     break
                 if not wait:
                     return None
+                t0 = time.monotonic()
                 self._cv.wait()
+                self.busy_waited_s += time.monotonic() - t0  # backpressure: the overhead advice tells it apart
             self._drop_idle_smaller(need, pinned)
         buf = _new_buffer(capacity_for(need), pinned)
         buf.owner = owner
