@@ -291,6 +291,16 @@ def test_ls_and_verify_at_a_url(tmp_path, s3_server, s3_bucket) -> None:
     r = run("verify", url, "--storage-options", o)
     assert r.exit_code == 1
     assert f"BAD {url}/step-4/b.pt" in r.stderr and "checksum" in r.stderr
+    # the object of a published file gone, its sidecar still there (deleted outside fastckpt, which
+    # deletes the sidecar first): lost, not "deleted during the check" (before: exit 0, as ls said it fails)
+    client.delete_object(Bucket=s3_bucket, Key="ckpts/one.pt")
+    r = run("verify", url, "--storage-options", o, "--json")
+    assert r.exit_code == 1, r.output
+    d = json.loads(r.stdout)
+    assert d["deleted"] == [] and {"path": f"{url}/one.pt", "problem": "missing"} in d["bad"]
+    client.delete_object(Bucket=s3_bucket, Key="ckpts/one.pt.fastckpt.json")  # now it is deleted for good
+    d = json.loads(run("verify", url, "--storage-options", o, "--json").stdout)
+    assert f"{url}/one.pt" not in {b["path"] for b in d["bad"]}
 
 
 def test_readers_and_planners_start_without_torch(home, tmp_path) -> None:

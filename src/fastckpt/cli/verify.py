@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import click
 
+from ..commit.names import SIDECAR
 from ..errors import CorruptCheckpointError, FastCkptError
 from ..storage.homes import Homes
 from ..urls import normalize
@@ -59,8 +60,9 @@ def _vanished(exc: OSError) -> bool:
 
 def _gone(h: Homes, checkpoint: str, group: bool) -> bool:
     """Whether ``checkpoint`` was deleted since it was listed (retention, or `fastckpt`'s
-    ``remove``): a group's manifest is deleted first, a single file at once. A damaged manifest
-    or a truncated file is still there."""
+    ``remove``): a group's manifest is deleted first, a single file's sidecar at a URL too (a
+    file that is missing under its sidecar was lost, not deleted). A damaged manifest or a
+    truncated file is still there."""
     loc = h.resolve(checkpoint)
     try:
         if group:
@@ -69,7 +71,12 @@ def _gone(h: Homes, checkpoint: str, group: bool) -> bool:
     except CorruptCheckpointError:
         return False
     except OSError as exc:
-        return _vanished(exc)
+        if not _vanished(exc):
+            return False
+        try:
+            return not loc.target.exists(loc.key + SIDECAR)
+        except OSError:
+            return True
     return False
 
 
