@@ -418,3 +418,26 @@ def test_group_loads_read_the_burst_buffer_copy(tmp_path: Path, store: object | 
         assert cks[0].stats().last_restore_from == "local"
     finally:
         _close(cks)
+
+
+def test_a_group_no_rank_saved_into_is_refused_and_latest_stays(tmp_path: Path, store: object | None) -> None:
+    """``commit()`` of a group that no rank saved a file into (a typo in its path, say) published an
+    empty group, and ``latest`` named it over the real checkpoints: a resume found nothing to load.
+    Now rank 0 refuses it (ConfigError) and the other ranks' commits fail with its reason (as with
+    any failure of rank 0's publication); nothing is published, latest does not move."""
+    from fastckpt.errors import ConfigError
+
+    cks = [_ck(r, store) for r in (0, 1)]
+    why = "no rank saved a file into it, so there is nothing to commit"
+    try:
+        _save_all(cks, tmp_path / "step-1", 1)
+        empty = tmp_path / "step_2"
+        handles = [ck.commit(str(empty)) for ck in cks]
+        with pytest.raises(ConfigError, match=why):
+            handles[0].wait(60)
+        with pytest.raises(CommitTimeoutError, match=why):
+            handles[1].wait(60)
+    finally:
+        _close(cks)
+    assert not (empty / P.GROUP_MANIFEST).exists()
+    assert latest(str(tmp_path)) == str(tmp_path / "step-1")

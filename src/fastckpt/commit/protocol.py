@@ -24,7 +24,7 @@ import posixpath
 import threading
 import time
 
-from ..errors import CorruptCheckpointError, GroupRemovedError, IncompleteCheckpointError
+from ..errors import ConfigError, CorruptCheckpointError, GroupRemovedError, IncompleteCheckpointError
 from ..format.manifest import FORMAT_VERSION, check_manifest
 from ..storage.homes import Location
 from ..storage.places import Place
@@ -207,6 +207,10 @@ def build_manifest(place: Place, world_size: int, entries: dict[int, dict], extr
                     f"group {place.label}: rank {r} committed {rel} with {info['size']} bytes but the "
                     f"file {what}; not publishing this checkpoint.")
             files[rel] = {"size": info["size"], "checksum": info["checksum"], "rank": r}
+    if not files:  # published, it would be an empty checkpoint that latest() names over the real ones
+        raise ConfigError(f"group {place.label}: no rank saved a file into it, so there is nothing to commit. Save "
+                          "into it first (save(state, path, group=...) with the same group), or check that commit() "
+                          "names the group the saves named.")
     manifest = {"format": FORMAT_VERSION, "kind": "group", "world_size": world_size,
                 "tag": place.label.rstrip("/").rsplit("/", 1)[-1], "ranks": sorted(entries),
                 "attempt": token, "files": files, "committed_at": time.time(), **extra}
