@@ -441,3 +441,19 @@ def test_a_group_no_rank_saved_into_is_refused_and_latest_stays(tmp_path: Path, 
         _close(cks)
     assert not (empty / P.GROUP_MANIFEST).exists()
     assert latest(str(tmp_path)) == str(tmp_path / "step-1")
+
+
+def test_a_save_outside_its_group_is_refused_without_failing_the_groups_commit(tmp_path: Path) -> None:
+    """A save whose path is not under its group raises ConfigError at the call. Before, it also
+    marked the group's attempt as lacking that file (named with a garbled relative path,
+    ``her/a.pt`` for ``other/a.pt``), so the commit failed after the right file was saved."""
+    from fastckpt.errors import ConfigError
+
+    g = tmp_path / "g"
+    with fastckpt.Checkpointer(overhead_budget=0.99) as ck:
+        with pytest.raises(ConfigError, match=f"is not inside its group directory {g}: save each file of a group "
+                                              f"under its directory, e.g. {g}/a.pt"):
+            ck.save(_state(1, 0), str(tmp_path / "other" / "a.pt"), group=str(g))
+        ck.save(_state(1, 0), str(g / "a.pt"), group=str(g))
+        ck.commit(str(g)).wait(60)
+    assert latest(str(tmp_path)) == str(g)

@@ -249,7 +249,7 @@ class Coordinator:
         """Files of this rank's attempt at ``group`` were never saved (``missing``: path -> why):
         end the attempt on every rank at once, and raise, naming them. A rank whose save failed
         before its attempt began (``att`` None) begins it now, to know which attempt to end."""
-        files = "; ".join(f"{path[len(group):].lstrip('/')} ({why})" for path, why in missing.items())
+        files = "; ".join(f"{os.path.relpath(path, group)} ({why})" for path, why in missing.items())
         err = E.unsaved_error(group, files)
         self._emit("commit", group, 0, time.time(), "direct", err, detail="group")  # those saves emitted none
         try:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import posixpath
 import threading
 import time
 import warnings
@@ -87,7 +88,11 @@ class Saver:
         failure nobody has seen is raised first (the sync point). A save into a group that
         raises, that one included, marks its file in the group's attempt: the group's commit
         then fails on every rank instead of publishing the group without it, unless the file is
-        saved again first (``Coordinator.failed``)."""
+        saved again first (``Coordinator.failed``); a path that is no file of the group does not."""
+        check_save_name(path)
+        if group is not None and not is_within(path, group):
+            raise ConfigError(f"{path} is not inside its group directory {group}: save each file of a group "
+                              f"under its directory, e.g. {group}/{posixpath.basename(path)}")
         try:
             self._inflight.raise_unseen()
             return self._save(state_dict, path, group, lazy, rank, world)
@@ -99,9 +104,6 @@ class Saver:
     def _save(self, state_dict: object, path: str, group: str | None, lazy: bool, rank: int,
               world: int) -> SaveHandle:
         t_call, w_call = time.monotonic(), time.time()
-        check_save_name(path)
-        if group is not None and not is_within(path, group):
-            raise ConfigError(f"{path} is not inside its group directory {group}")
         mounted = self._homes.resolve(path).target.mounted
         if not self._cfg.local_dirs and not mounted:
             raise ConfigError(f"{path} is a URL: saving there needs local_dir=<node-local directory>, the "
