@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime
 import errno
+import json
 import logging
 import os
 import shutil
@@ -457,3 +458,18 @@ def test_a_save_outside_its_group_is_refused_without_failing_the_groups_commit(t
         ck.save(_state(1, 0), str(g / "a.pt"), group=str(g))
         ck.commit(str(g)).wait(60)
     assert latest(str(tmp_path)) == str(g)
+
+
+def test_a_second_commit_without_saves_leaves_the_published_group_whole(tmp_path: Path) -> None:
+    """Before: it re-published the group with no files and deleted the one it had (a committed
+    checkpoint lost); now it is refused like any commit of a group nothing was saved into."""
+    from fastckpt.errors import ConfigError
+
+    g = tmp_path / "g"
+    with fastckpt.Checkpointer(overhead_budget=0.99) as ck:
+        ck.save(_state(1, 0), str(g / "a.pt"), group=str(g))
+        ck.commit(str(g)).wait(60)
+        with pytest.raises(ConfigError, match="no rank saved a file into it"):
+            ck.commit(str(g)).wait(60)
+    assert fastckpt.load(str(g / "a.pt"))["version"] == 1
+    assert list(json.loads((g / P.GROUP_MANIFEST).read_text())["files"]) == ["a.pt"]
