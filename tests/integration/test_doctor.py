@@ -33,6 +33,9 @@ def test_burst_buffer_and_target_directories(tmp_path: Path) -> None:
     f = _by_check(out)
     assert code == 0 and out["ok"], out
     assert f["local_dir.writable"]["status"] == "ok"
+    # a directory that did not exist is created, and said so (a typo in a path is then visible)
+    assert f["local_dir.writable"]["summary"] == f"{tmp_path / 'bb'} did not exist: created it (as the first save " \
+        "would), and it is writable"
     assert f["local_dir.filesystem"]["data"]["fstype"]  # from /proc/mounts
     assert f["local_dir.odirect"]["status"] in ("ok", "warn")
     assert f["local_dir.free_space"]["data"]["need_bytes"] == 2 * (64 << 20)

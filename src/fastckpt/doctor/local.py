@@ -55,6 +55,7 @@ def filesystem(role: str, path: str, burst_buffer: bool) -> Finding:
 
 def writable(role: str, path: str) -> Finding:
     check = f"{role}.writable"
+    existed = os.path.isdir(path)
     try:
         os.makedirs(path, exist_ok=True)
         probe = os.path.join(path, f".fastckpt-doctor-{uuid.uuid4().hex[:8]}")
@@ -66,7 +67,8 @@ def writable(role: str, path: str) -> Finding:
         fix = (f"free space in {path} (or raise the quota), or choose another {role}" if full else
                f"create {path} and make it writable by this user, or choose another {role}")
         return Finding(check, "fail", f"cannot write in {path}: {exc.strerror or exc}", fix, {"errno": exc.errno})
-    return Finding(check, "ok", f"{path} is writable")
+    return Finding(check, "ok", f"{path} is writable" if existed else
+                   f"{path} did not exist: created it (as the first save would), and it is writable")
 
 
 def odirect(role: str, path: str) -> Finding:
