@@ -473,3 +473,38 @@ def test_a_second_commit_without_saves_leaves_the_published_group_whole(tmp_path
             ck.commit(str(g)).wait(60)
     assert fastckpt.load(str(g / "a.pt"))["version"] == 1
     assert list(json.loads((g / P.GROUP_MANIFEST).read_text())["files"]) == ["a.pt"]
+
+
+def test_without_a_store_a_rank_reports_a_group_only_once_latest_moved(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0 publishes the manifest, then moves ``latest``; killed in between, the group is one
+    whose commit never returned, and a resumed job saves it again (at a URL: in place, deleting
+    that manifest first). Rank 1 reported it committed as soon as it saw the manifest, so a step
+    it had reported durable could be lost. Now it waits for ``latest`` too: with rank 0 held
+    right before the move (as if killed there), rank 1's commit times out instead."""
+    held, release = threading.Event(), threading.Event()
+    move = P.move_pointer
+
+    def stuck(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202 (rank 0's commit thread)
+        held.set()
+        assert release.wait(60)
+        return move(*args, **kwargs)
+
+    cks = [_ck(r, None, commit_timeout_s=3) for r in (0, 1)]
+    try:
+        _save_all(cks, tmp_path / "step-1", 1)
+        monkeypatch.setattr(P, "move_pointer", stuck)
+        g = tmp_path / "step-2"
+        for ck in cks:
+            ck.save(_state(2, ck.rank), str(g / f"rank{ck.rank}.pt"), group=str(g))
+        handles = [ck.commit(str(g), step=2) for ck in cks]
+        assert held.wait(60)  # the manifest is out; latest still names step-1
+        assert (g / P.GROUP_MANIFEST).exists() and latest(str(tmp_path)) == str(tmp_path / "step-1")
+        with pytest.raises(CommitTimeoutError):
+            handles[1].wait(60)  # before: it returned, reporting step-2 committed
+        release.set()
+        handles[0].wait(60)
+    finally:
+        release.set()
+        _close(cks)
+    assert latest(str(tmp_path)) == str(g)

@@ -258,10 +258,11 @@ def wait_for_manifest(place: Place, timeout_s: float, stop: threading.Event, tok
     state = {"token": token}
     rec = records or place
 
-    def published() -> dict | None:
+    def published() -> dict | None:  # and ``latest`` moved: else a resume re-saves it, as never reported
         m = P.read_group_manifest(place)
         if m is not None and m.get("attempt") == state["token"] and all(
-                m["files"].get(rel, {}).get("checksum") == info["checksum"] for rel, info in (mine or {}).items()):
+                m["files"].get(rel, {}).get("checksum") == info["checksum"] for rel, info in (mine or {}).items()) \
+                and not P.never_latest(place, m):
             return m
         return None
 
@@ -303,8 +304,8 @@ def wait_for_manifest(place: Place, timeout_s: float, stop: threading.Event, tok
     got = poll(ready, time.monotonic() + timeout_s, stop)
     if got is None:
         err = CommitTimeoutError(
-            f"checkpoint group {place.label}: rank 0 did not publish {P.GROUP_MANIFEST} within "
-            f"{timeout_s:.0f} s; some rank did not commit (see rank 0's error).")
+            f"checkpoint group {place.label}: rank 0 did not publish {P.GROUP_MANIFEST} and move latest to it "
+            f"within {timeout_s:.0f} s; some rank did not commit, or rank 0 died (see rank 0's error).")
         if me is not None and state["token"] is not None:  # a late rank 0 must not publish it (``claim.py``)
             try:
                 won = C.claim(rec, state["token"], f"rank {me}", C.gave_up_why(place.label, me, timeout_s))
