@@ -113,8 +113,10 @@ def test_groups_and_files_share_one_pointer_order(s3_server, s3_bucket) -> None:
     target.put_bytes(f"{prefix}/new.ckpt", b"x")
     target.put_bytes(f"{prefix}/new.ckpt{SIDECAR}", b'{"written_at": 200.0}')
     assert C.move_pointer(place, "new.ckpt", 200.0)
-    group = place.child("old-group")
-    C.publish_group(group, 1, {0: {"files": {}}}, {}, requested_at=100.0)
+    one = {"files": {"r0.pt": {"size": 1, "checksum": "0" * 16}}}  # a group is published with its files
+    for name in ("old-group", "newer-group"):
+        target.put_bytes(f"{prefix}/{name}/r0.pt", b"x")
+    C.publish_group(place.child("old-group"), 1, {0: one}, {}, requested_at=100.0)
     assert C.pointed_name(place) == "new.ckpt"
-    C.publish_group(place.child("newer-group"), 1, {0: {"files": {}}}, {}, requested_at=300.0)
+    C.publish_group(place.child("newer-group"), 1, {0: one}, {}, requested_at=300.0)
     assert C.pointed_name(place) == "newer-group"

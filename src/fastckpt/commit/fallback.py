@@ -258,13 +258,16 @@ def wait_for_manifest(place: Place, timeout_s: float, stop: threading.Event, tok
     state = {"token": token}
     rec = records or place
 
-    def published() -> dict | None:  # and ``latest`` moved: else a resume re-saves it, as never reported
+    def out() -> dict | None:
         m = P.read_group_manifest(place)
         if m is not None and m.get("attempt") == state["token"] and all(
-                m["files"].get(rel, {}).get("checksum") == info["checksum"] for rel, info in (mine or {}).items()) \
-                and not P.never_latest(place, m):
+                m["files"].get(rel, {}).get("checksum") == info["checksum"] for rel, info in (mine or {}).items()):
             return m
         return None
+
+    def published() -> dict | None:  # and ``latest`` moved: else a resume re-saves it, as never reported
+        m = out()
+        return m if m is not None and not P.never_latest(place, m) else None
 
     def settled() -> dict | None:
         """The attempt's manifest, or its recorded outcome (raised when it failed)."""
@@ -284,16 +287,18 @@ def wait_for_manifest(place: Place, timeout_s: float, stop: threading.Event, tok
             raise removed_error(place)
         if (m := settled()) is not None:
             return m
+        if out() is not None:
+            return None  # published: rank 0 moves ``latest`` next
         if restamp is not None:
             try:
                 current = own_attempt(rec, me, began, place) if began is not None else current_attempt(rec)
             except CommitTimeoutError:
-                if (m := published()) is not None:  # swapped in meanwhile: ``rec`` holds the old group
-                    return m
+                if out() is not None:  # swapped in meanwhile: ``rec`` holds the old group
+                    return published()
                 raise
             own = rec.get(P.marker_rel(me)) if me is not None else b""
-            if (m := published()) is not None:  # swapped in since the first read: ``rec`` now holds the old group
-                return m
+            if out() is not None:  # swapped in since the first read: ``rec`` now holds the old group
+                return published()
             if own is None:
                 raise removed_error(place)
             if current is not None and current != state["token"]:
