@@ -265,40 +265,41 @@ def wait_for_manifest(place: Place, timeout_s: float, stop: threading.Event, tok
             return m
         return None
 
-    def published() -> dict | None:  # and ``latest`` moved: else a resume re-saves it, as never reported
-        m = out()
+    def published(m: dict | None) -> dict | None:  # and ``latest`` moved: else a resume re-saves it
         return m if m is not None and not P.never_latest(place, m) else None
 
-    def settled() -> dict | None:
-        """The attempt's manifest, or its recorded outcome (raised when it failed)."""
-        if (m := published()) is not None:
-            return m
-        ended = P.read_record(rec, P.OUTCOME)
-        if ended is not None and _outcome_of(ended, state["token"], began):
-            if ended.get("outcome") == "superseded":
+    def ended() -> dict | None:
+        """The attempt's recorded outcome (raised when it failed)."""
+        got = P.read_record(rec, P.OUTCOME)
+        if got is not None and _outcome_of(got, state["token"], began):
+            if got.get("outcome") == "superseded":
                 return {"superseded": True, "files": {}}
-            if ended.get("outcome") == ABORTED:
-                raise aborted_error(place.label, str(ended.get("why")))
-            raise CommitTimeoutError(str(ended.get("outcome")))
+            if got.get("outcome") == ABORTED:
+                raise aborted_error(place.label, str(got.get("why")))
+            raise CommitTimeoutError(str(got.get("outcome")))
         return None
+
+    def settled() -> dict | None:
+        """The attempt's manifest with ``latest`` moved to it, or its recorded outcome."""
+        return published(out()) or ended()
 
     def ready() -> dict | None:
         if cancel is not None and cancel.is_set():
             raise removed_error(place)
-        if (m := settled()) is not None:
+        if (m := out()) is not None:  # published: rank 0 moves ``latest`` next, unless it ended
+            return published(m) or ended()
+        if (m := ended()) is not None:
             return m
-        if out() is not None:
-            return None  # published: rank 0 moves ``latest`` next
         if restamp is not None:
             try:
                 current = own_attempt(rec, me, began, place) if began is not None else current_attempt(rec)
             except CommitTimeoutError:
-                if out() is not None:  # swapped in meanwhile: ``rec`` holds the old group
-                    return published()
+                if (m := out()) is not None:  # swapped in meanwhile: ``rec`` holds the old group
+                    return published(m)
                 raise
             own = rec.get(P.marker_rel(me)) if me is not None else b""
-            if out() is not None:  # swapped in since the first read: ``rec`` now holds the old group
-                return published()
+            if (m := out()) is not None:  # swapped in since the first read: ``rec`` now holds the old group
+                return published(m)
             if own is None:
                 raise removed_error(place)
             if current is not None and current != state["token"]:
