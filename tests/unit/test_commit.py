@@ -138,8 +138,8 @@ def test_wait_for_manifest(tmp_path: Path) -> None:
     g.mkdir()
     with pytest.raises(CommitTimeoutError, match="rank 0 did not publish"):
         W.wait_for_manifest(place(str(g)), 0.05, threading.Event())
-    A.publish_bytes(FileOps(), str(g / P.GROUP_MANIFEST), b'{"kind": "group"}')
-    assert W.wait_for_manifest(place(str(g)), 1, threading.Event()) == {"kind": "group"}
+    A.publish_bytes(FileOps(), str(g / P.GROUP_MANIFEST), b'{"kind": "group", "files": {}}')
+    assert W.wait_for_manifest(place(str(g)), 1, threading.Event()) == {"kind": "group", "files": {}}
 
 
 # --------------------------------------------------------------------------- publish_group
@@ -188,6 +188,32 @@ def test_read_group_manifest(tmp_path: Path) -> None:
     (tmp_path / P.GROUP_MANIFEST).write_text("{not json")
     with pytest.raises(CorruptCheckpointError, match=P.GROUP_MANIFEST):
         P.read_group_manifest(place(str(tmp_path)))
+
+
+@pytest.mark.parametrize("shape", ["a list", "files a list", "an entry a string", "requested_at a string"])
+def test_a_group_manifest_of_the_wrong_shape_is_damage_to_every_reader(
+        tmp_path: Path, shape: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Valid JSON of another shape (a damaged or foreign file) is corruption: never an
+    AttributeError from load, latest or the CLI (helper review D1)."""
+    from fastckpt.cli import main as cli
+
+    for step in (1, 2):
+        g = tmp_path / f"step-{step}"
+        with fastckpt.Checkpointer(rank=0, world_size=1) as ck:
+            ck.save(_state(step), str(g / "m.pt"), group=str(g))
+            ck.commit(str(g), step=step).wait()
+    m = json.loads((g / P.GROUP_MANIFEST).read_text())
+    damaged = {"a list": [m], "files a list": {**m, "files": list(m["files"])},
+               "an entry a string": {**m, "files": {"m.pt": "ok"}},
+               "requested_at a string": {**m, "requested_at": "yesterday"}}[shape]
+    (g / P.GROUP_MANIFEST).write_text(json.dumps(damaged))
+    (tmp_path / P.LATEST).unlink()  # the scan decides: it skips the damaged group
+    with pytest.raises(CorruptCheckpointError, match=rf"{P.GROUP_MANIFEST} is damaged"):
+        fastckpt.load(str(g / "m.pt"))
+    assert fastckpt.latest(str(tmp_path)) == str(tmp_path / "step-1")
+    assert cli(["verify", str(g)]) != 0 and cli(["ls", str(tmp_path)]) == 0
+    out = capsys.readouterr()
+    assert "Traceback" not in out.out + out.err and "is damaged" in out.out + out.err
 
 
 def test_read_file_manifest(tmp_path: Path) -> None:

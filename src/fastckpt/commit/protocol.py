@@ -25,7 +25,7 @@ import threading
 import time
 
 from ..errors import ConfigError, CorruptCheckpointError, GroupRemovedError, IncompleteCheckpointError
-from ..format.manifest import FORMAT_VERSION, check_manifest
+from ..format.manifest import FORMAT_VERSION, check_group_manifest, check_manifest
 from ..storage.homes import Location
 from ..storage.places import Place
 from ..storage.types import TargetNotFoundError
@@ -84,12 +84,8 @@ def read_marker(place: Place, rel: str) -> dict | None:
 
 
 def read_markers(place: Place) -> dict[int, dict]:
-    out: dict[int, dict] = {}
-    for rank, rel in marker_ranks(place).items():
-        body = read_marker(place, rel)
-        if body is not None:
-            out[rank] = body
-    return out
+    bodies = {rank: read_marker(place, rel) for rank, rel in marker_ranks(place).items()}
+    return {rank: body for rank, body in bodies.items() if body is not None}
 
 
 def write_record(place: Place, rel: str, **body: object) -> None:
@@ -118,7 +114,9 @@ def read_group_manifest(place: Place) -> dict | None:
     if data is None:
         return None
     try:
-        return json.loads(data)
+        return check_group_manifest(json.loads(data))
+    except CorruptCheckpointError as exc:
+        raise CorruptCheckpointError(f"{place.url(GROUP_MANIFEST)} is damaged: {exc}") from exc
     except ValueError as exc:
         raise CorruptCheckpointError(f"{place.url(GROUP_MANIFEST)} does not parse: {exc}") from exc
 

@@ -116,6 +116,35 @@ def check_manifest(manifest: object) -> dict:
     return manifest
 
 
+def check_group_manifest(manifest: object) -> dict:
+    """``manifest`` (a group's ``fastckpt-manifest.json``, parsed) if it has the shape readers
+    rely on (``files``: each entry's ``checksum`` and ``size``; the times they order by, the
+    world size), else the damage it shows: valid JSON of another shape is damage too, never an
+    ``AttributeError`` in a reader.
+
+    Raises:
+        CorruptCheckpointError: what is missing or malformed.
+    """
+    def number(v: object) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+    if not isinstance(manifest, dict):
+        raise CorruptCheckpointError(f"it is a {type(manifest).__name__}, not an object")
+    files = manifest.get("files")
+    if not isinstance(files, dict):
+        raise CorruptCheckpointError(f"its files are {files!r:.100}, not an object naming each file")
+    for rel, info in files.items():
+        if not isinstance(info, dict) or not isinstance(info.get("checksum"), str) \
+                or not isinstance(info.get("size", 0), int) or isinstance(info.get("size"), bool) \
+                or info.get("size", 0) < 0:
+            raise CorruptCheckpointError(f"its entry for {rel!r:.100} is {info!r:.100}, not a size and checksum")
+    for key, ok in (("requested_at", number), ("committed_at", number),
+                    ("world_size", lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0)):
+        if key in manifest and not ok(manifest[key]):
+            raise CorruptCheckpointError(f"its {key} is {manifest[key]!r:.100}")
+    return manifest
+
+
 def listed_blocks(manifest: dict) -> list[int] | None:
     """The block digests a (checked) manifest lists, in file order; None when it lists none
     (a file over 46.9 GiB, ``MAX_LISTED_BLOCKS``).
