@@ -23,7 +23,13 @@ import torch.distributed as dist
 import fastckpt
 from fastckpt.commit import discovery
 from fastckpt.commit import protocol as P
-from fastckpt.errors import CheckpointWriteError, CommitTimeoutError, GroupRemovedError, IncompleteCheckpointError
+from fastckpt.errors import (
+    CheckpointWriteError,
+    CommitTimeoutError,
+    CorruptCheckpointError,
+    GroupRemovedError,
+    IncompleteCheckpointError,
+)
 from fastckpt.eventlog import error_type
 from fastckpt.events import Event
 from fastckpt.storage.homes import Homes
@@ -197,6 +203,33 @@ def test_a_file_of_another_attempt_never_loads_as_part_of_the_group(tmp_path: Pa
     with pytest.raises(IncompleteCheckpointError, match="names another version of it"):
         fastckpt.load(str(g / "rank1.pt"))
     assert fastckpt.load(str(g / "rank0.pt"))["version"] == 1
+
+
+def test_a_group_file_moved_over_another_never_loads_as_it(tmp_path: Path) -> None:
+    """Two files of a group swapped, or a file of an older step copied over a newer one's: each
+    verifies whole, but is not what its group published at that path (helper review D2)."""
+    old, new = tmp_path / "step-10", tmp_path / "step-20"
+    for where, version in ((old, 10), (new, 20)):
+        cks = [_ck(r, None) for r in (0, 1)]
+        _save_all(cks, where, version)
+        _close(cks)
+    (new / "backup").mkdir()
+    shutil.copy(new / "rank1.pt", new / "backup" / "rank1.pt")  # a path the group names nothing at
+    shutil.copytree(new, tmp_path / "universal")  # a copy out of the group (ds_to_universal)
+    (tmp_path / "universal" / P.GROUP_MANIFEST).unlink()
+    swapped = new / "rank0.pt"
+    os.replace(new / "rank1.pt", tmp_path / "r1")
+    os.replace(swapped, new / "rank1.pt")
+    os.replace(tmp_path / "r1", swapped)
+    for f in (swapped, new / "rank1.pt"):
+        with pytest.raises(CorruptCheckpointError, match=r"moved or copied here, over the group's own file"):
+            fastckpt.load(str(f))
+    shutil.copy(old / "rank1.pt", new / "rank1.pt")  # step 10's file over step 20's
+    with pytest.raises(CorruptCheckpointError, match=r"written as 'rank1.pt' of group 'step-10'"):
+        fastckpt.load(str(new / "rank1.pt"))
+    assert fastckpt.load(str(new / "backup" / "rank1.pt"))["version"] == 20  # a verified copy of its bytes
+    assert fastckpt.load(str(tmp_path / "universal" / "rank1.pt"))["version"] == 20
+    assert fastckpt.load(str(old / "rank1.pt"))["version"] == 10
 
 
 # --------------------------------------------------------------------------- item 7

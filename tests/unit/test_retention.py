@@ -200,3 +200,30 @@ def test_a_trim_still_deleting_a_name_delays_a_new_save_of_it_and_never_deletes_
     assert first == [str(home / "a.pt")]
     assert sorted(os.listdir(home)) == ["a.pt"]  # before: [] (the new a.pt deleted by the stale trim)
     assert fastckpt.load(str(home / "a.pt"))["w"][0] == 3.0
+
+
+def test_latest_lists_again_when_retention_deletes_the_checkpoint_it_listed(tmp_path: Path, monkeypatch) -> None:
+    """Keep one: the scan lists a.pt only; before it reads a.pt, b.pt is saved and a.pt trimmed.
+    The scan lists again instead of finding nothing (helper review D3)."""
+    from fastckpt.storage.posix import PosixTarget
+
+    def save(name: str, v: int) -> None:
+        with fastckpt.Checkpointer(rank=0, world_size=1) as ck:
+            ck.save({"v": v}, str(tmp_path / name)).wait()
+
+    save("a.pt", 1)
+    (tmp_path / "latest").unlink(missing_ok=True)  # no pointer: the scan decides
+    real, raced = PosixTarget.list, threading.Event()
+
+    def racing(self: PosixTarget, prefix: str = "", *, max_depth: int | None = None) -> list[str]:
+        keys = real(self, prefix, max_depth=max_depth)
+        if not raced.is_set():  # between the listing and the reads: the next save, then the trim
+            raced.set()
+            save("b.pt", 2)
+            (tmp_path / "latest").unlink(missing_ok=True)
+            (tmp_path / "a.pt").unlink()
+        return keys
+
+    monkeypatch.setattr(PosixTarget, "list", racing)
+    assert fastckpt.latest(str(tmp_path)) == str(tmp_path / "b.pt")
+    assert raced.is_set()

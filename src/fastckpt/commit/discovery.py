@@ -56,6 +56,7 @@ from .protocol import (
 
 log = logging.getLogger("fastckpt")
 MAX_DEPTH = 4
+RESCANS = 3  # listings a scan makes at most when checkpoints it listed vanish before it reads them
 T = TypeVar("T")
 
 
@@ -91,7 +92,24 @@ def scan(loc: Location, max_depth: int = MAX_DEPTH, damaged: list[Damaged] | Non
 
     ``damaged``: when given, each checkpoint skipped for a damaged manifest is appended to it
     (``fastckpt ls`` and ``verify`` report them; ``latest`` only skips them).
+
+    A checkpoint listed but gone when read (retention deleted it once a newer save was durable,
+    which the listing may have missed: keep one, and the scan would find none) makes the scan
+    list again, ``RESCANS`` times at most.
     """
+    for _ in range(RESCANS):
+        seen: list[Damaged] = []
+        gone: list[str] = []
+        found = _scan(loc, max_depth, seen, gone)
+        if not gone:
+            break
+        log.debug("fastckpt: %s vanished while %s was scanned: listing it again", gone, loc.url)
+    if damaged is not None:
+        damaged.extend(seen)
+    return found
+
+
+def _scan(loc: Location, max_depth: int, damaged: list[Damaged], gone: list[str]) -> list[Found]:
     prefix = f"{loc.key}/" if loc.key else ""
     try:
         keys = loc.target.list(prefix, max_depth=max_depth + 1)  # +1: the markers of the deepest groups
@@ -107,7 +125,7 @@ def scan(loc: Location, max_depth: int = MAX_DEPTH, damaged: list[Damaged] | Non
     found: list[Found] = []
     for g in sorted(groups):
         m = _damaged_is_none(read_group_manifest, loc.place().child(g) if g else loc.place(),
-                             damaged, join(loc.url, g), "group")
+                             damaged, join(loc.url, g), "group", gone)
         if m is not None:
             found.append(Found(join(loc.url, g), "group", group_order(m), m))
     ds_tags = {t for r in rels if posixpath.basename(r) == "latest" and not _hidden(r)
@@ -120,12 +138,12 @@ def scan(loc: Location, max_depth: int = MAX_DEPTH, damaged: list[Damaged] | Non
             continue
         if rel.endswith(SIDECAR):
             side = _damaged_is_none(read_sidecar, Location(loc.target, prefix + rel[: -len(SIDECAR)]),
-                                    damaged, join(loc.url, rel[: -len(SIDECAR)]), "file")
+                                    damaged, join(loc.url, rel[: -len(SIDECAR)]), "file", gone)
             if side is not None:  # None: deleted since the listing (retention), or damaged
                 found.append(Found(join(loc.url, rel[: -len(SIDECAR)]), "file", float(side.get("written_at", 0.0)),
                                    side))
         elif rel not in sidecars and posixpath.basename(rel) != "latest":
-            f = _file(loc, prefix, rel, damaged)
+            f = _file(loc, prefix, rel, damaged, gone)
             if f is not None:
                 (others if f.foreign else found).append(f)
     for t in sorted(ds_tags):  # ordered by when DeepSpeed's latest file named it
@@ -134,20 +152,23 @@ def scan(loc: Location, max_depth: int = MAX_DEPTH, damaged: list[Damaged] | Non
     return _ordered(loc, prefix, found, others)
 
 
-def _damaged_is_none(read: Callable[[T], dict | None], where: T, damaged: list[Damaged] | None, path: str,
-                     kind: str) -> dict | None:
-    """``read(where)``: a publication record (a group's manifest, a file's sidecar); None when it
-    is damaged, which makes that checkpoint no candidate, and says so (in ``damaged`` too)."""
+def _damaged_is_none(read: Callable[[T], dict | None], where: T, damaged: list[Damaged], path: str,
+                     kind: str, gone: list[str]) -> dict | None:
+    """``read(where)``: a publication record (a group's manifest, a file's sidecar) listed just
+    now; None when it is damaged, which makes that checkpoint no candidate, and says so (in
+    ``damaged`` too), or gone since the listing (in ``gone``)."""
     try:
-        return read(where)
+        got = read(where)
     except CorruptCheckpointError as exc:
         log.warning("fastckpt: skipping a damaged checkpoint: %s", exc)
-        if damaged is not None:
-            damaged.append(Damaged(path, kind, str(exc)))
+        damaged.append(Damaged(path, kind, str(exc)))
         return None
+    if got is None:
+        gone.append(path)
+    return got
 
 
-def _file(loc: Location, prefix: str, rel: str, damaged: list[Damaged] | None = None) -> Found | None:
+def _file(loc: Location, prefix: str, rel: str, damaged: list[Damaged], gone: list[str]) -> Found | None:
     """A single file: fastckpt's (its manifest: verified on a mounted target, and on any target
     once copied in whole), or a complete torch.save zip written without fastckpt; else None."""
     if foreign.DEEPSPEED_FILE.match(posixpath.basename(rel)):
@@ -162,10 +183,12 @@ def _file(loc: Location, prefix: str, rel: str, damaged: list[Damaged] | None = 
         return Found(join(loc.url, rel), "file", loc.target.modified(prefix + rel), {}, "torch.save",
                      foreign.pickle_step(loc.target, prefix + rel, record))
     except CorruptCheckpointError as exc:  # a damaged manifest: not a candidate, but no silent one either
-        if damaged is not None:
-            damaged.append(Damaged(join(loc.url, rel), "file", str(exc)))
+        damaged.append(Damaged(join(loc.url, rel), "file", str(exc)))
         return None
-    except OSError:  # gone meanwhile, or unreadable: not a candidate
+    except FileNotFoundError:  # gone since the listing
+        gone.append(join(loc.url, rel))
+        return None
+    except OSError:  # unreadable: not a candidate
         return None
 
 
@@ -237,7 +260,8 @@ def group_dir(url: str, manifest: dict) -> str | None:
     ``.NAME.fastckpt-next-<digest>``: then the group decides whether it loads (published, and naming this
     file). A copy elsewhere (DeepSpeed's ``ds_to_universal`` copies ``mp_rank_*`` files into
     ``TAG_universal/``; a user copies a shard out) is a file on its own, which the checksum in
-    its manifest verifies whole.
+    its manifest verifies whole, unless it lies where a published group names another file
+    (``group_entry``).
     """
     name = manifest.get("group")
     if not name:
@@ -257,36 +281,71 @@ def group_dir(url: str, manifest: dict) -> str | None:
     return None
 
 
-def group_entry(homes: Homes, url: str, manifest: dict) -> tuple[Place, dict | None, dict | None] | None:
-    """For a file in its group (``group_dir``): the group's place, its published manifest (None
-    before it is published) and the entry that manifest has for the file (None when it names
-    none). None for a file that is in no group."""
+@dataclass(frozen=True)
+class InGroup:
+    """Where a group's file stands in the group it lies in (``group_entry``)."""
+    place: Place  # the group's directory
+    published: dict | None  # its published manifest; None before it is published
+    entry: dict | None  # what that manifest names at the file's path (else where the file was written)
+    moved: bool  # ``entry`` is for the file's path, which is not where the file was written
+
+
+def group_entry(homes: Homes, url: str, manifest: dict) -> InGroup | None:
+    """For a group's file: the group it lies in and what that group names where the file lies.
+
+    That is its own group (``group_dir``), looked up first at the file's path under it, then at
+    the place the file was written (``group_rel``: a copy elsewhere in the group, which its
+    checksum verifies). A group file outside its own group (copied into another step's directory)
+    lies in a published group when the directory as far above it as ``group_rel`` is deep, or its
+    parent, has a manifest naming the file's path. None for a file in no group."""
+    rel = manifest.get("group_rel") or posixpath.basename(url)
     group = group_dir(url, manifest)
     if group is None:
+        if not manifest.get("group"):
+            return None
+        ups = {posixpath.dirname(url), url[: -len(rel) - 1] if url.endswith("/" + rel) else ""}
+        for up in sorted(u for u in ups if u):
+            place = homes.resolve(up).place()
+            published = read_group_manifest(place)
+            entry = ((published or {}).get("files") or {}).get(url[len(up) + 1:])
+            if entry is not None:
+                return InGroup(place, published, entry, moved=True)
         return None
     place = homes.resolve(group).place()
     published = read_group_manifest(place)
-    rel = manifest.get("group_rel") or posixpath.basename(url)
-    return place, published, (published.get("files") or {}).get(rel) if published else None
+    files, here = (published or {}).get("files") or {}, url[len(group) + 1:]
+    if here in files:
+        return InGroup(place, published, files[here], moved=here != rel)
+    return InGroup(place, published, files.get(rel), moved=False)
 
 
 def require_complete_group(homes: Homes, url: str, manifest: dict) -> None:
     """A file in its group (``group_dir``) may be loaded only once the group is published, and
     only if it is the file the group's manifest names (same checksum): a file left by another
-    attempt at the same tag never loads as part of the published group.
+    attempt at the same tag never loads as part of the published group. A file lying where a
+    published group names another file (moved or copied over it, from this group or another)
+    never loads as that file.
 
     Raises:
         IncompleteCheckpointError: naming the group and the ranks that never committed, or the
             attempt the file does not belong to.
+        CorruptCheckpointError: the file lies where its group names another file.
     """
     found = group_entry(homes, url, manifest)
     if found is None:
         return
-    place, published, entry = found
-    if published is None:
-        raise incomplete_group_error(place, None)
-    if entry is None or entry.get("checksum") != manifest["checksum"]["value"]:
-        raise IncompleteCheckpointError(
-            f"{url} is not part of checkpoint group {place.label} as published: its manifest "
-            f"{'does not name it' if entry is None else 'names another version of it'} (the file was left by "
-            "another attempt at this tag). Load the group's published files, or fastckpt.latest(<parent dir>).")
+    label, entry = found.place.label, found.entry
+    if found.published is None:
+        raise incomplete_group_error(found.place, None)
+    if entry is not None and entry.get("checksum") == manifest["checksum"]["value"]:
+        return
+    if found.moved:
+        raise CorruptCheckpointError(
+            f"{url} is not the file checkpoint group {label} published at this path: it was written as "
+            f"{manifest.get('group_rel')!r} of group {manifest.get('group')!r} and moved or copied here, over the "
+            "group's own file. Restore that file from another copy (the burst buffer, a replica), or load an "
+            "earlier checkpoint (fastckpt.latest(<parent dir>)).")
+    raise IncompleteCheckpointError(
+        f"{url} is not part of checkpoint group {label} as published: its manifest "
+        f"{'does not name it' if entry is None else 'names another version of it'} (the file was left by "
+        "another attempt at this tag). Load the group's published files, or fastckpt.latest(<parent dir>).")

@@ -293,7 +293,7 @@ class Loader:
         """For a group's file at a URL (no sidecar): the checksum its group's published manifest
         there gives it, as a manifest's ``checksum``; None when that cannot say."""
         found = group_entry(self._homes, home.url, ours) if ours else None
-        entry = found[2] if found else None
+        entry = found.entry if found else None
         return {"checksum": {"value": entry["checksum"]}} if entry else None
 
     def _read(self, loc: Location, opts: LoadOptions, url: str, where: str) -> Loaded:
