@@ -232,6 +232,26 @@ def test_a_burst_buffer_copy_whose_manifest_lost_a_key_falls_back(tmp_path: Path
         assert torch.equal(got["w"], state["w"]) and ck.stats().last_restore_from != "local"
 
 
+@pytest.mark.parametrize("damage", ["cut 400 bytes short", "cut 5000 bytes short", "zeroed"])
+def test_a_home_copy_that_lost_its_manifest_falls_back_to_the_burst_buffer(tmp_path: Path, damage: str) -> None:
+    """Without its manifest the home copy is no plain torch.save file that replaced ours (that
+    would be a complete zip): it is ours, damaged, and the intact local copy loads (helper review D6)."""
+    path = tmp_path / "home" / "x.pt"
+    state = _state(6)
+    with fastckpt.Checkpointer(local_dir=str(tmp_path / "nvme")) as ck:
+        ck.save(state, str(path)).wait()
+        size = path.stat().st_size
+        if damage == "zeroed":
+            path.write_bytes(bytes(size))
+        else:
+            os.truncate(path, size - int(damage.split()[1]))
+        got = ck.load(str(path))
+        assert torch.equal(got["w"], state["w"]) and ck.stats().last_restore_from == "local"
+    torch.save({"plain": 1}, path)  # a complete plain zip there is another save: loaded, not ours
+    with fastckpt.Checkpointer(local_dir=str(tmp_path / "nvme")) as ck:
+        assert ck.load(str(path), verify=False) == {"plain": 1}
+
+
 def test_a_corrupt_last_copy_is_reported_as_corrupt_not_missing(tmp_path: Path) -> None:
     """The copy at the path is missing (its replication never finished, or it was removed) and the
     burst-buffer copy is damaged: that is corruption, naming both, never "not found", which a job

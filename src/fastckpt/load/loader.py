@@ -29,6 +29,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from ..commit.discovery import group_entry, require_complete_group
+from ..commit.foreign import torch_zip
 from ..commit.protocol import incomplete_group_error, read_group_manifest, read_sidecar
 from ..errors import (
     CheckpointNotFoundError,
@@ -235,8 +236,9 @@ class Loader:
 
         ``SAME``: the same save (equal checksums), or a home that cannot say which save it holds
         (missing, unreachable, a damaged sidecar): the local copy first, as the verified load then
-        decides. ``OTHER``: the home holds another save (one without a manifest on a file system:
-        plain torch.save, DeepSpeed); ``OLDER``: another, and ours is older by ``written_at``, or
+        decides. ``OTHER``: the home holds another save (a complete zip without a manifest on a
+        file system: plain torch.save, DeepSpeed; one cut short or zeroed is ours, damaged:
+        ``HOME_FIRST``); ``OLDER``: another, and ours is older by ``written_at``, or
         ours has no manifest while the home's has (a plain file prefetched before the path was
         saved with fastckpt, or a copy cut short: no save's only copy), so a prefetch may replace
         it. ``HOME_FIRST``: see ``_file_manifest``.
@@ -250,8 +252,8 @@ class Loader:
                 theirs = self._file_manifest(home)
                 if isinstance(theirs, str):
                     return theirs
-                if theirs is None:
-                    return OTHER  # a file without a manifest replaced ours there (plain torch.save, DeepSpeed)
+                if theirs is None:  # a complete plain zip replaced ours there (torch.save, DeepSpeed); else
+                    return OTHER if torch_zip(home.target, home.key) is not None else HOME_FIRST  # ours, damaged
             else:
                 theirs = read_sidecar(home, deadline_s=SAME_SAVE_CHECK_S) or self._in_group(home, ours)
                 if theirs is None and ours is None:
