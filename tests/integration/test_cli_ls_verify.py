@@ -211,6 +211,24 @@ def test_ls_and_verify_of_a_directory_report_damaged_manifests(home: str) -> Non
     assert fastckpt.latest(home) == f"{home}/three.pt"  # readers still skip them
 
 
+def test_a_file_cut_short_beyond_its_manifest_is_listed_damaged(home: str) -> None:
+    """Cut by 400 bytes, a file loses its manifest and its zip end record: it looked like no
+    checkpoint at all, and ls and verify skipped it silently (helper review D7). A complete
+    zip that is no checkpoint stays out of the listing."""
+    import zipfile
+
+    os.truncate(f"{home}/one.pt", os.path.getsize(f"{home}/one.pt") - 400)
+    with zipfile.ZipFile(f"{home}/data.zip", "w") as z:
+        z.writestr("x.txt", "not a checkpoint")
+    r = run("verify", home, "--json")
+    assert r.exit_code == 1, r.output
+    (bad,) = json.loads(r.stdout)["bad"]
+    assert bad["path"] == f"{home}/one.pt" and "truncated" in bad["problem"], bad
+    got = {e["name"]: e["status"] for e in json.loads(run("ls", home, "--json").stdout)["checkpoints"]}
+    assert got["one.pt"] == "damaged" and "data.zip" not in got
+    assert fastckpt.latest(home) == f"{home}/step-5"
+
+
 def test_verify_latest_names_a_newer_damaged_checkpoint(tmp_path) -> None:
     """``verify --latest`` checks what a resume loads; a newer checkpoint that the resume passes
     over because its manifest is damaged is BAD too (once, --latest passed on the older one)."""
