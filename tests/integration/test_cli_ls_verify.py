@@ -229,6 +229,27 @@ def test_a_file_cut_short_beyond_its_manifest_is_listed_damaged(home: str) -> No
     assert fastckpt.latest(home) == f"{home}/step-5"
 
 
+def test_a_directory_where_a_group_file_or_manifest_should_be_is_damage(home: str) -> None:
+    """A directory standing where a group's file is (or its manifest) made verify abort with a
+    storage error, and load report a ReplicationError (helper review D8): it is damage to that
+    checkpoint, reported per file, and the other checkpoints are still checked."""
+    os.unlink(f"{home}/step-5/a.pt")
+    os.mkdir(f"{home}/step-5/a.pt")
+    r = run("verify", home, "--json")
+    assert r.exit_code == 1, r.output
+    d = json.loads(r.stdout)
+    assert [(b["path"], b["problem"].split(":")[0]) for b in d["bad"]] == [
+        (f"{home}/step-5/a.pt", "a directory stands where this file should be")]
+    assert d["checked"] == 4  # step-5/b.pt, one.pt and two.pt checked too
+    manifest = f"{home}/step-5/fastckpt-manifest.json"
+    os.unlink(manifest)
+    os.mkdir(manifest)
+    with pytest.raises(fastckpt.CorruptCheckpointError, match="is a directory, not the group's manifest"):
+        fastckpt.load(f"{home}/step-5/b.pt")
+    r = run("verify", f"{home}/step-5")
+    assert r.exit_code == 1 and "is a directory, not the group's manifest" in r.stderr, r.output
+
+
 def test_verify_latest_names_a_newer_damaged_checkpoint(tmp_path) -> None:
     """``verify --latest`` checks what a resume loads; a newer checkpoint that the resume passes
     over because its manifest is damaged is BAD too (once, --latest passed on the older one)."""

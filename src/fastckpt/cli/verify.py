@@ -35,6 +35,7 @@ from ._common import (
 from ._discovery import FileSpec, checkpoint_files, file_covered, group_manifest, homes, list_checkpoints
 
 MISSING = "missing"
+NOT_A_FILE = "a directory stands where this file should be: move it away, then restore the file from a replica"
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,14 @@ def _size(h: Homes, spec: FileSpec) -> int | None:
 def _vanished(exc: OSError) -> bool:
     """A file (or the directory it was in) that is not there, also as the storage layer wraps it."""
     return isinstance(exc, FileNotFoundError) or exc.errno in (errno.ENOENT, errno.ENOTDIR)
+
+
+def _unreadable(exc: OSError) -> str | None:
+    """What a checkpoint's file that cannot be read is, when that is its own fault (not the
+    storage's: those stop the check); None otherwise."""
+    if _vanished(exc):
+        return MISSING
+    return NOT_A_FILE if isinstance(exc, IsADirectoryError) or exc.errno == errno.EISDIR else None
 
 
 def _gone(h: Homes, checkpoint: str, group: bool) -> bool:
@@ -86,8 +95,8 @@ def check_file(h: Homes, spec: FileSpec, on_bytes=None) -> str | None:  # noqa: 
     try:
         size, covered, own = file_covered(h, spec)
     except OSError as exc:
-        if _vanished(exc):
-            return MISSING
+        if (why := _unreadable(exc)) is not None:
+            return why
         raise
     except CorruptCheckpointError as exc:  # no manifest in its tail: cut short, if it is not the committed size
         got = _size(h, spec)
@@ -104,8 +113,8 @@ def check_file(h: Homes, spec: FileSpec, on_bytes=None) -> str | None:  # noqa: 
     except CorruptCheckpointError as exc:
         return str(exc).removeprefix(f"{loc.url}: ")
     except OSError as exc:  # deleted while it was read
-        if _vanished(exc):
-            return MISSING
+        if (why := _unreadable(exc)) is not None:
+            return why
         raise
     if on_bytes:
         on_bytes(size)

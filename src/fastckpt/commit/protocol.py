@@ -110,7 +110,14 @@ def group_order(manifest: dict) -> float:
 
 
 def read_group_manifest(place: Place) -> dict | None:
-    data = place.get(GROUP_MANIFEST)
+    try:
+        data = place.get(GROUP_MANIFEST)
+    except OSError as exc:
+        if exc.errno != errno.EISDIR:
+            raise
+        raise CorruptCheckpointError(f"{place.url(GROUP_MANIFEST)} is a directory, not the group's manifest: the "
+                                     "group is damaged. Move the directory away; restore the group or load an "
+                                     "earlier one.") from exc
     if data is None:
         return None
     try:
@@ -139,11 +146,9 @@ def _pointed(parent: Place) -> tuple[str, float] | None:
         if m is not None:
             return name, group_order(m)
         side = parent.get(name + SIDECAR)
-        if side is not None:
-            return name, float(json.loads(side).get("written_at", 0.0))
+        return None if side is None else (name, float(json.loads(side).get("written_at", 0.0)))
     except (OSError, ValueError, CorruptCheckpointError):  # unreadable or corrupt: it may be replaced
         return None
-    return None
 
 
 def never_latest(place: Place, manifest: dict) -> bool:
@@ -254,9 +259,7 @@ def current_markers(place: Place) -> dict[int, dict]:
     """The markers of the newest attempt at ``place`` (the one of the newest marker): a rank's
     marker of an older attempt stays until it commits again, and does not count."""
     markers = read_markers(place)
-    if not markers:
-        return {}
-    newest = max(markers.values(), key=lambda m: float(m.get("written_at", 0.0)))
+    newest = max(markers.values(), key=lambda m: float(m.get("written_at", 0.0)), default={})
     return {r: m for r, m in markers.items() if m.get("attempt") == newest.get("attempt")}
 
 
@@ -268,8 +271,7 @@ def incomplete_group_error(place: Place, world_size: int | None) -> IncompleteCh
         "it has no published manifest (its commit never finished, or it is being removed)"
     return IncompleteCheckpointError(
         f"checkpoint {place.label} is incomplete: {what} (no {GROUP_MANIFEST}). "
-        "Load an earlier checkpoint: fastckpt.latest(<parent dir>) returns the newest complete one."
-    )
+        "Load an earlier checkpoint: fastckpt.latest(<parent dir>) returns the newest complete one.")
 
 
 def publish_file(loc: Location, manifest: dict) -> None:
