@@ -4,6 +4,7 @@ same tag is saved again and swapped in gets ``GroupChangedError``, never files o
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
@@ -107,3 +108,35 @@ def test_a_reading_at_a_url_checks_every_file_even_from_the_burst_buffer(tmp_pat
             manifest["files"]["rank1.pt"]["checksum"] = "0" * 16  # as if another save were published since
             with pytest.raises(GroupChangedError, match=r"rank1\.pt is not the file group memory://"):
                 ck.load(f"{g}/rank1.pt")
+
+
+@pytest.mark.parametrize("within", ["within a reading", "outside a reading"])
+def test_a_file_read_while_its_group_is_swapped_is_never_called_another_attempts(
+        tmp_path: Path, monkeypatch, within: str) -> None:
+    """The file's bytes are read, then the tag's re-save is swapped in before its group manifest
+    is read: the file (of the save published when the read began) was reported "left by another
+    attempt" (helper review D4). Within a reading it is the pinned save's file, and loads; outside
+    one the load reads the file again and gets the new save's."""
+    from fastckpt.storage.posix import PosixTarget
+
+    g = tmp_path / "step-1"
+    _save(g, 1)
+    real, swapped = PosixTarget.read_object, threading.Event()
+
+    def racing(self: PosixTarget, key: str, **kw: object) -> object:
+        res = real(self, key, **kw)
+        if key.endswith("rank0.pt") and not swapped.is_set():  # after the file's bytes, before its group's manifest
+            swapped.set()
+            _save(g, 2)
+        return res
+
+    monkeypatch.setattr(PosixTarget, "read_object", racing)
+    with fastckpt.Checkpointer(rank=0, world_size=1) as reader:
+        if within == "within a reading":
+            with reader.reading(str(g)):
+                assert reader.load(str(g / "rank0.pt"))["version"] == 1  # the pinned save's file, whole
+                with pytest.raises(GroupChangedError):
+                    reader.load(str(g / "rank1.pt"))
+        else:
+            assert reader.load(str(g / "rank0.pt"))["version"] == 2
+    assert swapped.is_set()

@@ -18,8 +18,9 @@ import posixpath
 import time
 from dataclasses import dataclass, replace
 
-from ..commit.discovery import Damaged, Found, group_dir, scan
+from ..commit.discovery import Damaged, Found, scan
 from ..commit.foreign import pickle_step
+from ..commit.membership import group_dir
 from ..commit.protocol import GROUP_MANIFEST, MARKER_DIR, SIDECAR, member_files, read_group_manifest
 from ..errors import CorruptCheckpointError, FastCkptError
 from ..storage.homes import Homes, Location

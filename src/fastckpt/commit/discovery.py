@@ -36,19 +36,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TypeVar
 
-from ..errors import CorruptCheckpointError, IncompleteCheckpointError
+from ..errors import CorruptCheckpointError
 from ..storage.homes import Homes, Location
-from ..storage.places import Place
 from ..storage.types import BucketNotFoundError, TargetNotFoundError
 from ..urls import join
 from . import foreign
 from .protocol import (
     GROUP_MANIFEST,
     MARKER_DIR,
-    NEXT_TAG,
     SIDECAR,
     group_order,
-    incomplete_group_error,
     pointed_name,
     read_group_manifest,
     read_sidecar,
@@ -251,104 +248,3 @@ def latest(homes: Homes, root: str) -> str | None:
                     "unverified (no checksum was recorded); fastckpt's next save there supersedes it",
                     loc.url, found[-1].path, found[-1].foreign)
     return found[-1].path
-
-
-def group_dir(url: str, manifest: dict) -> str | None:
-    """The group directory ``url`` (a file with ``manifest``) belongs to where it lies, or None
-    when it is a standalone file.
-
-    A group file's manifest names its group (the directory's name, ``group``) and its place in
-    it (``group_rel``). The file is in its group when the directory that place leads back to,
-    or any directory above the file, has that name or is the group's re-save directory
-    ``.NAME.fastckpt-next-<digest>``: then the group decides whether it loads (published, and naming this
-    file). A copy elsewhere (DeepSpeed's ``ds_to_universal`` copies ``mp_rank_*`` files into
-    ``TAG_universal/``; a user copies a shard out) is a file on its own, which the checksum in
-    its manifest verifies whole, unless it lies where a published group names another file
-    (``group_entry``).
-    """
-    name = manifest.get("group")
-    if not name:
-        return None
-    rel = manifest.get("group_rel") or posixpath.basename(url)
-    def named(d: str) -> bool:  # the group's directory, or one of its re-save directories
-        base = posixpath.basename(d)
-        return base == name or base == f".{name}{NEXT_TAG}" or base.startswith(f".{name}{NEXT_TAG}-")
-
-    if url.endswith("/" + rel) and named(url[: -len(rel) - 1]):
-        return url[: -len(rel) - 1]
-    d, up = url, posixpath.dirname(url)
-    while up != d:
-        if named(up):
-            return up
-        d, up = up, posixpath.dirname(up)
-    return None
-
-
-@dataclass(frozen=True)
-class InGroup:
-    """Where a group's file stands in the group it lies in (``group_entry``)."""
-    place: Place  # the group's directory
-    published: dict | None  # its published manifest; None before it is published
-    entry: dict | None  # what that manifest names at the file's path (else where the file was written)
-    moved: bool  # ``entry`` is for the file's path, which is not where the file was written
-
-
-def group_entry(homes: Homes, url: str, manifest: dict) -> InGroup | None:
-    """For a group's file: the group it lies in and what that group names where the file lies.
-
-    That is its own group (``group_dir``), looked up first at the file's path under it, then at
-    the place the file was written (``group_rel``: a copy elsewhere in the group, which its
-    checksum verifies). A group file outside its own group (copied into another step's directory)
-    lies in a published group when the directory as far above it as ``group_rel`` is deep, or its
-    parent, has a manifest naming the file's path. None for a file in no group."""
-    rel = manifest.get("group_rel") or posixpath.basename(url)
-    group = group_dir(url, manifest)
-    if group is None:
-        if not manifest.get("group"):
-            return None
-        ups = {posixpath.dirname(url), url[: -len(rel) - 1] if url.endswith("/" + rel) else ""}
-        for up in sorted(u for u in ups if u):
-            place = homes.resolve(up).place()
-            published = read_group_manifest(place)
-            entry = ((published or {}).get("files") or {}).get(url[len(up) + 1:])
-            if entry is not None:
-                return InGroup(place, published, entry, moved=True)
-        return None
-    place = homes.resolve(group).place()
-    published = read_group_manifest(place)
-    files, here = (published or {}).get("files") or {}, url[len(group) + 1:]
-    if here in files:
-        return InGroup(place, published, files[here], moved=here != rel)
-    return InGroup(place, published, files.get(rel), moved=False)
-
-
-def require_complete_group(homes: Homes, url: str, manifest: dict) -> None:
-    """A file in its group (``group_dir``) may be loaded only once the group is published, and
-    only if it is the file the group's manifest names (same checksum): a file left by another
-    attempt at the same tag never loads as part of the published group. A file lying where a
-    published group names another file (moved or copied over it, from this group or another)
-    never loads as that file.
-
-    Raises:
-        IncompleteCheckpointError: naming the group and the ranks that never committed, or the
-            attempt the file does not belong to.
-        CorruptCheckpointError: the file lies where its group names another file.
-    """
-    found = group_entry(homes, url, manifest)
-    if found is None:
-        return
-    label, entry = found.place.label, found.entry
-    if found.published is None:
-        raise incomplete_group_error(found.place, None)
-    if entry is not None and entry.get("checksum") == manifest["checksum"]["value"]:
-        return
-    if found.moved:
-        raise CorruptCheckpointError(
-            f"{url} is not the file checkpoint group {label} published at this path: it was written as "
-            f"{manifest.get('group_rel')!r} of group {manifest.get('group')!r} and moved or copied here, over the "
-            "group's own file. Restore that file from another copy (the burst buffer, a replica), or load an "
-            "earlier checkpoint (fastckpt.latest(<parent dir>)).")
-    raise IncompleteCheckpointError(
-        f"{url} is not part of checkpoint group {label} as published: its manifest "
-        f"{'does not name it' if entry is None else 'names another version of it'} (the file was left by "
-        "another attempt at this tag). Load the group's published files, or fastckpt.latest(<parent dir>).")

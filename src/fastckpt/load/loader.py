@@ -23,14 +23,12 @@ import contextlib
 import functools
 import logging
 import os
-import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..commit.discovery import group_entry, require_complete_group
 from ..commit.foreign import torch_zip
-from ..commit.protocol import incomplete_group_error, read_group_manifest, read_sidecar
+from ..commit.membership import NotPublishedError, group_entry, require_complete_group
+from ..commit.protocol import read_sidecar
 from ..errors import (
     CheckpointNotFoundError,
     ConfigError,
@@ -45,6 +43,7 @@ from ..storage.types import BucketNotFoundError, TargetNotFoundError, TargetUnav
 from .deserialize import deserialize
 from .image import heap_image
 from .into import in_place, place
+from .pins import Pins
 from .unverified import damage, load_unverified, warn_unverified
 
 log = logging.getLogger("fastckpt")
@@ -109,42 +108,30 @@ class Loader:
                  saving: Callable[[str], None] = lambda path: None) -> None:
         self._homes, self._local_path, self._chunk = homes, local_path, chunk_bytes
         self._saving = saving  # waits for this Checkpointer's saves of a path in flight (their write and upload)
-        self._pins = threading.local()  # .groups: group -> the manifest ``reading`` pinned (this thread's loads)
+        self._pins = Pins(homes)
 
-    @contextmanager
-    def reading(self, group: str) -> Iterator[dict]:
-        """``Checkpointer.reading``: pin the published manifest of ``group`` (normalised) for this
-        thread's loads of its files; yields it. Nested for the same group: the outer pin holds.
+    def reading(self, group: str) -> contextlib.AbstractContextManager[dict]:
+        """``Checkpointer.reading`` (``load.pins``)."""
+        return self._pins.reading(group)
 
-        Raises:
-            IncompleteCheckpointError: ``group`` has no published manifest.
-        """
-        pins: dict[str, dict] = self._pins.__dict__.setdefault("groups", {})
-        if group in pins:
-            yield pins[group]
-            return
-        place = self._homes.resolve(group).place()
-        manifest = read_group_manifest(place)
-        if manifest is None:
-            raise incomplete_group_error(place, None)
-        pins[group] = manifest
+    def _read_current(self, loc: Location, opts: LoadOptions, url: str, where: str, pinned: bool) -> Loaded:
+        """``_read``, checking a group's file against its group's manifest as published now (within
+        ``reading``: only against the pinned one, ``Pins.check``). A file whose group published
+        another attempt between the read of its bytes and that check (the tag re-saved and swapped
+        in) is read once more; a group that changed again meanwhile raises ``GroupChangedError``."""
+        if pinned:
+            return self._read(loc, opts, url, where, check_group=False)
         try:
-            yield manifest
-        finally:
-            del pins[group]
-
-    def _check_pinned(self, path: str, got: Loaded) -> None:
-        """A file of a group pinned by ``reading`` must be the one its pinned manifest names."""
-        for group, manifest in getattr(self._pins, "groups", {}).items():
-            if got.checksum is None or not path.startswith(group.rstrip("/") + "/"):
-                continue
-            entry = (manifest.get("files") or {}).get(path[len(group.rstrip("/")) + 1:])
-            if entry is None or entry.get("checksum") != got.checksum:
-                raise GroupChangedError(
-                    f"{path} is not the file group {group} held when reading it began (committed at "
-                    f"{manifest.get('committed_at')}, attempt {manifest.get('attempt')}): the group was saved again "
-                    "and swapped in since, so the files loaded before are of the earlier save. Nothing was mixed: "
-                    "load the group again (all its files, in a new reading()).")
+            return self._read(loc, opts, url, where)
+        except NotPublishedError as first:
+            seen = first.seen
+        try:
+            return self._read(loc, opts, url, where)
+        except NotPublishedError as again:
+            if again.seen == seen:
+                raise  # the same published group names another file there: one left by another attempt
+            raise GroupChangedError(f"{loc.url}: its group was saved again twice while the file was read; load it "
+                                    "again") from again
 
     def load(self, path: str, opts: LoadOptions) -> Loaded:
         """Load ``path`` (normalised), preferring its verified burst-buffer copy.
@@ -166,14 +153,14 @@ class Loader:
         candidates, replaceable = self._candidates(path, home)
         if opts.prefetch and not home.target.mounted and replaceable:
             got = self._prefetch(path, home, opts)
-            self._check_pinned(path, got)
+            self._pins.check(path, got.checksum)
             return got
         corrupt: CorruptCheckpointError | None = None  # an earlier copy's damage
         earlier: BaseException | None = None  # an earlier copy's failure
         for i, (loc, where) in enumerate(candidates):
             try:
-                got = self._read(loc, opts, loc.url, where)
-                self._check_pinned(path, got)
+                got = self._read_current(loc, opts, loc.url, where, self._pins.pinned(path))
+                self._pins.check(path, got.checksum)
                 return got
             except (CorruptCheckpointError, OSError) as exc:
                 if i + 1 == len(candidates):
@@ -204,7 +191,7 @@ class Loader:
         except FileNotFoundError as exc:  # as a load without prefetch says it: nothing there to resume from
             raise _not_found(path, [(home, "remote")], exc) from exc
         try:
-            return self._read(local, opts, path, "remote (prefetched)")
+            return self._read_current(local, opts, path, "remote (prefetched)", self._pins.pinned(path))
         except CorruptCheckpointError as exc:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(local.url)
@@ -298,7 +285,7 @@ class Loader:
         entry = found.entry if found else None
         return {"checksum": {"value": entry["checksum"]}} if entry else None
 
-    def _read(self, loc: Location, opts: LoadOptions, url: str, where: str) -> Loaded:
+    def _read(self, loc: Location, opts: LoadOptions, url: str, where: str, check_group: bool = True) -> Loaded:
         res = loc.target.read_object(loc.key, chunk_bytes=self._chunk, mapped=opts.mmap, into=opts.image(loc.url))
         if res.manifest is None:
             if opts.verify:
@@ -312,7 +299,8 @@ class Loader:
             obj = load_unverified(res, loc.url, opts)  # a damaged one raises: no "loading unverified" then
             warn_unverified(loc.url)
             return Loaded(opts.done(obj), url, res.size, where, verified=False)
-        require_complete_group(self._homes, loc.url, res.manifest)
+        if check_group:
+            require_complete_group(self._homes, loc.url, res.manifest)
         want = res.manifest["checksum"]["value"]
         if res.checksum != want:
             raise CorruptCheckpointError(
