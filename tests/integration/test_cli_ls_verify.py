@@ -140,6 +140,56 @@ def test_verify_a_checkpoint_deleted_during_the_check_is_not_bad(home: str, monk
     assert (d["bad"], d["checked"]) == ([], 1)  # two.pt
 
 
+@pytest.mark.parametrize("how", ["between its manifest and its bytes", "each time it is read"])
+def test_verify_and_latest_of_a_checkpoint_saved_again_during_the_check_never_say_bad(
+        home: str, monkeypatch, how: str) -> None:
+    """A job saves one.pt and group step-5 again (other sizes) while verify reads them: the old
+    manifest against the new bytes is no corruption (helper review D5). Saved again once, both are
+    checked again and pass; saved again at every read, they are reported replaced, not BAD.
+    ``fastckpt latest`` does not pass over a group whose files changed size under it either."""
+    from fastckpt.storage.posix import PosixTarget
+
+    real, resaves = PosixTarget.verify, []
+
+    def resave(step: int) -> None:
+        with fastckpt.Checkpointer() as ck:
+            ck.save({"w": torch.full((1 << 12,) if step % 2 else (1 << 13,), float(step))}, f"{home}/one.pt").wait()
+            save_group(ck, f"{home}/step-5", step)
+
+    def racing(self: PosixTarget, key: str, *args: object, **kw: object) -> None:
+        again = how == "each time it is read" or len(resaves) < 2
+        if os.path.join(self.root, key).endswith(("one.pt", "step-5/a.pt")) and again:
+            resaves.append(key)
+            resave(len(resaves))
+        return real(self, key, *args, **kw)
+
+    monkeypatch.setattr(PosixTarget, "verify", racing)
+    r = run("verify", home, "--json", "--jobs", "1")  # one job saving: one re-save at a time
+    d = json.loads(r.stdout)
+    assert d["bad"] == [] and resaves, (d["bad"], d["replaced"], d["checked"])
+    if how == "each time it is read":
+        assert r.exit_code == 0 and sorted(d["replaced"]) == [f"{home}/one.pt", f"{home}/step-5"], d["replaced"]
+        assert "saved again during each of 3 checks" in run("verify", f"{home}/one.pt").stdout
+    else:
+        assert r.exit_code == 0 and d["replaced"] == [] and d["checked"] == 4, r.output
+    monkeypatch.undo()
+    real_size, calls = PosixTarget.size, []
+
+    def sizing(self: PosixTarget, key: str) -> int:
+        # between the group's manifest and its files' sizes
+        if os.path.join(self.root, key).endswith("step-5/a.pt") and not calls:
+            calls.append(key)
+            with fastckpt.Checkpointer() as ck:
+                ck.save({"w": torch.zeros(1 << 14)}, f"{home}/step-5/a.pt", group=f"{home}/step-5")
+                ck.save({"w": torch.zeros(1 << 14)}, f"{home}/step-5/b.pt", group=f"{home}/step-5")
+                ck.commit(f"{home}/step-5", step=7).wait()
+        return real_size(self, key)
+
+    monkeypatch.setattr(PosixTarget, "size", sizing)
+    r = run("latest", home)
+    assert r.exit_code == 0 and calls and r.stdout.strip() == f"{home}/step-5", r.output
+
+
 def test_verify_still_names_a_damaged_checkpoint_beside_a_deleted_one(home: str, monkeypatch) -> None:
     import fastckpt.cli.verify as verify_mod
 

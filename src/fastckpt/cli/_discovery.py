@@ -28,6 +28,7 @@ from ..storage.types import TargetNotFoundError
 from ..urls import join, mirror_path, normalize
 
 STEP_KEYS = ("step", "global_step", "iteration")  # fastckpt groups, Lightning, Megatron
+RECHECKS = 3  # looks at a checkpoint saved again while it is checked, before giving up on it
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,7 @@ class FileSpec:
     path: str
     size: int | None
     checksum: str | None
+    group: str | None = None  # the group it is a file of (None: a single file)
 
 
 def homes(storage_options: dict | None) -> Homes:
@@ -100,7 +102,7 @@ def checkpoint_files(h: Homes, path: str) -> tuple[list[FileSpec], dict]:
     loc = h.resolve(path)
     m = group_manifest(loc)
     if m is not None:
-        return [FileSpec(join(loc.url, rel), int(f["size"]), f.get("checksum"))
+        return [FileSpec(join(loc.url, rel), int(f["size"]), f.get("checksum"), loc.url)
                 for rel, f in sorted(member_files(m, loc.url).items())], m
     m = file_manifest(loc)
     if not m:
@@ -271,19 +273,18 @@ def list_checkpoints(root: str, storage_options: dict | None = None, local_dir: 
 def missing_files(h: Homes, path: str) -> list[str]:
     """The files of ``path`` that are not there as committed (none for a checkpoint written
     without fastckpt: it records no sizes)."""
-    try:
-        files, _ = checkpoint_files(h, path)
-    except FastCkptError:
-        return []
-    out = []
-    for f in files:
-        loc = h.resolve(f.path)
+    out: list[str] = []
+    for _ in range(RECHECKS):  # a checkpoint saved again while its files were looked at: look again
         try:
-            size = loc.target.size(loc.key)
-        except OSError:
-            size = None
-        if size is None or (f.size is not None and size != f.size):
-            out.append(f.path)
+            files, m = checkpoint_files(h, path)
+        except FastCkptError:
+            return []
+        out = [f.path for f in files if (size := _size(h.resolve(f.path))) is None or f.size not in (None, size)]
+        try:
+            if not out or checkpoint_files(h, path)[1] == m:
+                return out
+        except FastCkptError:
+            return out
     return out
 
 

@@ -32,9 +32,19 @@ from ._common import (
     storage_options_option,
     table,
 )
-from ._discovery import FileSpec, checkpoint_files, file_covered, group_manifest, homes, list_checkpoints
+from ._discovery import (
+    RECHECKS,
+    FileSpec,
+    checkpoint_files,
+    file_covered,
+    file_manifest,
+    group_manifest,
+    homes,
+    list_checkpoints,
+)
 
 MISSING = "missing"
+REPLACED = f"saved again during each of {RECHECKS} checks"
 NOT_A_FILE = "a directory stands where this file should be: move it away, then restore the file from a replica"
 
 
@@ -91,7 +101,33 @@ def _gone(h: Homes, checkpoint: str, group: bool) -> bool:
 
 def check_file(h: Homes, spec: FileSpec, on_bytes=None) -> str | None:  # noqa: ANN001
     """None when the file is intact; else what is wrong with it (read back in parallel through
-    its target: O_DIRECT chunks on a file system, ranged reads at a URL)."""
+    its target: O_DIRECT chunks on a file system, ranged reads at a URL).
+
+    A file whose checkpoint was saved again while it was checked (its manifest, or its group's,
+    now records another save than the one checked: the reads saw parts of both) is checked again,
+    ``RECHECKS`` times at most, then ``REPLACED``: never reported damaged for that."""
+    for _ in range(RECHECKS):
+        why = _check(h, spec, on_bytes)
+        if why is None or (now := _published(h, spec)) is None or now == spec:
+            return why
+        spec = now
+    return REPLACED
+
+
+def _published(h: Homes, spec: FileSpec) -> FileSpec | None:
+    """``spec`` as its checkpoint's manifest records it now; None when that cannot be read."""
+    try:
+        if spec.group is not None:
+            files = (group_manifest(h.resolve(spec.group)) or {}).get("files") or {}
+            entry = files.get(spec.path[len(spec.group.rstrip("/")) + 1:])
+            return None if entry is None else FileSpec(spec.path, int(entry["size"]), entry["checksum"], spec.group)
+        m = file_manifest(h.resolve(spec.path))
+        return FileSpec(spec.path, None, m["checksum"]["value"]) if m else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _check(h: Homes, spec: FileSpec, on_bytes=None) -> str | None:  # noqa: ANN001
     try:
         size, covered, own = file_covered(h, spec)
     except OSError as exc:
@@ -190,7 +226,8 @@ def verify(path: str, newest_only: bool, jobs: int, storage_options: dict | None
         gone = {r.checkpoint for r in checked
                 if r.problem == MISSING and _gone(h, r.checkpoint, r.path != r.checkpoint)}
         deleted += sorted(gone)
-        results = [r for r in results if r.checkpoint not in gone]
+        replaced = sorted({r.checkpoint for r in checked if r.problem == REPLACED})  # a job saving it now
+        results = [r for r in results if r.checkpoint not in gone and r.checkpoint not in replaced]
     finally:
         h.close()
     bad = [r for r in results if r.problem]
@@ -198,7 +235,7 @@ def verify(path: str, newest_only: bool, jobs: int, storage_options: dict | None
     if as_json:
         emit_json({"path": path, "checkpoints": len(todo), "checked": len(results), "passed": passed,
                    "bad": [{"path": r.path, "problem": r.problem} for r in bad], "incomplete": incomplete,
-                   "deleted": deleted,
+                   "deleted": deleted, "replaced": replaced,
                    "files": [r.__dict__ for r in results]})
     else:
         out = console()
@@ -212,6 +249,8 @@ def verify(path: str, newest_only: bool, jobs: int, storage_options: dict | None
             out.print(f"- {p} is incomplete (never committed): not checked; readers skip it")
         for p in deleted:
             out.print(f"- {p} was deleted during the check (retention, or a remove): not checked")
+        for p in replaced:
+            out.print(f"- {p} was {REPLACED} (a job saving it): not checked, check it again")
         out.print(f"- {len(results) - len(bad)} of {len(results)} files intact")
     for r in bad:
         click.echo(f"BAD {r.path}: {r.problem}", err=True)
