@@ -216,6 +216,26 @@ def test_a_group_manifest_of_the_wrong_shape_is_damage_to_every_reader(
     assert "Traceback" not in out.out + out.err and "is damaged" in out.out + out.err
 
 
+def test_a_group_manifest_damaged_where_it_still_parses_is_corruption(tmp_path: Path) -> None:
+    """One digit of a file's checksum in the group's manifest: it parses and has the right shape,
+    and the load said the file was "left by another attempt". Its digest tells the damage."""
+    g = tmp_path / "step-1"
+    with fastckpt.Checkpointer(rank=0, world_size=1) as ck:
+        ck.save(_state(1), str(g / "m.pt"), group=str(g))
+        ck.commit(str(g), step=1, note={2: "int keys come back as strings"}).wait()
+    m = json.loads((g / P.GROUP_MANIFEST).read_text())
+    assert P.read_group_manifest(place(str(g))) == m and m["digest"]  # what was written reads back whole
+    digit = m["files"]["m.pt"]["checksum"][0]
+    m["files"]["m.pt"]["checksum"] = ("1" if digit == "0" else "0") + m["files"]["m.pt"]["checksum"][1:]
+    (g / P.GROUP_MANIFEST).write_text(json.dumps(m))
+    with pytest.raises(CorruptCheckpointError, match="does not match its digest"):
+        fastckpt.load(str(g / "m.pt"))
+    del m["digest"]  # a manifest written before digests: read as it is
+    (g / P.GROUP_MANIFEST).write_text(json.dumps(m))
+    with pytest.raises(IncompleteCheckpointError, match="names another version"):
+        fastckpt.load(str(g / "m.pt"))
+
+
 def test_read_file_manifest(tmp_path: Path) -> None:
     plain = tmp_path / "plain.pt"
     torch.save(_state(1), plain)

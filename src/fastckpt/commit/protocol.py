@@ -25,7 +25,7 @@ import threading
 import time
 
 from ..errors import ConfigError, CorruptCheckpointError, GroupRemovedError, IncompleteCheckpointError
-from ..format.manifest import FORMAT_VERSION, check_group_manifest, check_manifest
+from ..format.manifest import FORMAT_VERSION, check_group_manifest, check_manifest, with_digest
 from ..storage.homes import Location
 from ..storage.places import Place
 from ..storage.types import TargetNotFoundError
@@ -217,13 +217,11 @@ def build_manifest(place: Place, world_size: int, entries: dict[int, dict], extr
     manifest = {"format": FORMAT_VERSION, "kind": "group", "world_size": world_size,
                 "tag": place.label.rstrip("/").rsplit("/", 1)[-1], "ranks": sorted(entries),
                 "attempt": token, "files": files, "committed_at": time.time(), **extra}
-    if requested_at is not None:
-        manifest["requested_at"] = requested_at
-    return manifest
+    return with_digest({**manifest, "requested_at": requested_at} if requested_at is not None else manifest)
 
 
 def manifest_bytes(manifest: dict) -> bytes:
-    return json.dumps(manifest, sort_keys=True, separators=(",", ":")).encode()
+    return json.dumps(with_digest(manifest), sort_keys=True, separators=(",", ":")).encode()
 
 
 def member_files(manifest: dict, where: str) -> dict[str, dict]:

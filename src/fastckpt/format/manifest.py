@@ -116,6 +116,20 @@ def check_manifest(manifest: object) -> dict:
     return manifest
 
 
+def with_digest(manifest: dict) -> dict:
+    """A group manifest with its ``digest``: the xxh3_64 of the rest as compact JSON. Damage that
+    still parses (a digit of a file's checksum) is then corruption, not a manifest naming files
+    of another attempt. Its values as JSON gives them back (keys as strings), so that the digest
+    is the one a reader computes."""
+    body = json.loads(json.dumps({k: v for k, v in manifest.items() if k != "digest"}))
+    return {**body, "digest": _group_digest(body)}
+
+
+def _group_digest(body: dict) -> str:
+    return xxh3_64_hexdigest(json.dumps({k: v for k, v in body.items() if k != "digest"}, sort_keys=True,
+                                        separators=(",", ":")).encode())
+
+
 def check_group_manifest(manifest: object) -> dict:
     """``manifest`` (a group's ``fastckpt-manifest.json``, parsed) if it has the shape readers
     rely on (``files``: each entry's ``checksum`` and ``size``; the times they order by, the
@@ -138,6 +152,8 @@ def check_group_manifest(manifest: object) -> dict:
                 or not isinstance(info.get("size", 0), int) or isinstance(info.get("size"), bool) \
                 or info.get("size", 0) < 0:
             raise CorruptCheckpointError(f"its entry for {rel!r:.100} is {info!r:.100}, not a size and checksum")
+    if "digest" in manifest and manifest["digest"] != _group_digest(manifest):  # (older manifests have none)
+        raise CorruptCheckpointError("its content does not match its digest: it was damaged after it was written")
     for key, ok in (("requested_at", number), ("committed_at", number),
                     ("world_size", lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0)):
         if key in manifest and not ok(manifest[key]):
