@@ -16,9 +16,10 @@ tears a failed job down); on the kept keys, every third launch loses one rank be
 its Checkpointer instead, and the next launch must commit within ``RESTART_COMMIT_S``. After
 every kill the test checks, from the stored objects alone:
 
-* every group rank 0 reported durable is still published;
+* every group a rank reported durable (rank 0, or rank 1: it reports a group once rank 0 has
+  published it and moved ``latest``) is still published;
 * every published group loads, verified, and both of its files come from one launch;
-* ``latest`` names a published group at least as new (in request order) as the last one rank 0
+* ``latest`` names a published group at least as new (in request order) as the last one a rank
   reported durable (a kill between a manifest and the pointer may leave it one unreported
   commit behind, never more);
 * no rank's resume load ever returned other tensors than its file was saved with.
@@ -189,7 +190,7 @@ def test_random_kills_never_lose_or_mix_a_published_group(tmp_path: Path, forkse
     local_dir = str(tmp_path / "nvme") if "burst" in mode else None
     store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=60)) \
         if "store" in mode else None
-    durable: dict[int, int] = {}  # step -> the launch whose rank 0 reported it durable
+    durable: dict[int, int] = {}  # step -> the launch one of whose ranks reported it durable
     floor = 0.0  # the request order of the last group reported durable
     checked: dict[int, tuple] = {}
     kills = 0
@@ -228,7 +229,7 @@ def test_random_kills_never_lose_or_mix_a_published_group(tmp_path: Path, forkse
                 f"{why}: no group committed within {RESTART_COMMIT_S} s after a launch lost rank {died} "
                 "before its Checkpointer (do the ranks disagree on the store's session?)")
         died = die
-        reported = [e[2] for e in events if e[0] == "durable" and e[1] == 0]
+        reported = [e[2] for e in events if e[0] == "durable"]  # by either rank: each may be the only one
         durable.update({step: launch for step in reported})
         if reported:
             floor = max(floor, P.group_order(home.published()[max(reported)][0]))
