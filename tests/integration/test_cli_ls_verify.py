@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -188,6 +189,29 @@ def test_verify_and_latest_of_a_checkpoint_saved_again_during_the_check_never_sa
     monkeypatch.setattr(PosixTarget, "size", sizing)
     r = run("latest", home)
     assert r.exit_code == 0 and calls and r.stdout.strip() == f"{home}/step-5", r.output
+
+
+def test_verify_of_a_group_saved_again_without_one_of_its_files_never_says_missing(home: str, monkeypatch) -> None:
+    """The re-save swapped in while verify reads step-5 has a.pt and c.pt: b.pt, listed before,
+    is gone, and the group is reported saved again (not checked), not BAD: missing."""
+    from fastckpt.storage.posix import PosixTarget
+
+    real, resaved = PosixTarget.verify, threading.Event()
+
+    def racing(self: PosixTarget, key: str, *args: object, **kw: object) -> None:
+        if os.path.join(self.root, key).endswith("step-5/a.pt") and not resaved.is_set():
+            resaved.set()
+            with fastckpt.Checkpointer() as ck:
+                for name in ("a.pt", "c.pt"):
+                    ck.save(state(6), f"{home}/step-5/{name}", group=f"{home}/step-5")
+                ck.commit(f"{home}/step-5", step=6).wait()
+        return real(self, key, *args, **kw)
+
+    monkeypatch.setattr(PosixTarget, "verify", racing)
+    r = run("verify", home, "--json", "--jobs", "1")
+    d = json.loads(r.stdout)
+    assert resaved.is_set() and d["bad"] == [] and d["replaced"] == [f"{home}/step-5"], r.output
+    assert r.exit_code == 0
 
 
 def test_verify_still_names_a_damaged_checkpoint_beside_a_deleted_one(home: str, monkeypatch) -> None:

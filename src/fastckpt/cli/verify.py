@@ -110,17 +110,22 @@ def check_file(h: Homes, spec: FileSpec, on_bytes=None) -> str | None:  # noqa: 
         why = _check(h, spec, on_bytes)
         if why is None or (now := _published(h, spec)) is None or now == spec:
             return why
+        if isinstance(now, str):
+            return now
         spec = now
     return REPLACED
 
 
-def _published(h: Homes, spec: FileSpec) -> FileSpec | None:
-    """``spec`` as its checkpoint's manifest records it now; None when that cannot be read."""
+def _published(h: Homes, spec: FileSpec) -> FileSpec | str | None:
+    """``spec`` as its checkpoint's manifest records it now (``REPLACED``: its group was saved
+    again without it); None when that cannot be read."""
     try:
         if spec.group is not None:
-            files = (group_manifest(h.resolve(spec.group)) or {}).get("files") or {}
-            entry = files.get(spec.path[len(spec.group.rstrip("/")) + 1:])
-            return None if entry is None else FileSpec(spec.path, int(entry["size"]), entry["checksum"], spec.group)
+            m = group_manifest(h.resolve(spec.group))
+            entry = ((m or {}).get("files") or {}).get(spec.path[len(spec.group.rstrip("/")) + 1:])
+            if entry is None:
+                return REPLACED if m is not None else None
+            return FileSpec(spec.path, int(entry["size"]), entry["checksum"], spec.group)
         m = file_manifest(h.resolve(spec.path))
         return FileSpec(spec.path, None, m["checksum"]["value"]) if m else None
     except (OSError, ValueError, KeyError, TypeError):
