@@ -322,6 +322,10 @@ def test_a_directory_where_a_group_file_or_manifest_should_be_is_damage(home: st
         fastckpt.load(f"{home}/step-5/b.pt")
     r = run("verify", f"{home}/step-5")
     assert r.exit_code == 1 and "is a directory, not the group's manifest" in r.stderr, r.output
+    got = {e["name"]: (e["status"], e["problem"]) for e in json.loads(run("ls", home, "--json").stdout)["checkpoints"]}
+    assert got["step-5"][0] == "damaged" and "is a directory" in got["step-5"][1], got  # not "incomplete"
+    r = run("verify", home, "--json")
+    assert r.exit_code == 1 and f"{home}/step-5" in [b["path"] for b in json.loads(r.stdout)["bad"]], r.output
 
 
 def test_verify_latest_names_a_newer_damaged_checkpoint(tmp_path) -> None:

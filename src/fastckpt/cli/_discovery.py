@@ -188,8 +188,16 @@ def _incomplete(h: Homes, loc: Location) -> list[Entry]:
         if f"{g}/{GROUP_MANIFEST}" in members:
             continue
         sizes = [_size(h.resolve(join(loc.url, r))) for r in members]
-        out.append(Entry(join(loc.url, g), g, "group", "incomplete", None, sum(s or 0 for s in sizes),
-                         len(members), None))
+        where = h.resolve(join(loc.url, g))
+        status, problem = "incomplete", None
+        try:  # not listed, but there as something else (a directory in its place): damaged, not incomplete
+            read_group_manifest(where.place())
+        except CorruptCheckpointError as exc:
+            status, problem = "damaged", str(exc).removeprefix(f"{where.url}/")
+        except OSError:  # unreadable now: as listed
+            pass
+        out.append(Entry(where.url, g, "group", status, None, sum(s or 0 for s in sizes), len(members), None,
+                         problem=problem))
     return out
 
 
