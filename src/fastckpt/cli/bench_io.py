@@ -134,6 +134,30 @@ def _run(job: Job, progress: Callable[[int], None], stop: threading.Event, barri
         raise
 
 
+class _Flag:
+    """A flag shared with worker processes, without a lock: bench's workers may be killed at any
+    moment (an OOM kill, SIGKILL), and one killed inside an ``mp.Event`` call leaves that event's
+    lock held, so every later ``set`` or ``is_set`` (the parent stopping the other workers, the
+    workers checking for it) waits forever. Waiting polls every 0.2 ms."""
+
+    def __init__(self, ctx: mp.context.BaseContext) -> None:
+        self._v = ctx.RawValue("b", 0)
+
+    def set(self) -> None:
+        self._v.value = 1
+
+    def is_set(self) -> bool:
+        return bool(self._v.value)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._v.value:
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            time.sleep(0.0002)
+        return True
+
+
 class Phase:
     """One phase (all workers of this process doing one op) on threads or processes.
 
@@ -155,7 +179,7 @@ class Phase:
             self._pool = ThreadPoolExecutor(n, thread_name_prefix="fastckpt-bench")
         else:
             ctx = mp.get_context("spawn")  # no fork of a process that already runs threads
-            self._stop, self._go = ctx.Event(), ctx.Event()
+            self._stop, self._go = _Flag(ctx), _Flag(ctx)
             self._barrier = ctx.Barrier(n + 1)
             self._counts = ctx.Array("q", n, lock=False)
             self._queue = ctx.Queue()
@@ -240,8 +264,9 @@ class Phase:
 
     def stop(self) -> None:
         self._stop.set()
-        self._go.set()  # workers waiting to start see ``stop`` and end at once
-        self._barrier.abort()
+        if not self._go.is_set():  # workers still waiting to start see ``stop`` and end at once; once
+            self._go.set()  # started, the barrier is behind them (its lock may be a dead worker's)
+            self._barrier.abort()
 
     def close(self) -> None:
         self.stop()
