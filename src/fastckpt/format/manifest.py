@@ -149,8 +149,8 @@ def check_group_manifest(manifest: object) -> dict:
         raise CorruptCheckpointError(f"its files are {files!r:.100}, not an object naming each file")
     for rel, info in files.items():
         if not isinstance(info, dict) or not isinstance(info.get("checksum"), str) \
-                or not isinstance(info.get("size", 0), int) or isinstance(info.get("size"), bool) \
-                or info.get("size", 0) < 0:
+                or not isinstance(info.get("size"), int) or isinstance(info.get("size"), bool) \
+                or info["size"] < 0:
             raise CorruptCheckpointError(f"its entry for {rel!r:.100} is {info!r:.100}, not a size and checksum")
     if "digest" in manifest and manifest["digest"] != _group_digest(manifest):  # (older manifests have none)
         raise CorruptCheckpointError("its content does not match its digest: it was damaged after it was written")
