@@ -328,6 +328,28 @@ def test_a_directory_where_a_group_file_or_manifest_should_be_is_damage(home: st
     assert r.exit_code == 1 and f"{home}/step-5" in [b["path"] for b in json.loads(r.stdout)["bad"]], r.output
 
 
+@pytest.mark.timeout(120)
+def test_a_named_pipe_in_a_checkpoint_directory_never_blocks_a_reader(home: str) -> None:
+    """A named pipe beside checkpoints made latest, ls and verify DIR block for ever: the scan
+    opened it to read a manifest (helper review H7). The walk lists regular files only, and a
+    pipe standing where a file or a group's manifest should be reads as empty: damage."""
+    os.mkfifo(f"{home}/pipe.pt")
+    assert fastckpt.latest(home) == f"{home}/step-5"
+    r = run("ls", home, "--json")
+    assert r.exit_code == 0 and "pipe.pt" not in r.stdout, r.output
+    r = run("verify", home, "--json")
+    assert r.exit_code == 0 and json.loads(r.stdout)["checked"] == 4, r.output
+    for kw in ({}, {"mmap": True}):
+        with pytest.raises(fastckpt.CorruptCheckpointError, match="is empty"):
+            fastckpt.load(f"{home}/pipe.pt", **kw)
+    manifest = f"{home}/step-5/fastckpt-manifest.json"
+    os.unlink(manifest)
+    os.mkfifo(manifest)
+    with pytest.raises(fastckpt.CorruptCheckpointError, match="does not parse"):
+        fastckpt.load(f"{home}/step-5/b.pt")
+    assert fastckpt.latest(home) != f"{home}/step-5"
+
+
 def test_verify_latest_names_a_newer_damaged_checkpoint(tmp_path) -> None:
     """``verify --latest`` checks what a resume loads; a newer checkpoint that the resume passes
     over because its manifest is damaged is BAD too (once, --latest passed on the older one)."""

@@ -196,9 +196,10 @@ class FileOps:
             self.close(fd)
 
     def read_small(self, path: str) -> bytes | None:
-        """A small file's bytes (manifests, markers, pointers), or None when it does not exist."""
+        """A small file's bytes (manifests, markers, pointers), or None when it does not exist.
+        Opened non-blocking: a named pipe in its place reads as empty (damage), never blocks."""
         try:
-            fd = self.open(path, os.O_RDONLY)
+            fd = self.open(path, os.O_RDONLY | os.O_NONBLOCK)
         except FileNotFoundError:
             return None
         try:

@@ -27,27 +27,39 @@ def _key_dir(root: str, d: str) -> str:
     return "" if rel == "." else rel.replace(os.sep, "/") + "/"
 
 
+def _entries(d: str) -> tuple[list[str], list[str]]:
+    """(sub-directories, regular files) directly in ``d``, from the directory's own entry types:
+    no symbolic link, named pipe, socket or device is either (opening a pipe to read a manifest
+    from it would block the scan for ever). Nothing, where ``d`` cannot be read (as ``os.walk``)."""
+    try:
+        with os.scandir(d) as it:
+            entries = list(it)
+    except OSError:
+        return [], []
+    sub = [e.name for e in entries if e.is_dir(follow_symlinks=False)]
+    return sub, [e.name for e in entries if e.is_file(follow_symlinks=False)]
+
+
 def _walk(root: str, prefix: str, max_depth: int | None = None) -> Iterator[tuple[str, str, list[str]]]:
-    """(directory, its key prefix, its file names) of every directory that may hold a key
-    starting with ``prefix``, to ``max_depth`` levels below the walk's base."""
+    """(directory, its key prefix, its regular files' names) of every directory that may hold a
+    key starting with ``prefix``, to ``max_depth`` levels below the walk's base."""
     base = _base(root, prefix)
-    for d, dirs, files in os.walk(base):
+    todo = [(base, 0)]
+    while todo:
+        d, depth = todo.pop()
         at = _key_dir(root, d)
-        depth = 0 if d == base else os.path.relpath(d, base).count(os.sep) + 1
-        if max_depth is not None and depth >= max_depth:
-            dirs[:] = []
-        else:
-            dirs[:] = [x for x in dirs if not atomic.is_tmp(x)
-                       and ((k := f"{at}{x}/").startswith(prefix) or prefix.startswith(k))]
+        sub, files = _entries(d)
+        if max_depth is None or depth < max_depth:
+            todo += [(os.path.join(d, x), depth + 1) for x in sub if not atomic.is_tmp(x)
+                     and ((k := f"{at}{x}/").startswith(prefix) or prefix.startswith(k))]
         yield d, at, files
 
 
 def keys(root: str, prefix: str, max_depth: int | None) -> list[str]:
-    """``Target.list``: the keys of the regular files (no temp files, no symbolic links)."""
+    """``Target.list``: the keys of the regular files (no temp files, symbolic links or pipes)."""
     out = []
-    for d, at, files in _walk(root, prefix, max_depth):
-        out += [at + f for f in files if (at + f).startswith(prefix) and not atomic.is_tmp(f)
-                and not os.path.islink(os.path.join(d, f))]
+    for _d, at, files in _walk(root, prefix, max_depth):
+        out += [at + f for f in files if (at + f).startswith(prefix) and not atomic.is_tmp(f)]
     return sorted(out)
 
 
