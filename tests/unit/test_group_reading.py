@@ -106,6 +106,7 @@ def test_a_reading_at_a_url_checks_every_file_even_from_the_burst_buffer(tmp_pat
             assert ck.load(f"{g}/rank0.pt")["version"] == 1
             assert ck.stats().last_restore_from == "local"
             manifest["files"]["rank1.pt"]["checksum"] = "0" * 16  # as if another save were published since
+            manifest["attempt"] = "an earlier attempt"
             with pytest.raises(GroupChangedError, match=r"rank1\.pt is not the file group memory://"):
                 ck.load(f"{g}/rank1.pt")
 
@@ -140,3 +141,41 @@ def test_a_file_read_while_its_group_is_swapped_is_never_called_another_attempts
         else:
             assert reader.load(str(g / "rank0.pt"))["version"] == 2
     assert swapped.is_set()
+
+
+def _outcome(ck: fastckpt.Checkpointer, path: Path) -> str:
+    try:
+        return f"version {ck.load(str(path))['version']}"
+    except Exception as exc:  # noqa: BLE001 (the outcome compared is the error's type)
+        return type(exc).__name__
+
+
+@pytest.mark.parametrize("case", ["verified copy", "standalone file", "file moved over another",
+                                  "left by another attempt"])
+def test_a_reading_judges_the_group_files_as_a_load_outside_one_does(tmp_path: Path, case: str) -> None:
+    """Within a reading every file in the group's directory was refused as "saved again and
+    swapped in since", though the group never changed (helper review H3): a verified copy at a
+    path the group names nothing at, a standalone file, a file moved over another (damage), one
+    left by another attempt. Judged by the pinned manifest, each ends as it does outside one."""
+    g = tmp_path / "step-1"
+    _save(g, 1)
+    if case == "verified copy":
+        (g / "backup").mkdir()
+        (g / "backup" / "rank1.pt").write_bytes((g / "rank1.pt").read_bytes())
+        path, want = g / "backup" / "rank1.pt", "version 1"
+    elif case == "standalone file":
+        with fastckpt.Checkpointer() as ck:
+            ck.save(_state(7, 0), str(g / "extra.pt")).wait()
+        path, want = g / "extra.pt", "version 7"
+    elif case == "file moved over another":
+        (g / "rank1.pt").write_bytes((g / "rank0.pt").read_bytes())
+        path, want = g / "rank1.pt", "CorruptCheckpointError"
+    else:  # a save of the same tag elsewhere, its file put here: this group's published manifest names another
+        _save(tmp_path / "other" / "step-1", 2)
+        (g / "rank1.pt").write_bytes((tmp_path / "other" / "step-1" / "rank1.pt").read_bytes())
+        path, want = g / "rank1.pt", "NotPublishedError"
+    with fastckpt.Checkpointer() as ck:
+        assert _outcome(ck, path) == want
+        with ck.reading(str(g)):
+            assert _outcome(ck, path) == want
+            assert _outcome(ck, g / "rank0.pt") == "version 1"

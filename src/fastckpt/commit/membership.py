@@ -5,6 +5,7 @@ load of a group's file makes (``require_complete_group``). docs/groups.md, "Atte
 from __future__ import annotations
 
 import posixpath
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ..errors import CorruptCheckpointError, IncompleteCheckpointError
@@ -46,64 +47,72 @@ def group_dir(url: str, manifest: dict) -> str | None:
 
 class NotPublishedError(IncompleteCheckpointError):
     """A group's file that its group's published manifest does not name (another attempt's);
-    ``seen``: that manifest's attempt and commit time, to tell whether the group changed since."""
+    ``group``: that group's directory; ``seen``: that manifest's attempt and commit time, to tell
+    whether the group changed since."""
 
-    def __init__(self, message: str, seen: tuple[object, object]) -> None:
+    def __init__(self, message: str, group: str, seen: tuple[object, object]) -> None:
         super().__init__(message)
-        self.seen = seen
+        self.group, self.seen = group, seen
 
 
 @dataclass(frozen=True)
 class InGroup:
     """Where a group's file stands in the group it lies in (``group_entry``)."""
     place: Place  # the group's directory
+    dir: str  # its URL
     published: dict | None  # its published manifest; None before it is published
     entry: dict | None  # what that manifest names at the file's path (else where the file was written)
     moved: bool  # ``entry`` is for the file's path, which is not where the file was written
 
 
-def group_entry(homes: Homes, url: str, manifest: dict) -> InGroup | None:
+def group_entry(homes: Homes, url: str, manifest: dict, pinned: Mapping[str, dict] | None = None) -> InGroup | None:
     """For a group's file: the group it lies in and what that group names where the file lies.
 
     That is its own group (``group_dir``), looked up first at the file's path under it, then at
     the place the file was written (``group_rel``: a copy elsewhere in the group, which its
     checksum verifies). A group file outside its own group (copied into another step's directory)
     lies in a published group when the directory as far above it as ``group_rel`` is deep, or its
-    parent, has a manifest naming the file's path. None for a file in no group."""
+    parent, has a manifest naming the file's path. None for a file in no group.
+
+    ``pinned``: group directory -> the manifest to judge by instead of its published one now
+    (``Checkpointer.reading``)."""
     rel = manifest.get("group_rel") or posixpath.basename(url)
     group = group_dir(url, manifest)
+
+    def published_at(d: str) -> tuple[Place, dict | None]:
+        place = homes.resolve(d).place()
+        return place, pinned[d] if pinned and d in pinned else read_group_manifest(place)
+
     if group is None:
         if not manifest.get("group"):
             return None
         ups = {posixpath.dirname(url), url[: -len(rel) - 1] if url.endswith("/" + rel) else ""}
         for up in sorted(u for u in ups if u):
-            place = homes.resolve(up).place()
-            published = read_group_manifest(place)
+            place, published = published_at(up)
             entry = ((published or {}).get("files") or {}).get(url[len(up) + 1:])
             if entry is not None:
-                return InGroup(place, published, entry, moved=True)
+                return InGroup(place, up, published, entry, moved=True)
         return None
-    place = homes.resolve(group).place()
-    published = read_group_manifest(place)
+    place, published = published_at(group)
     files, here = (published or {}).get("files") or {}, url[len(group) + 1:]
     if here in files:
-        return InGroup(place, published, files[here], moved=here != rel)
-    return InGroup(place, published, files.get(rel), moved=False)
+        return InGroup(place, group, published, files[here], moved=here != rel)
+    return InGroup(place, group, published, files.get(rel), moved=False)
 
 
-def require_complete_group(homes: Homes, url: str, manifest: dict) -> None:
+def require_complete_group(homes: Homes, url: str, manifest: dict, pinned: Mapping[str, dict] | None = None) -> None:
     """A file in its group (``group_dir``) may be loaded only once the group is published, and
     only if it is the file the group's manifest names (same checksum): a file left by another
     attempt at the same tag never loads as part of the published group. A file lying where a
     published group names another file (moved or copied over it, from this group or another)
-    never loads as that file.
+    never loads as that file. ``pinned``: as ``group_entry``.
 
     Raises:
         IncompleteCheckpointError: naming the group and the ranks that never committed, or the
             attempt the file does not belong to.
         CorruptCheckpointError: the file lies where its group names another file.
     """
-    found = group_entry(homes, url, manifest)
+    found = group_entry(homes, url, manifest, pinned)
     if found is None:
         return
     label, entry = found.place.label, found.entry
@@ -121,4 +130,4 @@ def require_complete_group(homes: Homes, url: str, manifest: dict) -> None:
         f"{url} is not part of checkpoint group {label} as published: its manifest "
         f"{'does not name it' if entry is None else 'names another version of it'} (the file was left by "
         "another attempt at this tag). Load the group's published files, or fastckpt.latest(<parent dir>).",
-        (found.published.get("attempt"), found.published.get("committed_at")))
+        found.dir, (found.published.get("attempt"), found.published.get("committed_at")))

@@ -94,7 +94,7 @@ class Loaded:
     size: int
     where: str
     verified: bool = True
-    checksum: str | None = None  # the one its manifest records (verified): None when unverified
+    manifest: dict | None = None  # its own (its checksum verified): None when unverified
 
 
 class Loader:
@@ -153,14 +153,14 @@ class Loader:
         candidates, replaceable = self._candidates(path, home)
         if opts.prefetch and not home.target.mounted and replaceable:
             got = self._prefetch(path, home, opts)
-            self._pins.check(path, got.checksum)
+            self._pins.check(path, got.manifest)
             return got
         corrupt: CorruptCheckpointError | None = None  # an earlier copy's damage
         earlier: BaseException | None = None  # an earlier copy's failure
         for i, (loc, where) in enumerate(candidates):
             try:
                 got = self._read_current(loc, opts, loc.url, where, self._pins.pinned(path))
-                self._pins.check(path, got.checksum)
+                self._pins.check(path, got.manifest)
                 return got
             except (CorruptCheckpointError, OSError) as exc:
                 if i + 1 == len(candidates):
@@ -307,7 +307,7 @@ class Loader:
                 f"{loc.url} is corrupt: checksum {res.checksum} != {want} recorded when it was written. "
                 "Restore from another copy or an earlier checkpoint (fastckpt.latest(...)).")
         obj = deserialize(res.buffer, res.size, opts.map_location, opts.weights_only, loc.url)
-        return Loaded(opts.done(obj), url, res.size, where, checksum=want)
+        return Loaded(opts.done(obj), url, res.size, where, manifest=res.manifest)
 
 
 def _plain_copies(local: Location, home: Location) -> str:

@@ -8,6 +8,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from ..commit.membership import NotPublishedError, require_complete_group
 from ..commit.protocol import incomplete_group_error, read_group_manifest
 from ..errors import GroupChangedError
 from ..storage.homes import Homes
@@ -50,20 +51,30 @@ class Pins:
         pinned manifest, instead of the group's manifest as it is now."""
         return any(path.startswith(group.rstrip("/") + "/") for group in self._groups())
 
-    def check(self, path: str, checksum: str | None) -> None:
-        """A file of a pinned group (its verified ``checksum``) must be the one its pinned
-        manifest names at ``path``.
+    def check(self, path: str, manifest: dict | None) -> None:
+        """A verified file (its own ``manifest``) at ``path`` in a pinned group loads as the
+        group's file only as ``require_complete_group`` allows, judged by the pinned manifest:
+        a copy its checksum verifies and a standalone file load, a file moved over another is
+        damage, and one the pinned manifest does not name is of a save swapped in since.
 
         Raises:
-            GroupChangedError: it is not (the group was saved again and swapped in since).
+            GroupChangedError: the file is of a save of the group swapped in since the pin.
+            CorruptCheckpointError, IncompleteCheckpointError: as ``require_complete_group``.
         """
-        for group, manifest in self._groups().items():
-            if checksum is None or not path.startswith(group.rstrip("/") + "/"):
-                continue
-            entry = (manifest.get("files") or {}).get(path[len(group.rstrip("/")) + 1:])
-            if entry is None or entry.get("checksum") != checksum:
-                raise GroupChangedError(
-                    f"{path} is not the file group {group} held when reading it began (committed at "
-                    f"{manifest.get('committed_at')}, attempt {manifest.get('attempt')}): the group was saved again "
-                    "and swapped in since, so the files loaded before are of the earlier save. Nothing was mixed: "
-                    "load the group again (all its files, in a new reading()).")
+        if manifest is None or not self.pinned(path):
+            return
+        pins = {group.rstrip("/"): m for group, m in self._groups().items()}
+        try:
+            require_complete_group(self._homes, path, manifest, pins)
+        except NotPublishedError as exc:
+            if exc.group not in pins:
+                raise
+            now = read_group_manifest(self._homes.resolve(exc.group).place()) or {}
+            if (now.get("attempt"), now.get("committed_at")) == exc.seen:
+                raise  # the pinned save is still the published one: a file left by another attempt
+            pin = pins[exc.group]
+            raise GroupChangedError(
+                f"{path} is not the file group {exc.group} held when reading it began (committed at "
+                f"{pin.get('committed_at')}, attempt {pin.get('attempt')}): the group was saved again "
+                "and swapped in since, so the files loaded before are of the earlier save. Nothing was mixed: "
+                "load the group again (all its files, in a new reading()).") from exc
