@@ -232,6 +232,44 @@ def test_a_group_file_moved_over_another_never_loads_as_it(tmp_path: Path) -> No
     assert fastckpt.load(str(old / "rank1.pt"))["version"] == 10
 
 
+def test_a_group_file_copied_deeper_than_it_was_written_never_loads_as_another_groups(tmp_path: Path) -> None:
+    """step-10's rank1.pt (written at the group's top) copied over step-20's sub/rank1.pt loaded
+    silently as step-20's file: only the directory as deep as the file was written, or its
+    parent, was asked for a manifest naming it (helper review H1). Every directory above is."""
+    old, new = tmp_path / "step-10", tmp_path / "step-20"
+    cks = [_ck(r, None) for r in (0, 1)]
+    _save_all(cks, old, 10)
+    for ck in cks:
+        ck.save(_state(20, ck.rank), str(new / f"rank{ck.rank}.pt"), group=str(new))
+        ck.save(_state(21, ck.rank), str(new / "sub" / "deeper" / f"rank{ck.rank}.pt"), group=str(new))
+    for h in [ck.commit(str(new), step=20) for ck in cks]:
+        h.wait(60)
+    _close(cks)
+    target = new / "sub" / "deeper" / "rank1.pt"
+    assert fastckpt.load(str(target))["version"] == 21
+    shutil.copy(old / "rank1.pt", target)
+    with pytest.raises(CorruptCheckpointError, match=r"written as 'rank1.pt' of group 'step-10'"):
+        fastckpt.load(str(target))
+    (new / "sub" / "deeper" / "extra.pt").write_bytes((old / "rank1.pt").read_bytes())  # named nothing there
+    assert fastckpt.load(str(new / "sub" / "deeper" / "extra.pt"))["version"] == 10  # a verified copy
+
+
+def test_a_group_copied_whole_under_a_directory_of_its_own_name_loads(tmp_path: Path) -> None:
+    """A published group copied to archive/step-20/old/ (a directory of the group's name above the
+    copy) was refused as incomplete: the directory of its name above was taken for the group
+    instead of the copy's own, published one (helper review H2)."""
+    g = tmp_path / "step-20"
+    cks = [_ck(r, None) for r in (0, 1)]
+    _save_all(cks, g, 20)
+    _close(cks)
+    copy = tmp_path / "archive" / "step-20" / "old"
+    shutil.copytree(g, copy)
+    assert [fastckpt.load(str(copy / f"rank{r}.pt"))["version"] for r in (0, 1)] == [20, 20]
+    shutil.copy(copy / "rank0.pt", copy / "rank1.pt")  # a file moved over another in the copy is still damage
+    with pytest.raises(CorruptCheckpointError, match="moved or copied here"):
+        fastckpt.load(str(copy / "rank1.pt"))
+
+
 # --------------------------------------------------------------------------- item 7
 def test_remove_cancels_the_commit_on_every_rank(tmp_path: Path, store: object | None) -> None:
     """Each rank's cancelled commit is reported as a failed one: one group ``commit`` event with

@@ -65,14 +65,32 @@ class InGroup:
     moved: bool  # ``entry`` is for the file's path, which is not where the file was written
 
 
+MAX_UP = 8  # directories above a group's file copied out of its group searched for the group it now lies in
+
+
+def _ancestors(url: str) -> list[str]:
+    """The directories above ``url``, nearest first, ``MAX_UP`` at most, none above its bucket."""
+    floor = url.index("://") + 3 if "://" in url else 1
+    out, d = [], posixpath.dirname(url)
+    while len(d) > floor and len(out) < MAX_UP:
+        out.append(d)
+        d, up = posixpath.dirname(d), d
+        if d == up:
+            break
+    return out
+
+
 def group_entry(homes: Homes, url: str, manifest: dict, pinned: Mapping[str, dict] | None = None) -> InGroup | None:
     """For a group's file: the group it lies in and what that group names where the file lies.
 
     That is its own group (``group_dir``), looked up first at the file's path under it, then at
     the place the file was written (``group_rel``: a copy elsewhere in the group, which its
-    checksum verifies). A group file outside its own group (copied into another step's directory)
-    lies in a published group when the directory as far above it as ``group_rel`` is deep, or its
-    parent, has a manifest naming the file's path. None for a file in no group.
+    checksum verifies). A file not where it was written lies in the nearest published group
+    below that one: a copy of the whole group under a directory of the group's name is the group
+    the copy's own manifest publishes. A group file outside its own group (copied into
+    another step's directory, at any depth) lies in the nearest directory above it with a
+    published manifest, and is judged as that group's file where that manifest names its path.
+    None for a file in no group.
 
     ``pinned``: group directory -> the manifest to judge by instead of its published one now
     (``Checkpointer.reading``)."""
@@ -86,14 +104,17 @@ def group_entry(homes: Homes, url: str, manifest: dict, pinned: Mapping[str, dic
     if group is None:
         if not manifest.get("group"):
             return None
-        ups = {posixpath.dirname(url), url[: -len(rel) - 1] if url.endswith("/" + rel) else ""}
-        for up in sorted(u for u in ups if u):
+        for up in _ancestors(url):
             place, published = published_at(up)
-            entry = ((published or {}).get("files") or {}).get(url[len(up) + 1:])
-            if entry is not None:
-                return InGroup(place, up, published, entry, moved=True)
+            if published is not None:
+                entry = (published.get("files") or {}).get(url[len(up) + 1:])
+                return None if entry is None else InGroup(place, up, published, entry, moved=True)
         return None
-    place, published = published_at(group)
+    found = None
+    if not url.endswith(f"{group}/{rel}"):  # not where it was written: a copy of the group below may hold it
+        below = [up for up in _ancestors(url) if up.startswith(group + "/")]
+        found = next(((up, *at) for up in below if (at := published_at(up))[1] is not None), None)
+    group, place, published = found or (group, *published_at(group))
     files, here = (published or {}).get("files") or {}, url[len(group) + 1:]
     if here in files:
         return InGroup(place, group, published, files[here], moved=here != rel)
