@@ -350,3 +350,45 @@ def test_s3_load_from_a_missing_bucket_names_the_bucket(s3_server, tmp_path, pre
         with pytest.raises(BucketNotFoundError, match="bucket 'no-such-bucket-fastckpt' does not exist") as ei:
             ck.load(url, prefetch=prefetch)
     assert not isinstance(ei.value, fastckpt.CheckpointNotFoundError)
+
+
+def _save_group(g: str, local_dir: str, names: tuple[str, ...]) -> None:
+    """Two ranks save ``names`` (alternately) into group ``g`` with a burst buffer, and commit."""
+    cks = [fastckpt.Checkpointer(rank=r, world_size=2, local_dir=local_dir, commit_timeout_s=60) for r in (0, 1)]
+    try:
+        for i, name in enumerate(names):
+            cks[i % 2].save({**_state(10 + i), "name": name}, f"{g}/{name}", group=g)
+        for h in [ck.commit(g, step=10) for ck in cks]:
+            h.wait(60)
+    finally:
+        for ck in cks:
+            ck.close()
+
+
+def test_a_prefetch_of_a_group_file_on_a_fresh_node_is_judged_by_its_home_group(tmp_path, caplog) -> None:
+    """A node whose burst buffer never held the group loads one of its files with prefetch=True:
+    the download was judged by the group in the burst buffer, which has no manifest there, and
+    refused as incomplete (helper review H6); later loads fell back to the remote with a warning.
+    A burst-buffer copy in a directory without a published group is judged by its home's group."""
+    g = _memory_url("step-10")
+    _save_group(g, str(tmp_path / "saver"), ("model.pt", "zero/opt.pt"))
+    with fastckpt.Checkpointer(local_dir=str(tmp_path / "fresh")) as fresh, caplog.at_level("WARNING", "fastckpt"):
+        assert fresh.load(f"{g}/zero/opt.pt", prefetch=True)["name"] == "zero/opt.pt"
+        assert fresh.stats().last_restore_from == "remote (prefetched)"
+        assert fresh.load(f"{g}/zero/opt.pt")["name"] == "zero/opt.pt"
+        assert fresh.stats().last_restore_from == "local"
+    assert not [r for r in caplog.records if "unusable" in r.getMessage()]
+
+
+def test_a_home_file_overwritten_by_another_of_its_group_loads_the_intact_local_copy(tmp_path) -> None:
+    """opt.pt copied over model.pt at a mounted home: the burst-buffer copy of model.pt is the
+    file the published manifest names there, but the home file's own manifest (opt.pt's, written
+    no later) made it "an older save" and only the home was tried (helper review H5)."""
+    g = str(tmp_path / "home" / "step-20")
+    local = str(tmp_path / "nvme")
+    _save_group(g, local, ("model.pt", "opt.pt"))
+    (tmp_path / "home" / "step-20" / "model.pt").write_bytes((tmp_path / "home" / "step-20" / "opt.pt").read_bytes())
+    with fastckpt.Checkpointer(local_dir=local) as ck:
+        assert ck.load(f"{g}/model.pt")["name"] == "model.pt" and ck.stats().last_restore_from == "local"
+    with pytest.raises(CorruptCheckpointError, match="moved or copied here"):
+        fastckpt.load(f"{g}/model.pt")  # without the burst buffer: the home's file is damage

@@ -114,19 +114,19 @@ class Loader:
         """``Checkpointer.reading`` (``load.pins``)."""
         return self._pins.reading(group)
 
-    def _read_current(self, loc: Location, opts: LoadOptions, url: str, where: str, pinned: bool) -> Loaded:
+    def _read_current(self, loc: Location, opts: LoadOptions, url: str, where: str, home: str) -> Loaded:
         """``_read``, checking a group's file against its group's manifest as published now (within
         ``reading``: only against the pinned one, ``Pins.check``). A file whose group published
         another attempt between the read of its bytes and that check (the tag re-saved and swapped
         in) is read once more; a group that changed again meanwhile raises ``GroupChangedError``."""
-        if pinned:
-            return self._read(loc, opts, url, where, check_group=False)
+        if self._pins.pinned(home):
+            return self._read(loc, opts, url, where, home=None)
         try:
-            return self._read(loc, opts, url, where)
+            return self._read(loc, opts, url, where, home)
         except NotPublishedError as first:
             seen = first.seen
         try:
-            return self._read(loc, opts, url, where)
+            return self._read(loc, opts, url, where, home)
         except NotPublishedError as again:
             if again.seen == seen:
                 raise  # the same published group names another file there: one left by another attempt
@@ -159,7 +159,7 @@ class Loader:
         earlier: BaseException | None = None  # an earlier copy's failure
         for i, (loc, where) in enumerate(candidates):
             try:
-                got = self._read_current(loc, opts, loc.url, where, self._pins.pinned(path))
+                got = self._read_current(loc, opts, loc.url, where, path)
                 self._pins.check(path, got.manifest)
                 return got
             except (CorruptCheckpointError, OSError) as exc:
@@ -191,7 +191,7 @@ class Loader:
         except FileNotFoundError as exc:  # as a load without prefetch says it: nothing there to resume from
             raise _not_found(path, [(home, "remote")], exc) from exc
         try:
-            return self._read_current(local, opts, path, "remote (prefetched)", self._pins.pinned(path))
+            return self._read_current(local, opts, path, "remote (prefetched)", path)
         except CorruptCheckpointError as exc:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(local.url)
@@ -241,6 +241,9 @@ class Loader:
                     return theirs
                 if theirs is None:  # a complete plain zip replaced ours there (torch.save, DeepSpeed); else
                     return OTHER if torch_zip(home.target, home.key) is not None else HOME_FIRST  # ours, damaged
+                if ours and theirs.get("group") and theirs["checksum"] != ours["checksum"] and \
+                        self._in_group(home, theirs) == {"checksum": {"value": ours["checksum"]["value"]}}:
+                    return SAME  # another of the group's files moved over the home's: ours is the one published
             else:
                 theirs = read_sidecar(home, deadline_s=SAME_SAVE_CHECK_S) or self._in_group(home, ours)
                 if theirs is None and ours is None:
@@ -285,7 +288,18 @@ class Loader:
         entry = found.entry if found else None
         return {"checksum": {"value": entry["checksum"]}} if entry else None
 
-    def _read(self, loc: Location, opts: LoadOptions, url: str, where: str, check_group: bool = True) -> Loaded:
+    def _check_group(self, url: str, home: str, manifest: dict) -> None:
+        """``require_complete_group`` for a copy at ``url`` of the file at ``home``; a burst-buffer
+        copy whose directory holds no published group (a prefetch's download on a fresh node, a
+        local re-save under way) is judged by the group at its home instead."""
+        try:
+            require_complete_group(self._homes, url, manifest)
+        except IncompleteCheckpointError as exc:
+            if url == home or isinstance(exc, NotPublishedError):
+                raise
+            require_complete_group(self._homes, home, manifest)
+
+    def _read(self, loc: Location, opts: LoadOptions, url: str, where: str, home: str | None) -> Loaded:
         res = loc.target.read_object(loc.key, chunk_bytes=self._chunk, mapped=opts.mmap, into=opts.image(loc.url))
         if res.manifest is None:
             if opts.verify:
@@ -299,8 +313,8 @@ class Loader:
             obj = load_unverified(res, loc.url, opts)  # a damaged one raises: no "loading unverified" then
             warn_unverified(loc.url)
             return Loaded(opts.done(obj), url, res.size, where, verified=False)
-        if check_group:
-            require_complete_group(self._homes, loc.url, res.manifest)
+        if home is not None:  # None: within a reading, Pins.check judges it
+            self._check_group(loc.url, home, res.manifest)
         want = res.manifest["checksum"]["value"]
         if res.checksum != want:
             raise CorruptCheckpointError(
