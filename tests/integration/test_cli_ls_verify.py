@@ -328,6 +328,24 @@ def test_a_directory_where_a_group_file_or_manifest_should_be_is_damage(home: st
     assert r.exit_code == 1 and f"{home}/step-5" in [b["path"] for b in json.loads(r.stdout)["bad"]], r.output
 
 
+def test_verify_of_one_group_file_says_what_load_says(home: str) -> None:
+    """``verify step-5/a.pt`` said ok for a file that load refuses (b.pt copied over it: whole,
+    but not the file its group published there). Named alone, a group's file is judged by its
+    group as a load judges it; its intact sibling stays ok."""
+    g = f"{home}/step-6"
+    with fastckpt.Checkpointer() as ck:
+        for i, name in enumerate(("a.pt", "b.pt")):
+            ck.save(state(6 + i), f"{g}/{name}", group=g)
+        ck.commit(g, step=6).wait()
+    with open(f"{g}/b.pt", "rb") as src, open(f"{g}/a.pt", "wb") as dst:
+        dst.write(src.read())
+    r = run("verify", f"{g}/a.pt")
+    assert r.exit_code == 1 and "moved or copied here, over the group's own file" in r.stderr, r.output
+    with pytest.raises(fastckpt.CorruptCheckpointError, match="moved or copied here"):
+        fastckpt.load(f"{g}/a.pt")
+    assert run("verify", f"{g}/b.pt").exit_code == 0
+
+
 @pytest.mark.timeout(120)
 def test_a_named_pipe_in_a_checkpoint_directory_never_blocks_a_reader(home: str) -> None:
     """A named pipe beside checkpoints made latest, ls and verify DIR block for ever: the scan

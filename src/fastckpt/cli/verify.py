@@ -15,8 +15,9 @@ from dataclasses import dataclass
 
 import click
 
+from ..commit.membership import require_complete_group
 from ..commit.names import SIDECAR
-from ..errors import CorruptCheckpointError, FastCkptError
+from ..errors import CorruptCheckpointError, FastCkptError, IncompleteCheckpointError
 from ..storage.homes import Homes
 from ..urls import normalize
 from ._common import (
@@ -148,6 +149,11 @@ def _check(h: Homes, spec: FileSpec, on_bytes=None) -> str | None:  # noqa: ANN0
         return f"{size} bytes, but {spec.size} were committed"
     if spec.checksum is not None and want != spec.checksum:
         return f"its manifest records checksum {want}, the checkpoint's manifest {spec.checksum}"
+    if spec.group is None and own.get("group"):  # a group's file named alone: it loads as its group allows
+        try:
+            require_complete_group(h, spec.path, own)
+        except (CorruptCheckpointError, IncompleteCheckpointError) as exc:
+            return str(exc).removeprefix(f"{spec.path} ")
     loc = h.resolve(spec.path)
     try:
         loc.target.verify(loc.key, size, want, covered)
