@@ -360,6 +360,7 @@ def test_a_named_pipe_in_a_checkpoint_directory_never_blocks_a_reader(home: str)
     for kw in ({}, {"mmap": True}):
         with pytest.raises(fastckpt.CorruptCheckpointError, match="is empty"):
             fastckpt.load(f"{home}/pipe.pt", **kw)
+    assert run("verify", f"{home}/pipe.pt").exit_code == 1  # named alone: not a checkpoint, and no hang
     manifest = f"{home}/step-5/fastckpt-manifest.json"
     os.unlink(manifest)
     os.mkfifo(manifest)

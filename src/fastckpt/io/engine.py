@@ -22,7 +22,7 @@ from ..format import checksum
 from ..format.align import ALIGN, round_up
 from ..format.manifest import TAIL_BYTES, manifest_in
 from .image import BlockFetch, BlockStream, FlatImage, Image, block_digests, image_digests
-from .ops import FileOps, Residency, pwrite_all
+from .ops import READ, FileOps, Residency, pwrite_all
 from .parts import PartReader, alloc_aligned
 
 log = logging.getLogger("fastckpt")
@@ -76,15 +76,13 @@ def open_for_write(ops: FileOps, path: str, want_direct: bool) -> tuple[int, boo
 
 
 def open_for_read(ops: FileOps, path: str, want_direct: bool) -> tuple[int, bool]:
-    """Non-blocking (no effect on a regular file): a named pipe in a file's place reads as an
-    empty file, which is damage, instead of blocking the reader until something writes to it."""
     if want_direct and _O_DIRECT:
         try:
-            return ops.open(path, os.O_RDONLY | os.O_NONBLOCK | _O_DIRECT), True
+            return ops.open(path, READ | _O_DIRECT), True
         except OSError as exc:
             if exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
                 raise
-    return ops.open(path, os.O_RDONLY | os.O_NONBLOCK), False
+    return ops.open(path, READ), False
 
 
 def write_file(
@@ -292,7 +290,7 @@ def map_file(ops: FileOps, pool: Executor, path: str, *, chunk_bytes: int, odire
     by rename); truncating it would make access to the lost pages raise SIGBUS. A file system
     that cannot map files (``ENODEV``) is read as ``read_file`` reads it.
     """
-    fd = ops.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a named pipe: empty, as in open_for_read
+    fd = ops.open(path, READ)
     try:
         size = os.fstat(fd).st_size
         if size == 0:  # nothing to map: an empty buffer, judged like any empty file

@@ -19,6 +19,10 @@ import os
 from typing import Self
 
 _RWF_NOWAIT = getattr(os, "RWF_NOWAIT", 0)
+#: How fastckpt opens a file to read it. Non-blocking, which changes nothing for a regular file:
+#: a named pipe standing where a file, manifest or pointer should be reads as empty (damage)
+#: instead of blocking the reader until something writes to it.
+READ = os.O_RDONLY | os.O_NONBLOCK
 
 
 _LIBC = ctypes.CDLL(None, use_errno=True)
@@ -196,10 +200,9 @@ class FileOps:
             self.close(fd)
 
     def read_small(self, path: str) -> bytes | None:
-        """A small file's bytes (manifests, markers, pointers), or None when it does not exist.
-        Opened non-blocking: a named pipe in its place reads as empty (damage), never blocks."""
+        """A small file's bytes (manifests, markers, pointers), or None when it does not exist."""
         try:
-            fd = self.open(path, os.O_RDONLY | os.O_NONBLOCK)
+            fd = self.open(path, READ)
         except FileNotFoundError:
             return None
         try:

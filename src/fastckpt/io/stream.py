@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from ..format import checksum
 from ..format.align import ALIGN
 from .engine import alloc_aligned, block_digests, open_for_read, open_for_write, round_up, run_chunks
-from .ops import FileOps, pread_exact, pwrite_all
+from .ops import READ, FileOps, pread_exact, pwrite_all
 
 log = logging.getLogger(__name__)
 
@@ -156,7 +156,7 @@ def drop_cache(ops: FileOps, path: str) -> None:
     """Evict a file's cached pages (a hint), so that the next read comes from storage, not from
     memory: a read-back that proves what the device holds. A missing file is left to the read."""
     try:
-        fd = ops.open(path, os.O_RDONLY)
+        fd = ops.open(path, READ)
     except OSError:
         return
     try:

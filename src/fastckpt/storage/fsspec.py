@@ -29,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
-import os
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor
@@ -37,7 +36,7 @@ from concurrent.futures import Executor
 from ..config import DEFAULT_RETRY_DEADLINE_S
 from ..errors import ConfigError, ReplicationError
 from ..io.atomic import is_tmp, tmp_name
-from ..io.ops import FileOps, pread_exact
+from ..io.ops import READ, FileOps, pread_exact
 from ..units import MiB
 from ..urls import check_key
 from .base import T, Target
@@ -184,7 +183,7 @@ class FsspecTarget(Target):
     # ------------------------------------------------------------------ writing
     def _put_file(self, local_path: str, key: str, size: int, limiter: TokenBucket | None, chunk_bytes: int,
                   progress: Progress, expect: Expected | None) -> int:
-        fd = self.ops.open(local_path, os.O_RDONLY)
+        fd = self.ops.open(local_path, READ)
         try:
             if self.is_s3:
                 session = S3Session(self._s3, self._retry, self._head, self.ops, self.parallelism,

@@ -23,7 +23,7 @@ from ..errors import CorruptCheckpointError, ReplicationError
 from ..format import checksum
 from ..io import atomic
 from ..io.engine import ImageFactory, ReadResult, map_file, read_file
-from ..io.ops import FileOps, pread_exact, pwrite_all
+from ..io.ops import READ, FileOps, pread_exact, pwrite_all
 from ..io.stream import checksum_file, copy_file, drop_cache
 from ..units import MiB
 from ..urls import check_key
@@ -130,7 +130,7 @@ class PosixTarget(Target):
 
         def copy() -> int:
             reported = progress.done  # a retry starts over: report only bytes beyond the last attempt
-            src = self.ops.open(local_path, os.O_RDONLY)
+            src = self.ops.open(local_path, READ)
 
             def write(fd: int) -> None:
                 nonlocal reported
@@ -274,7 +274,7 @@ class PosixTarget(Target):
         path = self._path(key)  # a file has no versions to ask for: read_object reads through one descriptor
 
         def read() -> bytes:
-            fd = self.ops.open(path, os.O_RDONLY)
+            fd = self.ops.open(path, READ)
             try:
                 buf = bytearray(length)
                 pread_exact(self.ops, fd, memoryview(buf), offset, length, path)

@@ -25,7 +25,7 @@ from ..format.manifest import TAIL_BYTES, manifest_in
 from ..io import atomic
 from ..io.engine import ImageFactory, ReadResult, alloc_aligned, block_digests
 from ..io.image import BlockFetch, FlatImage, image_digests
-from ..io.ops import FileOps, pread_exact, pwrite_all
+from ..io.ops import READ, FileOps, pread_exact, pwrite_all
 from ..urls import check_key
 from .types import ObjectChangedError, TokenBucket, as_limiter, storage_error
 
@@ -201,7 +201,7 @@ def file_tail(ops: FileOps, path: str) -> tuple[int, None, bytes]:
     """The size and last ``TAIL_BYTES`` of the file at ``path``, through one descriptor (fstat,
     pread), as ``read_object`` reads it: a save renamed over the path meanwhile gives the old file
     or the new one, never the old one's size with the new one's tail (a false "damaged trailer")."""
-    fd = ops.open(path, os.O_RDONLY)
+    fd = ops.open(path, READ)
     try:
         size = os.fstat(fd).st_size
         tail = bytearray(min(size, TAIL_BYTES))
