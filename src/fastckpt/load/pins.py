@@ -49,7 +49,7 @@ class Pins:
     def pinned(self, path: str) -> bool:
         """Whether ``path`` lies in a group this thread reads: ``check`` decides for it, against the
         pinned manifest, instead of the group's manifest as it is now."""
-        return any(path.startswith(group.rstrip("/") + "/") for group in self._groups())
+        return any(path.startswith(group + "/") for group in self._groups())
 
     def check(self, path: str, manifest: dict | None) -> None:
         """A verified file (its own ``manifest``) at ``path`` in a pinned group loads as the
@@ -63,7 +63,7 @@ class Pins:
         """
         if manifest is None or not self.pinned(path):
             return
-        pins = {group.rstrip("/"): m for group, m in self._groups().items()}
+        pins = self._groups()
         try:
             require_complete_group(self._homes, path, manifest, pins)
         except NotPublishedError as exc:
