@@ -107,6 +107,18 @@ def space(path: str) -> Space | None:
     return Space(m.mountpoint if m else where, st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize)
 
 
+def mem_available(path: str = "/proc/meminfo") -> int | None:
+    """Bytes of memory available to new allocations (``MemAvailable``), or None where unknown."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
 def cpu_times(path: str = "/proc/stat") -> tuple[float, float] | None:
     """(iowait seconds, total seconds) of all CPUs since boot, or None without /proc/stat."""
     try:

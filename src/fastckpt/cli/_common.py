@@ -139,6 +139,27 @@ class _FinitePositive(click.ParamType):
         return number
 
 
+class FiniteRange(click.FloatRange):
+    """``click.FloatRange`` that also refuses ``nan`` and ``inf`` (a range check lets ``nan``
+    through, and a ``nan`` threshold turns every comparison into a pass)."""
+
+    def convert(self, value, param, ctx):  # noqa: ANN001, ANN201 (click's signature)
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number", param, ctx)
+        return number
+
+
+# the most a count option takes: far above any real job, and small enough that every later
+# sum, product and float conversion stays exact and finite (a 400-digit --gpus overflowed)
+MAX_COUNT = 10**9
+
+
+def count_range(low: int = 1, high: int = MAX_COUNT) -> click.IntRange:
+    """An integer option from ``low`` to ``high`` (both included)."""
+    return click.IntRange(low, high)
+
+
 SIZE = _Parsed("size", parse_size, positive=True)
 SIZE_OR_ZERO = _Parsed("size", parse_size)  # 0 turns something off (doctor --probe-size)
 BANDWIDTH = _Parsed("bandwidth", parse_bandwidth, positive=True)

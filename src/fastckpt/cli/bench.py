@@ -22,6 +22,7 @@ from ._common import (
     BANDWIDTH,
     DURATION,
     SIZE,
+    FiniteRange,
     console,
     distinct_dirs,
     emit_json,
@@ -247,7 +248,7 @@ def render(data: dict) -> None:
 @click.option("--direct/--buffered", default=True, show_default=True, help="O_DIRECT, or through the page cache.")
 @click.option("--gds", is_flag=True, help="GPUDirect Storage through kvikio (says why not when it cannot).")
 @click.option("--fabric-capacity", type=BANDWIDTH, help="What the storage fabric should sustain, e.g. 25GB/s.")
-@click.option("--pass-fraction", type=click.FloatRange(0, 1, min_open=True), default=PASS_FRACTION,
+@click.option("--pass-fraction", type=FiniteRange(0, 1, min_open=True), default=PASS_FRACTION,
               show_default=True, help="Pass at this fraction of --fabric-capacity.")
 @click.option("--verify", is_flag=True, help="Check every block read (needs a read phase).")
 @json_option

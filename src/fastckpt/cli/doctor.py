@@ -7,7 +7,7 @@ import json
 
 import click
 
-from ._common import LOCATION, SIZE, SIZE_OR_ZERO
+from ._common import LOCATION, SIZE, SIZE_OR_ZERO, count_range
 
 _STYLE = {"ok": "green", "info": "blue", "warn": "yellow", "fail": "bold red"}
 
@@ -20,7 +20,7 @@ _STYLE = {"ok": "green", "info": "blue", "warn": "yellow", "fail": "bold red"}
 @click.option("--tier", type=click.Choice(["auto", "gds", "nvme", "direct"]), default="auto", show_default=True,
               help="The tier you will ask for: exit 1 when it cannot work here.")
 @click.option("--state-size", type=SIZE, default=None, help="Bytes of one checkpoint on this node (e.g. 40GiB).")
-@click.option("--keep", type=click.IntRange(1), default=2, show_default=True,
+@click.option("--keep", type=count_range(), default=2, show_default=True,
               help="Checkpoints each place must hold at once.")
 @click.option("--probe-size", type=SIZE_OR_ZERO, default="256MiB", show_default=True,
               help="Bytes the bandwidth probe writes and reads: whole MiB, at least 1 MiB (0 skips it).")

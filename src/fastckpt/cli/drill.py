@@ -8,12 +8,14 @@ import tempfile
 
 import click
 
+from ..urls import is_url
 from ._common import (
     DURATION,
     DURATION_OR_ZERO,
     LOCATION,
     SIZE,
     console,
+    count_range,
     emit_json,
     exit_with,
     fmt_bytes,
@@ -25,10 +27,10 @@ from ._common import (
 )
 from .drill_run import Drill, DrillConfig, DrillError, lose_local_problem, summarize
 
+JOB_MEMORY_FACTOR = 3  # the built-in job's state, a save's staging buffers, the restore at its start
+
 
 def _validate(cfg: DrillConfig) -> None:
-    from ..urls import is_url
-
     if cfg.lose_local and not cfg.local_dir:
         raise click.UsageError("--lose-local wipes the burst buffer: give --local-dir too")
     if cfg.lose_local and (problem := lose_local_problem(cfg.home, cfg.local_dir)):
@@ -37,6 +39,15 @@ def _validate(cfg: DrillConfig) -> None:
         raise click.UsageError(f"--dir {cfg.home} is a URL: saving there needs --local-dir (the burst buffer)")
     if not is_url(cfg.home) and os.path.exists(cfg.home) and not os.path.isdir(cfg.home):
         raise click.UsageError(f"--dir {cfg.home} is a file: give a directory (it is created if missing) or a URL")
+    if not cfg.command and cfg.device == "cpu":
+        from ..sysinfo import mem_available
+
+        need, avail = JOB_MEMORY_FACTOR * cfg.state_bytes, mem_available()
+        if avail is not None and need > avail:
+            raise click.BadParameter(
+                f"the built-in job holds about {JOB_MEMORY_FACTOR} x its state in memory ({fmt_bytes(need)}: the "
+                f"state, its staging buffers and a restore), and this machine has {fmt_bytes(avail)} available; "
+                "give a smaller --state-size", param_hint="--state-size")
     if not cfg.command and cfg.device == "cuda":
         import torch
 
@@ -84,15 +95,16 @@ def render(data: dict) -> None:
 
 
 @click.command()
-@click.option("--trials", type=click.IntRange(1), default=10, show_default=True)
+@click.option("--trials", type=count_range(), default=10, show_default=True)
 @click.option("--state-size", type=SIZE, default="256MiB", show_default=True,
               help="State of the built-in job (two files per checkpoint).")
 @click.option("--dir", "home", required=True, type=LOCATION, help="The durable home: a directory or a URL (s3://...).")
 @click.option("--local-dir", type=click.Path(file_okay=False), help="The burst buffer (node-local directory).")
 @click.option("--lose-local", is_flag=True, help="Wipe the burst buffer before each restart (a lost node).")
 @click.option("--rto-target", type=DURATION, default="180s", show_default=True, help="Slowest acceptable restore.")
-@click.option("--seed", type=int, default=0, show_default=True, help="Seeds the kill moments and the state.")
-@click.option("--every", type=click.IntRange(1), default=5, show_default=True, help="Built-in job: save every N steps.")
+@click.option("--seed", type=count_range(0, 2**32 - 1), default=0, show_default=True,
+              help="Seeds the kill moments and the state.")
+@click.option("--every", type=count_range(), default=5, show_default=True, help="Built-in job: save every N steps.")
 @click.option("--step-time", type=DURATION_OR_ZERO, default="50ms", show_default=True,
               help="Built-in job: compute time per step.")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
@@ -125,12 +137,13 @@ def drill(command: tuple[str, ...], trials: int, state_size: int, home: str, loc
                       storage_options=storage_options, command=tuple(command), trial_timeout_s=trial_timeout,
                       min_run_s=min_run, max_run_s=max_run, device=device)
     _validate(cfg)
-    if cfg.local_dir:
+    for d, flag in ((cfg.local_dir, "--local-dir"), (None if is_url(cfg.home) else cfg.home, "--dir")):
         try:
-            os.makedirs(cfg.local_dir, exist_ok=True)
+            if d:
+                os.makedirs(d, exist_ok=True)
         except OSError as exc:  # a file on the way (file/x), no permission
-            raise click.BadParameter(f"cannot create {cfg.local_dir}: {exc.strerror}; give a directory path",
-                                     param_hint="--local-dir") from exc
+            raise click.BadParameter(f"cannot create {d}: {exc.strerror}; give a directory path",
+                                     param_hint=flag) from exc
     workdir = tempfile.mkdtemp(prefix="fastckpt-drill-")
     what = "your job" if command else f"the built-in job ({fmt_bytes(state_size)} of state)"
     error = None

@@ -15,7 +15,9 @@ from ._common import (
     DURATION,
     FINITE_POSITIVE,
     SIZE,
+    FiniteRange,
     console,
+    count_range,
     emit_json,
     exit_with,
     fmt_bytes,
@@ -178,8 +180,8 @@ def render(p: sizing.Plan, notes: list[str]) -> None:
               + ". Default mixed-adam.")
 @click.option("--bytes-per-param", type=FINITE_POSITIVE, help="Bytes per parameter, instead of --preset.")
 @click.option("--state-size", type=SIZE, help="The whole checkpoint, instead of --params (e.g. 1.4TB).")
-@click.option("--gpus", type=click.IntRange(1), help="GPUs in the job (default: one node).")
-@click.option("--gpus-per-node", type=click.IntRange(1), default=8, show_default=True)
+@click.option("--gpus", type=count_range(), help="GPUs in the job (default: one node).")
+@click.option("--gpus-per-node", type=count_range(1, 4096), default=8, show_default=True)
 @click.option("--interval", type=DURATION, default="2h", show_default=True, help="Time between checkpoints.")
 @click.option("--bandwidth", type=BANDWIDTH, help="Aggregate persistent write bandwidth, e.g. 10GB/s.")
 @click.option("--budget", type=DURATION, default="60s", show_default=True, help="Write budget per checkpoint.")
@@ -192,7 +194,7 @@ def render(p: sizing.Plan, notes: list[str]) -> None:
 @click.option("--snapshot-bandwidth", type=BANDWIDTH,
               help="Per-GPU device-to-host (or memcpy) bandwidth [default: 20GB/s].")
 @click.option("--host-memory", type=SIZE, help="Host memory per node (e.g. 2TB): checks that the staging buffers fit.")
-@click.option("--overhead-budget", type=click.FloatRange(0, 1, min_open=True, max_open=True), default=0.02,
+@click.option("--overhead-budget", type=FiniteRange(0, 1, min_open=True, max_open=True), default=0.02,
               show_default=True,
               help="Largest acceptable fraction of wall time spent stalled.")
 @click.option("--from-run", type=click.Path(exists=True, dir_okay=False), multiple=True,

@@ -10,6 +10,7 @@ import os
 import click
 
 from ..runstate import DEFAULT_BUDGET, DEFAULT_WINDOW_S
+from ._common import FiniteRange
 
 
 @click.command()
@@ -19,9 +20,9 @@ from ..runstate import DEFAULT_BUDGET, DEFAULT_WINDOW_S
 @click.option("--html", "page", type=click.Path(dir_okay=False), default=None,
               help="Write one self-contained HTML page (summary and figure inline).")
 @click.option("--json", "as_json", is_flag=True, help="Print the numbers as JSON instead of text.")
-@click.option("--overhead-budget", type=click.FloatRange(0, 1, min_open=True, max_open=True),
+@click.option("--overhead-budget", type=FiniteRange(0, 1, min_open=True, max_open=True),
               default=DEFAULT_BUDGET, show_default=True, help="The budget the overhead is judged against.")
-@click.option("--overhead-window-s", type=click.FloatRange(0, min_open=True), default=DEFAULT_WINDOW_S,
+@click.option("--overhead-window-s", type=FiniteRange(0, min_open=True), default=DEFAULT_WINDOW_S,
               show_default=True, help="The Checkpointer's overhead_window_s.")
 def report(logs: tuple[str, ...], png: str | None, page: str | None, as_json: bool, overhead_budget: float,
            overhead_window_s: float) -> None:
@@ -39,6 +40,11 @@ def report(logs: tuple[str, ...], png: str | None, page: str | None, as_json: bo
         if parent is not None and not os.path.isdir(parent):
             raise click.BadParameter(f"{where}: the directory {parent} does not exist; create it or write elsewhere",
                                      param_hint=flag)
+        if where and any(os.path.realpath(where) == os.path.realpath(p) for p in logs):
+            raise click.BadParameter(f"{where} is an event log this report reads: writing there would destroy the "
+                                     "run's record; give another file name", param_hint=flag)
+    if png and page and os.path.realpath(png) == os.path.realpath(page):
+        raise click.BadParameter(f"{png} is given for both -o and --html: give each its own file", param_hint="-o")
     if png or page:  # before the logs are read: a long run's log takes a while
         from ..report.plot import pyplot
 

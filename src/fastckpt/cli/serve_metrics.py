@@ -10,6 +10,7 @@ import threading
 import click
 
 from ..runstate import DEFAULT_BUDGET, DEFAULT_WINDOW_S
+from ._common import FiniteRange
 
 
 @click.command("serve-metrics")
@@ -20,11 +21,11 @@ from ..runstate import DEFAULT_BUDGET, DEFAULT_WINDOW_S
 @click.option("--addr", default="0.0.0.0", show_default=True, help="Address to listen on.")
 @click.option("--local-dir", type=click.Path(file_okay=False), default=None,
               help="The node's burst buffer (local_dir), for its free space.")
-@click.option("--overhead-budget", type=click.FloatRange(0, 1, min_open=True, max_open=True),
+@click.option("--overhead-budget", type=FiniteRange(0, 1, min_open=True, max_open=True),
               default=DEFAULT_BUDGET, show_default=True, help="Budget the overhead alarm is replayed against.")
-@click.option("--overhead-window-s", type=click.FloatRange(0, min_open=True), default=DEFAULT_WINDOW_S,
+@click.option("--overhead-window-s", type=FiniteRange(0, min_open=True), default=DEFAULT_WINDOW_S,
               show_default=True, help="The Checkpointer's overhead_window_s.")
-@click.option("--poll-s", type=click.FloatRange(0, min_open=True), default=1.0, show_default=True,
+@click.option("--poll-s", type=FiniteRange(0, 3600, min_open=True), default=1.0, show_default=True,
               help="How often to read what the logs gained between scrapes (each scrape reads them too).")
 @click.option("--once", is_flag=True, help="Read the logs once, print the metrics and exit (no server).")
 @click.option("--json", "as_json", is_flag=True, help="Print the startup line (or, with --once, the ranks' "
@@ -43,6 +44,9 @@ def serve_metrics(logs: tuple[str, ...], port: int, addr: str, local_dir: str | 
     if once and (missing := [p for p in logs if not os.path.exists(p)]):  # nothing will write them before it exits
         raise click.UsageError(f"--once reads the logs as they are now, and {', '.join(missing)} does not exist: "
                                "check the path (the Checkpointer's event_log)")
+    if odd := [p for p in logs if os.path.exists(p) and not os.path.isfile(p)]:  # a pipe would block the reader
+        raise click.UsageError(f"{', '.join(odd)}: not a regular file (a directory, a named pipe): give the event "
+                               "log file the Checkpointer's event_log writes")
     try:
         exporter = LogExporter(logs, 0 if once else port, addr, local_dir=local_dir, budget=overhead_budget,
                                window_s=overhead_window_s)
