@@ -130,8 +130,8 @@ class Checkpointer:
 
     def _emit(self, name: str, path: str, nbytes: int, start: float, tier: str, error: BaseException | None = None,
               detail: str | None = None, group: str | None = None) -> None:
-        self._sinks.emit(Event(name, self.rank, path, nbytes, start, time.time(), tier, error and repr(error), detail,
-                               group=group))
+        end, err = max(time.time(), start), error and repr(error)  # a clock stepped back: a zero span, not negative
+        self._sinks.emit(Event(name, self.rank, path, nbytes, start, end, tier, err, detail, group=group))
 
     def _on_retry(self, notice: RetryNotice) -> None:
         """A transient storage error is being retried: an event, so outages are visible."""

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import re
+import stat
 from collections.abc import Iterable
 from typing import BinaryIO
 
@@ -45,12 +47,20 @@ def parse_event(line: str, where: str = "event log") -> Event:
     if missing:
         raise ValueError(f"{where}: missing {', '.join(missing)}; is this a fastckpt event log (event_log=...)?")
     try:
-        return Event(str(d["name"]), int(d["rank"]), str(d["path"]), int(d["bytes"]), float(d["start"]),
-                     float(d["end"]), str(d["tier"]), d.get("error"), d.get("detail"),
-                     None if d.get("session") is None else str(d["session"]),
-                     None if d.get("group") is None else str(d["group"]))
-    except (TypeError, ValueError) as exc:
+        ev = Event(str(d["name"]), int(d["rank"]), str(d["path"]), int(d["bytes"]), float(d["start"]),
+                   float(d["end"]), str(d["tier"]), d.get("error"), d.get("detail"),
+                   None if d.get("session") is None else str(d["session"]),
+                   None if d.get("group") is None else str(d["group"]))
+    except (TypeError, ValueError, OverflowError) as exc:  # OverflowError: int(Infinity)
         raise ValueError(f"{where}: a field has the wrong type ({exc}); is this a fastckpt event log?") from exc
+    if ev.error is not None and not isinstance(ev.error, str):
+        raise ValueError(f"{where}: error is a {type(ev.error).__name__}, not a message; is this a fastckpt event log?")
+    if not (math.isfinite(ev.start) and math.isfinite(ev.end) and ev.end >= ev.start):
+        raise ValueError(f"{where}: start and end are not a time span (two finite times, the end not before the "
+                         "start); the line is damaged")
+    if ev.rank < 0 or ev.bytes < 0:
+        raise ValueError(f"{where}: rank {ev.rank} or bytes {ev.bytes} is negative; the line is damaged")
+    return ev
 
 
 def decode_line(raw: bytes, where: str) -> str:
@@ -64,6 +74,25 @@ def decode_line(raw: bytes, where: str) -> str:
     except UnicodeDecodeError as exc:
         raise ValueError(f"{where}: not UTF-8 text ({exc.reason} at byte {exc.start}); is this a fastckpt "
                          "event log (event_log=...)?") from exc
+
+
+def open_log(path: str) -> BinaryIO:
+    """``path`` opened to read, never blocking: a named pipe (or any file that is not a regular
+    one) where the log should be would block ``open`` for ever while nothing writes it.
+
+    Raises:
+        FileNotFoundError: it does not exist.
+        ValueError: it is not a regular file (named, with the fix).
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # io.ops.READ (a layer above this one)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError(f"{path} is not a regular file (a named pipe, a device): give the event log file "
+                             "the Checkpointer's event_log wrote")
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def _parse_lines(lines: Iterable[tuple[int, bytes]], path: str, skipped: list[str], warn: bool) -> list[Event]:
@@ -122,7 +151,7 @@ def read_events(paths: str | Iterable[str], skipped: list[str] | None = None, *,
     events: list[Event] = []
     skipped = [] if skipped is None else skipped
     for path in unique_paths([paths] if isinstance(paths, str) else paths):
-        with open(path, "rb") as f:
+        with open_log(path) as f:
             lines = f.read().split(b"\n")
         if lines[-1].strip() and warn:
             log.warning("fastckpt: %s ends in an incomplete line (its writer stopped mid-line); skipped", path)
@@ -154,11 +183,12 @@ class LogFollower:
         self._tail = b""  # the last bytes read, up to the offset
         self._partial = b""
         self.bad_lines = 0
+        self._not_a_file = False
 
     def poll(self) -> list[Event]:
         """The complete events written since the last call (possibly none)."""
         try:
-            with open(self.path, "rb") as f:
+            with open_log(self.path) as f:
                 st = os.fstat(f.fileno())
                 if (st.st_dev, st.st_ino) != self._file or st.st_size < self._offset or not self._same(f):
                     if self._file is not None:
@@ -169,6 +199,12 @@ class LogFollower:
                 data = f.read(st.st_size - self._offset) if st.st_size > self._offset else b""
         except FileNotFoundError:
             return []
+        except ValueError as exc:  # not a regular file: nothing to follow there (warned once)
+            if not self._not_a_file:
+                log.warning("fastckpt: %s", exc)
+            self._not_a_file = True
+            return []
+        self._not_a_file = False
         if not data:
             return []
         self._offset += len(data)

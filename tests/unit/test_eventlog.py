@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
+import time
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
+import fastckpt
 from fastckpt.eventlog import LogFollower, parse_event, read_events
 from fastckpt.events import Event, JsonlSink
 
@@ -46,6 +49,36 @@ def test_bad_lines_are_named(tmp_path: Path) -> None:
         read_events(str(log))
     with pytest.raises(ValueError, match="not JSON"):
         parse_event("not json")
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"rank": float("inf")}, "wrong type"), ({"bytes": float("inf")}, "wrong type"),
+    ({"error": 5}, "not a message"), ({"start": float("nan")}, "not a time span"),
+    ({"start": "1e999", "end": "1e999"}, "not a time span"), ({"end": 0.5}, "not a time span"),
+    ({"rank": -1}, "negative"), ({"bytes": -10}, "negative"),
+])
+def test_a_line_whose_values_make_no_event_is_named_and_skipped_between_events(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, change: dict, words: str) -> None:
+    """Damage that still parses as JSON (a non-finite time, an end before its start, a number
+    too large for an int, an error that is no message) is no event: it once reached the
+    report's arithmetic (nan or negative overhead, a silenced alarm) or crashed it."""
+    bad = json.dumps({**json.loads(_ev("write", 1.0).to_json()), **change})
+    log = tmp_path / "e.jsonl"
+    log.write_text(_ev("snapshot", 1.0).to_json() + "\n" + bad + "\n" + _ev("commit", 2.0).to_json() + "\n")
+    assert [e.name for e in read_events(str(log))] == ["snapshot", "commit"]
+    assert "e.jsonl:2" in caplog.text and words in caplog.text
+    with pytest.raises(ValueError, match=words):
+        parse_event(bad)
+
+
+def test_a_save_timed_across_a_clock_stepped_back_logs_a_zero_span(tmp_path: Path) -> None:
+    """The wall clock stepped back between a phase's start and end (an NTP step): the event's
+    end is its start, never before it, so the reader keeps it."""
+    log = tmp_path / "e.jsonl"
+    with fastckpt.Checkpointer(event_log=str(log)) as ck:
+        ck._emit("retry", "x.pt", 0, time.time() + 3600, "replicate")
+    (ev,) = read_events(str(log))
+    assert ev.end == ev.start
 
 
 def test_an_incomplete_last_line_is_skipped(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:

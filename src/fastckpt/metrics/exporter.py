@@ -58,7 +58,8 @@ class MetricsServer:
                               "e.g. 0.0.0.0 (all) or 127.0.0.1, and a free port") from exc
         host = self._httpd.server_address[0]
         self.port: int = self._httpd.server_address[1]
-        self.url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::', '') else host}:{self.port}/metrics"
+        shown = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+        self.url = f"http://{f'[{shown}]' if ':' in shown else shown}:{self.port}/metrics"  # an IPv6 address: [::1]
         log.info("fastckpt: Prometheus metrics at %s", self.url)
 
     def close(self) -> None:

@@ -1,0 +1,81 @@
+"""The commands that read event logs (report, plan --from-run, serve-metrics) against paths that
+are no log: a named pipe never blocks them, and report never writes its output over a log it
+reads. The exporter's URL is one a scraper can parse, for an IPv6 address too."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import urllib.parse
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+import fastckpt
+from fastckpt.cli import cli
+from fastckpt.eventlog import LogFollower
+
+
+def _run(*args: str):
+    return CliRunner().invoke(cli, list(args))
+
+
+@pytest.fixture
+def log(tmp_path: Path) -> Path:
+    path = tmp_path / "events.jsonl"
+    with fastckpt.Checkpointer(event_log=str(path)) as ck:
+        ck.save({"w": torch.zeros(1024)}, str(tmp_path / "a.pt")).wait()
+    return path
+
+
+@pytest.mark.timeout(60)
+def test_a_named_pipe_given_as_a_log_is_refused_never_waited_on(tmp_path: Path,
+                                                               caplog: pytest.LogCaptureFixture) -> None:
+    """open() of a pipe nothing writes blocks for ever: each command hung with no message."""
+    pipe = str(tmp_path / "events.jsonl")
+    os.mkfifo(pipe)
+    for args in (["report", pipe], ["plan", "--from-run", pipe, "--bandwidth", "1GB/s"],
+                 ["serve-metrics", "--event-log", pipe, "--once"]):
+        res = _run(*args)
+        assert res.exit_code == 2 and "not a regular file" in res.output, (args, res.output)
+    with caplog.at_level(logging.WARNING, logger="fastckpt"):
+        follower = LogFollower(pipe)
+        assert follower.poll() == [] and follower.poll() == []
+    assert caplog.text.count("not a regular file") == 1  # said once, not at every poll
+
+
+@pytest.mark.parametrize("flag", ["-o", "--html"])
+def test_report_never_writes_over_a_log_it_reads(tmp_path: Path, log: Path, flag: str) -> None:
+    before = log.read_bytes()
+    link = tmp_path / "link.jsonl"
+    link.symlink_to(log)
+    for out in (str(log), str(link)):
+        res = _run("report", str(log), flag, out)
+        assert res.exit_code == 2 and "is an event log this report reads" in res.output, res.output
+    assert log.read_bytes() == before
+
+
+def test_report_refuses_one_file_for_both_outputs(tmp_path: Path, log: Path) -> None:
+    out = str(tmp_path / "r.png")
+    res = _run("report", str(log), "-o", out, "--html", out)
+    assert res.exit_code == 2 and "given for both -o and --html" in res.output, res.output
+
+
+def test_the_exporters_url_of_an_ipv6_address_parses(tmp_path: Path) -> None:
+    pytest.importorskip("prometheus_client")
+    from fastckpt.metrics import LogExporter
+
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+    exporter = LogExporter([str(tmp_path / "e.jsonl")], 0, "::1")
+    try:
+        parts = urllib.parse.urlsplit(exporter.url)
+        assert parts.hostname == "::1" and parts.port == exporter.port, exporter.url
+    finally:
+        exporter.close()
