@@ -402,6 +402,20 @@ def test_latest_passes_over_a_group_with_a_missing_file(home: str) -> None:
     assert r.exit_code == 1 and r.stdout == "" and "no complete checkpoint" in r.stderr
 
 
+def test_ls_names_an_older_checkpoint_with_a_file_cut_short(home: str) -> None:
+    """Only the checkpoints newer than the one `latest` answers were checked for files missing
+    or cut short: an older group (a rollback target) with a truncated file was listed complete,
+    with no problem, and a rollback to it failed to load."""
+    with fastckpt.Checkpointer() as ck:
+        save_group(ck, f"{home}/step-7", 7)
+    os.truncate(f"{home}/step-5/b.pt", 100)
+    listed = {e["name"]: e for e in json.loads(run("ls", home, "--json").stdout)["checkpoints"]}
+    assert listed["step-7"]["latest"] and listed["step-7"]["problem"] is None
+    assert listed["step-5"]["problem"] == f"{home}/step-5/b.pt missing or not the committed size"
+    assert listed["one.pt"]["problem"] is None and listed["two.pt"]["problem"] is None
+    assert "step-5/b.pt missing or not the committed size" in " ".join(run("ls", home).stdout.split())
+
+
 def test_verify_latest_fails_on_a_newer_group_cut_short_after_its_commit(home: str) -> None:
     """``fastckpt.latest()`` (what a resume script calls) names the newest committed group even
     when a file of it was cut short since; ``fastckpt latest`` passes over it. ``verify --latest``

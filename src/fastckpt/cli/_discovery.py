@@ -269,9 +269,13 @@ def list_checkpoints(root: str, storage_options: dict | None = None, local_dir: 
                 elif entries[i].status == "complete":
                     entries[i] = replace(entries[i], status="replicated")
         newest, passed = whole_latest(h, root, latest(root, storage_options))  # as `fastckpt latest` answers
+        gone = {p.rstrip("/"): files for p, files in passed}  # fastckpt.latest() may name them: a resume fails
+        for e in entries:  # an older one too: a rollback to it would fail
+            if e.status in ("complete", "replicated") and e.path.rstrip("/") not in gone:
+                if missing := missing_files(h, e.path):
+                    gone[e.path.rstrip("/")] = missing
     finally:
         h.close()
-    gone = {p.rstrip("/"): files for p, files in passed}  # fastckpt.latest() may name them: a resume fails
     entries = [replace(e, latest=e.path.rstrip("/") == (newest or "").rstrip("/"),
                        problem=e.problem or (f"{', '.join(gone[k])} missing or not the committed size"
                                              if (k := e.path.rstrip("/")) in gone else None)) for e in entries]
