@@ -100,15 +100,17 @@ def _checkpoints(events: list[Event]) -> list[tuple[float, float]]:
 
 
 def _logged_share(events: list[Event]) -> float | None:
-    """See ``RunProfile.logged_share``: each committed group's total against the bytes of the
-    snapshots in the log that saved into it (each file's last one)."""
+    """See ``RunProfile.logged_share``: each committed group's total (its files' sizes) against
+    the sizes of the files the log wrote into it (each file's last ``write``). A snapshot's bytes
+    are the tensors' alone: a file also holds its pickle, zip records and alignment, so a log of
+    every rank with many small tensors, or none, once read as a share of a rank's."""
     totals = {e.path: e.bytes for e in events if e.name == "commit" and e.detail == "group" and e.error is None}
     saved: dict[str, dict[tuple[int, str], int]] = {}
     for e in events:
         group = posixpath.dirname(e.path)
-        if e.name == "snapshot" and e.error is None and group in totals:
+        if e.name == "write" and e.error is None and group in totals:
             saved.setdefault(group, {})[(e.rank, e.path)] = e.bytes
-    shares = [sum(saved[g].values()) / t for g, t in totals.items() if t > 0 and g in saved]
+    shares = [sum(saved[g].values()) / t for g, t in totals.items() if t > 0 and sum(saved.get(g, {}).values()) > 0]
     return statistics.median(shares) if shares else None
 
 
