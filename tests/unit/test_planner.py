@@ -53,6 +53,7 @@ def test_same_structure_reuses_the_layout_bound_to_the_new_storages() -> None:
     lambda s: s["model"].__setitem__("b", s["model"]["w"]),  # the same tensor twice (a memo reference)
     lambda s: s["model"].move_to_end("w"),  # key order
     lambda s: s["model"]["w"].requires_grad_(True),
+    lambda s: setattr(s["model"], "_metadata", {"": {"version": 2}}),  # an OrderedDict's attribute
 ])
 def test_any_difference_plans_afresh(change) -> None:  # noqa: ANN001
     planner = F.Planner()
@@ -63,6 +64,29 @@ def test_any_difference_plans_afresh(change) -> None:  # noqa: ANN001
     layout = planner.plan(other)
     assert planner.hits == 0
     assert _same_layout(layout, F.plan(other))
+
+
+def test_a_state_dicts_metadata_is_part_of_its_structure(tmp_path) -> None:
+    """Module state_dicts are OrderedDicts with a ``_metadata`` attribute (load_state_dict reads
+    its versions); pickle writes an OrderedDict's attributes after its items. A layout reused
+    for equal keys and shapes once wrote the first save's ``_metadata`` into every later file."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    planner = F.Planner()
+    planner.plan({"model": model.state_dict()})
+    assert planner.plan({"model": model.state_dict()}) is not None and planner.hits == 1  # the fast path stays
+    changed = model.state_dict()
+    changed._metadata["1"]["version"] = 1
+    changed.extra = torch.arange(3)  # an attribute holding a tensor: its storage comes after the items'
+    layout = planner.plan({"model": changed})
+    assert planner.hits == 1 and _same_layout(layout, F.plan({"model": changed}))
+    with fastckpt.Checkpointer() as ck:
+        for i, sd in enumerate((model.state_dict(), changed, model.state_dict(), changed)):
+            ck.save({"model": sd}, str(tmp_path / f"{i}.pt")).wait()
+        assert ck._saver._planner.hits == 2
+        for i, want in enumerate((2, 1, 2, 1)):
+            got = torch.load(tmp_path / f"{i}.pt", weights_only=False)["model"]
+            assert got._metadata["1"]["version"] == want and hasattr(got, "extra") == (want == 1)
+            assert not hasattr(got, "extra") or torch.equal(got.extra, torch.arange(3))
 
 
 def test_templates_hold_no_storage_and_are_bounded() -> None:

@@ -76,7 +76,10 @@ def scan(obj: object) -> Scan | None:
                     if type(k) is not str and type(k) is not int:
                         return None
                 memo[id(o)] = len(memo)
-                emit((t, keys))
+                attrs = o.__dict__ if t is collections.OrderedDict else None  # type: ignore[union-attr]
+                emit((t, keys, bool(attrs)))
+                if attrs:  # a state_dict's _metadata: pickled after the items, so walked after them
+                    stack.append(attrs)
                 extend(reversed(o.values()))  # type: ignore[attr-defined]
             elif t is list or t is tuple:
                 memo[id(o)] = len(memo)
