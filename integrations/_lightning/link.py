@@ -111,8 +111,8 @@ class TrainerLink:
         failed), queue the link on the remover thread (in order with the removals) and return True:
         ``linkpath`` keeps its old target until that save is durable, and for good if it is not.
         Lightning's own link (False) is only for a file this fit did not save, which exists."""
-        if not self._in_fit or not trainer.is_global_zero:
-            return False
+        if not self._in_fit or not trainer.is_global_zero or os.path.abspath(filepath) == os.path.abspath(linkpath):
+            return False  # the same file (last.ckpt saved whole, then "linked" to itself): Lightning skips it
         save = self._saves.newest.get(normalize(os.fspath(filepath)))
         if save is None:
             return False

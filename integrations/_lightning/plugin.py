@@ -116,13 +116,15 @@ class FastCkptIOMixin(TrainerLink):
                               "their path, and the older files they were to replace are kept instead. Build it with "
                               "Checkpointer(..., replicate_policy='all'), as FastCkptIO does when it builds its own.",
                               UserWarning, stacklevel=2)
+        if not isinstance(lazy_snapshot, bool):  # "false" would turn it on
+            raise ConfigError(f"lazy_snapshot={lazy_snapshot!r} must be True or False")
         options.setdefault("replicate_policy", "all")
         # validated now: a bad option should fail where the Trainer is built, not at the first save
         self.config = checkpointer_config(local_dir=local_dir,
                                           staging_buffers=1 if staging_buffers is None else staging_buffers,
                                           **options)
         self._options = options
-        self.local_dir, self.lazy_snapshot, self.staging_buffers = local_dir, bool(lazy_snapshot), staging_buffers
+        self.local_dir, self.lazy_snapshot, self.staging_buffers = local_dir, lazy_snapshot, staging_buffers
         self._given = checkpointer
         self._ck: Checkpointer | None = checkpointer
         self._reset_runtime()

@@ -94,7 +94,7 @@ class CheckpointerConfig:
     def __post_init__(self) -> None:
         if self.tier not in TIERS:
             raise ConfigError(f"tier={self.tier!r} is not one of {', '.join(TIERS)}")
-        if not 0 < self.overhead_budget < 1:
+        if not _real(self.overhead_budget) or not 0 < self.overhead_budget < 1:
             raise ConfigError(f"overhead_budget={self.overhead_budget!r} must be a fraction in (0, 1), "
                               "e.g. 0.02 for 2 %")
         _seconds("overhead_window_s", self.overhead_window_s)
@@ -107,6 +107,11 @@ class CheckpointerConfig:
             raise ConfigError(f"chunk_bytes={self.chunk_bytes!r} must be a positive multiple of 16 MiB"
                               + _bool_hint(self.chunk_bytes, "a number of bytes"))
         _seconds("commit_timeout_s", self.commit_timeout_s)
+        for name in ("odirect", "overlap_write"):
+            if not isinstance(getattr(self, name), bool):  # "false" would be true
+                raise ConfigError(f"{name}={getattr(self, name)!r} must be True or False")
+        if self.event_log is not None and not isinstance(self.event_log, (str, os.PathLike)):
+            raise ConfigError(f"event_log={self.event_log!r} must be a file path (a str or a Path), or None for no log")
         self._check_ranks()
         self._check_replication()
 
@@ -209,6 +214,10 @@ def _seconds(name: str, v: object, zero: bool = False, none: str = "") -> None:
     if not ok:
         raise ConfigError(f"{name}={v!r} must be a finite number of seconds {'>= 0' if zero else '> 0'}" + (
             f",{none}" if none else ""))
+
+
+def _real(v: object) -> bool:
+    return isinstance(v, numbers.Real) and not isinstance(v, bool)
 
 
 def _whole(v: object) -> bool:

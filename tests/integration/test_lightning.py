@@ -10,6 +10,7 @@ import copy
 import errno
 import os
 import random
+import re
 import subprocess
 import sys
 import textwrap
@@ -391,6 +392,21 @@ def test_bad_options_fail_at_construction():
         FastCkptIO(overhead_budget=2.0)
     with fastckpt.Checkpointer() as ck, pytest.raises(ConfigError, match="do not also pass local_dir"):
         FastCkptIO(local_dir="/tmp", checkpointer=ck)
+
+
+@pytest.mark.parametrize("options, words", [
+    ({"lazy_snapshot": "false"}, "lazy_snapshot='false' must be True or False"),
+    ({"odirect": "false"}, "odirect='false' must be True or False"),
+    ({"overlap_write": 1}, "overlap_write=1 must be True or False"),
+    ({"event_log": 3}, "event_log=3 must be a file path"),
+    ({"overhead_budget": "0.1"}, "overhead_budget='0.1' must be a fraction"),
+    ({"overhead_budget": True}, "overhead_budget=True must be a fraction"),
+])
+def test_an_option_of_the_wrong_type_fails_at_construction_naming_it(options: dict, words: str) -> None:
+    """A string "false" once turned lazy_snapshot and odirect on (any non-empty string is true),
+    an int event_log failed at the first save, a string overhead_budget with a TypeError."""
+    with pytest.raises(ConfigError, match=re.escape(words)):
+        FastCkptIO(**options)
 
 
 

@@ -484,3 +484,35 @@ def test_a_save_during_validate_is_synchronous(tmp_path) -> None:
         warnings.filterwarnings("ignore", message=".*(num_workers|does not have many workers|val_dataloader).*")
         trainer.validate(Validated(), loader())
     assert seen == {"exists": True} and io._ck is None  # nothing of fastckpt left running
+
+
+class FadingScore(TinyModel):
+    """Its "score" improves for the first 4 steps and never after: a resumed fit makes no top-k
+    save, so every save_last of it links last.ckpt to the last.ckpt it saved whole."""
+
+    def training_step(self, batch, batch_idx):
+        self.log("score", float(-self.global_step if self.global_step < 4 else 100 + self.global_step))
+        return super().training_step(batch, batch_idx)
+
+
+def test_last_link_to_itself_keeps_the_checkpoint_there(tmp_path) -> None:
+    """After fit(ckpt_path="last"), Lightning saves last.ckpt whole, then asks to link last.ckpt
+    to last.ckpt, which it skips itself. The plugin made that link: last.ckpt became a symlink to
+    itself, the checkpoint there was gone and the next ckpt_path="last" trained from step 0."""
+    def fit(steps: int, started: list[int], ckpt_path: str | None = None) -> None:
+        class Start(Callback):
+            def on_train_start(self, trainer, pl_module):
+                started.append(trainer.global_step)
+
+        make_trainer(str(tmp_path), FastCkptIO(), steps, callbacks=[Start()], monitor="score", mode="min",
+                     save_top_k=1, every_n_train_steps=1, save_last="link").fit(FadingScore(), loader(),
+                                                                                 ckpt_path=ckpt_path)
+
+    started: list[int] = []
+    fit(4, started)
+    fit(7, started, "last")
+    last = tmp_path / "ckpt" / "last.ckpt"
+    assert not last.is_symlink()
+    step = fastckpt.load(str(last))["global_step"]
+    fit(9, started, "last")
+    assert started == [0, 4, step] and step >= 5
