@@ -40,8 +40,9 @@ KILLS = 10
 
 
 def _last_phase(events: Path) -> str:
-    """The phase the kill interrupted: the last event the victim logged."""
-    lines = events.read_text().splitlines() if events.exists() else []
+    """The phase the kill interrupted: the last event the victim logged whole (the kill may tear
+    the line it was writing: what follows the last newline is no event)."""
+    lines = events.read_text().split("\n")[:-1] if events.exists() else []
     return json.loads(lines[-1])["name"] if lines else "none"
 
 
