@@ -113,7 +113,7 @@ def render(data: dict) -> None:
               help="Your job: earliest kill after a (re)start.")
 @click.option("--max-run", type=DURATION, default="30s", show_default=True, help="Your job: latest kill.")
 @click.option("--trial-timeout", type=DURATION, default="300s", show_default=True,
-              help="Give up when the job says nothing for this long.")
+              help="Give up when the job has not started, restored or made a checkpoint durable within this long.")
 @click.option("--keep-logs", is_flag=True, help="Keep the jobs' logs and event logs (kept anyway on failure).")
 @storage_options_option
 @json_option

@@ -50,11 +50,16 @@ class Child:
             return f.read().decode(errors="replace")
 
     def next(self, timeout_s: float) -> dict:
+        """The job's next line.
+
+        Raises:
+            TimeoutError: none within ``timeout_s``.
+            DrillError: the job exited (with its log's tail).
+        """
         try:
             line = self.lines.get(timeout=timeout_s)
         except queue.Empty:
-            raise DrillError(f"the job said nothing for {timeout_s:.0f} s; its log {self.log_path} ends:\n"
-                             f"{self.tail()}") from None
+            raise TimeoutError from None
         if line is None:
             self.proc.wait()
             raise DrillError(f"the job exited with {self.proc.returncode}; its log {self.log_path} ends:\n"

@@ -95,13 +95,23 @@ class _Incarnation:
     def events(self) -> list:
         return read_events(self.events_path, warn=False) if os.path.exists(self.events_path) else []
 
-    def until(self, want: Callable[[dict], bool], timeout_s: float) -> dict:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            line = self.proc.next(max(0.1, deadline - time.monotonic()))
+    def until(self, want: Callable[[dict], bool], timeout_s: float, what: str) -> dict:
+        """The job's next line that ``want``s, within ``timeout_s`` (--trial-timeout) in all: a job
+        that keeps saying other things (its steps) does not hold the drill past it."""
+        deadline, said = time.monotonic() + timeout_s, 0
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                line = self.proc.next(left)
+            except TimeoutError:
+                break
+            said += 1
             self.note(line)
             if want(line):
                 return line
+        doing = f"it said {said} other line(s) meanwhile" if said else "it said nothing"
+        raise DrillError(f"the job did not {what} within --trial-timeout ({timeout_s:g} s; {doing}): give a "
+                         f"longer --trial-timeout, or check that it saves (the built-in job every --every steps). "
+                         f"Its log {self.proc.log_path} ends:\n{self.proc.tail()}")
 
 
 def _summary(values: list[float]) -> dict[str, float | None]:
@@ -173,11 +183,11 @@ class Drill:
 
     def _restore(self, inc: _Incarnation) -> tuple[dict, dict]:
         """Wait for the restarted job's ``loaded`` and ``restored`` (or ``fresh``) lines."""
-        first = inc.until(lambda ln: ln["ev"] in ("loaded", "fresh"), self.cfg.trial_timeout_s)
+        first = inc.until(lambda ln: ln["ev"] in ("loaded", "fresh"), self.cfg.trial_timeout_s, "start")
         if first["ev"] == "fresh":
             return first, {"ev": "fresh", "step": None, "verified": False, "source": None,
                            "error": "no complete checkpoint was found"}
-        second = inc.until(lambda ln: ln["ev"] == "restored", self.cfg.trial_timeout_s)
+        second = inc.until(lambda ln: ln["ev"] == "restored", self.cfg.trial_timeout_s, "restore")
         inc.start_step = second["step"] if second.get("verified") else 0
         inc.step = inc.start_step
         return first, second
@@ -188,7 +198,7 @@ class Drill:
         (the phase, the wall time to kill at, the windows used)."""
         timeout = self.cfg.trial_timeout_s
         while not inc.durables:  # the restarted job must checkpoint again before the next kill
-            inc.until(lambda ln: ln["ev"] == "durable", timeout)
+            inc.until(lambda ln: ln["ev"] == "durable", timeout, "make a checkpoint durable")
         w = ph.windows(inc.events(), inc.saves, inc.durables) or last
         if w is None:
             raise DrillError("the job's event log shows no complete checkpoint; is it saving?")
@@ -199,7 +209,7 @@ class Drill:
                 continue
             anchor, delay = picked
             while True:  # the next anchor line whose kill moment is still ahead
-                line = inc.until(lambda ln, a=anchor: ln["ev"] == a, timeout)
+                line = inc.until(lambda ln, a=anchor: ln["ev"] == a, timeout, f"reach a {anchor!r} line")
                 if line["t"] + delay > time.time():
                     return p, line["t"] + delay, w
         raise DrillError("no phase of a checkpoint was seen in the event log; is the job saving?")
