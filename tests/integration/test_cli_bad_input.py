@@ -28,6 +28,13 @@ def test_doctor_storage_options_file_that_is_not_json(tmp_path: Path) -> None:
                  f"{f} is not a JSON file", "endpoint_url")
 
 
+def test_doctor_target_that_is_a_file(tmp_path: Path) -> None:
+    """It said "cannot write in FILE: File exists" with the fix "create FILE", which exists."""
+    (tmp_path / "file").write_text("x")
+    _refused(_cli("doctor", "--target", str(tmp_path / "file"), "--probe-size", "0"), 2,
+             "--target", f"{tmp_path / 'file'} is a file: give the directory checkpoints are saved in")
+
+
 def test_drill_local_dir_under_a_file(tmp_path: Path) -> None:
     (tmp_path / "file").write_text("x")
     _refused(_cli("drill", "--dir", str(tmp_path / "home"), "--local-dir", str(tmp_path / "file" / "x"),

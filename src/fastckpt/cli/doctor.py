@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 
 import click
 
@@ -35,7 +36,11 @@ def doctor(local_dir: tuple[str, ...], target: str | None, tier: str, state_size
     check fails, e.g. when the --tier asked for cannot work here (docs/doctor.md).
     """
     from ..doctor import DoctorOptions, diagnose
+    from ..urls import is_url
 
+    if target and not is_url(target) and os.path.exists(target) and not os.path.isdir(target):
+        raise click.BadParameter(f"{target} is a file: give the directory checkpoints are saved in (it is created "
+                                 "if missing) or a URL", param_hint="--target")
     storage_options = {}
     if options_file:
         try:
