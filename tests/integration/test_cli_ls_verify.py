@@ -416,6 +416,21 @@ def test_ls_names_an_older_checkpoint_with_a_file_cut_short(home: str) -> None:
     assert "step-5/b.pt missing or not the committed size" in " ".join(run("ls", home).stdout.split())
 
 
+def test_verify_of_a_file_cut_short_says_it_is_damaged(home: str) -> None:
+    """A file cut short past its manifest (a single file, or one of a group) was "not a complete
+    fastckpt checkpoint ... no published manifest", while verify DIR, ls and load call it damaged."""
+    os.truncate(f"{home}/one.pt", 100)
+    os.truncate(f"{home}/step-5/b.pt", 100)
+    r = run("verify", f"{home}/one.pt")
+    assert r.exit_code == 1 and f"BAD {home}/one.pt: damaged: {home}/one.pt is truncated" in r.stderr, r.output
+    r = run("verify", f"{home}/step-5/b.pt")
+    assert r.exit_code == 1 and f"BAD {home}/step-5/b.pt: 100 bytes, but " in r.stderr, r.output
+    assert "not a complete fastckpt checkpoint" not in r.output
+    (Path(home) / "notes.txt").write_text("x")
+    r = run("verify", f"{home}/notes.txt")  # no checkpoint at all: said so, as before
+    assert r.exit_code == 1 and "not a complete fastckpt checkpoint" in r.stderr
+
+
 def test_verify_latest_fails_on_a_newer_group_cut_short_after_its_commit(home: str) -> None:
     """``fastckpt.latest()`` (what a resume script calls) names the newest committed group even
     when a file of it was cut short since; ``fastckpt latest`` passes over it. ``verify --latest``

@@ -168,6 +168,22 @@ def _check(h: Homes, spec: FileSpec, on_bytes=None) -> str | None:  # noqa: ANN0
     return None
 
 
+def _cut_file(h: Homes, path: str, opts: dict | None
+              ) -> tuple[list[tuple[str, list[FileSpec]]], list[str], list[Checked], list[str]] | None:
+    """A file without its manifest, as the listing of its directory sees it: one file of the
+    group published there (checked against the group's manifest), or a checkpoint listed damaged
+    (cut short past its manifest); None when it is neither."""
+    parent = os.path.dirname(path)
+    try:
+        mine = [f for f in checkpoint_files(h, parent)[0] if f.path == path]
+    except FastCkptError:
+        mine = []
+    if mine:
+        return [(parent, mine)], [], [], []
+    bad = [e for e in list_checkpoints(parent, opts) if e.path == path and e.status == "damaged"]
+    return ([], [], [Checked(path, path, e.bytes, f"damaged: {e.problem}") for e in bad], []) if bad else None
+
+
 def _checkpoints(h: Homes, path: str, opts: dict | None, newest_only: bool
                  ) -> tuple[list[tuple[str, list[FileSpec]]], list[str], list[Checked], list[str]]:
     """The checkpoints to check (each with its files), the incomplete ones seen, the ones
@@ -180,7 +196,10 @@ def _checkpoints(h: Homes, path: str, opts: dict | None, newest_only: bool
         return [], [], [Checked(path, path, None, str(exc).removeprefix(f"{path}: "))], []
     except FastCkptError as exc:  # not one checkpoint: a directory (or prefix) holding them, or not one at all
         if os.path.isfile(path):
-            fail_with(str(exc))
+            judged = _cut_file(h, path, opts)  # a checkpoint cut short has lost its manifest: judged as ls does
+            if judged is None:
+                fail_with(str(exc))
+            return judged
     entries = list_checkpoints(path, opts)
     complete = [e for e in entries if e.status in ("complete", "replicated")]
     newer = entries  # a damaged manifest makes readers skip the checkpoint: never a silent pass
