@@ -297,6 +297,13 @@ class EngineHooks:
                 return loaded, json.dumps([str(tag), *_checksums(manifest)])
         except AssertionError as exc:  # DeepSpeed's bare assert on a file it did not find: name it
             if (missing := self._missing(where, tag)) is None:
+                if tag is not None and not is_url(where) and self._store().manifest(os.path.join(where, str(tag))) \
+                        is None and os.path.isdir(os.path.join(where, str(tag))):
+                    raise IncompleteCheckpointError(
+                        f"checkpoint {_join(home, str(tag))} cannot be loaded: it holds no complete save (no fastckpt "
+                        "manifest: its save never committed, killed while its files were written, or it is still "
+                        f"being written; nor DeepSpeed's own files). Load the newest complete tag with "
+                        f"load_checkpoint({home!r}) and no tag; list them with: fastckpt ls {home}") from exc
                 raise
             why = f"no tag {str(tag)!r} is saved under {home}: never saved, or deleted since" \
                 if missing == os.path.join(where, str(tag)) else "deleted since it was saved"

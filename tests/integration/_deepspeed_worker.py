@@ -756,6 +756,18 @@ def missing(root: str) -> None:
     except CheckpointNotFoundError as exc:
         said = f"{os.sep}t1 does not exist (no tag 't1' is saved under {d}: never saved, or deleted since)"
         assert said in str(exc), str(exc)  # (once: "deleted since it was saved", for a tag never saved too)
+    # a tag whose save never committed: killed while writing, its directory holds only a temp file
+    from fastckpt.errors import IncompleteCheckpointError
+    from fastckpt.io.atomic import tmp_name
+
+    os.makedirs(os.path.join(d, "t2"))
+    with open(tmp_name(os.path.join(d, "t2", "mp_rank_00_model_states.pt")), "wb") as f:
+        f.write(b"PK" + bytes(100))
+    try:
+        eng.load_checkpoint(d, "t2")
+        raise AssertionError("a tag whose save never committed was loaded")
+    except IncompleteCheckpointError as exc:  # (was DeepSpeed's bare AssertionError)
+        assert f"{os.sep}t2 cannot be loaded: it holds no complete save" in str(exc), str(exc)
     eng.destroy()
 
 
