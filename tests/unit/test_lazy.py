@@ -59,6 +59,36 @@ def test_copy_unfenced_defers_only_the_protected_storages() -> None:
     assert torch.equal(out["model"]["running"], torch.zeros(4))
 
 
+def test_copy_unfenced_saves_what_torch_save_would(tmp_path) -> None:
+    """The clones kept nothing of the structure torch.save writes: an unprotected parameter
+    became a plain tensor, one tensor at two places two tensors, a view a storage of its own,
+    and a cyclic state raised RecursionError."""
+    from fastckpt.save.fencing import copy_unfenced, optimizer_tensors
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    model[0].requires_grad_(False)  # frozen: not the optimizer's, so cloned now
+    opt = torch.optim.SGD(model[1].parameters(), lr=0.1)
+    buf = torch.randn(5)
+    ref = buf.clone()
+    state = {"model": model.state_dict(keep_vars=True), "extra": {"a": buf, "b": buf, "view": buf[1:]},
+             "grad": torch.ones(2, requires_grad=True)}
+    state["self"] = state
+    out = copy_unfenced(state, optimizer_tensors(opt))
+    assert out["self"] is out and out["extra"]["a"] is out["extra"]["b"] is not buf
+    buf.add_(1)  # changed after the call: the copy holds the values at the call
+    with fastckpt.Checkpointer() as ck:
+        ck.save(out, str(tmp_path / "l.pt"), lazy=True)
+        ck.fence()
+        ck.wait()
+        got = ck.load(str(tmp_path / "l.pt"), weights_only=False)
+    w = got["model"]["0.weight"]
+    assert type(w) is torch.nn.Parameter and not w.requires_grad and torch.equal(w, model[0].weight)
+    assert got["grad"].requires_grad
+    assert got["extra"]["a"] is got["extra"]["b"] and torch.equal(got["extra"]["a"], ref)
+    assert got["extra"]["view"].untyped_storage().data_ptr() == got["extra"]["a"].untyped_storage().data_ptr()
+    assert got["self"] is got
+
+
 def test_lightning_row_counts_the_fence_of_a_group_commit(tmp_path, monkeypatch) -> None:
     """FastCkptIO under DeepSpeedStrategy: a lazily snapshotted group commit's ``ckpt/blocked_s``
     row is the commit's blocked time plus the optimizer step's wait for the copy."""

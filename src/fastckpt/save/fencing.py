@@ -22,18 +22,30 @@ def storage_key(t: torch.Tensor) -> tuple[str, int]:
 
 
 def map_tensors(obj: object, fn: Callable[[torch.Tensor], torch.Tensor]) -> object:
-    """A copy of the containers of ``obj`` (types and attributes kept) with ``fn`` applied to tensors."""
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if isinstance(obj, (dict, list)):
-        new = copy.copy(obj)  # keeps the type and attributes, e.g. a state_dict's _metadata
-        for k, v in (obj.items() if isinstance(obj, dict) else enumerate(obj)):
-            new[k] = map_tensors(v, fn)
-        return new
-    if isinstance(obj, tuple):
-        items = [map_tensors(v, fn) for v in obj]
-        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
-    return obj
+    """A copy of the containers of ``obj`` (types and attributes kept) with ``fn`` applied to
+    tensors. Like pickle, it keeps identity: an object met twice (shared, or a cycle) maps to
+    one copy, so a tensor at two places stays one tensor."""
+    memo: dict[int, object] = {}
+
+    def walk(o: object) -> object:
+        done = memo.get(id(o))
+        if done is not None:
+            return done
+        if isinstance(o, torch.Tensor):
+            new = memo[id(o)] = fn(o)
+            return new
+        if isinstance(o, (dict, list)):
+            new = memo[id(o)] = copy.copy(o)  # keeps the type and attributes, e.g. a state_dict's _metadata
+            for k, v in (o.items() if isinstance(o, dict) else enumerate(o)):
+                new[k] = walk(v)
+            return new
+        if isinstance(o, tuple):
+            items = [walk(v) for v in o]
+            new = memo[id(o)] = type(o)(*items) if hasattr(o, "_fields") else type(o)(items)
+            return new
+        return o
+
+    return walk(obj)
 
 
 def optimizer_tensors(optimizer: torch.optim.Optimizer) -> Iterable[torch.Tensor]:
@@ -45,6 +57,25 @@ def optimizer_tensors(optimizer: torch.optim.Optimizer) -> Iterable[torch.Tensor
 
 
 def copy_unfenced(state: object, protected: Iterable[torch.Tensor]) -> object:
-    """``state`` with every tensor that is not a view of a ``protected`` tensor's storage cloned."""
+    """``state`` with every tensor that is not a view of a ``protected`` tensor's storage cloned,
+    as ``torch.save`` would write it: each storage cloned once (views of it stay views of the
+    clone), parameters stay parameters, ``requires_grad`` is kept."""
     keys = {storage_key(t) for t in protected}
-    return map_tensors(state, lambda t: t if storage_key(t) in keys else t.detach().clone())
+    clones: dict[tuple[str, int], torch.UntypedStorage] = {}
+
+    def clone(t: torch.Tensor) -> torch.Tensor:
+        key = storage_key(t)
+        if key in keys:
+            return t
+        if t.layout is not torch.strided or t.is_quantized or t.is_conj() or t.is_neg():
+            new = t.detach().clone()  # no storage to share a view of the plain way
+        else:
+            st = clones.get(key)
+            if st is None:
+                st = clones[key] = t.untyped_storage().clone()
+            new = torch.empty(0, dtype=t.dtype, device=t.device).set_(st, t.storage_offset(), t.size(), t.stride())
+        if isinstance(t, torch.nn.Parameter):
+            return torch.nn.Parameter(new, requires_grad=t.requires_grad)
+        return new.requires_grad_(True) if t.requires_grad else new
+
+    return map_tensors(state, clone)
