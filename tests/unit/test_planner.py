@@ -66,6 +66,22 @@ def test_any_difference_plans_afresh(change) -> None:  # noqa: ANN001
     assert _same_layout(layout, F.plan(other))
 
 
+def test_a_nan_of_other_bits_plans_afresh(tmp_path) -> None:
+    """Floats were keyed by float.hex(), which is 'nan' for every NaN: a NaN of another sign or
+    payload reused the earlier pickle, and loaded with the earlier save's bits."""
+    import struct
+
+    def bits(f: float) -> int:
+        return struct.unpack("<Q", struct.pack("<d", f))[0]
+
+    other = struct.unpack("<d", struct.pack("<Q", 0xFFF8000000000001))[0]
+    with fastckpt.Checkpointer() as ck:
+        for i, x in enumerate((float("nan"), other)):
+            ck.save({"t": torch.ones(3), "x": x}, str(tmp_path / f"{i}.pt")).wait()
+        assert ck._saver._planner.hits == 0
+    assert [bits(torch.load(tmp_path / f"{i}.pt")["x"]) for i in (0, 1)] == [bits(float("nan")), bits(other)]
+
+
 def test_a_state_dicts_metadata_is_part_of_its_structure(tmp_path) -> None:
     """Module state_dicts are OrderedDicts with a ``_metadata`` attribute (load_state_dict reads
     its versions); pickle writes an OrderedDict's attributes after its items. A layout reused

@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import io
 import pickle
+import struct
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -26,6 +27,7 @@ import torch
 
 from ..errors import UnsupportedObjectError
 
+_DOUBLE = struct.Struct("<d")
 _SEQUENCES = (list, tuple)
 _LEAVES = frozenset((int, str, bytes, bool, type(None), torch.dtype, torch.device, torch.Size))
 
@@ -64,7 +66,7 @@ def scan(obj: object) -> Scan | None:
         if t in _LEAVES:
             emit((t, o))
         elif t is float:
-            emit((t, o.hex()))  # 0.0 == -0.0, but they pickle (and load) differently
+            emit((t, _DOUBLE.pack(o)))  # its bits: 0.0 == -0.0, and every NaN's hex() is 'nan', but each pickles apart
         else:
             seen = memo.get(id(o))
             if seen is not None:
