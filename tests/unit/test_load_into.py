@@ -146,6 +146,22 @@ def test_a_mismatch_is_refused_before_anything_is_written(tmp_path) -> None:
             ck.load(path, mmap=True, into={"model": wrong.state_dict()})
 
 
+def test_a_tensor_on_the_meta_device_is_refused(tmp_path) -> None:
+    """A module built on the meta device (fast init) has no memory: the copy into it was a no-op
+    and the load returned meta tensors, no data, where the checkpoint holds values."""
+    path = str(tmp_path / "x.pt")
+    with Checkpointer() as ck:
+        ck.save({"model": torch.nn.Linear(64, 32).state_dict()}, path).wait()
+        with torch.device("meta"):
+            model = torch.nn.Linear(64, 32)
+        with pytest.raises(ConfigError, match=r"\['model'\]\['weight'\]: into= has a tensor on the meta device.*"
+                                              r"module.to_empty\(device='cpu'\)"):
+            ck.load(path, into={"model": model.state_dict()})
+        model.to_empty(device="cpu")
+        got = ck.load(path, into={"model": model.state_dict()})
+        assert got["model"]["weight"].data_ptr() == model.weight.data_ptr()
+
+
 def test_a_corrupt_local_copy_falls_back_and_the_tensors_end_right(tmp_path) -> None:
     """The first copy's damaged bytes were read into the tensors: the next copy reads them again."""
     saved, mine = _model(0), _model(1)

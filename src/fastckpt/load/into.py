@@ -49,6 +49,9 @@ def check(dest: object, saved: object) -> list[tuple[Where, torch.Tensor, torch.
             wrong.append(f"{_name(where)}: the checkpoint holds a {type(s).__name__} there, not a tensor")
         elif s.shape != d.shape:
             wrong.append(f"{_name(where)}: saved with shape {tuple(s.shape)}, into= has {tuple(d.shape)}")
+        elif d.is_meta:  # a copy into it is a no-op: the load would return no data there
+            wrong.append(f"{_name(where)}: into= has a tensor on the meta device, which holds no memory to read "
+                         "into (allocate the module first: module.to_empty(device='cpu'))")
         else:
             out.append((where, d, s))
     if wrong:
