@@ -124,11 +124,11 @@ def checked_tag(save_dir: str, tag: str) -> str:
     """
     if not save_dir:
         raise ConfigError(f"save_checkpoint(save_dir={save_dir!r}): save_dir must be a non-empty directory or URL")
-    if not tag or tag in (".", "..") or "/" in tag or os.sep in tag:
-        safe = tag.strip("/").replace("/", "_").replace(os.sep, "_") or "global_step1"
+    if not tag or tag in (".", "..") or any(c in tag for c in ("/", os.sep, "\\", "\x00")):
+        safe = "".join("_" if c in "/\\\x00" else c for c in tag.strip("/")) or "global_step1"
         raise ConfigError(f"save_checkpoint tag {tag!r} is not one directory name: fastckpt commits each tag as "
                           f"one checkpoint directly under save_dir, with save_dir/latest naming it. Use a tag "
-                          f"without '/' (e.g. {safe!r})")
+                          f"without '/' or '\\' (e.g. {safe!r})")
     if tag in (LATEST, "latest_universal") or tag.startswith(".fastckpt"):
         raise ConfigError(f"save_checkpoint tag {tag!r} is the name of a file beside the tags (DeepSpeed's pointer "
                           "to the newest one, or fastckpt's own): use another tag (e.g. 'global_step1')")

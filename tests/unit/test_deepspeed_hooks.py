@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -306,3 +307,15 @@ def test_a_tag_named_as_the_pointer_beside_the_tags_is_refused(tag: str) -> None
     with pytest.raises(ConfigError, match=f"tag '{tag}' is the name of a file beside the tags"):
         checked_tag("/ckpt", tag)
     assert checked_tag("/ckpt", "latest_step") == "latest_step"
+
+
+@pytest.mark.parametrize("tag, safe", [("epoch1/step1", "epoch1_step1"), ("epoch1\\step1", "epoch1_step1"),
+                                       ("a\x00b", "a_b")])
+def test_a_tag_that_is_not_one_directory_name_is_refused_naming_a_safe_one(tag: str, safe: str) -> None:
+    """A backslash reached the storage layer and was refused there as 'key ... must be relative
+    to the target root', which named no tag and no fix."""
+    from fastckpt.errors import ConfigError
+    from fastckpt.integrations._deepspeed.compat import checked_tag
+
+    with pytest.raises(ConfigError, match=f"tag {re.escape(repr(tag))} is not one directory name.*{safe!r}"):
+        checked_tag("/ckpt", tag)
