@@ -89,6 +89,28 @@ def test_copy_unfenced_saves_what_torch_save_would(tmp_path) -> None:
     assert got["self"] is got
 
 
+class _Tagged(torch.Tensor):
+    pass
+
+
+def test_copy_unfenced_keeps_empty_tensors_dtypes_subclasses_and_attributes(tmp_path) -> None:
+    """Every empty storage has data pointer 0: the one-clone-per-storage rule put every empty
+    tensor on one clone, so they loaded with the first one's dtype."""
+    from fastckpt.save.fencing import copy_unfenced
+
+    noted = torch.ones(2)
+    noted.note = "kept by torch.save"
+    state = {"a": torch.empty(0), "b": torch.empty(0, dtype=torch.int64), "c": torch.empty(2, 0, dtype=torch.bfloat16),
+             "tagged": torch.ones(3).as_subclass(_Tagged), "noted": noted}
+    with fastckpt.Checkpointer() as ck:
+        ck.save(copy_unfenced(state, []), str(tmp_path / "l.pt"), lazy=True)
+        ck.fence()
+        ck.wait()
+        got = ck.load(str(tmp_path / "l.pt"), weights_only=False)
+    assert [got[k].dtype for k in "abc"] == [torch.float32, torch.int64, torch.bfloat16]
+    assert got["c"].shape == (2, 0) and type(got["tagged"]) is _Tagged and got["noted"].note == "kept by torch.save"
+
+
 def test_lightning_row_counts_the_fence_of_a_group_commit(tmp_path, monkeypatch) -> None:
     """FastCkptIO under DeepSpeedStrategy: a lazily snapshotted group commit's ``ckpt/blocked_s``
     row is the commit's blocked time plus the optimizer step's wait for the copy."""

@@ -59,7 +59,7 @@ def optimizer_tensors(optimizer: torch.optim.Optimizer) -> Iterable[torch.Tensor
 def copy_unfenced(state: object, protected: Iterable[torch.Tensor]) -> object:
     """``state`` with every tensor that is not a view of a ``protected`` tensor's storage cloned,
     as ``torch.save`` would write it: each storage cloned once (views of it stay views of the
-    clone), parameters stay parameters, ``requires_grad`` is kept."""
+    clone), parameters stay parameters, ``requires_grad``, subclasses and attributes are kept."""
     keys = {storage_key(t) for t in protected}
     clones: dict[tuple[str, int], torch.UntypedStorage] = {}
 
@@ -67,15 +67,21 @@ def copy_unfenced(state: object, protected: Iterable[torch.Tensor]) -> object:
         key = storage_key(t)
         if key in keys:
             return t
-        if t.layout is not torch.strided or t.is_quantized or t.is_conj() or t.is_neg():
+        plain = type(t) in (torch.Tensor, torch.nn.Parameter)
+        if (not plain or t.layout is not torch.strided or t.is_quantized or t.is_conj() or t.is_neg()
+                or not t.untyped_storage().nbytes()):  # (every empty storage has data_ptr 0: no key)
             new = t.detach().clone()  # no storage to share a view of the plain way
         else:
             st = clones.get(key)
             if st is None:
                 st = clones[key] = t.untyped_storage().clone()
             new = torch.empty(0, dtype=t.dtype, device=t.device).set_(st, t.storage_offset(), t.size(), t.stride())
-        if isinstance(t, torch.nn.Parameter):
-            return torch.nn.Parameter(new, requires_grad=t.requires_grad)
-        return new.requires_grad_(True) if t.requires_grad else new
+        if plain and isinstance(t, torch.nn.Parameter):
+            new = torch.nn.Parameter(new, requires_grad=t.requires_grad)
+        elif t.requires_grad:
+            new.requires_grad_(True)
+        if t.__dict__:  # torch.save pickles a tensor's attributes
+            new.__dict__.update(t.__dict__)
+        return new
 
     return map_tensors(state, clone)
