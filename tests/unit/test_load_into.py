@@ -162,6 +162,18 @@ def test_a_tensor_on_the_meta_device_is_refused(tmp_path) -> None:
         assert got["model"]["weight"].data_ptr() == model.weight.data_ptr()
 
 
+def test_a_sparse_tensor_and_a_dense_one_are_refused_for_each_other(tmp_path) -> None:
+    """copy_ between dense and sparse tensors fails: it raised torch's RuntimeError after the read."""
+    path = str(tmp_path / "x.pt")
+    with Checkpointer() as ck:
+        ck.save({"s": torch.eye(4).to_sparse(), "d": torch.ones(3)}, path).wait()
+        with pytest.raises(ConfigError, match=r"\['s'\]: saved as a sparse_coo tensor, into= has a dense one.*"
+                                              r"\['d'\]: saved as a dense tensor, into= has a sparse_coo one"):
+            ck.load(path, into={"s": torch.zeros(4, 4), "d": torch.zeros(3).to_sparse()})
+        got = ck.load(path, into={"s": torch.zeros(4, 4).to_sparse()})  # sparse into sparse: copied in
+        assert torch.equal(got["s"].to_dense(), torch.eye(4))
+
+
 def test_a_corrupt_local_copy_falls_back_and_the_tensors_end_right(tmp_path) -> None:
     """The first copy's damaged bytes were read into the tensors: the next copy reads them again."""
     saved, mine = _model(0), _model(1)

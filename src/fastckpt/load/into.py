@@ -49,6 +49,8 @@ def check(dest: object, saved: object) -> list[tuple[Where, torch.Tensor, torch.
             wrong.append(f"{_name(where)}: the checkpoint holds a {type(s).__name__} there, not a tensor")
         elif s.shape != d.shape:
             wrong.append(f"{_name(where)}: saved with shape {tuple(s.shape)}, into= has {tuple(d.shape)}")
+        elif s.layout != d.layout:  # copy_ between dense and sparse fails, after the read
+            wrong.append(f"{_name(where)}: saved as a {_layout(s)} tensor, into= has a {_layout(d)} one")
         elif d.is_meta:  # a copy into it is a no-op: the load would return no data there
             wrong.append(f"{_name(where)}: into= has a tensor on the meta device, which holds no memory to read "
                          "into (allocate the module first: module.to_empty(device='cpu'))")
@@ -163,6 +165,10 @@ def _put(dest: object, saved: object) -> object:
             return saved
         return type(saved)(*items) if hasattr(saved, "_fields") else type(saved)(items)  # type: ignore[call-arg]
     return saved
+
+
+def _layout(t: torch.Tensor) -> str:
+    return "dense" if t.layout is torch.strided else str(t.layout).removeprefix("torch.")
 
 
 def _name(where: Where) -> str:
