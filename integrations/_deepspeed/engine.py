@@ -172,7 +172,7 @@ class FastCkptEngine(CheckpointEngine):
         if inside:
             self._deferred.append((state_dict, path))
             return
-        rec = self.checkpointer.save(state_dict, path).wait()
+        rec = self.checkpointer.save(state_dict, path, export=True).wait()  # never one of keep_persistent's tags
         if rec.durable_s is None:
             why = "the staging buffers were busy and when_busy is \"skip\"" if rec.skipped else "it was dropped"
             raise CheckpointWriteError(f"{path} was not written: {why}. DeepSpeed's saves outside save_checkpoint "

@@ -12,13 +12,10 @@ Order of work for one ``save(state, path)`` (docs/architecture.md has the whole 
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager
-
-import torch
 
 from .commit import discovery
 from .commit.coordinator import Coordinator
@@ -52,12 +49,6 @@ PROGRESS_DELAY_S = 3.0  # silent for waits shorter than this
 
 class ClosedError(FastCkptError, RuntimeError):
     """The Checkpointer was closed; create a new one."""
-
-
-def _dist_rank_world() -> tuple[int, int]:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank(), torch.distributed.get_world_size()
-    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
 
 class Checkpointer:
@@ -108,11 +99,11 @@ class Checkpointer:
     # ------------------------------------------------------------------ identity and events
     @property
     def rank(self) -> int:
-        return self.config.rank if self.config.rank is not None else _dist_rank_world()[0]
+        return self.config.ranks()[0]
 
     @property
     def world_size(self) -> int:
-        return self.config.world_size if self.config.world_size is not None else _dist_rank_world()[1]
+        return self.config.ranks()[1]
 
     @property
     def metrics_url(self) -> str | None:
@@ -152,7 +143,8 @@ class Checkpointer:
             raise ValueError(f"nbytes={nbytes} must be >= 0")
         return self._staging.reserve(int(nbytes) + TAIL_ROOM, pinned)
 
-    def save(self, state_dict: object, path: str, group: str | None = None, *, lazy: bool = False) -> SaveHandle:
+    def save(self, state_dict: object, path: str, group: str | None = None, *, lazy: bool = False,
+             export: bool = False) -> SaveHandle:
         """Snapshot ``state_dict`` and return; the file becomes durable at ``path`` later.
 
         Args:
@@ -164,12 +156,15 @@ class Checkpointer:
                 training goes on, and ``fence()`` must be called before anything mutates them (the next optimizer
                 step; ``save.fencing.copy_unfenced`` clones the rest). ``blocked_s`` is the part spent here;
                 ``fence()`` returns its wait, which ``stats()`` counts as blocked too. Ignored on the gds tier.
+            export: a file beside the checkpoints (a model export), not one of them: keep_persistent never counts
+                or deletes it (keep_local may delete its burst-buffer copy once it is durable at its path).
 
         Raises:
             UnsupportedObjectError: an entry cannot be saved (the message names its key).
             ConfigError: a URL path without local_dir, or a path outside its group.
         """
         self._check_open()  # an earlier save's failure is raised by the Saver, once: see Saver.save
+        self._retention.exempt(file_name(path), export and group is None)
         return self._saver.save(state_dict, file_name(path), normalize(group) if group is not None else None,
                                 lazy, self.rank, self.world_size)
 

@@ -166,6 +166,17 @@ class CheckpointerConfig:
         if len({os.path.abspath(d) for d in dirs}) != len(dirs):
             raise ConfigError(f"local_dir={self.local_dir!r} names a directory twice: give each drive once")
 
+    def ranks(self) -> tuple[int, int]:
+        """(rank, world_size): as given, else torch.distributed's once initialised, else $RANK and
+        $WORLD_SIZE (0 and 1 without them)."""
+        if self.rank is not None:
+            return self.rank, self.world_size  # type: ignore[return-value]  (given together: _check_ranks)
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank(), dist.get_world_size()
+        return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
     @property
     def local_dirs(self) -> tuple[str, ...]:
         """The burst-buffer directories (``local_dir`` as a tuple; empty without one)."""

@@ -768,6 +768,7 @@ def missing(root: str) -> None:
         raise AssertionError("a tag whose save never committed was loaded")
     except IncompleteCheckpointError as exc:  # (was DeepSpeed's bare AssertionError)
         assert f"{os.sep}t2 cannot be loaded: it holds no complete save" in str(exc), str(exc)
+    shutil.rmtree(os.path.join(d, "t2"))  # the round trip checks that no temp file is left under the root
     eng.destroy()
 
 
@@ -804,6 +805,8 @@ def keep_best(root: str) -> None:
     eng = engine(2, {"keep_persistent": 1, "local_dir": os.path.join(root, "nvme-keep"), "keep_local": 1}, seed=0)
     train(eng, 1, 1)
     eng.save_checkpoint(d, "best", save_latest=False)  # beside the series: retention leaves it
+    export = os.path.join(root, "keep-best-export")
+    eng.save_16bit_model(export, "model16.bin")  # an export, not a tag: keep_persistent once deleted it
     for step in (2, 3, 4):
         train(eng, step, step)
         eng.save_checkpoint(d, f"global_step{step}")
@@ -811,6 +814,7 @@ def keep_best(root: str) -> None:
     local = {tag: ck.local_path(os.path.join(d, tag)) for tag in ("best", "global_step3")}
     eng.destroy()
     dist.barrier()  # rank 0's retention of the shared directory has ended too
+    assert os.path.isfile(os.path.join(export, "model16.bin"))
     assert sorted(n for n in os.listdir(d) if os.path.isdir(os.path.join(d, n))) == ["best", "global_step4"]
     assert os.path.isdir(local["best"]) and not os.path.exists(local["global_step3"]), local
     assert fastckpt.latest(os.path.join(d, "best")) == os.path.join(d, "best")

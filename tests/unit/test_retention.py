@@ -227,3 +227,21 @@ def test_latest_lists_again_when_retention_deletes_the_checkpoint_it_listed(tmp_
     monkeypatch.setattr(PosixTarget, "list", racing)
     assert fastckpt.latest(str(tmp_path)) == str(tmp_path / "b.pt")
     assert raced.is_set()
+
+
+def test_an_export_is_never_counted_or_deleted_by_keep_persistent(tmp_path: Path) -> None:
+    """A model export saved through the Checkpointer (DeepSpeed's save_16bit_model) counted as one
+    of the keep_persistent checkpoints: it was deleted once enough later checkpoints were saved.
+    Saved again as a checkpoint, the same path counts again."""
+    home = tmp_path / "home"
+    with fastckpt.Checkpointer(keep_persistent=1, overhead_budget=0.99) as ck:
+        ck.save({"w": torch.ones(4)}, str(tmp_path / "export" / "model.bin"), export=True).wait()
+        for step in (1, 2, 3):
+            ck.save({"w": torch.full((4,), float(step))}, str(home / f"step{step}.pt")).wait()
+        ck.wait()
+        assert (tmp_path / "export" / "model.bin").is_file()
+        assert sorted(os.listdir(home)) == ["step3.pt"]
+        ck.save({"w": torch.ones(4)}, str(tmp_path / "export" / "model.bin")).wait()  # a checkpoint now
+        ck.save({"w": torch.ones(4)}, str(home / "step4.pt")).wait()
+        ck.wait()
+    assert not (tmp_path / "export" / "model.bin").exists() and sorted(os.listdir(home)) == ["step4.pt"]

@@ -78,7 +78,13 @@ class Retention:
         self._replaced: dict[str, int] = {}  # name being saved again -> its persistent-list token before
         self._deleting: dict[str, int] = {}  # name -> deletions of it decided and not yet done
         self._deleted = threading.Condition(self._lock)
+        self._exports: set[str] = set()  # files saved with export=True: keep_persistent neither counts nor deletes
 
+
+    def exempt(self, path: str, export: bool) -> None:
+        """The next save of ``path`` is an export (True) or a checkpoint (False)."""
+        with self._lock:
+            (self._exports.add if export else self._exports.discard)(path)
 
     def replacing(self, path: str) -> int:
         """A new save of ``path`` (a file or group) began: until it is durable, no trim may delete
@@ -152,7 +158,7 @@ class Retention:
             self._local.update(self._replaced_drops(path, token, step) if has_local else {})
             drop_local = _push(self._local, path, token, self._keep_local) if has_local and listed else []
             drop_persistent = _push(self._persistent, path, token, self._keep_persistent) \
-                if owns_persistent and listed else []
+                if owns_persistent and listed and path not in self._exports else []
             own = {p for p in drop_local if p in self._listed_drops}
             self._listed_drops -= own
             self._deciding([*drop_local, *drop_persistent])
