@@ -33,6 +33,8 @@ def test_doctor_target_that_is_a_file(tmp_path: Path) -> None:
     (tmp_path / "file").write_text("x")
     _refused(_cli("doctor", "--target", str(tmp_path / "file"), "--probe-size", "0"), 2,
              "--target", f"{tmp_path / 'file'} is a file: give the directory checkpoints are saved in")
+    _refused(_cli("doctor", "--local-dir", str(tmp_path / "file"), "--probe-size", "0"), 2,
+             "--local-dir", f"{tmp_path / 'file'} is a file: give the burst buffer's directory")
 
 
 def test_drill_local_dir_under_a_file(tmp_path: Path) -> None:

@@ -14,7 +14,7 @@ _STYLE = {"ok": "green", "info": "blue", "warn": "yellow", "fail": "bold red"}
 
 
 @click.command()
-@click.option("--local-dir", type=click.Path(file_okay=False), multiple=True,
+@click.option("--local-dir", type=click.Path(), multiple=True,
               help="The burst buffer (local_dir); repeat it for striped drives (each is measured).")
 @click.option("--target", default=None, type=LOCATION,
               help="Where checkpoints are saved: a directory or a URL (default: here).")
@@ -38,6 +38,10 @@ def doctor(local_dir: tuple[str, ...], target: str | None, tier: str, state_size
     from ..doctor import DoctorOptions, diagnose
     from ..urls import is_url
 
+    for d in local_dir:
+        if os.path.exists(d) and not os.path.isdir(d):
+            raise click.BadParameter(f"{d} is a file: give the burst buffer's directory (it is created if missing)",
+                                     param_hint="--local-dir")
     if target and not is_url(target) and os.path.exists(target) and not os.path.isdir(target):
         raise click.BadParameter(f"{target} is a file: give the directory checkpoints are saved in (it is created "
                                  "if missing) or a URL", param_hint="--target")
