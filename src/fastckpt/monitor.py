@@ -146,10 +146,14 @@ class Monitor:
         self._newest_durable_call: float | None = None  # wall time
 
     def _window(self, now: float) -> float:
-        while self._saves and self._saves[0][0] < now - self.window_s:
+        """The blocked share of the last ``window_s``: each save's blocked time counts as the span
+        from its start (a save blocked longer than the window fills it), the part in the window."""
+        cut = now - self.window_s
+        while self._saves and self._saves[0][0] + self._saves[0][1] < cut:
             self._saves.popleft()
         span = min(self.window_s, now - self._t0)
-        return sum(b for _, b, _ in self._saves) / span if span > 0 else 0.0
+        inside = sum(max(0.0, b - max(0.0, cut - s)) for s, b, _ in self._saves)
+        return min(inside / span, 1.0) if span > 0 else 0.0
 
     def record_blocked(self, start: float, blocked_s: float, nbytes: int) -> None:
         """Called on the training thread when a save returns or fences, or on the snapshot thread
@@ -220,3 +224,58 @@ class Monitor:
                          self.blocked_total / wall if wall > 0 else 0.0, self._window(now),
                          self.budget, self.over, self.alarms, self.last_blocked,
                          self.last_durable, pending, **extra)
+
+
+@dataclass(frozen=True)
+class OverheadPoint:
+    """The Monitor's numbers after one save: run and window overhead, and the alarm state."""
+
+    t: float
+    overhead: float
+    window_overhead: float
+    over_budget: bool
+
+
+class OverheadReplay:
+    """``Monitor.record_blocked`` replayed from an event log (``runstate``): the same rule."""
+
+    def __init__(self, budget: float, window_s: float, keep: int | None = None) -> None:
+        self.budget, self.window_s = budget, window_s
+        self.t0: float | None = None
+        self.count = 0
+        self.blocked = 0.0
+        self.over = False
+        self.alarms = 0
+        self.points: deque[OverheadPoint] = deque(maxlen=keep)  # keep: the newest only (a live exporter)
+        self._recent: deque[tuple[float, float]] = deque()
+        self._recent_s = 0.0  # _recent's sum, kept as it changes (summing each time was quadratic)
+
+    def window(self, now: float) -> float:
+        cut = now - self.window_s  # each save's blocked span from its start, the part after cut (Monitor._window)
+        while self._recent and sum(self._recent[0]) < cut:
+            self._recent_s -= self._recent.popleft()[1]
+        if not self._recent:
+            self._recent_s = 0.0  # no rounding left over
+        before = 0.0
+        for s, b in self._recent:  # the saves that began before the window: the oldest few
+            if s >= cut:
+                break
+            before += min(b, cut - s)
+        span = min(self.window_s, now - (self.t0 if self.t0 is not None else now))
+        return min(max(self._recent_s - before, 0.0) / span, 1.0) if span > 0 else 0.0
+
+    def record(self, start: float, blocked: float, now: float) -> None:
+        self.t0 = start if self.t0 is None else self.t0
+        self.count += 1
+        self.blocked += blocked
+        self._recent.append((start, blocked))
+        self._recent_s += blocked
+        if self.count < 2:
+            return
+        overhead = self.blocked / (now - self.t0) if now > self.t0 else 0.0
+        window = self.window(now)
+        if max(overhead, window) > self.budget and not self.over:
+            self.over, self.alarms = True, self.alarms + 1
+        elif max(overhead, window) <= self.budget:
+            self.over = False
+        self.points.append(OverheadPoint(now, overhead, window, self.over))

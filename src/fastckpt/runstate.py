@@ -25,6 +25,7 @@ from dataclasses import dataclass, field, replace
 
 from .eventlog import error_type
 from .events import Event
+from .monitor import OverheadPoint, OverheadReplay
 
 DEFAULT_BUDGET = 0.02
 DEFAULT_WINDOW_S = 3600.0
@@ -74,16 +75,6 @@ class SaveTrace:
 
 
 @dataclass(frozen=True)
-class OverheadPoint:
-    """The Monitor's numbers after one save: run and window overhead, and the alarm state."""
-
-    t: float
-    overhead: float
-    window_overhead: float
-    over_budget: bool
-
-
-@dataclass(frozen=True)
 class RankStatus:
     """What a rank's Checkpointer reports now: from ``stats()`` in process, or from its log."""
 
@@ -107,45 +98,6 @@ class _Building:
     group: str | None = None  # saved into this group
 
 
-class _Overhead:
-    """Monitor.record_blocked replayed from the log (monitor.py holds the rule)."""
-
-    def __init__(self, budget: float, window_s: float) -> None:
-        self.budget, self.window_s = budget, window_s
-        self.t0: float | None = None
-        self.count = 0
-        self.blocked = 0.0
-        self.over = False
-        self.alarms = 0
-        self.points: list[OverheadPoint] = []
-        self._recent: deque[tuple[float, float]] = deque()
-        self._recent_s = 0.0  # _recent's sum, kept as it changes (summing each time was quadratic)
-
-    def window(self, now: float) -> float:
-        while self._recent and self._recent[0][0] < now - self.window_s:
-            self._recent_s -= self._recent.popleft()[1]
-        if not self._recent:
-            self._recent_s = 0.0  # no rounding left over
-        span = min(self.window_s, now - (self.t0 or now))
-        return max(self._recent_s, 0.0) / span if span > 0 else 0.0
-
-    def record(self, start: float, blocked: float, now: float) -> None:
-        self.t0 = start if self.t0 is None else self.t0
-        self.count += 1
-        self.blocked += blocked
-        self._recent.append((start, blocked))
-        self._recent_s += blocked
-        if self.count < 2:
-            return
-        overhead = self.blocked / (now - self.t0) if now > self.t0 else 0.0
-        window = self.window(now)
-        if max(overhead, window) > self.budget and not self.over:
-            self.over, self.alarms = True, self.alarms + 1
-        elif max(overhead, window) <= self.budget:
-            self.over = False
-        self.points.append(OverheadPoint(now, overhead, window, self.over))
-
-
 class RunState:
     """Feed it events (in any order of ranks, each rank's in time order); ask for the run.
 
@@ -164,7 +116,8 @@ class RunState:
         self._abandoned: deque[_Building] = deque(maxlen=keep_done)  # open when a newer session started
         self._sessions: set[tuple[int, str | None]] = set()  # (rank, session) seen
         self._done: deque[SaveTrace] = deque(maxlen=keep_done)
-        self._overhead: dict[int, _Overhead] = {}
+        self._keep_points = None if keep_done is None else max(1, keep_done)  # the overhead curve: its newest
+        self._overhead: dict[int, OverheadReplay] = {}
         self._newest_durable_start: dict[int, float] = {}
         # (rank, group) -> its files durable at their paths, waiting for the group's commit
         self._awaiting: dict[tuple[int, str], list[_Building]] = {}
@@ -213,7 +166,7 @@ class RunState:
         if ev.group is not None:  # a new attempt at the group
             self._outcomes.pop((ev.rank, ev.group), None)
         self._open.setdefault((ev.rank, ev.path), []).append(b)
-        self._overhead.setdefault(ev.rank, _Overhead(self.budget, self.window_s)).record(
+        self._overhead.setdefault(ev.rank, OverheadReplay(self.budget, self.window_s, self._keep_points)).record(
             ev.start, ev.duration_s, ev.end)
 
     def _new_session(self, rank: int, session: str | None) -> None:
@@ -229,7 +182,7 @@ class RunState:
                     self._abandoned.append(b)
         old = self._overhead.get(rank)
         if old is not None:  # a new Monitor, but the curve and the alarm count go on
-            self._overhead[rank] = new = _Overhead(self.budget, self.window_s)
+            self._overhead[rank] = new = OverheadReplay(self.budget, self.window_s, self._keep_points)
             new.points, new.alarms = old.points, old.alarms
 
     def _owner(self, ev: Event) -> _Building | None:
@@ -345,7 +298,7 @@ class RunState:
         """Each rank's numbers as its Checkpointer's ``stats()`` would give them at ``now``."""
         out = []
         for rank in self.ranks():
-            o = self._overhead.get(rank) or _Overhead(self.budget, self.window_s)
+            o = self._overhead.get(rank) or OverheadReplay(self.budget, self.window_s, self._keep_points)
             waiting = [b for k, cands in self._open.items() if k[0] == rank for b in cands]
             queued = [q for b in waiting if (q := _queued_at(b)) is not None and b.phases[-1].name == "queued"]
             newest = self._newest_durable_start.get(rank)

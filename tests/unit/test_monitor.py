@@ -118,3 +118,14 @@ def test_a_save_that_waits_for_the_previous_write_is_counted_as_waiting(tmp_path
     (rep,) = reports
     assert rep.saves == 2 and waiting.is_set()
     assert 0 < rep.mean_waited_s * 2 <= second.result().blocked_s
+
+
+def test_a_save_blocked_longer_than_the_window_fills_it() -> None:
+    """The window kept only saves that started inside it: a save that blocked the whole window
+    (and ended just now) counted 0 % there, and the alarm stayed silent."""
+    m = Monitor(0.3, 0.2)
+    now = time.monotonic()
+    m._t0 = now - 10.0
+    m.record_blocked(now - 9.0, 0.001, 1000)
+    m.record_blocked(time.monotonic() - 0.6, 0.6, 1000)  # began 0.6 s ago, blocked until now
+    assert m._window(time.monotonic()) > 0.95 and m.over and m.alarms == 1

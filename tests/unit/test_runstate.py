@@ -266,3 +266,34 @@ def test_a_group_commit_read_before_its_files_replication_still_ends_them() -> N
         rs.feed(e)
     assert [(s.durable_at, s.error) for s in rs.saves()] == [(3.0, None), (3.0, None)]
     assert rs.status(5.0)[0].pending == 0
+
+
+def test_the_replayed_window_counts_a_save_blocked_longer_than_it() -> None:
+    rs = RunState(budget=0.3, window_s=0.2)
+    rs.feed(_ev("snapshot", 0.0, 0.001, "/h/a.pt", tier="direct"))
+    rs.feed(_ev("snapshot", 9.4, 10.0, "/h/b.pt", tier="direct"))  # blocked 0.6 s, the window's 0.2 s and more
+    assert rs.overhead_points(0)[-1].window_overhead == pytest.approx(1.0)
+    assert rs.alarms(0) == 1
+
+
+def test_an_exporters_replay_keeps_only_the_newest_overhead_points() -> None:
+    rs = RunState(keep_done=0)
+    for i in range(100):
+        rs.feed(_ev("snapshot", float(i), i + 0.01, f"/h/{i}.pt", tier="direct"))
+    assert len(rs.overhead_points(0)) == 1 and rs.status(100.0)[0].overhead > 0
+
+
+def test_the_report_counts_each_group_published_once_whatever_the_ranks() -> None:
+    """Every rank logs a commit of each group it took part in: two ranks, two groups read as 4."""
+    from fastckpt.report.summary import summarize
+
+    rs = RunState()
+    for t, group in ((1.0, "/h/step-1"), (2.0, "/h/step-2")):
+        for rank in (0, 1):
+            rs.feed(_ev("snapshot", t, t + 0.01, f"{group}/r{rank}.pt", rank=rank, tier="direct", group=group))
+            rs.feed(_ev("commit", t + 0.1, t + 0.2, group, rank=rank, tier="direct", detail="group"))
+    assert summarize(rs).group_commits == 2
+    one = RunState()  # one rank's log alone: its own count
+    for ev in [_ev("commit", t, t + 0.1, f"/h/step-{t}", rank=1, tier="direct", detail="group") for t in (1.0, 2.0)]:
+        one.feed(ev)
+    assert summarize(one).group_commits == 2

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from ..eventlog import error_type
+from ..events import Event
 from ..runstate import RunState
 
 QUANTILES = (("p50", 0.5), ("p90", 0.9), ("p99", 0.99))
@@ -152,4 +153,10 @@ def summarize(run: RunState, logs: Sequence[str] = ()) -> Summary:
         Distribution.of([s.blocked_s for s in saves if s.phase("snapshot").error is None]),
         Distribution.of([d for s in ok if (d := s.durable_s) is not None]), Distribution.of(lags), run.budget,
         sum(run.alarms(r) for r in run.ranks()), dict(failures), len(run.retries),
-        len(run.group_commits), Distribution.of(rtos))
+        _published(run.group_commits), Distribution.of(rtos))
+
+
+def _published(commits: Iterable[Event]) -> int:
+    """The groups published: every rank that took part logs a commit of each, so the rank that
+    logged the most of them counts (a log of some ranks only still counts theirs)."""
+    return max(Counter(e.rank for e in commits).values(), default=0)
