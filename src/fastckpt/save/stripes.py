@@ -42,7 +42,7 @@ class DirStats:
 
     Attributes:
         path: the directory.
-        files: files written there (completed local writes, failed ones included).
+        files: files written there (local writes that completed; a failed one is not counted).
         bytes: bytes written there.
         write_s: seconds spent writing them (write, fsync; summed over files).
         queued_bytes: bytes of saves whose local write there is still in progress.
