@@ -68,7 +68,7 @@ class Checkpointer:
                               for _ in range(max(1, len(cfg.local_dirs))))
         self._committer = ThreadPoolExecutor(4, thread_name_prefix="fastckpt-commit")
         self._snapper = ThreadPoolExecutor(1, thread_name_prefix="fastckpt-snapshot")  # lazy saves
-        self._inflight = InFlight()
+        self._inflight, self._group_saved_at = InFlight(), {}  # group -> wall time of its first file's save
         self._stop, self._closed = threading.Event(), False
         self._last_restore: tuple[float | None, str | None] = (None, None)
         self._homes = Homes(cfg.storage_options, retry_deadline_s=cfg.retry_deadline_s, parallelism=cfg.io_threads,
@@ -165,6 +165,8 @@ class Checkpointer:
         """
         self._check_open()  # an earlier save's failure is raised by the Saver, once: see Saver.save
         self._retention.exempt(file_name(path), export and group is None)
+        if group is not None:  # a published group's RPO counts from its first file's save
+            self._group_saved_at.setdefault(normalize(group), time.time())
         return self._saver.save(state_dict, file_name(path), normalize(group) if group is not None else None,
                                 lazy, self.rank, self.world_size)
 
@@ -186,8 +188,10 @@ class Checkpointer:
         step = group_step(group, extra) if move_latest else None  # a series that moves latest: see Retention
         self._replicator.keep(group, not move_latest)  # beside the series: never coalesced away
 
+        saved_at = self._group_saved_at.pop(group, time.time())
+
         def retain(rec: SaveRecord) -> SaveRecord:
-            self._monitor.record_durable(None if has_local else rec.durable_s, time.time() - (rec.durable_s or 0))
+            self._monitor.record_durable(None if has_local else rec.durable_s, None if rec.superseded else saved_at)
             self._retention.ended(group, rec.superseded, has_local and move_latest, rank == 0 and move_latest, token,
                                   step)
             return rec

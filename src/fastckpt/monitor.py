@@ -200,12 +200,13 @@ class Monitor:
 
     def record_durable(self, durable_s: float | None, call_wall: float | None = None) -> None:
         """A checkpoint became durable where it is kept (its path, or its replica), ``durable_s``
-        after its save (or commit) was called at wall time ``call_wall``. None: it did not, or its
-        replication records it (a group's commit with a burst buffer)."""
-        if durable_s is None:
-            return
+        after its save (or commit) was called; its state is the one saved at wall time
+        ``call_wall`` (the RPO counts from there). ``durable_s`` None: its replication recorded it
+        (a group's commit with a burst buffer); ``call_wall`` None: the RPO does not move (a
+        group's file before its group is published)."""
         with self._lock:
-            self.last_durable = durable_s
+            if durable_s is not None:
+                self.last_durable = durable_s
             if call_wall is not None:
                 self._newest_durable_call = max(self._newest_durable_call or 0.0, call_wall)
 

@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -147,6 +148,30 @@ def test_a_failed_group_commit_is_counted_once(tmp_path: Path) -> None:
 
     got = CliRunner().invoke(cli, ["report", str(log)])
     assert got.exit_code == 1 and "commit: CommitTimeoutError x1" in got.output, got.output  # before: exit 0
+
+
+def test_the_rpo_counts_a_group_once_published_from_its_files_saves(tmp_path: Path) -> None:
+    """A group's files replicated from the burst buffer moved the RPO although the group was
+    never published (another file failed); without a burst buffer the RPO counted from the
+    commit() call, not from the saves whose state a node loss goes back to."""
+    ops = FaultyOps()
+    ops.inject(Fault("pwrite", errno.EIO, path_contains="optim"))
+    with Checkpointer(local_dir=str(tmp_path / "nvme"), ops=ops, overhead_budget=0.99) as ck:
+        g = str(tmp_path / "home" / "step-1")
+        for name in ("model.pt", "optim.pt"):
+            ck.save(_state(1024), f"{g}/{name}", group=g)
+        with pytest.raises(CheckpointWriteError):
+            ck.commit(g).wait(60)
+        ck.wait()  # (the failure was raised once, by the commit)
+        assert ck.stats().rpo_s is None  # nothing was published
+    with Checkpointer(overhead_budget=0.99) as ck:
+        g = str(tmp_path / "home2" / "step-1")
+        before_save = time.time()
+        ck.save(_state(16 << 20), f"{g}/model.pt", group=g).wait(60)  # 64 MiB: the save takes a while
+        commit_call = time.time()
+        ck.commit(g).wait(60)
+        rpo, since_commit = ck.stats().rpo_s, time.time() - commit_call
+        assert rpo > since_commit and rpo >= 0.5 * (commit_call - before_save)  # from the save, not the commit
 
 
 def test_a_port_past_the_last_one_for_this_local_rank_names_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -57,7 +57,7 @@ class Replicator:
     """Copies committed local files to their destinations on ``replicate_workers`` threads."""
 
     def __init__(self, cfg: CheckpointerConfig, homes: Homes, emit: Callable[..., None],
-                 on_durable: Callable[[float, float], None]) -> None:
+                 on_durable: Callable[[float, float | None], None]) -> None:
         self._cfg, self._homes = cfg, homes
         self._emit, self._on_durable = emit, on_durable
         self._cv = threading.Condition()
@@ -246,7 +246,8 @@ class Replicator:
             raise
         durable = time.monotonic() - job.t_call
         self._emit("replicate", rec.path, rec.bytes, r0, rec.tier, detail=detail)
-        self._on_durable(durable, job.committed_at - (rec.local_durable_s or 0.0))
+        # a group's file moves the RPO only once its group is published (Checkpointer.commit)
+        self._on_durable(durable, None if rec.group is not None else job.committed_at - (rec.local_durable_s or 0.0))
         return replace(rec, durable_s=durable)
 
     def _replaced_by_newer(self, job: ReplicaJob, manifest: dict | None = None) -> bool:
