@@ -118,6 +118,30 @@ def test_a_ctrl_c_right_after_the_snapshot_gives_the_staging_buffer_back(tmp_pat
         assert not rec.skipped and ck.load(rec.path)["step"] == 2
 
 
+@pytest.mark.parametrize("lazy", [False, True])
+def test_a_sinks_time_on_the_training_thread_is_blocked_time(tmp_path, lazy: bool) -> None:
+    """The snapshot event's sinks run in save(), on the training thread (an event_log's write):
+    blocked_s, the overhead and its alarm left that time out."""
+    import time
+
+    from fastckpt.events import Event
+
+    class Slow:
+        def emit(self, ev: Event) -> None:
+            if ev.name == "snapshot":
+                end = time.monotonic() + 0.05  # a sink's work on this thread, not a wait for anything
+                while time.monotonic() < end:
+                    pass
+
+    with fastckpt.Checkpointer(sinks=(Slow(),), overhead_budget=0.99) as ck:
+        t0 = time.monotonic()
+        h = ck.save(_state(1), str(tmp_path / "a.pt"), lazy=lazy)
+        called = time.monotonic() - t0
+        ck.fence()
+        rec = h.wait(timeout=30)
+        assert 0.05 <= rec.blocked_s <= called and ck.stats().blocked_s >= 0.05
+
+
 def test_a_save_whose_replication_cannot_be_queued_fails_instead_of_hanging(tmp_path) -> None:
     """Whatever the replicator's submit raises resolves the save's handle with it (a done-callback
     would otherwise swallow it and leave the handle pending for ever)."""

@@ -167,7 +167,9 @@ class Saver:
             except BaseException:
                 self._staging.release(buf)
                 raise
-        try:
+        try:  # the event first: its sinks (event_log's write) run on this thread, so they count as blocked
+            self._emit("snapshot", path, layout.payload_bytes, w_call, choice.tier, detail="lazy" if lazy else None,
+                       group=group)
             blocked = time.monotonic() - t_call
             if lazy:  # fence() waits for the copy and counts that wait as blocked time (or the copy ends first)
                 entry = Unfenced(copy, t_call, blocked, layout.payload_bytes)
@@ -176,8 +178,6 @@ class Saver:
                 copy.add_done_callback(functools.partial(self._copied, entry, counted))
             else:
                 self._monitor.record_blocked(t_call, blocked, layout.payload_bytes)
-            self._emit("snapshot", path, layout.payload_bytes, w_call, choice.tier, detail="lazy" if lazy else None,
-                       group=group)
             base = replace(base, blocked_s=blocked)
         except BaseException:  # a Ctrl-C (in a user's sink, say): no writer has the buffer, so it goes back
             if lazy:
@@ -202,9 +202,9 @@ class Saver:
     def _save_gds(self, layout: F.FileLayout, base: SaveRecord, dest: str, home: str, t_call: float, w_call: float,
                   spot: Reservation | None, token: int) -> SaveHandle:
         st = self._writer.gds_write(layout, dest)
-        blocked = time.monotonic() - t_call
-        self._monitor.record_blocked(t_call, blocked, layout.payload_bytes)
         self._emit("snapshot", base.path, layout.payload_bytes, w_call, base.tier, detail="gds write", group=base.group)
+        blocked = time.monotonic() - t_call  # the event's sinks included
+        self._monitor.record_blocked(t_call, blocked, layout.payload_bytes)
         base = replace(base, blocked_s=blocked)
         fut = self._submit(spot, token, layout, self._writer.gds_finish, st, layout, base, t_call)
         return self._track(fut, base, dest, home, t_call, spot, token)
