@@ -118,10 +118,10 @@ def test_a_ctrl_c_right_after_the_snapshot_gives_the_staging_buffer_back(tmp_pat
         assert not rec.skipped and ck.load(rec.path)["step"] == 2
 
 
-@pytest.mark.parametrize("lazy", [False, True])
-def test_a_sinks_time_on_the_training_thread_is_blocked_time(tmp_path, lazy: bool) -> None:
+def test_a_sinks_time_on_the_training_thread_is_blocked_time(tmp_path) -> None:
     """The snapshot event's sinks run in save(), on the training thread (an event_log's write):
-    blocked_s, the overhead and its alarm left that time out."""
+    blocked_s, the overhead and its alarm left that time out. (A lazy save's is not counted: its
+    copy may have ended and been counted while they ran.)"""
     import time
 
     from fastckpt.events import Event
@@ -135,7 +135,7 @@ def test_a_sinks_time_on_the_training_thread_is_blocked_time(tmp_path, lazy: boo
 
     with fastckpt.Checkpointer(sinks=(Slow(),), overhead_budget=0.99) as ck:
         t0 = time.monotonic()
-        h = ck.save(_state(1), str(tmp_path / "a.pt"), lazy=lazy)
+        h = ck.save(_state(1), str(tmp_path / "a.pt"))
         called = time.monotonic() - t0
         ck.fence()
         rec = h.wait(timeout=30)

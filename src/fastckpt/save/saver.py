@@ -167,16 +167,17 @@ class Saver:
             except BaseException:
                 self._staging.release(buf)
                 raise
-        try:  # the event first: its sinks (event_log's write) run on this thread, so they count as blocked
-            self._emit("snapshot", path, layout.payload_bytes, w_call, choice.tier, detail="lazy" if lazy else None,
-                       group=group)
-            blocked = time.monotonic() - t_call
+        try:
             if lazy:  # fence() waits for the copy and counts that wait as blocked time (or the copy ends first)
+                blocked = time.monotonic() - t_call
                 entry = Unfenced(copy, t_call, blocked, layout.payload_bytes)
                 with self._lock:
                     self._lazy.append(entry)
                 copy.add_done_callback(functools.partial(self._copied, entry, counted))
-            else:
+            self._emit("snapshot", path, layout.payload_bytes, w_call, choice.tier, detail="lazy" if lazy else None,
+                       group=group)
+            if not lazy:  # the event's sinks (event_log's write) ran on this thread: they count as blocked
+                blocked = time.monotonic() - t_call
                 self._monitor.record_blocked(t_call, blocked, layout.payload_bytes)
             base = replace(base, blocked_s=blocked)
         except BaseException:  # a Ctrl-C (in a user's sink, say): no writer has the buffer, so it goes back
