@@ -153,6 +153,9 @@ class RunState:
             self._outcome((ev.rank, ev.path), ev.end, ev.error)
         elif ev.name in ("write", "commit", "queued", "replicate"):
             self._phase(ev)
+        elif ev.name == "cancel" and (b := self._owner(ev)) is not None:  # remove() dropped its queued copy
+            b.trace = replace(b.trace, abandoned=True)
+            self._close(b)
         elif ev.name in ("retry", "load"):
             (self.retries if ev.name == "retry" else self.loads).append(ev)
         return self._finished

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import torch
 
@@ -26,8 +27,9 @@ def test_remove_cancels_a_queued_replication(tmp_path) -> None:
     a, b = str(dest / "a.pt"), str(dest / "b.pt")
     gate = ops.gate("preadv", path_contains=local)  # holds a's copy to the target
     queued = QueueWaiter(b)
+    log = str(tmp_path / "events.jsonl")
     ck = fastckpt.Checkpointer(local_dir=local, ops=ops, replicate_workers=1, replicate_policy="all",
-                               sinks=(queued,))
+                               sinks=(queued,), event_log=log)
     ha = ck.save(_state(1), a)
     assert gate.wait_entered(60)
     hb = ck.save(_state(2), b)
@@ -43,6 +45,12 @@ def test_remove_cancels_a_queued_replication(tmp_path) -> None:
     ck.close()
     assert sorted(os.listdir(dest)) == ["a.pt"]
     assert fastckpt.latest(str(dest)) == a
+    # the log says the cancelled save ended: its replay (report, serve-metrics) never holds it pending
+    from fastckpt.report import load_run
+
+    run, summary = load_run([log])
+    assert (summary.durable, summary.pending, summary.abandoned) == (1, 0, 1)
+    assert run.status(time.time())[0].pending == 0
 
 
 def test_remove_during_a_running_replication_deletes_both_copies(tmp_path) -> None:

@@ -153,6 +153,8 @@ class Replicator:
 
     def _drop(self, job: ReplicaJob) -> None:
         log.info("fastckpt: replication of %s cancelled: the checkpoint is being removed", job.rec.path)
+        # its event ends the save in a replay of the log (fastckpt report, serve-metrics): no replicate follows
+        self._emit("cancel", job.rec.path, job.rec.bytes, time.time(), job.rec.tier, detail="removed")
         job.future.set_result(replace(job.rec, durable_s=None, cancelled=True))
 
     def _work(self) -> None:
