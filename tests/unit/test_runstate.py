@@ -297,3 +297,18 @@ def test_the_report_counts_each_group_published_once_whatever_the_ranks() -> Non
     for ev in [_ev("commit", t, t + 0.1, f"/h/step-{t}", rank=1, tier="direct", detail="group") for t in (1.0, 2.0)]:
         one.feed(ev)
     assert summarize(one).group_commits == 2
+
+
+def test_a_re_saved_groups_files_written_beside_it_are_its_files() -> None:
+    """A re-save of a published group writes beside it, in .TAG.fastckpt-next-<digest>: its write
+    and commit events named that directory, and the replay held the save pending for ever."""
+    rs = RunState()
+    g = "/h/step-1"
+    for t, where in ((1.0, g), (5.0, "/h/.step-1.fastckpt-next-0123abcd")):
+        rs.feed(_ev("snapshot", t, t + 0.01, f"{g}/model.pt", tier="direct", group=g))
+        rs.feed(_ev("write", t + 0.01, t + 0.1, f"{where}/model.pt", tier="direct"))
+        rs.feed(_ev("commit", t + 0.1, t + 0.2, f"{where}/model.pt", tier="direct"))
+        rs.feed(_ev("commit", t + 0.2, t + 0.3, g, tier="direct", detail="group"))
+    saves = rs.saves()
+    assert len(saves) == 2 and all(s.durable_at is not None for s in saves)
+    assert rs.status(10.0)[0].pending == 0
