@@ -71,8 +71,9 @@ def test_ls_marks_replicated_and_local_only(tmp_path) -> None:
         save_group(ck, f"{home}/step-3", 3)
     os.unlink(f"{home}/two.pt")  # the durable copy is gone: only the burst buffer holds it
     d = json.loads(run("ls", home, "--local-dir", bb, "--json").stdout)
-    got = {e["name"]: e["status"] for e in d["checkpoints"]}
-    assert got == {"one.pt": "replicated", "two.pt": "local only", "step-3": "replicated"}
+    got = {e["name"]: (e["status"], e["step"]) for e in d["checkpoints"]}
+    # a local-only file's step is read as a complete one's (it was always None)
+    assert got == {"one.pt": ("replicated", 1), "two.pt": ("local only", 2), "step-3": ("replicated", 3)}
 
 
 def test_ls_of_an_empty_directory_exits_1(tmp_path) -> None:

@@ -241,7 +241,9 @@ def _local_copies(h: Homes, mirror: str) -> list[Entry]:
         if m.get("group"):
             groups.setdefault(posixpath.dirname(rel), []).append((_size(f), m))
         else:
-            out.append(Entry(f.url, rel, "file", "local only", None, _size(f), 1, float(m.get("written_at", 0.0))))
+            step = step_of(m)  # else the step its pickle records, as for the complete files
+            out.append(Entry(f.url, rel, "file", "local only", step if step is not None else _pickled_step(f), _size(f),
+                             1, float(m.get("written_at", 0.0))))
     for d, files in groups.items():
         out.append(Entry(join(loc.url, d), d, "group", "local only", None, sum(s or 0 for s, _ in files), len(files),
                          max(float(m.get("written_at", 0.0)) for _, m in files)))
