@@ -177,7 +177,7 @@ class FastCkptSaveStrategy(ThroughCheckpointer, AsyncSaveShardedStrategy):
         extra: dict = {"megatron_save": save_id, **({"step": iteration} if isinstance(iteration, int) else {})}
         if rank == 0:
             try:
-                extra[inplace.KEY] = self._save_index(ck, group, gathered, world, config_bytes)
+                extra[inplace.MANIFEST_KEY] = self._save_index(ck, group, gathered, world, config_bytes)
                 config.result()  # type: ignore[union-attr]  (metadata.json is durable before the commit)
             except Exception as exc:  # the others wait in their commit already: end it on every rank now
                 ck.unsaved(os.path.join(group, INDEX_FILE), group, exc)

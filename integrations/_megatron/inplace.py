@@ -11,7 +11,8 @@ before megatron's write, so that write cannot be staged or refused; what a commi
 keeps instead is enough to put both files back:
 
 - ``record`` (rank 0, during the save): their exact bytes go into the index, a fastckpt file
-  committed with the group, and their checksums into the group manifest (``megatron_files``);
+  committed with the group, and their checksums into the group manifest (``framework_files``,
+  which ``fastckpt verify`` checks too);
 - ``restore(group)``: the files that no longer match the published manifest's checksums are
   written back from the index (atomically; each is checked against the manifest first). Every
   rank runs it when a save fails, before its error reaches its caller, and ``sync_tracker`` runs it
@@ -33,11 +34,12 @@ from fastckpt.errors import CorruptCheckpointError
 from fastckpt.io.ops import FileOps
 
 from .common import INDEX_FILE
-from .compat import checksum_bytes, publish_bytes, read_group_manifest
+from .compat import FRAMEWORK_FILES, checksum_bytes, publish_bytes, read_group_manifest
 
 log = logging.getLogger("fastckpt.megatron")
 
-KEY = "megatron_files"  # in the index: name -> bytes; in the group manifest: name -> checksum
+KEY = "megatron_files"  # in the index: name -> bytes; in group manifests saved before FRAMEWORK_FILES: checksums
+MANIFEST_KEY = FRAMEWORK_FILES  # in the group manifest: name -> checksum, which `fastckpt verify` checks too
 FIX = "fastckpt.integrations.megatron.repair_checkpoint"
 
 
@@ -67,7 +69,7 @@ def _checksum_of(path: str) -> str | None:
 
 def _damaged(group: str, manifest: dict | None) -> dict[str, str]:
     """The in-place files of the published ``manifest`` whose bytes are not the committed ones."""
-    want = (manifest or {}).get(KEY) or {}
+    want = (manifest or {}).get(MANIFEST_KEY) or (manifest or {}).get(KEY) or {}
     return {name: digest for name, digest in want.items() if _checksum_of(os.path.join(group, name)) != digest}
 
 

@@ -489,15 +489,23 @@ def scenario_failures(d: str, rank: int, world: int) -> dict:
 
 
 def scenario_resave_check(d: str, rank: int, world: int) -> dict:
+    from click.testing import CliRunner
+
+    from fastckpt.cli import cli
     from fastckpt.integrations import megatron as fm
 
+    def verify() -> list[str]:  # the operator's check says what the loader says (it once said "intact")
+        res = CliRunner().invoke(cli, ["verify", path])
+        return [line.split(":")[0] for line in res.stderr.splitlines() if line.startswith("BAD ")] + [res.exit_code]
+
     path, _, loaded = _iteration_100(d)
-    out = {"as_left": loaded()}
+    out = {"as_left": loaded(), "verify_as_left": verify()}
     with open(os.path.join(path, "metadata.json"), "w"):
         pass  # torn as a kill inside megatron's finalize leaves it (open(..., "w") truncates)
     out["torn_metadata"] = loaded()
     out["synced"] = fm.sync_tracker(d)
     out["after_sync"] = loaded()
+    out["verify_after_sync"] = verify()
     out["repair_again"] = fm.repair_checkpoint(path)
     return out
 

@@ -126,6 +126,9 @@ def test_a_killed_save_into_a_committed_iteration_is_put_back_by_sync_tracker(re
     check = run_worker("resave_check", d, d + ".check", 1)[0]
     left = check["as_left"]
     assert left["type"] == "CorruptCheckpointError" and "common.pt is not the one committed" in left["message"]
+    iteration = os.path.join(d, "iter_0000100")
+    assert check["verify_as_left"] == [f"BAD {iteration}/common.pt", 1]  # verify agrees with the loader
+    assert check["verify_after_sync"] == [0]
     assert "repair_checkpoint(" in left["message"]
     assert check["torn_metadata"]["type"] == "JSONDecodeError"  # megatron cannot even pick a loader
     assert check["synced"] == 100

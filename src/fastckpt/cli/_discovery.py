@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 from ..commit.discovery import Damaged, Found, scan
 from ..commit.foreign import pickle_step
 from ..commit.membership import group_dir
+from ..commit.names import FRAMEWORK_FILES
 from ..commit.protocol import GROUP_MANIFEST, MARKER_DIR, SIDECAR, member_files, read_group_manifest
 from ..errors import CorruptCheckpointError, FastCkptError
 from ..storage.homes import Homes, Location
@@ -62,6 +63,7 @@ class FileSpec:
     size: int | None
     checksum: str | None
     group: str | None = None  # the group it is a file of (None: a single file)
+    whole: bool = False  # a framework's file of the group: ``checksum`` is its whole bytes' (FRAMEWORK_FILES)
 
 
 def homes(storage_options: dict | None) -> Homes:
@@ -102,8 +104,11 @@ def checkpoint_files(h: Homes, path: str) -> tuple[list[FileSpec], dict]:
     loc = h.resolve(path)
     m = group_manifest(loc)
     if m is not None:
+        extra = m.get(FRAMEWORK_FILES) if isinstance(m.get(FRAMEWORK_FILES), dict) else {}
         return [FileSpec(join(loc.url, rel), int(f["size"]), f.get("checksum"), loc.url)
-                for rel, f in sorted(member_files(m, loc.url).items())], m
+                for rel, f in sorted(member_files(m, loc.url).items())] + [
+                FileSpec(join(loc.url, rel), None, str(digest), loc.url, whole=True)
+                for rel, digest in sorted(extra.items()) if rel not in ("", ".", "..") and not set(rel) & set("/\\")], m
     m = file_manifest(loc)
     if not m:
         raise FastCkptError(f"{path} is not a complete fastckpt checkpoint: no {GROUP_MANIFEST} there, and no "

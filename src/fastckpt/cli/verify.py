@@ -11,13 +11,14 @@ from __future__ import annotations
 import errno
 import os
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import click
 
 from ..commit.membership import require_complete_group
-from ..commit.names import SIDECAR
+from ..commit.names import FRAMEWORK_FILES, SIDECAR
 from ..errors import CorruptCheckpointError, FastCkptError, IncompleteCheckpointError
+from ..format.checksum import checksum_bytes
 from ..storage.homes import Homes
 from ..urls import normalize
 from ._common import (
@@ -121,6 +122,10 @@ def _published(h: Homes, spec: FileSpec) -> FileSpec | str | None:
     """``spec`` as its checkpoint's manifest records it now (``REPLACED``: its group was saved
     again without it); None when that cannot be read."""
     try:
+        if spec.group is not None and spec.whole:
+            m = group_manifest(h.resolve(spec.group))
+            digest = ((m or {}).get(FRAMEWORK_FILES) or {}).get(spec.path[len(spec.group.rstrip("/")) + 1:])
+            return (REPLACED if m is not None else None) if digest is None else replace(spec, checksum=str(digest))
         if spec.group is not None:
             m = group_manifest(h.resolve(spec.group))
             entry = ((m or {}).get("files") or {}).get(spec.path[len(spec.group.rstrip("/")) + 1:])
@@ -133,7 +138,27 @@ def _published(h: Homes, spec: FileSpec) -> FileSpec | str | None:
         return None
 
 
+def _check_whole(h: Homes, spec: FileSpec, on_bytes=None) -> str | None:  # noqa: ANN001
+    """A framework's file of a group (``FRAMEWORK_FILES``): its whole bytes against the checksum
+    the group's manifest records, as the framework's loader checks it."""
+    loc = h.resolve(spec.path)
+    try:
+        data = loc.place().parent().get(loc.key.rsplit("/", 1)[-1])
+    except OSError as exc:
+        return _unreadable(exc) or f"cannot be read: {exc}"
+    if data is None:
+        return "missing"
+    if checksum_bytes(data) != spec.checksum:
+        return (f"{len(data)} bytes whose checksum is not the one committed with the group (a framework wrote it "
+                "again in place: a killed save into this checkpoint?)")
+    if on_bytes:
+        on_bytes(len(data))
+    return None
+
+
 def _check(h: Homes, spec: FileSpec, on_bytes=None) -> str | None:  # noqa: ANN001
+    if spec.whole:
+        return _check_whole(h, spec, on_bytes)
     try:
         size, covered, own = file_covered(h, spec)
     except OSError as exc:

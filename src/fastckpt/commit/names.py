@@ -17,6 +17,10 @@ GROUP_MANIFEST = "fastckpt-manifest.json"
 MARKER_DIR = ".fastckpt"
 LATEST = "latest"
 SIDECAR = ".fastckpt.json"  # a single file's publication record at a URL: NAME.fastckpt.json
+# A group manifest's files that are not fastckpt files (a framework writes them in place, as
+# megatron's common.pt and metadata.json): name -> checksum of the whole file
+# (format.checksum.checksum_bytes). ``fastckpt verify`` checks them with the group's own files.
+FRAMEWORK_FILES = "framework_files"
 
 
 def check_save_name(path: str) -> None:
