@@ -443,8 +443,9 @@ def test_close_timeout_bounds_close_and_keeps_what_it_gave_up(tmp_path, caplog) 
 
     ops, local, home = FaultyOps(), str(tmp_path / "nvme"), tmp_path / "home"
     queued = QueueWaiter(str(home / "b.pt"))
+    log = str(tmp_path / "events.jsonl")
     ck = fastckpt.Checkpointer(local_dir=local, ops=ops, replicate_workers=1, close_timeout_s=0.5, sinks=(queued,),
-                               rank=0, world_size=1)
+                               rank=0, world_size=1, event_log=log)
     gate = ops.gate("preadv", path_contains=local)  # holds the first replication as it starts
     try:
         running = ck.save(_state(1), str(home / "a.pt"))
@@ -478,6 +479,11 @@ def test_close_timeout_bounds_close_and_keeps_what_it_gave_up(tmp_path, caplog) 
     with pytest.raises(ReplicationError, match="was not replicated: close"):
         waiting.wait(60)
     assert os.path.exists(ck.local_path(str(home / "b.pt"))) and not os.path.exists(home / "b.pt")
+    from fastckpt.report import load_run
+
+    run, _ = load_run([log])  # the log says b.pt's replication failed: its replay never holds it pending
+    (b,) = [t for t in run.saves() if t.path == str(home / "b.pt")]
+    assert b.error is not None and "was not replicated: close() stopped waiting" in b.error
     logged = [r.getMessage() for r in caplog.records if "background failure not raised" in r.getMessage()]
     assert len(logged) == 2 and "bad.pt" in logged[0]  # the failure the timeout hid, then the one it caused:
     assert "close() raised another failure" in logged[1] and "b.pt was not replicated" in logged[1]

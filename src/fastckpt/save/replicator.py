@@ -213,10 +213,11 @@ class Replicator:
         if dropped:
             log.warning("fastckpt: not replicating %s: close() stopped waiting (close_timeout_s); the local copies "
                         "stay at %s", ", ".join(j.rec.path for j in dropped), ", ".join(j.local for j in dropped))
-        for job in dropped:
-            job.future.set_exception(ReplicationError(
-                f"{job.rec.path} was not replicated: close() stopped waiting for it (close_timeout_s); its local "
-                f"copy stays at {job.local}"))
+        for job in dropped:  # logged as failed replications: a replay of the log never holds them pending
+            err = ReplicationError(f"{job.rec.path} was not replicated: close() stopped waiting for it "
+                                   f"(close_timeout_s); its local copy stays at {job.local}")
+            self._emit("replicate", job.rec.path, job.rec.bytes, time.time(), job.rec.tier, err)
+            job.future.set_exception(err)
         for t in self._threads if wait else ():
             t.join()
 
