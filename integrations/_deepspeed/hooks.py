@@ -297,8 +297,7 @@ class EngineHooks:
                 return loaded, json.dumps([str(tag), *_checksums(manifest)])
         except AssertionError as exc:  # DeepSpeed's bare assert on a file it did not find: name it
             if (missing := self._missing(where, tag)) is None:
-                if tag is not None and not is_url(where) and self._store().manifest(os.path.join(where, str(tag))) \
-                        is None and os.path.isdir(os.path.join(where, str(tag))):
+                if self._uncommitted(where, tag):
                     raise IncompleteCheckpointError(
                         f"checkpoint {_join(home, str(tag))} cannot be loaded: it holds no complete save (no fastckpt "
                         "manifest: its save never committed, killed while its files were written, or it is still "
@@ -313,6 +312,15 @@ class EngineHooks:
                 f"fastckpt ls {home}") from exc
         finally:
             self.fe.end()
+
+    def _uncommitted(self, where: str, tag: object) -> bool:
+        """The tag directory holds no manifest and no checkpoint file of anyone's (only what a
+        killed or unfinished fastckpt save leaves: temp files, markers); DeepSpeed's own tags,
+        whose files are there, keep DeepSpeed's own error."""
+        group = os.path.join(where, str(tag))
+        if tag is None or is_url(where) or not os.path.isdir(group) or self._store().manifest(group) is not None:
+            return False
+        return not [n for n in os.listdir(group) if not n.startswith(".")]
 
     def _missing(self, where: str, tag: object) -> str | None:
         """The tag directory, or the first file its manifest names, that is not there; None when

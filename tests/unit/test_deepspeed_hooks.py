@@ -319,3 +319,33 @@ def test_a_tag_that_is_not_one_directory_name_is_refused_naming_a_safe_one(tag: 
 
     with pytest.raises(ConfigError, match=f"tag {re.escape(repr(tag))} is not one directory name.*{safe!r}"):
         checked_tag("/ckpt", tag)
+
+
+def test_deepspeeds_own_assert_on_its_own_tag_is_kept(tmp_path: Path) -> None:
+    """A tag written by DeepSpeed itself (its files there, no fastckpt manifest) whose load
+    DeepSpeed refuses with an assert keeps DeepSpeed's message; only a tag holding nothing but
+    what a killed fastckpt save leaves (temp files) is IncompleteCheckpointError."""
+    import types
+
+    import fastckpt
+    from fastckpt.errors import IncompleteCheckpointError
+    from fastckpt.integrations._deepspeed.hooks import EngineHooks
+    from fastckpt.io.atomic import tmp_name
+
+    native, killed = tmp_path / "native", tmp_path / "killed"
+    native.mkdir(), killed.mkdir()
+    torch.save({"module": {}}, native / "mp_rank_00_model_states.pt")
+    (Path(tmp_name(str(killed / "mp_rank_00_model_states.pt")))).write_bytes(b"PK")
+    with fastckpt.Checkpointer() as ck:
+        hooks = EngineHooks.__new__(EngineHooks)
+        hooks.fe = types.SimpleNamespace(checkpointer=ck, begin=lambda *a: None, end=lambda: None)
+        hooks.engine = types.SimpleNamespace(global_samples=0)
+
+        def refuse(where: str, tag: object = None, **kw: object) -> None:
+            raise AssertionError("checkpoint zero stage 2 does not match engine's zero stage 3")
+
+        hooks._load = refuse
+        with pytest.raises(AssertionError, match="zero stage 2 does not match"):
+            hooks._load_once(str(tmp_path), str(tmp_path), None, "native", {})
+        with pytest.raises(IncompleteCheckpointError, match="killed cannot be loaded: it holds no complete save"):
+            hooks._load_once(str(tmp_path), str(tmp_path), None, "killed", {})
