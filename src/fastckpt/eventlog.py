@@ -76,19 +76,23 @@ def decode_line(raw: bytes, where: str) -> str:
                          "event log (event_log=...)?") from exc
 
 
-def open_log(path: str) -> BinaryIO:
-    """``path`` opened to read, never blocking: a named pipe (or any file that is not a regular
-    one) where the log should be would block ``open`` for ever while nothing writes it.
+def open_log(path: str, stream: bool = False) -> BinaryIO:
+    """``path`` opened to read. The open never blocks: a named pipe nothing writes would block
+    it for ever. ``stream``: a pipe is read too (``report <(zcat events.jsonl.gz)``), to its
+    end: its writer's data, or nothing when there is no writer.
 
     Raises:
         FileNotFoundError: it does not exist.
-        ValueError: it is not a regular file (named, with the fix).
+        ValueError: it is no regular file (nor, with ``stream``, a pipe): named, with the fix.
     """
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # io.ops.READ (a layer above this one)
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise ValueError(f"{path} is not a regular file (a named pipe, a device): give the event log file "
-                             "the Checkpointer's event_log wrote")
+        mode = os.fstat(fd).st_mode
+        if stream and stat.S_ISFIFO(mode):
+            os.set_blocking(fd, True)  # reads wait for the writer's data; with no writer they end at once
+        elif not stat.S_ISREG(mode):
+            raise ValueError(f"{path} is not a regular file (a directory, a device, or a pipe, which cannot be "
+                             "followed): give the event log file the Checkpointer's event_log wrote")
         return os.fdopen(fd, "rb")
     except BaseException:
         os.close(fd)
@@ -151,7 +155,7 @@ def read_events(paths: str | Iterable[str], skipped: list[str] | None = None, *,
     events: list[Event] = []
     skipped = [] if skipped is None else skipped
     for path in unique_paths([paths] if isinstance(paths, str) else paths):
-        with open_log(path) as f:
+        with open_log(path, stream=True) as f:
             lines = f.read().split(b"\n")
         if lines[-1].strip() and warn:
             log.warning("fastckpt: %s ends in an incomplete line (its writer stopped mid-line); skipped", path)

@@ -4,9 +4,11 @@ reads. The exporter's URL is one a scraper can parse, for an IPv6 address too.""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import socket
+import threading
 import urllib.parse
 from pathlib import Path
 
@@ -32,19 +34,42 @@ def log(tmp_path: Path) -> Path:
 
 
 @pytest.mark.timeout(60)
-def test_a_named_pipe_given_as_a_log_is_refused_never_waited_on(tmp_path: Path,
-                                                               caplog: pytest.LogCaptureFixture) -> None:
-    """open() of a pipe nothing writes blocks for ever: each command hung with no message."""
+def test_a_named_pipe_nothing_writes_never_blocks_a_reader(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """open() of a pipe nothing writes blocks for ever: each command hung with no message. Read
+    whole, it is empty (report and plan say there are no events); followed, it is refused."""
     pipe = str(tmp_path / "events.jsonl")
     os.mkfifo(pipe)
-    for args in (["report", pipe], ["plan", "--from-run", pipe, "--bandwidth", "1GB/s"],
-                 ["serve-metrics", "--event-log", pipe, "--once"]):
+    for args, said in ((["report", pipe], "no events"),
+                       (["plan", "--from-run", pipe, "--bandwidth", "1GB/s"], "no completed save"),
+                       (["serve-metrics", "--event-log", pipe, "--once"], "not a regular file")):
         res = _run(*args)
-        assert res.exit_code == 2 and "not a regular file" in res.output, (args, res.output)
+        assert res.exit_code == 2 and said in res.output, (args, res.output)
     with caplog.at_level(logging.WARNING, logger="fastckpt"):
         follower = LogFollower(pipe)
         assert follower.poll() == [] and follower.poll() == []
     assert caplog.text.count("not a regular file") == 1  # said once, not at every poll
+
+
+@pytest.mark.timeout(60)
+def test_report_reads_a_pipe_its_writer_fills(tmp_path: Path, log: Path) -> None:
+    """report <(zcat events.jsonl.gz): the pipe's writer is there, and its events are read."""
+    pipe = str(tmp_path / "piped.jsonl")
+    os.mkfifo(pipe)
+    data = log.read_bytes()
+
+    def write() -> None:
+        with open(pipe, "wb") as f:  # blocks until the reader opens its end
+            f.write(data)
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    fd = os.open(pipe, os.O_RDONLY)  # the reader's end, opened first as a shell's <(...) has it: no race
+    try:
+        res = _run("report", f"/dev/fd/{fd}", "--json")
+    finally:
+        writer.join(30)
+        os.close(fd)
+    assert res.exit_code == 0 and json.loads(res.stdout)["saves"] == 1, res.output
 
 
 @pytest.mark.parametrize("flag", ["-o", "--html"])
