@@ -30,6 +30,13 @@ from .monitor import OverheadPoint, OverheadReplay
 
 # a re-saved group's files are written beside it, in .TAG.fastckpt-next-<digest> (commit.protocol.NEXT_TAG)
 _RESAVE = re.compile(r"/\.([^/]+)\.fastckpt-next(?:-[0-9a-f]+)?(/|$)")
+
+
+def resave_home(path: str) -> str:
+    """``path`` with a re-save directory (``.TAG.fastckpt-next-<digest>``) named as its group ``TAG``."""
+    return _RESAVE.sub(r"/\1\2", path)
+
+
 DEFAULT_BUDGET = 0.02
 DEFAULT_WINDOW_S = 3600.0
 _OUTCOMES_KEPT = 4096  # groups' outcomes remembered (per rank and group)
@@ -155,7 +162,7 @@ class RunState:
                 self.group_commits.append(ev)
             self._outcome((ev.rank, ev.path), ev.end, ev.error)
         elif ev.name in ("write", "commit", "queued", "replicate"):
-            self._phase(replace(ev, path=_RESAVE.sub(r"/\1\2", ev.path)))  # a re-save's files: the group's
+            self._phase(replace(ev, path=resave_home(ev.path)))  # a re-save's files: the group's
         elif ev.name == "cancel" and (b := self._owner(ev)) is not None:  # remove() dropped its queued copy
             b.trace = replace(b.trace, abandoned=True)
             self._close(b)

@@ -319,13 +319,16 @@ def test_from_run_fills_in_the_measured_values(run_log: str) -> None:
     assert d2["inputs"]["bandwidth_Bps"] == 5e9
 
 
-def test_from_run_with_each_ranks_log_and_with_one_of_them(tmp_path) -> None:
+@pytest.mark.parametrize("burst_buffer", [False, True])
+def test_from_run_with_each_ranks_log_and_with_one_of_them(tmp_path, burst_buffer: bool) -> None:
     """Two ranks, each with its own event log, commit groups. Both logs: 2 GPUs, measured. One
     rank's log alone: before, plan took it for a 1-GPU run holding the whole state (so the
     bandwidth it derived was one process's); now it estimates the ranks from the share of each
-    group that log's saves hold, and says how to give them all."""
+    group that log's saves hold, and says how to give them all. Through a burst buffer too (its
+    writes name the burst-buffer copies: once, no share was found and plan said 1 GPU)."""
     logs = [str(tmp_path / f"events-{r}.jsonl") for r in range(2)]
-    cks = [fastckpt.Checkpointer(rank=r, world_size=2, event_log=logs[r], overhead_budget=0.99) for r in range(2)]
+    cks = [fastckpt.Checkpointer(str(tmp_path / f"nvme{r}") if burst_buffer else None, rank=r, world_size=2,
+                                 event_log=logs[r], overhead_budget=0.99) for r in range(2)]
     try:
         for step in (1, 2):
             group = str(tmp_path / "home" / f"step-{step}")

@@ -14,6 +14,7 @@ import statistics
 from dataclasses import dataclass, field
 
 from ..events import Event
+from ..runstate import resave_home
 
 CLUSTER_GAP_S = 1.0  # snapshots further apart than this (end to next start) are separate checkpoints
 # a directory named for a step (step-5, global_step10, iter_0000100): its files form one checkpoint
@@ -105,10 +106,15 @@ def _logged_share(events: list[Event]) -> float | None:
     are the tensors' alone: a file also holds its pickle, zip records and alignment, so a log of
     every rank with many small tensors, or none, once read as a share of a rank's."""
     totals = {e.path: e.bytes for e in events if e.name == "commit" and e.detail == "group" and e.error is None}
+    plain = {g.replace("://", "/"): g for g in totals}  # a burst-buffer copy's path ends with its home's
     saved: dict[str, dict[tuple[int, str], int]] = {}
     for e in events:
-        group = posixpath.dirname(e.path)
-        if e.name == "write" and e.error is None and group in totals:
+        if e.name != "write" or e.error is not None:
+            continue
+        d = resave_home(posixpath.dirname(e.path))  # a re-save's files are written beside its group
+        tails = (d[j:] for i, c in enumerate(d) if c == "/" or i == 0 for j in (i, i + 1))  # /abs/... or s3/...
+        group = next((plain[t] for t in tails if t in plain), None)
+        if group is not None:
             saved.setdefault(group, {})[(e.rank, e.path)] = e.bytes
     shares = [sum(saved[g].values()) / t for g, t in totals.items() if t > 0 and sum(saved.get(g, {}).values()) > 0]
     return statistics.median(shares) if shares else None
