@@ -245,3 +245,20 @@ def test_an_export_is_never_counted_or_deleted_by_keep_persistent(tmp_path: Path
         ck.save({"w": torch.ones(4)}, str(home / "step4.pt")).wait()
         ck.wait()
     assert not (tmp_path / "export" / "model.bin").exists() and sorted(os.listdir(home)) == ["step4.pt"]
+
+
+def test_an_export_stays_one_when_a_later_save_of_its_path_fails_at_once(tmp_path: Path) -> None:
+    """The export mark was per path: a later save of the same path that raised before it began
+    cleared it while the export was still replicating, and keep_persistent deleted the export."""
+    home = tmp_path / "home"
+    with fastckpt.Checkpointer(keep_persistent=1, local_dir=str(tmp_path / "nvme"), overhead_budget=0.99) as ck:
+        export = ck.save({"w": torch.ones(1 << 16)}, str(home / "model.pt"), export=True)
+        try:
+            ck.save({"w": lambda: 0}, str(home / "model.pt"))  # not picklable: refused at the call
+        except fastckpt.UnsupportedObjectError:
+            pass
+        export.wait()
+        for step in (1, 2):
+            ck.save({"w": torch.ones(4)}, str(home / f"step{step}.pt")).wait()
+        ck.wait()
+    assert sorted(os.listdir(home)) == ["model.pt", "step2.pt"]

@@ -78,13 +78,13 @@ class Retention:
         self._replaced: dict[str, int] = {}  # name being saved again -> its persistent-list token before
         self._deleting: dict[str, int] = {}  # name -> deletions of it decided and not yet done
         self._deleted = threading.Condition(self._lock)
-        self._exports: set[str] = set()  # files saved with export=True: keep_persistent neither counts nor deletes
-
+        self._next_export: dict[str, bool] = {}  # path -> whether its next save is an export (save(export=True))
+        self._exports: set[int] = set()  # the tokens of those saves: keep_persistent neither counts nor deletes them
 
     def exempt(self, path: str, export: bool) -> None:
-        """The next save of ``path`` is an export (True) or a checkpoint (False)."""
+        """The next save of ``path`` is an export or not: the mark goes with that save's token."""
         with self._lock:
-            (self._exports.add if export else self._exports.discard)(path)
+            self._next_export[path] = export
 
     def replacing(self, path: str) -> int:
         """A new save of ``path`` (a file or group) began: until it is durable, no trim may delete
@@ -99,6 +99,8 @@ class Retention:
                 self._replaced[path] = self._persistent[path]
             self._forget(path)
             token = self._busy[path] = next(self._tokens)
+            if self._next_export.pop(path, False):
+                self._exports.add(token)
             return token
 
     def watch_commit(self, commit: Future, group: str, token: int) -> None:
@@ -129,8 +131,7 @@ class Retention:
 
     def ended(self, path: str, dropped: bool, has_local: bool, owns_persistent: bool, token: int | None = None,
               step: int | None = None) -> None:
-        """Save ``token`` of ``path`` ended: verified at its durable home, or ``dropped`` by
-        replication for a newer checkpoint. ``step``: a group's that moves ``latest``."""
+        """Save ``token`` of ``path`` ended: verified at its home, or ``dropped`` for a newer one."""
         if dropped:
             self.dropped(path, token, step)
         else:
@@ -158,7 +159,8 @@ class Retention:
             self._local.update(self._replaced_drops(path, token, step) if has_local else {})
             drop_local = _push(self._local, path, token, self._keep_local) if has_local and listed else []
             drop_persistent = _push(self._persistent, path, token, self._keep_persistent) \
-                if owns_persistent and listed and path not in self._exports else []
+                if owns_persistent and listed and token not in self._exports else []
+            self._exports.discard(token)
             own = {p for p in drop_local if p in self._listed_drops}
             self._listed_drops -= own
             self._deciding([*drop_local, *drop_persistent])
@@ -168,9 +170,8 @@ class Retention:
             self._run(self._trim_persistent, p, "persistent copy")
 
     def bypassed(self, path: str, token: int) -> None:
-        """Save ``token`` of the single file ``path`` went straight to its home (the burst buffer
-        had no room) and is durable there: an earlier save's burst-buffer copy of it is stale
-        now, so it goes and leaves the local list (unless a newer save of path is in flight)."""
+        """Save ``token`` of the single file ``path`` went straight to its home (no room in the burst buffer) and
+        is durable there: an earlier save's burst-buffer copy is stale, so it goes (unless a newer save is in flight)"""
         with self._lock:
             if self._busy.get(path, token) != token:
                 return
