@@ -68,7 +68,7 @@ class Checkpointer:
                               for _ in range(max(1, len(cfg.local_dirs))))
         self._committer = ThreadPoolExecutor(4, thread_name_prefix="fastckpt-commit")
         self._snapper = ThreadPoolExecutor(1, thread_name_prefix="fastckpt-snapshot")  # lazy saves
-        self._inflight, self._group_saved_at = InFlight(), {}  # group -> wall time of its first file's save
+        self._inflight, self._group_saved_at = InFlight(), {}  # group -> {file: wall time of its last save}
         self._stop, self._closed = threading.Event(), False
         self._last_restore: tuple[float | None, str | None] = (None, None)
         self._homes = Homes(cfg.storage_options, retry_deadline_s=cfg.retry_deadline_s, parallelism=cfg.io_threads,
@@ -165,10 +165,11 @@ class Checkpointer:
         """
         self._check_open()  # an earlier save's failure is raised by the Saver, once: see Saver.save
         self._retention.exempt(file_name(path), export and group is None)
-        if group is not None:  # a published group's RPO counts from its first file's save
-            self._group_saved_at.setdefault(normalize(group), time.time())
-        return self._saver.save(state_dict, file_name(path), normalize(group) if group is not None else None,
-                                lazy, self.rank, self.world_size)
+        called, g = time.time(), normalize(group) if group is not None else None
+        handle = self._saver.save(state_dict, file_name(path), g, lazy, self.rank, self.world_size)
+        if g is not None:  # a published group's RPO counts from its oldest file's (last) save
+            self._group_saved_at.setdefault(g, {})[file_name(path)] = called
+        return handle
 
     def commit(self, group: str, *, move_latest: bool = True, **extra: object) -> SaveHandle:
         """This rank is done saving into ``group``; every rank must call it.
@@ -188,7 +189,7 @@ class Checkpointer:
         step = group_step(group, extra) if move_latest else None  # a series that moves latest: see Retention
         self._replicator.keep(group, not move_latest)  # beside the series: never coalesced away
 
-        saved_at = self._group_saved_at.pop(group, time.time())
+        saved_at = min(self._group_saved_at.pop(group, {}).values(), default=time.time())
 
         def retain(rec: SaveRecord) -> SaveRecord:
             self._monitor.record_durable(None if has_local else rec.durable_s, None if rec.superseded else saved_at)

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import fastckpt
 from fastckpt import Checkpointer, CheckpointWriteError, CommitTimeoutError, sysinfo
 from fastckpt.io.atomic import TMP_TAG
 from fastckpt.metrics import sample_names
@@ -172,6 +173,14 @@ def test_the_rpo_counts_a_group_once_published_from_its_files_saves(tmp_path: Pa
         ck.commit(g).wait(60)
         rpo, since_commit = ck.stats().rpo_s, time.time() - commit_call
         assert rpo > since_commit and rpo >= 0.5 * (commit_call - before_save)  # from the save, not the commit
+        g = str(tmp_path / "home2" / "step-2")  # a refused save, then the file saved twice: the last save counts
+        with pytest.raises(fastckpt.UnsupportedObjectError):
+            ck.save({"w": lambda: 0}, f"{g}/model.pt", group=g)
+        ck.save(_state(16 << 20), f"{g}/model.pt", group=g).wait(60)
+        last_save = time.time()
+        ck.save(_state(16 << 20), f"{g}/model.pt", group=g).wait(60)
+        ck.commit(g).wait(60)
+        assert ck.stats().rpo_s <= time.time() - last_save
 
 
 def test_a_port_past_the_last_one_for_this_local_rank_names_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
