@@ -16,6 +16,7 @@ import errno
 import json
 import posixpath
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 from ..commit.discovery import Damaged, Found, scan
@@ -29,6 +30,7 @@ from ..storage.types import TargetNotFoundError
 from ..urls import join, mirror_path, normalize
 
 STEP_KEYS = ("step", "global_step", "iteration")  # fastckpt groups, Lightning, Megatron
+CHECKS_AT_ONCE = 8  # checkpoints ls checks for missing files at once (their requests overlap at a URL)
 RECHECKS = 3  # looks at a checkpoint saved again while it is checked, before giving up on it
 
 
@@ -277,10 +279,11 @@ def list_checkpoints(root: str, storage_options: dict | None = None, local_dir: 
                     entries[i] = replace(entries[i], status="replicated")
         newest, passed = whole_latest(h, root, latest(root, storage_options))  # as `fastckpt latest` answers
         gone = {p.rstrip("/"): files for p, files in passed}  # fastckpt.latest() may name them: a resume fails
-        for e in entries:  # an older one too: a rollback to it would fail
-            if e.status in ("complete", "replicated") and e.path.rstrip("/") not in gone:
-                if missing := missing_files(h, e.path):
-                    gone[e.path.rstrip("/")] = missing
+        todo = [e.path for e in entries if e.status in ("complete", "replicated") and e.path.rstrip("/") not in gone]
+        with ThreadPoolExecutor(CHECKS_AT_ONCE) as pool:  # an older one too: a rollback to it would fail
+            for p, missing in zip(todo, pool.map(lambda p: missing_files(h, p), todo)):
+                if missing:  # (one small request per file at a URL: at once, not one after another)
+                    gone[p.rstrip("/")] = missing
     finally:
         h.close()
     entries = [replace(e, latest=e.path.rstrip("/") == (newest or "").rstrip("/"),
