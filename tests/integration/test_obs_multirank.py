@@ -103,9 +103,9 @@ def test_report_of_both_ranks_logs(run: Run, tmp_path: Path) -> None:
     assert [r["rank"] for r in got["ranks"]] == [0, 1]
     assert got["saves"] == 6 and got["durable"] == 6 and got["failed"] == 0
     assert got["bytes"] == sum(x["bytes"] for r in (0, 1) for x in run.ranks[r]["records"])
-    assert got["group_commits"] == sum(
-        1 for p in logs for line in Path(p).read_text().splitlines()
-        if json.loads(line)["name"] == "commit" and json.loads(line)["detail"] == "group")
+    assert got["group_commits"] == max(  # the groups published: each rank logs its commit of each
+        sum(1 for line in Path(p).read_text().splitlines()
+            if json.loads(line)["name"] == "commit" and json.loads(line)["detail"] == "group") for p in logs) == 3
     for r in (0, 1):
         stats = run.ranks[r]["stats"]
         assert got["ranks"][r]["saves"] == stats["saves"] == 3
