@@ -164,11 +164,11 @@ class Checkpointer:
             ConfigError: a URL path without local_dir, or a path outside its group.
         """
         self._check_open()  # an earlier save's failure is raised by the Saver, once: see Saver.save
-        self._retention.exempt(file_name(path), export and group is None)
-        called, g = time.time(), normalize(group) if group is not None else None
-        handle = self._saver.save(state_dict, file_name(path), g, lazy, self.rank, self.world_size)
+        name, g, called = file_name(path), normalize(group) if group is not None else None, time.time()
+        self._retention.exempt(name, export and g is None)
+        handle = self._saver.save(state_dict, name, g, lazy, *self.config.ranks())
         if g is not None:  # a published group's RPO counts from its oldest file's (last) save
-            self._group_saved_at.setdefault(g, {})[file_name(path)] = called
+            self._group_saved_at.setdefault(g, {})[name] = called
         return handle
 
     def commit(self, group: str, *, move_latest: bool = True, **extra: object) -> SaveHandle:

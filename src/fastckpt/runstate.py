@@ -179,8 +179,11 @@ class RunState:
         if ev.group is not None:  # a new attempt at the group
             self._outcomes.pop((ev.rank, ev.group), None)
         self._open.setdefault((ev.rank, ev.path), []).append(b)
-        self._overhead.setdefault(ev.rank, OverheadReplay(self.budget, self.window_s, self._keep_points)).record(
+        self._overhead.setdefault(ev.rank, self._replay()).record(
             ev.start, ev.duration_s, ev.end)
+
+    def _replay(self) -> OverheadReplay:
+        return OverheadReplay(self.budget, self.window_s, self._keep_points)
 
     def _new_session(self, rank: int, session: str | None) -> None:
         """A Checkpointer of ``rank`` logs its first event: the saves that the rank's earlier
@@ -195,7 +198,7 @@ class RunState:
                     self._abandoned.append(b)
         old = self._overhead.get(rank)
         if old is not None:  # a new Monitor, but the curve and the alarm count go on
-            self._overhead[rank] = new = OverheadReplay(self.budget, self.window_s, self._keep_points)
+            self._overhead[rank] = new = self._replay()
             new.points, new.alarms = old.points, old.alarms
 
     def _owner(self, ev: Event) -> _Building | None:
@@ -311,7 +314,7 @@ class RunState:
         """Each rank's numbers as its Checkpointer's ``stats()`` would give them at ``now``."""
         out = []
         for rank in self.ranks():
-            o = self._overhead.get(rank) or OverheadReplay(self.budget, self.window_s, self._keep_points)
+            o = self._overhead.get(rank) or self._replay()
             waiting = [b for k, cands in self._open.items() if k[0] == rank for b in cands]
             queued = [q for b in waiting if (q := _queued_at(b)) is not None and b.phases[-1].name == "queued"]
             newest = self._newest_durable_start.get(rank)

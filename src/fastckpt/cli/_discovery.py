@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 from ..commit.discovery import Damaged, Found, scan
 from ..commit.foreign import pickle_step
 from ..commit.membership import group_dir
-from ..commit.names import FRAMEWORK_FILES
+from ..commit.names import FRAMEWORK_FILES, stays_inside
 from ..commit.protocol import GROUP_MANIFEST, MARKER_DIR, SIDECAR, member_files, read_group_manifest
 from ..errors import CorruptCheckpointError, FastCkptError
 from ..storage.homes import Homes, Location
@@ -110,7 +110,7 @@ def checkpoint_files(h: Homes, path: str) -> tuple[list[FileSpec], dict]:
         return [FileSpec(join(loc.url, rel), int(f["size"]), f.get("checksum"), loc.url)
                 for rel, f in sorted(member_files(m, loc.url).items())] + [
                 FileSpec(join(loc.url, rel), None, str(digest), loc.url, whole=True)
-                for rel, digest in sorted(extra.items()) if rel not in ("", ".", "..") and not set(rel) & set("/\\")], m
+                for rel, digest in sorted(extra.items()) if stays_inside(rel) and "/" not in rel], m
     m = file_manifest(loc)
     if not m:
         raise FastCkptError(f"{path} is not a complete fastckpt checkpoint: no {GROUP_MANIFEST} there, and no "

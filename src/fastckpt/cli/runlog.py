@@ -106,14 +106,13 @@ def _logged_share(events: list[Event]) -> float | None:
     are the tensors' alone: a file also holds its pickle, zip records and alignment, so a log of
     every rank with many small tensors, or none, once read as a share of a rank's."""
     totals = {e.path: e.bytes for e in events if e.name == "commit" and e.detail == "group" and e.error is None}
-    plain = {g.replace("://", "/"): g for g in totals}  # a burst-buffer copy's path ends with its home's
+    plain = {g.replace("://", "/").lstrip("/"): g for g in totals}  # a burst-buffer copy's path ends with its home's
     saved: dict[str, dict[tuple[int, str], int]] = {}
     for e in events:
         if e.name != "write" or e.error is not None:
             continue
-        d = resave_home(posixpath.dirname(e.path))  # a re-save's files are written beside its group
-        tails = (d[j:] for i, c in enumerate(d) if c == "/" or i == 0 for j in (i, i + 1))  # /abs/... or s3/...
-        group = next((plain[t] for t in tails if t in plain), None)
+        parts = resave_home(posixpath.dirname(e.path)).lstrip("/").split("/")  # a re-save's: its group's
+        group = next((plain[t] for k in range(len(parts)) if (t := "/".join(parts[k:])) in plain), None)
         if group is not None:
             saved.setdefault(group, {})[(e.rank, e.path)] = e.bytes
     shares = [sum(saved[g].values()) / t for g, t in totals.items() if t > 0 and sum(saved.get(g, {}).values()) > 0]

@@ -20,6 +20,7 @@ from ..commit.names import FRAMEWORK_FILES, SIDECAR
 from ..errors import CorruptCheckpointError, FastCkptError, IncompleteCheckpointError
 from ..format.checksum import checksum_bytes
 from ..storage.homes import Homes
+from ..storage.types import TargetNotFoundError
 from ..urls import normalize
 from ._common import (
     LOCATION,
@@ -122,13 +123,12 @@ def _published(h: Homes, spec: FileSpec) -> FileSpec | str | None:
     """``spec`` as its checkpoint's manifest records it now (``REPLACED``: its group was saved
     again without it); None when that cannot be read."""
     try:
-        if spec.group is not None and spec.whole:
-            m = group_manifest(h.resolve(spec.group))
-            digest = ((m or {}).get(FRAMEWORK_FILES) or {}).get(spec.path[len(spec.group.rstrip("/")) + 1:])
-            return (REPLACED if m is not None else None) if digest is None else replace(spec, checksum=str(digest))
         if spec.group is not None:
-            m = group_manifest(h.resolve(spec.group))
-            entry = ((m or {}).get("files") or {}).get(spec.path[len(spec.group.rstrip("/")) + 1:])
+            m, rel = group_manifest(h.resolve(spec.group)), spec.path[len(spec.group.rstrip("/")) + 1:]
+            if spec.whole:
+                digest = ((m or {}).get(FRAMEWORK_FILES) or {}).get(rel)
+                return (REPLACED if m is not None else None) if digest is None else replace(spec, checksum=str(digest))
+            entry = ((m or {}).get("files") or {}).get(rel)
             if entry is None:
                 return REPLACED if m is not None else None
             return FileSpec(spec.path, int(entry["size"]), entry["checksum"], spec.group)
@@ -143,11 +143,11 @@ def _check_whole(h: Homes, spec: FileSpec, on_bytes=None) -> str | None:  # noqa
     the group's manifest records, as the framework's loader checks it."""
     loc = h.resolve(spec.path)
     try:
-        data = loc.place().parent().get(loc.key.rsplit("/", 1)[-1])
+        data = loc.target.get_bytes(loc.key)
+    except TargetNotFoundError:
+        return "missing"
     except OSError as exc:
         return _unreadable(exc) or f"cannot be read: {exc}"
-    if data is None:
-        return "missing"
     if checksum_bytes(data) != spec.checksum:
         return (f"{len(data)} bytes whose checksum is not the one committed with the group (a framework wrote it "
                 "again in place: a killed save into this checkpoint?)")

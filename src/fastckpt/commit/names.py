@@ -23,6 +23,13 @@ SIDECAR = ".fastckpt.json"  # a single file's publication record at a URL: NAME.
 FRAMEWORK_FILES = "framework_files"
 
 
+def stays_inside(rel: object) -> bool:
+    """``rel``, a name a manifest lists, stays inside its checkpoint: a relative, '/'-separated
+    path without '.', '..' or empty parts."""
+    return isinstance(rel, str) and not rel.startswith("/") and "\\" not in rel \
+        and all(p not in ("", ".", "..") for p in rel.split("/"))
+
+
 def check_save_name(path: str) -> None:
     """Refuse a checkpoint name (normalised path or URL) that fastckpt uses for its own files.
 

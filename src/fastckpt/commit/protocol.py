@@ -29,7 +29,7 @@ from ..format.manifest import FORMAT_VERSION, check_group_manifest, check_manife
 from ..storage.homes import Location
 from ..storage.places import Place
 from ..storage.types import TargetNotFoundError
-from .names import GROUP_MANIFEST, LATEST, MARKER_DIR, SIDECAR
+from .names import GROUP_MANIFEST, LATEST, MARKER_DIR, SIDECAR, stays_inside
 
 ATTEMPT_NAME = "attempt.json"  # without a store: the attempt rank 0 started, in MARKER_DIR
 ATTEMPT = f"{MARKER_DIR}/{ATTEMPT_NAME}"
@@ -235,8 +235,7 @@ def member_files(manifest: dict, where: str) -> dict[str, dict]:
     if not isinstance(files, dict):
         raise CorruptCheckpointError(f"{where}: its manifest has no file list")
     for rel in files:
-        parts = rel.split("/") if isinstance(rel, str) else [""]
-        if rel.startswith("/") or "\\" in rel or any(p in ("", ".", "..") for p in parts):
+        if not stays_inside(rel):
             raise CorruptCheckpointError(f"{where}: its manifest names {rel!r}, which leads out of the checkpoint; "
                                          "not following it (the manifest is damaged or was edited)")
     return files
