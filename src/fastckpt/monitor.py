@@ -122,6 +122,37 @@ class Stats:
     local_dirs: tuple[DirStats, ...] = ()  # each burst-buffer directory: bytes, write time, bandwidth, queue
 
 
+class BlockedWindow:
+    """The blocked share of the last ``window_s`` seconds, one rule for the live ``Monitor`` and
+    its replay from an event log: each save's blocked time counts as the span from its start (a
+    save blocked longer than the window fills it), the part inside the window."""
+
+    def __init__(self, window_s: float) -> None:
+        self.window_s = window_s
+        self._recent: deque[tuple[float, float]] = deque()  # (start, blocked), in the order saves ended
+        self._sum = 0.0  # _recent's blocked seconds, kept as it changes (summing each time was quadratic)
+
+    def add(self, start: float, blocked: float) -> None:
+        self._recent.append((start, blocked))
+        self._sum += blocked
+
+    def share(self, now: float, t0: float) -> float:
+        """The share at ``now``; ``t0``: when the run began (a run shorter than the window counts
+        from there)."""
+        cut = now - self.window_s
+        while self._recent and sum(self._recent[0]) < cut:
+            self._sum -= self._recent.popleft()[1]
+        if not self._recent:
+            self._sum = 0.0  # no rounding left over
+        before = 0.0
+        for s, b in self._recent:  # the saves that began before the window: the oldest few
+            if s >= cut:
+                break
+            before += min(b, cut - s)
+        span = min(self.window_s, now - t0)
+        return min(max(self._sum - before, 0.0) / span, 1.0) if span > 0 else 0.0
+
+
 class Monitor:
     def __init__(self, budget: float, window_s: float, callback: Callable[[OverheadReport], None] | None = None,
                  waited: Callable[[], float] | None = None) -> None:
@@ -132,7 +163,7 @@ class Monitor:
         self._callback = callback
         self._lock = threading.Lock()
         self._t0 = time.monotonic()
-        self._saves: deque[tuple[float, float, int]] = deque()  # (start, blocked, bytes), window
+        self._window = BlockedWindow(window_s)
         self.count = 0
         self.skipped = 0
         self.bytes = 0
@@ -145,16 +176,6 @@ class Monitor:
         self.last_durable: float | None = None
         self._newest_durable_call: float | None = None  # wall time
 
-    def _window(self, now: float) -> float:
-        """The blocked share of the last ``window_s``: each save's blocked time counts as the span
-        from its start (a save blocked longer than the window fills it), the part in the window."""
-        cut = now - self.window_s
-        while self._saves and self._saves[0][0] + self._saves[0][1] < cut:
-            self._saves.popleft()
-        span = min(self.window_s, now - self._t0)
-        inside = sum(max(0.0, b - max(0.0, cut - s)) for s, b, _ in self._saves)
-        return min(inside / span, 1.0) if span > 0 else 0.0
-
     def record_blocked(self, start: float, blocked_s: float, nbytes: int) -> None:
         """Called on the training thread when a save returns or fences, or on the snapshot thread
         when the copy of a lazy save that no fence took yet ends (``start`` is monotonic)."""
@@ -166,12 +187,12 @@ class Monitor:
             self.blocked_total += blocked_s
             self.last_blocked = blocked_s
             self.first_start = self.first_start if self.first_start is not None else start
-            self._saves.append((start, blocked_s, nbytes))
+            self._window.add(start, blocked_s)
             if self.count < 2:
                 return
             wall = now - self._t0
             overhead = self.blocked_total / wall
-            window = self._window(now)
+            window = self._window.share(now, self._t0)
             crossed = max(overhead, window) > self.budget and not self.over
             if crossed:
                 self.over, self.advised = True, False
@@ -222,7 +243,7 @@ class Monitor:
         with self._lock:
             wall = now - self._t0
             return Stats(self.count, self.skipped, self.bytes, self.blocked_total, wall,
-                         self.blocked_total / wall if wall > 0 else 0.0, self._window(now),
+                         self.blocked_total / wall if wall > 0 else 0.0, self._window.share(now, self._t0),
                          self.budget, self.over, self.alarms, self.last_blocked,
                          self.last_durable, pending, **extra)
 
@@ -248,29 +269,16 @@ class OverheadReplay:
         self.over = False
         self.alarms = 0
         self.points: deque[OverheadPoint] = deque(maxlen=keep)  # keep: the newest only (a live exporter)
-        self._recent: deque[tuple[float, float]] = deque()
-        self._recent_s = 0.0  # _recent's sum, kept as it changes (summing each time was quadratic)
+        self._window = BlockedWindow(window_s)
 
     def window(self, now: float) -> float:
-        cut = now - self.window_s  # each save's blocked span from its start, the part after cut (Monitor._window)
-        while self._recent and sum(self._recent[0]) < cut:
-            self._recent_s -= self._recent.popleft()[1]
-        if not self._recent:
-            self._recent_s = 0.0  # no rounding left over
-        before = 0.0
-        for s, b in self._recent:  # the saves that began before the window: the oldest few
-            if s >= cut:
-                break
-            before += min(b, cut - s)
-        span = min(self.window_s, now - (self.t0 if self.t0 is not None else now))
-        return min(max(self._recent_s - before, 0.0) / span, 1.0) if span > 0 else 0.0
+        return self._window.share(now, self.t0 if self.t0 is not None else now)
 
     def record(self, start: float, blocked: float, now: float) -> None:
         self.t0 = start if self.t0 is None else self.t0
         self.count += 1
         self.blocked += blocked
-        self._recent.append((start, blocked))
-        self._recent_s += blocked
+        self._window.add(start, blocked)
         if self.count < 2:
             return
         overhead = self.blocked / (now - self.t0) if now > self.t0 else 0.0

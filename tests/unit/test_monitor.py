@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import logging
+import random
 import time
 
-from fastckpt.monitor import Monitor, OverheadReport, fmt_duration, fmt_rate
+from fastckpt.monitor import BlockedWindow, Monitor, OverheadReplay, OverheadReport, fmt_duration, fmt_rate
 
 
 def test_alarm_once_per_crossing_and_rearm(caplog) -> None:
@@ -29,7 +30,7 @@ def test_alarm_once_per_crossing_and_rearm(caplog) -> None:
     assert abs(rep.needed_snapshot_Bps - 1000 / (0.02 * 4.0)) < 1e-6
     # drop below the budget (a long quiet stretch), then cross again: a second alarm
     m._t0 -= 1000.0
-    m._saves.clear()
+    m._window = BlockedWindow(m._window.window_s)
     m.record_blocked(time.monotonic(), 0.0, 1000)
     assert not m.over
     m._t0 = time.monotonic() - 1.0
@@ -128,4 +129,24 @@ def test_a_save_blocked_longer_than_the_window_fills_it() -> None:
     m._t0 = now - 10.0
     m.record_blocked(now - 9.0, 0.001, 1000)
     m.record_blocked(time.monotonic() - 0.6, 0.6, 1000)  # began 0.6 s ago, blocked until now
-    assert m._window(time.monotonic()) > 0.95 and m.over and m.alarms == 1
+    assert m._window.share(time.monotonic(), m._t0) > 0.95 and m.over and m.alarms == 1
+
+
+def test_the_window_is_one_rule_for_the_monitor_and_its_replay() -> None:
+    """The live alarm and the one replayed from an event log (report, metrics) share one window:
+    for the same saves they give the same numbers, checked against the sum written out."""
+    rng = random.Random(7)
+    window_s, t, saves = 5.0, 100.0, []
+    live, replay = BlockedWindow(window_s), OverheadReplay(0.5, window_s)
+    for _ in range(400):
+        t += rng.uniform(0.0, 1.5)
+        blocked = rng.choice([0.0, rng.uniform(0.0, 0.3), rng.uniform(0.0, 8.0)])
+        saves.append((t, blocked))
+        live.add(t, blocked)
+        t += blocked
+        replay.record(t - blocked, blocked, t)
+        now = t = t + rng.uniform(0.0, 2.0)  # the clock never goes back
+        cut, span = now - window_s, min(window_s, now - saves[0][0])
+        want = min(sum(max(0.0, b - max(0.0, cut - s)) for s, b in saves) / span, 1.0)
+        assert abs(live.share(now, saves[0][0]) - want) < 1e-9
+        assert abs(replay.window(now) - want) < 1e-9
