@@ -270,6 +270,14 @@ def fail_with(message: str) -> None:
     raise SystemExit(FAIL)
 
 
+def not_a_dir(path: str) -> bool:
+    """A local ``path`` that exists and is not a directory: no checkpoint directory or burst
+    buffer can be made there (a URL's storage answers for itself)."""
+    from ..urls import is_url
+
+    return not is_url(path) and os.path.exists(path) and not os.path.isdir(path)
+
+
 def must_exist(path: str) -> None:
     """Exit 1 naming a local ``path`` that does not exist (a URL's storage answers for itself)."""
     from ..urls import is_url

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 
 import click
 
-from ._common import LOCATION, SIZE, SIZE_OR_ZERO, count_range
+from ._common import LOCATION, SIZE, SIZE_OR_ZERO, count_range, not_a_dir
 
 _STYLE = {"ok": "green", "info": "blue", "warn": "yellow", "fail": "bold red"}
 
@@ -36,13 +35,12 @@ def doctor(local_dir: tuple[str, ...], target: str | None, tier: str, state_size
     check fails, e.g. when the --tier asked for cannot work here (docs/doctor.md).
     """
     from ..doctor import DoctorOptions, diagnose
-    from ..urls import is_url
 
     for d in local_dir:
-        if os.path.exists(d) and not os.path.isdir(d):
+        if not_a_dir(d):
             raise click.BadParameter(f"{d} is a file: give the burst buffer's directory (it is created if missing)",
                                      param_hint="--local-dir")
-    if target and not is_url(target) and os.path.exists(target) and not os.path.isdir(target):
+    if target and not_a_dir(target):
         raise click.BadParameter(f"{target} is a file: give the directory checkpoints are saved in (it is created "
                                  "if missing) or a URL", param_hint="--target")
     storage_options = {}

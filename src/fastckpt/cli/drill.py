@@ -20,6 +20,7 @@ from ._common import (
     exit_with,
     fmt_bytes,
     json_option,
+    not_a_dir,
     progress,
     storage_options_option,
     table,
@@ -37,7 +38,7 @@ def _validate(cfg: DrillConfig) -> None:
         raise click.UsageError(problem)
     if is_url(cfg.home) and not cfg.local_dir:
         raise click.UsageError(f"--dir {cfg.home} is a URL: saving there needs --local-dir (the burst buffer)")
-    if not is_url(cfg.home) and os.path.exists(cfg.home) and not os.path.isdir(cfg.home):
+    if not_a_dir(cfg.home):
         raise click.UsageError(f"--dir {cfg.home} is a file: give a directory (it is created if missing) or a URL")
     if not cfg.command and cfg.device == "cpu":
         from ..sysinfo import mem_available
