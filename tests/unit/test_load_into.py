@@ -162,6 +162,24 @@ def test_a_tensor_on_the_meta_device_is_refused(tmp_path) -> None:
         assert got["model"]["weight"].data_ptr() == model.weight.data_ptr()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["in-place", "copied"])
+def test_an_inference_tensor_is_refused_outside_inference_mode(tmp_path, dtype: torch.dtype) -> None:
+    """torch lets only code inside inference_mode write an inference tensor: the load wrote the
+    saved bytes into it, then raised torch's RuntimeError. Now nothing is written; inside
+    inference_mode the load reads into it."""
+    path = str(tmp_path / "x.pt")
+    with Checkpointer() as ck:
+        ck.save({"w": torch.arange(4096.0)}, path).wait()
+        with torch.inference_mode():
+            mine = torch.zeros(4096, dtype=dtype)
+        with pytest.raises(ConfigError, match=r"\['w'\]: into= has an inference tensor.*torch.inference_mode"):
+            ck.load(path, into={"w": mine})
+        assert not mine.any()
+        with torch.inference_mode():
+            got = ck.load(path, into={"w": mine})
+        assert got["w"] is mine and torch.equal(mine, torch.arange(4096.0, dtype=dtype))
+
+
 def test_a_sparse_tensor_and_a_dense_one_are_refused_for_each_other(tmp_path) -> None:
     """copy_ between dense and sparse tensors fails: it raised torch's RuntimeError after the read."""
     path = str(tmp_path / "x.pt")

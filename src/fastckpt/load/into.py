@@ -54,6 +54,10 @@ def check(dest: object, saved: object) -> list[tuple[Where, torch.Tensor, torch.
         elif d.is_meta:  # a copy into it is a no-op: the load would return no data there
             wrong.append(f"{_name(where)}: into= has a tensor on the meta device, which holds no memory to read "
                          "into (allocate the module first: module.to_empty(device='cpu'))")
+        elif d.is_inference() and not torch.is_inference_mode_enabled():  # torch refuses the write, after it
+            wrong.append(f"{_name(where)}: into= has an inference tensor (made under torch.inference_mode()), which "
+                         "only code inside inference_mode may write: load inside `with torch.inference_mode():`, or "
+                         "build the model outside it")
         else:
             out.append((where, d, s))
     if wrong:
