@@ -491,6 +491,36 @@ def test_ls_and_verify_at_a_url(tmp_path, s3_server, s3_bucket) -> None:
     assert f"{url}/one.pt" not in {b["path"] for b in d["bad"]}
 
 
+def test_ls_at_a_url_sizes_a_groups_files_with_one_listing(tmp_path, s3_server, s3_bucket, monkeypatch) -> None:
+    """ls checks every complete checkpoint's files against their committed sizes: at a URL that was
+    a HEAD request per file of every checkpoint (runs of 512 ranks x 200 checkpoints: 100k). Now
+    one listing per directory; a file gone or cut short is still named."""
+    from fastckpt.storage.fsspec import FsspecTarget
+
+    opts = s3_server.storage_options()
+    url = f"s3://{s3_bucket}/many"
+    with fastckpt.Checkpointer(local_dir=str(tmp_path / "bb"), storage_options=opts) as ck:
+        for step in (1, 2, 3):
+            for name in ("a.pt", "b.pt", "c.pt", "d.pt"):
+                ck.save(state(step), f"{url}/step-{step}/{name}", group=f"{url}/step-{step}")
+            ck.commit(f"{url}/step-{step}", step=step).wait()
+    heads = []
+    real_size = FsspecTarget.size
+    monkeypatch.setattr(FsspecTarget, "size", lambda self, key: heads.append(key) or real_size(self, key))
+    d = json.loads(run("ls", url, "--storage-options", json.dumps(opts), "--json").stdout)
+    assert [(e["name"], e["status"], e["files"]) for e in d["checkpoints"]] == [
+        ("step-1", "complete", 4), ("step-2", "complete", 4), ("step-3", "complete", 4)]
+    assert [k for k in heads if k.endswith(".pt")] == []  # was a request each: 16 (the newest's twice)
+    client = s3_server.client()
+    client.delete_object(Bucket=s3_bucket, Key="many/step-1/b.pt")
+    client.put_object(Bucket=s3_bucket, Key="many/step-2/c.pt", Body=b"cut")
+    d = json.loads(run("ls", url, "--storage-options", json.dumps(opts), "--json").stdout)
+    problems = {e["name"]: e["problem"] for e in d["checkpoints"]}
+    assert problems["step-1"] == f"{url}/step-1/b.pt missing or not the committed size"
+    assert problems["step-2"] == f"{url}/step-2/c.pt missing or not the committed size"
+    assert problems["step-3"] is None
+
+
 def test_readers_and_planners_start_without_torch(home, tmp_path) -> None:
     """The tools an operator runs by hand on a login node (ls, verify, latest, plan, report,
     serve-metrics) never import torch, which takes seconds to import: run each in a process

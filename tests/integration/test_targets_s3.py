@@ -84,6 +84,10 @@ def test_round_trip_small_objects(s3_server: S3Server, s3_bucket: str, tmp_path:
     assert t.list() == ["run/step_1/fastckpt-manifest.json", "run/step_1/rank0.pt"]
     assert t.list("run/step_1/r") == ["run/step_1/rank0.pt"]
     assert t.size("run/step_1/rank0.pt") == len(data)
+    t.put_bytes("run/step_1/sub/deeper.pt", b"xyz")  # in a directory below: not in its sizes
+    assert t.sizes("run/step_1/") == {"run/step_1/fastckpt-manifest.json": 8, "run/step_1/rank0.pt": len(data)}
+    assert t.sizes("run/step_1/sub/") == {"run/step_1/sub/deeper.pt": 3} and t.sizes("run/gone/") == {}
+    t.delete("run/step_1/sub/deeper.pt")
     assert t.read_range("run/step_1/rank0.pt", 1000, 50) == data[1000:1050]
     assert t.exists("run/step_1/rank0.pt") and not t.exists("run/step_1/nope")
     t.verify("run/step_1/rank0.pt", len(data), checksum.checksum_bytes(data))

@@ -339,6 +339,17 @@ def test_dirs_on_an_object_store_are_those_holding_objects() -> None:
     assert t.dirs("") == ["a", "b"]
 
 
+@pytest.mark.parametrize("where", ["posix", "memory"])
+def test_sizes_are_of_the_objects_directly_in_a_directory(root: Path, where: str) -> None:
+    t = PosixTarget(root) if where == "posix" else open_target(f"memory://fastckpt-{uuid.uuid4().hex[:8]}/r")
+    for key, n in [("g/a.pt", 3), ("g/b.pt", 5), ("g/sub/c.pt", 7), ("gx.pt", 1), ("top.pt", 2)]:
+        t.put_bytes(key, b"x" * n)
+    if where == "posix":  # a temp file of a write in progress is not an object
+        Path(atomic.tmp_name(str(root / "g" / "w.pt"))).write_bytes(b"t")
+    assert t.sizes("g/") == {"g/a.pt": 3, "g/b.pt": 5}
+    assert t.sizes("") == {"gx.pt": 1, "top.pt": 2} and t.sizes("gone/") == {}
+
+
 def test_put_new_creates_once_and_returns_what_won(root: Path) -> None:
     t = PosixTarget(root)
     won = claim_race(t.put_new, "run/.fastckpt/claim-a.json", 8)

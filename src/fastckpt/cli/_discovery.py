@@ -27,7 +27,7 @@ from ..commit.protocol import GROUP_MANIFEST, MARKER_DIR, SIDECAR, member_files,
 from ..errors import CorruptCheckpointError, FastCkptError
 from ..storage.homes import Homes, Location
 from ..storage.types import TargetNotFoundError
-from ..urls import join, mirror_path, normalize
+from ..urls import is_url, join, mirror_path, normalize
 
 STEP_KEYS = ("step", "global_step", "iteration")  # fastckpt groups, Lightning, Megatron
 CHECKS_AT_ONCE = 8  # checkpoints ls checks for missing files at once (their requests overlap at a URL)
@@ -136,11 +136,28 @@ def _size(loc: Location) -> int | None:
         return None
 
 
+def _sizes(h: Homes, paths: list[str]) -> dict[str, int | None]:
+    """Each path's size (None: not there); at a URL, one listing a directory, not a request a file."""
+    out: dict[str, int | None] = {}
+    by_dir: dict[tuple[int, str], list[tuple[str, Location]]] = {}
+    for p in paths:  # a local file: a stat each, as cheap as a listing
+        loc = h.resolve(p)
+        by_dir.setdefault((id(loc.target), posixpath.dirname(loc.key) if is_url(p) else p), []).append((p, loc))
+    for (_, d), locs in by_dir.items():
+        try:
+            listed = locs[0][1].target.sizes(f"{d}/" if d else "") if len(locs) > 1 else None
+        except OSError:
+            listed = None
+        for p, loc in locs:
+            out[p] = _size(loc) if listed is None else listed.get(loc.key)
+    return out
+
+
 def _found_entry(h: Homes, f: Found, root: str, status: str) -> Entry:
     name = f.path[len(root):].lstrip("/") or posixpath.basename(f.path)
     if f.foreign:  # written by torch.save, Lightning or DeepSpeed: found, but it carries no checksum
         loc = h.resolve(f.path)
-        sizes = [_size(h.resolve(join(loc.url, r))) for r in _keys(loc)] if f.kind == "group" else [_size(loc)]
+        sizes = list(_sizes(h, [join(loc.url, r) for r in _keys(loc)] if f.kind == "group" else [loc.url]).values())
         return Entry(f.path, name, f.foreign, "unverified", f.step, sum(s or 0 for s in sizes), len(sizes), f.time)
     if f.kind == "group":
         files = f.manifest.get("files", {})
@@ -164,7 +181,7 @@ def _pickled_step(loc: Location) -> int | None:
 def _damaged_entry(h: Homes, d: Damaged, root: str) -> Entry:
     loc = h.resolve(d.path)
     rels = [join(loc.url, r) for r in _keys(loc)] if d.kind == "group" else [loc.url]
-    sizes = [_size(h.resolve(r)) for r in rels]
+    sizes = list(_sizes(h, rels).values())
     try:
         when = loc.target.modified(posixpath.join(loc.key, GROUP_MANIFEST) if d.kind == "group" else loc.key)
     except OSError:
@@ -194,7 +211,7 @@ def _incomplete(h: Homes, loc: Location) -> list[Entry]:
         members = [r for r in rels if r.startswith(f"{g}/") and marker not in f"/{r}"]
         if f"{g}/{GROUP_MANIFEST}" in members:
             continue
-        sizes = [_size(h.resolve(join(loc.url, r))) for r in members]
+        sizes = list(_sizes(h, [join(loc.url, r) for r in members]).values())
         where = h.resolve(join(loc.url, g))
         status, problem = "incomplete", None
         try:  # not listed, but there as something else (a directory in its place): damaged, not incomplete
@@ -301,7 +318,8 @@ def missing_files(h: Homes, path: str) -> list[str]:
             files, m = checkpoint_files(h, path)
         except FastCkptError:
             return []
-        out = [f.path for f in files if (size := _size(h.resolve(f.path))) is None or f.size not in (None, size)]
+        sizes = _sizes(h, [f.path for f in files])
+        out = [f.path for f in files if (size := sizes[f.path]) is None or f.size not in (None, size)]
         try:
             if not out or checkpoint_files(h, path)[1] == m:
                 return out

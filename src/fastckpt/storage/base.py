@@ -230,6 +230,15 @@ class Target(ReadSide, abc.ABC):
         """Keys starting with ``prefix`` (a plain string prefix, recursive), sorted; with
         ``max_depth``, only keys with at most that many '/' after the prefix's last '/'."""
 
+    def sizes(self, prefix: str) -> dict[str, int]:
+        """Key -> size of the objects directly in the directory ``prefix`` names (``"run/s9/"``), an
+        object removed meanwhile left out; an object store's listing gives them in one request."""
+        out: dict[str, int] = {}
+        for key in self.list(prefix, max_depth=0):
+            with contextlib.suppress(FileNotFoundError):
+                out[key] = self.size(key)
+        return out
+
     def dirs(self, prefix: str) -> list[str]:
         """Keys of the directories directly in the one ``prefix`` names (``"run/.step_9"``: in
         ``run``) whose keys start with ``prefix``, sorted. A file system lists every such

@@ -54,7 +54,7 @@ from .s3 import (
     transient_types,
     unreachable,
 )
-from .s3_read import get_range
+from .s3_read import get_range, list_sizes
 from .types import (
     Expected,
     Progress,
@@ -309,16 +309,14 @@ class FsspecTarget(Target):
             found = self._retry(f"listing of {self.url}", lambda: self.fs.find(self.root))
             keys = (p[len(self.root) + 1:] for p in found)
             return sorted(k for k in keys if k.startswith(prefix) and not is_tmp(k.rsplit("/", 1)[-1]))
-        base = f"{self.prefix}/" if self.prefix else ""
-        out: list[str] = []
-        token: dict = {}
-        while True:
-            page = self._retry(f"listing of {self.url}/{prefix}", lambda t=token: self._s3(
-                "list_objects_v2", Prefix=base + prefix, **t))
-            out += [c["Key"][len(base):] for c in page.get("Contents", [])]
-            if not page.get("IsTruncated"):
-                return sorted(out)
-            token = {"ContinuationToken": page["NextContinuationToken"]}
+        return sorted(self._objects(prefix))
+
+    def sizes(self, prefix: str) -> dict[str, int]:  # S3: one listing gives the sizes, not a request each
+        return self._objects(prefix, Delimiter="/") if self.is_s3 else super().sizes(prefix)
+
+    def _objects(self, prefix: str, **kw: str) -> dict[str, int]:
+        return list_sizes(lambda **a: self._retry(f"listing of {self.url}/{prefix}", lambda: self._s3(
+            "list_objects_v2", **a)), f"{self.prefix}/" if self.prefix else "", prefix, **kw)
 
     def delete(self, key: str) -> None:
         what = f"delete of {self.url_of(key)}"

@@ -1,5 +1,6 @@
 """One ranged GET of an S3 object, of one version of it: the S3 side of
-``Target.read_range(version=)`` (``storage.reads`` says why a read asks for one version).
+``Target.read_range(version=)`` (``storage.reads`` says why a read asks for one version); and a
+listing with sizes (``Target.sizes``, ``list``).
 
 s3fs's ``cat_file`` neither sends a condition nor returns the answer's ETag, so the GET is made
 here through s3fs's client: ``If-Match`` with the ETag the read saw first (SeaweedFS and AWS S3
@@ -8,6 +9,8 @@ for a store that ignores the condition.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from .s3 import client_error
 from .types import ObjectChangedError
@@ -44,3 +47,16 @@ def get_range(fs: object, bucket: str, obj: str, start: int, end: int, version: 
     if version is not None and etag != version:
         raise ObjectChangedError(f"{url} is no longer version {version} (now {etag or 'another'})")
     return data
+
+
+def list_sizes(page: Callable[..., dict], base: str, prefix: str, **kw: str) -> dict[str, int]:
+    """Key (less ``base``) -> size of the objects whose keys start with ``base + prefix``, page by
+    page; ``page``: one ``list_objects_v2`` request with these arguments."""
+    out: dict[str, int] = {}
+    token: dict = {}
+    while True:
+        got = page(Prefix=base + prefix, **kw, **token)
+        out.update((c["Key"][len(base):], int(c["Size"])) for c in got.get("Contents", []))
+        if not got.get("IsTruncated"):
+            return out
+        token = {"ContinuationToken": got["NextContinuationToken"]}
