@@ -7,7 +7,7 @@ these imports and nothing more.
 from __future__ import annotations
 
 from fastckpt.commit import protocol as _protocol
-from fastckpt.commit.names import FRAMEWORK_FILES
+from fastckpt.commit.names import FRAMEWORK_FILES, framework_files
 from fastckpt.commit.protocol import GROUP_MANIFEST, group_order
 from fastckpt.errors import IncompleteCheckpointError
 from fastckpt.format.checksum import BLOCK_BYTES, block_digest, checksum_bytes, combine
@@ -34,7 +34,7 @@ def incomplete_group_error(group: str, world_size: int | None) -> IncompleteChec
 
 
 __all__ = [
-    "BLOCK_BYTES", "FRAMEWORK_FILES", "GROUP_MANIFEST", "block_digest", "checksum_bytes", "combine", "group_order",
-    "incomplete_group_error", "is_url", "latest_name", "normalize", "parse_tail", "publish_bytes",
+    "BLOCK_BYTES", "FRAMEWORK_FILES", "GROUP_MANIFEST", "block_digest", "checksum_bytes", "combine", "framework_files",
+    "group_order", "incomplete_group_error", "is_url", "latest_name", "normalize", "parse_tail", "publish_bytes",
     "read_group_manifest",
 ]

@@ -34,7 +34,7 @@ from fastckpt.errors import CorruptCheckpointError
 from fastckpt.io.ops import FileOps
 
 from .common import INDEX_FILE
-from .compat import FRAMEWORK_FILES, checksum_bytes, publish_bytes, read_group_manifest
+from .compat import FRAMEWORK_FILES, checksum_bytes, framework_files, publish_bytes, read_group_manifest
 
 log = logging.getLogger("fastckpt.megatron")
 
@@ -69,7 +69,7 @@ def _checksum_of(path: str) -> str | None:
 
 def _damaged(group: str, manifest: dict | None) -> dict[str, str]:
     """The in-place files of the published ``manifest`` whose bytes are not the committed ones."""
-    want = (manifest or {}).get(MANIFEST_KEY) or (manifest or {}).get(KEY) or {}
+    want = framework_files(manifest)
     return {name: digest for name, digest in want.items() if _checksum_of(os.path.join(group, name)) != digest}
 
 

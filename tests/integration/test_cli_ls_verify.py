@@ -250,6 +250,26 @@ def test_verify_never_counts_a_damaged_manifest_or_checksum_as_deleted(home: str
     assert f"BAD {home}/step-5: damaged" in r.stderr and f"BAD {home}/two.pt: checksum" in r.stderr, r.stderr
 
 
+@pytest.mark.parametrize("key", ["framework_files", "megatron_files"], ids=["now", "legacy"])
+def test_verify_checks_a_groups_framework_files(tmp_path, key: str) -> None:
+    """A framework writes files into a group in place (megatron's common.pt) and commits their
+    checksums in the manifest; verify checks them, also under the name the Megatron strategy
+    gave them before (verify said a damaged legacy common.pt was fine)."""
+    from fastckpt.format.checksum import checksum_bytes
+
+    g = str(tmp_path / "iter_5")
+    data = b"megatron common state" * 100
+    with fastckpt.Checkpointer() as ck:
+        ck.save(state(5), f"{g}/a.pt", group=g)
+        Path(g, "common.pt").write_bytes(data)
+        ck.commit(g, step=5, **{key: {"common.pt": checksum_bytes(data)}}).wait()
+    r = run("verify", g, "--json")
+    assert r.exit_code == 0 and json.loads(r.stdout)["checked"] == 2, r.output
+    Path(g, "common.pt").write_bytes(data[:-1] + b"!")
+    r = run("verify", g)
+    assert r.exit_code == 1 and f"BAD {g}/common.pt" in r.stderr, r.output
+
+
 def test_verify_catches_a_truncated_group_file(home: str) -> None:
     path = f"{home}/step-5/a.pt"
     size = os.path.getsize(path)

@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 from ..commit.discovery import Damaged, Found, scan
 from ..commit.foreign import pickle_step
 from ..commit.membership import group_dir
-from ..commit.names import FRAMEWORK_FILES, stays_inside
+from ..commit.names import framework_files, stays_inside
 from ..commit.protocol import GROUP_MANIFEST, MARKER_DIR, SIDECAR, member_files, read_group_manifest
 from ..errors import CorruptCheckpointError, FastCkptError
 from ..storage.homes import Homes, Location
@@ -65,7 +65,7 @@ class FileSpec:
     size: int | None
     checksum: str | None
     group: str | None = None  # the group it is a file of (None: a single file)
-    whole: bool = False  # a framework's file of the group: ``checksum`` is its whole bytes' (FRAMEWORK_FILES)
+    whole: bool = False  # a framework's file of the group: ``checksum`` is its whole bytes' (framework_files)
 
 
 def homes(storage_options: dict | None) -> Homes:
@@ -106,7 +106,7 @@ def checkpoint_files(h: Homes, path: str) -> tuple[list[FileSpec], dict]:
     loc = h.resolve(path)
     m = group_manifest(loc)
     if m is not None:
-        extra = m.get(FRAMEWORK_FILES) if isinstance(m.get(FRAMEWORK_FILES), dict) else {}
+        extra = framework_files(m)
         return [FileSpec(join(loc.url, rel), int(f["size"]), f.get("checksum"), loc.url)
                 for rel, f in sorted(member_files(m, loc.url).items())] + [
                 FileSpec(join(loc.url, rel), None, str(digest), loc.url, whole=True)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 import click
 
 from ..commit.membership import require_complete_group
-from ..commit.names import FRAMEWORK_FILES, SIDECAR
+from ..commit.names import SIDECAR, framework_files
 from ..errors import CorruptCheckpointError, FastCkptError, IncompleteCheckpointError
 from ..format.checksum import checksum_bytes
 from ..storage.homes import Homes
@@ -126,7 +126,7 @@ def _published(h: Homes, spec: FileSpec) -> FileSpec | str | None:
         if spec.group is not None:
             m, rel = group_manifest(h.resolve(spec.group)), spec.path[len(spec.group.rstrip("/")) + 1:]
             if spec.whole:
-                digest = ((m or {}).get(FRAMEWORK_FILES) or {}).get(rel)
+                digest = framework_files(m).get(rel)
                 return (REPLACED if m is not None else None) if digest is None else replace(spec, checksum=str(digest))
             entry = ((m or {}).get("files") or {}).get(rel)
             if entry is None:

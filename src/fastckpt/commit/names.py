@@ -21,6 +21,15 @@ SIDECAR = ".fastckpt.json"  # a single file's publication record at a URL: NAME.
 # megatron's common.pt and metadata.json): name -> checksum of the whole file
 # (format.checksum.checksum_bytes). ``fastckpt verify`` checks them with the group's own files.
 FRAMEWORK_FILES = "framework_files"
+LEGACY_FRAMEWORK_FILES = "megatron_files"  # the same, in group manifests the Megatron strategy saved before
+
+
+def framework_files(manifest: object) -> dict:
+    """A group manifest's ``FRAMEWORK_FILES`` (or its legacy name): name -> checksum; {} if none."""
+    if not isinstance(manifest, dict):
+        return {}
+    got = manifest.get(FRAMEWORK_FILES, manifest.get(LEGACY_FRAMEWORK_FILES))
+    return got if isinstance(got, dict) else {}
 
 
 def stays_inside(rel: object) -> bool:
