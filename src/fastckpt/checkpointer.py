@@ -117,7 +117,7 @@ class Checkpointer:
     def _local_places(self, group: str) -> tuple[Place, ...]:
         """The burst-buffer copies of ``group``: one per ``local_dir`` directory (its files may be in any)."""
         g = normalize(group)
-        return tuple(self._homes.resolve(mirror_path(d, g)).place() for d in self._stripes.dirs)
+        return tuple(self._homes.resolve(mirror_path(d, g)).place() for d in self._stripes.existing())
 
     def _emit(self, name: str, path: str, nbytes: int, start: float, tier: str, error: BaseException | None = None,
               detail: str | None = None, group: str | None = None) -> None:

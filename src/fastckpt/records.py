@@ -21,6 +21,8 @@ class SaveRecord:
     commit's record also tells what the commit cost this rank: ``store_ops`` and
     ``store_bytes`` (torch.distributed store operations and the bytes of their keys and
     values; 0 without a store) and ``commit_cpu_s`` (CPU seconds of the committing thread).
+    ``requested_at``: the wall-clock time (``time.time()``) of the ``save`` call; the file's
+    manifest records it, and ``latest`` orders single files by it.
     """
 
     path: str
@@ -42,6 +44,7 @@ class SaveRecord:
     store_ops: int = 0
     store_bytes: int = 0
     commit_cpu_s: float = 0.0
+    requested_at: float = 0.0
 
     @property
     def write_GBps(self) -> float:

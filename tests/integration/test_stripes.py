@@ -6,16 +6,18 @@ drive is a write held at a gate (``FaultyOps.gate``), never a sleep."""
 
 from __future__ import annotations
 
+import errno
 import os
+import threading
 
 import pytest
 import torch
 
 import fastckpt
 from fastckpt.doctor import DoctorOptions, diagnose
-from fastckpt.errors import ConfigError
+from fastckpt.errors import CheckpointWriteError, ConfigError
 from fastckpt.save.stripes import Stripes
-from fastckpt.testing import FaultyOps
+from fastckpt.testing import Fault, FaultyOps
 from fastckpt.urls import mirror_path
 
 MiB = 1 << 20
@@ -120,6 +122,102 @@ def test_saves_of_one_path_in_flight_are_written_on_one_drive_in_order(tmp_path,
         assert second.wait().durable_s is not None
         assert fastckpt.load(path)["seed"] == 2 and ck.load(path)["seed"] == 2
         assert [c.startswith(dirs[0] + os.sep) for c in ck._stripes.copies(path)] == [True]
+
+
+@pytest.mark.parametrize("where", ["dir", "s3"])
+def test_a_later_save_written_first_stays_the_newest(tmp_path, dirs, where, request) -> None:  # noqa: ANN001
+    """Two paths, the first save's local write slow: the second is written on the other drive and
+    is durable first. The file's order was the end of its write, so once the first save was
+    durable too, latest() named it (in a directory by the scan; at a URL the pointer moved back,
+    and keep_persistent=1 then kept the older one for good: the pointer named it). Now the
+    save call orders."""
+    if where == "s3":
+        s3, bucket = request.getfixturevalue("s3_server"), request.getfixturevalue("s3_bucket")
+        home, opts = f"s3://{bucket}/run", s3.storage_options()
+    else:
+        home, opts = str(tmp_path / "home"), None
+    ops = FaultyOps()
+    gate = ops.gate("pwrite", path_contains="step-1.pt")
+    keep = 1 if where == "s3" else None  # in a directory, keep_persistent=1 deleted the older one: hid it
+    with fastckpt.Checkpointer(local_dir=dirs, staging_buffers=2, keep_persistent=keep, ops=ops,
+                               storage_options=opts, rank=0, world_size=1) as ck:
+        first = ck.save(_state(MiB, 1), f"{home}/step-1.pt")
+        try:
+            assert gate.wait_entered()
+            assert ck.save(_state(MiB, 2), f"{home}/step-2.pt").wait().durable_s is not None
+            assert fastckpt.latest(home, storage_options=opts) == f"{home}/step-2.pt"
+        finally:
+            gate.open()
+        first.wait()
+    assert fastckpt.latest(home, storage_options=opts) == f"{home}/step-2.pt"  # was step-1
+    assert fastckpt.load(f"{home}/step-2.pt", storage_options=opts)["seed"] == 2
+    if keep:
+        with pytest.raises(FileNotFoundError):  # keep_persistent=1 deleted the older one
+            fastckpt.load(f"{home}/step-1.pt", storage_options=opts)
+
+
+def test_coalescing_keeps_the_newest_save_whatever_drive_finishes_first(s3_server, s3_bucket, dirs) -> None:  # noqa: ANN001
+    """replicate_policy='coalesce' drops queued saves older than a newer one. Saves reach the
+    queue as their local writes end: the older save, written last, dropped the newer one, and only
+    the older reached the home. Now an arriving save older than one queued is dropped itself."""
+    opts, url, ops = s3_server.storage_options(), f"s3://{s3_bucket}/run", FaultyOps()
+    busy = ops.gate("preadv", path_contains="step-0.pt")  # the one replication worker uploads step-0
+    queued = threading.Event()
+
+    class Sink:
+        def emit(self, ev) -> None:  # noqa: ANN001
+            if ev.name == "queued" and ev.path.endswith("step-2.pt"):
+                queued.set()
+
+    with fastckpt.Checkpointer(local_dir=dirs, staging_buffers=2, replicate_workers=1, ops=ops,
+                               storage_options=opts, rank=0, world_size=1, sinks=(Sink(),)) as ck:
+        h0 = ck.save(_state(MiB, 0), f"{url}/step-0.pt")
+        slow = None
+        try:
+            assert busy.wait_entered()
+            slow = ops.gate("pwrite", path_contains="step-1.pt")
+            h1 = ck.save(_state(MiB, 1), f"{url}/step-1.pt")
+            assert slow.wait_entered()
+            h2 = ck.save(_state(MiB, 2), f"{url}/step-2.pt")  # written on the other drive, queued
+            assert queued.wait(60)
+            slow.open()
+            assert h1.wait(timeout=60).superseded  # it arrived after step-2: the older one is dropped
+        finally:
+            for g in (slow, busy):
+                if g is not None:
+                    g.open()
+        h0.wait()
+        r2 = h2.wait()
+    assert not r2.superseded and r2.durable_s is not None  # was superseded by step-1
+    assert fastckpt.latest(url, storage_options=opts) == f"{url}/step-2.pt"
+
+
+def test_a_drive_that_refused_a_write_gets_no_more_saves_of_a_path_it_holds(tmp_path, dirs) -> None:  # noqa: ANN001
+    """A drive that refuses writes (read-only now) leaves the rotation, but a path whose copy was
+    on it went on being sent there, failing for good though the other drive was writable."""
+    ops, path = FaultyOps(), str(tmp_path / "home" / "last.pt")
+    with fastckpt.Checkpointer(local_dir=dirs, ops=ops, rank=0, world_size=1) as ck:
+        ck.save(_state(MiB, 1), path).wait()
+        held = _where(ck, path, dirs)
+        ops.inject(*(Fault("pwrite", errno.EROFS, nth=n, path_startswith=dirs[held]) for n in range(1, 65)))
+        with pytest.raises(CheckpointWriteError, match="Read-only"):
+            ck.save(_state(MiB, 2), path).wait()  # the drive refuses: it leaves the rotation
+        assert ck.save(_state(MiB, 3), path).wait().durable_s is not None  # failed before, again and again
+        assert ck.load(path)["seed"] == 3 and fastckpt.load(path)["seed"] == 3
+        assert ck.local_path(path).startswith(dirs[1 - held] + os.sep)
+
+
+def test_a_directory_that_cannot_be_made_leaves_groups_to_the_others(tmp_path, caplog) -> None:  # noqa: ANN001
+    """local_dir=[good, below a file]: the second is left out with a warning, but every group save
+    failed at once (the commit cleared a stale manifest in each directory: ENOTDIR)."""
+    (tmp_path / "afile").write_bytes(b"x")
+    good, bad, g = str(tmp_path / "nvme0"), str(tmp_path / "afile" / "nvme1"), str(tmp_path / "home" / "step-1")
+    with fastckpt.Checkpointer(local_dir=[good, bad], rank=0, world_size=1) as ck:
+        assert "cannot be used" in caplog.text
+        ck.save(_state(MiB, 1), f"{g}/model.pt", group=g)
+        ck.save(_state(MiB, 2), f"{g}/optim.pt", group=g)
+        assert ck.commit(g, step=1).wait().durable_s is not None
+    assert fastckpt.latest(str(tmp_path / "home")) == g and fastckpt.load(f"{g}/optim.pt")["seed"] == 2
 
 
 def test_a_path_in_flight_keeps_its_drive(dirs) -> None:

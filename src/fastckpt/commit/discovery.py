@@ -37,6 +37,7 @@ from dataclasses import dataclass, replace
 from typing import TypeVar
 
 from ..errors import CorruptCheckpointError
+from ..format.manifest import file_order
 from ..storage.homes import Homes, Location
 from ..storage.types import BucketNotFoundError, TargetNotFoundError
 from ..urls import join
@@ -137,8 +138,7 @@ def _scan(loc: Location, max_depth: int, damaged: list[Damaged], gone: list[str]
             side = _damaged_is_none(read_sidecar, Location(loc.target, prefix + rel[: -len(SIDECAR)]),
                                     damaged, join(loc.url, rel[: -len(SIDECAR)]), "file", gone)
             if side is not None:  # None: deleted since the listing (retention), or damaged
-                found.append(Found(join(loc.url, rel[: -len(SIDECAR)]), "file", float(side.get("written_at", 0.0)),
-                                   side))
+                found.append(Found(join(loc.url, rel[: -len(SIDECAR)]), "file", file_order(side), side))
         elif rel not in sidecars and posixpath.basename(rel) != "latest":
             f = _file(loc, prefix, rel, damaged, gone)
             if f is not None:
@@ -173,7 +173,7 @@ def _file(loc: Location, prefix: str, rel: str, damaged: list[Damaged], gone: li
     try:
         m = loc.target.read_manifest(prefix + rel)
         if m:
-            return None if m.get("group") else Found(join(loc.url, rel), "file", float(m.get("written_at", 0.0)), m)
+            return None if m.get("group") else Found(join(loc.url, rel), "file", file_order(m), m)
         record = foreign.torch_zip(loc.target, prefix + rel)
         if record is None:
             if foreign.cut_zip(loc.target, prefix + rel):  # no silent skip: a checkpoint cut short

@@ -25,7 +25,7 @@ import threading
 import time
 
 from ..errors import ConfigError, CorruptCheckpointError, GroupRemovedError, IncompleteCheckpointError
-from ..format.manifest import FORMAT_VERSION, check_group_manifest, check_manifest, with_digest
+from ..format.manifest import FORMAT_VERSION, check_group_manifest, check_manifest, file_order, with_digest
 from ..storage.homes import Location
 from ..storage.places import Place
 from ..storage.types import TargetNotFoundError
@@ -146,7 +146,7 @@ def _pointed(parent: Place) -> tuple[str, float] | None:
         if m is not None:
             return name, group_order(m)
         side = parent.get(name + SIDECAR)
-        return None if side is None else (name, float(json.loads(side).get("written_at", 0.0)))
+        return None if side is None else (name, file_order(json.loads(side)))
     except (OSError, ValueError, CorruptCheckpointError):  # unreadable or corrupt: it may be replaced
         return None
 
@@ -288,7 +288,7 @@ def publish_file(loc: Location, manifest: dict) -> None:
     current = (parent.get(LATEST) or b"").decode(errors="replace").strip()  # not text: no group, replaced
     if _followable(current) and read_group_manifest(parent.child(current)) is not None:
         return
-    move_pointer(parent, name, float(manifest.get("written_at", 0.0)))
+    move_pointer(parent, name, file_order(manifest))
 
 
 def read_sidecar(loc: Location, deadline_s: float | None = None) -> dict | None:

@@ -34,12 +34,12 @@ MAX_LISTED_BLOCKS = 3000
 
 def file_manifest(*, covered: int, digest: str, rank: int, group_name: str | None, group_rel: str | None,
                   tier: str, payload_bytes: int, blocked_s: float, fastckpt_version: str,
-                  blocks: Sequence[int] = ()) -> dict:
+                  blocks: Sequence[int] = (), requested_at: float | None = None) -> dict:
     """The manifest of one file: what a reader verifies and what discovery orders by.
 
     ``blocks`` (the checksum's block digests, in file order) are listed as one hex string when
     they fit the zip comment, so a reader of part of the file can verify the blocks it reads
-    (docs/format.md).
+    (docs/format.md). ``requested_at``: the wall time of the ``save`` call (``file_order``).
     """
     import torch  # here, not at import: the command line's readers (ls, verify) start without torch
 
@@ -48,7 +48,19 @@ def file_manifest(*, covered: int, digest: str, rank: int, group_name: str | Non
             "checksum": {"algo": ALGO, "value": digest, **listed}, "rank": rank,
             "group": group_name, "group_rel": group_rel, "tier": tier, "payload_bytes": payload_bytes,
             "written_at": time.time(), "blocked_s": round(blocked_s, 6),
-            "versions": {"fastckpt": fastckpt_version, "torch": torch.__version__}}
+            "versions": {"fastckpt": fastckpt_version, "torch": torch.__version__},
+            **({"requested_at": requested_at} if requested_at is not None else {})}
+
+
+def file_order(manifest: dict) -> float:
+    """When a single file was saved, for ordering (``latest``, its pointer): its ``save`` call,
+    else (files saved before it was recorded) the end of its write. Saves overlap (writes to
+    several burst-buffer drives at once), so the end of the write does not follow the calls."""
+    for key in ("requested_at", "written_at"):
+        v = manifest.get(key)
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            return float(v)
+    return 0.0
 
 
 def comment_bytes(manifest: dict) -> bytes:

@@ -37,6 +37,7 @@ from ..errors import (
     IncompleteCheckpointError,
     UnverifiableCheckpointError,
 )
+from ..format.manifest import file_order
 from ..io.engine import ImageFactory
 from ..storage.homes import Homes, Location
 from ..storage.types import BucketNotFoundError, TargetNotFoundError, TargetUnavailableError
@@ -225,7 +226,7 @@ class Loader:
         (missing, unreachable, a damaged sidecar): the local copy first, as the verified load then
         decides. ``OTHER``: the home holds another save (a complete zip without a manifest on a
         file system: plain torch.save, DeepSpeed; one cut short or zeroed is ours, damaged:
-        ``HOME_FIRST``); ``OLDER``: another, and ours is older by ``written_at``, or
+        ``HOME_FIRST``); ``OLDER``: another, and ours is older (``file_order``), or
         ours has no manifest while the home's has (a plain file prefetched before the path was
         saved with fastckpt, or a copy cut short: no save's only copy), so a prefetch may replace
         it. ``HOME_FIRST``: see ``_file_manifest``.
@@ -257,7 +258,7 @@ class Loader:
             return OLDER
         if theirs is None or ours["checksum"]["value"] == theirs["checksum"]["value"]:
             return SAME
-        return OLDER if float(ours.get("written_at", 0.0)) <= float(theirs.get("written_at", 0.0)) else OTHER
+        return OLDER if file_order(ours) <= file_order(theirs) else OTHER
 
     def _file_manifest(self, home: Location) -> dict | None | str:
         """The manifest of the file at a mounted home (None: it has none), or ``SAME`` when the home

@@ -15,7 +15,9 @@ through the home's ``Target`` (``storage.homes``):
      it is not a checkpoint yet). Group files get neither: the group manifest, written by rank 0
      after every rank's marker, is their publication.
 Backpressure: with ``replicate_policy="coalesce"`` a newly committed checkpoint drops the
-older ones still queued (not started); their handles resolve with ``superseded=True``. A group
+older ones still queued (not started); their handles resolve with ``superseded=True``. Older
+and newer go by the save calls (``t_call``), not by arrival: with several burst-buffer drives a
+later save's local write can end first, and the earlier save then arrives superseded. A group
 committed with ``move_latest=False`` (``keep``: a "best" checkpoint beside the series) is never dropped.
 """
 
@@ -82,12 +84,17 @@ class Replicator:
                 self._drop(job)
                 return job.future
             coalesce = self._cfg.replicate_policy == "coalesce"
-            for old in [j for j in self._queue if self._supersedes(job, j, coalesce) and j.rec.group not in self._kept]:
+            # Saves reach the queue as their local writes end, which on several drives is not the
+            # order of the calls: a save called before a queued or running one is the older one.
+            newer = [j for j in (*self._running, *self._queue) if j.t_call > job.t_call
+                     and self._supersedes(j, job, coalesce)]
+            if newer and job.rec.group not in self._kept:
+                self._drop_for(job, newer[-1], coalesce)
+                return job.future
+            for old in [j for j in self._queue if j.t_call < job.t_call and self._supersedes(job, j, coalesce)
+                        and j.rec.group not in self._kept]:
                 self._queue.remove(old)
-                why = "replicate_policy='coalesce'" if coalesce else "a newer save to the same path"
-                log.info("fastckpt: replication of %s superseded by %s (%s); its local copy stays at %s",
-                         old.rec.path, job.rec.path, why, old.local)
-                old.future.set_result(old.finish(replace(old.rec, durable_s=None, superseded=True)))
+                self._drop_for(old, job, coalesce)
             self._queue.append(job)
             try:
                 self._emit("queued", job.rec.path, job.rec.bytes, job.committed_at, job.rec.tier,
@@ -102,6 +109,13 @@ class Replicator:
                 raise
             self._cv.notify()
         return job.future
+
+    @staticmethod
+    def _drop_for(old: ReplicaJob, by: ReplicaJob, coalesce: bool) -> None:
+        why = "replicate_policy='coalesce'" if coalesce else "a newer save to the same path"
+        log.info("fastckpt: replication of %s superseded by %s (%s); its local copy stays at %s",
+                 old.rec.path, by.rec.path, why, old.local)
+        old.future.set_result(old.finish(replace(old.rec, durable_s=None, superseded=True)))
 
     @contextmanager
     def cancelling(self, path: str) -> Iterator[None]:

@@ -148,7 +148,8 @@ class Saver:
             self._coord.begin(group, rank, world)
             home = self._coord.home_path(group, path)  # beside a published group when re-saving it
         dest = bb.local if bb and bb.local else home
-        base = SaveRecord(path, choice.tier, layout.data_size, 0.0, 0.0, 0.0, None, rank=rank, group=group)
+        base = SaveRecord(path, choice.tier, layout.data_size, 0.0, 0.0, 0.0, None, rank=rank, group=group,
+                          requested_at=w_call)
         if choice.tier == "gds":
             return self._save_gds(layout, base, dest, home, t_call, w_call, spot, token)
         buf = self._staging.acquire(layout.data_size + TAIL_ROOM, owner=group or object(),

@@ -118,9 +118,15 @@ class Stripes:
             log.warning("fastckpt: burst-buffer directory %s cannot be used (%s): checkpoints go to the other "
                         "local_dir directories", self.dirs[i], exc)
 
+    def existing(self) -> list[str]:
+        """The directories there are (one that could not be made at start holds nothing)."""
+        return [d for d in self.dirs if os.path.isdir(d)]
+
     def copies(self, path: str) -> list[str]:
-        """The burst-buffer copies of ``path`` that exist (at most one, but look everywhere)."""
-        return [p for p in (mirror_path(d, path) for d in self.dirs) if os.path.lexists(p)]
+        """The burst-buffer copies of ``path`` that exist (one, but look everywhere; a stale one
+        left on a drive that refused writes, after the others)."""
+        order = sorted(range(len(self.dirs)), key=lambda i: i in self._refused)
+        return [p for p in (mirror_path(self.dirs[i], path) for i in order) if os.path.lexists(p)]
 
     def local_path(self, path: str) -> str | None:
         """Where the copy of ``path`` lives: the existing one, else the first directory's place."""
@@ -142,8 +148,9 @@ class Stripes:
             held = self._held.get(path)
             if held is not None:
                 found, may_bypass = [held[0]], False
-            else:
-                found = [i for i, d in enumerate(self.dirs) if os.path.lexists(mirror_path(d, path))]
+            else:  # a copy on a drive that refused writes stays (a load compares it with the home's)
+                found = [i for i, d in enumerate(self.dirs)
+                         if i not in self._refused and os.path.lexists(mirror_path(d, path))]
             taking = [i for i in range(len(self.dirs)) if i not in self._refused]
             allowed = found[:1] or taking or list(range(len(self.dirs)))
             if may_bypass or len(allowed) > 1:

@@ -42,7 +42,7 @@ def manifest_of(rec: SaveRecord, layout: F.FileLayout, digest: str, blocks: Sequ
     return file_manifest(covered=layout.covered_bytes, digest=digest, rank=rec.rank,
                          group_name=rec.group.rstrip("/").rsplit("/", 1)[-1] if rec.group else None,
                          group_rel=rel, tier=rec.tier, payload_bytes=layout.payload_bytes, blocked_s=rec.blocked_s,
-                         fastckpt_version=__version__, blocks=blocks)
+                         fastckpt_version=__version__, blocks=blocks, requested_at=rec.requested_at or None)
 
 
 class FileWriter:
