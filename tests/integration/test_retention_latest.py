@@ -106,3 +106,23 @@ def test_a_failed_re_save_leaves_the_published_group_to_retention(tmp_path) -> N
         for ck in cks:
             ck.close()
     assert sorted(d for d in os.listdir(run) if not d.startswith(".") and d != "latest") == ["global_step4"]
+
+
+def test_a_checkpoint_spared_while_latest_names_it_is_trimmed_once_latest_moves_on(tmp_path, caplog) -> None:
+    """Two single files beside group step-1 (files move no pointer among groups) trim step-1 while
+    ``latest`` still names it: spared, but already off the list, so no later trim deleted it."""
+    run = str(tmp_path / "run")
+    with fastckpt.Checkpointer(rank=0, world_size=1, keep_persistent=2) as ck:
+        def group(step: int) -> None:
+            g = os.path.join(run, f"step-{step}")
+            ck.save(_state(step), g + "/model.pt", group=g)
+            ck.commit(g, step=step).wait()
+
+        group(1)
+        with caplog.at_level("WARNING", logger="fastckpt"):
+            ck.save(_state(10), os.path.join(run, "a.pt")).wait()
+            ck.save(_state(11), os.path.join(run, "b.pt")).wait()
+        assert "latest names it" in caplog.text and os.path.exists(os.path.join(run, "step-1"))
+        for step in range(2, 5):
+            group(step)
+    assert sorted(n for n in os.listdir(run) if n != "latest") == ["step-3", "step-4"]  # step-1 stayed for good

@@ -21,18 +21,16 @@ of a name waits for a trim still deleting an older save of it (``replacing``). E
 deletion goes through the checkpoint's home (``storage.homes``) and removes its publication
 record first (``commit.protocol.delete_checkpoint``).
 
-The burst buffer outlives the process: a restarted job finds the copies its earlier runs left
-there. The first time a checkpoint in a directory becomes durable, the local list takes in,
-oldest first, the other checkpoints in that directory's burst-buffer copy whose copy at the
-durable home is the same save (same checksum; a group's local copy is complete only once it
-was published): its groups of earlier steps, and the single files this rank wrote. A group
-whose step is unknown or not below the one just saved is left alone: a job resumed from an
-older checkpoint saves those tags again, and another rank may be writing into them. So
-``keep_local`` bounds the burst buffer across restarts, and a local copy that never reached
-its home (the job was killed first) is never deleted. A group earlier runs left unpublished
-at an earlier step can never load: this rank's files of it are removed. ``keep_persistent``
-counts the checkpoints this process saved: what earlier runs left at the durable home is the
-user's.
+The burst buffer outlives the process: a restarted job finds the copies its earlier runs left there. The
+first time a checkpoint in a directory becomes durable, the local list takes in, oldest first, the other
+checkpoints in that directory's burst-buffer copy whose copy at the durable home is the same save (same
+checksum; a group's local copy is complete only once it was published): its groups of earlier steps, and
+the single files this rank wrote. A group whose step is unknown or not below the one just saved is left
+alone: a job resumed from an older checkpoint saves those tags again, and another rank may be writing
+into them. So ``keep_local`` bounds the burst buffer across restarts, and a local copy that never
+reached its home (the job was killed first) is never deleted. A group earlier runs left unpublished at
+an earlier step can never load: this rank's files of it are removed. ``keep_persistent`` counts the
+checkpoints this process saved: what earlier runs left at the durable home is the user's.
 """
 
 from __future__ import annotations
@@ -307,10 +305,12 @@ class Retention:
 
     def _trim_persistent(self, path: str) -> None:
         """keep_persistent's deletion: never of what its directory's ``latest`` names (a last line
-        of defence; ``remove`` deletes it, as asked)."""
+        of defence; ``remove`` deletes it, as asked): it is listed again, the oldest, for later."""
         loc = self._homes.resolve(path)
         if pointed_name(loc.place().parent()) == posixpath.basename(loc.key.rstrip("/")):
-            log.warning("fastckpt: retention kept %s: its directory's latest names it", path)
+            log.warning("fastckpt: retention kept %s: its directory's latest names it (until it moves on)", path)
+            with self._lock:
+                self._persistent.setdefault(path, min(self._persistent.values(), default=0) - 1)
             return
         delete_checkpoint(loc)
 
