@@ -138,8 +138,9 @@ def test_wait_for_manifest(tmp_path: Path) -> None:
     g.mkdir()
     with pytest.raises(CommitTimeoutError, match="rank 0 did not publish"):
         W.wait_for_manifest(place(str(g)), 0.05, threading.Event())
-    A.publish_bytes(FileOps(), str(g / P.GROUP_MANIFEST), b'{"kind": "group", "files": {}}')
-    assert W.wait_for_manifest(place(str(g)), 1, threading.Event()) == {"kind": "group", "files": {}}
+    m = P.with_digest({"kind": "group", "files": {}})
+    A.publish_bytes(FileOps(), str(g / P.GROUP_MANIFEST), json.dumps(m).encode())
+    assert W.wait_for_manifest(place(str(g)), 1, threading.Event()) == m
 
 
 # --------------------------------------------------------------------------- publish_group
@@ -208,7 +209,9 @@ def test_a_group_manifest_of_the_wrong_shape_is_damage_to_every_reader(
                "an entry a string": {**m, "files": {"m.pt": "ok"}},
                "requested_at a string": {**m, "requested_at": "yesterday"},
                "an entry without size": {**m, "files": {"m.pt": {"checksum": m["files"]["m.pt"]["checksum"]}}}}[shape]
-    damaged.pop("digest", None) if isinstance(damaged, dict) else None  # an older manifest: no digest to catch it
+    if isinstance(damaged, dict):  # an older manifest: no digest to catch it
+        damaged.pop("digest", None)
+        damaged["committed_at"] = 1.7e9
     (g / P.GROUP_MANIFEST).write_text(json.dumps(damaged))
     (tmp_path / P.LATEST).unlink()  # the scan decides: it skips the damaged group
     with pytest.raises(CorruptCheckpointError, match=rf"{P.GROUP_MANIFEST} is damaged"):
@@ -233,7 +236,11 @@ def test_a_group_manifest_damaged_where_it_still_parses_is_corruption(tmp_path: 
     (g / P.GROUP_MANIFEST).write_text(json.dumps(m))
     with pytest.raises(CorruptCheckpointError, match="does not match its digest"):
         fastckpt.load(str(g / "m.pt"))
-    del m["digest"]  # a manifest written before digests: read as it is
+    del m["digest"]  # one byte of its key damaged ("digesu"): the check was off
+    (g / P.GROUP_MANIFEST).write_text(json.dumps({**m, "digesu": "0" * 16}))
+    with pytest.raises(CorruptCheckpointError, match="digest is missing, though it was committed after"):
+        fastckpt.load(str(g / "m.pt"))
+    m["committed_at"] = 1.7e9  # a manifest written before digests (2023): read as it is
     (g / P.GROUP_MANIFEST).write_text(json.dumps(m))
     with pytest.raises(IncompleteCheckpointError, match="names another version"):
         fastckpt.load(str(g / "m.pt"))

@@ -30,6 +30,8 @@ TAIL_ROOM = MAX_COMMENT + 2  # room a file image needs after its covered bytes: 
 #: Block digests listed in a file's manifest at most (16 hex digits each: 48,000 of the zip
 #: comment's 65,535 bytes; files up to 46.9 GiB). Larger files list none: readers verify them whole.
 MAX_LISTED_BLOCKS = 3000
+#: Group manifests committed since (2026-12-05 UTC) carry a ``digest``; one without it was damaged.
+DIGEST_SINCE = 1796428800.0
 
 
 def file_manifest(*, covered: int, digest: str, rank: int, group_name: str | None, group_rel: str | None,
@@ -164,7 +166,10 @@ def check_group_manifest(manifest: object) -> dict:
                 or not isinstance(info.get("size"), int) or isinstance(info.get("size"), bool) \
                 or info["size"] < 0:
             raise CorruptCheckpointError(f"its entry for {rel!r:.100} is {info!r:.100}, not a size and checksum")
-    if "digest" in manifest and manifest["digest"] != _group_digest(manifest):  # (older manifests have none)
+    if "digest" not in manifest and not (number(t := manifest.get("committed_at")) and t < DIGEST_SINCE):
+        raise CorruptCheckpointError("its digest is missing, though it was committed after digests began: it was "
+                                     "damaged after it was written")
+    if "digest" in manifest and manifest["digest"] != _group_digest(manifest):
         raise CorruptCheckpointError("its content does not match its digest: it was damaged after it was written")
     for key, ok in (("requested_at", number), ("committed_at", number),
                     ("world_size", lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0)):
