@@ -349,6 +349,24 @@ def test_a_directory_where_a_group_file_or_manifest_should_be_is_damage(home: st
     assert r.exit_code == 1 and f"{home}/step-5" in [b["path"] for b in json.loads(r.stdout)["bad"]], r.output
 
 
+def test_a_file_cut_through_its_zip_end_record_is_listed_damaged(tmp_path) -> None:
+    """A cut that leaves the end record's signature but not the whole record: no manifest, no
+    complete zip, yet not "cut short" (the signature was there), so ls and verify of the
+    directory skipped the file silently. Every cut through the tail is named now."""
+    from fastckpt.cli._discovery import list_checkpoints
+
+    p = tmp_path / "one.pt"
+    with fastckpt.Checkpointer() as ck:
+        ck.save(state(1), str(p)).wait()
+    data = p.read_bytes()
+    tail = len(data) - data.rfind(b"PK\x05\x06")  # the end record (22 bytes) and the manifest after it
+    for cut in (1, tail - 22, tail - 10, tail - 4, tail, tail + 50):
+        p.write_bytes(data[:-cut])
+        assert [e.status for e in list_checkpoints(str(tmp_path))] == ["damaged"], cut
+    r = run("verify", str(tmp_path), "--json")
+    assert r.exit_code == 1 and [b["path"] for b in json.loads(r.stdout)["bad"]] == [str(p)]
+
+
 def test_verify_of_one_group_file_says_what_load_says(home: str) -> None:
     """``verify step-5/a.pt`` said ok for a file that load refuses (b.pt copied over it: whole,
     but not the file its group published there). Named alone, a group's file is judged by its

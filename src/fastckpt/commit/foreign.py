@@ -21,12 +21,14 @@ MAX_POINTER_BYTES = 4096
 
 
 def cut_zip(target: Target, key: str) -> bool:
-    """Whether ``key`` starts like a zip (a torch.save or fastckpt file) but has no end record in
-    its last bytes: a checkpoint cut short, damaged (two small reads; ``torch_zip`` gave None)."""
+    """Whether ``key`` starts like a zip (a torch.save or fastckpt file) but does not end with a
+    whole end record: a checkpoint cut short (also through its end record: its signature alone
+    is left), damaged (two small reads; ``torch_zip`` gave None)."""
     size = target.size(key)
     if size < len(foreign.LOCAL_SIG) or bytes(target.read_range(key, 0, 4)) != foreign.LOCAL_SIG:
         return False
-    return foreign.EOCD_SIG not in bytes(target.read_range(key, max(0, size - TAIL_BYTES), min(size, TAIL_BYTES)))
+    tail = bytes(target.read_range(key, max(0, size - TAIL_BYTES), min(size, TAIL_BYTES)))
+    return foreign.zip_end(tail, size) is None
 
 
 def torch_zip(target: Target, key: str) -> foreign.Record | None:
