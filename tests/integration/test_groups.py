@@ -236,3 +236,44 @@ def test_rank_exits_before_commit_times_out_rank0(torchrun_run: Run) -> None:
 
 def test_sigkilled_rank_times_out_rank0(sigkill_run: Run) -> None:
     _check_dead_rank(sigkill_run, "kill")
+
+
+def test_a_rank_that_looks_after_retention_deleted_its_published_group_reports_it_committed(tmp_path) -> None:
+    """Without a store a rank learns its group was published from the manifest. Rank 0 published
+    step1, then step2, and keep_persistent=1 deleted step1 before rank 1 looked: rank 1 raised
+    GroupRemovedError ("nothing of it is published"), at its next call, in a healthy job. The
+    deletion now records the attempt it deleted (``.fastckpt-gone``)."""
+    import threading
+
+    from fastckpt.io.ops import FileOps
+
+    d = str(tmp_path)
+    held, release = threading.Event(), threading.Event()
+
+    class LateOps(FileOps):  # rank 1's first look at step1's published manifest comes late
+        def read_small(self, path: str) -> bytes | None:
+            if path == f"{d}/step1/{C.GROUP_MANIFEST}" and os.path.exists(path) and not held.is_set():
+                held.set()
+                release.wait(60)
+            return super().read_small(path)
+
+    cks = [fastckpt.Checkpointer(rank=0, world_size=2, commit_timeout_s=60, keep_persistent=1),
+           fastckpt.Checkpointer(rank=1, world_size=2, commit_timeout_s=60, ops=LateOps())]
+    try:
+        handles = {}
+        for step in (1, 2):
+            g = f"{d}/step{step}"
+            for ck in cks:
+                ck.save({"w": torch.full((8,), float(step))}, f"{g}/r{ck.rank}.pt", group=g)
+                handles[step, ck.rank] = ck.commit(g, step=step)
+        handles[1, 0].wait()
+        handles[2, 0].wait()
+        assert held.is_set() and not os.path.exists(f"{d}/step1")  # published, then deleted by retention
+        release.set()
+        rec = handles[1, 1].wait()  # raised GroupRemovedError
+        assert rec.durable_s is not None and not rec.superseded
+        assert handles[2, 1].wait().durable_s is not None and fastckpt.latest(d) == f"{d}/step2"
+    finally:
+        release.set()
+        for ck in cks:
+            ck.close()
