@@ -165,3 +165,32 @@ def test_a_rank_whose_group_copy_another_rank_trimmed_still_commits(tmp_path: Pa
         release.set()
         for ck in cks:
             ck.close()
+
+
+def test_the_files_a_dropped_group_copied_home_before_it_was_dropped_are_deleted(tmp_path: Path) -> None:
+    """Coalescing drops a group's queued files once its first file was already copied home: the
+    group is never published, so retention never lists it, and that copy stayed at the home for
+    good (six such directories in an 8-step run with keep_persistent=1, 2-3 full files each)."""
+    nvme, run = str(tmp_path / "nvme"), str(tmp_path / "run")
+    tags = [os.path.join(run, f"step-{i}") for i in (1, 2, 3)]
+    ops = FaultyOps()
+    gate = ops.gate("preadv", path_contains=mirror_path(nvme, os.path.join(tags[1], "m.pt")))
+    queued = Queued(os.path.join(tags[2], "o.pt"))
+    with fastckpt.Checkpointer(local_dir=nvme, ops=ops, replicate_workers=1, keep_persistent=1,
+                               sinks=(queued,)) as ck:
+        commits = []
+        try:
+            for i, tag in enumerate(tags):
+                for name in ("m.pt", "o.pt"):
+                    ck.save(_state(i), os.path.join(tag, name), group=tag)
+                commits.append(ck.commit(tag, step=i + 1))
+                if i == 1:
+                    assert gate.wait_entered()  # step-2/m.pt is being copied home; step-2/o.pt waits
+            assert queued.seen.wait(60)  # step 3 is queued: step-2/o.pt is dropped
+        finally:
+            gate.open()
+        assert commits[1].wait().superseded
+        assert commits[2].wait().durable_s is not None
+    assert fastckpt.latest(run) == tags[2]
+    left = [f for f in os.listdir(tags[1]) if not f.startswith(".")] if os.path.isdir(tags[1]) else []
+    assert left == []  # was ['m.pt'], never deleted

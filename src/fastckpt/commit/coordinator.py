@@ -62,8 +62,7 @@ class Coordinator:
             ``stop``, so a store wait is one c10d ``wait`` to its deadline, not slices re-armed
             to notice ``stop``, each of which logs two c10d warnings when it times out).
         place_for: the ``Place`` of a group name.
-        local_for: the ``Place`` of each burst-buffer copy of a group (one per ``local_dir``
-            directory; none without).
+        local_for: the ``Place`` of each burst-buffer copy of a group (one per ``local_dir``).
         emit: the Checkpointer's event emitter.
     """
 
@@ -347,6 +346,7 @@ class Coordinator:
             ops, nbytes = (att.channel.ops, att.channel.nbytes) if att.channel is not None else (0, 0)
             cost = {"store_ops": ops, "store_bytes": nbytes, "commit_cpu_s": time.thread_time() - cpu0}
             if ended.superseded:
+                R.drop_copies(att, recs)  # never published: this rank's files copied home so far go
                 return SaveRecord(att.group, tier, 0, blocked, 0.0, done, None, rank=rank, group=att.group,
                                   superseded=True, **cost)
             for local in [p for p in att.local if os.path.isdir(p.url())]:  # striped: each drive holding files

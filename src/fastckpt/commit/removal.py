@@ -21,6 +21,7 @@ import time
 
 from ..errors import CorruptCheckpointError, GroupRemovedError
 from ..inflight import raise_as_write_error
+from ..records import SaveRecord
 from . import claim as C
 from . import failures as E
 from . import fallback as F
@@ -29,6 +30,24 @@ from . import store as S
 from .attempt import Attempt
 
 log = logging.getLogger("fastckpt")
+
+
+def drop_copies(att: Attempt, recs: list[SaveRecord]) -> None:
+    """Replication dropped attempt ``att`` (coalescing: another rank's file, or one of this
+    rank's, was superseded by a newer checkpoint), so it is never published: this rank's files
+    of it already copied to their home (``recs``: this rank's saves into it) are deleted there,
+    else they stayed for good beside the checkpoints retention counts. A file there that holds
+    another save (a newer attempt's, at the same name) stays."""
+    for r in recs:
+        if r.durable_s is None:  # not copied: only its burst-buffer copy exists (keep_local counts it)
+            continue
+        rel = r.path[len(att.group):].lstrip("/")
+        key = f"{att.place.key}/{rel}" if att.place.key else rel
+        try:
+            if (att.place.target.read_manifest(key) or {}).get("checksum", {}).get("value") == r.checksum:
+                att.place.delete(rel)
+        except (OSError, ValueError, CorruptCheckpointError) as exc:
+            log.warning("fastckpt: could not delete %s of the dropped group %s: %s", rel, att.group, exc)
 
 
 def claim(att: Attempt, rank: int, timeout_s: float, stop: threading.Event) -> None:
