@@ -125,4 +125,4 @@ def test_a_checkpoint_spared_while_latest_names_it_is_trimmed_once_latest_moves_
         assert "latest names it" in caplog.text and os.path.exists(os.path.join(run, "step-1"))
         for step in range(2, 5):
             group(step)
-    assert sorted(n for n in os.listdir(run) if n[0] != "." and n != "latest") == ["step-3", "step-4"]  # step-1 stayed
+    assert sorted(n for n in os.listdir(run) if n != "latest") == ["step-3", "step-4"]  # step-1 stayed for good

@@ -236,7 +236,7 @@ def via_storage(att: Attempt, rank: int, world: int, files: dict, superseded: bo
                                 restamp=restamp, cancel=att.cancel, records=att.place, began=began)
         if m.get("superseded"):
             return Ended(None, 0, superseded=True)
-        return Ended(None if m.get("gone") else m, sum(f["size"] for f in m["files"].values()))
+        return Ended(m, sum(f["size"] for f in m["files"].values()))
     P.write_marker(att.place, rank, world, files, att.token, superseded)
     # recorded: another rank's remove() deletes attempt.json with the group, even before this marker
     with _recorded(att):

@@ -40,7 +40,6 @@ from dataclasses import dataclass
 from ..errors import CommitTimeoutError
 from ..storage.places import Place
 from . import claim as C
-from . import gone
 from . import protocol as P
 from .failures import aborted_error, left_behind, not_committed, removed_error
 
@@ -301,9 +300,7 @@ def wait_for_manifest(place: Place, timeout_s: float, stop: threading.Event, tok
             own = rec.get(P.marker_rel(me)) if me is not None else b""
             if (m := out()) is not None:  # swapped in since the first read: ``rec`` now holds the old group
                 return published(m)
-            if own is None:  # removed; or published, then deleted (retention) before this rank looked
-                if gone.was_published(place, state["token"]):
-                    return {"files": dict(mine or {}), "gone": True}
+            if own is None:
                 raise removed_error(place)
             if current is not None and current != state["token"]:
                 state["token"] = current

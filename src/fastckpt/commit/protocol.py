@@ -29,7 +29,6 @@ from ..format.manifest import FORMAT_VERSION, check_group_manifest, check_manife
 from ..storage.homes import Location
 from ..storage.places import Place
 from ..storage.types import TargetNotFoundError
-from . import gone
 from .names import GROUP_MANIFEST, LATEST, MARKER_DIR, SIDECAR, stays_inside
 
 ATTEMPT_NAME = "attempt.json"  # without a store: the attempt rank 0 started, in MARKER_DIR
@@ -339,7 +338,6 @@ def delete_checkpoint(loc: Location) -> None:
         target.delete(key + SIDECAR)
         target.delete(key)
     else:
-        gone.record(loc.place(), read_group_manifest)  # a rank yet to see it published learns it was
         _delete_group(loc)
         if key:
             for staged in staged_places(loc.place()):
