@@ -192,6 +192,39 @@ def test_coalescing_keeps_the_newest_save_whatever_drive_finishes_first(s3_serve
     assert fastckpt.latest(url, storage_options=opts) == f"{url}/step-2.pt"
 
 
+def test_a_best_group_written_last_is_never_dropped_for_the_series(tmp_path, dirs) -> None:  # noqa: ANN001
+    """A group committed with move_latest=False is never coalesced away. Its file, saved before a
+    series group's but written last (slow drive), arrives older than the series upload running:
+    with the arrival rule for every save, it was superseded before its commit said it is kept."""
+    home, ops = str(tmp_path / "home"), FaultyOps()
+    best, series = f"{home}/best", f"{home}/step-10"
+    queued = {"best": threading.Event(), "step-10": threading.Event()}
+
+    class Sink:
+        def emit(self, ev) -> None:  # noqa: ANN001
+            for name, seen in queued.items():
+                if ev.name == "queued" and f"/{name}/" in ev.path:
+                    seen.set()
+
+    slow = ops.gate("pwrite", path_contains="best/model.pt")
+    upload = ops.gate("preadv", path_contains="step-10/model.pt")  # the series upload stays running
+    with fastckpt.Checkpointer(local_dir=dirs, staging_buffers=2, replicate_workers=1, ops=ops,
+                               rank=0, world_size=1, sinks=(Sink(),)) as ck:
+        try:
+            ck.save(_state(MiB, 1), f"{best}/model.pt", group=best)
+            assert slow.wait_entered()
+            ck.save(_state(MiB, 2), f"{series}/model.pt", group=series)
+            assert queued["step-10"].wait(60) and upload.wait_entered()
+            slow.open()  # best's local write ends while the series upload runs
+            assert queued["best"].wait(60)  # was superseded on arrival: never queued
+        finally:
+            slow.open()
+            upload.open()
+        series_rec, best_rec = ck.commit(series, step=10), ck.commit(best, move_latest=False)
+        assert best_rec.wait().durable_s is not None and series_rec.wait().durable_s is not None
+    assert fastckpt.load(f"{best}/model.pt")["seed"] == 1 and fastckpt.latest(home) == series
+
+
 def test_a_drive_that_refused_a_write_gets_no_more_saves_of_a_path_it_holds(tmp_path, dirs) -> None:  # noqa: ANN001
     """A drive that refuses writes (read-only now) leaves the rotation, but a path whose copy was
     on it went on being sent there, failing for good though the other drive was writable."""

@@ -17,7 +17,7 @@ through the home's ``Target`` (``storage.homes``):
 Backpressure: with ``replicate_policy="coalesce"`` a newly committed checkpoint drops the
 older ones still queued (not started); their handles resolve with ``superseded=True``. Older
 and newer go by the save calls (``t_call``), not by arrival: with several burst-buffer drives a
-later save's local write can end first, and the earlier save then arrives superseded. A group
+later save's local write can end first, and an earlier single file then arrives superseded. A group
 committed with ``move_latest=False`` (``keep``: a "best" checkpoint beside the series) is never dropped.
 """
 
@@ -85,10 +85,12 @@ class Replicator:
                 return job.future
             coalesce = self._cfg.replicate_policy == "coalesce"
             # Saves reach the queue as their local writes end, which on several drives is not the
-            # order of the calls: a save called before a queued or running one is the older one.
+            # order of the calls: a single file called before a queued or running save is the
+            # older one. (A group's file is not: its group may be kept, not known before its
+            # commit, and another of its files may already have dropped that newer save.)
             newer = [j for j in (*self._running, *self._queue) if j.t_call > job.t_call
                      and self._supersedes(j, job, coalesce)]
-            if newer and job.rec.group not in self._kept:
+            if newer and job.rec.group is None:
                 self._drop_for(job, newer[-1], coalesce)
                 return job.future
             for old in [j for j in self._queue if j.t_call < job.t_call and self._supersedes(job, j, coalesce)
