@@ -211,7 +211,7 @@ def test_a_group_manifest_of_the_wrong_shape_is_damage_to_every_reader(
                "an entry without size": {**m, "files": {"m.pt": {"checksum": m["files"]["m.pt"]["checksum"]}}}}[shape]
     if isinstance(damaged, dict):  # an older manifest: no digest to catch it
         damaged.pop("digest", None)
-        damaged["committed_at"] = 1.7e9
+        damaged["format"] = 1
     (g / P.GROUP_MANIFEST).write_text(json.dumps(damaged))
     (tmp_path / P.LATEST).unlink()  # the scan decides: it skips the damaged group
     with pytest.raises(CorruptCheckpointError, match=rf"{P.GROUP_MANIFEST} is damaged"):
@@ -238,9 +238,12 @@ def test_a_group_manifest_damaged_where_it_still_parses_is_corruption(tmp_path: 
         fastckpt.load(str(g / "m.pt"))
     del m["digest"]  # one byte of its key damaged ("digesu"): the check was off
     (g / P.GROUP_MANIFEST).write_text(json.dumps({**m, "digesu": "0" * 16}))
-    with pytest.raises(CorruptCheckpointError, match="digest is missing, though it was committed after"):
+    with pytest.raises(CorruptCheckpointError, match="digest is missing, which every manifest of format 2 has"):
         fastckpt.load(str(g / "m.pt"))
-    m["committed_at"] = 1.7e9  # a manifest written before digests (2023): read as it is
+    (g / P.GROUP_MANIFEST).write_text(json.dumps({**m, "format": 3}))  # a digit of its format damaged
+    with pytest.raises(CorruptCheckpointError, match="its format is 3, not 1 or 2"):
+        fastckpt.load(str(g / "m.pt"))
+    m["format"] = 1  # a manifest written before digests: read as it is
     (g / P.GROUP_MANIFEST).write_text(json.dumps(m))
     with pytest.raises(IncompleteCheckpointError, match="names another version"):
         fastckpt.load(str(g / "m.pt"))
@@ -493,7 +496,7 @@ def test_group_manifest_is_json_with_sizes_and_checksums(tmp_path: Path) -> None
     for name, info in m["files"].items():
         assert info["size"] == (g / name).stat().st_size
         assert info["checksum"] == read_file_manifest(str(g / name))["checksum"]["value"]
-    assert m["format"] == 1 and m["step"] == 9
+    assert m["format"] == 2 and m["step"] == 9  # 2: it carries a digest
 
 
 def test_commit_without_moving_latest(tmp_path: Path) -> None:

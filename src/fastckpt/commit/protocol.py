@@ -214,7 +214,7 @@ def build_manifest(place: Place, world_size: int, entries: dict[int, dict], extr
         raise ConfigError(f"group {place.label}: no rank saved a file into it, so there is nothing to commit. Save "
                           "into it first (save(state, path, group=...) with the same group), or check that commit() "
                           "names the group the saves named.")
-    manifest = {"format": FORMAT_VERSION, "kind": "group", "world_size": world_size,
+    manifest = {"kind": "group", "world_size": world_size,  # with_digest adds its format
                 "tag": place.label.rstrip("/").rsplit("/", 1)[-1], "ranks": sorted(entries),
                 "attempt": token, "files": files, "committed_at": time.time(), **extra}
     return with_digest({**manifest, "requested_at": requested_at} if requested_at is not None else manifest)

@@ -30,8 +30,8 @@ TAIL_ROOM = MAX_COMMENT + 2  # room a file image needs after its covered bytes: 
 #: Block digests listed in a file's manifest at most (16 hex digits each: 48,000 of the zip
 #: comment's 65,535 bytes; files up to 46.9 GiB). Larger files list none: readers verify them whole.
 MAX_LISTED_BLOCKS = 3000
-#: Group manifests committed since (2026-12-05 UTC) carry a ``digest``; one without it was damaged.
-DIGEST_SINCE = 1796428800.0
+#: The format of group manifests that carry a ``digest`` (those of format 1 predate it).
+GROUP_FORMAT = 2
 
 
 def file_manifest(*, covered: int, digest: str, rank: int, group_name: str | None, group_rel: str | None,
@@ -135,7 +135,7 @@ def with_digest(manifest: dict) -> dict:
     still parses (a digit of a file's checksum) is then corruption, not a manifest naming files
     of another attempt. Its values as JSON gives them back (keys as strings), so that the digest
     is the one a reader computes."""
-    body = json.loads(json.dumps({k: v for k, v in manifest.items() if k != "digest"}))
+    body = json.loads(json.dumps({**{k: v for k, v in manifest.items() if k != "digest"}, "format": GROUP_FORMAT}))
     return {**body, "digest": _group_digest(body)}
 
 
@@ -166,9 +166,11 @@ def check_group_manifest(manifest: object) -> dict:
                 or not isinstance(info.get("size"), int) or isinstance(info.get("size"), bool) \
                 or info["size"] < 0:
             raise CorruptCheckpointError(f"its entry for {rel!r:.100} is {info!r:.100}, not a size and checksum")
-    if "digest" not in manifest and not (number(t := manifest.get("committed_at")) and t < DIGEST_SINCE):
-        raise CorruptCheckpointError("its digest is missing, though it was committed after digests began: it was "
-                                     "damaged after it was written")
+    if manifest.get("format", 1) not in (1, GROUP_FORMAT):
+        raise CorruptCheckpointError(f"its format is {manifest.get('format')!r:.20}, not 1 or {GROUP_FORMAT}")
+    if "digest" not in manifest and manifest.get("format", 1) == GROUP_FORMAT:
+        raise CorruptCheckpointError(f"its digest is missing, which every manifest of format {GROUP_FORMAT} has: it "
+                                     "was damaged after it was written")
     if "digest" in manifest and manifest["digest"] != _group_digest(manifest):
         raise CorruptCheckpointError("its content does not match its digest: it was damaged after it was written")
     for key, ok in (("requested_at", number), ("committed_at", number),
