@@ -240,6 +240,24 @@ def test_a_drive_that_refused_a_write_gets_no_more_saves_of_a_path_it_holds(tmp_
         assert ck.local_path(path).startswith(dirs[1 - held] + os.sep)
 
 
+def test_a_group_whose_copy_is_on_a_drive_that_refused_writes_is_saved_again_elsewhere(tmp_path, dirs) -> None:  # noqa: ANN001
+    """The group's commit still wrote to the refused drive (it clears and publishes the copy's
+    manifest in each directory), so every re-save of the group failed there for good."""
+    ops, g = FaultyOps(), str(tmp_path / "home" / "step-1")
+    with fastckpt.Checkpointer(local_dir=dirs, ops=ops, rank=0, world_size=1) as ck:
+        ck.save(_state(MiB, 1), f"{g}/model.pt", group=g)
+        assert ck.commit(g, step=1).wait().durable_s is not None
+        held = _where(ck, f"{g}/model.pt", dirs)
+        ops.inject(*(Fault(op, errno.EROFS, nth=n, path_startswith=dirs[held]) for n in range(1, 65)
+                     for op in ("pwrite", "unlink", "write_small", "replace", "makedirs", "link", "exchange", "rmdir")))
+        with pytest.raises(CheckpointWriteError):  # the drive refuses: it leaves the rotation
+            ck.save(_state(MiB, 2), f"{g}/model.pt", group=g).wait()
+            ck.commit(g, step=1).wait()
+        ck.save(_state(MiB, 3), f"{g}/model.pt", group=g)
+        assert ck.commit(g, step=1).wait().durable_s is not None  # failed: a delete on the refused drive
+        assert fastckpt.load(f"{g}/model.pt")["seed"] == 3 and ck.load(f"{g}/model.pt")["seed"] == 3
+
+
 def test_a_directory_that_cannot_be_made_leaves_groups_to_the_others(tmp_path, caplog) -> None:  # noqa: ANN001
     """local_dir=[good, below a file]: the second is left out with a warning, but every group save
     failed at once (the commit cleared a stale manifest in each directory: ENOTDIR)."""

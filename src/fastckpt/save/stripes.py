@@ -119,8 +119,9 @@ class Stripes:
                         "local_dir directories", self.dirs[i], exc)
 
     def existing(self) -> list[str]:
-        """The directories there are (one that could not be made at start holds nothing)."""
-        return [d for d in self.dirs if os.path.isdir(d)]
+        """The directories a commit writes to: those there are, less those that refused writes
+        (a stale manifest left on one names an older attempt; loads look at its copies last)."""
+        return [d for i, d in enumerate(self.dirs) if i not in self._refused and os.path.isdir(d)]
 
     def copies(self, path: str) -> list[str]:
         """The burst-buffer copies of ``path`` that exist (one, but look everywhere; a stale one
