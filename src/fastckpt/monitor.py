@@ -15,6 +15,7 @@ if the overhead is still above the budget (the callback is not called again).
 
 from __future__ import annotations
 
+import bisect
 import logging
 import math
 import threading
@@ -129,19 +130,23 @@ class BlockedWindow:
 
     def __init__(self, window_s: float) -> None:
         self.window_s = window_s
-        self._recent: deque[tuple[float, float]] = deque()  # (start, blocked), in the order saves ended
+        self._recent: list[tuple[float, float]] = []  # (start, blocked), in start order
         self._sum = 0.0  # _recent's blocked seconds, kept as it changes (summing each time was quadratic)
 
     def add(self, start: float, blocked: float) -> None:
-        self._recent.append((start, blocked))
+        """Saves may be recorded out of start order (a lazy copy ends after a later save)."""
+        bisect.insort(self._recent, (start, blocked))
         self._sum += blocked
 
     def share(self, now: float, t0: float) -> float:
         """The share at ``now``; ``t0``: when the run began (a run shorter than the window counts
         from there)."""
         cut = now - self.window_s
-        while self._recent and sum(self._recent[0]) < cut:
-            self._sum -= self._recent.popleft()[1]
+        gone = 0
+        while gone < len(self._recent) and sum(self._recent[gone]) < cut:
+            self._sum -= self._recent[gone][1]
+            gone += 1
+        del self._recent[:gone]
         if not self._recent:
             self._sum = 0.0  # no rounding left over
         before = 0.0

@@ -150,3 +150,23 @@ def test_the_window_is_one_rule_for_the_monitor_and_its_replay() -> None:
         want = min(sum(max(0.0, b - max(0.0, cut - s)) for s, b in saves) / span, 1.0)
         assert abs(live.share(now, saves[0][0]) - want) < 1e-9
         assert abs(replay.window(now) - want) < 1e-9
+
+
+def test_the_window_takes_saves_recorded_out_of_start_order() -> None:
+    """A lazy save is recorded when its copy ends, after saves that began later: the window
+    assumed start order, counted blocked time from before the window, and raised a false
+    alarm (a save begun 25 s ago, 6 s blocked, recorded after one begun 9 s ago: 0.70, not 0.10)."""
+    rng = random.Random(11)
+    window_s, t = 5.0, 100.0
+    live, recorded, pending = BlockedWindow(window_s), [], []
+    for _ in range(400):
+        t += rng.uniform(0.0, 1.5)
+        pending.append((t, rng.choice([0.0, rng.uniform(0.0, 0.3), rng.uniform(0.0, 8.0)])))
+        while pending and rng.random() < 0.6:  # some are recorded now, in any order
+            save = pending.pop(rng.randrange(len(pending)))
+            live.add(*save)
+            recorded.append(save)
+        now = t = t + rng.uniform(0.0, 2.0)
+        cut, span = now - window_s, min(window_s, now - 100.0)
+        want = min(sum(max(0.0, b - max(0.0, cut - s)) for s, b in recorded) / span, 1.0)
+        assert abs(live.share(now, 100.0) - want) < 1e-9
