@@ -59,10 +59,13 @@ def file_order(manifest: dict) -> float:
     else (files saved before it was recorded) the end of its write. Saves overlap (writes to
     several burst-buffer drives at once), so the end of the write does not follow the calls."""
     for key in ("requested_at", "written_at"):
-        v = manifest.get(key)
-        if isinstance(v, (int, float)) and not isinstance(v, bool):
+        if _number(v := manifest.get(key)):
             return float(v)
     return 0.0
+
+
+def _number(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 def comment_bytes(manifest: dict) -> bytes:
@@ -153,9 +156,6 @@ def check_group_manifest(manifest: object) -> dict:
     Raises:
         CorruptCheckpointError: what is missing or malformed.
     """
-    def number(v: object) -> bool:
-        return isinstance(v, (int, float)) and not isinstance(v, bool)
-
     if not isinstance(manifest, dict):
         raise CorruptCheckpointError(f"it is a {type(manifest).__name__}, not an object")
     files = manifest.get("files")
@@ -173,7 +173,7 @@ def check_group_manifest(manifest: object) -> dict:
                                      "was damaged after it was written")
     if "digest" in manifest and manifest["digest"] != _group_digest(manifest):
         raise CorruptCheckpointError("its content does not match its digest: it was damaged after it was written")
-    for key, ok in (("requested_at", number), ("committed_at", number),
+    for key, ok in (("requested_at", _number), ("committed_at", _number),
                     ("world_size", lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0)):
         if key in manifest and not ok(manifest[key]):
             raise CorruptCheckpointError(f"its {key} is {manifest[key]!r:.100}")
