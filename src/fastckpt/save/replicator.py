@@ -266,7 +266,7 @@ class Replicator:
         durable = time.monotonic() - job.t_call
         self._emit("replicate", rec.path, rec.bytes, r0, rec.tier, detail=detail)
         # a group's file moves the RPO only once its group is published (Checkpointer.commit)
-        self._on_durable(durable, None if rec.group is not None else job.committed_at - (rec.local_durable_s or 0.0))
+        self._on_durable(durable, None if rec.group is not None else rec.requested_at)
         return replace(rec, durable_s=durable)
 
     def _replaced_by_newer(self, job: ReplicaJob, manifest: dict | None = None) -> bool:
@@ -280,7 +280,7 @@ class Replicator:
                 return False
         if manifest is None or manifest["checksum"]["value"] == job.rec.checksum:
             return False
-        return float(manifest.get("written_at", 0.0)) >= job.committed_at - (job.rec.local_durable_s or 0.0)
+        return float(manifest.get("written_at", 0.0)) >= job.rec.requested_at
 
     @staticmethod
     def _superseded(rec: SaveRecord) -> SaveRecord:

@@ -259,7 +259,7 @@ class Saver:
                 return rec
             if rec.group is None:
                 publish_file(self._homes.resolve(rec.path), {"written_at": time.time()})
-                self._monitor.record_durable(rec.durable_s, time.time() - rec.durable_s)  # at its path: no replica
+                self._monitor.record_durable(rec.durable_s, rec.requested_at)  # at its path: no replica
                 if self._cfg.local_dirs:  # it skipped the burst buffer: a copy there of an earlier save is stale
                     self._retention.bypassed(rec.path, token)
             return self._retain(rec, token, has_local=False)
