@@ -123,6 +123,12 @@ class Stats:
     local_dirs: tuple[DirStats, ...] = ()  # each burst-buffer directory: bytes, write time, bandwidth, queue
 
 
+def crossing(over: bool, share: float, budget: float) -> tuple[bool, bool]:
+    """The alarm after a save, one rule for the live ``Monitor`` and its replay: (above the
+    budget now, crossed above it just now). It fires once per crossing and re-arms below."""
+    return share > budget, share > budget and not over
+
+
 class BlockedWindow:
     """The blocked share of the last ``window_s`` seconds, one rule for the live ``Monitor`` and
     its replay from an event log: each save's blocked time counts as the span from its start (a
@@ -198,12 +204,10 @@ class Monitor:
             wall = now - self._t0
             overhead = self.blocked_total / wall
             window = self._window.share(now, self._t0)
-            crossed = max(overhead, window) > self.budget and not self.over
+            self.over, crossed = crossing(self.over, max(overhead, window), self.budget)
             if crossed:
-                self.over, self.advised = True, False
+                self.advised = False
                 self.alarms += 1
-            elif max(overhead, window) <= self.budget:
-                self.over = False
             if self.over and not self.advised and (crossed or self.count - 1 >= ADVICE_INTERVALS):
                 report = self._report(start, wall, overhead, window)
                 self.advised = report.intervals >= ADVICE_INTERVALS
@@ -288,8 +292,6 @@ class OverheadReplay:
             return
         overhead = self.blocked / (now - self.t0) if now > self.t0 else 0.0
         window = self.window(now)
-        if max(overhead, window) > self.budget and not self.over:
-            self.over, self.alarms = True, self.alarms + 1
-        elif max(overhead, window) <= self.budget:
-            self.over = False
+        self.over, crossed = crossing(self.over, max(overhead, window), self.budget)
+        self.alarms += crossed
         self.points.append(OverheadPoint(now, overhead, window, self.over))
