@@ -579,3 +579,68 @@ def test_without_a_store_a_rank_reports_a_group_only_once_latest_moved(tmp_path:
         release.set()
         _close(cks)
     assert latest(str(tmp_path)) == str(g)
+
+
+def test_without_a_store_a_rank_late_to_a_group_that_keep_persistent_trimmed_ends_superseded(
+        tmp_path: Path) -> None:
+    """Rank 0 published step-1, then step-2, and keep_persistent=1 trimmed step-1 before rank 1's
+    poll read step-1's manifest. Rank 1 found its marker gone and raised GroupRemovedError ("...
+    nothing of it is published"), stopping a healthy job at its next call. ``latest`` names a
+    later step, so rank 0 moved past the group: rank 1's commit of it ends superseded."""
+    s1 = tmp_path / "step-1"
+    trimmed = threading.Event()
+
+    class Trimming(FaultyOps):  # rank 0: tells when step-1's directory is gone
+        def rmdir(self, path: str) -> None:
+            super().rmdir(path)
+            if os.path.normpath(path) == str(s1):
+                trimmed.set()
+
+    class Late(FaultyOps):  # rank 1: its first read of step-1's manifest comes after the trim
+        def read_small(self, path: str) -> bytes | None:
+            if path == str(s1 / P.GROUP_MANIFEST) and os.path.exists(path) and not trimmed.is_set():
+                assert trimmed.wait(60)
+            return super().read_small(path)
+
+    cks = [_ck(0, None, keep_persistent=1, ops=Trimming()), _ck(1, None, ops=Late())]
+    try:
+        handles = {}
+        for v in (1, 2):
+            g = tmp_path / f"step-{v}"
+            for ck in cks:
+                ck.save(_state(v, ck.rank), str(g / f"rank{ck.rank}.pt"), group=str(g))
+            handles.update({(v, ck.rank): ck.commit(str(g), step=v) for ck in cks})
+        assert not handles[(1, 0)].wait(60).superseded  # rank 0 published it
+        assert handles[(2, 1)].wait(60).durable_s is not None
+        assert handles[(1, 1)].wait(60).superseded  # before: GroupRemovedError
+        assert trimmed.is_set() and not s1.exists()
+    finally:
+        _close(cks)
+    assert latest(str(tmp_path)) == str(tmp_path / "step-2")
+    assert fastckpt.load(str(tmp_path / "step-2" / "rank1.pt"))["version"] == 2
+
+
+def test_a_rank_whose_group_was_removed_while_latest_names_an_earlier_step_still_raises(
+        tmp_path: Path) -> None:
+    """The counterpart: the group went and ``latest`` names no later step, so nothing moved past
+    it: GroupRemovedError, as before."""
+    g, polling = tmp_path / "step-2", threading.Event()
+
+    class Watched(FaultyOps):  # rank 1: tells when it polls for step-2's manifest
+        def read_small(self, path: str) -> bytes | None:
+            if path == str(g / P.GROUP_MANIFEST):
+                polling.set()
+            return super().read_small(path)
+
+    cks = [_ck(0, None), _ck(1, None, ops=Watched())]
+    try:
+        _save_all(cks, tmp_path / "step-1", 1)
+        cks[1].save(_state(2, 1), str(g / "rank1.pt"), group=str(g)).wait(60)
+        h = cks[1].commit(str(g), step=2)
+        assert polling.wait(60)  # rank 1's marker is written; it waits for the manifest
+        cks[0].remove(str(g))
+        with pytest.raises(GroupRemovedError):
+            h.wait(60)
+    finally:
+        _close(cks)
+    assert latest(str(tmp_path)) == str(tmp_path / "step-1")

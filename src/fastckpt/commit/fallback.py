@@ -37,11 +37,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..errors import CommitTimeoutError
+from ..errors import CommitTimeoutError, CorruptCheckpointError
 from ..storage.places import Place
 from . import claim as C
 from . import protocol as P
 from .failures import aborted_error, left_behind, not_committed, removed_error
+from .foreign import tag_step
 
 ABORTED = "aborted"  # the outcome of an attempt that a rank's failed save ended
 POLL_FIRST_S = 0.005
@@ -236,7 +237,7 @@ def _outcome_of(ended: dict, token: str | None, began: Began | None) -> bool:
 def wait_for_manifest(place: Place, timeout_s: float, stop: threading.Event, token: str | None = None,
                       mine: dict | None = None, me: int | None = None,
                       restamp: Callable[[str], None] | None = None, cancel: threading.Event | None = None,
-                      records: Place | None = None, began: Began | None = None) -> dict:
+                      records: Place | None = None, began: Began | None = None, step: int | None = None) -> dict:
     """Other ranks: the manifest at ``place`` of this rank's attempt, listing its files with the
     checksums just written, or the attempt's recorded outcome (``{"superseded": True}``).
 
@@ -249,6 +250,7 @@ def wait_for_manifest(place: Place, timeout_s: float, stop: threading.Event, tok
         records: where this attempt's markers and records are, when not at ``place`` (a
             re-saved group's new attempt is written beside it until rank 0 swaps it in).
         began: what this rank saw when it began (``Began``).
+        step: the group's step (``commit(step=...)``, else its tag's number), for ``overtaken``.
 
     Raises:
         CommitTimeoutError: no manifest or outcome within ``timeout_s``, the outcome records a
@@ -301,7 +303,7 @@ def wait_for_manifest(place: Place, timeout_s: float, stop: threading.Event, tok
             if (m := out()) is not None:  # swapped in since the first read: ``rec`` now holds the old group
                 return published(m)
             if own is None:
-                raise removed_error(place)
+                return overtaken(place, step)
             if current is not None and current != state["token"]:
                 state["token"] = current
                 restamp(current)
@@ -326,3 +328,21 @@ def wait_for_manifest(place: Place, timeout_s: float, stop: threading.Event, tok
                 err.add_note("rank 0 claimed the attempt to publish it, but its manifest did not follow")
         raise err
     return got  # type: ignore[return-value]
+
+
+def overtaken(place: Place, step: int | None) -> dict:
+    """Other ranks: the group ``place`` vanished while this rank waited for its manifest. When the
+    directory's ``latest`` names a complete group of a later ``step``, rank 0 moved on past it:
+    it published it and keep_persistent trimmed it (or someone removed it) before this rank's
+    poll read the manifest. The attempt ends superseded (rank 0's commit tells which), not with
+    an error that would stop a healthy job. Else GroupRemovedError."""
+    parent, later = place.parent(), None
+    try:
+        if step is not None and (name := P.pointed_name(parent)) is not None:
+            m = P.read_group_manifest(parent.child(name)) or {}
+            later = m["step"] if isinstance(m.get("step"), int) else tag_step(name) if m else None
+    except (OSError, CorruptCheckpointError):  # trimmed or damaged meanwhile: nothing tells
+        pass
+    if later is None or step is None or later <= step:
+        raise removed_error(place)
+    return {"superseded": True, "files": {}}

@@ -47,7 +47,8 @@ def drop_copies(att: Attempt, recs: list[SaveRecord]) -> None:
             if (att.place.target.read_manifest(key) or {}).get("checksum", {}).get("value") == r.checksum:
                 att.place.delete(rel)
         except (OSError, ValueError, CorruptCheckpointError) as exc:
-            log.warning("fastckpt: could not delete %s of the dropped group %s: %s", rel, att.group, exc)
+            if getattr(exc, "errno", None) != errno.ENOENT:  # gone: trimmed with its group (``F.overtaken``)
+                log.warning("fastckpt: could not delete %s of the dropped group %s: %s", rel, att.group, exc)
 
 
 def claim(att: Attempt, rank: int, timeout_s: float, stop: threading.Event) -> None:
