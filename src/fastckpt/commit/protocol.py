@@ -178,7 +178,7 @@ def move_pointer(parent: Place, name: str, order: float) -> bool:
     a partial checkpoint. Returns whether it moved (it stays when it names a newer checkpoint,
     unless that one is dated more than ``AHEAD_S`` after this host's clock: a skewed node wrote it).
     """
-    with _latest_lock:
+    with _latest_lock, parent.exclusive():  # another process may move it too: docs/groups.md
         found = _pointed(parent)
         if found is not None and order < found[1] <= time.time() + AHEAD_S:
             return False

@@ -5,10 +5,20 @@ so the same code commits a group on a local disk, a Lustre mount and S3.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import logging
+import os
 import posixpath
+import time
+from collections.abc import Iterator
 
 from .base import Target
+from .posix import PosixTarget
 from .types import TargetNotFoundError
+
+log = logging.getLogger("fastckpt")
+LOCK_WAIT_S = 60.0  # how long ``exclusive`` waits for another process's hold before it goes on without
 
 
 class Place:
@@ -100,3 +110,39 @@ class Place:
         """The path or URL of ``rel`` inside this place."""
         k = self._k(rel) if rel else self.key
         return self.target.url_of(k) if k else self.target.url
+
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[None]:
+        """Hold this directory against other processes holding it (``latest``'s read-compare-write):
+        an ``flock`` of it on a mounted file system, waited for at most ``LOCK_WAIT_S``. Nothing at an
+        object store (it has no lock: docs/groups.md) or where the file system refuses one (a Lustre
+        mount without ``-o flock``): the caller goes on unlocked, as before."""
+        fd = None
+        if isinstance(self.target, PosixTarget):
+            try:
+                fd = os.open(os.path.join(self.target.root, *self.key.split("/")), os.O_RDONLY | os.O_DIRECTORY)
+                _flock(fd, time.monotonic() + LOCK_WAIT_S)
+            except OSError as exc:
+                (log.warning if isinstance(exc, BlockingIOError) else log.debug)(
+                    "fastckpt: no lock on %s (%s): going on without one", self.label,
+                    f"another process held it for {LOCK_WAIT_S:.0f} s" if isinstance(exc, BlockingIOError) else exc)
+                if fd is not None:
+                    os.close(fd)
+                fd = None
+        try:
+            yield
+        finally:
+            if fd is not None:
+                os.close(fd)  # the lock goes with the descriptor
+
+
+def _flock(fd: int, deadline: float) -> None:
+    delay = 0.001
+    while True:
+        try:
+            return fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)
