@@ -123,6 +123,9 @@ def test_a_rank_trims_only_its_own_files_of_a_dropped_group(tmp_path: Path, with
             h.wait(60)
         assert [os.path.isdir(cks[0].local_path(t)) for t in tags] == [False, False, False, True]
         assert fastckpt.latest(str(run)) == tags[3]
+        # at the home, rank 0 deleted the dropped attempt's records once every rank announced it
+        # through the store; without one, rank 1 may still read them there (docs/burst-buffer.md)
+        assert os.path.isdir(tags[1]) == (not with_store)
     finally:
         hold0.release.set()
         hold1.release.set()
@@ -170,7 +173,9 @@ def test_a_rank_whose_group_copy_another_rank_trimmed_still_commits(tmp_path: Pa
 def test_the_files_a_dropped_group_copied_home_before_it_was_dropped_are_deleted(tmp_path: Path) -> None:
     """Coalescing drops a group's queued files once its first file was already copied home: the
     group is never published, so retention never lists it, and that copy stayed at the home for
-    good (six such directories in an 8-step run with keep_persistent=1, 2-3 full files each)."""
+    good (six such directories in an 8-step run with keep_persistent=1, 2-3 full files each). Its
+    records (``.fastckpt/``) stayed too, and with them the tag's directory, which ``ls`` listed
+    as incomplete: everything of it goes now."""
     nvme, run = str(tmp_path / "nvme"), str(tmp_path / "run")
     tags = [os.path.join(run, f"step-{i}") for i in (1, 2, 3)]
     ops = FaultyOps()
@@ -192,5 +197,5 @@ def test_the_files_a_dropped_group_copied_home_before_it_was_dropped_are_deleted
         assert commits[1].wait().superseded
         assert commits[2].wait().durable_s is not None
     assert fastckpt.latest(run) == tags[2]
-    left = [f for f in os.listdir(tags[1]) if not f.startswith(".")] if os.path.isdir(tags[1]) else []
-    assert left == []  # was ['m.pt'], never deleted
+    assert not os.path.exists(tags[1])  # was ['m.pt', '.fastckpt'], then ['.fastckpt']: never deleted
+    assert sorted(os.listdir(run)) == ["latest", "step-3"]

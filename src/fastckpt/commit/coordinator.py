@@ -43,6 +43,7 @@ from ..storage.places import Place
 from . import attempt as A
 from . import failures as E
 from . import fallback as F
+from . import leftovers as L
 from . import protocol as P
 from . import removal as R
 from . import resave
@@ -273,13 +274,10 @@ class Coordinator:
 
     def _abort(self, att: A.Attempt, rank: int, exc: BaseException, background: bool = False,
                why: str | None = None) -> None:
-        """End the attempt on every rank at once: they need not wait ``commit_timeout_s`` for a
-        rank whose save failed. With a store, through it (``background``: called on the training
-        thread, so a session still to agree is agreed on the committer pool); without one,
-        through the group's directory: rank 0 records the attempt's outcome, another rank a
-        failure record for rank 0's current attempt, or, when rank 0 has not started it yet, for
-        the one that follows the attempt recorded there now (``fallback.wait_for_markers`` ends
-        on either). ``why``: what the others are told (default: ``exc``)."""
+        """End the attempt on every rank at once, not after ``commit_timeout_s``. With a store through it
+        (``background``: on the training thread, so a session still to agree is agreed on the pool); else
+        rank 0 records the outcome, another rank a failure record for rank 0's current attempt or, before
+        it started, for the one after the attempt recorded now. ``why``: what the others are told."""
         why = (why or f"{type(exc).__name__}: {exc}")[:500]
         if att.channel is not None:
             self._through_store(att.channel, att.group, rank, lambda ch: ch.abort(rank, why), "the failure of",
@@ -346,7 +344,7 @@ class Coordinator:
             ops, nbytes = (att.channel.ops, att.channel.nbytes) if att.channel is not None else (0, 0)
             cost = {"store_ops": ops, "store_bytes": nbytes, "commit_cpu_s": time.thread_time() - cpu0}
             if ended.superseded:
-                R.drop_copies(att, recs)  # never published: this rank's files copied home so far go
+                L.dropped(att, recs, rank, world, self._lock, (self._open, self._running))  # its files, records go
                 return SaveRecord(att.group, tier, 0, blocked, 0.0, done, None, rank=rank, group=att.group,
                                   superseded=True, **cost)
             for local in [p for p in att.local if os.path.isdir(p.url())]:  # striped: each drive holding files

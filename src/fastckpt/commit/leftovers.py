@@ -1,0 +1,44 @@
+"""What an attempt that replication's coalescing dropped leaves at the group's home.
+
+A dropped attempt is never published, but its markers and outcome (``.fastckpt/``) were written
+at the home, and with them the tag's directory: ``ls`` listed it as incomplete for good, and a
+DeepSpeed user listing the tags saw it. Each rank deletes its own files of it copied home so far
+(``removal.drop_copies``). With a store (or a single rank) rank 0 ends a dropped attempt only
+once every rank announced its files, each after its uploads ended, and every rank learns the
+outcome through the store: rank 0 then deletes the rest. Without a store rank 0 ends it on the
+first marker that says dropped, while another rank may still upload its file of it and will
+read the outcome from those records: they stay (docs/burst-buffer.md).
+
+A group published at its home is never touched (a dropped re-save was written beside it, in its
+staged place, which goes), nor one this rank began another attempt at since.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from .attempt import Attempt
+from .names import MARKER_DIR
+from .protocol import read_group_manifest
+from .removal import drop_copies
+
+log = logging.getLogger("fastckpt")
+
+
+def dropped(att: Attempt, recs: list, rank: int, world: int, lock: threading.Lock,
+            attempts: tuple[dict[str, Attempt], dict[str, tuple]]) -> None:
+    """Replication dropped ``att`` (``recs``: this rank's saves into it): its files go, and on rank 0
+    with a store (or alone) its records. ``lock``, ``attempts``: the Coordinator's, open and committing."""
+    drop_copies(att, recs)
+    if rank != 0 or (world > 1 and att.channel is None):
+        return
+    with lock:
+        now = attempts[0].get(att.group) or attempts[1].get(att.group, (None,))[0]
+    if now is not None and now is not att:  # a new attempt at the group owns the records there
+        return
+    try:
+        if att.staged or read_group_manifest(att.home) is None:
+            att.place.target.delete_tree(att.place.key, last=(MARKER_DIR,))
+    except Exception as exc:  # noqa: BLE001 (a leftover must not fail a commit: say so and go on)
+        log.warning("fastckpt: could not delete what the dropped attempt at %s left: %s", att.place.label, exc)
