@@ -21,7 +21,8 @@ def normalize(path: str | os.PathLike) -> str:
     """Absolute path for a local path, the URL itself (no trailing '/') for a URL."""
     s = os.fspath(path)
     if is_url(s):
-        return s.rstrip("/")
+        scheme, rest = s.split("://", 1)
+        return f"{scheme}://{rest.rstrip('/')}"  # "s3://" stays a URL (check_url refuses it), never "s3:"
     return os.path.abspath(s.removeprefix("file://"))
 
 
@@ -78,7 +79,10 @@ def check_url(url: str) -> str:
         urlsplit(url)
     except ValueError as exc:
         raise ConfigError(f"{url!r} is not a valid URL ({exc}): {_FORMS}") from None
-    scheme = url.split("://", 1)[0]
+    scheme, rest = url.split("://", 1)
+    if not rest.split("/", 1)[0] and scheme.rsplit("::", 1)[-1].lower() != "memory":
+        raise ConfigError(f"{url!r} names no bucket or host after {scheme}://: use {scheme}://<bucket>[/<prefix>] "
+                          f"(an empty variable in the command line?); {_FORMS}")
     try:
         import fsspec
     except ImportError:  # the storage layer says what to install

@@ -28,6 +28,47 @@ def test_doctor_storage_options_file_that_is_not_json(tmp_path: Path) -> None:
                  f"{f} is not a JSON file", "endpoint_url")
 
 
+def test_storage_options_are_inline_json_or_a_file_in_every_command_and_never_echoed(tmp_path: Path) -> None:
+    """doctor took only a file, and echoed inline JSON, secret and all, in "File '...' does not
+    exist"; ls, latest and verify took only inline JSON ("not JSON" for a file's path)."""
+    secret = '{"key": "AKIA", "secret": "s3cr3t-value"'  # cut short: not JSON
+    for args in (["doctor", "--probe-size", "0"], ["ls", str(tmp_path)], ["verify", str(tmp_path)]):
+        res = _cli(*args, "--storage-options", secret)
+        _refused(res, 2, "--storage-options", "not JSON")
+        assert "s3cr3t" not in res.stdout + res.stderr
+        res = _cli(*args, "--storage-options", "s3cr3t-typo")  # neither JSON nor a file
+        _refused(res, 2, "the path of a JSON file")
+        assert "s3cr3t" not in res.stdout + res.stderr
+    opts = tmp_path / "opts.json"
+    opts.write_text('{"anon": true}')
+    for args in (["latest", str(tmp_path)], ["ls", str(tmp_path)]):  # a file's path is read as the inline JSON is
+        for given in (str(opts), '{"anon": true}'):
+            res = _cli(*args, "--storage-options", given)
+            assert res.returncode == 1 and "--storage-options" not in res.stderr, res.stderr  # no usage error
+
+
+def test_s3_storage_options_of_the_wrong_form_are_named_not_a_traceback() -> None:
+    """botocore built its client at the first request: a bad endpoint or an option of the wrong
+    type was a ValueError, TypeError or AttributeError traceback from deep inside it."""
+    for opts, words in (('{"endpoint_url": "notaurl"}', "endpoint_url is not a URL of the form"),
+                        ('{"endpoint_url": "http://[::1"}', "endpoint_url is not a URL"),
+                        ('{"endpoint_url": "http://127.0.0.1:99999"}', "endpoint_url is not a URL"),
+                        ('{"endpoint_url": ""}', "endpoint_url is not a URL"),
+                        ('{"client_kwargs": 5}', "client_kwargs must be a JSON object"),
+                        ('{"key": 5, "secret": "s3cr3t"}', "key must be a string"),
+                        ('{"config_kwargs": {"retries": 3}}', "config_kwargs.retries must be an object")):
+        for cmd in ("ls", "latest", "verify"):
+            res = _cli(cmd, "s3://bucket/run", "--storage-options", opts)
+            assert res.returncode in (1, 2) and "Traceback" not in res.stderr, res.stderr
+            assert words in res.stderr and "s3cr3t" not in res.stderr, res.stderr
+
+
+def test_doctor_local_dir_given_twice(tmp_path: Path) -> None:
+    """doctor measured both and approved them; the library refuses local_dir=[D, D]."""
+    _refused(_cli("doctor", "--local-dir", str(tmp_path), "--local-dir", f"{tmp_path}/", "--probe-size", "0"), 2,
+             "given twice", "give each directory once")
+
+
 def test_doctor_target_that_is_a_file(tmp_path: Path) -> None:
     """It said "cannot write in FILE: File exists" with the fix "create FILE", which exists."""
     (tmp_path / "file").write_text("x")
@@ -69,6 +110,24 @@ def test_a_malformed_url_or_an_unknown_scheme_is_named(tmp_path: Path) -> None:
     from fastckpt.urls import check_url  # fsspec's chained URLs and upper-case schemes are no typos
 
     assert check_url("simplecache::s3://b/x") == "simplecache::s3://b/x" and check_url("S3://b/x") == "S3://b/x"
+
+
+def test_a_url_without_a_bucket_is_named_and_never_read_as_a_local_folder(tmp_path: Path) -> None:
+    """``s3://`` (an empty variable after the scheme) was normalised to ``s3:``, a relative local
+    path: ``ls`` and ``verify`` read the folder ./s3: in its stead (exit 0), ``drill`` wrote its
+    checkpoints there, and ``doctor`` failed with a Python unpacking error."""
+    (tmp_path / "s3:").mkdir()
+    for args in (["ls", "s3://"], ["verify", "s3://"], ["latest", "http://"],
+                 ["drill", "--trials", "1", "--local-dir", str(tmp_path / "bb"), "--dir", "s3://"],
+                 ["doctor", "--probe-size", "0", "--target", "s3://"]):
+        res = subprocess.run([sys.executable, "-m", "fastckpt.cli", *args], capture_output=True, text=True,
+                             timeout=120, cwd=tmp_path)
+        _refused(res, 2, "names no bucket or host after", "://<bucket>[/<prefix>]")
+    assert not list((tmp_path / "s3:").iterdir()) and not (tmp_path / "bb").exists()
+    from fastckpt.urls import check_url, normalize
+
+    assert normalize("s3://") == "s3://" and normalize("s3://b/x//") == "s3://b/x"
+    assert check_url("memory://") == "memory://"  # fsspec's in-memory file system has no bucket
 
 
 def test_ls_and_verify_of_a_path_that_does_not_exist_or_is_not_a_checkpoint(tmp_path: Path) -> None:

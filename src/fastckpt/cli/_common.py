@@ -207,11 +207,28 @@ class _Location(click.ParamType):
             self.fail(str(exc), param, ctx)
 
 
+def _storage_options(text: str) -> dict:
+    """Inline JSON (``{...}``) or the path of a JSON file, in every command; the value is never
+    repeated in an error (it holds secrets)."""
+    if text.lstrip().startswith("{"):
+        return _json_object(text)
+    if not os.path.isfile(text):
+        raise ValueError("give a JSON object ('{\"endpoint_url\": \"http://127.0.0.1:8333\"}') or the path of a "
+                         "JSON file that holds one (the value is not repeated here: it may hold secrets)")
+    try:
+        with open(text, encoding="utf-8") as f:
+            return _json_object(f.read())
+    except (OSError, ValueError) as exc:  # not JSON, not text, unreadable
+        raise ValueError(f"{text} is not a JSON file ({exc}); write e.g. "
+                         '{"endpoint_url": "http://127.0.0.1:8333"}') from exc
+
+
 LOCATION = _Location()
 JSON_OBJECT = _Parsed("json", _json_object)
 storage_options_option = click.option(
-    "--storage-options", type=JSON_OBJECT, default=None,
-    help="fsspec options for URL targets, as a JSON object (e.g. endpoint_url, key, secret).")
+    "--storage-options", "storage_options", type=_Parsed("json_or_file", _storage_options), default=None,
+    help="fsspec options for URL targets: a JSON object (e.g. endpoint_url, key, secret) or a JSON file's path; "
+         "never printed.")
 json_option = click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")
 
 

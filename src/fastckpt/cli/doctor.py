@@ -7,13 +7,13 @@ import json
 
 import click
 
-from ._common import LOCATION, SIZE, SIZE_OR_ZERO, count_range, not_a_dir
+from ._common import LOCATION, SIZE, SIZE_OR_ZERO, count_range, distinct_dirs, not_a_dir, storage_options_option
 
 _STYLE = {"ok": "green", "info": "blue", "warn": "yellow", "fail": "bold red"}
 
 
 @click.command()
-@click.option("--local-dir", type=click.Path(), multiple=True,
+@click.option("--local-dir", type=click.Path(), multiple=True, callback=distinct_dirs,
               help="The burst buffer (local_dir); repeat it for striped drives (each is measured).")
 @click.option("--target", default=None, type=LOCATION,
               help="Where checkpoints are saved: a directory or a URL (default: here).")
@@ -24,11 +24,10 @@ _STYLE = {"ok": "green", "info": "blue", "warn": "yellow", "fail": "bold red"}
               help="Checkpoints each place must hold at once.")
 @click.option("--probe-size", type=SIZE_OR_ZERO, default="256MiB", show_default=True,
               help="Bytes the bandwidth probe writes and reads: whole MiB, at least 1 MiB (0 skips it).")
-@click.option("--storage-options", "options_file", type=click.Path(exists=True, dir_okay=False), default=None,
-              help="A JSON file of fsspec options for a URL target (endpoint_url, key, secret...; never printed).")
+@storage_options_option
 @click.option("--json", "as_json", is_flag=True, help="Print the findings as JSON.")
 def doctor(local_dir: tuple[str, ...], target: str | None, tier: str, state_size: int | None, keep: int,
-           probe_size: int, options_file: str | None, as_json: bool) -> None:
+           probe_size: int, storage_options: dict | None, as_json: bool) -> None:
     """Probe this machine's tiers and storage; say what tier=auto would pick and why.
 
     Each finding has a status (ok, info, warn, fail) and, where needed, the fix. Exit 1 when a
@@ -43,19 +42,8 @@ def doctor(local_dir: tuple[str, ...], target: str | None, tier: str, state_size
     if target and not_a_dir(target):
         raise click.BadParameter(f"{target} is a file: give the directory checkpoints are saved in (it is created "
                                  "if missing) or a URL", param_hint="--target")
-    storage_options = {}
-    if options_file:
-        try:
-            with open(options_file, encoding="utf-8") as f:
-                storage_options = json.load(f)
-        except ValueError as exc:  # not JSON, or not text at all
-            raise click.BadParameter(f"{options_file} is not a JSON file ({exc}); write e.g. "
-                                     '{"endpoint_url": "http://127.0.0.1:8333"}',
-                                     param_hint="--storage-options") from exc
-        if not isinstance(storage_options, dict):
-            raise click.BadParameter("must hold a JSON object", param_hint="--storage-options")
     opts = DoctorOptions(local_dir[0] if len(local_dir) == 1 else (local_dir or None), target, tier, state_size, keep,
-                         probe_size, storage_options,
+                         probe_size, storage_options or {},
                          progress="off" if as_json else "auto")
     dx = diagnose(opts)
     if as_json:

@@ -54,6 +54,7 @@ from .s3 import (
     transient_types,
     unreachable,
 )
+from .s3_options import check_s3_options
 from .s3_read import get_range, list_sizes
 from .types import (
     Expected,
@@ -100,6 +101,7 @@ class FsspecTarget(Target):
         if self.is_s3:
             from aiobotocore.session import AioSession
 
+            check_s3_options(url_root, opts)
             opts.setdefault("skip_instance_cache", True)
             cfg = dict(opts.get("config_kwargs") or {})
             cfg.setdefault("retries", {"max_attempts": 0, "mode": "standard"})

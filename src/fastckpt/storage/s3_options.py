@@ -1,0 +1,47 @@
+"""Checks of the S3 ``storage_options`` a user gives, before the client is built from them.
+
+s3fs builds its botocore client at the first request, so a typo there ("minio:9000", a port
+out of range, ``{"client_kwargs": 5}``) surfaced as a Python ``ValueError``, ``TypeError`` or
+``AttributeError`` from deep inside botocore, on a background thread or as a CLI traceback.
+Each is refused here with a ``ConfigError`` naming the option and the form it takes; no value
+is repeated (the options hold secrets).
+"""
+
+from __future__ import annotations
+
+from urllib.parse import urlsplit
+
+from ..errors import ConfigError
+
+_STRINGS = ("key", "secret", "token", "profile")
+_OBJECTS = ("client_kwargs", "config_kwargs", "s3_additional_kwargs")
+
+
+def check_s3_options(url_root: str, opts: dict) -> None:
+    """Raise ``ConfigError`` for an ``endpoint_url`` that is not ``http(s)://host[:port]``, a
+    credential that is not a string, or a ``*_kwargs`` option that is not an object."""
+    where = f"storage_options for {url_root}"
+    ck = opts.get("client_kwargs")
+    endpoint = opts.get("endpoint_url", ck.get("endpoint_url") if isinstance(ck, dict) else None)
+    if endpoint is not None:
+        ok = isinstance(endpoint, str)
+        try:
+            parts = urlsplit(endpoint) if ok else None
+            ok = ok and parts.scheme in ("http", "https") and bool(parts.hostname) and (parts.port or 1) > 0
+        except ValueError:  # "http://[::1", a port out of range
+            ok = False
+        if not ok:
+            raise ConfigError(f"{where}: endpoint_url is not a URL of the form http://host:port or https://host[:port] "
+                              "(e.g. http://127.0.0.1:8333); fix the scheme, host and port")
+    for name in _STRINGS:
+        if opts.get(name) is not None and not isinstance(opts[name], str):
+            raise ConfigError(f"{where}: {name} must be a string (it is a {type(opts[name]).__name__}); quote it "
+                              "in the JSON")
+    for name in _OBJECTS:
+        if opts.get(name) is not None and not isinstance(opts[name], dict):
+            raise ConfigError(f"{where}: {name} must be a JSON object of botocore options (it is a "
+                              f"{type(opts[name]).__name__}), e.g. {{\"region_name\": \"us-east-1\"}}")
+    retries = (opts.get("config_kwargs") or {}).get("retries")
+    if retries is not None and not isinstance(retries, dict):
+        raise ConfigError(f"{where}: config_kwargs.retries must be an object such as {{\"max_attempts\": 3}}, "
+                          f"not a {type(retries).__name__}")
