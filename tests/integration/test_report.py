@@ -150,11 +150,12 @@ def test_a_figure_without_matplotlib_is_a_usage_error(run: tuple[Path, list], tm
 
     log, _ = run
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # what an install without the extra has
-    res = CliRunner().invoke(cli, ["report", str(log), flag, str(tmp_path / "out")])
+    out = tmp_path / ("out.png" if flag == "-o" else "out.html")
+    res = CliRunner().invoke(cli, ["report", str(log), flag, str(out)])
     assert res.exit_code == 2, res.output
     assert f"{flag}: fastckpt report draws with matplotlib: pip install 'fastckpt[report]'" in res.output
     assert res.exception is None or isinstance(res.exception, SystemExit)
-    assert not (tmp_path / "out").exists()
+    assert not out.exists()
 
 
 def test_an_output_in_a_missing_directory_is_named_without_a_traceback(run: tuple[Path, list], tmp_path: Path) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import socket
 import threading
 import urllib.parse
@@ -87,6 +88,17 @@ def test_report_refuses_one_file_for_both_outputs(tmp_path: Path, log: Path) -> 
     out = str(tmp_path / "r.png")
     res = _run("report", str(log), "-o", out, "--html", out)
     assert res.exit_code == 2 and "given for both -o and --html" in res.output, res.output
+
+
+def test_report_figure_is_named_png_and_small_runs_are_not_zero_bytes(tmp_path: Path, log: Path) -> None:
+    """-o report.pdf wrote PNG bytes under that name and said "figure: report.pdf"; a run of a few
+    hundred kB said "0.000 GB committed"."""
+    for name in ("r.pdf", "r.svg", "r"):
+        res = _run("report", str(log), "-o", str(tmp_path / name))
+        assert res.exit_code == 2 and "the figure is a PNG; name it *.png" in res.output, res.output
+        assert not (tmp_path / name).exists()
+    res = _run("report", str(log))  # one save of 4 kB
+    assert re.search(r" \d[\d.]* kB committed;", res.output) and "0.000 GB" not in res.output, res.output
 
 
 def test_the_exporters_url_of_an_ipv6_address_parses(tmp_path: Path) -> None:

@@ -314,9 +314,14 @@ def test_from_run_fills_in_the_measured_values(run_log: str) -> None:
     assert d["inputs"]["snapshot_bandwidth_Bps"] == pytest.approx(prof.snapshot_Bps)
     assert d["inputs"]["local_bandwidth_Bps"] == pytest.approx(prof.write_Bps)
     assert d["measured"]["checkpoints"] == 3
+    # the run's interval, noted (it was the 2 h default, silently: a run saving every 10 s passed)
+    assert d["inputs"]["interval_s"] == pytest.approx(prof.interval_s)
+    assert any(n.startswith("interval ") and "the run's median time between saves" in n for n in d["notes"])
     # flags win over measurements
-    d2 = json.loads(invoke("--from-run", run_log, "--bandwidth", "5GB/s", "--json").stdout)
-    assert d2["inputs"]["bandwidth_Bps"] == 5e9
+    d2 = json.loads(invoke("--from-run", run_log, "--bandwidth", "5GB/s", "--interval", "30m", "--json").stdout)
+    assert d2["inputs"]["bandwidth_Bps"] == 5e9 and d2["inputs"]["interval_s"] == 1800
+    assert not any(n.startswith("interval ") for n in d2["notes"])
+    assert json.loads(invoke("--params", "7B", "--bandwidth", "5GB/s", "--json").stdout)["inputs"]["interval_s"] == 7200
 
 
 @pytest.mark.parametrize("burst_buffer", [False, True])
@@ -472,7 +477,16 @@ def test_staging_buffers_that_do_not_fit_the_host_memory_miss() -> None:
                                           host_memory_bytes=256 * GB))
     assert not small.fastckpt.passed
     assert "pin 140 GB per node, more than 50% of its 256 GB" in small.fastckpt.problems[0]
-    assert "9 nodes or more" in small.fastckpt.advice[0] and "tier='gds'" in small.fastckpt.advice[0]
+    # 17.5 GB per GPU, 128 GB per node: 7 GPUs' shares fit, so 10 nodes (9 would put 8 on one: 140 GB)
+    assert "10 nodes or more (at most 7 GPUs per node)" in small.fastckpt.advice[0]
+    assert "tier='gds'" in small.fastckpt.advice[0]
+    for gpus_per_node in (7, 8):  # the advice, followed, passes (it said 9 nodes, which still missed)
+        spread = sizing.plan(sizing.PlanInputs(state_bytes=1.12 * TB, bandwidth_Bps=20 * GB, gpus=64,
+                                               gpus_per_node=gpus_per_node, host_memory_bytes=256 * GB))
+        assert spread.fastckpt.passed == (gpus_per_node == 7)
+    one = sizing.plan(sizing.PlanInputs(state_bytes=1.6 * TB, bandwidth_Bps=20 * GB, gpus=4,
+                                        host_memory_bytes=512 * GB))  # 400 GB per GPU, 256 GB per node
+    assert "no number of nodes does" in one.fastckpt.advice[-1] and "nodes or more" not in one.fastckpt.advice[-1]
     big = sizing.plan(sizing.PlanInputs(state_bytes=1.12 * TB, bandwidth_Bps=20 * GB, gpus=64,
                                         host_memory_bytes=2 * TB))
     assert big.fastckpt.passed and big.fastckpt.problems == ()

@@ -29,6 +29,7 @@ from ._common import (
 )
 from .runlog import RunProfile, profile
 
+DEFAULT_INTERVAL_S = 2 * 3600.0
 # a log whose saves hold less than this share of the groups it committed lacks other ranks' events
 MISSING_RANKS_SHARE = 0.75
 
@@ -78,6 +79,16 @@ def _resolve(opts: dict, run: RunProfile | None, from_run: tuple[str, ...]) -> t
                          "(assumes every process writes at that rate at once)")
     if bandwidth is None:
         raise click.UsageError("give --bandwidth (aggregate persistent write, e.g. 10GB/s)")
+    interval = opts["interval"]
+    if interval is None and run and run.interval_s:
+        interval = run.interval_s
+        notes.append(f"interval {fmt_seconds(interval)}: the run's median time between saves; give --interval "
+                     "for the one you will train with")
+    elif interval is None:
+        interval = DEFAULT_INTERVAL_S
+        if run:
+            notes.append(f"interval {fmt_seconds(interval)}, the default: the run has fewer than two saves to "
+                         "measure one from; give --interval")
     snap = opts["snapshot_bandwidth"]
     if snap is None and run and run.snapshot_Bps:
         snap = run.snapshot_Bps
@@ -93,7 +104,7 @@ def _resolve(opts: dict, run: RunProfile | None, from_run: tuple[str, ...]) -> t
                      f"x {min(gpn, gpus)}")
     try:
         inputs = sizing.PlanInputs(
-            state_bytes=state, bandwidth_Bps=bandwidth, gpus=gpus, gpus_per_node=gpn, interval_s=opts["interval"],
+            state_bytes=state, bandwidth_Bps=bandwidth, gpus=gpus, gpus_per_node=gpn, interval_s=interval,
             budget_s=opts["budget"], days=opts["days"], gpu_hour_cost=opts["gpu_hour_cost"], mtbf_s=opts["mtbf"],
             mtbf_per=opts["mtbf_per"], local_bandwidth_Bps=local, snapshot_bandwidth_Bps=snap,
             overhead_budget=opts["overhead_budget"], host_memory_bytes=opts["host_memory"])
@@ -182,7 +193,8 @@ def render(p: sizing.Plan, notes: list[str]) -> None:
 @click.option("--state-size", type=SIZE, help="The whole checkpoint, instead of --params (e.g. 1.4TB).")
 @click.option("--gpus", type=count_range(), help="GPUs in the job (default: one node).")
 @click.option("--gpus-per-node", type=count_range(1, 4096), default=8, show_default=True)
-@click.option("--interval", type=DURATION, default="2h", show_default=True, help="Time between checkpoints.")
+@click.option("--interval", type=DURATION, default=None,
+              help="Time between checkpoints [default: the run's with --from-run, else 2h].")
 @click.option("--bandwidth", type=BANDWIDTH, help="Aggregate persistent write bandwidth, e.g. 10GB/s.")
 @click.option("--budget", type=DURATION, default="60s", show_default=True, help="Write budget per checkpoint.")
 @click.option("--days", type=FINITE_POSITIVE, default=30.0, show_default=True, help="Length of the training campaign.")

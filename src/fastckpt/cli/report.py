@@ -43,6 +43,9 @@ def report(logs: tuple[str, ...], png: str | None, page: str | None, as_json: bo
         if where and any(os.path.realpath(where) == os.path.realpath(p) for p in logs):
             raise click.BadParameter(f"{where} is an event log this report reads: writing there would destroy the "
                                      "run's record; give another file name", param_hint=flag)
+    if png and os.path.splitext(png)[1].lower() != ".png":  # it wrote PNG bytes under any name, and said so
+        raise click.BadParameter(f"{png}: the figure is a PNG; name it *.png (e.g. report.png), or use --html for a "
+                                 "page", param_hint="-o")
     if png and page and os.path.realpath(png) == os.path.realpath(page):
         raise click.BadParameter(f"{png} is given for both -o and --html: give each its own file", param_hint="-o")
     if png or page:  # before the logs are read: a long run's log takes a while

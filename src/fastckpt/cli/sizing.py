@@ -224,8 +224,11 @@ def tiered(p: PlanInputs) -> Strategy:
     if p.host_memory_bytes is not None and staging > p.host_memory_bytes * STAGING_SHARE:
         problems.append(f"the staging buffers pin {staging / 1e9:.4g} GB per node, more than "
                         f"{STAGING_SHARE:.0%} of its {p.host_memory_bytes / 1e9:.4g} GB of host memory")
-        advice.append(f"staging: spread the job over {math.ceil(p.state_bytes / (p.host_memory_bytes * STAGING_SHARE))}"
-                      " nodes or more, nodes with more memory, or tier='gds' where GPUDirect Storage works "
+        fit = math.floor(p.host_memory_bytes * STAGING_SHARE * p.gpus / p.state_bytes)  # GPUs' shares a node holds
+        spread = (f"spread the job over {math.ceil(p.gpus / fit)} nodes or more (at most {fit} GPUs per node), "
+                  if fit >= 1 else f"one GPU's share ({p.state_bytes / p.gpus / 1e9:.4g} GB) is already over it, so no "
+                  "number of nodes does: use ")
+        advice.append(f"staging: {spread}nodes with more memory, or tier='gds' where GPUDirect Storage works "
                       "(no host copy)")
     return Strategy(**c, passed=not problems, problems=tuple(problems), advice=tuple(advice),
                     snapshot_s=snapshot_s, local_write_s=local_s, drain_s=drain_s,

@@ -11,6 +11,7 @@ import datetime as dt
 from typing import BinaryIO
 
 from ..runstate import Phase, RunState
+from ..units import fmt_bytes
 from .summary import Summary
 
 PHASES = ("snapshot", "write", "commit", "replicate")
@@ -77,7 +78,7 @@ def render_png(run: RunState, summary: Summary, path: str | BinaryIO, *, dpi: in
     ax_t.set_ylim(0, max(len(ranks), 1))
     ax_t.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=COLORS[p]) for p in PHASES], labels=list(PHASES),
                 loc="upper left", ncol=len(PHASES), fontsize="small")
-    ax_t.set_title(f"save phases per rank: {summary.saves} saves, {summary.bytes / 1e9:.3f} GB")
+    ax_t.set_title(f"save phases per rank: {summary.saves} saves, {fmt_bytes(summary.bytes)}")
 
     for rank in ranks:
         pts = run.overhead_points(rank)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from ..eventlog import error_type
 from ..events import Event
 from ..runstate import RunState
+from ..units import fmt_bytes
 
 QUANTILES = (("p50", 0.5), ("p90", 0.9), ("p99", 0.99))
 
@@ -99,7 +100,7 @@ class Summary:
     def text(self) -> str:
         """The summary as the lines the CLI prints."""
         lines = [f"{self.saves} saves ({', '.join(f'{t} {n}' for t, n in sorted(self.tiers.items())) or 'none'}) "
-                 f"by {len(self.ranks)} rank(s) over {self.span_s:.1f} s, {self.bytes / 1e9:.3f} GB committed; "
+                 f"by {len(self.ranks)} rank(s) over {self.span_s:.1f} s, {fmt_bytes(self.bytes)} committed; "
                  f"{self.durable} durable, {self.superseded} superseded, {self.pending} pending, "
                  f"{self.abandoned} abandoned, {self.failed} failed",
                  f"blocked: {self.blocked_s.text()}",
