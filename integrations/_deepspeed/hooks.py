@@ -469,14 +469,36 @@ class EngineHooks:
         local = os.path.join(local_root, tag)
         ours, manifest = store.manifest(local), store.manifest(_join(url, tag))
         if ours is not None and (manifest is None or same_files(ours, manifest)):
-            return  # the published save, or the only copy left (removed at url): loads verify it
+            if not self._gather(url, local, tag, ours) or manifest is None:
+                return  # the published save, or the only copy left (removed at url): loads verify it
+            ours = None  # a file of it is on no drive here: fetch what is missing
         if manifest is None:
             raise IncompleteCheckpointError(
                 f"checkpoint {url}/{tag} is incomplete (it has no manifest); load the newest complete one with "
                 f"load_checkpoint({url!r}) and no tag, or fastckpt.latest({url!r}, storage_options=...)")
         started = time.monotonic()
         store.download_group(_join(url, tag), local, sorted(manifest["files"]), replace=ours is not None)
+        self._gather(url, local, tag, manifest)
         log.info("fastckpt: downloaded %s into the burst buffer in %.2f s", _join(url, tag), time.monotonic() - started)
+
+    def _gather(self, url: str, local: str, tag: str, manifest: dict) -> list[str]:
+        """With several ``local_dir`` drives a tag's files lie on any of them, but DeepSpeed globs
+        and opens one directory, the first drive's mirror: a file of the tag that lies on another
+        drive gets a link there (its reads still go through the home's path, ``fe.home``, to the
+        copy wherever it is). Returns the files that are on no drive here."""
+        absent = []
+        for rel in sorted(manifest.get("files", ())):
+            here = os.path.join(local, *rel.split("/"))
+            if os.path.lexists(here):
+                continue
+            there = self.fe.checkpointer.local_path(_join(_join(url, tag), rel))
+            if there is None or there == here or not os.path.exists(there):
+                absent.append(rel)
+                continue
+            os.makedirs(os.path.dirname(here), exist_ok=True)
+            with contextlib.suppress(FileExistsError):  # another rank of this node linked it first
+                os.symlink(there, here)
+        return absent
 
 
 def _flush_at_exit(ref: weakref.ref) -> None:

@@ -1,0 +1,61 @@
+"""One process of ``test_deepspeed_striped.py``: a ZeRO-2 engine on one rank, ``save_dir`` an
+``s3://`` URL, the burst buffer striped over two drives. ``save``: global_step1, whose model file
+drive 0 writes slowly (held until the next save is taken), then global_step2, whose model file
+goes to drive 1, the less busy one. ``load``: a restart on the same node resumes."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import threading
+
+
+def main(phase: str, url: str, drives: list[str], opts: dict) -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+    import torch
+
+    import fastckpt
+    from fastckpt.integrations.deepspeed import attach
+    from fastckpt.testing import FaultyOps
+    from tests.integration._ds_common import engine, train
+
+    held, entered = threading.Event(), threading.Event()
+
+    def on_call(op: str, path: str) -> None:  # drive 0's write of global_step1's model file is slow
+        if op == "pwrite" and path.startswith(drives[0]) and "global_step1" in path and not held.is_set():
+            entered.set()
+            assert held.wait(60)
+
+    eng = engine(2, None, use_fastckpt_initialize=False)
+    ck = fastckpt.Checkpointer(local_dir=drives, storage_options=opts, staging_buffers=3,
+                               ops=FaultyOps(on_call=on_call), overhead_budget=0.99)
+    attach(eng, checkpointer=ck)
+    result: dict = {}
+    try:
+        if phase == "save":
+            train(eng, 1, 1)
+            eng.save_checkpoint(url)
+            assert entered.wait(60), "global_step1's model file was not written on drive 0"
+            train(eng, 2, 2)
+            eng.save_checkpoint(url)  # its model file goes to drive 1: drive 0 is busy
+            held.set()
+        else:
+            held.set()
+            path, _ = eng.load_checkpoint(url)
+            result = {"path": path, "global_steps": eng.global_steps}
+    finally:
+        held.set()
+        eng.destroy()
+        ck.close()
+        torch.distributed.destroy_process_group()
+    print("RESULT " + json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), json.loads(sys.argv[4])))
