@@ -19,7 +19,7 @@ PKG = Path(fastckpt.__file__).parent
 BASE = {"errors", "urls", "units", "version", "config", "records", "events", "monitor", "inflight", "exits",
         "eventlog", "runstate", "sysinfo", "progress"}
 RANK = {"format": 1, "io": 2, "storage": 3, "commit": 4, "save": 5, "load": 5, "metrics": 5, "checkpointer": 6,
-        "__init__": 7, "testing": 7, "report": 7, "doctor": 7, "cli": 8}
+        "__init__": 7, "testing": 7, "report": 7, "doctor": 7, "cli": 8, "__main__": 9}
 
 
 def _module(path: Path) -> str:

@@ -37,3 +37,11 @@ def test_wheel_holds_every_package(tmp_path: Path) -> None:
     assert packages == _source_packages()
     assert f"Version: {fastckpt.__version__}" in meta
     assert "License-Expression: Apache-2.0" in meta
+
+
+def test_python_m_fastckpt_runs_the_command() -> None:
+    """``python -m fastckpt`` said "No module named fastckpt.__main__"; only ``python -m
+    fastckpt.cli`` ran the command without its script on PATH."""
+    for mod in ("fastckpt", "fastckpt.cli"):
+        res = subprocess.run([sys.executable, "-m", mod, "--help"], capture_output=True, text=True, timeout=120)
+        assert res.returncode == 0 and "Usage: fastckpt" in res.stdout and "plan" in res.stdout, res.stderr
