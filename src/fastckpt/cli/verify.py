@@ -226,8 +226,6 @@ def _checkpoints(h: Homes, path: str, opts: dict | None, newest_only: bool
                 fail_with(str(exc))
             return judged
     entries = list_checkpoints(path, opts)
-    if not entries:  # not a directory of checkpoints: a group never committed is one, as its parent lists it
-        entries = [e for e in list_checkpoints(os.path.dirname(path.rstrip("/")), opts) if e.path == path]
     complete = [e for e in entries if e.status in ("complete", "replicated")]
     newer = entries  # a damaged manifest makes readers skip the checkpoint: never a silent pass
     if newest_only:  # the newest whole one (what `fastckpt latest` names), the damaged ones it passes over, and
