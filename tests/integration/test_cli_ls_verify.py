@@ -596,3 +596,13 @@ def test_ls_lists_a_group_saved_but_never_committed_as_incomplete(tmp_path) -> N
             ck.save(state(2), f"{h}/grp/step-1/{name}", group=f"{h}/grp/step-1").wait()
     listed = {c["name"]: c["status"] for c in json.loads(run("ls", h, "--json").stdout)["checkpoints"]}
     assert listed == {"a.pt": "complete", "grp/step-1": "incomplete"}, listed
+
+
+def test_ls_of_a_group_lists_it_once(home: str) -> None:
+    """``ls step-5`` listed the committed group and, before it, a nameless "incomplete" group:
+    its own rank markers, read as those of a group at ``step-5/`` with no manifest. A group that
+    never committed is listed by its name."""
+    got = json.loads(run("ls", f"{home}/step-5", "--json").stdout)["checkpoints"]
+    assert [(c["name"], c["status"]) for c in got] == [("step-5", "complete")], got
+    got = json.loads(run("ls", f"{home}/step-9", "--json").stdout)["checkpoints"]
+    assert [(c["name"], c["status"]) for c in got] == [("step-9", "incomplete")], got

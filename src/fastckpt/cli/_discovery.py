@@ -1,13 +1,12 @@
 """What is on disk (or in a bucket): checkpoints, their files and what each file must hold.
 
-Built on the core's discovery (``commit.discovery.scan``) and storage (``storage.homes``): a
-directory and a URL are both a ``Target``, so ``ls`` and ``verify`` have one code path for
-both. A checkpoint is complete once its manifest is published: a group's
+Built on the core's discovery (``commit.discovery.scan``) and storage (``storage.homes``): ``ls``
+and ``verify`` have one code path for a directory and a URL. Complete once its manifest is out: a group's
 ``fastckpt-manifest.json``; a single file's own manifest (in its zip comment) on a mounted
 file system, its sidecar ``NAME.fastckpt.json`` on an object store (or its own manifest, for a
 file copied in without one). A group directory with rank markers and no manifest is incomplete
-(a commit that never finished). Checkpoints written by torch.save, Lightning or DeepSpeed are
-listed as **unverified**: found, but with no checksum to check.
+(a commit that never finished). Checkpoints of torch.save, Lightning or DeepSpeed are listed
+as **unverified**: found, but with no checksum to check.
 """
 
 from __future__ import annotations
@@ -200,16 +199,16 @@ def _keys(loc: Location) -> list[str]:
 
 
 def _incomplete(h: Homes, loc: Location) -> list[Entry]:
-    """Group directories under ``loc`` with no manifest: with rank markers, or holding files
-    whose own manifests name their group there (a commit through a store leaves no marker)."""
+    """Group directories under ``loc`` (or ``loc`` itself) with no manifest: with rank markers, or
+    holding files whose own manifests name their group there (a store leaves no marker)."""
     rels = _keys(loc)
     marker = f"/{MARKER_DIR}/"
     groups = {("/" + r).split(marker)[0].lstrip("/") for r in rels if marker in f"/{r}"}
     groups |= _unpublished_groups(h, loc, rels, groups)
     out = []
-    for g in sorted(groups):
-        members = [r for r in rels if r.startswith(f"{g}/") and marker not in f"/{r}"]
-        if f"{g}/{GROUP_MANIFEST}" in members:
+    for g in sorted(groups):  # g "": ``loc`` is the group itself (``ls GROUP``)
+        members = [r for r in rels if r.startswith(f"{g}/" if g else "") and marker not in f"/{r}"]
+        if (f"{g}/{GROUP_MANIFEST}" if g else GROUP_MANIFEST) in members:
             continue
         sizes = list(_sizes(h, [join(loc.url, r) for r in members]).values())
         where = h.resolve(join(loc.url, g))
@@ -220,7 +219,8 @@ def _incomplete(h: Homes, loc: Location) -> list[Entry]:
             status, problem = "damaged", str(exc).removeprefix(f"{where.url}/")
         except OSError:  # unreadable now: as listed
             pass
-        out.append(Entry(where.url, g, "group", status, None, sum(s or 0 for s in sizes), len(members), None,
+        out.append(Entry(where.url, g or posixpath.basename(where.url.rstrip("/")), "group", status, None,
+                         sum(s or 0 for s in sizes), len(members), None,
                          problem=problem))
     return out
 
