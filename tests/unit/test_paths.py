@@ -81,3 +81,16 @@ def test_burst_buffer_inside_the_checkpoint_directory_is_not_a_checkpoint(shallo
     found = [f.path for f in scan(shallow)]
     assert found == [str(shallow / "a.pt"), str(group)]  # one entry per save, each the copy at its home
     assert fastckpt.load(fastckpt.latest(str(shallow)) + "/m.pt")["v"] == 2
+
+
+def test_a_name_fastckpt_refuses_under_a_directory_is_passed_over_by_latest(tmp_path: Path) -> None:
+    """A folder with a backslash in its name (legal on Linux, common in copies from Windows)
+    four levels under the run made ``fastckpt.latest(dir)`` (and ``ls``, ``verify``) raise
+    ConfigError "key ... must be relative ...": no resume at all. It is none of fastckpt's."""
+    with fastckpt.Checkpointer() as ck:
+        ck.save({"w": torch.ones(4)}, str(tmp_path / "step-1.pt")).wait()
+    odd = tmp_path / "from windows\\run"
+    odd.mkdir()
+    shutil.copy(tmp_path / "step-1.pt", odd / "step-2.pt")
+    assert fastckpt.latest(str(tmp_path)) == str(tmp_path / "step-1.pt")
+    assert fastckpt.load(fastckpt.latest(str(tmp_path)))["w"].sum() == 4
