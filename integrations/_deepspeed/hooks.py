@@ -489,6 +489,8 @@ class EngineHooks:
         absent = []
         for rel in sorted(manifest.get("files", ())):
             here = os.path.join(local, *rel.split("/"))
+            if os.path.islink(here) and not os.path.exists(here):  # its copy was trimmed since: link it again
+                os.unlink(here)
             if os.path.lexists(here):
                 continue
             there = self.fe.checkpointer.local_path(_join(_join(url, tag), rel))

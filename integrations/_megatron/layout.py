@@ -122,8 +122,13 @@ def split_rank_state(items: list[object], tensor_file: str, object_file: str
     storages: dict[int, int] = {}
     for sh in items:
         if isinstance(sh, ShardedTensor):
-            if not _is_main(sh.replica_id) or sh.data is None:
+            if not _is_main(sh.replica_id):
                 continue
+            if sh.data is None:  # skipped, the checkpoint committed without it and its first load failed
+                raise UnsupportedObjectError(
+                    f"ShardedTensor {sh.key!r}: this rank holds its main replica but passes no data "
+                    "(ShardedTensor.without_data()), so the checkpoint would lack it. Pass the tensor, or give "
+                    "another rank the main replica (replica_id); megatron's torch_dist refuses it too.")
             t = _plain(sh.key, sh.data)
             st = t.untyped_storage()
             number = storages.setdefault(st._cdata, len(storages))

@@ -53,3 +53,20 @@ def test_uncovered_of_a_scalar_and_a_long_flat_tensor() -> None:
     assert uncovered(Box((), ()), [Box((), ())]) == 0
     flat = [Box((i * 10,), (10,)) for i in range(1000) if i != 500]
     assert uncovered(Box((0,), (10_000,)), flat + flat[:3]) == 10
+
+
+def test_a_main_replica_without_data_is_refused_at_save() -> None:
+    """A rank holding a tensor's main replica with no data (``without_data()``) was skipped in
+    silence: the checkpoint committed without the tensor and its first load failed. megatron's
+    torch_dist refuses it; so does fastckpt now, naming the key."""
+    from fastckpt.errors import UnsupportedObjectError
+    from fastckpt.integrations._megatron.layout import split_rank_state
+
+    full = ShardedTensor.from_rank_offsets("w", torch.ones(4))
+    bare = ShardedTensor.from_rank_offsets("e", torch.ones(4)).without_data()
+    tensors, _, saved, _ = split_rank_state([full], "r.pt", "o.pt")
+    assert [s.key for s in saved] == ["w"] and len(tensors) == 1
+    with pytest.raises(UnsupportedObjectError, match="'e': this rank holds its main replica but passes no data"):
+        split_rank_state([full, bare], "r.pt", "o.pt")
+    replica = ShardedTensor.from_rank_offsets("e", torch.ones(4), replica_id=1).without_data()
+    assert [s.key for s in split_rank_state([full, replica], "r.pt", "o.pt")[2]] == ["w"]  # not the main one: fine

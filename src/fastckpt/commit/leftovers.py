@@ -33,12 +33,12 @@ def dropped(att: Attempt, recs: list, rank: int, world: int, lock: threading.Loc
     drop_copies(att, recs)
     if rank != 0 or (world > 1 and att.channel is None):
         return
-    with lock:
+    with lock:  # held through the deletion: a new attempt at the group (``begin``) waits for it
         now = attempts[0].get(att.group) or attempts[1].get(att.group, (None,))[0]
-    if now is not None and now is not att:  # a new attempt at the group owns the records there
-        return
-    try:
-        if att.staged or read_group_manifest(att.home) is None:
-            att.place.target.delete_tree(att.place.key, last=(MARKER_DIR,))
-    except Exception as exc:  # noqa: BLE001 (a leftover must not fail a commit: say so and go on)
-        log.warning("fastckpt: could not delete what the dropped attempt at %s left: %s", att.place.label, exc)
+        if now is not None and now is not att:  # a new attempt at the group owns the records there
+            return
+        try:
+            if att.staged or read_group_manifest(att.home) is None:
+                att.place.target.delete_tree(att.place.key, last=(MARKER_DIR,))
+        except Exception as exc:  # noqa: BLE001 (a leftover must not fail a commit: say so and go on)
+            log.warning("fastckpt: could not delete what the dropped attempt at %s left: %s", att.place.label, exc)
