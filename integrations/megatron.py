@@ -92,6 +92,7 @@ __all__ = [
 ]
 
 log = logging.getLogger("fastckpt.megatron")
+ASYNC_GRACE_S = 30.0  # the async part waits commit_timeout_s + this for the commit (without a burst buffer)
 
 
 @dataclass(frozen=True)
@@ -185,7 +186,8 @@ class FastCkptSaveStrategy(ThroughCheckpointer, AsyncSaveShardedStrategy):
                     ck.commit(group)  # raises: this rank's index is missing
                 raise
         handle = ck.commit(group, **extra)
-        job = W.Job(group, save_id, rank, ck.config.commit_timeout_s + 30.0)
+        # with a burst buffer the commit waits for the copy home, which commit_timeout_s does not bound
+        job = W.Job(group, save_id, rank, None if ck.config.local_dir else ck.config.commit_timeout_s + ASYNC_GRACE_S)
         watch = W.watch(handle, job, self._tracker and iteration is not None, self._ops)
         nbytes = sum({t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tensors.values()}.values())
         self.last_save = MegatronSave(group, iteration, time.monotonic() - t0, nbytes, handle)

@@ -11,6 +11,7 @@ rank's commit fails) end every rank's wait at once instead of at the commit time
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import time
@@ -55,7 +56,7 @@ class Job:
     group: str
     save_id: str
     rank: int
-    timeout_s: float
+    timeout_s: float | None  # None: no deadline of its own (a burst buffer's copy home has none either)
 
 
 class Watch:
@@ -130,11 +131,13 @@ def await_commit(job: Job) -> None:
 
     Raises:
         CheckpointWriteError: some rank's commit failed (its note is in the message).
-        CommitTimeoutError: nothing happened within ``job.timeout_s``.
+        CommitTimeoutError: nothing happened within ``job.timeout_s`` (None: waits until the
+            commit ends; its ranks' waits are bounded by ``commit_timeout_s``, the copy home by
+            replication's own retries).
     """
     w = _watches.get(job.save_id)
     local = w is not None and w.pid == os.getpid()  # a forked child sees the dict, not the thread
-    deadline, delay = time.monotonic() + job.timeout_s, 0.005
+    deadline, delay = time.monotonic() + (job.timeout_s if job.timeout_s is not None else math.inf), 0.005
     while True:
         if local and w.done.is_set():  # type: ignore[union-attr]
             if w.error is not None:  # type: ignore[union-attr]
