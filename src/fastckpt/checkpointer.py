@@ -186,7 +186,7 @@ class Checkpointer:
         group = normalize(group)  # a failure raised here ends the attempt: no rank waits for this one
         self._inflight.raise_unseen(before=lambda e: self._coordinator.abandon(group, self.rank, self.world_size, e))
         rank, has_local, token = self.rank, bool(self.config.local_dirs), self._retention.committing(group)
-        step = group_step(group, extra) if move_latest else None  # a series that moves latest: see Retention
+        step = group_step(extra, group) if move_latest else None  # a series that moves latest: see Retention
         self._replicator.keep(group, not move_latest)  # beside the series: never coalesced away
 
         saved_at = min(self._group_saved_at.pop(group, {}).values(), default=time.time())

@@ -30,7 +30,7 @@ from . import fallback as F
 from . import protocol as P
 from . import resave
 from . import store as S
-from .foreign import tag_step
+from .foreign import group_step
 
 log = logging.getLogger("fastckpt")
 LOCAL_WAIT_S = 10.0  # how long a rank waits for its node's copy of a manifest before reading it itself
@@ -235,7 +235,7 @@ def via_storage(att: Attempt, rank: int, world: int, files: dict, superseded: bo
             raise E.removed_error(att.home)  # brought the directory back: the coordinator deletes it again
         m = F.wait_for_manifest(att.home, timeout_s + grace(timeout_s), stop, att.token, files, me=rank,
                                 restamp=restamp, cancel=att.cancel, records=att.place, began=began,
-                                step=extra["step"] if isinstance(extra.get("step"), int) else tag_step(att.group))
+                                step=group_step(extra, att.group))
         if m.get("superseded"):
             return Ended(None, 0, superseded=True)
         return Ended(m, sum(f["size"] for f in m["files"].values()))

@@ -42,7 +42,7 @@ from ..storage.places import Place
 from . import claim as C
 from . import protocol as P
 from .failures import aborted_error, left_behind, not_committed, removed_error
-from .foreign import tag_step
+from .foreign import group_step
 
 ABORTED = "aborted"  # the outcome of an attempt that a rank's failed save ended
 POLL_FIRST_S = 0.005
@@ -340,7 +340,7 @@ def overtaken(place: Place, step: int | None) -> dict:
     try:
         if step is not None and (name := P.pointed_name(parent)) is not None:
             m = P.read_group_manifest(parent.child(name)) or {}
-            later = m["step"] if isinstance(m.get("step"), int) else tag_step(name) if m else None
+            later = group_step(m, name) if m else None
     except (OSError, CorruptCheckpointError):  # trimmed or damaged meanwhile: nothing tells
         pass
     if later is None or step is None or later <= step:

@@ -82,6 +82,13 @@ def deepspeed_tag(target: Target, prefix: str, rel: str, rels: set[str]) -> str 
         return None
 
 
+def group_step(record: dict, name: str) -> int | None:
+    """A group's step: the ``step`` its manifest (or ``commit(step=...)``'s extra) records, else the
+    number its tag ``name`` ends with (global_step1200, iter_0000500)."""
+    step = record.get("step")
+    return step if isinstance(step, int) else tag_step(name)
+
+
 def tag_step(tag_rel: str) -> int | None:
     """The step in a DeepSpeed tag's name (``global_step1200`` -> 1200), or None."""
     m = re.search(r"(\d+)$", posixpath.basename(tag_rel))

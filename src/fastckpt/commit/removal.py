@@ -42,9 +42,8 @@ def drop_copies(att: Attempt, recs: list[SaveRecord]) -> None:
         if r.durable_s is None:  # not copied: only its burst-buffer copy exists (keep_local counts it)
             continue
         rel = r.path[len(att.group):].lstrip("/")
-        key = f"{att.place.key}/{rel}" if att.place.key else rel
         try:
-            if (att.place.target.read_manifest(key) or {}).get("checksum", {}).get("value") == r.checksum:
+            if (att.place.manifest(rel) or {}).get("checksum", {}).get("value") == r.checksum:
                 att.place.delete(rel)
         except (OSError, ValueError, CorruptCheckpointError) as exc:
             if getattr(exc, "errno", None) != errno.ENOENT:  # gone: trimmed with its group (``F.overtaken``)

@@ -44,7 +44,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 
 from ..commit.discovery import scan
-from ..commit.foreign import tag_step
+from ..commit.foreign import group_step, tag_step
 from ..commit.protocol import delete_checkpoint, pointed_name, read_group_manifest
 from ..storage.homes import Homes
 from ..urls import join
@@ -236,12 +236,12 @@ class Retention:
                      if "/" not in (rel := posixpath.relpath(f.path, mirror))]
             found.sort(key=lambda fr: fr[0].time)
             group = read_group_manifest(self._homes.resolve(path).place())
-            mine = _step(group or {}, path) if any(f.kind == "group" for f, _ in found) else None
+            mine = group_step(group or {}, path) if any(f.kind == "group" for f, _ in found) else None
             earlier = [name for f, rel in found if (name := join(parent, rel)) != path and not f.foreign
                        and (self._earlier_group(f.manifest, rel, mine) if f.kind == "group"
                             else f.manifest.get("rank", 0) == self._rank and self._same_at_home(name, f.manifest))]
             unpublished = self._unpublished_earlier(parent, {rel for _, rel in found},
-                                                    _step(group, path) if group is not None else None)
+                                                    group_step(group, path) if group is not None else None)
         except (OSError, ValueError) as exc:  # retention must not fail a save: say so, count none of them
             log.warning("fastckpt: retention could not look at what earlier runs left in the burst buffer "
                         "beside %s: %s", path, exc)
@@ -270,7 +270,7 @@ class Retention:
         """A group of an earlier run counts only if its step is below the one just durable: a
         job resumed from an older checkpoint saves the later tags again, and another rank may
         already be writing into their burst-buffer directory when this one would delete it."""
-        theirs = _step(manifest, rel)
+        theirs = group_step(manifest, rel)
         return mine is not None and theirs is not None and theirs < mine
 
     def _same_at_home(self, name: str, local_manifest: dict) -> bool:
@@ -336,17 +336,6 @@ class Retention:
                 else:
                     self._deleting.pop(path, None)
                 self._deleted.notify_all()
-
-
-def group_step(group: str, extra: dict) -> int | None:
-    """The step of a group being committed: ``commit(step=...)``, else its tag's number."""
-    return _step(extra, group)
-
-
-def _step(manifest: dict, name: str) -> int | None:
-    """A group's step: ``commit(step=...)``, else the number its tag ends with (global_step1200)."""
-    step = manifest.get("step")
-    return step if isinstance(step, int) else tag_step(name)
 
 
 def _push(listed: dict[str, int], path: str, token: int, keep: int | None) -> list[str]:

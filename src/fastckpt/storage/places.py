@@ -53,6 +53,10 @@ class Place:
         except TargetNotFoundError:
             return None
 
+    def manifest(self, rel: str) -> dict | None:
+        """The manifest in the tail of the file ``rel`` (``Target.read_manifest``); None without one."""
+        return self.target.read_manifest(self._k(rel))
+
     def names(self, rel_dir: str) -> list[str]:
         """The file names directly in ``rel_dir`` (no temp files); [] when it is missing."""
         prefix = self._k(rel_dir).rstrip("/") + "/"
