@@ -224,7 +224,6 @@ def _storage_options(text: str) -> dict:
 
 
 LOCATION = _Location()
-JSON_OBJECT = _Parsed("json", _json_object)
 storage_options_option = click.option(
     "--storage-options", "storage_options", type=_Parsed("json_or_file", _storage_options), default=None,
     help="fsspec options for URL targets: a JSON object (e.g. endpoint_url, key, secret) or a JSON file's path; "
