@@ -22,8 +22,9 @@ def check_s3_options(url_root: str, opts: dict) -> None:
     credential that is not a string, or a ``*_kwargs`` option that is not an object."""
     where = f"storage_options for {url_root}"
     ck = opts.get("client_kwargs")
-    endpoint = opts.get("endpoint_url", ck.get("endpoint_url") if isinstance(ck, dict) else None)
-    if endpoint is not None:
+    for endpoint in (opts.get("endpoint_url"), ck.get("endpoint_url") if isinstance(ck, dict) else None):
+        if endpoint is None:  # (either may be given, and s3fs passes a top-level None on)
+            continue
         ok = isinstance(endpoint, str)
         try:
             parts = urlsplit(endpoint) if ok else None
