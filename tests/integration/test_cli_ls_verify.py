@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -606,3 +608,19 @@ def test_ls_of_a_group_lists_it_once(home: str) -> None:
     assert [(c["name"], c["status"]) for c in got] == [("step-5", "complete")], got
     got = json.loads(run("ls", f"{home}/step-9", "--json").stdout)["checkpoints"]
     assert [(c["name"], c["status"]) for c in got] == [("step-9", "incomplete")], got
+
+
+def test_ls_and_verify_of_a_group_that_never_committed_and_has_no_markers_name_it(tmp_path) -> None:
+    """A single process killed before its commit (or a job with a store) leaves a group's files
+    and no rank markers. ``ls GROUP`` listed nothing and ``verify GROUP`` said only "no complete
+    checkpoint"; the files name the group as theirs, so it is listed incomplete."""
+    group = str(tmp_path / "run" / "step-7")
+    code = ("import os, sys, torch, fastckpt\n"
+            "fastckpt.Checkpointer().save({'w': torch.ones(8)}, sys.argv[1] + '/rank0.pt', group=sys.argv[1]).wait()\n"
+            "os._exit(9)  # killed before its commit\n")
+    assert subprocess.run([sys.executable, "-c", code, group], timeout=120).returncode == 9
+    assert not os.path.exists(os.path.join(group, ".fastckpt"))  # no markers: judged by the files themselves
+    got = json.loads(run("ls", group, "--json").stdout)["checkpoints"]
+    assert [(c["name"], c["status"], c["files"]) for c in got] == [("step-7", "incomplete", 1)], got
+    res = run("verify", group, "--json")
+    assert res.exit_code == 1 and json.loads(res.stdout)["incomplete"] == [group], res.stdout

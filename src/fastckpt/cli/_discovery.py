@@ -4,9 +4,9 @@ Built on the core's discovery (``commit.discovery.scan``) and storage (``storage
 and ``verify`` have one code path for a directory and a URL. Complete once its manifest is out: a group's
 ``fastckpt-manifest.json``; a single file's own manifest (in its zip comment) on a mounted
 file system, its sidecar ``NAME.fastckpt.json`` on an object store (or its own manifest, for a
-file copied in without one). A group directory with rank markers and no manifest is incomplete
-(a commit that never finished). Checkpoints of torch.save, Lightning or DeepSpeed are listed
-as **unverified**: found, but with no checksum to check.
+file copied in without one). A group directory with rank markers (or files naming it their group)
+and no manifest is incomplete (a commit that never finished). Checkpoints of torch.save,
+Lightning or DeepSpeed are listed as **unverified**: found, but with no checksum to check.
 """
 
 from __future__ import annotations
@@ -210,8 +210,7 @@ def _incomplete(h: Homes, loc: Location) -> list[Entry]:
         members = [r for r in rels if r.startswith(f"{g}/" if g else "") and marker not in f"/{r}"]
         if (f"{g}/{GROUP_MANIFEST}" if g else GROUP_MANIFEST) in members:
             continue
-        sizes = list(_sizes(h, [join(loc.url, r) for r in members]).values())
-        where = h.resolve(join(loc.url, g))
+        sizes, where = list(_sizes(h, [join(loc.url, r) for r in members]).values()), h.resolve(join(loc.url, g))
         status, problem = "incomplete", None
         try:  # not listed, but there as something else (a directory in its place): damaged, not incomplete
             read_group_manifest(where.place())
@@ -238,10 +237,11 @@ def _unpublished_groups(h: Homes, loc: Location, rels: list[str], known: set[str
     """Directories (relative to ``loc``) without a group manifest whose files name them as their group."""
     published = {posixpath.dirname(r) for r in rels if posixpath.basename(r) == GROUP_MANIFEST}
     out: set[str] = set()
+    tops = [r for r in rels if "/" not in r][:8]  # ``loc`` itself ("") may be the group: its first few files
     for rel in rels:
         d = posixpath.dirname(rel)
-        if not d or d in published | known | out or any(p.startswith(".") for p in rel.split("/")) \
-                or rel.endswith((SIDECAR, GROUP_MANIFEST)):
+        if (not d and rel not in tops) or d in published | known | out or rel.endswith((SIDECAR, GROUP_MANIFEST)) \
+                or any(p.startswith(".") for p in rel.split("/")):
             continue
         f, m = _own_manifest(h, loc, rel)
         g = group_dir(f.url, m) if m else None
