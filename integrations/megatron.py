@@ -2,7 +2,9 @@
 
 Importing this module registers both strategies with megatron-core under the backend
 ``("fastckpt", 1)`` (megatron re-registers its own torch backends on every lookup, so ours has
-its own name)::
+its own name), and a common-state loader in the place of megatron's ``("torch", 1)`` one, which
+reads a fastckpt checkpoint's common.pt from the save the tensors are read from
+(``_megatron.commonload``)::
 
     import fastckpt.integrations.megatron  # registers ("fastckpt", 1)
     from megatron.core import dist_checkpointing
@@ -73,6 +75,7 @@ from ._megatron.common import (
     default_checkpointer,
     rank_world,
 )
+from ._megatron.commonload import FastCkptCommonLoadStrategy
 from ._megatron.compat import publish_bytes
 from ._megatron.layout import ReshardingError, index_body, split_rank_state
 from ._megatron.load import FastCkptLoadStrategy, LoadReport
@@ -87,8 +90,8 @@ from ._megatron.tracker import (
 
 __all__ = [
     "BACKEND", "VERSION", "TRACKER", "FastCkptSaveStrategy", "FastCkptLoadStrategy", "MegatronSave", "LoadReport",
-    "ReshardingError", "register", "default_checkpointer", "advance_tracker", "sync_tracker", "read_tracker",
-    "newest_complete_iteration", "repair_checkpoint",
+    "ReshardingError", "FastCkptCommonLoadStrategy", "register", "default_checkpointer", "advance_tracker",
+    "sync_tracker", "read_tracker", "newest_complete_iteration", "repair_checkpoint",
 ]
 
 log = logging.getLogger("fastckpt.megatron")
@@ -261,7 +264,8 @@ def repair_checkpoint(checkpoint_dir: str | Path, *, ops: FileOps | None = None)
 
 def register(checkpointer: CheckpointerSource = None, *, tracker: bool = True, ops: FileOps | None = None
              ) -> tuple[FastCkptSaveStrategy, FastCkptLoadStrategy]:
-    """(Re-)register the ``("fastckpt", 1)`` strategies, saving and loading through ``checkpointer``.
+    """(Re-)register the ``("fastckpt", 1)`` strategies, saving and loading through ``checkpointer``,
+    and ``FastCkptCommonLoadStrategy`` for megatron's ``("torch", 1)`` common loads.
 
     Importing this module registers them with ``default_checkpointer()``; call this to use a
     Checkpointer of your own (a burst buffer, event log, overhead budget...). ``tracker`` and
@@ -274,6 +278,8 @@ def register(checkpointer: CheckpointerSource = None, *, tracker: bool = True, o
     load = FastCkptLoadStrategy(checkpointer, ops=ops)
     register_default_strategy(StrategyAction.SAVE_SHARDED, BACKEND, VERSION, save)
     register_default_strategy(StrategyAction.LOAD_SHARDED, BACKEND, VERSION, load)
+    # megatron's common loader, in its place (it delegates for checkpoints fastckpt did not save)
+    register_default_strategy(StrategyAction.LOAD_COMMON, "torch", 1, FastCkptCommonLoadStrategy())
     return save, load
 
 

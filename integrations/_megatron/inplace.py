@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterable
 
 import torch
 from megatron.core.dist_checkpointing.core import CONFIG_FNAME
@@ -81,11 +82,16 @@ def check(group: str, manifest: dict) -> None:
     """
     damaged = _damaged(group, manifest)
     if damaged:
-        raise CorruptCheckpointError(
-            f"{group}: {', '.join(sorted(damaged))} is not the one committed with this checkpoint: a save into this "
-            "iteration that did not finish (killed, or failed before fastckpt could put it back) rewrote it in place, "
-            f"and megatron has read it. Put it back with {FIX}({group!r}) (the patched Megatron-LM load path does "
-            "that itself, in sync_tracker), then load again")
+        raise rewritten_error(group, damaged)
+
+
+def rewritten_error(group: str, names: Iterable[str]) -> CorruptCheckpointError:
+    """The error for in-place files (``names``) that are not the ones committed with ``group``."""
+    return CorruptCheckpointError(
+        f"{group}: {', '.join(sorted(names))} is not the one committed with this checkpoint: a save into this "
+        "iteration that did not finish (killed, or failed before fastckpt could put it back) rewrote it in place, "
+        f"and megatron has read it. Put it back with {FIX}({group!r}) (the patched Megatron-LM load path does "
+        "that itself, in sync_tracker), then load again")
 
 
 def restore(group: str, ops: FileOps) -> list[str]:

@@ -1,7 +1,8 @@
 """The Megatron load strategy: any sharding in, verified partial reads out.
 
-Order of calls (every rank, training thread): megatron loads common.pt and validates the
-request -> ``load``: the group manifest (a committed checkpoint), the index, then for each
+Order of calls (every rank, training thread): megatron loads common.pt (through
+``commonload``, which notes the save it was of) and validates the request -> ``load``: the group
+manifest (a committed checkpoint, the same save as common.pt), the index, then for each
 requested ShardedTensor the saved shards that overlap it (``plan_tensor``) -> every needed byte
 range of every file, read as verified checksum blocks on a thread pool (``ensure_all``) ->
 the tensors assembled from those bytes (a view when a saved shard is exactly the requested one)
@@ -31,6 +32,7 @@ from megatron.core.dist_checkpointing.strategies.common import COMMON_STATE_FNAM
 from fastckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, GroupChangedError
 from fastckpt.io.ops import FileOps
 
+from . import commonload
 from .common import BACKEND, INDEX_FILE, VERSION, CheckpointerSource, ThroughCheckpointer, checkpoint_group
 from .compat import incomplete_group_error, read_group_manifest
 from .inplace import check as check_inplace
@@ -110,6 +112,8 @@ class FastCkptLoadStrategy(ThroughCheckpointer, LoadShardedStrategy):
         leaves = list(nested_values(sharded_state_dict))
         plans = {id(sh): plan_tensor(sh, index) for sh in leaves if isinstance(sh, ShardedTensor)}
         tensor_files = sorted({saved.file for parts in plans.values() for saved, _ in parts})
+        if commonload.take(group) not in (None, commonload.identity(manifest)):
+            raise commonload.changed_error(group)  # megatron's common.pt was of another save
         check_inplace(group, manifest)  # common.pt, which megatron has read: the committed bytes?
         whole = [COMMON_STATE_FNAME] if COMMON_STATE_FNAME in manifest["files"] else []  # (older saves: in the group)
         with ThreadPoolExecutor(self.checkpointer.config.io_threads, thread_name_prefix="fastckpt-mload") as pool:

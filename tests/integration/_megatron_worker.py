@@ -283,6 +283,7 @@ def scenario_load(d: str, rank: int, world: int) -> dict:
     out["corrupt_file"] = victim
 
     out["swapped_error"] = _swapped_mid_load(d, it(2), it(3))
+    out["common_swapped"] = _swapped_after_common(d, it(2), it(3))
 
     lost = os.path.join(d, "lost", "iter_0000003")
     shutil.copytree(it(3), lost)
@@ -322,6 +323,34 @@ def _swapped_mid_load(d: str, older: str, newer: str) -> dict | None:
         return _error(lambda: dc.load(without_data(make_state(3, 0, 1, "full")), here))
     finally:
         fm.register()
+
+
+def _swapped_after_common(d: str, older: str, newer: str) -> dict:
+    """Load iteration 3 while another save of it (iteration 2's values) is swapped in right after
+    megatron read common.pt: the error ``dc.load`` raises, or which save the common state and the
+    tensors loaded are of."""
+    from megatron.core import dist_checkpointing as dc
+    from megatron.core.dist_checkpointing import serialization
+
+    from fastckpt.io.ops import FileOps
+
+    here, other = os.path.join(d, "swap-common", "iter_0000003"), os.path.join(d, "swap-common-other", "iter_0000003")
+    shutil.copytree(newer, here)
+    shutil.copytree(older, other)
+    real = serialization.load_preprocess
+
+    def preprocess(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202 (megatron calls it right after load_common)
+        FileOps().exchange(here, other)
+        return real(*args, **kwargs)
+
+    got: dict = {}
+    serialization.load_preprocess = preprocess
+    try:
+        error = _error(lambda: got.update(dc.load(without_data(make_state(3, 0, 1, "full")), here)))
+    finally:
+        serialization.load_preprocess = real
+    return {"error": error, "common_iteration": got.get("iteration"),
+            "tensor_step": float(got["ln"][0]) if "ln" in got else None}
 
 
 def scenario_loop(d: str, rank: int, world: int) -> dict:

@@ -196,6 +196,15 @@ def test_a_resave_swapped_in_during_a_load_is_no_corruption_report(loaded) -> No
     assert "saved again while this load read it" in err["message"] and "load it again" in err["message"]
 
 
+def test_a_resave_swapped_in_after_megatron_read_common_pt_is_refused(loaded) -> None:
+    """megatron reads common.pt before our strategy pins the group: without the common loader the
+    load returned iteration 3's common state with iteration 2's tensors, and no error."""
+    got = loaded["common_swapped"]
+    assert got["error"] is not None and got["error"]["type"] == "GroupChangedError", got
+    assert "megatron read common.pt of one save" in got["error"]["message"]
+    assert "load it again" in got["error"]["message"]
+
+
 def test_a_tensor_file_deleted_after_the_commit_is_named(loaded) -> None:
     err = loaded["lost_error"]  # was: a bare FileNotFoundError from os.path.getsize
     assert err["type"] == "CheckpointNotFoundError", err

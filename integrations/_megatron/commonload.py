@@ -1,0 +1,73 @@
+"""megatron's common state (``common.pt``) read from the same save as the tensors.
+
+megatron-core 0.16.1's ``dist_checkpointing.load`` reads ``common.pt`` through its
+``("torch", 1)`` common strategy before it calls the sharded strategy, which pins the group. Every
+checkpoint's metadata.json names that common backend (megatron's finalize rewrites the file with
+the default), so our sharded strategy cannot choose the common loader. A save of the same iteration
+swapped in between the two reads gave a load with the common state of one save and the tensors of
+another, without an error.
+
+``FastCkptCommonLoadStrategy`` is registered in megatron's place for ``("torch", 1)``. For a
+fastckpt checkpoint it reads ``common.pt`` once, checks its bytes against the published manifest
+and notes, for this thread, which save they are of (``note``); the sharded load then refuses to
+assemble tensors of another save (``take``). A checkpoint without a fastckpt manifest (megatron's
+own backends) is loaded exactly as megatron loads it.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import threading
+from pathlib import Path
+
+import torch
+from megatron.core.dist_checkpointing.strategies.common import COMMON_STATE_FNAME, TorchCommonLoadStrategy
+
+from fastckpt.errors import GroupChangedError
+
+from .compat import checksum_bytes, framework_files, is_url, normalize, read_group_manifest
+from .inplace import rewritten_error
+
+_seen = threading.local()  # group -> the identity of the save whose common.pt this thread loaded
+
+
+def identity(manifest: dict | None) -> tuple | None:
+    """What tells two saves of one group apart: the attempt and the commit time."""
+    return None if manifest is None else (manifest.get("attempt"), manifest.get("committed_at"))
+
+
+def take(group: str) -> tuple | None:
+    """The save whose ``common.pt`` this thread loaded last for ``group`` (forgotten once taken);
+    None when megatron's common state was not read through ``FastCkptCommonLoadStrategy``."""
+    return getattr(_seen, "groups", {}).pop(group, None)
+
+
+def changed_error(group: str) -> GroupChangedError:
+    return GroupChangedError(f"{group} was saved again while this load read it: megatron read common.pt of one save, "
+                             "and another is published now. Nothing was loaded: load it again.")
+
+
+class FastCkptCommonLoadStrategy(TorchCommonLoadStrategy):
+    """megatron's ``("torch", 1)`` common loader, reading a fastckpt checkpoint's ``common.pt`` as
+    committed and remembering which save it was of."""
+
+    def load_common(self, checkpoint_dir: str | Path) -> dict:
+        group = normalize(checkpoint_dir)
+        manifest = None if is_url(group) else read_group_manifest(group)
+        if COMMON_STATE_FNAME not in framework_files(manifest):
+            return super().load_common(checkpoint_dir)
+        try:
+            with open(os.path.join(group, COMMON_STATE_FNAME), "rb") as f:
+                data = f.read()
+        except FileNotFoundError:
+            return super().load_common(checkpoint_dir)  # megatron's own error, naming the directory's files
+        if checksum_bytes(data) != framework_files(manifest)[COMMON_STATE_FNAME]:
+            now = read_group_manifest(group)
+            if identity(now) != identity(manifest):
+                raise changed_error(group)
+            raise rewritten_error(group, [COMMON_STATE_FNAME])  # rewritten in place: names repair_checkpoint
+        if not hasattr(_seen, "groups"):
+            _seen.groups = {}
+        _seen.groups[group] = identity(manifest)
+        return torch.load(io.BytesIO(data), map_location="cpu")
