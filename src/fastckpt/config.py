@@ -133,6 +133,11 @@ class CheckpointerConfig:
                 _count(name, getattr(self, name), 1, None, " (how many checkpoints to keep), or None to keep all")
         if self.keep_local is not None and self.local_dir is None:
             raise ConfigError("keep_local applies to the burst buffer: set local_dir too, or drop keep_local")
+        if self.tier == "nvme" and self.local_dir is None:  # known now: not at the first save, after training ran
+            raise ConfigError("tier='nvme' needs local_dir=<node-local directory> (the burst buffer it writes to "
+                              "first): set local_dir, or use tier='auto'")
+        if self.tier == "direct" and self.local_dir is not None:
+            raise ConfigError("tier='direct' writes straight to the path: drop local_dir, or use tier='nvme'")
         bps = self.replicate_bandwidth_Bps
         if bps is not None and (isinstance(bps, bool) or not isinstance(bps, numbers.Real) or not bps > 0):
             raise ConfigError(f"replicate_bandwidth_Bps={bps!r} must be > 0 bytes/s, or None for no cap"

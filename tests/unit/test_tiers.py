@@ -62,6 +62,18 @@ def test_bad_requests(tmp_path) -> None:
         fastckpt.Checkpointer(tier="fast")
 
 
+def test_a_tier_that_cannot_work_with_the_local_dir_given_is_refused_when_built(tmp_path) -> None:
+    """tier='nvme' without local_dir was accepted, and failed at the first save, after training
+    ran (the Lightning plugin promises invalid values fail when it is built)."""
+    with pytest.raises(fastckpt.ConfigError, match="tier='nvme' needs local_dir"):
+        fastckpt.Checkpointer(tier="nvme")
+    with pytest.raises(fastckpt.ConfigError, match="drop local_dir"):
+        fastckpt.Checkpointer(tier="direct", local_dir=str(tmp_path))
+    pytest.importorskip("lightning")
+    with pytest.raises(fastckpt.ConfigError, match="tier='nvme' needs local_dir"):
+        fastckpt.FastCkptIO(tier="nvme")
+
+
 def test_odirect_probe_reports_tmpfs(tmp_path) -> None:
     ok, why = probe_odirect(str(tmp_path))
     assert ok or "O_DIRECT" in why
