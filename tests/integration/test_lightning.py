@@ -394,6 +394,18 @@ def test_bad_options_fail_at_construction():
         FastCkptIO(local_dir="/tmp", checkpointer=ck)
 
 
+def test_keep_persistent_is_refused_as_it_fights_model_checkpoints_top_k(tmp_path):
+    """keep_persistent trimmed the path by save age while ModelCheckpoint(save_top_k=2,
+    monitor=...) kept files by metric: the best checkpoint was deleted while best_model_path still
+    named it, and fit(ckpt_path="best") failed. The option was accepted without a word."""
+    fix = "Drop keep_persistent and give ModelCheckpoint(save_top_k=N)"
+    with pytest.raises(ConfigError, match=re.escape(fix)):
+        FastCkptIO(local_dir=str(tmp_path / "nvme"), keep_persistent=2)
+    with fastckpt.Checkpointer(keep_persistent=2) as ck, pytest.raises(ConfigError, match=re.escape(fix)):
+        FastCkptIO(checkpointer=ck)
+    FastCkptIO(local_dir=str(tmp_path / "nvme"), keep_local=2)  # the burst buffer's bound stays
+
+
 @pytest.mark.parametrize("options, words", [
     ({"lazy_snapshot": "false"}, "lazy_snapshot='false' must be True or False"),
     ({"odirect": "false"}, "odirect='false' must be True or False"),
