@@ -18,7 +18,7 @@ from typing import Any
 from fastckpt.checkpointer import Checkpointer
 from fastckpt.io.atomic import tmp_name
 from fastckpt.records import SaveHandle
-from fastckpt.urls import normalize
+from fastckpt.urls import is_url, normalize
 
 from .saves import SaveLedger, state_nbytes
 
@@ -39,6 +39,7 @@ class TrainerLink:
     _ck: Checkpointer | None
     _saves: SaveLedger
     _removals: dict[str, Future]
+    _deferred: dict[str, Checkpointer]  # path -> its Checkpointer: deletions waiting for a link to move off them
     _links: dict[str, list[tuple[SaveHandle, str]]]  # linkpath -> queued links (target's save, target), oldest first
     _links_lock: threading.Lock
     _trainer_ref: Callable[[], Any] | None
@@ -103,7 +104,17 @@ class TrainerLink:
                 return
         for linkpath in list(self._links):  # last.ckpt may name path: move it on first (it is queued after)
             self._relink(linkpath, None)
+        if named_by_link(path):  # ModelCheckpoint asks to delete before it links anew: a kill in between
+            self._deferred[path] = ck  # left last.ckpt dangling, so the deletion waits for the link to move
+            return
         ck.remove(path)
+
+    def _remove_deferred(self) -> None:
+        """Delete the files whose deletion waited for a link to move off them, where none names them now."""
+        for path in [p for p in list(self._deferred) if not named_by_link(p)]:
+            ck = self._deferred.pop(path, None)  # (None: a new save to path took it back meanwhile)
+            if ck is not None:
+                ck.remove(path)
 
     def _link_later(self, trainer: Any, filepath: str, linkpath: str) -> bool:
         """ModelCheckpoint(save_last="link") links ``linkpath`` to ``filepath`` right after asking
@@ -135,6 +146,7 @@ class TrainerLink:
             if upto is None and not entry[0].done():
                 return
             _link_after(entry[0], entry[1], linkpath, self._saves.newest.get)
+            self._remove_deferred()
             with self._links_lock:
                 queued.pop(0)
                 if not queued:
@@ -221,6 +233,17 @@ class TrainerLink:
         if self._callback is callback:
             self._callback = None
             self._trainer_ref = None
+
+
+def named_by_link(path: str) -> bool:
+    """Whether a symlink beside ``path`` names it (``last.ckpt`` of ModelCheckpoint(save_last="link"))."""
+    if is_url(path):
+        return False
+    try:
+        with os.scandir(os.path.dirname(path)) as entries:
+            return any(e.is_symlink() and os.path.realpath(e.path) == os.path.realpath(path) for e in entries)
+    except OSError:
+        return False
 
 
 def _link_after(save: SaveHandle, filepath: str, linkpath: str,

@@ -133,7 +133,7 @@ class FastCkptIOMixin(TrainerLink):
 
     def _reset_runtime(self) -> None:
         self._saves = SaveLedger()
-        self._removals = {}
+        self._removals, self._deferred = {}, {}
         self._links, self._links_lock = {}, threading.Lock()
         self._remover: ThreadPoolExecutor | None = None
         self._trainer_ref = None
@@ -231,6 +231,7 @@ class FastCkptIOMixin(TrainerLink):
                      "job): waiting until it is durable", path)
             wait = True
         self._settle_removal(path)
+        self._deferred.pop(normalize(path), None)  # saved again: a deletion waiting for last.ckpt to move is off
         self._raise_removal_errors()
         with self._core() as ck:
             self._save(ck, checkpoint, path, wait)
@@ -339,6 +340,11 @@ class FastCkptIOMixin(TrainerLink):
                             f"deletion of {path}, which may remain", timeout_s)
             elif fut.exception() is not None:
                 errors.append(fut.exception())  # type: ignore[arg-type]
+        if not stuck:  # a link moved by Lightning itself (a file this fit did not save): what it freed goes now
+            try:
+                self._remove_deferred()
+            except BaseException as exc:  # noqa: BLE001 (collected, raised below)
+                errors.append(exc)
         if ck is not None:
             try:
                 if self._given is None:

@@ -180,6 +180,38 @@ def test_save_last_link(tmp_path):
     assert fastckpt.load(str(last))["global_step"] == 6
 
 
+def test_last_link_never_names_a_deleted_file(tmp_path, monkeypatch):
+    """ModelCheckpoint deletes the top-k file it replaces, then links last.ckpt to the new one. The
+    deletion ran first, so last.ckpt named a deleted file until the link moved: a kill -9 then left
+    it dangling and fit(ckpt_path="last") started over (the Lightning review's 2-rank DDP run).
+    The deletion of a file a link names now waits for the link to move off it."""
+    last = tmp_path / "ckpt" / "last.ckpt"
+    dangled: list[str] = []
+    remove = fastckpt.Checkpointer.remove
+
+    def watched(self, path):  # noqa: ANN001, ANN202 (observes each deletion as it happens)
+        remove(self, path)
+        if os.path.islink(last) and not os.path.exists(last):
+            dangled.append(os.readlink(last))
+
+    monkeypatch.setattr(fastckpt.Checkpointer, "remove", watched)
+    io = FastCkptIO()
+    link_later = io._link_later
+
+    def after_the_deletions(*args):  # noqa: ANN002, ANN202 (as with DDP, where a barrier delays the link)
+        for fut in list(io._removals.values()):
+            fut.result()
+        return link_later(*args)
+
+    io._link_later = after_the_deletions  # type: ignore[method-assign]
+    trainer = make_trainer(str(tmp_path), io, 6, every_n_train_steps=1, save_top_k=1, monitor="step",
+                           mode="max", save_last="link")
+    trainer.fit(TinyModel(), loader())
+    assert dangled == []
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["epoch=0-step=6.ckpt", "last.ckpt"]  # the others deleted
+    assert os.readlink(last) == "epoch=0-step=6.ckpt" and fastckpt.load(str(last))["global_step"] == 6
+
+
 def test_resume_from_last_is_bit_exact(tmp_path):
     """An interrupted run resumed with ckpt_path="last" ends with the same weights and optimizer
     state as an uninterrupted one (the checkpoint is at an epoch boundary: Lightning replays a
