@@ -624,3 +624,22 @@ def test_ls_and_verify_of_a_group_that_never_committed_and_has_no_markers_name_i
     assert [(c["name"], c["status"], c["files"]) for c in got] == [("step-7", "incomplete", 1)], got
     res = run("verify", group, "--json")
     assert res.exit_code == 1 and json.loads(res.stdout)["incomplete"] == [group], res.stdout
+
+
+def test_verify_of_a_directory_checks_every_copy_of_a_save(tmp_path) -> None:
+    """``cp step-5.pt best.pt`` gives two files with one manifest. The scan kept one path per
+    manifest (right for ``latest``), so ``verify DIR`` checked only step-5.pt and passed while
+    best.pt was damaged (``verify best.pt`` failed)."""
+    d = tmp_path / "run"
+    with fastckpt.Checkpointer() as ck:
+        ck.save(state(5), str(d / "step-5.pt")).wait()
+    data = bytearray((d / "step-5.pt").read_bytes())
+    data[1000] ^= 0x01  # a data byte; the manifest in the zip comment is untouched
+    (d / "best.pt").write_bytes(bytes(data))
+    res = run("verify", str(d), "--json")
+    got = json.loads(res.stdout)
+    assert res.exit_code == 1 and [b["path"] for b in got["bad"]] == [str(d / "best.pt")], res.stdout
+    assert sorted(os.path.basename(f["path"]) for f in got["files"]) == ["best.pt", "step-5.pt"]
+    names = [c["name"] for c in json.loads(run("ls", str(d), "--json").stdout)["checkpoints"]]
+    assert sorted(names) == ["best.pt", "step-5.pt"], names
+    assert fastckpt.latest(str(d)) in (str(d / "best.pt"), str(d / "step-5.pt"))  # one save: one of its copies

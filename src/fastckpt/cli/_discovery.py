@@ -284,8 +284,8 @@ def list_checkpoints(root: str, storage_options: dict | None = None, local_dir: 
     try:
         loc = h.resolve(root)
         damaged: list[Damaged] = []
-        entries = [_found_entry(h, f, loc.url, "complete") for f in scan(loc, damaged=damaged)] + _incomplete(h, loc)
-        entries += [_damaged_entry(h, d, loc.url) for d in damaged]
+        entries = [_found_entry(h, f, loc.url, "complete") for f in scan(loc, damaged=damaged, every_copy=True)]
+        entries += _incomplete(h, loc) + [_damaged_entry(h, d, loc.url) for d in damaged]
         if local_dir is not None:
             home = {e.name: i for i, e in enumerate(entries)}
             for local in _local_copies(h, mirror_path(local_dir, root)):

@@ -85,8 +85,10 @@ class Damaged:
     problem: str
 
 
-def scan(loc: Location, max_depth: int = MAX_DEPTH, damaged: list[Damaged] | None = None) -> list[Found]:
-    """Every complete checkpoint under ``loc``, oldest first.
+def scan(loc: Location, max_depth: int = MAX_DEPTH, damaged: list[Damaged] | None = None,
+         every_copy: bool = False) -> list[Found]:
+    """Every complete checkpoint under ``loc``, oldest first; ``every_copy``: also each copy of
+    one save (``ls``, ``verify``: a damaged copy is checked too), not only the one nearest ``loc``.
 
     ``damaged``: when given, each checkpoint skipped for a damaged manifest is appended to it
     (``fastckpt ls`` and ``verify`` report them; ``latest`` only skips them).
@@ -98,7 +100,7 @@ def scan(loc: Location, max_depth: int = MAX_DEPTH, damaged: list[Damaged] | Non
     for _ in range(RESCANS):
         seen: list[Damaged] = []
         gone: list[str] = []
-        found = _scan(loc, max_depth, seen, gone)
+        found = _scan(loc, max_depth, seen, gone, every_copy)
         if not gone:
             break
         log.debug("fastckpt: %s vanished while %s was scanned: listing it again", gone, loc.url)
@@ -107,7 +109,7 @@ def scan(loc: Location, max_depth: int = MAX_DEPTH, damaged: list[Damaged] | Non
     return found
 
 
-def _scan(loc: Location, max_depth: int, damaged: list[Damaged], gone: list[str]) -> list[Found]:
+def _scan(loc: Location, max_depth: int, damaged: list[Damaged], gone: list[str], every_copy: bool) -> list[Found]:
     prefix = f"{loc.key}/" if loc.key else ""
     try:
         keys = loc.target.list(prefix, max_depth=max_depth + 1)  # +1: the markers of the deepest groups
@@ -146,7 +148,7 @@ def _scan(loc: Location, max_depth: int, damaged: list[Damaged], gone: list[str]
     for t in sorted(ds_tags):  # ordered by when DeepSpeed's latest file named it
         written = loc.target.modified(prefix + posixpath.join(posixpath.dirname(t), "latest"))
         others.append(Found(join(loc.url, t), "group", written, {}, "DeepSpeed", foreign.tag_step(t)))
-    return _ordered(loc, prefix, found, others)
+    return _ordered(loc, prefix, found if every_copy else _one_copy_each(found), others)
 
 
 def _damaged_is_none(read: Callable[[T], dict | None], where: T, damaged: list[Damaged], path: str,
@@ -195,7 +197,6 @@ def _file(loc: Location, prefix: str, rel: str, damaged: list[Damaged], gone: li
 def _ordered(loc: Location, prefix: str, own: list[Found], others: list[Found]) -> list[Found]:
     """Oldest first: by time, or, with foreign checkpoints among them and a step for every one,
     by step, then time."""
-    own = _one_copy_each(own)
     if others:
         own = [replace(f, step=_step(loc, prefix, f)) for f in own]
     found = own + others
