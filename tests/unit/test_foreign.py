@@ -230,3 +230,22 @@ def test_a_fastckpt_file_copied_in_by_another_tool_is_found_and_verified(tmp_pat
     (run / "step-9.pt").write_bytes(bytes(data))
     with pytest.raises(fastckpt.CorruptCheckpointError):
         fastckpt.load(str(run / "step-9.pt"))
+
+
+def test_a_torch_distributed_checkpoint_directory_is_one_checkpoint(tmp_path: Path) -> None:
+    """Lightning's FSDPStrategy(state_dict_type="sharded") saves each checkpoint as a DCP directory
+    (``.metadata``, ``__0_0.distcp``) plus its own ``meta.pt``. latest() named that meta.pt, a
+    piece of a checkpoint: fit(ckpt_path=...) with it failed with KeyError 'state_dict'."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    for step in (6, 8):
+        d = tmp_path / f"epoch=0-step={step}.ckpt"
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # no process group: dcp.save warns and saves as one rank
+            dcp.save({"model": {"w": torch.full((4, 4), float(step))}}, checkpoint_id=str(d))
+        torch.save({"epoch": 0, "global_step": step}, d / "meta.pt")
+    assert fastckpt.latest(str(tmp_path)) == str(tmp_path / "epoch=0-step=8.ckpt")
+    got = [(f.path, f.foreign, f.step) for f in scan(str(tmp_path))]
+    assert got == [(str(tmp_path / f"epoch=0-step={s}.ckpt"), "torch.distributed.checkpoint", s) for s in (6, 8)]

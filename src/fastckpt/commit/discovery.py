@@ -55,6 +55,7 @@ from .protocol import (
 log = logging.getLogger("fastckpt")
 MAX_DEPTH = 4
 RESCANS = 3  # listings a scan makes at most when checkpoints it listed vanish before it reads them
+DCP_METADATA = ".metadata"  # torch.distributed.checkpoint writes it last, once every rank's files are written
 T = TypeVar("T")
 
 
@@ -130,7 +131,9 @@ def _scan(loc: Location, max_depth: int, damaged: list[Damaged], gone: list[str]
             found.append(Found(join(loc.url, g), "group", group_order(m), m))
     ds_tags = {t for r in rels if posixpath.basename(r) == "latest" and not _hidden(r)
                for t in [foreign.deepspeed_tag(loc.target, prefix, r, set(rels))] if t and t not in groups}
-    inside = groups | marked | ds_tags
+    dcp_dirs = {d for r in rels if posixpath.basename(r) == DCP_METADATA  # written last by dcp.save: complete
+                for d in [posixpath.dirname(r)] if d and not _hidden(d) and d not in groups | ds_tags}
+    inside = groups | marked | ds_tags | dcp_dirs
     sidecars = {r[: -len(SIDECAR)] for r in rels if r.endswith(SIDECAR)}
     others: list[Found] = []
     for rel in rels:
@@ -148,7 +151,18 @@ def _scan(loc: Location, max_depth: int, damaged: list[Damaged], gone: list[str]
     for t in sorted(ds_tags):  # ordered by when DeepSpeed's latest file named it
         written = loc.target.modified(prefix + posixpath.join(posixpath.dirname(t), "latest"))
         others.append(Found(join(loc.url, t), "group", written, {}, "DeepSpeed", foreign.tag_step(t)))
+    for d in sorted(dcp_dirs):  # one checkpoint, the directory (Lightning's FSDP sharded: its meta.pt holds the step)
+        written = loc.target.modified(prefix + posixpath.join(d, DCP_METADATA))
+        others.append(Found(join(loc.url, d), "group", written, {}, "torch.distributed.checkpoint",
+                            _meta_step(loc, prefix + posixpath.join(d, "meta.pt")) if f"{d}/meta.pt" in rels else None))
     return _ordered(loc, prefix, found if every_copy else _one_copy_each(found), others)
+
+
+def _meta_step(loc: Location, key: str) -> int | None:
+    try:
+        return foreign.pickle_step(loc.target, key)
+    except OSError:
+        return None
 
 
 def _damaged_is_none(read: Callable[[T], dict | None], where: T, damaged: list[Damaged], path: str,
