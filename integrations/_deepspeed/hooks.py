@@ -75,6 +75,11 @@ class OwnedCheckpointer:
         if ck is not None:
             ck.close()
 
+    @property
+    def closed(self) -> bool:
+        """Closed, and nothing saved since (which would have made it again)."""
+        return self._ck is None
+
 
 @dataclass(frozen=True)
 class CheckpointReport:
@@ -354,6 +359,9 @@ class EngineHooks:
     def flush(self) -> None:
         """Wait until every save so far is durable (at most ``close_timeout_s`` when set);
         report them; raise a failure once."""
+        if self.owned is not None and self.owned.closed:
+            return  # nothing to wait for; making a Checkpointer to close it (DeepSpeed's __del__ calls
+            # destroy() again at exit) started its metrics server there, which never returned
         timeout = self.fe.checkpointer.config.close_timeout_s
         self.report(wait=True, timeout_s=timeout)
         self.fe.checkpointer.wait(timeout)

@@ -387,8 +387,8 @@ def export(root: str) -> None:
         written = os.path.exists(os.path.join(d, "pytorch_model.bin"))
     finally:
         gate.open()
-    assert written == (eng.global_rank == 0), written  # DeepSpeed writes it on rank 0
-    if written:
+    assert written or eng.global_rank != 0  # DeepSpeed writes it on rank 0 (rank 1 may see it written by then)
+    if eng.global_rank == 0:
         same(fastckpt.load(os.path.join(d, "pytorch_model.bin")), want, "the 16-bit export")
     eng.destroy()
     ck.close()
@@ -481,6 +481,15 @@ def destroy(root: str) -> None:
         assert f.read() == "g1"
     assert sorted(n for n in os.listdir(d) if not n.endswith(".py")) == ["g1", "latest", "pytorch_model.bin"]
     assert sorted(fastckpt.load(os.path.join(d, "pytorch_model.bin"))) == ["0.bias", "0.weight", "2.bias", "2.weight"]
+    # DeepSpeedEngine.__del__ calls destroy() again (at exit too): it built a Checkpointer to close
+    # it, whose metrics server, started during interpreter shutdown, never returned
+    built, init = [], fastckpt.Checkpointer.__init__
+    fastckpt.Checkpointer.__init__ = lambda self, *a, **k: (built.append(1), init(self, *a, **k))[1]
+    try:
+        eng.destroy()
+    finally:
+        fastckpt.Checkpointer.__init__ = init
+    RESULTS["built_by_second_destroy"] = len(built)
 
 
 def two_engines(root: str) -> None:

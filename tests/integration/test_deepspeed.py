@@ -186,6 +186,10 @@ def test_destroy_returns_with_the_checkpoint_durable(two_processes: Run) -> None
     assert "destroy" in two_processes.results[1]["done"]
 
 
+def test_a_second_destroy_builds_no_checkpointer(two_processes: Run) -> None:
+    assert [two_processes.results[r]["built_by_second_destroy"] for r in (0, 1)] == [0, 0]
+
+
 def test_two_engines_in_one_job_commit_through_the_one_store(two_processes: Run) -> None:
     """An actor and a critic, each with its own Checkpointer on the default process group's
     store (asserted in the worker): every save of both is committed and loads back."""
