@@ -84,6 +84,8 @@ class FastCkptCallbackMixin:
                     trainer.strategy.barrier()  # as Lightning's own, on every rank
                 else:
                     _original(trainer, filepath, linkpath)
+                    if isinstance(io, FastCkptIOMixin) and io._in_fit and trainer.is_global_zero:
+                        io._moved(linkpath)  # deletions that waited for the link to move off a file
 
             file_exists._fastckpt = True  # type: ignore[attr-defined]
             cb.file_exists = file_exists

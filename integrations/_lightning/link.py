@@ -109,6 +109,12 @@ class TrainerLink:
             return
         ck.remove(path)
 
+    def _moved(self, linkpath: str) -> None:
+        """Lightning moved ``linkpath`` itself (to a file this fit did not save, e.g. FSDP's sharded
+        directories): the deletions that waited for it run on the remover thread, after any queued."""
+        if self._deferred or self._removals:
+            self._removals[LINK + normalize(linkpath) + " (moved)"] = self._queue(self._remove_deferred)
+
     def _remove_deferred(self) -> None:
         """Delete the files whose deletion waited for a link to move off them, where none names them now."""
         for path in [p for p in list(self._deferred) if not named_by_link(p)]:

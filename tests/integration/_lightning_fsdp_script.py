@@ -86,6 +86,38 @@ def full_state(t: L.Trainer) -> tuple[dict, dict]:
     return t.strategy.lightning_module_state_dict(), t.strategy.optimizer_state(t.optimizers[0])
 
 
+class CountCheckpoints(L.Callback):
+    """Rank 0, after each step (before that step's save): the checkpoints in ``directory``."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory, self.counts = directory, []
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: object) -> None:
+        if trainer.global_rank == 0 and os.path.isdir(self.directory):
+            self.counts.append(len([n for n in os.listdir(self.directory) if n != "last.ckpt"]))
+
+
+def sharded_top_k(root: str) -> dict:
+    """FSDP sharded: Lightning saves each checkpoint with dcp (never through CheckpointIO) and links
+    last.ckpt itself; FastCkptIO deletes what save_top_k drops. Its deletion of a directory
+    last.ckpt still named waited for a link only FastCkptIO makes, so every directory stayed
+    until fit ended."""
+    directory = os.path.join(root, "ckpt")
+    count = CountCheckpoints(directory)
+    t = L.Trainer(max_steps=6, accelerator="cpu", devices=DEVICES, strategy=CPUFSDPStrategy(state_dict_type="sharded"),
+                  plugins=[FastCkptIO()], logger=False, enable_progress_bar=False, enable_model_summary=False,
+                  default_root_dir=root, callbacks=[count, ModelCheckpoint(
+                      dirpath=directory, every_n_train_steps=1, save_top_k=1, monitor="step", mode="max",
+                      save_last="link")])
+    t.fit(Model(), loader())
+    if t.global_rank != 0:
+        return {}
+    import fastckpt
+
+    return {"most": max(count.counts), "files": sorted(os.listdir(directory)),
+            "latest": os.path.basename(fastckpt.latest(directory) or "")}
+
+
 def main(out: str) -> None:
     faulthandler.dump_traceback_later(float(os.environ.get("FASTCKPT_TEST_WATCHDOG_S", "150")), exit=True)
     warnings.filterwarnings("ignore")
@@ -107,13 +139,15 @@ def main(out: str) -> None:
     t_res.fit(resumed, loader(), ckpt_path="last")
     res_w, res_opt = full_state(t_res)
 
+    sharded = None if CUDA else sharded_top_k(os.path.join(out, "sharded"))
+
     if t_res.global_rank == 0:
         torch.save({"ref": ref_w, "resumed": res_w, "ref_opt": ref_opt, "resumed_opt": res_opt},
                    os.path.join(out, "weights.pt"))
         summary = {"ckpt_rows": spy.ckpt_rows(), "global_step": t_res.global_step, "saved_by": saved_by,
                    "steps_per_epoch": STEPS_PER_EPOCH,
                    "ref_files": sorted(os.listdir(os.path.join(out, "ref", "ckpt"))),
-                   "run_files": sorted(os.listdir(os.path.join(out, "run", "ckpt")))}
+                   "run_files": sorted(os.listdir(os.path.join(out, "run", "ckpt"))), "sharded": sharded}
         with open(os.path.join(out, "summary.json"), "w") as f:
             json.dump(summary, f)
 

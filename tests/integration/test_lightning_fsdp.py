@@ -53,4 +53,10 @@ def test_fsdp_full_state_dict_saves_through_fastckpt_and_resumes(tmp_path):
     """2 CPU processes, NO_SHARD (the script says why). Before the callback flushed in
     on_fit_end, this hung: Lightning's FSDPStrategy.teardown never calls CheckpointIO.teardown,
     so rank 0's last save was still in flight when the next fit resolved ckpt_path="last"."""
-    check_fsdp_summary(tmp_path, run_fsdp_script(tmp_path))
+    summary = run_fsdp_script(tmp_path)
+    check_fsdp_summary(tmp_path, summary)
+    # FSDP sharded (Lightning's own dcp saves and last.ckpt link): top-k deletions keep up, and
+    # latest names the newest directory, not a meta.pt inside it
+    sharded = summary["sharded"]
+    assert sharded["most"] <= 3 and sharded["files"] == ["epoch=1-step=6.ckpt", "last.ckpt"], sharded
+    assert sharded["latest"] == "epoch=1-step=6.ckpt", sharded
