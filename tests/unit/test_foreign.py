@@ -249,3 +249,13 @@ def test_a_torch_distributed_checkpoint_directory_is_one_checkpoint(tmp_path: Pa
     assert fastckpt.latest(str(tmp_path)) == str(tmp_path / "epoch=0-step=8.ckpt")
     got = [(f.path, f.foreign, f.step) for f in scan(str(tmp_path))]
     assert got == [(str(tmp_path / f"epoch=0-step={s}.ckpt"), "torch.distributed.checkpoint", s) for s in (6, 8)]
+    # Lightning writes meta.pt after dcp.save: a kill in between (none), or during it (cut short)
+    for step, cut in ((9, None), (10, 100)):
+        d = tmp_path / f"epoch=0-step={step}.ckpt"
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.save({"model": {"w": torch.zeros(4, 4)}}, checkpoint_id=str(d))
+        if cut is not None:
+            torch.save({"epoch": 0, "global_step": step}, d / "meta.pt")
+            os.truncate(d / "meta.pt", cut)
+    assert fastckpt.latest(str(tmp_path)) == str(tmp_path / "epoch=0-step=8.ckpt")

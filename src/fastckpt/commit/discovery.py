@@ -34,7 +34,7 @@ import logging
 import posixpath
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import TypeVar
+from typing import Literal, TypeVar
 
 from ..errors import ConfigError, CorruptCheckpointError
 from ..format.manifest import file_order
@@ -151,18 +151,25 @@ def _scan(loc: Location, max_depth: int, damaged: list[Damaged], gone: list[str]
     for t in sorted(ds_tags):  # ordered by when DeepSpeed's latest file named it
         written = loc.target.modified(prefix + posixpath.join(posixpath.dirname(t), "latest"))
         others.append(Found(join(loc.url, t), "group", written, {}, "DeepSpeed", foreign.tag_step(t)))
-    for d in sorted(dcp_dirs):  # one checkpoint, the directory (Lightning's FSDP sharded: its meta.pt holds the step)
-        written = loc.target.modified(prefix + posixpath.join(d, DCP_METADATA))
-        others.append(Found(join(loc.url, d), "group", written, {}, "torch.distributed.checkpoint",
-                            _meta_step(loc, prefix + posixpath.join(d, "meta.pt")) if f"{d}/meta.pt" in rels else None))
+    for d in sorted(dcp_dirs):  # one checkpoint, the directory
+        meta = _lightning_meta(loc, prefix + posixpath.join(d, "meta.pt"), f"{d}/meta.pt" in rels, d.endswith(".ckpt"))
+        if meta is not False:
+            written = loc.target.modified(prefix + posixpath.join(d, DCP_METADATA))
+            others.append(Found(join(loc.url, d), "group", written, {}, "torch.distributed.checkpoint", meta))
     return _ordered(loc, prefix, found if every_copy else _one_copy_each(found), others)
 
 
-def _meta_step(loc: Location, key: str) -> int | None:
+def _lightning_meta(loc: Location, key: str, listed: bool, lightning_name: bool) -> int | None | Literal[False]:
+    """A DCP directory's ``meta.pt`` (Lightning's FSDP sharded checkpoints: it writes it with
+    ``torch.save`` after ``dcp.save``): the step it records; False when the checkpoint is not
+    complete: a ``meta.pt`` cut short, or none in a ``*.ckpt`` directory (a kill between the two)."""
     try:
-        return foreign.pickle_step(loc.target, key)
+        record = foreign.torch_zip(loc.target, key) if listed else None
+        if record is None:
+            return False if listed or lightning_name else None
+        return foreign.pickle_step(loc.target, key, record)
     except OSError:
-        return None
+        return False
 
 
 def _damaged_is_none(read: Callable[[T], dict | None], where: T, damaged: list[Damaged], path: str,
