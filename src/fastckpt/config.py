@@ -110,7 +110,8 @@ class CheckpointerConfig:
         for name in ("odirect", "overlap_write"):
             if not isinstance(getattr(self, name), bool):  # "false" would be true
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be True or False")
-        if self.event_log is not None and not isinstance(self.event_log, (str, os.PathLike)):
+        if self.event_log is not None and (not isinstance(self.event_log, (str, os.PathLike))
+                                           or not os.fspath(self.event_log).strip()):  # "" meant: no log, silently
             raise ConfigError(f"event_log={self.event_log!r} must be a file path (a str or a Path), or None for no log")
         self._check_ranks()
         self._check_replication()

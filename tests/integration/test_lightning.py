@@ -443,6 +443,7 @@ def test_keep_persistent_is_refused_as_it_fights_model_checkpoints_top_k(tmp_pat
     ({"odirect": "false"}, "odirect='false' must be True or False"),
     ({"overlap_write": 1}, "overlap_write=1 must be True or False"),
     ({"event_log": 3}, "event_log=3 must be a file path"),
+    ({"event_log": ""}, "event_log='' must be a file path"),  # was: no log, without a word
     ({"overhead_budget": "0.1"}, "overhead_budget='0.1' must be a fraction"),
     ({"overhead_budget": True}, "overhead_budget=True must be a fraction"),
 ])

@@ -46,7 +46,8 @@ FAMILIES: tuple[Family, ...] = (
     _h("fastckpt_save_write_seconds", "Time to write and fsync a checkpoint file in its first location."),
     _h("fastckpt_save_commit_seconds", "Time to rename a written file into place and fsync its directory."),
     _h("fastckpt_save_durable_seconds", "Time from the save call until the file was durable at its path."),
-    _h("fastckpt_group_commit_seconds", "Time of a group commit, from this rank's commit() to published."),
+    _h("fastckpt_group_commit_seconds", "Time of a group commit that published, from this rank's commit() to "
+                                         "published (a failed one is counted in fastckpt_failures_total)."),
     _h("fastckpt_replicate_seconds", "Time to copy a committed burst-buffer file to its path and verify it."),
     _h("fastckpt_load_seconds", "Time of a load, from the call to the deserialised state (the RTO)."),
     Family("fastckpt_saves", "counter", "Saves (snapshots taken).", RANK_TIER),
