@@ -491,3 +491,28 @@ def test_close_timeout_bounds_close_and_keeps_what_it_gave_up(tmp_path, caplog) 
         running.result(60)  # it ended on its own: close() stopped the I/O under it, and the error says so
     assert "after shutdown" in repr(stopped.value.__cause__)
     assert os.path.exists(ck.local_path(str(home / "a.pt")))
+
+
+@pytest.mark.parametrize("tag", ["best", "step-2"])
+def test_a_group_published_at_home_is_not_reported_failed_for_its_local_manifest(tmp_path, caplog, tag) -> None:
+    """The commit's last step writes the group's manifest into the burst-buffer copy. When that
+    write failed (EIO), commit() raised CheckpointWriteError ("the previous checkpoint is
+    untouched") though the group was published at its home and latest() named it. The home is
+    what counts: a WARNING, and loads judge the copy by the home's manifest."""
+    import errno
+
+    from fastckpt.testing import Fault
+
+    nvme, home = str(tmp_path / "nvme"), str(tmp_path / "home")
+    ops = FaultyOps()
+    with fastckpt.Checkpointer(local_dir=nvme, ops=ops, rank=0, world_size=1) as ck:
+        for value, group in ((1.0, f"{home}/{'best' if tag == 'best' else 'step-1'}"), (2.0, f"{home}/{tag}")):
+            if value == 2.0:
+                ops.inject(Fault("write_small", errno.EIO, path_startswith=nvme))  # the local manifest's write
+            for name in ("model.pt", "optim.pt"):
+                ck.save({"w": torch.full((1000,), value)}, f"{group}/{name}", group=group)
+            ck.commit(group).wait(60)
+        assert ops.fired, "the fault never fired"
+        assert float(ck.load(f"{home}/{tag}/model.pt")["w"][0]) == 2.0  # through the burst-buffer copy
+    assert fastckpt.latest(home) == f"{home}/{tag}"
+    assert "its burst-buffer copy" in caplog.text and "has no manifest" in caplog.text

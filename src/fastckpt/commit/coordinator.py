@@ -350,8 +350,10 @@ class Coordinator:
             for local in [p for p in att.local if os.path.isdir(p.url())]:  # striped: each drive holding files
                 try:
                     A.publish_local(att, local, ended.manifest, self._stop)
-                except FileNotFoundError:  # another rank of this node trimmed the copy (keep_local): loads read home
-                    log.debug("fastckpt: the burst-buffer copy %s of %s went meanwhile", local.label, att.group)
+                except OSError as exc:  # published at its home: a copy without its manifest is judged by the home's
+                    (log.debug if isinstance(exc, FileNotFoundError) else log.warning)(  # (gone: trimmed by a rank)
+                        "fastckpt: %s is published; its burst-buffer copy %s has no manifest (%r): loads judge it "
+                        "by the home's", att.group, local.label, exc)
         except BaseException as exc:
             raise self._failed(att, rank, exc, c0, tier)  # noqa: B904 (as ``run``)
         self._emit("commit", att.group, ended.total, c0, tier, detail="group")
