@@ -153,10 +153,25 @@ def _scan(loc: Location, max_depth: int, damaged: list[Damaged], gone: list[str]
         others.append(Found(join(loc.url, t), "group", written, {}, "DeepSpeed", foreign.tag_step(t)))
     for d in sorted(dcp_dirs):  # one checkpoint, the directory
         meta = _lightning_meta(loc, prefix + posixpath.join(d, "meta.pt"), f"{d}/meta.pt" in rels, d.endswith(".ckpt"))
-        if meta is not False:
-            written = loc.target.modified(prefix + posixpath.join(d, DCP_METADATA))
+        written = _dcp_written(loc, prefix, d, rels)
+        if meta is not False and written is not None:
             others.append(Found(join(loc.url, d), "group", written, {}, "torch.distributed.checkpoint", meta))
     return _ordered(loc, prefix, found if every_copy else _one_copy_each(found), others)
+
+
+def _dcp_written(loc: Location, prefix: str, d: str, rels: list[str]) -> float | None:
+    """When ``dcp.save`` wrote the directory ``d``'s ``.metadata``; None when a file of it is newer:
+    dcp.save writes ``.metadata`` after the shards, and Lightning its ``meta.pt`` after that, so a
+    newer shard (or an older ``meta.pt``) is a re-save in place under way, or cut short by a kill."""
+    try:
+        done = loc.target.modified(prefix + posixpath.join(d, DCP_METADATA))
+        for r in [r for r in rels if posixpath.dirname(r) == d and r.endswith((".distcp", "/meta.pt"))]:
+            at = loc.target.modified(prefix + r)
+            if at > done if r.endswith(".distcp") else at < done:
+                return None
+    except OSError:
+        return None
+    return done
 
 
 def _lightning_meta(loc: Location, key: str, listed: bool, lightning_name: bool) -> int | None | Literal[False]:
