@@ -516,3 +516,27 @@ def test_a_group_published_at_home_is_not_reported_failed_for_its_local_manifest
         assert float(ck.load(f"{home}/{tag}/model.pt")["w"][0]) == 2.0  # through the burst-buffer copy
     assert fastckpt.latest(home) == f"{home}/{tag}"
     assert "its burst-buffer copy" in caplog.text and "has no manifest" in caplog.text
+
+
+def test_a_local_copy_whose_manifest_is_damaged_before_replication_is_a_write_error(tmp_path) -> None:
+    """A burst-buffer copy whose manifest was damaged after its local commit (bit rot, another
+    tool on the drive) surfaced from save().wait() as CorruptCheckpointError, a ValueError naming
+    only the local copy, not as the CheckpointWriteError a failed copy home is."""
+    home, local = str(tmp_path / "home" / "x.pt"), None
+    armed = threading.Event()
+
+    def damage(op: str, path: str) -> None:  # the replicator's first open of the second save's copy
+        if op == "open" and path == local and armed.is_set() and "replic" in threading.current_thread().name:
+            armed.clear()
+            data = bytearray(open(path, "rb").read())
+            data[-30] ^= 0x01  # inside the manifest in the zip comment
+            open(path, "wb").write(data)
+
+    with fastckpt.Checkpointer(ops=FaultyOps(on_call=damage), local_dir=str(tmp_path / "nvme")) as ck:
+        ck.save({"w": torch.ones(10), "v": 1}, home).wait()
+        local = str(tmp_path / "nvme") + home
+        armed.set()
+        with pytest.raises(fastckpt.CheckpointWriteError, match="has a damaged manifest") as info:
+            ck.save({"w": torch.ones(10) * 2, "v": 2}, home).wait()
+        assert not armed.is_set() and home in str(info.value)
+    assert fastckpt.load(home)["v"] == 1  # the previous checkpoint stands

@@ -245,6 +245,9 @@ class Replicator:
             manifest = local.target.read_manifest(local.key)
         except OSError as exc:
             raise_as_write_error(exc, rec.path)
+        except CorruptCheckpointError as exc:  # (a ValueError: it named the local copy only, as if loaded)
+            raise CheckpointWriteError(f"local copy {job.local} of {rec.path} has a damaged manifest ({exc}): it was "
+                                       "damaged after it was committed; not replicating it") from exc
         if manifest is None:
             raise CheckpointWriteError(f"local copy {job.local} of {rec.path} has no manifest: it was replaced "
                                        "or damaged after it was committed; not replicating it")
