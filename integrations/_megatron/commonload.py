@@ -8,10 +8,14 @@ swapped in between the two reads gave a load with the common state of one save a
 another, without an error.
 
 ``FastCkptCommonLoadStrategy`` is registered in megatron's place for ``("torch", 1)``. For a
-fastckpt checkpoint it reads ``common.pt`` once, checks its bytes against the published manifest
-and notes, for this thread, which save they are of (``note``); the sharded load then refuses to
-assemble tensors of another save (``take``). A checkpoint without a fastckpt manifest (megatron's
-own backends) is loaded exactly as megatron loads it.
+fastckpt checkpoint (metadata.json names our sharded backend) it reads ``common.pt`` once, checks
+its bytes against the published manifest and notes, for this thread, which save they are of; each
+call of the sharded load in the same ``dist_checkpointing.load`` (one, or two under
+``FullyParallelLoadStrategyWrapper``: objects, then tensors) refuses another save (``seen``). The
+note lives for one load: megatron checks the sharded strategy's backend (``forget``) at the start
+of every ``dist_checkpointing.load``, before it reads ``common.pt``. Any other checkpoint (an
+iteration re-saved with ``torch_dist`` keeps our old manifest beside it) is loaded exactly as
+megatron loads it.
 """
 
 from __future__ import annotations
@@ -22,10 +26,12 @@ import threading
 from pathlib import Path
 
 import torch
+from megatron.core.dist_checkpointing.core import maybe_load_config
 from megatron.core.dist_checkpointing.strategies.common import COMMON_STATE_FNAME, TorchCommonLoadStrategy
 
 from fastckpt.errors import GroupChangedError
 
+from .common import BACKEND
 from .compat import checksum_bytes, framework_files, is_url, normalize, read_group_manifest
 from .inplace import rewritten_error
 
@@ -37,10 +43,15 @@ def identity(manifest: dict | None) -> tuple | None:
     return None if manifest is None else (manifest.get("attempt"), manifest.get("committed_at"))
 
 
-def take(group: str) -> tuple | None:
-    """The save whose ``common.pt`` this thread loaded last for ``group`` (forgotten once taken);
-    None when megatron's common state was not read through ``FastCkptCommonLoadStrategy``."""
-    return getattr(_seen, "groups", {}).pop(group, None)
+def seen(group: str) -> tuple | None:
+    """The save whose ``common.pt`` this thread's current load read for ``group``; None when
+    megatron's common state was not read through ``FastCkptCommonLoadStrategy`` in this load."""
+    return getattr(_seen, "groups", {}).get(group)
+
+
+def forget() -> None:
+    """A new ``dist_checkpointing.load`` starts on this thread: what an earlier one noted is not its."""
+    _seen.groups = {}
 
 
 def changed_error(group: str) -> GroupChangedError:
@@ -54,7 +65,8 @@ class FastCkptCommonLoadStrategy(TorchCommonLoadStrategy):
 
     def load_common(self, checkpoint_dir: str | Path) -> dict:
         group = normalize(checkpoint_dir)
-        manifest = None if is_url(group) else read_group_manifest(group)
+        config = None if is_url(group) else maybe_load_config(group)
+        manifest = read_group_manifest(group) if config is not None and config.sharded_backend == BACKEND else None
         if COMMON_STATE_FNAME not in framework_files(manifest):
             return super().load_common(checkpoint_dir)
         try:

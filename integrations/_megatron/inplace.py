@@ -89,8 +89,8 @@ def rewritten_error(group: str, names: Iterable[str]) -> CorruptCheckpointError:
     """The error for in-place files (``names``) that are not the ones committed with ``group``."""
     return CorruptCheckpointError(
         f"{group}: {', '.join(sorted(names))} is not the one committed with this checkpoint: a save into this "
-        "iteration that did not finish (killed, or failed before fastckpt could put it back) rewrote it in place, "
-        f"and megatron has read it. Put it back with {FIX}({group!r}) (the patched Megatron-LM load path does "
+        "iteration that did not finish (killed, or failed before fastckpt could put it back) rewrote it in place. "
+        f"Put it back with {FIX}({group!r}) (the patched Megatron-LM load path does "
         "that itself, in sync_tracker), then load again")
 
 

@@ -71,6 +71,7 @@ class FastCkptLoadStrategy(ThroughCheckpointer, LoadShardedStrategy):
         self.last_load: LoadReport | None = None
 
     def check_backend_compatibility(self, loaded_backend: str) -> None:
+        commonload.forget()  # megatron asks this first in every load, before it reads common.pt
         if loaded_backend != BACKEND:
             raise CheckpointingException(f"this checkpoint was saved with backend {loaded_backend!r}; "
                                          f"FastCkptLoadStrategy reads {BACKEND!r} checkpoints")
@@ -112,7 +113,7 @@ class FastCkptLoadStrategy(ThroughCheckpointer, LoadShardedStrategy):
         leaves = list(nested_values(sharded_state_dict))
         plans = {id(sh): plan_tensor(sh, index) for sh in leaves if isinstance(sh, ShardedTensor)}
         tensor_files = sorted({saved.file for parts in plans.values() for saved, _ in parts})
-        if commonload.take(group) not in (None, commonload.identity(manifest)):
+        if commonload.seen(group) not in (None, commonload.identity(manifest)):
             raise commonload.changed_error(group)  # megatron's common.pt was of another save
         check_inplace(group, manifest)  # common.pt, which megatron has read: the committed bytes?
         whole = [COMMON_STATE_FNAME] if COMMON_STATE_FNAME in manifest["files"] else []  # (older saves: in the group)

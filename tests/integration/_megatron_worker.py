@@ -284,6 +284,7 @@ def scenario_load(d: str, rank: int, world: int) -> dict:
 
     out["swapped_error"] = _swapped_mid_load(d, it(2), it(3))
     out["common_swapped"] = _swapped_after_common(d, it(2), it(3))
+    out["common_cases"] = _common_loader_cases(os.path.join(d, "common-cases"))
 
     lost = os.path.join(d, "lost", "iter_0000003")
     shutil.copytree(it(3), lost)
@@ -351,6 +352,71 @@ def _swapped_after_common(d: str, older: str, newer: str) -> dict:
         serialization.load_preprocess = real
     return {"error": error, "common_iteration": got.get("iteration"),
             "tensor_step": float(got["ln"][0]) if "ln" in got else None}
+
+
+def _common_loader_cases(d: str) -> dict:
+    """What the common loader registered in megatron's place does (the diff review's cases):
+    ``torch_dist``: an iteration saved with fastckpt, then again with megatron's torch_dist (its
+    old manifest stays): what loads; ``stale``: load_common_state_dict (as Megatron-LM does
+    first), the iteration re-saved and swapped in, then a load with megatron's own common
+    loader: the error, if any; ``two_calls``: a sharded load called twice in one load (objects,
+    then tensors, as FullyParallelLoadStrategyWrapper does), a re-save swapped in between."""
+    from megatron.core import dist_checkpointing as dc
+    from megatron.core.dist_checkpointing import ShardedObject
+    from megatron.core.dist_checkpointing.dict_utils import extract_matching_values, merge
+    from megatron.core.dist_checkpointing.strategies.base import LoadShardedStrategy
+    from megatron.core.dist_checkpointing.strategies.common import TorchCommonLoadStrategy
+
+    from fastckpt.integrations import megatron as fm
+    from fastckpt.io.ops import FileOps
+
+    _, base = fm.register()
+    out: dict = {}
+    td = os.path.join(d, "td", "iter_0000003")
+    os.makedirs(td)
+    dc.save(make_state(2, 0, 1, "full"), td, ("fastckpt", 1))
+    with cuda_calls_on_cpu():  # megatron's torch_dist save calls torch.cuda
+        dc.save(make_state(3, 0, 1, "full"), td, ("torch_dist", 1))
+        got: dict = {}
+        out["torch_dist_error"] = _error(lambda: got.update(dc.load(without_data(make_state(3, 0, 1, "full")), td)))
+    out["torch_dist"] = [got.get("iteration"), float(got["ln"][0]) if "ln" in got else None]
+
+    def state(step: int) -> dict:
+        return {**make_state(step, 0, 1, "full"), "rank_obj": ShardedObject("rank_obj", {"step": step}, (1,), (0,))}
+
+    here, other = os.path.join(d, "a", "iter_0000003"), os.path.join(d, "b", "iter_0000003")
+    for path, step in ((here, 3), (other, 2)):
+        os.makedirs(path)
+        dc.save(state(step), path, ("fastckpt", 1))
+    dc.load_common_state_dict(here)
+    FileOps().exchange(here, other)  # iteration 3 saved again and swapped in, well before the load
+    theirs = TorchCommonLoadStrategy()
+    out["stale_error"] = _error(lambda: dc.load(without_data(state(2)), here, common_strategy=theirs))
+    FileOps().exchange(here, other)  # back: iteration 3's values at ``here``
+
+    class TwoCalls(LoadShardedStrategy):
+        def load(self, sharded_state_dict, checkpoint_dir):  # noqa: ANN001, ANN201
+            objs, tensors = extract_matching_values(sharded_state_dict, lambda v: isinstance(v, ShardedObject))
+            loaded = base.load(objs, checkpoint_dir)
+            FileOps().exchange(here, other)  # swapped in between the two calls
+            merge(loaded, base.load(tensors, checkpoint_dir))
+            return loaded
+
+        def load_tensors_metadata(self, checkpoint_dir):  # noqa: ANN001, ANN201
+            return base.load_tensors_metadata(checkpoint_dir)
+
+        def check_backend_compatibility(self, loaded_version):  # noqa: ANN001, ANN201
+            return base.check_backend_compatibility(loaded_version)
+
+        def check_version_compatibility(self, loaded_version):  # noqa: ANN001, ANN201
+            return base.check_version_compatibility(loaded_version)
+
+        @property
+        def can_handle_sharded_objects(self) -> bool:
+            return True
+
+    out["two_calls_error"] = _error(lambda: dc.load(without_data(state(3)), here, sharded_strategy=TwoCalls()))
+    return out
 
 
 def scenario_loop(d: str, rank: int, world: int) -> dict:

@@ -205,6 +205,22 @@ def test_a_resave_swapped_in_after_megatron_read_common_pt_is_refused(loaded) ->
     assert "load it again" in got["error"]["message"]
 
 
+def test_the_common_loader_leaves_a_torch_dist_save_over_a_fastckpt_one_to_megatron(loaded) -> None:
+    """The loader took any directory with our manifest for ours: an iteration saved again with
+    torch_dist (megatron saves in place; our manifest stays) failed as a rewritten common.pt."""
+    got = loaded["common_cases"]
+    assert got["torch_dist_error"] is None and got["torch_dist"] == [3, 3.0], got
+
+
+def test_the_common_loaders_note_lives_for_one_load(loaded) -> None:
+    """load_common_state_dict's note lingered: a later load with another common loader, after a
+    re-save, raised a false GroupChangedError. Under FullyParallelLoadStrategyWrapper's two calls
+    (objects, then tensors) the first call used the note up and the second checked nothing."""
+    got = loaded["common_cases"]
+    assert got["stale_error"] is None, got
+    assert got["two_calls_error"] is not None and got["two_calls_error"]["type"] == "GroupChangedError", got
+
+
 def test_a_tensor_file_deleted_after_the_commit_is_named(loaded) -> None:
     err = loaded["lost_error"]  # was: a bare FileNotFoundError from os.path.getsize
     assert err["type"] == "CheckpointNotFoundError", err

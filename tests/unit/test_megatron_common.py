@@ -23,7 +23,7 @@ def test_importing_the_integration_puts_the_common_loader_in_megatrons_place() -
 def test_a_checkpoint_without_a_fastckpt_manifest_is_loaded_as_megatron_loads_it(tmp_path) -> None:
     torch.save({"iteration": 7, "args": {"lr": 0.5}}, tmp_path / "common.pt")
     assert fm.FastCkptCommonLoadStrategy().load_common(tmp_path) == {"iteration": 7, "args": {"lr": 0.5}}
-    assert commonload.take(str(tmp_path)) is None  # nothing noted: the sharded load checks nothing more
+    assert commonload.seen(str(tmp_path)) is None  # nothing noted: the sharded load checks nothing more
 
 
 def test_a_missing_common_pt_is_megatrons_error(tmp_path) -> None:
