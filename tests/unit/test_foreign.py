@@ -259,10 +259,11 @@ def test_a_torch_distributed_checkpoint_directory_is_one_checkpoint(tmp_path: Pa
             torch.save({"epoch": 0, "global_step": step}, d / "meta.pt")
             os.truncate(d / "meta.pt", cut)
     assert fastckpt.latest(str(tmp_path)) == str(tmp_path / "epoch=0-step=8.ckpt")
-    # a re-save in place (Lightning's last.ckpt under FSDP) rewrites the shards before .metadata: a
-    # kill then leaves a shard newer than .metadata, and the old meta.pt and .metadata whole
+    # a copy that does not keep file times (rsync without -t, an upload) is as whole; and latest of
+    # the directory itself names it, not its meta.pt or a shard
     newest = tmp_path / "epoch=0-step=8.ckpt"
     done = os.stat(newest / ".metadata").st_mtime
     shard = next(p for p in newest.iterdir() if p.suffix == ".distcp")
     os.utime(shard, (done + 5, done + 5))
-    assert fastckpt.latest(str(tmp_path)) == str(tmp_path / "epoch=0-step=6.ckpt")
+    assert fastckpt.latest(str(tmp_path)) == str(newest)
+    assert fastckpt.latest(str(newest)) == str(newest)

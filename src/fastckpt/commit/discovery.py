@@ -132,7 +132,7 @@ def _scan(loc: Location, max_depth: int, damaged: list[Damaged], gone: list[str]
     ds_tags = {t for r in rels if posixpath.basename(r) == "latest" and not _hidden(r)
                for t in [foreign.deepspeed_tag(loc.target, prefix, r, set(rels))] if t and t not in groups}
     dcp_dirs = {d for r in rels if posixpath.basename(r) == DCP_METADATA  # written last by dcp.save: complete
-                for d in [posixpath.dirname(r)] if d and not _hidden(d) and d not in groups | ds_tags}
+                for d in [posixpath.dirname(r)] if not _hidden(d) and d not in groups | ds_tags}  # ("": root)
     inside = groups | marked | ds_tags | dcp_dirs
     sidecars = {r[: -len(SIDECAR)] for r in rels if r.endswith(SIDECAR)}
     others: list[Found] = []
@@ -151,27 +151,13 @@ def _scan(loc: Location, max_depth: int, damaged: list[Damaged], gone: list[str]
     for t in sorted(ds_tags):  # ordered by when DeepSpeed's latest file named it
         written = loc.target.modified(prefix + posixpath.join(posixpath.dirname(t), "latest"))
         others.append(Found(join(loc.url, t), "group", written, {}, "DeepSpeed", foreign.tag_step(t)))
-    for d in sorted(dcp_dirs):  # one checkpoint, the directory
-        meta = _lightning_meta(loc, prefix + posixpath.join(d, "meta.pt"), f"{d}/meta.pt" in rels, d.endswith(".ckpt"))
-        written = _dcp_written(loc, prefix, d, rels)
-        if meta is not False and written is not None:
+    for d in sorted(dcp_dirs):  # one checkpoint, the directory (not atomic: a re-save in place cut short is not seen)
+        meta = _lightning_meta(loc, prefix + posixpath.join(d, "meta.pt"), posixpath.join(d, "meta.pt") in rels,
+                               (d or loc.url).endswith(".ckpt"))
+        if meta is not False:
+            written = loc.target.modified(prefix + posixpath.join(d, DCP_METADATA))
             others.append(Found(join(loc.url, d), "group", written, {}, "torch.distributed.checkpoint", meta))
     return _ordered(loc, prefix, found if every_copy else _one_copy_each(found), others)
-
-
-def _dcp_written(loc: Location, prefix: str, d: str, rels: list[str]) -> float | None:
-    """When ``dcp.save`` wrote the directory ``d``'s ``.metadata``; None when a file of it is newer:
-    dcp.save writes ``.metadata`` after the shards, and Lightning its ``meta.pt`` after that, so a
-    newer shard (or an older ``meta.pt``) is a re-save in place under way, or cut short by a kill."""
-    try:
-        done = loc.target.modified(prefix + posixpath.join(d, DCP_METADATA))
-        for r in [r for r in rels if posixpath.dirname(r) == d and r.endswith((".distcp", "/meta.pt"))]:
-            at = loc.target.modified(prefix + r)
-            if at > done if r.endswith(".distcp") else at < done:
-                return None
-    except OSError:
-        return None
-    return done
 
 
 def _lightning_meta(loc: Location, key: str, listed: bool, lightning_name: bool) -> int | None | Literal[False]:
