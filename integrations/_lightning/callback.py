@@ -12,6 +12,7 @@ from typing import Any
 
 from fastckpt.errors import ConfigError
 
+from .options import refuse_keep_persistent
 from .plugin import FastCkptIOMixin
 
 log = logging.getLogger("fastckpt")
@@ -40,6 +41,8 @@ class FastCkptCallbackMixin:
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         io = trainer.strategy.checkpoint_io
         self._io(trainer)  # raises for a wrapped FastCkptIO
+        if isinstance(io, FastCkptIOMixin) and trainer.checkpoint_callbacks:
+            refuse_keep_persistent(io._given.config if io._given is not None else io.config)
         if isinstance(io, FastCkptIOMixin) and io._connect(trainer, self):
             self._run_first(trainer)
             self._count_saves_in_flight(trainer, io)

@@ -26,14 +26,13 @@ def checkpointer_config(**options: object) -> CheckpointerConfig:
     if unknown:
         raise ConfigError(f"FastCkptIO got unknown option(s) {unknown}; it takes local_dir, lazy_snapshot, "
                           f"staging_buffers, checkpointer and the Checkpointer options: {', '.join(option_names())}")
-    config = CheckpointerConfig(**options)  # type: ignore[arg-type]
-    refuse_keep_persistent(config)
-    return config
+    return CheckpointerConfig(**options)  # type: ignore[arg-type]
 
 
 def refuse_keep_persistent(config: CheckpointerConfig) -> None:
-    """``keep_persistent`` trims the checkpoints at their path by age, while ModelCheckpoint decides
-    which of them stay (by its metric): together they deleted the best one, which it still names."""
+    """With a ModelCheckpoint (checked at setup): ``keep_persistent`` trims the checkpoints at
+    their path by age, while ModelCheckpoint decides which of them stay (by its metric): together
+    they deleted the best one, which it still names. Without one it is the retention there is."""
     if config.keep_persistent is not None:
         raise ConfigError(f"FastCkptIO: keep_persistent={config.keep_persistent} deletes the oldest checkpoints at "
                           "their path, but ModelCheckpoint decides which stay there (save_top_k, best_model_path, "

@@ -52,7 +52,7 @@ from fastckpt.monitor import OverheadReport, Stats
 from fastckpt.urls import is_url, normalize
 
 from .link import LINK, TrainerLink
-from .options import checkpointer_config, is_requeue_checkpoint, parse_storage_options, refuse_keep_persistent
+from .options import checkpointer_config, is_requeue_checkpoint, parse_storage_options
 from .saves import SaveLedger, copy_unfenced_tensors
 
 log = logging.getLogger("fastckpt.lightning")
@@ -107,7 +107,6 @@ class FastCkptIOMixin(TrainerLink):
             if given or options:
                 raise ConfigError(f"FastCkptIO(checkpointer=...) uses that Checkpointer's settings; do not also "
                                   f"pass {', '.join(given + sorted(options))} (set them on the Checkpointer)")
-            refuse_keep_persistent(checkpointer.config)
             if checkpointer.config.local_dirs and checkpointer.config.replicate_policy != "all":
                 # a warning, not an error: FastCkptIO(replicate_policy="coalesce") is allowed too
                 policy = checkpointer.config.replicate_policy
@@ -345,6 +344,9 @@ class FastCkptIOMixin(TrainerLink):
                 self._remove_deferred()
             except BaseException as exc:  # noqa: BLE001 (collected, raised below)
                 errors.append(exc)
+            for path in self._deferred:
+                log.info("fastckpt: kept %s although Lightning asked to delete it: a link beside it still names it",
+                         path)
         if ck is not None:
             try:
                 if self._given is None:

@@ -431,11 +431,21 @@ def test_keep_persistent_is_refused_as_it_fights_model_checkpoints_top_k(tmp_pat
     monitor=...) kept files by metric: the best checkpoint was deleted while best_model_path still
     named it, and fit(ckpt_path="best") failed. The option was accepted without a word."""
     fix = "Drop keep_persistent and give ModelCheckpoint(save_top_k=N)"
-    with pytest.raises(ConfigError, match=re.escape(fix)):
-        FastCkptIO(local_dir=str(tmp_path / "nvme"), keep_persistent=2)
+    io = FastCkptIO(local_dir=str(tmp_path / "nvme"), keep_persistent=2)
+    with pytest.raises(ConfigError, match=re.escape(fix)):  # at setup: before any step
+        make_trainer(str(tmp_path), io, 2, every_n_train_steps=1).fit(TinyModel(), loader())
     with fastckpt.Checkpointer(keep_persistent=2) as ck, pytest.raises(ConfigError, match=re.escape(fix)):
-        FastCkptIO(checkpointer=ck)
-    FastCkptIO(local_dir=str(tmp_path / "nvme"), keep_local=2)  # the burst buffer's bound stays
+        make_trainer(str(tmp_path), FastCkptIO(checkpointer=ck), 2).fit(TinyModel(), loader())
+    # without a ModelCheckpoint (manual saves) keep_persistent is the retention there is
+    class Saves(Callback):
+        def on_train_batch_end(self, trainer, *args):  # noqa: ANN001, ANN002, ANN202
+            trainer.save_checkpoint(str(tmp_path / "manual" / f"{trainer.global_step}.ckpt"))
+
+    trainer = L.Trainer(max_steps=3, accelerator="cpu", plugins=[FastCkptIO(keep_persistent=1)], logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        default_root_dir=str(tmp_path), callbacks=[Saves()])
+    trainer.fit(TinyModel(), loader())
+    assert sorted(os.listdir(tmp_path / "manual")) == ["3.ckpt"]
 
 
 @pytest.mark.parametrize("options, words", [
