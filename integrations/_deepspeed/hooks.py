@@ -48,7 +48,8 @@ from fastckpt.save.fencing import optimizer_tensors
 
 from .agree import COMMITTED, FAILED, agree_on_load, error_on_any_rank, worst_on_any_rank
 from .compat import Store, checked_tag, is_url, normalize, order, same_files
-from .engine import FastCkptEngine
+from .engine import OPT_OUT, SAFE_GLOBALS, FastCkptEngine
+from .unsafe import refused_globals, warn_once
 
 if TYPE_CHECKING:
     from deepspeed.runtime.engine import DeepSpeedEngine
@@ -238,6 +239,8 @@ class EngineHooks:
         home = normalize(save_dir)
         where, alias = self._where(home)
         self._report_on_every_rank(clear=_join(home, tag))
+        if client_state and self.fe.weights_only:  # known now, not at the resume
+            warn_once(refused_globals(client_state, SAFE_GLOBALS), log, OPT_OUT)
         self.fe.begin(alias, bool(save_latest), int(self.engine.global_samples))
         try:
             return self._save(where, tag=tag, client_state={} if client_state is None else client_state,

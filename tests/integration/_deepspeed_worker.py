@@ -739,6 +739,35 @@ def resaved(root: str) -> None:
     reader.destroy()
 
 
+def numpy_state(root: str) -> None:
+    """A client_state holding numpy's RNG state saved fine, and the resume (weights_only=True, the
+    default) failed with UnpicklingError, maybe days later: the save now warns, once, naming the
+    globals; one with plain types and tensors does not."""
+    import pickle
+
+    import numpy as np
+
+    records = Records()
+    logging.getLogger("fastckpt.deepspeed").addHandler(records)
+    logging.getLogger("fastckpt.deepspeed").setLevel(logging.WARNING)  # (main() quiets "fastckpt" to ERROR)
+    d = os.path.join(root, "numpystate")
+    eng = engine(2, {}, seed=0)
+    train(eng, 1, 1)
+    eng.save_checkpoint(d, "p1", client_state={"step": 1, "t": torch.ones(2), "names": ["a", "b"]})
+    for tag in ("n1", "n2"):
+        eng.save_checkpoint(d, tag, client_state={"rng": np.random.get_state()})
+    warned = [m for m in records.messages if "client_state holds" in m]
+    assert len(warned) == 1 and "numpy.ndarray" in warned[0] and "add_safe_globals" in warned[0], warned
+    eng.checkpoint_engine.checkpointer.wait()
+    try:
+        eng.load_checkpoint(d, "n2")
+        raise AssertionError("a client_state of numpy objects loaded with weights_only=True")
+    except pickle.UnpicklingError:
+        pass  # as the warning said
+    RESULTS["numpy_warned"] = warned
+    logging.getLogger("fastckpt.deepspeed").setLevel(logging.NOTSET)
+
+
 def missing(root: str) -> None:
     """A committed tag whose optimizer file, or whole directory, was deleted since: the load
     raises CheckpointNotFoundError naming it, not DeepSpeed's bare AssertionError."""
@@ -862,7 +891,7 @@ SCENARIOS = {"roundtrip": lambda root: [roundtrip(root, s) for s in (0, 1, 2, 3)
              "otherengine": other_engine,
              "drives": drives, "notag": no_such_tag, "wholeconfig": whole_config, "redaction": redaction,
              "keepbest": keep_best, "coalescebest": coalesce_best, "resaved": resaved, "onerank": one_rank_fails,
-             "loadrace": load_race, "missing": missing,
+             "loadrace": load_race, "missing": missing, "numpystate": numpy_state,
              "lazy": lambda root: [lazy(root, s) for s in (0, 1, 2, 3)]}
 
 

@@ -30,7 +30,7 @@ WORKER = str(HERE / "_deepspeed_worker.py")
 TWO_PROCESS_SCENARIOS = ("roundtrip,convert,interop,report,unsafe,switch,lazy,universal,export,nolatest,install,"
                          "destroy,engines,skip,keepbest,onerank,loadrace")
 ONE_PROCESS_SCENARIOS = ("roundtrip,skip,badtag,otherengine,drives,notag,wholeconfig,redaction,coalescebest,resaved,"
-                         "missing")
+                         "missing,numpystate")
 
 
 @dataclass(frozen=True)
@@ -294,6 +294,12 @@ def test_ranks_load_one_save_and_fail_together(two_processes: Run) -> None:
 def test_a_tag_missing_a_file_or_its_directory_names_it(one_process: Run) -> None:
     """Asserted in the worker: CheckpointNotFoundError naming the file, then the directory."""
     assert "missing" in one_process.results[0]["done"]
+
+
+def test_a_client_state_a_safe_load_refuses_is_named_at_the_save(one_process: Run) -> None:
+    """Asserted in the worker: one warning at the first such save, naming numpy's globals."""
+    assert "numpystate" in one_process.results[0]["done"]
+    assert "numpy" in one_process.results[0]["numpy_warned"][0]
 
 
 def test_s3_save_load_and_fresh_node(two_processes: Run) -> None:
