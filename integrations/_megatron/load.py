@@ -228,5 +228,4 @@ def _changed(group: str, pinned: dict) -> bool:
         now = read_group_manifest(group)
     except (OSError, ValueError):  # unreadable now: nothing says it changed
         return False
-    return now is not None and (now.get("attempt"), now.get("committed_at")) != (pinned.get("attempt"),
-                                                                                 pinned.get("committed_at"))
+    return now is not None and commonload.identity(now) != commonload.identity(pinned)
