@@ -14,8 +14,14 @@ from fastckpt.storage.s3_options import check_s3_options
     {"endpoint_url": "http://127.0.0.1:8333", "client_kwargs": {"endpoint_url": "http://[::1"}},
 ])
 def test_a_bad_endpoint_in_client_kwargs_is_named(opts: dict) -> None:
-    with pytest.raises(ConfigError, match="endpoint_url is not a URL of the form"):
+    with pytest.raises(ConfigError, match=r": client_kwargs\.endpoint_url is not a URL of the form"):
         check_s3_options("s3://bucket", opts)
+
+
+def test_a_bad_top_level_endpoint_is_named_as_such() -> None:
+    with pytest.raises(ConfigError, match=r"s3://bucket: endpoint_url is not a URL of the form"):
+        check_s3_options("s3://bucket", {"endpoint_url": "minio:9000",
+                                         "client_kwargs": {"endpoint_url": "http://127.0.0.1:8333"}})
 
 
 def test_good_endpoints_pass() -> None:

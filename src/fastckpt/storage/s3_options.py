@@ -22,7 +22,8 @@ def check_s3_options(url_root: str, opts: dict) -> None:
     credential that is not a string, or a ``*_kwargs`` option that is not an object."""
     where = f"storage_options for {url_root}"
     ck = opts.get("client_kwargs")
-    for endpoint in (opts.get("endpoint_url"), ck.get("endpoint_url") if isinstance(ck, dict) else None):
+    for name, endpoint in (("endpoint_url", opts.get("endpoint_url")),
+                           ("client_kwargs.endpoint_url", ck.get("endpoint_url") if isinstance(ck, dict) else None)):
         if endpoint is None:  # (either may be given, and s3fs passes a top-level None on)
             continue
         ok = isinstance(endpoint, str)
@@ -32,7 +33,7 @@ def check_s3_options(url_root: str, opts: dict) -> None:
         except ValueError:  # "http://[::1", a port out of range
             ok = False
         if not ok:
-            raise ConfigError(f"{where}: endpoint_url is not a URL of the form http://host:port or https://host[:port] "
+            raise ConfigError(f"{where}: {name} is not a URL of the form http://host:port or https://host[:port] "
                               "(e.g. http://127.0.0.1:8333); fix the scheme, host and port")
     for name in _STRINGS:
         if opts.get(name) is not None and not isinstance(opts[name], str):
