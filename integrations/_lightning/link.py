@@ -113,7 +113,7 @@ class TrainerLink:
         """Lightning moved ``linkpath`` itself (to a file this fit did not save, e.g. FSDP's sharded
         directories): the deletions that waited for it run on the remover thread, after any queued."""
         if self._deferred or self._removals:
-            self._removals[LINK + normalize(linkpath) + " (moved)"] = self._queue(self._remove_deferred)
+            self._file(LINK + normalize(linkpath) + " (moved)", self._queue(self._remove_deferred))
 
     def _remove_deferred(self) -> None:
         """Delete the files whose deletion waited for a link to move off them, where none names them now."""
@@ -136,7 +136,7 @@ class TrainerLink:
         entry = (save, os.fspath(filepath))
         with self._links_lock:
             self._links.setdefault(linkpath, []).append(entry)
-        self._removals[LINK + normalize(linkpath)] = self._queue(self._relink, linkpath, entry)
+        self._file(LINK + normalize(linkpath), self._queue(self._relink, linkpath, entry))
         return True
 
     def _relink(self, linkpath: str, upto: tuple[SaveHandle, str] | None) -> None:
@@ -162,6 +162,14 @@ class TrainerLink:
 
     def _queue(self, fn: Callable[..., None], *args: Any) -> Future:
         raise NotImplementedError  # FastCkptIOMixin runs it on its remover thread
+
+    def _file(self, key: str, fut: Future) -> None:
+        """Track ``fut`` under ``key``. One queued earlier under that key and not yet harvested stays
+        tracked (under ``key #n``): its failure is still raised, at the next save or at teardown."""
+        old = self._removals.get(key)
+        if old is not None:
+            self._removals[f"{key} #{id(old)}"] = old
+        self._removals[key] = fut
 
     def _settle_removal(self, path: str) -> None:
         for key in (normalize(path), LINK + normalize(path)):  # its deletion, or its link, queued

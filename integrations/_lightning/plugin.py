@@ -306,7 +306,7 @@ class FastCkptIOMixin(TrainerLink):
         prev = self._removals.get(path)
         if prev is not None and not prev.done():
             return
-        self._removals[path] = self._queue(self._remove_after, ck, path, self._saves.before_removal(path))
+        self._file(path, self._queue(self._remove_after, ck, path, self._saves.before_removal(path)))
 
     def _queue(self, fn: Callable[..., None], *args: Any) -> Future:
         """Run ``fn(*args)`` on the remover thread, after what was queued before."""
@@ -332,7 +332,8 @@ class FastCkptIOMixin(TrainerLink):
         self._fence()
         removals, self._removals = self._removals, {}
         _, stuck = wait_futures(removals.values(), timeout=timeout_s)
-        for path, fut in removals.items():
+        for key, fut in removals.items():
+            path = key.rsplit(" #", 1)[0] if key.rsplit(" #", 1)[-1].isdigit() else key
             if fut in stuck:
                 log.warning("fastckpt: gave up waiting for the %s (close_timeout_s=%s): the save it waits for is "
                             "still pending", f"link {path[len(LINK):]}" if path.startswith(LINK) else
