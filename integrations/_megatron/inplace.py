@@ -16,7 +16,8 @@ keeps instead is enough to put both files back:
 - ``restore(group)``: the files that no longer match the published manifest's checksums are
   written back from the index (atomically; each is checked against the manifest first). Every
   rank runs it when a save fails, before its error reaches its caller, and ``sync_tracker`` runs it
-  for the iteration Megatron-LM is about to load (after a kill);
+  for the iteration Megatron-LM is about to load (after a kill). An iteration saved again by
+  another backend (megatron's ``torch_dist``: ``metadata.json`` names it) is left alone;
 - ``check(group, manifest)``: the loader refuses a ``common.pt`` that is not the committed one
   (megatron has read it by then) and names the fix.
 """
@@ -28,13 +29,13 @@ import os
 from collections.abc import Iterable
 
 import torch
-from megatron.core.dist_checkpointing.core import CONFIG_FNAME
+from megatron.core.dist_checkpointing.core import CONFIG_FNAME, maybe_load_config
 from megatron.core.dist_checkpointing.strategies.common import COMMON_STATE_FNAME
 
 from fastckpt.errors import CorruptCheckpointError
 from fastckpt.io.ops import FileOps
 
-from .common import INDEX_FILE
+from .common import BACKEND, INDEX_FILE
 from .compat import FRAMEWORK_FILES, checksum_bytes, framework_files, publish_bytes, read_group_manifest
 
 log = logging.getLogger("fastckpt.megatron")
@@ -106,8 +107,8 @@ def restore(group: str, ops: FileOps) -> list[str]:
         CorruptCheckpointError: the index does not hold bytes that match the manifest.
     """
     damaged = _damaged(group, read_group_manifest(group))
-    if not damaged:
-        return []
+    if not damaged or _saved_by(group) not in (None, BACKEND):
+        return []  # (a later save of this iteration by megatron's own strategy: its files, not ours to put back)
     index_path = os.path.join(group, INDEX_FILE)
     try:  # a plain load: what is written back is checked against the manifest below
         kept = torch.load(index_path, map_location="cpu", weights_only=True).get(KEY) or {}
@@ -123,6 +124,16 @@ def restore(group: str, ops: FileOps) -> list[str]:
         log.warning("fastckpt: put back %s as committed: a save into this iteration that did not finish had "
                     "rewritten it in place", os.path.join(group, name))
     return sorted(damaged)
+
+
+def _saved_by(group: str) -> str | None:
+    """The sharded backend ``metadata.json`` names (written last by megatron's save); None when
+    it is missing or cut short (a save killed while writing it)."""
+    try:
+        config = maybe_load_config(group)
+    except (OSError, ValueError):
+        return None
+    return None if config is None else config.sharded_backend
 
 
 def restore_after(group: str, ops: FileOps, error: BaseException) -> None:

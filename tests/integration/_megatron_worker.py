@@ -357,10 +357,12 @@ def _swapped_after_common(d: str, older: str, newer: str) -> dict:
 def _common_loader_cases(d: str) -> dict:
     """What the common loader registered in megatron's place does (the diff review's cases):
     ``torch_dist``: an iteration saved with fastckpt, then again with megatron's torch_dist (its
-    old manifest stays): what loads; ``stale``: load_common_state_dict (as Megatron-LM does
-    first), the iteration re-saved and swapped in, then a load with megatron's own common
-    loader: the error, if any; ``two_calls``: a sharded load called twice in one load (objects,
-    then tensors, as FullyParallelLoadStrategyWrapper does), a re-save swapped in between."""
+    old manifest stays): what ``repair_checkpoint`` and ``sync_tracker`` (the patched load path)
+    put back (nothing: it is megatron's save now) and what loads then; ``stale``:
+    load_common_state_dict (as Megatron-LM does first), the iteration re-saved and swapped in,
+    then a load with megatron's own common loader: the error, if any; ``two_calls``: a sharded
+    load called twice in one load (objects, then tensors, as FullyParallelLoadStrategyWrapper
+    does), a re-save swapped in between."""
     from megatron.core import dist_checkpointing as dc
     from megatron.core.dist_checkpointing import ShardedObject
     from megatron.core.dist_checkpointing.dict_utils import extract_matching_values, merge
@@ -377,6 +379,8 @@ def _common_loader_cases(d: str) -> dict:
     dc.save(make_state(2, 0, 1, "full"), td, ("fastckpt", 1))
     with cuda_calls_on_cpu():  # megatron's torch_dist save calls torch.cuda
         dc.save(make_state(3, 0, 1, "full"), td, ("torch_dist", 1))
+        out["put_back"] = fm.repair_checkpoint(td)
+        fm.sync_tracker(os.path.dirname(td), load_iteration=3)
         got: dict = {}
         out["torch_dist_error"] = _error(lambda: got.update(dc.load(without_data(make_state(3, 0, 1, "full")), td)))
     out["torch_dist"] = [got.get("iteration"), float(got["ln"][0]) if "ln" in got else None]

@@ -210,6 +210,9 @@ def test_the_common_loader_leaves_a_torch_dist_save_over_a_fastckpt_one_to_megat
     torch_dist (megatron saves in place; our manifest stays) failed as a rewritten common.pt."""
     got = loaded["common_cases"]
     assert got["torch_dist_error"] is None and got["torch_dist"] == [3, 3.0], got
+    # sync_tracker (the patched load path) and repair_checkpoint wrote the old fastckpt save's
+    # common.pt and metadata.json back over it, so iteration 3 silently loaded as step 2
+    assert got["put_back"] == [], got
 
 
 def test_the_common_loaders_note_lives_for_one_load(loaded) -> None:
