@@ -15,12 +15,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from ..errors import (
-    CheckpointWriteError,
-    CommitTimeoutError,
-    CorruptCheckpointError,
-    GroupRemovedError,
-)
+from ..errors import CheckpointWriteError, CommitTimeoutError, CorruptCheckpointError, GroupRemovedError
 from ..io import atomic
 from ..records import SaveHandle, SaveRecord
 from ..storage.places import Place
@@ -197,18 +192,25 @@ def _verdict(att: Attempt, ch: S.Channel, rank: int, deadline: float, stop: thre
     attempt on every rank (``Channel.give_up``) before this rank reports it not committed: else a
     rank 0 that is only late would still publish it, with this rank's files, which this rank's
     next save of the group may overwrite in place. Unless rank 0 claimed it first: then it is
-    publishing, and its outcome is waited for once more."""
+    publishing, and its outcome is waited for once more. A store that stopped answering (its host,
+    rank 0's process, ended) says nothing: the group's manifest at its home says whether rank 0
+    published this attempt before it went."""
     try:
-        return ch.hear(deadline, stop, att.home.label, waited_s)
-    except CommitTimeoutError as exc:
         try:
-            ended = ch.give_up(C.gave_up_why(att.home.label, rank, waited_s))
-        except S.StoreError as store_exc:
-            exc.add_note(f"the other ranks were not told: {store_exc}")
-            raise exc from None
-        if ended:
+            return ch.hear(deadline, stop, att.home.label, waited_s)
+        except CommitTimeoutError as exc:
+            try:
+                ended = ch.give_up(C.gave_up_why(att.home.label, rank, waited_s))
+            except S.StoreError as store_exc:
+                exc.add_note(f"the other ranks were not told: {store_exc}")
+                raise exc from None
+            if ended:
+                raise
+        return ch.hear(time.monotonic() + waited_s, stop, att.home.label, waited_s)
+    except S.StoreError:
+        if (m := _manifest_of(att.home, att.token, unreadable=OSError)) is None:
             raise
-    return ch.hear(time.monotonic() + waited_s, stop, att.home.label, waited_s)
+        return f"{S.PUBLISHED}:{sum(f['size'] for f in m['files'].values())}"
 
 
 def via_storage(att: Attempt, rank: int, world: int, files: dict, superseded: bool, extra: dict,
@@ -322,7 +324,7 @@ def publish_local(att: Attempt, local: Place, manifest: dict | None, stop: threa
         if not _claim(local, f"{P.MARKER_DIR}/fetch-{att.token}"):  # another rank of this node fetches it
             F.poll(lambda: True if local.size(P.GROUP_MANIFEST) >= 0 else None, time.monotonic() + LOCAL_WAIT_S,
                    stop)  # a stat per poll: the manifest is parsed once, when it is there
-            if _local_manifest(local, att.token) is not None:
+            if _manifest_of(local, att.token) is not None:
                 return
         manifest = P.read_group_manifest(att.home)
         if manifest is None or manifest.get("attempt") != att.token:
@@ -331,10 +333,10 @@ def publish_local(att: Attempt, local: Place, manifest: dict | None, stop: threa
     atomic.publish_bytes(local.target.ops, local.url(P.GROUP_MANIFEST), P.manifest_bytes(manifest))
 
 
-def _local_manifest(local: Place, token: str | None) -> dict | None:
+def _manifest_of(place: Place, token: str | None, unreadable: type[Exception] = CorruptCheckpointError) -> dict | None:
     try:
-        m = P.read_group_manifest(local)
-    except CorruptCheckpointError:
+        m = P.read_group_manifest(place)
+    except (CorruptCheckpointError, unreadable):
         return None
     return m if m is not None and m.get("attempt") == token else None
 

@@ -1,0 +1,85 @@
+"""A rank hears rank 0's outcome through the store that rank 0's process hosts (a plain
+``TCPStore`` with ``is_master=True``, as ``init_process_group`` without torchrun makes it). When
+that process has ended before the rank reads the outcome, the group's manifest at its home says
+whether rank 0 published this attempt: a published group is not reported failed."""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+
+import pytest
+
+import fastckpt
+
+
+def _rank0(tag: str, port_q, publish: bool, rank1_hearing) -> None:  # noqa: ANN001
+    import torch
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, 2, True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
+    port_q.put(store.port)
+    if not publish:
+        from fastckpt.commit import attempt
+
+        def end(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            rank1_hearing.wait(120)
+            os._exit(0)  # the process, and its store, end as rank 0 was about to publish
+
+        attempt.publish = end
+    ck = fastckpt.Checkpointer(rank=0, world_size=2, store=store, commit_timeout_s=60)
+    ck.save({"w": torch.zeros(4)}, f"{tag}/rank0.pt", group=tag).wait()
+    ck.commit(tag, step=1).wait()
+    ck.close()  # published; the process and the store it hosts end
+
+
+def _rank1(tag: str, port: int, rank1_hearing, rank0_gone, out) -> None:  # noqa: ANN001
+    import torch
+    import torch.distributed as dist
+
+    from fastckpt.commit import store as S
+
+    hear = S.Channel.hear
+
+    def late(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202 (this rank reads the outcome late)
+        rank1_hearing.set()
+        rank0_gone.wait(120)
+        return hear(self, *args, **kwargs)
+
+    S.Channel.hear = late
+    store = dist.TCPStore("127.0.0.1", port, 2, False, timeout=datetime.timedelta(seconds=60))
+    ck = fastckpt.Checkpointer(rank=1, world_size=2, store=store, commit_timeout_s=60)
+    ck.save({"w": torch.ones(4)}, f"{tag}/rank1.pt", group=tag)
+    try:
+        ck.commit(tag, step=1).wait()
+        out.put("ok")
+    except Exception as exc:  # noqa: BLE001 (reported to the test)
+        out.put(f"{type(exc).__name__}: {exc}")
+    try:
+        ck.close()
+    except Exception:  # noqa: BLE001 (the store is gone: nothing more to say)
+        pass
+
+
+@pytest.mark.parametrize("published", [True, False])
+def test_a_rank_that_hears_late_from_a_store_whose_host_ended_reports_what_was_published(tmp_path,
+                                                                                         published: bool) -> None:
+    ctx = mp.get_context("spawn")
+    tag = str(tmp_path / "step-1")
+    port_q, out, rank1_hearing, rank0_gone = ctx.Queue(), ctx.Queue(), ctx.Event(), ctx.Event()
+    p0 = ctx.Process(target=_rank0, args=(tag, port_q, published, rank1_hearing))
+    p0.start()
+    p1 = ctx.Process(target=_rank1, args=(tag, port_q.get(timeout=120), rank1_hearing, rank0_gone, out))
+    p1.start()
+    p0.join(120)
+    rank0_gone.set()
+    said = out.get(timeout=180)
+    p1.join(60)
+    assert p0.exitcode == 0
+    if published:
+        assert fastckpt.latest(str(tmp_path)) == tag
+        assert said == "ok"  # was: StoreError "... The group stays incomplete."
+    else:
+        assert fastckpt.latest(str(tmp_path)) is None
+        assert said.startswith("StoreError:") and "stopped answering" in said, said
