@@ -381,6 +381,8 @@ def _common_loader_cases(d: str) -> dict:
         dc.save(make_state(3, 0, 1, "full"), td, ("torch_dist", 1))
         out["put_back"] = fm.repair_checkpoint(td)
         fm.sync_tracker(os.path.dirname(td), load_iteration=3)
+        from fastckpt.cli._discovery import checkpoint_files, homes
+        out["verify_td"] = _error(lambda: checkpoint_files(homes(None), td))  # what `fastckpt verify` reads
         got: dict = {}
         out["torch_dist_error"] = _error(lambda: got.update(dc.load(without_data(make_state(3, 0, 1, "full")), td)))
     out["torch_dist"] = [got.get("iteration"), float(got["ln"][0]) if "ln" in got else None]

@@ -213,6 +213,9 @@ def test_the_common_loader_leaves_a_torch_dist_save_over_a_fastckpt_one_to_megat
     # sync_tracker (the patched load path) and repair_checkpoint wrote the old fastckpt save's
     # common.pt and metadata.json back over it, so iteration 3 silently loaded as step 2
     assert got["put_back"] == [], got
+    # `fastckpt verify` judged it by the stale manifest: "BAD common.pt ... a killed save?"
+    assert got["verify_td"]["type"] == "FastCkptError", got
+    assert "was saved again by megatron's 'torch_dist' backend" in got["verify_td"]["message"], got
 
 
 def test_the_common_loaders_note_lives_for_one_load(loaded) -> None:

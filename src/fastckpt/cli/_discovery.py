@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 from ..commit.discovery import Damaged, Found, scan
-from ..commit.foreign import pickle_step
+from ..commit.foreign import pickle_step, resaved_by
 from ..commit.membership import group_dir
 from ..commit.names import framework_files, stays_inside
 from ..commit.protocol import GROUP_MANIFEST, MARKER_DIR, SIDECAR, member_files, read_group_manifest
@@ -57,8 +57,7 @@ class Entry:
 
 @dataclass(frozen=True)
 class FileSpec:
-    """A file ``verify`` checks: where, the size and checksum recorded when it was committed
-    (None where only the file's own manifest records them)."""
+    """A file ``verify`` checks: where, and its size and checksum as committed (None: its own manifest has them)."""
 
     path: str
     size: int | None
@@ -97,15 +96,15 @@ def file_manifest(loc: Location) -> dict | None:
 
 
 def checkpoint_files(h: Homes, path: str) -> tuple[list[FileSpec], dict]:
-    """The files of the checkpoint at ``path`` and its manifest.
-
-    Raises:
-        FastCkptError: ``path`` is not a complete fastckpt checkpoint (says what it is).
-    """
+    """The files of the checkpoint at ``path`` and its manifest. ``FastCkptError`` (saying what it
+    is) when ``path`` is not a complete fastckpt checkpoint, or no longer fastckpt's."""
     loc = h.resolve(path)
     m = group_manifest(loc)
     if m is not None:
         extra = framework_files(m)
+        if (other := resaved_by(loc.target, loc.key, extra)) is not None:
+            raise FastCkptError(f"{path} was saved again by megatron's {other!r} backend after fastckpt committed it: "
+                                "it is megatron's checkpoint now, which fastckpt cannot verify (load it with megatron)")
         return [FileSpec(join(loc.url, rel), int(f["size"]), f.get("checksum"), loc.url)
                 for rel, f in sorted(member_files(m, loc.url).items())] + [
                 FileSpec(join(loc.url, rel), None, str(digest), loc.url, whole=True)

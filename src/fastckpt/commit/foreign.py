@@ -6,6 +6,7 @@ tail, its zip directory, and its pickle when the step is wanted.
 
 from __future__ import annotations
 
+import json
 import posixpath
 import re
 
@@ -18,6 +19,22 @@ from ..storage.base import Target
 DEEPSPEED_FILE = re.compile(r".*(model_states|optim_states)\.pt$")  # mp_rank_00_model_states.pt, zero_pp_rank_..
 MAX_DIRECTORY_BYTES = 64 << 20
 MAX_POINTER_BYTES = 4096
+MEGATRON_CONFIG = "metadata.json"  # megatron-core's dist_checkpointing config, rewritten by each save
+
+
+def resaved_by(target: Target, group_key: str, framework_files: dict) -> str | None:
+    """The backend that saved the fastckpt group at ``group_key`` again in place, if one did:
+    megatron-core's ``metadata.json`` (one of the group's ``framework_files``) names another
+    sharded backend than ours (``"torch_dist"``: megatron's own). None otherwise, also when it is
+    missing or does not parse (a save of ours killed while writing it)."""
+    if MEGATRON_CONFIG not in framework_files:
+        return None
+    try:
+        config = json.loads(bytes(target.get_bytes(posixpath.join(group_key, MEGATRON_CONFIG))))
+    except (OSError, ValueError):
+        return None
+    backend = config.get("sharded_backend") if isinstance(config, dict) else None
+    return backend if isinstance(backend, str) and backend != "fastckpt" else None
 
 
 def cut_zip(target: Target, key: str) -> bool:
