@@ -86,7 +86,7 @@ class Checkpointer:
                             writer_threads=self._writers, snapshot_thread=self._snapper, inflight=self._inflight,
                             coordinator=self._coordinator, replicator=self._replicator, retention=self._retention,
                             homes=self._homes, stripes=self._stripes, emit=self._emit)
-        self._loader = Loader(self._homes, self.local_path, cfg.chunk_bytes, self._inflight.wait_writing)
+        self._loader = Loader(self._homes, self.local_path, cfg.chunk_bytes, self._inflight.wait_loadable)
         self._metrics = None
         if cfg.metrics_port is not None:  # last: a scrape may call stats() as soon as it serves
             from .metrics import start_exporter  # lazy: prometheus-client is the optional extra [metrics]

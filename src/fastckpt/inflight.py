@@ -164,6 +164,16 @@ class InFlight:
         for f in futures:
             f.exception()
 
+    def wait_loadable(self, path: str) -> None:
+        """``wait_writing(path)``, and the commit in flight of a group that holds ``path`` (tracked
+        as ``(future, group, group)``): a load of a file of a group committed here reads that commit's
+        outcome, not the save before it (nor an incomplete group)."""
+        self.wait_writing(path)
+        with self._lock:
+            commits = [f for f, p, g in self._pending.values() if p == g and g is not None and is_within(path, g)]
+        for f in commits:
+            f.exception()
+
     def writing(self, path: str) -> bool:
         """Whether a save of the file ``path`` (its write or its replication) has not ended."""
         with self._lock:

@@ -1,0 +1,44 @@
+"""``Checkpointer.load`` of a file of a group whose commit this Checkpointer has in flight loads
+what that commit publishes: it waits for the commit, as it waits for a save of the path in
+flight. It waited only for the file's write: a first save of the group raised
+``IncompleteCheckpointError``, and a re-save silently loaded the save before it."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+import fastckpt
+from fastckpt.testing import FaultyOps
+
+
+@pytest.mark.parametrize("first", [True, False], ids=["first-save", "re-save"])
+def test_a_load_of_a_group_file_waits_for_this_checkpointers_commit_in_flight(tmp_path: Path, first: bool) -> None:
+    g = str(tmp_path / "step-1")
+    ops = FaultyOps()
+    with fastckpt.Checkpointer(rank=0, world_size=1, ops=ops) as ck:
+        if not first:
+            ck.save({"v": torch.tensor(1)}, f"{g}/rank0.pt", group=g)
+            ck.commit(g, step=1).wait()
+        gate = ops.gate("write_small", path_contains="fastckpt-manifest")  # the group's publication, held
+        ck.save({"v": torch.tensor(2)}, f"{g}/rank0.pt", group=g)
+        ck.commit(g, step=1)
+        got: list = []
+
+        def load() -> None:
+            try:
+                got.append(ck.load(f"{g}/rank0.pt"))
+            except Exception as exc:  # noqa: BLE001 (reported below)
+                got.append(exc)
+
+        reader = threading.Thread(target=load)
+        reader.start()
+        gate.wait_entered()
+        reader.join(5)  # a bound, not a race: a load that waits is still waiting, one that did not has returned
+        gate.open()
+        reader.join(60)
+    assert not isinstance(got[0], Exception), got[0]
+    assert int(got[0]["v"]) == 2
