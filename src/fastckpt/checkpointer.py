@@ -20,7 +20,7 @@ from contextlib import AbstractContextManager
 from .commit import discovery
 from .commit.coordinator import Coordinator
 from .config import CheckpointerConfig, options_doc, options_signature
-from .errors import ConfigError, FastCkptError, ReplicationError
+from .errors import ClosedError, ConfigError, ReplicationError
 from .events import Event, Fanout, JsonlSink
 from .exits import close_at_exit, flush_at_exit, forget_at_exit, stop_pools
 from .format.manifest import TAIL_ROOM
@@ -47,10 +47,6 @@ PROGRESS_EVERY_S = 10.0  # a log line this often while wait() or close() waits (
 PROGRESS_DELAY_S = 3.0  # silent for waits shorter than this
 
 
-class ClosedError(FastCkptError, RuntimeError):
-    """The Checkpointer was closed; create a new one."""
-
-
 class Checkpointer:
     """Saves that return after a snapshot and become durable in the background."""
 
@@ -69,7 +65,7 @@ class Checkpointer:
         self._committer = ThreadPoolExecutor(4, thread_name_prefix="fastckpt-commit")
         self._snapper = ThreadPoolExecutor(1, thread_name_prefix="fastckpt-snapshot")  # lazy saves
         self._inflight, self._group_saved_at = InFlight(), {}  # group -> {file: wall time of its last save}
-        self._stop, self._closed = threading.Event(), False
+        self._stop, self._closed, self._closed_by = threading.Event(), False, "by close()"
         self._last_restore: tuple[float | None, str | None] = (None, None)
         self._homes = Homes(cfg.storage_options, retry_deadline_s=cfg.retry_deadline_s, parallelism=cfg.io_threads,
                             on_retry=self._on_retry, ops=self._ops, odirect=cfg.odirect, executor=self._io)
@@ -319,6 +315,8 @@ class Checkpointer:
                 self._inflight.log_unseen("close() gave up waiting (close_timeout_s)")
                 if raised is not None:
                     raised.add_note(stopped_note(self.config.local_dirs))
+            # writes first (also after a Ctrl-C in wait()): one that ends now still hands its file to the replicator
+            stop_pools((self._snapper, *self._writers) if wait else (), wait)
             self._replicator.close(wait)
             stop_pools((self._snapper, self._committer, *self._writers, self._io), wait)
             self._homes.close(wait)
@@ -341,8 +339,7 @@ class Checkpointer:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise ClosedError(f"this Checkpointer was closed {getattr(self, '_closed_by', 'by close()')}; create a "
-                              "new one (or use fastckpt.load)")
+            raise ClosedError(f"this Checkpointer was closed {self._closed_by}; create a new one or use fastckpt.load")
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -353,8 +350,7 @@ class Checkpointer:
 
 Checkpointer.__doc__ = f"""Saves that return after a snapshot and become durable in the background.
 
-Every option is defined once, in ``fastckpt.config.CheckpointerConfig``; the first four may be
-given by position.
+Every option is defined once, in ``fastckpt.config.CheckpointerConfig``; the first four may be given by position.
 
 {options_doc()}
 """

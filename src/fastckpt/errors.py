@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 
 class FastCkptError(Exception):
     """Base of every error fastckpt raises on purpose."""
@@ -59,3 +62,22 @@ class ReplicationError(CheckpointWriteError):
     """Copying a committed checkpoint to its durable home failed after all retries (a
     CheckpointWriteError: the previous checkpoint there is intact, except at an object store
     where the failure came after the object of the same key was replaced: docs/faults.md)."""
+
+
+class ClosedError(FastCkptError, RuntimeError):
+    """The Checkpointer was closed; create a new one."""
+
+
+@contextmanager
+def refused_once_closed(what: str) -> Iterator[None]:
+    """Hand work to a Checkpointer's worker pool: one that ``close()`` (or the exit flush, when the
+    main thread ended) shut down while ``what`` was under way on another thread is ``ClosedError``,
+    not concurrent.futures' bare ``RuntimeError``."""
+    try:
+        yield
+    except RuntimeError as exc:
+        if "after shutdown" not in str(exc) and "interpreter shutdown" not in str(exc):
+            raise
+        raise ClosedError(f"this Checkpointer was closed (by close(), or by the exit flush when the main thread ended) "
+                          f"while {what} was under way: nothing of it was written. Create a new Checkpointer, or "
+                          "join the thread that saves before closing") from exc

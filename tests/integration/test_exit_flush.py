@@ -139,3 +139,82 @@ def test_close_timeout_bounds_the_exit_too(tmp_path: Path) -> None:
     r = subprocess.run([sys.executable, "-c", HELD, str(tmp_path)], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and r.stdout == "gave up\n", r.stderr
     assert "still busy (fastckpt-write_0" in r.stderr and "left to end with the process" in r.stderr, r.stderr
+
+
+CTRL_C_IN_CLOSE = textwrap.dedent("""
+    import os, signal, sys, threading, torch, fastckpt
+    from fastckpt import checkpointer
+    from fastckpt.testing import FaultyOps
+
+    d = sys.argv[1]
+    ops = FaultyOps()
+    gate = ops.gate("replace", path_contains="nvme")  # the burst-buffer copy's rename, held
+    stop_pools = checkpointer.stop_pools
+
+    def stopping(executors, wait):  # close() stops its workers after the Ctrl-C: the write ends now
+        gate.open()
+        return stop_pools(executors, wait)
+
+    checkpointer.stop_pools = stopping
+    ck = fastckpt.Checkpointer(ops=ops, local_dir=d + "/nvme")
+    ck.save({"w": torch.arange(1000), "step": 5}, d + "/home/a.pt")
+
+    def ctrl_c():
+        gate.wait_entered(30)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=ctrl_c).start()
+    try:
+        ck.close()
+    except KeyboardInterrupt:
+        print("interrupted", flush=True)
+""")
+
+
+def test_ctrl_c_in_close_still_copies_the_save_in_flight_home(tmp_path: Path) -> None:
+    """docs/core.md: an interrupted close() still ends the pending work. close() closed the
+    replicator before it drained the writers, so a local write that ended after the Ctrl-C was
+    refused replication ("replicator is closed") and never reached its path."""
+    r = subprocess.run([sys.executable, "-c", CTRL_C_IN_CLOSE, str(tmp_path)], capture_output=True, text=True,
+                       timeout=120)
+    assert "interrupted" in r.stdout, r.stderr
+    assert "replicator is closed" not in r.stderr, r.stderr
+    assert fastckpt.load(str(tmp_path / "home" / "a.pt"))["step"] == 5
+
+
+SAVING_THROUGH_THE_FLUSH = textwrap.dedent("""
+    import threading, sys, torch, fastckpt
+
+    flushed = threading.Event()
+    threading._register_atexit(flushed.set)  # registered before fastckpt's: runs right after the exit flush
+    inside = threading.Event()
+
+    class Hold:  # holds the save at its snapshot event (on the saving thread) until the flush has run
+        def emit(self, ev):
+            if ev.name == "snapshot" and threading.current_thread().name == "train":
+                inside.set()
+                flushed.wait(60)
+
+    ck = fastckpt.Checkpointer(sinks=(Hold(),))
+
+    def train():
+        try:
+            ck.save({"w": torch.zeros(1024)}, sys.argv[1])
+            print("RESULT saved")
+        except fastckpt.ClosedError as exc:
+            print("RESULT ClosedError", exc)
+        except BaseException as exc:
+            print("RESULT", type(exc).__name__, exc)
+
+    threading.Thread(target=train, name="train").start()
+    inside.wait(60)
+    # the main thread ends: fastckpt's exit flush closes ck while train() is inside save()
+""")
+
+
+def test_a_save_under_way_when_the_exit_flush_closes_the_checkpointer_is_a_closed_error(tmp_path: Path) -> None:
+    """It was concurrent.futures' bare "RuntimeError: cannot schedule new futures after shutdown"."""
+    r = subprocess.run([sys.executable, "-c", SAVING_THROUGH_THE_FLUSH, str(tmp_path / "a.pt")], capture_output=True,
+                       text=True, timeout=120)
+    line = next((x for x in r.stdout.splitlines() if x.startswith("RESULT")), r.stderr)
+    assert line.startswith("RESULT ClosedError") and "while this save was under way" in line, line

@@ -33,7 +33,7 @@ from ..commit.coordinator import Coordinator
 from ..commit.names import check_save_name
 from ..commit.protocol import publish_file
 from ..config import CheckpointerConfig
-from ..errors import ConfigError, ReplicationError
+from ..errors import ConfigError, ReplicationError, refused_once_closed
 from ..format import layout as F
 from ..format.manifest import TAIL_ROOM
 from ..inflight import InFlight, raise_as_write_error, set_surfaced
@@ -159,7 +159,8 @@ class Saver:
         if self._cfg.overlap_write and not lazy and not has_cuda:
             return self._save_overlapped(layout, buf, base, dest, home, t_call, w_call, choice, spot, token, fallback)
         if lazy:  # CUDA: the copy follows the work queued so far and runs beside what comes next
-            copy = self._snap_thread.submit(snapshot, layout, buf, after=cuda_marks(layout), hold_stream=False)
+            with refused_once_closed("this save"):
+                copy = self._snap_thread.submit(snapshot, layout, buf, after=cuda_marks(layout), hold_stream=False)
             counted: Future = Future()  # the copy's outcome, once ``_copied`` has run: the writer waits for it
             snap: Snapshot | LazySnapshot = LazySnapshot(counted, layout, buf)
         else:
@@ -246,7 +247,8 @@ class Saver:
         directory: the drives write at once; files of one directory, and so every save of one
         path, are written in order)."""
         big = len(layout.storages) >= heap.TRIM_AFTER_RECORDS
-        return self._write_threads[spot.index if spot else 0].submit(self._written, token, big, write, list(args))
+        with refused_once_closed("this save"):
+            return self._write_threads[spot.index if spot else 0].submit(self._written, token, big, write, list(args))
 
     def _written(self, token: int, big: bool, write: Callable[..., SaveRecord], args: list) -> SaveRecord:
         """The writer thread's job: write; a file written to its own path is durable and
