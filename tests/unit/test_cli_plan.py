@@ -500,3 +500,30 @@ def test_plan_says_what_the_staging_buffers_pin_and_checks_host_memory() -> None
     assert any("pins 140 GB of host memory per node" in n and "--host-memory" in n for n in d["notes"])
     r = invoke("--params", "70B", "--gpus", "64", "--bandwidth", "20GB/s", "--host-memory", "256GB")
     assert r.exit_code == 1 and "the staging buffers pin 140 GB per node" in r.stdout
+
+
+def test_a_group_re_saved_under_one_path_is_one_checkpoint_per_commit(tmp_path) -> None:
+    """Two ranks re-save one `last` group three times. plan took the group's path for one
+    checkpoint: no interval (the 2 h default, "fewer than two saves") and each re-save's files
+    summed against one commit's total (a share of 1.5 for one of the two ranks' logs, 1 GPU).
+    Now each commit is a checkpoint, as report counts them, compared with its own files."""
+    logs = [str(tmp_path / f"events-{r}.jsonl") for r in range(2)]
+    cks = [fastckpt.Checkpointer(rank=r, world_size=2, event_log=logs[r], overhead_budget=0.99) for r in range(2)]
+    group = str(tmp_path / "home" / "last")
+    try:
+        for step in range(3):
+            for ck in cks:
+                ck.save({"w": torch.full((1 << 18,), step, dtype=torch.float32)}, f"{group}/r{ck.rank}.pt",
+                        group=group)
+            for h in [ck.commit(group, step=step) for ck in cks]:
+                h.wait(60)
+    finally:
+        close_all(cks)
+    report = json.loads(CliRunner().invoke(cli, ["report", *logs, "--json"]).stdout)
+    both = json.loads(invoke("--from-run", logs[0], "--from-run", logs[1], "--json").stdout)
+    assert both["measured"]["checkpoints"] == report["group_commits"] == 3
+    assert both["measured"]["interval_s"] is not None and not any("the default" in n for n in both["notes"])
+    assert both["gpus"] == 2 and both["measured"]["logged_share"] == pytest.approx(1.0, abs=0.05)
+    one = json.loads(invoke("--from-run", logs[1], "--json").stdout)
+    assert one["measured"]["checkpoints"] == 3 and one["measured"]["interval_s"] is not None
+    assert one["gpus"] == 2 and one["measured"]["logged_share"] == pytest.approx(0.5, abs=0.03)

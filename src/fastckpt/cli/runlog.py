@@ -8,6 +8,7 @@ with ``eventlog.read_events``, as ``fastckpt report`` reads it.
 
 from __future__ import annotations
 
+import bisect
 import posixpath
 import re
 import statistics
@@ -71,6 +72,18 @@ def _unit(path: str, groups: set[str]) -> str:
     return d if d in groups or _STEP_DIR.search(posixpath.basename(d)) else path
 
 
+def _group_commits(events: list[Event]) -> dict[tuple[int, str], list[Event]]:
+    """Each rank's published group commits, per group path, in order. Every commit is a checkpoint,
+    as ``fastckpt report`` counts a group's commits per rank: a group re-saved under one path (a
+    ``last`` group, a DeepSpeed tag) is committed once per save, and its n-th commit from each rank
+    is the same n-th checkpoint."""
+    out: dict[tuple[int, str], list[Event]] = {}
+    for e in sorted((e for e in events if e.name == "commit" and e.detail == "group" and e.error is None),
+                    key=lambda e: e.start):
+        out.setdefault((e.rank, e.path), []).append(e)
+    return out
+
+
 def _checkpoints(events: list[Event]) -> list[tuple[float, float]]:
     """(start, bytes) of each checkpoint: group commits, else snapshots gathered into checkpoints.
 
@@ -79,11 +92,13 @@ def _checkpoints(events: list[Event]) -> list[tuple[float, float]]:
     step's directory), or when it starts more than ``CLUSTER_GAP_S`` after the last one ended.
     Files of one group directory, from one rank or many, and the single files of different
     ranks saved together, are one checkpoint."""
-    commits = [e for e in events if e.name == "commit" and e.detail == "group" and e.error is None]
-    if commits:  # one per rank and group: the first commit call of each group starts it
-        first: dict[str, Event] = {}
-        for e in sorted(commits, key=lambda e: e.start):
-            first.setdefault(e.path, e)
+    commits = _group_commits(events)
+    if commits:  # the n-th checkpoint of a group starts with the first of its ranks' n-th commit calls
+        first: dict[tuple[str, int], Event] = {}
+        for (_, path), calls in commits.items():
+            for n, e in enumerate(calls):
+                if (path, n) not in first or e.start < first[path, n].start:
+                    first[path, n] = e
         return sorted((e.start, float(e.bytes)) for e in first.values())
     groups = {e.path for e in events if e.name == "commit" and e.detail == "group"}  # failed ones name them too
     out: list[_Cluster] = []
@@ -101,21 +116,26 @@ def _checkpoints(events: list[Event]) -> list[tuple[float, float]]:
 
 
 def _logged_share(events: list[Event]) -> float | None:
-    """See ``RunProfile.logged_share``: each committed group's total (its files' sizes) against
-    the sizes of the files the log wrote into it (each file's last ``write``). A snapshot's bytes
-    are the tensors' alone: a file also holds its pickle, zip records and alignment, so a log of
-    every rank with many small tensors, or none, once read as a share of a rank's."""
-    totals = {e.path: e.bytes for e in events if e.name == "commit" and e.detail == "group" and e.error is None}
-    plain = {g.replace("://", "/").lstrip("/"): g for g in totals}  # a burst-buffer copy's path ends with its home's
-    saved: dict[str, dict[tuple[int, str], int]] = {}
+    """See ``RunProfile.logged_share``: each group commit's total (its files' sizes) against the
+    sizes of the files the log wrote into it (each file's last ``write`` before that commit, so a
+    group re-saved under one path is not summed over its saves). A snapshot's bytes are the
+    tensors' alone: a file also holds its pickle, zip records and alignment, so a log of every
+    rank with many small tensors, or none, once read as a share of a rank's."""
+    commits = _group_commits(events)
+    totals = {(path, n): e.bytes for (_, path), calls in commits.items() for n, e in enumerate(calls)}
+    # a burst-buffer copy's path ends with its home's
+    plain = {g.replace("://", "/").lstrip("/"): g for _, g in commits}
+    saved: dict[tuple[str, int], dict[tuple[int, str], int]] = {}
     for e in events:
         if e.name != "write" or e.error is not None:
             continue
         parts = resave_home(posixpath.dirname(e.path)).lstrip("/").split("/")  # a re-save's: its group's
         group = next((plain[t] for k in range(len(parts)) if (t := "/".join(parts[k:])) in plain), None)
-        if group is not None:
-            saved.setdefault(group, {})[(e.rank, e.path)] = e.bytes
-    shares = [sum(saved[g].values()) / t for g, t in totals.items() if t > 0 and sum(saved.get(g, {}).values()) > 0]
+        # a write belongs to its rank's next commit of the group: each re-save is compared with its own commit
+        n = bisect.bisect_left([c.end for c in commits.get((e.rank, group), [])], e.end)
+        if (group, n) in totals:
+            saved.setdefault((group, n), {})[(e.rank, e.path)] = e.bytes
+    shares = [sum(saved[k].values()) / t for k, t in totals.items() if t > 0 and sum(saved.get(k, {}).values()) > 0]
     return statistics.median(shares) if shares else None
 
 
