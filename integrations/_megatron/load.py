@@ -119,7 +119,7 @@ class FastCkptLoadStrategy(ThroughCheckpointer, LoadShardedStrategy):
         whole = [COMMON_STATE_FNAME] if COMMON_STATE_FNAME in manifest["files"] else []  # (older saves: in the group)
         with ThreadPoolExecutor(self.checkpointer.config.io_threads, thread_name_prefix="fastckpt-mload") as pool:
             opened = {rel: self._open(group, manifest, rel) for rel in tensor_files + whole}
-            records = {rel: opened[rel].records(pool) for rel in tensor_files}
+            records = {rel: _by_storage(opened[rel].records(pool)) for rel in tensor_files}
             ranges: dict[str, list[tuple[int, int]]] = {rel: [(0, opened[rel].covered)] for rel in whole}
             for parts in plans.values():
                 for saved, part in parts:
@@ -187,9 +187,21 @@ class FastCkptLoadStrategy(ThroughCheckpointer, LoadShardedStrategy):
         return out
 
 
-def _record(records: dict[str, tuple[int, int]], saved: SavedTensor, group: str) -> int:
+def _by_storage(records: dict[str, tuple[int, int]]) -> dict[str, list[tuple[int, int]]]:
+    """A file's zip records by the storage number their name ends in (``<archive>/data/<n>``), every
+    match kept so that ``_record`` still sees a doubled record. Built once per file: looking each of
+    a file's thousands of shards up by scanning all its records made a load quadratic in tensors."""
+    out: dict[str, list[tuple[int, int]]] = {}
+    for name, v in records.items():
+        _, sep, number = name.rpartition("/data/")  # the same names as name.endswith(f"/data/{n}")
+        if sep:
+            out.setdefault(number, []).append(v)
+    return out
+
+
+def _record(records: dict[str, list[tuple[int, int]]], saved: SavedTensor, group: str) -> int:
     """Where ``saved``'s storage record starts in its file; its size is checked against the index."""
-    hits = [v for name, v in records.items() if name.endswith(f"/data/{saved.storage}")]
+    hits = records.get(str(saved.storage), [])
     if len(hits) != 1 or hits[0][1] != saved.storage_nbytes:
         raise CorruptCheckpointError(
             f"{os.path.join(group, saved.file)}: storage {saved.storage} of tensor {saved.key!r} is not the "
@@ -198,7 +210,7 @@ def _record(records: dict[str, tuple[int, int]], saved: SavedTensor, group: str)
 
 
 def _assemble(sh: ShardedTensor, parts: list, opened: dict[str, VerifiedFile],
-              records: dict[str, dict[str, tuple[int, int]]], group: str) -> torch.Tensor:
+              records: dict[str, dict[str, list[tuple[int, int]]]], group: str) -> torch.Tensor:
     """The tensor ``sh`` asks for, from the verified bytes of the saved shards that overlap it.
 
     When one saved shard is exactly the requested one, the result is a view of the bytes read
