@@ -137,7 +137,12 @@ def await_commit(job: Job) -> None:
     """
     w = _watches.get(job.save_id)
     local = w is not None and w.pid == os.getpid()  # a forked child sees the dict, not the thread
-    deadline, delay = time.monotonic() + (job.timeout_s if job.timeout_s is not None else math.inf), 0.005
+    # In this process the commit's own end is waited for: it is bounded (after this rank's write,
+    # which no timeout bounds, by commit_timeout_s). A deadline from the request would also bound
+    # the write, and give up on a slow write whose save then commits. Another process has only the
+    # files to go by, and keeps the deadline.
+    timeout_s = None if local else job.timeout_s
+    deadline, delay = time.monotonic() + (timeout_s if timeout_s is not None else math.inf), 0.005
     while True:
         if local and w.done.is_set():  # type: ignore[union-attr]
             if w.error is not None:  # type: ignore[union-attr]
