@@ -561,6 +561,42 @@ def test_ls_at_a_url_sizes_a_groups_files_with_one_listing(tmp_path, s3_server, 
     assert problems["step-3"] is None
 
 
+def test_a_single_file_cut_short_or_grown_at_a_url_is_passed_over_and_named(tmp_path, s3_server, s3_bucket) -> None:
+    """At a URL a single file's sidecar publishes it, and nothing checked its object's size: one
+    cut short (or grown) under its intact sidecar was listed complete and latest with no problem,
+    printed by `fastckpt latest` (its load then failed), and verify said it "has no fastckpt
+    manifest". A file written before manifests carried their sum is its committed size too."""
+    opts = s3_server.storage_options()
+    url, o = f"s3://{s3_bucket}/run", json.dumps(opts)
+    with fastckpt.Checkpointer(local_dir=str(tmp_path / "bb"), storage_options=opts) as ck:
+        for step in (1, 2, 3):
+            ck.save(state(step), f"{url}/single-{step}.pt").wait()
+    assert run("verify", url, "--storage-options", o).exit_code == 0
+    assert run("latest", url, "--storage-options", o).stdout.strip() == f"{url}/single-3.pt"
+    client = s3_server.client()
+    body = {s: client.get_object(Bucket=s3_bucket, Key=f"run/single-{s}.pt")["Body"].read() for s in (1, 2, 3)}
+    m = json.loads(client.get_object(Bucket=s3_bucket, Key="run/single-1.pt.fastckpt.json")["Body"].read())
+    old = json.dumps({"fastckpt": m}, separators=(",", ":"), sort_keys=True).encode()  # the comment before its sum
+    client.put_object(Bucket=s3_bucket, Key="run/single-1.pt",
+                      Body=body[1][: m["covered"]] + len(old).to_bytes(2, "little") + old)
+    client.put_object(Bucket=s3_bucket, Key="run/single-3.pt", Body=body[3][:100000])
+    client.put_object(Bucket=s3_bucket, Key="run/single-2.pt", Body=body[2] + b"grown")
+    r = run("latest", url, "--storage-options", o)
+    assert r.exit_code == 0 and r.stdout.strip() == f"{url}/single-1.pt", r.output
+    assert f"passing over {url}/single-3.pt: {url}/single-3.pt missing or not the committed size" in r.stderr
+    listed = {e["name"]: e for e in json.loads(run("ls", url, "--storage-options", o, "--json").stdout)["checkpoints"]}
+    assert listed["single-1.pt"]["latest"] and listed["single-1.pt"]["problem"] is None
+    for s in (2, 3):
+        assert listed[f"single-{s}.pt"]["problem"] == f"{url}/single-{s}.pt missing or not the committed size"
+    d = json.loads(run("verify", url, "--storage-options", o, "--json").stdout)
+    assert {b["path"]: b["problem"] for b in d["bad"]} == {
+        f"{url}/single-2.pt": f"{len(body[2]) + 5} bytes, but {len(body[2])} were committed",
+        f"{url}/single-3.pt": f"100000 bytes, but {len(body[3])} were committed"}
+    r = run("verify", f"{url}/single-3.pt", "--storage-options", o)
+    assert r.exit_code == 1 and f"100000 bytes, but {len(body[3])} were committed" in r.stderr, r.output
+    assert fastckpt.load(f"{url}/single-1.pt", storage_options=opts)["step"] == 1  # the one a resume loads
+
+
 def test_readers_and_planners_start_without_torch(home, tmp_path) -> None:
     """The tools an operator runs by hand on a login node (ls, verify, latest, plan, report,
     serve-metrics) never import torch, which takes seconds to import: run each in a process

@@ -11,8 +11,6 @@ Lightning or DeepSpeed are listed as **unverified**: found, but with no checksum
 
 from __future__ import annotations
 
-import errno
-import json
 import posixpath
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -27,6 +25,7 @@ from ..errors import CorruptCheckpointError, FastCkptError
 from ..storage.homes import Homes, Location
 from ..storage.types import TargetNotFoundError
 from ..urls import is_url, join, mirror_path, normalize
+from ._files import FileSpec, file_manifest, single_file
 
 STEP_KEYS = ("step", "global_step", "iteration")  # fastckpt groups, Lightning, Megatron
 CHECKS_AT_ONCE = 8  # checkpoints ls checks for missing files at once (their requests overlap at a URL)
@@ -55,17 +54,6 @@ class Entry:
         return None if self.time is None else max(0.0, time.time() - self.time)
 
 
-@dataclass(frozen=True)
-class FileSpec:
-    """A file ``verify`` checks: where, and its size and checksum as committed (None: its own manifest has them)."""
-
-    path: str
-    size: int | None
-    checksum: str | None
-    group: str | None = None  # the group it is a file of (None: a single file)
-    whole: bool = False  # a framework's file of the group: ``checksum`` is its whole bytes' (framework_files)
-
-
 def homes(storage_options: dict | None) -> Homes:
     return Homes(storage_options, retry_deadline_s=60.0, parallelism=8)
 
@@ -76,23 +64,6 @@ def group_manifest(loc: Location) -> dict | None:
         return read_group_manifest(loc.place())
     except OSError:  # a key that cannot be a directory, an unreadable place: not a group
         return None
-
-
-def file_manifest(loc: Location) -> dict | None:
-    """A single file's published manifest: its own (mounted file system) or its sidecar."""
-    try:
-        if not loc.target.mounted:
-            try:
-                return json.loads(loc.target.get_bytes(loc.key + SIDECAR))
-            except TargetNotFoundError:  # copied in without its sidecar (aws s3 cp): its own manifest
-                pass
-        return loc.target.read_manifest(loc.key)
-    except (TargetNotFoundError, FileNotFoundError, IsADirectoryError, NotADirectoryError):
-        return None
-    except OSError as exc:  # the storage layer's error, wrapping one of those (a directory, a group being deleted)
-        if exc.errno in (errno.ENOENT, errno.EISDIR, errno.ENOTDIR):
-            return None
-        raise
 
 
 def checkpoint_files(h: Homes, path: str) -> tuple[list[FileSpec], dict]:
@@ -114,7 +85,7 @@ def checkpoint_files(h: Homes, path: str) -> tuple[list[FileSpec], dict]:
         raise FastCkptError(f"{path} is not a complete fastckpt checkpoint: no {GROUP_MANIFEST} there, and no "
                             "published fastckpt manifest for a single file. `fastckpt ls` on its parent shows "
                             "what is there.")
-    return [FileSpec(loc.url, None, m["checksum"]["value"])], m
+    return [single_file(loc.url, m)], m
 
 
 def step_of(manifest: dict, loaded: dict[str, object] | None = None) -> int | None:
@@ -318,7 +289,7 @@ def missing_files(h: Homes, path: str) -> list[str]:
         except FastCkptError:
             return []
         sizes = _sizes(h, [f.path for f in files])
-        out = [f.path for f in files if (size := sizes[f.path]) is None or f.size not in (None, size)]
+        out = [f.path for f in files if (size := sizes[f.path]) is None or not f.fits(size)]
         try:
             if not out or checkpoint_files(h, path)[1] == m:
                 return out
@@ -342,18 +313,3 @@ def whole_latest(h: Homes, root: str, found: str | None) -> tuple[str | None, li
             return f.path, passed
         passed.append((f.path, gone))
     return None, passed
-
-
-def file_covered(h: Homes, spec: FileSpec) -> tuple[int, int, dict]:
-    """(size, covered, the file's own manifest) read from its tail.
-
-    Raises:
-        CorruptCheckpointError: the tail holds no fastckpt manifest, or a damaged one.
-        FileNotFoundError: the file is missing (locally or at the URL).
-    """
-    loc = h.resolve(spec.path)
-    size = loc.target.size(loc.key)
-    m = loc.target.read_manifest(loc.key)
-    if not m:
-        raise CorruptCheckpointError(f"{spec.path} has no fastckpt manifest: it cannot be verified")
-    return size, int(m["covered"]), m

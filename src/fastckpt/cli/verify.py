@@ -35,16 +35,8 @@ from ._common import (
     storage_options_option,
     table,
 )
-from ._discovery import (
-    RECHECKS,
-    FileSpec,
-    checkpoint_files,
-    file_covered,
-    file_manifest,
-    group_manifest,
-    homes,
-    list_checkpoints,
-)
+from ._discovery import RECHECKS, checkpoint_files, group_manifest, homes, list_checkpoints
+from ._files import FileSpec, file_covered, file_manifest, single_file
 
 MISSING = "missing"
 REPLACED = f"saved again during each of {RECHECKS} checks"
@@ -133,7 +125,7 @@ def _published(h: Homes, spec: FileSpec) -> FileSpec | str | None:
                 return REPLACED if m is not None else None
             return FileSpec(spec.path, int(entry["size"]), entry["checksum"], spec.group)
         m = file_manifest(h.resolve(spec.path))
-        return FileSpec(spec.path, None, m["checksum"]["value"]) if m else None
+        return single_file(spec.path, m) if m else None
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
@@ -167,10 +159,9 @@ def _check(h: Homes, spec: FileSpec, on_bytes=None) -> str | None:  # noqa: ANN0
         raise
     except CorruptCheckpointError as exc:  # no manifest in its tail: cut short, if it is not the committed size
         got = _size(h, spec)
-        return f"{got} bytes, but {spec.size} were committed" if None not in (got, spec.size) and got != spec.size \
-            else str(exc)
+        return f"{got} bytes, but {spec.size} were committed" if got is not None and not spec.fits(got) else str(exc)
     want = own["checksum"]["value"]
-    if spec.size is not None and size != spec.size:
+    if not spec.fits(size):
         return f"{size} bytes, but {spec.size} were committed"
     if spec.checksum is not None and want != spec.checksum:
         return f"its manifest records checksum {want}, the checkpoint's manifest {spec.checksum}"

@@ -85,6 +85,14 @@ def tail_bytes(manifest: dict) -> bytes:
     return struct.pack("<H", len(body)) + body
 
 
+def committed_sizes(manifest: dict) -> tuple[int, int]:
+    """The size of the file ``manifest`` was written into (its covered bytes, then ``tail_bytes``),
+    and that of one written before the comment carried its ``sum`` (``,"sum":"D"`` shorter): a
+    sidecar holds the manifest alone, so the size of the file it publishes follows from it."""
+    size = int(manifest["covered"]) + len(tail_bytes(manifest))
+    return size, size - len(b',"sum":""') - 16
+
+
 #: Pieces of every fastckpt manifest: a comment or trailer holding any of them is a fastckpt
 #: file, and must parse as one, or it is corrupt (never a plain zip to load unverified).
 _MARKERS = (_PREFIX, b'"' + ALGO.encode() + b'"', b'"covered":')

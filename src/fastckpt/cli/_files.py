@@ -1,0 +1,70 @@
+"""A checkpoint's files as ``ls``, ``latest`` and ``verify`` check them: where each is, and the
+size and checksum it was committed with (a group's manifest records both; a single file's
+manifest, its own or its sidecar, records enough to derive them)."""
+
+from __future__ import annotations
+
+import errno
+import json
+from dataclasses import dataclass
+
+from ..commit.protocol import SIDECAR
+from ..errors import CorruptCheckpointError
+from ..format.manifest import committed_sizes
+from ..storage.homes import Homes, Location
+from ..storage.types import TargetNotFoundError
+
+
+@dataclass(frozen=True)
+class FileSpec:
+    """A file ``verify`` checks: where, and its size and checksum as committed (None: its own manifest has them)."""
+
+    path: str
+    size: int | None
+    checksum: str | None
+    group: str | None = None  # the group it is a file of (None: a single file)
+    whole: bool = False  # a framework's file of the group: ``checksum`` is its whole bytes' (framework_files)
+    legacy_size: int | None = None  # a single file's size had it been written before its manifest carried a sum
+
+    def fits(self, size: int) -> bool:
+        """Whether ``size`` is the file's committed size (any size, when none is recorded)."""
+        return self.size is None or size in (self.size, self.legacy_size)
+
+
+def single_file(path: str, manifest: dict) -> FileSpec:
+    """The single file at ``path``, published with ``manifest``. At a URL the sidecar is all that
+    says what the object must hold: an object cut short or grown since is caught by its size."""
+    size, legacy = committed_sizes(manifest)
+    return FileSpec(path, size, manifest["checksum"]["value"], legacy_size=legacy)
+
+
+def file_manifest(loc: Location) -> dict | None:
+    """A single file's published manifest: its own (mounted file system) or its sidecar."""
+    try:
+        if not loc.target.mounted:
+            try:
+                return json.loads(loc.target.get_bytes(loc.key + SIDECAR))
+            except TargetNotFoundError:  # copied in without its sidecar (aws s3 cp): its own manifest
+                pass
+        return loc.target.read_manifest(loc.key)
+    except (TargetNotFoundError, FileNotFoundError, IsADirectoryError, NotADirectoryError):
+        return None
+    except OSError as exc:  # the storage layer's error, wrapping one of those (a directory, a group being deleted)
+        if exc.errno in (errno.ENOENT, errno.EISDIR, errno.ENOTDIR):
+            return None
+        raise
+
+
+def file_covered(h: Homes, spec: FileSpec) -> tuple[int, int, dict]:
+    """(size, covered, the file's own manifest) read from its tail.
+
+    Raises:
+        CorruptCheckpointError: the tail holds no fastckpt manifest, or a damaged one.
+        FileNotFoundError: the file is missing (locally or at the URL).
+    """
+    loc = h.resolve(spec.path)
+    size = loc.target.size(loc.key)
+    m = loc.target.read_manifest(loc.key)
+    if not m:
+        raise CorruptCheckpointError(f"{spec.path} has no fastckpt manifest: it cannot be verified")
+    return size, int(m["covered"]), m
