@@ -29,11 +29,11 @@ import torch
 from megatron.core.dist_checkpointing.core import maybe_load_config
 from megatron.core.dist_checkpointing.strategies.common import COMMON_STATE_FNAME, TorchCommonLoadStrategy
 
-from fastckpt.errors import GroupChangedError
+from fastckpt.errors import CorruptCheckpointError, GroupChangedError
 
 from .common import BACKEND
 from .compat import checksum_bytes, framework_files, is_url, normalize, read_group_manifest
-from .inplace import rewritten_error
+from .inplace import committed
 
 _seen = threading.local()  # group -> the identity of the save whose common.pt this thread loaded
 
@@ -74,11 +74,14 @@ class FastCkptCommonLoadStrategy(TorchCommonLoadStrategy):
                 data = f.read()
         except FileNotFoundError:
             return super().load_common(checkpoint_dir)  # megatron's own error, naming the directory's files
-        if checksum_bytes(data) != framework_files(manifest)[COMMON_STATE_FNAME]:
-            now = read_group_manifest(group)
-            if identity(now) != identity(manifest):
-                raise changed_error(group)
-            raise rewritten_error(group, [COMMON_STATE_FNAME])  # rewritten in place: names repair_checkpoint
+        digest = framework_files(manifest)[COMMON_STATE_FNAME]
+        if checksum_bytes(data) != digest:  # rewritten in place: a save into this iteration under way, or killed
+            try:  # the committed bytes, kept in the index: a reader never needs the file put back first
+                data = committed(group, {COMMON_STATE_FNAME: digest})[COMMON_STATE_FNAME]
+            except CorruptCheckpointError:
+                if identity(read_group_manifest(group)) != identity(manifest):
+                    raise changed_error(group) from None
+                raise
         if not hasattr(_seen, "groups"):
             _seen.groups = {}
         _seen.groups[group] = identity(manifest)

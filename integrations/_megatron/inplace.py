@@ -18,8 +18,11 @@ keeps instead is enough to put both files back:
   rank runs it when a save fails, before its error reaches its caller, and ``sync_tracker`` runs it
   for the iteration Megatron-LM is about to load (after a kill). An iteration saved again by
   another backend (megatron's ``torch_dist``: ``metadata.json`` names it) is left alone;
+- ``committed(group, digests)``: the committed bytes, from the index: what
+  ``FastCkptCommonLoadStrategy`` gives megatron when ``common.pt`` was rewritten (a re-save under
+  way in another job, or a killed one), so a reader never needs the file put back first;
 - ``check(group, manifest)``: the loader refuses a ``common.pt`` that is not the committed one
-  (megatron has read it by then) and names the fix.
+  when megatron read it with another common loader, and names the fix.
 """
 
 from __future__ import annotations
@@ -109,21 +112,34 @@ def restore(group: str, ops: FileOps) -> list[str]:
     damaged = _damaged(group, read_group_manifest(group))
     if not damaged or _saved_by(group) not in (None, BACKEND):
         return []  # (a later save of this iteration by megatron's own strategy: its files, not ours to put back)
-    index_path = os.path.join(group, INDEX_FILE)
-    try:  # a plain load: what is written back is checked against the manifest below
-        kept = torch.load(index_path, map_location="cpu", weights_only=True).get(KEY) or {}
-    except Exception as exc:  # noqa: BLE001 (any failure to read it: raised as what it means here)
-        raise CorruptCheckpointError(f"{index_path} cannot be read ({exc!r}), so {', '.join(sorted(damaged))} of "
-                                     "this checkpoint cannot be put back: load an earlier checkpoint") from exc
-    for name, digest in sorted(damaged.items()):
-        data = kept.get(name)
-        if not isinstance(data, bytes) or checksum_bytes(data) != digest:
-            raise CorruptCheckpointError(f"{index_path} does not hold the committed {name}, so it cannot be put back: "
-                                         "load an earlier checkpoint")
-        publish_bytes(ops, os.path.join(group, name), data)
+    kept = committed(group, damaged)
+    for name in sorted(damaged):
+        publish_bytes(ops, os.path.join(group, name), kept[name])
         log.warning("fastckpt: put back %s as committed: a save into this iteration that did not finish had "
                     "rewritten it in place", os.path.join(group, name))
     return sorted(damaged)
+
+
+def committed(group: str, digests: dict[str, str]) -> dict[str, bytes]:
+    """The committed bytes of megatron's in-place files ``digests`` names (name -> checksum in the
+    published manifest), from the group's index, each checked against its checksum.
+
+    Raises:
+        CorruptCheckpointError: the index cannot be read, or does not hold them.
+    """
+    index_path = os.path.join(group, INDEX_FILE)
+    try:  # a plain load: what it gives is checked against the manifest below
+        kept = torch.load(index_path, map_location="cpu", weights_only=True).get(KEY) or {}
+    except Exception as exc:  # noqa: BLE001 (any failure to read it: raised as what it means here)
+        raise CorruptCheckpointError(f"{index_path} cannot be read ({exc!r}), so the committed "
+                                     f"{', '.join(sorted(digests))} of this checkpoint cannot be read back: load an "
+                                     "earlier checkpoint") from exc
+    for name, digest in sorted(digests.items()):
+        data = kept.get(name)
+        if not isinstance(data, bytes) or checksum_bytes(data) != digest:
+            raise CorruptCheckpointError(f"{index_path} does not hold the committed {name}, so it cannot be read "
+                                         "back: load an earlier checkpoint")
+    return {name: kept[name] for name in digests}
 
 
 def _saved_by(group: str) -> str | None:

@@ -115,7 +115,8 @@ class FastCkptLoadStrategy(ThroughCheckpointer, LoadShardedStrategy):
         tensor_files = sorted({saved.file for parts in plans.values() for saved, _ in parts})
         if commonload.seen(group) not in (None, commonload.identity(manifest)):
             raise commonload.changed_error(group)  # megatron's common.pt was of another save
-        check_inplace(group, manifest)  # common.pt, which megatron has read: the committed bytes?
+        if commonload.seen(group) is None:  # megatron read common.pt itself (else ours gave it the committed bytes)
+            check_inplace(group, manifest)  # common.pt, which megatron has read: the committed bytes?
         whole = [COMMON_STATE_FNAME] if COMMON_STATE_FNAME in manifest["files"] else []  # (older saves: in the group)
         with ThreadPoolExecutor(self.checkpointer.config.io_threads, thread_name_prefix="fastckpt-mload") as pool:
             opened = {rel: self._open(group, manifest, rel) for rel in tensor_files + whole}
