@@ -34,7 +34,7 @@ def _rank0(tag: str, port_q, publish: bool, rank1_hearing) -> None:  # noqa: ANN
     ck.close()  # published; the process and the store it hosts end
 
 
-def _rank1(tag: str, port: int, rank1_hearing, rank0_gone, out) -> None:  # noqa: ANN001
+def _rank1(tag: str, port: int, rank1_hearing, rank0_gone, out, value: float) -> None:  # noqa: ANN001
     import torch
     import torch.distributed as dist
 
@@ -50,7 +50,7 @@ def _rank1(tag: str, port: int, rank1_hearing, rank0_gone, out) -> None:  # noqa
     S.Channel.hear = late
     store = dist.TCPStore("127.0.0.1", port, 2, False, timeout=datetime.timedelta(seconds=60))
     ck = fastckpt.Checkpointer(rank=1, world_size=2, store=store, commit_timeout_s=60)
-    ck.save({"w": torch.ones(4)}, f"{tag}/rank1.pt", group=tag)
+    ck.save({"w": torch.full((4,), value)}, f"{tag}/rank1.pt", group=tag)
     try:
         ck.commit(tag, step=1).wait()
         out.put("ok")
@@ -62,24 +62,31 @@ def _rank1(tag: str, port: int, rank1_hearing, rank0_gone, out) -> None:  # noqa
         pass
 
 
-@pytest.mark.parametrize("published", [True, False])
-def test_a_rank_that_hears_late_from_a_store_whose_host_ended_reports_what_was_published(tmp_path,
-                                                                                         published: bool) -> None:
+def _launch(tag: str, published: bool, value: float) -> str:
+    """One launch of a 2-rank job on a new store that rank 0's process hosts: what rank 1's commit said."""
     ctx = mp.get_context("spawn")
-    tag = str(tmp_path / "step-1")
     port_q, out, rank1_hearing, rank0_gone = ctx.Queue(), ctx.Queue(), ctx.Event(), ctx.Event()
     p0 = ctx.Process(target=_rank0, args=(tag, port_q, published, rank1_hearing))
     p0.start()
-    p1 = ctx.Process(target=_rank1, args=(tag, port_q.get(timeout=120), rank1_hearing, rank0_gone, out))
+    p1 = ctx.Process(target=_rank1, args=(tag, port_q.get(timeout=120), rank1_hearing, rank0_gone, out, value))
     p1.start()
     p0.join(120)
     rank0_gone.set()
     said = out.get(timeout=180)
     p1.join(60)
     assert p0.exitcode == 0
-    if published:
+    return said
+
+
+@pytest.mark.parametrize("case", ["published", "not published", "an earlier launch's publication"])
+def test_a_rank_that_hears_late_from_a_store_whose_host_ended_reports_what_was_published(tmp_path, case: str) -> None:
+    tag = str(tmp_path / "step-1")
+    if case == "an earlier launch's publication":  # whose store gave the same attempt id ("1.0")
+        assert _launch(tag, True, 1.0) == "ok"
+    said = _launch(tag, case == "published", 2.0)
+    if case == "published":
         assert fastckpt.latest(str(tmp_path)) == tag
         assert said == "ok"  # was: StoreError "... The group stays incomplete."
     else:
-        assert fastckpt.latest(str(tmp_path)) is None
         assert said.startswith("StoreError:") and "stopped answering" in said, said
+        assert fastckpt.latest(str(tmp_path)) == (tag if case != "not published" else None)

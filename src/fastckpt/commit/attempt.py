@@ -32,8 +32,7 @@ LOCAL_WAIT_S = 10.0  # how long a rank waits for its node's copy of a manifest b
 
 
 def grace(timeout_s: float) -> float:
-    """How much longer than rank 0 the other ranks wait, so that rank 0's verdict (naming the
-    missing ranks) reaches them before their own timeout."""
+    """How much longer than rank 0 the others wait: rank 0's verdict (naming who is missing) comes first."""
     return min(30.0, max(1.0, 0.1 * timeout_s))
 
 
@@ -130,7 +129,7 @@ def via_store(att: Attempt, ch: S.Channel, rank: int, world: int, files: dict, s
     att.token = ch.token
     ch.announce(rank, {"files": files, "superseded": superseded, "place": att.place.key})
     if rank != 0:
-        said = _verdict(att, ch, rank, deadline, stop, waited_s)
+        said = _verdict(att, ch, rank, files, deadline, stop, waited_s)
         kind, _, rest = said.partition(":")
         if kind == S.PUBLISHED:
             return Ended(None, int(rest or 0))
@@ -186,15 +185,15 @@ def _elsewhere(att: Attempt, entries: dict[int, dict]) -> str | None:
             "is published. Its next save on every rank starts from one state and commits")
 
 
-def _verdict(att: Attempt, ch: S.Channel, rank: int, deadline: float, stop: threading.Event,
+def _verdict(att: Attempt, ch: S.Channel, rank: int, files: dict, deadline: float, stop: threading.Event,
              waited_s: float) -> str:
     """Another rank: rank 0's outcome of the attempt. One that does not come in time ends the
     attempt on every rank (``Channel.give_up``) before this rank reports it not committed: else a
     rank 0 that is only late would still publish it, with this rank's files, which this rank's
     next save of the group may overwrite in place. Unless rank 0 claimed it first: then it is
-    publishing, and its outcome is waited for once more. A store that stopped answering (its host,
-    rank 0's process, ended) says nothing: the group's manifest at its home says whether rank 0
-    published this attempt before it went."""
+    publishing, and its outcome is waited for once more. A store that stopped answering (rank 0's
+    process hosted it) says nothing: the home's manifest does (this attempt's id, which a new
+    launch's store can give again, and this rank's files, by checksum)."""
     try:
         try:
             return ch.hear(deadline, stop, att.home.label, waited_s)
@@ -208,7 +207,8 @@ def _verdict(att: Attempt, ch: S.Channel, rank: int, deadline: float, stop: thre
                 raise
         return ch.hear(time.monotonic() + waited_s, stop, att.home.label, waited_s)
     except S.StoreError:
-        if (m := _manifest_of(att.home, att.token, unreadable=OSError)) is None:
+        m = _manifest_of(att.home, att.token, unreadable=OSError) or {"files": {}}
+        if not files or any(m["files"].get(rel, {}).get("checksum") != f.get("checksum") for rel, f in files.items()):
             raise
         return f"{S.PUBLISHED}:{sum(f['size'] for f in m['files'].values())}"
 
