@@ -42,3 +42,33 @@ def test_a_load_of_a_group_file_waits_for_this_checkpointers_commit_in_flight(tm
         reader.join(60)
     assert not isinstance(got[0], Exception), got[0]
     assert int(got[0]["v"]) == 2
+
+
+def test_a_reading_begun_right_after_commit_pins_what_that_commit_publishes(tmp_path: Path) -> None:
+    """It pinned the save published before, and its load, which waits for the commit, then always
+    raised GroupChangedError (the DeepSpeed and Megatron load paths read through ``reading``)."""
+    g = str(tmp_path / "step-1")
+    ops = FaultyOps()
+    with fastckpt.Checkpointer(rank=0, world_size=1, ops=ops) as ck:
+        ck.save({"v": torch.tensor(1)}, f"{g}/rank0.pt", group=g)
+        ck.commit(g, step=1).wait()
+        gate = ops.gate("write_small", path_contains="fastckpt-manifest")  # the re-save's publication, held
+        ck.save({"v": torch.tensor(2)}, f"{g}/rank0.pt", group=g)
+        ck.commit(g, step=1)
+        got: list = []
+
+        def read() -> None:
+            try:
+                with ck.reading(g):
+                    got.append(ck.load(f"{g}/rank0.pt"))
+            except Exception as exc:  # noqa: BLE001 (reported below)
+                got.append(exc)
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        gate.wait_entered()
+        reader.join(5)  # a bound, not a race (see above)
+        gate.open()
+        reader.join(60)
+    assert not isinstance(got[0], Exception), got[0]
+    assert int(got[0]["v"]) == 2

@@ -112,7 +112,9 @@ class Loader:
         self._pins = Pins(homes)
 
     def reading(self, group: str) -> contextlib.AbstractContextManager[dict]:
-        """``Checkpointer.reading`` (``load.pins``)."""
+        """``Checkpointer.reading`` (``load.pins``). This Checkpointer's save or commit of ``group`` in
+        flight is waited for first: the pin is what it publishes, which its loads wait for anyway."""
+        self._saving(group)
         return self._pins.reading(group)
 
     def _read_current(self, loc: Location, opts: LoadOptions, url: str, where: str, home: str) -> Loaded:
