@@ -147,7 +147,7 @@ def _saved_by(group: str) -> str | None:
     it is missing or cut short (a save killed while writing it)."""
     try:
         config = maybe_load_config(group)
-    except (OSError, ValueError):
+    except (OSError, ValueError, TypeError):  # (TypeError: valid JSON that is not a config, such as null)
         return None
     return None if config is None else config.sharded_backend
 

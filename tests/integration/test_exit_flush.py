@@ -157,10 +157,18 @@ CTRL_C_IN_CLOSE = textwrap.dedent("""
 
     checkpointer.stop_pools = stopping
     ck = fastckpt.Checkpointer(ops=ops, local_dir=d + "/nvme")
+    closing, wait = threading.Event(), ck.wait
+
+    def waiting(*args, **kwargs):  # close() waits: the Ctrl-C lands inside it, never before
+        closing.set()
+        return wait(*args, **kwargs)
+
+    ck.wait = waiting
     ck.save({"w": torch.arange(1000), "step": 5}, d + "/home/a.pt")
 
     def ctrl_c():
         gate.wait_entered(30)
+        closing.wait(30)
         os.kill(os.getpid(), signal.SIGINT)
 
     threading.Thread(target=ctrl_c).start()
