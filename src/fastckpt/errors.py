@@ -69,7 +69,7 @@ class ClosedError(FastCkptError, RuntimeError):
 
 
 @contextmanager
-def refused_once_closed(what: str) -> Iterator[None]:
+def refused_once_closed(what: str, lost: str = "nothing of it was written") -> Iterator[None]:
     """Hand work to a Checkpointer's worker pool: one that ``close()`` (or the exit flush, when the
     main thread ended) shut down while ``what`` was under way on another thread is ``ClosedError``,
     not concurrent.futures' bare ``RuntimeError``."""
@@ -79,5 +79,5 @@ def refused_once_closed(what: str) -> Iterator[None]:
         if "after shutdown" not in str(exc) and "interpreter shutdown" not in str(exc):
             raise
         raise ClosedError(f"this Checkpointer was closed (by close(), or by the exit flush when the main thread ended) "
-                          f"while {what} was under way: nothing of it was written. Create a new Checkpointer, or "
+                          f"while {what} was under way: {lost}. Create a new Checkpointer, or "
                           "join the thread that saves before closing") from exc

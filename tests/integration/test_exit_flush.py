@@ -9,9 +9,11 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
+import torch
 
 import fastckpt
 
@@ -226,3 +228,22 @@ def test_a_save_under_way_when_the_exit_flush_closes_the_checkpointer_is_a_close
                        text=True, timeout=120)
     line = next((x for x in r.stdout.splitlines() if x.startswith("RESULT")), r.stderr)
     assert line.startswith("RESULT ClosedError") and "while this save was under way" in line, line
+
+
+def test_a_commit_under_way_when_close_stops_the_workers_is_a_closed_error(tmp_path: Path) -> None:
+    """As for a save: it was concurrent.futures' bare RuntimeError. close() runs on another thread
+    while the commit is between its checks and its hand-off to the committer pool."""
+    g = str(tmp_path / "step-1")
+    ck = fastckpt.Checkpointer(rank=0, world_size=1)
+    ck.save({"w": torch.zeros(4)}, f"{g}/rank0.pt", group=g).wait()
+    committing = ck._retention.committing
+
+    def closed_meanwhile(group: str) -> object:
+        closer = threading.Thread(target=ck.close)
+        closer.start()
+        closer.join()
+        return committing(group)
+
+    ck._retention.committing = closed_meanwhile
+    with pytest.raises(fastckpt.ClosedError, match="while this commit was under way: the group was not published"):
+        ck.commit(g, step=1)

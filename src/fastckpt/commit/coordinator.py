@@ -37,7 +37,7 @@ from concurrent.futures import Executor, Future
 from typing import NoReturn
 
 from ..config import CheckpointerConfig
-from ..errors import CommitTimeoutError, CorruptCheckpointError, GroupRemovedError
+from ..errors import CommitTimeoutError, CorruptCheckpointError, GroupRemovedError, refused_once_closed
 from ..records import SaveHandle, SaveRecord
 from ..storage.places import Place
 from . import attempt as A
@@ -86,8 +86,7 @@ class Coordinator:
         self._given_up: dict[str, str] = {}
 
     def _channel(self, group: str, rank: int, world: int) -> S.Channel | None:
-        """The store keys of this rank's next attempt at ``group`` (None: no store, or one rank).
-        No store call here: the session is agreed on the committer thread (``session.py``)."""
+        """This rank's next attempt's store keys (None: no store, or one rank); no store call (``session.py``)."""
         store = self._store if self._store is not None else S.default_store()
         if store is None or world < 2:
             return None
@@ -239,7 +238,8 @@ class Coordinator:
             except BaseException as exc:
                 raise R.failure(att, rank, exc)  # noqa: B904 (``failure`` chains it when it replaces it)
 
-        fut = self._pool.submit(run)
+        with refused_once_closed("this commit", "the group was not published"):
+            fut = self._pool.submit(run)
         with self._lock:
             self._running[group] = (att, fut)
         fut.add_done_callback(lambda f: self._forget(group, f))
