@@ -324,6 +324,19 @@ def test_from_run_fills_in_the_measured_values(run_log: str) -> None:
     assert json.loads(invoke("--params", "7B", "--bandwidth", "5GB/s", "--json").stdout)["inputs"]["interval_s"] == 7200
 
 
+def _commit_each(cks: list, groups: list[tuple[int, str]]) -> None:
+    """Every rank saves its file of each (step, group) and commits it; then the ranks close."""
+    try:
+        for step, group in groups:
+            for ck in cks:
+                ck.save({"w": torch.full((1 << 18,), step, dtype=torch.float32)}, f"{group}/r{ck.rank}.pt",
+                        group=group)
+            for h in [ck.commit(group, step=step) for ck in cks]:
+                h.wait(60)
+    finally:
+        close_all(cks)
+
+
 @pytest.mark.parametrize("burst_buffer", [False, True])
 def test_from_run_with_each_ranks_log_and_with_one_of_them(tmp_path, burst_buffer: bool) -> None:
     """Two ranks, each with its own event log, commit groups. Both logs: 2 GPUs, measured. One
@@ -334,16 +347,7 @@ def test_from_run_with_each_ranks_log_and_with_one_of_them(tmp_path, burst_buffe
     logs = [str(tmp_path / f"events-{r}.jsonl") for r in range(2)]
     cks = [fastckpt.Checkpointer(str(tmp_path / f"nvme{r}") if burst_buffer else None, rank=r, world_size=2,
                                  event_log=logs[r], overhead_budget=0.99) for r in range(2)]
-    try:
-        for step in (1, 2):
-            group = str(tmp_path / "home" / f"step-{step}")
-            for ck in cks:
-                ck.save({"w": torch.full((1 << 18,), step, dtype=torch.float32)}, f"{group}/r{ck.rank}.pt",
-                        group=group)
-            for h in [ck.commit(group, step=step) for ck in cks]:
-                h.wait(60)
-    finally:
-        close_all(cks)
+    _commit_each(cks, [(step, str(tmp_path / "home" / f"step-{step}")) for step in (1, 2)])
     both = json.loads(invoke("--from-run", logs[0], "--from-run", logs[1], "--json").stdout)
     assert both["gpus"] == 2 and "GPUs: 2, the ranks in the run's event log" in both["notes"]
     assert both["measured"]["logged_share"] == pytest.approx(1.0, abs=0.05)
@@ -509,16 +513,7 @@ def test_a_group_re_saved_under_one_path_is_one_checkpoint_per_commit(tmp_path) 
     Now each commit is a checkpoint, as report counts them, compared with its own files."""
     logs = [str(tmp_path / f"events-{r}.jsonl") for r in range(2)]
     cks = [fastckpt.Checkpointer(rank=r, world_size=2, event_log=logs[r], overhead_budget=0.99) for r in range(2)]
-    group = str(tmp_path / "home" / "last")
-    try:
-        for step in range(3):
-            for ck in cks:
-                ck.save({"w": torch.full((1 << 18,), step, dtype=torch.float32)}, f"{group}/r{ck.rank}.pt",
-                        group=group)
-            for h in [ck.commit(group, step=step) for ck in cks]:
-                h.wait(60)
-    finally:
-        close_all(cks)
+    _commit_each(cks, [(step, str(tmp_path / "home" / "last")) for step in range(3)])
     report = json.loads(CliRunner().invoke(cli, ["report", *logs, "--json"]).stdout)
     both = json.loads(invoke("--from-run", logs[0], "--from-run", logs[1], "--json").stdout)
     assert both["measured"]["checkpoints"] == report["group_commits"] == 3

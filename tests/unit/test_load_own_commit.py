@@ -6,6 +6,7 @@ flight. It waited only for the file's write: a first save of the group raised
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -15,8 +16,11 @@ import fastckpt
 from fastckpt.testing import FaultyOps
 
 
-@pytest.mark.parametrize("first", [True, False], ids=["first-save", "re-save"])
-def test_a_load_of_a_group_file_waits_for_this_checkpointers_commit_in_flight(tmp_path: Path, first: bool) -> None:
+def _loaded_while_the_commit_is_held(tmp_path: Path, first: bool, read: Callable[[fastckpt.Checkpointer, str], object]
+                                     ) -> object:
+    """Save ``{"v": 2}`` into a group (after ``{"v": 1}`` was committed there, unless ``first``),
+    commit it with its publication held, and ``read(ck, path)`` on another thread meanwhile: what
+    it returned (or raised) once the publication went ahead."""
     g = str(tmp_path / "step-1")
     ops = FaultyOps()
     with fastckpt.Checkpointer(rank=0, world_size=1, ops=ops) as ck:
@@ -28,47 +32,36 @@ def test_a_load_of_a_group_file_waits_for_this_checkpointers_commit_in_flight(tm
         ck.commit(g, step=1)
         got: list = []
 
-        def load() -> None:
+        def run() -> None:
             try:
-                got.append(ck.load(f"{g}/rank0.pt"))
-            except Exception as exc:  # noqa: BLE001 (reported below)
+                got.append(read(ck, g))
+            except Exception as exc:  # noqa: BLE001 (reported to the test)
                 got.append(exc)
 
-        reader = threading.Thread(target=load)
+        reader = threading.Thread(target=run)
         reader.start()
         gate.wait_entered()
         reader.join(5)  # a bound, not a race: a load that waits is still waiting, one that did not has returned
         gate.open()
         reader.join(60)
-    assert not isinstance(got[0], Exception), got[0]
-    assert int(got[0]["v"]) == 2
+    return got[0]
+
+
+@pytest.mark.parametrize("first", [True, False], ids=["first-save", "re-save"])
+def test_a_load_of_a_group_file_waits_for_this_checkpointers_commit_in_flight(tmp_path: Path, first: bool) -> None:
+    got = _loaded_while_the_commit_is_held(tmp_path, first, lambda ck, g: ck.load(f"{g}/rank0.pt"))
+    assert not isinstance(got, Exception), got
+    assert int(got["v"]) == 2
 
 
 def test_a_reading_begun_right_after_commit_pins_what_that_commit_publishes(tmp_path: Path) -> None:
     """It pinned the save published before, and its load, which waits for the commit, then always
     raised GroupChangedError (the DeepSpeed and Megatron load paths read through ``reading``)."""
-    g = str(tmp_path / "step-1")
-    ops = FaultyOps()
-    with fastckpt.Checkpointer(rank=0, world_size=1, ops=ops) as ck:
-        ck.save({"v": torch.tensor(1)}, f"{g}/rank0.pt", group=g)
-        ck.commit(g, step=1).wait()
-        gate = ops.gate("write_small", path_contains="fastckpt-manifest")  # the re-save's publication, held
-        ck.save({"v": torch.tensor(2)}, f"{g}/rank0.pt", group=g)
-        ck.commit(g, step=1)
-        got: list = []
 
-        def read() -> None:
-            try:
-                with ck.reading(g):
-                    got.append(ck.load(f"{g}/rank0.pt"))
-            except Exception as exc:  # noqa: BLE001 (reported below)
-                got.append(exc)
+    def read(ck: fastckpt.Checkpointer, g: str) -> object:
+        with ck.reading(g):
+            return ck.load(f"{g}/rank0.pt")
 
-        reader = threading.Thread(target=read)
-        reader.start()
-        gate.wait_entered()
-        reader.join(5)  # a bound, not a race (see above)
-        gate.open()
-        reader.join(60)
-    assert not isinstance(got[0], Exception), got[0]
-    assert int(got[0]["v"]) == 2
+    got = _loaded_while_the_commit_is_held(tmp_path, False, read)
+    assert not isinstance(got, Exception), got
+    assert int(got["v"]) == 2
