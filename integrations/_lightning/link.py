@@ -33,6 +33,12 @@ SHARDED_STRATEGIES = {"FSDPStrategy", "DeepSpeedStrategy", "ModelParallelStrateg
 RESERVE_MARGIN = 1 << 20
 
 
+def filed_under(key: str) -> str:
+    """The key ``TrainerLink._file`` was given, from the one it tracks a future under."""
+    head, _, n = key.rpartition(" #")
+    return head if head and n.isdigit() else key
+
+
 class TrainerLink:
     """The part of ``FastCkptIO`` that keeps its books and talks to the Trainer."""
 
@@ -165,7 +171,8 @@ class TrainerLink:
 
     def _file(self, key: str, fut: Future) -> None:
         """Track ``fut`` under ``key``. One queued earlier under that key and not yet harvested stays
-        tracked (under ``key #n``): its failure is still raised, at the next save or at teardown."""
+        tracked (under ``key #n``, which ``filed_under`` reads back): its failure is still raised, at
+        the next save or at teardown."""
         old = self._removals.get(key)
         if old is not None:
             self._removals[f"{key} #{id(old)}"] = old

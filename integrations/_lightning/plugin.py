@@ -51,7 +51,7 @@ from fastckpt.exits import stop_pools
 from fastckpt.monitor import OverheadReport, Stats
 from fastckpt.urls import is_url, normalize
 
-from .link import LINK, TrainerLink
+from .link import LINK, TrainerLink, filed_under
 from .options import checkpointer_config, is_requeue_checkpoint, parse_storage_options
 from .saves import SaveLedger, copy_unfenced_tensors
 
@@ -333,7 +333,7 @@ class FastCkptIOMixin(TrainerLink):
         removals, self._removals = self._removals, {}
         _, stuck = wait_futures(removals.values(), timeout=timeout_s)
         for key, fut in removals.items():
-            path = key.rsplit(" #", 1)[0] if key.rsplit(" #", 1)[-1].isdigit() else key
+            path = filed_under(key)
             if fut in stuck:
                 log.warning("fastckpt: gave up waiting for the %s (close_timeout_s=%s): the save it waits for is "
                             "still pending", f"link {path[len(LINK):]}" if path.startswith(LINK) else
