@@ -57,7 +57,8 @@ def latest(root: str, storage_options: dict | None = None) -> str | None:
 
     ``root/latest`` answers when it names a complete checkpoint; otherwise a scan of ``root``
     decides (single files and group directories, in subfolders too; incomplete ones are
-    skipped). See docs/groups.md.
+    skipped). A complete checkpoint file given as ``root`` is returned as is; another file
+    raises ``ConfigError``. See docs/groups.md.
     """
     from .commit.discovery import latest as find
     from .storage.homes import Homes

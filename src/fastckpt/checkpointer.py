@@ -248,7 +248,7 @@ class Checkpointer:
         return self._loader.reading(normalize(group))
 
     def latest(self, root: str) -> str | None:
-        """The newest complete checkpoint under ``root`` (directory or URL), or None."""
+        """The newest complete checkpoint under ``root`` (directory or URL), or None (see ``fastckpt.latest``)."""
         return discovery.latest(self._homes, root)
 
     def remove(self, path: str) -> None:

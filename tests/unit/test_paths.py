@@ -94,3 +94,23 @@ def test_a_name_fastckpt_refuses_under_a_directory_is_passed_over_by_latest(tmp_
     shutil.copy(tmp_path / "step-1.pt", odd / "step-2.pt")
     assert fastckpt.latest(str(tmp_path)) == str(tmp_path / "step-1.pt")
     assert fastckpt.load(fastckpt.latest(str(tmp_path)))["w"].sum() == 4
+
+
+def test_latest_of_a_checkpoint_file_is_that_file_and_of_another_file_refuses(tmp_path: Path) -> None:
+    """``latest`` given the checkpoint file itself (the path the last run printed, Lightning's
+    ``last.ckpt``) answered None, "nothing saved: start fresh", for a complete, loadable file."""
+    from click.testing import CliRunner
+
+    from fastckpt.cli import cli
+
+    with fastckpt.Checkpointer() as ck:
+        ck.save(_state(3), str(tmp_path / "run" / "last.pt")).wait()
+    torch.save(_state(4), tmp_path / "run" / "plain.pt")
+    (tmp_path / "run" / "notes.txt").write_text("not a checkpoint")
+    for name in ("last.pt", "plain.pt"):
+        assert fastckpt.latest(str(tmp_path / "run" / name)) == str(tmp_path / "run" / name)
+    with pytest.raises(ConfigError, match=r"notes\.txt is a file, not a directory.*latest\(\) takes the directory"):
+        fastckpt.latest(str(tmp_path / "run" / "notes.txt"))
+    assert fastckpt.latest(str(tmp_path / "run" / "missing.pt")) is None  # nothing saved there yet
+    out = CliRunner().invoke(cli, ["latest", str(tmp_path / "run" / "last.pt")])
+    assert (out.exit_code, out.output.strip()) == (0, str(tmp_path / "run" / "last.pt"))

@@ -22,8 +22,9 @@ def latest(root: str, storage_options: dict | None) -> None:
 
     Checkpoints written by torch.save, Lightning or DeepSpeed before a run switched to fastckpt
     count too (unverified). A checkpoint with a missing or truncated file is passed over (named
-    on stderr) for the newest older one that is whole. Exit 1 when there is none, or ROOT does
-    not exist.
+    on stderr) for the newest older one that is whole. A complete checkpoint given as ROOT is
+    printed as is. Exit 1 when there is none, ROOT does not exist, or is a file that is no
+    complete checkpoint.
     """
     from .. import latest as find_latest
 

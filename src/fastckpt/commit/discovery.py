@@ -269,16 +269,40 @@ def _hidden(rel: str) -> bool:
 
 def latest(homes: Homes, root: str) -> str | None:
     """The newest complete checkpoint under ``root`` (a directory or URL), or None (see the
-    module docstring for the rule)."""
+    module docstring for the rule). A checkpoint file given as ``root`` is its own answer, as a
+    group directory is; any other file raises ``ConfigError`` (see ``_the_file``)."""
     loc = homes.resolve(root)
     name = pointed_name(loc.place())
     if name is not None:
         return join(loc.url, name)
     found = scan(loc)
     if not found:
-        return None
+        return _the_file(loc)
     if found[-1].foreign:
         log.warning("fastckpt: the newest checkpoint under %s, %s, was written by %s, not fastckpt: it loads "
                     "unverified (no checksum was recorded); fastckpt's next save there supersedes it",
                     loc.url, found[-1].path, found[-1].foreign)
     return found[-1].path
+
+
+def _the_file(loc: Location) -> str | None:
+    """``root`` itself when it names a complete checkpoint file (as a group directory given as
+    ``root`` is its own answer); None when ``root`` is no file (nothing saved there yet).
+
+    A file that is no complete checkpoint raises ``ConfigError``: None would tell a resume script
+    to start from scratch. The file is judged by the scan of its own directory, so by the same
+    rules as when that directory is given.
+    """
+    if not loc.key or not loc.target.exists(loc.key):
+        return None
+    parent = Location(loc.target, posixpath.dirname(loc.key))
+    damaged: list[Damaged] = []
+    for f in scan(parent, max_depth=0, damaged=damaged, every_copy=True):
+        if f.path == loc.url:
+            if f.foreign:
+                log.warning("fastckpt: %s was written by %s, not fastckpt: it loads unverified (no checksum was "
+                            "recorded)", f.path, f.foreign)
+            return f.path
+    why = next((f"it is damaged ({d.problem})" for d in damaged if d.path == loc.url), "it is no complete checkpoint")
+    raise ConfigError(f"{loc.url} is a file, not a directory, and {why}: latest() takes the directory holding the "
+                      f"checkpoints, e.g. latest({parent.url!r}); load a checkpoint file with load()")
