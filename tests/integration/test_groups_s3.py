@@ -65,3 +65,22 @@ def test_a_group_whose_commit_died_before_moving_latest_is_saved_again_in_place(
             ck.save(_state(4, 0), f"{run}/step2/rank0.pt", group=f"{run}/step2")  # now the latest: refused
     finally:
         ck.close()
+
+
+def test_a_group_or_file_at_a_url_given_for_the_other_says_so(s3_server, s3_bucket, tmp_path: Path) -> None:
+    """load(latest(url)) of a group raised CheckpointNotFoundError ("never saved there, or deleted
+    since"), a FileNotFoundError a resume takes for "start fresh"; latest() of a checkpoint file
+    answered None. Each now says what the name is, as on a file system."""
+    opts = s3_server.storage_options()
+    run = f"s3://{s3_bucket}/run"
+    with fastckpt.Checkpointer(local_dir=str(tmp_path / "nvme"), storage_options=opts) as ck:
+        ck.save(_state(1, 0), f"{run}/last.pt").wait()
+        ck.save(_state(2, 0), f"{run}/step2/rank0.pt", group=f"{run}/step2").wait()
+        ck.commit(f"{run}/step2", step=2).wait()
+    assert fastckpt.latest(run, storage_options=opts) == f"{run}/step2"
+    with pytest.raises(ConfigError, match=r"step2 is a directory, not a checkpoint file: load a file inside it"):
+        fastckpt.load(f"{run}/step2", storage_options=opts)
+    with pytest.raises(fastckpt.CheckpointNotFoundError, match="does not exist"):
+        fastckpt.load(f"{run}/step3", storage_options=opts)
+    assert fastckpt.latest(f"{run}/last.pt", storage_options=opts) == f"{run}/last.pt"
+    assert fastckpt.load(fastckpt.latest(f"{run}/last.pt", storage_options=opts), storage_options=opts)["version"] == 1

@@ -30,7 +30,6 @@ from ..commit.foreign import torch_zip
 from ..commit.membership import NotPublishedError, group_entry, require_complete_group
 from ..commit.protocol import read_sidecar
 from ..errors import (
-    CheckpointNotFoundError,
     ConfigError,
     CorruptCheckpointError,
     GroupChangedError,
@@ -40,10 +39,11 @@ from ..errors import (
 from ..format.manifest import file_order
 from ..io.engine import ImageFactory
 from ..storage.homes import Homes, Location
-from ..storage.types import BucketNotFoundError, TargetNotFoundError, TargetUnavailableError
+from ..storage.types import TargetNotFoundError, TargetUnavailableError
 from .deserialize import deserialize
 from .image import heap_image
 from .into import in_place, place
+from .missing import a_directory, not_found
 from .pins import Pins
 from .unverified import damage, load_unverified, warn_unverified
 
@@ -151,8 +151,7 @@ class Loader:
         self._saving(path)  # a save of it in flight here is the newest: load that, not the copy before it
         home = self._homes.resolve(path)
         if home.target.mounted and os.path.isdir(path):
-            raise ConfigError(f"{path} is a directory, not a checkpoint file: load a file inside it (a group's files "
-                              f"load one at a time), or fastckpt.latest({path!r}) for the newest checkpoint under it")
+            raise a_directory(path)
         candidates, replaceable = self._candidates(path, home)
         if opts.prefetch and not home.target.mounted and replaceable:
             got = self._prefetch(path, home, opts)
@@ -176,7 +175,7 @@ class Loader:
                             f"{path} does not exist (the save never reached it, or it was deleted since), and the only "
                             f"copy left is damaged: {corrupt}") from corrupt
                     if missing:
-                        raise _not_found(path, candidates, exc) from exc
+                        raise not_found(path, candidates, exc) from exc
                     if corrupt is not None and exc is not corrupt:
                         exc.add_note(f"Its burst-buffer copy was unusable too: {corrupt}")
                     raise
@@ -192,7 +191,7 @@ class Loader:
         try:
             home.target.download(home.key, local.url)
         except FileNotFoundError as exc:  # as a load without prefetch says it: nothing there to resume from
-            raise _not_found(path, [(home, "remote")], exc) from exc
+            raise not_found(path, [(home, "remote")], exc) from exc
         try:
             return self._read_current(local, opts, path, "remote (prefetched)", path)
         except CorruptCheckpointError as exc:
@@ -337,20 +336,3 @@ def _plain_copies(local: Location, home: Location) -> str:
     size, date = home.target.size(home.key), home.target.modified(home.key)
     mine = os.stat(local.url)
     return SAME if size == mine.st_size and date <= mine.st_mtime else OLDER
-
-
-def _not_found(path: str, candidates: list, exc: OSError) -> CheckpointNotFoundError | BucketNotFoundError:
-    local = "".join(f" (nor its burst-buffer copy {loc.url})" for loc, where in candidates if where == "local")
-    home = next(loc for loc, where in candidates if where != "local")
-    if not home.target.mounted:  # a store answers 404 to a HEAD in a missing bucket as to a missing key
-        try:
-            home.target.list(home.key, max_depth=0)  # one request; its error names the bucket
-        except BucketNotFoundError as missing:  # a wrong URL, never "nothing saved there yet, start fresh"
-            return missing
-        except OSError:  # it cannot tell: the key's absence stands
-            pass
-    said = "" if home.target.mounted else f" The store said: {exc}"
-    return CheckpointNotFoundError(
-        f"{path} does not exist{local}: it was never saved there, or it was deleted since (retention: "
-        "keep_persistent, keep_local; or remove()). A checkpoint latest() named a while ago may be gone: "
-        f"fastckpt.latest(<its directory>) names the newest complete one now.{said}")
