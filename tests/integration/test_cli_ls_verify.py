@@ -428,6 +428,25 @@ def test_verify_latest_names_a_newer_damaged_checkpoint(tmp_path) -> None:
     assert run("verify", h, "--latest").exit_code == 0
 
 
+def test_verify_latest_checks_the_unverified_checkpoint_latest_names(tmp_path) -> None:
+    """A newer torch.save file beside fastckpt's: `fastckpt latest` names it (the higher step), and
+    `verify --latest` checked the older fastckpt file instead and passed. It reports the one latest
+    names, unverified (no checksum to check), and exits 1 as for any file it cannot verify."""
+    h = str(tmp_path / "home")
+    with fastckpt.Checkpointer() as ck:
+        ck.save(state(200), f"{h}/step-200.pt").wait()
+    torch.save(state(300), f"{h}/step-300.pt")  # ordered by step: both record one
+    assert run("latest", h).stdout.strip() == f"{h}/step-300.pt"
+    r = run("verify", "--latest", "--json", h)
+    d = json.loads(r.stdout)
+    assert r.exit_code == 1 and not d["passed"], r.output
+    assert [(b["path"], b["problem"].split(":")[0]) for b in d["bad"]] == [(f"{h}/step-300.pt", "unverified")]
+    assert [f["path"] for f in d["files"]] == [f"{h}/step-300.pt"]
+    r = run("verify", "--latest", h)
+    assert r.exit_code == 1 and "written by torch.save" in r.stdout and "BAD" not in r.output, r.output
+    assert f"UNVERIFIED {h}/step-300.pt: written by torch.save" in r.stderr
+
+
 def test_latest_passes_over_a_group_with_a_missing_file(home: str) -> None:
     """A resume script loads what ``fastckpt latest`` prints: once, a group one of whose files
     was deleted, which failed to load instead of falling back."""

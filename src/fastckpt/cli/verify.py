@@ -40,6 +40,7 @@ from ._files import FileSpec, file_covered, file_manifest, single_file
 
 MISSING = "missing"
 REPLACED = f"saved again during each of {RECHECKS} checks"
+UNVERIFIED = "unverified"
 NOT_A_FILE = "a directory stands where this file should be: move it away, then restore the file from a replica"
 
 
@@ -219,12 +220,18 @@ def _checkpoints(h: Homes, path: str, opts: dict | None, newest_only: bool
     entries = list_checkpoints(path, opts)
     complete = [e for e in entries if e.status in ("complete", "replicated")]
     newer = entries  # a damaged manifest makes readers skip the checkpoint: never a silent pass
+    unverified: list[Checked] = []
     if newest_only:  # the newest whole one (what `fastckpt latest` names), the damaged ones it passes over, and
-        chosen = [e for e in complete if e.latest] or complete[-1:]  # the complete ones that are not whole: a
-        newer = entries[entries.index(chosen[0]) + 1:] if chosen else entries  # fastckpt.latest() may name them
+        named = [e for e in entries if e.latest]  # the complete ones that are not whole: fastckpt.latest() may
+        chosen = [e for e in named if e in complete] or ([] if named else complete[-1:])  # name them
+        newer = entries[entries.index((named or chosen)[0]) + 1:] if named or chosen else entries
         complete = chosen + [e for e in complete if e.problem and e not in chosen]
+        # written without fastckpt (torch.save, DeepSpeed): no checksum to check it against, so never a pass
+        unverified = [Checked(e.path, e.path, e.bytes, f"{UNVERIFIED}: written by {e.kind}, not fastckpt: no "
+                              "checksum was recorded to check it against") for e in named if e.status == "unverified"]
     incomplete = [e.path for e in entries if e.status == "incomplete"]
-    broken = [Checked(e.path, e.path, e.bytes, f"damaged: {e.problem}") for e in newer if e.status == "damaged"]
+    broken = unverified + [Checked(e.path, e.path, e.bytes, f"damaged: {e.problem}")
+                           for e in newer if e.status == "damaged"]
     todo, deleted = [], []
     for e in complete:
         try:
@@ -236,6 +243,11 @@ def _checkpoints(h: Homes, path: str, opts: dict | None, newest_only: bool
                 raise
             deleted.append(e.path)
     return todo, incomplete, broken, deleted
+
+
+def _verdict(problem: str) -> str:
+    """A file that failed the check: BAD, or unverified (nothing to check it against: no pass either)."""
+    return problem if problem.startswith(f"{UNVERIFIED}:") else f"BAD: {problem}"
 
 
 @click.command()
@@ -250,8 +262,9 @@ def verify(path: str, newest_only: bool, jobs: int, storage_options: dict | None
 
     PATH is a checkpoint (a file or a group directory, or their URL) or a directory holding
     checkpoints (each complete one is checked, and each with a damaged manifest is BAD;
-    --latest: only the newest complete one, and the damaged ones newer than it, which a resume
-    passes over). Exit 1 naming each bad or missing file or damaged
+    --latest: only the newest complete one, the one `fastckpt latest` prints, and the damaged ones
+    newer than it, which a resume passes over; one written without fastckpt is reported
+    unverified, exit 1). Exit 1 naming each bad or missing file or damaged
     checkpoint, or when there is no complete checkpoint to check.
     """
     path = normalize(path)
@@ -286,7 +299,7 @@ def verify(path: str, newest_only: bool, jobs: int, storage_options: dict | None
     else:
         out = console()
         rows = [[r.checkpoint, os.path.relpath(r.path, r.checkpoint) if r.path != r.checkpoint else "-",
-                 fmt_bytes(r.bytes), "ok" if r.problem is None else f"BAD: {r.problem}"] for r in results]
+                 fmt_bytes(r.bytes), "ok" if r.problem is None else _verdict(r.problem)] for r in results]
         out.print(table(f"verify {path}", ["checkpoint", "file", "size", "result"], rows, right_from=2,
                         text=(3,)))
         if not results:
@@ -299,5 +312,6 @@ def verify(path: str, newest_only: bool, jobs: int, storage_options: dict | None
             out.print(f"- {p} was {REPLACED} (a job saving it): not checked, check it again")
         out.print(f"- {len(results) - len(bad)} of {len(results)} files intact")
     for r in bad:
-        click.echo(f"BAD {r.path}: {r.problem}", err=True)
+        word, _, why = _verdict(r.problem).partition(": ")
+        click.echo(f"{word.upper()} {r.path}: {why}", err=True)
     exit_with(passed)
