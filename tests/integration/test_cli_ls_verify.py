@@ -447,6 +447,28 @@ def test_verify_latest_checks_the_unverified_checkpoint_latest_names(tmp_path) -
     assert f"UNVERIFIED {h}/step-300.pt: written by torch.save" in r.stderr
 
 
+def test_ls_and_verify_show_names_with_square_brackets_as_written(tmp_path, monkeypatch) -> None:
+    """rich read names as markup: `model[best].pt` was listed as `model.pt`, and `x[/dim].pt` (or a
+    ROOT such as `exp[/x]`) crashed ls and verify with a MarkupError traceback."""
+    from fastckpt.cli._common import console, table
+
+    monkeypatch.chdir(tmp_path)  # a short ROOT: the table's title wraps a long one
+    h = "exp[/x]/lr=[1e-3]"
+    with fastckpt.Checkpointer() as ck:
+        ck.save(state(1), f"{h}/model[best].pt").wait()
+        ck.save(state(2), f"{h}/x[/dim].pt").wait()
+    full = os.path.abspath(h)
+    for cmd, shown in (("ls", [f"under {h}", " model[best].pt ", " x[/dim].pt "]),
+                       ("verify", [f"verify {full}", f"{full}/model[best].pt ", f"{full}/x[/dim].pt "])):
+        r = run(cmd, h)
+        assert r.exit_code == 0 and r.exception is None, (cmd, r.output)
+        assert all(s in r.stdout for s in shown), (cmd, r.stdout)
+    out = console()
+    with out.capture() as got:
+        out.print(table("[bold]t[/]", ["a[/]"], [["[red]c[/red]"], [None]]))
+    assert "[bold]t[/]" in got.get() and "[red]c[/red]" in got.get()
+
+
 def test_latest_passes_over_a_group_with_a_missing_file(home: str) -> None:
     """A resume script loads what ``fastckpt latest`` prints: once, a group one of whose files
     was deleted, which failed to load instead of falling back."""

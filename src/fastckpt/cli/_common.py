@@ -18,6 +18,7 @@ from contextlib import contextmanager
 
 import click
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
@@ -262,12 +263,14 @@ def console() -> Console:
 def table(title: str | None, columns: list[str], rows: list[list[object]], right_from: int = 1,
           text: tuple[int, ...] = ()) -> Table:
     """A rich table; columns from ``right_from`` on are right-aligned (numbers), except the
-    ``text`` ones."""
-    t = Table(title=title, title_justify="left", show_edge=False)
+    ``text`` ones. Title and cells are shown as written: they hold names users chose, and rich
+    would read ``model[best].pt`` as a style (dropped) and ``x[/dim].pt`` as a closing tag
+    (a MarkupError)."""
+    t = Table(title=None if title is None else escape(title), title_justify="left", show_edge=False)
     for i, c in enumerate(columns):
-        t.add_column(c, justify="right" if i >= right_from and i not in text else "left")
+        t.add_column(escape(c), justify="right" if i >= right_from and i not in text else "left")
     for r in rows:
-        t.add_row(*("-" if v is None else str(v) for v in r))
+        t.add_row(*("-" if v is None else escape(str(v)) for v in r))
     return t
 
 
@@ -325,7 +328,7 @@ def progress(description: str, total: float | None, enabled: bool = True) -> Ite
         return
     with Progress(TextColumn("{task.description}"), BarColumn(), TaskProgressColumn(), TimeElapsedColumn(),
                   TimeRemainingColumn(), console=err, transient=True) as p:
-        yield _Bar(p, p.add_task(description, total=total))
+        yield _Bar(p, p.add_task(escape(description), total=total))  # it may name a --dir: shown as written
 
 
 def warn(message: str) -> None:

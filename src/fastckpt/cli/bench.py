@@ -228,7 +228,7 @@ def render(data: dict) -> None:
     out.print(table(title, ["op", "bytes", "seconds", "throughput", "p50 ms", "p99 ms", "max ms", "of capacity",
                             "verdict"], agg, text=(8,)))
     for line in data["verify_failures"]:
-        out.print(f"- verify FAILED: {line}")
+        out.print(f"- verify FAILED: {line}", markup=False)
     if data["verify"] and not data["verify_failures"]:
         out.print("- verify: every block read back as written")
 

@@ -60,10 +60,10 @@ def _print(dx) -> None:  # noqa: ANN001 (a Diagnosis)
 
     console = Console(highlight=False)
     for f in dx.findings:
-        console.print(f"[{_STYLE[f.status]}]{f.status:<4}[/] {f.check}: {escape(f.summary)}")
+        console.print(f"[{_STYLE[f.status]}]{f.status:<4}[/] {escape(f.check)}: {escape(f.summary)}")
         if f.fix and f.status != "ok":
             console.print(f"     fix: {escape(f.fix)}")
     picks = ", ".join(f"{state} state -> {tier}" for state, tier in dx.auto.items()) or "not decided"
-    console.print(f"auto would pick: {picks}")
+    console.print(f"auto would pick: {picks}", markup=False)
     if dx.failed:
         console.print("[bold red]at least one check failed[/]")

@@ -92,7 +92,7 @@ def render(data: dict) -> None:
     ]))
     for r in data["rows"]:
         if r["error"]:
-            out.print(f"- trial {r['trial']}: {r['error']}")
+            out.print(f"- trial {r['trial']}: {r['error']}", markup=False)
 
 
 @click.command()

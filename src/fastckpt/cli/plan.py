@@ -181,7 +181,7 @@ def render(p: sizing.Plan, notes: list[str]) -> None:
          "PASS" if f.passed else "MISS"],
     ]))
     for line in [*s.problems, *s.advice, *f.problems, *f.advice, *notes, *p.notes]:
-        out.print(f"- {line}")
+        out.print(f"- {line}", markup=False)
 
 
 @click.command()

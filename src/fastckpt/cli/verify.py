@@ -303,13 +303,13 @@ def verify(path: str, newest_only: bool, jobs: int, storage_options: dict | None
         out.print(table(f"verify {path}", ["checkpoint", "file", "size", "result"], rows, right_from=2,
                         text=(3,)))
         if not results:
-            out.print(f"- no complete checkpoint under {path}")
+            out.print(f"- no complete checkpoint under {path}", markup=False)
         for p in incomplete:
-            out.print(f"- {p} is incomplete (never committed): not checked; readers skip it")
+            out.print(f"- {p} is incomplete (never committed): not checked; readers skip it", markup=False)
         for p in deleted:
-            out.print(f"- {p} was deleted during the check (retention, or a remove): not checked")
+            out.print(f"- {p} was deleted during the check (retention, or a remove): not checked", markup=False)
         for p in replaced:
-            out.print(f"- {p} was {REPLACED} (a job saving it): not checked, check it again")
+            out.print(f"- {p} was {REPLACED} (a job saving it): not checked, check it again", markup=False)
         out.print(f"- {len(results) - len(bad)} of {len(results)} files intact")
     for r in bad:
         word, _, why = _verdict(r.problem).partition(": ")
