@@ -10,7 +10,7 @@ import shutil
 import threading
 import warnings
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import CancelledError, Future
 from contextlib import contextmanager
 from typing import Any
@@ -48,6 +48,7 @@ class TrainerLink:
     _deferred: dict[str, Checkpointer]  # path -> its Checkpointer: deletions waiting for a link to move off them
     _links: dict[str, list[tuple[SaveHandle, str]]]  # linkpath -> queued links (target's save, target), oldest first
     _links_lock: threading.Lock
+    _link_dirs: tuple[str, ...] = ()  # folders a link may sit in, away from the file it names (``_note_links``)
     _trainer_ref: Callable[[], Any] | None
     _callback: object
     _in_fit: bool
@@ -110,20 +111,21 @@ class TrainerLink:
                 return
         for linkpath in list(self._links):  # last.ckpt may name path: move it on first (it is queued after)
             self._relink(linkpath, None)
-        if named_by_link(path):  # ModelCheckpoint asks to delete before it links anew: a kill in between
-            self._deferred[path] = ck  # left last.ckpt dangling, so the deletion waits for the link to move
+        if named_by_link(path, self._link_dirs):  # ModelCheckpoint asks to delete before it links anew: a kill
+            self._deferred[path] = ck  # in between left last.ckpt dangling, so the deletion waits for the link to move
             return
         ck.remove(path)
 
     def _moved(self, linkpath: str) -> None:
         """Lightning moved ``linkpath`` itself (to a file this fit did not save, e.g. FSDP's sharded
         directories): the deletions that waited for it run on the remover thread, after any queued."""
+        self._note_links(linkpath)
         if self._deferred or self._removals:
             self._file(LINK + normalize(linkpath) + " (moved)", self._queue(self._remove_deferred))
 
     def _remove_deferred(self) -> None:
         """Delete the files whose deletion waited for a link to move off them, where none names them now."""
-        for path in [p for p in list(self._deferred) if not named_by_link(p)]:
+        for path in [p for p in list(self._deferred) if not named_by_link(p, self._link_dirs)]:
             ck = self._deferred.pop(path, None)  # (None: a new save to path took it back meanwhile)
             if ck is not None:
                 ck.remove(path)
@@ -134,6 +136,7 @@ class TrainerLink:
         failed), queue the link on the remover thread (in order with the removals) and return True:
         ``linkpath`` keeps its old target until that save is durable, and for good if it is not.
         Lightning's own link (False) is only for a file this fit did not save, which exists."""
+        self._note_links(linkpath)
         if not self._in_fit or not trainer.is_global_zero or os.path.abspath(filepath) == os.path.abspath(linkpath):
             return False  # the same file (last.ckpt saved whole, then "linked" to itself): Lightning skips it
         save = self._saves.newest.get(normalize(os.fspath(filepath)))
@@ -165,6 +168,22 @@ class TrainerLink:
                     del self._links[linkpath]
             if entry is upto:
                 return
+
+    def _note_links(self, *linkpaths: str) -> None:
+        """The training thread: add the folders of ``linkpaths`` and each ModelCheckpoint's dirpath
+        (where its ``last.ckpt`` is) to those ``named_by_link`` scans besides a file's own: a
+        filename with a "/" ("{epoch}/{step}") puts the top-k files in a subfolder, below the link
+        that names them. The dirpaths cover a resumed fit's first deletion, asked for before any
+        link. A new tuple each time: the remover thread reads it without a lock."""
+        trainer = self._trainer()
+        dirs = [os.path.dirname(os.path.abspath(p)) for p in map(os.fspath, linkpaths) if not is_url(p)]
+        for cb in getattr(trainer, "checkpoint_callbacks", None) or ():
+            d = getattr(cb, "dirpath", None)
+            if isinstance(d, (str, os.PathLike)) and not is_url(os.fspath(d)):
+                dirs.append(os.path.abspath(d))
+        new = [d for d in dict.fromkeys(dirs) if d not in self._link_dirs]
+        if new:
+            self._link_dirs = (*self._link_dirs, *new)
 
     def _queue(self, fn: Callable[..., None], *args: Any) -> Future:
         raise NotImplementedError  # FastCkptIOMixin runs it on its remover thread
@@ -208,6 +227,7 @@ class TrainerLink:
         # there under every strategy (FSDPStrategy's never calls CheckpointIO.teardown)
         fitting = str(getattr(trainer.state.fn, "value", "fit")) == "fit"
         self._in_fit, self._crashed, self._reserved = fitting, False, False
+        self._link_dirs = ()  # this fit's ModelCheckpoints and links (``_note_links``)
         self._saves.newest.clear()  # the saves of this fit only
         self._sharded = bool(SHARDED_STRATEGIES & {c.__name__ for c in type(trainer.strategy).__mro__})
         if trainer.is_global_zero and fitting:
@@ -256,15 +276,20 @@ class TrainerLink:
             self._trainer_ref = None
 
 
-def named_by_link(path: str) -> bool:
-    """Whether a symlink beside ``path`` names it (``last.ckpt`` of ModelCheckpoint(save_last="link"))."""
+def named_by_link(path: str, folders: Iterable[str] = ()) -> bool:
+    """Whether a symlink beside ``path``, or in one of ``folders``, names it (``last.ckpt`` of
+    ModelCheckpoint(save_last="link"), in its dirpath: above ``path`` if the filename has a "/")."""
     if is_url(path):
         return False
-    try:
-        with os.scandir(os.path.dirname(path)) as entries:
-            return any(e.is_symlink() and os.path.realpath(e.path) == os.path.realpath(path) for e in entries)
-    except OSError:
-        return False
+    target = os.path.realpath(path)
+    for folder in dict.fromkeys((os.path.dirname(os.path.abspath(path)), *folders)):
+        try:
+            with os.scandir(folder) as entries:
+                if any(e.is_symlink() and os.path.realpath(e.path) == target for e in entries):
+                    return True
+        except OSError:  # the folder is gone (or was never made): no link there
+            continue
+    return False
 
 
 def _link_after(save: SaveHandle, filepath: str, linkpath: str,

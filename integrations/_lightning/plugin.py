@@ -303,6 +303,7 @@ class FastCkptIOMixin(TrainerLink):
                 ck.remove(path)
             return
         ck = self._checkpointer()
+        self._note_links()  # the ModelCheckpoints' dirpaths, known by now, where their last.ckpt links are
         prev = self._removals.get(path)
         if prev is not None and not prev.done():
             return
@@ -346,7 +347,7 @@ class FastCkptIOMixin(TrainerLink):
             except BaseException as exc:  # noqa: BLE001 (collected, raised below)
                 errors.append(exc)
             for path in self._deferred:
-                log.info("fastckpt: kept %s although Lightning asked to delete it: a link beside it still names it",
+                log.info("fastckpt: kept %s although Lightning asked to delete it: a link still names it",
                          path)
         if ck is not None:
             try:

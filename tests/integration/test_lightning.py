@@ -180,11 +180,15 @@ def test_save_last_link(tmp_path):
     assert fastckpt.load(str(last))["global_step"] == 6
 
 
-def test_last_link_never_names_a_deleted_file(tmp_path, monkeypatch):
+@pytest.mark.parametrize(("filename", "newest"), [(None, "epoch=0-step=6.ckpt"),
+                                                  ("{epoch}/{step}", os.path.join("epoch=0", "step=6.ckpt"))])
+def test_last_link_never_names_a_deleted_file(tmp_path, monkeypatch, filename, newest):
     """ModelCheckpoint deletes the top-k file it replaces, then links last.ckpt to the new one. The
     deletion ran first, so last.ckpt named a deleted file until the link moved: a kill -9 then left
     it dangling and fit(ckpt_path="last") started over (the Lightning review's 2-rank DDP run).
-    The deletion of a file a link names now waits for the link to move off it."""
+    The deletion of a file a link names now waits for the link to move off it; also with a
+    filename that puts the top-k files in a subfolder below last.ckpt (once, only the deleted
+    file's own folder was searched for the link, so it was deleted at once)."""
     last = tmp_path / "ckpt" / "last.ckpt"
     dangled: list[str] = []
     remove = fastckpt.Checkpointer.remove
@@ -205,11 +209,13 @@ def test_last_link_never_names_a_deleted_file(tmp_path, monkeypatch):
 
     io._link_later = after_the_deletions  # type: ignore[method-assign]
     trainer = make_trainer(str(tmp_path), io, 6, every_n_train_steps=1, save_top_k=1, monitor="step",
-                           mode="max", save_last="link")
+                           mode="max", save_last="link", filename=filename)
     trainer.fit(TinyModel(), loader())
     assert dangled == []
-    assert sorted(os.listdir(tmp_path / "ckpt")) == ["epoch=0-step=6.ckpt", "last.ckpt"]  # the others deleted
-    assert os.readlink(last) == "epoch=0-step=6.ckpt" and fastckpt.load(str(last))["global_step"] == 6
+    kept = sorted(os.path.relpath(os.path.join(d, f), tmp_path / "ckpt") for d, _, fs in os.walk(tmp_path / "ckpt")
+                  for f in fs)
+    assert kept == sorted([newest, "last.ckpt"])  # the others deleted
+    assert os.readlink(last) == newest and fastckpt.load(str(last))["global_step"] == 6
 
 
 def test_resume_from_last_is_bit_exact(tmp_path):
