@@ -19,6 +19,7 @@ from contextlib import AbstractContextManager
 
 from .commit import discovery
 from .commit.coordinator import Coordinator
+from .commit.foreign import group_step
 from .config import CheckpointerConfig, options_doc, options_signature
 from .errors import ClosedError, ConfigError, ReplicationError
 from .events import Event, Fanout, JsonlSink
@@ -31,7 +32,7 @@ from .monitor import Monitor, Stats
 from .progress import Progress
 from .records import SaveHandle, SaveRecord, stopped_note
 from .save.replicator import Replicator
-from .save.retention import Retention, group_step
+from .save.retention import Retention
 from .save.saver import Saver
 from .save.staging import StagingPool
 from .save.stripes import Stripes

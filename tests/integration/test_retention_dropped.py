@@ -49,6 +49,27 @@ def test_a_dropped_single_file_stays_loadable_from_the_burst_buffer(tmp_path: Pa
     ck.close()
 
 
+def test_a_dropped_single_file_in_a_numbered_directory_stays_beside_a_later_group(tmp_path: Path) -> None:
+    """``ep3/model.pt`` is dropped for the group ``step5`` queued after it: its burst-buffer copy
+    is its only copy, and is never taken for an unpublished group when that group is durable."""
+    ops, nvme, run = FaultyOps(), str(tmp_path / "nvme"), tmp_path / "run"
+    single, group = str(run / "ep3" / "model.pt"), str(run / "step5")
+    gate = ops.gate("preadv", path_contains=os.path.join(nvme, ""))  # holds other.pt's replication
+    queued = Queued(f"{group}/r0.pt")
+    ck = fastckpt.Checkpointer(local_dir=nvme, ops=ops, replicate_workers=1, keep_local=2, sinks=(queued,))
+    ck.save(_state(0), str(tmp_path / "other.pt"))
+    assert gate.wait_entered(60)
+    h = ck.save(_state(3), single)
+    ck.save(_state(5), f"{group}/r0.pt", group=group)
+    commit = ck.commit(group, step=5)
+    assert queued.seen.wait(60) and h.wait(60).superseded
+    gate.open()
+    assert not commit.wait(60).superseded
+    assert os.path.exists(ck.local_path(single)) and not os.path.exists(single)
+    assert torch.equal(ck.load(single)["w"], _state(3)["w"])
+    ck.close()
+
+
 def test_a_dropped_group_is_trimmed_once_a_later_group_is_published(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     ops, nvme, run = FaultyOps(), str(tmp_path / "nvme"), tmp_path / "run"

@@ -125,6 +125,35 @@ def test_a_restarted_group_job_removes_its_files_of_groups_earlier_runs_left_unp
     assert fastckpt.latest(str(root)) == str(root / "global_step4")
 
 
+def _group_run(nvme: Path, root: Path, steps: range, keep_local: int | None = 1, commit: bool = True,
+               first: str | None = None) -> None:
+    """One single-process run saving the groups ``root/global_step<N>`` (committed, or not), after
+    the single file ``root/<first>`` when given."""
+    with fastckpt.Checkpointer(local_dir=str(nvme), keep_local=keep_local, overhead_budget=0.99) as ck:
+        if first is not None:
+            ck.save({"cfg": 1}, str(root / first)).wait()
+        for step in steps:
+            group = str(root / f"global_step{step}")
+            ck.save(_state(step), f"{group}/rank0.pt", group=group).wait()
+            if commit:
+                ck.commit(group, step=step).wait()
+
+
+def test_a_single_file_in_a_numbered_directory_is_never_taken_for_an_unpublished_group(tmp_path: Path) -> None:
+    """``ep3/model.pt`` is a single file in a numbered directory; its upload never ended (the job
+    was killed), so its burst-buffer copy is the only copy of that save. The next run's first
+    group removes this rank's files of the group left unpublished at step 2, never that file."""
+    nvme, root = tmp_path / "nvme", tmp_path / "ckpt"
+    single = root / "ep3" / "model.pt"
+    with fastckpt.Checkpointer(local_dir=str(nvme), overhead_budget=0.99) as ck:
+        ck.save(_state(3), str(single)).wait()
+    _group_run(nvme, root, range(2, 3), keep_local=None, commit=False)
+    os.remove(single)  # as if the job died while uploading it
+    _group_run(nvme, root, range(5, 6), keep_local=2)
+    assert _local(nvme, root) == ["ep3", "global_step5"]
+    assert os.listdir(mirror_path(str(nvme), str(root / "ep3"))) == ["model.pt"]
+
+
 _KILLED_RUN = """
 import os, signal, sys, torch, fastckpt
 nvme, dest = sys.argv[1], sys.argv[2]

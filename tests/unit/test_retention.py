@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 import fastckpt
+from fastckpt.save.restarts import delete_own_group_files
 from fastckpt.save.retention import Retention
 from fastckpt.save.stripes import Stripes
 from fastckpt.storage.homes import Homes
@@ -39,9 +40,9 @@ def _copies(tmp_path: Path, names: list[str], keep_local: int = 1) -> tuple[list
     home, nvme = tmp_path / "home", str(tmp_path / "nvme")
     paths = [str(home / n) for n in names]
     local = [Path(mirror_path(nvme, p)) for p in paths]
-    with fastckpt.Checkpointer() as ck:  # rank 0's file, with its manifest (a dropped group loses only those)
+    with fastckpt.Checkpointer() as ck:  # rank 0's group file, with its manifest (a dropped group loses only those)
         for p in local:
-            ck.save({"w": torch.zeros(4)}, str(p / "rank0.pt")).wait()
+            ck.save({"w": torch.zeros(4)}, str(p / "rank0.pt"), group=str(p)).wait()
     return paths, local, Retention(keep_local, None, Homes(), Stripes((nvme,)).copies)
 
 
@@ -262,3 +263,16 @@ def test_an_export_stays_one_when_a_later_save_of_its_path_fails_at_once(tmp_pat
             ck.save({"w": torch.ones(4)}, str(home / f"step{step}.pt")).wait()
         ck.wait()
     assert sorted(os.listdir(home)) == ["model.pt", "step2.pt"]
+
+
+def test_an_unpublished_group_copy_loses_only_the_files_saved_as_that_groups(tmp_path: Path) -> None:
+    """A single file saved into a numbered directory (``step3/model.pt``) may be the only copy of
+    its save: removing this rank's files of the group ``step3`` leaves it."""
+    nvme, group = str(tmp_path / "nvme"), str(tmp_path / "home" / "step3")
+    local = Path(mirror_path(nvme, group))
+    with fastckpt.Checkpointer() as ck:
+        for rel in ("r0.pt", "sub/r0.pt"):
+            ck.save({"w": torch.zeros(4)}, str(local / rel), group=str(local)).wait()
+        ck.save({"w": torch.zeros(4)}, str(local / "model.pt")).wait()
+    delete_own_group_files(Homes(), Stripes((nvme,)).copies, group, rank=0)
+    assert sorted(os.listdir(local)) == ["model.pt"]

@@ -29,25 +29,24 @@ the single files this rank wrote. A group whose step is unknown or not below the
 alone: a job resumed from an older checkpoint saves those tags again, and another rank may be writing
 into them. So ``keep_local`` bounds the burst buffer across restarts, and a local copy that never
 reached its home (the job was killed first) is never deleted. A group earlier runs left unpublished at
-an earlier step can never load: this rank's files of it are removed. ``keep_persistent`` counts the
-checkpoints this process saved: what earlier runs left at the durable home is the user's.
+an earlier step can never load: this rank's files of it (those whose manifest names it as their group;
+a single file in a numbered directory is not one) are removed (``restarts``). ``keep_persistent``
+counts the checkpoints this process saved: what earlier runs left at the durable home is the user's.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-import os
 import posixpath
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 
-from ..commit.discovery import scan
-from ..commit.foreign import group_step, tag_step
+from ..commit.foreign import group_step
 from ..commit.protocol import delete_checkpoint, pointed_name, read_group_manifest
 from ..storage.homes import Homes
-from ..urls import join
+from .restarts import delete_own_group_files, earlier_copies, numbered_dirs
 
 log = logging.getLogger("fastckpt")
 
@@ -231,17 +230,12 @@ class Retention:
                 return []
             self._looked.add(parent)
         try:
-            found = [(f, rel) for mirror in self._local_copies(parent)
-                     for f in scan(self._homes.resolve(mirror), max_depth=1)
-                     if "/" not in (rel := posixpath.relpath(f.path, mirror))]
-            found.sort(key=lambda fr: fr[0].time)
             group = read_group_manifest(self._homes.resolve(path).place())
-            mine = group_step(group or {}, path) if any(f.kind == "group" for f, _ in found) else None
-            earlier = [name for f, rel in found if (name := join(parent, rel)) != path and not f.foreign
-                       and (self._earlier_group(f.manifest, rel, mine) if f.kind == "group"
-                            else f.manifest.get("rank", 0) == self._rank and self._same_at_home(name, f.manifest))]
-            unpublished = self._unpublished_earlier(parent, {rel for _, rel in found},
-                                                    group_step(group, path) if group is not None else None)
+            mine = group_step(group or {}, path)
+            mirrors = self._local_copies(parent)
+            earlier, complete = earlier_copies(self._homes, mirrors, path, self._rank, True, mine)
+            unpublished = self._unpublished_earlier(  # only below the step its published manifest records
+                numbered_dirs(mirrors, parent, complete, mine) if group is not None and mine is not None else set())
         except (OSError, ValueError) as exc:  # retention must not fail a save: say so, count none of them
             log.warning("fastckpt: retention could not look at what earlier runs left in the burst buffer "
                         "beside %s: %s", path, exc)
@@ -250,37 +244,17 @@ class Retention:
             self._run(self._delete_own_files, g, "files this rank left in the unpublished burst-buffer copy")
         return earlier
 
-    def _unpublished_earlier(self, parent: str, complete: set[str], mine: int | None) -> list[str]:
-        """The groups beside ``parent``'s group of step ``mine`` that earlier runs left unpublished
-        in the burst buffer (a job killed before their commit, or one whose replication dropped
-        them), of earlier steps. They can never load (a group loads once published), and this run
-        goes on from a later step: this rank's files of them are removed."""
-        if mine is None:
-            return []
-        names = {join(parent, e.name) for mirror in self._local_copies(parent) if os.path.isdir(mirror)
-                 for e in os.scandir(mirror) if e.is_dir(follow_symlinks=False) and not e.name.startswith(".")
-                 and e.name not in complete and (step := tag_step(e.name)) is not None and step < mine}
+    def _unpublished_earlier(self, names: set[str]) -> list[str]:
+        """Of the numbered directories ``names`` (of steps below a group just durable), those
+        that hold nothing this run saved, is saving or tracks: groups that earlier runs left
+        unpublished in the burst buffer (a job killed before their commit, or one whose
+        replication dropped them). They can never load (a group loads once published), and this
+        run goes on from a later step: this rank's files of them are removed."""
         with self._lock:
-            gone = sorted(n for n in names if n not in self._busy and n not in self._local and n not in self._dropped)
+            used = [*self._busy, *self._local, *self._dropped]
+            gone = sorted(n for n in names if not any(u == n or u.startswith(n + "/") for u in used))
             self._deciding(gone)
             return gone
-
-    @staticmethod
-    def _earlier_group(manifest: dict, rel: str, mine: int | None) -> bool:
-        """A group of an earlier run counts only if its step is below the one just durable: a
-        job resumed from an older checkpoint saves the later tags again, and another rank may
-        already be writing into their burst-buffer directory when this one would delete it."""
-        theirs = group_step(manifest, rel)
-        return mine is not None and theirs is not None and theirs < mine
-
-    def _same_at_home(self, name: str, local_manifest: dict) -> bool:
-        """Whether the durable home holds the save that ``local_manifest`` describes."""
-        home = self._homes.resolve(name)
-        try:
-            m = home.target.read_manifest(home.key)
-        except (OSError, ValueError):  # absent (never replicated) or unreadable: keep the local copy
-            return False
-        return bool(m) and m.get("checksum") == local_manifest.get("checksum")
 
     def _delete_local(self, path: str) -> None:
         for local in self._local_copies(path):
@@ -289,16 +263,8 @@ class Retention:
     def _delete_own_files(self, group: str) -> None:
         """A group's burst-buffer copy that other ranks of this node may still use (one that
         replication dropped: another rank may still be uploading its file of it): only the files
-        this rank wrote (``Target.delete`` prunes the directories it empties, so the last goes)."""
-        for local in self._local_copies(group):
-            loc = self._homes.resolve(local)
-            for key in loc.target.list(loc.key + "/"):
-                try:
-                    mine = (loc.target.read_manifest(key) or {}).get("rank", -1) == self._rank
-                except (OSError, ValueError):  # a partial or foreign file: not this rank's to delete
-                    mine = False
-                if mine:
-                    loc.target.delete(key)
+        this rank wrote into it as that group's."""
+        delete_own_group_files(self._homes, self._local_copies, group, self._rank)
 
     def _delete_persistent(self, path: str) -> None:
         delete_checkpoint(self._homes.resolve(path))

@@ -1,0 +1,80 @@
+"""Retention's restart scan: what earlier runs left in a directory's burst-buffer copy, and which
+of it may go (``retention``'s docstring and docs/burst-buffer.md, "Restarts", say why).
+
+A numbered directory that the scan does not find complete is not always a group: a single
+file may sit in one (``ep3/model.pt``, an export ``step100/model.pt``), and its burst-buffer
+copy may be the only copy of that save (a job killed while uploading it, or replication dropped
+it). So only files whose own manifest places them in that directory as their group are removed.
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+from collections.abc import Callable
+
+from ..commit.discovery import scan
+from ..commit.foreign import group_step, tag_step
+from ..commit.membership import group_dir
+from ..storage.homes import Homes
+from ..urls import join
+
+
+def earlier_copies(homes: Homes, mirrors: list[str], path: str, rank: int, files: bool,
+                   step: int | None) -> tuple[list[str], set[str]]:
+    """The checkpoints directly beside ``path`` in its directory's burst-buffer copies
+    ``mirrors`` that are safe at their home, oldest first: with ``files``, the single files
+    ``rank`` wrote whose home holds the same save; with a ``step``, the groups of lower steps.
+    Also the names (relative to the directory) of every complete checkpoint found there."""
+    parent = posixpath.dirname(path)
+    found = [(f, rel) for mirror in mirrors for f in scan(homes.resolve(mirror), max_depth=1)
+             if "/" not in (rel := posixpath.relpath(f.path, mirror))]
+    found.sort(key=lambda fr: fr[0].time)
+    earlier = [name for f, rel in found if (name := join(parent, rel)) != path and not f.foreign
+               and (_earlier_group(f.manifest, rel, step) if f.kind == "group"
+                    else files and f.manifest.get("rank", 0) == rank and _same_at_home(homes, name, f.manifest))]
+    return earlier, {rel for _, rel in found}
+
+
+def numbered_dirs(mirrors: list[str], parent: str, complete: set[str], step: int) -> set[str]:
+    """The numbered directories in ``parent``'s burst-buffer copies ``mirrors``, of steps below
+    ``step``, that hold no complete checkpoint (``complete``): groups earlier runs left
+    unpublished, or directories holding single files (``own_group_files`` tells them apart)."""
+    return {join(parent, e.name) for mirror in mirrors if os.path.isdir(mirror)
+            for e in os.scandir(mirror) if e.is_dir(follow_symlinks=False) and not e.name.startswith(".")
+            and e.name not in complete and (s := tag_step(e.name)) is not None and s < step}
+
+
+def delete_own_group_files(homes: Homes, copies: Callable[[str], list[str]], group: str, rank: int) -> None:
+    """Delete the files ``rank`` wrote into ``group``'s burst-buffer copies as files of that group
+    (their manifest names it as their group: ``membership.group_dir``). Another rank's file, a
+    partial or foreign one, and a single file saved into the directory (it may be the only copy
+    of its save) stay. ``Target.delete`` prunes the directories it empties, so the last goes."""
+    for local in copies(group):
+        loc = homes.resolve(local)
+        top = loc.key.rstrip("/")
+        for key in loc.target.list(top + "/"):
+            try:
+                m = loc.target.read_manifest(key) or {}
+            except (OSError, ValueError):  # a partial or foreign file: not this rank's to delete
+                continue
+            if m.get("rank", -1) == rank and group_dir(key, m) == top:
+                loc.target.delete(key)
+
+
+def _earlier_group(manifest: dict, rel: str, mine: int | None) -> bool:
+    """A group of an earlier run counts only if its step is below the one just durable: a job
+    resumed from an older checkpoint saves the later tags again, and another rank may already be
+    writing into their burst-buffer directory when this one would delete it."""
+    theirs = group_step(manifest, rel)
+    return mine is not None and theirs is not None and theirs < mine
+
+
+def _same_at_home(homes: Homes, name: str, local_manifest: dict) -> bool:
+    """Whether the durable home holds the save that ``local_manifest`` describes."""
+    home = homes.resolve(name)
+    try:
+        m = home.target.read_manifest(home.key)
+    except (OSError, ValueError):  # absent (never replicated) or unreadable: keep the local copy
+        return False
+    return bool(m) and m.get("checksum") == local_manifest.get("checksum")
