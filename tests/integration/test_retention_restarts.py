@@ -154,6 +154,15 @@ def test_a_single_file_in_a_numbered_directory_is_never_taken_for_an_unpublished
     assert os.listdir(mirror_path(str(nvme), str(root / "ep3"))) == ["model.pt"]
 
 
+def test_a_single_file_durable_first_in_a_directory_leaves_its_groups_counted(tmp_path: Path) -> None:
+    """A run whose first durable checkpoint in the directory is a single file (no step to count
+    groups below) still counts the groups earlier runs left, at its first durable group."""
+    nvme, root = tmp_path / "nvme", tmp_path / "ckpt"
+    for steps in (range(1, 3), range(3, 5), range(5, 7)):
+        _group_run(nvme, root, steps, first="run_config.pt")
+    assert [n for n in _local(nvme, root) if n.startswith("global_step")] == ["global_step6"]
+
+
 _KILLED_RUN = """
 import os, signal, sys, torch, fastckpt
 nvme, dest = sys.argv[1], sys.argv[2]

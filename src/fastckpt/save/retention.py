@@ -24,14 +24,16 @@ record first (``commit.protocol.delete_checkpoint``).
 The burst buffer outlives the process: a restarted job finds the copies its earlier runs left there. The
 first time a checkpoint in a directory becomes durable, the local list takes in, oldest first, the other
 checkpoints in that directory's burst-buffer copy whose copy at the durable home is the same save (same
-checksum; a group's local copy is complete only once it was published): its groups of earlier steps, and
-the single files this rank wrote. A group whose step is unknown or not below the one just saved is left
-alone: a job resumed from an older checkpoint saves those tags again, and another rank may be writing
-into them. So ``keep_local`` bounds the burst buffer across restarts, and a local copy that never
-reached its home (the job was killed first) is never deleted. A group earlier runs left unpublished at
-an earlier step can never load: this rank's files of it (those whose manifest names it as their group;
-a single file in a numbered directory is not one) are removed (``restarts``). ``keep_persistent``
-counts the checkpoints this process saved: what earlier runs left at the durable home is the user's.
+checksum; a group's local copy is complete only once it was published): the single files this rank
+wrote and, the first time a group of a known step there is durable (a single file durable first knows
+no step), its groups of earlier steps. A group whose step is unknown or not below the one just saved is
+left alone: a job resumed from an older checkpoint saves those tags again, and another rank may be
+writing into them. So ``keep_local`` bounds the burst buffer across restarts, and a local copy that
+never reached its home (the job was killed first) is never deleted. A group earlier runs left
+unpublished at an earlier step can never load: this rank's files of it (those whose manifest names it
+as their group; a single file in a numbered directory is not one) are removed (``restarts``).
+``keep_persistent`` counts the checkpoints this process saved: what earlier runs left at the durable
+home is the user's.
 """
 
 from __future__ import annotations
@@ -67,7 +69,7 @@ class Retention:
         self._local: dict[str, int] = {}  # listed name -> its save's token: the lists are in save order
         self._persistent: dict[str, int] = {}
         self._lock = threading.Lock()
-        self._looked: set[str] = set()  # directories whose earlier burst-buffer copies were taken in
+        self._looked: dict[str, set[str]] = {}  # directory -> "file", "group": what earlier runs left there, taken in
         self._tokens = itertools.count(1)  # one per save, in the order the saves began
         self._busy: dict[str, int] = {}  # name -> its newest save in flight (a failed save's name stays)
         self._dropped: dict[str, tuple[int, int]] = {}  # group -> (token, step) of a save replication dropped
@@ -142,7 +144,7 @@ class Retention:
             mine = self._busy.get(path) if token is None else token  # None: the newest save's, as of now
             if self._busy.get(path, mine) != mine:
                 return  # a newer save of path is in flight: it takes path into the lists once durable
-        earlier = self._earlier_local(path) if has_local and self._keep_local is not None else []
+        earlier = self._earlier_local(path, step) if has_local and self._keep_local is not None else []
         with self._lock:  # it ends only now: a save of path may have begun during the scan
             if listed := self._busy.get(path, mine) == mine:
                 self._busy.pop(path, None)
@@ -221,19 +223,23 @@ class Retention:
         self._delete_local(path)
         self._delete_persistent(path)
 
-    def _earlier_local(self, path: str) -> list[str]:
-        """Once per directory: the checkpoints beside ``path`` that earlier runs left in the burst
-        buffer and that are safe at their home, oldest first."""
+    def _earlier_local(self, path: str, step: int | None) -> list[str]:
+        """Once per directory for its single files, and once more for its groups at its first
+        durable group of a known ``step`` (a single file durable first knows no step to count
+        groups below): the checkpoints beside ``path`` that earlier runs left in the burst buffer
+        and that are safe at their home, oldest first."""
         parent = posixpath.dirname(path)
         with self._lock:
-            if parent in self._looked:
-                return []
-            self._looked.add(parent)
+            looked = self._looked.setdefault(parent, set())
+            files, groups = "file" not in looked, step is not None and "group" not in looked
+            looked.update({"file"} | ({"group"} if step is not None else set()))
+        if not files and not groups:
+            return []
         try:
-            group = read_group_manifest(self._homes.resolve(path).place())
-            mine = group_step(group or {}, path)
+            group = read_group_manifest(self._homes.resolve(path).place()) if groups else None
+            mine = group_step(group or {}, path) if groups else None
             mirrors = self._local_copies(parent)
-            earlier, complete = earlier_copies(self._homes, mirrors, path, self._rank, True, mine)
+            earlier, complete = earlier_copies(self._homes, mirrors, path, self._rank, files, mine)
             unpublished = self._unpublished_earlier(  # only below the step its published manifest records
                 numbered_dirs(mirrors, parent, complete, mine) if group is not None and mine is not None else set())
         except (OSError, ValueError) as exc:  # retention must not fail a save: say so, count none of them
