@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -76,6 +77,35 @@ def test_ls_marks_replicated_and_local_only(tmp_path) -> None:
     got = {e["name"]: (e["status"], e["step"]) for e in d["checkpoints"]}
     # a local-only file's step is read as a complete one's (it was always None)
     assert got == {"one.pt": ("replicated", 1), "two.pt": ("local only", 2), "step-3": ("replicated", 3)}
+
+
+_KILLED_RESAVE = """
+import os, signal, sys, torch, fastckpt
+from fastckpt.testing import FaultyOps
+
+def on_call(op, path):
+    if op == "exchange":  # the re-save's files and manifest are written: killed at its swap
+        os.kill(os.getpid(), signal.SIGKILL)
+ck = fastckpt.Checkpointer(ops=FaultyOps(on_call=on_call), overhead_budget=0.99)
+ck.save({"w": torch.ones(4)}, sys.argv[1] + "/a.pt", group=sys.argv[1])
+ck.commit(sys.argv[1], step=1).wait()
+"""
+
+
+def test_ls_lists_the_directory_a_killed_re_save_left(tmp_path) -> None:
+    """A re-save of a published group killed before its swap leaves its hidden directory, a whole
+    copy of the new attempt, until the next re-save of the tag: ``ls`` shows it and what it is."""
+    home = str(tmp_path / "home")
+    with fastckpt.Checkpointer() as ck:
+        save_group(ck, f"{home}/step-1", 1)
+    proc = subprocess.run([sys.executable, "-c", _KILLED_RESAVE, f"{home}/step-1"], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    [left] = [n for n in os.listdir(home) if ".fastckpt-next" in n]
+    d = json.loads(run("ls", home, "--json").stdout)
+    assert {e["name"]: (e["status"], e["files"]) for e in d["checkpoints"]} == {
+        "step-1": ("complete", 2), left: ("incomplete", 1)}
+    assert "the next re-save of step-1 deletes it" in " ".join(run("ls", home).stdout.split())
 
 
 def test_ls_of_an_empty_directory_exits_1(tmp_path) -> None:

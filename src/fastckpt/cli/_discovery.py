@@ -20,7 +20,7 @@ from ..commit.discovery import Damaged, Found, scan
 from ..commit.foreign import pickle_step, resaved_by
 from ..commit.membership import group_dir
 from ..commit.names import framework_files, stays_inside
-from ..commit.protocol import GROUP_MANIFEST, MARKER_DIR, SIDECAR, member_files, read_group_manifest
+from ..commit.protocol import GROUP_MANIFEST, MARKER_DIR, NEXT_TAG, SIDECAR, member_files, read_group_manifest
 from ..errors import CorruptCheckpointError, FastCkptError
 from ..storage.homes import Homes, Location
 from ..storage.types import TargetNotFoundError
@@ -173,9 +173,11 @@ def _incomplete(h: Homes, loc: Location) -> list[Entry]:
     holding files whose own manifests name their group there (a store leaves no marker)."""
     rels = _keys(loc)
     marker = f"/{MARKER_DIR}/"
-    groups = {("/" + r).split(marker)[0].lstrip("/") for r in rels if marker in f"/{r}"}
+    resaves = {d for r in rels if (d := _resave_dir(r)) is not None}
+    out = [_resave_entry(h, loc, d, [r for r in rels if r.startswith(f"{d}/") and marker not in f"/{r}"
+                                     and posixpath.basename(r) != GROUP_MANIFEST]) for d in sorted(resaves)]
+    groups = {g for r in rels if marker in f"/{r}" and (g := ("/" + r).split(marker)[0].lstrip("/")) not in resaves}
     groups |= _unpublished_groups(h, loc, rels, groups)
-    out = []
     for g in sorted(groups):  # g "": ``loc`` is the group itself (``ls GROUP``)
         members = [r for r in rels if r.startswith(f"{g}/" if g else "") and marker not in f"/{r}"]
         if (f"{g}/{GROUP_MANIFEST}" if g else GROUP_MANIFEST) in members:
@@ -192,6 +194,24 @@ def _incomplete(h: Homes, loc: Location) -> list[Entry]:
                          sum(s or 0 for s in sizes), len(members), None,
                          problem=problem))
     return out
+
+
+def _resave_dir(rel: str) -> str | None:
+    """The re-save directory (``.TAG.fastckpt-next-<digest>``, relative) ``rel`` lies in, if any."""
+    parts = rel.split("/")
+    i = next((i for i, p in enumerate(parts[:-1]) if p.startswith(".") and NEXT_TAG in p), None)
+    return None if i is None else "/".join(parts[: i + 1])
+
+
+def _resave_entry(h: Homes, loc: Location, d: str, members: list[str]) -> Entry:
+    """A re-save's hidden directory beside its published group (docs/groups.md): a whole copy of
+    the group's new attempt, which never loads. One a killed process left stays until the next
+    re-save of the tag (or a remove of it) deletes it, so ``ls`` shows it and where it is."""
+    where, tag = h.resolve(join(loc.url, d)), posixpath.basename(d)[1:].split(NEXT_TAG)[0]
+    return Entry(where.url, d, "group", "incomplete", None, sum(s or 0 for s in _sizes(
+        h, [join(loc.url, r) for r in members]).values()), len(members), None, problem=(
+        f"an attempt to save {tag} again that never replaced it (a re-save under way, or one whose process was "
+        f"killed); it never loads: the next re-save of {tag} deletes it, or delete it once none runs"))
 
 
 def _own_manifest(h: Homes, loc: Location, rel: str) -> tuple[Location, dict | None]:

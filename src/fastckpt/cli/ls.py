@@ -61,6 +61,8 @@ def ls(root: str, local_dir: str | None, storage_options: dict | None, as_json: 
         for e in entries:
             if e.status == "damaged":
                 console().print(f"- {e.path} is damaged ({e.problem}): readers skip it", markup=False)
+            elif e.status == "incomplete" and e.problem:  # a re-save's leftover directory: what it is
+                console().print(f"- {e.path}: {e.problem}", markup=False)
             elif e.problem:  # complete, but a committed file is gone or cut short: loading it fails
                 console().print(f"- {e.path}: {e.problem}; `fastckpt latest` passes over it, "
                                 "`fastckpt verify` fails on it", markup=False)
