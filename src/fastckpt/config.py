@@ -81,6 +81,9 @@ class CheckpointerConfig:
     replicate_verify: str = _opt("checksum", "'checksum' (the store checks each part's checksum while "
                                              "uploading) or 'readback' (also read every replica back).")
     replicate_workers: int = _opt(2, "checkpoints replicated at once.")
+    replicate_in_order: bool = _opt(False, "single files become final at their paths in the order of their save "
+                                           "calls (each replica starts once the earlier ones ended): what readers "
+                                           "of the newest file by mtime, e.g. Lightning, assume.")
     storage_options: dict | None = _opt(None, "fsspec options for URL homes (endpoint_url, key, secret, ...).")
     retry_deadline_s: float = _opt(DEFAULT_RETRY_DEADLINE_S, "how long one storage request keeps retrying "
                                                              "transient errors.")
@@ -107,7 +110,7 @@ class CheckpointerConfig:
             raise ConfigError(f"chunk_bytes={self.chunk_bytes!r} must be a positive multiple of 16 MiB"
                               + _bool_hint(self.chunk_bytes, "a number of bytes"))
         _seconds("commit_timeout_s", self.commit_timeout_s)
-        for name in ("odirect", "overlap_write"):
+        for name in ("odirect", "overlap_write", "replicate_in_order"):
             if not isinstance(getattr(self, name), bool):  # "false" would be true
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be True or False")
         if self.event_log is not None and (not isinstance(self.event_log, (str, os.PathLike))

@@ -19,6 +19,8 @@ older ones still queued (not started); their handles resolve with ``superseded=T
 and newer go by the save calls (``t_call``), not by arrival: with several burst-buffer drives a
 later save's local write can end first, and an earlier single file then arrives superseded. A group
 committed with ``move_latest=False`` (``keep``: a "best" checkpoint beside the series) is never dropped.
+Order: with ``replicate_in_order`` a single file starts only after every single file saved
+before it is final or has failed (``save.ordering``).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from ..inflight import raise_as_write_error
 from ..records import SaveRecord
 from ..storage.homes import Homes
 from ..storage.types import Expected, TokenBucket
+from .ordering import CallOrder
 
 log = logging.getLogger("fastckpt")
 VERIFY_ATTEMPTS = 3  # uploads that do not verify before replication gives up
@@ -53,6 +56,7 @@ class ReplicaJob:
     future: Future = field(default_factory=Future)
     finish: Callable[[SaveRecord], SaveRecord] = lambda rec: rec  # runs before the future resolves
     home: str = ""  # where the copy goes when not rec.path (a re-saved group's new attempt, beside it)
+    order: int | None = None  # its ``hold`` key with replicate_in_order: it starts after the earlier ones
 
 
 class Replicator:
@@ -70,12 +74,18 @@ class Replicator:
         self._gave_up = False  # close(wait=False): running copies fail as their pools stop under them
         self._cancel: dict[str, int] = {}  # paths being removed -> how many remove() calls
         self._kept: set[str] = set()  # groups committed with move_latest=False: never coalesced
+        self._order = CallOrder(self._cv)
         self.failures = 0
         self._bucket = None
         if cfg.replicate_bandwidth_Bps:
             self._bucket = TokenBucket(cfg.replicate_bandwidth_Bps, burst_bytes=cfg.chunk_bytes)
 
     # ------------------------------------------------------------------ queue
+    def hold(self, until: Future, single: bool) -> int | None:
+        """With ``replicate_in_order``, register a single-file save as ``save()`` accepts it,
+        until its handle's future ``until`` resolves; its job's ``order`` is the key returned."""
+        return self._order.hold(until) if single and self._cfg.replicate_in_order else None
+
     def submit(self, job: ReplicaJob) -> Future:
         with self._cv:
             if self._closed:
@@ -100,7 +110,8 @@ class Replicator:
             self._queue.append(job)
             try:
                 self._emit("queued", job.rec.path, job.rec.bytes, job.committed_at, job.rec.tier,
-                           detail=f"waiting={len(self._queue)} running={len(self._running)}")
+                           detail=f"waiting={len(self._queue)} running={len(self._running)}"
+                                  + ("" if self._order.ready(job.order) else " behind=earlier saves"))
                 while len(self._threads) < self._cfg.replicate_workers:
                     t = threading.Thread(target=self._work, name=f"fastckpt-replicate-{len(self._threads)}",
                                          daemon=True)
@@ -156,10 +167,11 @@ class Replicator:
 
     def _next(self) -> ReplicaJob | None:
         """The oldest queued job whose destination no running job writes (lock held): two
-        uploads of one path never overlap, so the newer save is always the one left there."""
+        uploads of one path never overlap, so the newer save is always the one left there.
+        With ``replicate_in_order`` also one no earlier save holds back (it waits in the queue)."""
         busy = {j.rec.path for j in self._running}
         for job in self._queue:
-            if job.rec.path not in busy:
+            if job.rec.path not in busy and self._order.ready(job.order):
                 self._queue.remove(job)
                 return job
         return None

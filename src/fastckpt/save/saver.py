@@ -276,15 +276,16 @@ class Saver:
         its group. The save's reservation holds its path on its drive until the write ends."""
         fut.add_done_callback(lambda f: self._stripes.release(spot, None if f.cancelled() else f.exception()))
         if dest != home:
-            fut = self._then_replicate(fut, dest, home, t_call, token)
+            fut = self._then_replicate(fut, dest, home, t_call, token, base.group is None)
         handle = self._inflight.track(fut, base.path, base.group)
         if base.group is not None:
             self._coord.add(base.group, handle)
         return handle
 
-    def _then_replicate(self, written: Future, local: str, home: str, t_call: float, token: int) -> Future:
+    def _then_replicate(self, wrote: Future, local: str, home: str, t_call: float, token: int, single: bool) -> Future:
         """A future that resolves once the file written to ``local`` is replicated to ``home``."""
         final: Future = Future()
+        order = self._replicator.hold(final, single)  # now, in call order (replicate_in_order)
 
         def enqueue(f: Future) -> None:
             if f.cancelled():  # a close() that gave up waiting: its local copy was never written
@@ -301,13 +302,13 @@ class Saver:
             try:
                 self._replicator.submit(ReplicaJob(rec, local, t_call, time.time(), final,
                                                    finish=functools.partial(self._retain, token=token),
-                                                   home=home if home != rec.path else ""))
+                                                   home=home if home != rec.path else "", order=order))
             except RuntimeError as err:  # closed under us: nothing will replicate it
                 final.set_exception(ReplicationError(f"{rec.path} was not replicated: {err}"))
             except BaseException as err:  # noqa: BLE001 (a done-callback's error is swallowed: the handle must resolve)
                 final.set_exception(err)
 
-        written.add_done_callback(enqueue)
+        wrote.add_done_callback(enqueue)
         return final
 
     def _retain(self, rec: SaveRecord, token: int, has_local: bool = True) -> SaveRecord:

@@ -1,0 +1,160 @@
+"""``replicate_in_order=True``: a single file becomes final at its path only after every single
+file saved before it is final, or failed, or was cancelled (``save.ordering``).
+
+Lightning reads "the newest" by mtime (``ckpt_path="last"``) and trusts ``last.ckpt``'s
+``best_model_path``; with ``replicate_workers`` > 1, or a later save's local write ending first
+on another drive, a later file landed first. The earlier file's copy or local write is held by a
+FaultyOps hook; the later one's "queued" event says it waits, and every call on its home copy
+checks that the earlier file is already final: no timing.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+
+import pytest
+import torch
+
+import fastckpt
+from fastckpt.config import CheckpointerConfig
+from fastckpt.errors import ConfigError, ReplicationError
+from fastckpt.io.atomic import final_path
+from fastckpt.testing import FaultyOps
+
+
+def _state(step: int) -> dict:
+    return {"w": torch.full((1 << 14,), step, dtype=torch.int32), "step": step}
+
+
+class Hook:
+    """FaultyOps ``on_call``: holds the call ``op`` on ``held`` (a final path, or its temp name)
+    under ``where`` until ``release``, then raises ``fail`` if set; records, for every call on
+    the home copy of ``later``, whether ``earlier`` was final at its path then."""
+
+    def __init__(self, op: str, where: str, held: str, earlier: str, later: str) -> None:
+        self.op, self.where, self.held, self.earlier, self.later = op, where, held, earlier, later
+        self.entered, self.release = threading.Event(), threading.Event()
+        self.fail: OSError | None = None
+        self.earlier_final_at_later_calls: list[bool] = []
+
+    def __call__(self, op: str, path: str) -> None:
+        p = final_path(path) or path
+        if p == self.later:
+            self.earlier_final_at_later_calls.append(os.path.exists(self.earlier))
+        if op == self.op and path.startswith(self.where) and os.path.basename(p) == os.path.basename(self.held) \
+                and not self.entered.is_set():
+            self.entered.set()
+            assert self.release.wait(60)
+            if self.fail is not None:
+                raise self.fail
+
+
+class Queued:
+    """An EventSink: the detail of the "queued" event of ``path``."""
+
+    def __init__(self, path: str) -> None:
+        self.path, self.event, self.detail = path, threading.Event(), ""
+
+    def emit(self, ev) -> None:  # noqa: ANN001
+        if ev.name == "queued" and ev.path == self.path:
+            self.detail = ev.detail or ""
+            self.event.set()
+
+
+def _checkpointer(tmp_path, local, hook: Hook, queued: Queued, **kw) -> fastckpt.Checkpointer:  # noqa: ANN001
+    return fastckpt.Checkpointer(local_dir=local, ops=FaultyOps(on_call=hook), replicate_policy="all",
+                                 replicate_in_order=True, sinks=(queued,), staging_buffers=2, rank=0, world_size=1,
+                                 **kw)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_later_file_is_final_only_after_the_earlier_ones_copy(tmp_path, workers) -> None:  # noqa: ANN001
+    home = str(tmp_path / "home")
+    a, b = f"{home}/step=4.ckpt", f"{home}/last.ckpt"
+    hook, queued = Hook("replace", home, a, a, b), Queued(b)  # a's rename at its home is held
+    ck = _checkpointer(tmp_path, str(tmp_path / "nvme"), hook, queued, replicate_workers=workers)
+    try:
+        ha = ck.save(_state(4), a)
+        assert hook.entered.wait(60)
+        hb = ck.save(_state(4), b)
+        assert queued.event.wait(60)
+        assert "behind=earlier saves" in queued.detail  # was: copied beside a (workers=2) and final first
+        assert not hb.done() and not os.path.exists(b)
+    finally:
+        hook.release.set()
+    assert ha.wait(60).durable_s is not None and hb.wait(60).durable_s is not None
+    ck.close()
+    assert hook.earlier_final_at_later_calls and all(hook.earlier_final_at_later_calls)
+    assert torch.load(b, weights_only=True)["step"] == 4
+
+
+def test_an_earlier_local_write_on_another_drive_holds_the_later_replica(tmp_path) -> None:  # noqa: ANN001
+    """Striped burst buffer: the later save's local write, on the other drive, ends first. The
+    earlier save, not yet handed to the replicator, counts as outstanding."""
+    home, dirs = str(tmp_path / "home"), [str(tmp_path / "nvme0"), str(tmp_path / "nvme1")]
+    a, b = f"{home}/step=1.ckpt", f"{home}/last.ckpt"
+    hook, queued = Hook("fsync", str(tmp_path / "nvme"), a, a, b), Queued(b)  # a's local write is held
+    ck = _checkpointer(tmp_path, dirs, hook, queued)
+    try:
+        ha = ck.save(_state(1), a)
+        assert hook.entered.wait(60)
+        hb = ck.save(_state(1), b)
+        assert queued.event.wait(60)  # its local write ended: on the other drive
+        assert "behind=earlier saves" in queued.detail
+        assert not hb.done() and not os.path.exists(b)
+    finally:
+        hook.release.set()
+    assert ha.wait(60).durable_s is not None and hb.wait(60).durable_s is not None
+    ck.close()
+    assert hook.earlier_final_at_later_calls and all(hook.earlier_final_at_later_calls)
+
+
+def test_a_failed_earlier_save_lets_the_later_one_go(tmp_path) -> None:  # noqa: ANN001
+    home, dirs = str(tmp_path / "home"), [str(tmp_path / "nvme0"), str(tmp_path / "nvme1")]
+    a, b = f"{home}/step=1.ckpt", f"{home}/last.ckpt"
+    hook, queued = Hook("fsync", str(tmp_path / "nvme"), a, a, b), Queued(b)
+    hook.fail = OSError(errno.EIO, "injected: the drive failed")  # a's local write fails once released
+    ck = _checkpointer(tmp_path, dirs, hook, queued)
+    try:
+        ha = ck.save(_state(1), a)
+        assert hook.entered.wait(60)
+        hb = ck.save(_state(1), b)
+        assert queued.event.wait(60) and "behind=earlier saves" in queued.detail
+    finally:
+        hook.release.set()
+    with pytest.raises(OSError):  # a CheckpointWriteError naming the drive
+        ha.wait(60)
+    assert hb.wait(60).durable_s is not None  # released by a's failure: no worker waits for ever
+    ck.close()
+    assert not os.path.exists(a) and torch.load(b, weights_only=True)["step"] == 1
+
+
+def test_close_that_gives_up_resolves_a_held_later_save(tmp_path) -> None:  # noqa: ANN001
+    """close() past close_timeout_s while the earlier local write is held: the later save,
+    queued behind it, resolves as not replicated, and close() returns (no worker waits on it)."""
+    home, dirs = str(tmp_path / "home"), [str(tmp_path / "nvme0"), str(tmp_path / "nvme1")]
+    a, b = f"{home}/step=1.ckpt", f"{home}/last.ckpt"
+    hook, queued = Hook("fsync", str(tmp_path / "nvme"), a, a, b), Queued(b)
+    ck = _checkpointer(tmp_path, dirs, hook, queued, close_timeout_s=0.1)
+    try:
+        ha = ck.save(_state(1), a)
+        assert hook.entered.wait(60)
+        hb = ck.save(_state(1), b)
+        assert queued.event.wait(60) and "behind=earlier saves" in queued.detail
+        with pytest.raises(ReplicationError, match="still pending"):  # close() gave up on them
+            ck.close()
+        with pytest.raises(ReplicationError):
+            hb.wait(60)
+    finally:
+        hook.release.set()
+    with pytest.raises(OSError):  # its write ended after close(): nothing replicates it
+        ha.wait(60)
+    assert not os.path.exists(b)
+
+
+def test_the_core_default_keeps_replicating_in_parallel() -> None:
+    assert CheckpointerConfig().replicate_in_order is False
+    with pytest.raises(ConfigError, match="replicate_in_order"):
+        CheckpointerConfig(replicate_in_order="yes")
