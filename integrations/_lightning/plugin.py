@@ -116,9 +116,16 @@ class FastCkptIOMixin(TrainerLink):
                               "their path, and the older files they were to replace are kept instead. Build it with "
                               "Checkpointer(..., replicate_policy='all'), as FastCkptIO does when it builds its own.",
                               UserWarning, stacklevel=2)
+            if checkpointer.config.local_dirs and not checkpointer.config.replicate_in_order:
+                warnings.warn("fastckpt: the Checkpointer given to FastCkptIO has a local_dir and replicate_in_order="
+                              "False (the core's default): a later file (last.ckpt) can reach its path before an "
+                              "earlier one (the top-k file it names), and ckpt_path='last' picks by mtime. Build it "
+                              "with Checkpointer(..., replicate_in_order=True), as FastCkptIO does when it builds "
+                              "its own.", UserWarning, stacklevel=2)
         if not isinstance(lazy_snapshot, bool):  # "false" would turn it on
             raise ConfigError(f"lazy_snapshot={lazy_snapshot!r} must be True or False")
         options.setdefault("replicate_policy", "all")
+        options.setdefault("replicate_in_order", True)  # saves final in call order, as TorchCheckpointIO's
         # validated now: a bad option should fail where the Trainer is built, not at the first save
         self.config = checkpointer_config(local_dir=local_dir,
                                           staging_buffers=1 if staging_buffers is None else staging_buffers,

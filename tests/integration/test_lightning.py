@@ -475,11 +475,17 @@ def test_given_checkpointer_that_may_drop_uploads_warns(tmp_path):
     """FastCkptIO asks for replicate_policy="all" only when it builds the Checkpointer: one of
     one's own with a burst buffer has the core's "coalesce", which drops uploads Lightning counts."""
     fix = r"replicate_policy='coalesce'.*Checkpointer\(\.\.\., replicate_policy='all'\)"
-    with fastckpt.Checkpointer(str(tmp_path / "nvme")) as ck, pytest.warns(UserWarning, match=fix):
+    with fastckpt.Checkpointer(str(tmp_path / "nvme"), replicate_in_order=True) as ck, \
+            pytest.warns(UserWarning, match=fix):
         FastCkptIO(checkpointer=ck)
+    fix = r"replicate_in_order=False.*Checkpointer\(\.\.\., replicate_in_order=True\)"
+    with fastckpt.Checkpointer(str(tmp_path / "nvme"), replicate_policy="all") as ck, \
+            pytest.warns(UserWarning, match=fix):
+        FastCkptIO(checkpointer=ck)
+    assert FastCkptIO(local_dir=str(tmp_path / "nvme")).config.replicate_in_order  # as it builds its own
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        with fastckpt.Checkpointer(str(tmp_path / "nvme"), replicate_policy="all") as ck:
+        with fastckpt.Checkpointer(str(tmp_path / "nvme"), replicate_policy="all", replicate_in_order=True) as ck:
             FastCkptIO(checkpointer=ck)
         with fastckpt.Checkpointer() as ck:  # no burst buffer: nothing to replicate
             FastCkptIO(checkpointer=ck)
