@@ -214,7 +214,11 @@ class Monitor:
         if report is not None:
             log.warning("fastckpt: %s", report.advice())
             if crossed and self._callback is not None:
-                self._callback(report)
+                try:
+                    self._callback(report)
+                except Exception as exc:  # noqa: BLE001 (as a raising sink loses its event only: docs/overhead.md)
+                    log.error("fastckpt: on_overhead_exceeded raised %r on this alarm; the save that crossed the "
+                              "budget goes on and is written (fix the callback)", exc, exc_info=exc)
 
     def _report(self, start: float, wall: float, overhead: float, window: float) -> OverheadReport:
         interval = (start - (self.first_start or start)) / (self.count - 1)

@@ -515,6 +515,18 @@ def test_overhead_alarm_warns_with_the_numbers(tmp_path):
     assert spy.ckpt_rows()[-1]["ckpt/over_budget"] == 1.0
 
 
+def test_overhead_alarm_as_an_error_loses_no_checkpoint(tmp_path):
+    """Under warnings-as-errors the alarm (a UserWarning raised inside on_overhead_exceeded) is
+    logged by the core: fit goes on, and the checkpoint whose save crossed the budget is written."""
+    trainer = make_trainer(str(tmp_path), FastCkptIO(overhead_budget=1e-6), 6, every_n_train_steps=2, save_top_k=-1)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="fastckpt: checkpoint overhead")
+        trainer.fit(TinyModel(), loader())
+    names = sorted(os.listdir(tmp_path / "ckpt"))
+    assert names == ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt", "epoch=0-step=6.ckpt"]
+    assert [fastckpt.load(str(tmp_path / "ckpt" / n))["global_step"] for n in names] == [2, 4, 6]
+
+
 class LateCopies:
     """Holds every lazy copy (the core's snapshot, on its background thread) until the training
     thread fences, or until ``run_now`` lets the held copies run at a moment the test picks: a

@@ -170,3 +170,37 @@ def test_the_window_takes_saves_recorded_out_of_start_order() -> None:
         cut, span = now - window_s, min(window_s, now - 100.0)
         want = min(sum(max(0.0, b - max(0.0, cut - s)) for s, b in recorded) / span, 1.0)
         assert abs(live.share(now, 100.0) - want) < 1e-9
+
+
+def test_a_raising_overhead_callback_loses_no_save(tmp_path, caplog) -> None:
+    """The alarm's callback runs once the save's write is queued (its pwrite is reached while the
+    callback runs), and a callback that raises (a metrics push that fails; Lightning's warning
+    under -W error) is logged: the save it was called for is still written and loadable."""
+    import torch
+
+    import fastckpt
+    from fastckpt.testing import FaultyOps
+
+    ops = FaultyOps()
+    gate = ops.gate("pwrite", path_contains="s1.pt")  # s1.pt: the second save, the one that crosses the budget
+    entered: list[bool] = []
+
+    def callback(report: OverheadReport) -> None:
+        entered.append(gate.wait_entered(10))  # old code: the write was not queued yet, nor ever
+        gate.open()
+        raise RuntimeError("metrics push failed")
+
+    with caplog.at_level(logging.ERROR, logger="fastckpt"):
+        with fastckpt.Checkpointer(ops=ops, overhead_budget=1e-9, on_overhead_exceeded=callback) as ck:
+            handles = [ck.save({"w": torch.full((1000,), float(i)), "step": i}, str(tmp_path / f"s{i}.pt"))
+                       for i in range(3)]
+            for h in handles:
+                h.wait(60)
+            stats = ck.stats()
+    assert entered == [True]
+    assert stats.saves == 3 and stats.alarms == 1 and stats.pending == 0
+    for i in range(3):
+        assert fastckpt.load(str(tmp_path / f"s{i}.pt"))["step"] == i
+    (err,) = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert "on_overhead_exceeded raised RuntimeError('metrics push failed')" in err.getMessage()
+    assert err.exc_info is not None

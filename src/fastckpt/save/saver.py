@@ -178,10 +178,7 @@ class Saver:
                 copy.add_done_callback(functools.partial(self._copied, entry, counted))
             self._emit("snapshot", path, layout.payload_bytes, w_call, choice.tier, detail="lazy" if lazy else None,
                        group=group)
-            if not lazy:  # the event's sinks (event_log's write) ran on this thread: they count as blocked
-                blocked = time.monotonic() - t_call
-                self._monitor.record_blocked(t_call, blocked, layout.payload_bytes)
-            base = replace(base, blocked_s=blocked)
+            base = replace(base, blocked_s=blocked if lazy else time.monotonic() - t_call)  # eager: sinks count
         except BaseException:  # a Ctrl-C (in a user's sink, say): no writer has the buffer, so it goes back
             if lazy:
                 copy.add_done_callback(lambda _: self._staging.release(buf))  # once its copy ended
@@ -189,7 +186,10 @@ class Saver:
                 self._staging.release(buf)
             raise
         fut = self._submit(spot, token, layout, self._writer.write, snap, base, dest, t_call, choice.odirect, fallback)
-        return self._track(fut, base, dest, home, t_call, spot, token)
+        handle = self._track(fut, base, dest, home, t_call, spot, token)
+        if not lazy:  # counted once the write is queued: an alarm's callback can neither delay nor drop it
+            self._monitor.record_blocked(t_call, base.blocked_s, layout.payload_bytes)
+        return handle
 
     def _note_bypass(self, path: str, nbytes: int, bypass: bool) -> None:
         """Say when saves start skipping the full burst buffer, and when it takes them again."""
