@@ -48,7 +48,8 @@ def scan(obj: object) -> Scan | None:
     its storage first, so the walk meets storages in torch's key order without pickling.
 
     Raises:
-        UnsupportedObjectError: a tensor on the meta device (it has no bytes to save).
+        UnsupportedObjectError: a tensor on the meta device (it has no bytes to save), or a
+            strided nested tensor (``_raise_nested``).
     """
     storages: list[torch.UntypedStorage] = []
     index: dict[int, int] = {}  # storage _cdata -> key
@@ -90,6 +91,8 @@ def scan(obj: object) -> Scan | None:
             elif t is torch.Tensor or t is torch.nn.Parameter:
                 if o.is_meta:  # type: ignore[union-attr]
                     _raise_meta(obj, o)
+                if o.is_nested:  # type: ignore[union-attr]  (a strided nested tensor: its .shape raises)
+                    _raise_nested(obj, o)
                 if (o.layout is not torch.strided or o.is_quantized or o.__dict__  # type: ignore[union-attr]
                         or o.is_conj() or o.is_neg()):  # type: ignore[union-attr]
                     return None
@@ -158,17 +161,31 @@ def _raise_meta(state: object, tensor: object) -> None:
     )
 
 
+def _raise_nested(state: object, tensor: object) -> None:
+    """torch.save writes a strided nested tensor, but not under ``skip_data`` (the metadata pass
+    every fastckpt save makes), and its sizes are internal: say which entry, and what saves."""
+    path = key_path(state, lambda v: v is tensor) or "a tensor"
+    raise UnsupportedObjectError(
+        f"{path} is a nested tensor of layout torch.strided, which fastckpt cannot save (torch cannot "
+        "write its metadata without its data). Save its components (list(t.unbind())), a padded copy "
+        "(t.to_padded_tensor(0.0)), or build it with layout=torch.jagged, which saves as it is."
+    )
+
+
 def check_tensors(obj: object) -> None:
     """Reject tensors whose bytes cannot be written (the general path; ``scan`` checks its own).
 
     Raises:
-        UnsupportedObjectError: naming the key of the first such tensor.
+        UnsupportedObjectError: naming the key of the first such tensor (meta, strided nested, or
+            without a plain storage).
     """
     for value in _walk(obj):
         if not isinstance(value, torch.Tensor):
             continue
         if value.device.type == "meta":
             _raise_meta(obj, value)
+        if value.is_nested and value.layout == torch.strided:  # a jagged one pickles through its components
+            _raise_nested(obj, value)
         if value.is_sparse or value.layout != torch.strided:
             continue  # pickled through its strided components
         try:
