@@ -7,23 +7,78 @@ compares and joins normalised names. Which *storage* serves a name is decided in
 
 from __future__ import annotations
 
+import functools
 import os
+import re
 
 from .errors import ConfigError
+
+#: Schemes whose look-alikes (``s3:/b``) are refused as local paths even without fsspec installed.
+_COMMON_SCHEMES = frozenset(("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "http", "https", "file",
+                             "memory"))
+_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+._-]*")  # RFC 3986's, and the '_' of fsspec's arrow_hdfs
+_FORMS = "give a directory path (/data/ckpt, file:///data/ckpt) or a URL such as s3://bucket/prefix"
 
 
 def is_url(path: str) -> bool:
     """An fsspec URL (``s3://bucket/key``); ``file://`` and plain paths are local."""
-    return "://" in path and not path.startswith("file://")
+    return "://" in path and path[:7].lower() != "file://"
+
+
+def canonical(path: str | os.PathLike) -> str:
+    """``path`` as fastckpt names it: a URL's scheme in lower case (schemes are case-insensitive,
+    RFC 3986, but fsspec knows ``s3`` only, not ``S3``); the rest is left as it is.
+
+    Raises:
+        ConfigError: a URL whose scheme has spaces around it (``" s3://b"``, from a config file),
+            or a local path that is a URL typo (``s3:/b/k``, ``s3:b/k``, ``s3//b/k``: ``_refuse_typo``).
+    """
+    s = os.fspath(path)
+    if "://" not in s:
+        _refuse_typo(s)
+        return s
+    scheme, rest = s.split("://", 1)
+    if scheme != scheme.strip():
+        fix = f"{scheme.strip().lower()}://{rest}"
+        raise ConfigError(f"{s!r} has spaces around its scheme: did you mean {fix!r}? ({_FORMS})")
+    return f"{scheme.lower()}://{rest}"
+
+
+@functools.cache
+def _schemes() -> frozenset[str]:
+    try:
+        import fsspec
+    except ImportError:
+        return _COMMON_SCHEMES
+    return _COMMON_SCHEMES | {p.lower() for p in fsspec.available_protocols()}
+
+
+def _refuse_typo(s: str) -> None:
+    """A URL that lost a slash or its colon is a relative local path to ``os.path``: a save to
+    ``s3:/bucket/x.pt`` would land in ``./s3:/bucket/x.pt`` on local disk, count as durable, and
+    on a fresh node ``latest`` would find nothing. Refused when the path's *first* component is
+    ``<scheme>:...`` or is followed by ``//``, for a scheme fsspec knows; a ':' anywhere else
+    (``run:1/epoch=1-step=2.ckpt``, ``/data/run:1``) is part of a name."""
+    head = s.partition("/")[0]
+    name, colon, _ = head.strip().partition(":")
+    typo = bool(colon) or s[len(head):].startswith("//")
+    if not typo or not _SCHEME.fullmatch(name) or name.lower() not in _schemes():
+        return
+    rest = s.lstrip()[len(name):].lstrip(":/")
+    scheme = name.lower()
+    fix = f"'file:///{rest}' or '/{rest}'" if scheme == "file" else f"'{scheme}://{rest}'"
+    raise ConfigError(f"{s!r} looks like a URL without its '://', and would be a local folder {head!r} here: "
+                      f"did you mean {fix}? (A local folder of that name: write {'./' + s!r}; {_FORMS})")
 
 
 def normalize(path: str | os.PathLike) -> str:
-    """Absolute path for a local path, the URL itself (no trailing '/') for a URL."""
-    s = os.fspath(path)
+    """Absolute path for a local path, the URL itself (no trailing '/', its scheme in lower
+    case: ``canonical``, which also refuses URL typos) for a URL."""
+    s = canonical(path)
     if is_url(s):
         scheme, rest = s.split("://", 1)
         return f"{scheme}://{rest.rstrip('/')}"  # "s3://" stays a URL (check_url refuses it), never "s3:"
-    return os.path.abspath(s.removeprefix("file://"))
+    return os.path.abspath(s[7:] if s[:7].lower() == "file://" else s)
 
 
 def file_name(path: str | os.PathLike) -> str:
@@ -61,16 +116,16 @@ def check_key(key: str) -> str:
     return key
 
 
-_FORMS = "give a directory path (/data/ckpt, file:///data/ckpt) or a URL such as s3://bucket/prefix"
-
-
 def check_url(url: str) -> str:
-    """``url`` when fsspec can open it; a local path is returned as it is.
+    """``url`` when fsspec can open it, its scheme in lower case (``canonical``); a local path
+    is returned as it is.
 
     Raises:
-        ConfigError: a malformed URL (``http://[::1``), or a scheme fsspec does not know
-            (checked when fsspec is installed), naming the URL and the accepted forms.
+        ConfigError: a malformed URL (``http://[::1``), a scheme fsspec does not know (checked
+            when fsspec is installed), or a URL typo (``canonical``), naming the URL and the
+            accepted forms.
     """
+    url = canonical(url)
     if not is_url(url):
         return url
     from urllib.parse import urlsplit
@@ -88,7 +143,7 @@ def check_url(url: str) -> str:
     except ImportError:  # the storage layer says what to install
         return url
     known = fsspec.available_protocols()
-    if any(p.lower() not in known for p in scheme.split("::")):  # a chain (simplecache::s3) names several
+    if any(p not in known for p in scheme.split("::")):  # a chain (simplecache::s3) names several
         raise ConfigError(f"{url!r}: {scheme}:// is not a storage scheme fsspec knows (s3://, gs://, az://, "
                           f"memory://, ...; another needs its fsspec package installed): {_FORMS}")
     return url

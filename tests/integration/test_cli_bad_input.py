@@ -109,7 +109,18 @@ def test_a_malformed_url_or_an_unknown_scheme_is_named(tmp_path: Path) -> None:
     assert not (tmp_path / "bb").exists()
     from fastckpt.urls import check_url  # fsspec's chained URLs and upper-case schemes are no typos
 
-    assert check_url("simplecache::s3://b/x") == "simplecache::s3://b/x" and check_url("S3://b/x") == "S3://b/x"
+    # an upper-case scheme is accepted in fsspec's lower case (fsspec knows "s3", not "S3")
+    assert check_url("simplecache::s3://b/x") == "simplecache::s3://b/x" and check_url("S3://b/x") == "s3://b/x"
+
+
+def test_a_url_typo_is_no_local_folder_for_doctor_latest_or_ls(tmp_path: Path) -> None:
+    """``doctor --target s3:/bucket`` created the local folder ./s3:/bucket and said "ok"."""
+    for url, meant in (("s3:/bucket/run", "s3://bucket/run"), ("s3//bucket/run", "s3://bucket/run")):
+        for args in (["doctor", "--probe-size", "0", "--target", url], ["latest", url], ["ls", url]):
+            res = subprocess.run([sys.executable, "-m", "fastckpt.cli", *args], capture_output=True, text=True,
+                                 timeout=120, cwd=tmp_path)
+            _refused(res, 2, f"did you mean '{meant}'")
+    assert not list(tmp_path.iterdir())
 
 
 def test_a_url_without_a_bucket_is_named_and_never_read_as_a_local_folder(tmp_path: Path) -> None:

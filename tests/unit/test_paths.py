@@ -114,3 +114,49 @@ def test_latest_of_a_checkpoint_file_is_that_file_and_of_another_file_refuses(tm
     assert fastckpt.latest(str(tmp_path / "run" / "missing.pt")) is None  # nothing saved there yet
     out = CliRunner().invoke(cli, ["latest", str(tmp_path / "run" / "last.pt")])
     assert (out.exit_code, out.output.strip()) == (0, str(tmp_path / "run" / "last.pt"))
+
+
+@pytest.mark.parametrize(("typo", "meant"), [("s3:/bucket/run/x.pt", "s3://bucket/run/x.pt"),
+                                             ("s3:bucket/run/x.pt", "s3://bucket/run/x.pt"),
+                                             ("s3//bucket/run/x.pt", "s3://bucket/run/x.pt"),
+                                             ("GS:/bucket/run/x.pt", "gs://bucket/run/x.pt"),
+                                             (" s3://bucket/run/x.pt", "s3://bucket/run/x.pt")])
+def test_a_url_typo_is_refused_not_saved_to_a_local_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                          typo: str, meant: str) -> None:
+    """A URL that lost a slash or its colon was the relative local path ./s3:/bucket/...: saved
+    there, reported durable, and found by latest, so a fresh node started from scratch. A
+    leading space made fsspec's raw "Protocol not known"."""
+    monkeypatch.chdir(tmp_path)
+    root = typo.rsplit("/", 1)[0]
+    with fastckpt.Checkpointer(local_dir=str(tmp_path / "nvme")) as ck:
+        with pytest.raises(ConfigError, match=f"did you mean '{meant}'"):
+            ck.save(_state(1), typo)
+        for call in (lambda: ck.load(typo), lambda: fastckpt.latest(root)):
+            with pytest.raises(ConfigError, match=f"{typo!r}|{root!r}"):
+                call()
+    assert sorted(os.listdir(tmp_path)) == ["nvme"] and not os.listdir(tmp_path / "nvme")
+
+
+def test_a_colon_in_a_local_name_is_no_url_typo_and_a_scheme_is_case_insensitive(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only a first component that starts with a known scheme is refused: Lightning's names, a
+    folder ``run:1``, a folder named like a scheme further down or spelt ``./s3:`` are local
+    paths. An upper-case scheme is the same URL (RFC 3986): its checkpoint is named in lower case."""
+    import uuid
+
+    from fastckpt.urls import check_url
+
+    monkeypatch.chdir(tmp_path)
+    local = ["run:1/epoch=1-step=2.ckpt", "foo:bar/x.pt", "./s3:/bucket/x.pt", str(tmp_path / "s3:" / "x.pt"),
+             "s3/x.pt"]
+    bucket = f"fastckpt-{uuid.uuid4().hex[:8]}"
+    with fastckpt.Checkpointer(local_dir=str(tmp_path / "nvme")) as ck:
+        for i, name in enumerate(local):
+            ck.save(_state(i), name).wait()
+            assert fastckpt.load(os.path.abspath(name))["v"] == i
+        rec = ck.save(_state(7), f"MEMORY://{bucket}/run/x.pt").wait()
+    assert rec.path == f"memory://{bucket}/run/x.pt"
+    found = fastckpt.latest(f"Memory://{bucket}/run")
+    assert found is not None and found == fastckpt.latest(f"memory://{bucket}/run")
+    assert fastckpt.load(f"MEMORY://{bucket}/run/x.pt")["v"] == 7
+    assert check_url("S3://b/x") == "s3://b/x" and check_url("run:1/x") == "run:1/x"

@@ -19,7 +19,7 @@ from ..errors import ConfigError
 from ..exits import stop_pools
 from ..io.atomic import Reaper
 from ..io.ops import FileOps
-from ..urls import is_url, normalize, split_url
+from ..urls import canonical, is_url, normalize, split_url
 from .base import Target
 from .places import Place
 from .types import RetryCallback
@@ -113,9 +113,9 @@ def open_target(url_or_path: str | os.PathLike, storage_options: dict | None = N
         retry_deadline_s, parallelism, on_retry, ops, executor: see ``Target``.
 
     Raises:
-        ConfigError: ``storage_options`` given for a directory.
+        ConfigError: ``storage_options`` given for a directory, or a URL typo (``urls.canonical``).
     """
-    s = os.fspath(url_or_path)
+    s = canonical(url_or_path)  # S3://bucket: the scheme fsspec knows is s3
     kwargs = {"retry_deadline_s": retry_deadline_s, "parallelism": parallelism, "on_retry": on_retry, "ops": ops,
               "executor": executor}
     if not is_url(s):
@@ -124,7 +124,7 @@ def open_target(url_or_path: str | os.PathLike, storage_options: dict | None = N
                               "drop them, or give an s3://... URL")
         from .posix import PosixTarget
 
-        return PosixTarget(s.removeprefix("file://"), **kwargs)  # type: ignore[arg-type]
+        return PosixTarget(s[7:] if s[:7].lower() == "file://" else s, **kwargs)  # type: ignore[arg-type]
     from .fsspec import FsspecTarget
 
     return FsspecTarget(s, storage_options, **kwargs)  # type: ignore[arg-type]
