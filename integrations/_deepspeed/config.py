@@ -10,6 +10,7 @@ checked, and an error lists the valid keys.
 from __future__ import annotations
 
 import copy
+import os
 import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
@@ -76,7 +77,8 @@ def _option_types() -> dict[str, tuple[type, ...]]:
             continue
         hint = eval(f.type, namespace) if isinstance(f.type, str) else f.type  # noqa: S307 (our own annotation)
         args = [typing.get_origin(a) or a for a in typing.get_args(hint) or (hint,)]  # Sequence[str]: Sequence
-        out[f.name] = tuple(list if a is Sequence else a for a in args if isinstance(a, type))  # JSON: a list
+        out[f.name] = tuple(list if a is Sequence else a for a in args  # JSON: a list, and no Path (local_dir)
+                            if isinstance(a, type) and a is not os.PathLike)
     return out
 
 

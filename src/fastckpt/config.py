@@ -16,7 +16,7 @@ import inspect
 import math
 import numbers
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import KW_ONLY, dataclass, field
 from typing import TYPE_CHECKING, Concatenate, ParamSpec, TypeVar
 
@@ -43,7 +43,7 @@ def _opt(default: object, meaning: str) -> object:
 class CheckpointerConfig:
     """How a Checkpointer saves, replicates, loads and reports (docs/core.md, docs/burst-buffer.md)."""
 
-    local_dir: str | Sequence[str] | None = _opt(
+    local_dir: str | os.PathLike | Sequence[str | os.PathLike] | None = _opt(
         None, "node-local burst buffer (NVMe): files land there first and are copied to their path in the "
               "background (nvme tier); a list of directories (one per drive) stripes files across them; None "
               "writes straight to the path (direct tier). URL paths (s3://...) need it.")
@@ -116,6 +116,10 @@ class CheckpointerConfig:
         if self.event_log is not None and (not isinstance(self.event_log, (str, os.PathLike))
                                            or not os.fspath(self.event_log).strip()):  # "" meant: no log, silently
             raise ConfigError(f"event_log={self.event_log!r} must be a file path (a str or a Path), or None for no log")
+        if self.on_overhead_exceeded is not None and not callable(self.on_overhead_exceeded):
+            raise ConfigError(f"on_overhead_exceeded={self.on_overhead_exceeded!r} must be a function that takes an "
+                              "OverheadReport (called when the overhead crosses the budget), or None")
+        check_storage_options(self.storage_options)
         self._check_ranks()
         self._check_replication()
 
@@ -165,14 +169,16 @@ class CheckpointerConfig:
     def _check_local_dirs(self) -> None:
         if self.local_dir is None:
             return
-        dirs = [self.local_dir] if isinstance(self.local_dir, str) else self.local_dir
-        if not isinstance(dirs, Sequence) or not dirs or not all(isinstance(d, str) and d for d in dirs):
-            raise ConfigError(f"local_dir={self.local_dir!r} must be a directory or a non-empty list of "
-                              "directories (one per local drive)")
-        for d in dirs:
+        dirs = [self.local_dir] if isinstance(self.local_dir, (str, os.PathLike)) else self.local_dir
+        if (not isinstance(dirs, Sequence) or not dirs
+                or not all(isinstance(d, (str, os.PathLike)) and isinstance(os.fspath(d), str) and os.fspath(d)
+                           for d in dirs)):
+            raise ConfigError(f"local_dir={self.local_dir!r} must be a directory (a str or a Path) or a non-empty "
+                              "list of directories (one per local drive)")
+        for d in self.local_dirs:
             if "://" in d:
                 raise ConfigError(f"local_dir={d!r} must be a node-local directory, not a URL")
-        if len({os.path.abspath(d) for d in dirs}) != len(dirs):
+        if len({os.path.abspath(d) for d in self.local_dirs}) != len(dirs):
             raise ConfigError(f"local_dir={self.local_dir!r} names a directory twice: give each drive once")
 
     def ranks(self) -> tuple[int, int]:
@@ -188,10 +194,11 @@ class CheckpointerConfig:
 
     @property
     def local_dirs(self) -> tuple[str, ...]:
-        """The burst-buffer directories (``local_dir`` as a tuple; empty without one)."""
+        """The burst-buffer directories (``local_dir`` as a tuple of str, a Path's too; empty without one)."""
         if self.local_dir is None:
             return ()
-        return (self.local_dir,) if isinstance(self.local_dir, str) else tuple(self.local_dir)
+        dirs = (self.local_dir,) if isinstance(self.local_dir, (str, os.PathLike)) else self.local_dir
+        return tuple(os.fspath(d) for d in dirs)
 
 
 def option_names() -> tuple[str, ...]:
@@ -225,6 +232,20 @@ def options_signature(config: Callable[P, CheckpointerConfig]
         return init  # type: ignore[return-value]
 
     return decorate
+
+
+def check_storage_options(options: object) -> None:
+    """``storage_options`` is a mapping of fsspec options, or None: a JSON string (what the
+    command line's ``--storage-options`` takes) or a list failed at the first URL, in ``dict()``,
+    naming neither the option nor the fix. The value is never repeated (it may hold secrets).
+
+    Raises:
+        ConfigError: naming the option and its type.
+    """
+    if options is not None and not isinstance(options, Mapping):
+        hint = " (a JSON string? pass json.loads(...) of it)" if isinstance(options, (str, bytes)) else ""
+        raise ConfigError(f"storage_options must be a dict of fsspec options (endpoint_url, key, secret, ...) or "
+                          f"None, not a {type(options).__name__}{hint}")
 
 
 def _seconds(name: str, v: object, zero: bool = False, none: str = "") -> None:

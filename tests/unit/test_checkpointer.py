@@ -256,6 +256,43 @@ def test_config_errors_name_the_fix() -> None:
         fastckpt.Checkpointer(local_dir="s3://b/x")
 
 
+def test_a_path_object_is_taken_wherever_a_path_is(tmp_path) -> None:
+    """local_dir=Path(...) was refused as "must be a directory" (only a str passed), in the core and
+    in FastCkptIO, though save, load and event_log take any os.PathLike."""
+    from fastckpt.integrations.lightning import FastCkptIO
+
+    FastCkptIO(local_dir=tmp_path / "nvme-lightning")
+    for local in (tmp_path / "nvme", [tmp_path / "nvme0", str(tmp_path / "nvme1")]):
+        with fastckpt.Checkpointer(local_dir=local, event_log=tmp_path / "events.jsonl") as ck:
+            rec = ck.save({"w": torch.ones(4)}, tmp_path / "home" / "x.pt").wait()
+            assert all(isinstance(d, str) for d in ck.config.local_dirs)
+        assert rec.tier == "nvme" and torch.equal(fastckpt.load(tmp_path / "home" / "x.pt")["w"], torch.ones(4))
+    assert os.path.isfile(tmp_path / "nvme" / tmp_path.relative_to("/") / "home" / "x.pt")
+
+
+@pytest.mark.parametrize("bad", ['{"endpoint_url": "http://127.0.0.1:9", "secret": "s3cr3t"}', ["s3cr3t", "x"]])
+def test_storage_options_that_are_no_dict_are_refused_where_they_are_given(tmp_path, bad: object) -> None:
+    """A JSON string (what --storage-options takes) or a list was accepted, and the first URL
+    failed in dict() with "dictionary update sequence element #0 has length 1; 2 is required"."""
+    from fastckpt.integrations.lightning import FastCkptIO
+
+    calls = (lambda: fastckpt.Checkpointer(local_dir=str(tmp_path / "nvme"), storage_options=bad),
+             lambda: FastCkptIO(local_dir=str(tmp_path / "nvme"), storage_options=bad),
+             lambda: fastckpt.latest("s3://bucket/run", storage_options=bad),
+             lambda: fastckpt.load("s3://bucket/run/x.pt", storage_options=bad))
+    for call in calls:
+        with pytest.raises(fastckpt.ConfigError, match=r"storage_options must be a dict of fsspec options") as err:
+            call()
+        assert "s3cr3t" not in str(err.value)  # it may hold secrets: never repeated
+    assert not (tmp_path / "nvme").exists()
+
+
+def test_an_overhead_callback_that_is_not_callable_is_refused_at_once() -> None:
+    with pytest.raises(fastckpt.ConfigError, match=r"on_overhead_exceeded=5 must be a function that takes an "
+                                                   r"OverheadReport"):
+        fastckpt.Checkpointer(on_overhead_exceeded=5)
+
+
 def test_a_local_dir_that_cannot_be_made_is_refused_at_once_or_left_out(tmp_path, caplog) -> None:
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")

@@ -14,7 +14,7 @@ import threading
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 
-from ..config import DEFAULT_RETRY_DEADLINE_S
+from ..config import DEFAULT_RETRY_DEADLINE_S, check_storage_options
 from ..errors import ConfigError
 from ..exits import stop_pools
 from ..io.atomic import Reaper
@@ -57,6 +57,7 @@ class Homes:
     def __init__(self, storage_options: dict | None = None, *, retry_deadline_s: float = DEFAULT_RETRY_DEADLINE_S,
                  parallelism: int = 4, on_retry: RetryCallback | None = None, ops: FileOps | None = None,
                  odirect: bool = True, executor: Executor | None = None) -> None:
+        check_storage_options(storage_options)  # fastckpt.latest(url, storage_options=...) too, not at the first URL
         self._opts = storage_options
         self._common = {"retry_deadline_s": retry_deadline_s, "parallelism": parallelism, "on_retry": on_retry,
                         "ops": ops or FileOps()}  # passed to every Target this makes
