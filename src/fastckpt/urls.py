@@ -57,12 +57,13 @@ def _refuse_typo(s: str) -> None:
     """A URL that lost a slash or its colon is a relative local path to ``os.path``: a save to
     ``s3:/bucket/x.pt`` would land in ``./s3:/bucket/x.pt`` on local disk, count as durable, and
     on a fresh node ``latest`` would find nothing. Refused when the path's *first* component is
-    ``<scheme>:...`` or is followed by ``//``, for a scheme fsspec knows; a ':' anywhere else
-    (``run:1/epoch=1-step=2.ckpt``, ``/data/run:1``) is part of a name."""
+    ``<scheme>:...`` for a scheme fsspec knows, or is a common store's scheme followed by ``//``
+    (``s3//b``: not ``data//x``, a relative path with an empty part, though fsspec knows ``data``);
+    a ':' anywhere else (``run:1/epoch=1-step=2.ckpt``, ``/data/run:1``) is part of a name."""
     head = s.partition("/")[0]
     name, colon, _ = head.strip().partition(":")
-    typo = bool(colon) or s[len(head):].startswith("//")
-    if not typo or not _SCHEME.fullmatch(name) or name.lower() not in _schemes():
+    slashes = not colon and s[len(head):].startswith("//") and name.lower() in _COMMON_SCHEMES - {"file", "memory"}
+    if not (colon or slashes) or not _SCHEME.fullmatch(name) or name.lower() not in _schemes():
         return
     rest = s.lstrip()[len(name):].lstrip(":/")
     scheme = name.lower()

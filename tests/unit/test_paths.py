@@ -148,7 +148,7 @@ def test_a_colon_in_a_local_name_is_no_url_typo_and_a_scheme_is_case_insensitive
 
     monkeypatch.chdir(tmp_path)
     local = ["run:1/epoch=1-step=2.ckpt", "foo:bar/x.pt", "./s3:/bucket/x.pt", str(tmp_path / "s3:" / "x.pt"),
-             "s3/x.pt"]
+             "s3/x.pt", "data//x.pt"]  # "data" is an fsspec protocol; an empty part is no lost colon
     bucket = f"fastckpt-{uuid.uuid4().hex[:8]}"
     with fastckpt.Checkpointer(local_dir=str(tmp_path / "nvme")) as ck:
         for i, name in enumerate(local):
