@@ -10,6 +10,7 @@ import os
 
 from fastckpt.commit.discovery import scan
 from fastckpt.commit.protocol import GROUP_MANIFEST, LATEST, MARKER_DIR, group_order, move_pointer
+from fastckpt.config import DEFAULT_RETRY_DEADLINE_S
 from fastckpt.errors import CheckpointNotFoundError, ConfigError
 from fastckpt.storage.homes import Homes
 from fastckpt.storage.places import Place
@@ -21,12 +22,21 @@ __all__ = ["GROUP_MANIFEST", "is_url", "normalize", "Store"]
 class Store:
     """The small files of checkpoints under one root (a directory or URL).
 
+    Made once and kept (one per Checkpointer, see ``EngineHooks._store``): a URL's target takes
+    "connection refused" on its first request for a wrong endpoint and raises at once; only a
+    target that has been answered before treats it as an outage and retries.
+
     Args:
         storage_options: fsspec options for URLs (the Checkpointer's).
+        retry_deadline_s: how long a request keeps retrying transient errors (the Checkpointer's).
     """
 
-    def __init__(self, storage_options: dict | None) -> None:
-        self._homes = Homes(storage_options)
+    def __init__(self, storage_options: dict | None, *, retry_deadline_s: float = DEFAULT_RETRY_DEADLINE_S) -> None:
+        self._homes = Homes(storage_options, retry_deadline_s=retry_deadline_s)
+
+    def close(self) -> None:
+        """End its targets' worker threads and connections, without waiting."""
+        self._homes.close(wait=False)
 
     def place(self, where: str) -> Place:
         return self._homes.resolve(where).place()

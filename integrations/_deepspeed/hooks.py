@@ -184,6 +184,8 @@ def resolve_tag(store: Store, root: str, storage_options: dict | None) -> tuple[
 class EngineHooks:
     """The wrappers of one DeepSpeedEngine (see the module docstring)."""
 
+    _stores: tuple[Checkpointer, Store] | None = None  # the current Checkpointer and its Store (see _store)
+
     def __init__(self, engine: DeepSpeedEngine, fe: FastCkptEngine, owned: OwnedCheckpointer | None,
                  flush_at_exit: bool) -> None:
         self.engine, self.fe, self.owned = engine, fe, owned
@@ -211,13 +213,25 @@ class EngineHooks:
             self.engine.__dict__.pop(name, None)
         if self._fence is not None:
             self._fence.remove()
+        if self._stores is not None:
+            self._stores[1].close()
+            self._stores = None
 
     @property
     def _rank0(self) -> bool:
         return self.engine.global_rank == 0
 
     def _store(self) -> Store:
-        return Store(self.fe.checkpointer.config.storage_options)
+        """The Store of the current Checkpointer, with its settings, made once: a Store made for
+        each call took an S3 outage at a save's first request (rank 0's listing of the tag) for a
+        wrong endpoint and raised at once, and retried for the default deadline, not the
+        configured ``retry_deadline_s``."""
+        ck = self.fe.checkpointer
+        if self._stores is None or self._stores[0] is not ck:  # an owned Checkpointer made again after destroy()
+            if self._stores is not None:
+                self._stores[1].close()
+            self._stores = (ck, Store(ck.config.storage_options, retry_deadline_s=ck.config.retry_deadline_s))
+        return self._stores[1]
 
     def _where(self, home: str) -> tuple[str, tuple[str, str] | None]:
         """The directory DeepSpeed is given for ``home``: itself, or for a URL its burst-buffer
