@@ -114,6 +114,7 @@ def attach(engine: DeepSpeedEngine, config: str | Mapping | Section | None = Non
         raise TypeError(f"attach() needs a deepspeed.DeepSpeedEngine (from deepspeed.initialize), "
                         f"got {type(engine).__name__}")
     section = _section(engine, config)
+    _redact(engine)
     if not section.enabled:
         return None
     if checkpointer is not None and section.options:
@@ -141,6 +142,7 @@ def install(engine: DeepSpeedEngine, checkpointer: Checkpointer | Callable[[], C
             Or the engine's config picks another checkpoint engine or layout (see ``initialize``).
     """
     section = _section(engine, None)
+    _redact(engine)
     if not section.enabled:
         return None
     if checkpointer is not None and section.options:
@@ -160,15 +162,21 @@ def _section(engine: DeepSpeedEngine, config: str | Mapping | Section | None) ->
         if isinstance(ds_config, dict):
             if SECTION not in ds_config:
                 return Section()
-            section = parse_section(ds_config[SECTION], "the engine's DeepSpeed config")
-            if redacted(ds_config) is not ds_config:  # out of every ZeRO checkpoint; a copy: the dict is the user's
-                engine.config = redacted(ds_config)
-            return section
+            return parse_section(ds_config[SECTION], "the engine's DeepSpeed config")
         return Section()
     if isinstance(config, Mapping) and SECTION not in config and not whole_config(config):
         return parse_section(config, "attach(config=...)")
     whole = read_config(config)
     return section_of(whole) if SECTION in (whole or {}) else Section()
+
+
+def _redact(engine: DeepSpeedEngine) -> None:
+    """Replace the engine's config by a copy without fsspec credentials, whatever config
+    ``attach`` was given (the engine's own, a whole config, its path): DeepSpeed stores
+    ``engine.config`` in every checkpoint file. A copy: the dict is the user's."""
+    ds_config = getattr(engine, "config", None)
+    if isinstance(ds_config, dict) and redacted(ds_config) is not ds_config:
+        engine.config = redacted(ds_config)
 
 
 def _install(engine: DeepSpeedEngine, source: Checkpointer | Callable[[], Checkpointer] | None, section: Section,

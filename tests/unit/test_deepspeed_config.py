@@ -81,6 +81,47 @@ def test_credentials_are_not_passed_on_to_deepspeed() -> None:
     assert redacted(plain) is plain  # nothing secret: passed on as given
 
 
+class _Engine:
+    """What attach touches of a DeepSpeedEngine: ``config`` is the dict DeepSpeed was given,
+    which it stores in every checkpoint file."""
+
+    global_rank = 0
+    checkpoint_engine = None
+
+    def __init__(self, config: dict) -> None:
+        self.config = config
+
+    def save_checkpoint(self, *args: object, **kwargs: object) -> bool:
+        return True
+
+    def load_checkpoint(self, *args: object, **kwargs: object) -> tuple:
+        return None, None
+
+    def destroy(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("given", ["the whole config", "its path", "the section", "a disabled section"])
+def test_attach_with_a_config_given_redacts_the_engines_copy_too(tmp_path, given: str) -> None:
+    """Only attach(engine) (config=None) redacted engine.config: attach(engine, cfg) left the
+    credentials in it, and DeepSpeed wrote them into every checkpoint file."""
+    secret = {"key": "AK", "secret": "SK"}
+    cfg = {"train_batch_size": 8, "fastckpt": {"storage_options": dict(secret)}}
+    engine = _Engine(json.loads(json.dumps(cfg)))  # what deepspeed.initialize(config=cfg) kept
+    arg: object = {"the whole config": cfg, "the section": cfg["fastckpt"],
+                   "a disabled section": {"enabled": False}}.get(given)
+    if given == "its path":
+        (tmp_path / "ds.json").write_text(json.dumps(cfg))
+        arg = str(tmp_path / "ds.json")
+    fe = attach(engine, arg)  # type: ignore[arg-type]
+    try:
+        assert engine.config["fastckpt"]["storage_options"] == {"key": REDACTED, "secret": REDACTED}
+        assert fe is None or fe.checkpointer.config.storage_options == secret
+        assert cfg["fastckpt"]["storage_options"] == secret  # the caller's dict is untouched
+    finally:
+        engine.destroy()
+
+
 @pytest.mark.parametrize("extra, named", [
     ({"checkpoint": {"writer": {"type": "fast", "decoupled": True}}}, '"writer"'),
     ({"checkpoint": {"use_node_local_storage": True}}, '"use_node_local_storage"'),
