@@ -130,7 +130,10 @@ def checked_tag(save_dir: str, tag: str) -> str:
         ConfigError: an empty ``save_dir`` (DeepSpeed's own engine refuses it too), a tag that
             is not one directory name: ``save_dir/epoch1/step1`` would be a group nested in
             ``save_dir/epoch1``, with its ``latest`` there, and a load of ``save_dir`` would find
-            nothing; or a tag named as a file beside the tags (``latest``).
+            nothing; or a tag named as a file beside the tags (``latest``). Or a tag that
+            would commit but never load as the newest: with leading or trailing whitespace
+            (DeepSpeed and fastckpt read ``latest`` stripped, and look for another name), or
+            starting with '.' (hidden: ``fastckpt.latest``, ``fastckpt ls`` and retention skip it).
     """
     if not save_dir:
         raise ConfigError(f"save_checkpoint(save_dir={save_dir!r}): save_dir must be a non-empty directory or URL")
@@ -142,4 +145,12 @@ def checked_tag(save_dir: str, tag: str) -> str:
     if tag in (LATEST, "latest_universal") or tag.startswith(".fastckpt"):
         raise ConfigError(f"save_checkpoint tag {tag!r} is the name of a file beside the tags (DeepSpeed's pointer "
                           "to the newest one, or fastckpt's own): use another tag (e.g. 'global_step1')")
+    if tag != tag.strip() or tag.startswith("."):
+        safe = tag.strip().lstrip(".").strip() or "global_step1"
+        why = ("has leading or trailing whitespace: DeepSpeed and fastckpt read save_dir/latest stripped, so "
+               f"load_checkpoint(save_dir) would look for {tag.strip()!r} and never find it" if tag != tag.strip()
+               else "starts with '.', a hidden name: fastckpt.latest, fastckpt ls and retention skip it, so it "
+               "would never be found as the newest")
+        raise ConfigError(f"save_checkpoint tag {tag!r} {why}. Use a tag without leading or trailing whitespace, "
+                          f"not starting with '.' (e.g. {safe!r})")
     return tag

@@ -321,6 +321,21 @@ def test_a_tag_that_is_not_one_directory_name_is_refused_naming_a_safe_one(tag: 
         checked_tag("/ckpt", tag)
 
 
+@pytest.mark.parametrize("tag, words, safe", [
+    ("step1 ", "whitespace", "step1"), (" step1", "whitespace", "step1"), ("step1\n", "whitespace", "step1"),
+    (".step1", "starts with '.'", "step1"), ("..x", "starts with '.'", "x"), ("  ", "whitespace", "global_step1")])
+def test_a_tag_that_would_commit_but_never_load_as_the_newest_is_refused(tag: str, words: str, safe: str) -> None:
+    """'step1 ' committed and latest held it, but DeepSpeed and resolve_tag read latest stripped:
+    every resume raised CheckpointNotFoundError. '.step1' committed, but fastckpt.latest skipped
+    it (a hidden name) while latest named it."""
+    from fastckpt.errors import ConfigError
+    from fastckpt.integrations._deepspeed.compat import checked_tag
+
+    with pytest.raises(ConfigError, match=f"tag {re.escape(repr(tag))} .*{words}.*Use a tag without .*{safe!r}"):
+        checked_tag("/ckpt", tag)
+    assert checked_tag("/ckpt", "step 1.5") == "step 1.5"  # inside a name: kept
+
+
 def test_deepspeeds_own_assert_on_its_own_tag_is_kept(tmp_path: Path) -> None:
     """A tag written by DeepSpeed itself (its files there, no fastckpt manifest) whose load
     DeepSpeed refuses with an assert keeps DeepSpeed's message; only a tag holding nothing but
