@@ -17,7 +17,8 @@ elsewhere (Lightning's ``DeepSpeedStrategy`` goes through ``install``, see FastC
 The pieces: ``_deepspeed.config`` (the section), ``_deepspeed.engine`` (the CheckpointEngine:
 one call per file), ``_deepspeed.hooks`` (wrappers of the engine's public save_checkpoint,
 load_checkpoint and destroy: ``latest``, resume, flushing, reporting; and, for a lazy snapshot,
-of its optimizer's step: the fence).
+of its optimizer's step: the fence), ``_deepspeed.globs`` (DeepSpeed's globbing of a tag's files,
+made to match the directory and tag as written).
 """
 
 from __future__ import annotations

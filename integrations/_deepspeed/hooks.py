@@ -49,6 +49,7 @@ from fastckpt.save.fencing import optimizer_tensors
 from .agree import COMMITTED, FAILED, agree_on_load, error_on_any_rank, worst_on_any_rank
 from .compat import Store, checked_tag, is_url, normalize, order, same_files
 from .engine import OPT_OUT, SAFE_GLOBALS, FastCkptEngine
+from .globs import literal_globs
 from .unsafe import refused_globals, warn_once
 
 if TYPE_CHECKING:
@@ -193,6 +194,7 @@ class EngineHooks:
         self._load = engine.load_checkpoint
         self._destroy = engine.destroy
         self._fence: StepFence | None = None
+        self._unglob: Callable[[], None] = lambda: None  # undoes literal_globs (set by install)
         if fe.lazy and engine.optimizer is not None:  # no optimizer: nothing ever changes the weights
             self._fence = StepFence(engine.optimizer, fe.fence)
         self.closed = False
@@ -204,6 +206,7 @@ class EngineHooks:
         self.engine.save_checkpoint = self.save_checkpoint
         self.engine.load_checkpoint = self.load_checkpoint
         self.engine.destroy = self.destroy
+        self._unglob = literal_globs(self.engine)  # a tag or save_dir holding * ? [ loads its own files
         if self._fence is not None:
             self._fence.install()
 
@@ -211,6 +214,7 @@ class EngineHooks:
         """Undo ``install`` (before another attach replaces these hooks)."""
         for name in ("save_checkpoint", "load_checkpoint", "destroy"):
             self.engine.__dict__.pop(name, None)
+        self._unglob()
         if self._fence is not None:
             self._fence.remove()
         if self._stores is not None:

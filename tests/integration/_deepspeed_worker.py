@@ -52,6 +52,8 @@ rank writes ROOT/results/rank{r}.json with what the test checks from outside:
              file from the new save
   redaction  credentials redacted in a copy (the user's dict is untouched), and with
              "enabled": false too (none in DeepSpeed's own checkpoint files)
+  globtag    tags holding glob characters ("[1]" beside "1", "a*" beside "ab") in a save_dir
+             holding some ("exp[lr=0.1]"): each load reads its own tag's files
 """
 
 from __future__ import annotations
@@ -884,6 +886,23 @@ def coalesce_best(root: str) -> None:
     assert fastckpt.latest(d) == os.path.join(d, "t2")
 
 
+def glob_tag(root: str) -> None:
+    d = os.path.join(root, "exp[lr=0.1]")  # (before: every load raised a bare AssertionError)
+    eng = engine(2, {"local_dir": os.path.join(root, "nvme-glob")}, seed=0)
+    saved = {}
+    for step, tag in enumerate(("1", "[1]", "ab", "a*"), start=1):
+        train(eng, step, step)
+        eng.save_checkpoint(d, tag)
+        saved[tag] = (step, full_weights(eng))
+    train(eng, 5, 5)
+    for tag in ("[1]", "a*", "1", None):  # (before: "[1]" loaded tag "1"'s files, "a*" raised)
+        path, _ = eng.load_checkpoint(d, tag)
+        step, weights = saved[tag or "a*"]
+        assert eng.global_steps == step, (tag, path, eng.global_steps)
+        same(full_weights(eng), weights, f"tag {tag!r}")
+    eng.destroy()
+
+
 SCENARIOS = {"roundtrip": lambda root: [roundtrip(root, s) for s in (0, 1, 2, 3)], "convert": convert,
              "interop": interop, "report": report, "unsafe": unsafe, "switch": switch, "s3": s3,
              "universal": universal, "export": export, "nolatest": nolatest, "install": install_section,
@@ -892,6 +911,7 @@ SCENARIOS = {"roundtrip": lambda root: [roundtrip(root, s) for s in (0, 1, 2, 3)
              "drives": drives, "notag": no_such_tag, "wholeconfig": whole_config, "redaction": redaction,
              "keepbest": keep_best, "coalescebest": coalesce_best, "resaved": resaved, "onerank": one_rank_fails,
              "loadrace": load_race, "missing": missing, "numpystate": numpy_state,
+             "globtag": glob_tag,
              "lazy": lambda root: [lazy(root, s) for s in (0, 1, 2, 3)]}
 
 

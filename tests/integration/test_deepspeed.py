@@ -30,7 +30,7 @@ WORKER = str(HERE / "_deepspeed_worker.py")
 TWO_PROCESS_SCENARIOS = ("roundtrip,convert,interop,report,unsafe,switch,lazy,universal,export,nolatest,install,"
                          "destroy,engines,skip,keepbest,onerank,loadrace")
 ONE_PROCESS_SCENARIOS = ("roundtrip,skip,badtag,otherengine,drives,notag,wholeconfig,redaction,coalescebest,resaved,"
-                         "missing,numpystate")
+                         "missing,numpystate,globtag")
 
 
 @dataclass(frozen=True)
@@ -225,6 +225,13 @@ def test_a_skipped_save_returns_on_every_rank_and_never_commits(nproc: int, one_
 
 def test_a_tag_with_a_slash_and_an_empty_save_dir_are_refused(one_process: Run) -> None:
     assert "badtag" in one_process.results[0]["done"]
+
+
+def test_tags_and_a_save_dir_holding_glob_characters_load_their_own_files(one_process: Run) -> None:
+    """DeepSpeed globbed save_dir/tag/mp_rank_*: tag "[1]" loaded tag "1"'s files, "a*" failed
+    ("checkpoint count ... is different"), a save_dir "exp[lr=0.1]" raised a bare AssertionError."""
+    assert "globtag" in one_process.results[0]["done"]
+    assert (one_process.root / "exp[lr=0.1]" / "latest").read_text() == "a*"
 
 
 def test_a_config_that_also_picks_another_checkpoint_engine_is_refused(one_process: Run) -> None:

@@ -364,3 +364,44 @@ def test_deepspeeds_own_assert_on_its_own_tag_is_kept(tmp_path: Path) -> None:
             hooks._load_once(str(tmp_path), str(tmp_path), None, "native", {})
         with pytest.raises(IncompleteCheckpointError, match="killed cannot be loaded: it holds no complete save"):
             hooks._load_once(str(tmp_path), str(tmp_path), None, "killed", {})
+
+
+def test_deepspeed_globs_the_directory_and_tag_as_written(tmp_path: Path) -> None:
+    """DeepSpeed's own globs (run here over real files, no process group): a tag '[1]' matched
+    tag '1''s files and loaded them, 'a*' matched several tags', and a save_dir 'exp[lr=0.1]'
+    matched nothing, a bare AssertionError at every load."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    from deepspeed.runtime.pipe.module import PipelineModule
+
+    from fastckpt.integrations._deepspeed.globs import literal_globs
+
+    class Module:  # a PipelineModule's layer lookup
+        _local_start = 0
+        ckpt_layer_path_list = PipelineModule.ckpt_layer_path_list
+
+    class Engine:  # DeepSpeedEngine's lookup of a tag's model files
+        _get_all_ckpt_names = DeepSpeedEngine._get_all_ckpt_names
+        _get_ckpt_name = DeepSpeedEngine._get_ckpt_name
+
+        def __init__(self) -> None:
+            self.module = Module()
+
+        def zero_optimization_partition_weights(self) -> bool:
+            return False
+
+        def load_universal_checkpoint(self) -> bool:
+            return False
+
+    root = tmp_path / "exp[lr=0.1]"
+    for tag in ("1", "[1]", "ab", "a*"):
+        (root / tag).mkdir(parents=True)
+        (root / tag / "mp_rank_00_model_states.pt").write_bytes(b"")
+        (root / tag / "layer_00-model_states.pt").write_bytes(b"")
+    engine = Engine()
+    assert engine._get_all_ckpt_names(str(root), "[1]") == []  # noqa: SLF001  (DeepSpeed's own: nothing)
+    undo = literal_globs(engine)
+    for tag in ("1", "[1]", "a*"):
+        assert engine._get_all_ckpt_names(str(root), tag) == [str(root / tag / "mp_rank_00_model_states.pt")]  # noqa: SLF001
+        assert engine.module.ckpt_layer_path_list(str(root / tag), 0) == [str(root / tag / "layer_00-model_states.pt")]
+    undo()
+    assert "_get_all_ckpt_names" not in vars(engine) and "ckpt_layer_path_list" not in vars(engine.module)
