@@ -5,6 +5,11 @@
 ``wait``, ``close``) through ``raise_unseen``. Whether a failure was raised is marked on the
 exception itself: a set of id()s could mistake a new error for a freed one, and keeping raised
 errors alive would pin their tracebacks' frames (staging buffers, the state's tensors).
+
+A failed group is one failure: once its commit's failure was raised (by the commit handle's
+``wait()``, or a sync point), the failures of the files that commit was waiting for count as
+raised too. Else each file that failed (two ranks' copies to a full drive) was raised again, at
+one more sync point each, and each of those refused a save: one failure cost several checkpoints.
 """
 
 from __future__ import annotations
@@ -89,27 +94,58 @@ class InFlight:
         self._lock = threading.Lock()
         self._pending: dict[int, tuple[Future, str, str | None]] = {}
         self._unseen: list[BaseException] = []
+        self._files: dict[int, tuple[Future, list[Future]]] = {}  # a commit's future -> its group's saves
+        self._excused: set[int] = set()  # saves in flight of a group whose failed commit was raised
 
     def track(self, fut: Future, path: str, group: str | None) -> SaveHandle:
+        """Track a save, or a commit: tracked as ``(future, group, group)``, after the group's saves."""
         with self._lock:
+            if group is not None and path == group:  # a commit: it waits for the group's saves tracked so far
+                files = [f for f, p, g in self._pending.values() if g == group and p != group]
+                self._files[id(fut)] = (fut, files)
             self._pending[id(fut)] = (fut, path, group)
         fut.add_done_callback(self._on_done)
         return SaveHandle(fut, path, self._mark_seen)
 
     def _mark_seen(self, exc: BaseException) -> None:
         with self._lock:
-            set_surfaced(exc)
-            self._unseen = [e for e in self._unseen if e is not exc]
+            self._seen(exc)
 
-    def _remember(self, exc: BaseException | None) -> None:
-        if exc is not None and not surfaced(exc) and all(e is not exc for e in self._unseen):
+    def _seen(self, exc: BaseException) -> None:
+        """``exc`` was raised to the caller; if it is a commit's failure, its group's saves' are seen too."""
+        set_surfaced(exc)
+        self._unseen = [e for e in self._unseen if e is not exc]
+        for key, (commit, files) in list(self._files.items()):
+            if commit.done() and not commit.cancelled() and commit.exception() is exc:
+                del self._files[key]
+                self._excuse(files)
+
+    def _excuse(self, files: list[Future]) -> None:
+        for f in files:
+            if not f.done():
+                self._excused.add(id(f))
+            elif not f.cancelled() and (e := f.exception()) is not None:
+                set_surfaced(e)
+                self._unseen = [u for u in self._unseen if u is not e]
+
+    def _remember(self, fut: Future) -> None:
+        exc = None if fut.cancelled() else fut.exception()  # cancelled: by a close() that gave up waiting
+        if exc is None:
+            return
+        if id(fut) in self._excused:  # its group's failed commit was raised already
+            set_surfaced(exc)
+        elif not surfaced(exc) and all(e is not exc for e in self._unseen):
             self._unseen.append(exc)
 
     def _on_done(self, fut: Future) -> None:
-        exc = None if fut.cancelled() else fut.exception()  # cancelled: by a close() that gave up waiting
         with self._lock:
             self._pending.pop(id(fut), None)
-            self._remember(exc)
+            self._remember(fut)
+            self._excused.discard(id(fut))
+            if id(fut) in self._files and (fut.cancelled() or (exc := fut.exception()) is None or surfaced(exc)):
+                _, files = self._files.pop(id(fut))
+                if not fut.cancelled() and exc is not None:  # its failure was raised already, as a save's
+                    self._excuse(files)
 
     def raise_unseen(self, before: Callable[[BaseException], None] | None = None) -> None:
         """Raise the oldest failure nobody has seen yet (once), calling ``before(exc)`` first."""
@@ -117,8 +153,8 @@ class InFlight:
             self._collect()
             if not self._unseen:
                 return
-            exc = self._unseen.pop(0)
-            set_surfaced(exc)
+            exc = self._unseen[0]
+            self._seen(exc)
         if before is not None:
             before(exc)
         raise exc
@@ -127,8 +163,8 @@ class InFlight:
         """A future is done before its done-callbacks run (and result() returns then): collect
         failures of finished futures here too, so the sync point that follows sees them."""
         for fut, _, _ in self._pending.values():
-            if fut.done() and not fut.cancelled():
-                self._remember(fut.exception())
+            if fut.done():
+                self._remember(fut)
 
     def futures(self) -> list[Future]:
         with self._lock:
@@ -149,9 +185,11 @@ class InFlight:
         for a sync point that raises something else (``why``) and cannot raise them too."""
         with self._lock:
             self._collect()
-            unseen, self._unseen = self._unseen, []
+            unseen = []
+            while self._unseen:
+                unseen.append(self._unseen[0])
+                self._seen(unseen[-1])
         for exc in unseen:
-            set_surfaced(exc)
             log.error("fastckpt: a background failure not raised because %s: %r", why, exc, exc_info=exc)
 
     def wait_writing(self, path: str) -> None:

@@ -50,6 +50,8 @@ rank writes ROOT/results/rank{r}.json with what the test checks from outside:
   missing    a committed tag missing a file, or its directory: CheckpointNotFoundError naming it
   resaved    a tag saved again by another engine during a load of it: the load starts over, every
              file from the new save
+  fulltag    both files' copies of a tag to save_dir fail (ENOSPC): the next save_checkpoint
+             raises the tag's failure once, and the one after that commits
   redaction  credentials redacted in a copy (the user's dict is untouched), and with
              "enabled": false too (none in DeepSpeed's own checkpoint files)
   globtag    tags holding glob characters ("[1]" beside "1", "a*" beside "ab") in a save_dir
@@ -741,6 +743,41 @@ def resaved(root: str) -> None:
     reader.destroy()
 
 
+def full_tag(root: str) -> None:
+    """Both copies of t1 to save_dir fail: one failed tag, raised once (at t2's save), not once
+    per file (t3's save raised the optimizer file's copy error, and saved nothing either)."""
+    import errno
+    import time
+
+    from fastckpt.testing import Fault, FaultyOps
+
+    d = os.path.join(root, "fulltag")
+    ops = FaultyOps([Fault("pwrite", errno.ENOSPC, path_startswith=d + os.sep, path_contains=n)
+                     for n in ("model_states", "optim_states")])
+    ck = fastckpt.Checkpointer(local_dir=os.path.join(root, "fulltag-nvme"), ops=ops, overhead_budget=0.99)
+    eng = engine(2, None, seed=0, use_fastckpt_initialize=False)
+    attach(eng, {}, checkpointer=ck)
+    train(eng, 1, 1)
+    eng.save_checkpoint(d, "t1")
+    deadline = time.monotonic() + 60
+    while len(ops.fired) < 2 and time.monotonic() < deadline:  # both copies failed (no race provoked: a wait)
+        time.sleep(0.01)
+    assert len(ops.fired) == 2, ops.fired
+    raised = {}
+    for step in (2, 3):
+        train(eng, step, step)
+        try:
+            eng.save_checkpoint(d, f"t{step}")
+            raised[step] = None
+        except Exception as exc:  # noqa: BLE001
+            raised[step] = type(exc).__name__
+    eng.checkpoint_engine.wait()
+    assert raised[2] is not None and raised[3] is None, raised
+    assert fastckpt.latest(d) == os.path.join(d, "t3")
+    eng.destroy()
+    ck.close()
+
+
 def numpy_state(root: str) -> None:
     """A client_state holding numpy's RNG state saved fine, and the resume (weights_only=True, the
     default) failed with UnpicklingError, maybe days later: the save now warns, once, naming the
@@ -909,7 +946,8 @@ SCENARIOS = {"roundtrip": lambda root: [roundtrip(root, s) for s in (0, 1, 2, 3)
              "destroy": destroy, "engines": two_engines, "exit": exit_flush, "skip": skip, "badtag": bad_tag,
              "otherengine": other_engine,
              "drives": drives, "notag": no_such_tag, "wholeconfig": whole_config, "redaction": redaction,
-             "keepbest": keep_best, "coalescebest": coalesce_best, "resaved": resaved, "onerank": one_rank_fails,
+             "keepbest": keep_best, "coalescebest": coalesce_best, "resaved": resaved, "fulltag": full_tag,
+             "onerank": one_rank_fails,
              "loadrace": load_race, "missing": missing, "numpystate": numpy_state,
              "globtag": glob_tag,
              "lazy": lambda root: [lazy(root, s) for s in (0, 1, 2, 3)]}

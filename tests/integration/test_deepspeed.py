@@ -30,7 +30,7 @@ WORKER = str(HERE / "_deepspeed_worker.py")
 TWO_PROCESS_SCENARIOS = ("roundtrip,convert,interop,report,unsafe,switch,lazy,universal,export,nolatest,install,"
                          "destroy,engines,skip,keepbest,onerank,loadrace")
 ONE_PROCESS_SCENARIOS = ("roundtrip,skip,badtag,otherengine,drives,notag,wholeconfig,redaction,coalescebest,resaved,"
-                         "missing,numpystate,globtag")
+                         "missing,numpystate,globtag,fulltag")
 
 
 @dataclass(frozen=True)
@@ -296,6 +296,11 @@ def test_ranks_load_one_save_and_fail_together(two_processes: Run) -> None:
     (rank 0 began with t1 and loaded again); a load failing on rank 1 raised on both."""
     tries = [two_processes.results[r]["loadrace"]["tries"] for r in (0, 1)]
     assert tries[0][0] == "t1" and "t2" in tries[0] and set(tries[1]) == {"t2"}, tries
+
+
+def test_a_tag_whose_files_all_failed_is_raised_once(one_process: Run) -> None:
+    """Asserted in the worker: t1's two failed copies raise at t2's save only; t3 commits."""
+    assert "fulltag" in one_process.results[0]["done"]
 
 
 def test_a_tag_missing_a_file_or_its_directory_names_it(one_process: Run) -> None:

@@ -1,0 +1,96 @@
+"""A failed group is raised once: once its commit's failure was raised, the failures of the
+group's files (each copy to a full home failed) are not raised again, one per sync point.
+
+Before, ``wait()`` on the commit raised the first file's error (the commit's) and marked only
+that one seen; the second file's error came at the next ``save``, which then saved nothing: one
+failed group cost a second checkpoint (DeepSpeed: a second ``save_checkpoint``).
+"""
+
+from __future__ import annotations
+
+import errno
+from pathlib import Path
+
+import pytest
+import torch
+
+import fastckpt
+from fastckpt.errors import CheckpointWriteError
+from fastckpt.testing import Fault, FaultyOps
+
+
+def _full_home(tmp_path: Path, *names: str) -> tuple[fastckpt.Checkpointer, FaultyOps, Path]:
+    """A Checkpointer whose copies of g1/``names`` to the home fail with ENOSPC (the burst
+    buffer is fine)."""
+    home = tmp_path / "ckpt"
+    ops = FaultyOps([Fault("pwrite", errno.ENOSPC, path_startswith=str(home / "g1" / n)) for n in names])
+    ck = fastckpt.Checkpointer(local_dir=str(tmp_path / "nvme"), ops=ops, io_threads=1, commit_timeout_s=60)
+    return ck, ops, home
+
+
+def _save(ck: fastckpt.Checkpointer, group: Path, step: int) -> list:
+    return [ck.save({"w": torch.full((64,), float(step)), "step": step}, str(group / n), group=str(group))
+            for n in ("a.pt", "b.pt")]
+
+
+def _failed(handles: list) -> None:
+    """Wait for the saves without marking their failures seen (``result()``, as a commit does)."""
+    for h in handles:
+        with pytest.raises(OSError):
+            h.result(60)
+
+
+def _next_group_commits(ck: fastckpt.Checkpointer, home: Path) -> None:
+    _save(ck, home / "g2", 2)
+    assert ck.commit(str(home / "g2")).wait(60).durable_s is not None
+    ck.wait()
+    assert ck.latest(str(home)) == str(home / "g2")
+
+
+def test_commit_wait_raises_the_group_once(tmp_path: Path) -> None:
+    ck, ops, home = _full_home(tmp_path, "a.pt", "b.pt")
+    try:
+        files = _save(ck, home / "g1", 1)
+        handle = ck.commit(str(home / "g1"))
+        _failed(files)
+        assert len(ops.fired) == 2
+        with pytest.raises(CheckpointWriteError):
+            handle.wait(60)
+        _next_group_commits(ck, home)  # b.pt's copy error is the same failed group: not raised again
+    finally:
+        ck.close()
+
+
+def test_sync_point_raises_the_group_once(tmp_path: Path) -> None:
+    """Nobody waits on the commit: the next save raises the group's failure, once."""
+    ck, ops, home = _full_home(tmp_path, "a.pt", "b.pt")
+    try:
+        files = _save(ck, home / "g1", 1)
+        handle = ck.commit(str(home / "g1"))
+        _failed(files)
+        with pytest.raises(OSError):
+            handle.result(60)
+        with pytest.raises(CheckpointWriteError, match="a.pt"):
+            _save(ck, home / "g2", 2)
+        _next_group_commits(ck, home)
+    finally:
+        ck.close()
+
+
+def test_a_file_failing_after_its_commit_was_raised_is_not_raised_again(tmp_path: Path) -> None:
+    """b.pt is still being written when a.pt's failure ends the commit; it fails after that."""
+    ck, ops, home = _full_home(tmp_path, "a.pt", "b.pt")
+    gate = ops.gate("pwrite", str(home / "g1" / "b.pt"))
+    try:
+        files = _save(ck, home / "g1", 1)
+        handle = ck.commit(str(home / "g1"))
+        assert gate.wait_entered()
+        with pytest.raises(CheckpointWriteError, match="a.pt"):
+            handle.wait(60)
+        gate.open()
+        _failed(files[1:])
+        _next_group_commits(ck, home)
+    finally:
+        gate.open()
+        ck.close()
+
