@@ -18,6 +18,7 @@ import fastckpt
 from fastckpt.commit.protocol import SIDECAR
 from fastckpt.errors import CorruptCheckpointError, ReplicationError
 from fastckpt.io.atomic import TMP_TAG, final_path
+from fastckpt.storage.types import BucketNotFoundError
 from fastckpt.testing import FaultyOps
 
 
@@ -199,6 +200,22 @@ def test_s3_missing_bucket_is_named(s3_server, tmp_path) -> None:
         h = ck.save(_state(1), "s3://no-such-bucket-fastckpt/x.pt")
         with pytest.raises(ReplicationError, match="no-such-bucket-fastckpt"):
             h.wait()
+
+
+def test_s3_missing_bucket_of_a_group_is_named_at_its_commit(s3_server, s3_bucket, tmp_path) -> None:
+    """A group saved to a missing bucket (a typo): its commit raises BucketNotFoundError, which
+    names the fix, and only once; never GroupRemovedError ("removed while it was being committed",
+    when nobody removed anything). The next group, to a bucket that exists, commits."""
+    with fastckpt.Checkpointer(local_dir=str(tmp_path / "nvme"), storage_options=s3_server.storage_options()) as ck:
+        bad, good = "s3://no-such-bucket-fastckpt/run/t1", f"s3://{s3_bucket}/run/t2"
+        for n in ("a.pt", "b.pt"):
+            ck.save(_state(1, 1 << 10), f"{bad}/{n}", group=bad)
+        with pytest.raises(BucketNotFoundError, match="no-such-bucket-fastckpt.* create it"):
+            ck.commit(bad).wait(60)
+        for n in ("a.pt", "b.pt"):
+            ck.save(_state(2, 1 << 10), f"{good}/{n}", group=good)
+        ck.commit(good).wait(60)
+        assert fastckpt.latest(f"s3://{s3_bucket}/run", storage_options=s3_server.storage_options()) == good
 
 
 def test_s3_corrupted_remote_detected_and_local_preferred(s3_server, s3_bucket, tmp_path) -> None:

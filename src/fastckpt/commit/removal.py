@@ -22,6 +22,7 @@ import time
 from ..errors import CorruptCheckpointError, GroupRemovedError
 from ..inflight import raise_as_write_error
 from ..records import SaveRecord
+from ..storage.types import BucketNotFoundError
 from . import claim as C
 from . import failures as E
 from . import fallback as F
@@ -102,11 +103,12 @@ def failure(att: Attempt, rank: int, exc: BaseException) -> BaseException:
 def removed(att: Attempt, exc: OSError) -> bool:
     """Whether ``exc`` (this rank's commit failed on storage) is the group being removed:
     the store says so, or, without one, the group's own directory (or a file of it) vanished
-    (nothing else deletes them)."""
+    (nothing else deletes them). A missing bucket carries ENOENT too, but it is a wrong URL (or a
+    deleted bucket), never the group's removal: its own error names the fix."""
     if att.cancel.is_set():
         return True
     if att.channel is None:
-        return exc.errno == errno.ENOENT
+        return exc.errno == errno.ENOENT and not isinstance(exc, BucketNotFoundError)
     try:
         return att.channel.removed()
     except S.StoreError:
