@@ -114,7 +114,7 @@ class TrainerLink:
         if named_by_link(path, self._link_dirs):  # ModelCheckpoint asks to delete before it links anew: a kill
             self._deferred[path] = ck  # in between left last.ckpt dangling, so the deletion waits for the link to move
             return
-        ck.remove(path)
+        ck.remove(path, whole=True)  # Lightning's own name for one checkpoint (see FastCkptIO.remove_checkpoint)
 
     def _moved(self, linkpath: str) -> None:
         """Lightning moved ``linkpath`` itself (to a file this fit did not save, e.g. FSDP's sharded
@@ -128,7 +128,7 @@ class TrainerLink:
         for path in [p for p in list(self._deferred) if not named_by_link(p, self._link_dirs)]:
             ck = self._deferred.pop(path, None)  # (None: a new save to path took it back meanwhile)
             if ck is not None:
-                ck.remove(path)
+                ck.remove(path, whole=True)
 
     def _link_later(self, trainer: Any, filepath: str, linkpath: str) -> bool:
         """ModelCheckpoint(save_last="link") links ``linkpath`` to ``filepath`` right after asking

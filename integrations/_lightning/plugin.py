@@ -303,11 +303,15 @@ class FastCkptIOMixin(TrainerLink):
         save is still in flight neither blocks training nor races the write. A later save to the
         same path waits for the queued deletion first. After fit (no teardown follows) it deletes
         before it returns, as ``TorchCheckpointIO`` does.
+
+        Lightning names one checkpoint here, whatever it holds (DeepSpeedStrategy's ``epoch=N.ckpt/``
+        holds its tag and DeepSpeed's ``latest``): it goes whole (``Checkpointer.remove(whole=True)``),
+        as with ``TorchCheckpointIO``, where a user's ``remove()`` of a directory of checkpoints is refused.
         """
         path = normalize(path)
         if not self._in_fit:
             with self._core() as ck:
-                ck.remove(path)
+                ck.remove(path, whole=True)
             return
         ck = self._checkpointer()
         self._note_links()  # the ModelCheckpoints' dirpaths, known by now, where their last.ckpt links are

@@ -252,18 +252,20 @@ class Checkpointer:
         """The newest complete checkpoint under ``root`` (directory or URL), or None (see ``fastckpt.latest``)."""
         return discovery.latest(self._homes, root)
 
-    def remove(self, path: str) -> None:
+    def remove(self, path: str, *, whole: bool = False) -> None:
         """Delete a checkpoint file or group, after any save in flight to it has finished.
 
         A file whose replication has not started yet is not replicated (its handle resolves with
         ``cancelled=True``); an upload under way is waited for. A group's commit in flight is cancelled (on every
         rank, with a store) and fails at once with ``GroupRemovedError``, as does a later ``commit`` of what was
-        saved into it before; a commit rank 0 is already publishing completes first, then the group is deleted."""
+        saved into it before; a commit rank 0 is already publishing completes first, then the group is deleted.
+        ConfigError, nothing deleted: ``path`` is no checkpoint (a directory holding them, ``commit.removable``),
+        unless ``whole``: a framework's own name for one checkpoint (Lightning's), deleted whatever it holds."""
         path = normalize(path)
         self._coordinator.cancel(path, self.rank, self.world_size)
         with self._replicator.cancelling(path):
             self._inflight.wait_writing(path)
-        self._retention.remove(path)
+        self._retention.remove(path, check=not whole)
 
     # ------------------------------------------------------------------ lifecycle
     def wait(self, timeout_s: float | None = None) -> None:

@@ -193,8 +193,8 @@ def test_last_link_never_names_a_deleted_file(tmp_path, monkeypatch, filename, n
     dangled: list[str] = []
     remove = fastckpt.Checkpointer.remove
 
-    def watched(self, path):  # noqa: ANN001, ANN202 (observes each deletion as it happens)
-        remove(self, path)
+    def watched(self, path, **kw):  # noqa: ANN001, ANN003, ANN202 (observes each deletion as it happens)
+        remove(self, path, **kw)
         if os.path.islink(last) and not os.path.exists(last):
             dangled.append(os.readlink(last))
 

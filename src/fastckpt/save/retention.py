@@ -47,6 +47,7 @@ from concurrent.futures import Future
 
 from ..commit.foreign import group_step
 from ..commit.protocol import delete_checkpoint, pointed_name, read_group_manifest
+from ..commit.removable import check_removable
 from ..storage.homes import Homes
 from .restarts import delete_own_group_files, earlier_copies, numbered_dirs
 
@@ -216,8 +217,15 @@ class Retention:
         self._local.pop(path, None)
         self._persistent.pop(path, None)
 
-    def remove(self, path: str) -> None:
-        """Delete both copies of ``path`` (a file or a group) now and stop tracking it."""
+    def remove(self, path: str, check: bool = True) -> None:
+        """Delete both copies of ``path`` (a file or a group) now and stop tracking it.
+
+        Raises:
+            ConfigError: with ``check``, a copy of ``path`` is no checkpoint (``commit.removable``): nothing goes.
+        """
+        for where in (path, *self._local_copies(path)) if check else ():  # a burst-buffer file: ours, not read
+            if where == path or not (loc := self._homes.resolve(where)).target.exists(loc.key):
+                check_removable(self._homes.resolve(where))
         with self._lock:
             self._forget(path)
         self._delete_local(path)

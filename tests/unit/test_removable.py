@@ -1,0 +1,112 @@
+"""commit.removable: ``Checkpointer.remove`` deletes one checkpoint, never the directory (or URL
+prefix) that holds checkpoints, nor a file that is none. Before, anything that was not a file
+went to a tree deletion: ``remove(run_dir)`` took every checkpoint, ``latest`` and the user's
+files with it."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
+
+import fsspec
+import pytest
+import torch
+
+import fastckpt
+from fastckpt.errors import ConfigError
+
+
+def _state(step: int) -> dict:
+    return {"w": torch.ones(4) * step, "step": step}
+
+
+def _run(tmp_path: Path, ck: fastckpt.Checkpointer) -> Path:
+    """A run directory: a single file, a published group (which moves ``latest``), the user's notes."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "notes.txt").write_text("not a checkpoint")
+    ck.save(_state(1), str(run / "step-1.pt"))
+    ck.save(_state(2), str(run / "step-2" / "rank0.pt"), group=str(run / "step-2"))
+    ck.commit(str(run / "step-2"), step=2).wait(60)
+    return run
+
+
+def _tree(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+
+
+def test_remove_refuses_a_directory_holding_checkpoints_and_a_file_that_is_none(tmp_path: Path) -> None:
+    with fastckpt.Checkpointer() as ck:
+        run = _run(tmp_path, ck)
+        before = _tree(run)
+        assert "latest" in before
+        with pytest.raises(ConfigError, match=r"it is not a checkpoint but a directory holding 2 checkpoints "
+                                              r"\(.*step-1\.pt, .*step-2\).*Pass the checkpoint to delete"):
+            ck.remove(str(run))
+        with pytest.raises(ConfigError, match="it is not a checkpoint: a file with no fastckpt manifest"):
+            ck.remove(str(run / "notes.txt"))
+        with pytest.raises(ConfigError, match="holding no checkpoint fastckpt recognises"):
+            os.makedirs(tmp_path / "data")
+            (tmp_path / "data" / "x.bin").write_bytes(b"data")
+            ck.remove(str(tmp_path / "data"))
+        assert _tree(run) == before
+        assert (tmp_path / "data" / "x.bin").exists()
+        ck.remove(str(run / "step-2"))  # what was meant: one checkpoint
+        ck.remove(str(run / "step-1.pt"))
+        ck.remove(str(run / "gone"))  # nothing there: a no-op, as before
+    assert _tree(run) == ["latest", "notes.txt"]
+
+
+def test_remove_refuses_a_checkpoint_directory_holding_another_or_a_pointer(tmp_path: Path) -> None:
+    """A recognised checkpoint directory (here DCP's) that also holds a group or a ``latest``: no tree deletion."""
+    dcp = tmp_path / "outer"
+    dcp.mkdir()
+    (dcp / ".metadata").write_bytes(b"dcp")
+    (dcp / "__0_0.distcp").write_bytes(b"shard")
+    with fastckpt.Checkpointer() as ck:
+        ck.save(_state(1), str(dcp / "inner" / "a.pt"), group=str(dcp / "inner"))
+        ck.commit(str(dcp / "inner"), step=1).wait(60)
+        with pytest.raises(ConfigError, match=r"it is a torch.distributed.checkpoint holding 1 checkpoint \(.*inner\)"):
+            ck.remove(str(dcp))
+    assert (dcp / "inner" / "fastckpt-manifest.json").exists()
+
+
+def test_remove_still_deletes_every_kind_of_checkpoint(tmp_path: Path) -> None:
+    """What callers remove (retention, Lightning's ModelCheckpoint, DeepSpeed's incomplete tags):
+    fastckpt files and groups (also unpublished ones), torch.save files, DCP directories (FSDP),
+    DeepSpeed tags and Megatron iterations written without fastckpt, an empty directory."""
+    paths = {
+        "torch.save": tmp_path / "old.ckpt",
+        "dcp": tmp_path / "epoch=1.ckpt",
+        "deepspeed": tmp_path / "global_step10",
+        "megatron": tmp_path / "iter_0000010",
+        "empty": tmp_path / "empty",
+        "unpublished": tmp_path / "step-3",
+    }
+    torch.save(_state(1), paths["torch.save"])
+    paths["dcp"].mkdir()
+    (paths["dcp"] / ".metadata").write_bytes(b"dcp")
+    (paths["dcp"] / "meta.pt").write_bytes(b"meta")
+    paths["deepspeed"].mkdir()
+    torch.save(_state(1), paths["deepspeed"] / "mp_rank_00_model_states.pt")
+    (paths["megatron"] / "mp_rank_00").mkdir(parents=True)
+    torch.save(_state(1), paths["megatron"] / "mp_rank_00" / "model_optim_rng.pt")
+    paths["empty"].mkdir()
+    with fastckpt.Checkpointer() as ck:
+        ck.save(_state(3), str(paths["unpublished"] / "a.pt"), group=str(paths["unpublished"])).wait(60)
+        for p in paths.values():
+            ck.remove(str(p))
+            assert not p.exists()
+
+
+def test_remove_refuses_a_url_prefix_holding_checkpoints(tmp_path: Path) -> None:
+    root = f"memory://fastckpt-{uuid.uuid4().hex[:8]}"
+    with fastckpt.Checkpointer(local_dir=str(tmp_path / "nvme")) as ck:
+        ck.save(_state(1), f"{root}/datasets/run/a.pt").wait(60)
+        with pytest.raises(ConfigError, match="holding 1 checkpoint"):
+            ck.remove(f"{root}/datasets")
+        assert (ck.latest(f"{root}/datasets/run") or "").endswith("/datasets/run/a.pt")
+        ck.remove(f"{root}/datasets/run/a.pt")
+    left = fsspec.filesystem("memory").find(root.removeprefix("memory://"))
+    assert [p.rsplit("/", 1)[1] for p in left] == ["latest"]  # the file and its sidecar went (latest stays)
