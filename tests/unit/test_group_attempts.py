@@ -515,6 +515,29 @@ def test_a_group_no_rank_saved_into_is_refused_and_latest_stays(tmp_path: Path, 
     assert latest(str(tmp_path)) == str(tmp_path / "step-1")
 
 
+def test_a_refused_commit_leaves_no_directory_that_ls_lists_as_incomplete(tmp_path: Path) -> None:
+    """A commit refused for nothing to commit opened its attempt first: a retried commit of a
+    published group left its re-save directory ``.TAG.fastckpt-next-<digest>``, a typo in the
+    group's name an empty directory, both listed as incomplete groups by ``ls`` for good. Now
+    what the refused commit created goes; a directory that holds a file stays."""
+    from fastckpt.cli._discovery import list_checkpoints
+    from fastckpt.errors import ConfigError
+
+    why = "no rank saved a file into it, so there is nothing to commit"
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "x.bin").write_bytes(b"not fastckpt's")
+    with fastckpt.Checkpointer(overhead_budget=0.99) as ck:
+        ck.save(_state(1, 0), str(tmp_path / "step-1" / "a.pt"), group=str(tmp_path / "step-1"))
+        ck.commit(str(tmp_path / "step-1"), step=1).wait(60)
+        before = sorted(os.listdir(tmp_path))
+        for group in ("step-1", "step-l", "data"):  # a retried commit, a typo, a directory of the user's
+            with pytest.raises(ConfigError, match=why):
+                ck.commit(str(tmp_path / group), step=1).wait(60)
+    assert sorted(os.listdir(tmp_path)) == before
+    assert (tmp_path / "data" / "x.bin").read_bytes() == b"not fastckpt's"
+    assert [(e.name, e.status) for e in list_checkpoints(str(tmp_path))] == [("step-1", "complete")]
+
+
 def test_a_save_outside_its_group_is_refused_without_failing_the_groups_commit(tmp_path: Path) -> None:
     """A save whose path is not under its group raises ConfigError at the call. Before, it also
     marked the group's attempt as lacking that file (named with a garbled relative path,

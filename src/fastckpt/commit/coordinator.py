@@ -354,7 +354,7 @@ class Coordinator:
                     (log.debug if isinstance(exc, FileNotFoundError) else log.warning)(  # (gone: trimmed by a rank)
                         "fastckpt: %s is published; its burst-buffer copy %s has no manifest (%r): loads judge it "
                         "by the home's", att.group, local.label, exc)
-        except BaseException as exc:
-            raise self._failed(att, rank, exc, c0, tier)  # noqa: B904 (as ``run``)
+        except BaseException as exc:  # (a refused commit's directory goes: leftovers.refused)
+            raise self._failed(att, rank, L.refused(att, rank, world, exc), c0, tier)  # noqa: B904 (as ``run``)
         self._emit("commit", att.group, ended.total, c0, tier, detail="group")
         return SaveRecord(att.group, tier, ended.total, blocked, 0.0, done, done, rank=rank, group=att.group, **cost)

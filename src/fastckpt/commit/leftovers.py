@@ -11,6 +11,11 @@ read the outcome from those records: they stay (docs/burst-buffer.md).
 
 A group published at its home is never touched (a dropped re-save was written beside it, in its
 staged place, which goes), nor one this rank began another attempt at since.
+
+A commit refused because no rank saved into the group (a retried commit, a typo in its name)
+opened its attempt first: the re-save directory ``.TAG.fastckpt-next-<digest>``, or the new
+name's directory, holding only the attempt's records. ``refused`` deletes it, so ``ls`` and
+``verify`` never list it as incomplete; of a directory holding any file only the marker goes.
 """
 
 from __future__ import annotations
@@ -18,10 +23,11 @@ from __future__ import annotations
 import logging
 import threading
 
+from ..errors import ConfigError
 from .attempt import Attempt
 from .names import MARKER_DIR
 from .protocol import read_group_manifest
-from .removal import drop_copies
+from .removal import drop_copies, drop_marker
 
 log = logging.getLogger("fastckpt")
 
@@ -42,3 +48,19 @@ def dropped(att: Attempt, recs: list, rank: int, world: int, lock: threading.Loc
                 att.place.target.delete_tree(att.place.key, last=(MARKER_DIR,))
         except Exception as exc:  # noqa: BLE001 (a leftover must not fail a commit: say so and go on)
             log.warning("fastckpt: could not delete what the dropped attempt at %s left: %s", att.place.label, exc)
+
+
+def refused(att: Attempt, rank: int, world: int, exc: BaseException) -> BaseException:
+    """``exc``, the failure of this rank's commit of ``att``; when it is the refusal of a commit
+    nothing was saved for, on rank 0 with a store (or alone), the attempt's place goes if it holds
+    nothing but the attempt's records (``MARKER_DIR``), else this rank's marker: what this commit created."""
+    if not isinstance(exc, ConfigError) or att.handles or rank != 0 or (world > 1 and att.channel is None):
+        return exc
+    try:
+        if all(f.startswith(f"{MARKER_DIR}/") for f in att.place.files()):
+            att.place.target.delete_tree(att.place.key, last=(MARKER_DIR,))
+        else:  # a directory holding files (not this commit's): only its marker goes
+            drop_marker(att, rank)
+    except OSError as why:  # the refusal is the error to raise: the leftover only warns
+        log.warning("fastckpt: could not delete %s, which the refused commit left: %s", att.place.label, why)
+    return exc
