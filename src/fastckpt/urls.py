@@ -7,15 +7,14 @@ compares and joins normalised names. Which *storage* serves a name is decided in
 
 from __future__ import annotations
 
-import functools
 import os
 import re
 
 from .errors import ConfigError
 
-#: Schemes whose look-alikes (``s3:/b``) are refused as local paths even without fsspec installed.
-_COMMON_SCHEMES = frozenset(("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "http", "https", "file",
-                             "memory"))
+#: Storage schemes a lost ':' or '/' is refused for (``s3:/b``, ``s3//b``: ``_refuse_typo``).
+_STORES = frozenset(("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "hdfs", "webhdfs", "oci", "oss", "http",
+                     "https", "file", "memory"))
 _SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+._-]*")  # RFC 3986's, and the '_' of fsspec's arrow_hdfs
 _FORMS = "give a directory path (/data/ckpt, file:///data/ckpt) or a URL such as s3://bucket/prefix"
 
@@ -44,26 +43,18 @@ def canonical(path: str | os.PathLike) -> str:
     return f"{scheme.lower()}://{rest}"
 
 
-@functools.cache
-def _schemes() -> frozenset[str]:
-    try:
-        import fsspec
-    except ImportError:
-        return _COMMON_SCHEMES
-    return _COMMON_SCHEMES | {p.lower() for p in fsspec.available_protocols()}
-
-
 def _refuse_typo(s: str) -> None:
     """A URL that lost a slash or its colon is a relative local path to ``os.path``: a save to
     ``s3:/bucket/x.pt`` would land in ``./s3:/bucket/x.pt`` on local disk, count as durable, and
     on a fresh node ``latest`` would find nothing. Refused when the path's *first* component is
-    ``<scheme>:...`` for a scheme fsspec knows, or is a common store's scheme followed by ``//``
-    (``s3//b``: not ``data//x``, a relative path with an empty part, though fsspec knows ``data``);
-    a ':' anywhere else (``run:1/epoch=1-step=2.ckpt``, ``/data/run:1``) is part of a name."""
+    ``<scheme>:...`` or ``<scheme>//...`` for a storage scheme (``_STORES``: s3, gs, az, hdfs,
+    http...). Not for every protocol fsspec knows: ``data:v2/model.pt``, ``local:run1/x.pt`` and
+    ``data//x.pt`` (an empty part) are local names, as is a ':' anywhere else
+    (``run:1/epoch=1-step=2.ckpt``, ``/data/run:1``)."""
     head = s.partition("/")[0]
     name, colon, _ = head.strip().partition(":")
-    slashes = not colon and s[len(head):].startswith("//") and name.lower() in _COMMON_SCHEMES - {"file", "memory"}
-    if not (colon or slashes) or not _SCHEME.fullmatch(name) or name.lower() not in _schemes():
+    slashes = not colon and s[len(head):].startswith("//") and name.lower() not in ("file", "memory")
+    if not (colon or slashes) or not _SCHEME.fullmatch(name) or name.lower() not in _STORES:
         return
     rest = s.lstrip()[len(name):].lstrip(":/")
     scheme = name.lower()

@@ -15,6 +15,7 @@ import torch
 
 import fastckpt
 from fastckpt.errors import ConfigError
+from fastckpt.urls import normalize
 from tests.helpers import scan
 
 
@@ -160,3 +161,15 @@ def test_a_colon_in_a_local_name_is_no_url_typo_and_a_scheme_is_case_insensitive
     assert found is not None and found == fastckpt.latest(f"memory://{bucket}/run")
     assert fastckpt.load(f"MEMORY://{bucket}/run/x.pt")["v"] == 7
     assert check_url("S3://b/x") == "s3://b/x" and check_url("run:1/x") == "run:1/x"
+
+
+def test_a_relative_name_that_starts_like_a_protocol_fsspec_knows_is_local(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """fsspec knows about 55 protocols (data, local, root, dir, tar...): only a storage scheme's
+    look-alike is a typo; ``data:v2/model.pt`` is a folder ``data:v2`` here, as it always was."""
+    monkeypatch.chdir(tmp_path)
+    for name in ("data:v2/model.pt", "local:run1/model.pt", "root:exp/x.pt", "dir:a/x.pt", "tar:1/x.pt"):
+        assert normalize(name) == str(tmp_path / name)
+    for typo in ("s3:/b/x.pt", "hdfs:/x", "gs//b/x"):
+        with pytest.raises(ConfigError, match="looks like a URL"):
+            normalize(typo)
