@@ -117,6 +117,18 @@ def test_latest_of_a_checkpoint_file_is_that_file_and_of_another_file_refuses(tm
     assert (out.exit_code, out.output.strip()) == (0, str(tmp_path / "run" / "last.pt"))
 
 
+def test_latest_of_a_directory_at_a_url_with_no_checkpoint_yet_is_none() -> None:
+    """fsspec's memory (and gs, az) filesystems say a prefix "exists" as a file would: a run
+    directory holding only logs is still "nothing saved yet" (None), never "is a file"."""
+    import uuid
+
+    import fsspec
+
+    run = f"memory://fastckpt-{uuid.uuid4().hex[:8]}/run"
+    fsspec.filesystem("memory").pipe(run.removeprefix("memory://") + "/logs/train.log", b"step 1")
+    assert fastckpt.latest(run) is None
+
+
 @pytest.mark.parametrize(("typo", "meant"), [("s3:/bucket/run/x.pt", "s3://bucket/run/x.pt"),
                                              ("s3:bucket/run/x.pt", "s3://bucket/run/x.pt"),
                                              ("s3//bucket/run/x.pt", "s3://bucket/run/x.pt"),

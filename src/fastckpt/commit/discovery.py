@@ -293,8 +293,8 @@ def _the_file(loc: Location) -> str | None:
     to start from scratch. The file is judged by the scan of its own directory, so by the same
     rules as when that directory is given.
     """
-    if not loc.key or not loc.target.exists(loc.key):
-        return None
+    if not loc.key or not loc.target.exists(loc.key) or loc.target.list(f"{loc.key}/"):
+        return None  # nothing there, or a directory (fsspec's memory/gs/az answer "exists" for a prefix too)
     parent = Location(loc.target, posixpath.dirname(loc.key))
     damaged: list[Damaged] = []
     for f in scan(parent, max_depth=0, damaged=damaged, every_copy=True):
