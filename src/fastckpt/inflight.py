@@ -112,13 +112,25 @@ class InFlight:
             self._seen(exc)
 
     def _seen(self, exc: BaseException) -> None:
-        """``exc`` was raised to the caller; if it is a commit's failure, its group's saves' are seen too."""
+        """``exc`` was raised to the caller. If it is a commit's failure, or the failure of one of
+        the saves a commit waits for (the first to fail in time need not be the one the commit
+        raises), the group failed once: the commit's and its saves' failures are seen too (a
+        commit still running: once it fails)."""
         set_surfaced(exc)
         self._unseen = [e for e in self._unseen if e is not exc]
         for key, (commit, files) in list(self._files.items()):
-            if commit.done() and not commit.cancelled() and commit.exception() is exc:
-                del self._files[key]
+            ended = commit.done() and not commit.cancelled()
+            if not (ended and commit.exception() is exc
+                    or any(f.done() and not f.cancelled() and f.exception() is exc for f in files)):
+                continue
+            if not ended:  # its failure, when it comes, was raised already as this one
+                self._excused.add(key)
                 self._excuse(files)
+            elif commit.exception() is not None:
+                del self._files[key]
+                self._excuse([commit, *files])
+            else:  # it committed (that file was saved again): nothing else is excused
+                del self._files[key]
 
     def _excuse(self, files: list[Future]) -> None:
         for f in files:

@@ -9,6 +9,7 @@ failed group cost a second checkpoint (DeepSpeed: a second ``save_checkpoint``).
 from __future__ import annotations
 
 import errno
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
@@ -94,3 +95,60 @@ def test_a_file_failing_after_its_commit_was_raised_is_not_raised_again(tmp_path
         gate.open()
         ck.close()
 
+
+
+def _group(inflight: object, *names: str) -> tuple[list[Future], Future]:
+    files = [Future() for _ in names]
+    for f, n in zip(files, names, strict=True):
+        f.set_running_or_notify_cancel()
+        inflight.track(f, f"/g/{n}", "/g")
+    commit = Future()
+    inflight.track(commit, "/g", "/g")
+    return files, commit
+
+
+def _raised(inflight: object) -> list[str]:
+    out = []
+    for _ in range(3):
+        try:
+            inflight.raise_unseen()
+        except OSError as exc:
+            out.append(str(exc))
+    return out
+
+
+def test_the_file_that_failed_first_in_time_stands_for_its_group() -> None:
+    """The commit raises its files' failures in save order (a.pt's), but b.pt failed first (its
+    drive filled first): the sync point that raises b.pt's failure raises the group's, once."""
+    from fastckpt.inflight import InFlight
+
+    inflight = InFlight()
+    (a, b), commit = _group(inflight, "a.pt", "b.pt")
+    b.set_exception(OSError("b.pt failed"))
+    a.set_exception(ea := OSError("a.pt failed"))
+    commit.set_exception(ea)
+    assert _raised(inflight) == ["b.pt failed"]
+
+    inflight = InFlight()  # b.pt's failure raised while a.pt and the commit are still under way
+    (a, b), commit = _group(inflight, "a.pt", "b.pt")
+    b.set_exception(OSError("b.pt failed"))
+    assert _raised(inflight) == ["b.pt failed"]
+    a.set_exception(ea := OSError("a.pt failed"))
+    commit.set_exception(ea)
+    assert _raised(inflight) == []
+
+
+def test_a_commit_that_succeeds_excuses_nothing_else() -> None:
+    """b.pt failed and was saved again in the same attempt, which committed: a failure of
+    another group stays to be raised."""
+    from fastckpt.inflight import InFlight
+
+    inflight = InFlight()
+    (a, b), commit = _group(inflight, "a.pt", "b.pt")
+    b.set_exception(OSError("b.pt failed"))
+    assert _raised(inflight) == ["b.pt failed"]
+    a.set_result(None)
+    commit.set_result(None)
+    (c,), other = _group(inflight, "c.pt")
+    c.set_exception(OSError("c.pt failed"))
+    assert _raised(inflight) == ["c.pt failed"]
