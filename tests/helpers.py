@@ -113,3 +113,25 @@ def tmpfs(path: Path, options: str) -> Iterator[Path]:
         yield path
     finally:
         subprocess.run(["umount", str(path)], check=True)
+
+
+class StubEngine:
+    """What the DeepSpeed integration touches of a DeepSpeedEngine, with no process group:
+    ``config`` (given: the dict DeepSpeed was given, which it stores in every checkpoint file) and
+    the methods the hooks wrap."""
+
+    global_rank = 0
+    checkpoint_engine = None
+
+    def __init__(self, config: dict | None = None) -> None:
+        if config is not None:
+            self.config = config
+
+    def save_checkpoint(self, *args: object, **kwargs: object) -> bool:
+        return True
+
+    def load_checkpoint(self, *args: object, **kwargs: object) -> tuple:
+        return None, None
+
+    def destroy(self) -> None:
+        pass

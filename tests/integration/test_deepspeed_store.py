@@ -16,21 +16,7 @@ from fastckpt import Checkpointer  # noqa: E402
 from fastckpt.integrations._deepspeed.engine import FastCkptEngine  # noqa: E402
 from fastckpt.integrations._deepspeed.hooks import EngineHooks  # noqa: E402
 from fastckpt.storage.types import TargetUnavailableError, TargetUnreachableError  # noqa: E402
-
-
-class _Engine:
-    """What EngineHooks touches of a DeepSpeedEngine here."""
-
-    global_rank = 0
-
-    def save_checkpoint(self, *args: object, **kwargs: object) -> bool:
-        return True
-
-    def load_checkpoint(self, *args: object, **kwargs: object) -> tuple:
-        return None, None
-
-    def destroy(self) -> None:
-        pass
+from tests.helpers import StubEngine  # noqa: E402
 
 
 def test_an_outage_after_the_endpoint_answered_is_retried_for_retry_deadline_s(s3_server, s3_bucket: str,
@@ -40,7 +26,7 @@ def test_an_outage_after_the_endpoint_answered_is_retried_for_retry_deadline_s(s
     url = f"s3://{s3_bucket}/run"
     with Checkpointer(storage_options=s3_server.storage_options(), local_dir=str(tmp_path / "nvme"),
                       retry_deadline_s=1) as ck:
-        hooks = EngineHooks(_Engine(), FastCkptEngine(ck), None, flush_at_exit=False)
+        hooks = EngineHooks(StubEngine(), FastCkptEngine(ck), None, flush_at_exit=False)
         hooks._clear_leftover(f"{url}/global_step1")  # noqa: SLF001  (the endpoint answers: it is the right one)
         assert hooks._resolve(url) is None  # noqa: SLF001
         s3_server.stop()

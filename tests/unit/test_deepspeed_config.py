@@ -19,6 +19,7 @@ from fastckpt.integrations._deepspeed.config import (  # noqa: E402
     section_of,
 )
 from fastckpt.integrations.deepspeed import attach, initialize  # noqa: E402
+from tests.helpers import StubEngine  # noqa: E402
 
 
 def _initialize(section: object) -> None:
@@ -81,33 +82,13 @@ def test_credentials_are_not_passed_on_to_deepspeed() -> None:
     assert redacted(plain) is plain  # nothing secret: passed on as given
 
 
-class _Engine:
-    """What attach touches of a DeepSpeedEngine: ``config`` is the dict DeepSpeed was given,
-    which it stores in every checkpoint file."""
-
-    global_rank = 0
-    checkpoint_engine = None
-
-    def __init__(self, config: dict) -> None:
-        self.config = config
-
-    def save_checkpoint(self, *args: object, **kwargs: object) -> bool:
-        return True
-
-    def load_checkpoint(self, *args: object, **kwargs: object) -> tuple:
-        return None, None
-
-    def destroy(self) -> None:
-        pass
-
-
 @pytest.mark.parametrize("given", ["the whole config", "its path", "the section", "a disabled section"])
 def test_attach_with_a_config_given_redacts_the_engines_copy_too(tmp_path, given: str) -> None:
     """Only attach(engine) (config=None) redacted engine.config: attach(engine, cfg) left the
     credentials in it, and DeepSpeed wrote them into every checkpoint file."""
     secret = {"key": "AK", "secret": "SK"}
     cfg = {"train_batch_size": 8, "fastckpt": {"storage_options": dict(secret)}}
-    engine = _Engine(json.loads(json.dumps(cfg)))  # what deepspeed.initialize(config=cfg) kept
+    engine = StubEngine(json.loads(json.dumps(cfg)))  # what deepspeed.initialize(config=cfg) kept
     arg: object = {"the whole config": cfg, "the section": cfg["fastckpt"],
                    "a disabled section": {"enabled": False}}.get(given)
     if given == "its path":

@@ -18,6 +18,7 @@ from fastckpt.commit.protocol import GROUP_MANIFEST, MARKER_DIR  # noqa: E402
 from fastckpt.integrations._deepspeed.compat import Store  # noqa: E402
 from fastckpt.integrations._deepspeed.hooks import StepFence  # noqa: E402
 from fastckpt.integrations.deepspeed import resolve_tag  # noqa: E402
+from tests.helpers import StubEngine  # noqa: E402
 
 
 def _group(root: Path, tag: str, order: float, **extra: object) -> None:
@@ -98,21 +99,6 @@ def test_deepspeeds_own_tags_are_trusted(tmp_path: Path) -> None:
     assert _resolve(tmp_path) == ("global_step2", False)
 
 
-class _Engine:
-    """What EngineHooks touches of a DeepSpeedEngine (no process group needed here)."""
-
-    global_rank = 0
-
-    def save_checkpoint(self, *args: object, **kwargs: object) -> bool:
-        return True
-
-    def load_checkpoint(self, *args: object, **kwargs: object) -> tuple:
-        return None, None
-
-    def destroy(self) -> None:
-        pass
-
-
 def test_flush_gives_up_after_close_timeout_s(tmp_path: Path) -> None:
     """Rank 1 never commits: destroy() and exit stop waiting after close_timeout_s."""
     import torch
@@ -124,7 +110,7 @@ def test_flush_gives_up_after_close_timeout_s(tmp_path: Path) -> None:
 
     ck = Checkpointer(rank=0, world_size=2, close_timeout_s=0.5, commit_timeout_s=60)
     fe = FastCkptEngine(ck)
-    hooks = EngineHooks(_Engine(), fe, None, flush_at_exit=False)
+    hooks = EngineHooks(StubEngine(), fe, None, flush_at_exit=False)
     info = CheckpointCommitInfo(tag="t1", save_dir=str(tmp_path), save_latest=True)
     fe.begin(None, True, 0)
     fe.create(info)
@@ -149,7 +135,7 @@ def test_destroy_closes_the_owned_checkpointer_even_when_a_pending_save_failed(t
 
     owned = OwnedCheckpointer({"rank": 0, "world_size": 2, "close_timeout_s": 0.5, "commit_timeout_s": 60})
     fe = FastCkptEngine(owned)
-    hooks = EngineHooks(_Engine(), fe, owned, flush_at_exit=False)
+    hooks = EngineHooks(StubEngine(), fe, owned, flush_at_exit=False)
     info = CheckpointCommitInfo(tag="t1", save_dir=str(tmp_path), save_latest=True)
     fe.begin(None, True, 0)
     fe.create(info)
@@ -266,7 +252,7 @@ def test_a_load_moves_latest_only_forward_and_loads_where_it_may_not_write(tmp_p
 
         subprocess.run(["mount", "-o", "remount,ro", str(mnt)], check=True)
         with Checkpointer() as ck, caplog.at_level("WARNING", logger="fastckpt"):
-            hooks = EngineHooks(_Engine(), FastCkptEngine(ck), None, flush_at_exit=False)
+            hooks = EngineHooks(StubEngine(), FastCkptEngine(ck), None, flush_at_exit=False)
             assert hooks._resolve(str(mnt)) == "global_step2"  # noqa: SLF001  (before: ReplicationError)
         assert any("could not move" in r.getMessage() for r in caplog.records)
         assert (mnt / "latest").read_text() == "global_step1"

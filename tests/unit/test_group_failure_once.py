@@ -48,12 +48,18 @@ def _next_group_commits(ck: fastckpt.Checkpointer, home: Path) -> None:
     assert ck.latest(str(home)) == str(home / "g2")
 
 
+def _failed_commit(ck: fastckpt.Checkpointer, home: Path) -> fastckpt.SaveHandle:
+    """Both files of g1 saved and failed (not seen yet); the commit's handle."""
+    files = _save(ck, home / "g1", 1)
+    handle = ck.commit(str(home / "g1"))
+    _failed(files)
+    return handle
+
+
 def test_commit_wait_raises_the_group_once(tmp_path: Path) -> None:
     ck, ops, home = _full_home(tmp_path, "a.pt", "b.pt")
     try:
-        files = _save(ck, home / "g1", 1)
-        handle = ck.commit(str(home / "g1"))
-        _failed(files)
+        handle = _failed_commit(ck, home)
         assert len(ops.fired) == 2
         with pytest.raises(CheckpointWriteError):
             handle.wait(60)
@@ -66,9 +72,7 @@ def test_sync_point_raises_the_group_once(tmp_path: Path) -> None:
     """Nobody waits on the commit: the next save raises the group's failure, once."""
     ck, ops, home = _full_home(tmp_path, "a.pt", "b.pt")
     try:
-        files = _save(ck, home / "g1", 1)
-        handle = ck.commit(str(home / "g1"))
-        _failed(files)
+        handle = _failed_commit(ck, home)
         with pytest.raises(OSError):
             handle.result(60)
         with pytest.raises(CheckpointWriteError, match="a.pt"):

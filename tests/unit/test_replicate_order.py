@@ -69,6 +69,13 @@ def _checkpointer(tmp_path, local, hook: Hook, queued: Queued, **kw) -> fastckpt
                                  **kw)
 
 
+def _both_final_in_order(ck: fastckpt.Checkpointer, hook: Hook, ha: object, hb: object) -> None:
+    """Both saves durable, and at every call on the later file's home copy the earlier was final."""
+    assert ha.wait(60).durable_s is not None and hb.wait(60).durable_s is not None
+    ck.close()
+    assert hook.earlier_final_at_later_calls and all(hook.earlier_final_at_later_calls)
+
+
 @pytest.mark.parametrize("workers", [1, 2])
 def test_a_later_file_is_final_only_after_the_earlier_ones_copy(tmp_path, workers) -> None:  # noqa: ANN001
     home = str(tmp_path / "home")
@@ -84,9 +91,7 @@ def test_a_later_file_is_final_only_after_the_earlier_ones_copy(tmp_path, worker
         assert not hb.done() and not os.path.exists(b)
     finally:
         hook.release.set()
-    assert ha.wait(60).durable_s is not None and hb.wait(60).durable_s is not None
-    ck.close()
-    assert hook.earlier_final_at_later_calls and all(hook.earlier_final_at_later_calls)
+    _both_final_in_order(ck, hook, ha, hb)
     assert torch.load(b, weights_only=True)["step"] == 4
 
 
@@ -106,9 +111,7 @@ def test_an_earlier_local_write_on_another_drive_holds_the_later_replica(tmp_pat
         assert not hb.done() and not os.path.exists(b)
     finally:
         hook.release.set()
-    assert ha.wait(60).durable_s is not None and hb.wait(60).durable_s is not None
-    ck.close()
-    assert hook.earlier_final_at_later_calls and all(hook.earlier_final_at_later_calls)
+    _both_final_in_order(ck, hook, ha, hb)
 
 
 def test_a_failed_earlier_save_lets_the_later_one_go(tmp_path) -> None:  # noqa: ANN001
