@@ -223,9 +223,11 @@ class Retention:
         Raises:
             ConfigError: with ``check``, a copy of ``path`` is no checkpoint (``commit.removable``): nothing goes.
         """
-        for where in (path, *self._local_copies(path)) if check else ():  # a burst-buffer file: ours, not read
-            if where == path or not (loc := self._homes.resolve(where)).target.exists(loc.key):
-                check_removable(self._homes.resolve(where))
+        if check:
+            check_removable(self._homes.resolve(path))
+            for local in self._local_copies(path):  # a burst-buffer file is ours: not read; a directory is checked
+                if not (loc := self._homes.resolve(local)).target.exists(loc.key):
+                    check_removable(loc)
         with self._lock:
             self._forget(path)
         self._delete_local(path)
