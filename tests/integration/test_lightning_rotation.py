@@ -31,6 +31,16 @@ def test_failed_replacement_keeps_the_previous_top_k_file(tmp_path, caplog):
     step=2. TorchCheckpointIO would have raised before removing it; FastCkptIO keeps it too."""
     ops = FaultyOps([Fault("pwrite", errno.ENOSPC, path_contains="step=4.ckpt")])
     io = FastCkptIO(ops=ops)
+    # step=4's write fails only once ModelCheckpoint asked to remove step=2: else a write failing
+    # before save_checkpoint returned is raised by that call, and no removal is asked for at all
+    held = ops.gate("pwrite", "step=4.ckpt")
+    remove = io.remove_checkpoint
+
+    def remove_then_fail(path):
+        remove(path)
+        held.open()
+
+    io.remove_checkpoint = remove_then_fail
 
     class Step4Ended(Callback):  # step=4's failure is raised at the next save (a loaded machine is slow)
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
@@ -41,8 +51,11 @@ def test_failed_replacement_keeps_the_previous_top_k_file(tmp_path, caplog):
 
     trainer = make_trainer(str(tmp_path), io, 8, callbacks=[Step4Ended()], every_n_train_steps=2, save_top_k=1,
                            monitor="step", mode="max")
-    with caplog.at_level(logging.WARNING, logger="fastckpt.lightning"), pytest.raises(CheckpointWriteError):
-        trainer.fit(TinyModel(), loader())
+    try:
+        with caplog.at_level(logging.WARNING, logger="fastckpt.lightning"), pytest.raises(CheckpointWriteError):
+            trainer.fit(TinyModel(), loader())
+    finally:
+        held.open()
     ops.assert_all_reached()
     assert os.listdir(tmp_path / "ckpt") == ["epoch=0-step=2.ckpt"]
     assert fastckpt.load(str(tmp_path / "ckpt" / "epoch=0-step=2.ckpt"))["global_step"] == 2
