@@ -538,6 +538,62 @@ def test_a_refused_commit_leaves_no_directory_that_ls_lists_as_incomplete(tmp_pa
     assert [(e.name, e.status) for e in list_checkpoints(str(tmp_path))] == [("step-1", "complete")]
 
 
+def _loaded_from(cks: list[fastckpt.Checkpointer], g: Path, version: int) -> list[str]:
+    """Where each rank's load of its file of ``g`` (of ``version``) read it from."""
+    where = []
+    for ck in cks:
+        assert ck.load(str(g / f"rank{ck.rank}.pt"))["version"] == version
+        where.append(ck.stats().last_restore_from)
+    return where
+
+
+def test_a_refused_retried_commit_leaves_the_burst_buffer_copy_complete(tmp_path: Path, store: object | None) -> None:
+    """Opening the attempt of a retried commit (no rank saved into the published group) deleted
+    the burst-buffer copy's manifest before rank 0 refused it: the copy was whole but no longer
+    complete (``ls`` of the burst buffer listed it incomplete, loads judged it by the home's
+    manifest, and retention of a later run takes such a copy for an unpublished leftover). Now
+    the refusal leaves the copy as it was: its manifest back, loads read it."""
+    from fastckpt.cli._discovery import list_checkpoints
+    from fastckpt.errors import ConfigError
+
+    g, local = tmp_path / "durable" / "G", tmp_path / "nvme"
+    cks = [_ck(r, store, local_dir=str(local)) for r in (0, 1)]  # one node: both ranks share the copy
+    copy = Path(cks[0].local_path(str(g / P.GROUP_MANIFEST)))
+    why = "no rank saved a file into it, so there is nothing to commit"
+    try:
+        _save_all(cks, g, 1)
+        published = copy.read_bytes()
+        handles = [ck.commit(str(g), step=1) for ck in cks]  # the retry: nothing saved since
+        with pytest.raises(ConfigError, match=why):
+            handles[0].wait(60)
+        with pytest.raises(CommitTimeoutError, match=why):
+            handles[1].wait(60)
+        assert [(e.name, e.status) for e in list_checkpoints(str(copy.parent.parent))] == [("G", "complete")]
+        assert copy.read_bytes() == published  # before: gone
+        assert _loaded_from(cks, g, 1) == ["local", "local"]
+        _save_all(cks, g, 2)  # a later attempt is as before: the copy complete again once committed
+        assert _loaded_from(cks, g, 2) == ["local", "local"]
+    finally:
+        _close(cks)
+    assert latest(str(tmp_path / "durable")) == str(g)
+
+
+def test_a_save_into_the_copy_leaves_no_set_aside_manifest_to_put_back(tmp_path: Path) -> None:
+    """The manifest a rank that saves nothing sets aside is put back only while nothing was written
+    into the copy since: a save's opening deletes it, so a refusal that comes later (another rank's,
+    or one after a restart) never marks a copy being rewritten complete."""
+    from fastckpt.commit import leftovers as L
+
+    copy = place(tmp_path / "G")
+    copy.put(P.GROUP_MANIFEST, P.manifest_bytes({"kind": "group", "attempt": "a", "files": {}}))
+    att = SimpleNamespace(local=(copy,), old=P.read_group_manifest(copy))
+    L.set_aside((copy,), writes=False)
+    assert copy.size(P.GROUP_MANIFEST) < 0 and copy.size(L.KEPT) > 0  # killed now: incomplete, as before
+    L.set_aside((copy,), writes=True)  # another rank's save into the copy
+    L.put_back(att)  # type: ignore[arg-type]
+    assert copy.size(P.GROUP_MANIFEST) < 0 and copy.size(L.KEPT) < 0
+
+
 def test_a_save_outside_its_group_is_refused_without_failing_the_groups_commit(tmp_path: Path) -> None:
     """A save whose path is not under its group raises ConfigError at the call. Before, it also
     marked the group's attempt as lacking that file (named with a garbled relative path,

@@ -95,13 +95,14 @@ class Coordinator:
             link = self._link = S.StoreLink(store, rank, world, self._slice_s)
         return link.channel(group, next(self._counts.setdefault(group, itertools.count())))
 
-    def begin(self, group: str, rank: int, world: int) -> None:
+    def begin(self, group: str, rank: int, world: int, writes: bool = True) -> None:
         """First touch of ``group`` by this rank in this attempt: decide where it writes.
 
         This rank's previous commit of the same group is waited for first, so that every rank
         sees the same published state. A published group is re-saved beside itself
         (``resave.py``; refused on an object store); an unpublished one in place, its stale
-        files never named by the new manifest. The burst-buffer copy's manifest goes now.
+        files never named by the new manifest. The burst-buffer copy's manifest goes now (``writes``
+        False: this rank saves nothing into it, ``_begun``: it is set aside, ``leftovers.set_aside``).
 
         Raises:
             ConfigError: re-saving a published group on an object store (unless its commit
@@ -127,8 +128,7 @@ class Coordinator:
             old, published = None, False
         place = P.staged_place(home, old) if published else home
         local = self._local_for(group)
-        for copy in local:
-            copy.delete(P.GROUP_MANIFEST)  # the local copy is rewritten in place: not complete until committed
+        L.set_aside(local, writes)  # the local copy is rewritten in place: not complete until committed
         channel = self._channel(group, rank, world)
         token = None if channel is not None else (uuid.uuid4().hex[:16] if rank == 0 else None)
         replaced, began = None, None
@@ -263,7 +263,7 @@ class Coordinator:
 
     def _begun(self, group: str, rank: int, world: int) -> A.Attempt:
         """This rank's attempt at ``group``, begun now: it saved nothing into it."""
-        self.begin(group, rank, world)
+        self.begin(group, rank, world, writes=False)
         with self._lock:
             return self._open.pop(group)
 

@@ -16,20 +16,35 @@ A commit refused because no rank saved into the group (a retried commit, a typo 
 opened its attempt first: the re-save directory ``.TAG.fastckpt-next-<digest>``, or the new
 name's directory, holding only the attempt's records. ``refused`` deletes it, so ``ls`` and
 ``verify`` never list it as incomplete; of a directory holding any file only the marker goes.
+
+Opening it also took the burst-buffer copy's manifest away: the copy stayed whole, but loads
+then read the group from its home and retention took the copy for an unpublished leftover.
+A rank that saves nothing into an attempt (``set_aside`` with ``writes`` False) moves the
+manifest to ``KEPT`` instead, and a refusal on rank 0 moves it back (``put_back``). A save into
+the copy (``writes``) deletes both, so ``KEPT`` exists only while nothing was written into the
+copy since it was complete; each step holds the copy's directory lock (``Place.exclusive``), so
+a restore never lands between a save's deletions. Killed in between, the copy is only without
+its manifest, as before: slower, never wrong. The copies of the other ranks' nodes (they are
+not told why rank 0 refused) stay without it: loads judge them by the home's manifest.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
+import os
 import threading
 
 from ..errors import ConfigError
+from ..storage.places import Place
 from .attempt import Attempt
-from .names import MARKER_DIR
+from .names import GROUP_MANIFEST, MARKER_DIR
 from .protocol import read_group_manifest
 from .removal import drop_copies, drop_marker
 
 log = logging.getLogger("fastckpt")
+KEPT = f"{MARKER_DIR}/kept-{GROUP_MANIFEST}"  # a burst-buffer copy's manifest, set aside by ``set_aside``
 
 
 def dropped(att: Attempt, recs: list, rank: int, world: int, lock: threading.Lock,
@@ -53,8 +68,12 @@ def dropped(att: Attempt, recs: list, rank: int, world: int, lock: threading.Loc
 def refused(att: Attempt, rank: int, world: int, exc: BaseException) -> BaseException:
     """``exc``, the failure of this rank's commit of ``att``; when it is the refusal of a commit
     nothing was saved for, on rank 0 with a store (or alone), the attempt's place goes if it holds
-    nothing but the attempt's records (``MARKER_DIR``), else this rank's marker: what this commit created."""
-    if not isinstance(exc, ConfigError) or att.handles or rank != 0 or (world > 1 and att.channel is None):
+    nothing but the attempt's records (``MARKER_DIR``), else this rank's marker: what this commit created;
+    and the burst-buffer copies get their manifest back (``put_back``; without a store too)."""
+    if not isinstance(exc, ConfigError) or att.handles or rank != 0:
+        return exc
+    put_back(att)
+    if world > 1 and att.channel is None:
         return exc
     try:
         if all(f.startswith(f"{MARKER_DIR}/") for f in att.place.files()):
@@ -64,3 +83,37 @@ def refused(att: Attempt, rank: int, world: int, exc: BaseException) -> BaseExce
     except OSError as why:  # the refusal is the error to raise: the leftover only warns
         log.warning("fastckpt: could not delete %s, which the refused commit left: %s", att.place.label, why)
     return exc
+
+
+def set_aside(local: tuple[Place, ...], writes: bool) -> None:
+    """An attempt at the group opens on this rank: its burst-buffer copies (``local``) are no
+    longer complete. ``writes``: this rank saves into them, so their manifest and any ``KEPT`` one
+    go; else the manifest moves to ``KEPT``, for ``put_back``."""
+    for copy in local:
+        if not os.path.isdir(copy.url()):  # no copy on this drive: nothing to take away
+            continue
+        with copy.exclusive():
+            if writes:
+                copy.delete(GROUP_MANIFEST)
+                copy.delete(KEPT)
+            elif copy.size(GROUP_MANIFEST) >= 0:
+                with contextlib.suppress(FileNotFoundError):  # trimmed meanwhile (keep_local): nothing to keep
+                    with contextlib.suppress(FileExistsError):
+                        os.mkdir(copy.url(MARKER_DIR))  # one level: a trimmed copy is not brought back
+                    copy.target.ops.replace(copy.url(GROUP_MANIFEST), copy.url(KEPT))
+
+
+def put_back(att: Attempt) -> None:
+    """Rank 0 refused ``att`` (no rank saved into it): each burst-buffer copy whose manifest was
+    set aside, and is still the one published at the home, gets it back; a failure only warns."""
+    for copy in att.local:
+        try:
+            if att.old is None or not os.path.isdir(copy.url()):
+                continue
+            with copy.exclusive():
+                kept = copy.get(KEPT)
+                mine = json.loads(kept) if kept is not None else None
+                if isinstance(mine, dict) and mine.get("digest") == att.old.get("digest"):
+                    copy.target.ops.replace(copy.url(KEPT), copy.url(GROUP_MANIFEST))
+        except (OSError, ValueError) as why:  # the copy stays without it: loads judge it by the home's
+            log.warning("fastckpt: could not give %s its manifest back after the refused commit: %s", copy.label, why)
