@@ -19,7 +19,7 @@ from contextlib import AbstractContextManager
 
 from .commit import discovery
 from .commit.coordinator import Coordinator
-from .commit.foreign import group_step
+from .commit.foreign import check_step, group_step
 from .config import CheckpointerConfig, options_doc, options_signature
 from .errors import ClosedError, ConfigError, ReplicationError
 from .events import Event, Fanout, JsonlSink
@@ -180,6 +180,7 @@ class Checkpointer:
                 its path was not saved again since: the attempt ends on every rank (docs/groups.md).
         """
         self._check_open()
+        check_step(extra)  # ConfigError: a step that is no int >= 0 (before anything is done)
         group = normalize(group)  # a failure raised here ends the attempt: no rank waits for this one
         self._inflight.raise_unseen(before=lambda e: self._coordinator.abandon(group, self.rank, self.world_size, e))
         rank, has_local, token = self.rank, bool(self.config.local_dirs), self._retention.committing(group)

@@ -20,7 +20,7 @@ import torch
 import fastckpt
 from fastckpt.commit import fallback as W
 from fastckpt.commit import protocol as P
-from fastckpt.errors import CommitTimeoutError, CorruptCheckpointError, IncompleteCheckpointError
+from fastckpt.errors import CommitTimeoutError, ConfigError, CorruptCheckpointError, IncompleteCheckpointError
 from fastckpt.io import atomic as A
 from fastckpt.io.ops import FileOps
 from fastckpt.storage.homes import Homes
@@ -538,3 +538,17 @@ def test_a_group_is_deleted_manifest_first_and_commit_markers_last(tmp_path) -> 
     files = [i for i, n in enumerate(names) if n in ("r0.pt", "r1.pt")]
     assert len(files) == 2 and markers and max(files) < min(markers), names
     assert not os.path.exists(g)
+
+
+@pytest.mark.parametrize("step", ["100", -1, True, 1.0])
+def test_commit_refuses_a_step_that_is_no_int_from_zero(tmp_path: Path, step: object) -> None:
+    """A step orders the groups (``latest``, retention): one that is no int >= 0 was written to the
+    manifest, then passed over for the tag's number, without a word. It is refused before
+    anything is done, so the same commit with a good step still publishes the group."""
+    group = str(tmp_path / "global_step5")
+    with fastckpt.Checkpointer(rank=0, world_size=1) as ck:
+        ck.save(_state(5), f"{group}/r0.pt", group=group)
+        with pytest.raises(ConfigError, match=r"the step must be an int >= 0"):
+            ck.commit(group, step=step)
+        ck.commit(group, step=5).wait()
+    assert json.loads((Path(group) / P.GROUP_MANIFEST).read_text())["step"] == 5

@@ -10,7 +10,7 @@ import json
 import posixpath
 import re
 
-from ..errors import CorruptCheckpointError
+from ..errors import ConfigError, CorruptCheckpointError
 from ..format import foreign
 from ..format.manifest import TAIL_BYTES
 from ..storage.base import Target
@@ -97,6 +97,21 @@ def deepspeed_tag(target: Target, prefix: str, rel: str, rels: set[str]) -> str 
         return None if target.read_manifest(prefix + files[0]) else tag_rel
     except (OSError, CorruptCheckpointError):
         return None
+
+
+def check_step(extra: dict) -> None:
+    """``commit(group, step=...)``'s step orders the groups (``latest`` picks the highest, retention
+    counts below it): a step that is no whole number >= 0 was recorded and then passed over for
+    the tag's number, so a misordered ``latest`` was the first sign of it. None is no step.
+
+    Raises:
+        ConfigError: naming the value and the fix.
+    """
+    step = extra.get("step")
+    if step is not None and (type(step) is not int or step < 0):  # noqa: E721 (a bool is no step)
+        hint = " (a numpy or torch integer? pass int(step))" if hasattr(step, "__index__") else ""
+        raise ConfigError(f"commit(step={step!r}): the step must be an int >= 0 (the training step this group "
+                          f"holds, which orders the checkpoints), or None for no step{hint}")
 
 
 def group_step(record: dict, name: str) -> int | None:
