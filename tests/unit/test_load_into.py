@@ -146,6 +146,29 @@ def test_a_mismatch_is_refused_before_anything_is_written(tmp_path) -> None:
             ck.load(path, mmap=True, into={"model": wrong.state_dict()})
 
 
+def _sgd(model: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("into, words", [
+    (5, r"into is of type int, not the tensors to fill.*into=\{'model': model.state_dict\(\)\}"),
+    ("model", r"into is of type str, not the tensors to fill"),
+    (_model(1), r"into is a module \(Sequential\), which into= does not fill: pass its state_dict\(\)"),
+    ({"model": _model(1)}, r"into\['model'\] is a module \(Sequential\).*pass its state_dict\(\)"),
+    ({"opt": [_sgd(_model(1))]}, r"into\['opt'\]\[0\] is an optimizer \(SGD\).*pass its state_dict\(\)"),
+])
+def test_an_into_that_names_no_tensors_to_fill_is_refused(tmp_path, into: object, words: str) -> None:
+    """``into=5`` or ``into=model`` (a module, not its state_dict) was passed over: the load returned
+    the saved object and the module kept its fresh weights, without a word."""
+    path = str(tmp_path / "x.pt")
+    with Checkpointer() as ck:
+        ck.save(_state(_model(0)), path).wait()
+        with pytest.raises(ConfigError, match=words):
+            ck.load(path, into=into)
+    with pytest.raises(ConfigError, match=words):
+        fastckpt.load(path, into=into)
+
+
 def test_a_tensor_on_the_meta_device_is_refused(tmp_path) -> None:
     """A module built on the meta device (fast init) has no memory: the copy into it was a no-op
     and the load returned meta tensors, no data, where the checkpoint holds values."""

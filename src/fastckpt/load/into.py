@@ -33,6 +33,33 @@ def in_place(map_location: object) -> bool:
     return map_location is None or (isinstance(map_location, (str, torch.device)) and str(map_location) == "cpu")
 
 
+def check_into(dest: object) -> None:
+    """Refuse an ``into`` that names no place to fill: ``_walk`` passes over what is neither a
+    tensor nor a dict, list or tuple, so ``into=5`` or ``into=model`` loaded as without it, and a
+    caller who skipped ``load_state_dict`` resumed from the freshly initialised weights.
+
+    Raises:
+        ConfigError: ``dest`` is of another type, or is or holds a module or an optimizer.
+    """
+    for where, v in ((), dest), *_containers(dest, ()):
+        if isinstance(v, (torch.nn.Module, torch.optim.Optimizer)):
+            kind = "a module" if isinstance(v, torch.nn.Module) else "an optimizer"
+            raise ConfigError(f"load(into=...): {_name(where)} is {kind} ({type(v).__name__}), which into= does not "
+                              "fill: pass its state_dict() (into={'model': model.state_dict()}), whose tensors are "
+                              "filled in place")
+    if not isinstance(dest, (torch.Tensor, Mapping, list, tuple)):
+        raise ConfigError(f"load(into=...): into is of type {type(dest).__name__}, not the tensors to fill: pass them "
+                          "nested in dicts, lists and tuples as the saved object is "
+                          "(into={'model': model.state_dict()}), or None")
+
+
+def _containers(dest: object, where: Where) -> Iterator[tuple[Where, object]]:
+    items = dest.items() if isinstance(dest, Mapping) else enumerate(dest) if isinstance(dest, (list, tuple)) else ()
+    for k, v in items:
+        yield (*where, k), v
+        yield from _containers(v, (*where, k))
+
+
 def check(dest: object, saved: object) -> list[tuple[Where, torch.Tensor, torch.Tensor]]:
     """``(place, tensor of into, saved tensor)`` for every tensor of ``dest``.
 

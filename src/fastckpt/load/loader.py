@@ -42,7 +42,7 @@ from ..storage.homes import Homes, Location
 from ..storage.types import TargetNotFoundError, TargetUnavailableError
 from .deserialize import deserialize
 from .image import heap_image
-from .into import in_place, place
+from .into import check_into, in_place, place
 from .missing import a_directory, not_found
 from .pins import Pins
 from .unverified import damage, load_unverified, warn_unverified
@@ -73,6 +73,8 @@ class LoadOptions:
         if self.into is not None and self.mmap:
             raise ConfigError("load(..., mmap=True, into=...): mmap=True maps the file's pages as the tensors, into= "
                               "reads the file into your tensors. Pass one of them.")
+        if self.into is not None:
+            check_into(self.into)
 
     def image(self, url: str) -> ImageFactory:
         """What the read of ``url`` fills: a heap image, with ``into``'s memory where the saved
