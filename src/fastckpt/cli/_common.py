@@ -194,7 +194,9 @@ def _json_object(text: str) -> dict:
 
 class _Location(click.ParamType):
     """A directory path or a URL fsspec can open (``urls.check_url``): a malformed URL or an
-    unknown scheme is a usage error naming it, not a traceback from the storage layer."""
+    unknown scheme is a usage error naming it, not a traceback from the storage layer. An empty
+    one (an unset shell variable) too: ``latest`` said " does not exist", ``verify`` checked the
+    current directory."""
 
     name = "path_or_url"
 
@@ -202,6 +204,9 @@ class _Location(click.ParamType):
         from ..errors import ConfigError
         from ..urls import check_url
 
+        if not value:
+            self.fail("the path is empty: give a directory or a URL (an unset shell variable expands to '')",
+                      param, ctx)
         try:
             return check_url(value)
         except ConfigError as exc:
