@@ -106,11 +106,15 @@ def parse_section(raw: object, where: str = "the DeepSpeed config") -> Section:
     """Validate a ``"fastckpt"`` section (a dict).
 
     Raises:
-        ConfigError: not a dict, an unknown key, a value of the wrong type, or a value the
+        ConfigError: not a dict (also null: ``"fastckpt": null``, or YAML's empty ``fastckpt:``,
+            may mean "on, with the defaults" as much as "off", and either guess is silently wrong
+            for some user), an unknown key, a value of the wrong type, or a value the
             Checkpointer refuses; the message names the key and lists the valid keys.
     """
     if raw is None:
-        return Section(enabled=False)
+        raise ConfigError(f'"{SECTION}" in {where} is null: write "{SECTION}": {{}} to save through fastckpt with '
+                          f'its defaults, or "{SECTION}": {{"enabled": false}} (or no "{SECTION}" section) to keep '
+                          "DeepSpeed's own checkpoint engine")
     if not isinstance(raw, Mapping):
         raise ConfigError(f'"{SECTION}" in {where} must be an object of options, got {type(raw).__name__}; '
                           f"valid keys: {valid_keys()}")
@@ -152,7 +156,9 @@ def read_config(config: str | Mapping | None) -> dict | None:
 
 def section_of(config: Mapping | None, where: str = "the DeepSpeed config") -> Section:
     """The validated section of a whole DeepSpeed config (disabled when there is none)."""
-    return parse_section((config or {}).get(SECTION), where)
+    if config is None or SECTION not in config:
+        return Section(enabled=False)
+    return parse_section(config[SECTION], where)
 
 
 def whole_config(config: Mapping) -> bool:

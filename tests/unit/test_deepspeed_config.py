@@ -46,6 +46,24 @@ def test_bad_sections_fail_before_deepspeed_starts(section: object, words: list[
     assert not torch.distributed.is_initialized()
 
 
+@pytest.mark.parametrize("how", ["initialize", "attach to its engine", "attach with the config"])
+def test_a_null_section_is_refused_naming_both_meanings(how: str) -> None:
+    """``"fastckpt": null`` (YAML's empty ``fastckpt:``) turned fastckpt off without a word at
+    initialize, while attach(engine) of an engine without a section turns it on: null reads as
+    either, so it is refused, naming {} (on, the defaults) and {"enabled": false} (off)."""
+    cfg = {"train_micro_batch_size_per_gpu": 1, "fastckpt": None}
+    with pytest.raises(ConfigError) as info:
+        if how == "initialize":
+            initialize(model=torch.nn.Linear(2, 2), config=cfg)
+        else:
+            attach(StubEngine(cfg), None if how == "attach to its engine" else cfg)  # type: ignore[arg-type]
+    for w in ('"fastckpt" in the', "is null", '"fastckpt": {} to save through fastckpt with its defaults',
+              '"fastckpt": {"enabled": false} (or no "fastckpt" section)'):
+        assert w in str(info.value), str(info.value)
+    assert not torch.distributed.is_initialized()
+    assert section_of({"train_batch_size": 8}).enabled is False and section_of(None).enabled is False
+
+
 def test_values_the_checkpointer_refuses_name_the_section() -> None:
     with pytest.raises(ConfigError) as info:
         _initialize({"overhead_budget": 2})
