@@ -33,6 +33,8 @@ if TYPE_CHECKING:
 TIERS = ("auto", "gds", "nvme", "direct")
 MAX_PORT = 65535  # the last TCP port: metrics_port + LOCAL_RANK must not pass it (metrics/exporter.py)
 DEFAULT_RETRY_DEADLINE_S = 300.0
+#: What an ``ops`` must do (io.ops.FileOps, which this base module may not import): its first methods.
+OPS_METHODS = ("open", "pwrite", "preadv", "fsync", "close", "replace", "unlink", "makedirs")
 
 
 def _opt(default: object, meaning: str) -> object:
@@ -121,8 +123,24 @@ class CheckpointerConfig:
             raise ConfigError(f"on_overhead_exceeded={self.on_overhead_exceeded!r} must be a function that takes an "
                               "OverheadReport (called when the overhead crosses the budget), or None")
         check_storage_options(self.storage_options)
+        self._check_seams()
         self._check_ranks()
         self._check_replication()
+
+    def _check_seams(self) -> None:
+        """``ops`` and ``sinks`` are used on background threads, long after construction: a wrong
+        value raised an AttributeError or TypeError there, far from the call that passed it."""
+        ops = self.ops
+        lacking = [m for m in OPS_METHODS if ops is not None and not callable(getattr(ops, m, None))]
+        if ops is not None and (lacking or isinstance(ops, type)):
+            why = "is a class, not an instance" if isinstance(ops, type) else f"lacks {', '.join(lacking)}"
+            raise ConfigError(f"ops={ops!r} {why}: give a fastckpt.io.ops.FileOps (fastckpt.testing.FaultyOps() "
+                              "injects faults), or None for the plain system calls")
+        sinks = self.sinks
+        if not isinstance(sinks, (list, tuple)) or not all(
+                callable(getattr(s, "emit", None)) and not isinstance(s, type) for s in sinks):
+            raise ConfigError(f"sinks={sinks!r} must be a list or tuple of EventSinks (objects with an emit(event) "
+                              "method, instances of their class), or () for none")
 
     def _check_ranks(self) -> None:
         if (self.rank is None) != (self.world_size is None):

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import fastckpt
+from fastckpt.testing import FaultyOps
 from tests.helpers import read_file_manifest
 
 
@@ -291,6 +292,30 @@ def test_an_overhead_callback_that_is_not_callable_is_refused_at_once() -> None:
     with pytest.raises(fastckpt.ConfigError, match=r"on_overhead_exceeded=5 must be a function that takes an "
                                                    r"OverheadReport"):
         fastckpt.Checkpointer(on_overhead_exceeded=5)
+
+
+class _Sink:
+    def emit(self, event: object) -> None:
+        pass
+
+
+@pytest.mark.parametrize(("options", "words"), [
+    ({"ops": 5}, "ops=5 lacks open, pwrite"), ({"ops": "posix"}, "ops='posix' lacks open"),
+    ({"ops": FaultyOps}, "is a class, not an instance"),
+    ({"sinks": 5}, "sinks=5 must be a list or tuple of EventSinks"), ({"sinks": None}, "sinks=None must be"),
+    ({"sinks": [5]}, r"sinks=\[5\] must be"), ({"sinks": "events.jsonl"}, "sinks='events.jsonl' must be"),
+    ({"sinks": (_Sink,)}, "instances of their class"), ({"sinks": print}, "emit\\(event\\) method"),
+])
+def test_ops_and_sinks_that_are_no_seam_are_refused_at_once(tmp_path, options: dict, words: str) -> None:
+    """FastCkptIO's (and the Checkpointer's) test hooks took any value: the first save then raised
+    an AttributeError or TypeError deep in a background thread, or the Trainer's first step did."""
+    from fastckpt.integrations.lightning import FastCkptIO
+
+    for build in (fastckpt.Checkpointer, FastCkptIO):
+        with pytest.raises(fastckpt.ConfigError, match=words):
+            build(**options)
+    with fastckpt.Checkpointer(ops=FaultyOps(), sinks=[_Sink()]) as ck:  # a list is taken, as a tuple
+        ck.save({"w": torch.ones(2)}, tmp_path / "x.pt").wait()
 
 
 def test_a_local_dir_that_cannot_be_made_is_refused_at_once_or_left_out(tmp_path, caplog) -> None:
