@@ -16,6 +16,10 @@ checkpoint), same data, same ``ModelCheckpoint(every_n_train_steps=--every, save
   fastckpt-overlap  FastCkptIO(checkpointer=Checkpointer(overlap_write=True)): the writer starts
                   at the call and follows the copy (the default writes after it); its Checkpointer is closed
                   after the fit, outside the timing (FastCkptIO waits for a given one, not closes it)
+  fastckpt-bb     FastCkptIO(local_dir=<--dir>/nvme): a burst buffer on the same disk, files
+                  replicated to their paths in call order (replicate_in_order, FastCkptIO's default)
+  fastckpt-bb-unordered  the same with Checkpointer(local_dir=..., replicate_policy="all",
+                  replicate_in_order=False): what the ordering costs (it warns; not in the default run)
 
 Variants are interleaved (none, torch, async, fastckpt, fastckpt-lazy, then the next round
 rotated by one) for --warmup + --repeat rounds; warm-up rounds are discarded, tables show
@@ -53,6 +57,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 VARIANTS = ("none", "torch", "async", "fastckpt", "fastckpt-lazy", "fastckpt-overlap")
+EXTRA = ("fastckpt-bb", "fastckpt-bb-unordered")  # run with --variants
 
 
 class Clock:
@@ -79,7 +84,7 @@ class Clock:
         setattr(obj, name, timed)
 
 
-def build(variant: str, clock: Clock) -> object | None:
+def build(variant: str, clock: Clock, nvme: str) -> object | None:
     from lightning.fabric.plugins import TorchCheckpointIO
     from lightning.pytorch.plugins.io import AsyncCheckpointIO
 
@@ -94,6 +99,13 @@ def build(variant: str, clock: Clock) -> object | None:
     else:
         if variant == "fastckpt-overlap":
             io = FastCkptIO(checkpointer=Checkpointer(overlap_write=True, replicate_policy="all"))
+        elif variant == "fastckpt-bb":
+            io = FastCkptIO(local_dir=nvme)
+        elif variant == "fastckpt-bb-unordered":
+            with warnings.catch_warnings():  # the warning this variant exists to measure against
+                warnings.simplefilter("ignore")
+                io = FastCkptIO(checkpointer=Checkpointer(local_dir=nvme, replicate_policy="all",
+                                                          replicate_in_order=False))
         else:
             io = FastCkptIO(lazy_snapshot=variant == "fastckpt-lazy")
         for name in ("_fence", "_log_metrics", "_connect", "_install_deepspeed", "_reserve"):
@@ -111,7 +123,8 @@ def run_once(variant: str, args: argparse.Namespace, root: str) -> dict:
     from train import MLP, data
 
     clock = Clock()
-    io = build(variant, clock)
+    nvme = tempfile.mkdtemp(prefix=f"lbench-nvme-{variant}-", dir=root)
+    io = build(variant, clock, nvme)
     out = tempfile.mkdtemp(prefix=f"lbench-{variant}-", dir=root)
     callbacks = [] if variant == "none" else [
         ModelCheckpoint(dirpath=out, every_n_train_steps=args.every, save_top_k=2, monitor="step", mode="max")]
@@ -129,6 +142,7 @@ def run_once(variant: str, args: argparse.Namespace, root: str) -> dict:
     stats = io.stats() if hasattr(io, "stats") else None
     if getattr(io, "_given", None) is not None:
         io._given.close()
+    shutil.rmtree(nvme, ignore_errors=True)
     return {"variant": variant, "wall_s": wall, "blocked_s": clock.total, "parts": clock.by_name,
             "save_calls_ms": [round(1e3 * x, 1) for x in clock.calls.get("save_checkpoint", [])],
             "files": files, "ckpt_bytes": size,
@@ -156,6 +170,8 @@ def main() -> None:
         logging.getLogger(name).setLevel(logging.ERROR)
     os.makedirs(args.dir, exist_ok=True)
     variants = args.variants.split(",")
+    if unknown := sorted(set(variants) - set(VARIANTS + EXTRA)):
+        ap.error(f"unknown variant(s) {', '.join(unknown)}: pick from {', '.join(VARIANTS + EXTRA)}")
     if "none" not in variants:
         variants.insert(0, "none")
 
