@@ -41,7 +41,7 @@ from .save.writer import FileWriter
 from .storage.homes import Homes
 from .storage.places import Place
 from .storage.types import RetryNotice
-from .urls import file_name, mirror_path, normalize
+from .urls import file_name, mirror_path, named, normalize
 
 log = logging.getLogger("fastckpt")
 PROGRESS_EVERY_S = 10.0  # a log line this often while wait() or close() waits (off a terminal)
@@ -74,8 +74,8 @@ class Checkpointer:
         self._coordinator = Coordinator(self._committer, self._stop, cfg, lambda g: self._homes.resolve(g).place(),
                                         self._emit, local_for=self._local_places)
         self._stripes = Stripes(cfg.local_dirs, self.rank)
-        self._retention = Retention(cfg.keep_local, cfg.keep_persistent, self._homes, self._stripes.copies, self.rank,
-                                    self._replicator)
+        self._retention = Retention(cfg.keep_local, cfg.keep_persistent, self._homes, self._stripes.copies,
+                                    self.rank, self._replicator)
         self._saver = Saver(cfg, tiers=TierSelector(cfg.tier, cfg.local_dirs or None, cfg.odirect, self._ops),
                             staging=self._staging, monitor=self._monitor,
                             writer=FileWriter(self._ops, self._io, self._staging, cfg.chunk_bytes, self._emit,
@@ -189,11 +189,10 @@ class Checkpointer:
         self._replicator.keep(group, not move_latest)  # beside the series: never coalesced away
 
         saved_at = min(self._group_saved_at.pop(group, {}).values(), default=time.time())
-
         def retain(rec: SaveRecord) -> SaveRecord:
             self._monitor.record_durable(None if has_local else rec.durable_s, None if rec.superseded else saved_at)
-            self._retention.ended(group, rec.superseded, has_local and move_latest, rank == 0 and move_latest, token,
-                                  step)
+            self._retention.ended(group, rec.superseded, has_local and move_latest, rank == 0 and move_latest,
+                                  token, step)
             return rec
         fut = self._coordinator.commit(group, rank, self.world_size, dict(extra), retain, move_latest)
         self._retention.watch_commit(fut, group, token)
@@ -263,7 +262,7 @@ class Checkpointer:
         saved into it before; a commit rank 0 is already publishing completes first, then the group is deleted.
         ConfigError, nothing deleted: ``path`` is no checkpoint (a directory holding them, ``commit.removable``),
         unless ``whole``: a framework's own name for one checkpoint (Lightning's), deleted whatever it holds."""
-        path = normalize(path)
+        path = normalize(named(path, "remove()"))  # never the working directory for an empty one
         self._coordinator.cancel(path, self.rank, self.world_size)
         with self._replicator.cancelling(path):
             self._inflight.wait_writing(path)

@@ -73,6 +73,15 @@ def normalize(path: str | os.PathLike) -> str:
     return os.path.abspath(s[7:] if s[:7].lower() == "file://" else s)
 
 
+def named(path: str | os.PathLike, call: str) -> str | os.PathLike:
+    """``path`` itself, unless it is empty: ``normalize`` would make that the working directory,
+    which ``latest`` then scans and ``remove`` deletes when it holds one checkpoint."""
+    if not os.fspath(path).strip():
+        raise ConfigError(f"{call}: the path is empty: name the checkpoint, or the directory holding them, e.g. "
+                          "'ckpt' or 'ckpt/step-100.pt' ('.' for the working directory)")
+    return path
+
+
 def file_name(path: str | os.PathLike) -> str:
     """``normalize`` the name of a checkpoint *file* (``save``, ``load``), refusing a name that
     cannot be one: empty (it would mean the working directory) or ending in a separator."""

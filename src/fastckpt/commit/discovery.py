@@ -40,7 +40,7 @@ from ..errors import ConfigError, CorruptCheckpointError
 from ..format.manifest import file_order
 from ..storage.homes import Homes, Location
 from ..storage.types import BucketNotFoundError, TargetNotFoundError
-from ..urls import check_key, join
+from ..urls import check_key, join, named
 from . import foreign
 from .protocol import (
     GROUP_MANIFEST,
@@ -270,8 +270,8 @@ def _hidden(rel: str) -> bool:
 def latest(homes: Homes, root: str) -> str | None:
     """The newest complete checkpoint under ``root`` (a directory or URL), or None (see the
     module docstring for the rule). A checkpoint file given as ``root`` is its own answer, as a
-    group directory is; any other file raises ``ConfigError`` (see ``_the_file``)."""
-    loc = homes.resolve(root)
+    group directory is; any other file raises ``ConfigError`` (see ``_the_file``), as an empty one does."""
+    loc = homes.resolve(named(root, "latest()"))
     name = pointed_name(loc.place())
     if name is not None:
         return join(loc.url, name)
