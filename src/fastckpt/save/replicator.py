@@ -262,21 +262,12 @@ class Replicator:
         if job.check is not None and (why := job.check()) is not None:
             self._emit("cancel", rec.path, rec.bytes, r0, rec.tier, detail=why)
             return replace(rec, durable_s=None, cancelled=True)
-        local = self._homes.resolve(job.local)
         try:
-            manifest = local.target.read_manifest(local.key)
-        except OSError as exc:
-            raise_as_write_error(exc, rec.path)
-        except CorruptCheckpointError as exc:  # (a ValueError: it named the local copy only, as if loaded)
-            raise CheckpointWriteError(f"local copy {job.local} of {rec.path} has a damaged manifest ({exc}): it was "
-                                       "damaged after it was committed; not replicating it") from exc
+            manifest = self._local_manifest(job)
+        except BaseException as exc:  # logged, as a failed copy is: a replay of the log never holds it pending
+            self._emit("replicate", rec.path, rec.bytes, r0, rec.tier, exc)
+            raise
         if manifest is None:
-            raise CheckpointWriteError(f"local copy {job.local} of {rec.path} has no manifest: it was replaced "
-                                       "or damaged after it was committed; not replicating it")
-        if rec.checksum and manifest["checksum"]["value"] != rec.checksum:
-            if not self._replaced_by_newer(job, manifest):
-                raise CheckpointWriteError(f"local copy {job.local} of {rec.path} no longer has the checksum it was "
-                                           "committed with: it changed after it was committed; not replicating it")
             return self._superseded(rec)
         try:
             detail = self._copy(job, manifest)
@@ -293,6 +284,27 @@ class Replicator:
         # a group's file moves the RPO only once its group is published (Checkpointer.commit)
         self._on_durable(durable, None if rec.group is not None else rec.requested_at)
         return replace(rec, durable_s=durable)
+
+    def _local_manifest(self, job: ReplicaJob) -> dict | None:
+        """The burst-buffer copy's manifest, checked against what was committed; None when a newer
+        save to the same path replaced the copy (its own job sends it)."""
+        rec, local = job.rec, self._homes.resolve(job.local)
+        try:
+            manifest = local.target.read_manifest(local.key)
+        except OSError as exc:
+            raise_as_write_error(exc, rec.path)
+        except CorruptCheckpointError as exc:  # (a ValueError: it named the local copy only, as if loaded)
+            raise CheckpointWriteError(f"local copy {job.local} of {rec.path} has a damaged manifest ({exc}): it was "
+                                       "damaged after it was committed; not replicating it") from exc
+        if manifest is None:
+            raise CheckpointWriteError(f"local copy {job.local} of {rec.path} has no manifest: it was replaced "
+                                       "or damaged after it was committed; not replicating it")
+        if rec.checksum and manifest["checksum"]["value"] != rec.checksum:
+            if not self._replaced_by_newer(job, manifest):
+                raise CheckpointWriteError(f"local copy {job.local} of {rec.path} no longer has the checksum it was "
+                                           "committed with: it changed after it was committed; not replicating it")
+            return None
+        return manifest
 
     def _replaced_by_newer(self, job: ReplicaJob, manifest: dict | None = None) -> bool:
         """Whether the local copy (its ``manifest``, read again if not given) is another save's,

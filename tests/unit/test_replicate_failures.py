@@ -1,0 +1,70 @@
+"""A replication that fails before its copy starts (reading the burst-buffer copy: EIO,
+EACCES, a damaged manifest) is in the event log as a failed ``replicate``, as a failed copy is.
+
+It raised from ``wait()`` but logged nothing: ``fastckpt report`` said "0 failed, 1 pending"
+and exited 0, ``serve-metrics`` held the save pending for ever with no failure. The failure is
+injected on the replicator's first read of the copy by a FaultyOps hook: no timing.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import re
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+import fastckpt
+from fastckpt.cli import cli
+from fastckpt.testing import FaultyOps
+
+
+def _fail_first_read(local: str, how: str):  # noqa: ANN202
+    """FaultyOps ``on_call``: the replicator's first open of ``local`` fails (or finds it damaged)."""
+    fired: list[str] = []
+
+    def hook(op: str, path: str) -> None:
+        if op != "open" or path != local or fired or not threading.current_thread().name.startswith("fastckpt-rep"):
+            return
+        fired.append(path)
+        if how == "damaged":  # a byte inside the manifest in the zip comment
+            data = bytearray(Path(path).read_bytes())
+            data[-30] ^= 0x01
+            Path(path).write_bytes(bytes(data))
+            return
+        code = errno.EIO if how == "eio" else errno.EACCES
+        raise OSError(code, os.strerror(code), path)
+
+    return hook, fired
+
+
+@pytest.mark.parametrize("how", ["eio", "eacces", "damaged"])
+@pytest.mark.parametrize("grouped", [False, True])
+def test_a_replication_failing_before_its_copy_is_logged_failed(tmp_path: Path, how: str, grouped: bool) -> None:
+    log, nvme, home = str(tmp_path / "events.jsonl"), str(tmp_path / "bb"), str(tmp_path / "home")
+    path = f"{home}/step-1/model.pt" if grouped else f"{home}/a.pt"
+    hook, fired = _fail_first_read(nvme + path, how)
+    with fastckpt.Checkpointer(local_dir=nvme, event_log=log, ops=FaultyOps(on_call=hook),
+                               overhead_budget=0.99) as ck:
+        with pytest.raises(fastckpt.errors.FastCkptError):
+            if grouped:
+                ck.save({"w": torch.randn(1000)}, path, group=f"{home}/step-1")
+                ck.commit(f"{home}/step-1").wait(60)
+            else:
+                ck.save({"w": torch.randn(1000)}, path).wait(60)
+    assert fired, "the injected failure never happened"
+    events = [json.loads(line) for line in open(log)]
+    assert [e["path"] for e in events if e["name"] == "replicate" and e.get("error")] == [path]
+
+    res = CliRunner().invoke(cli, ["report", log, "--json", "--overhead-budget", "0.99"])
+    rep = json.loads(res.stdout)
+    assert (res.exit_code, rep["failed"], rep["pending"]) == (1, 1, 0), res.output
+    metrics = CliRunner().invoke(cli, ["serve-metrics", "--event-log", log, "--once"]).stdout
+    assert re.search(r'^fastckpt_failures_total\{error="\w+",phase="replicate",rank="0",tier="nvme"\} 1\.0$', metrics,
+                     re.M), metrics
+    assert 'fastckpt_pending_saves{rank="0"} 0.0' in metrics, metrics
