@@ -117,6 +117,17 @@ def check_key(key: str) -> str:
     return key
 
 
+def nameable(key: str) -> bool:
+    """Whether fastckpt could save or load a checkpoint under ``key`` (``check_key``): a listed
+    name it refuses (a stray ``notes\\draft.txt`` copied from Windows) is none of its checkpoints,
+    passed over by every scan, not an error that stops the scan of the whole directory."""
+    try:
+        check_key(key)
+    except ConfigError:
+        return False
+    return True
+
+
 def check_url(url: str) -> str:
     """``url`` when fsspec can open it, its scheme in lower case (``canonical``); a local path
     is returned as it is.

@@ -4,6 +4,7 @@ checkpoint directory never makes ``latest`` name its copies."""
 from __future__ import annotations
 
 import errno
+import json
 import os
 import shutil
 import tempfile
@@ -96,6 +97,38 @@ def test_a_name_fastckpt_refuses_under_a_directory_is_passed_over_by_latest(tmp_
     assert fastckpt.latest(str(tmp_path)) == str(tmp_path / "step-1.pt")
     assert fastckpt.load(fastckpt.latest(str(tmp_path)))["w"].sum() == 4
 
+
+
+def test_a_name_fastckpt_refuses_is_passed_over_by_ls_verify_and_remove(tmp_path: Path) -> None:
+    """One stray ``notes\\draft.txt`` beside a checkpoint (or inside a group) made ``ls DIR``,
+    ``verify DIR`` and ``verify --latest DIR`` exit 1 with ConfigError "key ... must be relative",
+    never checking the intact checkpoint beside it; ``remove(DIR)`` gave the same error instead
+    of naming the checkpoints the directory holds."""
+    from click.testing import CliRunner
+
+    from fastckpt.cli import cli
+
+    group = tmp_path / "step-2"
+    with fastckpt.Checkpointer() as ck:
+        ck.save(_state(1), str(tmp_path / "step-1.pt")).wait()
+        ck.save(_state(2), str(group / "m.pt"), group=str(group))
+        ck.commit(str(group), step=2).wait(60)
+        (tmp_path / "notes\\draft.txt").write_text("not a checkpoint")
+        (group / "x\\y.txt").write_text("not a checkpoint")
+        for args in (["ls", str(tmp_path)], ["verify", str(tmp_path)], ["verify", "--latest", str(tmp_path)],
+                     ["ls", str(group)], ["verify", str(group)]):
+            res = CliRunner().invoke(cli, args)
+            assert res.exit_code == 0 and "ConfigError" not in res.output, (args, res.output)
+        listed = CliRunner().invoke(cli, ["ls", "--json", str(tmp_path)])
+        assert sorted(e["name"] for e in json.loads(listed.stdout)["checkpoints"]) == ["step-1.pt", "step-2"]
+        with pytest.raises(ConfigError, match=r"holding 2 checkpoints"):
+            ck.remove(str(tmp_path))
+        (tmp_path / "odd").mkdir()
+        (tmp_path / "odd" / "a\\b.pt").write_text("not a checkpoint")
+        with pytest.raises(ConfigError, match="holding no checkpoint fastckpt recognises"):
+            ck.remove(str(tmp_path / "odd"))
+        ck.remove(str(group))  # the group goes, with what it holds
+    assert not group.exists() and (tmp_path / "step-1.pt").exists()
 
 def test_latest_of_a_checkpoint_file_is_that_file_and_of_another_file_refuses(tmp_path: Path) -> None:
     """``latest`` given the checkpoint file itself (the path the last run printed, Lightning's

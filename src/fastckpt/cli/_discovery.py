@@ -24,7 +24,7 @@ from ..commit.protocol import GROUP_MANIFEST, MARKER_DIR, NEXT_TAG, SIDECAR, mem
 from ..errors import CorruptCheckpointError, FastCkptError
 from ..storage.homes import Homes, Location
 from ..storage.types import TargetNotFoundError
-from ..urls import is_url, join, mirror_path, normalize
+from ..urls import is_url, join, mirror_path, nameable, normalize
 from ._files import FileSpec, file_manifest, single_file
 
 STEP_KEYS = ("step", "global_step", "iteration")  # fastckpt groups, Lightning, Megatron
@@ -160,10 +160,10 @@ def _damaged_entry(h: Homes, d: Damaged, root: str) -> Entry:
 
 
 def _keys(loc: Location) -> list[str]:
-    """Every key under ``loc``, relative to it."""
+    """Every key under ``loc`` that could name a checkpoint (``urls.nameable``), relative to it."""
     prefix = f"{loc.key}/" if loc.key else ""
     try:
-        return [k[len(prefix):] for k in loc.target.list(prefix)]
+        return [k[len(prefix):] for k in loc.target.list(prefix) if nameable(k)]
     except TargetNotFoundError:
         return []
 

@@ -40,7 +40,7 @@ from ..errors import ConfigError, CorruptCheckpointError
 from ..format.manifest import file_order
 from ..storage.homes import Homes, Location
 from ..storage.types import BucketNotFoundError, TargetNotFoundError
-from ..urls import check_key, join, named
+from ..urls import join, nameable, named
 from . import foreign
 from .protocol import (
     GROUP_MANIFEST,
@@ -118,7 +118,7 @@ def _scan(loc: Location, max_depth: int, damaged: list[Damaged], gone: list[str]
         raise  # a typo in the URL or a deleted bucket: never "nothing saved yet, start fresh"
     except TargetNotFoundError:
         return []
-    rels = [k[len(prefix):] for k in keys if _nameable(k)]
+    rels = [k[len(prefix):] for k in keys if nameable(k)]
     groups = {d for r in rels if posixpath.basename(r) == GROUP_MANIFEST  # not a re-save's staging directory
               for d in [posixpath.dirname(r)] if not _hidden(d)}
     marked = {r.split(f"/{MARKER_DIR}/")[0] for r in rels if f"/{MARKER_DIR}/" in f"/{r}"}
@@ -250,17 +250,6 @@ def _step(loc: Location, prefix: str, f: Found) -> int | None:
         return foreign.pickle_step(loc.target, key)
     except OSError:
         return None
-
-
-def _nameable(key: str) -> bool:
-    """Whether fastckpt could save or load a checkpoint under ``key``: a name it refuses (a
-    backslash in a folder's name, say) is none of its checkpoints, passed over, not an error that
-    stops every ``latest()`` of the directory."""
-    try:
-        check_key(key)
-    except ConfigError:
-        return False
-    return True
 
 
 def _hidden(rel: str) -> bool:

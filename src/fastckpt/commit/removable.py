@@ -26,6 +26,7 @@ from ..errors import ConfigError, CorruptCheckpointError
 from ..io.atomic import is_tmp
 from ..storage.homes import Location
 from ..storage.types import TargetNotFoundError
+from ..urls import nameable
 from . import foreign
 from .discovery import DCP_METADATA, scan
 from .membership import group_dir
@@ -45,16 +46,17 @@ def check_removable(loc: Location) -> None:
     target, key = loc.target, loc.key
     prefix = f"{key}/" if key else ""
     try:
-        rels = [k[len(prefix):] for k in target.list(prefix)]
+        listed = target.list(prefix)
     except TargetNotFoundError:
-        rels = []
-    if not rels:  # a file (an object store's "directory" exists only through what it holds), or nothing
+        listed = []
+    rels = [k[len(prefix):] for k in listed if nameable(k)]  # a name fastckpt refuses (a\b.txt) is no checkpoint
+    if not listed:  # a file (an object store's "directory" exists only through what it holds), or nothing
         if key and target.exists(key) and not _checkpoint_file(loc):
             raise ConfigError(f"remove({loc.url!r}): it is not a checkpoint: a file with no fastckpt manifest that "
                               "is no torch.save file either, so remove() does not delete it. Pass a checkpoint (a "
                               "file or group that fastckpt ls lists), or delete this file yourself if you mean to.")
         return
-    if all(is_tmp(posixpath.basename(r)) for r in rels):  # a save into it that never finished
+    if rels and all(is_tmp(posixpath.basename(r)) for r in rels):  # a save into it that never finished
         return
     inner = _inner_checkpoint(rels)
     what = _checkpoint_dir(loc, rels)
