@@ -35,6 +35,23 @@ def test_a_name_that_is_no_file_fails_at_the_call(tmp_path: Path, bad: str, monk
     assert sorted(p.name for p in tmp_path.iterdir()) in ([], ["nvme"])
 
 
+
+@pytest.mark.parametrize("name", ["a\\b.pt", "from windows\\run/a.pt"])
+@pytest.mark.parametrize("local", [False, True])
+def test_a_name_with_a_backslash_is_refused_at_the_call_before_anything_is_written(
+        tmp_path: Path, name: str, local: bool) -> None:
+    """save() took '/ckpt/a\\b.pt', wrote the whole file (and its burst-buffer copy), and only
+    then wait() raised "key ... must be relative to the target root", naming no backslash and
+    leaving the file at the path."""
+    home = tmp_path / "home"
+    with fastckpt.Checkpointer(local_dir=str(tmp_path / "nvme") if local else None) as ck:
+        with pytest.raises(ConfigError, match=r"holds a backslash .*Choose another name, e.g. '.*a_b\.pt'|"
+                                              r"holds a backslash .*e.g. '.*from windows_run/a\.pt'"):
+            ck.save(_state(1), str(home / name))
+        assert ck.save(_state(2), str(home / "ok.pt")).wait().durable_s is not None  # it keeps working
+    written = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file())
+    assert [w for w in written if "\\" in w] == [], written
+
 def test_loading_a_directory_says_so(tmp_path: Path) -> None:
     (tmp_path / "step-1").mkdir()
     with pytest.raises(ConfigError, match=r"step-1 is a directory, not a checkpoint file: .*fastckpt\.latest\("):

@@ -45,7 +45,12 @@ def check_save_name(path: str) -> None:
     Raises:
         ConfigError: naming the file and a name to use instead.
     """
-    parts = path.replace("\\", "/").split("/")
+    if "\\" in path:  # here, before a byte is written: the storage refuses the key only once the file is whole
+        safe = path.replace("\\", "_")
+        raise ConfigError(f"cannot save a checkpoint as {path}: it holds a backslash ('\\'), which fastckpt refuses "
+                          "in checkpoint names (they are '/'-separated on every storage, so such a file could not "
+                          f"be published, listed or loaded). Choose another name, e.g. {safe!r}")
+    parts = path.split("/")
     base = parts[-1]
     if base == LATEST:
         why = "the name of the directory's pointer to its newest checkpoint"
