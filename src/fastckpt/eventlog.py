@@ -125,16 +125,21 @@ def _parse_lines(lines: Iterable[tuple[int, bytes]], path: str, skipped: list[st
 
 
 def unique_paths(paths: Iterable[str]) -> list[str]:
-    """``paths`` in order, each file once: the same log given twice, or through a symlink, would
-    count its events twice. Compared by real path, so a log that does not exist yet is kept."""
-    seen: set[str] = set()
+    """``paths`` in order, each file once: the same log given twice, through a symlink, a hard
+    link or a bind mount would count its events twice. Compared by device and inode where the
+    file exists (two names of one file), else by real path, so a log that does not exist yet is kept."""
+    seen: dict[object, str] = {}
     out: list[str] = []
     for p in paths:
-        real = os.path.realpath(p)
-        if real in seen:
-            log.warning("fastckpt: %s is a log already given (%s); read once", p, real)
+        try:
+            st = os.stat(p)
+            key: object = (st.st_dev, st.st_ino)
+        except OSError:  # not there (yet), or not ours to stat: its name is all there is
+            key = os.path.realpath(p)
+        if key in seen:
+            log.warning("fastckpt: %s is a log already given (%s); read once", p, seen[key])
             continue
-        seen.add(real)
+        seen[key] = p
         out.append(p)
     return out
 

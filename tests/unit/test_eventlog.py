@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import fastckpt
-from fastckpt.eventlog import LogFollower, parse_event, read_events
+from fastckpt.eventlog import LogFollower, parse_event, read_events, unique_paths
 from fastckpt.events import Event, JsonlSink
 
 
@@ -144,6 +145,19 @@ def test_a_log_given_twice_or_through_a_symlink_is_read_once(tmp_path: Path) -> 
     log.write_text(_ev("snapshot", 1.0).to_json() + "\n")
     (tmp_path / "link.jsonl").symlink_to(log)
     assert len(read_events([str(log), str(log), str(tmp_path / "link.jsonl")])) == 1
+
+
+def test_a_log_given_again_through_a_hard_link_is_read_once(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A hard link (or the same directory through a bind mount) has a real path of its own: the
+    log was counted twice, twice its saves and bytes in report and serve-metrics. A log not
+    there yet is still kept, once per name it has."""
+    log = tmp_path / "e.jsonl"
+    log.write_text(_ev("snapshot", 1.0).to_json() + "\n")
+    os.link(log, tmp_path / "hard.jsonl")
+    assert len(read_events([str(log), str(tmp_path / "hard.jsonl")])) == 1
+    assert f"{tmp_path / 'hard.jsonl'} is a log already given ({log}); read once" in caplog.text
+    later = str(tmp_path / "later.jsonl")
+    assert unique_paths([str(log), later, str(tmp_path / "hard.jsonl"), later]) == [str(log), later]
 
 
 def test_follower_starts_over_when_the_log_is_rewritten_and_grows_past_its_offset(
