@@ -9,7 +9,7 @@ open descriptor (O_DIRECT where honoured), an object with parallel ranged reads;
 the checksum of the covered bytes is computed while the bytes arrive. A copy that fails to read
 or verify falls back to the next one with a warning. A file of a group is loaded only once its
 group is published. With ``prefetch=True`` a remote file is first downloaded into the burst
-buffer, so the next load is local.
+buffer, so the next load is local (never over a save that landed there meanwhile: ``load.prefetch``).
 
 A file without a fastckpt manifest (written by plain ``torch.save``, another checkpointer, or a
 tool) loads unverified: reported at WARNING once per path and in the load's event, and refused
@@ -24,7 +24,7 @@ import functools
 import logging
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..commit.foreign import torch_zip
 from ..commit.membership import NotPublishedError, group_entry, require_complete_group
@@ -37,6 +37,7 @@ from ..errors import (
     UnverifiableCheckpointError,
 )
 from ..format.manifest import file_order
+from ..io.atomic import discard, tmp_name
 from ..io.engine import ImageFactory
 from ..storage.homes import Homes, Location
 from ..storage.types import TargetNotFoundError, TargetUnavailableError
@@ -45,6 +46,7 @@ from .image import heap_image
 from .into import check_into, in_place, place
 from .missing import a_directory, not_found
 from .pins import Pins
+from .prefetch import NOTHING, identity, put
 from .unverified import damage, load_unverified, warn_unverified
 
 log = logging.getLogger("fastckpt")
@@ -154,9 +156,9 @@ class Loader:
         home = self._homes.resolve(path)
         if home.target.mounted and os.path.isdir(path):
             raise a_directory(path)
-        candidates, replaceable = self._candidates(path, home)
-        if opts.prefetch and not home.target.mounted and replaceable:
-            got = self._prefetch(path, home, opts)
+        candidates, judged = self._candidates(path, home)
+        if opts.prefetch and not home.target.mounted and judged is not None:
+            got = self._prefetch(path, home, opts, judged)
             self._pins.check(path, got.manifest)
             return got
         corrupt: CorruptCheckpointError | None = None  # an earlier copy's damage
@@ -185,40 +187,46 @@ class Loader:
                 log.warning("fastckpt: %s unusable (%s); falling back to %s", loc.url, exc, candidates[i + 1][0].url)
         raise AssertionError("unreachable: the last candidate returns or raises")
 
-    def _prefetch(self, path: str, home: Location, opts: LoadOptions) -> Loaded:
-        """Download ``path`` into the burst buffer, then load that copy. A download that does not
-        verify is removed (the next load would try it first), and the error names the URL."""
-        local = self._homes.resolve(self._local_path(path))  # type: ignore[arg-type]
-        os.makedirs(os.path.dirname(local.url), exist_ok=True)
+    def _prefetch(self, path: str, home: Location, opts: LoadOptions, judged: tuple[int, ...]) -> Loaded:
+        """Download ``path`` beside its burst-buffer copy, verify it, and put it in place of the copy
+        judged (``load.prefetch``). A download that does not verify is removed (the next load would
+        try it first), and the error names the URL."""
+        local: str = self._local_path(path)  # type: ignore[assignment]
+        os.makedirs(os.path.dirname(local), exist_ok=True)
+        tmp = self._homes.resolve(tmp_name(local))
         try:
-            home.target.download(home.key, local.url)
-        except FileNotFoundError as exc:  # as a load without prefetch says it: nothing there to resume from
-            raise not_found(path, [(home, "remote")], exc) from exc
-        try:
-            return self._read_current(local, opts, path, "remote (prefetched)", path)
-        except CorruptCheckpointError as exc:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(local.url)
-            cls = UnverifiableCheckpointError if isinstance(exc, UnverifiableCheckpointError) else None
-            raise (cls or CorruptCheckpointError)(f"{str(exc).replace(local.url, home.url)} (read from its download "
-                                                  f"into the burst buffer, {local.url}, which was removed)") from exc
+            try:
+                home.target.download(home.key, tmp.url)
+            except FileNotFoundError as exc:  # as a load without prefetch says it: nothing there to resume from
+                raise not_found(path, [(home, "remote")], exc) from exc
+            try:
+                got = self._read_current(tmp, opts, path, "remote (prefetched)", path)
+            except CorruptCheckpointError as exc:
+                cls = UnverifiableCheckpointError if isinstance(exc, UnverifiableCheckpointError) else None
+                raise (cls or CorruptCheckpointError)(f"{str(exc).replace(tmp.url, home.url)} (read from its download "
+                                                      f"into the burst buffer, {tmp.url}, which was removed)") from exc
+            return got if put(tmp.target.ops, tmp.url, local, judged) else replace(got, where="remote")
+        finally:
+            discard(tmp.target.ops, tmp.url)  # gone once renamed; else the download, or its second name
 
-    def _candidates(self, path: str, home: Location) -> tuple[list[tuple[Location, str]], bool]:
+    def _candidates(self, path: str, home: Location) -> tuple[list[tuple[Location, str]], tuple[int, ...] | None]:
         """The copies to try, in order, and whether a prefetch may download ``path`` over its
-        burst-buffer copy: there is none, or it is of an older save than the home's (or of none:
-        it has no manifest). A later one (its upload failed, or a crash cut it short) is not a
-        checkpoint, but it is the only copy of that save: it stays."""
+        burst-buffer copy: there is none (``NOTHING``), or it is of an older save than the home's
+        (or of none: it has no manifest), named by its ``identity`` (None: it may not). A later one
+        (its upload failed, or a crash cut it short) is not a checkpoint, but it is the only copy of
+        that save: it stays."""
         where = "path" if home.target.mounted else "remote"
         local_name = self._local_path(path)
-        if local_name is None or not os.path.exists(local_name):
-            return [(home, where)], local_name is not None
-        local = self._homes.resolve(local_name)
+        judged = identity(local_name) if local_name is not None else None
+        if judged is None or judged == NOTHING:
+            return [(home, where)], judged
+        local = self._homes.resolve(local_name)  # type: ignore[arg-type]
         verdict = self._compare(local, home)
         if verdict == HOME_FIRST:
-            return [(home, where), (local, "local")], False
+            return [(home, where), (local, "local")], None
         if verdict == SAME:
-            return [(local, "local"), (home, where)], False
-        return [(home, where)], verdict == OLDER  # the local copy is of a save that never reached path, or older
+            return [(local, "local"), (home, where)], None
+        return [(home, where)], judged if verdict == OLDER else None  # of a save that never reached path, or older
 
     def _compare(self, local: Location, home: Location) -> str:
         """How the burst-buffer copy relates to the home's, read cheaply: on a mounted file system

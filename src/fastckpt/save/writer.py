@@ -10,6 +10,7 @@ comment (``format.manifest``), computed from the checksum of the bytes just writ
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -26,6 +27,7 @@ from ..io.engine import WriteResult, write_file
 from ..io.gds import finish_gds_file, gds_write
 from ..io.ops import FileOps
 from ..records import SaveRecord
+from ..storage.places import dir_lock
 from ..urls import is_within, normalize
 from ..version import __version__
 from .snapshot import Snapshot
@@ -138,14 +140,15 @@ class FileWriter:
 
     def _publish(self, base: SaveRecord, st: Staged, res: WriteResult, t_call: float, write_s: float) -> SaveRecord:
         c0 = time.time()
-        try:
-            st.commit()
+        local = self._is_local(st.dest)
+        try:  # a prefetch's download lands in the burst buffer only under its directory's lock: load.prefetch
+            with dir_lock(os.path.dirname(st.dest), shared=True) if local else contextlib.nullcontext():
+                st.commit()
         except BaseException as exc:
             self._emit("commit", st.dest, res.bytes, c0, base.tier, exc)
             self._raise(exc, base, st.dest, st.renamed)
         commit_s = time.monotonic() - t_call
         self._emit("commit", st.dest, res.bytes, c0, base.tier)
-        local = self._is_local(st.dest)
         return replace(base, bytes=res.bytes, write_s=write_s, commit_s=commit_s,
                        durable_s=None if local else commit_s, local_durable_s=commit_s if local else None,
                        checksum=res.checksum, odirect=res.odirect, odirect_reason=res.odirect_reason)

@@ -115,36 +115,48 @@ class Place:
         k = self._k(rel) if rel else self.key
         return self.target.url_of(k) if k else self.target.url
 
-    @contextlib.contextmanager
-    def exclusive(self) -> Iterator[None]:
+    def exclusive(self) -> contextlib.AbstractContextManager[None]:
         """Hold this directory against other processes holding it (``latest``'s read-compare-write):
-        an ``flock`` of it on a mounted file system, waited for at most ``LOCK_WAIT_S``. Nothing at an
-        object store (it has no lock: docs/groups.md) or where the file system refuses one (a Lustre
-        mount without ``-o flock``): the caller goes on unlocked, as before."""
-        fd = None
+        ``dir_lock`` on a mounted file system. Nothing at an object store (it has no lock:
+        docs/groups.md): the caller goes on unlocked."""
         if isinstance(self.target, PosixTarget):
-            try:
-                fd = os.open(os.path.join(self.target.root, *self.key.split("/")), os.O_RDONLY | os.O_DIRECTORY)
-                _flock(fd, time.monotonic() + LOCK_WAIT_S)
-            except OSError as exc:
-                (log.warning if isinstance(exc, BlockingIOError) else log.debug)(
-                    "fastckpt: no lock on %s (%s): going on without one", self.label,
-                    f"another process held it for {LOCK_WAIT_S:.0f} s" if isinstance(exc, BlockingIOError) else exc)
-                if fd is not None:
-                    os.close(fd)
-                fd = None
-        try:
-            yield
-        finally:
-            if fd is not None:
-                os.close(fd)  # the lock goes with the descriptor
+            return dir_lock(os.path.join(self.target.root, *self.key.split("/")))
+        return contextlib.nullcontext()
 
 
-def _flock(fd: int, deadline: float) -> None:
+@contextlib.contextmanager
+def dir_lock(path: str, shared: bool = False) -> Iterator[None]:
+    """An ``flock`` of the directory ``path``, exclusive or ``shared``, waited for at most
+    ``LOCK_WAIT_S``; where the file system refuses one (a Lustre mount without ``-o flock``), or
+    another process held it that long, the caller goes on without (as before the lock). Held per
+    open descriptor: other threads of this process are held off too.
+
+    A save's rename into the burst buffer holds its directory shared (saves never wait for one
+    another), and a prefetch's compare-then-rename of its download there exclusive
+    (``load.prefetch``): the download never lands on a save renamed in after its comparison."""
+    fd = None
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        _flock(fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX, time.monotonic() + LOCK_WAIT_S)
+    except OSError as exc:
+        (log.warning if isinstance(exc, BlockingIOError) else log.debug)(
+            "fastckpt: no lock on %s (%s): going on without one", path,
+            f"another process held it for {LOCK_WAIT_S:.0f} s" if isinstance(exc, BlockingIOError) else exc)
+        if fd is not None:
+            os.close(fd)
+        fd = None
+    try:
+        yield
+    finally:
+        if fd is not None:
+            os.close(fd)  # the lock goes with the descriptor
+
+
+def _flock(fd: int, how: int, deadline: float) -> None:
     delay = 0.001
     while True:
         try:
-            return fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return fcntl.flock(fd, how | fcntl.LOCK_NB)
         except BlockingIOError:
             if time.monotonic() >= deadline:
                 raise
