@@ -85,8 +85,8 @@ class CheckpointerConfig:
     replicate_workers: int = _opt(2, "checkpoints replicated at once.")
     replicate_in_order: bool = _opt(False, "single files become final at their paths in the order of their save "
                                            "calls (each replica starts once the earlier ones ended): what readers "
-                                           "of the newest file by mtime, e.g. Lightning, assume. Not a save that "
-                                           "skips a full burst buffer (written straight to its path).")
+                                           "of the newest file by mtime, e.g. Lightning, assume; a save written "
+                                           "straight to its path (a full burst buffer) waits its turn too.")
     storage_options: dict | None = _opt(None, "fsspec options for URL homes (endpoint_url, key, secret, ...).")
     retry_deadline_s: float = _opt(DEFAULT_RETRY_DEADLINE_S, "how long one storage request keeps retrying "
                                                              "transient errors.")

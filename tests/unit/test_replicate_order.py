@@ -6,6 +6,9 @@ Lightning reads "the newest" by mtime (``ckpt_path="last"``) and trusts ``last.c
 on another drive, a later file landed first. The earlier file's copy or local write is held by a
 FaultyOps hook; the later one's "queued" event says it waits, and every call on its home copy
 checks that the earlier file is already final: no timing.
+
+A later file written straight to its path (a full burst buffer, or ENOSPC there mid-write) took
+no place in that order and landed first; now its writer waits for its turn before the rename.
 """
 
 from __future__ import annotations
@@ -21,7 +24,9 @@ import fastckpt
 from fastckpt.config import CheckpointerConfig
 from fastckpt.errors import ConfigError, ReplicationError
 from fastckpt.io.atomic import final_path
-from fastckpt.testing import FaultyOps
+from fastckpt.save.ordering import CallOrder
+from fastckpt.testing import Fault, FaultyOps
+from tests.helpers import tmpfs
 
 
 def _state(step: int) -> dict:
@@ -155,6 +160,70 @@ def test_close_that_gives_up_resolves_a_held_later_save(tmp_path) -> None:  # no
     with pytest.raises(OSError):  # its write ended after close(): nothing replicates it
         ha.wait(60)
     assert not os.path.exists(b)
+
+
+@pytest.mark.parametrize("earlier_fails", [False, True])
+@pytest.mark.parametrize("how", ["full", "enospc"])
+def test_a_file_written_straight_to_its_path_waits_for_the_earlier_ones(tmp_path, monkeypatch, how,
+                                                                        earlier_fails) -> None:  # noqa: ANN001
+    """The later file skips the burst buffer ("full": a 4 MiB tmpfs with no room for it;
+    "enospc": its local write runs out of space and falls back to its path) while the earlier
+    file's rename at its home is held. Its rename waits until the earlier one is final (or
+    failed: a failed earlier save holds nothing back). Released once the later write either
+    waits for its turn (``CallOrder.wait``) or renames (the old code): no timing."""
+    home, nvme = str(tmp_path / "home"), tmp_path / "nvme"
+    a, b = f"{home}/step=4.ckpt", f"{home}/last.ckpt"
+    hook = Hook("replace", home, a, a, "")  # a's rename at its home is held
+    hook.fail = OSError(errno.EIO, "injected: the home refused the rename") if earlier_fails else None
+    b_at_turn, wait, a_final_at_b_rename = threading.Event(), getattr(CallOrder, "wait", None), []
+
+    def waiting(self, key) -> None:  # noqa: ANN001
+        b_at_turn.set()
+        wait(self, key)
+
+    def on_call(op: str, path: str) -> None:
+        if op == "replace" and (final_path(path) or path) == b:  # b becomes final (the old code: at once)
+            a_final_at_b_rename.append(os.path.exists(a))
+            b_at_turn.set()
+        hook(op, path)
+
+    monkeypatch.setattr(CallOrder, "wait", waiting, raising=False)
+    with (tmpfs(nvme, "size=4m") if how == "full" else _made(nvme)) as local:
+        faults = [Fault("pwrite", errno.ENOSPC, path_startswith=str(local), path_contains="last.ckpt")] \
+            if how == "enospc" else []
+        ck = fastckpt.Checkpointer(local_dir=str(local), ops=FaultyOps(faults, on_call=on_call),
+                                   replicate_policy="all", replicate_in_order=True, rank=0, world_size=1)
+        try:
+            ha = ck.save(_state(4), a)
+            assert hook.entered.wait(60)
+            hb = ck.save({"w": torch.zeros(1 << 20 if how == "full" else 1 << 14)}, b)  # full: 4 MiB
+            assert b_at_turn.wait(60)
+            assert not hb.done() and not os.path.exists(b)  # was: final before a
+        finally:
+            hook.release.set()
+        if earlier_fails:
+            with pytest.raises(OSError):
+                ha.wait(60)
+        else:
+            assert ha.wait(60).tier == "nvme"
+        assert hb.wait(60).tier == "direct" and hb.wait().durable_s is not None
+        ck.close()
+    assert a_final_at_b_rename == [not earlier_fails]  # a failed: b went on without it
+    assert os.path.exists(a) != earlier_fails and os.path.exists(b)
+
+
+class _made:
+    """A plain directory as the burst buffer (``tmpfs``'s shape)."""
+
+    def __init__(self, path) -> None:  # noqa: ANN001
+        self.path = path
+
+    def __enter__(self):  # noqa: ANN204
+        self.path.mkdir(parents=True, exist_ok=True)
+        return self.path
+
+    def __exit__(self, *exc) -> None:  # noqa: ANN002
+        return None
 
 
 def test_the_core_default_keeps_replicating_in_parallel() -> None:

@@ -41,7 +41,7 @@ from ..inflight import raise_as_write_error
 from ..records import SaveRecord
 from ..storage.homes import Homes
 from ..storage.types import Expected, TokenBucket
-from .ordering import CallOrder
+from .ordering import CallOrder, Turn
 
 log = logging.getLogger("fastckpt")
 VERIFY_ATTEMPTS = 3  # uploads that do not verify before replication gives up
@@ -86,6 +86,10 @@ class Replicator:
         """With ``replicate_in_order``, register a single-file save as ``save()`` accepts it,
         until its handle's future ``until`` resolves; its job's ``order`` is the key returned."""
         return self._order.hold(until) if single and self._cfg.replicate_in_order else None
+
+    def turn(self, single: bool) -> Turn | None:
+        """With ``replicate_in_order``, a single-file save's ``Turn`` (``Saver``: any way it is written)."""
+        return Turn(self._order) if single and self._cfg.replicate_in_order else None
 
     def submit(self, job: ReplicaJob) -> Future:
         with self._cv:

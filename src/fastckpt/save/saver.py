@@ -12,8 +12,9 @@ After the snapshot the writer thread writes, fsyncs and renames the file (``File
 written to its own path is durable then; one written to the burst buffer is handed to the
 ``Replicator``, which copies it to its path. A single file that the burst buffer has no room
 for (``Stripes.choose``), or runs out of room for mid-write (``FileWriter.write``'s fallback),
-is written straight to its path instead, and the stale burst-buffer
-copy of an earlier save of it goes once it is durable. Either way retention runs before the
+is written straight to its path instead (with ``replicate_in_order``, renamed into place in
+its turn: ``save.ordering``), and the stale burst-buffer copy of an earlier save of it goes once
+it is durable. Either way retention runs before the
 handle resolves, so ``wait()`` returning means retention has run.
 """
 
@@ -27,7 +28,7 @@ import time
 import warnings
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 from ..commit.coordinator import Coordinator
 from ..commit.names import check_save_name
@@ -40,31 +41,18 @@ from ..inflight import InFlight, raise_as_write_error, set_surfaced
 from ..monitor import Monitor
 from ..records import SaveHandle, SaveRecord, not_written
 from ..storage.homes import Homes
-from ..units import fmt_bytes
 from ..urls import is_within
 from . import heap
+from .ordering import Turn
 from .replicator import ReplicaJob, Replicator
 from .retention import Retention
-from .snapshot import LazySnapshot, Progress, Snapshot, cuda_marks, order_before, snapshot
+from .snapshot import LazySnapshot, Progress, Snapshot, Unfenced, cuda_marks, order_before, snapshot
 from .staging import StagingBuffer, StagingPool
 from .stripes import Reservation, Stripes
 from .tiers import TierChoice, TierSelector
 from .writer import FileWriter
 
 log = logging.getLogger("fastckpt")
-
-
-@dataclass(eq=False)
-class Unfenced:
-    """A lazy save that no ``fence()`` has taken yet. ``copy`` is None once the copy ended: its
-    snapshot (which holds the state's storages) is let go and the save is counted; a CUDA copy
-    keeps only ``cuda_events``, which the fence orders the next kernels after."""
-
-    copy: Future | None
-    t_call: float
-    blocked: float
-    nbytes: int
-    cuda_events: dict = field(default_factory=dict)
 
 
 class Saver:
@@ -79,9 +67,9 @@ class Saver:
         self._inflight, self._coord, self._replicator, self._retention = inflight, coordinator, replicator, retention
         self._homes, self._stripes, self._emit = homes, stripes, emit
         self._lock = threading.Lock()
+        self._queueing = threading.Lock()  # a write is queued and its turn taken at once
         self._planner = F.Planner()
         self._lazy: list[Unfenced] = []
-        self._bypassing = False  # the last save skipped a full burst buffer
 
     def save(self, state_dict: object, path: str, group: str | None, lazy: bool, rank: int, world: int) -> SaveHandle:
         """See ``Checkpointer.save``; ``path`` and ``group`` are normalised. An earlier save's
@@ -115,24 +103,29 @@ class Saver:
         may_bypass = bool(self._cfg.local_dirs) and group is None and mounted and not self._inflight.writing(path)
         token = self._retention.replacing(group or path)
         spot = self._stripes.choose(path, layout.data_size, may_bypass)  # the burst-buffer drive, if any
-        self._note_bypass(path, layout.data_size, spot is not None and spot.local is None)
+        self._stripes.note_bypass(path, layout.data_size, spot is not None and spot.local is None)
         # Such a file that finds the burst buffer full only mid-write (another writer filled it
         # since the check) is written to its path then (``FileWriter.write``'s fallback).
         fallback = functools.partial(self._tiers.choose_bypass, path, layout.cuda) \
             if may_bypass and spot and spot.local else None
+        turn = self._replicator.turn(group is None and bool(self._cfg.local_dirs))  # its place (replicate_in_order)
         try:
             handle = self._save_planned(state_dict, layout, path, spot, group, lazy, rank, world, t_call, w_call,
-                                        token, fallback)
+                                        token, turn, fallback)
         except BaseException as exc:
             self._stripes.release(spot, exc)
+            if turn is not None:
+                turn.end()
             raise
         if handle.done():  # skipped: nothing will be written
             self._stripes.release(spot)
+            if turn is not None:
+                turn.end()
         return handle
 
     def _save_planned(self, state_dict: object, layout: F.FileLayout, path: str, spot: Reservation | None,
                       group: str | None, lazy: bool, rank: int, world: int, t_call: float, w_call: float,
-                      token: int, fallback: Callable[[], TierChoice] | None) -> SaveHandle:
+                      token: int, turn: Turn | None, fallback: Callable[[], TierChoice] | None) -> SaveHandle:
         has_cuda, bb = layout.cuda, spot if spot is not None and spot.local is not None else None  # bb: its copy
         try:
             if spot is not None and bb is None:  # it skips the burst buffer
@@ -151,13 +144,14 @@ class Saver:
         base = SaveRecord(path, choice.tier, layout.data_size, 0.0, 0.0, 0.0, None, rank=rank, group=group,
                           requested_at=w_call)
         if choice.tier == "gds":
-            return self._save_gds(layout, base, dest, home, t_call, w_call, spot, token)
+            return self._save_gds(layout, base, dest, home, t_call, w_call, spot, token, turn)
         buf = self._staging.acquire(layout.data_size + TAIL_ROOM, owner=group or object(),
                                     pinned=has_cuda, wait=self._cfg.when_busy == "wait", holds=layout.segments.serial)
         if buf is None:
             return self._skipped(base, group, t_call)
         if self._cfg.overlap_write and not lazy and not has_cuda:
-            return self._save_overlapped(layout, buf, base, dest, home, t_call, w_call, choice, spot, token, fallback)
+            return self._save_overlapped(layout, buf, base, dest, home, t_call, w_call, choice, spot, token, turn,
+                                         fallback)
         if lazy:  # CUDA: the copy follows the work queued so far and runs beside what comes next
             with refused_once_closed("this save"):
                 copy = self._snap_thread.submit(snapshot, layout, buf, after=cuda_marks(layout), hold_stream=False)
@@ -185,32 +179,22 @@ class Saver:
             else:
                 self._staging.release(buf)
             raise
-        fut = self._submit(spot, token, layout, self._writer.write, snap, base, dest, t_call, choice.odirect, fallback)
-        handle = self._track(fut, base, dest, home, t_call, spot, token)
+        fut = self._submit(spot, token, turn, layout, self._writer.write, snap, base, dest, t_call, choice.odirect,
+                           fallback)
+        handle = self._track(fut, base, dest, home, t_call, spot, token, turn)
         if not lazy:  # counted once the write is queued: an alarm's callback can neither delay nor drop it
             self._monitor.record_blocked(t_call, base.blocked_s, layout.payload_bytes)
         return handle
 
-    def _note_bypass(self, path: str, nbytes: int, bypass: bool) -> None:
-        """Say when saves start skipping the full burst buffer, and when it takes them again."""
-        if bypass and not self._bypassing:
-            log.warning("fastckpt: the burst buffer (%s) has no room for %s (%s): saving it straight to its path, "
-                        "and so every save until there is room again (the stall is the same; it is durable at the "
-                        "path's write speed). Free space there, keep fewer local copies (keep_local=N), or point "
-                        "local_dir at a larger drive", ", ".join(self._cfg.local_dirs), path, fmt_bytes(nbytes))
-        elif self._bypassing and not bypass:
-            log.info("fastckpt: the burst buffer has room again: %s is saved through it", path)
-        self._bypassing = bypass
-
     def _save_gds(self, layout: F.FileLayout, base: SaveRecord, dest: str, home: str, t_call: float, w_call: float,
-                  spot: Reservation | None, token: int) -> SaveHandle:
+                  spot: Reservation | None, token: int, turn: Turn | None) -> SaveHandle:
         st = self._writer.gds_write(layout, dest)
         self._emit("snapshot", base.path, layout.payload_bytes, w_call, base.tier, detail="gds write", group=base.group)
         blocked = time.monotonic() - t_call  # the event's sinks included
         self._monitor.record_blocked(t_call, blocked, layout.payload_bytes)
         base = replace(base, blocked_s=blocked)
-        fut = self._submit(spot, token, layout, self._writer.gds_finish, st, layout, base, t_call)
-        return self._track(fut, base, dest, home, t_call, spot, token)
+        fut = self._submit(spot, token, turn, layout, self._writer.gds_finish, st, layout, base, t_call)
+        return self._track(fut, base, dest, home, t_call, spot, token, turn)
 
     def _skipped(self, base: SaveRecord, group: str | None, t_call: float) -> SaveHandle:
         self._monitor.record_skipped()
@@ -222,12 +206,12 @@ class Saver:
 
     def _save_overlapped(self, layout: F.FileLayout, buf: StagingBuffer, base: SaveRecord, dest: str, home: str,
                          t_call: float, w_call: float, choice: TierChoice, spot: Reservation | None, token: int,
-                         fallback: Callable[[], TierChoice] | None) -> SaveHandle:
+                         turn: Turn | None, fallback: Callable[[], TierChoice] | None) -> SaveHandle:
         """CPU state: the writer starts at once and follows the copy into the staging buffer,
         so the file is durable about one write time after the call, not copy + write."""
         progress = Progress()
-        fut = self._submit(spot, token, layout, self._writer.write, Snapshot(buf, layout, progress=progress), base,
-                           dest, t_call, choice.odirect, fallback)
+        fut = self._submit(spot, token, turn, layout, self._writer.write, Snapshot(buf, layout, progress=progress),
+                           base, dest, t_call, choice.odirect, fallback)
         try:
             snapshot(layout, buf, progress)
         except BaseException as exc:
@@ -239,16 +223,20 @@ class Saver:
         progress.finish(blocked_s=blocked)
         self._monitor.record_blocked(t_call, blocked, layout.payload_bytes)
         self._emit("snapshot", base.path, layout.payload_bytes, w_call, choice.tier, group=base.group)
-        return self._track(fut, replace(base, blocked_s=blocked), dest, home, t_call, spot, token)
+        return self._track(fut, replace(base, blocked_s=blocked), dest, home, t_call, spot, token, turn)
 
-    def _submit(self, spot: Reservation | None, token: int, layout: F.FileLayout, write: Callable[..., SaveRecord],
-                *args: object) -> Future:
+    def _submit(self, spot: Reservation | None, token: int, turn: Turn | None, layout: F.FileLayout,
+                write: Callable[..., SaveRecord], *args: object) -> Future:
         """Run ``write`` on the writer thread of the save's burst-buffer directory (one per
         directory: the drives write at once; files of one directory, and so every save of one
-        path, are written in order)."""
+        path, are written in order). A ``turn`` is taken as the write is queued, under one lock
+        (so keys follow the writer queues: ``save.ordering``), and goes to ``write`` last."""
         big = len(layout.storages) >= heap.TRIM_AFTER_RECORDS
-        with refused_once_closed("this save"):
-            return self._write_threads[spot.index if spot else 0].submit(self._written, token, big, write, list(args))
+        with self._queueing, refused_once_closed("this save"):
+            if turn is not None:
+                turn.take()
+            return self._write_threads[spot.index if spot else 0].submit(
+                self._written, token, big, write, [*args, turn.wait if turn else None])
 
     def _written(self, token: int, big: bool, write: Callable[..., SaveRecord], args: list) -> SaveRecord:
         """The writer thread's job: write; a file written to its own path is durable and
@@ -271,21 +259,24 @@ class Saver:
                 heap.trim()
 
     def _track(self, fut: Future, base: SaveRecord, dest: str, home: str, t_call: float, spot: Reservation | None,
-               token: int) -> SaveHandle:
+               token: int, turn: Turn | None) -> SaveHandle:
         """Replication (to ``home``) follows a write to the burst buffer; track the save; join
         its group. The save's reservation holds its path on its drive until the write ends."""
         fut.add_done_callback(lambda f: self._stripes.release(spot, None if f.cancelled() else f.exception()))
         if dest != home:
-            fut = self._then_replicate(fut, dest, home, t_call, token, base.group is None)
+            fut = self._then_replicate(fut, dest, home, t_call, token, turn.key if turn else None)
+        if turn is not None:
+            turn.until(fut)  # its place ends with its handle
         handle = self._inflight.track(fut, base.path, base.group)
         if base.group is not None:
             self._coord.add(base.group, handle)
         return handle
 
-    def _then_replicate(self, wrote: Future, local: str, home: str, t_call: float, token: int, single: bool) -> Future:
-        """A future that resolves once the file written to ``local`` is replicated to ``home``."""
+    def _then_replicate(self, wrote: Future, local: str, home: str, t_call: float, token: int,
+                        order: int | None) -> Future:
+        """A future that resolves once the file written to ``local`` is replicated to ``home``
+        (after the saves before ``order``, with replicate_in_order)."""
         final: Future = Future()
-        order = self._replicator.hold(final, single)  # now, in call order (replicate_in_order)
 
         def enqueue(f: Future) -> None:
             if f.cancelled():  # a close() that gave up waiting: its local copy was never written

@@ -18,6 +18,19 @@ from ..format.layout import FileLayout
 from .staging import StagingBuffer
 
 
+@dataclass(eq=False)
+class Unfenced:
+    """A lazy save that no ``fence()`` has taken yet. ``copy`` is None once the copy ended: its
+    snapshot (which holds the state's storages) is let go and the save is counted; a CUDA copy
+    keeps only ``cuda_events``, which the fence orders the next kernels after."""
+
+    copy: Future | None
+    t_call: float
+    blocked: float
+    nbytes: int
+    cuda_events: dict = field(default_factory=dict)
+
+
 @dataclass
 class Snapshot:
     """A filled staging buffer, whose device copies have landed once ``wait_ready`` returns."""

@@ -27,6 +27,7 @@ import threading
 from dataclasses import dataclass
 
 from ..errors import ConfigError
+from ..units import fmt_bytes
 from ..urls import mirror_path
 
 log = logging.getLogger("fastckpt")
@@ -96,6 +97,7 @@ class Stripes:
         self._held: dict[str, tuple[int, int]] = {}  # path -> (directory, its live reservations)
         self._next = rank % len(self.dirs) if self.dirs else 0
         self._refused: set[int] = set()  # drives that refused a write (read-only, no permission): new paths avoid them
+        self._bypassing = False  # the last save skipped a full burst buffer
         self._check_usable()
 
     def _check_usable(self) -> None:
@@ -167,6 +169,17 @@ class Stripes:
                 i = min(order, key=lambda j: self._queued[j])
                 self._next = (i + 1) % len(self.dirs)
             return self._reserve(path, i, nbytes)
+
+    def note_bypass(self, path: str, nbytes: int, bypass: bool) -> None:
+        """(``Saver``, per save) Say when saves start skipping the full burst buffer, and when it takes them again."""
+        if bypass and not self._bypassing:
+            log.warning("fastckpt: the burst buffer (%s) has no room for %s (%s): saving it straight to its path, "
+                        "and so every save until there is room again (the stall is the same; it is durable at the "
+                        "path's write speed). Free space there, keep fewer local copies (keep_local=N), or point "
+                        "local_dir at a larger drive", ", ".join(self.dirs), path, fmt_bytes(nbytes))
+        elif self._bypassing and not bypass:
+            log.info("fastckpt: the burst buffer has room again: %s is saved through it", path)
+        self._bypassing = bypass
 
     def _reserve(self, path: str, i: int, nbytes: int, direct: bool = False) -> Reservation:
         """A live reservation of ``nbytes`` on directory ``i`` for ``path`` (lock held)."""

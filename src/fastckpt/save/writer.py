@@ -71,7 +71,8 @@ class FileWriter:
         self._unlink_later = unlink_later
 
     def write(self, snap: Snapshot, base: SaveRecord, dest: str, t_call: float, odirect: bool,
-              fallback: Callable[[], TierChoice] | None = None) -> SaveRecord:
+              fallback: Callable[[], TierChoice] | None = None, turn: Callable[[], None] | None = None
+              ) -> SaveRecord:
         """Write the snapshot to ``dest`` (temp, fsync, rename, dir fsync); release its buffer
         once written (before the rename, so the next save can take it).
 
@@ -79,7 +80,8 @@ class FileWriter:
         for their bytes), and the time the caller was blocked is known only when the copy ends.
         ``fallback`` (a single file whose ``dest`` is in the burst buffer, ``Saver``): when that
         drive runs out of space mid-write, the file is written straight to its path instead,
-        with the tier ``fallback()`` returns.
+        with the tier ``fallback()`` returns. ``turn`` (``replicate_in_order``): a file written to
+        its own path is renamed into place only once ``turn()`` returns (``save.ordering``).
         """
         w0 = time.time()
         progress = snap.progress
@@ -117,7 +119,7 @@ class FileWriter:
             self._on_written(dest, res.bytes, time.monotonic() - t0)
         self._emit("write", dest, res.bytes, w0, base.tier,
                    detail=None if res.odirect else f"buffered: {res.odirect_reason}")
-        return self._publish(base_now(), st, res, t_call, write_s)
+        return self._publish(base_now(), st, res, t_call, write_s, turn)
 
     def _write_once(self, snap: Snapshot, dest: str, odirect: bool, base_now: Callable[[], SaveRecord]
                     ) -> tuple[Staged, WriteResult, float]:
@@ -138,10 +140,13 @@ class FileWriter:
             raise
         return st, res, t0
 
-    def _publish(self, base: SaveRecord, st: Staged, res: WriteResult, t_call: float, write_s: float) -> SaveRecord:
-        c0 = time.time()
+    def _publish(self, base: SaveRecord, st: Staged, res: WriteResult, t_call: float, write_s: float,
+                 turn: Callable[[], None] | None = None) -> SaveRecord:
         local = self._is_local(st.dest)
+        c0 = time.time()
         try:  # a prefetch's download lands in the burst buffer only under its directory's lock: load.prefetch
+            if turn is not None and not local:  # final at its path once the files saved before it are
+                turn()
             with dir_lock(os.path.dirname(st.dest), shared=True) if local else contextlib.nullcontext():
                 st.commit()
         except BaseException as exc:
@@ -172,7 +177,8 @@ class FileWriter:
             raise
         return st
 
-    def gds_finish(self, st: Staged, layout: F.FileLayout, base: SaveRecord, t_call: float) -> SaveRecord:
+    def gds_finish(self, st: Staged, layout: F.FileLayout, base: SaveRecord, t_call: float,
+                   turn: Callable[[], None] | None = None) -> SaveRecord:
         """Checksum by read-back, append the manifest, then publish like any other file."""
         try:
             res = finish_gds_file(self._ops, self._io, st.tmp, layout,
@@ -180,4 +186,4 @@ class FileWriter:
         except BaseException as exc:
             st.discard()
             self._raise(exc, base, st.dest)
-        return self._publish(base, st, res, t_call, time.monotonic() - t_call)
+        return self._publish(base, st, res, t_call, time.monotonic() - t_call, turn)
