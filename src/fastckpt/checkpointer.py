@@ -181,7 +181,7 @@ class Checkpointer:
                 its path was not saved again since: the attempt ends on every rank (docs/groups.md).
         """
         self._check_open()
-        check_step(extra)  # ConfigError: a step that is no int >= 0 (before anything is done)
+        extra = check_step(extra)  # ConfigError: a step that is no integer >= 0 (before anything is done)
         group = normalize(group)  # a failure raised here ends the attempt: no rank waits for this one
         self._inflight.raise_unseen(before=lambda e: self._coordinator.abandon(group, self.rank, self.world_size, e))
         rank, has_local, token = self.rank, bool(self.config.local_dirs), self._retention.committing(group)

@@ -14,6 +14,7 @@ import shutil
 import threading
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -548,7 +549,18 @@ def test_commit_refuses_a_step_that_is_no_int_from_zero(tmp_path: Path, step: ob
     group = str(tmp_path / "global_step5")
     with fastckpt.Checkpointer(rank=0, world_size=1) as ck:
         ck.save(_state(5), f"{group}/r0.pt", group=group)
-        with pytest.raises(ConfigError, match=r"the step must be an int >= 0"):
+        with pytest.raises(ConfigError, match=r"the step must be an integer >= 0"):
             ck.commit(group, step=step)
         ck.commit(group, step=5).wait()
     assert json.loads((Path(group) / P.GROUP_MANIFEST).read_text())["step"] == 5
+
+
+@pytest.mark.parametrize("step", [np.int64(7), torch.tensor(7)], ids=["numpy", "tensor"])
+def test_commit_records_an_integer_step_of_another_type_as_an_int(tmp_path: Path, step: object) -> None:
+    """A training loop's step is often a numpy integer or a 0-dim tensor: its value is the step."""
+    group = str(tmp_path / "global_step7")
+    with fastckpt.Checkpointer(rank=0, world_size=1) as ck:
+        ck.save(_state(7), f"{group}/r0.pt", group=group)
+        ck.commit(group, step=step).wait()
+    manifest = json.loads((Path(group) / P.GROUP_MANIFEST).read_text())
+    assert manifest["step"] == 7 and type(manifest["step"]) is int

@@ -7,6 +7,7 @@ tail, its zip directory, and its pickle when the step is wanted.
 from __future__ import annotations
 
 import json
+import operator
 import posixpath
 import re
 
@@ -99,19 +100,27 @@ def deepspeed_tag(target: Target, prefix: str, rel: str, rels: set[str]) -> str 
         return None
 
 
-def check_step(extra: dict) -> None:
-    """``commit(group, step=...)``'s step orders the groups (``latest`` picks the highest, retention
-    counts below it): a step that is no whole number >= 0 was recorded and then passed over for
-    the tag's number, so a misordered ``latest`` was the first sign of it. None is no step.
+def check_step(extra: dict) -> dict:
+    """``extra`` with its step as an ``int``. ``commit(group, step=...)``'s step orders the groups
+    (``latest`` picks the highest, retention counts below it): one that is no whole number >= 0 was
+    recorded and then passed over for the tag's number, so a misordered ``latest`` was the first
+    sign of it. An integer of another type (numpy's, a 0-dim integer tensor) counts as its value,
+    as in ``range``; a bool is no step; None is none.
 
     Raises:
         ConfigError: naming the value and the fix.
     """
     step = extra.get("step")
-    if step is not None and (type(step) is not int or step < 0):  # noqa: E721 (a bool is no step)
-        hint = " (a numpy or torch integer? pass int(step))" if hasattr(step, "__index__") else ""
-        raise ConfigError(f"commit(step={step!r}): the step must be an int >= 0 (the training step this group "
-                          f"holds, which orders the checkpoints), or None for no step{hint}")
+    if step is None:
+        return extra
+    try:
+        n = operator.index(step) if not isinstance(step, bool) else -1
+    except TypeError:
+        n = -1
+    if n < 0:
+        raise ConfigError(f"commit(step={step!r}): the step must be an integer >= 0 (the training step this group "
+                          "holds, which orders the checkpoints), or None for no step")
+    return {**extra, "step": n}
 
 
 def group_step(record: dict, name: str) -> int | None:
