@@ -74,8 +74,7 @@ class Checkpointer:
         self._coordinator = Coordinator(self._committer, self._stop, cfg, lambda g: self._homes.resolve(g).place(),
                                         self._emit, local_for=self._local_places)
         self._stripes = Stripes(cfg.local_dirs, self.rank)
-        self._retention = Retention(cfg.keep_local, cfg.keep_persistent, self._homes, self._stripes.copies,
-                                    self.rank, self._replicator)
+        self._retention = Retention(cfg.keep_local, cfg.keep_persistent, self._homes, self._stripes.copies, self.rank)
         self._saver = Saver(cfg, tiers=TierSelector(cfg.tier, cfg.local_dirs or None, cfg.odirect, self._ops),
                             staging=self._staging, monitor=self._monitor,
                             writer=FileWriter(self._ops, self._io, self._staging, cfg.chunk_bytes, self._emit,

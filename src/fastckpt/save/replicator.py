@@ -57,7 +57,6 @@ class ReplicaJob:
     finish: Callable[[SaveRecord], SaveRecord] = lambda rec: rec  # runs before the future resolves
     home: str = ""  # where the copy goes when not rec.path (a re-saved group's new attempt, beside it)
     order: int | None = None  # its ``hold`` key with replicate_in_order: it starts after the earlier ones
-    check: Callable[[], str | None] | None = None  # a resumed copy's last look (``resume``): why not to upload it
 
 
 class Replicator:
@@ -142,16 +141,13 @@ class Replicator:
 
         Its queued job is dropped now, and one submitted meanwhile (its local write was still
         finishing) is dropped on arrival; both resolve as ``cancelled``. An upload already
-        running finishes (the caller waits for it, then deletes both copies; for a resumed copy, which
-        no handle tracks, this does).
+        running finishes (the caller waits for it, then deletes both copies).
         """
         with self._cv:
             self._cancel[path] = self._cancel.get(path, 0) + 1
             for job in [j for j in self._queue if self._cancelled(j)]:
                 self._queue.remove(job)
                 self._drop(job)
-            while any(j.rec.path == path and j.check is not None for j in self._running):
-                self._cv.wait()
         try:
             yield
         finally:
@@ -168,10 +164,7 @@ class Replicator:
     @staticmethod
     def _supersedes(new: ReplicaJob, old: ReplicaJob, coalesce: bool) -> bool:
         """Whether queued ``old`` is dropped for ``new``: any other checkpoint when coalescing;
-        with "all", an older save of the same single file (its bytes are replaced anyway). A resumed
-        copy (``resume``) is replaced only by a newer save of its path, and replaces nothing."""
-        if new.check is not None or old.check is not None:
-            return new.check is None and old.rec.group is new.rec.group is None and old.rec.path == new.rec.path
+        with "all", an older save of the same single file (its bytes are replaced anyway)."""
         if coalesce:
             return old.rec.group is None or old.rec.group != new.rec.group
         return old.rec.group is None and new.rec.group is None and old.rec.path == new.rec.path
@@ -263,9 +256,6 @@ class Replicator:
     # ------------------------------------------------------------------ one file
     def _replicate(self, job: ReplicaJob) -> SaveRecord:
         rec, r0 = job.rec, time.time()
-        if job.check is not None and (why := job.check()) is not None:
-            self._emit("cancel", rec.path, rec.bytes, r0, rec.tier, detail=why)
-            return replace(rec, durable_s=None, cancelled=True)
         try:
             manifest = self._local_manifest(job)
         except BaseException as exc:  # logged, as a failed copy is: a replay of the log never holds it pending

@@ -28,10 +28,8 @@ checksum; a group's local copy is complete only once it was published): the sing
 wrote and, the first time a group of a known step there is durable (a single file durable first knows
 no step), its groups of earlier steps. A group whose step is unknown or not below the one just saved is
 left alone: a job resumed from an older checkpoint saves those tags again, and another rank may be
-writing into them. A single file this rank wrote that never reached its home (the job was killed
-first) is never deleted as it is: its replication resumes (``resume``), and it counts, the oldest, once
-verified there (or once its home holds a newer save of it). So ``keep_local`` bounds the burst buffer
-across restarts. A group earlier runs left
+writing into them. So ``keep_local`` bounds the burst buffer across restarts, and a local copy that
+never reached its home (the job was killed first) is never deleted. A group earlier runs left
 unpublished at an earlier step can never load: this rank's files of it (those whose manifest names it
 as their group; a single file in a numbered directory is not one) are removed (``restarts``).
 ``keep_persistent`` counts the checkpoints this process saved: what earlier runs left at the durable
@@ -51,9 +49,7 @@ from ..commit.foreign import group_step
 from ..commit.protocol import delete_checkpoint, pointed_name, read_group_manifest
 from ..commit.removable import check_removable
 from ..storage.homes import Homes
-from .replicator import Replicator
 from .restarts import delete_own_group_files, earlier_copies, numbered_dirs
-from .resume import Resumer
 
 log = logging.getLogger("fastckpt")
 
@@ -65,11 +61,10 @@ class Retention:
         local_copies: the burst-buffer copies of a name (several with striped ``local_dir``s: a
             group's files may live on every drive).
         rank: this process's rank: of the single files earlier runs left, only its own count.
-        replicator: resumes the replication of the single files earlier runs left unreplicated (``resume``).
     """
 
     def __init__(self, keep_local: int | None, keep_persistent: int | None, homes: Homes,
-                 local_copies: Callable[[str], list[str]], rank: int = 0, replicator: Replicator | None = None) -> None:
+                 local_copies: Callable[[str], list[str]], rank: int = 0) -> None:
         self._keep_local, self._keep_persistent, self._rank = keep_local, keep_persistent, rank
         self._homes, self._local_copies = homes, local_copies
         self._local: dict[str, int] = {}  # listed name -> its save's token: the lists are in save order
@@ -85,7 +80,6 @@ class Retention:
         self._deleted = threading.Condition(self._lock)
         self._next_export: dict[str, bool] = {}  # path -> whether its next save is an export (save(export=True))
         self._exports: set[int] = set()  # the tokens of those saves: keep_persistent neither counts nor deletes them
-        self._resumer = Resumer(homes, replicator, local_copies, rank, self.resumed) if replicator else None
 
     def exempt(self, path: str, export: bool) -> None:
         """The next save of ``path`` is an export or not: the mark goes with that save's token."""
@@ -98,8 +92,6 @@ class Retention:
         A trim of an older save of ``path`` that is still deleting it (a slow object-store
         request) is waited for: it would delete what this save writes. Returns the save's
         token, for ``durable`` and ``dropped``."""
-        if self._resumer is not None:  # first, in call order: they are older than this save
-            self._resumer.beside(path)
         with self._lock:
             while path in self._deleting:
                 self._deleted.wait()
@@ -176,17 +168,6 @@ class Retention:
             self._run(self._delete_own_files if p in own else self._delete_local, p, "burst-buffer copy")
         for p in drop_persistent:
             self._run(self._trim_persistent, p, "persistent copy")
-
-    def resumed(self, path: str, token: int) -> None:
-        """An earlier run's burst-buffer copy of ``path`` is safe at its home now, or obsolete there
-        (``resume``): keep_local counts it (``token``: the oldest), unless this run saves ``path``."""
-        with self._lock:
-            if self._keep_local is None or path in self._busy or path in self._local or path in self._deleting:
-                return
-            drop = _push(self._local, path, token, self._keep_local)
-            self._deciding(drop)
-        for p in drop:
-            self._run(self._delete_local, p, "burst-buffer copy")
 
     def bypassed(self, path: str, token: int) -> None:
         """Save ``token`` of the single file ``path`` went straight to its home (no room in the burst buffer) and
