@@ -21,6 +21,7 @@ megatron loads it.
 from __future__ import annotations
 
 import io
+import logging
 import os
 import threading
 from pathlib import Path
@@ -29,11 +30,13 @@ import torch
 from megatron.core.dist_checkpointing.core import maybe_load_config
 from megatron.core.dist_checkpointing.strategies.common import COMMON_STATE_FNAME, TorchCommonLoadStrategy
 
-from fastckpt.errors import CorruptCheckpointError, GroupChangedError
+from fastckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, GroupChangedError
 
 from .common import BACKEND
 from .compat import checksum_bytes, framework_files, is_url, normalize, read_group_manifest
-from .inplace import committed
+from .inplace import FIX, committed
+
+log = logging.getLogger("fastckpt.megatron")
 
 _seen = threading.local()  # group -> the identity of the save whose common.pt this thread loaded
 
@@ -54,6 +57,13 @@ def forget() -> None:
     _seen.groups = {}
 
 
+def missing_error(path: str, cause: CorruptCheckpointError) -> CheckpointNotFoundError:
+    """``common.pt`` was deleted and the index does not hold its committed bytes either
+    (``cause`` says why): nothing can put it back, so the fix is another checkpoint."""
+    return CheckpointNotFoundError(f"{path} is missing, and {cause}. {FIX} cannot put it back either (it reads "
+                                   "the same index)")
+
+
 def changed_error(group: str) -> GroupChangedError:
     return GroupChangedError(f"{group} was saved again while this load read it: megatron read common.pt of one save, "
                              "and another is published now. Nothing was loaded: load it again.")
@@ -69,19 +79,26 @@ class FastCkptCommonLoadStrategy(TorchCommonLoadStrategy):
         manifest = read_group_manifest(group) if config is not None and config.sharded_backend == BACKEND else None
         if COMMON_STATE_FNAME not in framework_files(manifest):
             return super().load_common(checkpoint_dir)
+        path = os.path.join(group, COMMON_STATE_FNAME)
         try:
-            with open(os.path.join(group, COMMON_STATE_FNAME), "rb") as f:
-                data = f.read()
-        except FileNotFoundError:
-            return super().load_common(checkpoint_dir)  # megatron's own error, naming the directory's files
+            with open(path, "rb") as f:
+                data: bytes | None = f.read()
+        except FileNotFoundError:  # deleted: its committed bytes are in the index all the same
+            data = None
         digest = framework_files(manifest)[COMMON_STATE_FNAME]
-        if checksum_bytes(data) != digest:  # rewritten in place: a save into this iteration under way, or killed
+        missing = data is None
+        if data is None or checksum_bytes(data) != digest:  # or rewritten in place: a save into it under way, or killed
             try:  # the committed bytes, kept in the index: a reader never needs the file put back first
                 data = committed(group, {COMMON_STATE_FNAME: digest})[COMMON_STATE_FNAME]
-            except CorruptCheckpointError:
+            except CorruptCheckpointError as exc:
                 if identity(read_group_manifest(group)) != identity(manifest):
                     raise changed_error(group) from None
+                if missing:
+                    raise missing_error(path, exc) from exc
                 raise
+            if missing:
+                log.warning("fastckpt: %s is missing; loading the committed bytes kept in the checkpoint's index "
+                            "(%s(%r) puts the file back)", path, FIX, group)
         if not hasattr(_seen, "groups"):
             _seen.groups = {}
         _seen.groups[group] = identity(manifest)
