@@ -58,7 +58,7 @@ from megatron.core.dist_checkpointing.strategies.base import (
 )
 
 from fastckpt import Checkpointer, SaveHandle
-from fastckpt.errors import CheckpointWriteError
+from fastckpt.errors import CheckpointWriteError, ConfigError
 from fastckpt.io.ops import FileOps
 
 from ._megatron import inplace
@@ -71,6 +71,7 @@ from ._megatron.common import (
     VERSION,
     CheckpointerSource,
     ThroughCheckpointer,
+    checked,
     checkpoint_group,
     default_checkpointer,
     rank_world,
@@ -132,7 +133,10 @@ class FastCkptSaveStrategy(ThroughCheckpointer, AsyncSaveShardedStrategy):
     def __init__(self, checkpointer: CheckpointerSource = None, *, tracker: bool = True,
                  ops: FileOps | None = None, backend: str = BACKEND, version: int = VERSION) -> None:
         super().__init__(backend, version)
-        self._source, self._tracker, self._ops = checkpointer, tracker, ops or FileOps()
+        if not isinstance(tracker, bool):
+            raise ConfigError(f"tracker={tracker!r}: give True (point Megatron-LM's {TRACKER} at each committed "
+                              "iteration) or False")
+        (self._source, self._ops), self._tracker = checked(checkpointer, ops), tracker
         self.last_save: MegatronSave | None = None
 
     def async_save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str | Path) -> AsyncRequest:
@@ -273,6 +277,10 @@ def register(checkpointer: CheckpointerSource = None, *, tracker: bool = True, o
 
     Returns:
         The registered save and load strategies (``last_save``/``last_load`` report on them).
+
+    Raises:
+        ConfigError: ``checkpointer``, ``tracker`` or ``ops`` is not of a kind it accepts (the
+            strategies registered before stay registered).
     """
     save = FastCkptSaveStrategy(checkpointer, tracker=tracker, ops=ops)
     load = FastCkptLoadStrategy(checkpointer, ops=ops)

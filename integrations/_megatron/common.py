@@ -10,6 +10,7 @@ import torch
 
 from fastckpt import Checkpointer
 from fastckpt.errors import ConfigError
+from fastckpt.io.ops import FileOps
 
 from .compat import is_url, normalize
 
@@ -35,7 +36,30 @@ def resolve(source: CheckpointerSource) -> Checkpointer:
     """The Checkpointer a strategy was given (itself, or what its function returns), else the default."""
     if source is None:
         return default_checkpointer()
-    return source if isinstance(source, Checkpointer) else source()
+    if isinstance(source, Checkpointer):
+        return source
+    ck = source()
+    if not isinstance(ck, Checkpointer):
+        raise ConfigError(f"the checkpointer function given to the Megatron strategies ({source!r}) returned {ck!r}: "
+                          "it must return a fastckpt.Checkpointer")
+    return ck
+
+
+def checked(checkpointer: CheckpointerSource, ops: FileOps | None) -> tuple[CheckpointerSource, FileOps]:
+    """The strategies' ``checkpointer`` and ``ops`` (default: a plain FileOps), refused when they
+    are neither: a wrong one used to fail only at the first save or load, as a bare TypeError or
+    AttributeError from deep inside it.
+
+    Raises:
+        ConfigError: naming the argument and what it accepts.
+    """
+    if checkpointer is not None and not isinstance(checkpointer, Checkpointer) and not callable(checkpointer):
+        raise ConfigError(f"checkpointer={checkpointer!r}: give a fastckpt.Checkpointer, a function returning one, "
+                          "or None (default_checkpointer())")
+    if ops is not None and not isinstance(ops, FileOps):
+        raise ConfigError(f"ops={ops!r}: give a fastckpt.io.ops.FileOps (such as fastckpt.testing.FaultyOps), or None "
+                          "(a plain FileOps)")
+    return checkpointer, ops or FileOps()
 
 
 class ThroughCheckpointer:

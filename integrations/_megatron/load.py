@@ -33,7 +33,7 @@ from fastckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, Gro
 from fastckpt.io.ops import FileOps
 
 from . import commonload
-from .common import BACKEND, INDEX_FILE, VERSION, CheckpointerSource, ThroughCheckpointer, checkpoint_group
+from .common import BACKEND, INDEX_FILE, VERSION, CheckpointerSource, ThroughCheckpointer, checked, checkpoint_group
 from .compat import incomplete_group_error, read_group_manifest
 from .inplace import check as check_inplace
 from .layout import Index, ReshardingError, SavedTensor, byte_range, plan_tensor, shard_view, tensor_box
@@ -67,7 +67,7 @@ class FastCkptLoadStrategy(ThroughCheckpointer, LoadShardedStrategy):
     def __init__(self, checkpointer: CheckpointerSource = None, *, ops: FileOps | None = None,
                  weights_only: bool = True) -> None:
         super().__init__()
-        self._source, self._ops, self._weights_only = checkpointer, ops or FileOps(), weights_only
+        (self._source, self._ops), self._weights_only = checked(checkpointer, ops), weights_only
         self.last_load: LoadReport | None = None
 
     def check_backend_compatibility(self, loaded_backend: str) -> None:
