@@ -10,9 +10,10 @@ from fastckpt.commit import protocol as _protocol
 from fastckpt.commit.names import FRAMEWORK_FILES, framework_files
 from fastckpt.commit.protocol import GROUP_MANIFEST, group_order
 from fastckpt.errors import IncompleteCheckpointError
+from fastckpt.exits import after_flush
 from fastckpt.format.checksum import BLOCK_BYTES, block_digest, checksum_bytes, combine
 from fastckpt.format.manifest import parse_tail
-from fastckpt.io.atomic import publish_bytes
+from fastckpt.io.atomic import publish_bytes, sweep_once
 from fastckpt.storage.homes import Homes
 from fastckpt.urls import is_url, normalize
 
@@ -34,7 +35,7 @@ def incomplete_group_error(group: str, world_size: int | None) -> IncompleteChec
 
 
 __all__ = [
-    "BLOCK_BYTES", "FRAMEWORK_FILES", "GROUP_MANIFEST", "block_digest", "checksum_bytes", "combine", "framework_files",
-    "group_order", "incomplete_group_error", "is_url", "latest_name", "normalize", "parse_tail", "publish_bytes",
-    "read_group_manifest",
+    "BLOCK_BYTES", "FRAMEWORK_FILES", "GROUP_MANIFEST", "after_flush", "block_digest", "checksum_bytes", "combine",
+    "framework_files", "group_order", "incomplete_group_error", "is_url", "latest_name", "normalize", "parse_tail",
+    "publish_bytes", "read_group_manifest", "sweep_once",
 ]

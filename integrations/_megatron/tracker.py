@@ -26,7 +26,7 @@ from megatron.core.dist_checkpointing.core import CONFIG_FNAME
 from fastckpt.io.ops import FileOps
 
 from .common import BACKEND
-from .compat import group_order, latest_name, publish_bytes, read_group_manifest
+from .compat import group_order, latest_name, publish_bytes, read_group_manifest, sweep_once
 from .inplace import restore
 
 log = logging.getLogger("fastckpt.megatron")
@@ -80,7 +80,9 @@ def _recorded(save_dir: str) -> float | None:
 
 
 def _write(save_dir: str, iteration: int | str, order: float, ops: FileOps, tracker: bool = True) -> None:
-    """The tracker (Megatron-LM's format: the number, nothing else), then the record of its commit."""
+    """The tracker (Megatron-LM's format: the number, nothing else), then the record of its commit.
+    Temp files of them that dead processes of this host left (a kill mid-write) go first, once."""
+    sweep_once(ops, save_dir)
     if tracker:
         publish_bytes(ops, os.path.join(save_dir, TRACKER), str(iteration).encode())
     publish_bytes(ops, os.path.join(save_dir, RECORD), json.dumps({"iteration": iteration, "order": order}).encode())

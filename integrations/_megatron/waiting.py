@@ -21,11 +21,12 @@ from fastckpt.errors import CheckpointWriteError, CommitTimeoutError
 from fastckpt.io.ops import FileOps
 from fastckpt.records import SaveHandle, SaveRecord
 
-from .compat import publish_bytes, read_group_manifest
+from .compat import after_flush, publish_bytes, read_group_manifest
 from .inplace import restore_after
 from .tracker import TRACKER, advance_tracker, iteration_of
 
 log = logging.getLogger("fastckpt.megatron")
+EXIT_WAIT_S = 60.0  # at exit, for a watch whose commit ended: a few small writes (the tracker, a note) are left
 
 
 def _note(group: str, save_id: str, rank: int, kind: str) -> str:
@@ -118,6 +119,36 @@ def watch(handle: SaveHandle, job: Job, tracker: bool, ops: FileOps) -> Watch:
 
 def forget(save_id: str) -> None:
     _watches.pop(save_id, None)
+
+
+def settle_at_exit() -> None:
+    """Interpreter exit, after every Checkpointer's flush (``fastckpt.exits.after_flush``): let
+    this process's watches of commits that ended finish what follows them (rank 0's tracker).
+
+    A script that exits without megatron's finalize step left that to the watch's daemon
+    thread, which the interpreter froze mid-write: the checkpoint was committed, but the
+    tracker still named an older one (a resume from it silently took older state) and its temp
+    file stayed. A watch that does not finish within ``EXIT_WAIT_S`` is logged as an ERROR.
+    A commit the flush gave up on (``close_timeout_s``) has nothing to follow: the flush logged it.
+    """
+    for w in [w for w in list(_watches.values()) if w.pid == os.getpid() and w.handle.done()]:
+        if not w.done.wait(EXIT_WAIT_S) and w._tracker and w.job.rank == 0 and _committed(w.handle):
+            log.error("fastckpt: %s is committed, but %s could not be pointed at it before the process exited "
+                      "(still being written after %.0f s); the patched Megatron-LM's sync_tracker moves it there "
+                      "before the next load", w.job.group, os.path.join(os.path.dirname(w.job.group), TRACKER),
+                      EXIT_WAIT_S)
+
+
+def _committed(handle: SaveHandle) -> bool:
+    """Whether the ended commit ``handle`` follows reached its home (a failure is not seen here:
+    whoever waits for it raises it)."""
+    try:
+        return not handle.result(0).superseded
+    except Exception:  # noqa: BLE001 (failed: the flush or finalize reports it)
+        return False
+
+
+after_flush(settle_at_exit)
 
 
 def failures(job: Job) -> list[str]:

@@ -28,14 +28,32 @@ class Flushable(Protocol):
 
 
 _LIVE: weakref.WeakSet[Flushable] = weakref.WeakSet()
+_AFTER: list[Callable[[], None]] = []
 _lock = threading.Lock()
 _hooked = False
 
 
 def flush_at_exit(obj: Flushable) -> None:
     """Call ``obj._atexit()`` at interpreter exit unless ``forget_at_exit(obj)`` came first."""
-    global _hooked
     _LIVE.add(obj)
+    _hook()
+
+
+def after_flush(fn: Callable[[], None]) -> None:
+    """Call ``fn()`` at interpreter exit after every open Checkpointer was flushed, however the
+    order of imports and Checkpointers went: an integration's own work that follows a commit
+    in a daemon thread of its own (Megatron's tracker), which the flush does not wait for and
+    the interpreter freezes once its exit hooks return. Registered once per ``fn``."""
+    with _lock:
+        if fn not in _AFTER:
+            _AFTER.append(fn)
+    _hook()
+
+
+def _hook() -> None:
+    global _hooked
+    import concurrent.futures.thread  # noqa: F401 (its exit hook first: ours then runs before it, see above)
+
     with _lock:
         if not _hooked:
             getattr(threading, "_register_atexit", atexit.register)(_flush_live)
@@ -102,6 +120,11 @@ def abandon_at_exit(executors: Iterable[Executor], why: str) -> list[str]:
 def _flush_live() -> None:
     for obj in list(_LIVE):
         obj._atexit()
+    for fn in list(_AFTER):
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001 (at exit there is no caller left to raise to)
+            log.error("fastckpt: %r failed at interpreter exit: %r", fn, exc)
 
 
 # A forked child (Megatron's async save worker, a DataLoader worker) inherits the parent's open
