@@ -235,7 +235,9 @@ def test_a_burst_buffer_copy_whose_manifest_lost_a_key_falls_back(tmp_path: Path
 @pytest.mark.parametrize("damage", ["cut 400 bytes short", "cut 5000 bytes short", "zeroed"])
 def test_a_home_copy_that_lost_its_manifest_falls_back_to_the_burst_buffer(tmp_path: Path, damage: str) -> None:
     """Without its manifest the home copy is no plain torch.save file that replaced ours (that
-    would be a complete zip): it is ours, damaged, and the intact local copy loads (helper review D6)."""
+    would be a complete zip): when the bytes it still holds are the local copy's, it is ours,
+    damaged, and the intact local copy loads (helper review D6). A file zeroed whole shows no save:
+    it may be another node's newer one, so the load refuses, naming both copies and the fix."""
     path = tmp_path / "home" / "x.pt"
     state = _state(6)
     with fastckpt.Checkpointer(local_dir=str(tmp_path / "nvme")) as ck:
@@ -243,10 +245,13 @@ def test_a_home_copy_that_lost_its_manifest_falls_back_to_the_burst_buffer(tmp_p
         size = path.stat().st_size
         if damage == "zeroed":
             path.write_bytes(bytes(size))
+            with pytest.raises(CorruptCheckpointError, match="not of the same save") as err:
+                ck.load(str(path))
+            assert f"copy {ck.local_path(str(path))} over it" in str(err.value)
         else:
             os.truncate(path, size - int(damage.split()[1]))
-        got = ck.load(str(path))
-        assert torch.equal(got["w"], state["w"]) and ck.stats().last_restore_from == "local"
+            got = ck.load(str(path))
+            assert torch.equal(got["w"], state["w"]) and ck.stats().last_restore_from == "local"
     torch.save({"plain": 1}, path)  # a complete plain zip there is another save: loaded, not ours
     with fastckpt.Checkpointer(local_dir=str(tmp_path / "nvme")) as ck:
         assert ck.load(str(path), verify=False) == {"plain": 1}

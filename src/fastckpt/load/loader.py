@@ -42,6 +42,7 @@ from ..io.engine import ImageFactory
 from ..storage.homes import Homes, Location
 from ..storage.types import TargetNotFoundError, TargetUnavailableError
 from .deserialize import deserialize
+from .fallback import OTHER_SAVE, local_where, refused
 from .image import heap_image
 from .into import check_into, in_place, place
 from .missing import a_directory, not_found
@@ -164,6 +165,8 @@ class Loader:
         corrupt: CorruptCheckpointError | None = None  # an earlier copy's damage
         earlier: BaseException | None = None  # an earlier copy's failure
         for i, (loc, where) in enumerate(candidates):
+            if where == OTHER_SAVE:  # the home failed; the local copy is of another save (``load.fallback``)
+                raise refused(earlier, path, loc)  # type: ignore[arg-type]
             try:
                 got = self._read_current(loc, opts, loc.url, where, path)
                 self._pins.check(path, got.manifest)
@@ -184,7 +187,9 @@ class Loader:
                         exc.add_note(f"Its burst-buffer copy was unusable too: {corrupt}")
                     raise
                 corrupt, earlier = exc if isinstance(exc, CorruptCheckpointError) else corrupt, exc
-                log.warning("fastckpt: %s unusable (%s); falling back to %s", loc.url, exc, candidates[i + 1][0].url)
+                nxt = candidates[i + 1]
+                if nxt[1] != OTHER_SAVE:
+                    log.warning("fastckpt: %s unusable (%s); falling back to %s", loc.url, exc, nxt[0].url)
         raise AssertionError("unreachable: the last candidate returns or raises")
 
     def _prefetch(self, path: str, home: Location, opts: LoadOptions, judged: tuple[int, ...]) -> Loaded:
@@ -222,8 +227,8 @@ class Loader:
             return [(home, where)], judged
         local = self._homes.resolve(local_name)  # type: ignore[arg-type]
         verdict = self._compare(local, home)
-        if verdict == HOME_FIRST:
-            return [(home, where), (local, "local")], None
+        if verdict == HOME_FIRST:  # the home first; the local copy after it only if of the same save
+            return [(home, where), (local, local_where(local, home, self._in_group))], None
         if verdict == SAME:
             return [(local, "local"), (home, where)], None
         return [(home, where)], judged if verdict == OLDER else None  # of a save that never reached path, or older

@@ -1,0 +1,67 @@
+"""Whether the burst-buffer copy may stand in for a damaged home copy (``Loader._compare``'s
+``HOME_FIRST``: the home file's manifest does not read, or it is no complete zip).
+
+Such a home file cannot say which save it holds. It may be this save's copy with a damaged tail
+(then the local copy is the same save, intact), or another node's newer save of the same path
+that got damaged (then the local copy is older state, and loading it would silently resume from
+the past). So the local copy is the fallback only when the home shows it is the same save: for a
+group's file, the group published at the home names the local copy's checksum; otherwise every
+byte the home file still holds of the local copy's covered range (all of them, or the part left
+by a cut) equals the local copy's. A home file zeroed whole, or holding other bytes, proves
+nothing: the load raises ``CorruptCheckpointError`` naming both copies (``refused``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from ..errors import CorruptCheckpointError
+from ..format.checksum import BLOCK_BYTES
+from ..storage.homes import Location
+
+#: ``where`` of a burst-buffer copy that is not of the damaged home's save: never read
+OTHER_SAVE = "local (another save)"
+
+
+def local_where(local: Location, home: Location, in_group: Callable[[Location, dict], dict | None]) -> str:
+    """``"local"`` when the burst-buffer copy may be read after the damaged home copy fails, else
+    ``OTHER_SAVE``. ``in_group``: ``Loader._in_group``. A home that fails even this comparison
+    (EIO) cannot show it is the same save either."""
+    try:
+        ours = local.target.read_manifest(local.key)
+        published = ((in_group(home, ours) or {}).get("checksum") or {}).get("value") if ours else None
+        return "local" if same_save(local, home, ours, published) else OTHER_SAVE
+    except (OSError, ValueError):
+        return OTHER_SAVE
+
+
+def same_save(local: Location, home: Location, ours: dict | None, published: str | None) -> bool:
+    """Whether the local copy (its manifest ``ours``) is of the save the damaged home file holds.
+    ``published``: the checksum the home's published group gives the file (None: no group says)."""
+    if not ours:
+        return False  # a local copy without a manifest proves nothing about the home's bytes
+    if published is not None:
+        return published == ours["checksum"]["value"]
+    length = min(home.target.size(home.key), int(ours["covered"]))
+    if length <= 0:
+        return False
+    for offset in range(0, length, BLOCK_BYTES):
+        n = min(BLOCK_BYTES, length - offset)
+        if home.target.read_range(home.key, offset, n) != local.target.read_range(local.key, offset, n):
+            return False
+    return True
+
+
+def refused(home_error: BaseException, path: str, local: Location) -> BaseException:
+    """The error of a load whose home copy failed and whose burst-buffer copy is of another save:
+    a damaged home is corruption, never a reason to return older state."""
+    if not isinstance(home_error, CorruptCheckpointError):
+        home_error.add_note(f"Its burst-buffer copy {local.url} is of another save (older state): not loaded instead.")
+        return home_error
+    err = CorruptCheckpointError(
+        f"{path} is damaged ({home_error}), and its burst-buffer copy {local.url} is not of the same save (another "
+        "node saved the path since, or another attempt of its group is published there), so it is not loaded "
+        f"instead: that would resume from older state. If {path} is this save's copy, damaged, copy {local.url} "
+        "over it; else restore it from another copy, or load an earlier checkpoint (fastckpt.latest(...)).")
+    err.__cause__ = home_error
+    return err
