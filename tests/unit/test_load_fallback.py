@@ -5,11 +5,13 @@ resuming from this node's older state."""
 
 from __future__ import annotations
 
+import datetime
 import os
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import fastckpt
 from fastckpt.errors import CorruptCheckpointError
@@ -33,3 +35,36 @@ def test_a_damaged_newer_save_at_home_never_falls_back_to_an_older_local_copy(tm
     assert f"{path} is damaged" in str(err.value) and a.local_path(path) in str(err.value)
     with fastckpt.Checkpointer(local_dir=str(tmp_path / "bbB")) as b:  # B's copy is of that save: it loads
         assert b.load(path)["step"] == 2 and b.stats().last_restore_from == "local"
+
+
+@pytest.mark.parametrize("damage", ["last byte lost", "deleted"])
+def test_a_damaged_group_file_never_falls_back_to_another_attempts_local_copy(tmp_path: Path, damage: str) -> None:
+    """Per-file loads (DeepSpeed, Megatron) of a tag saved again by another job: the burst buffer
+    still holds the first attempt with its group manifest; the home's r0 lost its last byte, or
+    is gone. Before: r0 came from the burst buffer (first attempt, accepted by that stale group
+    manifest), r1 from the home (second): a mixed state."""
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=60))
+    tag = str(tmp_path / "home" / "global_step4")
+
+    def save(val: int, bb: str) -> None:
+        ranks = [fastckpt.Checkpointer(rank=r, world_size=2, store=store, local_dir=f"{bb}{r}") for r in range(2)]
+        for ck in ranks:
+            ck.save({"w": torch.full((4,), float(val + ck.rank))}, f"{tag}/r{ck.rank}.pt", group=tag)
+        for h in [ck.commit(tag, step=4) for ck in ranks]:
+            h.wait(60)
+        for ck in ranks:
+            ck.close()
+
+    save(50, str(tmp_path / "bbX_"))
+    save(60, str(tmp_path / "bbY_"))
+    if damage == "deleted":
+        os.unlink(f"{tag}/r0.pt")
+    else:
+        os.truncate(f"{tag}/r0.pt", os.path.getsize(f"{tag}/r0.pt") - 1)
+    with fastckpt.Checkpointer(local_dir=str(tmp_path / "bbX_0")) as ck:
+        with pytest.raises(CorruptCheckpointError if damage != "deleted" else FileNotFoundError) as err:
+            ck.load(f"{tag}/r0.pt")
+        assert damage != "deleted" or "not part of checkpoint group" in str(err.value.__notes__)
+        assert ck.load(f"{tag}/r1.pt")["w"][0].item() == 61.0
+    with fastckpt.Checkpointer(local_dir=str(tmp_path / "bbY_0")) as ck:  # the published attempt's copy loads
+        assert ck.load(f"{tag}/r0.pt")["w"][0].item() == 60.0 and ck.stats().last_restore_from == "local"

@@ -1,4 +1,5 @@
-"""Whether the burst-buffer copy may stand in for a damaged home copy (``Loader._compare``'s
+"""Judging a burst-buffer copy by its home: as a group's file (``check_group``), and whether it
+may stand in for a damaged home copy (``Loader._compare``'s
 ``HOME_FIRST``: the home file's manifest does not read, or it is no complete zip).
 
 Such a home file cannot say which save it holds. It may be this save's copy with a damaged tail
@@ -15,9 +16,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ..errors import CorruptCheckpointError
+from ..commit.membership import NotPublishedError, group_entry, require_complete_group
+from ..errors import CorruptCheckpointError, IncompleteCheckpointError
 from ..format.checksum import BLOCK_BYTES
-from ..storage.homes import Location
+from ..storage.homes import Homes, Location
+from ..storage.types import TargetUnavailableError
 
 #: ``where`` of a burst-buffer copy that is not of the damaged home's save: never read
 OTHER_SAVE = "local (another save)"
@@ -65,3 +68,26 @@ def refused(home_error: BaseException, path: str, local: Location) -> BaseExcept
         "over it; else restore it from another copy, or load an earlier checkpoint (fastckpt.latest(...)).")
     err.__cause__ = home_error
     return err
+
+
+def check_group(homes: Homes, url: str, home: str, manifest: dict) -> None:
+    """``require_complete_group`` for a copy at ``url`` of the file at ``home``. A burst-buffer
+    copy is judged by the group published at its home: on a file system whenever it has one (a
+    cheap read; the burst-buffer directory may keep an earlier attempt's manifest after another job
+    saved the tag again), at a URL when its own directory holds no published group (a prefetch's
+    download on a fresh node, a local re-save under way). Its own directory's group decides only
+    while the home cannot (nothing published there yet, or a store that does not answer)."""
+    if url != home and homes.resolve(home).target.mounted:
+        try:
+            found = group_entry(homes, home, manifest)
+        except TargetUnavailableError:
+            found = None
+        if found is not None and found.published is not None:
+            require_complete_group(homes, home, manifest, {found.dir: found.published})
+            return
+    try:
+        require_complete_group(homes, url, manifest)
+    except IncompleteCheckpointError as exc:
+        if url == home or isinstance(exc, NotPublishedError):
+            raise
+        require_complete_group(homes, home, manifest)

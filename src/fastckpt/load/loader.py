@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from ..commit.foreign import torch_zip
-from ..commit.membership import NotPublishedError, group_entry, require_complete_group
+from ..commit.membership import NotPublishedError, group_entry
 from ..commit.protocol import read_sidecar
 from ..errors import (
     ConfigError,
@@ -42,7 +42,7 @@ from ..io.engine import ImageFactory
 from ..storage.homes import Homes, Location
 from ..storage.types import TargetNotFoundError, TargetUnavailableError
 from .deserialize import deserialize
-from .fallback import OTHER_SAVE, local_where, refused
+from .fallback import OTHER_SAVE, check_group, local_where, refused
 from .image import heap_image
 from .into import check_into, in_place, place
 from .missing import a_directory, not_found
@@ -182,7 +182,10 @@ class Loader:
                             f"{path} does not exist (the save never reached it, or it was deleted since), and the only "
                             f"copy left is damaged: {corrupt}") from corrupt
                     if missing:
-                        raise not_found(path, candidates, exc) from exc
+                        gone = not_found(path, candidates, exc)
+                        if earlier is not None:  # e.g. the burst-buffer copy is of another attempt of its group
+                            gone.add_note(f"Its burst-buffer copy was not used: {earlier}")
+                        raise gone from exc
                     if corrupt is not None and exc is not corrupt:
                         exc.add_note(f"Its burst-buffer copy was unusable too: {corrupt}")
                     raise
@@ -306,15 +309,8 @@ class Loader:
         return {"checksum": {"value": entry["checksum"]}} if entry else None
 
     def _check_group(self, url: str, home: str, manifest: dict) -> None:
-        """``require_complete_group`` for a copy at ``url`` of the file at ``home``; a burst-buffer
-        copy whose directory holds no published group (a prefetch's download on a fresh node, a
-        local re-save under way) is judged by the group at its home instead."""
-        try:
-            require_complete_group(self._homes, url, manifest)
-        except IncompleteCheckpointError as exc:
-            if url == home or isinstance(exc, NotPublishedError):
-                raise
-            require_complete_group(self._homes, home, manifest)
+        """``require_complete_group`` for a copy at ``url`` of the file at ``home``: ``load.fallback``."""
+        check_group(self._homes, url, home, manifest)
 
     def _read(self, loc: Location, opts: LoadOptions, url: str, where: str, home: str | None) -> Loaded:
         res = loc.target.read_object(loc.key, chunk_bytes=self._chunk, mapped=opts.mmap, into=opts.image(loc.url))
