@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import datetime
 import os
+import uuid
 from pathlib import Path
 
+import fsspec
 import pytest
 import torch
 import torch.distributed as dist
@@ -68,3 +70,30 @@ def test_a_damaged_group_file_never_falls_back_to_another_attempts_local_copy(tm
         assert ck.load(f"{tag}/r1.pt")["w"][0].item() == 61.0
     with fastckpt.Checkpointer(local_dir=str(tmp_path / "bbY_0")) as ck:  # the published attempt's copy loads
         assert ck.load(f"{tag}/r0.pt")["w"][0].item() == 60.0 and ck.stats().last_restore_from == "local"
+
+
+def test_a_prefetch_of_a_group_file_is_judged_by_the_group_published_at_its_home(tmp_path: Path) -> None:
+    """The tag removed and saved again by another job: the burst buffer still holds the first
+    attempt's group manifest. Before: the prefetched file of the published attempt raised
+    NotPublishedError (a FileNotFoundError: "nothing to resume") from that stale manifest."""
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=60))
+    tag = f"memory://fastckpt-{uuid.uuid4().hex[:8]}/run/global_step4"
+
+    def save(val: int, bb: str) -> None:
+        ranks = [fastckpt.Checkpointer(rank=r, world_size=2, store=store, local_dir=f"{bb}{r}") for r in range(2)]
+        for ck in ranks:
+            ck.save({"w": torch.full((4,), float(val + ck.rank))}, f"{tag}/r{ck.rank}.pt", group=tag)
+        for h in [ck.commit(tag, step=4) for ck in ranks]:
+            h.wait(60)
+        for ck in ranks:
+            ck.close()
+
+    save(50, str(tmp_path / "bbX_"))
+    fsspec.filesystem("memory").rm(tag[len("memory://"):], recursive=True)  # another job removes the tag
+    save(60, str(tmp_path / "bbY_"))
+    with fastckpt.Checkpointer(local_dir=str(tmp_path / "bbX_0")) as ck:
+        assert ck.load(f"{tag}/r1.pt", prefetch=True)["w"].tolist() == [61.0] * 4
+        assert ck.stats().last_restore_from == "remote (prefetched)"
+        assert ck.load(f"{tag}/r1.pt")["w"].tolist() == [61.0] * 4  # the download, by the home's group
+        assert ck.stats().last_restore_from == "local"
+        assert ck.load(f"{tag}/r0.pt")["w"].tolist() == [60.0] * 4  # the first attempt's local r0: not loaded

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ..commit.membership import NotPublishedError, group_entry, require_complete_group
+from ..commit.membership import group_entry, require_complete_group
 from ..errors import CorruptCheckpointError, IncompleteCheckpointError
 from ..format.checksum import BLOCK_BYTES
 from ..storage.homes import Homes, Location
@@ -75,8 +75,9 @@ def check_group(homes: Homes, url: str, home: str, manifest: dict) -> None:
     copy is judged by the group published at its home: on a file system whenever it has one (a
     cheap read; the burst-buffer directory may keep an earlier attempt's manifest after another job
     saved the tag again), at a URL when its own directory holds no published group (a prefetch's
-    download on a fresh node, a local re-save under way). Its own directory's group decides only
-    while the home cannot (nothing published there yet, or a store that does not answer)."""
+    download on a fresh node, a local re-save under way) or one that does not name it (an earlier
+    attempt's, while the download is of the one published now). Its own directory's group decides
+    only while the home cannot (nothing published there yet, or a store that does not answer)."""
     if url != home and homes.resolve(home).target.mounted:
         try:
             found = group_entry(homes, home, manifest)
@@ -87,7 +88,7 @@ def check_group(homes: Homes, url: str, home: str, manifest: dict) -> None:
             return
     try:
         require_complete_group(homes, url, manifest)
-    except IncompleteCheckpointError as exc:
-        if url == home or isinstance(exc, NotPublishedError):
+    except IncompleteCheckpointError:
+        if url == home:
             raise
         require_complete_group(homes, home, manifest)
