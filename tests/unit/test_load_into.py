@@ -361,3 +361,17 @@ def test_without_block_digests_the_checksum_judges_a_pickle_that_does_not_match(
         with pytest.raises(CorruptCheckpointError, match=f"{path} is corrupt"):
             ck.load(path, into={"model": mine.state_dict()})
     assert all(torch.equal(v, before[k]) for k, v in mine.state_dict().items())
+
+
+@pytest.mark.parametrize("map_location", ["meta", torch.device("meta"), {"cpu": "meta"}])
+def test_into_with_map_location_meta_is_refused_naming_both(tmp_path, map_location: object) -> None:
+    """The meta device holds no data to copy into into='s tensors: before, torch's bare
+    NotImplementedError "Cannot copy out of meta tensor" came after the whole read."""
+    path = str(tmp_path / "x.pt")
+    with Checkpointer() as ck:
+        ck.save({"w": torch.arange(8.0)}, path).wait()
+    dest = {"w": torch.zeros(8)}
+    with pytest.raises(ConfigError, match=r"map_location=.*meta.*into=.*Pass one of them"):
+        fastckpt.load(path, map_location=map_location, into=dest)
+    assert torch.equal(dest["w"], torch.zeros(8))
+    assert fastckpt.load(path, map_location="meta")["w"].is_meta

@@ -53,6 +53,17 @@ def check_into(dest: object) -> None:
                           "(into={'model': model.state_dict()}), or None")
 
 
+def check_map_location(map_location: object) -> None:
+    """Refuse ``map_location`` onto the meta device with ``into``: into= copies the loaded tensors
+    into the given ones, and a meta tensor holds no data to copy (torch raised a bare
+    NotImplementedError "Cannot copy out of meta tensor" after the whole read)."""
+    targets = map_location.values() if isinstance(map_location, Mapping) else (map_location,)
+    if any(isinstance(t, (str, torch.device)) and str(t).split(":")[0] == "meta" for t in targets):
+        raise ConfigError(f"load(..., map_location={map_location!r}, into=...): the meta device holds no data to "
+                          "copy into into='s tensors. Pass one of them: into= to fill your tensors, or "
+                          "map_location='meta' alone for the structure without data.")
+
+
 def _containers(dest: object, where: Where) -> Iterator[tuple[Where, object]]:
     items = dest.items() if isinstance(dest, Mapping) else enumerate(dest) if isinstance(dest, (list, tuple)) else ()
     for k, v in items:

@@ -44,7 +44,7 @@ from ..storage.types import TargetNotFoundError, TargetUnavailableError
 from .deserialize import deserialize
 from .fallback import OTHER_SAVE, check_group, local_where, refused
 from .image import heap_image
-from .into import check_into, in_place, place
+from .into import check_into, check_map_location, in_place, place
 from .missing import a_directory, not_found
 from .pins import Pins
 from .prefetch import NOTHING, identity, put
@@ -78,6 +78,7 @@ class LoadOptions:
                               "reads the file into your tensors. Pass one of them.")
         if self.into is not None:
             check_into(self.into)
+            check_map_location(self.map_location)
 
     def image(self, url: str) -> ImageFactory:
         """What the read of ``url`` fills: a heap image, with ``into``'s memory where the saved
