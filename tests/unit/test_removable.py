@@ -126,3 +126,21 @@ def test_an_empty_path_is_refused_not_taken_for_the_working_directory(tmp_path: 
                 call()
         assert fastckpt.latest(str(tmp_path)) == str(group)
         assert torch.equal(fastckpt.load(str(group / "rank0.pt"))["w"], _state(3)["w"])
+
+
+def test_a_group_at_an_fsspec_home_is_deleted_by_remove_and_by_keep_persistent(tmp_path: Path) -> None:
+    """fsspec's memory, gs, az and hdfs filesystems give a prefix holding objects an ``info`` of its
+    own (a directory): ``FsspecTarget.exists`` said a file was there, so ``remove`` and
+    ``keep_persistent`` took a group for a single file, deleted nothing, and said nothing."""
+    root = f"memory://fastckpt-{uuid.uuid4().hex[:8]}/run"
+    fs = fsspec.filesystem("memory")
+    with fastckpt.Checkpointer(local_dir=str(tmp_path / "nvme"), keep_persistent=2, rank=0, world_size=1) as ck:
+        for step in (1, 2, 3):
+            ck.save(_state(step), f"{root}/global_step{step}/r0.pt", group=f"{root}/global_step{step}")
+            ck.commit(f"{root}/global_step{step}", step=step).wait(60)
+        ck.wait()
+        assert not fs.exists(f"{root.removeprefix('memory://')}/global_step1")  # keep_persistent's trim
+        ck.remove(f"{root}/global_step3")
+    left = sorted(p.rsplit("/run/", 1)[1] for p in fs.find(root.removeprefix("memory://")))
+    assert not any(p.startswith(("global_step1/", "global_step3/")) for p in left), left
+    assert any(p.startswith("global_step2/") for p in left), left

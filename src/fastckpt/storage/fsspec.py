@@ -4,10 +4,9 @@ S3: a file no larger than one part is one ``PutObject``; a larger one is a multi
 (parts on ``parallelism`` threads, each retried on its own) that S3 makes visible only at
 ``CompleteMultipartUpload``, whole; any failure aborts it (``storage/s3.py``, with integrity in flight).
 
-Endpoint and credentials come from where boto always looks (``AWS_ENDPOINT_URL``,
-``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``, ``AWS_PROFILE``, ``~/.aws/config`` and
-``credentials``, instance roles) unless ``storage_options`` gives them (``endpoint_url``,
-``key``, ``secret``). They are never logged or put in messages.
+Endpoint and credentials come from where boto always looks (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``/
+``AWS_SECRET_ACCESS_KEY``, ``AWS_PROFILE``, ``~/.aws/config`` and ``credentials``, instance roles) unless
+``storage_options`` gives them (``endpoint_url``, ``key``, ``secret``). They are never logged or put in messages.
 
 Retries: botocore's retries (unless ``config_kwargs`` sets them) and s3fs's own loop are
 switched off, so that ``Target``'s loop, bounded by ``retry_deadline_s``, is the only one.
@@ -284,9 +283,12 @@ class FsspecTarget(Target):
     def size(self, key: str) -> int:
         if self.is_s3:
             return self._retry(f"size of {self.url_of(key)}", lambda: int(self._head(self._obj(key))["ContentLength"]))
+        return int(self._info(key)["size"])
+
+    def _info(self, key: str) -> dict:
         full = self._full(key)
         self.fs.invalidate_cache(full)
-        return self._retry(f"size of {self.url_of(key)}", lambda: int(self.fs.info(full)["size"]))
+        return self._retry(f"size of {self.url_of(key)}", lambda: self.fs.info(full))
 
     def modified(self, key: str) -> float:
         if self.is_s3:
@@ -294,12 +296,11 @@ class FsspecTarget(Target):
                 "head_object", Key=self._obj(key))["LastModified"].timestamp())
         return self._retry(f"date of {self.url_of(key)}", lambda: mtime(self.fs.info(self._full(key))))
 
-    def exists(self, key: str) -> bool:
+    def exists(self, key: str) -> bool:  # a file, as PosixTarget's: not a prefix gs/az/hdfs/memory call a directory
         try:
-            self.size(key)
+            return self.size(key) >= 0 if self.is_s3 else self._info(key).get("type") != "directory"
         except TargetNotFoundError:
             return False
-        return True
 
     def list(self, prefix: str = "", *, max_depth: int | None = None) -> list[str]:
         base_depth = prefix.count("/")
