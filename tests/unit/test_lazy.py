@@ -166,3 +166,39 @@ def test_lazy_saves_never_fenced_hold_no_state_and_are_counted(tmp_path) -> None
             assert ck.stats().saves == i + 1 and ck.stats().blocked_s >= rec.blocked_s
         assert ck.fence() >= 0.0 and ck.stats().saves == 3  # a late fence counts nothing twice
         assert ck.load(str(tmp_path / "s2.pt"))["w"][0] == 2.0
+
+
+def test_copy_unfenced_clones_tensors_held_by_other_objects(tmp_path, monkeypatch) -> None:
+    """``copy_unfenced`` walked dicts, lists and tuples only: a tensor in a namespace, a dataclass
+    or a tensor's attribute reached the lazy copy as the live tensor, so a change made after the
+    call (the forward pass) was saved. Protected tensors in such objects stay shared."""
+    import types
+
+    from fastckpt.save.fencing import copy_unfenced
+
+    started, go = threading.Event(), threading.Event()
+    real = snapshots.snapshot
+
+    def held(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202 (the copy starts after the change)
+        started.set()
+        assert go.wait(30)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr("fastckpt.save.saver.snapshot", held)
+    param = torch.zeros(4)
+    stats, noted = torch.zeros(4), torch.zeros(2)
+    noted.extra = torch.zeros(3)
+    state = {"tracker": types.SimpleNamespace(stats=stats, param=param, seen={1, 2}), "noted": noted}
+    copied = copy_unfenced(state, [param])
+    assert copied["tracker"].param is param and copied["tracker"].stats is not stats
+    with fastckpt.Checkpointer() as ck:
+        h = ck.save(copied, str(tmp_path / "l.pt"), lazy=True)
+        assert started.wait(30)
+        for t in (stats, noted.extra):
+            t.add_(5)  # the forward pass, before the fence
+        go.set()
+        ck.fence()
+        h.wait()
+        got = ck.load(str(tmp_path / "l.pt"), weights_only=False)
+    assert torch.equal(got["tracker"].stats, torch.zeros(4)) and torch.equal(got["noted"].extra, torch.zeros(3))
+    assert got["tracker"].seen == {1, 2}

@@ -11,6 +11,9 @@ caller's thread, because nothing orders the copy before whatever changes it.
 from __future__ import annotations
 
 import copy
+import enum
+import io
+import pickle
 from collections.abc import Callable, Iterable
 
 import torch
@@ -21,18 +24,28 @@ def storage_key(t: torch.Tensor) -> tuple[str, int]:
     return str(t.device), t.untyped_storage().data_ptr()
 
 
+_IMMUTABLE = (int, float, complex, str, bytes, range, type, enum.Enum, torch.dtype, torch.device, torch.layout,
+              torch.memory_format)
+
+
 def map_tensors(obj: object, fn: Callable[[torch.Tensor], torch.Tensor]) -> object:
     """A copy of the containers of ``obj`` (types and attributes kept) with ``fn`` applied to
-    tensors. Like pickle, it keeps identity: an object met twice (shared, or a cycle) maps to
-    one copy, so a tensor at two places stays one tensor."""
+    tensors, a tensor's attributes included. Like pickle, it keeps identity: an object met twice
+    (shared, or a cycle) maps to one copy, so a tensor at two places stays one tensor. Any other
+    mutable object (a dataclass, a namespace, a set, a numpy array) is copied as pickle copies it,
+    its tensors through ``fn``: a lazy save pickles it later, after the caller may have changed it."""
     memo: dict[int, object] = {}
 
     def walk(o: object) -> object:
         done = memo.get(id(o))
         if done is not None:
             return done
+        if o is None or isinstance(o, _IMMUTABLE):
+            return o
         if isinstance(o, torch.Tensor):
             new = memo[id(o)] = fn(o)
+            if new is not o and o.__dict__:  # torch.save pickles a tensor's attributes
+                new.__dict__.update({k: walk(v) for k, v in o.__dict__.items()})
             return new
         if isinstance(o, (dict, list)):
             new = memo[id(o)] = copy.copy(o)  # keeps the type and attributes, e.g. a state_dict's _metadata
@@ -43,9 +56,34 @@ def map_tensors(obj: object, fn: Callable[[torch.Tensor], torch.Tensor]) -> obje
             items = [walk(v) for v in o]
             new = memo[id(o)] = type(o)(*items) if hasattr(o, "_fields") else type(o)(items)
             return new
-        return o
+        new = memo[id(o)] = _repickled(o, walk)
+        return new
 
     return walk(obj)
+
+
+def _repickled(o: object, walk: Callable[[object], object]) -> object:
+    """``o`` pickled and read back, each tensor in it replaced by ``walk``'s (as ``torch.save``
+    stores tensors beside the pickle: by reference)."""
+    tensors: list[object] = []
+
+    def persistent_id(x: object) -> int | None:
+        if isinstance(x, torch.Tensor):
+            tensors.append(walk(x))
+            return len(tensors) - 1
+        return None
+
+    buf = io.BytesIO()
+    pickler = pickle.Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL)
+    pickler.persistent_id = persistent_id
+    try:
+        pickler.dump(o)
+    except Exception:  # noqa: BLE001 (the save pickles it again, and names what it cannot store)
+        return o
+    buf.seek(0)
+    unpickler = pickle.Unpickler(buf)
+    unpickler.persistent_load = tensors.__getitem__
+    return unpickler.load()
 
 
 def optimizer_tensors(optimizer: torch.optim.Optimizer) -> Iterable[torch.Tensor]:
@@ -80,8 +118,6 @@ def copy_unfenced(state: object, protected: Iterable[torch.Tensor]) -> object:
             new = torch.nn.Parameter(new, requires_grad=t.requires_grad)
         elif t.requires_grad:
             new.requires_grad_(True)
-        if t.__dict__:  # torch.save pickles a tensor's attributes
-            new.__dict__.update(t.__dict__)
-        return new
+        return new  # (its attributes: map_tensors)
 
     return map_tensors(state, clone)
