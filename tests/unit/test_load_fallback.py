@@ -97,3 +97,25 @@ def test_a_prefetch_of_a_group_file_is_judged_by_the_group_published_at_its_home
         assert ck.load(f"{tag}/r1.pt")["w"].tolist() == [61.0] * 4  # the download, by the home's group
         assert ck.stats().last_restore_from == "local"
         assert ck.load(f"{tag}/r0.pt")["w"].tolist() == [60.0] * 4  # the first attempt's local r0: not loaded
+
+
+def test_a_home_copy_that_cannot_be_read_leaves_the_burst_buffer_copy_to_load(tmp_path: Path, caplog) -> None:
+    """A home copy that fails with EIO (a failing disk, a stale NFS handle) shows no other save:
+    d92cdb8 took the failed comparison for "another save" and refused this node's intact copy,
+    with an error saying so. The copy loads, with a WARNING naming the risk."""
+    import errno
+
+    from fastckpt.testing import FaultyOps
+
+    path, bb = str(tmp_path / "home" / "last.pt"), str(tmp_path / "bb")
+    with fastckpt.Checkpointer(local_dir=bb) as ck:
+        ck.save({"step": 2, "w": torch.full((20000,), 2.0)}, path).wait(60)
+
+    def on_call(op: str, p: str) -> None:
+        if p == path and op in ("open", "preadv", "map_private"):
+            raise OSError(errno.EIO, "injected: I/O error reading the home copy", p)
+
+    with fastckpt.Checkpointer(local_dir=bb, ops=FaultyOps([], on_call=on_call)) as ck, caplog.at_level("WARNING"):
+        got = ck.load(path)
+        assert got["step"] == 2 and ck.stats().last_restore_from == "local"
+    assert "could not be read to compare it with its burst-buffer copy" in caplog.text

@@ -245,7 +245,7 @@ def test_a_home_copy_that_lost_its_manifest_falls_back_to_the_burst_buffer(tmp_p
         size = path.stat().st_size
         if damage == "zeroed":
             path.write_bytes(bytes(size))
-            with pytest.raises(CorruptCheckpointError, match="not of the same save") as err:
+            with pytest.raises(CorruptCheckpointError, match="could not be shown to be of the same save") as err:
                 ck.load(str(path))
             assert f"copy {ck.local_path(str(path))} over it" in str(err.value)
         else:

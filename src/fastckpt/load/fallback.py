@@ -14,6 +14,7 @@ nothing: the load raises ``CorruptCheckpointError`` naming both copies (``refuse
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 from ..commit.membership import group_entry, require_complete_group
@@ -22,20 +23,30 @@ from ..format.checksum import BLOCK_BYTES
 from ..storage.homes import Homes, Location
 from ..storage.types import TargetUnavailableError
 
+log = logging.getLogger("fastckpt")
+
 #: ``where`` of a burst-buffer copy that is not of the damaged home's save: never read
 OTHER_SAVE = "local (another save)"
 
 
 def local_where(local: Location, home: Location, in_group: Callable[[Location, dict], dict | None]) -> str:
     """``"local"`` when the burst-buffer copy may be read after the damaged home copy fails, else
-    ``OTHER_SAVE``. ``in_group``: ``Loader._in_group``. A home that fails even this comparison
-    (EIO) cannot show it is the same save either."""
+    ``OTHER_SAVE``. ``in_group``: ``Loader._in_group``. A home that cannot even be read for the
+    comparison (EIO, a store that does not answer) shows no damage either: the copy is read, as
+    the burst buffer is there for, with a WARNING naming the risk."""
     try:
         ours = local.target.read_manifest(local.key)
+    except (OSError, ValueError):
+        return OTHER_SAVE  # the copy's own manifest does not read: nothing vouches for it
+    try:
         published = ((in_group(home, ours) or {}).get("checksum") or {}).get("value") if ours else None
         return "local" if same_save(local, home, ours, published) else OTHER_SAVE
-    except (OSError, ValueError):
+    except ValueError:  # the home's group manifest is damaged: it cannot vouch for the copy
         return OTHER_SAVE
+    except OSError as exc:
+        log.warning("fastckpt: %s could not be read to compare it with its burst-buffer copy %s (%s): loading the "
+                    "copy; if another node saved %s since, that is older state", home.url, local.url, exc, home.url)
+        return "local"
 
 
 def same_save(local: Location, home: Location, ours: dict | None, published: str | None) -> bool:
@@ -59,13 +70,15 @@ def refused(home_error: BaseException, path: str, local: Location) -> BaseExcept
     """The error of a load whose home copy failed and whose burst-buffer copy is of another save:
     a damaged home is corruption, never a reason to return older state."""
     if not isinstance(home_error, CorruptCheckpointError):
-        home_error.add_note(f"Its burst-buffer copy {local.url} is of another save (older state): not loaded instead.")
+        home_error.add_note(f"Its burst-buffer copy {local.url} could not be shown to be of the same save (it may be "
+                            "older state): not loaded instead.")
         return home_error
     err = CorruptCheckpointError(
-        f"{path} is damaged ({home_error}), and its burst-buffer copy {local.url} is not of the same save (another "
-        "node saved the path since, or another attempt of its group is published there), so it is not loaded "
-        f"instead: that would resume from older state. If {path} is this save's copy, damaged, copy {local.url} "
-        "over it; else restore it from another copy, or load an earlier checkpoint (fastckpt.latest(...)).")
+        f"{path} is damaged ({home_error}), and its burst-buffer copy {local.url} could not be shown to be of the "
+        "same save (what the home still holds of it differs or is empty: another node may have saved the path "
+        "since, or another attempt of its group is published there), so it is not loaded instead: that could "
+        f"resume from older state. If {path} is this save's copy, damaged, copy {local.url} over it; else restore "
+        "it from another copy, or load an earlier checkpoint (fastckpt.latest(...)).")
     err.__cause__ = home_error
     return err
 
