@@ -35,6 +35,7 @@ def map_tensors(obj: object, fn: Callable[[torch.Tensor], torch.Tensor]) -> obje
     mutable object (a dataclass, a namespace, a set, a numpy array) is copied as pickle copies it,
     its tensors through ``fn``: a lazy save pickles it later, after the caller may have changed it."""
     memo: dict[int, object] = {}
+    repickler: list[_Repickler] = []
 
     def walk(o: object) -> object:
         done = memo.get(id(o))
@@ -56,34 +57,58 @@ def map_tensors(obj: object, fn: Callable[[torch.Tensor], torch.Tensor]) -> obje
             items = [walk(v) for v in o]
             new = memo[id(o)] = type(o)(*items) if hasattr(o, "_fields") else type(o)(items)
             return new
-        new = memo[id(o)] = _repickled(o, walk)
+        if not repickler:
+            repickler.append(_Repickler(walk))
+        new = memo[id(o)] = repickler[0].copy(o)
         return new
 
     return walk(obj)
 
 
-def _repickled(o: object, walk: Callable[[object], object]) -> object:
-    """``o`` pickled and read back, each tensor in it replaced by ``walk``'s (as ``torch.save``
-    stores tensors beside the pickle: by reference)."""
-    tensors: list[object] = []
+class _Repickler:
+    """Copies objects as pickle copies them, each tensor in them replaced by ``walk``'s (as
+    ``torch.save`` stores tensors beside the pickle: by reference). One pickler and one unpickler
+    serve every object of one ``map_tensors`` call, so their memos keep what the objects share
+    (an array that twenty dataclasses hold stays one array, as ``torch.save`` writes it)."""
 
-    def persistent_id(x: object) -> int | None:
+    def __init__(self, walk: Callable[[object], object]) -> None:
+        self._walk, self._buf, self._at = walk, io.BytesIO(), 0
+        self._tensors: list[object] = []
+        self._pickler = pickle.Pickler(self._buf, protocol=pickle.HIGHEST_PROTOCOL)  # each one read once written
+        self._busy = False
+        self._pickler.persistent_id = self._persistent_id
+        self._unpickler = pickle.Unpickler(self)
+        self._unpickler.persistent_load = self._tensors.__getitem__
+
+    def _persistent_id(self, x: object) -> int | None:
         if isinstance(x, torch.Tensor):
-            tensors.append(walk(x))
-            return len(tensors) - 1
+            self._tensors.append(self._walk(x))
+            return len(self._tensors) - 1
         return None
 
-    buf = io.BytesIO()
-    pickler = pickle.Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL)
-    pickler.persistent_id = persistent_id
-    try:
-        pickler.dump(o)
-    except Exception:  # noqa: BLE001 (the save pickles it again, and names what it cannot store)
-        return o
-    buf.seek(0)
-    unpickler = pickle.Unpickler(buf)
-    unpickler.persistent_load = tensors.__getitem__
-    return unpickler.load()
+    def read(self, n: int = -1) -> bytes:
+        end = len(self._buf.getbuffer()) if n < 0 else self._at + n
+        with self._buf.getbuffer() as view:
+            data = bytes(view[self._at:end])
+        self._at += len(data)
+        return data
+
+    def readline(self) -> bytes:
+        end = self._buf.getvalue().find(b"\n", self._at)
+        return self.read(-1 if end < 0 else end + 1 - self._at)
+
+    def copy(self, o: object) -> object:
+        if self._busy:  # met again from inside a dump (an object among a tensor's attributes): apart
+            return _Repickler(self._walk).copy(o)
+        self._busy = True
+        try:
+            self._pickler.dump(o)
+            return self._unpickler.load()
+        except Exception:  # noqa: BLE001 (the save pickles it again, and names what it cannot store)
+            self.__init__(self._walk)  # its memo may name what the unpickler never read: start afresh
+            return o
+        finally:
+            self._busy = False
 
 
 def optimizer_tensors(optimizer: torch.optim.Optimizer) -> Iterable[torch.Tensor]:
