@@ -39,6 +39,17 @@ def test_a_damaged_newer_save_at_home_never_falls_back_to_an_older_local_copy(tm
         assert b.load(path)["step"] == 2 and b.stats().last_restore_from == "local"
 
 
+def _save_tag(store: dist.TCPStore, tag: str, val: int, bb: str) -> None:
+    """Two ranks save and commit ``tag`` (r0 holds ``val``, r1 ``val + 1``), burst buffers ``bb0``, ``bb1``."""
+    ranks = [fastckpt.Checkpointer(rank=r, world_size=2, store=store, local_dir=f"{bb}{r}") for r in range(2)]
+    for ck in ranks:
+        ck.save({"w": torch.full((4,), float(val + ck.rank))}, f"{tag}/r{ck.rank}.pt", group=tag)
+    for h in [ck.commit(tag, step=4) for ck in ranks]:
+        h.wait(60)
+    for ck in ranks:
+        ck.close()
+
+
 @pytest.mark.parametrize("damage", ["last byte lost", "deleted"])
 def test_a_damaged_group_file_never_falls_back_to_another_attempts_local_copy(tmp_path: Path, damage: str) -> None:
     """Per-file loads (DeepSpeed, Megatron) of a tag saved again by another job: the burst buffer
@@ -48,17 +59,8 @@ def test_a_damaged_group_file_never_falls_back_to_another_attempts_local_copy(tm
     store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=60))
     tag = str(tmp_path / "home" / "global_step4")
 
-    def save(val: int, bb: str) -> None:
-        ranks = [fastckpt.Checkpointer(rank=r, world_size=2, store=store, local_dir=f"{bb}{r}") for r in range(2)]
-        for ck in ranks:
-            ck.save({"w": torch.full((4,), float(val + ck.rank))}, f"{tag}/r{ck.rank}.pt", group=tag)
-        for h in [ck.commit(tag, step=4) for ck in ranks]:
-            h.wait(60)
-        for ck in ranks:
-            ck.close()
-
-    save(50, str(tmp_path / "bbX_"))
-    save(60, str(tmp_path / "bbY_"))
+    _save_tag(store, tag, 50, str(tmp_path / "bbX_"))
+    _save_tag(store, tag, 60, str(tmp_path / "bbY_"))
     if damage == "deleted":
         os.unlink(f"{tag}/r0.pt")
     else:
@@ -79,18 +81,9 @@ def test_a_prefetch_of_a_group_file_is_judged_by_the_group_published_at_its_home
     store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=60))
     tag = f"memory://fastckpt-{uuid.uuid4().hex[:8]}/run/global_step4"
 
-    def save(val: int, bb: str) -> None:
-        ranks = [fastckpt.Checkpointer(rank=r, world_size=2, store=store, local_dir=f"{bb}{r}") for r in range(2)]
-        for ck in ranks:
-            ck.save({"w": torch.full((4,), float(val + ck.rank))}, f"{tag}/r{ck.rank}.pt", group=tag)
-        for h in [ck.commit(tag, step=4) for ck in ranks]:
-            h.wait(60)
-        for ck in ranks:
-            ck.close()
-
-    save(50, str(tmp_path / "bbX_"))
+    _save_tag(store, tag, 50, str(tmp_path / "bbX_"))
     fsspec.filesystem("memory").rm(tag[len("memory://"):], recursive=True)  # another job removes the tag
-    save(60, str(tmp_path / "bbY_"))
+    _save_tag(store, tag, 60, str(tmp_path / "bbY_"))
     with fastckpt.Checkpointer(local_dir=str(tmp_path / "bbX_0")) as ck:
         assert ck.load(f"{tag}/r1.pt", prefetch=True)["w"].tolist() == [61.0] * 4
         assert ck.stats().last_restore_from == "remote (prefetched)"
