@@ -309,10 +309,6 @@ class Loader:
         entry = found.entry if found else None
         return {"checksum": {"value": entry["checksum"]}} if entry else None
 
-    def _check_group(self, url: str, home: str, manifest: dict) -> None:
-        """``require_complete_group`` for a copy at ``url`` of the file at ``home``: ``load.fallback``."""
-        check_group(self._homes, url, home, manifest)
-
     def _read(self, loc: Location, opts: LoadOptions, url: str, where: str, home: str | None) -> Loaded:
         res = loc.target.read_object(loc.key, chunk_bytes=self._chunk, mapped=opts.mmap, into=opts.image(loc.url))
         if res.manifest is None:
@@ -328,7 +324,7 @@ class Loader:
             warn_unverified(loc.url)
             return Loaded(opts.done(obj), url, res.size, where, verified=False)
         if home is not None:  # None: within a reading, Pins.check judges it
-            self._check_group(loc.url, home, res.manifest)
+            check_group(self._homes, loc.url, home, res.manifest)
         want = res.manifest["checksum"]["value"]
         if res.checksum != want:
             raise CorruptCheckpointError(

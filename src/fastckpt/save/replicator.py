@@ -56,7 +56,7 @@ class ReplicaJob:
     future: Future = field(default_factory=Future)
     finish: Callable[[SaveRecord], SaveRecord] = lambda rec: rec  # runs before the future resolves
     home: str = ""  # where the copy goes when not rec.path (a re-saved group's new attempt, beside it)
-    order: int | None = None  # its ``hold`` key with replicate_in_order: it starts after the earlier ones
+    order: int | None = None  # its ``Turn``'s key with replicate_in_order: it starts after the earlier ones
 
 
 class Replicator:
@@ -81,11 +81,6 @@ class Replicator:
             self._bucket = TokenBucket(cfg.replicate_bandwidth_Bps, burst_bytes=cfg.chunk_bytes)
 
     # ------------------------------------------------------------------ queue
-    def hold(self, until: Future, single: bool) -> int | None:
-        """With ``replicate_in_order``, register a single-file save as ``save()`` accepts it,
-        until its handle's future ``until`` resolves; its job's ``order`` is the key returned."""
-        return self._order.hold(until) if single and self._cfg.replicate_in_order else None
-
     def turn(self, single: bool) -> Turn | None:
         """With ``replicate_in_order``, a single-file save's ``Turn`` (``Saver``: any way it is written)."""
         return Turn(self._order) if single and self._cfg.replicate_in_order else None
