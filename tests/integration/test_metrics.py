@@ -368,3 +368,33 @@ def test_serve_metrics_bind_errors_name_the_flag(tmp_path: Path) -> None:
         r = _serve("--event-log", log, "--port", port)
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
     assert "Choose another --port" in r.stderr and "LOCAL_RANK" not in r.stderr
+
+
+# A Checkpointer made by a __del__ that a garbage collection at interpreter exit runs (DeepSpeedEngine.__del__
+# calls destroy() again there): the exporter's thread could never start, and Thread.start() waited for it forever.
+_AT_SHUTDOWN = """
+import gc, logging, sys
+from fastckpt import Checkpointer
+logging.basicConfig(level=logging.WARNING, format="%(message)s")
+Checkpointer(rank=0, world_size=1, metrics_port=0).close()  # everything the late one needs is imported by now
+
+class Late:
+    def __del__(self, sys=sys, print=print, Checkpointer=Checkpointer):
+        ck = Checkpointer(rank=0, world_size=1, metrics_port=0)
+        print("finalizing", sys.is_finalizing(), "url", ck.metrics_url, flush=True)
+        ck.close()
+
+gc.collect()
+gc.set_threshold(10**9)  # the cycle is left to the collection after the exit hooks, with imports working
+late = Late()
+late.cycle = late
+del late
+"""
+
+
+def test_an_exporter_started_at_interpreter_shutdown_does_not_hang_the_exit() -> None:
+    r = subprocess.run([sys.executable, "-c", _AT_SHUTDOWN], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "finalizing True url None" in r.stdout
+    assert "not serving Prometheus metrics on port 0: the exporter was started while the interpreter shuts down" \
+        in r.stderr

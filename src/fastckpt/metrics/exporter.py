@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -39,6 +40,10 @@ def local_rank() -> int:
 class MetricsServer:
     """Serves one registry over HTTP on a daemon thread until ``close()``.
 
+    Started while the interpreter shuts down (``sys.is_finalizing()``), it serves nothing and says so
+    in a WARNING (``port`` and ``url`` are None): a thread started then never runs, and waiting for it
+    would hold the process at exit for ever.
+
     Raises:
         ConfigError: the port is taken, or the address cannot be listened on (the message says
             which and what to do).
@@ -49,6 +54,15 @@ class MetricsServer:
                   "with enough free ports above it, or run one `fastckpt serve-metrics` per node instead")
 
     def __init__(self, registry: CollectorRegistry, port: int, addr: str = "0.0.0.0") -> None:
+        self._httpd = None
+        self.port: int | None = None
+        self.url: str | None = None
+        if sys.is_finalizing():  # a __del__ or a garbage collection at exit, after the exit hooks ran: a thread
+            # started now never runs, and Thread.start() waits for it forever, so the process would never exit
+            log.warning("fastckpt: not serving Prometheus metrics on port %d: the exporter was started while the "
+                        "interpreter shuts down (from a __del__ or a garbage collection at exit), when no new thread "
+                        "can run. Start it before the script ends, or pass metrics_port=None there", port)
+            return
         try:
             self._httpd, self._thread = start_http_server(port, addr, registry=registry)
         except OSError as exc:  # socket.gaierror too: an address that does not resolve
@@ -57,12 +71,14 @@ class MetricsServer:
             raise ConfigError(f"cannot serve metrics on {addr}:{port} ({exc}): give an address of this node, "
                               "e.g. 0.0.0.0 (all) or 127.0.0.1, and a free port") from exc
         host = self._httpd.server_address[0]
-        self.port: int = self._httpd.server_address[1]
+        self.port = self._httpd.server_address[1]
         shown = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
         self.url = f"http://{f'[{shown}]' if ':' in shown else shown}:{self.port}/metrics"  # an IPv6 address: [::1]
         log.info("fastckpt: Prometheus metrics at %s", self.url)
 
     def close(self) -> None:
+        if self._httpd is None:  # never served (started at interpreter shutdown)
+            return
         self._httpd.shutdown()
         self._httpd.server_close()
         self._thread.join()
