@@ -15,7 +15,7 @@ call of the sharded load in the same ``dist_checkpointing.load`` (one, or two un
 note lives for one load: megatron checks the sharded strategy's backend (``forget``) at the start
 of every ``dist_checkpointing.load``, before it reads ``common.pt``. Any other checkpoint (an
 iteration re-saved with ``torch_dist`` keeps our old manifest beside it) is loaded exactly as
-megatron loads it.
+megatron loads it, but for a missing ``common.pt`` (``absent_error``).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 from megatron.core.dist_checkpointing.core import maybe_load_config
+from megatron.core.dist_checkpointing.mapping import CheckpointingException
 from megatron.core.dist_checkpointing.strategies.common import COMMON_STATE_FNAME, TorchCommonLoadStrategy
 
 from fastckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, GroupChangedError
@@ -64,6 +65,23 @@ def missing_error(path: str, cause: CorruptCheckpointError) -> CheckpointNotFoun
                                    "the same index)")
 
 
+def absent_error(group: str, path: str) -> CheckpointingException:
+    """``common.pt`` of a checkpoint fastckpt did not write (or never committed) does not exist. megatron-core
+    0.16.1's own loader would say so by calling ``checkpoint_dir.iterdir()`` on the str ``dist_checkpointing.load``
+    passes it, raising ``AttributeError: 'str' object has no attribute 'iterdir'``, which names neither. Its own
+    exception type, so what catches megatron's errors still does."""
+    try:
+        held = sorted(os.listdir(group))
+    except OSError as exc:
+        held = [f"cannot be listed: {exc}"]
+    shown = ", ".join(held[:8]) + (f" and {len(held) - 8} more" if len(held) > 8 else "")
+    return CheckpointingException(
+        f"Common file {path} does not exist: the checkpoint directory {group} (holding {shown or 'nothing'}) has no "
+        f"{COMMON_STATE_FNAME}, which megatron's dist_checkpointing.save writes on rank 0 with every checkpoint, so "
+        "this checkpoint is incomplete or the file was deleted. Load another checkpoint (an earlier iteration), or "
+        f"put back its {COMMON_STATE_FNAME} from a copy")
+
+
 def changed_error(group: str) -> GroupChangedError:
     return GroupChangedError(f"{group} was saved again while this load read it: megatron read common.pt of one save, "
                              "and another is published now. Nothing was loaded: load it again.")
@@ -77,9 +95,11 @@ class FastCkptCommonLoadStrategy(TorchCommonLoadStrategy):
         group = normalize(checkpoint_dir)
         config = None if is_url(group) else maybe_load_config(group)
         manifest = read_group_manifest(group) if config is not None and config.sharded_backend == BACKEND else None
-        if COMMON_STATE_FNAME not in framework_files(manifest):
-            return super().load_common(checkpoint_dir)
         path = os.path.join(group, COMMON_STATE_FNAME)
+        if COMMON_STATE_FNAME not in framework_files(manifest):
+            if not is_url(group) and not os.path.exists(path):  # megatron's own error would be about iterdir
+                raise absent_error(group, path)
+            return super().load_common(checkpoint_dir)
         try:
             with open(path, "rb") as f:
                 data: bytes | None = f.read()
