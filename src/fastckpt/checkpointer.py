@@ -21,13 +21,14 @@ from .commit import discovery
 from .commit.coordinator import Coordinator
 from .commit.foreign import check_step, group_step
 from .config import CheckpointerConfig, options_doc, options_signature
-from .errors import ClosedError, ConfigError, ReplicationError
+from .errors import ClosedError, ReplicationError
 from .events import Event, Fanout, JsonlSink
 from .exits import close_at_exit, flush_at_exit, forget_at_exit, stop_pools
 from .format.manifest import TAIL_ROOM
 from .inflight import InFlight
 from .io.ops import FileOps
 from .load.loader import Loader, LoadOptions
+from .load.missing import nothing_to_load
 from .monitor import Monitor, Stats
 from .progress import Progress
 from .records import SaveHandle, SaveRecord, stopped_note
@@ -231,9 +232,7 @@ class Checkpointer:
         """
         self._check_open()
         if path is None:
-            raise ConfigError("load(None): no checkpoint to load. fastckpt.latest() returns None when the "
-                              "directory holds no complete checkpoint yet (a save still being written or uploaded "
-                              "is not complete: wait() for it first); start from scratch in that case")
+            raise nothing_to_load()
         t0, w0 = time.monotonic(), time.time()
         got = self._loader.load(file_name(path), LoadOptions(map_location, weights_only, prefetch, verify, mmap, into))
         rto = time.monotonic() - t0
@@ -255,12 +254,13 @@ class Checkpointer:
     def remove(self, path: str, *, whole: bool = False) -> None:
         """Delete a checkpoint file or group, after any save in flight to it has finished.
 
-        A file whose replication has not started yet is not replicated (its handle resolves with
-        ``cancelled=True``); an upload under way is waited for. A group's commit in flight is cancelled (on every
-        rank, with a store) and fails at once with ``GroupRemovedError``, as does a later ``commit`` of what was
-        saved into it before; a commit rank 0 is already publishing completes first, then the group is deleted.
-        ConfigError, nothing deleted: ``path`` is no checkpoint (a directory holding them, ``commit.removable``),
-        unless ``whole``: a framework's own name for one checkpoint (Lightning's), deleted whatever it holds."""
+        A file whose replication has not started yet is not replicated (its handle resolves with ``cancelled=True``);
+        an upload under way is waited for. A group's commit in flight is cancelled (on every rank, with a store) and
+        fails at once with ``GroupRemovedError``, as does a later ``commit`` of what was saved into it before; a commit
+        rank 0 is already publishing completes first, then the group is deleted. ConfigError, nothing deleted: ``path``
+        is no checkpoint (a directory holding them, ``commit.removable``), unless ``whole``: a framework's own name for
+        one checkpoint (Lightning's), deleted whatever it holds. ClosedError after ``close()``, as ``save``."""
+        self._check_open()
         path = normalize(named(path, "remove()"))  # never the working directory for an empty one
         self._coordinator.cancel(path, self.rank, self.world_size)
         with self._replicator.cancelling(path):

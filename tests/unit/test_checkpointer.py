@@ -242,6 +242,17 @@ def test_closed_checkpointer_refuses(tmp_path) -> None:
         ck.load(str(tmp_path / "x.pt"))
 
 
+def test_remove_after_close_refuses_as_save_and_load_do(tmp_path) -> None:
+    """remove() was the one call that still worked on a closed Checkpointer (and deleted)."""
+    dest = str(tmp_path / "shared" / "r.pt")
+    ck = fastckpt.Checkpointer(local_dir=str(tmp_path / "nvme"))
+    ck.save(_state(1), dest)
+    ck.close()
+    with pytest.raises(fastckpt.ClosedError, match=r"closed by close\(\); create a new one"):
+        ck.remove(dest)
+    assert os.path.exists(dest) and os.path.exists(ck.local_path(dest))  # nothing deleted
+
+
 def test_load_of_none_says_nothing_is_complete_yet(tmp_path) -> None:
     assert fastckpt.latest(str(tmp_path)) is None
     with pytest.raises(fastckpt.ConfigError, match=r"no complete checkpoint yet.*wait\(\)"):

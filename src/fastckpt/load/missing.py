@@ -8,6 +8,13 @@ from ..errors import CheckpointNotFoundError, ConfigError
 from ..storage.types import BucketNotFoundError
 
 
+def nothing_to_load() -> ConfigError:
+    """``load(None)``: what ``latest()`` returns before any checkpoint is complete (the README's resume pattern)."""
+    return ConfigError("load(None): no checkpoint to load. fastckpt.latest() returns None when the directory holds "
+                       "no complete checkpoint yet (a save still being written or uploaded is not complete: wait() "
+                       "for it first); start from scratch in that case")
+
+
 def a_directory(path: str) -> ConfigError:
     return ConfigError(f"{path} is a directory, not a checkpoint file: load a file inside it (a group's files "
                        f"load one at a time), or fastckpt.latest({path!r}) for the newest checkpoint under it")
