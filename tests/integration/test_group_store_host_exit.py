@@ -1,7 +1,8 @@
 """A rank hears rank 0's outcome through the store that rank 0's process hosts (a plain
 ``TCPStore`` with ``is_master=True``, as ``init_process_group`` without torchrun makes it). When
 that process has ended before the rank reads the outcome, the group's manifest at its home says
-whether rank 0 published this attempt: a published group is not reported failed."""
+whether rank 0 published this attempt: a published group is not reported failed, and one whose
+``latest`` rank 0 never moved (a restart redoes it) is not reported committed."""
 
 from __future__ import annotations
 
@@ -14,20 +15,24 @@ import pytest
 import fastckpt
 
 
-def _rank0(tag: str, port_q, publish: bool, rank1_hearing) -> None:  # noqa: ANN001
+def _rank0(tag: str, port_q, how: str, rank1_hearing) -> None:  # noqa: ANN001
     import torch
     import torch.distributed as dist
 
     store = dist.TCPStore("127.0.0.1", 0, 2, True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
     port_q.put(store.port)
-    if not publish:
+    def end(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        rank1_hearing.wait(120)
+        os._exit(0)  # the process, and its store, end as rank 0 was about to publish (or to move latest)
+
+    if how == "end before publishing":
         from fastckpt.commit import attempt
 
-        def end(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
-            rank1_hearing.wait(120)
-            os._exit(0)  # the process, and its store, end as rank 0 was about to publish
-
         attempt.publish = end
+    elif how == "end before latest":
+        from fastckpt.commit import protocol
+
+        protocol.move_pointer = end
     ck = fastckpt.Checkpointer(rank=0, world_size=2, store=store, commit_timeout_s=60)
     ck.save({"w": torch.zeros(4)}, f"{tag}/rank0.pt", group=tag).wait()
     ck.commit(tag, step=1).wait()
@@ -62,11 +67,11 @@ def _rank1(tag: str, port: int, rank1_hearing, rank0_gone, out, value: float) ->
         pass
 
 
-def _launch(tag: str, published: bool, value: float) -> str:
+def _launch(tag: str, how: str, value: float) -> str:
     """One launch of a 2-rank job on a new store that rank 0's process hosts: what rank 1's commit said."""
     ctx = mp.get_context("spawn")
     port_q, out, rank1_hearing, rank0_gone = ctx.Queue(), ctx.Queue(), ctx.Event(), ctx.Event()
-    p0 = ctx.Process(target=_rank0, args=(tag, port_q, published, rank1_hearing))
+    p0 = ctx.Process(target=_rank0, args=(tag, port_q, how, rank1_hearing))
     p0.start()
     p1 = ctx.Process(target=_rank1, args=(tag, port_q.get(timeout=120), rank1_hearing, rank0_gone, out, value))
     p1.start()
@@ -82,11 +87,21 @@ def _launch(tag: str, published: bool, value: float) -> str:
 def test_a_rank_that_hears_late_from_a_store_whose_host_ended_reports_what_was_published(tmp_path, case: str) -> None:
     tag = str(tmp_path / "step-1")
     if case == "an earlier launch's publication":  # whose store gave the same attempt id ("1.0")
-        assert _launch(tag, True, 1.0) == "ok"
-    said = _launch(tag, case == "published", 2.0)
+        assert _launch(tag, "publish", 1.0) == "ok"
+    said = _launch(tag, "publish" if case == "published" else "end before publishing", 2.0)
     if case == "published":
         assert fastckpt.latest(str(tmp_path)) == tag
         assert said == "ok"  # was: StoreError "... The group stays incomplete."
     else:
         assert said.startswith("StoreError:") and "stopped answering" in said, said
         assert fastckpt.latest(str(tmp_path)) == (tag if case != "not published" else None)
+
+
+def test_a_group_published_without_its_latest_is_not_reported_committed(tmp_path) -> None:
+    """Rank 0's process (and its store) ended between the group's manifest and ``latest``: the
+    resumed launch starts from the older checkpoint ``latest`` names and saves the group again, so
+    rank 1 must not report it committed (it did: "latest never behind a reported commit" broke)."""
+    assert _launch(str(tmp_path / "step-1"), "publish", 1.0) == "ok"
+    said = _launch(str(tmp_path / "step-2"), "end before latest", 2.0)
+    assert said.startswith("StoreError:") and "not committed" in said, said
+    assert fastckpt.latest(str(tmp_path)) == str(tmp_path / "step-1")

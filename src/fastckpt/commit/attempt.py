@@ -187,13 +187,11 @@ def _elsewhere(att: Attempt, entries: dict[int, dict]) -> str | None:
 
 def _verdict(att: Attempt, ch: S.Channel, rank: int, files: dict, deadline: float, stop: threading.Event,
              waited_s: float) -> str:
-    """Another rank: rank 0's outcome of the attempt. One that does not come in time ends the
-    attempt on every rank (``Channel.give_up``) before this rank reports it not committed: else a
-    rank 0 that is only late would still publish it, with this rank's files, which this rank's
-    next save of the group may overwrite in place. Unless rank 0 claimed it first: then it is
-    publishing, and its outcome is waited for once more. A store that stopped answering (rank 0's
-    process hosted it) says nothing: the home's manifest does (this attempt's id, which a new
-    launch's store can give again, and this rank's files, by checksum)."""
+    """Another rank: rank 0's outcome of the attempt. One not in time ends the attempt on every rank
+    (``Channel.give_up``) before this rank reports it not committed (else a late rank 0 would still publish it, with
+    files this rank's next save may overwrite in place), unless rank 0 claimed it first: then its outcome is waited
+    for once more. When the store stops answering (rank 0's process hosted it), the home's manifest tells (this
+    attempt's id, which a new launch's store gives again, and this rank's files by checksum), once latest names it."""
     try:
         try:
             return ch.hear(deadline, stop, att.home.label, waited_s)
@@ -206,10 +204,12 @@ def _verdict(att: Attempt, ch: S.Channel, rank: int, files: dict, deadline: floa
             if ended:
                 raise
         return ch.hear(time.monotonic() + waited_s, stop, att.home.label, waited_s)
-    except S.StoreError:
+    except S.StoreError as exc:
         m = _manifest_of(att.home, att.token, unreadable=OSError) or {"files": {}}
         if not files or any(m["files"].get(rel, {}).get("checksum") != f.get("checksum") for rel, f in files.items()):
             raise
+        if P.never_latest(att.place, m):  # rank 0 ended between the manifest and latest: a restart redoes the group
+            raise S.StoreError(f"{exc} Rank 0 published its manifest, not latest: it is not committed") from exc
         return f"{S.PUBLISHED}:{sum(f['size'] for f in m['files'].values())}"
 
 
