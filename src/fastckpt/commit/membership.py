@@ -5,7 +5,7 @@ load of a group's file makes (``require_complete_group``). docs/groups.md, "Atte
 from __future__ import annotations
 
 import posixpath
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from ..errors import CorruptCheckpointError, IncompleteCheckpointError
@@ -80,7 +80,8 @@ def _ancestors(url: str) -> list[str]:
     return out
 
 
-def group_entry(homes: Homes, url: str, manifest: dict, pinned: Mapping[str, dict] | None = None) -> InGroup | None:
+def group_entry(homes: Homes, url: str, manifest: dict, pinned: Mapping[str, dict] | None = None,
+                read: Callable[[Place], dict | None] | None = None) -> InGroup | None:
     """For a group's file: the group it lies in and what that group names where the file lies.
 
     That is its own group (``group_dir``), looked up first at the file's path under it, then at
@@ -93,13 +94,14 @@ def group_entry(homes: Homes, url: str, manifest: dict, pinned: Mapping[str, dic
     None for a file in no group.
 
     ``pinned``: group directory -> the manifest to judge by instead of its published one now
-    (``Checkpointer.reading``)."""
+    (``Checkpointer.reading``). ``read``: how a group manifest is read (``read_group_manifest``;
+    a load's memo of them: ``load.fallback.HomeGroups``)."""
     rel = manifest.get("group_rel") or posixpath.basename(url)
     group = group_dir(url, manifest)
 
     def published_at(d: str) -> tuple[Place, dict | None]:
         place = homes.resolve(d).place()
-        return place, pinned[d] if pinned and d in pinned else read_group_manifest(place)
+        return place, pinned[d] if pinned and d in pinned else (read or read_group_manifest)(place)
 
     if group is None:
         if not manifest.get("group"):

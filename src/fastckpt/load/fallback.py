@@ -10,23 +10,71 @@ group's file, the group published at the home names the local copy's checksum; o
 byte the home file still holds of the local copy's covered range (all of them, or the part left
 by a cut) equals the local copy's. A home file zeroed whole, or holding other bytes, proves
 nothing: the load raises ``CorruptCheckpointError`` naming both copies (``refused``).
+
+A load may ask the home's group manifest twice about one burst-buffer copy (whether the copy is
+of the save the home holds, or may stand in for it; then whether the copy read is of the group):
+within ``one_load`` it is read once (``home_group``), not once per question.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 
-from ..commit.membership import group_entry, require_complete_group
+from ..commit.membership import InGroup, group_entry, require_complete_group
+from ..commit.names import GROUP_MANIFEST
+from ..commit.protocol import read_group_manifest
 from ..errors import CorruptCheckpointError, IncompleteCheckpointError
 from ..format.checksum import BLOCK_BYTES
 from ..storage.homes import Homes, Location
+from ..storage.places import Place
 from ..storage.types import TargetUnavailableError
 
 log = logging.getLogger("fastckpt")
 
 #: ``where`` of a burst-buffer copy that is not of the damaged home's save: never read
 OTHER_SAVE = "local (another save)"
+#: The home group manifests this thread's load in progress has read (``one_load``), by URL
+_READ: ContextVar[dict[str, dict | None] | None] = ContextVar("fastckpt_home_groups", default=None)
+
+
+@contextlib.contextmanager
+def one_load() -> Iterator[None]:
+    """The scope of ``home_group``'s memo: one ``Loader.load``. Never longer: a re-save of the
+    group published between two loads must be seen by the second (per-file loads that must all
+    be of one save use ``Checkpointer.reading``, which reads the manifest once for all of them)."""
+    token = _READ.set({})
+    try:
+        yield
+    finally:
+        _READ.reset(token)
+
+
+def read_again() -> None:
+    """Forget what this load read: ``Loader._read_current`` reads a file again because its group
+    was published anew meanwhile, which only a fresh read of the manifest shows."""
+    memo = _READ.get()
+    if memo is not None:
+        memo.clear()
+
+
+def home_group(place: Place) -> dict | None:
+    """``read_group_manifest`` of a group at a home, once per ``one_load`` (a load of each of a
+    group's 600 files from the burst buffer whose home copies are damaged read it twice each)."""
+    memo = _READ.get()
+    if memo is None:
+        return read_group_manifest(place)
+    key = place.url(GROUP_MANIFEST)
+    if key not in memo:
+        memo[key] = read_group_manifest(place)
+    return memo[key]
+
+
+def home_entry(homes: Homes, url: str, manifest: dict) -> InGroup | None:
+    """``group_entry`` of the file at the home ``url``, its group manifest read by ``home_group``."""
+    return group_entry(homes, url, manifest, read=home_group)
 
 
 def local_where(local: Location, home: Location, in_group: Callable[[Location, dict], dict | None]) -> str:
@@ -93,7 +141,7 @@ def check_group(homes: Homes, url: str, home: str, manifest: dict) -> None:
     only while the home cannot (nothing published there yet, or a store that does not answer)."""
     if url != home and homes.resolve(home).target.mounted:
         try:
-            found = group_entry(homes, home, manifest)
+            found = home_entry(homes, home, manifest)
         except TargetUnavailableError:
             found = None
         if found is not None and found.published is not None:

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from ..commit.foreign import torch_zip
-from ..commit.membership import NotPublishedError, group_entry
+from ..commit.membership import NotPublishedError
 from ..commit.protocol import read_sidecar
 from ..errors import (
     ConfigError,
@@ -42,7 +42,7 @@ from ..io.engine import ImageFactory
 from ..storage.homes import Homes, Location
 from ..storage.types import TargetNotFoundError, TargetUnavailableError
 from .deserialize import deserialize
-from .fallback import OTHER_SAVE, check_group, local_where, refused
+from .fallback import OTHER_SAVE, check_group, home_entry, local_where, one_load, read_again, refused
 from .image import heap_image
 from .into import check_into, check_map_location, in_place, place
 from .missing import a_directory, not_found
@@ -134,6 +134,7 @@ class Loader:
             return self._read(loc, opts, url, where, home)
         except NotPublishedError as first:
             seen = first.seen
+        read_again()
         try:
             return self._read(loc, opts, url, where, home)
         except NotPublishedError as again:
@@ -154,6 +155,10 @@ class Loader:
             CheckpointNotFoundError: no copy of it exists (never saved there, or deleted since).
             BucketNotFoundError: the URL's bucket does not exist (never a CheckpointNotFoundError).
         """
+        with one_load():  # the home's group manifest read once for this load (``load.fallback``)
+            return self._load(path, opts)
+
+    def _load(self, path: str, opts: LoadOptions) -> Loaded:
         self._saving(path)  # a save of it in flight here is the newest: load that, not the copy before it
         home = self._homes.resolve(path)
         if home.target.mounted and os.path.isdir(path):
@@ -305,7 +310,7 @@ class Loader:
     def _in_group(self, home: Location, ours: dict | None) -> dict | None:
         """For a group's file at a URL (no sidecar): the checksum its group's published manifest
         there gives it, as a manifest's ``checksum``; None when that cannot say."""
-        found = group_entry(self._homes, home.url, ours) if ours else None
+        found = home_entry(self._homes, home.url, ours) if ours else None
         entry = found.entry if found else None
         return {"checksum": {"value": entry["checksum"]}} if entry else None
 
