@@ -79,6 +79,16 @@ def test_ls_marks_replicated_and_local_only(tmp_path) -> None:
     assert got == {"one.pt": ("replicated", 1), "two.pt": ("local only", 2), "step-3": ("replicated", 3)}
 
 
+def test_ls_with_a_misspelled_local_dir_says_it_does_not_exist(home: str, tmp_path) -> None:
+    """Before: a --local-dir that does not exist listed everything as complete, nothing replicated
+    or local only, with exit 0: as if the burst buffer held nothing. (A file there: click's exit 2.)"""
+    bb = str(tmp_path / "bbb")
+    r = run("ls", home, "--local-dir", bb)
+    assert r.exit_code == 2, r.output
+    said = " ".join(r.output.split())
+    assert f"{bb} does not exist" in said and "leave --local-dir out" in said
+
+
 _KILLED_RESAVE = """
 import os, signal, sys, torch, fastckpt
 from fastckpt.testing import FaultyOps

@@ -46,6 +46,10 @@ def ls(root: str, local_dir: str | None, storage_options: dict | None, as_json: 
     complete checkpoint.
     """
     must_exist(root)
+    if local_dir is not None and not os.path.exists(local_dir):  # else nothing would be marked, silently
+        raise click.BadParameter(f"{local_dir} does not exist: give the burst buffer's directory (the local_dir the "
+                                 f"checkpoints were saved with), or leave --local-dir out to list {root} alone",
+                                 param_hint="--local-dir")
     if os.path.isfile(root.removeprefix("file://")):
         fail_with(f"{root} is a file: `fastckpt ls` lists the checkpoints under a directory; `fastckpt verify {root}` "
                   "checks one checkpoint file")
