@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import threading
+import uuid
 from pathlib import Path
 
 import pytest
@@ -574,6 +575,19 @@ def test_verify_latest_fails_on_a_newer_group_cut_short_after_its_commit(home: s
 
 def test_verify_with_nothing_to_check_exits_1(tmp_path) -> None:
     assert run("verify", str(tmp_path)).exit_code == 1
+
+
+def test_verify_of_a_url_with_nothing_there_says_it_does_not_exist(tmp_path) -> None:
+    """As of a local path that does not exist. Before: "no complete checkpoint under" the URL of
+    a file, as if it were a directory holding none."""
+    run_url = f"memory://fastckpt-{uuid.uuid4().hex[:8]}/run"
+    with fastckpt.Checkpointer(local_dir=str(tmp_path / "bb")) as ck:
+        ck.save(state(1), f"{run_url}/one.pt").wait()
+    for missing in (f"{run_url}/missing.pt", f"{run_url}-typo"):
+        r = run("verify", missing)
+        assert r.exit_code == 1, r.output
+        assert f"{missing} does not exist: check the URL" in r.output and "no complete checkpoint" not in r.output
+    assert run("verify", f"{run_url}/one.pt").exit_code == 0
 
 
 def test_ls_and_verify_at_a_url(tmp_path, s3_server, s3_bucket) -> None:

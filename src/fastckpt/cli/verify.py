@@ -21,7 +21,7 @@ from ..errors import CorruptCheckpointError, FastCkptError, IncompleteCheckpoint
 from ..format.checksum import checksum_bytes
 from ..storage.homes import Homes
 from ..storage.types import TargetNotFoundError
-from ..urls import normalize
+from ..urls import is_url, normalize
 from ._common import (
     LOCATION,
     console,
@@ -218,6 +218,8 @@ def _checkpoints(h: Homes, path: str, opts: dict | None, newest_only: bool
                 fail_with(str(exc))
             return judged
     entries = list_checkpoints(path, opts)
+    if not entries and _absent(h, path):  # as must_exist says it of a local path
+        fail_with(f"{path} does not exist: check the URL (no checkpoint was saved there yet)")
     complete = [e for e in entries if e.status in ("complete", "replicated")]
     newer = entries  # a damaged manifest makes readers skip the checkpoint: never a silent pass
     unverified: list[Checked] = []
@@ -243,6 +245,15 @@ def _checkpoints(h: Homes, path: str, opts: dict | None, newest_only: bool
                 raise
             deleted.append(e.path)
     return todo, incomplete, broken, deleted
+
+
+def _absent(h: Homes, path: str) -> bool:
+    """A URL with nothing at it: no object, none below it (a store has no directories to tell a
+    missing one from an empty one, so both are absent). Only asked when nothing was listed there."""
+    if not is_url(path):
+        return False  # must_exist said it already
+    loc = h.resolve(path)
+    return bool(loc.key) and not loc.target.exists(loc.key) and not loc.target.list(f"{loc.key}/", max_depth=0)
 
 
 def _verdict(problem: str) -> str:
