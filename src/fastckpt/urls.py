@@ -162,10 +162,21 @@ def check_url(url: str) -> str:
 
 
 def split_url(url: str) -> tuple[str, str]:
-    """``s3://bucket/a/b`` -> (``s3://bucket``, ``a/b``): the target root and the key."""
+    """``s3://bucket/a/b`` -> (``s3://bucket``, ``a/b``): the target root and the key. fsspec's
+    in-memory paths may start at '/' (``memory:///b/a``): the root is then ``memory:///b``, as
+    written, so names made from it keep the form the caller gave."""
     scheme, rest = url.split("://", 1)
-    bucket, _, key = rest.partition("/")
-    return f"{scheme}://{bucket}", key.strip("/")
+    lead = len(rest) - len(rest.lstrip("/"))
+    bucket, _, key = rest[lead:].partition("/")
+    return f"{scheme}://{rest[:lead]}{bucket}", key.strip("/")
+
+
+def root_url(protocol: str, url_root: str, root: str) -> str:
+    """The URL of a target at ``url_root`` whose fsspec path is ``root``, with the slashes
+    ``url_root`` has after its '://': fsspec's path of ``memory://b`` is ``/b``, which would name
+    it ``memory:///b``, and every checkpoint found under it (``latest``) a name the caller never gave."""
+    rest = url_root.split("://", 1)[-1]
+    return f"{protocol}://{rest[:len(rest) - len(rest.lstrip('/'))]}{root.lstrip('/')}"
 
 
 def mirror_path(local_dir: str, dest: str) -> str:

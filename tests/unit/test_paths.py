@@ -179,6 +179,22 @@ def test_latest_of_a_directory_at_a_url_with_no_checkpoint_yet_is_none() -> None
     assert fastckpt.latest(run) is None
 
 
+def test_latest_at_a_memory_url_names_it_as_it_was_given(tmp_path: Path) -> None:
+    """fsspec's path of memory://b is /b: latest("memory://b/run") named memory:///b/run/..., and
+    latest("memory:///b/run") memory:/b/run/..., which no later call accepted (a URL typo)."""
+    import uuid
+
+    bucket = f"fastckpt-{uuid.uuid4().hex[:8]}"
+    with fastckpt.Checkpointer(local_dir=str(tmp_path / "nvme")) as ck:
+        ck.save(_state(1), f"memory://{bucket}/run/step-1.pt").wait()
+        ck.save(_state(2), f"memory://{bucket}/run/step-2/a.pt", group=f"memory://{bucket}/run/step-2")
+        ck.commit(f"memory://{bucket}/run/step-2", step=2).wait()
+    for given in (f"memory://{bucket}/run", f"memory:///{bucket}/run"):
+        assert fastckpt.latest(given) == f"{given}/step-2"
+        assert fastckpt.latest(f"{given}/step-1.pt") == f"{given}/step-1.pt"
+        assert fastckpt.load(f"{fastckpt.latest(given)}/a.pt")["v"] == 2
+
+
 @pytest.mark.parametrize(("typo", "meant"), [("s3:/bucket/run/x.pt", "s3://bucket/run/x.pt"),
                                              ("s3:bucket/run/x.pt", "s3://bucket/run/x.pt"),
                                              ("s3//bucket/run/x.pt", "s3://bucket/run/x.pt"),

@@ -37,7 +37,7 @@ from ..errors import ConfigError, ReplicationError
 from ..io.atomic import is_tmp, tmp_name
 from ..io.ops import READ, FileOps, pread_exact
 from ..units import MiB
-from ..urls import check_key
+from ..urls import check_key, root_url
 from .base import T, Target
 from .s3 import (
     TRANSIENT_CODES,
@@ -122,7 +122,7 @@ class FsspecTarget(Target):
         if self.is_s3:
             self.fs.retries = 1  # s3fs's own loop: one attempt, ours does the rest
         self.root = self.fs._strip_protocol(url_root).rstrip("/")
-        self._url = f"{protocol}://{self.root}"
+        self._url = root_url(protocol, url_root, self.root)  # as given, never memory:///b for memory://b
         self.bucket, _, self.prefix = self.root.partition("/")
         if self.is_s3 and not self.bucket:
             raise ConfigError(f"{url_root!r} names no bucket: use s3://<bucket>[/<prefix>]")
