@@ -130,6 +130,32 @@ def test_a_striped_burst_buffer_needs_a_share_of_the_state_on_each_drive(tmp_pat
     assert (code == 0) == (verdict == "ok")  # before: 1 for both
 
 
+@pytest.mark.parametrize("size, verdict", [("3MiB", "ok"), ("5MiB", "fail")])
+def test_a_target_on_the_burst_buffers_filesystem_needs_room_for_both(tmp_path: Path, size: str,
+                                                                       verdict: str) -> None:
+    """The burst buffer keeps its copies and the target its own on the one filesystem. Before: each
+    free_space was checked alone against all of it, both said ok (exit 0) for two 5 MiB copies on
+    8 MiB, and the job ran out of space once the second copy landed."""
+    with tmpfs(tmp_path / "fs", "size=8m") as fs:
+        code, out = _doctor("--local-dir", str(fs / "bb"), "--target", str(fs / "home"), "--state-size", size,
+                            "--keep", "1", "--probe-size", "0", "--json")
+    f = _by_check(out)
+    assert f["local_dir.free_space"]["status"] == "ok" and f["target.free_space"]["status"] == "ok"  # alone
+    both = f["target.shared_free_space"]
+    need = int(size.removesuffix("MiB")) << 20
+    assert both["status"] == verdict and both["data"]["need_bytes"] == 2 * need
+    assert (code == 0) == (verdict == "ok")
+    if verdict == "fail":
+        assert "other than the burst buffer's" in both["fix"]
+
+
+def test_no_shared_space_finding_for_separate_filesystems(tmp_path: Path) -> None:
+    with tmpfs(tmp_path / "nvme", "size=8m") as bb:
+        code, out = _doctor("--local-dir", str(bb / "bb"), "--target", str(tmp_path / "home"), "--state-size",
+                            "5MiB", "--keep", "1", "--probe-size", "0", "--json")
+    assert code == 0 and "target.shared_free_space" not in _by_check(out)
+
+
 @pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm")
 def test_memory_filesystem_as_burst_buffer_is_a_warning(tmp_path: Path) -> None:
     bb = Path("/dev/shm") / f"fastckpt-doctor-{os.getpid()}"

@@ -119,6 +119,8 @@ def diagnose(o: DoctorOptions) -> Diagnosis:
             findings.append(Finding("target.separate", "warn", f"{target} and the burst buffer {shared[0]} are on "
                                     "the same filesystem: losing it loses both copies",
                                     "save to a persistent filesystem (or URL) other than the burst buffer's"))
+        if (both := local.shared_space(target, shared, o.state_size, o.keep, drives)) is not None:
+            findings.append(both)
     blocked = any(f.status == "fail" for f in findings
                   if f.check.startswith(("local_dir", "target")) and f.check.endswith(".writable"))
     dest = target if not url and not blocked else (dirs[0] if dirs else os.getcwd())

@@ -158,3 +158,27 @@ def stripe_space(paths: tuple[str, ...], state_size: int | None, copies: int) ->
         return Finding("local_dir.free_space", "fail", about, "free space on the drives, lower keep_local, or add "
                        "a drive", data)
     return Finding("local_dir.free_space", "ok", about, data=data)
+
+
+def shared_space(target: str, shared: list[str], state_size: int | None, copies: int, drives: int) -> Finding | None:
+    """The filesystem that holds both the target and the burst buffer (``shared``: its directories
+    there) against both sets of copies: each ``free_space`` alone sees the whole free space, but the
+    burst buffer keeps its local copies (its 1/``drives`` share) while the target keeps its durable
+    ones. None when nothing is shared or without ``state_size``."""
+    sp = sysinfo.space(target) if shared and state_size is not None else None
+    if sp is None or state_size is None:
+        return None
+    local, home = -(-state_size * copies // drives), state_size * copies
+    need = local + home
+    data = {"free_bytes": sp.free, "need_bytes": need, "local_bytes": local, "target_bytes": home,
+            "mountpoint": sp.mountpoint, "local_dirs": shared}
+    about = (f"{sp.free / GB:.3g} GB free at {sp.mountpoint}, which holds both {target} and the burst buffer "
+             f"{shared[0]}: {copies} checkpoint(s) of {state_size / GB:.3g} GB in each need {need / GB:.3g} GB "
+             f"({local / GB:.3g} GB local + {home / GB:.3g} GB at the target)")
+    if sp.free < need:
+        return Finding("target.shared_free_space", "fail", about, f"free {(need - sp.free) / GB:.3g} GB, lower "
+                       "keep_local/keep_persistent, or save to a filesystem other than the burst buffer's", data)
+    if sp.free < 1.25 * need:
+        return Finding("target.shared_free_space", "warn", about + " (less than 25 % to spare)",
+                       "leave room for growth of the state", data)
+    return Finding("target.shared_free_space", "ok", about, data=data)
