@@ -84,3 +84,24 @@ def test_a_group_or_file_at_a_url_given_for_the_other_says_so(s3_server, s3_buck
         fastckpt.load(f"{run}/step3", storage_options=opts)
     assert fastckpt.latest(f"{run}/last.pt", storage_options=opts) == f"{run}/last.pt"
     assert fastckpt.load(fastckpt.latest(f"{run}/last.pt", storage_options=opts), storage_options=opts)["version"] == 1
+
+
+def test_load_of_a_dcp_directory_at_a_url_says_what_loads_it(s3_server, s3_bucket, tmp_path: Path) -> None:
+    """latest() names a torch.distributed.checkpoint directory (its .metadata written); load()
+    of it said "... or fastckpt.latest(<it>)", which named it again. It now names it as DCP's."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    opts, run = s3_server.storage_options(), f"s3://{s3_bucket}/run3"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # no process group: dcp.save warns and saves as one rank
+        dcp.save({"model": {"w": torch.ones(4)}, "step": 100}, checkpoint_id=str(tmp_path / "step-100"))
+    for f in (tmp_path / "step-100").iterdir():
+        s3_server.client().put_object(Bucket=s3_bucket, Key=f"run3/step-100/{f.name}", Body=f.read_bytes())
+    named = fastckpt.latest(run, storage_options=opts)
+    assert named == f"{run}/step-100"
+    with pytest.raises(ConfigError, match=r"step-100 is a checkpoint written by torch.distributed.checkpoint \(a "
+                       r"directory holding .metadata\), not a torch.save file: .*dcp_to_torch_save") as refused:
+        fastckpt.load(named, storage_options=opts)
+    assert "fastckpt.latest(" not in str(refused.value)

@@ -232,6 +232,34 @@ def test_a_fastckpt_file_copied_in_by_another_tool_is_found_and_verified(tmp_pat
         fastckpt.load(str(run / "step-9.pt"))
 
 
+def test_load_of_a_dcp_directory_latest_named_says_what_loads_it(tmp_path: Path,
+                                                                 caplog: pytest.LogCaptureFixture) -> None:
+    """latest() names a plain dcp.save directory (it counts DCP directories for Lightning's FSDP
+    checkpoints), which fastckpt.load() does not read. Its refusal said "load a file inside it, or
+    fastckpt.latest(<the directory>)", which named the same directory again: advice in a circle.
+    It now names the checkpoint as DCP's and what loads it; so does latest()'s warning. (At a URL:
+    tests/integration/test_groups_s3.py.)"""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    run = tmp_path / "run3"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # no process group: dcp.save warns and saves as one rank
+        dcp.save({"model": {"w": torch.ones(4)}, "step": 100}, checkpoint_id=str(run / "step-100"))
+    with caplog.at_level("WARNING", logger="fastckpt"):
+        named = fastckpt.latest(str(run))
+    assert named == str(run / "step-100")
+    assert "is a torch.distributed.checkpoint directory" in caplog.text and "loads unverified" not in caplog.text
+    with pytest.raises(fastckpt.ConfigError) as refused:
+        fastckpt.load(named)
+    said = str(refused.value)
+    assert said.startswith(f"{named} is a checkpoint written by torch.distributed.checkpoint (a directory holding "
+                           ".metadata), not a torch.save file")
+    assert f"torch.distributed.checkpoint.load(state, checkpoint_id={named!r})" in said
+    assert f"dcp_to_torch_save({named!r}" in said and "fastckpt.latest(" not in said
+
+
 def test_a_torch_distributed_checkpoint_directory_is_one_checkpoint(tmp_path: Path) -> None:
     """Lightning's FSDPStrategy(state_dict_type="sharded") saves each checkpoint as a DCP directory
     (``.metadata``, ``__0_0.distcp``) plus its own ``meta.pt``. latest() named that meta.pt, a

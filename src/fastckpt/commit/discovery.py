@@ -15,10 +15,13 @@ missing, the newest complete checkpoint a scan finds. A scan lists the root down
 Checkpoints written without fastckpt count too, marked ``foreign`` (they load unverified: no
 checksum was recorded): a complete ``torch.save`` zip (plain ``torch.save``, Lightning's
 ``TorchCheckpointIO``; recognised by its end-of-central-directory record, ``format.foreign``),
-and the DeepSpeed tag directory that DeepSpeed's own ``latest`` file names (DeepSpeed's per-rank
-files never count on their own). So a run that switches to fastckpt resumes from the checkpoints
-it already has. A fastckpt file copied in by another tool (``aws s3 cp``, ``rsync``) without its
-sidecar counts by the manifest in its own zip comment, and is verified when loaded.
+the DeepSpeed tag directory that DeepSpeed's own ``latest`` file names (DeepSpeed's per-rank
+files never count on their own), and a ``torch.distributed.checkpoint`` directory once its
+``.metadata`` is written (Lightning's FSDP sharded checkpoints, which Lightning loads itself:
+fastckpt.load() refuses it, naming what loads it, and latest() warns when it names one). So a
+run that switches to fastckpt resumes from the checkpoints it already has. A fastckpt file
+copied in by another tool (``aws s3 cp``, ``rsync``) without its sidecar counts by the manifest
+in its own zip comment, and is verified when loaded.
 
 Hidden names (``.x``) and temp files are never checkpoints. Checkpoints are ordered by their
 commit request (groups) or write time (files; foreign ones by their modification time), not by
@@ -156,7 +159,7 @@ def _scan(loc: Location, max_depth: int, damaged: list[Damaged], gone: list[str]
                                (d or loc.url).endswith(".ckpt"))
         if meta is not False:
             written = loc.target.modified(prefix + posixpath.join(d, DCP_METADATA))
-            others.append(Found(join(loc.url, d), "group", written, {}, "torch.distributed.checkpoint", meta))
+            others.append(Found(join(loc.url, d), "group", written, {}, foreign.DCP, meta))
     return _ordered(loc, prefix, found if every_copy else _one_copy_each(found), others)
 
 
@@ -267,7 +270,11 @@ def latest(homes: Homes, root: str) -> str | None:
     found = scan(loc)
     if not found:
         return _the_file(loc)
-    if found[-1].foreign:
+    if found[-1].foreign == foreign.DCP:  # named for Lightning's FSDP resume, which loads it itself
+        log.warning("fastckpt: the newest checkpoint under %s, %s, is a %s directory, not fastckpt's: %s; "
+                    "fastckpt's next save there supersedes it", loc.url, found[-1].path, foreign.DCP,
+                    foreign.dcp_how_to_load(found[-1].path))
+    elif found[-1].foreign:
         log.warning("fastckpt: the newest checkpoint under %s, %s, was written by %s, not fastckpt: it loads "
                     "unverified (no checksum was recorded); fastckpt's next save there supersedes it",
                     loc.url, found[-1].path, found[-1].foreign)

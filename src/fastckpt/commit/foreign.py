@@ -21,6 +21,16 @@ DEEPSPEED_FILE = re.compile(r".*(model_states|optim_states)\.pt$")  # mp_rank_00
 MAX_DIRECTORY_BYTES = 64 << 20
 MAX_POINTER_BYTES = 4096
 MEGATRON_CONFIG = "metadata.json"  # megatron-core's dist_checkpointing config, rewritten by each save
+DCP = "torch.distributed.checkpoint"  # what wrote a directory holding discovery.DCP_METADATA
+
+
+def dcp_how_to_load(path: str) -> str:
+    """How to load the DCP directory ``path``: fastckpt.load() reads torch.save files only, and
+    latest() names such a directory (Lightning's FSDP sharded checkpoints resume through Lightning)."""
+    return (f"fastckpt.load() reads torch.save files only: load it with torch.distributed.checkpoint.load(state, "
+            f"checkpoint_id={path!r}), or convert it once with torch.distributed.checkpoint.format_utils."
+            f"dcp_to_torch_save({path!r}, 'FILE.pt') and fastckpt.load that file; a Lightning FSDP checkpoint "
+            f"loads through its strategy: trainer.fit(ckpt_path={path!r})")
 
 
 def resaved_by(target: Target, group_key: str, framework_files: dict) -> str | None:

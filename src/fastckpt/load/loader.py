@@ -162,7 +162,7 @@ class Loader:
         self._saving(path)  # a save of it in flight here is the newest: load that, not the copy before it
         home = self._homes.resolve(path)
         if home.target.mounted and os.path.isdir(path):
-            raise a_directory(path)
+            raise a_directory(path, local=True)
         candidates, judged = self._candidates(path, home)
         if opts.prefetch and not home.target.mounted and judged is not None:
             got = self._prefetch(path, home, opts, judged)

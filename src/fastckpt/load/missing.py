@@ -4,6 +4,10 @@ code may take for "nothing saved there: start fresh"."""
 
 from __future__ import annotations
 
+import os
+
+from ..commit.discovery import DCP_METADATA
+from ..commit.foreign import DCP, dcp_how_to_load
 from ..errors import CheckpointNotFoundError, ConfigError
 from ..storage.types import BucketNotFoundError
 
@@ -15,7 +19,12 @@ def nothing_to_load() -> ConfigError:
                        "for it first); start from scratch in that case")
 
 
-def a_directory(path: str) -> ConfigError:
+def a_directory(path: str, dcp: bool = False, local: bool = False) -> ConfigError:
+    """``dcp`` (``local``: looked up here, on a file system): it holds DCP's ``.metadata``, and
+    latest() of it names it again, so the advice to call that would go in a circle: say what loads it."""
+    if dcp or (local and os.path.isfile(os.path.join(path, DCP_METADATA))):
+        return ConfigError(f"{path} is a checkpoint written by {DCP} (a directory holding {DCP_METADATA}), not a "
+                           f"torch.save file: {dcp_how_to_load(path)}")
     return ConfigError(f"{path} is a directory, not a checkpoint file: load a file inside it (a group's files "
                        f"load one at a time), or fastckpt.latest({path!r}) for the newest checkpoint under it")
 
@@ -27,8 +36,8 @@ def not_found(path: str, candidates: list, exc: OSError) -> OSError | ConfigErro
     home = next(loc for loc, where in candidates if where != "local")
     if not home.target.mounted:  # a store answers 404 to a HEAD in a missing bucket as to a missing key
         try:  # one request; its error names the bucket
-            if home.key and home.target.list(f"{home.key}/", max_depth=0):
-                return a_directory(path)
+            if home.key and (keys := home.target.list(f"{home.key}/", max_depth=0)):
+                return a_directory(path, f"{home.key}/{DCP_METADATA}" in keys)
         except BucketNotFoundError as missing:  # a wrong URL, never "nothing saved there yet, start fresh"
             return missing
         except OSError:  # it cannot tell: the key's absence stands
