@@ -59,7 +59,7 @@ def test_summary_numbers_match_the_log_and_the_records(run: tuple[Path, list]) -
     snaps = [e for e in events if e["name"] == "snapshot"]
     assert got["events"] == len(events)
     assert got["saves"] == len(snaps) == SAVES + 1
-    assert got["failed"] == 1 and got["failures"] == {"write: OSError": 1}
+    assert got["failed"] == 1 and got["failures"] == {"write: CheckpointWriteError": 1}
     assert got["durable"] == SAVES and got["pending"] == 0 and got["tiers"] == {"nvme": SAVES + 1}
     assert got["bytes"] == sum(r.bytes for r in recs)
     blocked = [e["end"] - e["start"] for e in snaps]
@@ -80,7 +80,7 @@ def test_png_and_self_contained_html(run: tuple[Path, list], tmp_path: Path) -> 
     png, page = tmp_path / "report.png", tmp_path / "report.html"
     res = _cli(str(log), "-o", str(png), "--html", str(page), "--overhead-budget", "0.5")
     assert res.returncode == 1, res.stderr
-    assert "6 saves (nvme 6) by 1 rank(s)" in res.stdout and "failures: write: OSError x1" in res.stdout
+    assert "6 saves (nvme 6) by 1 rank(s)" in res.stdout and "failures: write: CheckpointWriteError x1" in res.stdout
     with Image.open(png) as im:
         im.verify()
     with Image.open(png) as im:

@@ -91,7 +91,7 @@ def test_a_commit_a_failed_save_ended_is_one_failure_event_on_each_rank(tmp_path
         close_all(cks)
     failed = sorted((e.rank, e.name, e.detail, e.path, error_type(e.error)) for e in events if e.error is not None)
     assert failed == [(0, "commit", "group", str(g2), "CheckpointWriteError"),
-                      (1, "write", None, str(g2 / "r1.pt"), "OSError"),
+                      (1, "write", None, str(g2 / "r1.pt"), "CheckpointWriteError"),
                       (2, "commit", "group", str(g2), "CheckpointWriteError")]
 
 

@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import zipfile
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import psutil
 import pytest
@@ -24,8 +25,10 @@ import torch
 
 import fastckpt
 from fastckpt import Checkpointer, CheckpointWriteError, CorruptCheckpointError, UnsupportedObjectError
+from fastckpt.eventlog import error_type
 from fastckpt.io.atomic import TMP_TAG
 from fastckpt.io.ops import FileOps
+from fastckpt.report import load_run
 from fastckpt.save.tiers import probe_odirect
 from fastckpt.testing import Fault, FaultyOps
 from tests.helpers import flip_byte
@@ -585,3 +588,24 @@ def test_a_save_close_gave_up_on_before_its_write_started_says_so(tmp_path, loca
     finally:
         held.open()
     assert not (tmp_path / "home" / "b.pt").exists()
+
+
+@pytest.mark.parametrize("op, err, phase", [("pwrite", errno.ENOSPC, "write"), ("replace", errno.EIO, "commit")])
+def test_a_failed_phase_is_counted_as_the_error_the_caller_gets(tmp_path, op: str, err: int, phase: str) -> None:
+    """The save raises CheckpointWriteError, and its failed event (which fastckpt_failures_total's
+    ``error`` label and ``fastckpt report``'s failures are made from) must say so. Before, the
+    event carried the OSError inside it: counted as ``write: OSError``, so an alert on
+    CheckpointWriteError never fired, and ENOSPC, EIO, EACCES... all read as one bare OSError."""
+    events: list = []
+    ops, log = FaultyOps(), tmp_path / "events.jsonl"
+    with Checkpointer(ops=ops, event_log=str(log), sinks=(SimpleNamespace(emit=events.append),)) as ck:
+        ck.save(_state(1), str(tmp_path / "a.pt")).wait()
+        ops.inject(Fault(op, err, path_contains="b.pt"))
+        with pytest.raises(CheckpointWriteError) as raised:
+            ck.save(_state(2), str(tmp_path / "b.pt")).wait()
+    ops.assert_all_reached()
+    assert raised.value.errno == err
+    (failed,) = [e for e in events if e.error is not None]
+    assert (failed.name, error_type(failed.error)) == (phase, "CheckpointWriteError")
+    assert f"saving {tmp_path / 'b.pt'} failed" in failed.error  # the message the caller got
+    assert load_run([str(log)])[1].failures == {f"{phase}: CheckpointWriteError": 1}

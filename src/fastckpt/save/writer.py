@@ -108,8 +108,7 @@ class FileWriter:
                 base, dest = replace(base, tier=choice.tier), base.path
                 st, res, t0 = self._write_once(snap, dest, choice.odirect, base_now)
         except BaseException as exc:
-            self._emit("write", base.path, base.bytes, w0, base.tier, exc)
-            self._raise(exc, base, dest)
+            self._fail("write", exc, base, dest, base.path, base.bytes, w0)
         finally:
             if progress is not None:
                 progress.wait_done()  # never hand the buffer back while the copy still fills it
@@ -150,8 +149,7 @@ class FileWriter:
             with dir_lock(os.path.dirname(st.dest), shared=True) if local else contextlib.nullcontext():
                 st.commit()
         except BaseException as exc:
-            self._emit("commit", st.dest, res.bytes, c0, base.tier, exc)
-            self._raise(exc, base, st.dest, st.renamed)
+            self._fail("commit", exc, base, st.dest, st.dest, res.bytes, c0, st.renamed)
         commit_s = time.monotonic() - t_call
         self._emit("commit", st.dest, res.bytes, c0, base.tier)
         return replace(base, bytes=res.bytes, write_s=write_s, commit_s=commit_s,
@@ -161,6 +159,16 @@ class FileWriter:
     def _raise(self, exc: BaseException, base: SaveRecord, dest: str, renamed: bool = False) -> None:
         """Raise the failure of writing ``dest`` for ``base.path``, naming the drive written."""
         raise_as_write_error(exc, base.path, renamed, os.path.dirname(dest), self._is_local(dest))
+
+    def _fail(self, phase: str, exc: BaseException, base: SaveRecord, dest: str, named: str, nbytes: int,
+              start: float, renamed: bool = False) -> None:
+        """Emit the failed ``phase`` event with the error the caller gets (a CheckpointWriteError,
+        not the OSError inside it: metrics and reports count failures by its type), then raise it."""
+        try:
+            self._raise(exc, base, dest, renamed)
+        except BaseException as raised:
+            self._emit(phase, named, nbytes, start, base.tier, raised)
+            raise
 
     def _is_local(self, dest: str) -> bool:
         """``dest`` is in the burst buffer (a drive of ``local_dir``)."""
