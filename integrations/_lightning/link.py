@@ -101,9 +101,12 @@ class TrainerLink:
         durable. If one failed, was skipped or never reached its path (``not_durable``), Lightning
         counts a checkpoint that does not exist, and ``path`` may be the only good one left: keep
         it (a WARNING says so). Not an error: the failed save's own error is raised once, by the
-        training thread."""
-        for h in saves:
-            why = not_durable(h, self._saves.newest.get)
+        training thread. One whose upload was dropped for a newer save (last.ckpt's, while uploads
+        run behind) is older than those after it here: they stand for it."""
+        for i, h in enumerate(saves):
+            if i + 1 < len(saves) and dropped_for_newer(h):
+                continue
+            why = not_durable(h, self._saves.after)
             if why is not None:
                 log.warning("fastckpt: kept %s although Lightning asked to delete it: the save of %s before it %s, "
                             "so deleting it could leave no checkpoint. Delete it yourself once a newer checkpoint "
@@ -160,7 +163,7 @@ class TrainerLink:
                 entry = queued[0]
             if upto is None and not entry[0].done():
                 return
-            _link_after(entry[0], entry[1], linkpath, self._saves.newest.get)
+            _link_after(entry[0], entry[1], linkpath, self._saves.after)
             self._remove_deferred()
             with self._links_lock:
                 queued.pop(0)
@@ -293,11 +296,11 @@ def named_by_link(path: str, folders: Iterable[str] = ()) -> bool:
 
 
 def _link_after(save: SaveHandle, filepath: str, linkpath: str,
-                newest: Callable[[str], SaveHandle | None]) -> None:
+                after: Callable[[SaveHandle], SaveHandle | None]) -> None:
     """The remover thread: point ``linkpath`` at ``filepath`` once its ``save`` is durable,
     atomically (a symlink made beside it and renamed over it: ``linkpath`` never goes missing).
     If it failed or was skipped, ``linkpath`` keeps naming the checkpoint before."""
-    why = not_durable(save, newest)
+    why = not_durable(save, after)
     if why is not None:
         log.warning("fastckpt: %s still names the checkpoint before: the save of %s it was to name %s",
                     linkpath, filepath, why)
@@ -317,24 +320,35 @@ def _link_after(save: SaveHandle, filepath: str, linkpath: str,
         raise
 
 
-def not_durable(handle: SaveHandle, newest: Callable[[str], SaveHandle | None]) -> str | None:
+def dropped_for_newer(handle: SaveHandle) -> bool:
+    """Whether the replicator dropped ``handle``'s upload for a newer save (waiting for it)."""
+    try:
+        return handle.result().superseded
+    except BaseException:  # noqa: BLE001 (not dropped: ``not_durable`` reports it)
+        return False
+
+
+def not_durable(handle: SaveHandle, after: Callable[[SaveHandle], SaveHandle | None]) -> str | None:
     """Why ``handle``'s save did not leave a file at its path (waiting for it), or None if it did.
     One the replicator dropped for a newer save to the same path (it does under any
-    replicate_policy) is as durable as that save (``newest``: the newest save to a path)."""
-    try:
-        rec = handle.result()  # not wait(): its failure stays the training thread's to raise once
-    except CancelledError:
-        return "was never written (the Checkpointer stopped first)"
-    except BaseException as exc:  # noqa: BLE001 (reported as the reason; raised once elsewhere)
-        return f"failed ({type(exc).__name__}, raised on the training thread)"
-    if rec.skipped:
-        return "was skipped (when_busy='skip')"
-    if rec.cancelled:
-        return "was deleted before it was replicated"
-    if rec.superseded or rec.durable_s is None:
-        newer = newest(handle.path)
-        if newer is not None and newer is not handle:
-            return not_durable(newer, newest)
-        return ("was dropped from the replication queue for a newer checkpoint (the Checkpointer's "
-                "replicate_policy='coalesce'): only its burst-buffer copy exists")
-    return None
+    replicate_policy) is as durable as the next save there (``after``), and so on. Not the newest
+    save there: with uploads behind, that one is always last in their queue."""
+    start = handle
+    while True:
+        try:
+            rec = handle.result()  # not wait(): its failure stays the training thread's to raise once
+        except CancelledError:
+            return "was never written (the Checkpointer stopped first)"
+        except BaseException as exc:  # noqa: BLE001 (reported as the reason; raised once elsewhere)
+            return f"failed ({type(exc).__name__}, raised on the training thread)"
+        if rec.skipped and handle is start:  # (a later one, skipped, dropped nothing: the one after it did)
+            return "was skipped (when_busy='skip')"
+        if rec.cancelled:
+            return "was deleted before it was replicated"
+        if not rec.superseded and rec.durable_s is not None:
+            return None
+        newer = after(handle)
+        if newer is None:
+            return ("was dropped from the replication queue for a newer checkpoint (the Checkpointer's "
+                    "replicate_policy='coalesce'): only its burst-buffer copy exists")
+        handle = newer

@@ -7,6 +7,7 @@ handed back to be raised once).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -37,14 +38,24 @@ class SaveLedger:
         #: Each path's newest save this fit, done or not, kept after ``harvest``: a skipped or
         #: failed save is done (and harvested) before ModelCheckpoint links last.ckpt to it.
         self.newest: dict[str, SaveHandle] = {}
+        #: Each save's successor, the next save to its path this fit (``after``). Weak keys: an
+        #: entry lasts while a queued removal or link may still judge that save.
+        self._next: weakref.WeakKeyDictionary[SaveHandle, SaveHandle] = weakref.WeakKeyDictionary()
 
     def add(self, handle: SaveHandle, step: int | None, blocked_s: float | None, lazy: bool = False) -> Tracked:
         item = Tracked(handle, step, blocked_s)
         self.tracked.append(item)
+        prev = self.newest.get(handle.path)
+        if prev is not None:
+            self._next[prev] = handle
         self._last = self.newest[handle.path] = handle
         if lazy:
             self._unfenced.append(item)
         return item
+
+    def after(self, handle: SaveHandle) -> SaveHandle | None:
+        """The save to ``handle``'s path called right after it this fit, if any (any thread)."""
+        return self._next.get(handle)
 
     def fence(self, ck: Checkpointer | None) -> None:
         """Lazy saves: wait for their copies; the wait is blocked time of the first of them."""

@@ -216,3 +216,52 @@ def test_last_ckpt_replaced_before_its_upload_does_not_keep_a_top_k_file(tmp_pat
         release.set()
     assert sorted(os.listdir(ckdir)) == ["epoch=0-step=3.ckpt", "last.ckpt"]
     assert not [r for r in caplog.records if r.getMessage().startswith("fastckpt: kept")]
+
+
+def test_a_deletion_waits_for_the_saves_before_it_not_for_the_newest_last_ckpt(tmp_path):
+    """save_last=True while uploads run behind: each queued last.ckpt upload is dropped for the
+    next one, up to the newest. The removal of step=1 waited for that newest last.ckpt, at the tail
+    of the upload queue, so deletions fell ever further behind (dozens of top-k files at the path,
+    all left by a kill). It waits for step=2 (saved after last.ckpt of step 1) instead. step=1's
+    home rename holds every upload back (in call order); last.ckpt's stays held while we look."""
+    ckdir = str(tmp_path / "ckpt")
+    release = {"epoch=0-step=1.ckpt": threading.Event(), "last.ckpt": threading.Event()}
+
+    def hold_home_rename(op, path):  # noqa: ANN001, ANN202
+        path = final_path(path) or path
+        if op == "replace" and os.path.dirname(path) == ckdir and os.path.basename(path) in release:
+            assert release[os.path.basename(path)].wait(60)
+
+    saves: dict[str, list[SaveHandle]] = {}
+    at_home: list[str] = []
+
+    class Look(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if trainer.global_step == 4:
+                assert [h.result(60).superseded for h in saves["last.ckpt"][:2]] == [True, True]
+                release["epoch=0-step=1.ckpt"].set()
+                for step in (1, 2):  # not held by last.ckpt of step 3, the newest, whose rename is held
+                    io._removals[os.path.join(ckdir, f"epoch=0-step={step}.ckpt")].result(30)
+                at_home.extend(sorted(f for f in os.listdir(ckdir) if f.startswith("epoch")))
+                release["last.ckpt"].set()
+
+    io = FastCkptIO(local_dir=str(tmp_path / "nvme"), ops=FaultyOps(on_call=hold_home_rename),
+                    replicate_workers=1, staging_buffers=4)
+    trainer = make_trainer(str(tmp_path), io, 5, callbacks=[Look()], every_n_train_steps=1,
+                           save_top_k=1, monitor="step", mode="max", save_last=True)
+    ck = io._checkpointer()
+    save = ck.save
+
+    def record(state, path, **kw):  # noqa: ANN001, ANN003, ANN202
+        handle = save(state, path, **kw)
+        saves.setdefault(os.path.basename(path), []).append(handle)
+        return handle
+
+    ck.save = record  # type: ignore[method-assign]
+    try:
+        trainer.fit(TinyModel(), loader())
+    finally:
+        for event in release.values():
+            event.set()
+    assert at_home == ["epoch=0-step=3.ckpt"]
+    assert sorted(os.listdir(ckdir)) == ["epoch=0-step=5.ckpt", "last.ckpt"]
