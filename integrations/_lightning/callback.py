@@ -8,11 +8,12 @@ Every hook runs on the training thread; a Trainer without a FastCkptIO is left a
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 from fastckpt.errors import ConfigError
 
-from .options import refuse_keep_persistent
+from .options import refuse_keep_persistent, refuse_url_without_local_dir
 from .plugin import FastCkptIOMixin
 
 log = logging.getLogger("fastckpt")
@@ -42,7 +43,11 @@ class FastCkptCallbackMixin:
         io = trainer.strategy.checkpoint_io
         self._io(trainer)  # raises for a wrapped FastCkptIO
         if isinstance(io, FastCkptIOMixin) and trainer.checkpoint_callbacks:
-            refuse_keep_persistent(io._given.config if io._given is not None else io.config)
+            config = io._given.config if io._given is not None else io.config
+            refuse_keep_persistent(config)
+            if stage == "fit":  # where ModelCheckpoint saves: refused now, not after steps at the first save
+                dirs = [checkpoint_dir(cb, trainer) for cb in trainer.checkpoint_callbacks]
+                refuse_url_without_local_dir(config, dirs)
         if isinstance(io, FastCkptIOMixin) and io._connect(trainer, self):
             self._run_first(trainer)
             self._count_saves_in_flight(trainer, io)
@@ -168,3 +173,14 @@ class FastCkptCallbackMixin:
             if io._in_fit:  # a teardown that did not reach CheckpointIO.teardown (FSDPStrategy): flush now
                 io.teardown()
             io._disconnect(self)
+
+
+def checkpoint_dir(cb: Any, trainer: Any) -> str:
+    """Where ``cb`` (a ModelCheckpoint) saves: its ``dirpath``, or, before its own setup has set
+    that, where that setup puts it (below the first logger's ``save_dir``, else below
+    ``default_root_dir``, which is all a URL check needs)."""
+    dirpath = getattr(cb, "dirpath", None)
+    if dirpath is None:
+        save_dir = trainer.loggers[0].save_dir if trainer.loggers else None
+        dirpath = save_dir if save_dir is not None else trainer.default_root_dir
+    return os.fspath(dirpath)

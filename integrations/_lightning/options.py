@@ -9,6 +9,7 @@ from collections.abc import Mapping
 
 from fastckpt.config import CheckpointerConfig, option_names
 from fastckpt.errors import ConfigError
+from fastckpt.urls import is_url
 
 #: The ``storage_options`` keys FastCkptIO understands (``Trainer.save_checkpoint(...,
 #: storage_options=...)``); any other key is rejected by name.
@@ -38,6 +39,16 @@ def refuse_keep_persistent(config: CheckpointerConfig) -> None:
                           "their path, but ModelCheckpoint decides which stay there (save_top_k, best_model_path, "
                           "last.ckpt): together they delete checkpoints it still names. Drop keep_persistent and "
                           "give ModelCheckpoint(save_top_k=N) (keep_local still bounds the burst buffer)")
+
+
+def refuse_url_without_local_dir(config: CheckpointerConfig, dirpaths: list[str]) -> None:
+    """At setup: a ModelCheckpoint ``dirpath`` that is a URL needs a burst buffer to upload from.
+    Found only at the first save, the error came after ``every_n_train_steps`` of training."""
+    urls = [d for d in dirpaths if is_url(d)]
+    if urls and not config.local_dirs:
+        raise ConfigError(f"FastCkptIO: ModelCheckpoint saves under {urls[0]}, a URL: saving there needs "
+                          "local_dir=<node-local directory>, the burst buffer each checkpoint is uploaded from. "
+                          "Give FastCkptIO(local_dir=...) (or a Checkpointer with one), or a local dirpath")
 
 
 def parse_storage_options(storage_options: object) -> bool:

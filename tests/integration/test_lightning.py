@@ -17,6 +17,7 @@ import textwrap
 import threading
 import warnings
 
+import fsspec
 import pytest
 import torch
 
@@ -452,6 +453,33 @@ def test_keep_persistent_is_refused_as_it_fights_model_checkpoints_top_k(tmp_pat
                         default_root_dir=str(tmp_path), callbacks=[Saves()])
     trainer.fit(TinyModel(), loader())
     assert sorted(os.listdir(tmp_path / "manual")) == ["3.ckpt"]
+
+
+def test_a_url_dirpath_without_local_dir_is_refused_before_any_step(tmp_path):
+    """FastCkptIO() without local_dir and ModelCheckpoint(dirpath=URL): the core refused only the
+    first save, after every_n_train_steps of training. Now fit's setup refuses it, naming the URL
+    and the fix; with a local_dir the same URL dirpath trains and saves (fsspec's memory://)."""
+    steps: list[int] = []
+
+    class Counting(TinyModel):
+        def training_step(self, batch, batch_idx):
+            steps.append(batch_idx)
+            return super().training_step(batch, batch_idx)
+
+    url = f"memory://fastckpt-test-{os.getpid()}/run"
+    with fastckpt.Checkpointer() as ck:
+        for io, mc in [(FastCkptIO(), {"dirpath": url}), (FastCkptIO(checkpointer=ck), {"dirpath": url}),
+                       (FastCkptIO(), {"dirpath": None, "default_root_dir": url})]:
+            root = mc.pop("default_root_dir", str(tmp_path))
+            trainer = make_trainer(root, io, 4, every_n_train_steps=2, **mc)
+            with pytest.raises(ConfigError, match=re.escape(f"saves under {root if mc['dirpath'] is None else url}, "
+                                                            "a URL: saving there needs local_dir=")):
+                trainer.fit(Counting(), loader())
+            assert steps == []
+    io = FastCkptIO(local_dir=str(tmp_path / "nvme"))
+    make_trainer(str(tmp_path), io, 2, dirpath=url, every_n_train_steps=2).fit(Counting(), loader())
+    assert len(steps) == 2 and io.latest(url) == f"{url}/epoch=0-step=2.ckpt"
+    fsspec.filesystem("memory").rm(url.split("/run")[0], recursive=True)
 
 
 @pytest.mark.parametrize("options, words", [
