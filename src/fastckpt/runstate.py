@@ -8,9 +8,12 @@ Both see only the event log, so some numbers are reconstructions (docs/report.md
   starting at the first save's start. A lazy save's later ``fence()`` wait is not in the log.
 - a save is durable at the end of its ``replicate`` phase (burst buffer), or of its ``commit``
   when written straight to its path; a file of a group (its snapshot names it) at its rank's
-  group ``commit`` (pending until then; failed with it, or with another file of the attempt;
+  group ``commit`` (not durable until then; failed with it, or with another file of the attempt;
   abandoned when the group was ``remove()``d first). A queued replication that a later one
   overtook (``replicate_policy='coalesce'``, or a newer save to its path) is superseded.
+- pending (``status()``): what ``stats().pending`` counts, work still running. A group's file
+  at its path waits for a ``commit()`` call, not for work: it is not pending, so the two
+  exporters agree. The log has no event for a commit still running (it is logged as it ends).
 - sessions: a job killed and resumed with the same ``event_log`` appends to it. Events carry
   their Checkpointer's session (``JsonlSink``), and are matched only with saves of their own
   session; when a new session of a rank starts, that rank's saves left open by earlier ones
@@ -315,7 +318,8 @@ class RunState:
         out = []
         for rank in self.ranks():
             o = self._overhead.get(rank) or self._replay()
-            waiting = [b for k, cands in self._open.items() if k[0] == rank for b in cands]
+            at_home = {id(b) for k, files in self._awaiting.items() if k[0] == rank for b in files}
+            waiting = [b for k, cands in self._open.items() if k[0] == rank for b in cands if id(b) not in at_home]
             queued = [q for b in waiting if (q := _queued_at(b)) is not None and b.phases[-1].name == "queued"]
             newest = self._newest_durable_start.get(rank)
             overhead = o.blocked / (now - o.t0) if o.t0 is not None and now > o.t0 else 0.0

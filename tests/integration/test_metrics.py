@@ -398,3 +398,23 @@ def test_an_exporter_started_at_interpreter_shutdown_does_not_hang_the_exit() ->
     assert "finalizing True url None" in r.stdout
     assert "not serving Prometheus metrics on port 0: the exporter was started while the interpreter shuts down" \
         in r.stderr
+
+
+def test_both_exporters_count_a_group_file_awaiting_its_commit_as_stats_does(tmp_path: Path) -> None:
+    """A file saved into a group, at its path, before commit(): stats().pending and the in-process
+    gauge said 0, while serve-metrics (replaying the log) said 1 for the same job."""
+    log = tmp_path / "events.jsonl"
+    with Checkpointer(local_dir=str(tmp_path / "bb"), metrics_port=0, event_log=str(log),
+                      overhead_budget=0.99) as ck:
+        g = str(tmp_path / "home" / "step-1")
+        ck.save(_state(1024), f"{g}/model.pt", group=g).wait(60)
+        inproc = value(scrape(ck.metrics_url), "fastckpt_pending_saves", rank="0")
+        replay = _serve("--event-log", str(log), "--once")
+        assert replay.returncode == 0, replay.stderr
+        from ._scrape import parse
+
+        assert (ck.stats().pending, inproc, value(parse(replay.stdout), "fastckpt_pending_saves", rank="0")) \
+            == (0, 0.0, 0.0)
+        ck.commit(g, step=1).wait(60)
+    _, summary = load_run([str(log)])
+    assert (summary.durable, summary.pending) == (1, 0)

@@ -225,14 +225,20 @@ def _group_files(t: float, names: tuple[str, ...] = ("a", "b"), g: str = "/h/g")
     return evs
 
 
-def test_a_groups_files_are_durable_at_its_commit_and_pending_until_then() -> None:
+def test_a_groups_files_are_durable_at_its_commit_and_not_pending_once_at_their_path() -> None:
     """Before: each file was durable at its replication, so a report's "durable after" left out
-    the group's commit, and a file whose group never committed counted as durable."""
+    the group's commit, and a file whose group never committed counted as durable. A file at its
+    path waits for commit(), not for work: pending as ``stats().pending`` counts it (it said 2)."""
     rs = RunState()
-    for e in _group_files(0.0):
+    evs = _group_files(0.0)
+    for e in evs[:4]:  # the first file, queued for replication: still running
+        assert rs.feed(e) == []
+    assert rs.status(0.7)[0].pending == 1
+    for e in evs[4:]:
         assert rs.feed(e) == []
     (st,) = rs.status(5.0)
-    assert (st.pending, st.replication_pending, st.replication_lag_s, st.rpo_s) == (2, 0, 0.0, None)
+    assert (st.pending, st.replication_pending, st.replication_lag_s, st.rpo_s) == (0, 0, 0.0, None)
+    assert [s.durable_at for s in rs.saves()] == [None, None]  # not durable before the commit
     done = rs.feed(_ev("commit", 2.0, 3.0, "/h/g", tier="nvme", detail="group"))
     assert [(s.path, s.durable_at, s.error) for s in done] == [("/h/g/a.pt", 3.0, None), ("/h/g/b.pt", 3.0, None)]
     assert [s.durable_s for s in rs.saves()] == [3.0, 2.0]
