@@ -342,6 +342,24 @@ def test_verify_true_reports_a_checkpoint_cut_short_as_damaged(tmp_path: Path, c
     assert ("empty" if cut == "empty" else "truncated") in str(err.value) and "verify=False" not in str(err.value)
 
 
+@pytest.mark.parametrize("protocol", [2, 5])  # 5: its pickles are framed
+def test_verify_true_reports_a_pre_zip_file_cut_short_as_damaged(tmp_path: Path, protocol: int) -> None:
+    """A pre-zip torch.save file has no end record: cut anywhere (in its pickles, in its storages,
+    one byte short) it was refused as a plain file to load with verify=False. Its pickles, read
+    without running them, say how long it must be; a whole one is still only unverifiable."""
+    path = tmp_path / "legacy.pt"
+    torch.save({**_plain_state(), "bf": torch.ones(5, dtype=torch.bfloat16), "model": torch.nn.Linear(2, 2)}, path,
+               _use_new_zipfile_serialization=False, pickle_protocol=protocol)
+    data = path.read_bytes()
+    with pytest.raises(UnverifiableCheckpointError, match="verify=False"):
+        fastckpt.load(str(path), verify=True)
+    for cut in (10, len(data) // 3, len(data) - 1):
+        path.write_bytes(data[:cut])
+        with pytest.raises(CorruptCheckpointError, match=f"{path} is truncated or damaged: a pre-zip") as err:
+            fastckpt.load(str(path), verify=True)
+        assert not isinstance(err.value, UnverifiableCheckpointError) and "verify=False" not in str(err.value)
+
+
 _LOAD_UNDER_A_LIMIT = """
 import resource, sys
 import fastckpt

@@ -10,7 +10,7 @@ unverified.
 
 The training step such a file records is read from its pickle (``data.pkl``) without running
 any of its code: every class it names is replaced by an inert stub (a dict that takes the items
-of dict and list subclasses, ``_Stub``) and every tensor storage by None, so only plain values
+of dict and list subclasses, ``Stub``) and every tensor storage by None, so only plain values
 (the top-level ``global_step``, ``iteration`` or ``step``) survive. Its opcodes are walked first
 (``bounded``): the unpickler sizes memory by the pickle's own fields (its memo array grows to
 the largest index a ``PUT`` names), and one damaged byte there would have it allocate gigabytes.
@@ -135,7 +135,7 @@ def data_offset(local_header: bytes) -> int | None:
     return LOCAL_HEADER_LEN + name_len + extra_len
 
 
-class _Stub(dict):
+class Stub(dict):
     """Stands in for every class a pickle names: accepts any arguments and state, runs nothing.
 
     It is a dict, and accepts appends, because the pickles of dict and list subclasses set or
@@ -154,8 +154,8 @@ class _Stub(dict):
     def __setstate__(self, state: object) -> None:
         pass
 
-    def __call__(self, *args: object, **kwargs: object) -> _Stub:
-        return _Stub()
+    def __call__(self, *args: object, **kwargs: object) -> Stub:
+        return Stub()
 
     def append(self, item: object) -> None:
         pass
@@ -164,9 +164,11 @@ class _Stub(dict):
         pass
 
 
-class _InertUnpickler(pickle.Unpickler):
+class InertUnpickler(pickle.Unpickler):
+    """Runs no code of the pickle: every class it names is a ``Stub``, every storage None."""
+
     def find_class(self, module: str, name: str) -> type:
-        return _Stub
+        return Stub
 
     def persistent_load(self, pid: object) -> None:
         return None
@@ -179,7 +181,7 @@ def step_in_pickle(data: bytes) -> int | None:
     try:
         if not bounded(data):
             return None
-        obj = _InertUnpickler(io.BytesIO(data)).load()
+        obj = InertUnpickler(io.BytesIO(data)).load()
     except Exception:  # noqa: BLE001 (whatever a damaged pickle makes the unpickler raise)
         return None
     if isinstance(obj, dict):

@@ -2,7 +2,8 @@
 
 Nothing records what their bytes should be, so only their own structure can say they are
 damaged: an empty file, one that starts with neither a zip nor a pickle header, a zip without its
-end record, or one that torch fails to read. Whatever torch raises on a damaged byte (a struct or
+end record, a pre-zip file shorter than its pickles say (``format.legacy``), or one that torch
+fails to read. Whatever torch raises on a damaged byte (a struct or
 index error of a truncated legacy file, an unknown opcode, a pickle that pops an empty stack) is
 ``CorruptCheckpointError`` naming the file. Only an ``UnpicklingError`` of a file whose pickles
 parse (``pickletools``, which runs nothing) is weights_only refusing an object it does not allow:
@@ -27,6 +28,7 @@ import torch
 
 from ..errors import CorruptCheckpointError
 from ..format.foreign import bounded
+from ..format.legacy import LEGACY_PICKLES, UnboundedPickle, legacy_end
 from ..format.manifest import EOCD_SIG, TAIL_BYTES
 from ..format.ranges import RangeReader
 from .deserialize import deserialize, fetcher
@@ -39,8 +41,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("fastckpt")
 #: torch.save's pre-zip format: a pickle (protocol 2 by default; ``pickle_protocol=`` 3 to 5)
 LEGACY_MAGIC = tuple(bytes([0x80, p]) for p in range(2, 6))
-#: the pickles of a pre-zip file before its storages: magic number, protocol, sys info, the object, storage keys
-LEGACY_PICKLES = 5
 #: what torch's readers raise on damaged bytes (the weights-only unpickler runs no code of the file's)
 DAMAGE = (RuntimeError, EOFError, KeyError, ValueError, zipfile.BadZipFile, pickle.PickleError, struct.error,
           IndexError, AttributeError, TypeError, AssertionError, OverflowError)
@@ -73,7 +73,23 @@ def damage(res: ReadResult, url: str) -> CorruptCheckpointError | None:
         return CorruptCheckpointError(f"{url} is truncated: it is a zip (a torch.save or fastckpt file) without "
                                       "the end record every zip ends with. Load an earlier checkpoint "
                                       "(fastckpt.latest(...)).")
-    return None
+    return _legacy_damage(res, url) if head != ZIP_MAGIC else None
+
+
+def _legacy_damage(res: ReadResult, url: str) -> CorruptCheckpointError | None:
+    """A pre-zip file has no end record: its pickles say how long it must be (``format.legacy``)."""
+    try:
+        end = legacy_end(io.BufferedReader(RangeReader(res.size, fetcher(res.buffer))), res.size)
+    except UnboundedPickle:
+        return _unbounded(url)
+    except (EOFError, ValueError) as exc:
+        why = f"{exc}"
+    else:
+        if end is None or end <= res.size:
+            return None
+        why = f"its pickles put the end of its storages at byte {end}, but it has {res.size} bytes"
+    return CorruptCheckpointError(f"{url} is truncated or damaged: a pre-zip torch.save file, and {why}. Load an "
+                                  "earlier checkpoint (fastckpt.latest(...)).")
 
 
 def load_unverified(res: ReadResult, url: str, opts: LoadOptions) -> object:
@@ -88,9 +104,7 @@ def load_unverified(res: ReadResult, url: str, opts: LoadOptions) -> object:
     if found is not None:
         raise found
     if not opts.weights_only and not _pickles_bounded(res):  # the C unpickler: see ``format.foreign.bounded``
-        raise CorruptCheckpointError(f"{url} is damaged: its pickle names a memo slot or frame larger than the "
-                                     "file (unpickling it would allocate gigabytes). Load an earlier checkpoint "
-                                     "(fastckpt.latest(...)).")
+        raise _unbounded(url)
     try:
         return deserialize(res.buffer, res.size, opts.map_location, opts.weights_only, url)
     except pickle.UnpicklingError as exc:
@@ -99,6 +113,12 @@ def load_unverified(res: ReadResult, url: str, opts: LoadOptions) -> object:
         raise _damaged(url, exc) from exc
     except DAMAGE as exc:
         raise _damaged(url, exc) from exc
+
+
+def _unbounded(url: str) -> CorruptCheckpointError:
+    return CorruptCheckpointError(f"{url} is damaged: its pickle names a memo slot or frame larger than the file "
+                                  "(a damaged byte, or a file cut short: unpickling it would allocate gigabytes). "
+                                  "Load an earlier checkpoint (fastckpt.latest(...)).")
 
 
 def _damaged(url: str, exc: BaseException) -> CorruptCheckpointError:
