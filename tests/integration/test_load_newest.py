@@ -24,7 +24,7 @@ import torch
 
 import fastckpt
 from fastckpt.errors import ConfigError, CorruptCheckpointError, ReplicationError
-from fastckpt.load import loader
+from fastckpt.load import published
 from fastckpt.storage.types import BucketNotFoundError
 from fastckpt.testing import Fault, FaultyOps
 
@@ -137,10 +137,10 @@ def test_s3_prefetch_replaces_an_older_local_copy(s3_server, s3_bucket, tmp_path
         with fastckpt.Checkpointer(local_dir=str(tmp_path / "nodeB"), storage_options=opts) as b:
             b.save(_state(2), url).wait()
         sidecar_reads = []
-        real = loader.read_sidecar
-        monkeypatch.setattr(loader, "read_sidecar", lambda *a, **k: sidecar_reads.append(1) or real(*a, **k))
+        real = published.read_sidecar
+        monkeypatch.setattr(published, "read_sidecar", lambda *a, **k: sidecar_reads.append(1) or real(*a, **k))
         assert _step(a.load(url, prefetch=True)) == 2
-        assert len(sidecar_reads) == 1  # which copy is newer is decided from one read of each manifest
+        assert len(sidecar_reads) == 1  # one read of each manifest decides which copy is newer, and checks the download
         assert a.stats().last_restore_from == "remote (prefetched)"
         assert _step(torch.load(a.local_path(url), weights_only=True)) == 2
 
@@ -392,3 +392,18 @@ def test_a_home_file_overwritten_by_another_of_its_group_loads_the_intact_local_
         assert ck.load(f"{g}/model.pt")["name"] == "model.pt" and ck.stats().last_restore_from == "local"
     with pytest.raises(CorruptCheckpointError, match="moved or copied here"):
         fastckpt.load(f"{g}/model.pt")  # without the burst buffer: the home's file is damage
+
+
+def test_s3_object_overwritten_with_an_older_save_is_refused(s3_server, s3_bucket, tmp_path) -> None:
+    """The object ckpt-2.pt replaced by ckpt-1.pt's bytes, its sidecar as published: before, a
+    load of latest() returned ckpt-1's state silently (load.published)."""
+    opts, root = s3_server.storage_options(), f"s3://{s3_bucket}/run"
+    with fastckpt.Checkpointer(local_dir=str(tmp_path / "nvme"), storage_options=opts) as ck:
+        for i in (1, 2):
+            ck.save(_state(i), f"{root}/ckpt-{i}.pt").wait()
+    client = s3_server.client()
+    old = client.get_object(Bucket=s3_bucket, Key="run/ckpt-1.pt")["Body"].read()
+    client.put_object(Bucket=s3_bucket, Key="run/ckpt-2.pt", Body=old)
+    newest = fastckpt.latest(root, storage_options=opts)
+    with pytest.raises(CorruptCheckpointError, match="is not the save its sidecar .* published"):
+        fastckpt.load(newest, storage_options=opts)

@@ -13,7 +13,9 @@ nothing: the load raises ``CorruptCheckpointError`` naming both copies (``refuse
 
 A load may ask the home's group manifest twice about one burst-buffer copy (whether the copy is
 of the save the home holds, or may stand in for it; then whether the copy read is of the group):
-within ``one_load`` it is read once (``home_group``), not once per question.
+within ``one_load`` it is read once (``home_group``), not once per question. So is a single
+file's sidecar at a URL (``load.published.home_sidecar``: which copy to read, then whether the
+object read is the save it published).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ log = logging.getLogger("fastckpt")
 
 #: ``where`` of a burst-buffer copy that is not of the damaged home's save: never read
 OTHER_SAVE = "local (another save)"
-#: The home group manifests this thread's load in progress has read (``one_load``), by URL
+#: The home group manifests (and sidecars) this thread's load in progress has read (``one_load``), by URL
 _READ: ContextVar[dict[str, dict | None] | None] = ContextVar("fastckpt_home_groups", default=None)
 
 
@@ -63,13 +65,17 @@ def read_again() -> None:
 def home_group(place: Place) -> dict | None:
     """``read_group_manifest`` of a group at a home, once per ``one_load`` (a load of each of a
     group's 600 files from the burst buffer whose home copies are damaged read it twice each)."""
+    return once(place.url(GROUP_MANIFEST), lambda: read_group_manifest(place))
+
+
+def once(url: str, read: Callable[[], dict | None]) -> dict | None:
+    """``read()`` of the record at ``url``, once per ``one_load`` (a read that raises is not kept)."""
     memo = _READ.get()
     if memo is None:
-        return read_group_manifest(place)
-    key = place.url(GROUP_MANIFEST)
-    if key not in memo:
-        memo[key] = read_group_manifest(place)
-    return memo[key]
+        return read()
+    if url not in memo:
+        memo[url] = read()
+    return memo[url]
 
 
 def home_entry(homes: Homes, url: str, manifest: dict) -> InGroup | None:

@@ -7,7 +7,8 @@ save as the copy at the path, by the checksum in its manifest or, at a URL, its 
 home's ``Target`` (``storage.homes``): a file on a mounted file system in parallel through one
 open descriptor (O_DIRECT where honoured), an object with parallel ranged reads; either way
 the checksum of the covered bytes is computed while the bytes arrive. A copy that fails to read
-or verify falls back to the next one with a warning. A file of a group is loaded only once its
+or verify falls back to the next one with a warning. A single file read from its URL must also be
+the save its sidecar published (``load.published``). A file of a group is loaded only once its
 group is published. With ``prefetch=True`` a remote file is first downloaded into the burst
 buffer, so the next load is local (never over a save that landed there meanwhile: ``load.prefetch``).
 
@@ -28,7 +29,6 @@ from dataclasses import dataclass, replace
 
 from ..commit.foreign import torch_zip
 from ..commit.membership import NotPublishedError
-from ..commit.protocol import read_sidecar
 from ..errors import (
     ConfigError,
     CorruptCheckpointError,
@@ -48,6 +48,7 @@ from .into import check_into, check_map_location, in_place, place
 from .missing import a_directory, not_found
 from .pins import Pins
 from .prefetch import NOTHING, identity, put
+from .published import check_published, home_sidecar
 from .unverified import damage, load_unverified, warn_unverified
 
 log = logging.getLogger("fastckpt")
@@ -175,6 +176,8 @@ class Loader:
                 raise refused(earlier, path, loc)  # type: ignore[arg-type]
             try:
                 got = self._read_current(loc, opts, loc.url, where, path)
+                if where == "remote":  # the object's own manifest verified it: is it the save its sidecar published?
+                    check_published(loc, got.manifest, SAME_SAVE_CHECK_S)
                 self._pins.check(path, got.manifest)
                 return got
             except (CorruptCheckpointError, OSError) as exc:
@@ -215,6 +218,7 @@ class Loader:
                 raise not_found(path, [(home, "remote")], exc) from exc
             try:
                 got = self._read_current(tmp, opts, path, "remote (prefetched)", path)
+                check_published(home, got.manifest, SAME_SAVE_CHECK_S)
             except CorruptCheckpointError as exc:
                 cls = UnverifiableCheckpointError if isinstance(exc, UnverifiableCheckpointError) else None
                 raise (cls or CorruptCheckpointError)(f"{str(exc).replace(tmp.url, home.url)} (read from its download "
@@ -271,7 +275,7 @@ class Loader:
                         self._in_group(home, theirs) == {"checksum": {"value": ours["checksum"]["value"]}}:
                     return SAME  # another of the group's files moved over the home's: ours is the one published
             else:
-                theirs = read_sidecar(home, deadline_s=SAME_SAVE_CHECK_S) or self._in_group(home, ours)
+                theirs = home_sidecar(home, SAME_SAVE_CHECK_S) or self._in_group(home, ours)
                 if theirs is None and ours is None:
                     return _plain_copies(local, home)
         except (OSError, ValueError):  # unreachable, or a damaged sidecar: the home cannot say

@@ -1,0 +1,65 @@
+"""Whether a single file read from its URL is the save its sidecar published.
+
+At a URL a single file is published by its sidecar ``NAME.fastckpt.json``, written after the
+object. The object verifies against the manifest in its own bytes, so an object overwritten
+with another save's whole bytes (a sync or restore tool, an operator's copy of an older
+checkpoint) verified too, and loaded silently under the newer name: a resume from ``latest()``
+(which the sidecar names) went back a checkpoint. So an object read is compared with its sidecar:
+
+- the same checksum, no sidecar (a file copied in without one; a group's file, which has none
+  and is judged by its group), or one that cannot be read (damaged, a store not answering): the
+  object verified itself, and is loaded, as before;
+- the object's save is newer (its manifest's ``requested_at``, ``file_order``): a save to the
+  same key whose object landed before its sidecar (docs/faults.md): loaded;
+- its save is older: its manifest is read again (two small requests), since the sidecar may
+  have been read after the object, while a save of the same key replaced both. If the object
+  still holds that older save, ``CorruptCheckpointError`` names both; if not, it was replaced
+  while the load ran, and what was read was a published save: loaded.
+
+The sidecar costs one small GET: once per load (``fallback.once``), shared with
+``Loader._compare``, which reads it before the object when it judges a burst-buffer copy.
+"""
+
+from __future__ import annotations
+
+import datetime
+
+from ..commit.names import SIDECAR
+from ..commit.protocol import read_sidecar
+from ..errors import CorruptCheckpointError
+from ..format.manifest import file_order
+from ..storage.homes import Location
+from .fallback import once
+
+
+def home_sidecar(home: Location, deadline_s: float) -> dict | None:
+    """``read_sidecar`` of the single file at the URL ``home``, once per ``one_load``."""
+    return once(home.url + SIDECAR, lambda: read_sidecar(home, deadline_s=deadline_s))
+
+
+def check_published(home: Location, manifest: dict | None, deadline_s: float) -> None:
+    """Raise ``CorruptCheckpointError`` when the object at ``home`` (its manifest ``manifest``,
+    verified) holds an older save than its sidecar published (see the module's docstring)."""
+    if home.target.mounted or not manifest or manifest.get("group"):
+        return
+    try:
+        sidecar = home_sidecar(home, deadline_s)
+    except (OSError, ValueError):  # damaged, or the store does not answer: it cannot say
+        return
+    ours = manifest["checksum"]["value"]
+    if sidecar is None or sidecar["checksum"]["value"] == ours or file_order(manifest) >= file_order(sidecar):
+        return
+    now = home.target.read_manifest(home.key)
+    if (now or {}).get("checksum", {}).get("value") != ours:
+        return  # replaced while the load ran: the save read was published, before it
+    raise CorruptCheckpointError(
+        f"{home.url} is not the save its sidecar {home.url}{SIDECAR} published: the object holds an older save "
+        f"(requested at {_when(manifest)}, checksum {ours}) than the sidecar's (requested at {_when(sidecar)}, "
+        f"checksum {sidecar['checksum']['value']}); it was overwritten with older bytes after its save (a sync or "
+        "restore tool, a copy). Copy the save the sidecar names back to it, or load another checkpoint "
+        "(fastckpt.latest(...)).")
+
+
+def _when(manifest: dict) -> str:
+    return datetime.datetime.fromtimestamp(file_order(manifest), datetime.timezone.utc).isoformat(
+        timespec="milliseconds")

@@ -1,0 +1,108 @@
+"""A single file read from its URL must be the save its sidecar published (``load.published``).
+
+The stores here are fsspec's ``memory://`` (the same Target code as a bucket, no server):
+``tests/integration`` runs the S3 paths against a real store."""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+
+import fsspec
+import pytest
+import torch
+
+import fastckpt
+from fastckpt.commit.names import SIDECAR
+from fastckpt.errors import CorruptCheckpointError
+from fastckpt.load import published
+
+
+def _state(step: int) -> dict:
+    return {"step": step, "w": torch.full((64,), float(step))}
+
+
+@pytest.fixture()
+def root() -> str:
+    url = f"memory://fastckpt-{uuid.uuid4().hex[:8]}/run"
+    yield url
+    fsspec.filesystem("memory").rm(url[len("memory://"):], recursive=True)
+
+
+def _key(url: str) -> str:
+    return url[len("memory://"):]
+
+
+def _save(root: str, bb: Path, *steps: int, name: str | None = None) -> None:
+    with fastckpt.Checkpointer(local_dir=str(bb), overhead_budget=0.99) as ck:
+        for i in steps:
+            ck.save(_state(i), f"{root}/{name or f'ckpt-{i}.pt'}").wait()
+
+
+@pytest.mark.parametrize("how", ["fastckpt.load", "prefetch"])
+def test_an_object_overwritten_with_an_older_save_is_refused(root: str, tmp_path: Path, how: str) -> None:
+    """ckpt-2.pt's object replaced by ckpt-1.pt's bytes (a sync tool, an operator's copy), its
+    sidecar as published: before, it loaded ckpt-1's state silently under the name latest() gives."""
+    _save(root, tmp_path / "bb", 1, 2)
+    fs = fsspec.filesystem("memory")
+    fs.pipe(_key(f"{root}/ckpt-2.pt"), fs.cat(_key(f"{root}/ckpt-1.pt")))
+    newest = fastckpt.latest(root)
+    assert newest == f"{root}/ckpt-2.pt"
+    with pytest.raises(CorruptCheckpointError) as err:
+        if how == "prefetch":
+            with fastckpt.Checkpointer(local_dir=str(tmp_path / "fresh")) as ck:
+                ck.load(newest, prefetch=True)
+        else:
+            fastckpt.load(newest)
+    assert f"{newest} is not the save its sidecar {newest}{SIDECAR} published" in str(err.value)
+    assert "older save" in str(err.value)
+    assert list((tmp_path / "fresh").rglob("*.pt")) == []  # a prefetch's download of it is removed
+    with fastckpt.Checkpointer(local_dir=str(tmp_path / "bb")) as ck:  # a copy of the published save: it loads
+        assert ck.load(newest)["step"] == 2 and ck.stats().last_restore_from == "local"
+
+
+def test_a_newer_object_under_the_previous_saves_sidecar_still_loads(root: str, tmp_path: Path) -> None:
+    """The documented same-key window: a save of last.pt whose object landed and whose sidecar
+    write failed leaves the new object under the previous save's sidecar; the load returns it."""
+    _save(root, tmp_path / "bb", 1, name="last.pt")
+    fs = fsspec.filesystem("memory")
+    first = fs.cat(_key(f"{root}/last.pt{SIDECAR}"))
+    _save(root, tmp_path / "bb", 2, name="last.pt")
+    fs.pipe(_key(f"{root}/last.pt{SIDECAR}"), first)
+    assert fastckpt.load(f"{root}/last.pt")["step"] == 2
+
+
+def test_a_save_of_the_same_key_during_the_load_is_no_false_alarm(root: str, tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without a burst-buffer copy the sidecar is read after the object: a save of the same key
+    that lands between the two makes the object read older than the sidecar read. The object is
+    then read again (its manifest): replaced, so what was read was a published save."""
+    _save(root, tmp_path / "bb", 1, name="last.pt")
+    real = published.read_sidecar
+    landed = []
+
+    def save_first(loc, deadline_s=None):  # noqa: ANN001, ANN202 (read_sidecar's signature)
+        if not landed:
+            _save(root, tmp_path / "bb2", 2, name="last.pt")
+            landed.append(True)
+        return real(loc, deadline_s=deadline_s)
+
+    monkeypatch.setattr(published, "read_sidecar", save_first)
+    assert fastckpt.load(f"{root}/last.pt")["step"] == 1 and landed == [True]
+    assert fastckpt.load(f"{root}/last.pt")["step"] == 2
+
+
+def test_the_sidecar_is_read_once_per_load(root: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One small GET per load of a single file at a URL: shared by the judgement of a burst-buffer
+    copy and the check of the object read (none at all before a load without a local copy)."""
+    _save(root, tmp_path / "bb", 1)
+    reads = []
+    real = published.read_sidecar
+    monkeypatch.setattr(published, "read_sidecar", lambda loc, deadline_s=None: reads.append(loc.url) or real(
+        loc, deadline_s=deadline_s))
+    assert fastckpt.load(f"{root}/ckpt-1.pt")["step"] == 1
+    with fastckpt.Checkpointer(local_dir=str(tmp_path / "bb")) as ck:
+        assert ck.load(f"{root}/ckpt-1.pt")["step"] == 1 and ck.stats().last_restore_from == "local"
+    with fastckpt.Checkpointer(local_dir=str(tmp_path / "other")) as ck:
+        assert ck.load(f"{root}/ckpt-1.pt")["step"] == 1 and ck.stats().last_restore_from == "remote"
+    assert reads == [f"{root}/ckpt-1.pt"] * 3
