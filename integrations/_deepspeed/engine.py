@@ -100,7 +100,8 @@ class FastCkptEngine(CheckpointEngine):
         self._source = checkpointer
         self._on_commit = on_commit
         self.weights_only = weights_only
-        self._group: str | None = None
+        self._group: str | None = None  # the tag being saved, from create until commit (see abandon)
+        self._tag = ""
         self._deferred: list[tuple[object, str]] = []  # (state_dict, path) saved into the tag so far
         self._alias: tuple[str, str] | None = None  # (burst-buffer dir, URL) of a URL save_dir
         self._move_latest: bool | None = None  # the caller's save_latest while save_checkpoint runs
@@ -152,6 +153,7 @@ class FastCkptEngine(CheckpointEngine):
         stay single-file checkpoints, written before ``save`` returns."""
         saving = self._move_latest is not None
         self._group = self.home(os.path.join(info.save_dir, str(info.tag))) if saving else None
+        self._tag = str(info.tag)
 
     def makedirs(self, path: str, exist_ok: bool = False) -> None:
         if not is_url(path):
@@ -277,6 +279,28 @@ class FastCkptEngine(CheckpointEngine):
         raise CheckpointWriteError(f"checkpoint {group} was not saved: a save or commit of it failed on another "
                                    "rank (that rank raised its error); the tag is not committed and latest still "
                                    "names the previous checkpoint")
+
+    def abandon(self, error: Exception) -> None:
+        """DeepSpeed's ``save_checkpoint`` raised ``error`` on this rank between ``create`` and
+        ``commit`` (rank 0's copy of zero_to_fp32.py into a full save_dir): the other ranks went
+        on into ``commit``'s all-reduce, which this rank joins now with FAILED, so that they end
+        the attempt and raise too (training on, this rank's next collective would pair with theirs
+        and hang both). None of this rank's files was saved: the commit raises, naming them, and
+        ends the attempt on every rank. Nothing to do once ``commit`` was reached (it agreed), or
+        before ``create`` (no tag began).
+
+        Raises:
+            ``error``, once the ranks agreed.
+        """
+        group, self._group = self._group, None
+        if group is None:
+            return
+        deferred, self._deferred = self._deferred, []
+        sep = "/" if is_url(group) else os.sep
+        for path in [p for _, p in deferred] or [group + sep + "(this rank's part of save_checkpoint)"]:
+            self.checkpointer.unsaved(path, group, error)
+        worst_on_any_rank(FAILED)
+        self._failed(group, self._tag, bool(self._move_latest), None, error, committed=False)
 
     def fence(self) -> float:
         """Called before every optimizer step (``hooks.StepFence``): wait until the lazy

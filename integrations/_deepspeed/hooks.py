@@ -263,6 +263,9 @@ class EngineHooks:
         try:
             return self._save(where, tag=tag, client_state={} if client_state is None else client_state,
                               save_latest=False, exclude_frozen_parameters=exclude_frozen_parameters)
+        except Exception as exc:  # raised before the commit agreed: the other ranks wait there (abandon)
+            self.fe.abandon(exc)
+            raise
         finally:
             self.fe.end()
 

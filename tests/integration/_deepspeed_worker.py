@@ -31,6 +31,8 @@ rank writes ROOT/results/rank{r}.json with what the test checks from outside:
              the job's one store: both commit every save, and each loads its own state back
   onerank    a save fails on rank 1 only (at the call, then in the background): save_checkpoint
              raises on both ranks at the same call, never on one only; the next tag commits
+  rank0fails  rank 0 fails inside DeepSpeed's own save_checkpoint (copying zero_to_fp32.py into
+             a full save_dir): both ranks raise, neither hangs
   loadrace   the newest tag moves between two ranks' resolutions of it: every rank loads the
              same tag, whole; a load failing on one rank raises the same error on every rank
   exit       the last save is still in flight when main returns: interpreter exit flushes it
@@ -548,6 +550,46 @@ def one_rank_fails(root: str) -> None:
     RESULTS["onerank"] = {"raised": raised, "latest": fastckpt.latest(d)}
 
 
+def rank0_fails_in_deepspeed(root: str) -> None:
+    """Rank 0 fails inside DeepSpeed's own save_checkpoint, where fastckpt cannot reach: its copy
+    of zero_to_fp32.py into save_dir (ENOSPC; after its files were handed over, before the
+    commit: rank 1 waits in the commit's all-reduce) at t2. Both ranks raise, neither hangs;
+    rank 0 raises its own error, and t4 commits."""
+    import errno
+
+    import deepspeed.runtime.engine as ds_engine
+
+    from fastckpt.errors import CheckpointWriteError
+
+    d, rank = os.path.join(root, "rank0fails"), dist.get_rank()
+    eng = engine(2, None, use_fastckpt_initialize=False)
+    ck = fastckpt.Checkpointer(commit_timeout_s=60)
+    attach(eng, checkpointer=ck)
+    train(eng, 1, 1)
+    eng.save_checkpoint(d, "t1")
+    real = ds_engine.copyfile
+
+    def disk_full(src: str, dst: str) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device", dst)
+
+    raised = {}
+    for step, where, tag in ((2, d, "t2"), (4, d, "t4")):
+        train(eng, step, step)
+        ds_engine.copyfile = disk_full if rank == 0 and tag == "t2" else real
+        try:
+            eng.save_checkpoint(where, tag)
+            raised[tag] = None
+        except Exception as exc:  # noqa: BLE001 (the training loop that goes on after a failed checkpoint)
+            raised[tag] = type(exc).__name__
+            if rank == 1:
+                assert isinstance(exc, CheckpointWriteError), repr(exc)
+        finally:
+            ds_engine.copyfile = real
+    eng.destroy()
+    ck.close()
+    RESULTS["rank0fails"] = {"raised": raised, "latest": fastckpt.latest(d)}
+
+
 def load_race(root: str) -> None:
     """An evaluation job's two ranks load the newest tag while it moves: rank 0 resolves t1,
     then latest moves to t2 before rank 1 resolves. Both ranks end with t2, whole (rank 0 loads
@@ -946,7 +988,7 @@ SCENARIOS = {"roundtrip": lambda root: [roundtrip(root, s) for s in (0, 1, 2, 3)
              "otherengine": other_engine,
              "drives": drives, "notag": no_such_tag, "wholeconfig": whole_config, "redaction": redaction,
              "keepbest": keep_best, "coalescebest": coalesce_best, "resaved": resaved, "fulltag": full_tag,
-             "onerank": one_rank_fails,
+             "onerank": one_rank_fails, "rank0fails": rank0_fails_in_deepspeed,
              "loadrace": load_race, "missing": missing, "numpystate": numpy_state,
              "globtag": glob_tag,
              "lazy": lambda root: [lazy(root, s) for s in (0, 1, 2, 3)]}

@@ -28,7 +28,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 WORKER = str(HERE / "_deepspeed_worker.py")
 TWO_PROCESS_SCENARIOS = ("roundtrip,convert,interop,report,unsafe,switch,lazy,universal,export,nolatest,install,"
-                         "destroy,engines,skip,keepbest,onerank,loadrace")
+                         "destroy,engines,skip,keepbest,onerank,rank0fails,loadrace")
 ONE_PROCESS_SCENARIOS = ("roundtrip,skip,badtag,otherengine,drives,notag,wholeconfig,redaction,coalescebest,resaved,"
                          "missing,numpystate,globtag,fulltag")
 
@@ -289,6 +289,19 @@ def test_a_save_failing_on_one_rank_raises_on_every_rank_and_never_hangs(two_pro
     assert raised["t2"] == "CheckpointWriteError" and raised["t5"] is None, raised
     assert [raised["t3"], raised["t4"]].count(None) == 1, raised
     assert got[0]["latest"].endswith("t5"), got
+
+
+def test_a_failure_inside_deepspeeds_save_on_rank_0_raises_on_every_rank_and_never_hangs(
+        two_processes: Run) -> None:
+    """Rank 0's copy of zero_to_fp32.py into save_dir fails (t2: rank 1 waited in the commit's
+    all-reduce): it raised on rank 0 only, and the next collective hung both ranks. Now both
+    raise; t4 commits."""
+    got = [two_processes.results[r]["rank0fails"] for r in (0, 1)]
+    assert got[0]["raised"] == {"t2": "OSError", "t4": None}, got
+    assert got[1]["raised"] == {"t2": "CheckpointWriteError", "t4": None}, got
+    d = two_processes.root / "rank0fails"
+    assert got[0]["latest"] == str(d / "t4") and (d / "latest").read_text() == "t4"
+    assert not (d / "t2" / C.GROUP_MANIFEST).exists()
 
 
 def test_ranks_load_one_save_and_fail_together(two_processes: Run) -> None:
