@@ -256,7 +256,7 @@ class EngineHooks:
         tag = checked_tag(save_dir, str(tag) if tag is not None else f"global_step{self.engine.global_steps}")
         home = normalize(save_dir)
         where, alias = self._where(home)
-        self._report_on_every_rank(clear=_join(home, tag))
+        self._report_on_every_rank(home, tag, where)
         if client_state and self.fe.weights_only:  # known now, not at the resume
             warn_once(refused_globals(client_state, SAFE_GLOBALS), log, OPT_OUT)
         self.fe.begin(alias, bool(save_latest), int(self.engine.global_samples))
@@ -407,15 +407,19 @@ class EngineHooks:
         if self.owned is not None:
             self.owned.close()
 
-    def _report_on_every_rank(self, clear: str) -> None:
-        """``report`` the checkpoints that finished, and on rank 0 clear a leftover attempt at
-        ``clear`` (which waits for this run's own attempt at it); a failure is raised on every
-        rank or on none (a commit ends on every rank, but not at the same moment: raised where it
-        ended first only, it would leave the other ranks inside DeepSpeed's save for ever)."""
+    def _report_on_every_rank(self, home: str, tag: str, where: str) -> None:
+        """``report`` the checkpoints that finished, and on rank 0 make ``where`` (the directory
+        DeepSpeed writes ``home`` into: its own makedirs runs on rank 0 only, the others waiting in
+        its barrier, so a failure there hung the job) and clear a leftover attempt at ``home/tag``
+        (which waits for this run's own attempt at it); a failure is raised on every rank or on
+        none (a commit ends on every rank, but not at the same moment: raised where it ended first
+        only, it would leave the other ranks inside DeepSpeed's save for ever)."""
         error: BaseException | None = None
+        clear = _join(home, tag)
         try:
             self.report(wait=False)
             if self._rank0:
+                _make_save_dir(where, home)
                 self._clear_leftover(clear)
         except Exception as exc:  # noqa: BLE001 (raised below, on every rank)
             error = exc
@@ -426,8 +430,10 @@ class EngineHooks:
                 self.report(wait=True, timeout_s=self.fe.checkpointer.config.commit_timeout_s)
             except Exception as exc:  # noqa: BLE001
                 error = exc
-        raise error or CheckpointWriteError("an earlier checkpoint failed on another rank (that rank raised its "
-                                            "error); it is not committed, and latest names the one before it")
+        raise error or CheckpointWriteError(f"checkpoint {clear} was not saved: another rank raised before it "
+                                            "began (an earlier checkpoint failed there, which is not committed and "
+                                            "latest names the one before it; or rank 0 could not create save_dir); "
+                                            "that rank raised the error")
 
     def report(self, wait: bool, timeout_s: float | None = None) -> None:
         """Report finished checkpoints (with ``wait``, all of them, within ``timeout_s``), oldest
@@ -533,6 +539,17 @@ class EngineHooks:
             with contextlib.suppress(FileExistsError):  # another rank of this node linked it first
                 os.symlink(there, here)
         return absent
+
+
+def _make_save_dir(where: str, save_dir: str) -> None:
+    """Rank 0 makes ``where``, the directory DeepSpeed writes ``save_dir`` into (itself, or its
+    burst-buffer mirror), before DeepSpeed's own makedirs, which then finds it."""
+    try:
+        os.makedirs(where, exist_ok=True)
+    except OSError as exc:
+        exc.add_note(f"fastckpt: save_dir {save_dir} could not be created on rank 0 ({where}), so no rank saved; pass "
+                     "a save_dir that is a directory, or can be made one, on a writable filesystem with free space")
+        raise
 
 
 def _flush_at_exit(ref: weakref.ref) -> None:

@@ -32,7 +32,7 @@ rank writes ROOT/results/rank{r}.json with what the test checks from outside:
   onerank    a save fails on rank 1 only (at the call, then in the background): save_checkpoint
              raises on both ranks at the same call, never on one only; the next tag commits
   rank0fails  rank 0 fails inside DeepSpeed's own save_checkpoint (copying zero_to_fp32.py into
-             a full save_dir): both ranks raise, neither hangs
+             a full save_dir; making a save_dir under a file): both ranks raise, neither hangs
   loadrace   the newest tag moves between two ranks' resolutions of it: every rank loads the
              same tag, whole; a load failing on one rank raises the same error on every rank
   exit       the last save is still in flight when main returns: interpreter exit flushes it
@@ -553,8 +553,9 @@ def one_rank_fails(root: str) -> None:
 def rank0_fails_in_deepspeed(root: str) -> None:
     """Rank 0 fails inside DeepSpeed's own save_checkpoint, where fastckpt cannot reach: its copy
     of zero_to_fp32.py into save_dir (ENOSPC; after its files were handed over, before the
-    commit: rank 1 waits in the commit's all-reduce) at t2. Both ranks raise, neither hangs;
-    rank 0 raises its own error, and t4 commits."""
+    commit: rank 1 waits in the commit's all-reduce) at t2, and its makedirs of an uncreatable
+    save_dir (a path under a file: rank 1 waits in DeepSpeed's barrier) at t3. Both ranks raise
+    at each, neither hangs; rank 0 raises its own error, and t4 commits."""
     import errno
 
     import deepspeed.runtime.engine as ds_engine
@@ -562,6 +563,9 @@ def rank0_fails_in_deepspeed(root: str) -> None:
     from fastckpt.errors import CheckpointWriteError
 
     d, rank = os.path.join(root, "rank0fails"), dist.get_rank()
+    os.makedirs(d, exist_ok=True)
+    blocker = os.path.join(d, "a-file")
+    open(blocker, "w").close()
     eng = engine(2, None, use_fastckpt_initialize=False)
     ck = fastckpt.Checkpointer(commit_timeout_s=60)
     attach(eng, checkpointer=ck)
@@ -573,7 +577,7 @@ def rank0_fails_in_deepspeed(root: str) -> None:
         raise OSError(errno.ENOSPC, "No space left on device", dst)
 
     raised = {}
-    for step, where, tag in ((2, d, "t2"), (4, d, "t4")):
+    for step, where, tag in ((2, d, "t2"), (3, os.path.join(blocker, "ckpt"), "t3"), (4, d, "t4")):
         train(eng, step, step)
         ds_engine.copyfile = disk_full if rank == 0 and tag == "t2" else real
         try:
@@ -581,6 +585,8 @@ def rank0_fails_in_deepspeed(root: str) -> None:
             raised[tag] = None
         except Exception as exc:  # noqa: BLE001 (the training loop that goes on after a failed checkpoint)
             raised[tag] = type(exc).__name__
+            if rank == 0 and tag == "t3":
+                assert "could not be created on rank 0" in "".join(getattr(exc, "__notes__", [])), exc
             if rank == 1:
                 assert isinstance(exc, CheckpointWriteError), repr(exc)
         finally:
