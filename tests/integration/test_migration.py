@@ -80,7 +80,7 @@ DEEPSPEED_RUN = """
 import os, sys, torch
 import deepspeed
 import fastckpt
-from fastckpt.integrations.deepspeed import install
+{import_line}
 model = torch.nn.Linear(16, 4)
 engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config={
     "train_batch_size": 2, "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}},
@@ -88,9 +88,10 @@ engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters
 ck = None
 if sys.argv[2] == "switched":  # the same script after the switch: one line more, and it resumes
     ck = fastckpt.Checkpointer()
-    install(engine, ck)
+    {new_line}
     path, client = engine.load_checkpoint(sys.argv[1])   # DeepSpeed's latest names the tag to resume from
     print("RESUMED", os.path.basename(os.path.dirname(path)), engine.global_steps)
+    print("WEIGHTS_ONLY", engine.checkpoint_engine.weights_only)
 for _ in range(3 if ck is None else 1):
     engine.backward(engine(torch.randn(2, 16)).square().mean())
     engine.step()
@@ -100,13 +101,27 @@ if ck is not None:
 """
 
 
+def _migration_lines() -> dict[str, str]:
+    """The import and "the one new line" of migration.md's DeepSpeed recipe, which the switched
+    run below runs (the page once used ``install``, Lightning's entry point: weights_only=False)."""
+    page = (REPO / "docs" / "migration.md").read_text()
+    block = page[page.index("## From DeepSpeed's own checkpoint engine"):]
+    lines = block[block.index("```python"):].split("```")[1].splitlines()
+    (imp,) = [ln for ln in lines if ln.startswith("from fastckpt.integrations.deepspeed import")]
+    (new,) = [ln.split("#")[0].strip() for ln in lines if ln.endswith("# the one new line")]
+    return {"import_line": imp, "new_line": new}
+
+
 def test_deepspeed_engine_checkpoints_are_found_as_one_tag(tmp_path: Path) -> None:
     pytest.importorskip("deepspeed")
+    script = DEEPSPEED_RUN
+    for name, line in _migration_lines().items():
+        script = script.replace("{" + name + "}", line)
     save_dir = tmp_path / "ds"
     env = dict(os.environ, DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_ports(1)[0]),
                RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
                TORCH_EXTENSIONS_DIR=os.environ.get("TORCH_EXTENSIONS_DIR", str(REPO / ".venv" / "torch_extensions")))
-    done = subprocess.run([sys.executable, "-c", DEEPSPEED_RUN, str(save_dir), "before"], env=env,
+    done = subprocess.run([sys.executable, "-c", script, str(save_dir), "before"], env=env,
                           capture_output=True, text=True, timeout=280, check=False)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     assert (save_dir / "latest").read_text().strip() == "global_step3"
@@ -118,10 +133,11 @@ def test_deepspeed_engine_checkpoints_are_found_as_one_tag(tmp_path: Path) -> No
     (row,) = json.loads(out.output)["checkpoints"]
     assert (row["kind"], row["status"], row["step"], row["latest"]) == ("DeepSpeed", "unverified", 3, True)
     # the run goes on with fastckpt's DeepSpeed engine: it resumes from DeepSpeed's tag, and its group takes over
-    done = subprocess.run([sys.executable, "-c", DEEPSPEED_RUN, str(save_dir), "switched"], env=env,
+    done = subprocess.run([sys.executable, "-c", script, str(save_dir), "switched"], env=env,
                           capture_output=True, text=True, timeout=280, check=False)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     assert "RESUMED global_step3 3" in done.stdout
+    assert "WEIGHTS_ONLY True" in done.stdout  # the old run's files are unpickled safely (deepspeed.md#safe-loading)
     assert fastckpt.latest(str(save_dir)) == str(save_dir / "global_step4")
     assert [(Path(f.path).name, f.foreign) for f in scan(save_dir)][-1] == ("global_step4", None)
 
