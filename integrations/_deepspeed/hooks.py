@@ -290,7 +290,7 @@ class EngineHooks:
             try:
                 if resolve:
                     tag = self._resolve(home)
-                loaded, save = self._load_once(home, where, alias, tag, kwargs)
+                loaded, save = self._load_once(home, where, alias, tag, kwargs, named_by_latest=resolve)
             except GroupChangedError as exc:
                 changed = exc
             except Exception as exc:  # noqa: BLE001 (raised below, on every rank)
@@ -312,9 +312,10 @@ class EngineHooks:
         raise AssertionError("unreachable: the last try returns or raises")
 
     def _load_once(self, home: str, where: str, alias: tuple[str, str] | None, tag: object,
-                   kwargs: dict) -> tuple[tuple, str]:
-        """One ``_load`` of ``tag`` (None: DeepSpeed's own choice), its files pinned to one save;
-        returns DeepSpeed's result and what was loaded: the tag and the pinned save's checksums."""
+                   kwargs: dict, named_by_latest: bool = False) -> tuple[tuple, str]:
+        """One ``_load`` of ``tag`` (None: DeepSpeed's own choice; ``named_by_latest``: the tag
+        ``load_checkpoint(home)`` resolved), its files pinned to one save; returns DeepSpeed's
+        result and what was loaded: the tag and the pinned save's checksums."""
         if tag is not None and alias is not None:
             self._store().check_exists(home, os.path.join(where, str(tag)), str(tag))
             self._fetch(home, where, str(tag))
@@ -335,10 +336,13 @@ class EngineHooks:
                 raise
             why = f"no tag {str(tag)!r} is saved under {home}: never saved, or deleted since" \
                 if missing == os.path.join(where, str(tag)) else "deleted since it was saved"
+            fix = (f"{_join(home, 'latest')} names it (removing a tag does not rewrite latest): write the tag to "
+                   "resume from into that file (the tag alone), or load an existing tag with load_checkpoint("
+                   f"{home!r}, tag=...)" if named_by_latest else
+                   f"Load another tag, or the newest complete one with load_checkpoint({home!r}) and no tag")
             raise CheckpointNotFoundError(
-                f"checkpoint {_join(home, str(tag))} cannot be loaded: {missing} does not exist ({why}). Load another "
-                f"tag, or the newest complete one with load_checkpoint({home!r}) and no tag; list them with: "
-                f"fastckpt ls {home}") from exc
+                f"checkpoint {_join(home, str(tag))} cannot be loaded: {missing} does not exist ({why}). {fix}; "
+                f"list them with: fastckpt ls {home}") from exc
         finally:
             self.fe.end()
 

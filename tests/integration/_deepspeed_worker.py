@@ -50,6 +50,7 @@ rank writes ROOT/results/rank{r}.json with what the test checks from outside:
   coalescebest  replicate_policy "coalesce" drops queued tags for a newer one, never one saved
              with save_latest=False (the upload of the first tag is held, so the others queue)
   missing    a committed tag missing a file, or its directory: CheckpointNotFoundError naming it
+             (and, when latest names the deleted tag, saying to rewrite latest)
   resaved    a tag saved again by another engine during a load of it: the load starts over, every
              file from the new save
   fulltag    both files' copies of a tag to save_dir fail (ENOSPC): the next save_checkpoint
@@ -880,6 +881,11 @@ def missing(root: str) -> None:
     except CheckpointNotFoundError as exc:
         said = f"{os.sep}t1 does not exist (no tag 't1' is saved under {d}: never saved, or deleted since)"
         assert said in str(exc), str(exc)  # (once: "deleted since it was saved", for a tag never saved too)
+    try:  # latest still names it (as after checkpointer.remove): the advice is to rewrite latest
+        eng.load_checkpoint(d)
+        raise AssertionError("a deleted tag that latest names was loaded")
+    except CheckpointNotFoundError as exc:  # (once: "load_checkpoint(d) and no tag", the call that failed)
+        assert f"{os.path.join(d, 'latest')} names it" in str(exc) and "and no tag" not in str(exc), str(exc)
     # a tag whose save never committed: killed while writing, its directory holds only a temp file
     from fastckpt.errors import IncompleteCheckpointError
     from fastckpt.io.atomic import tmp_name

@@ -317,7 +317,9 @@ def test_a_tag_whose_files_all_failed_is_raised_once(one_process: Run) -> None:
 
 
 def test_a_tag_missing_a_file_or_its_directory_names_it(one_process: Run) -> None:
-    """Asserted in the worker: CheckpointNotFoundError naming the file, then the directory."""
+    """Asserted in the worker: CheckpointNotFoundError naming the file, then the directory; and
+    when latest names the deleted tag, saying to rewrite latest (it once advised the very call
+    that failed: load_checkpoint(save_dir) and no tag)."""
     assert "missing" in one_process.results[0]["done"]
 
 
