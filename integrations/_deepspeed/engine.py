@@ -280,14 +280,15 @@ class FastCkptEngine(CheckpointEngine):
                                    "rank (that rank raised its error); the tag is not committed and latest still "
                                    "names the previous checkpoint")
 
-    def abandon(self, error: Exception) -> None:
+    def abandon(self, error: Exception, rejoin: Callable[[], None]) -> None:
         """DeepSpeed's ``save_checkpoint`` raised ``error`` on this rank between ``create`` and
         ``commit`` (rank 0's copy of zero_to_fp32.py into a full save_dir): the other ranks went
         on into ``commit``'s all-reduce, which this rank joins now with FAILED, so that they end
         the attempt and raise too (training on, this rank's next collective would pair with theirs
         and hang both). None of this rank's files was saved: the commit raises, naming them, and
         ends the attempt on every rank. Nothing to do once ``commit`` was reached (it agreed), or
-        before ``create`` (no tag began).
+        before ``create`` (no tag began). ``rejoin`` first runs the collectives DeepSpeed runs
+        between its last file work and the commit (``hooks.EngineHooks._rejoin``).
 
         Raises:
             ``error``, once the ranks agreed.
@@ -299,6 +300,7 @@ class FastCkptEngine(CheckpointEngine):
         sep = "/" if is_url(group) else os.sep
         for path in [p for _, p in deferred] or [group + sep + "(this rank's part of save_checkpoint)"]:
             self.checkpointer.unsaved(path, group, error)
+        rejoin()
         worst_on_any_rank(FAILED)
         self._failed(group, self._tag, bool(self._move_latest), None, error, committed=False)
 

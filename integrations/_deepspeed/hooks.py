@@ -264,7 +264,7 @@ class EngineHooks:
             return self._save(where, tag=tag, client_state={} if client_state is None else client_state,
                               save_latest=False, exclude_frozen_parameters=exclude_frozen_parameters)
         except Exception as exc:  # raised before the commit agreed: the other ranks wait there (abandon)
-            self.fe.abandon(exc)
+            self.fe.abandon(exc, self._rejoin)
             raise
         finally:
             self.fe.end()
@@ -410,6 +410,14 @@ class EngineHooks:
         self.closed = True
         if self.owned is not None:
             self.owned.close()
+
+    def _rejoin(self) -> None:
+        """ZeRO-3 gathers its persistent parameters on every rank after the last file work of a
+        save (``checkpoint_event_epilogue``: rank 0's copy of zero_to_fp32.py comes before it) and
+        before the commit: a rank that raised before it runs it now (``FastCkptEngine.abandon``),
+        so that its agreement pairs with the others' commit, not with that gather."""
+        if self.engine.optimizer is not None and hasattr(self.engine.optimizer, "checkpoint_event_epilogue"):
+            self.engine.optimizer.checkpoint_event_epilogue()
 
     def _report_on_every_rank(self, home: str, tag: str, where: str) -> None:
         """``report`` the checkpoints that finished, and on rank 0 make ``where`` (the directory

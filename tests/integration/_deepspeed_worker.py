@@ -554,47 +554,52 @@ def one_rank_fails(root: str) -> None:
 def rank0_fails_in_deepspeed(root: str) -> None:
     """Rank 0 fails inside DeepSpeed's own save_checkpoint, where fastckpt cannot reach: its copy
     of zero_to_fp32.py into save_dir (ENOSPC; after its files were handed over, before the
-    commit: rank 1 waits in the commit's all-reduce) at t2, and its makedirs of an uncreatable
-    save_dir (a path under a file: rank 1 waits in DeepSpeed's barrier) at t3. Both ranks raise
-    at each, neither hangs; rank 0 raises its own error, and t4 commits."""
+    commit: rank 1 waits in the commit's all-reduce, or under ZeRO-3 with persistent parameters
+    first in their gather) at t2, and its makedirs of an uncreatable save_dir (a path under a
+    file: rank 1 waits in DeepSpeed's barrier) at t3. Both ranks raise at each, neither hangs;
+    rank 0 raises its own error, and t4 commits."""
     import errno
 
     import deepspeed.runtime.engine as ds_engine
 
     from fastckpt.errors import CheckpointWriteError
 
-    d, rank = os.path.join(root, "rank0fails"), dist.get_rank()
-    os.makedirs(d, exist_ok=True)
-    blocker = os.path.join(d, "a-file")
-    open(blocker, "w").close()
-    eng = engine(2, None, use_fastckpt_initialize=False)
-    ck = fastckpt.Checkpointer(commit_timeout_s=60)
-    attach(eng, checkpointer=ck)
-    train(eng, 1, 1)
-    eng.save_checkpoint(d, "t1")
+    rank = dist.get_rank()
     real = ds_engine.copyfile
 
     def disk_full(src: str, dst: str) -> None:
         raise OSError(errno.ENOSPC, "No space left on device", dst)
 
-    raised = {}
-    for step, where, tag in ((2, d, "t2"), (3, os.path.join(blocker, "ckpt"), "t3"), (4, d, "t4")):
-        train(eng, step, step)
-        ds_engine.copyfile = disk_full if rank == 0 and tag == "t2" else real
-        try:
-            eng.save_checkpoint(where, tag)
-            raised[tag] = None
-        except Exception as exc:  # noqa: BLE001 (the training loop that goes on after a failed checkpoint)
-            raised[tag] = type(exc).__name__
-            if rank == 0 and tag == "t3":
-                assert "could not be created on rank 0" in "".join(getattr(exc, "__notes__", [])), exc
-            if rank == 1:
-                assert isinstance(exc, CheckpointWriteError), repr(exc)
-        finally:
-            ds_engine.copyfile = real
-    eng.destroy()
-    ck.close()
-    RESULTS["rank0fails"] = {"raised": raised, "latest": fastckpt.latest(d)}
+    for name, stage, extra in (("zero2", 2, {}), ("zero3", 3, {"zero_optimization": {"stage": 3}})):
+        d = os.path.join(root, "rank0fails", name)  # ZeRO-3's default stage3_param_persistence_threshold
+        os.makedirs(d, exist_ok=True)
+        blocker = os.path.join(d, "a-file")
+        open(blocker, "w").close()
+        eng = engine(stage, None, use_fastckpt_initialize=False, **extra)
+        assert stage == 2 or eng.optimizer.persistent_parameters, "no persistent parameter: nothing gathered"
+        ck = fastckpt.Checkpointer(commit_timeout_s=60)
+        attach(eng, checkpointer=ck)
+        train(eng, 1, 1)
+        eng.save_checkpoint(d, "t1")
+        raised = {}
+        steps = ((2, d, "t2"), (3, os.path.join(blocker, "ckpt"), "t3"), (4, d, "t4"))
+        for step, where, tag in steps if stage == 2 else (steps[0], steps[2]):
+            train(eng, step, step)
+            ds_engine.copyfile = disk_full if rank == 0 and tag == "t2" else real
+            try:
+                eng.save_checkpoint(where, tag)
+                raised[tag] = None
+            except Exception as exc:  # noqa: BLE001 (the training loop that goes on after a failed checkpoint)
+                raised[tag] = type(exc).__name__
+                if rank == 0 and tag == "t3":
+                    assert "could not be created on rank 0" in "".join(getattr(exc, "__notes__", [])), exc
+                if rank == 1:
+                    assert isinstance(exc, CheckpointWriteError), repr(exc)
+            finally:
+                ds_engine.copyfile = real
+        eng.destroy()
+        ck.close()
+        RESULTS.setdefault("rank0fails", {})[name] = {"raised": raised, "latest": fastckpt.latest(d)}
 
 
 def load_race(root: str) -> None:

@@ -294,14 +294,18 @@ def test_a_save_failing_on_one_rank_raises_on_every_rank_and_never_hangs(two_pro
 def test_a_failure_inside_deepspeeds_save_on_rank_0_raises_on_every_rank_and_never_hangs(
         two_processes: Run) -> None:
     """Rank 0's copy of zero_to_fp32.py into save_dir fails (t2: rank 1 waited in the commit's
-    all-reduce), then its makedirs of save_dir (t3: rank 1 waited in DeepSpeed's barrier): each
-    raised on rank 0 only, and the next collective hung both ranks. Now both raise; t4 commits."""
-    got = [two_processes.results[r]["rank0fails"] for r in (0, 1)]
-    assert got[0]["raised"] == {"t2": "OSError", "t3": "NotADirectoryError", "t4": None}, got
-    assert got[1]["raised"] == {"t2": "CheckpointWriteError", "t3": "CheckpointWriteError", "t4": None}, got
-    d = two_processes.root / "rank0fails"
-    assert got[0]["latest"] == str(d / "t4") and (d / "latest").read_text() == "t4"
-    assert not (d / "t2" / C.GROUP_MANIFEST).exists()
+    all-reduce, under ZeRO-3 first in the gather of its persistent parameters), then its makedirs
+    of save_dir (t3: rank 1 waited in DeepSpeed's barrier): each raised on rank 0 only, and the
+    next collective hung both ranks. Now both raise; t4 commits."""
+    for name in ("zero2", "zero3"):
+        got = [two_processes.results[r]["rank0fails"][name] for r in (0, 1)]
+        t3 = {"t3": "NotADirectoryError"} if name == "zero2" else {}
+        assert got[0]["raised"] == {"t2": "OSError", **t3, "t4": None}, got
+        assert got[1]["raised"] == {"t2": "CheckpointWriteError", **dict.fromkeys(t3, "CheckpointWriteError"),
+                                    "t4": None}, got
+        d = two_processes.root / "rank0fails" / name
+        assert got[0]["latest"] == str(d / "t4") and (d / "latest").read_text() == "t4"
+        assert not (d / "t2" / C.GROUP_MANIFEST).exists()
 
 
 def test_ranks_load_one_save_and_fail_together(two_processes: Run) -> None:
