@@ -196,19 +196,7 @@ def test_last_ckpt_replaced_before_its_upload_does_not_keep_a_top_k_file(tmp_pat
                 assert saves["last.ckpt"][0].result(60).superseded  # last.ckpt of step 2 replaced it
                 release.set()
 
-    io = FastCkptIO(local_dir=str(tmp_path / "nvme"), ops=FaultyOps(on_call=hold_home_rename),
-                    replicate_workers=1, staging_buffers=4)
-    trainer = make_trainer(str(tmp_path), io, 3, callbacks=[DropLastOfStep1()], every_n_train_steps=1,
-                           save_top_k=1, monitor="step", mode="max", save_last=True)
-    ck = io._checkpointer()
-    save = ck.save
-
-    def record(state, path, **kw):  # noqa: ANN001, ANN003, ANN202
-        handle = save(state, path, **kw)
-        saves.setdefault(os.path.basename(path), []).append(handle)
-        return handle
-
-    ck.save = record  # type: ignore[method-assign]
+    io, trainer = _top1_with_last(tmp_path, hold_home_rename, 3, DropLastOfStep1(), saves)
     try:
         with caplog.at_level(logging.WARNING, logger="fastckpt.lightning"):
             trainer.fit(TinyModel(), loader())
@@ -245,9 +233,23 @@ def test_a_deletion_waits_for_the_saves_before_it_not_for_the_newest_last_ckpt(t
                 at_home.extend(sorted(f for f in os.listdir(ckdir) if f.startswith("epoch")))
                 release["last.ckpt"].set()
 
-    io = FastCkptIO(local_dir=str(tmp_path / "nvme"), ops=FaultyOps(on_call=hold_home_rename),
+    io, trainer = _top1_with_last(tmp_path, hold_home_rename, 5, Look(), saves)
+    try:
+        trainer.fit(TinyModel(), loader())
+    finally:
+        for event in release.values():
+            event.set()
+    assert at_home == ["epoch=0-step=3.ckpt"]
+    assert sorted(os.listdir(ckdir)) == ["epoch=0-step=5.ckpt", "last.ckpt"]
+
+
+def _top1_with_last(tmp_path, on_call, steps: int, callback: Callback,  # noqa: ANN001
+                    saves: dict[str, list[SaveHandle]]) -> tuple[FastCkptIO, object]:
+    """A plugin whose I/O calls go through ``on_call``, one upload at a time, and a trainer saving the top 1 and
+    last.ckpt every step; the handle of every save it makes is kept in ``saves``, by file name."""
+    io = FastCkptIO(local_dir=str(tmp_path / "nvme"), ops=FaultyOps(on_call=on_call),
                     replicate_workers=1, staging_buffers=4)
-    trainer = make_trainer(str(tmp_path), io, 5, callbacks=[Look()], every_n_train_steps=1,
+    trainer = make_trainer(str(tmp_path), io, steps, callbacks=[callback], every_n_train_steps=1,
                            save_top_k=1, monitor="step", mode="max", save_last=True)
     ck = io._checkpointer()
     save = ck.save
@@ -258,10 +260,4 @@ def test_a_deletion_waits_for_the_saves_before_it_not_for_the_newest_last_ckpt(t
         return handle
 
     ck.save = record  # type: ignore[method-assign]
-    try:
-        trainer.fit(TinyModel(), loader())
-    finally:
-        for event in release.values():
-            event.set()
-    assert at_home == ["epoch=0-step=3.ckpt"]
-    assert sorted(os.listdir(ckdir)) == ["epoch=0-step=5.ckpt", "last.ckpt"]
+    return io, trainer
