@@ -41,6 +41,7 @@ from ..inflight import raise_as_write_error
 from ..records import SaveRecord
 from ..storage.homes import Homes
 from ..storage.types import Expected, TokenBucket
+from .behind import Behind
 from .ordering import CallOrder, Turn
 
 log = logging.getLogger("fastckpt")
@@ -74,6 +75,7 @@ class Replicator:
         self._gave_up = False  # close(wait=False): running copies fail as their pools stop under them
         self._cancel: dict[str, int] = {}  # paths being removed -> how many remove() calls
         self._kept: set[str] = set()  # groups committed with move_latest=False: never coalesced
+        self._behind = Behind()
         self._order = CallOrder(self._cv)
         self.failures = 0
         self._bucket = None
@@ -122,12 +124,13 @@ class Replicator:
             self._cv.notify()
         return job.future
 
-    @staticmethod
-    def _drop_for(old: ReplicaJob, by: ReplicaJob, coalesce: bool) -> None:
+    def _drop_for(self, old: ReplicaJob, by: ReplicaJob, coalesce: bool) -> None:
         why = "replicate_policy='coalesce'" if coalesce else "a newer save to the same path"
         log.info("fastckpt: replication of %s superseded by %s (%s); its local copy stays at %s",
                  old.rec.path, by.rec.path, why, old.local)
         old.future.set_result(old.finish(replace(old.rec, durable_s=None, superseded=True)))
+        if old.rec.group is None and old.rec.path == by.rec.path:
+            self._behind.dropped(old.rec.path)
 
     @contextmanager
     def cancelling(self, path: str) -> Iterator[None]:
@@ -193,7 +196,10 @@ class Replicator:
                     return
                 self._running.append(job)
             try:
-                job.future.set_result(job.finish(self._replicate(job)))
+                rec = job.finish(self._replicate(job))
+                if rec.durable_s is not None:
+                    self._behind.landed(rec.path)
+                job.future.set_result(rec)
             except BaseException as exc:  # noqa: BLE001 (delivered through the future, raised once)
                 with self._cv:
                     self.failures += 1
