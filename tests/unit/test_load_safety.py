@@ -397,3 +397,13 @@ def test_a_damaged_memo_index_in_a_plain_file_is_corruption_not_gigabytes(tmp_pa
                          timeout=120, check=False)
     assert got.returncode == 0, got.stderr[-2000:]  # before: MemoryError
     assert got.stdout.startswith(f"corrupt: {path} is damaged: its pickle names a memo slot"), got.stdout
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_a_pre_zip_length_field_past_the_end_is_damage_not_a_memory_error(tmp_path: Path, verify: bool) -> None:
+    """A counted opcode (BINBYTES8) whose length got a flipped high byte: the walk of the pickles
+    asked its reader for 2**62 bytes at once, and load() raised a bare MemoryError."""
+    path = tmp_path / "legacy.pt"
+    path.write_bytes(b"\x80\x02\x8e" + (2**62).to_bytes(8, "little") + b"x" * 100)
+    with pytest.raises(CorruptCheckpointError, match=f"{path} is truncated or damaged"):
+        fastckpt.load(str(path), verify=verify)

@@ -84,6 +84,8 @@ def _legacy_damage(res: ReadResult, url: str) -> CorruptCheckpointError | None:
         return _unbounded(url)
     except (EOFError, ValueError) as exc:
         why = f"{exc}"
+    except (MemoryError, OverflowError):  # a length field read whole before it is known to run past the end
+        why = "a length in its pickles runs past the end of the file"
     else:
         if end is None or end <= res.size:
             return None
