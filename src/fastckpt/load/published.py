@@ -4,17 +4,19 @@ At a URL a single file is published by its sidecar ``NAME.fastckpt.json``, writt
 object. The object verifies against the manifest in its own bytes, so an object overwritten
 with another save's whole bytes (a sync or restore tool, an operator's copy of an older
 checkpoint) verified too, and loaded silently under the newer name: a resume from ``latest()``
-(which the sidecar names) went back a checkpoint. So an object read is compared with its sidecar:
+(which the sidecar names) went back a checkpoint. So an object read is compared with its sidecar,
+and the run told (a WARNING, not an error: two saves of one path from two writers can leave the
+same state, the one called first landing last, and that object is a whole save):
 
 - the same checksum, no sidecar (a file copied in without one; a group's file, which has none
   and is judged by its group), or one that cannot be read (damaged, a store not answering): the
   object verified itself, and is loaded, as before;
 - the object's save is newer (its manifest's ``requested_at``, ``file_order``): a save to the
   same key whose object landed before its sidecar (docs/faults.md): loaded;
-- its save is older: its manifest is read again (two small requests), since the sidecar may
-  have been read after the object, while a save of the same key replaced both. If the object
-  still holds that older save, ``CorruptCheckpointError`` names both; if not, it was replaced
-  while the load ran, and what was read was a published save: loaded.
+- its save is older: its manifest is read again, since the sidecar may have been read after the
+  object, while a save of the same key replaced both (then what was read was a published save),
+  and the sidecar too (the object's own sidecar may have landed since). If they still disagree,
+  the WARNING names both; the object is loaded.
 
 The sidecar costs one small GET: once per load (``fallback.once``), shared with
 ``Loader._compare``, which reads it before the object when it judges a burst-buffer copy.
@@ -23,13 +25,15 @@ The sidecar costs one small GET: once per load (``fallback.once``), shared with
 from __future__ import annotations
 
 import datetime
+import logging
 
 from ..commit.names import SIDECAR
 from ..commit.protocol import read_sidecar
-from ..errors import CorruptCheckpointError
 from ..format.manifest import file_order
 from ..storage.homes import Location
 from .fallback import once
+
+log = logging.getLogger("fastckpt")
 
 
 def home_sidecar(home: Location, deadline_s: float) -> dict | None:
@@ -38,8 +42,8 @@ def home_sidecar(home: Location, deadline_s: float) -> dict | None:
 
 
 def check_published(home: Location, manifest: dict | None, deadline_s: float) -> None:
-    """Raise ``CorruptCheckpointError`` when the object at ``home`` (its manifest ``manifest``,
-    verified) holds an older save than its sidecar published (see the module's docstring)."""
+    """Log a WARNING when the object at ``home`` (its manifest ``manifest``, verified) holds an
+    older save than its sidecar published (see the module's docstring)."""
     if home.target.mounted or not manifest or manifest.get("group"):
         return
     try:
@@ -52,12 +56,23 @@ def check_published(home: Location, manifest: dict | None, deadline_s: float) ->
     now = home.target.read_manifest(home.key)
     if (now or {}).get("checksum", {}).get("value") != ours:
         return  # replaced while the load ran: the save read was published, before it
-    raise CorruptCheckpointError(
-        f"{home.url} is not the save its sidecar {home.url}{SIDECAR} published: the object holds an older save "
-        f"(requested at {_when(manifest)}, checksum {ours}) than the sidecar's (requested at {_when(sidecar)}, "
-        f"checksum {sidecar['checksum']['value']}); it was overwritten with older bytes after its save (a sync or "
-        "restore tool, a copy). Copy the save the sidecar names back to it, or load another checkpoint "
-        "(fastckpt.latest(...)).")
+    sidecar = _fresh_sidecar(home, deadline_s) or sidecar  # its own save's sidecar may have landed since
+    if sidecar["checksum"]["value"] == ours:
+        return
+    log.warning(
+        "fastckpt: %s is not the save its sidecar %s%s published: the object holds an older save (requested at %s, "
+        "checksum %s) than the sidecar's (requested at %s, checksum %s). Either it was overwritten with older bytes "
+        "after its save (a sync or restore tool, a copy: copy the save the sidecar names back), or two saves of "
+        "this path raced and the one called first landed last (its sidecar write failed, or is still under way). "
+        "Loaded what the object holds; fastckpt verify %s says whether it is whole.",
+        home.url, home.url, SIDECAR, _when(manifest), ours, _when(sidecar), sidecar["checksum"]["value"], home.url)
+
+
+def _fresh_sidecar(home: Location, deadline_s: float) -> dict | None:
+    try:
+        return read_sidecar(home, deadline_s=deadline_s)
+    except (OSError, ValueError):
+        return None
 
 
 def _when(manifest: dict) -> str:
