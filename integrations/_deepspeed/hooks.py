@@ -336,10 +336,15 @@ class EngineHooks:
                 raise
             why = f"no tag {str(tag)!r} is saved under {home}: never saved, or deleted since" \
                 if missing == os.path.join(where, str(tag)) else "deleted since it was saved"
-            fix = (f"{_join(home, 'latest')} names it (removing a tag does not rewrite latest): write the tag to "
-                   "resume from into that file (the tag alone), or load an existing tag with load_checkpoint("
-                   f"{home!r}, tag=...)" if named_by_latest else
-                   f"Load another tag, or the newest complete one with load_checkpoint({home!r}) and no tag")
+            fix = f"Load another tag, or the newest complete one with load_checkpoint({home!r}) and no tag"
+            if named_by_latest and missing == os.path.join(where, str(tag)):
+                fix = (f"{_join(home, 'latest')} names it (removing a tag does not rewrite latest): write the newest "
+                       "remaining tag into that file (the tag alone; an older one does not roll back: remove the tags "
+                       f"newer than it first), or load a tag with load_checkpoint({home!r}, tag=...)")
+            elif named_by_latest:  # damaged, not removed: its manifest keeps it the newest, whatever latest says
+                fix = (f"it stays the newest complete tag whatever {_join(home, 'latest')} names: remove it "
+                       f"(engine.checkpoint_engine.checkpointer.remove({_join(home, str(tag))!r})), then write the tag "
+                       f"to resume from into latest, or load another with load_checkpoint({home!r}, tag=...)")
             raise CheckpointNotFoundError(
                 f"checkpoint {_join(home, str(tag))} cannot be loaded: {missing} does not exist ({why}). {fix}; "
                 f"list them with: fastckpt ls {home}") from exc
@@ -559,7 +564,10 @@ def _make_save_dir(where: str, save_dir: str) -> None:
     try:
         os.makedirs(where, exist_ok=True)
     except OSError as exc:
-        exc.add_note(f"fastckpt: save_dir {save_dir} could not be created on rank 0 ({where}), so no rank saved; pass "
+        exc.add_note(f"fastckpt: the burst-buffer copy of save_dir {save_dir} could not be created on rank 0 ({where}, "
+                     "under local_dir), so no rank saved; free up or fix local_dir (a writable directory with free "
+                     "space)" if is_url(save_dir) else
+                     f"fastckpt: save_dir {save_dir} could not be created on rank 0 ({where}), so no rank saved; pass "
                      "a save_dir that is a directory, or can be made one, on a writable filesystem with free space")
         raise
 

@@ -879,6 +879,12 @@ def missing(root: str) -> None:
         raise AssertionError("a tag missing its optimizer file was loaded")
     except CheckpointNotFoundError as exc:
         assert optim in str(exc) and "does not exist" in str(exc), str(exc)
+    os.unlink(os.path.join(d, "t1", "mp_rank_00_model_states.pt"))  # DeepSpeed's own bare assert, named
+    try:  # latest names the damaged tag: its manifest keeps it the newest whatever latest says: remove it
+        eng.load_checkpoint(d)
+        raise AssertionError("a tag missing its optimizer file was loaded")
+    except CheckpointNotFoundError as exc:  # (once: "write the tag to resume from into latest", which led back here)
+        assert "stays the newest complete tag" in str(exc) and "checkpointer.remove(" in str(exc), str(exc)
     shutil.rmtree(os.path.join(d, "t1"))
     try:
         eng.load_checkpoint(d, "t1")
@@ -891,6 +897,7 @@ def missing(root: str) -> None:
         raise AssertionError("a deleted tag that latest names was loaded")
     except CheckpointNotFoundError as exc:  # (once: "load_checkpoint(d) and no tag", the call that failed)
         assert f"{os.path.join(d, 'latest')} names it" in str(exc) and "and no tag" not in str(exc), str(exc)
+        assert "newest remaining tag" in str(exc) and "does not roll back" in str(exc), str(exc)
     # a tag whose save never committed: killed while writing, its directory holds only a temp file
     from fastckpt.errors import IncompleteCheckpointError
     from fastckpt.io.atomic import tmp_name
