@@ -299,9 +299,8 @@ class Checkpointer:
                                    local_dirs=self._stripes.stats())
 
     def close(self) -> None:
-        """Flush pending saves and replication (up to ``close_timeout_s``), stop the workers, and
-        raise the oldest background error (the others are logged). Past ``close_timeout_s`` it stops
-        without waiting for them (docs/burst-buffer.md)."""
+        """Flush pending saves and replication (up to ``close_timeout_s``), stop the workers, and raise the oldest
+        background error (the others are logged). Past ``close_timeout_s``, stops without them (burst-buffer.md)."""
         if self._closed:
             return
         raised: BaseException | None = None  # not sys.exc_info(): that is also a caller's (``__exit__``)
@@ -335,8 +334,10 @@ class Checkpointer:
             finally:
                 self._inflight.log_unseen("close() raised another failure")
 
-    def _atexit(self) -> None:
-        if not self._closed:
+    def _atexit(self, forked: bool = False) -> None:
+        if forked:  # exits' hook in a forked child: the workers stayed in the parent, nothing is flushed
+            self._closed, self._closed_by = True, "for this process by fork(): its worker threads stayed in the parent"
+        elif not self._closed:
             self._closed_by = "at interpreter exit (the main thread ended: join a thread that still saves first)"
             close_at_exit(self.close, lambda: len(self._inflight), self._replicator.pending)
 

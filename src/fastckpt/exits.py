@@ -24,7 +24,7 @@ log = logging.getLogger("fastckpt")
 
 
 class Flushable(Protocol):
-    def _atexit(self) -> None: ...
+    def _atexit(self, forked: bool = False) -> None: ...
 
 
 _LIVE: weakref.WeakSet[Flushable] = weakref.WeakSet()
@@ -127,6 +127,15 @@ def _flush_live() -> None:
             log.error("fastckpt: %r failed at interpreter exit: %r", fn, exc)
 
 
-# A forked child (Megatron's async save worker, a DataLoader worker) inherits the parent's open
-# Checkpointers but none of their threads: it must never flush (and wait on) them at its exit.
-os.register_at_fork(after_in_child=_LIVE.clear)
+def _forked() -> None:
+    """In a forked child (Megatron's async save worker, a DataLoader worker): it inherits the
+    parent's open Checkpointers but none of their threads. It must never flush (and wait on) them
+    at its exit, and a save through one would queue work no thread runs (``close()`` hung, or the
+    file was never written, silently): they are closed for this process, so that a call raises
+    ``ClosedError`` saying to create a Checkpointer in the child."""
+    for obj in list(_LIVE):
+        obj._atexit(forked=True)
+    _LIVE.clear()
+
+
+os.register_at_fork(after_in_child=_forked)

@@ -6,6 +6,7 @@ save still submits chunks, its replication and its group commit after that point
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -68,6 +69,35 @@ def test_a_forked_child_does_not_flush_the_parents_checkpointer(tmp_path: Path) 
     r = subprocess.run([sys.executable, "-c", FORK, path], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert fastckpt.load(path)["step"] == 3
+
+
+FORK_SAVES = textwrap.dedent("""
+    import multiprocessing as mp, sys, torch, fastckpt
+
+    def child():  # saves through the Checkpointer it inherited: its worker threads stayed in the parent
+        try:
+            ck.save({"step": 4}, sys.argv[1] + ".child")
+        except fastckpt.ClosedError as exc:
+            sys.exit(0 if "fork()" in str(exc) and "create a new one" in str(exc) else 4)
+        ck.close()  # hung here: the save was queued to pools whose threads exist only in the parent
+        sys.exit(5)
+
+    ck = fastckpt.Checkpointer()
+    ck.save({"w": torch.arange(1 << 20), "step": 3}, sys.argv[1]).wait()  # the pools have threads now
+    p = mp.get_context("fork").Process(target=child)
+    p.start()
+    p.join(60)
+    ck.save({"step": 5}, sys.argv[1])  # the parent's own Checkpointer is untouched
+    ck.close()
+    sys.exit(p.exitcode if p.exitcode is not None else 6)
+""")
+
+
+def test_a_forked_child_saving_through_an_inherited_checkpointer_is_told_to_make_its_own(tmp_path: Path) -> None:
+    path = str(tmp_path / "a.pt")
+    r = subprocess.run([sys.executable, "-c", FORK_SAVES, path], capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, (r.returncode, r.stderr[-3000:])
+    assert fastckpt.load(path)["step"] == 5 and not os.path.exists(path + ".child")
 
 
 THREAD = textwrap.dedent("""
