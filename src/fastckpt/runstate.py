@@ -9,8 +9,12 @@ Both see only the event log, so some numbers are reconstructions (docs/report.md
 - a save is durable at the end of its ``replicate`` phase (burst buffer), or of its ``commit``
   when written straight to its path; a file of a group (its snapshot names it) at its rank's
   group ``commit`` (not durable until then; failed with it, or with another file of the attempt;
-  abandoned when the group was ``remove()``d first). A queued replication that a later one
-  overtook (``replicate_policy='coalesce'``, or a newer save to its path) is superseded.
+  abandoned when the group was ``remove()``d first). A replication dropped for a newer save
+  (``replicate_policy='coalesce'``, or a newer save to its path) is superseded at its ``superseded``
+  event. A log written before that event existed: a save that a later one to its path overtook
+  is superseded (one path's uploads never overlap); one that coalescing dropped for another
+  path stays pending (abandoned at its rank's next session): with several workers, another
+  path's replication ending first says nothing (events are logged as they end).
 - pending (``status()``): what ``stats().pending`` counts, work still running. A group's file
   at its path waits for a ``commit()`` call, not for work: it is not pending, so the two
   exporters agree. The log has no event for a commit still running (it is logged as it ends).
@@ -166,9 +170,10 @@ class RunState:
             self._outcome((ev.rank, ev.path), ev.end, ev.error)
         elif ev.name in ("write", "commit", "queued", "replicate"):
             self._phase(replace(ev, path=resave_home(ev.path)))  # a re-save's files: the group's
-        elif ev.name == "cancel" and (b := self._owner(ev)) is not None:  # remove() dropped its queued copy
-            b.trace = replace(b.trace, abandoned=True)
-            self._close(b)
+        elif ev.name in ("cancel", "superseded"):  # its replication was dropped: by remove(), or for a newer save
+            if (b := self._owner(replace(ev, path=resave_home(ev.path)))) is not None:
+                b.trace = replace(b.trace, **{"abandoned" if ev.name == "cancel" else "superseded": True})
+                self._close(b)
         elif ev.name in ("retry", "load"):
             (self.retries if ev.name == "retry" else self.loads).append(ev)
         return self._finished
@@ -206,9 +211,12 @@ class RunState:
 
     def _owner(self, ev: Event) -> _Building | None:
         """The oldest open save (for a replicate, the newest queued) of this rank and session that the event
-        belongs to: same path, or a burst-buffer copy (its path ends with the save's path, or ``scheme/rest``)."""
+        belongs to: same path, or a burst-buffer copy (its path ends with the save's path, or ``scheme/rest``);
+        for a ``superseded``, the save it names by its call (``saved_at``)."""
+        at = _saved_at(ev)
+
         def takes(b: _Building) -> bool:
-            return b.session == ev.session and all(p.name != ev.name for p in b.phases)
+            return b.session == ev.session and all(p.name != ev.name for p in b.phases) and at in (None, b.trace.start)
 
         cands = self._open.get((ev.rank, ev.path))
         if cands is None:
@@ -270,16 +278,17 @@ class RunState:
         self._close(b)
 
     def _overtake(self, b: _Building) -> None:
-        """``b`` replicated: saves of its rank queued before it and not replicated yet were (most
-        likely) superseded by replicate_policy='coalesce'; they stop counting as pending."""
-        rank, queued = b.trace.rank, _queued_at(b)
-        for key in [k for k in self._open if k[0] == rank]:
-            for o in list(self._open[key]):
-                q = _queued_at(o)
-                if o is not b and o.session == b.session and q is not None and queued is not None and q < queued \
-                        and all(p.name != "replicate" for p in o.phases):  # not one waiting for its group
-                    self._unlist(o)
-                    self._overtaken.append(o)
+        """``b`` replicated: saves to its path queued before it and not replicated yet were dropped
+        (one path's uploads never overlap); they stop counting as pending. A log with ``superseded``
+        events has ended them already; in one without, a save queued before ``b`` for another path
+        may still be replicating on another worker: it stays pending (docs/report.md)."""
+        queued = _queued_at(b)
+        for o in list(self._open.get((b.trace.rank, b.trace.path), [])):
+            q = _queued_at(o)
+            if o is not b and o.session == b.session and q is not None and queued is not None and q < queued \
+                    and all(p.name != "replicate" for p in o.phases):  # not one waiting for its group
+                self._unlist(o)
+                self._overtaken.append(o)
 
     def _unlist(self, b: _Building) -> None:
         key = (b.trace.rank, b.trace.path)
@@ -331,3 +340,12 @@ class RunState:
 
 def _queued_at(b: _Building) -> float | None:
     return next((p.start for p in b.phases if p.name == "queued"), None)
+
+
+def _saved_at(ev: Event) -> float | None:
+    """The save call a ``superseded`` event names (its snapshot's start); None for any other event."""
+    m = re.match(r"saved_at=(\S+)", ev.detail or "") if ev.name == "superseded" else None
+    try:
+        return float(m.group(1)) if m else None
+    except ValueError:
+        return None

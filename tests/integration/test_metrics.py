@@ -78,6 +78,39 @@ def test_scrape_during_and_after_a_real_save(tmp_path: Path) -> None:
     assert names(after) <= sample_names()  # every sample is a documented family
 
 
+def test_both_exporters_and_the_report_count_a_replication_still_running_as_pending(tmp_path: Path) -> None:
+    """Two replication workers: held.pt's upload is held while next.pt, saved after it, replicates.
+    The in-process exporter (``stats()``), ``serve-metrics``' replay of the log and the report all
+    count held.pt pending. Before: next.pt's replicate made the replay take held.pt as coalesced
+    away (pending 0, 1 superseded), though it was being copied, not dropped."""
+    from fastckpt.metrics import LogExporter
+
+    local, home, log = tmp_path / "bb", tmp_path / "home", tmp_path / "events.jsonl"
+    ops = FaultyOps()
+    gate = ops.gate("preadv", path_contains="held.pt")  # held.pt's copy to its home
+    with Checkpointer(local_dir=str(local), metrics_port=0, ops=ops, event_log=str(log), replicate_workers=2,
+                      overhead_budget=0.99) as ck:
+        held = ck.save(_state(1024), str(home / "held.pt"))
+        try:
+            assert gate.wait_entered()
+            ck.save(_state(1024), str(home / "next.pt")).wait()  # its replicate event is logged before it resolves
+            exporter = LogExporter([str(log)], 0, "127.0.0.1")
+            try:
+                in_process, replay = scrape(ck.metrics_url), scrape(exporter.url)
+            finally:
+                exporter.close()
+            stats, (_, summary) = ck.stats(), load_run([str(log)], budget=0.99)
+        finally:
+            gate.open()
+        assert stats.pending == value(in_process, "fastckpt_pending_saves", **R0) == 1
+        assert value(replay, "fastckpt_pending_saves", **R0) == 1  # was 0
+        assert value(replay, "fastckpt_replication_pending_saves", **R0) == 1
+        assert (summary.durable, summary.pending, summary.superseded) == (1, 1, 0)  # was (1, 0, 1)
+        assert held.wait(60).durable_s is not None
+    _, summary = load_run([str(log)], budget=0.99)
+    assert (summary.durable, summary.pending, summary.superseded) == (2, 0, 0)
+
+
 def test_storage_health_absent_sources_are_not_zeros(tmp_path: Path) -> None:
     local = tmp_path / "bb"
     with Checkpointer(local_dir=str(local), metrics_port=0) as ck:

@@ -50,7 +50,15 @@ def test_direct_saves_are_durable_at_their_commit() -> None:
     assert rs.status(2.0)[0].rpo_s == pytest.approx(1.0)  # durable at its path, as the Checkpointer counts it
 
 
+def _superseded(t: float, saved_at: float, path: str, by: str = "coalesce") -> Event:
+    return _ev("superseded", t, t, path, detail=f"saved_at={saved_at!r} by={by}")
+
+
 def test_pending_lag_and_coalesced_saves() -> None:
+    """Coalescing dropped a's queued replication (its ``superseded`` event); b's was running on a
+    second worker when c's ended. Before: c's replicate took every save queued before it without
+    a replicate of its own as coalesced away, so the replay had b superseded and 0 pending while
+    ``stats().pending`` counted b."""
     rs = RunState()
     a, b, c = (_nvme_save(f"/h/{n}.pt", t, replicated=False) for n, t in (("a", 0.0), ("b", 5.0), ("c", 10.0)))
     for e in a + b + c:
@@ -58,12 +66,69 @@ def test_pending_lag_and_coalesced_saves() -> None:
     (st,) = rs.status(12.0)
     assert st.pending == 3 and st.replication_pending == 3
     assert st.replication_lag_s == pytest.approx(12.0 - 1.1)
-    rs.feed(_ev("replicate", 11.5, 12.5, "/h/c.pt"))  # a and b were coalesced away
+    rs.feed(_superseded(11.1, 0.0, "/h/a.pt"))
+    rs.feed(_ev("replicate", 11.5, 12.5, "/h/c.pt"))
     (st,) = rs.status(13.0)
-    assert st.pending == 0 and st.replication_lag_s == 0
-    assert [s.superseded for s in rs.saves()] == [True, True, False]
-    rs.feed(_ev("replicate", 12.5, 13.0, "/h/b.pt"))  # b was running after all: durable, not superseded
+    assert (st.pending, st.replication_pending) == (1, 1)  # b, replicating: as stats() counts it
+    assert st.replication_lag_s == pytest.approx(13.0 - 6.1)
+    assert [s.superseded for s in rs.saves()] == [True, False, False]
+    rs.feed(_ev("replicate", 12.5, 13.0, "/h/b.pt"))
     assert [s.durable_at is not None for s in rs.saves()] == [False, True, True]
+    assert rs.status(14.0)[0].pending == 0
+
+
+def test_a_log_without_superseded_events_keeps_another_paths_dropped_save_pending() -> None:
+    """A log written before ``superseded`` events: a later replication of the same path means the
+    older queued one was dropped (one path's uploads never overlap); one of another path proves
+    nothing, so that save stays pending (docs/report.md)."""
+    rs = RunState()
+    for e in _nvme_save("/h/a.pt", 0.0, replicated=False) + _nvme_save("/h/a.pt", 5.0) \
+            + _nvme_save("/h/b.pt", 10.0, replicated=False) + _nvme_save("/h/c.pt", 15.0):
+        rs.feed(e)
+    assert [(s.path, s.superseded, s.durable_at is not None) for s in rs.saves()] == [
+        ("/h/a.pt", True, False), ("/h/a.pt", False, True), ("/h/b.pt", False, False), ("/h/c.pt", False, True)]
+    assert rs.status(20.0)[0].pending == 1
+
+
+def test_a_superseded_event_ends_the_save_it_names_among_others_to_its_path() -> None:
+    """Three saves to one path: the first one's upload runs, the second is queued and dropped
+    for the third. The event names the second by its call (``saved_at``), not the oldest open."""
+    rs = RunState()
+    s1, s2, s3 = (_nvme_save("/h/last.pt", t, replicated=False) for t in (0.0, 5.0, 10.0))
+    for e in s1 + s2 + s3:
+        rs.feed(e)
+    rs.feed(_superseded(11.1, 5.0, "/h/last.pt", by="newer-save"))
+    assert [s.superseded for s in rs.saves()] == [False, True, False]
+    assert rs.status(12.0)[0].pending == 2  # the first one is still being copied, the third waits for it
+    rs.feed(_superseded(12.0, 99.0, "/h/last.pt"))  # a save it does not know (before the log's start): ignored
+    assert rs.status(12.0)[0].pending == 2
+
+
+def test_a_replication_coalescing_dropped_ends_superseded_in_the_replay(tmp_path: Path) -> None:
+    """One worker, ``replicate_policy='coalesce'``: a's upload is held while b and c are queued, and
+    c drops b. The replay knows b from its ``superseded`` event (another path's replicate no longer
+    stands for it) and agrees with the handles and ``stats()``."""
+    ops, local, log = FaultyOps(), str(tmp_path / "nvme"), tmp_path / "events.jsonl"
+    gate = ops.gate("preadv", path_contains="held.pt")
+    queued = _Count("queued", 3)
+    home = tmp_path / "home"
+    with fastckpt.Checkpointer(local_dir=local, ops=ops, replicate_workers=1, sinks=(queued,),
+                               event_log=str(log), overhead_budget=0.99) as ck:
+        hs = [ck.save({"w": torch.zeros(256)}, str(home / "held.pt"))]
+        assert gate.wait_entered(60)
+        hs += [ck.save({"w": torch.ones(256)}, str(home / n)) for n in ("b.pt", "c.pt")]
+        assert queued.reached.wait(60)
+        gate.open()
+        recs = [h.wait(60) for h in hs]
+        assert ck.stats().pending == 0
+    evs = read_events(str(log))
+    assert [e.path for e in evs if e.name == "superseded"] == [str(home / "b.pt")]
+    rs = RunState()
+    for e in evs:
+        rs.feed(e)
+    assert [(s.superseded, s.durable_at is not None) for s in rs.saves()] == \
+        [(r.superseded, r.durable_s is not None) for r in recs] == [(False, True), (True, False), (False, True)]
+    assert rs.status(evs[-1].end + 1)[0].pending == 0
 
 
 def test_saves_to_one_path_while_its_upload_is_held(tmp_path: Path) -> None:

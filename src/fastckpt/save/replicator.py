@@ -15,10 +15,11 @@ through the home's ``Target`` (``storage.homes``):
      it is not a checkpoint yet). Group files get neither: the group manifest, written by rank 0
      after every rank's marker, is their publication.
 Backpressure: with ``replicate_policy="coalesce"`` a newly committed checkpoint drops the
-older ones still queued (not started); their handles resolve with ``superseded=True``. Older
-and newer go by the save calls (``t_call``), not by arrival: with several burst-buffer drives a
-later save's local write can end first, and an earlier single file then arrives superseded. A group
-committed with ``move_latest=False`` (``keep``: a "best" checkpoint beside the series) is never dropped.
+older ones still queued (not started); their handles resolve with ``superseded=True``, each with a
+``superseded`` event. Older and newer go by the save calls (``t_call``), not by arrival: with several
+burst-buffer drives a later save's local write can end first, and an earlier single file then arrives
+superseded. A group committed with ``move_latest=False`` (``keep``: a "best" checkpoint beside the series)
+is never dropped.
 Order: with ``replicate_in_order`` a single file starts only after every single file saved
 before it is final or has failed (``save.ordering``).
 """
@@ -128,6 +129,7 @@ class Replicator:
         why = "replicate_policy='coalesce'" if coalesce else "a newer save to the same path"
         log.info("fastckpt: replication of %s superseded by %s (%s); its local copy stays at %s",
                  old.rec.path, by.rec.path, why, old.local)
+        self._logged_superseded(old.rec, "coalesce" if coalesce else "newer-save")
         old.future.set_result(old.finish(replace(old.rec, durable_s=None, superseded=True)))
         if old.rec.group is None and old.rec.path == by.rec.path:
             self._behind.dropped(old.rec.path)
@@ -180,6 +182,13 @@ class Replicator:
 
     def _cancelled(self, job: ReplicaJob) -> bool:
         return (job.rec.group if job.rec.group is not None else job.rec.path) in self._cancel
+
+    def _logged_superseded(self, rec: SaveRecord, by: str) -> None:
+        """Its event ends the save in a replay of the log (fastckpt report, serve-metrics): events are logged as
+        phases end, so nothing else tells a dropped replication from one still running. ``saved_at`` (its
+        snapshot event's start) names the save among others to its path."""
+        self._emit("superseded", rec.path, rec.bytes, time.time(), rec.tier, detail=f"saved_at={rec.requested_at!r} "
+                   f"by={by}")
 
     def _drop(self, job: ReplicaJob) -> None:
         log.info("fastckpt: replication of %s cancelled: the checkpoint is being removed", job.rec.path)
@@ -314,9 +323,9 @@ class Replicator:
             return False
         return float(manifest.get("written_at", 0.0)) >= job.rec.requested_at
 
-    @staticmethod
-    def _superseded(rec: SaveRecord) -> SaveRecord:
+    def _superseded(self, rec: SaveRecord) -> SaveRecord:
         log.info("fastckpt: replication of %s superseded: a newer save replaced its local copy", rec.path)
+        self._logged_superseded(rec, "local-copy-replaced")
         return replace(rec, durable_s=None, superseded=True)
 
     def _copy(self, job: ReplicaJob, manifest: dict) -> str:
