@@ -66,16 +66,19 @@ def test_event_log_has_every_phase(tmp_path) -> None:
     assert all(e["end"] >= e["start"] for e in events)
 
 
-def test_a_sink_that_raises_neither_fails_nor_hangs_a_save(tmp_path, caplog) -> None:
+@pytest.mark.parametrize("raised", [OSError(28, "No space left on device (metrics spool)"), SystemExit(3)],
+                         ids=["OSError", "SystemExit"])
+def test_a_sink_that_raises_neither_fails_nor_hangs_a_save(tmp_path, caplog, raised: BaseException) -> None:
     """A user's sink that raises (here on the event emitted when a replication is queued, and on
     every write) loses those events only: the saves are durable, the other sinks get every
-    event, and the failure is logged once for that sink."""
+    event, and the failure is logged once for that sink. A sys.exit() there (on a writer thread)
+    failed the save and was raised by wait()."""
     from fastckpt.events import Event
 
     class Broken:
         def emit(self, ev: Event) -> None:
             if ev.name in ("queued", "write"):
-                raise OSError(28, "No space left on device (metrics spool)")
+                raise raised
 
     seen: list[str] = []
 
