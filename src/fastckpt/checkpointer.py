@@ -23,7 +23,7 @@ from .commit.foreign import check_step, group_step
 from .config import CheckpointerConfig, options_doc, options_signature
 from .errors import ClosedError, ReplicationError
 from .events import Event, Fanout, JsonlSink
-from .exits import close_at_exit, flush_at_exit, forget_at_exit, stop_pools
+from .exits import close_at_exit, flush_at_exit, forget_at_exit, ran_threads, stop_pools
 from .format.manifest import TAIL_ROOM
 from .inflight import InFlight
 from .io.ops import FileOps
@@ -335,9 +335,9 @@ class Checkpointer:
                 self._inflight.log_unseen("close() raised another failure")
 
     def _atexit(self, forked: bool = False) -> None:
-        if forked:  # exits' hook in a forked child: the workers stayed in the parent, nothing is flushed
+        if forked and ran_threads(self._io, self._snapper, self._committer, *self._writers, self._replicator):
             self._closed, self._closed_by = True, "for this process by fork(): its worker threads stayed in the parent"
-        elif not self._closed:
+        elif not forked and not self._closed:
             self._closed_by = "at interpreter exit (the main thread ended: join a thread that still saves first)"
             close_at_exit(self.close, lambda: len(self._inflight), self._replicator.pending)
 

@@ -69,7 +69,7 @@ class Fanout:
     """Hands every event to each sink, in order (``Checkpointer`` emits through one).
 
     Observability never fails or hangs a save: a sink that raises (a user's ``sinks=``, a full disk
-    under the event log; ``SystemExit`` too: on a writer thread it failed the save) loses that
+    under the event log; ``SystemExit`` on a worker thread: it failed the save) loses that
     event, the other sinks still get it, and the save that emitted it goes on as if nothing
     happened. The failure is logged at ERROR with its traceback, once per sink (a sink that raises
     on every event would flood the log otherwise).
@@ -88,8 +88,9 @@ class Fanout:
             try:
                 sink.emit(event)
             except BaseException as exc:  # noqa: BLE001 (logged once per sink below; the save goes on)
-                if isinstance(exc, KeyboardInterrupt) and threading.current_thread() is threading.main_thread():
-                    raise  # Ctrl-C on the training thread is the user's; a sys.exit() in a sink is not
+                if isinstance(exc, (KeyboardInterrupt, SystemExit)) and threading.current_thread() is \
+                        threading.main_thread():
+                    raise  # a Ctrl-C, or a signal handler's sys.exit() (SIGTERM), that ran inside the sink
                 with self._lock:
                     first = id(sink) not in self._failed
                     self._failed.add(id(sink))

@@ -127,12 +127,19 @@ def _flush_live() -> None:
             log.error("fastckpt: %r failed at interpreter exit: %r", fn, exc)
 
 
+def ran_threads(*workers: object) -> bool:
+    """Whether any of ``workers`` (thread pools, the replicator) started a thread: in a forked
+    child those threads stayed in the parent, though the pools count them."""
+    return any(getattr(w, "_threads", None) for w in workers)
+
+
 def _forked() -> None:
-    """In a forked child (Megatron's async save worker, a DataLoader worker): it inherits the
-    parent's open Checkpointers but none of their threads. It must never flush (and wait on) them
-    at its exit, and a save through one would queue work no thread runs (``close()`` hung, or the
-    file was never written, silently): they are closed for this process, so that a call raises
-    ``ClosedError`` saying to create a Checkpointer in the child."""
+    """In a forked child (Megatron's async save worker, a DataLoader worker, Lightning's
+    ``ddp_fork``): it inherits the parent's open Checkpointers but none of their threads. It must
+    never flush (and wait on) them at its exit. One whose pools ran threads is closed for this
+    process (``_atexit(forked=True)``): a save through it queued work no thread runs (``close()``
+    hung, or the file was never written, silently); a call raises ``ClosedError`` saying to create
+    one in the child. One that never ran anything starts its own threads there, as before."""
     for obj in list(_LIVE):
         obj._atexit(forked=True)
     _LIVE.clear()

@@ -74,16 +74,18 @@ def test_a_forked_child_does_not_flush_the_parents_checkpointer(tmp_path: Path) 
 FORK_SAVES = textwrap.dedent("""
     import multiprocessing as mp, sys, torch, fastckpt
 
-    def child():  # saves through the Checkpointer it inherited: its worker threads stayed in the parent
+    def child():  # saves through the Checkpointer it inherited
         try:
             ck.save({"step": 4}, sys.argv[1] + ".child")
-        except fastckpt.ClosedError as exc:
-            sys.exit(0 if "fork()" in str(exc) and "create a new one" in str(exc) else 4)
-        ck.close()  # hung here: the save was queued to pools whose threads exist only in the parent
-        sys.exit(5)
+        except fastckpt.ClosedError as exc:  # it had run threads: they stayed in the parent
+            sys.exit(0 if used and "fork()" in str(exc) and "create a new one" in str(exc) else 4)
+        ck.close()  # (hung here when the pools' threads were the parent's)
+        sys.exit(5 if used else 0)  # unused before the fork (Lightning's ddp_fork): the child's own
 
+    used = sys.argv[2] == "used"
     ck = fastckpt.Checkpointer()
-    ck.save({"w": torch.arange(1 << 20), "step": 3}, sys.argv[1]).wait()  # the pools have threads now
+    if used:
+        ck.save({"w": torch.arange(1 << 20), "step": 3}, sys.argv[1]).wait()  # the pools have threads now
     p = mp.get_context("fork").Process(target=child)
     p.start()
     p.join(60)
@@ -93,11 +95,16 @@ FORK_SAVES = textwrap.dedent("""
 """)
 
 
-def test_a_forked_child_saving_through_an_inherited_checkpointer_is_told_to_make_its_own(tmp_path: Path) -> None:
+@pytest.mark.parametrize("used", ["used", "unused"])
+def test_a_forked_child_saving_through_an_inherited_checkpointer_is_told_to_make_its_own(tmp_path: Path,
+                                                                                          used: str) -> None:
+    """One that ran work before the fork is closed in the child (its threads stayed in the parent: a save
+    there hung in close(), or was lost); one that never did (Lightning's ddp_fork with checkpointer=) works."""
     path = str(tmp_path / "a.pt")
-    r = subprocess.run([sys.executable, "-c", FORK_SAVES, path], capture_output=True, text=True, timeout=180)
+    r = subprocess.run([sys.executable, "-c", FORK_SAVES, path, used], capture_output=True, text=True, timeout=180)
     assert r.returncode == 0, (r.returncode, r.stderr[-3000:])
-    assert fastckpt.load(path)["step"] == 5 and not os.path.exists(path + ".child")
+    assert fastckpt.load(path)["step"] == 5
+    assert os.path.exists(path + ".child") == (used == "unused")
 
 
 THREAD = textwrap.dedent("""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 
 import pytest
 import torch
@@ -97,6 +98,25 @@ def test_a_sink_that_raises_neither_fails_nor_hangs_a_save(tmp_path, caplog, rai
     errors = [r for r in caplog.records if r.levelno == logging.ERROR and "event sink" in r.getMessage()]
     assert len(errors) == 1 and repr(broken) in errors[0].getMessage()
     assert errors[0].exc_info is not None
+
+
+def test_a_sys_exit_from_a_signal_handler_inside_a_sink_on_the_training_thread_goes_through(tmp_path) -> None:
+    """A SIGTERM handler's sys.exit() runs in whatever the main thread runs, a sink's emit (the event
+    log's) included: swallowed there, the preemption was ignored and training went on to SIGKILL."""
+    from fastckpt.events import Event
+
+    class Preempted:
+        signalled = False
+
+        def emit(self, ev: Event) -> None:
+            if ev.name == "snapshot" and threading.current_thread() is threading.main_thread() and not self.signalled:
+                self.signalled = True
+                raise SystemExit(143)
+
+    with fastckpt.Checkpointer(sinks=(Preempted(),), rank=0, world_size=1, close_timeout_s=30) as ck:
+        with pytest.raises(SystemExit):
+            ck.save(_state(1), str(tmp_path / "a.pt"))
+        assert ck.save(_state(2), str(tmp_path / "b.pt")).wait(30).durable_s is not None  # (an exit handler's)
 
 
 @pytest.mark.parametrize("lazy", [False, True])
