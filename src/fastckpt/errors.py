@@ -78,6 +78,11 @@ def refused_once_closed(what: str, lost: str = "nothing of it was written") -> I
     except RuntimeError as exc:
         if "after shutdown" not in str(exc) and "interpreter shutdown" not in str(exc):
             raise
+        if "interpreter shutdown" in str(exc):  # the pools refuse work once the main thread ended: any Checkpointer
+            raise ClosedError(f"{what} cannot run at interpreter exit: once the main thread has ended (an atexit "
+                              f"handler runs after that), Python's thread pools refuse new work, a new Checkpointer's "
+                              f"too: {lost}. Save before the main thread returns (in a finally block), and join a "
+                              "thread that saves before it returns") from exc
         raise ClosedError(f"this Checkpointer was closed (by close(), or by the exit flush when the main thread ended) "
                           f"while {what} was under way: {lost}. Create a new Checkpointer, or "
                           "join the thread that saves before closing") from exc

@@ -20,6 +20,8 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Executor
 from typing import Protocol
 
+from .errors import ClosedError
+
 log = logging.getLogger("fastckpt")
 
 
@@ -56,7 +58,13 @@ def _hook() -> None:
 
     with _lock:
         if not _hooked:
-            getattr(threading, "_register_atexit", atexit.register)(_flush_live)
+            try:
+                getattr(threading, "_register_atexit", atexit.register)(_flush_live)
+            except RuntimeError as exc:  # "can't register atexit after shutdown": an atexit handler makes one
+                raise ClosedError("a Checkpointer cannot be made at interpreter exit: once the main thread has ended "
+                                  "(an atexit handler runs after that), Python's thread pools refuse new work, so "
+                                  "nothing could be saved. Save before the main thread returns (in a finally "
+                                  "block)") from exc
             _hooked = True
 
 

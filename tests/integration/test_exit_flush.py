@@ -284,3 +284,31 @@ def test_a_commit_under_way_when_close_stops_the_workers_is_a_closed_error(tmp_p
     ck._retention.committing = closed_meanwhile
     with pytest.raises(fastckpt.ClosedError, match="while this commit was under way: the group was not published"):
         ck.commit(g, step=1)
+
+
+ATEXIT_SAVE = textwrap.dedent("""
+    import atexit, sys, torch, fastckpt
+
+    if sys.argv[2] == "earlier":
+        fastckpt.Checkpointer().close()  # one Checkpointer used (and closed) before main returned
+
+    def final_save():  # runs after the main thread ended: thread pools refuse work then
+        try:
+            ck = fastckpt.Checkpointer()
+            ck.save({"step": 9}, sys.argv[1])
+        except fastckpt.ClosedError as exc:
+            print("RESULT", exc)
+
+    atexit.register(final_save)
+""")
+
+
+@pytest.mark.parametrize("before", ["fresh", "earlier"])
+def test_a_save_from_an_atexit_handler_says_it_cannot_run_at_exit(tmp_path: Path, before: str) -> None:
+    """It got threading's bare "can't register atexit after shutdown", or a ClosedError saying the new
+    Checkpointer was closed and to create a new one (what the handler had just done)."""
+    r = subprocess.run([sys.executable, "-c", ATEXIT_SAVE, str(tmp_path / "a.pt"), before], capture_output=True,
+                       text=True, timeout=120)
+    line = next((x for x in r.stdout.splitlines() if x.startswith("RESULT")), r.stderr[-2000:])
+    assert "at interpreter exit" in line and "before the main thread returns" in line, line
+    assert "was closed" not in line
