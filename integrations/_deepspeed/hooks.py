@@ -290,6 +290,8 @@ class EngineHooks:
             try:
                 if resolve:
                     tag = self._resolve(home)
+                    if tag is None:
+                        self._refuse_empty_latest(home)
                 loaded, save = self._load_once(home, where, alias, tag, kwargs, named_by_latest=resolve)
             except GroupChangedError as exc:
                 changed = exc
@@ -310,6 +312,17 @@ class EngineHooks:
                     "once the saves of that tag, or of the newest, stop")
             log.warning("fastckpt: %s; loading again on every rank", what)
         raise AssertionError("unreachable: the last try returns or raises")
+
+    def _refuse_empty_latest(self, home: str) -> None:
+        """No complete fastckpt tag under ``home``, and ``home/latest`` empty (a crash while DeepSpeed
+        wrote it, non-atomically): DeepSpeed would load tag "" and stop at a bare ``AssertionError``."""
+        data = self._store().place(home).get("latest")
+        if data is not None and not data.strip():
+            raise CheckpointNotFoundError(
+                f"{_join(home, 'latest')} is empty (cut short while it was written?) and no complete fastckpt tag "
+                f"is saved under {home}: there is no tag to resume from. Write the tag to load into that file (the "
+                f"tag alone), or pass it: load_checkpoint({home!r}, tag=...); delete the file to start fresh. List "
+                f"the tags with: fastckpt ls {home}")
 
     def _load_once(self, home: str, where: str, alias: tuple[str, str] | None, tag: object,
                    kwargs: dict, named_by_latest: bool = False) -> tuple[tuple, str]:

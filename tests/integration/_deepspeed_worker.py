@@ -911,6 +911,15 @@ def missing(root: str) -> None:
     except IncompleteCheckpointError as exc:  # (was DeepSpeed's bare AssertionError)
         assert f"{os.sep}t2 cannot be loaded: it holds no complete save" in str(exc), str(exc)
     shutil.rmtree(os.path.join(d, "t2"))  # the round trip checks that no temp file is left under the root
+    empty = os.path.join(root, "empty-latest")  # DeepSpeed cut short while writing latest, no fastckpt tag
+    os.makedirs(empty)
+    open(os.path.join(empty, "latest"), "w").close()
+    try:
+        eng.load_checkpoint(empty)
+        raise AssertionError("an empty latest was loaded")
+    except CheckpointNotFoundError as exc:  # (was DeepSpeed's bare AssertionError)
+        assert f"{os.path.join(empty, 'latest')} is empty" in str(exc) and "tag=" in str(exc), str(exc)
+    shutil.rmtree(empty)
     eng.destroy()
 
 

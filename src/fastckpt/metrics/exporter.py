@@ -51,7 +51,9 @@ class MetricsServer:
 
     # what to do when the port is taken; a subclass run by hand says which flag to change
     in_use_fix = ("With several ranks per node each rank serves on metrics_port + LOCAL_RANK: choose a base port "
-                  "with enough free ports above it, or run one `fastckpt serve-metrics` per node instead")
+                  "with enough free ports above it, or run one `fastckpt serve-metrics` per node instead. Two "
+                  "Checkpointers (two engines) in one process each serve: give only one a metrics_port, or each "
+                  "its own")
 
     def __init__(self, registry: CollectorRegistry, port: int, addr: str = "0.0.0.0") -> None:
         self._httpd = None
