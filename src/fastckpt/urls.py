@@ -16,6 +16,7 @@ from .errors import ConfigError
 _STORES = frozenset(("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "hdfs", "webhdfs", "oci", "oss", "http",
                      "https", "file", "memory"))
 _SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+._-]*")  # RFC 3986's, and the '_' of fsspec's arrow_hdfs
+MEMORY = "memory"  # fsspec's in-memory store: its URLs have two spellings (``normalize``)
 _FORMS = "give a directory path (/data/ckpt, file:///data/ckpt) or a URL such as s3://bucket/prefix"
 
 
@@ -65,12 +66,25 @@ def _refuse_typo(s: str) -> None:
 
 def normalize(path: str | os.PathLike) -> str:
     """Absolute path for a local path, the URL itself (no trailing '/', its scheme in lower
-    case: ``canonical``, which also refuses URL typos) for a URL."""
+    case: ``canonical``, which also refuses URL typos) for a URL. fsspec's memory store has one
+    path, ``/b/k``, for ``memory://b/k`` and ``memory:///b/k``: both are named the first way, so
+    the two spellings are one root, one group, one file (``spelled_as`` gives answers back as written)."""
     s = canonical(path)
     if is_url(s):
         scheme, rest = s.split("://", 1)
+        if scheme == MEMORY:
+            rest = rest.lstrip("/")
         return f"{scheme}://{rest.rstrip('/')}"  # "s3://" stays a URL (check_url refuses it), never "s3:"
     return os.path.abspath(s[7:] if s[:7].lower() == "file://" else s)
+
+
+def spelled_as(name: str | None, given: str | os.PathLike) -> str | None:
+    """``name``, found under ``given`` (both normalised by ``normalize``), spelt as the caller spelt
+    ``given``: a memory URL written with three slashes (``memory:///b/run``) gets its answers with
+    three, not a name the caller never wrote."""
+    if name is None or not canonical(given).startswith(f"{MEMORY}:///") or not name.startswith(f"{MEMORY}://"):
+        return name
+    return f"{MEMORY}:///{name[len(MEMORY) + 3:]}"
 
 
 def named(path: str | os.PathLike, call: str) -> str | os.PathLike:

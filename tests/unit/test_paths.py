@@ -195,6 +195,23 @@ def test_latest_at_a_memory_url_names_it_as_it_was_given(tmp_path: Path) -> None
         assert fastckpt.load(f"{fastckpt.latest(given)}/a.pt")["v"] == 2
 
 
+def test_both_spellings_of_a_memory_url_name_one_root(tmp_path: Path) -> None:
+    """memory://b/run and memory:///b/run are one fsspec path, /b/run, but were two names: a group
+    saved into as memory://b/... and committed as memory:///b/... had "no file saved into it"."""
+    import uuid
+
+    bucket = f"fastckpt-{uuid.uuid4().hex[:8]}"
+    two, three = f"memory://{bucket}/run", f"memory:///{bucket}/run"
+    assert normalize(f"{three}/step-1/") == normalize(f"{two}/step-1") == f"{two}/step-1"
+    with fastckpt.Checkpointer(local_dir=str(tmp_path / "nvme")) as ck:
+        ck.save(_state(1), f"{two}/step-1/a.pt", group=f"{two}/step-1")
+        ck.commit(f"{three}/step-1", step=1).wait()  # before: ConfigError, no rank saved into it
+        ck.save(_state(2), f"{three}/step-2/a.pt", group=f"{three}/step-2")
+        ck.commit(f"{two}/step-2", step=2).wait()
+        assert (ck.latest(two), ck.latest(three)) == (f"{two}/step-2", f"{three}/step-2")
+        assert ck.load(f"{three}/step-1/a.pt")["v"] == 1
+
+
 @pytest.mark.parametrize(("typo", "meant"), [("s3:/bucket/run/x.pt", "s3://bucket/run/x.pt"),
                                              ("s3:bucket/run/x.pt", "s3://bucket/run/x.pt"),
                                              ("s3//bucket/run/x.pt", "s3://bucket/run/x.pt"),

@@ -43,7 +43,7 @@ from ..errors import ConfigError, CorruptCheckpointError
 from ..format.manifest import file_order
 from ..storage.homes import Homes, Location
 from ..storage.types import BucketNotFoundError, TargetNotFoundError
-from ..urls import join, nameable, named
+from ..urls import join, nameable, named, spelled_as
 from . import foreign
 from .protocol import (
     GROUP_MANIFEST,
@@ -262,8 +262,13 @@ def _hidden(rel: str) -> bool:
 def latest(homes: Homes, root: str) -> str | None:
     """The newest complete checkpoint under ``root`` (a directory or URL), or None (see the
     module docstring for the rule). A checkpoint file given as ``root`` is its own answer, as a
-    group directory is; any other file raises ``ConfigError`` (see ``_the_file``), as an empty one does."""
-    loc = homes.resolve(named(root, "latest()"))
+    group directory is; any other file raises ``ConfigError`` (see ``_the_file``), as an empty one does.
+    The answer is spelt as ``root`` was (``urls.spelled_as``)."""
+    return spelled_as(_latest(homes, named(root, "latest()")), root)
+
+
+def _latest(homes: Homes, root: str) -> str | None:
+    loc = homes.resolve(root)
     name = pointed_name(loc.place())
     if name is not None:
         return join(loc.url, name)
