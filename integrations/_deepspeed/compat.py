@@ -19,6 +19,12 @@ from fastckpt.urls import is_url, normalize
 __all__ = ["GROUP_MANIFEST", "is_url", "normalize", "Store"]
 
 
+def pointer_name(data: bytes | None) -> str | None:
+    """The tag the bytes of a ``latest`` file name (stripped); None for no file, or an empty one."""
+    name = data.decode(errors="replace").strip() if data is not None else ""
+    return name or None
+
+
 class Store:
     """The small files of checkpoints under one root (a directory or URL).
 
@@ -41,11 +47,13 @@ class Store:
     def place(self, where: str) -> Place:
         return self._homes.resolve(where).place()
 
+    def latest_file(self, root: str) -> bytes | None:
+        """The bytes of ``root/latest`` as they are, or None when there is none."""
+        return self.place(root).get(LATEST)
+
     def pointer(self, root: str) -> str | None:
         """What ``root/latest`` says (stripped), or None when there is none."""
-        data = self.place(root).get(LATEST)
-        name = data.decode(errors="replace").strip() if data is not None else ""
-        return name or None
+        return pointer_name(self.latest_file(root))
 
     def set_pointer(self, root: str, name: str, committed: float) -> bool:
         """Point ``root/latest`` at ``name``, a group committed at ``committed`` (``order``), only

@@ -47,7 +47,7 @@ from fastckpt.errors import CheckpointWriteError, ConfigError, ReplicationError
 from fastckpt.save.fencing import optimizer_tensors
 
 from .agree import COMMITTED, FAILED, agree_on_load, error_on_any_rank, worst_on_any_rank
-from .compat import Store, checked_tag, is_url, normalize, order, same_files
+from .compat import LATEST, Store, checked_tag, is_url, normalize, order, pointer_name, same_files
 from .engine import OPT_OUT, SAFE_GLOBALS, FastCkptEngine
 from .globs import literal_globs
 from .unsafe import refused_globals, warn_once
@@ -164,7 +164,11 @@ def resolve_tag(store: Store, root: str, storage_options: dict | None) -> tuple[
     save_latest wins. Tags saved with ``save_latest=False`` never do: without a ``latest``
     file and any other tag, the answer is None, and DeepSpeed loads nothing, as its own engine.
     """
-    named = store.pointer(root)
+    return tag_named(store, root, store.pointer(root))
+
+
+def tag_named(store: Store, root: str, named: str | None) -> tuple[str | None, bool]:
+    """``resolve_tag`` when ``root/latest`` was read already and names ``named`` (None: none)."""
     newest = store.newest_group(root)
     cand, cand_m = (newest[0].rsplit("/", 1)[-1], newest[1]) if newest is not None else (None, None)
     if named is None:
@@ -290,8 +294,6 @@ class EngineHooks:
             try:
                 if resolve:
                     tag = self._resolve(home)
-                    if tag is None:
-                        self._refuse_empty_latest(home)
                 loaded, save = self._load_once(home, where, alias, tag, kwargs, named_by_latest=resolve)
             except GroupChangedError as exc:
                 changed = exc
@@ -313,13 +315,14 @@ class EngineHooks:
             log.warning("fastckpt: %s; loading again on every rank", what)
         raise AssertionError("unreachable: the last try returns or raises")
 
-    def _refuse_empty_latest(self, home: str) -> None:
-        """No complete fastckpt tag under ``home``, and ``home/latest`` empty (a crash while DeepSpeed
-        wrote it, non-atomically): DeepSpeed would load tag "" and stop at a bare ``AssertionError``."""
-        data = self._store().place(home).get("latest")
+    @staticmethod
+    def _refuse_empty_latest(home: str, data: bytes | None) -> None:
+        """No complete fastckpt tag under ``home``, and ``home/latest`` (its bytes ``data``, as ``_resolve``
+        read them) empty (a crash while DeepSpeed wrote it, non-atomically): DeepSpeed would load tag ""
+        and stop at a bare ``AssertionError``."""
         if data is not None and not data.strip():
             raise CheckpointNotFoundError(
-                f"{_join(home, 'latest')} is empty (cut short while it was written?) and no complete fastckpt tag "
+                f"{_join(home, LATEST)} is empty (cut short while it was written?) and no complete fastckpt tag "
                 f"is saved under {home}: there is no tag to resume from. Write the tag to load into that file (the "
                 f"tag alone), or pass it: load_checkpoint({home!r}, tag=...); delete the file to start fresh. List "
                 f"the tags with: fastckpt ls {home}")
@@ -351,11 +354,11 @@ class EngineHooks:
                 if missing == os.path.join(where, str(tag)) else "deleted since it was saved"
             fix = f"Load another tag, or the newest complete one with load_checkpoint({home!r}) and no tag"
             if named_by_latest and missing == os.path.join(where, str(tag)):
-                fix = (f"{_join(home, 'latest')} names it (removing a tag does not rewrite latest): write the newest "
+                fix = (f"{_join(home, LATEST)} names it (removing a tag does not rewrite latest): write the newest "
                        "remaining tag into that file (the tag alone; an older one does not roll back: remove the tags "
                        f"newer than it first), or load a tag with load_checkpoint({home!r}, tag=...)")
             elif named_by_latest:  # damaged, not removed: its manifest keeps it the newest, whatever latest says
-                fix = (f"it stays the newest complete tag whatever {_join(home, 'latest')} names: remove it "
+                fix = (f"it stays the newest complete tag whatever {_join(home, LATEST)} names: remove it "
                        f"(engine.checkpoint_engine.checkpointer.remove({_join(home, str(tag))!r})), then write the tag "
                        f"to resume from into latest, or load another with load_checkpoint({home!r}, tag=...)")
             raise CheckpointNotFoundError(
@@ -518,8 +521,12 @@ class EngineHooks:
             self.fe.checkpointer.remove(group)
 
     def _resolve(self, root: str) -> str | None:
+        """``resolve_tag`` for ``load_checkpoint(root)``; ``root/latest`` is read once, for both."""
         store = self._store()
-        tag, lagging = resolve_tag(store, root, self.fe.checkpointer.config.storage_options)
+        data = store.latest_file(root)
+        tag, lagging = tag_named(store, root, pointer_name(data))
+        if tag is None:
+            self._refuse_empty_latest(root, data)
         if lagging and self._rank0 and tag is not None and (m := store.manifest(_join(root, tag))) is not None:
             try:  # forward only: a writer may have moved it to a newer commit since
                 if store.set_pointer(root, tag, order(m)):

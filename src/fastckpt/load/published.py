@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+from collections.abc import Callable
 
 from ..commit.names import SIDECAR
 from ..commit.protocol import read_sidecar
@@ -46,17 +47,16 @@ def check_published(home: Location, manifest: dict | None, deadline_s: float) ->
     older save than its sidecar published (see the module's docstring)."""
     if home.target.mounted or not manifest or manifest.get("group"):
         return
-    try:
-        sidecar = home_sidecar(home, deadline_s)
-    except (OSError, ValueError):  # damaged, or the store does not answer: it cannot say
+    sidecar = _sidecar(lambda: home_sidecar(home, deadline_s))
+    if sidecar is None:  # none, damaged, or the store does not answer: it cannot say
         return
     ours = manifest["checksum"]["value"]
-    if sidecar is None or sidecar["checksum"]["value"] == ours or file_order(manifest) >= file_order(sidecar):
+    if sidecar["checksum"]["value"] == ours or file_order(manifest) >= file_order(sidecar):
         return
     now = home.target.read_manifest(home.key)
     if (now or {}).get("checksum", {}).get("value") != ours:
         return  # replaced while the load ran: the save read was published, before it
-    sidecar = _fresh_sidecar(home, deadline_s) or sidecar  # its own save's sidecar may have landed since
+    sidecar = _sidecar(lambda: read_sidecar(home, deadline_s=deadline_s)) or sidecar  # its own save's may have landed
     if sidecar["checksum"]["value"] == ours:
         return
     log.warning(
@@ -68,9 +68,10 @@ def check_published(home: Location, manifest: dict | None, deadline_s: float) ->
         home.url, home.url, SIDECAR, _when(manifest), ours, _when(sidecar), sidecar["checksum"]["value"], home.url)
 
 
-def _fresh_sidecar(home: Location, deadline_s: float) -> dict | None:
+def _sidecar(read: Callable[[], dict | None]) -> dict | None:
+    """What ``read`` returns; None when the sidecar is damaged or the store does not answer."""
     try:
-        return read_sidecar(home, deadline_s=deadline_s)
+        return read()
     except (OSError, ValueError):
         return None
 
