@@ -15,9 +15,9 @@ Both see only the event log, so some numbers are reconstructions (docs/report.md
   is superseded (one path's uploads never overlap); one that coalescing dropped for another
   path stays pending (abandoned at its rank's next session): with several workers, another
   path's replication ending first says nothing (events are logged as they end).
-- pending (``status()``): what ``stats().pending`` counts, work still running. A group's file
-  at its path waits for a ``commit()`` call, not for work: it is not pending, so the two
-  exporters agree. The log has no event for a commit still running (it is logged as it ends).
+- pending (``status()``): what ``stats().pending`` counts, work still running: a group's file at its
+  path waits for a ``commit()`` call, not for work, so it is not pending; a group commit is, from its
+  ``committing`` event (the call) to its group ``commit``, or ``uncommitted`` (it ended without one).
 - sessions: a job killed and resumed with the same ``event_log`` appends to it. Events carry
   their Checkpointer's session (``JsonlSink``), and are matched only with saves of their own
   session; when a new session of a rank starts, that rank's saves left open by earlier ones
@@ -146,6 +146,7 @@ class RunState:
         self.retries: deque[Event] = deque(maxlen=keep_done)
         self.loads: deque[Event] = deque(maxlen=keep_done)
         self.group_commits: deque[Event] = deque(maxlen=keep_done)
+        self._committing: dict[tuple[int, str], str | None] = {}  # (rank, group) -> session: commits running
         self.first_start: float | None = None  # the log's first start and last end
         self.last_end: float | None = None
         self._finished: list[SaveTrace] = []  # by the event being fed
@@ -164,7 +165,12 @@ class RunState:
             self._new_session(ev.rank, ev.session)
         if ev.name == "snapshot":
             self._snapshot(ev)
+        elif ev.name in ("committing", "uncommitted"):  # a group commit began, or ended with no group ``commit``
+            self._committing.pop((ev.rank, ev.path), None)
+            if ev.name == "committing":
+                self._committing[(ev.rank, ev.path)] = ev.session
         elif ev.name == "commit" and ev.detail == "group":
+            self._committing.pop((ev.rank, ev.path), None)
             if ev.error is None:  # published; a failed one is in ``failures``
                 self.group_commits.append(ev)
             self._outcome((ev.rank, ev.path), ev.end, ev.error)
@@ -197,6 +203,7 @@ class RunState:
         """A Checkpointer of ``rank`` logs its first event: the saves that the rank's earlier
         sessions left open were abandoned (that job was killed and this one resumed it)."""
         self._sessions.add((rank, session))
+        self._committing = {k: s for k, s in self._committing.items() if k[0] != rank or s == session}
         for key in [k for k in self._awaiting if k[0] == rank]:
             self._awaiting[key] = [b for b in self._awaiting[key] if b.session == session]
         for key in [k for k in self._open if k[0] == rank]:
@@ -313,7 +320,8 @@ class RunState:
         return sorted(out, key=lambda s: (s.start, s.rank))
 
     def ranks(self) -> list[int]:
-        return sorted(set(self._overhead) | {k[0] for k in self._open} | {s.rank for s in self._done})
+        seen = {k[0] for k in (*self._open, *self._committing)} | {s.rank for s in self._done}
+        return sorted(set(self._overhead) | seen)
 
     def overhead_points(self, rank: int) -> list[OverheadPoint]:
         o = self._overhead.get(rank)
@@ -332,7 +340,8 @@ class RunState:
             queued = [q for b in waiting if (q := _queued_at(b)) is not None and b.phases[-1].name == "queued"]
             newest = self._newest_durable_start.get(rank)
             overhead = o.blocked / (now - o.t0) if o.t0 is not None and now > o.t0 else 0.0
-            out.append(RankStatus(rank, overhead, o.window(now), self.budget, o.over, o.alarms, len(waiting),
+            pending = len(waiting) + sum(1 for k in self._committing if k[0] == rank)  # saves, and commits
+            out.append(RankStatus(rank, overhead, o.window(now), self.budget, o.over, o.alarms, pending,
                                   len(queued), now - min(queued) if queued else 0.0,
                                   None if newest is None else now - newest))
         return out

@@ -130,8 +130,8 @@ def test_a_group_removed_before_its_commit_is_no_failure(tmp_path: Path) -> None
         ck.remove(str(g))
         with pytest.raises(GroupRemovedError):
             ck.commit(str(g)).wait()
-    assert [(e["name"], e.get("error", "")[:17]) for e in _log(log) if e.get("detail") == "group"] == \
-        [("commit", "GroupRemovedError")]
+    assert [(e["name"], (e.get("error") or "")[:17]) for e in _log(log) if e.get("detail") == "group"] == \
+        [("committing", ""), ("commit", "GroupRemovedError")]
     res = _cli(str(log), "--json")
     assert res.returncode == 0, res.stdout + res.stderr
     out = json.loads(res.stdout)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -383,3 +384,45 @@ def test_a_re_saved_groups_files_written_beside_it_are_its_files() -> None:
     saves = rs.saves()
     assert len(saves) == 2 and all(s.durable_at is not None for s in saves)
     assert rs.status(10.0)[0].pending == 0
+
+
+def _replayed_pending(log: Path) -> int:
+    rs = RunState()
+    for ev in read_events(str(log)):
+        rs.feed(ev)
+    return rs.status(time.time())[0].pending
+
+
+def test_a_group_commit_in_flight_is_pending_in_the_replay_as_in_stats(tmp_path: Path) -> None:
+    """While a group commit runs (its manifest's rename held), stats().pending counted it and the replay of
+    the log (serve-metrics' gauge) did not: the log had nothing of it until it ended. Its ``committing``
+    event, at the call, counts it from then to its group ``commit``."""
+    log, ops, g = tmp_path / "events.jsonl", FaultyOps(), str(tmp_path / "home" / "step-1")
+    with fastckpt.Checkpointer(ops=ops, event_log=str(log), overhead_budget=0.99) as ck:
+        ck.save({"w": torch.zeros(1024)}, f"{g}/model.pt", group=g).wait(60)
+        gate = ops.gate("replace", path_contains=P.GROUP_MANIFEST)
+        handle = ck.commit(g, step=1)
+        try:
+            assert gate.wait_entered()
+            assert (ck.stats().pending, _replayed_pending(log)) == (1, 1)  # was (1, 0)
+        finally:
+            gate.open()
+        handle.wait(60)
+        assert (ck.stats().pending, _replayed_pending(log)) == (0, 0)
+
+
+def test_a_group_commit_that_ended_with_its_saves_failure_is_no_longer_pending(tmp_path: Path) -> None:
+    """A commit that raised its own save's failure logs no group ``commit`` (the failure is counted once,
+    under the save's phase): its ``uncommitted`` event ends it in the replay, which counts one failure."""
+    log, g = tmp_path / "events.jsonl", str(tmp_path / "home" / "step-1")
+    ops = FaultyOps([Fault("pwrite", errno.ENOSPC, path_contains="model.pt")])
+    with fastckpt.Checkpointer(ops=ops, event_log=str(log), overhead_budget=0.99) as ck:
+        with pytest.raises(fastckpt.CheckpointWriteError):
+            ck.save({"w": torch.zeros(1024)}, f"{g}/model.pt", group=g).wait(60)  # seen: commit() goes on
+        with pytest.raises(fastckpt.CheckpointWriteError):
+            ck.commit(g, step=1).wait(60)
+        assert (ck.stats().pending, _replayed_pending(log)) == (0, 0)
+    rs = RunState()
+    for ev in read_events(str(log)):
+        rs.feed(ev)
+    assert [e.name for e in rs.failures] == ["write"]

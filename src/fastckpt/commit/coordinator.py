@@ -37,7 +37,7 @@ from concurrent.futures import Executor, Future
 from typing import NoReturn
 
 from ..config import CheckpointerConfig
-from ..errors import CommitTimeoutError, CorruptCheckpointError, GroupRemovedError, refused_once_closed
+from ..errors import CommitTimeoutError, CorruptCheckpointError, refused_once_closed
 from ..records import SaveHandle, SaveRecord
 from ..storage.places import Place
 from . import attempt as A
@@ -238,8 +238,15 @@ class Coordinator:
             except BaseException as exc:
                 raise R.failure(att, rank, exc)  # noqa: B904 (``failure`` chains it when it replaces it)
 
-        with refused_once_closed("this commit", "the group was not published"):
-            fut = self._pool.submit(run)
+        # logged now, not as it ends: a replay of the log counts it as running, as stats().pending does (its end:
+        # the group ``commit`` event, or ``uncommitted`` where it logs none: ``removal.failed``)
+        self._emit("committing", group, 0, requested_at, "direct", detail="group")
+        try:
+            with refused_once_closed("this commit", "the group was not published"):
+                fut = self._pool.submit(run)
+        except BaseException:
+            self._emit("uncommitted", group, 0, requested_at, "direct", detail="group: refused")
+            raise
         with self._lock:
             self._running[group] = (att, fut)
         fut.add_done_callback(lambda f: self._forget(group, f))
@@ -312,15 +319,6 @@ class Coordinator:
         else:
             run(False)
 
-    def _failed(self, att: A.Attempt, rank: int, exc: BaseException, start: float, tier: str,
-                saved: bool = False) -> BaseException:
-        """``_failure``, emitted as the group ``commit`` event (one per rank, as a success is) for metrics and
-        reports; not a save's error (``saved``: its own event counted it), unless it was the group's removal."""
-        err = R.failure(att, rank, exc)
-        if not saved or isinstance(err, GroupRemovedError):
-            self._emit("commit", att.group, 0, start, tier, err, detail="group")
-        return err
-
     def _run(self, att: A.Attempt, rank: int, world: int, extra: dict, t_call: float,
              requested_at: float) -> SaveRecord:
         c0, cpu0 = time.time(), time.thread_time()
@@ -328,7 +326,7 @@ class Coordinator:
             recs = A.records(att.handles)  # a failed save stops the commit here
         except BaseException as exc:
             self._abort(att, rank, exc)
-            raise self._failed(att, rank, exc, c0, "direct", saved=True)  # noqa: B904 (as ``run``)
+            raise R.failed(att, rank, exc, c0, "direct", self._emit, saved=True)  # noqa: B904 (as ``run``)
         tier = recs[0].tier if recs else "direct"
         blocked = sum(r.blocked_s for r in recs)
         superseded = any(r.superseded for r in recs)  # replication coalesced this attempt away
@@ -345,6 +343,7 @@ class Coordinator:
             cost = {"store_ops": ops, "store_bytes": nbytes, "commit_cpu_s": time.thread_time() - cpu0}
             if ended.superseded:
                 L.dropped(att, recs, rank, world, self._lock, (self._open, self._running))  # its files, records go
+                self._emit("uncommitted", att.group, 0, c0, tier, detail="group: superseded")
                 return SaveRecord(att.group, tier, 0, blocked, 0.0, done, None, rank=rank, group=att.group,
                                   superseded=True, **cost)
             for local in [p for p in att.local if os.path.isdir(p.url())]:  # striped: each drive holding files
@@ -355,6 +354,6 @@ class Coordinator:
                         "fastckpt: %s is published; its burst-buffer copy %s has no manifest (%r): loads judge it "
                         "by the home's", att.group, local.label, exc)
         except BaseException as exc:  # (a refused commit's directory goes: leftovers.refused)
-            raise self._failed(att, rank, L.refused(att, rank, world, exc), c0, tier)  # noqa: B904 (as ``run``)
+            raise R.failed(att, rank, L.refused(att, rank, world, exc), c0, tier, self._emit)  # noqa: B904
         self._emit("commit", att.group, ended.total, c0, tier, detail="group")
         return SaveRecord(att.group, tier, ended.total, blocked, 0.0, done, done, rank=rank, group=att.group, **cost)

@@ -18,6 +18,7 @@ import errno
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 from ..errors import CorruptCheckpointError, GroupRemovedError
 from ..inflight import raise_as_write_error
@@ -98,6 +99,19 @@ def failure(att: Attempt, rank: int, exc: BaseException) -> BaseException:
         except BaseException as err:  # noqa: BLE001 (it always raises: ``exc``, or the error naming the group)
             return err
     return exc
+
+
+def failed(att: Attempt, rank: int, exc: BaseException, start: float, tier: str, emit: Callable[..., None],
+           saved: bool = False) -> BaseException:
+    """``failure``, emitted as the group ``commit`` event (one per rank, as a success is) for metrics and
+    reports; not a save's error (``saved``: its own event counted it), unless it was the group's removal:
+    that commit's end is an ``uncommitted`` event (its ``committing`` one counts it as running until then)."""
+    err = failure(att, rank, exc)
+    if not saved or isinstance(err, GroupRemovedError):
+        emit("commit", att.group, 0, start, tier, err, detail="group")
+    else:
+        emit("uncommitted", att.group, 0, start, tier, detail="group: a save of it failed")
+    return err
 
 
 def removed(att: Attempt, exc: OSError) -> bool:
