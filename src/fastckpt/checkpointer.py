@@ -21,7 +21,7 @@ from .commit import discovery
 from .commit.coordinator import Coordinator
 from .commit.foreign import check_step, group_step
 from .config import CheckpointerConfig, options_doc, options_signature
-from .errors import ClosedError, ReplicationError
+from .errors import ClosedError
 from .events import Event, Fanout, JsonlSink
 from .exits import close_at_exit, flush_at_exit, forget_at_exit, ran_threads, stop_pools
 from .format.manifest import TAIL_ROOM
@@ -30,7 +30,6 @@ from .io.ops import FileOps
 from .load.loader import Loader, LoadOptions
 from .load.missing import nothing_to_load
 from .monitor import Monitor, Stats
-from .progress import Progress
 from .records import SaveHandle, SaveRecord, stopped_note
 from .save.replicator import Replicator
 from .save.retention import Retention
@@ -45,8 +44,6 @@ from .storage.types import RetryNotice
 from .urls import file_name, mirror_path, named, normalize
 
 log = logging.getLogger("fastckpt")
-PROGRESS_EVERY_S = 10.0  # a log line this often while wait() or close() waits (off a terminal)
-PROGRESS_DELAY_S = 3.0  # silent for waits shorter than this
 
 
 class Checkpointer:
@@ -279,16 +276,7 @@ class Checkpointer:
         """
         self.fence()
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        first = len(self._inflight)
-        if first:
-            with Progress(f"fastckpt: waiting for {first} pending save(s)", total=first, unit="saves",
-                          read=lambda: first - len(self._inflight), delay_s=PROGRESS_DELAY_S,
-                          every_s=PROGRESS_EVERY_S):
-                if left := self._inflight.wait_all(deadline):
-                    raise ReplicationError(
-                        f"{left} save(s) still pending after {timeout_s:g} s: {', '.join(self._inflight.paths())} "
-                        f"(replicating: {', '.join(self._replicator.pending()) or 'none'}). Raise close_timeout_s, "
-                        "or check the storage target.")
+        self._inflight.wait_shown(timeout_s, self._replicator.pending)  # ReplicationError past timeout_s
         self._homes.reaper.drain(None if deadline is None else max(0.0, deadline - time.monotonic()))  # replaced files
         self._inflight.raise_unseen()
 
@@ -311,6 +299,7 @@ class Checkpointer:
             raise
         finally:
             self._closed = True
+            self._coordinator.close(self.rank, self.world_size, self.config.close_timeout_s)  # groups never committed
             self._stop.set()
             wait = self.config.close_timeout_s is None or not len(self._inflight)  # False: it gave up on them
             if not wait:

@@ -23,12 +23,15 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 
-from .errors import CheckpointWriteError, FastCkptError
+from .errors import CheckpointWriteError, FastCkptError, ReplicationError
+from .progress import Progress
 from .records import SaveHandle
 from .urls import is_within
 
 log = logging.getLogger("fastckpt")
 _SURFACED = "_fastckpt_surfaced"
+PROGRESS_EVERY_S = 10.0  # a log line this often while wait() or close() waits (off a terminal)
+PROGRESS_DELAY_S = 3.0  # silent for waits shorter than this
 
 
 def surfaced(exc: BaseException) -> bool:
@@ -191,6 +194,26 @@ class InFlight:
             if not_done and deadline is not None and time.monotonic() >= deadline:
                 return len(not_done)
         return 0
+
+    def wait_shown(self, timeout_s: float | None, replicating: Callable[[], list[str]]) -> None:
+        """``wait_all`` for ``Checkpointer.wait``: a wait longer than a few seconds shows progress (a bar
+        on a terminal, a log line every few seconds otherwise: ``fastckpt.progress``), drawn off this thread.
+
+        Raises:
+            ReplicationError: ``timeout_s`` passed first, naming what is still pending (and the copies
+                ``replicating()`` names).
+        """
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        first = len(self)
+        if not first:
+            return
+        with Progress(f"fastckpt: waiting for {first} pending save(s)", total=first, unit="saves",
+                      read=lambda: first - len(self), delay_s=PROGRESS_DELAY_S, every_s=PROGRESS_EVERY_S):
+            if left := self.wait_all(deadline):
+                raise ReplicationError(
+                    f"{left} save(s) still pending after {timeout_s:g} s: {', '.join(self.paths())} "
+                    f"(replicating: {', '.join(replicating()) or 'none'}). Raise close_timeout_s, "
+                    "or check the storage target.")
 
     def log_unseen(self, why: str) -> None:
         """Log (ERROR, with its traceback) each failure nobody has seen yet, and mark it seen:

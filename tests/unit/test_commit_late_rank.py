@@ -127,7 +127,8 @@ def test_the_newer_attempt_publishes_the_late_ranks_next_save(tmp_path: Path) ->
         _save(ck1, g, 1)
         pending = ck1.commit(str(g))
         assert gate.wait_entered()
-        old0.close()  # never committed: its attempt stays recorded as running, as after a crash
+        # old0 crashed: never closed (close() would end its attempt on every rank), its attempt stays
+        # recorded as running
         new0 = _ck(0)
         cks.append(new0)
         _save(new0, g, 2).wait(60)
@@ -137,7 +138,7 @@ def test_the_newer_attempt_publishes_the_late_ranks_next_save(tmp_path: Path) ->
         ck1.commit(str(g)).wait(60)
         waiting.wait(60)
     finally:
-        close_all(cks)
+        close_all([*cks, old0])
     assert _published_versions(g) == [2, 2]
 
 

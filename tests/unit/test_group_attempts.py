@@ -122,7 +122,7 @@ def test_a_restarted_rank_that_rejoins_the_attempt_is_published_with_its_new_fil
         rec = dead1.save(_state(2, 1), str(g / "rank1.pt"), group=str(g)).wait(60)
         P.write_marker(place(str(g)), 1, 2, {"rank1.pt": {"size": rec.bytes, "checksum": rec.checksum}},
                        P.attempt_id(place(str(g))))  # what its commit wrote before it died
-        dead1.close()
+        # dead1 died: never closed (close() would end its attempt on every rank) until the end
         restarted1 = _ck(1, None, commit_timeout_s=5)
         try:
             restarted1.save(_state(3, 1), str(g / "rank1.pt"), group=str(g)).wait(60)
@@ -134,6 +134,7 @@ def test_a_restarted_rank_that_rejoins_the_attempt_is_published_with_its_new_fil
             restarted1.close()
     finally:
         rank0.close()
+        dead1.close()
     assert _versions(g) == [2, 3]
     assert latest(str(tmp_path)) == str(g)
 

@@ -2,7 +2,9 @@
 
 Calls, all on the training thread: ``begin`` (first save into a group by this rank in this
 attempt), ``add``/``skipped``/``failed`` (each save), ``commit`` (every rank, once per attempt),
-``cancel`` (``Checkpointer.remove`` of the group). The work of a commit runs on the committer pool:
+``cancel`` (``Checkpointer.remove`` of the group), ``close`` (``Checkpointer.close``: the attempts
+this rank began and never committed end on every rank; ``tell.py`` tells the others). The work of
+a commit runs on the committer pool:
 
   every rank   wait for its saves (and their replication)
   with a store (``store.py``): announce its files there; rank 0 waits for all W, publishes the
@@ -34,10 +36,11 @@ import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import Executor, Future
+from concurrent.futures import wait as wait_all
 from typing import NoReturn
 
 from ..config import CheckpointerConfig
-from ..errors import CommitTimeoutError, CorruptCheckpointError, refused_once_closed
+from ..errors import CorruptCheckpointError, refused_once_closed
 from ..records import SaveHandle, SaveRecord
 from ..storage.places import Place
 from . import attempt as A
@@ -48,6 +51,7 @@ from . import protocol as P
 from . import removal as R
 from . import resave
 from . import store as S
+from . import tell as T
 
 log = logging.getLogger("fastckpt")
 
@@ -84,6 +88,7 @@ class Coordinator:
         # ``fallback.began``), and the attempt each group's last failed commit of another rank was in
         self._session, self._born = uuid.uuid4().hex[:16], time.time()
         self._given_up: dict[str, str] = {}
+        self._tell = T.Teller(pool, stop, self._timeout)
 
     def _channel(self, group: str, rank: int, world: int) -> S.Channel | None:
         """This rank's next attempt's store keys (None: no store, or one rank); no store call (``session.py``)."""
@@ -183,15 +188,17 @@ class Coordinator:
             att.cancel.set()
             if att.channel is not None:
                 why = f"rank {rank} removed the group"
-                self._through_store(att.channel, group, rank, lambda ch, why=why: ch.cancel(why), "the removal of")
+                self._tell.through_store(att.channel, group, rank, lambda ch, why=why: ch.cancel(why),
+                                         "the removal of")
         if running is not None and running.channel is None and world > 1:  # its marker may be in rank 0's hands
             R.claim(running, rank, self._timeout, self._stop)
 
-    def abandon(self, group: str, rank: int, world: int, exc: BaseException) -> None:
+    def abandon(self, group: str, rank: int, world: int, exc: BaseException) -> Future | None:
         """This rank will not commit its attempt at ``group`` (its ``commit`` raised ``exc``, an
-        earlier save's failure): end the attempt, on every rank at once with a store. A rank that
-        saved nothing into it begins it now (as ``_refuse``): else rank 0 waits for it, and with
-        a store its attempt count at the group falls one behind the others' for good."""
+        earlier save's failure; or it closed: ``close``): end the attempt, on every rank at once.
+        A rank that saved nothing into it begins it now (as ``_refuse``): else rank 0 waits for it,
+        and with a store its attempt count at the group falls one behind the others' for good.
+        Returns the committer pool's Future that tells the others (``Teller.through_store``), if any."""
         with self._lock:
             att = self._open.pop(group, None)
             self._missing.pop(group, None)
@@ -201,10 +208,31 @@ class Coordinator:
             except BaseException as begin_exc:  # the others then time out, naming this rank
                 exc.add_note(f"the other ranks were not told, and wait commit_timeout_s: "
                              f"{type(begin_exc).__name__}: {begin_exc}")
-                return
-        if att is not None:
-            self._give_up(att)
-            self._abort(att, rank, exc, background=True)
+                return None
+        if att is None:
+            return None
+        self._give_up(att)
+        return self._tell.abort(att, rank, exc, background=True)
+
+    def close(self, rank: int, world: int, timeout_s: float | None) -> None:
+        """``Checkpointer.close`` (or the exit flush), before ``stop`` is set: this rank commits none of
+        the attempts it began and did not commit (a rank that leaves after its saves into a group,
+        without ``commit``). Each ends on every rank as a failed commit's does (``abandon``), and is
+        told before the workers stop (within ``timeout_s``; None: until told or ``commit_timeout_s``),
+        so that the other ranks' commits fail now, naming this rank, not after ``commit_timeout_s``.
+        A commit in flight (``_running``) is not touched: close() waited for it. One rank: nothing."""
+        with self._lock:
+            groups = [g for g, att in self._open.items() if not att.cancel.is_set()]  # removed: told already
+        if world < 2 or not groups:
+            return
+        telling = []
+        for g in groups:
+            try:
+                telling.append(self.abandon(g, rank, world, E.closed_error(g, rank)))
+            except Exception as exc:  # noqa: BLE001 (close() goes on: the others then time out, naming this rank)
+                log.warning("fastckpt: could not tell the other ranks that rank %d closed without committing %s: %r",
+                            rank, g, exc)
+        wait_all([f for f in telling if f is not None], timeout=timeout_s)
 
     def _give_up(self, att: A.Attempt) -> None:
         """This rank's commit of ``att`` failed: without a store, on a rank other than 0, rank 0
@@ -265,7 +293,7 @@ class Coordinator:
         except BaseException as exc:  # the others then time out, naming this rank
             err.add_note(f"the other ranks were not told, and wait commit_timeout_s: {type(exc).__name__}: {exc}")
             raise err from exc
-        self._abort(att, rank, err, background=True, why=f"the save of {files} did not happen")
+        self._tell.abort(att, rank, err, background=True, why=f"the save of {files} did not happen")
         raise err
 
     def _begun(self, group: str, rank: int, world: int) -> A.Attempt:
@@ -279,53 +307,13 @@ class Coordinator:
             if self._running.get(group, (None, None))[1] is fut:
                 del self._running[group]
 
-    def _abort(self, att: A.Attempt, rank: int, exc: BaseException, background: bool = False,
-               why: str | None = None) -> None:
-        """End the attempt on every rank at once, not after ``commit_timeout_s``. With a store through it
-        (``background``: on the training thread, so a session still to agree is agreed on the pool); else
-        rank 0 records the outcome, another rank a failure record for rank 0's current attempt or, before
-        it started, for the one after the attempt recorded now. ``why``: what the others are told."""
-        why = (why or f"{type(exc).__name__}: {exc}")[:500]
-        if att.channel is not None:
-            self._through_store(att.channel, att.group, rank, lambda ch: ch.abort(rank, why), "the failure of",
-                                background)
-            return
-        try:
-            if rank == 0:
-                F.record_aborted(att.place, att.token, f"rank 0: {why}", att.replaced)
-            else:
-                seen, current = F.attempt_ids(att.place)  # one read: both of the same attempt.json
-                P.write_failure(att.place, rank, current, why, seen=seen)
-        except OSError as tell_exc:  # the others then time out, naming this rank
-            log.warning("fastckpt: could not tell the other ranks that the save into %s failed: %s",
-                        att.group, tell_exc)
-
-    def _through_store(self, ch: S.Channel, group: str, rank: int, act: Callable[[S.Channel], object], what: str,
-                       background: bool = True) -> None:
-        """``act`` on the attempt's keys, once the session is agreed. From the training thread
-        (``background``), a session still to agree is agreed on the committer pool, polling, so
-        that close() ends it at once: the commit's own join, if any, is what close() waits for."""
-        timeout_s = self._timeout + (0 if rank == 0 else A.grace(self._timeout))
-
-        def run(poll: bool) -> None:
-            try:
-                if ch.join(time.monotonic() + timeout_s, self._stop, poll=poll):
-                    act(ch)
-            except (S.StoreError, CommitTimeoutError) as exc:  # the others then time out, naming this rank
-                log.warning("fastckpt: could not tell the other ranks of %s %s: %s", what, group, exc)
-
-        if background and not ch.agreed:
-            self._pool.submit(run, True)
-        else:
-            run(False)
-
     def _run(self, att: A.Attempt, rank: int, world: int, extra: dict, t_call: float,
              requested_at: float) -> SaveRecord:
         c0, cpu0 = time.time(), time.thread_time()
         try:
             recs = A.records(att.handles)  # a failed save stops the commit here
         except BaseException as exc:
-            self._abort(att, rank, exc)
+            self._tell.abort(att, rank, exc)
             raise R.failed(att, rank, exc, c0, "direct", self._emit, saved=True)  # noqa: B904 (as ``run``)
         tier = recs[0].tier if recs else "direct"
         blocked = sum(r.blocked_s for r in recs)

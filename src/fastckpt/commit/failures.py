@@ -16,6 +16,12 @@ def aborted_error(label: str, why: str) -> CheckpointWriteError:
     return err
 
 
+def closed_error(label: str, rank: int) -> CheckpointWriteError:
+    """Why a rank that closed its Checkpointer (``close()``, the exit flush) ends the attempts it began
+    and never committed (``Coordinator.close``): what the other ranks' commits then raise names it."""
+    return CheckpointWriteError(f"rank {rank} closed its Checkpointer without committing group {label}")
+
+
 def unsaved_error(label: str, files: str) -> CheckpointWriteError:
     """What a rank raises at ``commit`` when its save of ``files`` (each with why) into the group
     did not happen: the group would lack them, so it is not committed (``Coordinator._refuse``)."""

@@ -1,0 +1,77 @@
+"""Telling the other ranks that this rank's attempt at a group ended, at once rather than after
+``commit_timeout_s``: a failed save or commit (``Coordinator.abandon``, ``_refuse``, ``_run``), a
+``remove()`` (``Coordinator.cancel``), and a Checkpointer closed with attempts it never committed
+(``Coordinator.close``). With a store, through the attempt's keys; without one, through records
+in the group's directory (rank 0: the outcome; another rank: a failure record, ``fallback.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Executor, Future
+
+from ..errors import CommitTimeoutError
+from . import attempt as A
+from . import fallback as F
+from . import protocol as P
+from . import store as S
+
+log = logging.getLogger("fastckpt")
+
+
+class Teller:
+    """Ends this rank's attempts on every rank.
+
+    Args:
+        pool: the committer threads (a session still to agree is agreed there, polling).
+        stop: set by ``Checkpointer.close``: a polling wait ends at once.
+        timeout_s: ``commit_timeout_s``: how long agreeing on the session may take.
+    """
+
+    def __init__(self, pool: Executor, stop: threading.Event, timeout_s: float) -> None:
+        self._pool, self._stop, self._timeout = pool, stop, timeout_s
+
+    def abort(self, att: A.Attempt, rank: int, exc: BaseException, background: bool = False,
+              why: str | None = None) -> Future | None:
+        """End the attempt on every rank at once, not after ``commit_timeout_s``. With a store through it
+        (``background``: on the training thread, so a session still to agree is agreed on the pool: the Future
+        returned ends once the others were told); else rank 0 records the outcome, another rank a failure record
+        for rank 0's current attempt or, before it started, for the one after the attempt recorded now. ``why``:
+        what the others are told."""
+        why = (why or f"{type(exc).__name__}: {exc}")[:500]
+        if att.channel is not None:
+            return self.through_store(att.channel, att.group, rank, lambda ch: ch.abort(rank, why), "the failure of",
+                                      background)
+        try:
+            if rank == 0:
+                F.record_aborted(att.place, att.token, f"rank 0: {why}", att.replaced)
+            else:
+                seen, current = F.attempt_ids(att.place)  # one read: both of the same attempt.json
+                P.write_failure(att.place, rank, current, why, seen=seen)
+        except OSError as tell_exc:  # the others then time out, naming this rank
+            log.warning("fastckpt: could not tell the other ranks that the save into %s failed: %s",
+                        att.group, tell_exc)
+        return None
+
+    def through_store(self, ch: S.Channel, group: str, rank: int, act: Callable[[S.Channel], object], what: str,
+                      background: bool = True) -> Future | None:
+        """``act`` on the attempt's keys, once the session is agreed. From the training thread
+        (``background``), a session still to agree is agreed on the committer pool, polling, so
+        that close() ends it at once: the commit's own join, if any, is what close() waits for.
+        Returns that pool's Future (None: done on this thread)."""
+        timeout_s = self._timeout + (0 if rank == 0 else A.grace(self._timeout))
+
+        def run(poll: bool) -> None:
+            try:
+                if ch.join(time.monotonic() + timeout_s, self._stop, poll=poll):
+                    act(ch)
+            except (S.StoreError, CommitTimeoutError) as exc:  # the others then time out, naming this rank
+                log.warning("fastckpt: could not tell the other ranks of %s %s: %s", what, group, exc)
+
+        if background and not ch.agreed:
+            return self._pool.submit(run, True)
+        run(False)
+        return None

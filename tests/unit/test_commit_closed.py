@@ -1,0 +1,159 @@
+"""A rank that closes its Checkpointer (``close()``, or the exit flush) after saving into a group it
+never committed ends that attempt on every rank (``Coordinator.close``): the others' commits fail
+at once, naming the rank and why, instead of waiting ``commit_timeout_s``; ``latest`` stays at the
+last committed group. A commit in flight is waited for, not ended; a rank that saved nothing into
+a group leaves it alone; one rank is unaffected.
+
+Simulated ranks: two Checkpointer(rank=r, world_size=2) in this process, with a real TCPStore or
+without one (marker files). Real processes: tests/integration/test_group_rank_closed.py.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import fastckpt
+from fastckpt.commit import protocol as P
+from fastckpt.commit.names import MARKER_DIR
+from fastckpt.errors import CheckpointWriteError
+from tests.helpers import close_all, latest
+
+TIMEOUT_S = 30  # commit_timeout_s: a commit this fix does not end waits that long (the tests give it 20 s)
+
+
+@pytest.fixture(params=["store", "no store"])
+def store(request: pytest.FixtureRequest) -> object | None:
+    if request.param == "no store":
+        return None
+    return dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=60))
+
+
+def _state(step: int, rank: int) -> dict:
+    return {"w": torch.arange(256, dtype=torch.int64) + 1000 * step + rank, "step": step}
+
+
+def _ranks(store: object | None, world: int = 2) -> list[fastckpt.Checkpointer]:
+    return [fastckpt.Checkpointer(rank=r, world_size=world, store=store, io_threads=1, overhead_budget=0.99,
+                                  commit_timeout_s=TIMEOUT_S) for r in range(world)]
+
+
+def _save(ck: fastckpt.Checkpointer, g: Path, step: int) -> fastckpt.SaveHandle:
+    return ck.save(_state(step, ck.rank), str(g / f"r{ck.rank}.pt"), group=str(g))
+
+
+def _commit_step_1(cks: list, tmp_path: Path) -> Path:
+    g1 = tmp_path / "global_step1"
+    for ck in cks:
+        _save(ck, g1, 1)
+    for h in [ck.commit(str(g1), step=1) for ck in cks]:
+        h.wait(60)
+    return g1
+
+
+def _closing(ck: fastckpt.Checkpointer) -> tuple[threading.Thread, list[BaseException]]:
+    """``ck.close()`` on a thread of its own (it may wait for the other rank), started; what it raised."""
+    raised: list[BaseException] = []
+
+    def close() -> None:
+        try:
+            ck.close()
+        except BaseException as exc:  # noqa: BLE001 (the test asserts there is none)
+            raised.append(exc)
+
+    th = threading.Thread(target=close, name="closing-rank")
+    th.start()
+    return th, raised
+
+
+@pytest.mark.parametrize("closer", [1, 0])
+def test_a_rank_closed_without_committing_its_group_ends_the_others_commit(tmp_path: Path, store: object | None,
+                                                                          closer: int) -> None:
+    """Both ranks save global_step2; the other rank commits it and waits; ``closer`` closes instead.
+    The other's commit fails at once naming the closer, and global_step1 stays the latest."""
+    cks = _ranks(store)
+    try:
+        g1 = _commit_step_1(cks, tmp_path)
+        g2 = tmp_path / "global_step2"
+        for ck in cks:
+            _save(ck, g2, 2).wait(60)
+        waiting = cks[1 - closer].commit(str(g2), step=2)
+        cks[closer].close()
+        with pytest.raises(CheckpointWriteError,
+                           match=rf"rank {closer} closed its Checkpointer without committing group {g2}"):
+            waiting.wait(20)  # not CommitTimeoutError after commit_timeout_s
+    finally:
+        close_all(cks)
+    assert latest(str(tmp_path)) == str(g1)
+    assert not (g2 / P.GROUP_MANIFEST).exists()
+
+
+def test_a_rank_closed_before_the_session_was_agreed_tells_rank_0_before_its_workers_stop(tmp_path: Path) -> None:
+    """With a store, a rank that closes before its first commit does not know the store session yet:
+    close() waits, on the committer pool, until rank 0 answers it (at rank 0's commit), ends the
+    attempt, and only then stops the workers; rank 0's commit fails naming it."""
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=60))
+    cks = _ranks(store)
+    g1 = tmp_path / "global_step1"
+    try:
+        for ck in cks:
+            _save(ck, g1, 1).wait(60)
+        th, raised = _closing(cks[1])
+        said = rf"rank 1 closed its Checkpointer without committing group {g1}"
+        with pytest.raises(CheckpointWriteError, match=said):
+            cks[0].commit(str(g1), step=1).wait(20)
+        th.join(60)
+        assert not th.is_alive()
+        assert raised == []
+    finally:
+        close_all(cks)
+    assert latest(str(tmp_path)) is None
+
+
+def test_a_commit_in_flight_at_close_is_waited_for_not_ended(tmp_path: Path, store: object | None) -> None:
+    """Rank 1 commits global_step2 and closes while rank 0 has not committed yet: close() waits for
+    that commit, which completes once rank 0 commits."""
+    cks = _ranks(store)
+    try:
+        _commit_step_1(cks, tmp_path)
+        g2 = tmp_path / "global_step2"
+        for ck in cks:
+            _save(ck, g2, 2).wait(60)
+        mine = cks[1].commit(str(g2), step=2)
+        th, raised = _closing(cks[1])
+        assert cks[0].commit(str(g2), step=2).wait(20).path == str(g2)
+        th.join(60)
+        assert not th.is_alive()
+        assert raised == []
+        assert mine.wait(0).path == str(g2)
+    finally:
+        close_all(cks)
+    assert latest(str(tmp_path)) == str(g2)
+
+
+def test_a_rank_that_saved_nothing_into_a_group_leaves_it_alone_at_close(tmp_path: Path) -> None:
+    """Rank 0 began global_step2; rank 1, which saved nothing into it, closes: no failure record of
+    rank 1 is left there (rank 0's commit of it is its own business)."""
+    cks = _ranks(None)
+    try:
+        _commit_step_1(cks, tmp_path)
+        g2 = tmp_path / "global_step2"
+        _save(cks[0], g2, 2).wait(60)
+        cks[1].close()
+        assert P.failure_ranks(sorted(p.name for p in (g2 / MARKER_DIR).iterdir())) == {}
+    finally:
+        close_all(cks)
+
+
+def test_one_rank_closed_with_a_group_it_did_not_commit_records_nothing(tmp_path: Path) -> None:
+    (ck,) = _ranks(None, world=1)
+    g = tmp_path / "global_step1"
+    _save(ck, g, 1).wait(60)
+    ck.close()
+    assert not (g / MARKER_DIR).exists()
+    assert sorted(p.name for p in g.iterdir()) == ["r0.pt"]
