@@ -157,3 +157,24 @@ def test_one_rank_closed_with_a_group_it_did_not_commit_records_nothing(tmp_path
     ck.close()
     assert not (g / MARKER_DIR).exists()
     assert sorted(p.name for p in g.iterdir()) == ["r0.pt"]
+
+
+def test_a_rank_closed_before_the_session_was_agreed_gives_up_telling_a_silent_rank_0(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Rank 0 never answers (dead too, or hung): close() waits CLOSE_TELL_S (here 1 s) for the store
+    session, not commit_timeout_s, then says the others were not told, and returns."""
+    from fastckpt.commit import coordinator
+
+    monkeypatch.setattr(coordinator, "CLOSE_TELL_S", 1.0)
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=60))
+    cks = _ranks(store)
+    g1 = tmp_path / "global_step1"
+    try:
+        _save(cks[1], g1, 1).wait(60)
+        th, raised = _closing(cks[1])
+        th.join(TIMEOUT_S - 5)  # without the bound: commit_timeout_s and its grace
+        assert not th.is_alive()
+        assert raised == []
+        assert "rank 0 did not agree on the store session within 1 s" in caplog.text
+    finally:
+        close_all(cks)

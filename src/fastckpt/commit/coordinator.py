@@ -54,6 +54,7 @@ from . import store as S
 from . import tell as T
 
 log = logging.getLogger("fastckpt")
+CLOSE_TELL_S = 60.0  # close() waits this long (at most commit_timeout_s) to tell the others, without close_timeout_s
 
 class Coordinator:
     """This rank's attempts at groups, and their commits on the committer pool.
@@ -225,14 +226,18 @@ class Coordinator:
             groups = [g for g, att in self._open.items() if not att.cancel.is_set()]  # removed: told already
         if world < 2 or not groups:
             return
-        telling = []
+        telling: list[Future | None] = []
         for g in groups:
             try:
                 telling.append(self.abandon(g, rank, world, E.closed_error(g, rank)))
             except Exception as exc:  # noqa: BLE001 (close() goes on: the others then time out, naming this rank)
                 log.warning("fastckpt: could not tell the other ranks that rank %d closed without committing %s: %r",
                             rank, g, exc)
-        wait_all([f for f in telling if f is not None], timeout=timeout_s)
+        bound = min(self._timeout, CLOSE_TELL_S) if timeout_s is None else timeout_s  # rank 0 may be dead too
+        if wait_all([f for f in telling if f is not None], timeout=bound).not_done:
+            log.warning("fastckpt: rank %d closed without committing %s; rank 0 did not agree on the store session "
+                        "within %g s, so the other ranks were not told and wait commit_timeout_s", rank,
+                        ", ".join(groups), bound)
 
     def _give_up(self, att: A.Attempt) -> None:
         """This rank's commit of ``att`` failed: without a store, on a rank other than 0, rank 0
