@@ -102,7 +102,8 @@ class TrainerLink:
         counts a checkpoint that does not exist, and ``path`` may be the only good one left: keep
         it (a WARNING says so). Not an error: the failed save's own error is raised once, by the
         training thread. One whose upload was dropped for a newer save (last.ckpt's, while uploads
-        run behind) is older than those after it here: they stand for it."""
+        run behind on a burst buffer without hard links: ``save.versions``) is older than those
+        after it here: they stand for it."""
         for i, h in enumerate(saves):
             if i + 1 < len(saves) and dropped_for_newer(h):
                 continue

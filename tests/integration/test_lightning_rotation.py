@@ -176,14 +176,19 @@ def test_replacement_dropped_by_coalescing_keeps_the_previous_top_k_file(tmp_pat
     assert any("step=2.ckpt" in m and "step=3.ckpt" in m and "coalesce" in m for m in kept), kept
 
 
-def test_last_ckpt_replaced_before_its_upload_does_not_keep_a_top_k_file(tmp_path, caplog):
-    """replicate_policy="all" still drops a queued upload for a newer save to the same path
-    (save_last=True writes last.ckpt every step). The removal of step=1 waits for last.ckpt of
-    step 1, dropped that way: it counts as the newer last.ckpt, which lands, so step=1 goes."""
+@pytest.mark.parametrize("links", [True, False])
+def test_last_ckpt_replaced_before_its_upload_does_not_keep_a_top_k_file(tmp_path, caplog, links):
+    """save_last=True writes last.ckpt every step. A queued upload of last.ckpt keeps its bytes
+    under a version link when the next save replaces its burst-buffer copy, and lands in its turn
+    (``save.versions``; it was dropped). Without hard links there (``links=False``) it is dropped
+    for the newer save, as before: the removal of step=1 waits for last.ckpt of step 1, dropped
+    that way: it counts as the newer last.ckpt, which lands, so step=1 goes. Either way step=1 goes."""
     ckdir = str(tmp_path / "ckpt")
     release = threading.Event()
 
     def hold_home_rename(op, path):  # noqa: ANN001, ANN202
+        if op == "link" and not links and path.startswith(str(tmp_path / "nvme")):
+            raise OSError(errno.EPERM, "no hard links on this burst buffer", path)
         path = final_path(path) or path
         if op == "replace" and path == os.path.join(ckdir, "epoch=0-step=1.ckpt"):
             assert release.wait(60)
@@ -193,8 +198,12 @@ def test_last_ckpt_replaced_before_its_upload_does_not_keep_a_top_k_file(tmp_pat
     class DropLastOfStep1(Callback):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             if trainer.global_step == 2:
-                assert saves["last.ckpt"][0].result(60).superseded  # last.ckpt of step 2 replaced it
+                first = saves["last.ckpt"][0]
+                if not links:
+                    assert first.result(60).superseded  # last.ckpt of step 2 replaced it
+                assert links != first.done()  # with links: queued behind step=1, whose upload is held
                 release.set()
+                assert first.result(60).superseded != links
 
     io, trainer = _top1_with_last(tmp_path, hold_home_rename, 3, DropLastOfStep1(), saves)
     try:
@@ -211,11 +220,15 @@ def test_a_deletion_waits_for_the_saves_before_it_not_for_the_newest_last_ckpt(t
     next one, up to the newest. The removal of step=1 waited for that newest last.ckpt, at the tail
     of the upload queue, so deletions fell ever further behind (dozens of top-k files at the path,
     all left by a kill). It waits for step=2 (saved after last.ckpt of step 1) instead. step=1's
-    home rename holds every upload back (in call order); last.ckpt's stays held while we look."""
+    home rename holds every upload back (in call order); last.ckpt's stays held while we look.
+    The burst buffer makes no hard links here: with them, no queued last.ckpt is dropped
+    (``save.versions``, the test above)."""
     ckdir = str(tmp_path / "ckpt")
     release = {"epoch=0-step=1.ckpt": threading.Event(), "last.ckpt": threading.Event()}
 
     def hold_home_rename(op, path):  # noqa: ANN001, ANN202
+        if op == "link" and path.startswith(str(tmp_path / "nvme")):
+            raise OSError(errno.EPERM, "no hard links on this burst buffer", path)
         path = final_path(path) or path
         if op == "replace" and os.path.dirname(path) == ckdir and os.path.basename(path) in release:
             assert release[os.path.basename(path)].wait(60)

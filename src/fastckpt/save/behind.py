@@ -1,12 +1,14 @@
 """Whether uploads of a single file run behind its saves.
 
 A queued upload of a single file is dropped when a newer save of the same path arrives (its
-bytes in the burst buffer are replaced anyway: ``Replicator.submit``). While uploads run behind
-the saves, a file saved every step (Lightning's ``last.ckpt``) is dropped again and again: none
-of its saves reaches the path until the uploads catch up, and the file there stays the one from
-before, or none. ``replicate_in_order`` cannot help (each save waits for those before it), so
-the run is told, once per such streak: resume from ``latest()``, which names the newest file
-that did land, not from that path by name.
+bytes in the burst buffer are replaced anyway: ``Replicator.submit``), unless it keeps them
+under a version link (``save.versions``: with ``replicate_in_order`` and "all", where the burst
+buffer makes hard links). While uploads run behind the saves, a file saved every step
+(Lightning's ``last.ckpt``) is dropped again and again: none of its saves reaches the path until
+the uploads catch up, and the file there stays the one from before, or none. Waiting in order
+without version links cannot help (each save waits for those before it), so the run is told,
+once per such streak: resume from ``latest()``, which names the newest file that did land, not
+from that path by name.
 """
 
 from __future__ import annotations

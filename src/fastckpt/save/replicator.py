@@ -21,7 +21,9 @@ burst-buffer drives a later save's local write can end first, and an earlier sin
 superseded. A group committed with ``move_latest=False`` (``keep``: a "best" checkpoint beside the series)
 is never dropped.
 Order: with ``replicate_in_order`` a single file starts only after every single file saved
-before it is final or has failed (``save.ordering``).
+before it is final or has failed (``save.ordering``); with "all", each upload of a single file reads a
+version link of its own save, so a newer save of the same path replaces the local copy without dropping
+it: every save lands, in its turn (``save.versions``).
 """
 
 from __future__ import annotations
@@ -38,12 +40,13 @@ from dataclasses import dataclass, field, replace
 from ..commit.protocol import publish_file
 from ..config import CheckpointerConfig
 from ..errors import CheckpointWriteError, CorruptCheckpointError, ReplicationError
-from ..inflight import raise_as_write_error
 from ..records import SaveRecord
 from ..storage.homes import Homes
 from ..storage.types import Expected, TokenBucket
 from .behind import Behind
+from .localcopy import local_manifest, replaced_by_newer
 from .ordering import CallOrder, Turn
+from .versions import link_version, unlink_version
 
 log = logging.getLogger("fastckpt")
 VERIFY_ATTEMPTS = 3  # uploads that do not verify before replication gives up
@@ -59,6 +62,7 @@ class ReplicaJob:
     finish: Callable[[SaveRecord], SaveRecord] = lambda rec: rec  # runs before the future resolves
     home: str = ""  # where the copy goes when not rec.path (a re-saved group's new attempt, beside it)
     order: int | None = None  # its ``Turn``'s key with replicate_in_order: it starts after the earlier ones
+    version: str = ""  # a second name of its own save's local copy, uploaded from (``save.versions``)
 
 
 class Replicator:
@@ -106,9 +110,10 @@ class Replicator:
                 self._drop_for(job, newer[-1], coalesce)
                 return job.future
             for old in [j for j in self._queue if j.t_call < job.t_call and self._supersedes(job, j, coalesce)
-                        and j.rec.group not in self._kept]:
+                        and j.rec.group not in self._kept and not j.version]:  # its version keeps its bytes
                 self._queue.remove(old)
                 self._drop_for(old, job, coalesce)
+            self._version(job)
             self._queue.append(job)
             try:
                 self._emit("queued", job.rec.path, job.rec.bytes, job.committed_at, job.rec.tier,
@@ -121,6 +126,7 @@ class Replicator:
                     self._threads.append(t)
             except BaseException:  # the caller resolves the job's future with this: no worker may take it
                 self._queue.remove(job)  # (none could yet: they need the lock held here)
+                self._unversion(job)
                 raise
             self._cv.notify()
         return job.future
@@ -130,6 +136,7 @@ class Replicator:
         log.info("fastckpt: replication of %s superseded by %s (%s); its local copy stays at %s",
                  old.rec.path, by.rec.path, why, old.local)
         self._logged_superseded(old.rec, "coalesce" if coalesce else "newer-save")
+        self._unversion(old)
         old.future.set_result(old.finish(replace(old.rec, durable_s=None, superseded=True)))
         if old.rec.group is None and old.rec.path == by.rec.path:
             self._behind.dropped(old.rec.path)
@@ -160,6 +167,20 @@ class Replicator:
         """``group`` was committed with ``move_latest=False`` (``kept``) or not: coalescing skips it."""
         with self._cv:
             (self._kept.add if kept else self._kept.discard)(group)
+
+    def _version(self, job: ReplicaJob) -> None:
+        """With ``replicate_in_order`` and "all", a single file's upload reads a version link of its own
+        save (``save.versions``): a newer save of its path may replace the local copy before it starts,
+        or as it starts. Made as it is queued: the local copy is its own save's until the next save of
+        that path, written after this by the same writer thread (``save.stripes``), renames over it."""
+        if self._cfg.replicate_in_order and self._cfg.replicate_policy == "all" and job.rec.group is None:
+            job.version = link_version(self._homes.resolve(job.local).target.ops, job.local) or ""
+
+    def _unversion(self, job: ReplicaJob) -> None:
+        """Its upload ended, however: its version link (if any) goes."""
+        version, job.version = job.version, ""
+        if version:
+            unlink_version(self._homes.resolve(version).target.ops, version)
 
     @staticmethod
     def _supersedes(new: ReplicaJob, old: ReplicaJob, coalesce: bool) -> bool:
@@ -194,6 +215,7 @@ class Replicator:
         log.info("fastckpt: replication of %s cancelled: the checkpoint is being removed", job.rec.path)
         # its event ends the save in a replay of the log (fastckpt report, serve-metrics): no replicate follows
         self._emit("cancel", job.rec.path, job.rec.bytes, time.time(), job.rec.tier, detail="removed")
+        self._unversion(job)
         job.future.set_result(replace(job.rec, durable_s=None, cancelled=True))
 
     def _work(self) -> None:
@@ -205,7 +227,11 @@ class Replicator:
                     return
                 self._running.append(job)
             try:
-                rec = job.finish(self._replicate(job))
+                try:
+                    rec = self._replicate(job)
+                finally:
+                    self._unversion(job)
+                rec = job.finish(rec)
                 if rec.durable_s is not None:
                     self._behind.landed(rec.path)
                 job.future.set_result(rec)
@@ -256,6 +282,7 @@ class Replicator:
             log.warning("fastckpt: not replicating %s: close() stopped waiting (close_timeout_s); the local copies "
                         "stay at %s", ", ".join(j.rec.path for j in dropped), ", ".join(j.local for j in dropped))
         for job in dropped:  # logged as failed replications: a replay of the log never holds them pending
+            self._unversion(job)
             err = ReplicationError(f"{job.rec.path} was not replicated: close() stopped waiting for it "
                                    f"(close_timeout_s); its local copy stays at {job.local}")
             self._emit("replicate", job.rec.path, job.rec.bytes, time.time(), job.rec.tier, err)
@@ -267,7 +294,7 @@ class Replicator:
     def _replicate(self, job: ReplicaJob) -> SaveRecord:
         rec, r0 = job.rec, time.time()
         try:
-            manifest = self._local_manifest(job)
+            manifest = local_manifest(self._homes, job.version or job.local, job.local, rec)
         except BaseException as exc:  # logged, as a failed copy is: a replay of the log never holds it pending
             self._emit("replicate", rec.path, rec.bytes, r0, rec.tier, exc)
             raise
@@ -276,7 +303,7 @@ class Replicator:
         try:
             detail = self._copy(job, manifest)
         except CheckpointWriteError as exc:  # the copy read other bytes: a newer save replaced the file meanwhile?
-            if self._replaced_by_newer(job):
+            if replaced_by_newer(self._homes, job.version or job.local, rec):
                 return self._superseded(rec)
             self._emit("replicate", rec.path, rec.bytes, r0, rec.tier, exc)
             raise
@@ -288,40 +315,6 @@ class Replicator:
         # a group's file moves the RPO only once its group is published (Checkpointer.commit)
         self._on_durable(durable, None if rec.group is not None else rec.requested_at)
         return replace(rec, durable_s=durable)
-
-    def _local_manifest(self, job: ReplicaJob) -> dict | None:
-        """The burst-buffer copy's manifest, checked against what was committed; None when a newer
-        save to the same path replaced the copy (its own job sends it)."""
-        rec, local = job.rec, self._homes.resolve(job.local)
-        try:
-            manifest = local.target.read_manifest(local.key)
-        except OSError as exc:
-            raise_as_write_error(exc, rec.path)
-        except CorruptCheckpointError as exc:  # (a ValueError: it named the local copy only, as if loaded)
-            raise CheckpointWriteError(f"local copy {job.local} of {rec.path} has a damaged manifest ({exc}): it was "
-                                       "damaged after it was committed; not replicating it") from exc
-        if manifest is None:
-            raise CheckpointWriteError(f"local copy {job.local} of {rec.path} has no manifest: it was replaced "
-                                       "or damaged after it was committed; not replicating it")
-        if rec.checksum and manifest["checksum"]["value"] != rec.checksum:
-            if not self._replaced_by_newer(job, manifest):
-                raise CheckpointWriteError(f"local copy {job.local} of {rec.path} no longer has the checksum it was "
-                                           "committed with: it changed after it was committed; not replicating it")
-            return None
-        return manifest
-
-    def _replaced_by_newer(self, job: ReplicaJob, manifest: dict | None = None) -> bool:
-        """Whether the local copy (its ``manifest``, read again if not given) is another save's,
-        written after this one was called: a newer save to the same path, whose own job sends it."""
-        if manifest is None:
-            try:
-                local = self._homes.resolve(job.local)
-                manifest = local.target.read_manifest(local.key)
-            except (OSError, CorruptCheckpointError):
-                return False
-        if manifest is None or manifest["checksum"]["value"] == job.rec.checksum:
-            return False
-        return float(manifest.get("written_at", 0.0)) >= job.rec.requested_at
 
     def _superseded(self, rec: SaveRecord) -> SaveRecord:
         log.info("fastckpt: replication of %s superseded: a newer save replaced its local copy", rec.path)
@@ -338,7 +331,7 @@ class Replicator:
         for attempt in range(1, VERIFY_ATTEMPTS + 1):
             t0 = time.monotonic()
             try:
-                put = target.put_file(job.local, home.key, bandwidth_Bps=self._bucket, expect=expect,
+                put = target.put_file(job.version or job.local, home.key, bandwidth_Bps=self._bucket, expect=expect,
                                       chunk_bytes=target.part_bytes(cfg.chunk_bytes))
                 t1 = time.monotonic()
                 how = "readback" if put.read_back else "checksum"

@@ -1,0 +1,118 @@
+"""``replicate_in_order=True`` with ``replicate_policy="all"``: a queued upload of a single file
+keeps its save's bytes when a newer save replaces its burst-buffer copy (``save.versions``).
+
+Each queued upload of a file saved every step (Lightning's ``last.ckpt``) was dropped for the
+next save of it ("superseded"), so while uploads ran behind none of them reached the path. The
+upload of an earlier file is held by a FaultyOps hook while the same path is saved three times;
+every rename at the home copy of that path records which save it lands: no timing.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+
+import torch
+
+import fastckpt
+from fastckpt.io.atomic import final_path, is_tmp
+from fastckpt.testing import Fault, FaultyOps
+
+
+def _state(step: int) -> dict:
+    return {"w": torch.full((1 << 14,), step, dtype=torch.int32), "step": step}
+
+
+class Held:
+    """FaultyOps ``on_call``: holds the rename of ``held``'s upload at ``home`` until ``release``;
+    records the step of every file renamed onto ``landing`` at ``home``."""
+
+    def __init__(self, home: str, held: str, landing: str) -> None:
+        self.home, self.held, self.landing = home, held, landing
+        self.entered, self.release = threading.Event(), threading.Event()
+        self.landed: list[int] = []
+
+    def __call__(self, op: str, path: str) -> None:
+        if op != "replace" or not path.startswith(self.home + "/"):
+            return
+        p = final_path(path) or path
+        if p == self.held and not self.entered.is_set():
+            self.entered.set()
+            assert self.release.wait(60)
+        elif p == self.landing:
+            self.landed.append(torch.load(path, weights_only=True)["step"])
+
+
+class Queued:
+    """An EventSink: counts the "queued" events of ``path`` (a save's local write ended)."""
+
+    def __init__(self, path: str) -> None:
+        self.path, self.n, self.cv = path, 0, threading.Condition()
+
+    def emit(self, ev) -> None:  # noqa: ANN001
+        if ev.name == "queued" and ev.path == self.path:
+            with self.cv:
+                self.n += 1
+                self.cv.notify_all()
+
+    def wait_for(self, n: int) -> None:
+        with self.cv:
+            assert self.cv.wait_for(lambda: self.n >= n, timeout=60)
+
+
+def _saved_behind(tmp_path, faults: tuple[Fault, ...] = ()) -> tuple:  # noqa: ANN001
+    """``top.ckpt`` saved, its upload held at its rename; then ``last.ckpt`` saved three times
+    (steps 1-3), each local write done while the earlier uploads wait."""
+    home, nvme = str(tmp_path / "home"), str(tmp_path / "nvme")
+    top, last = f"{home}/top.ckpt", f"{home}/last.ckpt"
+    held, queued = Held(home, top, last), Queued(last)
+    ck = fastckpt.Checkpointer(local_dir=nvme, ops=FaultyOps(faults, on_call=held), replicate_policy="all",
+                               replicate_in_order=True, replicate_workers=1, sinks=(queued,), staging_buffers=2,
+                               rank=0, world_size=1)
+    handles = [ck.save(_state(0), top)]
+    assert held.entered.wait(60)
+    for step in (1, 2, 3):
+        handles.append(ck.save(_state(step), last))
+        queued.wait_for(step)
+    return ck, held, handles, nvme, last
+
+
+def _temp_files(root: str) -> list[str]:
+    return [f for _, _, files in os.walk(root) for f in files if is_tmp(f)]
+
+
+def test_every_queued_save_of_one_path_lands_in_its_turn(tmp_path) -> None:  # noqa: ANN001
+    ck, held, handles, nvme, last = _saved_behind(tmp_path)
+    held.release.set()
+    recs = [h.wait(60) for h in handles]
+    ck.close()
+    assert [r.superseded for r in recs] == [False] * 4  # was: saves 1 and 2 of last.ckpt dropped
+    assert all(r.durable_s is not None for r in recs)
+    assert held.landed == [1, 2, 3]  # each with its own bytes, in the order of the calls
+    assert torch.load(last, weights_only=True)["step"] == 3
+    assert _temp_files(nvme) == []  # each version link went with its upload
+
+
+def test_a_removed_path_takes_the_version_links_of_its_queued_uploads(tmp_path) -> None:  # noqa: ANN001
+    ck, held, handles, nvme, last = _saved_behind(tmp_path)
+    try:
+        ck.remove(last)
+        assert all(h.wait(60).cancelled for h in handles[1:])
+    finally:
+        held.release.set()
+    assert handles[0].wait(60).durable_s is not None
+    ck.close()
+    assert held.landed == [] and not os.path.exists(last)
+    assert _temp_files(nvme) == []  # the cancelled uploads' version links went with them
+
+
+def test_without_hard_links_a_queued_save_is_dropped_for_the_newer_one(tmp_path) -> None:  # noqa: ANN001
+    no_links = tuple(Fault("link", error=errno.EPERM, nth=n, path_contains="last.ckpt") for n in range(1, 9))
+    ck, held, handles, nvme, last = _saved_behind(tmp_path, no_links)
+    held.release.set()
+    recs = [h.wait(60) for h in handles]
+    ck.close()
+    assert [r.superseded for r in recs] == [False, True, True, False]  # as before version links
+    assert held.landed == [3]
+    assert _temp_files(nvme) == []
