@@ -252,7 +252,10 @@ def test_a_deletion_waits_for_the_saves_before_it_not_for_the_newest_last_ckpt(t
     finally:
         for event in release.values():
             event.set()
-    assert at_home == ["epoch=0-step=3.ckpt"]
+    # step=1 and step=2 went while last.ckpt was held; step=4's upload (and so step=3's removal, which waits for
+    # it) may or may not have landed by the look: each is a correct moment (it failed 2 runs in 8 when pinned)
+    assert at_home in (["epoch=0-step=3.ckpt"], ["epoch=0-step=3.ckpt", "epoch=0-step=4.ckpt"],
+                       ["epoch=0-step=4.ckpt"]), at_home
     assert sorted(os.listdir(ckdir)) == ["epoch=0-step=5.ckpt", "last.ckpt"]
 
 
