@@ -53,9 +53,13 @@ def parse_event(line: str, where: str = "event log") -> Event:
                    None if d.get("group") is None else str(d["group"]))
     except (TypeError, ValueError, OverflowError) as exc:  # OverflowError: int(Infinity)
         raise ValueError(f"{where}: a field has the wrong type ({exc}); is this a fastckpt event log?") from exc
-    if ev.error is not None and not isinstance(ev.error, str):
-        raise ValueError(f"{where}: error is a {type(ev.error).__name__}, not a message; is this a fastckpt event log?")
-    if not (math.isfinite(ev.start) and math.isfinite(ev.end) and ev.end >= ev.start):
+    for field, value in (("error", ev.error), ("detail", ev.detail)):  # readers match them as text
+        if value is not None and not isinstance(value, str):
+            raise ValueError(f"{where}: {field} is a {type(value).__name__}, not a message; is this a fastckpt "
+                             "event log?")
+    # the span's length too: -1e308 .. 1e308 are two finite times whose duration is not
+    if not (math.isfinite(ev.start) and math.isfinite(ev.end) and ev.end >= ev.start
+            and math.isfinite(ev.end - ev.start)):
         raise ValueError(f"{where}: start and end are not a time span (two finite times, the end not before the "
                          "start); the line is damaged")
     if ev.rank < 0 or ev.bytes < 0:

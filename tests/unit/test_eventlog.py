@@ -57,12 +57,15 @@ def test_bad_lines_are_named(tmp_path: Path) -> None:
     ({"error": 5}, "not a message"), ({"start": float("nan")}, "not a time span"),
     ({"start": "1e999", "end": "1e999"}, "not a time span"), ({"end": 0.5}, "not a time span"),
     ({"rank": -1}, "negative"), ({"bytes": -10}, "negative"),
+    ({"name": "superseded", "detail": 5}, "detail is a int, not a message"),
+    ({"start": -1e308, "end": 1e308}, "not a time span"),
 ])
 def test_a_line_whose_values_make_no_event_is_named_and_skipped_between_events(
         tmp_path: Path, caplog: pytest.LogCaptureFixture, change: dict, words: str) -> None:
     """Damage that still parses as JSON (a non-finite time, an end before its start, a number
-    too large for an int, an error that is no message) is no event: it once reached the
-    report's arithmetic (nan or negative overhead, a silenced alarm) or crashed it."""
+    too large for an int, an error or detail that is no message, a span too long to be a float)
+    is no event: it once reached the report's arithmetic (nan or negative overhead, a silenced
+    alarm, Infinity in --json) or crashed it (a superseded event's detail is matched as text)."""
     bad = json.dumps({**json.loads(_ev("write", 1.0).to_json()), **change})
     log = tmp_path / "e.jsonl"
     log.write_text(_ev("snapshot", 1.0).to_json() + "\n" + bad + "\n" + _ev("commit", 2.0).to_json() + "\n")
