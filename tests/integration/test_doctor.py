@@ -191,6 +191,42 @@ def test_the_probe_writes_what_was_asked_in_whole_mib(tmp_path: Path, asked: str
     assert _by_check(out)["target.bandwidth"]["data"]["probe_bytes"] == probed
 
 
+def test_the_probe_is_capped_by_the_memory_available(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The probe holds its bytes twice: one larger than the node's memory had the kernel kill
+    doctor (or the training job beside it) instead of measuring anything."""
+    from fastckpt import sysinfo
+    from fastckpt.doctor.local import bandwidth
+
+    monkeypatch.setattr(sysinfo, "mem_available", lambda: 16 << 20)
+    f = bandwidth("target", str(tmp_path), 64 << 20, None, "off")
+    assert f.status == "ok" and f.data["probe_bytes"] == 4 << 20
+    assert "--probe-size capped at a quarter of the 0.0168 GB of memory available" in f.summary
+    assert os.listdir(tmp_path) == []
+
+
+_NO_ROOM = """
+import json, resource, sys
+from fastckpt import sysinfo
+from fastckpt.doctor.local import bandwidth
+sysinfo.mem_available = lambda: 1 << 50  # not capped: the limit below is what refuses it
+vm = int(open("/proc/self/status").read().split("VmSize:")[1].split()[0]) * 1024
+resource.setrlimit(resource.RLIMIT_AS, (vm + (32 << 20), resource.RLIM_INFINITY))
+f = bandwidth("target", sys.argv[1], 256 << 20, None, "off")
+print(json.dumps([f.status, f.summary, f.fix]))
+"""
+
+
+def test_a_probe_this_process_cannot_allocate_is_a_fail_naming_probe_size(tmp_path: Path) -> None:
+    """An allocation refused by a limit on the process's memory (RLIMIT_AS, as a cgroup or a
+    batch system sets) was outside the probe's try: a raw ``OSError: [Errno 12]`` traceback."""
+    res = subprocess.run([sys.executable, "-c", _NO_ROOM, str(tmp_path)], capture_output=True, text=True)
+    assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr
+    status, summary, fix = json.loads(res.stdout)
+    assert status == "fail" and "256 MiB does not fit in this process's memory" in summary
+    assert fix == "give a smaller --probe-size (0 skips the probe)"
+    assert os.listdir(tmp_path) == []
+
+
 # ----------------------------------------------------------------------------- S3 (SeaweedFS)
 def _options(tmp_path: Path, opts: dict) -> str:
     p = tmp_path / "storage.json"

@@ -19,6 +19,7 @@ GB = 1e9
 NETWORK_FS = ("nfs", "nfs4", "lustre", "gpfs", "beegfs", "cifs", "smb3", "ceph", "glusterfs", "9p", "wekafs")
 CHUNK = 64 << 20
 MIB = 1 << 20
+MEMORY_SHARE = 4  # a probe is at most 1/4 of the memory available (it holds its bytes twice: _probe_size)
 
 
 def _kind(fstype: str) -> str:
@@ -104,17 +105,39 @@ def free_space(role: str, path: str, state_size: int | None, copies: int, drives
     return Finding(check, "ok", about, data=data)
 
 
+def _probe_size(path: str, probe_bytes: int) -> tuple[int, str]:
+    """The probe's size, in whole MiB, and a note when memory capped it. It holds its bytes
+    twice (written, then read back): a probe the node's memory cannot hold would have the
+    kernel kill doctor (or, on a training node, the job) instead of measuring anything."""
+    sp = sysinfo.space(path)
+    size = min(probe_bytes, (sp.free // 4) if sp else probe_bytes)  # as asked, at most a quarter of the free space
+    avail, note = sysinfo.mem_available(), ""
+    if avail is not None and size > avail // MEMORY_SHARE:
+        size = avail // MEMORY_SHARE
+        note = (f" (--probe-size capped at a quarter of the {avail / GB:.3g} GB of memory available: the probe "
+                "holds its bytes twice)")
+    return max(MIB, size // MIB * MIB), note
+
+
+def _no_memory(check: str, size: int, exc: BaseException) -> Finding:
+    why = exc.strerror if isinstance(exc, OSError) else str(exc) or type(exc).__name__
+    return Finding(check, "fail", f"the bandwidth probe of {size >> 20} MiB does not fit in this process's memory "
+                   f"({why})", "give a smaller --probe-size (0 skips the probe)", {"probe_bytes": size})
+
+
 def bandwidth(role: str, path: str, probe_bytes: int, state_size: int | None, progress: str) -> Finding:
     """Write ``probe_bytes`` with fastckpt's own I/O engine (parallel, O_DIRECT where it works,
     checksummed, fsynced), read them back the same way, and time both."""
     check = f"{role}.bandwidth"
-    sp = sysinfo.space(path)
-    size = max(MIB, min(probe_bytes, (sp.free // 4) if sp else probe_bytes) // MIB * MIB)  # as asked, in whole MiB
-    ops, buf = FileOps(), alloc_aligned(size + 4096)
-    view = memoryview(buf)
-    view[:size] = os.urandom(1 << 20) * (size >> 20)
+    size, capped = _probe_size(path, probe_bytes)
+    ops, buf, view = FileOps(), None, None
     target = os.path.join(path, f".fastckpt-doctor-bw-{uuid.uuid4().hex[:8]}")
-    try:
+    try:  # the allocation too: a limit on this process's memory (RLIMIT_AS, a cgroup) refuses it here
+        buf = alloc_aligned(size + 4096)
+        view = memoryview(buf)
+        block = os.urandom(MIB)  # in place, a MiB at a time: no second copy of the probe in memory
+        for off in range(0, size, MIB):
+            view[off:off + MIB] = block
         with ThreadPoolExecutor(4, thread_name_prefix="fastckpt-doctor") as pool:
             with Progress(f"probing {role} write bandwidth", total=size, mode=progress, delay_s=1.0) as p:
                 t0 = time.monotonic()
@@ -125,18 +148,24 @@ def bandwidth(role: str, path: str, probe_bytes: int, state_size: int | None, pr
             back = read_file(ops, pool, target, chunk_bytes=CHUNK, odirect=res.odirect, covered=size)
             r = time.monotonic() - t0
             back.buffer.close()
+    except MemoryError as exc:
+        return _no_memory(check, size, exc)
     except OSError as exc:
+        if exc.errno == errno.ENOMEM:  # mmap's refusal
+            return _no_memory(check, size, exc)
         return Finding(check, "fail", f"the bandwidth probe failed in {path}: {exc}", f"check that {path} is "
                        "writable and has room", {"errno": exc.errno})
     finally:
-        view.release()
-        buf.close()
+        if view is not None:
+            view.release()
+        if buf is not None:
+            buf.close()
         if os.path.exists(target):
             os.unlink(target)
     data = {"probe_bytes": size, "write_Bps": size / w, "read_Bps": size / r, "odirect": res.odirect}
     how = "O_DIRECT" if res.odirect else f"buffered ({res.odirect_reason}; the read may come from the page cache)"
     text = (f"{size >> 20} MiB written at {size / w / GB:.2f} GB/s (with fsync) and read at {size / r / GB:.2f} "
-            f"GB/s, {how}")
+            f"GB/s, {how}{capped}")
     if state_size:
         text += f"; a {state_size / GB:.2f} GB checkpoint takes about {state_size / (size / w):.1f} s to write here"
         data["write_s_for_state"] = state_size / (size / w)
