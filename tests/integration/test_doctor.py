@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -225,6 +226,42 @@ def test_a_probe_this_process_cannot_allocate_is_a_fail_naming_probe_size(tmp_pa
     assert status == "fail" and "256 MiB does not fit in this process's memory" in summary
     assert fix == "give a smaller --probe-size (0 skips the probe)"
     assert os.listdir(tmp_path) == []
+
+
+# Runs doctor and holds the bandwidth probe's first write (spied on through FileOps) until the
+# parent closes stdin, printing "started" first: the parent stops it mid-probe without sleeping.
+_HELD = """
+import sys
+from fastckpt.io.ops import FileOps
+from fastckpt.cli import main
+real_open, real_pwrite, probe = FileOps.open, FileOps.pwrite, set()
+def open_(self, path, flags, mode=0o644):
+    fd = real_open(self, path, flags, mode)
+    if ".fastckpt-doctor-bw-" in path:
+        probe.add(fd)
+    return fd
+def pwrite(self, fd, data, offset):
+    n = real_pwrite(self, fd, data, offset)
+    if fd in probe and offset == 0:
+        print("started", flush=True)
+        sys.stdin.readline()  # until the parent has sent its signal
+    return n
+FileOps.open, FileOps.pwrite = open_, pwrite
+sys.exit(main(["doctor", "--local-dir", sys.argv[1], "--target", sys.argv[2], "--probe-size", "8MiB"]))
+"""
+
+
+def test_sigterm_mid_probe_removes_the_probe_file(tmp_path: Path) -> None:
+    """SIGTERM (a scheduler's cancel, ``timeout 60 fastckpt doctor``) killed doctor before the
+    probe's ``finally``: up to --probe-size bytes stayed hidden in the burst buffer for good."""
+    bb = tmp_path / "bb"
+    p = subprocess.Popen([sys.executable, "-u", "-c", _HELD, str(bb), str(tmp_path / "home")],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "started"
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(input="\n", timeout=120)
+    assert p.returncode == 1 and "Aborted" in err, err
+    assert os.listdir(bb) == []
 
 
 # ----------------------------------------------------------------------------- S3 (SeaweedFS)

@@ -8,6 +8,7 @@ import json
 import click
 
 from ._common import LOCATION, SIZE, SIZE_OR_ZERO, count_range, distinct_dirs, not_a_dir, storage_options_option
+from ._signals import sigterm_interrupts
 
 _STYLE = {"ok": "green", "info": "blue", "warn": "yellow", "fail": "bold red"}
 
@@ -45,7 +46,8 @@ def doctor(local_dir: tuple[str, ...], target: str | None, tier: str, state_size
     opts = DoctorOptions(local_dir[0] if len(local_dir) == 1 else (local_dir or None), target, tier, state_size, keep,
                          probe_size, storage_options or {},
                          progress="off" if as_json else "auto")
-    dx = diagnose(opts)
+    with sigterm_interrupts():  # a scheduler's cancel mid-probe: the probe files are removed, as on Ctrl-C
+        dx = diagnose(opts)
     if as_json:
         click.echo(json.dumps({"findings": [dataclasses.asdict(f) for f in dx.findings], "auto": dx.auto,
                                "ok": not dx.failed}, indent=2))
