@@ -255,7 +255,9 @@ def test_serve_metrics_follows_a_running_jobs_log(tmp_path: Path) -> None:
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         url = json.loads(proc.stdout.readline())["url"]  # printed once it serves
-        assert value(scrape(url), "fastckpt_saves_total", **R0) is None  # the log does not exist yet
+        first = scrape(url)
+        assert value(first, "fastckpt_saves_total", **R0) is None  # the log does not exist yet
+        assert value(first, "fastckpt_health_source_available", source="burst_buffer_space") == 0  # nor the bb
         recs = []
         with Checkpointer(local_dir=str(tmp_path / "bb"), event_log=str(log)) as ck:
             for i in range(2):
@@ -275,6 +277,7 @@ def test_serve_metrics_follows_a_running_jobs_log(tmp_path: Path) -> None:
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=30)
     assert proc.returncode == 0, err
+    assert "bb does not exist: give the burst buffer's directory" in err  # said once, at the start
 
 
 def test_serve_metrics_once_prints_the_exposition(tmp_path: Path) -> None:
@@ -303,6 +306,35 @@ def test_serve_metrics_once_on_a_log_that_does_not_exist_is_a_usage_error(tmp_pa
     there is a typo, and printed zero events with exit 0."""
     r = _serve("--event-log", str(tmp_path / "typo.jsonl"), "--once", "--json")
     assert r.returncode == 2 and "typo.jsonl does not exist" in r.stderr and r.stdout == ""
+
+
+def test_serve_metrics_once_refuses_a_local_dir_that_does_not_exist(tmp_path: Path) -> None:
+    """A misspelt --local-dir (or one not mounted in the exporter's container) reported the free
+    space of the parent its path climbs to (/, here) as the burst buffer's."""
+    log = tmp_path / "events.jsonl"
+    with Checkpointer(event_log=str(log)) as ck:
+        ck.save(_state(1024), str(tmp_path / "a.pt")).wait()
+    r = _serve("--event-log", str(log), "--local-dir", str(tmp_path / "nvme-typo"), "--once")
+    assert r.returncode == 2 and r.stdout == ""
+    assert f"{tmp_path / 'nvme-typo'} does not exist: give the burst buffer's directory" in r.stderr
+
+
+def test_a_burst_buffer_that_is_not_here_is_absent_not_its_parents_space(tmp_path: Path) -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from fastckpt.metrics.collectors import NodeHealth
+
+    from ._scrape import parse
+
+    registry, bb = CollectorRegistry(auto_describe=False), tmp_path / "nvme" / "bb"
+    registry.register(NodeHealth(str(bb), lambda: []))
+    got = parse(generate_latest(registry).decode())
+    assert value(got, "fastckpt_health_source_available", source="burst_buffer_space") == 0
+    assert value(got, "fastckpt_filesystem_free_bytes", role="burst_buffer") is None  # absent, never a number
+    bb.mkdir(parents=True)  # created by the job's first save: from then on it is there
+    got = parse(generate_latest(registry).decode())
+    assert value(got, "fastckpt_health_source_available", source="burst_buffer_space") == 1
+    assert value(got, "fastckpt_filesystem_free_bytes", role="burst_buffer") > 0
 
 
 def test_a_line_that_is_not_an_event_is_skipped_while_serving(tmp_path: Path) -> None:

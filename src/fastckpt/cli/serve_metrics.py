@@ -44,6 +44,12 @@ def serve_metrics(logs: tuple[str, ...], port: int, addr: str, local_dir: str | 
     if once and (missing := [p for p in logs if not os.path.exists(p)]):  # nothing will write them before it exits
         raise click.UsageError(f"--once reads the logs as they are now, and {', '.join(missing)} does not exist: "
                                "check the path (the Checkpointer's event_log)")
+    if local_dir is not None and not os.path.isdir(local_dir):  # else / (say) would stand in for its free space
+        missing_dir = (f"{local_dir} does not exist: give the burst buffer's directory (the local_dir the checkpoints "
+                       "are saved with), or leave --local-dir out")
+        if once:  # nothing will create it before it exits
+            raise click.BadParameter(missing_dir, param_hint="--local-dir")
+        click.echo(f"fastckpt: {missing_dir}; its free space is absent until it exists", err=True)
     if odd := [p for p in logs if os.path.exists(p) and not os.path.isfile(p)]:  # a pipe would block the reader
         raise click.UsageError(f"{', '.join(odd)}: not a regular file (a directory, a named pipe): give the event "
                                "log file the Checkpointer's event_log writes")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -68,7 +69,8 @@ class NodeHealth(Collector):
     ``fastckpt_health_source_available{source=...} 0`` and no series of its own.
 
     Args:
-        burst_buffer: the Checkpointer's ``local_dir`` (None: no burst-buffer series).
+        burst_buffer: the Checkpointer's ``local_dir`` (None: no burst-buffer series; absent while
+            it is no directory here).
         targets: returns directories saved to recently (their filesystems are the targets).
         nvme: the nvme-cli executable.
     """
@@ -133,7 +135,9 @@ class NodeHealth(Collector):
     def _space_families(self, avail: GaugeMetricFamily) -> Iterator[Metric]:
         free, size = _family("fastckpt_filesystem_free_bytes"), _family("fastckpt_filesystem_size_bytes")
         seen: set[tuple[str, str]] = set()
-        roles = [("burst_buffer", [self._bb] if self._bb else [])]
+        # the burst buffer itself, not the parent its path climbs to: a local_dir not made yet, not
+        # mounted in this container or misspelt would report that parent's (often /) free space
+        roles = [("burst_buffer", [self._bb] if self._bb and os.path.isdir(self._bb) else [])]
         roles.append(("target", list(self._targets())))
         for role, paths in roles:
             found = False
