@@ -590,6 +590,23 @@ def test_verify_of_a_url_with_nothing_there_says_it_does_not_exist(tmp_path) -> 
     assert run("verify", f"{run_url}/one.pt").exit_code == 0
 
 
+def test_ls_of_a_url_that_is_a_file_or_holds_nothing_names_the_problem(tmp_path) -> None:
+    """As of a local path. Before: an empty table and exit 1 without a word, for the checkpoint
+    URL `fastckpt latest` prints and for a misspelt prefix."""
+    run_url = f"memory://fastckpt-{uuid.uuid4().hex[:8]}/run"
+    with fastckpt.Checkpointer(local_dir=str(tmp_path / "bb")) as ck:
+        ck.save(state(1), f"{run_url}/one.pt").wait()
+    r = run("ls", f"{run_url}/one.pt")
+    assert r.exit_code == 1 and r.stdout == ""
+    assert f"{run_url}/one.pt is a file: `fastckpt ls` lists the checkpoints under a directory; `fastckpt verify " \
+        f"{run_url}/one.pt` checks one checkpoint file" in r.stderr
+    for missing in (f"{run_url}/nope", f"{run_url}-typo"):
+        r = run("ls", missing, "--json")
+        assert r.exit_code == 1 and r.stdout == ""
+        assert f"{missing} does not exist: check the URL (no checkpoint was saved there yet)" in r.stderr
+    assert run("ls", run_url).exit_code == 0
+
+
 def test_ls_and_verify_at_a_url(tmp_path, s3_server, s3_bucket) -> None:
     opts = s3_server.storage_options()
     url = f"s3://{s3_bucket}/ckpts"

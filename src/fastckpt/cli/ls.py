@@ -18,7 +18,35 @@ from ._common import (
     storage_options_option,
     table,
 )
-from ._discovery import list_checkpoints
+from ._discovery import homes, list_checkpoints
+
+
+def _is_file(root: str) -> str:
+    return (f"{root} is a file: `fastckpt ls` lists the checkpoints under a directory; `fastckpt verify {root}` "
+            "checks one checkpoint file")
+
+
+def _url_problem(root: str, storage_options: dict | None) -> str | None:
+    """What is wrong with a URL that listed nothing, as ``must_exist`` and the file check say it of
+    a local path: an object (a checkpoint file, as `fastckpt latest` prints it), or nothing at it
+    and none below it (a store has no directories: a missing prefix and an empty one read the
+    same). None: something is there, just no checkpoint."""
+    from ..urls import is_url
+
+    if not is_url(root):
+        return None
+    h = homes(storage_options)
+    try:
+        loc = h.resolve(root)
+        if not loc.key:  # the bucket itself: listing it answered for it
+            return None
+        if loc.target.exists(loc.key):
+            return _is_file(root)
+        if not loc.target.list(f"{loc.key}/", max_depth=0):
+            return f"{root} does not exist: check the URL (no checkpoint was saved there yet)"
+        return None
+    finally:
+        h.close()
 
 
 def _age(s: float | None) -> str:
@@ -51,9 +79,10 @@ def ls(root: str, local_dir: str | None, storage_options: dict | None, as_json: 
                                  f"checkpoints were saved with), or leave --local-dir out to list {root} alone",
                                  param_hint="--local-dir")
     if os.path.isfile(root.removeprefix("file://")):
-        fail_with(f"{root} is a file: `fastckpt ls` lists the checkpoints under a directory; `fastckpt verify {root}` "
-                  "checks one checkpoint file")
+        fail_with(_is_file(root))
     entries = list_checkpoints(root, storage_options, local_dir)
+    if not entries and (problem := _url_problem(root, storage_options)):
+        fail_with(problem)
     if as_json:
         emit_json({"root": root, "checkpoints": [e.__dict__ | {"age_s": e.age_s} for e in entries],
                    "latest": next((e.path for e in entries if e.latest), None)})
