@@ -229,6 +229,30 @@ def test_a_worker_failing_before_the_start_is_named_without_a_traceback(tmp_path
     assert leftovers(tmp_path) == []
 
 
+# bench in a process whose address space ends 128 MiB past what it uses, asked for a 1 GiB block:
+# the worker's pattern (bench_job.pattern) is refused with a MemoryError, as on a node without room
+_NO_ROOM = """
+import resource, sys
+from fastckpt.cli import main
+vm = int(open("/proc/self/status").read().split("VmSize:")[1].split()[0]) * 1024
+resource.setrlimit(resource.RLIMIT_AS, (vm + (128 << 20), resource.RLIM_INFINITY))
+sys.exit(main(["bench", "--dir", sys.argv[1], "--workers", "1", "--engine", "threads", "--size", "1GiB",
+               "--block-size", "1GiB"]))
+"""
+
+
+def test_a_block_the_node_cannot_hold_is_named_out_of_memory_with_the_fix(tmp_path) -> None:
+    """Before: `Error: bench failed: ` and nothing after it (a MemoryError's str() is empty, and the
+    fallback to its repr never ran: an exception object is always true)."""
+    r = subprocess.run([sys.executable, "-c", _NO_ROOM, str(tmp_path)], capture_output=True, text=True,
+                       env=_env(), timeout=120)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip().splitlines()[-1] == (
+        "Error: bench failed: out of memory (MemoryError): each of the 1 worker(s) holds its --block-size block "
+        "of 1.07 GB twice (the aligned buffer and its pattern); lower --block-size or --workers")
+    assert leftovers(tmp_path) == []
+
+
 def test_free_space_is_checked_per_filesystem(tmp_path, monkeypatch) -> None:
     """Two --dir on one filesystem share its free space. Before: each was checked alone, so two
     workers of 64 MiB passed a check of 100 MiB free, and the disk filled up mid-run."""

@@ -8,6 +8,7 @@ nodes' bytes by the time between the barriers: the aggregate is what the fabric 
 
 from __future__ import annotations
 
+import errno
 import os
 import secrets
 import shutil
@@ -52,6 +53,16 @@ class Settings:
     direct: bool
     gds: bool
     verify: bool
+
+
+def _failed(s: Settings, exc: OSError | MemoryError) -> str:
+    """``bench failed:`` and the worker's error; out of memory says what holds it and the fix
+    (a MemoryError's message is empty)."""
+    if isinstance(exc, MemoryError) or exc.errno == errno.ENOMEM:
+        return (f"bench failed: out of memory ({str(exc) or type(exc).__name__}): each of the {s.workers} "
+                f"worker(s) holds its --block-size block of {fmt_bytes(s.block_bytes)} twice (the aligned buffer "
+                "and its pattern); lower --block-size or --workers")
+    return f"bench failed: {exc}"
 
 
 @dataclass(frozen=True)
@@ -283,7 +294,7 @@ def bench(dirs: tuple[str, ...], workers: int, engine: str, block_size: int, siz
     try:
         phases, d = run(s, show_progress=not as_json)
     except (OSError, MemoryError) as exc:  # ENOSPC, EIO, EMFILE, permission: the storage (or the node) failed it
-        raise click.ClickException(f"bench failed: {exc or repr(exc)}") from exc
+        raise click.ClickException(_failed(s, exc)) from exc
     except threading.BrokenBarrierError as exc:  # no worker failed: one is still opening its file
         raise click.ClickException(f"bench failed: a worker did not open its file within {START_TIMEOUT_S:.0f} s "
                                    "(is the storage hung?)") from exc
