@@ -13,7 +13,10 @@ its bytes against the published manifest and notes, for this thread, which save 
 call of the sharded load in the same ``dist_checkpointing.load`` (one, or two under
 ``FullyParallelLoadStrategyWrapper``: objects, then tensors) refuses another save (``seen``). The
 note lives for one load: megatron checks the sharded strategy's backend (``forget``) at the start
-of every ``dist_checkpointing.load``, before it reads ``common.pt``. Any other checkpoint (an
+of every ``dist_checkpointing.load``, before it reads ``common.pt``. Its non-default ``strict``
+modes check it again after ``common.pt`` was read, then read the sharded metadata
+(``load_sharded_metadata``) within the same load: that read takes back the notes the second check
+set aside (``resume``). Any other checkpoint (an
 iteration re-saved with ``torch_dist`` keeps our old manifest beside it) is loaded exactly as
 megatron loads it, but for a missing ``common.pt`` (``absent_error``).
 """
@@ -54,8 +57,20 @@ def seen(group: str) -> tuple | None:
 
 
 def forget() -> None:
-    """A new ``dist_checkpointing.load`` starts on this thread: what an earlier one noted is not its."""
-    _seen.groups = {}
+    """The sharded backend is checked on this thread: a new ``dist_checkpointing.load`` starts, and
+    what an earlier one noted is not its. The notes are set aside rather than dropped, for ``resume``."""
+    _seen.aside, _seen.groups = getattr(_seen, "groups", {}), {}
+
+
+def resume() -> None:
+    """The sharded metadata is read on this thread right after a backend check: megatron-core
+    0.16.1's ``dist_checkpointing.load`` with any ``strict`` mode but the default does that after
+    ``load_common`` (``load_sharded_metadata``), so the notes that check set aside are this load's.
+    Dropping them made the sharded load check ``common.pt`` on disk instead: a save under way in
+    another job was reported as damage, and a save swapped in after megatron read ``common.pt``
+    loaded, mixed, without an error. A metadata read of its own (``load_sharded_metadata`` called
+    alone) takes back notes that the next load's check sets aside again."""
+    _seen.groups = {**getattr(_seen, "aside", {}), **getattr(_seen, "groups", {})}
 
 
 def missing_error(path: str, cause: CorruptCheckpointError) -> CheckpointNotFoundError:

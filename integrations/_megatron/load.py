@@ -71,7 +71,7 @@ class FastCkptLoadStrategy(ThroughCheckpointer, LoadShardedStrategy):
         self.last_load: LoadReport | None = None
 
     def check_backend_compatibility(self, loaded_backend: str) -> None:
-        commonload.forget()  # megatron asks this first in every load, before it reads common.pt
+        commonload.forget()  # megatron asks this first in every load, before it reads common.pt (strict: again after)
         if loaded_backend != BACKEND:
             raise CheckpointingException(f"this checkpoint was saved with backend {loaded_backend!r}; "
                                          f"FastCkptLoadStrategy reads {BACKEND!r} checkpoints")
@@ -182,6 +182,7 @@ class FastCkptLoadStrategy(ThroughCheckpointer, LoadShardedStrategy):
 
     def load_sharded_metadata(self, checkpoint_dir: str | Path) -> ShardedStateDict:
         """Tensors as in ``load_tensors_metadata``, plus every saved ShardedObject."""
+        commonload.resume()  # megatron's strict modes: part of the load whose common.pt was just read
         _, index = self._index(checkpoint_group(checkpoint_dir))
         out = self.load_tensors_metadata(checkpoint_dir)
         out.update({u: ShardedObject.empty_from_unique_key(u) for u in index.objects})
