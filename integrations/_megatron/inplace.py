@@ -110,7 +110,7 @@ def restore(group: str, ops: FileOps) -> list[str]:
         CorruptCheckpointError: the index does not hold bytes that match the manifest.
     """
     damaged = _damaged(group, read_group_manifest(group))
-    if not damaged or _saved_by(group) not in (None, BACKEND):
+    if not damaged or saved_by(group) not in (None, BACKEND):
         return []  # (a later save of this iteration by megatron's own strategy: its files, not ours to put back)
     kept = committed(group, damaged)
     for name in sorted(damaged):
@@ -142,7 +142,7 @@ def committed(group: str, digests: dict[str, str]) -> dict[str, bytes]:
     return {name: kept[name] for name in digests}
 
 
-def _saved_by(group: str) -> str | None:
+def saved_by(group: str) -> str | None:
     """The sharded backend ``metadata.json`` names (written last by megatron's save); None when
     it is missing or cut short (a save killed while writing it)."""
     try:

@@ -21,13 +21,11 @@ import os
 import re
 import threading
 
-from megatron.core.dist_checkpointing.core import CONFIG_FNAME
-
 from fastckpt.io.ops import FileOps
 
 from .common import BACKEND
 from .compat import group_order, latest_name, publish_bytes, read_group_manifest, sweep_once
-from .inplace import restore
+from .inplace import restore, saved_by
 
 log = logging.getLogger("fastckpt.megatron")
 
@@ -140,7 +138,14 @@ def newest_complete_iteration(save_dir: str) -> int | str | None:
 
 def _incomplete(save_dir: str, iteration: int | str) -> bool:
     """Whether ``iteration`` cannot be loaded: its directory is gone, or holds a fastckpt save
-    that was never committed (a checkpoint of another format is not judged)."""
+    that was never committed (a checkpoint of another format is not judged).
+
+    ``metadata.json`` is asked first: megatron writes it last in every save, so it names the
+    backend that saved the iteration last. A fastckpt save that failed or was killed leaves
+    names of ours behind, and a ``torch_dist`` save into the same directory (megatron's
+    "Overwriting old incomplete / corrupted checkpoint") that completed is megatron's: judged by
+    those names first, it was called incomplete and the tracker moved back to an older iteration.
+    Only without a readable ``metadata.json`` do our names decide."""
     group = _group_of(save_dir, iteration)
     if is_complete(save_dir, iteration):
         return False
@@ -148,13 +153,10 @@ def _incomplete(save_dir: str, iteration: int | str) -> bool:
         names = os.listdir(group)
     except FileNotFoundError:
         return True
-    if any(n.startswith(("fastckpt-", ".fastckpt")) for n in names):
-        return True
-    try:
-        with open(os.path.join(group, CONFIG_FNAME)) as f:
-            return json.load(f).get("sharded_backend") == BACKEND
-    except (OSError, ValueError, AttributeError):  # no or another metadata.json: not ours to judge
-        return False
+    backend = saved_by(group)
+    if backend is not None:  # ours and never committed, or another format's: not ours to judge
+        return backend == BACKEND
+    return any(n.startswith(("fastckpt-", ".fastckpt")) for n in names)
 
 
 def sync_tracker(save_dir: str, *, load_iteration: int | None = None, ops: FileOps | None = None

@@ -193,6 +193,24 @@ def test_sync_tracker_moves_off_an_incomplete_iteration_only(tmp_path, caplog) -
     assert fm.sync_tracker(root) == 2 == fm.read_tracker(root)
 
 
+@pytest.mark.parametrize("backend", ["torch_dist", "fastckpt"])
+def test_sync_tracker_judges_an_iteration_by_its_metadata_json_before_our_leftovers(tmp_path, backend) -> None:
+    """A fastckpt save of iteration 2 failed and left its files; megatron's torch_dist save into the
+    same directory then completed and Megatron-LM pointed the tracker at 2. Our leftover names were
+    judged first: sync_tracker called 2 incomplete and moved the tracker back to 1."""
+    root = str(tmp_path)
+    _group(root, 1)
+    fm.advance_tracker(root, 1)
+    two = os.path.join(root, "iter_0000002")
+    with fastckpt.Checkpointer() as ck:  # the failed save's file, never committed
+        ck.save({"x": torch.ones(2)}, os.path.join(two, fm.TENSOR_FILE.format(0)), group=two).wait()
+    with open(os.path.join(two, "metadata.json"), "w") as f:  # written last by megatron's finalize
+        f.write(f'{{"sharded_backend": "{backend}", "sharded_backend_version": 1}}')
+    _edit_tracker(root, "2")
+    want = 2 if backend == "torch_dist" else 1  # (ours never committed: incomplete, as before)
+    assert fm.sync_tracker(root) == want == fm.read_tracker(root)
+
+
 def test_byte_range_and_view_of_a_non_contiguous_shard() -> None:
     base = torch.arange(30, dtype=torch.float32).reshape(10, 3)
     view = base.t()  # (3, 10), strides (1, 3)
