@@ -100,10 +100,26 @@ def tensor_box(sh: ShardedTensor) -> Box:
 
 
 def _plain(key: str, t: torch.Tensor) -> torch.Tensor:
+    """``t`` detached, when it is a dense tensor with bytes of its own; else an error naming ``key``.
+
+    Checked here, not left to ``Checkpointer.save``: the core names a tensor by its place in the
+    ``{"t0": ...}`` dict this strategy saves (``state['t17']``), which names no parameter, and a
+    tensor without a plain storage failed before it with torch's own error."""
     if type(t) not in (torch.Tensor, torch.nn.Parameter):
         raise UnsupportedObjectError(
             f"ShardedTensor {key!r} holds a {type(t).__name__}; fastckpt saves plain tensors. Convert it "
             "(e.g. dequantize FP8 weights) in the sharded state dict before saving.")
+    if t.is_meta:
+        raise UnsupportedObjectError(
+            f"ShardedTensor {key!r} is a tensor on the meta device: it has no data to save. Materialise it "
+            "(e.g. model.to_empty(device=...) and initialise) before saving.")
+    if t.layout is not torch.strided or t.is_nested or t.is_quantized:
+        what = "quantized tensor" if t.is_quantized else "nested tensor" if t.is_nested else \
+            f"tensor of layout {t.layout}"
+        raise UnsupportedObjectError(
+            f"ShardedTensor {key!r} is a {what}; fastckpt's Megatron strategy saves dense strided "
+            "tensors (it reads shards back as byte ranges). Convert it (t.to_dense(), t.dequantize()) in the "
+            "sharded state dict before saving.")
     return t.detach()
 
 
