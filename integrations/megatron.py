@@ -86,6 +86,7 @@ from ._megatron.tracker import (
     iteration_of,
     newest_complete_iteration,
     read_tracker,
+    repair,
     sync_tracker,
 )
 
@@ -258,12 +259,16 @@ def repair_checkpoint(checkpoint_dir: str | Path, *, ops: FileOps | None = None)
     rewriting them; the patched Megatron-LM does it in ``sync_tracker`` before it loads.
 
     Returns:
-        The names of the files put back (none when they are as committed).
+        The names of the files put back (none when they are as committed, or when another
+        backend, such as megatron's ``torch_dist``, saved the iteration last).
 
     Raises:
+        CheckpointNotFoundError: ``checkpoint_dir`` does not exist (a misspelled path), or is a file.
+        IncompleteCheckpointError: it holds no committed fastckpt checkpoint (a save directory
+            instead of one of its iterations, or a save that never committed).
         CorruptCheckpointError: the checkpoint's index does not hold their committed bytes.
     """
-    return inplace.restore(checkpoint_group(checkpoint_dir), ops or FileOps())
+    return repair(checkpoint_group(checkpoint_dir), ops or FileOps())
 
 
 def register(checkpointer: CheckpointerSource = None, *, tracker: bool = True, ops: FileOps | None = None

@@ -21,10 +21,11 @@ import os
 import re
 import threading
 
+from fastckpt.errors import CheckpointNotFoundError, ConfigError, IncompleteCheckpointError
 from fastckpt.io.ops import FileOps
 
 from .common import BACKEND
-from .compat import group_order, latest_name, publish_bytes, read_group_manifest, sweep_once
+from .compat import GROUP_MANIFEST, group_order, latest_name, publish_bytes, read_group_manifest, sweep_once
 from .inplace import restore, saved_by
 
 log = logging.getLogger("fastckpt.megatron")
@@ -48,8 +49,19 @@ def _group_of(save_dir: str, iteration: int | str) -> str:
     return os.path.join(save_dir, "release" if iteration == "release" else f"iter_{int(iteration):07d}")
 
 
+def _not_a_file(save_dir: str) -> None:
+    """Refuse a file given as the save directory (a raw ``NotADirectoryError`` named neither)."""
+    if os.path.exists(save_dir) and not os.path.isdir(save_dir):
+        raise ConfigError(f"{save_dir} is a file, not a save directory: give Megatron-LM's --save directory, the "
+                          f"one holding iter_NNNNNNN and {TRACKER}")
+
+
 def read_tracker(save_dir: str) -> int | str | None:
-    """What the tracker names: an iteration, ``release``, or None (no or unreadable tracker)."""
+    """What the tracker names: an iteration, ``release``, or None (no or unreadable tracker).
+
+    Raises:
+        ConfigError: ``save_dir`` is a file."""
+    _not_a_file(save_dir)
     try:
         with open(os.path.join(save_dir, TRACKER)) as f:
             text = f.read().strip()
@@ -172,7 +184,11 @@ def sync_tracker(save_dir: str, *, load_iteration: int | None = None, ops: FileO
     place (``common.pt``, ``metadata.json``) of the iteration the tracker then names, and of
     ``load_iteration`` (Megatron-LM's ``--ckpt-step``), where a save into that committed
     iteration was killed (``_megatron.inplace``).
+
+    Raises:
+        ConfigError: ``save_dir`` is a file (a directory that does not exist names nothing: None).
     """
+    _not_a_file(save_dir)
     ops = ops or FileOps()
     # The record before the tracker: writers write the tracker, then the record, so a record that
     # is new means a tracker that is new too. Read the other way round, a rank that saw the old
@@ -194,3 +210,30 @@ def sync_tracker(save_dir: str, *, load_iteration: int | None = None, ops: FileO
     for it in {current, load_iteration} - {None}:
         restore(_group_of(save_dir, it), ops)  # type: ignore[arg-type]
     return current
+
+
+def repair(group: str, ops: FileOps) -> list[str]:
+    """``repair_checkpoint``: ``restore`` the checkpoint the caller named, which must be a committed one.
+
+    ``restore`` alone puts back nothing where nothing is published (right for the failed saves and
+    the loads that call it), so a misspelled path, or the save directory given for an iteration,
+    answered ``[]`` as an intact checkpoint does, and the torn one stayed torn. A checkpoint
+    another backend saved (its ``metadata.json`` names it) has nothing of fastckpt's to put back.
+
+    Raises:
+        CheckpointNotFoundError: ``group`` does not exist, or is a file.
+        IncompleteCheckpointError: ``group`` holds no committed fastckpt checkpoint.
+    """
+    if not os.path.isdir(group):
+        what = "is a file, not a checkpoint directory" if os.path.exists(group) else "does not exist"
+        raise CheckpointNotFoundError(
+            f"{group} {what}, so nothing was put back: give the directory of a committed checkpoint, "
+            "<save dir>/iter_NNNNNNN (fastckpt.latest(<save dir>) names the newest)")
+    if read_group_manifest(group) is None and saved_by(group) in (None, BACKEND):
+        newest = newest_complete_iteration(group)
+        hint = f"it looks like a save directory; its newest committed checkpoint is {_group_of(group, newest)}" \
+            if newest is not None else "give the directory of a committed checkpoint, <save dir>/iter_NNNNNNN; " \
+            "a fastckpt save that never committed has nothing to put back: load an earlier checkpoint"
+        raise IncompleteCheckpointError(f"{group} is not a committed fastckpt checkpoint (it has no {GROUP_MANIFEST}), "
+                                        f"so nothing was put back: {hint}")
+    return restore(group, ops)

@@ -4,6 +4,7 @@ the tracker, and the resharding arithmetic."""
 from __future__ import annotations
 
 import os
+import re
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -209,6 +210,39 @@ def test_sync_tracker_judges_an_iteration_by_its_metadata_json_before_our_leftov
     _edit_tracker(root, "2")
     want = 2 if backend == "torch_dist" else 1  # (ours never committed: incomplete, as before)
     assert fm.sync_tracker(root) == want == fm.read_tracker(root)
+
+
+def test_repair_checkpoint_refuses_a_path_that_is_not_a_committed_checkpoint(tmp_path) -> None:
+    """A misspelled iteration, or the save directory given for one, answered [] as an intact
+    checkpoint does: the torn checkpoint stayed torn and the next load failed inside megatron."""
+    from fastckpt.errors import CheckpointNotFoundError, ConfigError, IncompleteCheckpointError
+
+    root = str(tmp_path)
+    good = _group(root, 100)
+    assert fm.repair_checkpoint(good) == []  # committed, nothing rewritten
+    typo = os.path.join(root, "iter_000100")
+    with pytest.raises(CheckpointNotFoundError, match=re.escape(typo) + " does not exist, so nothing was put back"):
+        fm.repair_checkpoint(typo)
+    with pytest.raises(IncompleteCheckpointError, match="its newest committed checkpoint is " + re.escape(good)):
+        fm.repair_checkpoint(root)
+    half = os.path.join(root, "iter_0000200")
+    with fastckpt.Checkpointer() as ck:
+        ck.save({"x": torch.ones(2)}, os.path.join(half, fm.TENSOR_FILE.format(0)), group=half).wait()  # uncommitted
+    with pytest.raises(IncompleteCheckpointError, match="is not a committed fastckpt checkpoint .* load an earlier"):
+        fm.repair_checkpoint(half)
+    theirs = os.path.join(root, "iter_0000300")  # megatron's torch_dist checkpoint: nothing of ours to put back
+    os.makedirs(theirs)
+    with open(os.path.join(theirs, "metadata.json"), "w") as f:
+        f.write('{"sharded_backend": "torch_dist", "sharded_backend_version": 1}')
+    assert fm.repair_checkpoint(theirs) == []
+    a_file = os.path.join(good, "fastckpt-manifest.json")
+    with pytest.raises(CheckpointNotFoundError, match="is a file, not a checkpoint directory"):
+        fm.repair_checkpoint(a_file)
+    said = re.escape(a_file) + " is a file, not a save directory: give Megatron-LM's --save"
+    for fn in (fm.sync_tracker, fm.read_tracker):  # was: a raw NotADirectoryError
+        with pytest.raises(ConfigError, match=said):
+            fn(a_file)
+    assert fm.sync_tracker(os.path.join(root, "nothing-here")) is None
 
 
 def test_byte_range_and_view_of_a_non_contiguous_shard() -> None:
