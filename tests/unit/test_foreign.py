@@ -295,3 +295,23 @@ def test_a_torch_distributed_checkpoint_directory_is_one_checkpoint(tmp_path: Pa
     os.utime(shard, (done + 5, done + 5))
     assert fastckpt.latest(str(tmp_path)) == str(newest)
     assert fastckpt.latest(str(newest)) == str(newest)
+
+
+def test_a_torchscript_export_beside_the_checkpoints_is_not_one(tmp_path: Path) -> None:
+    """A TorchScript archive (``torch.jit.save``) is a zip with a ``data.pkl`` too, beside
+    ``constants.pkl`` and ``code/``: written after the checkpoints, latest() named it, and a resume
+    from it failed as "damaged". torch.load tells the two apart the same way."""
+    run = tmp_path / "run"
+    _torch_save(run / "step-1.pt", 1, mtime=1_000_000)
+    with fastckpt.Checkpointer() as ck:
+        ck.save({"w": torch.zeros(8), "step": 2}, str(run / "step-2.pt")).wait()
+    export = run / "model_scripted.pt"
+    torch.jit.save(torch.jit.script(torch.nn.Linear(4, 4)), str(export))
+    later = os.stat(run / "step-2.pt").st_mtime + 60
+    os.utime(export, (later, later))
+    assert fastckpt.latest(str(run)) == str(run / "step-2.pt")
+    assert [Path(f.path).name for f in scan(run)] == ["step-1.pt", "step-2.pt"]
+    data = export.read_bytes()
+    end = foreign.zip_end(data[-65557:], len(data))
+    assert isinstance(end, foreign.ZipEnd)
+    assert foreign.pickle_record(data[end.cd_offset:end.cd_offset + end.cd_size]) is None

@@ -40,6 +40,10 @@ MAX_PICKLE_BYTES = 64 << 20  # a pickle this large is not read for its step
 MEMO_PUTS = ("PUT", "BINPUT", "LONG_BINPUT")
 
 
+#: what only a TorchScript archive holds at the top of its zip (``constants.pkl``, ``code/``)
+_TORCHSCRIPT_ENTRIES = frozenset({"constants.pkl", "code"})
+
+
 @dataclass(frozen=True)
 class ZipEnd:
     """Where a complete zip's central directory is (from its end-of-central-directory record)."""
@@ -93,22 +97,27 @@ def zip_end(tail: bytes, size: int, zip64: bytes = b"") -> ZipEnd | int | None:
 
 def pickle_record(cd: bytes) -> Record | None:
     """The ``<archive>/data.pkl`` member named in a central directory; None when there is none
-    (a zip that is not a ``torch.save`` file) or it is compressed (torch never compresses it)."""
-    pos = 0
+    (a zip that is not a ``torch.save`` file), it is compressed (torch never compresses it), or
+    the zip is a TorchScript archive (``torch.jit.save``: it has a ``data.pkl`` too, beside
+    ``constants.pkl`` and ``code/``, and is a model export, not a checkpoint; ``torch.load``
+    tells them apart the same way)."""
+    pos, found = 0, None
     while pos + 46 <= len(cd) and cd[pos:pos + 4] == CD_SIG:
         method, = struct.unpack_from("<H", cd, pos + 10)
         csize, = struct.unpack_from("<I", cd, pos + 20)
         name_len, extra_len, comment_len = struct.unpack_from("<HHH", cd, pos + 28)
         offset, = struct.unpack_from("<I", cd, pos + 42)
         name = cd[pos + 46:pos + 46 + name_len].decode("utf-8", "replace")
-        if name.endswith("/data.pkl") and name.count("/") == 1:
+        if "/" in name and name.split("/", 2)[1] in _TORCHSCRIPT_ENTRIES:
+            return None
+        if name.endswith("/data.pkl") and name.count("/") == 1 and found is None:
             if method != 0:
                 return None
             if 0xFFFFFFFF in (csize, offset):
                 csize, offset = _zip64_extra(cd[pos + 46 + name_len:pos + 46 + name_len + extra_len], csize, offset)
-            return Record(name, offset, csize)
+            found = Record(name, offset, csize)
         pos += 46 + name_len + extra_len + comment_len
-    return None
+    return found
 
 
 def _zip64_extra(extra: bytes, csize: int, offset: int) -> tuple[int, int]:
