@@ -407,3 +407,19 @@ def test_a_pre_zip_length_field_past_the_end_is_damage_not_a_memory_error(tmp_pa
     path.write_bytes(b"\x80\x02\x8e" + (2**62).to_bytes(8, "little") + b"x" * 100)
     with pytest.raises(CorruptCheckpointError, match=f"{path} is truncated or damaged"):
         fastckpt.load(str(path), verify=verify)
+
+
+@pytest.mark.parametrize("mmap", [False, True])
+def test_a_torchscript_archive_is_named_as_one_not_reported_damaged(tmp_path: Path, mmap: bool) -> None:
+    """torch.load hands a TorchScript archive (torch.jit.save) to torch.jit.load; fastckpt's loader
+    unpickled it as a checkpoint: a false CorruptCheckpointError (weights_only=True) or a bare
+    ModuleNotFoundError '__torch__' (False). It says what the file is and what loads it."""
+    path = tmp_path / "model.pt"
+    torch.jit.save(torch.jit.script(torch.nn.Linear(2, 2)), str(path))
+    for weights_only in (True, False):
+        with pytest.raises(fastckpt.ConfigError) as err:
+            fastckpt.load(str(path), weights_only=weights_only, mmap=mmap)
+        assert not isinstance(err.value, CorruptCheckpointError)
+        assert str(err.value) == (f"{path} is a TorchScript archive (written by torch.jit.save), not a torch.save "
+                                  f"checkpoint: load it with torch.jit.load({str(path)!r}).")
+    assert isinstance(torch.jit.load(str(path)), torch.jit.ScriptModule)

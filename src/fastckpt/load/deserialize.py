@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 import torch
 
+from ..errors import ConfigError
 from ..format.align import ALIGN
 from ..format.ranges import RangeReader
 from .image import ZIP_MAGIC, HeapImage
@@ -27,11 +28,19 @@ from .image import ZIP_MAGIC, HeapImage
 
 def deserialize(buf, size: int, map_location: object, weights_only: bool, path: str) -> object:  # noqa: ANN001
     """The object saved in the file image ``buf[:size]``: a ``HeapImage``, or one buffer (a
-    torch.save zip; a legacy, non-zip torch file is loaded through ``torch.load`` from a copy)."""
+    torch.save zip; a legacy, non-zip torch file is loaded through ``torch.load`` from a copy).
+
+    Raises:
+        ConfigError: the file is a TorchScript archive (``torch.load`` hands those to
+            ``torch.jit.load``; unpickled here they failed as damage, or on ``__torch__``).
+    """
     if not isinstance(buf, HeapImage) and bytes(memoryview(buf)[:4]) != ZIP_MAGIC:
         return torch.load(io.BytesIO(memoryview(buf)[:size]), map_location=map_location, weights_only=weights_only)
     fetch, records = fetcher(buf), (buf if isinstance(buf, HeapImage) else _Records(buf))
     reader = torch._C.PyTorchFileReader(RangeReader(size, fetch))
+    if reader.has_record("constants.pkl"):  # torch.load's own test (``_is_torchscript_zip``), one name looked up
+        raise ConfigError(f"{path} is a TorchScript archive (written by torch.jit.save), not a torch.save "
+                          f"checkpoint: load it with torch.jit.load({path!r}).")
     module = torch.serialization._weights_only_unpickler if weights_only else pickle
     try:
         return torch.serialization._load(reader, map_location, module, overall_storage=records)

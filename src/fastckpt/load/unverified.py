@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..errors import CorruptCheckpointError
+from ..errors import ConfigError, CorruptCheckpointError
 from ..format.foreign import bounded
 from ..format.legacy import LEGACY_PICKLES, UnboundedPickle, legacy_end
 from ..format.manifest import EOCD_SIG, TAIL_BYTES
@@ -99,6 +99,7 @@ def load_unverified(res: ReadResult, url: str, opts: LoadOptions) -> object:
 
     Raises:
         CorruptCheckpointError: naming ``url``: it is damaged (``damage``), or torch cannot read it.
+        ConfigError: the file is a TorchScript archive, which ``torch.jit.load`` loads.
         pickle.UnpicklingError: weights_only refused an object of a well-formed file (its note
             says how to opt in).
     """
@@ -109,6 +110,8 @@ def load_unverified(res: ReadResult, url: str, opts: LoadOptions) -> object:
         raise _unbounded(url)
     try:
         return deserialize(res.buffer, res.size, opts.map_location, opts.weights_only, url)
+    except ConfigError:
+        raise  # a TorchScript archive (``deserialize``): whole, but no checkpoint
     except pickle.UnpicklingError as exc:
         if opts.weights_only and _pickles_parse(res):
             raise  # weights_only refused an object: not damage (the error says how to opt in)
