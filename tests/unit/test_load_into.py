@@ -156,6 +156,10 @@ def _sgd(model: torch.nn.Module) -> torch.optim.Optimizer:
     (_model(1), r"into is a module \(Sequential\), which into= does not fill: pass its state_dict\(\)"),
     ({"model": _model(1)}, r"into\['model'\] is a module \(Sequential\).*pass its state_dict\(\)"),
     ({"opt": [_sgd(_model(1))]}, r"into\['opt'\]\[0\] is an optimizer \(SGD\).*pass its state_dict\(\)"),
+    ({"model": _model(1).state_dict}, r"into\['model'\] is of type method \(a function or method: call it, "
+                                      r"model.state_dict\(\)\), which into= does not fill"),
+    ({"model": _model(1).state_dict().values()}, r"into\['model'\] is of type odict_values, which into= does not"),
+    ({"model": [iter([torch.zeros(2)])]}, r"into\['model'\]\[0\] is of type list_iterator, which into= does not"),
 ])
 def test_an_into_that_names_no_tensors_to_fill_is_refused(tmp_path, into: object, words: str) -> None:
     """``into=5`` or ``into=model`` (a module, not its state_dict) was passed over: the load returned
@@ -167,6 +171,43 @@ def test_an_into_that_names_no_tensors_to_fill_is_refused(tmp_path, into: object
             ck.load(path, into=into)
     with pytest.raises(ConfigError, match=words):
         fastckpt.load(path, into=into)
+
+
+def test_plain_values_beside_the_tensors_are_allowed(tmp_path) -> None:
+    """An optimizer's state_dict holds numbers, bools, None and tuples in its param_groups: no
+    tensors to fill, and no mistake either (only what could hide tensors is refused)."""
+    path = str(tmp_path / "x.pt")
+    model = _model(0)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    model(torch.ones(1, 512)).sum().backward()
+    opt.step()
+    with Checkpointer() as ck:
+        ck.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": 7, "dtype": torch.float32}, path).wait()
+        fresh = _model(1)
+        fresh_opt = torch.optim.Adam(fresh.parameters(), lr=0.1)
+        fresh(torch.ones(1, 512)).sum().backward()
+        fresh_opt.step()
+        got = ck.load(path, into={"model": fresh.state_dict(), "opt": fresh_opt.state_dict(), "step": 0,
+                                  "dtype": torch.float32})
+    assert torch.equal(fresh[0].weight, model[0].weight) and got["step"] == 7
+    assert torch.equal(fresh_opt.state_dict()["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
+
+
+def test_an_expanded_tensor_is_refused_before_anything_is_written(tmp_path) -> None:
+    """An expanded tensor (stride 0) shares one element's memory among many: copy_ into it raised a
+    bare RuntimeError after the tensors before it had been filled."""
+    path = str(tmp_path / "x.pt")
+    with Checkpointer() as ck:
+        ck.save(_state(_model(0)), path).wait()
+    fresh = _model(1)
+    before = {k: v.clone() for k, v in fresh.state_dict().items()}
+    into = {"model": {**fresh.state_dict(), "2.bias": torch.zeros(1).expand(300)}}
+    with pytest.raises(ConfigError, match=r"into\['model'\]\['2.bias'\] is an expanded tensor \(shape \(300,\), "
+                                          r"stride \(0,\)\).*\.clone\(\).*Nothing was read"):
+        fastckpt.load(path, into=into)
+    assert all(torch.equal(v, before[k]) for k, v in fresh.state_dict().items())
+    with pytest.raises(ConfigError, match=r"into is an expanded tensor"):
+        fastckpt.load(path, into=torch.zeros(1, 5).expand(3, 5))
 
 
 def test_a_tensor_on_the_meta_device_is_refused(tmp_path) -> None:

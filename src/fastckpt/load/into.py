@@ -19,6 +19,7 @@ DCP's in-place load does.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Iterator, Mapping
 
 import torch
@@ -26,6 +27,8 @@ import torch
 from ..errors import ConfigError, CorruptCheckpointError
 
 Where = tuple[object, ...]
+#: values ``into`` may hold beside its tensors and containers: nothing to fill, and not a mistake
+_PLAIN = (str, bytes, numbers.Number, torch.dtype, torch.device, type(None))
 
 
 def in_place(map_location: object) -> bool:
@@ -36,10 +39,16 @@ def in_place(map_location: object) -> bool:
 def check_into(dest: object) -> None:
     """Refuse an ``into`` that names no place to fill: ``_walk`` passes over what is neither a
     tensor nor a dict, list or tuple, so ``into=5`` or ``into=model`` loaded as without it, and a
-    caller who skipped ``load_state_dict`` resumed from the freshly initialised weights.
+    caller who skipped ``load_state_dict`` resumed from the freshly initialised weights. The same
+    holds nested: ``{"model": model.state_dict}`` (a method, the parentheses forgotten), a
+    ``dict.values()`` view or a dataclass filled nothing; plain values (numbers, strings, None)
+    are allowed there, as an optimizer's ``param_groups`` hold them. A tensor whose elements
+    share memory (``expand``: a stride of 0) cannot be filled (``copy_`` refuses it), and would
+    fail after earlier tensors were filled: refused here, before anything is read.
 
     Raises:
-        ConfigError: ``dest`` is of another type, or is or holds a module or an optimizer.
+        ConfigError: ``dest`` is of another type, or is or holds a module, an optimizer, another
+            object that is no container of tensors, or a tensor whose elements share memory.
     """
     for where, v in ((), dest), *_containers(dest, ()):
         if isinstance(v, (torch.nn.Module, torch.optim.Optimizer)):
@@ -47,6 +56,17 @@ def check_into(dest: object) -> None:
             raise ConfigError(f"load(into=...): {_name(where)} is {kind} ({type(v).__name__}), which into= does not "
                               "fill: pass its state_dict() (into={'model': model.state_dict()}), whose tensors are "
                               "filled in place")
+        if isinstance(v, torch.Tensor):
+            if v.layout == torch.strided and any(st == 0 and n > 1 for st, n in zip(v.stride(), v.shape)):
+                raise ConfigError(f"load(into=...): {_name(where)} is an expanded tensor (shape {tuple(v.shape)}, "
+                                  f"stride {v.stride()}): its elements share memory, so the saved values cannot be "
+                                  "copied into it. Pass a tensor with memory of its own (.clone() or .contiguous()). "
+                                  "Nothing was read into your tensors.")
+        elif where and not isinstance(v, (Mapping, list, tuple, *_PLAIN)):
+            called = " (a function or method: call it, model.state_dict())" if callable(v) else ""
+            raise ConfigError(f"load(into=...): {_name(where)} is of type {type(v).__name__}{called}, which into= "
+                              "does not fill: pass the tensors to fill nested in dicts, lists and tuples as the saved "
+                              "object is (into={'model': model.state_dict()}). Nothing was read.")
     if not isinstance(dest, (torch.Tensor, Mapping, list, tuple)):
         raise ConfigError(f"load(into=...): into is of type {type(dest).__name__}, not the tensors to fill: pass them "
                           "nested in dicts, lists and tuples as the saved object is "
