@@ -52,6 +52,25 @@ def test_a_name_with_a_backslash_is_refused_at_the_call_before_anything_is_writt
     written = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file())
     assert [w for w in written if "\\" in w] == [], written
 
+@pytest.mark.parametrize("bad", ["too long", "link loop"])
+def test_a_name_that_cannot_be_opened_is_a_config_error_of_the_load_not_a_write_error(tmp_path: Path,
+                                                                                     bad: str) -> None:
+    """A name longer than NAME_MAX (ENAMETOOLONG) or a symbolic link loop (ELOOP) made load()
+    raise a ReplicationError, a CheckpointWriteError, advising to "check the target file system":
+    a resume script that catches the load's errors got a write failure for a read."""
+    if bad == "too long":
+        path = tmp_path / ("y" * 300 + ".pt")
+        why = r"File name too long\): a name in it is longer than the file system allows .*shorten it"
+    else:
+        path = tmp_path / "loop.pt"
+        os.symlink("loop.pt", path)
+        why = r"Too many levels of symbolic links\): a symbolic link in it leads back to itself .*fix or remove"
+    with pytest.raises(ConfigError, match=f"^read of {path}: the name cannot be opened \\({why}") as err:
+        fastckpt.load(str(path))
+    assert not isinstance(err.value, fastckpt.CheckpointWriteError)
+    assert err.value.__cause__.errno == (errno.ENAMETOOLONG if bad == "too long" else errno.ELOOP)
+
+
 def test_loading_a_directory_says_so(tmp_path: Path) -> None:
     (tmp_path / "step-1").mkdir()
     with pytest.raises(ConfigError, match=r"step-1 is a directory, not a checkpoint file: .*fastckpt\.latest\("):

@@ -424,9 +424,32 @@ def test_download_failure_leaves_no_file(root: Path, src: tuple[Path, bytes], tm
     ops.inject(Fault("preadv", errno.EIO, path_contains="a.pt"))
     out = tmp_path / "dl" / "a.pt"
     out.parent.mkdir()
-    with pytest.raises(ReplicationError):
+    with pytest.raises(OSError) as err:  # a read's failure: the OSError itself, not a write error
         t.download("a.pt", out, chunk_bytes=MiB)
+    assert err.value.errno == errno.EIO and not isinstance(err.value, ReplicationError)
     assert list(out.parent.iterdir()) == []
+
+
+def test_a_failed_read_raises_its_os_error_not_a_write_error(root: Path, src: tuple[Path, bytes]) -> None:
+    """Every OSError of a read became a ReplicationError (a CheckpointWriteError), so a load that
+    hit EIO or EACCES reported a failed write; the OSError itself is raised, with a note naming
+    the read and the fix. A missing file is still TargetNotFoundError."""
+    ops = FaultyOps()
+    t = PosixTarget(root, ops=ops, retry_deadline_s=0)
+    t.put_file(src[0], "a.pt")
+    ops.inject(Fault("open", errno.EACCES, path_contains="a.pt"))
+    with pytest.raises(PermissionError) as err:
+        t.read_range("a.pt", 0, 10)
+    assert not isinstance(err.value, ReplicationError)
+    assert err.value.__notes__ == [f"read of {root / 'a.pt'} ({root}): fix the file's owner/mode, or run as a user "
+                                   "who may read it"]
+    ops.inject(Fault("preadv", errno.EIO, path_contains="a.pt"))
+    with pytest.raises(OSError) as err:
+        t.read_object("a.pt")
+    assert err.value.errno == errno.EIO and not isinstance(err.value, ReplicationError)
+    assert "check the mount (dmesg)" in err.value.__notes__[0]
+    with pytest.raises(TargetNotFoundError):
+        t.get_bytes("b.pt")
 
 
 def test_open_target_chooses_by_scheme(root: Path) -> None:

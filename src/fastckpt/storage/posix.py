@@ -27,14 +27,14 @@ from ..io.ops import READ, FileOps, pread_exact, pwrite_all
 from ..io.stream import checksum_file, copy_file, drop_cache
 from ..units import MiB
 from ..urls import check_key
-from . import posix_walk, reads
-from .base import Target
+from . import posix_errors, posix_walk, reads
+from .base import T, Target
+from .retry import retry_call
 from .types import (
     Expected,
     Progress,
     RetryCallback,
     TargetNotFoundError,
-    TargetPermissionError,
     TokenBucket,
     source_changed,
     storage_error,
@@ -42,17 +42,6 @@ from .types import (
 
 log = logging.getLogger(__name__)
 VERIFY_ATTEMPTS = 3  # copies that read back wrong before the destination is declared faulty
-
-_FIXES = {
-    errno.ENOSPC: "free space on the target (or prune old checkpoints there), or choose a larger target",
-    errno.EDQUOT: "the disk quota is exhausted: free space or ask for a larger quota",
-    errno.EROFS: "the file system is mounted read-only: remount it read-write or choose another target",
-    errno.EACCES: "fix the directory's owner/mode, or run as a user who may write there",
-    errno.EPERM: "fix the directory's owner/mode, or run as a user who may write there",
-    errno.EISDIR: "a directory stands where the file goes: name a file inside it, or move the directory away",
-    errno.EIO: "the storage reported an I/O error: check the mount (dmesg) and the storage system's health",
-}
-
 
 class PosixTarget(Target):
     """A ``Target`` rooted at an existing directory.
@@ -105,14 +94,13 @@ class PosixTarget(Target):
                                 "target path", err_no=errno.ENOENT)
 
     def _permanent(self, exc: BaseException, what: str) -> ReplicationError | None:
-        if not isinstance(exc, OSError):
-            return None
-        code = exc.errno
-        if code in (errno.ENOENT, errno.ENOTDIR):
-            return storage_error(TargetNotFoundError, f"{what}: {exc}", exc)
-        cls = TargetPermissionError if code in (errno.EACCES, errno.EPERM) else ReplicationError
-        fix = _FIXES.get(code, "check the target file system")  # type: ignore[arg-type]
-        return storage_error(cls, f"{what}: {exc.strerror or exc} ({self.root}); {fix}", exc)
+        return posix_errors.permanent(exc, what, self.root)
+
+    def _read(self, what: str, fn: Callable[[], T], *, deadline_s: float | None = None) -> T:
+        """``fn`` retried as ``_retry`` does, its permanent errors a read's (``posix_errors``)."""
+        return retry_call(fn, what=what, url=self.url, on_retry=self.on_retry, is_transient=self._is_transient,
+                          deadline_s=self.retry_deadline_s if deadline_s is None else deadline_s,
+                          permanent=lambda exc, what: posix_errors.permanent_read(exc, what, self.root))
 
     # ------------------------------------------------------------------ writing
     def _put_file(self, local_path: str, key: str, size: int, limiter: TokenBucket | None, chunk_bytes: int,
@@ -256,7 +244,7 @@ class PosixTarget(Target):
         mapped copy-on-write (``map_file``). A concurrent replace gives it the old or the new one."""
         path, pool, n, ops, direct = self._path(key), self._executor(), chunk_bytes, self.ops, self.odirect
         read = map_file if mapped else lambda *args, **kw: read_file(*args, into=into, **kw)
-        return self._retry(f"{'map' if mapped else 'read'} of {path}", lambda: read(ops, pool, path, chunk_bytes=n,
+        return self._read(f"{'map' if mapped else 'read'} of {path}", lambda: read(ops, pool, path, chunk_bytes=n,
                                                                                     odirect=direct))
 
     def get_bytes(self, key: str, *, deadline_s: float | None = None) -> bytes:
@@ -268,7 +256,7 @@ class PosixTarget(Target):
                 raise FileNotFoundError(errno.ENOENT, "no such file", path)
             return data
 
-        return self._retry(f"read of {path}", read, deadline_s=deadline_s)
+        return self._read(f"read of {path}", read, deadline_s=deadline_s)
 
     def read_range(self, key: str, offset: int, length: int, *, version: str | None = None) -> bytes:
         path = self._path(key)  # a file has no versions to ask for: read_object reads through one descriptor
@@ -282,21 +270,21 @@ class PosixTarget(Target):
             finally:
                 self.ops.close(fd)
 
-        return self._retry(f"read of {path}", read)
+        return self._read(f"read of {path}", read)
 
     def _size_and_tail(self, key: str) -> tuple[int, str | None, bytes]:
         path = self._path(key)  # one descriptor for both (reads.file_tail): a replace gives old or new, whole
-        return self._retry(f"read of {path}", lambda: reads.file_tail(self.ops, path))
+        return self._read(f"read of {path}", lambda: reads.file_tail(self.ops, path))
 
     def size(self, key: str) -> int:
-        return self._retry(f"stat of {self._path(key)}", lambda: os.stat(self._path(key)).st_size)
+        return self._read(f"stat of {self._path(key)}", lambda: os.stat(self._path(key)).st_size)
 
     def modified(self, key: str) -> float:
-        return self._retry(f"stat of {self._path(key)}", lambda: os.stat(self._path(key)).st_mtime)
+        return self._read(f"stat of {self._path(key)}", lambda: os.stat(self._path(key)).st_mtime)
 
     def exists(self, key: str) -> bool:
         path = self._path(key)
-        return self._retry(f"stat of {path}", lambda: os.path.isfile(path))
+        return self._read(f"stat of {path}", lambda: os.path.isfile(path))
 
     def list(self, prefix: str = "", *, max_depth: int | None = None) -> list[str]:
         self._check_root()
