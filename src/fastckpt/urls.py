@@ -98,10 +98,15 @@ def named(path: str | os.PathLike, call: str) -> str | os.PathLike:
 
 def file_name(path: str | os.PathLike) -> str:
     """``normalize`` the name of a checkpoint *file* (``save``, ``load``), refusing a name that
-    cannot be one: empty (it would mean the working directory) or ending in a separator."""
+    cannot be one: empty (it would mean the working directory), ending in a separator, or holding
+    a NUL (no file system takes one: a save wrote the whole file to a temp name, then failed to
+    publish it with a bare ValueError at ``wait()``)."""
     s = os.fspath(path)
     if not s.strip():
         raise ConfigError("the checkpoint path is empty: name the file to save or load, e.g. 'ckpt/step-100.pt'")
+    if "\x00" in s:
+        raise ConfigError(f"{s!r} holds a NUL character ('\\x00'), which no file or object name may hold: remove it "
+                          f"(e.g. {s.replace(chr(0), '')!r})")
     if s.endswith(("/", os.sep)):
         raise ConfigError(f"{s!r} ends with a separator, so it names a directory, not a checkpoint file: name the "
                           f"file inside it, e.g. {s + 'step-100.pt'!r}")

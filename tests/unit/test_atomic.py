@@ -167,6 +167,16 @@ def test_a_failed_commit_leaves_no_second_name(tmp_path: Path, fault: Fault) -> 
     assert (later, tmp_files(tmp_path)) == ([], [])
 
 
+def test_a_commit_that_fails_keeping_the_old_file_leaves_no_temp(tmp_path: Path) -> None:
+    """The link that keeps the old file raised a ValueError for a name with a NUL (os.link:
+    "embedded null byte") outside the commit's try: the whole new file stayed under its hidden
+    temp name (its name is encoded, so it was written)."""
+    later: list[str] = []
+    with pytest.raises(ValueError, match="null"):
+        _replace(FileOps(), tmp_path / "a\x00b.pt", b"new" * 1000, later)
+    assert (later, tmp_files(tmp_path)) == ([], [])
+
+
 def test_a_kill_before_the_old_file_is_removed_leaves_a_temp_name_the_sweep_removes(tmp_path: Path) -> None:
     import signal
     import subprocess

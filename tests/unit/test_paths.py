@@ -71,6 +71,22 @@ def test_a_name_that_cannot_be_opened_is_a_config_error_of_the_load_not_a_write_
     assert err.value.__cause__.errno == (errno.ENAMETOOLONG if bad == "too long" else errno.ELOOP)
 
 
+@pytest.mark.parametrize("local", [False, True])
+def test_a_name_with_a_nul_is_refused_at_the_call_before_anything_is_written(tmp_path: Path, local: bool) -> None:
+    """save() took 'a\\x00b.pt', wrote the whole file to a hidden temp name, and wait() raised a
+    bare ValueError "embedded null byte" from the commit, leaving the temp file behind."""
+    home = tmp_path / "home"
+    home.mkdir()
+    path = str(home / "a\x00b.pt")
+    with fastckpt.Checkpointer(local_dir=str(tmp_path / "nvme") if local else None) as ck:
+        with pytest.raises(ConfigError, match=r"holds a NUL character \('\\x00'\), which no file or object name may "
+                                              r"hold: remove it \(e\.g\. '.*/home/ab\.pt'\)"):
+            ck.save(_state(1), path)
+        with pytest.raises(ConfigError, match="holds a NUL character"):
+            ck.load(path)
+    assert [p for p in tmp_path.rglob("*") if p.is_file()] == []
+
+
 def test_loading_a_directory_says_so(tmp_path: Path) -> None:
     (tmp_path / "step-1").mkdir()
     with pytest.raises(ConfigError, match=r"step-1 is a directory, not a checkpoint file: .*fastckpt\.latest\("):

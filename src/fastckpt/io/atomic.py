@@ -177,8 +177,9 @@ class Staged:
         self._unlink_later = unlink_later
 
     def commit(self) -> None:
-        old = self._keep_old() if self._unlink_later is not None else None
-        try:
+        old = None
+        try:  # _keep_old inside: whatever it raises (a ValueError for a NUL in the name) removes the temp too
+            old = self._keep_old() if self._unlink_later is not None else None
             self.ops.replace(self.tmp, self.dest)
             self.renamed = True
             self.ops.fsync_dir(os.path.dirname(self.dest) or ".")
