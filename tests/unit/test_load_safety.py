@@ -423,3 +423,48 @@ def test_a_torchscript_archive_is_named_as_one_not_reported_damaged(tmp_path: Pa
         assert str(err.value) == (f"{path} is a TorchScript archive (written by torch.jit.save), not a torch.save "
                                   f"checkpoint: load it with torch.jit.load({str(path)!r}).")
     assert isinstance(torch.jit.load(str(path)), torch.jit.ScriptModule)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a node without CUDA, where a GPU file needs map_location")
+@pytest.mark.parametrize("zipped", [True, False], ids=["zip", "legacy"])
+def test_an_intact_gpu_file_on_a_cpu_node_raises_torchs_error_not_corruption(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, zipped: bool) -> None:
+    """torch refuses a GPU job's file on a CPU-only node without map_location (a RuntimeError
+    naming the fix): that was reported as "truncated or damaged", and every earlier GPU
+    checkpoint with it, so a resume script that skips damaged files dropped the run's state."""
+    path = tmp_path / "gpu_step100.pt"
+    with monkeypatch.context() as m:
+        m.setattr(torch.serialization, "location_tag", lambda storage: "cuda:0")  # what a CUDA tensor records
+        torch.save(_plain_state(), path, _use_new_zipfile_serialization=zipped)
+    for mmap in (False, True):
+        with pytest.raises(RuntimeError, match="map_location") as err:
+            fastckpt.load(str(path), mmap=mmap)
+        assert not isinstance(err.value, CorruptCheckpointError)
+        assert f"{path} has no fastckpt manifest, but it is not damaged" in "".join(err.value.__notes__)
+    assert fastckpt.load(str(path), map_location="cpu")["step"] == 3
+
+
+def test_an_intact_file_holding_a_class_renamed_since_raises_torchs_error_not_corruption(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """weights_only=False of a file whose class was renamed since: torch's AttributeError names
+    the class; it was reported as a damaged file."""
+    import dataclasses
+    import types
+
+    mod = types.ModuleType("fastckpt_test_renamed_cfg")
+    mod.Config = dataclasses.make_dataclass("Config", [("lr", float, 0.1)])
+    mod.Config.__module__ = mod.__name__
+    monkeypatch.setitem(sys.modules, mod.__name__, mod)
+    path = tmp_path / "cfg.pt"
+    torch.save({**_plain_state(), "cfg": mod.Config()}, path)
+    del mod.Config
+    with pytest.raises(AttributeError, match="Can't get attribute 'Config'") as err:
+        fastckpt.load(str(path), weights_only=False)
+    assert not isinstance(err.value, CorruptCheckpointError)
+    assert "it is not damaged" in "".join(err.value.__notes__)
+    data = bytearray(path.read_bytes())  # the same name damaged in torch's own namespace is damage
+    at = data.index(b"_rebuild_tensor_v2")
+    data[at + 1] ^= 0x01
+    path.write_bytes(bytes(data))
+    with pytest.raises(CorruptCheckpointError, match=f"{path} is truncated or damaged"):
+        fastckpt.load(str(path), weights_only=False)

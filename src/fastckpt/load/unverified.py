@@ -5,7 +5,10 @@ damaged: an empty file, one that starts with neither a zip nor a pickle header, 
 end record, a pre-zip file shorter than its pickles say (``format.legacy``), or one that torch
 fails to read. Whatever torch raises on a damaged byte (a struct or
 index error of a truncated legacy file, an unknown opcode, a pickle that pops an empty stack) is
-``CorruptCheckpointError`` naming the file. Only an ``UnpicklingError`` of a file whose pickles
+``CorruptCheckpointError`` naming the file, unless the file is sound (``load.soundness``: it loads
+with what depends on this process taken away): then torch's error is for what the file holds here
+(a GPU file without ``map_location``, a class renamed since) and reaches the caller as it is.
+Only an ``UnpicklingError`` of a file whose pickles
 parse (``pickletools``, which runs nothing) is weights_only refusing an object it does not allow:
 that error keeps its note saying how to opt in, which must never be advice for a damaged file.
 """
@@ -33,6 +36,7 @@ from ..format.manifest import EOCD_SIG, TAIL_BYTES
 from ..format.ranges import RangeReader
 from .deserialize import deserialize, fetcher
 from .image import ZIP_MAGIC
+from .soundness import sound
 
 if TYPE_CHECKING:
     from ..io.engine import ReadResult
@@ -98,10 +102,14 @@ def load_unverified(res: ReadResult, url: str, opts: LoadOptions) -> object:
     """The object in a file without a manifest.
 
     Raises:
-        CorruptCheckpointError: naming ``url``: it is damaged (``damage``), or torch cannot read it.
+        CorruptCheckpointError: naming ``url``: it is damaged (``damage``), or torch cannot read it
+            and it is not sound (``load.soundness``).
         ConfigError: the file is a TorchScript archive, which ``torch.jit.load`` loads.
         pickle.UnpicklingError: weights_only refused an object of a well-formed file (its note
             says how to opt in).
+        Exception: torch's own error for a sound file, with a note (a GPU file loaded without
+            ``map_location`` on a CPU node, a class renamed since it was saved): an intact file
+            is never reported as damaged.
     """
     found = damage(res, url)
     if found is not None:
@@ -117,7 +125,11 @@ def load_unverified(res: ReadResult, url: str, opts: LoadOptions) -> object:
             raise  # weights_only refused an object: not damage (the error says how to opt in)
         raise _damaged(url, exc) from exc
     except DAMAGE as exc:
-        raise _damaged(url, exc) from exc
+        if not (_pickles_parse(res) and _pickles_bounded(res) and sound(res.buffer, res.size)):
+            raise _damaged(url, exc) from exc
+        exc.add_note(f"{url} has no fastckpt manifest, but it is not damaged: it loads with its storages kept on the "
+                     "CPU and its classes stubbed (load.soundness). This is torch's own error for what it holds here.")
+        raise  # a GPU file without map_location, a class renamed since: torch's error names the fix
 
 
 def _unbounded(url: str) -> CorruptCheckpointError:
