@@ -151,8 +151,8 @@ class Checkpointer:
                 training goes on, and ``fence()`` must be called before anything mutates them (the next optimizer
                 step; ``save.fencing.copy_unfenced`` clones the rest). ``blocked_s`` is the part spent here;
                 ``fence()`` returns its wait, which ``stats()`` counts as blocked too. Ignored on the gds tier.
-            export: a file beside the checkpoints (a model export), not one of them: keep_persistent never counts
-                or deletes it (keep_local may delete its burst-buffer copy once it is durable at its path).
+            export: a file beside the checkpoints (a model export), not one of them: neither keep_persistent nor
+                coalescing counts it (keep_local may delete its burst-buffer copy once it is durable at its path).
 
         Raises:
             UnsupportedObjectError: an entry cannot be saved (the message names its key).

@@ -63,6 +63,7 @@ class ReplicaJob:
     home: str = ""  # where the copy goes when not rec.path (a re-saved group's new attempt, beside it)
     order: int | None = None  # its ``Turn``'s key with replicate_in_order: it starts after the earlier ones
     version: str = ""  # a second name of its own save's local copy, uploaded from (``save.versions``)
+    export: bool = False  # save(export=True): a file beside the checkpoints, never coalesced with one
 
 
 class Replicator:
@@ -184,9 +185,9 @@ class Replicator:
 
     @staticmethod
     def _supersedes(new: ReplicaJob, old: ReplicaJob, coalesce: bool) -> bool:
-        """Whether queued ``old`` is dropped for ``new``: any other checkpoint when coalescing;
-        with "all", an older save of the same single file (its bytes are replaced anyway)."""
-        if coalesce:
+        """Whether queued ``old`` is dropped for ``new``: any other checkpoint when coalescing (an export is
+        none: as with "all"); with "all", an older save of the same single file (its bytes are replaced anyway)."""
+        if coalesce and not (new.export or old.export):
             return old.rec.group is None or old.rec.group != new.rec.group
         return old.rec.group is None and new.rec.group is None and old.rec.path == new.rec.path
 

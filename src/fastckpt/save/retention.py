@@ -103,6 +103,11 @@ class Retention:
                 self._exports.add(token)
             return token
 
+    def exporting(self, token: int) -> bool:
+        """Whether save ``token`` is an export (replication never coalesces it with checkpoints)."""
+        with self._lock:
+            return token in self._exports
+
     def watch_commit(self, commit: Future, group: str, token: int) -> None:
         """If the commit ``token`` of ``group`` fails, the group published before it (if this rank
         listed one) is still whole at its home: it takes its old place in the persistent list

@@ -277,6 +277,7 @@ class Saver:
         """A future that resolves once the file written to ``local`` is replicated to ``home``
         (after the saves before ``order``, with replicate_in_order)."""
         final: Future = Future()
+        export = self._retention.exporting(token)  # an export never coalesces with checkpoints
 
         def enqueue(f: Future) -> None:
             if f.cancelled():  # a close() that gave up waiting: its local copy was never written
@@ -293,7 +294,8 @@ class Saver:
             try:
                 self._replicator.submit(ReplicaJob(rec, local, t_call, time.time(), final,
                                                    finish=functools.partial(self._retain, token=token),
-                                                   home=home if home != rec.path else "", order=order))
+                                                   home=home if home != rec.path else "", order=order,
+                                                   export=export))
             except RuntimeError as err:  # closed under us: nothing will replicate it
                 final.set_exception(ReplicationError(f"{rec.path} was not replicated: {err}"))
             except BaseException as err:  # noqa: BLE001 (a done-callback's error is swallowed: the handle must resolve)
