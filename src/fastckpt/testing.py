@@ -41,7 +41,7 @@ from .io.ops import FileOps, Residency
 __all__ = ["Fault", "FaultyOps", "Gate", "OPS"]
 
 OPS = ("open", "pwrite", "preadv", "fsync", "ftruncate", "replace", "unlink", "rmdir", "fsync_dir", "makedirs",
-       "write_small", "exchange", "link", "map_private")
+       "write_small", "exchange", "link", "map_private", "utime")
 
 
 @dataclass(frozen=True)
@@ -273,6 +273,10 @@ class FaultyOps(FileOps):
     def link(self, src: str, dst: str) -> None:
         self._guard("link", src, dst)
         super().link(src, dst)
+
+    def utime(self, path: str) -> None:
+        self._guard("utime", path)
+        super().utime(path)
 
     def unlink(self, path: str) -> None:
         self._guard("unlink", path)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import errno
 import os
 import threading
+import time
 
 import pytest
 import torch
@@ -210,6 +211,38 @@ def test_a_file_written_straight_to_its_path_waits_for_the_earlier_ones(tmp_path
         ck.close()
     assert a_final_at_b_rename == [not earlier_fails]  # a failed: b went on without it
     assert os.path.exists(a) != earlier_fails and os.path.exists(b)
+
+
+def test_a_file_written_straight_to_its_path_is_newer_by_mtime_than_the_earlier_ones(tmp_path) -> None:  # noqa: ANN001
+    """The later file runs out of room in the burst buffer and is written to its path at once,
+    while the earlier file's upload is held; its bytes are then dated an hour back (a real upload
+    takes minutes: no sleep). It kept that mtime once final, older than the earlier file's replica,
+    so a reader taking the newest file by mtime (Lightning's ``ckpt_path="last"``) resumed from the
+    earlier save. Now its mtime is set as its turn comes, before the rename."""
+    home, nvme = str(tmp_path / "home"), str(tmp_path / "nvme")
+    a, b = f"{home}/step=4.ckpt", f"{home}/step=8.ckpt"
+    hook, b_written = Hook("pwrite", home, a, a, ""), threading.Event()  # a's upload to its home is held
+
+    def on_call(op: str, path: str) -> None:
+        if op == "fsync" and path.startswith(home) and final_path(path) == b:  # b's bytes are at its path
+            hour_ago = time.time_ns() - 3600 * 10**9
+            os.utime(path, ns=(hour_ago, hour_ago))
+            b_written.set()
+        hook(op, path)
+
+    ck = fastckpt.Checkpointer(local_dir=nvme, ops=FaultyOps([Fault("pwrite", errno.ENOSPC, path_startswith=nvme,
+                                                                    path_contains="step=8")], on_call=on_call),
+                               replicate_policy="all", replicate_in_order=True, rank=0, world_size=1)
+    try:
+        ha = ck.save(_state(4), a)
+        assert hook.entered.wait(60)
+        hb = ck.save(_state(8), b)
+        assert b_written.wait(60)
+    finally:
+        hook.release.set()
+    assert ha.wait(60).tier == "nvme" and hb.wait(60).tier == "direct"
+    ck.close()
+    assert os.stat(b).st_mtime_ns >= os.stat(a).st_mtime_ns  # was: an hour older
 
 
 class _made:

@@ -180,6 +180,10 @@ class FileOps:
     def link(self, src: str, dst: str) -> None:
         os.link(src, dst)
 
+    def utime(self, path: str) -> None:
+        """Set ``path``'s modification time to now."""
+        os.utime(path)
+
     def makedirs(self, path: str) -> None:
         os.makedirs(path, exist_ok=True)
 
