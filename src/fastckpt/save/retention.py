@@ -42,13 +42,15 @@ import itertools
 import logging
 import posixpath
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
+from contextlib import contextmanager
 
 from ..commit.foreign import group_step
 from ..commit.protocol import delete_checkpoint, pointed_name, read_group_manifest
 from ..commit.removable import check_removable
 from ..storage.homes import Homes
+from .failed import FailedGroups, delete_failed
 from .restarts import delete_own_group_files, earlier_copies, numbered_dirs
 
 log = logging.getLogger("fastckpt")
@@ -80,6 +82,7 @@ class Retention:
         self._deleted = threading.Condition(self._lock)
         self._next_export: dict[str, bool] = {}  # path -> whether its next save is an export (save(export=True))
         self._exports: set[int] = set()  # the tokens of those saves: keep_persistent neither counts nor deletes them
+        self._failed = FailedGroups(keep_local)  # this rank's group attempts that failed
 
     def exempt(self, path: str, export: bool) -> None:
         """The next save of ``path`` is an export or not: the mark goes with that save's token."""
@@ -108,17 +111,33 @@ class Retention:
         with self._lock:
             return token in self._exports
 
-    def watch_commit(self, commit: Future, group: str, token: int) -> None:
-        """If the commit ``token`` of ``group`` fails, the group published before it (if this rank
-        listed one) is still whole at its home: it takes its old place in the persistent list
-        again (else no later trim would ever delete it)."""
-        commit.add_done_callback(lambda f: f.cancelled() or f.exception() is None or self._commit_failed(group, token))
+    def watch_commit(self, commit: Callable[[], Future], group: str, token: int, step: int | None = None) -> Future:
+        """Start the commit ``token`` of ``group`` (``commit()``). If it fails, the group published
+        before it (if this rank listed one) is still whole at its home: it takes its old place in
+        the persistent list again (else no later trim would ever delete it); see ``failing`` too."""
+        with self.failing(group, step):
+            fut = commit()
+        fut.add_done_callback(lambda f: f.cancelled() or f.exception() is None or self._commit_failed(group, token,
+                                                                                                      step))
+        return fut
 
-    def _commit_failed(self, group: str, token: int) -> None:
+    @contextmanager
+    def failing(self, group: str, step: int | None) -> Iterator[None]:
+        """A failure raised in the block ends this rank's attempt at ``group`` (of ``step``): this
+        rank's files of it leave the burst buffer once a later group beside it is durable (``failed``)."""
+        try:
+            yield
+        except BaseException:
+            with self._lock:
+                self._failed.mark(self._busy, group, None, step)
+            raise
+
+    def _commit_failed(self, group: str, token: int, step: int | None) -> None:
         with self._lock:
             old = self._replaced.pop(group, None)
             if old is not None and self._busy.get(group) == token and group not in self._persistent:
                 self._persistent[group] = old
+            self._failed.mark(self._busy, group, token, step)
 
     def saving(self, path: str) -> int | None:
         """The token of the newest save of ``path`` in flight."""
@@ -162,13 +181,17 @@ class Retention:
                 log.info("fastckpt: keep_local=%d also counts %d burst-buffer copies that earlier runs left beside %s",
                          self._keep_local, len(ahead), path)
             self._local.update(self._replaced_drops(path, token, step) if has_local else {})
+            failed = self._failed.beside(self._busy, path, token, step) if has_local and listed else []
             drop_local = _push(self._local, path, token, self._keep_local) if has_local and listed else []
             drop_persistent = _push(self._persistent, path, token, self._keep_persistent) \
                 if owns_persistent and listed and token not in self._exports else []
             self._exports.discard(token)
             own = {p for p in drop_local if p in self._listed_drops}
             self._listed_drops -= own
-            self._deciding([*drop_local, *drop_persistent])
+            self._deciding([*drop_local, *drop_persistent, *failed])
+        for g in failed:
+            self._run(lambda p: delete_failed(self._homes, self._local_copies, p, self._rank), g,
+                      "files this rank left in the failed group's burst-buffer copy")
         for p in drop_local:
             self._run(self._delete_own_files if p in own else self._delete_local, p, "burst-buffer copy")
         for p in drop_persistent:
@@ -218,6 +241,7 @@ class Retention:
 
     def _forget(self, path: str) -> None:
         self._dropped.pop(path, None)
+        self._failed.forget(path)
         self._listed_drops.discard(path)
         self._local.pop(path, None)
         self._persistent.pop(path, None)
