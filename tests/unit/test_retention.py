@@ -4,6 +4,7 @@ that replication dropped counts once a later step beside it is durable."""
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import threading
 from concurrent.futures import Future
@@ -14,6 +15,7 @@ import torch
 
 import fastckpt
 from fastckpt.errors import CheckpointWriteError
+from fastckpt.save.failed import TRIM_TRIES
 from fastckpt.save.restarts import delete_own_group_files
 from fastckpt.save.retention import Retention
 from fastckpt.save.stripes import Stripes
@@ -335,3 +337,25 @@ def test_a_failed_group_goes_unless_saved_again_or_published(tmp_path: Path) -> 
     _failed(r, tags[2], 3)  # that attempt failed too: it goes at the next durable step beside it
     r.ended(tags[3], False, True, True, r.committing(tags[3]), step=4)
     assert [p.exists() for p in local] == [True, False, False, True]
+
+
+@pytest.mark.parametrize("fails", [1, TRIM_TRIES])
+def test_a_keep_persistent_deletion_that_fails_is_tried_again_at_the_next_trims(tmp_path: Path, caplog,
+                                                                                 fails: int) -> None:
+    """The name left the persistent list before it was deleted: one EIO (an object store down past
+    retry_deadline_s) and no later trim tried again, so the home kept s1.pt for good. Now it is
+    listed again, the oldest, each failure a WARNING, up to TRIM_TRIES tries."""
+    home = tmp_path / "home"
+    ops = FaultyOps([Fault("unlink", errno.EIO, nth=n, path_contains=str(home / "s1.pt")) for n in range(1, fails + 1)])
+    with caplog.at_level(logging.WARNING, logger="fastckpt"), \
+            fastckpt.Checkpointer(keep_persistent=1, ops=ops, rank=0, world_size=1, overhead_budget=0.99) as ck:
+        for s in range(1, 7):
+            ck.save({"w": torch.full((8,), float(s))}, str(home / f"s{s}.pt")).wait()
+    ops.assert_all_reached()
+    said = [r.getMessage() for r in caplog.records if "could not remove the persistent copy" in r.getMessage()]
+    assert len(said) == fails and all(str(home / "s1.pt") in m for m in said)
+    if fails < TRIM_TRIES:
+        assert sorted(os.listdir(home)) == ["s6.pt"]  # was: s1.pt too
+        assert "the next trim tries again (1 of 3)" in said[0]
+    else:  # bounded: left to the user, and said so
+        assert "gave up after 3 tries" in said[-1] and sorted(os.listdir(home)) == ["s1.pt", "s6.pt"]

@@ -38,6 +38,7 @@ home is the user's.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import posixpath
@@ -50,7 +51,7 @@ from ..commit.foreign import group_step
 from ..commit.protocol import delete_checkpoint, pointed_name, read_group_manifest
 from ..commit.removable import check_removable
 from ..storage.homes import Homes
-from .failed import FailedGroups, delete_failed
+from .failed import FailedGroups, FailedTrims
 from .restarts import delete_own_group_files, earlier_copies, numbered_dirs
 
 log = logging.getLogger("fastckpt")
@@ -82,7 +83,9 @@ class Retention:
         self._deleted = threading.Condition(self._lock)
         self._next_export: dict[str, bool] = {}  # path -> whether its next save is an export (save(export=True))
         self._exports: set[int] = set()  # the tokens of those saves: keep_persistent neither counts nor deletes them
-        self._failed = FailedGroups(keep_local)  # this rank's group attempts that failed
+        self._failed, self._trims = FailedGroups(keep_local, homes, local_copies, rank), FailedTrims()  # save.failed
+        # a group's copy other ranks of this node may still use (replication dropped it): only this rank's files of it
+        self._delete_own_files = functools.partial(delete_own_group_files, homes, local_copies, rank=rank)
 
     def exempt(self, path: str, export: bool) -> None:
         """The next save of ``path`` is an export or not: the mark goes with that save's token."""
@@ -117,8 +120,7 @@ class Retention:
         the persistent list again (else no later trim would ever delete it); see ``failing`` too."""
         with self.failing(group, step):
             fut = commit()
-        fut.add_done_callback(lambda f: f.cancelled() or f.exception() is None or self._commit_failed(group, token,
-                                                                                                      step))
+        fut.add_done_callback(lambda f: f.cancelled() or not f.exception() or self._commit_failed(group, token, step))
         return fut
 
     @contextmanager
@@ -190,12 +192,11 @@ class Retention:
             self._listed_drops -= own
             self._deciding([*drop_local, *drop_persistent, *failed])
         for g in failed:
-            self._run(lambda p: delete_failed(self._homes, self._local_copies, p, self._rank), g,
-                      "files this rank left in the failed group's burst-buffer copy")
+            self._run(self._failed.delete, g, "files this rank left in the failed group's burst-buffer copy")
         for p in drop_local:
             self._run(self._delete_own_files if p in own else self._delete_local, p, "burst-buffer copy")
         for p in drop_persistent:
-            self._run(self._trim_persistent, p, "persistent copy")
+            self._run(self._trim_persistent, p, "persistent copy", trim=True)
 
     def bypassed(self, path: str, token: int) -> None:
         """Save ``token`` of the single file ``path`` went straight to its home (no room in the burst buffer) and
@@ -242,6 +243,7 @@ class Retention:
     def _forget(self, path: str) -> None:
         self._dropped.pop(path, None)
         self._failed.forget(path)
+        self._trims.done(path)
         self._listed_drops.discard(path)
         self._local.pop(path, None)
         self._persistent.pop(path, None)
@@ -305,12 +307,6 @@ class Retention:
         for local in self._local_copies(path):
             delete_checkpoint(self._homes.resolve(local))
 
-    def _delete_own_files(self, group: str) -> None:
-        """A group's burst-buffer copy that other ranks of this node may still use (one that
-        replication dropped: another rank may still be uploading its file of it): only the files
-        this rank wrote into it as that group's."""
-        delete_own_group_files(self._homes, self._local_copies, group, self._rank)
-
     def _delete_persistent(self, path: str) -> None:
         delete_checkpoint(self._homes.resolve(path))
 
@@ -332,16 +328,20 @@ class Retention:
         for n in names:
             self._deleting[n] = self._deleting.get(n, 0) + 1
 
-    def _run(self, fn: Callable[[str], None], path: str, what: str) -> None:
+    def _run(self, fn: Callable[[str], None], path: str, what: str, trim: bool = False) -> None:
         try:
             fn(path)
             log.info("fastckpt: retention removed the %s of %s", what, path)
         except FileNotFoundError:  # another rank sharing this burst buffer removed it first
             log.debug("fastckpt: the %s of %s was already removed", what, path)
         except Exception as exc:  # noqa: BLE001 (retention must not fail a save; say so and go on)
-            log.warning("fastckpt: retention could not remove the %s of %s: %s", what, path, exc)
+            with self._lock:  # a keep_persistent deletion (``trim``) is tried again later: ``FailedTrims``
+                again, trim = self._trims.failed(self._persistent, path) if trim else "", False
+            log.warning("fastckpt: retention could not remove the %s of %s: %s%s", what, path, exc, again)
         finally:
             with self._lock:
+                if trim:  # removed, or gone already
+                    self._trims.done(path)
                 if (left := self._deleting.get(path, 0) - 1) > 0:
                     self._deleting[path] = left
                 else:
