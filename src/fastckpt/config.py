@@ -197,6 +197,11 @@ class CheckpointerConfig:
         for d in self.local_dirs:
             if "://" in d:
                 raise ConfigError(f"local_dir={d!r} must be a node-local directory, not a URL")
+            if os.path.realpath(d) == os.sep:  # the copy of /a/b.pt is <local_dir>/a/b.pt: here, the file itself
+                raise ConfigError(f"local_dir={d!r} is the root directory: each file's burst-buffer copy mirrors its "
+                                  "path under local_dir, so it would be the file itself and nothing would be "
+                                  "replicated. Point local_dir at a node-local directory (e.g. /local_nvme/ckpt), or "
+                                  "drop it to save straight to the path")
         if len({os.path.abspath(d) for d in self.local_dirs}) != len(dirs):
             raise ConfigError(f"local_dir={self.local_dir!r} names a directory twice: give each drive once")
 

@@ -291,6 +291,18 @@ def test_config_errors_name_the_fix() -> None:
         fastckpt.Checkpointer(local_dir="s3://b/x")
 
 
+@pytest.mark.parametrize("root", ["/", "//", "/tmp/..", "link"])
+def test_a_local_dir_that_is_the_root_is_refused(tmp_path, root: str) -> None:
+    """Each file's burst-buffer copy is its path under local_dir: with local_dir="/" that is the file
+    itself, so it was "committed locally" at its home and never replicated, silently."""
+    if root == "link":  # a symlink to /
+        (tmp_path / "link").symlink_to("/")
+        root = str(tmp_path / "link")
+    for local in (root, [str(tmp_path / "nvme"), root]):
+        with pytest.raises(fastckpt.ConfigError, match=r"is the root directory: .*Point local_dir at a node-local"):
+            fastckpt.Checkpointer(local_dir=local)
+
+
 def test_a_path_object_is_taken_wherever_a_path_is(tmp_path) -> None:
     """local_dir=Path(...) was refused as "must be a directory" (only a str passed), in the core and
     in FastCkptIO, though save, load and event_log take any os.PathLike."""
