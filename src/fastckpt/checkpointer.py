@@ -179,20 +179,20 @@ class Checkpointer:
         """
         self._check_open()
         extra = check_step(extra)  # ConfigError: a step that is no integer >= 0 (before anything is done)
-        group = normalize(group)
-        step = group_step(extra, group) if move_latest else None  # a series that moves latest: see Retention
-        with self._retention.failing(group, step):  # a failure raised here ends the attempt: no rank waits for this one
-            self._inflight.raise_unseen(before=lambda e: self._coordinator.abandon(group, *self.config.ranks(), e))
+        group = normalize(group)  # a failure raised here ends the attempt: no rank waits for this one
+        self._inflight.raise_unseen(before=lambda e: self._coordinator.abandon(group, self.rank, self.world_size, e))
         rank, has_local, token = self.rank, bool(self.config.local_dirs), self._retention.committing(group)
+        step = group_step(extra, group) if move_latest else None  # a series that moves latest: see Retention
         self._replicator.keep(group, not move_latest)  # beside the series: never coalesced away
+
         saved_at = min(self._group_saved_at.pop(group, {}).values(), default=time.time())
         def retain(rec: SaveRecord) -> SaveRecord:
             self._monitor.record_durable(None if has_local else rec.durable_s, None if rec.superseded else saved_at)
             self._retention.ended(group, rec.superseded, has_local and move_latest, rank == 0 and move_latest,
                                   token, step)
             return rec
-        fut = self._retention.watch_commit(lambda: self._coordinator.commit(group, rank, self.world_size, dict(extra),
-                                                                            retain, move_latest), group, token, step)
+        fut = self._coordinator.commit(group, rank, self.world_size, dict(extra), retain, move_latest)
+        self._retention.watch_commit(fut, group, token)
         return self._inflight.track(fut, group, group)
 
     def unsaved(self, path: str, group: str, error: BaseException) -> None:

@@ -7,14 +7,12 @@ import errno
 import logging
 import os
 import threading
-from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
 import torch
 
 import fastckpt
-from fastckpt.errors import CheckpointWriteError
 from fastckpt.save.failed import TRIM_TRIES
 from fastckpt.save.restarts import delete_own_group_files
 from fastckpt.save.retention import Retention
@@ -283,60 +281,6 @@ def test_an_unpublished_group_copy_loses_only_the_files_saved_as_that_groups(tmp
         ck.save({"w": torch.zeros(4)}, str(local / "model.pt")).wait()
     delete_own_group_files(Homes(), Stripes((nvme,)).copies, group, rank=0)
     assert sorted(os.listdir(local)) == ["model.pt"]
-
-
-def test_a_failed_groups_files_leave_the_burst_buffer_once_a_later_step_is_durable(tmp_path: Path) -> None:
-    """The write of step 2's optim.pt ran out of room in the burst buffer: its commit failed, and
-    its model.pt stayed there for the rest of the run (keep_local never counts it). Now it goes once
-    step 3 beside it is durable, and takes no keep_local place from step 1."""
-    home, nvme = tmp_path / "home", str(tmp_path / "nvme")
-    ops = FaultyOps()
-    with fastckpt.Checkpointer(local_dir=nvme, keep_local=2, ops=ops, rank=0, world_size=1, overhead_budget=0.99) as ck:
-        for step in (1, 2, 3):
-            g = str(home / f"global_step{step}")
-            if step == 2:
-                ops.inject(Fault("pwrite", errno.ENOSPC, path_startswith=nvme, path_contains="optim.pt"))
-            try:
-                ck.save({"w": torch.full((8,), float(step))}, f"{g}/model.pt", group=g)
-                ck.save({"o": torch.full((8,), float(step))}, f"{g}/optim.pt", group=g)
-                ck.commit(g, step=step).wait()
-            except CheckpointWriteError:
-                assert step == 2
-            if step == 2:
-                assert Path(mirror_path(nvme, f"{g}/model.pt")).is_file()  # nothing beside it is durable yet
-        ck.wait()
-    ops.assert_all_reached()
-    bb = Path(mirror_path(nvme, str(home)))
-    local = sorted(str(p.relative_to(bb)) for p in bb.rglob("*.pt"))
-    assert local == [f"global_step{s}/{f}" for s in (1, 3) for f in ("model.pt", "optim.pt")]  # was: step 2's too
-
-
-def _failed(r: Retention, tag: str, step: int, at_once: bool = False) -> None:
-    """This rank's commit of ``tag`` fails (``at_once``: raised by ``commit()`` itself)."""
-    fut: Future = Future()
-    err = CheckpointWriteError(f"{tag}: a file of it was not saved")
-    if at_once:
-        with pytest.raises(CheckpointWriteError), r.failing(tag, step):
-            raise err
-        return
-    r.watch_commit(lambda: fut, tag, r.committing(tag), step)
-    fut.set_exception(err)
-
-
-def test_a_failed_group_goes_unless_saved_again_or_published(tmp_path: Path) -> None:
-    tags, local, r = _copies(tmp_path, [f"run/global_step{s}" for s in (1, 2, 3, 4)], keep_local=4)
-    with fastckpt.Checkpointer() as ck:  # step 1 is published at its home: a failed re-save leaves that one
-        ck.save({"w": torch.zeros(4)}, f"{tags[0]}/rank0.pt", group=tags[0])
-        ck.commit(tags[0], step=1).wait()
-    for step, tag in enumerate(tags[:3], 1):
-        r.replacing(tag)
-        _failed(r, tag, step, at_once=step == 2)
-    r.replacing(tags[2])  # a new attempt at step 3 begins: in flight
-    r.ended(tags[3], False, True, True, r.committing(tags[3]), step=4)
-    assert [p.exists() for p in local] == [True, False, True, True]
-    _failed(r, tags[2], 3)  # that attempt failed too: it goes at the next durable step beside it
-    r.ended(tags[3], False, True, True, r.committing(tags[3]), step=4)
-    assert [p.exists() for p in local] == [True, False, False, True]
 
 
 @pytest.mark.parametrize("fails", [1, TRIM_TRIES])

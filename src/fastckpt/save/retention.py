@@ -43,15 +43,14 @@ import itertools
 import logging
 import posixpath
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future
-from contextlib import contextmanager
 
 from ..commit.foreign import group_step
 from ..commit.protocol import delete_checkpoint, pointed_name, read_group_manifest
 from ..commit.removable import check_removable
 from ..storage.homes import Homes
-from .failed import FailedGroups, FailedTrims
+from .failed import FailedTrims
 from .restarts import delete_own_group_files, earlier_copies, numbered_dirs
 
 log = logging.getLogger("fastckpt")
@@ -83,7 +82,7 @@ class Retention:
         self._deleted = threading.Condition(self._lock)
         self._next_export: dict[str, bool] = {}  # path -> whether its next save is an export (save(export=True))
         self._exports: set[int] = set()  # the tokens of those saves: keep_persistent neither counts nor deletes them
-        self._failed, self._trims = FailedGroups(keep_local, homes, local_copies, rank), FailedTrims()  # save.failed
+        self._trims = FailedTrims()  # save.failed
         # a group's copy other ranks of this node may still use (replication dropped it): only this rank's files of it
         self._delete_own_files = functools.partial(delete_own_group_files, homes, local_copies, rank=rank)
 
@@ -114,32 +113,17 @@ class Retention:
         with self._lock:
             return token in self._exports
 
-    def watch_commit(self, commit: Callable[[], Future], group: str, token: int, step: int | None = None) -> Future:
-        """Start the commit ``token`` of ``group`` (``commit()``). If it fails, the group published
-        before it (if this rank listed one) is still whole at its home: it takes its old place in
-        the persistent list again (else no later trim would ever delete it); see ``failing`` too."""
-        with self.failing(group, step):
-            fut = commit()
-        fut.add_done_callback(lambda f: f.cancelled() or not f.exception() or self._commit_failed(group, token, step))
-        return fut
+    def watch_commit(self, commit: Future, group: str, token: int) -> None:
+        """If the commit ``token`` of ``group`` fails, the group published before it (if this rank
+        listed one) is still whole at its home: it takes its old place in the persistent list
+        again (else no later trim would ever delete it)."""
+        commit.add_done_callback(lambda f: f.cancelled() or f.exception() is None or self._commit_failed(group, token))
 
-    @contextmanager
-    def failing(self, group: str, step: int | None) -> Iterator[None]:
-        """A failure raised in the block ends this rank's attempt at ``group`` (of ``step``): this
-        rank's files of it leave the burst buffer once a later group beside it is durable (``failed``)."""
-        try:
-            yield
-        except BaseException:
-            with self._lock:
-                self._failed.mark(self._busy, group, None, step)
-            raise
-
-    def _commit_failed(self, group: str, token: int, step: int | None) -> None:
+    def _commit_failed(self, group: str, token: int) -> None:
         with self._lock:
             old = self._replaced.pop(group, None)
             if old is not None and self._busy.get(group) == token and group not in self._persistent:
                 self._persistent[group] = old
-            self._failed.mark(self._busy, group, token, step)
 
     def saving(self, path: str) -> int | None:
         """The token of the newest save of ``path`` in flight."""
@@ -183,16 +167,13 @@ class Retention:
                 log.info("fastckpt: keep_local=%d also counts %d burst-buffer copies that earlier runs left beside %s",
                          self._keep_local, len(ahead), path)
             self._local.update(self._replaced_drops(path, token, step) if has_local else {})
-            failed = self._failed.beside(self._busy, path, token, step) if has_local and listed else []
             drop_local = _push(self._local, path, token, self._keep_local) if has_local and listed else []
             drop_persistent = _push(self._persistent, path, token, self._keep_persistent) \
                 if owns_persistent and listed and token not in self._exports else []
             self._exports.discard(token)
             own = {p for p in drop_local if p in self._listed_drops}
             self._listed_drops -= own
-            self._deciding([*drop_local, *drop_persistent, *failed])
-        for g in failed:
-            self._run(self._failed.delete, g, "files this rank left in the failed group's burst-buffer copy")
+            self._deciding([*drop_local, *drop_persistent])
         for p in drop_local:
             self._run(self._delete_own_files if p in own else self._delete_local, p, "burst-buffer copy")
         for p in drop_persistent:
@@ -242,7 +223,6 @@ class Retention:
 
     def _forget(self, path: str) -> None:
         self._dropped.pop(path, None)
-        self._failed.forget(path)
         self._trims.done(path)
         self._listed_drops.discard(path)
         self._local.pop(path, None)
