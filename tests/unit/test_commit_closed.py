@@ -72,11 +72,10 @@ def _closing(ck: fastckpt.Checkpointer) -> tuple[threading.Thread, list[BaseExce
 
 
 @pytest.mark.parametrize("closer", [1, 0])
-def test_a_rank_closed_without_committing_its_group_ends_the_others_commit(tmp_path: Path, store: object | None,
-                                                                          closer: int) -> None:
-    """Both ranks save global_step2; the other rank commits it and waits; ``closer`` closes instead.
-    The other's commit fails at once naming the closer, and global_step1 stays the latest."""
-    cks = _ranks(store)
+def test_a_rank_closed_without_committing_its_group_ends_the_others_commit(tmp_path: Path, closer: int) -> None:
+    """With a store: both ranks save global_step2; the other rank commits it and waits; ``closer``
+    closes instead. The other's commit fails at once naming the closer, and global_step1 stays the latest."""
+    cks = _ranks(dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=60)))
     try:
         g1 = _commit_step_1(cks, tmp_path)
         g2 = tmp_path / "global_step2"
@@ -176,5 +175,61 @@ def test_a_rank_closed_before_the_session_was_agreed_gives_up_telling_a_silent_r
         assert not th.is_alive()
         assert raised == []
         assert "rank 0 did not agree on the store session within 1 s" in caplog.text
+    finally:
+        close_all(cks)
+
+
+def test_without_a_store_a_rank_closed_without_committing_leaves_no_record_a_later_job_would_take(
+        tmp_path: Path) -> None:
+    """Without a store, a failure record written at close outlives the job: the next job's first
+    attempt at the group took it as its own, and its commit failed on both ranks (a review's
+    r5a_close_failure_record_fails_restarted_jobs_commit). close() tells no one there: a restarted
+    job commits the group."""
+    cks = _ranks(None)
+    try:
+        g1 = _commit_step_1(cks, tmp_path)
+        g2 = tmp_path / "global_step2"
+        _save(cks[1], g2, 2).wait(60)  # rank 0 has not begun global_step2 yet
+        for ck in reversed(cks):  # rank 1's exit flush after its crash, then the job is torn down
+            ck.close()
+    finally:
+        close_all(cks)
+    assert latest(str(tmp_path)) == str(g1)
+    again = _ranks(None)  # the restarted job saves and commits global_step2
+    try:
+        for ck in again:
+            _save(ck, g2, 2).wait(60)
+        for h in [ck.commit(str(g2), step=2) for ck in again]:
+            assert h.wait(20).path == str(g2)
+    finally:
+        close_all(again)
+    assert latest(str(tmp_path)) == str(g2)
+
+
+def test_a_signal_exit_while_the_commit_is_logged_still_ends_the_attempt_at_close(tmp_path: Path) -> None:
+    """A sink's SystemExit (a SIGTERM handler's sys.exit on the main thread) while rank 1's commit
+    logs ``committing``: the attempt was neither open nor running, so close() did not end it and
+    rank 0 waited commit_timeout_s. It stays open for close()."""
+
+    class SigtermInside:
+        def emit(self, ev) -> None:  # noqa: ANN001
+            if ev.name == "committing" and ev.path.endswith("global_step2"):
+                raise SystemExit(143)
+
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=60))
+    cks = [fastckpt.Checkpointer(rank=r, world_size=2, store=store, io_threads=1, overhead_budget=0.99,
+                                 commit_timeout_s=TIMEOUT_S, sinks=(SigtermInside(),) if r == 1 else ())
+           for r in range(2)]
+    try:
+        _commit_step_1(cks, tmp_path)
+        g2 = tmp_path / "global_step2"
+        for ck in cks:
+            _save(ck, g2, 2).wait(60)
+        waiting = cks[0].commit(str(g2), step=2)
+        with pytest.raises(SystemExit):
+            cks[1].commit(str(g2), step=2)
+        cks[1].close()  # its exit flush
+        with pytest.raises(CheckpointWriteError, match=r"rank 1 closed its Checkpointer without committing"):
+            waiting.wait(20)  # not CommitTimeoutError after commit_timeout_s
     finally:
         close_all(cks)

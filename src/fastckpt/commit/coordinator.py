@@ -218,12 +218,14 @@ class Coordinator:
     def close(self, rank: int, world: int, timeout_s: float | None) -> None:
         """``Checkpointer.close`` (or the exit flush), before ``stop`` is set: this rank commits none of
         the attempts it began and did not commit (a rank that leaves after its saves into a group,
-        without ``commit``). Each ends on every rank as a failed commit's does (``abandon``), and is
+        without ``commit``). With a store, each ends on every rank as a failed commit's does (``abandon``), and is
         told before the workers stop (within ``timeout_s``; None: until told or ``commit_timeout_s``),
         so that the other ranks' commits fail now, naming this rank, not after ``commit_timeout_s``.
-        A commit in flight (``_running``) is not touched: close() waited for it. One rank: nothing."""
-        with self._lock:
-            groups = [g for g, att in self._open.items() if not att.cancel.is_set()]  # removed: told already
+        A commit in flight (``_running``) is not touched: close() waited for it. One rank: nothing. Without a
+        store nothing either: a failure record written now outlives this job, and the next job's first attempt
+        at the group would take it as its own (the others wait ``commit_timeout_s``, as before)."""
+        with self._lock:  # removed: told already; without a store, no record: it could end a later job's attempt
+            groups = [g for g, att in self._open.items() if not att.cancel.is_set() and att.channel is not None]
         if world < 2 or not groups:
             return
         telling: list[Future | None] = []
@@ -273,7 +275,12 @@ class Coordinator:
 
         # logged now, not as it ends: a replay of the log counts it as running, as stats().pending does (its end:
         # the group ``commit`` event, or ``uncommitted`` where it logs none: ``removal.failed``)
-        self._emit("committing", group, 0, requested_at, "direct", detail="group")
+        try:
+            self._emit("committing", group, 0, requested_at, "direct", detail="group")
+        except BaseException:  # a sink's SystemExit (a signal handler's, on the main thread): still open, for close()
+            with self._lock:
+                self._open.setdefault(group, att)
+            raise
         try:
             with refused_once_closed("this commit", "the group was not published"):
                 fut = self._pool.submit(run)
