@@ -105,3 +105,23 @@ def test_load_of_a_dcp_directory_at_a_url_says_what_loads_it(s3_server, s3_bucke
                        r"directory holding .metadata\), not a torch.save file: .*dcp_to_torch_save") as refused:
         fastckpt.load(named, storage_options=opts)
     assert "fastckpt.latest(" not in str(refused.value)
+
+
+def test_a_group_under_folder_markers_is_deleted_by_remove_and_keep_persistent(s3_server, s3_bucket,
+                                                                                tmp_path: Path) -> None:
+    """Zero-byte "folder" objects ending in '/' (the AWS console's "Create folder", rclone, Hadoop
+    S3A) are listed with a group's objects. ``delete_tree`` refused such a key (``check_key``: an
+    empty component) after deleting the manifest: ``remove`` raised a ConfigError naming a key the
+    user never gave and left the group half-deleted; ``keep_persistent`` leaked its data files."""
+    opts, c = s3_server.storage_options(), s3_server.client()
+    for k in ("run/", "run/step-1/", "run/step-2/", "run/step-2/notes\\draft.txt"):
+        c.put_object(Bucket=s3_bucket, Key=k, Body=b"")
+    with fastckpt.Checkpointer(local_dir=str(tmp_path / "nvme"), storage_options=opts, keep_persistent=1) as ck:
+        for s in (1, 2):
+            g = f"s3://{s3_bucket}/run/step-{s}"
+            ck.save(_state(s, 0), f"{g}/r0.pt", group=g)
+            ck.commit(g, step=s).wait(60)
+        ck.wait()
+        ck.remove(f"s3://{s3_bucket}/run/step-2")
+    keys = sorted(o["Key"] for o in c.list_objects_v2(Bucket=s3_bucket).get("Contents", []))
+    assert not [k for k in keys if k.startswith(("run/step-1/", "run/step-2/"))], keys

@@ -144,3 +144,22 @@ def test_a_group_at_an_fsspec_home_is_deleted_by_remove_and_by_keep_persistent(t
     left = sorted(p.rsplit("/run/", 1)[1] for p in fs.find(root.removeprefix("memory://")))
     assert not any(p.startswith(("global_step1/", "global_step3/")) for p in left), left
     assert any(p.startswith("global_step2/") for p in left), left
+
+
+def test_a_group_holding_a_key_no_checkpoint_could_have_is_still_deleted_whole(tmp_path: Path) -> None:
+    """A key under a group's prefix that ``check_key`` refuses (a ``notes\\draft.txt`` copied from
+    Windows; on S3 a folder marker ``run/step-2/``, tests/integration/test_groups_s3.py) is listed by
+    the store. ``delete_tree`` deleted the manifest, then raised a ConfigError naming that key,
+    leaving the group's data files: ``remove`` failed halfway, ``keep_persistent`` leaked them."""
+    root = f"memory://fastckpt-{uuid.uuid4().hex[:8]}/run"
+    fs = fsspec.filesystem("memory")
+    with fastckpt.Checkpointer(local_dir=str(tmp_path / "nvme"), keep_persistent=1) as ck:
+        for step in (1, 2):
+            g = f"{root}/step-{step}"
+            fs.pipe_file(f"{g.removeprefix('memory://')}/notes\\draft.txt", b"the user's")
+            ck.save(_state(step), f"{g}/r0.pt", group=g)
+            ck.commit(g, step=step).wait(60)
+        ck.wait()
+        ck.remove(f"{root}/step-2")
+    left = sorted(p.rsplit("/run/", 1)[1] for p in fs.find(root.removeprefix("memory://")))
+    assert not any(p.startswith(("step-1/", "step-2/")) for p in left), left

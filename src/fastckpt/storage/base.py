@@ -34,9 +34,8 @@ import logging
 import os
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Iterator
-from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import TypeVar
 
 from ..config import DEFAULT_RETRY_DEADLINE_S
@@ -268,7 +267,13 @@ class Target(ReadSide, abc.ABC):
         head = [k for k in (f"{prefix}/{rel}" for rel in first) if k in keys]
         tail = [k for k in keys if any(k.startswith(f"{prefix}/{rel}/") for rel in last) and k not in head]
         for k in head + [k for k in keys if k not in head and k not in tail] + tail:
-            self.delete(k)
+            self._delete_listed(k)
+
+    def _delete_listed(self, key: str) -> None:
+        """``delete`` of a key this target's own listing gave (``delete_tree``). An object store
+        overrides it to delete the key as listed: one ``check_key`` refuses (a zero-byte folder
+        marker ``run/s1/`` made by a console or rclone, a ``notes\\draft.txt``) is still in the tree."""
+        self.delete(key)
 
     def exchange(self, key_a: str, key_b: str) -> None:
         """Swap two directories in one atomic step (a re-saved group's new attempt and the
@@ -315,27 +320,6 @@ class Target(ReadSide, abc.ABC):
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(self.parallelism, thread_name_prefix="fastckpt-target")
             return self._pool
-
-    def _map_ranges(self, size: int, chunk_bytes: int, fn: Callable[[int, int], T]) -> Iterator[T]:
-        """``fn(offset, length)`` over ``[0, size)`` on ``parallelism`` threads; results in order,
-        at most ``2 * parallelism`` ranges in flight (bounded memory)."""
-        ranges = deque((o, min(chunk_bytes, size - o)) for o in range(0, size, chunk_bytes))
-        if self.parallelism == 1 or len(ranges) <= 1:
-            yield from (fn(o, n) for o, n in ranges)
-            return
-        pending: deque[Future[T]] = deque()
-        pool = self._executor()
-        try:
-            while ranges or pending:
-                while ranges and len(pending) < 2 * self.parallelism:
-                    pending.append(pool.submit(fn, *ranges.popleft()))
-                yield pending.popleft().result()
-        finally:
-            for f in pending:
-                f.cancel()
-            for f in pending:
-                if not f.cancelled():
-                    f.exception()  # wait: no worker may touch the caller's buffer after we return
 
     def _is_transient(self, exc: BaseException) -> bool:
         return is_transient_oserror(exc)

@@ -28,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
-import time
 from collections.abc import Callable
 from concurrent.futures import Executor
 
@@ -39,6 +38,7 @@ from ..io.ops import READ, FileOps, pread_exact
 from ..units import MiB
 from ..urls import check_key, root_url
 from .base import T, Target
+from .fsspec_clean import clean_incomplete
 from .s3 import (
     TRANSIENT_CODES,
     S3Session,
@@ -322,39 +322,19 @@ class FsspecTarget(Target):
             "list_objects_v2", **a)), f"{self.prefix}/" if self.prefix else "", prefix, **kw)
 
     def delete(self, key: str) -> None:
+        self._delete_listed(check_key(key))
+
+    def _delete_listed(self, key: str) -> None:  # as listed, unchecked: a folder marker 'run/s1/' too
         what = f"delete of {self.url_of(key)}"
         if self.is_s3:
-            self._retry(what, lambda: self._s3("delete_object", Key=self._obj(key)))
+            self._retry(what, lambda: self._s3("delete_object", Key=f"{self.prefix}/{key}" if self.prefix else key))
             return
 
         def rm() -> None:
             with contextlib.suppress(FileNotFoundError):
-                self.fs.rm_file(self._full(key))
+                self.fs.rm_file(f"{self.root}/{key}")
 
         self._retry(what, rm)
 
     def clean_incomplete(self, prefix: str = "", older_than_s: float = 3600.0) -> int:
-        cutoff = time.time() - older_than_s
-        removed = 0
-        if not self.is_s3:
-            self.fs.invalidate_cache()
-            for p, info in self.fs.find(self.root, detail=True).items():
-                key = p[len(self.root) + 1:]
-                if is_tmp(key.rsplit("/", 1)[-1]) and key.startswith(prefix) and mtime(info) < cutoff:
-                    self.fs.rm_file(p)
-                    removed += 1
-            return removed
-        base = f"{self.prefix}/" if self.prefix else ""
-        marker: dict = {}
-        while True:
-            page = self._retry(f"listing of multipart uploads under {self.url}/{prefix}", lambda m=marker: self._s3(
-                "list_multipart_uploads", Prefix=base + prefix, **m))
-            for up in page.get("Uploads", []):
-                if up["Initiated"].timestamp() < cutoff:
-                    self._retry(f"abort of a stale multipart upload of {up['Key']}", lambda u=up: self._s3(
-                        "abort_multipart_upload", Key=u["Key"], UploadId=u["UploadId"]))
-                    removed += 1
-            if not page.get("IsTruncated"):
-                return removed
-            marker = {"KeyMarker": page["NextKeyMarker"], "UploadIdMarker": page["NextUploadIdMarker"]}
-
+        return clean_incomplete(self, prefix, older_than_s)

@@ -1,8 +1,8 @@
 """The read side every ``Target`` shares, built on its primitives (``size``, ``version``,
-``read_range``, ``url_of``, ``ops`` and the parallel ``_map_ranges``): size checks, verification
-by read-back, downloads, whole-object reads with their manifest, and manifest reads. A backend
-overrides one where it can do better (``PosixTarget`` reads a whole file through one open
-descriptor).
+``read_range``, ``url_of``, ``ops`` and the worker threads of ``_executor``, which ``_map_ranges``
+here spreads ranges over): size checks, verification by read-back, downloads, whole-object
+reads with their manifest, and manifest reads. A backend overrides one where it can do better
+(``PosixTarget`` reads a whole file through one open descriptor).
 
 An object is read in several requests (its size, its tail, ranges in parallel), and another
 writer may replace it meanwhile (Lightning's ``last.ckpt``, saved again and again). So a read
@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import logging
 import os
+from collections import deque
 from collections.abc import Callable, Iterator
+from concurrent.futures import Executor, Future
 from typing import TYPE_CHECKING, TypeVar
 
 from ..errors import CorruptCheckpointError
@@ -42,16 +44,38 @@ class ReadSide:
 
     if TYPE_CHECKING:  # the primitives, defined by Target and its backends
         url: str
+        parallelism: int
 
         def url_of(self, key: str) -> str: ...
         def size(self, key: str) -> int: ...
         def read_range(self, key: str, offset: int, length: int, *, version: str | None = None) -> bytes: ...
-        def _map_ranges(self, size: int, chunk_bytes: int, fn: Callable[[int, int], T]) -> Iterator[T]: ...
+        def _executor(self) -> Executor: ...
 
     def version(self, key: str) -> tuple[int, str | None]:
         """The object's size and its version, which ``read_range(version=)`` then requires; None
         where there is none to ask for (a file system; an fsspec store without ETags)."""
         return self.size(check_key(key)), None
+
+    def _map_ranges(self, size: int, chunk_bytes: int, fn: Callable[[int, int], T]) -> Iterator[T]:
+        """``fn(offset, length)`` over ``[0, size)`` on ``parallelism`` threads; results in order,
+        at most ``2 * parallelism`` ranges in flight (bounded memory)."""
+        ranges = deque((o, min(chunk_bytes, size - o)) for o in range(0, size, chunk_bytes))
+        if self.parallelism == 1 or len(ranges) <= 1:
+            yield from (fn(o, n) for o, n in ranges)
+            return
+        pending: deque[Future[T]] = deque()
+        pool = self._executor()
+        try:
+            while ranges or pending:
+                while ranges and len(pending) < 2 * self.parallelism:
+                    pending.append(pool.submit(fn, *ranges.popleft()))
+                yield pending.popleft().result()
+        finally:
+            for f in pending:
+                f.cancel()
+            for f in pending:
+                if not f.cancelled():
+                    f.exception()  # wait: no worker may touch the caller's buffer after we return
 
     def _one_version(self, key: str, read: Callable[[], T]) -> T:
         """``read()`` (which reads one version of ``key``), again while the object is replaced
