@@ -53,7 +53,7 @@ from .s3 import (
     transient_types,
     unreachable,
 )
-from .s3_options import check_s3_options
+from .s3_options import bad_endpoint, check_s3_options
 from .s3_read import get_range, list_sizes
 from .types import (
     Expected,
@@ -178,6 +178,8 @@ class FsspecTarget(Target):
         return isinstance(exc, self._transient) or is_transient_oserror(exc)
 
     def _permanent(self, exc: BaseException, what: str) -> ReplicationError | None:
+        if self.is_s3 and not self._answered and isinstance(exc, ValueError) and (bad := bad_endpoint(exc, what)):
+            return bad  # botocore could not build the client (a profile's malformed endpoint_url)
         far = None if self._answered else unreachable(exc, what, self._endpoint())
         return far or permanent_error(exc, what, self.bucket, self._endpoint)
 

@@ -4,14 +4,18 @@ s3fs builds its botocore client at the first request, so a typo there ("minio:90
 out of range, ``{"client_kwargs": 5}``) surfaced as a Python ``ValueError``, ``TypeError`` or
 ``AttributeError`` from deep inside botocore, on a background thread or as a CLI traceback.
 Each is refused here with a ``ConfigError`` naming the option and the form it takes; no value
-is repeated (the options hold secrets).
+is repeated (the options hold secrets). The same holds for the endpoint botocore takes from the
+environment (``AWS_ENDPOINT_URL_S3``, ``AWS_ENDPOINT_URL``) when the options give none; one from
+elsewhere (a profile's ``endpoint_url``) is caught as the client is built (``bad_endpoint``).
 """
 
 from __future__ import annotations
 
+import os
 from urllib.parse import urlsplit
 
-from ..errors import ConfigError
+from ..errors import ConfigError, ReplicationError
+from .types import TargetUnreachableError, storage_error
 
 _STRINGS = ("key", "secret", "token", "profile")
 _OBJECTS = ("client_kwargs", "config_kwargs", "s3_additional_kwargs")
@@ -22,8 +26,14 @@ def check_s3_options(url_root: str, opts: dict) -> None:
     credential that is not a string, or a ``*_kwargs`` option that is not an object."""
     where = f"storage_options for {url_root}"
     ck = opts.get("client_kwargs")
-    for name, endpoint in (("endpoint_url", opts.get("endpoint_url")),
-                           ("client_kwargs.endpoint_url", ck.get("endpoint_url") if isinstance(ck, dict) else None)):
+    given = (("endpoint_url", opts.get("endpoint_url")),
+             ("client_kwargs.endpoint_url", ck.get("endpoint_url") if isinstance(ck, dict) else None))
+    if all(e is None for _, e in given):  # botocore's own: the S3 variable wins over the general one
+        env = next((v for v in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL") if os.environ.get(v)), None)
+        ignored = os.environ.get("AWS_IGNORE_CONFIGURED_ENDPOINT_URLS", "").lower() == "true"
+        given = () if env is None or ignored else ((f"the environment variable {env}", os.environ[env]),)
+        where = f"S3 endpoint for {url_root}"
+    for name, endpoint in given:
         if endpoint is None:  # (either may be given, and s3fs passes a top-level None on)
             continue
         ok = isinstance(endpoint, str)
@@ -47,3 +57,13 @@ def check_s3_options(url_root: str, opts: dict) -> None:
     if retries is not None and not isinstance(retries, dict):
         raise ConfigError(f"{where}: config_kwargs.retries must be an object such as {{\"max_attempts\": 3}}, "
                           f"not a {type(retries).__name__}")
+
+
+def bad_endpoint(exc: ValueError, what: str) -> ReplicationError | None:
+    """The ``ConfigError`` for botocore's ``ValueError`` ("Invalid endpoint: ...") as it builds the
+    client from an endpoint no check above saw (a profile's ``endpoint_url``); None for another."""
+    if type(exc) is not ValueError or not any(w in str(exc).lower() for w in ("endpoint", "url")):
+        return None
+    return storage_error(TargetUnreachableError, f"{what}: the S3 endpoint is not a valid URL ({exc}): set "
+                         "endpoint_url (storage_options, AWS_ENDPOINT_URL or the profile's endpoint_url) to "
+                         "http://host:port or https://host[:port]", exc)
