@@ -193,8 +193,11 @@ def split_url(url: str) -> tuple[str, str]:
 def root_url(protocol: str, url_root: str, root: str) -> str:
     """The URL of a target at ``url_root`` whose fsspec path is ``root``, with the slashes
     ``url_root`` has after its '://': fsspec's path of ``memory://b`` is ``/b``, which would name
-    it ``memory:///b``, and every checkpoint found under it (``latest``) a name the caller never gave."""
+    it ``memory:///b``, and every checkpoint found under it (``latest``) a name the caller never gave.
+    A backend whose path keeps the scheme (fsspec's http(s): ``http://host/run``) has it taken off,
+    else every name would be ``http://http://host/run/...``."""
     rest = url_root.split("://", 1)[-1]
+    root = root.split("://", 1)[1] if root.lower().startswith(f"{protocol.lower()}://") else root
     return f"{protocol}://{rest[:len(rest) - len(rest.lstrip('/'))]}{root.lstrip('/')}"
 
 

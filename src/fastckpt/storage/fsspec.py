@@ -39,6 +39,7 @@ from ..units import MiB
 from ..urls import check_key, root_url
 from .base import T, Target
 from .fsspec_clean import clean_incomplete
+from .reach import unreachable
 from .s3 import (
     TRANSIENT_CODES,
     S3Session,
@@ -51,7 +52,6 @@ from .s3 import (
     put_s3,
     share_loader,
     transient_types,
-    unreachable,
 )
 from .s3_options import bad_endpoint, check_s3_options
 from .s3_read import get_range, list_sizes
@@ -180,7 +180,8 @@ class FsspecTarget(Target):
     def _permanent(self, exc: BaseException, what: str) -> ReplicationError | None:
         if self.is_s3 and not self._answered and isinstance(exc, ValueError) and (bad := bad_endpoint(exc, what)):
             return bad  # botocore could not build the client (a profile's malformed endpoint_url)
-        far = None if self._answered else unreachable(exc, what, self._endpoint())
+        far = None if self._answered else unreachable(exc, what, *(
+            (self._endpoint(),) if self.is_s3 else (self.url, f"Check the host and port in {self.url}")))
         return far or permanent_error(exc, what, self.bucket, self._endpoint)
 
     # ------------------------------------------------------------------ writing

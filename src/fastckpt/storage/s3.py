@@ -23,7 +23,6 @@ import base64
 import errno
 import hashlib
 import logging
-import socket
 import threading
 import time
 import zlib
@@ -42,7 +41,6 @@ from .types import (
     Expected,
     TargetNotFoundError,
     TargetPermissionError,
-    TargetUnreachableError,
     TokenBucket,
     source_changed,
     storage_error,
@@ -94,30 +92,6 @@ def mtime(info: dict) -> float:
         if isinstance(v, (int, float)):
             return float(v)
     return time.time()
-
-
-def unreachable(exc: BaseException, what: str, endpoint: str) -> TargetUnreachableError | None:
-    """The error for a first request that could not connect at all (``exc``'s chain holds a DNS
-    failure or a refused connection), or None: the endpoint is wrong or missing, not down for a
-    while, so the caller should hear it in seconds rather than after ``retry_deadline_s``."""
-    cur: BaseException | None = exc
-    for _ in range(8):
-        if cur is None:
-            return None
-        if isinstance(cur, (socket.gaierror, ConnectionRefusedError)):
-            break
-        cur = cur.__cause__ or cur.__context__
-    else:
-        return None
-    why = "no such host" if isinstance(cur, socket.gaierror) else "connection refused"
-    default = " (AWS's default: no endpoint_url was given)" if "amazonaws.com" in endpoint else ""
-    return storage_error(TargetUnreachableError, f"{what}: cannot reach the endpoint {endpoint}{default}: {why} "
-                         f"({cur}). The first request to it failed, so this is taken for a wrong or missing "
-                         "endpoint rather than an outage. Set it with AWS_ENDPOINT_URL, or storage_options="
-                         "{'endpoint_url': 'http://host:port'} (Checkpointer, fastckpt.latest/load, FastCkptIO; "
-                         "--storage-options on the command line), and check that the store is up and reachable "
-                         "from this node", exc,
-                         errno.EHOSTUNREACH if isinstance(cur, socket.gaierror) else errno.ECONNREFUSED)
 
 
 def permanent_error(exc: BaseException, what: str, bucket: str, endpoint: Callable[[], str]) -> ReplicationError | None:
