@@ -468,3 +468,49 @@ def test_an_intact_file_holding_a_class_renamed_since_raises_torchs_error_not_co
     path.write_bytes(bytes(data))
     with pytest.raises(CorruptCheckpointError, match=f"{path} is truncated or damaged"):
         fastckpt.load(str(path), weights_only=False)
+
+
+def test_a_resave_during_a_load_from_an_fsspec_url_is_read_again_not_called_corrupt(tmp_path: Path,
+                                                                                    monkeypatch) -> None:
+    """Only S3 pinned a version: at memory:// (and gs://, az://...) the tail of one save was
+    combined with the body of the next, a false CorruptCheckpointError. The save now lands (object,
+    then sidecar, as the replicator publishes them) right after the load's first ranged read."""
+    import fsspec
+
+    from fastckpt.storage.fsspec import FsspecTarget
+
+    fs, root = fsspec.filesystem("memory"), f"/fastckpt-{uuid.uuid4().hex[:8]}"
+    url, key, side = f"memory://{root}/last.pt", f"{root}/last.pt", f"{root}/last.pt.fastckpt.json"
+    with fastckpt.Checkpointer(local_dir=str(tmp_path / "nvme")) as ck:
+        ck.save(_state(1), url).wait()
+        b1, s1 = fs.cat_file(key), fs.cat_file(side)
+        ck.save(_state(2), url).wait()
+        b2, s2 = fs.cat_file(key), fs.cat_file(side)
+    fs.pipe_file(key, b1)
+    fs.pipe_file(side, s1)
+    orig, reads = FsspecTarget.read_range, []
+
+    def read_range(self: FsspecTarget, k: str, offset: int, length: int, **kw: object) -> bytes:
+        out = orig(self, k, offset, length, **kw)  # type: ignore[arg-type]
+        if k.endswith("last.pt") and not reads:
+            reads.append(offset)
+            fs.pipe_file(key, b2)
+            fs.pipe_file(side, s2)
+        return out
+
+    monkeypatch.setattr(FsspecTarget, "read_range", read_range)
+    assert fastckpt.load(url)["v"] == 2
+
+
+def test_an_fsspec_object_replaced_after_its_version_was_read_is_refused() -> None:
+    from fastckpt.storage.fsspec import FsspecTarget
+    from fastckpt.storage.types import ObjectChangedError
+
+    t = FsspecTarget(f"memory://fastckpt-{uuid.uuid4().hex[:8]}")
+    t.put_bytes("a.bin", b"1" * 64)
+    size, version = t.version("a.bin")
+    assert size == 64 and version is not None
+    assert t.read_range("a.bin", 0, 8, version=version) == b"1" * 8
+    t.put_bytes("a.bin", b"2" * 64)
+    with pytest.raises(ObjectChangedError, match="is no longer version"):
+        t.read_range("a.bin", 0, 8, version=version)

@@ -40,6 +40,7 @@ from ..urls import check_key, root_url
 from .base import T, Target
 from .fsspec_clean import clean_incomplete
 from .reach import unreachable
+from .reads import info_version
 from .s3 import (
     TRANSIENT_CODES,
     S3Session,
@@ -57,6 +58,7 @@ from .s3_options import bad_endpoint, check_s3_options
 from .s3_read import get_range, list_sizes
 from .types import (
     Expected,
+    ObjectChangedError,
     Progress,
     RetryCallback,
     TargetNotFoundError,
@@ -261,6 +263,10 @@ class FsspecTarget(Target):
         def read() -> bytes:
             data = self._get(key, offset, offset + length, version) if self.is_s3 else self._cat(key, offset,
                                                                                                  offset + length)
+            if version is not None and not self.is_s3:  # no If-Match: was it replaced by the end of this read?
+                self.fs.invalidate_cache(self._full(key))
+                if (now := info_version(self.fs.info(self._full(key)))) != version:
+                    raise ObjectChangedError(f"{url} is no longer version {version} (now {now or 'another'})")
             if len(data) != length:
                 raise storage_error(ReplicationError, f"{url} returned {len(data)} bytes for the range "
                                     f"[{offset}, {offset + length}): the object is shorter", err_no=errno.EIO)
@@ -275,8 +281,9 @@ class FsspecTarget(Target):
         return data
 
     def version(self, key: str) -> tuple[int, str | None]:
-        if not self.is_s3:
-            return super().version(key)
+        if not self.is_s3:  # the token read_range checks after each read (reads.info_version)
+            info = self._info(key)
+            return int(info["size"]), info_version(info)
         head = self._retry(f"size of {self.url_of(key)}", lambda: self._head(self._obj(key)))
         return int(head["ContentLength"]), head.get("ETag")
 

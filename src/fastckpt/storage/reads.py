@@ -7,9 +7,10 @@ reads with their manifest, and manifest reads. A backend overrides one where it 
 An object is read in several requests (its size, its tail, ranges in parallel), and another
 writer may replace it meanwhile (Lightning's ``last.ckpt``, saved again and again). So a read
 that takes more than one request asks for one version of the object: the one its first request
-saw (``version``: S3's ETag), which every ranged read then requires (``read_range(version=)``:
-If-Match). A read that finds the object replaced (``ObjectChangedError``) starts again, whole, on
-the new version, up to ``READ_ATTEMPTS`` times: a replaced object is not a damaged one.
+saw (``version``: S3's ETag, another fsspec store's ``info_version``), which every ranged read
+then requires (``read_range(version=)``: If-Match, or the token checked again after the read).
+A read that finds the object replaced (``ObjectChangedError``) starts again, whole, on the new
+version, up to ``READ_ATTEMPTS`` times: a replaced object is not a damaged one.
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ class ReadSide:
 
     def version(self, key: str) -> tuple[int, str | None]:
         """The object's size and its version, which ``read_range(version=)`` then requires; None
-        where there is none to ask for (a file system; an fsspec store without ETags)."""
+        where there is none to ask for (a file system; an fsspec store whose ``info`` gives no
+        ``info_version`` token)."""
         return self.size(check_key(key)), None
 
     def _map_ranges(self, size: int, chunk_bytes: int, fn: Callable[[int, int], T]) -> Iterator[T]:
@@ -219,6 +221,20 @@ class ReadSide:
         if size:
             tail = bytes(self.read_range(key, max(0, size - TAIL_BYTES), min(size, TAIL_BYTES), version=version))
         return size, version, tail
+
+
+def info_version(info: dict) -> str | None:
+    """A token that changes when the object at an fsspec ``info`` is replaced: gcsfs's
+    ``generation``, adlfs's ``etag`` (an ``ETag``), else its modification or creation time with its
+    size (memory://: a re-save is a new object with its own ``created``); None when ``info`` gives
+    none of these, and the read cannot tell a replaced object from the one it began on."""
+    for k in ("generation", "etag", "ETag"):
+        if info.get(k) not in (None, ""):
+            return f"{k}:{info[k]}"
+    for k in ("mtime", "LastModified", "last_modified", "created"):
+        if info.get(k) not in (None, ""):
+            return f"{k}:{info[k]}:{info.get('size')}"
+    return None
 
 
 def file_tail(ops: FileOps, path: str) -> tuple[int, None, bytes]:
