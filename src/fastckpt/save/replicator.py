@@ -23,7 +23,8 @@ is never dropped.
 Order: with ``replicate_in_order`` a single file starts only after every single file saved
 before it is final or has failed (``save.ordering``); with "all", each upload of a single file reads a
 version link of its own save, so a newer save of the same path replaces the local copy without dropping
-it: every save lands, in its turn (``save.versions``).
+it: the oldest queued save of a path lands in its turn, a save between it and the newest is dropped
+(``save.versions``).
 """
 
 from __future__ import annotations
@@ -110,8 +111,10 @@ class Replicator:
             if newer and job.rec.group is None:
                 self._drop_for(job, newer[-1], coalesce)
                 return job.future
-            for old in [j for j in self._queue if j.t_call < job.t_call and self._supersedes(job, j, coalesce)
-                        and j.rec.group not in self._kept and not j.version]:  # its version keeps its bytes
+            olds = [j for j in self._queue if j.t_call < job.t_call and self._supersedes(job, j, coalesce)
+                    and j.rec.group not in self._kept]
+            waits = min((j for j in olds if j.version), key=lambda j: j.t_call, default=None)  # save.versions
+            for old in [j for j in olds if j is not waits]:  # one version of a path waits, with its own bytes
                 self._queue.remove(old)
                 self._drop_for(old, job, coalesce)
             self._version(job)

@@ -27,6 +27,8 @@ import threading
 from dataclasses import dataclass
 
 from ..errors import ConfigError
+from ..io.atomic import sweep_once
+from ..io.ops import FileOps
 from ..units import fmt_bytes
 from ..urls import mirror_path
 
@@ -157,6 +159,8 @@ class Stripes:
             taking = [i for i in range(len(self.dirs)) if i not in self._refused]
             allowed = found[:1] or taking or list(range(len(self.dirs)))
             if may_bypass or len(allowed) > 1:
+                for i in allowed:  # links a killed run's queued uploads left (save.versions) hold blocks: free them
+                    sweep_once(FileOps(), os.path.dirname(mirror_path(self.dirs[i], path)))
                 roomy = [i for i in allowed if _free_bytes(self.dirs[i]) - self._queued[i] >= nbytes + ROOM_MARGIN]
                 if not roomy and may_bypass:  # written by the writer of the drive its old copy is on
                     return self._reserve(path, found[0] if found else 0, 0, direct=True)

@@ -16,8 +16,11 @@ the upload is queued, not only when a newer save replaces the copy, also covers 
 starts just then (it read its manifest from the old copy and would open the new one). The link
 goes as its job ends, however it ends (landed, failed, cancelled, dropped, or ``close()`` gave up
 on it). Temp names are skipped by every listing (``ls``, scans, retention, the restart scan) and
-``io.atomic.sweep_stale_tmp`` removes those of a dead process the next time a process writes into
-the directory. A version replaced at its name keeps its disk blocks until its upload ends: the
+``io.atomic.sweep_stale_tmp`` removes those of a dead process when a process next looks for room on
+that drive (``Stripes.choose``) or writes into the directory. Only the oldest queued version of a
+path waits (``Replicator.submit``): one saved between it and the newest is dropped, so a backlog
+holds at most two versions of a path, not one per save (which filled the burst buffer). A
+version replaced at its name keeps its disk blocks until its upload ends: the
 burst buffer's room check sees them (it reads the drive's free space). Where no link can be made (a
 file system without hard links: EPERM, EXDEV, ENOTSUP...), the upload reads the copy itself and a
 queued one is dropped for the newer save as before (``save.behind`` warns).
