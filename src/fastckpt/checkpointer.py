@@ -299,7 +299,7 @@ class Checkpointer:
             raise
         finally:
             self._closed = True
-            self._coordinator.close(self.rank, self.world_size, self.config.close_timeout_s)  # groups never committed
+            self._coordinator.close(self.rank, self.world_size)  # groups never committed
             self._stop.set()
             wait = self.config.close_timeout_s is None or not len(self._inflight)  # False: it gave up on them
             if not wait:

@@ -92,21 +92,18 @@ def test_a_rank_closed_without_committing_its_group_ends_the_others_commit(tmp_p
     assert not (g2 / P.GROUP_MANIFEST).exists()
 
 
-def test_a_rank_closed_before_the_session_was_agreed_tells_rank_0_before_its_workers_stop(tmp_path: Path) -> None:
+def test_a_rank_closed_before_the_session_was_agreed_closes_at_once_telling_no_one(tmp_path: Path) -> None:
     """With a store, a rank that closes before its first commit does not know the store session yet:
-    close() waits, on the committer pool, until rank 0 answers it (at rank 0's commit), ends the
-    attempt, and only then stops the workers; rank 0's commit fails naming it."""
+    telling the others would wait for rank 0, which may be dead too (a rank closing with a group
+    saved and never committed, rank 1 never there, took 60 s). close() returns at once; rank 0's
+    commit then waits commit_timeout_s, as before."""
     store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=60))
     cks = _ranks(store)
     g1 = tmp_path / "global_step1"
     try:
-        for ck in cks:
-            _save(ck, g1, 1).wait(60)
+        _save(cks[1], g1, 1).wait(60)
         th, raised = _closing(cks[1])
-        said = rf"rank 1 closed its Checkpointer without committing group {g1}"
-        with pytest.raises(CheckpointWriteError, match=said):
-            cks[0].commit(str(g1), step=1).wait(20)
-        th.join(60)
+        th.join(TIMEOUT_S / 3)  # it waited for rank 0 up to 60 s, or commit_timeout_s (30 s here)
         assert not th.is_alive()
         assert raised == []
     finally:
@@ -156,27 +153,6 @@ def test_one_rank_closed_with_a_group_it_did_not_commit_records_nothing(tmp_path
     ck.close()
     assert not (g / MARKER_DIR).exists()
     assert sorted(p.name for p in g.iterdir()) == ["r0.pt"]
-
-
-def test_a_rank_closed_before_the_session_was_agreed_gives_up_telling_a_silent_rank_0(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    """Rank 0 never answers (dead too, or hung): close() waits CLOSE_TELL_S (here 1 s) for the store
-    session, not commit_timeout_s, then says the others were not told, and returns."""
-    from fastckpt.commit import coordinator
-
-    monkeypatch.setattr(coordinator, "CLOSE_TELL_S", 1.0)
-    store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=60))
-    cks = _ranks(store)
-    g1 = tmp_path / "global_step1"
-    try:
-        _save(cks[1], g1, 1).wait(60)
-        th, raised = _closing(cks[1])
-        th.join(TIMEOUT_S - 5)  # without the bound: commit_timeout_s and its grace
-        assert not th.is_alive()
-        assert raised == []
-        assert "rank 0 did not agree on the store session within 1 s" in caplog.text
-    finally:
-        close_all(cks)
 
 
 def test_without_a_store_a_rank_closed_without_committing_leaves_no_record_a_later_job_would_take(

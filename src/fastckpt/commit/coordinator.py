@@ -36,7 +36,6 @@ import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import Executor, Future
-from concurrent.futures import wait as wait_all
 from typing import NoReturn
 
 from ..config import CheckpointerConfig
@@ -54,7 +53,6 @@ from . import store as S
 from . import tell as T
 
 log = logging.getLogger("fastckpt")
-CLOSE_TELL_S = 60.0  # close() waits this long (at most commit_timeout_s) to tell the others, without close_timeout_s
 
 class Coordinator:
     """This rank's attempts at groups, and their commits on the committer pool.
@@ -215,31 +213,26 @@ class Coordinator:
         self._give_up(att)
         return self._tell.abort(att, rank, exc, background=True)
 
-    def close(self, rank: int, world: int, timeout_s: float | None) -> None:
+    def close(self, rank: int, world: int) -> None:
         """``Checkpointer.close`` (or the exit flush), before ``stop`` is set: this rank commits none of
         the attempts it began and did not commit (a rank that leaves after its saves into a group,
-        without ``commit``). With a store, each ends on every rank as a failed commit's does (``abandon``), and is
-        told before the workers stop (within ``timeout_s``; None: until told or ``commit_timeout_s``),
-        so that the other ranks' commits fail now, naming this rank, not after ``commit_timeout_s``.
-        A commit in flight (``_running``) is not touched: close() waited for it. One rank: nothing. Without a
-        store nothing either: a failure record written now outlives this job, and the next job's first attempt
-        at the group would take it as its own (the others wait ``commit_timeout_s``, as before)."""
-        with self._lock:  # removed: told already; without a store, no record: it could end a later job's attempt
-            groups = [g for g, att in self._open.items() if not att.cancel.is_set() and att.channel is not None]
-        if world < 2 or not groups:
-            return
-        telling: list[Future | None] = []
-        for g in groups:
+        without ``commit``). Where the store session is agreed (this job committed a group through
+        the store), each ends on every rank as a failed commit's does (``abandon``: one store write,
+        here), so that the other ranks' commits fail now, naming this rank, not after
+        ``commit_timeout_s``. Not before the session is agreed: that waits for rank 0, which may be
+        dead too, and close() must not wait for it. Without a store not either: a failure record
+        written now outlives this job, and the next job's first attempt at the group would take it
+        as its own. There the others wait ``commit_timeout_s``, as before. A commit in flight
+        (``_running``) is not touched: close() waited for it. One rank: nothing."""
+        with self._lock:  # removed: told already
+            groups = [g for g, att in self._open.items()
+                      if not att.cancel.is_set() and att.channel is not None and att.channel.agreed]
+        for g in groups if world > 1 else ():
             try:
-                telling.append(self.abandon(g, rank, world, E.closed_error(g, rank)))
+                self.abandon(g, rank, world, E.closed_error(g, rank))
             except Exception as exc:  # noqa: BLE001 (close() goes on: the others then time out, naming this rank)
                 log.warning("fastckpt: could not tell the other ranks that rank %d closed without committing %s: %r",
                             rank, g, exc)
-        bound = min(self._timeout, CLOSE_TELL_S) if timeout_s is None else timeout_s  # rank 0 may be dead too
-        if wait_all([f for f in telling if f is not None], timeout=bound).not_done:
-            log.warning("fastckpt: rank %d closed without committing %s; rank 0 did not agree on the store session "
-                        "within %g s, so the other ranks were not told and wait commit_timeout_s", rank,
-                        ", ".join(groups), bound)
 
     def _give_up(self, att: A.Attempt) -> None:
         """This rank's commit of ``att`` failed: without a store, on a rank other than 0, rank 0
