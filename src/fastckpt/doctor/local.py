@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import time
@@ -138,7 +139,8 @@ def bandwidth(role: str, path: str, probe_bytes: int, state_size: int | None, pr
         block = os.urandom(MIB)  # in place, a MiB at a time: no second copy of the probe in memory
         for off in range(0, size, MIB):
             view[off:off + MIB] = block
-        with ThreadPoolExecutor(4, thread_name_prefix="fastckpt-doctor") as pool:
+        pool = ThreadPoolExecutor(4, thread_name_prefix="fastckpt-doctor")
+        try:
             with Progress(f"probing {role} write bandwidth", total=size, mode=progress, delay_s=1.0) as p:
                 t0 = time.monotonic()
                 res = write_file(ops, pool, target, view, size, lambda _d, _b: b"", chunk_bytes=CHUNK,
@@ -148,6 +150,10 @@ def bandwidth(role: str, path: str, probe_bytes: int, state_size: int | None, pr
             back = read_file(ops, pool, target, chunk_bytes=CHUNK, odirect=res.odirect, covered=size)
             r = time.monotonic() - t0
             back.buffer.close()
+        except BaseException:  # Ctrl-C, SIGTERM: a worker stuck on a hung mount must not hold doctor
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
+        pool.shutdown()
     except MemoryError as exc:
         return _no_memory(check, size, exc)
     except OSError as exc:
@@ -155,13 +161,14 @@ def bandwidth(role: str, path: str, probe_bytes: int, state_size: int | None, pr
             return _no_memory(check, size, exc)
         return Finding(check, "fail", f"the bandwidth probe failed in {path}: {exc}", f"check that {path} is "
                        "writable and has room", {"errno": exc.errno})
-    finally:
-        if view is not None:
-            view.release()
-        if buf is not None:
-            buf.close()
+    finally:  # the probe file first: a worker stuck in a write (hung mount) still holds the buffer
         if os.path.exists(target):
             os.unlink(target)
+        with contextlib.suppress(BufferError):  # ... and then the process's exit frees it
+            if view is not None:
+                view.release()
+            if buf is not None:
+                buf.close()
     data = {"probe_bytes": size, "write_Bps": size / w, "read_Bps": size / r, "odirect": res.odirect}
     how = "O_DIRECT" if res.odirect else f"buffered ({res.odirect_reason}; the read may come from the page cache)"
     text = (f"{size >> 20} MiB written at {size / w / GB:.2f} GB/s (with fsync) and read at {size / r / GB:.2f} "
