@@ -514,3 +514,17 @@ def test_an_fsspec_object_replaced_after_its_version_was_read_is_refused() -> No
     t.put_bytes("a.bin", b"2" * 64)
     with pytest.raises(ObjectChangedError, match="is no longer version"):
         t.read_range("a.bin", 0, 8, version=version)
+
+
+def test_a_protocol_2_pickle_naming_python_2_builtins_is_not_reported_damaged(tmp_path: Path) -> None:
+    """torch.save pickles with protocol 2, which names builtins ``__builtin__ set`` (a module's
+    ``_non_persistent_buffers_set``) and copyreg ``copy_reg``: no module of those names is
+    installed, so the parse check called every such file malformed and weights_only's refusal
+    of an intact ``torch.save(module)`` was reported as "truncated or damaged"."""
+    path = tmp_path / "linear.pt"
+    torch.save(torch.nn.Linear(2, 2), path)
+    assert b"__builtin__" in path.read_bytes()
+    with pytest.raises(pickle.UnpicklingError) as err:
+        fastckpt.load(str(path))
+    assert not isinstance(err.value, CorruptCheckpointError)
+    assert isinstance(fastckpt.load(str(path), weights_only=False), torch.nn.Linear)

@@ -15,6 +15,7 @@ that error keeps its note saying how to opt in, which must never be advice for a
 
 from __future__ import annotations
 
+import _compat_pickle
 import importlib.util
 import io
 import logging
@@ -186,8 +187,11 @@ def _pickles_parse(res: ReadResult) -> bool:
 
 def _could_exist(ref: str) -> bool:
     """Whether ``module name`` (a GLOBAL's argument) is dotted identifiers whose top-level package
-    is installed: looked up, never imported (``find_spec`` of a top-level name imports nothing)."""
-    parts = ref.replace(" ", ".").split(".")
+    is installed: looked up, never imported (``find_spec`` of a top-level name imports nothing).
+    Python 2 names (``__builtin__ set``, ``copy_reg``) are mapped first, as ``pickle`` does."""
+    module, _, name = ref.partition(" ")  # protocol 2 (torch.save) writes Python 2 names: as find_class maps them
+    module, name = _compat_pickle.NAME_MAPPING.get((module, name), (module, name))
+    parts = [*_compat_pickle.IMPORT_MAPPING.get(module, module).split("."), *(name.split(".") if name else ())]
     if not all(p.isidentifier() for p in parts):
         return False
     return parts[0] in sys.modules or importlib.util.find_spec(parts[0]) is not None
