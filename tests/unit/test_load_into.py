@@ -4,6 +4,7 @@ aligned), copied in where it does not; a mismatch is refused before any byte is 
 
 from __future__ import annotations
 
+import enum
 import os
 import struct
 import uuid
@@ -191,6 +192,30 @@ def test_plain_values_beside_the_tensors_are_allowed(tmp_path) -> None:
                                   "dtype": torch.float32})
     assert torch.equal(fresh[0].weight, model[0].weight) and got["step"] == 7
     assert torch.equal(fresh_opt.state_dict()["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
+
+
+class _Phase(enum.Enum):
+    WARMUP = 1
+
+
+def test_every_plain_value_beside_the_tensors_is_passed_over(tmp_path) -> None:
+    """The saved object's other values (an Enum member, a set of tags, a slice, a Path, an
+    argparse Namespace, a datetime) are passed in into= as they were saved: refusing every value
+    not on a short list of allowed types broke loads that worked, where only what could hide
+    tensors (a method, a dict view, an iterator) is a mistake."""
+    import argparse
+    import datetime
+    import pathlib
+
+    extra = {"phase": _Phase.WARMUP, "tags": {"a", "b"}, "frozen": frozenset({1}), "window": slice(0, 4),
+             "dir": pathlib.Path("/runs/a"), "args": argparse.Namespace(lr=0.1), "at": datetime.datetime(2026, 1, 1)}
+    path = str(tmp_path / "x.pt")
+    model = _model(0)
+    torch.save({"model": model.state_dict(), **extra}, path)
+    fresh = _model(1)
+    got = fastckpt.load(path, weights_only=False, into={"model": fresh.state_dict(), **extra})
+    assert torch.equal(fresh[0].weight, model[0].weight)
+    assert got["tags"] == {"a", "b"} and got["window"] == slice(0, 4) and got["args"].lr == 0.1
 
 
 def test_an_expanded_tensor_is_refused_before_anything_is_written(tmp_path) -> None:

@@ -19,16 +19,19 @@ DCP's in-place load does.
 
 from __future__ import annotations
 
-import numbers
-from collections.abc import Iterator, Mapping
+import types
+from collections.abc import ItemsView, Iterator, KeysView, Mapping, ValuesView
 
 import torch
 
 from ..errors import ConfigError, CorruptCheckpointError
 
 Where = tuple[object, ...]
-#: values ``into`` may hold beside its tensors and containers: nothing to fill, and not a mistake
-_PLAIN = (str, bytes, numbers.Number, torch.dtype, torch.device, type(None))
+#: what ``into`` holds by mistake where tensors were meant (a method whose call was forgotten, a
+#: ``dict.values()`` view, an iterator): every other value is passed over, as it was saved
+_MISTAKES = (types.FunctionType, types.MethodType, types.BuiltinFunctionType, types.BuiltinMethodType,
+             types.MethodWrapperType, types.WrapperDescriptorType, types.MethodDescriptorType,
+             KeysView, ValuesView, ItemsView, Iterator)
 
 
 def in_place(map_location: object) -> bool:
@@ -41,14 +44,15 @@ def check_into(dest: object) -> None:
     tensor nor a dict, list or tuple, so ``into=5`` or ``into=model`` loaded as without it, and a
     caller who skipped ``load_state_dict`` resumed from the freshly initialised weights. The same
     holds nested: ``{"model": model.state_dict}`` (a method, the parentheses forgotten), a
-    ``dict.values()`` view or a dataclass filled nothing; plain values (numbers, strings, None)
-    are allowed there, as an optimizer's ``param_groups`` hold them. A tensor whose elements
-    share memory (``expand``: a stride of 0) cannot be filled (``copy_`` refuses it), and would
-    fail after earlier tensors were filled: refused here, before anything is read.
+    ``dict.values()`` view or an iterator filled nothing. Every other value (numbers, None, an
+    Enum member, a set, a numpy RNG state...) is allowed there, as the caller passes the structure
+    they saved: an optimizer's ``param_groups`` hold such values. A tensor whose elements share
+    memory (``expand``: a stride of 0) cannot be filled (``copy_`` refuses it), and would fail
+    after earlier tensors were filled: refused here, before anything is read.
 
     Raises:
-        ConfigError: ``dest`` is of another type, or is or holds a module, an optimizer, another
-            object that is no container of tensors, or a tensor whose elements share memory.
+        ConfigError: ``dest`` is of another type, or is or holds a module, an optimizer, a
+            function or method, a dict view or an iterator, or a tensor whose elements share memory.
     """
     for where, v in ((), dest), *_containers(dest, ()):
         if isinstance(v, (torch.nn.Module, torch.optim.Optimizer)):
@@ -62,7 +66,7 @@ def check_into(dest: object) -> None:
                                   f"stride {v.stride()}): its elements share memory, so the saved values cannot be "
                                   "copied into it. Pass a tensor with memory of its own (.clone() or .contiguous()). "
                                   "Nothing was read into your tensors.")
-        elif where and not isinstance(v, (Mapping, list, tuple, *_PLAIN)):
+        elif where and isinstance(v, _MISTAKES):
             called = " (a function or method: call it, model.state_dict())" if callable(v) else ""
             raise ConfigError(f"load(into=...): {_name(where)} is of type {type(v).__name__}{called}, which into= "
                               "does not fill: pass the tensors to fill nested in dicts, lists and tuples as the saved "
