@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import enum
 import os
+import re
 import struct
 import uuid
 import zipfile
@@ -233,6 +234,38 @@ def test_an_expanded_tensor_is_refused_before_anything_is_written(tmp_path) -> N
     assert all(torch.equal(v, before[k]) for k, v in fresh.state_dict().items())
     with pytest.raises(ConfigError, match=r"into is an expanded tensor"):
         fastckpt.load(path, into=torch.zeros(1, 5).expand(3, 5))
+
+
+@pytest.mark.parametrize("view", [lambda: torch.zeros(600)[::2], lambda: torch.zeros(300, 2)[:, 1],
+                                  lambda: torch.zeros(2, 310).as_strided((300,), (1,), 5)],
+                         ids=["step", "column", "as_strided"])
+def test_a_view_that_shares_no_element_is_filled(tmp_path, view) -> None:
+    """A view of a larger buffer is not dense, so torch cannot tell whether its elements overlap
+    (``_debug_has_internal_overlap`` answers 2): it shares none and is filled as before."""
+    path = str(tmp_path / "x.pt")
+    model = _model(0)
+    with Checkpointer() as ck:
+        ck.save(_state(model), path).wait()
+    dest = view()
+    fastckpt.load(path, into={"model": {"2.bias": dest}})
+    assert torch.equal(dest, model[2].bias)
+
+
+def test_a_tensor_whose_strides_overlap_is_refused_before_anything_is_written(tmp_path) -> None:
+    """``unfold`` and ``as_strided`` views share memory without a stride of 0: copy_ filled them
+    without error, later elements over earlier ones, and the load returned wrong values."""
+    path = str(tmp_path / "x.pt")
+    with Checkpointer() as ck:
+        ck.save(_state(_model(0)), path).wait()
+    fresh = _model(1)
+    before = {k: v.clone() for k, v in fresh.state_dict().items()}
+    for dest in (torch.zeros(1324).unfold(0, 1024, 1)[:300], torch.zeros(1624).as_strided((300, 1024), (2, 1))):
+        into = {"model": {**fresh.state_dict(), "2.weight": dest}}
+        words = re.escape(f"into['model']['2.weight'] is a tensor whose strides overlap (shape (300, 1024), stride "
+                          f"{dest.stride()})")
+        with pytest.raises(ConfigError, match=words + ".*Nothing was read"):
+            fastckpt.load(path, into=into)
+        assert all(torch.equal(v, before[k]) for k, v in fresh.state_dict().items())
 
 
 def test_a_tensor_on_the_meta_device_is_refused(tmp_path) -> None:

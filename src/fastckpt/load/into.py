@@ -47,8 +47,9 @@ def check_into(dest: object) -> None:
     ``dict.values()`` view or an iterator filled nothing. Every other value (numbers, None, an
     Enum member, a set, a numpy RNG state...) is allowed there, as the caller passes the structure
     they saved: an optimizer's ``param_groups`` hold such values. A tensor whose elements share
-    memory (``expand``: a stride of 0) cannot be filled (``copy_`` refuses it), and would fail
-    after earlier tensors were filled: refused here, before anything is read.
+    memory (``expand``: a stride of 0; ``unfold``, ``as_strided``) cannot be filled: ``copy_``
+    refuses the first and fills the others with later elements over earlier ones (a silently
+    wrong resume); refused here, before anything is read.
 
     Raises:
         ConfigError: ``dest`` is of another type, or is or holds a module, an optimizer, a
@@ -61,8 +62,10 @@ def check_into(dest: object) -> None:
                               "fill: pass its state_dict() (into={'model': model.state_dict()}), whose tensors are "
                               "filled in place")
         if isinstance(v, torch.Tensor):
-            if v.layout == torch.strided and any(st == 0 and n > 1 for st, n in zip(v.stride(), v.shape)):
-                raise ConfigError(f"load(into=...): {_name(where)} is an expanded tensor (shape {tuple(v.shape)}, "
+            if v.layout == torch.strided and _overlaps(v):
+                expanded = any(st == 0 and n > 1 for st, n in zip(v.stride(), v.shape))
+                kind = "an expanded tensor" if expanded else "a tensor whose strides overlap"
+                raise ConfigError(f"load(into=...): {_name(where)} is {kind} (shape {tuple(v.shape)}, "
                                   f"stride {v.stride()}): its elements share memory, so the saved values cannot be "
                                   "copied into it. Pass a tensor with memory of its own (.clone() or .contiguous()). "
                                   "Nothing was read into your tensors.")
@@ -75,6 +78,21 @@ def check_into(dest: object) -> None:
         raise ConfigError(f"load(into=...): into is of type {type(dest).__name__}, not the tensors to fill: pass them "
                           "nested in dicts, lists and tuples as the saved object is "
                           "(into={'model': model.state_dict()}), or None")
+
+
+def _overlaps(t: torch.Tensor) -> bool:
+    """Whether two elements of the strided ``t`` share memory. torch answers 2 ("cannot tell")
+    for every view that is not dense (a slice of a larger buffer, which into= fills): then each
+    stride, smallest first, must pass the span of the dimensions before it."""
+    found = torch._debug_has_internal_overlap(t)
+    if found != 2:
+        return found == 1
+    span = 0
+    for st, n in sorted((st, n) for st, n in zip(t.stride(), t.shape) if n > 1):
+        if st <= span:
+            return True
+        span += st * (n - 1)
+    return False
 
 
 def check_map_location(map_location: object) -> None:
