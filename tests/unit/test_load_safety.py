@@ -426,21 +426,47 @@ def test_a_torchscript_archive_is_named_as_one_not_reported_damaged(tmp_path: Pa
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a node without CUDA, where a GPU file needs map_location")
-@pytest.mark.parametrize("zipped", [True, False], ids=["zip", "legacy"])
 def test_an_intact_gpu_file_on_a_cpu_node_raises_torchs_error_not_corruption(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, zipped: bool) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """torch refuses a GPU job's file on a CPU-only node without map_location (a RuntimeError
     naming the fix): that was reported as "truncated or damaged", and every earlier GPU
     checkpoint with it, so a resume script that skips damaged files dropped the run's state."""
     path = tmp_path / "gpu_step100.pt"
     with monkeypatch.context() as m:
         m.setattr(torch.serialization, "location_tag", lambda storage: "cuda:0")  # what a CUDA tensor records
-        torch.save(_plain_state(), path, _use_new_zipfile_serialization=zipped)
+        torch.save(_plain_state(), path)
     for mmap in (False, True):
         with pytest.raises(RuntimeError, match="map_location") as err:
             fastckpt.load(str(path), mmap=mmap)
         assert not isinstance(err.value, CorruptCheckpointError)
         assert f"{path} has no fastckpt manifest, but it is not damaged" in "".join(err.value.__notes__)
+    assert fastckpt.load(str(path), map_location="cpu")["step"] == 3
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a node without CUDA, where a GPU file needs map_location")
+def test_a_prezip_file_that_torch_cannot_load_here_is_not_loaded_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The soundness check of a pre-zip file copied the whole image and ran torch's legacy loader,
+    which allocates every storage again: 3x the file's memory for a load that fails (an OOM where
+    torch's error was wanted); under TORCH_FORCE_WEIGHTS_ONLY_LOAD=1 torch refused it outright.
+    A pre-zip file is judged as before that check: torch's error on it is damage."""
+    from fastckpt.load import soundness
+
+    path = tmp_path / "gpu_step100.pt"
+    with monkeypatch.context() as m:
+        m.setattr(torch.serialization, "location_tag", lambda storage: "cuda:0")
+        torch.save(_plain_state(), path, _use_new_zipfile_serialization=False)
+    fetched: list[int] = []
+    real = soundness.fetcher
+
+    def fetcher(buf):  # noqa: ANN001, ANN202 (records the size of every read of the image)
+        fetch = real(buf)
+        return lambda start, n: (fetched.append(n), fetch(start, n))[1]
+
+    monkeypatch.setattr(soundness, "fetcher", fetcher)
+    with pytest.raises(CorruptCheckpointError, match=f"{path} is truncated or damaged"):
+        fastckpt.load(str(path))
+    assert fetched and max(fetched) <= 4  # the header alone: no copy of the file
     assert fastckpt.load(str(path), map_location="cpu")["step"] == 3
 
 

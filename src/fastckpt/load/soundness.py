@@ -10,6 +10,11 @@ inert ``Stub`` (``format.foreign``: nothing of the file's runs; what torch's wei
 unpickler allows is real). What still fails is in the bytes: an unknown opcode, a name torch or
 the standard library does not have (``torch._utils._sebuild_tensor_v2``), a storage record that
 is missing, a location tag no device has, arguments a rebuild function does not take.
+
+Only a zip file is checked so: torch loads it from the image in place. A pre-zip file is judged
+damaged on such an error, as before this check: torch's legacy loader copies the image and every
+storage (3x the file's memory, an OOM where torch's error was wanted) and, under
+``TORCH_FORCE_WEIGHTS_ONLY_LOAD=1``, refuses the stubbing unpickler outright.
 """
 
 from __future__ import annotations
@@ -30,17 +35,17 @@ from .image import ZIP_MAGIC, HeapImage
 
 def sound(buf, size: int) -> bool:  # noqa: ANN001
     """Whether the file image ``buf[:size]`` loads when nothing of this process can make it fail
-    (the caller checked first that its pickles are bounded: this runs the C unpickler)."""
+    (the caller checked first that its pickles are bounded: this runs the C unpickler); False for
+    a pre-zip file, which is not loaded again (see the module's docstring)."""
     fetch = fetcher(buf)
     try:
-        if fetch(0, 4) == ZIP_MAGIC:
-            reader = torch._C.PyTorchFileReader(RangeReader(size, fetch))
-            if "byteorder" in reader.get_all_records() and reader.get_record("byteorder") not in (b"little", b"big"):
-                return False
-            whole = buf if isinstance(buf, HeapImage) else torch.frombuffer(buf, dtype=torch.uint8).untyped_storage()
-            torch.serialization._load(reader, _where_read, _MODULE, overall_storage=whole)
-        else:
-            torch.load(io.BytesIO(fetch(0, size)), map_location=_where_read, pickle_module=_MODULE, weights_only=False)
+        if fetch(0, 4) != ZIP_MAGIC:
+            return False
+        reader = torch._C.PyTorchFileReader(RangeReader(size, fetch))
+        if "byteorder" in reader.get_all_records() and reader.get_record("byteorder") not in (b"little", b"big"):
+            return False
+        whole = buf if isinstance(buf, HeapImage) else torch.frombuffer(buf, dtype=torch.uint8).untyped_storage()
+        torch.serialization._load(reader, _where_read, _MODULE, overall_storage=whole)
     except Exception:  # noqa: BLE001 (whatever fails without this process's part is in the bytes)
         return False
     return True

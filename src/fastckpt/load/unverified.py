@@ -7,7 +7,8 @@ fails to read. Whatever torch raises on a damaged byte (a struct or
 index error of a truncated legacy file, an unknown opcode, a pickle that pops an empty stack) is
 ``CorruptCheckpointError`` naming the file, unless the file is sound (``load.soundness``: it loads
 with what depends on this process taken away): then torch's error is for what the file holds here
-(a GPU file without ``map_location``, a class renamed since) and reaches the caller as it is.
+(a GPU file without ``map_location``, a class renamed since) and reaches the caller as it is;
+only a zip file can be judged sound.
 Only an ``UnpicklingError`` of a file whose pickles
 parse (``pickletools``, which runs nothing) is weights_only refusing an object it does not allow:
 that error keeps its note saying how to opt in, which must never be advice for a damaged file.
