@@ -56,6 +56,15 @@ def _commit_step_1(cks: list, tmp_path: Path) -> Path:
     return g1
 
 
+def _both_saved_step_2(cks: list, tmp_path: Path) -> Path:
+    """global_step1 committed by both ranks, then global_step2 saved (not committed) by both."""
+    _commit_step_1(cks, tmp_path)
+    g2 = tmp_path / "global_step2"
+    for ck in cks:
+        _save(ck, g2, 2).wait(60)
+    return g2
+
+
 def _closing(ck: fastckpt.Checkpointer) -> tuple[threading.Thread, list[BaseException]]:
     """``ck.close()`` on a thread of its own (it may wait for the other rank), started; what it raised."""
     raised: list[BaseException] = []
@@ -116,10 +125,7 @@ def test_a_commit_in_flight_at_close_is_waited_for_not_ended(tmp_path: Path, sto
     that commit, which completes once rank 0 commits."""
     cks = _ranks(store)
     try:
-        _commit_step_1(cks, tmp_path)
-        g2 = tmp_path / "global_step2"
-        for ck in cks:
-            _save(ck, g2, 2).wait(60)
+        g2 = _both_saved_step_2(cks, tmp_path)
         mine = cks[1].commit(str(g2), step=2)
         th, raised = _closing(cks[1])
         assert cks[0].commit(str(g2), step=2).wait(20).path == str(g2)
@@ -197,10 +203,7 @@ def test_a_signal_exit_while_the_commit_is_logged_still_ends_the_attempt_at_clos
                                  commit_timeout_s=TIMEOUT_S, sinks=(SigtermInside(),) if r == 1 else ())
            for r in range(2)]
     try:
-        _commit_step_1(cks, tmp_path)
-        g2 = tmp_path / "global_step2"
-        for ck in cks:
-            _save(ck, g2, 2).wait(60)
+        g2 = _both_saved_step_2(cks, tmp_path)
         waiting = cks[0].commit(str(g2), step=2)
         with pytest.raises(SystemExit):
             cks[1].commit(str(g2), step=2)
