@@ -269,24 +269,26 @@ _HUNG = _HELD.replace("import sys\n", "import sys, threading\n").replace(
     "sys.stdin.readline()  # until the parent has sent its signal", "threading.Event().wait()  # never returns")
 
 
-def test_one_sigterm_ends_doctor_while_its_probe_write_hangs(tmp_path: Path) -> None:
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "Ctrl-C"])
+def test_one_signal_ends_doctor_while_its_probe_write_hangs(tmp_path: Path, sig: int) -> None:
     """SIGTERM's KeyboardInterrupt unwound into the probe's thread pool, which joined the worker
     stuck in its write for ever (and the interpreter's exit joined it again): doctor outlived the
     signal on exactly the storage it was run to diagnose. Now the pool is left, the probe file
-    removed, and the watchdog of cli/_signals.py ends the process within CLEANUP_S."""
+    removed, and the watchdog of cli/_signals.py ends the process within CLEANUP_S, after Ctrl-C
+    too (r6_doctor_ctrlc_hangs_on_stuck_probe: it hung there once SIGTERM's case was mended)."""
     assert "never returns" in _HUNG
     bb = tmp_path / "bb"
     p = subprocess.Popen([sys.executable, "-u", "-c", _HUNG, str(bb), str(tmp_path / "home")],
                          stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert p.stdout.readline().strip() == "started"
-        p.send_signal(signal.SIGTERM)
+        p.send_signal(sig)
         _, err = p.communicate(timeout=15)
     finally:
         if p.poll() is None:
             p.kill()
             p.communicate()
-    assert p.returncode in (1, 143) and "Aborted" in err, err  # 143: the watchdog ended the stuck exit
+    assert p.returncode in (1, 128 + sig) and "Aborted" in err, err  # 143/130: the watchdog ended the stuck exit
     assert os.listdir(bb) == []
 
 
