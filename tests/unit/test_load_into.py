@@ -195,6 +195,18 @@ def test_plain_values_beside_the_tensors_are_allowed(tmp_path) -> None:
     assert torch.equal(fresh_opt.state_dict()["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
 
 
+def test_a_plain_value_at_a_place_the_checkpoint_lacks_is_passed_over(tmp_path) -> None:
+    """into={'model': ..., 'epoch': 0} on a checkpoint saved without 'epoch' (or with 'epoch' of
+    another shape) raised a bare KeyError after the model's tensors were filled
+    (r5c_into_plain_value_missing_keyerror): a place holding no tensor is passed over."""
+    path = str(tmp_path / "x.pt")
+    with Checkpointer() as ck:
+        ck.save({"model": {"w": torch.ones(3)}, "meta": 5}, path).wait()
+        w = torch.zeros(3)
+        got = ck.load(path, into={"model": {"w": w}, "epoch": 0, "meta": {"a": 1}, "names": ["x"]})
+    assert torch.equal(w, torch.ones(3)) and got == {"model": {"w": w}, "meta": 5}
+
+
 class _Phase(enum.Enum):
     WARMUP = 1
 

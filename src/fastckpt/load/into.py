@@ -236,13 +236,17 @@ def _absent(dest: object, where: Where) -> Iterator[tuple[Where, torch.Tensor, o
 
 
 def _put(dest: object, saved: object) -> object:
+    """The loaded object with ``dest``'s tensors (filled) in place of the saved ones. A place of
+    ``dest`` the checkpoint lacks holds no tensor (``_walk`` refused those before the read): it is
+    passed over, as a plain value of a type the saved object does not share is."""
     if isinstance(dest, torch.Tensor):
         return dest
-    if isinstance(dest, Mapping):
+    if isinstance(dest, Mapping) and isinstance(saved, Mapping):
         for k, v in dest.items():
-            saved[k] = _put(v, saved[k])  # type: ignore[index]
+            if k in saved:
+                saved[k] = _put(v, saved[k])  # type: ignore[index]
         return saved
-    if isinstance(dest, (list, tuple)):
+    if isinstance(dest, (list, tuple)) and isinstance(saved, (list, tuple)):
         items = [_put(dest[i], s) if i < len(dest) else s for i, s in enumerate(saved)]  # type: ignore[arg-type]
         if isinstance(saved, list):
             saved[:] = items
