@@ -35,12 +35,23 @@ def main(phase: str, url: str, drives: list[str], opts: dict) -> int:
     ck = fastckpt.Checkpointer(local_dir=drives, storage_options=opts, staging_buffers=3,
                                ops=FaultyOps(on_call=on_call), overhead_budget=0.99)
     attach(eng, checkpointer=ck)
+    written, release = threading.Event(), ck._stripes.release
+
+    def released(res, failure=None):  # noqa: ANN001, ANN202 (global_step1's other file, on drive 1, is written)
+        release(res, failure)
+        if res is not None and res.index == 1 and "global_step1" in res.path:
+            written.set()
+
+    ck._stripes.release = released  # the Saver shares this Stripes
     result: dict = {}
     try:
         if phase == "save":
             train(eng, 1, 1)
             eng.save_checkpoint(url)
             assert entered.wait(60), "global_step1's model file was not written on drive 0"
+            # drive 1 must be the less busy one when global_step2 is saved: its write of global_step1's other
+            # file has ended (this raced: under load that write was still queued, and drive 0 was chosen)
+            assert written.wait(60), "global_step1's other file was not written on drive 1"
             train(eng, 2, 2)
             eng.save_checkpoint(url)  # its model file goes to drive 1: drive 0 is busy
             held.set()
