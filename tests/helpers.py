@@ -44,6 +44,25 @@ def tmp_files(*roots: str | os.PathLike) -> list[str]:
     return sorted(str(p) for r in roots for p in Path(r).rglob("*") if is_tmp(p.name))
 
 
+
+class Queued:
+    """An EventSink: how many "queued" events (a save's local write ended; its upload waits) each
+    path had; ``wait`` for the n-th, with no timing."""
+
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = {}
+        self.changed = threading.Condition()
+
+    def emit(self, ev) -> None:  # noqa: ANN001
+        if ev.name == "queued":
+            with self.changed:
+                self.counts[ev.path] = self.counts.get(ev.path, 0) + 1
+                self.changed.notify_all()
+
+    def wait(self, path: str, n: int) -> bool:
+        with self.changed:
+            return self.changed.wait_for(lambda: self.counts.get(path, 0) >= n, timeout=60)
+
 def flip_byte(path: str | os.PathLike, offset: int, mask: int = 0xFF) -> None:
     """Damage one byte of ``path`` in place (XOR with ``mask``)."""
     with open(path, "r+b") as f:

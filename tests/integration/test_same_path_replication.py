@@ -18,27 +18,11 @@ import torch
 import fastckpt
 from fastckpt.errors import CheckpointWriteError
 from fastckpt.testing import FaultyOps
+from tests.helpers import Queued
 
 
 def _state(step: int) -> dict:
     return {"w": torch.full((1 << 16,), step, dtype=torch.int32), "step": step}
-
-
-class Queued:
-    """An EventSink that counts "queued" events per path."""
-
-    def __init__(self) -> None:
-        self.cv, self.n = threading.Condition(), {}
-
-    def emit(self, ev) -> None:  # noqa: ANN001
-        if ev.name == "queued":
-            with self.cv:
-                self.n[ev.path] = self.n.get(ev.path, 0) + 1
-                self.cv.notify_all()
-
-    def wait(self, path: str, count: int) -> bool:
-        with self.cv:
-            return self.cv.wait_for(lambda: self.n.get(path, 0) >= count, 60)
 
 
 class HoldFirstPublish:

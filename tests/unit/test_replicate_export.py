@@ -16,24 +16,7 @@ import torch
 import fastckpt
 from fastckpt.io.atomic import final_path
 from fastckpt.testing import FaultyOps
-
-
-class Queued:
-    """An EventSink: how many "queued" events each path had."""
-
-    def __init__(self) -> None:
-        self.counts: dict[str, int] = {}
-        self.changed = threading.Condition()
-
-    def emit(self, ev) -> None:  # noqa: ANN001
-        if ev.name == "queued":
-            with self.changed:
-                self.counts[ev.path] = self.counts.get(ev.path, 0) + 1
-                self.changed.notify_all()
-
-    def wait(self, path: str, n: int) -> bool:
-        with self.changed:
-            return self.changed.wait_for(lambda: self.counts.get(path, 0) >= n, timeout=60)
+from tests.helpers import Queued
 
 
 @pytest.mark.parametrize("order", [("ckpt", "export"), ("export", "ckpt"), ("export", "export")])

@@ -16,8 +16,9 @@ import threading
 import torch
 
 import fastckpt
-from fastckpt.io.atomic import final_path, is_tmp
+from fastckpt.io.atomic import final_path
 from fastckpt.testing import Fault, FaultyOps
+from tests.helpers import Queued, tmp_files
 
 
 def _state(step: int) -> dict:
@@ -44,29 +45,12 @@ class Held:
             self.landed.append(torch.load(path, weights_only=True)["step"])
 
 
-class Queued:
-    """An EventSink: counts the "queued" events of ``path`` (a save's local write ended)."""
-
-    def __init__(self, path: str) -> None:
-        self.path, self.n, self.cv = path, 0, threading.Condition()
-
-    def emit(self, ev) -> None:  # noqa: ANN001
-        if ev.name == "queued" and ev.path == self.path:
-            with self.cv:
-                self.n += 1
-                self.cv.notify_all()
-
-    def wait_for(self, n: int) -> None:
-        with self.cv:
-            assert self.cv.wait_for(lambda: self.n >= n, timeout=60)
-
-
 def _saved_behind(tmp_path, faults: tuple[Fault, ...] = ()) -> tuple:  # noqa: ANN001
     """``top.ckpt`` saved, its upload held at its rename; then ``last.ckpt`` saved three times
     (steps 1-3), each local write done while the earlier uploads wait."""
     home, nvme = str(tmp_path / "home"), str(tmp_path / "nvme")
     top, last = f"{home}/top.ckpt", f"{home}/last.ckpt"
-    held, queued = Held(home, top, last), Queued(last)
+    held, queued = Held(home, top, last), Queued()
     ck = fastckpt.Checkpointer(local_dir=nvme, ops=FaultyOps(faults, on_call=held), replicate_policy="all",
                                replicate_in_order=True, replicate_workers=1, sinks=(queued,), staging_buffers=2,
                                rank=0, world_size=1)
@@ -74,12 +58,8 @@ def _saved_behind(tmp_path, faults: tuple[Fault, ...] = ()) -> tuple:  # noqa: A
     assert held.entered.wait(60)
     for step in (1, 2, 3):
         handles.append(ck.save(_state(step), last))
-        queued.wait_for(step)
+        assert queued.wait(last, step)
     return ck, held, handles, nvme, last
-
-
-def _temp_files(root: str) -> list[str]:
-    return [f for _, _, files in os.walk(root) for f in files if is_tmp(f)]
 
 
 def test_the_oldest_queued_save_of_a_path_lands_in_its_turn_and_the_newest_after_it(tmp_path) -> None:  # noqa: ANN001
@@ -93,7 +73,7 @@ def test_the_oldest_queued_save_of_a_path_lands_in_its_turn_and_the_newest_after
     assert [r.superseded for r in recs] == [False, False, True, False]  # was: saves 1 and 2 of last.ckpt dropped
     assert held.landed == [1, 3]  # each with its own bytes, in the order of the calls
     assert torch.load(last, weights_only=True)["step"] == 3
-    assert _temp_files(nvme) == []  # each version link went with its upload
+    assert tmp_files(nvme) == []  # each version link went with its upload
 
 
 def test_a_removed_path_takes_the_version_links_of_its_queued_uploads(tmp_path) -> None:  # noqa: ANN001
@@ -107,7 +87,7 @@ def test_a_removed_path_takes_the_version_links_of_its_queued_uploads(tmp_path) 
     assert handles[0].wait(60).durable_s is not None
     ck.close()
     assert held.landed == [] and not os.path.exists(last)
-    assert _temp_files(nvme) == []  # the cancelled uploads' version links went with them
+    assert tmp_files(nvme) == []  # the cancelled uploads' version links went with them
 
 
 def test_without_hard_links_a_queued_save_is_dropped_for_the_newer_one(tmp_path) -> None:  # noqa: ANN001
@@ -118,7 +98,7 @@ def test_without_hard_links_a_queued_save_is_dropped_for_the_newer_one(tmp_path)
     ck.close()
     assert [r.superseded for r in recs] == [False, True, True, False]  # as before version links
     assert held.landed == [3]
-    assert _temp_files(nvme) == []
+    assert tmp_files(nvme) == []
 
 
 def test_the_room_check_first_removes_what_a_killed_run_left_in_the_burst_buffer(tmp_path) -> None:  # noqa: ANN001
