@@ -192,12 +192,11 @@ class Coordinator:
         if running is not None and running.channel is None and world > 1:  # its marker may be in rank 0's hands
             R.claim(running, rank, self._timeout, self._stop)
 
-    def abandon(self, group: str, rank: int, world: int, exc: BaseException) -> Future | None:
+    def abandon(self, group: str, rank: int, world: int, exc: BaseException) -> None:
         """This rank will not commit its attempt at ``group`` (its ``commit`` raised ``exc``, an
         earlier save's failure; or it closed: ``close``): end the attempt, on every rank at once.
         A rank that saved nothing into it begins it now (as ``_refuse``): else rank 0 waits for it,
-        and with a store its attempt count at the group falls one behind the others' for good.
-        Returns the committer pool's Future that tells the others (``Teller.through_store``), if any."""
+        and with a store its attempt count at the group falls one behind the others' for good."""
         with self._lock:
             att = self._open.pop(group, None)
             self._missing.pop(group, None)
@@ -207,11 +206,10 @@ class Coordinator:
             except BaseException as begin_exc:  # the others then time out, naming this rank
                 exc.add_note(f"the other ranks were not told, and wait commit_timeout_s: "
                              f"{type(begin_exc).__name__}: {begin_exc}")
-                return None
-        if att is None:
-            return None
-        self._give_up(att)
-        return self._tell.abort(att, rank, exc, background=True)
+                return
+        if att is not None:
+            self._give_up(att)
+            self._tell.abort(att, rank, exc, background=True)
 
     def close(self, rank: int, world: int) -> None:
         """``Checkpointer.close`` (or the exit flush), before ``stop`` is set: this rank commits none of

@@ -11,7 +11,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Executor, Future
+from concurrent.futures import Executor
 
 from ..errors import CommitTimeoutError
 from . import attempt as A
@@ -35,16 +35,16 @@ class Teller:
         self._pool, self._stop, self._timeout = pool, stop, timeout_s
 
     def abort(self, att: A.Attempt, rank: int, exc: BaseException, background: bool = False,
-              why: str | None = None) -> Future | None:
+              why: str | None = None) -> None:
         """End the attempt on every rank at once, not after ``commit_timeout_s``. With a store through it
-        (``background``: on the training thread, so a session still to agree is agreed on the pool: the Future
-        returned ends once the others were told); else rank 0 records the outcome, another rank a failure record
-        for rank 0's current attempt or, before it started, for the one after the attempt recorded now. ``why``:
-        what the others are told."""
+        (``background``: on the training thread, so a session still to agree is agreed on the pool); else
+        rank 0 records the outcome, another rank a failure record for rank 0's current attempt or, before
+        it started, for the one after the attempt recorded now. ``why``: what the others are told."""
         why = (why or f"{type(exc).__name__}: {exc}")[:500]
         if att.channel is not None:
-            return self.through_store(att.channel, att.group, rank, lambda ch: ch.abort(rank, why), "the failure of",
-                                      background)
+            self.through_store(att.channel, att.group, rank, lambda ch: ch.abort(rank, why), "the failure of",
+                               background)
+            return
         try:
             if rank == 0:
                 F.record_aborted(att.place, att.token, f"rank 0: {why}", att.replaced)
@@ -54,14 +54,12 @@ class Teller:
         except OSError as tell_exc:  # the others then time out, naming this rank
             log.warning("fastckpt: could not tell the other ranks that the save into %s failed: %s",
                         att.group, tell_exc)
-        return None
 
     def through_store(self, ch: S.Channel, group: str, rank: int, act: Callable[[S.Channel], object], what: str,
-                      background: bool = True) -> Future | None:
+                      background: bool = True) -> None:
         """``act`` on the attempt's keys, once the session is agreed. From the training thread
         (``background``), a session still to agree is agreed on the committer pool, polling, so
-        that close() ends it at once: the commit's own join, if any, is what close() waits for.
-        Returns that pool's Future (None: done on this thread)."""
+        that close() ends it at once: the commit's own join, if any, is what close() waits for."""
         timeout_s = self._timeout + (0 if rank == 0 else A.grace(self._timeout))
 
         def run(poll: bool) -> None:
@@ -72,6 +70,6 @@ class Teller:
                 log.warning("fastckpt: could not tell the other ranks of %s %s: %s", what, group, exc)
 
         if background and not ch.agreed:
-            return self._pool.submit(run, True)
-        run(False)
-        return None
+            self._pool.submit(run, True)
+        else:
+            run(False)
