@@ -19,7 +19,6 @@ storage (3x the file's memory, an OOM where torch's error was wanted) and, under
 
 from __future__ import annotations
 
-import io
 import pickle
 import sys
 import types
@@ -89,14 +88,10 @@ def _where_read(storage: torch.UntypedStorage, _location: str) -> torch.UntypedS
     return storage
 
 
-def _load(file: io.IOBase, **kwargs: object) -> object:
-    return _Unpickler(file, **kwargs).load()  # type: ignore[arg-type]
-
-
 def _allowed() -> dict[str, object]:
     from torch import _weights_only_unpickler as wo
 
     return {**wo._get_allowed_globals(), **wo._get_user_allowed_globals()}
 
 
-_MODULE = types.SimpleNamespace(Unpickler=_Unpickler, load=_load, __name__="fastckpt-soundness")
+_MODULE = types.SimpleNamespace(Unpickler=_Unpickler, __name__="fastckpt-soundness")  # what the zip load uses
