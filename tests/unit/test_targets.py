@@ -30,6 +30,7 @@ from fastckpt.storage.types import (
     TargetNotFoundError,
     TargetPermissionError,
     TargetUnavailableError,
+    TargetUnreachableError,
     TokenBucket,
 )
 from fastckpt.testing import Fault, FaultyOps
@@ -515,3 +516,37 @@ def test_a_failed_publish_on_a_generic_object_store_leaves_no_temp_key(tmp_path:
         t.put_bytes("latest", b"new") if call == "put_bytes" else t.put_file(local, "latest")
     assert sorted(p.rsplit("/", 1)[-1] for p in t.fs.find(t.root)) == ["latest"]
     assert t.get_bytes("latest") == b"old"
+
+
+def test_a_refused_connection_after_a_generic_store_answered_is_an_outage_retried(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only S3 requests marked the store as reached: at memory://, gs://, az://... a connection
+    refused after hours of working reads was taken for a wrong URL (``TargetUnreachableError``, a
+    ``ConfigError``, raised at once) instead of an outage to ride out for ``retry_deadline_s``."""
+    url = f"memory://fastckpt-{uuid.uuid4().hex[:8]}/run"
+    down, notices = [False], []
+
+    def back_up(notice: RetryNotice) -> None:  # the store comes back as the first retry is scheduled
+        notices.append(notice)
+        down[0] = False
+
+    t = open_target(url, parallelism=1, retry_deadline_s=30, on_retry=back_up)
+    orig = t.fs.cat_file
+
+    def cat_file(path: str, *a: object, **k: object) -> bytes:
+        if down[0]:
+            raise ConnectionRefusedError(errno.ECONNREFUSED, "Connection refused")
+        return orig(path, *a, **k)
+
+    monkeypatch.setattr(t.fs, "cat_file", cat_file)
+    t.put_bytes("a.bin", b"x" * 16)
+    assert t.get_bytes("a.bin") == b"x" * 16  # the store answered
+    down[0] = True
+    assert t.get_bytes("a.bin") == b"x" * 16
+    assert [type(n.error) for n in notices] == [ConnectionRefusedError]
+
+    down[0] = True  # a target whose very first request is refused: a wrong URL, told at once
+    fresh = FsspecTarget(url, retry_deadline_s=30, on_retry=back_up)
+    with pytest.raises(TargetUnreachableError, match="connection refused"):
+        fresh.get_bytes("a.bin")
+    assert len(notices) == 1

@@ -169,6 +169,16 @@ class FsspecTarget(Target):
             return "the S3 endpoint"
 
     # ------------------------------------------------------------------ errors
+    def _retry(self, what: str, fn: Callable[[], T], **kw: object) -> T:
+        """``Target._retry``; a request that succeeds marks the store reached, whatever its protocol: a
+        refused connection after it is an outage to retry, not a wrong URL (``_is_transient``)."""
+        def answered() -> T:
+            out = fn()
+            self._answered = True
+            return out
+
+        return super()._retry(what, answered, **kw)  # type: ignore[arg-type]
+
     def _is_transient(self, exc: BaseException) -> bool:
         ce = client_error(exc)
         if ce is not None:
