@@ -209,7 +209,8 @@ class Target(ReadSide, abc.ABC):
     def read_range(self, key: str, offset: int, length: int, *, version: str | None = None) -> bytes:
         """Exactly ``length`` bytes from ``offset``; with ``version`` (from ``version(key)``), of
         that version of the object only, else ``ObjectChangedError`` (a target without versions
-        ignores it)."""
+        ignores it; one that cannot ask for a version in a request checks it only when what was
+        read proves wrong: ``storage.reads``)."""
 
     @abc.abstractmethod
     def size(self, key: str) -> int:

@@ -157,10 +157,8 @@ class FsspecTarget(Target):
         if not self.is_s3:
             return self.fs.cat_file(self._full(key), start=start, end=end)
         n = (end or 0) - (start or 0)
-        limit_s = REQUEST_FLOOR_S + max(n, 0) / REQUEST_MIN_Bps
-        data = self.fs.cat_file(self._full(key), start=start, end=end, timeout=limit_s)
-        self._answered = True
-        return data
+        limit_s = REQUEST_FLOOR_S + max(n, 0) / REQUEST_MIN_Bps  # _retry, its only caller, sets _answered
+        return self.fs.cat_file(self._full(key), start=start, end=end, timeout=limit_s)
 
     def _endpoint(self) -> str:
         try:
@@ -271,15 +269,12 @@ class FsspecTarget(Target):
         url = self.url_of(key)
 
         def read() -> bytes:
-            data = self._get(key, offset, offset + length, version) if self.is_s3 else self._cat(key, offset,
-                                                                                                 offset + length)
-            if version is not None and not self.is_s3:  # no If-Match: was it replaced by the end of this read?
-                self.fs.invalidate_cache(self._full(key))
-                if (now := info_version(self.fs.info(self._full(key)))) != version:
-                    raise ObjectChangedError(f"{url} is no longer version {version} (now {now or 'another'})")
+            end = offset + length
+            data = self._get(key, offset, end, version) if self.is_s3 else self._cat(key, offset, end)
             if len(data) != length:
+                self._confirm_version(key, version)  # cut short by a re-save, not damage
                 raise storage_error(ReplicationError, f"{url} returned {len(data)} bytes for the range "
-                                    f"[{offset}, {offset + length}): the object is shorter", err_no=errno.EIO)
+                                    f"[{offset}, {end}): the object is shorter", err_no=errno.EIO)
             return data
 
         return self._retry(f"read of {url}", read)
@@ -291,11 +286,15 @@ class FsspecTarget(Target):
         return data
 
     def version(self, key: str) -> tuple[int, str | None]:
-        if not self.is_s3:  # the token read_range checks after each read (reads.info_version)
+        if not self.is_s3:  # a token only _confirm_version checks (reads.info_version): no If-Match here
             info = self._info(key)
             return int(info["size"]), info_version(info)
         head = self._retry(f"size of {self.url_of(key)}", lambda: self._head(self._obj(key)))
         return int(head["ContentLength"]), head.get("ETag")
+
+    def _confirm_version(self, key: str, version: str | None) -> None:
+        if version is not None and not self.is_s3 and (now := info_version(self._info(key))) != version:
+            raise ObjectChangedError(f"{self.url_of(key)} is no longer version {version} (now {now or 'another'})")
 
     def _head(self, obj: str) -> dict:
         return self._s3("head_object", Key=obj)

@@ -8,9 +8,12 @@ An object is read in several requests (its size, its tail, ranges in parallel), 
 writer may replace it meanwhile (Lightning's ``last.ckpt``, saved again and again). So a read
 that takes more than one request asks for one version of the object: the one its first request
 saw (``version``: S3's ETag, another fsspec store's ``info_version``), which every ranged read
-then requires (``read_range(version=)``: If-Match, or the token checked again after the read).
-A read that finds the object replaced (``ObjectChangedError``) starts again, whole, on the new
-version, up to ``READ_ATTEMPTS`` times: a replaced object is not a damaged one.
+then requires (``read_range(version=)``: If-Match). A store that cannot ask for a version in a
+request (another fsspec store) is asked afterwards, and only when what was read proves wrong
+(``_confirm_version``: a checksum that differs, a trailer that does not parse, a range cut short),
+so a healthy read costs no request per range. A read that finds the object replaced
+(``ObjectChangedError``) starts again, whole, on the new version, up to ``READ_ATTEMPTS`` times: a
+replaced object is not a damaged one.
 """
 
 from __future__ import annotations
@@ -57,6 +60,12 @@ class ReadSide:
         where there is none to ask for (a file system; an fsspec store whose ``info`` gives no
         ``info_version`` token)."""
         return self.size(check_key(key)), None
+
+    def _confirm_version(self, key: str, version: str | None) -> None:
+        """Called when what was read of ``version`` of ``key`` proves wrong, before that is reported
+        as damage: raises ``ObjectChangedError`` if the object was replaced meanwhile. Nothing to
+        ask here: a file system has no versions, and S3 refuses a read of another version (If-Match);
+        a store that can only check afterwards overrides it (``FsspecTarget``)."""
 
     def _map_ranges(self, size: int, chunk_bytes: int, fn: Callable[[int, int], T]) -> Iterator[T]:
         """``fn(offset, length)`` over ``[0, size)`` on ``parallelism`` threads; results in order,
@@ -150,7 +159,7 @@ class ReadSide:
 
     def _download(self, key: str, local_path: str, chunk_bytes: int) -> int:
         size, version = self.version(check_key(key))
-        with atomic.replacing(self.ops, local_path) as st:
+        with atomic.replacing(self.ops, local_path) as st:  # no checksum known here: one check at the end
             fd = self.ops.open(st.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             try:
                 def fetch(offset: int, length: int) -> None:
@@ -159,6 +168,7 @@ class ReadSide:
 
                 for _ in self._map_ranges(size, chunk_bytes, fetch):
                     pass
+                self._confirm_version(key, version)
                 self.ops.ftruncate(fd, size)
                 self.ops.fsync(fd)
             finally:
@@ -184,7 +194,11 @@ class ReadSide:
         covered = manifest["covered"] if manifest else None
         blocks = BlockFetch(lambda lo, n: bytes(self.read_range(key, lo, n, version=version)), size,
                             (size - len(tail), tail))
-        image = into(blocks.fetch, size) if into else None  # the directory: mostly in the tail already read
+        try:
+            image = into(blocks.fetch, size) if into else None  # the directory: mostly in the tail already read
+        except CorruptCheckpointError:  # a directory that does not parse: damaged, or replaced under the read
+            self._confirm_version(key, version)
+            raise
         image = image or FlatImage(alloc_aligned(size), size)
 
         def fetch(offset: int, length: int) -> list[int]:
@@ -196,8 +210,10 @@ class ReadSide:
 
         digests = [d for ds in self._map_ranges(size, chunk_bytes, fetch) for d in ds]
         image.release()
-        return ReadResult(image.memory, size, manifest, checksum.combine(digests) if covered is not None else None,
-                          False)
+        got = checksum.combine(digests) if covered is not None else None
+        if manifest is None or got != manifest["checksum"]["value"]:  # damaged, or replaced (nothing to tell by)
+            self._confirm_version(key, version)
+        return ReadResult(image.memory, size, manifest, got, False)
 
     def read_manifest(self, key: str) -> dict | None:
         """The fastckpt manifest in the zip comment of the file at ``key`` (its last bytes only);
@@ -211,7 +227,14 @@ class ReadSide:
     def _size_and_manifest(self, key: str) -> tuple[int, str | None, dict | None, bytes]:
         """The object's size, version, manifest and last ``TAIL_BYTES`` (where the manifest came from)."""
         size, version, tail = self._size_and_tail(key)
-        return size, version, manifest_in(tail, size, self.url_of(key)), tail
+        try:
+            manifest = manifest_in(tail, size, self.url_of(key))
+        except CorruptCheckpointError:  # a torn trailer: damaged, or the size of one version, the tail of another
+            self._confirm_version(key, version)
+            raise
+        if manifest is None:  # a plain file, or the tail of another version where no manifest is
+            self._confirm_version(key, version)
+        return size, version, manifest, tail
 
     def _size_and_tail(self, key: str) -> tuple[int, str | None, bytes]:
         """The object's size, version and last ``TAIL_BYTES``: two requests, the second asking
