@@ -156,9 +156,8 @@ class FsspecTarget(Target):
     def _cat(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
         if not self.is_s3:
             return self.fs.cat_file(self._full(key), start=start, end=end)
-        n = (end or 0) - (start or 0)
-        limit_s = REQUEST_FLOOR_S + max(n, 0) / REQUEST_MIN_Bps  # _retry, its only caller, sets _answered
-        return self.fs.cat_file(self._full(key), start=start, end=end, timeout=limit_s)
+        limit_s = REQUEST_FLOOR_S + max((end or 0) - (start or 0), 0) / REQUEST_MIN_Bps  # _retry sets _answered
+        return get_range(self.fs, self.bucket, self._obj(key), start or 0, end, None, self.url_of(key), limit_s)
 
     def _endpoint(self) -> str:
         try:

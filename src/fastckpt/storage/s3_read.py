@@ -2,8 +2,10 @@
 ``Target.read_range(version=)`` (``storage.reads`` says why a read asks for one version); and a
 listing with sizes (``Target.sizes``, ``list``).
 
-s3fs's ``cat_file`` neither sends a condition nor returns the answer's ETag, so the GET is made
-here through s3fs's client: ``If-Match`` with the ETag the read saw first (SeaweedFS and AWS S3
+s3fs's ``cat_file`` neither sends a condition nor returns the answer's ETag, and it parses the
+key out of a path, where it takes ``?versionId=`` for a version to ask for (a key holding it is
+legal, and listed as such: another key was read). So the GET is made here through s3fs's client,
+with the key as it is: ``If-Match`` with the ETag the read saw first (SeaweedFS and AWS S3
 answer another version with 412 PreconditionFailed), and the ETag of the answer compared too,
 for a store that ignores the condition.
 """
@@ -16,22 +18,23 @@ from .s3 import client_error
 from .types import ObjectChangedError
 
 
-def get_range(fs: object, bucket: str, obj: str, start: int, end: int, version: str | None, url: str,
+def get_range(fs: object, bucket: str, obj: str, start: int, end: int | None, version: str | None, url: str,
               timeout_s: float) -> bytes:
-    """Bytes ``[start, end)`` of ``obj`` in ``bucket`` through the s3fs file system ``fs``, in one
-    request bounded by ``timeout_s``; with ``version`` (an ETag), of that version only.
+    """Bytes ``[start, end)`` of ``obj`` in ``bucket`` through the s3fs file system ``fs`` (the whole
+    object: ``end`` None, ``start`` 0), in one request bounded by ``timeout_s``; with ``version``
+    (an ETag), of that version only.
 
     Raises:
         ObjectChangedError: naming ``url``: the object is another version now.
     """
     from fsspec.asyn import sync
 
-    if end <= start:
+    if end is not None and end <= start:
         return b""
+    cond = ({"IfMatch": version} if version else {}) | ({} if end is None else {"Range": f"bytes={start}-{end - 1}"})
 
     async def get() -> tuple[bytes, str | None]:
-        resp = await fs._call_s3("get_object", Bucket=bucket, Key=obj, Range=f"bytes={start}-{end - 1}",  # type: ignore[attr-defined]
-                                 **({"IfMatch": version} if version else {}))
+        resp = await fs._call_s3("get_object", Bucket=bucket, Key=obj, **cond)  # type: ignore[attr-defined]
         try:
             return await resp["Body"].read(), resp.get("ETag")
         finally:
