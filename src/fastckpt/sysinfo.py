@@ -1,4 +1,4 @@
-"""What the node says about its storage: mounts, free space, I/O wait, NVMe SMART.
+"""What the node says about its storage and memory: mounts, free space, I/O wait, NVMe SMART, memory.
 
 Shared by the metrics exporter (storage health) and ``fastckpt doctor``. Every reader returns
 None (or an empty result) when its source is absent here, never zeros: the caller reports the
@@ -20,6 +20,8 @@ log = logging.getLogger("fastckpt")
 DATA_UNIT_BYTES = 512_000
 #: Keys under which a smart-log's JSON reports writes to the media (not every device does).
 MEDIA_WRITE_KEYS = ("media_units_written", "physical_media_units_written", "nand_data_units_written")
+#: Where the cgroup filesystem is mounted (v2 unified, or v1 with one folder per controller).
+CGROUP_ROOT = "/sys/fs/cgroup"
 
 
 @dataclass(frozen=True)
@@ -107,16 +109,74 @@ def space(path: str) -> Space | None:
     return Space(m.mountpoint if m else where, st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize)
 
 
-def mem_available(path: str = "/proc/meminfo") -> int | None:
-    """Bytes of memory available to new allocations (``MemAvailable``), or None where unknown."""
+def mem_available(path: str = "/proc/meminfo", cgroup_root: str = CGROUP_ROOT,
+                  self_cgroup: str = "/proc/self/cgroup") -> int | None:
+    """Bytes of memory available to new allocations, or None where unknown: the smaller of the
+    node's ``MemAvailable`` and what this process's memory cgroup has left (``cgroup_room``).
+    In a container ``/proc/meminfo`` is the whole node's: sizing by it alone let an allocation
+    pass the check and then have the kernel kill the process at the container's limit."""
+    node = None
     try:
         with open(path, encoding="utf-8") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                    node = int(line.split()[1]) * 1024
+                    break
     except (OSError, ValueError, IndexError):
+        pass
+    room = cgroup_room(cgroup_root, self_cgroup)
+    return node if room is None else room if node is None else min(node, room)
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return int(f.read().strip())  # cgroup v2 writes "max" for no limit: ValueError, None
+    except (OSError, ValueError):
         return None
-    return None
+
+
+def cgroup_room(root: str = CGROUP_ROOT, self_cgroup: str = "/proc/self/cgroup") -> int | None:
+    """Bytes this process's memory cgroup may still allocate (limit - working set, the tightest of
+    its ancestors' too: limits are hierarchical), or None without a limit. Reads cgroup v2's
+    ``memory.max``/``memory.current`` and v1's ``memory/memory.limit_in_bytes``/``usage_in_bytes``
+    below ``root``, at the path ``self_cgroup`` names and at ``root`` itself (a container that sees
+    its own cgroup as the root, with a host path in /proc/self/cgroup that is not mounted there)."""
+    paths = {"v2": "/", "v1": "/"}
+    try:
+        with open(self_cgroup, encoding="utf-8") as f:
+            for line in f:  # "0::/a/b" (v2), "4:memory:/a/b" (v1)
+                _, controllers, where = line.rstrip("\n").split(":", 2)
+                if controllers == "":
+                    paths["v2"] = where
+                elif "memory" in controllers.split(","):
+                    paths["v1"] = where
+    except (OSError, ValueError):
+        pass
+    rooms = []
+    for version, base, limit_file, usage_file in (("v2", root, "memory.max", "memory.current"),
+                                                  ("v1", os.path.join(root, "memory"), "memory.limit_in_bytes",
+                                                   "memory.usage_in_bytes")):
+        parts = [p for p in paths[version].split("/") if p]
+        for depth in range(len(parts), -1, -1):  # the process's own cgroup, then each ancestor up to root
+            where = os.path.join(base, *parts[:depth])
+            limit = _read_int(os.path.join(where, limit_file))
+            if limit is not None:
+                used = (_read_int(os.path.join(where, usage_file)) or 0) - _inactive_file(where)
+                rooms.append(max(0, limit - max(0, used)))
+    return min(rooms) if rooms else None
+
+
+def _inactive_file(where: str) -> int:
+    """Page cache the kernel reclaims before it kills (``inactive_file``, v1 ``total_inactive_file``):
+    usage counts it, and a cgroup that just wrote a checkpoint would otherwise look full (the
+    working set, as kubelet and ``docker stats`` compute it)."""
+    try:
+        with open(os.path.join(where, "memory.stat"), encoding="utf-8") as f:
+            stat = dict(line.split() for line in f if line.count(" ") == 1)
+        return int(stat.get("total_inactive_file", stat.get("inactive_file", 0)))
+    except (OSError, ValueError):
+        return 0
 
 
 def cpu_times(path: str = "/proc/stat") -> tuple[float, float] | None:

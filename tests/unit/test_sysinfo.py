@@ -66,3 +66,41 @@ def test_cpu_times(tmp_path: Path) -> None:
     iowait, total = sysinfo.cpu_times(str(stat))
     assert iowait == 2 and total == pytest.approx((950 + 2 * hz) / hz)
     assert sysinfo.cpu_times(str(tmp_path / "none")) is None
+
+
+def _files(root: Path, files: dict[str, str]) -> None:
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+
+
+@pytest.mark.parametrize(("cgroup", "files", "expect"), [
+    # cgroup v2: 1 GiB limit, 300 MiB used of which 100 MiB is reclaimable page cache
+    ("0::/\n", {"memory.max": "1073741824\n", "memory.current": str(300 << 20),
+                "memory.stat": f"anon 1\ninactive_file {100 << 20}\n"}, (1 << 30) - (200 << 20)),
+    ("0::/\n", {"memory.max": "max\n", "memory.current": "5"}, 8 << 30),  # no limit: the node's
+    # cgroup v1, memory controller in its own folder
+    ("4:memory:/\n", {"memory/memory.limit_in_bytes": str(2 << 30), "memory/memory.usage_in_bytes": str(1 << 30),
+                      "memory/memory.stat": "cache 1\ntotal_inactive_file 0\n"}, 1 << 30),
+    ("4:memory:/\n", {"memory/memory.limit_in_bytes": "9223372036854771712"}, 8 << 30),  # v1's "unlimited"
+    # the process's own cgroup (from /proc/self/cgroup) and an ancestor's tighter limit
+    ("0::/job/step\n", {"job/step/memory.max": str(4 << 30), "job/memory.max": str(3 << 30)}, 3 << 30),
+    ("0::/job/step\n", {"job/step/memory.max": str(1 << 30), "job/step/memory.current": str(1 << 31)}, 0),
+    ("0::/\n", {}, 8 << 30),  # no cgroup files at all (not Linux, not mounted)
+])
+def test_mem_available_is_the_smaller_of_the_node_and_its_memory_cgroup(
+        tmp_path: Path, cgroup: str, files: dict[str, str], expect: int) -> None:
+    """In a container /proc/meminfo is the node's: doctor sized its probe (and drill its job) by
+    a node's worth of memory, and the kernel killed it at the container's limit."""
+    meminfo, self_cgroup, root = tmp_path / "meminfo", tmp_path / "self_cgroup", tmp_path / "cgroup"
+    meminfo.write_text(f"MemTotal: {16 << 20} kB\nMemAvailable: {8 << 20} kB\n")
+    self_cgroup.write_text(cgroup)
+    _files(root, files)
+    got = sysinfo.mem_available(str(meminfo), cgroup_root=str(root), self_cgroup=str(self_cgroup))
+    assert got == expect
+
+
+def test_mem_available_with_a_cgroup_limit_and_no_meminfo(tmp_path: Path) -> None:
+    _files(tmp_path, {"memory.max": str(1 << 30)})
+    assert sysinfo.mem_available(str(tmp_path / "absent"), str(tmp_path), str(tmp_path / "absent")) == 1 << 30
+    assert sysinfo.mem_available(str(tmp_path / "absent"), str(tmp_path / "none"), str(tmp_path / "absent")) is None
