@@ -444,30 +444,93 @@ def test_an_intact_gpu_file_on_a_cpu_node_raises_torchs_error_not_corruption(
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a node without CUDA, where a GPU file needs map_location")
-def test_a_prezip_file_that_torch_cannot_load_here_is_not_loaded_again(
+@pytest.mark.parametrize("forced", [False, True], ids=["default", "TORCH_FORCE_WEIGHTS_ONLY_LOAD"])
+def test_an_intact_prezip_gpu_file_raises_torchs_error_without_a_copy_of_the_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, forced: bool) -> None:
+    """A pre-zip file torch cannot load here was reported "truncated or damaged" (so a resume
+    script skipped it): its check went through torch.load, which copied the image and every
+    storage (3x the file's memory) and, under TORCH_FORCE_WEIGHTS_ONLY_LOAD=1, refused the
+    check's unpickler; then it was not checked at all. Its pickles are checked with storages on
+    the meta device: none of the storages' bytes is read, and torch's error names the fix."""
+    from fastckpt.load import soundness
+
+    path = tmp_path / "gpu_step100.pt"
+    state = {"m": {f"p{i}": torch.arange(4096.0) + i for i in range(20)}, "step": 3}
+    with monkeypatch.context() as m:
+        m.setattr(torch.serialization, "location_tag", lambda storage: "cuda:0")
+        torch.save(state, path, _use_new_zipfile_serialization=False)
+    if forced:
+        monkeypatch.setenv("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "1")
+    fetched: list[int] = []
+    real = soundness.fetcher
+
+    def fetcher(buf):  # noqa: ANN001, ANN202 (records how many bytes each read of the image takes)
+        fetch = real(buf)
+        return lambda lo, hi: (fetched.append(hi - lo), fetch(lo, hi))[1]
+
+    monkeypatch.setattr(soundness, "fetcher", fetcher)
+    with pytest.raises(RuntimeError, match="map_location") as err:
+        fastckpt.load(str(path))
+    assert not isinstance(err.value, CorruptCheckpointError)
+    note = "".join(err.value.__notes__)
+    assert f"{path} has no fastckpt manifest, but it is not damaged" in note and "map_location='cpu'" in note
+    assert fetched and sum(fetched) < path.stat().st_size // 4  # the pickles alone: no storage, no copy
+    monkeypatch.delenv("TORCH_FORCE_WEIGHTS_ONLY_LOAD", raising=False)
+    assert fastckpt.load(str(path), map_location="cpu")["step"] == 3
+    data = bytearray(path.read_bytes())  # the same file with a damaged name in its pickle is damage
+    at = data.index(b"_rebuild_tensor_v2")
+    data[at + 1] ^= 0x01
+    path.write_bytes(bytes(data))
+    with pytest.raises(CorruptCheckpointError, match=f"{path} is truncated or damaged"):
+        fastckpt.load(str(path), weights_only=False)  # (True: weights_only refuses the unknown name first)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a node without CUDA, where a GPU file needs map_location")
+def test_an_intact_gpu_file_holding_a_tensor_subclass_raises_torchs_error_not_corruption(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The soundness check of a pre-zip file copied the whole image and ran torch's legacy loader,
-    which allocates every storage again: 3x the file's memory for a load that fails (an OOM where
-    torch's error was wanted); under TORCH_FORCE_WEIGHTS_ONLY_LOAD=1 torch refused it outright.
-    A pre-zip file is judged as before that check: torch's error on it is damage."""
+    """The check stubs every class outside torch and the standard library; torch's rebuild of a
+    Tensor subclass then called ``as_subclass(Stub)``, a TypeError taken for damage: an intact
+    GPU file holding one, loaded on a CPU node, was reported "truncated or damaged"."""
+    import types
+
+    mod = types.ModuleType("fastckpt_test_tensor_subclass")
+    mod.MyTensor = type("MyTensor", (torch.Tensor,), {"__module__": mod.__name__})
+    monkeypatch.setitem(sys.modules, mod.__name__, mod)
+    path = tmp_path / "gpu_subclass.pt"
+    with monkeypatch.context() as m:
+        m.setattr(torch.serialization, "location_tag", lambda storage: "cuda:0")
+        torch.save({"t": torch.ones(3).as_subclass(mod.MyTensor), "step": 3}, path)
+    with pytest.raises(RuntimeError, match="map_location") as err:
+        fastckpt.load(str(path), weights_only=False)
+    assert not isinstance(err.value, CorruptCheckpointError)
+    assert f"{path} has no fastckpt manifest, but it is not damaged" in "".join(err.value.__notes__)
+    got = fastckpt.load(str(path), weights_only=False, map_location="cpu")["t"]
+    assert type(got) is mod.MyTensor and torch.equal(got, torch.ones(3))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a node without CUDA, where a GPU file needs map_location")
+def test_a_check_this_process_cannot_finish_is_not_reported_as_damage(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Out of memory while checking says nothing of the bytes: torch's error reaches the caller,
+    with a note that the file could not be checked here (never "truncated or damaged")."""
     from fastckpt.load import soundness
 
     path = tmp_path / "gpu_step100.pt"
     with monkeypatch.context() as m:
         m.setattr(torch.serialization, "location_tag", lambda storage: "cuda:0")
-        torch.save(_plain_state(), path, _use_new_zipfile_serialization=False)
-    fetched: list[int] = []
-    real = soundness.fetcher
+        torch.save(_plain_state(), path)
 
-    def fetcher(buf):  # noqa: ANN001, ANN202 (records the size of every read of the image)
-        fetch = real(buf)
-        return lambda start, n: (fetched.append(n), fetch(start, n))[1]
+    def no_memory(storage, location):  # noqa: ANN001, ANN202 (each storage the check keeps)
+        raise MemoryError("cannot allocate 400 bytes")
 
-    monkeypatch.setattr(soundness, "fetcher", fetcher)
-    with pytest.raises(CorruptCheckpointError, match=f"{path} is truncated or damaged"):
+    monkeypatch.setattr(soundness, "_where_read", no_memory)
+    with pytest.raises(RuntimeError, match="map_location") as err:
         fastckpt.load(str(path))
-    assert fetched and max(fetched) <= 4  # the header alone: no copy of the file
-    assert fastckpt.load(str(path), map_location="cpu")["step"] == 3
+    assert not isinstance(err.value, CorruptCheckpointError)
+    note = "".join(err.value.__notes__)
+    assert (f"{path} has no fastckpt manifest, and fastckpt could not check here whether it is damaged "
+            "(MemoryError while checking it: cannot allocate 400 bytes)") in note
+    assert "map_location='cpu'" in note and "weights_only=False" in note
 
 
 def test_an_intact_file_holding_a_class_renamed_since_raises_torchs_error_not_corruption(

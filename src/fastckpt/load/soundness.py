@@ -11,14 +11,18 @@ unpickler allows is real). What still fails is in the bytes: an unknown opcode, 
 the standard library does not have (``torch._utils._sebuild_tensor_v2``), a storage record that
 is missing, a location tag no device has, arguments a rebuild function does not take.
 
-Only a zip file is checked so: torch loads it from the image in place. A pre-zip file is judged
-damaged on such an error, as before this check: torch's legacy loader copies the image and every
-storage (3x the file's memory, an OOM where torch's error was wanted) and, under
-``TORCH_FORCE_WEIGHTS_ONLY_LOAD=1``, refuses the stubbing unpickler outright.
+A zip file is loaded from the image in place. A pre-zip file goes through torch's legacy loader
+under ``skip_data`` with every storage on the meta device: its pickles are checked, its storages
+neither read nor allocated (``load.unverified`` checked first that the file is as long as its pickles
+say). ``torch.load`` itself is not called: it copied the image and every storage (3x the file's
+memory, an OOM where torch's error was wanted), and under ``TORCH_FORCE_WEIGHTS_ONLY_LOAD=1`` it
+refuses the stubbing unpickler outright, which was taken for damage. A check that this process
+cannot finish (out of memory, too deep a recursion) says so (``CannotCheck``): that is no damage.
 """
 
 from __future__ import annotations
 
+import io
 import pickle
 import sys
 import types
@@ -32,19 +36,33 @@ from .deserialize import fetcher
 from .image import ZIP_MAGIC, HeapImage
 
 
+class CannotCheck(Exception):  # noqa: N818 (a verdict, not a failure of the caller's)
+    """The check could not run to its end in this process (its message says why): the file may
+    be intact or damaged, and is reported as neither."""
+
+
 def sound(buf, size: int) -> bool:  # noqa: ANN001
     """Whether the file image ``buf[:size]`` loads when nothing of this process can make it fail
-    (the caller checked first that its pickles are bounded: this runs the C unpickler); False for
-    a pre-zip file, which is not loaded again (see the module's docstring)."""
+    (the caller checked first that its pickles are bounded, and a pre-zip file's length: this runs
+    the C unpickler).
+
+    Raises:
+        CannotCheck: this process could not finish the check (out of memory, recursion too deep).
+    """
     fetch = fetcher(buf)
     try:
         if fetch(0, 4) != ZIP_MAGIC:
-            return False
+            with torch.serialization.skip_data():  # thread-local: the storages' bytes are not read
+                torch.serialization._legacy_load(io.BufferedReader(RangeReader(size, fetch)), _where_read,
+                                                 _LEGACY_MODULE, encoding="utf-8")  # torch.load's, for Python 2 strings
+            return True
         reader = torch._C.PyTorchFileReader(RangeReader(size, fetch))
         if "byteorder" in reader.get_all_records() and reader.get_record("byteorder") not in (b"little", b"big"):
             return False
         whole = buf if isinstance(buf, HeapImage) else torch.frombuffer(buf, dtype=torch.uint8).untyped_storage()
         torch.serialization._load(reader, _where_read, _MODULE, overall_storage=whole)
+    except (MemoryError, RecursionError) as exc:  # this process's limits, not the file's bytes
+        raise CannotCheck(f"{type(exc).__name__} while checking it: {exc}") from exc
     except Exception:  # noqa: BLE001 (whatever fails without this process's part is in the bytes)
         return False
     return True
@@ -56,6 +74,8 @@ class _Unpickler(pickle.Unpickler):
     persistent id's location a device torch knows."""
 
     def find_class(self, module: str, name: str) -> object:
+        if (module, name) == ("torch._tensor", "_rebuild_from_type_v2"):
+            return _rebuild_from_type
         allowed = _allowed()
         if f"{module}.{name}" in allowed:
             return allowed[f"{module}.{name}"]
@@ -88,10 +108,45 @@ def _where_read(storage: torch.UntypedStorage, _location: str) -> torch.UntypedS
     return storage
 
 
+class _MetaUnpickler(_Unpickler):
+    """A pre-zip file's pickle: each storage a meta storage of its size, which holds no memory
+    (torch's legacy loader allocates every storage, even under ``skip_data``: a large file's
+    check could then fail for want of memory, and that was taken for damage)."""
+
+    @_Unpickler.persistent_load.setter
+    def persistent_load(self, load: Callable[[object], object]) -> None:
+        roots: dict[object, torch.UntypedStorage] = {}
+
+        def on_meta(pid: object) -> object:
+            if not (isinstance(pid, tuple) and len(pid) == 6 and pid[0] in ("storage", b"storage")):
+                return load(pid)  # a module's source, or what torch itself refuses
+            _, storage_type, root_key, location, numel, view = pid
+            where = location.decode("ascii") if isinstance(location, bytes) else location
+            torch.device(where)  # RuntimeError, TypeError: no device type of that name (a damaged tag)
+            dtype, width = storage_type.dtype, torch._utils._element_size(storage_type.dtype)
+            root = roots.setdefault(root_key, torch.UntypedStorage(numel * width, device="meta"))
+            if view is not None:  # (view key, offset, size), in elements
+                root = root[view[1] * width:(view[1] + view[2]) * width]
+            return torch.storage.TypedStorage(wrap_storage=root, dtype=dtype, _internal=True)
+
+        pickle.Unpickler.persistent_load.__set__(self, on_meta)  # type: ignore[attr-defined]
+
+
+def _rebuild_from_type(func: Callable[..., torch.Tensor], new_type: type, args: tuple, state: object) -> object:
+    """``torch._tensor._rebuild_from_type_v2`` (a ``Tensor`` subclass's pickle): a stubbed subclass
+    leaves the plain tensor (``as_subclass`` wants a tensor type, not a ``Stub``: a TypeError that
+    was taken for damage), its state still set on it."""
+    from torch._tensor import _rebuild_from_type_v2
+
+    return _rebuild_from_type_v2(func, torch.Tensor if new_type is Stub else new_type, args, state)
+
+
 def _allowed() -> dict[str, object]:
     from torch import _weights_only_unpickler as wo
 
     return {**wo._get_allowed_globals(), **wo._get_user_allowed_globals()}
 
 
-_MODULE = types.SimpleNamespace(Unpickler=_Unpickler, __name__="fastckpt-soundness")  # what the zip load uses
+_MODULE = types.SimpleNamespace(Unpickler=_Unpickler, __name__="fastckpt-soundness")  # the pickle module torch uses
+_LEGACY_MODULE = types.SimpleNamespace(Unpickler=_MetaUnpickler, __name__="fastckpt-soundness",
+                                       load=lambda f, **kw: _Unpickler(f, **kw).load())  # its headers, storage keys

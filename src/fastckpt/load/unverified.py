@@ -7,8 +7,8 @@ fails to read. Whatever torch raises on a damaged byte (a struct or
 index error of a truncated legacy file, an unknown opcode, a pickle that pops an empty stack) is
 ``CorruptCheckpointError`` naming the file, unless the file is sound (``load.soundness``: it loads
 with what depends on this process taken away): then torch's error is for what the file holds here
-(a GPU file without ``map_location``, a class renamed since) and reaches the caller as it is;
-only a zip file can be judged sound.
+(a GPU file without ``map_location``, a class renamed since) and reaches the caller as it is,
+with a note naming the fix; so does it, saying so, when this process could not finish the check.
 Only an ``UnpicklingError`` of a file whose pickles
 parse (``pickletools``, which runs nothing) is weights_only refusing an object it does not allow:
 that error keeps its note saying how to opt in, which must never be advice for a damaged file.
@@ -38,7 +38,7 @@ from ..format.manifest import EOCD_SIG, TAIL_BYTES
 from ..format.ranges import RangeReader
 from .deserialize import deserialize, fetcher
 from .image import ZIP_MAGIC
-from .soundness import sound
+from .soundness import CannotCheck, sound
 
 if TYPE_CHECKING:
     from ..io.engine import ReadResult
@@ -47,6 +47,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("fastckpt")
 #: torch.save's pre-zip format: a pickle (protocol 2 by default; ``pickle_protocol=`` 3 to 5)
 LEGACY_MAGIC = tuple(bytes([0x80, p]) for p in range(2, 6))
+#: the fixes of what makes torch refuse an intact file here (the note on its error)
+FIXES = ("map_location='cpu' for a file saved on a GPU, loaded where that GPU is not; weights_only=False, for a "
+         "file you trust, for an object weights_only does not allow; a class importable under the name it was "
+         "saved with")
 #: what torch's readers raise on damaged bytes (the weights-only unpickler runs no code of the file's)
 DAMAGE = (RuntimeError, EOFError, KeyError, ValueError, zipfile.BadZipFile, pickle.PickleError, struct.error,
           IndexError, AttributeError, TypeError, AssertionError, OverflowError)
@@ -127,10 +131,19 @@ def load_unverified(res: ReadResult, url: str, opts: LoadOptions) -> object:
             raise  # weights_only refused an object: not damage (the error says how to opt in)
         raise _damaged(url, exc) from exc
     except DAMAGE as exc:
-        if not (_pickles_parse(res) and _pickles_bounded(res) and sound(res.buffer, res.size)):
+        if not (_pickles_parse(res) and _pickles_bounded(res)):
             raise _damaged(url, exc) from exc
-        exc.add_note(f"{url} has no fastckpt manifest, but it is not damaged: it loads with its storages kept on the "
-                     "CPU and its classes stubbed (load.soundness). This is torch's own error for what it holds here.")
+        try:
+            intact, unchecked = sound(res.buffer, res.size), ""
+        except CannotCheck as why:
+            intact, unchecked = True, str(why)
+        if not intact:
+            raise _damaged(url, exc) from exc
+        said = (f"and fastckpt could not check here whether it is damaged ({unchecked}): if it is not, " if unchecked
+                else "but it is not damaged: it loads with its storages left where they are read (no device to "
+                "restore) and its classes stubbed (load.soundness). ")
+        exc.add_note(f"{url} has no fastckpt manifest, {said}This is torch's own error for what it holds here; the "
+                     f"fixes: {FIXES}.")
         raise  # a GPU file without map_location, a class renamed since: torch's error names the fix
 
 
