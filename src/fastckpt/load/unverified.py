@@ -142,7 +142,8 @@ def load_unverified(res: ReadResult, url: str, opts: LoadOptions) -> object:
         said = (f"and fastckpt could not check here whether it is damaged ({unchecked}): if it is not, " if unchecked
                 else "but it is not damaged: it loads with its storages left where they are read (no device to "
                 "restore) and its classes stubbed (load.soundness). ")
-        exc.add_note(f"{url} has no fastckpt manifest, {said}This is torch's own error for what it holds here; the "
+        this = "this" if unchecked else "This"
+        exc.add_note(f"{url} has no fastckpt manifest, {said}{this} is torch's own error for what it holds here; the "
                      f"fixes: {FIXES}.")
         raise  # a GPU file without map_location, a class renamed since: torch's error names the fix
 
