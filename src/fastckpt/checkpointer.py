@@ -72,7 +72,8 @@ class Checkpointer:
         self._coordinator = Coordinator(self._committer, self._stop, cfg, lambda g: self._homes.resolve(g).place(),
                                         self._emit, local_for=self._local_places)
         self._stripes = Stripes(cfg.local_dirs, self.rank)
-        self._retention = Retention(cfg.keep_local, cfg.keep_persistent, self._homes, self._stripes.copies, self.rank)
+        self._retention = Retention(cfg.keep_local, cfg.keep_persistent, self._homes, self._stripes.copies, self.rank,
+                                    self._inflight.of_group)
         self._saver = Saver(cfg, tiers=TierSelector(cfg.tier, cfg.local_dirs or None, cfg.odirect, self._ops),
                             staging=self._staging, monitor=self._monitor,
                             writer=FileWriter(self._ops, self._io, self._staging, cfg.chunk_bytes, self._emit,
@@ -179,20 +180,21 @@ class Checkpointer:
         """
         self._check_open()
         extra = check_step(extra)  # ConfigError: a step that is no integer >= 0 (before anything is done)
-        group = normalize(group)  # a failure raised here ends the attempt: no rank waits for this one
-        self._inflight.raise_unseen(before=lambda e: self._coordinator.abandon(group, self.rank, self.world_size, e))
-        rank, has_local, token = self.rank, bool(self.config.local_dirs), self._retention.committing(group)
+        group = normalize(group)
         step = group_step(extra, group) if move_latest else None  # a series that moves latest: see Retention
+        with self._retention.failing(group, step):  # a failure raised here ends the attempt: no rank waits for this one
+            self._inflight.raise_unseen(before=lambda e: self._coordinator.abandon(group, *self.config.ranks(), e))
+        rank, has_local, token = self.rank, bool(self.config.local_dirs), self._retention.committing(group)
         self._replicator.keep(group, not move_latest)  # beside the series: never coalesced away
-
         saved_at = min(self._group_saved_at.pop(group, {}).values(), default=time.time())
         def retain(rec: SaveRecord) -> SaveRecord:
             self._monitor.record_durable(None if has_local else rec.durable_s, None if rec.superseded else saved_at)
             self._retention.ended(group, rec.superseded, has_local and move_latest, rank == 0 and move_latest,
                                   token, step)
             return rec
-        fut = self._coordinator.commit(group, rank, self.world_size, dict(extra), retain, move_latest)
-        self._retention.watch_commit(fut, group, token)
+        with self._retention.failing(group, step):  # refused: a file of this rank's attempt was never saved
+            fut = self._coordinator.commit(group, rank, self.world_size, dict(extra), retain, move_latest)
+        self._retention.watch_commit(fut, group, token, step)
         return self._inflight.track(fut, group, group)
 
     def unsaved(self, path: str, group: str, error: BaseException) -> None:

@@ -247,6 +247,11 @@ class InFlight:
         for f in commits:
             f.exception()
 
+    def of_group(self, group: str) -> list[Future]:
+        """The futures of ``group``'s saves (each until its upload ended) and commits in flight."""
+        with self._lock:
+            return [f for f, _, g in self._pending.values() if g == group]
+
     def writing(self, path: str) -> bool:
         """Whether a save of the file ``path`` (its write or its replication) has not ended."""
         with self._lock:

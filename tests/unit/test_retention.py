@@ -7,12 +7,14 @@ import errno
 import logging
 import os
 import threading
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
 import torch
 
 import fastckpt
+from fastckpt.errors import CheckpointWriteError
 from fastckpt.save.failed import TRIM_TRIES
 from fastckpt.save.restarts import delete_own_group_files
 from fastckpt.save.retention import Retention
@@ -303,3 +305,109 @@ def test_a_keep_persistent_deletion_that_fails_is_tried_again_at_the_next_trims(
         assert "the next trim tries again (1 of 3)" in said[0]
     else:  # bounded: left to the user, and said so
         assert "gave up after 3 tries" in said[-1] and sorted(os.listdir(home)) == ["s1.pt", "s6.pt"]
+
+
+def _hold_first_upload(local: str) -> tuple[FaultyOps, threading.Event, threading.Event, threading.Event]:
+    """FaultyOps that hold the first upload of the burst-buffer file ``local`` as it opens it, until
+    ``release``; ``entered`` says it is held, ``unlinked`` that ``local`` was deleted."""
+    release, entered, unlinked = threading.Event(), threading.Event(), threading.Event()
+
+    def on_call(op: str, path: str) -> None:
+        if op == "open" and path == local and threading.current_thread().name.startswith("fastckpt-replicate") \
+                and not entered.is_set():
+            entered.set()
+            assert release.wait(60), "the test never released the upload"
+        if op == "unlink" and path == local:
+            unlinked.set()
+
+    return FaultyOps(on_call=on_call), release, entered, unlinked
+
+
+def _fail_attempt(ck: fastckpt.Checkpointer, ops: FaultyOps, g: str, step: int, how: str) -> None:
+    """This rank's attempt at group ``g`` fails ``how``, while its model.pt's upload may still run:
+    "at_once" (commit() raises the background ENOSPC of optim.pt's write), "in_commit" (that failure,
+    seen already, fails the commit's future) or "unsaved" (optim.pt was never saved: commit() refuses)."""
+    if how == "in_commit":  # optim.pt first: the commit raises it before it waits for model.pt
+        ops.inject(Fault("pwrite", errno.ENOSPC, path_contains=f"global_step{step}/optim.pt"))
+        with pytest.raises(CheckpointWriteError):
+            ck.save({"o": torch.full((8,), float(step))}, f"{g}/optim.pt", group=g).wait()
+    ck.save({"w": torch.full((8,), float(step))}, f"{g}/model.pt", group=g)
+    if how == "at_once":
+        ops.inject(Fault("pwrite", errno.ENOSPC, path_contains=f"global_step{step}/optim.pt"))
+        with pytest.raises(CheckpointWriteError):  # result(): waited for, still unseen
+            ck.save({"o": torch.full((8,), float(step))}, f"{g}/optim.pt", group=g).result()
+    elif how == "unsaved":
+        ck.unsaved(f"{g}/optim.pt", g, OSError(errno.EIO, "the framework could not copy it"))
+    with pytest.raises(CheckpointWriteError):
+        ck.commit(g, step=step).wait(30)
+
+
+@pytest.mark.parametrize("how", ["at_once", "in_commit", "unsaved"])
+def test_a_failed_groups_files_go_once_its_last_upload_ends(tmp_path: Path, how: str) -> None:
+    """Step 2's attempt fails while the upload of its model.pt is held. Step 3 beside it is durable:
+    model.pt stays while its upload reads it (3f8e59a deleted it then: the upload failed, and sank
+    a later commit); once that upload ends, it goes (before: it stayed until the job restarted)."""
+    home, nvme = tmp_path / "home", str(tmp_path / "nvme")
+    g2 = str(home / "global_step2")
+    ops, release, entered, unlinked = _hold_first_upload(mirror_path(nvme, f"{g2}/model.pt"))
+    with fastckpt.Checkpointer(local_dir=nvme, keep_local=2, ops=ops, rank=0, world_size=1,
+                               overhead_budget=0.99) as ck:
+        for step in (1, 2, 3, 4):
+            g = str(home / f"global_step{step}")
+            if step == 2:
+                _fail_attempt(ck, ops, g, step, how)
+                assert entered.wait(30), "the upload of step 2's model.pt was not held"
+                continue
+            ck.save({"w": torch.full((8,), float(step))}, f"{g}/model.pt", group=g)
+            ck.save({"o": torch.full((8,), float(step))}, f"{g}/optim.pt", group=g)
+            ck.commit(g, step=step).wait(30)
+            if step == 3:  # durable beside it, but step 2's upload still reads its model.pt
+                assert Path(mirror_path(nvme, f"{g2}/model.pt")).is_file()
+                assert not unlinked.is_set()
+                release.set()
+                assert unlinked.wait(30), "step 2's model.pt never left the burst buffer"
+        ck.wait()
+        assert ck.stats().replication_failures == 0
+    assert fastckpt.latest(str(home)) == str(home / "global_step4")
+    bb = Path(mirror_path(nvme, str(home)))
+    assert sorted(str(p.relative_to(bb)) for p in bb.rglob("*.pt")) == \
+        [f"global_step{s}/{f}" for s in (3, 4) for f in ("model.pt", "optim.pt")]
+
+
+def test_a_failed_group_saved_again_keeps_the_new_saves_files(tmp_path: Path) -> None:
+    """Step 2 fails, and is saved again under the same name while step 3 becomes durable: the
+    files of that new save are never the failed attempt's to delete, however it ends."""
+    home, nvme = tmp_path / "home", str(tmp_path / "nvme")
+    ops = FaultyOps()
+    with fastckpt.Checkpointer(local_dir=nvme, keep_local=3, ops=ops, rank=0, world_size=1,
+                               overhead_budget=0.99) as ck:
+        g2, g3 = str(home / "global_step2"), str(home / "global_step3")
+        _fail_attempt(ck, ops, g2, 2, "at_once")
+        ck.wait()  # every upload of the failed attempt ended: only a later durable step is awaited
+        for f in ("model.pt", "optim.pt"):  # the new attempt, committed after step 3
+            ck.save({f: torch.full((8,), 20.0)}, f"{g2}/{f}", group=g2)
+        for f in ("model.pt", "optim.pt"):
+            ck.save({f: torch.full((8,), 3.0)}, f"{g3}/{f}", group=g3)
+        ck.commit(g3, step=3).wait(30)
+        assert sorted(p.name for p in Path(mirror_path(nvme, g2)).glob("*.pt")) == ["model.pt", "optim.pt"]
+        ck.commit(g2, step=2).wait(30)
+        ck.save({"w": torch.full((8,), 4.0)}, str(home / "global_step4" / "model.pt"), group=str(home / "global_step4"))
+        ck.commit(str(home / "global_step4"), step=4).wait(30)
+        assert ck.load(f"{g2}/model.pt")["model.pt"][0].item() == 20.0
+        assert ck.local_path(f"{g2}/model.pt") is not None and Path(ck.local_path(f"{g2}/model.pt")).is_file()
+
+
+def test_a_failed_group_waits_for_its_queued_upload(tmp_path: Path) -> None:
+    """Retention alone: the failed group's file has an upload still queued (a Future not done): a
+    later durable step beside it deletes nothing; the upload's end does."""
+    tags, local, _ = _copies(tmp_path, ["run/global_step1", "run/global_step2"], keep_local=2)
+    queued: Future = Future()
+    r = Retention(2, None, Homes(), Stripes((str(tmp_path / "nvme"),)).copies,
+                  in_flight=lambda g: [queued] if g == tags[0] else [])
+    r.replacing(tags[0])
+    with pytest.raises(CheckpointWriteError), r.failing(tags[0], 1):
+        raise CheckpointWriteError(f"{tags[0]}: a file of it was not saved")
+    r.ended(tags[1], False, True, True, r.committing(tags[1]), step=2)
+    assert local[0].exists()  # its upload has not even started
+    queued.set_result(None)
+    assert not local[0].exists() and local[1].exists()

@@ -45,12 +45,13 @@ import posixpath
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
+from contextlib import AbstractContextManager
 
 from ..commit.foreign import group_step
 from ..commit.protocol import delete_checkpoint, pointed_name, read_group_manifest
 from ..commit.removable import check_removable
 from ..storage.homes import Homes
-from .failed import FailedTrims
+from .failed import FailedGroups, FailedTrims, delete_failed
 from .restarts import delete_own_group_files, earlier_copies, numbered_dirs
 
 log = logging.getLogger("fastckpt")
@@ -63,10 +64,12 @@ class Retention:
         local_copies: the burst-buffer copies of a name (several with striped ``local_dir``s: a
             group's files may live on every drive).
         rank: this process's rank: of the single files earlier runs left, only its own count.
+        in_flight: the futures of a group's saves and commits in flight (``InFlight.of_group``).
     """
 
     def __init__(self, keep_local: int | None, keep_persistent: int | None, homes: Homes,
-                 local_copies: Callable[[str], list[str]], rank: int = 0) -> None:
+                 local_copies: Callable[[str], list[str]], rank: int = 0,
+                 in_flight: Callable[[str], list[Future]] = lambda group: []) -> None:
         self._keep_local, self._keep_persistent, self._rank = keep_local, keep_persistent, rank
         self._homes, self._local_copies = homes, local_copies
         self._local: dict[str, int] = {}  # listed name -> its save's token: the lists are in save order
@@ -74,7 +77,7 @@ class Retention:
         self._lock = threading.Lock()
         self._looked: dict[str, set[str]] = {}  # directory -> "file", "group": what earlier runs left there, taken in
         self._tokens = itertools.count(1)  # one per save, in the order the saves began
-        self._busy: dict[str, int] = {}  # name -> its newest save in flight (a failed save's name stays)
+        self._busy: dict[str, int] = {}  # name -> its newest save in flight (a failed save's name stays: save.failed)
         self._dropped: dict[str, tuple[int, int]] = {}  # group -> (token, step) of a save replication dropped
         self._listed_drops: set[str] = set()  # dropped groups in the local list: this rank deletes its files only
         self._replaced: dict[str, int] = {}  # name being saved again -> its persistent-list token before
@@ -83,6 +86,8 @@ class Retention:
         self._next_export: dict[str, bool] = {}  # path -> whether its next save is an export (save(export=True))
         self._exports: set[int] = set()  # the tokens of those saves: keep_persistent neither counts nor deletes them
         self._trims = FailedTrims()  # save.failed
+        self._failed = FailedGroups(keep_local is not None, self._lock, self._busy, in_flight, self._deciding,
+                                    self._delete_failed)  # this rank's group attempts that failed
         # a group's copy other ranks of this node may still use (replication dropped it): only this rank's files of it
         self._delete_own_files = functools.partial(delete_own_group_files, homes, local_copies, rank=rank)
 
@@ -113,17 +118,24 @@ class Retention:
         with self._lock:
             return token in self._exports
 
-    def watch_commit(self, commit: Future, group: str, token: int) -> None:
-        """If the commit ``token`` of ``group`` fails, the group published before it (if this rank
-        listed one) is still whole at its home: it takes its old place in the persistent list
-        again (else no later trim would ever delete it)."""
-        commit.add_done_callback(lambda f: f.cancelled() or f.exception() is None or self._commit_failed(group, token))
+    def watch_commit(self, commit: Future, group: str, token: int, step: int | None = None) -> None:
+        """If the commit ``token`` of ``group`` (of ``step``) fails, the group published before it
+        (if this rank listed one) is still whole at its home: it takes its old place in the
+        persistent list again (else no later trim would ever delete it); see ``failing`` too."""
+        commit.add_done_callback(lambda f: f.cancelled() or f.exception() is None
+                                 or self._commit_failed(group, token, step))
 
-    def _commit_failed(self, group: str, token: int) -> None:
+    def _commit_failed(self, group: str, token: int, step: int | None) -> None:
         with self._lock:
             old = self._replaced.pop(group, None)
             if old is not None and self._busy.get(group) == token and group not in self._persistent:
                 self._persistent[group] = old
+        self._failed.mark(group, token, step)
+
+    def failing(self, group: str, step: int | None) -> AbstractContextManager[None]:
+        """An error raised in the block ends this rank's attempt at ``group`` (of ``step``): its
+        files leave the burst buffer later (``failed.FailedGroups``)."""
+        return self._failed.failing(group, step)
 
     def saving(self, path: str) -> int | None:
         """The token of the newest save of ``path`` in flight."""
@@ -167,6 +179,7 @@ class Retention:
                 log.info("fastckpt: keep_local=%d also counts %d burst-buffer copies that earlier runs left beside %s",
                          self._keep_local, len(ahead), path)
             self._local.update(self._replaced_drops(path, token, step) if has_local else {})
+            failed = self._failed.beside(path, token, step) if has_local and listed else []  # decided
             drop_local = _push(self._local, path, token, self._keep_local) if has_local and listed else []
             drop_persistent = _push(self._persistent, path, token, self._keep_persistent) \
                 if owns_persistent and listed and token not in self._exports else []
@@ -174,6 +187,8 @@ class Retention:
             own = {p for p in drop_local if p in self._listed_drops}
             self._listed_drops -= own
             self._deciding([*drop_local, *drop_persistent])
+        for g in failed:
+            self._delete_failed(g)
         for p in drop_local:
             self._run(self._delete_own_files if p in own else self._delete_local, p, "burst-buffer copy")
         for p in drop_persistent:
@@ -224,6 +239,7 @@ class Retention:
     def _forget(self, path: str) -> None:
         self._dropped.pop(path, None)
         self._trims.done(path)
+        self._failed.forget(path)
         self._listed_drops.discard(path)
         self._local.pop(path, None)
         self._persistent.pop(path, None)
@@ -286,6 +302,10 @@ class Retention:
     def _delete_local(self, path: str) -> None:
         for local in self._local_copies(path):
             delete_checkpoint(self._homes.resolve(local))
+
+    def _delete_failed(self, group: str) -> None:
+        self._run(lambda g: delete_failed(self._homes, self._local_copies, g, self._rank), group,
+                  "files this rank left in the failed group's burst-buffer copy")
 
     def _delete_persistent(self, path: str) -> None:
         delete_checkpoint(self._homes.resolve(path))
