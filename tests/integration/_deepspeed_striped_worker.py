@@ -1,15 +1,23 @@
-"""One process of ``test_deepspeed_striped.py``: a ZeRO-2 engine on one rank, ``save_dir`` an
+"""The processes of ``test_deepspeed_striped.py``: a ZeRO-2 engine on one rank, ``save_dir`` an
 ``s3://`` URL, the burst buffer striped over two drives. ``save``: global_step1, whose model file
 drive 0 writes slowly (held until the next save is taken), then global_step2, whose model file
-goes to drive 1, the less busy one. ``load``: a restart on the same node resumes."""
+goes to drive 1, the less busy one. ``load``: a restart on the same node resumes.
+
+Forked by ``_fork_launcher.py`` (``run_rank``), one process per generation: 0 saves, 1 says
+where global_step2's files lie on the drives and loads, 2 deletes drive 1's copy of
+global_step2 and loads. Each prints one ``RESULT`` line. One import of torch and DeepSpeed for
+the three processes, not three (about 4 s each on a 2-core machine)."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import sys
 import threading
+
+TAG = "global_step2"
 
 
 def main(phase: str, url: str, drives: list[str], opts: dict) -> int:
@@ -66,6 +74,42 @@ def main(phase: str, url: str, drives: list[str], opts: dict) -> int:
         torch.distributed.destroy_process_group()
     print("RESULT " + json.dumps(result), flush=True)
     return 0
+
+
+def files(drive: str, tag: str) -> list[str]:
+    """The files (not links) of ``tag``'s directory on ``drive``."""
+    return [f for top, _, fs in os.walk(drive) if os.path.basename(top) == tag for f in fs
+            if not os.path.islink(os.path.join(top, f))]
+
+
+def drop(drive: str, tag: str) -> None:
+    """Delete ``drive``'s copy of ``tag`` (trimmed, a drive swapped)."""
+    for top, _, _ in os.walk(drive):
+        if os.path.basename(top) == tag:
+            shutil.rmtree(top)
+            return
+
+
+def prepare() -> None:
+    """What ``_fork_launcher`` imports before forking: what each process would import again."""
+    import s3fs  # noqa: F401
+    import torch._dynamo  # noqa: F401
+    from deepspeed.runtime.zero.muon import muon_optimizer  # noqa: F401
+
+    import fastckpt.integrations.deepspeed  # noqa: F401
+    import tests.integration._ds_common  # noqa: F401
+
+
+def run_rank(gen: int, url: str, drives_json: str, opts_json: str) -> None:
+    drives, opts = json.loads(drives_json), json.loads(opts_json)
+    if gen == 0:
+        main("save", url, drives, opts)
+        return
+    if gen == 1:  # before the load: where the save put the files
+        print("WHERE " + json.dumps({d: files(d, TAG) for d in drives}), flush=True)
+    else:
+        drop(drives[1], TAG)  # the link on drive 0 dangles: the file is downloaded in its stead
+    main("load", url, drives, opts)
 
 
 if __name__ == "__main__":
