@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -321,7 +320,7 @@ def publish_local(att: Attempt, local: Place, manifest: dict | None, stop: threa
     ``FileNotFoundError``, and the group stays what it is, published at its home.
     """
     if manifest is None:
-        if not _claim(local, f"{P.MARKER_DIR}/fetch-{att.token}"):  # another rank of this node fetches it
+        if not C.claim_local(local, f"{P.MARKER_DIR}/fetch-{att.token}"):  # another rank of this node fetches it
             F.poll(lambda: True if local.size(P.GROUP_MANIFEST) >= 0 else None, time.monotonic() + LOCAL_WAIT_S,
                    stop)  # a stat per poll: the manifest is parsed once, when it is there
             if _manifest_of(local, att.token) is not None:
@@ -339,22 +338,3 @@ def _manifest_of(place: Place, token: str | None, unreadable: type[Exception] = 
     except (CorruptCheckpointError, unreadable):
         return None
     return m if m is not None and m.get("attempt") == token else None
-
-
-def _claim(place: Place, rel: str, attempts: int = 5) -> bool:
-    """Create the empty file ``rel`` (one directory deep) in the (local, POSIX) ``place``; False if
-    it exists. ``FileNotFoundError`` when the place itself is gone (it is never made again)."""
-    path, ops = place.url(rel), place.target.ops
-    for attempt in range(1, attempts + 1):
-        try:
-            with contextlib.suppress(FileExistsError):
-                os.mkdir(os.path.dirname(path))
-            ops.close(ops.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL))
-            return True
-        except FileExistsError:
-            return False
-        except FileNotFoundError:  # the place is gone, or a deletion pruned the emptied marker directory
-            if attempt == attempts or not os.path.isdir(os.path.dirname(os.path.dirname(path))):
-                raise
-    return False
-

@@ -17,8 +17,10 @@ is published. (With a store, ``store.Channel.claim`` decides the same in one ``c
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import os
 import time
 from collections.abc import Container
 
@@ -88,3 +90,22 @@ def gave_up_why(label: str, rank: int, waited_s: float) -> str:
     return (f"checkpoint group {label} not committed: rank {rank} gave up waiting {waited_s:.0f} s for rank 0 "
             "to publish it, and reported it not committed, so no rank publishes it. If rank 0 was only slow "
             "(see its log), raise commit_timeout_s; the previous checkpoint is intact.")
+
+
+def claim_local(place: Place, rel: str, attempts: int = 5) -> bool:
+    """Create the empty file ``rel`` (one directory deep) in the (local, POSIX) ``place``; False if
+    it exists: one rank of a node wins (``attempt.publish_local``: it fetches the manifest).
+    ``FileNotFoundError`` when the place itself is gone (it is never made again)."""
+    path, ops = place.url(rel), place.target.ops
+    for attempt in range(1, attempts + 1):
+        try:
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(os.path.dirname(path))
+            ops.close(ops.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL))
+            return True
+        except FileExistsError:
+            return False
+        except FileNotFoundError:  # the place is gone, or a deletion pruned the emptied marker directory
+            if attempt == attempts or not os.path.isdir(os.path.dirname(os.path.dirname(path))):
+                raise
+    return False
