@@ -166,3 +166,93 @@ def test_a_rank_that_commits_after_rank_0_ended_the_attempt_fails_too(tmp_path: 
     finally:
         close_all(cks)
     assert latest(str(tmp_path)) is None
+
+
+def _dead_jobs_record(g: Path, resave: bool) -> Path:
+    """A job that died while saving ``g`` (in a new group, or re-saving it published) left rank 1's
+    failure record of a save that failed before its rank 0 began (attempt None, seen None: no
+    attempt was recorded); returns the directory holding it. Re-saving, a first job publishes
+    ``g`` before (its Checkpointers are closed: dead)."""
+    if resave:
+        cks = [fastckpt.Checkpointer(rank=r, world_size=2, overhead_budget=0.99, commit_timeout_s=60)
+               for r in range(2)]
+        try:
+            for ck in cks:
+                ck.save(_state(1), str(g / f"r{ck.rank}.pt"), group=str(g))
+            for h in [ck.commit(str(g)) for ck in cks]:
+                h.wait(60)
+        finally:
+            close_all(cks)
+    home = place(str(g))
+    at = P.staged_place(home, P.read_group_manifest(home)) if resave else home
+    P.write_failure(at, 1, None, "CheckpointWriteError: [Errno 28] No space left on device", seen=None)
+    return Path(at.url())
+
+
+@pytest.mark.parametrize("resave", [False, True], ids=["new-group", "resave"])
+def test_a_failure_record_a_dead_job_left_does_not_end_the_restarted_jobs_attempt(tmp_path: Path,
+                                                                                  resave: bool) -> None:
+    """A restarted job saves the group again: its rank 0's first attempt replaces the same id as
+    the dead job's would have (none), but the record was written before this rank 0's
+    Checkpointer was made, so it is the dead job's and ends nothing: the group commits. Before,
+    both ranks' commits failed with the dead job's ENOSPC (tests/integration/test_group_dead_job.py
+    runs it with real processes)."""
+    g = tmp_path / "global_step2"
+    at = _dead_jobs_record(g, resave)
+    assert sorted(p.name for p in (at / P.MARKER_DIR).iterdir()) == ["failed-00001.json"]
+    cks = [fastckpt.Checkpointer(rank=r, world_size=2, overhead_budget=0.99, commit_timeout_s=60) for r in range(2)]
+    try:
+        for ck in cks:
+            ck.save(_state(3), str(g / f"r{ck.rank}.pt"), group=str(g))
+        for h in [ck.commit(str(g)) for ck in cks]:
+            h.wait(60)
+    finally:
+        close_all(cks)
+    assert latest(str(tmp_path)) == str(g)
+    assert torch.equal(fastckpt.load(str(g / "r1.pt"))["w"], _state(3)["w"])
+
+
+def test_a_failure_record_counts_only_from_rank_0s_checkpointer_on(tmp_path: Path) -> None:
+    """The rule itself (``fallback.check_failures``), on a record written before rank 0 began its
+    attempt (attempt None, seen what the attempt replaced): it ends the attempt when it was
+    written since rank 0's Checkpointer was made (``since``), not when before."""
+    from fastckpt.commit import fallback as F
+
+    at = place(str(tmp_path / "g"))
+    P.write_failure(at, 1, None, "OSError: [Errno 28] No space left on device", seen="old")
+    listing = at.names(P.MARKER_DIR)
+    written = P.read_record(at, f"{P.MARKER_DIR}/failed-00001.json")["written_at"]
+    F.check_failures(at, "new", "old", listing, since=written + 1.0)  # a dead job's: nothing raised
+    F.check_failures(at, "new", "other", listing, since=written - 1.0)  # an earlier attempt's
+    with pytest.raises(CheckpointWriteError, match=r"failed on another rank \(rank 1: .*No space left"):
+        F.check_failures(at, "new", "old", listing, since=written - 1.0)
+    with pytest.raises(CheckpointWriteError, match=r"failed on another rank \(rank 1: .*No space left"):
+        F.check_failures(at, "new", "old", listing, since=written)
+
+
+def test_a_resave_that_failed_before_rank_0_began_names_the_group_not_its_resave_directory(tmp_path: Path) -> None:
+    """Re-saving a published group, rank 1's save fails before rank 0 began (its record lies in
+    the hidden re-save directory ``.global_step1.fastckpt-next-<digest>``): rank 0's commit ends
+    on it, and its error names the group the user committed, not that directory."""
+    g = tmp_path / "global_step1"
+    ops1 = FaultyOps()
+    cks = [fastckpt.Checkpointer(rank=r, world_size=2, io_threads=1, overhead_budget=0.99, commit_timeout_s=600,
+                                 ops=ops1 if r == 1 else None) for r in range(2)]
+    try:
+        for ck in cks:
+            ck.save(_state(1), str(g / f"r{ck.rank}.pt"), group=str(g))
+        for h in [ck.commit(str(g)) for ck in cks]:
+            h.wait(60)
+        ops1.inject(Fault("pwrite", 28, path_contains="r1.pt"))
+        cks[1].save(_state(2), str(g / "r1.pt"), group=str(g))
+        with pytest.raises(CheckpointWriteError, match="No space left"):
+            cks[1].commit(str(g)).wait(60)
+        cks[0].save(_state(2), str(g / "r0.pt"), group=str(g))
+        with pytest.raises(CheckpointWriteError, match=r"failed on another rank \(rank 1: .*No space left") as got:
+            cks[0].commit(str(g)).wait(60)
+    finally:
+        close_all(cks)
+    said = str(got.value)  # (rank 1's own error, quoted in it, names the file it wrote there)
+    assert said.startswith(f"checkpoint group {g} not committed: its save failed on another rank"), said
+    assert latest(str(tmp_path)) == str(g)
+    assert torch.equal(fastckpt.load(str(g / "r1.pt"))["w"], _state(1)["w"])

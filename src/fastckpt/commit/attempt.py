@@ -61,6 +61,7 @@ class Attempt:
     handles: list[SaveHandle] = field(default_factory=list)
     replaced: str | None = None
     began: F.Began | None = None  # other ranks without a store
+    since: float = 0.0  # rank 0 without a store: when its Checkpointer was made (``fallback._failed_in``)
 
     @property
     def staged(self) -> bool:
@@ -244,7 +245,8 @@ def via_storage(att: Attempt, rank: int, world: int, files: dict, superseded: bo
     # recorded: another rank's remove() deletes attempt.json with the group, even before this marker
     with _recorded(att):
         markers = F.wait_for_markers(att.place, world, timeout_s, stop, att.token, me=rank, cancel=att.cancel,
-                                     replaced=att.replaced, recorded=world > 1 and att.token is not None)
+                                     replaced=att.replaced, recorded=world > 1 and att.token is not None,
+                                     since=att.since, home=att.home)
     if any(m.get("superseded") for m in markers.values()):
         P.write_record(att.place, P.OUTCOME, attempt=att.token, outcome="superseded", replaced=att.replaced)
         return Ended(None, 0, superseded=True)
@@ -256,7 +258,7 @@ def via_storage(att: Attempt, rank: int, world: int, files: dict, superseded: bo
         if world > 1 and att.token is not None:
             with _recorded(att):
                 listing[:] = att.place.names(P.MARKER_DIR)
-                F.check_failures(att.place, att.token, att.replaced, listing)
+                F.check_failures(att.place, att.token, att.replaced, listing, att.since, att.home)
                 won = C.claim(att.place, att.token, C.RANK_0)
                 if won["who"] == C.REMOVED:  # another rank's remove() came first: it deletes the group
                     raise E.removed_error(att.home)

@@ -84,7 +84,8 @@ class Coordinator:
         self._counts: dict[str, itertools.count] = {}
         self._missing: dict[str, dict[str, str]] = {}  # group -> path -> why its save did not happen
         # without a store: this rank-0 session's id in attempt.json, when this rank was born (for
-        # ``fallback.began``), and the attempt each group's last failed commit of another rank was in
+        # ``fallback.began`` and, on rank 0, ``fallback._failed_in``), and the attempt each group's
+        # last failed commit of another rank was in
         self._session, self._born = uuid.uuid4().hex[:16], time.time()
         self._given_up: dict[str, str] = {}
         self._tell = T.Teller(pool, stop, self._timeout)
@@ -147,7 +148,7 @@ class Coordinator:
                 place.delete(P.marker_rel(rank))  # (it restarted and re-saves its files in place)
         with self._lock:
             self._open[group] = A.Attempt(group, home, place, local, channel, token, old, replaced=replaced,
-                                          began=began)
+                                          began=began, since=self._born)
 
     def home_path(self, group: str, path: str) -> str:
         """Where ``path`` (a file of ``group``) is written at its home in this attempt."""
@@ -219,9 +220,10 @@ class Coordinator:
         here), so that the other ranks' commits fail now, naming this rank, not after
         ``commit_timeout_s``. Not before the session is agreed: that waits for rank 0, which may be
         dead too, and close() must not wait for it. Without a store not either: a failure record
-        written now outlives this job, and the next job's first attempt at the group would take it
-        as its own. There the others wait ``commit_timeout_s``, as before. A commit in flight
-        (``_running``) is not touched: close() waited for it. One rank: nothing."""
+        written now outlives this job, and only its time keeps the next job's first attempt at the
+        group from taking it as its own (``fallback._failed_in``). There the others wait
+        ``commit_timeout_s``, as before. A commit in flight (``_running``) is not touched: close()
+        waited for it. One rank: nothing."""
         with self._lock:  # removed: told already
             groups = [g for g, att in self._open.items()
                       if not att.cancel.is_set() and att.channel is not None and att.channel.agreed]

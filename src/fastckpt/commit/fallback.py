@@ -25,7 +25,9 @@ recorded in ``.fastckpt/outcome.json`` so the other ranks stop waiting. A rank w
 vanished learns that the group was removed. A rank whose save failed leaves a failure record
 for rank 0's current attempt, or, before rank 0 started it, for the one that replaces the
 attempt recorded then (``protocol.write_failure``): rank 0 ends the attempt on it and records
-an "aborted" outcome.
+an "aborted" outcome. Such a record written before rank 0's Checkpointer was made (by its
+time) is a dead job's, not a peer's, and ends nothing, though a restarted job's first attempt
+replaces the same id as the dead job's would have (none, in a new group): ``_failed_in``.
 Each poll of rank 0 lists the marker directory once and reads only markers it has not
 accepted yet (and any failure records): O(W) reads per commit, plus one listing per poll.
 """
@@ -72,7 +74,7 @@ def record_aborted(place: Place, token: str | None, why: str, replaced: str | No
 def wait_for_markers(place: Place, world_size: int, timeout_s: float, stop: threading.Event,
                      token: str | None = None, me: int | None = None,
                      cancel: threading.Event | None = None, replaced: str | None = None,
-                     recorded: bool = False) -> dict[int, dict]:
+                     recorded: bool = False, since: float = 0.0, home: Place | None = None) -> dict[int, dict]:
     """Rank 0: every rank's marker of attempt ``token`` (or one that dropped it).
 
     Args:
@@ -83,6 +85,8 @@ def wait_for_markers(place: Place, world_size: int, timeout_s: float, stop: thre
             written, and the marker brought the directory back).
         replaced: the attempt id ``attempt.json`` held before ``token``'s: a failure record
             written before this attempt started, while that one was recorded, is this attempt's.
+        since: when rank 0's Checkpointer was made: such a record written before it is a dead job's.
+        home: the group, which errors name (``place`` is its re-save directory when it is staged).
 
     Raises:
         CommitTimeoutError: naming the ranks that never committed.
@@ -90,20 +94,21 @@ def wait_for_markers(place: Place, world_size: int, timeout_s: float, stop: thre
         GroupRemovedError: the group was removed meanwhile.
     """
     seen: dict[int, dict] = {}
+    group = home or place
 
     def ready() -> dict[int, dict] | None:
         if cancel is not None and cancel.is_set():
-            raise removed_error(place)
+            raise removed_error(group)
         listing = place.names(P.MARKER_DIR)
         names = P.marker_ranks(place, listing)
         if (me is not None and me not in names) or (recorded and P.ATTEMPT_NAME not in listing):
-            raise removed_error(place)
+            raise removed_error(group)
         for rank, rel in names.items():
             if rank not in seen:
                 m = P.read_marker(place, rel)
                 if m is not None and m["world_size"] == world_size and m.get("attempt") == token:
                     seen[rank] = m
-        check_failures(place, token, replaced, listing)  # after the markers: an error names who is missing
+        check_failures(place, token, replaced, listing, since, group)  # after the markers: errors name who is missing
         done = all(r in seen for r in range(world_size)) or any(m.get("superseded") for m in seen.values())
         return dict(seen) if done else None
 
@@ -113,31 +118,36 @@ def wait_for_markers(place: Place, world_size: int, timeout_s: float, stop: thre
         C.note_held_up(exc, seen, world_size)
         raise
     if got is None:
-        raise not_committed(place, [r for r in range(world_size) if r not in seen], world_size, timeout_s)
+        raise not_committed(group, [r for r in range(world_size) if r not in seen], world_size, timeout_s)
     return got  # type: ignore[return-value]
 
 
-def check_failures(place: Place, token: str | None, replaced: str | None, listing: list[str]) -> None:
+def check_failures(place: Place, token: str | None, replaced: str | None, listing: list[str], since: float = 0.0,
+                   home: Place | None = None) -> None:
     """Rank 0: raise if a rank ended attempt ``token``: with a failure record, its save failed
     (``CheckpointWriteError``); with a claim (``claim.py``), it gave up waiting for the manifest
     (``CommitTimeoutError``), or it removed the group (``GroupRemovedError``). ``listing``: the
-    marker directory's names."""
+    marker directory's names; ``replaced``, ``since`` and ``home``: as for ``wait_for_markers``."""
+    group = home or place
     for rank, rel in P.failure_ranks(listing).items():  # none, unless a save failed
         failed = P.read_record(place, rel)
-        if failed is not None and _failed_in(failed, token, replaced):
-            raise aborted_error(place.label, f"rank {rank}: {failed.get('why')}")
+        if failed is not None and _failed_in(failed, token, replaced, since):
+            raise aborted_error(group.label, f"rank {rank}: {failed.get('why')}")
     if (won := C.claimed(place, token, listing)) is not None:
         if won.get("who") == C.REMOVED:  # another rank's remove() (``removal.py``)
-            raise removed_error(place)
+            raise removed_error(group)
         raise CommitTimeoutError(str(won.get("why")))
 
 
-def _failed_in(failed: dict, token: str | None, replaced: str | None) -> bool:
+def _failed_in(failed: dict, token: str | None, replaced: str | None, since: float = 0.0) -> bool:
     """Whether a failure record belongs to attempt ``token``: it names it, or it was written
-    before rank 0 started it (no running attempt) while ``attempt.json`` still held ``replaced``.
-    A record naming an earlier attempt, running then, is that attempt's."""
+    before rank 0 started it (no running attempt) while ``attempt.json`` still held ``replaced``,
+    and not before rank 0's Checkpointer was made (``since``; the writer's clock against rank 0's,
+    as for ``Began.stale``): that one is a dead job's. A record naming an earlier attempt, running
+    then, is that attempt's."""
     return failed.get("attempt") == token or (
-        failed.get("attempt") is None and "seen" in failed and failed["seen"] == replaced)
+        failed.get("attempt") is None and "seen" in failed and failed["seen"] == replaced
+        and float(failed.get("written_at", since)) >= since)
 
 
 def current_attempt(place: Place) -> str | None:
