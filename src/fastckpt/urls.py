@@ -87,12 +87,22 @@ def spelled_as(name: str | None, given: str | os.PathLike) -> str | None:
     return f"{MEMORY}:///{name[len(MEMORY) + 3:]}"
 
 
+def empty(path: str | os.PathLike) -> bool:
+    """Whether ``path`` names nothing: blank, or ``file://`` with a blank path after it (what
+    ``f"file://{dirpath}"`` gives with ``dirpath`` unset), which ``normalize`` would make the
+    working directory."""
+    s = os.fspath(path)
+    return not (s[7:] if s[:7].lower() == "file://" else s).strip()
+
+
 def named(path: str | os.PathLike, call: str) -> str | os.PathLike:
-    """``path`` itself, unless it is empty: ``normalize`` would make that the working directory,
-    which ``latest`` then scans and ``remove`` deletes when it holds one checkpoint."""
-    if not os.fspath(path).strip():
+    """``path`` itself, unless it is empty (``empty``: also a bare ``file://``): ``normalize``
+    would make that the working directory, which ``latest`` then scans and ``remove`` deletes
+    when it holds one checkpoint (``remove(whole=True)``, Lightning's call, whatever it holds)."""
+    if empty(path):
         raise ConfigError(f"{call}: the path is empty: name the checkpoint, or the directory holding them, e.g. "
-                          "'ckpt' or 'ckpt/step-100.pt' ('.' for the working directory)")
+                          "'ckpt' or 'ckpt/step-100.pt' ('.' for the working directory; 'file://' alone names no "
+                          "path: an unset variable after it?)")
     return path
 
 

@@ -143,13 +143,15 @@ def test_a_url_without_a_bucket_is_named_and_never_read_as_a_local_folder(tmp_pa
 
 def test_an_empty_path_is_named_with_the_usage(tmp_path: Path) -> None:
     """``latest ""`` (an unset shell variable) said " does not exist", naming nothing, and
-    ``verify ""`` checked the current directory instead."""
+    ``verify ""`` checked the current directory instead; ``verify file://`` (``file://$DIR``, unset)
+    still did."""
     for args, after in ((["latest"], []), (["ls"], []), (["verify"], []),
                         (["doctor", "--probe-size", "0", "--target"], []),
                         (["drill", "--trials", "1", "--dir"], ["--", "fastckpt-no-such-program"])):
-        res = subprocess.run([sys.executable, "-m", "fastckpt.cli", *args, "", *after], capture_output=True,
-                             text=True, timeout=120, cwd=tmp_path)
-        _refused(res, 2, "the path is empty: give a directory or a URL", "Usage: fastckpt")
+        for empty in ("", "file://"):
+            res = subprocess.run([sys.executable, "-m", "fastckpt.cli", *args, empty, *after], capture_output=True,
+                                 text=True, timeout=120, cwd=tmp_path)
+            _refused(res, 2, "the path is empty: give a directory or a URL", "Usage: fastckpt")
     assert not list(tmp_path.iterdir())
 
 

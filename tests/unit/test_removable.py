@@ -112,16 +112,18 @@ def test_remove_refuses_a_url_prefix_holding_checkpoints(tmp_path: Path) -> None
     assert [p.rsplit("/", 1)[1] for p in left] == ["latest"]  # the file and its sidecar went (latest stays)
 
 
-@pytest.mark.parametrize("empty", ["", "  "])
+@pytest.mark.parametrize("empty", ["", "  ", "file://", "FILE:// "])
 def test_an_empty_path_is_refused_not_taken_for_the_working_directory(tmp_path: Path, monkeypatch, empty) -> None:
     """``normalize("")`` is the working directory: ``remove("")`` deleted it when it was one checkpoint
-    (a group directory the job runs in), and ``latest("")`` scanned it."""
+    (a group directory the job runs in), and ``latest("")`` scanned it. So did a bare ``file://``
+    (``f"file://{dirpath}"`` with ``dirpath`` unset), with ``whole=True`` (Lightning's call) whatever it held."""
     with fastckpt.Checkpointer() as ck:
         group = tmp_path / "step-3"
         ck.save(_state(3), str(group / "rank0.pt"), group=str(group))
         ck.commit(str(group), step=3).wait(60)
         monkeypatch.chdir(group)
-        for call in (lambda: ck.remove(empty), lambda: ck.latest(empty), lambda: fastckpt.latest(empty)):
+        for call in (lambda: ck.remove(empty), lambda: ck.remove(empty, whole=True), lambda: ck.latest(empty),
+                     lambda: fastckpt.latest(empty)):
             with pytest.raises(ConfigError, match="the path is empty"):
                 call()
         assert fastckpt.latest(str(tmp_path)) == str(group)

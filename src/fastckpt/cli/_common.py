@@ -202,11 +202,11 @@ class _Location(click.ParamType):
 
     def convert(self, value, param, ctx):  # noqa: ANN001, ANN201 (click's signature)
         from ..errors import ConfigError
-        from ..urls import check_url
+        from ..urls import check_url, empty
 
-        if not value:
-            self.fail("the path is empty: give a directory or a URL (an unset shell variable expands to '')",
-                      param, ctx)
+        if empty(value):  # also a bare file://: it would be the working directory
+            self.fail("the path is empty: give a directory or a URL (an unset shell variable expands to '', "
+                      "and 'file://' alone names no path)", param, ctx)
         try:
             return check_url(value)
         except ConfigError as exc:
