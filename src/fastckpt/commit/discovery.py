@@ -215,8 +215,10 @@ def _file(loc: Location, prefix: str, rel: str, damaged: list[Damaged], gone: li
     except FileNotFoundError:  # gone since the listing
         gone.append(join(loc.url, rel))
         return None
-    except OSError:  # unreadable: not a candidate
-        return None
+    except OSError as exc:  # unreadable: it may be the newest, so no answer rather than an older one
+        exc.add_note(f"{join(loc.url, rel)} cannot be read, so whether it is the newest checkpoint is unknown: "
+                     "make it readable (owner/mode), or move it away if it is no checkpoint")
+        raise
 
 
 def _ordered(loc: Location, prefix: str, own: list[Found], others: list[Found]) -> list[Found]:
