@@ -62,8 +62,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except SystemExit as exc:  # a subcommand's sys.exit(code)
         return int(exc.code or 0)
-    except FastCkptError as exc:  # the project's own errors name the problem and the fix: no traceback
-        click.echo(f"fastckpt: {type(exc).__name__}: {exc}", err=True)
+    except (FastCkptError, OSError) as exc:  # the project's own errors name the problem and the fix, and so
+        # does the OSError of a read it cannot do (a note naming the file and the fix): no traceback
+        click.echo("\n".join([f"fastckpt: {type(exc).__name__}: {exc}", *getattr(exc, "__notes__", ())]), err=True)
         return 1
     return 0
 
