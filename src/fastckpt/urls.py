@@ -75,7 +75,7 @@ def normalize(path: str | os.PathLike) -> str:
         if scheme == MEMORY:
             rest = rest.lstrip("/")
         return f"{scheme}://{rest.rstrip('/')}"  # "s3://" stays a URL (check_url refuses it), never "s3:"
-    return os.path.abspath(s[7:] if s[:7].lower() == "file://" else s)
+    return os.path.abspath(local_path(s))
 
 
 def spelled_as(name: str | None, given: str | os.PathLike) -> str | None:
@@ -87,12 +87,16 @@ def spelled_as(name: str | None, given: str | os.PathLike) -> str | None:
     return f"{MEMORY}:///{name[len(MEMORY) + 3:]}"
 
 
+def local_path(path: str) -> str:
+    """``path`` without a leading ``file://`` (a local path either way: ``is_url``)."""
+    return path[7:] if path[:7].lower() == "file://" else path
+
+
 def empty(path: str | os.PathLike) -> bool:
     """Whether ``path`` names nothing: blank, or ``file://`` with a blank path after it (what
     ``f"file://{dirpath}"`` gives with ``dirpath`` unset), which ``normalize`` would make the
     working directory."""
-    s = os.fspath(path)
-    return not (s[7:] if s[:7].lower() == "file://" else s).strip()
+    return not local_path(os.fspath(path)).strip()
 
 
 def named(path: str | os.PathLike, call: str) -> str | os.PathLike:

@@ -76,6 +76,8 @@ def test_doctor_target_that_is_a_file(tmp_path: Path) -> None:
              "--target", f"{tmp_path / 'file'} is a file: give the directory checkpoints are saved in")
     _refused(_cli("doctor", "--local-dir", str(tmp_path / "file"), "--probe-size", "0"), 2,
              "--local-dir", f"{tmp_path / 'file'} is a file: give the burst buffer's directory")
+    _refused(_cli("doctor", "--target", f"file://{tmp_path / 'file'}", "--probe-size", "0"), 2,  # file:// is local
+             "--target", f"{tmp_path / 'file'} is a file: give the directory checkpoints are saved in")
 
 
 def test_drill_local_dir_under_a_file(tmp_path: Path) -> None:

@@ -59,6 +59,17 @@ def test_direct_tier_probes_the_target(tmp_path: Path) -> None:
     assert "local_dir.writable" not in f
 
 
+def test_a_file_url_target_is_the_local_directory(tmp_path: Path) -> None:
+    """``file:///DIR`` is the directory DIR to the library (a save there is direct, no burst buffer):
+    doctor took it for a remote URL, failed ``target.burst_buffer``, named no tier and exited 1."""
+    code, out = _doctor("--target", f"file://{tmp_path / 'home'}", "--probe-size", "0", "--json")
+    f = _by_check(out)
+    assert code == 0 and out["ok"], out
+    assert "target.burst_buffer" not in f
+    assert f["target.writable"]["status"] == "ok" and str(tmp_path / "home") in f["target.writable"]["summary"]
+    assert out["auto"]["cpu"] == "direct"
+
+
 def test_tier_probes_a_relative_target_itself(tmp_path: Path) -> None:
     """The tier probes once ran in the target's parent: '' for a one-part relative target."""
     code, out = _doctor("--target", "bd", "--probe-size", "0", "--json", cwd=tmp_path)

@@ -297,9 +297,9 @@ def fail_with(message: str) -> None:
 def not_a_dir(path: str) -> bool:
     """A local ``path`` that exists and is not a directory: no checkpoint directory or burst
     buffer can be made there (a URL's storage answers for itself)."""
-    from ..urls import is_url
+    from ..urls import is_url, local_path
 
-    return not is_url(path) and os.path.exists(path) and not os.path.isdir(path)
+    return not is_url(path) and os.path.exists(local_path(path)) and not os.path.isdir(local_path(path))
 
 
 def must_exist(path: str) -> None:

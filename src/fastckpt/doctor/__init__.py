@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass, field, replace
 
 from ..errors import TierUnavailableError
+from ..urls import is_url, local_path
 from . import _core, gpu, local, remote
 from .findings import STATUSES, Diagnosis, Finding
 
@@ -102,8 +103,8 @@ def diagnose(o: DoctorOptions) -> Diagnosis:
         findings += _directory_checks("local_dir" if len(dirs) == 1 else f"local_dir[{i}]", d, o, True, drives)
     if len(dirs) > 1 and (whole := local.stripe_space(dirs, o.state_size, o.keep)) is not None:
         findings.append(whole)
-    target = o.target or os.getcwd()
-    url = "://" in target
+    url = is_url(target := o.target or os.getcwd())
+    target = target if url else local_path(target)  # file:///data/ckpt is the directory /data/ckpt, as in save()
     if url:
         if not dirs:
             findings.append(Finding("target.burst_buffer", "fail", f"{target} is a URL: saves there go through a "
