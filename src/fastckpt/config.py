@@ -16,6 +16,7 @@ import inspect
 import math
 import numbers
 import os
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import KW_ONLY, dataclass, field
 from typing import TYPE_CHECKING, Concatenate, ParamSpec, TypeVar
@@ -207,14 +208,16 @@ class CheckpointerConfig:
 
     def ranks(self) -> tuple[int, int]:
         """(rank, world_size): as given, else torch.distributed's once initialised, else $RANK and
-        $WORLD_SIZE (0 and 1 without them)."""
+        $WORLD_SIZE (0 and 1 without them), checked as rank= and world_size= are (``env_count``)."""
         if self.rank is not None:
             return self.rank, self.world_size  # type: ignore[return-value]  (given together: _check_ranks)
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized():
             return dist.get_rank(), dist.get_world_size()
-        return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+        world = env_count("WORLD_SIZE", 1, 1)
+        unset = "" if os.environ.get("WORLD_SIZE", "").strip() else ", unset"
+        return env_count("RANK", 0, 0, world - 1, f" ($WORLD_SIZE={world}{unset})"), world
 
     @property
     def local_dirs(self) -> tuple[str, ...]:
@@ -293,6 +296,22 @@ def _whole(v: object) -> bool:
 
 def _bool_hint(v: object, what: str) -> str:
     return f"; {v} is a bool (Python would take it as {int(v)}): give {what}" if isinstance(v, bool) else ""
+
+
+def env_count(name: str, default: int, lo: int, hi: int | None = None, meaning: str = "",
+              fix: str = "pass rank= and world_size= to the Checkpointer") -> int:
+    """``$name`` (``default`` when unset or empty) checked as the option it stands for is: a
+    launcher that exports RANK=1 but no WORLD_SIZE made rank 1 of a one-rank job, whose first
+    commit waited ``commit_timeout_s`` for a rank 0 that cannot exist; RANK=abc a bare ValueError."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    v = int(raw) if re.fullmatch(r"[+-]?\d+", raw) else None
+    if v is None or v < lo or (hi is not None and v > hi):
+        span = f">= {lo}" if hi is None else f"from {lo} to {hi}"
+        raise ConfigError(f"${name}={raw!r} in the environment must be a whole number {span}{meaning}: set it "
+                          f"right in the launcher (torchrun sets RANK and WORLD_SIZE together), or {fix}")
+    return v
 
 
 def _count(name: str, v: object, lo: int, hi: int | None = None, meaning: str = "", what: str = "the count") -> None:

@@ -534,3 +534,34 @@ def test_stats_tell_durability_and_rpo_without_a_burst_buffer(tmp_path) -> None:
         rec = ck.commit(group, step=1).wait()
         assert ck.stats().last_durable_s == rec.durable_s and ck.stats().rpo_s <= s.rpo_s + 60.0
 
+
+
+@pytest.mark.parametrize(("env", "match"), [
+    ({"RANK": "1"}, r"\$RANK='1' in the environment must be a whole number from 0 to 0 \(\$WORLD_SIZE=1, unset\)"),
+    ({"RANK": "4", "WORLD_SIZE": "4"}, r"\$RANK='4' .* from 0 to 3 \(\$WORLD_SIZE=4\)"),
+    ({"RANK": "abc", "WORLD_SIZE": "2"}, r"\$RANK='abc' .* whole number from 0 to 1"),
+    ({"RANK": "0", "WORLD_SIZE": "0"}, r"\$WORLD_SIZE='0' .* whole number >= 1"),
+    ({"RANK": "-1", "WORLD_SIZE": "2"}, r"\$RANK='-1'")])
+def test_a_rank_from_the_environment_is_checked_as_rank_is(monkeypatch, env: dict, match: str) -> None:
+    """RANK=1 with no WORLD_SIZE made rank 1 of a one-rank job: its first commit waited
+    commit_timeout_s for a rank 0 that cannot exist; RANK=abc raised a bare ValueError."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(fastckpt.ConfigError, match=match + ".*torchrun sets RANK and WORLD_SIZE together"):
+        fastckpt.Checkpointer()
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    fastckpt.Checkpointer(rank=0, world_size=1).close()  # given explicitly: the environment is not read
+
+
+def test_a_local_rank_from_the_environment_is_checked(monkeypatch) -> None:
+    from fastckpt.metrics.exporter import local_rank
+
+    for bad in ("abc", "-1"):
+        monkeypatch.setenv("LOCAL_RANK", bad)
+        with pytest.raises(fastckpt.ConfigError, match=rf"\$LOCAL_RANK='{bad}' in the environment must be a whole "
+                                                       "number >= 0"):
+            local_rank()
+    monkeypatch.setenv("LOCAL_RANK", "")
+    assert local_rank() == 0

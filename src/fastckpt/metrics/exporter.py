@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import errno
 import logging
-import os
 import sys
 import threading
 import time
@@ -20,7 +19,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
-from ..config import MAX_PORT
+from ..config import MAX_PORT, env_count
 from ..errors import ConfigError
 from ..eventlog import LogFollower, unique_paths
 from ..events import Event
@@ -33,8 +32,12 @@ log = logging.getLogger("fastckpt")
 
 
 def local_rank() -> int:
-    """This process's rank on its node (torchrun's LOCAL_RANK; 0 when unset)."""
-    return int(os.environ.get("LOCAL_RANK", "0") or 0)
+    """This process's rank on its node (torchrun's LOCAL_RANK; 0 when unset).
+
+    Raises:
+        ConfigError: LOCAL_RANK is no whole number >= 0 (``env_count``), naming it.
+    """
+    return env_count("LOCAL_RANK", 0, 0, fix="unset it (each rank serves on metrics_port + LOCAL_RANK)")
 
 
 class MetricsServer:
@@ -107,7 +110,7 @@ def start_exporter(port: int, stats: Callable[[], Stats], rank: Callable[[], int
     """Serve a Checkpointer's metrics on ``port + LOCAL_RANK`` (``port=0``: any free port).
 
     Raises:
-        ConfigError: the port is taken, or ``port + LOCAL_RANK`` is past the last TCP port.
+        ConfigError: the port is taken, ``port + LOCAL_RANK`` is past the last TCP port, or $LOCAL_RANK is bad.
     """
     lr = local_rank()
     if port and port + lr > MAX_PORT:  # here, not in the config: LOCAL_RANK is read here
