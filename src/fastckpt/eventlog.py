@@ -22,6 +22,7 @@ from .events import Event
 
 log = logging.getLogger("fastckpt")
 _FIELDS = ("name", "rank", "path", "bytes", "start", "end", "tier")
+_MAX_BYTES = 2**63 - 1  # the largest file size (off_t) and object size any store allows
 _ERROR_TYPE = re.compile(r"[A-Za-z_][\w.]*")
 
 
@@ -64,6 +65,9 @@ def parse_event(line: str, where: str = "event log") -> Event:
                          "start); the line is damaged")
     if ev.rank < 0 or ev.bytes < 0:
         raise ValueError(f"{where}: rank {ev.rank} or bytes {ev.bytes} is negative; the line is damaged")
+    if ev.bytes > _MAX_BYTES:  # readers sum bytes as floats: a 400-digit count was an OverflowError traceback
+        raise ValueError(f"{where}: bytes is a {len(str(ev.bytes))}-digit number, more than any file holds (2^63 - 1); "
+                         "the line is damaged")
     return ev
 
 

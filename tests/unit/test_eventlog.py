@@ -59,6 +59,7 @@ def test_bad_lines_are_named(tmp_path: Path) -> None:
     ({"rank": -1}, "negative"), ({"bytes": -10}, "negative"),
     ({"name": "superseded", "detail": 5}, "detail is a int, not a message"),
     ({"start": -1e308, "end": 1e308}, "not a time span"),
+    ({"bytes": int("9" * 400)}, "400-digit number, more than any file holds"),  # plan --from-run: OverflowError
 ])
 def test_a_line_whose_values_make_no_event_is_named_and_skipped_between_events(
         tmp_path: Path, caplog: pytest.LogCaptureFixture, change: dict, words: str) -> None:
