@@ -50,6 +50,15 @@ def test_durations(text: str, want: float) -> None:
     assert parse_duration(text) == want
 
 
+@pytest.mark.parametrize("text", ["1.4", "1.4B", " 0.5 "])
+def test_a_fraction_of_a_byte_is_refused_not_truncated(text: str) -> None:
+    """``--state-size 1.4`` (a unit left out) was planned as a 1-byte checkpoint; a size with a
+    unit is still rounded to the nearest byte."""
+    with pytest.raises(ValueError, match=r"is a fraction of a byte: give whole bytes, or a unit \(e.g. [0-9.]+GB"):
+        parse_size(text)
+    assert parse_size("0.1GiB") == round(0.1 * 2**30) and parse_size("1.0B") == 1
+
+
 @pytest.mark.parametrize("parse, text", [(parse_size, "8M"), (parse_size, "lots"), (parse_bandwidth, "10GB"),
                                          (parse_duration, "2 fortnights"), (parse_count, "70X")])
 def test_unreadable_units_say_how_to_write_them(parse, text: str) -> None:

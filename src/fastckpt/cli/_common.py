@@ -71,7 +71,11 @@ def parse_size(text: str) -> int:
                          f"{text.strip()} is {fmt_bytes(float(m.group(1)) * unit[0])}")
     if m is None or unit is None:
         raise ValueError(f"cannot read {text!r} as a size: write e.g. 8MiB, 1GiB, 1.4TB (GB = 1e9 bytes)")
-    return int(round(_finite(float(m.group(1)) * unit[0], text, "a size")))
+    size = _finite(float(m.group(1)) * unit[0], text, "a size")
+    if unit[0] == 1 and not size.is_integer():  # '1.4' was 1 byte: a lost unit, not a size
+        raise ValueError(f"{text!r} is a fraction of a byte: give whole bytes, or a unit (e.g. {m.group(1)}GB, "
+                         f"{m.group(1)}TB; a size with a unit is rounded to the nearest byte)")
+    return int(round(size))
 
 
 def parse_bandwidth(text: str) -> float:
