@@ -119,6 +119,30 @@ def test_sweep_removes_only_dead_local_processes_temp_files(tmp_path) -> None:
     assert not os.path.exists(stale) and not os.path.exists(stale_old_form)
 
 
+
+def test_sweep_tree_removes_dead_processes_temp_files_in_every_folder_up_to_its_cap(tmp_path) -> None:
+    """A burst buffer's whole tree (``Stripes`` at a Checkpointer's first save): the same rules as
+    ``sweep_stale_tmp`` in each folder, symlinks not followed, and a cap on the names read."""
+    import subprocess
+    import sys
+
+    from fastckpt.io.atomic import _HOST, sweep_tree, tmp_name
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    deep, outside = tmp_path / "bb" / "run" / "version_0" / "checkpoints", tmp_path / "outside"
+    deep.mkdir(parents=True)
+    outside.mkdir()
+    (tmp_path / "bb" / "link").symlink_to(outside)
+    stale = [str(d / f".fastckpt-tmp-{_HOST}.{dead}.0123456789ab~{b'last.ckpt'.hex()}") for d in (deep, outside)]
+    kept = [tmp_name(str(deep / "a.pt")), str(deep / f".fastckpt-tmp-elsewhere.{dead}.0123456789ab")]
+    for p in (*stale, *kept):
+        open(p, "wb").close()
+    assert sweep_tree(FileOps(), str(tmp_path / "bb"), max_names=2) == 0  # "run" and "link": stopped
+    assert sweep_tree(FileOps(), str(tmp_path / "bb")) == 1
+    assert not os.path.exists(stale[0]) and os.path.exists(stale[1])  # not through the symlink
+    assert all(os.path.exists(p) for p in kept)
+
 # --------------------------------------------------------------------------- replacing, the old file freed later
 def _replace(ops: FileOps, target: Path, data: bytes, later: list[str]) -> None:
     with A.replacing(ops, str(target), later.append) as st:

@@ -122,3 +122,60 @@ def test_the_room_check_first_removes_what_a_killed_run_left_in_the_burst_buffer
         f.write(b"x" * 4096)
     Stripes((nvme,)).choose(path, 4096, may_bypass=True)
     assert not os.path.exists(stale)
+
+
+_KILLED_RUN = """
+import os, signal, sys, threading
+import torch
+import fastckpt
+from fastckpt.testing import FaultyOps
+home, nvme = sys.argv[1], sys.argv[2]
+queued, n = threading.Condition(), [0]
+
+class Sink:
+    def emit(self, ev):
+        if ev.name == "queued":
+            with queued:
+                n[0] += 1
+                queued.notify_all()
+
+def hold(op, path):  # a slow home: no upload gets past its first write
+    if op == "pwrite" and path.startswith(home + os.sep):
+        threading.Event().wait()
+
+ck = fastckpt.Checkpointer(local_dir=nvme, ops=FaultyOps(on_call=hold), replicate_policy="all",
+                           replicate_in_order=True, replicate_workers=1, sinks=(Sink(),), rank=0, world_size=1)
+for step in (1, 2, 3):
+    ck.save({"w": torch.full((1 << 14,), step)}, os.path.join(home, "version_0", "last.ckpt"))
+with queued:
+    assert queued.wait_for(lambda: n[0] == 3, timeout=60)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_killed_runs_version_links_in_another_folder_go_when_the_next_run_picks_the_drive(tmp_path) -> None:  # noqa: ANN001
+    """A run killed with uploads behind leaves the hidden version links of its queued saves
+    (one the only name of a whole checkpoint); the next run saves into another folder (Lightning's
+    next ``version_N``), and only the folders a run wrote into were swept: they stayed for good.
+    The first save of a Checkpointer now sweeps each drive's whole tree (dead processes only)."""
+    import signal
+    import subprocess
+    import sys
+
+    from fastckpt.io.atomic import tmp_name
+    from fastckpt.urls import mirror_path
+
+    home, nvme = str(tmp_path / "home"), str(tmp_path / "nvme")
+    killed = subprocess.Popen([sys.executable, "-c", _KILLED_RUN, home, nvme], stderr=subprocess.PIPE, text=True)
+    _, err = killed.communicate(timeout=120)
+    assert killed.returncode == -signal.SIGKILL, err
+    old_dir = os.path.dirname(mirror_path(nvme, os.path.join(home, "version_0", "last.ckpt")))
+    dead = [f for f in tmp_files(nvme) if f".{killed.pid}." in os.path.basename(f)]
+    assert len(dead) >= 2 and all(os.path.dirname(f) == old_dir for f in dead)  # the oldest queued and the newest
+    assert min(os.stat(f).st_nlink for f in dead) == 1  # a replaced save's bytes: no other name
+    mine = tmp_name(os.path.join(old_dir, "last.ckpt"))  # a live process's (this one's): left alone
+    open(mine, "wb").close()
+    with fastckpt.Checkpointer(local_dir=nvme, rank=0, world_size=1) as ck:
+        ck.save(_state(7), os.path.join(home, "version_1", "last.ckpt")).wait(60)
+    assert tmp_files(nvme) == [mine]
+    assert torch.load(os.path.join(home, "version_1", "last.ckpt"), weights_only=True)["step"] == 7

@@ -109,6 +109,14 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _stale(name: str) -> bool:
+    """Whether ``name`` is a temp or probe file a dead process of this host and PID namespace left."""
+    if not is_tmp(name):
+        return False
+    writer = _writer_of(name)
+    return writer is not None and writer[0] == _HOST and writer[1] != os.getpid() and not _alive(writer[1])
+
+
 def sweep_stale_tmp(ops: FileOps, directory: str) -> int:
     """Remove temp and probe files in ``directory`` left by dead processes of this host.
 
@@ -125,13 +133,9 @@ def sweep_stale_tmp(ops: FileOps, directory: str) -> int:
         return 0
     removed = 0
     for name in names:
-        if not is_tmp(name):
-            continue
-        writer = _writer_of(name)
-        if writer is None or writer[0] != _HOST or writer[1] == os.getpid() or _alive(writer[1]):
-            continue
-        discard(ops, os.path.join(directory, name))
-        removed += 1
+        if _stale(name):
+            discard(ops, os.path.join(directory, name))
+            removed += 1
     return removed
 
 
@@ -149,6 +153,50 @@ def sweep_once(ops: FileOps, directory: str) -> None:
     n = sweep_stale_tmp(ops, directory)
     if n:
         log.info("fastckpt: removed %d temp file(s) of dead processes in %s", n, directory)
+
+
+#: names a sweep of a whole burst buffer (``sweep_tree``) reads at most: about 20 ms from the page
+#: cache; a burst buffer holds far fewer (the copies ``keep_local`` keeps, and their folders)
+TREE_SWEEP_NAMES = 20_000
+
+
+def sweep_tree(ops: FileOps, root: str, max_names: int = TREE_SWEEP_NAMES) -> int:
+    """``sweep_stale_tmp`` in ``root`` and every folder below it (symlinks not followed), reading
+    at most ``max_names`` names; logs what it removed, and when it stopped short.
+
+    Why: a run writes only into its own folders, and a killed run's leftovers (the version links of
+    its queued uploads, ``save.versions``: whole checkpoints whose blocks nothing else frees) often
+    sit in folders the next run never writes into (Lightning saves each run under a new
+    ``version_N``). The burst buffer is swept when a ``Checkpointer`` first picks a drive there
+    (``save.stripes``); the cap bounds that first save's delay on a huge tree, whose remaining
+    folders are still swept when written into (``sweep_once``).
+
+    Returns:
+        How many files were removed.
+    """
+    removed, seen, todo = 0, 0, [root]
+    while todo:
+        d = todo.pop()
+        try:
+            with os.scandir(d) as it:
+                entries = list(it)
+        except OSError:  # gone meanwhile, or unreadable: nothing of ours to sweep there
+            continue
+        for e in entries:
+            seen += 1
+            if seen > max_names:
+                log.info("fastckpt: stopped sweeping %s for dead processes' temp files after %d names (removed "
+                         "%d): the folders not reached are swept when a save writes into them", root, max_names,
+                         removed)
+                return removed
+            if e.is_dir(follow_symlinks=False):
+                todo.append(e.path)
+            elif _stale(e.name):
+                discard(ops, e.path)
+                removed += 1
+    if removed:
+        log.info("fastckpt: removed %d temp file(s) of dead processes under %s", removed, root)
+    return removed
 
 
 def discard(ops: FileOps, path: str) -> None:

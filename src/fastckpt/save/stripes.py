@@ -27,7 +27,7 @@ import threading
 from dataclasses import dataclass
 
 from ..errors import ConfigError
-from ..io.atomic import sweep_once
+from ..io.atomic import sweep_once, sweep_tree
 from ..io.ops import FileOps
 from ..units import fmt_bytes
 from ..urls import mirror_path
@@ -100,6 +100,8 @@ class Stripes:
         self._next = rank % len(self.dirs) if self.dirs else 0
         self._refused: set[int] = set()  # drives that refused a write (read-only, no permission): new paths avoid them
         self._bypassing = False  # the last save skipped a full burst buffer
+        self._swept = False  # whether the first choose swept the drives (``_sweep``)
+        self._sweep_lock = threading.Lock()
         self._check_usable()
 
     def _check_usable(self) -> None:
@@ -149,6 +151,7 @@ class Stripes:
         to its path)."""
         if not self.dirs:
             return None
+        self._sweep()
         with self._lock:  # the check and the reservation are one step: saves of a path never part ways
             held = self._held.get(path)
             if held is not None:
@@ -173,6 +176,19 @@ class Stripes:
                 i = min(order, key=lambda j: self._queued[j])
                 self._next = (i + 1) % len(self.dirs)
             return self._reserve(path, i, nbytes)
+
+    def _sweep(self) -> None:
+        """At the first ``choose``: remove what dead processes of this host left anywhere under each
+        drive (``io.atomic.sweep_tree``), before the room check reads the drives' free space. A killed
+        run's version links (``save.versions``) hold whole checkpoints, often in folders this run never
+        writes into (Lightning's ``version_N``), where the per-folder sweeps never look."""
+        with self._sweep_lock:  # a second caller waits: its room check must see the blocks freed
+            if self._swept:
+                return
+            self._swept = True
+            for i, d in enumerate(self.dirs):
+                if i not in self._refused:
+                    sweep_tree(FileOps(), d)
 
     def note_bypass(self, path: str, nbytes: int, bypass: bool) -> None:
         """(``Saver``, per save) Say when saves start skipping the full burst buffer, and when it takes them again."""

@@ -15,9 +15,12 @@ link (``save.stripes``): its rename replaces the name, not the bytes the link ke
 the upload is queued, not only when a newer save replaces the copy, also covers an upload that
 starts just then (it read its manifest from the old copy and would open the new one). The link
 goes as its job ends, however it ends (landed, failed, cancelled, dropped, or ``close()`` gave up
-on it). Temp names are skipped by every listing (``ls``, scans, retention, the restart scan) and
-``io.atomic.sweep_stale_tmp`` removes those of a dead process when a process next looks for room on
-that drive (``Stripes.choose``) or writes into the directory. Only the oldest queued version of a
+on it). Temp names are skipped by every listing (``ls``, scans, retention, the restart scan). A
+killed run's are removed (``io.atomic``: this host and PID namespace, dead processes only) by the
+next Checkpointer's first save on that drive, which sweeps the drive's whole tree, up to
+``io.atomic.TREE_SWEEP_NAMES`` names (``Stripes.choose``): the next run often saves into other
+folders (Lightning's next ``version_N``), and once its links stayed there for good. Folders past
+that cap are swept when a save writes into them or looks for room there. Only the oldest queued version of a
 path waits (``Replicator.submit``): one saved between it and the newest is dropped, so a backlog
 holds at most two versions of a path, not one per save (which filled the burst buffer). A
 version replaced at its name keeps its disk blocks until its upload ends: the
