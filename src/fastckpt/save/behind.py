@@ -9,6 +9,12 @@ the uploads catch up, and the file there stays the one from before, or none. Wai
 without version links cannot help (each save waits for those before it), so the run is told,
 once per such streak: resume from ``latest()``, which names the newest file that did land, not
 from that path by name.
+
+A drop while an upload of the same path that keeps its own bytes is queued or running (a version
+link, ``save.versions``: the oldest queued save of it) is not counted: that upload lands in its
+turn, so the file at the path moves on, trailing the saves by the backlog, and nothing starves.
+Counted, they made the WARNING fire on every backlog of a Lightning run (FastCkptIO's settings)
+and say what did not happen.
 """
 
 from __future__ import annotations

@@ -142,7 +142,8 @@ class Replicator:
         self._logged_superseded(old.rec, "coalesce" if coalesce else "newer-save")
         self._unversion(old)
         old.future.set_result(old.finish(replace(old.rec, durable_s=None, superseded=True)))
-        if old.rec.group is None and old.rec.path == by.rec.path:
+        kept = any(j.version and j.rec.path == old.rec.path for j in (*self._running, *self._queue))
+        if old.rec.group is None and old.rec.path == by.rec.path and not kept:  # kept: that one lands (save.behind)
             self._behind.dropped(old.rec.path)
 
     @contextmanager
