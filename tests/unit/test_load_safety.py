@@ -485,6 +485,46 @@ def test_an_intact_prezip_gpu_file_raises_torchs_error_without_a_copy_of_the_fil
         fastckpt.load(str(path), weights_only=False)  # (True: weights_only refuses the unknown name first)
 
 
+class _PatchedNet(torch.nn.Module):
+    """A whole module saved with another source than this one (``dump_patches``: torch's legacy
+    loader then writes a ``.patch`` file into the working directory)."""
+
+    dump_patches = True
+
+
+def test_an_intact_prezip_file_of_a_whole_module_whose_class_is_gone_raises_torchs_error(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch.save of a whole nn.Module records each module class with its source; the check gave
+    those to torch, which compared the source with a Stub's (no ``dump_patches``: an
+    AttributeError taken for damage), so an intact file whose class is not importable here was
+    "truncated or damaged"; and for a class it allows, torch wrote a ``.patch`` file into the
+    working directory. The source says nothing of the bytes: the class is taken as it is."""
+    import types
+
+    from fastckpt.load.soundness import sound
+
+    mod = types.ModuleType("fastckpt_test_whole_module")
+    mod.Net = type("Net", (torch.nn.Module,), {"__module__": mod.__name__})
+    monkeypatch.setitem(sys.modules, mod.__name__, mod)
+    net, patched = mod.Net(), _PatchedNet()
+    net.l = patched.l = torch.nn.Linear(3, 2)
+    path, other = tmp_path / "net.pt", tmp_path / "patched.pt"
+    with monkeypatch.context() as m:  # the source of each class as it was when saved (none for a class made here)
+        m.setattr(torch.serialization, "get_source_lines_and_file", lambda obj: (["class Old: pass\n"], 1, "old.py"))
+        torch.save(net, path, _use_new_zipfile_serialization=False)
+        torch.save(patched, other, _use_new_zipfile_serialization=False)
+    del mod.Net
+    with pytest.raises(AttributeError, match="Can't get attribute 'Net'") as err:
+        fastckpt.load(str(path), weights_only=False)
+    assert not isinstance(err.value, CorruptCheckpointError)
+    assert f"{path} has no fastckpt manifest, but it is not damaged" in "".join(err.value.__notes__)
+    monkeypatch.chdir(tmp_path)
+    data = other.read_bytes()
+    with torch.serialization.safe_globals([_PatchedNet]):  # a class the check takes as it is
+        assert sound(data, len(data))
+    assert not list(tmp_path.glob("*.patch"))
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a node without CUDA, where a GPU file needs map_location")
 def test_an_intact_gpu_file_holding_a_tensor_subclass_raises_torchs_error_not_corruption(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

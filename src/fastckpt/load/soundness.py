@@ -118,8 +118,13 @@ class _MetaUnpickler(_Unpickler):
         roots: dict[object, torch.UntypedStorage] = {}
 
         def on_meta(pid: object) -> object:
+            if isinstance(pid, tuple) and pid[:1] in (("module",), (b"module",)):
+                # a whole module's class (pid[1]: ('module', class, source file, source)): torch compares its source
+                # with the one saved, which says nothing of the bytes (a Stub has no dump_patches: an error taken for
+                # damage), and may write a .patch file into the working directory
+                return pid[1]
             if not (isinstance(pid, tuple) and len(pid) == 6 and pid[0] in ("storage", b"storage")):
-                return load(pid)  # a module's source, or what torch itself refuses
+                return load(pid)  # what torch itself refuses
             _, storage_type, root_key, location, numel, view = pid
             where = location.decode("ascii") if isinstance(location, bytes) else location
             torch.device(where)  # RuntimeError, TypeError: no device type of that name (a damaged tag)
