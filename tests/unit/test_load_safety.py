@@ -485,6 +485,59 @@ def test_an_intact_prezip_gpu_file_raises_torchs_error_without_a_copy_of_the_fil
         fastckpt.load(str(path), weights_only=False)  # (True: weights_only refuses the unknown name first)
 
 
+def _prezip_storages(data: bytes) -> tuple[list, int]:
+    """A pre-zip file's storage keys, and where its storages start (past its five pickles)."""
+    stream = io.BytesIO(data)
+    for _ in range(4):  # magic number, protocol, sys info, the object
+        pickletools.dis(stream, out=io.StringIO())
+    return pickle.load(stream), stream.tell()
+
+
+@pytest.mark.parametrize("damage", ["storage count", "storage key"])
+@pytest.mark.parametrize("weights_only", [True, False])
+def test_a_prezip_file_with_a_damaged_storage_count_or_key_is_corruption_not_intact(
+        tmp_path: Path, damage: str, weights_only: bool) -> None:
+    """torch checks a pre-zip file's storage keys and each storage's element count only as it
+    reads the storages, which the soundness check skips (``skip_data``): a file damaged there
+    (torch: "storage has wrong byte size", "storage key ... not found") was called not damaged,
+    with advice to pass weights_only=False. Its file is still as long as its pickles say."""
+    from fastckpt.load.soundness import sound
+
+    path = tmp_path / "prezip.pt"
+    torch.save({"a": torch.arange(100.0), "b": torch.arange(50.0)}, path, _use_new_zipfile_serialization=False)
+    data = bytearray(path.read_bytes())
+    assert sound(bytes(data), len(data))
+    keys, at = _prezip_storages(bytes(data))
+    if damage == "storage count":  # the last storage's count one lower: the file is not short
+        at += 8 + struct.unpack_from("<q", data, at)[0] * 4
+        data[at:at + 8] = struct.pack("<q", struct.unpack_from("<q", data, at)[0] - 1)
+    else:  # the last digit of a key in the keys' pickle: a storage the object never named
+        i = data.rfind(str(keys[-1]).encode(), 0, at) + len(str(keys[-1])) - 1
+        data[i] ^= 0x01
+    path.write_bytes(bytes(data))
+    with pytest.raises(CorruptCheckpointError, match=f"{path} is truncated or damaged") as err:
+        fastckpt.load(str(path), weights_only=weights_only)
+    assert "weights_only=False" not in str(err.value) + "".join(getattr(err.value, "__notes__", []))
+
+
+@pytest.mark.parametrize("protocol", [2, 3, 4, 5])
+def test_intact_prezip_files_of_every_shape_are_sound(tmp_path: Path, protocol: int) -> None:
+    """The soundness check repeats torch's checks of a pre-zip file's storages on their counts
+    alone: an intact file (shared, sliced and empty storages, every element size) passes."""
+    from fastckpt.load.soundness import sound
+
+    base = torch.arange(24.0)
+    state = {"shared": [base, base.view(4, 6), base[5:9]], "empty": torch.empty(0),
+             "b": torch.ones(3, dtype=torch.bool), "i8": torch.arange(5, dtype=torch.int8),
+             "c": torch.ones(2, dtype=torch.complex128), "bf": torch.ones(3, dtype=torch.bfloat16),
+             "net": torch.nn.Linear(3, 2)}
+    path = tmp_path / "prezip.pt"
+    torch.save(state, path, _use_new_zipfile_serialization=False, pickle_protocol=protocol)
+    data = path.read_bytes()
+    assert sound(data, len(data))
+    assert torch.equal(torch.load(path, weights_only=False)["shared"][2], base[5:9])
+
+
 class _PatchedNet(torch.nn.Module):
     """A whole module saved with another source than this one (``dump_patches``: torch's legacy
     loader then writes a ``.patch`` file into the working directory)."""

@@ -87,6 +87,24 @@ def legacy_end(stream: typing.IO[bytes], size: int) -> int | None:
     keys, info = got["keys"], got["info"]
     if not isinstance(keys, list) or any(types.get(str(k)) not in _ITEM_BYTES for k in keys):
         return None
+    end = stream.tell()
+    for _key, _count, end in storage_counts(stream, keys, info, lambda k: _ITEM_BYTES[types[str(k)]]):  # noqa: B007
+        pass  # (to the last storage's end)
+    return end
+
+
+def storage_counts(stream: typing.IO[bytes], keys: typing.Iterable[object], info: object,
+                   width: typing.Callable[[object], int]) -> typing.Iterator[tuple[object, int, int]]:
+    """Each storage of a pre-zip file, in the order of its storage keys (``keys``), from where
+    ``stream`` stands (just past the keys' pickle): its key, its element count, and where its
+    elements end (``width(key)``: the bytes of one). One 8-byte read each, the elements skipped:
+    the walk ``legacy_end`` and ``load.soundness`` share, which torch makes only by reading every
+    storage (so torch's checks of it can be repeated without reading or allocating one).
+
+    Raises:
+        EOFError: the file ends before a storage's element count.
+        ValueError: a storage's element count is negative.
+    """
     order = "big" if isinstance(info, dict) and info.get("little_endian") is False else "little"
     end = stream.tell()
     for k in keys:
@@ -97,8 +115,8 @@ def legacy_end(stream: typing.IO[bytes], size: int) -> int | None:
         elements = int.from_bytes(count, order, signed=True)
         if elements < 0:
             raise ValueError(f"its storage {k} has a negative element count ({elements})")
-        end += COUNT_BYTES + elements * _ITEM_BYTES[types[str(k)]]
-    return end
+        end += COUNT_BYTES + elements * width(k)
+        yield k, elements, end
 
 
 def _frame_past_end(stream: typing.IO[bytes], size: int) -> bool:

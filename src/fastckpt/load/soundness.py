@@ -13,11 +13,14 @@ is missing, a location tag no device has, arguments a rebuild function does not 
 
 A zip file is loaded from the image in place. A pre-zip file goes through torch's legacy loader
 under ``skip_data`` with every storage on the meta device: its pickles are checked, its storages
-neither read nor allocated (``load.unverified`` checked first that the file is as long as its pickles
-say). ``torch.load`` itself is not called: it copied the image and every storage (3x the file's
-memory, an OOM where torch's error was wanted), and under ``TORCH_FORCE_WEIGHTS_ONLY_LOAD=1`` it
-refuses the stubbing unpickler outright, which was taken for damage. A check that this process
-cannot finish (out of memory, too deep a recursion) says so (``CannotCheck``): that is no damage.
+neither read nor allocated (``load.unverified`` checked first that the file is as long as its
+pickles say). What torch checks only as it reads the storages, and ``skip_data`` skips, is checked
+on their 8-byte element counts alone: every storage key one the object's pickle named, each
+storage's count the one its persistent id gave, and its elements within the file. ``torch.load``
+itself is not called: it copied the image and every storage (3x the file's memory, an OOM where
+torch's error was wanted), and under ``TORCH_FORCE_WEIGHTS_ONLY_LOAD=1`` it refuses the stubbing
+unpickler outright, which was taken for damage. A check that this process cannot finish (out of
+memory, too deep a recursion) says so (``CannotCheck``): that is no damage.
 """
 
 from __future__ import annotations
@@ -26,11 +29,13 @@ import io
 import pickle
 import sys
 import types
+import typing
 from collections.abc import Callable
 
 import torch
 
 from ..format.foreign import Stub
+from ..format.legacy import storage_counts
 from ..format.ranges import RangeReader
 from .deserialize import fetcher
 from .image import ZIP_MAGIC, HeapImage
@@ -52,10 +57,7 @@ def sound(buf, size: int) -> bool:  # noqa: ANN001
     fetch = fetcher(buf)
     try:
         if fetch(0, 4) != ZIP_MAGIC:
-            with torch.serialization.skip_data():  # thread-local: the storages' bytes are not read
-                torch.serialization._legacy_load(io.BufferedReader(RangeReader(size, fetch)), _where_read,
-                                                 _LEGACY_MODULE, encoding="utf-8")  # torch.load's, for Python 2 strings
-            return True
+            return _legacy_sound(RangeReader(size, fetch), size)
         reader = torch._C.PyTorchFileReader(RangeReader(size, fetch))
         if "byteorder" in reader.get_all_records() and reader.get_record("byteorder") not in (b"little", b"big"):
             return False
@@ -108,14 +110,37 @@ def _where_read(storage: torch.UntypedStorage, _location: str) -> torch.UntypedS
     return storage
 
 
+def _legacy_sound(file: RangeReader, size: int) -> bool:
+    """Whether the pre-zip file read by ``file`` (``size`` bytes) loads, its storages neither read
+    nor allocated: torch's legacy loader under ``skip_data`` checks its pickles, then skips the checks
+    torch makes as it reads the storages, which are repeated here on their 8-byte element counts alone
+    (``format.legacy.storage_counts``): every storage key is one the object's pickle named, and each
+    storage's count is the one its persistent id gave (torch: "storage has wrong byte size"), and it
+    ends within the file."""
+    check, stream = _LegacyCheck(), io.BufferedReader(file)
+    with torch.serialization.skip_data():  # thread-local: the storages' bytes are not read
+        torch.serialization._legacy_load(stream, _where_read, check, encoding="utf-8")  # torch.load's (Python 2 str)
+    file.seek(stream.tell())  # the counts read unbuffered: 8 bytes each, not a buffer of the storage's elements
+    info, keys = check.loaded[2], check.loaded[3]  # magic number, protocol, sys info, storage keys
+    storages = check.Unpickler.storages
+    if not all(k in storages for k in keys):
+        return False  # torch: "storage key ... not found"
+    widths = {k: torch._utils._element_size(storages[k].dtype) for k in keys}
+    return all(count * widths[k] == storages[k]._untyped_storage.nbytes() and end <= size
+               for k, count, end in storage_counts(file, keys, info, widths.__getitem__))
+
+
 class _MetaUnpickler(_Unpickler):
     """A pre-zip file's pickle: each storage a meta storage of its size, which holds no memory
     (torch's legacy loader allocates every storage, even under ``skip_data``: a large file's
-    check could then fail for want of memory, and that was taken for damage)."""
+    check could then fail for want of memory, and that was taken for damage). Each is kept by its
+    key, root or view, as torch keeps them (``storages``, one dict per check: ``_LegacyCheck``)."""
+
+    storages: dict[object, torch.storage.TypedStorage]
 
     @_Unpickler.persistent_load.setter
     def persistent_load(self, load: Callable[[object], object]) -> None:
-        roots: dict[object, torch.UntypedStorage] = {}
+        storages = self.storages
 
         def on_meta(pid: object) -> object:
             if isinstance(pid, tuple) and pid[:1] in (("module",), (b"module",)):
@@ -129,12 +154,35 @@ class _MetaUnpickler(_Unpickler):
             where = location.decode("ascii") if isinstance(location, bytes) else location
             torch.device(where)  # RuntimeError, TypeError: no device type of that name (a damaged tag)
             dtype, width = storage_type.dtype, torch._utils._element_size(storage_type.dtype)
-            root = roots.setdefault(root_key, torch.UntypedStorage(numel * width, device="meta"))
-            if view is not None:  # (view key, offset, size), in elements
-                root = root[view[1] * width:(view[1] + view[2]) * width]
-            return torch.storage.TypedStorage(wrap_storage=root, dtype=dtype, _internal=True)
+            if root_key not in storages:  # torch's legacy persistent_load: the first id of a root sets its dtype
+                meta = torch.UntypedStorage(numel * width, device="meta")
+                storages[root_key] = torch.storage.TypedStorage(wrap_storage=meta, dtype=dtype, _internal=True)
+            root = storages[root_key]
+            if view is None:
+                return root
+            view_key, offset, count = view  # in elements
+            if view_key not in storages:
+                part = root._untyped_storage[offset * width:(offset + count) * width]
+                storages[view_key] = torch.storage.TypedStorage(wrap_storage=part, dtype=dtype, _internal=True)
+            return storages[view_key]
 
         pickle.Unpickler.persistent_load.__set__(self, on_meta)  # type: ignore[attr-defined]
+
+
+class _LegacyCheck:
+    """The pickle module torch's legacy loader is given for one check (``pickle_module``): its
+    ``Unpickler`` a ``_MetaUnpickler`` keeping this check's storages, its ``load`` (the headers
+    and the storage keys) keeping what it read."""
+
+    __name__ = "fastckpt-soundness"
+
+    def __init__(self) -> None:
+        self.Unpickler = type("_MetaUnpickler", (_MetaUnpickler,), {"storages": {}})
+        self.loaded: list[object] = []
+
+    def load(self, stream: typing.IO[bytes], **kwargs: object) -> object:
+        self.loaded.append(_Unpickler(stream, **kwargs).load())
+        return self.loaded[-1]
 
 
 def _rebuild_from_type(func: Callable[..., torch.Tensor], new_type: type, args: tuple, state: object) -> object:
@@ -153,5 +201,3 @@ def _allowed() -> dict[str, object]:
 
 
 _MODULE = types.SimpleNamespace(Unpickler=_Unpickler, __name__="fastckpt-soundness")  # the pickle module torch uses
-_LEGACY_MODULE = types.SimpleNamespace(Unpickler=_MetaUnpickler, __name__="fastckpt-soundness",
-                                       load=lambda f, **kw: _Unpickler(f, **kw).load())  # its headers, storage keys
