@@ -167,29 +167,29 @@ def test_ls_and_verify_of_a_path_that_does_not_exist_or_is_not_a_checkpoint(tmp_
     _refused(_cli("ls", str(notes)), 1, f"{notes} is a file", f"fastckpt verify {notes}")
 
 
-def test_a_directory_that_cannot_be_read_is_one_line_naming_it_not_a_traceback(tmp_path: Path) -> None:
+def test_a_checkpoint_that_cannot_be_read_is_one_line_naming_it_not_a_traceback(tmp_path: Path) -> None:
     """``ls``, ``latest`` and ``verify`` printed a 60-line traceback for a checkpoint they cannot
     read: the ``OSError`` (with its note naming the path and the fix) escaped ``main``. The
-    permission error (what another owner's mode 700 gives a non-root user) is injected at
-    ``os.scandir``, which no ``FileOps`` call covers."""
+    permission error (what another owner's mode 600 gives a non-root user) is injected at
+    ``os.open`` in the CLI's process."""
     import torch
 
     import fastckpt
 
     with fastckpt.Checkpointer() as ck:
         ck.save({"w": torch.ones(3)}, str(tmp_path / "a.pt")).wait()
-    (tmp_path / "private").mkdir()
+        ck.save({"w": torch.ones(3)}, str(tmp_path / "private.pt")).wait()
     run = ("import errno, os, sys\n"
-           "real = os.scandir\n"
-           "def scandir(d='.'):\n"
-           "    if os.fspath(d).endswith('private'):\n"
-           "        raise PermissionError(errno.EACCES, 'Permission denied', os.fspath(d))\n"
-           "    return real(d)\n"
-           "os.scandir = scandir\n"
+           "real = os.open\n"
+           "def open_(p, *a, **k):\n"
+           "    if os.fspath(p).endswith('private.pt'):\n"
+           "        raise PermissionError(errno.EACCES, 'Permission denied', os.fspath(p))\n"
+           "    return real(p, *a, **k)\n"
+           "os.open = open_\n"
            "from fastckpt.cli import main\n"
            "sys.exit(main(sys.argv[1:]))\n")
     for args in (["ls"], ["latest"], ["verify"], ["verify", "--latest"]):
         res = subprocess.run([sys.executable, "-c", run, *args, str(tmp_path)], capture_output=True, text=True,
                              timeout=120)
         _refused(res, 1, "fastckpt: PermissionError: [Errno 13] Permission denied",
-                 f"listing of {tmp_path / 'private'}", "owner/mode")
+                 f"{tmp_path / 'private.pt'} cannot be read", "owner/mode")

@@ -1,10 +1,10 @@
 """commit/discovery: a checkpoint ``latest`` cannot read is no reason to name an older one.
 
 ``latest`` (and ``ls``, ``verify --latest``) passed over a newer file it could not read (EACCES:
-a job restarted under another account, a root-owned copy; EIO) and a group directory it could
-not list, and named the older checkpoint: a resume silently went back in time. Only a file gone
-since the listing (a race with retention) is passed over; any other error is raised, naming the
-path and the fix, as an unreadable group manifest already was.
+a job restarted under another account, a root-owned copy; EIO) and named the older checkpoint: a
+resume silently went back in time. Only a file gone since the listing (a race with retention) is
+passed over; any other error is raised, naming the path and the fix, as an unreadable group
+manifest already was. A folder that cannot be listed is passed over (as ``os.walk`` does).
 """
 
 from __future__ import annotations
@@ -43,21 +43,54 @@ def test_a_newest_file_that_cannot_be_read_is_raised_not_passed_over(tmp_path: P
     assert discovery.latest(Homes(), str(tmp_path)) == str(tmp_path / "step-2.pt")
 
 
-def test_a_directory_that_cannot_be_listed_is_raised_not_taken_for_empty(tmp_path: Path, monkeypatch) -> None:
-    """``os.scandir`` is no ``FileOps`` call, so the fault (what mode 700 of another owner gives
-    a non-root reader) is injected at it; every other directory is listed for real."""
-    _save(tmp_path, 1, 2, group=True)
-    (tmp_path / "latest").unlink()  # the scan, not the pointer, finds the newest
+def _unlistable(monkeypatch, *dirs: Path) -> None:
+    """``os.scandir`` is no ``FileOps`` call, so what mode 700 of another owner gives a non-root
+    reader is injected at it for ``dirs``; every other directory is listed for real."""
     real = os.scandir
 
     def scandir(d: str = "."):  # noqa: ANN202 (os.scandir's iterator)
-        if os.fspath(d) == str(tmp_path / "step-2"):
+        if os.fspath(d) in {str(x) for x in dirs}:
             raise PermissionError(errno.EACCES, "Permission denied", os.fspath(d))
         return real(d)
 
     monkeypatch.setattr(os, "scandir", scandir)
-    with pytest.raises(PermissionError) as err:
-        fastckpt.latest(str(tmp_path))
-    assert f"listing of {tmp_path / 'step-2'}" in "\n".join(err.value.__notes__)
-    monkeypatch.setattr(os, "scandir", real)
+
+
+def test_a_folder_that_cannot_be_listed_beside_the_checkpoints_is_passed_over(tmp_path: Path, monkeypatch) -> None:
+    """A root-owned ``.Trash-0``, another user's folder beside the run, a folder inside a tag: a
+    folder that cannot be listed is passed over, as ``os.walk`` does (raising there broke
+    ``latest`` over a run folder holding a hidden folder, ``latest`` of a file beside another
+    user's run folder, DeepSpeed's loads and the burst buffer's restart scan:
+    ``d3_hidden_unreadable_dir_breaks_latest``, ``d3_latest_of_file_fails_on_unreadable_sibling_dir``,
+    ``d3_keep_local_restart_scan_fails_on_unreadable_dir``)."""
+    _save(tmp_path, 1, 2, group=True)
+    (tmp_path / "latest").unlink()  # the scan, not the pointer, finds the newest
+    for d in (".Trash-0", "bob-run", "step-2/tb_logs"):
+        (tmp_path / d).mkdir()
+    _unlistable(monkeypatch, tmp_path / ".Trash-0", tmp_path / "bob-run", tmp_path / "step-2" / "tb_logs")
     assert fastckpt.latest(str(tmp_path)) == str(tmp_path / "step-2")
+
+
+def test_an_unreadable_lightning_meta_or_deepspeed_latest_is_raised_not_passed_over(tmp_path: Path) -> None:
+    """The other records a scan reads (``d3_unreadable_foreign_record_latest_goes_back``): a
+    Lightning DCP directory's ``meta.pt`` and DeepSpeed's own ``latest`` file."""
+    import torch.distributed.checkpoint as dcp
+
+    _save(tmp_path, 1)
+    dcp.save({"w": torch.ones(2)}, checkpoint_id=str(tmp_path / "epoch=1-step=2.ckpt"))
+    torch.save({"global_step": 2}, tmp_path / "epoch=1-step=2.ckpt" / "meta.pt")
+    assert discovery.latest(Homes(), str(tmp_path)) == str(tmp_path / "epoch=1-step=2.ckpt")
+    ops = FaultyOps([Fault("open", errno.EACCES, path_contains="meta.pt")])
+    with pytest.raises(PermissionError) as err:
+        discovery.latest(Homes(ops=ops), str(tmp_path))
+    assert "meta.pt cannot be read" in "\n".join(err.value.__notes__)
+
+    ds = tmp_path / "ds"
+    (ds / "global_step3").mkdir(parents=True)
+    torch.save({"w": torch.ones(1)}, ds / "global_step3" / "mp_rank_00_model_states.pt")
+    (ds / "latest").write_text("global_step3")
+    assert discovery.latest(Homes(), str(ds)) == str(ds / "global_step3")
+    ops = FaultyOps([Fault("open", errno.EIO, nth=n, path_contains="ds/latest") for n in (1, 2, 3)])  # pointer, scan
+    with pytest.raises(OSError) as err:
+        discovery.latest(Homes(ops=ops), str(ds))
+    assert "latest cannot be read" in "\n".join(err.value.__notes__)

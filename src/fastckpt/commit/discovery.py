@@ -32,6 +32,7 @@ number), they are ordered by step first.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import posixpath
@@ -172,8 +173,10 @@ def _lightning_meta(loc: Location, key: str, listed: bool, lightning_name: bool)
         if record is None:
             return False if listed or lightning_name else None
         return foreign.pickle_step(loc.target, key, record)
-    except OSError:
+    except FileNotFoundError:  # gone since the listing
         return False
+    except OSError as exc:  # unreadable: it may be the newest
+        raise foreign.unreadable(exc, loc.target.url_of(key)) from None
 
 
 def _damaged_is_none(read: Callable[[T], dict | None], where: T, damaged: list[Damaged], path: str,
@@ -212,13 +215,11 @@ def _file(loc: Location, prefix: str, rel: str, damaged: list[Damaged], gone: li
     except CorruptCheckpointError as exc:  # a damaged manifest: not a candidate, but no silent one either
         damaged.append(Damaged(join(loc.url, rel), "file", str(exc)))
         return None
-    except FileNotFoundError:  # gone since the listing
-        gone.append(join(loc.url, rel))
-        return None
     except OSError as exc:  # unreadable: it may be the newest, so no answer rather than an older one
-        exc.add_note(f"{join(loc.url, rel)} cannot be read, so whether it is the newest checkpoint is unknown: "
-                     "make it readable (owner/mode), or move it away if it is no checkpoint")
-        raise
+        if isinstance(exc, FileNotFoundError) or exc.errno == errno.ESTALE:  # gone since the listing (NFS: ESTALE)
+            gone.append(join(loc.url, rel))
+            return None
+        raise foreign.unreadable(exc, join(loc.url, rel)) from None
 
 
 def _ordered(loc: Location, prefix: str, own: list[Found], others: list[Found]) -> list[Found]:

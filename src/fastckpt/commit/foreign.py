@@ -96,8 +96,10 @@ def deepspeed_tag(target: Target, prefix: str, rel: str, rels: set[str]) -> str 
         if target.size(prefix + rel) > MAX_POINTER_BYTES:
             return None
         tag = target.get_bytes(prefix + rel).decode("utf-8").strip()
-    except (OSError, UnicodeDecodeError):  # gone meanwhile, or not a text file
+    except (FileNotFoundError, UnicodeDecodeError):  # gone meanwhile, or not a text file
         return None
+    except OSError as exc:  # unreadable: the tag it names may be the newest
+        raise unreadable(exc, target.url_of(prefix + rel)) from None
     if not tag or "/" in tag or tag.startswith("."):
         return None
     tag_rel = posixpath.join(posixpath.dirname(rel), tag)
@@ -106,8 +108,19 @@ def deepspeed_tag(target: Target, prefix: str, rel: str, rels: set[str]) -> str 
         return None
     try:  # written through fastckpt's DeepSpeed engine: a group, complete only once its manifest is published
         return None if target.read_manifest(prefix + files[0]) else tag_rel
-    except (OSError, CorruptCheckpointError):
+    except (FileNotFoundError, CorruptCheckpointError):
         return None
+    except OSError as exc:
+        raise unreadable(exc, target.url_of(prefix + files[0])) from None
+
+
+def unreadable(exc: OSError, url: str) -> OSError:
+    """``exc`` (reading ``url`` in a scan for the newest checkpoint), with a note naming the path
+    and the fix: a checkpoint that cannot be read may be the newest, so no answer rather than an
+    older one (a file gone since the listing is passed over instead: a race with retention)."""
+    exc.add_note(f"{url} cannot be read, so whether it is the newest checkpoint is unknown: make it readable "
+                 "(owner/mode), or move it away if it is no checkpoint")
+    return exc
 
 
 def check_step(extra: dict) -> dict:

@@ -30,22 +30,12 @@ def _key_dir(root: str, d: str) -> str:
 def _entries(d: str) -> tuple[list[str], list[str]]:
     """(sub-directories, regular files) directly in ``d``, from the directory's own entry types:
     no symbolic link, named pipe, socket or device is either (opening a pipe to read a manifest
-    from it would block the scan for ever). Nothing, where ``d`` is gone (removed since its parent
-    was listed) or is no directory, and in a ``lost+found`` (the file system's own, root's alone).
-    Any other error is raised, not taken for an empty directory: a directory that cannot be listed
-    may hold the newest checkpoint, and ``latest`` would name an older one."""
+    from it would block the scan for ever). Nothing, where ``d`` cannot be read (as ``os.walk``)."""
     try:
         with os.scandir(d) as it:
             entries = list(it)
-    except (FileNotFoundError, NotADirectoryError):
+    except OSError:
         return [], []
-    except OSError as exc:
-        if os.path.basename(d) == "lost+found":
-            return [], []
-        fix = "fix its owner/mode, or run as a user who may list it" if isinstance(exc, PermissionError) \
-            else "check the file system and the path"
-        exc.add_note(f"listing of {d}: a directory that may hold checkpoints cannot be read: {fix}")
-        raise
     sub = [e.name for e in entries if e.is_dir(follow_symlinks=False)]
     return sub, [e.name for e in entries if e.is_file(follow_symlinks=False)]
 
