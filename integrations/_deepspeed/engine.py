@@ -109,6 +109,7 @@ class FastCkptEngine(CheckpointEngine):
         self._samples = 0
         self.pending: list[PendingCommit] = []
         self.skipped: list[str] = []  # tags "when_busy": "skip" dropped (never committed), oldest first
+        self._preread: dict[str, object] = {}  # path (as DeepSpeed names it) -> its object, read before the load
 
     @property
     def lazy(self) -> bool:
@@ -181,8 +182,20 @@ class FastCkptEngine(CheckpointEngine):
                                        "(save_16bit_model) need the file: set \"when_busy\": \"wait\" (the default) "
                                        "in the \"fastckpt\" section, or save when no checkpoint is being copied")
 
+    def preread(self, path: str) -> object:
+        """Load ``path`` now (on the CPU, as DeepSpeed maps its checkpoints), for DeepSpeed's
+        ``load`` of it to return (once) within the next load (``preread.py``: why)."""
+        obj = self._preread[path] = self.load(path, "cpu")
+        return obj
+
+    def forget_prereads(self) -> None:
+        """Drop what DeepSpeed's load did not ask for (its load raised, or it took another way)."""
+        self._preread.clear()
+
     def load(self, path: str, map_location: object = None) -> object:
         """Verified load; unpickling as ``weights_only`` says (see the module docstring)."""
+        if path in self._preread:
+            return self._preread.pop(path)
         path = self.home(path)
         if not self.weights_only:
             return self.checkpointer.load(path, map_location, weights_only=False)

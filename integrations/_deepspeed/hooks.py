@@ -50,6 +50,7 @@ from .agree import COMMITTED, FAILED, agree_on_load, error_on_any_rank, worst_on
 from .compat import LATEST, Store, checked_tag, is_url, normalize, order, pointer_name, same_files
 from .engine import OPT_OUT, SAFE_GLOBALS, FastCkptEngine
 from .globs import literal_globs
+from .preread import preread
 from .unsafe import refused_globals, warn_once
 
 if TYPE_CHECKING:
@@ -291,15 +292,24 @@ class EngineHooks:
                   "custom_load_fn": custom_load_fn}
         for attempt in range(1, LOAD_TRIES + 1):
             loaded, save, error, changed = None, "", None, None
-            try:
-                if resolve:
-                    tag = self._resolve(home)
-                loaded, save = self._load_once(home, where, alias, tag, kwargs, named_by_latest=resolve)
-            except GroupChangedError as exc:
-                changed = exc
-            except Exception as exc:  # noqa: BLE001 (raised below, on every rank)
-                error = exc
-            outcome = agree_on_load(error, changed is not None, save)
+            with contextlib.ExitStack() as held:  # the tag's pinned save and this rank's files read ahead
+                try:
+                    if resolve:
+                        tag = self._resolve(home)
+                    save = self._prepare(home, where, alias, tag, kwargs, held, named_by_latest=resolve)
+                except GroupChangedError as exc:
+                    changed = exc
+                except Exception as exc:  # noqa: BLE001 (raised below, on every rank)
+                    error = exc
+                outcome = agree_on_load(error, changed is not None, save)  # before DeepSpeed's collectives
+                if not (outcome.failed or outcome.changed or outcome.mixed):
+                    try:
+                        loaded = self._load_once(home, where, tag, kwargs, named_by_latest=resolve)
+                    except GroupChangedError as exc:
+                        changed = exc
+                    except Exception as exc:  # noqa: BLE001 (raised below, on every rank)
+                        error = exc
+                    outcome = agree_on_load(error, changed is not None, save)
             if outcome.failed:
                 raise error_on_any_rank(error)
             if not (outcome.changed or outcome.mixed):
@@ -327,45 +337,61 @@ class EngineHooks:
                 f"tag alone), or pass it: load_checkpoint({home!r}, tag=...); delete the file to start fresh. List "
                 f"the tags with: fastckpt ls {home}")
 
-    def _load_once(self, home: str, where: str, alias: tuple[str, str] | None, tag: object,
-                   kwargs: dict, named_by_latest: bool = False) -> tuple[tuple, str]:
-        """One ``_load`` of ``tag`` (None: DeepSpeed's own choice; ``named_by_latest``: the tag
-        ``load_checkpoint(home)`` resolved), its files pinned to one save; returns DeepSpeed's
-        result and what was loaded: the tag and the pinned save's checksums."""
+    def _prepare(self, home: str, where: str, alias: tuple[str, str] | None, tag: object, kwargs: dict,
+                 held: contextlib.ExitStack, named_by_latest: bool = False) -> str:
+        """Everything of a load of ``tag`` that can fail on one rank only, done before DeepSpeed's
+        load begins (``preread.py``: why): a URL's tag fetched into the burst buffer, the tag's
+        published save pinned (held until ``held`` closes), a missing tag or file named, and the
+        files this rank's DeepSpeed load will ask for read and verified. Returns what is loaded:
+        the tag and the pinned save's checksums."""
         if tag is not None and alias is not None:
             self._store().check_exists(home, os.path.join(where, str(tag)), str(tag))
             self._fetch(home, where, str(tag))
         self.fe.begin(alias, None, int(self.engine.global_samples))
+        held.callback(self.fe.end)
+        held.callback(self.fe.forget_prereads)
+        manifest = self._pin(held, _join(home, str(tag))) if tag is not None else None  # the home's save
+        if tag is not None:
+            if (gone := self._not_loadable(home, where, tag, named_by_latest)) is not None:
+                raise gone
+            preread(self.engine, where, str(tag), kwargs, self.fe.preread)  # (paths map back to home: fe.home)
+        return json.dumps([str(tag), *_checksums(manifest)])
+
+    def _load_once(self, home: str, where: str, tag: object, kwargs: dict, named_by_latest: bool = False) -> tuple:
+        """DeepSpeed's load of ``tag`` (None: DeepSpeed's own choice; ``named_by_latest``: the tag
+        ``load_checkpoint(home)`` resolved), once ``_prepare`` has pinned and read its files."""
         try:
-            with contextlib.ExitStack() as pinned:
-                manifest = self._pin(pinned, _join(home, str(tag))) if tag is not None else None  # the home's save
-                loaded = self._load(where, tag=tag, **kwargs)  # (DeepSpeed's paths map back to it: fe.home)
-                return loaded, json.dumps([str(tag), *_checksums(manifest)])
+            return self._load(where, tag=tag, **kwargs)
         except AssertionError as exc:  # DeepSpeed's bare assert on a file it did not find: name it
-            if (missing := self._missing(where, tag)) is None:
-                if self._uncommitted(where, tag):
-                    raise IncompleteCheckpointError(
-                        f"checkpoint {_join(home, str(tag))} cannot be loaded: it holds no complete save (no fastckpt "
-                        "manifest: its save never committed, killed while its files were written, or it is still "
-                        f"being written; nor DeepSpeed's own files). Load the newest complete tag with "
-                        f"load_checkpoint({home!r}) and no tag; list them with: fastckpt ls {home}") from exc
+            if (gone := self._not_loadable(home, where, tag, named_by_latest)) is None:
                 raise
-            why = f"no tag {str(tag)!r} is saved under {home}: never saved, or deleted since" \
-                if missing == os.path.join(where, str(tag)) else "deleted since it was saved"
-            fix = f"Load another tag, or the newest complete one with load_checkpoint({home!r}) and no tag"
-            if named_by_latest and missing == os.path.join(where, str(tag)):
-                fix = (f"{_join(home, LATEST)} names it (removing a tag does not rewrite latest): write the newest "
-                       "remaining tag into that file (the tag alone; an older one does not roll back: remove the tags "
-                       f"newer than it first), or load a tag with load_checkpoint({home!r}, tag=...)")
-            elif named_by_latest:  # damaged, not removed: its manifest keeps it the newest, whatever latest says
-                fix = (f"it stays the newest complete tag whatever {_join(home, LATEST)} names: remove it "
-                       f"(engine.checkpoint_engine.checkpointer.remove({_join(home, str(tag))!r})), then write the tag "
-                       f"to resume from into latest, or load another with load_checkpoint({home!r}, tag=...)")
-            raise CheckpointNotFoundError(
-                f"checkpoint {_join(home, str(tag))} cannot be loaded: {missing} does not exist ({why}). {fix}; "
-                f"list them with: fastckpt ls {home}") from exc
-        finally:
-            self.fe.end()
+            raise gone from exc
+
+    def _not_loadable(self, home: str, where: str, tag: object, named_by_latest: bool) -> BaseException | None:
+        """The error naming what of ``tag`` is missing (its directory, a file of its manifest) or
+        that it holds no complete save; None when nothing is missing."""
+        if (missing := self._missing(where, tag)) is None:
+            if self._uncommitted(where, tag):
+                return IncompleteCheckpointError(
+                    f"checkpoint {_join(home, str(tag))} cannot be loaded: it holds no complete save (no fastckpt "
+                    "manifest: its save never committed, killed while its files were written, or it is still "
+                    f"being written; nor DeepSpeed's own files). Load the newest complete tag with "
+                    f"load_checkpoint({home!r}) and no tag; list them with: fastckpt ls {home}")
+            return None
+        why = f"no tag {str(tag)!r} is saved under {home}: never saved, or deleted since" \
+            if missing == os.path.join(where, str(tag)) else "deleted since it was saved"
+        fix = f"Load another tag, or the newest complete one with load_checkpoint({home!r}) and no tag"
+        if named_by_latest and missing == os.path.join(where, str(tag)):
+            fix = (f"{_join(home, LATEST)} names it (removing a tag does not rewrite latest): write the newest "
+                   "remaining tag into that file (the tag alone; an older one does not roll back: remove the tags "
+                   f"newer than it first), or load a tag with load_checkpoint({home!r}, tag=...)")
+        elif named_by_latest:  # damaged, not removed: its manifest keeps it the newest, whatever latest says
+            fix = (f"it stays the newest complete tag whatever {_join(home, LATEST)} names: remove it "
+                   f"(engine.checkpoint_engine.checkpointer.remove({_join(home, str(tag))!r})), then write the tag "
+                   f"to resume from into latest, or load another with load_checkpoint({home!r}, tag=...)")
+        return CheckpointNotFoundError(
+            f"checkpoint {_join(home, str(tag))} cannot be loaded: {missing} does not exist ({why}). {fix}; "
+            f"list them with: fastckpt ls {home}")
 
     def _uncommitted(self, where: str, tag: object) -> bool:
         """The tag directory holds no manifest and no checkpoint file of anyone's (only what a

@@ -347,9 +347,9 @@ def test_deepspeeds_own_assert_on_its_own_tag_is_kept(tmp_path: Path) -> None:
 
         hooks._load = refuse
         with pytest.raises(AssertionError, match="zero stage 2 does not match"):
-            hooks._load_once(str(tmp_path), str(tmp_path), None, "native", {})
+            hooks._load_once(str(tmp_path), str(tmp_path), "native", {})
         with pytest.raises(IncompleteCheckpointError, match="killed cannot be loaded: it holds no complete save"):
-            hooks._load_once(str(tmp_path), str(tmp_path), None, "killed", {})
+            hooks._load_once(str(tmp_path), str(tmp_path), "killed", {})
 
 
 def test_deepspeed_globs_the_directory_and_tag_as_written(tmp_path: Path) -> None:

@@ -1,0 +1,116 @@
+"""Run by test_deepspeed_zero3.py under torchrun (2 CPU processes, gloo, DS_ACCELERATOR=cpu).
+
+ZeRO-3 with DeepSpeed's default ``stage3_param_persistence_threshold`` (the other DeepSpeed tests
+set it to 0): the small parameters stay gathered ("persistent"), and DeepSpeed's load gathers
+them again on every rank at its end (``checkpoint_event_epilogue``), a collective that a rank
+whose load raised earlier never reached. Usage: _deepspeed_zero3_worker.py ROOT SCENARIO[,...];
+each rank writes ROOT/results/rank{r}.json:
+  onerank   rank 1's own model file, then its own optimizer file, has a byte flipped: the load
+            raises CorruptCheckpointError on both ranks (before, both hung), and the fallback to
+            the older tag loads on both; a re-save swapped in during rank 1's load (its pin says
+            so) loads again on both ranks
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+import deepspeed  # noqa: E402
+import torch  # noqa: E402
+from deepspeed import comm as dist  # noqa: E402
+
+from fastckpt.errors import CorruptCheckpointError, GroupChangedError  # noqa: E402
+from fastckpt.integrations.deepspeed import initialize  # noqa: E402
+from tests.integration._ds_common import ds_config, full_weights, make_model, same, train  # noqa: E402
+from tests.integration._exit import leave  # noqa: E402
+
+RESULTS: dict[str, object] = {}
+
+
+def engine(seed: int, section: dict | None = None, **extra: object):
+    """ZeRO-3 with DeepSpeed's default persistence threshold (every parameter of the small model persistent)."""
+    cfg = ds_config(3, {"commit_timeout_s": 60, **(section or {})}, **extra)
+    cfg["zero_optimization"].pop("stage3_param_persistence_threshold")
+    model = make_model(seed)
+    eng, _, _, _ = initialize(model=model, optimizer=torch.optim.Adam(model.parameters(), lr=1e-2), config=cfg)
+    return eng
+
+
+def flip(path: str) -> None:
+    """One byte in the middle of ``path`` flipped (its checksum no longer matches)."""
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        b = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([b[0] ^ 0x01]))
+
+
+def one_rank(root: str) -> None:
+    rank = dist.get_rank()
+    d = os.path.join(root, "onerank")
+    w = engine(0)
+    train(w, 1, 1)
+    w.save_checkpoint(d, "t0")
+    t0_w = full_weights(w)
+    train(w, 2, 2)
+    w.save_checkpoint(d, "t1")
+    w.destroy()
+    dist.barrier()
+    raised = {}
+    for name in ("zero_pp_rank_1_mp_rank_00_model_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"):
+        if rank == 0:
+            flip(os.path.join(d, "t1", name))
+        dist.barrier()
+        r = engine(1)
+        try:
+            r.load_checkpoint(d, "t1")
+            raised[name] = None
+        except CorruptCheckpointError as exc:
+            raised[name] = type(exc).__name__
+            r.load_checkpoint(d, "t0")  # the fallback: collective, so it returns only if every rank came here
+            same(full_weights(r), t0_w, "weights after the fallback to t0")
+        r.destroy()
+        if rank == 0:  # undo it: the next file is damaged alone
+            flip(os.path.join(d, "t1", name))
+        dist.barrier()
+    r = engine(1)
+    ck, tries = r.checkpoint_engine.checkpointer, []
+    reading = ck.reading
+
+    def swapped_once(group: str):  # rank 1's pin finds a re-save swapped in, once (as Checkpointer.reading says)
+        tries.append(os.path.basename(group))
+        if rank == 1 and len(tries) == 1:
+            raise GroupChangedError(f"{group} was saved again and swapped in since the load began")
+        return reading(group)
+
+    ck.reading = swapped_once
+    path, _ = r.load_checkpoint(d, "t1")
+    assert path is not None and len(tries) == 2, (path, tries)  # loaded again, on both ranks
+    r.destroy()
+    RESULTS["onerank"] = {"raised": raised, "tries": tries}
+
+
+SCENARIOS = {"onerank": one_rank}
+
+
+def main(root: str, names: list[str]) -> None:
+    import logging
+
+    logging.getLogger("fastckpt").setLevel(logging.ERROR)  # the overhead alarm fires in tiny runs
+    logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
+    deepspeed.init_distributed(dist_backend="gloo")
+    for name in names:
+        SCENARIOS[name](root)
+    os.makedirs(os.path.join(root, "results"), exist_ok=True)
+    with open(os.path.join(root, "results", f"rank{dist.get_rank()}.json"), "w") as f:
+        json.dump(RESULTS, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2].split(","))
+    leave()

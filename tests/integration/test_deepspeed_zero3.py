@@ -1,0 +1,34 @@
+"""ZeRO-3 with DeepSpeed's default persistence threshold, 2 CPU processes under torchrun (see
+``_deepspeed_zero3_worker.py`` for what each scenario asserts inside the processes)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("deepspeed")
+
+from tests.integration.test_deepspeed import ds_env, torchrun  # noqa: E402
+
+WORKER = str(Path(__file__).resolve().parent / "_deepspeed_zero3_worker.py")
+LIMIT_S = 300  # a hang is killed (with its whole session) and fails the test
+
+
+def launch(root: Path, scenarios: str) -> dict[int, dict]:
+    proc = torchrun(["--nproc-per-node=2", WORKER, str(root), scenarios], ds_env(), LIMIT_S, root)
+    assert proc.returncode == 0, proc.stdout[-8000:]
+    return {r: json.loads((root / "results" / f"rank{r}.json").read_text()) for r in (0, 1)}
+
+
+def test_a_load_failing_on_one_rank_raises_on_both_and_never_hangs(tmp_path: Path) -> None:
+    """Rank 1's own model file, then its optimizer file, damaged: both ranks raise
+    CorruptCheckpointError (they hung in DeepSpeed's gather of the persistent parameters, and
+    fastckpt's agreement, before) and fall back to the older tag together; a re-save swapped in
+    during rank 1's load only loads again on both ranks."""
+    got = launch(tmp_path, "onerank")
+    for r in (0, 1):
+        assert got[r]["onerank"]["raised"] == {"zero_pp_rank_1_mp_rank_00_model_states.pt": "CorruptCheckpointError",
+                                               "zero_pp_rank_1_mp_rank_00_optim_states.pt": "CorruptCheckpointError"}
+        assert got[r]["onerank"]["tries"] == ["t1", "t1"]
