@@ -46,6 +46,7 @@ from fastckpt import Checkpointer, CheckpointNotFoundError, GroupChangedError, I
 from fastckpt.errors import CheckpointWriteError, ConfigError, ReplicationError
 from fastckpt.save.fencing import optimizer_tensors
 
+from . import fp32
 from .agree import COMMITTED, FAILED, agree_on_load, error_on_any_rank, worst_on_any_rank
 from .compat import LATEST, Store, checked_tag, is_url, normalize, order, pointer_name, same_files
 from .engine import OPT_OUT, SAFE_GLOBALS, FastCkptEngine
@@ -354,14 +355,16 @@ class EngineHooks:
         if tag is not None:
             if (gone := self._not_loadable(home, where, tag, named_by_latest)) is not None:
                 raise gone
-            preread(self.engine, where, str(tag), kwargs, self.fe.preread)  # (paths map back to home: fe.home)
+            preread(self.engine, where, str(tag), kwargs, self.fe.preread, self.fe.load)  # (paths map back to home)
         return json.dumps([str(tag), *_checksums(manifest)])
 
     def _load_once(self, home: str, where: str, tag: object, kwargs: dict, named_by_latest: bool = False) -> tuple:
         """DeepSpeed's load of ``tag`` (None: DeepSpeed's own choice; ``named_by_latest``: the tag
         ``load_checkpoint(home)`` resolved), once ``_prepare`` has pinned and read its files."""
         try:
-            return self._load(where, tag=tag, **kwargs)
+            with fp32.weights_only_load(where, str(tag)) if tag is not None and fp32.applies(self.engine, kwargs) \
+                    else contextlib.nullcontext():  # ZeRO-3's weights-only load reads this tag, verified
+                return self._load(where, tag=tag, **kwargs)
         except AssertionError as exc:  # DeepSpeed's bare assert on a file it did not find: name it
             if (gone := self._not_loadable(home, where, tag, named_by_latest)) is None:
                 raise

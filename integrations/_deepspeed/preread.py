@@ -23,6 +23,8 @@ from collections.abc import Callable
 
 from deepspeed import comm as dist
 
+from . import fp32
+
 
 def model_files(engine: object, where: str, tag: str) -> list[str]:
     """The model-state files DeepSpeed's ``_load_checkpoint`` reads on this rank (its
@@ -61,12 +63,17 @@ def optimizer_files(engine: object, where: str, tag: str, model_state: object) -
     return [names[own]] if own < len(names) else []
 
 
-def preread(engine: object, where: str, tag: str, kwargs: dict, read: Callable[[str], object]) -> None:
+def preread(engine: object, where: str, tag: str, kwargs: dict, read: Callable[[str], object],
+            check: Callable[[str], object]) -> None:
     """Read (``read``: the checkpoint engine's verified load, kept for DeepSpeed's) the files this
-    rank's DeepSpeed load of ``where/tag`` will ask for. Raises what a read raised."""
+    rank's DeepSpeed load of ``where/tag`` will ask for; ``check`` (the same load, not kept) the
+    ones ZeRO-3's weights-only load reads outside the checkpoint engine (``fp32.py``). Raises what
+    a read raised."""
     e = engine
     if e.load_universal_checkpoint():  # type: ignore[attr-defined]
         return
+    if fp32.applies(e, kwargs):
+        fp32.verify(where, tag, check)
     models = model_files(e, where, tag)
     first = None
     for i, path in enumerate(models):

@@ -9,6 +9,10 @@ each rank writes ROOT/results/rank{r}.json:
             raises CorruptCheckpointError on both ranks (before, both hung), and the fallback to
             the older tag loads on both; a re-save swapped in during rank 1's load (its pin says
             so) loads again on both ranks
+  weightsonly  load_checkpoint(d, tag, load_optimizer_states=False) (DeepSpeed takes the weights
+            from its own consolidation of every rank's files, outside the checkpoint engine):
+            the weights are the tag's, not those of the tag ``latest`` names; a damaged file of
+            the tag raises CorruptCheckpointError on both ranks
 """
 
 from __future__ import annotations
@@ -95,7 +99,35 @@ def one_rank(root: str) -> None:
     RESULTS["onerank"] = {"raised": raised, "tries": tries}
 
 
-SCENARIOS = {"onerank": one_rank}
+def weights_only(root: str) -> None:
+    rank = dist.get_rank()
+    d = os.path.join(root, "weightsonly")
+    w = engine(0)
+    train(w, 1, 2)
+    w.save_checkpoint(d, "t1")
+    t1_w = full_weights(w)
+    train(w, 3, 4)
+    w.save_checkpoint(d, "t2")  # latest names t2
+    w.destroy()
+    r = engine(1)
+    r.load_checkpoint(d, "t1", load_optimizer_states=False)
+    same(full_weights(r), t1_w, "weights of t1 loaded without optimizer states")
+    assert r.global_steps == 2, r.global_steps
+    r.destroy()
+    dist.barrier()
+    if rank == 0:
+        flip(os.path.join(d, "t1", "zero_pp_rank_1_mp_rank_00_optim_states.pt"))  # rank 1's fp32 partition
+    dist.barrier()
+    r, raised = engine(1), None
+    try:
+        r.load_checkpoint(d, "t1", load_optimizer_states=False)
+    except CorruptCheckpointError as exc:
+        raised = type(exc).__name__
+    r.destroy()
+    RESULTS["weightsonly"] = {"raised": raised}
+
+
+SCENARIOS = {"onerank": one_rank, "weightsonly": weights_only}
 
 
 def main(root: str, names: list[str]) -> None:

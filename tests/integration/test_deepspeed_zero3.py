@@ -32,3 +32,11 @@ def test_a_load_failing_on_one_rank_raises_on_both_and_never_hangs(tmp_path: Pat
         assert got[r]["onerank"]["raised"] == {"zero_pp_rank_1_mp_rank_00_model_states.pt": "CorruptCheckpointError",
                                                "zero_pp_rank_1_mp_rank_00_optim_states.pt": "CorruptCheckpointError"}
         assert got[r]["onerank"]["tries"] == ["t1", "t1"]
+
+
+def test_a_weights_only_load_reads_its_own_tag_verified(tmp_path: Path) -> None:
+    """load_checkpoint(d, "t1", load_optimizer_states=False): DeepSpeed's consolidation of the
+    weights read the tag ``latest`` named (t2), unverified; now t1's (asserted in the worker),
+    and a damaged file of t1 raises CorruptCheckpointError on both ranks."""
+    got = launch(tmp_path, "weightsonly")
+    assert [got[r]["weightsonly"]["raised"] for r in (0, 1)] == ["CorruptCheckpointError"] * 2

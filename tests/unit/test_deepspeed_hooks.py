@@ -340,7 +340,8 @@ def test_deepspeeds_own_assert_on_its_own_tag_is_kept(tmp_path: Path) -> None:
     with fastckpt.Checkpointer() as ck:
         hooks = EngineHooks.__new__(EngineHooks)
         hooks.fe = types.SimpleNamespace(checkpointer=ck, begin=lambda *a: None, end=lambda: None)
-        hooks.engine = types.SimpleNamespace(global_samples=0)
+        hooks.engine = types.SimpleNamespace(global_samples=0, zero_optimization_partition_weights=lambda: False,
+                                             has_moe_layers=False)
 
         def refuse(where: str, tag: object = None, **kw: object) -> None:
             raise AssertionError("checkpoint zero stage 2 does not match engine's zero stage 3")

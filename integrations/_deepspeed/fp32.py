@@ -1,0 +1,83 @@
+"""ZeRO-3's weights-only load, through fastckpt.
+
+DeepSpeed's ``_load_checkpoint`` under ZeRO-3 with ``load_optimizer_states=False`` (Lightning's
+``trainer.validate(ckpt_path=...)`` among others) takes the module's weights from
+``get_fp32_state_dict_from_zero_checkpoint(load_dir)``, never from its checkpoint engine: with no
+tag (it reads ``load_dir/latest``: asked for ``t1``, it loaded the weights of the tag ``latest``
+names, beside ``t1``'s step counters), a glob of the tag directory as written, and plain
+``torch.load(weights_only=False)`` of files nothing verified (at an ``s3://`` save_dir, a bare
+ValueError: the burst-buffer mirror holds no ``latest``).
+
+``weights_only_load`` makes that call, for the one load of this engine in this thread, read the
+tag fastckpt resolved: every file of the tag is first read through the checkpoint engine's load
+(verified against its checksum, unpickled as ``weights_only`` says: a file that passes unpickles
+to the same objects under DeepSpeed's own ``torch.load``), before DeepSpeed's load begins (so
+that a failure is agreed on by every rank before its collectives: ``preread.py``); DeepSpeed's
+function then consolidates the tag it is told. The function is looked up in DeepSpeed's engine
+module at each call, so it is swapped there, once, for one that defers to DeepSpeed's own
+everywhere else (other threads, other engines, fastckpt's load not running).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import os
+import threading
+from collections.abc import Callable, Iterator
+
+from fastckpt.errors import ConfigError
+
+_route = threading.local()  # .where: the directory this thread's DeepSpeed load was given; .tag: the tag
+_FILES = ("_model_states.pt", "_optim_states.pt")  # what DeepSpeed's consolidation reads
+
+
+def applies(engine: object, kwargs: dict) -> bool:
+    """DeepSpeed's load will consolidate the weights itself (see the module docstring)."""
+    return bool(engine.zero_optimization_partition_weights() and not kwargs.get("load_optimizer_states", True)  # type: ignore[attr-defined]
+                and not engine.has_moe_layers)  # type: ignore[attr-defined]
+
+
+def verify(where: str, tag: str, read: Callable[[str], object]) -> None:
+    """Read every file DeepSpeed's consolidation of ``where/tag`` reads (each rank reads all of
+    them, as DeepSpeed does), one at a time, through ``read``.
+
+    Raises:
+        ConfigError: ``where`` or ``tag`` holds glob characters, which DeepSpeed's consolidation
+            matches as patterns.
+    """
+    if glob.escape(where) != where or glob.escape(tag) != tag:
+        raise ConfigError(f"load_checkpoint({where!r}, tag={tag!r}, load_optimizer_states=False) under ZeRO-3: "
+                          "DeepSpeed reads the weights by globbing that directory and tag, which hold glob characters "
+                          "(*?[): it would read other files. Load with load_optimizer_states=True, or save under a "
+                          "save_dir and tag without them")
+    folder = os.path.join(where, tag)
+    for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else ():
+        if name.endswith(_FILES):
+            read(os.path.join(folder, name))
+
+
+@contextlib.contextmanager
+def weights_only_load(where: str, tag: str) -> Iterator[None]:
+    """While DeepSpeed's load of ``where/tag`` runs on this thread, its consolidation reads ``tag``."""
+    import deepspeed.runtime.engine as ds_engine
+
+    if not getattr(ds_engine.get_fp32_state_dict_from_zero_checkpoint, "_fastckpt", False):
+        ds_engine.get_fp32_state_dict_from_zero_checkpoint = _routed(ds_engine.get_fp32_state_dict_from_zero_checkpoint)
+    _route.where, _route.tag = where, tag
+    try:
+        yield
+    finally:
+        _route.where = _route.tag = None
+
+
+def _routed(original: Callable) -> Callable:
+    def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str, tag: object = None, *args: object,
+                                                 **kwargs: object) -> object:
+        where = getattr(_route, "where", None)
+        if where is not None and tag is None and checkpoint_dir == where:
+            tag = _route.tag
+        return original(checkpoint_dir, tag, *args, **kwargs)
+
+    get_fp32_state_dict_from_zero_checkpoint._fastckpt = True  # type: ignore[attr-defined]
+    return get_fp32_state_dict_from_zero_checkpoint
