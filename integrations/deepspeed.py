@@ -38,6 +38,7 @@ from ._deepspeed import config as section_rules
 from ._deepspeed.config import SECTION, Section, parse_section, read_config, redacted, section_of, whole_config
 from ._deepspeed.engine import SAFE_GLOBALS, FastCkptEngine
 from ._deepspeed.hooks import CheckpointReport, EngineHooks, OwnedCheckpointer, fenced_tensors, resolve_tag
+from ._deepspeed.unsafe import refuse_unsafe_config
 
 __all__ = ["FastCkptEngine", "CheckpointReport", "SAFE_GLOBALS", "attach", "initialize", "install", "resolve_tag"]
 
@@ -187,9 +188,12 @@ def _install(engine: DeepSpeedEngine, source: Checkpointer | Callable[[], Checkp
     if previous is not None:  # attached before (a second fit on the same engine): flush, then replace
         previous.close()
         previous.uninstall()
+    weights_only = section.weights_only is not False  # unset: True (attach's default)
+    if weights_only and isinstance(getattr(engine, "config", None), dict):  # stored in every checkpoint file
+        refuse_unsafe_config(engine.config, SAFE_GLOBALS)
     owned = OwnedCheckpointer(section.options) if source is None else None
     fe = FastCkptEngine(owned if owned is not None else source, on_commit,  # type: ignore[arg-type]
-                        weights_only=section.weights_only is not False,  # unset: True (attach's default)
+                        weights_only=weights_only,
                         fenced=(lambda: fenced_tensors(engine)) if section.lazy_snapshot else None)
     hooks = EngineHooks(engine, fe, owned, flush_at_exit=source is None or isinstance(source, Checkpointer))
     hooks.install()

@@ -51,3 +51,32 @@ def warn_once(refused: list[str], log: object, opt_out: str) -> None:
                     "engine's setting) refuses: resuming from it would fail with UnpicklingError. Before loading, "
                     "allow them with torch.serialization.add_safe_globals([...]), or store plain types "
                     "(numpy.random.get_state() -> its array as a list or tensor), or set %s.", ", ".join(key), opt_out)
+
+
+def refuse_unsafe_config(config: dict, allowed: Iterable[object]) -> None:
+    """Refuse a DeepSpeed config holding a value that a load with ``weights_only=True`` refuses:
+    DeepSpeed stores the config in every checkpoint file, and ZeRO-1/2 its parsed values besides
+    (``gradient_clipping`` as the optimizer state's ``clip_grad``), so every save would succeed
+    and every resume fail with UnpicklingError. A copy with plain values would not reach what
+    DeepSpeed parsed from it when the engine was built: the user's config is the one place to fix.
+
+    Raises:
+        ConfigError: naming the value's key and the fix.
+    """
+    from fastckpt.errors import ConfigError
+
+    def check(obj: object, key: str) -> None:
+        if type(obj) in (dict, list, tuple):
+            for k, v in (obj.items() if isinstance(obj, dict) else enumerate(obj)):  # type: ignore[attr-defined]
+                check(v, f"{key}[{k!r}]")
+        elif obj is not None and type(obj) not in (str, int, float, bool) and refused_globals(obj, allowed):
+            what = f"{type(obj).__module__}.{type(obj).__qualname__}"
+            plain = "an int, float, str, list or dict"
+            fix = f"float({key[2:-2]}) or int(...)" if type(obj).__module__ == "numpy" else plain
+            raise ConfigError(f"the DeepSpeed config's value at {key} is a {what}, which DeepSpeed stores in every "
+                              "checkpoint file and a load with weights_only=True (this engine's setting) refuses: no "
+                              f"checkpoint could be resumed. Give it as a plain value ({fix}), or set "
+                              '"fastckpt": {"weights_only": false} in the config (only for checkpoints you trust)')
+
+    for k, v in config.items():
+        check(v, f"[{k!r}]")

@@ -13,6 +13,9 @@ each rank writes ROOT/results/rank{r}.json:
             from its own consolidation of every rank's files, outside the checkpoint engine):
             the weights are the tag's, not those of the tag ``latest`` names; a damaged file of
             the tag raises CorruptCheckpointError on both ranks
+  dsconfig  a numpy scalar in the DeepSpeed config (DeepSpeed stores the config in every file),
+            or a value of the user's own class (a str subclass): refused at initialize, naming its
+            key (every checkpoint saved would have been unloadable with weights_only=True)
 """
 
 from __future__ import annotations
@@ -34,6 +37,10 @@ from tests.integration._ds_common import ds_config, full_weights, make_model, sa
 from tests.integration._exit import leave  # noqa: E402
 
 RESULTS: dict[str, object] = {}
+
+
+class Name(str):
+    """A value of the user's own class (DeepSpeed's JSON printing of its config takes it: a str)."""
 
 
 def engine(seed: int, section: dict | None = None, **extra: object):
@@ -127,7 +134,22 @@ def weights_only(root: str) -> None:
     RESULTS["weightsonly"] = {"raised": raised}
 
 
-SCENARIOS = {"onerank": one_rank, "weightsonly": weights_only}
+def ds_config_values(root: str) -> None:
+    import numpy as np
+
+    from fastckpt.errors import ConfigError
+
+    refused = []
+    for extra in ({"gradient_clipping": np.float64(1.0)}, {"my_name": Name("run1")}):
+        try:
+            engine(0, **extra).destroy()
+            refused.append(None)
+        except ConfigError as exc:
+            refused.append(str(exc))
+    RESULTS["dsconfig"] = {"refused": refused}
+
+
+SCENARIOS = {"onerank": one_rank, "weightsonly": weights_only, "dsconfig": ds_config_values}
 
 
 def main(root: str, names: list[str]) -> None:

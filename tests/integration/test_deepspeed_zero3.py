@@ -40,3 +40,15 @@ def test_a_weights_only_load_reads_its_own_tag_verified(tmp_path: Path) -> None:
     and a damaged file of t1 raises CorruptCheckpointError on both ranks."""
     got = launch(tmp_path, "weightsonly")
     assert [got[r]["weightsonly"]["raised"] for r in (0, 1)] == ["CorruptCheckpointError"] * 2
+
+
+
+def test_a_deepspeed_config_value_a_safe_load_refuses_is_named_at_initialize(tmp_path: Path) -> None:
+    """DeepSpeed stores its config in every file: a numpy scalar there made every checkpoint
+    unloadable with weights_only=True, found at the resume; now initialize refuses it, naming its
+    key and the fix."""
+    got = launch(tmp_path, "dsconfig")
+    for r in (0, 1):
+        numpy_value, own_class = got[r]["dsconfig"]["refused"]
+        assert "['gradient_clipping'] is a numpy.float64" in numpy_value and "float(gradient_clipping)" in numpy_value
+        assert "['my_name']" in own_class and ".Name" in own_class

@@ -29,3 +29,20 @@ def test_the_warning_is_given_once_per_set(caplog) -> None:
         for _ in range(3):
             warn_once(["numpy.dtype", "numpy.ndarray"], log, '"weights_only": false')
     assert sum("client_state holds numpy.dtype, numpy.ndarray" in r.getMessage() for r in caplog.records) == 1
+
+
+
+def test_a_value_a_safe_load_refuses_in_the_deepspeed_config_is_named() -> None:
+    """DeepSpeed stores its config in every checkpoint file (and ZeRO-1/2 gradient_clipping again
+    as clip_grad): a numpy scalar there made each one unloadable with weights_only=True."""
+    import pytest
+
+    from fastckpt.errors import ConfigError
+    from fastckpt.integrations._deepspeed.unsafe import refuse_unsafe_config
+
+    refuse_unsafe_config({"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 2},
+                          "betas": [0.9, 0.99], "x": None}, [])
+    with pytest.raises(ConfigError, match=r"\['gradient_clipping'\] is a numpy.float64.*float\(gradient_clipping\)"):
+        refuse_unsafe_config({"gradient_clipping": np.float64(1.0)}, [])
+    with pytest.raises(ConfigError, match=r"\['run'\]\['name'\] is a .*Mine.*plain value"):
+        refuse_unsafe_config({"run": {"name": Mine()}}, [])
