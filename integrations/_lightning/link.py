@@ -20,7 +20,6 @@ from fastckpt.io.atomic import tmp_name
 from fastckpt.records import SaveHandle
 from fastckpt.urls import is_url, normalize
 
-from .lasts import landed, settled
 from .saves import SaveLedger, state_nbytes
 
 log = logging.getLogger("fastckpt.lightning")
@@ -47,7 +46,6 @@ class TrainerLink:
     _saves: SaveLedger
     _removals: dict[str, Future]
     _deferred: dict[str, Checkpointer]  # path -> its Checkpointer: deletions waiting for a link to move off them
-    _after_last: list[tuple[Checkpointer, str, SaveHandle | None]]  # deletions waiting for a last.ckpt (remover)
     _links: dict[str, list[tuple[SaveHandle, str]]]  # linkpath -> queued links (target's save, target), oldest first
     _links_lock: threading.Lock
     _link_dirs: tuple[str, ...] = ()  # folders a link may sit in, away from the file it names (``_note_links``)
@@ -98,16 +96,14 @@ class TrainerLink:
         """Whether a save to ``path`` has not finished yet (its file may not exist)."""
         return any(not t.handle.done() for t in self._saves.to(normalize(os.fspath(path))))
 
-    def _remove_after(self, ck: Checkpointer, path: str, saves: list[SaveHandle], namers: Iterable[SaveHandle] = (),
-                      nxt: SaveHandle | None = None) -> None:
+    def _remove_after(self, ck: Checkpointer, path: str, saves: list[SaveHandle]) -> None:
         """The remover thread: delete ``path`` once ``saves`` (``SaveLedger.before_removal``) are all
         durable. If one failed, was skipped or never reached its path (``not_durable``), Lightning
         counts a checkpoint that does not exist, and ``path`` may be the only good one left: keep
         it (a WARNING says so). Not an error: the failed save's own error is raised once, by the
         training thread. One whose upload was dropped for a newer save (last.ckpt's, while uploads
         run behind on a burst buffer without hard links: ``save.versions``) is older than those
-        after it here: they stand for it. With save_last=True (``lasts``), if a last.ckpt that names
-        ``path`` (``namers``) landed, the next one (``nxt``, saved after the request) must land first."""
+        after it here: they stand for it."""
         for i, h in enumerate(saves):
             if i + 1 < len(saves) and dropped_for_newer(h):
                 continue
@@ -117,28 +113,6 @@ class TrainerLink:
                             "so deleting it could leave no checkpoint. Delete it yourself once a newer checkpoint "
                             "is durable.", path, h.path, why)
                 return
-        if any(landed(h) for h in namers):  # the last.ckpt at the path names it: a newer one must be there first
-            self._after_last.append((ck, path, nxt))  # (not waited for here: the deletions queued after go on)
-            self._flush_after_last()
-            return
-        self._delete(ck, path)
-
-    def _flush_after_last(self, wait: bool = False) -> None:
-        """The remover thread: the deletions that wait for a newer last.ckpt to land (``_remove_after``)
-        whose wait is over (``wait``: teardown, all of them) run, or are kept if it never lands."""
-        for entry in [e for e in self._after_last if wait or (e[2] is not None and settled(e[2], self._saves.after))]:
-            self._after_last.remove(entry)
-            ck, path, nxt = entry
-            why = "was never saved (the fit ended first)" if nxt is None else not_durable(nxt, self._saves.after)
-            if why is not None:
-                log.warning("fastckpt: kept %s although Lightning asked to delete it: the last.ckpt at its path names "
-                            "it, and the next last.ckpt %s. Delete it yourself once a newer checkpoint is durable.",
-                            path, why)
-                continue
-            self._delete(ck, path)
-
-    def _delete(self, ck: Checkpointer, path: str) -> None:
-        """The remover thread: delete ``path`` now, unless a ``save_last="link"`` link names it."""
         for linkpath in list(self._links):  # last.ckpt may name path: move it on first (it is queued after)
             self._relink(linkpath, None)
         if named_by_link(path, self._link_dirs):  # ModelCheckpoint asks to delete before it links anew: a kill

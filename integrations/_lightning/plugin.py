@@ -21,8 +21,7 @@ Who calls what (everything runs on the training thread; only global rank 0 saves
   callback.on_train_batch_end    after the first optimizer step (rank 0): Checkpointer.reserve, so
                                  the staging buffer is allocated off the training thread; logs
                                  finished saves' ``ckpt/*`` metrics to trainer.loggers
-  io.remove_checkpoint           queued; runs once every save to that path is durable (save_last=True:
-                                 also a newer last.ckpt, where one that names it landed: lasts.py)
+  io.remove_checkpoint           queued; runs once every save to that path is durable
   io.teardown   (strategy)       waits for every save and removal, raises the first error once
                                  (the callback calls it in on_fit_end where the strategy did not:
                                  Lightning 2.6's FSDPStrategy.teardown skips CheckpointIO.teardown;
@@ -52,7 +51,6 @@ from fastckpt.exits import stop_pools
 from fastckpt.monitor import OverheadReport, Stats
 from fastckpt.urls import is_url, normalize
 
-from .lasts import AFTER_LAST, LastSaves
 from .link import LINK, TrainerLink, filed_under
 from .options import checkpointer_config, is_requeue_checkpoint, parse_storage_options
 from .saves import SaveLedger, copy_unfenced_tensors
@@ -141,7 +139,7 @@ class FastCkptIOMixin(TrainerLink):
 
     def _reset_runtime(self) -> None:
         self._saves = SaveLedger()
-        self._removals, self._deferred, self._lasts, self._after_last = {}, {}, LastSaves(), []
+        self._removals, self._deferred = {}, {}
         self._links, self._links_lock = {}, threading.Lock()
         self._remover: ThreadPoolExecutor | None = None
         self._trainer_ref = None
@@ -240,7 +238,6 @@ class FastCkptIOMixin(TrainerLink):
             wait = True
         self._settle_removal(path)
         self._deferred.pop(normalize(path), None)  # saved again: a deletion waiting for last.ckpt to move is off
-        self._lasts.release(normalize(path))  # (or for the next last.ckpt: ``lasts``)
         self._raise_removal_errors()
         with self._core() as ck:
             self._save(ck, checkpoint, path, wait)
@@ -270,10 +267,6 @@ class FastCkptIOMixin(TrainerLink):
             raise
         step = checkpoint.get("global_step") if isinstance(checkpoint, Mapping) else None
         item = self._saves.add(handle, step if isinstance(step, int) else None, time.monotonic() - t0, lazy)
-        if self._in_fit and self._lasts.is_last(trainer, normalize(path)):  # save_last=True: the deletions held
-            for held, saves, namers in self._lasts.saved(normalize(path), handle, checkpoint):
-                self._file(held, self._queue(self._remove_after, ck, held, saves, namers, handle))
-            self._file(AFTER_LAST, self._queue(self._flush_after_last))
         if wait or not self._in_fit:  # outside fit no teardown follows to flush: finish it now
             self._fence()
             self._saves.wait(item)
@@ -325,9 +318,6 @@ class FastCkptIOMixin(TrainerLink):
         prev = self._removals.get(path)
         if prev is not None and not prev.done():
             return
-        if self._lasts.holds(self._trainer(), path):  # save_last=True: until the next last.ckpt (``lasts``)
-            self._lasts.hold(path, self._saves.before_removal(path))
-            return
         self._file(path, self._queue(self._remove_after, ck, path, self._saves.before_removal(path)))
 
     def _queue(self, fn: Callable[..., None], *args: Any) -> Future:
@@ -352,10 +342,6 @@ class FastCkptIOMixin(TrainerLink):
         # ignores SIGINT while it tears down after a Ctrl-C, so a stalled store must not hold it.
         timeout_s = ck.config.close_timeout_s if ck is not None else None
         self._fence()
-        for held, saves, namers in self._lasts.drain() if ck is not None else ():  # no last.ckpt followed them
-            self._file(held, self._queue(self._remove_after, ck, held, saves, namers, None))
-        if self._remover is not None:  # deletions still waiting for a newer last.ckpt to land: now, or kept
-            self._file(AFTER_LAST, self._queue(self._flush_after_last, True))
         removals, self._removals = self._removals, {}
         _, stuck = wait_futures(removals.values(), timeout=timeout_s)
         for key, fut in removals.items():
