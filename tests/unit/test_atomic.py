@@ -245,3 +245,35 @@ def test_reaper_drains_what_it_was_given_and_works_again_after_close(tmp_path: P
     reaper.drain()
     assert not victims[2].exists()
     reaper.close()
+
+
+def test_sweep_tree_reads_no_more_names_than_its_cap_in_one_big_folder(tmp_path, monkeypatch) -> None:
+    """The cap bounds the first save's delay only if it bounds what is read: a folder was listed
+    whole before the names were counted (a 300,000-name folder took 1.4 s;
+    ``d4_sweep_tree_cap_reads_whole_directory``)."""
+    import fastckpt.io.atomic as atomic
+
+    big = tmp_path / "scratch"
+    big.mkdir()
+    for i in range(300):
+        (big / f"f{i}").touch()
+    read, real = [0], os.scandir
+
+    class Counting:
+        def __init__(self, d: str) -> None:
+            self.it = real(d)
+
+        def __enter__(self) -> "Counting":
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            self.it.close()
+
+        def __iter__(self):  # noqa: ANN204 (os.scandir's entries)
+            for e in self.it:
+                read[0] += 1
+                yield e
+
+    monkeypatch.setattr(atomic.os, "scandir", Counting)
+    atomic.sweep_tree(FileOps(), str(tmp_path), max_names=100)
+    assert read[0] <= 101

@@ -18,6 +18,7 @@ durable. A process killed in between leaves that temp name, which ``sweep_stale_
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import socket
@@ -178,8 +179,8 @@ def sweep_tree(ops: FileOps, root: str, max_names: int = TREE_SWEEP_NAMES) -> in
     while todo:
         d = todo.pop()
         try:
-            with os.scandir(d) as it:
-                entries = list(it)
+            with os.scandir(d) as it:  # no more than the cap is left to read: a huge folder is not listed whole
+                entries = list(itertools.islice(it, max_names - seen + 1))
         except OSError:  # gone meanwhile, or unreadable: nothing of ours to sweep there
             continue
         for e in entries:
