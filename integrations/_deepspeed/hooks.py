@@ -355,7 +355,8 @@ class EngineHooks:
         if tag is not None:
             if (gone := self._not_loadable(home, where, tag, named_by_latest)) is not None:
                 raise gone
-            preread(self.engine, where, str(tag), kwargs, self.fe.preread, self.fe.load)  # (paths map back to home)
+            # (paths map back to home); the consolidation's files on the CPU, as DeepSpeed maps them
+            preread(self.engine, where, str(tag), kwargs, self.fe.preread, lambda p: self.fe.load(p, "cpu"))
         return json.dumps([str(tag), *_checksums(manifest)])
 
     def _load_once(self, home: str, where: str, tag: object, kwargs: dict, named_by_latest: bool = False) -> tuple:
