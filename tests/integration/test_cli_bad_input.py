@@ -4,6 +4,7 @@ traceback. Real files and processes."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -96,6 +97,15 @@ def test_latest_of_a_path_that_does_not_exist(tmp_path: Path) -> None:
     missing = tmp_path / "nope"
     _refused(_cli("latest", str(missing)), 1, f"{missing} does not exist")
     _refused(_cli("latest", str(tmp_path)), 1, "no complete checkpoint")
+
+
+def test_bench_launcher_variables_that_are_no_counts_are_named(tmp_path: Path) -> None:
+    """``bench`` read ``$WORLD_SIZE`` and ``$LOCAL_RANK`` with a bare ``int()``: a traceback."""
+    for name, value in (("WORLD_SIZE", "abc"), ("WORLD_SIZE", "0"), ("LOCAL_RANK", "-1")):
+        res = subprocess.run([sys.executable, "-m", "fastckpt.cli", "bench", "--dir", str(tmp_path), "--size", "1MiB",
+                              "--block-size", "1MiB"], capture_output=True, text=True, timeout=120,
+                             env={**os.environ, name: value})
+        _refused(res, 1, f"${name}={value!r} in the environment must be a whole number", "without a launcher")
 
 
 def test_bench_the_same_dir_twice(tmp_path: Path) -> None:

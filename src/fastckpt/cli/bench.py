@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import click
 
+from ..config import env_count
 from ._common import (
     BANDWIDTH,
     DURATION,
@@ -83,8 +84,9 @@ class _Dist:
     """torch.distributed under torchrun (WORLD_SIZE > 1), else a single node."""
 
     def __init__(self) -> None:
-        self.world = int(os.environ.get("WORLD_SIZE", "1"))
-        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        fix = "run bench without a launcher (one node)"  # a bare int() was a ValueError traceback
+        self.world = env_count("WORLD_SIZE", 1, 1, meaning=" (the number of processes)", fix=fix)
+        self.local_rank = env_count("LOCAL_RANK", 0, 0, meaning=" (this process's index on its node)", fix=fix)
         self._dist = None
         self.rank = 0
         if self.world > 1:
