@@ -29,6 +29,26 @@ def test_doctor_storage_options_file_that_is_not_json(tmp_path: Path) -> None:
                  f"{f} is not a JSON file", "endpoint_url")
 
 
+def test_doctor_storage_options_file_that_cannot_be_read_is_not_called_not_json(tmp_path: Path) -> None:
+    """An unreadable file was "not a JSON file": the fix it gave (write JSON) was the wrong one. The
+    permission error (another owner's mode 600, for a non-root user) is injected at ``open``."""
+    f = tmp_path / "opts.json"
+    f.write_text('{"endpoint_url": "http://127.0.0.1:1"}')
+    run = ("import builtins, errno, sys\n"
+           "real = builtins.open\n"
+           "def open_(p, *a, **k):\n"
+           "    if str(p).endswith('opts.json'):\n"
+           "        raise PermissionError(errno.EACCES, 'Permission denied', str(p))\n"
+           "    return real(p, *a, **k)\n"
+           "builtins.open = open_\n"
+           "from fastckpt.cli import main\n"
+           "sys.exit(main(sys.argv[1:]))\n")
+    res = subprocess.run([sys.executable, "-c", run, "doctor", "--storage-options", str(f), "--probe-size", "0"],
+                         capture_output=True, text=True, timeout=120)
+    _refused(res, 2, f"{f} cannot be read (Permission denied)", "owner/mode")
+    assert "not a JSON file" not in res.stderr
+
+
 def test_storage_options_are_inline_json_or_a_file_in_every_command_and_never_echoed(tmp_path: Path) -> None:
     """doctor took only a file, and echoed inline JSON, secret and all, in "File '...' does not
     exist"; ls, latest and verify took only inline JSON ("not JSON" for a file's path)."""

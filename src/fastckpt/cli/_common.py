@@ -228,7 +228,10 @@ def _storage_options(text: str) -> dict:
     try:
         with open(text, encoding="utf-8") as f:
             return _json_object(f.read())
-    except (OSError, ValueError) as exc:  # not JSON, not text, unreadable
+    except OSError as exc:  # unreadable: not "not JSON" (its content was never seen)
+        raise ValueError(f"{text} cannot be read ({exc.strerror}): make it readable to this user (owner/mode), "
+                         "or pass the options inline") from exc
+    except ValueError as exc:  # not JSON, not text
         raise ValueError(f"{text} is not a JSON file ({exc}); write e.g. "
                          '{"endpoint_url": "http://127.0.0.1:8333"}') from exc
 
