@@ -311,9 +311,9 @@ def not_a_dir(path: str) -> bool:
 
 def must_exist(path: str) -> None:
     """Exit 1 naming a local ``path`` that does not exist (a URL's storage answers for itself)."""
-    from ..urls import is_url
+    from ..urls import is_url, local_path
 
-    if not is_url(path) and not os.path.exists(path.removeprefix("file://")):
+    if not is_url(path) and not os.path.exists(local_path(path)):
         fail_with(f"{path} does not exist: check the path (no checkpoint was saved there yet)")
 
 

@@ -6,6 +6,7 @@ import os
 
 import click
 
+from ..urls import local_path
 from ._common import (
     LOCATION,
     console,
@@ -78,7 +79,7 @@ def ls(root: str, local_dir: str | None, storage_options: dict | None, as_json: 
         raise click.BadParameter(f"{local_dir} does not exist: give the burst buffer's directory (the local_dir the "
                                  f"checkpoints were saved with), or leave --local-dir out to list {root} alone",
                                  param_hint="--local-dir")
-    if os.path.isfile(root.removeprefix("file://")):
+    if os.path.isfile(local_path(root)):
         fail_with(_is_file(root))
     entries = list_checkpoints(root, storage_options, local_dir)
     if not entries and (problem := _url_problem(root, storage_options)):

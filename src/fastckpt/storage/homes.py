@@ -19,7 +19,7 @@ from ..errors import ConfigError
 from ..exits import stop_pools
 from ..io.atomic import Reaper
 from ..io.ops import FileOps
-from ..urls import canonical, is_url, normalize, split_url
+from ..urls import canonical, is_url, local_path, normalize, split_url
 from .base import Target
 from .places import Place
 from .types import RetryCallback
@@ -125,7 +125,7 @@ def open_target(url_or_path: str | os.PathLike, storage_options: dict | None = N
                               "drop them, or give an s3://... URL")
         from .posix import PosixTarget
 
-        return PosixTarget(s[7:] if s[:7].lower() == "file://" else s, **kwargs)  # type: ignore[arg-type]
+        return PosixTarget(local_path(s), **kwargs)  # type: ignore[arg-type]
     from .fsspec import FsspecTarget
 
     return FsspecTarget(s, storage_options, **kwargs)  # type: ignore[arg-type]
