@@ -168,21 +168,25 @@ def test_a_rank_that_commits_after_rank_0_ended_the_attempt_fails_too(tmp_path: 
     assert latest(str(tmp_path)) is None
 
 
+def _both_ranks_save(g: Path, value: int) -> None:
+    """A job of two ranks (Checkpointers made now, closed after) saves ``g`` and commits it."""
+    cks = [fastckpt.Checkpointer(rank=r, world_size=2, overhead_budget=0.99, commit_timeout_s=60) for r in range(2)]
+    try:
+        for ck in cks:
+            ck.save(_state(value), str(g / f"r{ck.rank}.pt"), group=str(g))
+        for h in [ck.commit(str(g)) for ck in cks]:
+            h.wait(60)
+    finally:
+        close_all(cks)
+
+
 def _dead_jobs_record(g: Path, resave: bool) -> Path:
     """A job that died while saving ``g`` (in a new group, or re-saving it published) left rank 1's
     failure record of a save that failed before its rank 0 began (attempt None, seen None: no
     attempt was recorded); returns the directory holding it. Re-saving, a first job publishes
     ``g`` before (its Checkpointers are closed: dead)."""
     if resave:
-        cks = [fastckpt.Checkpointer(rank=r, world_size=2, overhead_budget=0.99, commit_timeout_s=60)
-               for r in range(2)]
-        try:
-            for ck in cks:
-                ck.save(_state(1), str(g / f"r{ck.rank}.pt"), group=str(g))
-            for h in [ck.commit(str(g)) for ck in cks]:
-                h.wait(60)
-        finally:
-            close_all(cks)
+        _both_ranks_save(g, 1)
     home = place(str(g))
     at = P.staged_place(home, P.read_group_manifest(home)) if resave else home
     P.write_failure(at, 1, None, "CheckpointWriteError: [Errno 28] No space left on device", seen=None)
@@ -200,14 +204,7 @@ def test_a_failure_record_a_dead_job_left_does_not_end_the_restarted_jobs_attemp
     g = tmp_path / "global_step2"
     at = _dead_jobs_record(g, resave)
     assert sorted(p.name for p in (at / P.MARKER_DIR).iterdir()) == ["failed-00001.json"]
-    cks = [fastckpt.Checkpointer(rank=r, world_size=2, overhead_budget=0.99, commit_timeout_s=60) for r in range(2)]
-    try:
-        for ck in cks:
-            ck.save(_state(3), str(g / f"r{ck.rank}.pt"), group=str(g))
-        for h in [ck.commit(str(g)) for ck in cks]:
-            h.wait(60)
-    finally:
-        close_all(cks)
+    _both_ranks_save(g, 3)
     assert latest(str(tmp_path)) == str(g)
     assert torch.equal(fastckpt.load(str(g / "r1.pt"))["w"], _state(3)["w"])
 
