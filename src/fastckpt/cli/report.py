@@ -40,13 +40,13 @@ def report(logs: tuple[str, ...], png: str | None, page: str | None, as_json: bo
         if parent is not None and not os.path.isdir(parent):
             raise click.BadParameter(f"{where}: the directory {parent} does not exist; create it or write elsewhere",
                                      param_hint=flag)
-        if where and any(os.path.realpath(where) == os.path.realpath(p) for p in logs):
+        if where and any(_same(where, p) for p in logs):
             raise click.BadParameter(f"{where} is an event log this report reads: writing there would destroy the "
                                      "run's record; give another file name", param_hint=flag)
     if png and os.path.splitext(png)[1].lower() != ".png":  # it wrote PNG bytes under any name, and said so
         raise click.BadParameter(f"{png}: the figure is a PNG; name it *.png (e.g. report.png), or use --html for a "
                                  "page", param_hint="-o")
-    if png and page and os.path.realpath(png) == os.path.realpath(page):
+    if png and page and _same(png, page):
         raise click.BadParameter(f"{png} is given for both -o and --html: give each its own file", param_hint="-o")
     if png or page:  # before the logs are read: a long run's log takes a while
         from ..report.plot import pyplot
@@ -98,3 +98,13 @@ def _write(run, summary, png: str | None, page: str | None) -> None:  # noqa: AN
         from ..report.page import render_html
 
         render_html(summary, buf.getvalue(), page)
+
+
+def _same(a: str, b: str) -> bool:
+    """One file under two names: a symlink, or (once it exists) a hard link or a bind mount."""
+    if os.path.realpath(a) == os.path.realpath(b):
+        return True
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # either does not exist yet: not the same file
+        return False
