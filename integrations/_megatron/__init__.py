@@ -1,0 +1,1 @@
+"""Megatron strategies behind ``fastckpt.integrations.megatron`` (a package, so the wheel ships it)."""
