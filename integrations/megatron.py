@@ -74,6 +74,7 @@ from ._megatron.common import (
     checked,
     checkpoint_group,
     default_checkpointer,
+    once,
     rank_world,
 )
 from ._megatron.commonload import FastCkptCommonLoadStrategy
@@ -287,6 +288,7 @@ def register(checkpointer: CheckpointerSource = None, *, tracker: bool = True, o
         ConfigError: ``checkpointer``, ``tracker`` or ``ops`` is not of a kind it accepts (the
             strategies registered before stay registered).
     """
+    checkpointer = once(checkpointer)  # a function is called once, for both strategies
     save = FastCkptSaveStrategy(checkpointer, tracker=tracker, ops=ops)
     load = FastCkptLoadStrategy(checkpointer, ops=ops)
     register_default_strategy(StrategyAction.SAVE_SHARDED, BACKEND, VERSION, save)

@@ -3,6 +3,7 @@ which Checkpointer they work through."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -45,6 +46,29 @@ def resolve(source: CheckpointerSource) -> Checkpointer:
     return ck
 
 
+class Once:
+    """A checkpointer function, called at the first save or load only: every later one goes through
+    the Checkpointer it returned (a new one per file fought over a metrics port, and each kept its
+    own staging buffers and overhead monitor)."""
+
+    def __init__(self, fn: Callable[[], Checkpointer]) -> None:
+        self._fn, self._ck, self._lock = fn, None, threading.Lock()
+
+    def __call__(self) -> Checkpointer:
+        with self._lock:
+            if self._ck is None:
+                self._ck = self._fn()
+            return self._ck
+
+    def __repr__(self) -> str:
+        return repr(self._fn)
+
+
+def once(source: CheckpointerSource) -> CheckpointerSource:
+    """``source``, a function among them wrapped in ``Once`` (register shares one between its strategies)."""
+    return source if source is None or isinstance(source, Checkpointer | Once) or not callable(source) else Once(source)
+
+
 def checked(checkpointer: CheckpointerSource, ops: FileOps | None) -> tuple[CheckpointerSource, FileOps]:
     """The strategies' ``checkpointer`` and ``ops`` (default: a plain FileOps), refused when they
     are neither: a wrong one used to fail only at the first save or load, as a bare TypeError or
@@ -59,7 +83,7 @@ def checked(checkpointer: CheckpointerSource, ops: FileOps | None) -> tuple[Chec
     if ops is not None and not isinstance(ops, FileOps):
         raise ConfigError(f"ops={ops!r}: give a fastckpt.io.ops.FileOps (such as fastckpt.testing.FaultyOps), or None "
                           "(a plain FileOps)")
-    return checkpointer, ops or FileOps()
+    return once(checkpointer), ops or FileOps()
 
 
 class ThroughCheckpointer:

@@ -46,3 +46,25 @@ def test_what_it_accepts_is_kept() -> None:
     save = fm.FastCkptSaveStrategy(None, tracker=False, ops=ops)
     assert (save._tracker, save._ops) == (False, ops)
     assert fm.FastCkptLoadStrategy(ops=ops)._ops is ops
+
+
+def test_a_checkpointer_function_is_called_once_for_both_strategies(tmp_path) -> None:
+    """It was called on every use: a new Checkpointer per file saved and several per load (the
+    second fought the first for its metrics port; each had its own overhead monitor)."""
+    import fastckpt
+
+    made: list[fastckpt.Checkpointer] = []
+
+    def make() -> fastckpt.Checkpointer:
+        made.append(fastckpt.Checkpointer(event_log=str(tmp_path / "events.jsonl")))
+        return made[-1]
+
+    save, load = fm.register(make)
+    try:
+        seen = {id(s.checkpointer) for s in (save, load, save, load)}
+        assert len(made) == 1 and seen == {id(made[0])}
+        assert fm.FastCkptSaveStrategy(make).checkpointer is not made[0]  # a strategy of its own calls it itself
+    finally:
+        fm.register()
+        for ck in made:
+            ck.close()
