@@ -15,6 +15,7 @@ other tracker, a user's edit to roll back included, is left as it is.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -29,6 +30,7 @@ from .compat import GROUP_MANIFEST, group_order, latest_name, publish_bytes, rea
 from .inplace import restore, saved_by
 
 log = logging.getLogger("fastckpt.megatron")
+_READ_ONLY = (errno.EROFS, errno.EACCES, errno.EPERM)  # a directory sync_tracker may read but not write
 
 TRACKER = "latest_checkpointed_iteration.txt"
 RECORD = ".fastckpt-tracker.json"  # the commit of the iteration advance_tracker last wrote
@@ -202,8 +204,17 @@ def sync_tracker(save_dir: str, *, load_iteration: int | None = None, ops: FileO
         elif current is not None and current != it and _incomplete(save_dir, current):
             why = f"iteration {current} is not a complete checkpoint"
         if why is not None or (current == it and (last is None or last < order)):
-            with _lock:  # (the tracker already right: only its record was not written yet)
-                _write(save_dir, it, order, ops, tracker=why is not None)
+            try:
+                with _lock:  # (the tracker already right: only its record was not written yet)
+                    _write(save_dir, it, order, ops, tracker=why is not None)
+            except OSError as exc:  # a read-only --load (a published model store): loads what it names
+                if exc.errno not in _READ_ONLY:
+                    raise
+                if why is not None:
+                    log.warning("fastckpt: %s names %s, not %s (%s), and cannot be written here (%s): Megatron-LM "
+                                "loads what it names; to load iteration %s give --ckpt-step %s or a writable copy",
+                                os.path.join(save_dir, TRACKER), current, it, why, exc.strerror, it, it)
+                why = None
         if why is not None:
             log.warning("fastckpt: %s named %s, now %s: %s", os.path.join(save_dir, TRACKER), current, it, why)
             current = it

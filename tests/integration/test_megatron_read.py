@@ -3,8 +3,10 @@ the tracker, and the resharding arithmetic."""
 
 from __future__ import annotations
 
+import errno
 import os
 import re
+import shutil
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -171,6 +173,44 @@ def test_ranks_that_sync_the_tracker_at_once_reach_the_same_iteration(tmp_path, 
     mine = T.sync_tracker(root)
     assert (mine, other[1]) == (3, 3)  # before: (2, 3)
     assert fm.read_tracker(root) == 3
+
+
+class _ReadOnly(FileOps):
+    """What a read-only mount (a published model store) answers to writes under ``root``."""
+
+    def __init__(self, root: str) -> None:
+        super().__init__()
+        self.root = root + os.sep
+
+    def _refuse(self, path: str) -> None:
+        if os.path.abspath(path).startswith(self.root):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), path)
+
+    def open(self, path: str, flags: int, mode: int = 0o644) -> int:
+        if flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT):
+            self._refuse(path)
+        return super().open(path, flags, mode)
+
+    def replace(self, src: str, dst: str) -> None:
+        self._refuse(dst)
+        super().replace(src, dst)
+
+
+def test_sync_tracker_reads_a_read_only_copy_without_writing(tmp_path, caplog) -> None:
+    """A published copy (``cp -r run/* pub/``: no record beside the tracker) on a read-only mount:
+    sync_tracker wrote its record though the tracker was right, and the load failed with EROFS."""
+    run, pub = str(tmp_path / "run"), str(tmp_path / "pub")
+    for it in (100, 200):
+        _group(run, it)
+        fm.advance_tracker(run, it)
+    shutil.copytree(run, pub, ignore=lambda d, names: [n for n in names if d == run and n.startswith(".")])
+    ro = _ReadOnly(pub)
+    assert fm.sync_tracker(pub, ops=ro) == 200 == fm.read_tracker(pub)
+    _edit_tracker(pub, "300")  # names a missing iteration, and cannot be moved here: said, not raised
+    with caplog.at_level("WARNING", logger="fastckpt.megatron"):
+        assert fm.sync_tracker(pub, ops=ro) == 300 == fm.read_tracker(pub)
+    assert any("cannot be written here" in r.getMessage() and "--ckpt-step 200" in r.getMessage()
+               for r in caplog.records)
 
 
 def test_sync_tracker_moves_off_an_incomplete_iteration_only(tmp_path, caplog) -> None:
