@@ -103,6 +103,21 @@ def test_a_damaged_checkpoint_counts_as_a_corrupt_load_and_fails(tmp_path) -> No
     shutil.rmtree(d["logs"])
 
 
+def test_a_jobs_plain_torch_save_checkpoint_is_not_a_corrupt_load(tmp_path) -> None:
+    """A job saving with plain torch.save (each file whole, renamed into place) was counted as a
+    corrupt load: the probe named the file it could not verify "loaded", and the drill counted
+    every loaded-but-unverified restore as corrupt."""
+    home = tmp_path / "home"
+    home.mkdir()
+    torch.save({"w": torch.arange(1 << 10), "step": 5}, str(home / "step-00000005.pt"))
+    idle = [sys.executable, "-c", "import time; time.sleep(3600)"]
+    code, d = drill("--trials", "1", "--dir", str(home), "--min-run", "0.5s", "--max-run", "1s", "--", *idle)
+    assert code == 1 and d["corrupt_loads"] == 0 and d["restored"] == 0
+    assert "not a complete fastckpt checkpoint" in d["rows"][0]["error"]
+    assert "the drill restores and verifies checkpoints fastckpt wrote" in d["rows"][0]["error"]
+    shutil.rmtree(d["logs"])
+
+
 def test_a_job_killed_before_its_first_checkpoint_is_told_to_raise_min_run(tmp_path) -> None:
     idle = [sys.executable, "-c", "import signal; signal.pause()"]  # never saves; waits for its SIGKILL
     code, d = drill("--trials", "1", "--dir", str(tmp_path / "home"), "--min-run", "0.5s", "--max-run", "1s",

@@ -102,8 +102,10 @@ def restore(ck: fastckpt.Checkpointer, home: str, base: Callable[[], dict[str, l
         say("loaded", t=time.time(), path=path)
         # latest() named it complete: damaged or partial content behind it is a corrupt load
         corrupt = isinstance(exc, (CorruptCheckpointError, IncompleteCheckpointError))
+        foreign = "" if corrupt or not isinstance(exc, FastCkptError) else (
+            " (the drill restores and verifies checkpoints fastckpt wrote: save through fastckpt, docs/migration.md)")
         say("restored", step=None, path=path, source=None, verified=False, corrupt=corrupt,
-            error=f"{type(exc).__name__}: {exc}")
+            error=f"{type(exc).__name__}: {exc}{foreign}")
         return -1, None
     say("loaded", t=time.time(), path=path)
     source = ck.stats().last_restore_from

@@ -289,7 +289,7 @@ class Drill:
             trial = Trial(k, None, (), killed_at, None, r, rest.get("source"),
                           loaded["t"] - probe.proc.t_spawn if loaded["ev"] == "loaded" else None,
                           killed_at - r if killed_at is not None and r is not None else None, ok,
-                          loaded["ev"] == "loaded" and not ok, rest.get("error"))
+                          bool(rest.get("corrupt")), rest.get("error"))
             trials.append(trial)
             on_trial(trial)
         return trials
