@@ -6,7 +6,9 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -197,7 +199,8 @@ def test_percentiles_nearest_rank() -> None:
                                        (["--size", "1MiB", "--block-size", "2MiB"], "at least one"),
                                        (["--verify", "--mode", "write"], "--verify checks reads"),
                                        (["--size", "1PB"], "free"),
-                                       (["--duration", "0"], "'0' must be more than 0")])
+                                       (["--duration", "0"], "'0' must be more than 0"),
+                                       (["--dir", "s3://bucket/ckpt"], "`fastckpt doctor --target URL` probes it")])
 def test_bad_usage_exits_2(tmp_path, args: list[str], msg: str) -> None:
     r = CliRunner().invoke(cli, ["bench", "--dir", str(tmp_path), *args])
     assert r.exit_code == 2 and msg in r.output
@@ -334,6 +337,7 @@ sys.exit(main(["bench", "--dir", sys.argv[1], "--workers", "2", "--size", "16MiB
 # (spied on through FileOps.pwrite), so the parent interrupts it mid-run without sleeping.
 _WATCHED = """
 import signal
+import socket
 import sys
 # Ctrl-C as in a terminal, even when the suite runs in the background: a shell without job
 # control starts background commands with SIGINT ignored, and children inherit that
@@ -375,3 +379,34 @@ def test_two_nodes_through_torchrun(tmp_path) -> None:
     assert sorted((w["op"], w["rank"]) for w in d["workers"]) == [("read", 0), ("read", 1), ("write", 0), ("write", 1)]
     assert d["write_bytes"] == 2 * (8 << 20)
     assert leftovers(tmp_path) == []
+
+
+
+def test_a_node_that_refuses_to_run_ends_every_nodes_run(tmp_path) -> None:
+    """A node whose --dir was missing (or short of space, or without GDS) exited alone at once, and
+    every other node waited for it in the process group's set-up for 30 minutes. Two launchers
+    stand for two nodes (one torchrun would tear its other worker down itself)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    (tmp_path / "d").mkdir()
+
+    def node(rank: int, where: str) -> subprocess.Popen:
+        return subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1", "--node-rank",
+             str(rank), "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "fastckpt.cli", "bench",
+             "--dir", where, "--workers", "1", "--size", "1MiB", "--block-size", "1MiB"],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(), start_new_session=True)
+
+    nodes = [node(0, str(tmp_path / "d")), node(1, str(tmp_path / "unmounted"))]
+    try:
+        out = [p.communicate(timeout=120)[0] for p in nodes]  # before: node 0 waited 30 minutes
+    finally:
+        for p in nodes:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    assert nodes[0].returncode != 0 and nodes[1].returncode != 0
+    assert f"Directory '{tmp_path / 'unmounted'}' does not exist" in out[1], out[1][-3000:]
+    assert re.search(r"bench not run: rank 1 \(.+\) refused to: Invalid value for '--dir'", out[0]), out[0][-3000:]
+    assert leftovers(tmp_path / "d") == []

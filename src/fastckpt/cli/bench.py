@@ -151,9 +151,8 @@ def _phase(s: Settings, op: str, run_dirs: list[str], d: _Dist, show: bool) -> P
     return PhaseResult(op, sum(r.bytes for r in everyone), seconds, tuple(everyone))
 
 
-def run(s: Settings, show_progress: bool = True) -> tuple[list[PhaseResult], _Dist]:
+def run(s: Settings, d: _Dist, show_progress: bool = True) -> list[PhaseResult]:
     """Run the phases ``s.mode`` asks for; files are removed afterwards, also on Ctrl-C."""
-    d = _Dist()
     run_dirs = _run_dirs(s, d.rank)
     show = show_progress and d.rank == 0
     created: list[str] = []  # removed at the end: only what this run made, never another's folder
@@ -168,7 +167,7 @@ def run(s: Settings, show_progress: bool = True) -> tuple[list[PhaseResult], _Di
         for rd in created:
             if os.path.exists(rd):
                 shutil.rmtree(rd)
-    return [r for r in results if r.op != "prepare"], d
+    return [r for r in results if r.op != "prepare"]
 
 
 def _check_space(s: Settings) -> None:
@@ -188,6 +187,46 @@ def _check_space(s: Settings) -> None:
             where = dirs[dev][0] if len(dirs[dev]) == 1 else f"{', '.join(dirs[dev])} (one filesystem)"
             raise click.UsageError(f"{where} has {fmt_bytes(free)} free; this bench needs {fmt_bytes(n)} there "
                                    "(--workers x --size): lower them or add a --dir on another drive")
+
+
+def _refusal(s: Settings) -> tuple[int, str, dict | None] | None:
+    """Why this node cannot run: (exit code, message, its --json body), before any file is made."""
+    for x in s.dirs:
+        if not os.path.isdir(x):  # click's check, made here: a node without the mount must tell its peers
+            why = (" (bench measures a mounted directory; for an object store, `fastckpt doctor --target URL` "
+                   "probes it)") if "://" in x else ""
+            return 2, f"Invalid value for '--dir': Directory '{x}' does not exist{why}.", None
+    if s.gds:
+        from ..save.tiers import gds_unavailable_reason
+
+        why = gds_unavailable_reason(True)
+        if why is not None:
+            return 1, f"GDS is not usable here: {why}", {"gds": True, "gds_unavailable_reason": why, "passed": False}
+    try:
+        _check_space(s)
+    except click.UsageError as exc:
+        return 2, exc.message, None
+    return None
+
+
+def _agree_to_run(s: Settings, d: _Dist, as_json: bool) -> None:
+    """Every node runs, or none: a node that refused ended alone, and its peers waited for it in
+    the group's set-up for 30 minutes. A refusing node says why; the others name it."""
+    mine = _refusal(s)
+    every = d.gather(None if mine is None else (*mine, socket.gethostname()))
+    if mine is not None:
+        code, message, body = mine
+        if code == 2:
+            raise click.UsageError(message)
+        emit_json(body) if as_json and body else click.echo(message, err=True)
+        raise SystemExit(code)
+    refused = [(rank, x) for rank, x in enumerate(every) if x is not None]
+    if refused:
+        rank, (code, message, _, host) = refused[0]
+        text = f"bench not run: rank {rank} ({host}) refused to: {message}"
+        emit_json({"passed": False, "refused": {"rank": rank, "host": host, "error": message}}) if as_json \
+            else click.echo(text, err=True)
+        raise SystemExit(code)
 
 
 def to_json(s: Settings, phases: list[PhaseResult], world: int, capacity: float | None, pass_fraction: float) -> dict:
@@ -247,7 +286,7 @@ def render(data: dict) -> None:
 
 
 @click.command()
-@click.option("--dir", "dirs", multiple=True, required=True, type=click.Path(exists=True, file_okay=False),
+@click.option("--dir", "dirs", multiple=True, required=True, type=click.Path(file_okay=False),
               callback=distinct_dirs,
               help="Directory to test (repeat to stripe workers over several mounts or drives).")
 @click.option("--workers", type=click.IntRange(1, 1024), default=4, show_default=True, help="Workers per node.")
@@ -282,19 +321,14 @@ def bench(dirs: tuple[str, ...], workers: int, engine: str, block_size: int, siz
         raise click.UsageError("--verify checks reads: use --mode both or read")
     s = Settings(tuple(dirs), workers, engine, block_size, size // block_size * block_size, duration, mode,
                  direct, gds, verify)
-    if gds:
-        from ..save.tiers import gds_unavailable_reason
-
-        why = gds_unavailable_reason(True)
-        if why is not None:
-            if as_json:
-                emit_json({"gds": True, "gds_unavailable_reason": why, "passed": False})
-            else:
-                click.echo(f"GDS is not usable here: {why}", err=True)
-            exit_with(False)
-    _check_space(s)
+    d = _Dist()  # under torchrun the group first: a node that refuses to run then ends every node's run
     try:
-        phases, d = run(s, show_progress=not as_json)
+        _agree_to_run(s, d, as_json)
+    except BaseException:
+        d.close()
+        raise
+    try:
+        phases = run(s, d, show_progress=not as_json)
     except (OSError, MemoryError) as exc:  # ENOSPC, EIO, EMFILE, permission: the storage (or the node) failed it
         raise click.ClickException(_failed(s, exc)) from exc
     except threading.BrokenBarrierError as exc:  # no worker failed: one is still opening its file
