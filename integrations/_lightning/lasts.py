@@ -13,10 +13,10 @@ deletion notes how many saves each such path had when it was asked for (``LastFi
 once the saves before it are durable, is judged on the remover thread (``LastFiles.named``): a
 version of a last file that names it and is pending, or landed with no newer version landed
 after it, holds it back. So does the file that was at the path when the fit began (a resumed
-fit's ``last.ckpt``: read once, on the remover thread, through ``fastckpt.load`` of the path
-itself, never the burst-buffer copy) until a save of this fit lands there. Paths are compared as
-``fastckpt.urls.normalize`` writes them, so a URL dirpath and a last file in a subfolder
-(``CHECKPOINT_NAME_LAST = "last/last"``) are covered alike.
+fit's ``last.ckpt``: read once, on the remover thread, from the path itself, never the
+burst-buffer copy, its pickle only: ``commit.foreign.pickle_plain``) until a save of this fit
+lands there. Paths are compared as ``fastckpt.urls.normalize`` writes them, so a URL dirpath and
+a last file in a subfolder (``CHECKPOINT_NAME_LAST = "last/last"``) are covered alike.
 """
 
 from __future__ import annotations

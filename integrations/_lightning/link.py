@@ -165,19 +165,30 @@ class TrainerLink:
 
     def _read_last(self, path: str) -> frozenset[str] | None:
         """The remover thread: the files the last file at ``path`` itself names (not its burst-buffer
-        copy, which may be newer); nothing if there is none; None if it cannot be read."""
-        from fastckpt import load
+        copy, which may be newer); nothing if there is none; None if it cannot be read. Its pickle
+        only, in a few ranged reads (``commit.foreign.pickle_plain``): a load read (or downloaded,
+        into memory) the whole checkpoint for two strings."""
+        from fastckpt.commit.foreign import pickle_plain
+        from fastckpt.storage.homes import Homes
 
+        config = self._ck.config if self._ck is not None else self.config  # (a Checkpointer given: its options)
+        homes = Homes(config.storage_options)
         try:
-            config = self._ck.config if self._ck is not None else self.config  # (a Checkpointer given: its options)
-            state = load(path, weights_only=True, storage_options=config.storage_options, mmap=not is_url(path))
+            loc = homes.resolve(path)
+            plain = pickle_plain(loc.target, loc.key)
         except FileNotFoundError:
             return frozenset()
         except Exception as exc:  # noqa: BLE001 (not raised: then no top-k file goes until a newer one lands)
-            log.info("fastckpt: could not read %s, the last file there when the fit began (%r): no top-k file is "
-                     "deleted until a save of this fit lands there", path, exc)
+            plain, why = None, repr(exc)
+        else:
+            why = "not a whole torch.save file"
+        finally:
+            homes.close()
+        if plain is None:
+            log.info("fastckpt: could not read %s, the last file there when the fit began (%s): no top-k file is "
+                     "deleted until a save of this fit lands there", path, why)
             return None
-        return named_files(state)
+        return named_files(plain)
 
     def _delete(self, ck: Checkpointer, path: str) -> None:
         """The remover thread: delete ``path`` now, unless a ``save_last="link"`` link names it."""
