@@ -41,7 +41,8 @@ from .io.ops import FileOps, Residency
 __all__ = ["Fault", "FaultyOps", "Gate", "OPS"]
 
 OPS = ("open", "pwrite", "preadv", "fsync", "ftruncate", "replace", "unlink", "rmdir", "fsync_dir", "makedirs",
-       "write_small", "exchange", "link", "map_private", "utime")
+       "write_small", "exchange", "link", "map_private", "utime",
+       "scandir")
 
 
 @dataclass(frozen=True)
@@ -261,6 +262,10 @@ class FaultyOps(FileOps):
     def ftruncate(self, fd: int, size: int) -> None:
         self._guard("ftruncate", self._path_of(fd))
         super().ftruncate(fd, size)
+
+    def scandir(self, path: str) -> list[os.DirEntry]:
+        self._guard("scandir", path)
+        return super().scandir(path)
 
     def replace(self, src: str, dst: str) -> None:
         self._guard("replace", src, dst)

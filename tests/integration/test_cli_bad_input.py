@@ -223,3 +223,45 @@ def test_a_checkpoint_that_cannot_be_read_is_one_line_naming_it_not_a_traceback(
                              timeout=120)
         _refused(res, 1, "fastckpt: PermissionError: [Errno 13] Permission denied",
                  f"{tmp_path / 'private.pt'} cannot be read", "owner/mode")
+
+
+_UNLISTABLE = ("import errno, os, sys\n"
+               "real = os.scandir\n"
+               "def scandir(p='.'):\n"
+               "    if os.path.basename(os.fspath(p)) in sys.argv[1].split(','):\n"
+               "        raise PermissionError(errno.EACCES, 'Permission denied', os.fspath(p))\n"
+               "    return real(p)\n"
+               "os.scandir = scandir\n"
+               "from fastckpt.cli import main\n"
+               "sys.exit(main(sys.argv[2:]))\n")
+
+
+def test_a_step_folder_that_cannot_be_listed_is_named_by_ls_latest_and_verify(tmp_path: Path) -> None:
+    """``ls``, ``latest`` and ``verify --latest`` passed over a group folder they could not list
+    and named (and verified) the older one: a resume went back in time. The folder named like a
+    checkpoint (``step-2``) is raised; a root-owned ``.Trash-0`` and another user's ``bob-run``
+    are still passed over. EACCES (another owner's mode 700, for a non-root user) is injected
+    at ``os.scandir`` in the CLI's process."""
+    import torch
+
+    import fastckpt
+
+    with fastckpt.Checkpointer() as ck:
+        for step in (1, 2):
+            g = str(tmp_path / f"step-{step}")
+            ck.save({"w": torch.ones(3)}, f"{g}/m.pt", group=g)
+            ck.commit(g, step=step).wait(60)
+    (tmp_path / "latest").unlink()  # the scan, not the pointer, finds the newest
+    (tmp_path / ".Trash-0").mkdir()
+    (tmp_path / "bob-run").mkdir()
+
+    def cli(hidden: str, *args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-c", _UNLISTABLE, hidden, *args, str(tmp_path)],
+                              capture_output=True, text=True, timeout=120)
+
+    for args in (["ls"], ["latest"], ["verify", "--latest"]):
+        _refused(cli(".Trash-0,bob-run,step-2", *args), 1, "fastckpt: PermissionError: [Errno 13]",
+                 f"{tmp_path / 'step-2'} cannot be listed, and it may hold the newest checkpoint", "owner/mode")
+        res = cli(".Trash-0,bob-run", *args)
+        assert res.returncode == 0, res.stdout + res.stderr
+        assert "step-2" in res.stdout  # the newest, found

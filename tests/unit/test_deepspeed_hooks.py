@@ -392,3 +392,30 @@ def test_deepspeed_globs_the_directory_and_tag_as_written(tmp_path: Path) -> Non
         assert engine.module.ckpt_layer_path_list(str(root / tag), 0) == [str(root / tag / "layer_00-model_states.pt")]
     undo()
     assert "_get_all_ckpt_names" not in vars(engine) and "ckpt_layer_path_list" not in vars(engine.module)
+
+
+def test_load_checkpoint_passes_over_folders_it_cannot_list_unless_named_like_a_tag(tmp_path: Path,
+                                                                                     monkeypatch) -> None:
+    """``load_checkpoint(save_dir)`` scans: a root-owned ``.Trash-0`` or another user's folder it
+    cannot list is passed over; a tag folder it cannot list may hold the newest tag and is raised
+    (EACCES injected at ``os.scandir``, what mode 700 of another owner gives a non-root user)."""
+    import errno
+
+    _group(tmp_path, "global_step1", 1.0)
+    _group(tmp_path, "global_step2", 2.0)
+    for d in (".Trash-0", "bob-run", "global_step3"):
+        (tmp_path / d).mkdir()
+    refused: set[str] = {str(tmp_path / ".Trash-0"), str(tmp_path / "bob-run")}
+    real = os.scandir
+
+    def scandir(d: str = "."):  # noqa: ANN202 (os.scandir's iterator)
+        if os.fspath(d) in refused:
+            raise PermissionError(errno.EACCES, "Permission denied", os.fspath(d))
+        return real(d)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+    assert _resolve(tmp_path) == ("global_step2", True)
+    refused.add(str(tmp_path / "global_step3"))
+    with pytest.raises(PermissionError) as err:
+        _resolve(tmp_path)
+    assert f"{tmp_path / 'global_step3'} cannot be listed" in "\n".join(err.value.__notes__)

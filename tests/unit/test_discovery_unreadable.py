@@ -4,7 +4,8 @@
 a job restarted under another account, a root-owned copy; EIO) and named the older checkpoint: a
 resume silently went back in time. Only a file gone since the listing (a race with retention) is
 passed over; any other error is raised, naming the path and the fix, as an unreadable group
-manifest already was. A folder that cannot be listed is passed over (as ``os.walk`` does).
+manifest already was. A folder that cannot be listed is raised when it may hold a checkpoint (named like one, not
+hidden, not inside a checkpoint: ``commit.discovery_unlisted``), else passed over (as ``os.walk``).
 """
 
 from __future__ import annotations
@@ -69,6 +70,45 @@ def test_a_folder_that_cannot_be_listed_beside_the_checkpoints_is_passed_over(tm
         (tmp_path / d).mkdir()
     _unlistable(monkeypatch, tmp_path / ".Trash-0", tmp_path / "bob-run", tmp_path / "step-2" / "tb_logs")
     assert fastckpt.latest(str(tmp_path)) == str(tmp_path / "step-2")
+
+
+def test_a_folder_named_like_a_checkpoint_that_cannot_be_listed_is_raised(tmp_path: Path) -> None:
+    """A step folder, a Lightning ``*.ckpt`` folder or the scanned folder itself that cannot be
+    listed may hold the newest checkpoint: raised, naming it and the fix (through the ``FileOps``
+    seam: ``scandir``), not passed over for ``step-1``."""
+    _save(tmp_path, 1, 2, group=True)
+    (tmp_path / "latest").unlink()
+    (tmp_path / "epoch=3-step=9.ckpt").mkdir()
+    for where in ("step-2", "epoch=3-step=9.ckpt", ""):
+        folder = tmp_path / where if where else tmp_path
+        ops = FaultyOps([Fault("scandir", errno.EACCES, path_contains=str(folder))])
+        with pytest.raises(PermissionError) as err:
+            discovery.latest(Homes(ops=ops), str(tmp_path))
+        ops.assert_all_reached()
+        notes = "\n".join(err.value.__notes__)
+        assert f"{folder} cannot be listed, and it may hold the newest checkpoint" in notes and "owner/mode" in notes
+    assert discovery.latest(Homes(), str(tmp_path)) == str(tmp_path / "step-2")
+    _save(tmp_path, 3)  # latest() of a file: only that file counts, not the step folder beside it
+    ops = FaultyOps([Fault("scandir", errno.EACCES, path_contains=str(tmp_path / "step-2"))])
+    assert discovery.latest(Homes(ops=ops), str(tmp_path / "step-3.pt")) == str(tmp_path / "step-3.pt")
+    ops.assert_all_reached()
+
+
+def test_the_restart_scan_passes_over_a_folder_it_cannot_list(tmp_path: Path) -> None:
+    """Retention's restart scan is housekeeping: what it cannot see it keeps, so a step folder in
+    the burst buffer that cannot be listed never fails a save (``d3_keep_local_restart_scan_*``)."""
+    from fastckpt.urls import mirror_path
+
+    nvme, dest = tmp_path / "nvme", tmp_path / "ckpt"
+    with fastckpt.Checkpointer(local_dir=str(nvme), keep_local=1) as ck:
+        ck.save({"w": torch.ones(3)}, str(dest / "c0.pt")).wait()
+    mirror = Path(mirror_path(str(nvme), str(dest)))
+    (mirror / "step-7").mkdir()
+    ops = FaultyOps([Fault("scandir", errno.EACCES, path_contains=str(mirror / "step-7"))])
+    with fastckpt.Checkpointer(local_dir=str(nvme), keep_local=1, ops=ops) as ck:
+        ck.save({"w": torch.ones(3)}, str(dest / "c1.pt")).wait()
+    ops.assert_all_reached()
+    assert sorted(p.name for p in mirror.iterdir() if not p.name.startswith(".")) == ["c1.pt", "step-7"]
 
 
 def test_an_unreadable_lightning_meta_or_deepspeed_latest_is_raised_not_passed_over(tmp_path: Path) -> None:

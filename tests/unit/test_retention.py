@@ -214,6 +214,7 @@ def test_latest_lists_again_when_retention_deletes_the_checkpoint_it_listed(tmp_
     """Keep one: the scan lists a.pt only; before it reads a.pt, b.pt is saved and a.pt trimmed.
     The scan lists again instead of finding nothing (helper review D3)."""
     from fastckpt.storage.posix import PosixTarget
+    from fastckpt.storage.types import Listing
 
     def save(name: str, v: int) -> None:
         with fastckpt.Checkpointer(rank=0, world_size=1) as ck:
@@ -221,9 +222,9 @@ def test_latest_lists_again_when_retention_deletes_the_checkpoint_it_listed(tmp_
 
     save("a.pt", 1)
     (tmp_path / "latest").unlink(missing_ok=True)  # no pointer: the scan decides
-    real, raced = PosixTarget.list, threading.Event()
+    real, raced = PosixTarget.listing, threading.Event()  # the scan's listing (with the folders it passed over)
 
-    def racing(self: PosixTarget, prefix: str = "", *, max_depth: int | None = None) -> list[str]:
+    def racing(self: PosixTarget, prefix: str = "", *, max_depth: int | None = None) -> Listing:
         keys = real(self, prefix, max_depth=max_depth)
         if not raced.is_set():  # between the listing and the reads: the next save, then the trim
             raced.set()
@@ -232,7 +233,7 @@ def test_latest_lists_again_when_retention_deletes_the_checkpoint_it_listed(tmp_
             (tmp_path / "a.pt").unlink()
         return keys
 
-    monkeypatch.setattr(PosixTarget, "list", racing)
+    monkeypatch.setattr(PosixTarget, "listing", racing)
     assert fastckpt.latest(str(tmp_path)) == str(tmp_path / "b.pt")
     assert raced.is_set()
 

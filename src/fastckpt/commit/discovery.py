@@ -45,7 +45,7 @@ from ..format.manifest import file_order
 from ..storage.homes import Homes, Location
 from ..storage.types import BucketNotFoundError, TargetNotFoundError
 from ..urls import join, nameable, named, spelled_as
-from . import foreign
+from . import discovery_unlisted, foreign
 from .protocol import (
     GROUP_MANIFEST,
     MARKER_DIR,
@@ -91,7 +91,7 @@ class Damaged:
 
 
 def scan(loc: Location, max_depth: int = MAX_DEPTH, damaged: list[Damaged] | None = None,
-         every_copy: bool = False) -> list[Found]:
+         every_copy: bool = False, pass_unlisted: bool = False) -> list[Found]:
     """Every complete checkpoint under ``loc``, oldest first; ``every_copy``: also each copy of
     one save (``ls``, ``verify``: a damaged copy is checked too), not only the one nearest ``loc``.
 
@@ -101,11 +101,14 @@ def scan(loc: Location, max_depth: int = MAX_DEPTH, damaged: list[Damaged] | Non
     A checkpoint listed but gone when read (retention deleted it once a newer save was durable,
     which the listing may have missed: keep one, and the scan would find none) makes the scan
     list again, ``RESCANS`` times at most.
+
+    A folder that cannot be listed and may hold a checkpoint raises (``discovery_unlisted``);
+    ``pass_unlisted``: passed over too (the restart scan's housekeeping keeps what it does not see).
     """
     for _ in range(RESCANS):
         seen: list[Damaged] = []
         gone: list[str] = []
-        found = _scan(loc, max_depth, seen, gone, every_copy)
+        found = _scan(loc, max_depth, seen, gone, every_copy, pass_unlisted)
         if not gone:
             break
         log.debug("fastckpt: %s vanished while %s was scanned: listing it again", gone, loc.url)
@@ -114,15 +117,16 @@ def scan(loc: Location, max_depth: int = MAX_DEPTH, damaged: list[Damaged] | Non
     return found
 
 
-def _scan(loc: Location, max_depth: int, damaged: list[Damaged], gone: list[str], every_copy: bool) -> list[Found]:
+def _scan(loc: Location, max_depth: int, damaged: list[Damaged], gone: list[str], every_copy: bool,
+          pass_unlisted: bool) -> list[Found]:
     prefix = f"{loc.key}/" if loc.key else ""
     try:
-        keys = loc.target.list(prefix, max_depth=max_depth + 1)  # +1: the markers of the deepest groups
+        listing = loc.target.listing(prefix, max_depth=max_depth + 1)  # +1: the markers of the deepest groups
     except BucketNotFoundError:
         raise  # a typo in the URL or a deleted bucket: never "nothing saved yet, start fresh"
     except TargetNotFoundError:
         return []
-    rels = [k[len(prefix):] for k in keys if nameable(k)]
+    rels = [k[len(prefix):] for k in listing.keys if nameable(k)]
     groups = {d for r in rels if posixpath.basename(r) == GROUP_MANIFEST  # not a re-save's staging directory
               for d in [posixpath.dirname(r)] if not _hidden(d)}
     marked = {r.split(f"/{MARKER_DIR}/")[0] for r in rels if f"/{MARKER_DIR}/" in f"/{r}"}
@@ -138,6 +142,8 @@ def _scan(loc: Location, max_depth: int, damaged: list[Damaged], gone: list[str]
     dcp_dirs = {d for r in rels if posixpath.basename(r) == DCP_METADATA  # written last by dcp.save: complete
                 for d in [posixpath.dirname(r)] if not _hidden(d) and d not in groups | ds_tags}  # ("": root)
     inside = groups | marked | ds_tags | dcp_dirs
+    if not pass_unlisted:
+        discovery_unlisted.check(loc.url, prefix, listing.unlisted, inside)
     sidecars = {r[: -len(SIDECAR)] for r in rels if r.endswith(SIDECAR)}
     others: list[Found] = []
     for rel in rels:
@@ -301,7 +307,7 @@ def _the_file(loc: Location) -> str | None:
         return None  # nothing there, or a directory (fsspec's memory/gs/az answer "exists" for a prefix too)
     parent = Location(loc.target, posixpath.dirname(loc.key))
     damaged: list[Damaged] = []
-    for f in scan(parent, max_depth=0, damaged=damaged, every_copy=True):
+    for f in scan(parent, max_depth=0, damaged=damaged, every_copy=True, pass_unlisted=True):  # only loc counts
         if f.path == loc.url:
             if f.foreign:
                 log.warning("fastckpt: %s was written by %s, not fastckpt: it loads unverified (no checksum was "

@@ -154,6 +154,11 @@ class FileOps:
         the page cache without a copy, writes to the mapping never reach the file."""
         return mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
 
+    def scandir(self, path: str) -> list[os.DirEntry]:
+        """The entries of the directory ``path`` (a listing, so a test can refuse one: EACCES)."""
+        with os.scandir(path) as it:
+            return list(it)
+
     def replace(self, src: str, dst: str) -> None:
         os.replace(src, dst)
 

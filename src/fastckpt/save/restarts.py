@@ -27,7 +27,7 @@ def earlier_copies(homes: Homes, mirrors: list[str], path: str, rank: int, files
     ``rank`` wrote whose home holds the same save; with a ``step``, the groups of lower steps.
     Also the names (relative to the directory) of every complete checkpoint found there."""
     parent = posixpath.dirname(path)
-    found = [(f, rel) for mirror in mirrors for f in scan(homes.resolve(mirror), max_depth=1)
+    found = [(f, rel) for mirror in mirrors for f in scan(homes.resolve(mirror), max_depth=1, pass_unlisted=True)
              if "/" not in (rel := posixpath.relpath(f.path, mirror))]
     found.sort(key=lambda fr: fr[0].time)
     earlier = [name for f, rel in found if (name := join(parent, rel)) != path and not f.foreign

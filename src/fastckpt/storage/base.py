@@ -48,6 +48,7 @@ from .reads import ReadSide
 from .retry import retry_call
 from .types import (
     Expected,
+    Listing,
     Progress,
     ProgressCallback,
     PutResult,
@@ -229,6 +230,11 @@ class Target(ReadSide, abc.ABC):
     def list(self, prefix: str = "", *, max_depth: int | None = None) -> list[str]:
         """Keys starting with ``prefix`` (a plain string prefix, recursive), sorted; with
         ``max_depth``, only keys with at most that many '/' after the prefix's last '/'."""
+
+    def listing(self, prefix: str = "", *, max_depth: int | None = None) -> Listing:
+        """``list``, and the directories it passed over unlisted: none on an object store, whose
+        listing is whole or raises (a file system passes over a folder it may not read)."""
+        return Listing(self.list(prefix, max_depth=max_depth))
 
     def sizes(self, prefix: str) -> dict[str, int]:
         """Key -> size of the objects directly in the directory ``prefix`` names (``"run/s9/"``), an

@@ -32,6 +32,7 @@ from .base import T, Target
 from .retry import retry_call
 from .types import (
     Expected,
+    Listing,
     Progress,
     RetryCallback,
     TargetNotFoundError,
@@ -288,7 +289,13 @@ class PosixTarget(Target):
 
     def list(self, prefix: str = "", *, max_depth: int | None = None) -> list[str]:
         self._check_root()
-        return posix_walk.keys(self.root, prefix, max_depth)
+        return posix_walk.keys(self.ops, self.root, prefix, max_depth)
+
+    def listing(self, prefix: str = "", *, max_depth: int | None = None) -> Listing:
+        self._check_root()
+        unlisted: list[tuple[str, OSError]] = []
+        got = posix_walk.keys(self.ops, self.root, prefix, max_depth, unlisted)
+        return Listing(got, tuple((posix_walk.key_of(self.root, d), exc) for d, exc in unlisted))
 
     def dirs(self, prefix: str) -> list[str]:
         self._check_root()
@@ -337,7 +344,7 @@ class PosixTarget(Target):
         self._check_root()
         cutoff = time.time() - older_than_s
         removed = 0
-        for p in posix_walk.temp_files(self.root, prefix):
+        for p in posix_walk.temp_files(self.ops, self.root, prefix):
             if os.lstat(p).st_mtime < cutoff:
                 atomic.discard(self.ops, p)
                 removed += 1

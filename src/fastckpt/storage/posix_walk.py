@@ -14,6 +14,9 @@ import os
 from collections.abc import Iterator
 
 from ..io import atomic
+from ..io.ops import FileOps
+
+Unlisted = list[tuple[str, OSError]] | None  # where a walk notes the directories it could not list
 
 
 def _base(root: str, prefix: str) -> str:
@@ -27,20 +30,31 @@ def _key_dir(root: str, d: str) -> str:
     return "" if rel == "." else rel.replace(os.sep, "/") + "/"
 
 
-def _entries(d: str) -> tuple[list[str], list[str]]:
+def key_of(root: str, d: str) -> str:
+    """The key of directory ``d`` ('' for the root itself)."""
+    return _key_dir(root, d).rstrip("/")
+
+
+def _entries(ops: FileOps, d: str, unlisted: Unlisted) -> tuple[list[str], list[str]]:
     """(sub-directories, regular files) directly in ``d``, from the directory's own entry types:
     no symbolic link, named pipe, socket or device is either (opening a pipe to read a manifest
-    from it would block the scan for ever). Nothing, where ``d`` cannot be read (as ``os.walk``)."""
+    from it would block the scan for ever). Nothing, where ``d`` cannot be read (as ``os.walk``):
+    then (``d``, the error) goes to ``unlisted`` (discovery judges whether it may hold the newest
+    checkpoint), unless ``d`` is gone or no directory."""
     try:
-        with os.scandir(d) as it:
-            entries = list(it)
-    except OSError:
+        entries = ops.scandir(d)
+    except (FileNotFoundError, NotADirectoryError):
+        return [], []
+    except OSError as exc:
+        if unlisted is not None:
+            unlisted.append((d, exc))
         return [], []
     sub = [e.name for e in entries if e.is_dir(follow_symlinks=False)]
     return sub, [e.name for e in entries if e.is_file(follow_symlinks=False)]
 
 
-def _walk(root: str, prefix: str, max_depth: int | None = None) -> Iterator[tuple[str, str, list[str]]]:
+def _walk(ops: FileOps, root: str, prefix: str, max_depth: int | None = None,
+          unlisted: Unlisted = None) -> Iterator[tuple[str, str, list[str]]]:
     """(directory, its key prefix, its regular files' names) of every directory that may hold a
     key starting with ``prefix``, to ``max_depth`` levels below the walk's base."""
     base = _base(root, prefix)
@@ -48,24 +62,25 @@ def _walk(root: str, prefix: str, max_depth: int | None = None) -> Iterator[tupl
     while todo:
         d, depth = todo.pop()
         at = _key_dir(root, d)
-        sub, files = _entries(d)
+        sub, files = _entries(ops, d, unlisted)
         if max_depth is None or depth < max_depth:
             todo += [(os.path.join(d, x), depth + 1) for x in sub if not atomic.is_tmp(x)
                      and ((k := f"{at}{x}/").startswith(prefix) or prefix.startswith(k))]
         yield d, at, files
 
 
-def keys(root: str, prefix: str, max_depth: int | None) -> list[str]:
-    """``Target.list``: the keys of the regular files (no temp files, symbolic links or pipes)."""
+def keys(ops: FileOps, root: str, prefix: str, max_depth: int | None, unlisted: Unlisted = None) -> list[str]:
+    """``Target.list``: the keys of the regular files (no temp files, symbolic links or pipes);
+    ``unlisted`` (when given) gets the directories that could not be listed (``_entries``)."""
     out = []
-    for _d, at, files in _walk(root, prefix, max_depth):
+    for _d, at, files in _walk(ops, root, prefix, max_depth, unlisted):
         out += [at + f for f in files if (at + f).startswith(prefix) and not atomic.is_tmp(f)]
     return sorted(out)
 
 
-def temp_files(root: str, prefix: str) -> Iterator[str]:
+def temp_files(ops: FileOps, root: str, prefix: str) -> Iterator[str]:
     """Paths of the temp files whose keys start with ``prefix`` (``clean_incomplete``)."""
-    for d, at, files in _walk(root, prefix):
+    for d, at, files in _walk(ops, root, prefix):
         yield from (os.path.join(d, f) for f in files if atomic.is_tmp(f) and (at + f).startswith(prefix))
 
 

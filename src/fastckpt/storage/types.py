@@ -42,6 +42,15 @@ class TargetUnreachableError(ConfigError, TargetUnavailableError):
 
 
 @dataclass(frozen=True)
+class Listing:
+    """``Target.listing``: the keys ``list`` gives, and the directories it passed over because
+    they could not be listed (a file system's EACCES, EIO), each as (its key, the error)."""
+
+    keys: list[str]
+    unlisted: tuple[tuple[str, OSError], ...] = ()
+
+
+@dataclass(frozen=True)
 class Expected:
     """What an uploaded file must be: the local manifest's record of it.
 

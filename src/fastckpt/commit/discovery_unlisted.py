@@ -1,0 +1,64 @@
+"""Which folders a scan could not list may hold the newest checkpoint (``discovery.scan``).
+
+A folder that cannot be listed (EACCES: a job restarted under another account; EIO) is passed
+over by the listing, as ``os.walk`` does. Passed over silently, a step folder that holds the
+newest checkpoint makes ``latest`` name an older one: a resume goes back in time. Raising for
+every such folder broke ``latest`` over a run folder holding a root-owned ``.Trash-0``, DeepSpeed's
+loads and the burst buffer's restart scan. So the scan raises only for a folder that could hold
+a candidate by the discovery rule:
+
+* the scanned folder itself, or one below it that is not hidden (``.x``), no temp name and no
+  ``lost+found`` (hidden names and temp files are never checkpoints), with no such part above it;
+* not inside a complete checkpoint the scan found (a group's ``tb_logs``: its files are no
+  separate checkpoints);
+* named like a checkpoint: ``CHECKPOINT_NAME`` (a number at its end, as a step or tag folder
+  ``step-200``, ``global_step200``, ``iter_0000200``, which orders tags; ``ckpt`` or ``checkpoint``
+  in it; a ``.ckpt``/``.pt``/``.pth`` end) for itself or a folder between it and the root.
+
+Any other folder (``bob-run``, ``tb_logs``, ``wandb``) is passed over, with a debug line.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+
+from ..io.atomic import is_tmp
+from ..urls import join
+
+log = logging.getLogger("fastckpt")
+CHECKPOINT_NAME = re.compile(r"\d$|ckpt|checkpoint|\.pth?$", re.IGNORECASE)
+NEVER = ("lost+found",)  # the file system's own, root's alone
+
+
+def check(url: str, prefix: str, unlisted: tuple[tuple[str, OSError], ...], inside: set[str]) -> None:
+    """Raise for the first folder of ``unlisted`` (key, error) that could hold a candidate of the
+    scan of ``url`` (keys under ``prefix``; ``inside``: complete checkpoints' folders, relative).
+
+    Raises:
+        OSError: the listing's own (PermissionError for EACCES), with a note naming the folder
+            and the fix, as ``foreign.unreadable`` does for a file.
+    """
+    for key, exc in unlisted:
+        rel = "" if f"{key}/" == prefix or key == prefix else key[len(prefix):]
+        if may_hold_candidates(rel, inside):
+            where = join(url, rel) if rel else url
+            fix = (f"make it listable (owner/mode: chmod a+rx, or run as its owner), or move it out of {url} "
+                   "if it holds no checkpoint")
+            exc.add_note(f"{where} cannot be listed, and it may hold the newest checkpoint (naming an older one "
+                         f"would resume from the past): {fix}")
+            raise exc
+        log.debug("fastckpt: %s cannot be listed (%s); passed over: it holds no checkpoint by its name", key, exc)
+
+
+def may_hold_candidates(rel: str, inside: set[str]) -> bool:
+    """Whether the folder ``rel`` (relative to the scanned root; '' the root) could hold a
+    checkpoint the scan would count (the module docstring says which)."""
+    if not rel:
+        return True
+    parts = rel.split("/")
+    if any(p.startswith(".") or is_tmp(p) or p in NEVER for p in parts):
+        return False
+    if any(rel == g or rel.startswith(f"{g}/") or not g for g in inside):
+        return False
+    return any(CHECKPOINT_NAME.search(p) for p in parts)
