@@ -48,8 +48,20 @@ class Store:
         return self._homes.resolve(where).place()
 
     def latest_file(self, root: str) -> bytes | None:
-        """The bytes of ``root/latest`` as they are, or None when there is none."""
-        return self.place(root).get(LATEST)
+        """The bytes of ``root/latest`` as they are, or None when there is none.
+
+        Raises:
+            ConfigError: ``root/latest`` is a directory (DeepSpeed's pointer is a file).
+        """
+        try:
+            return self.place(root).get(LATEST)
+        except IsADirectoryError as exc:
+            where = f"{root.rstrip('/')}/{LATEST}"
+            raise ConfigError(f"{where} is a directory, but it is where DeepSpeed and fastckpt keep the name of "
+                              f"the newest tag (a file holding the tag alone), so no tag can be resumed from "
+                              f"{root}: move that directory away (mv {where} {where}.bak); load a tag explicitly "
+                              f"with load_checkpoint({root!r}, tag=...); list the tags with: fastckpt ls "
+                              f"{root}") from exc
 
     def pointer(self, root: str) -> str | None:
         """What ``root/latest`` says (stripped), or None when there is none."""

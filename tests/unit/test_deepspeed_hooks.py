@@ -419,3 +419,16 @@ def test_load_checkpoint_passes_over_folders_it_cannot_list_unless_named_like_a_
     with pytest.raises(PermissionError) as err:
         _resolve(tmp_path)
     assert f"{tmp_path / 'global_step3'} cannot be listed" in "\n".join(err.value.__notes__)
+
+
+def test_a_latest_that_is_a_directory_is_named_not_a_raw_is_a_directory_error(tmp_path: Path) -> None:
+    """``load_checkpoint(save_dir)`` reads ``save_dir/latest``: a directory there raised a bare
+    ``IsADirectoryError`` ("name the file inside it", the wrong fix)."""
+    from fastckpt.errors import ConfigError
+
+    _group(tmp_path, "global_step1", 1.0)
+    (tmp_path / "latest").mkdir()
+    with pytest.raises(ConfigError) as err:
+        _resolve(tmp_path)
+    assert f"{tmp_path}/latest is a directory" in str(err.value) and f"mv {tmp_path}/latest" in str(err.value)
+    assert isinstance(err.value.__cause__, IsADirectoryError)
