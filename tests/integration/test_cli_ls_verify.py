@@ -488,6 +488,26 @@ def test_verify_latest_checks_the_unverified_checkpoint_latest_names(tmp_path) -
     assert f"UNVERIFIED {h}/step-300.pt: written by torch.save" in r.stderr
 
 
+def test_verify_of_a_directory_of_torch_save_files_names_them_unverified(tmp_path) -> None:
+    """`verify DIR` of a folder holding only a plain torch.save file said "no complete checkpoint"
+    and "0 of 0 files intact", not what the file is. Each file written without fastckpt is named
+    unverified (no checksum to check); with nothing verified the exit is 1, as `--latest` and
+    `verify FILE` give; beside a verified fastckpt checkpoint they are named, and it decides."""
+    h = str(tmp_path / "home")
+    os.makedirs(h)
+    torch.save(state(300), f"{h}/model.pt")
+    r = run("verify", h)
+    assert r.exit_code == 1, r.output
+    assert f"no fastckpt checkpoint under {h} to verify: 1 written without fastckpt" in " ".join(r.stdout.split())
+    assert f"UNVERIFIED {h}/model.pt: written by torch.save, not fastckpt" in r.stderr and "BAD" not in r.output
+    d = json.loads(run("verify", "--json", h).stdout)
+    assert not d["passed"] and d["unverified"] == [f"{h}/model.pt"] and d["bad"] == []
+    with fastckpt.Checkpointer() as ck:
+        ck.save(state(200), f"{h}/ours.pt").wait()
+    r = run("verify", h)
+    assert r.exit_code == 0 and "1 of 1 files intact" in r.stdout, r.output
+    assert f"UNVERIFIED {h}/model.pt" in r.stderr
+
 def test_ls_and_verify_show_names_with_square_brackets_as_written(tmp_path, monkeypatch) -> None:
     """rich read names as markup: `model[best].pt` was listed as `model.pt`, and `x[/dim].pt` (or a
     ROOT such as `exp[/x]`) crashed ls and verify with a MarkupError traceback."""

@@ -222,15 +222,17 @@ def _checkpoints(h: Homes, path: str, opts: dict | None, newest_only: bool
         fail_with(f"{path} does not exist: check the URL (no checkpoint was saved there yet)")
     complete = [e for e in entries if e.status in ("complete", "replicated")]
     newer = entries  # a damaged manifest makes readers skip the checkpoint: never a silent pass
-    unverified: list[Checked] = []
+    named = []
     if newest_only:  # the newest whole one (what `fastckpt latest` names), the damaged ones it passes over, and
         named = [e for e in entries if e.latest]  # the complete ones that are not whole: fastckpt.latest() may
         chosen = [e for e in named if e in complete] or ([] if named else complete[-1:])  # name them
         newer = entries[entries.index((named or chosen)[0]) + 1:] if named or chosen else entries
         complete = chosen + [e for e in complete if e.problem and e not in chosen]
-        # written without fastckpt (torch.save, DeepSpeed): no checksum to check it against, so never a pass
-        unverified = [Checked(e.path, e.path, e.bytes, f"{UNVERIFIED}: written by {e.kind}, not fastckpt: no "
-                              "checksum was recorded to check it against") for e in named if e.status == "unverified"]
+    # written without fastckpt (torch.save, DeepSpeed): no checksum to check it against, so never a pass (--latest:
+    # the one a resume loads fails the check; under a directory each is named, and the others decide)
+    unverified = [Checked(e.path, e.path, e.bytes, f"{UNVERIFIED}: written by {e.kind}, not fastckpt: no checksum "
+                          "was recorded to check it against") for e in (named if newest_only else entries)
+                  if e.status == "unverified"]
     incomplete = [e.path for e in entries if e.status == "incomplete"]
     broken = unverified + [Checked(e.path, e.path, e.bytes, f"damaged: {e.problem}")
                            for e in newer if e.status == "damaged"]
@@ -272,7 +274,8 @@ def verify(path: str, newest_only: bool, jobs: int, storage_options: dict | None
     """Recompute the checksum of every file of PATH against its manifest.
 
     PATH is a checkpoint (a file or a group directory, or their URL) or a directory holding
-    checkpoints (each complete one is checked, and each with a damaged manifest is BAD;
+    checkpoints (each complete one is checked, each with a damaged manifest is BAD, each written
+    without fastckpt is named unverified: it has no checksum, so it is no pass;
     --latest: only the newest complete one, the one `fastckpt latest` prints, and the damaged ones
     newer than it, which a resume passes over; one written without fastckpt is reported
     unverified, exit 1). Exit 1 naming each bad or missing file or damaged
@@ -300,11 +303,13 @@ def verify(path: str, newest_only: bool, jobs: int, storage_options: dict | None
         results = [r for r in results if r.checkpoint not in gone and r.checkpoint not in replaced]
     finally:
         h.close()
-    bad = [r for r in results if r.problem]
-    passed = bool(results) and not bad
+    skipped = [] if newest_only else [r for r in results if r.problem and r.problem.startswith(f"{UNVERIFIED}:")]
+    bad = [r for r in results if r.problem and r not in skipped]
+    passed = len(results) > len(skipped) and not bad  # an unverified checkpoint is never a pass
     if as_json:
         emit_json({"path": path, "checkpoints": len(todo), "checked": len(results), "passed": passed,
                    "bad": [{"path": r.path, "problem": r.problem} for r in bad], "incomplete": incomplete,
+                   "unverified": [r.path for r in skipped],
                    "deleted": deleted, "replaced": replaced,
                    "files": [r.__dict__ for r in results]})
     else:
@@ -313,16 +318,18 @@ def verify(path: str, newest_only: bool, jobs: int, storage_options: dict | None
                  fmt_bytes(r.bytes), "ok" if r.problem is None else _verdict(r.problem)] for r in results]
         out.print(table(f"verify {path}", ["checkpoint", "file", "size", "result"], rows, right_from=2,
                         text=(3,)))
-        if not results:
-            out.print(f"- no complete checkpoint under {path}", markup=False)
+        if len(results) == len(skipped):
+            out.print(f"- no fastckpt checkpoint under {path} to verify" + (
+                f": {len(skipped)} written without fastckpt, with no checksum to check (`fastckpt.load` loads them "
+                "unverified; a fastckpt save there is verified)" if skipped else ""), markup=False)
         for p in incomplete:
             out.print(f"- {p} is incomplete (never committed): not checked; readers skip it", markup=False)
         for p in deleted:
             out.print(f"- {p} was deleted during the check (retention, or a remove): not checked", markup=False)
         for p in replaced:
             out.print(f"- {p} was {REPLACED} (a job saving it): not checked, check it again", markup=False)
-        out.print(f"- {len(results) - len(bad)} of {len(results)} files intact")
-    for r in bad:
+        out.print(f"- {len(results) - len(bad) - len(skipped)} of {len(results) - len(skipped)} files intact")
+    for r in skipped + bad:
         word, _, why = _verdict(r.problem).partition(": ")
         click.echo(f"{word.upper()} {r.path}: {why}", err=True)
     exit_with(passed)
