@@ -274,12 +274,15 @@ def test_inputs_that_overflow_the_arithmetic_are_refused_not_printed_as_infinity
     assert "non-finite" in r.output and "Infinity" not in r.output
 
 
-def test_from_run_on_a_log_without_saves_says_so(tmp_path) -> None:
+def test_from_run_on_an_empty_log_is_refused_naming_it(tmp_path) -> None:
+    """With the state and bandwidth given, an empty log (a wrong path, a rank that never saved)
+    was taken for a run and the plan exited 0 as if it had measured something."""
     log = tmp_path / "events.jsonl"
     log.write_text("")
-    r = invoke("--from-run", str(log), "--bandwidth", "10GB/s")
-    assert r.exit_code == 2, r.output
-    assert "no completed save" in r.output and str(log) in r.output
+    for given in ([], ["--params", "7B"], ["--state-size", "1TB"]):
+        r = invoke("--from-run", str(log), "--bandwidth", "10GB/s", *given)
+        assert r.exit_code == 2, r.output
+        assert f"the event log {log} is empty (no event)" in " ".join(r.output.split()), r.output
 
 
 def test_help() -> None:
@@ -300,6 +303,14 @@ def run_log(tmp_path_factory) -> str:
                 ck.save({"w": torch.full((1 << 18,), step, dtype=torch.float32)}, f"{group}/{name}", group=group)
             ck.commit(group, step=step).wait()
     return log
+
+
+def test_from_run_on_a_log_without_saves_says_so(run_log: str, tmp_path) -> None:
+    log = tmp_path / "events.jsonl"  # the run's replications only: no snapshot, so no save completed
+    log.write_text("".join(line for line in open(run_log) if json.loads(line)["name"] == "replicate"))
+    r = invoke("--from-run", str(log), "--bandwidth", "10GB/s")
+    assert r.exit_code == 2, r.output
+    assert "no completed save" in r.output and str(log) in r.output
 
 
 def test_profile_of_a_real_event_log(run_log: str) -> None:

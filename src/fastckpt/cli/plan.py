@@ -7,7 +7,7 @@ import math
 
 import click
 
-from ..eventlog import read_events
+from ..eventlog import read_events, unique_paths
 from . import sizing
 from ._common import (
     BANDWIDTH,
@@ -224,9 +224,15 @@ def plan(as_json: bool, from_run: tuple[str, ...], **opts: object) -> None:
     if from_run:
         skipped: list[str] = []
         try:
-            run = profile(read_events(from_run, skipped), len(skipped))
+            logs = {p: read_events(p, skipped) for p in unique_paths(from_run)}
         except ValueError as exc:
             raise click.UsageError(str(exc)) from exc
+        if empty := [p for p, events in logs.items() if not events]:  # a wrong path, or a rank that never saved
+            raise click.UsageError(f"the event log {', '.join(empty)} is empty (no event): give the file the run's "
+                                   "Checkpointer(event_log=...) wrote, once it has saved, or leave --from-run out "
+                                   "and give --params or --state-size")
+        run = profile(sorted((e for events in logs.values() for e in events), key=lambda e: (e.start, e.end)),
+                      len(skipped))
     inputs, notes = _resolve(opts, run, from_run)
     result = sizing.plan(inputs)
     data = to_json(result, notes, run)
