@@ -31,7 +31,8 @@ def canonical(path: str | os.PathLike) -> str:
 
     Raises:
         ConfigError: a URL whose scheme has spaces around it (``" s3://b"``, from a config file),
-            or a local path that is a URL typo (``s3:/b/k``, ``s3:b/k``, ``s3//b/k``: ``_refuse_typo``).
+            ``file://localhost/...`` (``_refuse_host``), or a local path that is a URL typo
+            (``s3:/b/k``, ``s3:b/k``, ``s3//b/k``: ``_refuse_typo``).
     """
     s = os.fspath(path)
     if "://" not in s:
@@ -40,8 +41,26 @@ def canonical(path: str | os.PathLike) -> str:
     scheme, rest = s.split("://", 1)
     if scheme != scheme.strip():
         fix = f"{scheme.strip().lower()}://{rest}"
-        raise ConfigError(f"{s!r} has spaces around its scheme: did you mean {fix!r}? ({_FORMS})")
+        lead, trail = scheme[:len(scheme) - len(scheme.lstrip())], scheme[len(scheme.rstrip()):]
+        where = f"starts with {lead!r} before its scheme" if lead else f"has {trail!r} between its scheme and '://'"
+        raise ConfigError(f"{s!r} {where} (a space, a tab: from a config file or a quoted variable?): did you mean "
+                          f"{fix!r}? ({_FORMS})")
+    if scheme.lower() == "file":
+        _refuse_host(s, rest)
     return f"{scheme.lower()}://{rest}"
+
+
+def _refuse_host(s: str, rest: str) -> None:
+    """``file://localhost/x``: RFC 8089's local host, but fastckpt reads what follows ``file://``
+    as a path (``file:///x`` is ``/x``; ``f"file://{dirpath}"`` with a relative ``dirpath`` is
+    that relative path), so it would be the folder ``./localhost/x``, and ``/x`` to a reader of
+    the RFC: two meanings, refused rather than one picked silently."""
+    host, _, tail = rest.partition("/")
+    if host.lower() == "localhost":
+        raise ConfigError(f"{s!r} names the host {host!r} (RFC 8089: this machine), but fastckpt reads "
+                          f"what follows 'file://' as a path, so this would be the folder './{host}/{tail}'. Write "
+                          f"'file:///{tail}' (or '/{tail}') for the local path, or './{host}/{tail}' for a folder "
+                          "of that name")
 
 
 def _refuse_typo(s: str) -> None:

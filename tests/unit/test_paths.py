@@ -268,6 +268,27 @@ def test_a_url_typo_is_refused_not_saved_to_a_local_folder(tmp_path: Path, monke
     assert sorted(os.listdir(tmp_path)) == ["nvme"] and not os.listdir(tmp_path / "nvme")
 
 
+def test_a_space_before_file_scheme_is_named_and_file_localhost_is_refused(tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A leading space was "spaces around its scheme" (which? where?). ``file://localhost/x`` was
+    the folder ./localhost/x: a save landed there, where RFC 8089 reads /x. fastckpt reads what
+    follows ``file://`` as a path, so the host is refused, naming both meanings."""
+    monkeypatch.chdir(tmp_path)
+    run = f"{tmp_path}/run"
+    cases = [(f" file://{run}/x.pt", "starts with ' ' before its scheme", f"did you mean 'file://{run}"),
+             (f"\tfile://{run}/x.pt", "starts with '\\t' before its scheme", "did you mean"),
+             (f"file ://{run}/x.pt", "has ' ' between its scheme and '://'", "did you mean"),
+             (f"file://localhost{run}/x.pt", "names the host 'localhost'", f"Write 'file://{run}"),
+             (f"FILE://LocalHost{run}/x.pt", "names the host 'LocalHost'", f"or './LocalHost{run}")]
+    with fastckpt.Checkpointer() as ck:
+        for bad, what, fix in cases:
+            for call in (lambda b=bad: ck.save(_state(1), b), lambda b=bad: ck.load(b),
+                         lambda b=bad: fastckpt.latest(b.rsplit("/", 1)[0]), lambda b=bad: ck.remove(b)):
+                with pytest.raises(ConfigError) as err:
+                    call()
+                assert what in str(err.value) and fix in str(err.value), str(err.value)
+    assert os.listdir(tmp_path) == []  # no ./localhost folder, nothing saved
+
 def test_a_colon_in_a_local_name_is_no_url_typo_and_a_scheme_is_case_insensitive(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Only a first component that starts with a known scheme is refused: Lightning's names, a
