@@ -20,6 +20,7 @@ from contextlib import AbstractContextManager
 from .commit import discovery
 from .commit.coordinator import Coordinator
 from .commit.foreign import check_step, group_step
+from .commit.removable import refuse_root
 from .config import CheckpointerConfig, options_doc, options_signature
 from .errors import ClosedError
 from .events import Event, Fanout, JsonlSink
@@ -261,6 +262,7 @@ class Checkpointer:
         one checkpoint (Lightning's), deleted whatever it holds. ClosedError after ``close()``, as ``save``."""
         self._check_open()
         path = normalize(named(path, "remove()"))  # never the working directory for an empty one
+        refuse_root(self._homes.resolve(path))  # '/' or a bucket: before anything is cancelled, listed or deleted
         self._coordinator.cancel(path, self.rank, self.world_size)
         with self._replicator.cancelling(path):
             self._inflight.wait_writing(path)

@@ -165,3 +165,32 @@ def test_a_group_holding_a_key_no_checkpoint_could_have_is_still_deleted_whole(t
         ck.remove(f"{root}/step-2")
     left = sorted(p.rsplit("/run/", 1)[1] for p in fs.find(root.removeprefix("memory://")))
     assert not any(p.startswith(("step-1/", "step-2/")) for p in left), left
+
+
+def test_a_root_is_refused_before_anything_is_listed_or_deleted(tmp_path: Path, monkeypatch) -> None:
+    """``remove("/")`` listed the whole file system (every directory, to any depth) only to refuse
+    it; a bucket's root was listed too. A target's root is never one checkpoint: it is refused
+    first, with ``whole=True`` too (Lightning's call, which deletes whatever a checkpoint holds).
+    A spy on ``os.scandir`` fails the test at the first directory read under ``/``."""
+    real = os.scandir
+    listed: list[str] = []
+
+    def scandir(d: str = "."):  # noqa: ANN202 (os.scandir's iterator)
+        if os.path.dirname(os.path.abspath(os.fspath(d))) == "/" or os.fspath(d) == "/":
+            listed.append(os.fspath(d))
+            raise AssertionError(f"remove('/') listed {d}")
+        return real(d)
+
+    bucket = f"memory://fastckpt-{uuid.uuid4().hex[:8]}"
+    with fastckpt.Checkpointer(local_dir=str(tmp_path / "nvme")) as ck:
+        ck.save(_state(1), f"{bucket}/run/x.pt").wait()
+        monkeypatch.setattr(os, "scandir", scandir)
+        for root, what in (("/", "the root of the file system"), ("file:///", "the root of the file system"),
+                           (bucket, r"the root of a bucket \(or host\)"),
+                           (bucket.replace("://", ":///"), r"the root of a bucket \(or host\)")):
+            for whole in (False, True):
+                with pytest.raises(ConfigError, match=f"it is {what}, never one checkpoint"):
+                    ck.remove(root, whole=whole)
+        monkeypatch.undo()
+    assert listed == []
+    assert fastckpt.latest(f"{bucket}/run") == f"{bucket}/run/x.pt"

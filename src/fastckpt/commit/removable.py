@@ -36,13 +36,28 @@ MEGATRON_ITERATION = re.compile(r"iter_\d+$")
 LOOKED_AT = 8  # files of an unmarked directory whose manifests are read to see whether it is a group
 
 
+def refuse_root(loc: Location) -> None:
+    """Refuse a target's root (``/``, a bucket): never one checkpoint, and never listed to find
+    that out (a listing of ``/`` walks the whole file system) nor deleted with ``whole``.
+
+    Raises:
+        ConfigError: naming the root and what to pass instead.
+    """
+    if not loc.key:
+        what = "a bucket (or host)" if "://" in loc.url else "the file system"
+        raise ConfigError(f"remove({loc.url!r}): it is the root of {what}, never one checkpoint, so remove() "
+                          "refuses it before looking inside. Pass the checkpoint to delete (a file or group "
+                          "directory that fastckpt ls lists under it)")
+
+
 def check_removable(loc: Location) -> None:
     """Return when ``loc`` is one checkpoint, or nothing is there.
 
     Raises:
         ConfigError: ``loc`` is something else (nothing is deleted): naming what it is and what
-            to pass instead.
+            to pass instead; a target's root first (``refuse_root``), unlisted.
     """
+    refuse_root(loc)
     target, key = loc.target, loc.key
     prefix = f"{key}/" if key else ""
     try:
