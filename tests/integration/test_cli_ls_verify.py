@@ -59,7 +59,11 @@ def test_ls_lists_complete_and_incomplete_and_latest(home: str) -> None:
     got = {e["name"]: (e["kind"], e["status"], e["step"], e["files"], e["latest"]) for e in d["checkpoints"]}
     # a single file's step is the one its state records at the top level (before: none shown)
     assert got == {"one.pt": ("file", "complete", 1, 1, False), "two.pt": ("file", "complete", 2, 1, False),
-                   "step-5": ("group", "complete", 5, 2, True), "step-9": ("group", "incomplete", None, 1, False)}
+                   "step-5": ("group", "complete", 5, 2, True), "step-9": ("group", "incomplete", 9, 1, False)}
+    # an incomplete group is listed where its attempt falls, with its tag's step, as a complete one: it
+    # was listed first, with no step or age, as if it were the oldest checkpoint
+    assert [e["name"] for e in d["checkpoints"]] == ["one.pt", "two.pt", "step-5", "step-9"]
+    assert all(e["age_s"] is not None for e in d["checkpoints"]), d["checkpoints"]
     assert d["latest"] == f"{home}/step-5"
     sizes = {e["name"]: e["bytes"] for e in d["checkpoints"]}
     assert sizes["step-5"] == sum(os.path.getsize(f"{home}/step-5/{n}") for n in ("a.pt", "b.pt"))

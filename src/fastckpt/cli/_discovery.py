@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 from ..commit.discovery import Damaged, Found, scan
-from ..commit.foreign import pickle_step, resaved_by
+from ..commit.foreign import pickle_step, resaved_by, tag_step
 from ..commit.membership import group_dir
 from ..commit.names import framework_files, stays_inside
 from ..commit.protocol import GROUP_MANIFEST, MARKER_DIR, NEXT_TAG, SIDECAR, member_files, read_group_manifest
@@ -25,6 +25,7 @@ from ..errors import CorruptCheckpointError, FastCkptError
 from ..storage.homes import Homes, Location
 from ..storage.types import TargetNotFoundError
 from ..urls import is_url, join, mirror_path, nameable, normalize
+from ._attempts import attempted_at
 from ._files import FileSpec, file_manifest, single_file
 
 STEP_KEYS = ("step", "global_step", "iteration")  # fastckpt groups, Lightning, Megatron
@@ -190,9 +191,10 @@ def _incomplete(h: Homes, loc: Location) -> list[Entry]:
             status, problem = "damaged", str(exc).removeprefix(f"{where.url}/")
         except OSError:  # unreadable now: as listed
             pass
-        out.append(Entry(where.url, g or posixpath.basename(where.url.rstrip("/")), "group", status, None,
-                         sum(s or 0 for s in sizes), len(members), None,
-                         problem=problem))
+        name = g or posixpath.basename(where.url.rstrip("/"))
+        keys = [join(loc.url, r) for r in rels if r.startswith(f"{g}/" if g else "")]  # files and markers
+        out.append(Entry(where.url, name, "group", status, tag_step(name), sum(s or 0 for s in sizes), len(members),
+                         attempted_at(h, where, keys), problem=problem))
     return out
 
 
@@ -208,8 +210,9 @@ def _resave_entry(h: Homes, loc: Location, d: str, members: list[str]) -> Entry:
     the group's new attempt, which never loads. One a killed process left stays until the next
     re-save of the tag (or a remove of it) deletes it, so ``ls`` shows it and where it is."""
     where, tag = h.resolve(join(loc.url, d)), posixpath.basename(d)[1:].split(NEXT_TAG)[0]
-    return Entry(where.url, d, "group", "incomplete", None, sum(s or 0 for s in _sizes(
-        h, [join(loc.url, r) for r in members]).values()), len(members), None, problem=(
+    return Entry(where.url, d, "group", "incomplete", tag_step(tag), sum(s or 0 for s in _sizes(
+        h, [join(loc.url, r) for r in members]).values()), len(members),
+        attempted_at(h, where, [join(loc.url, r) for r in members]), problem=(
         f"an attempt to save {tag} again that never replaced it (a re-save under way, or one whose process was "
         f"killed); it never loads: the next re-save of {tag} deletes it, or delete it once none runs"))
 
