@@ -157,6 +157,28 @@ def test_damaged_files_raise_corruption_naming_the_file(tmp_path: Path, damage: 
     assert {"empty": "empty", "not a zip": "not a torch.save file", "truncated": "truncated"}[damage] in str(ei.value)
 
 
+def test_an_intact_file_of_another_tool_is_not_called_truncated(tmp_path: Path) -> None:
+    """A ``pickle.dump`` file "ends inside its pickle 2 of 5" (taken for torch's pre-zip format) and
+    another tool's zip was "truncated or damaged": a false corruption report sending the user to an
+    earlier checkpoint. Both are named as not torch.save files; a real pre-zip file still loads."""
+    import pickle
+    import zipfile
+
+    pkl, zf = tmp_path / "results.pkl", tmp_path / "bundle.zip"
+    pkl.write_bytes(pickle.dumps({"acc": 0.9}, protocol=2))
+    with zipfile.ZipFile(zf, "w") as z:
+        z.writestr("notes.txt", "hello")
+        z.writestr("a/b/data.pkl", pickle.dumps(1))
+    for path, what in ((pkl, "a pickle whose first object is not torch's magic number"),
+                       (zf, "a zip archive without torch's <archive>/data.pkl")):
+        with pytest.raises(CorruptCheckpointError, match="is not a torch.save file") as ei:
+            fastckpt.load(str(path))
+        assert what in str(ei.value) and "truncated" not in str(ei.value)
+    legacy = tmp_path / "legacy.pt"
+    torch.save({"w": torch.ones(3)}, str(legacy), _use_new_zipfile_serialization=False)
+    assert torch.equal(fastckpt.load(str(legacy))["w"], torch.ones(3))
+
+
 # ---------------------------------------------------------------------- a manifest that parses, damaged
 _DAMAGE = {"checksum key": (b'"checksum":', b'"checksul":'), "value key": (b'"value":', b'"valuf":'),
            "covered key": (b'"covered":', b'"coverec":'), "a block digest": (b'"blocks":"', b'"blocks":"x'),

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..errors import ConfigError, CorruptCheckpointError
-from ..format.foreign import bounded
+from ..format.foreign import InertUnpickler, bounded
 from ..format.legacy import LEGACY_PICKLES, UnboundedPickle, legacy_end
 from ..format.manifest import EOCD_SIG, TAIL_BYTES
 from ..format.ranges import RangeReader
@@ -83,7 +83,31 @@ def damage(res: ReadResult, url: str) -> CorruptCheckpointError | None:
         return CorruptCheckpointError(f"{url} is truncated: it is a zip (a torch.save or fastckpt file) without "
                                       "the end record every zip ends with. Load an earlier checkpoint "
                                       "(fastckpt.latest(...)).")
+    other = _not_torch(res, head == ZIP_MAGIC)
+    if other is not None:
+        return CorruptCheckpointError(f"{url} is not a torch.save file: {other}. Load it with the tool that wrote "
+                                      "it, or give a checkpoint.")
     return _legacy_damage(res, url) if head != ZIP_MAGIC else None
+
+
+def _not_torch(res: ReadResult, is_zip: bool) -> str | None:
+    """What an intact file that is no torch.save file is (a ``pickle.dump`` file, another tool's
+    zip), so that it is not reported "truncated or damaged"; None: torch's, or cannot say."""
+    stream = io.BufferedReader(RangeReader(res.size, fetcher(res.buffer)))
+    try:
+        if is_zip:
+            names = zipfile.ZipFile(stream).namelist()
+            whole = any(n.count("/") == 1 and n.endswith("/data.pkl") for n in names)
+            return None if whole else "a zip archive without torch's <archive>/data.pkl"
+        if not bounded(stream, res.size):  # (the first pickle only: walked to its STOP, nothing built)
+            return None
+        stream.seek(0)
+        first = InertUnpickler(stream).load()
+    except Exception:  # noqa: BLE001 (damaged or cut short: the checks after this one say which)
+        return None
+    if first != torch.serialization.MAGIC_NUMBER:
+        return "a pickle whose first object is not torch's magic number (pickle.dump wrote it?)"
+    return None
 
 
 def _legacy_damage(res: ReadResult, url: str) -> CorruptCheckpointError | None:
