@@ -7,6 +7,8 @@ import errno
 import os
 import re
 import shutil
+import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -211,6 +213,62 @@ def test_sync_tracker_reads_a_read_only_copy_without_writing(tmp_path, caplog) -
         assert fm.sync_tracker(pub, ops=ro) == 300 == fm.read_tracker(pub)
     assert any("cannot be written here" in r.getMessage() and "--ckpt-step 200" in r.getMessage()
                for r in caplog.records)
+
+
+class _RecordRefused(FileOps):
+    """A record another user owns in a sticky directory: the tracker can move, its record cannot."""
+
+    def replace(self, src: str, dst: str) -> None:
+        if os.path.basename(dst) == ".fastckpt-tracker.json":
+            raise OSError(errno.EPERM, os.strerror(errno.EPERM), dst)
+        super().replace(src, dst)
+
+
+def test_sync_tracker_names_the_iteration_it_moved_to_when_only_the_record_fails(tmp_path, caplog) -> None:
+    """The tracker moved to 200 and its record failed: it warned the tracker named 100, returned 100
+    and put back 100's files, while Megatron-LM loaded 200 (and other ranks said 200)."""
+    root = str(tmp_path)
+    _group(root, 100)
+    fm.advance_tracker(root, 100)
+    _group(root, 200)  # committed; a kill before the tracker moved
+    with caplog.at_level("WARNING", logger="fastckpt.megatron"):
+        assert fm.sync_tracker(root, ops=_RecordRefused()) == 200 == fm.read_tracker(root)
+    assert any("named 100, now 200" in r.getMessage() for r in caplog.records)
+
+
+_TORN_COMMON_READ_ONLY = """
+import errno, os, sys
+import torch, torch.distributed as dist
+from megatron.core import dist_checkpointing as dc
+from megatron.core.dist_checkpointing import ShardedTensor
+import fastckpt
+from fastckpt.integrations import megatron as fm
+sys.path.insert(0, sys.argv[2])
+from test_megatron_read import _ReadOnly
+root = sys.argv[1]
+dist.init_process_group("gloo", store=dist.FileStore(os.path.join(root, ".store"), 1), rank=0, world_size=1)
+it = os.path.join(root, "pub", "iter_0000005")
+os.makedirs(it)
+with fastckpt.Checkpointer() as ck:
+    fm.register(ck)
+    dc.save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(4, 6)), "iteration": 1}, it, ("fastckpt", 1))
+    assert fm.advance_tracker(os.path.dirname(it), 5)
+    torch.save({"iteration": 99}, os.path.join(it, "common.pt"))  # a re-save killed after its in-place rewrite
+    print("synced", fm.sync_tracker(os.path.dirname(it), ops=_ReadOnly(os.path.dirname(it))))
+    got = dc.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(4, 6))}, it)
+    print("loaded", got["iteration"], float(got["w"][0, 0]))
+dist.destroy_process_group()
+"""
+
+
+def test_sync_tracker_on_a_read_only_copy_with_a_torn_common_pt_loads_the_committed_one(tmp_path) -> None:
+    """The put-back of common.pt a killed re-save rewrote in place raised EROFS on a read-only
+    --load, though the load reads the committed bytes (from the index) without it."""
+    out = subprocess.run([sys.executable, "-c", _TORN_COMMON_READ_ONLY, str(tmp_path), os.path.dirname(__file__)],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "synced 5" in out.stdout and "loaded 1 1.0" in out.stdout, out.stdout + out.stderr[-3000:]
+    assert "could not put back the files a killed save rewrote in place" in out.stderr
 
 
 def test_sync_tracker_moves_off_an_incomplete_iteration_only(tmp_path, caplog) -> None:
