@@ -118,6 +118,25 @@ def test_a_jobs_plain_torch_save_checkpoint_is_not_a_corrupt_load(tmp_path) -> N
     shutil.rmtree(d["logs"])
 
 
+def test_a_committed_group_missing_a_file_is_a_corrupt_load(tmp_path) -> None:
+    """Counted as corrupt before 419c300 and not after it (which also told the user to "save through
+    fastckpt", though fastckpt wrote it): a file of a committed group gone is a partial checkpoint."""
+    import fastckpt
+
+    home = tmp_path / "home"
+    group = str(home / "step-00000005")
+    with fastckpt.Checkpointer() as ck:
+        for name in ("model.pt", "optim.pt"):
+            ck.save({"w": torch.ones(8), "step": 5}, os.path.join(group, name), group=group)
+        ck.commit(group).wait()
+    os.remove(os.path.join(group, "optim.pt"))
+    idle = [sys.executable, "-c", "import time; time.sleep(3600)"]
+    code, d = drill("--trials", "1", "--dir", str(home), "--min-run", "0.5s", "--max-run", "1s", "--", *idle)
+    assert code == 1 and d["corrupt_loads"] == 1 and d["restored"] == 0
+    assert "CheckpointNotFoundError" in d["rows"][0]["error"] and "save through fastckpt" not in d["rows"][0]["error"]
+    shutil.rmtree(d["logs"])
+
+
 def test_a_job_killed_before_its_first_checkpoint_is_told_to_raise_min_run(tmp_path) -> None:
     idle = [sys.executable, "-c", "import signal; signal.pause()"]  # never saves; waits for its SIGKILL
     code, d = drill("--trials", "1", "--dir", str(tmp_path / "home"), "--min-run", "0.5s", "--max-run", "1s",

@@ -67,6 +67,11 @@ def group_manifest(loc: Location) -> dict | None:
         return None
 
 
+class NotFastckpt(FastCkptError):
+    """A checkpoint fastckpt did not write, or that another backend saved again since: whole as
+    far as anyone knows, but not verifiable here (the drill does not count it as corrupt)."""
+
+
 def checkpoint_files(h: Homes, path: str) -> tuple[list[FileSpec], dict]:
     """The files of the checkpoint at ``path`` and its manifest. ``FastCkptError`` (saying what it
     is) when ``path`` is not a complete fastckpt checkpoint, or no longer fastckpt's."""
@@ -75,7 +80,7 @@ def checkpoint_files(h: Homes, path: str) -> tuple[list[FileSpec], dict]:
     if m is not None:
         extra = framework_files(m)
         if (other := resaved_by(loc.target, loc.key, extra)) is not None:
-            raise FastCkptError(f"{path} was saved again by megatron's {other!r} backend after fastckpt committed it: "
+            raise NotFastckpt(f"{path} was saved again by megatron's {other!r} backend after fastckpt committed it: "
                                 "it is megatron's checkpoint now, which fastckpt cannot verify (load it with megatron)")
         return [FileSpec(join(loc.url, rel), int(f["size"]), f.get("checksum"), loc.url)
                 for rel, f in sorted(member_files(m, loc.url).items())] + [
@@ -83,7 +88,7 @@ def checkpoint_files(h: Homes, path: str) -> tuple[list[FileSpec], dict]:
                 for rel, digest in sorted(extra.items()) if stays_inside(rel) and "/" not in rel], m
     m = file_manifest(loc)
     if not m:
-        raise FastCkptError(f"{path} is not a complete fastckpt checkpoint: no {GROUP_MANIFEST} there, and no "
+        raise NotFastckpt(f"{path} is not a complete fastckpt checkpoint: no {GROUP_MANIFEST} there, and no "
                             "published fastckpt manifest for a single file. `fastckpt ls` on its parent shows "
                             "what is there.")
     return [single_file(loc.url, m)], m

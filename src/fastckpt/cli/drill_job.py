@@ -30,10 +30,10 @@ from collections.abc import Callable
 import torch
 
 import fastckpt
-from fastckpt.errors import CorruptCheckpointError, FastCkptError, IncompleteCheckpointError
+from fastckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, FastCkptError, IncompleteCheckpointError
 
 from ._common import parse_duration, parse_size
-from ._discovery import checkpoint_files, homes, step_of
+from ._discovery import NotFastckpt, checkpoint_files, homes, step_of
 
 FILES = {"model.pt": 1, "optim.pt": 3}  # shares of the state: weights, and master + Adam moments
 TENSORS_PER_FILE = 2
@@ -101,8 +101,9 @@ def restore(ck: fastckpt.Checkpointer, home: str, base: Callable[[], dict[str, l
     except (FastCkptError, OSError, ValueError) as exc:
         say("loaded", t=time.time(), path=path)
         # latest() named it complete: damaged or partial content behind it is a corrupt load
-        corrupt = isinstance(exc, (CorruptCheckpointError, IncompleteCheckpointError))
-        foreign = "" if corrupt or not isinstance(exc, FastCkptError) else (
+        # (a file of it gone: partial; one fastckpt did not write is not corrupt, only unverifiable)
+        corrupt = isinstance(exc, (CorruptCheckpointError, IncompleteCheckpointError, CheckpointNotFoundError))
+        foreign = "" if not isinstance(exc, NotFastckpt) else (
             " (the drill restores and verifies checkpoints fastckpt wrote: save through fastckpt, docs/migration.md)")
         say("restored", step=None, path=path, source=None, verified=False, corrupt=corrupt,
             error=f"{type(exc).__name__}: {exc}{foreign}")
