@@ -410,3 +410,18 @@ def test_a_node_that_refuses_to_run_ends_every_nodes_run(tmp_path) -> None:
     assert f"Directory '{tmp_path / 'unmounted'}' does not exist" in out[1], out[1][-3000:]
     assert re.search(r"bench not run: rank 1 \(.+\) refused to: Invalid value for '--dir'", out[0]), out[0][-3000:]
     assert leftovers(tmp_path / "d") == []
+
+
+def test_a_process_group_that_cannot_form_is_one_line_not_a_traceback(tmp_path) -> None:
+    """The group moved ahead of the try that names failures (ce0b76b): a master port in use ended
+    in torch's raw DistNetworkError traceback."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        env = dict(_env(), WORLD_SIZE="2", RANK="0", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(busy.getsockname()[1]))
+        r = subprocess.run([sys.executable, "-m", "fastckpt.cli", "bench", "--dir", str(tmp_path), "--workers", "1",
+                            "--size", "1MiB", "--block-size", "1MiB"], env=env, capture_output=True, text=True,
+                           timeout=120)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert "bench failed: the nodes could not form their process group:" in r.stderr and "EADDRINUSE" in r.stderr

@@ -321,9 +321,15 @@ def bench(dirs: tuple[str, ...], workers: int, engine: str, block_size: int, siz
         raise click.UsageError("--verify checks reads: use --mode both or read")
     s = Settings(tuple(dirs), workers, engine, block_size, size // block_size * block_size, duration, mode,
                  direct, gds, verify)
-    d = _Dist()  # under torchrun the group first: a node that refuses to run then ends every node's run
+    try:
+        d = _Dist()  # under torchrun the group first: a node that refuses to run then ends every node's run
+    except RuntimeError as exc:  # the master's port in use, a rendezvous that fails (gloo, the store)
+        raise click.ClickException(f"bench failed: the nodes could not form their process group: {exc}") from exc
     try:
         _agree_to_run(s, d, as_json)
+    except RuntimeError as exc:  # a peer gone while the nodes compared what each can run
+        d.close()
+        raise click.ClickException(f"bench failed: a node left before the run started: {exc}") from exc
     except BaseException:
         d.close()
         raise
