@@ -58,7 +58,8 @@ def error_on_any_rank(error: BaseException | None) -> BaseException:
 
     if error is not None and (not dist.is_initialized() or dist.get_world_size() == 1):
         return error
-    mine = None if error is None else (dist.get_rank(), type(error).__name__, str(error))
+    mine = None if error is None else (dist.get_rank(), type(error).__name__,
+                                       "; ".join([str(error), *getattr(error, "__notes__", ())]))
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     if error is not None:

@@ -110,6 +110,7 @@ class FastCkptEngine(CheckpointEngine):
         self.pending: list[PendingCommit] = []
         self.skipped: list[str] = []  # tags "when_busy": "skip" dropped (never committed), oldest first
         self._preread: dict[str, object] = {}  # path (as DeepSpeed names it) -> its object, read before the load
+        self.last_read: str | None = None  # the file DeepSpeed's load asked for last (named when the load raises)
 
     @property
     def lazy(self) -> bool:
@@ -194,6 +195,7 @@ class FastCkptEngine(CheckpointEngine):
 
     def load(self, path: str, map_location: object = None) -> object:
         """Verified load; unpickling as ``weights_only`` says (see the module docstring)."""
+        self.last_read = self.home(path)
         if path in self._preread:
             return self._preread.pop(path)
         path = self.home(path)

@@ -28,7 +28,8 @@ from collections.abc import Callable, Iterator
 
 from fastckpt.errors import ConfigError
 
-_route = threading.local()  # .where: the directory this thread's DeepSpeed load was given; .tag: the tag
+_route = threading.local()  # .where: the directory this thread's DeepSpeed load was given; .tag: the tag;
+# .done: its consolidation returned (``rejoin.py``: what a rank whose load raised still runs)
 _FILES = ("_model_states.pt", "_optim_states.pt")  # what DeepSpeed's consolidation reads
 
 
@@ -64,20 +65,27 @@ def weights_only_load(where: str, tag: str) -> Iterator[None]:
 
     if not getattr(ds_engine.get_fp32_state_dict_from_zero_checkpoint, "_fastckpt", False):
         ds_engine.get_fp32_state_dict_from_zero_checkpoint = _routed(ds_engine.get_fp32_state_dict_from_zero_checkpoint)
-    _route.where, _route.tag = where, tag
+    _route.where, _route.tag, _route.done = where, tag, False
     try:
         yield
     finally:
         _route.where = _route.tag = None
 
 
+def consolidated() -> bool:
+    """This thread's DeepSpeed load (inside ``weights_only_load``) returned from its consolidation."""
+    return bool(getattr(_route, "done", False))
+
+
 def _routed(original: Callable) -> Callable:
     def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str, tag: object = None, *args: object,
                                                  **kwargs: object) -> object:
         where = getattr(_route, "where", None)
-        if where is not None and tag is None and checkpoint_dir == where:
-            tag = _route.tag
-        return original(checkpoint_dir, tag, *args, **kwargs)
+        if where is None or checkpoint_dir != where:
+            return original(checkpoint_dir, tag, *args, **kwargs)
+        out = original(checkpoint_dir, _route.tag if tag is None else tag, *args, **kwargs)
+        _route.done = True
+        return out
 
     get_fp32_state_dict_from_zero_checkpoint._fastckpt = True  # type: ignore[attr-defined]
     return get_fp32_state_dict_from_zero_checkpoint

@@ -52,6 +52,7 @@ from .compat import LATEST, Store, checked_tag, is_url, normalize, order, pointe
 from .engine import OPT_OUT, SAFE_GLOBALS, FastCkptEngine
 from .globs import literal_globs
 from .preread import preread
+from .rejoin import LoadRejoin
 from .unsafe import refused_globals, warn_once
 
 if TYPE_CHECKING:
@@ -362,14 +363,36 @@ class EngineHooks:
     def _load_once(self, home: str, where: str, tag: object, kwargs: dict, named_by_latest: bool = False) -> tuple:
         """DeepSpeed's load of ``tag`` (None: DeepSpeed's own choice; ``named_by_latest``: the tag
         ``load_checkpoint(home)`` resolved), once ``_prepare`` has pinned and read its files."""
+        consolidates = tag is not None and fp32.applies(self.engine, kwargs)
+        joins, self.fe.last_read = LoadRejoin(self.engine, consolidates), None
         try:
-            with fp32.weights_only_load(where, str(tag)) if tag is not None and fp32.applies(self.engine, kwargs) \
-                    else contextlib.nullcontext():  # ZeRO-3's weights-only load reads this tag, verified
-                return self._load(where, tag=tag, **kwargs)
+            try:
+                with joins.watch(), fp32.weights_only_load(where, str(tag)) if consolidates \
+                        else contextlib.nullcontext():  # ZeRO-3's weights-only load reads this tag, verified
+                    return self._load(where, tag=tag, **kwargs)
+            except Exception as exc:  # on this rank only, maybe: the others go on into DeepSpeed's collectives
+                self._rejoin_load(exc, joins, _join(home, str(tag)))
+                raise
         except AssertionError as exc:  # DeepSpeed's bare assert on a file it did not find: name it
             if (gone := self._not_loadable(home, where, tag, named_by_latest)) is None:
                 raise
             raise gone from exc
+
+    def _rejoin_load(self, exc: Exception, joins: LoadRejoin, group: str) -> None:
+        """DeepSpeed's load of ``group`` raised ``exc`` on this rank: run the collectives the other
+        ranks still run in theirs (``rejoin.py``), so that the agreement after the load pairs with
+        theirs and every rank raises; ``exc`` gets a note naming this rank and the file."""
+        rank = self.engine.global_rank
+        read = self.fe.last_read
+        exc.add_note(f"fastckpt: [rank={rank}] DeepSpeed's load_checkpoint of {group} raised this on rank {rank}, "
+                     + (f"after it read {read}" if read is not None else "before it read a file of it")
+                     + "; every rank raises (the model and optimizer may be partly loaded: load a checkpoint "
+                     "again before training on)")
+        try:
+            joins.rejoin()
+        except Exception as rejoin_exc:  # noqa: BLE001 (the load's own error is the one raised)
+            exc.add_note(f"fastckpt: [rank={rank}] running the collectives the other ranks run in their load "
+                         f"failed too: {rejoin_exc!r}")
 
     def _not_loadable(self, home: str, where: str, tag: object, named_by_latest: bool) -> BaseException | None:
         """The error naming what of ``tag`` is missing (its directory, a file of its manifest) or
