@@ -12,7 +12,6 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import CancelledError, Future
-from concurrent.futures import wait as wait_futures
 from contextlib import contextmanager
 from typing import Any
 
@@ -21,7 +20,6 @@ from fastckpt.io.atomic import tmp_name
 from fastckpt.records import SaveHandle
 from fastckpt.urls import is_url, normalize
 
-from .lasts import AFTER_LAST, LastFiles, named_files
 from .saves import SaveLedger, state_nbytes
 
 log = logging.getLogger("fastckpt.lightning")
@@ -45,16 +43,11 @@ class TrainerLink:
     """The part of ``FastCkptIO`` that keeps its books and talks to the Trainer."""
 
     _ck: Checkpointer | None
-    config: Any  # the CheckpointerConfig (FastCkptIOMixin)
     _saves: SaveLedger
     _removals: dict[str, Future]
     _deferred: dict[str, Checkpointer]  # path -> its Checkpointer: deletions waiting for a link to move off them
     _links: dict[str, list[tuple[SaveHandle, str]]]  # linkpath -> queued links (target's save, target), oldest first
     _links_lock: threading.Lock
-    _lasts: LastFiles  # save_last=True: what each last file names (``lasts``)
-    _parked: list[tuple[Checkpointer, str, dict[str, int]]]  # deletions waiting for a newer last file (``_flush``)
-    _deleting: set[str]  # parked deletions ``_flush`` is running now
-    _parked_lock: threading.Lock
     _link_dirs: tuple[str, ...] = ()  # folders a link may sit in, away from the file it names (``_note_links``)
     _trainer_ref: Callable[[], Any] | None
     _callback: object
@@ -103,16 +96,14 @@ class TrainerLink:
         """Whether a save to ``path`` has not finished yet (its file may not exist)."""
         return any(not t.handle.done() for t in self._saves.to(normalize(os.fspath(path))))
 
-    def _remove_after(self, ck: Checkpointer, path: str, saves: list[SaveHandle],
-                      mark: dict[str, int] | None = None) -> None:
+    def _remove_after(self, ck: Checkpointer, path: str, saves: list[SaveHandle]) -> None:
         """The remover thread: delete ``path`` once ``saves`` (``SaveLedger.before_removal``) are all
         durable. If one failed, was skipped or never reached its path (``not_durable``), Lightning
         counts a checkpoint that does not exist, and ``path`` may be the only good one left: keep
         it (a WARNING says so). Not an error: the failed save's own error is raised once, by the
         training thread. One whose upload was dropped for a newer save (last.ckpt's, while uploads
         run behind on a burst buffer without hard links: ``save.versions``) is older than those
-        after it here: they stand for it. With save_last=True, a file a last file names now or may
-        yet (``lasts``; ``mark``: its saves when the deletion was asked for) waits in ``_parked``."""
+        after it here: they stand for it."""
         for i, h in enumerate(saves):
             if i + 1 < len(saves) and dropped_for_newer(h):
                 continue
@@ -122,76 +113,6 @@ class TrainerLink:
                             "so deleting it could leave no checkpoint. Delete it yourself once a newer checkpoint "
                             "is durable.", path, h.path, why)
                 return
-        if mark and self._lasts.named(path, mark) is not None:
-            with self._parked_lock:
-                self._parked.append((ck, path, mark))  # (not waited for here: the deletions queued after go on)
-            return
-        self._delete(ck, path)
-
-    def _flush(self, wait: bool = False) -> None:
-        """The remover thread: the parked deletions no last file names any more run (``wait``, at
-        teardown: once every save has ended; one a last file names still is kept, with a WARNING)."""
-        with self._parked_lock:
-            parked = list(self._parked)
-        for entry in parked:
-            ck, path, mark = entry
-            last = self._lasts.named(path, mark, wait)
-            with self._parked_lock:
-                if entry not in self._parked or (last is not None and not wait):
-                    continue  # (not parked any more: saved anew since)
-                self._parked.remove(entry)
-                if last is None:
-                    self._deleting.add(path)
-            if last is not None:
-                log.warning("fastckpt: kept %s although Lightning asked to delete it: %s, the last file at its path, "
-                            "names it (the newer saves there did not land). Delete it yourself once a newer "
-                            "checkpoint is durable.", path, last)
-                continue
-            try:
-                self._delete(ck, path)
-            finally:
-                with self._parked_lock:
-                    self._deleting.discard(path)
-
-    def _unpark(self, path: str) -> None:
-        """The training thread, before a save to ``path``: a deletion of it waiting for a newer last
-        file is off (as one deferred for a link); one ``_flush`` is running now ends first."""
-        with self._parked_lock:
-            self._parked = [e for e in self._parked if e[1] != path]
-            running = path in self._deleting
-        fut = self._removals.get(AFTER_LAST) if running else None
-        if fut is not None:  # the newest run (the remover runs them in turn); its failure is raised once, as others
-            wait_futures([fut])
-
-    def _read_last(self, path: str) -> frozenset[str] | None:
-        """The remover thread: the files the last file at ``path`` itself names (not its burst-buffer
-        copy, which may be newer); nothing if there is none; None if it cannot be read. Its pickle
-        only, in a few ranged reads (``commit.foreign.pickle_plain``): a load read (or downloaded,
-        into memory) the whole checkpoint for two strings."""
-        from fastckpt.commit.foreign import pickle_plain
-        from fastckpt.storage.homes import Homes
-
-        config = self._ck.config if self._ck is not None else self.config  # (a Checkpointer given: its options)
-        homes = Homes(config.storage_options)
-        try:
-            loc = homes.resolve(path)
-            plain = pickle_plain(loc.target, loc.key)
-        except FileNotFoundError:
-            return frozenset()
-        except Exception as exc:  # noqa: BLE001 (not raised: then no top-k file goes until a newer one lands)
-            plain, why = None, repr(exc)
-        else:
-            why = "not a whole torch.save file"
-        finally:
-            homes.close()
-        if plain is None:
-            log.info("fastckpt: could not read %s, the last file there when the fit began (%s): no top-k file is "
-                     "deleted until a save of this fit lands there", path, why)
-            return None
-        return named_files(plain)
-
-    def _delete(self, ck: Checkpointer, path: str) -> None:
-        """The remover thread: delete ``path`` now, unless a ``save_last="link"`` link names it."""
         for linkpath in list(self._links):  # last.ckpt may name path: move it on first (it is queued after)
             self._relink(linkpath, None)
         if named_by_link(path, self._link_dirs):  # ModelCheckpoint asks to delete before it links anew: a kill
@@ -311,7 +232,6 @@ class TrainerLink:
         fitting = str(getattr(trainer.state.fn, "value", "fit")) == "fit"
         self._in_fit, self._crashed, self._reserved = fitting, False, False
         self._link_dirs = ()  # this fit's ModelCheckpoints and links (``_note_links``)
-        self._lasts, self._parked = LastFiles(self._read_last), []  # this fit's last files (``lasts``)
         self._saves.newest.clear()  # the saves of this fit only
         self._sharded = bool(SHARDED_STRATEGIES & {c.__name__ for c in type(trainer.strategy).__mro__})
         if trainer.is_global_zero and fitting:

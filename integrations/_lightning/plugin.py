@@ -21,8 +21,7 @@ Who calls what (everything runs on the training thread; only global rank 0 saves
   callback.on_train_batch_end    after the first optimizer step (rank 0): Checkpointer.reserve, so
                                  the staging buffer is allocated off the training thread; logs
                                  finished saves' ``ckpt/*`` metrics to trainer.loggers
-  io.remove_checkpoint           queued; runs once every save to that path is durable (save_last=True:
-                                 and no last file names it, now or yet: lasts.py)
+  io.remove_checkpoint           queued; runs once every save to that path is durable
   io.teardown   (strategy)       waits for every save and removal, raises the first error once
                                  (the callback calls it in on_fit_end where the strategy did not:
                                  Lightning 2.6's FSDPStrategy.teardown skips CheckpointIO.teardown;
@@ -52,7 +51,6 @@ from fastckpt.exits import stop_pools
 from fastckpt.monitor import OverheadReport, Stats
 from fastckpt.urls import is_url, normalize
 
-from .lasts import AFTER_LAST, LastFiles, last_paths
 from .link import LINK, TrainerLink, filed_under
 from .options import checkpointer_config, is_requeue_checkpoint, parse_storage_options
 from .saves import SaveLedger, copy_unfenced_tensors
@@ -143,8 +141,6 @@ class FastCkptIOMixin(TrainerLink):
         self._saves = SaveLedger()
         self._removals, self._deferred = {}, {}
         self._links, self._links_lock = {}, threading.Lock()
-        self._lasts, self._parked, self._deleting = LastFiles(self._read_last), [], set()
-        self._parked_lock = threading.Lock()
         self._remover: ThreadPoolExecutor | None = None
         self._trainer_ref = None
         self._callback = None
@@ -242,7 +238,6 @@ class FastCkptIOMixin(TrainerLink):
             wait = True
         self._settle_removal(path)
         self._deferred.pop(normalize(path), None)  # saved again: a deletion waiting for last.ckpt to move is off
-        self._unpark(normalize(path))  # (or for a newer last file: ``lasts``)
         self._raise_removal_errors()
         with self._core() as ck:
             self._save(ck, checkpoint, path, wait)
@@ -272,10 +267,6 @@ class FastCkptIOMixin(TrainerLink):
             raise
         step = checkpoint.get("global_step") if isinstance(checkpoint, Mapping) else None
         item = self._saves.add(handle, step if isinstance(step, int) else None, time.monotonic() - t0, lazy)
-        if self._in_fit and normalize(path) in last_paths(trainer):  # save_last=True: what it names (``lasts``)
-            self._lasts.saved(normalize(path), handle, checkpoint)
-            if self._parked:  # deletions waiting for a newer last file: those it let go run (no wait)
-                self._file(AFTER_LAST, self._queue(self._flush))
         if wait or not self._in_fit:  # outside fit no teardown follows to flush: finish it now
             self._fence()
             self._saves.wait(item)
@@ -327,8 +318,7 @@ class FastCkptIOMixin(TrainerLink):
         prev = self._removals.get(path)
         if prev is not None and not prev.done():
             return
-        self._file(path, self._queue(self._remove_after, ck, path, self._saves.before_removal(path),
-                                     self._lasts.mark(self._trainer())))
+        self._file(path, self._queue(self._remove_after, ck, path, self._saves.before_removal(path)))
 
     def _queue(self, fn: Callable[..., None], *args: Any) -> Future:
         """Run ``fn(*args)`` on the remover thread, after what was queued before."""
@@ -352,8 +342,6 @@ class FastCkptIOMixin(TrainerLink):
         # ignores SIGINT while it tears down after a Ctrl-C, so a stalled store must not hold it.
         timeout_s = ck.config.close_timeout_s if ck is not None else None
         self._fence()
-        if self._remover is not None and ck is not None:  # deletions waiting for a newer last file: now, or kept
-            self._file(AFTER_LAST, self._queue(self._flush, True))
         removals, self._removals = self._removals, {}
         _, stuck = wait_futures(removals.values(), timeout=timeout_s)
         for key, fut in removals.items():
