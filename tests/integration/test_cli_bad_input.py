@@ -1,17 +1,58 @@
 """Bad input to doctor, drill, latest, ls, verify and bench: exit 2 (1 for a path that does not
 exist or holds no checkpoint) with a message that names the problem and the fix, never a
-traceback. Real files and processes."""
+traceback. Real files and processes.
+
+A test's commands run one after another in one child process (``_cli_all``), each through the
+CLI's ``main`` with its own stdout, stderr and environment: a child per command spent most of
+this file's time starting Python and importing the CLI, torch and s3fs again and again. An
+exception that escapes ``main`` is printed there as its traceback, as the ``fastckpt`` script
+would print it, so ``_refused`` still fails on it.
+"""
 
 from __future__ import annotations
 
-import os
+import json
 import subprocess
 import sys
 from pathlib import Path
 
+_BATCH = """
+import contextlib, io, json, os, sys, traceback
+calls = json.loads(sys.argv[1])
+exec(calls["prelude"])
+from fastckpt.cli import main
+results = []
+for argv, env in calls["runs"]:
+    saved = dict(os.environ)
+    os.environ.update(env)
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(argv)
+        except BaseException:  # what the script would print: _refused fails on the traceback
+            traceback.print_exc()
+            code = 1
+    os.environ.clear()
+    os.environ.update(saved)
+    results.append([code, out.getvalue(), err.getvalue()])
+print(json.dumps(results))
+"""
+
+
+def _cli_all(*runs: list[str] | tuple[list[str], dict[str, str]], cwd: Path | None = None,
+             prelude: str = "") -> list[subprocess.CompletedProcess]:
+    """Run each command line of ``runs`` (or ``(argv, extra environment)``) through ``fastckpt``'s
+    ``main``, in order, in one child process started in ``cwd`` after running ``prelude``."""
+    calls = [r if isinstance(r, tuple) else (list(r), {}) for r in runs]
+    child = subprocess.run([sys.executable, "-c", _BATCH, json.dumps({"prelude": prelude, "runs": calls})],
+                           capture_output=True, text=True, timeout=240, cwd=cwd)
+    assert child.returncode == 0, child.stderr[-4000:]
+    return [subprocess.CompletedProcess(argv, code, out, err)
+            for (argv, _), (code, out, err) in zip(calls, json.loads(child.stdout.splitlines()[-1]), strict=True)]
+
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "fastckpt.cli", *args], capture_output=True, text=True, timeout=120)
+    return _cli_all(list(args))[0]
 
 
 def _refused(res: subprocess.CompletedProcess, code: int, *words: str) -> None:
@@ -22,11 +63,11 @@ def _refused(res: subprocess.CompletedProcess, code: int, *words: str) -> None:
 
 
 def test_doctor_storage_options_file_that_is_not_json(tmp_path: Path) -> None:
-    for name, data in (("opts.txt", b"endpoint_url=http://x\n"), ("opts.bin", b"\xff\xfe\x00")):
-        f = tmp_path / name
-        f.write_bytes(data)
-        _refused(_cli("doctor", "--storage-options", str(f), "--probe-size", "0"), 2,
-                 f"{f} is not a JSON file", "endpoint_url")
+    files = [tmp_path / "opts.txt", tmp_path / "opts.bin"]
+    files[0].write_bytes(b"endpoint_url=http://x\n")
+    files[1].write_bytes(b"\xff\xfe\x00")
+    for f, res in zip(files, _cli_all(*(["doctor", "--storage-options", str(f), "--probe-size", "0"] for f in files))):
+        _refused(res, 2, f"{f} is not a JSON file", "endpoint_url")
 
 
 def test_doctor_storage_options_file_that_cannot_be_read_is_not_called_not_json(tmp_path: Path) -> None:
@@ -34,17 +75,14 @@ def test_doctor_storage_options_file_that_cannot_be_read_is_not_called_not_json(
     permission error (another owner's mode 600, for a non-root user) is injected at ``open``."""
     f = tmp_path / "opts.json"
     f.write_text('{"endpoint_url": "http://127.0.0.1:1"}')
-    run = ("import builtins, errno, sys\n"
-           "real = builtins.open\n"
-           "def open_(p, *a, **k):\n"
-           "    if str(p).endswith('opts.json'):\n"
-           "        raise PermissionError(errno.EACCES, 'Permission denied', str(p))\n"
-           "    return real(p, *a, **k)\n"
-           "builtins.open = open_\n"
-           "from fastckpt.cli import main\n"
-           "sys.exit(main(sys.argv[1:]))\n")
-    res = subprocess.run([sys.executable, "-c", run, "doctor", "--storage-options", str(f), "--probe-size", "0"],
-                         capture_output=True, text=True, timeout=120)
+    prelude = ("import builtins, errno\n"
+               "real = builtins.open\n"
+               "def open_(p, *a, **k):\n"
+               "    if str(p).endswith('opts.json'):\n"
+               "        raise PermissionError(errno.EACCES, 'Permission denied', str(p))\n"
+               "    return real(p, *a, **k)\n"
+               "builtins.open = open_\n")
+    (res,) = _cli_all(["doctor", "--storage-options", str(f), "--probe-size", "0"], prelude=prelude)
     _refused(res, 2, f"{f} cannot be read (Permission denied)", "owner/mode")
     assert "not a JSON file" not in res.stderr
 
@@ -53,35 +91,41 @@ def test_storage_options_are_inline_json_or_a_file_in_every_command_and_never_ec
     """doctor took only a file, and echoed inline JSON, secret and all, in "File '...' does not
     exist"; ls, latest and verify took only inline JSON ("not JSON" for a file's path)."""
     secret = '{"key": "AKIA", "secret": "s3cr3t-value"'  # cut short: not JSON
-    for args in (["doctor", "--probe-size", "0"], ["ls", str(tmp_path)], ["verify", str(tmp_path)]):
-        res = _cli(*args, "--storage-options", secret)
-        _refused(res, 2, "--storage-options", "not JSON")
-        assert "s3cr3t" not in res.stdout + res.stderr
-        res = _cli(*args, "--storage-options", "s3cr3t-typo")  # neither JSON nor a file
-        _refused(res, 2, "the path of a JSON file")
-        assert "s3cr3t" not in res.stdout + res.stderr
     opts = tmp_path / "opts.json"
     opts.write_text('{"anon": true}')
-    for args in (["latest", str(tmp_path)], ["ls", str(tmp_path)]):  # a file's path is read as the inline JSON is
-        for given in (str(opts), '{"anon": true}'):
-            res = _cli(*args, "--storage-options", given)
-            assert res.returncode == 1 and "--storage-options" not in res.stderr, res.stderr  # no usage error
+    commands = (["doctor", "--probe-size", "0"], ["ls", str(tmp_path)], ["verify", str(tmp_path)])
+    readable = [[*args, "--storage-options", given]  # a file's path is read as the inline JSON is
+                for args in (["latest", str(tmp_path)], ["ls", str(tmp_path)])
+                for given in (str(opts), '{"anon": true}')]
+    results = iter(_cli_all(*([*args, "--storage-options", given] for args in commands
+                              for given in (secret, "s3cr3t-typo")), *readable))
+    for _ in commands:
+        res = next(results)
+        _refused(res, 2, "--storage-options", "not JSON")
+        assert "s3cr3t" not in res.stdout + res.stderr
+        res = next(results)  # neither JSON nor a file
+        _refused(res, 2, "the path of a JSON file")
+        assert "s3cr3t" not in res.stdout + res.stderr
+    for res in results:
+        assert res.returncode == 1 and "--storage-options" not in res.stderr, res.stderr  # no usage error
 
 
 def test_s3_storage_options_of_the_wrong_form_are_named_not_a_traceback() -> None:
     """botocore built its client at the first request: a bad endpoint or an option of the wrong
     type was a ValueError, TypeError or AttributeError traceback from deep inside it."""
-    for opts, words in (('{"endpoint_url": "notaurl"}', "endpoint_url is not a URL of the form"),
-                        ('{"endpoint_url": "http://[::1"}', "endpoint_url is not a URL"),
-                        ('{"endpoint_url": "http://127.0.0.1:99999"}', "endpoint_url is not a URL"),
-                        ('{"endpoint_url": ""}', "endpoint_url is not a URL"),
-                        ('{"client_kwargs": 5}', "client_kwargs must be a JSON object"),
-                        ('{"key": 5, "secret": "s3cr3t"}', "key must be a string"),
-                        ('{"config_kwargs": {"retries": 3}}', "config_kwargs.retries must be an object")):
-        for cmd in ("ls", "latest", "verify"):
-            res = _cli(cmd, "s3://bucket/run", "--storage-options", opts)
-            assert res.returncode in (1, 2) and "Traceback" not in res.stderr, res.stderr
-            assert words in res.stderr and "s3cr3t" not in res.stderr, res.stderr
+    cases = [(opts, words, cmd)
+             for opts, words in (('{"endpoint_url": "notaurl"}', "endpoint_url is not a URL of the form"),
+                                 ('{"endpoint_url": "http://[::1"}', "endpoint_url is not a URL"),
+                                 ('{"endpoint_url": "http://127.0.0.1:99999"}', "endpoint_url is not a URL"),
+                                 ('{"endpoint_url": ""}', "endpoint_url is not a URL"),
+                                 ('{"client_kwargs": 5}', "client_kwargs must be a JSON object"),
+                                 ('{"key": 5, "secret": "s3cr3t"}', "key must be a string"),
+                                 ('{"config_kwargs": {"retries": 3}}', "config_kwargs.retries must be an object"))
+             for cmd in ("ls", "latest", "verify")]
+    results = _cli_all(*([cmd, "s3://bucket/run", "--storage-options", opts] for opts, _, cmd in cases))
+    for (_, words, _), res in zip(cases, results, strict=True):
+        assert res.returncode in (1, 2) and "Traceback" not in res.stderr, res.stderr
+        assert words in res.stderr and "s3cr3t" not in res.stderr, res.stderr
 
 
 def test_doctor_local_dir_given_twice(tmp_path: Path) -> None:
@@ -93,11 +137,12 @@ def test_doctor_local_dir_given_twice(tmp_path: Path) -> None:
 def test_doctor_target_that_is_a_file(tmp_path: Path) -> None:
     """It said "cannot write in FILE: File exists" with the fix "create FILE", which exists."""
     (tmp_path / "file").write_text("x")
-    _refused(_cli("doctor", "--target", str(tmp_path / "file"), "--probe-size", "0"), 2,
-             "--target", f"{tmp_path / 'file'} is a file: give the directory checkpoints are saved in")
-    _refused(_cli("doctor", "--local-dir", str(tmp_path / "file"), "--probe-size", "0"), 2,
-             "--local-dir", f"{tmp_path / 'file'} is a file: give the burst buffer's directory")
-    _refused(_cli("doctor", "--target", f"file://{tmp_path / 'file'}", "--probe-size", "0"), 2,  # file:// is local
+    target, local, url = _cli_all(["doctor", "--target", str(tmp_path / "file"), "--probe-size", "0"],
+                                  ["doctor", "--local-dir", str(tmp_path / "file"), "--probe-size", "0"],
+                                  ["doctor", "--target", f"file://{tmp_path / 'file'}", "--probe-size", "0"])
+    _refused(target, 2, "--target", f"{tmp_path / 'file'} is a file: give the directory checkpoints are saved in")
+    _refused(local, 2, "--local-dir", f"{tmp_path / 'file'} is a file: give the burst buffer's directory")
+    _refused(url, 2,  # file:// is local
              "--target", f"{tmp_path / 'file'} is a file: give the directory checkpoints are saved in")
 
 
@@ -108,23 +153,25 @@ def test_drill_local_dir_under_a_file(tmp_path: Path) -> None:
 
 
 def test_drill_command_that_does_not_exist(tmp_path: Path) -> None:
-    for cmd in ("fastckpt-no-such-program", str(tmp_path / "missing.sh")):
-        _refused(_cli("drill", "--dir", str(tmp_path / "home"), "--trials", "1", "--", cmd), 2,
-                 f"not found or not executable: {cmd!r}")
+    cmds = ("fastckpt-no-such-program", str(tmp_path / "missing.sh"))
+    for cmd, res in zip(cmds, _cli_all(*(["drill", "--dir", str(tmp_path / "home"), "--trials", "1", "--", cmd]
+                                         for cmd in cmds))):
+        _refused(res, 2, f"not found or not executable: {cmd!r}")
 
 
 def test_latest_of_a_path_that_does_not_exist(tmp_path: Path) -> None:
     missing = tmp_path / "nope"
-    _refused(_cli("latest", str(missing)), 1, f"{missing} does not exist")
-    _refused(_cli("latest", str(tmp_path)), 1, "no complete checkpoint")
+    gone, empty = _cli_all(["latest", str(missing)], ["latest", str(tmp_path)])
+    _refused(gone, 1, f"{missing} does not exist")
+    _refused(empty, 1, "no complete checkpoint")
 
 
 def test_bench_launcher_variables_that_are_no_counts_are_named(tmp_path: Path) -> None:
     """``bench`` read ``$WORLD_SIZE`` and ``$LOCAL_RANK`` with a bare ``int()``: a traceback."""
-    for name, value in (("WORLD_SIZE", "abc"), ("WORLD_SIZE", "0"), ("LOCAL_RANK", "-1")):
-        res = subprocess.run([sys.executable, "-m", "fastckpt.cli", "bench", "--dir", str(tmp_path), "--size", "1MiB",
-                              "--block-size", "1MiB"], capture_output=True, text=True, timeout=120,
-                             env={**os.environ, name: value})
+    bad = (("WORLD_SIZE", "abc"), ("WORLD_SIZE", "0"), ("LOCAL_RANK", "-1"))
+    results = _cli_all(*((["bench", "--dir", str(tmp_path), "--size", "1MiB", "--block-size", "1MiB"], {name: value})
+                         for name, value in bad))
+    for (name, value), res in zip(bad, results, strict=True):
         _refused(res, 1, f"${name}={value!r} in the environment must be a whole number", "without a launcher")
 
 
@@ -134,10 +181,11 @@ def test_bench_the_same_dir_twice(tmp_path: Path) -> None:
 
 
 def test_a_malformed_url_or_an_unknown_scheme_is_named(tmp_path: Path) -> None:
-    for url, args in (("http://[::1", ["ls"]), ("http://[::1", ["verify"]), ("foo://bar/x", ["latest"]),
-                      ("foo://bar/x", ["ls"]), ("http://[::1", ["drill", "--local-dir", str(tmp_path / "bb"), "--dir"]),
-                      ("foo://bar", ["doctor", "--probe-size", "0", "--target"])):
-        _refused(_cli(*args, url), 2, f"'{url}'", "s3://bucket/prefix")
+    cases = (("http://[::1", ["ls"]), ("http://[::1", ["verify"]), ("foo://bar/x", ["latest"]),
+             ("foo://bar/x", ["ls"]), ("http://[::1", ["drill", "--local-dir", str(tmp_path / "bb"), "--dir"]),
+             ("foo://bar", ["doctor", "--probe-size", "0", "--target"]))
+    for (url, _), res in zip(cases, _cli_all(*([*args, url] for url, args in cases)), strict=True):
+        _refused(res, 2, f"'{url}'", "s3://bucket/prefix")
     assert not (tmp_path / "bb").exists()
     from fastckpt.urls import check_url  # fsspec's chained URLs and upper-case schemes are no typos
 
@@ -147,11 +195,10 @@ def test_a_malformed_url_or_an_unknown_scheme_is_named(tmp_path: Path) -> None:
 
 def test_a_url_typo_is_no_local_folder_for_doctor_latest_or_ls(tmp_path: Path) -> None:
     """``doctor --target s3:/bucket`` created the local folder ./s3:/bucket and said "ok"."""
-    for url, meant in (("s3:/bucket/run", "s3://bucket/run"), ("s3//bucket/run", "s3://bucket/run")):
-        for args in (["doctor", "--probe-size", "0", "--target", url], ["latest", url], ["ls", url]):
-            res = subprocess.run([sys.executable, "-m", "fastckpt.cli", *args], capture_output=True, text=True,
-                                 timeout=120, cwd=tmp_path)
-            _refused(res, 2, f"did you mean '{meant}'")
+    cases = [(args, meant) for url, meant in (("s3:/bucket/run", "s3://bucket/run"), ("s3//bucket/run", "s3://bucket/run"))
+             for args in (["doctor", "--probe-size", "0", "--target", url], ["latest", url], ["ls", url])]
+    for (_, meant), res in zip(cases, _cli_all(*(args for args, _ in cases), cwd=tmp_path), strict=True):
+        _refused(res, 2, f"did you mean '{meant}'")
     assert not list(tmp_path.iterdir())
 
 
@@ -160,11 +207,9 @@ def test_a_url_without_a_bucket_is_named_and_never_read_as_a_local_folder(tmp_pa
     path: ``ls`` and ``verify`` read the folder ./s3: in its stead (exit 0), ``drill`` wrote its
     checkpoints there, and ``doctor`` failed with a Python unpacking error."""
     (tmp_path / "s3:").mkdir()
-    for args in (["ls", "s3://"], ["verify", "s3://"], ["latest", "http://"],
-                 ["drill", "--trials", "1", "--local-dir", str(tmp_path / "bb"), "--dir", "s3://"],
-                 ["doctor", "--probe-size", "0", "--target", "s3://"]):
-        res = subprocess.run([sys.executable, "-m", "fastckpt.cli", *args], capture_output=True, text=True,
-                             timeout=120, cwd=tmp_path)
+    for res in _cli_all(["ls", "s3://"], ["verify", "s3://"], ["latest", "http://"],
+                        ["drill", "--trials", "1", "--local-dir", str(tmp_path / "bb"), "--dir", "s3://"],
+                        ["doctor", "--probe-size", "0", "--target", "s3://"], cwd=tmp_path):
         _refused(res, 2, "names no bucket or host after", "://<bucket>[/<prefix>]")
     assert not list((tmp_path / "s3:").iterdir()) and not (tmp_path / "bb").exists()
     from fastckpt.urls import check_url, normalize
@@ -177,24 +222,25 @@ def test_an_empty_path_is_named_with_the_usage(tmp_path: Path) -> None:
     """``latest ""`` (an unset shell variable) said " does not exist", naming nothing, and
     ``verify ""`` checked the current directory instead; ``verify file://`` (``file://$DIR``, unset)
     still did."""
-    for args, after in ((["latest"], []), (["ls"], []), (["verify"], []),
-                        (["doctor", "--probe-size", "0", "--target"], []),
-                        (["drill", "--trials", "1", "--dir"], ["--", "fastckpt-no-such-program"])):
-        for empty in ("", "file://"):
-            res = subprocess.run([sys.executable, "-m", "fastckpt.cli", *args, empty, *after], capture_output=True,
-                                 text=True, timeout=120, cwd=tmp_path)
-            _refused(res, 2, "the path is empty: give a directory or a URL", "Usage: fastckpt")
+    for res in _cli_all(*([*args, empty, *after]
+                          for args, after in ((["latest"], []), (["ls"], []), (["verify"], []),
+                                              (["doctor", "--probe-size", "0", "--target"], []),
+                                              (["drill", "--trials", "1", "--dir"], ["--", "fastckpt-no-such-program"]))
+                          for empty in ("", "file://")), cwd=tmp_path):
+        _refused(res, 2, "the path is empty: give a directory or a URL", "Usage: fastckpt")
     assert not list(tmp_path.iterdir())
 
 
 def test_ls_and_verify_of_a_path_that_does_not_exist_or_is_not_a_checkpoint(tmp_path: Path) -> None:
     missing = tmp_path / "nope"
-    for cmd in ("ls", "verify"):
-        _refused(_cli(cmd, str(missing)), 1, f"{missing} does not exist")
     notes = tmp_path / "notes.txt"
     notes.write_text("hello\n")
-    _refused(_cli("verify", str(notes)), 1, f"{notes} is not a complete fastckpt checkpoint")
-    _refused(_cli("ls", str(notes)), 1, f"{notes} is a file", f"fastckpt verify {notes}")
+    ls_gone, verify_gone, verify_notes, ls_notes = _cli_all(["ls", str(missing)], ["verify", str(missing)],
+                                                            ["verify", str(notes)], ["ls", str(notes)])
+    for res in (ls_gone, verify_gone):
+        _refused(res, 1, f"{missing} does not exist")
+    _refused(verify_notes, 1, f"{notes} is not a complete fastckpt checkpoint")
+    _refused(ls_notes, 1, f"{notes} is a file", f"fastckpt verify {notes}")
 
 
 def test_a_checkpoint_that_cannot_be_read_is_one_line_naming_it_not_a_traceback(tmp_path: Path) -> None:
@@ -209,18 +255,15 @@ def test_a_checkpoint_that_cannot_be_read_is_one_line_naming_it_not_a_traceback(
     with fastckpt.Checkpointer() as ck:
         ck.save({"w": torch.ones(3)}, str(tmp_path / "a.pt")).wait()
         ck.save({"w": torch.ones(3)}, str(tmp_path / "private.pt")).wait()
-    run = ("import errno, os, sys\n"
-           "real = os.open\n"
-           "def open_(p, *a, **k):\n"
-           "    if os.fspath(p).endswith('private.pt'):\n"
-           "        raise PermissionError(errno.EACCES, 'Permission denied', os.fspath(p))\n"
-           "    return real(p, *a, **k)\n"
-           "os.open = open_\n"
-           "from fastckpt.cli import main\n"
-           "sys.exit(main(sys.argv[1:]))\n")
-    for args in (["ls"], ["latest"], ["verify"], ["verify", "--latest"]):
-        res = subprocess.run([sys.executable, "-c", run, *args, str(tmp_path)], capture_output=True, text=True,
-                             timeout=120)
+    prelude = ("import errno, os\n"
+               "real = os.open\n"
+               "def open_(p, *a, **k):\n"
+               "    if os.fspath(p).endswith('private.pt'):\n"
+               "        raise PermissionError(errno.EACCES, 'Permission denied', os.fspath(p))\n"
+               "    return real(p, *a, **k)\n"
+               "os.open = open_\n")
+    for res in _cli_all(*([*args, str(tmp_path)] for args in (["ls"], ["latest"], ["verify"], ["verify", "--latest"])),
+                        prelude=prelude):
         _refused(res, 1, "fastckpt: PermissionError: [Errno 13] Permission denied",
                  f"{tmp_path / 'private.pt'} cannot be read", "owner/mode")
 
