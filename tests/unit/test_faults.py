@@ -31,7 +31,7 @@ from fastckpt.io.ops import FileOps
 from fastckpt.report import load_run
 from fastckpt.save.tiers import probe_odirect
 from fastckpt.testing import Fault, FaultyOps
-from tests.helpers import flip_byte
+from tests.helpers import collect_only_new, flip_byte
 
 
 def _state(v: int) -> dict:
@@ -213,7 +213,7 @@ def test_repeated_failures_each_surface(tmp_path) -> None:
     """A failure whose handle was waited on must not hide later, unrelated failures."""
     ops = FaultyOps()
     path = str(tmp_path / "ck.pt")
-    with Checkpointer(ops=ops) as ck:
+    with Checkpointer(ops=ops) as ck, collect_only_new():
         ck.save(_state(0), path).wait()  # the tier probe's writes are done: the faults hit saves
         for i in range(5):
             ops.inject(Fault("pwrite", errno.EIO))

@@ -12,6 +12,7 @@ import torch
 
 import fastckpt
 from fastckpt.save import snapshot as snapshots
+from tests.helpers import collect_only_new
 
 
 def test_lazy_copy_fence_then_mutate(tmp_path, monkeypatch) -> None:
@@ -158,7 +159,7 @@ def test_lazy_saves_never_fenced_hold_no_state_and_are_counted(tmp_path) -> None
 
     import numpy as np
 
-    with fastckpt.Checkpointer() as ck:
+    with fastckpt.Checkpointer() as ck, collect_only_new():
         for i in range(3):
             arr = np.full(1 << 16, float(i), dtype=np.float32)  # the tensor's memory: alive while it is
             alive = weakref.ref(arr)
