@@ -18,6 +18,10 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q -e '.[dev]'
 	# DeepSpeed builds from source against the torch above; ops are JIT-compiled when used.
 	DS_BUILD_OPS=0 $(BIN)/pip install -q --no-build-isolation 'deepspeed==0.19.8'
+	# Build its one JIT op (the CPU shared-memory collective every CPU init_distributed loads) now, not in a test:
+	# cost the first DeepSpeed test about 55 s of CPU on every CI run (its venv is new, the cache empty).
+	DS_ACCELERATOR=cpu $(BIN)/python -c "from deepspeed.accelerator import get_accelerator; \
+		get_accelerator().create_op_builder('ShareMemCommBuilder').load()"
 	touch $@
 
 demo: $(STAMP)
