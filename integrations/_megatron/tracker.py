@@ -116,7 +116,11 @@ def advance_tracker(save_dir: str, iteration: int | str, *, ops: FileOps | None 
         Whether the tracker was written: not when that checkpoint is not complete, nor when
         the tracker was written for a commit made after this one (commits that finish out of
         order). A lower number than the tracker's is written (a rollback saves one).
+
+    Raises:
+        ConfigError: ``save_dir`` is a file (before, a warning called the checkpoint incomplete).
     """
+    _not_a_file(save_dir)
     manifest = read_group_manifest(_group_of(save_dir, iteration))
     if manifest is None:
         log.warning("fastckpt: not pointing %s at iteration %s: that checkpoint is not complete",
@@ -149,7 +153,11 @@ def _committed_last(save_dir: str) -> tuple[int | str, float] | None:
 
 
 def newest_complete_iteration(save_dir: str) -> int | str | None:
-    """The complete iteration under ``save_dir`` committed last (what ``fastckpt.latest`` names)."""
+    """The complete iteration under ``save_dir`` committed last (what ``fastckpt.latest`` names).
+
+    Raises:
+        ConfigError: ``save_dir`` is a file (a directory that does not exist names nothing: None)."""
+    _not_a_file(save_dir)
     found = _committed_last(save_dir)
     return found[0] if found is not None else None
 
