@@ -31,6 +31,7 @@ from .io.ops import FileOps
 from .load.loader import Loader, LoadOptions
 from .load.missing import nothing_to_load
 from .monitor import Monitor, Stats
+from .onesave import OneSave
 from .records import SaveHandle, SaveRecord, stopped_note
 from .save.replicator import Replicator
 from .save.retention import Retention
@@ -197,6 +198,12 @@ class Checkpointer:
             fut = self._coordinator.commit(group, rank, self.world_size, dict(extra), retain, move_latest)
         self._retention.watch_commit(fut, group, token, step)
         return self._inflight.track(fut, group, group)
+
+    def one_save(self) -> AbstractContextManager[OneSave]:
+        """``with ck.one_save():`` the saves this thread makes inside are one save for ``stats()`` and the overhead
+        alarm: one checkpoint of several files (blocked time and bytes summed; counted when the block ends, a lazy
+        file's copy that ends later adds to it). Nested, it joins the open one (docs/overhead.md)."""
+        return self._monitor.one_save()
 
     def unsaved(self, path: str, group: str, error: BaseException) -> None:
         """``path`` of ``group`` will not be saved: ``error`` was raised before ``save`` (a copy the caller

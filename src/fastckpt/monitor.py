@@ -2,9 +2,10 @@
 
 overhead = total time the training thread was blocked in saves / wall time since the
 Checkpointer started, over the whole run and over a sliding window. The check runs after
-each save from the second save on (one save has no interval to measure against). Crossing
-above the budget logs one WARNING with the numbers and the advice, calls the user's
-callback and raises the flag in ``stats()``; dropping back below re-arms the alarm.
+each save from the second save on (one save has no interval to measure against; the files of
+one ``one_save()`` are one save: ``onesave``). Crossing above the budget logs one WARNING with
+the numbers and the advice, calls the user's callback and raises the flag in ``stats()``;
+dropping back below re-arms the alarm.
 
 The advice (the snapshot bandwidth, or the save interval, that would meet the budget) is given
 in two significant figures, rounded up, in units that fit. It needs the interval between saves,
@@ -16,14 +17,17 @@ if the overhead is still above the budget (the callback is not called again).
 from __future__ import annotations
 
 import bisect
+import contextlib
 import logging
 import math
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from .onesave import CALLER, OneSave
 
 if TYPE_CHECKING:
     from .save.stripes import DirStats
@@ -186,31 +190,80 @@ class Monitor:
         self.last_blocked: float | None = None
         self.last_durable: float | None = None
         self._newest_durable_call: float | None = None  # wall time
+        self._local = threading.local()  # .batch: the OneSave this thread has open
 
-    def record_blocked(self, start: float, blocked_s: float, nbytes: int) -> None:
+    def current(self) -> OneSave | None:
+        """The ``one_save()`` the calling thread has open, or None."""
+        return getattr(self._local, "batch", None)
+
+    @contextlib.contextmanager
+    def one_save(self) -> Iterator[OneSave]:
+        """See ``Checkpointer.one_save``; nested in an open one, it is part of that one."""
+        if (outer := self.current()) is not None:
+            yield outer
+            return
+        batch = self._local.batch = OneSave()
+        try:
+            yield batch
+        finally:
+            self._local.batch = None
+            with self._lock:
+                batch.open = False
+                self.skipped += batch.skipped
+                # nothing counted yet (only lazy saves, whose copies run on): the first one counts it
+                done = batch.recorded = batch.start is not None
+                if done:
+                    report, crossed = self._account(batch.start, batch.blocked, batch.nbytes, True)  # type: ignore
+            if done:
+                self._announce(report, crossed)
+
+    def record_blocked(self, start: float, blocked_s: float, nbytes: int,
+                       batch: OneSave | None | object = CALLER) -> None:
         """Called on the training thread when a save returns or fences, or on the snapshot thread
-        when the copy of a lazy save that no fence took yet ends (``start`` is monotonic)."""
+        when the copy of a lazy save that no fence took yet ends (``start`` is monotonic).
+        ``batch``: the ``one_save()`` the save was made in (default: the calling thread's)."""
+        batch = self.current() if batch is CALLER else batch
+        with self._lock:
+            if isinstance(batch, OneSave):
+                if batch.open:  # counted when it closes
+                    batch.add(start, blocked_s, nbytes)
+                    return
+                counted, batch.recorded = not batch.recorded, True  # a lazy save's copy that ended after it closed
+                batch.add(start, blocked_s, nbytes)
+                report, crossed = self._account(batch.start, batch.blocked, nbytes, counted,  # type: ignore[arg-type]
+                                                None if counted else blocked_s)
+            else:
+                report, crossed = self._account(start, blocked_s, nbytes, True)
+        self._announce(report, crossed)
+
+    def _account(self, start: float, blocked_s: float, nbytes: int, counted: bool,
+                 added: float | None = None) -> tuple[OverheadReport | None, bool]:
+        """Under the lock: one save (``counted``), or ``added`` seconds more of one counted already
+        (``blocked_s``: that save's, all told)."""
         now = time.monotonic()
         report, crossed = None, False
-        with self._lock:
-            self.count += 1
-            self.bytes += nbytes
-            self.blocked_total += blocked_s
-            self.last_blocked = blocked_s
-            self.first_start = self.first_start if self.first_start is not None else start
-            self._window.add(start, blocked_s)
-            if self.count < 2:
-                return
-            wall = now - self._t0
-            overhead = self.blocked_total / wall
-            window = self._window.share(now, self._t0)
-            self.over, crossed = crossing(self.over, max(overhead, window), self.budget)
-            if crossed:
-                self.advised = False
-                self.alarms += 1
-            if self.over and not self.advised and (crossed or self.count - 1 >= ADVICE_INTERVALS):
-                report = self._report(start, wall, overhead, window)
-                self.advised = report.intervals >= ADVICE_INTERVALS
+        self.count += counted
+        self.bytes += nbytes
+        self.blocked_total += blocked_s if added is None else added
+        self.last_blocked = blocked_s
+        self.first_start = self.first_start if self.first_start is not None else start
+        self._window.add(start, blocked_s if added is None else added)
+        if self.count < 2:
+            return None, False
+        wall = now - self._t0
+        overhead = self.blocked_total / wall
+        window = self._window.share(now, self._t0)
+        self.over, crossed = crossing(self.over, max(overhead, window), self.budget)
+        if crossed:
+            self.advised = False
+            self.alarms += 1
+        if self.over and not self.advised and (crossed or self.count - 1 >= ADVICE_INTERVALS):
+            report = self._report(start, wall, overhead, window)
+            self.advised = report.intervals >= ADVICE_INTERVALS
+        return report, crossed
+
+    def _announce(self, report: OverheadReport | None, crossed: bool) -> None:
+        """Outside the lock: the alarm's WARNING and the user's callback."""
         if report is not None:
             log.warning("fastckpt: %s", report.advice())
             if crossed and self._callback is not None:
@@ -229,8 +282,13 @@ class Monitor:
                               mean_bytes, mean_bytes / max(self.budget * interval, 1e-9), mean_b / self.budget, waited)
 
     def record_skipped(self) -> None:
+        """A save skipped (``when_busy="skip"``); in a ``one_save()``, one for all its files."""
+        batch = self.current()
         with self._lock:
-            self.skipped += 1
+            if batch is not None:
+                batch.skipped = 1
+            else:
+                self.skipped += 1
 
     def record_durable(self, durable_s: float | None, call_wall: float | None = None) -> None:
         """A checkpoint became durable where it is kept (its path, or its replica), ``durable_s``

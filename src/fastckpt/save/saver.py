@@ -166,7 +166,7 @@ class Saver:
         try:
             if lazy:  # fence() waits for the copy and counts that wait as blocked time (or the copy ends first)
                 blocked = time.monotonic() - t_call
-                entry = Unfenced(copy, t_call, blocked, layout.payload_bytes)
+                entry = Unfenced(copy, t_call, blocked, layout.payload_bytes, batch=self._monitor.current())
                 with self._lock:
                     self._lazy.append(entry)
                 copy.add_done_callback(functools.partial(self._copied, entry, counted))
@@ -328,7 +328,7 @@ class Saver:
                     entry.cuda_events = copy.result().cuda_events
                 if not entry.cuda_events:
                     self._lazy.remove(entry)
-            self._monitor.record_blocked(entry.t_call, entry.blocked, entry.nbytes)
+            self._monitor.record_blocked(entry.t_call, entry.blocked, entry.nbytes, entry.batch)
         finally:
             if copy.cancelled():  # by a close() that gave up waiting: the writer must not wait for ever
                 counted.cancel()
@@ -349,5 +349,5 @@ class Saver:
             order_before(e.cuda_events)  # CUDA: the next kernels wait for the copy on the GPU
         waited = time.monotonic() - t0
         for i, e in enumerate(e for e in lazy if e.copy is not None):  # the others were counted when they ended
-            self._monitor.record_blocked(e.t_call, e.blocked + (waited if i == 0 else 0.0), e.nbytes)
+            self._monitor.record_blocked(e.t_call, e.blocked + (waited if i == 0 else 0.0), e.nbytes, e.batch)
         return waited

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..format.layout import FileLayout
+from ..onesave import OneSave
 from .staging import StagingBuffer
 
 
@@ -29,6 +30,7 @@ class Unfenced:
     blocked: float
     nbytes: int
     cuda_events: dict = field(default_factory=dict)
+    batch: OneSave | None = None  # the Checkpointer.one_save() it was made in: the monitor counts it there
 
 
 @dataclass
