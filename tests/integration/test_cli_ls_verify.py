@@ -71,6 +71,19 @@ def test_ls_lists_complete_and_incomplete_and_latest(home: str) -> None:
     assert "incomplete" in table and "<- latest" in table and "step-5" in table
 
 
+def test_ls_shows_a_committed_groups_step_from_its_tag_when_the_manifest_has_none(tmp_path) -> None:
+    """fastckpt's DeepSpeed engine records the tag, not the step: ls showed "-" for its tags while
+    DeepSpeed's own ones (and incomplete groups) showed the step their name ends with."""
+    h = str(tmp_path / "home")
+    with fastckpt.Checkpointer() as ck:
+        g = f"{h}/global_step12"
+        ck.save(state(12), f"{g}/mp_rank_00_model_states.pt", group=g)
+        ck.commit(g, tag="global_step12").wait()
+    r = run("ls", h, "--json")
+    assert r.exit_code == 0, r.output
+    assert [(e["name"], e["step"]) for e in json.loads(r.stdout)["checkpoints"]] == [("global_step12", 12)]
+
+
 def test_ls_marks_replicated_and_local_only(tmp_path) -> None:
     home, bb = str(tmp_path / "home"), str(tmp_path / "bb")
     with fastckpt.Checkpointer(local_dir=bb) as ck:

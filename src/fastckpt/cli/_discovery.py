@@ -137,7 +137,9 @@ def _found_entry(h: Homes, f: Found, root: str, status: str) -> Entry:
     if f.kind == "group":
         files = f.manifest.get("files", {})
         size = sum(int(v["size"]) for v in files.values())
-        return Entry(f.path, name, "group", status, step_of(f.manifest), size, len(files), f.time)
+        step = step_of(f.manifest)  # else its tag's, as for an incomplete group (DeepSpeed's global_step1200)
+        step = step if step is not None else tag_step(str(f.manifest.get("tag") or posixpath.basename(f.path)))
+        return Entry(f.path, name, "group", status, step, size, len(files), f.time)
     loc = h.resolve(f.path)
     step = f.step if f.step is not None else step_of(f.manifest)
     return Entry(f.path, name, "file", status, step if step is not None else _pickled_step(loc), _size(loc), 1,
