@@ -94,6 +94,19 @@ def test_a_folder_named_like_a_checkpoint_that_cannot_be_listed_is_raised(tmp_pa
     ops.assert_all_reached()
 
 
+def test_a_folder_deleted_under_the_scan_on_nfs_is_gone_and_listed_again(tmp_path: Path) -> None:
+    """NFS answers ESTALE for a folder deleted while it is listed (a job's retention removing the
+    oldest group), as for a file: gone since the listing, so the scan lists again
+    (``d3_scan_estale_dir_raises``), never raised with a chmod fix. A stale answer for the newest
+    folder, listed again, still names it: no resume goes back in time."""
+    _save(tmp_path, 1, 2, group=True)
+    (tmp_path / "latest").unlink()  # the scan, not the pointer, finds the newest
+    for where in ("step-1", "step-2"):
+        ops = FaultyOps([Fault("scandir", errno.ESTALE, path_contains=str(tmp_path / where))])
+        assert discovery.latest(Homes(ops=ops), str(tmp_path)) == str(tmp_path / "step-2")
+        ops.assert_all_reached()
+
+
 def test_the_restart_scan_passes_over_a_folder_it_cannot_list(tmp_path: Path) -> None:
     """Retention's restart scan is housekeeping: what it cannot see it keeps, so a step folder in
     the burst buffer that cannot be listed never fails a save (``d3_keep_local_restart_scan_*``)."""

@@ -143,7 +143,7 @@ def _scan(loc: Location, max_depth: int, damaged: list[Damaged], gone: list[str]
                 for d in [posixpath.dirname(r)] if not _hidden(d) and d not in groups | ds_tags}  # ("": root)
     inside = groups | marked | ds_tags | dcp_dirs
     if not pass_unlisted:
-        discovery_unlisted.check(loc.url, prefix, listing.unlisted, inside)
+        gone += discovery_unlisted.check(loc.url, prefix, listing.unlisted, inside)
     sidecars = {r[: -len(SIDECAR)] for r in rels if r.endswith(SIDECAR)}
     others: list[Found] = []
     for rel in rels:

@@ -16,10 +16,13 @@ a candidate by the discovery rule:
   in it; a ``.ckpt``/``.pt``/``.pth`` end) for itself or a folder between it and the root.
 
 Any other folder (``bob-run``, ``tb_logs``, ``wandb``) is passed over, with a debug line.
+A folder below the root that answers ESTALE (NFS: deleted since the listing) is gone, not
+unlistable: the scan lists again, as for a file gone since the listing.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import re
 
@@ -31,24 +34,33 @@ CHECKPOINT_NAME = re.compile(r"\d$|ckpt|checkpoint|\.pth?$", re.IGNORECASE)
 NEVER = ("lost+found",)  # the file system's own, root's alone
 
 
-def check(url: str, prefix: str, unlisted: tuple[tuple[str, OSError], ...], inside: set[str]) -> None:
+def check(url: str, prefix: str, unlisted: tuple[tuple[str, OSError], ...], inside: set[str]) -> list[str]:
     """Raise for the first folder of ``unlisted`` (key, error) that could hold a candidate of the
     scan of ``url`` (keys under ``prefix``; ``inside``: complete checkpoints' folders, relative).
+
+    Returns:
+        The folders below ``url`` gone since the listing (NFS answers ESTALE for a folder deleted
+        under it, as for a file: retention removing the oldest group): the scan lists again.
 
     Raises:
         OSError: the listing's own (PermissionError for EACCES), with a note naming the folder
             and the fix, as ``foreign.unreadable`` does for a file.
     """
+    gone = []
     for key, exc in unlisted:
         rel = "" if f"{key}/" == prefix or key == prefix else key[len(prefix):]
-        if may_hold_candidates(rel, inside):
+        if rel and exc.errno == errno.ESTALE:
+            gone.append(join(url, rel))
+        elif may_hold_candidates(rel, inside):
             where = join(url, rel) if rel else url
             fix = (f"make it listable (owner/mode: chmod a+rx, or run as its owner), or move it out of {url} "
                    "if it holds no checkpoint")
             exc.add_note(f"{where} cannot be listed, and it may hold the newest checkpoint (naming an older one "
                          f"would resume from the past): {fix}")
             raise exc
-        log.debug("fastckpt: %s cannot be listed (%s); passed over: it holds no checkpoint by its name", key, exc)
+        else:
+            log.debug("fastckpt: %s cannot be listed (%s); passed over: it holds no checkpoint by its name", key, exc)
+    return gone
 
 
 def may_hold_candidates(rel: str, inside: set[str]) -> bool:
