@@ -86,7 +86,8 @@ class Store:
         (not saved with ``save_latest=False``), by a scan (not the pointer: the caller compares
         the two): its path and manifest, or None."""
         loc = self._homes.resolve(root)
-        groups = [f for f in scan(loc, max_depth=1) if f.kind == "group" and not f.foreign and _tag(loc.url, f.path)
+        groups = [f for f in scan(loc, max_depth=1, candidates_depth=1)  # a tag is a direct child of root
+                  if f.kind == "group" and not f.foreign and _tag(loc.url, f.path)
                   and f.manifest.get("save_latest", True)]
         return (groups[-1].path, groups[-1].manifest) if groups else None
 

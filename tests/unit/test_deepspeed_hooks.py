@@ -397,15 +397,18 @@ def test_deepspeed_globs_the_directory_and_tag_as_written(tmp_path: Path) -> Non
 def test_load_checkpoint_passes_over_folders_it_cannot_list_unless_named_like_a_tag(tmp_path: Path,
                                                                                      monkeypatch) -> None:
     """``load_checkpoint(save_dir)`` scans: a root-owned ``.Trash-0`` or another user's folder it
-    cannot list is passed over; a tag folder it cannot list may hold the newest tag and is raised
-    (EACCES injected at ``os.scandir``, what mode 700 of another owner gives a non-root user)."""
+    cannot list is passed over, as is one below save_dir's children (a colleague's
+    ``tensorboard/version_0``: a tag is a direct child of save_dir, whatever its name,
+    ``d3_deepspeed_load_raises_for_unlisted_log_subfolder``); a tag folder it cannot list may hold
+    the newest tag and is raised (EACCES injected at ``os.scandir``, what mode 700 of another owner
+    gives a non-root user)."""
     import errno
 
     _group(tmp_path, "global_step1", 1.0)
     _group(tmp_path, "global_step2", 2.0)
-    for d in (".Trash-0", "bob-run", "global_step3"):
-        (tmp_path / d).mkdir()
-    refused: set[str] = {str(tmp_path / ".Trash-0"), str(tmp_path / "bob-run")}
+    for d in (".Trash-0", "bob-run", "global_step3", "tensorboard/version_0"):
+        (tmp_path / d).mkdir(parents=True)
+    refused = {str(tmp_path / d) for d in (".Trash-0", "bob-run", "tensorboard/version_0")}
     real = os.scandir
 
     def scandir(d: str = "."):  # noqa: ANN202 (os.scandir's iterator)

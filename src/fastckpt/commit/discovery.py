@@ -91,7 +91,7 @@ class Damaged:
 
 
 def scan(loc: Location, max_depth: int = MAX_DEPTH, damaged: list[Damaged] | None = None,
-         every_copy: bool = False, pass_unlisted: bool = False) -> list[Found]:
+         every_copy: bool = False, pass_unlisted: bool = False, candidates_depth: int | None = None) -> list[Found]:
     """Every complete checkpoint under ``loc``, oldest first; ``every_copy``: also each copy of
     one save (``ls``, ``verify``: a damaged copy is checked too), not only the one nearest ``loc``.
 
@@ -103,12 +103,14 @@ def scan(loc: Location, max_depth: int = MAX_DEPTH, damaged: list[Damaged] | Non
     list again, ``RESCANS`` times at most.
 
     A folder that cannot be listed and may hold a checkpoint raises (``discovery_unlisted``);
-    ``pass_unlisted``: passed over too (the restart scan's housekeeping keeps what it does not see).
+    ``pass_unlisted``: passed over too (the restart scan's housekeeping keeps what it does not see);
+    ``candidates_depth``: only a folder at most that deep below ``loc`` is raised (the caller counts
+    no candidate below it: DeepSpeed's tags are direct children of ``save_dir``).
     """
     for _ in range(RESCANS):
         seen: list[Damaged] = []
         gone: list[str] = []
-        found = _scan(loc, max_depth, seen, gone, every_copy, pass_unlisted)
+        found = _scan(loc, max_depth, seen, gone, every_copy, pass_unlisted, candidates_depth)
         if not gone:
             break
         log.debug("fastckpt: %s vanished while %s was scanned: listing it again", gone, loc.url)
@@ -118,7 +120,7 @@ def scan(loc: Location, max_depth: int = MAX_DEPTH, damaged: list[Damaged] | Non
 
 
 def _scan(loc: Location, max_depth: int, damaged: list[Damaged], gone: list[str], every_copy: bool,
-          pass_unlisted: bool) -> list[Found]:
+          pass_unlisted: bool, candidates_depth: int | None) -> list[Found]:
     prefix = f"{loc.key}/" if loc.key else ""
     try:
         listing = loc.target.listing(prefix, max_depth=max_depth + 1)  # +1: the markers of the deepest groups
@@ -143,7 +145,7 @@ def _scan(loc: Location, max_depth: int, damaged: list[Damaged], gone: list[str]
                 for d in [posixpath.dirname(r)] if not _hidden(d) and d not in groups | ds_tags}  # ("": root)
     inside = groups | marked | ds_tags | dcp_dirs
     if not pass_unlisted:
-        gone += discovery_unlisted.check(loc.url, prefix, listing.unlisted, inside)
+        gone += discovery_unlisted.check(loc.url, prefix, listing.unlisted, inside, candidates_depth)
     sidecars = {r[: -len(SIDECAR)] for r in rels if r.endswith(SIDECAR)}
     others: list[Found] = []
     for rel in rels:

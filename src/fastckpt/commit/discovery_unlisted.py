@@ -15,7 +15,8 @@ a candidate by the discovery rule:
   ``step-200``, ``global_step200``, ``iter_0000200``, which orders tags; ``ckpt`` or ``checkpoint``
   in it; a ``.ckpt``/``.pt``/``.pth`` end) for itself or a folder between it and the root.
 
-Any other folder (``bob-run``, ``tb_logs``, ``wandb``) is passed over, with a debug line.
+Any other folder (``bob-run``, ``tb_logs``, ``wandb``) is passed over, with a debug line, as is
+one deeper than the caller's candidates lie (DeepSpeed: ``save_dir/tensorboard/version_0``).
 A folder below the root that answers ESTALE (NFS: deleted since the listing) is gone, not
 unlistable: the scan lists again, as for a file gone since the listing.
 """
@@ -34,9 +35,12 @@ CHECKPOINT_NAME = re.compile(r"\d$|ckpt|checkpoint|\.pth?$", re.IGNORECASE)
 NEVER = ("lost+found",)  # the file system's own, root's alone
 
 
-def check(url: str, prefix: str, unlisted: tuple[tuple[str, OSError], ...], inside: set[str]) -> list[str]:
+def check(url: str, prefix: str, unlisted: tuple[tuple[str, OSError], ...], inside: set[str],
+          depth: int | None = None) -> list[str]:
     """Raise for the first folder of ``unlisted`` (key, error) that could hold a candidate of the
-    scan of ``url`` (keys under ``prefix``; ``inside``: complete checkpoints' folders, relative).
+    scan of ``url`` (keys under ``prefix``; ``inside``: complete checkpoints' folders, relative;
+    ``depth``: when given, only folders at most that many levels below ``url`` hold candidates of
+    the caller, as DeepSpeed's tags are direct children of ``save_dir``).
 
     Returns:
         The folders below ``url`` gone since the listing (NFS answers ESTALE for a folder deleted
@@ -51,7 +55,7 @@ def check(url: str, prefix: str, unlisted: tuple[tuple[str, OSError], ...], insi
         rel = "" if f"{key}/" == prefix or key == prefix else key[len(prefix):]
         if rel and exc.errno == errno.ESTALE:
             gone.append(join(url, rel))
-        elif may_hold_candidates(rel, inside):
+        elif may_hold_candidates(rel, inside) and (depth is None or rel.count("/") < depth):
             where = join(url, rel) if rel else url
             fix = (f"make it listable (owner/mode: chmod a+rx, or run as its owner), or move it out of {url} "
                    "if it holds no checkpoint")
