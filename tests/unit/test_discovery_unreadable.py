@@ -107,6 +107,28 @@ def test_a_folder_deleted_under_the_scan_on_nfs_is_gone_and_listed_again(tmp_pat
         ops.assert_all_reached()
 
 
+def test_latest_of_a_file_whose_folder_cannot_be_listed_judges_the_file_itself(tmp_path: Path, monkeypatch) -> None:
+    """A colleague's folder of mode 711 (the file opens, the folder does not list): latest(file)
+    of a complete checkpoint there is the file, fastckpt's or torch.save's, as load() of it works;
+    it said "no complete checkpoint" (``d3_latest_of_file_in_unlistable_dir_says_not_a_checkpoint``).
+    A file that is no checkpoint, or one cut short, is still refused, by what it is."""
+    from fastckpt.errors import ConfigError
+
+    alice = tmp_path / "alice"
+    alice.mkdir()
+    _save(alice, 1)
+    torch.save({"w": torch.ones(2), "step": 2}, alice / "plain.pt")
+    (alice / "notes.txt").write_text("not a checkpoint")
+    (alice / "cut.pt").write_bytes((alice / "plain.pt").read_bytes()[:-30])
+    _unlistable(monkeypatch, alice)
+    for name in ("step-1.pt", "plain.pt"):
+        assert fastckpt.latest(str(alice / name)) == str(alice / name)
+    with pytest.raises(ConfigError, match="notes.txt is a file, not a directory, and it is no complete checkpoint"):
+        fastckpt.latest(str(alice / "notes.txt"))
+    with pytest.raises(ConfigError, match="cut.pt is a file, not a directory, and it is damaged .*truncated"):
+        fastckpt.latest(str(alice / "cut.pt"))
+
+
 def test_the_restart_scan_passes_over_a_folder_it_cannot_list(tmp_path: Path) -> None:
     """Retention's restart scan is housekeeping: what it cannot see it keeps, so a step folder in
     the burst buffer that cannot be listed never fails a save (``d3_keep_local_restart_scan_*``)."""

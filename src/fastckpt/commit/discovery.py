@@ -42,6 +42,7 @@ from typing import Literal, TypeVar
 
 from ..errors import ConfigError, CorruptCheckpointError
 from ..format.manifest import file_order
+from ..io.atomic import is_tmp
 from ..storage.homes import Homes, Location
 from ..storage.types import BucketNotFoundError, TargetNotFoundError
 from ..urls import join, nameable, named, spelled_as
@@ -303,13 +304,18 @@ def _the_file(loc: Location) -> str | None:
 
     A file that is no complete checkpoint raises ``ConfigError``: None would tell a resume script
     to start from scratch. The file is judged by the scan of its own directory, so by the same
-    rules as when that directory is given.
+    rules as when that directory is given; when that directory cannot be listed (mode 711: the
+    file may be opened, its folder not listed), by the same rules applied to the file alone.
     """
     if not loc.key or not loc.target.exists(loc.key) or loc.target.list(f"{loc.key}/"):
         return None  # nothing there, or a directory (fsspec's memory/gs/az answer "exists" for a prefix too)
     parent = Location(loc.target, posixpath.dirname(loc.key))
     damaged: list[Damaged] = []
-    for f in scan(parent, max_depth=0, damaged=damaged, every_copy=True, pass_unlisted=True):  # only loc counts
+    found = scan(parent, max_depth=0, damaged=damaged, every_copy=True, pass_unlisted=True)  # only loc counts
+    if not any(f.path == loc.url for f in found) and parent.target.listing(
+            f"{parent.key}/" if parent.key else "", max_depth=0).unlisted:
+        found = [f for f in [_alone(loc, parent, damaged)] if f is not None]
+    for f in found:
         if f.path == loc.url:
             if f.foreign:
                 log.warning("fastckpt: %s was written by %s, not fastckpt: it loads unverified (no checksum was "
@@ -318,3 +324,15 @@ def _the_file(loc: Location) -> str | None:
     why = next((f"it is damaged ({d.problem})" for d in damaged if d.path == loc.url), "it is no complete checkpoint")
     raise ConfigError(f"{loc.url} is a file, not a directory, and {why}: latest() takes the directory holding the "
                       f"checkpoints, e.g. latest({parent.url!r}); load a checkpoint file with load()")
+
+
+def _alone(loc: Location, parent: Location, damaged: list[Damaged]) -> Found | None:
+    """The file ``loc`` judged by itself, as the scan of ``parent`` would judge it (``parent``
+    cannot be listed): by its sidecar, else by ``_file``; None when it is no checkpoint."""
+    rel = posixpath.basename(loc.key)
+    if _hidden(rel) or is_tmp(rel) or rel == "latest" or rel.endswith(SIDECAR):
+        return None
+    side = _damaged_is_none(read_sidecar, loc, damaged, loc.url, "file", [])
+    if side is not None:
+        return Found(loc.url, "file", file_order(side), side)
+    return _file(parent, f"{parent.key}/" if parent.key else "", rel, damaged, [])
