@@ -303,9 +303,10 @@ def verify(path: str, newest_only: bool, jobs: int, storage_options: dict | None
         results = [r for r in results if r.checkpoint not in gone and r.checkpoint not in replaced]
     finally:
         h.close()
-    skipped = [] if newest_only else [r for r in results if r.problem and r.problem.startswith(f"{UNVERIFIED}:")]
+    skipped = [r for r in results if r.problem and r.problem.startswith(f"{UNVERIFIED}:")]  # "unverified" in both modes
     bad = [r for r in results if r.problem and r not in skipped]
-    passed = len(results) > len(skipped) and not bad  # an unverified checkpoint is never a pass
+    # an unverified checkpoint is never a pass; with --latest it is the one a resume loads: a failure
+    passed = len(results) > len(skipped) and not bad and not (newest_only and skipped)
     if as_json:
         emit_json({"path": path, "checkpoints": len(todo), "checked": len(results), "passed": passed,
                    "bad": [{"path": r.path, "problem": r.problem} for r in bad], "incomplete": incomplete,
@@ -318,7 +319,11 @@ def verify(path: str, newest_only: bool, jobs: int, storage_options: dict | None
                  fmt_bytes(r.bytes), "ok" if r.problem is None else _verdict(r.problem)] for r in results]
         out.print(table(f"verify {path}", ["checkpoint", "file", "size", "result"], rows, right_from=2,
                         text=(3,)))
-        if len(results) == len(skipped):
+        if newest_only and skipped:
+            out.print(f"- the newest checkpoint under {path} was written without fastckpt: no checksum to check, "
+                      "so no pass (`fastckpt.load` loads it unverified; a fastckpt save there is verified)",
+                      markup=False)
+        elif len(results) == len(skipped):
             out.print(f"- no fastckpt checkpoint under {path} to verify" + (
                 f": {len(skipped)} written without fastckpt, with no checksum to check (`fastckpt.load` loads them "
                 "unverified; a fastckpt save there is verified)" if skipped else ""), markup=False)
