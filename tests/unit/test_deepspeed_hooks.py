@@ -339,9 +339,9 @@ def test_deepspeeds_own_assert_on_its_own_tag_is_kept(tmp_path: Path) -> None:
     (Path(tmp_name(str(killed / "mp_rank_00_model_states.pt")))).write_bytes(b"PK")
     with fastckpt.Checkpointer() as ck:
         hooks = EngineHooks.__new__(EngineHooks)
-        hooks.fe = types.SimpleNamespace(checkpointer=ck, begin=lambda *a: None, end=lambda: None)
-        hooks.engine = types.SimpleNamespace(global_samples=0, zero_optimization_partition_weights=lambda: False,
-                                             has_moe_layers=False)
+        hooks.fe = types.SimpleNamespace(checkpointer=ck, begin=lambda *a: None, end=lambda: None, last_read=None)
+        hooks.engine = types.SimpleNamespace(global_samples=0, global_rank=0, has_moe_layers=False,
+                                             zero_optimization_partition_weights=lambda: False)
 
         def refuse(where: str, tag: object = None, **kw: object) -> None:
             raise AssertionError("checkpoint zero stage 2 does not match engine's zero stage 3")
