@@ -17,8 +17,8 @@ import pytest
 
 pytest.importorskip("deepspeed")
 
-from tests.integration.test_deepspeed import ds_env  # noqa: E402
 from tests.integration._fork_launcher import free_port  # noqa: E402
+from tests.integration.test_deepspeed import ds_env  # noqa: E402
 
 WORKER = str(Path(__file__).resolve().parent / "_deepspeed_loadfail_worker.py")
 # both ranks must have exited by then: a hang is killed and fails the test
