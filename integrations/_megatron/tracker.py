@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import re
+import stat
 import threading
 
 from fastckpt.errors import CheckpointNotFoundError, ConfigError, IncompleteCheckpointError
@@ -53,7 +54,13 @@ def _group_of(save_dir: str, iteration: int | str) -> str:
 
 def _not_a_file(save_dir: str) -> None:
     """Refuse a file given as the save directory (a raw ``NotADirectoryError`` named neither)."""
-    if os.path.exists(save_dir) and not os.path.isdir(save_dir):
+    try:
+        is_file = not stat.S_ISDIR(os.stat(save_dir).st_mode)
+    except NotADirectoryError:  # 'tracker.txt/': a file named as a directory
+        is_file = True
+    except OSError:  # missing (names nothing) or unreadable: the call itself says
+        is_file = False
+    if is_file:
         raise ConfigError(f"{save_dir} is a file, not a save directory: give Megatron-LM's --save directory, the "
                           f"one holding iter_NNNNNNN and {TRACKER}")
 

@@ -336,11 +336,12 @@ def test_repair_checkpoint_refuses_a_path_that_is_not_a_committed_checkpoint(tmp
     a_file = os.path.join(good, "fastckpt-manifest.json")
     with pytest.raises(CheckpointNotFoundError, match="is a file, not a checkpoint directory"):
         fm.repair_checkpoint(a_file)
-    said = re.escape(a_file) + " is a file, not a save directory: give Megatron-LM's --save"
-    for fn in (fm.sync_tracker, fm.read_tracker, fm.newest_complete_iteration,  # was: a raw NotADirectoryError
-               lambda f: fm.advance_tracker(f, 100)):  # was: a warning calling iteration 100 incomplete, and False
-        with pytest.raises(ConfigError, match=said):
-            fn(a_file)
+    for given in (a_file, a_file + os.sep):  # with a trailing slash: os.path.exists said no, a raw error followed
+        said = re.escape(given) + " is a file, not a save directory: give Megatron-LM's --save"
+        for fn in (fm.sync_tracker, fm.read_tracker, fm.newest_complete_iteration,  # was: a raw NotADirectoryError
+                   lambda f: fm.advance_tracker(f, 100)):  # was: a warning calling iteration 100 incomplete, and False
+            with pytest.raises(ConfigError, match=said):
+                fn(given)
     assert fm.newest_complete_iteration(os.path.join(root, "nothing-here")) is None
     assert fm.sync_tracker(os.path.join(root, "nothing-here")) is None
 
