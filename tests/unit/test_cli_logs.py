@@ -41,7 +41,7 @@ def test_a_named_pipe_nothing_writes_never_blocks_a_reader(tmp_path: Path, caplo
     pipe = str(tmp_path / "events.jsonl")
     os.mkfifo(pipe)
     for args, said in ((["report", pipe], "no events"),
-                       (["plan", "--from-run", pipe, "--bandwidth", "1GB/s"], "no completed save"),
+                       (["plan", "--from-run", pipe, "--bandwidth", "1GB/s"], "is empty (no event)"),
                        (["serve-metrics", "--event-log", pipe, "--once"], "not a regular file")):
         res = _run(*args)
         assert res.exit_code == 2 and said in res.output, (args, res.output)
