@@ -107,6 +107,20 @@ def test_a_folder_deleted_under_the_scan_on_nfs_is_gone_and_listed_again(tmp_pat
         ops.assert_all_reached()
 
 
+def test_a_folder_that_stays_stale_is_raised_on_the_last_listing(tmp_path: Path) -> None:
+    """A stale NFS handle that persists (a server failover) answered ESTALE on every listing:
+    counted as gone each time, the newest group was passed over and latest() named an older one
+    (``d6_estale_folder_persistent_names_older``). On the scan's last listing it is judged as any
+    folder that cannot be listed."""
+    _save(tmp_path, 1, 2, group=True)
+    (tmp_path / "latest").unlink()
+    ops = FaultyOps([Fault("scandir", errno.ESTALE, nth=n, path_contains=str(tmp_path / "step-2"))
+                     for n in range(1, discovery.RESCANS + 1)])
+    with pytest.raises(OSError, match="Stale file handle") as ei:
+        discovery.latest(Homes(ops=ops), str(tmp_path))
+    assert any("step-2 cannot be listed, and it may hold the newest checkpoint" in n for n in ei.value.__notes__)
+
+
 def test_latest_of_a_file_whose_folder_cannot_be_listed_judges_the_file_itself(tmp_path: Path, monkeypatch) -> None:
     """A colleague's folder of mode 711 (the file opens, the folder does not list): latest(file)
     of a complete checkpoint there is the file, fastckpt's or torch.save's, as load() of it works;
@@ -127,6 +141,25 @@ def test_latest_of_a_file_whose_folder_cannot_be_listed_judges_the_file_itself(t
         fastckpt.latest(str(alice / "notes.txt"))
     with pytest.raises(ConfigError, match="cut.pt is a file, not a directory, and it is damaged .*truncated"):
         fastckpt.latest(str(alice / "cut.pt"))
+
+
+def test_latest_of_a_part_of_a_checkpoint_in_a_folder_that_cannot_be_listed_is_refused(tmp_path: Path,
+                                                                                       monkeypatch) -> None:
+    """Judged alone, a file of a committed group and a DCP checkpoint's meta.pt (Lightning FSDP)
+    were named complete checkpoints when their folder could not be listed, though refused when it
+    could (``d6_latest_of_part_file_in_unlistable_checkpoint_dir``)."""
+    from fastckpt.errors import ConfigError
+
+    _save(tmp_path, 5, group=True)
+    group, dcp = tmp_path / "step-5", tmp_path / "epoch=3-step=9.ckpt"
+    torch.save({"w": torch.ones(2)}, group / "extra.pt")
+    dcp.mkdir()
+    (dcp / ".metadata").write_bytes(b"x")
+    torch.save({"global_step": 9}, dcp / "meta.pt")
+    _unlistable(monkeypatch, group, dcp)
+    for part in (group / "extra.pt", dcp / "meta.pt"):
+        with pytest.raises(ConfigError, match="is a file, not a directory, and it is no complete checkpoint"):
+            fastckpt.latest(str(part))
 
 
 def test_the_restart_scan_passes_over_a_folder_it_cannot_list(tmp_path: Path) -> None:

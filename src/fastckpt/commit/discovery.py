@@ -108,10 +108,10 @@ def scan(loc: Location, max_depth: int = MAX_DEPTH, damaged: list[Damaged] | Non
     ``candidates_depth``: only a folder at most that deep below ``loc`` is raised (the caller counts
     no candidate below it: DeepSpeed's tags are direct children of ``save_dir``).
     """
-    for _ in range(RESCANS):
+    for n in range(RESCANS):
         seen: list[Damaged] = []
         gone: list[str] = []
-        found = _scan(loc, max_depth, seen, gone, every_copy, pass_unlisted, candidates_depth)
+        found = _scan(loc, max_depth, seen, gone, every_copy, pass_unlisted, candidates_depth, n + 1 == RESCANS)
         if not gone:
             break
         log.debug("fastckpt: %s vanished while %s was scanned: listing it again", gone, loc.url)
@@ -121,7 +121,7 @@ def scan(loc: Location, max_depth: int = MAX_DEPTH, damaged: list[Damaged] | Non
 
 
 def _scan(loc: Location, max_depth: int, damaged: list[Damaged], gone: list[str], every_copy: bool,
-          pass_unlisted: bool, candidates_depth: int | None) -> list[Found]:
+          pass_unlisted: bool, candidates_depth: int | None, last: bool) -> list[Found]:
     prefix = f"{loc.key}/" if loc.key else ""
     try:
         listing = loc.target.listing(prefix, max_depth=max_depth + 1)  # +1: the markers of the deepest groups
@@ -146,7 +146,8 @@ def _scan(loc: Location, max_depth: int, damaged: list[Damaged], gone: list[str]
                 for d in [posixpath.dirname(r)] if not _hidden(d) and d not in groups | ds_tags}  # ("": root)
     inside = groups | marked | ds_tags | dcp_dirs
     if not pass_unlisted:
-        gone += discovery_unlisted.check(loc.url, prefix, listing.unlisted, inside, candidates_depth)
+        gone += discovery_unlisted.check(loc.url, prefix, listing.unlisted, inside, candidates_depth,
+                                         stale_gone=not last)
     sidecars = {r[: -len(SIDECAR)] for r in rels if r.endswith(SIDECAR)}
     others: list[Found] = []
     for rel in rels:
@@ -332,6 +333,9 @@ def _alone(loc: Location, parent: Location, damaged: list[Damaged]) -> Found | N
     rel = posixpath.basename(loc.key)
     if _hidden(rel) or is_tmp(rel) or rel == "latest" or rel.endswith(SIDECAR):
         return None
+    folder = f"{parent.key}/" if parent.key else ""
+    if any(parent.target.exists(folder + name) for name in (GROUP_MANIFEST, MARKER_DIR, DCP_METADATA)):
+        return None  # a part of the checkpoint its folder is (a group's file, a DCP checkpoint's meta.pt)
     side = _damaged_is_none(read_sidecar, loc, damaged, loc.url, "file", [])
     if side is not None:
         return Found(loc.url, "file", file_order(side), side)

@@ -36,11 +36,13 @@ NEVER = ("lost+found",)  # the file system's own, root's alone
 
 
 def check(url: str, prefix: str, unlisted: tuple[tuple[str, OSError], ...], inside: set[str],
-          depth: int | None = None) -> list[str]:
+          depth: int | None = None, stale_gone: bool = True) -> list[str]:
     """Raise for the first folder of ``unlisted`` (key, error) that could hold a candidate of the
     scan of ``url`` (keys under ``prefix``; ``inside``: complete checkpoints' folders, relative;
     ``depth``: when given, only folders at most that many levels below ``url`` hold candidates of
-    the caller, as DeepSpeed's tags are direct children of ``save_dir``).
+    the caller, as DeepSpeed's tags are direct children of ``save_dir``; ``stale_gone``: False on
+    the scan's last listing, where a folder still answering ESTALE (a stale NFS handle that
+    persists) is judged as any folder that cannot be listed: passed over, it named an older one).
 
     Returns:
         The folders below ``url`` gone since the listing (NFS answers ESTALE for a folder deleted
@@ -53,7 +55,7 @@ def check(url: str, prefix: str, unlisted: tuple[tuple[str, OSError], ...], insi
     gone = []
     for key, exc in unlisted:
         rel = "" if f"{key}/" == prefix or key == prefix else key[len(prefix):]
-        if rel and exc.errno == errno.ESTALE:
+        if rel and exc.errno == errno.ESTALE and stale_gone:
             gone.append(join(url, rel))
         elif may_hold_candidates(rel, inside) and (depth is None or rel.count("/") < depth):
             where = join(url, rel) if rel else url
