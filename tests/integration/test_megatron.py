@@ -214,7 +214,7 @@ def test_the_common_loader_leaves_a_torch_dist_save_over_a_fastckpt_one_to_megat
     # common.pt and metadata.json back over it, so iteration 3 silently loaded as step 2
     assert got["put_back"] == [], got
     # `fastckpt verify` judged it by the stale manifest: "BAD common.pt ... a killed save?"
-    assert got["verify_td"]["type"] == "FastCkptError", got
+    assert got["verify_td"]["type"] == "NotFastckpt" and "FastCkptError" in got["verify_td"]["mro"], got
     assert "was saved again by megatron's 'torch_dist' backend" in got["verify_td"]["message"], got
 
 
