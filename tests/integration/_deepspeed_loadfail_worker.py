@@ -32,7 +32,7 @@ import torch  # noqa: E402
 from deepspeed import comm as dist  # noqa: E402
 
 from fastckpt.integrations.deepspeed import initialize  # noqa: E402
-from tests.integration._ds_common import ds_config, full_weights, make_model, same, train  # noqa: E402
+from tests.integration._ds_common import ds_config, full_weights, make_model, same, two_tags  # noqa: E402
 from tests.integration._exit import leave  # noqa: E402
 
 
@@ -56,13 +56,7 @@ def main(root: str, scenario: str) -> None:
     deepspeed.init_distributed(dist_backend="gloo")
     d = os.path.join(root, scenario)
     w = engine(0, fastckpt=scenario != "optimfile")
-    train(w, 1, 1)
-    w.save_checkpoint(d, "t0")
-    t0_w = full_weights(w)
-    train(w, 2, 2)
-    w.save_checkpoint(d, "t1")
-    w.destroy()
-    dist.barrier()
+    t0_w = two_tags(w, d)
     if scenario == "optimfile" and dist.get_rank() == 0:
         path = os.path.join(d, "t1", "zero_pp_rank_1_mp_rank_00_optim_states.pt")
         state = torch.load(path, weights_only=False)

@@ -33,7 +33,7 @@ from deepspeed import comm as dist  # noqa: E402
 
 from fastckpt.errors import CorruptCheckpointError, GroupChangedError  # noqa: E402
 from fastckpt.integrations.deepspeed import initialize  # noqa: E402
-from tests.integration._ds_common import ds_config, full_weights, make_model, same, train  # noqa: E402
+from tests.integration._ds_common import ds_config, full_weights, make_model, same, train, two_tags  # noqa: E402
 from tests.integration._exit import leave  # noqa: E402
 
 RESULTS: dict[str, object] = {}
@@ -65,13 +65,7 @@ def one_rank(root: str) -> None:
     rank = dist.get_rank()
     d = os.path.join(root, "onerank")
     w = engine(0)
-    train(w, 1, 1)
-    w.save_checkpoint(d, "t0")
-    t0_w = full_weights(w)
-    train(w, 2, 2)
-    w.save_checkpoint(d, "t1")
-    w.destroy()
-    dist.barrier()
+    t0_w = two_tags(w, d)
     raised = {}
     for name in ("zero_pp_rank_1_mp_rank_00_model_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"):
         if rank == 0:

@@ -54,6 +54,21 @@ def train(eng, first: int, last: int) -> None:
         eng.step()
 
 
+def two_tags(eng, d: str) -> dict[str, torch.Tensor]:  # noqa: ANN001
+    """Train and save tag t0, train on and save t1, destroy the engine; every rank then meets.
+    Returns t0's full weights (what a fallback load of t0 must give back)."""
+    from deepspeed import comm as dist
+
+    train(eng, 1, 1)
+    eng.save_checkpoint(d, "t0")
+    t0 = full_weights(eng)
+    train(eng, 2, 2)
+    eng.save_checkpoint(d, "t1")
+    eng.destroy()
+    dist.barrier()
+    return t0
+
+
 def full_weights(eng) -> dict[str, torch.Tensor]:
     """Every parameter, whole (gathered under ZeRO-3), cloned."""
     params = list(eng.module.parameters())
