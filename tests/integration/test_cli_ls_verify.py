@@ -520,6 +520,7 @@ def test_verify_of_a_directory_of_torch_save_files_names_them_unverified(tmp_pat
     assert r.exit_code == 1, r.output
     assert f"no fastckpt checkpoint under {h} to verify: 1 written without fastckpt" in " ".join(r.stdout.split())
     assert f"UNVERIFIED {h}/model.pt: written by torch.save, not fastckpt" in r.stderr and "BAD" not in r.output
+    assert "0 of 0 files intact" not in r.stdout, r.stdout  # (printed after it, and said nothing)
     d = json.loads(run("verify", "--json", h).stdout)
     assert not d["passed"] and d["unverified"] == [f"{h}/model.pt"] and d["bad"] == []
     with fastckpt.Checkpointer() as ck:

@@ -333,7 +333,8 @@ def verify(path: str, newest_only: bool, jobs: int, storage_options: dict | None
             out.print(f"- {p} was deleted during the check (retention, or a remove): not checked", markup=False)
         for p in replaced:
             out.print(f"- {p} was {REPLACED} (a job saving it): not checked, check it again", markup=False)
-        out.print(f"- {len(results) - len(bad) - len(skipped)} of {len(results) - len(skipped)} files intact")
+        if len(results) > len(skipped):  # (after "no fastckpt checkpoint ... to verify": not "0 of 0")
+            out.print(f"- {len(results) - len(bad) - len(skipped)} of {len(results) - len(skipped)} files intact")
     for r in skipped + bad:
         word, _, why = _verdict(r.problem).partition(": ")
         click.echo(f"{word.upper()} {r.path}: {why}", err=True)

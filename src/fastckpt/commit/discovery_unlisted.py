@@ -59,8 +59,10 @@ def check(url: str, prefix: str, unlisted: tuple[tuple[str, OSError], ...], insi
             gone.append(join(url, rel))
         elif may_hold_candidates(rel, inside) and (depth is None or rel.count("/") < depth):
             where = join(url, rel) if rel else url
-            fix = (f"make it listable (owner/mode: chmod a+rx, or run as its owner), or move it out of {url} "
-                   "if it holds no checkpoint")
+            fix = ("a stale NFS file handle (the server restarted or the folder was replaced): remount, or list "
+                   "again once the server answers") if exc.errno == errno.ESTALE else (
+                f"make it listable (owner/mode: chmod a+rx, or run as its owner), or move it out of {url} "
+                "if it holds no checkpoint")
             exc.add_note(f"{where} cannot be listed, and it may hold the newest checkpoint (naming an older one "
                          f"would resume from the past): {fix}")
             raise exc
