@@ -24,6 +24,7 @@ from fastckpt.cli import cli
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 USER_JOB = os.path.join(HERE, "_drill_user_job.py")
+IDLE = [sys.executable, "-c", "import signal; signal.pause()"]  # a job that never saves: waits for the drill's SIGKILL
 
 
 def drill(*args: str) -> tuple[int, dict]:
@@ -94,8 +95,7 @@ def test_a_damaged_checkpoint_counts_as_a_corrupt_load_and_fails(tmp_path) -> No
         b = f.read(1)
         f.seek(-1, 1)
         f.write(bytes([b[0] ^ 0xFF]))
-    idle = [sys.executable, "-c", "import time; time.sleep(3600)"]  # the job: killed, restarted, killed...
-    code, d = drill("--trials", "1", "--dir", str(home), "--min-run", "0.5s", "--max-run", "1s", "--", *idle)
+    code, d = drill("--trials", "1", "--dir", str(home), "--min-run", "0.5s", "--max-run", "1s", "--", *IDLE)
     assert code == 1
     assert d["corrupt_loads"] == 1 and d["restored"] == 0
     assert "CorruptCheckpointError" in d["rows"][0]["error"]
@@ -110,8 +110,7 @@ def test_a_jobs_plain_torch_save_checkpoint_is_not_a_corrupt_load(tmp_path) -> N
     home = tmp_path / "home"
     home.mkdir()
     torch.save({"w": torch.arange(1 << 10), "step": 5}, str(home / "step-00000005.pt"))
-    idle = [sys.executable, "-c", "import time; time.sleep(3600)"]
-    code, d = drill("--trials", "1", "--dir", str(home), "--min-run", "0.5s", "--max-run", "1s", "--", *idle)
+    code, d = drill("--trials", "1", "--dir", str(home), "--min-run", "0.5s", "--max-run", "1s", "--", *IDLE)
     assert code == 1 and d["corrupt_loads"] == 0 and d["restored"] == 0
     assert "not a complete fastckpt checkpoint" in d["rows"][0]["error"]
     assert "the drill restores and verifies checkpoints fastckpt wrote" in d["rows"][0]["error"]
@@ -130,17 +129,15 @@ def test_a_committed_group_missing_a_file_is_a_corrupt_load(tmp_path) -> None:
             ck.save({"w": torch.ones(8), "step": 5}, os.path.join(group, name), group=group)
         ck.commit(group).wait()
     os.remove(os.path.join(group, "optim.pt"))
-    idle = [sys.executable, "-c", "import time; time.sleep(3600)"]
-    code, d = drill("--trials", "1", "--dir", str(home), "--min-run", "0.5s", "--max-run", "1s", "--", *idle)
+    code, d = drill("--trials", "1", "--dir", str(home), "--min-run", "0.5s", "--max-run", "1s", "--", *IDLE)
     assert code == 1 and d["corrupt_loads"] == 1 and d["restored"] == 0
     assert "CheckpointNotFoundError" in d["rows"][0]["error"] and "save through fastckpt" not in d["rows"][0]["error"]
     shutil.rmtree(d["logs"])
 
 
 def test_a_job_killed_before_its_first_checkpoint_is_told_to_raise_min_run(tmp_path) -> None:
-    idle = [sys.executable, "-c", "import signal; signal.pause()"]  # never saves; waits for its SIGKILL
     code, d = drill("--trials", "1", "--dir", str(tmp_path / "home"), "--min-run", "0.5s", "--max-run", "1s",
-                    "--", *idle)
+                    "--", *IDLE)
     assert code == 1 and d["restored"] == 0
     assert re.fullmatch(r"no complete checkpoint was found after the job ran [\d.]+ s \(it reported no step\): if "
                         r"it needs longer to start and make its first checkpoint durable, raise --min-run",
