@@ -98,16 +98,12 @@ def _recorded(save_dir: str) -> float | None:
         return None
 
 
-def _write(save_dir: str, iteration: int | str, order: float, ops: FileOps, tracker: bool = True,
-           wrote: list[str] | None = None) -> None:
-    """The tracker (Megatron-LM's format: the number, nothing else), then the record of its commit
-    (``wrote``: gets TRACKER once the tracker is written). Temp files of them that dead processes
-    of this host left (a kill mid-write) go first, once."""
+def _write(save_dir: str, iteration: int | str, order: float, ops: FileOps, tracker: bool = True) -> None:
+    """The tracker (Megatron-LM's format: the number, nothing else), then the record of its commit.
+    Temp files of them that dead processes of this host left (a kill mid-write) go first, once."""
     sweep_once(ops, save_dir)
     if tracker:
         publish_bytes(ops, os.path.join(save_dir, TRACKER), str(iteration).encode())
-        if wrote is not None:
-            wrote.append(TRACKER)
     publish_bytes(ops, os.path.join(save_dir, RECORD), json.dumps({"iteration": iteration, "order": order}).encode())
 
 
@@ -223,16 +219,16 @@ def sync_tracker(save_dir: str, *, load_iteration: int | None = None, ops: FileO
         elif current is not None and current != it and _incomplete(save_dir, current):
             why = f"iteration {current} is not a complete checkpoint"
         if why is not None or (current == it and (last is None or last < order)):
-            wrote: list[str] = []
             try:
                 with _lock:  # (the tracker already right: only its record was not written yet)
-                    _write(save_dir, it, order, ops, tracker=why is not None, wrote=wrote)
+                    _write(save_dir, it, order, ops, tracker=why is not None)
             except OSError as exc:  # a read-only --load (a published model store): loads what it names
                 if exc.errno not in _READ_ONLY:
                     raise
-                if wrote:  # the tracker moved, its record could not follow: Megatron-LM loads ``it``
+                moved = why is not None and read_tracker(save_dir) == it  # its record could not follow
+                if moved:
                     log.info("fastckpt: could not write %s (%s)", os.path.join(save_dir, RECORD), exc.strerror)
-                elif why is not None:
+                elif why is not None:  # (a record alone unwritten says nothing: the tracker names ``it``)
                     log.warning("fastckpt: %s names %s, not %s (%s), and cannot be written here (%s): Megatron-LM "
                                 "loads what it names; to load iteration %s give --ckpt-step %s or a writable copy",
                                 os.path.join(save_dir, TRACKER), current, it, why, exc.strerror, it, it)
