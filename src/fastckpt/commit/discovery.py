@@ -339,4 +339,4 @@ def _alone(loc: Location, parent: Location, damaged: list[Damaged]) -> Found | N
     side = _damaged_is_none(read_sidecar, loc, damaged, loc.url, "file", [])
     if side is not None:
         return Found(loc.url, "file", file_order(side), side)
-    return _file(parent, f"{parent.key}/" if parent.key else "", rel, damaged, [])
+    return _file(parent, folder, rel, damaged, [])

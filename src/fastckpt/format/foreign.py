@@ -95,6 +95,11 @@ def zip_end(tail: bytes, size: int, zip64: bytes = b"") -> ZipEnd | int | None:
     return ZipEnd(cd_offset, cd_size)
 
 
+def is_data_pkl(name: str) -> bool:
+    """Whether a zip member is a ``torch.save`` file's pickle: ``<archive>/data.pkl``."""
+    return name.endswith("/data.pkl") and name.count("/") == 1
+
+
 def pickle_record(cd: bytes) -> Record | None:
     """The ``<archive>/data.pkl`` member named in a central directory; None when there is none
     (a zip that is not a ``torch.save`` file), it is compressed (torch never compresses it), or
@@ -110,7 +115,7 @@ def pickle_record(cd: bytes) -> Record | None:
         name = cd[pos + 46:pos + 46 + name_len].decode("utf-8", "replace")
         if "/" in name and name.split("/", 2)[1] in _TORCHSCRIPT_ENTRIES:
             return None
-        if name.endswith("/data.pkl") and name.count("/") == 1 and found is None:
+        if is_data_pkl(name) and found is None:
             if method != 0:
                 return None
             if 0xFFFFFFFF in (csize, offset):

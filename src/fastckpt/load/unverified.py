@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..errors import ConfigError, CorruptCheckpointError
-from ..format.foreign import InertUnpickler, bounded
+from ..format.foreign import InertUnpickler, bounded, is_data_pkl
 from ..format.legacy import LEGACY_PICKLES, UnboundedPickle, legacy_end
 from ..format.manifest import EOCD_SIG, TAIL_BYTES
 from ..format.ranges import RangeReader
@@ -97,7 +97,7 @@ def _not_torch(res: ReadResult, is_zip: bool) -> str | None:
     try:
         if is_zip:
             names = zipfile.ZipFile(stream).namelist()
-            whole = any(n.count("/") == 1 and n.endswith("/data.pkl") for n in names)
+            whole = any(is_data_pkl(n) for n in names)
             return None if whole else "a zip archive without torch's <archive>/data.pkl"
         if not bounded(stream, res.size):  # (the first pickle only: walked to its STOP, nothing built)
             return None
