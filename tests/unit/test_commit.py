@@ -541,7 +541,9 @@ def test_a_group_is_deleted_manifest_first_and_commit_markers_last(tmp_path) -> 
     assert not os.path.exists(g)
 
 
-@pytest.mark.parametrize("step", ["100", -1, True, 1.0])
+@pytest.mark.parametrize("step", ["100", -1, True, 1.0, torch.tensor(True), torch.tensor([False]),
+                                  np.array(True)], ids=["str", "negative", "bool", "float", "bool-tensor",
+                                                        "bool-tensor-1", "bool-array"])
 def test_commit_refuses_a_step_that_is_no_int_from_zero(tmp_path: Path, step: object) -> None:
     """A step orders the groups (``latest``, retention): one that is no int >= 0 was written to the
     manifest, then passed over for the tag's number, without a word. It is refused before

@@ -123,12 +123,16 @@ def unreadable(exc: OSError, url: str) -> OSError:
     return exc
 
 
+_BOOL_DTYPES = ("torch.bool", "bool")  # a tensor's, a numpy array's (numpy.bool_ has no __index__)
+
+
 def check_step(extra: dict) -> dict:
     """``extra`` with its step as an ``int``. ``commit(group, step=...)``'s step orders the groups
     (``latest`` picks the highest, retention counts below it): one that is no whole number >= 0 was
     recorded and then passed over for the tag's number, so a misordered ``latest`` was the first
     sign of it. An integer of another type (numpy's, a 0-dim integer tensor) counts as its value,
-    as in ``range``; a bool is no step; None is none.
+    as in ``range``; a bool is no step, nor is a bool tensor or array (a flag passed by mistake);
+    None is none.
 
     Raises:
         ConfigError: naming the value and the fix.
@@ -137,7 +141,7 @@ def check_step(extra: dict) -> dict:
     if step is None:
         return extra
     try:
-        n = operator.index(step) if not isinstance(step, bool) else -1
+        n = -1 if isinstance(step, bool) or str(getattr(step, "dtype", "")) in _BOOL_DTYPES else operator.index(step)
     except TypeError:
         n = -1
     if n < 0:
