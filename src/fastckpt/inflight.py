@@ -212,8 +212,8 @@ class InFlight:
             if left := self.wait_all(deadline):
                 raise ReplicationError(
                     f"{left} save(s) still pending after {timeout_s:g} s: {', '.join(self.paths())} "
-                    f"(replicating: {', '.join(replicating()) or 'none'}). Raise close_timeout_s, "
-                    "or check the storage target.")
+                    f"(replicating: {', '.join(replicating()) or 'none'}). Wait longer (wait(timeout_s=...); for "
+                    "close(), Checkpointer(close_timeout_s=...)), or check the storage target.")
 
     def log_unseen(self, why: str) -> None:
         """Log (ERROR, with its traceback) each failure nobody has seen yet, and mark it seen:

@@ -590,6 +590,22 @@ def test_a_save_close_gave_up_on_before_its_write_started_says_so(tmp_path, loca
     assert not (tmp_path / "home" / "b.pt").exists()
 
 
+def test_a_wait_past_its_timeout_names_its_own_limit(tmp_path) -> None:
+    """wait(timeout_s=...) that runs out named only close_timeout_s as the fix, an option wait()
+    never reads: the error names the caller's own limit too."""
+    ops = FaultyOps()
+    held = ops.gate("fsync", path_contains="held.pt")
+    ck = Checkpointer(ops=ops, overhead_budget=0.99)
+    try:
+        ck.save(_state(1), str(tmp_path / "held.pt"))
+        assert held.wait_entered(30)
+        with pytest.raises(fastckpt.ReplicationError, match=r"still pending after 0.05 s.*wait\(timeout_s=\.\.\.\)"):
+            ck.wait(timeout_s=0.05)
+    finally:
+        held.open()
+        ck.close()
+
+
 @pytest.mark.parametrize("op, err, phase", [("pwrite", errno.ENOSPC, "write"), ("replace", errno.EIO, "commit")])
 def test_a_failed_phase_is_counted_as_the_error_the_caller_gets(tmp_path, op: str, err: int, phase: str) -> None:
     """The save raises CheckpointWriteError, and its failed event (which fastckpt_failures_total's
