@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Concatenate, ParamSpec, TypeVar
 
 from .errors import ConfigError
 from .units import MiB
+from .urls import canonical
 
 if TYPE_CHECKING:
     from torch.distributed import Store
@@ -40,6 +41,24 @@ OPS_METHODS = ("open", "pwrite", "preadv", "fsync", "close", "replace", "unlink"
 
 def _opt(default: object, meaning: str) -> object:
     return field(default=default, metadata={"help": meaning})
+
+
+def check_local_dir(d: str, name: str) -> None:
+    """Refuse a burst-buffer directory ``d`` (``name``: how the caller calls it) that is a URL, or
+    a URL that lost a slash or its colon (``s3:/b/bb``: ``os.path``'s folder ``./s3:``).
+
+    Raises:
+        ConfigError: naming ``d`` and the fix.
+    """
+    if "://" in d:
+        raise ConfigError(f"{name} must be a node-local directory, not a URL (the burst buffer is node-local; "
+                          "the URL is where checkpoints are saved)")
+    try:
+        canonical(d)
+    except ConfigError:
+        raise ConfigError(f"{name} looks like a URL without its '://', and would be a local folder here; the burst "
+                          f"buffer is a node-local directory, never a URL: for a local folder of that name write "
+                          f"'./{d}'") from None
 
 
 @dataclass(frozen=True)
@@ -196,8 +215,7 @@ class CheckpointerConfig:
             raise ConfigError(f"local_dir={self.local_dir!r} must be a directory (a str or a Path) or a non-empty "
                               "list of directories (one per local drive)")
         for d in self.local_dirs:
-            if "://" in d:
-                raise ConfigError(f"local_dir={d!r} must be a node-local directory, not a URL")
+            check_local_dir(d, f"local_dir={d!r}")
             if os.path.realpath(d) == os.sep:  # the copy of /a/b.pt is <local_dir>/a/b.pt: here, the file itself
                 raise ConfigError(f"local_dir={d!r} is the root directory: each file's burst-buffer copy mirrors its "
                                   "path under local_dir, so it would be the file itself and nothing would be "

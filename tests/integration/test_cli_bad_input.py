@@ -146,6 +146,18 @@ def test_doctor_target_that_is_a_file(tmp_path: Path) -> None:
              "--target", f"{tmp_path / 'file'} is a file: give the directory checkpoints are saved in")
 
 
+def test_local_dir_that_is_a_url_or_a_url_typo(tmp_path: Path) -> None:
+    """doctor, drill, ls and serve-metrics took s3:/b/bb for the folder ./s3: and created it."""
+    runs = [[*cmd, "--local-dir", d] for d in ("s3:/b/bb", "s3://b/bb")
+            for cmd in (["doctor", "--probe-size", "0"], ["drill", "--dir", str(tmp_path / "home"), "--trials", "1"],
+                        ["ls", str(tmp_path)],
+                        ["serve-metrics", "--once", "--event-log", str(tmp_path / "events.jsonl")])]
+    for argv, res in zip(runs, _cli_all(*runs), strict=True):
+        words = "looks like a URL without its '://'" if argv[-1] == "s3:/b/bb" else "must be a node-local directory"
+        _refused(res, 2, "--local-dir", words)
+    assert not (Path.cwd() / "s3:").exists()
+
+
 def test_drill_local_dir_under_a_file(tmp_path: Path) -> None:
     (tmp_path / "file").write_text("x")
     _refused(_cli("drill", "--dir", str(tmp_path / "home"), "--local-dir", str(tmp_path / "file" / "x"),

@@ -291,6 +291,20 @@ def test_config_errors_name_the_fix() -> None:
         fastckpt.Checkpointer(local_dir="s3://b/x")
 
 
+@pytest.mark.parametrize("typo", ["s3:/bucket/bb", "s3:bucket/bb", "s3//bucket/bb"])
+def test_a_local_dir_that_is_a_url_typo_is_refused(tmp_path, monkeypatch, typo: str) -> None:
+    """A URL that lost a slash or its colon was taken for the local folder ./s3: (docs/core.md
+    promises the refusal of such typos everywhere): the burst buffer landed in the working
+    directory. Refused, nothing created; the fix names the ./ spelling for a folder of that name."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(fastckpt.ConfigError, match=r"looks like a URL without its '://'.*write '\./s3"):
+        fastckpt.Checkpointer(local_dir=["/tmp/fine", typo])
+    assert not list(tmp_path.iterdir())
+    with fastckpt.Checkpointer(local_dir=f"./{typo}") as ck:  # a folder of that name, said so
+        ck.save({"w": torch.ones(2)}, str(tmp_path / "home" / "a.pt")).wait()
+    assert (tmp_path / typo.split("/")[0]).is_dir()
+
+
 @pytest.mark.parametrize("root", ["/", "//", "/tmp/..", "link"])
 def test_a_local_dir_that_is_the_root_is_refused(tmp_path, root: str) -> None:
     """Each file's burst-buffer copy is its path under local_dir: with local_dir="/" that is the file

@@ -8,13 +8,14 @@ import json
 import click
 
 from ._common import LOCATION, SIZE, SIZE_OR_ZERO, count_range, distinct_dirs, not_a_dir, storage_options_option
+from ._localdir import LocalDir
 from ._signals import sigterm_interrupts
 
 _STYLE = {"ok": "green", "info": "blue", "warn": "yellow", "fail": "bold red"}
 
 
 @click.command()
-@click.option("--local-dir", type=click.Path(), multiple=True, callback=distinct_dirs,
+@click.option("--local-dir", type=LocalDir(file_okay=True), multiple=True, callback=distinct_dirs,
               help="The burst buffer (local_dir); repeat it for striped drives (each is measured).")
 @click.option("--target", default=None, type=LOCATION,
               help="Where checkpoints are saved: a directory or a URL (default: here).")

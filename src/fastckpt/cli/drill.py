@@ -26,6 +26,7 @@ from ._common import (
     table,
     warn,
 )
+from ._localdir import LocalDir
 from .drill_run import Drill, DrillConfig, DrillError, lose_local_problem, summarize
 
 JOB_MEMORY_FACTOR = 3  # the built-in job's state, a save's staging buffers, the restore at its start
@@ -100,7 +101,7 @@ def render(data: dict) -> None:
 @click.option("--state-size", type=SIZE, default="256MiB", show_default=True,
               help="State of the built-in job (two files per checkpoint).")
 @click.option("--dir", "home", required=True, type=LOCATION, help="The durable home: a directory or a URL (s3://...).")
-@click.option("--local-dir", type=click.Path(file_okay=False), help="The burst buffer (node-local directory).")
+@click.option("--local-dir", type=LocalDir(), help="The burst buffer (node-local directory).")
 @click.option("--lose-local", is_flag=True, help="Wipe the burst buffer before each restart (a lost node).")
 @click.option("--rto-target", type=DURATION, default="180s", show_default=True, help="Slowest acceptable restore.")
 @click.option("--seed", type=count_range(0, 2**32 - 1), default=0, show_default=True,

@@ -20,6 +20,7 @@ from ._common import (
     table,
 )
 from ._discovery import homes, list_checkpoints
+from ._localdir import LocalDir
 
 
 def _is_file(root: str) -> str:
@@ -61,7 +62,7 @@ def _age(s: float | None) -> str:
 
 @click.command()
 @click.argument("root", type=LOCATION)
-@click.option("--local-dir", type=click.Path(file_okay=False),
+@click.option("--local-dir", type=LocalDir(),
               help="The burst buffer: mark each checkpoint replicated or local only.")
 @storage_options_option
 @json_option

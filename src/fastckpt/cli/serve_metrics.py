@@ -11,6 +11,7 @@ import click
 
 from ..runstate import DEFAULT_BUDGET, DEFAULT_WINDOW_S
 from ._common import FiniteRange
+from ._localdir import LocalDir
 
 
 @click.command("serve-metrics")
@@ -19,7 +20,7 @@ from ._common import FiniteRange
 @click.option("--port", type=click.IntRange(0, 65535), default=9400, show_default=True,
               help="TCP port to serve /metrics on (0: any free port).")
 @click.option("--addr", default="0.0.0.0", show_default=True, help="Address to listen on.")
-@click.option("--local-dir", type=click.Path(file_okay=False), default=None,
+@click.option("--local-dir", type=LocalDir(), default=None,
               help="The node's burst buffer (local_dir), for its free space.")
 @click.option("--overhead-budget", type=FiniteRange(0, 1, min_open=True, max_open=True),
               default=DEFAULT_BUDGET, show_default=True, help="Budget the overhead alarm is replayed against.")
