@@ -83,7 +83,7 @@ class Checkpointer:
                                               self._homes.reaper.unlink_later),
                             writer_threads=self._writers, snapshot_thread=self._snapper, inflight=self._inflight,
                             coordinator=self._coordinator, replicator=self._replicator, retention=self._retention,
-                            homes=self._homes, stripes=self._stripes, emit=self._emit)
+                            homes=self._homes, stripes=self._stripes, emit=self._monitor.tagging(self._emit))
         self._loader = Loader(self._homes, self.local_path, cfg.chunk_bytes, self._inflight.wait_loadable)
         self._metrics = None
         if cfg.metrics_port is not None:  # last: a scrape may call stats() as soon as it serves
@@ -118,9 +118,9 @@ class Checkpointer:
         return tuple(self._homes.resolve(mirror_path(d, g)).place() for d in self._stripes.existing())
 
     def _emit(self, name: str, path: str, nbytes: int, start: float, tier: str, error: BaseException | None = None,
-              detail: str | None = None, group: str | None = None) -> None:
+              detail: str | None = None, group: str | None = None, block: str | None = None) -> None:
         end, err = max(time.time(), start), error and repr(error)  # a clock stepped back: a zero span, not negative
-        self._sinks.emit(Event(name, self.rank, path, nbytes, start, end, tier, err, detail, group=group))
+        self._sinks.emit(Event(name, self.rank, path, nbytes, start, end, tier, err, detail, group=group, block=block))
 
     def _on_retry(self, notice: RetryNotice) -> None:
         """A transient storage error is being retried: an event, so outages are visible."""
@@ -200,10 +200,10 @@ class Checkpointer:
         return self._inflight.track(fut, group, group)
 
     def one_save(self) -> AbstractContextManager[OneSave]:
-        """``with ck.one_save():`` the saves this thread makes inside are one save for ``stats()`` and the overhead
-        alarm: one checkpoint of several files (blocked time and bytes summed; counted when the block ends, a lazy
-        file's copy that ends later adds to it). Nested, it joins the open one (docs/overhead.md)."""
-        return self._monitor.one_save()
+        """``with ck.one_save():`` the saves this thread makes inside are one save for ``stats()``, the overhead alarm
+        and the event log's readers: one checkpoint of several files (blocked time and bytes summed; counted when the
+        block ends, a lazy file's copy that ends later adds to it). Nested, it joins the open one (docs/overhead.md)."""
+        return self._monitor.one_save(self._emit)  # its files' snapshot events name it (Saver's emit: tagging)
 
     def unsaved(self, path: str, group: str, error: BaseException) -> None:
         """``path`` of ``group`` will not be saved: ``error`` was raised before ``save`` (a copy the caller

@@ -51,7 +51,8 @@ def parse_event(line: str, where: str = "event log") -> Event:
         ev = Event(str(d["name"]), int(d["rank"]), str(d["path"]), int(d["bytes"]), float(d["start"]),
                    float(d["end"]), str(d["tier"]), d.get("error"), d.get("detail"),
                    None if d.get("session") is None else str(d["session"]),
-                   None if d.get("group") is None else str(d["group"]))
+                   None if d.get("group") is None else str(d["group"]),
+                   None if d.get("block") is None else str(d["block"]))
     except (TypeError, ValueError, OverflowError) as exc:  # OverflowError: int(Infinity)
         raise ValueError(f"{where}: a field has the wrong type ({exc}); is this a fastckpt event log?") from exc
     for field, value in (("error", ev.error), ("detail", ev.detail)):  # readers match them as text

@@ -33,7 +33,9 @@ class Event:
     appends events that must not be matched with the killed job's saves (None: not from a log,
     or from a log written before sessions). ``group``: on a ``snapshot``, the group the file was
     saved into (``save(group=...)``): it is durable once that group's ``commit`` succeeds, not at
-    its own.
+    its own. ``block``: on a ``snapshot``, the ``Checkpointer.one_save()`` block the file was saved in,
+    and on the ``one_save`` event that block logs when it ends (after its files): the log's readers
+    count the block as one save, as the monitor does (``fastckpt.replay``).
     """
 
     name: str
@@ -47,6 +49,7 @@ class Event:
     detail: str | None = None
     session: str | None = None
     group: str | None = None
+    block: str | None = None
 
     @property
     def duration_s(self) -> float:

@@ -22,7 +22,6 @@ import logging
 import math
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -197,8 +196,10 @@ class Monitor:
         return getattr(self._local, "batch", None)
 
     @contextlib.contextmanager
-    def one_save(self) -> Iterator[OneSave]:
-        """See ``Checkpointer.one_save``; nested in an open one, it is part of that one."""
+    def one_save(self, emit: Callable[..., None] | None = None) -> Iterator[OneSave]:
+        """See ``Checkpointer.one_save``; nested in an open one, it is part of that one. ``emit``
+        (the Checkpointer's): where the block logs its ``one_save`` event when it ends, after being
+        counted, if any of its files logged a ``snapshot`` (``tagging``)."""
         if (outer := self.current()) is not None:
             yield outer
             return
@@ -216,6 +217,22 @@ class Monitor:
                     report, crossed = self._account(batch.start, batch.blocked, batch.nbytes, True)  # type: ignore
             if done:
                 self._announce(report, crossed)
+            if emit is not None and batch.logged is not None:  # a zero span at its end: read_events sorts by start
+                path, tier, nbytes, files = batch.logged
+                emit("one_save", path, nbytes, time.time(), tier, detail=f"files={files}", block=batch.id)
+
+    def tagging(self, emit: Callable[..., None]) -> Callable[..., None]:
+        """``emit`` that names, on each ``snapshot`` event, the ``one_save()`` block the calling
+        thread has open (snapshots are emitted on the thread that saves) and logs the file in it."""
+
+        def tagged(name: str, path: str, nbytes: int, start: float, tier: str, *args: object,
+                   **kw: object) -> None:
+            if name == "snapshot" and (batch := self.current()) is not None:
+                batch.log(path, tier, nbytes)
+                kw["block"] = batch.id
+            emit(name, path, nbytes, start, tier, *args, **kw)
+
+        return tagged
 
     def record_blocked(self, start: float, blocked_s: float, nbytes: int,
                        batch: OneSave | None | object = CALLER) -> None:
@@ -317,43 +334,3 @@ class Monitor:
                          self.blocked_total / wall if wall > 0 else 0.0, self._window.share(now, self._t0),
                          self.budget, self.over, self.alarms, self.last_blocked,
                          self.last_durable, pending, **extra)
-
-
-@dataclass(frozen=True)
-class OverheadPoint:
-    """The Monitor's numbers after one save: run and window overhead, and the alarm state."""
-
-    t: float
-    overhead: float
-    window_overhead: float
-    over_budget: bool
-
-
-class OverheadReplay:
-    """``Monitor.record_blocked`` replayed from an event log (``runstate``): the same rule."""
-
-    def __init__(self, budget: float, window_s: float, keep: int | None = None) -> None:
-        self.budget, self.window_s = budget, window_s
-        self.t0: float | None = None
-        self.count = 0
-        self.blocked = 0.0
-        self.over = False
-        self.alarms = 0
-        self.points: deque[OverheadPoint] = deque(maxlen=keep)  # keep: the newest only (a live exporter)
-        self._window = BlockedWindow(window_s)
-
-    def window(self, now: float) -> float:
-        return self._window.share(now, self.t0 if self.t0 is not None else now)
-
-    def record(self, start: float, blocked: float, now: float) -> None:
-        self.t0 = start if self.t0 is None else self.t0
-        self.count += 1
-        self.blocked += blocked
-        self._window.add(start, blocked)
-        if self.count < 2:
-            return
-        overhead = self.blocked / (now - self.t0) if now > self.t0 else 0.0
-        window = self.window(now)
-        self.over, crossed = crossing(self.over, max(overhead, window), self.budget)
-        self.alarms += crossed
-        self.points.append(OverheadPoint(now, overhead, window, self.over))

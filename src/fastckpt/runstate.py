@@ -5,7 +5,8 @@ Both see only the event log, so some numbers are reconstructions (docs/report.md
 
 - overhead: the Monitor's rule replayed (blocked time = the ``snapshot`` phases; checked at the
   end of each save from the second one on; the window of ``overhead_window_s``), the clock
-  starting at the first save's start. A lazy save's later ``fence()`` wait is not in the log.
+  starting at the first save's start; the files of a ``one_save()`` block are one save, at its
+  ``one_save`` event (``replay``). A lazy save's later ``fence()`` wait is not in the log.
 - a save is durable at the end of its ``replicate`` phase (burst buffer), or of its ``commit``
   when written straight to its path; a file of a group (its snapshot names it) at its rank's
   group ``commit`` (not durable until then; failed with it, or with another file of the attempt;
@@ -33,7 +34,7 @@ from dataclasses import dataclass, field, replace
 
 from .eventlog import error_type
 from .events import Event
-from .monitor import OverheadPoint, OverheadReplay
+from .replay import OverheadPoint, RankOverheads
 
 # a re-saved group's files are written beside it, in .TAG.fastckpt-next-<digest> (commit.protocol.NEXT_TAG)
 _RESAVE = re.compile(r"/\.([^/]+)\.fastckpt-next(?:-[0-9a-f]+)?(/|$)")
@@ -75,6 +76,7 @@ class SaveTrace:
     superseded: bool = False
     abandoned: bool = False  # left open by a session of its rank that a newer one followed
     session: str | None = None  # its Checkpointer's session (None: a log written without)
+    block: str | None = None  # the one_save() block it was saved in: one save with the block's other files
 
     @property
     def durable_s(self) -> float | None:
@@ -133,8 +135,7 @@ class RunState:
         self._abandoned: deque[_Building] = deque(maxlen=keep_done)  # open when a newer session started
         self._sessions: set[tuple[int, str | None]] = set()  # (rank, session) seen
         self._done: deque[SaveTrace] = deque(maxlen=keep_done)
-        self._keep_points = None if keep_done is None else max(1, keep_done)  # the overhead curve: its newest
-        self._overhead: dict[int, OverheadReplay] = {}
+        self._overhead = RankOverheads(budget, window_s, None if keep_done is None else max(1, keep_done))  # its curve
         self._newest_durable_start: dict[int, float] = {}
         # (rank, group) -> its files durable at their paths, waiting for the group's commit
         self._awaiting: dict[tuple[int, str], list[_Building]] = {}
@@ -182,22 +183,20 @@ class RunState:
                 self._close(b)
         elif ev.name in ("retry", "load"):
             (self.retries if ev.name == "retry" else self.loads).append(ev)
+        elif ev.name == "one_save":  # a block of files ended: one save for the overhead
+            self._overhead.feed(ev)
         return self._finished
 
     def _snapshot(self, ev: Event) -> None:
         trace = SaveTrace(ev.rank, ev.path, ev.tier, 0, ev.start, ev.duration_s, (), None, ev.error,
-                          session=ev.session)
+                          session=ev.session, block=ev.block)
         b = _Building(trace, [Phase("snapshot", ev.start, ev.end, ev.error)], ev.session, ev.group)
         if ev.error is not None:
             return self._failed(b)
         if ev.group is not None:  # a new attempt at the group
             self._outcomes.pop((ev.rank, ev.group), None)
         self._open.setdefault((ev.rank, ev.path), []).append(b)
-        self._overhead.setdefault(ev.rank, self._replay()).record(
-            ev.start, ev.duration_s, ev.end)
-
-    def _replay(self) -> OverheadReplay:
-        return OverheadReplay(self.budget, self.window_s, self._keep_points)
+        self._overhead.feed(ev)
 
     def _new_session(self, rank: int, session: str | None) -> None:
         """A Checkpointer of ``rank`` logs its first event: the saves that the rank's earlier
@@ -211,10 +210,7 @@ class RunState:
                 if b.session != session:
                     self._unlist(b)
                     self._abandoned.append(b)
-        old = self._overhead.get(rank)
-        if old is not None:  # a new Monitor, but the curve and the alarm count go on
-            self._overhead[rank] = new = self._replay()
-            new.points, new.alarms = old.points, old.alarms
+        self._overhead.new_session(rank)  # a new Monitor, but the curve and the alarm count go on
 
     def _owner(self, ev: Event) -> _Building | None:
         """The oldest open save (for a replicate, the newest queued) of this rank and session that the event
@@ -321,20 +317,20 @@ class RunState:
 
     def ranks(self) -> list[int]:
         seen = {k[0] for k in (*self._open, *self._committing)} | {s.rank for s in self._done}
-        return sorted(set(self._overhead) | seen)
+        return sorted(set(self._overhead.replays) | seen)
 
     def overhead_points(self, rank: int) -> list[OverheadPoint]:
-        o = self._overhead.get(rank)
+        o = self._overhead.replays.get(rank)
         return list(o.points) if o is not None else []
 
     def alarms(self, rank: int) -> int:
-        return o.alarms if (o := self._overhead.get(rank)) is not None else 0
+        return o.alarms if (o := self._overhead.replays.get(rank)) is not None else 0
 
     def status(self, now: float) -> list[RankStatus]:
         """Each rank's numbers as its Checkpointer's ``stats()`` would give them at ``now``."""
         out = []
         for rank in self.ranks():
-            o = self._overhead.get(rank) or self._replay()
+            o = self._overhead.replays.get(rank) or self._overhead.new()
             at_home = {id(b) for k, files in self._awaiting.items() if k[0] == rank for b in files}
             waiting = [b for k, cands in self._open.items() if k[0] == rank for b in cands if id(b) not in at_home]
             queued = [q for b in waiting if (q := _queued_at(b)) is not None and b.phases[-1].name == "queued"]

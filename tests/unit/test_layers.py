@@ -3,7 +3,7 @@
 Folders are layers (docs/architecture.md): checkpointer -> save/, load/ -> commit/ ->
 storage/ -> io/ -> format/; metrics/ (an event sink the Checkpointer starts) sits beside save/
 and load/; the base modules (errors, urls, units, version, config, records, events, onesave,
-monitor, inflight, and the observability helpers eventlog, runstate, sysinfo, progress) sit below them all
+monitor, inflight, and the observability helpers eventlog, replay, runstate, sysinfo, progress) sit below them all
 and import no layer. report/, doctor/, cli/ and testing sit on top.
 Imports under ``if TYPE_CHECKING:`` are for annotations only and are not counted.
 """
@@ -17,7 +17,7 @@ import fastckpt
 
 PKG = Path(fastckpt.__file__).parent
 BASE = {"errors", "urls", "units", "version", "config", "records", "events", "onesave", "monitor", "inflight", "exits",
-        "eventlog", "runstate", "sysinfo", "progress"}
+        "eventlog", "replay", "runstate", "sysinfo", "progress"}
 RANK = {"format": 1, "io": 2, "storage": 3, "commit": 4, "save": 5, "load": 5, "metrics": 5, "checkpointer": 6,
         "__init__": 7, "testing": 7, "report": 7, "doctor": 7, "cli": 8, "__main__": 9}
 

@@ -6,7 +6,8 @@ import logging
 import random
 import time
 
-from fastckpt.monitor import BlockedWindow, Monitor, OverheadReplay, OverheadReport, fmt_duration, fmt_rate
+from fastckpt.monitor import BlockedWindow, Monitor, OverheadReport, fmt_duration, fmt_rate
+from fastckpt.replay import OverheadReplay
 
 
 def test_alarm_once_per_crossing_and_rearm(caplog) -> None:

@@ -56,13 +56,15 @@ def _rate(events: list[Event]) -> float | None:
 @dataclass
 class _Cluster:
     """One checkpoint being gathered from snapshots: its start, bytes, latest end, and what each
-    rank saved into it (the files, and the units: a group directory, or a single file)."""
+    rank saved into it (the files, the units: a group directory, or a single file, and the
+    ``one_save()`` block, if its files were saved in one)."""
 
     start: float
     bytes: float = 0.0
     end: float = 0.0
     files: set[tuple[int, str]] = field(default_factory=set)
     units: dict[int, set[str]] = field(default_factory=dict)
+    blocks: dict[int, str | None] = field(default_factory=dict)
 
 
 def _unit(path: str, groups: set[str]) -> str:
@@ -91,7 +93,9 @@ def _checkpoints(events: list[Event]) -> list[tuple[float, float]]:
     same file in the current one, or a file of another unit (the next single file, the next
     step's directory), or when it starts more than ``CLUSTER_GAP_S`` after the last one ended.
     Files of one group directory, from one rank or many, and the single files of different
-    ranks saved together, are one checkpoint."""
+    ranks saved together, are one checkpoint. The files of one ``one_save()`` block (their
+    snapshots name it) are one checkpoint whatever their names and gaps, and a rank's file
+    outside that block starts the next."""
     commits = _group_commits(events)
     if commits:  # the n-th checkpoint of a group starts with the first of its ranks' n-th commit calls
         first: dict[tuple[str, int], Event] = {}
@@ -104,14 +108,16 @@ def _checkpoints(events: list[Event]) -> list[tuple[float, float]]:
     out: list[_Cluster] = []
     for e in sorted((e for e in events if e.name == "snapshot" and e.error is None), key=lambda e: e.start):
         unit, c = _unit(e.path, groups), out[-1] if out else None
-        if c is None or e.start - c.end > CLUSTER_GAP_S or (e.rank, e.path) in c.files or \
-                unit not in c.units.get(e.rank, {unit}):
+        joins = c is not None and e.block is not None and c.blocks.get(e.rank) == e.block
+        if not joins and (c is None or e.start - c.end > CLUSTER_GAP_S or (e.rank, e.path) in c.files or
+                          unit not in c.units.get(e.rank, {unit}) or c.blocks.get(e.rank, e.block) != e.block):
             c = _Cluster(e.start)
             out.append(c)
         c.bytes += e.bytes
         c.end = max(c.end, e.end)
         c.files.add((e.rank, e.path))
         c.units.setdefault(e.rank, set()).add(unit)
+        c.blocks.setdefault(e.rank, e.block)
     return [(c.start, c.bytes) for c in out]
 
 

@@ -10,6 +10,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from ..eventlog import error_type
 from ..events import Event
+from ..replay import Blocks
 from ..runstate import RankStatus, RunState
 from .families import BY_NAME, SECONDS_BUCKETS, Family
 
@@ -27,7 +28,9 @@ def build(family: Family, registry: CollectorRegistry) -> Counter | Gauge | Hist
 
 class EventMetrics:
     """Receives every event (any thread) and updates the metrics; keeps the run's state for
-    the durable time of each save and, for a followed log, the ranks' status.
+    the durable time of each save and, for a followed log, the ranks' status. The files of a
+    ``one_save()`` block are one save (``fastckpt.replay``): counted, their blocked time summed, at
+    the block's ``one_save`` event.
 
     Args:
         registry: where the metrics live (one per exporter: never the global registry).
@@ -46,6 +49,7 @@ class EventMetrics:
         self._run = run or RunState(keep_done=0)
         self._m = {n: build(BY_NAME[n], registry) for n in self.NAMES}
         self._dirs: OrderedDict[str, None] = OrderedDict()
+        self._blocks = Blocks()
 
     def emit(self, event: Event) -> None:
         with self._lock:
@@ -74,11 +78,13 @@ class EventMetrics:
             return
         lab = (rank, ev.tier)
         if ev.name == "snapshot":
-            m["fastckpt_save_blocked_seconds"].labels(*lab).observe(dur)
-            m["fastckpt_saves"].labels(*lab).inc()
-            m["fastckpt_last_save_blocked_seconds"].labels(*lab).set(dur)
-            m["fastckpt_last_save_timestamp_seconds"].labels(*lab).set(ev.start)
             self._remember(ev.path)
+            if ev.block is None:
+                self._saved(lab, ev.start, dur)
+            else:
+                self._blocks.add(ev)  # counted when its block ends
+        elif ev.name == "one_save" and (block := self._blocks.close(ev)) is not None:
+            self._saved(lab, block.start, block.blocked_s)
         elif ev.name == "write":
             m["fastckpt_save_write_seconds"].labels(*lab).observe(dur)
             if dur > 0:
@@ -96,6 +102,13 @@ class EventMetrics:
         elif ev.name == "load":
             m["fastckpt_load_seconds"].labels(*lab).observe(dur)
             m["fastckpt_loaded_bytes"].labels(*lab).inc(ev.bytes)
+
+    def _saved(self, lab: tuple[str, str], start: float, blocked_s: float) -> None:
+        m = self._m
+        m["fastckpt_save_blocked_seconds"].labels(*lab).observe(blocked_s)
+        m["fastckpt_saves"].labels(*lab).inc()
+        m["fastckpt_last_save_blocked_seconds"].labels(*lab).set(blocked_s)
+        m["fastckpt_last_save_timestamp_seconds"].labels(*lab).set(start)
 
     def _remember(self, path: str) -> None:
         if "://" in path:

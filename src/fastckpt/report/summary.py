@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from ..eventlog import error_type
 from ..events import Event
-from ..runstate import RunState
+from ..runstate import RunState, SaveTrace
 from ..units import fmt_bytes
 
 QUANTILES = (("p50", 0.5), ("p90", 0.9), ("p99", 0.99))
@@ -58,6 +58,15 @@ class Distribution:
                 f"max {seconds(self.max)} ({self.count})")
 
 
+def _saves(traces: Iterable[SaveTrace]) -> list[list[SaveTrace]]:
+    """The saves, as the Monitor counts them: each file alone, but the files of one ``one_save()``
+    block (their ``snapshot`` events name it) together, in order of their first file's start."""
+    out: dict[object, list[SaveTrace]] = {}
+    for s in traces:
+        out.setdefault((s.rank, s.session, s.block) if s.block is not None else id(s), []).append(s)
+    return list(out.values())
+
+
 @dataclass(frozen=True)
 class RankSummary:
     """One rank's overhead: the Monitor's rule replayed after its last save, and over the log."""
@@ -79,7 +88,8 @@ class Summary:
     events: int
     ranks: tuple[RankSummary, ...]
     span_s: float
-    saves: int
+    saves: int  # a one_save() block of files is one (the counts below, durable to failed, are of files)
+    files: int
     tiers: dict[str, int]
     bytes: int
     durable: int
@@ -99,7 +109,9 @@ class Summary:
 
     def text(self) -> str:
         """The summary as the lines the CLI prints."""
-        lines = [f"{self.saves} saves ({', '.join(f'{t} {n}' for t, n in sorted(self.tiers.items())) or 'none'}) "
+        tiers = ', '.join(f'{t} {n}' for t, n in sorted(self.tiers.items())) or 'none'
+        files = "" if self.files == self.saves else f"{self.files} files: "  # one_save() blocks of files
+        lines = [f"{self.saves} saves ({files}{tiers}) "
                  f"by {len(self.ranks)} rank(s) over {self.span_s:.1f} s, {fmt_bytes(self.bytes)} committed; "
                  f"{self.durable} durable, {self.superseded} superseded, {self.pending} pending, "
                  f"{self.abandoned} abandoned, {self.failed} failed",
@@ -132,9 +144,9 @@ def _rank_summary(run: RunState, rank: int, saves: list) -> RankSummary:
             [(e.session, e.end) for e in run.group_commits if e.rank == rank]:
         last[k] = max(last.get(k, end), end)
     span = sum(max(last[k] - t0, 0.0) for k, t0 in first.items() if k in last)
-    return RankSummary(rank, len(mine), blocked, pts[-1].overhead if pts else None,
+    return RankSummary(rank, len(_saves(mine)), blocked, pts[-1].overhead if pts else None,
                        max(p.window_overhead for p in pts) if pts else None,
-                       blocked / span if span > 0 and len(mine) > 1 else None, run.alarms(rank))
+                       blocked / span if span > 0 and len(_saves(mine)) > 1 else None, run.alarms(rank))
 
 
 def summarize(run: RunState, logs: Sequence[str] = ()) -> Summary:
@@ -147,11 +159,12 @@ def summarize(run: RunState, logs: Sequence[str] = ()) -> Summary:
     span = (run.last_end - run.first_start) if run.first_start is not None else 0.0
     return Summary(
         tuple(logs), sum(run.events.values()), tuple(_rank_summary(run, r, saves) for r in run.ranks()), span,
-        len(saves), dict(Counter(s.tier for s in saves)), sum(s.bytes for s in ok),
+        len(_saves(saves)), len(saves), dict(Counter(s.tier for s in saves)), sum(s.bytes for s in ok),
         sum(s.durable_at is not None for s in ok), sum(s.superseded for s in ok),
         sum(s.durable_at is None and not s.superseded and not s.abandoned for s in ok),
         sum(s.abandoned for s in ok), len(saves) - len(ok),
-        Distribution.of([s.blocked_s for s in saves if s.phase("snapshot").error is None]),
+        Distribution.of([sum(f.blocked_s for f in save) for save in _saves(s for s in saves
+                                                                           if s.phase("snapshot").error is None)]),
         Distribution.of([d for s in ok if (d := s.durable_s) is not None]), Distribution.of(lags), run.budget,
         sum(run.alarms(r) for r in run.ranks()), dict(failures), len(run.retries),
         _published(run.group_commits), Distribution.of(rtos))
