@@ -3,7 +3,9 @@
 The strategy saves a tensor file and an objects file per rank (and rank 0 the index): each was a
 save for the Monitor, so the first checkpoint of every run raised a false overhead alarm ("2
 saves blocked 40 ms in 45 ms ... every 18 ms"), the interval being the gap between two files of
-one checkpoint. Real megatron-core, gloo, one process (a child: it owns the process group)."""
+one checkpoint. The event log's replays (``fastckpt report``, ``plan --from-run``) counted each
+file as a save too, and so raised the alarm the job did not. Real megatron-core, gloo, one process
+(a child: it owns the process group)."""
 
 from __future__ import annotations
 
@@ -28,7 +30,8 @@ from fastckpt.integrations import megatron as fm
 root = sys.argv[1]
 dist.init_process_group("gloo", store=dist.FileStore(os.path.join(root, ".store"), 1), rank=0, world_size=1)
 alarms = []
-ck = fastckpt.Checkpointer(overhead_budget=0.02, on_overhead_exceeded=alarms.append)
+ck = fastckpt.Checkpointer(overhead_budget=0.02, on_overhead_exceeded=alarms.append,
+                           event_log=os.path.join(root, "events.jsonl"))
 save, _ = fm.register(ck, tracker=False)
 out, calls = {}, []
 for it in (100, 200):
@@ -66,3 +69,14 @@ def test_one_megatron_checkpoint_of_several_files_is_one_save_and_raises_no_alar
     (c1_start, c1_end), (c2_start, c2_end) = out["calls"]
     assert [r["saves"] for r in out["report"]] == [2], out
     assert c2_start - c1_end <= out["report"][0]["interval_s"] <= c2_end - c1_start, out
+    # replayed from the event log: the same two saves and one alarm (was: six saves, the alarm at the first)
+    log = str(tmp_path / "events.jsonl")
+    rep = subprocess.run([sys.executable, "-m", "fastckpt.cli", "report", log, "--json"], capture_output=True,
+                         text=True, timeout=120)
+    summary = json.loads(rep.stdout)
+    [rank] = summary["ranks"]
+    assert (summary["saves"], rank["saves"], rank["alarms"]) == (2, 2, 1), rep.stdout
+    assert summary["files"] >= 4, rep.stdout  # its tensor, objects and index files
+    plan = subprocess.run([sys.executable, "-m", "fastckpt.cli", "plan", "--from-run", log, "--json"],
+                          capture_output=True, text=True, timeout=120)
+    assert json.loads(plan.stdout)["measured"]["checkpoints"] == 2, plan.stdout + plan.stderr
