@@ -49,3 +49,40 @@ def test_an_export_and_a_checkpoint_never_coalesce(tmp_path, order) -> None:  # 
         assert [r.superseded for r in recs] == [False, False] and all(r.durable_s is not None for r in recs)
         assert os.path.exists(paths["ckpt"]) and os.path.exists(paths["export"])
     assert torch.load(paths[order[-1]], weights_only=True)["w"][0] == len(order) - 1
+
+
+def test_the_files_of_one_save_block_never_coalesce_together(tmp_path) -> None:  # noqa: ANN001
+    """A checkpoint of several single files saved in one ``one_save()`` (model, optimizer, extra):
+    each file dropped the queued upload of the file saved before it, so only the last file of the
+    checkpoint reached its home. Now a block's files are one checkpoint: all land, and a newer
+    block still drops an older one's queued files."""
+    home, held, release = tmp_path / "run", threading.Event(), threading.Event()
+    first = str(home / "step0" / "model.pt")
+
+    def hold_first_upload(op: str, path: str) -> None:
+        if op == "replace" and (final_path(path) or path) == first and not release.is_set():
+            held.set()
+            assert release.wait(60)
+
+    queued = Queued()
+    ck = fastckpt.Checkpointer(local_dir=str(tmp_path / "nvme"), ops=FaultyOps(on_call=hold_first_upload),
+                               replicate_workers=1, sinks=(queued,), rank=0, world_size=1, overhead_budget=0.99)
+    names = ("model.pt", "optim.pt", "extra.pt")
+    try:
+        ck.save({"w": torch.zeros(8)}, first)
+        assert held.wait(60)
+        blocks = []
+        for step in (1, 2):
+            with ck.one_save():
+                blocks.append([ck.save({"w": torch.full((8,), float(step))}, str(home / f"step{step}" / n))
+                               for n in names])
+            for n in names:
+                assert queued.wait(str(home / f"step{step}" / n), 1)
+    finally:
+        release.set()
+    recs = [[h.wait(60) for h in hs] for hs in blocks]
+    ck.close()
+    assert [r.superseded for r in recs[0]] == [True] * 3  # the newer checkpoint drops the older, whole
+    assert [r.superseded for r in recs[1]] == [False] * 3  # was [True, True, False]: one file of three
+    for n in names:
+        assert torch.load(str(home / "step2" / n), weights_only=True)["w"][0] == 2

@@ -65,6 +65,7 @@ class ReplicaJob:
     order: int | None = None  # its ``Turn``'s key with replicate_in_order: it starts after the earlier ones
     version: str = ""  # a second name of its own save's local copy, uploaded from (``save.versions``)
     export: bool = False  # save(export=True): a file beside the checkpoints, never coalesced with one
+    block: str = ""  # the one_save() it was saved in: its files are one checkpoint, never coalesced together
 
 
 class Replicator:
@@ -190,9 +191,11 @@ class Replicator:
     @staticmethod
     def _supersedes(new: ReplicaJob, old: ReplicaJob, coalesce: bool) -> bool:
         """Whether queued ``old`` is dropped for ``new``: any other checkpoint when coalescing (an export is
-        none: as with "all"); with "all", an older save of the same single file (its bytes are replaced anyway)."""
+        none: as with "all"; nor is another file of its ``one_save()``, the same checkpoint); with "all", an
+        older save of the same single file (its bytes are replaced anyway)."""
         if coalesce and not (new.export or old.export):
-            return old.rec.group is None or old.rec.group != new.rec.group
+            same = new.block and new.block == old.block
+            return (old.rec.group is None or old.rec.group != new.rec.group) and not same
         return old.rec.group is None and new.rec.group is None and old.rec.path == new.rec.path
 
     def _next(self) -> ReplicaJob | None:

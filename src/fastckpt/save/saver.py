@@ -278,6 +278,7 @@ class Saver:
         (after the saves before ``order``, with replicate_in_order)."""
         final: Future = Future()
         export = self._retention.exporting(token)  # an export never coalesces with checkpoints
+        block = batch.id if (batch := self._monitor.current()) is not None else ""  # nor a one_save()'s files
 
         def enqueue(f: Future) -> None:
             if f.cancelled():  # a close() that gave up waiting: its local copy was never written
@@ -295,7 +296,7 @@ class Saver:
                 self._replicator.submit(ReplicaJob(rec, local, t_call, time.time(), final,
                                                    finish=functools.partial(self._retain, token=token),
                                                    home=home if home != rec.path else "", order=order,
-                                                   export=export))
+                                                   export=export, block=block))
             except RuntimeError as err:  # closed under us: nothing will replicate it
                 final.set_exception(ReplicationError(f"{rec.path} was not replicated: {err}"))
             except BaseException as err:  # noqa: BLE001 (a done-callback's error is swallowed: the handle must resolve)
