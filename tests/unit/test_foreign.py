@@ -315,3 +315,23 @@ def test_a_torchscript_export_beside_the_checkpoints_is_not_one(tmp_path: Path) 
     end = foreign.zip_end(data[-65557:], len(data))
     assert isinstance(end, foreign.ZipEnd)
     assert foreign.pickle_record(data[end.cd_offset:end.cd_offset + end.cd_size]) is None
+
+
+def test_pickle_plain_reads_the_plain_values_not_the_tensors(tmp_path) -> None:
+    """What a Lightning last.ckpt names (its ModelCheckpoint state), read without its tensor data."""
+    from fastckpt.commit.foreign import pickle_plain
+    from fastckpt.storage.homes import Homes
+
+    path = str(tmp_path / "last.ckpt")
+    big = torch.zeros(1 << 20)
+    torch.save({"state_dict": {"w": big}, "callbacks": {"ModelCheckpoint{'monitor': 'step'}": {
+        "best_model_path": "/run/step=4.ckpt", "best_k_models": {"/run/step=4.ckpt": torch.tensor(4.0)}}}}, path)
+    homes = Homes()
+    try:
+        loc = homes.resolve(path)
+        plain = pickle_plain(loc.target, loc.key)
+    finally:
+        homes.close()
+    state = plain["callbacks"]["ModelCheckpoint{'monitor': 'step'}"]
+    assert state["best_model_path"] == "/run/step=4.ckpt" and list(state["best_k_models"]) == ["/run/step=4.ckpt"]
+    assert plain["state_dict"]["w"] is not big and not isinstance(plain["state_dict"]["w"], torch.Tensor)

@@ -74,8 +74,7 @@ def torch_zip(target: Target, key: str) -> foreign.Record | None:
     return foreign.pickle_record(bytes(target.read_range(key, end.cd_offset, end.cd_size)))
 
 
-def pickle_step(target: Target, key: str, record: foreign.Record | None = None) -> int | None:
-    """The step the ``torch.save`` file at ``key`` records at its top level, or None."""
+def _pickle(target: Target, key: str, record: foreign.Record | None) -> bytes | None:
     record = record or torch_zip(target, key)
     if record is None or record.size > foreign.MAX_PICKLE_BYTES:
         return None
@@ -83,7 +82,21 @@ def pickle_step(target: Target, key: str, record: foreign.Record | None = None) 
     start = foreign.data_offset(head)
     if start is None:
         return None
-    return foreign.step_in_pickle(bytes(target.read_range(key, record.header_offset + start, record.size)))
+    return bytes(target.read_range(key, record.header_offset + start, record.size))
+
+
+def pickle_step(target: Target, key: str, record: foreign.Record | None = None) -> int | None:
+    """The step the ``torch.save`` file at ``key`` records at its top level, or None."""
+    data = _pickle(target, key, record)
+    return None if data is None else foreign.step_in_pickle(data)
+
+
+def pickle_plain(target: Target, key: str) -> object | None:
+    """The plain values of the ``torch.save`` (or fastckpt) file at ``key``
+    (``format.foreign.plain_in_pickle``), from a few ranged reads: no tensor data is read, nothing
+    is verified. None when it is no complete zip or its pickle does not parse."""
+    data = _pickle(target, key, None)
+    return None if data is None else foreign.plain_in_pickle(data)
 
 
 def deepspeed_tag(target: Target, prefix: str, rel: str, rels: set[str]) -> str | None:

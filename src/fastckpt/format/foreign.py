@@ -188,16 +188,23 @@ class InertUnpickler(pickle.Unpickler):
         return None
 
 
+def plain_in_pickle(data: bytes) -> object | None:
+    """A ``torch.save`` pickle's object, built without running any of its code (every class a
+    ``Stub``, every storage None): its plain values (strings, numbers, dicts, lists) only; None when
+    it does not parse. Never raises."""
+    try:
+        if not bounded(data):
+            return None
+        return InertUnpickler(io.BytesIO(data)).load()
+    except Exception:  # noqa: BLE001 (whatever a damaged pickle makes the unpickler raise)
+        return None
+
+
 def step_in_pickle(data: bytes) -> int | None:
     """The step a ``torch.save`` pickle records at its top level (``STEP_KEYS``, in that order of
     preference), read without running any of its code; None when it records none or does not
     parse. Never raises: a damaged pickle only costs its file its step (``latest`` orders it by time)."""
-    try:
-        if not bounded(data):
-            return None
-        obj = InertUnpickler(io.BytesIO(data)).load()
-    except Exception:  # noqa: BLE001 (whatever a damaged pickle makes the unpickler raise)
-        return None
+    obj = plain_in_pickle(data)
     if isinstance(obj, dict):
         for key in STEP_KEYS:
             value = obj.get(key)
