@@ -111,6 +111,8 @@ class FastCkptCallbackMixin:
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         io = self._io(trainer)
+        if io is not None and trainer.is_global_zero:
+            io._lasts.start(trainer)  # the last files at their paths now: a resumed fit's callbacks are restored
         if io is not None and "DeepSpeedStrategy" in (c.__name__ for c in type(trainer.strategy).__mro__):
             io._install_deepspeed(trainer)
 

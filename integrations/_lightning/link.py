@@ -12,6 +12,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import CancelledError, Future
+from concurrent.futures import wait as wait_futures
 from contextlib import contextmanager
 from typing import Any
 
@@ -20,6 +21,7 @@ from fastckpt.io.atomic import tmp_name
 from fastckpt.records import SaveHandle
 from fastckpt.urls import is_url, normalize
 
+from .lasts import FLUSH, LastFiles, named_files
 from .saves import SaveLedger, state_nbytes
 
 log = logging.getLogger("fastckpt.lightning")
@@ -48,6 +50,7 @@ class TrainerLink:
     _deferred: dict[str, Checkpointer]  # path -> its Checkpointer: deletions waiting for a link to move off them
     _links: dict[str, list[tuple[SaveHandle, str]]]  # linkpath -> queued links (target's save, target), oldest first
     _links_lock: threading.Lock
+    _lasts: LastFiles  # ModelCheckpoint(save_last=True)'s last saves and the deletions they hold (``lasts``)
     _link_dirs: tuple[str, ...] = ()  # folders a link may sit in, away from the file it names (``_note_links``)
     _trainer_ref: Callable[[], Any] | None
     _callback: object
@@ -58,6 +61,9 @@ class TrainerLink:
 
     def _checkpointer(self) -> Checkpointer:
         raise NotImplementedError  # FastCkptIOMixin builds it
+
+    def _config(self) -> Any:
+        raise NotImplementedError  # FastCkptIOMixin: the given Checkpointer's, else its own
 
     def _trainer(self) -> Any:
         return self._trainer_ref() if self._trainer_ref is not None else None
@@ -96,14 +102,17 @@ class TrainerLink:
         """Whether a save to ``path`` has not finished yet (its file may not exist)."""
         return any(not t.handle.done() for t in self._saves.to(normalize(os.fspath(path))))
 
-    def _remove_after(self, ck: Checkpointer, path: str, saves: list[SaveHandle]) -> None:
+    def _remove_after(self, ck: Checkpointer, path: str, saves: list[SaveHandle],
+                      mark: dict[str, int] | None = None) -> None:
         """The remover thread: delete ``path`` once ``saves`` (``SaveLedger.before_removal``) are all
         durable. If one failed, was skipped or never reached its path (``not_durable``), Lightning
         counts a checkpoint that does not exist, and ``path`` may be the only good one left: keep
         it (a WARNING says so). Not an error: the failed save's own error is raised once, by the
         training thread. One whose upload was dropped for a newer save (last.ckpt's, while uploads
         run behind on a burst buffer without hard links: ``save.versions``) is older than those
-        after it here: they stand for it."""
+        after it here: they stand for it. With ModelCheckpoint(save_last=True) on a burst buffer, a
+        file the last file at its path names (``lasts``; ``mark``: as the deletion was asked for)
+        is parked until a newer last file lands (``_flush``)."""
         for i, h in enumerate(saves):
             if i + 1 < len(saves) and dropped_for_newer(h):
                 continue
@@ -113,6 +122,70 @@ class TrainerLink:
                             "so deleting it could leave no checkpoint. Delete it yourself once a newer checkpoint "
                             "is durable.", path, h.path, why)
                 return
+        held = self._lasts.holders(path, mark) if mark else {}
+        if held:  # ModelCheckpoint(save_last=True): the last file at its path names it (``lasts``)
+            self._lasts.park(ck, path, {key: mark[key] for key in held})  # (the deletions queued after go on)
+            return
+        self._delete(ck, path)
+
+    def _flush(self, final: bool = False) -> None:
+        """The remover thread: the parked deletions (``lasts``) that a newer last file let go run;
+        ``final`` (teardown): once every save has ended, each one, or it is kept with a WARNING
+        while the newest last file at its path still names it."""
+        if final:
+            for h in self._lasts.handles():
+                with contextlib.suppress(BaseException):  # (failures are the training thread's to raise)
+                    h.result()
+        for ck, path, mark in self._lasts.take(final):
+            try:
+                held = self._lasts.holders(path, mark) if mark else {}
+                if held:
+                    log.warning("fastckpt: kept %s although Lightning asked to delete it: %s, the last file at its "
+                                "path, names it (no newer one landed). Delete it yourself once a newer checkpoint "
+                                "is durable.", path, ", ".join(sorted(held.values())))
+                    continue
+                self._delete(ck, path)
+            finally:
+                self._lasts.done(path)
+
+    def _queue_flush(self) -> None:
+        """The training thread: a run of the parked deletions a newer last file let go, unless one is queued."""
+        prev = self._removals.get(FLUSH)
+        if self._in_fit and self._lasts.ready() and (prev is None or prev.done()):
+            self._file(FLUSH, self._queue(self._flush))
+
+    def _unpark(self, path: str) -> None:
+        """The training thread, before a save to ``path``: its parked deletion is off; one a run is
+        doing now ends first (the remover runs in turn: the newest run queued)."""
+        fut = self._removals.get(FLUSH) if self._lasts.unpark(path) else None
+        if fut is not None:
+            wait_futures([fut])
+
+    def _read_last(self, path: str, key: str) -> frozenset[str]:
+        """The remover thread: what the state ``key`` in the last file at ``path`` itself names (not its
+        burst-buffer copy), from its pickle only (``commit.foreign.pickle_plain``: a few ranged reads,
+        no tensor data). Nothing for a file that is not there or cannot be read: it holds nothing back."""
+        from fastckpt.commit.foreign import pickle_plain
+        from fastckpt.storage.homes import Homes
+
+        homes = Homes(self._config().storage_options)
+        try:
+            loc = homes.resolve(path)
+            plain, why = pickle_plain(loc.target, loc.key), "not a whole torch.save file"
+        except FileNotFoundError:
+            return frozenset()
+        except Exception as exc:  # noqa: BLE001 (not raised: it only holds nothing back)
+            plain, why = None, repr(exc)
+        finally:
+            homes.close()
+        if plain is None:
+            log.info("fastckpt: could not read %s, the last file there when the fit began (%s): it holds no top-k "
+                     "file back", path, why)
+            return frozenset()
+        return named_files(plain, key)
+
+    def _delete(self, ck: Checkpointer, path: str) -> None:
+        """The remover thread: delete ``path`` now, unless a ``save_last="link"`` link names it."""
         for linkpath in list(self._links):  # last.ckpt may name path: move it on first (it is queued after)
             self._relink(linkpath, None)
         if named_by_link(path, self._link_dirs):  # ModelCheckpoint asks to delete before it links anew: a kill
@@ -233,6 +306,7 @@ class TrainerLink:
         self._in_fit, self._crashed, self._reserved = fitting, False, False
         self._link_dirs = ()  # this fit's ModelCheckpoints and links (``_note_links``)
         self._saves.newest.clear()  # the saves of this fit only
+        self._lasts = LastFiles(self._read_last, bool(self._config().local_dirs))  # this fit's (``lasts``)
         self._sharded = bool(SHARDED_STRATEGIES & {c.__name__ for c in type(trainer.strategy).__mro__})
         if trainer.is_global_zero and fitting:
             self._checkpointer()  # start the overhead clock with the run, not at the first save
@@ -270,6 +344,7 @@ class TrainerLink:
 
     def _log_metrics(self, trainer: Any) -> None:
         self._raise_first(self._harvest())
+        self._queue_flush()  # parked deletions a last file that landed since let go (``lasts``)
         for row in self._saves.drain_rows():
             for lg in trainer.loggers:
                 lg.log_metrics(row, step=trainer.global_step)

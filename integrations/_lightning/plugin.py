@@ -21,7 +21,8 @@ Who calls what (everything runs on the training thread; only global rank 0 saves
   callback.on_train_batch_end    after the first optimizer step (rank 0): Checkpointer.reserve, so
                                  the staging buffer is allocated off the training thread; logs
                                  finished saves' ``ckpt/*`` metrics to trainer.loggers
-  io.remove_checkpoint           queued; runs once every save to that path is durable
+  io.remove_checkpoint           queued; runs once every save to that path is durable (save_last=True
+                                 on a burst buffer: and a last file naming it was replaced: lasts.py)
   io.teardown   (strategy)       waits for every save and removal, raises the first error once
                                  (the callback calls it in on_fit_end where the strategy did not:
                                  Lightning 2.6's FSDPStrategy.teardown skips CheckpointIO.teardown;
@@ -51,6 +52,7 @@ from fastckpt.exits import stop_pools
 from fastckpt.monitor import OverheadReport, Stats
 from fastckpt.urls import is_url, normalize
 
+from .lasts import FLUSH, LastFiles
 from .link import LINK, TrainerLink, filed_under
 from .options import checkpointer_config, is_requeue_checkpoint, parse_storage_options
 from .saves import SaveLedger, copy_unfenced_tensors
@@ -141,6 +143,7 @@ class FastCkptIOMixin(TrainerLink):
         self._saves = SaveLedger()
         self._removals, self._deferred = {}, {}
         self._links, self._links_lock = {}, threading.Lock()
+        self._lasts = LastFiles(self._read_last, enabled=False)  # (``_connect`` makes each fit's)
         self._remover: ThreadPoolExecutor | None = None
         self._trainer_ref = None
         self._callback = None
@@ -180,6 +183,9 @@ class FastCkptIOMixin(TrainerLink):
             options = {"on_overhead_exceeded": self._on_overhead, **self._options}
             self._ck = Checkpointer(self.local_dir, staging_buffers=self._staging_buffers(), **options)
         return self._ck
+
+    def _config(self) -> Any:
+        return self._given.config if self._given is not None else self.config
 
     def _staging_buffers(self) -> int:
         if self.staging_buffers is not None:
@@ -238,9 +244,11 @@ class FastCkptIOMixin(TrainerLink):
             wait = True
         self._settle_removal(path)
         self._deferred.pop(normalize(path), None)  # saved again: a deletion waiting for last.ckpt to move is off
+        self._unpark(normalize(path))  # (or for a newer last file: ``lasts``)
         self._raise_removal_errors()
         with self._core() as ck:
             self._save(ck, checkpoint, path, wait)
+        self._queue_flush()
 
     def _save(self, ck: Checkpointer, checkpoint: dict[str, Any], path: str, wait: bool) -> None:
         if not is_url(path):  # as TorchCheckpointIO does: ModelCheckpoint(save_last="link") links into it now
@@ -267,6 +275,8 @@ class FastCkptIOMixin(TrainerLink):
             raise
         step = checkpoint.get("global_step") if isinstance(checkpoint, Mapping) else None
         item = self._saves.add(handle, step if isinstance(step, int) else None, time.monotonic() - t0, lazy)
+        if self._in_fit and trainer is not None:  # ModelCheckpoint(save_last=True)'s last file? (``lasts``)
+            self._lasts.saved(trainer, normalize(path), handle, checkpoint)
         if wait or not self._in_fit:  # outside fit no teardown follows to flush: finish it now
             self._fence()
             self._saves.wait(item)
@@ -302,7 +312,8 @@ class FastCkptIOMixin(TrainerLink):
         During fit it returns at once: the deletion is queued, so removing a checkpoint whose
         save is still in flight neither blocks training nor races the write. A later save to the
         same path waits for the queued deletion first. After fit (no teardown follows) it deletes
-        before it returns, as ``TorchCheckpointIO`` does.
+        before it returns, as ``TorchCheckpointIO`` does. With ModelCheckpoint(save_last=True) on a
+        burst buffer, a file the last file at its path names waits for a newer one to land (``lasts``).
 
         Lightning names one checkpoint here, whatever it holds (DeepSpeedStrategy's ``epoch=N.ckpt/``
         holds its tag and DeepSpeed's ``latest``): it goes whole (``Checkpointer.remove(whole=True)``),
@@ -318,7 +329,8 @@ class FastCkptIOMixin(TrainerLink):
         prev = self._removals.get(path)
         if prev is not None and not prev.done():
             return
-        self._file(path, self._queue(self._remove_after, ck, path, self._saves.before_removal(path)))
+        self._file(path, self._queue(self._remove_after, ck, path, self._saves.before_removal(path),
+                                     self._lasts.mark(self._trainer())))
 
     def _queue(self, fn: Callable[..., None], *args: Any) -> Future:
         """Run ``fn(*args)`` on the remover thread, after what was queued before."""
@@ -342,6 +354,8 @@ class FastCkptIOMixin(TrainerLink):
         # ignores SIGINT while it tears down after a Ctrl-C, so a stalled store must not hold it.
         timeout_s = ck.config.close_timeout_s if ck is not None else None
         self._fence()
+        if self._remover is not None:  # parked deletions (``lasts``): after those queued, once every save ended
+            self._file(FLUSH, self._queue(self._flush, True))
         removals, self._removals = self._removals, {}
         _, stuck = wait_futures(removals.values(), timeout=timeout_s)
         for key, fut in removals.items():
