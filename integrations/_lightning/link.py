@@ -97,6 +97,7 @@ class TrainerLink:
 
     def _fence(self) -> None:
         self._saves.fence(self._ck)
+        self._step_save.close()  # after the fence: a lazy copy's wait is blocked time of its step's save
 
     def _in_flight(self, path: str | os.PathLike) -> bool:
         """Whether a save to ``path`` has not finished yet (its file may not exist)."""

@@ -55,7 +55,7 @@ from fastckpt.urls import is_url, normalize
 from .lasts import FLUSH, LastFiles
 from .link import LINK, TrainerLink, filed_under
 from .options import checkpointer_config, is_requeue_checkpoint, parse_storage_options
-from .saves import SaveLedger, copy_unfenced_tensors
+from .saves import SaveLedger, StepSave, copy_unfenced_tensors
 
 log = logging.getLogger("fastckpt.lightning")
 
@@ -141,6 +141,7 @@ class FastCkptIOMixin(TrainerLink):
 
     def _reset_runtime(self) -> None:
         self._saves = SaveLedger()
+        self._step_save = StepSave()
         self._removals, self._deferred = {}, {}
         self._links, self._links_lock = {}, threading.Lock()
         self._lasts = LastFiles(self._read_last, enabled=False)  # (``_connect`` makes each fit's)
@@ -268,12 +269,15 @@ class FastCkptIOMixin(TrainerLink):
         t0 = time.monotonic()
         state = copy_unfenced_tensors(checkpoint, trainer.lightning_module.parameters(), trainer.optimizers) \
             if lazy else checkpoint
+        mapping = isinstance(checkpoint, Mapping)
+        step = checkpoint.get("global_step") if mapping else None
+        if self._in_fit and trainer is not None and not wait and mapping:  # top-k and last.ckpt of a step: one save
+            self._step_save.join(ck, (checkpoint.get("epoch"), step))
         try:
             handle = ck.save(state, path, lazy=lazy)
         except BaseException as exc:
             self._saves.forget(exc)  # the core raised an earlier save's failure: do not raise it again
             raise
-        step = checkpoint.get("global_step") if isinstance(checkpoint, Mapping) else None
         item = self._saves.add(handle, step if isinstance(step, int) else None, time.monotonic() - t0, lazy)
         if self._in_fit and trainer is not None:  # ModelCheckpoint(save_last=True)'s last file? (``lasts``)
             self._lasts.saved(trainer, normalize(path), handle, checkpoint)

@@ -7,6 +7,8 @@ handed back to be raised once).
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -17,6 +19,35 @@ from fastckpt.checkpointer import Checkpointer
 from fastckpt.monitor import Stats
 from fastckpt.records import SaveHandle, SaveRecord
 from fastckpt.save.fencing import copy_unfenced, optimizer_tensors, storage_key
+
+
+class StepSave:
+    """The files Lightning saves for one training step are one save for the overhead monitor and the
+    event log (``Checkpointer.one_save``): ``ModelCheckpoint(save_last=True)`` saves one state twice
+    (its top-k file, then ``last.ckpt``), as do several ModelCheckpoints at one step. Counted as two
+    saves, the first checkpoint raised the overhead alarm with the milliseconds between its two files
+    as the interval, and the alarm's advice was sized from one file's blocked time. The block opens
+    on the training thread at the step's first save and closes at the next fence (every phase after
+    the saves passes one first: ``FastCkptCallback``) or at a save of another step."""
+
+    def __init__(self) -> None:
+        self._open: tuple[object, contextlib.AbstractContextManager, int] | None = None
+
+    def join(self, ck: Checkpointer, key: object) -> None:
+        """Make the calling thread's next save part of the block of ``key`` (epoch, step)."""
+        if self._open is not None and self._open[0] == key and self._open[2] == threading.get_ident():
+            return
+        self.close()
+        block = ck.one_save()
+        block.__enter__()
+        self._open = (key, block, threading.get_ident())
+
+    def close(self) -> None:
+        """End the open block (counted now); only its own thread can (its block is the thread's)."""
+        if self._open is None or self._open[2] != threading.get_ident():
+            return
+        block, self._open = self._open[1], None
+        block.__exit__(None, None, None)
 
 
 @dataclass(eq=False)
