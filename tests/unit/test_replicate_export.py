@@ -86,3 +86,39 @@ def test_the_files_of_one_save_block_never_coalesce_together(tmp_path) -> None: 
     assert [r.superseded for r in recs[1]] == [False] * 3  # was [True, True, False]: one file of three
     for n in names:
         assert torch.load(str(home / "step2" / n), weights_only=True)["w"][0] == 2
+
+
+def test_a_block_whose_upload_started_is_never_split(tmp_path) -> None:  # noqa: ANN001
+    """Once a file of a ``one_save()`` block is uploading, a newer block dropped only the block's
+    queued files: the home kept part of a checkpoint (model and optimizer, no extra), and under a
+    steady backlog no block but the last landed whole. A started block now lands whole."""
+    home, release, held_cv, held = tmp_path / "run", threading.Event(), threading.Condition(), set()
+    names = ("model.pt", "optim.pt", "extra.pt")
+    slow = {str(home / "1" / n) for n in names[:2]}
+
+    def hold(op: str, path: str) -> None:  # both workers upload block 1's first two files; its third waits
+        if op == "replace" and (final_path(path) or path) in slow and not release.is_set():
+            with held_cv:
+                held.add(final_path(path) or path)
+                held_cv.notify_all()
+            assert release.wait(60)
+
+    queued = Queued()
+    ck = fastckpt.Checkpointer(local_dir=str(tmp_path / "nvme"), ops=FaultyOps(on_call=hold), replicate_workers=2,
+                               sinks=(queued,), rank=0, world_size=1, overhead_budget=0.99)
+    handles = []
+    try:
+        for step in (1, 2):
+            with ck.one_save():
+                handles += [ck.save({"w": torch.full((8,), float(step))}, str(home / str(step) / n)) for n in names]
+            for n in names:
+                assert queued.wait(str(home / str(step) / n), 1)
+            if step == 1:
+                with held_cv:
+                    assert held_cv.wait_for(lambda: held == slow, timeout=60)
+    finally:
+        release.set()
+    recs = [h.wait(60) for h in handles]
+    ck.close()
+    assert [r.superseded for r in recs] == [False] * 6  # was: block 1's extra.pt superseded
+    assert all((home / str(step) / n).exists() for step in (1, 2) for n in names)

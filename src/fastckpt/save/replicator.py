@@ -14,12 +14,10 @@ through the home's ``Target`` (``storage.homes``):
      object store the sidecar manifest ``NAME.fastckpt.json`` goes last (a remote file without
      it is not a checkpoint yet). Group files get neither: the group manifest, written by rank 0
      after every rank's marker, is their publication.
-Backpressure: with ``replicate_policy="coalesce"`` a newly committed checkpoint drops the
-older ones still queued (not started); their handles resolve with ``superseded=True``, each with a
-``superseded`` event. Older and newer go by the save calls (``t_call``), not by arrival: with several
-burst-buffer drives a later save's local write can end first, and an earlier single file then arrives
-superseded. A group committed with ``move_latest=False`` (``keep``: a "best" checkpoint beside the series)
-is never dropped.
+Backpressure: with ``replicate_policy="coalesce"`` a newly committed checkpoint drops the older ones still
+queued (not started; ``_supersedes``); their handles resolve with ``superseded=True``, each with a ``superseded``
+event. Older and newer go by the save calls (``t_call``), not by arrival: with several burst-buffer drives a
+later save's local write can end first, and an earlier single file then arrives superseded.
 Order: with ``replicate_in_order`` a single file starts only after every single file saved
 before it is final or has failed (``save.ordering``); with "all", each upload of a single file reads a
 version link of its own save, so a newer save of the same path replaces the local copy without dropping
@@ -83,6 +81,7 @@ class Replicator:
         self._gave_up = False  # close(wait=False): running copies fail as their pools stop under them
         self._cancel: dict[str, int] = {}  # paths being removed -> how many remove() calls
         self._kept: set[str] = set()  # groups committed with move_latest=False: never coalesced
+        self._started: deque[str] = deque(maxlen=256)  # one_save() blocks with a file started: never coalesced
         self._behind = Behind()
         self._order = CallOrder(self._cv)
         self.failures = 0
@@ -188,14 +187,14 @@ class Replicator:
         if version:
             unlink_version(self._homes.resolve(version).target.ops, version)
 
-    @staticmethod
-    def _supersedes(new: ReplicaJob, old: ReplicaJob, coalesce: bool) -> bool:
+    def _supersedes(self, new: ReplicaJob, old: ReplicaJob, coalesce: bool) -> bool:
         """Whether queued ``old`` is dropped for ``new``: any other checkpoint when coalescing (an export is
-        none: as with "all"; nor is another file of its ``one_save()``, the same checkpoint); with "all", an
-        older save of the same single file (its bytes are replaced anyway)."""
+        none: as with "all"; nor is a file of a ``one_save()`` block, one checkpoint, for another of it, nor
+        once one of its files started: the home never gets part of it); with "all", an older save of the
+        same single file (its bytes are replaced anyway)."""
         if coalesce and not (new.export or old.export):
-            same = new.block and new.block == old.block
-            return (old.rec.group is None or old.rec.group != new.rec.group) and not same
+            whole = old.block and (new.block == old.block or old.block in self._started)
+            return (old.rec.group is None or old.rec.group != new.rec.group) and not whole
         return old.rec.group is None and new.rec.group is None and old.rec.path == new.rec.path
 
     def _next(self) -> ReplicaJob | None:
@@ -234,6 +233,8 @@ class Replicator:
                 if job is None:
                     return
                 self._running.append(job)
+                if job.block and job.block not in self._started:  # the rest of its checkpoint follows it home
+                    self._started.append(job.block)
             try:
                 try:
                     rec = self._replicate(job)
