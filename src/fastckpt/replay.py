@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from .events import Event
 from .monitor import BlockedWindow, crossing
 
-_OPEN_BLOCKS_KEPT = 1024  # blocks whose one_save event has not come (a job killed in one): the newest kept
+_OPEN_BLOCKS_KEPT = 16  # per Checkpointer (rank, session): blocks whose one_save event has not come, newest kept
 
 
 @dataclass(frozen=True)
@@ -42,23 +42,31 @@ class BlockSave:
 
 class Blocks:
     """The files of ``one_save()`` blocks, summed per (rank, session, block) until the block's
-    ``one_save`` event closes it."""
+    ``one_save`` event closes it. Kept per (rank, session): a job killed in a block leaves it open,
+    so each Checkpointer keeps its newest few; a cap over all of them dropped open blocks of the
+    ranks of a job larger than it (every rank has one open at each checkpoint)."""
 
     def __init__(self) -> None:
-        self._open: OrderedDict[tuple[int, str | None, str], BlockSave] = OrderedDict()
+        self._open: dict[tuple[int, str | None], OrderedDict[str, BlockSave]] = {}
 
     def add(self, ev: Event) -> None:
         """A ``snapshot`` of a file saved in a block (``ev.block`` set)."""
-        key = (ev.rank, ev.session, str(ev.block))
-        b = self._open.get(key) or BlockSave(ev.start, 0.0, 0, 0)
-        self._open[key] = BlockSave(min(b.start, ev.start), b.blocked_s + ev.duration_s, b.bytes + ev.bytes,
-                                    b.files + 1)
-        while len(self._open) > _OPEN_BLOCKS_KEPT:
-            self._open.popitem(last=False)
+        mine = self._open.setdefault((ev.rank, ev.session), OrderedDict())
+        b = mine.get(str(ev.block)) or BlockSave(ev.start, 0.0, 0, 0)
+        mine[str(ev.block)] = BlockSave(min(b.start, ev.start), b.blocked_s + ev.duration_s, b.bytes + ev.bytes,
+                                        b.files + 1)
+        while len(mine) > _OPEN_BLOCKS_KEPT:
+            mine.popitem(last=False)
 
     def close(self, ev: Event) -> BlockSave | None:
         """The block a ``one_save`` event ends: its files summed (None: none of them is in the log)."""
-        return self._open.pop((ev.rank, ev.session, str(ev.block)), None)
+        mine = self._open.get((ev.rank, ev.session))
+        if mine is None:
+            return None
+        b = mine.pop(str(ev.block), None)
+        if not mine:
+            del self._open[(ev.rank, ev.session)]
+        return b
 
 
 class OverheadReplay:

@@ -122,3 +122,23 @@ def test_a_log_without_blocks_replays_each_file_as_a_save_as_before(tmp_path: Pa
     out = json.loads(res.output)
     assert (res.exit_code, out["saves"], out["files"], out["alarms"]) == (1, 3, 3, 1), out
     assert json.loads(_run("plan", "--from-run", str(old), "--json").output)["measured"]["checkpoints"] == 3
+
+
+def test_every_rank_of_a_large_job_keeps_its_open_block() -> None:
+    """At each checkpoint every rank has a block open at once: a cap over all of them (1,024) dropped
+    the open blocks of a larger job's ranks, whose saves then vanished from the replay."""
+    from fastckpt.events import Event
+    from fastckpt.replay import Blocks
+
+    blocks, ranks = Blocks(), 1100
+    for f in range(2):  # each rank's two files, interleaved across ranks as a merged log is
+        for r in range(ranks):
+            blocks.add(Event("snapshot", r, f"/c/{r}/{f}.pt", 10, 1.0 + f, 1.5 + f, "direct", session="s",
+                             block=f"b{r}"))
+    closed = [blocks.close(Event("one_save", r, f"/c/{r}/0.pt", 20, 9.0, 9.0, "direct", session="s",
+                                 block=f"b{r}")) for r in range(ranks)]
+    assert all(b is not None and b.files == 2 and b.bytes == 20 for b in closed)
+    for i in range(40):  # a Checkpointer killed in blocks over and over keeps its newest few
+        blocks.add(Event("snapshot", 0, "/c/x.pt", 1, i, i, "direct", session="k", block=f"k{i}"))
+    assert blocks.close(Event("one_save", 0, "/c/x.pt", 1, 99, 99, "direct", session="k", block="k39")) is not None
+    assert blocks.close(Event("one_save", 0, "/c/x.pt", 1, 99, 99, "direct", session="k", block="k0")) is None
