@@ -13,10 +13,24 @@ when it is loaded, so in-process tests run as before. No test depends on torch's
 
 import importlib.util
 import os
+from collections.abc import Iterator
 
+import pytest
 import torch  # noqa: F401  (before the line below: this process keeps torch's default thread count)
+
+from tests.cli_child import CliChild
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 if importlib.util.find_spec("tests.conftest_s3") is not None:
     pytest_plugins = ["tests.conftest_s3"]
+
+
+@pytest.fixture(scope="module")
+def cli_child() -> Iterator[CliChild]:
+    """One child process for a test module's ``fastckpt`` command lines (see tests/cli_child.py)."""
+    child = CliChild()
+    try:
+        yield child
+    finally:
+        child.close()

@@ -8,29 +8,38 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.cli_child import CliChild
 from tests.helpers import tmpfs
 
+Doctor = Callable[..., tuple[int, dict | str]]
 
-def _doctor(*args: str, cwd: Path | None = None) -> tuple[int, dict | str]:
-    res = subprocess.run([sys.executable, "-m", "fastckpt.cli", "doctor", *args], capture_output=True, text=True,
-                         cwd=cwd)
-    if "--json" in args and res.returncode in (0, 1):
-        return res.returncode, json.loads(res.stdout)
-    return res.returncode, res.stdout + res.stderr
+
+@pytest.fixture
+def doctor(cli_child: CliChild) -> Doctor:
+    """``fastckpt doctor ARGS`` (in ``cwd``): its exit code and its JSON, or its text. The runs of
+    this module share one child process: a child each spent most of this file's time starting
+    Python and importing torch and the CLI. A test that needs a fresh process starts its own."""
+    def run(*args: str, cwd: Path | None = None) -> tuple[int, dict | str]:
+        res = cli_child.run("doctor", *args, cwd=cwd)
+        if "--json" in args and res.returncode in (0, 1):
+            return res.returncode, json.loads(res.stdout)
+        return res.returncode, res.stdout + res.stderr
+    return run
 
 
 def _by_check(out: dict) -> dict[str, dict]:
     return {f["check"]: f for f in out["findings"]}
 
 
-def test_burst_buffer_and_target_directories(tmp_path: Path) -> None:
-    code, out = _doctor("--local-dir", str(tmp_path / "bb"), "--target", str(tmp_path / "home"),
-                        "--state-size", "64MiB", "--probe-size", "64MiB", "--json")
+def test_burst_buffer_and_target_directories(doctor: Doctor, tmp_path: Path) -> None:
+    code, out = doctor("--local-dir", str(tmp_path / "bb"), "--target", str(tmp_path / "home"),
+                       "--state-size", "64MiB", "--probe-size", "64MiB", "--json")
     f = _by_check(out)
     assert code == 0 and out["ok"], out
     assert f["local_dir.writable"]["status"] == "ok"
@@ -50,8 +59,8 @@ def test_burst_buffer_and_target_directories(tmp_path: Path) -> None:
     assert os.listdir(tmp_path / "bb") == []  # every probe file was removed
 
 
-def test_direct_tier_probes_the_target(tmp_path: Path) -> None:
-    code, out = _doctor("--target", str(tmp_path), "--probe-size", "16MiB", "--json")
+def test_direct_tier_probes_the_target(doctor: Doctor, tmp_path: Path) -> None:
+    code, out = doctor("--target", str(tmp_path), "--probe-size", "16MiB", "--json")
     f = _by_check(out)
     assert code == 0
     assert f["target.bandwidth"]["data"]["write_Bps"] > 0
@@ -59,10 +68,10 @@ def test_direct_tier_probes_the_target(tmp_path: Path) -> None:
     assert "local_dir.writable" not in f
 
 
-def test_a_file_url_target_is_the_local_directory(tmp_path: Path) -> None:
+def test_a_file_url_target_is_the_local_directory(doctor: Doctor, tmp_path: Path) -> None:
     """``file:///DIR`` is the directory DIR to the library (a save there is direct, no burst buffer):
     doctor took it for a remote URL, failed ``target.burst_buffer``, named no tier and exited 1."""
-    code, out = _doctor("--target", f"file://{tmp_path / 'home'}", "--probe-size", "0", "--json")
+    code, out = doctor("--target", f"file://{tmp_path / 'home'}", "--probe-size", "0", "--json")
     f = _by_check(out)
     assert code == 0 and out["ok"], out
     assert "target.burst_buffer" not in f
@@ -70,9 +79,9 @@ def test_a_file_url_target_is_the_local_directory(tmp_path: Path) -> None:
     assert out["auto"]["cpu"] == "direct"
 
 
-def test_tier_probes_a_relative_target_itself(tmp_path: Path) -> None:
+def test_tier_probes_a_relative_target_itself(doctor: Doctor, tmp_path: Path) -> None:
     """The tier probes once ran in the target's parent: '' for a one-part relative target."""
-    code, out = _doctor("--target", "bd", "--probe-size", "0", "--json", cwd=tmp_path)
+    code, out = doctor("--target", "bd", "--probe-size", "0", "--json", cwd=tmp_path)
     assert code == 0, out
     f = _by_check(out)
     assert f["tier.auto.cpu"]["data"]["tier"] == "direct"
@@ -81,42 +90,42 @@ def test_tier_probes_a_relative_target_itself(tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="here GDS may work: the failure path needs no GPU")
-def test_a_requested_tier_that_cannot_work_exits_1(tmp_path: Path) -> None:
-    code, out = _doctor("--local-dir", str(tmp_path / "bb"), "--tier", "gds", "--probe-size", "0", "--json")
+def test_a_requested_tier_that_cannot_work_exits_1(doctor: Doctor, tmp_path: Path) -> None:
+    code, out = doctor("--local-dir", str(tmp_path / "bb"), "--tier", "gds", "--probe-size", "0", "--json")
     f = _by_check(out)
     assert code == 1 and not out["ok"]
     assert f["tier.requested"]["status"] == "fail" and "tier='gds'" in f["tier.requested"]["summary"]
     assert f["tier.requested"]["fix"]
-    code, text = _doctor("--local-dir", str(tmp_path / "bb"), "--tier", "gds", "--probe-size", "0")
+    code, text = doctor("--local-dir", str(tmp_path / "bb"), "--tier", "gds", "--probe-size", "0")
     assert code == 1 and "fail tier.requested" in text and "fix:" in text
 
 
-def test_tier_asked_for_against_the_setup(tmp_path: Path) -> None:
-    code, out = _doctor("--local-dir", str(tmp_path / "bb"), "--tier", "direct", "--probe-size", "0", "--json")
+def test_tier_asked_for_against_the_setup(doctor: Doctor, tmp_path: Path) -> None:
+    code, out = doctor("--local-dir", str(tmp_path / "bb"), "--tier", "direct", "--probe-size", "0", "--json")
     assert code == 1 and "drop local_dir" in _by_check(out)["tier.requested"]["summary"]
-    code, out = _doctor("--local-dir", str(tmp_path / "bb"), "--tier", "nvme", "--probe-size", "0", "--json")
+    code, out = doctor("--local-dir", str(tmp_path / "bb"), "--tier", "nvme", "--probe-size", "0", "--json")
     assert code == 0 and _by_check(out)["tier.requested"]["status"] == "ok"
 
 
-def test_not_enough_space_and_unwritable_dirs(tmp_path: Path) -> None:
-    code, out = _doctor("--local-dir", str(tmp_path / "bb"), "--state-size", "900TB", "--probe-size", "0", "--json")
+def test_not_enough_space_and_unwritable_dirs(doctor: Doctor, tmp_path: Path) -> None:
+    code, out = doctor("--local-dir", str(tmp_path / "bb"), "--state-size", "900TB", "--probe-size", "0", "--json")
     f = _by_check(out)
     assert code == 1 and f["local_dir.free_space"]["status"] == "fail" and f["local_dir.free_space"]["fix"]
     blocker = tmp_path / "a-file"
     blocker.write_text("x")
-    code, out = _doctor("--local-dir", str(blocker / "bb"), "--probe-size", "0", "--json")
+    code, out = doctor("--local-dir", str(blocker / "bb"), "--probe-size", "0", "--json")
     f = _by_check(out)
     assert code == 1 and f["local_dir.writable"]["status"] == "fail"
     assert not any(c.startswith("tier.") for c in f)  # no tier decision on a directory it cannot write
 
 
-def test_a_full_burst_buffer_is_named_full_with_its_fix(tmp_path: Path) -> None:
+def test_a_full_burst_buffer_is_named_full_with_its_fix(doctor: Doctor, tmp_path: Path) -> None:
     """Not "not writable, create it and make it writable": the free-space finding says how much."""
     with tmpfs(tmp_path / "bb", "size=1m") as bb:
         (bb / "fill").write_bytes(b"\0" * (1 << 20))  # tmpfs rounds: fill what is left
         with contextlib.suppress(OSError), open(bb / "fill2", "wb") as f:
             f.write(b"\0" * (1 << 20))
-        code, out = _doctor("--local-dir", str(bb), "--state-size", "1MiB", "--probe-size", "0", "--json")
+        code, out = doctor("--local-dir", str(bb), "--state-size", "1MiB", "--probe-size", "0", "--json")
     f = _by_check(out)
     assert code == 1 and f["local_dir.writable"]["status"] == "fail"
     fix = f["local_dir.writable"]["fix"]
@@ -125,13 +134,13 @@ def test_a_full_burst_buffer_is_named_full_with_its_fix(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("size, verdict", [("12MiB", "ok"), ("20MiB", "fail")])
-def test_a_striped_burst_buffer_needs_a_share_of_the_state_on_each_drive(tmp_path: Path, size: str,
+def test_a_striped_burst_buffer_needs_a_share_of_the_state_on_each_drive(doctor: Doctor, tmp_path: Path, size: str,
                                                                           verdict: str) -> None:
     """Striping spreads a checkpoint's files over the drives: each drive was checked against the
     whole state, so two 8 MiB drives failed for a 12 MiB checkpoint that a save stripes over them."""
     with tmpfs(tmp_path / "nvme0", "size=8m") as d0, tmpfs(tmp_path / "nvme1", "size=8m") as d1:
-        code, out = _doctor("--local-dir", str(d0 / "bb"), "--local-dir", str(d1 / "bb"), "--target",
-                            str(tmp_path / "home"), "--state-size", size, "--keep", "1", "--probe-size", "0", "--json")
+        code, out = doctor("--local-dir", str(d0 / "bb"), "--local-dir", str(d1 / "bb"), "--target",
+                           str(tmp_path / "home"), "--state-size", size, "--keep", "1", "--probe-size", "0", "--json")
     f = _by_check(out)
     share = -(-int(size.removesuffix("MiB")) * (1 << 20) // 2)
     for i in (0, 1):
@@ -143,14 +152,14 @@ def test_a_striped_burst_buffer_needs_a_share_of_the_state_on_each_drive(tmp_pat
 
 
 @pytest.mark.parametrize("size, verdict", [("3MiB", "ok"), ("5MiB", "fail")])
-def test_a_target_on_the_burst_buffers_filesystem_needs_room_for_both(tmp_path: Path, size: str,
+def test_a_target_on_the_burst_buffers_filesystem_needs_room_for_both(doctor: Doctor, tmp_path: Path, size: str,
                                                                        verdict: str) -> None:
     """The burst buffer keeps its copies and the target its own on the one filesystem. Before: each
     free_space was checked alone against all of it, both said ok (exit 0) for two 5 MiB copies on
     8 MiB, and the job ran out of space once the second copy landed."""
     with tmpfs(tmp_path / "fs", "size=8m") as fs:
-        code, out = _doctor("--local-dir", str(fs / "bb"), "--target", str(fs / "home"), "--state-size", size,
-                            "--keep", "1", "--probe-size", "0", "--json")
+        code, out = doctor("--local-dir", str(fs / "bb"), "--target", str(fs / "home"), "--state-size", size,
+                           "--keep", "1", "--probe-size", "0", "--json")
     f = _by_check(out)
     assert f["local_dir.free_space"]["status"] == "ok" and f["target.free_space"]["status"] == "ok"  # alone
     both = f["target.shared_free_space"]
@@ -161,18 +170,18 @@ def test_a_target_on_the_burst_buffers_filesystem_needs_room_for_both(tmp_path: 
         assert "other than the burst buffer's" in both["fix"]
 
 
-def test_no_shared_space_finding_for_separate_filesystems(tmp_path: Path) -> None:
+def test_no_shared_space_finding_for_separate_filesystems(doctor: Doctor, tmp_path: Path) -> None:
     with tmpfs(tmp_path / "nvme", "size=8m") as bb:
-        code, out = _doctor("--local-dir", str(bb / "bb"), "--target", str(tmp_path / "home"), "--state-size",
-                            "5MiB", "--keep", "1", "--probe-size", "0", "--json")
+        code, out = doctor("--local-dir", str(bb / "bb"), "--target", str(tmp_path / "home"), "--state-size",
+                           "5MiB", "--keep", "1", "--probe-size", "0", "--json")
     assert code == 0 and "target.shared_free_space" not in _by_check(out)
 
 
 @pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm")
-def test_memory_filesystem_as_burst_buffer_is_a_warning(tmp_path: Path) -> None:
+def test_memory_filesystem_as_burst_buffer_is_a_warning(doctor: Doctor, tmp_path: Path) -> None:
     bb = Path("/dev/shm") / f"fastckpt-doctor-{os.getpid()}"
     try:
-        code, out = _doctor("--local-dir", str(bb), "--target", str(tmp_path), "--probe-size", "0", "--json")
+        code, out = doctor("--local-dir", str(bb), "--target", str(tmp_path), "--probe-size", "0", "--json")
     finally:
         if bb.exists():
             bb.rmdir()
@@ -182,23 +191,24 @@ def test_memory_filesystem_as_burst_buffer_is_a_warning(tmp_path: Path) -> None:
     assert code == 0 and fs["status"] == "warn" and "RAM" in fs["summary"]
 
 
-def test_bad_usage_exits_2() -> None:
-    assert _doctor("--state-size", "lots")[0] == 2
-    assert _doctor("--tier", "fast")[0] == 2
+def test_bad_usage_exits_2(doctor: Doctor) -> None:
+    assert doctor("--state-size", "lots")[0] == 2
+    assert doctor("--tier", "fast")[0] == 2
 
 
 @pytest.mark.parametrize("size, problem", [("8Gb", "is in bits"), ("0", "must be more than 0"),
                                            ("8G", "cannot read '8G' as a size")])
-def test_sizes_are_read_as_every_other_command_reads_them(tmp_path: Path, size: str, problem: str) -> None:
-    code, text = _doctor("--target", str(tmp_path), "--state-size", size, "--probe-size", "0")
+def test_sizes_are_read_as_every_other_command_reads_them(doctor: Doctor, tmp_path: Path, size: str,
+                                                          problem: str) -> None:
+    code, text = doctor("--target", str(tmp_path), "--state-size", size, "--probe-size", "0")
     assert code == 2 and problem in text and "--state-size" in text
-    code, out = _doctor("--target", str(tmp_path), "--state-size", "1e9", "--probe-size", "0", "--json")
+    code, out = doctor("--target", str(tmp_path), "--state-size", "1e9", "--probe-size", "0", "--json")
     assert code in (0, 1) and _by_check(out)["target.free_space"]["data"]["need_bytes"] == 2e9
 
 
 @pytest.mark.parametrize("asked, probed", [("32MiB", 32 << 20), ("1MiB", 1 << 20), ("3.5MiB", 3 << 20)])
-def test_the_probe_writes_what_was_asked_in_whole_mib(tmp_path: Path, asked: str, probed: int) -> None:
-    code, out = _doctor("--target", str(tmp_path), "--probe-size", asked, "--json")
+def test_the_probe_writes_what_was_asked_in_whole_mib(doctor: Doctor, tmp_path: Path, asked: str, probed: int) -> None:
+    code, out = doctor("--target", str(tmp_path), "--probe-size", asked, "--json")
     assert code in (0, 1)
     assert _by_check(out)["target.bandwidth"]["data"]["probe_bytes"] == probed
 
@@ -310,10 +320,11 @@ def _options(tmp_path: Path, opts: dict) -> str:
     return str(p)
 
 
-def test_s3_target_reachable_with_credentials_never_printed(tmp_path: Path, s3_server, s3_bucket) -> None:
+def test_s3_target_reachable_with_credentials_never_printed(doctor: Doctor, tmp_path: Path, s3_server,
+                                                            s3_bucket) -> None:
     opts = s3_server.storage_options()
-    code, out = _doctor("--local-dir", str(tmp_path / "bb"), "--target", f"s3://{s3_bucket}/run", "--probe-size",
-                        "0", "--storage-options", _options(tmp_path, opts), "--json")
+    code, out = doctor("--local-dir", str(tmp_path / "bb"), "--target", f"s3://{s3_bucket}/run", "--probe-size",
+                       "0", "--storage-options", _options(tmp_path, opts), "--json")
     f = _by_check(out)
     assert code == 0, out
     assert f["target.reachable"]["status"] == "ok"
@@ -325,21 +336,22 @@ def test_s3_target_reachable_with_credentials_never_printed(tmp_path: Path, s3_s
     assert s3_server.client().list_objects_v2(Bucket=s3_bucket).get("KeyCount", 0) == 0  # probe deleted
 
 
-def test_s3_wrong_secret_or_bucket_fails_without_printing_the_secret(tmp_path: Path, s3_server, s3_bucket) -> None:
+def test_s3_wrong_secret_or_bucket_fails_without_printing_the_secret(doctor: Doctor, tmp_path: Path, s3_server,
+                                                                     s3_bucket) -> None:
     wrong = s3_server.storage_options(secret="not-the-secret-0123456789")
-    code, out = _doctor("--local-dir", str(tmp_path / "bb"), "--target", f"s3://{s3_bucket}/run", "--probe-size",
-                        "0", "--storage-options", _options(tmp_path, wrong), "--json")
+    code, out = doctor("--local-dir", str(tmp_path / "bb"), "--target", f"s3://{s3_bucket}/run", "--probe-size",
+                       "0", "--storage-options", _options(tmp_path, wrong), "--json")
     f = _by_check(out)
     assert code == 1 and f["target.reachable"]["status"] == "fail"
     assert "not-the-secret-0123456789" not in json.dumps(out)
-    code, out = _doctor("--local-dir", str(tmp_path / "bb"), "--target", "s3://no-such-bucket-fastckpt/run",
-                        "--probe-size", "0", "--storage-options", _options(tmp_path, s3_server.storage_options()),
-                        "--json")
+    code, out = doctor("--local-dir", str(tmp_path / "bb"), "--target", "s3://no-such-bucket-fastckpt/run",
+                       "--probe-size", "0", "--storage-options", _options(tmp_path, s3_server.storage_options()),
+                       "--json")
     assert code == 1 and "does not exist" in _by_check(out)["target.reachable"]["summary"]
 
 
-def test_url_target_needs_a_burst_buffer(tmp_path: Path, s3_server, s3_bucket) -> None:
-    code, out = _doctor("--target", f"s3://{s3_bucket}/run", "--storage-options",
-                        _options(tmp_path, s3_server.storage_options()), "--json")
+def test_url_target_needs_a_burst_buffer(doctor: Doctor, tmp_path: Path, s3_server, s3_bucket) -> None:
+    code, out = doctor("--target", f"s3://{s3_bucket}/run", "--storage-options",
+                       _options(tmp_path, s3_server.storage_options()), "--json")
     assert code == 1 and _by_check(out)["target.burst_buffer"]["status"] == "fail"
     assert not any(c.startswith("tier.") for c in _by_check(out)) and not out["auto"]  # a save there raises
