@@ -285,8 +285,10 @@ def test_sigterm_mid_probe_removes_the_probe_file(tmp_path: Path) -> None:
     assert os.listdir(bb) == []
 
 
-# As _HELD, but the probe's first write never returns (a hung NFS/FUSE mount): the worker stays stuck.
-_HUNG = _HELD.replace("import sys\n", "import sys, threading\n").replace(
+# As _HELD, but the probe's first write never returns (a hung NFS/FUSE mount): the worker stays stuck,
+# and the watchdog ends the process. It waits 3 s here, not CLEANUP_S's 10: the same path, 7 s sooner.
+_HUNG = _HELD.replace("import sys\n", "import sys, threading\nfrom fastckpt.cli import _signals\n"
+                      "_signals.CLEANUP_S = 3.0\n").replace(
     "sys.stdin.readline()  # until the parent has sent its signal", "threading.Event().wait()  # never returns")
 
 
@@ -297,7 +299,7 @@ def test_one_signal_ends_doctor_while_its_probe_write_hangs(tmp_path: Path, sig:
     signal on exactly the storage it was run to diagnose. Now the pool is left, the probe file
     removed, and the watchdog of cli/_signals.py ends the process within CLEANUP_S, after Ctrl-C
     too (r6_doctor_ctrlc_hangs_on_stuck_probe: it hung there once SIGTERM's case was mended)."""
-    assert "never returns" in _HUNG
+    assert "never returns" in _HUNG and "CLEANUP_S = 3.0" in _HUNG
     bb = tmp_path / "bb"
     p = subprocess.Popen([sys.executable, "-u", "-c", _HUNG, str(bb), str(tmp_path / "home")],
                          stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
