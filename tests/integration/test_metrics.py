@@ -7,12 +7,14 @@ event log of a Checkpointer from another process. Values are checked against Sav
 from __future__ import annotations
 
 import errno
+import functools
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -24,11 +26,23 @@ from fastckpt.io.atomic import TMP_TAG
 from fastckpt.metrics import sample_names
 from fastckpt.report import load_run
 from fastckpt.testing import Fault, FaultyOps
+from tests.cli_child import CliChild
 
 from ._scrape import names, scrape, value
 
 pytest.importorskip("prometheus_client")
 R0 = {"rank": "0"}
+
+
+Serve = Callable[..., subprocess.CompletedProcess]
+
+
+@pytest.fixture
+def serve(cli_child: CliChild) -> Serve:
+    """``fastckpt serve-metrics ARGS``, run in the child this module's one-shot commands share: a
+    child each spent most of their time starting Python and importing torch and the CLI. The
+    exporter that follows a running job's log keeps a process of its own."""
+    return functools.partial(cli_child.run, "serve-metrics")
 
 
 def _state(n: int = 256 * 1024) -> dict:
@@ -280,41 +294,37 @@ def test_serve_metrics_follows_a_running_jobs_log(tmp_path: Path) -> None:
     assert "bb does not exist: give the burst buffer's directory" in err  # said once, at the start
 
 
-def test_serve_metrics_once_prints_the_exposition(tmp_path: Path) -> None:
+def test_serve_metrics_once_prints_the_exposition(serve: Serve, tmp_path: Path) -> None:
     log = tmp_path / "events.jsonl"
     with Checkpointer(event_log=str(log)) as ck:
         rec = ck.save(_state(1024), str(tmp_path / "a.pt")).wait()
-    out = subprocess.run([sys.executable, "-m", "fastckpt.cli", "serve-metrics", "--event-log", str(log), "--once"],
-                         capture_output=True, text=True, check=True).stdout
+    text, as_json = serve("--event-log", str(log), "--once"), serve("--event-log", str(log), "--once", "--json")
+    assert text.returncode == as_json.returncode == 0, text.stderr + as_json.stderr
     from ._scrape import parse
 
-    got = parse(out)
+    got = parse(text.stdout)
     assert value(got, "fastckpt_saved_bytes_total", rank="0", tier="direct") == rec.bytes
-    js = json.loads(subprocess.run([sys.executable, "-m", "fastckpt.cli", "serve-metrics", "--event-log", str(log),
-                                    "--once", "--json"], capture_output=True, text=True, check=True).stdout)
+    js = json.loads(as_json.stdout)
     assert js["events"] == 3 and js["ranks"][0]["pending"] == 0
     assert os.path.exists(log)
 
 
-def _serve(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "fastckpt.cli", "serve-metrics", *args], capture_output=True,
-                          text=True, timeout=60)
 
 
-def test_serve_metrics_once_on_a_log_that_does_not_exist_is_a_usage_error(tmp_path: Path) -> None:
+def test_serve_metrics_once_on_a_log_that_does_not_exist_is_a_usage_error(serve: Serve, tmp_path: Path) -> None:
     """A server may start before its job writes the log; a one-shot read of a path that is not
     there is a typo, and printed zero events with exit 0."""
-    r = _serve("--event-log", str(tmp_path / "typo.jsonl"), "--once", "--json")
+    r = serve("--event-log", str(tmp_path / "typo.jsonl"), "--once", "--json")
     assert r.returncode == 2 and "typo.jsonl does not exist" in r.stderr and r.stdout == ""
 
 
-def test_serve_metrics_once_refuses_a_local_dir_that_does_not_exist(tmp_path: Path) -> None:
+def test_serve_metrics_once_refuses_a_local_dir_that_does_not_exist(serve: Serve, tmp_path: Path) -> None:
     """A misspelt --local-dir (or one not mounted in the exporter's container) reported the free
     space of the parent its path climbs to (/, here) as the burst buffer's."""
     log = tmp_path / "events.jsonl"
     with Checkpointer(event_log=str(log)) as ck:
         ck.save(_state(1024), str(tmp_path / "a.pt")).wait()
-    r = _serve("--event-log", str(log), "--local-dir", str(tmp_path / "nvme-typo"), "--once")
+    r = serve("--event-log", str(log), "--local-dir", str(tmp_path / "nvme-typo"), "--once")
     assert r.returncode == 2 and r.stdout == ""
     assert f"{tmp_path / 'nvme-typo'} does not exist: give the burst buffer's directory" in r.stderr
 
@@ -337,7 +347,7 @@ def test_a_burst_buffer_that_is_not_here_is_absent_not_its_parents_space(tmp_pat
     assert value(got, "fastckpt_filesystem_free_bytes", role="burst_buffer") > 0
 
 
-def test_a_line_that_is_not_an_event_is_skipped_while_serving(tmp_path: Path) -> None:
+def test_a_line_that_is_not_an_event_is_skipped_while_serving(serve: Serve, tmp_path: Path) -> None:
     """A scrape, and the exporter's own poll, read past a bad line to the events after it."""
     from fastckpt.metrics import LogExporter
 
@@ -358,7 +368,7 @@ def test_a_line_that_is_not_an_event_is_skipped_while_serving(tmp_path: Path) ->
         assert value(got, "fastckpt_saves_total", rank="0", tier="direct") == 1
     finally:
         exporter.close()
-    r = _serve("--event-log", str(log), "--event-log", str(log), "--once", "--json")
+    r = serve("--event-log", str(log), "--event-log", str(log), "--once", "--json")
     assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
     assert json.loads(r.stdout)["bad_lines"] == 3 and f"{log}:{good.count(chr(10)) + 1}" in r.stderr
 
@@ -375,7 +385,8 @@ os._exit(9)  # killed while last.ckpt is being written
 """
 
 
-def test_a_resumed_jobs_log_measures_each_save_from_its_own_call(tmp_path: Path) -> None:
+def test_a_resumed_jobs_log_measures_each_save_from_its_own_call(cli_child: CliChild, serve: Serve,
+                                                                 tmp_path: Path) -> None:
     """A job killed mid-save, then resumed with the same event_log, saves the same fixed name
     (Lightning's last.ckpt) again: serve-metrics and report measure each new save from its own
     call, and the killed job's save is abandoned, not pending for ever."""
@@ -385,7 +396,7 @@ def test_a_resumed_jobs_log_measures_each_save_from_its_own_call(tmp_path: Path)
     assert killed.returncode == 9, killed.stderr
     with Checkpointer(event_log=str(log), overhead_budget=0.99) as ck:
         recs = [ck.save(_state(1024), path).wait() for _ in range(3)]
-    r = _serve("--event-log", str(log), "--once")
+    r = serve("--event-log", str(log), "--once")
     assert r.returncode == 0, r.stderr
     from ._scrape import parse
 
@@ -405,32 +416,31 @@ def test_a_resumed_jobs_log_measures_each_save_from_its_own_call(tmp_path: Path)
     assert all(s.start < s.durable_at < later for s, later in zip(saves[1:], snaps[2:] + [float("inf")]))
     assert [s.abandoned for s in saves] == [True, False, False, False]
     assert (summary.durable, summary.pending, summary.abandoned, summary.failed) == (3, 0, 1, 0)
-    rep = subprocess.run([sys.executable, "-m", "fastckpt.cli", "report", str(log), "--json", "--overhead-budget",
-                          "0.99"], capture_output=True, text=True, timeout=120)
+    rep = cli_child.run("report", str(log), "--json", "--overhead-budget", "0.99")
     assert rep.returncode == 0, rep.stderr
     assert json.loads(rep.stdout)["abandoned"] == 1
 
 
-def test_the_same_log_twice_or_through_a_symlink_is_counted_once(tmp_path: Path) -> None:
+def test_the_same_log_twice_or_through_a_symlink_is_counted_once(serve: Serve, tmp_path: Path) -> None:
     log = tmp_path / "events.jsonl"
     with Checkpointer(event_log=str(log)) as ck:
         ck.save(_state(1024), str(tmp_path / "a.pt")).wait()
     (tmp_path / "link.jsonl").symlink_to(log)
-    r = _serve("--event-log", str(log), "--event-log", str(tmp_path / "link.jsonl"), "--once")
+    r = serve("--event-log", str(log), "--event-log", str(tmp_path / "link.jsonl"), "--once")
     assert r.returncode == 0, r.stderr
     from ._scrape import parse
 
     assert value(parse(r.stdout), "fastckpt_saves_total", rank="0", tier="direct") == 1
 
 
-def test_serve_metrics_bind_errors_name_the_flag(tmp_path: Path) -> None:
+def test_serve_metrics_bind_errors_name_the_flag(serve: Serve, tmp_path: Path) -> None:
     log = str(tmp_path / "events.jsonl")
-    r = _serve("--event-log", log, "--addr", "256.1.1.1", "--port", "0")
+    r = serve("--event-log", log, "--addr", "256.1.1.1", "--port", "0")
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
     assert "cannot serve metrics on 256.1.1.1" in r.stderr
     with Checkpointer(metrics_port=0) as ck:
         port = ck.metrics_url.rsplit(":", 1)[1].split("/")[0]
-        r = _serve("--event-log", log, "--port", port)
+        r = serve("--event-log", log, "--port", port)
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
     assert "Choose another --port" in r.stderr and "LOCAL_RANK" not in r.stderr
 
@@ -465,7 +475,7 @@ def test_an_exporter_started_at_interpreter_shutdown_does_not_hang_the_exit() ->
         in r.stderr
 
 
-def test_both_exporters_count_a_group_file_awaiting_its_commit_as_stats_does(tmp_path: Path) -> None:
+def test_both_exporters_count_a_group_file_awaiting_its_commit_as_stats_does(serve: Serve, tmp_path: Path) -> None:
     """A file saved into a group, at its path, before commit(): stats().pending and the in-process
     gauge said 0, while serve-metrics (replaying the log) said 1 for the same job."""
     log = tmp_path / "events.jsonl"
@@ -474,7 +484,7 @@ def test_both_exporters_count_a_group_file_awaiting_its_commit_as_stats_does(tmp
         g = str(tmp_path / "home" / "step-1")
         ck.save(_state(1024), f"{g}/model.pt", group=g).wait(60)
         inproc = value(scrape(ck.metrics_url), "fastckpt_pending_saves", rank="0")
-        replay = _serve("--event-log", str(log), "--once")
+        replay = serve("--event-log", str(log), "--once")
         assert replay.returncode == 0, replay.stderr
         from ._scrape import parse
 

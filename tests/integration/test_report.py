@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import base64
 import errno
+import functools
 import json
 import re
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +19,7 @@ import torch
 
 from fastckpt import Checkpointer, CheckpointWriteError
 from fastckpt.testing import Fault, FaultyOps
+from tests.cli_child import CliChild
 
 pytest.importorskip("matplotlib")
 from PIL import Image  # noqa: E402 (matplotlib brings pillow)
@@ -24,8 +27,14 @@ from PIL import Image  # noqa: E402 (matplotlib brings pillow)
 SAVES = 5
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "fastckpt.cli", "report", *args], capture_output=True, text=True)
+Report = Callable[..., subprocess.CompletedProcess]
+
+
+@pytest.fixture
+def report(cli_child: CliChild) -> Report:
+    """``fastckpt report ARGS``, run in the child this module's reports share: a child each spent
+    most of this file's time starting Python and importing torch, the CLI and matplotlib."""
+    return functools.partial(cli_child.run, "report")
 
 
 @pytest.fixture(scope="module")
@@ -50,9 +59,9 @@ def _log(log: Path) -> list[dict]:
     return [json.loads(line) for line in log.read_text().splitlines()]
 
 
-def test_summary_numbers_match_the_log_and_the_records(run: tuple[Path, list]) -> None:
+def test_summary_numbers_match_the_log_and_the_records(report: Report, run: tuple[Path, list]) -> None:
     log, recs = run
-    res = _cli(str(log), "--json")
+    res = report(str(log), "--json")
     assert res.returncode == 1, res.stderr  # a save failed: the check fails
     got = json.loads(res.stdout)
     events = _log(log)
@@ -75,10 +84,10 @@ def test_summary_numbers_match_the_log_and_the_records(run: tuple[Path, list]) -
     assert got["alarms"] == rank["alarms"] >= 0
 
 
-def test_png_and_self_contained_html(run: tuple[Path, list], tmp_path: Path) -> None:
+def test_png_and_self_contained_html(report: Report, run: tuple[Path, list], tmp_path: Path) -> None:
     log, _ = run
     png, page = tmp_path / "report.png", tmp_path / "report.html"
-    res = _cli(str(log), "-o", str(png), "--html", str(page), "--overhead-budget", "0.5")
+    res = report(str(log), "-o", str(png), "--html", str(page), "--overhead-budget", "0.5")
     assert res.returncode == 1, res.stderr
     assert "6 saves (nvme 6) by 1 rank(s)" in res.stdout and "failures: write: CheckpointWriteError x1" in res.stdout
     with Image.open(png) as im:
@@ -92,32 +101,32 @@ def test_png_and_self_contained_html(run: tuple[Path, list], tmp_path: Path) -> 
     assert "<script" not in html
 
 
-def test_html_alone_and_bad_input(run: tuple[Path, list], tmp_path: Path) -> None:
+def test_html_alone_and_bad_input(report: Report, run: tuple[Path, list], tmp_path: Path) -> None:
     log, _ = run
     page = tmp_path / "only.html"
-    assert _cli(str(log), "--html", str(page)).returncode == 1
+    assert report(str(log), "--html", str(page)).returncode == 1
     assert "data:image/png;base64," in page.read_text()
     assert list(tmp_path.iterdir()) == [page]  # the PNG it embedded was not left behind
     bad = tmp_path / "bad.jsonl"
     bad.write_text("hello\n")
-    res = _cli(str(bad))
+    res = report(str(bad))
     assert res.returncode == 2 and "not JSON" in res.stderr
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
-    assert _cli(str(empty)).returncode == 2
-    assert _cli(str(tmp_path / "missing.jsonl")).returncode == 2
+    assert report(str(empty)).returncode == 2
+    assert report(str(tmp_path / "missing.jsonl")).returncode == 2
 
 
-def test_a_clean_run_passes(tmp_path: Path) -> None:
+def test_a_clean_run_passes(report: Report, tmp_path: Path) -> None:
     log = tmp_path / "events.jsonl"
     with Checkpointer(event_log=str(log)) as ck:
         ck.save({"w": torch.randn(1024)}, str(tmp_path / "a.pt")).wait()
-    res = _cli(str(log))
+    res = report(str(log))
     assert res.returncode == 0, res.stdout + res.stderr
     assert "overhead n/a (fewer than 2 saves)" in res.stdout
 
 
-def test_a_group_removed_before_its_commit_is_no_failure(tmp_path: Path) -> None:
+def test_a_group_removed_before_its_commit_is_no_failure(report: Report, tmp_path: Path) -> None:
     """docs/report.md: exit 1 when a group commit failed, not one ended by ``remove()``. The file
     saved into the removed group is abandoned (not pending, not failed). Before: the group's
     GroupRemovedError failed its file too, and the report exited 1."""
@@ -132,7 +141,7 @@ def test_a_group_removed_before_its_commit_is_no_failure(tmp_path: Path) -> None
             ck.commit(str(g)).wait()
     assert [(e["name"], (e.get("error") or "")[:17]) for e in _log(log) if e.get("detail") == "group"] == \
         [("committing", ""), ("commit", "GroupRemovedError")]
-    res = _cli(str(log), "--json")
+    res = report(str(log), "--json")
     assert res.returncode == 0, res.stdout + res.stderr
     out = json.loads(res.stdout)
     assert (out["durable"], out["pending"], out["abandoned"], out["failed"]) == (0, 0, 1, 0)
@@ -158,33 +167,34 @@ def test_a_figure_without_matplotlib_is_a_usage_error(run: tuple[Path, list], tm
     assert not out.exists()
 
 
-def test_an_output_in_a_missing_directory_is_named_without_a_traceback(run: tuple[Path, list], tmp_path: Path) -> None:
+def test_an_output_in_a_missing_directory_is_named_without_a_traceback(report: Report, run: tuple[Path, list],
+                                                                        tmp_path: Path) -> None:
     log, _ = run
     for flag, name in (("-o", "x.png"), ("--html", "x.html")):
         target = tmp_path / "missing" / name
-        res = _cli(str(log), flag, str(target))
+        res = report(str(log), flag, str(target))
         assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
         assert f"{target}: the directory {target.parent} does not exist" in res.stderr
         assert ".html.png" not in res.stderr
 
 
-def test_html_leaves_a_users_file_beside_it_alone(run: tuple[Path, list], tmp_path: Path) -> None:
+def test_html_leaves_a_users_file_beside_it_alone(report: Report, run: tuple[Path, list], tmp_path: Path) -> None:
     log, _ = run
     mine = tmp_path / "page.html.png"
     mine.write_bytes(b"the user's own file")
-    assert _cli(str(log), "--html", str(tmp_path / "page.html")).returncode == 1
+    assert report(str(log), "--html", str(tmp_path / "page.html")).returncode == 1
     assert mine.read_bytes() == b"the user's own file"
 
 
-def test_a_binary_log_is_named(tmp_path: Path) -> None:
+def test_a_binary_log_is_named(report: Report, tmp_path: Path) -> None:
     bad = tmp_path / "bin.jsonl"
     bad.write_bytes(b'\x89PNG\r\n\x1a\n\x00\xff\n')
-    res = _cli(str(bad))
+    res = report(str(bad))
     assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
     assert f"{bad}:" in res.stderr and "not UTF-8" in res.stderr
 
 
-def test_a_long_runs_log_is_drawn(tmp_path: Path) -> None:
+def test_a_long_runs_log_is_drawn(report: Report, tmp_path: Path) -> None:
     """20,000 saves (100,000 events) of four ranks: one artist per phase never finished."""
     from fastckpt.events import Event
 
@@ -199,14 +209,14 @@ def test_a_long_runs_log_is_drawn(tmp_path: Path) -> None:
                 f.write(Event(name, i % 4, path, 1000, t + a, t + b, "nvme").to_json() + "\n")
             t += 1.0
     png = tmp_path / "long.png"
-    res = _cli(str(log), "-o", str(png))
+    res = report(str(log), "-o", str(png))
     assert res.returncode == 0, res.stderr
     assert "20000 saves (nvme 20000) by 4 rank(s)" in res.stdout
     with Image.open(png) as im:
         assert im.format == "PNG" and im.size[0] >= 800
 
 
-def test_over_the_log_spans_the_group_commit(tmp_path: Path) -> None:
+def test_over_the_log_spans_the_group_commit(report: Report, tmp_path: Path) -> None:
     """docs/report.md: over the log = blocked / (the last event's end - the first save's start), in one session."""
     from fastckpt.events import Event
 
@@ -218,12 +228,12 @@ def test_over_the_log_spans_the_group_commit(tmp_path: Path) -> None:
                 Event("commit", 0, p, 10, 101 + t, 102 + t, "direct")]
     evs.append(Event("commit", 0, "/h/g10.0", 20, 112, 140, "direct", detail="group"))
     log.write_text("".join(e.to_json() + "\n" for e in evs))
-    res = _cli(str(log), "--json")
+    res = report(str(log), "--json")
     (rank,) = json.loads(res.stdout)["ranks"]
     assert rank["log_overhead"] == pytest.approx(2.0 / 40.0)
 
 
-def test_over_the_log_leaves_out_the_gap_between_a_killed_job_and_its_resume(tmp_path: Path) -> None:
+def test_over_the_log_leaves_out_the_gap_between_a_killed_job_and_its_resume(report: Report, tmp_path: Path) -> None:
     """A resumed job appends to the killed one's log: each session counts from its first save to
     its last event; the hour in between was no run time (before: 4 s blocked over 3,620 s)."""
     from fastckpt.events import Event
@@ -236,6 +246,6 @@ def test_over_the_log_leaves_out_the_gap_between_a_killed_job_and_its_resume(tmp
             evs += [Event("snapshot", 0, p, 10, t0 + t, t0 + t + 1, "direct", session=session),
                     Event("commit", 0, p, 10, t0 + t + 1, t0 + t + 2, "direct", session=session)]
     log.write_text("".join(e.to_json() + "\n" for e in evs))
-    res = _cli(str(log), "--json")
+    res = report(str(log), "--json")
     (rank,) = json.loads(res.stdout)["ranks"]
     assert rank["log_overhead"] == pytest.approx(4.0 / (12.0 + 12.0))
