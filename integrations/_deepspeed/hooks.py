@@ -367,7 +367,7 @@ class EngineHooks:
         joins, self.fe.last_read = LoadRejoin(self.engine, consolidates), None
         try:
             try:
-                with joins.watch(), fp32.weights_only_load(where, str(tag)) if consolidates \
+                with joins.watch(), fp32.weights_only_load(where, str(tag), self.fe.load) if consolidates \
                         else contextlib.nullcontext():  # ZeRO-3's weights-only load reads this tag, verified
                     return self._load(where, tag=tag, **kwargs)
             except Exception as exc:  # on this rank only, maybe: the others go on into DeepSpeed's collectives

@@ -67,8 +67,8 @@ def preread(engine: object, where: str, tag: str, kwargs: dict, read: Callable[[
             check: Callable[[str], object]) -> None:
     """Read (``read``: the checkpoint engine's verified load, kept for DeepSpeed's) the files this
     rank's DeepSpeed load of ``where/tag`` will ask for; ``check`` (the same load, not kept) the
-    ones ZeRO-3's weights-only load reads outside the checkpoint engine (``fp32.py``). Raises what
-    a read raised."""
+    ones ZeRO-3's weights-only consolidation reads (through the same load again, ``fp32.py``).
+    Raises what a read raised."""
     e = engine
     if e.load_universal_checkpoint():  # type: ignore[attr-defined]
         return

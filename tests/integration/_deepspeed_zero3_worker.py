@@ -13,6 +13,14 @@ each rank writes ROOT/results/rank{r}.json:
             from its own consolidation of every rank's files, outside the checkpoint engine):
             the weights are the tag's, not those of the tag ``latest`` names; a damaged file of
             the tag raises CorruptCheckpointError on both ranks
+  bbweights  the same with a burst buffer (``local_dir``, one for both ranks: one node): a bit of
+            rank 1's fp32 weights in its optimizer file at save_dir is flipped after the save was
+            durable (the burst-buffer copy intact); the load gives the saved weights (read, verified,
+            from the burst buffer), never the damaged file's (DeepSpeed's consolidation read it itself)
+  resave    the same, while another engine saves that tag again (other weights, 4 steps) and its
+            save is published between DeepSpeed's parse of the model files and of the optimizer files
+            (its ``parse_optim_states`` wrapped): the load starts over and loads the new save whole, on
+            both ranks (before: its weights, with the old save's step counters)
   dsconfig  a numpy scalar in the DeepSpeed config (DeepSpeed stores the config in every file),
             or a value of the user's own class (a str subclass): refused at initialize, naming its
             key (every checkpoint saved would have been unloadable with weights_only=True)
@@ -128,6 +136,65 @@ def weights_only(root: str) -> None:
     RESULTS["weightsonly"] = {"raised": raised}
 
 
+def burst_buffer_weights(root: str) -> None:
+    rank = dist.get_rank()
+    d, section = os.path.join(root, "bbweights"), {"local_dir": os.path.join(root, "nvme")}  # one node's drive
+    w = engine(0, section)
+    train(w, 1, 2)
+    w.save_checkpoint(d, "t1")
+    t1_w = full_weights(w)
+    w.destroy()  # durable at save_dir, and kept in the burst buffer
+    dist.barrier()
+    if rank == 0:  # one bit of rank 1's fp32 weights at save_dir: the file stays readable, the weights change
+        path = os.path.join(d, "t1", "zero_pp_rank_1_mp_rank_00_optim_states.pt")
+        groups = torch.load(path, map_location="cpu", weights_only=False)["optimizer_state_dict"]["fp32_flat_groups"]
+        with open(path, "rb") as f:
+            data = bytearray(f.read())
+        at = data.find(groups[0].detach().numpy().tobytes())
+        assert at > 0, "rank 1's fp32 partition is not stored whole in its file"
+        data[at + 1] ^= 0x01
+        with open(path, "wb") as f:
+            f.write(data)
+    dist.barrier()
+    r = engine(1, section)
+    r.load_checkpoint(d, "t1", load_optimizer_states=False)
+    loaded = full_weights(r)
+    r.destroy()
+    RESULTS["bbweights"] = {"differing": sorted(k for k in t1_w if not torch.equal(loaded[k], t1_w[k]))}
+
+
+def resave_during_consolidation(root: str) -> None:
+    import deepspeed.utils.zero_to_fp32 as ds_fp32
+
+    d, section = os.path.join(root, "resave"), {"local_dir": os.path.join(root, "nvme")}
+    w = engine(0, section)
+    train(w, 1, 2)
+    w.save_checkpoint(d, "t1")
+    w.destroy()
+    b = engine(2, section)  # the job that saves t1 again, with other weights and step counters
+    train(b, 1, 4)
+    b_w = full_weights(b)
+    parse, resaves = ds_fp32.parse_optim_states, []
+
+    def parse_optim_states(*args: object) -> object:  # DeepSpeed's own, after a re-save of t1 swapped in (once)
+        if not resaves:
+            resaves.append("t1")
+            b.save_checkpoint(d, "t1")
+            b.destroy()  # durable: the new save of t1 is published
+        return parse(*args)
+
+    r = engine(1, section)
+    ds_fp32.parse_optim_states = parse_optim_states
+    try:
+        r.load_checkpoint(d, "t1", load_optimizer_states=False)
+    finally:
+        ds_fp32.parse_optim_states = parse
+    loaded = full_weights(r)
+    RESULTS["resave"] = {"resaves": resaves, "global_steps": r.global_steps,
+                         "differing": sorted(k for k in b_w if not torch.equal(loaded[k], b_w[k]))}
+    r.destroy()
+
+
 def ds_config_values(root: str) -> None:
     import numpy as np
 
@@ -143,7 +210,8 @@ def ds_config_values(root: str) -> None:
     RESULTS["dsconfig"] = {"refused": refused}
 
 
-SCENARIOS = {"onerank": one_rank, "weightsonly": weights_only, "dsconfig": ds_config_values}
+SCENARIOS = {"onerank": one_rank, "weightsonly": weights_only, "bbweights": burst_buffer_weights,
+             "resave": resave_during_consolidation, "dsconfig": ds_config_values}
 
 
 def main(root: str, names: list[str]) -> None:

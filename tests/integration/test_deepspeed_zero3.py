@@ -42,6 +42,23 @@ def test_a_weights_only_load_reads_its_own_tag_verified(tmp_path: Path) -> None:
     assert [got[r]["weightsonly"]["raised"] for r in (0, 1)] == ["CorruptCheckpointError"] * 2
 
 
+def test_a_weights_only_load_with_a_burst_buffer_reads_the_verified_bytes(tmp_path: Path) -> None:
+    """The same with a ``local_dir``: fastckpt verified the burst-buffer copies while DeepSpeed's
+    consolidation read save_dir's files itself, so a bit flipped in a save_dir file since the save
+    was loaded into the weights unnoticed; now the consolidation reads through fastckpt's verified
+    load (the intact burst-buffer copy), and the saved weights load on both ranks."""
+    got = launch(tmp_path, "bbweights")
+    for r in (0, 1):
+        assert got[r]["bbweights"] == {"differing": []}  # was: ["0.weight"], the flipped bit's
+
+def test_a_weights_only_load_notices_a_resave_during_the_consolidation(tmp_path: Path) -> None:
+    """A re-save of the tag published while DeepSpeed's consolidation reads its files: the new
+    save's weights were loaded beside the old save's step counters (2); now the consolidation's
+    reads are of the pinned save, the change is noticed, and the new save loads whole on both ranks."""
+    got = launch(tmp_path, "resave")
+    for r in (0, 1):
+        assert got[r]["resave"] == {"resaves": ["t1"], "global_steps": 4, "differing": []}
+
 
 def test_a_deepspeed_config_value_a_safe_load_refuses_is_named_at_initialize(tmp_path: Path) -> None:
     """DeepSpeed stores its config in every file: a numpy scalar there made every checkpoint
