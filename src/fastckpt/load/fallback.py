@@ -1,5 +1,5 @@
 """Judging a burst-buffer copy by its home: as a group's file (``check_group``), and whether it
-may stand in for a damaged home copy (``Loader._compare``'s
+may stand in for a damaged home copy (``load.verdict``'s
 ``HOME_FIRST``: the home file's manifest does not read, or it is no complete zip).
 
 Such a home file cannot say which save it holds. It may be this save's copy with a damaged tail

@@ -2,8 +2,8 @@
 
 A save of the path in flight on the same Checkpointer is waited for first. Copies are then
 tried in order: the burst-buffer copy in ``local_dir`` (when there is one, and it is of the same
-save as the copy at the path, by the checksum in its manifest or, at a URL, its sidecar: see
-``Loader._compare``), then the path itself. Each copy is read through its
+save as the copy at the path, by the checksum in its manifest or, at a URL, its sidecar and the
+object's own manifest: see ``load.verdict``), then the path itself. Each copy is read through its
 home's ``Target`` (``storage.homes``): a file on a mounted file system in parallel through one
 open descriptor (O_DIRECT where honoured), an object with parallel ranged reads; either way
 the checksum of the covered bytes is computed while the bytes arrive. A copy that fails to read
@@ -27,7 +27,6 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from ..commit.foreign import torch_zip
 from ..commit.membership import NotPublishedError
 from ..errors import (
     ConfigError,
@@ -36,11 +35,9 @@ from ..errors import (
     IncompleteCheckpointError,
     UnverifiableCheckpointError,
 )
-from ..format.manifest import file_order
 from ..io.atomic import discard, tmp_name
 from ..io.engine import ImageFactory
 from ..storage.homes import Homes, Location
-from ..storage.types import TargetNotFoundError, TargetUnavailableError
 from .deserialize import deserialize
 from .fallback import OTHER_SAVE, check_group, home_entry, local_where, one_load, read_again, refused
 from .image import heap_image
@@ -48,15 +45,11 @@ from .into import check_into, check_map_location, in_place, place
 from .missing import a_directory, not_found
 from .pins import Pins
 from .prefetch import NOTHING, identity, put
-from .published import check_published, home_sidecar
+from .published import check_published
 from .unverified import damage, load_unverified, warn_unverified
+from .verdict import HOME_FIRST, OLDER, SAME, SAME_SAVE_CHECK_S, compare
 
 log = logging.getLogger("fastckpt")
-#: How long the check that the burst-buffer copy is of the save at an object-store home retries
-#: a store that does not answer, before the local copy is loaded anyway (as without the check).
-SAME_SAVE_CHECK_S = 5.0
-#: How the burst-buffer copy relates to the home's (``Loader._compare``)
-SAME, OTHER, OLDER, HOME_FIRST = "same", "other", "older", "home first"
 
 
 @dataclass(frozen=True)
@@ -239,77 +232,12 @@ class Loader:
         if judged is None or judged == NOTHING:
             return [(home, where)], judged
         local = self._homes.resolve(local_name)  # type: ignore[arg-type]
-        verdict = self._compare(local, home)
+        verdict = compare(local, home, self._in_group)
         if verdict == HOME_FIRST:  # the home first; the local copy after it only if of the same save
             return [(home, where), (local, local_where(local, home, self._in_group))], None
         if verdict == SAME:
             return [(local, "local"), (home, where)], None
         return [(home, where)], judged if verdict == OLDER else None  # of a save that never reached path, or older
-
-    def _compare(self, local: Location, home: Location) -> str:
-        """How the burst-buffer copy relates to the home's, read cheaply: on a mounted file system
-        the home file's own manifest (``_file_manifest``), at a URL its sidecar or its group's
-        manifest (one small GET, retried for ``SAME_SAVE_CHECK_S`` at most).
-
-        ``SAME``: the same save (equal checksums), or a home that cannot say which save it holds
-        (missing, unreachable, a damaged sidecar): the local copy first, as the verified load then
-        decides. ``OTHER``: the home holds another save (a complete zip without a manifest on a
-        file system: plain torch.save, DeepSpeed; one cut short or zeroed is ours, damaged:
-        ``HOME_FIRST``); ``OLDER``: another, and ours is older (``file_order``), or
-        ours has no manifest while the home's has (a plain file prefetched before the path was
-        saved with fastckpt, or a copy cut short: no save's only copy), so a prefetch may replace
-        it. ``HOME_FIRST``: see ``_file_manifest``.
-        """
-        try:
-            ours = local.target.read_manifest(local.key)
-        except (OSError, ValueError):  # a damaged local copy: the load falls back from it, with a warning
-            return SAME
-        try:
-            if home.target.mounted:
-                theirs = self._file_manifest(home)
-                if isinstance(theirs, str):
-                    return theirs
-                if theirs is None:  # a complete plain zip replaced ours there (torch.save, DeepSpeed); else
-                    return OTHER if torch_zip(home.target, home.key) is not None else HOME_FIRST  # ours, damaged
-                if ours and theirs.get("group") and theirs["checksum"] != ours["checksum"] and \
-                        self._in_group(home, theirs) == {"checksum": {"value": ours["checksum"]["value"]}}:
-                    return SAME  # another of the group's files moved over the home's: ours is the one published
-            else:
-                theirs = home_sidecar(home, SAME_SAVE_CHECK_S) or self._in_group(home, ours)
-                if theirs is None and ours is None:
-                    return _plain_copies(local, home)
-        except (OSError, ValueError):  # unreachable, or a damaged sidecar: the home cannot say
-            return SAME
-        if ours is None and theirs is not None:
-            log.warning("fastckpt: burst-buffer copy %s unusable: it has no fastckpt manifest while %s has one (a "
-                        "plain file prefetched before the path was saved with fastckpt, or a copy cut short); "
-                        "loading %s", local.url, home.url, home.url)
-            return OLDER
-        if theirs is None or ours["checksum"]["value"] == theirs["checksum"]["value"]:
-            return SAME
-        return OLDER if file_order(ours) <= file_order(theirs) else OTHER
-
-    def _file_manifest(self, home: Location) -> dict | None | str:
-        """The manifest of the file at a mounted home (None: it has none), or ``SAME`` when the home
-        cannot say (the file is missing, or the storage does not answer). The size and tail are read
-        through one descriptor, so a save renamed over the file meanwhile gives the old or the new
-        one; a read that fails anyway (EIO, a stale NFS handle after such a rename, a trailer torn or
-        damaged) is tried once more, and then gives ``HOME_FIRST``: the file is there, and its load
-        verifies itself, so it is read before the local copy, never skipped for it (which could be
-        of an older save)."""
-        failed: BaseException | None = None
-        for _ in range(2):
-            try:
-                if not home.target.exists(home.key):
-                    return SAME
-                return home.target.read_manifest(home.key)
-            except (TargetNotFoundError, TargetUnavailableError):  # deleted since, or not answering
-                return SAME
-            except (OSError, ValueError) as exc:
-                failed = exc
-        log.warning("fastckpt: cannot read which save %s holds (%s): loading it before the burst-buffer copy, "
-                    "which is the fallback", home.url, failed)
-        return HOME_FIRST
 
     def _in_group(self, home: Location, ours: dict | None) -> dict | None:
         """For a group's file at a URL (no sidecar): the checksum its group's published manifest
@@ -341,15 +269,3 @@ class Loader:
                 "Restore from another copy or an earlier checkpoint (fastckpt.latest(...)).")
         obj = deserialize(res.buffer, res.size, opts.map_location, opts.weights_only, loc.url)
         return Loaded(opts.done(obj), url, res.size, where, manifest=res.manifest)
-
-
-def _plain_copies(local: Location, home: Location) -> str:
-    """``SAME`` or ``OLDER`` for two files without a manifest at a URL (a plain torch.save file and
-    its download by a prefetch). No checksum exists and no ETag is kept locally, so what both sides
-    have decides: the same size, and the home's written no later than the local copy (the
-    download, written after what it copied). A store's clock ahead of this node's only makes a copy
-    look older (the home is loaded: correct, slower); one behind by more than the time between the
-    download and a re-save of the same size is the case this misses."""
-    size, date = home.target.size(home.key), home.target.modified(home.key)
-    mine = os.stat(local.url)
-    return SAME if size == mine.st_size and date <= mine.st_mtime else OLDER

@@ -19,7 +19,7 @@ same state, the one called first landing last, and that object is a whole save):
   the WARNING names both; the object is loaded.
 
 The sidecar costs one small GET: once per load (``fallback.once``), shared with
-``Loader._compare``, which reads it before the object when it judges a burst-buffer copy.
+``load.verdict``, which reads it before the object when it judges a burst-buffer copy.
 """
 
 from __future__ import annotations
