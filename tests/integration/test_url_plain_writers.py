@@ -100,3 +100,20 @@ def test_the_burst_buffer_copy_of_the_objects_save_costs_one_head(s3_server, s3_
         assert _step(ck.load(url)) == 3 and ck.stats().last_restore_from == "local"
     assert (requests.count("HeadObject"), requests.count("GetObject"), len(requests.ops)) == (1, 2, 3)
 
+
+def test_latest_passes_over_a_file_whose_object_was_deleted_by_another_tool(s3_server, s3_bucket, plain_env,
+                                                                          tmp_path) -> None:
+    """TorchCheckpointIO's remove_checkpoint (a plain run's top-k) deleted step=4.ckpt, leaving its
+    sidecar and the latest pointer naming it: latest() named the missing file, whose load raised
+    CheckpointNotFoundError, whose advice named latest() again."""
+    opts, base = s3_server.storage_options(), f"s3://{s3_bucket}/run"
+    io = FastCkptIO(local_dir=str(tmp_path / "nvme"), storage_options=opts)
+    for step in (2, 4):
+        io.save_checkpoint(_state(step), f"{base}/step={step}.ckpt")
+    TorchCheckpointIO().remove_checkpoint(f"{base}/step=4.ckpt")
+    fresh = FastCkptIO(local_dir=str(tmp_path / "nvme2"), storage_options=opts)  # the resumed job's node
+    assert fresh.latest(base) == f"{base}/step=2.ckpt"
+    assert _step(fresh.load_checkpoint(fresh.latest(base))) == 2
+    # the scan too: with no pointer, the sidecar left without its object is no checkpoint
+    s3_server.client().delete_object(Bucket=s3_bucket, Key="run/latest")
+    assert fastckpt.latest(base, storage_options=opts) == f"{base}/step=2.ckpt"

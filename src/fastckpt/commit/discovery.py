@@ -1,14 +1,15 @@
 """Finding checkpoints: the one ``latest`` rule, for directories and URLs alike.
 
 ``latest(root)``: the checkpoint ``root/latest`` names, when that is complete (group commits
-and published single files move it forward, never back); otherwise, when the pointer is stale or
-missing, the newest complete checkpoint a scan finds. A scan lists the root down to
-``MAX_DEPTH`` directories and counts:
+and published single files move it forward, never back; a file's object must still be there);
+otherwise, when the pointer is stale or missing, the newest complete checkpoint a scan finds.
+A scan lists the root down to ``MAX_DEPTH`` directories and counts:
 
 * a group directory once its ``fastckpt-manifest.json`` exists (its files are not separate
   checkpoints; a directory with rank markers but no manifest is an incomplete group, skipped
   with everything inside it);
-* a single file once it is published: by its sidecar ``NAME.fastckpt.json`` at a URL, or, on a
+* a single file once it is published: by its sidecar ``NAME.fastckpt.json`` at a URL (beside
+  its object: one deleted by another tool leaves a sidecar that names nothing), or, on a
   target where a visible file is already verified (POSIX: copies are verified before their
   rename), by the fastckpt manifest in its own zip comment.
 
@@ -94,7 +95,8 @@ class Damaged:
 def scan(loc: Location, max_depth: int = MAX_DEPTH, damaged: list[Damaged] | None = None,
          every_copy: bool = False, pass_unlisted: bool = False, candidates_depth: int | None = None) -> list[Found]:
     """Every complete checkpoint under ``loc``, oldest first; ``every_copy``: also each copy of
-    one save (``ls``, ``verify``: a damaged copy is checked too), not only the one nearest ``loc``.
+    one save (``ls``, ``verify``: a damaged copy is checked too), not only the one nearest ``loc``,
+    and a single file whose sidecar is listed without its object (lost: ``verify`` reports it).
 
     ``damaged``: when given, each checkpoint skipped for a damaged manifest is appended to it
     (``fastckpt ls`` and ``verify`` report them; ``latest`` only skips them).
@@ -148,12 +150,14 @@ def _scan(loc: Location, max_depth: int, damaged: list[Damaged], gone: list[str]
     if not pass_unlisted:
         gone += discovery_unlisted.check(loc.url, prefix, listing.unlisted, inside, candidates_depth,
                                          stale_gone=not last)
-    sidecars = {r[: -len(SIDECAR)] for r in rels if r.endswith(SIDECAR)}
+    sidecars, listed = {r[: -len(SIDECAR)] for r in rels if r.endswith(SIDECAR)}, set(rels)
     others: list[Found] = []
     for rel in rels:
         if rel.count("/") > max_depth or _hidden(rel) or any(rel.startswith(f"{g}/") or not g for g in inside):
             continue
         if rel.endswith(SIDECAR):
+            if rel[: -len(SIDECAR)] not in listed and not every_copy:
+                continue  # its object deleted by another tool (a plain run's top-k, aws s3 rm): no checkpoint
             side = _damaged_is_none(read_sidecar, Location(loc.target, prefix + rel[: -len(SIDECAR)]),
                                     damaged, join(loc.url, rel[: -len(SIDECAR)]), "file", gone)
             if side is not None:  # None: deleted since the listing (retention), or damaged

@@ -136,7 +136,8 @@ def _pointed(parent: Place) -> tuple[str, float] | None:
     """What ``parent/latest`` names, if that is a complete checkpoint, and its order.
 
     The name is a group directory (complete once its manifest exists) or a single file
-    (complete once its sidecar exists, at a URL).
+    (complete once its sidecar exists, at a URL, and its object still does: one HEAD, since
+    another tool may delete the object and leave the sidecar, e.g. a plain run's top-k removal).
     """
     try:
         name = (parent.get(LATEST) or b"").decode().strip()
@@ -146,7 +147,7 @@ def _pointed(parent: Place) -> tuple[str, float] | None:
         if m is not None:
             return name, group_order(m)
         side = parent.get(name + SIDECAR)
-        return None if side is None else (name, file_order(json.loads(side)))
+        return None if side is None or parent.size(name) < 0 else (name, file_order(json.loads(side)))
     except (OSError, ValueError, CorruptCheckpointError):  # unreadable or corrupt: it may be replaced
         return None
 
