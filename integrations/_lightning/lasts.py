@@ -34,8 +34,9 @@ log = logging.getLogger("fastckpt.lightning")
 
 #: The key the remover's runs of parked deletions are tracked under (``TrainerLink._file``).
 FLUSH = "the top-k files waiting for a newer last file"
-#: Strategies whose saves do not pass through CheckpointIO.save_checkpoint.
-BYPASS = {"DeepSpeedStrategy", "ModelParallelStrategy"}
+#: Strategies whose saves do not pass through CheckpointIO.save_checkpoint (DeepSpeed's go through
+#: fastckpt's engine hooks, as tag directories whose callback state this module does not read).
+BYPASS = {"DeepSpeedStrategy"}
 
 
 def owners(trainer: Any) -> list[Any]:
@@ -43,8 +44,9 @@ def owners(trainer: Any) -> list[Any]:
     this plugin sees saved; none where the strategy's saves bypass CheckpointIO."""
     strategy = getattr(trainer, "strategy", None)
     names = {c.__name__ for c in type(strategy).__mro__}
-    if names & BYPASS or ("FSDPStrategy" in names and getattr(strategy, "_state_dict_type", "full") == "sharded"):
-        return []
+    if (names & BYPASS or ("FSDPStrategy" in names and getattr(strategy, "_state_dict_type", "full") == "sharded")
+            or ("ModelParallelStrategy" in names and getattr(strategy, "_save_distributed_checkpoint", True))):
+        return []  # (ModelParallel with save_distributed_checkpoint=False: rank 0 saves through CheckpointIO)
     return [cb for cb in getattr(trainer, "checkpoint_callbacks", None) or ()
             if getattr(cb, "save_last", None) is True and isinstance(getattr(cb, "state_key", None), str)]
 

@@ -8,6 +8,8 @@ on stdin for the SIGKILL that the test sends.
 _lightning_fsdp_script.py for the CPU wrapping) with FastCkptIO on a burst buffer and
 ModelCheckpoint(save_top_k=1, save_last=True) every step; writes ROOT/summary.json: the files
 left, the top-k folders seen at each step, and the "kept" WARNINGs.
+
+``model_parallel``: see ``model_parallel`` below.
 """
 
 from __future__ import annotations
@@ -60,9 +62,27 @@ def fsdp(root: str) -> None:
         json.dump({"files": sorted(os.listdir(directory)), "counts": count.counts, "kept": kept}, f)
 
 
+def model_parallel(root: str) -> None:
+    """``model_parallel``: held_fit under ModelParallelStrategy(save_distributed_checkpoint=False);
+    writes ROOT/summary.json: the files the durable last.ckpt named but were missing."""
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    from tests.integration.test_lightning_last_names import ValModel, held_fit
+
+    class Model(ValModel):
+        def configure_model(self) -> None:  # ModelParallelStrategy requires one; nothing to parallelize here
+            pass
+
+    warnings.filterwarnings("ignore")
+    missing, _ = held_fit(root, os.path.join(root, "ckpt"), 4, hold_at=2, model=Model,
+                          strategy=ModelParallelStrategy(save_distributed_checkpoint=False))
+    with open(os.path.join(root, "summary.json"), "w") as f:
+        json.dump({"missing": missing}, f)
+
+
 if __name__ == "__main__":
-    {"kill": kill, "fsdp": fsdp}[sys.argv[1]](sys.argv[2])
-    if sys.argv[1] == "fsdp":
+    {"kill": kill, "fsdp": fsdp, "model_parallel": model_parallel}[sys.argv[1]](sys.argv[2])
+    if sys.argv[1] in ("fsdp", "model_parallel"):
         from tests.integration._exit import leave
 
         leave()  # not through the interpreter's finalization: see _exit.leave
