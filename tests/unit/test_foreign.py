@@ -335,3 +335,32 @@ def test_pickle_plain_reads_the_plain_values_not_the_tensors(tmp_path) -> None:
     state = plain["callbacks"]["ModelCheckpoint{'monitor': 'step'}"]
     assert state["best_model_path"] == "/run/step=4.ckpt" and list(state["best_k_models"]) == ["/run/step=4.ckpt"]
     assert plain["state_dict"]["w"] is not big and not isinstance(plain["state_dict"]["w"], torch.Tensor)
+
+
+@pytest.mark.parametrize("size", ["past-the-end", "into-the-directory"])
+def test_a_zip_directory_giving_the_pickle_a_size_past_its_bytes_costs_the_file_its_step(tmp_path: Path,
+                                                                                          size: str) -> None:
+    """Bit rot in a torch.save file's central directory (data.pkl's size running past the member's
+    bytes) made the pickle read raise EIO ("ended at byte N"), so ``latest(DIR)`` raised for the
+    whole folder, one damaged foreign file beside good checkpoints stopping a resume. The file is
+    read as no pickle now: its step is unknown, nothing raises."""
+    from fastckpt.commit.foreign import pickle_plain, pickle_step
+    from fastckpt.storage.homes import Homes
+
+    torch.save({"global_step": 1, "w": torch.randn(100)}, tmp_path / "good.pt")
+    bad = tmp_path / "bad.pt"
+    torch.save({"global_step": 2, "w": torch.randn(100)}, bad)
+    data = bytearray(bad.read_bytes())
+    at = data.find(b"PK\x01\x02")
+    while not data[at + 46:at + 46 + struct.unpack_from("<H", data, at + 28)[0]].endswith(b"data.pkl"):
+        at = data.find(b"PK\x01\x02", at + 4)
+    cd = data.find(b"PK\x01\x02")
+    struct.pack_into("<I", data, at + 20, len(data) if size == "past-the-end" else cd)
+    bad.write_bytes(bytes(data))
+    homes = Homes(None)
+    try:
+        loc = homes.resolve(str(bad))
+        assert pickle_plain(loc.target, loc.key) is None and pickle_step(loc.target, loc.key) is None
+    finally:
+        homes.close()
+    assert fastckpt.latest(str(tmp_path)) in (str(bad), str(tmp_path / "good.pt"))

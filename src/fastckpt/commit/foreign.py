@@ -6,6 +6,7 @@ tail, its zip directory, and its pickle when the step is wanted.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import operator
 import posixpath
@@ -71,16 +72,21 @@ def torch_zip(target: Target, key: str) -> foreign.Record | None:
         end = foreign.zip_end(tail, size, bytes(target.read_range(key, end, 56))) if end + 56 <= size else None
     if end is None or not 0 < end.cd_size <= MAX_DIRECTORY_BYTES:
         return None
-    return foreign.pickle_record(bytes(target.read_range(key, end.cd_offset, end.cd_size)))
+    record = foreign.pickle_record(bytes(target.read_range(key, end.cd_offset, end.cd_size)))
+    return None if record is None else dataclasses.replace(record, limit=end.cd_offset)
 
 
 def _pickle(target: Target, key: str, record: foreign.Record | None) -> bytes | None:
     record = record or torch_zip(target, key)
     if record is None or record.size > foreign.MAX_PICKLE_BYTES:
         return None
-    head = bytes(target.read_range(key, record.header_offset, foreign.LOCAL_HEADER_LEN + 1024))
+    end = record.header_offset + foreign.LOCAL_HEADER_LEN + record.size
+    if record.limit and end > record.limit:  # a damaged record: its bytes would run past the directory
+        return None
+    head = bytes(target.read_range(key, record.header_offset, min(foreign.LOCAL_HEADER_LEN + 1024,
+                                                                  (record.limit or end + 1024) - record.header_offset)))
     start = foreign.data_offset(head)
-    if start is None:
+    if start is None or (record.limit and record.header_offset + start + record.size > record.limit):
         return None
     return bytes(target.read_range(key, record.header_offset + start, record.size))
 

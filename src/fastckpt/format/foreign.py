@@ -54,11 +54,14 @@ class ZipEnd:
 
 @dataclass(frozen=True)
 class Record:
-    """One stored (uncompressed) member of a zip: its local header's offset and its size."""
+    """One stored (uncompressed) member of a zip: its local header's offset and its size; ``limit``
+    (when known, else 0): the offset its bytes end before, the central directory's (a damaged size
+    or offset runs past it, and past the file's end)."""
 
     name: str
     header_offset: int
     size: int
+    limit: int = 0
 
 
 def zip_end(tail: bytes, size: int, zip64: bytes = b"") -> ZipEnd | int | None:
