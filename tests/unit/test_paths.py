@@ -324,3 +324,17 @@ def test_a_relative_name_that_starts_like_a_protocol_fsspec_knows_is_local(tmp_p
     for typo in ("s3:/b/x.pt", "hdfs:/x", "gs//b/x"):
         with pytest.raises(ConfigError, match="looks like a URL"):
             normalize(typo)
+
+
+def test_a_group_named_latest_is_refused_at_save_before_anything_is_written(tmp_path: Path) -> None:
+    """A group ``ckpt/latest`` (a "rolling latest folder") stood where every group commit in
+    ``ckpt`` writes the pointer: its commit published the manifest, so ``latest()`` named it,
+    and then raised ``ReplicationError`` ("... Is a directory ...") on every commit."""
+    group = str(tmp_path / "ckpt" / "latest")
+    with fastckpt.Checkpointer(rank=0, world_size=1) as ck:
+        with pytest.raises(ConfigError, match=r"group as .*ckpt/latest: 'latest' is the name of .*ckpt's pointer.*"
+                                              r"Choose another name, e.g. '.*ckpt/last'"):
+            ck.save(_state(1), group + "/model.pt", group=group)
+        ck.save(_state(1), str(tmp_path / "latest" / "model.pt")).wait()  # a single file's folder: no group
+    assert not (tmp_path / "ckpt").exists()
+    assert fastckpt.load(str(tmp_path / "latest" / "model.pt"))["v"] == 1

@@ -39,12 +39,20 @@ def stays_inside(rel: object) -> bool:
         and all(p not in ("", ".", "..") for p in rel.split("/"))
 
 
-def check_save_name(path: str) -> None:
-    """Refuse a checkpoint name (normalised path or URL) that fastckpt uses for its own files.
+def check_save_name(path: str, group: str | None = None) -> None:
+    """Refuse a checkpoint name (normalised path or URL; ``group``: the group it is saved into)
+    that fastckpt uses for its own files: a group named ``latest`` would stand where every group
+    commit in its parent writes the pointer.
 
     Raises:
         ConfigError: naming the file and a name to use instead.
     """
+    if group is not None and posixpath.basename(group) == LATEST:
+        parent = posixpath.dirname(group)
+        raise ConfigError(f"cannot save a checkpoint group as {group}: {LATEST!r} is the name of {parent}'s pointer to "
+                          f"its newest checkpoint, which every group commit there writes, so the group's directory "
+                          f"would stand where the pointer goes. Choose another name, e.g. "
+                          f"{posixpath.join(parent, 'last')!r}, or a folder per step ('step-100')")
     if "\\" in path:  # here, before a byte is written: the storage refuses the key only once the file is whole
         safe = path.replace("\\", "_")
         raise ConfigError(f"cannot save a checkpoint as {path}: it holds a backslash ('\\'), which fastckpt refuses "

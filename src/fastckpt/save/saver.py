@@ -77,7 +77,7 @@ class Saver:
         raises, that one included, marks its file in the group's attempt: the group's commit
         then fails on every rank instead of publishing the group without it, unless the file is
         saved again first (``Coordinator.failed``); a path that is no file of the group does not."""
-        check_save_name(path)
+        check_save_name(path, group)
         if group is not None and not is_within(path, group):
             raise ConfigError(f"{path} is not inside its group directory {group}: save each file of a group "
                               f"under its directory, e.g. {group}/{posixpath.basename(path)}")
