@@ -80,6 +80,18 @@ def _ancestors(url: str) -> list[str]:
     return out
 
 
+def naming_group(homes: Homes, url: str, read: Callable[[Place], dict | None]) -> InGroup | None:
+    """The nearest published group above ``url`` (``read``: how its manifest is read) and its
+    entry for ``url``, for a file that cannot say its group itself (missing, or cut short before
+    its manifest); None when that group does not name it, or no group is published above it."""
+    for up in _ancestors(url):
+        place = homes.resolve(up).place()
+        if (published := read(place)) is not None:
+            entry = (published.get("files") or {}).get(url[len(up) + 1:])
+            return None if not isinstance(entry, dict) else InGroup(place, up, published, entry, moved=False)
+    return None
+
+
 def group_entry(homes: Homes, url: str, manifest: dict, pinned: Mapping[str, dict] | None = None,
                 read: Callable[[Place], dict | None] | None = None) -> InGroup | None:
     """For a group's file: the group it lies in and what that group names where the file lies.

@@ -42,7 +42,7 @@ from .deserialize import deserialize
 from .fallback import OTHER_SAVE, check_group, home_entry, local_where, one_load, read_again, refused
 from .image import heap_image
 from .into import check_into, check_map_location, in_place, place
-from .missing import a_directory, not_found
+from .missing import a_directory, lost_in_group, not_found
 from .pins import Pins
 from .prefetch import NOTHING, identity, put
 from .published import check_published
@@ -149,7 +149,7 @@ class Loader:
             CheckpointNotFoundError: no copy of it exists (never saved there, or deleted since).
             BucketNotFoundError: the URL's bucket does not exist (never a CheckpointNotFoundError).
         """
-        with one_load():  # the home's group manifest read once for this load (``load.fallback``)
+        with one_load(), lost_in_group(self._homes, path):  # the home's group manifest read once (``load.fallback``)
             return self._load(path, opts)
 
     def _load(self, path: str, opts: LoadOptions) -> Loaded:

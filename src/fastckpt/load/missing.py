@@ -1,15 +1,23 @@
 """What a load that found no file says: a directory (a group) is named as one, a missing bucket
 as a wrong URL, and only a key that is truly absent is ``CheckpointNotFoundError``, which resume
-code may take for "nothing saved there: start fresh"."""
+code may take for "nothing saved there: start fresh". A file a published group names that is
+missing or damaged was lost after its commit: the error says so, with advice that leads away
+from that group (``lost_in_group``)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import posixpath
+from collections.abc import Iterator
 
 from ..commit.discovery import DCP_METADATA
 from ..commit.foreign import DCP, dcp_how_to_load
-from ..errors import CheckpointNotFoundError, ConfigError
+from ..commit.membership import naming_group
+from ..errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError
+from ..storage.homes import Homes, Location
 from ..storage.types import BucketNotFoundError
+from .fallback import home_group
 
 
 def nothing_to_load() -> ConfigError:
@@ -47,3 +55,66 @@ def not_found(path: str, candidates: list, exc: OSError) -> OSError | ConfigErro
         f"{path} does not exist{local}: it was never saved there, or it was deleted since (retention: "
         "keep_persistent, keep_local; or remove()). A checkpoint latest() named a while ago may be gone: "
         f"fastckpt.latest(<its directory>) names the newest complete one now.{said}")
+
+
+@contextlib.contextmanager
+def lost_in_group(homes: Homes, path: str) -> Iterator[None]:
+    """A load of ``path`` that raises ``CheckpointNotFoundError`` or ``CorruptCheckpointError``
+    for a file that a published group names raises instead what ``lost_after_commit`` says."""
+    try:
+        yield
+    except (CheckpointNotFoundError, CorruptCheckpointError) as exc:
+        lost = lost_after_commit(homes, path, exc)
+        if lost is None:
+            raise
+        for note in getattr(exc, "__notes__", ()):  # what the load said of the other copies (the burst buffer's)
+            lost.add_note(note)
+        raise lost from exc
+
+
+def lost_after_commit(homes: Homes, path: str, exc: BaseException) -> BaseException | None:
+    """The error for ``path``, missing or damaged (``exc``), when a published group names it: it
+    was lost or damaged after the commit. ``fastckpt.latest()`` reads the pointer and manifests,
+    not every file (two or three reads however large the group), so it names that group again:
+    the advice to call it would send a resume back here. None when no published group names it."""
+    try:
+        found = naming_group(homes, path, home_group)
+    except (OSError, ValueError):  # the manifest cannot be read now: the load's own error stands
+        return None
+    if found is None:
+        return None
+    size, parent = found.entry.get("size"), posixpath.dirname(found.dir)
+    loc = homes.resolve(path)
+    try:
+        now: int | None = loc.target.size(loc.key)
+        own = _own_manifest(loc)
+    except FileNotFoundError:
+        now, own = None, None
+    except OSError:
+        return None
+    if own is not None and (own.get("checksum") or {}).get("value") != found.entry.get("checksum"):
+        return None  # another file stands there (moved or copied over it): the load's own error says which
+    if now is None:
+        what = (f"does not exist, though the committed group {found.dir} names it ({size} bytes): it was lost after "
+                "its commit")
+    elif now != size:
+        what = (f"holds {now} of the {size} bytes its committed group {found.dir} recorded: it was cut short or "
+                "changed after its commit")
+    else:
+        what = (f"is damaged (the error it was raised from says how), though it is the {size} bytes its committed "
+                f"group {found.dir} recorded: it changed after its commit")
+    cli = "" if now == size else (f"`fastckpt latest {parent}` on the command line passes over a checkpoint with "
+                                  "a missing or short file and names the one before it; ")
+    cls = CheckpointNotFoundError if isinstance(exc, CheckpointNotFoundError) else CorruptCheckpointError
+    return cls(f"{path} {what}, so the group cannot be loaded whole. latest() still names that group while "
+               "it is the newest (it reads the pointer and the manifests, not every file). Restore the file from "
+               f"another copy (a replica, the burst buffer of the node that saved it), or resume from the checkpoint "
+               f"before it: {cli}moving {found.dir} out of {parent} makes latest({parent!r}) name it too.")
+
+
+def _own_manifest(loc: Location) -> dict | None:
+    """The manifest in the file's own tail; None when it has none or a damaged one (cut short)."""
+    try:
+        return loc.target.read_manifest(loc.key)
+    except (CorruptCheckpointError, ValueError):
+        return None
