@@ -95,3 +95,22 @@ def test_a_file_no_group_names_keeps_the_plain_error(tmp_path: Path) -> None:
     shutil.copyfile(f"{g2}/a.pt", f"{g2}/b.pt")  # another file of the group copied over it: the load says which
     with pytest.raises(CorruptCheckpointError, match=r"b\.pt is not the file checkpoint group .* published at this"):
         fastckpt.load(f"{g2}/b.pt")
+
+
+def test_a_group_file_lost_at_a_url_is_named_so(tmp_path: Path) -> None:
+    """The same at a URL (an fsspec store, uploaded from a burst buffer): the object is gone."""
+    import uuid
+
+    import fsspec
+
+    root = f"memory://fastckpt-{uuid.uuid4().hex[:8]}/run"
+    g = f"{root}/step-1"
+    with fastckpt.Checkpointer(local_dir=str(tmp_path / "nvme"), rank=0, world_size=1) as ck:
+        for name in ("a.pt", "b.pt"):
+            ck.save({"w": torch.full((N,), 1.0)}, f"{g}/{name}", group=g)
+        ck.commit(g, step=1).wait()
+    fsspec.filesystem("memory").rm(f"{g}/b.pt"[len("memory://"):])
+    with pytest.raises(CheckpointNotFoundError, match=rf"b\.pt does not exist, though the committed group {g} "
+                                                      r"names it .* moving .*step-1 out of .*/run makes latest\("):
+        fastckpt.load(f"{g}/b.pt")
+    assert fastckpt.latest(root) == g  # pointer and manifest only: the load says what to do
