@@ -12,10 +12,10 @@ the save its sidecar published (``load.published``). A file of a group is loaded
 group is published. With ``prefetch=True`` a remote file is first downloaded into the burst
 buffer, so the next load is local (never over a save that landed there meanwhile: ``load.prefetch``).
 
-A file without a fastckpt manifest (written by plain ``torch.save``, another checkpointer, or a
-tool) loads unverified: reported at WARNING once per path and in the load's event, and refused
-with ``verify=True``. Such a file that is empty, not a torch file, truncated or otherwise
-damaged raises ``CorruptCheckpointError`` naming it and what is wrong (``load.unverified``).
+A file without a fastckpt manifest (plain ``torch.save``, another checkpointer, a tool) loads
+unverified: reported at WARNING once per path and in the load's event, refused with ``verify=True``;
+one that is damaged (empty, not a torch file, truncated: ``load.unverified``), or that a published
+group records as a fastckpt file (``load.named``), raises ``CorruptCheckpointError`` naming it.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ from .fallback import OTHER_SAVE, check_group, home_entry, local_where, one_load
 from .image import heap_image
 from .into import check_into, check_map_location, in_place, place
 from .missing import a_directory, lost_in_group, not_found
+from .named import check_named
 from .pins import Pins
 from .prefetch import NOTHING, identity, put
 from .published import check_published
@@ -123,7 +124,7 @@ class Loader:
         another attempt between the read of its bytes and that check (the tag re-saved and swapped
         in) is read once more; a group that changed again meanwhile raises ``GroupChangedError``."""
         if self._pins.pinned(home):
-            return self._read(loc, opts, url, where, home=None)
+            return self._read(loc, opts, url, where, home, pinned=True)
         try:
             return self._read(loc, opts, url, where, home)
         except NotPublishedError as first:
@@ -246,9 +247,10 @@ class Loader:
         entry = found.entry if found else None
         return {"checksum": {"value": entry["checksum"]}} if entry else None
 
-    def _read(self, loc: Location, opts: LoadOptions, url: str, where: str, home: str | None) -> Loaded:
+    def _read(self, loc: Location, opts: LoadOptions, url: str, where: str, home: str, pinned: bool = False) -> Loaded:
         res = loc.target.read_object(loc.key, chunk_bytes=self._chunk, mapped=opts.mmap, into=opts.image(loc.url))
         if res.manifest is None:
+            check_named(self._homes, res, loc.url, home, self._pins.held())  # one its group records otherwise: damage
             if opts.verify:
                 found = damage(res, loc.url)  # a checkpoint cut short is damaged, not a plain file to accept
                 if found is not None:
@@ -260,7 +262,7 @@ class Loader:
             obj = load_unverified(res, loc.url, opts)  # a damaged one raises: no "loading unverified" then
             warn_unverified(loc.url)
             return Loaded(opts.done(obj), url, res.size, where, verified=False)
-        if home is not None:  # None: within a reading, Pins.check judges it
+        if not pinned:  # within a reading, Pins.check judges it
             check_group(self._homes, loc.url, home, res.manifest)
         want = res.manifest["checksum"]["value"]
         if res.checksum != want:

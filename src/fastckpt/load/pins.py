@@ -46,6 +46,10 @@ class Pins:
         finally:
             del pins[group]
 
+    def held(self) -> dict[str, dict]:
+        """The groups this thread reads, each with its pinned manifest."""
+        return self._groups()
+
     def pinned(self, path: str) -> bool:
         """Whether ``path`` lies in a group this thread reads: ``check`` decides for it, against the
         pinned manifest, instead of the group's manifest as it is now."""

@@ -38,8 +38,8 @@ def compare(local: Location, home: Location, in_group: InGroup) -> str:
 
     ``SAME``: the same save (equal checksums), or a home that cannot say which save it holds
     (missing, unreachable, a damaged sidecar): the local copy first, as the verified load then
-    decides. ``OTHER``: the home holds another save (a complete zip without a manifest on a
-    file system: plain torch.save, DeepSpeed; one cut short or zeroed is ours, damaged:
+    decides. ``OTHER``: the home holds another save (a complete zip without a manifest on a file
+    system that its group does not publish ours at; one cut short or zeroed is ours, damaged:
     ``HOME_FIRST``); ``OLDER``: another, and ours is older (``file_order``), or
     ours has no manifest while the home's has (a plain file prefetched before the path was
     saved with fastckpt, or a copy cut short: no save's only copy), so a prefetch may replace
@@ -54,8 +54,11 @@ def compare(local: Location, home: Location, in_group: InGroup) -> str:
             theirs = _file_manifest(home)
             if isinstance(theirs, str):
                 return theirs
-            if theirs is None:  # a complete plain zip replaced ours there (torch.save, DeepSpeed); else
-                return OTHER if torch_zip(home.target, home.key) is not None else HOME_FIRST  # ours, damaged
+            if theirs is None:  # a complete plain zip replaced ours there (torch.save, DeepSpeed); else ours,
+                if torch_zip(home.target, home.key) is None:  # damaged
+                    return HOME_FIRST
+                mine = {"checksum": {"value": ours["checksum"]["value"]}} if ours else None  # its group names
+                return SAME if mine and in_group(home, ours) == mine else OTHER  # ours: the zip is damage
             if ours and theirs.get("group") and theirs["checksum"] != ours["checksum"] and \
                     in_group(home, theirs) == {"checksum": {"value": ours["checksum"]["value"]}}:
                 return SAME  # another of the group's files moved over the home's: ours is the one published
