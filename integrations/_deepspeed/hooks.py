@@ -367,7 +367,7 @@ class EngineHooks:
         joins, self.fe.last_read = LoadRejoin(self.engine, consolidates), None
         try:
             try:
-                with joins.watch(), fp32.weights_only_load(where, str(tag), self.fe.load) if consolidates \
+                with joins.watch(), fp32.weights_only_load(where, str(tag), self._consolidation_read) if consolidates \
                         else contextlib.nullcontext():  # ZeRO-3's weights-only load reads this tag, verified
                     return self._load(where, tag=tag, **kwargs)
             except Exception as exc:  # on this rank only, maybe: the others go on into DeepSpeed's collectives
@@ -377,6 +377,16 @@ class EngineHooks:
             if (gone := self._not_loadable(home, where, tag, named_by_latest)) is None:
                 raise
             raise gone from exc
+
+    def _consolidation_read(self, path: str, map_location: object) -> object:
+        """A file DeepSpeed's weights-only consolidation reads (every rank's, through the verified load):
+        not one this rank's load asked for, so a later error's note still names its own last file (an
+        error in this read names its file itself)."""
+        own = self.fe.last_read
+        try:
+            return self.fe.load(path, map_location)
+        finally:
+            self.fe.last_read = own
 
     def _rejoin_load(self, exc: Exception, joins: LoadRejoin, group: str) -> None:
         """DeepSpeed's load of ``group`` raised ``exc`` on this rank: run the collectives the other
