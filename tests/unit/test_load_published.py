@@ -112,3 +112,46 @@ def test_the_sidecar_is_read_once_per_load(root: str, tmp_path: Path, monkeypatc
     with fastckpt.Checkpointer(local_dir=str(tmp_path / "other")) as ck:
         assert ck.load(f"{root}/ckpt-1.pt")["step"] == 1 and ck.stats().last_restore_from == "remote"
     assert reads == [f"{root}/ckpt-1.pt"] * 3
+
+
+def test_the_objects_own_check_gives_up_as_soon_as_the_sidecars(root: str, tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whether the object still holds the burst-buffer copy's save is read from its tail (a HEAD
+    and a ranged GET): those retried for the store's whole retry_deadline_s (300 s by default),
+    while the sidecar's read before them gives up after SAME_SAVE_CHECK_S, so a store that stopped
+    answering between the two held a restore from the burst buffer for minutes. The check's
+    requests are capped as the sidecar's (``storage.retry.capped``: one attempt at a cap of 0)."""
+    from fastckpt.load import verdict
+    from fastckpt.storage import retry
+
+    _save(root, tmp_path / "bb", 3, name="last.pt")
+    caps: list[float | None] = []
+    read = verdict._file_manifest
+    monkeypatch.setattr(verdict, "_file_manifest", lambda home: caps.append(retry._CAP.get()) or read(home))
+    with fastckpt.Checkpointer(local_dir=str(tmp_path / "bb")) as ck:
+        assert ck.load(f"{root}/last.pt")["step"] == 3
+        assert ck.stats().last_restore_from == "local"
+    assert caps == [verdict.SAME_SAVE_CHECK_S]  # was: [None], the target's retry_deadline_s
+    attempts: list[int] = []
+
+    def down() -> None:
+        attempts.append(1)
+        raise TimeoutError("the store does not answer")
+
+    with retry.capped(0.0), pytest.raises(retry.TargetUnavailableError):
+        retry.retry_call(down, what="HEAD of s3://b/k", url="s3://b", deadline_s=300, is_transient=lambda e: True,
+                         permanent=lambda e, what: None)
+    assert attempts == [1]
+
+
+def test_an_emptied_object_under_its_sidecar_loads_the_published_local_copy(root: str, tmp_path: Path) -> None:
+    """The object emptied (0 bytes) while its sidecar still names this node's burst-buffer save:
+    since the object's own tail is read, the home was read first, failed, and the fallback found no
+    group to vouch for the copy, compared 0 bytes and refused it (CorruptCheckpointError), although
+    the sidecar publishes exactly that save (docs/burst-buffer.md: a remote object corrupted after
+    upload loads the verified local copy). The sidecar vouches for it, as a group's manifest does."""
+    _save(root, tmp_path / "bb", 5, name="last.pt")
+    fsspec.filesystem("memory").pipe(_key(f"{root}/last.pt"), b"")
+    with fastckpt.Checkpointer(local_dir=str(tmp_path / "bb")) as ck:
+        assert ck.load(f"{root}/last.pt")["step"] == 5
+        assert ck.stats().last_restore_from == "local"

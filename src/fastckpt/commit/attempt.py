@@ -25,6 +25,7 @@ from . import protocol as P
 from . import resave
 from . import store as S
 from .foreign import group_step
+from .pointing import move_latest
 
 log = logging.getLogger("fastckpt")
 LOCAL_WAIT_S = 10.0  # how long a rank waits for its node's copy of a manifest before reading it itself
@@ -113,23 +114,8 @@ def publish(att: Attempt, world: int, entries: dict[int, dict], extra: dict, req
     else:
         att.home.put(P.GROUP_MANIFEST, P.manifest_bytes(manifest))
     if att.move_latest:
-        _move_latest(att.home, manifest)
+        move_latest(att.home, manifest)
     return manifest
-
-
-def _move_latest(home: Place, manifest: dict) -> None:
-    """Move the parent's ``latest`` to the group just published. A pointer that cannot be written
-    (a full disk, EIO, a directory standing at ``parent/latest``) fails the commit only while it
-    names an older complete checkpoint, which ``latest()`` answers then; else ``latest()`` finds
-    the group (absent, stale or no file: by its scan), so it is committed: a WARNING says so."""
-    try:
-        P.move_pointer(home.parent(), manifest["tag"], P.group_order(manifest))
-    except OSError as exc:
-        if P.never_latest(home, manifest):
-            raise
-        log.warning("fastckpt: %s is committed, but its directory's pointer %s was not moved to it (%s): latest() "
-                    "finds it by scanning the directory. Fix that (a directory named %r there: rename it) so that "
-                    "commits move the pointer again", home.url(), home.parent().url(P.LATEST), exc, P.LATEST)
 
 
 def via_store(att: Attempt, ch: S.Channel, rank: int, world: int, files: dict, superseded: bool, extra: dict,

@@ -26,8 +26,8 @@ from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 
 from ..commit.membership import InGroup, group_entry, require_complete_group
-from ..commit.names import GROUP_MANIFEST
-from ..commit.protocol import read_group_manifest
+from ..commit.names import GROUP_MANIFEST, SIDECAR
+from ..commit.protocol import read_group_manifest, read_sidecar
 from ..errors import CorruptCheckpointError, IncompleteCheckpointError
 from ..format.checksum import BLOCK_BYTES
 from ..storage.homes import Homes, Location
@@ -83,9 +83,14 @@ def home_entry(homes: Homes, url: str, manifest: dict) -> InGroup | None:
     return group_entry(homes, url, manifest, read=home_group)
 
 
+SIDECAR_CHECK_S = 5.0  # as ``verdict.SAME_SAVE_CHECK_S``: the same read (``once``), usually made there already
+
+
 def local_where(local: Location, home: Location, in_group: Callable[[Location, dict], dict | None]) -> str:
     """``"local"`` when the burst-buffer copy may be read after the damaged home copy fails, else
-    ``OTHER_SAVE``. ``in_group``: ``Loader._in_group``. A home that cannot even be read for the
+    ``OTHER_SAVE``. ``in_group``: ``Loader._in_group``; at a URL a single file's sidecar says which
+    save was published there, as a group's manifest does (an emptied object under an intact
+    sidecar naming ours: the copy loads). A home that cannot even be read for the
     comparison (EIO, a store that does not answer) shows no damage either: the copy is read, as
     the burst buffer is there for, with a WARNING naming the risk."""
     try:
@@ -94,6 +99,9 @@ def local_where(local: Location, home: Location, in_group: Callable[[Location, d
         return OTHER_SAVE  # the copy's own manifest does not read: nothing vouches for it
     try:
         published = ((in_group(home, ours) or {}).get("checksum") or {}).get("value") if ours else None
+        if published is None and ours and not ours.get("group") and not home.target.mounted:  # a single file's
+            sidecar = once(home.url + SIDECAR, lambda: read_sidecar(home, deadline_s=SIDECAR_CHECK_S))  # vouches
+            published = ((sidecar or {}).get("checksum") or {}).get("value")  # as a group's manifest does
         return "local" if same_save(local, home, ours, published) else OTHER_SAVE
     except ValueError:  # the home's group manifest is damaged: it cannot vouch for the copy
         return OTHER_SAVE

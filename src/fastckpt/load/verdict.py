@@ -17,6 +17,7 @@ from collections.abc import Callable
 from ..commit.foreign import torch_zip
 from ..format.manifest import file_order
 from ..storage.homes import Location
+from ..storage.retry import capped
 from ..storage.types import TargetNotFoundError, TargetUnavailableError
 from .published import home_sidecar
 
@@ -67,7 +68,8 @@ def compare(local: Location, home: Location, in_group: InGroup) -> str:
             if theirs is None and ours is None:
                 return _plain_copies(local, home)
             if ours and not ours.get("group") and (theirs is None or _same(ours, theirs)):
-                return _held(home, ours)  # the sidecar says what was published, not what the object holds
+                with capped(SAME_SAVE_CHECK_S):  # as the sidecar's read: a store not answering soon leaves ours first
+                    return _held(home, ours)  # the sidecar says what was published, not what the object holds
     except (OSError, ValueError):  # unreachable, or a damaged sidecar: the home cannot say
         return SAME
     if ours is None and theirs is not None:

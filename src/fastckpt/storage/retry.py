@@ -8,15 +8,20 @@ stays down fails after the deadline with ``TargetUnavailableError``.
 
 Retries are logged at INFO while they cost little, and at WARNING from the first one that has
 delayed the request by more than ``WARN_AFTER_S`` (an outage the user should hear about).
+
+``capped(s)``: the requests made inside it on this thread retry for ``s`` at most, whatever the
+target's deadline (a check that has a cheaper answer when the store does not answer soon).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import errno
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Protocol, TypeVar
 
 import tenacity
@@ -30,6 +35,19 @@ BACKOFF_FIRST_S = 0.1
 BACKOFF_MAX_S = 5.0
 WARN_AFTER_S = 5.0
 _FINAL = (ReplicationError, CorruptCheckpointError, ConfigError)  # already ours: never retried or wrapped
+
+
+_CAP: contextvars.ContextVar[float | None] = contextvars.ContextVar("fastckpt_retry_cap", default=None)
+
+
+@contextlib.contextmanager
+def capped(deadline_s: float) -> Iterator[None]:
+    """Inside it (this thread), ``retry_call``'s deadline is at most ``deadline_s``."""
+    token = _CAP.set(deadline_s)
+    try:
+        yield
+    finally:
+        _CAP.reset(token)
 
 
 class RetryCounter(Protocol):
@@ -59,6 +77,8 @@ def retry_call(fn: Callable[[], T], *, what: str, url: str, deadline_s: float,
         ReplicationError: a permanent error, named by ``permanent``.
     """
     t0 = time.monotonic()
+    if (cap := _CAP.get()) is not None:
+        deadline_s = min(deadline_s, cap)
 
     def retryable(exc: BaseException) -> bool:
         return not isinstance(exc, _FINAL) and is_transient(exc) and not (cancel is not None and cancel.is_set())
