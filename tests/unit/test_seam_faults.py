@@ -82,43 +82,22 @@ def test_group_removal_fault_after_the_manifest_leaves_it_invisible_then_finishe
     assert not g.exists()
 
 
-def test_a_directory_where_the_pointer_goes_leaves_group_commits_committed(tmp_path: Path,
-                                                                            caplog: pytest.LogCaptureFixture) -> None:
-    """A single file saved as ``run/latest/x.pt`` is a directory where a group commit in ``run``
-    writes its pointer: every such commit published its manifest, ``latest()`` named the group
-    (by its scan), and the commit raised ``ReplicationError`` all the same."""
-    g1, g2 = tmp_path / "step-1", tmp_path / "step-2"
-    with fastckpt.Checkpointer(rank=0, world_size=1) as ck:
-        ck.save(_state(0), str(tmp_path / "latest" / "x.pt")).wait()
-        for v, g in ((1, g1), (2, g2)):
-            ck.save(_state(v), str(g / "m.pt"), group=str(g))
-            ck.commit(str(g), step=v).wait()  # committed: no error
-            assert fastckpt.latest(str(tmp_path)) == str(g)
-    assert "step-2 is committed, but its directory's pointer" in caplog.text and "rename it" in caplog.text
-    assert fastckpt.load(str(g2 / "m.pt"))["v"] == 2
-
-
 @pytest.mark.parametrize("err", [errno.ENOSPC, errno.EIO])
-def test_a_pointer_write_fault_fails_only_a_commit_latest_does_not_name(tmp_path: Path, err: int) -> None:
-    """The first group commit in a directory whose pointer write fails is what ``latest()`` names
-    (no pointer: the scan finds it), so it is committed; once a pointer names an older group,
-    ``latest()`` answers that one, and the commit of the newer group fails."""
-    ops = FaultyOps([Fault("write_small", err, path_contains=f"{os.sep}latest")])
+def test_a_pointer_write_fault_fails_the_group_commit(tmp_path: Path, err: int) -> None:
+    """A group commit whose pointer write fails after its manifest is out fails, and ``latest()``
+    stays on the group before it. (A commit that succeeded with a WARNING when the pointer could
+    not be re-read was tried: during one outage the re-read failed too, the pointer looked absent,
+    and the commit reported success while ``latest()`` named the older group afterwards.)"""
+    ops = FaultyOps()
     g1, g2 = tmp_path / "step-1", tmp_path / "step-2"
     with fastckpt.Checkpointer(ops=ops, rank=0, world_size=1) as ck:
         ck.save(_state(1), str(g1 / "m.pt"), group=str(g1))
-        ck.commit(str(g1), step=1).wait()  # before: raised, though latest() named it
-        ops.assert_all_reached()
-        assert fastckpt.latest(str(tmp_path)) == str(g1) and not (tmp_path / "latest").exists()
-        ck.save(_state(2), str(g2 / "m.pt"), group=str(g2))
-        ck.commit(str(g2), step=2).wait()  # the pointer is written now
+        ck.commit(str(g1), step=1).wait()
         ops.inject(Fault("write_small", err, path_contains=f"{os.sep}latest"))
-        g3 = tmp_path / "step-3"
-        ck.save(_state(3), str(g3 / "m.pt"), group=str(g3))
-        with pytest.raises(OSError) as ei:
-            ck.commit(str(g3), step=3).wait()
-        assert ei.value.errno == err
+        ck.save(_state(2), str(g2 / "m.pt"), group=str(g2))
+        with pytest.raises(OSError) as raised:
+            ck.commit(str(g2), step=2).wait()
+        assert raised.value.errno == err
         ck.wait()
     ops.assert_all_reached()
-    assert fastckpt.latest(str(tmp_path)) == str(g2)
-    assert tmp_files(tmp_path) == []
+    assert fastckpt.latest(str(tmp_path)) == str(g1)

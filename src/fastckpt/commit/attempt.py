@@ -25,7 +25,6 @@ from . import protocol as P
 from . import resave
 from . import store as S
 from .foreign import group_step
-from .pointing import move_latest
 
 log = logging.getLogger("fastckpt")
 LOCAL_WAIT_S = 10.0  # how long a rank waits for its node's copy of a manifest before reading it itself
@@ -114,7 +113,7 @@ def publish(att: Attempt, world: int, entries: dict[int, dict], extra: dict, req
     else:
         att.home.put(P.GROUP_MANIFEST, P.manifest_bytes(manifest))
     if att.move_latest:
-        move_latest(att.home, manifest)
+        P.move_pointer(att.home.parent(), manifest["tag"], P.group_order(manifest))
     return manifest
 
 
