@@ -22,7 +22,7 @@ from fastckpt.records import SaveHandle
 from fastckpt.urls import is_url, normalize
 
 from .lasts import FLUSH, LastFiles, named_files
-from .saves import SaveLedger, state_nbytes
+from .saves import SaveLedger, StepSave, state_nbytes
 
 log = logging.getLogger("fastckpt.lightning")
 
@@ -307,6 +307,8 @@ class TrainerLink:
         self._in_fit, self._crashed, self._reserved = fitting, False, False
         self._link_dirs = ()  # this fit's ModelCheckpoints and links (``_note_links``)
         self._saves.newest.clear()  # the saves of this fit only
+        self._step_save.close()
+        self._step_save = StepSave()  # this thread runs the fit: its saves of one step are one save
         self._lasts = LastFiles(self._read_last, bool(self._config().local_dirs))  # this fit's (``lasts``)
         self._sharded = bool(SHARDED_STRATEGIES & {c.__name__ for c in type(trainer.strategy).__mro__})
         if trainer.is_global_zero and fitting:

@@ -27,24 +27,29 @@ class StepSave:
     (its top-k file, then ``last.ckpt``), as do several ModelCheckpoints at one step. Counted as two
     saves, the first checkpoint raised the overhead alarm with the milliseconds between its two files
     as the interval, and the alarm's advice was sized from one file's blocked time. The block opens
-    on the training thread at the step's first save and closes at the next fence (every phase after
-    the saves passes one first: ``FastCkptCallback``) or at a save of another step."""
+    on the training thread (the one the plugin was connected on, ``owner``) at the step's first save
+    and closes at the next fence (every phase after the saves passes one first: ``FastCkptCallback``)
+    or at a save of another step. A save from another thread (a user's ``trainer.save_checkpoint``
+    in a worker) is a save of its own: a block is the thread's, and one shared across threads was
+    closed on the wrong one, leaving the training thread's later saves in a closed block."""
 
-    def __init__(self) -> None:
-        self._open: tuple[object, contextlib.AbstractContextManager, int] | None = None
+    def __init__(self, owner: int | None = None) -> None:
+        self.owner = threading.get_ident() if owner is None else owner
+        self._open: tuple[object, contextlib.AbstractContextManager] | None = None
 
     def join(self, ck: Checkpointer, key: object) -> None:
-        """Make the calling thread's next save part of the block of ``key`` (epoch, step)."""
-        if self._open is not None and self._open[0] == key and self._open[2] == threading.get_ident():
+        """Make the calling thread's next save part of the block of ``key`` (epoch, step), on the
+        training thread; on another, nothing."""
+        if threading.get_ident() != self.owner or (self._open is not None and self._open[0] == key):
             return
         self.close()
         block = ck.one_save()
         block.__enter__()
-        self._open = (key, block, threading.get_ident())
+        self._open = (key, block)
 
     def close(self) -> None:
-        """End the open block (counted now); only its own thread can (its block is the thread's)."""
-        if self._open is None or self._open[2] != threading.get_ident():
+        """End the open block (counted now), on the training thread (its block is that thread's)."""
+        if self._open is None or threading.get_ident() != self.owner:
             return
         block, self._open = self._open[1], None
         block.__exit__(None, None, None)

@@ -10,6 +10,7 @@ import json
 import os
 
 import pytest
+import torch
 
 L = pytest.importorskip("lightning")
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
@@ -49,4 +50,30 @@ def test_saves_of_different_steps_are_not_joined(tmp_path) -> None:
     trainer.fit(TinyModel(), loader())
     ck.wait()
     assert ck.stats().saves == 4
+    ck.close()
+
+
+def test_a_save_from_another_thread_during_fit_is_a_save_of_its_own(tmp_path) -> None:
+    """A user's ``trainer.save_checkpoint`` from a worker thread while the training thread's block
+    of a step was open took over the plugin's one block: the training thread's block was closed on
+    the worker, and every later save on the training thread joined a closed block (never counted,
+    no alarm). A block is the training thread's now; the worker's save counts alone."""
+    import threading
+
+    class SideSave(L.Callback):
+        def on_train_batch_start(self, trainer, *args) -> None:  # noqa: ANN001, ANN002
+            if trainer.global_step == 3:  # step 3's save made, the block open until the next fence
+                t = threading.Thread(target=trainer.save_checkpoint, args=(str(tmp_path / "side.ckpt"),))
+                t.start()
+                t.join()
+
+    ck = fastckpt.Checkpointer(overhead_budget=0.99)
+    trainer = make_trainer(str(tmp_path), FastCkptIO(checkpointer=ck), 4, callbacks=[SideSave()],
+                           every_n_train_steps=3, save_top_k=-1)
+    trainer.fit(TinyModel(), loader())
+    ck.wait()
+    assert ck.stats().saves == 2  # step 3's file, side.ckpt
+    for i in range(3):  # the training thread's own saves after fit, outside any block
+        ck.save({"w": torch.zeros(4)}, str(tmp_path / f"after-{i}.pt")).wait()
+    assert ck.stats().saves == 5 and ck._monitor.current() is None
     ck.close()
