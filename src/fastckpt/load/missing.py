@@ -12,7 +12,7 @@ import posixpath
 from collections.abc import Iterator
 
 from ..commit.discovery import DCP_METADATA
-from ..commit.foreign import DCP, dcp_how_to_load
+from ..commit.foreign import DCP, dcp_how_to_load, torch_zip
 from ..commit.membership import naming_group
 from ..errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError
 from ..storage.homes import Homes, Location
@@ -88,12 +88,15 @@ def lost_after_commit(homes: Homes, path: str, exc: BaseException) -> BaseExcept
     try:
         now: int | None = loc.target.size(loc.key)
         own = _own_manifest(loc)
+        plain = own is None and torch_zip(loc.target, loc.key) is not None
     except FileNotFoundError:
-        now, own = None, None
+        now, own, plain = None, None, False
     except OSError:
         return None
     if own is not None and (own.get("checksum") or {}).get("value") != found.entry.get("checksum"):
         return None  # another file stands there (moved or copied over it): the load's own error says which
+    if plain:
+        return None  # a whole plain torch.save file stands there: the load's own error (``load.named``) says so
     if now is None:
         what = (f"does not exist, though the committed group {found.dir} names it ({size} bytes): it was lost after "
                 "its commit")
@@ -105,7 +108,7 @@ def lost_after_commit(homes: Homes, path: str, exc: BaseException) -> BaseExcept
                 f"group {found.dir} recorded: it changed after its commit")
     cli = "" if now == size else (f"`fastckpt latest {parent}` on the command line passes over a checkpoint with "
                                   "a missing or short file and names the one before it; ")
-    cls = CheckpointNotFoundError if isinstance(exc, CheckpointNotFoundError) else CorruptCheckpointError
+    cls = type(exc) if isinstance(exc, (CheckpointNotFoundError, CorruptCheckpointError)) else CorruptCheckpointError
     return cls(f"{path} {what}, so the group cannot be loaded whole. latest() still names that group while "
                "it is the newest (it reads the pointer and the manifests, not every file). Restore the file from "
                f"another copy (a replica, the burst buffer of the node that saved it), or resume from the checkpoint "
