@@ -19,7 +19,7 @@ from contextlib import AbstractContextManager
 
 from .commit import discovery
 from .commit.coordinator import Coordinator
-from .commit.foreign import group_step
+from .commit.foreign import check_step, group_step
 from .commit.removable import refuse_root
 from .config import CheckpointerConfig, options_doc, options_signature
 from .errors import ClosedError
@@ -181,8 +181,8 @@ class Checkpointer:
                 its path was not saved again since: the attempt ends on every rank (docs/groups.md).
         """
         self._check_open()
+        extra = check_step(extra)  # ConfigError: a step that is no integer >= 0 (before anything is done)
         group = normalize(group)
-        extra = self._coordinator.step(group, *self.config.ranks(), extra)  # ConfigError: no integer >= 0
         step = group_step(extra, group) if move_latest else None  # a series that moves latest: see Retention
         with self._retention.failing(group, step):  # a failure raised here ends the attempt: no rank waits for this one
             self._inflight.raise_unseen(before=lambda e: self._coordinator.abandon(group, *self.config.ranks(), e))

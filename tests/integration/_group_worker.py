@@ -11,9 +11,6 @@ Scenarios (one directory each under ``DIR``):
      mutating the tensors right after ``save`` returns, and commit each step.
   c  a rank that saved nothing still commits: rank 1 saves nothing into ``c/global_step1``,
      rank 0 saves nothing into ``c/global_step2``.
-  r  one tag ``r/last`` saved and committed at steps 1..3; after step 1 rank 1 alone commits it
-     again with nothing saved (a retry on that rank), while rank 0 goes on to step 2. The
-     retry must fail at once (``ConfigError``) and every step publish both ranks' files of it.
   b  step 1 commits on both ranks; at step 2 rank 1 makes its files durable, then dies
      before ``commit`` (``os._exit(0)`` under torchrun, whose agent would tear rank 0 down
      on a failed rank, or SIGKILL with ``--scenario kill``). Rank 0's commit must raise
@@ -180,22 +177,6 @@ class Worker:
             out[str(step)] = {"saved_nothing": self.rank == silent_rank, "bytes": rec.bytes}
         return out
 
-    def scenario_r(self) -> dict:
-        group, out = os.path.join(self.root, "r", "last"), {}
-        for step in STEPS:
-            self.save_shards(group, step)
-            self.ck.commit(group, step=step).wait(timeout=60)
-            m = json.loads(open(os.path.join(group, "fastckpt-manifest.json"), encoding="utf-8").read())
-            out[str(step)] = {"step": m["step"], "files": {n: i["rank"] for n, i in m["files"].items()}}
-            if step == 1 and self.rank == 1:
-                t0 = time.monotonic()
-                try:
-                    self.ck.commit(group, step=step).wait(timeout=60)
-                    out["retry"] = "committed"
-                except fastckpt.ConfigError as exc:
-                    out["retry"], out["retry_s"] = str(exc), time.monotonic() - t0
-        return out
-
     def scenario_b(self, die: str, timeout_s: float) -> dict:
         parent = os.path.join(self.root, "b")
         g1, g2 = (os.path.join(parent, f"global_step{s}") for s in (1, 2))
@@ -249,7 +230,6 @@ def main() -> int:
     if args.scenario == "all":
         w.result["a"] = w.scenario_a()
         w.result["c"] = w.scenario_c()
-        w.result["r"] = w.scenario_r()
         w.dump()
         w.result["b"] = w.scenario_b("exit", args.timeout)
     else:

@@ -1,6 +1,6 @@
 """Multi-rank groups with real processes: torchrun, 2 ranks, gloo over 127.0.0.1.
 
-One torchrun launch runs scenarios a, c, r and b of ``_group_worker.py`` (see its docstring);
+One torchrun launch runs scenarios a, c and b of ``_group_worker.py`` (see its docstring);
 a second launch, without torchrun (whose agent would tear rank 0 down when a rank dies by
 signal), SIGKILLs rank 1 before its commit. Every test here checks the files those runs left.
 """
@@ -203,23 +203,6 @@ def test_rank_that_saved_nothing_still_completes_the_group(torchrun_run: Run) ->
         _assert_loads(optim, W.expected_optim(saver, step))
         for r in (0, 1):
             assert torchrun_run.results[r]["c"][str(step)]["saved_nothing"] == (r != saver)
-
-
-# --------------------------------------------------------------------------- (r)
-def test_a_commit_retried_on_one_rank_never_pairs_with_another_save(torchrun_run: Run) -> None:
-    # Before: rank 1's retry joined rank 0's commit of step 2 (published without rank 1's files), and
-    # rank 1's commit of step 2 joined rank 0's of step 3 (published with rank 1's files of step 2).
-    res = {r: torchrun_run.results[r]["r"] for r in (0, 1)}
-    assert "committed it already and saved nothing into it since" in res[1]["retry"]
-    assert res[1]["retry_s"] < TIMEOUT_S
-    group = torchrun_run.root / "r" / "last"
-    for r in (0, 1):
-        for step in W.STEPS:
-            assert res[r][str(step)] == {"step": step, "files": {p.name: q for q in (0, 1)
-                                                                 for p in _shard_files(group, q)}}
-        model, optim = _shard_files(group, r)
-        _assert_loads(model, W.expected_model(r, W.STEPS[-1]))
-        _assert_loads(optim, W.expected_optim(r, W.STEPS[-1]))
 
 
 # --------------------------------------------------------------------------- (b)

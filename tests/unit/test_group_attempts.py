@@ -560,14 +560,15 @@ def test_a_refused_retried_commit_leaves_the_burst_buffer_copy_complete(tmp_path
     g, local = tmp_path / "durable" / "G", tmp_path / "nvme"
     cks = [_ck(r, store, local_dir=str(local)) for r in (0, 1)]  # one node: both ranks share the copy
     copy = Path(cks[0].local_path(str(g / P.GROUP_MANIFEST)))
-    why = "committed it already and saved nothing into it since, so there is nothing to commit"
+    why = "no rank saved a file into it, so there is nothing to commit"
     try:
         _save_all(cks, g, 1)
         published = copy.read_bytes()
         handles = [ck.commit(str(g), step=1) for ck in cks]  # the retry: nothing saved since
-        for h in handles:  # refused by each rank at once, no attempt begun (test_commit_pairing.py)
-            with pytest.raises(ConfigError, match=why):
-                h.wait(60)
+        with pytest.raises(ConfigError, match=why):
+            handles[0].wait(60)
+        with pytest.raises(CommitTimeoutError, match=why):
+            handles[1].wait(60)
         assert [(e.name, e.status) for e in list_checkpoints(str(copy.parent.parent))] == [("G", "complete")]
         assert copy.read_bytes() == published  # before: gone
         assert _loaded_from(cks, g, 1) == ["local", "local"]

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from ..errors import CheckpointWriteError, CommitTimeoutError, ConfigError, CorruptCheckpointError, GroupRemovedError
+from ..errors import CheckpointWriteError, CommitTimeoutError, CorruptCheckpointError, GroupRemovedError
 from ..io import atomic
 from ..records import SaveHandle, SaveRecord
 from ..storage.places import Place
@@ -127,7 +127,7 @@ def via_store(att: Attempt, ch: S.Channel, rank: int, world: int, files: dict, s
         raise CommitTimeoutError(f"checkpoint group {att.home.label}: closed before rank 0 said which session "
                                  "of the store the group commits use; the group stays incomplete")
     att.token = ch.token
-    ch.announce(rank, {"files": files, "superseded": superseded, "place": att.place.key, "step": extra.get("step")})
+    ch.announce(rank, {"files": files, "superseded": superseded, "place": att.place.key})
     if rank != 0:
         said = _verdict(att, ch, rank, files, deadline, stop, waited_s)
         kind, _, rest = said.partition(":")
@@ -139,24 +139,17 @@ def via_store(att: Attempt, ch: S.Channel, rank: int, world: int, files: dict, s
             raise E.removed_error(att.home)
         if kind == S.ABORTED:
             raise E.aborted_error(att.home.label, rest)
-        if kind == S.REFUSED:
-            raise ConfigError(rest)
         raise CommitTimeoutError(rest)
     entries = ch.gather(deadline, stop)  # at once when some rank never joined the session by then
     if entries is None:
         present = ch.entries()
         err = E.not_committed(att.home, [r for r in range(world) if r not in present], world, timeout_s)
-        if remade := ch.late():  # the missing ranks made their Checkpointer again: say so
-            err = ConfigError(remade)
         ch.tell(f"{S.FAILED}:{err}")
         for r, e in present.items():  # the crash trail: who did commit (readers name the others)
             P.write_marker(att.place, r, world, e["files"], att.token, bool(e.get("superseded")))
         raise err
     if (apart := _elsewhere(att, entries)) and ch.abort(0, apart):  # nothing of it is published
         raise E.aborted_error(att.home.label, f"rank 0: {apart}")
-    if (apart := E.steps_apart(att.home.label, {r: e.get("step") for r, e in entries.items()})) and \
-            ch.end(f"{S.REFUSED}:{apart}"):  # its ranks' files are not of one save
-        raise ConfigError(apart)
     won = ch.claim("rank 0")
     if won != "rank 0":
         ch.tell(None)
@@ -237,9 +230,9 @@ def via_storage(att: Attempt, rank: int, world: int, files: dict, superseded: bo
 
         def restamp(aid: str) -> None:
             att.token = aid
-            P.write_marker(att.place, rank, world, files, aid, superseded, extra.get("step"))
+            P.write_marker(att.place, rank, world, files, aid, superseded)
 
-        P.write_marker(att.place, rank, world, files, att.token, superseded, extra.get("step"))
+        P.write_marker(att.place, rank, world, files, att.token, superseded)
         if _files_gone(att, files):  # another rank's remove() took the group before the marker, which
             raise E.removed_error(att.home)  # brought the directory back: the coordinator deletes it again
         m = F.wait_for_manifest(att.home, timeout_s + grace(timeout_s), stop, att.token, files, me=rank,
@@ -248,15 +241,12 @@ def via_storage(att: Attempt, rank: int, world: int, files: dict, superseded: bo
         if m.get("superseded"):
             return Ended(None, 0, superseded=True)
         return Ended(m, sum(f["size"] for f in m["files"].values()))
-    P.write_marker(att.place, rank, world, files, att.token, superseded, extra.get("step"))
+    P.write_marker(att.place, rank, world, files, att.token, superseded)
     # recorded: another rank's remove() deletes attempt.json with the group, even before this marker
     with _recorded(att):
         markers = F.wait_for_markers(att.place, world, timeout_s, stop, att.token, me=rank, cancel=att.cancel,
                                      replaced=att.replaced, recorded=world > 1 and att.token is not None,
                                      since=att.since, home=att.home)
-    if apart := E.steps_apart(att.home.label, {r: m.get("step") for r, m in markers.items()}):  # not of one save
-        P.write_record(att.place, P.OUTCOME, attempt=att.token, outcome=F.REFUSED, why=apart, replaced=att.replaced)
-        raise ConfigError(apart)
     if any(m.get("superseded") for m in markers.values()):
         P.write_record(att.place, P.OUTCOME, attempt=att.token, outcome="superseded", replaced=att.replaced)
         return Ended(None, 0, superseded=True)

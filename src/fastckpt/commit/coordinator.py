@@ -36,9 +36,10 @@ import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import Executor, Future
+from typing import NoReturn
 
 from ..config import CheckpointerConfig
-from ..errors import ConfigError, CorruptCheckpointError, refused_once_closed
+from ..errors import CorruptCheckpointError, refused_once_closed
 from ..records import SaveHandle, SaveRecord
 from ..storage.places import Place
 from . import attempt as A
@@ -50,7 +51,6 @@ from . import removal as R
 from . import resave
 from . import store as S
 from . import tell as T
-from .foreign import check_step
 
 log = logging.getLogger("fastckpt")
 
@@ -83,7 +83,6 @@ class Coordinator:
         self._running: dict[str, tuple[A.Attempt, Future]] = {}
         self._counts: dict[str, itertools.count] = {}
         self._missing: dict[str, dict[str, str]] = {}  # group -> path -> why its save did not happen
-        self._saved: dict[str, bool] = {}  # group -> whether this rank saved into its last attempt at it
         # without a store: this rank-0 session's id in attempt.json, when this rank was born (for
         # ``fallback.began`` and, on rank 0, ``fallback._failed_in``), and the attempt each group's
         # last failed commit of another rank was in
@@ -168,9 +167,9 @@ class Coordinator:
         self._mark(group, path, "skipped: when_busy='skip' found the staging buffer busy")
 
     def failed(self, group: str, path: str, exc: BaseException) -> None:
-        """The save of ``path`` into ``group`` raised ``exc`` on the training thread, perhaps before this
-        rank's attempt began: it cannot commit without the file. (Only its text is kept: the traceback
-        would pin the state's tensors.)"""
+        """The save of ``path`` into ``group`` raised ``exc`` on the training thread, perhaps
+        before this rank's attempt began: the attempt cannot commit without the file. (Only its
+        text is kept: the exception's traceback would pin the state's tensors until then.)"""
         self._mark(group, path, f"{type(exc).__name__}: {exc}")
 
     def _mark(self, group: str, path: str, why: str) -> None:
@@ -195,14 +194,13 @@ class Coordinator:
             R.claim(running, rank, self._timeout, self._stop)
 
     def abandon(self, group: str, rank: int, world: int, exc: BaseException) -> None:
-        """This rank will not commit its attempt at ``group`` (its ``commit`` raised ``exc``: an earlier
-        save's failure, a bad step; or it closed: ``close``): end the attempt, on every rank at once. A
-        rank that saved nothing into it begins it now (as ``Teller.refuse``): else rank 0 waits for it, and
-        with a store its attempt count at the group falls one behind the others' for good."""
+        """This rank will not commit its attempt at ``group`` (its ``commit`` raised ``exc``, an
+        earlier save's failure; or it closed: ``close``): end the attempt, on every rank at once.
+        A rank that saved nothing into it begins it now (as ``_refuse``): else rank 0 waits for it,
+        and with a store its attempt count at the group falls one behind the others' for good."""
         with self._lock:
             att = self._open.pop(group, None)
             self._missing.pop(group, None)
-            self._saved[group] = att is not None or self._saved.get(group, False)
         if att is None and world > 1:
             try:
                 att = self._begun(group, rank, world)
@@ -215,15 +213,17 @@ class Coordinator:
             self._tell.abort(att, rank, exc, background=True)
 
     def close(self, rank: int, world: int) -> None:
-        """``Checkpointer.close`` (or the exit flush), before ``stop`` is set: this rank commits none of the
-        attempts it began and did not commit (it leaves after its saves into a group, without ``commit``).
-        Where the store session is agreed (a group was committed through the store), each ends on every
-        rank as a failed commit's does (``abandon``: one store write), so the others' commits fail now,
-        naming this rank, not after ``commit_timeout_s``. Not before it is agreed: that waits for rank 0,
-        which may be dead too. Without a store not either: a failure record written now outlives this
-        job, and only its time keeps the next job's first attempt at the group from taking it as its
-        own (``fallback._failed_in``); the others wait ``commit_timeout_s``. A commit in flight
-        (``_running``) is not touched: close() waited for it. One rank: nothing."""
+        """``Checkpointer.close`` (or the exit flush), before ``stop`` is set: this rank commits none of
+        the attempts it began and did not commit (a rank that leaves after its saves into a group,
+        without ``commit``). Where the store session is agreed (this job committed a group through
+        the store), each ends on every rank as a failed commit's does (``abandon``: one store write,
+        here), so that the other ranks' commits fail now, naming this rank, not after
+        ``commit_timeout_s``. Not before the session is agreed: that waits for rank 0, which may be
+        dead too, and close() must not wait for it. Without a store not either: a failure record
+        written now outlives this job, and only its time keeps the next job's first attempt at the
+        group from taking it as its own (``fallback._failed_in``). There the others wait
+        ``commit_timeout_s``, as before. A commit in flight (``_running``) is not touched: close()
+        waited for it. One rank: nothing."""
         with self._lock:  # removed: told already
             groups = [g for g, att in self._open.items()
                       if not att.cancel.is_set() and att.channel is not None and att.channel.agreed]
@@ -243,35 +243,13 @@ class Coordinator:
             with self._lock:
                 self._given_up[att.group] = mine
 
-    def step(self, group: str, rank: int, world: int, extra: dict) -> dict:
-        """``extra`` with its step checked (``foreign.check_step``); a bad one ends the attempt (``abandon``),
-        unless ``commit`` would begin none (``_again``)."""
-        try:
-            return check_step(extra)
-        except ConfigError as exc:
-            with self._lock:
-                again = self._again(group, world)
-            if world > 1 and not again:
-                self.abandon(group, rank, world, exc)
-            raise
-
-    def _again(self, group: str, world: int) -> bool:
-        """Whether this rank of several committed ``group`` before and saved nothing into it since (under
-        ``_lock``): an attempt it began would pair with the other ranks' next save of the group."""
-        return world > 1 and group not in self._open and not self._missing.get(group) and self._saved.get(group, False)
-
     def commit(self, group: str, rank: int, world: int, extra: dict,
                finish: Callable[[SaveRecord], SaveRecord] = lambda r: r, move_latest: bool = True) -> Future:
         with self._lock:
-            again = self._again(group, world)  # a commit retried on this rank: no attempt begins
             att = self._open.pop(group, None)
             missing = self._missing.pop(group, None)
-            self._saved[group] = again or att is not None or bool(missing)
-        if again:
-            self._emit("commit", group, 0, time.time(), "direct", err := E.nothing_new(group, rank), detail="group")
-            return E.at_once(err)
         if missing:
-            self._tell.refuse(group, att, rank, missing, lambda: self._begun(group, rank, world), self._emit)
+            self._refuse(group, att, rank, world, missing)
         if att is None:  # a rank that saved nothing into this group
             att = self._begun(group, rank, world)
         att.move_latest = move_latest
@@ -306,6 +284,22 @@ class Coordinator:
             self._running[group] = (att, fut)
         fut.add_done_callback(lambda f: self._forget(group, f))
         return fut
+
+    def _refuse(self, group: str, att: A.Attempt | None, rank: int, world: int, missing: dict[str, str]) -> NoReturn:
+        """Files of this rank's attempt at ``group`` were never saved (``missing``: path -> why):
+        end the attempt on every rank at once, and raise, naming them. A rank whose save failed
+        before its attempt began (``att`` None) begins it now, to know which attempt to end."""
+        files = "; ".join(f"{os.path.relpath(path, group)} ({why})" for path, why in missing.items())
+        err = E.unsaved_error(group, files)
+        self._emit("commit", group, 0, time.time(), "direct", err, detail="group")  # those saves emitted none
+        try:
+            if att is None:
+                att = self._begun(group, rank, world)
+        except BaseException as exc:  # the others then time out, naming this rank
+            err.add_note(f"the other ranks were not told, and wait commit_timeout_s: {type(exc).__name__}: {exc}")
+            raise err from exc
+        self._tell.abort(att, rank, err, background=True, why=f"the save of {files} did not happen")
+        raise err
 
     def _begun(self, group: str, rank: int, world: int) -> A.Attempt:
         """This rank's attempt at ``group``, begun now: it saved nothing into it."""

@@ -3,9 +3,7 @@ rank 0 and the others, with a store (``attempt.py``) and without one (``fallback
 
 from __future__ import annotations
 
-from concurrent.futures import Future
-
-from ..errors import CheckpointWriteError, CommitTimeoutError, ConfigError, GroupRemovedError
+from ..errors import CheckpointWriteError, CommitTimeoutError, GroupRemovedError
 from ..storage.places import Place
 
 
@@ -26,7 +24,7 @@ def closed_error(label: str, rank: int) -> CheckpointWriteError:
 
 def unsaved_error(label: str, files: str) -> CheckpointWriteError:
     """What a rank raises at ``commit`` when its save of ``files`` (each with why) into the group
-    did not happen: the group would lack them, so it is not committed (``Teller.refuse``)."""
+    did not happen: the group would lack them, so it is not committed (``Coordinator._refuse``)."""
     return CheckpointWriteError(
         f"checkpoint group {label} not committed: this rank's save of {files} did not happen, and the group would "
         "lack it. It ends on every rank; the group stays incomplete and the previous checkpoint is intact. To "
@@ -56,44 +54,3 @@ def left_behind(place: Place, me: int | None, newer: str | None, why: str | None
         "committed its files (rank 0 gave up waiting for this rank, or was restarted). This rank's "
         "files are not part of any published attempt; save the group again on this rank to join "
         "rank 0's current attempt (the previous checkpoint is intact).")
-
-
-def nothing_new(label: str, rank: int) -> ConfigError:
-    """What a rank's ``commit`` raises (through its handle, at once) when this rank committed the group
-    before and saved nothing into it since: its attempt would pair with the other ranks' next save."""
-    return ConfigError(
-        f"checkpoint group {label}: rank {rank} committed it already and saved nothing into it since, so there is "
-        "nothing to commit; no attempt was begun. A commit() retried on one rank alone would otherwise be paired "
-        "with the other ranks' next save of the group (a group missing this rank's file, or mixing two saves). "
-        "Save this rank's files again before commit(), on every rank.")
-
-
-def at_once(err: BaseException) -> Future:
-    """A commit's handle that failed before any work: ``err``."""
-    fut: Future = Future()
-    fut.set_exception(err)
-    return fut
-
-
-def steps_apart(label: str, steps: dict[int, object]) -> str | None:
-    """Rank 0: why an attempt is not published when its ranks committed different steps (``steps``:
-    rank -> the step its ``commit`` recorded); None when they agree."""
-    if len(set(steps.values())) < 2:
-        return None
-    by: dict[object, list[int]] = {}
-    for r, s in sorted(steps.items()):
-        by.setdefault(s, []).append(r)
-    said = "; ".join(f"step={s!r} on ranks {rs}" for s, rs in by.items())
-    return (f"checkpoint group {label} not committed: its ranks committed different steps ({said}), so their files "
-            "are not of one save (a commit() retried on one rank only, or a step each rank counts on its own). "
-            "Nothing of it is published; the previous checkpoint is intact. Commit each save on every rank, with "
-            "the same step.")
-
-
-def remade(label: str, ranks: list[int]) -> str:
-    """Rank 0 (with a store): why its commit failed when ``ranks`` ask for a store session after every
-    rank had agreed one: they made their Checkpointer again (``session.Session.refuse_late``)."""
-    return (f"checkpoint group {label} not committed: the Checkpointer of ranks {ranks} was made again after the "
-            "ranks agreed on their store session (close() and a new Checkpointer on those ranks only). A new "
-            "Checkpointer counts its attempts at each group anew, so its commits never meet the other ranks'. Make "
-            "the Checkpointer again on every rank (rank 0 too), or keep the first one on every rank.")

@@ -39,14 +39,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..errors import CommitTimeoutError, ConfigError, CorruptCheckpointError
+from ..errors import CommitTimeoutError, CorruptCheckpointError
 from ..storage.places import Place
 from . import claim as C
 from . import protocol as P
 from .failures import aborted_error, left_behind, not_committed, removed_error
 from .foreign import group_step
 
-ABORTED, REFUSED = "aborted", "refused"  # the outcome of an attempt a failed save ended / whose steps differ
+ABORTED = "aborted"  # the outcome of an attempt that a rank's failed save ended
 POLL_FIRST_S = 0.005
 POLL_MAX_S = 0.5
 
@@ -286,9 +286,8 @@ def wait_for_manifest(place: Place, timeout_s: float, stop: threading.Event, tok
         if got is not None and _outcome_of(got, state["token"], began):
             if got.get("outcome") == "superseded":
                 return {"superseded": True, "files": {}}
-            if got.get("outcome") in (ABORTED, REFUSED):  # a rank's save failed, or the ranks' steps differ
-                raise (aborted_error(place.label, str(got.get("why"))) if got["outcome"] == ABORTED else
-                       ConfigError(str(got.get("why"))))
+            if got.get("outcome") == ABORTED:
+                raise aborted_error(place.label, str(got.get("why")))
             raise CommitTimeoutError(str(got.get("outcome")))
         return None
 

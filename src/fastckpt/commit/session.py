@@ -34,11 +34,6 @@ appended its ask before that round read the asks; and only its own serving delet
 A rank 0 that died while it served stays listed: later launches ring its bell too, one ``set``
 per asking rank and dead rank 0 (a ring after a rank 0 took itself off may leave its bell set).
 
-A Checkpointer made again on some ranks only asks after rank 0's ranks have all joined: its attempts,
-counted anew, would never meet rank 0's. Rank 0 looks for such asks only when a commit fails for want
-of ranks (``refuse_late``: no cost to a commit that succeeds) and answers them with a refusal that
-names it, which the asking rank raises (``ConfigError``), as rank 0 does.
-
 Asks are filed under the group being committed (its digest), and rank 0 answers only those of
 the groups it began (saved into; its commits of them may reach the agreement in any order): a
 job with two Checkpointers on one store (two DeepSpeed engines, an actor and a critic, each with
@@ -54,12 +49,10 @@ import hashlib
 import threading
 import time
 import uuid
-from collections.abc import Callable
 
-from ..errors import CommitTimeoutError, ConfigError
+from ..errors import CommitTimeoutError
 
 POLL_S = 0.2  # how often a wait that close() must be able to end at once polls the store
-REFUSED = "refused:"  # rank 0's answer to a rank that asks after every rank joined (``refuse_late``)
 
 
 def group_digest(group: str) -> str:
@@ -72,7 +65,7 @@ class Session:
 
     Args:
         store: the store every rank reaches.
-        waits: its blocking waits (``waits.Waits``).
+        waits: its blocking waits (``store._Waits``).
         rank, world: this rank and the number of ranks.
         slice_s: how often a blocking wait is re-armed to notice ``stop``; None: never.
     """
@@ -143,24 +136,6 @@ class Session:
             f"commits use, and rank 0 did not answer within {waited_s:.0f} s: it has not reached its commit of a "
             "group through this store, or it died. Every rank must save and commit the same groups (check "
             "rank 0's logs), or raise commit_timeout_s.")
-
-    def refuse_late(self, group: str, why: Callable[[list[int]], str]) -> str | None:
-        """Rank 0, every rank joined, at a commit of ``group`` (a digest) the others never announced: a
-        rank that asks for a session now made its Checkpointer again, and its attempts, counted anew,
-        never meet rank 0's. Each such ask is answered ``why(ranks)`` (the asking rank raises it as a
-        ``ConfigError``), which is returned; None: no rank asks. Only at a failed commit: no cost else."""
-        store, asks = self._store, self._in(group, "asks")
-        if self.rank != 0 or not self.complete or not self._op(store.check, [asks]):  # type: ignore[attr-defined]
-            return None
-        raw = bytes(self._op(store.get, asks)).decode()  # type: ignore[attr-defined]
-        late = [line.split() for line in raw.splitlines() if line.split()[1] not in self._read]
-        if not late:
-            return None
-        text = why(sorted({int(rank) for rank, _ in late}))
-        for _, nonce in late:
-            self._op(store.set, self._k(f"answer/{nonce}"), REFUSED + text)  # type: ignore[attr-defined]
-        self._op(store.compare_set, asks, raw, "")  # type: ignore[attr-defined]
-        return text
 
     def _wait(self, key: str, deadline: float, stop: threading.Event, poll: bool) -> bool:
         self.ops += 1
@@ -252,11 +227,8 @@ class Session:
             if stop.is_set():
                 return  # closing: the caller finds the session unknown
             raise self._unanswered(label, time.monotonic() - t0)
-        said = bytes(self._op(store.get, answer)).decode()  # type: ignore[attr-defined]
+        number = int(bytes(self._op(store.get, answer)).decode())  # type: ignore[attr-defined]
         self._op(store.delete_key, answer)  # type: ignore[attr-defined]
-        if said.startswith(REFUSED):  # this Checkpointer was made again after rank 0's ranks had all joined
-            raise ConfigError(said[len(REFUSED):])
-        number = int(said)
         self._op(store.append, self._k(f"{number}/joined"), line)  # type: ignore[attr-defined]
         self._ring()
         self.number = number

@@ -11,42 +11,42 @@ Every rank of one attempt at a group uses the same keys, under
   ``outcome``  rank 0 (or the remover) says how the attempt ended; the other ranks wait on it
   ``seen``     each other rank adds 1 after reading the outcome; the last one deletes the keys
 
-So one commit costs about 5 operations per rank, and rank 0 reads every announcement with a single
-``get``. Rank 0 deletes ``files``, ``count`` and ``ready`` once it has read them, the last rank to
-learn the outcome deletes the rest: thousands of checkpoints leave nothing behind. An attempt that
-fails because a rank died leaves ``claim``, ``outcome`` and ``seen`` (a few bytes, under a session
-nothing uses again) until the store goes away.
+So one commit costs about 5 operations per rank, and rank 0 reads every announcement with a
+single ``get``. Rank 0 deletes ``files``, ``count`` and ``ready`` once it has read them, the
+last rank to learn the outcome deletes the rest: a run of thousands of checkpoints leaves
+nothing behind. An attempt that fails because a rank died leaves ``claim``, ``outcome`` and
+``seen`` (a few bytes, under a session nothing uses again) until the store goes away.
 
 Every call here is safe from any thread and none is a collective. A blocking ``wait`` holds
 its client connection for as long as it waits, so waits run on clones of the store
-(``Store.clone``, kept for reuse; ``waits.py``), never on the connection the training thread or
+(``Store.clone``, kept for reuse; ``_Waits``), never on the connection the training thread or
 the process group uses.
 
-Attempt numbers are each rank's own count of its attempts at a group within a session (so each
-entry carries its rank's step too: rank 0 publishes only when they agree). A session is one
-Checkpointer's group commits: a number no earlier Checkpointer of the store got, chosen by rank 0
-and learnt by the others from rank 0 itself at their first multi-rank commit (``session.py``, which
-says why a number each rank derives on its own goes wrong on a store that outlives a launch). So
-Checkpointers made again later, on every rank, never reuse the keys of a failed attempt, and a dead
-launch's keys never mislead a live rank; one made again on some ranks only is named (``late``).
+Attempt numbers are each rank's own count of its attempts at a group within a session. A
+session is one Checkpointer's group commits: a number no earlier Checkpointer of the store got,
+chosen by rank 0 and learnt by the others from rank 0 itself at their first multi-rank commit
+(``session.py``, which says why a number each rank derives on its own goes wrong on a store
+that outlives a launch). So Checkpointers made again later, in this launch or after a restart,
+never reuse the keys of a failed attempt, and a dead launch's keys never mislead a live rank.
 """
 
 from __future__ import annotations
 
 import json
 import threading
+import time
+import weakref
 from collections.abc import Callable
+from datetime import timedelta
+from typing import ClassVar
 
 from ..errors import CommitTimeoutError, FastCkptError
-from . import failures as E
 from .session import Session, group_digest
-from .waits import WAIT_SLICE_S
-from .waits import Waits as _Waits
-from .waits import store_errors as _store_errors
 
+WAIT_SLICE_S = 30.0  # how often a wait that close() may end early is re-armed, to notice it
 PUBLISHED, SUPERSEDED, FAILED, REMOVED = "published", "superseded", "failed", "removed"
-ABORTED, REFUSED = "aborted", "refused"  # a rank's save failed / rank 0 refused it: it ends on every rank at once
 _ABSENT = "\x00absent"  # ``_peek``'s expected value: never one fastckpt stores
+ABORTED = "aborted"  # a rank's save failed: the attempt ends on every rank at once
 
 
 def default_store() -> object | None:
@@ -61,8 +61,105 @@ def default_store() -> object | None:
         return None
 
 
+def _store_errors() -> tuple[type[BaseException], type[BaseException]]:
+    """(the error a ``wait`` that timed out raises, any store error)."""
+    import torch.distributed as dist
+
+    return dist.DistStoreError, dist.DistError
+
+
 class StoreError(FastCkptError, RuntimeError):
     """The store stopped answering (the process that hosts it ended)."""
+
+
+class _Waits:
+    """Blocking waits on one store, shared by every thread of this process.
+
+    A blocking ``wait`` holds its client connection, so each runs on a clone of the store (its
+    own connection), taken from a small free list and given back after; threads that wait for
+    the same key share one wait (simulated ranks in one process all wait for one outcome). A
+    store that cannot clone is polled with ``check`` instead.
+    """
+
+    _by_store: ClassVar[weakref.WeakKeyDictionary] = weakref.WeakKeyDictionary()  # store -> _Waits
+    _registry_lock: ClassVar[threading.Lock] = threading.Lock()
+
+    def __init__(self, store: object) -> None:
+        self._store = weakref.ref(store)  # the registry must not keep a store (and its server) alive
+        self._lock = threading.Lock()
+        self._free: list[object] = []
+        self._keys: dict[str, list] = {}  # key -> [Event, found]
+
+    @classmethod
+    def of(cls, store: object) -> _Waits:
+        with cls._registry_lock:
+            waits = cls._by_store.get(store)
+            if waits is None:
+                waits = cls._by_store[store] = cls(store)
+            return waits
+
+    def _conn(self, store: object) -> object | None:
+        with self._lock:
+            if self._free:
+                return self._free.pop()
+        try:
+            return store.clone()
+        except (RuntimeError, AttributeError, NotImplementedError):
+            return None
+
+    def _wait_once(self, key: str, slice_s: float) -> bool:
+        store = self._store()
+        if store is None:  # its Checkpointers are gone
+            return False
+        conn = self._conn(store)
+        if conn is None:  # no clone: poll this slice away
+            end = time.monotonic() + slice_s
+            while not store.check([key]):
+                if time.monotonic() >= end:
+                    return False
+                time.sleep(0.05)
+            return True
+        try:
+            conn.wait([key], timedelta(seconds=slice_s))
+            return True
+        except RuntimeError as exc:  # a TCPStore's timed-out wait: DistStoreError; a FileStore's: this text
+            if not isinstance(exc, _store_errors()[0]) and str(exc) != "Wait timeout":
+                raise
+            return False
+        finally:
+            with self._lock:
+                self._free.append(conn)
+
+    def wait(self, key: str, deadline: float, stop: threading.Event, slice_s: float | None) -> bool:
+        """Block until ``key`` exists; False at the deadline or once ``stop`` is set.
+
+        Each c10d ``wait`` that times out logs two warnings, so the wait is re-armed every
+        ``slice_s`` (noticing ``stop`` then) only where ``stop`` can come before the deadline;
+        ``slice_s=None``: one ``wait`` until the deadline.
+        """
+        while not stop.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            with self._lock:
+                shared = self._keys.get(key)
+                lead = shared is None
+                if lead:
+                    shared = self._keys[key] = [threading.Event(), False]
+            if not lead:
+                shared[0].wait(min(left, WAIT_SLICE_S))  # a caller checks stop at least this often
+                if shared[1]:
+                    return True
+                continue
+            try:
+                shared[1] = self._wait_once(key, left if slice_s is None else min(left, slice_s))
+            finally:
+                with self._lock:
+                    del self._keys[key]
+                shared[0].set()
+            if shared[1]:
+                return True
+        return False
 
 
 class StoreLink:
@@ -180,10 +277,6 @@ class Channel:
         waiter by setting the key it waits for.)"""
         return bool(self._op(name, lambda: self._link.waits.wait(self._k(name), deadline, stop, self._link.slice_s)))
 
-    def late(self) -> str | None:
-        """Rank 0, its attempt not announced by every rank: why, when ranks made their Checkpointer again."""
-        return self._link.agreed.refuse_late(self._digest, lambda ranks: E.remade(self.group, ranks))
-
     def entries(self) -> dict[int, dict]:
         """Every entry announced so far (rank -> entry)."""
         raw = self._peek("files") or b""
@@ -245,21 +338,20 @@ class Channel:
         """A rank whose save into the group failed: end the attempt on every rank now (rank 0
         and the others would otherwise wait ``commit_timeout_s`` for its announcement). Returns
         whether it ended it (False: rank 0 or a remover already had)."""
-        return self.end(f"{ABORTED}:rank {rank}: {why}")
+        return self._end(f"{ABORTED}:rank {rank}: {why}")
 
     def cancel(self, why: str) -> bool:
         """``remove()`` of the group: end the attempt on every rank unless rank 0 already claimed
         it (then it completes, and the caller waits for it). Returns whether it was cancelled."""
-        return self.end(f"{REMOVED}:{why}")
+        return self._end(f"{REMOVED}:{why}")
 
     def give_up(self, why: str) -> bool:
         """Another rank that waited for the outcome in vain: end the attempt on every rank, so
         that rank 0 never publishes what this rank reports not committed. False: rank 0 claimed
         it first (it is publishing; its outcome follows), or another rank or a remover ended it."""
-        return self.end(f"{FAILED}:{why}")
+        return self._end(f"{FAILED}:{why}")
 
-    def end(self, who: str) -> bool:
-        """End the attempt on every rank with the outcome ``who`` unless another ended it first (False)."""
+    def _end(self, who: str) -> bool:
         if self.claim(who) != who:
             return False
         self._op("outcome", lambda: self._link.store.set(self._k("outcome"), who), len(who))
