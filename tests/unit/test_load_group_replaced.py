@@ -186,3 +186,14 @@ def test_at_a_url(url: str, tmp_path: Path, how: str) -> None:
             ck.load(f"{g}/a.pt", prefetch=how == "prefetch")
     msg = str(exc.value)
     assert f"{g}/a.pt has no fastckpt manifest" in msg and f"checkpoint group {g} published 'a.pt'" in msg
+
+
+def test_a_manifest_above_that_does_not_read_leaves_a_plain_file_plain(tmp_path) -> None:
+    """The search for the group naming a plain file read the manifests of the folders above it, and
+    one that did not read (a damaged one of an unrelated folder two levels up; at a URL, a folder
+    the user's prefix-scoped key may not read) failed the load of the user's own plain file."""
+    (tmp_path / "fastckpt-manifest.json").write_text("{ not json")
+    plain = tmp_path / "runs" / "mine" / "plain.pt"
+    plain.parent.mkdir(parents=True)
+    torch.save({"w": torch.ones(3)}, plain)
+    assert torch.equal(fastckpt.load(str(plain))["w"], torch.ones(3))  # unverified, as before

@@ -17,6 +17,7 @@ once per load (``load.fallback.home_group``); the nearest published one decides.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
@@ -31,16 +32,23 @@ from .fallback import home_group
 if TYPE_CHECKING:
     from ..io.engine import ReadResult
 
+log = logging.getLogger("fastckpt")
+
 
 def _published_above(homes: Homes, path: str, pinned: Mapping[str, dict]) -> tuple[str, dict] | None:
     """The nearest directory above ``path`` (``MAX_UP`` at most) with a published group manifest
-    (or a pinned one), and that manifest."""
+    (or a pinned one), and that manifest. The search stops at a folder whose manifest cannot be
+    read (no permission there, a damaged one): the plain file loads as a plain file, as before."""
     floor = path.index("://") + 3 if "://" in path else 1
     d = path.rsplit("/", 1)[0]
     for _ in range(MAX_UP):
         if len(d) <= floor:
             return None
-        published = pinned[d] if d in pinned else home_group(homes.resolve(d).place())
+        try:
+            published = pinned[d] if d in pinned else home_group(homes.resolve(d).place())
+        except (OSError, ValueError) as exc:  # a folder above the user may not read (a prefix-scoped
+            log.debug("fastckpt: %s: no group manifest read there (%s)", d, exc)  # key), or holds a damaged
+            return None  # manifest of its own: no group of this file's can be told there, nor above it
         if published is not None:
             return d, published
         d = d.rsplit("/", 1)[0]
