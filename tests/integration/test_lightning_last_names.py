@@ -231,17 +231,22 @@ def test_two_model_checkpoints_each_keep_their_top_k(tmp_path, caplog):
     assert kept(caplog) == []
 
 
+def _one_process_fit(mode: str, root: Path) -> None:
+    """``_lightning_last_names_worker MODE ROOT`` in a process of its own (a gloo process group of one)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO / "src"), str(REPO)]), OMP_NUM_THREADS="1",
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_ports(1)[0]), PYTHONWARNINGS="ignore")
+    proc = subprocess.run([sys.executable, "-m", "tests.integration._lightning_last_names_worker", mode, str(root)],
+                          cwd=str(REPO), env=env, capture_output=True, text=True, timeout=300, check=False,
+                          start_new_session=True)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+
+
 def test_fsdp_sharded_saves_bypass_checkpoint_io_and_hold_nothing(tmp_path):
     """FSDPStrategy(state_dict_type="sharded") on a burst buffer: its saves (folders, last.ckpt too)
     never pass through CheckpointIO, so no last file is seen to land and the sharded last.ckpt
     cannot be read: nothing is held (an earlier fix kept every top-k folder). A real FSDP fit, one
     CPU process (gloo), in a subprocess."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO / "src"), str(REPO)]), OMP_NUM_THREADS="1",
-               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_ports(1)[0]), PYTHONWARNINGS="ignore")
-    proc = subprocess.run([sys.executable, "-m", "tests.integration._lightning_last_names_worker", "fsdp",
-                           str(tmp_path)], cwd=str(REPO), env=env, capture_output=True, text=True, timeout=300,
-                          check=False, start_new_session=True)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    _one_process_fit("fsdp", tmp_path)
     out = json.loads((tmp_path / "summary.json").read_text())
     assert out["files"] == ["epoch=0-step=5.ckpt", "last.ckpt"], out
     assert max(out["counts"]) <= 3 and out["kept"] == [], out  # the folder before the newest goes each step
@@ -252,10 +257,5 @@ def test_model_parallel_saving_through_checkpoint_io_is_covered(tmp_path):
     through CheckpointIO, so it is covered as the other strategies are (it was passed over with the
     distributed saves that bypass CheckpointIO: the durable last.ckpt named a deleted best file). A
     real fit, one CPU process (gloo), in a subprocess."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO / "src"), str(REPO)]), OMP_NUM_THREADS="1",
-               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_ports(1)[0]), PYTHONWARNINGS="ignore")
-    proc = subprocess.run([sys.executable, "-m", "tests.integration._lightning_last_names_worker", "model_parallel",
-                           str(tmp_path)], cwd=str(REPO), env=env, capture_output=True, text=True, timeout=300,
-                          check=False, start_new_session=True)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    _one_process_fit("model_parallel", tmp_path)
     assert json.loads((tmp_path / "summary.json").read_text()) == {"missing": []}

@@ -19,19 +19,25 @@ from fastckpt.testing import FaultyOps
 from tests.helpers import Queued
 
 
-@pytest.mark.parametrize("order", [("ckpt", "export"), ("export", "ckpt"), ("export", "export")])
-def test_an_export_and_a_checkpoint_never_coalesce(tmp_path, order) -> None:  # noqa: ANN001
-    home, held, release = tmp_path / "run", threading.Event(), threading.Event()
-    first, paths = str(home / "step1.pt"), {"ckpt": str(home / "step2.pt"), "export": str(tmp_path / "model.pt")}
-
+def _one_worker(tmp_path, first: str, held: threading.Event, release: threading.Event,  # noqa: ANN001
+                queued: Queued) -> fastckpt.Checkpointer:
+    """A burst-buffer Checkpointer with one upload at a time, whose upload of ``first`` sets
+    ``held`` and waits for ``release``: the saves after it wait in the queue."""
     def hold_first_upload(op: str, path: str) -> None:
         if op == "replace" and (final_path(path) or path) == first and not release.is_set():
             held.set()
             assert release.wait(60)
 
+    return fastckpt.Checkpointer(local_dir=str(tmp_path / "nvme"), ops=FaultyOps(on_call=hold_first_upload),
+                                 replicate_workers=1, sinks=(queued,), rank=0, world_size=1, overhead_budget=0.99)
+
+
+@pytest.mark.parametrize("order", [("ckpt", "export"), ("export", "ckpt"), ("export", "export")])
+def test_an_export_and_a_checkpoint_never_coalesce(tmp_path, order) -> None:  # noqa: ANN001
+    home, held, release = tmp_path / "run", threading.Event(), threading.Event()
+    first, paths = str(home / "step1.pt"), {"ckpt": str(home / "step2.pt"), "export": str(tmp_path / "model.pt")}
     queued = Queued()
-    ck = fastckpt.Checkpointer(local_dir=str(tmp_path / "nvme"), ops=FaultyOps(on_call=hold_first_upload),
-                               replicate_workers=1, sinks=(queued,), rank=0, world_size=1, overhead_budget=0.99)
+    ck = _one_worker(tmp_path, first, held, release, queued)
     try:
         ck.save({"w": torch.zeros(8)}, first)
         assert held.wait(60)
@@ -58,15 +64,8 @@ def test_the_files_of_one_save_block_never_coalesce_together(tmp_path) -> None: 
     block still drops an older one's queued files."""
     home, held, release = tmp_path / "run", threading.Event(), threading.Event()
     first = str(home / "step0" / "model.pt")
-
-    def hold_first_upload(op: str, path: str) -> None:
-        if op == "replace" and (final_path(path) or path) == first and not release.is_set():
-            held.set()
-            assert release.wait(60)
-
     queued = Queued()
-    ck = fastckpt.Checkpointer(local_dir=str(tmp_path / "nvme"), ops=FaultyOps(on_call=hold_first_upload),
-                               replicate_workers=1, sinks=(queued,), rank=0, world_size=1, overhead_budget=0.99)
+    ck = _one_worker(tmp_path, first, held, release, queued)
     names = ("model.pt", "optim.pt", "extra.pt")
     try:
         ck.save({"w": torch.zeros(8)}, first)
