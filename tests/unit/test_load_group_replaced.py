@@ -188,12 +188,33 @@ def test_at_a_url(url: str, tmp_path: Path, how: str) -> None:
     assert f"{g}/a.pt has no fastckpt manifest" in msg and f"checkpoint group {g} published 'a.pt'" in msg
 
 
-def test_a_manifest_above_that_does_not_read_leaves_a_plain_file_plain(tmp_path) -> None:
-    """The search for the group naming a plain file read the manifests of the folders above it, and
-    one that did not read (a damaged one of an unrelated folder two levels up; at a URL, a folder
-    the user's prefix-scoped key may not read) failed the load of the user's own plain file."""
-    (tmp_path / "fastckpt-manifest.json").write_text("{ not json")
+def test_a_folder_above_the_user_may_not_read_leaves_a_plain_file_plain(tmp_path, monkeypatch) -> None:
+    """The search for the group naming a plain file reads the manifests of the folders above it; one
+    the user may not read (at a URL, a folder outside a prefix-scoped key: AccessDenied) failed the
+    load of the user's own plain file. The search stops there. A damaged manifest still raises: it
+    may be the file's own group's, and a replaced file must not load because its group's manifest
+    is damaged too (tests run as root here, so the refusal is injected where the manifest is read)."""
+    from fastckpt.load import named
+    from fastckpt.storage.types import TargetPermissionError
+
     plain = tmp_path / "runs" / "mine" / "plain.pt"
     plain.parent.mkdir(parents=True)
     torch.save({"w": torch.ones(3)}, plain)
+    read = named.home_group
+
+    def scoped(place):  # noqa: ANN001, ANN202
+        if not place.url().startswith(str(plain.parent)):
+            raise TargetPermissionError(f"read of {place.url('fastckpt-manifest.json')}: AccessDenied")
+        return read(place)
+
+    monkeypatch.setattr(named, "home_group", scoped)
     assert torch.equal(fastckpt.load(str(plain))["w"], torch.ones(3))  # unverified, as before
+    monkeypatch.setattr(named, "home_group", read)
+    group = tmp_path / "step-5"
+    with fastckpt.Checkpointer(rank=0, world_size=1) as ck:
+        ck.save({"w": torch.zeros(3)}, str(group / "a.pt"), group=str(group))
+        ck.commit(str(group), step=5).wait()
+    torch.save({"w": -torch.ones(3)}, group / "a.pt")  # replaced, and the group's manifest damaged too
+    (group / "fastckpt-manifest.json").write_text("{ not json")
+    with pytest.raises(CorruptCheckpointError):
+        fastckpt.load(str(group / "a.pt"))

@@ -37,8 +37,10 @@ log = logging.getLogger("fastckpt")
 
 def _published_above(homes: Homes, path: str, pinned: Mapping[str, dict]) -> tuple[str, dict] | None:
     """The nearest directory above ``path`` (``MAX_UP`` at most) with a published group manifest
-    (or a pinned one), and that manifest. The search stops at a folder whose manifest cannot be
-    read (no permission there, a damaged one): the plain file loads as a plain file, as before."""
+    (or a pinned one), and that manifest. The search stops at a folder the user may not read
+    (the plain file loads as a plain file, as before); a manifest that is damaged or does not read
+    for another reason raises, as it may be the file's own group's (a replaced file must not load
+    unverified because its group's manifest is damaged too)."""
     floor = path.index("://") + 3 if "://" in path else 1
     d = path.rsplit("/", 1)[0]
     for _ in range(MAX_UP):
@@ -46,9 +48,9 @@ def _published_above(homes: Homes, path: str, pinned: Mapping[str, dict]) -> tup
             return None
         try:
             published = pinned[d] if d in pinned else home_group(homes.resolve(d).place())
-        except (OSError, ValueError) as exc:  # a folder above the user may not read (a prefix-scoped
-            log.debug("fastckpt: %s: no group manifest read there (%s)", d, exc)  # key), or holds a damaged
-            return None  # manifest of its own: no group of this file's can be told there, nor above it
+        except PermissionError as exc:  # a folder above the user may not read (a prefix-scoped key): no
+            log.debug("fastckpt: %s: no group manifest read there (%s)", d, exc)  # group of the file's can
+            return None  # be told there nor above it (a damaged manifest or EIO raises: it may be its group's)
         if published is not None:
             return d, published
         d = d.rsplit("/", 1)[0]
