@@ -218,3 +218,47 @@ def test_a_folder_above_the_user_may_not_read_leaves_a_plain_file_plain(tmp_path
     (group / "fastckpt-manifest.json").write_text("{ not json")
     with pytest.raises(CorruptCheckpointError):
         fastckpt.load(str(group / "a.pt"))
+
+
+@pytest.mark.parametrize("where", ["path", "url"])
+def test_a_damaged_manifest_of_a_group_that_does_not_name_a_plain_file_leaves_it_plain(
+        tmp_path: Path, request: pytest.FixtureRequest, where: str) -> None:
+    """A damaged fastckpt-manifest.json in a folder above the user's own plain torch.save file (a
+    bare one two levels up; a committed group's, the plain file in a folder of the group's
+    directory that the group never saved) failed the load of that file: any damaged manifest
+    above raised, as if it were the file's group's. Its group's markers and what is left of its
+    bytes do not name the file: it loads unverified, as without the manifest."""
+    root = str(tmp_path) if where == "path" else request.getfixturevalue("url")
+    fs = fsspec.filesystem("file" if where == "path" else "memory")
+    plain = f"{root}/runs/mine/plain.pt"
+    g = f"{root}/step-5"
+    _group(g, tmp_path / "bb")
+    for top in (root, g):
+        fs.pipe_file(fs._strip_protocol(f"{top}/fastckpt-manifest.json"), b"{ not json")
+    for path in (plain, f"{g}/eval/plain.pt"):
+        buf = io.BytesIO()
+        torch.save({"w": torch.ones(3)}, buf)
+        fs.makedirs(fs._parent(fs._strip_protocol(path)), exist_ok=True)
+        fs.pipe_file(fs._strip_protocol(path), buf.getvalue())
+        assert torch.equal(fastckpt.load(path)["w"], torch.ones(3))  # unverified, as before
+
+
+@pytest.mark.parametrize("damage", ["garbage", "cut short, no markers"])
+def test_a_damaged_manifest_that_may_name_the_replaced_file_still_raises(tmp_path: Path, damage: str) -> None:
+    """The damaged manifest is the replaced file's group's when a rank marker lists the file, or
+    when what is left of the manifest's bytes names it (a torn write, the markers lost with a copy
+    that skipped hidden folders): its damage is the load's error, never an unverified load."""
+    g = tmp_path / "step-5"
+    _group(g)
+    _replace(g / "sub" / "b.pt")
+    manifest = g / "fastckpt-manifest.json"
+    if damage == "garbage":
+        manifest.write_text("{ not json")
+    else:
+        data = manifest.read_bytes()
+        manifest.write_bytes(data[: data.index(b'"sub/b.pt"') + 12])
+        for marker in (g / ".fastckpt").iterdir():
+            marker.unlink()
+    with pytest.raises(CorruptCheckpointError) as exc:
+        fastckpt.load(str(g / "sub" / "b.pt"))
+    assert f"{manifest}" in str(exc.value)
