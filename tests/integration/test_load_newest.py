@@ -25,7 +25,7 @@ import torch
 
 import fastckpt
 from fastckpt.errors import ConfigError, CorruptCheckpointError, ReplicationError
-from fastckpt.load import published
+from fastckpt.load import fallback
 from fastckpt.storage.types import BucketNotFoundError
 from fastckpt.testing import Fault, FaultyOps
 
@@ -138,8 +138,8 @@ def test_s3_prefetch_replaces_an_older_local_copy(s3_server, s3_bucket, tmp_path
         with fastckpt.Checkpointer(local_dir=str(tmp_path / "nodeB"), storage_options=opts) as b:
             b.save(_state(2), url).wait()
         sidecar_reads = []
-        real = published.read_sidecar
-        monkeypatch.setattr(published, "read_sidecar", lambda *a, **k: sidecar_reads.append(1) or real(*a, **k))
+        real = fallback.read_sidecar
+        monkeypatch.setattr(fallback, "read_sidecar", lambda *a, **k: sidecar_reads.append(1) or real(*a, **k))
         assert _step(a.load(url, prefetch=True)) == 2
         assert len(sidecar_reads) == 1  # one read of each manifest decides which copy is newer, and checks the download
         assert a.stats().last_restore_from == "remote (prefetched)"

@@ -15,7 +15,7 @@ import torch
 
 import fastckpt
 from fastckpt.commit.names import SIDECAR
-from fastckpt.load import published
+from fastckpt.load import fallback
 
 
 def _state(step: int) -> dict:
@@ -84,7 +84,7 @@ def test_a_save_of_the_same_key_during_the_load_is_no_false_alarm(root: str, tmp
     that lands between the two makes the object read older than the sidecar read. The object is
     then read again (its manifest): replaced, so what was read was a published save."""
     _save(root, tmp_path / "bb", 1, name="last.pt")
-    real = published.read_sidecar
+    real = fallback.read_sidecar
     landed = []
 
     def save_first(loc, deadline_s=None):  # noqa: ANN001, ANN202 (read_sidecar's signature)
@@ -93,7 +93,7 @@ def test_a_save_of_the_same_key_during_the_load_is_no_false_alarm(root: str, tmp
             landed.append(True)
         return real(loc, deadline_s=deadline_s)
 
-    monkeypatch.setattr(published, "read_sidecar", save_first)
+    monkeypatch.setattr(fallback, "read_sidecar", save_first)
     assert fastckpt.load(f"{root}/last.pt")["step"] == 1 and landed == [True]
     assert fastckpt.load(f"{root}/last.pt")["step"] == 2
 
@@ -103,8 +103,8 @@ def test_the_sidecar_is_read_once_per_load(root: str, tmp_path: Path, monkeypatc
     copy and the check of the object read (none at all before a load without a local copy)."""
     _save(root, tmp_path / "bb", 1)
     reads = []
-    real = published.read_sidecar
-    monkeypatch.setattr(published, "read_sidecar", lambda loc, deadline_s=None: reads.append(loc.url) or real(
+    real = fallback.read_sidecar
+    monkeypatch.setattr(fallback, "read_sidecar", lambda loc, deadline_s=None: reads.append(loc.url) or real(
         loc, deadline_s=deadline_s))
     assert fastckpt.load(f"{root}/ckpt-1.pt")["step"] == 1
     with fastckpt.Checkpointer(local_dir=str(tmp_path / "bb")) as ck:
@@ -131,7 +131,7 @@ def test_the_objects_own_check_gives_up_as_soon_as_the_sidecars(root: str, tmp_p
     with fastckpt.Checkpointer(local_dir=str(tmp_path / "bb")) as ck:
         assert ck.load(f"{root}/last.pt")["step"] == 3
         assert ck.stats().last_restore_from == "local"
-    assert caps == [verdict.SAME_SAVE_CHECK_S]  # was: [None], the target's retry_deadline_s
+    assert caps == [fallback.SAME_SAVE_CHECK_S]  # was: [None], the target's retry_deadline_s
     attempts: list[int] = []
 
     def down() -> None:
@@ -155,3 +155,33 @@ def test_an_emptied_object_under_its_sidecar_loads_the_published_local_copy(root
     with fastckpt.Checkpointer(local_dir=str(tmp_path / "bb")) as ck:
         assert ck.load(f"{root}/last.pt")["step"] == 5
         assert ck.stats().last_restore_from == "local"
+
+
+def test_a_damaged_sidecar_cannot_say_whether_the_burst_buffer_copy_stands_in(root: str, tmp_path: Path) -> None:
+    """Whether the burst-buffer copy may stand in for the damaged object at its URL
+    (``fallback.local_where``) reads the sidecar as ``load.verdict`` and ``load.published`` do,
+    through the one ``fallback.home_sidecar``. It had its own copy of that read and took a
+    damaged sidecar as a verdict against the copy (another save: refused), where the other two
+    take it as saying nothing; then the bytes decide, as without a sidecar: what the object cut
+    short still holds is the copy's, so the copy stands in. Within a load ``verdict.compare``
+    reads the sidecar first and, when it is damaged, reads the copy first: the same rule."""
+    from fastckpt.storage.homes import Homes
+
+    _save(root, tmp_path / "bb", 1)
+    fs, url = fsspec.filesystem("memory"), f"{root}/ckpt-1.pt"
+    fs.pipe(_key(url), fs.cat(_key(url))[:1000])  # cut short: this save's, damaged
+    [copy] = (tmp_path / "bb").rglob("ckpt-1.pt")
+    homes = Homes()
+    home, local = homes.resolve(url), homes.resolve(str(copy))
+    for sidecar in (b"{ not json", None):
+        if sidecar is None:
+            fs.rm(_key(url + SIDECAR))
+        else:
+            fs.pipe(_key(url + SIDECAR), sidecar)
+        with fallback.one_load():
+            assert fallback.local_where(local, home, lambda home, ours: None) == "local"  # was: "local (another save)"
+    fs.pipe(_key(url), bytes(1000))  # zeroed: it proves nothing, with or without a sidecar
+    fs.pipe(_key(url + SIDECAR), b"{ not json")
+    with fallback.one_load():
+        assert fallback.local_where(local, home, lambda home, ours: None) == "local (another save)"
+    homes.close()

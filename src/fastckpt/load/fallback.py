@@ -14,8 +14,9 @@ nothing: the load raises ``CorruptCheckpointError`` naming both copies (``refuse
 A load may ask the home's group manifest twice about one burst-buffer copy (whether the copy is
 of the save the home holds, or may stand in for it; then whether the copy read is of the group):
 within ``one_load`` it is read once (``home_group``), not once per question. So is a single
-file's sidecar at a URL (``load.published.home_sidecar``: which copy to read, then whether the
-object read is the save it published).
+file's sidecar at a URL (``home_sidecar``: which copy to read, and whether the copy may stand in
+for the damaged object, in ``load.verdict``; whether the object read is the save it published, in
+``load.published``).
 """
 
 from __future__ import annotations
@@ -38,6 +39,10 @@ log = logging.getLogger("fastckpt")
 
 #: ``where`` of a burst-buffer copy that is not of the damaged home's save: never read
 OTHER_SAVE = "local (another save)"
+#: How long the check that the burst-buffer copy is of the save at an object-store home retries
+#: a store that does not answer, before the local copy is loaded anyway (as without the check):
+#: the sidecar's read (``home_sidecar``) and ``load.verdict``'s read of the object's tail.
+SAME_SAVE_CHECK_S = 5.0
 #: The home group manifests (and sidecars) this thread's load in progress has read (``one_load``), by URL
 _READ: ContextVar[dict[str, dict | None] | None] = ContextVar("fastckpt_home_groups", default=None)
 
@@ -78,21 +83,24 @@ def once(url: str, read: Callable[[], dict | None]) -> dict | None:
     return memo[url]
 
 
+def home_sidecar(home: Location, deadline_s: float) -> dict | None:
+    """``read_sidecar`` of the single file at the URL ``home``, once per ``one_load``."""
+    return once(home.url + SIDECAR, lambda: read_sidecar(home, deadline_s=deadline_s))
+
+
 def home_entry(homes: Homes, url: str, manifest: dict) -> InGroup | None:
     """``group_entry`` of the file at the home ``url``, its group manifest read by ``home_group``."""
     return group_entry(homes, url, manifest, read=home_group)
-
-
-SIDECAR_CHECK_S = 5.0  # as ``verdict.SAME_SAVE_CHECK_S``: the same read (``once``), usually made there already
 
 
 def local_where(local: Location, home: Location, in_group: Callable[[Location, dict], dict | None]) -> str:
     """``"local"`` when the burst-buffer copy may be read after the damaged home copy fails, else
     ``OTHER_SAVE``. ``in_group``: ``Loader._in_group``; at a URL a single file's sidecar says which
     save was published there, as a group's manifest does (an emptied object under an intact
-    sidecar naming ours: the copy loads). A home that cannot even be read for the
-    comparison (EIO, a store that does not answer) shows no damage either: the copy is read, as
-    the burst buffer is there for, with a WARNING naming the risk."""
+    sidecar naming ours: the copy loads; a damaged sidecar cannot say, as ``load.verdict`` and
+    ``load.published`` take it, and the bytes decide, as without one). A home that cannot even be
+    read for the comparison (EIO, a store that does not answer) shows no damage either: the copy
+    is read, as the burst buffer is there for, with a WARNING naming the risk."""
     try:
         ours = local.target.read_manifest(local.key)
     except (OSError, ValueError):
@@ -100,8 +108,11 @@ def local_where(local: Location, home: Location, in_group: Callable[[Location, d
     try:
         published = ((in_group(home, ours) or {}).get("checksum") or {}).get("value") if ours else None
         if published is None and ours and not ours.get("group") and not home.target.mounted:  # a single file's
-            sidecar = once(home.url + SIDECAR, lambda: read_sidecar(home, deadline_s=SIDECAR_CHECK_S))  # vouches
-            published = ((sidecar or {}).get("checksum") or {}).get("value")  # as a group's manifest does
+            try:  # vouches as a group's manifest does
+                sidecar = home_sidecar(home, SAME_SAVE_CHECK_S)
+            except ValueError:  # damaged: it cannot say
+                sidecar = None
+            published = ((sidecar or {}).get("checksum") or {}).get("value")
         return "local" if same_save(local, home, ours, published) else OTHER_SAVE
     except ValueError:  # the home's group manifest is damaged: it cannot vouch for the copy
         return OTHER_SAVE

@@ -39,7 +39,7 @@ from ..io.atomic import discard, tmp_name
 from ..io.engine import ImageFactory
 from ..storage.homes import Homes, Location
 from .deserialize import deserialize
-from .fallback import OTHER_SAVE, check_group, home_entry, local_where, one_load, read_again, refused
+from .fallback import OTHER_SAVE, SAME_SAVE_CHECK_S, check_group, home_entry, local_where, one_load, read_again, refused
 from .image import heap_image
 from .into import check_into, check_map_location, in_place, place
 from .missing import a_directory, lost_in_group, not_found
@@ -48,7 +48,7 @@ from .pins import Pins
 from .prefetch import NOTHING, identity, put
 from .published import check_published
 from .unverified import damage, load_unverified, warn_unverified
-from .verdict import HOME_FIRST, OLDER, SAME, SAME_SAVE_CHECK_S, compare
+from .verdict import HOME_FIRST, OLDER, SAME, compare
 
 log = logging.getLogger("fastckpt")
 

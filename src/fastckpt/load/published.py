@@ -18,7 +18,7 @@ same state, the one called first landing last, and that object is a whole save):
   and the sidecar too (the object's own sidecar may have landed since). If they still disagree,
   the WARNING names both; the object is loaded.
 
-The sidecar costs one small GET: once per load (``fallback.once``), shared with
+The sidecar costs one small GET: once per load (``fallback.home_sidecar``), shared with
 ``load.verdict``, which reads it before the object when it judges a burst-buffer copy.
 """
 
@@ -32,14 +32,9 @@ from ..commit.names import SIDECAR
 from ..commit.protocol import read_sidecar
 from ..format.manifest import file_order
 from ..storage.homes import Location
-from .fallback import once
+from .fallback import home_sidecar
 
 log = logging.getLogger("fastckpt")
-
-
-def home_sidecar(home: Location, deadline_s: float) -> dict | None:
-    """``read_sidecar`` of the single file at the URL ``home``, once per ``one_load``."""
-    return once(home.url + SIDECAR, lambda: read_sidecar(home, deadline_s=deadline_s))
 
 
 def check_published(home: Location, manifest: dict | None, deadline_s: float) -> None:

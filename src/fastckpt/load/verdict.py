@@ -19,12 +19,9 @@ from ..format.manifest import file_order
 from ..storage.homes import Location
 from ..storage.retry import capped
 from ..storage.types import TargetNotFoundError, TargetUnavailableError
-from .published import home_sidecar
+from .fallback import SAME_SAVE_CHECK_S, home_sidecar
 
 log = logging.getLogger("fastckpt")
-#: How long the check that the burst-buffer copy is of the save at an object-store home retries
-#: a store that does not answer, before the local copy is loaded anyway (as without the check).
-SAME_SAVE_CHECK_S = 5.0
 #: How the burst-buffer copy relates to the home's (``compare``)
 SAME, OTHER, OLDER, HOME_FIRST = "same", "other", "older", "home first"
 #: ``Loader._in_group``: the checksum a group's file at a URL has in its group's published manifest
