@@ -12,25 +12,20 @@ before.
 Only a file without a manifest pays for this: the manifests of its directory and the ones above
 it (``MAX_UP``, as ``commit.membership.group_entry`` searches for a copied file's group), read
 once per load (``load.fallback.home_group``); the nearest published one decides. Within
-``Checkpointer.reading`` the pinned manifest stands for its group's. The nearest one damaged
-decides by what is left of it (``_may_name``): a load raises its damage only when the file may
-be one of its group's.
+``Checkpointer.reading`` the pinned manifest stands for its group's.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from ..commit.membership import MAX_UP
-from ..commit.names import GROUP_MANIFEST, framework_files
-from ..commit.protocol import marker_ranks, read_marker
+from ..commit.names import framework_files
 from ..errors import CorruptCheckpointError
 from ..format.checksum import checksum_bytes
 from ..storage.homes import Homes
-from ..storage.places import Place
 from .deserialize import fetcher
 from .fallback import home_group
 
@@ -43,11 +38,9 @@ log = logging.getLogger("fastckpt")
 def _published_above(homes: Homes, path: str, pinned: Mapping[str, dict]) -> tuple[str, dict] | None:
     """The nearest directory above ``path`` (``MAX_UP`` at most) with a published group manifest
     (or a pinned one), and that manifest. The search stops at a folder the user may not read
-    (the plain file loads as a plain file, as before); a manifest that does not read for another
-    reason (EIO) raises, and so does a damaged one that may be the file's own group's (``_may_name``:
-    a replaced file must not load unverified because its group's manifest is damaged too). A
-    damaged one that cannot name the file (an unrelated folder's above the user's own plain file)
-    ends the search: the nearest group does not hold the file."""
+    (the plain file loads as a plain file, as before); a manifest that is damaged or does not read
+    for another reason raises, as it may be the file's own group's (a replaced file must not load
+    unverified because its group's manifest is damaged too)."""
     floor = path.index("://") + 3 if "://" in path else 1
     d = path.rsplit("/", 1)[0]
     for _ in range(MAX_UP):
@@ -58,37 +51,10 @@ def _published_above(homes: Homes, path: str, pinned: Mapping[str, dict]) -> tup
         except PermissionError as exc:  # a folder above the user may not read (a prefix-scoped key): no
             log.debug("fastckpt: %s: no group manifest read there (%s)", d, exc)  # group of the file's can
             return None  # be told there nor above it (a damaged manifest or EIO raises: it may be its group's)
-        except CorruptCheckpointError as exc:
-            if _may_name(homes.resolve(d).place(), path[len(d) + 1:]):
-                raise
-            log.debug("fastckpt: %s: its damaged group manifest does not name %s (%s)", d, path, exc)
-            return None
         if published is not None:
             return d, published
         d = d.rsplit("/", 1)[0]
     return None
-
-
-def _may_name(place: Place, rel: str) -> bool:
-    """Whether the group at ``place``, whose manifest is damaged, may name its file ``rel``: one of
-    its rank markers (kept with the published group) lists it, or the manifest's bytes still hold
-    its name (one cut short; a framework's file, which no marker lists). A manifest zeroed or
-    overwritten whole in a folder whose markers do not list the file names nothing: False. True
-    when that cannot be read."""
-    try:
-        raw = place.get(GROUP_MANIFEST) or b""
-        if any(json.dumps(rel, ensure_ascii=a).encode() in raw for a in (True, False)):
-            return True
-        for name in marker_ranks(place).values():
-            try:
-                body = read_marker(place, name)
-            except ValueError:  # a damaged marker says nothing of the file
-                continue
-            if isinstance(body, dict) and isinstance(body.get("files"), dict) and rel in body["files"]:
-                return True
-    except OSError:  # the manifest is a directory, or the folder does not read: it cannot be ruled out
-        return True
-    return False
 
 
 def check_named(homes: Homes, res: ReadResult, url: str, path: str, pinned: Mapping[str, dict]) -> None:
