@@ -31,9 +31,9 @@ def _mapped(path: str) -> int:
     total, mine = 0, False
     with open("/proc/self/smaps") as f:
         for line in f:
-            head = line.split()
+            head = line.rstrip("\n").split(maxsplit=5)  # the path is the rest of the line, spaces and all
             if head and "-" in head[0] and not head[0].endswith(":"):  # a mapping's first line
-                mine = len(head) >= 6 and head[5] == path
+                mine = len(head) == 6 and head[5].removesuffix(" (deleted)") == path
             elif mine and head[0] == "Rss:":
                 total += int(head[1]) * 1024
     return total

@@ -78,6 +78,19 @@ def test_a_newer_object_under_the_previous_saves_sidecar_still_loads(root: str, 
     assert fastckpt.load(f"{root}/last.pt")["step"] == 2
 
 
+@pytest.mark.parametrize("damage", ["garbage", "cut short"])
+def test_a_damaged_sidecar_leaves_the_newer_object_to_decide(root: str, tmp_path: Path, damage: str) -> None:
+    """Node A's burst buffer holds step 1 of last.pt; node B saved step 2 there since, and the
+    sidecar was damaged. A damaged sidecar says nothing, so the object's own manifest decides, as
+    without a sidecar: before, node A took it as "the home cannot say" and resumed its older copy."""
+    _save(root, tmp_path / "a", 1, name="last.pt")
+    _save(root, tmp_path / "b", 2, name="last.pt")
+    fs, side = fsspec.filesystem("memory"), _key(f"{root}/last.pt{SIDECAR}")
+    fs.pipe(side, b"{ not json" if damage == "garbage" else fs.cat(side)[:20])
+    with fastckpt.Checkpointer(local_dir=str(tmp_path / "a")) as ck:
+        assert ck.load(f"{root}/last.pt")["step"] == 2 and ck.stats().last_restore_from == "remote"
+
+
 def test_a_save_of_the_same_key_during_the_load_is_no_false_alarm(root: str, tmp_path: Path,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """Without a burst-buffer copy the sidecar is read after the object: a save of the same key

@@ -35,13 +35,13 @@ def compare(local: Location, home: Location, in_group: InGroup) -> str:
     whose sidecar names our save (or which has none) the object's own manifest (``_held``).
 
     ``SAME``: the same save (equal checksums), or a home that cannot say which save it holds
-    (missing, unreachable, a damaged sidecar): the local copy first, as the verified load then
-    decides. ``OTHER``: the home holds another save (a complete zip without a manifest on a file
-    system that its group does not publish ours at; one cut short or zeroed is ours, damaged:
-    ``HOME_FIRST``); ``OLDER``: another, and ours is older (``file_order``), or
-    ours has no manifest while the home's has (a plain file prefetched before the path was
-    saved with fastckpt, or a copy cut short: no save's only copy), so a prefetch may replace
-    it. ``HOME_FIRST``: see ``_file_manifest``.
+    (missing, unreachable): the local copy first, as the verified load then decides; a damaged
+    sidecar says nothing (the object's bytes decide, as without one). ``OTHER``: the home holds
+    another save (a complete zip without a manifest on a file system that its group does not
+    publish ours at; one cut short or zeroed is ours, damaged: ``HOME_FIRST``); ``OLDER``:
+    another, and ours is older (``file_order``), or ours has no manifest while the home's has
+    (a plain file prefetched before the path was saved with fastckpt, or a copy cut short: no
+    save's only copy), so a prefetch may replace it. ``HOME_FIRST``: see ``_file_manifest``.
     """
     try:
         ours = local.target.read_manifest(local.key)
@@ -61,13 +61,17 @@ def compare(local: Location, home: Location, in_group: InGroup) -> str:
                     in_group(home, theirs) == {"checksum": {"value": ours["checksum"]["value"]}}:
                 return SAME  # another of the group's files moved over the home's: ours is the one published
         else:
-            theirs = home_sidecar(home, SAME_SAVE_CHECK_S) or in_group(home, ours)
+            try:
+                theirs = home_sidecar(home, SAME_SAVE_CHECK_S)
+            except ValueError:  # a damaged sidecar says nothing: the bytes decide, as without one
+                theirs = None
+            theirs = theirs or in_group(home, ours)
             if theirs is None and ours is None:
                 return _plain_copies(local, home)
             if ours and not ours.get("group") and (theirs is None or _same(ours, theirs)):
                 with capped(SAME_SAVE_CHECK_S):  # as the sidecar's read: a store not answering soon leaves ours first
                     return _held(home, ours)  # the sidecar says what was published, not what the object holds
-    except (OSError, ValueError):  # unreachable, or a damaged sidecar: the home cannot say
+    except (OSError, ValueError):  # unreachable, or a damaged group manifest: the home cannot say
         return SAME
     if ours is None and theirs is not None:
         log.warning("fastckpt: burst-buffer copy %s unusable: it has no fastckpt manifest while %s has one (a "
