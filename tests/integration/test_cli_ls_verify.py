@@ -832,3 +832,71 @@ def test_verify_of_a_directory_checks_every_copy_of_a_save(tmp_path) -> None:
     names = [c["name"] for c in json.loads(run("ls", str(d), "--json").stdout)["checkpoints"]]
     assert sorted(names) == ["best.pt", "step-5.pt"], names
     assert fastckpt.latest(str(d)) in (str(d / "best.pt"), str(d / "step-5.pt"))  # one save: one of its copies
+
+
+def _groups(tmp_path, committed: int, pending: int = 0, **opts: object) -> tuple[str, fastckpt.Checkpointer]:
+    """``committed`` groups step-1... and ``pending`` more saved but not committed yet, by a job
+    (the Checkpointer returned: the caller closes it) that may commit or remove while ls looks."""
+    home, ck = str(tmp_path / "home"), fastckpt.Checkpointer(**opts)
+    for s in range(1, committed + pending + 1):
+        for name in ("a.pt", "b.pt"):
+            ck.save(state(s), f"{home}/step-{s}/{name}", group=f"{home}/step-{s}")
+        ck.wait()
+        if s <= committed:
+            ck.commit(f"{home}/step-{s}", step=s).wait()
+    return home, ck
+
+
+@pytest.mark.parametrize("races", ["once", "at every look"])
+def test_ls_never_marks_latest_a_group_it_lists_incomplete(tmp_path, monkeypatch, races: str) -> None:
+    """A job commits a group between ls's looks (its scan, then ``fastckpt.latest``): the group
+    was listed incomplete AND latest, and verify --latest then checked 0 files and exited 1. ls
+    looks again; when a commit lands between its looks each time, no incomplete row is latest."""
+    home, ck = _groups(tmp_path, 2, pending=4)
+    real, committed, looks = fastckpt.latest, [], [1 if races == "once" else 3]
+
+    def latest(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        if len(committed) < looks[0]:
+            committed.append(len(committed) + 3)
+            ck.commit(f"{home}/step-{committed[-1]}", step=committed[-1]).wait()
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(fastckpt, "latest", latest)
+    try:
+        d = json.loads(run("ls", home, "--json").stdout)
+        rows = {e["name"]: (e["status"], e["latest"]) for e in d["checkpoints"]}
+        assert len(rows) == len(d["checkpoints"]) == 6, d["checkpoints"]
+        assert all(status == "complete" for status, latest in rows.values() if latest), rows
+        if races == "once":
+            assert rows["step-3"] == ("complete", True) and d["latest"] == f"{home}/step-3"
+        looks[0] += 1  # a commit between verify --latest's looks: what it checks is a complete group
+        r = run("verify", home, "--latest", "--json")
+        d = json.loads(r.stdout)
+        assert r.exit_code == 0 and d["checked"] == 2 and d["passed"], r.output
+    finally:
+        ck.close()
+
+
+@pytest.mark.parametrize("races", ["once", "at every look"])
+def test_ls_lists_a_group_being_removed_once(tmp_path, monkeypatch, races: str) -> None:
+    """Retention's remove deletes a group's manifest first: between ls's scan and its look for
+    incomplete groups, the group was listed twice (complete and incomplete). ls looks again; when
+    a removal starts between its looks each time, the group stays listed once."""
+    import fastckpt.cli._discovery as discovery
+
+    home, ck = _groups(tmp_path, 3)
+    ck.close()
+    real, removed = discovery._incomplete, []
+
+    def incomplete(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        if len(removed) < (1 if races == "once" else 3):
+            removed.append(len(removed) + 1)
+            os.remove(f"{home}/step-{removed[-1]}/fastckpt-manifest.json")  # remove()'s first step
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(discovery, "_incomplete", incomplete)
+    d = json.loads(run("ls", home, "--json").stdout)
+    names = [e["name"] for e in d["checkpoints"]]
+    assert sorted(names) == ["step-1", "step-2", "step-3"], d["checkpoints"]
+    if races == "once":
+        assert {e["name"]: e["status"] for e in d["checkpoints"]}["step-1"] == "incomplete"

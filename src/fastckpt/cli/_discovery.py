@@ -31,6 +31,7 @@ from ._files import FileSpec, file_manifest, single_file
 STEP_KEYS = ("step", "global_step", "iteration")  # fastckpt groups, Lightning, Megatron
 CHECKS_AT_ONCE = 8  # checkpoints ls checks for missing files at once (their requests overlap at a URL)
 RECHECKS = 3  # looks at a checkpoint saved again while it is checked, before giving up on it
+WHOLE = ("complete", "replicated", "unverified")  # the statuses `fastckpt latest` may name
 
 
 @dataclass(frozen=True)
@@ -275,17 +276,20 @@ def _local_copies(h: Homes, mirror: str) -> list[Entry]:
 
 
 def list_checkpoints(root: str, storage_options: dict | None = None, local_dir: str | None = None) -> list[Entry]:
-    """Every checkpoint under ``root`` (a directory or URL), oldest first, incomplete ones
-    too; with ``local_dir`` each is marked replicated or local only by its burst-buffer copy."""
-    from .. import latest
-
+    """Every checkpoint under ``root`` (a directory or URL), oldest first, incomplete ones too, each path once (latest:
+    a whole one); with ``local_dir`` each is marked replicated or local only by its burst-buffer copy."""
     root = normalize(root)
     h = homes(storage_options)
     try:
         loc = h.resolve(root)
-        damaged: list[Damaged] = []
-        entries = [_found_entry(h, f, loc.url, "complete") for f in scan(loc, damaged=damaged, every_copy=True)]
-        entries += _incomplete(h, loc) + [_damaged_entry(h, d, loc.url) for d in damaged]
+        for _ in range(RECHECKS):  # a commit or a remove between the looks (scan, incomplete, latest): look again
+            entries, newest, passed = _looks(h, loc, root, storage_options)
+            whole = {e.path.rstrip("/") for e in entries if e.status in WHOLE}
+            odd = [e for e in entries if e.status not in WHOLE and e.path.rstrip("/") in whole]
+            if not odd and (newest is None or newest.rstrip("/") in whole):
+                break
+        entries = [e for e in entries if e not in odd]  # still not: one row a path (its complete one), and
+        newest = newest if newest is not None and newest.rstrip("/") in whole else None  # latest a whole one
         if local_dir is not None:
             home = {e.name: i for i, e in enumerate(entries)}
             for local in _local_copies(h, mirror_path(local_dir, root)):
@@ -294,7 +298,6 @@ def list_checkpoints(root: str, storage_options: dict | None = None, local_dir: 
                     entries.append(local)
                 elif entries[i].status == "complete":
                     entries[i] = replace(entries[i], status="replicated")
-        newest, passed = whole_latest(h, root, latest(root, storage_options))  # as `fastckpt latest` answers
         gone = {p.rstrip("/"): files for p, files in passed}  # fastckpt.latest() may name them: a resume fails
         todo = [e.path for e in entries if e.status in ("complete", "replicated") and e.path.rstrip("/") not in gone]
         with ThreadPoolExecutor(CHECKS_AT_ONCE) as pool:  # an older one too: a rollback to it would fail
@@ -307,6 +310,18 @@ def list_checkpoints(root: str, storage_options: dict | None = None, local_dir: 
                        problem=e.problem or (f"{', '.join(gone[k])} missing or not the committed size"
                                              if (k := e.path.rstrip("/")) in gone else None)) for e in entries]
     return sorted(entries, key=lambda e: (e.time or 0.0, e.name))
+
+
+def _looks(h: Homes, loc: Location, root: str, storage_options: dict | None
+           ) -> tuple[list[Entry], str | None, list[tuple[str, list[str]]]]:
+    """The checkpoints under ``loc`` and the one ``fastckpt latest`` names, with those it passed over:
+    three looks, which a job committing or removing between them can make disagree."""
+    from .. import latest
+
+    damaged: list[Damaged] = []
+    entries = [_found_entry(h, f, loc.url, "complete") for f in scan(loc, damaged=damaged, every_copy=True)]
+    entries += _incomplete(h, loc) + [_damaged_entry(h, d, loc.url) for d in damaged]
+    return entries, *whole_latest(h, root, latest(root, storage_options))
 
 
 def missing_files(h: Homes, path: str) -> list[str]:
