@@ -847,6 +847,42 @@ def _groups(tmp_path, committed: int, pending: int = 0, **opts: object) -> tuple
     return home, ck
 
 
+@pytest.mark.parametrize("latest", [False, True], ids=["all", "latest"])
+def test_verify_checks_what_is_there_when_retention_deletes_what_it_picked(tmp_path, monkeypatch,
+                                                                           latest: bool) -> None:
+    """A job (keep_persistent=1) commits step-3 while verify reads step-2, and its retention deletes
+    step-2: verify said "no fastckpt checkpoint under DIR to verify" and exited 1. It lists again
+    and checks step-3; a job that deletes what verify picked each time ends it after 3 listings,
+    saying so, never "no fastckpt checkpoint"."""
+    import fastckpt.cli.verify as verify_mod
+
+    home, ck = _groups(tmp_path, 2, keep_persistent=1)
+    real, saved = verify_mod.check_file, []
+
+    def check_file(h, spec, *args):  # noqa: ANN001, ANN002, ANN202
+        if spec.path.endswith("/a.pt") and len(saved) < limit:  # the job commits while verify reads a.pt
+            saved.append(3 + len(saved))
+            save_group(ck, f"{home}/step-{saved[-1]}", saved[-1])
+        return real(h, spec, *args)
+
+    monkeypatch.setattr(verify_mod, "check_file", check_file)
+    flag = ["--latest"] if latest else []
+    try:
+        limit = 1
+        r = run("verify", home, "--json", "--jobs", "1", *flag)
+        d = json.loads(r.stdout)
+        assert r.exit_code == 0 and saved == [3] and not os.path.exists(f"{home}/step-2"), r.output
+        assert d["deleted"] == [f"{home}/step-2"] and d["bad"] == [] and d["checked"] == 2, d
+        assert {f["checkpoint"] for f in d["files"]} == {f"{home}/step-3"}
+        limit = 1 + 3  # every listing's pick deleted: three listings, then it says so
+        r = run("verify", home, *flag)
+        assert saved == [3, 4, 5, 6] and r.exit_code == 1, r.output
+        assert f"nothing left to verify under {home}: what was listed there was deleted or saved again" in r.stdout
+        assert "no fastckpt checkpoint" not in r.stdout
+    finally:
+        ck.close()
+
+
 @pytest.mark.parametrize("races", ["once", "at every look"])
 def test_ls_never_marks_latest_a_group_it_lists_incomplete(tmp_path, monkeypatch, races: str) -> None:
     """A job commits a group between ls's looks (its scan, then ``fastckpt.latest``): the group

@@ -8,20 +8,17 @@ checksum too, and both must agree. Local files are read with O_DIRECT in paralle
 
 from __future__ import annotations
 
-import errno
 import os
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field
 
 import click
 
-from ..commit.membership import require_complete_group
-from ..commit.names import SIDECAR, framework_files
-from ..errors import CorruptCheckpointError, FastCkptError, IncompleteCheckpointError
-from ..format.checksum import checksum_bytes
+from ..commit.names import SIDECAR
+from ..errors import CorruptCheckpointError, FastCkptError
 from ..storage.homes import Homes
-from ..storage.types import TargetNotFoundError
 from ..urls import is_url, normalize
+from ._checkfile import MISSING, REPLACED, check_file, file_size, vanished
 from ._common import (
     LOCATION,
     console,
@@ -36,12 +33,9 @@ from ._common import (
     table,
 )
 from ._discovery import RECHECKS, checkpoint_files, group_manifest, homes, list_checkpoints
-from ._files import FileSpec, file_covered, file_manifest, single_file
+from ._files import FileSpec
 
-MISSING = "missing"
-REPLACED = f"saved again during each of {RECHECKS} checks"
 UNVERIFIED = "unverified"
-NOT_A_FILE = "a directory stands where this file should be: move it away, then restore the file from a replica"
 
 
 @dataclass(frozen=True)
@@ -52,25 +46,18 @@ class Checked:
     problem: str | None
 
 
-def _size(h: Homes, spec: FileSpec) -> int | None:
-    loc = h.resolve(spec.path)
-    try:
-        return loc.target.size(loc.key)
-    except OSError:
-        return None
+@dataclass(frozen=True)
+class Picked:
+    """What one listing of PATH gives ``verify``: the checkpoints to check (each with its files),
+    the incomplete ones seen, the ones whose manifest is damaged (reported bad, their files not
+    read), and those deleted since they were listed."""
 
-
-def _vanished(exc: OSError) -> bool:
-    """A file (or the directory it was in) that is not there, also as the storage layer wraps it."""
-    return isinstance(exc, FileNotFoundError) or exc.errno in (errno.ENOENT, errno.ENOTDIR)
-
-
-def _unreadable(exc: OSError) -> str | None:
-    """What a checkpoint's file that cannot be read is, when that is its own fault (not the
-    storage's: those stop the check); None otherwise."""
-    if _vanished(exc):
-        return MISSING
-    return NOT_A_FILE if isinstance(exc, IsADirectoryError) or exc.errno == errno.EISDIR else None
+    todo: list[tuple[str, list[FileSpec]]]
+    incomplete: list[str] = field(default_factory=list)
+    broken: list[Checked] = field(default_factory=list)
+    deleted: list[str] = field(default_factory=list)
+    chosen: str | None = None  # --latest: the newest whole checkpoint (the one `fastckpt latest` names)
+    listed: bool = False  # PATH is a directory (or prefix) of checkpoints, as it was listed
 
 
 def _gone(h: Homes, checkpoint: str, group: bool) -> bool:
@@ -86,7 +73,7 @@ def _gone(h: Homes, checkpoint: str, group: bool) -> bool:
     except CorruptCheckpointError:
         return False
     except OSError as exc:
-        if not _vanished(exc):
+        if not vanished(exc):
             return False
         try:
             return not loc.target.exists(loc.key + SIDECAR)
@@ -95,98 +82,7 @@ def _gone(h: Homes, checkpoint: str, group: bool) -> bool:
     return False
 
 
-def check_file(h: Homes, spec: FileSpec, on_bytes=None) -> str | None:  # noqa: ANN001
-    """None when the file is intact; else what is wrong with it (read back in parallel through
-    its target: O_DIRECT chunks on a file system, ranged reads at a URL).
-
-    A file whose checkpoint was saved again while it was checked (its manifest, or its group's,
-    now records another save than the one checked: the reads saw parts of both) is checked again,
-    ``RECHECKS`` times at most, then ``REPLACED``: never reported damaged for that."""
-    for _ in range(RECHECKS):
-        why = _check(h, spec, on_bytes)
-        if why is None or (now := _published(h, spec)) is None or now == spec:
-            return why
-        if isinstance(now, str):
-            return now
-        spec = now
-    return REPLACED
-
-
-def _published(h: Homes, spec: FileSpec) -> FileSpec | str | None:
-    """``spec`` as its checkpoint's manifest records it now (``REPLACED``: its group was saved
-    again without it); None when that cannot be read."""
-    try:
-        if spec.group is not None:
-            m, rel = group_manifest(h.resolve(spec.group)), spec.path[len(spec.group.rstrip("/")) + 1:]
-            if spec.whole:
-                digest = framework_files(m).get(rel)
-                return (REPLACED if m is not None else None) if digest is None else replace(spec, checksum=str(digest))
-            entry = ((m or {}).get("files") or {}).get(rel)
-            if entry is None:
-                return REPLACED if m is not None else None
-            return FileSpec(spec.path, int(entry["size"]), entry["checksum"], spec.group)
-        m = file_manifest(h.resolve(spec.path))
-        return single_file(spec.path, m) if m else None
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
-def _check_whole(h: Homes, spec: FileSpec, on_bytes=None) -> str | None:  # noqa: ANN001
-    """A framework's file of a group (``FRAMEWORK_FILES``): its whole bytes against the checksum
-    the group's manifest records, as the framework's loader checks it."""
-    loc = h.resolve(spec.path)
-    try:
-        data = loc.target.get_bytes(loc.key)
-    except TargetNotFoundError:
-        return "missing"
-    except OSError as exc:
-        return _unreadable(exc) or f"cannot be read: {exc}"
-    if checksum_bytes(data) != spec.checksum:
-        return (f"{len(data)} bytes whose checksum is not the one committed with the group (a framework wrote it "
-                "again in place: a killed save into this checkpoint?)")
-    if on_bytes:
-        on_bytes(len(data))
-    return None
-
-
-def _check(h: Homes, spec: FileSpec, on_bytes=None) -> str | None:  # noqa: ANN001
-    if spec.whole:
-        return _check_whole(h, spec, on_bytes)
-    try:
-        size, covered, own = file_covered(h, spec)
-    except OSError as exc:
-        if (why := _unreadable(exc)) is not None:
-            return why
-        raise
-    except CorruptCheckpointError as exc:  # no manifest in its tail: cut short, if it is not the committed size
-        got = _size(h, spec)
-        return f"{got} bytes, but {spec.size} were committed" if got is not None and not spec.fits(got) else str(exc)
-    want = own["checksum"]["value"]
-    if not spec.fits(size):
-        return f"{size} bytes, but {spec.size} were committed"
-    if spec.checksum is not None and want != spec.checksum:
-        return f"its manifest records checksum {want}, the checkpoint's manifest {spec.checksum}"
-    if spec.group is None and own.get("group"):  # a group's file named alone: it loads as its group allows
-        try:
-            require_complete_group(h, spec.path, own)
-        except (CorruptCheckpointError, IncompleteCheckpointError) as exc:
-            return str(exc).removeprefix(f"{spec.path} ")
-    loc = h.resolve(spec.path)
-    try:
-        loc.target.verify(loc.key, size, want, covered)
-    except CorruptCheckpointError as exc:
-        return str(exc).removeprefix(f"{loc.url}: ")
-    except OSError as exc:  # deleted while it was read
-        if (why := _unreadable(exc)) is not None:
-            return why
-        raise
-    if on_bytes:
-        on_bytes(size)
-    return None
-
-
-def _cut_file(h: Homes, path: str, opts: dict | None
-              ) -> tuple[list[tuple[str, list[FileSpec]]], list[str], list[Checked], list[str]] | None:
+def _cut_file(h: Homes, path: str, opts: dict | None) -> Picked | None:
     """A file without its manifest, as the listing of its directory sees it: one file of the
     group published there (checked against the group's manifest), or a checkpoint listed damaged
     (cut short past its manifest); None when it is neither."""
@@ -196,21 +92,18 @@ def _cut_file(h: Homes, path: str, opts: dict | None
     except FastCkptError:
         mine = []
     if mine:
-        return [(parent, mine)], [], [], []
+        return Picked([(parent, mine)])
     bad = [e for e in list_checkpoints(parent, opts) if e.path == path and e.status == "damaged"]
-    return ([], [], [Checked(path, path, e.bytes, f"damaged: {e.problem}") for e in bad], []) if bad else None
+    return Picked([], broken=[Checked(path, path, e.bytes, f"damaged: {e.problem}") for e in bad]) if bad else None
 
 
-def _checkpoints(h: Homes, path: str, opts: dict | None, newest_only: bool
-                 ) -> tuple[list[tuple[str, list[FileSpec]]], list[str], list[Checked], list[str]]:
-    """The checkpoints to check (each with its files), the incomplete ones seen, the ones
-    whose manifest is damaged (reported bad, their files not read), and those deleted since
-    they were listed."""
+def _checkpoints(h: Homes, path: str, opts: dict | None, newest_only: bool) -> Picked:
+    """What to check at ``path``: one checkpoint, or those a directory holds (``--latest``: its newest)."""
     try:
         files, _ = checkpoint_files(h, path)
-        return [(path, files)], [], [], []
+        return Picked([(path, files)])
     except CorruptCheckpointError as exc:
-        return [], [], [Checked(path, path, None, str(exc).removeprefix(f"{path}: "))], []
+        return Picked([], broken=[Checked(path, path, None, str(exc).removeprefix(f"{path}: "))])
     except FastCkptError as exc:  # not one checkpoint: a directory (or prefix) holding them, or not one at all
         if os.path.isfile(path):
             judged = _cut_file(h, path, opts)  # a checkpoint cut short has lost its manifest: judged as ls does
@@ -222,7 +115,7 @@ def _checkpoints(h: Homes, path: str, opts: dict | None, newest_only: bool
         fail_with(f"{path} does not exist: check the URL (no checkpoint was saved there yet)")
     complete = [e for e in entries if e.status in ("complete", "replicated")]
     newer = entries  # a damaged manifest makes readers skip the checkpoint: never a silent pass
-    named = []
+    named, chosen = [], []
     if newest_only:  # the newest whole one (what `fastckpt latest` names), the damaged ones it passes over, and
         named = [e for e in entries if e.latest]  # the complete ones that are not whole: fastckpt.latest() may
         chosen = [e for e in named if e in complete] or ([] if named else complete[-1:])  # name them
@@ -246,7 +139,7 @@ def _checkpoints(h: Homes, path: str, opts: dict | None, newest_only: bool
             if not _gone(h, e.path, e.kind == "group"):
                 raise
             deleted.append(e.path)
-    return todo, incomplete, broken, deleted
+    return Picked(todo, incomplete, broken, deleted, chosen[0].path if chosen else None, listed=True)
 
 
 def _absent(h: Homes, path: str) -> bool:
@@ -256,6 +149,16 @@ def _absent(h: Homes, path: str) -> bool:
         return False  # must_exist said it already
     loc = h.resolve(path)
     return bool(loc.key) and not loc.target.exists(loc.key) and not loc.target.list(f"{loc.key}/", max_depth=0)
+
+
+def _check_all(h: Homes, todo: list[tuple[str, list[FileSpec]]], jobs: int, quiet: bool) -> list[Checked]:
+    """Every file of ``todo`` checked, ``jobs`` at once, with a progress bar unless ``quiet``."""
+    specs = [(ck, s) for ck, files in todo for s in files]
+    sizes = [file_size(h, s) for _, s in specs]
+    with progress(f"verifying {len(specs)} files", sum(x or 0 for x in sizes), enabled=not quiet) as bar, \
+            ThreadPoolExecutor(jobs, thread_name_prefix="fastckpt-verify") as files:
+        futures = [files.submit(check_file, h, s, bar.advance) for _, s in specs]
+        return [Checked(ck, s.path, n, fut.result()) for (ck, s), n, fut in zip(specs, sizes, futures, strict=True)]
 
 
 def _verdict(problem: str) -> str:
@@ -284,25 +187,31 @@ def verify(path: str, newest_only: bool, jobs: int, storage_options: dict | None
     path = normalize(path)
     must_exist(path)
     h = homes(storage_options)
+    deleted: list[str] = []
+    replaced: list[str] = []
     try:
-        todo, incomplete, results, deleted = _checkpoints(h, path, storage_options, newest_only)
-        specs = [(ck, s) for ck, files in todo for s in files]
-        sizes = [_size(h, s) for _, s in specs]
-        with progress(f"verifying {len(specs)} files", sum(x or 0 for x in sizes), enabled=not as_json) as bar, \
-                ThreadPoolExecutor(jobs, thread_name_prefix="fastckpt-verify") as files:
-            futures = [files.submit(check_file, h, s, bar.advance) for _, s in specs]
-            checked = [Checked(ck, s.path, n, fut.result())
-                       for (ck, s), n, fut in zip(specs, sizes, futures, strict=True)]
-        results += checked
-        # a job's retention may delete a checkpoint while it is read: gone, not bad (a file found missing only;
-        # a damaged manifest or a checksum that differs is bad, wherever it lies)
-        gone = {r.checkpoint for r in checked
-                if r.problem == MISSING and _gone(h, r.checkpoint, r.path != r.checkpoint)}
-        deleted += sorted(gone)
-        replaced = sorted({r.checkpoint for r in checked if r.problem == REPLACED})  # a job saving it now
-        results = [r for r in results if r.checkpoint not in gone and r.checkpoint not in replaced]
+        for _ in range(RECHECKS):
+            picked = _checkpoints(h, path, storage_options, newest_only)
+            checked = _check_all(h, picked.todo, jobs, as_json)
+            # a job's retention may delete a checkpoint while it is read: gone, not bad (a file found missing only;
+            # a damaged manifest or a checksum that differs is bad, wherever it lies)
+            gone = {r.checkpoint for r in checked
+                    if r.problem == MISSING and _gone(h, r.checkpoint, r.path != r.checkpoint)}
+            again = {r.checkpoint for r in checked if r.problem == REPLACED}  # a job saving it now
+            deleted += [p for p in picked.deleted + sorted(gone) if p not in deleted]
+            replaced += [p for p in sorted(again) if p not in replaced]
+            lost = set(picked.deleted) | gone | again
+            results = [r for r in picked.broken + checked if r.checkpoint not in lost]
+            tried = {ck for ck, _ in picked.todo} | set(picked.deleted)
+            # under a directory, the newest one (--latest), or every one, deleted or saved again while it was
+            # checked: a job is saving there, and what it holds now is checked instead (not "no fastckpt checkpoint")
+            if not picked.listed or not (picked.chosen in lost if newest_only else tried and tried <= lost):
+                break
     finally:
         h.close()
+    kept = {r.checkpoint for r in results}  # checked after all (saved again under its name, then listed again)
+    deleted, replaced = [p for p in deleted if p not in kept], [p for p in replaced if p not in kept]
+    incomplete, todo = picked.incomplete, picked.todo
     skipped = [r for r in results if r.problem and r.problem.startswith(f"{UNVERIFIED}:")]  # "unverified" in both modes
     bad = [r for r in results if r.problem and r not in skipped]
     # an unverified checkpoint is never a pass; with --latest it is the one a resume loads: a failure
@@ -323,6 +232,9 @@ def verify(path: str, newest_only: bool, jobs: int, storage_options: dict | None
             out.print(f"- the newest checkpoint under {path} was written without fastckpt: no checksum to check, "
                       "so no pass (`fastckpt.load` loads it unverified; a fastckpt save there is verified)",
                       markup=False)
+        elif len(results) == len(skipped) and not skipped and (deleted or replaced):
+            out.print(f"- nothing left to verify under {path}: what was listed there was deleted or saved again while "
+                      "it was checked (a job saving there): check again", markup=False)
         elif len(results) == len(skipped):
             out.print(f"- no fastckpt checkpoint under {path} to verify" + (
                 f": {len(skipped)} written without fastckpt, with no checksum to check (`fastckpt.load` loads them "
