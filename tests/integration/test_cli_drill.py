@@ -305,3 +305,62 @@ def test_a_job_that_dies_on_restart_ends_the_drill_with_its_log(tmp_path, monkey
     assert "the job exited with 5" in d["error"] and "cannot start" in d["error"]
     assert os.path.isdir(d["logs"])
     shutil.rmtree(d["logs"])
+
+
+def test_the_probe_restores_a_checkpoint_holding_numpy_state(tmp_path) -> None:
+    """The probe loaded with weights_only=True: an intact checkpoint holding numpy's RNG state (saved
+    for an exact resume, which the job's own load with weights_only=False restores) made it die
+    with an UnpicklingError, and the drill blamed the job ("the job exited with 1")."""
+    import numpy as np
+
+    import fastckpt
+
+    home = tmp_path / "home"
+    with fastckpt.Checkpointer() as ck:
+        ck.save({"w": torch.arange(1 << 12), "step": 5, "np_rng": np.random.get_state()},
+                str(home / "step-00000005.pt")).wait()
+    code, d = drill("--trials", "1", "--dir", str(home), "--min-run", "0.5s", "--max-run", "1s", "--", *IDLE)
+    assert code == 0, d
+    assert d["restored"] == 1 and d["rows"][0]["restored_step"] == 5 and d["rows"][0]["rto_s"] > 0
+
+
+_SAVES_ITS_OWN_CLASS = """
+import sys, torch, fastckpt
+class RunState:  # defined in the job's script: pickled as __main__.RunState
+    step = 5
+with fastckpt.Checkpointer() as ck:
+    ck.save({"w": torch.ones(8), "step": 5, "run": RunState()}, sys.argv[1]).wait()
+"""
+
+
+def test_a_checkpoint_the_probe_cannot_unpickle_fails_naming_the_probe_not_as_corrupt(tmp_path) -> None:
+    """A class of the job's own script cannot be rebuilt in the probe's process: the trial fails
+    saying so and how to fix it, not a corrupt load and not "the job exited"."""
+    home = tmp_path / "home"
+    subprocess.run([sys.executable, "-c", _SAVES_ITS_OWN_CLASS, str(home / "step-00000005.pt")], check=True)
+    code, d = drill("--trials", "1", "--dir", str(home), "--min-run", "0.5s", "--max-run", "1s", "--", *IDLE)
+    assert code == 1 and d["restored"] == 0 and d["corrupt_loads"] == 0, d
+    error = d["rows"][0]["error"]
+    assert error.startswith(f"the drill's restore probe could not unpickle {home / 'step-00000005.pt'} "
+                            "(AttributeError: "), error
+    assert "define them in a module on PYTHONPATH, not in the job's script" in error
+    shutil.rmtree(d["logs"])
+
+
+def test_a_probe_that_dies_is_named_not_the_users_job(tmp_path, monkeypatch) -> None:
+    """The probe is the drill's own process: when it dies, the error said "the job exited"."""
+    from fastckpt.cli import drill_run
+
+    real = drill_run.Drill._job_argv
+
+    def argv(self, events_path: str, probe: bool = False) -> list[str]:
+        if not probe:
+            return real(self, events_path, probe)
+        return [sys.executable, "-c", "import sys; print('probe broke', file=sys.stderr); sys.exit(5)"]
+
+    monkeypatch.setattr(drill_run.Drill, "_job_argv", argv)
+    code, d = drill("--trials", "1", "--dir", str(tmp_path / "home"), "--min-run", "0.5s", "--max-run", "1s",
+                    "--", *IDLE)
+    assert code == 1 and d["error"].startswith("the drill's restore probe (not your job) exited with 5"), d["error"]
+    assert "probe broke" in d["error"]
+    shutil.rmtree(d["logs"])

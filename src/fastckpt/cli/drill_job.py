@@ -10,7 +10,9 @@ The state at step s is ``base + s``, with ``base`` drawn from ``--seed``, so any
 checkpoint can be checked exactly.
 
 With ``--probe`` it only restores (any fastckpt checkpoint: every file of the newest one is
-loaded and checksum-verified) and exits: the drill's stand-in for a user job's restore.
+loaded and checksum-verified, and unpickled whole, with ``weights_only=False``, as the user's job
+that wrote it resumes: numpy RNG states and the like too) and exits: the drill's stand-in for a
+user job's restore.
 
 It reports on stdout, one JSON object per line, flushed (the drill reads them):
 ``loaded`` (state in memory: t = wall time), ``restored`` (step, path, source, verified,
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import pickle
 import sys
 import threading
 import time
@@ -76,14 +79,16 @@ def _mismatch(state: dict[str, dict], base: dict[str, list[torch.Tensor]], step:
 
 
 def restore(ck: fastckpt.Checkpointer, home: str, base: Callable[[], dict[str, list[torch.Tensor]]] | None,
-            opts: dict | None) -> tuple[int, dict[str, dict] | None]:
+            opts: dict | None, weights_only: bool = True) -> tuple[int, dict[str, dict] | None]:
     """Load every file of the newest complete checkpoint (verified by ``load``); report
     ``loaded`` and ``restored`` (or ``fresh``); with ``base``, check the content exactly
     against the state it builds, only after ``loaded``: the drill's RTO ends at that line, and
     building the synthetic state (seconds per GiB) is no part of a restore.
 
     Returns the step restored (0 when fresh, -1 when the restore failed) and the loaded
-    files by name.
+    files by name. ``weights_only=False`` (the probe, on what the user's own job saved) unpickles
+    any object; one this process cannot rebuild (a class of the job's script) fails the restore
+    naming the probe, never as damage.
     """
     path = ck.latest(home)
     if path is None:
@@ -97,7 +102,14 @@ def restore(ck: fastckpt.Checkpointer, home: str, base: Callable[[], dict[str, l
         finally:
             h.close()
         for spec in files:
-            loaded[spec.path.rsplit("/", 1)[-1]] = ck.load(spec.path, map_location="cpu", weights_only=True)
+            loaded[spec.path.rsplit("/", 1)[-1]] = ck.load(spec.path, map_location="cpu", weights_only=weights_only)
+    except (pickle.UnpicklingError, ImportError, AttributeError) as exc:  # verified intact: the probe cannot
+        say("loaded", t=time.time(), path=path)                            # rebuild an object it holds
+        say("restored", step=None, path=path, source=None, verified=False, corrupt=False, error=(
+            f"the drill's restore probe could not unpickle {path} ({type(exc).__name__}: {exc}): it loads in its "
+            "own process (python -m fastckpt.cli.drill_job), so the classes the checkpoint holds must be importable "
+            "there: define them in a module on PYTHONPATH, not in the job's script"))
+        return -1, None
     except (FastCkptError, OSError, ValueError) as exc:
         say("loaded", t=time.time(), path=path)
         # latest() named it complete: damaged or partial content behind it is a corrupt load
@@ -169,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     with fastckpt.Checkpointer(local_dir=args.local_dir, event_log=args.event_log, overhead_budget=0.99,
                                storage_options=args.storage_options, keep_persistent=3, **keep) as ck:
         if args.probe:
-            step, _ = restore(ck, args.dir, None, args.storage_options)
+            step, _ = restore(ck, args.dir, None, args.storage_options, weights_only=False)
             return 0 if step >= 0 else 3
         step, loaded = restore(ck, args.dir, lambda: make_base(args.state_size, args.seed), args.storage_options)
         if step < 0:

@@ -24,8 +24,9 @@ class Child:
     """A child (in its own process group, so a kill takes its children too) whose stdout
     JSON lines are read by a thread into a queue; stderr goes to a log file."""
 
-    def __init__(self, argv: list[str], log_path: str, env: dict | None = None, json_lines: bool = True) -> None:
-        self.log_path = log_path
+    def __init__(self, argv: list[str], log_path: str, env: dict | None = None, json_lines: bool = True,
+                 who: str = "the job") -> None:
+        self.log_path, self.who = log_path, who  # who is named when it fails: the job, or the drill's own probe
         self._log = open(log_path, "ab")  # noqa: SIM115 (closed in kill() / close())
         self.t_spawn = time.time()
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE if json_lines else self._log, stderr=self._log,
@@ -54,7 +55,7 @@ class Child:
 
         Raises:
             TimeoutError: none within ``timeout_s``.
-            DrillError: the job exited (with its log's tail).
+            DrillError: it exited (with its log's tail).
         """
         try:
             line = self.lines.get(timeout=timeout_s)
@@ -62,7 +63,7 @@ class Child:
             raise TimeoutError from None
         if line is None:
             self.proc.wait()
-            raise DrillError(f"the job exited with {self.proc.returncode}; its log {self.log_path} ends:\n"
+            raise DrillError(f"{self.who} exited with {self.proc.returncode}; its log {self.log_path} ends:\n"
                              f"{self.tail()}")
         return line
 

@@ -109,7 +109,7 @@ class _Incarnation:
             if want(line):
                 return line
         doing = f"it said {said} other line(s) meanwhile" if said else "it said nothing"
-        raise DrillError(f"the job did not {what} within --trial-timeout ({timeout_s:g} s; {doing}): give a "
+        raise DrillError(f"{self.proc.who} did not {what} within --trial-timeout ({timeout_s:g} s; {doing}): give a "
                          f"longer --trial-timeout, or check that it saves (the built-in job every --every steps). "
                          f"Its log {self.proc.log_path} ends:\n{self.proc.tail()}")
 
@@ -149,6 +149,9 @@ def wipe(local_dir: str) -> None:
             os.unlink(path)
 
 
+PROBE = "the drill's restore probe (not your job)"
+
+
 class Drill:
     """Runs the trials of one drill; ``run(on_trial)`` returns them."""
 
@@ -158,9 +161,10 @@ class Drill:
         self._n = 0
         self._children: list[Child] = []
 
-    def _child(self, argv: list[str], log_path: str, env: dict | None = None, json_lines: bool = True) -> Child:
+    def _child(self, argv: list[str], log_path: str, env: dict | None = None, json_lines: bool = True,
+               who: str = "the job") -> Child:
         """Start a child; ``run`` kills it (and its process group) however it ends."""
-        self._children.append(Child(argv, log_path, env, json_lines))
+        self._children.append(Child(argv, log_path, env, json_lines, who))
         return self._children[-1]
 
     def _log(self, what: str) -> str:
@@ -275,7 +279,7 @@ class Drill:
             killed_at = _read_step(step_file)
             if c.lose_local and c.local_dir:
                 wipe(c.local_dir)
-            probe = _Incarnation(self._child(self._job_argv("", probe=True), self._log("probe.log")), "")
+            probe = _Incarnation(self._child(self._job_argv("", probe=True), self._log("probe.log"), who=PROBE), "")
             try:
                 loaded, rest = self._restore(probe)
             finally:
