@@ -21,6 +21,7 @@ from ..storage.places import Place
 from . import claim as C
 from . import failures as E
 from . import fallback as F
+from . import pairing as G
 from . import protocol as P
 from . import resave
 from . import store as S
@@ -62,6 +63,7 @@ class Attempt:
     replaced: str | None = None
     began: F.Began | None = None  # other ranks without a store
     since: float = 0.0  # rank 0 without a store: when its Checkpointer was made (``fallback._failed_in``)
+    steps: dict = field(default_factory=dict)  # this commit's step and this rank's previous one (``pairing.py``)
 
     @property
     def staged(self) -> bool:
@@ -127,7 +129,7 @@ def via_store(att: Attempt, ch: S.Channel, rank: int, world: int, files: dict, s
         raise CommitTimeoutError(f"checkpoint group {att.home.label}: closed before rank 0 said which session "
                                  "of the store the group commits use; the group stays incomplete")
     att.token = ch.token
-    ch.announce(rank, {"files": files, "superseded": superseded, "place": att.place.key})
+    ch.announce(rank, {"files": files, "superseded": superseded, "place": att.place.key, **att.steps})
     if rank != 0:
         said = _verdict(att, ch, rank, files, deadline, stop, waited_s)
         kind, _, rest = said.partition(":")
@@ -139,6 +141,8 @@ def via_store(att: Attempt, ch: S.Channel, rank: int, world: int, files: dict, s
             raise E.removed_error(att.home)
         if kind == S.ABORTED:
             raise E.aborted_error(att.home.label, rest)
+        if kind == G.REFUSED:  # the ranks' steps differed
+            raise G.heard(rest)
         raise CommitTimeoutError(rest)
     entries = ch.gather(deadline, stop)  # at once when some rank never joined the session by then
     if entries is None:
@@ -150,6 +154,8 @@ def via_store(att: Attempt, ch: S.Channel, rank: int, world: int, files: dict, s
         raise err
     if (apart := _elsewhere(att, entries)) and ch.abort(0, apart):  # nothing of it is published
         raise E.aborted_error(att.home.label, f"rank 0: {apart}")
+    if err := G.refuse_via_store(ch, entries, att.home.label):  # its ranks' files are not of one save
+        raise err
     won = ch.claim("rank 0")
     if won != "rank 0":
         ch.tell(None)
@@ -230,9 +236,9 @@ def via_storage(att: Attempt, rank: int, world: int, files: dict, superseded: bo
 
         def restamp(aid: str) -> None:
             att.token = aid
-            P.write_marker(att.place, rank, world, files, aid, superseded)
+            P.write_marker(att.place, rank, world, files, aid, superseded, att.steps)
 
-        P.write_marker(att.place, rank, world, files, att.token, superseded)
+        P.write_marker(att.place, rank, world, files, att.token, superseded, att.steps)
         if _files_gone(att, files):  # another rank's remove() took the group before the marker, which
             raise E.removed_error(att.home)  # brought the directory back: the coordinator deletes it again
         m = F.wait_for_manifest(att.home, timeout_s + grace(timeout_s), stop, att.token, files, me=rank,
@@ -241,12 +247,14 @@ def via_storage(att: Attempt, rank: int, world: int, files: dict, superseded: bo
         if m.get("superseded"):
             return Ended(None, 0, superseded=True)
         return Ended(m, sum(f["size"] for f in m["files"].values()))
-    P.write_marker(att.place, rank, world, files, att.token, superseded)
+    P.write_marker(att.place, rank, world, files, att.token, superseded, att.steps)
     # recorded: another rank's remove() deletes attempt.json with the group, even before this marker
     with _recorded(att):
         markers = F.wait_for_markers(att.place, world, timeout_s, stop, att.token, me=rank, cancel=att.cancel,
                                      replaced=att.replaced, recorded=world > 1 and att.token is not None,
                                      since=att.since, home=att.home)
+    if err := G.refused_record(att.place, att.token, markers, att.home.label, att.replaced):  # not of one save
+        raise err
     if any(m.get("superseded") for m in markers.values()):
         P.write_record(att.place, P.OUTCOME, attempt=att.token, outcome="superseded", replaced=att.replaced)
         return Ended(None, 0, superseded=True)

@@ -36,7 +36,6 @@ import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import Executor, Future
-from typing import NoReturn
 
 from ..config import CheckpointerConfig
 from ..errors import CorruptCheckpointError, refused_once_closed
@@ -46,6 +45,7 @@ from . import attempt as A
 from . import failures as E
 from . import fallback as F
 from . import leftovers as L
+from . import pairing as G
 from . import protocol as P
 from . import removal as R
 from . import resave
@@ -83,6 +83,8 @@ class Coordinator:
         self._running: dict[str, tuple[A.Attempt, Future]] = {}
         self._counts: dict[str, itertools.count] = {}
         self._missing: dict[str, dict[str, str]] = {}  # group -> path -> why its save did not happen
+        self._steps: dict[str, int | None] = {}  # group -> the step of this rank's last commit of it
+        self._behind: set[str] = set()  # groups whose next commit on this rank fails at once (``pairing.py``)
         # without a store: this rank-0 session's id in attempt.json, when this rank was born (for
         # ``fallback.began`` and, on rank 0, ``fallback._failed_in``), and the attempt each group's
         # last failed commit of another rank was in
@@ -134,13 +136,15 @@ class Coordinator:
         place = P.staged_place(home, old) if published else home
         local = self._local_for(group)
         L.set_aside(local, writes)  # the local copy is rewritten in place: not complete until committed
-        channel = self._channel(group, rank, world)
+        with self._lock:  # a rank behind: its next commit fails at once, it takes no attempt (``pairing.py``)
+            alone = group in self._behind or world < 2
+        channel = None if alone else self._channel(group, rank, world)
         token = None if channel is not None else (uuid.uuid4().hex[:16] if rank == 0 else None)
         replaced, began = None, None
-        if channel is None and rank == 0 and world > 1:
+        if channel is None and rank == 0 and not alone:
             replaced = P.attempt_id(place)
             P.write_record(place, P.ATTEMPT, attempt=token, world_size=world, replaced=replaced, session=self._session)
-        if channel is None and rank != 0:
+        if channel is None and not alone and rank != 0:
             with self._lock:
                 given_up = self._given_up.pop(group, None)
             began = F.began(place, self._born, given_up)
@@ -201,6 +205,9 @@ class Coordinator:
         with self._lock:
             att = self._open.pop(group, None)
             self._missing.pop(group, None)
+            if group in self._behind:  # its attempt is this rank's alone: nobody waits for it
+                self._behind.discard(group)
+                return
         if att is None and world > 1:
             try:
                 att = self._begun(group, rank, world)
@@ -248,18 +255,29 @@ class Coordinator:
         with self._lock:
             att = self._open.pop(group, None)
             missing = self._missing.pop(group, None)
+            behind = group in self._behind
+            self._behind.discard(group)
+        if behind:  # of the save the others committed in the attempt refused before: it pairs with none
+            self._emit("commit", group, 0, time.time(), "direct", err := G.skipped(group), detail="group")
+            return G.failed(err)
         if missing:
-            self._refuse(group, att, rank, world, missing)
+            self._tell.refuse(group, att, rank, missing, lambda: self._begun(group, rank, world), self._emit)
         if att is None:  # a rank that saved nothing into this group
             att = self._begun(group, rank, world)
+        with self._lock:  # announced with its files (``pairing.py``)
+            att.steps = {"step": extra.get("step"), "prev": self._steps.get(group)}
+            self._steps[group] = extra.get("step")
         att.move_latest = move_latest
         t_call, requested_at = time.monotonic(), time.time()
 
         def run() -> SaveRecord:
             try:
                 rec = self._run(att, rank, world, extra, t_call, requested_at)  # raises the handle's error, emitted
-            except BaseException:
+            except BaseException as exc:
                 self._give_up(att)
+                if rank in getattr(exc, "behind", ()):  # refused: this rank committed a save twice (``pairing.py``)
+                    with self._lock:
+                        self._behind.add(group)
                 raise
             try:
                 return finish(rec)
@@ -284,22 +302,6 @@ class Coordinator:
             self._running[group] = (att, fut)
         fut.add_done_callback(lambda f: self._forget(group, f))
         return fut
-
-    def _refuse(self, group: str, att: A.Attempt | None, rank: int, world: int, missing: dict[str, str]) -> NoReturn:
-        """Files of this rank's attempt at ``group`` were never saved (``missing``: path -> why):
-        end the attempt on every rank at once, and raise, naming them. A rank whose save failed
-        before its attempt began (``att`` None) begins it now, to know which attempt to end."""
-        files = "; ".join(f"{os.path.relpath(path, group)} ({why})" for path, why in missing.items())
-        err = E.unsaved_error(group, files)
-        self._emit("commit", group, 0, time.time(), "direct", err, detail="group")  # those saves emitted none
-        try:
-            if att is None:
-                att = self._begun(group, rank, world)
-        except BaseException as exc:  # the others then time out, naming this rank
-            err.add_note(f"the other ranks were not told, and wait commit_timeout_s: {type(exc).__name__}: {exc}")
-            raise err from exc
-        self._tell.abort(att, rank, err, background=True, why=f"the save of {files} did not happen")
-        raise err
 
     def _begun(self, group: str, rank: int, world: int) -> A.Attempt:
         """This rank's attempt at ``group``, begun now: it saved nothing into it."""

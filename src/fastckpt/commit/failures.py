@@ -24,7 +24,7 @@ def closed_error(label: str, rank: int) -> CheckpointWriteError:
 
 def unsaved_error(label: str, files: str) -> CheckpointWriteError:
     """What a rank raises at ``commit`` when its save of ``files`` (each with why) into the group
-    did not happen: the group would lack them, so it is not committed (``Coordinator._refuse``)."""
+    did not happen: the group would lack them, so it is not committed (``Teller.refuse``)."""
     return CheckpointWriteError(
         f"checkpoint group {label} not committed: this rank's save of {files} did not happen, and the group would "
         "lack it. It ends on every rank; the group stays incomplete and the previous checkpoint is intact. To "

@@ -45,10 +45,10 @@ from . import claim as C
 from . import protocol as P
 from .failures import aborted_error, left_behind, not_committed, removed_error
 from .foreign import group_step
+from .pairing import REFUSED, refusal
 
 ABORTED = "aborted"  # the outcome of an attempt that a rank's failed save ended
-POLL_FIRST_S = 0.005
-POLL_MAX_S = 0.5
+POLL_FIRST_S, POLL_MAX_S = 0.005, 0.5
 
 
 def poll(until: Callable[[], object], deadline: float, stop: threading.Event) -> object:
@@ -288,6 +288,8 @@ def wait_for_manifest(place: Place, timeout_s: float, stop: threading.Event, tok
                 return {"superseded": True, "files": {}}
             if got.get("outcome") == ABORTED:
                 raise aborted_error(place.label, str(got.get("why")))
+            if got.get("outcome") == REFUSED:  # the ranks' steps differed (``pairing.py``)
+                raise refusal(str(got.get("why")), got.get("behind", []))
             raise CommitTimeoutError(str(got.get("outcome")))
         return None
 

@@ -45,9 +45,9 @@ def marker_rel(rank: int) -> str:
 
 
 def write_marker(place: Place, rank: int, world_size: int, files: dict, token: str | None = None,
-                 superseded: bool = False) -> None:
-    """Publish this rank's marker: its durable files of this attempt (or that it gave up)."""
-    body = {"format": FORMAT_VERSION, "rank": rank, "world_size": world_size, "files": files,
+                 superseded: bool = False, steps: dict | None = None) -> None:
+    """Publish this rank's marker: its durable files of this attempt (or that it gave up), its steps (pairing.py)."""
+    body = {"format": FORMAT_VERSION, "rank": rank, "world_size": world_size, "files": files, **(steps or {}),
             "written_at": time.time(), "attempt": token, **({"superseded": True} if superseded else {})}
     place.put(marker_rel(rank), json.dumps(body, sort_keys=True).encode())
 

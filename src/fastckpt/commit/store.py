@@ -22,13 +22,13 @@ its client connection for as long as it waits, so waits run on clones of the sto
 (``Store.clone``, kept for reuse; ``_Waits``), never on the connection the training thread or
 the process group uses.
 
-Attempt numbers are each rank's own count of its attempts at a group within a session. A
+Attempt numbers are each rank's own count of its attempts at a group within a session (the
+step each rank announces tells whether the ranks' commits are of one save: ``pairing.py``). A
 session is one Checkpointer's group commits: a number no earlier Checkpointer of the store got,
 chosen by rank 0 and learnt by the others from rank 0 itself at their first multi-rank commit
 (``session.py``, which says why a number each rank derives on its own goes wrong on a store
-that outlives a launch). So Checkpointers made again later, in this launch or after a restart,
-never reuse the keys of a failed attempt, and a dead launch's keys never mislead a live rank.
-"""
+that outlives a launch): Checkpointers made later never reuse a failed attempt's keys, and a
+dead launch's keys never mislead a live rank."""
 
 from __future__ import annotations
 
@@ -45,8 +45,7 @@ from .session import Session, group_digest
 
 WAIT_SLICE_S = 30.0  # how often a wait that close() may end early is re-armed, to notice it
 PUBLISHED, SUPERSEDED, FAILED, REMOVED = "published", "superseded", "failed", "removed"
-_ABSENT = "\x00absent"  # ``_peek``'s expected value: never one fastckpt stores
-ABORTED = "aborted"  # a rank's save failed: the attempt ends on every rank at once
+_ABSENT, ABORTED = "\x00absent", "aborted"  # ``_peek``'s expected value (never stored); a rank's save failed
 
 
 def default_store() -> object | None:
@@ -175,8 +174,7 @@ class StoreLink:
     """
 
     def __init__(self, store: object, rank: int, world_size: int, slice_s: float | None = WAIT_SLICE_S) -> None:
-        self.store, self.rank, self.world, self.slice_s = store, rank, world_size, slice_s
-        self.waits = _Waits.of(store)
+        self.store, self.rank, self.world, self.slice_s, self.waits = store, rank, world_size, slice_s, _Waits.of(store)
         self.agreed = Session(store, self.waits, rank, world_size, slice_s)
 
     def session(self) -> int:
@@ -228,8 +226,7 @@ class Channel:
         Raises:
             CommitTimeoutError: a rank other than 0 that rank 0 did not answer by ``deadline``.
         """
-        agreed = self._link.agreed
-        before = agreed.ops
+        agreed, before = self._link.agreed, self._link.agreed.ops
         try:
             agreed.join(deadline, stop, self.group, poll, self._digest)
         except _store_errors()[1] as exc:
@@ -294,9 +291,7 @@ class Channel:
 
     def gather(self, deadline: float, stop: threading.Event) -> dict[int, dict] | None:
         """Rank 0: every rank's entry once all W announced (or ``cancel`` woke it); None at ``deadline``."""
-        if not self._wait("ready", deadline, stop):
-            return None
-        return self.entries()
+        return self.entries() if self._wait("ready", deadline, stop) else None
 
     def claim(self, who: str) -> str:
         """Decide, once, who ends this attempt; returns the winner (``who`` if it was first)."""
@@ -338,20 +333,21 @@ class Channel:
         """A rank whose save into the group failed: end the attempt on every rank now (rank 0
         and the others would otherwise wait ``commit_timeout_s`` for its announcement). Returns
         whether it ended it (False: rank 0 or a remover already had)."""
-        return self._end(f"{ABORTED}:rank {rank}: {why}")
+        return self.end(f"{ABORTED}:rank {rank}: {why}")
 
     def cancel(self, why: str) -> bool:
         """``remove()`` of the group: end the attempt on every rank unless rank 0 already claimed
         it (then it completes, and the caller waits for it). Returns whether it was cancelled."""
-        return self._end(f"{REMOVED}:{why}")
+        return self.end(f"{REMOVED}:{why}")
 
     def give_up(self, why: str) -> bool:
         """Another rank that waited for the outcome in vain: end the attempt on every rank, so
         that rank 0 never publishes what this rank reports not committed. False: rank 0 claimed
         it first (it is publishing; its outcome follows), or another rank or a remover ended it."""
-        return self._end(f"{FAILED}:{why}")
+        return self.end(f"{FAILED}:{why}")
 
-    def _end(self, who: str) -> bool:
+    def end(self, who: str) -> bool:
+        """End the attempt on every rank with the outcome ``who`` unless another ended it first."""
         if self.claim(who) != who:
             return False
         self._op("outcome", lambda: self._link.store.set(self._k("outcome"), who), len(who))

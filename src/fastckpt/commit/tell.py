@@ -1,5 +1,5 @@
 """Telling the other ranks that this rank's attempt at a group ended, at once rather than after
-``commit_timeout_s``: a failed save or commit (``Coordinator.abandon``, ``_refuse``, ``_run``), a
+``commit_timeout_s``: a failed save or commit (``Coordinator.abandon``, ``refuse``, ``Coordinator._run``), a
 ``remove()`` (``Coordinator.cancel``), and a Checkpointer closed with attempts it never committed
 (``Coordinator.close``). With a store, through the attempt's keys; without one, through records
 in the group's directory (rank 0: the outcome; another rank: a failure record, ``fallback.py``).
@@ -8,13 +8,16 @@ in the group's directory (rank 0: the outcome; another rank: a failure record, `
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor
+from typing import NoReturn
 
 from ..errors import CommitTimeoutError
 from . import attempt as A
+from . import failures as E
 from . import fallback as F
 from . import protocol as P
 from . import store as S
@@ -54,6 +57,23 @@ class Teller:
         except OSError as tell_exc:  # the others then time out, naming this rank
             log.warning("fastckpt: could not tell the other ranks that the save into %s failed: %s",
                         att.group, tell_exc)
+
+    def refuse(self, group: str, att: A.Attempt | None, rank: int, missing: dict[str, str],
+               begun: Callable[[], A.Attempt], emit: Callable[..., None]) -> NoReturn:
+        """``commit``: files of this rank's attempt at ``group`` were never saved (``missing``: path ->
+        why): end the attempt on every rank at once, and raise, naming them. A rank whose save failed
+        before its attempt began (``att`` None) begins it now (``begun``), to know which attempt to end."""
+        files = "; ".join(f"{os.path.relpath(path, group)} ({why})" for path, why in missing.items())
+        err = E.unsaved_error(group, files)
+        emit("commit", group, 0, time.time(), "direct", err, detail="group")  # those saves emitted none
+        try:
+            if att is None:
+                att = begun()
+        except BaseException as exc:  # the others then time out, naming this rank
+            err.add_note(f"the other ranks were not told, and wait commit_timeout_s: {type(exc).__name__}: {exc}")
+            raise err from exc
+        self.abort(att, rank, err, background=True, why=f"the save of {files} did not happen")
+        raise err
 
     def through_store(self, ch: S.Channel, group: str, rank: int, act: Callable[[S.Channel], object], what: str,
                       background: bool = True) -> None:
