@@ -11,6 +11,10 @@ Scenarios (one directory each under ``DIR``):
      mutating the tensors right after ``save`` returns, and commit each step.
   c  a rank that saved nothing still commits: rank 1 saves nothing into ``c/global_step1``,
      rank 0 saves nothing into ``c/global_step2``.
+  r  one tag ``r/last`` saved and committed at steps 1..7 (a file ``r{rank}.pt`` holding its step);
+     after step 1 rank 1 alone commits it again with nothing saved (a retry on that rank) while
+     rank 0 goes on to step 2; at steps 6 and 7 rank 1 has nothing new to save. Each rank records
+     every commit's outcome and, once published, the step each file of the manifest was saved at.
   b  step 1 commits on both ranks; at step 2 rank 1 makes its files durable, then dies
      before ``commit`` (``os._exit(0)`` under torchrun, whose agent would tear rank 0 down
      on a failed rank, or SIGKILL with ``--scenario kill``). Rank 0's commit must raise
@@ -177,6 +181,24 @@ class Worker:
             out[str(step)] = {"saved_nothing": self.rank == silent_rank, "bytes": rec.bytes}
         return out
 
+    def scenario_r(self) -> list[dict]:
+        group, out = os.path.join(self.root, "r", "last"), []
+        plan = [(1, True), (1, False), *((s, True) for s in range(2, 6)), (6, False), (7, False)] \
+            if self.rank == 1 else [(s, True) for s in range(1, 8)]
+        for step, saves in plan:
+            if saves:
+                self.ck.save({"step": step}, os.path.join(group, f"r{self.rank}.pt"), group=group)
+            try:
+                self.ck.commit(group, step=step).wait(timeout=60)
+            except fastckpt.FastCkptError as exc:
+                out.append({"step": step, "error": f"{type(exc).__name__}: {exc}"})
+                continue
+            with open(os.path.join(group, "fastckpt-manifest.json"), encoding="utf-8") as f:
+                m = json.load(f)
+            out.append({"step": step, "published": m["step"],
+                        "files": {n: fastckpt.load(os.path.join(group, n))["step"] for n in sorted(m["files"])}})
+        return out
+
     def scenario_b(self, die: str, timeout_s: float) -> dict:
         parent = os.path.join(self.root, "b")
         g1, g2 = (os.path.join(parent, f"global_step{s}") for s in (1, 2))
@@ -230,6 +252,7 @@ def main() -> int:
     if args.scenario == "all":
         w.result["a"] = w.scenario_a()
         w.result["c"] = w.scenario_c()
+        w.result["r"] = w.scenario_r()
         w.dump()
         w.result["b"] = w.scenario_b("exit", args.timeout)
     else:

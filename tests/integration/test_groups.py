@@ -1,6 +1,6 @@
 """Multi-rank groups with real processes: torchrun, 2 ranks, gloo over 127.0.0.1.
 
-One torchrun launch runs scenarios a, c and b of ``_group_worker.py`` (see its docstring);
+One torchrun launch runs scenarios a, c, r and b of ``_group_worker.py`` (see its docstring);
 a second launch, without torchrun (whose agent would tear rank 0 down when a rank dies by
 signal), SIGKILLs rank 1 before its commit. Every test here checks the files those runs left.
 """
@@ -203,6 +203,25 @@ def test_rank_that_saved_nothing_still_completes_the_group(torchrun_run: Run) ->
         _assert_loads(optim, W.expected_optim(saver, step))
         for r in (0, 1):
             assert torchrun_run.results[r]["c"][str(step)]["saved_nothing"] == (r != saver)
+
+
+# --------------------------------------------------------------------------- (r)
+def test_a_commit_made_again_on_one_rank_never_publishes_a_mix(torchrun_run: Run) -> None:
+    # Before: rank 1's second commit of step 1 joined rank 0's commit of step 2 (published without
+    # r1.pt), and its commit of step 2 rank 0's of step 3 (r1.pt of step 2 published as step 3), and
+    # so on: rank 1 stayed a commit ahead for the rest of the run.
+    res = {r: torchrun_run.results[r]["r"] for r in (0, 1)}
+    for r in (0, 1):
+        for out in res[r]:
+            if "error" not in out:  # every publication holds one save
+                assert set(out["files"].values()) == {out["published"]} == {out["step"]}, res
+    steps = "step=2 on ranks [0]; step=1 on ranks [1]"
+    assert "ConfigError: checkpoint group" in res[0][1]["error"] and steps in res[0][1]["error"], res
+    assert steps in res[1][1]["error"], res  # rank 1's second commit of step 1
+    assert "with no attempt begun" in res[1][2]["error"], res  # its step 2, which rank 0's refused
+    for r, first in ((0, 2), (1, 3)):  # steps 3-5 pair again; 6 and 7 with rank 1 saving nothing
+        assert [(o["step"], o["files"]) for o in res[r][first:]] == \
+            [(s, {"r0.pt": s, "r1.pt": s}) for s in (3, 4, 5)] + [(s, {"r0.pt": s}) for s in (6, 7)], res
 
 
 # --------------------------------------------------------------------------- (b)
