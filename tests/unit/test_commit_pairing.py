@@ -164,3 +164,25 @@ def test_a_rank_with_nothing_new_to_save_keeps_committing(tmp_path: Path, store:
 def _step_unnumbered(cks: list[fastckpt.Checkpointer], g: Path) -> list:
     cks[0].save({"w": torch.zeros(2)}, str(g / "r0.pt"), group=str(g))
     return [h.wait(QUICK_S) for h in [ck.commit(str(g)) for ck in cks]]
+
+
+def test_a_checkpointer_made_again_on_one_rank_is_named_on_every_rank(tmp_path: Path) -> None:
+    # Before: its commits, counted anew, never met rank 0's, and both ranks failed every later commit
+    # blaming the other ("rank 0 did not answer ... or it died", "ranks [1] ... did not commit").
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=60))
+    cks = [_ck(r, store, timeout_s=2) for r in (0, 1)]
+    try:
+        assert all(not isinstance(o, Exception) for o in _step(cks, tmp_path / "step1", 1))
+        cks[1].close()
+        cks[1] = _ck(1, store, timeout_s=2)  # on rank 1 alone
+        out = _step(cks, tmp_path / "step2", 2)
+        assert "ranks [1] asked for a new store session after every rank had agreed one" in str(out[0])
+        assert "an earlier Checkpointer of this process agreed a store session as rank 1" in str(out[1])
+        for err in out:
+            assert "Make the Checkpointer again on every rank, rank 0 too" in str(err)
+        close_all(cks)
+        cks = [_ck(r, store) for r in (0, 1)]  # made again on every rank: commits again
+        assert all(not isinstance(o, Exception) for o in _step(cks, tmp_path / "step3", 3))
+        _whole(tmp_path / "step3", 3)
+    finally:
+        close_all(cks)

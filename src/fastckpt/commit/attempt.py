@@ -147,7 +147,7 @@ def via_store(att: Attempt, ch: S.Channel, rank: int, world: int, files: dict, s
     entries = ch.gather(deadline, stop)  # at once when some rank never joined the session by then
     if entries is None:
         present = ch.entries()
-        err = E.not_committed(att.home, [r for r in range(world) if r not in present], world, timeout_s)
+        err = E.not_committed(att.home, [r for r in range(world) if r not in present], world, timeout_s, ch.remade())
         ch.tell(f"{S.FAILED}:{err}")
         for r, e in present.items():  # the crash trail: who did commit (readers name the others)
             P.write_marker(att.place, r, world, e["files"], att.token, bool(e.get("superseded")))

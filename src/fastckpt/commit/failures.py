@@ -37,10 +37,11 @@ def removed_error(place: Place) -> GroupRemovedError:
                              "(Checkpointer.remove); nothing of it is published")
 
 
-def not_committed(place: Place, missing: list[int], world_size: int, timeout_s: float) -> CommitTimeoutError:
+def not_committed(place: Place, missing: list[int], world_size: int, timeout_s: float,
+                  why: str = "") -> CommitTimeoutError:
     return CommitTimeoutError(
         f"checkpoint group {place.label} not committed: ranks {missing} of {world_size} did "
-        f"not commit within {timeout_s:.0f} s. The group stays incomplete (readers skip it); "
+        f"not commit within {timeout_s:.0f} s{why}. The group stays incomplete (readers skip it); "
         "check those ranks' logs, or raise commit_timeout_s for slow storage.")
 
 

@@ -49,10 +49,14 @@ import hashlib
 import threading
 import time
 import uuid
+import weakref
 
 from ..errors import CommitTimeoutError
 
 POLL_S = 0.2  # how often a wait that close() must be able to end at once polls the store
+# store -> the (rank, world) of this process's Checkpointers that agreed a session through it (``remade``)
+_AGREED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_AGREED_LOCK = threading.Lock()
 
 
 def group_digest(group: str) -> str:
@@ -80,6 +84,7 @@ class Session:
         self._read: set[str] = set()  # rank 0: the nonces whose ranks read their answer and joined
         self._groups: set[str] = set()  # rank 0: the groups (digests) whose asks it answers (``serves``)
         self._listed = False  # rank 0: whether it is listed in ``W/servers`` (rings reach its bell)
+        self._was_agreed = False  # whether a Checkpointer of this process agreed one as this rank before
         self.ops = 0  # store operations made, for the commit event that made them
 
     def serves(self, group: str) -> None:
@@ -121,6 +126,7 @@ class Session:
                         return
                     if self.number is None:
                         self.number = int(self._op(self._store.add, self._k("next"), 1))  # type: ignore[attr-defined]
+                        self._note_agreed()
                     self._serve(deadline, stop, poll)
                     return
                 finally:
@@ -135,7 +141,7 @@ class Session:
             f"checkpoint group {label}: rank {self.rank} asked rank 0 which session of the store this job's group "
             f"commits use, and rank 0 did not answer within {waited_s:.0f} s: it has not reached its commit of a "
             "group through this store, or it died. Every rank must save and commit the same groups (check "
-            "rank 0's logs), or raise commit_timeout_s.")
+            f"rank 0's logs), or raise commit_timeout_s.{self.remade('')}")
 
     def _wait(self, key: str, deadline: float, stop: threading.Event, poll: bool) -> bool:
         self.ops += 1
@@ -232,3 +238,33 @@ class Session:
         self._op(store.append, self._k(f"{number}/joined"), line)  # type: ignore[attr-defined]
         self._ring()
         self.number = number
+        self._note_agreed()
+
+    def _note_agreed(self) -> None:
+        """Remember that a Checkpointer of this process agreed a session as this rank: one made again
+        later on this rank alone never pairs with the others' (``remade``)."""
+        with _AGREED_LOCK:
+            self._was_agreed = (self.rank, self.world) in _AGREED.setdefault(self._store, set())
+            _AGREED[self._store].add((self.rank, self.world))
+
+    def remade(self, group: str) -> str:
+        """Why a commit of ``group`` (a digest) that failed for want of the other ranks may have: this
+        rank's Checkpointer was made again (after an earlier one of this process had agreed a session as
+        this rank) and the other ranks' were not, or the other way round (rank 0: asks filed under the
+        group after every rank joined). Each Checkpointer numbers its commits anew, so its commits never
+        meet the others'. Store calls only on rank 0, on this failure path; "" when nothing says so."""
+        late: list[int] = []
+        if self.rank == 0 and self.complete:
+            asks = self._in(group, "asks")
+            if self._store.check([asks]):  # type: ignore[attr-defined]
+                late = sorted({int(line.split()[0]) for line in bytes(self._store.get(asks)).decode().splitlines()})  # type: ignore[attr-defined]
+        with _AGREED_LOCK:
+            before = (self.rank, self.world) in _AGREED.get(self._store, ())
+            again = self._was_agreed or (self.number is None and before)
+        if not late and not again:
+            return ""
+        who = f"ranks {late} asked for a new store session after every rank had agreed one: their" if late else \
+            f"an earlier Checkpointer of this process agreed a store session as rank {self.rank}: if this rank's"
+        return (f" ({who} Checkpointer was made again (close() and a new one) on some ranks only, its commits, counted "
+                "anew, never meet the other ranks'. Make the Checkpointer again on every rank, rank 0 too, or keep the "
+                "first one on every rank.)")

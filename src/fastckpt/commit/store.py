@@ -203,8 +203,7 @@ class Channel:
     """
 
     def __init__(self, link: StoreLink, group: str, attempt: int) -> None:
-        self._link, self.group, self.attempt = link, group, attempt
-        self._digest = group_digest(group)
+        self._link, self.group, self.attempt, self._digest = link, group, attempt, group_digest(group)
         link.agreed.serves(self._digest)  # made when this rank begins the group
         self.ops = self.nbytes = 0
         self.keys: set[str] = set()
@@ -324,6 +323,10 @@ class Channel:
             for name in ("claim", "outcome", "seen"):
                 self._op(name, lambda name=name: store.delete_key(self._k(name)))
         return said
+
+    def remade(self) -> str:
+        """Rank 0, its commit failed for want of ranks: a note when a Checkpointer was made again (``session.py``)."""
+        return self._link.agreed.remade(self._digest)
 
     def removed(self) -> bool:
         """Whether ``remove()`` cancelled this attempt (on any rank)."""
