@@ -936,3 +936,42 @@ def test_ls_lists_a_group_being_removed_once(tmp_path, monkeypatch, races: str) 
     assert sorted(names) == ["step-1", "step-2", "step-3"], d["checkpoints"]
     if races == "once":
         assert {e["name"]: e["status"] for e in d["checkpoints"]}["step-1"] == "incomplete"
+
+
+def test_ls_never_reports_a_checkpoint_retention_removes_as_damaged(tmp_path, monkeypatch) -> None:
+    """ls checks each complete checkpoint's files after its looks; a job (keep_persistent=2)
+    committing step-3 just as ls sized step-1's files removed step-1, and ls listed it complete
+    with "a.pt, b.pt missing or not the committed size" (a false damage report). Gone, not damaged."""
+    import fastckpt.cli._discovery as discovery
+
+    home, ck = _groups(tmp_path, 2, keep_persistent=2)
+    real, saved = discovery._sizes, []
+
+    def sizes(h, paths):  # noqa: ANN001, ANN202
+        if not saved and any("/step-1/" in p for p in paths):  # step-1's manifest read, its files not yet
+            saved.append(3)
+            save_group(ck, f"{home}/step-3", 3)
+        return real(h, paths)
+
+    monkeypatch.setattr(discovery, "_sizes", sizes)
+    try:
+        d = json.loads(run("ls", home, "--json").stdout)
+    finally:
+        ck.close()
+    assert saved == [3] and not os.path.exists(f"{home}/step-1")
+    assert [e["problem"] for e in d["checkpoints"]] == [None] * len(d["checkpoints"]), d["checkpoints"]
+
+
+def test_ls_of_a_checkpoint_file_url_looks_once(tmp_path, monkeypatch) -> None:
+    """Under a checkpoint object's own URL nothing is listed while ``latest`` names the file: the
+    looks never agreed, and ls made every request three times before saying "is a file"."""
+    import fastckpt.cli._discovery as discovery
+
+    run_url, looks = f"memory://fastckpt-{uuid.uuid4().hex[:8]}/run", []
+    with fastckpt.Checkpointer(local_dir=str(tmp_path / "bb"), overhead_budget=0.99) as ck:
+        for s in (1, 2):
+            ck.save(state(s), f"{run_url}/step-{s}.pt")
+    real = discovery._looks
+    monkeypatch.setattr(discovery, "_looks", lambda *a: looks.append(1) or real(*a))
+    r = run("ls", f"{run_url}/step-2.pt")
+    assert r.exit_code == 1 and "is a file" in r.stderr and len(looks) == 1, (r.output, looks)

@@ -102,6 +102,18 @@ def test_only_a_kill_between_the_manifest_and_the_tracker_leaves_the_tracker_beh
     assert killed["manifest"]["iter3"]["type"] == "IncompleteCheckpointError"
 
 
+def test_the_drills_restore_probe_restores_a_megatron_iteration(killed) -> None:
+    """``fastckpt drill -- <megatron job>``'s probe loaded every file of the newest iteration with
+    ``load``, megatron's metadata.json too (a framework's file: JSON), and called every intact
+    iteration corrupt. It checks such a file whole against the group's checksum, as verify does."""
+    d = killed["manifest"]["dir"]
+    r = subprocess.run([sys.executable, "-m", "fastckpt.cli.drill_job", "--probe", "--dir", d],
+                       capture_output=True, text=True, timeout=LINE_TIMEOUT_S)
+    restored = next(e for e in map(json.loads, filter(None, r.stdout.splitlines())) if e.get("ev") == "restored")
+    assert r.returncode == 0 and restored["corrupt"] is False and restored["error"] is None, (restored, r.stderr)
+    assert restored["path"] == os.path.join(d, "iter_0000002")
+
+
 # ------------------------------------------------------------------------ saving into a committed iteration
 @pytest.fixture(scope="module")
 def resaved(tmp_path_factory) -> tuple[str, dict]:

@@ -78,7 +78,7 @@ def _published(h: Homes, spec: FileSpec) -> FileSpec | str | None:
         return None
 
 
-def _check_whole(h: Homes, spec: FileSpec, on_bytes=None) -> str | None:  # noqa: ANN001
+def check_whole(h: Homes, spec: FileSpec, on_bytes=None) -> str | None:  # noqa: ANN001
     """A framework's file of a group (``FRAMEWORK_FILES``): its whole bytes against the checksum
     the group's manifest records, as the framework's loader checks it."""
     loc = h.resolve(spec.path)
@@ -98,7 +98,7 @@ def _check_whole(h: Homes, spec: FileSpec, on_bytes=None) -> str | None:  # noqa
 
 def _check(h: Homes, spec: FileSpec, on_bytes=None) -> str | None:  # noqa: ANN001
     if spec.whole:
-        return _check_whole(h, spec, on_bytes)
+        return check_whole(h, spec, on_bytes)
     try:
         size, covered, own = file_covered(h, spec)
     except OSError as exc:

@@ -286,7 +286,7 @@ def list_checkpoints(root: str, storage_options: dict | None = None, local_dir: 
             entries, newest, passed = _looks(h, loc, root, storage_options)
             whole = {e.path.rstrip("/") for e in entries if e.status in WHOLE}
             odd = [e for e in entries if e.status not in WHOLE and e.path.rstrip("/") in whole]
-            if not odd and (newest is None or newest.rstrip("/") in whole):
+            if not entries or (not odd and (newest is None or newest.rstrip("/") in whole)):  # (none: a file's URL)
                 break
         entries = [e for e in entries if e not in odd]  # still not: one row a path (its complete one), and
         newest = newest if newest is not None and newest.rstrip("/") in whole else None  # latest a whole one
@@ -338,8 +338,8 @@ def missing_files(h: Homes, path: str) -> list[str]:
         try:
             if not out or checkpoint_files(h, path)[1] == m:
                 return out
-        except FastCkptError:
-            return out
+        except FastCkptError as exc:  # NotFastckpt: removed (retention) or re-saved by megatron meanwhile: gone
+            return [] if isinstance(exc, NotFastckpt) else out  # not damaged
     return out
 
 

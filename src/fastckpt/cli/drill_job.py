@@ -35,6 +35,7 @@ import torch
 import fastckpt
 from fastckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, FastCkptError, IncompleteCheckpointError
 
+from ._checkfile import check_whole
 from ._common import parse_duration, parse_size
 from ._discovery import NotFastckpt, checkpoint_files, homes, step_of
 
@@ -99,10 +100,15 @@ def restore(ck: fastckpt.Checkpointer, home: str, base: Callable[[], dict[str, l
         h = homes(opts)
         try:
             files, manifest = checkpoint_files(h, path)
+            for spec in files:
+                if spec.whole:  # a framework's own file (megatron's metadata.json): read whole and checked
+                    if (why := check_whole(h, spec)) is not None:  # against the group's checksum, as verify does
+                        raise CorruptCheckpointError(f"{spec.path}: {why}")
+                    continue
+                loaded[spec.path.rsplit("/", 1)[-1]] = ck.load(spec.path, map_location="cpu",
+                                                               weights_only=weights_only)
         finally:
             h.close()
-        for spec in files:
-            loaded[spec.path.rsplit("/", 1)[-1]] = ck.load(spec.path, map_location="cpu", weights_only=weights_only)
     except (pickle.UnpicklingError, ImportError, AttributeError) as exc:  # verified intact: the probe cannot
         say("loaded", t=time.time(), path=path)                            # rebuild an object it holds
         say("restored", step=None, path=path, source=None, verified=False, corrupt=False, error=(
