@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from fastckpt.commit import protocol as _protocol
 from fastckpt.commit.names import FRAMEWORK_FILES, framework_files
-from fastckpt.commit.protocol import GROUP_MANIFEST, group_order
+from fastckpt.commit.order import group_order, holds
+from fastckpt.commit.protocol import GROUP_MANIFEST
 from fastckpt.errors import IncompleteCheckpointError
 from fastckpt.exits import after_flush
 from fastckpt.format.checksum import BLOCK_BYTES, block_digest, checksum_bytes, combine
@@ -36,6 +37,6 @@ def incomplete_group_error(group: str, world_size: int | None) -> IncompleteChec
 
 __all__ = [
     "BLOCK_BYTES", "FRAMEWORK_FILES", "GROUP_MANIFEST", "after_flush", "block_digest", "checksum_bytes", "combine",
-    "framework_files", "group_order", "incomplete_group_error", "is_url", "latest_name", "normalize", "parse_tail",
-    "publish_bytes", "read_group_manifest", "sweep_once",
+    "framework_files", "group_order", "holds", "incomplete_group_error", "is_url", "latest_name", "normalize",
+    "parse_tail", "publish_bytes", "read_group_manifest", "sweep_once",
 ]

@@ -27,7 +27,7 @@ from fastckpt.errors import CheckpointNotFoundError, ConfigError, IncompleteChec
 from fastckpt.io.ops import FileOps
 
 from .common import BACKEND
-from .compat import GROUP_MANIFEST, group_order, latest_name, publish_bytes, read_group_manifest, sweep_once
+from .compat import GROUP_MANIFEST, group_order, holds, latest_name, publish_bytes, read_group_manifest, sweep_once
 from .inplace import restore, saved_by
 
 log = logging.getLogger("fastckpt.megatron")
@@ -118,7 +118,10 @@ def advance_tracker(save_dir: str, iteration: int | str, *, ops: FileOps | None 
     Returns:
         Whether the tracker was written: not when that checkpoint is not complete, nor when
         the tracker was written for a commit made after this one (commits that finish out of
-        order). A lower number than the tracker's is written (a rollback saves one).
+        order), each with a WARNING. A lower number than the tracker's is written (a rollback
+        saves one). "After" is the rule of fastckpt's ``latest`` pointer: a commit dated more
+        than a minute after this host's clock (a previous run's, on a clock that ran ahead) holds
+        neither.
 
     Raises:
         ConfigError: ``save_dir`` is a file (before, a warning called the checkpoint incomplete).
@@ -132,7 +135,10 @@ def advance_tracker(save_dir: str, iteration: int | str, *, ops: FileOps | None 
     order = group_order(manifest)
     with _lock:
         last = _recorded(save_dir)
-        if last is not None and last > order:
+        if last is not None and holds(last, order):
+            log.warning("fastckpt: not pointing %s at iteration %s: it was written for a commit made after this one "
+                        "(commits that finished out of order, or that host's clock ran up to a minute ahead of this "
+                        "one's); it names %s", os.path.join(save_dir, TRACKER), iteration, read_tracker(save_dir))
             return False
         _write(save_dir, iteration, order, ops or FileOps())
     return True
@@ -213,12 +219,13 @@ def sync_tracker(save_dir: str, *, load_iteration: int | None = None, ops: FileO
     last, current, newest = _recorded(save_dir), read_tracker(save_dir), _committed_last(save_dir)
     if newest is not None:
         it, order = newest
-        why = None
-        if current != it and (last is None or last < order):
+        # the record is of an older commit (or of one a clock that ran ahead dated: ``holds``)
+        behind, why = last is None or (last != order and not holds(last, order)), None
+        if current != it and behind:
             why = f"iteration {it} was committed after the tracker was last written (a kill between the two)"
         elif current is not None and current != it and _incomplete(save_dir, current):
             why = f"iteration {current} is not a complete checkpoint"
-        if why is not None or (current == it and (last is None or last < order)):
+        if why is not None or (current == it and behind):
             try:
                 with _lock:  # (the tracker already right: only its record was not written yet)
                     _write(save_dir, it, order, ops, tracker=why is not None)

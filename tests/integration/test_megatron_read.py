@@ -4,6 +4,7 @@ the tracker, and the resharding arithmetic."""
 from __future__ import annotations
 
 import errno
+import json
 import os
 import re
 import shutil
@@ -18,9 +19,12 @@ pytest.importorskip("megatron.core")
 
 import fastckpt  # noqa: E402
 from fastckpt import CorruptCheckpointError  # noqa: E402
+from fastckpt.commit import protocol as P  # noqa: E402
+from fastckpt.commit.order import AHEAD_S  # noqa: E402
 from fastckpt.integrations import megatron as fm  # noqa: E402
 from fastckpt.integrations._megatron.layout import Box, SavedTensor, byte_range, shard_view  # noqa: E402
 from fastckpt.integrations._megatron.read import VerifiedFile  # noqa: E402
+from fastckpt.io.atomic import publish_bytes  # noqa: E402
 from fastckpt.io.ops import FileOps  # noqa: E402
 
 MiB = 1 << 20
@@ -364,3 +368,41 @@ def test_box_intersections() -> None:
     assert a.intersect(Box((2, 4), (4, 8))) == Box((2, 4), (2, 4))
     assert a.intersect(Box((4, 0), (4, 8))) is None
     assert str(a) == "[0:4, 0:8]"
+
+
+def _dated_ahead(group: str, ahead_s: float) -> None:
+    """Date a group's commit as a node whose clock ran ``ahead_s`` ahead of this one's did."""
+    path = os.path.join(group, P.GROUP_MANIFEST)
+    with open(path) as f:
+        manifest = json.load(f)
+    manifest["requested_at"] += ahead_s
+    publish_bytes(FileOps(), path, P.manifest_bytes(manifest))
+
+
+@pytest.mark.parametrize("ahead_s", [600.0, 30.0])
+@pytest.mark.parametrize("after", ["finalize", "kill"])
+def test_a_tracker_a_clock_that_ran_ahead_wrote_moves_on_as_latest_does(tmp_path, caplog, ahead_s, after) -> None:
+    """The previous run's clock ran ahead (or this host's is behind): the tracker's record of
+    iteration 2 is dated after every commit of this run. advance_tracker refused each of them
+    without a word and sync_tracker kept 2, while fastckpt.latest moved on: Megatron-LM resumed
+    from 2. Both follow the pointer's rule now (a commit dated more than a minute ahead of this
+    host's clock holds neither); within that minute the tracker stays, as the pointer does."""
+    root = str(tmp_path)
+    _group(root, 1)
+    fm.advance_tracker(root, 1)
+    _dated_ahead(_group(root, 2), ahead_s)  # committed by the previous run, on the skewed node
+    assert fm.advance_tracker(root, 2) is True
+    _group(root, 3)  # this run, on a host with the right time
+    moves = ahead_s > AHEAD_S
+    assert fastckpt.latest(root) == os.path.join(root, "iter_0000003" if moves else "iter_0000002")
+    with caplog.at_level("WARNING", logger="fastckpt.megatron"):
+        if after == "finalize":  # Megatron-LM's finalize step
+            assert fm.advance_tracker(root, 3) is moves
+            assert fm.read_tracker(root) == (3 if moves else 2) == fm.sync_tracker(root)
+        else:  # killed before its finalize: the restart's sync_tracker
+            assert fm.sync_tracker(root) == (3 if moves else 2) == fm.read_tracker(root)
+    assert fm.newest_complete_iteration(root) == fm.read_tracker(root)
+    declined = [r for r in caplog.records if "not pointing" in r.getMessage() and r.levelname == "WARNING"]
+    assert len(declined) == (1 if after == "finalize" and not moves else 0)
+    _group(root, 4)
+    assert fm.advance_tracker(root, 4) is moves  # (within the minute: still held, as latest is)

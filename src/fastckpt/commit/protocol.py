@@ -30,6 +30,7 @@ from ..storage.homes import Location
 from ..storage.places import Place
 from ..storage.types import TargetNotFoundError
 from .names import GROUP_MANIFEST, LATEST, MARKER_DIR, SIDECAR, stays_inside
+from .order import group_order, holds
 
 ATTEMPT_NAME = "attempt.json"  # without a store: the attempt rank 0 started, in MARKER_DIR
 ATTEMPT = f"{MARKER_DIR}/{ATTEMPT_NAME}"
@@ -100,15 +101,6 @@ def read_record(place: Place, rel: str) -> dict | None:
         return None
 
 
-def group_order(manifest: dict) -> float:
-    """When a group was committed, for ordering: rank 0's ``commit`` call, else its publish.
-
-    Commits overlap (step N may wait for a slow rank while step N+1 completes), so the time of
-    publication does not follow the order of the steps; the time of the request does.
-    """
-    return float(manifest.get("requested_at", manifest.get("committed_at", 0.0)))
-
-
 def read_group_manifest(place: Place) -> dict | None:
     try:
         data = place.get(GROUP_MANIFEST)
@@ -169,19 +161,16 @@ def pointed_name(parent: Place) -> str | None:
     return found[0] if found is not None else None
 
 
-AHEAD_S = 60.0  # a checkpoint dated this far ahead of the clock now was dated by a clock that ran ahead
-
-
 def move_pointer(parent: Place, name: str, order: float) -> bool:
     """Point ``parent/latest`` at ``name`` (just published, of the given order); only forward.
 
     Called after the checkpoint's publication (manifest or sidecar), so the pointer never names
     a partial checkpoint. Returns whether it moved (it stays when it names a newer checkpoint,
-    unless that one is dated more than ``AHEAD_S`` after this host's clock: a skewed node wrote it).
+    unless that one is dated more than ``AHEAD_S`` after this host's clock: ``order.holds``).
     """
     with _latest_lock, parent.exclusive():  # another process may move it too: docs/groups.md
         found = _pointed(parent)
-        if found is not None and order < found[1] <= time.time() + AHEAD_S:
+        if found is not None and holds(found[1], order):
             return False
         parent.put(LATEST, name.encode())
         return True
