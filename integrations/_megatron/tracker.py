@@ -23,7 +23,7 @@ import re
 import stat
 import threading
 
-from fastckpt.errors import CheckpointNotFoundError, ConfigError, IncompleteCheckpointError
+from fastckpt.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, IncompleteCheckpointError
 from fastckpt.io.ops import FileOps
 
 from .common import BACKEND
@@ -81,9 +81,20 @@ def read_tracker(save_dir: str) -> int | str | None:
     return int(text) if text.isdigit() else None
 
 
+def _manifest(save_dir: str, iteration: int | str) -> dict | None:
+    """The iteration's group manifest; None when it is not published, or damaged (it does not
+    parse): as for ``fastckpt.latest``, that checkpoint is not complete, and a WARNING names it.
+    (Raised, it stopped the patched Megatron-LM's start whichever iteration it was to load.)"""
+    try:
+        return read_group_manifest(_group_of(save_dir, iteration))
+    except CorruptCheckpointError as exc:
+        log.warning("fastckpt: taking iteration %s as not complete: %s", iteration, exc)
+        return None
+
+
 def is_complete(save_dir: str, iteration: int | str) -> bool:
-    """True once the iteration's group manifest exists (every rank's files are durable)."""
-    return read_group_manifest(_group_of(save_dir, iteration)) is not None
+    """True once the iteration's group manifest exists (every rank's files are durable) and parses."""
+    return _manifest(save_dir, iteration) is not None
 
 
 def _recorded(save_dir: str) -> float | None:
@@ -127,7 +138,7 @@ def advance_tracker(save_dir: str, iteration: int | str, *, ops: FileOps | None 
         ConfigError: ``save_dir`` is a file (before, a warning called the checkpoint incomplete).
     """
     _not_a_file(save_dir)
-    manifest = read_group_manifest(_group_of(save_dir, iteration))
+    manifest = _manifest(save_dir, iteration)
     if manifest is None:
         log.warning("fastckpt: not pointing %s at iteration %s: that checkpoint is not complete",
                     os.path.join(save_dir, TRACKER), iteration)
@@ -149,7 +160,7 @@ def _committed_last(save_dir: str) -> tuple[int | str, float] | None:
     ``latest`` pointer names, else (no usable pointer) the newest a scan finds."""
     pointed = latest_name(save_dir)
     it = iteration_of(pointed) if pointed is not None else None
-    manifest = read_group_manifest(_group_of(save_dir, it)) if it is not None else None
+    manifest = _manifest(save_dir, it) if it is not None else None
     if it is not None and manifest is not None:
         return it, group_order(manifest)
     try:
@@ -157,7 +168,7 @@ def _committed_last(save_dir: str) -> tuple[int | str, float] | None:
     except FileNotFoundError:
         return None
     found = [(it, group_order(m)) for n in names if (it := iteration_of(n)) is not None
-             and (m := read_group_manifest(_group_of(save_dir, it))) is not None]
+             and (m := _manifest(save_dir, it)) is not None]
     return max(found, key=lambda f: f[1], default=None)
 
 
@@ -208,8 +219,13 @@ def sync_tracker(save_dir: str, *, load_iteration: int | None = None, ops: FileO
     ``load_iteration`` (Megatron-LM's ``--ckpt-step``), where a save into that committed
     iteration was killed (``_megatron.inplace``).
 
+    An iteration whose group manifest is damaged is not complete (a WARNING names it), so the
+    tracker moves off it; only the iteration to be loaded (``load_iteration``, else the one the
+    tracker names) fails the call with its own damage.
+
     Raises:
         ConfigError: ``save_dir`` is a file (a directory that does not exist names nothing: None).
+        CorruptCheckpointError: the iteration to be loaded cannot be: its note names the fix.
     """
     _not_a_file(save_dir)
     ops = ops or FileOps()
@@ -243,9 +259,18 @@ def sync_tracker(save_dir: str, *, load_iteration: int | None = None, ops: FileO
         if why is not None:
             log.warning("fastckpt: %s named %s, now %s: %s", os.path.join(save_dir, TRACKER), current, it, why)
             current = it
+    loads = current if load_iteration is None else load_iteration
     for it in {current, load_iteration} - {None}:
         try:
             restore(_group_of(save_dir, it), ops)  # type: ignore[arg-type]
+        except CorruptCheckpointError as exc:  # its own damage fails its load, never another iteration's
+            if it != loads:
+                log.warning("fastckpt: %s (not the iteration loaded now, %s)", exc, loads)
+                continue
+            have = f"the newest is {newest[0]}" if newest is not None else f"{save_dir} holds none"
+            exc.add_note(f"Iteration {it} cannot be loaded: load an earlier checkpoint, with --ckpt-step N for a "
+                         f"complete iteration N ({have}).")
+            raise
         except OSError as exc:  # read-only: the load reads the committed files (the index names them), not these
             if exc.errno not in _READ_ONLY:
                 raise

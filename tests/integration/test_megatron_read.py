@@ -406,3 +406,30 @@ def test_a_tracker_a_clock_that_ran_ahead_wrote_moves_on_as_latest_does(tmp_path
     assert len(declined) == (1 if after == "finalize" and not moves else 0)
     _group(root, 4)
     assert fm.advance_tracker(root, 4) is moves  # (within the minute: still held, as latest is)
+
+
+def test_a_damaged_group_manifest_is_an_incomplete_iteration_that_fails_only_its_own_load(tmp_path, caplog) -> None:
+    """A group manifest cut short (bit rot, a partial copy) in any iteration made sync_tracker
+    raise CorruptCheckpointError naming no fix: the patched Megatron-LM could not start at all,
+    even with --ckpt-step for an intact iteration. It is not complete now, as for fastckpt.latest."""
+    root = str(tmp_path)
+    for it in (1, 2):
+        _group(root, it)
+        fm.advance_tracker(root, it)
+    damaged = os.path.join(root, "iter_0000002", P.GROUP_MANIFEST)
+    with open(damaged) as f:
+        text = f.read()
+    with open(damaged, "w") as f:
+        f.write(text[: len(text) // 2])
+    with caplog.at_level("WARNING", logger="fastckpt.megatron"):
+        assert fm.sync_tracker(root, load_iteration=1) == 1 == fm.read_tracker(root)  # --ckpt-step 1
+    said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any(damaged in m and "does not parse" in m for m in said)
+    assert any("named 2, now 1: iteration 2 is not a complete checkpoint" in m for m in said)
+    assert fm.sync_tracker(root) == 1 == fm.newest_complete_iteration(root)
+    assert fastckpt.latest(root) == os.path.join(root, "iter_0000001")
+    assert fm.advance_tracker(root, 2) is False
+    with pytest.raises(CorruptCheckpointError, match="does not parse") as raised:  # --ckpt-step 2: its own damage
+        fm.sync_tracker(root, load_iteration=2)
+    assert "load an earlier checkpoint, with --ckpt-step N" in str(raised.value.__notes__)
+    assert "the newest is 1" in str(raised.value.__notes__)
