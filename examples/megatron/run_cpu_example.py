@@ -163,7 +163,7 @@ def main() -> None:
     print(f"[rank {rank}] load: {report.bytes_read / 1e6:.1f} MB read for {report.bytes_needed / 1e6:.1f} MB "
           f"needed from {report.files} files in {report.seconds:.3f} s", flush=True)
     stats = ck.stats()
-    print(f"[rank {rank}] overhead: {stats.overhead:.2%} of wall time over {stats.saves} file saves "
+    print(f"[rank {rank}] overhead: {stats.overhead:.2%} of wall time over {stats.saves} checkpoints saved "
           f"(budget 2%; blocked {stats.blocked_s:.3f} s)", flush=True)
 
     # iteration 2 again, resharded: one rank, tensor parallelism 1
