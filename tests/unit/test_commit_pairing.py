@@ -121,6 +121,51 @@ def test_a_commit_made_again_on_one_rank_never_publishes_a_mix_and_the_ranks_pai
         close_all(cks)
 
 
+def test_a_rank_behind_with_nothing_to_save_that_commits_before_its_retry_ends_pairs_again(
+        tmp_path: Path, store: object | None) -> None:
+    """Rank 1 saves nothing into ``last`` (rank 0 writes it) and commits every step; it commits
+    step 1 again alone, then step 2 without waiting for that retry (commits are asynchronous).
+    Before: its step-2 commit was read as not behind before the retry's refusal was known, ran
+    as an attempt of its own (with a store: the no-store protocol, a commit_timeout_s wait blaming
+    rank 0), and steps 3-5 failed on both ranks, rank 0 then refused as "behind". Its step-2
+    commit now fails at once, and every later step publishes."""
+    g = tmp_path / "last"
+    cks = [_ck(r, store, timeout_s=20) for r in (0, 1)]
+    outcomes: list[list] = [[], []]
+
+    def wait(rank: int, handle) -> None:  # noqa: ANN001
+        try:
+            outcomes[rank].append(handle.wait(QUICK_S))
+        except FastCkptError as exc:
+            outcomes[rank].append(exc)
+
+    def rank0() -> None:
+        for s in range(1, 6):
+            cks[0].save({"step": s}, str(g / "r0.pt"), group=str(g))
+            wait(0, cks[0].commit(str(g), step=s))
+
+    def rank1() -> None:
+        wait(1, cks[1].commit(str(g), step=1))
+        retry, nxt = cks[1].commit(str(g), step=1), cks[1].commit(str(g), step=2)
+        wait(1, retry)
+        wait(1, nxt)
+        for s in range(3, 6):
+            wait(1, cks[1].commit(str(g), step=s))
+
+    threads = [threading.Thread(target=f) for f in (rank0, rank1)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert isinstance(outcomes[1][2], ConfigError) and "with no attempt begun" in str(outcomes[1][2])
+        assert [type(o).__name__ for o in outcomes[0][2:]] == ["SaveRecord"] * 3, outcomes[0]  # steps 3-5
+        assert [type(o).__name__ for o in outcomes[1][3:]] == ["SaveRecord"] * 3, outcomes[1]
+        _whole(g, 5, savers=(0,))
+    finally:
+        close_all(cks)
+
+
 def test_ranks_that_commit_different_steps_publish_nothing_and_say_which(tmp_path: Path,
                                                                         store: object | None) -> None:
     # Before: published with rank 0's step, silently.

@@ -254,6 +254,10 @@ class Coordinator:
                finish: Callable[[SaveRecord], SaveRecord] = lambda r: r, move_latest: bool = True) -> Future:
         with self._lock:
             att = self._open.pop(group, None)
+            prev = self._running.get(group) if att is None else None
+        if prev is not None:  # saved nothing since: its previous commit (``begin`` waits for it anyway) says
+            prev[1].exception()  # whether this rank is behind (a saving rank's first save waited for it)
+        with self._lock:
             missing = self._missing.pop(group, None)
             behind = group in self._behind
             self._behind.discard(group)
