@@ -155,19 +155,19 @@ def advance_tracker(save_dir: str, iteration: int | str, *, ops: FileOps | None 
     return True
 
 
-def _committed_last(save_dir: str) -> tuple[int | str, float] | None:
-    """The complete iteration committed last and its ``group_order``: the one fastckpt's
-    ``latest`` pointer names, else (no usable pointer) the newest a scan finds."""
+def _committed_last(save_dir: str) -> tuple[int | str, float, bool] | None:
+    """The complete iteration committed last, its ``group_order``, and whether fastckpt's
+    ``latest`` pointer names it (else, no usable pointer, it is the newest a scan finds)."""
     pointed = latest_name(save_dir)
     it = iteration_of(pointed) if pointed is not None else None
     manifest = _manifest(save_dir, it) if it is not None else None
     if it is not None and manifest is not None:
-        return it, group_order(manifest)
+        return it, group_order(manifest), True
     try:
         names = os.listdir(save_dir)
     except FileNotFoundError:
         return None
-    found = [(it, group_order(m)) for n in names if (it := iteration_of(n)) is not None
+    found = [(it, group_order(m), False) for n in names if (it := iteration_of(n)) is not None
              and (m := _manifest(save_dir, it)) is not None]
     return max(found, key=lambda f: f[1], default=None)
 
@@ -234,9 +234,11 @@ def sync_tracker(save_dir: str, *, load_iteration: int | None = None, ops: FileO
     # tracker and another rank's new record took the tracker for a user's edit and kept it.
     last, current, newest = _recorded(save_dir), read_tracker(save_dir), _committed_last(save_dir)
     if newest is not None:
-        it, order = newest
-        # the record is of an older commit (or of one a clock that ran ahead dated: ``holds``)
-        behind, why = last is None or (last != order and not holds(last, order)), None
+        it, order, pointed = newest
+        # The record is of another commit than the one the pointer names (it moves forward only, by
+        # ``holds`` at the commit: a record a clock that ran ahead dated is behind it too), or, by a
+        # scan, of an older one. No rank's clock decides: every rank reaches the same answer.
+        behind, why = last is None or (last != order and (pointed or last < order)), None
         if current != it and behind:
             why = f"iteration {it} was committed after the tracker was last written (a kill between the two)"
         elif current is not None and current != it and _incomplete(save_dir, current):

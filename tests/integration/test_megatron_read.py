@@ -10,7 +10,9 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -406,6 +408,25 @@ def test_a_tracker_a_clock_that_ran_ahead_wrote_moves_on_as_latest_does(tmp_path
     assert len(declined) == (1 if after == "finalize" and not moves else 0)
     _group(root, 4)
     assert fm.advance_tracker(root, 4) is moves  # (within the minute: still held, as latest is)
+
+
+def test_every_rank_syncs_the_tracker_to_one_iteration_whatever_its_clock(tmp_path, monkeypatch) -> None:
+    """sync_tracker runs on every rank. Iteration 2 was committed on a node whose clock ran 600 s
+    ahead; this run committed 3 (the pointer moved) and was killed before its tracker write. A
+    rank on the skewed node kept 2 while one on a right clock moved to 3: two ranks of one job
+    resumed different iterations. The pointer decides, not the rank's clock."""
+    from fastckpt.commit import order
+
+    root = str(tmp_path)
+    _dated_ahead(_group(root, 2), 600.0)
+    assert fm.advance_tracker(root, 2) is True
+    _group(root, 3)
+    assert fastckpt.latest(root) == os.path.join(root, "iter_0000003") and fm.read_tracker(root) == 2
+    real = time.time
+    monkeypatch.setattr(order, "time", SimpleNamespace(time=lambda: real() + 600.0))  # the skewed node
+    on_skewed = fm.sync_tracker(root)
+    monkeypatch.setattr(order, "time", time)
+    assert on_skewed == fm.sync_tracker(root) == 3 == fm.read_tracker(root)
 
 
 def test_a_damaged_group_manifest_is_an_incomplete_iteration_that_fails_only_its_own_load(tmp_path, caplog) -> None:
