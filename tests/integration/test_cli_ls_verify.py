@@ -975,3 +975,27 @@ def test_ls_of_a_checkpoint_file_url_looks_once(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(discovery, "_looks", lambda *a: looks.append(1) or real(*a))
     r = run("ls", f"{run_url}/step-2.pt")
     assert r.exit_code == 1 and "is a file" in r.stderr and len(looks) == 1, (r.output, looks)
+
+
+def test_latest_never_names_a_checkpoint_removed_while_its_files_are_sized(tmp_path, monkeypatch) -> None:
+    """The newest group lost a file, so `fastckpt latest` checks the one before; retention removed
+    that one while its files were sized, and (7512ff9 taking "removed" for "no file missing")
+    `fastckpt latest` printed its path, which no longer existed."""
+    import shutil
+
+    import fastckpt.cli._discovery as discovery
+
+    home, ck = _groups(tmp_path, 2)
+    ck.close()
+    os.remove(f"{home}/step-2/a.pt")
+    real = discovery._sizes
+
+    def sizes(h, paths):  # noqa: ANN001, ANN202
+        if any("/step-1/" in p for p in paths) and os.path.isdir(f"{home}/step-1"):
+            shutil.rmtree(f"{home}/step-1")  # the job's retention, at that moment
+        return real(h, paths)
+
+    monkeypatch.setattr(discovery, "_sizes", sizes)
+    r = run("latest", home)
+    assert r.exit_code == 1 and r.stdout == "", r.output
+    assert f"passing over {home}/step-2" in r.stderr and "step-1" not in r.stderr, r.stderr

@@ -324,9 +324,9 @@ def _looks(h: Homes, loc: Location, root: str, storage_options: dict | None
     return entries, *whole_latest(h, root, latest(root, storage_options))
 
 
-def missing_files(h: Homes, path: str) -> list[str]:
+def missing_files(h: Homes, path: str) -> list[str] | None:
     """The files of ``path`` that are not there as committed (none for a checkpoint written
-    without fastckpt: it records no sizes)."""
+    without fastckpt: it records no sizes); None: it was removed while they were looked at."""
     out: list[str] = []
     for _ in range(RECHECKS):  # a checkpoint saved again while its files were looked at: look again
         try:
@@ -339,7 +339,7 @@ def missing_files(h: Homes, path: str) -> list[str]:
             if not out or checkpoint_files(h, path)[1] == m:
                 return out
         except FastCkptError as exc:  # NotFastckpt: removed (retention) or re-saved by megatron meanwhile: gone
-            return [] if isinstance(exc, NotFastckpt) else out  # not damaged
+            return None if isinstance(exc, NotFastckpt) else out  # not damaged, and no longer there to name
     return out
 
 
@@ -348,13 +348,11 @@ def whole_latest(h: Homes, root: str, found: str | None) -> tuple[str | None, li
     is missing or not its committed size (a resume would fail to load it): then the newest
     older checkpoint whose files are all there. Also what was passed over, with its files."""
     passed: list[tuple[str, list[str]]] = []
-    if found is None or not (gone := missing_files(h, found)):
+    if found is None or (gone := missing_files(h, found)) == []:
         return found, passed
-    passed.append((found, gone))
+    passed += [(found, gone)] if gone else []  # (None: removed meanwhile, not damaged: never named)
     for f in reversed(scan(h.resolve(normalize(root)))):
-        if f.path == found:
-            continue
-        if not (gone := missing_files(h, f.path)):
+        if f.path != found and (gone := missing_files(h, f.path)) == []:
             return f.path, passed
-        passed.append((f.path, gone))
+        passed += [(f.path, gone)] if gone and f.path != found else []
     return None, passed
