@@ -105,3 +105,79 @@ def test_a_group_published_without_its_latest_is_not_reported_committed(tmp_path
     said = _launch(str(tmp_path / "step-2"), "end before latest", 2.0)
     assert said.startswith("StoreError:") and "not committed" in said, said
     assert fastckpt.latest(str(tmp_path)) == str(tmp_path / "step-1")
+
+
+def _store_host(port_q) -> None:  # noqa: ANN001 (torchrun's agent: it hosts the store, runs no rank)
+    import threading
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, 3, True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
+    port_q.put(store.port)
+    threading.Event().wait()  # until SIGKILLed
+
+
+def _agent_rank(rank: int, port: int, run: str, opts: dict, nvme: str, published, host_dead, out) -> None:  # noqa: ANN001
+    import torch
+    import torch.distributed as dist
+
+    from fastckpt.commit import protocol
+
+    move = protocol.move_pointer
+
+    def moved_then_host_killed(parent, name, order):  # noqa: ANN001, ANN202
+        done = move(parent, name, order)
+        if name == "step2":  # published, latest names it: now the store's host dies
+            published.set()
+            host_dead.wait(120)
+        return done
+
+    protocol.move_pointer = moved_then_host_killed
+    store = dist.TCPStore("127.0.0.1", port, 3, False, timeout=datetime.timedelta(seconds=20))
+    ck = fastckpt.Checkpointer(rank=rank, world_size=2, store=store, local_dir=nvme, storage_options=opts,
+                               commit_timeout_s=20, overhead_budget=0.99)
+    said = {}
+    for step in (1, 2):
+        g = f"{run}/step{step}"
+        ck.save({"w": torch.full((1 << 12,), float(step * 10 + rank))}, f"{g}/rank{rank}.pt", group=g)
+        try:
+            ck.commit(g, step=step).wait(60)
+            said[step] = "ok"
+        except Exception as exc:  # noqa: BLE001 (reported to the test)
+            said[step] = f"{type(exc).__name__}: {exc}"
+    out.put((rank, said))
+    out.close()
+    out.join_thread()  # flushed before the exit below
+    os._exit(0)  # close() would wait on the dead store
+
+
+def test_rank_0_reports_a_group_committed_when_the_agents_store_dies_after_it_moved_latest(s3_server, s3_bucket,
+                                                                                          tmp_path) -> None:
+    """Under torchrun the agent hosts the store. SIGKILLed right after rank 0 published a group and
+    moved ``latest`` to it, rank 0's announcement of the outcome fails: the group is committed all
+    the same (rank 1 reads it from the manifest), so rank 0 says so, with a WARNING (it raised
+    ``StoreError``, "the group stays incomplete", for the group ``latest()`` names)."""
+    ctx = mp.get_context("spawn")
+    opts = s3_server.storage_options()
+    run = f"s3://{s3_bucket}/run"
+    port_q, out, published, host_dead = ctx.Queue(), ctx.Queue(), ctx.Event(), ctx.Event()
+    host = ctx.Process(target=_store_host, args=(port_q,))
+    host.start()
+    try:
+        port = port_q.get(timeout=120)
+        ranks = [ctx.Process(target=_agent_rank, args=(r, port, run, opts, str(tmp_path / f"nvme{r}"), published,
+                                                        host_dead, out)) for r in (0, 1)]
+        for p in ranks:
+            p.start()
+        assert published.wait(180)
+        host.kill()
+        host.join(60)
+        host_dead.set()
+        said = dict(out.get(timeout=180) for _ in ranks)
+        for p in ranks:
+            p.join(60)
+    finally:
+        host.kill()
+    assert fastckpt.latest(run, storage_options=opts) == f"{run}/step2"
+    assert said == {0: {1: "ok", 2: "ok"}, 1: {1: "ok", 2: "ok"}}
+    assert [fastckpt.load(f"{run}/step2/rank{r}.pt", storage_options=opts)["w"][0].item() for r in (0, 1)] == [20, 21]

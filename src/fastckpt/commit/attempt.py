@@ -175,7 +175,12 @@ def via_store(att: Attempt, ch: S.Channel, rank: int, world: int, files: dict, s
         ch.tell(f"{S.FAILED}:checkpoint group {att.home.label} not committed: rank 0 could not publish it: {exc}")
         raise
     total = sum(f["size"] for f in manifest["files"].values())
-    ch.tell(f"{S.PUBLISHED}:{total}")
+    try:
+        ch.tell(f"{S.PUBLISHED}:{total}")
+    except S.StoreError as exc:  # published (and latest moved): the others read it from the manifest (``_verdict``)
+        log.warning("fastckpt: checkpoint group %s is published, but the torch.distributed store stopped answering "
+                    "(%s) before the other ranks were told; they learn the outcome from the group's manifest",
+                    att.home.label, exc.__cause__ or exc)
     return cleared(att, Ended(manifest, total))
 
 
