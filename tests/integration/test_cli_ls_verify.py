@@ -750,6 +750,50 @@ def test_a_single_file_cut_short_or_grown_at_a_url_is_passed_over_and_named(tmp_
     assert fastckpt.load(f"{url}/single-1.pt", storage_options=opts)["step"] == 1  # the one a resume loads
 
 
+_KILLED_BEFORE_SIDECAR = """
+import json, os, signal, sys, torch, fastckpt
+import fastckpt.save.replicator as R
+
+cfg = json.loads(sys.argv[1])
+publish, seen = R.publish_file, []
+
+def before_sidecar(loc, manifest):  # the object of the save is complete and verified at the URL
+    seen.append(loc.key)
+    if len(seen) == 2:  # the re-save's sidecar comes next
+        os.kill(os.getpid(), signal.SIGKILL)
+    publish(loc, manifest)
+
+R.publish_file = before_sidecar
+ck = fastckpt.Checkpointer(local_dir=cfg["local"], storage_options=cfg["opts"], overhead_budget=0.99)
+for step in (1, 2):  # the re-save is larger: its size does not match the sidecar either
+    ck.save({"w": torch.full((step << 16,), float(step)), "step": step}, cfg["url"]).wait()
+"""
+
+
+def test_a_resave_killed_before_its_sidecar_is_judged_by_its_object_as_load_does(tmp_path, s3_server,
+                                                                                  s3_bucket) -> None:
+    """``last.pt`` at a URL saved again, the process SIGKILLed after the new object completed and
+    before its sidecar was written: ``fastckpt.latest()`` and ``load`` take the object (its own
+    manifest verifies it, and it is a later save than the sidecar's), and so do the command line's
+    ``latest`` and ``verify`` (they judged it by the stale sidecar: "no complete checkpoint", and
+    BAD "N bytes, but M were committed")."""
+    opts = s3_server.storage_options()
+    url, o = f"s3://{s3_bucket}/run", json.dumps(opts)
+    cfg = {"local": str(tmp_path / "nvme"), "opts": opts, "url": f"{url}/last.pt"}
+    proc = subprocess.run([sys.executable, "-c", _KILLED_BEFORE_SIDECAR, json.dumps(cfg)], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    assert fastckpt.latest(url, storage_options=opts) == f"{url}/last.pt"
+    assert fastckpt.load(f"{url}/last.pt", storage_options=opts)["step"] == 2
+    r = run("latest", url, "--storage-options", o)
+    assert r.exit_code == 0 and r.stdout.strip() == f"{url}/last.pt", r.output
+    for where in (url, f"{url}/last.pt"):
+        r = run("verify", where, "--storage-options", o, "--json")
+        assert r.exit_code == 0 and json.loads(r.stdout)["bad"] == [], r.output
+    listed = json.loads(run("ls", url, "--storage-options", o, "--json").stdout)["checkpoints"]
+    assert [(e["name"], e["problem"]) for e in listed] == [("last.pt", None)]
+
+
 def test_readers_and_planners_start_without_torch(home, tmp_path) -> None:
     """The tools an operator runs by hand on a login node (ls, verify, latest, plan, report,
     serve-metrics) never import torch, which takes seconds to import: run each in a process

@@ -14,7 +14,7 @@ from ..format.checksum import checksum_bytes
 from ..storage.homes import Homes
 from ..storage.types import TargetNotFoundError
 from ._discovery import RECHECKS, group_manifest
-from ._files import FileSpec, file_covered, file_manifest, single_file
+from ._files import FileSpec, as_landed, file_covered, file_manifest, single_file
 
 MISSING = "missing"
 REPLACED = f"saved again during each of {RECHECKS} checks"
@@ -108,6 +108,7 @@ def _check(h: Homes, spec: FileSpec, on_bytes=None) -> str | None:  # noqa: ANN0
     except CorruptCheckpointError as exc:  # no manifest in its tail: cut short, if it is not the committed size
         got = file_size(h, spec)
         return f"{got} bytes, but {spec.size} were committed" if got is not None and not spec.fits(got) else str(exc)
+    spec = as_landed(h, spec, own)  # its object landed, its sidecar did not follow: judged as a load judges it
     want = own["checksum"]["value"]
     if not spec.fits(size):
         return f"{size} bytes, but {spec.size} were committed"

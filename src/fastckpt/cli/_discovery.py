@@ -26,7 +26,7 @@ from ..storage.homes import Homes, Location
 from ..storage.types import TargetNotFoundError
 from ..urls import is_url, join, mirror_path, nameable, normalize
 from ._attempts import attempted_at
-from ._files import FileSpec, file_manifest, single_file
+from ._files import FileSpec, as_landed, file_manifest, single_file
 
 STEP_KEYS = ("step", "global_step", "iteration")  # fastckpt groups, Lightning, Megatron
 CHECKS_AT_ONCE = 8  # checkpoints ls checks for missing files at once (their requests overlap at a URL)
@@ -334,7 +334,7 @@ def missing_files(h: Homes, path: str) -> list[str] | None:
         except FastCkptError:
             return []
         sizes = _sizes(h, [f.path for f in files])
-        out = [f.path for f in files if (size := sizes[f.path]) is None or not f.fits(size)]
+        out = [f.path for f in files if (n := sizes[f.path]) is None or not (f.fits(n) or as_landed(h, f).fits(n))]
         try:
             if not out or checkpoint_files(h, path)[1] == m:
                 return out

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 from ..commit.protocol import SIDECAR
 from ..errors import CorruptCheckpointError
-from ..format.manifest import committed_sizes
+from ..format.manifest import committed_sizes, file_order
+from ..load.published import landed_first
 from ..storage.homes import Homes, Location
 from ..storage.types import TargetNotFoundError
 
@@ -25,6 +26,7 @@ class FileSpec:
     group: str | None = None  # the group it is a file of (None: a single file)
     whole: bool = False  # a framework's file of the group: ``checksum`` is its whole bytes' (framework_files)
     legacy_size: int | None = None  # a single file's size had it been written before its manifest carried a sum
+    order: float | None = None  # a single file's: when the save its manifest records was requested (``file_order``)
 
     def fits(self, size: int) -> bool:
         """Whether ``size`` is the file's committed size (any size, when none is recorded)."""
@@ -35,7 +37,25 @@ def single_file(path: str, manifest: dict) -> FileSpec:
     """The single file at ``path``, published with ``manifest``. At a URL the sidecar is all that
     says what the object must hold: an object cut short or grown since is caught by its size."""
     size, legacy = committed_sizes(manifest)
-    return FileSpec(path, size, manifest["checksum"]["value"], legacy_size=legacy)
+    return FileSpec(path, size, manifest["checksum"]["value"], legacy_size=legacy, order=file_order(manifest))
+
+
+def as_landed(h: Homes, spec: FileSpec, own: dict | None = None) -> FileSpec:
+    """A single file at a URL whose object holds a later save than its sidecar published (a save
+    of the same URL killed, or failed, between its object and its sidecar): that save, as its own
+    manifest (``own``, else read from the object's tail) records it, since a load takes the object
+    (``load.published.landed_first``). Else ``spec``, also when the object's manifest cannot be read."""
+    loc = h.resolve(spec.path)
+    if spec.group is not None or spec.order is None or loc.target.mounted:
+        return spec
+    if own is None:
+        try:
+            own = loc.target.read_manifest(loc.key)
+        except (OSError, ValueError):  # missing, not answering, or no manifest in its tail: as the sidecar says
+            return spec
+    if not own or own["checksum"]["value"] == spec.checksum or not landed_first(own, spec.order):
+        return spec
+    return single_file(spec.path, own)
 
 
 def file_manifest(loc: Location) -> dict | None:

@@ -46,7 +46,7 @@ def check_published(home: Location, manifest: dict | None, deadline_s: float) ->
     if sidecar is None:  # none, damaged, or the store does not answer: it cannot say
         return
     ours = manifest["checksum"]["value"]
-    if sidecar["checksum"]["value"] == ours or file_order(manifest) >= file_order(sidecar):
+    if sidecar["checksum"]["value"] == ours or landed_first(manifest, file_order(sidecar)):
         return
     now = home.target.read_manifest(home.key)
     if (now or {}).get("checksum", {}).get("value") != ours:
@@ -61,6 +61,14 @@ def check_published(home: Location, manifest: dict | None, deadline_s: float) ->
         "this path raced and the one called first landed last (its sidecar write failed, or is still under way). "
         "Loaded what the object holds; fastckpt verify %s says whether it is whole.",
         home.url, home.url, SIDECAR, _when(manifest), ours, _when(sidecar), sidecar["checksum"]["value"], home.url)
+
+
+def landed_first(manifest: dict, published_at: float) -> bool:
+    """Whether the object whose own manifest is ``manifest`` holds a save of its URL no older than
+    the one its sidecar published (``published_at``, its ``file_order``): the object of that later
+    save landed and its sidecar did not follow (docs/faults.md). Such an object loads, judged by
+    its own manifest, and ``fastckpt latest``/``verify`` judge it so too (``cli._files.as_landed``)."""
+    return file_order(manifest) >= published_at
 
 
 def _sidecar(read: Callable[[], dict | None]) -> dict | None:
