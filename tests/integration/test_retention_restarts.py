@@ -8,6 +8,7 @@ what the earlier ones left.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -196,3 +197,36 @@ def test_a_restarted_run_trims_copies_replicated_to_s3(s3_server, s3_bucket, tmp
                 ck.save(_state(i), f"{url}/c{i}.pt").wait()
     assert sorted(n for n in os.listdir(mirror_path(str(nvme), url)) if not n.startswith(".")) == ["c3.pt"]
     assert fastckpt.load(f"{url}/c0.pt", storage_options=opts)["step"] == 0  # the bucket keeps every one
+
+
+_KILLED_STEP_RUN = """
+import json, os, signal, sys, torch, fastckpt
+cfg = json.loads(sys.argv[1])
+ck = fastckpt.Checkpointer(local_dir=cfg["nvme"], storage_options=cfg["opts"], keep_local=1, overhead_budget=0.99)
+for step in cfg["steps"]:
+    ck.save({"w": torch.full((1024,), step, dtype=torch.int32), "step": step},
+            f"{cfg['url']}/step-{step}/state.pt").wait()
+os.kill(os.getpid(), signal.SIGKILL)  # the job dies (preemption); the burst buffer stays
+"""
+
+
+@pytest.mark.parametrize("home", ["verified", "lost"])
+def test_a_restarted_run_trims_single_files_earlier_runs_left_in_step_folders(s3_server, s3_bucket, tmp_path: Path,
+                                                                              home: str) -> None:
+    """The README's layout, ``run7/step-N/state.pt``, one file per step folder, SIGKILLed runs:
+    the restarted run's keep_local=1 counts the earlier run's copy in ``step-3`` (before, only
+    copies in the saved file's own folder counted, so each restart left keep_local more), never
+    one whose home does not hold its save."""
+    opts, nvme, url = s3_server.storage_options(), tmp_path / "nvme", f"s3://{s3_bucket}/run7"
+    for steps in ([1, 2, 3], [4, 5]):
+        cfg = {"nvme": str(nvme), "opts": opts, "url": url, "steps": steps}
+        proc = subprocess.run([sys.executable, "-c", _KILLED_STEP_RUN, json.dumps(cfg)], capture_output=True,
+                              text=True, timeout=300)
+        assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+        if home == "lost" and steps == [1, 2, 3]:  # as if the job died before step-3 reached its home
+            s3_server.client().delete_object(Bucket=s3_bucket, Key="run7/step-3/state.pt")
+    mirror = mirror_path(str(nvme), url)
+    left = sorted(os.path.relpath(os.path.join(d, f), mirror) for d, _, fs in os.walk(mirror) for f in fs
+                  if not f.startswith("."))
+    assert left == (["step-5/state.pt"] if home == "verified" else ["step-3/state.pt", "step-5/state.pt"])
+    assert fastckpt.load(f"{url}/step-5/state.pt", storage_options=opts)["step"] == 5

@@ -20,13 +20,35 @@ from ..storage.homes import Homes
 from ..urls import join
 
 
+class Looked:
+    """Which restart scans ``Retention`` made, once per run each: per directory, of its single files
+    (``"file"``) and of its groups (``"group"``); per parent of numbered directories, of the single
+    files in them (``"steps"``)."""
+
+    def __init__(self) -> None:
+        self._seen: dict[str, set[str]] = {}
+
+    def first(self, path: str, step: int | None) -> tuple[bool, bool, bool]:
+        """(Under ``Retention``'s lock.) Which scans ``path`` (a group's ``step``), just durable, is
+        the first to ask for: ``earlier_copies``' single files and groups, and ``earlier_steps``."""
+        parent = posixpath.dirname(path)
+        looked = self._seen.setdefault(parent, set())
+        files, groups = "file" not in looked, step is not None and "group" not in looked
+        looked.update({"file"} | ({"group"} if step is not None else set()))
+        up = self._seen.setdefault(posixpath.dirname(parent), set())
+        steps = files and step is None and tag_step(posixpath.basename(parent)) is not None and "steps" not in up
+        up.update({"steps"} if steps else set())
+        return files, groups, steps
+
+
 def earlier_copies(homes: Homes, mirrors: list[str], path: str, rank: int, files: bool,
-                   step: int | None) -> tuple[list[str], set[str]]:
+                   step: int | None, parent: str | None = None) -> tuple[list[str], set[str]]:
     """The checkpoints directly beside ``path`` in its directory's burst-buffer copies
     ``mirrors`` that are safe at their home, oldest first: with ``files``, the single files
     ``rank`` wrote whose home holds the same save; with a ``step``, the groups of lower steps.
-    Also the names (relative to the directory) of every complete checkpoint found there."""
-    parent = posixpath.dirname(path)
+    Also the names (relative to the directory) of every complete checkpoint found there.
+    ``parent``: the directory ``mirrors`` copy, when it is not ``path``'s (``earlier_steps``)."""
+    parent = posixpath.dirname(path) if parent is None else parent
     found = [(f, rel) for mirror in mirrors for f in scan(homes.resolve(mirror), max_depth=1, pass_unlisted=True)
              if "/" not in (rel := posixpath.relpath(f.path, mirror))]
     found.sort(key=lambda fr: fr[0].time)
@@ -34,6 +56,20 @@ def earlier_copies(homes: Homes, mirrors: list[str], path: str, rank: int, files
                and (_earlier_group(f.manifest, rel, step) if f.kind == "group"
                     else files and f.manifest.get("rank", 0) == rank and _same_at_home(homes, name, f.manifest))]
     return earlier, {rel for _, rel in found}
+
+
+def earlier_steps(homes: Homes, copies: Callable[[str], list[str]], path: str, rank: int) -> list[str]:
+    """For the single file ``path`` in a numbered directory (``run7/step-5/state.pt``, the README's
+    layout): the single files ``rank`` wrote into the burst-buffer copies of the numbered
+    directories beside that one, of lower steps (the rule groups in numbered directories are
+    counted by: a job resumed from an older step saves the later ones again), whose home holds the
+    same save (``earlier_copies``), oldest step first."""
+    folder = posixpath.dirname(path)
+    parent, mine = posixpath.dirname(folder), tag_step(posixpath.basename(folder))
+    if mine is None:
+        return []
+    below = sorted(numbered_dirs(copies(parent), parent, set(), mine), key=lambda d: tag_step(posixpath.basename(d)))
+    return [name for d in below for name in earlier_copies(homes, copies(d), path, rank, True, None, parent=d)[0]]
 
 
 def numbered_dirs(mirrors: list[str], parent: str, complete: set[str], step: int) -> set[str]:

@@ -26,12 +26,13 @@ first time a checkpoint in a directory becomes durable, the local list takes in,
 checkpoints in that directory's burst-buffer copy whose copy at the durable home is the same save (same
 checksum; a group's local copy is complete only once it was published): the single files this rank
 wrote and, the first time a group of a known step there is durable (a single file durable first knows
-no step), its groups of earlier steps. A group whose step is unknown or not below the one just saved is
-left alone: a job resumed from an older checkpoint saves those tags again, and another rank may be
-writing into them. So ``keep_local`` bounds the burst buffer across restarts, and a local copy that
-never reached its home (the job was killed first) is never deleted. A group earlier runs left
-unpublished at an earlier step can never load: this rank's files of it (those whose manifest names it
-as their group; a single file in a numbered directory is not one) are removed (``restarts``).
+no step), its groups of earlier steps; a single file in a numbered directory (``step-5/state.pt``) also
+takes in this rank's single files in the numbered directories beside it of earlier steps, once per run.
+A checkpoint whose step is unknown or not below the one just saved is left alone: a job resumed from an
+older checkpoint saves those tags again, and another rank may be writing into them. So ``keep_local``
+bounds the burst buffer across restarts, and a local copy that never reached its home is never deleted.
+A group earlier runs left unpublished at an earlier step can never load: this rank's files of it (their
+manifest names it as their group; a single file in a numbered directory is not one) are removed.
 ``keep_persistent`` counts the checkpoints this process saved: what earlier runs left at the durable
 home is the user's.
 """
@@ -52,7 +53,7 @@ from ..commit.protocol import delete_checkpoint, pointed_name, read_group_manife
 from ..commit.removable import check_removable
 from ..storage.homes import Homes
 from .failed import FailedGroups, FailedTrims, delete_failed
-from .restarts import delete_own_group_files, earlier_copies, numbered_dirs
+from .restarts import Looked, delete_own_group_files, earlier_copies, earlier_steps, numbered_dirs
 
 log = logging.getLogger("fastckpt")
 
@@ -75,7 +76,7 @@ class Retention:
         self._local: dict[str, int] = {}  # listed name -> its save's token: the lists are in save order
         self._persistent: dict[str, int] = {}
         self._lock = threading.Lock()
-        self._looked: dict[str, set[str]] = {}  # directory -> "file", "group": what earlier runs left there, taken in
+        self._looked = Looked()  # what earlier runs left, taken in
         self._tokens = itertools.count(1)  # one per save, in the order the saves began
         self._busy: dict[str, int] = {}  # name -> its newest save in flight (a failed save's name stays: save.failed)
         self._dropped: dict[str, tuple[int, int]] = {}  # group -> (token, step) of a save replication dropped
@@ -267,9 +268,7 @@ class Retention:
         and that are safe at their home, oldest first."""
         parent = posixpath.dirname(path)
         with self._lock:
-            looked = self._looked.setdefault(parent, set())
-            files, groups = "file" not in looked, step is not None and "group" not in looked
-            looked.update({"file"} | ({"group"} if step is not None else set()))
+            files, groups, steps = self._looked.first(path, step)
         if not files and not groups:
             return []
         try:
@@ -277,6 +276,7 @@ class Retention:
             mine = group_step(group or {}, path) if groups else None
             mirrors = self._local_copies(parent)
             earlier, complete = earlier_copies(self._homes, mirrors, path, self._rank, files, mine)
+            earlier = earlier_steps(self._homes, self._local_copies, path, self._rank) * steps + earlier
             unpublished = self._unpublished_earlier(  # only below the step its published manifest records
                 numbered_dirs(mirrors, parent, complete, mine) if group is not None and mine is not None else set())
         except (OSError, ValueError) as exc:  # retention must not fail a save: say so, count none of them
