@@ -230,3 +230,19 @@ def test_a_restarted_run_trims_single_files_earlier_runs_left_in_step_folders(s3
                   if not f.startswith("."))
     assert left == (["step-5/state.pt"] if home == "verified" else ["step-3/state.pt", "step-5/state.pt"])
     assert fastckpt.load(f"{url}/step-5/state.pt", storage_options=opts)["step"] == 5
+
+
+def test_earlier_step_folders_are_looked_at_once_per_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each save of run/step-N/state.pt goes to a new folder: the scan of the earlier step folders
+    (and its read of each earlier file's home) ran at every save and was thrown away but once, a
+    cost that grew with the square of the saves (a HEAD and a ranged GET each at an S3 home)."""
+    import fastckpt.save.retention as retention
+
+    scans: list[int] = []
+    real = retention.earlier_steps
+    monkeypatch.setattr(retention, "earlier_steps", lambda *a: scans.append(1) or real(*a))
+    home = tmp_path / "home" / "run7"
+    with fastckpt.Checkpointer(local_dir=str(tmp_path / "nvme"), keep_local=20, overhead_budget=0.99) as ck:
+        for step in range(1, 9):
+            ck.save({"w": torch.full((64,), float(step))}, f"{home}/step-{step}/state.pt").wait()
+    assert len(scans) == 1

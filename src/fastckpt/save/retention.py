@@ -276,7 +276,7 @@ class Retention:
             mine = group_step(group or {}, path) if groups else None
             mirrors = self._local_copies(parent)
             earlier, complete = earlier_copies(self._homes, mirrors, path, self._rank, files, mine)
-            earlier = earlier_steps(self._homes, self._local_copies, path, self._rank) * steps + earlier
+            earlier = (earlier_steps(self._homes, self._local_copies, path, self._rank) if steps else []) + earlier
             unpublished = self._unpublished_earlier(  # only below the step its published manifest records
                 numbered_dirs(mirrors, parent, complete, mine) if group is not None and mine is not None else set())
         except (OSError, ValueError) as exc:  # retention must not fail a save: say so, count none of them
