@@ -1043,3 +1043,25 @@ def test_latest_never_names_a_checkpoint_removed_while_its_files_are_sized(tmp_p
     r = run("latest", home)
     assert r.exit_code == 1 and r.stdout == "", r.output
     assert f"passing over {home}/step-2" in r.stderr and "step-1" not in r.stderr, r.stderr
+
+
+def test_latest_never_names_a_checkpoint_removed_right_after_the_listing(tmp_path, monkeypatch) -> None:
+    """As above, one moment earlier: retention removed step-1 after the scan listed it, before
+    its manifest was read; "not fastckpt's" (nothing to size) was taken for "whole"."""
+    import shutil
+
+    import fastckpt.cli._discovery as discovery
+
+    home, ck = _groups(tmp_path, 2)
+    ck.close()
+    os.remove(f"{home}/step-2/a.pt")
+    real = discovery.scan
+
+    def scan(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        found = real(*args, **kwargs)
+        shutil.rmtree(f"{home}/step-1", ignore_errors=True)  # the job's retention, right after the listing
+        return found
+
+    monkeypatch.setattr(discovery, "scan", scan)
+    r = run("latest", home)
+    assert r.exit_code == 1 and r.stdout == "", r.output

@@ -26,7 +26,7 @@ from ..storage.homes import Homes, Location
 from ..storage.types import TargetNotFoundError
 from ..urls import is_url, join, mirror_path, nameable, normalize
 from ._attempts import attempted_at
-from ._files import FileSpec, as_landed, file_manifest, single_file
+from ._files import FileSpec, as_landed, file_manifest, gone, single_file
 
 STEP_KEYS = ("step", "global_step", "iteration")  # fastckpt groups, Lightning, Megatron
 CHECKS_AT_ONCE = 8  # checkpoints ls checks for missing files at once (their requests overlap at a URL)
@@ -331,8 +331,8 @@ def missing_files(h: Homes, path: str) -> list[str] | None:
     for _ in range(RECHECKS):  # a checkpoint saved again while its files were looked at: look again
         try:
             files, m = checkpoint_files(h, path)
-        except FastCkptError:
-            return []
+        except FastCkptError as exc:  # not fastckpt's (nothing to size), or removed since it was listed
+            return None if isinstance(exc, NotFastckpt) and gone(h, path) else []
         sizes = _sizes(h, [f.path for f in files])
         out = [f.path for f in files if (n := sizes[f.path]) is None or not (f.fits(n) or as_landed(h, f).fits(n))]
         try:

@@ -88,3 +88,15 @@ def file_covered(h: Homes, spec: FileSpec) -> tuple[int, int, dict]:
     if not m:
         raise CorruptCheckpointError(f"{spec.path} has no fastckpt manifest: it cannot be verified")
     return size, int(m["covered"]), m
+
+
+def gone(h: Homes, path: str) -> bool:
+    """Whether nothing is left at ``path`` (a file, or a directory or prefix with nothing under it):
+    a checkpoint removed (retention) since it was listed, not one that is there and unverifiable."""
+    loc = h.resolve(path)
+    try:
+        return not loc.target.exists(loc.key) and not loc.target.list(loc.key, max_depth=1)
+    except FileNotFoundError:
+        return True
+    except OSError:  # cannot tell: taken as there
+        return False
