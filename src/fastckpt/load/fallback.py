@@ -84,8 +84,15 @@ def once(url: str, read: Callable[[], dict | None]) -> dict | None:
 
 
 def home_sidecar(home: Location, deadline_s: float) -> dict | None:
-    """``read_sidecar`` of the single file at the URL ``home``, once per ``one_load``."""
-    return once(home.url + SIDECAR, lambda: read_sidecar(home, deadline_s=deadline_s))
+    """``read_sidecar`` of the single file at the URL ``home``, once per ``one_load``; None also
+    when it is damaged: it says nothing, and the object's bytes decide, as without one."""
+    def read() -> dict | None:
+        try:
+            return read_sidecar(home, deadline_s=deadline_s)
+        except ValueError:
+            return None
+
+    return once(home.url + SIDECAR, read)
 
 
 def home_entry(homes: Homes, url: str, manifest: dict) -> InGroup | None:
@@ -108,10 +115,7 @@ def local_where(local: Location, home: Location, in_group: Callable[[Location, d
     try:
         published = ((in_group(home, ours) or {}).get("checksum") or {}).get("value") if ours else None
         if published is None and ours and not ours.get("group") and not home.target.mounted:  # a single file's
-            try:  # vouches as a group's manifest does
-                sidecar = home_sidecar(home, SAME_SAVE_CHECK_S)
-            except ValueError:  # damaged: it cannot say
-                sidecar = None
+            sidecar = home_sidecar(home, SAME_SAVE_CHECK_S)  # vouches as a group's manifest does
             published = ((sidecar or {}).get("checksum") or {}).get("value")
         return "local" if same_save(local, home, ours, published) else OTHER_SAVE
     except ValueError:  # the home's group manifest is damaged: it cannot vouch for the copy

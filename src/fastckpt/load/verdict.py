@@ -61,11 +61,7 @@ def compare(local: Location, home: Location, in_group: InGroup) -> str:
                     in_group(home, theirs) == {"checksum": {"value": ours["checksum"]["value"]}}:
                 return SAME  # another of the group's files moved over the home's: ours is the one published
         else:
-            try:
-                theirs = home_sidecar(home, SAME_SAVE_CHECK_S)
-            except ValueError:  # a damaged sidecar says nothing: the bytes decide, as without one
-                theirs = None
-            theirs = theirs or in_group(home, ours)
+            theirs = home_sidecar(home, SAME_SAVE_CHECK_S) or in_group(home, ours)  # (None: damaged too)
             if theirs is None and ours is None:
                 return _plain_copies(local, home)
             if ours and not ours.get("group") and (theirs is None or _same(ours, theirs)):
