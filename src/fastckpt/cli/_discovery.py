@@ -352,7 +352,9 @@ def whole_latest(h: Homes, root: str, found: str | None) -> tuple[str | None, li
         return found, passed
     passed += [(found, gone)] if gone else []  # (None: removed meanwhile, not damaged: never named)
     for f in reversed(scan(h.resolve(normalize(root)))):
-        if f.path != found and (gone := missing_files(h, f.path)) == []:
+        if f.path == found:
+            continue
+        if (gone := missing_files(h, f.path)) == []:
             return f.path, passed
-        passed += [(f.path, gone)] if gone and f.path != found else []
+        passed += [(f.path, gone)] if gone else []
     return None, passed

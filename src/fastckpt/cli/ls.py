@@ -19,7 +19,7 @@ from ._common import (
     storage_options_option,
     table,
 )
-from ._discovery import homes, list_checkpoints
+from ._discovery import WHOLE, homes, list_checkpoints
 from ._localdir import LocalDir
 
 
@@ -101,7 +101,7 @@ def ls(root: str, local_dir: str | None, storage_options: dict | None, as_json: 
             elif e.problem:  # complete, but a committed file is gone or cut short: loading it fails
                 console().print(f"- {e.path}: {e.problem}; `fastckpt latest` passes over it, "
                                 "`fastckpt verify` fails on it", markup=False)
-    whole = any(e.status in ("complete", "replicated", "unverified") for e in entries)
+    whole = any(e.status in WHOLE for e in entries)
     if not whole:  # exit 1 says why, as `fastckpt latest` does (the table alone may be empty)
         click.echo(f"no complete checkpoint under {root}", err=True)
     exit_with(whole)
