@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .onesave import CALLER, OneSave
+from .units import in_unit
 
 if TYPE_CHECKING:
     from .save.stripes import DirStats
@@ -46,18 +47,15 @@ def sig(x: float, digits: int = 2, *, up: bool = False) -> float:
 
 def fmt_rate(bps: float, *, up: bool = False) -> str:
     """Bytes per second in SI units, two significant figures: ``'5.3 GB/s'``."""
-    for unit, scale in (("TB/s", 1e12), ("GB/s", 1e9), ("MB/s", 1e6), ("kB/s", 1e3)):
-        if bps >= scale:
-            return f"{sig(bps / scale, up=up):g} {unit}"
-    return f"{sig(bps, up=up):g} B/s"
+    value, unit = in_unit(bps, (("TB/s", 1e12), ("GB/s", 1e9), ("MB/s", 1e6), ("kB/s", 1e3), ("B/s", 1.0)),
+                          lambda v: sig(v, up=up))
+    return f"{value:g} {unit}"
 
 
 def fmt_duration(s: float, *, up: bool = False) -> str:
     """Seconds in ms, s, min or h, two significant figures: ``'35 ms'``, ``'2.1 min'``."""
-    for unit, scale in (("h", 3600.0), ("min", 60.0), ("s", 1.0)):
-        if s >= scale:
-            return f"{sig(s / scale, up=up):g} {unit}"
-    return f"{sig(s * 1e3, up=up):g} ms"
+    value, unit = in_unit(s, (("h", 3600.0), ("min", 60.0), ("s", 1.0), ("ms", 1e-3)), lambda v: sig(v, up=up))
+    return f"{value:g} {unit}"
 
 
 @dataclass(frozen=True)

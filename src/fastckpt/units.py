@@ -1,16 +1,29 @@
 """Byte units, defined once (binary: a MiB is 2**20 bytes; SI GB = 1e9 is spelled out where used),
 and how sizes are printed: in SI units everywhere (tables, logs, progress), as storage is rated."""
 
+from collections.abc import Callable
+
 KiB = 1 << 10
 MiB = 1 << 20
 GiB = 1 << 30
 
+_SI_BYTES = (("PB", 1e15), ("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3), ("B", 1.0))
+
+
+def in_unit(x: float, units: tuple[tuple[str, float], ...], rnd: Callable[[float], float]) -> tuple[float, str]:
+    """``x`` rounded (``rnd``) in the largest of ``units`` (largest first) where it is at least 1,
+    else in the last: rounded first, then the unit chosen, so 999.7e6 B is 1 GB, never 1e+03 MB."""
+    for unit, scale in units:
+        value = rnd(x / scale)
+        if abs(value) >= 1:
+            return value, unit
+    unit, scale = units[-1]
+    return rnd(x / scale), unit
+
 
 def fmt_bytes(n: float | None) -> str:
-    """SI bytes: ``1.12 TB``; ``-`` for None."""
+    """SI bytes, three significant figures: ``1.12 TB``; ``-`` for None."""
     if n is None:
         return "-"
-    for unit, scale in (("PB", 1e15), ("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if abs(n) >= scale:
-            return f"{n / scale:.3g} {unit}"
-    return f"{n:.0f} B"
+    value, unit = in_unit(n, _SI_BYTES, lambda v: float(f"{v:.3g}"))
+    return f"{value:,.0f} {unit}" if unit == "B" or abs(value) >= 1000 else f"{value:.3g} {unit}"

@@ -58,7 +58,7 @@ def test_advice_numbers_are_rounded_up_to_two_significant_figures() -> None:
     rep = OverheadReport(0.05, 0.05, 0.02, 5, 60.0, 0.3, 12.0, 0.06, 1234.0, 1234.0 / 0.24, 0.06 / 0.02)
     text = rep.advice()
     assert "snapshot at >= 5.2 kB/s" in text and "save every >= 3 s" in text  # never "0.00 GB/s", "0 s"
-    assert fmt_rate(5.23e9, up=True) == "5.3 GB/s" and fmt_rate(999.0) == "1000 B/s"
+    assert fmt_rate(5.23e9, up=True) == "5.3 GB/s" and fmt_rate(999.0) == "1 kB/s"
     assert fmt_duration(0.0123) == "12 ms" and fmt_duration(125.0, up=True) == "2.1 min"
     assert fmt_duration(7200.0) == "2 h"
 
