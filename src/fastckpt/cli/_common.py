@@ -95,7 +95,8 @@ def parse_duration(text: str) -> float:
         return _finite(float(s), text, "a duration")
     parts = re.findall(rf"{_NUMBER}([a-z]+)", s)
     if not parts or "".join(n + u for n, u in parts) != s or any(u not in _DURATION_UNITS for _, u in parts):
-        raise ValueError(f"cannot read {text!r} as a duration: write e.g. 2h, 90m, 1h30m, 60s, 500ms, 30d")
+        raise ValueError(f"cannot read {text!r} as a duration: write e.g. 2h, 90m, 1h30m, 60s, 500ms, 30d or plain "
+                         "seconds (3600)")
     return _finite(sum(float(n) * _DURATION_UNITS[u] for n, u in parts), text, "a duration")
 
 
@@ -146,13 +147,23 @@ class _FinitePositive(click.ParamType):
 
 class FiniteRange(click.FloatRange):
     """``click.FloatRange`` that also refuses ``nan`` and ``inf`` (a range check lets ``nan``
-    through, and a ``nan`` threshold turns every comparison into a pass)."""
+    through, a ``nan`` threshold passes every comparison); each refusal names the form ``want``."""
+
+    def __init__(self, *bounds: float, want: str, **open_ends: bool) -> None:
+        super().__init__(*bounds, **open_ends)
+        self.want = want
 
     def convert(self, value, param, ctx):  # noqa: ANN001, ANN201 (click's signature)
-        number = super().convert(value, param, ctx)
+        try:
+            number = float(value)
+        except ValueError:
+            self.fail(f"{value!r} is not a number: give {self.want}", param, ctx)
         if not math.isfinite(number):
-            self.fail(f"{value!r} is not a finite number", param, ctx)
-        return number
+            self.fail(f"{value!r} is not a finite number: give {self.want}", param, ctx)
+        try:
+            return super().convert(number, param, ctx)
+        except click.BadParameter as exc:  # out of range: click's words, then the form wanted
+            self.fail(f"{exc.message.rstrip('.')}: give {self.want}", param, ctx)
 
 
 # the most a count option takes: far above any real job, and small enough that every later
@@ -172,6 +183,7 @@ DURATION = _Parsed("duration", parse_duration, positive=True)
 DURATION_OR_ZERO = _Parsed("duration", parse_duration)  # a wait that may be none (drill --min-run)
 COUNT = _Parsed("count", parse_count, positive=True)
 FINITE_POSITIVE = _FinitePositive()
+OVERHEAD_BUDGET = FiniteRange(0, 1, min_open=True, max_open=True, want="a fraction, e.g. 0.02 for 2 %")
 
 
 def distinct_dirs(ctx: click.Context, param: click.Parameter, dirs: tuple[str, ...]) -> tuple[str, ...]:

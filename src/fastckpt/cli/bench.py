@@ -300,8 +300,8 @@ def render(data: dict) -> None:
 @click.option("--direct/--buffered", default=True, show_default=True, help="O_DIRECT, or through the page cache.")
 @click.option("--gds", is_flag=True, help="GPUDirect Storage through kvikio (says why not when it cannot).")
 @click.option("--fabric-capacity", type=BANDWIDTH, help="What the storage fabric should sustain, e.g. 25GB/s.")
-@click.option("--pass-fraction", type=FiniteRange(0, 1, min_open=True), default=PASS_FRACTION,
-              show_default=True, help="Pass at this fraction of --fabric-capacity.")
+@click.option("--pass-fraction", type=FiniteRange(0, 1, min_open=True, want="a fraction, e.g. 0.8 for 80 %"),
+              default=PASS_FRACTION, show_default=True, help="Pass at this fraction of --fabric-capacity.")
 @click.option("--verify", is_flag=True, help="Check every block read (needs a read phase).")
 @json_option
 def bench(dirs: tuple[str, ...], workers: int, engine: str, block_size: int, size: int, duration: float | None,

@@ -14,8 +14,8 @@ from ._common import (
     COUNT,
     DURATION,
     FINITE_POSITIVE,
+    OVERHEAD_BUDGET,
     SIZE,
-    FiniteRange,
     console,
     count_range,
     emit_json,
@@ -206,7 +206,7 @@ def render(p: sizing.Plan, notes: list[str]) -> None:
 @click.option("--snapshot-bandwidth", type=BANDWIDTH,
               help="Per-GPU device-to-host (or memcpy) bandwidth [default: 20GB/s].")
 @click.option("--host-memory", type=SIZE, help="Host memory per node (e.g. 2TB): checks that the staging buffers fit.")
-@click.option("--overhead-budget", type=FiniteRange(0, 1, min_open=True, max_open=True), default=0.02,
+@click.option("--overhead-budget", type=OVERHEAD_BUDGET, default=0.02,
               show_default=True,
               help="Largest acceptable fraction of wall time spent stalled.")
 @click.option("--from-run", type=click.Path(exists=True, dir_okay=False), multiple=True,

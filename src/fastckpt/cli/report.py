@@ -10,7 +10,7 @@ import os
 import click
 
 from ..runstate import DEFAULT_BUDGET, DEFAULT_WINDOW_S
-from ._common import FiniteRange
+from ._common import DURATION, OVERHEAD_BUDGET
 
 
 @click.command()
@@ -20,10 +20,10 @@ from ._common import FiniteRange
 @click.option("--html", "page", type=click.Path(dir_okay=False), default=None,
               help="Write one self-contained HTML page (summary and figure inline).")
 @click.option("--json", "as_json", is_flag=True, help="Print the numbers as JSON instead of text.")
-@click.option("--overhead-budget", type=FiniteRange(0, 1, min_open=True, max_open=True),
-              default=DEFAULT_BUDGET, show_default=True, help="The budget the overhead is judged against.")
-@click.option("--overhead-window-s", type=FiniteRange(0, min_open=True), default=DEFAULT_WINDOW_S,
-              show_default=True, help="The Checkpointer's overhead_window_s.")
+@click.option("--overhead-budget", type=OVERHEAD_BUDGET, default=DEFAULT_BUDGET, show_default=True,
+              help="The budget the overhead is judged against.")
+@click.option("--overhead-window-s", type=DURATION, default=DEFAULT_WINDOW_S, show_default=True,
+              help="The Checkpointer's overhead_window_s: seconds (3600) or a duration (1h).")
 def report(logs: tuple[str, ...], png: str | None, page: str | None, as_json: bool, overhead_budget: float,
            overhead_window_s: float) -> None:
     """Summarise and draw a run from its event logs (one per rank, or one shared).

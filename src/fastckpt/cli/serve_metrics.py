@@ -10,7 +10,7 @@ import threading
 import click
 
 from ..runstate import DEFAULT_BUDGET, DEFAULT_WINDOW_S
-from ._common import FiniteRange
+from ._common import DURATION, OVERHEAD_BUDGET, FiniteRange
 from ._localdir import LocalDir
 
 
@@ -22,11 +22,12 @@ from ._localdir import LocalDir
 @click.option("--addr", default="0.0.0.0", show_default=True, help="Address to listen on.")
 @click.option("--local-dir", type=LocalDir(), default=None,
               help="The node's burst buffer (local_dir), for its free space.")
-@click.option("--overhead-budget", type=FiniteRange(0, 1, min_open=True, max_open=True),
-              default=DEFAULT_BUDGET, show_default=True, help="Budget the overhead alarm is replayed against.")
-@click.option("--overhead-window-s", type=FiniteRange(0, min_open=True), default=DEFAULT_WINDOW_S,
-              show_default=True, help="The Checkpointer's overhead_window_s.")
-@click.option("--poll-s", type=FiniteRange(0, 3600, min_open=True), default=1.0, show_default=True,
+@click.option("--overhead-budget", type=OVERHEAD_BUDGET, default=DEFAULT_BUDGET, show_default=True,
+              help="Budget the overhead alarm is replayed against.")
+@click.option("--overhead-window-s", type=DURATION, default=DEFAULT_WINDOW_S, show_default=True,
+              help="The Checkpointer's overhead_window_s: seconds (3600) or a duration (1h).")
+@click.option("--poll-s", type=FiniteRange(0, 3600, min_open=True, want="seconds, e.g. 1 or 0.5"), default=1.0,
+              show_default=True,
               help="How often to read what the logs gained between scrapes (each scrape reads them too).")
 @click.option("--once", is_flag=True, help="Read the logs once, print the metrics and exit (no server).")
 @click.option("--json", "as_json", is_flag=True, help="Print the startup line (or, with --once, the ranks' "
