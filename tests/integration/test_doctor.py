@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -131,6 +134,39 @@ def test_a_full_burst_buffer_is_named_full_with_its_fix(doctor: Doctor, tmp_path
     fix = f["local_dir.writable"]["fix"]
     assert "free space" in fix and "writable by this user" not in fix
     assert f["local_dir.free_space"]["status"] == "fail"
+
+
+def test_a_read_only_filesystem_is_named_read_only_not_create_and_chmod(doctor: Doctor, tmp_path: Path) -> None:
+    """EROFS on a directory that exists (a ro mount; an NFS/Lustre export the server serves
+    read-only, whose client options still say rw) was told "create DIR and make it writable by
+    this user": it exists, and no chmod makes a read-only filesystem writable."""
+    with tmpfs(tmp_path / "bb", "size=1m,ro") as bb:
+        code, out = doctor("--local-dir", str(bb), "--probe-size", "0", "--json")
+    f = _by_check(out)["local_dir.writable"]
+    assert code == 1 and f["status"] == "fail" and f["data"]["errno"] == errno.EROFS
+    assert f["fix"] == (f"{bb} is on a read-only filesystem: remount it read-write (NFS, Lustre: ask for a writable "
+                        "export), or choose another local_dir")
+
+
+def test_an_existing_directory_this_user_cannot_write_is_not_to_be_created(tmp_path: Path) -> None:
+    """As another user (nobody) than the directory's owner (root): EACCES on a directory that
+    exists asks for its owner or mode, not for it to be created."""
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("needs root and setpriv, to run doctor as another user than the directory's owner")
+    base = Path(tempfile.mkdtemp())  # /tmp: a path nobody can reach (pytest's tmp_path is 0700)
+    try:
+        base.chmod(0o755)
+        (base / "bb").mkdir()
+        res = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-m",
+                              "fastckpt.cli", "doctor", "--local-dir", str(base / "bb"), "--probe-size", "0", "--json"],
+                             capture_output=True, text=True, env={**os.environ, "HOME": str(base)})
+        if res.returncode not in (0, 1):
+            pytest.skip(f"fastckpt cannot run as nobody here (its files unreadable to that user): {res.stderr[-300:]}")
+        f = _by_check(json.loads(res.stdout))["local_dir.writable"]
+    finally:
+        shutil.rmtree(base)
+    assert res.returncode == 1 and f["status"] == "fail" and f["data"]["errno"] == errno.EACCES
+    assert f["fix"] == f"make {base / 'bb'} writable by this user (owner, mode), or choose another local_dir"
 
 
 @pytest.mark.parametrize("size, verdict", [("12MiB", "ok"), ("20MiB", "fail")])

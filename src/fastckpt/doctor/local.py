@@ -65,10 +65,16 @@ def writable(role: str, path: str) -> Finding:
             f.write(b"x")
         os.unlink(probe)
     except OSError as exc:
-        full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
-        fix = (f"free space in {path} (or raise the quota), or choose another {role}" if full else
-               f"create {path} and make it writable by this user, or choose another {role}")
-        return Finding(check, "fail", f"cannot write in {path}: {exc.strerror or exc}", fix, {"errno": exc.errno})
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            fix = f"free space in {path} (or raise the quota)"
+        elif exc.errno == errno.EROFS:  # no chmod helps: the filesystem (or the server's export) is read-only
+            fix = (f"{path} is on a read-only filesystem: remount it read-write (NFS, Lustre: ask for a writable "
+                   "export)")
+        else:
+            fix = f"make {path} writable by this user (owner, mode)" if os.path.isdir(path) else \
+                f"create {path} and make it writable by this user"
+        return Finding(check, "fail", f"cannot write in {path}: {exc.strerror or exc}", f"{fix}, or choose another "
+                       f"{role}", {"errno": exc.errno})
     return Finding(check, "ok", f"{path} is writable" if existed else
                    f"{path} did not exist: created it (as the first save would), and it is writable")
 
