@@ -4,6 +4,7 @@ self-contained, and the summary's numbers are the log's (and the SaveRecords')."
 from __future__ import annotations
 
 import base64
+import contextlib
 import errno
 import functools
 import json
@@ -20,6 +21,7 @@ import torch
 from fastckpt import Checkpointer, CheckpointWriteError
 from fastckpt.testing import Fault, FaultyOps
 from tests.cli_child import CliChild
+from tests.helpers import tmpfs
 
 pytest.importorskip("matplotlib")
 from PIL import Image  # noqa: E402 (matplotlib brings pillow)
@@ -176,6 +178,28 @@ def test_an_output_in_a_missing_directory_is_named_without_a_traceback(report: R
         assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
         assert f"{target}: the directory {target.parent} does not exist" in res.stderr
         assert ".html.png" not in res.stderr
+
+
+@pytest.mark.parametrize("flag, name, options, fix", [
+    ("--html", "r.html", "size=1m,ro", "its filesystem is read-only: give a path on a writable one"),
+    ("-o", "r.png", "size=1m,ro", "its filesystem is read-only: give a path on a writable one"),
+    ("--html", "r.html", "size=4k", "free space there, or give a path elsewhere"),
+])
+def test_an_output_that_cannot_be_written_is_bad_usage_not_a_failed_run(report: Report, tmp_path: Path, flag: str,
+                                                                          name: str, options: str, fix: str) -> None:
+    """docs/report.md keeps exit 1 for a failed save or group commit or a fired alarm: a clean
+    run whose page could not be written (a read-only filesystem, a full one) exited 1."""
+    log = tmp_path / "events.jsonl"
+    with Checkpointer(event_log=str(log)) as ck:
+        ck.save({"w": torch.randn(1024)}, str(tmp_path / "a.pt")).wait()
+    assert report(str(log)).returncode == 0
+    with tmpfs(tmp_path / "out", options) as out:
+        if "ro" not in options.split(","):
+            with contextlib.suppress(OSError), open(out / "fill", "wb") as f:
+                f.write(b"\0" * (1 << 20))  # fill what the tmpfs holds
+        res = report(str(log), flag, str(out / name))
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+    assert f"Invalid value for {flag}: cannot write {out / name} (" in res.stderr and fix in res.stderr, res.stderr
 
 
 def test_html_leaves_a_users_file_beside_it_alone(report: Report, run: tuple[Path, list], tmp_path: Path) -> None:

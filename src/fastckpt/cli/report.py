@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import errno
 import io
 import json
 import os
@@ -63,10 +64,7 @@ def report(logs: tuple[str, ...], png: str | None, page: str | None, as_json: bo
             raise click.BadParameter(str(exc), param_hint="LOGS") from exc
     if not run.events:
         raise click.BadParameter(f"{', '.join(logs)}: no events in the log(s)", param_hint="LOGS")
-    try:
-        _write(run, summary, png, page)
-    except OSError as exc:  # a read-only directory, a full disk: no traceback
-        raise click.ClickException(f"cannot write the report: {exc}") from exc
+    _write(run, summary, png, page)
     if as_json:
         out = dataclasses.asdict(summary)
         out["outputs"] = {"png": png, "html": page}
@@ -86,18 +84,26 @@ def _write(run, summary, png: str | None, page: str | None) -> None:  # noqa: AN
     if not (png or page):
         return
     from ..progress import Progress
+    from ..report.page import render_html
     from ..report.plot import render_png
 
     buf = io.BytesIO()
     with Progress("drawing", total=None, unit="figures", delay_s=2.0):
         render_png(run, summary, buf)
-    if png:
-        with open(png, "wb") as f:
-            f.write(buf.getvalue())
-    if page:
-        from ..report.page import render_html
-
-        render_html(summary, buf.getvalue(), page)
+    flag, where = "-o", png
+    try:
+        if png:
+            with open(png, "wb") as f:
+                f.write(buf.getvalue())
+        flag, where = "--html", page
+        if page:
+            render_html(summary, buf.getvalue(), page)
+    except OSError as exc:  # bad usage (exit 2, as a missing directory is): exit 1 says the run failed
+        fix = {errno.EROFS: "its filesystem is read-only: give a path on a writable one",
+               errno.ENOSPC: "free space there, or give a path elsewhere",
+               errno.EDQUOT: "free space there (or raise the quota), or give a path elsewhere"}.get(
+            exc.errno, "make its directory writable by this user, or give a path elsewhere")
+        raise click.BadParameter(f"cannot write {where} ({exc.strerror or exc}); {fix}", param_hint=flag) from exc
 
 
 def _same(a: str, b: str) -> bool:
