@@ -494,6 +494,51 @@ def test_what_makes_one_checkpoint_without_group_commits() -> None:
     assert ckpts(*[_event("snapshot", 0, f"/c/home/model-{k}.pt", 1.0 + k * 0.03) for k in range(4)]) == (4, 1000)
 
 
+@pytest.mark.parametrize("folder", ["step-", "global_step", "iter_000", "checkpoint-", "ckpt-", "ckpt_"])
+def test_the_files_of_a_step_directory_are_one_checkpoint_however_far_apart(folder: str) -> None:
+    """A rank saves model.pt, waits seconds for it (a large file), then optimizer.pt into the same
+    step directory: plan took each file for a checkpoint once they were more than CLUSTER_GAP_S
+    apart (a state of one file's size, an interval of the gap between them), and did not know
+    Hugging Face's checkpoint-500 (nor ckpt-500, ckpt_500) for a step directory at all."""
+    from fastckpt.cli.runlog import CLUSTER_GAP_S
+    from fastckpt.eventlog import parse_event
+
+    gap = CLUSTER_GAP_S + 0.2
+    lines = [_event("snapshot", r, f"/c/{folder}{step}/{name}-{r}.pt", step + r * 2.5 + k * gap, nbytes)
+             for step in (100, 200, 300) for r in (0, 1) for k, (name, nbytes) in enumerate([("model", 4000),
+                                                                                            ("optimizer", 8000)])]
+    prof = profile([parse_event(x) for x in lines])
+    assert (prof.checkpoints, prof.state_bytes, prof.interval_s) == (3, 24000, 100)
+    # the same file again in the same directory is the next checkpoint (a tag re-saved), at any gap
+    again = [_event("snapshot", 0, f"/c/{folder}100/model.pt", t) for t in (1.0, 1.05, 9.0)]
+    assert profile([parse_event(x) for x in again]).checkpoints == 3
+
+
+def test_megatrons_rank_folders_belong_to_their_iteration_and_step_named_files_stand_alone() -> None:
+    from fastckpt.eventlog import parse_event
+
+    def ckpts(*paths_at: tuple[str, float]) -> tuple[int, float]:
+        prof = profile([parse_event(_event("snapshot", 0, p, t)) for p, t in paths_at])
+        return prof.checkpoints, prof.state_bytes
+
+    # iter_0000100/mp_rank_00/: the model file, then the distributed optimizer's seconds later
+    assert ckpts(*[(f"/c/iter_{it:07d}/mp_rank_00/{f}", it + k * 3.0) for it in (100, 200)
+                   for k, f in enumerate(("model_optim_rng.pt", "distrib_optim.pt"))]) == (2, 2000)
+    # a run folder whose name ends in a number holds one checkpoint per step-named file
+    assert ckpts(*[(f"/c/ckpt1/step-{k}.pt", 1.0 + k * 0.03) for k in range(4)]) == (4, 1000)
+
+
+def test_from_run_on_a_hugging_face_style_run(tmp_path) -> None:
+    """A real run saving checkpoint-N/model.pt and checkpoint-N/optimizer.pt back to back."""
+    log = str(tmp_path / "events.jsonl")
+    with fastckpt.Checkpointer(event_log=log, overhead_budget=0.99) as ck:
+        for step in (100, 200, 300):
+            for name, n in (("model", 1 << 18), ("optimizer", 1 << 19)):
+                ck.save({"w": torch.zeros(n)}, str(tmp_path / "home" / f"checkpoint-{step}" / f"{name}.pt")).wait()
+    d = json.loads(invoke("--from-run", log, "--bandwidth", "1GB/s", "--json").stdout)
+    assert (d["measured"]["checkpoints"], d["state_bytes"]) == (3, 3 << 20)
+
+
 # ---------------------------------------------------------------- host memory for the staging buffers
 def test_staging_buffers_that_do_not_fit_the_host_memory_miss() -> None:
     # 70B, mixed Adam: 1.12 TB over 8 nodes is 140 GB of pinned staging per node

@@ -17,9 +17,10 @@ from dataclasses import dataclass, field
 from ..events import Event
 from ..runstate import resave_home
 
-CLUSTER_GAP_S = 1.0  # snapshots further apart than this (end to next start) are separate checkpoints
-# a directory named for a step (step-5, global_step10, iter_0000100): its files form one checkpoint
-_STEP_DIR = re.compile(r"(step|iter|iteration|epoch)[-_=]?\d+$", re.IGNORECASE)
+CLUSTER_GAP_S = 1.0  # single files further apart than this (end to next start) are separate checkpoints
+# a directory named for a step (step-5, global_step10, iter_0000100, Hugging Face's checkpoint-500,
+# ckpt_500): its files form one checkpoint (docs/plan.md)
+_STEP_DIR = re.compile(r"(step|iter|iteration|epoch|checkpoint|ckpt)[-_=]?\d+$", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -69,9 +70,17 @@ class _Cluster:
 
 def _unit(path: str, groups: set[str]) -> str:
     """What a file is saved as part of: its group directory (one the log commits as a group, or
-    one named for a step), else the file itself."""
+    one named for a step: its directory, or that one's parent, as Megatron's
+    iter_0000100/mp_rank_00/), else the file itself. A file named for a step (step-200.pt) is a
+    checkpoint of its own, wherever it is (a run directory may be named ckpt1 too)."""
     d = posixpath.dirname(path)
-    return d if d in groups or _STEP_DIR.search(posixpath.basename(d)) else path
+    if d in groups:
+        return d
+    if not _STEP_DIR.search(posixpath.splitext(posixpath.basename(path))[0]):
+        for up in (d, posixpath.dirname(d)):
+            if _STEP_DIR.search(posixpath.basename(up)):
+                return up
+    return path
 
 
 def _group_commits(events: list[Event]) -> dict[tuple[int, str], list[Event]]:
@@ -92,10 +101,12 @@ def _checkpoints(events: list[Event]) -> list[tuple[float, float]]:
     Without a group commit, a snapshot starts a new checkpoint when its rank already saved the
     same file in the current one, or a file of another unit (the next single file, the next
     step's directory), or when it starts more than ``CLUSTER_GAP_S`` after the last one ended.
-    Files of one group directory, from one rank or many, and the single files of different
-    ranks saved together, are one checkpoint. The files of one ``one_save()`` block (their
-    snapshots name it) are one checkpoint whatever their names and gaps, and a rank's file
-    outside that block starts the next."""
+    Files of one group directory, from one rank or many, are one checkpoint whatever the gaps
+    between them (a rank saves model.pt, waits seconds for it, then saves optimizer.pt): a file
+    joins its directory's newest checkpoint unless its rank saved that file there already. The
+    single files of different ranks saved together are one checkpoint. The files of one
+    ``one_save()`` block (their snapshots name it) are one checkpoint whatever their names and
+    gaps, and a rank's file outside that block starts the next."""
     commits = _group_commits(events)
     if commits:  # the n-th checkpoint of a group starts with the first of its ranks' n-th commit calls
         first: dict[tuple[str, int], Event] = {}
@@ -106,13 +117,19 @@ def _checkpoints(events: list[Event]) -> list[tuple[float, float]]:
         return sorted((e.start, float(e.bytes)) for e in first.values())
     groups = {e.path for e in events if e.name == "commit" and e.detail == "group"}  # failed ones name them too
     out: list[_Cluster] = []
+    newest: dict[str, _Cluster] = {}  # each group directory's newest checkpoint
     for e in sorted((e for e in events if e.name == "snapshot" and e.error is None), key=lambda e: e.start):
         unit, c = _unit(e.path, groups), out[-1] if out else None
+        home = newest.get(unit)
         joins = c is not None and e.block is not None and c.blocks.get(e.rank) == e.block
-        if not joins and (c is None or e.start - c.end > CLUSTER_GAP_S or (e.rank, e.path) in c.files or
-                          unit not in c.units.get(e.rank, {unit}) or c.blocks.get(e.rank, e.block) != e.block):
+        if home is not None and (e.rank, e.path) not in home.files and home.blocks.get(e.rank, e.block) == e.block:
+            c = home
+        elif not joins and (c is None or e.start - c.end > CLUSTER_GAP_S or (e.rank, e.path) in c.files or
+                            unit not in c.units.get(e.rank, {unit}) or c.blocks.get(e.rank, e.block) != e.block):
             c = _Cluster(e.start)
             out.append(c)
+        if unit != e.path:
+            newest[unit] = c
         c.bytes += e.bytes
         c.end = max(c.end, e.end)
         c.files.add((e.rank, e.path))
