@@ -518,7 +518,7 @@ def test_verify_of_a_directory_of_torch_save_files_names_them_unverified(tmp_pat
     torch.save(state(300), f"{h}/model.pt")
     r = run("verify", h)
     assert r.exit_code == 1, r.output
-    assert f"no fastckpt checkpoint under {h} to verify: 1 written without fastckpt" in " ".join(r.stdout.split())
+    assert f"no fastckpt checkpoint under {h} to verify: 1 written without fastckpt" in " ".join(r.stderr.split())
     assert f"UNVERIFIED {h}/model.pt: written by torch.save, not fastckpt" in r.stderr and "BAD" not in r.output
     assert "0 of 0 files intact" not in r.stdout, r.stdout  # (printed after it, and said nothing)
     d = json.loads(run("verify", "--json", h).stdout)
@@ -614,8 +614,16 @@ def test_verify_latest_fails_on_a_newer_group_cut_short_after_its_commit(home: s
     assert f"- {home}/step-5: {path} missing or not the committed size" in " ".join(run("ls", home).stdout.split())
 
 
-def test_verify_with_nothing_to_check_exits_1(tmp_path) -> None:
-    assert run("verify", str(tmp_path)).exit_code == 1
+def test_verify_with_nothing_to_check_exits_1_saying_why_on_stderr(tmp_path) -> None:
+    """``verify --json EMPTY_DIR`` exited 1 with an empty stderr: a launch script's log showed no
+    reason. It says what was not found and what to do, as ``ls`` does; stdout stays JSON."""
+    for flags in ([], ["--json"], ["--json", "--latest"]):
+        r = run("verify", str(tmp_path), *flags)
+        assert r.exit_code == 1, r.output
+        assert f"no fastckpt checkpoint under {tmp_path} to verify: check the path" in r.stderr, r.stderr
+        assert f"`fastckpt ls {tmp_path}` lists what is there" in r.stderr
+        if "--json" in flags:
+            assert json.loads(r.stdout)["checked"] == 0
 
 
 def test_verify_of_a_url_with_nothing_there_says_it_does_not_exist(tmp_path) -> None:
@@ -857,6 +865,7 @@ def test_ls_and_verify_of_a_group_that_never_committed_and_has_no_markers_name_i
     assert [(c["name"], c["status"], c["files"]) for c in got] == [("step-7", "incomplete", 1)], got
     res = run("verify", group, "--json")
     assert res.exit_code == 1 and json.loads(res.stdout)["incomplete"] == [group], res.stdout
+    assert f"no fastckpt checkpoint under {group} to verify: 1 incomplete (never committed" in res.stderr
 
 
 def test_verify_of_a_directory_checks_every_copy_of_a_save(tmp_path) -> None:
@@ -921,8 +930,8 @@ def test_verify_checks_what_is_there_when_retention_deletes_what_it_picked(tmp_p
         limit = 1 + 3  # every listing's pick deleted: three listings, then it says so
         r = run("verify", home, *flag)
         assert saved == [3, 4, 5, 6] and r.exit_code == 1, r.output
-        assert f"nothing left to verify under {home}: what was listed there was deleted or saved again" in r.stdout
-        assert "no fastckpt checkpoint" not in r.stdout
+        assert f"nothing left to verify under {home}: what was listed there was deleted or saved again" in r.stderr
+        assert "no fastckpt checkpoint" not in r.output
     finally:
         ck.close()
 

@@ -232,13 +232,6 @@ def verify(path: str, newest_only: bool, jobs: int, storage_options: dict | None
             out.print(f"- the newest checkpoint under {path} was written without fastckpt: no checksum to check, "
                       "so no pass (`fastckpt.load` loads it unverified; a fastckpt save there is verified)",
                       markup=False)
-        elif len(results) == len(skipped) and not skipped and (deleted or replaced):
-            out.print(f"- nothing left to verify under {path}: what was listed there was deleted or saved again while "
-                      "it was checked (a job saving there): check again", markup=False)
-        elif len(results) == len(skipped):
-            out.print(f"- no fastckpt checkpoint under {path} to verify" + (
-                f": {len(skipped)} written without fastckpt, with no checksum to check (`fastckpt.load` loads them "
-                "unverified; a fastckpt save there is verified)" if skipped else ""), markup=False)
         for p in incomplete:
             out.print(f"- {p} is incomplete (never committed): not checked; readers skip it", markup=False)
         for p in deleted:
@@ -250,4 +243,22 @@ def verify(path: str, newest_only: bool, jobs: int, storage_options: dict | None
     for r in skipped + bad:
         word, _, why = _verdict(r.problem).partition(": ")
         click.echo(f"{word.upper()} {r.path}: {why}", err=True)
+    if len(results) == len(skipped) and not (newest_only and skipped):  # exit 1 says why, in --json too (as ls)
+        click.echo(_nothing_checked(path, len(skipped), len(incomplete), bool(deleted or replaced)), err=True)
     exit_with(passed)
+
+
+def _nothing_checked(path: str, unverified: int, incomplete: int, raced: bool) -> str:
+    """Why nothing under ``path`` was verified, and what to do: the exit 1's reason on stderr."""
+    if raced and not unverified:
+        return (f"nothing left to verify under {path}: what was listed there was deleted or saved again while it "
+                "was checked (a job saving there): check again")
+    if unverified:
+        why = (f"{unverified} written without fastckpt, with no checksum to check (`fastckpt.load` loads them "
+               "unverified; a fastckpt save there is verified)")
+    elif incomplete:
+        why = (f"{incomplete} incomplete (never committed; readers skip them): verify a committed checkpoint, or "
+               "save again")
+    else:
+        why = f"check the path (the directory or URL the job saves to; `fastckpt ls {path}` lists what is there)"
+    return f"no fastckpt checkpoint under {path} to verify: {why}"
