@@ -85,6 +85,24 @@ def decode_line(raw: bytes, where: str) -> str:
                          "event log (event_log=...)?") from exc
 
 
+def may_start_event(raw: bytes) -> bool:
+    """Whether ``raw``, a log's last bytes with no newline after them, can be an event's line cut
+    short (its writer killed mid-line): the start of a JSON object, in ASCII as ``Event.to_json``
+    writes it (any character escaped), cut anywhere. A whole JSON value that is no event is
+    another file (``json.dump`` writes no newline)."""
+    if not raw.startswith(b"{") or not raw.isascii():
+        return False
+    try:
+        json.loads(raw)
+    except ValueError:
+        return True  # cut short
+    try:
+        parse_event(raw.decode())
+    except ValueError:
+        return False
+    return True  # a whole event, its newline not written yet
+
+
 def open_log(path: str, stream: bool = False) -> BinaryIO:
     """``path`` opened to read. The open never blocks: a named pipe nothing writes would block
     it for ever. ``stream``: a pipe is read too (``report <(zcat events.jsonl.gz)``), to its
@@ -201,6 +219,8 @@ class LogFollower:
         self._tail = b""  # the last bytes read, up to the offset
         self._partial = b""
         self.bad_lines = 0
+        self._first_bad: str | None = None  # why the first line skipped is no event
+        self._events = 0  # read from the file now at the path
         self._not_a_file = False
 
     def poll(self) -> list[Event]:
@@ -213,6 +233,7 @@ class LogFollower:
                         log.warning("fastckpt: %s was replaced or truncated; reading it from the start", self.path)
                     self._file, self._offset, self._line, self._tail, self._partial = (
                         (st.st_dev, st.st_ino), 0, 0, b"", b"")
+                    self._first_bad, self._events = None, 0
                 f.seek(self._offset)
                 data = f.read(st.st_size - self._offset) if st.st_size > self._offset else b""
         except FileNotFoundError:
@@ -238,8 +259,25 @@ class LogFollower:
                     events.append(parse_event(decode_line(chunk, f"{self.path}:{no}"), f"{self.path}:{no}"))
             except ValueError as exc:
                 self.bad_lines += 1
+                self._first_bad = self._first_bad or str(exc)
                 log.warning("fastckpt: skipped a line that is not an event: %s", exc)
+        self._events += len(events)
         return events
+
+    def not_an_event_log(self) -> str | None:
+        """Why the file read so far is no event log (a text, JSON or binary file given by
+        mistake), or None: it held no event, and a line that is none, or bytes after its last
+        line that cannot start one. An empty log is one; so is a log whose last line a crash
+        cut short (``may_start_event``)."""
+        if self._events:
+            return None
+        if self._first_bad is not None:
+            why = self._first_bad.partition("; is this a fastckpt event")[0]
+        elif self._partial and not may_start_event(self._partial):
+            why = f"{self.path}:{self._line + 1}: neither an event nor the start of one, cut short by a crash"
+        else:
+            return None
+        return f"{self.path} is not a fastckpt event log: it holds no event ({why})"
 
     def _same(self, f: BinaryIO) -> bool:
         """The file still holds, just before the offset, the bytes read there last."""

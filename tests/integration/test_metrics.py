@@ -318,6 +318,38 @@ def test_serve_metrics_once_on_a_log_that_does_not_exist_is_a_usage_error(serve:
     assert r.returncode == 2 and "typo.jsonl does not exist" in r.stderr and r.stdout == ""
 
 
+def test_serve_metrics_once_on_a_file_that_is_no_event_log_names_it(serve: Serve, tmp_path: Path) -> None:
+    """A text, JSON or binary file given as --event-log printed zero events and exited 0: a
+    monitoring check read "no saves" from a typo. It exits 1 naming the file, what is wrong and
+    the fix; an empty log, and a real one whose last line a crash cut short, still read."""
+    wrong = {"notes.txt": b"hello\nworld\n", "config.json": json.dumps({"lr": 0.1}).encode(),  # json.dump: no newline
+             "rows.jsonl": b'{"step": 1}\n{"step": 2}\n', "blob.bin": bytes(range(256)) * 4,
+             "zeros.bin": bytes(64)}
+    for name, data in wrong.items():
+        (tmp_path / name).write_bytes(data)
+        for flags in ([], ["--json"]):
+            r = serve("--event-log", str(tmp_path / name), "--once", *flags)
+            assert r.returncode == 1 and r.stdout == "", (name, r.stdout, r.stderr)
+            assert f"{tmp_path / name} is not a fastckpt event log: it holds no event ({tmp_path / name}:1: " \
+                in r.stderr, r.stderr
+            assert "Give --event-log the file a Checkpointer's event_log= writes" in r.stderr
+    assert "missing name, rank, path" in serve("--event-log", str(tmp_path / "rows.jsonl"), "--once").stderr
+    empty = tmp_path / "empty.jsonl"
+    empty.touch()
+    r = serve("--event-log", str(empty), "--once", "--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["events"] == 0, r.stderr
+    log = tmp_path / "events.jsonl"
+    with Checkpointer(event_log=str(log)) as ck:
+        ck.save(_state(1024), str(tmp_path / "a.pt")).wait()
+    whole = log.read_bytes()
+    lines = whole.count(b"\n")
+    for cut in (len(whole) - 20, 30):  # a crash mid-write: the last line, or the only one, cut short
+        log.write_bytes(whole[:cut])
+        r = serve("--event-log", str(log), "--once", "--json")
+        assert r.returncode == 0, r.stderr
+        assert json.loads(r.stdout)["events"] == (lines - 1 if cut > 30 else 0)
+
+
 def test_serve_metrics_once_refuses_a_local_dir_that_does_not_exist(serve: Serve, tmp_path: Path) -> None:
     """A misspelt --local-dir (or one not mounted in the exporter's container) reported the free
     space of the parent its path climbs to (/, here) as the burst buffer's."""

@@ -183,3 +183,27 @@ def test_follower_starts_over_when_the_log_is_rewritten_and_grows_past_its_offse
     with open(log, "a") as out:  # appends after that are read once, as before
         out.write(_ev("commit", 14.0).to_json() + "\n")
     assert [e.name for e in f.poll()] == ["commit"] and f.poll() == []
+
+
+def test_a_line_cut_short_by_a_crash_may_start_an_event_and_other_bytes_do_not(tmp_path: Path) -> None:
+    """serve-metrics --once tells a log whose only line a crash cut short (an event log) from a
+    file given by mistake: a real event line cut anywhere (in an escaped character too) may start
+    an event; a whole JSON value that is none, text or binary does not."""
+    from fastckpt.eventlog import may_start_event
+
+    log = tmp_path / "e.jsonl"
+    sink = JsonlSink(str(log))
+    sink.emit(_ev("snapshot", 1.0, path="/c/ü.pt"))
+    sink.close()
+    line = log.read_bytes().rstrip(b"\n")
+    cut_char = line.index(b"\\u00fc") + 3  # within the escape of the ü
+    assert all(may_start_event(line[:n]) for n in (1, 10, cut_char, len(line) - 1, len(line)))
+    others = (b'{"lr": 0.1}', b"hello", b"\x00" * 8, b"{\xff\xfe", '{"ü": 1'.encode(), b"")
+    assert not any(may_start_event(raw) for raw in others)
+    f = LogFollower(str(log))
+    log.write_bytes(line[:cut_char])
+    assert f.poll() == [] and f.not_an_event_log() is None
+    log.write_bytes(b'{"lr": 0.1}')  # replaced by another file: judged anew
+    assert f.poll() == [] and f.not_an_event_log() == (
+        f"{log} is not a fastckpt event log: it holds no event ({log}:1: neither an event nor the start of one, "
+        "cut short by a crash)")

@@ -81,6 +81,9 @@ def _print_once(exporter, as_json: bool) -> None:  # noqa: ANN001 (a LogExporter
     import urllib.request
 
     exporter.poll()
+    if wrong := exporter.not_event_logs():  # a file given by mistake: its zero events are no reading
+        raise click.ClickException("\n".join(wrong) + "\nGive --event-log the file a Checkpointer's event_log= "
+                                   "writes (one JSON event per line), or check the path")
     if not as_json:
         with urllib.request.urlopen(exporter.url, timeout=10) as resp:  # the same text Prometheus gets
             click.echo(resp.read().decode(), nl=False)

@@ -158,6 +158,10 @@ class LogExporter(MetricsServer):
         """Complete lines of the logs that were not events (skipped)."""
         return sum(f.bad_lines for f in self._followers)
 
+    def not_event_logs(self) -> list[str]:
+        """Why each log read so far is no event log (``LogFollower.not_an_event_log``)."""
+        return [why for f in self._followers if (why := f.not_an_event_log()) is not None]
+
     def status(self, now: float) -> list[RankStatus]:
         """The ranks' status replayed from the logs read so far."""
         return self._sink.status(now)
