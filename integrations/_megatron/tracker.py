@@ -269,9 +269,7 @@ def sync_tracker(save_dir: str, *, load_iteration: int | None = None, ops: FileO
             if it != loads:
                 log.warning("fastckpt: %s (not the iteration loaded now, %s)", exc, loads)
                 continue
-            have = f"the newest is {newest[0]}" if newest is not None else f"{save_dir} holds none"
-            exc.add_note(f"Iteration {it} cannot be loaded: load an earlier checkpoint, with --ckpt-step N for a "
-                         f"complete iteration N ({have}).")
+            exc.add_note(f"Iteration {it} cannot be loaded: {_earlier(save_dir, newest and newest[0])}.")
             raise
         except OSError as exc:  # read-only: the load reads the committed files (the index names them), not these
             if exc.errno not in _READ_ONLY:
@@ -280,6 +278,12 @@ def sync_tracker(save_dir: str, *, load_iteration: int | None = None, ops: FileO
                         "reads the committed ones; a writable copy repairs them", _group_of(save_dir, it),
                         exc.strerror)
     return current
+
+
+def _earlier(save_dir: str, newest: int | str | None) -> str:
+    """The fix for an iteration that cannot be loaded, naming the newest complete one."""
+    have = f"the newest is {newest}" if newest is not None else f"{save_dir} holds none"
+    return f"load an earlier checkpoint, with --ckpt-step N for a complete iteration N ({have})"
 
 
 def repair(group: str, ops: FileOps) -> list[str]:
@@ -293,7 +297,18 @@ def repair(group: str, ops: FileOps) -> list[str]:
     Raises:
         CheckpointNotFoundError: ``group`` does not exist, or is a file.
         IncompleteCheckpointError: ``group`` holds no committed fastckpt checkpoint.
+        CorruptCheckpointError: its manifest (or index) is damaged: its note names the fix.
     """
+    try:
+        return _repair(group, ops)
+    except CorruptCheckpointError as exc:  # (the message names the damaged file, as sync_tracker's does)
+        save_dir = os.path.dirname(group)
+        exc.add_note(f"Nothing was put back in {group}: {_earlier(save_dir, newest_complete_iteration(save_dir))}; "
+                     f"`fastckpt verify {group}` names what is damaged.")
+        raise
+
+
+def _repair(group: str, ops: FileOps) -> list[str]:
     if not os.path.isdir(group):
         what = "is a file, not a checkpoint directory" if os.path.exists(group) else "does not exist"
         raise CheckpointNotFoundError(

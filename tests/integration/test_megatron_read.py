@@ -352,6 +352,29 @@ def test_repair_checkpoint_refuses_a_path_that_is_not_a_committed_checkpoint(tmp
     assert fm.sync_tracker(os.path.join(root, "nothing-here")) is None
 
 
+@pytest.mark.parametrize("damage", ["cut short", "not a manifest"])
+def test_repair_checkpoint_of_a_damaged_manifest_names_the_file_and_the_fix(tmp_path, damage: str) -> None:
+    """repair_checkpoint on an iteration whose group manifest is damaged raised the parse error
+    alone: no fix. As sync_tracker's load of it does, it names the file, an earlier iteration to
+    load (the newest complete one) and `fastckpt verify`."""
+    root = str(tmp_path)
+    only = _group(root, 100)
+    manifest = os.path.join(only, P.GROUP_MANIFEST)
+    with open(manifest) as f:
+        text = f.read()
+    with open(manifest, "w") as f:
+        f.write(text[: len(text) // 2] if damage == "cut short" else '{"files": null}')
+    with pytest.raises(CorruptCheckpointError, match=re.escape(manifest)) as raised:
+        fm.repair_checkpoint(only)
+    notes = " ".join(getattr(raised.value, "__notes__", []))
+    assert f"Nothing was put back in {only}: load an earlier checkpoint, with --ckpt-step N" in notes, notes
+    assert f"({root} holds none)" in notes and f"`fastckpt verify {only}` names what is damaged" in notes
+    _group(root, 50)  # an earlier complete iteration: named
+    with pytest.raises(CorruptCheckpointError, match=re.escape(manifest)) as raised:
+        fm.repair_checkpoint(only)
+    assert "(the newest is 50)" in " ".join(raised.value.__notes__)
+
+
 def test_byte_range_and_view_of_a_non_contiguous_shard() -> None:
     base = torch.arange(30, dtype=torch.float32).reshape(10, 3)
     view = base.t()  # (3, 10), strides (1, 3)
