@@ -160,7 +160,7 @@ def test_simulated_ranks_in_one_process_agree_generation_after_generation(tmp_pa
 def test_sessions_of_one_store_never_repeat(store: dist.TCPStore) -> None:
     stop, got = threading.Event(), []
     for _ in range(3):
-        waits = S._Waits.of(store)
+        waits = S.Waits.of(store)
         ranks = [SS.Session(store, waits, r, 3, None) for r in range(3)]
         threads = [threading.Thread(target=s.join, args=(time.monotonic() + 30, stop, "g")) for s in ranks]
         for t in threads:
@@ -212,7 +212,7 @@ def test_a_joined_rank_whose_ask_outlives_two_rounds_is_not_answered_again(store
     # Rank 1's ask stays in the list for two rounds (each round's clearing lost to a late ask);
     # it joined in between: answering it again would leave an answer nobody reads or deletes.
     racy, stop = _LateAsks(store, 2), threading.Event()
-    rank0 = SS.Session(racy, S._Waits.of(store), 0, 3, None)
+    rank0 = SS.Session(racy, S.Waits.of(store), 0, 3, None)
     rank0.number = int(store.add("fastckpt/session/next", 1))
     rank0._groups.add("")  # as join(group="") would: the asks of no particular group
     store.append("fastckpt/session/3/asks", "1 n1\n")
@@ -234,7 +234,7 @@ def test_two_checkpointers_per_rank_each_agree_with_their_own_rank_0(store: dist
     # one store. Both rank-1 Checkpointers ask before either rank 0 serves: each rank 0 must
     # answer only the asks of the groups it commits, or the critic's rank 1 learns the actor's
     # session and its commits wait under keys its rank 0 never uses.
-    stop, waits = threading.Event(), S._Waits.of(store)
+    stop, waits = threading.Event(), S.Waits.of(store)
     actor, critic = (SS.group_digest(g) for g in ("/ckpt/actor/global_step5", "/ckpt/critic/global_step5"))
     r1 = {"actor": SS.Session(store, waits, 1, 2, None), "critic": SS.Session(store, waits, 1, 2, None)}
     asking = [threading.Thread(target=r1[name].join, args=(time.monotonic() + 30, stop, name),
@@ -322,7 +322,7 @@ def test_two_rank_0s_serving_at_once_never_take_each_others_wake_up(store: dist.
     # critic's rank 0 read the asks, and wakes it; the actor's rank 0 runs a round in between.
     # With one shared bell the actor's round deleted the critic's ring, and the critic's rank 0
     # slept through the ask until both commits timed out.
-    stop, waits = threading.Event(), S._Waits.of(store)
+    stop, waits = threading.Event(), S.Waits.of(store)
     actor, critic = (SS.group_digest(g) for g in ("/ckpt/actor/global_step5", "/ckpt/critic/global_step5"))
     a_store, b_go = _Gated(store, "/joined"), threading.Event()
     b_store = _Gated(store, "/joined", go=b_go)

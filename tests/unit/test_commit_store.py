@@ -210,7 +210,7 @@ def test_a_commit_waits_in_one_store_wait_unless_close_can_end_it_early(tmp_path
 
 
 def test_a_wait_ends_at_its_deadline_or_when_stopped() -> None:
-    waits = S._Waits.of(_CountingStore())
+    waits = S.Waits.of(_CountingStore())
     assert not waits.wait("never", time.monotonic() + 0.5, threading.Event(), None)
     stopped = threading.Event()
     stopped.set()

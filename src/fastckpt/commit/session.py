@@ -69,7 +69,7 @@ class Session:
 
     Args:
         store: the store every rank reaches.
-        waits: its blocking waits (``store._Waits``).
+        waits: its blocking waits (``waits.Waits``).
         rank, world: this rank and the number of ranks.
         slice_s: how often a blocking wait is re-armed to notice ``stop``; None: never.
     """

@@ -19,7 +19,7 @@ nothing behind. An attempt that fails because a rank died leaves ``claim``, ``ou
 
 Every call here is safe from any thread and none is a collective. A blocking ``wait`` holds
 its client connection for as long as it waits, so waits run on clones of the store
-(``Store.clone``, kept for reuse; ``_Waits``), never on the connection the training thread or
+(``Store.clone``, kept for reuse; ``waits.py``), never on the connection the training thread or
 the process group uses.
 
 Attempt numbers are each rank's own count of its attempts at a group within a session (the
@@ -34,16 +34,12 @@ from __future__ import annotations
 
 import json
 import threading
-import time
-import weakref
 from collections.abc import Callable
-from datetime import timedelta
-from typing import ClassVar
 
 from ..errors import CommitTimeoutError, FastCkptError
 from .session import Session, group_digest
+from .waits import WAIT_SLICE_S, Waits, store_errors
 
-WAIT_SLICE_S = 30.0  # how often a wait that close() may end early is re-armed, to notice it
 PUBLISHED, SUPERSEDED, FAILED, REMOVED = "published", "superseded", "failed", "removed"
 _ABSENT, ABORTED = "\x00absent", "aborted"  # ``_peek``'s expected value (never stored); a rank's save failed
 
@@ -60,105 +56,8 @@ def default_store() -> object | None:
         return None
 
 
-def _store_errors() -> tuple[type[BaseException], type[BaseException]]:
-    """(the error a ``wait`` that timed out raises, any store error)."""
-    import torch.distributed as dist
-
-    return dist.DistStoreError, dist.DistError
-
-
 class StoreError(FastCkptError, RuntimeError):
     """The store stopped answering (the process that hosts it ended)."""
-
-
-class _Waits:
-    """Blocking waits on one store, shared by every thread of this process.
-
-    A blocking ``wait`` holds its client connection, so each runs on a clone of the store (its
-    own connection), taken from a small free list and given back after; threads that wait for
-    the same key share one wait (simulated ranks in one process all wait for one outcome). A
-    store that cannot clone is polled with ``check`` instead.
-    """
-
-    _by_store: ClassVar[weakref.WeakKeyDictionary] = weakref.WeakKeyDictionary()  # store -> _Waits
-    _registry_lock: ClassVar[threading.Lock] = threading.Lock()
-
-    def __init__(self, store: object) -> None:
-        self._store = weakref.ref(store)  # the registry must not keep a store (and its server) alive
-        self._lock = threading.Lock()
-        self._free: list[object] = []
-        self._keys: dict[str, list] = {}  # key -> [Event, found]
-
-    @classmethod
-    def of(cls, store: object) -> _Waits:
-        with cls._registry_lock:
-            waits = cls._by_store.get(store)
-            if waits is None:
-                waits = cls._by_store[store] = cls(store)
-            return waits
-
-    def _conn(self, store: object) -> object | None:
-        with self._lock:
-            if self._free:
-                return self._free.pop()
-        try:
-            return store.clone()
-        except (RuntimeError, AttributeError, NotImplementedError):
-            return None
-
-    def _wait_once(self, key: str, slice_s: float) -> bool:
-        store = self._store()
-        if store is None:  # its Checkpointers are gone
-            return False
-        conn = self._conn(store)
-        if conn is None:  # no clone: poll this slice away
-            end = time.monotonic() + slice_s
-            while not store.check([key]):
-                if time.monotonic() >= end:
-                    return False
-                time.sleep(0.05)
-            return True
-        try:
-            conn.wait([key], timedelta(seconds=slice_s))
-            return True
-        except RuntimeError as exc:  # a TCPStore's timed-out wait: DistStoreError; a FileStore's: this text
-            if not isinstance(exc, _store_errors()[0]) and str(exc) != "Wait timeout":
-                raise
-            return False
-        finally:
-            with self._lock:
-                self._free.append(conn)
-
-    def wait(self, key: str, deadline: float, stop: threading.Event, slice_s: float | None) -> bool:
-        """Block until ``key`` exists; False at the deadline or once ``stop`` is set.
-
-        Each c10d ``wait`` that times out logs two warnings, so the wait is re-armed every
-        ``slice_s`` (noticing ``stop`` then) only where ``stop`` can come before the deadline;
-        ``slice_s=None``: one ``wait`` until the deadline.
-        """
-        while not stop.is_set():
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return False
-            with self._lock:
-                shared = self._keys.get(key)
-                lead = shared is None
-                if lead:
-                    shared = self._keys[key] = [threading.Event(), False]
-            if not lead:
-                shared[0].wait(min(left, WAIT_SLICE_S))  # a caller checks stop at least this often
-                if shared[1]:
-                    return True
-                continue
-            try:
-                shared[1] = self._wait_once(key, left if slice_s is None else min(left, slice_s))
-            finally:
-                with self._lock:
-                    del self._keys[key]
-                shared[0].set()
-            if shared[1]:
-                return True
-        return False
 
 
 class StoreLink:
@@ -174,7 +73,7 @@ class StoreLink:
     """
 
     def __init__(self, store: object, rank: int, world_size: int, slice_s: float | None = WAIT_SLICE_S) -> None:
-        self.store, self.rank, self.world, self.slice_s, self.waits = store, rank, world_size, slice_s, _Waits.of(store)
+        self.store, self.rank, self.world, self.slice_s, self.waits = store, rank, world_size, slice_s, Waits.of(store)
         self.agreed = Session(store, self.waits, rank, world_size, slice_s)
 
     def session(self) -> int:
@@ -228,7 +127,7 @@ class Channel:
         agreed, before = self._link.agreed, self._link.agreed.ops
         try:
             agreed.join(deadline, stop, self.group, poll, self._digest)
-        except _store_errors()[1] as exc:
+        except store_errors()[1] as exc:
             raise self._stopped(exc) from exc
         finally:
             self.ops += agreed.ops - before
@@ -254,7 +153,7 @@ class Channel:
         self.keys.add(name)
         try:
             return fn()
-        except _store_errors()[1] as exc:
+        except store_errors()[1] as exc:
             raise self._stopped(exc) from exc
 
     def _k(self, name: str) -> str:
