@@ -199,11 +199,11 @@ class Channel:
     def tell(self, outcome: str | None) -> None:
         """Rank 0: announce the outcome (None: a remover already did) and drop the keys only
         rank 0 reads."""
-        store = self._link.store
-        if outcome is not None:
-            self._op("outcome", lambda: store.set(self._k("outcome"), outcome), len(outcome))
+        store, again = self._link.store, self._link.waits.again  # the others wait on what it sets: a connection
+        if outcome is not None:  # reset under it (the store lives on) must not leave them to time out
+            self._op("outcome", lambda: again(store, lambda s: s.set(self._k("outcome"), outcome)), len(outcome))
         for name in ("files", "count", "ready"):
-            self._op(name, lambda name=name: store.delete_key(self._k(name)))
+            self._op(name, lambda name=name: again(store, lambda s: s.delete_key(self._k(name))))
 
     def hear(self, deadline: float, stop: threading.Event, label: str, timeout_s: float) -> str:
         """Other ranks: the outcome rank 0 announced; the last rank to hear it deletes the keys.

@@ -7,12 +7,15 @@ the process group uses.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from datetime import timedelta
 from typing import ClassVar
 
+log = logging.getLogger("fastckpt")
 WAIT_SLICE_S = 30.0  # how often a wait that close() may end early is re-armed, to notice it
 
 
@@ -57,6 +60,27 @@ class Waits:
             return store.clone()
         except (RuntimeError, AttributeError, NotImplementedError):
             return None
+
+    def again(self, store: object, call: Callable[[object], object]) -> object:
+        """``call(store)``; when that fails, once more on another connection to it (a clone): that
+        one connection may have been reset while the store lives on (hosted by torchrun's agent).
+        Only for calls that are safe to repeat (``set``, ``delete_key``).
+
+        Raises:
+            DistError: the clone failed too, or none could be made (the store is gone).
+        """
+        try:
+            return call(store)
+        except store_errors()[1] as exc:
+            conn = self._conn(store)
+            if conn is None:
+                raise
+            done = call(conn)  # (its error, if any, says that the store itself stopped answering)
+            with self._lock:
+                self._free.append(conn)
+            log.warning("fastckpt: a call to the torch.distributed store failed (%s); made again on another "
+                        "connection to it, which answered", exc)
+            return done
 
     def _wait_once(self, key: str, slice_s: float) -> bool:
         store = self._store()

@@ -1,0 +1,115 @@
+"""Rank 0 publishes a group, then its store connection fails as it tells the others (the store,
+hosted elsewhere as by torchrun's agent, lives on): the other ranks learn the outcome at once,
+not after waiting out commit_timeout_s twice and reporting a published group not committed.
+
+Two real processes in a gloo process group over a TCPStore the test hosts; the default process
+group's store is the Checkpointer's. The fault is injected in rank 0's process only: from its
+``set`` of the outcome on, every call on that one client connection fails with the error a
+reset connection raises (its clones, other connections to the same live store, still work).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+import fastckpt
+from fastckpt.commit import protocol as P
+
+REPO = Path(__file__).resolve().parents[2]
+COMMIT_TIMEOUT_S = 60  # rank 1 waited it (and its grace) twice, then reported the published group failed
+
+RANK = textwrap.dedent("""
+    import datetime, json, os, sys, time, torch, torch.distributed as dist, fastckpt
+
+    root, port, timeout_s, fault = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), sys.argv[4]
+    r = int(os.environ["RANK"])
+    client = dist.TCPStore("127.0.0.1", port, 2, False, timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group("gloo", store=client, rank=r, world_size=2)
+    t = torch.ones(1)
+    dist.all_reduce(t)  # a real gloo group over the store
+    assert t.item() == 2
+    store = dist.distributed_c10d._get_default_store()
+    fault, _, where = fault.partition(" ")
+    if r == 0:  # this connection of rank 0's resets as it tells the outcome (or: every one fails to tell it)
+        broken = []
+
+        def faulty(name):
+            real = getattr(dist.PrefixStore, name)
+
+            def call(self, *args):
+                told = name == "set" and args[0].endswith("/outcome") and args[1].startswith(fault)
+                if (where == "everywhere" and told) or (self is store and (broken or told)):
+                    broken.append(name)
+                    raise dist.DistNetworkError("Connection reset by peer (fault injected)")
+                return real(self, *args)
+            return call
+
+        for name in ("set", "get", "add", "append", "compare_set", "delete_key", "check", "wait"):
+            setattr(dist.PrefixStore, name, faulty(name))
+    ops = None
+    if r == 0 and fault == "failed":  # rank 0 cannot publish: the manifest's fsync fails (EIO)
+        import errno
+        from fastckpt.testing import Fault, FaultyOps
+        ops = FaultyOps([Fault("fsync", errno.EIO, path_contains="fastckpt-manifest.json")])
+    ck = fastckpt.Checkpointer(store=store, commit_timeout_s=timeout_s, io_threads=1, ops=ops)
+    g = f"{root}/step1"
+    ck.save({"w": torch.arange(1 << 12) + r, "step": 1}, f"{g}/rank{r}.pt", group=g).wait()
+    began = time.monotonic()
+    try:
+        ck.commit(g, step=1).wait()
+        said = "ok"
+    except Exception as exc:
+        said = f"{type(exc).__name__}: {exc}"
+    print(json.dumps({"said": said, "took_s": time.monotonic() - began}), flush=True)
+    ck.close()
+    os._exit(0)  # (the process group's teardown would use rank 0's reset connection)
+""")
+
+
+def _start(rank: int, root: Path, port: int, fault: str, timeout_s: float) -> subprocess.Popen:
+    env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "src"), env.get("PYTHONPATH", "")])
+    return subprocess.Popen([sys.executable, "-c", RANK, str(root), str(port), str(timeout_s), fault],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.parametrize("fault", ["published", "failed"])
+def test_the_others_learn_the_outcome_when_rank_0_cannot_tell_it(tmp_path: Path, fault: str) -> None:
+    """Before: rank 1 waited commit_timeout_s and its grace twice (132 s here), then raised "rank 0
+    did not publish the group" for a group rank 0 had published, or without rank 0's cause for
+    one it failed to publish."""
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
+    procs = [_start(r, tmp_path, store.port, fault, COMMIT_TIMEOUT_S) for r in (0, 1)]
+    guard = threading.Timer(400, lambda: [p.kill() for p in procs])  # a hung rank must not hang the suite
+    guard.start()
+    try:
+        outs = [p.communicate(timeout=420) for p in procs]
+    finally:
+        guard.cancel()
+    said = _said(outs)
+    assert "made again on another connection to it, which answered" in outs[0][1], outs[0][1][-3000:]
+    assert said[1]["took_s"] < COMMIT_TIMEOUT_S / 2, said[1]  # at once, not after commit_timeout_s
+    if fault == "published":
+        assert said[0]["said"] == said[1]["said"] == "ok", said
+        assert fastckpt.latest(str(tmp_path)) == f"{tmp_path}/step1"
+        return
+    assert said[0]["said"].startswith("ReplicationError: publish of ") and "Input/output error" in said[0]["said"], said
+    assert said[1]["said"].startswith("CommitTimeoutError: ") and "rank 0 could not publish it" in said[1]["said"]
+    assert "Input/output error" in said[1]["said"], said[1]  # rank 0's cause
+    assert not (tmp_path / "step1" / P.GROUP_MANIFEST).exists() and fastckpt.latest(str(tmp_path)) is None
+
+
+def _said(outs: list[tuple[str, str]]) -> dict[int, dict]:
+    return {r: json.loads(out.splitlines()[-1]) if out.strip() else {"said": err[-3000:]}
+            for r, (out, err) in enumerate(outs)}
+
