@@ -113,3 +113,19 @@ def _said(outs: list[tuple[str, str]]) -> dict[int, dict]:
     return {r: json.loads(out.splitlines()[-1]) if out.strip() else {"said": err[-3000:]}
             for r, (out, err) in enumerate(outs)}
 
+
+def test_the_others_read_the_manifest_when_no_connection_of_rank_0_can_tell_them(tmp_path: Path) -> None:
+    """Every connection of rank 0's fails to set the outcome of the group it published (the store
+    lives on): rank 1 waited commit_timeout_s and its grace twice, then said "rank 0 did not publish
+    the group". Rank 0 holds the attempt's claim, so at its deadline rank 1 reads the group's
+    manifest: this attempt's, with its files, and latest names it: published."""
+    timeout_s = 8.0  # rank 1 waits 9 s (its grace: 1 s) for the outcome, then reads the manifest
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
+    procs = [_start(r, tmp_path, store.port, "published everywhere", timeout_s) for r in (0, 1)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    said = _said(outs)
+    assert said[0]["said"] == "ok", outs[0][1][-3000:]
+    assert "before the other ranks were told" in outs[0][1]  # rank 0's warning: they learn it from the manifest
+    assert said[1]["said"] == "ok", said[1]
+    assert said[1]["took_s"] < 2 * timeout_s, said[1]  # at its deadline, not after a second wait
+    assert fastckpt.latest(str(tmp_path)) == f"{tmp_path}/step1"

@@ -1,6 +1,6 @@
 """A rank whose commit gave up waiting for rank 0's verdict has reported the group not
 committed: a rank 0 that was only late must not publish that attempt afterwards
-(``attempt._verdict`` with a store, ``fallback.wait_for_manifest`` without one). Else the
+(``verdict.verdict`` with a store, ``fallback.wait_for_manifest`` without one). Else the
 rank's next save of the group, in place while it is unpublished, replaces a file that the late
 manifest names with the old checksum: a published checkpoint that fails verification.
 

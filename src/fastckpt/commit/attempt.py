@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from ..errors import CheckpointWriteError, CommitTimeoutError, CorruptCheckpointError, GroupRemovedError
+from ..errors import CheckpointWriteError, CommitTimeoutError, GroupRemovedError
 from ..io import atomic
 from ..records import SaveHandle, SaveRecord
 from ..storage.places import Place
@@ -26,6 +26,7 @@ from . import protocol as P
 from . import resave
 from . import store as S
 from .foreign import group_step
+from .verdict import manifest_of, verdict
 
 log = logging.getLogger("fastckpt")
 LOCAL_WAIT_S = 10.0  # how long a rank waits for its node's copy of a manifest before reading it itself
@@ -131,7 +132,7 @@ def via_store(att: Attempt, ch: S.Channel, rank: int, world: int, files: dict, s
     att.token = ch.token
     ch.announce(rank, {"files": files, "superseded": superseded, "place": att.place.key, **att.steps})
     if rank != 0:
-        said = _verdict(att, ch, rank, files, deadline, stop, waited_s)
+        said = verdict(att, ch, rank, files, deadline, stop, waited_s)
         kind, _, rest = said.partition(":")
         if kind == S.PUBLISHED:
             return Ended(None, int(rest or 0))
@@ -161,7 +162,7 @@ def via_store(att: Attempt, ch: S.Channel, rank: int, world: int, files: dict, s
         ch.tell(None)
         if won.startswith(S.ABORTED + ":"):
             raise E.aborted_error(att.home.label, won.partition(":")[2])
-        if won.startswith(S.FAILED + ":"):  # a rank gave up waiting (``_verdict``)
+        if won.startswith(S.FAILED + ":"):  # a rank gave up waiting (``verdict``)
             err = CommitTimeoutError(won.partition(":")[2])
             C.note_held_up(err, entries, world)
             raise err
@@ -177,7 +178,7 @@ def via_store(att: Attempt, ch: S.Channel, rank: int, world: int, files: dict, s
     total = sum(f["size"] for f in manifest["files"].values())
     try:
         ch.tell(f"{S.PUBLISHED}:{total}")
-    except S.StoreError as exc:  # published (and latest moved): the others read it from the manifest (``_verdict``)
+    except S.StoreError as exc:  # published (and latest moved): the others read it from the manifest (``verdict``)
         log.warning("fastckpt: checkpoint group %s is published, but the torch.distributed store stopped answering "
                     "(%s) before the other ranks were told; they learn the outcome from the group's manifest",
                     att.home.label, exc.__cause__ or exc)
@@ -194,34 +195,6 @@ def _elsewhere(att: Attempt, entries: dict[int, dict]) -> str | None:
             f"{att.place.label}: the group was removed (retention: keep_persistent; or remove()) or published "
             "after some ranks had begun saving into it, so they disagree on where it lives, and nothing of it "
             "is published. Its next save on every rank starts from one state and commits")
-
-
-def _verdict(att: Attempt, ch: S.Channel, rank: int, files: dict, deadline: float, stop: threading.Event,
-             waited_s: float) -> str:
-    """Another rank: rank 0's outcome of the attempt. One not in time ends the attempt on every rank
-    (``Channel.give_up``) before this rank reports it not committed (else a late rank 0 would still publish it, with
-    files this rank's next save may overwrite in place), unless rank 0 claimed it first: then its outcome is waited
-    for once more. When the store stops answering (rank 0's process hosted it), the home's manifest tells (this
-    attempt's id, which a new launch's store gives again, and this rank's files by checksum), once latest names it."""
-    try:
-        try:
-            return ch.hear(deadline, stop, att.home.label, waited_s)
-        except CommitTimeoutError as exc:
-            try:
-                ended = ch.give_up(C.gave_up_why(att.home.label, rank, waited_s))
-            except S.StoreError as store_exc:
-                exc.add_note(f"the other ranks were not told: {store_exc}")
-                raise exc from None
-            if ended:
-                raise
-        return ch.hear(time.monotonic() + waited_s, stop, att.home.label, waited_s)
-    except S.StoreError as exc:
-        m = _manifest_of(att.home, att.token, unreadable=OSError) or {"files": {}}
-        if not files or any(m["files"].get(rel, {}).get("checksum") != f.get("checksum") for rel, f in files.items()):
-            raise
-        if P.never_latest(att.place, m):  # rank 0 ended between the manifest and latest: a restart redoes the group
-            raise S.StoreError(f"{exc} Rank 0 published its manifest, not latest: it is not committed") from exc
-        return f"{S.PUBLISHED}:{sum(f['size'] for f in m['files'].values())}"
 
 
 def via_storage(att: Attempt, rank: int, world: int, files: dict, superseded: bool, extra: dict,
@@ -338,18 +311,10 @@ def publish_local(att: Attempt, local: Place, manifest: dict | None, stop: threa
         if not C.claim_local(local, f"{P.MARKER_DIR}/fetch-{att.token}"):  # another rank of this node fetches it
             F.poll(lambda: True if local.size(P.GROUP_MANIFEST) >= 0 else None, time.monotonic() + LOCAL_WAIT_S,
                    stop)  # a stat per poll: the manifest is parsed once, when it is there
-            if _manifest_of(local, att.token) is not None:
+            if manifest_of(local, att.token) is not None:
                 return
         manifest = P.read_group_manifest(att.home)
         if manifest is None or manifest.get("attempt") != att.token:
             return  # a newer attempt already replaced it (or it was removed): nothing to vouch for
     # the claim stays (deleting it races the others); no makedirs: a trimmed copy is not brought back
     atomic.publish_bytes(local.target.ops, local.url(P.GROUP_MANIFEST), P.manifest_bytes(manifest))
-
-
-def _manifest_of(place: Place, token: str | None, unreadable: type[Exception] = CorruptCheckpointError) -> dict | None:
-    try:
-        m = P.read_group_manifest(place)
-    except (CorruptCheckpointError, unreadable):
-        return None
-    return m if m is not None and m.get("attempt") == token else None
