@@ -279,9 +279,9 @@ class FaultyOps(FileOps):
         self._guard("link", src, dst)
         super().link(src, dst)
 
-    def utime(self, path: str) -> None:
+    def utime(self, path: str, ns: int) -> None:
         self._guard("utime", path)
-        super().utime(path)
+        super().utime(path, ns)
 
     def unlink(self, path: str) -> None:
         self._guard("unlink", path)

@@ -29,7 +29,7 @@ from concurrent import futures
 from contextlib import contextmanager
 
 from ..exits import abandon_at_exit
-from .ops import FileOps
+from .ops import FileOps, final_mtime_ns
 
 log = logging.getLogger(__name__)
 TMP_TAG = ".fastckpt-tmp-"
@@ -224,6 +224,16 @@ class Staged:
         self.ops, self.dest, self.tmp = ops, dest, tmp_name(dest)
         self.renamed = False
         self._unlink_later = unlink_later
+
+    def stamp(self) -> None:
+        """Date ``tmp`` as final now (``ops.final_mtime_ns``), just before ``commit``: the rename
+        keeps it, so files made final one after another are ordered by mtime. A failure costs only
+        that order: a WARNING, and the file is published all the same."""
+        try:
+            self.ops.utime(self.tmp, final_mtime_ns())
+        except OSError as exc:
+            log.warning("fastckpt: could not set the modification time of %s (%s): a reader that takes the newest "
+                        "file by mtime may pick a file made final before it", self.dest, exc)
 
     def commit(self) -> None:
         old = None

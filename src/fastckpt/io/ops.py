@@ -16,6 +16,8 @@ import ctypes
 import errno
 import mmap
 import os
+import threading
+import time
 from typing import Self
 
 _RWF_NOWAIT = getattr(os, "RWF_NOWAIT", 0)
@@ -37,6 +39,27 @@ _munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
 _LOW_BIT = bytes(i & 1 for i in range(256))
 _IOV_MAX = 1024  # buffers one preadv takes (POSIX's minimum for IOV_MAX is 16; Linux's is 1024)
+#: Nanoseconds between two final-file times (``final_mtime_ns``): 2 µs, so that they stay apart in
+#: a float ``st_mtime`` rounded to microseconds, which is what Lightning compares (a ``datetime``)
+FINAL_MTIME_STEP_NS = 2_000
+_final_lock = threading.Lock()
+_final_ns = 0
+
+
+def final_mtime_ns() -> int:
+    """The modification time for a file about to become final at its path: now, on the fine
+    clock, and later than every time this process gave before (``FINAL_MTIME_STEP_NS``).
+
+    Why: readers take "the newest" file by mtime (Lightning's ``ckpt_path="last"``), but the
+    kernel dates a write by its coarse clock, a tick of milliseconds: two files made final one
+    after another (two ``last.ckpt``s of two ``ModelCheckpoint``s) got the same mtime, and the
+    reader picked either. Every file fastckpt makes final on a file system (a direct write, a
+    copy to a POSIX home) is dated by this, just before its rename, so their mtimes follow the
+    order they became final in."""
+    global _final_ns
+    with _final_lock:
+        _final_ns = max(time.time_ns(), _final_ns + FINAL_MTIME_STEP_NS)
+        return _final_ns
 
 
 def malloc_trim() -> bool:
@@ -185,9 +208,9 @@ class FileOps:
     def link(self, src: str, dst: str) -> None:
         os.link(src, dst)
 
-    def utime(self, path: str) -> None:
-        """Set ``path``'s modification time to now."""
-        os.utime(path)
+    def utime(self, path: str, ns: int) -> None:
+        """Set ``path``'s access and modification times to ``ns`` (nanoseconds since the epoch)."""
+        os.utime(path, ns=(ns, ns))
 
     def makedirs(self, path: str) -> None:
         os.makedirs(path, exist_ok=True)

@@ -4,8 +4,9 @@
 written in order); its chunks run on the I/O pool. ``gds_write`` runs on the training thread
 (the GPU tensors are read in place) and ``gds_finish`` on the writer thread. Each file goes
 through ``io.atomic``'s recipe, timed as two phases: "write" (bytes written and fsynced) and
-"commit" (renamed into place, directory fsynced). The file carries its manifest in its zip
-comment (``format.manifest``), computed from the checksum of the bytes just written.
+"commit" (a file at its own path dated as final, ``Staged.stamp``; renamed into place, directory
+fsynced). The file carries its manifest in its zip comment (``format.manifest``), computed from
+the checksum of the bytes just written.
 """
 
 from __future__ import annotations
@@ -146,7 +147,8 @@ class FileWriter:
         try:  # a prefetch's download lands in the burst buffer only under its directory's lock: load.prefetch
             if turn is not None and not local:  # final at its path once the files saved before it are
                 turn()
-                self._stamp(st)
+            if not local:  # dated as final now, after theirs: written at once, its bytes may be older
+                st.stamp()
             with dir_lock(os.path.dirname(st.dest), shared=True) if local else contextlib.nullcontext():
                 st.commit()
         except BaseException as exc:
@@ -156,16 +158,6 @@ class FileWriter:
         return replace(base, bytes=res.bytes, write_s=write_s, commit_s=commit_s,
                        durable_s=None if local else commit_s, local_durable_s=commit_s if local else None,
                        checksum=res.checksum, odirect=res.odirect, odirect_reason=res.odirect_reason)
-
-    def _stamp(self, st: Staged) -> None:
-        """Its mtime is now, after the files saved before it became final: written at once, its
-        bytes are older than theirs, and a reader that takes the newest file by mtime (Lightning's
-        ``ckpt_path="last"``) would pick an earlier save. A failure costs only that order: said."""
-        try:
-            self._ops.utime(st.tmp)
-        except OSError as exc:
-            log.warning("fastckpt: could not set the modification time of %s (%s): a reader that takes the newest "
-                        "file by mtime may pick a file saved before it", st.dest, exc)
 
     def _raise(self, exc: BaseException, base: SaveRecord, dest: str, renamed: bool = False) -> None:
         """Raise the failure of writing ``dest`` for ``base.path``, naming the drive written."""

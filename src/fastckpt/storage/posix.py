@@ -5,8 +5,10 @@ rename over the final name, fsync the directory. With ``expect`` (the replicator
 committed checkpoints) the copy runs in parallel chunks and every chunk is read back with
 O_DIRECT right after it is written (from the device, not the page cache) and hashed: the file
 is renamed into place only when the bytes read back hash to the manifest's checksum, so a file
-visible here is complete and verified (``mounted``). All system calls go through a ``FileOps``
-so that tests can inject ENOSPC, EIO, failed fsyncs or renames (``fastckpt.testing.FaultyOps``).
+visible here is complete and verified (``mounted``). Just before the rename the temp file is
+dated as final (``Staged.stamp``), so files copied one after another keep that order by mtime.
+All system calls go through a ``FileOps`` so that tests can inject ENOSPC, EIO, failed fsyncs or
+renames (``fastckpt.testing.FaultyOps``).
 """
 
 from __future__ import annotations
@@ -167,6 +169,7 @@ class PosixTarget(Target):
                         log.warning("%s: copy %d read back as %s, expected %s; copying again", what, attempt,
                                     back, expect.xxh3)
                         raise _CopyAgain  # the temp file is discarded on the way out
+                    st.stamp()  # its mtime: now, not its last write's (``io.ops.final_mtime_ns``)
                 return attempt
             except _CopyAgain:
                 continue
@@ -227,6 +230,7 @@ class PosixTarget(Target):
                 self.ops.fsync(fd)
             finally:
                 self.ops.close(fd)
+            st.stamp()
 
     # ------------------------------------------------------------------ reading
     def _read_back(self, key: str, covered: int, limiter: TokenBucket | None) -> str:
