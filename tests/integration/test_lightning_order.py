@@ -5,6 +5,9 @@ top-k file as its ``best_model_path``. With two replication workers ``last.ckpt`
 and a kill then left it naming a file that never arrived. The home rename of ``step=1.ckpt`` is
 held (FaultyOps hook) until ``last.ckpt`` is queued: it must wait behind it, and when it lands
 its best file must already be there.
+
+Two ``ModelCheckpoint``s' last files, made final back to back, must differ in mtime, newer state
+newer (``io.ops.final_mtime_ns``), in both the direct and the burst-buffer mode.
 """
 
 from __future__ import annotations
@@ -13,8 +16,10 @@ import os
 import threading
 
 import lightning as L
+import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.demos.boring_classes import BoringModel
 
 from fastckpt.integrations.lightning import FastCkptIO
 from fastckpt.io.atomic import final_path
@@ -50,3 +55,30 @@ def test_last_ckpt_lands_only_after_the_top_k_file_it_names(tmp_path) -> None:  
     ck = torch.load(last, weights_only=False)
     best = next(v for k, v in ck["callbacks"].items() if k.startswith("ModelCheckpoint"))["best_model_path"]
     assert os.path.exists(best)
+
+
+def _two_last_files(root: str, local_dir: str | None) -> L.Trainer:
+    """Two ``ModelCheckpoint``s with last files: ``a/last.ckpt`` every 2 steps (its newest at step
+    14), ``b/last.ckpt`` at each epoch's end, a link to the step-15 file."""
+    cbs = [ModelCheckpoint(dirpath=f"{root}/a", every_n_train_steps=2, save_last=True),
+           ModelCheckpoint(dirpath=f"{root}/b", every_n_epochs=1, save_last="link")]
+    return L.Trainer(max_epochs=3, limit_train_batches=5, limit_val_batches=2, callbacks=cbs,
+                     plugins=[FastCkptIO(local_dir=local_dir)], logger=False, enable_progress_bar=False,
+                     enable_model_summary=False, accelerator="cpu")
+
+
+@pytest.mark.parametrize("local", [False, True], ids=["direct", "burst-buffer"])
+def test_the_newer_of_two_last_files_has_the_newer_mtime(tmp_path, local) -> None:  # noqa: ANN001
+    """``ckpt_path="last"`` takes the newest mtime among every callback's last files (a tie goes
+    to either). The two were made final back to back, and the kernel's coarse clock gave them the
+    same mtime in about half the fits here (both modes): a resume could start from step 14. Six
+    fits (all six passed on the old code about once in a hundred); the last one is resumed from."""
+    for fit in range(6):
+        root, nvme = str(tmp_path / f"fit{fit}"), str(tmp_path / f"nvme{fit}") if local else None
+        _two_last_files(root, nvme).fit(BoringModel())
+        a, b = f"{root}/a/last.ckpt", f"{root}/b/last.ckpt"
+        assert [torch.load(p, weights_only=True)["global_step"] for p in (a, b)] == [14, 15]
+        assert os.stat(a).st_mtime_ns < os.stat(b).st_mtime_ns, fit
+    resumed = _two_last_files(root, nvme)
+    resumed.fit(BoringModel(), ckpt_path="last")
+    assert resumed.ckpt_path == b and resumed.global_step == 15
