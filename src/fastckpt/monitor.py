@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import heapq
 import logging
 import math
 import threading
@@ -133,7 +134,10 @@ def crossing(over: bool, share: float, budget: float) -> tuple[bool, bool]:
 class BlockedWindow:
     """The blocked share of the last ``window_s`` seconds, one rule for the live ``Monitor`` and
     its replay from an event log: each save's blocked time counts as the span from its start (a
-    save blocked longer than the window fills it), the part inside the window."""
+    save blocked longer than the window fills it), the part inside the window. The window reaches
+    back at least to the end of the save before the newest (the one that ended second last), so
+    it always spans a whole interval between saves: saves further apart than ``window_s`` count
+    one save's blocked time over their interval, not over the window (docs/overhead.md)."""
 
     def __init__(self, window_s: float) -> None:
         self.window_s = window_s
@@ -141,14 +145,21 @@ class BlockedWindow:
         self._sum = 0.0  # _recent's blocked seconds, kept as it changes (summing each time was quadratic)
 
     def add(self, start: float, blocked: float) -> None:
-        """Saves may be recorded out of start order (a lazy copy ends after a later save)."""
-        bisect.insort(self._recent, (start, blocked))
+        """Saves may be recorded out of start order (a lazy save's copy ends after a later save);
+        blocked time added to a save recorded already (same ``start``) extends that save."""
+        i = bisect.bisect_left(self._recent, (start,))
+        if i < len(self._recent) and self._recent[i][0] == start:
+            self._recent[i] = (start, self._recent[i][1] + blocked)
+        else:
+            self._recent.insert(i, (start, blocked))
         self._sum += blocked
 
     def share(self, now: float, t0: float) -> float:
         """The share at ``now``; ``t0``: when the run began (a run shorter than the window counts
         from there)."""
-        cut = now - self.window_s
+        ends = heapq.nlargest(2, (s + b for s, b in self._recent))
+        # the second-last end only grows: a save dropped here is never inside a later window
+        cut = min(now - self.window_s, ends[-1]) if len(ends) > 1 else now - self.window_s
         gone = 0
         while gone < len(self._recent) and sum(self._recent[gone]) < cut:
             self._sum -= self._recent[gone][1]
@@ -161,7 +172,7 @@ class BlockedWindow:
             if s >= cut:
                 break
             before += min(b, cut - s)
-        span = min(self.window_s, now - t0)
+        span = now - max(cut, t0)
         return min(max(self._sum - before, 0.0) / span, 1.0) if span > 0 else 0.0
 
 

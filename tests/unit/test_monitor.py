@@ -124,13 +124,23 @@ def test_a_save_that_waits_for_the_previous_write_is_counted_as_waiting(tmp_path
 
 def test_a_save_blocked_longer_than_the_window_fills_it() -> None:
     """The window kept only saves that started inside it: a save that blocked the whole window
-    (and ended just now) counted 0 % there, and the alarm stayed silent."""
+    (and ended just now, begun as the save before it ended) counted 0 % there, and the alarm
+    stayed silent."""
     m = Monitor(0.3, 0.2)
     now = time.monotonic()
     m._t0 = now - 10.0
-    m.record_blocked(now - 9.0, 0.001, 1000)
+    m.record_blocked(now - 0.601, 0.001, 1000)
     m.record_blocked(time.monotonic() - 0.6, 0.6, 1000)  # began 0.6 s ago, blocked until now
     assert m._window.share(time.monotonic(), m._t0) > 0.95 and m.over and m.alarms == 1
+
+
+def _window_share(saves: list[tuple[float, float]], now: float, window_s: float, t0: float) -> float:
+    """The window's rule written out: the blocked time (each save's span from its start) inside
+    the last ``window_s`` seconds, or since the save that ended second last if that is longer."""
+    ends = sorted(s + b for s, b in saves)
+    cut = min(now - window_s, ends[-2]) if len(ends) > 1 else now - window_s
+    span = now - max(cut, t0)
+    return min(sum(max(0.0, b - max(0.0, cut - s)) for s, b in saves) / span, 1.0) if span > 0 else 0.0
 
 
 def test_the_window_is_one_rule_for_the_monitor_and_its_replay() -> None:
@@ -147,8 +157,7 @@ def test_the_window_is_one_rule_for_the_monitor_and_its_replay() -> None:
         t += blocked
         replay.record(t - blocked, blocked, t)
         now = t = t + rng.uniform(0.0, 2.0)  # the clock never goes back
-        cut, span = now - window_s, min(window_s, now - saves[0][0])
-        want = min(sum(max(0.0, b - max(0.0, cut - s)) for s, b in saves) / span, 1.0)
+        want = _window_share(saves, now, window_s, saves[0][0])
         assert abs(live.share(now, saves[0][0]) - want) < 1e-9
         assert abs(replay.window(now) - want) < 1e-9
 
@@ -168,8 +177,7 @@ def test_the_window_takes_saves_recorded_out_of_start_order() -> None:
             live.add(*save)
             recorded.append(save)
         now = t = t + rng.uniform(0.0, 2.0)
-        cut, span = now - window_s, min(window_s, now - 100.0)
-        want = min(sum(max(0.0, b - max(0.0, cut - s)) for s, b in recorded) / span, 1.0)
+        want = _window_share(recorded, now, window_s, 100.0)
         assert abs(live.share(now, 100.0) - want) < 1e-9
 
 
@@ -205,3 +213,55 @@ def test_a_raising_overhead_callback_loses_no_save(tmp_path, caplog) -> None:
     (err,) = [r for r in caplog.records if r.levelno == logging.ERROR]
     assert "on_overhead_exceeded raised RuntimeError('metrics push failed')" in err.getMessage()
     assert err.exc_info is not None
+
+
+def test_saves_further_apart_than_the_window_are_measured_over_their_interval(caplog) -> None:
+    """One save every 30 min blocking 15 s (0.83 %) under a 2 % budget and a 10 min window: right
+    after each save the window held that save alone, 15 s / 600 s = 2.5 %, and the alarm fired on
+    every run of this shape, advising "save every >= 13 min" to a run that saved every 30."""
+    reports: list[OverheadReport] = []
+    m = Monitor(0.02, 600.0, reports.append)
+    now = time.monotonic()
+    m._t0 = now - 3 * 1800.0
+    with caplog.at_level(logging.WARNING, logger="fastckpt"):
+        for k in (2, 1, 0):  # the newest ends just now
+            m.record_blocked(now - k * 1800.0 - 15.0, 15.0, 1 << 30)
+    st = m.stats(0)
+    assert not st.over_budget and st.alarms == 0 and reports == [] and caplog.records == []
+    assert abs(st.window_overhead - 15.0 / 1800.0) < 1e-3  # one save's blocked time over its interval
+
+
+def test_a_burst_of_saves_inside_the_window_still_raises_the_alarm() -> None:
+    """The window's purpose: sparse saves (0.83 %), then a burst of them (each 5 s, 15 s apart)
+    that the run's overhead hides (well under 2 %) but the window catches at its first save."""
+    reports: list[OverheadReport] = []
+    m = Monitor(0.02, 600.0, reports.append)
+    now = time.monotonic()
+    m._t0 = now - 3 * 1800.0 - 60.0
+    for k in (2, 1, 0):
+        m.record_blocked(now - 60.0 - k * 1800.0 - 15.0, 15.0, 1 << 30)
+    assert not m.over
+    m.record_blocked(now - 45.0, 5.0, 1 << 30)  # (15 s + 5 s) / 600 s in the window
+    assert m.over and m.alarms == 1 and len(reports) == 1
+    assert reports[0].overhead < 0.02 < reports[0].window_overhead
+
+
+def test_the_replayed_window_measures_sparse_saves_over_their_interval() -> None:
+    """``fastckpt report`` and ``serve-metrics`` replay the same rule: no alarm there either."""
+    replay = OverheadReplay(0.02, 600.0)
+    for k in range(1, 7):
+        replay.record(k * 1800.0 - 15.0, 15.0, k * 1800.0)
+    assert replay.alarms == 0 and not replay.over
+    assert [round(p.window_overhead, 6) for p in replay.points] == [round(15.0 / 1800.0, 6)] * 5
+
+
+def test_blocked_time_added_to_a_save_extends_it() -> None:
+    """A lazy file of a ``one_save()`` block whose copy ends after the block closed adds its time
+    to the block's save (same start): one save, so the window still reaches the save before."""
+    parts, whole = BlockedWindow(600.0), BlockedWindow(600.0)
+    for w in (parts, whole):
+        w.add(0.0, 10.0)
+    parts.add(1800.0, 5.0)
+    parts.add(1800.0, 10.0)
+    whole.add(1800.0, 15.0)
+    assert parts.share(1815.0, 0.0) == whole.share(1815.0, 0.0) == 15.0 / 1805.0

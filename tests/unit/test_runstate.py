@@ -342,7 +342,7 @@ def test_a_group_commit_read_before_its_files_replication_still_ends_them() -> N
 
 def test_the_replayed_window_counts_a_save_blocked_longer_than_it() -> None:
     rs = RunState(budget=0.3, window_s=0.2)
-    rs.feed(_ev("snapshot", 0.0, 0.001, "/h/a.pt", tier="direct"))
+    rs.feed(_ev("snapshot", 9.3, 9.4, "/h/a.pt", tier="direct"))
     rs.feed(_ev("snapshot", 9.4, 10.0, "/h/b.pt", tier="direct"))  # blocked 0.6 s, the window's 0.2 s and more
     assert rs.overhead_points(0)[-1].window_overhead == pytest.approx(1.0)
     assert rs.alarms(0) == 1
