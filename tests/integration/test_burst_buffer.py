@@ -392,6 +392,17 @@ def test_bandwidth_cap_bounds_replication_rate(tmp_path) -> None:
     assert rec.durable_s - rec.local_durable_s >= 0.9 * (size - (16 << 20)) / cap
 
 
+def test_bandwidth_cap_bounds_a_checkpoint_smaller_than_a_chunk(tmp_path) -> None:
+    """The cap's burst was a whole chunk (64 MiB): a checkpoint up to that size replicated at full
+    speed whatever the cap. Now it is one second's worth: 2 MiB under 1 MB/s passes 1 MB at once,
+    and the rest of the copy, then its read-back, are paced by the cap."""
+    cap = 1e6
+    with fastckpt.Checkpointer(local_dir=str(tmp_path / "nvme"), replicate_bandwidth_Bps=cap) as ck:
+        rec = ck.save({"w": torch.zeros(2 << 20, dtype=torch.uint8)}, str(tmp_path / "t" / "small.pt")).wait()
+    assert rec.bytes > 2 << 20
+    assert rec.durable_s - rec.local_durable_s >= (2 * rec.bytes - cap) / cap  # copy + read-back, less the burst
+
+
 def test_url_without_local_dir_is_refused(tmp_path) -> None:
     with fastckpt.Checkpointer() as ck, pytest.raises(fastckpt.ConfigError, match="local_dir"):
         ck.save(_state(1), "s3://bucket/x.pt")

@@ -41,7 +41,7 @@ from ..config import CheckpointerConfig
 from ..errors import CheckpointWriteError, CorruptCheckpointError, ReplicationError
 from ..records import SaveRecord
 from ..storage.homes import Homes
-from ..storage.types import Expected, TokenBucket
+from ..storage.types import Expected, as_limiter
 from .behind import Behind
 from .localcopy import local_manifest, replaced_by_newer
 from .ordering import CallOrder, Turn
@@ -85,9 +85,7 @@ class Replicator:
         self._behind = Behind()
         self._order = CallOrder(self._cv)
         self.failures = 0
-        self._bucket = None
-        if cfg.replicate_bandwidth_Bps:
-            self._bucket = TokenBucket(cfg.replicate_bandwidth_Bps, burst_bytes=cfg.chunk_bytes)
+        self._bucket = as_limiter(cfg.replicate_bandwidth_Bps, cfg.chunk_bytes)  # shared by every copy and read-back
 
     # ------------------------------------------------------------------ queue
     def turn(self, single: bool) -> Turn | None:

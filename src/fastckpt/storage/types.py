@@ -203,7 +203,11 @@ class Progress:
             self.retries += 1
 
 
-def as_limiter(bandwidth_Bps: float | TokenBucket | None, burst_bytes: int) -> TokenBucket | None:
+def as_limiter(bandwidth_Bps: float | TokenBucket | None, chunk_bytes: int) -> TokenBucket | None:
+    """A cap of ``bandwidth_Bps`` bytes/s on transfers of ``chunk_bytes`` at a time (a bucket: as
+    it is). Its burst, what may pass at once after an idle spell, is one second's worth, at most
+    one chunk: a burst of a whole chunk let a checkpoint up to a chunk (64 MiB) through at full
+    speed whatever the cap. A request larger than the burst waits its excess out (``consume``)."""
     if bandwidth_Bps is None or isinstance(bandwidth_Bps, TokenBucket):
         return bandwidth_Bps
-    return TokenBucket(bandwidth_Bps, burst_bytes=burst_bytes)
+    return TokenBucket(bandwidth_Bps, burst_bytes=max(1, min(chunk_bytes, int(bandwidth_Bps))))
