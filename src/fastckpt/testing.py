@@ -25,6 +25,10 @@ makes it) until ``Gate.open()``; ``Gate.wait_entered()`` lets a test know a call
 of concurrency (``when_busy``, mutation after save), never ``time.sleep``.
 
 All methods are thread-safe: pwrite, preadv and fsync run on I/O worker threads.
+
+Killing: ``as_if_killed(ck)`` takes a Checkpointer's process as dead while the test goes on in
+this one, so that a new Checkpointer of the same rank (the restarted process) may save into the
+groups the old one left open (docs/groups.md: one Checkpointer per group and rank in a process).
 """
 
 from __future__ import annotations
@@ -35,14 +39,21 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from .commit import owners
 from .io.atomic import final_path
 from .io.ops import FileOps, Residency
 
-__all__ = ["Fault", "FaultyOps", "Gate", "OPS"]
+__all__ = ["Fault", "FaultyOps", "Gate", "OPS", "as_if_killed"]
 
 OPS = ("open", "pwrite", "preadv", "fsync", "ftruncate", "replace", "unlink", "rmdir", "fsync_dir", "makedirs",
        "write_small", "exchange", "link", "map_private", "utime",
        "scandir")
+
+
+def as_if_killed(checkpointer: object) -> None:
+    """``checkpointer`` (left open, as a killed process leaves it) no longer holds the groups it
+    began: a new Checkpointer of the same rank in this process may save into them (``commit/owners.py``)."""
+    owners.release(checkpointer._coordinator)  # type: ignore[attr-defined]
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ import torch
 import fastckpt
 from fastckpt.commit import protocol as P
 from fastckpt.errors import CheckpointWriteError, CommitTimeoutError
-from fastckpt.testing import Fault, FaultyOps, Gate
+from fastckpt.testing import Fault, FaultyOps, Gate, as_if_killed
 from tests.helpers import close_all, latest, place
 
 LEFT_BEHIND = r"checkpoint group .*/G not committed on rank 1: rank 0 moved on to a newer attempt"
@@ -129,6 +129,7 @@ def test_the_newer_attempt_publishes_the_late_ranks_next_save(tmp_path: Path) ->
         assert gate.wait_entered()
         # old0 crashed: never closed (close() would end its attempt on every rank), its attempt stays
         # recorded as running
+        as_if_killed(old0)
         new0 = _ck(0)
         cks.append(new0)
         _save(new0, g, 2).wait(60)

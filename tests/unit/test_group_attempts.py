@@ -33,7 +33,7 @@ from fastckpt.errors import (
 from fastckpt.eventlog import error_type
 from fastckpt.events import Event
 from fastckpt.storage.homes import Homes
-from fastckpt.testing import Fault, FaultyOps
+from fastckpt.testing import Fault, FaultyOps, as_if_killed
 from tests.helpers import latest, place
 
 
@@ -123,6 +123,7 @@ def test_a_restarted_rank_that_rejoins_the_attempt_is_published_with_its_new_fil
         P.write_marker(place(str(g)), 1, 2, {"rank1.pt": {"size": rec.bytes, "checksum": rec.checksum}},
                        P.attempt_id(place(str(g))))  # what its commit wrote before it died
         # dead1 died: never closed (close() would end its attempt on every rank) until the end
+        as_if_killed(dead1)
         restarted1 = _ck(1, None, commit_timeout_s=5)
         try:
             restarted1.save(_state(3, 1), str(g / "rank1.pt"), group=str(g)).wait(60)
@@ -724,3 +725,43 @@ def test_a_rank_whose_group_was_removed_while_latest_names_an_earlier_step_still
     finally:
         _close(cks)
     assert latest(str(tmp_path)) == str(tmp_path / "step-1")
+
+
+def test_two_checkpointers_saving_into_one_group_are_refused(tmp_path: Path) -> None:
+    """An actor's and a critic's Checkpointer of one process both saved into run/step-1 and both
+    committed: both commits succeeded, and the published group named only the critic's file (the
+    actor's did not load). Now the second one's save is refused, naming both Checkpointers and the
+    fix, and the first one's attempt commits whole."""
+    from fastckpt.errors import ConfigError
+
+    g = tmp_path / "run" / "step-1"
+    with fastckpt.Checkpointer(overhead_budget=0.99) as actor, fastckpt.Checkpointer(overhead_budget=0.99) as critic:
+        actor.save(_state(1, 0), str(g / "actor.pt"), group=str(g))
+        with pytest.raises(ConfigError) as refused:
+            critic.save(_state(2, 0), str(g / "critic.pt"), group=str(g))
+        with pytest.raises(CheckpointWriteError, match="this rank's save of critic.pt \\(ConfigError: "):
+            critic.commit(str(g), step=1)  # as after any save into the group that raised
+        with fastckpt.Checkpointer(overhead_budget=0.99) as third, pytest.raises(ConfigError, match="has it open"):
+            third.commit(str(g), step=1)  # a commit of it, with nothing saved, is refused the same way
+        actor.commit(str(g), step=1).wait(60)
+    text = str(refused.value)
+    assert f"checkpoint group {g}: {critic._coordinator.label} saves into it" in text
+    assert f"while {actor._coordinator.label} has it open there" in text
+    assert "Save a group's files through one Checkpointer, or use separate tags/directories" in text
+    assert fastckpt.load(str(g / "actor.pt"))["version"] == 1
+    assert list(json.loads((g / P.GROUP_MANIFEST).read_text())["files"]) == ["actor.pt"]
+
+
+def test_a_group_is_free_for_another_checkpointer_once_committed_or_closed(tmp_path: Path) -> None:
+    """The claim lasts from the first save of an attempt to the end of its commit, or to close()."""
+    g, h = tmp_path / "run" / "step-1", tmp_path / "run" / "step-2"
+    with fastckpt.Checkpointer(overhead_budget=0.99) as first:
+        first.save(_state(1, 0), str(g / "a.pt"), group=str(g))
+        first.commit(str(g), step=1).wait(60)
+        first.save(_state(1, 0), str(h / "a.pt"), group=str(h))  # closed with it open: never committed
+    with fastckpt.Checkpointer(overhead_budget=0.99) as second:
+        second.save(_state(2, 0), str(g / "a.pt"), group=str(g))  # a re-save of the published group
+        second.commit(str(g), step=1).wait(60)
+        second.save(_state(2, 0), str(h / "a.pt"), group=str(h))
+        second.commit(str(h), step=2).wait(60)
+    assert fastckpt.load(str(g / "a.pt"))["version"] == 2 and fastckpt.load(str(h / "a.pt"))["version"] == 2

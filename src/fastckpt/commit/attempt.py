@@ -70,6 +70,10 @@ class Attempt:
     def staged(self) -> bool:
         return self.place.key != self.home.key
 
+    def home_path(self, path: str) -> str:
+        """Where ``path`` (a file of the group) is written at its home in this attempt."""
+        return self.place.url(path[len(self.group):].lstrip("/")) if self.staged else path
+
 
 @dataclass(frozen=True)
 class Ended:

@@ -45,6 +45,7 @@ from . import attempt as A
 from . import failures as E
 from . import fallback as F
 from . import leftovers as L
+from . import owners as O
 from . import pairing as G
 from . import protocol as P
 from . import removal as R
@@ -82,7 +83,7 @@ class Coordinator:
         self._open: dict[str, A.Attempt] = {}
         self._running: dict[str, tuple[A.Attempt, Future]] = {}
         self._counts: dict[str, itertools.count] = {}
-        self._missing: dict[str, dict[str, str]] = {}  # group -> path -> why its save did not happen
+        self._missing = E.Unsaved()
         self._steps: dict[str, int | None] = {}  # group -> the step of this rank's last commit of it
         self._behind: set[str] = set()  # groups whose next commit on this rank fails at once (``pairing.py``)
         # without a store: this rank-0 session's id in attempt.json, when this rank was born (for
@@ -91,6 +92,7 @@ class Coordinator:
         self._session, self._born = uuid.uuid4().hex[:16], time.time()
         self._given_up: dict[str, str] = {}
         self._tell = T.Teller(pool, stop, self._timeout)
+        self.label = O.label()  # how its claims on groups name it (``owners.py``)
 
     def _channel(self, group: str, rank: int, world: int) -> S.Channel | None:
         """This rank's next attempt's store keys (None: no store, or one rank); no store call (``session.py``)."""
@@ -120,9 +122,10 @@ class Coordinator:
             prev = self._running.get(group)
         if att is not None and not att.cancel.is_set():
             return
+        home = self._place_for(group)
+        O.claim(home.url(), rank, group, self)  # ConfigError: another Checkpointer of this process holds it
         if prev is not None:
             prev[1].exception()  # waits; its failure is the previous commit's handle's to report
-        home = self._place_for(group)
         try:
             old = P.read_group_manifest(home)
             published = old is not None
@@ -154,31 +157,29 @@ class Coordinator:
             self._open[group] = A.Attempt(group, home, place, local, channel, token, old, replaced=replaced,
                                           began=began, since=self._born)
 
+    def holds(self, group: str) -> bool:
+        """``owners.Holder``: an attempt at ``group`` is open on this rank, or its commit in flight."""
+        with self._lock:
+            att = self._open.get(group)
+            return not self._stop.is_set() and (att is not None and not att.cancel.is_set() or group in self._running)
+
     def home_path(self, group: str, path: str) -> str:
         """Where ``path`` (a file of ``group``) is written at its home in this attempt."""
-        att = self._open[group]
-        if not att.staged:
-            return path
-        return att.place.url(path[len(group):].lstrip("/"))
+        return self._open[group].home_path(path)
 
     def add(self, group: str, handle: SaveHandle) -> None:
         """A save of ``handle.path`` into ``group`` is under way: it clears the path's mark."""
-        with self._lock:
-            self._missing.get(group, {}).pop(handle.path, None)
+        self._missing.clear(group, handle.path)
         self._open[group].handles.append(handle)
 
     def skipped(self, group: str, path: str) -> None:
-        self._mark(group, path, "skipped: when_busy='skip' found the staging buffer busy")
+        self._missing.mark(group, path, "skipped: when_busy='skip' found the staging buffer busy")
 
     def failed(self, group: str, path: str, exc: BaseException) -> None:
         """The save of ``path`` into ``group`` raised ``exc`` on the training thread, perhaps
         before this rank's attempt began: the attempt cannot commit without the file. (Only its
         text is kept: the exception's traceback would pin the state's tensors until then.)"""
-        self._mark(group, path, f"{type(exc).__name__}: {exc}")
-
-    def _mark(self, group: str, path: str, why: str) -> None:
-        with self._lock:
-            self._missing.setdefault(group, {})[path] = why
+        self._missing.mark(group, path, f"{type(exc).__name__}: {exc}")
 
     def cancel(self, group: str, rank: int, world: int = 1) -> None:
         """``remove(group)`` on this rank: its attempt at the group ends, on every rank (unless
@@ -187,7 +188,7 @@ class Coordinator:
         with self._lock:
             running = self._running.get(group, (None,))[0]
             atts = [a for a in (self._open.get(group), running) if a is not None]
-            self._missing.pop(group, None)  # the attempt ends as removed
+            self._missing.pop(group)  # the attempt ends as removed
         for att in atts:
             att.cancel.set()
             if att.channel is not None:
@@ -204,7 +205,7 @@ class Coordinator:
         and with a store its attempt count at the group falls one behind the others' for good."""
         with self._lock:
             att = self._open.pop(group, None)
-            self._missing.pop(group, None)
+            self._missing.pop(group)
             if group in self._behind:  # its attempt is this rank's alone: nobody waits for it
                 self._behind.discard(group)
                 return
@@ -230,7 +231,7 @@ class Coordinator:
         written now outlives this job, and only its time keeps the next job's first attempt at the
         group from taking it as its own (``fallback._failed_in``). There the others wait
         ``commit_timeout_s``, as before. A commit in flight (``_running``) is not touched: close()
-        waited for it. One rank: nothing."""
+        waited for it. One rank: nothing. Its claims on groups (``owners.py``) end with ``stop``, set next."""
         with self._lock:  # removed: told already
             groups = [g for g, att in self._open.items()
                       if not att.cancel.is_set() and att.channel is not None and att.channel.agreed]
@@ -258,7 +259,7 @@ class Coordinator:
         if prev is not None:  # saved nothing since: its previous commit (``begin`` waits for it anyway) says
             prev[1].exception()  # whether this rank is behind (a saving rank's first save waited for it)
         with self._lock:
-            missing = self._missing.pop(group, None)
+            missing = self._missing.pop(group)
             behind = group in self._behind
             self._behind.discard(group)
         if behind:  # of the save the others committed in the attempt refused before: it pairs with none

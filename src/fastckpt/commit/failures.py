@@ -3,8 +3,32 @@ rank 0 and the others, with a store (``attempt.py``) and without one (``fallback
 
 from __future__ import annotations
 
+import threading
+
 from ..errors import CheckpointWriteError, CommitTimeoutError, GroupRemovedError
 from ..storage.places import Place
+
+
+class Unsaved:
+    """Per group, the files of this rank's attempt whose save did not happen, each with why
+    (``Coordinator``: ``commit`` then raises ``unsaved_error``); a later save of the path clears it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._why: dict[str, dict[str, str]] = {}  # group -> path -> why its save did not happen
+
+    def mark(self, group: str, path: str, why: str) -> None:
+        with self._lock:
+            self._why.setdefault(group, {})[path] = why
+
+    def clear(self, group: str, path: str) -> None:
+        with self._lock:
+            self._why.get(group, {}).pop(path, None)
+
+    def pop(self, group: str) -> dict[str, str] | None:
+        """The group's marks, which end with its attempt."""
+        with self._lock:
+            return self._why.pop(group, None)
 
 
 def aborted_error(label: str, why: str) -> CheckpointWriteError:

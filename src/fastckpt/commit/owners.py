@@ -1,0 +1,69 @@
+"""Which Checkpointer of this process has each group open, per rank: the files of a group are
+saved through one Checkpointer.
+
+Two Checkpointers of one process saving into one group on one rank (an actor's and a critic's)
+would make two attempts at it, each blind to the other's files: the commit that publishes last
+names only its own files, and the other's are dropped from the group (or deleted, when the
+commits run one after the other). ``Coordinator.begin`` claims the group (by its home's URL) for
+its Checkpointer, and a second one that saves into it or commits it while the first holds it
+raises ``ConfigError``. A claim lasts while its holder holds the group: from the first save of
+an attempt to the end of its commit (or its abort, or ``close``); it needs no release call.
+Checkpointers of different ranks in one process (simulated ranks) each hold their own part.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import weakref
+from typing import Protocol
+
+from ..errors import ConfigError
+
+_lock = threading.Lock()
+_holders: dict[tuple[str, int], tuple[weakref.ref[Holder], str]] = {}  # (home, rank) -> (its holder, group)
+_numbers = itertools.count(1)
+
+
+class Holder(Protocol):
+    """A Checkpointer's side of its claims (its ``Coordinator``)."""
+
+    label: str  # how the error names it (``label()``)
+
+    def holds(self, group: str) -> bool:
+        """An attempt at ``group`` is open, or its commit in flight (called under ``claim``'s lock:
+        it must not wait for a thread that may be claiming)."""
+
+
+def label() -> str:
+    """The name of the next Checkpointer made in this process: they are numbered as they are made."""
+    return f"Checkpointer #{next(_numbers)} of this process"
+
+
+def claim(home: str, rank: int, group: str, holder: Holder) -> None:
+    """``holder`` begins an attempt at ``group`` (its home at ``home``) on ``rank``; the claims of
+    groups their holders no longer hold go.
+
+    Raises:
+        ConfigError: another Checkpointer of this process holds the group on the same rank.
+    """
+    with _lock:
+        for key, (ref, g) in list(_holders.items()):
+            if (h := ref()) is None or not h.holds(g):
+                del _holders[key]
+        other = _holders.get((home, rank), (lambda: None, ""))[0]()
+        if other is not None and other is not holder:
+            raise ConfigError(
+                f"checkpoint group {group}: {holder.label} saves into it (or commits it) on rank {rank} while "
+                f"{other.label} has it open there (an attempt not committed yet, or its commit in flight). Two "
+                "attempts at one group drop each other's files: the commit that publishes last names only its own. "
+                "Save a group's files through one Checkpointer, or use separate tags/directories (one group per "
+                "Checkpointer)")
+        _holders[(home, rank)] = (weakref.ref(holder), group)
+
+
+def release(holder: Holder) -> None:
+    """``holder``'s claims end now, whatever it holds: its process is taken as dead (``testing.as_if_killed``)."""
+    with _lock:
+        for key in [k for k, (ref, _) in _holders.items() if ref() is holder]:
+            del _holders[key]
