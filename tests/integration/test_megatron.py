@@ -42,17 +42,22 @@ def run_worker(scenario: str, d: str, out: str, nproc: int, env: dict | None = N
         cmd = [sys.executable, WORKER, scenario, d, out]
     env = dict(os.environ, PORT=str(free_port()), **(env or {}))
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
-    reports = []
+    return reports(out, nproc, f"exit {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+
+
+def reports(out: str, nproc: int, output: str) -> list[dict]:
+    """Each rank's report ``OUT.<rank>``; ``output`` (how the run ended, what it said) goes in
+    the error when one is missing."""
+    got = []
     for r in range(nproc):
         path = f"{out}.{r}"
         if not os.path.exists(path):
-            raise AssertionError(f"rank {r} wrote no report (exit {proc.returncode}):\n{proc.stdout[-4000:]}\n"
-                                 f"{proc.stderr[-4000:]}")
+            raise AssertionError(f"rank {r} wrote no report ({output}")
         with open(path) as f:
             rep = json.load(f)
         assert "crash" not in rep, rep["crash"]
-        reports.append(rep)
-    return reports
+        got.append(rep)
+    return got
 
 
 @pytest.fixture(scope="module")

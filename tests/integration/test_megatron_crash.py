@@ -1,6 +1,7 @@
 """SIGKILL a 2-rank Megatron save loop at chosen moments of iteration 3, then check what a restart finds.
 
-Each round starts both ranks (``_megatron_worker.py loop``, gloo), which save iterations 1, 2, 3
+Each round starts both ranks (``_megatron_worker.py loop``, gloo; forked by ``_fork_server.py``
+from one process that imported torch and megatron-core once), which save iterations 1, 2, 3
 through the fastckpt strategy. A FileOps hook stops the run at one moment of iteration 3 and
 says so; the test then SIGKILLs both ranks' process groups (their async children too):
 
@@ -23,63 +24,76 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import signal
 import subprocess
 import sys
-import threading
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 pytest.importorskip("megatron.core")
 
-from tests.integration.test_megatron import WORKER, free_port, run_worker  # noqa: E402
+from tests.integration._fork_server import ForkServer  # noqa: E402
+from tests.integration.test_megatron import free_port, reports  # noqa: E402
 
 KILL_POINTS = ("write", "manifest", "tracker")
 SMALL = {"MEGATRON_TEST_BIG": "1024,2048"}  # 8 MiB: still more than one checksum block
 LINE_TIMEOUT_S = 120.0
-
-
-def _run_until_gate(d: str, kill_at: str, scenario: str = "loop", ranks: int = 2) -> list[str]:
-    """Start the ranks, wait for the GATE line, SIGKILL everything; return the lines seen."""
-    port, lines, procs, logs = free_port(), queue.Queue(), [], []
-
-    def forward(p: subprocess.Popen) -> None:
-        for line in p.stdout:  # type: ignore[union-attr]
-            lines.put(line.strip())
-
-    for rank in range(ranks):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(ranks), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   KILL_AT=kill_at, **SMALL)
-        logs.append(open(f"{d}.err{rank}", "w"))  # noqa: SIM115 (closed below)
-        procs.append(subprocess.Popen([sys.executable, WORKER, scenario, d, d + ".out"], env=env, text=True,
-                                      stdout=subprocess.PIPE, stderr=logs[-1], start_new_session=True))
-        threading.Thread(target=forward, args=(procs[-1],), daemon=True).start()
-    seen: list[str] = []
-    try:
-        while not any(x.startswith("GATE") for x in seen):
-            seen.append(lines.get(timeout=LINE_TIMEOUT_S))
-    finally:
-        for p in procs:
-            os.killpg(p.pid, signal.SIGKILL)  # the rank and any async child it forked
-        for p in procs:
-            p.wait()
-        for f in logs:
-            f.close()
-    return seen
+PRELOAD = ["megatron.core.dist_checkpointing", "fastckpt.integrations.megatron", "fastckpt.testing", "fastckpt.cli"]
 
 
 @pytest.fixture(scope="module")
-def killed(tmp_path_factory) -> dict[str, dict]:
+def server(tmp_path_factory) -> Iterator[ForkServer]:
+    """Forks every rank and one-rank run of this module's rounds from one process that imported
+    torch, megatron-core and the worker once (``_fork_server.py``): started fresh, each took
+    about 4 s of CPU to import them, nine times over."""
+    log = str(tmp_path_factory.mktemp("megatron-forkserver") / "server.err")
+    fs = ForkServer("tests.integration._megatron_worker", PRELOAD, dict(os.environ, **SMALL), log, LINE_TIMEOUT_S)
+    try:
+        yield fs
+    finally:
+        fs.close()
+
+
+def _run_until_gate(server: ForkServer, d: str, kill_at: str, scenario: str = "loop", ranks: int = 2) -> list[str]:
+    """Start the ranks, wait for the GATE line, SIGKILL everything; return the lines seen."""
+    port, pids = free_port(), []
+    seen: list[str] = []
+    try:
+        for rank in range(ranks):
+            env = {"RANK": str(rank), "WORLD_SIZE": str(ranks), "MASTER_ADDR": "127.0.0.1",
+                   "MASTER_PORT": str(port), "KILL_AT": kill_at}
+            pids.append(server.start([scenario, d, d + ".out"], env, f"{d}.err{rank}"))
+        while not any(x.startswith("GATE") for x in seen):
+            seen.append(server.lines.get(timeout=LINE_TIMEOUT_S))
+    finally:
+        for pid in pids:
+            os.killpg(pid, signal.SIGKILL)  # the rank and any async child it forked
+        for pid in pids:
+            server.wait(pid)
+        server.drain()  # the other rank's lines after the GATE: not this round's to judge
+    return seen
+
+
+def _run_one_rank(server: ForkServer, scenario: str, d: str, out: str) -> dict:
+    """``run_worker(scenario, d, out, 1)``, forked by the server."""
+    pid = server.start([scenario, d, out], {"PORT": str(free_port())}, out + ".err")
+    code = server.wait(pid)
+    return reports(out, 1, f"exit {code}): its stderr:\n{Path(out + '.err').read_text()[-4000:]}")[0]
+
+
+@pytest.fixture(scope="module")
+def killed(server, tmp_path_factory) -> dict[str, dict]:
     base = tmp_path_factory.mktemp("megatron-crash")
     dirs, seen = {}, {}
     for point in KILL_POINTS:
         dirs[point] = str(base / point)
-        seen[point] = _run_until_gate(dirs[point], point)
+        seen[point] = _run_until_gate(server, dirs[point], point)
     from fastckpt.integrations import megatron as fm
 
     raw = {point: fm.read_tracker(d) for point, d in dirs.items()}
-    report = run_worker("verify", os.pathsep.join(dirs.values()), str(base / "verify"), 1, SMALL)[0]
+    report = _run_one_rank(server, "verify", os.pathsep.join(dirs.values()), str(base / "verify"))
     return {point: {**report[d], "raw_before": raw[point], "seen": seen[point], "dir": d} for point, d in dirs.items()}
 
 
@@ -116,9 +130,9 @@ def test_the_drills_restore_probe_restores_a_megatron_iteration(killed) -> None:
 
 # ------------------------------------------------------------------------ saving into a committed iteration
 @pytest.fixture(scope="module")
-def resaved(tmp_path_factory) -> tuple[str, dict]:
+def resaved(server, tmp_path_factory) -> tuple[str, dict]:
     d = str(tmp_path_factory.mktemp("megatron-resave") / "ckpt")
-    seen = _run_until_gate(d, "resave", "resave", ranks=1)
+    seen = _run_until_gate(server, d, "resave", "resave", ranks=1)
     return d, json.loads(next(x for x in seen if x.startswith("REPORT "))[len("REPORT "):])
 
 
@@ -133,9 +147,9 @@ def test_a_failed_save_into_a_committed_iteration_leaves_it_loadable(resaved) ->
     assert report["tracker"] == 100
 
 
-def test_a_killed_save_into_a_committed_iteration_is_put_back_by_sync_tracker(resaved) -> None:
+def test_a_killed_save_into_a_committed_iteration_is_put_back_by_sync_tracker(server, resaved) -> None:
     d, _ = resaved
-    check = run_worker("resave_check", d, d + ".check", 1)[0]
+    check = _run_one_rank(server, "resave_check", d, d + ".check")
     # the loader reads the committed common.pt kept in the index (it raised CorruptCheckpointError
     # naming repair_checkpoint); the file on disk is still the killed save's, which verify names
     assert check["as_left"] == [3.0, "second"]
