@@ -1,27 +1,32 @@
-"""Start processes of a worker script by forking them from one process that imported it once.
+"""Start Python processes by forking them from one process that imported the heavy modules once.
 
-Usage: _fork_server.py MODULE [PRELOAD...]
+Usage: _fork_server.py PRELOAD...
 
-MODULE (a dotted name, a script with a ``main()`` that reads ``sys.argv``) and every PRELOAD
-module are imported once here. Then each line on stdin is a JSON request:
+Every PRELOAD module is imported once here. Then each line on stdin is a JSON request:
 
-- ``{"argv": [...], "env": {...}, "stderr": PATH}``: fork a child that starts its own session
-  (as ``Popen(start_new_session=True)``: ``os.killpg(pid, SIGKILL)`` takes it and anything it
-  forks), adds ``env`` to its environment, writes its stderr to PATH, reads /dev/null, keeps
-  this process's stdout, sets ``sys.argv = [MODULE's file, *argv]`` and calls ``MODULE.main()``,
-  then exits through the interpreter's normal exit (exit hooks run as in a script). Answers
-  ``FORKSERVER forked PID``.
+- ``{"module": NAME, "argv": [...], "env": {...}, "stderr": PATH}``: fork a child that runs
+  the script NAME (a dotted name, a module with a ``main()`` that reads ``sys.argv``) as
+  ``python NAME's-file ARGV...`` would: ``sys.argv = [its file, *argv]``, then ``main()``.
+- ``{"code": TEXT, "argv": [...], ...}``: fork a child that runs TEXT as ``python -c TEXT
+  ARGV...`` would: in a fresh ``__main__`` module, ``sys.argv = ["-c", *argv]``.
+
+Either way the child starts its own session (as ``Popen(start_new_session=True)``:
+``os.killpg(pid, SIGKILL)`` takes it and anything it forks), adds ``env`` to its environment,
+reads /dev/null, writes its stderr to PATH and its stdout to ``"stdout"``'s path when the
+request has one (else to this process's stdout), and ends through the interpreter's normal exit
+(exit hooks run as in a script). Answers ``FORKSERVER forked PID``.
 - ``{"wait": PID}``: wait for that child; answers ``FORKSERVER exited PID CODE`` (a negative
   CODE: killed by that signal). Everything the child wrote to stdout comes before this line.
 
-EOF on stdin ends the server (``os._exit``: see ``main``). The answers share stdout with the children's own lines;
-``ForkServer`` (the test's side) tells them apart by the ``FORKSERVER`` prefix.
+EOF on stdin ends the server (``os._exit``: see ``main``). The answers share stdout with the
+children's own lines; ``ForkServer`` (the test's side) tells them apart by the ``FORKSERVER``
+prefix.
 
 Why: importing torch and megatron-core takes about 4 s of CPU on a 2-core machine like CI's,
-and tests that start a fresh rank for every kill paid it every time. A forked child starts with
-all of that imported and runs the worker exactly as a script started for it would from there.
-The children are forked before this process runs any worker code (no state of one child reaches
-the next), and no thread runs here when it forks (checked).
+and tests that started a fresh process for every rank, kill or check paid it every time. A
+forked child starts with all of that imported and runs as the script started for it would from
+there. The children are forked before this process runs any test code (no state of one child
+reaches the next), and no thread runs here when it forks (checked).
 """
 
 from __future__ import annotations
@@ -30,9 +35,13 @@ import importlib
 import json
 import os
 import queue
+import signal
 import subprocess
 import sys
 import threading
+import types
+import uuid
+from pathlib import Path
 
 PREFIX = "FORKSERVER "
 
@@ -41,21 +50,20 @@ class ForkServer:
     """The test's side: runs this script, sends requests, hands the children's lines over.
 
     Args:
-        module: the worker module (see the module docstring).
-        preload: modules the workers import later, imported in the server before any fork.
-        env: the server's environment, which every child inherits (a worker that reads the
+        preload: modules imported in the server before any fork.
+        env: the server's environment, which every child inherits (a module that reads the
             environment at import sees this one).
-        log_path: the server's own stderr.
+        log_path: the server's own stderr; ``run_code`` keeps its children's output beside it.
         timeout_s: how long an answer may take (the first waits for the imports).
     """
 
-    def __init__(self, module: str, preload: list[str], env: dict[str, str], log_path: str,
-                 timeout_s: float) -> None:
+    def __init__(self, preload: list[str], env: dict[str, str], log_path: str, timeout_s: float) -> None:
         self.timeout_s = timeout_s
+        self.out_dir = Path(log_path).parent
         self.lines: queue.Queue[str] = queue.Queue()  # the children's stdout lines, stripped
         self._answers: queue.Queue[str] = queue.Queue()
         with open(log_path, "w") as log:
-            self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), module, *preload], env=env,
+            self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), *preload], env=env,
                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True,
                                          start_new_session=True)
         threading.Thread(target=self._read, daemon=True).start()
@@ -68,22 +76,39 @@ class ForkServer:
             else:
                 self.lines.put(line)
 
-    def _ask(self, request: dict) -> list[str]:
+    def _ask(self, request: dict, timeout_s: float | None = None) -> list[str]:
         self.proc.stdin.write(json.dumps(request) + "\n")  # type: ignore[union-attr]
         self.proc.stdin.flush()  # type: ignore[union-attr]
         try:
-            return self._answers.get(timeout=self.timeout_s).split()
+            return self._answers.get(timeout=timeout_s or self.timeout_s).split()
         except queue.Empty:
-            raise AssertionError(f"the fork server did not answer {request} within {self.timeout_s} s "
+            raise AssertionError(f"the fork server did not answer {request} within {timeout_s or self.timeout_s} s "
                                  f"(exit code {self.proc.poll()})") from None
 
-    def start(self, argv: list[str], env: dict[str, str], stderr_path: str) -> int:
-        """Fork a child running the worker with ``argv``; its pid (and session id)."""
-        return int(self._ask({"argv": argv, "env": env, "stderr": stderr_path})[1])
+    def start(self, argv: list[str], env: dict[str, str], stderr_path: str, **what: str) -> int:
+        """Fork a child (``what``: ``module=`` or ``code=``, and ``stdout=`` a path, as the
+        module docstring says); its pid (and session id)."""
+        return int(self._ask({"argv": argv, "env": env, "stderr": stderr_path, **what})[1])
 
     def wait(self, pid: int) -> int:
         """Wait for the child ``pid`` to end; its exit code (negative: the signal that killed it)."""
         return int(self._ask({"wait": pid})[2])
+
+    def run_code(self, code: str, argv: list[str], timeout_s: float) -> subprocess.CompletedProcess:
+        """``subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True,
+        timeout=timeout_s)``, forked (its stdout and stderr pass through files beside the log).
+        A child still running after ``timeout_s`` is SIGKILLed and the test fails with its output."""
+        stem = self.out_dir / f"forked-{uuid.uuid4().hex[:12]}"
+        out, err = f"{stem}.out", f"{stem}.err"
+        pid = self.start(argv, {}, err, code=code, stdout=out)
+        try:
+            code_ = int(self._ask({"wait": pid}, timeout_s)[2])
+        except AssertionError:
+            os.killpg(pid, signal.SIGKILL)
+            self._answers.get(timeout=self.timeout_s)
+            raise AssertionError(f"the forked child hung for {timeout_s} s:\n{Path(out).read_text()[-3000:]}\n"
+                                 f"{Path(err).read_text()[-3000:]}") from None
+        return subprocess.CompletedProcess(["-c", *argv], code_, Path(out).read_text(), Path(err).read_text())
 
     def drain(self) -> list[str]:
         """The children's lines not taken yet."""
@@ -101,7 +126,7 @@ class ForkServer:
             self.proc.wait()
 
 
-def fork_child(module: object, request: dict) -> int:
+def fork_child(request: dict) -> int:
     if threading.active_count() != 1:
         raise RuntimeError(f"a thread runs in the fork server before a fork: {threading.enumerate()}")
     sys.stdout.flush()
@@ -111,20 +136,26 @@ def fork_child(module: object, request: dict) -> int:
         return pid
     os.setsid()
     os.environ.update(request.get("env", {}))
-    devnull = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(devnull, 0)
-    err = os.open(request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    os.dup2(err, 2)
-    os.close(devnull)
-    os.close(err)
-    sys.argv = [module.__file__, *request["argv"]]  # type: ignore[attr-defined]
-    module.main()  # type: ignore[attr-defined]
+    for fd, path, flags in ((0, os.devnull, os.O_RDONLY), (1, request.get("stdout"), os.O_WRONLY | os.O_CREAT),
+                            (2, request["stderr"], os.O_WRONLY | os.O_CREAT)):
+        if path is not None:
+            opened = os.open(path, flags | (os.O_TRUNC if fd else 0), 0o644)
+            os.dup2(opened, fd)
+            os.close(opened)
+    if "module" in request:
+        module = sys.modules[request["module"]]
+        sys.argv = [module.__file__, *request["argv"]]
+        module.main()
+    else:
+        main_module = types.ModuleType("__main__")
+        sys.modules["__main__"] = main_module  # classes the code defines pickle as a -c script's do
+        sys.argv = ["-c", *request["argv"]]
+        exec(compile(request["code"], "<string>", "exec"), main_module.__dict__)  # noqa: S102
     raise SystemExit(0)
 
 
 def main(argv: list[str]) -> None:
-    module = importlib.import_module(argv[0])
-    for name in argv[1:]:
+    for name in argv:
         importlib.import_module(name)
     for line in sys.stdin:
         request = json.loads(line)
@@ -132,7 +163,7 @@ def main(argv: list[str]) -> None:
             _, status = os.waitpid(request["wait"], 0)
             print(f"{PREFIX}exited {request['wait']} {os.waitstatus_to_exitcode(status)}", flush=True)
         else:
-            print(f"{PREFIX}forked {fork_child(module, request)}", flush=True)
+            print(f"{PREFIX}forked {fork_child(request)}", flush=True)
     # The server ran no worker code: nothing of its own to flush or close. Skipping the
     # interpreter's teardown of torch and megatron-core saves about 4 s of every test's close.
     os._exit(0)

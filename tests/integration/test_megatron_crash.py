@@ -40,6 +40,7 @@ from tests.integration.test_megatron import free_port, reports  # noqa: E402
 KILL_POINTS = ("write", "manifest", "tracker")
 SMALL = {"MEGATRON_TEST_BIG": "1024,2048"}  # 8 MiB: still more than one checksum block
 LINE_TIMEOUT_S = 120.0
+WORKER_MODULE = "tests.integration._megatron_worker"
 PRELOAD = ["megatron.core.dist_checkpointing", "fastckpt.integrations.megatron", "fastckpt.testing", "fastckpt.cli"]
 
 
@@ -49,7 +50,7 @@ def server(tmp_path_factory) -> Iterator[ForkServer]:
     torch, megatron-core and the worker once (``_fork_server.py``): started fresh, each took
     about 4 s of CPU to import them, nine times over."""
     log = str(tmp_path_factory.mktemp("megatron-forkserver") / "server.err")
-    fs = ForkServer("tests.integration._megatron_worker", PRELOAD, dict(os.environ, **SMALL), log, LINE_TIMEOUT_S)
+    fs = ForkServer([WORKER_MODULE, *PRELOAD], dict(os.environ, **SMALL), log, LINE_TIMEOUT_S)
     try:
         yield fs
     finally:
@@ -64,7 +65,7 @@ def _run_until_gate(server: ForkServer, d: str, kill_at: str, scenario: str = "l
         for rank in range(ranks):
             env = {"RANK": str(rank), "WORLD_SIZE": str(ranks), "MASTER_ADDR": "127.0.0.1",
                    "MASTER_PORT": str(port), "KILL_AT": kill_at}
-            pids.append(server.start([scenario, d, d + ".out"], env, f"{d}.err{rank}"))
+            pids.append(server.start([scenario, d, d + ".out"], env, f"{d}.err{rank}", module=WORKER_MODULE))
         while not any(x.startswith("GATE") for x in seen):
             seen.append(server.lines.get(timeout=LINE_TIMEOUT_S))
     finally:
@@ -78,7 +79,7 @@ def _run_until_gate(server: ForkServer, d: str, kill_at: str, scenario: str = "l
 
 def _run_one_rank(server: ForkServer, scenario: str, d: str, out: str) -> dict:
     """``run_worker(scenario, d, out, 1)``, forked by the server."""
-    pid = server.start([scenario, d, out], {"PORT": str(free_port())}, out + ".err")
+    pid = server.start([scenario, d, out], {"PORT": str(free_port())}, out + ".err", module=WORKER_MODULE)
     code = server.wait(pid)
     return reports(out, 1, f"exit {code}): its stderr:\n{Path(out + '.err').read_text()[-4000:]}")[0]
 

@@ -10,8 +10,6 @@ the process group)."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -69,9 +67,8 @@ dist.destroy_process_group()
 """
 
 
-def test_a_file_of_many_tensors_has_its_records_walked_once(tmp_path: Path) -> None:
-    res = subprocess.run([sys.executable, "-c", CHILD, str(tmp_path), str(TENSORS)], capture_output=True, text=True,
-                         timeout=300)
+def test_a_file_of_many_tensors_has_its_records_walked_once(tmp_path: Path, megatron_python) -> None:
+    res = megatron_python.run_code(CHILD, [str(tmp_path), str(TENSORS)], 300)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
     line = next((ln for ln in res.stdout.splitlines() if ln.startswith("WRONG")), res.stdout[-3000:])
     # one rank: all the tensors in one file, its records walked once (were: twice per tensor)

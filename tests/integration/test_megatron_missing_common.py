@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -47,10 +46,10 @@ dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
-def deleted(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+def deleted(tmp_path_factory, megatron_python) -> tuple[Path, subprocess.CompletedProcess]:
     ck_dir = tmp_path_factory.mktemp("missing-common") / "iter_0000005"
     ck_dir.mkdir()
-    res = subprocess.run([sys.executable, "-c", CHILD, str(ck_dir)], capture_output=True, text=True, timeout=300)
+    res = megatron_python.run_code(CHILD, [str(ck_dir)], 300)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
     return ck_dir, res
 

@@ -55,8 +55,9 @@ print("RESULT " + json.dumps(out), flush=True)
 """
 
 
-def test_one_megatron_checkpoint_of_several_files_is_one_save_and_raises_no_alarm(tmp_path: Path) -> None:
-    res = subprocess.run([sys.executable, "-c", CHILD, str(tmp_path)], capture_output=True, text=True, timeout=300)
+def test_one_megatron_checkpoint_of_several_files_is_one_save_and_raises_no_alarm(tmp_path: Path,
+                                                                                 megatron_python) -> None:
+    res = megatron_python.run_code(CHILD, [str(tmp_path)], 300)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
     out = json.loads(next(ln for ln in res.stdout.splitlines() if ln.startswith("RESULT "))[len("RESULT "):])
     first, second = out["100"], out["200"]

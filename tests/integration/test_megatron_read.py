@@ -8,8 +8,6 @@ import json
 import os
 import re
 import shutil
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
@@ -267,11 +265,11 @@ dist.destroy_process_group()
 """
 
 
-def test_sync_tracker_on_a_read_only_copy_with_a_torn_common_pt_loads_the_committed_one(tmp_path) -> None:
+def test_sync_tracker_on_a_read_only_copy_with_a_torn_common_pt_loads_the_committed_one(tmp_path,
+                                                                                        megatron_python) -> None:
     """The put-back of common.pt a killed re-save rewrote in place raised EROFS on a read-only
     --load, though the load reads the committed bytes (from the index) without it."""
-    out = subprocess.run([sys.executable, "-c", _TORN_COMMON_READ_ONLY, str(tmp_path), os.path.dirname(__file__)],
-                         capture_output=True, text=True, timeout=300)
+    out = megatron_python.run_code(_TORN_COMMON_READ_ONLY, [str(tmp_path), os.path.dirname(__file__)], 300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "synced 5" in out.stdout and "loaded 1 1.0" in out.stdout, out.stdout + out.stderr[-3000:]
     assert "could not put back the files a killed save rewrote in place" in out.stderr

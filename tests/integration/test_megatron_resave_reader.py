@@ -7,8 +7,6 @@ reader is a process of its own."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -77,9 +75,8 @@ dist.destroy_process_group()
 """
 
 
-def test_another_job_reading_during_a_resave_loads_the_committed_save(tmp_path: Path) -> None:
-    res = subprocess.run([sys.executable, "-c", SAVER, str(tmp_path), READER], capture_output=True, text=True,
-                         timeout=400)
+def test_another_job_reading_during_a_resave_loads_the_committed_save(tmp_path: Path, megatron_python) -> None:
+    res = megatron_python.run_code(SAVER, [str(tmp_path), READER], 400)
     out = res.stdout + res.stderr[-3000:]
     assert res.returncode == 0, out
     assert "DURING READ 1 1.0" in res.stdout, out  # was: CorruptCheckpointError "... Put it back with ..."

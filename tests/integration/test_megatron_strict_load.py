@@ -10,8 +10,6 @@ without an error. Real megatron-core, gloo, one process (a child: it owns the pr
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -94,9 +92,9 @@ STRICT = ["ASSUME_OK_UNEXPECTED", "RAISE_ALL", "LOG_ALL", "RETURN_ALL"]
 
 
 @pytest.fixture(scope="module")
-def loads(tmp_path_factory) -> dict:
+def loads(tmp_path_factory, megatron_python) -> dict:
     root: Path = tmp_path_factory.mktemp("strict-load")
-    res = subprocess.run([sys.executable, "-c", CHILD, str(root)], capture_output=True, text=True, timeout=400)
+    res = megatron_python.run_code(CHILD, [str(root)], 400)
     line = next((ln for ln in res.stdout.splitlines() if ln.startswith("RESULT ")), None)
     assert line is not None, res.stdout[-3000:] + res.stderr[-5000:]
     return json.loads(line[len("RESULT "):])

@@ -1,0 +1,26 @@
+"""Fixtures of the integration tests."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+
+from tests.integration._fork_server import ForkServer
+
+
+@pytest.fixture(scope="session")
+def megatron_python(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ForkServer]:
+    """``run_code(code, argv, timeout_s)``: a ``python -c`` child that uses megatron-core,
+    forked from one process that imported torch, megatron-core and fastckpt's Megatron
+    integration once for the session (``_fork_server.py``), not a fresh interpreter that spends
+    about 4 s of CPU importing them."""
+    pytest.importorskip("megatron.core")
+    log = str(tmp_path_factory.mktemp("megatron-python") / "server.err")
+    server = ForkServer(["megatron.core.dist_checkpointing", "fastckpt.integrations.megatron"], dict(os.environ), log,
+                        300.0)
+    try:
+        yield server
+    finally:
+        server.close()
