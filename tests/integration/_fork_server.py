@@ -90,25 +90,30 @@ class ForkServer:
         module docstring says); its pid (and session id)."""
         return int(self._ask({"argv": argv, "env": env, "stderr": stderr_path, **what})[1])
 
-    def wait(self, pid: int) -> int:
-        """Wait for the child ``pid`` to end; its exit code (negative: the signal that killed it)."""
-        return int(self._ask({"wait": pid})[2])
+    def wait(self, pid: int, timeout_s: float | None = None) -> int:
+        """Wait for the child ``pid`` to end; its exit code (negative: the signal that killed it).
+        A child still running after ``timeout_s`` (default: the server's) is SIGKILLed, with
+        anything it forked, and the test fails."""
+        try:
+            return int(self._ask({"wait": pid}, timeout_s)[2])
+        except AssertionError:
+            os.killpg(pid, signal.SIGKILL)
+            self._answers.get(timeout=self.timeout_s)  # the server's answer to the wait, now that it ended
+            raise
 
     def run_code(self, code: str, argv: list[str], timeout_s: float) -> subprocess.CompletedProcess:
         """``subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True,
         timeout=timeout_s)``, forked (its stdout and stderr pass through files beside the log).
         A child still running after ``timeout_s`` is SIGKILLed and the test fails with its output."""
         stem = self.out_dir / f"forked-{uuid.uuid4().hex[:12]}"
-        out, err = f"{stem}.out", f"{stem}.err"
-        pid = self.start(argv, {}, err, code=code, stdout=out)
+        out, err = Path(f"{stem}.out"), Path(f"{stem}.err")
+        pid = self.start(argv, {}, str(err), code=code, stdout=str(out))
         try:
-            code_ = int(self._ask({"wait": pid}, timeout_s)[2])
+            exit_code = self.wait(pid, timeout_s)
         except AssertionError:
-            os.killpg(pid, signal.SIGKILL)
-            self._answers.get(timeout=self.timeout_s)
-            raise AssertionError(f"the forked child hung for {timeout_s} s:\n{Path(out).read_text()[-3000:]}\n"
-                                 f"{Path(err).read_text()[-3000:]}") from None
-        return subprocess.CompletedProcess(["-c", *argv], code_, Path(out).read_text(), Path(err).read_text())
+            raise AssertionError(f"the forked child hung for {timeout_s} s:\n{out.read_text()[-3000:]}\n"
+                                 f"{err.read_text()[-3000:]}") from None
+        return subprocess.CompletedProcess(["-c", *argv], exit_code, out.read_text(), err.read_text())
 
     def drain(self) -> list[str]:
         """The children's lines not taken yet."""

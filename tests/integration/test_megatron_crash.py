@@ -35,7 +35,7 @@ import pytest
 pytest.importorskip("megatron.core")
 
 from tests.integration._fork_server import ForkServer  # noqa: E402
-from tests.integration.test_megatron import free_port, reports  # noqa: E402
+from tests.integration.test_megatron import RUN_TIMEOUT_S, free_port, reports  # noqa: E402
 
 KILL_POINTS = ("write", "manifest", "tracker")
 SMALL = {"MEGATRON_TEST_BIG": "1024,2048"}  # 8 MiB: still more than one checksum block
@@ -80,7 +80,7 @@ def _run_until_gate(server: ForkServer, d: str, kill_at: str, scenario: str = "l
 def _run_one_rank(server: ForkServer, scenario: str, d: str, out: str) -> dict:
     """``run_worker(scenario, d, out, 1)``, forked by the server."""
     pid = server.start([scenario, d, out], {"PORT": str(free_port())}, out + ".err", module=WORKER_MODULE)
-    code = server.wait(pid)
+    code = server.wait(pid, RUN_TIMEOUT_S)
     return reports(out, 1, f"exit {code}): its stderr:\n{Path(out + '.err').read_text()[-4000:]}")[0]
 
 
