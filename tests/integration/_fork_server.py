@@ -4,7 +4,7 @@ Usage: _fork_server.py PRELOAD...
 
 Every PRELOAD module is imported once here. Then each line on stdin is a JSON request:
 
-- ``{"module": NAME, "argv": [...], "env": {...}, "stderr": PATH}``: fork a child that runs
+- ``{"module": NAME, "argv": [...], "env": {...}, "stdout": PATH, "stderr": PATH}``: fork a child that runs
   the script NAME (a dotted name, a module with a ``main()`` that reads ``sys.argv``) as
   ``python NAME's-file ARGV...`` would: ``sys.argv = [its file, *argv]``, then ``main()``.
 - ``{"code": TEXT, "argv": [...], ...}``: fork a child that runs TEXT as ``python -c TEXT
@@ -12,15 +12,15 @@ Every PRELOAD module is imported once here. Then each line on stdin is a JSON re
 
 Either way the child starts its own session (as ``Popen(start_new_session=True)``:
 ``os.killpg(pid, SIGKILL)`` takes it and anything it forks), adds ``env`` to its environment,
-reads /dev/null, writes its stderr to PATH and its stdout to ``"stdout"``'s path when the
-request has one (else to this process's stdout), and ends through the interpreter's normal exit
+reads /dev/null, writes its stdout and stderr to those paths (a FIFO too: a test can read a
+child's lines as they come; each child has its own, as two processes' prints on one pipe can
+interleave within a line), and ends through the interpreter's normal exit
 (exit hooks run as in a script). Answers ``FORKSERVER forked PID``.
 - ``{"wait": PID}``: wait for that child; answers ``FORKSERVER exited PID CODE`` (a negative
-  CODE: killed by that signal). Everything the child wrote to stdout comes before this line.
+  CODE: killed by that signal).
 
-EOF on stdin ends the server (``os._exit``: see ``main``). The answers share stdout with the
-children's own lines; ``ForkServer`` (the test's side) tells them apart by the ``FORKSERVER``
-prefix.
+The answers are this process's stdout lines that start with ``FORKSERVER``. EOF on stdin ends
+the server (``os._exit``: see ``main``).
 
 Why: importing torch and megatron-core takes about 4 s of CPU on a 2-core machine like CI's,
 and tests that started a fresh process for every rank, kill or check paid it every time. A
@@ -47,7 +47,7 @@ PREFIX = "FORKSERVER "
 
 
 class ForkServer:
-    """The test's side: runs this script, sends requests, hands the children's lines over.
+    """The test's side: runs this script, sends it requests and reads its answers.
 
     Args:
         preload: modules imported in the server before any fork.
@@ -60,7 +60,6 @@ class ForkServer:
     def __init__(self, preload: list[str], env: dict[str, str], log_path: str, timeout_s: float) -> None:
         self.timeout_s = timeout_s
         self.out_dir = Path(log_path).parent
-        self.lines: queue.Queue[str] = queue.Queue()  # the children's stdout lines, stripped
         self._answers: queue.Queue[str] = queue.Queue()
         with open(log_path, "w") as log:
             self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), *preload], env=env,
@@ -70,11 +69,8 @@ class ForkServer:
 
     def _read(self) -> None:
         for line in self.proc.stdout:  # type: ignore[union-attr]
-            line = line.strip()
             if line.startswith(PREFIX):
-                self._answers.put(line[len(PREFIX):])
-            else:
-                self.lines.put(line)
+                self._answers.put(line[len(PREFIX):].strip())
 
     def _ask(self, request: dict, timeout_s: float | None = None) -> list[str]:
         self.proc.stdin.write(json.dumps(request) + "\n")  # type: ignore[union-attr]
@@ -85,10 +81,10 @@ class ForkServer:
             raise AssertionError(f"the fork server did not answer {request} within {timeout_s or self.timeout_s} s "
                                  f"(exit code {self.proc.poll()})") from None
 
-    def start(self, argv: list[str], env: dict[str, str], stderr_path: str, **what: str) -> int:
-        """Fork a child (``what``: ``module=`` or ``code=``, and ``stdout=`` a path, as the
-        module docstring says); its pid (and session id)."""
-        return int(self._ask({"argv": argv, "env": env, "stderr": stderr_path, **what})[1])
+    def start(self, argv: list[str], env: dict[str, str], stdout_path: str, stderr_path: str, **what: str) -> int:
+        """Fork a child (``what``: ``module=`` or ``code=``, as the module docstring says); its
+        pid (and session id)."""
+        return int(self._ask({"argv": argv, "env": env, "stdout": stdout_path, "stderr": stderr_path, **what})[1])
 
     def wait(self, pid: int, timeout_s: float | None = None) -> int:
         """Wait for the child ``pid`` to end; its exit code (negative: the signal that killed it).
@@ -107,20 +103,13 @@ class ForkServer:
         A child still running after ``timeout_s`` is SIGKILLed and the test fails with its output."""
         stem = self.out_dir / f"forked-{uuid.uuid4().hex[:12]}"
         out, err = Path(f"{stem}.out"), Path(f"{stem}.err")
-        pid = self.start(argv, {}, str(err), code=code, stdout=str(out))
+        pid = self.start(argv, {}, str(out), str(err), code=code)
         try:
             exit_code = self.wait(pid, timeout_s)
         except AssertionError:
             raise AssertionError(f"the forked child hung for {timeout_s} s:\n{out.read_text()[-3000:]}\n"
                                  f"{err.read_text()[-3000:]}") from None
         return subprocess.CompletedProcess(["-c", *argv], exit_code, out.read_text(), err.read_text())
-
-    def drain(self) -> list[str]:
-        """The children's lines not taken yet."""
-        out = []
-        while not self.lines.empty():
-            out.append(self.lines.get())
-        return out
 
     def close(self) -> None:
         self.proc.stdin.close()  # type: ignore[union-attr]
@@ -141,12 +130,11 @@ def fork_child(request: dict) -> int:
         return pid
     os.setsid()
     os.environ.update(request.get("env", {}))
-    for fd, path, flags in ((0, os.devnull, os.O_RDONLY), (1, request.get("stdout"), os.O_WRONLY | os.O_CREAT),
-                            (2, request["stderr"], os.O_WRONLY | os.O_CREAT)):
-        if path is not None:
-            opened = os.open(path, flags | (os.O_TRUNC if fd else 0), 0o644)
-            os.dup2(opened, fd)
-            os.close(opened)
+    for fd, path, flags in ((0, os.devnull, os.O_RDONLY), (1, request["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC),
+                            (2, request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)):
+        opened = os.open(path, flags, 0o644)
+        os.dup2(opened, fd)
+        os.close(opened)
     if "module" in request:
         module = sys.modules[request["module"]]
         sys.argv = [module.__file__, *request["argv"]]

@@ -24,9 +24,11 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -59,27 +61,36 @@ def server(tmp_path_factory) -> Iterator[ForkServer]:
 
 def _run_until_gate(server: ForkServer, d: str, kill_at: str, scenario: str = "loop", ranks: int = 2) -> list[str]:
     """Start the ranks, wait for the GATE line, SIGKILL everything; return the lines seen."""
-    port, pids = free_port(), []
+    port, lines, pids = free_port(), queue.Queue(), []
+
+    def forward(fifo: str) -> None:
+        with open(fifo) as f:  # until the rank (and anything it forked) is gone
+            for line in f:
+                lines.put(line.strip())
+
     seen: list[str] = []
     try:
         for rank in range(ranks):
             env = {"RANK": str(rank), "WORLD_SIZE": str(ranks), "MASTER_ADDR": "127.0.0.1",
                    "MASTER_PORT": str(port), "KILL_AT": kill_at}
-            pids.append(server.start([scenario, d, d + ".out"], env, f"{d}.err{rank}", module=WORKER_MODULE))
+            fifo = f"{d}.stdout{rank}"  # each rank's own pipe, as a Popen's stdout
+            os.mkfifo(fifo)
+            threading.Thread(target=forward, args=(fifo,), daemon=True).start()
+            pids.append(server.start([scenario, d, d + ".out"], env, fifo, f"{d}.err{rank}", module=WORKER_MODULE))
         while not any(x.startswith("GATE") for x in seen):
-            seen.append(server.lines.get(timeout=LINE_TIMEOUT_S))
+            seen.append(lines.get(timeout=LINE_TIMEOUT_S))
     finally:
         for pid in pids:
             os.killpg(pid, signal.SIGKILL)  # the rank and any async child it forked
         for pid in pids:
             server.wait(pid)
-        server.drain()  # the other rank's lines after the GATE: not this round's to judge
     return seen
 
 
 def _run_one_rank(server: ForkServer, scenario: str, d: str, out: str) -> dict:
     """``run_worker(scenario, d, out, 1)``, forked by the server."""
-    pid = server.start([scenario, d, out], {"PORT": str(free_port())}, out + ".err", module=WORKER_MODULE)
+    pid = server.start([scenario, d, out], {"PORT": str(free_port())}, out + ".stdout", out + ".err",
+                       module=WORKER_MODULE)
     code = server.wait(pid, RUN_TIMEOUT_S)
     return reports(out, 1, f"exit {code}): its stderr:\n{Path(out + '.err').read_text()[-4000:]}")[0]
 
