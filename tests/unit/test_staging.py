@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import threading
 
 import pytest
@@ -231,3 +232,36 @@ def test_a_groups_own_buffers_of_any_size_do_not_count_against_it(monkeypatch) -
     optim = pool.acquire(4 * MiB, "step-1", pinned=False, wait=False)  # the same group's next file
     assert optim is not None and optim is not model
     assert pool.acquire(8 * MiB, "step-2", pinned=False, wait=False) is None  # another group waits
+
+
+@pytest.mark.parametrize("idle", [False, True])
+def test_a_ctrl_c_as_acquire_returns_gives_the_buffer_back(monkeypatch, idle: bool) -> None:
+    """A real SIGINT between the buffer becoming the caller's and ``acquire`` returning it (raised
+    from a line tracer at ``return buf``): the buffer goes back, and the next save gets it
+    instead of waiting for ever (or, with ``wait=False``, being skipped)."""
+    import signal
+    import sys
+
+    AllocSpy(monkeypatch)
+    pool = StagingPool()
+    if idle:
+        pool.release(pool.acquire(MiB, object(), pinned=False, wait=True))
+    code, lines = staging.StagingPool.acquire.__code__, inspect.getsourcelines(staging.StagingPool.acquire)
+    returns = {lines[1] + i for i, text in enumerate(lines[0]) if text.strip() == "return buf"}
+
+    def tracer(frame, event, arg):
+        if frame.f_code is not code:
+            return None
+        if event == "line" and frame.f_lineno in returns:
+            sys.settrace(None)
+            signal.raise_signal(signal.SIGINT)  # a Ctrl-C now: KeyboardInterrupt in acquire
+        return tracer
+
+    previous = sys.gettrace()
+    sys.settrace(tracer)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            pool.acquire(MiB, object(), pinned=False, wait=False)
+    finally:
+        sys.settrace(previous)
+    assert pool.acquire(MiB, object(), pinned=False, wait=False) is not None

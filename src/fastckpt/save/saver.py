@@ -27,7 +27,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Sequence
-from concurrent.futures import Executor, Future
+from concurrent.futures import CancelledError, Executor, Future
 from dataclasses import replace
 
 from ..commit.coordinator import Coordinator
@@ -47,7 +47,7 @@ from .ordering import Turn
 from .replicator import ReplicaJob, Replicator
 from .retention import Retention
 from .snapshot import LazySnapshot, Progress, Snapshot, Unfenced, cuda_marks, order_before, snapshot
-from .staging import StagingBuffer, StagingPool
+from .staging import Lease, StagingBuffer, StagingPool
 from .stripes import Reservation, Stripes
 from .tiers import TierChoice, TierSelector
 from .writer import FileWriter
@@ -149,38 +149,33 @@ class Saver:
                                     pinned=has_cuda, wait=self._cfg.when_busy == "wait", holds=layout.segments.serial)
         if buf is None:
             return self._skipped(base, group, t_call)
-        if self._cfg.overlap_write and not lazy and not has_cuda:
-            return self._save_overlapped(layout, buf, base, dest, home, t_call, w_call, choice, spot, token, turn,
-                                         fallback)
-        if lazy:  # CUDA: the copy follows the work queued so far and runs beside what comes next
-            with refused_once_closed("this save"):
-                copy = self._snap_thread.submit(snapshot, layout, buf, after=cuda_marks(layout), hold_stream=False)
-            counted: Future = Future()  # the copy's outcome, once ``_copied`` has run: the writer waits for it
-            snap: Snapshot | LazySnapshot = LazySnapshot(counted, layout, buf)
-        else:
-            try:
-                snap = snapshot(layout, buf)
-            except BaseException:
-                self._staging.release(buf)
-                raise
-        try:
-            if lazy:  # fence() waits for the copy and counts that wait as blocked time (or the copy ends first)
+        lease = buf.lease
+        try:  # the buffer is this call's until its writer job is queued: on any exception (a Ctrl-C) it goes back
+            if self._cfg.overlap_write and not lazy and not has_cuda:
+                return self._save_overlapped(layout, buf, base, dest, home, t_call, w_call, choice, spot, token,
+                                             turn, fallback)
+            if lazy:  # CUDA: the copy follows the work queued so far and runs beside what comes next
+                with refused_once_closed("this save"):
+                    copy = self._snap_thread.submit(self._staging.lent, lease, functools.partial(
+                        snapshot, layout, buf, after=cuda_marks(layout), hold_stream=False))
+                counted: Future = Future()  # the copy's outcome, once ``_copied`` has run: the writer waits for it
+                snap: Snapshot | LazySnapshot = LazySnapshot(counted, layout, buf)
+                # fence() waits for the copy and counts that wait as blocked time (or the copy ends first)
                 blocked = time.monotonic() - t_call
                 entry = Unfenced(copy, t_call, blocked, layout.payload_bytes, batch=self._monitor.current())
                 with self._lock:
                     self._lazy.append(entry)
                 copy.add_done_callback(functools.partial(self._copied, entry, counted))
+            else:
+                snap = snapshot(layout, buf)
             self._emit("snapshot", path, layout.payload_bytes, w_call, choice.tier, detail="lazy" if lazy else None,
                        group=group)
             base = replace(base, blocked_s=blocked if lazy else time.monotonic() - t_call)  # eager: sinks count
-        except BaseException:  # a Ctrl-C (in a user's sink, say): no writer has the buffer, so it goes back
-            if lazy:
-                copy.add_done_callback(lambda _: self._staging.release(buf))  # once its copy ended
-            else:
-                self._staging.release(buf)
+            fut = self._submit(spot, token, turn, layout, self._writer.write, snap, base, dest, t_call,
+                               choice.odirect, fallback, lease=lease)
+        except BaseException:
+            self._staging.give_back(lease)  # not once its writer job was queued; a lazy copy under way ends first
             raise
-        fut = self._submit(spot, token, turn, layout, self._writer.write, snap, base, dest, t_call, choice.odirect,
-                           fallback)
         handle = self._track(fut, base, dest, home, t_call, spot, token, turn)
         if not lazy:  # counted once the write is queued: an alarm's callback can neither delay nor drop it
             self._monitor.record_blocked(t_call, base.blocked_s, layout.payload_bytes)
@@ -210,8 +205,12 @@ class Saver:
         """CPU state: the writer starts at once and follows the copy into the staging buffer,
         so the file is durable about one write time after the call, not copy + write."""
         progress = Progress()
-        fut = self._submit(spot, token, turn, layout, self._writer.write, Snapshot(buf, layout, progress=progress),
-                           base, dest, t_call, choice.odirect, fallback)
+        try:
+            fut = self._submit(spot, token, turn, layout, self._writer.write, Snapshot(buf, layout, progress=progress),
+                               base, dest, t_call, choice.odirect, fallback, lease=buf.lease)
+        except BaseException as exc:  # a writer job that took the buffer as it was queued must not wait for the copy
+            progress.finish(exc)
+            raise
         try:
             snapshot(layout, buf, progress)
         except BaseException as exc:
@@ -226,24 +225,31 @@ class Saver:
         return self._track(fut, replace(base, blocked_s=blocked), dest, home, t_call, spot, token, turn)
 
     def _submit(self, spot: Reservation | None, token: int, turn: Turn | None, layout: F.FileLayout,
-                write: Callable[..., SaveRecord], *args: object) -> Future:
+                write: Callable[..., SaveRecord], *args: object, lease: Lease | None = None) -> Future:
         """Run ``write`` on the writer thread of the save's burst-buffer directory (one per
         directory: the drives write at once; files of one directory, and so every save of one
         path, are written in order). A ``turn`` is taken as the write is queued, under one lock
-        (so keys follow the writer queues: ``save.ordering``), and goes to ``write`` last."""
+        (so keys follow the writer queues: ``save.ordering``), and goes to ``write`` last. The
+        staging buffer's ``lease`` is the writer's once the job is queued (``staging.Lease``)."""
         big = len(layout.storages) >= heap.TRIM_AFTER_RECORDS
         with self._queueing, refused_once_closed("this save"):
             if turn is not None:
                 turn.take()
-            return self._write_threads[spot.index if spot else 0].submit(
-                self._written, token, big, write, [*args, turn.wait if turn else None])
+            fut = self._write_threads[spot.index if spot else 0].submit(
+                self._written, token, big, lease, write, [*args, turn.wait if turn else None])
+            if lease is not None:
+                lease.taken = True  # no Ctrl-C lands between the return above and this store
+            return fut
 
-    def _written(self, token: int, big: bool, write: Callable[..., SaveRecord], args: list) -> SaveRecord:
-        """The writer thread's job: write; a file written to its own path is durable and
-        published now (``commit.protocol.publish_file``), so retention runs before its handle
-        resolves. After a save of many tensors, the heap's free pages go back (``save.heap``):
-        ``args`` is emptied first, so the snapshot and its layout are freed by then."""
+    def _written(self, token: int, big: bool, lease: Lease | None, write: Callable[..., SaveRecord],
+                 args: list) -> SaveRecord:
+        """The writer thread's job: write (unless its save gave the buffer back: ``Lease``); a file
+        written to its own path is durable and published now (``commit.protocol.publish_file``), so
+        retention runs before its handle resolves. After a save of many tensors, the heap's free
+        pages go back (``save.heap``): ``args`` is emptied first, so the snapshot and its layout are freed."""
         try:
+            if lease is not None and not self._staging.taken(lease):
+                raise CancelledError("the save was interrupted before its write started")
             rec = write(*args)
             if rec.durable_s is None:
                 return rec

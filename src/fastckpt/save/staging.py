@@ -15,8 +15,10 @@ import logging
 import mmap
 import threading
 import time
-from concurrent.futures import Future
+from collections.abc import Callable
+from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
@@ -24,6 +26,7 @@ from ..format.align import ALIGN
 from ..io.engine import alloc_aligned
 
 log = logging.getLogger("fastckpt")
+T = TypeVar("T")
 
 
 @dataclass(eq=False)
@@ -37,6 +40,22 @@ class StagingBuffer:
     #: ``Segments.serial`` of the metadata at its file offsets here (0: none): set by the
     #: snapshot that copied it, so the next snapshot of the same layout skips that copy
     holds: int = 0
+    lease: Lease | None = None  # the save that holds it now (``acquire`` to ``release``)
+
+
+@dataclass(eq=False)
+class Lease:
+    """One save's hold on a staging buffer. The saving thread has it from ``acquire`` until its writer
+    job is queued; a Ctrl-C (KeyboardInterrupt) can land at any bytecode in between, also inside an
+    executor's ``submit`` after the job was queued, so who has it then is settled here, under the
+    pool's lock: the writer job takes it on as it starts (``StagingPool.taken``), the saving thread
+    on an exception gives it back unless that happened (``give_back``), and a job of a save whose
+    lease was given back does nothing (a lazy copy under way keeps the buffer until it ends: ``lent``)."""
+
+    buffer: StagingBuffer
+    taken: bool = False  # the writer job has it (or is queued, ``Saver._submit``): it releases the buffer
+    given_back: bool = False
+    lenders: int = 0  # lazy copies into the buffer running now
 
 
 def _new_buffer(capacity: int, pinned: bool) -> StagingBuffer:
@@ -82,7 +101,8 @@ class StagingPool:
     (``capacity_for``), and the idle ones too small for it are freed; at the limit the save
     waits for a buffer held by an older checkpoint (or, with ``wait=False``, gets None so the
     caller can skip): that is the backpressure that keeps memory at ``max_buffers`` copies of
-    the state, also while the state grows. ``release`` (writer thread) hands a buffer back.
+    the state, also while the state grows. ``release`` (writer thread) hands a buffer back;
+    so does ``give_back`` (the saving thread, raising before a writer had it: ``Lease``).
     ``reserve`` (any thread) allocates buffers ahead of time on a background thread.
     """
 
@@ -102,30 +122,38 @@ class StagingPool:
 
     def acquire(self, nbytes: int, owner: object, pinned: bool, wait: bool, holds: int = 0) -> StagingBuffer | None:
         need = (nbytes + ALIGN - 1) // ALIGN * ALIGN
-        with self._cv:
-            while True:
-                fits = [b for b in self._buffers if b.capacity >= need and b.pinned == pinned]
-                idle = [b for b in fits if b.owner is None]
-                if idle:
-                    buf = min(idle, key=lambda b: (not holds or b.holds != holds, b.capacity))
-                    buf.owner = owner
-                    return buf
-                if any(p == pinned for _, p in self._pending):
-                    self._cv.wait()  # a reservation is being allocated: adopt it (or see it was too small)
-                    continue
-                if self._busy(pinned, but=owner) < self.max_buffers:
-                    break
-                if not wait:
-                    return None
-                t0 = time.monotonic()
-                self._cv.wait()
-                self.busy_waited_s += time.monotonic() - t0  # backpressure: the overhead advice tells it apart
-            self._drop_idle_smaller(need, pinned)
-        buf = _new_buffer(capacity_for(need), pinned)
-        buf.owner = owner
-        with self._cv:
-            self._buffers.append(buf)
-        return buf
+        buf: StagingBuffer | None = None
+        try:
+            with self._cv:
+                while True:
+                    fits = [b for b in self._buffers if b.capacity >= need and b.pinned == pinned]
+                    idle = [b for b in fits if b.owner is None]
+                    if idle:
+                        buf = min(idle, key=lambda b: (not holds or b.holds != holds, b.capacity))
+                        buf.owner, buf.lease = owner, Lease(buf)
+                        return buf
+                    if any(p == pinned for _, p in self._pending):
+                        self._cv.wait()  # a reservation is being allocated: adopt it (or see it was too small)
+                        continue
+                    if self._busy(pinned, but=owner) < self.max_buffers:
+                        break
+                    if not wait:
+                        return None
+                    t0 = time.monotonic()
+                    self._cv.wait()
+                    self.busy_waited_s += time.monotonic() - t0  # backpressure: the overhead advice tells it apart
+                self._drop_idle_smaller(need, pinned)
+            new = _new_buffer(capacity_for(need), pinned)
+            new.owner, new.lease = owner, Lease(new)
+            with self._cv:
+                buf = new
+                self._buffers.append(buf)
+            return buf
+        except BaseException:  # a Ctrl-C after the buffer was this owner's, before the caller has it: back it goes
+            with self._cv:
+                if buf is not None and buf.owner is owner and buf in self._buffers:
+                    self.release(buf)
+            raise
 
     def _busy(self, pinned: bool, but: object = None) -> int:
         """Buffers of this kind held by checkpoints other than ``but``, whatever their size (lock
@@ -197,10 +225,43 @@ class StagingPool:
 
     def release(self, buf: StagingBuffer) -> None:
         with self._cv:
-            buf.owner = None
+            buf.owner = buf.lease = None
             if self._closed:
                 self._buffers.remove(buf)
             self._cv.notify_all()
+
+    def taken(self, lease: Lease) -> bool:
+        """The writer job of ``lease``'s save starts (writer thread): True, and it releases the buffer
+        once written; False if the saving thread gave it back first, and the job does nothing."""
+        with self._cv:
+            lease.taken = not lease.given_back
+            return lease.taken
+
+    def lent(self, lease: Lease, copy: Callable[[], T]) -> T:
+        """Run ``copy`` (a lazy save's, into ``lease``'s buffer, on the snapshot thread) unless the buffer
+        was given back first; given back meanwhile, it goes back to the pool once ``copy`` ended."""
+        with self._cv:
+            if lease.given_back:
+                raise CancelledError("the save was interrupted before its copy started")
+            lease.lenders += 1
+        try:
+            return copy()
+        finally:
+            with self._cv:
+                lease.lenders -= 1
+                if lease.given_back and not lease.lenders:
+                    self.release(lease.buffer)
+
+    def give_back(self, lease: Lease) -> None:
+        """The saving thread raised (a Ctrl-C, say) before its writer job had the buffer: it goes back
+        to the pool, now or once a lazy copy into it ended; a job of that save that starts later does
+        nothing. Once the writer job has it, the writer releases it."""
+        with self._cv:
+            if lease.taken or lease.given_back:
+                return
+            lease.given_back = True
+            if not lease.lenders:
+                self.release(lease.buffer)
 
     def close(self) -> None:
         """Drop the idle buffers (busy ones go when released), after any reservation still
