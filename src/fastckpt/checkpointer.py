@@ -24,7 +24,7 @@ from .commit.removable import refuse_root
 from .config import CheckpointerConfig, options_doc, options_signature
 from .errors import ClosedError
 from .events import Event, Fanout, JsonlSink
-from .exits import close_at_exit, flush_at_exit, forget_at_exit, ran_threads, stop_pools
+from .exits import close_at_exit, flush_at_exit, forget_at_exit, inherited, ran_threads, stop_pools
 from .format.manifest import TAIL_ROOM
 from .inflight import InFlight
 from .io.ops import FileOps
@@ -211,11 +211,9 @@ class Checkpointer:
         self._coordinator.failed(normalize(group), file_name(path), error)
 
     def fence(self) -> float:
-        """Wait until every lazy save has copied its tensors; return the seconds waited.
-
-        Call it before the saved tensors are mutated (the optimizer step). The wait counts as
-        blocked time in ``stats()``; a failed copy surfaces through its save's handle.
-        """
+        """Wait until every lazy save has copied its tensors; return the seconds waited. Call it before the saved
+        tensors are mutated (the optimizer step). The wait counts as blocked time in ``stats()``; a failed copy
+        surfaces through its save's handle."""
         return self._saver.fence()
 
     # ------------------------------------------------------------------ load, latest, remove
@@ -334,12 +332,14 @@ class Checkpointer:
             finally:
                 self._inflight.log_unseen("close() raised another failure")
 
-    def _atexit(self, forked: bool = False) -> None:
-        if forked and ran_threads(self._io, self._snapper, self._committer, *self._writers, self._replicator):
+    def _atexit(self, forked: bool = False) -> bool:  # see exits.py
+        ran = ran_threads(self._io, self._snapper, self._committer, *self._writers, self._replicator)
+        if forked and ran:
             self._closed, self._closed_by = True, "for this process by fork(): its worker threads stayed in the parent"
-        elif not forked and not self._closed:
+        elif not forked and not self._closed and (ran or not inherited(self)):  # else: unused, and the parent's
             self._closed_by = "at interpreter exit (the main thread ended: join a thread that still saves first)"
             close_at_exit(self.close, lambda: len(self._inflight), self._replicator.pending)
+        return not ran
 
     def _check_open(self) -> None:
         if self._closed:

@@ -26,10 +26,13 @@ log = logging.getLogger("fastckpt")
 
 
 class Flushable(Protocol):
-    def _atexit(self, forked: bool = False) -> None: ...
+    def _atexit(self, forked: bool = False) -> bool:
+        """Flush (close) it at exit; in a fork child (``forked``, ``_forked``), close it for that process if its
+        threads stayed in the parent. Returns whether it works in this process (no thread of it is another's)."""
 
 
 _LIVE: weakref.WeakSet[Flushable] = weakref.WeakSet()
+_INHERITED: weakref.WeakSet[Flushable] = weakref.WeakSet()  # in a fork child: those it inherited and kept
 _AFTER: list[Callable[[], None]] = []
 _lock = threading.Lock()
 _hooked = False
@@ -141,16 +144,26 @@ def ran_threads(*workers: object) -> bool:
     return any(getattr(w, "_threads", None) for w in workers)
 
 
+def inherited(obj: Flushable) -> bool:
+    """Whether this fork child inherited ``obj`` (unused then) from its parent (``_forked``)."""
+    return obj in _INHERITED
+
+
 def _forked() -> None:
     """In a forked child (Megatron's async save worker, a DataLoader worker, Lightning's
-    ``ddp_fork``): it inherits the parent's open Checkpointers but none of their threads. It must
-    never flush (and wait on) them at its exit. One whose pools ran threads is closed for this
-    process (``_atexit(forked=True)``): a save through it queued work no thread runs (``close()``
-    hung, or the file was never written, silently); a call raises ``ClosedError`` saying to create
-    one in the child. One that never ran anything starts its own threads there, as before."""
+    ``ddp_fork``): it inherits the parent's open Checkpointers but none of their threads. One whose
+    pools ran threads is closed for this process (``_atexit(forked=True)``) and never flushed (and
+    waited on) at its exit: a save through it queued work no thread runs (``close()`` hung, or the
+    file was never written, silently); a call raises ``ClosedError`` saying to create one in the
+    child. One that never ran anything starts its own threads there, as before, and stays: the
+    child's exit flushes what it saved through it, as any process's (the hook registered in the
+    parent is the child's too; a multiprocessing child runs it, ``threading._shutdown``, before
+    ``os._exit``). One the child never used is left alone at its exit: it is the parent's."""
     for obj in list(_LIVE):
-        obj._atexit(forked=True)
-    _LIVE.clear()
+        if obj._atexit(forked=True):
+            _INHERITED.add(obj)
+        else:
+            _LIVE.discard(obj)
 
 
 os.register_at_fork(after_in_child=_forked)

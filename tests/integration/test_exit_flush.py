@@ -107,6 +107,39 @@ def test_a_forked_child_saving_through_an_inherited_checkpointer_is_told_to_make
     assert os.path.exists(path + ".child") == (used == "unused")
 
 
+FORK_UNCLOSED = textwrap.dedent("""
+    import multiprocessing as mp, os, sys, torch, fastckpt
+
+    def child(saves):  # saves through the Checkpointer it inherited and returns without close()
+        for i in range(saves):
+            ck.save({"w": torch.randn(4 << 20), "i": i}, os.path.join(sys.argv[1], f"step-{i}.pt"))
+
+    saves, metrics = int(sys.argv[2]), sys.argv[3] == "metrics"
+    ck = fastckpt.Checkpointer(metrics_port=0 if metrics else None)  # made in the parent; it has run nothing
+    p = mp.get_context("fork").Process(target=child, args=(saves,))
+    p.start()
+    p.join(120)
+    ck.close()
+    sys.exit(p.exitcode if p.exitcode is not None else 6)
+""")
+
+
+@pytest.mark.parametrize(("saves", "metrics"), [(3, ""), (3, "metrics"), (0, "")])
+def test_a_fork_childs_saves_through_an_unused_inherited_checkpointer_are_flushed_at_its_exit(
+        tmp_path: Path, saves: int, metrics: str) -> None:
+    """An inherited Checkpointer that had run nothing works in the child (docs/core.md), so its
+    pending saves are flushed at the child's exit, with the warning, like any process's (before:
+    the child dropped it from the exit flush, and its last saves were lost silently). A child that
+    never uses it (a DataLoader worker) exits without touching it; one with a metrics exporter
+    (its thread stayed in the parent) does not hang in close()."""
+    r = subprocess.run([sys.executable, "-c", FORK_UNCLOSED, str(tmp_path), str(saves), metrics],
+                       capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert sorted(os.listdir(tmp_path)) == [f"step-{i}.pt" for i in range(saves)]
+    assert all(fastckpt.load(str(tmp_path / f"step-{i}.pt"))["i"] == i for i in range(saves))
+    assert ("pending save(s) at interpreter exit" in r.stderr) == bool(saves)
+
+
 THREAD = textwrap.dedent("""
     import threading, sys, torch, fastckpt
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import sys
 import threading
 import time
@@ -59,7 +60,7 @@ class MetricsServer:
                   "its own")
 
     def __init__(self, registry: CollectorRegistry, port: int, addr: str = "0.0.0.0") -> None:
-        self._httpd = None
+        self._httpd, self._pid = None, os.getpid()
         self.port: int | None = None
         self.url: str | None = None
         if sys.is_finalizing():  # a __del__ or a garbage collection at exit, after the exit hooks ran: a thread
@@ -83,6 +84,9 @@ class MetricsServer:
 
     def close(self) -> None:
         if self._httpd is None:  # never served (started at interpreter shutdown)
+            return
+        if os.getpid() != self._pid:  # a fork child's copy: shutdown() would wait for ever for the parent's thread
+            self._httpd.server_close()
             return
         self._httpd.shutdown()
         self._httpd.server_close()
