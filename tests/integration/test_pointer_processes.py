@@ -96,3 +96,28 @@ def test_a_directory_held_past_the_wait_is_written_without_the_lock(
     assert "another process held it for 0 s" in caplog.text and str(tmp_path) in caplog.text
     with place(tmp_path).exclusive():  # let go: held again at once
         pass
+
+
+def test_the_pointer_temp_file_of_a_killed_process_goes_when_latest_moves_again(tmp_path: Path) -> None:
+    """A is killed -9 between writing ``latest``'s temp file and renaming it; the next process to
+    move ``latest`` in that directory removes the temp file (docs/faults.md: "the first time the
+    directory is written again"). Before: the pointer's write never swept its directory, so the
+    temp file stayed for good."""
+    import torch
+
+    from fastckpt.io.atomic import TMP_TAG
+
+    a = _child(tmp_path, "step1", "A")
+    try:
+        assert a.stdout.readline() == "at pointer\n"  # its temp file is written, the rename not done
+    finally:
+        a.kill()
+        a.wait(60)
+    left = [n for n in os.listdir(tmp_path) if TMP_TAG in n]
+    assert len(left) == 1
+    g = str(tmp_path / "step2")
+    with fastckpt.Checkpointer(rank=0, world_size=1, odirect=False, overhead_budget=0.99) as ck:
+        ck.save({"w": torch.ones(4)}, os.path.join(g, "model.pt"), group=g)
+        ck.commit(g, step=2).wait(120)
+    assert [n for n in os.listdir(tmp_path) if TMP_TAG in n] == []
+    assert fastckpt.latest(str(tmp_path)) == g

@@ -177,24 +177,23 @@ class PosixTarget(Target):
                                      "the destination storage is corrupting data")
 
     def put_bytes(self, key: str, data: bytes) -> None:
-        dest = self._path(key)
-        self._check_root(writing_for=f"publish of {dest}")
-
-        def publish() -> None:
-            self.ops.makedirs(os.path.dirname(dest))
-            atomic.publish_bytes(self.ops, dest, data)
-
-        self._retry(f"publish of {dest}", publish)
+        self._put_small(key, data, "publish", atomic.publish_bytes)
 
     def put_new(self, key: str, data: bytes) -> bytes | None:
+        return self._put_small(key, data, "creation", atomic.create_bytes)
+
+    def _put_small(self, key: str, data: bytes, what: str, write: Callable[[FileOps, str, bytes], T]) -> T:
+        """``write`` a small file (a pointer, a manifest) at ``key``; this process's first write into a
+        directory sweeps it first (the temp files of writes killed before their rename: docs/faults.md)."""
         dest = self._path(key)
-        self._check_root(writing_for=f"creation of {dest}")
+        self._check_root(writing_for=f"{what} of {dest}")
 
-        def create() -> bytes | None:
+        def put() -> T:
             self.ops.makedirs(os.path.dirname(dest))
-            return atomic.create_bytes(self.ops, dest, data)
+            atomic.sweep_once(self.ops, os.path.dirname(dest))
+            return write(self.ops, dest, data)
 
-        return self._retry(f"creation of {dest}", create)
+        return self._retry(f"{what} of {dest}", put)
 
     def exchange(self, key_a: str, key_b: str) -> None:
         """``Target.exchange``: ``renameat2(RENAME_EXCHANGE)``, then the parent directory's fsync."""
