@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import datetime
 import errno
+import io
 import json
 import os
+import uuid
 from pathlib import Path
 
+import fsspec
 import pytest
 import torch
 import torch.distributed as dist
@@ -27,11 +30,11 @@ from tests.helpers import close_all, place
 MODES = ("no store", "store")
 
 
-def _cks(mode: str, ops: FaultyOps) -> list[fastckpt.Checkpointer]:
+def _cks(mode: str, ops: FaultyOps, faulty_rank: int = 0) -> list[fastckpt.Checkpointer]:
     store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=60)) \
         if mode == "store" else None
     return [fastckpt.Checkpointer(rank=r, world_size=2, store=store, io_threads=1, overhead_budget=0.99,
-                                  commit_timeout_s=60, ops=ops if r == 0 else None) for r in range(2)]
+                                  commit_timeout_s=60, ops=ops if r == faulty_rank else None) for r in range(2)]
 
 
 def _save(ck: fastckpt.Checkpointer, g: Path, version: int) -> fastckpt.SaveHandle:
@@ -188,3 +191,72 @@ def test_a_group_trimmed_while_one_rank_re_saves_it_is_never_published_without_t
         assert fastckpt.latest(str(run)) == str(last)
     finally:
         close_all(cks)
+
+
+def _zero_file(r: int) -> str:
+    return f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt"  # DeepSpeed's name of rank r's ZeRO file
+
+
+def _zero_versions(g: Path, ranks: tuple[int, ...]) -> list[int]:
+    return [torch.load(g / _zero_file(r), weights_only=True)["version"] for r in ranks]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_tag_deepspeeds_own_engine_saved_stays_whole_until_its_resave_is_published(tmp_path: Path,
+                                                                                      mode: str) -> None:
+    """A tag DeepSpeed's own engine wrote has no fastckpt manifest, yet it is a checkpoint: a
+    re-save through fastckpt that fails half-way leaves it whole (before, the first file was
+    already renamed over DeepSpeed's), and one that succeeds replaces it whole: DeepSpeed's files
+    the new attempt does not write (a save at another world size) are not carried over, the
+    user's other files are."""
+    g = tmp_path / "run" / "last"
+    g.mkdir(parents=True)
+    for r in (0, 1, 2):  # DeepSpeed's save by 3 ranks
+        torch.save({"w": torch.full((64,), 0.0), "version": 0}, g / _zero_file(r))
+    (g / "notes.txt").write_text("the user's")
+    ops = FaultyOps([Fault("pwrite", errno.EIO, path_contains=_zero_file(1))])  # rank 1's write fails
+    cks = _cks(mode, ops, faulty_rank=1)
+
+    def save(ck: fastckpt.Checkpointer, version: int) -> fastckpt.SaveHandle:
+        state = {"w": torch.full((64,), float(version)), "version": version}
+        return ck.save(state, str(g / _zero_file(ck.rank)), group=str(g))
+
+    try:
+        save(cks[0], 1).wait(60)
+        with pytest.raises(fastckpt.CheckpointWriteError):  # raised once, here: the commit then ends the attempt
+            save(cks[1], 1).wait(60)
+        for h in [ck.commit(str(g), step=1) for ck in cks]:
+            with pytest.raises(fastckpt.CheckpointWriteError):
+                h.wait(60)
+        ops.assert_all_reached()
+        assert _zero_versions(g, (0, 1, 2)) == [0, 0, 0]
+        assert not (g / P.GROUP_MANIFEST).exists()
+        for ck in cks:
+            save(ck, 2)
+        for h in [ck.commit(str(g), step=2) for ck in cks]:
+            h.wait(60)
+        assert [fastckpt.load(str(g / _zero_file(r)))["version"] for r in (0, 1)] == [2, 2]
+        assert sorted(set(os.listdir(g)) - {P.MARKER_DIR}) == [P.GROUP_MANIFEST, "notes.txt", _zero_file(0),
+                                                               _zero_file(1)]
+        assert (g / "notes.txt").read_text() == "the user's"
+        assert not [n for n in os.listdir(g.parent) if ".fastckpt-next" in n]
+    finally:
+        close_all(cks)
+
+
+def test_a_tag_deepspeeds_own_engine_saved_at_a_url_is_refused_not_overwritten(tmp_path: Path) -> None:
+    """An object store cannot swap directories: a re-save there of a tag DeepSpeed's own engine
+    saved is refused at its first save, naming the tag and the fix (before, the object was
+    replaced in place)."""
+    root = f"memory://fastckpt-{uuid.uuid4().hex[:8]}/run"
+    fs = fsspec.filesystem("memory")
+    buf = io.BytesIO()
+    torch.save({"w": torch.zeros(4), "version": 0}, buf)
+    key = f"{root.removeprefix('memory://')}/last/{_zero_file(0)}"
+    fs.pipe_file(key, buf.getvalue())
+    with fastckpt.Checkpointer(local_dir=str(tmp_path / "nvme")) as ck:
+        with pytest.raises(fastckpt.ConfigError) as info:
+            ck.save({"w": torch.ones(4), "version": 1}, f"{root}/last/{_zero_file(0)}", group=f"{root}/last")
+    assert f"{root}/last holds a tag DeepSpeed's own engine saved ({_zero_file(0)})" in str(info.value)
+    assert "Remove it first (Checkpointer.remove), or save under a new tag" in str(info.value)
+    assert fs.cat_file(key) == buf.getvalue()

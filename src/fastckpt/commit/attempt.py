@@ -43,7 +43,8 @@ class Attempt:
 
     ``home`` is the group's place; ``place`` is where this attempt's files, markers and records
     go (``home``, or ``protocol.staged_place(home, old)`` for a re-save of a published group, then
-    ``old`` is the manifest it replaces). ``channel`` is the attempt's store keys (None: the
+    ``old`` is the manifest it replaces, ``resave.stand_in`` for a tag DeepSpeed saved).
+    ``channel`` is the attempt's store keys (None: the
     storage fallback). ``token`` names the attempt (None on other ranks without a store until
     they join rank 0's: ``fallback.own_attempt`` says which, from ``began``, what such a rank saw
     of rank 0's attempts when it began); ``replaced``, on rank 0, the attempt id ``attempt.json``

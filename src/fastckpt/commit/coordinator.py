@@ -38,7 +38,7 @@ from collections.abc import Callable
 from concurrent.futures import Executor, Future
 
 from ..config import CheckpointerConfig
-from ..errors import CorruptCheckpointError, refused_once_closed
+from ..errors import refused_once_closed
 from ..records import SaveHandle, SaveRecord
 from ..storage.places import Place
 from . import attempt as A
@@ -108,14 +108,14 @@ class Coordinator:
         """First touch of ``group`` by this rank in this attempt: decide where it writes.
 
         This rank's previous commit of the same group is waited for first, so that every rank
-        sees the same published state. A published group is re-saved beside itself
-        (``resave.py``; refused on an object store); an unpublished one in place, its stale
+        sees the same published state. A published group (also a tag DeepSpeed's own engine
+        saved) is re-saved beside itself (``resave.place_of``; refused on an
+        object store); an unpublished one in place, its stale
         files never named by the new manifest. The burst-buffer copy's manifest goes now (``writes``
         False: this rank saves nothing into it, ``_begun``: it is set aside, ``leftovers.set_aside``).
 
         Raises:
-            ConfigError: re-saving a published group on an object store (unless its commit
-                died before moving ``latest``: ``protocol.never_latest``; then in place).
+            ConfigError: re-saving a published group on an object store (``resave.place_of``).
         """
         with self._lock:
             att = self._open.get(group)
@@ -126,17 +126,7 @@ class Coordinator:
         O.claim(home.url(), rank, group, self)  # ConfigError: another Checkpointer of this process holds it
         if prev is not None:
             prev[1].exception()  # waits; its failure is the previous commit's handle's to report
-        try:
-            old = P.read_group_manifest(home)
-            published = old is not None
-        except CorruptCheckpointError:  # a damaged manifest: still replaced only by a whole new attempt
-            old, published = None, True
-        if published and not home.target.mounted:
-            if old is None or not P.never_latest(home, old):
-                raise resave.refusal(home)
-            home.delete(P.GROUP_MANIFEST)  # never reported nor the latest: re-saved in place, like a failed one
-            old, published = None, False
-        place = P.staged_place(home, old) if published else home
+        place, old = resave.place_of(home)
         local = self._local_for(group)
         L.set_aside(local, writes)  # the local copy is rewritten in place: not complete until committed
         with self._lock:  # a rank behind: its next commit fails at once, it takes no attempt (``pairing.py``)

@@ -16,6 +16,7 @@ from ..errors import ConfigError, CorruptCheckpointError
 from ..format import foreign
 from ..format.manifest import TAIL_BYTES
 from ..storage.base import Target
+from ..urls import nameable
 
 #: DeepSpeed's per-rank files: never checkpoints on their own, only as part of their tag.
 DEEPSPEED_FILE = re.compile(r".*(model_states|optim_states)\.pt$")  # mp_rank_00_model_states.pt, zero_pp_rank_..
@@ -125,12 +126,31 @@ def deepspeed_tag(target: Target, prefix: str, rel: str, rels: set[str]) -> str 
     files = sorted(r for r in rels if r.startswith(f"{tag_rel}/") and DEEPSPEED_FILE.match(posixpath.basename(r)))
     if not files:
         return None
-    try:  # written through fastckpt's DeepSpeed engine: a group, complete only once its manifest is published
-        return None if target.read_manifest(prefix + files[0]) else tag_rel
-    except (FileNotFoundError, CorruptCheckpointError):
-        return None
+    try:
+        return tag_rel if written_by_deepspeed(target, prefix, files[:1]) else None
     except OSError as exc:
         raise unreadable(exc, target.url_of(prefix + files[0])) from None
+
+
+def written_by_deepspeed(target: Target, prefix: str, rels: list[str]) -> list[str]:
+    """DeepSpeed's per-rank files (``DEEPSPEED_FILE``) among ``rels`` (keys below ``prefix``) that
+    DeepSpeed's own engine wrote: they have no fastckpt manifest (one written through fastckpt's
+    DeepSpeed engine has one, naming its group, which is complete only once the group's manifest
+    is published). A file whose manifest is damaged is fastckpt's; one gone meanwhile is none.
+
+    Raises:
+        OSError: a file cannot be read.
+    """
+    out = []
+    for rel in rels:
+        if not DEEPSPEED_FILE.match(posixpath.basename(rel)) or not nameable(prefix + rel):
+            continue
+        try:
+            if not target.read_manifest(prefix + rel):
+                out.append(rel)
+        except (FileNotFoundError, CorruptCheckpointError):
+            continue
+    return out
 
 
 def unreadable(exc: OSError, url: str) -> OSError:

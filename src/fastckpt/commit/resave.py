@@ -18,6 +18,14 @@ logged; the next re-save of the tag sweeps what is left). The next re-save, whic
 may start as soon as they see the new manifest, writes into the directory named after the new
 attempt, never into the one being deleted.
 
+A tag directory DeepSpeed's own engine wrote (``foreign.written_by_deepspeed``: its per-rank
+files have no fastckpt manifest) is published too, though it has no manifest of its own: saved
+in place, its files would be replaced one at a time, and a crash between two of them would leave
+a mix of the two saves and no complete checkpoint. Its new attempt is staged and swapped in the
+same way; those files are the ones the new attempt replaces (``stand_in``), so they are not
+carried over (a tag saved at another world size has other ZeRO files, which would make
+DeepSpeed's loader see two saves).
+
 Only a mounted file system can exchange directories. On an object store a re-save of a
 published group is refused at its first save (``refusal``): remove the group first, or save
 under a new tag.
@@ -28,19 +36,59 @@ from __future__ import annotations
 import logging
 import posixpath
 
-from ..errors import ConfigError
+from ..errors import ConfigError, CorruptCheckpointError
 from ..storage.places import Place
 from . import protocol as P
 from .claim import claim_rel
+from .foreign import written_by_deepspeed
 
 log = logging.getLogger("fastckpt")
 
 
-def refusal(home: Place) -> ConfigError:
+FOREIGN = "written-by-deepspeed"  # the attempt of a ``stand_in``
+
+
+def refusal(home: Place, old: dict | None = None) -> ConfigError:
+    what = (f"holds a tag DeepSpeed's own engine saved ({', '.join(sorted(old['files'])[:3])})"
+            if old is not None and old.get("attempt") == FOREIGN else "is already published")
     return ConfigError(
-        f"checkpoint group {home.label} is already published, and an object store cannot replace a group "
+        f"checkpoint group {home.label} {what}, and an object store cannot replace a group "
         "atomically: a new attempt there would leave a mix of old and new files visible. Remove it first "
         "(Checkpointer.remove), or save under a new tag.")
+
+
+def stand_in(files: list[str]) -> dict:
+    """What a new attempt at a tag DeepSpeed's own engine saved replaces, in place of a manifest:
+    its files (``swap_in`` does not carry them over)."""
+    return {"attempt": FOREIGN, "files": dict.fromkeys(files, {})}
+
+
+def place_of(home: Place) -> tuple[Place, dict | None]:
+    """Where a new attempt at the group ``home`` writes, and the manifest of what it replaces (None:
+    nothing, or a damaged manifest): ``home`` when nothing is published there, else its re-save
+    directory ``protocol.staged_place``. Published: a manifest (also a damaged one), or
+    DeepSpeed's own files of a tag (``stand_in``).
+
+    Raises:
+        ConfigError: ``home`` is published on an object store (unless its commit died before
+            moving ``latest``: ``protocol.never_latest``; then its manifest goes, and it is
+            re-saved in place, like a failed attempt).
+    """
+    try:
+        old = P.read_group_manifest(home)
+        published = old is not None
+    except CorruptCheckpointError:  # a damaged manifest: still replaced only by a whole new attempt
+        old, published = None, True
+    if not published:
+        prefix = f"{home.key}/" if home.key else ""
+        files = written_by_deepspeed(home.target, prefix, home.files())
+        old, published = (stand_in(files), True) if files else (None, False)
+    if published and not home.target.mounted:
+        if old is None or old.get("attempt") == FOREIGN or not P.never_latest(home, old):
+            raise refusal(home, old)
+        home.delete(P.GROUP_MANIFEST)  # never reported nor the latest: re-saved in place, like a failed one
+        old, published = None, False
+    return (P.staged_place(home, old) if published else home), old
 
 
 def _ours(rel: str, manifest: dict, world_size: int) -> bool:
