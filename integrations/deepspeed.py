@@ -63,6 +63,8 @@ def initialize(args: object = None, model: torch.nn.Module | None = None,
             lists the valid keys).
         ConfigError: the config also picks another checkpoint engine or layout (a ``"checkpoint"``
             ``"writer"``, ``"use_node_local_storage"``, ``"datastates_ckpt"``).
+        ConfigError: the config has no ``"fastckpt"`` section but a key that looks like a
+            misspelt one (``"fast_ckpt"``, ``"FastCkpt"``): DeepSpeed would ignore it.
     """
     source = config if config is not None else config_params
     from_args = source is None and args is not None
@@ -109,8 +111,9 @@ def attach(engine: DeepSpeedEngine, config: str | Mapping | Section | None = Non
         The installed FastCkptEngine, or None when the section says ``"enabled": false``.
 
     Raises:
-        ConfigError: an invalid section, options given twice, or an engine config that picks
-            another checkpoint engine or layout (see ``initialize``).
+        ConfigError: an invalid section (also a misspelt section name, see ``initialize``),
+            options given twice, or an engine config that picks another checkpoint engine or
+            layout (see ``initialize``).
     """
     if not hasattr(engine, "save_checkpoint") or not hasattr(engine, "checkpoint_engine"):
         raise TypeError(f"attach() needs a deepspeed.DeepSpeedEngine (from deepspeed.initialize), "
@@ -163,13 +166,17 @@ def _section(engine: DeepSpeedEngine, config: str | Mapping | Section | None) ->
         ds_config = getattr(engine, "config", None)
         if isinstance(ds_config, dict):
             if SECTION not in ds_config:
+                section_rules.refuse_misspelt(ds_config, "the engine's DeepSpeed config")
                 return Section()
             return parse_section(ds_config[SECTION], "the engine's DeepSpeed config")
         return Section()
-    if isinstance(config, Mapping) and SECTION not in config and not whole_config(config):
+    if isinstance(config, Mapping) and not whole_config(config):
         return parse_section(config, "attach(config=...)")
     whole = read_config(config)
-    return section_of(whole) if SECTION in (whole or {}) else Section()
+    if whole is not None and SECTION not in whole:  # no section: the defaults
+        section_rules.refuse_misspelt(whole, "the DeepSpeed config given to attach")
+        return Section()
+    return section_of(whole)
 
 
 def _redact(engine: DeepSpeedEngine) -> None:

@@ -10,6 +10,7 @@ checked, and an error lists the valid keys.
 from __future__ import annotations
 
 import copy
+import difflib
 import os
 import typing
 from collections.abc import Mapping, Sequence
@@ -155,15 +156,52 @@ def read_config(config: str | Mapping | None) -> dict | None:
 
 
 def section_of(config: Mapping | None, where: str = "the DeepSpeed config") -> Section:
-    """The validated section of a whole DeepSpeed config (disabled when there is none)."""
-    if config is None or SECTION not in config:
+    """The validated section of a whole DeepSpeed config (disabled when there is none).
+
+    Raises:
+        ConfigError: see ``parse_section``; or there is no section but a key that looks like a
+            misspelt one (``refuse_misspelt``).
+    """
+    if config is None:
+        return Section(enabled=False)
+    if SECTION not in config:
+        refuse_misspelt(config, where)
         return Section(enabled=False)
     return parse_section(config[SECTION], where)
 
 
+def misspelt(config: Mapping) -> str | None:
+    """A top-level key of ``config`` (which has no ``"fastckpt"``) that looks like a misspelt
+    ``"fastckpt"``: the same letters in another case or with ``_``/``-`` (``"fast_ckpt"``,
+    ``"FastCkpt"``), ``fastckpt`` with more around it (``"fastckpt_config"``), or a close match
+    (``"fastckp"``); None otherwise."""
+    for key in config:
+        if not isinstance(key, str):
+            continue
+        plain = key.lower().replace("_", "").replace("-", "")
+        if SECTION in plain or difflib.SequenceMatcher(None, plain, SECTION).ratio() >= 0.8:
+            return key
+    return None
+
+
+def refuse_misspelt(config: Mapping, where: str) -> None:
+    """DeepSpeed ignores keys it does not know, so a misspelt section would leave DeepSpeed's own
+    checkpoint engine in place without a word.
+
+    Raises:
+        ConfigError: naming the key and the fix.
+    """
+    key = misspelt(config)
+    if key is not None:
+        raise ConfigError(f'{key!r} in {where} looks like a misspelt "{SECTION}" section, which DeepSpeed would '
+                          f'ignore without a word (saves would go through DeepSpeed\'s own checkpoint engine): '
+                          f'rename it "{SECTION}", or remove it to keep DeepSpeed\'s own engine')
+
+
 def whole_config(config: Mapping) -> bool:
-    """``config`` is a whole DeepSpeed config (see ``DEEPSPEED_KEYS``), not a section."""
-    return SECTION in config or any(k in DEEPSPEED_KEYS for k in config)
+    """``config`` is a whole DeepSpeed config (see ``DEEPSPEED_KEYS``), not a section: it has a
+    section (also a misspelt one, ``misspelt``), or one of DeepSpeed's keys."""
+    return SECTION in config or misspelt(config) is not None or any(k in DEEPSPEED_KEYS for k in config)
 
 
 def redacted(config: dict) -> dict:

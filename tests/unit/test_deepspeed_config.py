@@ -150,3 +150,24 @@ def test_docs_list_every_key_with_its_type() -> None:
     text = (Path(__file__).resolve().parents[2] / "docs" / "deepspeed.md").read_text()
     rows = dict(re.findall(r"^\| `(\w+)` \| ([\w ]+?) \|", text, flags=re.M))
     assert valid_keys() == ", ".join(f"{k} ({t})" for k, t in rows.items())
+
+
+@pytest.mark.parametrize("key", ["fast_ckpt", "FastCkpt", "fastckpt_config", "fast-ckpt", "fastckp"])
+@pytest.mark.parametrize("how", ["initialize", "attach to its engine", "attach with the config"])
+def test_a_misspelt_section_is_refused_naming_it(key: str, how: str) -> None:
+    """DeepSpeed ignores keys it does not know: a misspelt "fastckpt" section kept DeepSpeed's own
+    checkpoint engine (initialize) or fastckpt's defaults (attach) without a word."""
+    cfg = {"train_micro_batch_size_per_gpu": 1, key: {"local_dir": "/nvme"}}
+    with pytest.raises(ConfigError) as info:
+        if how == "initialize":
+            initialize(model=torch.nn.Linear(2, 2), config=cfg)
+        else:
+            attach(StubEngine(cfg), None if how == "attach to its engine" else cfg)  # type: ignore[arg-type]
+    assert f"{key!r} in " in str(info.value) and 'misspelt "fastckpt" section' in str(info.value)
+    assert 'rename it "fastckpt"' in str(info.value)
+    assert not torch.distributed.is_initialized()
+
+
+@pytest.mark.parametrize("key", ["checkpoint", "fast_persist", "datastates_ckpt"])
+def test_deepspeeds_own_keys_are_no_misspelt_section(key: str) -> None:
+    assert section_of({"train_batch_size": 8, key: {}}).enabled is False
