@@ -171,7 +171,14 @@ def _section(engine: DeepSpeedEngine, config: str | Mapping | Section | None) ->
             return parse_section(ds_config[SECTION], "the engine's DeepSpeed config")
         return Section()
     if isinstance(config, Mapping) and not whole_config(config):
-        return parse_section(config, "attach(config=...)")
+        try:
+            return parse_section(config, "attach(config=...)")
+        except ConfigError as exc:
+            exc.add_note(f'(attach read this dict as the "{SECTION}" section itself: it has no "{SECTION}" key and '
+                         "no key it knows as DeepSpeed's. If it is a whole DeepSpeed config, add "
+                         f'"{SECTION}": {{}} to it for the defaults, or call attach(engine) to use the config the '
+                         "engine was built with)")
+            raise
     whole = read_config(config)
     if whole is not None and SECTION not in whole:  # no section: the defaults
         section_rules.refuse_misspelt(whole, "the DeepSpeed config given to attach")

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import copy
 import difflib
+import functools
+import importlib
 import os
 import typing
 from collections.abc import Mapping, Sequence
@@ -44,10 +46,19 @@ NOT_IN_CONFIG = {
 #: Option values never written back into the config DeepSpeed keeps (it prints its config at
 #: start-up and stores it in every ZeRO checkpoint file).
 SECRET_KEYS = ("storage_options",)
-#: Keys of a whole DeepSpeed config, never of the section: a dict with one of them and no section
-#: is a DeepSpeed config without one (the defaults), not a section with unknown keys.
+#: DeepSpeed's modules whose upper-case string constants are the names in its config (see
+#: ``deepspeed_keys``); a module a DeepSpeed version lacks is passed over.
+DEEPSPEED_CONSTANTS = ("deepspeed.runtime.constants", "deepspeed.runtime.config", "deepspeed.runtime.zero.config",
+                       "deepspeed.runtime.activation_checkpointing.config", "deepspeed.runtime.swap_tensor.constants",
+                       "deepspeed.runtime.data_pipeline.constants", "deepspeed.profiling.constants",
+                       "deepspeed.autotuning.constants", "deepspeed.comm.constants", "deepspeed.utils.config")
+#: Top-level keys of DeepSpeed's config: the common ones (whichever module holds them), and those
+#: no module above holds as a constant (its pydantic sections and literals).
 DEEPSPEED_KEYS = frozenset({"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
-                            "zero_optimization", "optimizer", "scheduler", "fp16", "bf16", "checkpoint"})
+                            "zero_optimization", "optimizer", "scheduler", "fp16", "bf16", "checkpoint",
+                            "tensorboard", "wandb", "csv_monitor", "comet", "elasticity", "compression_training",
+                            "pipeline", "sparse_attention", "nebula", "hybrid_engine", "compile", "amp",
+                            "tensor_parallel", "weight_quantization", "datastates_ckpt"})
 REDACTED = "<redacted by fastckpt>"
 
 
@@ -198,10 +209,32 @@ def refuse_misspelt(config: Mapping, where: str) -> None:
                           f'rename it "{SECTION}", or remove it to keep DeepSpeed\'s own engine')
 
 
+def section_keys() -> frozenset[str]:
+    """Every key the section accepts, and those it refuses with advice (``NOT_IN_CONFIG``)."""
+    return frozenset(OWN_KEYS) | frozenset(_option_types()) | frozenset(NOT_IN_CONFIG)
+
+
+@functools.cache
+def deepspeed_keys() -> frozenset[str]:
+    """The names in DeepSpeed's config (top-level and nested: its own constants, and
+    ``DEEPSPEED_KEYS``), less the section's keys: a name both use tells nothing."""
+    names = set(DEEPSPEED_KEYS)
+    for name in DEEPSPEED_CONSTANTS:
+        try:
+            module = importlib.import_module(name)
+        except ImportError:  # not in this DeepSpeed version
+            continue
+        names.update(v for k, v in vars(module).items()
+                     if k.isupper() and isinstance(v, str) and v.isidentifier() and v.islower())
+    return frozenset(names - section_keys())
+
+
 def whole_config(config: Mapping) -> bool:
-    """``config`` is a whole DeepSpeed config (see ``DEEPSPEED_KEYS``), not a section: it has a
-    section (also a misspelt one, ``misspelt``), or one of DeepSpeed's keys."""
-    return SECTION in config or misspelt(config) is not None or any(k in DEEPSPEED_KEYS for k in config)
+    """``config`` is a whole DeepSpeed config, not a section: it has a section (also a misspelt
+    one), or none of the section's keys and one of DeepSpeed's (``deepspeed_keys``)."""
+    if SECTION in config or misspelt(config) is not None:
+        return True
+    return not any(k in section_keys() for k in config) and any(k in deepspeed_keys() for k in config)
 
 
 def redacted(config: dict) -> dict:

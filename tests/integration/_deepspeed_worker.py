@@ -927,6 +927,8 @@ def missing(root: str) -> None:
 def whole_config(root: str) -> None:
     plain = engine(1, None, seed=0, use_fastckpt_initialize=False)
     assert attach(plain, ds_config(1, None)) is not None  # a DeepSpeed config without a section: the defaults
+    # one whose keys are all off the short list attach once knew (batch sizes from the launcher's args)
+    assert attach(plain, {"steps_per_print": 10, "gradient_clipping": 1.0, "wall_clock_breakdown": False}) is not None
     plain.destroy()
 
 

@@ -171,3 +171,26 @@ def test_a_misspelt_section_is_refused_naming_it(key: str, how: str) -> None:
 @pytest.mark.parametrize("key", ["checkpoint", "fast_persist", "datastates_ckpt"])
 def test_deepspeeds_own_keys_are_no_misspelt_section(key: str) -> None:
     assert section_of({"train_batch_size": 8, key: {}}).enabled is False
+
+
+@pytest.mark.parametrize("whole", [
+    {"steps_per_print": 10, "gradient_clipping": 1.0, "wall_clock_breakdown": False},  # batch sizes from the launcher
+    {"train_batch_size": 8},
+    {"flops_profiler": {"enabled": True}, "activation_checkpointing": {}},
+])
+def test_attach_takes_a_whole_config_by_deepspeeds_own_keys(whole: dict) -> None:
+    """A whole DeepSpeed config with keys off a short list was read as the section itself and
+    refused as "unknown key(s) ... in the "fastckpt" section": it attaches with the defaults."""
+    engine = StubEngine(dict(whole))
+    fe = attach(engine, whole)  # type: ignore[arg-type]
+    try:
+        assert fe is not None and fe.checkpointer.config.local_dir is None
+    finally:
+        engine.destroy()  # closes the Checkpointer attach made
+
+
+def test_a_section_with_an_unknown_key_says_it_was_read_as_the_section() -> None:
+    with pytest.raises(ConfigError) as info:
+        attach(StubEngine({"train_batch_size": 8}), {"local_dir": "/nvme", "steps_per_print": 10})  # type: ignore[arg-type]
+    assert "unknown key(s) ['steps_per_print']" in str(info.value)
+    assert "If it is a whole DeepSpeed config, add" in "".join(info.value.__notes__)
