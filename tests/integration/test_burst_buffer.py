@@ -403,6 +403,15 @@ def test_bandwidth_cap_bounds_a_checkpoint_smaller_than_a_chunk(tmp_path) -> Non
     assert rec.durable_s - rec.local_durable_s >= (2 * rec.bytes - cap) / cap  # copy + read-back, less the burst
 
 
+def test_an_infinite_bandwidth_cap_is_no_cap(tmp_path) -> None:
+    """replicate_bandwidth_Bps=float("inf") (accepted by the config, and no cap before the burst was
+    bounded) made Checkpointer() raise OverflowError (int() of infinity): now it replicates uncapped."""
+    with fastckpt.Checkpointer(local_dir=str(tmp_path / "nvme"), replicate_bandwidth_Bps=float("inf")) as ck:
+        rec = ck.save(_state(1), str(tmp_path / "t" / "a.pt")).wait(60)
+    assert rec.durable_s is not None
+    assert fastckpt.load(str(tmp_path / "t" / "a.pt"))["w"].equal(_state(1)["w"])
+
+
 def test_url_without_local_dir_is_refused(tmp_path) -> None:
     with fastckpt.Checkpointer() as ck, pytest.raises(fastckpt.ConfigError, match="local_dir"):
         ck.save(_state(1), "s3://bucket/x.pt")

@@ -32,6 +32,7 @@ from fastckpt.storage.types import (
     TargetUnavailableError,
     TargetUnreachableError,
     TokenBucket,
+    as_limiter,
 )
 from fastckpt.testing import Fault, FaultyOps
 from tests.helpers import claim_race, tmp_files, tmpfs
@@ -381,6 +382,15 @@ def test_token_bucket_paces_without_real_sleeps() -> None:
     assert sum(slept) == pytest.approx(0.25)
     with pytest.raises(ConfigError, match="bandwidth_Bps"):
         TokenBucket(0)
+
+
+def test_a_nan_bandwidth_cap_is_a_config_error_naming_it(root: Path, src: tuple[Path, bytes]) -> None:
+    """The burst (one second's worth) was computed with int() before the rate was checked: a NaN cap
+    raised ValueError, not the ConfigError naming the option."""
+    with pytest.raises(ConfigError, match="bandwidth_Bps=nan must be > 0"):
+        PosixTarget(root).put_file(src[0], "a.pt", bandwidth_Bps=float("nan"))
+    assert as_limiter(float("inf"), MiB) is None  # no cap, as None
+    assert as_limiter(0.5, MiB).burst_bytes == 1 and as_limiter(4e6, MiB).burst_bytes == MiB
 
 
 def test_put_file_honours_bandwidth(root: Path, tmp_path: Path) -> None:

@@ -3,6 +3,7 @@ bandwidth cap and the key rules. Kept apart so the seam's module holds only the 
 from __future__ import annotations
 
 import errno
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -207,7 +208,16 @@ def as_limiter(bandwidth_Bps: float | TokenBucket | None, chunk_bytes: int) -> T
     """A cap of ``bandwidth_Bps`` bytes/s on transfers of ``chunk_bytes`` at a time (a bucket: as
     it is). Its burst, what may pass at once after an idle spell, is one second's worth, at most
     one chunk: a burst of a whole chunk let a checkpoint up to a chunk (64 MiB) through at full
-    speed whatever the cap. A request larger than the burst waits its excess out (``consume``)."""
+    speed whatever the cap. A request larger than the burst waits its excess out (``consume``).
+    An infinite cap is none (None), as it was before the burst was bounded.
+
+    Raises:
+        ConfigError: ``bandwidth_Bps`` is not > 0 (NaN included), naming it.
+    """
     if bandwidth_Bps is None or isinstance(bandwidth_Bps, TokenBucket):
         return bandwidth_Bps
-    return TokenBucket(bandwidth_Bps, burst_bytes=max(1, min(chunk_bytes, int(bandwidth_Bps))))
+    if bandwidth_Bps == math.inf:
+        return None
+    bucket = TokenBucket(bandwidth_Bps)  # validates the rate before any int() of it; its burst: one second's worth
+    bucket.burst_bytes = max(1, min(chunk_bytes, bucket.burst_bytes))
+    return bucket
