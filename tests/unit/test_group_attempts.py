@@ -748,8 +748,28 @@ def test_two_checkpointers_saving_into_one_group_are_refused(tmp_path: Path) -> 
     assert f"checkpoint group {g}: {critic._coordinator.label} saves into it" in text
     assert f"while {actor._coordinator.label} has it open there" in text
     assert "Save a group's files through one Checkpointer, or use separate tags/directories" in text
+    assert "close() it, or make each one with `with Checkpointer(...)`" in text
     assert fastckpt.load(str(g / "actor.pt"))["version"] == 1
     assert list(json.loads((g / P.GROUP_MANIFEST).read_text())["files"]) == ["actor.pt"]
+
+
+def test_a_checkpointer_dropped_without_close_does_not_hold_its_group(tmp_path: Path) -> None:
+    """A retry loop whose first try raised between save and commit (its Checkpointer never closed,
+    unreachable now): the new Checkpointer's save into the same group was refused until the cyclic
+    garbage collector happened to run. Now a conflict collects once and looks again."""
+    g = tmp_path / "run" / "step-1"
+
+    def first_try() -> None:
+        ck = fastckpt.Checkpointer(overhead_budget=0.99)
+        ck.save(_state(1, 0), str(g / "a.pt"), group=str(g)).wait(60)
+        raise RuntimeError("the training step failed before commit")
+
+    with pytest.raises(RuntimeError, match="before commit"):
+        first_try()
+    with fastckpt.Checkpointer(overhead_budget=0.99) as retry:
+        retry.save(_state(2, 0), str(g / "a.pt"), group=str(g))
+        retry.commit(str(g), step=1).wait(60)
+    assert fastckpt.load(str(g / "a.pt"))["version"] == 2
 
 
 def test_a_group_is_free_for_another_checkpointer_once_committed_or_closed(tmp_path: Path) -> None:

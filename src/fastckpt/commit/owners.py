@@ -13,6 +13,7 @@ Checkpointers of different ranks in one process (simulated ranks) each hold thei
 
 from __future__ import annotations
 
+import gc
 import itertools
 import threading
 import weakref
@@ -44,22 +45,39 @@ def claim(home: str, rank: int, group: str, holder: Holder) -> None:
     """``holder`` begins an attempt at ``group`` (its home at ``home``) on ``rank``; the claims of
     groups their holders no longer hold go.
 
+    A Checkpointer dropped without ``close()`` (an exception before its commit, a notebook cell run
+    again) is unreachable but lives on, with its claims, until the cyclic garbage collector finds
+    it: a conflict collects once and looks again before it is refused.
+
     Raises:
         ConfigError: another Checkpointer of this process holds the group on the same rank.
     """
+    other = _claim(home, rank, group, holder)
+    if other is not None:
+        gc.collect()
+        other = _claim(home, rank, group, holder)
+    if other is not None:
+        raise ConfigError(
+            f"checkpoint group {group}: {holder.label} saves into it (or commits it) on rank {rank} while "
+            f"{other} has it open there (an attempt not committed yet, or its commit in flight). Two "
+            "attempts at one group drop each other's files: the commit that publishes last names only its own. "
+            "Save a group's files through one Checkpointer, or use separate tags/directories (one group per "
+            "Checkpointer); a Checkpointer left over from an earlier try: close() it, or make each one with "
+            "`with Checkpointer(...)`, which closes it however the block ends")
+
+
+def _claim(home: str, rank: int, group: str, holder: Holder) -> str | None:
+    """Claims the group for ``holder`` and returns None, or returns the label of the other holder
+    that has it (its label only: a reference would keep it from the garbage collector)."""
     with _lock:
         for key, (ref, g) in list(_holders.items()):
             if (h := ref()) is None or not h.holds(g):
                 del _holders[key]
         other = _holders.get((home, rank), (lambda: None, ""))[0]()
         if other is not None and other is not holder:
-            raise ConfigError(
-                f"checkpoint group {group}: {holder.label} saves into it (or commits it) on rank {rank} while "
-                f"{other.label} has it open there (an attempt not committed yet, or its commit in flight). Two "
-                "attempts at one group drop each other's files: the commit that publishes last names only its own. "
-                "Save a group's files through one Checkpointer, or use separate tags/directories (one group per "
-                "Checkpointer)")
+            return other.label
         _holders[(home, rank)] = (weakref.ref(holder), group)
+        return None
 
 
 def release(holder: Holder) -> None:
