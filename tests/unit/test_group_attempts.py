@@ -772,6 +772,64 @@ def test_a_checkpointer_dropped_without_close_does_not_hold_its_group(tmp_path: 
     assert fastckpt.load(str(g / "a.pt"))["version"] == 2
 
 
+def test_a_second_checkpointer_is_refused_while_the_first_begins_the_group(tmp_path: Path) -> None:
+    """Coordinator.begin claims the group, then reads its manifest (a GET for a URL), and opens the
+    attempt only after: in between the first Checkpointer did not hold the group, and a second
+    one's claim swept the first one's away. Both saved, both committed, one file was dropped."""
+    from fastckpt.errors import ConfigError
+
+    g = tmp_path / "run" / "step-1"
+    ops = FaultyOps([])
+    reading = ops.gate("open", path_contains=P.GROUP_MANIFEST)
+    with fastckpt.Checkpointer(ops=ops, overhead_budget=0.99) as actor, \
+            fastckpt.Checkpointer(overhead_budget=0.99) as critic:
+        saved: list[fastckpt.SaveHandle] = []
+        t = threading.Thread(target=lambda: saved.append(actor.save(_state(1, 0), str(g / "actor.pt"), group=str(g))))
+        t.start()
+        try:
+            assert reading.wait_entered(30)  # the actor has claimed the group and reads its manifest
+            with pytest.raises(ConfigError, match=f"while {actor._coordinator.label} has it open"):
+                critic.save(_state(2, 0), str(g / "critic.pt"), group=str(g))
+        finally:
+            reading.open()
+            t.join(60)
+        saved[0].wait(60)
+        actor.commit(str(g), step=1).wait(60)
+    assert list(json.loads((g / P.GROUP_MANIFEST).read_text())["files"]) == ["actor.pt"]
+
+
+def test_a_second_checkpointer_is_refused_while_the_first_hands_its_commit_on(tmp_path: Path) -> None:
+    """Between commit() taking the attempt out of the open ones and its commit being in flight (the
+    ``committing`` event is emitted in between) the group was not held: a second Checkpointer's
+    save into it was let in."""
+    from fastckpt.errors import ConfigError
+
+    g = tmp_path / "run" / "step-1"
+    entered, go = threading.Event(), threading.Event()
+
+    class Holding:
+        def emit(self, event: Event) -> None:
+            if event.name == "committing":
+                entered.set()
+                go.wait(60)
+
+    with fastckpt.Checkpointer(sinks=(Holding(),), overhead_budget=0.99) as actor, \
+            fastckpt.Checkpointer(overhead_budget=0.99) as critic:
+        actor.save(_state(1, 0), str(g / "actor.pt"), group=str(g)).wait(60)
+        committed: list[fastckpt.SaveHandle] = []
+        t = threading.Thread(target=lambda: committed.append(actor.commit(str(g), step=1)))
+        t.start()
+        try:
+            assert entered.wait(30)
+            with pytest.raises(ConfigError, match=f"while {actor._coordinator.label} has it open"):
+                critic.save(_state(2, 0), str(g / "critic.pt"), group=str(g))
+        finally:
+            go.set()
+            t.join(60)
+        committed[0].wait(60)
+    assert list(json.loads((g / P.GROUP_MANIFEST).read_text())["files"]) == ["actor.pt"]
+
+
 def test_a_group_is_free_for_another_checkpointer_once_committed_or_closed(tmp_path: Path) -> None:
     """The claim lasts from the first save of an attempt to the end of its commit, or to close()."""
     g, h = tmp_path / "run" / "step-1", tmp_path / "run" / "step-2"

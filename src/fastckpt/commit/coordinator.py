@@ -28,7 +28,6 @@ no longer counts once the same path is saved again): the group commits with the 
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import threading
@@ -76,13 +75,11 @@ class Coordinator:
                  local_for: Callable[[str], tuple[Place, ...]] = lambda g: ()) -> None:
         self._pool, self._stop, self._timeout = pool, stop, cfg.commit_timeout_s
         self._place_for, self._local_for, self._emit = place_for, local_for, emit
-        self._store = cfg.store
-        self._slice_s = None if cfg.close_timeout_s is None else S.WAIT_SLICE_S
-        self._link: S.StoreLink | None = None
+        self._links = S.Links(cfg.store, None if cfg.close_timeout_s is None else S.WAIT_SLICE_S)
         self._lock = threading.Lock()
         self._open: dict[str, A.Attempt] = {}
         self._running: dict[str, tuple[A.Attempt, Future]] = {}
-        self._counts: dict[str, itertools.count] = {}
+        self._pending = O.Pending(self._lock)  # held, in neither of those (``owners.Pending``)
         self._missing = E.Unsaved()
         self._steps: dict[str, int | None] = {}  # group -> the step of this rank's last commit of it
         self._behind: set[str] = set()  # groups whose next commit on this rank fails at once (``pairing.py``)
@@ -93,16 +90,6 @@ class Coordinator:
         self._given_up: dict[str, str] = {}
         self._tell = T.Teller(pool, stop, self._timeout)
         self.label = O.label()  # how its claims on groups name it (``owners.py``)
-
-    def _channel(self, group: str, rank: int, world: int) -> S.Channel | None:
-        """This rank's next attempt's store keys (None: no store, or one rank); no store call (``session.py``)."""
-        store = self._store if self._store is not None else S.default_store()
-        if store is None or world < 2:
-            return None
-        link = self._link
-        if link is None or link.store is not store or link.world != world or link.rank != rank:
-            link = self._link = S.StoreLink(store, rank, world, self._slice_s)
-        return link.channel(group, next(self._counts.setdefault(group, itertools.count())))
 
     def begin(self, group: str, rank: int, world: int, writes: bool = True) -> None:
         """First touch of ``group`` by this rank in this attempt: decide where it writes.
@@ -122,6 +109,10 @@ class Coordinator:
             prev = self._running.get(group)
         if att is not None and not att.cancel.is_set():
             return
+        with self._pending.marked(group):  # held from its claim on (the manifest's read may be a GET)
+            self._open_attempt(group, rank, world, writes, prev)
+
+    def _open_attempt(self, group: str, rank: int, world: int, writes: bool, prev: tuple | None) -> None:
         home = self._place_for(group)
         O.claim(home.url(), rank, group, self)  # ConfigError: another Checkpointer of this process holds it
         if prev is not None:
@@ -131,7 +122,7 @@ class Coordinator:
         L.set_aside(local, writes)  # the local copy is rewritten in place: not complete until committed
         with self._lock:  # a rank behind: its next commit fails at once, it takes no attempt (``pairing.py``)
             alone = group in self._behind or world < 2
-        channel = None if alone else self._channel(group, rank, world)
+        channel = None if alone else self._links.channel(group, rank, world)
         token = None if channel is not None else (uuid.uuid4().hex[:16] if rank == 0 else None)
         replaced, began = None, None
         if channel is None and rank == 0 and not alone:
@@ -148,10 +139,12 @@ class Coordinator:
                                           began=began, since=self._born)
 
     def holds(self, group: str) -> bool:
-        """``owners.Holder``: an attempt at ``group`` is open on this rank, or its commit in flight."""
+        """``owners.Holder``: an attempt at ``group`` is open on this rank, or its commit in flight, or
+        either on its way (``owners.Pending``)."""
         with self._lock:
             att = self._open.get(group)
-            return not self._stop.is_set() and (att is not None and not att.cancel.is_set() or group in self._running)
+            return not self._stop.is_set() and (att is not None and not att.cancel.is_set() or group in self._running
+                                                 or group in self._pending)
 
     def home_path(self, group: str, path: str) -> str:
         """Where ``path`` (a file of ``group``) is written at its home in this attempt."""
@@ -243,6 +236,11 @@ class Coordinator:
 
     def commit(self, group: str, rank: int, world: int, extra: dict,
                finish: Callable[[SaveRecord], SaveRecord] = lambda r: r, move_latest: bool = True) -> Future:
+        with self._pending.marked(group):  # held from leaving ``_open`` until it is ``_running``
+            return self._commit(group, rank, world, extra, finish, move_latest)
+
+    def _commit(self, group: str, rank: int, world: int, extra: dict, finish: Callable[[SaveRecord], SaveRecord],
+                move_latest: bool) -> Future:
         with self._lock:
             att = self._open.pop(group, None)
             prev = self._running.get(group) if att is None else None

@@ -17,6 +17,9 @@ import gc
 import itertools
 import threading
 import weakref
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Protocol
 
 from ..errors import ConfigError
@@ -34,6 +37,36 @@ class Holder(Protocol):
     def holds(self, group: str) -> bool:
         """An attempt at ``group`` is open, or its commit in flight (called under ``claim``'s lock:
         it must not wait for a thread that may be claiming)."""
+
+
+class Pending:
+    """The groups a holder holds outside its records of attempts: from its claim until the attempt
+    is open (``begin`` reads the group's manifest in between: a GET, for a URL), and from the
+    attempt's leaving the open ones until its commit is in flight. Without them ``holds`` was
+    False there, and a second Checkpointer's claim swept the first one's away. Marks nest
+    (``commit`` begins the attempt of a rank that saved nothing into it).
+
+    Args:
+        lock: the holder's lock, which ``holds`` takes (and reads ``group in pending`` under).
+    """
+
+    def __init__(self, lock: threading.Lock) -> None:
+        self._lock, self._marks = lock, Counter[str]()
+
+    @contextmanager
+    def marked(self, group: str) -> Iterator[None]:
+        with self._lock:
+            self._marks[group] += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._marks[group] -= 1
+                if not self._marks[group]:
+                    del self._marks[group]
+
+    def __contains__(self, group: object) -> bool:
+        return group in self._marks
 
 
 def label() -> str:

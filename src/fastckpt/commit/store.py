@@ -32,6 +32,7 @@ dead launch's keys never mislead a live rank."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import threading
 from collections.abc import Callable
@@ -88,6 +89,31 @@ class StoreLink:
         """The keys of this rank's ``attempt``-th attempt at ``group`` (a normalised name); no
         store call until the session is agreed (``Channel.join``)."""
         return Channel(self, group, attempt)
+
+
+class Links:
+    """A Checkpointer's ``StoreLink`` (made again when the store, rank or world changes) and its count
+    of attempts at each group (training thread).
+
+    Args:
+        store: the store given (None: the default process group's, if any, looked up each time).
+        slice_s: as ``StoreLink``'s.
+    """
+
+    def __init__(self, store: object | None, slice_s: float | None) -> None:
+        self._store, self._slice_s = store, slice_s
+        self._link: StoreLink | None = None
+        self._counts: dict[str, itertools.count] = {}
+
+    def channel(self, group: str, rank: int, world: int) -> Channel | None:
+        """This rank's next attempt's keys (None: no store, or one rank); no store call (``session.py``)."""
+        store = self._store if self._store is not None else default_store()
+        if store is None or world < 2:
+            return None
+        link = self._link
+        if link is None or link.store is not store or link.world != world or link.rank != rank:
+            link = self._link = StoreLink(store, rank, world, self._slice_s)
+        return link.channel(group, next(self._counts.setdefault(group, itertools.count())))
 
 
 class Channel:
