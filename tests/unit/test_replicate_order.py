@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import datetime
 import errno
+import logging
 import os
 import threading
 import time
@@ -297,3 +298,23 @@ def test_a_file_whose_mtime_cannot_be_set_still_lands_with_a_warning(tmp_path, c
     ops.assert_all_reached()
     assert torch.load(path, weights_only=True)["step"] == 3
     assert f"could not set the modification time of {path}" in caplog.text
+
+
+@pytest.mark.parametrize("local", [False, True], ids=["direct", "burst-buffer"])
+def test_a_home_that_refuses_every_utime_warns_once(tmp_path, caplog, local) -> None:  # noqa: ANN001
+    """A home that refuses to set times (a FUSE/NFS/SMB mount) refuses it for every file: each file
+    of each save logged its own WARNING. Now the first one warns (for this Checkpointer and file
+    system) and the others go to DEBUG; every file still lands."""
+    home = str(tmp_path / "home")
+    paths = [f"{home}/step{step}/shard{shard}.pt" for step in range(3) for shard in range(2)]
+    ops = FaultyOps([Fault("utime", errno.EPERM, nth=k, path_startswith=home) for k in range(1, len(paths) + 1)])
+    caplog.set_level(logging.DEBUG, logger="fastckpt")
+    with fastckpt.Checkpointer(local_dir=str(tmp_path / "nvme") if local else None, ops=ops, replicate_policy="all",
+                               rank=0, world_size=1) as ck:
+        for i, p in enumerate(paths):
+            assert ck.save(_state(i), p).wait(60).durable_s is not None
+    ops.assert_all_reached()
+    told = [r for r in caplog.records if "could not set the modification time" in r.getMessage()]
+    assert [r.levelno for r in told] == [logging.WARNING] + [logging.DEBUG] * (len(paths) - 1)
+    assert "said once per file system" in told[0].getMessage()
+    assert [torch.load(p, weights_only=True)["step"] for p in paths] == list(range(len(paths)))

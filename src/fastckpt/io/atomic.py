@@ -29,7 +29,8 @@ from concurrent import futures
 from contextlib import contextmanager
 
 from ..exits import abandon_at_exit
-from .ops import FileOps, final_mtime_ns
+from .ops import FileOps
+from .stamp import stamp
 
 log = logging.getLogger(__name__)
 TMP_TAG = ".fastckpt-tmp-"
@@ -227,13 +228,8 @@ class Staged:
 
     def stamp(self) -> None:
         """Date ``tmp`` as final now (``ops.final_mtime_ns``), just before ``commit``: the rename
-        keeps it, so files made final one after another are ordered by mtime. A failure costs only
-        that order: a WARNING, and the file is published all the same."""
-        try:
-            self.ops.utime(self.tmp, final_mtime_ns())
-        except OSError as exc:
-            log.warning("fastckpt: could not set the modification time of %s (%s): a reader that takes the newest "
-                        "file by mtime may pick a file made final before it", self.dest, exc)
+        keeps it, so files made final one after another are ordered by mtime (``stamp.py``)."""
+        stamp(self.ops, self.tmp, self.dest)
 
     def commit(self) -> None:
         old = None

@@ -1,0 +1,50 @@
+"""Dating a file as it becomes final (``Staged.stamp``), and telling once what a file system
+cannot do of it.
+
+Every file fastckpt makes final on a file system is dated ``final_mtime_ns`` just before its
+rename, so that files made final one after another are ordered by mtime. A home that refuses to
+set times (a FUSE, NFS or SMB mount that lets the writer write but not date) refuses it for
+every file: told at WARNING each time, a sharded job logged one per file of every save. It is
+told at WARNING once per Checkpointer (its ``FileOps``) and file system, at DEBUG after.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import weakref
+
+from .ops import FileOps, final_mtime_ns
+
+log = logging.getLogger(__name__)
+
+#: per FileOps (one per Checkpointer), what it was told of which file systems: (what, st_dev)
+_told: weakref.WeakKeyDictionary[FileOps, set[tuple[str, int | str]]] = weakref.WeakKeyDictionary()
+_told_lock = threading.Lock()
+
+
+def stamp(ops: FileOps, tmp: str, dest: str) -> None:
+    """Date ``tmp`` (about to be renamed to ``dest``) as final now. A failure costs only the order
+    by mtime: it is told (``_tell``) and the file is published all the same."""
+    try:
+        ops.utime(tmp, final_mtime_ns())
+    except OSError as exc:
+        _tell(ops, "utime", tmp, "fastckpt: could not set the modification time of %s (%s): a reader that takes the "
+              "newest file by mtime may pick a file made final before it", dest, exc)
+
+
+def _tell(ops: FileOps, what: str, path: str, msg: str, *args: object) -> None:
+    """Log ``msg`` at WARNING the first time ``ops`` meets ``what`` on ``path``'s file system, then at DEBUG."""
+    try:
+        fs: int | str = os.stat(path).st_dev
+    except OSError:  # gone meanwhile: its directory stands for its file system
+        fs = os.path.dirname(path)
+    with _told_lock:
+        told = _told.setdefault(ops, set())
+        first = (what, fs) not in told
+        told.add((what, fs))
+    if first:
+        log.warning(msg + " (said once per file system; the next ones at DEBUG)", *args)
+    else:
+        log.debug(msg, *args)
