@@ -148,6 +148,29 @@ def tmpfs(path: Path, options: str) -> Iterator[Path]:
         subprocess.run(["umount", str(path)], check=True)
 
 
+@contextlib.contextmanager
+def coarse_ext4(path: Path) -> Iterator[Path]:
+    """Mount at ``path`` a small ext4 image with 128-byte inodes, whose timestamps are whole
+    seconds (skip the test where this process may not make or mount one)."""
+    path.mkdir(parents=True, exist_ok=True)
+    if shutil.which("mkfs.ext4") is None or shutil.which("mount") is None:
+        pytest.skip("no mkfs.ext4 or mount binary: cannot build an ext4 file system with coarse timestamps")
+    img = path.with_name(path.name + ".img")
+    with open(img, "wb") as f:
+        f.truncate(16 << 20)
+    r = subprocess.run(["mkfs.ext4", "-q", "-F", "-I", "128", str(img)], capture_output=True, text=True)
+    if r.returncode == 0:
+        r = subprocess.run(["mount", "-o", "loop", str(img), str(path)], capture_output=True, text=True)
+    if r.returncode != 0:
+        img.unlink()
+        pytest.skip(f"cannot make or mount an ext4 image here (needs root and a loop device): {r.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", str(path)], check=True)
+        img.unlink()
+
+
 class StubEngine:
     """What the DeepSpeed integration touches of a DeepSpeedEngine, with no process group:
     ``config`` (given: the dict DeepSpeed was given, which it stores in every checkpoint file) and

@@ -29,7 +29,7 @@ from fastckpt.errors import ConfigError, ReplicationError
 from fastckpt.io.atomic import final_path
 from fastckpt.save.ordering import CallOrder
 from fastckpt.testing import Fault, FaultyOps
-from tests.helpers import tmpfs
+from tests.helpers import coarse_ext4, tmpfs
 
 
 def _state(step: int) -> dict:
@@ -318,3 +318,23 @@ def test_a_home_that_refuses_every_utime_warns_once(tmp_path, caplog, local) -> 
     assert [r.levelno for r in told] == [logging.WARNING] + [logging.DEBUG] * (len(paths) - 1)
     assert "said once per file system" in told[0].getMessage()
     assert [torch.load(p, weights_only=True)["step"] for p in paths] == list(range(len(paths)))
+
+
+@pytest.mark.parametrize("local", [False, True], ids=["direct", "burst-buffer"])
+def test_a_file_system_with_coarse_timestamps_is_told_to_order_by_latest(tmp_path, caplog, local) -> None:  # noqa: ANN001
+    """On ext4 with 128-byte inodes (timestamps in seconds; likewise FAT, NFS servers and FUSE
+    mounts that keep seconds) two last.ckpt files saved back to back tie by mtime, and nothing
+    said so while the docs promised strict order. Now a WARNING says, once, that this file system
+    cannot order files by mtime and to resume from fastckpt.latest() or the newest step."""
+    with coarse_ext4(tmp_path / "ext4") as mnt:
+        paths = [str(mnt / "run" / "a" / "last.ckpt"), str(mnt / "run" / "b" / "last.ckpt")]
+        with fastckpt.Checkpointer(local_dir=str(tmp_path / "nvme") if local else None, replicate_in_order=True,
+                                   rank=0, world_size=1) as ck:
+            for step, p in enumerate(paths):
+                assert ck.save(_state(step), p).wait(60).durable_s is not None
+        assert all(os.stat(p).st_mtime_ns % 1_000_000_000 == 0 for p in paths)  # whole seconds: they may tie
+        told = [r for r in caplog.records if "keeps coarse modification times" in r.getMessage()]
+        assert [r.levelno for r in told] == [logging.WARNING]
+        assert f"the file system of {paths[0]} keeps coarse modification times" in told[0].getMessage()
+        assert "resume from fastckpt.latest(" in told[0].getMessage()
+        assert [torch.load(p, weights_only=True)["step"] for p in paths] == [0, 1]
