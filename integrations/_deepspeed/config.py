@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import copy
 import difflib
-import functools
-import importlib
 import os
 import typing
 from collections.abc import Mapping, Sequence
@@ -46,19 +44,21 @@ NOT_IN_CONFIG = {
 #: Option values never written back into the config DeepSpeed keeps (it prints its config at
 #: start-up and stores it in every ZeRO checkpoint file).
 SECRET_KEYS = ("storage_options",)
-#: DeepSpeed's modules whose upper-case string constants are the names in its config (see
-#: ``deepspeed_keys``); a module a DeepSpeed version lacks is passed over.
-DEEPSPEED_CONSTANTS = ("deepspeed.runtime.constants", "deepspeed.runtime.config", "deepspeed.runtime.zero.config",
-                       "deepspeed.runtime.activation_checkpointing.config", "deepspeed.runtime.swap_tensor.constants",
-                       "deepspeed.runtime.data_pipeline.constants", "deepspeed.profiling.constants",
-                       "deepspeed.autotuning.constants", "deepspeed.comm.constants", "deepspeed.utils.config")
-#: Top-level keys of DeepSpeed's config: the common ones (whichever module holds them), and those
-#: no module above holds as a constant (its pydantic sections and literals).
-DEEPSPEED_KEYS = frozenset({"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
-                            "zero_optimization", "optimizer", "scheduler", "fp16", "bf16", "checkpoint",
-                            "tensorboard", "wandb", "csv_monitor", "comet", "elasticity", "compression_training",
-                            "pipeline", "sparse_attention", "nebula", "hybrid_engine", "compile", "amp",
-                            "tensor_parallel", "weight_quantization", "datastates_ckpt"})
+#: Top-level keys of DeepSpeed's config (its docs' sections and top-level options). A dict with one
+#: of them is a whole config (``whole_config``); DeepSpeed's nested names (``pin_memory``,
+#: ``use_gds``, ``type``, ...) tell nothing, as a user may have meant them for the section.
+DEEPSPEED_KEYS = frozenset({
+    "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "steps_per_print",
+    "gradient_clipping", "prescale_gradients", "gradient_predivide_factor", "wall_clock_breakdown",
+    "memory_breakdown", "dump_state", "sparse_gradients", "communication_data_type",
+    "seq_parallel_communication_data_type", "disable_allgather", "dataloader_drop_last",
+    "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer", "use_data_before_expert_parallelism",
+    "load_universal", "use_node_local_storage", "data_types", "torch_autocast", "zero_optimization", "optimizer",
+    "scheduler", "fp16", "bf16", "amp", "checkpoint", "activation_checkpointing", "flops_profiler", "aio",
+    "data_efficiency", "curriculum_learning", "autotuning", "comms_logger", "tensorboard", "wandb", "csv_monitor",
+    "comet", "elasticity", "compression_training", "pipeline", "sparse_attention", "nebula", "hybrid_engine",
+    "compile", "tensor_parallel", "weight_quantization", "datastates_ckpt", "eigenvalue",
+    "progressive_layer_drop", "quantize_training", "timers", "graph_harvesting", "mics_shard_size"})
 REDACTED = "<redacted by fastckpt>"
 
 
@@ -185,12 +185,14 @@ def misspelt(config: Mapping) -> str | None:
     """A top-level key of ``config`` (which has no ``"fastckpt"``) that looks like a misspelt
     ``"fastckpt"``: the same letters in another case or with ``_``/``-`` (``"fast_ckpt"``,
     ``"FastCkpt"``), ``fastckpt`` with more around it (``"fastckpt_config"``), or a close match
-    (``"fastckp"``); None otherwise."""
+    that starts as it does (``"fastckp"``; a user's own ``"last_ckpt"`` is as close, and is not
+    one); None otherwise."""
     for key in config:
         if not isinstance(key, str):
             continue
         plain = key.lower().replace("_", "").replace("-", "")
-        if SECTION in plain or difflib.SequenceMatcher(None, plain, SECTION).ratio() >= 0.8:
+        close = plain.startswith("fast") and difflib.SequenceMatcher(None, plain, SECTION).ratio() >= 0.8
+        if SECTION in plain or close:
             return key
     return None
 
@@ -214,27 +216,12 @@ def section_keys() -> frozenset[str]:
     return frozenset(OWN_KEYS) | frozenset(_option_types()) | frozenset(NOT_IN_CONFIG)
 
 
-@functools.cache
-def deepspeed_keys() -> frozenset[str]:
-    """The names in DeepSpeed's config (top-level and nested: its own constants, and
-    ``DEEPSPEED_KEYS``), less the section's keys: a name both use tells nothing."""
-    names = set(DEEPSPEED_KEYS)
-    for name in DEEPSPEED_CONSTANTS:
-        try:
-            module = importlib.import_module(name)
-        except ImportError:  # not in this DeepSpeed version
-            continue
-        names.update(v for k, v in vars(module).items()
-                     if k.isupper() and isinstance(v, str) and v.isidentifier() and v.islower())
-    return frozenset(names - section_keys())
-
-
 def whole_config(config: Mapping) -> bool:
     """``config`` is a whole DeepSpeed config, not a section: it has a section (also a misspelt
-    one), or none of the section's keys and one of DeepSpeed's (``deepspeed_keys``)."""
+    one), or none of the section's keys and one of DeepSpeed's top-level keys (``DEEPSPEED_KEYS``)."""
     if SECTION in config or misspelt(config) is not None:
         return True
-    return not any(k in section_keys() for k in config) and any(k in deepspeed_keys() for k in config)
+    return not any(k in section_keys() for k in config) and any(k in DEEPSPEED_KEYS for k in config)
 
 
 def redacted(config: dict) -> dict:

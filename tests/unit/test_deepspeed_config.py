@@ -168,8 +168,10 @@ def test_a_misspelt_section_is_refused_naming_it(key: str, how: str) -> None:
     assert not torch.distributed.is_initialized()
 
 
-@pytest.mark.parametrize("key", ["checkpoint", "fast_persist", "datastates_ckpt"])
+@pytest.mark.parametrize("key", ["checkpoint", "fast_persist", "datastates_ckpt", "last_ckpt", "last_ckpts"])
 def test_deepspeeds_own_keys_are_no_misspelt_section(key: str) -> None:
+    """Neither DeepSpeed's keys nor a user's own (DeepSpeed ignores keys it does not know) are
+    taken for a misspelt section: ``last_ckpt`` is as close to ``fastckpt`` as ``fastckp``."""
     assert section_of({"train_batch_size": 8, key: {}}).enabled is False
 
 
@@ -187,6 +189,17 @@ def test_attach_takes_a_whole_config_by_deepspeeds_own_keys(whole: dict) -> None
         assert fe is not None and fe.checkpointer.config.local_dir is None
     finally:
         engine.destroy()  # closes the Checkpointer attach made
+
+
+@pytest.mark.parametrize("section", [{"pin_memory": True}, {"verbose": True}, {"use_gds": True},
+                                     {"local_dir": "/nvme", "parallel_write": {}}])
+def test_a_section_with_only_deepspeeds_nested_names_is_still_the_section(section: dict) -> None:
+    """Names DeepSpeed uses inside its sections (``pin_memory``, ``use_gds``) made attach take the
+    dict for a whole config and attach with the defaults without a word: it is the section, and
+    the unknown key is named."""
+    with pytest.raises(ConfigError) as info:
+        attach(StubEngine({"train_batch_size": 8}), section)  # type: ignore[arg-type]
+    assert "unknown key(s)" in str(info.value) and "If it is a whole DeepSpeed config" in "".join(info.value.__notes__)
 
 
 def test_a_section_with_an_unknown_key_says_it_was_read_as_the_section() -> None:
