@@ -219,7 +219,7 @@ class LogFollower:
         self._tail = b""  # the last bytes read, up to the offset
         self._partial = b""
         self.bad_lines = 0
-        self._first_bad: str | None = None  # why the first line skipped is no event
+        self._first_bad: str | None = None  # why the first line skipped could not even start an event
         self._events = 0  # read from the file now at the path
         self._not_a_file = False
 
@@ -259,16 +259,18 @@ class LogFollower:
                     events.append(parse_event(decode_line(chunk, f"{self.path}:{no}"), f"{self.path}:{no}"))
             except ValueError as exc:
                 self.bad_lines += 1
-                self._first_bad = self._first_bad or str(exc)
+                if not may_start_event(chunk):  # a torn event line, ended by a restarted job, is no proof
+                    self._first_bad = self._first_bad or str(exc)
                 log.warning("fastckpt: skipped a line that is not an event: %s", exc)
         self._events += len(events)
         return events
 
     def not_an_event_log(self) -> str | None:
         """Why the file read so far is no event log (a text, JSON or binary file given by
-        mistake), or None: it held no event, and a line that is none, or bytes after its last
-        line that cannot start one. An empty log is one; so is a log whose last line a crash
-        cut short (``may_start_event``)."""
+        mistake), or None: it held no event, and a line, or bytes after its last line, that
+        cannot start one. An empty log is one; so is a log whose lines a crash cut short
+        (``may_start_event``): a job crash-looping at its first save leaves torn lines, each
+        ended with a newline by the next launch's sink."""
         if self._events:
             return None
         if self._first_bad is not None:

@@ -207,3 +207,28 @@ def test_a_line_cut_short_by_a_crash_may_start_an_event_and_other_bytes_do_not(t
     assert f.poll() == [] and f.not_an_event_log() == (
         f"{log} is not a fastckpt event log: it holds no event ({log}:1: neither an event nor the start of one, "
         "cut short by a crash)")
+
+
+def test_a_log_of_torn_lines_a_crash_loop_left_is_an_event_log(tmp_path: Path) -> None:
+    """A job killed mid-way through its first event line, restarted (its sink ends the torn line
+    before its first event) and killed the same way again leaves torn line, newline, torn line:
+    an event log with no event yet, not a file given by mistake. A line among them that could
+    not start an event still makes it none."""
+    from fastckpt.events import _end_torn_line
+
+    log = tmp_path / "e.jsonl"
+    sink = JsonlSink(str(log))
+    sink.emit(_ev("snapshot", 1.0))
+    sink.close()
+    line = log.read_bytes().split(b"\n")[0]
+    log.write_bytes(line[:40])  # launch 1 killed mid-line
+    for cut in (60, 25):  # each next launch ends the torn line, then is killed writing its first event
+        _end_torn_line(str(log))
+        with open(log, "ab") as out:
+            out.write(line[:cut])
+    f = LogFollower(str(log))
+    assert f.poll() == [] and f.bad_lines == 2 and f.not_an_event_log() is None
+    with open(log, "ab") as out:  # a line that could start no event: another file after all
+        out.write(b"\nhello\n")
+    assert f.poll() == [] and f.not_an_event_log() == (
+        f"{log} is not a fastckpt event log: it holds no event ({log}:4: not JSON (Expecting value))")
