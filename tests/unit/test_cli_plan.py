@@ -528,6 +528,19 @@ def test_megatrons_rank_folders_belong_to_their_iteration_and_step_named_files_s
     assert ckpts(*[(f"/c/ckpt1/step-{k}.pt", 1.0 + k * 0.03) for k in range(4)]) == (4, 1000)
 
 
+@pytest.mark.parametrize("names", [("model_step{s}", "optimizer_step{s}"), ("checkpoint_{s}", "optimizer_{s}")])
+def test_files_named_for_their_step_directorys_step_belong_to_it(names: tuple[str, str]) -> None:
+    """step_100/model_step100.pt and step_100/optimizer_step100.pt, saved together, were each a
+    checkpoint of their own (a step-named file stood alone wherever it was): twice the
+    checkpoints, half the state, half the interval."""
+    from fastckpt.eventlog import parse_event
+
+    lines = [_event("snapshot", 0, f"/c/step_{s}/{n.format(s=s)}.pt", s + k * 0.3, nbytes)
+             for s in (100, 200, 300) for k, (n, nbytes) in enumerate(zip(names, (4000, 8000)))]
+    prof = profile([parse_event(x) for x in lines])
+    assert (prof.checkpoints, prof.state_bytes, prof.interval_s) == (3, 12000, 100)
+
+
 def test_from_run_on_a_hugging_face_style_run(tmp_path) -> None:
     """A real run saving checkpoint-N/model.pt and checkpoint-N/optimizer.pt back to back."""
     log = str(tmp_path / "events.jsonl")

@@ -20,7 +20,7 @@ from ..runstate import resave_home
 CLUSTER_GAP_S = 1.0  # single files further apart than this (end to next start) are separate checkpoints
 # a directory named for a step (step-5, global_step10, iter_0000100, Hugging Face's checkpoint-500,
 # ckpt_500): its files form one checkpoint (docs/plan.md)
-_STEP_DIR = re.compile(r"(step|iter|iteration|epoch|checkpoint|ckpt)[-_=]?\d+$", re.IGNORECASE)
+_STEP_DIR = re.compile(r"(step|iter|iteration|epoch|checkpoint|ckpt)[-_=]?(\d+)$", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -71,16 +71,19 @@ class _Cluster:
 def _unit(path: str, groups: set[str]) -> str:
     """What a file is saved as part of: its group directory (one the log commits as a group, or
     one named for a step: its directory, or that one's parent, as Megatron's
-    iter_0000100/mp_rank_00/), else the file itself. A file named for a step (step-200.pt) is a
-    checkpoint of its own, wherever it is (a run directory may be named ckpt1 too)."""
+    iter_0000100/mp_rank_00/), else the file itself. A file named for another step than its
+    directory's (ckpt1/step-200.pt: a run directory may be named ckpt1 too), or for a step
+    outside any step directory, is a checkpoint of its own; one named for its directory's step
+    (step_100/model_step100.pt) is part of that directory."""
     d = posixpath.dirname(path)
     if d in groups:
         return d
-    if not _STEP_DIR.search(posixpath.splitext(posixpath.basename(path))[0]):
-        for up in (d, posixpath.dirname(d)):
-            if _STEP_DIR.search(posixpath.basename(up)):
-                return up
+    own = _STEP_DIR.search(posixpath.splitext(posixpath.basename(path))[0])
+    for up in (d, posixpath.dirname(d)):
+        if (m := _STEP_DIR.search(posixpath.basename(up))) and (own is None or int(own[2]) == int(m[2])):
+            return up
     return path
+
 
 
 def _group_commits(events: list[Event]) -> dict[tuple[int, str], list[Event]]:
