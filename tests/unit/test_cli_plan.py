@@ -541,6 +541,26 @@ def test_files_named_for_their_step_directorys_step_belong_to_it(names: tuple[st
     assert (prof.checkpoints, prof.state_bytes, prof.interval_s) == (3, 12000, 100)
 
 
+def test_separate_saves_in_one_epoch_or_top_k_folder_are_not_merged() -> None:
+    """A file joined its step directory's newest checkpoint however far apart, so a per-epoch
+    folder's saves (epoch_1/model_500.pt, model_1000.pt, ... 100 s apart) became one checkpoint,
+    and a top-k folder's best.pt joined the last.pt saved before it."""
+    from fastckpt.eventlog import parse_event
+
+    def ckpts(*paths_at: tuple[str, float, int]) -> list[tuple[float, float]]:
+        from fastckpt.cli.runlog import _checkpoints
+
+        return _checkpoints([parse_event(_event("snapshot", 0, p, t, n)) for p, t, n in paths_at])
+
+    epochs = [(f"/c/epoch_{ep}/model_{it}.pt", (ep - 1) * 400 + it / 5, 5000) for ep in (1, 2)
+              for it in (500, 1000, 1500, 2000)]
+    assert ckpts(*epochs) == [(t, 5000) for _, t, _ in epochs]
+    # last.pt every 100 s; best.pt when validation improves, 30 s after a save
+    top_k = sorted([("/c/ckpt3/last.pt", t, 1000) for t in (100, 200, 300, 400)] +
+                   [("/c/ckpt3/best.pt", t, 3000) for t in (130, 330)], key=lambda x: x[1])
+    assert ckpts(*top_k) == [(t, n) for _, t, n in top_k]
+
+
 def test_from_run_on_a_hugging_face_style_run(tmp_path) -> None:
     """A real run saving checkpoint-N/model.pt and checkpoint-N/optimizer.pt back to back."""
     log = str(tmp_path / "events.jsonl")

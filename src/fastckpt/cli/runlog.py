@@ -21,6 +21,9 @@ CLUSTER_GAP_S = 1.0  # single files further apart than this (end to next start) 
 # a directory named for a step (step-5, global_step10, iter_0000100, Hugging Face's checkpoint-500,
 # ckpt_500): its files form one checkpoint (docs/plan.md)
 _STEP_DIR = re.compile(r"(step|iter|iteration|epoch|checkpoint|ckpt)[-_=]?(\d+)$", re.IGNORECASE)
+# a file joins its directory's checkpoint across a gap under this share of the run's save interval
+JOIN_SHARE = 0.1
+_LAST_NUMBER = re.compile(r"(\d+)\D*$")  # the number a file's name ends in: model_500.pt, optimizer-0.pt
 
 
 @dataclass(frozen=True)
@@ -85,6 +88,33 @@ def _unit(path: str, groups: set[str]) -> str:
     return path
 
 
+def _name_number(path: str) -> int | None:
+    m = _LAST_NUMBER.search(posixpath.splitext(posixpath.basename(path))[0])
+    return int(m[1]) if m else None
+
+
+def _resave_interval(snaps: list[Event]) -> float | None:
+    """The median time between a rank's saves of one path (last.pt every 100 s), or None."""
+    last: dict[tuple[int, str], float] = {}
+    gaps = []
+    for e in snaps:
+        if (e.rank, e.path) in last:
+            gaps.append(e.start - last[e.rank, e.path])
+        last[e.rank, e.path] = e.start
+    return statistics.median(gaps) if gaps else None
+
+
+def _same_save(home: _Cluster, e: Event, unit: str, last_unit: dict[int, str], bound: float) -> bool:
+    """Whether ``e`` joins its directory's newest checkpoint ``home`` however far apart: its
+    rank saved neither that file there nor, after its files there, a file of another unit; its name carries no
+    other number than the rank's files there (epoch_1/model_500.pt, then model_1000.pt: two
+    saves), and the gap is under ``JOIN_SHARE`` of the run's save interval (``bound``: last.pt
+    re-saved every 100 s, best.pt 30 s after one of them, in one top-k folder)."""
+    n, mine = _name_number(e.path), [p for r, p in home.files if r == e.rank]
+    if (e.rank, e.path) in home.files or home.blocks.get(e.rank, e.block) != e.block or e.start - home.end >= bound:
+        return False
+    return not mine or (last_unit[e.rank] == unit and (n is None or all(_name_number(p) in (None, n) for p in mine)))
+
 
 def _group_commits(events: list[Event]) -> dict[tuple[int, str], list[Event]]:
     """Each rank's published group commits, per group path, in order. Every commit is a checkpoint,
@@ -106,7 +136,7 @@ def _checkpoints(events: list[Event]) -> list[tuple[float, float]]:
     step's directory), or when it starts more than ``CLUSTER_GAP_S`` after the last one ended.
     Files of one group directory, from one rank or many, are one checkpoint whatever the gaps
     between them (a rank saves model.pt, waits seconds for it, then saves optimizer.pt): a file
-    joins its directory's newest checkpoint unless its rank saved that file there already. The
+    joins its directory's newest checkpoint unless ``_same_save`` tells it is another save. The
     single files of different ranks saved together are one checkpoint. The files of one
     ``one_save()`` block (their snapshots name it) are one checkpoint whatever their names and
     gaps, and a rank's file outside that block starts the next."""
@@ -121,11 +151,15 @@ def _checkpoints(events: list[Event]) -> list[tuple[float, float]]:
     groups = {e.path for e in events if e.name == "commit" and e.detail == "group"}  # failed ones name them too
     out: list[_Cluster] = []
     newest: dict[str, _Cluster] = {}  # each group directory's newest checkpoint
-    for e in sorted((e for e in events if e.name == "snapshot" and e.error is None), key=lambda e: e.start):
+    last_unit: dict[int, str] = {}  # each rank's unit of its last snapshot
+    snaps = sorted((e for e in events if e.name == "snapshot" and e.error is None), key=lambda e: e.start)
+    interval = _resave_interval(snaps)
+    bound = interval * JOIN_SHARE if interval is not None else float("inf")
+    for e in snaps:
         unit, c = _unit(e.path, groups), out[-1] if out else None
         home = newest.get(unit)
         joins = c is not None and e.block is not None and c.blocks.get(e.rank) == e.block
-        if home is not None and (e.rank, e.path) not in home.files and home.blocks.get(e.rank, e.block) == e.block:
+        if home is not None and _same_save(home, e, unit, last_unit, bound):
             c = home
         elif not joins and (c is None or e.start - c.end > CLUSTER_GAP_S or (e.rank, e.path) in c.files or
                             unit not in c.units.get(e.rank, {unit}) or c.blocks.get(e.rank, e.block) != e.block):
@@ -138,6 +172,7 @@ def _checkpoints(events: list[Event]) -> list[tuple[float, float]]:
         c.files.add((e.rank, e.path))
         c.units.setdefault(e.rank, set()).add(unit)
         c.blocks.setdefault(e.rank, e.block)
+        last_unit[e.rank] = unit
     return [(c.start, c.bytes) for c in out]
 
 
