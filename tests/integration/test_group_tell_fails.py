@@ -61,6 +61,17 @@ RANK = textwrap.dedent("""
         import errno
         from fastckpt.testing import Fault, FaultyOps
         ops = FaultyOps([Fault("fsync", errno.EIO, path_contains="fastckpt-manifest.json")])
+    if r == 0 and fault == "latest":  # rank 0 is slow to move latest, past rank 1's deadline, then fails to (EIO)
+        import errno
+        from fastckpt.testing import Fault, FaultyOps
+        LATEST = "latest".encode().hex()  # a temp file carries its final name in hex
+
+        def hold(op, path):
+            if op == "fsync" and path.endswith(LATEST):
+                end = time.monotonic() + 120
+                while not os.path.exists(os.path.join(root, "rank1.done")) and time.monotonic() < end:
+                    time.sleep(0.05)
+        ops = FaultyOps([Fault("fsync", errno.EIO, path_contains=LATEST)], on_call=hold)
     ck = fastckpt.Checkpointer(store=store, commit_timeout_s=timeout_s, io_threads=1, ops=ops)
     g = f"{root}/step1"
     ck.save({"w": torch.arange(1 << 12) + r, "step": 1}, f"{g}/rank{r}.pt", group=g).wait()
@@ -71,6 +82,8 @@ RANK = textwrap.dedent("""
     except Exception as exc:
         said = f"{type(exc).__name__}: {exc}"
     print(json.dumps({"said": said, "took_s": time.monotonic() - began}), flush=True)
+    if r == 1:
+        open(os.path.join(root, "rank1.done"), "w").close()
     ck.close()
     os._exit(0)  # (the process group's teardown would use rank 0's reset connection)
 """)
@@ -129,3 +142,18 @@ def test_the_others_read_the_manifest_when_no_connection_of_rank_0_can_tell_them
     assert said[1]["said"] == "ok", said[1]
     assert said[1]["took_s"] < 2 * timeout_s, said[1]  # at its deadline, not after a second wait
     assert fastckpt.latest(str(tmp_path)) == f"{tmp_path}/step1"
+
+
+def test_a_rank_does_not_read_a_first_group_committed_before_latest_names_it(tmp_path: Path) -> None:
+    """At its deadline, rank 0 holding the claim, rank 1 took the group's manifest for a commit
+    unless latest named an older checkpoint: on a job's first checkpoint (no latest yet) it said
+    "ok" while rank 0 was still moving latest, a move that then failed (EIO): the ranks disagreed.
+    It keeps waiting for rank 0's outcome until latest names the group."""
+    timeout_s = 4.0
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
+    procs = [_start(r, tmp_path, store.port, "latest", timeout_s) for r in (0, 1)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    said = _said(outs)
+    assert said[0]["said"].startswith("ReplicationError: publish of ") and "Input/output error" in said[0]["said"], said
+    assert said[1]["said"].startswith("CommitTimeoutError: "), said[1]
+    assert not (tmp_path / P.LATEST).exists()
