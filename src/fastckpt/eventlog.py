@@ -88,9 +88,10 @@ def decode_line(raw: bytes, where: str) -> str:
 def may_start_event(raw: bytes) -> bool:
     """Whether ``raw``, a log's last bytes with no newline after them, can be an event's line cut
     short (its writer killed mid-line): the start of a JSON object, in ASCII as ``Event.to_json``
-    writes it (any character escaped), cut anywhere. A whole JSON value that is no event is
-    another file (``json.dump`` writes no newline)."""
-    if not raw.startswith(b"{") or not raw.isascii():
+    writes it (any character escaped, a key first: ``{"``), cut anywhere. A whole JSON value that
+    is no event is another file (``json.dump`` writes no newline), and so is a Python dict's repr
+    (``{'loss': 2.3}``, a trainer's stdout)."""
+    if not (raw == b"{" or raw.startswith(b'{"')) or not raw.isascii():
         return False
     try:
         json.loads(raw)

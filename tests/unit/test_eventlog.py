@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import fastckpt
-from fastckpt.eventlog import LogFollower, parse_event, read_events, unique_paths
+from fastckpt.eventlog import LogFollower, may_start_event, parse_event, read_events, unique_paths
 from fastckpt.events import Event, JsonlSink
 
 
@@ -232,3 +232,15 @@ def test_a_log_of_torn_lines_a_crash_loop_left_is_an_event_log(tmp_path: Path) -
         out.write(b"\nhello\n")
     assert f.poll() == [] and f.not_an_event_log() == (
         f"{log} is not a fastckpt event log: it holds no event ({log}:4: not JSON (Expecting value))")
+
+
+def test_a_trainers_stdout_of_python_dicts_is_no_event_log(tmp_path: Path) -> None:
+    """A line starting with ``{`` that fails to parse counted as a torn event line, so a trainer's
+    stdout of Python dict reprs given as ``--event-log`` by mistake was taken for an event log
+    with no event (all-zero metrics, exit 0). ``Event.to_json`` starts every line with ``{"``."""
+    log = tmp_path / "train.log"
+    log.write_text("{'loss': 2.31, 'epoch': 0.01}\n{'loss': 2.2, 'epoch': 0.02}\n")
+    f = LogFollower(str(log))
+    assert f.poll() == [] and f.not_an_event_log() is not None
+    assert may_start_event(b'{"duration_s": 0.1') and may_start_event(b"{")
+    assert not may_start_event(b"{'loss': 2.31")
