@@ -161,6 +161,13 @@ def pointed_name(parent: Place) -> str | None:
     return found[0] if found is not None else None
 
 
+def latest_reached(place: Place, manifest: dict) -> bool:
+    """Whether ``latest`` beside the published group ``place`` names it or a newer checkpoint:
+    rank 0 moved it there (or past it, committing a later group meanwhile)."""
+    found = _pointed(place.parent())
+    return found is not None and (found[0] == manifest.get("tag") or found[1] > group_order(manifest))
+
+
 def move_pointer(parent: Place, name: str, order: float) -> bool:
     """Point ``parent/latest`` at ``name`` (just published, of the given order); only forward.
 

@@ -64,11 +64,12 @@ def _published(att: Attempt, files: dict) -> dict | None:
 
 
 def _latest_moved(att: Attempt, manifest: dict) -> bool:
-    """Whether rank 0 is done with the published group ``manifest``: ``latest`` names it, or its
-    commit was not to move it (``moved_latest`` False). Not ``P.never_latest``, which holds no
-    pointer (a job's first checkpoint) or one naming a deleted checkpoint against it: rank 0 may
-    yet fail that move, and report the commit failed."""
-    return manifest.get("moved_latest", True) is False or P.pointed_name(att.place.parent()) == manifest["tag"]
+    """Whether rank 0 is done with the published group ``manifest``: ``latest`` names it or a
+    newer checkpoint (rank 0 committed a later group meanwhile: commits of different groups run
+    at once), or its commit was not to move it (``moved_latest`` False). Not ``P.never_latest``,
+    which holds no pointer (a job's first checkpoint) or one naming a deleted checkpoint against
+    it: rank 0 may yet fail that move, and report the commit failed."""
+    return manifest.get("moved_latest", True) is False or P.latest_reached(att.place, manifest)
 
 
 def _said(manifest: dict) -> str:
