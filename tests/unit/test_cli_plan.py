@@ -561,6 +561,26 @@ def test_separate_saves_in_one_epoch_or_top_k_folder_are_not_merged() -> None:
     assert ckpts(*top_k) == [(t, n) for _, t, n in top_k]
 
 
+def test_numbered_shards_of_one_save_folder_and_an_often_resaved_file_elsewhere_keep_it_whole() -> None:
+    """The number rule split one rank's step_100/model_shard_0..3.pt (3 s apart on slow storage)
+    into four checkpoints, and one run-wide join limit, set by a small ema_last.pt re-saved every
+    30 s, cut each DeepSpeed tag's rank files (4 s apart) apart: a folder named for one save
+    keeps its numbered files, and the limit is each folder's own."""
+    from fastckpt.cli.runlog import _checkpoints
+    from fastckpt.eventlog import parse_event
+
+    def ckpts(*paths_at: tuple[int, str, float]) -> list[tuple[float, float]]:
+        return _checkpoints([parse_event(_event("snapshot", r, p, t)) for r, p, t in sorted(paths_at, key=lambda x: x[2])])
+
+    shards = [(0, f"/c/step_{s}/model_shard_{i}.pt", s * 3 + i * 3) for s in (100, 200, 300) for i in range(4)]
+    assert ckpts(*shards) == [(s * 3.0, 4000) for s in (100, 200, 300)]
+    tags = [(r, f"/c/global_step{s}/zero_pp_rank_{r}_mp_rank_00_optim_states.pt", s * 3 + r * 4)
+            for s in (100, 200, 300) for r in range(4)]
+    ema = [(0, "/c/ema/ema_last.pt", 7.0 + 30 * k) for k in range(30)]
+    tag_ckpts = [c for c in ckpts(*tags, *ema) if c[1] == 4000]
+    assert tag_ckpts == [(s * 3.0, 4000) for s in (100, 200, 300)]
+
+
 def test_from_run_on_a_hugging_face_style_run(tmp_path) -> None:
     """A real run saving checkpoint-N/model.pt and checkpoint-N/optimizer.pt back to back."""
     log = str(tmp_path / "events.jsonl")

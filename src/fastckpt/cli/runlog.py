@@ -93,27 +93,33 @@ def _name_number(path: str) -> int | None:
     return int(m[1]) if m else None
 
 
-def _resave_interval(snaps: list[Event]) -> float | None:
-    """The median time between a rank's saves of one path (last.pt every 100 s), or None."""
+def _join_bounds(snaps: list[Event], groups: set[str]) -> dict[str, float]:
+    """Per unit, ``JOIN_SHARE`` of the median time between a rank's saves of one path in it
+    (ckpt3/last.pt every 100 s: best.pt 30 s after one is another save); no limit where no path
+    is saved again. Per unit: a small file re-saved every 30 s elsewhere bounds nothing here."""
     last: dict[tuple[int, str], float] = {}
-    gaps = []
+    gaps: dict[str, list[float]] = {}
     for e in snaps:
         if (e.rank, e.path) in last:
-            gaps.append(e.start - last[e.rank, e.path])
+            gaps.setdefault(_unit(e.path, groups), []).append(e.start - last[e.rank, e.path])
         last[e.rank, e.path] = e.start
-    return statistics.median(gaps) if gaps else None
+    return {unit: statistics.median(g) * JOIN_SHARE for unit, g in gaps.items()}
 
 
 def _same_save(home: _Cluster, e: Event, unit: str, last_unit: dict[int, str], bound: float) -> bool:
     """Whether ``e`` joins its directory's newest checkpoint ``home`` however far apart: its
-    rank saved neither that file there nor, after its files there, a file of another unit; its name carries no
-    other number than the rank's files there (epoch_1/model_500.pt, then model_1000.pt: two
-    saves), and the gap is under ``JOIN_SHARE`` of the run's save interval (``bound``: last.pt
-    re-saved every 100 s, best.pt 30 s after one of them, in one top-k folder)."""
+    rank saved neither that file there nor, after its files there, a file of another unit; the
+    gap is under ``bound`` (``_join_bounds``); and in an epoch folder (or one named for no step),
+    its name carries no other number than the rank's files there (epoch_1/model_500.pt, then
+    model_1000.pt: two saves). In a folder named for one save (step_100/, checkpoint-500/,
+    global_step500/) numbered files are its shards (model_shard_0.pt ... 3, rng_state_0.pth)."""
     n, mine = _name_number(e.path), [p for r, p in home.files if r == e.rank]
     if (e.rank, e.path) in home.files or home.blocks.get(e.rank, e.block) != e.block or e.start - home.end >= bound:
         return False
-    return not mine or (last_unit[e.rank] == unit and (n is None or all(_name_number(p) in (None, n) for p in mine)))
+    folder = _STEP_DIR.search(posixpath.basename(unit))
+    numbered = folder is None or folder[1].lower() == "epoch"
+    return not mine or (last_unit[e.rank] == unit and (
+        not numbered or n is None or all(_name_number(p) in (None, n) for p in mine)))
 
 
 def _group_commits(events: list[Event]) -> dict[tuple[int, str], list[Event]]:
@@ -153,13 +159,12 @@ def _checkpoints(events: list[Event]) -> list[tuple[float, float]]:
     newest: dict[str, _Cluster] = {}  # each group directory's newest checkpoint
     last_unit: dict[int, str] = {}  # each rank's unit of its last snapshot
     snaps = sorted((e for e in events if e.name == "snapshot" and e.error is None), key=lambda e: e.start)
-    interval = _resave_interval(snaps)
-    bound = interval * JOIN_SHARE if interval is not None else float("inf")
+    bounds = _join_bounds(snaps, groups)
     for e in snaps:
         unit, c = _unit(e.path, groups), out[-1] if out else None
         home = newest.get(unit)
         joins = c is not None and e.block is not None and c.blocks.get(e.rank) == e.block
-        if home is not None and _same_save(home, e, unit, last_unit, bound):
+        if home is not None and _same_save(home, e, unit, last_unit, bounds.get(unit, float("inf"))):
             c = home
         elif not joins and (c is None or e.start - c.end > CLUSTER_GAP_S or (e.rank, e.path) in c.files or
                             unit not in c.units.get(e.rank, {unit}) or c.blocks.get(e.rank, e.block) != e.block):
