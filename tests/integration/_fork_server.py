@@ -16,8 +16,10 @@ reads /dev/null, writes its stdout and stderr to those paths (a FIFO too: a test
 child's lines as they come; each child has its own, as two processes' prints on one pipe can
 interleave within a line), and ends through the interpreter's normal exit
 (exit hooks run as in a script). Answers ``FORKSERVER forked PID``.
-- ``{"wait": PID}``: wait for that child; answers ``FORKSERVER exited PID CODE`` (a negative
-  CODE: killed by that signal).
+- ``{"wait": PID, "timeout_s": T}``: wait for that child; answers ``FORKSERVER exited PID CODE``
+  (a negative CODE: killed by that signal), with `` hung`` after it when the child was still
+  running after T s and this process SIGKILLed its process group (it reaps the child: no other
+  process may signal that pid, which another process may get once it is reaped).
 
 The answers are this process's stdout lines that start with ``FORKSERVER``. EOF on stdin ends
 the server (``os._exit``: see ``main``).
@@ -35,6 +37,7 @@ import importlib
 import json
 import os
 import queue
+import select
 import signal
 import subprocess
 import sys
@@ -90,12 +93,13 @@ class ForkServer:
         """Wait for the child ``pid`` to end; its exit code (negative: the signal that killed it).
         A child still running after ``timeout_s`` (default: the server's) is SIGKILLed, with
         anything it forked, and the test fails."""
-        try:
-            return int(self._ask({"wait": pid}, timeout_s)[2])
-        except AssertionError:
-            os.killpg(pid, signal.SIGKILL)
-            self._answers.get(timeout=self.timeout_s)  # the server's answer to the wait, now that it ended
-            raise
+        limit = timeout_s or self.timeout_s
+        # the server, which reaps the child, kills it at the limit: only it may signal that pid
+        # (once reaped, the pid may be another process's), and every request gets its one answer
+        answer = self._ask({"wait": pid, "timeout_s": limit}, limit + self.timeout_s)
+        if answer[3:] == ["hung"]:
+            raise AssertionError(f"the forked child {pid} was still running after {limit} s: SIGKILLed")
+        return int(answer[2])
 
     def run_code(self, code: str, argv: list[str], timeout_s: float) -> subprocess.CompletedProcess:
         """``subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True,
@@ -153,8 +157,13 @@ def main(argv: list[str]) -> None:
     for line in sys.stdin:
         request = json.loads(line)
         if "wait" in request:
-            _, status = os.waitpid(request["wait"], 0)
-            print(f"{PREFIX}exited {request['wait']} {os.waitstatus_to_exitcode(status)}", flush=True)
+            pid = request["wait"]
+            with os.fdopen(os.pidfd_open(pid), "rb", buffering=0) as ended:  # readable once the child ends
+                hung = not select.select([ended], [], [], request["timeout_s"])[0]
+                if hung:
+                    os.killpg(pid, signal.SIGKILL)  # not reaped yet: the pid (its group's id) is still its
+            _, status = os.waitpid(pid, 0)
+            print(f"{PREFIX}exited {pid} {os.waitstatus_to_exitcode(status)}{' hung' if hung else ''}", flush=True)
         else:
             print(f"{PREFIX}forked {fork_child(request)}", flush=True)
     # The server ran no worker code: nothing of its own to flush or close. Skipping the
