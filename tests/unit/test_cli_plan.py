@@ -570,7 +570,8 @@ def test_numbered_shards_of_one_save_folder_and_an_often_resaved_file_elsewhere_
     from fastckpt.eventlog import parse_event
 
     def ckpts(*paths_at: tuple[int, str, float]) -> list[tuple[float, float]]:
-        return _checkpoints([parse_event(_event("snapshot", r, p, t)) for r, p, t in sorted(paths_at, key=lambda x: x[2])])
+        ordered = sorted(paths_at, key=lambda x: x[2])
+        return _checkpoints([parse_event(_event("snapshot", r, p, t)) for r, p, t in ordered])
 
     shards = [(0, f"/c/step_{s}/model_shard_{i}.pt", s * 3 + i * 3) for s in (100, 200, 300) for i in range(4)]
     assert ckpts(*shards) == [(s * 3.0, 4000) for s in (100, 200, 300)]
