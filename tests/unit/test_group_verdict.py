@@ -3,10 +3,12 @@ not reach it through the store."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 import fastckpt
@@ -45,3 +47,33 @@ def test_a_group_published_before_latest_moved_on_to_a_newer_one_is_published(tm
     finally:
         homes.close()
     assert said.startswith(S.PUBLISHED)
+
+
+def test_a_pointer_dated_far_ahead_by_a_skewed_host_is_not_a_newer_checkpoint(tmp_path: Path) -> None:
+    """``latest`` names a previous run's step_900, dated an hour ahead by a host whose clock ran
+    ahead; rank 0 published step_100's manifest and died before moving ``latest`` (a move it would
+    have made: ``order.holds``). A rank took the skewed pointer for a newer checkpoint and reported
+    step_100 committed, while ``fastckpt.latest`` resumes from step_900."""
+    with fastckpt.Checkpointer() as ck:
+        for step in (900, 100):
+            g = str(tmp_path / f"step_{step}")
+            ck.save({"w": torch.arange(64) + step}, f"{g}/rank0.pt", group=g).wait()
+            ck.commit(g, step=step).wait()
+            if step == 900:  # dated by a host whose clock ran an hour ahead
+                m = json.loads((tmp_path / g / P.GROUP_MANIFEST).read_text())
+                m.pop("digest", None)
+                m["requested_at"] = time.time() + 3600
+                Path(g, P.GROUP_MANIFEST).write_bytes(P.manifest_bytes(m))
+    (tmp_path / P.LATEST).write_text("step_900")  # rank 0 died before its move of latest
+    assert fastckpt.latest(str(tmp_path)) == str(tmp_path / "step_900")
+    homes = Homes()
+    try:
+        home = homes.resolve(str(tmp_path / "step_100")).place()
+        m = P.read_group_manifest(home)
+        ch = StoppedStore()
+        att = Attempt(group=str(tmp_path / "step_100"), home=home, place=home, local=(), channel=ch,
+                      token=m["attempt"], old=None)
+        with pytest.raises(S.StoreError, match="not latest: it is not committed"):
+            verdict(att, ch, 1, m["files"], time.monotonic() + 5, threading.Event(), 5)
+    finally:
+        homes.close()

@@ -163,9 +163,11 @@ def pointed_name(parent: Place) -> str | None:
 
 def latest_reached(place: Place, manifest: dict) -> bool:
     """Whether ``latest`` beside the published group ``place`` names it or a newer checkpoint:
-    rank 0 moved it there (or past it, committing a later group meanwhile)."""
+    rank 0 moved it there (or past it, committing a later group meanwhile). Newer by the rule
+    rank 0's ``move_pointer`` applies (``order.holds``): a pointer dated far ahead of this host's
+    clock (a skewed node's) is one it would have moved, so it tells nothing."""
     found = _pointed(place.parent())
-    return found is not None and (found[0] == manifest.get("tag") or found[1] > group_order(manifest))
+    return found is not None and (found[0] == manifest.get("tag") or holds(found[1], group_order(manifest)))
 
 
 def move_pointer(parent: Place, name: str, order: float) -> bool:
