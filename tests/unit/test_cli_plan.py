@@ -582,6 +582,20 @@ def test_numbered_shards_of_one_save_folder_and_an_often_resaved_file_elsewhere_
     assert tag_ckpts == [(s * 3.0, 4000) for s in (100, 200, 300)]
 
 
+def test_saves_into_a_run_folder_named_like_a_step_stay_separate() -> None:
+    """A run folder named ckpt1 matches a step's name: 5fdc797 turned the number rule off there,
+    so model_500.pt + optim_500.pt, then model_1000.pt + optim_1000.pt 600 s later, ... were one
+    checkpoint of the whole run's bytes, with no interval. Numbers above a save folder's step
+    (and above ``SHARD_NUMBERS``) are steps, not shards."""
+    from fastckpt.cli.runlog import _checkpoints
+    from fastckpt.eventlog import parse_event
+
+    saves = [(f"/r/ckpt1/{name}_{it}.pt", it * 1.2 + k * 2) for it in (500, 1000, 1500)
+             for k, name in enumerate(("model", "optim"))]
+    assert _checkpoints([parse_event(_event("snapshot", 0, p, t)) for p, t in saves]) == [
+        (it * 1.2, 2000) for it in (500, 1000, 1500)]
+
+
 def test_from_run_on_a_hugging_face_style_run(tmp_path) -> None:
     """A real run saving checkpoint-N/model.pt and checkpoint-N/optimizer.pt back to back."""
     log = str(tmp_path / "events.jsonl")

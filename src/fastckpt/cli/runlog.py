@@ -23,6 +23,7 @@ CLUSTER_GAP_S = 1.0  # single files further apart than this (end to next start) 
 _STEP_DIR = re.compile(r"(step|iter|iteration|epoch|checkpoint|ckpt)[-_=]?(\d+)$", re.IGNORECASE)
 # a file joins its directory's checkpoint across a gap under this share of the run's save interval
 JOIN_SHARE = 0.1
+SHARD_NUMBERS = 64  # a number below this (or its folder's step) in a save folder's file names is a shard's
 _LAST_NUMBER = re.compile(r"(\d+)\D*$")  # the number a file's name ends in: model_500.pt, optimizer-0.pt
 
 
@@ -109,17 +110,22 @@ def _join_bounds(snaps: list[Event], groups: set[str]) -> dict[str, float]:
 def _same_save(home: _Cluster, e: Event, unit: str, last_unit: dict[int, str], bound: float) -> bool:
     """Whether ``e`` joins its directory's newest checkpoint ``home`` however far apart: its
     rank saved neither that file there nor, after its files there, a file of another unit; the
-    gap is under ``bound`` (``_join_bounds``); and in an epoch folder (or one named for no step),
-    its name carries no other number than the rank's files there (epoch_1/model_500.pt, then
-    model_1000.pt: two saves). In a folder named for one save (step_100/, checkpoint-500/,
-    global_step500/) numbered files are its shards (model_shard_0.pt ... 3, rng_state_0.pth)."""
+    gap is under ``bound`` (``_join_bounds``); and its name carries no other number than the
+    rank's files there (epoch_1/model_500.pt, then model_1000.pt: two saves; so in a run folder
+    named ckpt1), unless both are shard numbers of a folder named for one save (step_100/,
+    checkpoint-500/, global_step500/): below its step, or ``SHARD_NUMBERS`` (model_shard_0.pt
+    ... 3, rng_state_0.pth)."""
     n, mine = _name_number(e.path), [p for r, p in home.files if r == e.rank]
     if (e.rank, e.path) in home.files or home.blocks.get(e.rank, e.block) != e.block or e.start - home.end >= bound:
         return False
     folder = _STEP_DIR.search(posixpath.basename(unit))
-    numbered = folder is None or folder[1].lower() == "epoch"
-    return not mine or (last_unit[e.rank] == unit and (
-        not numbered or n is None or all(_name_number(p) in (None, n) for p in mine)))
+    shards = 0 if folder is None or folder[1].lower() == "epoch" else max(int(folder[2]), SHARD_NUMBERS)
+
+    def same(p: str) -> bool:
+        m = _name_number(p)
+        return m is None or m == n or (m < shards and n < shards)  # type: ignore[operator]
+
+    return not mine or (last_unit[e.rank] == unit and (n is None or all(same(p) for p in mine)))
 
 
 def _group_commits(events: list[Event]) -> dict[tuple[int, str], list[Event]]:
