@@ -66,11 +66,14 @@ RANK = textwrap.dedent("""
         from fastckpt.testing import Fault, FaultyOps
         LATEST = "latest".encode().hex()  # a temp file carries its final name in hex
 
+        told = dist.TCPStore("127.0.0.1", port, 2, False, timeout=datetime.timedelta(seconds=120))
+
         def hold(op, path):
             if op == "fsync" and path.endswith(LATEST):
-                end = time.monotonic() + 120
-                while not os.path.exists(os.path.join(root, "rank1.done")) and time.monotonic() < end:
-                    time.sleep(0.05)
+                try:  # until rank 1 has answered (its own connection: the Checkpointer's stays free)
+                    told.wait(["test/rank1.done"])
+                except RuntimeError:  # (a DistStoreError past 120 s: fail the move all the same)
+                    pass
         ops = FaultyOps([Fault("fsync", errno.EIO, path_contains=LATEST)], on_call=hold)
     ck = fastckpt.Checkpointer(store=store, commit_timeout_s=timeout_s, io_threads=1, ops=ops)
     g = f"{root}/step1"
@@ -83,7 +86,7 @@ RANK = textwrap.dedent("""
         said = f"{type(exc).__name__}: {exc}"
     print(json.dumps({"said": said, "took_s": time.monotonic() - began}), flush=True)
     if r == 1:
-        open(os.path.join(root, "rank1.done"), "w").close()
+        client.set("test/rank1.done", "1")
     ck.close()
     os._exit(0)  # (the process group's teardown would use rank 0's reset connection)
 """)
