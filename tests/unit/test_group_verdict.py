@@ -26,6 +26,19 @@ class StoppedStore:
         raise S.StoreError("the store stopped answering")
 
 
+def _rank1_verdict(group: Path) -> str:
+    """What rank 1 concludes about the published ``group`` when the store stopped answering."""
+    homes = Homes()
+    try:
+        home = homes.resolve(str(group)).place()
+        m = P.read_group_manifest(home)
+        ch = StoppedStore()
+        att = Attempt(group=str(group), home=home, place=home, local=(), channel=ch, token=m["attempt"], old=None)
+        return verdict(att, ch, 1, m["files"], time.monotonic() + 5, threading.Event(), 5)
+    finally:
+        homes.close()
+
+
 def test_a_group_published_before_latest_moved_on_to_a_newer_one_is_published(tmp_path: Path) -> None:
     """Commits of successive groups run at once: by the time a rank reads step_100's manifest,
     rank 0 may have published step_200 and moved ``latest`` past step_100. The rank reported
@@ -36,17 +49,7 @@ def test_a_group_published_before_latest_moved_on_to_a_newer_one_is_published(tm
             ck.save({"w": torch.arange(64) + step}, f"{g}/rank0.pt", group=g).wait()
             ck.commit(g, step=step).wait()
     assert fastckpt.latest(str(tmp_path)) == str(tmp_path / "step_200")
-    homes = Homes()
-    try:
-        home = homes.resolve(str(tmp_path / "step_100")).place()
-        m = P.read_group_manifest(home)
-        ch = StoppedStore()
-        att = Attempt(group=str(tmp_path / "step_100"), home=home, place=home, local=(), channel=ch,
-                      token=m["attempt"], old=None)
-        said = verdict(att, ch, 1, m["files"], time.monotonic() + 5, threading.Event(), 5)
-    finally:
-        homes.close()
-    assert said.startswith(S.PUBLISHED)
+    assert _rank1_verdict(tmp_path / "step_100").startswith(S.PUBLISHED)
 
 
 def test_a_pointer_dated_far_ahead_by_a_skewed_host_is_not_a_newer_checkpoint(tmp_path: Path) -> None:
@@ -66,14 +69,5 @@ def test_a_pointer_dated_far_ahead_by_a_skewed_host_is_not_a_newer_checkpoint(tm
                 Path(g, P.GROUP_MANIFEST).write_bytes(P.manifest_bytes(m))
     (tmp_path / P.LATEST).write_text("step_900")  # rank 0 died before its move of latest
     assert fastckpt.latest(str(tmp_path)) == str(tmp_path / "step_900")
-    homes = Homes()
-    try:
-        home = homes.resolve(str(tmp_path / "step_100")).place()
-        m = P.read_group_manifest(home)
-        ch = StoppedStore()
-        att = Attempt(group=str(tmp_path / "step_100"), home=home, place=home, local=(), channel=ch,
-                      token=m["attempt"], old=None)
-        with pytest.raises(S.StoreError, match="not latest: it is not committed"):
-            verdict(att, ch, 1, m["files"], time.monotonic() + 5, threading.Event(), 5)
-    finally:
-        homes.close()
+    with pytest.raises(S.StoreError, match="not latest: it is not committed"):
+        _rank1_verdict(tmp_path / "step_100")
