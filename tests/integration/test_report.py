@@ -202,6 +202,27 @@ def test_an_output_that_cannot_be_written_is_bad_usage_not_a_failed_run(report: 
     assert f"Invalid value for {flag}: cannot write {out / name} (" in res.stderr and fix in res.stderr, res.stderr
 
 
+@pytest.mark.parametrize("flag, name", [("-o", "r.png"), ("--html", "r.html")])
+def test_a_write_that_fails_midway_leaves_the_previous_output_whole(report: Report, run: tuple[Path, list],
+                                                                    tmp_path: Path, flag: str, name: str) -> None:
+    """The output was opened in place (truncated) and written: a write that failed or was killed
+    midway (here: the filesystem filled) left a part of the new file where the previous report
+    was. Now a temp beside it is written, fsynced and renamed over it, or removed."""
+    log, _ = run
+    with tmpfs(tmp_path / "out", "size=2m") as out:
+        (out / name).write_bytes(b"the previous report")
+        with contextlib.suppress(OSError), open(out / "fill", "wb") as f:
+            f.write(b"\0" * (4 << 20))  # fill what the tmpfs holds
+        res = report(str(log), flag, str(out / name))
+        assert res.returncode == 2 and "free space there" in res.stderr, res.stderr
+        assert (out / name).read_bytes() == b"the previous report"
+        assert sorted(p.name for p in out.iterdir()) == ["fill", name]  # no temp left behind
+        (out / "fill").unlink()
+        assert report(str(log), flag, str(out / name)).returncode == 1  # room again: replaced whole
+        assert (out / name).read_bytes().startswith(b"\x89PNG" if flag == "-o" else b"<!DOCTYPE html>")
+        assert sorted(p.name for p in out.iterdir()) == [name]
+
+
 def test_html_leaves_a_users_file_beside_it_alone(report: Report, run: tuple[Path, list], tmp_path: Path) -> None:
     log, _ = run
     mine = tmp_path / "page.html.png"

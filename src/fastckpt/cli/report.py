@@ -80,11 +80,15 @@ def report(logs: tuple[str, ...], png: str | None, page: str | None, as_json: bo
 
 
 def _write(run, summary, png: str | None, page: str | None) -> None:  # noqa: ANN001 (RunState, Summary)
-    """Draw once; the page embeds the PNG from memory, so no file is written beside it."""
+    """Draw once; the page embeds the PNG from memory, so no other file is left beside it. Each file
+    is published as a checkpoint's manifest is (temp beside it, fsync, rename): a write that fails
+    or is killed midway leaves the previous file whole, never a part of the new one."""
     if not (png or page):
         return
+    from ..io.atomic import publish_bytes
+    from ..io.ops import FileOps
     from ..progress import Progress
-    from ..report.page import render_html
+    from ..report.page import html_page
     from ..report.plot import render_png
 
     buf = io.BytesIO()
@@ -93,11 +97,10 @@ def _write(run, summary, png: str | None, page: str | None) -> None:  # noqa: AN
     flag, where = "-o", png
     try:
         if png:
-            with open(png, "wb") as f:
-                f.write(buf.getvalue())
+            publish_bytes(FileOps(), os.path.realpath(png), buf.getvalue())  # through a user's symlink
         flag, where = "--html", page
         if page:
-            render_html(summary, buf.getvalue(), page)
+            publish_bytes(FileOps(), os.path.realpath(page), html_page(summary, buf.getvalue()).encode("utf-8"))
     except OSError as exc:  # bad usage (exit 2, as a missing directory is): exit 1 says the run failed
         fix = {errno.EROFS: "its filesystem is read-only: give a path on a writable one",
                errno.ENOSPC: "free space there, or give a path elsewhere",

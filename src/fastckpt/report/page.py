@@ -13,8 +13,8 @@ _STYLE = ("body{font-family:system-ui,sans-serif;margin:2em;max-width:80em}"
           "pre{background:#f6f6f6;padding:1em;white-space:pre-wrap}img{max-width:100%}")
 
 
-def render_html(summary: Summary, png: bytes | None, path: str) -> None:
-    """Write the page: title, text summary, the PNG inline (when drawn) and the JSON numbers."""
+def html_page(summary: Summary, png: bytes | None) -> str:
+    """The page: title, text summary, the PNG inline (when drawn) and the JSON numbers."""
     parts = ["<!DOCTYPE html>", "<html><head><meta charset=\"utf-8\"><title>fastckpt report</title>",
              f"<style>{_STYLE}</style></head><body>", "<h1>fastckpt report</h1>",
              f"<p>{html.escape(', '.join(summary.logs))}</p>", f"<pre>{html.escape(summary.text())}</pre>"]
@@ -23,5 +23,4 @@ def render_html(summary: Summary, png: bytes | None, path: str) -> None:
         parts.append(f"<img alt=\"save phases, overhead and per-save times\" src=\"data:image/png;base64,{b64}\">")
     numbers = json.dumps(dataclasses.asdict(summary), indent=2, sort_keys=True)
     parts += ["<h2>Numbers</h2>", f"<pre id=\"summary-json\">{html.escape(numbers)}</pre>", "</body></html>"]
-    with open(path, "w", encoding="utf-8") as f:
-        f.write("\n".join(parts) + "\n")
+    return "\n".join(parts) + "\n"
