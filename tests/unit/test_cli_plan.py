@@ -285,6 +285,35 @@ def test_from_run_on_an_empty_log_is_refused_naming_it(tmp_path) -> None:
         assert f"the event log {log} is empty (no event)" in " ".join(r.output.split()), r.output
 
 
+@pytest.mark.parametrize("text, want", [("70B", 70e9), ("70b", 70e9), ("7e9", 7e9), ("1.3T", 1.3e12), ("350M", 350e6),
+                                        ("125K", 125e3), ("1000", 1000)])
+def test_params_are_a_count_with_a_unit(text: str, want: float) -> None:
+    r = invoke("--params", text, "--preset", "weights-bf16", "--bandwidth", "10GB/s", "--json")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["state_bytes"] == pytest.approx(want * 2)
+
+
+@pytest.mark.parametrize("text, fix", [
+    ("70", "'70' is 70 parameters: write the unit, e.g. 70B for 70 billion (K, M, B or G, T: thousand, million, "
+           "billion, trillion), or the whole count (e.g. 7e9)"),
+    ("405", "e.g. 405B for 405 billion"), ("1e2", "e.g. 100B for 100 billion"),
+    ("70GB", "'70GB' is a size in bytes, and --params counts parameters (70B is 70 billion): give the checkpoint's "
+             "size as --state-size 70GB instead"),
+    ("1.4TB", "--state-size 1.4TB"),
+    ("70bn", "write e.g. 70B, 7e9, 1.5T, 350M (K, M, B or G, T: 1e3, 1e6, 1e9, 1e12)")])
+def test_params_without_a_unit_or_in_bytes_are_refused_naming_the_fix(text: str, fix: str) -> None:
+    """``--params 70`` (70B meant) was planned as a 1,120-byte state that passed, and ``--params
+    70GB`` said only that it could not be read as a count."""
+    r = invoke("--params", text, "--bandwidth", "10GB/s")
+    assert r.exit_code == 2, r.output
+    assert "Invalid value for '--params': " in r.output and fix in " ".join(r.output.split()), r.output
+
+
+def test_help_says_what_params_counts() -> None:
+    text = " ".join(invoke("--help").stdout.split())
+    assert "a count (not bytes): 70B is 70 billion, also 7e9, 1.3T, 350M" in text
+
+
 def test_help() -> None:
     r = invoke("--help")
     assert r.exit_code == 0 and "--mtbf-per" in r.stdout and "mixed-adam 16 B" in r.stdout

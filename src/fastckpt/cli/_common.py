@@ -104,11 +104,12 @@ def parse_count(text: str) -> float:
     """``70B``, ``1.5T``, ``350M``, ``7e9`` -> a count (B and G are 1e9: parameters)."""
     m = re.fullmatch(rf"\s*{_NUMBER}\s*([A-Za-z]?)\s*", str(text))
     if m is None or m.group(2).upper() not in _COUNT_UNITS:
-        raise ValueError(f"cannot read {text!r} as a count: write e.g. 70B, 7e9, 1.5T, 350M")
+        raise ValueError(f"cannot read {text!r} as a count: write e.g. 70B, 7e9, 1.5T, 350M (K, M, B or G, T: "
+                         "1e3, 1e6, 1e9, 1e12)")
     return _finite(float(m.group(1)) * _COUNT_UNITS[m.group(2).upper()], text, "a count")
 
 
-class _Parsed(click.ParamType):
+class Parsed(click.ParamType):
     """A click parameter type over one of the parsers above (errors become exit code 2)."""
 
     def __init__(self, name: str, parse: Callable[[str], float], positive: bool = False) -> None:
@@ -176,12 +177,11 @@ def count_range(low: int = 1, high: int = MAX_COUNT) -> click.IntRange:
     return click.IntRange(low, high)
 
 
-SIZE = _Parsed("size", parse_size, positive=True)
-SIZE_OR_ZERO = _Parsed("size", parse_size)  # 0 turns something off (doctor --probe-size)
-BANDWIDTH = _Parsed("bandwidth", parse_bandwidth, positive=True)
-DURATION = _Parsed("duration", parse_duration, positive=True)
-DURATION_OR_ZERO = _Parsed("duration", parse_duration)  # a wait that may be none (drill --min-run)
-COUNT = _Parsed("count", parse_count, positive=True)
+SIZE = Parsed("size", parse_size, positive=True)
+SIZE_OR_ZERO = Parsed("size", parse_size)  # 0 turns something off (doctor --probe-size)
+BANDWIDTH = Parsed("bandwidth", parse_bandwidth, positive=True)
+DURATION = Parsed("duration", parse_duration, positive=True)
+DURATION_OR_ZERO = Parsed("duration", parse_duration)  # a wait that may be none (drill --min-run)
 FINITE_POSITIVE = _FinitePositive()
 OVERHEAD_BUDGET = FiniteRange(0, 1, min_open=True, max_open=True, want="a fraction, e.g. 0.02 for 2 %")
 
@@ -250,7 +250,7 @@ def _storage_options(text: str) -> dict:
 
 LOCATION = _Location()
 storage_options_option = click.option(
-    "--storage-options", "storage_options", type=_Parsed("json_or_file", _storage_options), default=None,
+    "--storage-options", "storage_options", type=Parsed("json_or_file", _storage_options), default=None,
     help="fsspec options for URL targets: a JSON object (e.g. endpoint_url, key, secret) or a JSON file's path; "
          "never printed.")
 json_option = click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")

@@ -11,11 +11,11 @@ from ..eventlog import read_events, unique_paths
 from . import sizing
 from ._common import (
     BANDWIDTH,
-    COUNT,
     DURATION,
     FINITE_POSITIVE,
     OVERHEAD_BUDGET,
     SIZE,
+    Parsed,
     console,
     count_range,
     emit_json,
@@ -25,6 +25,8 @@ from ._common import (
     fmt_rate,
     fmt_seconds,
     json_option,
+    parse_count,
+    parse_size,
     table,
 )
 from .runlog import RunProfile, profile
@@ -32,6 +34,36 @@ from .runlog import RunProfile, profile
 DEFAULT_INTERVAL_S = 2 * 3600.0
 # a log whose saves hold less than this share of the groups it committed lacks other ranks' events
 MISSING_RANKS_SHARE = 0.75
+# a bare number of parameters below this is a unit left out: --params 70 meant 70B, not 70 parameters
+BARE_PARAMS_MIN = 1000
+PARAMS_UNITS = "K, M, B or G, T: thousand, million, billion, trillion"
+
+
+def parse_params(text: str) -> float:
+    """``--params``: a count of parameters, not bytes: ``70B`` (70e9), ``7e9``, ``1.3T``, ``350M``
+    (``PARAMS_UNITS``). A bare number under ``BARE_PARAMS_MIN``, and a size in bytes (``70GB``),
+    are refused naming the fix.
+
+    Raises:
+        ValueError: not a count, a unit left out, or a size in bytes.
+    """
+    try:
+        n = parse_count(text)
+    except ValueError as exc:
+        try:
+            parse_size(text)
+        except ValueError:
+            raise exc from None  # neither a count nor a size: the count's message, with its forms
+        raise ValueError(f"{text!r} is a size in bytes, and --params counts parameters (70B is 70 billion): give "
+                         f"the checkpoint's size as --state-size {text.strip()} instead, or the parameters as e.g. "
+                         "70B") from exc
+    if text.strip()[-1:].isdigit() and 0 < n < BARE_PARAMS_MIN:  # no unit (parse_count read it: a count)
+        raise ValueError(f"{text!r} is {n:g} parameters: write the unit, e.g. {n:g}B for {n:g} billion "
+                         f"({PARAMS_UNITS}), or the whole count (e.g. 7e9)")
+    return n
+
+
+PARAMS = Parsed("count", parse_params, positive=True)
 
 
 def _resolve(opts: dict, run: RunProfile | None, from_run: tuple[str, ...]) -> tuple[sizing.PlanInputs, list[str]]:
@@ -185,7 +217,9 @@ def render(p: sizing.Plan, notes: list[str]) -> None:
 
 
 @click.command()
-@click.option("--params", type=COUNT, help="Model parameters, e.g. 70B or 7e9.")
+@click.option("--params", type=PARAMS,
+              help=f"Model parameters, a count (not bytes): 70B is 70 billion, also 7e9, 1.3T, 350M ({PARAMS_UNITS}); "
+                   "times --preset's bytes per parameter is the state.")
 @click.option("--preset", type=click.Choice(sorted(sizing.PRESETS)),
               help="Bytes per parameter: " + "; ".join(f"{k} {v[0]:g} B ({v[1]})" for k, v in sizing.PRESETS.items())
               + ". Default mixed-adam.")
