@@ -21,9 +21,9 @@ def in_unit(x: float, units: tuple[tuple[str, float], ...], rnd: Callable[[float
     return rnd(x / scale), unit
 
 
-def fmt_bytes(n: float | None) -> str:
-    """SI bytes, three significant figures: ``1.12 TB``; ``-`` for None."""
+def fmt_bytes(n: float | None, digits: int = 3) -> str:
+    """SI bytes, ``digits`` significant figures: ``1.12 TB``; ``-`` for None."""
     if n is None:
         return "-"
-    value, unit = in_unit(n, _SI_BYTES, lambda v: float(f"{v:.3g}"))
-    return f"{value:,.0f} {unit}" if unit == "B" or abs(value) >= 1000 else f"{value:.3g} {unit}"
+    value, unit = in_unit(n, _SI_BYTES, lambda v: float(f"{v:.{digits}g}"))
+    return f"{value:,.0f} {unit}" if unit == "B" or abs(value) >= 1000 else f"{value:.{digits}g} {unit}"

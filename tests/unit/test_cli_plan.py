@@ -691,6 +691,8 @@ def test_plan_says_what_the_staging_buffers_pin_and_checks_host_memory() -> None
     assert any("pins 140 GB of host memory per node" in n and "--host-memory" in n for n in d["notes"])
     r = invoke("--params", "70B", "--gpus", "64", "--bandwidth", "20GB/s", "--host-memory", "256GB")
     assert r.exit_code == 1 and "the staging buffers pin 140 GB per node" in r.stdout
+    r = invoke("--params", "1.3T", "--gpus", "8", "--bandwidth", "20GB/s")  # one node's 20.8 TB: no 2.08e+04 GB
+    assert r.exit_code == 0 and "pins 20.8 TB of host memory per node" in r.stdout, r.stdout
 
 
 def test_a_group_re_saved_under_one_path_is_one_checkpoint_per_commit(tmp_path) -> None:

@@ -23,6 +23,8 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
+from ..units import fmt_bytes
+
 # bytes per parameter in a checkpoint, and where they come from
 PRESETS: dict[str, tuple[float, str]] = {
     "mixed-adam": (16, "bf16 weights 2 + bf16 gradients 2 + fp32 master 4 + Adam m 4 + Adam v 4"),
@@ -222,12 +224,12 @@ def tiered(p: PlanInputs) -> Strategy:
                       f"{drain_s / HOUR:.4g} h")
     staging = p.node_state_bytes  # one host copy of every rank's state on the fullest node
     if p.host_memory_bytes is not None and staging > p.host_memory_bytes * STAGING_SHARE:
-        problems.append(f"the staging buffers pin {staging / 1e9:.4g} GB per node, more than "
-                        f"{STAGING_SHARE:.0%} of its {p.host_memory_bytes / 1e9:.4g} GB of host memory")
+        problems.append(f"the staging buffers pin {fmt_bytes(staging, 4)} per node, more than "
+                        f"{STAGING_SHARE:.0%} of its {fmt_bytes(p.host_memory_bytes, 4)} of host memory")
         fit = math.floor(p.host_memory_bytes * STAGING_SHARE * p.gpus / p.state_bytes)  # GPUs' shares a node holds
         spread = (f"spread the job over {math.ceil(p.gpus / fit)} nodes or more (at most {fit} GPUs per node), "
-                  if fit >= 1 else f"one GPU's share ({p.state_bytes / p.gpus / 1e9:.4g} GB) is already over it, so no "
-                  "number of nodes does: use ")
+                  if fit >= 1 else f"one GPU's share ({fmt_bytes(p.state_bytes / p.gpus, 4)}) is already over it, "
+                  "so no number of nodes does: use ")
         advice.append(f"staging: {spread}nodes with more memory, or tier='gds' where GPUDirect Storage works "
                       "(no host copy)")
     return Strategy(**c, passed=not problems, problems=tuple(problems), advice=tuple(advice),
@@ -244,7 +246,7 @@ def plan(p: PlanInputs) -> Plan:
         sync = dataclasses.replace(sync, advice=sync.advice + (
             f"or save asynchronously: fastckpt stalls {fc.stall_s:.3g} s per checkpoint with these tiers",))
     if p.host_memory_bytes is None:
-        notes.append(f"fastckpt pins {p.node_state_bytes / 1e9:.4g} GB of host memory per node for its staging "
+        notes.append(f"fastckpt pins {fmt_bytes(p.node_state_bytes, 4)} of host memory per node for its staging "
                      "buffers (one copy of each rank's state; staging_buffers=N holds N): give --host-memory to "
                      "check that it fits")
     if fc.young_daly_interval_s is not None and fc.drain_s is not None and fc.young_daly_interval_s < fc.drain_s:
