@@ -34,12 +34,14 @@ RANK = textwrap.dedent("""
     root, port, timeout_s, fault = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), sys.argv[4]
     r = int(os.environ["RANK"])
     client = dist.TCPStore("127.0.0.1", port, 2, False, timeout=datetime.timedelta(seconds=60))
-    dist.init_process_group("gloo", store=client, rank=r, world_size=2)
-    t = torch.ones(1)
-    dist.all_reduce(t)  # a real gloo group over the store
-    assert t.item() == 2
-    store = dist.distributed_c10d._get_default_store()
     fault, _, where = fault.partition(" ")
+    store = None  # "nostore": the ranks commit through marker files (the TCPStore is the test's alone)
+    if where != "nostore":
+        dist.init_process_group("gloo", store=client, rank=r, world_size=2)
+        t = torch.ones(1)
+        dist.all_reduce(t)  # a real gloo group over the store
+        assert t.item() == 2
+        store = dist.distributed_c10d._get_default_store()
     if r == 0:  # this connection of rank 0's resets as it tells the outcome (or: every one fails to tell it)
         broken = []
 
@@ -61,29 +63,35 @@ RANK = textwrap.dedent("""
         import errno
         from fastckpt.testing import Fault, FaultyOps
         ops = FaultyOps([Fault("fsync", errno.EIO, path_contains="fastckpt-manifest.json")])
+    resave = where == "resave"  # the group "last" is saved twice: the second save's move of latest is held and fails
     if r == 0 and fault == "latest":  # rank 0 is slow to move latest, past rank 1's deadline, then fails to (EIO)
         import errno
         from fastckpt.testing import Fault, FaultyOps
         LATEST = "latest".encode().hex()  # a temp file carries its final name in hex
-
+        nth = 2 if resave else 1
         told = dist.TCPStore("127.0.0.1", port, 2, False, timeout=datetime.timedelta(seconds=120))
+        moves = []
 
         def hold(op, path):
-            if op == "fsync" and path.endswith(LATEST):
+            if op == "fsync" and path.endswith(LATEST) and where != "nostore":
+                moves.append(path)
                 try:  # until rank 1 has answered (its own connection: the Checkpointer's stays free)
-                    told.wait(["test/rank1.done"])
+                    if len(moves) == nth:
+                        told.wait(["test/rank1.done"])
                 except RuntimeError:  # (a DistStoreError past 120 s: fail the move all the same)
                     pass
-        ops = FaultyOps([Fault("fsync", errno.EIO, path_contains=LATEST)], on_call=hold)
-    ck = fastckpt.Checkpointer(store=store, commit_timeout_s=timeout_s, io_threads=1, ops=ops)
-    g = f"{root}/step1"
-    ck.save({"w": torch.arange(1 << 12) + r, "step": 1}, f"{g}/rank{r}.pt", group=g).wait()
-    began = time.monotonic()
-    try:
-        ck.commit(g, step=1).wait()
-        said = "ok"
-    except Exception as exc:
-        said = f"{type(exc).__name__}: {exc}"
+        ops = FaultyOps([Fault("fsync", errno.EIO, nth=nth, path_contains=LATEST)], on_call=hold)
+    ck = fastckpt.Checkpointer(store=store, commit_timeout_s=timeout_s, io_threads=1, ops=ops, rank=r, world_size=2)
+    g = f"{root}/last" if resave else f"{root}/step1"
+    for step in (1, 2) if resave else (1,):
+        ck.save({"w": torch.arange(1 << 12) + r + step, "step": step}, f"{g}/rank{r}.pt", group=g).wait()
+        began = time.monotonic()
+        try:
+            ck.commit(g, step=step).wait()
+            said = "ok"
+        except Exception as exc:
+            said = f"{type(exc).__name__}: {exc}"
+            break
     print(json.dumps({"said": said, "took_s": time.monotonic() - began}), flush=True)
     if r == 1:
         client.set("test/rank1.done", "1")
@@ -160,3 +168,19 @@ def test_a_rank_does_not_read_a_first_group_committed_before_latest_names_it(tmp
     assert said[0]["said"].startswith("ReplicationError: publish of ") and "Input/output error" in said[0]["said"], said
     assert said[1]["said"].startswith("CommitTimeoutError: "), said[1]
     assert not (tmp_path / P.LATEST).exists()
+
+
+def test_a_resaved_group_whose_latest_already_names_it_commits_on_every_rank(tmp_path: Path) -> None:
+    """A group re-saved under one path (a ``last`` group, a fixed DeepSpeed tag): latest names it from
+    the previous save. Rank 0 swapped the re-save in, then its move of latest was held past rank 1's
+    deadline, and failed (EIO). Rank 1, at its deadline, read the manifest and latest naming the
+    group and said "ok"; rank 0 reported the commit failed, though latest() resumed the re-save.
+    Rank 0 now writes no pointer that names the group already: both report it committed."""
+    timeout_s = 4.0
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
+    procs = [_start(r, tmp_path, store.port, "latest resave", timeout_s) for r in (0, 1)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    said = _said(outs)
+    assert said[0]["said"] == said[1]["said"] == "ok", said
+    assert fastckpt.latest(str(tmp_path)) == f"{tmp_path}/last"
+    assert fastckpt.load(f"{tmp_path}/last/rank1.pt")["step"] == 2

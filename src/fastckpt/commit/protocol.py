@@ -174,12 +174,12 @@ def move_pointer(parent: Place, name: str, order: float) -> bool:
     """Point ``parent/latest`` at ``name`` (just published, of the given order); only forward.
 
     Called after the checkpoint's publication (manifest or sidecar), so the pointer never names
-    a partial checkpoint. Returns whether it moved (it stays when it names a newer checkpoint,
-    unless that one is dated more than ``AHEAD_S`` after this host's clock: ``order.holds``).
-    """
+    a partial checkpoint. Returns whether it was written: not when it names ``name`` already (a re-save:
+    its publication was then its last step that could fail) or a newer checkpoint (unless dated more than
+    ``AHEAD_S`` after this host's clock: ``order.holds``)."""
     with _latest_lock, parent.exclusive():  # another process may move it too: docs/groups.md
         found = _pointed(parent)
-        if found is not None and holds(found[1], order):
+        if found is not None and (found[0] == name or holds(found[1], order)):
             return False
         parent.put(LATEST, name.encode())
         return True
