@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 import fastckpt
 from fastckpt.commit import protocol as P
+from fastckpt.errors import IncompleteCheckpointError
 
 REPO = Path(__file__).resolve().parents[2]
 COMMIT_TIMEOUT_S = 60  # rank 1 waited it (and its grace) twice, then reported the published group failed
@@ -168,6 +169,24 @@ def test_a_rank_does_not_read_a_first_group_committed_before_latest_names_it(tmp
     assert said[0]["said"].startswith("ReplicationError: publish of ") and "Input/output error" in said[0]["said"], said
     assert said[1]["said"].startswith("CommitTimeoutError: "), said[1]
     assert not (tmp_path / P.LATEST).exists()
+    assert not (tmp_path / "step1" / P.GROUP_MANIFEST).exists()  # taken back
+    assert fastckpt.latest(str(tmp_path)) is None  # before: the scan found the group both ranks reported failed
+    with pytest.raises(IncompleteCheckpointError):
+        fastckpt.load(str(tmp_path / "step1" / "rank1.pt"))
+
+
+def test_a_rank_without_a_store_does_not_take_a_first_group_before_latest_names_it(tmp_path: Path) -> None:
+    """The same without a store (marker files): rank 1 took the group's manifest for a commit once
+    no pointer named an older checkpoint, so it said "ok" while rank 0's move of latest failed
+    (EIO) and rank 0 reported the commit failed, and latest() found the group by its scan. Rank 1
+    now waits for latest, rank 0 takes the group back, and both report it failed."""
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
+    procs = [_start(r, tmp_path, store.port, "latest nostore", 20.0) for r in (0, 1)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    said = _said(outs)
+    assert said[0]["said"].startswith("ReplicationError: publish of ") and "Input/output error" in said[0]["said"], said
+    assert said[1]["said"].startswith("CommitTimeoutError: ") and "Input/output error" in said[1]["said"], said[1]
+    assert fastckpt.latest(str(tmp_path)) is None
 
 
 def test_a_resaved_group_whose_latest_already_names_it_commits_on_every_rank(tmp_path: Path) -> None:

@@ -140,8 +140,11 @@ def test_wait_for_manifest(tmp_path: Path) -> None:
     g.mkdir()
     with pytest.raises(CommitTimeoutError, match="rank 0 did not publish"):
         W.wait_for_manifest(place(str(g)), 0.05, threading.Event())
-    m = P.with_digest({"kind": "group", "files": {}})
+    m = P.with_digest({"kind": "group", "files": {}, "tag": "g"})
     A.publish_bytes(FileOps(), str(g / P.GROUP_MANIFEST), json.dumps(m).encode())
+    with pytest.raises(CommitTimeoutError, match="rank 0 did not publish"):  # no latest yet: it may be taken back
+        W.wait_for_manifest(place(str(g)), 0.05, threading.Event())
+    A.publish_bytes(FileOps(), str(tmp_path / P.LATEST), b"g")
     assert W.wait_for_manifest(place(str(g)), 1, threading.Event()) == m
 
 

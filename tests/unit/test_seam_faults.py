@@ -101,3 +101,69 @@ def test_a_pointer_write_fault_fails_the_group_commit(tmp_path: Path, err: int) 
         ck.wait()
     ops.assert_all_reached()
     assert fastckpt.latest(str(tmp_path)) == str(g1)
+
+
+@pytest.mark.parametrize("err", [errno.ENOSPC, errno.EIO])
+def test_a_pointer_write_fault_takes_a_first_group_back(tmp_path: Path, err: int) -> None:
+    """The directory's first group commit, whose pointer write fails: the commit failed, yet with no
+    pointer to pass it by ``latest()`` found the group by its scan, and a resume loaded the save
+    reported failed. Its manifest is taken back: ``latest()`` finds nothing, and the group's next
+    save commits it."""
+    ops = FaultyOps([Fault("write_small", err, path_contains=f"{os.sep}latest")])
+    g1 = tmp_path / "step-1"
+    with fastckpt.Checkpointer(ops=ops, rank=0, world_size=1) as ck:
+        ck.save(_state(1), str(g1 / "m.pt"), group=str(g1))
+        with pytest.raises(OSError) as raised:
+            ck.commit(str(g1), step=1).wait()
+        assert raised.value.errno == err
+        assert fastckpt.latest(str(tmp_path)) is None  # before: the group, found by the scan
+        assert any("was taken back, so that latest() does not find it" in n for n in raised.value.__notes__)
+        with pytest.raises(fastckpt.IncompleteCheckpointError):
+            fastckpt.load(str(g1 / "m.pt"))
+        ck.save(_state(2), str(g1 / "m.pt"), group=str(g1))
+        ck.commit(str(g1), step=1).wait()
+    ops.assert_all_reached()
+    assert fastckpt.latest(str(tmp_path)) == str(g1) and fastckpt.load(str(g1 / "m.pt"))["v"] == 2
+
+
+def test_a_pointer_write_fault_swaps_a_resave_back_out(tmp_path: Path) -> None:
+    """A group re-saved under one path while no pointer names it (here: removed by hand), whose
+    pointer write fails: the re-save was swapped in, so ``latest()`` found it by its scan and a
+    resume loaded the save reported failed. It is swapped back out: the save before it is the one
+    ``latest()`` finds, whole."""
+    ops = FaultyOps()
+    g = tmp_path / "last"
+    with fastckpt.Checkpointer(ops=ops, rank=0, world_size=1) as ck:
+        ck.save(_state(1), str(g / "m.pt"), group=str(g))
+        ck.commit(str(g), step=1).wait()
+        (tmp_path / "latest").unlink()
+        ops.inject(Fault("write_small", errno.EIO, path_contains=f"{os.sep}latest"))
+        ck.save(_state(2), str(g / "m.pt"), group=str(g))
+        with pytest.raises(OSError, match="Input/output error") as raised:
+            ck.commit(str(g), step=2).wait()
+        ops.assert_all_reached()
+        assert fastckpt.latest(str(tmp_path)) == str(g) and fastckpt.load(str(g / "m.pt"))["v"] == 1  # before: 2
+        assert any("the save it replaced is published there again" in n for n in raised.value.__notes__)
+        ck.save(_state(3), str(g / "m.pt"), group=str(g))
+        ck.commit(str(g), step=3).wait()
+    assert fastckpt.latest(str(tmp_path)) == str(g) and fastckpt.load(str(g / "m.pt"))["v"] == 3
+
+
+def test_a_pointer_renamed_in_before_its_directory_fsync_failed_commits(tmp_path: Path,
+                                                                        caplog: pytest.LogCaptureFixture) -> None:
+    """The pointer's rename got through, then the directory's fsync failed (EIO): ``latest()`` names
+    the group, but its commit failed. The pointer is read again: it names the group, so the commit
+    stands, with a WARNING."""
+    armed: list[bool] = []
+
+    def dir_fsync(op: str, path: str) -> None:
+        if armed and op == "fsync_dir" and path == str(tmp_path):
+            raise OSError(errno.EIO, "Input/output error (injected)", path)
+
+    g = tmp_path / "step-1"
+    with fastckpt.Checkpointer(ops=FaultyOps(on_call=dir_fsync), rank=0, world_size=1) as ck:
+        ck.save(_state(1), str(g / "m.pt"), group=str(g)).wait()
+        armed.append(True)
+        ck.commit(str(g), step=1).wait()
+    assert "names it (or a newer checkpoint), though its write failed" in caplog.text
+    assert fastckpt.latest(str(tmp_path)) == str(g) and fastckpt.load(str(g / "m.pt"))["v"] == 1

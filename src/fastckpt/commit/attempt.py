@@ -26,6 +26,7 @@ from . import protocol as P
 from . import resave
 from . import store as S
 from .foreign import group_step
+from .pointing import move_latest
 from .verdict import manifest_of, verdict
 
 log = logging.getLogger("fastckpt")
@@ -107,8 +108,8 @@ def records(handles: list[SaveHandle]) -> list[SaveRecord]:
 
 def publish(att: Attempt, world: int, entries: dict[int, dict], extra: dict, requested_at: float,
             check_sizes: bool, last_check: Callable[[], None] = lambda: None) -> dict:
-    """Rank 0: the manifest of this attempt, published (in place, or swapped in), then
-    ``latest`` moved to it (unless ``att.move_latest`` is False). A re-save's replaced attempt
+    """Rank 0: the manifest of this attempt, published (in place, or swapped in), then ``latest``
+    moved to it (unless ``att.move_latest`` is False; ``pointing.py``). A re-save's replaced attempt
     is deleted after that, once the other ranks were told (``cleared``). ``last_check`` runs
     before the files are checked and the manifest goes (without a store it claims the attempt,
     ``removal.py``), and raises to keep the manifest from going."""
@@ -121,7 +122,7 @@ def publish(att: Attempt, world: int, entries: dict[int, dict], extra: dict, req
     else:
         att.home.put(P.GROUP_MANIFEST, P.manifest_bytes(manifest))
     if att.move_latest:
-        P.move_pointer(att.home.parent(), manifest["tag"], P.group_order(manifest))
+        move_latest(att, manifest)  # taken back when it fails, unless latest names it anyway
     return manifest
 
 

@@ -46,6 +46,7 @@ from . import protocol as P
 from .failures import aborted_error, left_behind, not_committed, removed_error
 from .foreign import group_step
 from .pairing import REFUSED, refusal
+from .pointing import moved
 
 ABORTED = "aborted"  # the outcome of an attempt that a rank's failed save ended
 POLL_FIRST_S, POLL_MAX_S = 0.005, 0.5
@@ -151,9 +152,8 @@ def _failed_in(failed: dict, token: str | None, replaced: str | None, since: flo
 
 
 def current_attempt(place: Place) -> str | None:
-    """The attempt rank 0 is running at ``place``, as far as this rank can tell: the id in
-    ``attempt.json``, unless ``outcome.json`` says that attempt already ended (then None: rank 0
-    will start the next one)."""
+    """The attempt rank 0 is running at ``place``, as far as this rank can tell: the id in ``attempt.json``,
+    unless ``outcome.json`` says that attempt already ended (then None: rank 0 will start the next one)."""
     return attempt_ids(place)[1]
 
 
@@ -277,8 +277,8 @@ def wait_for_manifest(place: Place, timeout_s: float, stop: threading.Event, tok
             return m
         return None
 
-    def published(m: dict | None) -> dict | None:  # and ``latest`` moved: else a resume re-saves it
-        return m if m is not None and not P.never_latest(place, m) else None
+    def published(m: dict | None) -> dict | None:  # and ``latest`` moved (rank 0 takes it back if that fails)
+        return m if m is not None and moved(place, m) else None
 
     def ended() -> dict | None:
         """The attempt's recorded outcome (raised when it failed)."""

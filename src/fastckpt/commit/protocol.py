@@ -124,13 +124,13 @@ def _followable(name: str) -> bool:
     return bool(name) and not any(c in name for c in "/\\\x00") and not name.startswith(".")
 
 
-def _pointed(parent: Place) -> tuple[str, float] | None:
+def _pointed(parent: Place, strict: bool = False) -> tuple[str, float] | None:
     """What ``parent/latest`` names, if that is a complete checkpoint, and its order.
 
     The name is a group directory (complete once its manifest exists) or a single file
     (complete once its sidecar exists, at a URL, and its object still does: one HEAD, since
     another tool may delete the object and leave the sidecar, e.g. a plain run's top-k removal).
-    """
+    ``strict``: a read that fails (EIO, a directory standing there) raises, never taken for none."""
     try:
         name = (parent.get(LATEST) or b"").decode().strip()
         if not _followable(name) or parent.is_link(name):
@@ -140,7 +140,11 @@ def _pointed(parent: Place) -> tuple[str, float] | None:
             return name, group_order(m)
         side = parent.get(name + SIDECAR)
         return None if side is None or parent.size(name) < 0 else (name, file_order(json.loads(side)))
-    except (OSError, ValueError, CorruptCheckpointError):  # unreadable or corrupt: it may be replaced
+    except OSError:  # unreadable: it may be replaced
+        if strict:
+            raise
+        return None
+    except (ValueError, CorruptCheckpointError):  # corrupt: it may be replaced
         return None
 
 
@@ -161,12 +165,12 @@ def pointed_name(parent: Place) -> str | None:
     return found[0] if found is not None else None
 
 
-def latest_reached(place: Place, manifest: dict) -> bool:
+def latest_reached(place: Place, manifest: dict, strict: bool = False) -> bool:
     """Whether ``latest`` beside the published group ``place`` names it or a newer checkpoint:
     rank 0 moved it there (or past it, committing a later group meanwhile). Newer by the rule
     rank 0's ``move_pointer`` applies (``order.holds``): a pointer dated far ahead of this host's
-    clock (a skewed node's) is one it would have moved, so it tells nothing."""
-    found = _pointed(place.parent())
+    clock (a skewed node's) is one it would have moved, so it tells nothing. ``strict``: as ``_pointed``."""
+    found = _pointed(place.parent(), strict)
     return found is not None and (found[0] == manifest.get("tag") or holds(found[1], group_order(manifest)))
 
 

@@ -17,6 +17,7 @@ from ..storage.places import Place
 from . import claim as C
 from . import protocol as P
 from . import store as S
+from .pointing import moved
 
 if TYPE_CHECKING:
     from .attempt import Attempt
@@ -42,14 +43,14 @@ def verdict(att: Attempt, ch: S.Channel, rank: int, files: dict, deadline: float
             if ended:
                 raise
             m = _published(att, files)
-            if m is not None and _latest_moved(att, m):  # (between the two: rank 0 publishes it now)
+            if m is not None and moved(att.place, m):  # (between the two: rank 0 publishes it now)
                 return _said(m)
         return ch.hear(time.monotonic() + waited_s, stop, att.home.label, waited_s)
     except S.StoreError as exc:
         m = _published(att, files)
         if m is None:
             raise
-        if not _latest_moved(att, m):  # rank 0 ended between the manifest and latest: a restart redoes the group
+        if not moved(att.place, m):  # rank 0 ended between the manifest and latest: a restart redoes the group
             raise S.StoreError(f"{exc} Rank 0 published its manifest, not latest: it is not committed") from exc
         return _said(m)
 
@@ -61,15 +62,6 @@ def _published(att: Attempt, files: dict) -> dict | None:
                                      for rel, f in files.items()):
         return None
     return m
-
-
-def _latest_moved(att: Attempt, manifest: dict) -> bool:
-    """Whether rank 0 is done with the published group ``manifest``: ``latest`` names it or a
-    newer checkpoint (rank 0 committed a later group meanwhile: commits of different groups run
-    at once), or its commit was not to move it (``moved_latest`` False). Not ``P.never_latest``,
-    which holds no pointer (a job's first checkpoint) or one naming a deleted checkpoint against
-    it: rank 0 may yet fail that move, and report the commit failed."""
-    return manifest.get("moved_latest", True) is False or P.latest_reached(att.place, manifest)
 
 
 def _said(manifest: dict) -> str:
