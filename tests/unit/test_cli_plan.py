@@ -590,31 +590,6 @@ def test_separate_saves_in_one_epoch_or_top_k_folder_are_not_merged() -> None:
     assert ckpts(*top_k) == [(t, n) for _, t, n in top_k]
 
 
-def test_lightnings_top_k_file_and_last_ckpt_of_one_state_are_one_save() -> None:
-    """Lightning's ModelCheckpoint(save_top_k=-1, save_last=True) writes epoch=E-step=S.ckpt, then
-    last.ckpt (the same state), seconds apart at each save: each file was a checkpoint, so a run
-    saving every 300 s read as one every 5 s (gaps 5, 295, 5, ...). Two files of another state, or
-    further apart than a tenth of the folder's save interval, stay two saves."""
-    from fastckpt.cli.runlog import _checkpoints
-    from fastckpt.eventlog import parse_event
-
-    def ckpts(*paths_at: tuple[str, float, int]) -> list[tuple[float, float]]:
-        return _checkpoints([parse_event(_event("snapshot", 0, p, t, n)) for p, t, n in paths_at])
-
-    d = "/runs/lightning_logs/version_0/checkpoints"
-    saves = [x for k in range(4) for x in ((f"{d}/epoch={k}-step={(k + 1) * 100}.ckpt", k * 300.0, 1000),
-                                           (f"{d}/last.ckpt", k * 300.0 + 5, 1000))]
-    assert ckpts(*saves) == [(k * 300.0, 2000) for k in range(4)]
-    prof = profile([parse_event(_event("snapshot", 0, p, t, n)) for p, t, n in saves])
-    assert (prof.checkpoints, prof.interval_s) == (4, 300)
-    other_state = [(p, t, 1000 if p.endswith("last.ckpt") else 3000) for p, t, _ in saves]
-    assert len(ckpts(*other_state)) == 8
-    late = [(p, t + 40 * p.endswith("last.ckpt"), n) for p, t, n in saves]  # 40 s: over 300 s x JOIN_SHARE
-    assert len(ckpts(*late)) == 8
-    # a folder where no file is saved again has no save interval to judge by: two files, two saves
-    assert len(ckpts((f"{d}/a.ckpt", 1.0, 1000), (f"{d}/b.ckpt", 1.005, 1000))) == 2
-
-
 def test_numbered_shards_of_one_save_folder_and_an_often_resaved_file_elsewhere_keep_it_whole() -> None:
     """The number rule split one rank's step_100/model_shard_0..3.pt (3 s apart on slow storage)
     into four checkpoints, and one run-wide join limit, set by a small ema_last.pt re-saved every

@@ -12,7 +12,6 @@ import bisect
 import posixpath
 import re
 import statistics
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..events import Event
@@ -95,31 +94,17 @@ def _name_number(path: str) -> int | None:
     return int(m[1]) if m else None
 
 
-def _join_bounds(snaps: list[Event], key: Callable[[str], str]) -> dict[str, float]:
-    """Per ``key`` of a path (its unit, or its folder), ``JOIN_SHARE`` of the median time between
-    a rank's saves of one path there (ckpt3/last.pt every 100 s: best.pt 30 s after one is another
-    save); no limit where no path is saved again. Per key: a small file re-saved every 30 s
-    elsewhere bounds nothing here."""
+def _join_bounds(snaps: list[Event], groups: set[str]) -> dict[str, float]:
+    """Per unit, ``JOIN_SHARE`` of the median time between a rank's saves of one path in it
+    (ckpt3/last.pt every 100 s: best.pt 30 s after one is another save); no limit where no path
+    is saved again. Per unit: a small file re-saved every 30 s elsewhere bounds nothing here."""
     last: dict[tuple[int, str], float] = {}
     gaps: dict[str, list[float]] = {}
     for e in snaps:
         if (e.rank, e.path) in last:
-            gaps.setdefault(key(e.path), []).append(e.start - last[e.rank, e.path])
+            gaps.setdefault(_unit(e.path, groups), []).append(e.start - last[e.rank, e.path])
         last[e.rank, e.path] = e.start
-    return {k: statistics.median(g) * JOIN_SHARE for k, g in gaps.items()}
-
-
-def _twin(prev: Event, e: Event, bound: float) -> bool:
-    """Whether ``e`` saves again the state its rank's last snapshot ``prev`` saved, under another
-    name in the same folder: Lightning's ModelCheckpoint(save_last=True) writes
-    epoch=E-step=S.ckpt, then last.ckpt, of one state at each save. The same bytes, from the same
-    ``one_save()`` block or none, starting within ``bound`` of ``prev``'s end (the folder's, see
-    ``_join_bounds``: a folder where no file is saved again has none, and no twins), and no other
-    number in the names (model-0.pt, then model-1.pt: two saves)."""
-    m, n = _name_number(prev.path), _name_number(e.path)
-    return (e.path != prev.path and posixpath.dirname(e.path) == posixpath.dirname(prev.path) and
-            e.bytes == prev.bytes and e.block == prev.block and e.start - prev.end < bound and
-            (m is None or n is None or m == n))
+    return {unit: statistics.median(g) * JOIN_SHARE for unit, g in gaps.items()}
 
 
 def _same_save(home: _Cluster, e: Event, unit: str, last_unit: dict[int, str], bound: float) -> bool:
@@ -164,9 +149,7 @@ def _checkpoints(events: list[Event]) -> list[tuple[float, float]]:
     Files of one group directory, from one rank or many, are one checkpoint whatever the gaps
     between them (a rank saves model.pt, waits seconds for it, then saves optimizer.pt): a file
     joins its directory's newest checkpoint unless ``_same_save`` tells it is another save. The
-    single files of different ranks saved together are one checkpoint, and so is a single file that
-    saves its rank's last state again under another name in the same folder (``_twin``: a top-k
-    file, then last.ckpt). The files of one
+    single files of different ranks saved together are one checkpoint. The files of one
     ``one_save()`` block (their snapshots name it) are one checkpoint whatever their names and
     gaps, and a rank's file outside that block starts the next."""
     commits = _group_commits(events)
@@ -181,19 +164,14 @@ def _checkpoints(events: list[Event]) -> list[tuple[float, float]]:
     out: list[_Cluster] = []
     newest: dict[str, _Cluster] = {}  # each group directory's newest checkpoint
     last_unit: dict[int, str] = {}  # each rank's unit of its last snapshot
-    last: dict[int, tuple[Event, _Cluster]] = {}  # each rank's last snapshot, and the checkpoint it joined
     snaps = sorted((e for e in events if e.name == "snapshot" and e.error is None), key=lambda e: e.start)
-    bounds = _join_bounds(snaps, lambda p: _unit(p, groups))
-    folder_bounds = _join_bounds(snaps, posixpath.dirname)
+    bounds = _join_bounds(snaps, groups)
     for e in snaps:
         unit, c = _unit(e.path, groups), out[-1] if out else None
-        home, (prev, prev_c) = newest.get(unit), last.get(e.rank, (None, None))
+        home = newest.get(unit)
         joins = c is not None and e.block is not None and c.blocks.get(e.rank) == e.block
         if home is not None and _same_save(home, e, unit, last_unit, bounds.get(unit, float("inf"))):
             c = home
-        elif prev is not None and unit == e.path and (e.rank, e.path) not in prev_c.files and \
-                (bound := folder_bounds.get(posixpath.dirname(e.path))) is not None and _twin(prev, e, bound):
-            c = prev_c
         elif not joins and (c is None or e.start - c.end > CLUSTER_GAP_S or (e.rank, e.path) in c.files or
                             unit not in c.units.get(e.rank, {unit}) or c.blocks.get(e.rank, e.block) != e.block):
             c = _Cluster(e.start)
@@ -206,7 +184,6 @@ def _checkpoints(events: list[Event]) -> list[tuple[float, float]]:
         c.units.setdefault(e.rank, set()).add(unit)
         c.blocks.setdefault(e.rank, e.block)
         last_unit[e.rank] = unit
-        last[e.rank] = e, c
     return [(c.start, c.bytes) for c in out]
 
 
