@@ -8,9 +8,12 @@ import contextlib
 import errno
 import functools
 import json
+import os
 import re
+import stat
 import subprocess
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -294,3 +297,30 @@ def test_over_the_log_leaves_out_the_gap_between_a_killed_job_and_its_resume(rep
     res = report(str(log), "--json")
     (rank,) = json.loads(res.stdout)["ranks"]
     assert rank["log_overhead"] == pytest.approx(4.0 / (12.0 + 12.0))
+
+
+def test_an_output_that_is_no_regular_file_is_streamed_and_a_replaced_one_keeps_its_mode(
+        report: Report, run: tuple[Path, list], tmp_path: Path) -> None:
+    """bb275c0 published every output by temp and rename through its realpath: a named pipe (or
+    ``>(gzip > f)``, ``/dev/stdout``) was replaced by a regular file while its reader waited for
+    ever (as root, a device node too), a private 0600 report became 0644, and ``--html reports/``
+    wrote a file named ``reports``."""
+    log, _ = run
+    pipe = tmp_path / "pipe.html"
+    os.mkfifo(pipe)
+    got: list[bytes] = []
+    reader = threading.Thread(target=lambda: got.append(pipe.read_bytes()))
+    reader.start()
+    try:
+        assert report(str(log), "--html", str(pipe)).returncode == 1
+    finally:
+        reader.join(timeout=60)
+    assert got and got[0].startswith(b"<!DOCTYPE html>") and stat.S_ISFIFO(os.stat(pipe).st_mode)
+    private = tmp_path / "private.html"
+    private.write_bytes(b"the previous report")
+    private.chmod(0o600)
+    assert report(str(log), "--html", str(private)).returncode == 1
+    assert private.read_bytes().startswith(b"<!DOCTYPE html>") and stat.S_IMODE(private.stat().st_mode) == 0o600
+    res = report(str(log), "--html", f"{tmp_path / 'reports'}/")
+    assert res.returncode == 2 and "names a folder: give a file in it" in res.stderr, res.stderr
+    assert not (tmp_path / "reports").exists()

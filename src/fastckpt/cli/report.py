@@ -37,6 +37,10 @@ def report(logs: tuple[str, ...], png: str | None, page: str | None, as_json: bo
     from ..report import load_run
 
     for flag, where in (("-o", png), ("--html", page)):
+        if where and where.endswith(("/", os.sep)):
+            raise click.BadParameter(f"{where} names a folder: give a file in it, e.g. "
+                                     f"{os.path.join(where, 'report.png' if flag == '-o' else 'report.html')}",
+                                     param_hint=flag)
         parent = os.path.dirname(os.path.abspath(where)) if where else None
         if parent is not None and not os.path.isdir(parent):
             raise click.BadParameter(f"{where}: the directory {parent} does not exist; create it or write elsewhere",
@@ -81,15 +85,14 @@ def report(logs: tuple[str, ...], png: str | None, page: str | None, as_json: bo
 
 def _write(run, summary, png: str | None, page: str | None) -> None:  # noqa: ANN001 (RunState, Summary)
     """Draw once; the page embeds the PNG from memory, so no other file is left beside it. Each file
-    is published as a checkpoint's manifest is (temp beside it, fsync, rename): a write that fails
-    or is killed midway leaves the previous file whole, never a part of the new one."""
+    is replaced whole (``outfile.write_output``): a write that fails or is killed midway leaves the
+    previous file whole, never a part of the new one."""
     if not (png or page):
         return
-    from ..io.atomic import publish_bytes
-    from ..io.ops import FileOps
     from ..progress import Progress
     from ..report.page import html_page
     from ..report.plot import render_png
+    from .outfile import write_output
 
     buf = io.BytesIO()
     with Progress("drawing", total=None, unit="figures", delay_s=2.0):
@@ -97,10 +100,10 @@ def _write(run, summary, png: str | None, page: str | None) -> None:  # noqa: AN
     flag, where = "-o", png
     try:
         if png:
-            publish_bytes(FileOps(), os.path.realpath(png), buf.getvalue())  # through a user's symlink
+            write_output(png, buf.getvalue())
         flag, where = "--html", page
         if page:
-            publish_bytes(FileOps(), os.path.realpath(page), html_page(summary, buf.getvalue()).encode("utf-8"))
+            write_output(page, html_page(summary, buf.getvalue()).encode("utf-8"))
     except OSError as exc:  # bad usage (exit 2, as a missing directory is): exit 1 says the run failed
         fix = {errno.EROFS: "its filesystem is read-only: give a path on a writable one",
                errno.ENOSPC: "free space there, or give a path elsewhere",

@@ -1,0 +1,65 @@
+"""Writing a file a user named on the command line (``report -o``/``--html``).
+
+A regular file (or a name not yet taken) is replaced as a manifest is: a temp file beside it,
+fsync, rename, so a write that fails or is killed midway leaves the previous file whole. The
+temp file takes the old file's mode (and owner, where this user may give it), so a private
+report stays private. What is no regular file (``/dev/stdout``, a named pipe, ``>(gzip > f)``,
+a device) is written in place as a stream, as ``open`` would: renaming over it would replace the
+pipe its reader waits on, or as root the device node. A writable file in a folder this user may
+not write is rewritten in place too. The target is reached through a user's symlink.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import stat
+
+from ..io.atomic import tmp_name
+
+
+def write_output(path: str, data: bytes) -> None:
+    """Put ``data`` at ``path`` (see the module's docstring).
+
+    Raises:
+        OSError: it cannot be written; the previous file, if any, is left whole.
+    """
+    real = os.path.realpath(path)
+    try:
+        st: os.stat_result | None = os.stat(real)
+    except FileNotFoundError:
+        st = None
+    if st is not None and not stat.S_ISREG(st.st_mode):
+        with open(path, "wb") as f:  # a stream: the name stands for what it opens
+            f.write(data)
+        return
+    tmp = tmp_name(real)
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    except PermissionError:
+        if st is None or not os.access(real, os.W_OK):
+            raise
+        with open(real, "r+b") as f:  # no temp file in that folder: rewritten in place
+            f.write(data)
+            f.truncate()
+        return
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            if st is not None:
+                with contextlib.suppress(OSError):  # another user's file: it becomes this user's
+                    os.fchown(f.fileno(), st.st_uid, st.st_gid)
+                os.fchmod(f.fileno(), stat.S_IMODE(st.st_mode))  # after chown, which clears set-id bits
+            os.fsync(f.fileno())
+        os.replace(tmp, real)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    with contextlib.suppress(OSError):  # it is in place; a folder that cannot be opened or synced
+        dfd = os.open(os.path.dirname(real), os.O_RDONLY)  # (write-only, some FUSE) only risks a power loss
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
