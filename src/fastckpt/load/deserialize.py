@@ -76,7 +76,9 @@ class _Records:
 
     def __getitem__(self, span: slice) -> torch.UntypedStorage:
         lo, hi = span.start, span.stop
-        first, end = -(-lo // ALIGN) * ALIGN, hi // ALIGN * ALIGN
+        # a damaged pickle may name a record past the buffer's end: the slice below stops there,
+        # and so must the pages given back (madvise raised "start out of bounds" in a finalizer)
+        first, end = -(-lo // ALIGN) * ALIGN, min(hi, len(self._view)) // ALIGN * ALIGN
         if end <= first or not self._pages:
             if self._whole is None:
                 self._whole = torch.frombuffer(self._buf, dtype=torch.uint8).untyped_storage()
