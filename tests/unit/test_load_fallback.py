@@ -7,6 +7,10 @@ from __future__ import annotations
 
 import datetime
 import os
+import shutil
+import subprocess
+import sys
+import tempfile
 import uuid
 from pathlib import Path
 
@@ -145,3 +149,56 @@ def test_a_load_reads_the_home_group_manifest_once_and_a_later_load_reads_it_aga
         os.truncate(f"{tag}/r0.pt", os.path.getsize(f"{tag}/r0.pt") - 1)
         with pytest.raises(CorruptCheckpointError):  # this node's r0 is of the earlier save: never loaded
             ck.load(f"{tag}/r0.pt")
+
+
+def test_a_burst_buffer_folder_that_is_a_file_leaves_the_home_copy_to_load(tmp_path: Path, caplog) -> None:
+    """A plain file where the burst-buffer copy's folder should be (ENOTDIR): the copy cannot
+    be looked at, which makes it unusable, not the checkpoint. The load raised that OSError
+    (``load.prefetch.identity`` took only "no such file" for "no copy"); it reads the home copy,
+    with one WARNING naming the copy."""
+    path, bb = str(tmp_path / "home" / "a.pt"), str(tmp_path / "bb")
+    with fastckpt.Checkpointer(local_dir=bb) as ck:
+        ck.save(_state(3), path).wait(60)
+        folder = os.path.dirname(ck.local_path(path))
+    shutil.rmtree(folder)
+    Path(folder).touch()
+    with fastckpt.Checkpointer(local_dir=bb) as ck, caplog.at_level("WARNING"):
+        assert ck.load(path)["step"] == 3 and ck.stats().last_restore_from == "path"
+        assert ck.load(path, prefetch=True)["step"] == 3  # a mounted home: no download either way
+    warned = [r.getMessage() for r in caplog.records if "cannot be looked at" in r.getMessage()]
+    assert len(warned) == 1 and f"{folder}/a.pt" in warned[0] and "Not a directory" in warned[0]
+
+
+_AS_NOBODY = """
+import sys, fastckpt
+with fastckpt.Checkpointer(local_dir=sys.argv[1]) as ck:
+    print(ck.load(sys.argv[2])["step"], ck.stats().last_restore_from)
+"""
+
+
+def test_another_users_private_burst_buffer_folder_leaves_the_home_copy_to_load() -> None:
+    """A shared ``local_dir`` where another user's job left its mode-700 folder (EACCES for this
+    user): the load reads the home copy. Run as nobody (root ignores mode bits)."""
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("needs root and setpriv, to load as another user than the folder's owner")
+    base = Path(tempfile.mkdtemp())  # /tmp: a path nobody can reach (pytest's tmp_path is 0700)
+    try:
+        base.chmod(0o755)
+        path, bb = str(base / "home" / "a.pt"), str(base / "bb")
+        with fastckpt.Checkpointer(local_dir=bb) as ck:
+            ck.save(_state(4), path).wait(60)
+            folder = os.path.dirname(ck.local_path(path))
+        for d, _, files in os.walk(base):
+            os.chmod(d, 0o777 if d.startswith(bb) else 0o755)
+            for f in files:
+                os.chmod(os.path.join(d, f), 0o644)
+        os.chmod(folder, 0o700)  # root's private folder in the shared burst buffer
+        res = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c",
+                              _AS_NOBODY, bb, path], capture_output=True, text=True, cwd=base,
+                             env={**os.environ, "HOME": str(base)})
+    finally:
+        shutil.rmtree(base)
+    if "ModuleNotFoundError" in res.stderr:
+        pytest.skip(f"fastckpt cannot run as nobody here (its files unreadable to that user): {res.stderr[-300:]}")
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.split() == ["4", "path"] and "Permission denied" in res.stderr

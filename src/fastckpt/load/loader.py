@@ -45,7 +45,7 @@ from .into import check_into, check_map_location, in_place, place
 from .missing import a_directory, lost_in_group, not_found
 from .named import check_named
 from .pins import Pins
-from .prefetch import NOTHING, identity, put
+from .prefetch import NOTHING, local_identity, put
 from .published import check_published
 from .unverified import damage, load_unverified, warn_unverified
 from .verdict import HOME_FIRST, OLDER, SAME, compare
@@ -224,12 +224,13 @@ class Loader:
     def _candidates(self, path: str, home: Location) -> tuple[list[tuple[Location, str]], tuple[int, ...] | None]:
         """The copies to try, in order, and whether a prefetch may download ``path`` over its
         burst-buffer copy: there is none (``NOTHING``), or it is of an older save than the home's
-        (or of none: it has no manifest), named by its ``identity`` (None: it may not). A later one
+        (or of none: it has no manifest), named by its ``identity`` (None: it may not, or it cannot be
+        looked at: ``prefetch.local_identity``, then the home alone is tried). A later one
         (its upload failed, or a crash cut it short) is not a checkpoint, but it is the only copy of
         that save: it stays."""
         where = "path" if home.target.mounted else "remote"
         local_name = self._local_path(path)
-        judged = identity(local_name) if local_name is not None else None
+        judged = local_identity(local_name, path) if local_name is not None else None  # None: unusable
         if judged is None or judged == NOTHING:
             return [(home, where)], judged
         local = self._homes.resolve(local_name)  # type: ignore[arg-type]

@@ -18,6 +18,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import threading
 
 from ..io.ops import FileOps
 from ..storage.places import dir_lock
@@ -36,6 +37,27 @@ def identity(path: str) -> tuple[int, ...]:
     except FileNotFoundError:
         return NOTHING
     return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+_warned: set[str] = set()
+_warned_lock = threading.Lock()
+
+
+def local_identity(local: str, home: str) -> tuple[int, ...] | None:
+    """``identity`` of the burst-buffer copy ``local`` of ``home``; None when it cannot be looked
+    at: a folder of its path that cannot be searched (another user's mode-700 folder in a shared
+    ``local_dir``: EACCES) or is a file (ENOTDIR). That copy is unusable, not the checkpoint: the
+    load reads ``home``'s copy (no prefetch over it), and says so once per path."""
+    try:
+        return identity(local)
+    except OSError as exc:
+        with _warned_lock:
+            first = local not in _warned
+            _warned.add(local)
+        if first:
+            log.warning("fastckpt: the burst-buffer copy %s cannot be looked at (%s): loading %s instead. Make "
+                        "its folder readable by this user, or move what blocks its path away", local, exc, home)
+        return None
 
 
 def put(ops: FileOps, tmp: str, local: str, judged: tuple[int, ...]) -> bool:
