@@ -202,6 +202,28 @@ def test_latest_of_a_checkpoint_file_is_that_file_and_of_another_file_refuses(tm
     assert (out.exit_code, out.output.strip()) == (0, str(tmp_path / "run" / "last.pt"))
 
 
+def test_latest_of_a_link_to_a_checkpoint_file_is_the_link(tmp_path: Path) -> None:
+    """``best.pt`` -> ``step-5.pt``: ``load`` reads it verified, but ``latest`` judged it by the
+    scan of its folder, which lists no link, and raised "is no complete checkpoint". A link to
+    a group's file or to a file that is no checkpoint stays refused, as the file itself is."""
+    run = tmp_path / "run"
+    with fastckpt.Checkpointer() as ck:
+        ck.save(_state(5), str(run / "step-5.pt")).wait()
+        ck.save(_state(6), str(run / "g" / "rank0.pt"), group=str(run / "g"))
+        ck.commit(str(run / "g"), step=6).wait()
+    torch.save(_state(7), run / "plain.pt")
+    (run / "notes.txt").write_text("not a checkpoint")
+    for link, target, v in (("best.pt", "step-5.pt", 5), ("plain-link.pt", "plain.pt", 7)):
+        os.symlink(run / target, run / link)
+        assert fastckpt.latest(str(run / link)) == str(run / link)
+        assert fastckpt.load(fastckpt.latest(str(run / link)))["v"] == v
+    os.symlink(run / "notes.txt", run / "notes-link.pt")
+    os.symlink(run / "g" / "rank0.pt", run / "rank0-link.pt")
+    for link in ("notes-link.pt", "rank0-link.pt"):
+        with pytest.raises(ConfigError, match="is no complete checkpoint"):
+            fastckpt.latest(str(run / link))
+
+
 def test_latest_of_a_directory_at_a_url_with_no_checkpoint_yet_is_none() -> None:
     """fsspec's memory (and gs, az) filesystems say a prefix "exists" as a file would: a run
     directory holding only logs is still "nothing saved yet" (None), never "is a file"."""

@@ -310,15 +310,17 @@ def _the_file(loc: Location) -> str | None:
     A file that is no complete checkpoint raises ``ConfigError``: None would tell a resume script
     to start from scratch. The file is judged by the scan of its own directory, so by the same
     rules as when that directory is given; when that directory cannot be listed (mode 711: the
-    file may be opened, its folder not listed), by the same rules applied to the file alone.
+    file may be opened, its folder not listed), or the file is a symbolic link (``best.pt`` ->
+    ``step-500.pt``: a scan lists no link), by the same rules applied to the file alone (its
+    target's manifest, read through the link, as ``load`` reads it); the answer is the link.
     """
     if not loc.key or not loc.target.exists(loc.key) or loc.target.list(f"{loc.key}/"):
         return None  # nothing there, or a directory (fsspec's memory/gs/az answer "exists" for a prefix too)
     parent = Location(loc.target, posixpath.dirname(loc.key))
     damaged: list[Damaged] = []
     found = scan(parent, max_depth=0, damaged=damaged, every_copy=True, pass_unlisted=True)  # only loc counts
-    if not any(f.path == loc.url for f in found) and parent.target.listing(
-            f"{parent.key}/" if parent.key else "", max_depth=0).unlisted:
+    if not any(f.path == loc.url for f in found) and (loc.target.is_link(loc.key) or parent.target.listing(
+            f"{parent.key}/" if parent.key else "", max_depth=0).unlisted):  # a scan never follows a link
         found = [f for f in [_alone(loc, parent, damaged)] if f is not None]
     for f in found:
         if f.path == loc.url:
