@@ -26,7 +26,7 @@ from concurrent.futures import Future
 from .errors import CheckpointWriteError, FastCkptError, ReplicationError
 from .progress import Progress
 from .records import SaveHandle
-from .urls import is_within
+from .urls import is_within, resolved
 
 log = logging.getLogger("fastckpt")
 _SURFACED = "_fastckpt_surfaced"
@@ -96,17 +96,20 @@ class InFlight:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._pending: dict[int, tuple[Future, str, str | None]] = {}
+        self._resolved: dict[int, tuple[str, str | None]] = {}  # its path and group, ``urls.resolved``
         self._unseen: list[BaseException] = []
         self._files: dict[int, tuple[Future, list[Future]]] = {}  # a commit's future -> its group's saves
         self._excused: set[int] = set()  # saves in flight of a group whose failed commit was raised
 
     def track(self, fut: Future, path: str, group: str | None) -> SaveHandle:
         """Track a save, or a commit: tracked as ``(future, group, group)``, after the group's saves."""
+        keys = resolved(path), None if group is None else resolved(group)
         with self._lock:
             if group is not None and path == group:  # a commit: it waits for the group's saves tracked so far
                 files = [f for f, p, g in self._pending.values() if g == group and p != group]
                 self._files[id(fut)] = (fut, files)
             self._pending[id(fut)] = (fut, path, group)
+            self._resolved[id(fut)] = keys
         fut.add_done_callback(self._on_done)
         return SaveHandle(fut, path, self._mark_seen)
 
@@ -155,6 +158,7 @@ class InFlight:
     def _on_done(self, fut: Future) -> None:
         with self._lock:
             self._pending.pop(id(fut), None)
+            self._resolved.pop(id(fut), None)
             self._remember(fut)
             self._excused.discard(id(fut))
             if id(fut) in self._files and (fut.cancelled() or (exc := fut.exception()) is None or surfaced(exc)):
@@ -228,12 +232,15 @@ class InFlight:
             log.error("fastckpt: a background failure not raised because %s: %r", why, exc, exc_info=exc)
 
     def wait_writing(self, path: str) -> None:
-        """Wait for the saves that write ``path``, the group ``path`` or anything below it.
+        """Wait for the saves that write ``path``, the group ``path`` or anything below it, however
+        each was spelt (through a symbolic link to its folder or not: ``urls.resolved``).
 
         Their failures are not raised here: they stay unseen for the next sync point.
         """
+        key = resolved(path)
         with self._lock:
-            futures = [f for f, p, g in self._pending.values() if g == path or is_within(p, path)]
+            futures = [f for k, (f, _, _) in self._pending.items()
+                       if (r := self._resolved[k])[1] == key or is_within(r[0], key)]
         for f in futures:
             f.exception()
 
@@ -242,8 +249,10 @@ class InFlight:
         as ``(future, group, group)``): a load of a file of a group committed here reads that commit's
         outcome, not the save before it (nor an incomplete group)."""
         self.wait_writing(path)
+        key = resolved(path)
         with self._lock:
-            commits = [f for f, p, g in self._pending.values() if p == g and g is not None and is_within(path, g)]
+            commits = [f for k, (f, p, g) in self._pending.items()
+                       if p == g and g is not None and is_within(key, self._resolved[k][1])]  # type: ignore[arg-type]
         for f in commits:
             f.exception()
 

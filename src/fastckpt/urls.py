@@ -250,3 +250,13 @@ def join(parent: str, rel: str) -> str:
 def is_within(path: str, parent: str) -> bool:
     """Whether normalised ``path`` is ``parent`` or below it."""
     return path == parent or path.startswith(parent.rstrip("/") + "/")
+
+
+def resolved(path: str) -> str:
+    """A normalised name as one key for every spelling of it: a local path with its folder's
+    symbolic links resolved (``/ckpt/a.pt`` and ``/lustre/me/ckpt/a.pt`` when ``/ckpt`` links
+    there), its own last part kept as named (a link saved over is replaced, not followed); a URL
+    as it is. For matching a save in flight, or a group's claim, with what names the same place."""
+    if is_url(path):
+        return path
+    return os.path.join(os.path.realpath(os.path.dirname(path)), os.path.basename(path))

@@ -753,6 +753,23 @@ def test_two_checkpointers_saving_into_one_group_are_refused(tmp_path: Path) -> 
     assert list(json.loads((g / P.GROUP_MANIFEST).read_text())["files"]) == ["actor.pt"]
 
 
+def test_a_group_spelt_through_a_symbolic_link_is_the_same_group_to_the_owners_check(tmp_path: Path) -> None:
+    """``run`` -> ``real``: an actor saving into ``run/step-1`` and a critic into ``real/step-1``
+    (one folder) were two groups to the check, keyed by the path as spelt, so both attempts ran
+    and the commit that published last dropped the other's file. The critic is refused."""
+    from fastckpt.errors import ConfigError
+
+    (tmp_path / "real").mkdir()
+    (tmp_path / "run").symlink_to(tmp_path / "real")
+    g, other = tmp_path / "run" / "step-1", tmp_path / "real" / "step-1"
+    with fastckpt.Checkpointer(overhead_budget=0.99) as actor, fastckpt.Checkpointer(overhead_budget=0.99) as critic:
+        actor.save(_state(1, 0), str(g / "actor.pt"), group=str(g))
+        with pytest.raises(ConfigError, match=f"while {actor._coordinator.label} has it open there"):
+            critic.save(_state(2, 0), str(other / "critic.pt"), group=str(other))
+        actor.commit(str(g), step=1).wait(60)
+    assert list(json.loads((other / P.GROUP_MANIFEST).read_text())["files"]) == ["actor.pt"]
+
+
 def test_a_checkpointer_dropped_without_close_does_not_hold_its_group(tmp_path: Path) -> None:
     """A retry loop whose first try raised between save and commit (its Checkpointer never closed,
     unreachable now): the new Checkpointer's save into the same group was refused until the cyclic

@@ -65,3 +65,26 @@ def test_a_reading_begun_right_after_commit_pins_what_that_commit_publishes(tmp_
     got = _loaded_while_the_commit_is_held(tmp_path, False, read)
     assert not isinstance(got, Exception), got
     assert int(got["v"]) == 2
+
+
+@pytest.mark.parametrize("saved, loaded", [("link", "real"), ("real", "link")])
+def test_a_load_waits_for_a_save_of_the_same_file_spelt_through_a_symbolic_link(tmp_path: Path, saved: str,
+                                                                                 loaded: str) -> None:
+    """A job saves through ``ckpt`` -> ``real`` (``/ckpt`` -> ``/lustre/me/ckpt``) and loads by the
+    other spelling: the wait for the save in flight matched names up to ``os.path.abspath``, so
+    the load did not wait and returned the save before it."""
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    ops = FaultyOps()
+    with fastckpt.Checkpointer(ops=ops, overhead_budget=0.99) as ck:
+        ck.save({"v": torch.tensor(1)}, str(tmp_path / saved / "last.pt")).wait()
+        gate = ops.gate("replace", path_contains="last.pt")  # the new file's rename into place, held
+        ck.save({"v": torch.tensor(2)}, str(tmp_path / saved / "last.pt"))
+        got: list = []
+        reader = threading.Thread(target=lambda: got.append(ck.load(str(tmp_path / loaded / "last.pt"))))
+        reader.start()
+        gate.wait_entered()
+        reader.join(5)  # a bound, not a race: a load that waits is still waiting, one that did not has returned
+        gate.open()
+        reader.join(60)
+    assert int(got[0]["v"]) == 2

@@ -4,10 +4,11 @@ saved through one Checkpointer.
 Two Checkpointers of one process saving into one group on one rank (an actor's and a critic's)
 would make two attempts at it, each blind to the other's files: the commit that publishes last
 names only its own files, and the other's are dropped from the group (or deleted, when the
-commits run one after the other). ``Coordinator.begin`` claims the group (by its home's URL) for
-its Checkpointer, and a second one that saves into it or commits it while the first holds it
-raises ``ConfigError``. A claim lasts while its holder holds the group: from the first save of
-an attempt to the end of its commit (or its abort, or ``close``); it needs no release call.
+commits run one after the other). ``Coordinator.begin`` claims the group (by its home's URL, its
+folder's symbolic links resolved: ``/ckpt/g`` and ``/lustre/me/ckpt/g`` are one group) for its
+Checkpointer, and a second one that saves into it or commits it while the first holds it raises
+``ConfigError``. A claim lasts while its holder holds the group: from the first save of an attempt
+to the end of its commit (or its abort, or ``close``); it needs no release call.
 Checkpointers of different ranks in one process (simulated ranks) each hold their own part.
 """
 
@@ -23,6 +24,7 @@ from contextlib import contextmanager
 from typing import Protocol
 
 from ..errors import ConfigError
+from ..urls import resolved
 
 _lock = threading.Lock()
 _holders: dict[tuple[str, int], tuple[weakref.ref[Holder], str]] = {}  # (home, rank) -> (its holder, group)
@@ -85,6 +87,7 @@ def claim(home: str, rank: int, group: str, holder: Holder) -> None:
     Raises:
         ConfigError: another Checkpointer of this process holds the group on the same rank.
     """
+    home = resolved(home)  # one key for every spelling of the group's folder
     other = _claim(home, rank, group, holder)
     if other is not None:
         gc.collect()
