@@ -21,6 +21,7 @@ from .errors import (
     FastCkptError,
     GroupChangedError,
     IncompleteCheckpointError,
+    NewerFormatError,
     ReplicationError,
     TierUnavailableError,
     UnsupportedObjectError,
@@ -37,8 +38,9 @@ if TYPE_CHECKING:
 __all__ = [
     "Checkpointer", "latest", "load", "Event", "OverheadReport", "Stats", "SaveHandle", "SaveRecord",
     "FastCkptError", "CheckpointNotFoundError", "CheckpointWriteError", "ClosedError", "CommitTimeoutError",
-    "ConfigError", "CorruptCheckpointError", "GroupChangedError", "IncompleteCheckpointError", "ReplicationError",
-    "TierUnavailableError", "UnsupportedObjectError", "UnverifiableCheckpointError", "FastCkptIO", "__version__",
+    "ConfigError", "CorruptCheckpointError", "GroupChangedError", "IncompleteCheckpointError", "NewerFormatError",
+    "ReplicationError", "TierUnavailableError", "UnsupportedObjectError", "UnverifiableCheckpointError", "FastCkptIO",
+    "__version__",
 ]
 
 

@@ -201,3 +201,86 @@ def test_a_signature_inside_the_end_record_never_makes_a_valid_file_look_cut_sho
     assert eocd.rfind(M.EOCD_SIG) == 18
     tail = b"\x00" * 64 + eocd + comment
     assert M.parse_tail(tail, len(tail)) == manifest
+
+
+def _as_newer(path, **changes) -> None:  # noqa: ANN001
+    """Rewrite the manifest in ``path``'s zip comment as a newer fastckpt would write it: ``changes``
+    applied, its ``sum`` computed anew (intact), so only the format tells it from this one's."""
+    data = open(path, "rb").read()
+    i = data.rfind(M.EOCD_SIG)
+    manifest = json.loads(data[i + M.EOCD_LEN :])[M.MANIFEST_KEY]
+    with open(path, "wb") as f:
+        f.write(data[: i + 20] + M.tail_bytes({**manifest, **changes}))
+
+
+def _newer_group(group) -> None:  # noqa: ANN001
+    """The group's manifest as a newer fastckpt would publish it: format 3, its digest intact."""
+    path = group / "fastckpt-manifest.json"
+    body = {k: v for k, v in json.loads(path.read_text()).items() if k != "digest"}
+    body |= {"format": 3, "versions": {"fastckpt": "99.0.0"}, "new_field": [1]}
+    digest = xxhash.xxh3_64_hexdigest(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
+    path.write_text(json.dumps({**body, "digest": digest}))
+
+
+def test_a_file_of_a_newer_format_is_named_as_such_never_damaged_nor_passed_over(tmp_path) -> None:
+    """A file a newer fastckpt wrote (format 2, its sum intact) was "damaged" to load() and silently
+    passed over by latest(), which resumed from the checkpoint before it. Both raise
+    ``NewerFormatError`` naming the file, both versions and the fix. The same change without its
+    sum made anew is damage, as before."""
+    with fastckpt.Checkpointer() as ck:
+        for step in (1, 2):
+            ck.save({"w": torch.ones(100), "step": step}, str(tmp_path / f"step-{step}.pt")).wait()
+    newest = tmp_path / "step-2.pt"
+    _as_newer(newest, format=2, versions={"fastckpt": "99.0.0"}, checksum={"algo": "blake3", "value": "x"})
+    for call in (lambda: fastckpt.load(str(newest)), lambda: fastckpt.latest(str(tmp_path)),
+                 lambda: fastckpt.latest(str(newest))):
+        with pytest.raises(fastckpt.NewerFormatError) as err:
+            call()
+        assert not isinstance(err.value, fastckpt.CorruptCheckpointError)
+        assert str(err.value) == (f"{newest}: it was written by a newer fastckpt (version 99.0.0), in format 2; this "
+                                  f"is fastckpt {fastckpt.__version__}, which reads format 1 and older. Upgrade "
+                                  "fastckpt where this runs to read it (it is not damaged)")
+    data = bytearray(newest.read_bytes())  # ...,"sum":"<16 hex digits>"}: one digit of the sum changed
+    data[-18] = ord("1") if data[-18] == ord("0") else ord("0")
+    newest.write_bytes(data)
+    with pytest.raises(fastckpt.CorruptCheckpointError, match="do not match its sum"):
+        fastckpt.load(str(newest))
+
+
+def test_a_group_of_a_newer_format_is_named_as_such_never_damaged_nor_passed_over(tmp_path) -> None:
+    """The same for a group whose manifest a newer fastckpt published (format 3, its digest intact)."""
+    with fastckpt.Checkpointer() as ck:
+        for step in (1, 2):
+            ck.save({"step": step}, str(tmp_path / f"step-{step}" / "rank0.pt"), group=str(tmp_path / f"step-{step}"))
+            ck.commit(str(tmp_path / f"step-{step}"), step=step).wait()
+    _newer_group(tmp_path / "step-2")
+    for call in (lambda: fastckpt.load(str(tmp_path / "step-2" / "rank0.pt")),
+                 lambda: fastckpt.latest(str(tmp_path))):
+        with pytest.raises(fastckpt.NewerFormatError, match=(
+                r"step-2/fastckpt-manifest.json: it was written by a newer fastckpt \(version 99.0.0\), in format 3; "
+                r"this is fastckpt .*, which reads format 2 and older. Upgrade fastckpt")):
+            call()
+
+
+def test_a_file_of_a_newer_format_at_a_url_is_named_by_its_sidecar_too(tmp_path) -> None:
+    """At a URL a scan reads a file's sidecar (published whole, after the file verified): one of a
+    newer format raises too, rather than the scan passing over to the checkpoint before it."""
+    import uuid
+
+    import fsspec
+
+    run = f"memory://fastckpt-{uuid.uuid4().hex[:8]}/run"
+    with fastckpt.Checkpointer(local_dir=str(tmp_path / "nvme")) as ck:
+        for step in (1, 2):
+            ck.save({"step": step}, f"{run}/step-{step}.pt").wait()
+    fs, key = fsspec.filesystem("memory"), run.removeprefix("memory://") + "/step-2.pt"
+    newer = {"format": 2, "versions": {"fastckpt": "99.0.0"}}
+    fs.pipe(key + ".fastckpt.json", json.dumps(json.loads(fs.cat(key + ".fastckpt.json")) | newer).encode())
+    fs.get(key, str(tmp_path / "object.pt"))
+    _as_newer(tmp_path / "object.pt", **newer)
+    fs.put(str(tmp_path / "object.pt"), key)
+    fs.rm(run.removeprefix("memory://") + "/latest")  # a stale pointer: the scan decides
+    with pytest.raises(fastckpt.NewerFormatError, match=r"step-2.pt.fastckpt.json: it was written by a newer fastckpt"):
+        fastckpt.latest(run)
+    with pytest.raises(fastckpt.NewerFormatError, match=r"step-2.pt: it was written by a newer fastckpt"):
+        fastckpt.load(f"{run}/step-2.pt")

@@ -24,7 +24,7 @@ import posixpath
 import threading
 import time
 
-from ..errors import ConfigError, CorruptCheckpointError, GroupRemovedError, IncompleteCheckpointError
+from ..errors import ConfigError, CorruptCheckpointError, GroupRemovedError, IncompleteCheckpointError, NewerFormatError
 from ..format.manifest import FORMAT_VERSION, check_group_manifest, check_manifest, file_order, with_digest
 from ..storage.homes import Location
 from ..storage.places import Place
@@ -116,6 +116,8 @@ def read_group_manifest(place: Place) -> dict | None:
         return check_group_manifest(json.loads(data))
     except CorruptCheckpointError as exc:
         raise CorruptCheckpointError(f"{place.url(GROUP_MANIFEST)} is damaged: {exc}") from exc
+    except NewerFormatError as exc:
+        raise NewerFormatError(f"{place.url(GROUP_MANIFEST)}: {exc}") from None
     except ValueError as exc:
         raise CorruptCheckpointError(f"{place.url(GROUP_MANIFEST)} does not parse: {exc}") from exc
 
@@ -306,7 +308,9 @@ def read_sidecar(loc: Location, deadline_s: float | None = None) -> dict | None:
     except TargetNotFoundError:
         return None
     try:
-        return check_manifest(json.loads(data))
+        return check_manifest(json.loads(data), intact=True)  # published whole (``put``), after its file verified
+    except NewerFormatError as exc:
+        raise NewerFormatError(f"{loc.url}{SIDECAR}: {exc}") from None
     except (ValueError, CorruptCheckpointError) as exc:
         raise CorruptCheckpointError(f"{loc.url}{SIDECAR} is damaged: {exc}") from exc
 
