@@ -43,7 +43,7 @@ from .save.writer import FileWriter
 from .storage.homes import Homes
 from .storage.places import Place
 from .storage.types import RetryNotice
-from .urls import file_name, mirror_path, named, normalize
+from .urls import file_name, named, normalize
 
 log = logging.getLogger("fastckpt")
 
@@ -73,7 +73,7 @@ class Checkpointer:
         self._replicator = Replicator(cfg, self._homes, self._emit, self._monitor.record_durable)
         self._coordinator = Coordinator(self._committer, self._stop, cfg, lambda g: self._homes.resolve(g).place(),
                                         self._emit, local_for=self._local_places)
-        self._stripes = Stripes(cfg.local_dirs, self.rank)
+        self._stripes = Stripes(cfg.local_dirs, self.rank, self._homes.store_of)
         self._retention = Retention(cfg.keep_local, cfg.keep_persistent, self._homes, self._stripes.copies, self.rank,
                                     self._inflight.of_group)
         self._saver = Saver(cfg, tiers=TierSelector(cfg.tier, cfg.local_dirs or None, cfg.odirect, self._ops),
@@ -114,8 +114,7 @@ class Checkpointer:
 
     def _local_places(self, group: str) -> tuple[Place, ...]:
         """The burst-buffer copies of ``group``: one per ``local_dir`` directory (its files may be in any)."""
-        g = normalize(group)
-        return tuple(self._homes.resolve(mirror_path(d, g)).place() for d in self._stripes.existing())
+        return tuple(self._homes.resolve(m).place() for m in self._stripes.mirrors(normalize(group)))
 
     def _emit(self, name: str, path: str, nbytes: int, start: float, tier: str, error: BaseException | None = None,
               detail: str | None = None, group: str | None = None, block: str | None = None) -> None:

@@ -234,12 +234,19 @@ def root_url(protocol: str, url_root: str, root: str) -> str:
     return f"{protocol}://{rest[:len(rest) - len(rest.lstrip('/'))]}{root.lstrip('/')}"
 
 
-def mirror_path(local_dir: str, dest: str) -> str:
-    """Where the burst-buffer copy of ``dest`` (path or URL) lives under ``local_dir``."""
+def mirror_path(local_dir: str, dest: str, store: str = "") -> str:
+    """Where the burst-buffer copy of ``dest`` (path or URL) lives under ``local_dir``: a URL under
+    ``<scheme><store>/`` (``store``: which store it is at, ``Homes.store_of``: one bucket and key
+    at two endpoints are two checkpoints), a path under its own absolute path, except one whose
+    first folder could be such a URL's (``/s3/bucket/k``, ``/file/x``): that one under ``file/``."""
     if is_url(dest):
         scheme, rest = dest.split("://", 1)
-        return os.path.join(local_dir, scheme, rest.strip("/"))
-    return os.path.join(local_dir, os.path.abspath(dest).lstrip(os.sep))
+        return os.path.join(local_dir, scheme + store, rest.strip("/"))
+    rel = os.path.abspath(dest).lstrip(os.sep)
+    head = rel.split(os.sep, 1)[0]
+    if head.split("@", 1)[0].lower() in _STORES or "::" in head:  # ("file": no URL has it; it holds these)
+        rel = os.path.join("file", rel)
+    return os.path.join(local_dir, rel)
 
 
 def join(parent: str, rel: str) -> str:

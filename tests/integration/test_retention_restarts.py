@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import fastckpt
+from fastckpt.storage.s3_options import store_tag
 from fastckpt.urls import mirror_path
 
 
@@ -195,7 +196,7 @@ def test_a_restarted_run_trims_copies_replicated_to_s3(s3_server, s3_bucket, tmp
         with fastckpt.Checkpointer(local_dir=str(nvme), keep_local=1, storage_options=opts, overhead_budget=0.99) as ck:
             for i in steps:
                 ck.save(_state(i), f"{url}/c{i}.pt").wait()
-    assert sorted(n for n in os.listdir(mirror_path(str(nvme), url)) if not n.startswith(".")) == ["c3.pt"]
+    assert sorted(n for n in os.listdir(mirror_path(str(nvme), url, store_tag(url, opts))) if not n.startswith(".")) == ["c3.pt"]
     assert fastckpt.load(f"{url}/c0.pt", storage_options=opts)["step"] == 0  # the bucket keeps every one
 
 
@@ -225,7 +226,7 @@ def test_a_restarted_run_trims_single_files_earlier_runs_left_in_step_folders(s3
         assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
         if home == "lost" and steps == [1, 2, 3]:  # as if the job died before step-3 reached its home
             s3_server.client().delete_object(Bucket=s3_bucket, Key="run7/step-3/state.pt")
-    mirror = mirror_path(str(nvme), url)
+    mirror = mirror_path(str(nvme), url, store_tag(url, opts))
     left = sorted(os.path.relpath(os.path.join(d, f), mirror) for d, _, fs in os.walk(mirror) for f in fs
                   if not f.startswith("."))
     assert left == (["step-5/state.pt"] if home == "verified" else ["step-3/state.pt", "step-5/state.pt"])

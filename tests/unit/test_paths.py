@@ -360,3 +360,23 @@ def test_a_group_named_latest_is_refused_at_save_before_anything_is_written(tmp_
         ck.save(_state(1), str(tmp_path / "latest" / "model.pt")).wait()  # a single file's folder: no group
     assert not (tmp_path / "ckpt").exists()
     assert fastckpt.load(str(tmp_path / "latest" / "model.pt"))["v"] == 1
+
+
+def test_burst_buffer_places_tell_stores_and_a_path_like_a_url_apart(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """One local_dir shared by jobs: ``s3://b/k`` at two endpoints, and the directory ``/s3/b/k``,
+    are three homes; their copies once all lay at ``local_dir/s3/b/k``, each replacing the others'."""
+    for v in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3"):
+        monkeypatch.delenv(v, raising=False)
+    nv, url = str(tmp_path / "nvme"), "s3://b/run/last.pt"
+    opts = [None, {"endpoint_url": "http://127.0.0.1:8333"}, {"client_kwargs": {"endpoint_url": "http://10.0.0.1"}}]
+    places = []
+    for o in opts:
+        with fastckpt.Checkpointer(local_dir=nv, storage_options=o) as ck:
+            places.append(ck.local_path(url))
+            path = ck.local_path("/s3/b/run/last.pt")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:8333")  # the same store as opts[1]
+    with fastckpt.Checkpointer(local_dir=nv) as ck:
+        assert ck.local_path(url) == places[1]
+    assert places[0] == os.path.join(nv, "s3", "b", "run", "last.pt")  # the default endpoint's, as before
+    assert len({*places, path}) == 4 and all(p.startswith(nv + os.sep) for p in (*places, path))

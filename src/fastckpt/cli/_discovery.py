@@ -292,7 +292,7 @@ def list_checkpoints(root: str, storage_options: dict | None = None, local_dir: 
         newest = newest if newest is not None and newest.rstrip("/") in whole else None  # latest a whole one
         if local_dir is not None:
             home = {e.name: i for i, e in enumerate(entries)}
-            for local in _local_copies(h, mirror_path(local_dir, root)):
+            for local in _local_copies(h, mirror_path(local_dir, root, h.store_of(root))):
                 i = home.get(local.name)
                 if i is None:
                     entries.append(local)

@@ -24,6 +24,7 @@ import logging
 import os
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..errors import ConfigError
@@ -86,10 +87,12 @@ class Stripes:
     Args:
         dirs: the ``local_dir`` directories (empty: no burst buffer).
         rank: where round-robin starts (ranks on one node start on different drives).
+        store: which store a name is at (``Homes.store_of``), part of its copy's place (``urls.mirror_path``).
     """
 
-    def __init__(self, dirs: tuple[str, ...], rank: int = 0) -> None:
+    def __init__(self, dirs: tuple[str, ...], rank: int = 0, store: Callable[[str], str] = lambda name: "") -> None:
         self.dirs = tuple(os.path.abspath(d) for d in dirs)
+        self._store = store
         self._lock = threading.Lock()
         self._queued = [0] * len(self.dirs)
         self._files = [0] * len(self.dirs)
@@ -133,14 +136,23 @@ class Stripes:
         """The burst-buffer copies of ``path`` that exist (one, but look everywhere; a stale one
         left on a drive that refused writes, after the others)."""
         order = sorted(range(len(self.dirs)), key=lambda i: i in self._refused)
-        return [p for p in (mirror_path(self.dirs[i], path) for i in order) if os.path.lexists(p)]
+        return [p for p in (self.mirror(i, path) for i in order) if os.path.lexists(p)]
+
+    def mirror(self, i: int, path: str) -> str:
+        """The place of ``path``'s copy in directory number ``i``."""
+        return mirror_path(self.dirs[i], path, self._store(path))
+
+    def mirrors(self, path: str) -> list[str]:
+        """The places of ``path``'s copy in the directories a commit writes to (``existing``)."""
+        usable = self.existing()
+        return [self.mirror(i, path) for i, d in enumerate(self.dirs) if d in usable]
 
     def local_path(self, path: str) -> str | None:
         """Where the copy of ``path`` lives: the existing one, else the first directory's place."""
         if not self.dirs:
             return None
         found = self.copies(path)
-        return found[0] if found else mirror_path(self.dirs[0], path)
+        return found[0] if found else self.mirror(0, path)
 
     def choose(self, path: str, nbytes: int, may_bypass: bool = False) -> Reservation | None:
         """Where a new save of ``path`` (``nbytes``) writes: the drive of its live reservation if
@@ -157,13 +169,13 @@ class Stripes:
             if held is not None:
                 found, may_bypass = [held[0]], False
             else:  # a copy on a drive that refused writes stays (a load compares it with the home's)
-                found = [i for i, d in enumerate(self.dirs)
-                         if i not in self._refused and os.path.lexists(mirror_path(d, path))]
+                found = [i for i in range(len(self.dirs))
+                         if i not in self._refused and os.path.lexists(self.mirror(i, path))]
             taking = [i for i in range(len(self.dirs)) if i not in self._refused]
             allowed = found[:1] or taking or list(range(len(self.dirs)))
             if may_bypass or len(allowed) > 1:
                 for i in allowed:  # links a killed run's queued uploads left (save.versions) hold blocks: free them
-                    sweep_once(FileOps(), os.path.dirname(mirror_path(self.dirs[i], path)))
+                    sweep_once(FileOps(), os.path.dirname(self.mirror(i, path)))
                 roomy = [i for i in allowed if _free_bytes(self.dirs[i]) - self._queued[i] >= nbytes + ROOM_MARGIN]
                 if not roomy and may_bypass:  # written by the writer of the drive its old copy is on
                     return self._reserve(path, found[0] if found else 0, 0, direct=True)
@@ -204,7 +216,7 @@ class Stripes:
     def _reserve(self, path: str, i: int, nbytes: int, direct: bool = False) -> Reservation:
         """A live reservation of ``nbytes`` on directory ``i`` for ``path`` (lock held)."""
         self._queued[i] += nbytes
-        res = Reservation(self.dirs[i], None if direct else mirror_path(self.dirs[i], path), nbytes, i, path)
+        res = Reservation(self.dirs[i], None if direct else self.mirror(i, path), nbytes, i, path)
         self._live.add(id(res))
         self._held[path] = (i, self._held.get(path, (i, 0))[1] + 1)
         return res

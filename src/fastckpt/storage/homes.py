@@ -22,6 +22,7 @@ from ..io.ops import FileOps
 from ..urls import canonical, is_url, local_path, normalize, split_url
 from .base import Target
 from .places import Place
+from .s3_options import store_tag
 from .types import RetryCallback
 
 
@@ -81,6 +82,11 @@ class Homes:
         parent, base = os.path.split(name)
         return Location(PosixTarget(parent or os.sep, odirect=self._odirect, executor=self._executor(),
                                     create_root=True, unlink_later=self.reaper.unlink_later, **self._common), base)
+
+    def store_of(self, name: str) -> str:
+        """Which store ``name`` (normalised) is at, for its burst-buffer place (``s3_options.store_tag``):
+        ``""`` for a directory and a URL at the default endpoint."""
+        return store_tag(name, self._opts) if is_url(name) else ""
 
     def _executor(self) -> Executor:
         if self._shared is not None:

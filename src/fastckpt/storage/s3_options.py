@@ -11,6 +11,7 @@ elsewhere (a profile's ``endpoint_url``) is caught as the client is built (``bad
 
 from __future__ import annotations
 
+import hashlib
 import os
 from urllib.parse import urlsplit
 
@@ -24,18 +25,9 @@ _OBJECTS = ("client_kwargs", "config_kwargs", "s3_additional_kwargs")
 def check_s3_options(url_root: str, opts: dict) -> None:
     """Raise ``ConfigError`` for an ``endpoint_url`` that is not ``http(s)://host[:port]``, a
     credential that is not a string, or a ``*_kwargs`` option that is not an object."""
-    where = f"storage_options for {url_root}"
-    ck = opts.get("client_kwargs")
-    given = (("endpoint_url", opts.get("endpoint_url")),
-             ("client_kwargs.endpoint_url", ck.get("endpoint_url") if isinstance(ck, dict) else None))
-    if all(e is None for _, e in given):  # botocore's own: the S3 variable wins over the general one
-        env = next((v for v in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL") if os.environ.get(v)), None)
-        ignored = os.environ.get("AWS_IGNORE_CONFIGURED_ENDPOINT_URLS", "").lower() == "true"
-        given = () if env is None or ignored else ((f"the environment variable {env}", os.environ[env]),)
-        where = f"S3 endpoint for {url_root}"
-    for name, endpoint in given:
-        if endpoint is None:  # (either may be given, and s3fs passes a top-level None on)
-            continue
+    given = _endpoints(opts)
+    where = f"storage_options for {url_root}" if given else f"S3 endpoint for {url_root}"
+    for name, endpoint in given or _env_endpoint():
         ok = isinstance(endpoint, str)
         try:
             parts = urlsplit(endpoint) if ok else None
@@ -67,3 +59,29 @@ def bad_endpoint(exc: ValueError, what: str) -> ReplicationError | None:
     return storage_error(TargetUnreachableError, f"{what}: the S3 endpoint is not a valid URL ({exc}): set "
                          "endpoint_url (storage_options, AWS_ENDPOINT_URL or the profile's endpoint_url) to "
                          "http://host:port or https://host[:port]", exc)
+
+
+def _endpoints(opts: dict) -> tuple[tuple[str, object], ...]:
+    """The endpoints ``opts`` give (either place s3fs takes one from), with the option's name."""
+    ck = opts.get("client_kwargs")
+    given = (("endpoint_url", opts.get("endpoint_url")),
+             ("client_kwargs.endpoint_url", ck.get("endpoint_url") if isinstance(ck, dict) else None))
+    return tuple((n, e) for n, e in given if e is not None)  # (s3fs passes a top-level None on)
+
+
+def _env_endpoint() -> tuple[tuple[str, str], ...]:
+    """botocore's own endpoint when the options give none: the S3 variable wins over the general one."""
+    env = next((v for v in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL") if os.environ.get(v)), None)
+    ignored = os.environ.get("AWS_IGNORE_CONFIGURED_ENDPOINT_URLS", "").lower() == "true"
+    return () if env is None or ignored else ((f"the environment variable {env}", os.environ[env]),)
+
+
+def store_tag(url: str, opts: dict | None) -> str:
+    """Which store ``url`` is at, as the burst buffer tells stores apart (``urls.mirror_path``):
+    ``""`` for the default endpoint, else ``"@"`` and 10 hex digits of the SHA-256 of the endpoint
+    (``storage_options``, or for ``s3://`` the environment's): one bucket and key on two stores are
+    two checkpoints, whose local copies must not replace each other."""
+    given = _endpoints(opts or {}) or (_env_endpoint() if url.split("://", 1)[0] in ("s3", "s3a") else ())
+    if not given or not isinstance(given[0][1], str):
+        return ""
+    return "@" + hashlib.sha256(given[0][1].rstrip("/").encode()).hexdigest()[:10]
