@@ -81,7 +81,8 @@ def test_sigkill_at_random_moments_always_resumes_from_a_complete_tag(tmp_path: 
     final = [json.loads((tmp_path / "gen" / f"final-r{r}.json").read_text()) for r in (0, 1)]
     assert final[0] == final[1]
     assert fastckpt.latest(save_dir, storage_options=opts) == f"{save_dir}/global_step{final[0]['step']}"
-    local = Path(mirror_path(str(tmp_path / "nvme"), save_dir, store_tag(save_dir, opts) if opts else ""))  # keep_local=2
+    store = store_tag(save_dir, opts) if opts else ""
+    local = Path(mirror_path(str(tmp_path / "nvme"), save_dir, store))  # keep_local=2, over every restart
     assert len([t for t in local.iterdir() if (t / GROUP_MANIFEST).exists()]) <= 2, sorted(os.listdir(local))
     phases = collections.Counter(_last_phase(tmp_path / "events" / f"g{g}-r{g % 2}.jsonl") for g in range(KILLS))
     print(f"kills interrupted (last event the victim logged): {dict(phases)}; resumed tags: "

@@ -196,7 +196,8 @@ def test_a_restarted_run_trims_copies_replicated_to_s3(s3_server, s3_bucket, tmp
         with fastckpt.Checkpointer(local_dir=str(nvme), keep_local=1, storage_options=opts, overhead_budget=0.99) as ck:
             for i in steps:
                 ck.save(_state(i), f"{url}/c{i}.pt").wait()
-    assert sorted(n for n in os.listdir(mirror_path(str(nvme), url, store_tag(url, opts))) if not n.startswith(".")) == ["c3.pt"]
+    mirror = mirror_path(str(nvme), url, store_tag(url, opts))
+    assert sorted(n for n in os.listdir(mirror) if not n.startswith(".")) == ["c3.pt"]
     assert fastckpt.load(f"{url}/c0.pt", storage_options=opts)["step"] == 0  # the bucket keeps every one
 
 
