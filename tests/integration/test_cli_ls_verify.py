@@ -3,6 +3,7 @@ buffer copies (replicated, local only), damaged, truncated and missing files, an
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -19,6 +20,7 @@ from click.testing import CliRunner
 import fastckpt
 from fastckpt.cli import cli
 from fastckpt.errors import CommitTimeoutError
+from fastckpt.testing import Fault, FaultyOps
 from tests.helpers import flip_byte
 
 
@@ -95,6 +97,26 @@ def test_ls_marks_replicated_and_local_only(tmp_path) -> None:
     got = {e["name"]: (e["status"], e["step"]) for e in d["checkpoints"]}
     # a local-only file's step is read as a complete one's (it was always None)
     assert got == {"one.pt": ("replicated", 1), "two.pt": ("local only", 2), "step-3": ("replicated", 3)}
+
+
+def test_ls_lists_a_resaved_files_unreplicated_local_copy_as_local_only(tmp_path) -> None:
+    """A re-save of a fixed name (last.pt) whose upload never landed: the burst buffer holds the
+    only copy of the newer save. Before, ls marked the home's older save "replicated" because a local
+    file of that name existed, and hid the newer one."""
+    home, bb = str(tmp_path / "home"), str(tmp_path / "bb")
+    ops = FaultyOps()
+    with fastckpt.Checkpointer(local_dir=bb, ops=ops) as ck:
+        ck.save(state(1), f"{home}/last.pt").wait()
+        ck.save(state(1), f"{home}/one.pt").wait()
+        ops.inject(Fault("replace", errno.EACCES, path_startswith=home))  # the home refuses step 2's copy
+        with pytest.raises(OSError, match="Permission denied"):
+            ck.save(state(2), f"{home}/last.pt").wait()
+    assert torch.load(ck.local_path(f"{home}/last.pt"), weights_only=True)["step"] == 2
+    d = json.loads(run("ls", home, "--local-dir", bb, "--json").stdout)
+    got = sorted((e["name"], e["status"], e["step"]) for e in d["checkpoints"])
+    assert got == [("last.pt", "complete", 1), ("last.pt", "local only", 2), ("one.pt", "replicated", 1)]
+    table = run("ls", home, "--local-dir", bb).stdout
+    assert "local only" in table and "replicated" in table
 
 
 def test_ls_with_a_misspelled_local_dir_says_it_does_not_exist(home: str, tmp_path) -> None:
@@ -413,7 +435,7 @@ def test_a_file_cut_through_its_zip_end_record_is_listed_damaged(tmp_path) -> No
     """A cut that leaves the end record's signature but not the whole record: no manifest, no
     complete zip, yet not "cut short" (the signature was there), so ls and verify of the
     directory skipped the file silently. Every cut through the tail is named now."""
-    from fastckpt.cli._discovery import list_checkpoints
+    from fastckpt.cli._listing import list_checkpoints
 
     p = tmp_path / "one.pt"
     with fastckpt.Checkpointer() as ck:
@@ -971,11 +993,11 @@ def test_ls_lists_a_group_being_removed_once(tmp_path, monkeypatch, races: str) 
     """Retention's remove deletes a group's manifest first: between ls's scan and its look for
     incomplete groups, the group was listed twice (complete and incomplete). ls looks again; when
     a removal starts between its looks each time, the group stays listed once."""
-    import fastckpt.cli._discovery as discovery
+    import fastckpt.cli._listing as listing
 
     home, ck = _groups(tmp_path, 3)
     ck.close()
-    real, removed = discovery._incomplete, []
+    real, removed = listing.incomplete_groups, []
 
     def incomplete(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
         if len(removed) < (1 if races == "once" else 3):
@@ -983,7 +1005,7 @@ def test_ls_lists_a_group_being_removed_once(tmp_path, monkeypatch, races: str) 
             os.remove(f"{home}/step-{removed[-1]}/fastckpt-manifest.json")  # remove()'s first step
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(discovery, "_incomplete", incomplete)
+    monkeypatch.setattr(listing, "incomplete_groups", incomplete)
     d = json.loads(run("ls", home, "--json").stdout)
     names = [e["name"] for e in d["checkpoints"]]
     assert sorted(names) == ["step-1", "step-2", "step-3"], d["checkpoints"]
@@ -1018,14 +1040,14 @@ def test_ls_never_reports_a_checkpoint_retention_removes_as_damaged(tmp_path, mo
 def test_ls_of_a_checkpoint_file_url_looks_once(tmp_path, monkeypatch) -> None:
     """Under a checkpoint object's own URL nothing is listed while ``latest`` names the file: the
     looks never agreed, and ls made every request three times before saying "is a file"."""
-    import fastckpt.cli._discovery as discovery
+    import fastckpt.cli._listing as listing
 
     run_url, looks = f"memory://fastckpt-{uuid.uuid4().hex[:8]}/run", []
     with fastckpt.Checkpointer(local_dir=str(tmp_path / "bb"), overhead_budget=0.99) as ck:
         for s in (1, 2):
             ck.save(state(s), f"{run_url}/step-{s}.pt")
-    real = discovery._looks
-    monkeypatch.setattr(discovery, "_looks", lambda *a: looks.append(1) or real(*a))
+    real = listing._looks
+    monkeypatch.setattr(listing, "_looks", lambda *a: looks.append(1) or real(*a))
     r = run("ls", f"{run_url}/step-2.pt")
     assert r.exit_code == 1 and "is a file" in r.stderr and len(looks) == 1, (r.output, looks)
 

@@ -522,7 +522,7 @@ def test_a_refused_commit_leaves_no_directory_that_ls_lists_as_incomplete(tmp_pa
     published group left its re-save directory ``.TAG.fastckpt-next-<digest>``, a typo in the
     group's name an empty directory, both listed as incomplete groups by ``ls`` for good. Now
     what the refused commit created goes; a directory that holds a file stays."""
-    from fastckpt.cli._discovery import list_checkpoints
+    from fastckpt.cli._listing import list_checkpoints
     from fastckpt.errors import ConfigError
 
     why = "no rank saved a file into it, so there is nothing to commit"
@@ -555,7 +555,7 @@ def test_a_refused_retried_commit_leaves_the_burst_buffer_copy_complete(tmp_path
     complete (``ls`` of the burst buffer listed it incomplete, loads judged it by the home's
     manifest, and retention of a later run takes such a copy for an unpublished leftover). Now
     the refusal leaves the copy as it was: its manifest back, loads read it."""
-    from fastckpt.cli._discovery import list_checkpoints
+    from fastckpt.cli._listing import list_checkpoints
     from fastckpt.errors import ConfigError
 
     g, local = tmp_path / "durable" / "G", tmp_path / "nvme"

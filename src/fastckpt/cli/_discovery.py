@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import posixpath
 import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from ..commit.discovery import Damaged, Found, scan
 from ..commit.foreign import pickle_step, resaved_by, tag_step
@@ -24,12 +23,11 @@ from ..commit.protocol import GROUP_MANIFEST, MARKER_DIR, NEXT_TAG, SIDECAR, mem
 from ..errors import CorruptCheckpointError, FastCkptError
 from ..storage.homes import Homes, Location
 from ..storage.types import TargetNotFoundError
-from ..urls import is_url, join, mirror_path, nameable, normalize
+from ..urls import is_url, join, nameable, normalize
 from ._attempts import attempted_at
 from ._files import FileSpec, as_landed, file_manifest, gone, single_file
 
 STEP_KEYS = ("step", "global_step", "iteration")  # fastckpt groups, Lightning, Megatron
-CHECKS_AT_ONCE = 8  # checkpoints ls checks for missing files at once (their requests overlap at a URL)
 RECHECKS = 3  # looks at a checkpoint saved again while it is checked, before giving up on it
 WHOLE = ("complete", "replicated", "unverified")  # the statuses `fastckpt latest` may name
 
@@ -105,7 +103,7 @@ def step_of(manifest: dict, loaded: dict[str, object] | None = None) -> int | No
     return None
 
 
-def _size(loc: Location) -> int | None:
+def size_of(loc: Location) -> int | None:
     try:
         return loc.target.size(loc.key)
     except OSError:
@@ -125,15 +123,16 @@ def _sizes(h: Homes, paths: list[str]) -> dict[str, int | None]:
         except OSError:
             listed = None
         for p, loc in locs:
-            out[p] = _size(loc) if listed is None else listed.get(loc.key)
+            out[p] = size_of(loc) if listed is None else listed.get(loc.key)
     return out
 
 
-def _found_entry(h: Homes, f: Found, root: str, status: str) -> Entry:
+def found_entry(h: Homes, f: Found, root: str, status: str) -> Entry:
     name = f.path[len(root):].lstrip("/") or posixpath.basename(f.path)
     if f.foreign:  # written by torch.save, Lightning or DeepSpeed: found, but it carries no checksum
         loc = h.resolve(f.path)
-        sizes = list(_sizes(h, [join(loc.url, r) for r in _keys(loc)] if f.kind == "group" else [loc.url]).values())
+        names = [join(loc.url, r) for r in keys_under(loc)] if f.kind == "group" else [loc.url]
+        sizes = list(_sizes(h, names).values())
         return Entry(f.path, name, f.foreign, "unverified", f.step, sum(s or 0 for s in sizes), len(sizes), f.time)
     if f.kind == "group":
         files = f.manifest.get("files", {})
@@ -143,11 +142,11 @@ def _found_entry(h: Homes, f: Found, root: str, status: str) -> Entry:
         return Entry(f.path, name, "group", status, step, size, len(files), f.time)
     loc = h.resolve(f.path)
     step = f.step if f.step is not None else step_of(f.manifest)
-    return Entry(f.path, name, "file", status, step if step is not None else _pickled_step(loc), _size(loc), 1,
+    return Entry(f.path, name, "file", status, step if step is not None else pickled_step_of(loc), size_of(loc), 1,
                  f.time)
 
 
-def _pickled_step(loc: Location) -> int | None:
+def pickled_step_of(loc: Location) -> int | None:
     """The step a file records at its top level (Lightning's ``global_step``, a ``step`` key): one
     small read of its pickle; None when it has none, or cannot be read."""
     try:
@@ -156,9 +155,9 @@ def _pickled_step(loc: Location) -> int | None:
         return None
 
 
-def _damaged_entry(h: Homes, d: Damaged, root: str) -> Entry:
+def damaged_entry(h: Homes, d: Damaged, root: str) -> Entry:
     loc = h.resolve(d.path)
-    rels = [join(loc.url, r) for r in _keys(loc)] if d.kind == "group" else [loc.url]
+    rels = [join(loc.url, r) for r in keys_under(loc)] if d.kind == "group" else [loc.url]
     sizes = list(_sizes(h, rels).values())
     try:
         when = loc.target.modified(posixpath.join(loc.key, GROUP_MANIFEST) if d.kind == "group" else loc.key)
@@ -168,7 +167,7 @@ def _damaged_entry(h: Homes, d: Damaged, root: str) -> Entry:
                  sum(s or 0 for s in sizes), len(sizes), when, problem=d.problem.removeprefix(f"{d.path}: "))
 
 
-def _keys(loc: Location) -> list[str]:
+def keys_under(loc: Location) -> list[str]:
     """Every key under ``loc`` that could name a checkpoint (``urls.nameable``), relative to it."""
     prefix = f"{loc.key}/" if loc.key else ""
     try:
@@ -177,10 +176,10 @@ def _keys(loc: Location) -> list[str]:
         return []
 
 
-def _incomplete(h: Homes, loc: Location) -> list[Entry]:
+def incomplete_groups(h: Homes, loc: Location) -> list[Entry]:
     """Group directories under ``loc`` (or ``loc`` itself) with no manifest: with rank markers, or
     holding files whose own manifests name their group there (a store leaves no marker)."""
-    rels = _keys(loc)
+    rels = keys_under(loc)
     marker = f"/{MARKER_DIR}/"
     resaves = {d for r in rels if (d := _resave_dir(r)) is not None}
     out = [_resave_entry(h, loc, d, [r for r in rels if r.startswith(f"{d}/") and marker not in f"/{r}"
@@ -225,7 +224,7 @@ def _resave_entry(h: Homes, loc: Location, d: str, members: list[str]) -> Entry:
         f"killed); it never loads: the next re-save of {tag} deletes it, or delete it once none runs"))
 
 
-def _own_manifest(h: Homes, loc: Location, rel: str) -> tuple[Location, dict | None]:
+def own_manifest(h: Homes, loc: Location, rel: str) -> tuple[Location, dict | None]:
     """The file ``rel`` under ``loc`` and the manifest in its tail (None: none, or unreadable)."""
     f = h.resolve(join(loc.url, rel))
     try:
@@ -244,84 +243,11 @@ def _unpublished_groups(h: Homes, loc: Location, rels: list[str], known: set[str
         if (not d and rel not in tops) or d in published | known | out or rel.endswith((SIDECAR, GROUP_MANIFEST)) \
                 or any(p.startswith(".") for p in rel.split("/")):
             continue
-        f, m = _own_manifest(h, loc, rel)
+        f, m = own_manifest(h, loc, rel)
         g = group_dir(f.url, m) if m else None
         if g is not None and g.rstrip("/") == join(loc.url, d).rstrip("/"):
             out.add(d)
     return out
-
-
-def _local_copies(h: Homes, mirror: str) -> list[Entry]:
-    """Checkpoints in a burst buffer: single files with their manifest, and group directories
-    whose files carry manifests naming the group."""
-    loc = h.resolve(mirror)
-    groups: dict[str, list[tuple[int | None, dict]]] = {}
-    out: list[Entry] = []
-    for rel in _keys(loc):
-        if any(part.startswith(".") for part in rel.split("/")) or posixpath.basename(rel) == GROUP_MANIFEST:
-            continue
-        f, m = _own_manifest(h, loc, rel)
-        if not m:
-            continue
-        if m.get("group"):
-            groups.setdefault(posixpath.dirname(rel), []).append((_size(f), m))
-        else:
-            step = step_of(m)  # else the step its pickle records, as for the complete files
-            out.append(Entry(f.url, rel, "file", "local only", step if step is not None else _pickled_step(f), _size(f),
-                             1, float(m.get("written_at", 0.0))))
-    for d, files in groups.items():
-        out.append(Entry(join(loc.url, d), d, "group", "local only", None, sum(s or 0 for s, _ in files), len(files),
-                         max(float(m.get("written_at", 0.0)) for _, m in files)))
-    return out
-
-
-def list_checkpoints(root: str, storage_options: dict | None = None, local_dir: str | None = None) -> list[Entry]:
-    """Every checkpoint under ``root`` (a directory or URL), oldest first, incomplete ones too, each path once (latest:
-    a whole one); with ``local_dir`` each is marked replicated or local only by its burst-buffer copy."""
-    root = normalize(root)
-    h = homes(storage_options)
-    try:
-        loc = h.resolve(root)
-        for _ in range(RECHECKS):  # a commit or a remove between the looks (scan, incomplete, latest): look again
-            entries, newest, passed = _looks(h, loc, root, storage_options)
-            whole = {e.path.rstrip("/") for e in entries if e.status in WHOLE}
-            odd = [e for e in entries if e.status not in WHOLE and e.path.rstrip("/") in whole]
-            if not entries or (not odd and (newest is None or newest.rstrip("/") in whole)):  # (none: a file's URL)
-                break
-        entries = [e for e in entries if e not in odd]  # still not: one row a path (its complete one), and
-        newest = newest if newest is not None and newest.rstrip("/") in whole else None  # latest a whole one
-        if local_dir is not None:
-            home = {e.name: i for i, e in enumerate(entries)}
-            for local in _local_copies(h, mirror_path(local_dir, root, h.store_of(root))):
-                i = home.get(local.name)
-                if i is None:
-                    entries.append(local)
-                elif entries[i].status == "complete":
-                    entries[i] = replace(entries[i], status="replicated")
-        gone = {p.rstrip("/"): files for p, files in passed}  # fastckpt.latest() may name them: a resume fails
-        todo = [e.path for e in entries if e.status in ("complete", "replicated") and e.path.rstrip("/") not in gone]
-        with ThreadPoolExecutor(CHECKS_AT_ONCE) as pool:  # an older one too: a rollback to it would fail
-            for p, missing in zip(todo, pool.map(lambda p: missing_files(h, p), todo)):
-                if missing:  # (one small request per file at a URL: at once, not one after another)
-                    gone[p.rstrip("/")] = missing
-    finally:
-        h.close()
-    entries = [replace(e, latest=e.path.rstrip("/") == (newest or "").rstrip("/"),
-                       problem=e.problem or (f"{', '.join(gone[k])} missing or not the committed size"
-                                             if (k := e.path.rstrip("/")) in gone else None)) for e in entries]
-    return sorted(entries, key=lambda e: (e.time or 0.0, e.name))
-
-
-def _looks(h: Homes, loc: Location, root: str, storage_options: dict | None
-           ) -> tuple[list[Entry], str | None, list[tuple[str, list[str]]]]:
-    """The checkpoints under ``loc`` and the one ``fastckpt latest`` names, with those it passed over:
-    three looks, which a job committing or removing between them can make disagree."""
-    from .. import latest
-
-    damaged: list[Damaged] = []
-    entries = [_found_entry(h, f, loc.url, "complete") for f in scan(loc, damaged=damaged, every_copy=True)]
-    entries += _incomplete(h, loc) + [_damaged_entry(h, d, loc.url) for d in damaged]
-    return entries, *whole_latest(h, root, latest(root, storage_options))
 
 
 def missing_files(h: Homes, path: str) -> list[str] | None:

@@ -19,7 +19,8 @@ from ._common import (
     storage_options_option,
     table,
 )
-from ._discovery import WHOLE, homes, list_checkpoints
+from ._discovery import WHOLE, homes
+from ._listing import list_checkpoints
 from ._localdir import LocalDir
 
 

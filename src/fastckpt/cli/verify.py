@@ -32,8 +32,9 @@ from ._common import (
     storage_options_option,
     table,
 )
-from ._discovery import RECHECKS, checkpoint_files, group_manifest, homes, list_checkpoints
+from ._discovery import RECHECKS, checkpoint_files, group_manifest, homes
 from ._files import FileSpec
+from ._listing import list_checkpoints
 
 UNVERIFIED = "unverified"
 
