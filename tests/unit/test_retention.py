@@ -412,3 +412,30 @@ def test_a_failed_group_waits_for_its_queued_upload(tmp_path: Path) -> None:
     assert local[0].exists()  # its upload has not even started
     queued.set_result(None)
     assert not local[0].exists() and local[1].exists()
+
+
+@pytest.mark.parametrize("fails", [1, TRIM_TRIES])
+def test_a_keep_local_deletion_that_fails_is_tried_again_at_the_next_trims(tmp_path: Path, caplog, fails: int) -> None:
+    """A burst-buffer copy whose deletion failed once (EPERM: an immutable file, a drive remounted
+    read-only for a moment) stayed on the NVMe for the rest of the run beside the keep_local newest.
+    Now it is listed again, the oldest, each failure a WARNING saying so, up to TRIM_TRIES tries."""
+    home, nvme = tmp_path / "home", str(tmp_path / "nvme")
+    ops = FaultyOps()
+    with caplog.at_level(logging.WARNING, logger="fastckpt"), \
+            fastckpt.Checkpointer(local_dir=nvme, keep_local=1, ops=ops, overhead_budget=0.99) as ck:
+        first = ck.local_path(str(home / "s1.pt"))
+        ops.inject(*[Fault("unlink", errno.EPERM, nth=n, path_contains=first) for n in range(1, fails + 1)])
+        for s in range(1, 7):
+            ck.save({"w": torch.full((8,), float(s))}, str(home / f"s{s}.pt")).wait()
+    ops.assert_all_reached()
+    said = [r.getMessage() for r in caplog.records if "could not remove the burst-buffer copy" in r.getMessage()]
+    assert len(said) == fails and all(str(home / "s1.pt") in m for m in said)
+    assert "immutable" in said[0]  # EPERM: not only "fix the directory's owner/mode"
+    left = sorted(os.path.relpath(os.path.join(d, f), nvme) for d, _, fs in os.walk(nvme) for f in fs)
+    if fails < TRIM_TRIES:
+        assert "the next trim tries again (1 of 3)" in said[0] and not os.path.exists(first)
+        assert [os.path.basename(f) for f in left] == ["s6.pt"]  # was: s1.pt too, for the rest of the run
+    else:  # bounded: left to the user, and said so
+        assert "gave up after 3 tries: it stays in the burst buffer" in said[-1] and os.path.exists(first)
+        assert sorted(os.path.basename(f) for f in left) == ["s1.pt", "s6.pt"]
+    assert sorted(os.listdir(home)) == [f"s{s}.pt" for s in range(1, 7)]  # the home keeps every one

@@ -1,10 +1,12 @@
-"""What failed, for ``Retention`` (docs/burst-buffer.md, step 6): keep_persistent deletions, and
-group attempts of this rank.
+"""What failed, for ``Retention`` (docs/burst-buffer.md, step 6): keep_local and keep_persistent
+deletions, and group attempts of this rank.
 
 A keep_persistent deletion that fails (EIO, an object store down for longer than
 ``retry_deadline_s``) was forgotten: the name had left the persistent list before it was
 deleted, so no later trim tried again and the home kept that checkpoint for good. It goes back
 into the list as its oldest entry, so the next trim tries it again, up to ``TRIM_TRIES`` times.
+So does a keep_local deletion that fails (a drive remounted read-only for a moment, EPERM on an
+immutable file): the burst buffer kept that copy for the rest of the run.
 
 A group whose attempt failed on this rank (a file's write ran out of room in the burst buffer,
 its commit raised) never publishes, so it can never load; yet the files this rank wrote into its
@@ -33,28 +35,41 @@ from ..commit.protocol import read_group_manifest
 from ..storage.homes import Homes
 from .restarts import delete_own_group_files
 
-TRIM_TRIES = 3  # failed keep_persistent deletions of one checkpoint before it is left to the user
+TRIM_TRIES = 3  # failed keep_local or keep_persistent deletions of one checkpoint before it is left to the user
 
 
 class FailedTrims:
-    """The keep_persistent deletions that failed, by name; its methods run under Retention's lock."""
+    """The deletions of one retention list that failed, by name; its methods run under Retention's
+    lock. ``listed``: that list (name -> token); ``where``: where a copy it gives up on stays, and how to delete it."""
 
-    def __init__(self) -> None:
+    def __init__(self, listed: dict[str, int], where: str) -> None:
         self._tries: dict[str, int] = {}
+        self._listed, self._where = listed, where
 
-    def failed(self, listed: dict[str, int], path: str) -> str:
-        """Deleting ``path`` failed: list it again in ``listed`` (name -> token), the oldest, unless
-        it failed ``TRIM_TRIES`` times. Returns what happens next, for the warning."""
+    def failed(self, path: str) -> str:
+        """Deleting ``path`` failed: list it again, the oldest, unless it failed ``TRIM_TRIES``
+        times. Returns what happens next, for the warning."""
         tries = self._tries[path] = self._tries.get(path, 0) + 1
         if tries >= TRIM_TRIES:
             self.done(path)
-            return (f"; gave up after {tries} tries: it stays at its home (delete it yourself, or with "
-                    "Checkpointer.remove)")
-        listed.setdefault(path, min(listed.values(), default=0) - 1)
+            return f"; gave up after {tries} tries: it stays {self._where}"
+        self._listed.setdefault(path, min(self._listed.values(), default=0) - 1)
         return f"; the next trim tries again ({tries} of {TRIM_TRIES})"
 
     def done(self, path: str) -> None:
         self._tries.pop(path, None)
+
+
+def push(listed: dict[str, int], path: str, token: int, keep: int | None) -> list[str]:
+    """List ``path`` (save ``token``) in a retention list; return the names beyond the ``keep`` newest
+    saves (removed from it, to be deleted: a failed deletion lists one again, ``FailedTrims``)."""
+    if keep is None:
+        return []
+    listed[path] = token
+    over = sorted(listed, key=listed.__getitem__)[:max(0, len(listed) - keep)]
+    for p in over:
+        del listed[p]
+    return over
 
 
 @dataclass(eq=False)

@@ -52,7 +52,7 @@ from ..commit.foreign import group_step
 from ..commit.protocol import delete_checkpoint, pointed_name, read_group_manifest
 from ..commit.removable import check_removable
 from ..storage.homes import Homes
-from .failed import FailedGroups, FailedTrims, delete_failed
+from .failed import FailedGroups, FailedTrims, delete_failed, push
 from .restarts import Looked, delete_own_group_files, earlier_copies, earlier_steps, numbered_dirs
 
 log = logging.getLogger("fastckpt")
@@ -86,7 +86,8 @@ class Retention:
         self._deleted = threading.Condition(self._lock)
         self._next_export: dict[str, bool] = {}  # path -> whether its next save is an export (save(export=True))
         self._exports: set[int] = set()  # the tokens of those saves: keep_persistent neither counts nor deletes them
-        self._trims = FailedTrims()  # save.failed
+        self._trims = FailedTrims(self._persistent, "at its home (delete it yourself, or with Checkpointer.remove)")
+        self._local_trims = FailedTrims(self._local, "in the burst buffer (delete it yourself)")  # save.failed
         self._failed = FailedGroups(keep_local is not None, self._lock, self._busy, in_flight, self._deciding,
                                     self._delete_failed)  # this rank's group attempts that failed
         # a group's copy other ranks of this node may still use (replication dropped it): only this rank's files of it
@@ -181,8 +182,8 @@ class Retention:
                          self._keep_local, len(ahead), path)
             self._local.update(self._replaced_drops(path, token, step) if has_local else {})
             failed = self._failed.beside(path, token, step) if has_local and listed else []  # decided
-            drop_local = _push(self._local, path, token, self._keep_local) if has_local and listed else []
-            drop_persistent = _push(self._persistent, path, token, self._keep_persistent) \
+            drop_local = push(self._local, path, token, self._keep_local) if has_local and listed else []
+            drop_persistent = push(self._persistent, path, token, self._keep_persistent) \
                 if owns_persistent and listed and token not in self._exports else []
             self._exports.discard(token)
             own = {p for p in drop_local if p in self._listed_drops}
@@ -190,10 +191,11 @@ class Retention:
             self._deciding([*drop_local, *drop_persistent])
         for g in failed:
             self._delete_failed(g)
-        for p in drop_local:
-            self._run(self._delete_own_files if p in own else self._delete_local, p, "burst-buffer copy")
+        for p in drop_local:  # (a dropped group's files of this rank: not listed again, its other ranks' may stay)
+            self._run(self._delete_own_files if p in own else self._delete_local, p, "burst-buffer copy",
+                      None if p in own else self._local_trims)
         for p in drop_persistent:
-            self._run(self._trim_persistent, p, "persistent copy", trim=True)
+            self._run(self._trim_persistent, p, "persistent copy", self._trims)
 
     def bypassed(self, path: str, token: int) -> None:
         """Save ``token`` of the single file ``path`` went straight to its home (no room in the burst buffer) and
@@ -240,6 +242,7 @@ class Retention:
     def _forget(self, path: str) -> None:
         self._dropped.pop(path, None)
         self._trims.done(path)
+        self._local_trims.done(path)
         self._failed.forget(path)
         self._listed_drops.discard(path)
         self._local.pop(path, None)
@@ -328,33 +331,23 @@ class Retention:
         for n in names:
             self._deleting[n] = self._deleting.get(n, 0) + 1
 
-    def _run(self, fn: Callable[[str], None], path: str, what: str, trim: bool = False) -> None:
+    def _run(self, fn: Callable[[str], None], path: str, what: str, trims: FailedTrims | None = None) -> None:
         try:
             fn(path)
             log.info("fastckpt: retention removed the %s of %s", what, path)
         except FileNotFoundError:  # another rank sharing this burst buffer removed it first
             log.debug("fastckpt: the %s of %s was already removed", what, path)
         except Exception as exc:  # noqa: BLE001 (retention must not fail a save; say so and go on)
-            with self._lock:  # a keep_persistent deletion (``trim``) is tried again later: ``FailedTrims``
-                again, trim = self._trims.failed(self._persistent, path) if trim else "", False
+            with self._lock:  # a keep_local or keep_persistent deletion (``trims``) is tried again later
+                again, trims = trims.failed(path) if trims else "", None
             log.warning("fastckpt: retention could not remove the %s of %s: %s%s", what, path, exc, again)
         finally:
             with self._lock:
-                if trim:  # removed, or gone already
-                    self._trims.done(path)
+                if trims:  # removed, or gone already
+                    trims.done(path)
                 if (left := self._deleting.get(path, 0) - 1) > 0:
                     self._deleting[path] = left
                 else:
                     self._deleting.pop(path, None)
                 self._deleted.notify_all()
 
-
-def _push(listed: dict[str, int], path: str, token: int, keep: int | None) -> list[str]:
-    """List ``path`` (save ``token``); return the names beyond the ``keep`` newest saves (removed)."""
-    if keep is None:
-        return []
-    listed[path] = token
-    over = sorted(listed, key=listed.__getitem__)[:max(0, len(listed) - keep)]
-    for p in over:
-        del listed[p]
-    return over

@@ -20,7 +20,8 @@ FIXES = {
     errno.EDQUOT: "the disk quota is exhausted: free space or ask for a larger quota",
     errno.EROFS: "the file system is mounted read-only: remount it read-write or choose another target",
     errno.EACCES: "fix the directory's owner/mode, or run as a user who may write there",
-    errno.EPERM: "fix the directory's owner/mode, or run as a user who may write there",
+    errno.EPERM: ("fix the directory's owner/mode, or run as a user who may write there; or the file is immutable or "
+                  "append-only (lsattr shows 'i' or 'a': chattr -i / chattr -a clears it)"),
     errno.EISDIR: "a directory stands where the file goes: name a file inside it, or move the directory away",
     errno.EIO: "the storage reported an I/O error: check the mount (dmesg) and the storage system's health",
 }
