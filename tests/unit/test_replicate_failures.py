@@ -68,3 +68,33 @@ def test_a_replication_failing_before_its_copy_is_logged_failed(tmp_path: Path, 
     assert re.search(r'^fastckpt_failures_total\{error="\w+",phase="replicate",rank="0",tier="nvme"\} 1\.0$', metrics,
                      re.M), metrics
     assert 'fastckpt_pending_saves{rank="0"} 0.0' in metrics, metrics
+
+
+def test_replications_close_gives_up_on_are_counted_as_failures(tmp_path: Path) -> None:
+    """close() past close_timeout_s resolves a replication still queued as failed (its handle raises
+    ReplicationError, its event is a failed ``replicate``), but stats().replication_failures stayed 0:
+    stats and the event log disagreed on whether anything failed. The first upload is held (a
+    FaultyOps hook) so that the second stays queued: no timing."""
+    log, nvme, home = str(tmp_path / "events.jsonl"), str(tmp_path / "bb"), str(tmp_path / "home")
+    entered, release = threading.Event(), threading.Event()
+
+    def hold(op: str, path: str) -> None:
+        if op == "open" and path == nvme + f"{home}/a.pt" and threading.current_thread().name.startswith(
+                "fastckpt-rep") and not entered.is_set():
+            entered.set()
+            assert release.wait(60)
+
+    ck = fastckpt.Checkpointer(local_dir=nvme, event_log=log, ops=FaultyOps(on_call=hold), replicate_workers=1,
+                               close_timeout_s=0.5, overhead_budget=0.99)
+    try:
+        ck.save({"w": torch.randn(1000)}, f"{home}/a.pt")
+        queued = ck.save({"w": torch.randn(1000)}, f"{home}/b.pt")
+        assert entered.wait(60)
+        with pytest.raises(fastckpt.errors.ReplicationError, match="still pending after 0.5 s"):
+            ck.close()
+        with pytest.raises(fastckpt.errors.ReplicationError, match="close\\(\\) stopped waiting"):
+            queued.wait()
+        failed = [e["path"] for e in map(json.loads, open(log)) if e["name"] == "replicate" and e.get("error")]
+        assert failed == [f"{home}/b.pt"] and ck.stats().replication_failures == 1
+    finally:
+        release.set()

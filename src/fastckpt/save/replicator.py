@@ -284,6 +284,7 @@ class Replicator:
             dropped = [] if wait else list(self._queue)
             if not wait:
                 self._queue.clear()
+                self.failures += len(dropped)  # failed replications, as their events and handles say
             self._cv.notify_all()
         if dropped:
             log.warning("fastckpt: not replicating %s: close() stopped waiting (close_timeout_s); the local copies "
