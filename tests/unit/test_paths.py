@@ -366,7 +366,7 @@ def test_burst_buffer_places_tell_stores_and_a_path_like_a_url_apart(tmp_path: P
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """One local_dir shared by jobs: ``s3://b/k`` at two endpoints, and the directory ``/s3/b/k``,
     are three homes; their copies once all lay at ``local_dir/s3/b/k``, each replacing the others'."""
-    for v in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3"):
+    for v in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_IGNORE_CONFIGURED_ENDPOINT_URLS"):
         monkeypatch.delenv(v, raising=False)
     nv, url = str(tmp_path / "nvme"), "s3://b/run/last.pt"
     opts = [None, {"endpoint_url": "http://127.0.0.1:8333"}, {"client_kwargs": {"endpoint_url": "http://10.0.0.1"}}]
