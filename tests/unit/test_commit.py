@@ -21,6 +21,7 @@ import torch
 import fastckpt
 from fastckpt.commit import fallback as W
 from fastckpt.commit import protocol as P
+from fastckpt.commit.deletion import delete_checkpoint
 from fastckpt.commit.order import AHEAD_S
 from fastckpt.errors import CommitTimeoutError, ConfigError, CorruptCheckpointError, IncompleteCheckpointError
 from fastckpt.io import atomic as A
@@ -467,7 +468,7 @@ def test_remove_group_unpublishes_first(tmp_path: Path) -> None:
     assert latest(str(tmp_path)) == g_new
     unlinked: list[str] = []
     ops = FaultyOps(on_call=lambda op, path: unlinked.append(path) if op == "unlink" else None)
-    P.delete_checkpoint(Homes(ops=ops).resolve(g_new))
+    delete_checkpoint(Homes(ops=ops).resolve(g_new))
     assert unlinked[0] == os.path.join(g_new, P.GROUP_MANIFEST)
     assert not os.path.exists(g_new)
     assert latest(str(tmp_path)) == g_old
@@ -476,14 +477,14 @@ def test_remove_group_unpublishes_first(tmp_path: Path) -> None:
 def test_remove_group_whose_manifest_cannot_be_removed_stays_whole(tmp_path: Path) -> None:
     g = _save_group(tmp_path / "global_step1", step=1)
     with pytest.raises(OSError):
-        P.delete_checkpoint(Homes(ops=FaultyOps([Fault("unlink", errno.EACCES)])).resolve(g))
+        delete_checkpoint(Homes(ops=FaultyOps([Fault("unlink", errno.EACCES)])).resolve(g))
     assert latest(str(tmp_path)) == g
     assert torch.equal(fastckpt.load(os.path.join(g, "shard1.pt"))["w"], _state(11)["w"])
 
 
 def test_remove_incomplete_group(tmp_path: Path) -> None:
     g = _save_group(tmp_path / "global_step1", step=1, commit_ranks=(1,))
-    P.delete_checkpoint(Homes(ops=FileOps()).resolve(g))
+    delete_checkpoint(Homes(ops=FileOps()).resolve(g))
     assert not os.path.exists(g)
 
 

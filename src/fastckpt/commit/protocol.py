@@ -36,7 +36,6 @@ ATTEMPT_NAME = "attempt.json"  # without a store: the attempt rank 0 started, in
 ATTEMPT = f"{MARKER_DIR}/{ATTEMPT_NAME}"
 OUTCOME = f"{MARKER_DIR}/outcome.json"  # without a store: an attempt that ended unpublished
 NEXT_TAG = ".fastckpt-next"  # a re-saved group's new attempt, beside it: .TAG.fastckpt-next-<digest>
-DELETE_ATTEMPTS = 5  # tree deletions of a group that concurrent writers disturbed, before giving up
 
 _latest_lock = threading.Lock()  # commits of several groups publish from concurrent threads
 
@@ -336,29 +335,3 @@ def staged_places(home: Place) -> list[Place]:
         return []
     return [parent.child(n) for n in names if n == prefix or n.startswith(prefix + "-")]
 
-
-def delete_checkpoint(loc: Location) -> None:
-    """Delete a checkpoint (a single file or a group): its publication record first, so that it
-    is invisible before any of its bytes go; a group's unpublished new attempt goes too."""
-    target, key = loc.target, loc.key
-    if target.exists(key) or target.exists(key + SIDECAR):
-        target.delete(key + SIDECAR)
-        target.delete(key)
-    else:
-        _delete_group(loc)
-        if key:
-            for staged in staged_places(loc.place()):
-                staged.delete_all()
-
-
-def _delete_group(loc: Location) -> None:
-    """``delete_tree`` of a group, again while a writer of the group (another rank still saving
-    or committing into it) adds or removes entries under it meanwhile."""
-    for attempt in range(1, DELETE_ATTEMPTS + 1):
-        try:
-            loc.target.delete_tree(loc.key, first=(GROUP_MANIFEST,), last=(MARKER_DIR,))
-            return
-        except OSError as exc:
-            if getattr(exc, "errno", None) not in (errno.ENOTEMPTY, errno.ENOENT, errno.EISDIR, errno.EEXIST) \
-                    or attempt == DELETE_ATTEMPTS:
-                raise

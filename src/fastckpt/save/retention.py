@@ -19,7 +19,7 @@ leaves the lists until that save is durable (each save of a name is told apart b
 ``Checkpointer.remove`` waits for saves in flight before it calls ``remove`` here. A new save
 of a name waits for a trim still deleting an older save of it (``replacing``). Each
 deletion goes through the checkpoint's home (``storage.homes``) and removes its publication
-record first (``commit.protocol.delete_checkpoint``).
+record first (``commit.deletion.delete_checkpoint``).
 
 The burst buffer outlives the process: a restarted job finds the copies its earlier runs left there. The
 first time a checkpoint in a directory becomes durable, the local list takes in, oldest first, the other
@@ -48,8 +48,9 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from contextlib import AbstractContextManager
 
+from ..commit.deletion import delete_checkpoint
 from ..commit.foreign import group_step
-from ..commit.protocol import delete_checkpoint, pointed_name, read_group_manifest
+from ..commit.protocol import pointed_name, read_group_manifest
 from ..commit.removable import check_removable
 from ..storage.homes import Homes
 from .failed import FailedGroups, FailedTrims, delete_failed, push
