@@ -27,3 +27,10 @@ def fmt_bytes(n: float | None, digits: int = 3) -> str:
         return "-"
     value, unit = in_unit(n, _SI_BYTES, lambda v: float(f"{v:.{digits}g}"))
     return f"{value:,.0f} {unit}" if unit == "B" or abs(value) >= 1000 else f"{value:.{digits}g} {unit}"
+
+
+def sig(x: float, digits: int = 3) -> str:
+    """``x`` to ``digits`` significant figures, whole numbers never in e-notation: ``217``,
+    ``0.0123``, and ``43,200`` (not ``4.32e+04``) once it has more whole digits than that."""
+    r = float(f"{x:.{digits}g}")
+    return f"{x:,.0f}" if abs(r) >= 10 ** digits else f"{r:.{digits}g}"

@@ -199,7 +199,7 @@ def test_percentiles_nearest_rank() -> None:
                                        (["--size", "1MiB", "--block-size", "2MiB"],
                                         "Invalid value for --size: 1,048,576 bytes per worker is smaller than one "
                                         "--block-size block (2,097,152 bytes), so no block would be written: give "
-                                        "--size 2097152 or more, or a smaller --block-size"),
+                                        "--size 2097152 or more, or --block-size 1048576 or less"),
                                        (["--verify", "--mode", "write"], "--verify checks reads"),
                                        (["--size", "1PB"], "free"),
                                        (["--duration", "0"], "'0' must be more than 0"),
@@ -207,6 +207,11 @@ def test_percentiles_nearest_rank() -> None:
 def test_bad_usage_exits_2(tmp_path, args: list[str], msg: str) -> None:
     r = CliRunner().invoke(cli, ["bench", "--dir", str(tmp_path), *args])
     assert r.exit_code == 2 and msg in " ".join(r.output.split()), r.output
+
+
+def test_a_size_under_the_smallest_block_offers_no_smaller_block(tmp_path) -> None:
+    r = CliRunner().invoke(cli, ["bench", "--dir", str(tmp_path), "--size", "1000", "--block-size", "4096"])
+    assert r.exit_code == 2 and " ".join(r.output.split()).endswith("give --size 4096 or more"), r.output
 
 
 def test_a_worker_failing_before_the_start_is_named_without_a_traceback(tmp_path, monkeypatch) -> None:

@@ -299,7 +299,7 @@ def test_params_are_a_count_with_a_unit(text: str, want: float) -> None:
     ("405", "e.g. 405B for 405 billion"), ("1e2", "e.g. 100B for 100 billion"),
     ("70GB", "'70GB' is a size in bytes, and --params counts parameters (70B is 70 billion): give the checkpoint's "
              "size as --state-size 70GB instead"),
-    ("1.4TB", "--state-size 1.4TB"),
+    ("1.4TB", "--state-size 1.4TB"), ("70 GB", "--state-size 70GB instead"),  # as typed, the shell splits "70 GB"
     ("70bn", "write e.g. 70B, 7e9, 1.5T, 350M (K, M, B or G, T: 1e3, 1e6, 1e9, 1e12)")])
 def test_params_without_a_unit_or_in_bytes_are_refused_naming_the_fix(text: str, fix: str) -> None:
     """``--params 70`` (70B meant) was planned as a 1,120-byte state that passed, and ``--params
@@ -686,3 +686,12 @@ def test_a_group_re_saved_under_one_path_is_one_checkpoint_per_commit(tmp_path) 
     one = json.loads(invoke("--from-run", logs[1], "--json").stdout)
     assert one["measured"]["checkpoints"] == 3 and one["measured"]["interval_s"] is not None
     assert one["gpus"] == 2 and one["measured"]["logged_share"] == pytest.approx(0.5, abs=0.03)
+
+
+def test_large_counts_rates_and_percentages_print_without_e_notation() -> None:
+    """``--params 1.3T --interval 60s`` printed ``4.32e+04`` checkpoints, ``3.47e+03 %`` and
+    ``1.733e+04 GB/s (1.73e+03x)``."""
+    r = invoke("--params", "1.3T", "--bandwidth", "10GB/s", "--interval", "60s")
+    assert r.exit_code == 1 and "e+" not in r.stdout, r.stdout
+    text = " ".join(r.stdout.split())
+    assert "43,200" in text and "3,467 % of the interval" in text and "17,333 GB/s at this interval (1,733x)" in text

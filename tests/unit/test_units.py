@@ -30,3 +30,10 @@ def test_plan_prints_a_state_just_under_a_terabyte_as_one_terabyte() -> None:
     res = CliRunner().invoke(cli, ["plan", "--state-size", "999.9GB", "--bandwidth", "10GB/s", "--gpus", "64"])
     total = next(line for line in res.output.splitlines() if "total" in line)
     assert "e+" not in res.output and total.split()[-2:] == ["1", "TB"], res.output
+
+
+def test_sig_keeps_whole_numbers_out_of_e_notation() -> None:
+    from fastckpt.units import sig
+
+    assert [sig(x) for x in (43200.0, 999.96, 217.3, 0.01234, 2.0)] == ["43,200", "1,000", "217", "0.0123", "2"]
+    assert sig(28.886, 4) == "28.89"

@@ -22,7 +22,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from ..units import fmt_bytes
+from ..units import fmt_bytes, sig
 
 PASS, FAIL = 0, 1
 
@@ -272,7 +272,7 @@ def fmt_seconds(s: float | None) -> str:
 
 
 def fmt_pct(fraction: float | None) -> str:
-    return "-" if fraction is None else f"{fraction * 100:.3g} %"
+    return "-" if fraction is None else f"{sig(fraction * 100)} %"
 
 
 # ---------------------------------------------------------------------------- output

@@ -316,9 +316,10 @@ def bench(dirs: tuple[str, ...], workers: int, engine: str, block_size: int, siz
     if block_size % ALIGN:
         raise click.UsageError(f"--block-size must be a multiple of {ALIGN} bytes (O_DIRECT alignment)")
     if size < block_size:  # no whole block to write: the run would move nothing
+        smaller = size // ALIGN * ALIGN  # the largest block --size holds (blocks are whole O_DIRECT units)
         raise click.BadParameter(f"{size:,} bytes per worker is smaller than one --block-size block ({block_size:,} "
-                                 f"bytes), so no block would be written: give --size {block_size} or more, or a "
-                                 "smaller --block-size", param_hint="--size")
+                                 f"bytes), so no block would be written: give --size {block_size} or more"
+                                 + (f", or --block-size {smaller} or less" if smaller else ""), param_hint="--size")
     if verify and mode == "write":
         raise click.UsageError("--verify checks reads: use --mode both or read")
     s = Settings(tuple(dirs), workers, engine, block_size, size // block_size * block_size, duration, mode,

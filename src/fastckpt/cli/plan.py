@@ -8,6 +8,7 @@ import math
 import click
 
 from ..eventlog import read_events, unique_paths
+from ..units import sig
 from . import sizing
 from ._common import (
     BANDWIDTH,
@@ -54,8 +55,9 @@ def parse_params(text: str) -> float:
             parse_size(text)
         except ValueError:
             raise exc from None  # neither a count nor a size: the count's message, with its forms
+        size = "".join(text.split())  # as the user types it again: "70 GB" would be two arguments
         raise ValueError(f"{text!r} is a size in bytes, and --params counts parameters (70B is 70 billion): give "
-                         f"the checkpoint's size as --state-size {text.strip()} instead, or the parameters as e.g. "
+                         f"the checkpoint's size as --state-size {size} instead, or the parameters as e.g. "
                          "70B") from exc
     if text.strip()[-1:].isdigit() and 0 < n < BARE_PARAMS_MIN:  # no unit (parse_count read it: a count)
         raise ValueError(f"{text!r} is {n:g} parameters: write the unit, e.g. {n:g}B for {n:g} billion "
@@ -189,14 +191,14 @@ def render(p: sizing.Plan, notes: list[str]) -> None:
         [f"synchronous write at {fmt_rate(i.bandwidth_Bps)}", fmt_seconds(p.write_s)],
         [f"bandwidth for a {fmt_seconds(i.budget_s)} write budget",
          f"{fmt_rate(p.required_write_Bps)} ({fmt_rate(p.required_write_Bps_per_node)} per node)"],
-        [f"checkpoints in {i.days:g} days every {fmt_seconds(i.interval_s)}", f"{p.checkpoints:.4g}"],
+        [f"checkpoints in {i.days:g} days every {fmt_seconds(i.interval_s)}", f"{sig(p.checkpoints, 4)}"],
         ["job MTBF", fmt_seconds(p.job_mtbf_s)],
     ]))
     s, f = p.synchronous, p.fastckpt
     cost = [] if i.gpu_hour_cost is None else \
         [["cost lost", f"{s.campaign_cost_lost:,.0f}", f"{f.campaign_cost_lost:,.0f}"]]
     rework = [] if s.campaign_failures is None else [
-        ["failures in the campaign", f"{s.campaign_failures:.3g}", f"{f.campaign_failures:.3g}"],
+        ["failures in the campaign", f"{sig(s.campaign_failures, 3)}", f"{sig(f.campaign_failures, 3)}"],
         ["GPU-hours redone after failures (half an interval each)", f"{s.campaign_rework_gpu_hours:,.0f}",
          f"{f.campaign_rework_gpu_hours:,.0f}"]]
     out.print(table("Synchronous vs fastckpt", ["", "synchronous", "fastckpt"], [

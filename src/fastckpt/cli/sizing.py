@@ -23,7 +23,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from ..units import fmt_bytes
+from ..units import fmt_bytes, sig
 
 # bytes per parameter in a checkpoint, and where they come from
 PRESETS: dict[str, tuple[float, str]] = {
@@ -39,7 +39,7 @@ HOUR, DAY = 3600.0, 86400.0
 
 
 def _s(seconds: float) -> str:
-    return f"{seconds:,.0f} s" if seconds >= 100 else f"{seconds:.3g} s"
+    return f"{seconds:,.0f} s" if seconds >= 100 else f"{sig(seconds, 3)} s"
 
 
 @dataclass(frozen=True)
@@ -181,8 +181,8 @@ def _budget_advice(stall_s: float, p: PlanInputs, what: str, rate_name: str, rat
     """The two single changes that bring the overhead within budget (both scale the stall by
     the same factor): a faster rate at this interval, or a longer interval at this rate."""
     factor = stall_s / (p.overhead_budget * p.interval_s)
-    return (f"{what}: {rate_name} {rate_Bps * factor / 1e9:.4g} GB/s at this interval ({factor:.3g}x), "
-            f"or an interval of {p.interval_s * factor / HOUR:.4g} h at this rate")
+    return (f"{what}: {rate_name} {sig(rate_Bps * factor / 1e9, 4)} GB/s at this interval ({sig(factor, 3)}x), "
+            f"or an interval of {sig(p.interval_s * factor / HOUR, 4)} h at this rate")
 
 
 def synchronous(p: PlanInputs) -> Strategy:
@@ -191,8 +191,8 @@ def synchronous(p: PlanInputs) -> Strategy:
     ok = c["overhead_fraction"] <= p.overhead_budget
     problems, advice = (), ()
     if not ok:
-        problems = (f"stall {_s(write_s)} per checkpoint is {c['overhead_fraction'] * 100:.3g} % of the interval "
-                    f"(budget {p.overhead_budget * 100:.3g} %)",)
+        problems = (f"stall {_s(write_s)} per checkpoint is {sig(c['overhead_fraction'] * 100, 3)} % of the interval "
+                    f"(budget {sig(p.overhead_budget * 100, 3)} %)",)
         advice = (_budget_advice(write_s, p, "synchronous", "bandwidth", p.bandwidth_Bps),)
     return Strategy(**c, passed=ok, problems=problems, advice=advice)
 
@@ -204,7 +204,7 @@ def tiered(p: PlanInputs) -> Strategy:
     problems: list[str] = []
     advice: list[str] = []
     if c["overhead_fraction"] > p.overhead_budget:
-        problems.append(f"snapshot {_s(snapshot_s)} is {c['overhead_fraction'] * 100:.3g} % of the interval")
+        problems.append(f"snapshot {_s(snapshot_s)} is {sig(c['overhead_fraction'] * 100, 3)} % of the interval")
         advice.append(_budget_advice(snapshot_s, p, "snapshot", "snapshot bandwidth per GPU",
                                      p.snapshot_bandwidth_Bps))
     local_s = None
@@ -213,15 +213,16 @@ def tiered(p: PlanInputs) -> Strategy:
         if local_s > p.interval_s:
             need = p.node_state_bytes / p.interval_s
             problems.append(f"the local tier needs {_s(local_s)} per checkpoint, longer than the interval")
-            advice.append(f"local tier: {need / 1e9:.4g} GB/s per node, or an interval of {local_s / HOUR:.4g} h")
+            advice.append(f"local tier: {sig(need / 1e9, 4)} GB/s per node, or an interval of "
+                          f"{sig(local_s / HOUR, 4)} h")
     drain_s = p.state_bytes / p.bandwidth_Bps
     drain_need = p.state_bytes / p.interval_s
     shortfall = max(0.0, drain_need - p.bandwidth_Bps)
     if drain_s > p.interval_s:
         problems.append(f"draining to persistent storage takes {_s(drain_s)}, longer than the "
-                        f"{_s(p.interval_s)} interval: bandwidth falls short by {shortfall / 1e9:.4g} GB/s")
-        advice.append(f"drain: persistent bandwidth {drain_need / 1e9:.4g} GB/s, or an interval of "
-                      f"{drain_s / HOUR:.4g} h")
+                        f"{_s(p.interval_s)} interval: bandwidth falls short by {sig(shortfall / 1e9, 4)} GB/s")
+        advice.append(f"drain: persistent bandwidth {sig(drain_need / 1e9, 4)} GB/s, or an interval of "
+                      f"{sig(drain_s / HOUR, 4)} h")
     staging = p.node_state_bytes  # one host copy of every rank's state on the fullest node
     if p.host_memory_bytes is not None and staging > p.host_memory_bytes * STAGING_SHARE:
         problems.append(f"the staging buffers pin {fmt_bytes(staging, 4)} per node, more than "
@@ -244,7 +245,7 @@ def plan(p: PlanInputs) -> Plan:
     sync = synchronous(p)
     if not sync.passed and fc.passed:
         sync = dataclasses.replace(sync, advice=sync.advice + (
-            f"or save asynchronously: fastckpt stalls {fc.stall_s:.3g} s per checkpoint with these tiers",))
+            f"or save asynchronously: fastckpt stalls {sig(fc.stall_s, 3)} s per checkpoint with these tiers",))
     if p.host_memory_bytes is None:
         notes.append(f"fastckpt pins {fmt_bytes(p.node_state_bytes, 4)} of host memory per node for its staging "
                      "buffers (one copy of each rank's state; staging_buffers=N holds N): give --host-memory to "
