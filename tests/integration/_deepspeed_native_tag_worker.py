@@ -1,5 +1,5 @@
 """Run by test_deepspeed_native_tag.py, one CPU process (gloo) per phase:
-``_deepspeed_native_tag_worker.py PHASE SAVE_DIR``.
+``_deepspeed_native_tag_worker.py PHASE SAVE_DIR`` (the test forks each from its fork server).
 
 - ``native``: DeepSpeed's own engine saves tag ``last`` (ZeRO-2), recording its weights' hash.
 - ``kill``: a fastckpt engine saves ``last`` again and SIGKILLs itself as the second of the tag's
@@ -68,7 +68,8 @@ def loaded(eng, save_dir: str) -> dict:  # noqa: ANN001
     return {"version": (client or {}).get("version"), "whole": (client or {}).get("weights") == weights(eng)}
 
 
-def main(phase: str, save_dir: str) -> None:
+def main() -> None:
+    phase, save_dir = sys.argv[1], sys.argv[2]
     eng = build(seed={"native": 0, "kill": 1, "resave": 2, "load": 3}[phase])
     if phase == "load":
         attach(eng, {})
@@ -91,4 +92,4 @@ def main(phase: str, save_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main()

@@ -105,15 +105,25 @@ class ForkServer:
         """``subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True,
         timeout=timeout_s)``, forked (its stdout and stderr pass through files beside the log).
         A child still running after ``timeout_s`` is SIGKILLed and the test fails with its output."""
+        return self._run(["-c", *argv], argv, {}, timeout_s, code=code)
+
+    def run_module(self, module: str, argv: list[str], env: dict[str, str],
+                   timeout_s: float) -> subprocess.CompletedProcess:
+        """``run_code``'s counterpart for a preloaded script ``module`` (``python its-file ARGV...``),
+        with ``env`` added to the child's environment."""
+        return self._run([module, *argv], argv, env, timeout_s, module=module)
+
+    def _run(self, args: list[str], argv: list[str], env: dict[str, str], timeout_s: float,
+             **what: str) -> subprocess.CompletedProcess:
         stem = self.out_dir / f"forked-{uuid.uuid4().hex[:12]}"
         out, err = Path(f"{stem}.out"), Path(f"{stem}.err")
-        pid = self.start(argv, {}, str(out), str(err), code=code)
+        pid = self.start(argv, env, str(out), str(err), **what)
         try:
             exit_code = self.wait(pid, timeout_s)
         except AssertionError:
             raise AssertionError(f"the forked child hung for {timeout_s} s:\n{out.read_text()[-3000:]}\n"
                                  f"{err.read_text()[-3000:]}") from None
-        return subprocess.CompletedProcess(["-c", *argv], exit_code, out.read_text(), err.read_text())
+        return subprocess.CompletedProcess(args, exit_code, out.read_text(), err.read_text())
 
     def close(self) -> None:
         self.proc.stdin.close()  # type: ignore[union-attr]
