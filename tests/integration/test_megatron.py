@@ -1,9 +1,13 @@
-"""The Megatron strategies on real megatron-core, real processes (torchrun, gloo) and real files.
+"""The Megatron strategies on real megatron-core, real processes (gloo) and real files.
 
 One 2-rank run (``_megatron_worker.py save``) saves synchronously, asynchronously through
 megatron's AsyncCallsQueue and through ``execute_sync``, loads with the same and with another
 layout, and fails a save on one rank; one 1-rank run loads the same checkpoints whole and
-provokes the load errors. The tests below check what each run reported.
+provokes the load errors. The tests below check what each run reported. The ranks are forked
+by the session's ``megatron_python`` server (tests/integration/conftest.py), with torchrun's
+environment: started by torchrun, the three runs spent about half of their 30 s importing torch
+and megatron-core in the agent and each rank. torchrun runs megatron-core ranks in
+test_megatron_example.py (and the GPU test, through ``run_worker``).
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import os
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -20,9 +25,11 @@ pytest.importorskip("megatron.core")
 
 import fastckpt  # noqa: E402
 from fastckpt.integrations import megatron as fm  # noqa: E402
+from tests.integration._fork_server import ForkServer  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "_megatron_worker.py")
+_RUN_MAIN = "from tests.integration._megatron_worker import main; main()"  # as ``python WORKER ARGV...``
 RUN_TIMEOUT_S = 240
 MiB = 1 << 20
 
@@ -33,16 +40,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_worker(scenario: str, d: str, out: str, nproc: int, env: dict | None = None) -> list[dict]:
-    """Run the worker on ``nproc`` ranks (torchrun for 2) and return each rank's report."""
-    if nproc > 1:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-               WORKER, scenario, d, out]
-    else:
-        cmd = [sys.executable, WORKER, scenario, d, out]
-    env = dict(os.environ, PORT=str(free_port()), **(env or {}))
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+def run_worker(scenario: str, d: str, out: str, nproc: int) -> list[dict]:
+    """Run the worker on ``nproc`` ranks under torchrun and return each rank's report."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+           WORKER, scenario, d, out]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     return reports(out, nproc, f"exit {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+
+
+def fork_worker(server: ForkServer, scenario: str, d: str, out: str, nproc: int) -> list[dict]:
+    """``run_worker``, each rank forked by ``server`` with the environment torchrun gives it."""
+    port, pids = str(free_port()), []
+    for rank in range(nproc):
+        env = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": port}
+        pids.append(server.start([scenario, d, out], env, f"{out}.stdout{rank}", f"{out}.stderr{rank}",
+                                 code=_RUN_MAIN))
+    codes = [server.wait(pid, RUN_TIMEOUT_S) for pid in pids]
+    stderr = "\n".join(f"--- rank {r}:\n{Path(f'{out}.stderr{r}').read_text()[-4000:]}" for r in range(nproc))
+    return reports(out, nproc, f"exit codes {codes}):\n{stderr}")
 
 
 def reports(out: str, nproc: int, output: str) -> list[dict]:
@@ -61,16 +77,16 @@ def reports(out: str, nproc: int, output: str) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory) -> tuple[str, list[dict]]:
+def saved(tmp_path_factory, megatron_python) -> tuple[str, list[dict]]:
     base = tmp_path_factory.mktemp("megatron")
     d = str(base / "ckpt")
-    return d, run_worker("save", d, str(base / "save"), 2)
+    return d, fork_worker(megatron_python, "save", d, str(base / "save"), 2)
 
 
 @pytest.fixture(scope="module")
-def loaded(saved, tmp_path_factory) -> dict:
+def loaded(saved, tmp_path_factory, megatron_python) -> dict:
     d, _ = saved
-    return run_worker("load", d, str(tmp_path_factory.mktemp("megatron-load") / "load"), 1)[0]
+    return fork_worker(megatron_python, "load", d, str(tmp_path_factory.mktemp("megatron-load") / "load"), 1)[0]
 
 
 def test_sync_save_moves_the_tracker_after_the_commit(saved) -> None:
@@ -138,10 +154,10 @@ def test_a_state_one_rank_cannot_save_is_refused_on_every_rank(saved) -> None:
 
 
 @pytest.fixture(scope="module")
-def failures(tmp_path_factory) -> tuple[str, list[dict]]:
+def failures(tmp_path_factory, megatron_python) -> tuple[str, list[dict]]:
     base = tmp_path_factory.mktemp("megatron-failures")
     d = str(base / "ckpt")
-    return d, run_worker("failures", d, str(base / "failures"), 2)
+    return d, fork_worker(megatron_python, "failures", d, str(base / "failures"), 2)
 
 
 def test_a_save_into_a_committed_iteration_failing_on_rank_1_leaves_it_loadable_on_every_rank(failures) -> None:
