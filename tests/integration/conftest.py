@@ -24,3 +24,17 @@ def megatron_python(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ForkSe
         yield server
     finally:
         server.close()
+
+
+@pytest.fixture(scope="session")
+def torch_python(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ForkServer]:
+    """``run_code(code, argv, timeout_s)``: a ``python -c`` child forked from one process that
+    imported torch once for the session, not a fresh interpreter that spends about 1.5 s of CPU
+    importing it before the script's first line. Only torch: the child imports fastckpt itself,
+    which registers its exit and fork hooks there, as in a fresh interpreter."""
+    log = str(tmp_path_factory.mktemp("torch-python") / "server.err")
+    server = ForkServer(["torch"], dict(os.environ), log, 120.0)
+    try:
+        yield server
+    finally:
+        server.close()

@@ -142,14 +142,13 @@ ck.commit(sys.argv[1], step=1).wait()
 """
 
 
-def test_ls_lists_the_directory_a_killed_re_save_left(tmp_path) -> None:
+def test_ls_lists_the_directory_a_killed_re_save_left(torch_python, tmp_path) -> None:
     """A re-save of a published group killed before its swap leaves its hidden directory, a whole
     copy of the new attempt, until the next re-save of the tag: ``ls`` shows it and what it is."""
     home = str(tmp_path / "home")
     with fastckpt.Checkpointer() as ck:
         save_group(ck, f"{home}/step-1", 1)
-    proc = subprocess.run([sys.executable, "-c", _KILLED_RESAVE, f"{home}/step-1"], capture_output=True, text=True,
-                          timeout=120)
+    proc = torch_python.run_code(_KILLED_RESAVE, [f"{home}/step-1"], 120)
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     [left] = [n for n in os.listdir(home) if ".fastckpt-next" in n]
     d = json.loads(run("ls", home, "--json").stdout)
@@ -800,7 +799,7 @@ for step in (1, 2):  # the re-save is larger: its size does not match the sideca
 """
 
 
-def test_a_resave_killed_before_its_sidecar_is_judged_by_its_object_as_load_does(tmp_path, s3_server,
+def test_a_resave_killed_before_its_sidecar_is_judged_by_its_object_as_load_does(torch_python, tmp_path, s3_server,
                                                                                   s3_bucket) -> None:
     """``last.pt`` at a URL saved again, the process SIGKILLed after the new object completed and
     before its sidecar was written: ``fastckpt.latest()`` and ``load`` take the object (its own
@@ -810,8 +809,7 @@ def test_a_resave_killed_before_its_sidecar_is_judged_by_its_object_as_load_does
     opts = s3_server.storage_options()
     url, o = f"s3://{s3_bucket}/run", json.dumps(opts)
     cfg = {"local": str(tmp_path / "nvme"), "opts": opts, "url": f"{url}/last.pt"}
-    proc = subprocess.run([sys.executable, "-c", _KILLED_BEFORE_SIDECAR, json.dumps(cfg)], capture_output=True,
-                          text=True, timeout=300)
+    proc = torch_python.run_code(_KILLED_BEFORE_SIDECAR, [json.dumps(cfg)], 300)
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
     assert fastckpt.latest(url, storage_options=opts) == f"{url}/last.pt"
     assert fastckpt.load(f"{url}/last.pt", storage_options=opts)["step"] == 2

@@ -2,13 +2,15 @@
 
 The flush has to run before concurrent.futures' own exit hook stops accepting work: the pending
 save still submits chunks, its replication and its group commit after that point.
+
+Each script runs as ``python -c SCRIPT``, forked by the session's ``torch_python`` server
+(tests/integration/conftest.py): it imports fastckpt itself and ends through the interpreter's
+normal exit, as a fresh interpreter would.
 """
 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import textwrap
 import threading
 from pathlib import Path
@@ -17,6 +19,7 @@ import pytest
 import torch
 
 import fastckpt
+from tests.integration._fork_server import ForkServer
 
 SCRIPT = textwrap.dedent("""
     import sys, torch, fastckpt
@@ -36,12 +39,11 @@ SCRIPT = textwrap.dedent("""
 
 
 @pytest.mark.parametrize("mode", ["direct", "burst-buffer", "group"])
-def test_a_save_in_flight_at_exit_is_flushed(tmp_path: Path, mode: str) -> None:
+def test_a_save_in_flight_at_exit_is_flushed(torch_python: ForkServer, tmp_path: Path, mode: str) -> None:
     group = str(tmp_path / "home" / "step-7") if mode == "group" else ""
     path = f"{group}/model.pt" if group else str(tmp_path / "home" / "a.pt")
     local = str(tmp_path / "nvme") if mode == "burst-buffer" else ""
-    r = subprocess.run([sys.executable, "-c", SCRIPT, path, local, group], capture_output=True, text=True,
-                       timeout=120)
+    r = torch_python.run_code(SCRIPT, [path, local, group], 120)
     assert r.returncode == 0, r.stderr
     assert "flushing 1 pending save" in r.stderr or "flushing 2 pending save" in r.stderr
     assert "(replicating: [])" not in r.stderr and "(replicating )" not in r.stderr  # names copies only if any
@@ -64,9 +66,9 @@ FORK = textwrap.dedent("""
 """)
 
 
-def test_a_forked_child_does_not_flush_the_parents_checkpointer(tmp_path: Path) -> None:
+def test_a_forked_child_does_not_flush_the_parents_checkpointer(torch_python: ForkServer, tmp_path: Path) -> None:
     path = str(tmp_path / "a.pt")
-    r = subprocess.run([sys.executable, "-c", FORK, path], capture_output=True, text=True, timeout=120)
+    r = torch_python.run_code(FORK, [path], 120)
     assert r.returncode == 0, r.stderr
     assert fastckpt.load(path)["step"] == 3
 
@@ -96,12 +98,12 @@ FORK_SAVES = textwrap.dedent("""
 
 
 @pytest.mark.parametrize("used", ["used", "unused"])
-def test_a_forked_child_saving_through_an_inherited_checkpointer_is_told_to_make_its_own(tmp_path: Path,
-                                                                                          used: str) -> None:
+def test_a_forked_child_saving_through_an_inherited_checkpointer_is_told_to_make_its_own(
+        torch_python: ForkServer, tmp_path: Path, used: str) -> None:
     """One that ran work before the fork is closed in the child (its threads stayed in the parent: a save
     there hung in close(), or was lost); one that never did (Lightning's ddp_fork with checkpointer=) works."""
     path = str(tmp_path / "a.pt")
-    r = subprocess.run([sys.executable, "-c", FORK_SAVES, path, used], capture_output=True, text=True, timeout=180)
+    r = torch_python.run_code(FORK_SAVES, [path, used], 180)
     assert r.returncode == 0, (r.returncode, r.stderr[-3000:])
     assert fastckpt.load(path)["step"] == 5
     assert os.path.exists(path + ".child") == (used == "unused")
@@ -126,14 +128,13 @@ FORK_UNCLOSED = textwrap.dedent("""
 
 @pytest.mark.parametrize(("saves", "metrics"), [(3, ""), (3, "metrics"), (0, "")])
 def test_a_fork_childs_saves_through_an_unused_inherited_checkpointer_are_flushed_at_its_exit(
-        tmp_path: Path, saves: int, metrics: str) -> None:
+        torch_python: ForkServer, tmp_path: Path, saves: int, metrics: str) -> None:
     """An inherited Checkpointer that had run nothing works in the child (docs/core.md), so its
     pending saves are flushed at the child's exit, with the warning, like any process's (before:
     the child dropped it from the exit flush, and its last saves were lost silently). A child that
     never uses it (a DataLoader worker) exits without touching it; one with a metrics exporter
     (its thread stayed in the parent) does not hang in close()."""
-    r = subprocess.run([sys.executable, "-c", FORK_UNCLOSED, str(tmp_path), str(saves), metrics],
-                       capture_output=True, text=True, timeout=240)
+    r = torch_python.run_code(FORK_UNCLOSED, [str(tmp_path), str(saves), metrics], 240)
     assert r.returncode == 0, r.stderr[-3000:]
     assert sorted(os.listdir(tmp_path)) == [f"step-{i}.pt" for i in range(saves)]
     assert all(fastckpt.load(str(tmp_path / f"step-{i}.pt"))["i"] == i for i in range(saves))
@@ -158,11 +159,10 @@ THREAD = textwrap.dedent("""
 """)
 
 
-def test_a_save_after_the_exit_flush_closed_the_checkpointer_says_why(tmp_path: Path) -> None:
+def test_a_save_after_the_exit_flush_closed_the_checkpointer_says_why(torch_python: ForkServer, tmp_path: Path) -> None:
     """The exit flush runs when the main thread ends, before Python joins the other threads: a
     thread that saves after that gets a ClosedError that says who closed it and what to do."""
-    r = subprocess.run([sys.executable, "-c", THREAD, str(tmp_path / "a.pt")], capture_output=True, text=True,
-                       timeout=120)
+    r = torch_python.run_code(THREAD, [str(tmp_path / "a.pt")], 120)
     assert r.returncode == 0, r.stderr
     assert "closed at interpreter exit (the main thread ended: join a thread that still saves first)" in r.stdout
 
@@ -178,11 +178,11 @@ SIGTERM_SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_a_sigterm_handler_that_exits_flushes_the_save_in_flight(tmp_path: Path) -> None:
+def test_a_sigterm_handler_that_exits_flushes_the_save_in_flight(torch_python: ForkServer, tmp_path: Path) -> None:
     """SIGTERM's default action kills the process at once, saves in flight with it; the one-line
     handler docs/core.md shows turns it into an exit, and the exit flush makes the save durable."""
     path = tmp_path / "a.pt"
-    r = subprocess.run([sys.executable, "-c", SIGTERM_SCRIPT, str(path)], capture_output=True, text=True, timeout=120)
+    r = torch_python.run_code(SIGTERM_SCRIPT, [str(path)], 120)
     assert r.returncode == 128 + 15, r.stderr
     assert fastckpt.load(str(path))["step"] == 9
 
@@ -204,11 +204,11 @@ HELD = textwrap.dedent("""
 """)
 
 
-def test_close_timeout_bounds_the_exit_too(tmp_path: Path) -> None:
+def test_close_timeout_bounds_the_exit_too(torch_python: ForkServer, tmp_path: Path) -> None:
     """close() gave up after close_timeout_s, but the write stuck on the stalled mount kept its
     (non-daemon) worker thread busy and the interpreter joined it at exit: the process was held
     as long as the mount (here until the test gate's own 120 s limit). Now it exits."""
-    r = subprocess.run([sys.executable, "-c", HELD, str(tmp_path)], capture_output=True, text=True, timeout=60)
+    r = torch_python.run_code(HELD, [str(tmp_path)], 60)
     assert r.returncode == 0 and r.stdout == "gave up\n", r.stderr
     assert "still busy (fastckpt-write_0" in r.stderr and "left to end with the process" in r.stderr, r.stderr
 
@@ -251,12 +251,11 @@ CTRL_C_IN_CLOSE = textwrap.dedent("""
 """)
 
 
-def test_ctrl_c_in_close_still_copies_the_save_in_flight_home(tmp_path: Path) -> None:
+def test_ctrl_c_in_close_still_copies_the_save_in_flight_home(torch_python: ForkServer, tmp_path: Path) -> None:
     """docs/core.md: an interrupted close() still ends the pending work. close() closed the
     replicator before it drained the writers, so a local write that ended after the Ctrl-C was
     refused replication ("replicator is closed") and never reached its path."""
-    r = subprocess.run([sys.executable, "-c", CTRL_C_IN_CLOSE, str(tmp_path)], capture_output=True, text=True,
-                       timeout=120)
+    r = torch_python.run_code(CTRL_C_IN_CLOSE, [str(tmp_path)], 120)
     assert "interrupted" in r.stdout, r.stderr
     assert "replicator is closed" not in r.stderr, r.stderr
     assert fastckpt.load(str(tmp_path / "home" / "a.pt"))["step"] == 5
@@ -292,10 +291,10 @@ SAVING_THROUGH_THE_FLUSH = textwrap.dedent("""
 """)
 
 
-def test_a_save_under_way_when_the_exit_flush_closes_the_checkpointer_is_a_closed_error(tmp_path: Path) -> None:
+def test_a_save_under_way_when_the_exit_flush_closes_the_checkpointer_is_a_closed_error(
+        torch_python: ForkServer, tmp_path: Path) -> None:
     """It was concurrent.futures' bare "RuntimeError: cannot schedule new futures after shutdown"."""
-    r = subprocess.run([sys.executable, "-c", SAVING_THROUGH_THE_FLUSH, str(tmp_path / "a.pt")], capture_output=True,
-                       text=True, timeout=120)
+    r = torch_python.run_code(SAVING_THROUGH_THE_FLUSH, [str(tmp_path / "a.pt")], 120)
     line = next((x for x in r.stdout.splitlines() if x.startswith("RESULT")), r.stderr)
     assert line.startswith("RESULT ClosedError") and "while this save was under way" in line, line
 
@@ -337,11 +336,11 @@ ATEXIT_SAVE = textwrap.dedent("""
 
 
 @pytest.mark.parametrize("before", ["fresh", "earlier"])
-def test_a_save_from_an_atexit_handler_says_it_cannot_run_at_exit(tmp_path: Path, before: str) -> None:
+def test_a_save_from_an_atexit_handler_says_it_cannot_run_at_exit(torch_python: ForkServer, tmp_path: Path,
+                                                                   before: str) -> None:
     """It got threading's bare "can't register atexit after shutdown", or a ClosedError saying the new
     Checkpointer was closed and to create a new one (what the handler had just done)."""
-    r = subprocess.run([sys.executable, "-c", ATEXIT_SAVE, str(tmp_path / "a.pt"), before], capture_output=True,
-                       text=True, timeout=120)
+    r = torch_python.run_code(ATEXIT_SAVE, [str(tmp_path / "a.pt"), before], 120)
     line = next((x for x in r.stdout.splitlines() if x.startswith("RESULT")), r.stderr[-2000:])
     assert "at interpreter exit" in line and "before the main thread returns" in line, line
     assert "was closed" not in line

@@ -27,6 +27,7 @@ from fastckpt.metrics import sample_names
 from fastckpt.report import load_run
 from fastckpt.testing import Fault, FaultyOps
 from tests.cli_child import CliChild
+from tests.integration._fork_server import ForkServer
 
 from ._scrape import names, scrape, value
 
@@ -418,13 +419,12 @@ os._exit(9)  # killed while last.ckpt is being written
 
 
 def test_a_resumed_jobs_log_measures_each_save_from_its_own_call(cli_child: CliChild, serve: Serve,
-                                                                 tmp_path: Path) -> None:
+                                                                 torch_python: ForkServer, tmp_path: Path) -> None:
     """A job killed mid-save, then resumed with the same event_log, saves the same fixed name
     (Lightning's last.ckpt) again: serve-metrics and report measure each new save from its own
     call, and the killed job's save is abandoned, not pending for ever."""
     log, path = tmp_path / "events.jsonl", str(tmp_path / "last.ckpt")
-    killed = subprocess.run([sys.executable, "-c", _KILLED_MID_SAVE, str(log), path], capture_output=True,
-                            text=True, timeout=120)
+    killed = torch_python.run_code(_KILLED_MID_SAVE, [str(log), path], 120)
     assert killed.returncode == 9, killed.stderr
     with Checkpointer(event_log=str(log), overhead_budget=0.99) as ck:
         recs = [ck.save(_state(1024), path).wait() for _ in range(3)]

@@ -11,8 +11,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,6 +19,7 @@ import torch
 import fastckpt
 from fastckpt.storage.s3_options import store_tag
 from fastckpt.urls import mirror_path
+from tests.integration._fork_server import ForkServer
 
 
 def _state(step: int) -> dict:
@@ -176,10 +175,9 @@ os.kill(os.getpid(), signal.SIGKILL)
 """
 
 
-def test_a_run_killed_with_sigkill_is_trimmed_by_the_next(tmp_path: Path) -> None:
+def test_a_run_killed_with_sigkill_is_trimmed_by_the_next(torch_python: ForkServer, tmp_path: Path) -> None:
     nvme, dest = tmp_path / "nvme", tmp_path / "ckpt"
-    proc = subprocess.run([sys.executable, "-c", _KILLED_RUN, str(nvme), str(dest)], capture_output=True, text=True,
-                          timeout=120)
+    proc = torch_python.run_code(_KILLED_RUN, [str(nvme), str(dest)], 120)
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     _run(nvme, dest, range(10, 12))
     left = _local(nvme, dest)
@@ -213,7 +211,8 @@ os.kill(os.getpid(), signal.SIGKILL)  # the job dies (preemption); the burst buf
 
 
 @pytest.mark.parametrize("home", ["verified", "lost"])
-def test_a_restarted_run_trims_single_files_earlier_runs_left_in_step_folders(s3_server, s3_bucket, tmp_path: Path,
+def test_a_restarted_run_trims_single_files_earlier_runs_left_in_step_folders(torch_python: ForkServer, s3_server,
+                                                                              s3_bucket, tmp_path: Path,
                                                                               home: str) -> None:
     """The README's layout, ``run7/step-N/state.pt``, one file per step folder, SIGKILLed runs:
     the restarted run's keep_local=1 counts the earlier run's copy in ``step-3`` (before, only
@@ -222,8 +221,7 @@ def test_a_restarted_run_trims_single_files_earlier_runs_left_in_step_folders(s3
     opts, nvme, url = s3_server.storage_options(), tmp_path / "nvme", f"s3://{s3_bucket}/run7"
     for steps in ([1, 2, 3], [4, 5]):
         cfg = {"nvme": str(nvme), "opts": opts, "url": url, "steps": steps}
-        proc = subprocess.run([sys.executable, "-c", _KILLED_STEP_RUN, json.dumps(cfg)], capture_output=True,
-                              text=True, timeout=300)
+        proc = torch_python.run_code(_KILLED_STEP_RUN, [json.dumps(cfg)], 300)
         assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
         if home == "lost" and steps == [1, 2, 3]:  # as if the job died before step-3 reached its home
             s3_server.client().delete_object(Bucket=s3_bucket, Key="run7/step-3/state.pt")
