@@ -15,6 +15,15 @@ import pytest
 import fastckpt
 
 
+def _context() -> mp.context.BaseContext:
+    """Processes forked from multiprocessing's fork server, which imported torch, fastckpt and this
+    module once (as test_group_kills' ranks are): spawned, each imported them again (about 2 s of
+    CPU each). Each process still has its own store connections, patches and exit."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "fastckpt", __name__])
+    return ctx
+
+
 def _rank0(tag: str, port_q, how: str, rank1_hearing) -> None:  # noqa: ANN001
     import torch
     import torch.distributed as dist
@@ -69,7 +78,7 @@ def _rank1(tag: str, port: int, rank1_hearing, rank0_gone, out, value: float) ->
 
 def _launch(tag: str, how: str, value: float) -> str:
     """One launch of a 2-rank job on a new store that rank 0's process hosts: what rank 1's commit said."""
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     port_q, out, rank1_hearing, rank0_gone = ctx.Queue(), ctx.Queue(), ctx.Event(), ctx.Event()
     p0 = ctx.Process(target=_rank0, args=(tag, port_q, how, rank1_hearing))
     p0.start()
@@ -157,7 +166,7 @@ def test_rank_0_reports_a_group_committed_when_the_agents_store_dies_after_it_mo
     moved ``latest`` to it, rank 0's announcement of the outcome fails: the group is committed all
     the same (rank 1 reads it from the manifest), so rank 0 says so, with a WARNING (it raised
     ``StoreError``, "the group stays incomplete", for the group ``latest()`` names)."""
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     opts = s3_server.storage_options()
     run = f"s3://{s3_bucket}/run"
     port_q, out, published, host_dead = ctx.Queue(), ctx.Queue(), ctx.Event(), ctx.Event()
