@@ -7,17 +7,18 @@ while every rank had finished and the commit only waited for the copy to the hom
 then committed, but megatron had skipped its finalize and Megatron-LM's tracker write. Here the
 grace is 0 and ``commit_timeout_s`` 1 s: the old deadline passes while the copy home (or, without
 a burst buffer, the rank's own tensor file write: fixed later) is held.
-Real megatron-core, gloo, one process (a child: it owns the process group)."""
+Real megatron-core, gloo, one process (a child: it owns the process group; forked by the
+session's ``megatron_python`` server, tests/integration/conftest.py)."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("megatron.core")
+
+from tests.integration._fork_server import ForkServer  # noqa: E402
 
 CHILD = r"""
 import os, sys, threading, warnings
@@ -73,8 +74,8 @@ dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("held", ["copy", "write"])
-def test_the_async_part_waits_for_the_copy_home_and_the_write(tmp_path: Path, held: str) -> None:
-    res = subprocess.run([sys.executable, "-c", CHILD, str(tmp_path), held], capture_output=True, text=True,
-                         timeout=300)
+def test_the_async_part_waits_for_the_copy_home_and_the_write(megatron_python: ForkServer, tmp_path: Path,
+                                                             held: str) -> None:
+    res = megatron_python.run_code(CHILD, [str(tmp_path), held], 300)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
     assert "EARLY [] OUTCOME ['ok'] LATEST True" in res.stdout, res.stdout[-3000:] + res.stderr[-3000:]
