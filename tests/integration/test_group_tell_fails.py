@@ -2,21 +2,19 @@
 hosted elsewhere as by torchrun's agent, lives on): the other ranks learn the outcome at once,
 not after waiting out commit_timeout_s twice and reporting a published group not committed.
 
-Two real processes in a gloo process group over a TCPStore the test hosts; the default process
-group's store is the Checkpointer's. The fault is injected in rank 0's process only: from its
-``set`` of the outcome on, every call on that one client connection fails with the error a
-reset connection raises (its clones, other connections to the same live store, still work).
+Two real processes (forked from one that imported torch) in a gloo process group over a
+TCPStore the test hosts; the default process group's store is the Checkpointer's. The fault is
+injected in rank 0's process only: from its ``set`` of the outcome on, every call on that one
+client connection fails with the error a reset connection raises (its clones, other connections
+to the same live store, still work).
 """
 
 from __future__ import annotations
 
 import datetime
 import json
-import os
-import subprocess
-import sys
 import textwrap
-import threading
+import uuid
 from pathlib import Path
 
 import pytest
@@ -25,8 +23,8 @@ import torch.distributed as dist
 import fastckpt
 from fastckpt.commit import protocol as P
 from fastckpt.errors import IncompleteCheckpointError
+from tests.integration._fork_server import ForkServer
 
-REPO = Path(__file__).resolve().parents[2]
 COMMIT_TIMEOUT_S = 60  # rank 1 waited it (and its grace) twice, then reported the published group failed
 
 RANK = textwrap.dedent("""
@@ -101,26 +99,29 @@ RANK = textwrap.dedent("""
 """)
 
 
-def _start(rank: int, root: Path, port: int, fault: str, timeout_s: float) -> subprocess.Popen:
-    env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "src"), env.get("PYTHONPATH", "")])
-    return subprocess.Popen([sys.executable, "-c", RANK, str(root), str(port), str(timeout_s), fault],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def _run(server: ForkServer, root: Path, port: int, fault: str, timeout_s: float) -> list[tuple[str, str]]:
+    """Both ranks, forked by the session's ``torch_python`` server (tests/integration/conftest.py);
+    each one's stdout and stderr once both ended. A rank still running after 400 s is killed and
+    fails the test."""
+    pids, outs = [], []
+    for rank in (0, 1):
+        stem = server.out_dir / f"tell-fails-{uuid.uuid4().hex[:12]}"
+        outs.append((Path(f"{stem}.out"), Path(f"{stem}.err")))
+        pids.append(server.start([str(root), str(port), str(timeout_s), fault], {"RANK": str(rank), "WORLD_SIZE": "2"},
+                                 str(outs[-1][0]), str(outs[-1][1]), code=RANK))
+    for pid in pids:
+        server.wait(pid, 400)
+    return [(out.read_text(), err.read_text()) for out, err in outs]
 
 
 @pytest.mark.parametrize("fault", ["published", "failed"])
-def test_the_others_learn_the_outcome_when_rank_0_cannot_tell_it(tmp_path: Path, fault: str) -> None:
+def test_the_others_learn_the_outcome_when_rank_0_cannot_tell_it(torch_python: ForkServer, tmp_path: Path,
+                                                                   fault: str) -> None:
     """Before: rank 1 waited commit_timeout_s and its grace twice (132 s here), then raised "rank 0
     did not publish the group" for a group rank 0 had published, or without rank 0's cause for
     one it failed to publish."""
     store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
-    procs = [_start(r, tmp_path, store.port, fault, COMMIT_TIMEOUT_S) for r in (0, 1)]
-    guard = threading.Timer(400, lambda: [p.kill() for p in procs])  # a hung rank must not hang the suite
-    guard.start()
-    try:
-        outs = [p.communicate(timeout=420) for p in procs]
-    finally:
-        guard.cancel()
+    outs = _run(torch_python, tmp_path, store.port, fault, COMMIT_TIMEOUT_S)
     said = _said(outs)
     assert "made again on another connection to it, which answered" in outs[0][1], outs[0][1][-3000:]
     assert said[1]["took_s"] < COMMIT_TIMEOUT_S / 2, said[1]  # at once, not after commit_timeout_s
@@ -139,15 +140,15 @@ def _said(outs: list[tuple[str, str]]) -> dict[int, dict]:
             for r, (out, err) in enumerate(outs)}
 
 
-def test_the_others_read_the_manifest_when_no_connection_of_rank_0_can_tell_them(tmp_path: Path) -> None:
+def test_the_others_read_the_manifest_when_no_connection_of_rank_0_can_tell_them(torch_python: ForkServer,
+                                                                                  tmp_path: Path) -> None:
     """Every connection of rank 0's fails to set the outcome of the group it published (the store
     lives on): rank 1 waited commit_timeout_s and its grace twice, then said "rank 0 did not publish
     the group". Rank 0 holds the attempt's claim, so at its deadline rank 1 reads the group's
     manifest: this attempt's, with its files, and latest names it: published."""
     timeout_s = 8.0  # rank 1 waits 9 s (its grace: 1 s) for the outcome, then reads the manifest
     store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
-    procs = [_start(r, tmp_path, store.port, "published everywhere", timeout_s) for r in (0, 1)]
-    outs = [p.communicate(timeout=300) for p in procs]
+    outs = _run(torch_python, tmp_path, store.port, "published everywhere", timeout_s)
     said = _said(outs)
     assert said[0]["said"] == "ok", outs[0][1][-3000:]
     assert "before the other ranks were told" in outs[0][1]  # rank 0's warning: they learn it from the manifest
@@ -156,15 +157,15 @@ def test_the_others_read_the_manifest_when_no_connection_of_rank_0_can_tell_them
     assert fastckpt.latest(str(tmp_path)) == f"{tmp_path}/step1"
 
 
-def test_a_rank_does_not_read_a_first_group_committed_before_latest_names_it(tmp_path: Path) -> None:
+def test_a_rank_does_not_read_a_first_group_committed_before_latest_names_it(torch_python: ForkServer,
+                                                                              tmp_path: Path) -> None:
     """At its deadline, rank 0 holding the claim, rank 1 took the group's manifest for a commit
     unless latest named an older checkpoint: on a job's first checkpoint (no latest yet) it said
     "ok" while rank 0 was still moving latest, a move that then failed (EIO): the ranks disagreed.
     It keeps waiting for rank 0's outcome until latest names the group."""
     timeout_s = 4.0
     store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
-    procs = [_start(r, tmp_path, store.port, "latest", timeout_s) for r in (0, 1)]
-    outs = [p.communicate(timeout=300) for p in procs]
+    outs = _run(torch_python, tmp_path, store.port, "latest", timeout_s)
     said = _said(outs)
     assert said[0]["said"].startswith("ReplicationError: publish of ") and "Input/output error" in said[0]["said"], said
     assert said[1]["said"].startswith("CommitTimeoutError: "), said[1]
@@ -175,21 +176,22 @@ def test_a_rank_does_not_read_a_first_group_committed_before_latest_names_it(tmp
         fastckpt.load(str(tmp_path / "step1" / "rank1.pt"))
 
 
-def test_a_rank_without_a_store_does_not_take_a_first_group_before_latest_names_it(tmp_path: Path) -> None:
+def test_a_rank_without_a_store_does_not_take_a_first_group_before_latest_names_it(torch_python: ForkServer,
+                                                                                   tmp_path: Path) -> None:
     """The same without a store (marker files): rank 1 took the group's manifest for a commit once
     no pointer named an older checkpoint, so it said "ok" while rank 0's move of latest failed
     (EIO) and rank 0 reported the commit failed, and latest() found the group by its scan. Rank 1
     now waits for latest, rank 0 takes the group back, and both report it failed."""
     store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
-    procs = [_start(r, tmp_path, store.port, "latest nostore", 20.0) for r in (0, 1)]
-    outs = [p.communicate(timeout=300) for p in procs]
+    outs = _run(torch_python, tmp_path, store.port, "latest nostore", 20.0)
     said = _said(outs)
     assert said[0]["said"].startswith("ReplicationError: publish of ") and "Input/output error" in said[0]["said"], said
     assert said[1]["said"].startswith("CommitTimeoutError: ") and "Input/output error" in said[1]["said"], said[1]
     assert fastckpt.latest(str(tmp_path)) is None
 
 
-def test_a_resaved_group_whose_latest_already_names_it_commits_on_every_rank(tmp_path: Path) -> None:
+def test_a_resaved_group_whose_latest_already_names_it_commits_on_every_rank(torch_python: ForkServer,
+                                                                              tmp_path: Path) -> None:
     """A group re-saved under one path (a ``last`` group, a fixed DeepSpeed tag): latest names it from
     the previous save. Rank 0 swapped the re-save in, then its move of latest was held past rank 1's
     deadline, and failed (EIO). Rank 1, at its deadline, read the manifest and latest naming the
@@ -197,8 +199,7 @@ def test_a_resaved_group_whose_latest_already_names_it_commits_on_every_rank(tmp
     Rank 0 now writes no pointer that names the group already: both report it committed."""
     timeout_s = 4.0
     store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
-    procs = [_start(r, tmp_path, store.port, "latest resave", timeout_s) for r in (0, 1)]
-    outs = [p.communicate(timeout=300) for p in procs]
+    outs = _run(torch_python, tmp_path, store.port, "latest resave", timeout_s)
     said = _said(outs)
     assert said[0]["said"] == said[1]["said"] == "ok", said
     assert fastckpt.latest(str(tmp_path)) == f"{tmp_path}/last"
