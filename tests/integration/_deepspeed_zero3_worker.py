@@ -4,7 +4,7 @@ ZeRO-3 with DeepSpeed's default ``stage3_param_persistence_threshold`` (the othe
 set it to 0): the small parameters stay gathered ("persistent"), and DeepSpeed's load gathers
 them again on every rank at its end (``checkpoint_event_epilogue``), a collective that a rank
 whose load raised earlier never reached. Usage: _deepspeed_zero3_worker.py ROOT SCENARIO[,...];
-each rank writes ROOT/results/rank{r}.json:
+each rank writes ROOT/results/rank{r}.json (the scenarios of one launch keep to directories of their own):
   onerank   rank 1's own model file, then its own optimizer file, has a byte flipped: the load
             raises CorruptCheckpointError on both ranks (before, both hung), and the fallback to
             the older tag loads on both; a re-save swapped in during rank 1's load (its pin says
@@ -166,7 +166,7 @@ def burst_buffer_weights(root: str) -> None:
 def resave_during_consolidation(root: str) -> None:
     import deepspeed.utils.zero_to_fp32 as ds_fp32
 
-    d, section = os.path.join(root, "resave"), {"local_dir": os.path.join(root, "nvme")}
+    d, section = os.path.join(root, "resave"), {"local_dir": os.path.join(root, "nvme-resave")}
     w = engine(0, section)
     train(w, 1, 2)
     w.save_checkpoint(d, "t1")
