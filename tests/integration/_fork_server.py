@@ -101,11 +101,13 @@ class ForkServer:
             raise AssertionError(f"the forked child {pid} was still running after {limit} s: SIGKILLed")
         return int(answer[2])
 
-    def run_code(self, code: str, argv: list[str], timeout_s: float) -> subprocess.CompletedProcess:
+    def run_code(self, code: str, argv: list[str], timeout_s: float,
+                 env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
         """``subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True,
-        timeout=timeout_s)``, forked (its stdout and stderr pass through files beside the log).
-        A child still running after ``timeout_s`` is SIGKILLed and the test fails with its output."""
-        return self._run(["-c", *argv], argv, {}, timeout_s, code=code)
+        timeout=timeout_s)``, forked (its stdout and stderr pass through files beside the log),
+        with ``env`` added to its environment. A child still running after ``timeout_s`` is
+        SIGKILLed and the test fails with its output."""
+        return self._run(["-c", *argv], argv, env or {}, timeout_s, code=code)
 
     def run_module(self, module: str, argv: list[str], env: dict[str, str],
                    timeout_s: float) -> subprocess.CompletedProcess:

@@ -11,8 +11,6 @@ import errno
 import os
 import random
 import re
-import subprocess
-import sys
 import textwrap
 import threading
 import warnings
@@ -393,11 +391,11 @@ SCRIPT_AFTER_FIT = textwrap.dedent("""
 """)
 
 
-def test_save_after_fit_is_durable_when_the_process_exits(tmp_path):
+def test_save_after_fit_is_durable_when_the_process_exits(lightning_python, tmp_path):
     path, ref = str(tmp_path / "after_fit.ckpt"), str(tmp_path / "ref.pt")
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     script = SCRIPT_AFTER_FIT.format(tests=repo, path=path, ref=ref)
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False)
+    proc = lightning_python.run_code(script, [], 120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     tree_equal(fastckpt.load(path)["state_dict"], torch.load(ref, weights_only=True), "state_dict")
 

@@ -29,6 +29,7 @@ from fastckpt.integrations.lightning import FastCkptIO  # noqa: E402
 from fastckpt.io.atomic import final_path  # noqa: E402
 from fastckpt.testing import FaultyOps  # noqa: E402
 from fastckpt.urls import normalize  # noqa: E402
+from tests.integration._fork_server import ForkServer  # noqa: E402
 from tests.integration.test_lightning import TinyModel, loader  # noqa: E402
 from tests.s3server import free_ports  # noqa: E402
 
@@ -231,31 +232,34 @@ def test_two_model_checkpoints_each_keep_their_top_k(tmp_path, caplog):
     assert kept(caplog) == []
 
 
-def _one_process_fit(mode: str, root: Path) -> None:
-    """``_lightning_last_names_worker MODE ROOT`` in a process of its own (a gloo process group of one)."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO / "src"), str(REPO)]), OMP_NUM_THREADS="1",
-               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_ports(1)[0]), PYTHONWARNINGS="ignore")
-    proc = subprocess.run([sys.executable, "-m", "tests.integration._lightning_last_names_worker", mode, str(root)],
-                          cwd=str(REPO), env=env, capture_output=True, text=True, timeout=300, check=False,
-                          start_new_session=True)
+# ``python -m tests.integration._lightning_last_names_worker MODE ROOT``, with PYTHONWARNINGS=ignore's filter
+_RUN_WORKER = ("import runpy, warnings; warnings.simplefilter('ignore'); "
+               "runpy.run_module('tests.integration._lightning_last_names_worker', run_name='__main__')")
+
+
+def _one_process_fit(server: ForkServer, mode: str, root: Path) -> None:
+    """``_lightning_last_names_worker MODE ROOT`` in a process of its own (a gloo process group of
+    one), forked by the session's ``lightning_python`` server (tests/integration/conftest.py)."""
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_ports(1)[0])}
+    proc = server.run_code(_RUN_WORKER, [mode, str(root)], 300, env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
 
 
-def test_fsdp_sharded_saves_bypass_checkpoint_io_and_hold_nothing(tmp_path):
+def test_fsdp_sharded_saves_bypass_checkpoint_io_and_hold_nothing(lightning_python, tmp_path):
     """FSDPStrategy(state_dict_type="sharded") on a burst buffer: its saves (folders, last.ckpt too)
     never pass through CheckpointIO, so no last file is seen to land and the sharded last.ckpt
     cannot be read: nothing is held (an earlier fix kept every top-k folder). A real FSDP fit, one
     CPU process (gloo), in a subprocess."""
-    _one_process_fit("fsdp", tmp_path)
+    _one_process_fit(lightning_python, "fsdp", tmp_path)
     out = json.loads((tmp_path / "summary.json").read_text())
     assert out["files"] == ["epoch=0-step=5.ckpt", "last.ckpt"], out
     assert max(out["counts"]) <= 3 and out["kept"] == [], out  # the folder before the newest goes each step
 
 
-def test_model_parallel_saving_through_checkpoint_io_is_covered(tmp_path):
+def test_model_parallel_saving_through_checkpoint_io_is_covered(lightning_python, tmp_path):
     """ModelParallelStrategy(save_distributed_checkpoint=False) saves rank 0's whole checkpoint
     through CheckpointIO, so it is covered as the other strategies are (it was passed over with the
     distributed saves that bypass CheckpointIO: the durable last.ckpt named a deleted best file). A
     real fit, one CPU process (gloo), in a subprocess."""
-    _one_process_fit("model_parallel", tmp_path)
+    _one_process_fit(lightning_python, "model_parallel", tmp_path)
     assert json.loads((tmp_path / "summary.json").read_text()) == {"missing": []}

@@ -305,7 +305,7 @@ SLURM_JOB = textwrap.dedent("""
 """)
 
 
-def test_slurm_requeue_checkpoint_is_durable_before_scontrol_requeue(tmp_path) -> None:
+def test_slurm_requeue_checkpoint_is_durable_before_scontrol_requeue(lightning_python, tmp_path) -> None:
     """Lightning's SLURM handler saves hpc_ckpt_1.ckpt, then runs `scontrol requeue`, which ends
     the job. A fake scontrol on PATH lists the directory, then SIGKILLs the job as SLURM would.
     Renames into place are held until a save is waited for, so an asynchronous save would show
@@ -323,8 +323,7 @@ def test_slurm_requeue_checkpoint_is_durable_before_scontrol_requeue(tmp_path) -
 
     def job(signal_at_2: bool) -> subprocess.CompletedProcess:
         script = SLURM_JOB.format(repo=repo, root=str(root), signal_at_2=signal_at_2)
-        return subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
-                              timeout=300, check=False)
+        return lightning_python.run_code(script, [], 300, env)
 
     first = job(signal_at_2=True)
     assert first.returncode == -signal.SIGKILL, first.stderr[-3000:]
@@ -402,15 +401,14 @@ LINK_JOB = textwrap.dedent("""
 """)
 
 
-def test_last_link_survives_a_kill_while_its_next_target_is_saved(tmp_path) -> None:
+def test_last_link_survives_a_kill_while_its_next_target_is_saved(lightning_python, tmp_path) -> None:
     """save_last="link" and ckpt_path="last" (docs/lightning.md's resume): a job killed with
     the step-6 save in flight. last.ckpt was linked to the step-6 file before it existed, so
     Lightning dropped the dangling link and the resume started over from step 0; now last.ckpt
     names the newest checkpoint that is durable."""
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     ckpt = tmp_path / "ckpt"
-    job = subprocess.run([sys.executable, "-c", LINK_JOB.format(repo=repo, ckpt=str(ckpt))], capture_output=True,
-                         text=True, timeout=300, check=False)
+    job = lightning_python.run_code(LINK_JOB.format(repo=repo, ckpt=str(ckpt)), [], 300)
     assert job.returncode == -signal.SIGKILL, job.stderr[-3000:]
     target = os.path.realpath(ckpt / "last.ckpt")
     assert target == str(ckpt / "epoch=0-step=4.ckpt")
