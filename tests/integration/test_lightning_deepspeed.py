@@ -53,9 +53,8 @@ except RuntimeError as e:
 """
 
 
-def test_deepspeed_strategy_refuses_cpu():
-    proc = subprocess.run([sys.executable, "-c", REFUSAL], env=_env(), capture_output=True, text=True, timeout=120,
-                          check=False)
+def test_deepspeed_strategy_refuses_cpu(lightning_python):
+    proc = lightning_python.run_code(REFUSAL, [], 120, _env())
     assert "REFUSED: The DeepSpeed strategy is only supported on CUDA GPUs but `CPUAccelerator` is used." \
         in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
 
