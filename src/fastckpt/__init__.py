@@ -21,7 +21,6 @@ from .errors import (
     FastCkptError,
     GroupChangedError,
     IncompleteCheckpointError,
-    NewerFormatError,
     ReplicationError,
     TierUnavailableError,
     UnsupportedObjectError,
@@ -38,9 +37,8 @@ if TYPE_CHECKING:
 __all__ = [
     "Checkpointer", "latest", "load", "Event", "OverheadReport", "Stats", "SaveHandle", "SaveRecord",
     "FastCkptError", "CheckpointNotFoundError", "CheckpointWriteError", "ClosedError", "CommitTimeoutError",
-    "ConfigError", "CorruptCheckpointError", "GroupChangedError", "IncompleteCheckpointError", "NewerFormatError",
-    "ReplicationError", "TierUnavailableError", "UnsupportedObjectError", "UnverifiableCheckpointError", "FastCkptIO",
-    "__version__",
+    "ConfigError", "CorruptCheckpointError", "GroupChangedError", "IncompleteCheckpointError", "ReplicationError",
+    "TierUnavailableError", "UnsupportedObjectError", "UnverifiableCheckpointError", "FastCkptIO", "__version__",
 ]
 
 

@@ -26,12 +26,6 @@ class CorruptCheckpointError(FastCkptError, ValueError):
     """A file's bytes do not match the checksum recorded when it was written."""
 
 
-class NewerFormatError(FastCkptError, ValueError):
-    """A checkpoint written by a newer fastckpt, in a format this one does not know: its manifest
-    is intact (its sum or digest verifies), so it is no damage, and ``latest`` never passes over it
-    to an older checkpoint. The message names the format, both versions and the fix: upgrade."""
-
-
 class UnverifiableCheckpointError(CorruptCheckpointError):
     """``load(..., verify=True)`` of a file that carries no fastckpt manifest (a plain
     torch.save file): nothing records what its bytes should be."""

@@ -24,7 +24,7 @@ import posixpath
 import threading
 import time
 
-from ..errors import ConfigError, CorruptCheckpointError, GroupRemovedError, IncompleteCheckpointError, NewerFormatError
+from ..errors import ConfigError, CorruptCheckpointError, GroupRemovedError, IncompleteCheckpointError
 from ..format.manifest import FORMAT_VERSION, check_group_manifest, check_manifest, file_order, with_digest
 from ..storage.homes import Location
 from ..storage.places import Place
@@ -115,8 +115,6 @@ def read_group_manifest(place: Place) -> dict | None:
         return check_group_manifest(json.loads(data))
     except CorruptCheckpointError as exc:
         raise CorruptCheckpointError(f"{place.url(GROUP_MANIFEST)} is damaged: {exc}") from exc
-    except NewerFormatError as exc:
-        raise NewerFormatError(f"{place.url(GROUP_MANIFEST)}: {exc}") from None
     except ValueError as exc:
         raise CorruptCheckpointError(f"{place.url(GROUP_MANIFEST)} does not parse: {exc}") from exc
 
@@ -307,9 +305,7 @@ def read_sidecar(loc: Location, deadline_s: float | None = None) -> dict | None:
     except TargetNotFoundError:
         return None
     try:
-        return check_manifest(json.loads(data), intact=True)  # published whole (``put``), after its file verified
-    except NewerFormatError as exc:
-        raise NewerFormatError(f"{loc.url}{SIDECAR}: {exc}") from None
+        return check_manifest(json.loads(data))
     except (ValueError, CorruptCheckpointError) as exc:
         raise CorruptCheckpointError(f"{loc.url}{SIDECAR} is damaged: {exc}") from exc
 

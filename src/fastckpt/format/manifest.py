@@ -16,8 +16,7 @@ from collections.abc import Sequence
 
 from xxhash import xxh3_64_hexdigest
 
-from ..errors import CorruptCheckpointError, NewerFormatError, UnsupportedObjectError
-from ..version import __version__
+from ..errors import CorruptCheckpointError, UnsupportedObjectError
 from .checksum import ALGO, BLOCK_BYTES, combine
 
 FORMAT_VERSION = 1
@@ -107,24 +106,20 @@ _HEX16 = re.compile(r"[0-9a-f]{16}")
 _HEX_BLOCKS = re.compile(r"(?:[0-9a-f]{16})*")
 
 
-def check_manifest(manifest: object, intact: bool = False) -> dict:
+def check_manifest(manifest: object) -> dict:
     """``manifest`` if it has the shape every reader relies on, else the damage it shows.
 
     The manifest is not covered by the checksum (it holds it), so one damaged byte can turn a
     key (``"checksum"`` into ``"checksul"``) or a value into something else and still parse:
     what readers index (``covered``, ``checksum.value``, the listed ``blocks``, ``group``,
     ``group_rel``) is checked here, where a manifest is parsed, so that damage is corruption
-    and never a ``KeyError`` further on. ``intact``: its bytes are known to be as written (its
-    ``sum`` verified, or published whole): a later format is then a newer fastckpt's, not damage.
+    and never a ``KeyError`` further on.
 
     Raises:
         CorruptCheckpointError: what is missing or malformed.
-        NewerFormatError: ``intact`` and of a format after this fastckpt's.
     """
     if not isinstance(manifest, dict):
         raise CorruptCheckpointError(f"it is a {type(manifest).__name__}, not an object")
-    if intact:
-        check_newer(manifest, FORMAT_VERSION)
     covered, digest = manifest.get("covered"), manifest.get("checksum")
     if not isinstance(covered, int) or isinstance(covered, bool) or covered < 0:
         raise CorruptCheckpointError(f"its covered byte count is {covered!r}")
@@ -144,20 +139,6 @@ def check_manifest(manifest: object, intact: bool = False) -> dict:
                                      f"{manifest.get('kind')!r:.20}, not {FORMAT_VERSION} and 'file'")
     listed_blocks(manifest)
     return manifest
-
-
-def check_newer(manifest: dict, known: int) -> None:
-    """Raise ``NewerFormatError`` when the intact ``manifest`` is of a format after ``known``
-    (the newest this fastckpt writes and reads): the fix is a newer fastckpt, not another copy."""
-    fmt = manifest.get("format")
-    if not isinstance(fmt, int) or isinstance(fmt, bool) or fmt <= known:
-        return
-    versions = manifest.get("versions")
-    by = versions.get("fastckpt") if isinstance(versions, dict) else None
-    by = f"version {by:.40}" if isinstance(by, str) else "a later version"
-    raise NewerFormatError(f"it was written by a newer fastckpt ({by}), in format {fmt}; this is fastckpt "
-                           f"{__version__}, which reads format {known} and older. Upgrade fastckpt where this runs "
-                           "to read it (it is not damaged)")
 
 
 def with_digest(manifest: dict) -> dict:
@@ -182,12 +163,9 @@ def check_group_manifest(manifest: object) -> dict:
 
     Raises:
         CorruptCheckpointError: what is missing or malformed.
-        NewerFormatError: its digest verifies and its format is after this fastckpt's.
     """
     if not isinstance(manifest, dict):
         raise CorruptCheckpointError(f"it is a {type(manifest).__name__}, not an object")
-    if "digest" in manifest and manifest["digest"] == _group_digest(manifest):  # intact: a later format is newer
-        check_newer(manifest, GROUP_FORMAT)
     files = manifest.get("files")
     if not isinstance(files, dict):
         raise CorruptCheckpointError(f"its files are {files!r:.100}, not an object naming each file")
@@ -296,7 +274,7 @@ def _parsed(comment: bytes) -> dict:
     if set(whole) != ({MANIFEST_KEY, "sum"} if m is not None else {MANIFEST_KEY}):
         raise CorruptCheckpointError(f"the zip comment holds {sorted(whole)!r:.100} besides the manifest: damaged")
     try:
-        return check_manifest(manifest, intact=m is not None)
+        return check_manifest(manifest)
     except CorruptCheckpointError as exc:
         raise CorruptCheckpointError(f"the manifest in the zip comment is damaged: {exc}") from exc
 
@@ -312,8 +290,6 @@ def manifest_in(tail: bytes, size: int, where: str) -> dict | None:
         manifest = parse_tail(tail, size)
     except CorruptCheckpointError as exc:
         raise CorruptCheckpointError(f"{where}: {exc}") from exc
-    except NewerFormatError as exc:
-        raise NewerFormatError(f"{where}: {exc}") from None
     if manifest is not None and manifest["covered"] > size:
         raise CorruptCheckpointError(f"{where}: its manifest covers {manifest['covered']} bytes of a {size}-byte file")
     return manifest
