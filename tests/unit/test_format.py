@@ -201,3 +201,28 @@ def test_a_signature_inside_the_end_record_never_makes_a_valid_file_look_cut_sho
     assert eocd.rfind(M.EOCD_SIG) == 18
     tail = b"\x00" * 64 + eocd + comment
     assert M.parse_tail(tail, len(tail)) == manifest
+
+
+def test_a_file_of_a_later_format_says_a_newer_fastckpt_may_have_written_it(tmp_path, caplog) -> None:
+    """A manifest of format 2, its sum intact (what a newer fastckpt would write), was reported
+    only as "its format is 2 ... not 1": the reader was not told that upgrading may read it, nor
+    that latest() resumes the checkpoint before it. Still damage to this version (a damaged digit
+    reads the same), now with both told."""
+    with fastckpt.Checkpointer() as ck:
+        for step in (1, 2):
+            ck.save({"w": torch.ones(8), "step": step}, str(tmp_path / f"step-{step}.pt")).wait()
+    p = tmp_path / "step-2.pt"
+    data = p.read_bytes()
+    i = data.rfind(b"PK\x05\x06")
+    m = json.loads(data[i + 22:])["fastckpt"]
+    m["format"], m["versions"]["fastckpt"] = 2, "9.0.0"
+    body = json.dumps(m, separators=(",", ":"), sort_keys=True).encode()
+    new = b'{"fastckpt":' + body + b',"sum":"' + xxhash.xxh3_64_hexdigest(body).encode() + b'"}'
+    p.write_bytes(data[: i + 20] + struct.pack("<H", len(new)) + new)
+    told = "A newer fastckpt may have written it (it names fastckpt 9.0.0): this is fastckpt "
+    with pytest.raises(fastckpt.CorruptCheckpointError, match="upgrade fastckpt where this runs") as e:
+        fastckpt.load(str(p))
+    assert told in str(e.value)
+    with caplog.at_level("WARNING", logger="fastckpt"):
+        assert fastckpt.latest(str(tmp_path)) == str(tmp_path / "step-1.pt")
+    assert any(told in r.getMessage() and "a resume takes the one before" in r.getMessage() for r in caplog.records)

@@ -227,6 +227,7 @@ def _file(loc: Location, prefix: str, rel: str, damaged: list[Damaged], gone: li
         return Found(join(loc.url, rel), "file", loc.target.modified(prefix + rel), {}, "torch.save",
                      foreign.pickle_step(loc.target, prefix + rel, record))
     except CorruptCheckpointError as exc:  # a damaged manifest: not a candidate, but no silent one either
+        log.warning("fastckpt: skipping a damaged checkpoint: %s", exc)
         damaged.append(Damaged(join(loc.url, rel), "file", str(exc)))
         return None
     except OSError as exc:  # unreadable: it may be the newest, so no answer rather than an older one

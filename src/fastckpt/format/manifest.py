@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from xxhash import xxh3_64_hexdigest
 
 from ..errors import CorruptCheckpointError, UnsupportedObjectError
+from ..version import __version__
 from .checksum import ALGO, BLOCK_BYTES, combine
 
 FORMAT_VERSION = 1
@@ -136,9 +137,24 @@ def check_manifest(manifest: object) -> dict:
             raise CorruptCheckpointError(f"its {key} is {manifest[key]!r:.100}")
     if manifest.get("format") != FORMAT_VERSION or manifest.get("kind") != "file":
         raise CorruptCheckpointError(f"its format is {manifest.get('format')!r:.20} and its kind "
-                                     f"{manifest.get('kind')!r:.20}, not {FORMAT_VERSION} and 'file'")
+                                     f"{manifest.get('kind')!r:.20}, not {FORMAT_VERSION} and 'file'"
+                                     + _later(manifest, FORMAT_VERSION))
     listed_blocks(manifest)
     return manifest
+
+
+def _later(manifest: dict, known: int) -> str:
+    """For a manifest whose format is a number after ``known``: that a newer fastckpt may have
+    written it (told, not decided: a damaged digit reads the same), and what to do either way."""
+    fmt = manifest.get("format")
+    if not isinstance(fmt, int) or isinstance(fmt, bool) or fmt <= known:
+        return ""
+    versions = manifest.get("versions")
+    by = versions.get("fastckpt") if isinstance(versions, dict) else None
+    by = f" (it names fastckpt {by:.40})" if isinstance(by, str) else ""
+    return (f". A newer fastckpt may have written it{by}: this is fastckpt {__version__}, which reads format "
+            f"{known} and older. If so, upgrade fastckpt where this runs to read it: until then latest() passes over "
+            "it as over a damaged checkpoint, and a resume takes the one before")
 
 
 def with_digest(manifest: dict) -> dict:
@@ -175,7 +191,8 @@ def check_group_manifest(manifest: object) -> dict:
                 or info["size"] < 0:
             raise CorruptCheckpointError(f"its entry for {rel!r:.100} is {info!r:.100}, not a size and checksum")
     if manifest.get("format", 1) not in (1, GROUP_FORMAT):
-        raise CorruptCheckpointError(f"its format is {manifest.get('format')!r:.20}, not 1 or {GROUP_FORMAT}")
+        raise CorruptCheckpointError(f"its format is {manifest.get('format')!r:.20}, not 1 or {GROUP_FORMAT}"
+                                     + _later(manifest, GROUP_FORMAT))
     if "digest" not in manifest and manifest.get("format", 1) == GROUP_FORMAT:
         raise CorruptCheckpointError(f"its digest is missing, which every manifest of format {GROUP_FORMAT} has: it "
                                      "was damaged after it was written")
