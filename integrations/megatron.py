@@ -236,7 +236,9 @@ def _finalize(watch: W.Watch) -> None:
     Rank 0 waits for its watch, which moves the tracker right after the commit: when finalize
     returns there, the tracker names this iteration. Other ranks do not wait for their commit
     handle once the group is committed: theirs resolves when its poll sees the manifest, which
-    may be a moment later.
+    may be a moment later. A commit still running (megatron's async worker gave up at its
+    deadline, or never ran) is waited for without a deadline of finalize's own, as
+    ``await_commit`` waits in this process: the commit's end is bounded (``commit_timeout_s``).
     """
     try:
         failed = W.failures(watch.job)
@@ -246,7 +248,7 @@ def _finalize(watch: W.Watch) -> None:
             raise W.failed_error(watch.job, failed)
         if not watch.done.is_set() and (watch.job.rank == 0 or not W.committed(watch.job)):
             try:
-                watch.handle.wait(watch.job.timeout_s)  # (its async part was never run: this waits for the commit)
+                watch.handle.wait()
             finally:  # rank 0: the tracker, moved just after; or, on failure, common.pt put back
                 watch.done.wait(watch.job.timeout_s)
             if watch.error is not None:

@@ -6,6 +6,13 @@ caller) or in a spawned worker (the persistent one), and treats its return as "t
 part is done". In the training process it waits for the save's ``Watch``; elsewhere it polls
 for the group manifest that carries the save's id. Failure notes (``Watch`` writes one when a
 rank's commit fails) end every rank's wait at once instead of at the commit timeout.
+
+Outside the training process a failure or the deadline ends the wait without an error: the
+finalize step (``_finalize`` in ``megatron.py``, training thread) raises the save's real error,
+as megatron's own ``torch_dist`` async function leaves its errors to finalize. megatron-core
+0.16.1's persistent worker (``PersistentAsyncCaller.async_loop``) catches nothing: an error
+raised there killed it, so no later save was ever finalized and the blocking finalize at exit
+waited for ever.
 """
 
 from __future__ import annotations
@@ -151,27 +158,31 @@ def _committed(handle: SaveHandle) -> bool:
 after_flush(settle_at_exit)
 
 
-def failures(job: Job) -> list[str]:
-    """The notes of ranks whose commit of this save failed (``failed`` notes), as messages."""
-    return [f"{name}: {text}" for name, text in sorted(_notes(job.group, job.save_id).items())
-            if name.endswith(".failed")]
+def failures(job: Job) -> dict[int, str]:
+    """The notes of ranks whose commit of this save failed (``failed`` notes): rank -> message."""
+    out = {}
+    for name, text in sorted(_notes(job.group, job.save_id).items()):
+        if name.endswith(".failed"):
+            out[int(name.removesuffix(".failed").rsplit("-rank", 1)[1])] = f"{name}: {text}"
+    return out
 
 
 def await_commit(job: Job) -> None:
-    """Return once ``job``'s group is committed (or dropped by coalescing replication).
+    """Return once ``job``'s group is committed (or dropped by coalescing replication); outside
+    the training process also once some rank's commit failed or ``job.timeout_s`` passed, logged
+    at WARNING: the finalize step raises the save's error on the training thread (an error
+    raised in megatron's persistent worker kills it).
 
     Raises:
-        CheckpointWriteError: some rank's commit failed (its note is in the message).
-        CommitTimeoutError: nothing happened within ``job.timeout_s`` (None: waits until the
-            commit ends; its ranks' waits are bounded by ``commit_timeout_s``, the copy home by
-            replication's own retries).
+        CheckpointWriteError: in the training process, some rank's commit failed (its error on
+            this rank, the failed rank's note on the others).
     """
     w = _watches.get(job.save_id)
     local = w is not None and w.pid == os.getpid()  # a forked child sees the dict, not the thread
     # In this process the commit's own end is waited for: it is bounded (after this rank's write,
     # which no timeout bounds, by commit_timeout_s). A deadline from the request would also bound
     # the write, and give up on a slow write whose save then commits. Another process has only the
-    # files to go by, and keeps the deadline.
+    # files to go by, and keeps the deadline (a killed rank leaves no note).
     timeout_s = None if local else job.timeout_s
     deadline, delay = time.monotonic() + (timeout_s if timeout_s is not None else math.inf), 0.005
     while True:
@@ -182,11 +193,17 @@ def await_commit(job: Job) -> None:
         if not local and committed(job):
             return
         failed = failures(job)
-        if failed:
-            raise failed_error(job, failed)
+        if failed and not (local and set(failed) == {job.rank}):  # this rank's own: its watch ends next
+            if local:
+                raise failed_error(job, failed)
+            log.warning("fastckpt: %s (seen by megatron's async worker; megatron's finalize step raises it on the "
+                        "training thread)", failed_error(job, failed))
+            return
         if time.monotonic() >= deadline:
-            raise CommitTimeoutError(f"{job.group} was not committed within {job.timeout_s:.0f} s (commit_timeout_s); "
-                                     "some rank did not finish its part (see its log)")
+            log.warning("fastckpt: %s was not committed within %.0f s, as seen by megatron's async worker (which has "
+                        "only the files to go by); megatron's finalize step waits for the commit on the training "
+                        "thread and raises its failure, if any", job.group, timeout_s)
+            return
         if local:
             w.done.wait(delay)  # type: ignore[union-attr]
         else:
@@ -194,15 +211,21 @@ def await_commit(job: Job) -> None:
         delay = min(delay * 2, 0.2)
 
 
-def failed_error(job: Job, failed: list[str]) -> CheckpointWriteError:
-    return CheckpointWriteError(f"saving {job.group} failed on another rank: {'; '.join(failed)}. This "
-                                "checkpoint is incomplete; the previous one is intact")
+def failed_error(job: Job, failed: dict[int, str]) -> CheckpointWriteError:
+    """The error for ``failed`` (``failures``), naming the ranks as this rank sees them."""
+    others = sorted(r for r in failed if r != job.rank)
+    who = ([f"this rank ({job.rank})"] if job.rank in failed else []) + \
+        ([f"another rank ({', '.join(map(str, others))})"] if others else [])
+    return CheckpointWriteError(f"saving {job.group} failed on {' and '.join(who)}: "
+                                f"{'; '.join(failed[r] for r in sorted(failed))}. This checkpoint is incomplete; "
+                                "the previous one is intact")
 
 
 def cause(job: Job, error: BaseException) -> BaseException:
     """This rank's commit ``error``, or, when it only timed out and another rank left a failure
     note, that rank's failure (the cause; the timeout is its consequence)."""
-    failed = failures(job) if isinstance(error, CommitTimeoutError) else []
+    failed = {r: n for r, n in failures(job).items() if r != job.rank} if isinstance(error, CommitTimeoutError) \
+        else {}
     if not failed:
         return error
     return failed_error(job, failed)
