@@ -130,12 +130,17 @@ def split_rank_state(items: list[object], tensor_file: str, object_file: str
     Storage numbers follow torch's rule for a plain dict of tensors: storages are numbered in
     the order their tensors first appear (views of one storage share its number); the loader
     checks each against the size of the record torch wrote.
+
+    Raises:
+        UnsupportedObjectError: a ShardedTensor this rank saves cannot be saved (the message
+            names its key and the fix), or two view one storage with different dtypes (both keys).
     """
     tensors: dict[str, torch.Tensor] = {}
     objects: dict[str, object] = {}
     saved_t: list[SavedTensor] = []
     saved_o: list[SavedObject] = []
     storages: dict[int, int] = {}
+    viewed_as: dict[int, tuple[str, torch.dtype]] = {}  # storage -> the first key viewing it, and its dtype
     for sh in items:
         if isinstance(sh, ShardedTensor):
             if not _is_main(sh.replica_id):
@@ -147,6 +152,12 @@ def split_rank_state(items: list[object], tensor_file: str, object_file: str
                     "another rank the main replica (replica_id); megatron's torch_dist refuses it too.")
             t = _plain(sh.key, sh.data)
             st = t.untyped_storage()
+            first, dtype = viewed_as.setdefault(st._cdata, (sh.key, t.dtype))
+            if dtype != t.dtype:  # torch.save refuses it, naming neither ShardedTensor
+                raise UnsupportedObjectError(
+                    f"ShardedTensors {first!r} ({dtype}) and {sh.key!r} ({t.dtype}) view the same storage with "
+                    "different dtypes, which torch.save (the format of fastckpt's files) cannot save. Give one of "
+                    f"them a copy of its own in the sharded state dict (e.g. the data of {sh.key!r} cloned).")
             number = storages.setdefault(st._cdata, len(storages))
             tensors[f"t{len(tensors)}"] = t
             stride = (0,) * sh.prepend_axis_num + tuple(t.stride())

@@ -34,3 +34,22 @@ def test_a_tensor_without_plain_bytes_is_refused_naming_its_sharded_tensor_key(d
         split_rank_state([good, bad], "r.pt", "o.pt")
     assert str(info.value).startswith(f"ShardedTensor {KEY!r} {says}"), str(info.value)
     assert "t1" not in str(info.value)
+
+
+def test_views_of_one_storage_with_different_dtypes_are_refused_naming_both_keys() -> None:
+    """A packed buffer viewed as fp32 weights and as int32 flags: torch.save refuses two dtypes over
+    one storage, and the core's error named neither ShardedTensor ("cannot save state ... drop or
+    convert that entry", wrong advice for two plain tensors)."""
+    buf = torch.randn(100)
+    weights = ShardedTensor.from_rank_offsets("decoder.weight", buf[0:60].view(6, 10))
+    flags = ShardedTensor.from_rank_offsets("decoder.flags", buf.view(torch.int32)[60:70])
+    with pytest.raises(UnsupportedObjectError) as info:
+        split_rank_state([weights, flags], "r.pt", "o.pt")
+    assert str(info.value).startswith("ShardedTensors 'decoder.weight' (torch.float32) and 'decoder.flags' "
+                                      "(torch.int32) view the same storage with different dtypes"), str(info.value)
+    assert "'decoder.flags' cloned" in str(info.value)
+    # one dtype over one storage (megatron's DDP buffers), or a clone of the other view, saves
+    same = ShardedTensor.from_rank_offsets("decoder.bias", buf[60:70])
+    cloned = ShardedTensor.from_rank_offsets("decoder.flags", buf.view(torch.int32)[60:70].clone())
+    tensors, _, saved, _ = split_rank_state([weights, same, cloned], "r.pt", "o.pt")
+    assert [s.storage for s in saved] == [0, 0, 1] and len(tensors) == 3
