@@ -222,6 +222,9 @@ def test_latest_of_a_link_to_a_checkpoint_file_is_the_link(tmp_path: Path) -> No
     for link in ("notes-link.pt", "rank0-link.pt"):
         with pytest.raises(ConfigError, match="is no complete checkpoint"):
             fastckpt.latest(str(run / link))
+    (run / "step-5.pt").unlink()  # retention deleted what best.pt names: None would mean "start from scratch"
+    with pytest.raises(ConfigError, match="is a symbolic link to a file that does not exist"):
+        fastckpt.latest(str(run / "best.pt"))
 
 
 def test_latest_of_a_directory_at_a_url_with_no_checkpoint_yet_is_none() -> None:

@@ -5,8 +5,9 @@ fsync, rename, so a write that fails or is killed midway leaves the previous fil
 temp file takes the old file's mode (and owner, where this user may give it), so a private
 report stays private. What is no regular file (``/dev/stdout``, a named pipe, ``>(gzip > f)``,
 a device) is written in place as a stream, as ``open`` would: renaming over it would replace the
-pipe its reader waits on, or as root the device node. A writable file in a folder this user may
-not write is rewritten in place too. The target is reached through a user's symlink.
+pipe its reader waits on, or as root the device node. A file in a folder this user may not write
+is refused (the caller names the fix), never rewritten in place, where a failed write would leave
+a part of the new report. The target is reached through a user's symlink.
 """
 
 from __future__ import annotations
@@ -34,15 +35,7 @@ def write_output(path: str, data: bytes) -> None:
             f.write(data)
         return
     tmp = tmp_name(real)
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-    except PermissionError:
-        if st is None or not os.access(real, os.W_OK):
-            raise
-        with open(real, "r+b") as f:  # no temp file in that folder: rewritten in place
-            f.write(data)
-            f.truncate()
-        return
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # a folder this user may not write: refused
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)

@@ -315,6 +315,9 @@ def _the_file(loc: Location) -> str | None:
     ``step-500.pt``: a scan lists no link), by the same rules applied to the file alone (its
     target's manifest, read through the link, as ``load`` reads it); the answer is the link.
     """
+    if loc.key and not loc.target.exists(loc.key) and loc.target.is_link(loc.key):  # None: start from scratch
+        raise ConfigError(f"{loc.url} is a symbolic link to a file that does not exist (deleted by retention?): point "
+                          "it at a checkpoint, or give latest() the directory holding the checkpoints")
     if not loc.key or not loc.target.exists(loc.key) or loc.target.list(f"{loc.key}/"):
         return None  # nothing there, or a directory (fsspec's memory/gs/az answer "exists" for a prefix too)
     parent = Location(loc.target, posixpath.dirname(loc.key))
