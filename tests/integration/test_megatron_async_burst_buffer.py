@@ -79,3 +79,61 @@ def test_the_async_part_waits_for_the_copy_home_and_the_write(megatron_python: F
     res = megatron_python.run_code(CHILD, [str(tmp_path), held], 300)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
     assert "EARLY [] OUTCOME ['ok'] LATEST True" in res.stdout, res.stdout[-3000:] + res.stderr[-3000:]
+
+
+HUNG = r"""
+import os, sys, threading, warnings
+warnings.filterwarnings("ignore")
+import torch, torch.distributed as dist
+torch.cuda.synchronize = lambda *a, **k: None
+torch.cuda.current_device = lambda: "cpu"
+from megatron.core import dist_checkpointing as dc
+from megatron.core.dist_checkpointing import ShardedTensor
+from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+import fastckpt
+from fastckpt.integrations import megatron as fm
+from fastckpt.io.atomic import final_path
+from fastckpt.testing import FaultyOps
+
+root = sys.argv[1]
+never = threading.Event()
+def hold(op, path):  # a hung storage write (NFS hard mount, stuck FUSE): never returns
+    if op == "pwrite" and "iter_0000002" in path and "fastckpt-rank00000" in (final_path(path) or path):
+        never.wait()
+dist.init_process_group("gloo", store=dist.FileStore(os.path.join(root, ".store"), 1), rank=0, world_size=1)
+ops = FaultyOps(on_call=hold)
+fm.ASYNC_GRACE_S = 0.0
+ck = fastckpt.Checkpointer(ops=ops, commit_timeout_s=1.0, overhead_budget=0.99)
+fm.register(ck, ops=ops)
+queue = AsyncCallsQueue()  # megatron's default: a forked child per save
+def schedule(n):
+    path = os.path.join(root, f"iter_{n:07d}")
+    os.makedirs(path, exist_ok=True)
+    state = {"w": ShardedTensor.from_rank_offsets("w", torch.full((256, 64), float(n)))}
+    queue.schedule_async_request(dc.save(state, path, ("fastckpt", 1), async_sharded_save=True))
+schedule(1)
+print("FINALIZED 1", queue.maybe_finalize_async_calls(blocking=True, no_dist=True), flush=True)
+schedule(2)
+out = []
+def fin():
+    try:
+        out.append(("returned", queue.maybe_finalize_async_calls(blocking=True, no_dist=True)))
+    except BaseException as exc:
+        out.append(("raised", repr(exc)[:300]))
+t = threading.Thread(target=fin, daemon=True)
+t.start()
+t.join(120)
+print("FINALIZE 2:", out or "STILL BLOCKED after 120 s", flush=True)
+os._exit(0 if out else 1)
+"""
+
+
+def test_finalize_of_a_write_that_never_ends_raises_instead_of_blocking(megatron_python: ForkServer,
+                                                                      tmp_path: Path) -> None:
+    """383e57a made finalize wait for a commit the async worker gave up on with no deadline, saying
+    the commit's end is bounded: this rank's own write is not (a hung mount). One rank, megatron's
+    default forked caller, iteration 2's tensor write never returns: finalize blocked the training
+    thread for ever; it raises CommitTimeoutError once it has waited as long again."""
+    res = megatron_python.run_code(HUNG, [str(tmp_path)], 300)
+    assert "FINALIZE 2: [('raised', 'CommitTimeoutError(" in res.stdout, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "still not committed" in res.stdout
