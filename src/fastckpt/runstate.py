@@ -35,6 +35,7 @@ from dataclasses import dataclass, field, replace
 from .eventlog import error_type
 from .events import Event
 from .replay import OverheadPoint, RankOverheads
+from .urls import untagged
 
 # a re-saved group's files are written beside it, in .TAG.fastckpt-next-<digest> (commit.protocol.NEXT_TAG)
 _RESAVE = re.compile(r"/\.([^/]+)\.fastckpt-next(?:-[0-9a-f]+)?(/|$)")
@@ -214,16 +215,17 @@ class RunState:
 
     def _owner(self, ev: Event) -> _Building | None:
         """The oldest open save (for a replicate, the newest queued) of this rank and session that the event
-        belongs to: same path, or a burst-buffer copy (its path ends with the save's path, or ``scheme/rest``);
-        for a ``superseded``, the save it names by its call (``saved_at``)."""
+        belongs to: same path, or a burst-buffer copy (its path, ``urls.untagged``, ends with the save's path, or
+        ``scheme/rest``); for a ``superseded``, the save it names by its call (``saved_at``)."""
         at = _saved_at(ev)
 
         def takes(b: _Building) -> bool:
             return b.session == ev.session and all(p.name != ev.name for p in b.phases) and at in (None, b.trace.start)
 
+        copy = untagged(ev.path)  # a copy's path ends with its home URL's ``scheme/rest`` (``urls.untagged``)
         cands = self._open.get((ev.rank, ev.path))
         if cands is None:
-            hits = [k for k in self._open if k[0] == ev.rank and ev.path.endswith(k[1].replace("://", "/"))]
+            hits = [k for k in self._open if k[0] == ev.rank and copy.endswith(k[1].replace("://", "/"))]
             cands = self._open[max(hits, key=lambda k: len(k[1]))] if hits else []
         found = next((b for b in cands if takes(b)), None)
         if ev.name == "replicate":  # the newest queued by then (a newer save to a path supersedes older queued ones)
@@ -232,7 +234,7 @@ class RunState:
         for kept, matches in ((self._overtaken, ev.name == "replicate"), (self._abandoned, True)):
             if found is None and matches:  # overtaken, or abandoned, but its own session went on after all
                 found = next((b for b in kept if b.trace.rank == ev.rank and takes(b) and (
-                    b.trace.path == ev.path or ev.path.endswith(b.trace.path.replace("://", "/")))), None)
+                    b.trace.path == ev.path or copy.endswith(b.trace.path.replace("://", "/")))), None)
                 if found is not None:
                     kept.remove(found)
                     self._open.setdefault((ev.rank, found.trace.path), []).append(found)

@@ -16,6 +16,7 @@ from .errors import ConfigError
 _STORES = frozenset(("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "hdfs", "webhdfs", "oci", "oss", "http",
                      "https", "file", "memory"))
 _SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+._-]*")  # RFC 3986's, and the '_' of fsspec's arrow_hdfs
+_TAGGED = re.compile(r"(?<![^/])([A-Za-z][A-Za-z0-9+._:-]*)@[0-9a-f]{10}(?=/)")  # a store's place (mirror_path)
 MEMORY = "memory"  # fsspec's in-memory store: its URLs have two spellings (``normalize``)
 _FORMS = "give a directory path (/data/ckpt, file:///data/ckpt) or a URL such as s3://bucket/prefix"
 
@@ -247,6 +248,14 @@ def mirror_path(local_dir: str, dest: str, store: str = "") -> str:
     if head.split("@", 1)[0].lower() in _STORES or "::" in head:  # ("file": no URL has it; it holds these)
         rel = os.path.join("file", rel)
     return os.path.join(local_dir, rel)
+
+
+def untagged(path: str) -> str:
+    """A burst-buffer copy's path (``mirror_path``) with its store's tag dropped: ``<scheme>@<10 hex>``
+    as ``<scheme>`` (``/nv/s3@0123456789/b/k`` -> ``/nv/s3/b/k``), so that it ends with its home
+    URL's ``scheme/rest`` (``s3://b/k``) as a copy placed before stores were told apart did. Event-log
+    readers tie a copy's events to its home's save this way, in logs of either placement."""
+    return _TAGGED.sub(r"\1", path)
 
 
 def join(parent: str, rel: str) -> str:

@@ -1,14 +1,21 @@
 """One burst buffer (``local_dir``) shared by jobs whose homes are the same bucket and key on two S3
 stores: each job's local copy has its own place (``urls.mirror_path`` takes the store's endpoint), so
-neither replaces the other's, and no save is taken for superseded by another job's."""
+neither replaces the other's, and no save is taken for superseded by another job's. The event-log
+readers (``report``, ``plan --from-run``) still tie a copy placed so to its home's save."""
 
 from __future__ import annotations
 
+import datetime
+import json
 import threading
 
+import pytest
 import torch
+import torch.distributed as dist
+from click.testing import CliRunner
 
 import fastckpt
+from fastckpt.cli import cli
 from tests.s3server import ACCESS_KEY, REGION, SECRET_KEY, S3Server, SeaweedProcess
 
 
@@ -46,3 +53,43 @@ def test_one_bucket_and_key_on_two_endpoints_keep_their_own_local_copies(s3_serv
         assert fastckpt.load(url, storage_options=second.storage_options())["job"] == "B"
     finally:
         other.close()
+
+
+def test_report_counts_the_bytes_of_a_save_to_a_store_at_an_endpoint(s3_server: S3Server, s3_bucket: str,
+                                                                      tmp_path) -> None:
+    """The copy's write and commit events name ``local_dir/s3@<tag>/bucket/...``; report tied them to
+    the save by the suffix ``s3/bucket/...`` alone, so it dropped both phases: '0 B committed'."""
+    log = str(tmp_path / "events.jsonl")
+    with fastckpt.Checkpointer(local_dir=str(tmp_path / "nv"), storage_options=s3_server.storage_options(),
+                               event_log=log, overhead_budget=0.99) as ck:
+        ck.save({"w": torch.ones(1024)}, f"s3://{s3_bucket}/run/a.pt").wait()
+    commit = next(e for e in map(json.loads, open(log)) if e["name"] == "commit")
+    assert "@" in commit["path"]  # the copy's place names its store
+    r = CliRunner().invoke(cli, ["report", "--json", log])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["bytes"] == commit["bytes"] > 0
+
+
+def test_plan_estimates_the_ranks_of_a_group_job_saving_to_a_store_at_an_endpoint(s3_server: S3Server,
+                                                                                   s3_bucket: str, tmp_path) -> None:
+    """One rank's log of a 4-rank job: plan finds each group's share by tying the burst-buffer copies'
+    writes to the group; with the store's tag in their path none was found, and plan said 1 GPU."""
+    n = 4
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=60))
+    logs = [str(tmp_path / f"r{r}.jsonl") for r in range(n)]
+    cks = [fastckpt.Checkpointer(local_dir=str(tmp_path / "nv"), rank=r, world_size=n, store=store,
+                                 storage_options=s3_server.storage_options(), event_log=logs[r],
+                                 overhead_budget=0.99) for r in range(n)]
+    try:
+        for step in (1, 2):
+            tag = f"s3://{s3_bucket}/run/global_step{step}"
+            for ck in cks:
+                ck.save({"w": torch.full((4096,), float(ck.rank))}, f"{tag}/mp_rank_{ck.rank:02d}.pt", group=tag)
+            for h in [ck.commit(tag, step=step) for ck in cks]:
+                h.wait(60)
+    finally:
+        for ck in cks:
+            ck.close()
+    r = CliRunner().invoke(cli, ["plan", "--from-run", logs[0], "--state-size", "1TB", "--json"])
+    d = json.loads(r.stdout)
+    assert d["gpus"] == n and d["measured"]["logged_share"] == pytest.approx(1 / n, abs=0.03), r.output

@@ -383,3 +383,14 @@ def test_burst_buffer_places_tell_stores_and_a_path_like_a_url_apart(tmp_path: P
         assert ck.local_path(url) == places[1]
     assert places[0] == os.path.join(nv, "s3", "b", "run", "last.pt")  # the default endpoint's, as before
     assert len({*places, path}) == 4 and all(p.startswith(nv + os.sep) for p in (*places, path))
+
+
+def test_a_copys_path_is_read_back_with_its_store_tag_dropped_and_an_old_one_as_it_is() -> None:
+    """Event-log readers match a copy's path with its home's ``scheme/rest`` (``urls.untagged``): a
+    copy placed by its store (``s3@<10 hex>``) and one from a log before stores were told apart."""
+    from fastckpt.urls import mirror_path, untagged
+
+    home = "s3://b/run/last.pt"
+    assert untagged(mirror_path("/nv", home, "@0123456789")).endswith("s3/b/run/last.pt")
+    for old in ("/nv/s3/b/run/last.pt", "/nv/me@0123456789a/x.pt", "/nv/s3@0123/b/k.pt"):
+        assert untagged(old) == old

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from ..events import Event
 from ..runstate import resave_home
+from ..urls import untagged
 
 CLUSTER_GAP_S = 1.0  # single files further apart than this (end to next start) are separate checkpoints
 # a directory named for a step (step-5, global_step10, iter_0000100, Hugging Face's checkpoint-500,
@@ -195,13 +196,13 @@ def _logged_share(events: list[Event]) -> float | None:
     rank with many small tensors, or none, once read as a share of a rank's."""
     commits = _group_commits(events)
     totals = {(path, n): e.bytes for (_, path), calls in commits.items() for n, e in enumerate(calls)}
-    # a burst-buffer copy's path ends with its home's
+    # a burst-buffer copy's path, its store's tag dropped (urls.untagged), ends with its home's
     plain = {g.replace("://", "/").lstrip("/"): g for _, g in commits}
     saved: dict[tuple[str, int], dict[tuple[int, str], int]] = {}
     for e in events:
         if e.name != "write" or e.error is not None:
             continue
-        parts = resave_home(posixpath.dirname(e.path)).lstrip("/").split("/")  # a re-save's: its group's
+        parts = untagged(resave_home(posixpath.dirname(e.path))).lstrip("/").split("/")  # a re-save's: its group's
         group = next((plain[t] for k in range(len(parts)) if (t := "/".join(parts[k:])) in plain), None)
         # a write belongs to its rank's next commit of the group: each re-save is compared with its own commit
         n = bisect.bisect_left([c.end for c in commits.get((e.rank, group), [])], e.end)
