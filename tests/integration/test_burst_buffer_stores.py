@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import threading
 
 import pytest
@@ -93,3 +94,18 @@ def test_plan_estimates_the_ranks_of_a_group_job_saving_to_a_store_at_an_endpoin
     r = CliRunner().invoke(cli, ["plan", "--from-run", logs[0], "--state-size", "1TB", "--json"])
     d = json.loads(r.stdout)
     assert d["gpus"] == n and d["measured"]["logged_share"] == pytest.approx(1 / n, abs=0.03), r.output
+
+
+def test_a_restart_that_spells_the_endpoint_another_way_finds_the_earlier_runs_copies(
+        s3_server: S3Server, s3_bucket: str, tmp_path) -> None:
+    """Run 2 writes the endpoint ``HTTP://...`` (schemes are case-insensitive): its place was another,
+    so it missed run 1's copies, and its ``keep_local`` restart scan never trimmed them."""
+    nv, a, b = str(tmp_path / "nvme"), f"s3://{s3_bucket}/run/step-1.pt", f"s3://{s3_bucket}/run/step-2.pt"
+    with fastckpt.Checkpointer(local_dir=nv, storage_options=s3_server.storage_options()) as ck1:
+        ck1.save({"w": torch.ones(1024), "step": 1}, a).wait()
+        first = ck1.local_path(a)
+    other = s3_server.storage_options(endpoint_url=s3_server.endpoint_url.replace("http://", "HTTP://", 1) + "/")
+    with fastckpt.Checkpointer(local_dir=nv, storage_options=other, keep_local=1) as ck2:
+        assert ck2.local_path(a) == first and ck2.load(a)["step"] == 1
+        ck2.save({"w": torch.ones(1024), "step": 2}, b).wait()
+    assert not os.path.exists(first)  # run 1's copy, replicated, trimmed by run 2's keep_local=1

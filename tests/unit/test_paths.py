@@ -394,3 +394,21 @@ def test_a_copys_path_is_read_back_with_its_store_tag_dropped_and_an_old_one_as_
     assert untagged(mirror_path("/nv", home, "@0123456789")).endswith("s3/b/run/last.pt")
     for old in ("/nv/s3/b/run/last.pt", "/nv/me@0123456789a/x.pt", "/nv/s3@0123/b/k.pt"):
         assert untagged(old) == old
+
+
+def test_one_endpoint_spelt_two_ways_is_one_burst_buffer_place(tmp_path: Path) -> None:
+    """A restarted run that writes its store's endpoint another way (``:80`` spelt out, ``HTTP://``,
+    a trailing '/') got another place: it missed the copies the first run left (never trimmed by
+    ``keep_local``, never loaded from). A host name and its IP address are still two places."""
+    nv, url = str(tmp_path / "nvme"), "s3://b/run/last.pt"
+
+    def place(endpoint: str) -> str:
+        with fastckpt.Checkpointer(local_dir=nv, storage_options={"endpoint_url": endpoint}) as ck:
+            return ck.local_path(url)
+
+    for a, b in [("http://127.0.0.1:80", "http://127.0.0.1"), ("https://store:443", "https://store/"),
+                 ("HTTP://Store:8333", "http://store:8333/"), ("http://[::1]:80", "http://[::1]")]:
+        assert place(a) == place(b), (a, b)
+    for a, b in [("http://store", "http://127.0.0.1"), ("http://store:443", "https://store"),
+                 ("http://store:8333", "http://store:8334")]:
+        assert place(a) != place(b), (a, b)

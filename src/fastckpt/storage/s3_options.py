@@ -80,8 +80,27 @@ def store_tag(url: str, opts: dict | None) -> str:
     """Which store ``url`` is at, as the burst buffer tells stores apart (``urls.mirror_path``):
     ``""`` for the default endpoint, else ``"@"`` and 10 hex digits of the SHA-256 of the endpoint
     (``storage_options``, or for ``s3://`` the environment's): one bucket and key on two stores are
-    two checkpoints, whose local copies must not replace each other."""
+    two checkpoints, whose local copies must not replace each other. The endpoint is hashed in one
+    spelling of it (``_spelled_once``), so runs that write one store two ways share its place."""
     given = _endpoints(opts or {}) or (_env_endpoint() if url.split("://", 1)[0] in ("s3", "s3a") else ())
     if not given or not isinstance(given[0][1], str):
         return ""
-    return "@" + hashlib.sha256(given[0][1].rstrip("/").encode()).hexdigest()[:10]
+    return "@" + hashlib.sha256(_spelled_once(given[0][1]).encode()).hexdigest()[:10]
+
+
+def _spelled_once(endpoint: str) -> str:
+    """``endpoint`` as one URL has it however written: scheme and host in lower case (both are
+    case-insensitive), no default port (``:80`` for http, ``:443`` for https), no trailing '/'
+    (``HTTP://Store:80/`` is ``http://store``), no user and password (the same store for any). A
+    host name and its IP address stay two places: telling them apart takes a lookup, whose answer can
+    change."""
+    try:
+        parts = urlsplit(endpoint.strip())
+        port = parts.port
+    except ValueError:  # malformed: check_s3_options refuses it before any copy is placed
+        return endpoint.rstrip("/")
+    scheme, host = parts.scheme.lower(), parts.hostname or ""
+    host = f"[{host}]" if ":" in host else host  # an IPv6 address keeps its brackets
+    port_s = "" if port is None or (scheme, port) in (("http", 80), ("https", 443)) else f":{port}"
+    rest = parts.path.rstrip("/") + (f"?{parts.query}" if parts.query else "")
+    return f"{scheme}://{host}{port_s}{rest}"
