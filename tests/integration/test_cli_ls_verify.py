@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -117,6 +118,23 @@ def test_ls_lists_a_resaved_files_unreplicated_local_copy_as_local_only(tmp_path
     assert got == [("last.pt", "complete", 1), ("last.pt", "local only", 2), ("one.pt", "replicated", 1)]
     table = run("ls", home, "--local-dir", bb).stdout
     assert "local only" in table and "replicated" in table
+
+
+def test_ls_matches_a_group_whose_files_lie_in_subfolders_with_its_local_copy(tmp_path) -> None:
+    """Megatron's layout (iter_N/mp_rank_00/model_optim_rng.pt): ls keyed a local copy by each file's
+    folder, so the copy was a bogus local only row 'iter_0000100/mp_rank_00' and the home's group never
+    replicated. Now a copy is its files' group, each file compared by its place in the group."""
+    home, bb = str(tmp_path / "home"), str(tmp_path / "bb")
+    with fastckpt.Checkpointer(local_dir=bb) as ck:
+        for it in (100, 200):
+            g = f"{home}/iter_{it:07d}"
+            for tp in (0, 1):
+                ck.save(state(it), f"{g}/mp_rank_{tp:02d}/model_optim_rng.pt", group=g).wait()
+            ck.commit(g, step=it).result()
+    shutil.rmtree(f"{home}/iter_0000200")  # its copy is the only one left
+    d = json.loads(run("ls", home, "--local-dir", bb, "--json").stdout)
+    got = sorted((e["name"], e["status"], e["files"]) for e in d["checkpoints"])
+    assert got == [("iter_0000100", "replicated", 2), ("iter_0000200", "local only", 2)], got
 
 
 def test_ls_with_a_misspelled_local_dir_says_it_does_not_exist(home: str, tmp_path) -> None:

@@ -12,10 +12,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 from ..commit.discovery import Damaged, scan
+from ..commit.membership import group_dir
 from ..commit.protocol import GROUP_MANIFEST
 from ..errors import FastCkptError
 from ..storage.homes import Homes, Location
-from ..urls import join, mirror_path, normalize
+from ..urls import is_within, join, mirror_path, normalize
 from ._discovery import (
     RECHECKS,
     WHOLE,
@@ -118,7 +119,7 @@ def _same_save(h: Homes, home: Entry, local: LocalCopy) -> bool:
 
 def _local_copies(h: Homes, mirror: str) -> list[LocalCopy]:
     """Checkpoints in a burst buffer: single files with their manifest, and group directories
-    whose files carry manifests naming the group."""
+    whose files carry manifests naming the group, each file by its place in the group (``group_rel``)."""
     loc = h.resolve(mirror)
     groups: dict[str, list[tuple[str, int | None, dict]]] = {}
     out: list[LocalCopy] = []
@@ -128,8 +129,10 @@ def _local_copies(h: Homes, mirror: str) -> list[LocalCopy]:
         f, m = own_manifest(h, loc, rel)
         if not m:
             continue
-        if m.get("group"):
-            groups.setdefault(posixpath.dirname(rel), []).append((posixpath.basename(rel), size_of(f), m))
+        g = group_dir(f.url, m)  # (a file in a subfolder of its group: Megatron's iter_N/mp_rank_00/...)
+        if g is not None and is_within(g, loc.url):
+            d = g[len(loc.url):].strip("/")
+            groups.setdefault(d, []).append((m.get("group_rel") or posixpath.relpath(rel, d or "."), size_of(f), m))
         else:
             step = step_of(m)  # else the step its pickle records, as for the complete files
             step = step if step is not None else pickled_step_of(f)
