@@ -84,12 +84,19 @@ def test_replications_close_gives_up_on_are_counted_as_failures(tmp_path: Path) 
             entered.set()
             assert release.wait(60)
 
+    b_queued = threading.Event()
+
+    class Queued:  # b.pt's local write is done and its replication queued (close() waits for that part)
+        def emit(self, e) -> None:  # noqa: ANN001
+            if e.name == "queued" and e.path == f"{home}/b.pt":
+                b_queued.set()
+
     ck = fastckpt.Checkpointer(local_dir=nvme, event_log=log, ops=FaultyOps(on_call=hold), replicate_workers=1,
-                               close_timeout_s=0.5, overhead_budget=0.99)
+                               close_timeout_s=0.5, overhead_budget=0.99, sinks=(Queued(),))
     try:
         ck.save({"w": torch.randn(1000)}, f"{home}/a.pt")
         queued = ck.save({"w": torch.randn(1000)}, f"{home}/b.pt")
-        assert entered.wait(60)
+        assert entered.wait(60) and b_queued.wait(60)
         with pytest.raises(fastckpt.errors.ReplicationError, match="still pending after 0.5 s"):
             ck.close()
         with pytest.raises(fastckpt.errors.ReplicationError, match="close\\(\\) stopped waiting"):
