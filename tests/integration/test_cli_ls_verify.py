@@ -840,6 +840,41 @@ def test_a_resave_killed_before_its_sidecar_is_judged_by_its_object_as_load_does
     assert [(e["name"], e["problem"]) for e in listed] == [("last.pt", None)]
 
 
+@pytest.mark.parametrize("sidecar", ["cut short", "another shape", "deleted"])
+def test_a_whole_file_under_a_damaged_sidecar_is_judged_by_its_object_as_load_does(tmp_path, s3_server, s3_bucket,
+                                                                                   sidecar: str) -> None:
+    """A damaged sidecar says nothing (burst-buffer.md): load() verifies the object by its own
+    manifest, as with the sidecar deleted. latest() skipped the file ("skipping a damaged
+    checkpoint") and named the save before, so a resume went back a save; ls listed it damaged,
+    verify failed on it, and `verify FILE` raised the JSON error (a sidecar of another shape: an
+    AttributeError in latest(), ls and verify). Now all judge the object, as with no sidecar."""
+    opts = s3_server.storage_options()
+    url, o = f"s3://{s3_bucket}/run", json.dumps(opts)
+    with fastckpt.Checkpointer(local_dir=str(tmp_path / "bb"), storage_options=opts) as ck:
+        for step in (1, 2):
+            ck.save(state(step), f"{url}/step-{step}.pt").wait()
+    client, key = s3_server.client(), "run/step-2.pt.fastckpt.json"
+    body = client.get_object(Bucket=s3_bucket, Key=key)["Body"].read()
+    if sidecar == "deleted":
+        client.delete_object(Bucket=s3_bucket, Key=key)
+    else:
+        client.put_object(Bucket=s3_bucket, Key=key, Body=body[:40] if sidecar == "cut short" else b"[]")
+    newest = f"{url}/step-2.pt"
+    assert fastckpt.load(newest, storage_options=opts, verify=True)["step"] == 2
+    assert fastckpt.latest(url, storage_options=opts) == newest
+    r = run("latest", url, "--storage-options", o)
+    assert r.exit_code == 0 and r.stdout.strip() == newest, r.output
+    listed = json.loads(run("ls", url, "--storage-options", o, "--json").stdout)["checkpoints"]
+    assert [(e["name"], e["status"], e["step"], e["latest"], e["problem"]) for e in listed] == [
+        ("step-1.pt", "complete", 1, False, None), ("step-2.pt", "complete", 2, True, None)]
+    for where, checked in ((url, 2), (newest, 1)):
+        r = run("verify", where, "--storage-options", o, "--json")
+        assert r.exit_code == 0, r.output
+        assert (json.loads(r.stdout)["checked"], json.loads(r.stdout)["bad"]) == (checked, []), r.output
+    r = run("verify", url, "--latest", "--storage-options", o, "--json")
+    assert r.exit_code == 0 and [f["path"] for f in json.loads(r.stdout)["files"]] == [newest], r.output
+
+
 def test_readers_and_planners_start_without_torch(home, tmp_path) -> None:
     """The tools an operator runs by hand on a login node (ls, verify, latest, plan, report,
     serve-metrics) never import torch, which takes seconds to import: run each in a process

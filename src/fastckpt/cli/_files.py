@@ -5,10 +5,9 @@ manifest, its own or its sidecar, records enough to derive them)."""
 from __future__ import annotations
 
 import errno
-import json
 from dataclasses import dataclass
 
-from ..commit.protocol import SIDECAR
+from ..commit.protocol import read_sidecar
 from ..errors import CorruptCheckpointError
 from ..format.manifest import committed_sizes, file_order
 from ..load.published import landed_first
@@ -59,13 +58,17 @@ def as_landed(h: Homes, spec: FileSpec, own: dict | None = None) -> FileSpec:
 
 
 def file_manifest(loc: Location) -> dict | None:
-    """A single file's published manifest: its own (mounted file system) or its sidecar."""
+    """A single file's published manifest: its own (mounted file system) or its sidecar; its own
+    too at a URL for a file copied in without its sidecar (aws s3 cp), or whose sidecar is damaged
+    (it says nothing: the object is judged by itself, as a load and ``latest`` judge it)."""
     try:
         if not loc.target.mounted:
             try:
-                return json.loads(loc.target.get_bytes(loc.key + SIDECAR))
-            except TargetNotFoundError:  # copied in without its sidecar (aws s3 cp): its own manifest
-                pass
+                side = read_sidecar(loc)
+            except CorruptCheckpointError:
+                side = None
+            if side is not None:
+                return side
         return loc.target.read_manifest(loc.key)
     except (TargetNotFoundError, FileNotFoundError, IsADirectoryError, NotADirectoryError):
         return None

@@ -37,14 +37,14 @@ import errno
 import json
 import logging
 import posixpath
-from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Literal, TypeVar
+from typing import Literal
 
 from ..errors import ConfigError, CorruptCheckpointError
 from ..format.manifest import file_order
 from ..io.atomic import is_tmp
 from ..storage.homes import Homes, Location
+from ..storage.places import Place
 from ..storage.types import BucketNotFoundError, TargetNotFoundError
 from ..urls import join, nameable, named, spelled_as
 from . import discovery_unlisted, foreign
@@ -62,7 +62,6 @@ log = logging.getLogger("fastckpt")
 MAX_DEPTH = 4
 RESCANS = 3  # listings a scan makes at most when checkpoints it listed vanish before it reads them
 DCP_METADATA = ".metadata"  # torch.distributed.checkpoint writes it last, once every rank's files are written
-T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -138,8 +137,7 @@ def _scan(loc: Location, max_depth: int, damaged: list[Damaged], gone: list[str]
     marked = {"" if m.startswith(f"{MARKER_DIR}/") else m for m in marked}
     found: list[Found] = []
     for g in sorted(groups):
-        m = _damaged_is_none(read_group_manifest, loc.place().child(g) if g else loc.place(),
-                             damaged, join(loc.url, g), "group", gone)
+        m = _group_manifest(loc.place().child(g) if g else loc.place(), damaged, join(loc.url, g), gone)
         if m is not None:
             found.append(Found(join(loc.url, g), "group", group_order(m), m))
     ds_tags = {t for r in rels if posixpath.basename(r) == "latest" and not _hidden(r)
@@ -158,10 +156,9 @@ def _scan(loc: Location, max_depth: int, damaged: list[Damaged], gone: list[str]
         if rel.endswith(SIDECAR):
             if rel[: -len(SIDECAR)] not in listed and not every_copy:
                 continue  # its object deleted by another tool (a plain run's top-k, aws s3 rm): no checkpoint
-            side = _damaged_is_none(read_sidecar, Location(loc.target, prefix + rel[: -len(SIDECAR)]),
-                                    damaged, join(loc.url, rel[: -len(SIDECAR)]), "file", gone)
-            if side is not None:  # None: deleted since the listing (retention), or damaged
-                found.append(Found(join(loc.url, rel[: -len(SIDECAR)]), "file", file_order(side), side))
+            f = _published(loc, prefix, rel[: -len(SIDECAR)], damaged, gone, rel[: -len(SIDECAR)] in listed)
+            if f is not None:  # None: deleted since the listing (retention), or damaged
+                (others if f.foreign else found).append(f)
         elif rel not in sidecars and posixpath.basename(rel) != "latest":
             f = _file(loc, prefix, rel, damaged, gone)
             if f is not None:
@@ -193,20 +190,38 @@ def _lightning_meta(loc: Location, key: str, listed: bool, lightning_name: bool)
         raise foreign.unreadable(exc, loc.target.url_of(key)) from None
 
 
-def _damaged_is_none(read: Callable[[T], dict | None], where: T, damaged: list[Damaged], path: str,
-                     kind: str, gone: list[str]) -> dict | None:
-    """``read(where)``: a publication record (a group's manifest, a file's sidecar) listed just
-    now; None when it is damaged, which makes that checkpoint no candidate, and says so (in
-    ``damaged`` too), or gone since the listing (in ``gone``)."""
+def _group_manifest(place: Place, damaged: list[Damaged], path: str, gone: list[str]) -> dict | None:
+    """The manifest of the group at ``place``, listed just now; None when it is damaged, which makes
+    that group no candidate, and says so (in ``damaged`` too), or gone since the listing (in ``gone``)."""
     try:
-        got = read(where)
+        got = read_group_manifest(place)
     except CorruptCheckpointError as exc:
         log.warning("fastckpt: skipping a damaged checkpoint: %s", exc)
-        damaged.append(Damaged(path, kind, str(exc)))
+        damaged.append(Damaged(path, "group", str(exc)))
         return None
     if got is None:
         gone.append(path)
     return got
+
+
+def _published(loc: Location, prefix: str, rel: str, damaged: list[Damaged], gone: list[str],
+               listed: bool) -> Found | None:
+    """The single file ``rel`` whose sidecar was listed (``listed``: its object too), by its sidecar.
+    A damaged sidecar says nothing: the object is judged by itself (``_file``: its own manifest),
+    as without a sidecar and as ``load`` judges it; one whose object is not there is damaged."""
+    url = join(loc.url, rel)
+    try:
+        side = read_sidecar(Location(loc.target, prefix + rel))
+    except CorruptCheckpointError as exc:
+        if not listed:
+            damaged.append(Damaged(url, "file", str(exc)))
+            return None
+        log.warning("fastckpt: %s: %s is judged by its own manifest, as a load judges it", exc, url)
+        return _file(loc, prefix, rel, damaged, gone)
+    if side is None:
+        gone.append(url)
+        return None
+    return Found(url, "file", file_order(side), side)
 
 
 def _file(loc: Location, prefix: str, rel: str, damaged: list[Damaged], gone: list[str]) -> Found | None:
@@ -346,7 +361,6 @@ def _alone(loc: Location, parent: Location, damaged: list[Damaged]) -> Found | N
     folder = f"{parent.key}/" if parent.key else ""
     if any(parent.target.exists(folder + name) for name in (GROUP_MANIFEST, MARKER_DIR, DCP_METADATA)):
         return None  # a part of the checkpoint its folder is (a group's file, a DCP checkpoint's meta.pt)
-    side = _damaged_is_none(read_sidecar, loc, damaged, loc.url, "file", [])
-    if side is not None:
-        return Found(loc.url, "file", file_order(side), side)
+    if parent.target.exists(loc.key + SIDECAR):
+        return _published(parent, folder, rel, damaged, [], listed=True)
     return _file(parent, folder, rel, damaged, [])

@@ -137,8 +137,8 @@ def _pointed(parent: Place, strict: bool = False) -> tuple[str, float] | None:
         m = read_group_manifest(parent.child(name))
         if m is not None:
             return name, group_order(m)
-        side = parent.get(name + SIDECAR)
-        return None if side is None or parent.size(name) < 0 else (name, file_order(json.loads(side)))
+        side = json.loads(parent.get(name + SIDECAR) or b"null")  # not an object: none, or damaged (the scan judges)
+        return (name, file_order(side)) if isinstance(side, dict) and parent.size(name) >= 0 else None
     except OSError:  # unreadable: it may be replaced
         if strict:
             raise
