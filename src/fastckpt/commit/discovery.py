@@ -38,7 +38,6 @@ import json
 import logging
 import posixpath
 from dataclasses import dataclass, replace
-from typing import Literal
 
 from ..errors import ConfigError, CorruptCheckpointError
 from ..format.manifest import file_order
@@ -167,27 +166,12 @@ def _scan(loc: Location, max_depth: int, damaged: list[Damaged], gone: list[str]
         written = loc.target.modified(prefix + posixpath.join(posixpath.dirname(t), "latest"))
         others.append(Found(join(loc.url, t), "group", written, {}, "DeepSpeed", foreign.tag_step(t)))
     for d in sorted(dcp_dirs):  # one checkpoint, the directory (not atomic: a re-save in place cut short is not seen)
-        meta = _lightning_meta(loc, prefix + posixpath.join(d, "meta.pt"), posixpath.join(d, "meta.pt") in rels,
-                               (d or loc.url).endswith(".ckpt"))
+        meta = foreign.lightning_meta(loc.target, prefix + posixpath.join(d, "meta.pt"),
+                                      posixpath.join(d, "meta.pt") in rels, (d or loc.url).endswith(".ckpt"))
         if meta is not False:
             written = loc.target.modified(prefix + posixpath.join(d, DCP_METADATA))
             others.append(Found(join(loc.url, d), "group", written, {}, foreign.DCP, meta))
     return _ordered(loc, prefix, found if every_copy else _one_copy_each(found), others)
-
-
-def _lightning_meta(loc: Location, key: str, listed: bool, lightning_name: bool) -> int | None | Literal[False]:
-    """A DCP directory's ``meta.pt`` (Lightning's FSDP sharded checkpoints: it writes it with
-    ``torch.save`` after ``dcp.save``): the step it records; False when the checkpoint is not
-    complete: a ``meta.pt`` cut short, or none in a ``*.ckpt`` directory (a kill between the two)."""
-    try:
-        record = foreign.torch_zip(loc.target, key) if listed else None
-        if record is None:
-            return False if listed or lightning_name else None
-        return foreign.pickle_step(loc.target, key, record)
-    except FileNotFoundError:  # gone since the listing
-        return False
-    except OSError as exc:  # unreadable: it may be the newest
-        raise foreign.unreadable(exc, loc.target.url_of(key)) from None
 
 
 def _group_manifest(place: Place, damaged: list[Damaged], path: str, gone: list[str]) -> dict | None:

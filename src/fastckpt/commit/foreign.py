@@ -11,6 +11,7 @@ import json
 import operator
 import posixpath
 import re
+from typing import Literal
 
 from ..errors import ConfigError, CorruptCheckpointError
 from ..format import foreign
@@ -151,6 +152,22 @@ def written_by_deepspeed(target: Target, prefix: str, rels: list[str]) -> list[s
         except (FileNotFoundError, CorruptCheckpointError):
             continue
     return out
+
+
+def lightning_meta(target: Target, key: str, listed: bool, lightning_name: bool) -> int | None | Literal[False]:
+    """A DCP directory's ``meta.pt`` at ``key`` (Lightning's FSDP sharded checkpoints: it writes it
+    with ``torch.save`` after ``dcp.save``): the step it records; False when the checkpoint is not
+    complete: a ``meta.pt`` cut short, or none (``listed`` False) in a ``*.ckpt`` directory
+    (``lightning_name``: a kill between the two)."""
+    try:
+        record = torch_zip(target, key) if listed else None
+        if record is None:
+            return False if listed or lightning_name else None
+        return pickle_step(target, key, record)
+    except FileNotFoundError:  # gone since the listing
+        return False
+    except OSError as exc:  # unreadable: it may be the newest
+        raise unreadable(exc, target.url_of(key)) from None
 
 
 def unreadable(exc: OSError, url: str) -> OSError:
