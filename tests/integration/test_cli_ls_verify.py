@@ -466,6 +466,32 @@ def test_a_file_cut_through_its_zip_end_record_is_listed_damaged(tmp_path) -> No
     assert r.exit_code == 1 and [b["path"] for b in json.loads(r.stdout)["bad"]] == [str(p)]
 
 
+def test_a_checkpoint_file_emptied_is_listed_damaged(tmp_path) -> None:
+    """The newest checkpoint file truncated to 0 bytes: load says "empty: truncated", but ls left it
+    out, `verify --latest` passed (on the older one a resume then loads without a word) and `verify
+    FILE` said it is no fastckpt checkpoint. Damaged, as one cut short; an empty file without a
+    checkpoint's name (a log) stays out."""
+    h = str(tmp_path / "home")
+    with fastckpt.Checkpointer() as ck:
+        for s in (1, 2):
+            ck.save(state(s), f"{h}/step-{s}.pt").wait()
+    os.utime(f"{h}/step-1.pt", (1, 1))  # older, whatever the clock's resolution
+    os.truncate(f"{h}/step-2.pt", 0)
+    Path(h, "train.log").touch()
+    empty = f"{h}/step-2.pt is empty (0 bytes): it was truncated or never written"
+    with pytest.raises(fastckpt.CorruptCheckpointError, match="is empty"):
+        fastckpt.load(f"{h}/step-2.pt")
+    got = {e["name"]: (e["status"], e["latest"], e["problem"])
+           for e in json.loads(run("ls", h, "--json").stdout)["checkpoints"]}
+    assert got == {"step-1.pt": ("complete", True, None), "step-2.pt": ("damaged", False, empty)}
+    r = run("verify", h, "--latest", "--json")
+    assert r.exit_code == 1, r.output
+    assert json.loads(r.stdout)["bad"] == [{"path": f"{h}/step-2.pt", "problem": f"damaged: {empty}"}]
+    r = run("verify", f"{h}/step-2.pt")
+    assert r.exit_code == 1 and f"BAD {h}/step-2.pt: damaged: {empty}" in r.stderr, r.output
+    assert run("latest", h).stdout.strip() == f"{h}/step-1.pt"
+
+
 def test_verify_of_one_group_file_says_what_load_says(home: str) -> None:
     """``verify step-5/a.pt`` said ok for a file that load refuses (b.pt copied over it: whole,
     but not the file its group published there). Named alone, a group's file is judged by its

@@ -219,9 +219,8 @@ def _file(loc: Location, prefix: str, rel: str, damaged: list[Damaged], gone: li
             return None if m.get("group") else Found(join(loc.url, rel), "file", file_order(m), m)
         record = foreign.torch_zip(loc.target, prefix + rel)
         if record is None:
-            if foreign.cut_zip(loc.target, prefix + rel):  # no silent skip: a checkpoint cut short
-                damaged.append(Damaged(join(loc.url, rel), "file", f"{join(loc.url, rel)} is truncated: it is a zip "
-                                       "(a torch.save or fastckpt file) without the end record every zip ends with"))
+            if (why := foreign.damage(loc.target, prefix + rel)) is not None:  # no silent skip: cut short, emptied
+                damaged.append(Damaged(join(loc.url, rel), "file", f"{join(loc.url, rel)} {why}"))
             return None
         return Found(join(loc.url, rel), "file", loc.target.modified(prefix + rel), {}, "torch.save",
                      foreign.pickle_step(loc.target, prefix + rel, record))

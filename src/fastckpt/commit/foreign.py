@@ -25,6 +25,7 @@ MAX_DIRECTORY_BYTES = 64 << 20
 MAX_POINTER_BYTES = 4096
 MEGATRON_CONFIG = "metadata.json"  # megatron-core's dist_checkpointing config, rewritten by each save
 DCP = "torch.distributed.checkpoint"  # what wrote a directory holding discovery.DCP_METADATA
+CHECKPOINT_SUFFIXES = (".pt", ".pth", ".ckpt")  # torch.save's and Lightning's: an empty one is a checkpoint emptied
 
 
 def dcp_how_to_load(path: str) -> str:
@@ -60,6 +61,18 @@ def cut_zip(target: Target, key: str) -> bool:
         return False
     tail = bytes(target.read_range(key, max(0, size - TAIL_BYTES), min(size, TAIL_BYTES)))
     return foreign.zip_end(tail, size) is None
+
+
+def damage(target: Target, key: str) -> str | None:
+    """What is wrong with the file at ``key`` (it has no fastckpt manifest and is no complete
+    torch.save zip) when it is a damaged checkpoint, which a listing must show, never skip
+    silently: cut short (``cut_zip``), or empty under a checkpoint's name (``CHECKPOINT_SUFFIXES``,
+    as ``load`` calls it: truncated). None for anything else (a log, an empty stray file)."""
+    if target.size(key) == 0:
+        return "is empty (0 bytes): it was truncated or never written" if key.endswith(CHECKPOINT_SUFFIXES) else None
+    if cut_zip(target, key):
+        return "is truncated: it is a zip (a torch.save or fastckpt file) without the end record every zip ends with"
+    return None
 
 
 def torch_zip(target: Target, key: str) -> foreign.Record | None:
