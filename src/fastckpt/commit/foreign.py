@@ -52,11 +52,11 @@ def resaved_by(target: Target, group_key: str, framework_files: dict) -> str | N
     return backend if isinstance(backend, str) and backend != "fastckpt" else None
 
 
-def cut_zip(target: Target, key: str) -> bool:
-    """Whether ``key`` starts like a zip (a torch.save or fastckpt file) but does not end with a
-    whole end record: a checkpoint cut short (also through its end record: its signature alone
-    is left), damaged (two small reads; ``torch_zip`` gave None)."""
-    size = target.size(key)
+def cut_zip(target: Target, key: str, size: int | None = None) -> bool:
+    """Whether ``key`` (of ``size`` bytes, when known) starts like a zip (a torch.save or fastckpt
+    file) but does not end with a whole end record: a checkpoint cut short (also through its end
+    record: its signature alone is left), damaged (two small reads; ``torch_zip`` gave None)."""
+    size = target.size(key) if size is None else size
     if size < len(foreign.LOCAL_SIG) or bytes(target.read_range(key, 0, 4)) != foreign.LOCAL_SIG:
         return False
     tail = bytes(target.read_range(key, max(0, size - TAIL_BYTES), min(size, TAIL_BYTES)))
@@ -68,9 +68,9 @@ def damage(target: Target, key: str) -> str | None:
     torch.save zip) when it is a damaged checkpoint, which a listing must show, never skip
     silently: cut short (``cut_zip``), or empty under a checkpoint's name (``CHECKPOINT_SUFFIXES``,
     as ``load`` calls it: truncated). None for anything else (a log, an empty stray file)."""
-    if target.size(key) == 0:
+    if (size := target.size(key)) == 0:
         return "is empty (0 bytes): it was truncated or never written" if key.endswith(CHECKPOINT_SUFFIXES) else None
-    if cut_zip(target, key):
+    if cut_zip(target, key, size):
         return "is truncated: it is a zip (a torch.save or fastckpt file) without the end record every zip ends with"
     return None
 
