@@ -9,7 +9,8 @@ A scan lists the root down to ``MAX_DEPTH`` directories and counts:
   checkpoints; a directory with rank markers but no manifest is an incomplete group, skipped
   with everything inside it);
 * a single file once it is published: by its sidecar ``NAME.fastckpt.json`` at a URL (beside
-  its object: one deleted by another tool leaves a sidecar that names nothing), or, on a
+  its object: one deleted by another tool leaves a sidecar that names nothing; a damaged one says
+  nothing, so its object is judged as one without a sidecar, as ``load`` judges it), or, on a
   target where a visible file is already verified (POSIX: copies are verified before their
   rename), by the fastckpt manifest in its own zip comment.
 
