@@ -98,6 +98,16 @@ def normalize(path: str | os.PathLike) -> str:
     return os.path.abspath(local_path(s))
 
 
+def trimmed(path: str) -> str:
+    """A local ``path`` (also ``file://...``) without its trailing '/' (the root stays '/'): the
+    command line's ``ls FILE/``, as shell completion leaves it, named FILE/, which does not exist.
+    A URL as it is (``normalize`` trims it)."""
+    if is_url(path):
+        return path
+    head = path[: len(path) - len(local_path(path))]  # "file://" or ""
+    return head + (local_path(path).rstrip("/") or "/")
+
+
 def spelled_as(name: str | None, given: str | os.PathLike) -> str | None:
     """``name``, found under ``given`` (both normalised by ``normalize``), spelt as the caller spelt
     ``given``: a memory URL written with three slashes (``memory:///b/run``) gets its answers with

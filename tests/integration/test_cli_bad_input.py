@@ -272,6 +272,25 @@ def test_ls_and_verify_of_a_path_that_does_not_exist_or_is_not_a_checkpoint(cli:
     _refused(ls_notes, 1, f"{notes} is a file", f"fastckpt verify {notes}")
 
 
+def test_a_local_path_with_a_trailing_slash_is_the_path(cli: Cli, tmp_path: Path) -> None:
+    """`fastckpt ls FILE/` (shell completion of a directory-looking name leaves the '/') said FILE/
+    does not exist, and so did `latest FILE/`, while `verify FILE/` verified the file: each command
+    now takes the path without the slash."""
+    import torch
+
+    import fastckpt
+
+    f = tmp_path / "a.pt"
+    with fastckpt.Checkpointer() as ck:
+        ck.save({"w": torch.ones(3)}, str(f)).wait()
+    ls_file, latest_file, verify_file, ls_dir = cli.all(["ls", f"{f}/"], ["latest", f"{f}/"], ["verify", f"{f}//"],
+                                                        ["ls", f"{tmp_path}/"])
+    _refused(ls_file, 1, f"{f} is a file: `fastckpt ls` lists the checkpoints under a directory")
+    assert latest_file.returncode == 0 and latest_file.stdout.strip() == str(f), latest_file.stderr
+    assert verify_file.returncode == 0, verify_file.stderr
+    assert ls_dir.returncode == 0 and "a.pt" in ls_dir.stdout, ls_dir.stderr
+
+
 def test_a_checkpoint_that_cannot_be_read_is_one_line_naming_it_not_a_traceback(cli: Cli, tmp_path: Path) -> None:
     """``ls``, ``latest`` and ``verify`` printed a 60-line traceback for a checkpoint they cannot
     read: the ``OSError`` (with its note naming the path and the fix) escaped ``main``. The

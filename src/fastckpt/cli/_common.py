@@ -212,19 +212,19 @@ class _Location(click.ParamType):
     """A directory path or a URL fsspec can open (``urls.check_url``): a malformed URL or an
     unknown scheme is a usage error naming it, not a traceback from the storage layer. An empty
     one (an unset shell variable) too: ``latest`` said " does not exist", ``verify`` checked the
-    current directory."""
+    current directory. A local path loses its trailing '/' (``urls.trimmed``)."""
 
     name = "path_or_url"
 
     def convert(self, value, param, ctx):  # noqa: ANN001, ANN201 (click's signature)
         from ..errors import ConfigError
-        from ..urls import check_url, empty
+        from ..urls import check_url, empty, trimmed
 
         if empty(value):  # also a bare file://: it would be the working directory
             self.fail("the path is empty: give a directory or a URL (an unset shell variable expands to '', "
                       "and 'file://' alone names no path)", param, ctx)
         try:
-            return check_url(value)
+            return trimmed(check_url(value))
         except ConfigError as exc:
             self.fail(str(exc), param, ctx)
 
