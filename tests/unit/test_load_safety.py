@@ -294,19 +294,23 @@ def test_a_corrupt_last_copy_is_reported_as_corrupt_not_missing(tmp_path: Path) 
     assert f"{ck.local_path(path)} is corrupt" in str(err.value) and f"{path} does not exist" in str(err.value)
 
 
-def test_latest_skips_a_file_whose_sidecar_is_damaged(tmp_path: Path) -> None:
+def test_latest_judges_a_file_whose_sidecar_is_damaged_by_its_object(tmp_path: Path) -> None:
     """On an object store a single file is published by its sidecar. A damaged one (a partial
-    copy between buckets, an edit) makes that file no candidate: ``latest`` names the newest
-    complete one instead of failing every resume on a JSON error."""
+    copy between buckets, an edit) says nothing: the object is judged by its own manifest, as a
+    load judges it (it was passed over for the save before it, so a resume went back a save), and
+    never fails every resume on a JSON error. An object damaged too is no candidate."""
     import fsspec
 
     bucket = f"fastckpt-{uuid.uuid4().hex[:8]}"
-    root = f"memory://{bucket}/run"
+    root, fs = f"memory://{bucket}/run", fsspec.filesystem("memory")
     with fastckpt.Checkpointer(local_dir=str(tmp_path / "nvme")) as ck:
         ck.save(_state(1), f"{root}/a.pt").wait()
         ck.save(_state(2), f"{root}/b.pt").wait()
         assert ck.latest(root).endswith(f"{bucket}/run/b.pt")
-        fsspec.filesystem("memory").pipe_file(f"/{bucket}/run/b.pt.fastckpt.json", b'{"written_at": 1')
+        fs.pipe_file(f"/{bucket}/run/b.pt.fastckpt.json", b'{"written_at": 1')
+        assert ck.latest(root).endswith(f"{bucket}/run/b.pt")
+        assert fastckpt.latest(root).endswith(f"{bucket}/run/b.pt")
+        fs.pipe_file(f"/{bucket}/run/b.pt", fs.cat_file(f"/{bucket}/run/b.pt")[:-30])  # its own manifest cut off
         assert ck.latest(root).endswith(f"{bucket}/run/a.pt")
         assert fastckpt.latest(root).endswith(f"{bucket}/run/a.pt")
 
