@@ -1173,3 +1173,31 @@ def test_latest_never_names_a_checkpoint_removed_right_after_the_listing(tmp_pat
     monkeypatch.setattr(discovery, "scan", scan)
     r = run("latest", home)
     assert r.exit_code == 1 and r.stdout == "", r.output
+
+
+def test_latest_asks_again_when_retention_removes_each_checkpoint_it_checks(tmp_path, monkeypatch) -> None:
+    """A job keeping one checkpoint (keep_persistent=1) saves while `fastckpt latest` checks: the
+    file latest() named is removed before its files are checked, and so is the one the scan found
+    next. `fastckpt latest` then said "no complete checkpoint" (a resume script starts fresh)
+    although fastckpt.latest() never answers None there: it asks latest() again."""
+    import fastckpt.cli._discovery as discovery
+
+    home = str(tmp_path / "home")
+    ck = fastckpt.Checkpointer(keep_persistent=1, overhead_budget=0.99)
+    ck.save(state(1), f"{home}/step-1.pt").wait()
+    real, checked = discovery.checkpoint_files, []
+
+    def checkpoint_files(h, path):  # noqa: ANN001, ANN202
+        if path not in checked and len(checked) < 2:  # the job's next save lands, its retention removes path
+            checked.append(path)
+            ck.save(state(len(checked) + 1), f"{home}/step-{len(checked) + 1}.pt").wait()
+            assert not os.path.exists(path)
+        return real(h, path)
+
+    monkeypatch.setattr(discovery, "checkpoint_files", checkpoint_files)
+    try:
+        r = run("latest", home)
+    finally:
+        ck.close()
+    assert checked == [f"{home}/step-1.pt", f"{home}/step-2.pt"]
+    assert r.exit_code == 0 and r.stdout.strip() == f"{home}/step-3.pt", r.output

@@ -269,18 +269,36 @@ def missing_files(h: Homes, path: str) -> list[str] | None:
     return out
 
 
-def whole_latest(h: Homes, root: str, found: str | None) -> tuple[str | None, list[tuple[str, list[str]]]]:
-    """``found`` (``fastckpt.latest``'s answer for ``root``), unless a file its manifest names
-    is missing or not its committed size (a resume would fail to load it): then the newest
-    older checkpoint whose files are all there. Also what was passed over, with its files."""
+def whole_latest(h: Homes, root: str, storage_options: dict | None
+                 ) -> tuple[str | None, list[tuple[str, list[str]]]]:
+    """``fastckpt.latest``'s answer for ``root``, unless a file its manifest names is missing or not
+    its committed size (a resume would fail to load it): then the newest older checkpoint whose
+    files are all there. Also what was passed over, with its files.
+
+    Never None because checkpoints vanished while they were checked: a job's retention removing
+    each one it found (keep one, saves close together) makes it ask ``latest`` again,
+    ``RECHECKS`` times at most, as ``latest`` lists again when one vanishes under its scan."""
+    from .. import latest
+
+    for _ in range(RECHECKS):
+        found, passed, vanished = _whole(h, root, latest(root, storage_options))
+        if found is not None or not vanished:
+            break
+    return found, passed
+
+
+def _whole(h: Homes, root: str, found: str | None) -> tuple[str | None, list[tuple[str, list[str]]], bool]:
+    """``whole_latest`` for one answer of ``latest``, and whether a checkpoint it checked was removed meanwhile."""
     passed: list[tuple[str, list[str]]] = []
     if found is None or (gone := missing_files(h, found)) == []:
-        return found, passed
-    passed += [(found, gone)] if gone else []  # (None: removed meanwhile, not damaged: never named)
+        return found, passed, False
+    vanished = gone is None  # removed meanwhile, not damaged: never named
+    passed += [(found, gone)] if gone else []
     for f in reversed(scan(h.resolve(normalize(root)))):
         if f.path == found:
             continue
         if (gone := missing_files(h, f.path)) == []:
-            return f.path, passed
+            return f.path, passed, vanished
+        vanished |= gone is None
         passed += [(f.path, gone)] if gone else []
-    return None, passed
+    return None, passed, vanished

@@ -84,12 +84,10 @@ def _looks(h: Homes, loc: Location, root: str, storage_options: dict | None
            ) -> tuple[list[Entry], str | None, list[tuple[str, list[str]]]]:
     """The checkpoints under ``loc`` and the one ``fastckpt latest`` names, with those it passed over:
     three looks, which a job committing or removing between them can make disagree."""
-    from .. import latest
-
     damaged: list[Damaged] = []
     entries = [found_entry(h, f, loc.url, "complete") for f in scan(loc, damaged=damaged, every_copy=True)]
     entries += incomplete_groups(h, loc) + [damaged_entry(h, d, loc.url) for d in damaged]
-    return entries, *whole_latest(h, root, latest(root, storage_options))
+    return entries, *whole_latest(h, root, storage_options)
 
 
 def _with_local_copies(h: Homes, entries: list[Entry], mirror: str) -> list[Entry]:

@@ -26,13 +26,10 @@ def latest(root: str, storage_options: dict | None) -> None:
     printed as is. Exit 1 when there is none, ROOT does not exist, or is a file that is no
     complete checkpoint.
     """
-    from .. import latest as find_latest
-
     must_exist(root)
-    found = find_latest(root, storage_options)
     h = homes(storage_options)
     try:
-        found, passed = whole_latest(h, root, found)
+        found, passed = whole_latest(h, root, storage_options)
     finally:
         h.close()
     for path, gone in passed:
