@@ -85,7 +85,14 @@ def held_fit(root: str, dirpath: str, steps: int, hold_at: int | None, ckpt_path
     io = FastCkptIO(local_dir=os.path.join(root, "nvme") if local_dir else None,
                     ops=FaultyOps(on_call=uploads.on_call), replicate_workers=1, staging_buffers=4)
     mc = cls(dirpath=dirpath, **TOP1)
-    start = None
+    start, asked = None, {}
+    remove = io.remove_checkpoint
+
+    def remove_checkpoint(path: str) -> None:  # its queued deletion, kept: a later save harvests it once done
+        remove(path)
+        asked[normalize(path)] = io._removals.get(normalize(path))  # (None after fit: deleted at once)
+
+    io.remove_checkpoint = remove_checkpoint  # type: ignore[method-assign]
 
     class Look(Callback):
         def on_train_batch_start(self, trainer, *args):  # noqa: ANN001, ANN002
@@ -96,7 +103,7 @@ def held_fit(root: str, dirpath: str, steps: int, hold_at: int | None, ckpt_path
                 uploads.holding.set()
             elif trainer.global_step == (start if hold_at is None else hold_at) + 1:
                 try:
-                    removal = io._removals.get(normalize(f"{dirpath}/epoch=0-step={trainer.global_step - 1}.ckpt"))
+                    removal = asked.get(normalize(f"{dirpath}/epoch=0-step={trainer.global_step - 1}.ckpt"))
                     assert removal is not None
                     removal.result(60)  # it ran, or it was parked
                     looked.extend(missing_named(f"{dirpath}/last.ckpt", mc.state_key))
