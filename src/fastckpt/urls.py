@@ -265,7 +265,8 @@ def untagged(path: str) -> str:
     as ``<scheme>`` (``/nv/s3@0123456789/b/k`` -> ``/nv/s3/b/k``), so that it ends with its home
     URL's ``scheme/rest`` (``s3://b/k``) as a copy placed before stores were told apart did. Event-log
     readers tie a copy's events to its home's save this way, in logs of either placement."""
-    return _TAGGED.sub(r"\1", path)
+    return _TAGGED.sub(lambda m: m.group(1) if m.group(1).lower() in _STORES else m.group(0), path)  # a
+    # plain folder named so (``run@1765000000``: a Unix time is 10 hex digits too) is left as it is
 
 
 def join(parent: str, rel: str) -> str:

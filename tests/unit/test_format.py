@@ -226,3 +226,7 @@ def test_a_file_of_a_later_format_says_a_newer_fastckpt_may_have_written_it(tmp_
     with caplog.at_level("WARNING", logger="fastckpt"):
         assert fastckpt.latest(str(tmp_path)) == str(tmp_path / "step-1.pt")
     assert any(told in r.getMessage() and "a resume takes the one before" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="fastckpt"):  # a file is judged alone: its folder's others say nothing
+        assert fastckpt.latest(str(tmp_path / "step-1.pt")) == str(tmp_path / "step-1.pt")
+    assert not [r for r in caplog.records if "skipping" in r.getMessage()]

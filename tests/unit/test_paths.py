@@ -223,8 +223,11 @@ def test_latest_of_a_link_to_a_checkpoint_file_is_the_link(tmp_path: Path) -> No
         with pytest.raises(ConfigError, match="is no complete checkpoint"):
             fastckpt.latest(str(run / link))
     (run / "step-5.pt").unlink()  # retention deleted what best.pt names: None would mean "start from scratch"
-    with pytest.raises(ConfigError, match="is a symbolic link to a file that does not exist"):
+    with pytest.raises(ConfigError, match="is a symbolic link to a file or directory that does not exist"):
         fastckpt.latest(str(run / "best.pt"))
+    (tmp_path / "scratch").mkdir()  # jobs/run1 -> /scratch/run1 before its first save: nothing there yet
+    os.symlink(tmp_path / "scratch", tmp_path / "linked-run")
+    assert fastckpt.latest(str(tmp_path / "linked-run")) is None
 
 
 def test_latest_of_a_directory_at_a_url_with_no_checkpoint_yet_is_none() -> None:
@@ -392,7 +395,8 @@ def test_a_copys_path_is_read_back_with_its_store_tag_dropped_and_an_old_one_as_
 
     home = "s3://b/run/last.pt"
     assert untagged(mirror_path("/nv", home, "@0123456789")).endswith("s3/b/run/last.pt")
-    for old in ("/nv/s3/b/run/last.pt", "/nv/me@0123456789a/x.pt", "/nv/s3@0123/b/k.pt"):
+    for old in ("/nv/s3/b/run/last.pt", "/nv/me@0123456789a/x.pt", "/nv/s3@0123/b/k.pt",
+                "/runs/run@1765000000/step-1/r0.pt"):  # a run folder named for a Unix time: no store's tag
         assert untagged(old) == old
 
 

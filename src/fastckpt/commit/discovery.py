@@ -35,10 +35,10 @@ number), they are ordered by step first.
 from __future__ import annotations
 
 import errno
-import json
 import logging
+import os
 import posixpath
-from dataclasses import dataclass, replace
+import threading
 
 from ..errors import ConfigError, CorruptCheckpointError
 from ..format.manifest import file_order
@@ -48,6 +48,7 @@ from ..storage.places import Place
 from ..storage.types import BucketNotFoundError, TargetNotFoundError
 from ..urls import join, nameable, named, spelled_as
 from . import discovery_unlisted, foreign
+from .found import Damaged, Found, one_copy_each, ordered
 from .protocol import (
     GROUP_MANIFEST,
     MARKER_DIR,
@@ -62,33 +63,6 @@ log = logging.getLogger("fastckpt")
 MAX_DEPTH = 4
 RESCANS = 3  # listings a scan makes at most when checkpoints it listed vanish before it reads them
 DCP_METADATA = ".metadata"  # torch.distributed.checkpoint writes it last, once every rank's files are written
-
-
-@dataclass(frozen=True)
-class Found:
-    """A complete checkpoint: its path or URL, ``kind`` ("file" or "group"), its order and manifest.
-
-    ``foreign``: what wrote it, when not fastckpt (``"torch.save"``, ``"DeepSpeed"``): it has no
-    fastckpt manifest (``manifest`` is empty) and loads unverified. ``step``: the training step it
-    records, when that was read (ordering among foreign checkpoints needs it).
-    """
-
-    path: str
-    kind: str
-    time: float
-    manifest: dict
-    foreign: str | None = None
-    step: int | None = None
-
-
-@dataclass(frozen=True)
-class Damaged:
-    """A checkpoint whose publication record (a group's manifest, a file's own manifest or
-    sidecar) is damaged: never a candidate, but an operator's listing must show it."""
-
-    path: str
-    kind: str
-    problem: str
 
 
 def scan(loc: Location, max_depth: int = MAX_DEPTH, damaged: list[Damaged] | None = None,
@@ -172,7 +146,15 @@ def _scan(loc: Location, max_depth: int, damaged: list[Damaged], gone: list[str]
         if meta is not False:
             written = loc.target.modified(prefix + posixpath.join(d, DCP_METADATA))
             others.append(Found(join(loc.url, d), "group", written, {}, foreign.DCP, meta))
-    return _ordered(loc, prefix, found if every_copy else _one_copy_each(found), others)
+    return ordered(loc, prefix, found if every_copy else one_copy_each(found), others)
+
+
+_quiet = threading.local()  # ``_the_file``'s scan: only its file counts, and its damage is its error
+
+
+def _warn(msg: str, *args: object) -> None:
+    if not getattr(_quiet, "on", False):
+        log.warning(msg, *args)
 
 
 def _group_manifest(place: Place, damaged: list[Damaged], path: str, gone: list[str]) -> dict | None:
@@ -181,7 +163,7 @@ def _group_manifest(place: Place, damaged: list[Damaged], path: str, gone: list[
     try:
         got = read_group_manifest(place)
     except CorruptCheckpointError as exc:
-        log.warning("fastckpt: skipping a damaged checkpoint: %s", exc)
+        _warn("fastckpt: skipping a damaged checkpoint: %s", exc)
         damaged.append(Damaged(path, "group", str(exc)))
         return None
     if got is None:
@@ -201,7 +183,7 @@ def _published(loc: Location, prefix: str, rel: str, damaged: list[Damaged], gon
         if not listed:
             damaged.append(Damaged(url, "file", str(exc)))
             return None
-        log.warning("fastckpt: %s: %s is judged by its own manifest, as a load judges it", exc, url)
+        _warn("fastckpt: %s: %s is judged by its own manifest, as a load judges it", exc, url)
         return _file(loc, prefix, rel, damaged, gone)
     if side is None:
         gone.append(url)
@@ -226,7 +208,7 @@ def _file(loc: Location, prefix: str, rel: str, damaged: list[Damaged], gone: li
         return Found(join(loc.url, rel), "file", loc.target.modified(prefix + rel), {}, "torch.save",
                      foreign.pickle_step(loc.target, prefix + rel, record))
     except CorruptCheckpointError as exc:  # a damaged manifest: not a candidate, but no silent one either
-        log.warning("fastckpt: skipping a damaged checkpoint: %s", exc)
+        _warn("fastckpt: skipping a damaged checkpoint: %s", exc)
         damaged.append(Damaged(join(loc.url, rel), "file", str(exc)))
         return None
     except OSError as exc:  # unreadable: it may be the newest, so no answer rather than an older one
@@ -234,42 +216,6 @@ def _file(loc: Location, prefix: str, rel: str, damaged: list[Damaged], gone: li
             gone.append(join(loc.url, rel))
             return None
         raise foreign.unreadable(exc, join(loc.url, rel)) from None
-
-
-def _ordered(loc: Location, prefix: str, own: list[Found], others: list[Found]) -> list[Found]:
-    """Oldest first: by time, or, with foreign checkpoints among them and a step for every one,
-    by step, then time."""
-    if others:
-        own = [replace(f, step=_step(loc, prefix, f)) for f in own]
-    found = own + others
-    by_step = bool(others) and all(f.step is not None for f in found)
-    found.sort(key=lambda f: (f.step if by_step else 0, f.time, f.path))
-    return found
-
-
-def _one_copy_each(own: list[Found]) -> list[Found]:
-    """One entry per save. Two copies of one save carry the same manifest: a burst-buffer copy
-    inside the scanned root (a ``local_dir`` under the checkpoint directory) or a file copied
-    within it. The copy nearest the root stands for the save (the burst-buffer copy, deeper
-    by its mirrored path, is never named by ``latest``)."""
-    best: dict[str, Found] = {}
-    for f in own:
-        key = f"{f.kind} {json.dumps(f.manifest, sort_keys=True, default=str)}"
-        have = best.get(key)
-        if have is None or (f.path.count("/"), f.path) < (have.path.count("/"), have.path):
-            best[key] = f
-    return list(best.values())
-
-
-def _step(loc: Location, prefix: str, f: Found) -> int | None:
-    if f.kind == "group":
-        step = f.manifest.get("step")
-        return step if isinstance(step, int) else None
-    key = prefix + f.path[len(loc.url):].lstrip("/")
-    try:
-        return foreign.pickle_step(loc.target, key)
-    except OSError:
-        return None
 
 
 def _hidden(rel: str) -> bool:
@@ -314,17 +260,23 @@ def _the_file(loc: Location) -> str | None:
     ``step-500.pt``: a scan lists no link), by the same rules applied to the file alone (its
     target's manifest, read through the link, as ``load`` reads it); the answer is the link.
     """
-    if loc.key and not loc.target.exists(loc.key) and loc.target.is_link(loc.key):  # None: start from scratch
-        raise ConfigError(f"{loc.url} is a symbolic link to a file that does not exist (deleted by retention?): point "
-                          "it at a checkpoint, or give latest() the directory holding the checkpoints")
+    if loc.key and loc.target.mounted and loc.target.is_link(loc.key) \
+            and not os.path.exists(loc.target.url_of(loc.key)):  # dangling (None would say: start from scratch)
+        raise ConfigError(f"{loc.url} is a symbolic link to a file or directory that does not exist (deleted by "
+                          "retention?): point it at a checkpoint, or give latest() the directory holding the "
+                          "checkpoints")
     if not loc.key or not loc.target.exists(loc.key) or loc.target.list(f"{loc.key}/"):
         return None  # nothing there, or a directory (fsspec's memory/gs/az answer "exists" for a prefix too)
     parent = Location(loc.target, posixpath.dirname(loc.key))
     damaged: list[Damaged] = []
-    found = scan(parent, max_depth=0, damaged=damaged, every_copy=True, pass_unlisted=True)  # only loc counts
-    if not any(f.path == loc.url for f in found) and (loc.target.is_link(loc.key) or parent.target.listing(
-            f"{parent.key}/" if parent.key else "", max_depth=0).unlisted):  # a scan never follows a link
-        found = [f for f in [_alone(loc, parent, damaged)] if f is not None]
+    _quiet.on = True
+    try:
+        found = scan(parent, max_depth=0, damaged=damaged, every_copy=True, pass_unlisted=True)  # only loc counts
+        if not any(f.path == loc.url for f in found) and (loc.target.is_link(loc.key) or parent.target.listing(
+                f"{parent.key}/" if parent.key else "", max_depth=0).unlisted):  # a scan never follows a link
+            found = [f for f in [_alone(loc, parent, damaged)] if f is not None]
+    finally:
+        _quiet.on = False
     for f in found:
         if f.path == loc.url:
             if f.foreign:
