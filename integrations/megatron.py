@@ -58,7 +58,7 @@ from megatron.core.dist_checkpointing.strategies.base import (
 )
 
 from fastckpt import Checkpointer, SaveHandle
-from fastckpt.errors import CheckpointWriteError, CommitTimeoutError, ConfigError, FastCkptError
+from fastckpt.errors import CheckpointWriteError, ConfigError
 from fastckpt.io.ops import FileOps
 
 from ._megatron import inplace
@@ -237,11 +237,11 @@ def _finalize(watch: W.Watch) -> None:
     returns there, the tracker names this iteration. Other ranks do not wait for their commit
     handle once the group is committed: theirs resolves when its poll sees the manifest, which
     may be a moment later. A commit still running (megatron's async worker gave up at its
-    deadline, or never ran) is waited for once more as long (``commit_timeout_s`` and its
-    grace): a commit whose other ranks time out ends by then, but this rank's own write is
-    bounded by nothing (a hung mount), and one that still has not ended is a
-    ``CommitTimeoutError`` on the training thread, not a finalize blocked until the job's wall
-    time (a crash the job's restart can act on).
+    deadline, or never ran) is waited for without a deadline of finalize's own, as
+    ``await_commit`` waits in this process: its waits for the other ranks end at
+    ``commit_timeout_s``, but this rank's own write has no bound, so a save that is slow but
+    moving finalizes, and a write that hangs (a hung mount) holds finalize as it would hold a
+    synchronous save.
     """
     try:
         failed = W.failures(watch.job)
@@ -250,21 +250,10 @@ def _finalize(watch: W.Watch) -> None:
         if failed:
             raise W.failed_error(watch.job, failed)
         if not watch.done.is_set() and (watch.job.rank == 0 or not W.committed(watch.job)):
-            hung = False
             try:
-                watch.handle.wait(watch.job.timeout_s)
-            except TimeoutError as exc:
-                if isinstance(exc, FastCkptError):  # the commit's own failure
-                    raise
-                hung = True  # (its watch ends with it: not waited for again)
-                raise CommitTimeoutError(
-                    f"fastckpt: {watch.job.group} is still not committed {watch.job.timeout_s:g} s after finalize "
-                    "began to wait for it, past megatron's async worker's deadline too: this rank's write hangs (a "
-                    "hung mount?) or the storage is slower than commit_timeout_s allows. The checkpoint before it "
-                    "is untouched; fix the mount, or raise commit_timeout_s for slow storage") from None
+                watch.handle.wait()
             finally:  # rank 0: the tracker, moved just after; or, on failure, common.pt put back
-                if not hung:
-                    watch.done.wait(watch.job.timeout_s)
+                watch.done.wait(watch.job.timeout_s)
             if watch.error is not None:
                 raise W.cause(watch.job, watch.error)
         if watch.record is not None and watch.record.superseded:
