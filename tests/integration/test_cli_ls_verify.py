@@ -135,6 +135,9 @@ def test_ls_matches_a_group_whose_files_lie_in_subfolders_with_its_local_copy(tm
     d = json.loads(run("ls", home, "--local-dir", bb, "--json").stdout)
     got = sorted((e["name"], e["status"], e["files"]) for e in d["checkpoints"])
     assert got == [("iter_0000100", "replicated", 2), ("iter_0000200", "local only", 2)], got
+    d = json.loads(run("ls", f"{home}/iter_0000100", "--local-dir", bb, "--json").stdout)  # the group itself
+    got = sorted((e["name"], e["status"]) for e in d["checkpoints"])  # was: its copy an unnamed local only row too
+    assert got == [("iter_0000100", "replicated")], got
 
 
 def test_ls_with_a_misspelled_local_dir_says_it_does_not_exist(home: str, tmp_path) -> None:

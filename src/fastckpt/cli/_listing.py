@@ -65,7 +65,7 @@ def list_checkpoints(root: str, storage_options: dict | None = None, local_dir: 
         entries = [e for e in entries if e not in odd]  # still not: one row a path (its complete one), and
         newest = newest if newest is not None and newest.rstrip("/") in whole else None  # latest a whole one
         if local_dir is not None:
-            entries = _with_local_copies(h, entries, mirror_path(local_dir, root, h.store_of(root)))
+            entries = _with_local_copies(h, entries, mirror_path(local_dir, root, h.store_of(root)), loc.url)
         gone = {p.rstrip("/"): files for p, files in passed}  # fastckpt.latest() may name them: a resume fails
         todo = [e.path for e in entries if e.status in ("complete", "replicated") and e.path.rstrip("/") not in gone]
         with ThreadPoolExecutor(CHECKS_AT_ONCE) as pool:  # an older one too: a rollback to it would fail
@@ -90,12 +90,14 @@ def _looks(h: Homes, loc: Location, root: str, storage_options: dict | None
     return entries, *whole_latest(h, root, storage_options)
 
 
-def _with_local_copies(h: Homes, entries: list[Entry], mirror: str) -> list[Entry]:
+def _with_local_copies(h: Homes, entries: list[Entry], mirror: str, root_url: str) -> list[Entry]:
     """``entries`` with the burst buffer's copies (at ``mirror``): a complete one whose copy is the
-    same save marked replicated; every other copy a local only row of its own."""
+    same save marked replicated; every other copy a local only row of its own. A copy at the
+    mirror's root is of the checkpoint listed itself (``ls GROUP --local-dir``)."""
     out, home = list(entries), {e.name: i for i, e in enumerate(entries)}
     for local in _local_copies(h, mirror):
-        i = home.get(local.entry.name)
+        i = home.get(local.entry.name) if local.entry.name else next(
+            (j for j, e in enumerate(entries) if e.path.rstrip("/") == root_url.rstrip("/")), None)
         if i is None or entries[i].status != "complete" or not _same_save(h, entries[i], local):
             out.append(local.entry)
         else:
