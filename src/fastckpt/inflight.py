@@ -66,7 +66,8 @@ def raise_as_write_error(exc: BaseException, path: str, renamed: bool = False, w
         why = _full(why, where or os.path.dirname(path) or ".", local)
     elif local:
         why = f"{why} (writing its burst-buffer copy in {where})"
-    err = CheckpointWriteError(exc.errno, f"saving {path} failed: {why}; {state}")
+    notes = "".join(f". {n}" for n in getattr(exc, "__notes__", ()))  # e.g. pointing.take_back's: said, not lost
+    err = CheckpointWriteError(exc.errno, f"saving {path} failed: {why}; {state}{notes}")
     err.filename = path
     raise err from exc
 

@@ -6,6 +6,7 @@ died before moving ``latest`` (a restarted job resumes from the older checkpoint
 from __future__ import annotations
 
 import datetime
+import errno
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 import fastckpt
-from fastckpt.errors import ConfigError
+from fastckpt.errors import CheckpointWriteError, ConfigError
 
 
 def _state(version: int, rank: int) -> dict:
@@ -125,3 +126,30 @@ def test_a_group_under_folder_markers_is_deleted_by_remove_and_keep_persistent(s
         ck.remove(f"s3://{s3_bucket}/run/step-2")
     keys = sorted(o["Key"] for o in c.list_objects_v2(Bucket=s3_bucket).get("Contents", []))
     assert not [k for k in keys if k.startswith(("run/step-1/", "run/step-2/"))], keys
+
+
+def test_a_group_taken_back_after_its_pointer_put_failed_says_so(s3_server, s3_bucket, tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first group commit at a URL whose ``latest`` PUT fails (EIO) is taken back, and a note on
+    the error says so; on S3 the error became a CheckpointWriteError without the note, so the user
+    read "the previous checkpoint is untouched" and nothing of the take-back. Its message says it."""
+    from fastckpt.storage.fsspec import FsspecTarget
+
+    real = FsspecTarget.put_bytes
+
+    def put_bytes(self: FsspecTarget, key: str, data: bytes) -> None:
+        if key.endswith("/latest"):
+            raise OSError(errno.EIO, "injected EIO on the latest PUT", key)
+        real(self, key, data)
+
+    monkeypatch.setattr(FsspecTarget, "put_bytes", put_bytes)
+    opts, run = s3_server.storage_options(), f"s3://{s3_bucket}/run"
+    g = f"{run}/step1"
+    with fastckpt.Checkpointer(storage_options=opts, local_dir=str(tmp_path / "nvme"), retry_deadline_s=2,
+                               rank=0, world_size=1) as ck:
+        ck.save(_state(1, 0), f"{g}/rank0.pt", group=g)
+        with pytest.raises(CheckpointWriteError, match="injected EIO") as raised:
+            ck.commit(g, step=1).wait()
+    assert f"{g} was taken back, so that latest() does not find it" in str(raised.value)
+    monkeypatch.undo()
+    assert fastckpt.latest(run, storage_options=opts) is None
