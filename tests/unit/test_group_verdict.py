@@ -71,3 +71,30 @@ def test_a_pointer_dated_far_ahead_by_a_skewed_host_is_not_a_newer_checkpoint(tm
     assert fastckpt.latest(str(tmp_path)) == str(tmp_path / "step_900")
     with pytest.raises(S.StoreError, match="not latest: it is not committed"):
         _rank1_verdict(tmp_path / "step_100")
+
+
+def _redate(group: Path, at: float) -> None:
+    """Rewrite ``group``'s manifest as published (and requested) at ``at`` by rank 0's clock."""
+    m = json.loads((group / P.GROUP_MANIFEST).read_text())
+    m.update(requested_at=at, committed_at=at)
+    (group / P.GROUP_MANIFEST).write_bytes(P.manifest_bytes(m))
+
+
+def test_a_rank_judges_a_skewed_pointer_by_rank_0s_clock_not_its_own(tmp_path: Path) -> None:
+    """Rank 0's clock is an hour behind rank 1's. ``latest`` names step_900, dated ten minutes after
+    step_100 by rank 0's clock: far ahead of it, so rank 0's ``move_pointer`` moves ``latest`` past
+    it (``order.holds``), and took it back when that move failed; rank 0 died before the move here.
+    Rank 1 judged the pointer with its own clock (step_900 is in its past: a newer checkpoint) and
+    reported step_100 committed. Every rank now judges against rank 0's clock when it published the
+    group (its ``committed_at``): the move was still to come, so step_100 is not committed."""
+    with fastckpt.Checkpointer() as ck:
+        for step in (900, 100):
+            g = str(tmp_path / f"step_{step}")
+            ck.save({"w": torch.arange(64) + step}, f"{g}/rank0.pt", group=g).wait()
+            ck.commit(g, step=step).wait()
+    rank0_now = time.time() - 3600
+    _redate(tmp_path / "step_100", rank0_now)
+    _redate(tmp_path / "step_900", rank0_now + 600)
+    (tmp_path / P.LATEST).write_text("step_900")  # rank 0 died before its move of latest
+    with pytest.raises(S.StoreError, match="not latest: it is not committed"):
+        _rank1_verdict(tmp_path / "step_100")

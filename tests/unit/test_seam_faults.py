@@ -167,3 +167,33 @@ def test_a_pointer_renamed_in_before_its_directory_fsync_failed_commits(tmp_path
         ck.commit(str(g), step=1).wait()
     assert "names it (or a newer checkpoint), though its write failed" in caplog.text
     assert fastckpt.latest(str(tmp_path)) == str(g) and fastckpt.load(str(g / "m.pt"))["v"] == 1
+
+
+@pytest.mark.parametrize("case", ["in place", "re-save"])
+def test_a_manifest_renamed_in_before_its_directory_fsync_failed_commits(tmp_path: Path, case: str,
+                                                                         caplog: pytest.LogCaptureFixture) -> None:
+    """The group's manifest landed (renamed in place, or the re-save's directory exchanged in), then the
+    directory's fsync failed (EIO): rank 0 raised, yet the manifest stayed, ``latest()`` resumed the save
+    reported failed, and a rank without a store reported it committed. The manifest is read again: it is
+    this attempt's, so the commit stands, with a WARNING, and ``latest`` moves to it."""
+    g = tmp_path / ("last" if case == "re-save" else "step-1")
+    synced_dir = tmp_path if case == "re-save" else g  # an exchange syncs the parent, a rename the group
+    armed: list[bool] = []
+    hits: list[str] = []
+
+    def dir_fsync(op: str, path: str) -> None:
+        if armed and not hits and op == "fsync_dir" and path.rstrip(os.sep) == str(synced_dir):
+            hits.append(path)
+            raise OSError(errno.EIO, "Input/output error (injected)", path)
+
+    with fastckpt.Checkpointer(ops=FaultyOps(on_call=dir_fsync), rank=0, world_size=1) as ck:
+        if case == "re-save":
+            ck.save(_state(1), str(g / "m.pt"), group=str(g)).wait()
+            ck.commit(str(g), step=1).wait()
+        ck.save(_state(2), str(g / "m.pt"), group=str(g)).wait()
+        armed.append(True)
+        ck.commit(str(g), step=2).wait()  # before: OSError (EIO), though latest() resumed it
+    assert hits and "its manifest is in place, though the step after it failed" in caplog.text
+    assert fastckpt.latest(str(tmp_path)) == str(g) and fastckpt.load(str(g / "m.pt"))["v"] == 2
+    assert (tmp_path / "latest").read_text() == g.name
+

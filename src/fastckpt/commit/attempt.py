@@ -26,7 +26,7 @@ from . import protocol as P
 from . import resave
 from . import store as S
 from .foreign import group_step
-from .pointing import move_latest
+from .pointing import move_latest, publish_manifest
 from .verdict import manifest_of, verdict
 
 log = logging.getLogger("fastckpt")
@@ -117,10 +117,7 @@ def publish(att: Attempt, world: int, entries: dict[int, dict], extra: dict, req
     last_check()
     manifest = P.build_manifest(att.home, world, entries, recorded, requested_at, att.token, check_sizes,
                                 files_at=att.place)
-    if att.staged:
-        resave.swap_in(att.home, att.place, manifest, att.old)
-    else:
-        att.home.put(P.GROUP_MANIFEST, P.manifest_bytes(manifest))
+    publish_manifest(att, manifest)  # stands when only the step after its rename failed
     if att.move_latest:
         move_latest(att, manifest)  # taken back when it fails, unless latest names it anyway
     return manifest

@@ -6,7 +6,9 @@ names an older complete checkpoint, ``latest()`` answers that one; but with none
 directory's first group commit, a stale pointer) its scan found the group, whose commit every rank
 reported failed. So the group is taken back before the commit fails. (Reporting such a commit
 committed instead, with a WARNING, was undone in 84dde27: an older group's commit that ended later
-moved the pointer to itself, behind a commit reported done.)
+moved the pointer to itself, behind a commit reported done.) The manifest's own publication
+(``publish_manifest``) follows one rule with the pointer's: a failure after it landed (the
+directory's fsync) leaves the commit standing, as the other ranks read it.
 """
 
 from __future__ import annotations
@@ -14,8 +16,10 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
+from ..errors import CorruptCheckpointError
 from ..storage.places import Place
 from . import protocol as P
+from . import resave
 
 if TYPE_CHECKING:
     from .attempt import Attempt
@@ -28,18 +32,43 @@ def move_latest(att: Attempt, manifest: dict) -> None:
 
     When that fails, the pointer is read again: naming the group or a newer checkpoint (the write got
     through, or another group's commit moved it past), the commit stands, with a WARNING, as the other
-    ranks conclude from it (``verdict.py``, ``fallback.wait_for_manifest``). Else, and when it cannot be
-    read, the group is taken back (``take_back``) and the error raised.
+    ranks conclude from it (``verdict.py``, ``fallback.wait_for_manifest``); so it does for a group no
+    pointer can lead to (``protocol.pointable``: a hidden name, a link), which they take for committed
+    once it is published. Else, and when the pointer cannot be read, the group is taken back
+    (``take_back``) and the error raised.
     """
     try:
-        P.move_pointer(att.home.parent(), manifest["tag"], P.group_order(manifest))
+        P.move_pointer(att.home.parent(), manifest["tag"], P.group_order(manifest), manifest["committed_at"])
     except OSError as exc:
-        if _reached(att, manifest):
+        if _reached(att, manifest) or not P.pointable(att.home.parent(), manifest["tag"]):
             log.warning("fastckpt: %s is committed: %s names it (or a newer checkpoint), though its write failed: "
                         "%s", att.home.label, att.home.parent().url(P.LATEST), exc)
             return
         take_back(att, exc)
         raise
+
+
+def publish_manifest(att: Attempt, manifest: dict) -> None:
+    """Publish ``manifest`` at the group's home: in place, or swapped in (``resave.swap_in``).
+
+    A failure after its rename or exchange landed (the directory's fsync: EIO) leaves it visible, and
+    the other ranks may have taken it for the outcome already: the manifest is read again strictly,
+    and when it is this attempt's the commit goes on, with a WARNING (only its durability through a
+    power loss is in doubt), as on every rank. Else, and when it cannot be read, the error is raised."""
+    try:
+        if att.staged:
+            resave.swap_in(att.home, att.place, manifest, att.old)
+        else:
+            att.home.put(P.GROUP_MANIFEST, P.manifest_bytes(manifest))
+    except OSError as exc:
+        try:
+            landed = (P.read_group_manifest(att.home) or {}).get("digest") == manifest["digest"]
+        except (OSError, CorruptCheckpointError):
+            landed = False
+        if not landed:
+            raise
+        log.warning("fastckpt: %s is published: its manifest is in place, though the step after it failed (%s); "
+                    "it may not survive a power loss", att.home.label, exc)
 
 
 def moved(place: Place, manifest: dict) -> bool:
@@ -49,8 +78,10 @@ def moved(place: Place, manifest: dict) -> bool:
     while no pointer names it (a job's first checkpoint) or one names an older checkpoint: rank 0
     may yet fail that move, and then takes the group back. A pointer that named the group before
     its commit (a re-save's, a fixed tag's) tells the same: rank 0 writes none then
-    (``protocol.move_pointer``), so once the group is out nothing of its commit is left to fail."""
-    return manifest.get("moved_latest", True) is False or P.latest_reached(place, manifest)
+    (``protocol.move_pointer``), so once the group is out nothing of its commit is left to fail. So
+    does a name no pointer leads to (``protocol.pointable``): rank 0's commit of it stands anyway."""
+    return (manifest.get("moved_latest", True) is False or not P.pointable(place.parent(), manifest["tag"])
+            or P.latest_reached(place, manifest))
 
 
 def _reached(att: Attempt, manifest: dict) -> bool:

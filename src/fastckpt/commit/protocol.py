@@ -123,6 +123,12 @@ def _followable(name: str) -> bool:
     return bool(name) and not any(c in name for c in "/\\\x00") and not name.startswith(".")
 
 
+def pointable(parent: Place, name: str) -> bool:
+    """Whether ``latest`` in ``parent`` naming ``name`` leads to it (``_pointed`` follows it): not a hidden
+    name, one with a separator or with blanks at its ends (the pointer is read stripped), nor a link."""
+    return _followable(name) and name == name.strip() and not parent.is_link(name)
+
+
 def _pointed(parent: Place, strict: bool = False) -> tuple[str, float] | None:
     """What ``parent/latest`` names, if that is a complete checkpoint, and its order.
 
@@ -132,7 +138,7 @@ def _pointed(parent: Place, strict: bool = False) -> tuple[str, float] | None:
     ``strict``: a read that fails (EIO, a directory standing there) raises, never taken for none."""
     try:
         name = (parent.get(LATEST) or b"").decode().strip()
-        if not _followable(name) or parent.is_link(name):
+        if not pointable(parent, name):
             return None  # garbage, or a name leading out of the directory: never followed
         m = read_group_manifest(parent.child(name))
         if m is not None:
@@ -167,22 +173,25 @@ def pointed_name(parent: Place) -> str | None:
 def latest_reached(place: Place, manifest: dict, strict: bool = False) -> bool:
     """Whether ``latest`` beside the published group ``place`` names it or a newer checkpoint:
     rank 0 moved it there (or past it, committing a later group meanwhile). Newer by the rule
-    rank 0's ``move_pointer`` applies (``order.holds``): a pointer dated far ahead of this host's
-    clock (a skewed node's) is one it would have moved, so it tells nothing. ``strict``: as ``_pointed``."""
+    rank 0's ``move_pointer`` applies (``order.holds``), against rank 0's clock when it published
+    the group (its ``committed_at``), not this host's: a pointer dated far ahead (a skewed node's)
+    is one it would have moved, and every rank judges it alike however their clocks differ.
+    ``strict``: as ``_pointed``."""
     found = _pointed(place.parent(), strict)
-    return found is not None and (found[0] == manifest.get("tag") or holds(found[1], group_order(manifest)))
+    return found is not None and (found[0] == manifest.get("tag")
+                                  or holds(found[1], group_order(manifest), manifest.get("committed_at")))
 
 
-def move_pointer(parent: Place, name: str, order: float) -> bool:
+def move_pointer(parent: Place, name: str, order: float, now: float | None = None) -> bool:
     """Point ``parent/latest`` at ``name`` (just published, of the given order); only forward.
 
     Called after the checkpoint's publication (manifest or sidecar), so the pointer never names
     a partial checkpoint. Returns whether it was written: not when it names ``name`` already (a re-save:
     its publication was then its last step that could fail) or a newer checkpoint (unless dated more than
-    ``AHEAD_S`` after this host's clock: ``order.holds``)."""
+    ``AHEAD_S`` after this host's clock, or ``now``: ``order.holds``)."""
     with _latest_lock, parent.exclusive():  # another process may move it too: docs/groups.md
         found = _pointed(parent)
-        if found is not None and (found[0] == name or holds(found[1], order)):
+        if found is not None and (found[0] == name or holds(found[1], order, now)):
             return False
         parent.put(LATEST, name.encode())
         return True
@@ -250,7 +259,7 @@ def publish_group(place: Place, world_size: int, markers: dict[int, dict], extra
     manifest = build_manifest(place, world_size, markers, extra, requested_at, token)
     place.put(GROUP_MANIFEST, manifest_bytes(manifest))
     if move_latest:
-        move_pointer(place.parent(), manifest["tag"], group_order(manifest))
+        move_pointer(place.parent(), manifest["tag"], group_order(manifest), manifest["committed_at"])
     return manifest
 
 
