@@ -134,8 +134,8 @@ def _agent_rank(rank: int, port: int, run: str, opts: dict, nvme: str, published
 
     move = protocol.move_pointer
 
-    def moved_then_host_killed(parent, name, order, *now):  # noqa: ANN001, ANN002, ANN202
-        done = move(parent, name, order, *now)
+    def moved_then_host_killed(parent, name, order):  # noqa: ANN001, ANN202
+        done = move(parent, name, order)
         if name == "step2":  # published, latest names it: now the store's host dies
             published.set()
             host_dead.wait(120)

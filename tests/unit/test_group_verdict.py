@@ -73,28 +73,28 @@ def test_a_pointer_dated_far_ahead_by_a_skewed_host_is_not_a_newer_checkpoint(tm
         _rank1_verdict(tmp_path / "step_100")
 
 
-def _redate(group: Path, at: float) -> None:
-    """Rewrite ``group``'s manifest as published (and requested) at ``at`` by rank 0's clock."""
-    m = json.loads((group / P.GROUP_MANIFEST).read_text())
-    m.update(requested_at=at, committed_at=at)
-    (group / P.GROUP_MANIFEST).write_bytes(P.manifest_bytes(m))
+def test_a_rank_reading_minutes_later_counts_a_newer_commits_pointer(tmp_path: Path, monkeypatch) -> None:
+    """Group A was published two minutes ago and ``latest`` has since moved on to B, committed
+    later (every clock right). A rank that reads A's outcome now (at its deadline: rank 0's tell
+    failed) takes B's pointer for a newer checkpoint, so A is committed. 027d50a judged it against
+    A's ``committed_at``, which B's date is more than ``AHEAD_S`` past: A read as not committed,
+    while rank 0 had reported it committed (a diff review's reproducer)."""
+    from fastckpt.commit.pointing import moved
+    from tests.helpers import place
 
+    def group(name: str) -> tuple[Path, dict]:
+        g = tmp_path / name
+        g.mkdir()
+        (g / "r0.bin").write_bytes(b"x" * 8)
+        P.write_marker(place(g), 0, 1, {"r0.bin": {"size": 8, "checksum": "c0"}})
+        return g, P.read_markers(place(g))
 
-def test_a_rank_judges_a_skewed_pointer_by_rank_0s_clock_not_its_own(tmp_path: Path) -> None:
-    """Rank 0's clock is an hour behind rank 1's. ``latest`` names step_900, dated ten minutes after
-    step_100 by rank 0's clock: far ahead of it, so rank 0's ``move_pointer`` moves ``latest`` past
-    it (``order.holds``), and took it back when that move failed; rank 0 died before the move here.
-    Rank 1 judged the pointer with its own clock (step_900 is in its past: a newer checkpoint) and
-    reported step_100 committed. Every rank now judges against rank 0's clock when it published the
-    group (its ``committed_at``): the move was still to come, so step_100 is not committed."""
-    with fastckpt.Checkpointer() as ck:
-        for step in (900, 100):
-            g = str(tmp_path / f"step_{step}")
-            ck.save({"w": torch.arange(64) + step}, f"{g}/rank0.pt", group=g).wait()
-            ck.commit(g, step=step).wait()
-    rank0_now = time.time() - 3600
-    _redate(tmp_path / "step_100", rank0_now)
-    _redate(tmp_path / "step_900", rank0_now + 600)
-    (tmp_path / P.LATEST).write_text("step_900")  # rank 0 died before its move of latest
-    with pytest.raises(S.StoreError, match="not latest: it is not committed"):
-        _rank1_verdict(tmp_path / "step_100")
+    now = time.time()
+    ga, ma = group("global_step100")
+    monkeypatch.setattr(time, "time", lambda: now - 120)  # A: requested and published two minutes ago
+    man_a = P.publish_group(place(ga), 1, ma, {"step": 100}, requested_at=now - 125)
+    monkeypatch.undo()
+    gb, mb = group("global_step200")
+    P.publish_group(place(gb), 1, mb, {"step": 200}, requested_at=now)
+    assert (tmp_path / P.LATEST).read_text() == "global_step200"
+    assert moved(place(ga), man_a)

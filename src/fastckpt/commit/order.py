@@ -24,9 +24,8 @@ def group_order(manifest: dict) -> float:
     return float(manifest.get("requested_at", manifest.get("committed_at", 0.0)))
 
 
-def holds(held: float, order: float, now: float | None = None) -> bool:
+def holds(held: float, order: float) -> bool:
     """Whether a pointer (or tracker) at a commit ordered ``held`` stays against a commit ordered
     ``order``: it does when ``held`` is newer, unless ``held`` is dated more than ``AHEAD_S``
-    after this host's clock (a skewed node dated it). ``now``: that clock's reading to judge by
-    (a group's ``committed_at``, so that every rank judges as rank 0 did), default this host's now."""
-    return order < held <= (time.time() if now is None else now) + AHEAD_S
+    after this host's clock (a skewed node dated it)."""
+    return order < held <= time.time() + AHEAD_S

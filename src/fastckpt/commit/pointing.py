@@ -38,7 +38,7 @@ def move_latest(att: Attempt, manifest: dict) -> None:
     (``take_back``) and the error raised.
     """
     try:
-        P.move_pointer(att.home.parent(), manifest["tag"], P.group_order(manifest), manifest["committed_at"])
+        P.move_pointer(att.home.parent(), manifest["tag"], P.group_order(manifest))
     except OSError as exc:
         if _reached(att, manifest) or not P.pointable(att.home.parent(), manifest["tag"]):
             log.warning("fastckpt: %s is committed: %s names it (or a newer checkpoint), though its write failed: "

@@ -173,25 +173,25 @@ def pointed_name(parent: Place) -> str | None:
 def latest_reached(place: Place, manifest: dict, strict: bool = False) -> bool:
     """Whether ``latest`` beside the published group ``place`` names it or a newer checkpoint:
     rank 0 moved it there (or past it, committing a later group meanwhile). Newer by the rule
-    rank 0's ``move_pointer`` applies (``order.holds``), against rank 0's clock when it published
-    the group (its ``committed_at``), not this host's: a pointer dated far ahead (a skewed node's)
-    is one it would have moved, and every rank judges it alike however their clocks differ.
-    ``strict``: as ``_pointed``."""
+    rank 0's ``move_pointer`` applies (``order.holds``): a pointer dated far ahead of this host's
+    clock (a skewed node's) is one it would have moved, so it tells nothing. This host's clock, not
+    rank 0's at publication: a rank reads at its deadline, often minutes later, after a newer
+    commit dated correctly. ``strict``: as ``_pointed``."""
     found = _pointed(place.parent(), strict)
     return found is not None and (found[0] == manifest.get("tag")
-                                  or holds(found[1], group_order(manifest), manifest.get("committed_at")))
+                                  or holds(found[1], group_order(manifest)))
 
 
-def move_pointer(parent: Place, name: str, order: float, now: float | None = None) -> bool:
+def move_pointer(parent: Place, name: str, order: float) -> bool:
     """Point ``parent/latest`` at ``name`` (just published, of the given order); only forward.
 
     Called after the checkpoint's publication (manifest or sidecar), so the pointer never names
     a partial checkpoint. Returns whether it was written: not when it names ``name`` already (a re-save:
     its publication was then its last step that could fail) or a newer checkpoint (unless dated more than
-    ``AHEAD_S`` after this host's clock, or ``now``: ``order.holds``)."""
+    ``AHEAD_S`` after this host's clock: ``order.holds``)."""
     with _latest_lock, parent.exclusive():  # another process may move it too: docs/groups.md
         found = _pointed(parent)
-        if found is not None and (found[0] == name or holds(found[1], order, now)):
+        if found is not None and (found[0] == name or holds(found[1], order)):
             return False
         parent.put(LATEST, name.encode())
         return True
@@ -259,7 +259,7 @@ def publish_group(place: Place, world_size: int, markers: dict[int, dict], extra
     manifest = build_manifest(place, world_size, markers, extra, requested_at, token)
     place.put(GROUP_MANIFEST, manifest_bytes(manifest))
     if move_latest:
-        move_pointer(place.parent(), manifest["tag"], group_order(manifest), manifest["committed_at"])
+        move_pointer(place.parent(), manifest["tag"], group_order(manifest))
     return manifest
 
 
