@@ -416,3 +416,24 @@ def test_one_endpoint_spelt_two_ways_is_one_burst_buffer_place(tmp_path: Path) -
     for a, b in [("http://store", "http://127.0.0.1"), ("http://store:443", "https://store"),
                  ("http://store:8333", "http://store:8334")]:
         assert place(a) != place(b), (a, b)
+
+
+def test_latest_of_a_file_tells_of_its_own_damaged_sidecar_not_of_its_neighbours(tmp_path: Path, caplog) -> None:
+    """latest() of one file scans its folder but judges that file alone: a damaged neighbour is not
+    told of (10726ce); the file's own damaged sidecar is (that commit silenced it too, v14)."""
+    import uuid
+
+    import fsspec
+
+    bucket = f"fastckpt-{uuid.uuid4().hex[:8]}"
+    root, fs = f"memory://{bucket}/run", fsspec.filesystem("memory")
+    with fastckpt.Checkpointer(local_dir=str(tmp_path / "nvme")) as ck:
+        for name in ("a", "b", "c"):
+            ck.save(_state(1), f"{root}/{name}.pt").wait()
+    for name in ("b", "c"):
+        fs.pipe_file(f"/{bucket}/run/{name}.pt.fastckpt.json", b'{"written_at": 1')  # partial copies
+    with caplog.at_level("WARNING", logger="fastckpt"):
+        assert fastckpt.latest(f"{root}/b.pt") == f"{root}/b.pt"
+    told = [r.getMessage() for r in caplog.records]
+    assert any("b.pt.fastckpt.json is damaged" in m for m in told), told
+    assert not any("c.pt" in m for m in told), told

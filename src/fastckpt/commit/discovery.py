@@ -149,11 +149,14 @@ def _scan(loc: Location, max_depth: int, damaged: list[Damaged], gone: list[str]
     return ordered(loc, prefix, found if every_copy else one_copy_each(found), others)
 
 
-_quiet = threading.local()  # ``_the_file``'s scan: only its file counts, and its damage is its error
+_judged = threading.local()  # ``_the_file``'s scan: only its file counts (``.url``), so only it is told of
 
 
-def _warn(msg: str, *args: object) -> None:
-    if not getattr(_quiet, "on", False):
+def _warn(about: str, msg: str, *args: object) -> None:
+    """Log ``msg`` about the checkpoint ``about``: in ``_the_file``'s scan only when it is the file
+    judged or a folder holding it (its group), not when it is another file beside it."""
+    judged = getattr(_judged, "url", None)
+    if judged is None or judged == about or judged.startswith(about.rstrip("/") + "/"):
         log.warning(msg, *args)
 
 
@@ -163,7 +166,7 @@ def _group_manifest(place: Place, damaged: list[Damaged], path: str, gone: list[
     try:
         got = read_group_manifest(place)
     except CorruptCheckpointError as exc:
-        _warn("fastckpt: skipping a damaged checkpoint: %s", exc)
+        _warn(path, "fastckpt: skipping a damaged checkpoint: %s", exc)
         damaged.append(Damaged(path, "group", str(exc)))
         return None
     if got is None:
@@ -183,7 +186,7 @@ def _published(loc: Location, prefix: str, rel: str, damaged: list[Damaged], gon
         if not listed:
             damaged.append(Damaged(url, "file", str(exc)))
             return None
-        _warn("fastckpt: %s: %s is judged by its own manifest, as a load judges it", exc, url)
+        _warn(url, "fastckpt: %s: %s is judged by its own manifest, as a load judges it", exc, url)
         return _file(loc, prefix, rel, damaged, gone)
     if side is None:
         gone.append(url)
@@ -208,7 +211,7 @@ def _file(loc: Location, prefix: str, rel: str, damaged: list[Damaged], gone: li
         return Found(join(loc.url, rel), "file", loc.target.modified(prefix + rel), {}, "torch.save",
                      foreign.pickle_step(loc.target, prefix + rel, record))
     except CorruptCheckpointError as exc:  # a damaged manifest: not a candidate, but no silent one either
-        _warn("fastckpt: skipping a damaged checkpoint: %s", exc)
+        _warn(join(loc.url, rel), "fastckpt: skipping a damaged checkpoint: %s", exc)
         damaged.append(Damaged(join(loc.url, rel), "file", str(exc)))
         return None
     except OSError as exc:  # unreadable: it may be the newest, so no answer rather than an older one
@@ -269,14 +272,14 @@ def _the_file(loc: Location) -> str | None:
         return None  # nothing there, or a directory (fsspec's memory/gs/az answer "exists" for a prefix too)
     parent = Location(loc.target, posixpath.dirname(loc.key))
     damaged: list[Damaged] = []
-    _quiet.on = True
+    _judged.url = loc.url
     try:
         found = scan(parent, max_depth=0, damaged=damaged, every_copy=True, pass_unlisted=True)  # only loc counts
         if not any(f.path == loc.url for f in found) and (loc.target.is_link(loc.key) or parent.target.listing(
                 f"{parent.key}/" if parent.key else "", max_depth=0).unlisted):  # a scan never follows a link
             found = [f for f in [_alone(loc, parent, damaged)] if f is not None]
     finally:
-        _quiet.on = False
+        _judged.url = None
     for f in found:
         if f.path == loc.url:
             if f.foreign:
