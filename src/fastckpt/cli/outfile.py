@@ -16,7 +16,8 @@ import contextlib
 import os
 import stat
 
-from ..io.atomic import tmp_name
+from ..io.atomic import Staged
+from ..io.ops import FileOps
 
 
 def write_output(path: str, data: bytes) -> None:
@@ -34,10 +35,10 @@ def write_output(path: str, data: bytes) -> None:
         with open(path, "wb") as f:  # a stream: the name stands for what it opens
             f.write(data)
         return
-    tmp = tmp_name(real)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # a folder this user may not write: refused
+    staged = Staged(FileOps(), real)  # io.atomic's recipe: temp beside it, fsync, rename, folder fsync
     try:
-        with os.fdopen(fd, "wb") as f:
+        # 0o666 less the umask, as open() makes a new file; a folder this user may not write: refused
+        with os.fdopen(os.open(staged.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), "wb") as f:
             f.write(data)
             f.flush()
             if st is not None:
@@ -45,14 +46,9 @@ def write_output(path: str, data: bytes) -> None:
                     os.fchown(f.fileno(), st.st_uid, st.st_gid)
                 os.fchmod(f.fileno(), stat.S_IMODE(st.st_mode))  # after chown, which clears set-id bits
             os.fsync(f.fileno())
-        os.replace(tmp, real)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    with contextlib.suppress(OSError):  # it is in place; a folder that cannot be opened or synced
-        dfd = os.open(os.path.dirname(real), os.O_RDONLY)  # (write-only, some FUSE) only risks a power loss
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
+        staged.commit()
+    except BaseException as exc:
+        staged.discard()  # (nothing once renamed)
+        if not (staged.renamed and isinstance(exc, OSError)):
+            raise
+        # it is in place; a folder that cannot be synced (write-only, some FUSE) only risks a power loss
