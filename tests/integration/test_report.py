@@ -316,6 +316,9 @@ def test_an_output_that_is_no_regular_file_is_streamed_and_a_replaced_one_keeps_
     finally:
         reader.join(timeout=60)
     assert got and got[0].startswith(b"<!DOCTYPE html>") and stat.S_ISFIFO(os.stat(pipe).st_mode)
+    res = subprocess.run([sys.executable, "-m", "fastckpt", "report", str(log), "--html", "/dev/stdout"],
+                         capture_output=True, timeout=300)  # its realpath, /proc/PID/fd/pipe:[N], names nothing
+    assert res.returncode == 1 and b"<!DOCTYPE html>" in res.stdout, res.stderr[-2000:]
     private = tmp_path / "private.html"
     private.write_bytes(b"the previous report")
     private.chmod(0o600)

@@ -26,16 +26,16 @@ def write_output(path: str, data: bytes) -> None:
     Raises:
         OSError: it cannot be written; the previous file, if any, is left whole.
     """
-    real = os.path.realpath(path)
-    try:
-        st: os.stat_result | None = os.stat(real)
+    try:  # through the name as given: /dev/stdout's realpath (/proc/PID/fd/pipe:[N]) names nothing
+        st: os.stat_result | None = os.stat(path)
     except FileNotFoundError:
         st = None
     if st is not None and not stat.S_ISREG(st.st_mode):
         with open(path, "wb") as f:  # a stream: the name stands for what it opens
             f.write(data)
         return
-    staged = Staged(FileOps(), real)  # io.atomic's recipe: temp beside it, fsync, rename, folder fsync
+    # io.atomic's recipe (temp beside it, fsync, rename, folder fsync) at the file a symlink names
+    staged = Staged(FileOps(), os.path.realpath(path))
     try:
         # 0o666 less the umask, as open() makes a new file; a folder this user may not write: refused
         with os.fdopen(os.open(staged.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), "wb") as f:
