@@ -22,6 +22,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from typing import NamedTuple
 
 from .errors import CheckpointWriteError, FastCkptError, ReplicationError
 from .progress import Progress
@@ -91,26 +92,35 @@ def _file_in_the_way(path: str) -> str | None:
     return None
 
 
+class _Tracked(NamedTuple):
+    """A future in flight: what it writes (``path``; a commit's is its ``group``), and both as
+    ``urls.resolved`` keys, which match them however a later call spells them."""
+
+    fut: Future
+    path: str
+    group: str | None
+    key: str
+    group_key: str | None
+
+
 class InFlight:
     """Futures of saves, replications and commits, with the paths they write."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._pending: dict[int, tuple[Future, str, str | None]] = {}
-        self._resolved: dict[int, tuple[str, str | None]] = {}  # its path and group, ``urls.resolved``
+        self._pending: dict[int, _Tracked] = {}
         self._unseen: list[BaseException] = []
         self._files: dict[int, tuple[Future, list[Future]]] = {}  # a commit's future -> its group's saves
         self._excused: set[int] = set()  # saves in flight of a group whose failed commit was raised
 
     def track(self, fut: Future, path: str, group: str | None) -> SaveHandle:
         """Track a save, or a commit: tracked as ``(future, group, group)``, after the group's saves."""
-        keys = resolved(path), None if group is None else resolved(group)
+        tracked = _Tracked(fut, path, group, resolved(path), None if group is None else resolved(group))
         with self._lock:
             if group is not None and path == group:  # a commit: it waits for the group's saves tracked so far
-                files = [f for f, p, g in self._pending.values() if g == group and p != group]
+                files = [t.fut for t in self._pending.values() if t.group == group and t.path != group]
                 self._files[id(fut)] = (fut, files)
-            self._pending[id(fut)] = (fut, path, group)
-            self._resolved[id(fut)] = keys
+            self._pending[id(fut)] = tracked
         fut.add_done_callback(self._on_done)
         return SaveHandle(fut, path, self._mark_seen)
 
@@ -159,7 +169,6 @@ class InFlight:
     def _on_done(self, fut: Future) -> None:
         with self._lock:
             self._pending.pop(id(fut), None)
-            self._resolved.pop(id(fut), None)
             self._remember(fut)
             self._excused.discard(id(fut))
             if id(fut) in self._files and (fut.cancelled() or (exc := fut.exception()) is None or surfaced(exc)):
@@ -182,13 +191,13 @@ class InFlight:
     def _collect(self) -> None:
         """A future is done before its done-callbacks run (and result() returns then): collect
         failures of finished futures here too, so the sync point that follows sees them."""
-        for fut, _, _ in self._pending.values():
-            if fut.done():
-                self._remember(fut)
+        for t in self._pending.values():
+            if t.fut.done():
+                self._remember(t.fut)
 
     def futures(self) -> list[Future]:
         with self._lock:
-            return [f for f, _, _ in self._pending.values()]
+            return [t.fut for t in self._pending.values()]
 
     def wait_all(self, deadline: float | None) -> int:
         """Wait until nothing is pending (or the ``time.monotonic()`` ``deadline`` passed; None:
@@ -240,8 +249,7 @@ class InFlight:
         """
         key = resolved(path)
         with self._lock:
-            futures = [f for k, (f, _, _) in self._pending.items()
-                       if (r := self._resolved[k])[1] == key or is_within(r[0], key)]
+            futures = [t.fut for t in self._pending.values() if t.group_key == key or is_within(t.key, key)]
         for f in futures:
             f.exception()
 
@@ -252,25 +260,25 @@ class InFlight:
         self.wait_writing(path)
         key = resolved(path)
         with self._lock:
-            commits = [f for k, (f, p, g) in self._pending.items()
-                       if p == g and g is not None and is_within(key, self._resolved[k][1])]  # type: ignore[arg-type]
+            commits = [t.fut for t in self._pending.values()
+                       if t.path == t.group and t.group_key is not None and is_within(key, t.group_key)]
         for f in commits:
             f.exception()
 
     def of_group(self, group: str) -> list[Future]:
         """The futures of ``group``'s saves (each until its upload ended) and commits in flight."""
         with self._lock:
-            return [f for f, _, g in self._pending.values() if g == group]
+            return [t.fut for t in self._pending.values() if t.group == group]
 
     def writing(self, path: str) -> bool:
         """Whether a save of the file ``path`` (its write or its replication) has not ended."""
         with self._lock:
-            return any(p == path and not f.done() for f, p, _ in self._pending.values())
+            return any(t.path == path and not t.fut.done() for t in self._pending.values())
 
     def paths(self) -> list[str]:
         """The paths (or groups) of the saves and commits in flight."""
         with self._lock:
-            return sorted({g or p for _, p, g in self._pending.values()})
+            return sorted({t.group or t.path for t in self._pending.values()})
 
     def __len__(self) -> int:
         with self._lock:
