@@ -69,9 +69,9 @@ def damage(target: Target, key: str) -> str | None:
     silently: cut short (``cut_zip``), or empty under a checkpoint's name (``CHECKPOINT_SUFFIXES``,
     as ``load`` calls it: truncated). None for anything else (a log, an empty stray file)."""
     if (size := target.size(key)) == 0:
-        return "is empty (0 bytes): it was truncated or never written" if key.endswith(CHECKPOINT_SUFFIXES) else None
+        return foreign.EMPTY if key.endswith(CHECKPOINT_SUFFIXES) else None
     if cut_zip(target, key, size):
-        return "is truncated: it is a zip (a torch.save or fastckpt file) without the end record every zip ends with"
+        return foreign.CUT_SHORT
     return None
 
 

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..errors import ConfigError, CorruptCheckpointError
-from ..format.foreign import InertUnpickler, bounded, is_data_pkl
+from ..format.foreign import CUT_SHORT, EMPTY, InertUnpickler, bounded, is_data_pkl
 from ..format.legacy import LEGACY_PICKLES, UnboundedPickle, legacy_end
 from ..format.manifest import EOCD_SIG, TAIL_BYTES
 from ..format.ranges import RangeReader
@@ -72,17 +72,14 @@ def damage(res: ReadResult, url: str) -> CorruptCheckpointError | None:
     cheap enough to run before ``verify=True`` refuses it, so that a checkpoint cut short is
     reported as damaged, not as a plain file to load unverified."""
     if res.size == 0:
-        return CorruptCheckpointError(f"{url} is empty (0 bytes): it was truncated or never written. Load an "
-                                      "earlier checkpoint (fastckpt.latest(...)).")
+        return CorruptCheckpointError(f"{url} {EMPTY}. Load an earlier checkpoint (fastckpt.latest(...)).")
     fetch = fetcher(res.buffer)
     head = fetch(0, min(4, res.size))
     if head != ZIP_MAGIC and not head.startswith(LEGACY_MAGIC):
         return CorruptCheckpointError(f"{url} is not a torch.save file (it starts with {head!r}, not a zip or "
                                       "pickle header): damaged, or not a checkpoint.")
     if head == ZIP_MAGIC and EOCD_SIG not in fetch(max(0, res.size - TAIL_BYTES), res.size):
-        return CorruptCheckpointError(f"{url} is truncated: it is a zip (a torch.save or fastckpt file) without "
-                                      "the end record every zip ends with. Load an earlier checkpoint "
-                                      "(fastckpt.latest(...)).")
+        return CorruptCheckpointError(f"{url} {CUT_SHORT}. Load an earlier checkpoint (fastckpt.latest(...)).")
     other = _not_torch(res, head == ZIP_MAGIC)
     if other is not None:
         return CorruptCheckpointError(f"{url} is not a torch.save file: {other}. Load it with the tool that wrote "
