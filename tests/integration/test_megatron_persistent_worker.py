@@ -33,7 +33,8 @@ STANDIN = textwrap.dedent("""
 """)
 
 CHILD = r"""
-import errno, os, sys, threading, time, warnings
+import errno, os, sys, threading, warnings
+from multiprocessing.connection import wait as mp_wait
 warnings.filterwarnings("ignore")
 import torch, torch.distributed as dist
 torch.cuda.synchronize = lambda *a, **k: None
@@ -68,13 +69,10 @@ def schedule(n):
         {"w": ShardedTensor.from_rank_offsets("w", torch.full((256, 64), float(n)))}, path, ("fastckpt", 1),
         async_sharded_save=True))
 
-def worker_reported():  # the worker put the call on its completion queue (without taking it off)
-    caller, limit = queue.persistent_caller, time.monotonic() + 120
-    while caller.comp_q.empty():
-        if not caller.process.is_alive() or time.monotonic() > limit:
-            return False
-        time.sleep(0.05)
-    return True
+def worker_reported():  # the worker put the call on its completion queue (without taking it off), or died
+    caller = queue.persistent_caller  # (the queue's pipe turns readable, or the process's sentinel does)
+    ready = mp_wait([caller.comp_q._reader, caller.process.sentinel], timeout=120)
+    return caller.comp_q._reader in ready
 
 def finalize():  # maybe_finalize_async_calls(blocking=True) spins for ever once the worker is dead
     if not worker_reported():
