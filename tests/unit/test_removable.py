@@ -100,6 +100,33 @@ def test_remove_still_deletes_every_kind_of_checkpoint(tmp_path: Path) -> None:
             assert not p.exists()
 
 
+def test_remove_deletes_what_ls_lists_damaged_and_still_refuses_what_is_no_checkpoint(tmp_path: Path) -> None:
+    """A checkpoint file emptied to 0 bytes is listed damaged by ``fastckpt ls`` (as ``load`` calls
+    it truncated), yet ``remove()`` refused it as "not a checkpoint": the operator could not delete
+    what fastckpt itself reported. Whatever ls lists damaged goes now (emptied, or cut short past
+    its manifest), and what ls does not list stays refused: a plain text file, an empty log."""
+    from fastckpt.cli._listing import list_checkpoints
+
+    run = tmp_path / "run"
+    with fastckpt.Checkpointer() as ck:
+        for step in (1, 2, 3):
+            ck.save(_state(step), str(run / f"step-{step}.pt")).wait(60)
+    os.truncate(run / "step-1.pt", 0)
+    os.truncate(run / "step-2.pt", os.path.getsize(run / "step-2.pt") // 2)
+    (run / "notes.txt").write_text("not a checkpoint")
+    (run / "train.log").touch()
+    (run / "blank.txt").touch()
+    listed = {Path(e.path).name: e.status for e in list_checkpoints(str(run))}
+    assert listed == {"step-1.pt": "damaged", "step-2.pt": "damaged", "step-3.pt": "complete"}
+    with fastckpt.Checkpointer() as ck:
+        for name in ("notes.txt", "train.log", "blank.txt"):
+            with pytest.raises(ConfigError, match="it is not a checkpoint: a file with no fastckpt manifest"):
+                ck.remove(str(run / name))
+        ck.remove(str(run / "step-1.pt"))  # before: ConfigError, "it is not a checkpoint"
+        ck.remove(str(run / "step-2.pt"))
+    assert _tree(run) == ["blank.txt", "notes.txt", "step-3.pt", "train.log"]
+
+
 def test_remove_refuses_a_url_prefix_holding_checkpoints(tmp_path: Path) -> None:
     root = f"memory://fastckpt-{uuid.uuid4().hex[:8]}"
     with fastckpt.Checkpointer(local_dir=str(tmp_path / "nvme")) as ck:

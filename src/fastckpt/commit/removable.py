@@ -5,7 +5,8 @@ parent of the checkpoint, ``s3://bucket/prefix``) would take every checkpoint un
 ``latest`` pointer and files fastckpt never wrote. ``check_removable`` lets through only:
 
 * a file with a fastckpt manifest (also one whose manifest is damaged, and a sidecar whose
-  file is gone), or a ``torch.save`` zip (whole or cut short): the files ``ls`` lists;
+  file is gone), a ``torch.save`` zip, or a file ``ls`` lists damaged by ``foreign.damage``
+  (cut short, or emptied under a checkpoint's name): the files ``ls`` lists;
 * a fastckpt group: published (its manifest), or an attempt that was never published (rank
   markers, or files whose own manifests name it their group), or a directory holding nothing
   but temp files (a save into it that never finished);
@@ -87,7 +88,8 @@ def _checkpoint_file(loc: Location) -> bool:
     try:
         if loc.target.read_manifest(loc.key):
             return True
-        return foreign.torch_zip(loc.target, loc.key) is not None or foreign.cut_zip(loc.target, loc.key)
+        # damaged by ls's own rule: an operator removes what ls reported, and a plain or empty log stays refused
+        return foreign.torch_zip(loc.target, loc.key) is not None or foreign.damage(loc.target, loc.key) is not None
     except CorruptCheckpointError:  # a fastckpt file whose manifest is damaged: ls lists it, so it may go
         return True
 
