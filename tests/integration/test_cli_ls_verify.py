@@ -826,6 +826,46 @@ def test_a_single_file_cut_short_or_grown_at_a_url_is_passed_over_and_named(tmp_
     assert fastckpt.load(f"{url}/single-1.pt", storage_options=opts)["step"] == 1  # the one a resume loads
 
 
+def test_an_object_cut_short_or_emptied_without_its_sidecar_is_damaged_for_verify_and_remove(
+        tmp_path, s3_server, s3_bucket) -> None:
+    """An object cut short (or emptied) with its sidecar gone: `fastckpt ls` of its prefix lists it
+    damaged, as it does a local file, but `verify URL` stopped with a ConfigError ("is a file, not
+    a directory") and `remove(URL)` refused the emptied one as "not a checkpoint". Both now judge
+    it as the listing does; an object that is no checkpoint is still said to be none, and kept."""
+    opts = s3_server.storage_options()
+    url, o = f"s3://{s3_bucket}/run", json.dumps(opts)
+    with fastckpt.Checkpointer(local_dir=str(tmp_path / "bb"), storage_options=opts) as ck:
+        for step in (1, 2, 3):
+            ck.save(state(step), f"{url}/step-{step}.pt").wait()
+    client = s3_server.client()
+    body = client.get_object(Bucket=s3_bucket, Key="run/step-2.pt")["Body"].read()
+    client.put_object(Bucket=s3_bucket, Key="run/step-2.pt", Body=body[: len(body) // 2])
+    client.put_object(Bucket=s3_bucket, Key="run/step-3.pt", Body=b"")
+    for s in (2, 3):
+        client.delete_object(Bucket=s3_bucket, Key=f"run/step-{s}.pt.fastckpt.json")
+    client.put_object(Bucket=s3_bucket, Key="run/notes.txt", Body=b"not a checkpoint")
+    why = {2: f"{url}/step-2.pt is truncated: it is a zip", 3: f"{url}/step-3.pt is empty (0 bytes)"}
+    listed = {e["name"]: e for e in json.loads(run("ls", url, "--storage-options", o, "--json").stdout)["checkpoints"]}
+    assert {n: e["status"] for n, e in listed.items()} == {"step-1.pt": "complete", "step-2.pt": "damaged",
+                                                         "step-3.pt": "damaged"}
+    for s in (2, 3):
+        assert listed[f"step-{s}.pt"]["problem"].startswith(why[s])
+        r = run("verify", f"{url}/step-{s}.pt", "--storage-options", o, "--json")
+        assert r.exit_code == 1 and isinstance(r.exception, SystemExit), r.exception  # before: a ConfigError
+        assert [b["problem"] for b in json.loads(r.stdout)["bad"]] == [f"damaged: {listed[f'step-{s}.pt']['problem']}"]
+        assert f"BAD {url}/step-{s}.pt: damaged: {why[s]}" in r.stderr, r.output
+    r = run("verify", f"{url}/notes.txt", "--storage-options", o)  # no checkpoint at all: said so, as of a local file
+    assert r.exit_code == 1 and f"{url}/notes.txt is not a complete fastckpt checkpoint" in r.stderr, r.output
+    assert run("verify", f"{url}/step-1.pt", "--storage-options", o).exit_code == 0
+    with fastckpt.Checkpointer(storage_options=opts) as ck:
+        with pytest.raises(fastckpt.ConfigError, match="it is not a checkpoint: a file with no fastckpt manifest"):
+            ck.remove(f"{url}/notes.txt")
+        ck.remove(f"{url}/step-3.pt")  # before: ConfigError, "it is not a checkpoint"
+        ck.remove(f"{url}/step-2.pt")
+    keys = sorted(x["Key"] for x in client.list_objects_v2(Bucket=s3_bucket)["Contents"])
+    assert [k for k in keys if k != "run/latest"] == ["run/notes.txt", "run/step-1.pt", "run/step-1.pt.fastckpt.json"]
+
+
 _KILLED_BEFORE_SIDECAR = """
 import json, os, signal, sys, torch, fastckpt
 import fastckpt.save.replicator as R

@@ -98,6 +98,14 @@ def _cut_file(h: Homes, path: str, opts: dict | None) -> Picked | None:
     return Picked([], broken=[Checked(path, path, e.bytes, f"damaged: {e.problem}") for e in bad]) if bad else None
 
 
+def _is_file(h: Homes, path: str) -> bool:
+    """Whether ``path`` is a file: a local one, or an object at a URL (an object cut short without
+    its sidecar is judged as the listing of its prefix judges it, as a local file is; a prefix
+    holding objects is no file)."""
+    loc = h.resolve(path)
+    return bool(loc.key) and loc.target.exists(loc.key)
+
+
 def _checkpoints(h: Homes, path: str, opts: dict | None, newest_only: bool) -> Picked:
     """What to check at ``path``: one checkpoint, or those a directory holds (``--latest``: its newest)."""
     try:
@@ -106,7 +114,7 @@ def _checkpoints(h: Homes, path: str, opts: dict | None, newest_only: bool) -> P
     except CorruptCheckpointError as exc:
         return Picked([], broken=[Checked(path, path, None, str(exc).removeprefix(f"{path}: "))])
     except FastCkptError as exc:  # not one checkpoint: a directory (or prefix) holding them, or not one at all
-        if os.path.isfile(path):
+        if _is_file(h, path):
             judged = _cut_file(h, path, opts)  # a checkpoint cut short has lost its manifest: judged as ls does
             if judged is None:
                 fail_with(str(exc))
