@@ -15,6 +15,7 @@ import xxhash
 from torch.utils.serialization import config as ser_config
 
 import fastckpt
+from fastckpt.cli._listing import list_checkpoints
 from fastckpt.errors import UnsupportedObjectError
 from fastckpt.format import layout as F
 from fastckpt.format import manifest as M
@@ -182,6 +183,25 @@ def test_custom_objects_fall_back_to_pickling_order(tmp_path) -> None:
     with fastckpt.Checkpointer() as ck:
         ck.save(sd, str(path)).wait()
         assert torch.equal(ck.load(str(path), weights_only=False)["w"], torch.arange(5))
+
+
+def test_a_text_file_quoting_a_manifest_is_no_damaged_checkpoint(tmp_path) -> None:
+    """A damaged end record leaves a fastckpt file damaged, never a plain file; but a text file
+    whose last bytes quote a manifest (a docs page, a test's source, a log) holds no zip records:
+    ls listed it damaged, verify failed it and remove() would have deleted it."""
+    path = tmp_path / "a.pt"
+    with fastckpt.Checkpointer() as ck:
+        ck.save({"w": torch.zeros(4)}, str(path)).wait()
+    data = path.read_bytes()
+    at = data.rindex(M.EOCD_SIG)
+    flipped = data[:at] + b"PK\x05\x07" + data[at + 4 :]  # one damaged byte in the signature
+    with pytest.raises(fastckpt.CorruptCheckpointError, match="trailer holding the fastckpt manifest is damaged"):
+        M.parse_tail(flipped[-M.TAIL_BYTES :], len(flipped))
+    page = b"# Format\n\nThe zip comment reads:\n\n    " + data[at + M.EOCD_LEN :] + b"\n"
+    (tmp_path / "format.md").write_bytes(page)
+    assert M.parse_tail(page[-M.TAIL_BYTES :], len(page)) is None
+    assert [(e.path, e.status) for e in list_checkpoints(str(tmp_path))] == [(str(path), "complete")]
+    assert fastckpt.latest(str(tmp_path)) == str(path)
 
 
 def test_a_signature_inside_the_end_record_never_makes_a_valid_file_look_cut_short(tmp_path) -> None:

@@ -226,7 +226,8 @@ def parse_tail(tail: bytes, file_size: int) -> dict | None:
 
     A file whose comment (or, with a damaged end-of-directory record, whose last bytes) shows
     any piece of a fastckpt manifest is a fastckpt file: one damaged byte must not turn off its
-    verification by making it look like a plain torch.save file.
+    verification by making it look like a plain torch.save file. Those last bytes count only when
+    they hold a zip's binary records: a text file that quotes a manifest (a page of these docs) is none.
 
     Raises:
         CorruptCheckpointError: a manifest is there but damaged: it does not parse, or lacks
@@ -249,7 +250,7 @@ def parse_tail(tail: bytes, file_size: int) -> dict | None:
             if off is None and _record(tail, idx, file_size):
                 off = idx + EOCD_LEN + n - len(tail)
         idx = tail.rfind(EOCD_SIG, 0, idx)
-    if _carries_manifest(tail):
+    if _carries_manifest(tail) and b"\0" in tail:  # a zip's records hold NULs; a text file naming a manifest is no zip
         raise CorruptCheckpointError("the zip trailer holding the fastckpt manifest is damaged")
     if off is not None:  # a real end record whose comment does not end where the file does
         raise CorruptCheckpointError(f"its end-of-directory record announces a zip comment {abs(off)} bytes "
