@@ -149,22 +149,6 @@ def tmpfs(path: Path, options: str) -> Iterator[Path]:
 
 
 @contextlib.contextmanager
-def bind_mount(source: Path, path: Path) -> Iterator[Path]:
-    """Bind-mount the folder ``source`` at ``path`` (``mount --bind``, as containers show a host's
-    folder under another name); skip the test where this process may not mount."""
-    path.mkdir(parents=True, exist_ok=True)
-    if shutil.which("mount") is None:
-        pytest.skip("no `mount` binary: cannot bind-mount a folder")
-    r = subprocess.run(["mount", "--bind", str(source), str(path)], capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot bind-mount here (needs root/CAP_SYS_ADMIN): {r.stderr.strip()}")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", str(path)], check=True)
-
-
-@contextlib.contextmanager
 def coarse_ext4(path: Path) -> Iterator[Path]:
     """Mount at ``path`` a small ext4 image with 128-byte inodes, whose timestamps are whole
     seconds (skip the test where this process may not make or mount one)."""

@@ -27,7 +27,7 @@ from typing import NamedTuple
 from .errors import CheckpointWriteError, FastCkptError, ReplicationError
 from .progress import Progress
 from .records import SaveHandle
-from .urls import is_within, resolved, resolved_all
+from .urls import is_within, resolved
 
 log = logging.getLogger("fastckpt")
 _SURFACED = "_fastckpt_surfaced"
@@ -115,8 +115,7 @@ class InFlight:
 
     def track(self, fut: Future, path: str, group: str | None) -> SaveHandle:
         """Track a save, or a commit: tracked as ``(future, group, group)``, after the group's saves."""
-        key, group_key = resolved_all([path, path if group is None else group])  # one read of the mount table
-        tracked = _Tracked(fut, path, group, key, None if group is None else group_key)
+        tracked = _Tracked(fut, path, group, resolved(path), None if group is None else resolved(group))
         with self._lock:
             if group is not None and path == group:  # a commit: it waits for the group's saves tracked so far
                 files = [t.fut for t in self._pending.values() if t.group == group and t.path != group]
@@ -244,13 +243,11 @@ class InFlight:
 
     def wait_writing(self, path: str) -> None:
         """Wait for the saves that write ``path``, the group ``path`` or anything below it, however
-        each was spelt (through a symbolic link to its folder, a bind mount of it, or not: ``urls.resolved``).
+        each was spelt (through a symbolic link to its folder or not: ``urls.resolved``).
 
         Their failures are not raised here: they stay unseen for the next sync point.
         """
-        self._wait_writing(resolved(path))
-
-    def _wait_writing(self, key: str) -> None:
+        key = resolved(path)
         with self._lock:
             futures = [t.fut for t in self._pending.values() if t.group_key == key or is_within(t.key, key)]
         for f in futures:
@@ -260,8 +257,8 @@ class InFlight:
         """``wait_writing(path)``, and the commit in flight of a group that holds ``path`` (tracked
         as ``(future, group, group)``): a load of a file of a group committed here reads that commit's
         outcome, not the save before it (nor an incomplete group)."""
+        self.wait_writing(path)
         key = resolved(path)
-        self._wait_writing(key)
         with self._lock:
             commits = [t.fut for t in self._pending.values()
                        if t.path == t.group and t.group_key is not None and is_within(key, t.group_key)]

@@ -7,7 +7,6 @@ compares and joins normalised names. Which *storage* serves a name is decided in
 
 from __future__ import annotations
 
-import functools
 import os
 import re
 
@@ -19,7 +18,6 @@ _STORES = frozenset(("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "hd
 _SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+._-]*")  # RFC 3986's, and the '_' of fsspec's arrow_hdfs
 _TAGGED = re.compile(r"(?<![^/])([A-Za-z][A-Za-z0-9+._:-]*)@[0-9a-f]{10}(?=/)")  # a store's place (mirror_path)
 MEMORY = "memory"  # fsspec's in-memory store: its URLs have two spellings (``normalize``)
-_OCTAL = re.compile(r"\\([0-7]{3})")  # how the mount table writes a space, a tab, a backslash
 _FORMS = "give a directory path (/data/ckpt, file:///data/ckpt) or a URL such as s3://bucket/prefix"
 
 
@@ -284,43 +282,8 @@ def is_within(path: str, parent: str) -> bool:
 def resolved(path: str) -> str:
     """A normalised name as one key for every spelling of it: a local path with its folder's
     symbolic links resolved (``/ckpt/a.pt`` and ``/lustre/me/ckpt/a.pt`` when ``/ckpt`` links
-    there), its own last part kept as named (a link saved over is replaced, not followed), then
-    named by the file system it is on (``_on_device``: also when ``/ckpt`` is a bind mount of
-    ``/lustre/me/ckpt``); a URL as it is. For matching a save in flight, or a group's claim, with
-    what names the same place."""
-    return resolved_all([path])[0]
-
-
-def resolved_all(paths: list[str]) -> list[str]:
-    """``resolved`` of each of ``paths``, the mount table read once for all."""
-    local = [None if is_url(p) else os.path.join(os.path.realpath(os.path.dirname(p)), os.path.basename(p))
-             for p in paths]
-    mounts = _mounts() if any(local) else []
-    return [p if k is None else _on_device(k, mounts) for p, k in zip(paths, local, strict=True)]
-
-
-def _mounts() -> list[tuple[str, str, str]]:
-    """This process's mounts, each ``(point, device, root)`` (Linux's ``/proc/self/mountinfo``:
-    ``root`` is the folder of the file system on ``device`` mounted at ``point``; spaces and
-    backslashes in them written in octal), in the table's order; none where there is no table.
-    Read at each call, not kept: a folder bind-mounted while the process runs is one place too."""
-    try:
-        with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return []
-    unescape = functools.partial(_OCTAL.sub, lambda m: chr(int(m.group(1), 8)))
-    return [(unescape(f[4]), f[2], unescape(f[3])) for f in (line.split(" ") for line in lines) if len(f) > 4]
-
-
-def _on_device(path: str, mounts: list[tuple[str, str, str]]) -> str:
-    """An absolute ``path`` (its links resolved) as ``<major>:<minor>`` of the file system it is
-    on and its path from that file system's root: the same through every mount of the place
-    (``/ckpt`` bind-mounted from ``/lustre/me/ckpt``, as containers do), which no symbolic link
-    shows, whether or not the rest of ``path`` exists yet. The mount nearest ``path`` names it
-    (the last of those at one point: the one on top); ``path`` as it is without a mount table."""
-    best = max((m for m in reversed(mounts) if is_within(path, m[0])), key=lambda m: len(m[0]), default=None)
-    if best is None:
+    there), its own last part kept as named (a link saved over is replaced, not followed); a URL
+    as it is. For matching a save in flight, or a group's claim, with what names the same place."""
+    if is_url(path):
         return path
-    point, device, root = best
-    return f"{device}:{os.path.normpath(os.path.join(root, os.path.relpath(path, point)))}"
+    return os.path.join(os.path.realpath(os.path.dirname(path)), os.path.basename(path))

@@ -34,7 +34,7 @@ from fastckpt.eventlog import error_type
 from fastckpt.events import Event
 from fastckpt.storage.homes import Homes
 from fastckpt.testing import Fault, FaultyOps, as_if_killed
-from tests.helpers import bind_mount, latest, place
+from tests.helpers import latest, place
 
 
 @pytest.fixture(params=["store", "no store"])
@@ -768,25 +768,6 @@ def test_a_group_spelt_through_a_symbolic_link_is_the_same_group_to_the_owners_c
             critic.save(_state(2, 0), str(other / "critic.pt"), group=str(other))
         actor.commit(str(g), step=1).wait(60)
     assert list(json.loads((other / P.GROUP_MANIFEST).read_text())["files"]) == ["actor.pt"]
-
-
-def test_a_group_spelt_through_a_bind_mount_is_the_same_group_to_the_owners_check(tmp_path: Path) -> None:
-    """``run`` bind-mounted from ``real`` (``/ckpt`` of ``/lustre/me/ckpt``, as containers show a
-    host's folder): the check keyed groups by their folders' symbolic links resolved, and a bind
-    mount has none, so both attempts ran and the commit that published last dropped the other's
-    file. The critic is refused, and a commit spelt the other way is the actor's own group."""
-    from fastckpt.errors import ConfigError
-
-    (tmp_path / "real").mkdir()
-    with bind_mount(tmp_path / "real", tmp_path / "run"):
-        g, other = tmp_path / "run" / "step-1", tmp_path / "real" / "step-1"
-        with fastckpt.Checkpointer(overhead_budget=0.99) as actor, \
-                fastckpt.Checkpointer(overhead_budget=0.99) as critic:
-            actor.save(_state(1, 0), str(g / "actor.pt"), group=str(g))
-            with pytest.raises(ConfigError, match=f"while {actor._coordinator.label} has it open there"):
-                critic.save(_state(2, 0), str(other / "critic.pt"), group=str(other))
-            actor.commit(str(g), step=1).wait(60)
-        assert list(json.loads((other / P.GROUP_MANIFEST).read_text())["files"]) == ["actor.pt"]
 
 
 def test_a_checkpointer_dropped_without_close_does_not_hold_its_group(tmp_path: Path) -> None:

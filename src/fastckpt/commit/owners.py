@@ -4,9 +4,8 @@ saved through one Checkpointer.
 Two Checkpointers of one process saving into one group on one rank (an actor's and a critic's)
 would make two attempts at it, each blind to the other's files: the commit that publishes last
 names only its own files, and the other's are dropped from the group (or deleted, when the
-commits run one after the other). ``Coordinator.begin`` claims the group (by its home's URL, as
-``urls.resolved`` keys it: ``/ckpt/g`` and ``/lustre/me/ckpt/g`` are one group, ``/ckpt`` a symbolic
-link there or a bind mount of it) for its
+commits run one after the other). ``Coordinator.begin`` claims the group (by its home's URL, its
+folder's symbolic links resolved: ``/ckpt/g`` and ``/lustre/me/ckpt/g`` are one group) for its
 Checkpointer, and a second one that saves into it or commits it while the first holds it raises
 ``ConfigError``. A claim lasts while its holder holds the group: from the first save of an attempt
 to the end of its commit (or its abort, or ``close``); it needs no release call.
