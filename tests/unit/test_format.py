@@ -185,10 +185,11 @@ def test_custom_objects_fall_back_to_pickling_order(tmp_path) -> None:
         assert torch.equal(ck.load(str(path), weights_only=False)["w"], torch.arange(5))
 
 
-def test_a_text_file_quoting_a_manifest_is_no_damaged_checkpoint(tmp_path) -> None:
-    """A damaged end record leaves a fastckpt file damaged, never a plain file; but a text file
-    whose last bytes quote a manifest (a docs page, a test's source, a log) holds no zip records:
-    ls listed it damaged, verify failed it and remove() would have deleted it."""
+def test_only_a_zip_can_be_a_damaged_checkpoint(tmp_path) -> None:
+    """A damaged end record leaves a fastckpt file damaged, never a plain file, also when text
+    grown onto its end pushes the record out of the tail; but a text file whose last bytes quote
+    a manifest (a docs page, a test's source, a log) or a tar of a checkpoint starts as no zip:
+    ls listed them damaged, verify failed them and remove() deleted them."""
     path = tmp_path / "a.pt"
     with fastckpt.Checkpointer() as ck:
         ck.save({"w": torch.zeros(4)}, str(path)).wait()
@@ -200,8 +201,22 @@ def test_a_text_file_quoting_a_manifest_is_no_damaged_checkpoint(tmp_path) -> No
     page = b"# Format\n\nThe zip comment reads:\n\n    " + data[at + M.EOCD_LEN :] + b"\n"
     (tmp_path / "format.md").write_bytes(page)
     assert M.parse_tail(page[-M.TAIL_BYTES :], len(page)) is None
+    tar = tmp_path / "archive.tar"  # the archive's end record is followed by tar's padding
+    tar.write_bytes(b"a.pt".ljust(512, b"\0") + data + bytes(512 - len(data) % 512) + bytes(1024))
+    grown = tmp_path / "grown.pt"  # a log appended to the wrong name: the end record leaves the tail, "covered" not
+    comment = data[at + M.EOCD_LEN :]
+    grow = M.TAIL_BYTES - (len(comment) - comment.index(b'"covered":')) + 5
+    grown.write_bytes(data + (b"I1207 step ok loss=0.1234\n" * (grow // 26 + 1))[:grow])
+    with pytest.raises(fastckpt.CorruptCheckpointError, match="grown.pt: the zip trailer holding the fastckpt"):
+        fastckpt.load(str(grown))
+    grown.unlink()
     assert [(e.path, e.status) for e in list_checkpoints(str(tmp_path))] == [(str(path), "complete")]
     assert fastckpt.latest(str(tmp_path)) == str(path)
+    with fastckpt.Checkpointer() as ck:
+        for stray in (tar, tmp_path / "format.md"):
+            with pytest.raises(fastckpt.ConfigError, match="it is not a checkpoint"):
+                ck.remove(str(stray))
+            assert stray.exists()
 
 
 def test_a_signature_inside_the_end_record_never_makes_a_valid_file_look_cut_short(tmp_path) -> None:

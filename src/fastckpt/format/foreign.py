@@ -28,11 +28,10 @@ import struct
 import typing
 from dataclasses import dataclass
 
-from .manifest import EOCD_LEN, EOCD_SIG
+from .manifest import EOCD_LEN, EOCD_SIG, LOCAL_SIG
 
 STEP_KEYS = ("global_step", "iteration", "step")  # Lightning, Megatron, plain loops (and fastckpt's docs)
 CD_SIG = b"PK\x01\x02"
-LOCAL_SIG = b"PK\x03\x04"
 # what is wrong with a file without a manifest, as a load and a listing both say it
 EMPTY = "is empty (0 bytes): it was truncated or never written"
 CUT_SHORT = "is truncated: it is a zip (a torch.save or fastckpt file) without the end record every zip ends with"

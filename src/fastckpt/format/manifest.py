@@ -12,7 +12,7 @@ import json
 import re
 import struct
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from xxhash import xxh3_64_hexdigest
 
@@ -25,6 +25,7 @@ MANIFEST_KEY = "fastckpt"
 _PREFIX = b'{"' + MANIFEST_KEY.encode() + b'":'  # how every fastckpt zip comment starts
 EOCD_SIG = b"PK\x05\x06"
 EOCD_LEN = 22
+LOCAL_SIG = b"PK\x03\x04"  # how every zip (torch.save's, ours) starts
 MAX_COMMENT = 0xFFFF
 TAIL_BYTES = MAX_COMMENT + EOCD_LEN  # the end-of-central-directory record plus the longest comment
 TAIL_ROOM = MAX_COMMENT + 2  # room a file image needs after its covered bytes: length field + comment
@@ -221,13 +222,14 @@ def listed_blocks(manifest: dict) -> list[int] | None:
     return digests
 
 
-def parse_tail(tail: bytes, file_size: int) -> dict | None:
+def parse_tail(tail: bytes, file_size: int, head: Callable[[], bytes] | None = None) -> dict | None:
     """Find the fastckpt manifest in the last bytes of a file; None for a foreign zip.
 
     A file whose comment (or, with a damaged end-of-directory record, whose last bytes) shows
     any piece of a fastckpt manifest is a fastckpt file: one damaged byte must not turn off its
-    verification by making it look like a plain torch.save file. Those last bytes count only when
-    they hold a zip's binary records: a text file that quotes a manifest (a page of these docs) is none.
+    verification by making it look like a plain torch.save file. Those last bytes count only in a
+    file that starts as a zip does (``head`` reads its first 4 bytes when ``tail`` does not hold
+    them): a text file quoting a manifest (a page of these docs) or a tar of a checkpoint is none.
 
     Raises:
         CorruptCheckpointError: a manifest is there but damaged: it does not parse, or lacks
@@ -250,13 +252,22 @@ def parse_tail(tail: bytes, file_size: int) -> dict | None:
             if off is None and _record(tail, idx, file_size):
                 off = idx + EOCD_LEN + n - len(tail)
         idx = tail.rfind(EOCD_SIG, 0, idx)
-    if _carries_manifest(tail) and b"\0" in tail:  # a zip's records hold NULs; a text file naming a manifest is no zip
+    if (off is not None or _carries_manifest(tail)) and not _starts_as_zip(tail, file_size, head):
+        return None  # no zip: a text file quoting a manifest, a tar holding a checkpoint
+    if _carries_manifest(tail):
         raise CorruptCheckpointError("the zip trailer holding the fastckpt manifest is damaged")
     if off is not None:  # a real end record whose comment does not end where the file does
         raise CorruptCheckpointError(f"its end-of-directory record announces a zip comment {abs(off)} bytes "
                                      f"{'longer' if off > 0 else 'shorter'} than what follows it: the file was cut "
                                      "short, or its trailer is damaged")
     return None
+
+
+def _starts_as_zip(tail: bytes, file_size: int, head: Callable[[], bytes] | None) -> bool:
+    """Whether the file ``tail`` ends starts with a zip's first record (taken to, with no ``head``)."""
+    if len(tail) >= file_size:
+        return tail.startswith(LOCAL_SIG)
+    return head is None or bytes(head()[:4]) == LOCAL_SIG
 
 
 def _record(tail: bytes, idx: int, file_size: int) -> bool:
@@ -297,7 +308,7 @@ def _parsed(comment: bytes) -> dict:
         raise CorruptCheckpointError(f"the manifest in the zip comment is damaged: {exc}") from exc
 
 
-def manifest_in(tail: bytes, size: int, where: str) -> dict | None:
+def manifest_in(tail: bytes, size: int, where: str, head: Callable[[], bytes] | None = None) -> dict | None:
     """The manifest in a file's last bytes (``tail``, of a ``size``-byte file at ``where``),
     checked for a covered range that fits the file; None for a plain zip.
 
@@ -305,7 +316,7 @@ def manifest_in(tail: bytes, size: int, where: str) -> dict | None:
         CorruptCheckpointError: naming ``where``: the trailer or the manifest is damaged.
     """
     try:
-        manifest = parse_tail(tail, size)
+        manifest = parse_tail(tail, size, head)
     except CorruptCheckpointError as exc:
         raise CorruptCheckpointError(f"{where}: {exc}") from exc
     if manifest is not None and manifest["covered"] > size:

@@ -316,7 +316,9 @@ def _verified(image: Image, early: int, covered: int | None, digests: list[int],
     """The read's result: the manifest parsed from the tail (unless ``covered`` was given) and the
     checksum of the covered range, from the workers' digests of ``[0, early)`` and the rest."""
     size = image.size
-    manifest = manifest_in(image.fetch(max(0, size - TAIL_BYTES), size), size, path) if covered is None else None
+    manifest = None
+    if covered is None:
+        manifest = manifest_in(image.fetch(max(0, size - TAIL_BYTES), size), size, path, lambda: image.fetch(0, 4))
     want = covered if covered is not None else (manifest or {}).get("covered")
     digest = None
     if want is not None:

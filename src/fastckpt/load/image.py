@@ -183,7 +183,7 @@ def _unparsed(exc: Exception, reads: _Reads, size: int, tail: bytes, spans: list
 def _intact(reads: _Reads, size: int, tail: bytes, where: str) -> bool | None:
     """Whether every checksum block holding a byte ``reads`` gave matches the digest the file's
     manifest lists for it; None when there is nothing to compare with (no manifest, no list)."""
-    manifest = manifest_in(tail, size, where)
+    manifest = manifest_in(tail, size, where, lambda: reads.fetch(0, 4))
     try:
         digests = listed_blocks(manifest) if manifest is not None else None
     except CorruptCheckpointError as exc:

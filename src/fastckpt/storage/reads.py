@@ -228,7 +228,7 @@ class ReadSide:
         """The object's size, version, manifest and last ``TAIL_BYTES`` (where the manifest came from)."""
         size, version, tail = self._size_and_tail(key)
         try:
-            manifest = manifest_in(tail, size, self.url_of(key))
+            manifest = manifest_in(tail, size, self.url_of(key), lambda: self.read_range(key, 0, 4, version=version))
         except CorruptCheckpointError:  # a torn trailer: damaged, or the size of one version, the tail of another
             self._confirm_version(key, version)
             raise
