@@ -1,15 +1,18 @@
 """Events: one per phase of every save; the monitor and the JSONL log consume them.
 
-The JSONL log is written by the standard library's ``logging.FileHandler`` (its lock, a flush per
-record, and ``handleError`` for a failed write, which reports on stderr instead of failing the
-save that emitted the event); fastckpt adds only the directory creation and the JSON line. It
-costs about 25 us more per event than a bare locked ``write`` (measured: 68 vs 44 us, 20,000
-events), a few events per save.
+The JSONL log is written by the standard library's ``logging.FileHandler`` (its lock and a flush
+per record); fastckpt adds the directory creation, the JSON line, and what a failed write does:
+one WARNING naming the log, the errno and the fix, then the log's events are dropped (logging's
+own ``handleError`` printed a traceback to stderr per event, for ever, on a full disk). It costs
+about 25 us more per event than a bare locked ``write`` (measured: 68 vs 44 us, 20,000 events), a
+few events per save.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
 import json
 import logging
 import os
@@ -108,17 +111,21 @@ class JsonlSink:
     creating its directory as saves create theirs. Events after ``close()`` are dropped. A log
     whose last line a killed job left torn gets a newline before the first event, so that line
     alone is lost. Each line carries this sink's ``session`` (random, one per sink, so one per
-    Checkpointer): readers tell a resumed job's saves from those its killed predecessor left open."""
+    Checkpointer): readers tell a resumed job's saves from those its killed predecessor left open.
+
+    A write (or the last flush, at ``close()``) that fails with an OSError (a full disk: ENOSPC) is
+    logged once, as a WARNING naming the log, the errno and the fix; the events after it are
+    dropped, and neither ``emit`` nor ``close`` raises it: the saves go on, and so does ``close()``."""
 
     def __init__(self, path: str) -> None:
         try:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            self._handler = logging.FileHandler(path, mode="a", encoding="utf-8")
+            self._handler = _LogFile(path, mode="a", encoding="utf-8")
         except OSError as exc:  # at start, not as a raw OSError from deep inside: name the option
             raise ConfigError(f"event_log={path!r} cannot be written ({exc}): point event_log at a file in a "
                               "writable directory (it is created if missing), or drop it") from exc
         self._path = path
-        self._closed = False
+        self._closed = False  # closed, or broken by a failed write: its events are dropped
         self._first = True
         self.session = os.urandom(6).hex()
 
@@ -130,12 +137,38 @@ class JsonlSink:
                 if self._first:  # not at open: a job that emits nothing leaves the log as it found it
                     self._first = False
                     _end_torn_line(self._path)
-                self._handler.handle(record)
+                try:
+                    self._handler.handle(record)
+                except OSError as exc:
+                    self._broken(exc, event)
 
     def close(self) -> None:
         with self._handler.lock:
-            self._closed = True
-            self._handler.close()
+            broken, self._closed = self._closed, True
+            try:
+                self._handler.close()  # flushes: the last line may fail there too
+            except OSError as exc:
+                if not broken:
+                    self._broken(exc, None)
+
+    def _broken(self, exc: OSError, event: Event | None) -> None:
+        """Under the lock: the log cannot be written; say so once, drop its events from now on."""
+        self._closed = True
+        code = errno.errorcode.get(exc.errno or 0, str(exc.errno))
+        log.warning("fastckpt: the event log %s cannot be written (%s: %s) at %s; this and every later event of "
+                    "this Checkpointer are dropped from it (the saves go on). Free space on its file system, or "
+                    "point event_log at a file on another one", self._path, code, exc.strerror or exc,
+                    f"the {event.name} event of {event.path}" if event is not None else "close()")
+        with contextlib.suppress(OSError):  # the same failure again (the bytes it still holds): reported above
+            self._handler.close()  # its file descriptor
+
+
+class _LogFile(logging.FileHandler):
+    """A FileHandler whose failed write raises to ``JsonlSink`` (logging's ``handleError`` prints a
+    traceback per record to stderr)."""
+
+    def handleError(self, record: logging.LogRecord) -> None:  # noqa: N802 (logging's name)
+        raise  # noqa: PLE0704 (called in the except block of the failed write: its OSError)
 
 
 def _end_torn_line(path: str) -> None:

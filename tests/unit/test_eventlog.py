@@ -9,6 +9,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 
 import fastckpt
 from fastckpt.eventlog import LogFollower, may_start_event, parse_event, read_events, unique_paths
@@ -244,3 +245,35 @@ def test_a_trainers_stdout_of_python_dicts_is_no_event_log(tmp_path: Path) -> No
     assert f.poll() == [] and f.not_an_event_log() is not None
     assert may_start_event(b'{"duration_s": 0.1') and may_start_event(b"{")
     assert not may_start_event(b"{'loss': 2.31")
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (every write fails with ENOSPC)")
+def test_a_full_disk_under_the_log_warns_once_names_it_and_drops_its_events(
+        capfd: pytest.CaptureFixture, caplog: pytest.LogCaptureFixture) -> None:
+    """/dev/full fails every write with ENOSPC, as a full disk does: one WARNING naming the log,
+    the errno and the fix, no traceback per event on stderr, and close() does not raise."""
+    sink = JsonlSink("/dev/full")
+    with caplog.at_level("WARNING", logger="fastckpt"):
+        for t in range(5):
+            sink.emit(_ev("snapshot", float(t)))
+        sink.close()
+    warned = [r.getMessage() for r in caplog.records if "/dev/full" in r.getMessage()]
+    assert len(warned) == 1
+    assert "ENOSPC" in warned[0] and "dropped" in warned[0] and "Free space" in warned[0]
+    assert "Logging error" not in capfd.readouterr().err
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (every write fails with ENOSPC)")
+def test_close_with_the_event_log_on_a_full_disk_finishes_its_work(tmp_path: Path) -> None:
+    """close() neither raises the log's OSError nor skips what comes after it (the exporter stops)."""
+    pytest.importorskip("prometheus_client")
+    import urllib.request
+
+    ck = fastckpt.Checkpointer(event_log="/dev/full", metrics_port=0)
+    ck.save({"w": torch.arange(4)}, str(tmp_path / "a.pt")).wait()
+    url = ck.metrics_url
+    assert url is not None
+    ck.close()
+    with pytest.raises(OSError):  # refused: the exporter was closed
+        urllib.request.urlopen(url, timeout=5)
+    assert torch.equal(fastckpt.load(str(tmp_path / "a.pt"))["w"], torch.arange(4))
