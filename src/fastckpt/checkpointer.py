@@ -89,8 +89,7 @@ class Checkpointer:
         if cfg.metrics_port is not None:  # last: a scrape may call stats() as soon as it serves
             from .metrics import start_exporter  # lazy: prometheus-client is the optional extra [metrics]
 
-            self._metrics = start_exporter(cfg.metrics_port, self.stats, lambda: self.rank,
-                                           cfg.local_dirs[0] if cfg.local_dirs else None)
+            self._metrics = start_exporter(cfg.metrics_port, self.stats, lambda: self.rank, cfg.local_dirs)
             self._sinks.add(self._metrics)
         flush_at_exit(self)
 

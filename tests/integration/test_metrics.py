@@ -370,7 +370,7 @@ def test_a_burst_buffer_that_is_not_here_is_absent_not_its_parents_space(tmp_pat
     from ._scrape import parse
 
     registry, bb = CollectorRegistry(auto_describe=False), tmp_path / "nvme" / "bb"
-    registry.register(NodeHealth(str(bb), lambda: []))
+    registry.register(NodeHealth([str(bb)], lambda: []))
     got = parse(generate_latest(registry).decode())
     assert value(got, "fastckpt_health_source_available", source="burst_buffer_space") == 0
     assert value(got, "fastckpt_filesystem_free_bytes", role="burst_buffer") is None  # absent, never a number
@@ -378,6 +378,56 @@ def test_a_burst_buffer_that_is_not_here_is_absent_not_its_parents_space(tmp_pat
     got = parse(generate_latest(registry).decode())
     assert value(got, "fastckpt_health_source_available", source="burst_buffer_space") == 1
     assert value(got, "fastckpt_filesystem_free_bytes", role="burst_buffer") > 0
+
+
+@pytest.fixture
+def two_filesystems(tmp_path: Path) -> tuple[Path, Path]:
+    """A directory under tmp_path and one in /dev/shm (tmpfs), where those are two file systems."""
+    import shutil
+    import tempfile
+
+    if not os.path.isdir("/dev/shm") or sysinfo.space("/dev/shm").mountpoint == sysinfo.space(str(tmp_path)).mountpoint:
+        pytest.skip("needs /dev/shm on a file system of its own")
+    other = Path(tempfile.mkdtemp(prefix="fastckpt-test-", dir="/dev/shm"))
+    yield tmp_path / "nvme0", other / "nvme1"
+    shutil.rmtree(other, ignore_errors=True)
+
+
+def test_a_striped_burst_buffer_exports_every_drives_free_space(two_filesystems: tuple[Path, Path],
+                                                                 serve: Serve, tmp_path: Path) -> None:
+    """local_dir=[a, b] on two file systems: both are burst_buffer series, in the process and from
+    serve-metrics given --local-dir twice (only local_dir[0]'s, and the last --local-dir, were)."""
+    drives = [str(d) for d in two_filesystems]
+    mounts = {sysinfo.space(str(d.parent)).mountpoint for d in two_filesystems}
+    log = tmp_path / "events.jsonl"
+    with Checkpointer(local_dir=drives, metrics_port=0, event_log=str(log)) as ck:
+        ck.save(_state(1024), str(tmp_path / "home" / "a.pt")).wait()
+        got = scrape(ck.metrics_url)
+    r = serve("--event-log", str(log), "--local-dir", drives[0], "--local-dir", drives[1], "--once")
+    assert r.returncode == 0, r.stderr
+    from ._scrape import parse
+
+    for samples in (got, parse(r.stdout)):
+        seen = {dict(lab)["mountpoint"] for (n, lab), _ in samples.items()
+                if n == "fastckpt_filesystem_free_bytes" and dict(lab)["role"] == "burst_buffer"}
+        assert seen == mounts
+
+
+def test_two_burst_buffer_directories_on_one_file_system_are_one_series(tmp_path: Path) -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from fastckpt.metrics.collectors import NodeHealth
+
+    from ._scrape import parse
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(NodeHealth([str(tmp_path / "a"), str(tmp_path / "b")], lambda: []))
+    got = parse(generate_latest(registry).decode())  # parse fails on a series that appears twice
+    bb = [k for k in got if k[0] == "fastckpt_filesystem_free_bytes" and ("role", "burst_buffer") in k[1]]
+    assert bb == [("fastckpt_filesystem_free_bytes",
+                   (("mountpoint", sysinfo.space(str(tmp_path)).mountpoint), ("role", "burst_buffer")))]
 
 
 def test_a_line_that_is_not_an_event_is_skipped_while_serving(serve: Serve, tmp_path: Path) -> None:

@@ -20,8 +20,9 @@ from ._localdir import LocalDir
 @click.option("--port", type=click.IntRange(0, 65535), default=9400, show_default=True,
               help="TCP port to serve /metrics on (0: any free port).")
 @click.option("--addr", default="0.0.0.0", show_default=True, help="Address to listen on.")
-@click.option("--local-dir", type=LocalDir(), default=None,
-              help="The node's burst buffer (local_dir), for its free space.")
+@click.option("--local-dir", "local_dirs", type=LocalDir(), multiple=True,
+              help="The node's burst buffer (local_dir), for its free space; repeat it for each directory of a "
+                   "striped one (local_dir=[...]).")
 @click.option("--overhead-budget", type=OVERHEAD_BUDGET, default=DEFAULT_BUDGET, show_default=True,
               help="Budget the overhead alarm is replayed against.")
 @click.option("--overhead-window-s", type=DURATION, default=DEFAULT_WINDOW_S, show_default=True,
@@ -32,7 +33,7 @@ from ._localdir import LocalDir
 @click.option("--once", is_flag=True, help="Read the logs once, print the metrics and exit (no server).")
 @click.option("--json", "as_json", is_flag=True, help="Print the startup line (or, with --once, the ranks' "
               "status) as JSON.")
-def serve_metrics(logs: tuple[str, ...], port: int, addr: str, local_dir: str | None, overhead_budget: float,
+def serve_metrics(logs: tuple[str, ...], port: int, addr: str, local_dirs: tuple[str, ...], overhead_budget: float,
                   overhead_window_s: float, poll_s: float, once: bool, as_json: bool) -> None:
     """Follow running jobs' event logs and serve their metrics to Prometheus (docs/metrics.md).
 
@@ -46,17 +47,18 @@ def serve_metrics(logs: tuple[str, ...], port: int, addr: str, local_dir: str | 
     if once and (missing := [p for p in logs if not os.path.exists(p)]):  # nothing will write them before it exits
         raise click.UsageError(f"--once reads the logs as they are now, and {', '.join(missing)} does not exist: "
                                "check the path (the Checkpointer's event_log)")
-    if local_dir is not None and not os.path.isdir(local_dir):  # else / (say) would stand in for its free space
-        missing_dir = (f"{local_dir} does not exist: give the burst buffer's directory (the local_dir the checkpoints "
-                       "are saved with), or leave --local-dir out")
-        if once:  # nothing will create it before it exits
-            raise click.BadParameter(missing_dir, param_hint="--local-dir")
-        click.echo(f"fastckpt: {missing_dir}; its free space is absent until it exists", err=True)
+    for local_dir in local_dirs:
+        if not os.path.isdir(local_dir):  # else / (say) would stand in for its free space
+            missing_dir = (f"{local_dir} does not exist: give the burst buffer's directory (the local_dir the "
+                           "checkpoints are saved with), or leave --local-dir out")
+            if once:  # nothing will create it before it exits
+                raise click.BadParameter(missing_dir, param_hint="--local-dir")
+            click.echo(f"fastckpt: {missing_dir}; its free space is absent until it exists", err=True)
     if odd := [p for p in logs if os.path.exists(p) and not os.path.isfile(p)]:  # a pipe would block the reader
         raise click.UsageError(f"{', '.join(odd)}: not a regular file (a directory, a named pipe): give the event "
                                "log file the Checkpointer's event_log writes")
     try:
-        exporter = LogExporter(logs, 0 if once else port, addr, local_dir=local_dir, budget=overhead_budget,
+        exporter = LogExporter(logs, 0 if once else port, addr, local_dirs=local_dirs, budget=overhead_budget,
                                window_s=overhead_window_s)
     except ConfigError as exc:  # the port is taken, or --addr is not an address of this node
         raise click.ClickException(str(exc)) from exc

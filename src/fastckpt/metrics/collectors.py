@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -69,14 +69,16 @@ class NodeHealth(Collector):
     ``fastckpt_health_source_available{source=...} 0`` and no series of its own.
 
     Args:
-        burst_buffer: the Checkpointer's ``local_dir`` (None: no burst-buffer series; absent while
-            it is no directory here).
+        burst_buffer: the Checkpointer's ``local_dir`` directories, one per drive of a striped
+            burst buffer (empty: no burst-buffer series). Each file system among them gets its
+            series, once (two directories on one share it); a directory that is no directory here
+            (not made yet) has none.
         targets: returns directories saved to recently (their filesystems are the targets).
         nvme: the nvme-cli executable.
     """
 
-    def __init__(self, burst_buffer: str | None, targets: Callable[[], Iterable[str]], nvme: str = "nvme") -> None:
-        self._bb, self._targets, self._nvme = burst_buffer, targets, nvme
+    def __init__(self, burst_buffer: Sequence[str], targets: Callable[[], Iterable[str]], nvme: str = "nvme") -> None:
+        self._bb, self._targets, self._nvme = tuple(burst_buffer), targets, nvme
         self._lock = threading.Lock()
         self._smart: list[sysinfo.Smart] = []
         self._smart_at: float | None = None
@@ -137,7 +139,7 @@ class NodeHealth(Collector):
         seen: set[tuple[str, str]] = set()
         # the burst buffer itself, not the parent its path climbs to: a local_dir not made yet, not
         # mounted in this container or misspelt would report that parent's (often /) free space
-        roles = [("burst_buffer", [self._bb] if self._bb and os.path.isdir(self._bb) else [])]
+        roles = [("burst_buffer", [d for d in self._bb if os.path.isdir(d)])]
         roles.append(("target", list(self._targets())))
         for role, paths in roles:
             found = False

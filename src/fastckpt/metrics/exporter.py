@@ -97,12 +97,12 @@ class CheckpointerExporter(MetricsServer):
     """A Checkpointer's exporter: an EventSink plus a reader of ``Checkpointer.stats()``."""
 
     def __init__(self, port: int, stats: Callable[[], Stats], rank: Callable[[], int],
-                 local_dir: str | None, node: bool) -> None:
+                 local_dirs: Sequence[str], node: bool) -> None:
         registry = CollectorRegistry(auto_describe=False)
         self._sink = EventMetrics(registry)
         registry.register(StatusCollector(lambda: [status_from_stats(rank(), stats())]))
         if node:
-            registry.register(NodeHealth(local_dir, self._sink.target_dirs))
+            registry.register(NodeHealth(local_dirs, self._sink.target_dirs))
         super().__init__(registry, port)
 
     def emit(self, event: Event) -> None:
@@ -110,8 +110,9 @@ class CheckpointerExporter(MetricsServer):
 
 
 def start_exporter(port: int, stats: Callable[[], Stats], rank: Callable[[], int],
-                   local_dir: str | None) -> CheckpointerExporter:
-    """Serve a Checkpointer's metrics on ``port + LOCAL_RANK`` (``port=0``: any free port).
+                   local_dirs: Sequence[str]) -> CheckpointerExporter:
+    """Serve a Checkpointer's metrics on ``port + LOCAL_RANK`` (``port=0``: any free port);
+    ``local_dirs``: its burst buffer's directories (every drive's free space).
 
     Raises:
         ConfigError: the port is taken, ``port + LOCAL_RANK`` is past the last TCP port, or $LOCAL_RANK is bad.
@@ -122,7 +123,7 @@ def start_exporter(port: int, stats: Callable[[], Stats], rank: Callable[[], int
                           f"TCP port {MAX_PORT} (each rank serves on metrics_port + LOCAL_RANK): choose a metrics_port "
                           f"no higher than {MAX_PORT} minus the node's highest LOCAL_RANK ({MAX_PORT - lr} or lower "
                           "for this rank), or metrics_port=0 for any free port")
-    return CheckpointerExporter(port + lr if port else 0, stats, rank, local_dir, node=lr == 0)
+    return CheckpointerExporter(port + lr if port else 0, stats, rank, local_dirs, node=lr == 0)
 
 
 class LogExporter(MetricsServer):
@@ -138,18 +139,18 @@ class LogExporter(MetricsServer):
         logs: the event logs to follow (they may not exist yet).
         port: TCP port (0: any free one).
         addr: the address to listen on.
-        local_dir: the node's burst buffer, for its free space (None: not reported).
+        local_dirs: the node's burst-buffer directories, for their free space (none: not reported).
         budget: the overhead budget the alarm is replayed against.
         window_s: the sliding window of the overhead.
     """
 
-    def __init__(self, logs: Sequence[str], port: int, addr: str = "0.0.0.0", *, local_dir: str | None = None,
+    def __init__(self, logs: Sequence[str], port: int, addr: str = "0.0.0.0", *, local_dirs: Sequence[str] = (),
                  budget: float = DEFAULT_BUDGET, window_s: float = DEFAULT_WINDOW_S) -> None:
         registry = CollectorRegistry(auto_describe=False)
         registry.register(_PollFirst(self))  # registered first: collected before the families it feeds
         self._sink = EventMetrics(registry, RunState(budget, window_s, keep_done=256))
         registry.register(StatusCollector(lambda: self._sink.status(time.time())))
-        registry.register(NodeHealth(local_dir, self._sink.target_dirs))
+        registry.register(NodeHealth(local_dirs, self._sink.target_dirs))
         self._followers = [LogFollower(p) for p in unique_paths(logs)]
         self._lock = threading.Lock()  # scrapes (the server's threads) and run() both poll
         self.events = 0
