@@ -23,7 +23,7 @@ from .commit.foreign import check_step, group_step
 from .commit.removable import refuse_root
 from .config import CheckpointerConfig, options_doc, options_signature
 from .errors import ClosedError
-from .events import Event, Fanout, JsonlSink
+from .events import Event, Fanout, JsonlSink, start_detail
 from .exits import close_at_exit, flush_at_exit, forget_at_exit, inherited, ran_threads, stop_pools
 from .format.manifest import TAIL_ROOM
 from .inflight import InFlight
@@ -58,7 +58,8 @@ class Checkpointer:
         self._staging = StagingPool(cfg.staging_buffers)
         self._monitor = Monitor(cfg.overhead_budget, cfg.overhead_window_s, cfg.on_overhead_exceeded,
                                 lambda: self._staging.busy_waited_s)
-        self._jsonl = JsonlSink(cfg.event_log) if cfg.event_log else None
+        self._jsonl = JsonlSink(cfg.event_log, start_detail(cfg.overhead_budget, cfg.overhead_window_s)) \
+            if cfg.event_log else None
         self._sinks = Fanout(tuple(cfg.sinks) + ((self._jsonl,) if self._jsonl else ()))
         self._io = ThreadPoolExecutor(cfg.io_threads, thread_name_prefix="fastckpt-io")
         self._writers = tuple(ThreadPoolExecutor(1, thread_name_prefix="fastckpt-write")  # one per burst-buffer drive

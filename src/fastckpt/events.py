@@ -25,6 +25,8 @@ from typing import Protocol
 from .errors import ConfigError
 
 log = logging.getLogger("fastckpt")
+#: The ``detail`` of a lazy save's ``snapshot`` event: its blocked time is final at its ``fence`` event (``save.lazy``).
+LAZY = "lazy: counted at its fence event"
 
 
 @dataclass(frozen=True)
@@ -112,33 +114,40 @@ class JsonlSink:
     whose last line a killed job left torn gets a newline before the first event, so that line
     alone is lost. Each line carries this sink's ``session`` (random, one per sink, so one per
     Checkpointer): readers tell a resumed job's saves from those its killed predecessor left open.
+    Given ``start``, the session's first line is a ``start`` event holding it (the Checkpointer's
+    overhead options, ``start_detail``), so that a replay of the log uses the job's budget.
 
     A write (or the last flush, at ``close()``) that fails with an OSError (a full disk: ENOSPC) is
     logged once, as a WARNING naming the log, the errno and the fix; the events after it are
     dropped, and neither ``emit`` nor ``close`` raises it: the saves go on, and so does ``close()``."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, start: str | None = None) -> None:
+        """``start``: the ``detail`` of a ``start`` event written before the first event (``start_detail``)."""
         try:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
             self._handler = _LogFile(path, mode="a", encoding="utf-8")
         except OSError as exc:  # at start, not as a raw OSError from deep inside: name the option
             raise ConfigError(f"event_log={path!r} cannot be written ({exc}): point event_log at a file in a "
                               "writable directory (it is created if missing), or drop it") from exc
-        self._path = path
+        self._path, self._start = path, start
         self._closed = False  # closed, or broken by a failed write: its events are dropped
         self._first = True
         self.session = os.urandom(6).hex()
 
     def emit(self, event: Event) -> None:
-        line = dataclasses.replace(event, session=self.session).to_json()
-        record = logging.makeLogRecord({"msg": line, "levelno": logging.INFO})
+        events = [event]
         with self._handler.lock:  # an RLock: handle() takes it again
             if not self._closed:  # a closed FileHandler would open the file again
                 if self._first:  # not at open: a job that emits nothing leaves the log as it found it
                     self._first = False
                     _end_torn_line(self._path)
+                    if self._start is not None:  # a zero span at the first event's start: sorted before it
+                        events.insert(0, Event("start", event.rank, self._path, 0, event.start, event.start,
+                                               event.tier, detail=self._start))
                 try:
-                    self._handler.handle(record)
+                    for ev in events:
+                        line = dataclasses.replace(ev, session=self.session).to_json()
+                        self._handler.handle(logging.makeLogRecord({"msg": line, "levelno": logging.INFO}))
                 except OSError as exc:
                     self._broken(exc, event)
 
@@ -169,6 +178,12 @@ class _LogFile(logging.FileHandler):
 
     def handleError(self, record: logging.LogRecord) -> None:  # noqa: N802 (logging's name)
         raise  # noqa: PLE0704 (called in the except block of the failed write: its OSError)
+
+
+def start_detail(overhead_budget: float, overhead_window_s: float) -> str:
+    """The ``detail`` of the ``start`` event a Checkpointer's event log begins each session with:
+    the options its readers replay the overhead alarm with (``replay.parse_start``)."""
+    return f"overhead_budget={overhead_budget!r} overhead_window_s={overhead_window_s!r}"
 
 
 def _end_torn_line(path: str) -> None:

@@ -6,7 +6,9 @@ Both see only the event log, so some numbers are reconstructions (docs/report.md
 - overhead: the Monitor's rule replayed (blocked time = the ``snapshot`` phases; checked at the
   end of each save from the second one on; the window of ``overhead_window_s``), the clock
   starting at the first save's start; the files of a ``one_save()`` block are one save, at its
-  ``one_save`` event (``replay``). A lazy save's later ``fence()`` wait is not in the log.
+  ``one_save`` event (``replay``); a lazy save at its ``fence`` event, with the fence's wait (in
+  its ``blocked_s`` too). Each rank's budget and window are its job's (its ``start`` event), unless
+  given.
 - a save is durable at the end of its ``replicate`` phase (burst buffer), or of its ``commit``
   when written straight to its path; a file of a group (its snapshot names it) at its rank's
   group ``commit`` (not durable until then; failed with it, or with another file of the attempt;
@@ -34,7 +36,7 @@ from dataclasses import dataclass, field, replace
 
 from .eventlog import error_type
 from .events import Event
-from .replay import OverheadPoint, RankOverheads
+from .replay import DEFAULT_BUDGET, DEFAULT_WINDOW_S, OverheadPoint, RankOverheads, saved_at
 from .urls import untagged
 
 # a re-saved group's files are written beside it, in .TAG.fastckpt-next-<digest> (commit.protocol.NEXT_TAG)
@@ -46,8 +48,6 @@ def resave_home(path: str) -> str:
     return _RESAVE.sub(r"/\1\2", path)
 
 
-DEFAULT_BUDGET = 0.02
-DEFAULT_WINDOW_S = 3600.0
 _OUTCOMES_KEPT = 4096  # groups' outcomes remembered (per rank and group)
 
 
@@ -122,15 +122,16 @@ class RunState:
     """Feed it events (in any order of ranks, each rank's in time order); ask for the run.
 
     Args:
-        budget: the overhead budget the alarm is replayed against.
-        window_s: the sliding window of the overhead (the Checkpointer's ``overhead_window_s``).
+        budget: the overhead budget the alarm is replayed against (None: each rank's job's, which
+            its log's ``start`` event records; ``DEFAULT_BUDGET`` for a log written without).
+        window_s: the sliding window of the overhead (the Checkpointer's ``overhead_window_s``;
+            None: the job's, as ``budget``).
         keep_done: how many finished saves, failures, loads... to keep (None: all, as a report
             needs; a long-running exporter keeps few).
     """
 
-    def __init__(self, budget: float = DEFAULT_BUDGET, window_s: float = DEFAULT_WINDOW_S,
+    def __init__(self, budget: float | None = DEFAULT_BUDGET, window_s: float | None = DEFAULT_WINDOW_S,
                  keep_done: int | None = None) -> None:
-        self.budget, self.window_s = budget, window_s
         self._open: dict[tuple[int, str], list[_Building]] = {}
         self._overtaken: deque[_Building] = deque(maxlen=64)  # by a later replication, unless their own comes
         self._abandoned: deque[_Building] = deque(maxlen=keep_done)  # open when a newer session started
@@ -184,8 +185,12 @@ class RunState:
                 self._close(b)
         elif ev.name in ("retry", "load"):
             (self.retries if ev.name == "retry" else self.loads).append(ev)
-        elif ev.name == "one_save":  # a block of files ended: one save for the overhead
+        elif ev.name in ("one_save", "fence"):  # a block of files ended, or a lazy save's fence: for the overhead
             self._overhead.feed(ev)
+            if ev.name == "fence" and (b := self._owner(ev)) is not None:  # a lazy save: blocked while fenced too
+                b.trace = replace(b.trace, blocked_s=b.trace.blocked_s + ev.duration_s)
+        elif ev.name == "start":  # a Checkpointer's first line: its overhead_budget and overhead_window_s
+            self._overhead.started(ev)
         return self._finished
 
     def _snapshot(self, ev: Event) -> None:
@@ -216,8 +221,8 @@ class RunState:
     def _owner(self, ev: Event) -> _Building | None:
         """The oldest open save (for a replicate, the newest queued) of this rank and session that the event
         belongs to: same path, or a burst-buffer copy (its path, ``urls.untagged``, ends with the save's path, or
-        ``scheme/rest``); for a ``superseded``, the save it names by its call (``saved_at``)."""
-        at = _saved_at(ev)
+        ``scheme/rest``); for a ``superseded`` or a ``fence``, the save it names by its call (``saved_at``)."""
+        at = saved_at(ev) if ev.name in ("superseded", "fence") else None  # the save it names by its call
 
         def takes(b: _Building) -> bool:
             return b.session == ev.session and all(p.name != ev.name for p in b.phases) and at in (None, b.trace.start)
@@ -309,6 +314,11 @@ class RunState:
         self._finished.append(done)
 
     # ------------------------------------------------------------------ asking
+    @property
+    def budget(self) -> float:
+        """The budget the alarm is replayed against: the one given, else the job's (its lowest rank's)."""
+        return self._overhead.options(min(self._overhead.logged, default=0))[0]
+
     def saves(self) -> list[SaveTrace]:
         """Every save seen, finished or not, in order of their start."""
         out = list(self._done)
@@ -332,14 +342,14 @@ class RunState:
         """Each rank's numbers as its Checkpointer's ``stats()`` would give them at ``now``."""
         out = []
         for rank in self.ranks():
-            o = self._overhead.replays.get(rank) or self._overhead.new()
+            o = self._overhead.replays.get(rank) or self._overhead.new(rank)
             at_home = {id(b) for k, files in self._awaiting.items() if k[0] == rank for b in files}
             waiting = [b for k, cands in self._open.items() if k[0] == rank for b in cands if id(b) not in at_home]
             queued = [q for b in waiting if (q := _queued_at(b)) is not None and b.phases[-1].name == "queued"]
             newest = self._newest_durable_start.get(rank)
             overhead = o.blocked / (now - o.t0) if o.t0 is not None and now > o.t0 else 0.0
             pending = len(waiting) + sum(1 for k in self._committing if k[0] == rank)  # saves, and commits
-            out.append(RankStatus(rank, overhead, o.window(now), self.budget, o.over, o.alarms, pending,
+            out.append(RankStatus(rank, overhead, o.window(now), o.budget, o.over, o.alarms, pending,
                                   len(queued), now - min(queued) if queued else 0.0,
                                   None if newest is None else now - newest))
         return out
@@ -347,12 +357,3 @@ class RunState:
 
 def _queued_at(b: _Building) -> float | None:
     return next((p.start for p in b.phases if p.name == "queued"), None)
-
-
-def _saved_at(ev: Event) -> float | None:
-    """The save call a ``superseded`` event names (its snapshot's start); None for any other event."""
-    m = re.match(r"saved_at=(\S+)", ev.detail or "") if ev.name == "superseded" else None
-    try:
-        return float(m.group(1)) if m else None
-    except ValueError:
-        return None

@@ -306,7 +306,7 @@ def test_serve_metrics_once_prints_the_exposition(serve: Serve, tmp_path: Path) 
     got = parse(text.stdout)
     assert value(got, "fastckpt_saved_bytes_total", rank="0", tier="direct") == rec.bytes
     js = json.loads(as_json.stdout)
-    assert js["events"] == 3 and js["ranks"][0]["pending"] == 0
+    assert js["events"] == 4 and js["ranks"][0]["pending"] == 0  # start, snapshot, write, commit
     assert os.path.exists(log)
 
 
@@ -575,3 +575,52 @@ def test_both_exporters_count_a_group_file_awaiting_its_commit_as_stats_does(ser
         ck.commit(g, step=1).wait(60)
     _, summary = load_run([str(log)])
     assert (summary.durable, summary.pending) == (1, 0)
+
+
+def test_lazy_saves_export_the_fence_wait_that_stats_counts(serve: Serve, tmp_path: Path) -> None:
+    """save(lazy=True) then fence(): the exported stall per save (in the process and replayed from
+    the log) holds the fence's wait, as stats() does; it held the save() call's part only. A
+    one_save() block of lazy files fenced after it ended counts its files' waits too."""
+    from ._scrape import parse
+
+    w, log = torch.randn(1 << 23), tmp_path / "events.jsonl"  # 32 MiB: the fence right after waits for its copy
+    with Checkpointer(metrics_port=0, event_log=str(log), overhead_budget=0.99) as ck:
+        for s in range(4):
+            h = ck.save({"w": w}, str(tmp_path / f"s{s}.pt"), lazy=True)
+            ck.fence()
+            w.add_(1)
+            h.wait()
+        with ck.one_save():
+            handles = [ck.save({"w": w}, str(tmp_path / f"{n}.pt"), lazy=True) for n in "ab"]
+        ck.fence()
+        for h in handles:
+            h.wait()
+        st, got = ck.stats(), scrape(ck.metrics_url)
+    r = serve("--event-log", str(log), "--once")
+    assert r.returncode == 0, r.stderr
+    assert st.saves == 5 and st.blocked_s > 0.005  # the fences waited for the copies
+    for samples in (got, parse(r.stdout)):
+        assert value(samples, "fastckpt_save_blocked_seconds_count", rank="0") == st.saves
+        assert value(samples, "fastckpt_save_blocked_seconds_sum", rank="0") == pytest.approx(st.blocked_s, abs=1e-3)
+        assert value(samples, "fastckpt_last_save_blocked_seconds", rank="0") == pytest.approx(st.last_blocked_s,
+                                                                                              abs=1e-3)
+    run, _ = load_run([str(log)])
+    assert sum(s.blocked_s for s in run.saves()) == pytest.approx(st.blocked_s, abs=1e-3)  # report's numbers too
+
+
+def test_serve_metrics_replays_the_alarm_against_the_jobs_budget(serve: Serve, tmp_path: Path) -> None:
+    """The log's start event records the job's overhead_budget: serve-metrics uses it unless
+    --overhead-budget is given (it used its own default, 0.02, and raised an alarm the job had not)."""
+    from ._scrape import parse
+
+    log = tmp_path / "events.jsonl"
+    with Checkpointer(event_log=str(log), overhead_budget=0.9) as ck:
+        for s in range(3):
+            ck.save(_state(1 << 20), str(tmp_path / f"s{s}.pt")).wait()
+        assert not ck.stats().over_budget
+    got = parse(serve("--event-log", str(log), "--once").stdout)
+    assert value(got, "fastckpt_overhead_budget_ratio", rank="0") == 0.9
+    assert value(got, "fastckpt_overhead_alarm", rank="0") == 0
+    given = parse(serve("--event-log", str(log), "--once", "--overhead-budget", "0.0001").stdout)
+    assert value(given, "fastckpt_overhead_budget_ratio", rank="0") == 0.0001
+    assert value(given, "fastckpt_overhead_alarm", rank="0") == 1

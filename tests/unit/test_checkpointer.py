@@ -62,7 +62,8 @@ def test_event_log_has_every_phase(tmp_path) -> None:
         ck.save(_state(3), str(tmp_path / "d" / "x.pt")).wait()
         ck.load(str(tmp_path / "d" / "x.pt"))
     events = [json.loads(line) for line in log_path.read_text().splitlines()]
-    assert [e["name"] for e in events] == ["snapshot", "write", "commit", "queued", "replicate", "load"]
+    assert [e["name"] for e in events] == ["start", "snapshot", "write", "commit", "queued", "replicate", "load"]
+    assert events[0]["detail"] == "overhead_budget=0.02 overhead_window_s=3600.0"  # what serve-metrics replays with
     assert all(e["tier"] for e in events) and all(e["error"] is None for e in events)
     assert all(e["end"] >= e["start"] for e in events)
 

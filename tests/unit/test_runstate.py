@@ -426,3 +426,35 @@ def test_a_group_commit_that_ended_with_its_saves_failure_is_no_longer_pending(t
     for ev in read_events(str(log)):
         rs.feed(ev)
     assert [e.name for e in rs.failures] == ["write"]
+
+
+@pytest.mark.parametrize("given, detail, budget", [
+    (None, "overhead_budget=0.5 overhead_window_s=60.0", 0.5), (0.1, "overhead_budget=0.5", 0.1),
+    (None, "overhead_budget=nan overhead_window_s=x", 0.02), (None, None, 0.02)])
+def test_the_alarm_is_replayed_against_the_jobs_budget_unless_one_is_given(given: float | None, detail: str | None,
+                                                                        budget: float) -> None:
+    """RunState(budget=None) (serve-metrics without --overhead-budget) takes each rank's budget from
+    its session's start event; a value that is no budget, or no start event, is the default."""
+    rs = RunState(given, None)
+    evs = ([_ev("start", 1.0, 1.0, detail=detail, session="s")] if detail is not None else []) + \
+        [_ev("snapshot", t, t + 0.3, path=f"/h/{t}.pt", session="s") for t in (1.0, 2.0, 3.0)]
+    for ev in evs:
+        rs.feed(ev)
+    (st,) = rs.status(3.3)
+    assert st.budget == rs.budget == budget and st.over_budget == (st.overhead > budget)
+
+
+def test_a_lazy_save_is_counted_at_its_fence_event_and_an_older_logs_at_its_snapshot() -> None:
+    """A lazy snapshot (detail LAZY) waits for its fence event, whose span (the fence's wait) adds to
+    its blocked time; a log written before fence events ("lazy") counts it at the snapshot."""
+    from fastckpt.events import LAZY
+
+    rs = RunState(0.5, 3600.0)
+    rs.feed(_ev("snapshot", 1.0, 1.1, detail=LAZY))
+    assert rs.saves()[0].blocked_s == pytest.approx(0.1) and rs.status(2.0)[0].overhead == 0.0  # not counted yet
+    rs.feed(_ev("fence", 1.5, 1.9, nbytes=0, detail="saved_at=1.0"))
+    assert rs.saves()[0].blocked_s == pytest.approx(0.5)
+    assert rs.status(2.0)[0].overhead == pytest.approx(0.5)  # 0.5 s blocked since 1.0
+    old = RunState(0.5, 3600.0)
+    old.feed(_ev("snapshot", 1.0, 1.1, detail="lazy"))
+    assert old.status(2.0)[0].overhead == pytest.approx(0.1)

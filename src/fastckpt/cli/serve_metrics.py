@@ -23,18 +23,21 @@ from ._localdir import LocalDir
 @click.option("--local-dir", "local_dirs", type=LocalDir(), multiple=True,
               help="The node's burst buffer (local_dir), for its free space; repeat it for each directory of a "
                    "striped one (local_dir=[...]).")
-@click.option("--overhead-budget", type=OVERHEAD_BUDGET, default=DEFAULT_BUDGET, show_default=True,
-              help="Budget the overhead alarm is replayed against.")
-@click.option("--overhead-window-s", type=DURATION, default=DEFAULT_WINDOW_S, show_default=True,
-              help="The Checkpointer's overhead_window_s: seconds (3600) or a duration (1h).")
+@click.option("--overhead-budget", type=OVERHEAD_BUDGET, default=None,
+              help="Budget the overhead alarm is replayed against [default: each job's overhead_budget, which its "
+                   f"event log records; {DEFAULT_BUDGET} for a log that does not].")
+@click.option("--overhead-window-s", type=DURATION, default=None,
+              help="The overhead's sliding window: seconds (3600) or a duration (1h) [default: each job's "
+                   f"overhead_window_s, from its event log; {DEFAULT_WINDOW_S:g} s for a log that does not].")
 @click.option("--poll-s", type=FiniteRange(0, 3600, min_open=True, want="seconds, e.g. 1 or 0.5"), default=1.0,
               show_default=True,
               help="How often to read what the logs gained between scrapes (each scrape reads them too).")
 @click.option("--once", is_flag=True, help="Read the logs once, print the metrics and exit (no server).")
 @click.option("--json", "as_json", is_flag=True, help="Print the startup line (or, with --once, the ranks' "
               "status) as JSON.")
-def serve_metrics(logs: tuple[str, ...], port: int, addr: str, local_dirs: tuple[str, ...], overhead_budget: float,
-                  overhead_window_s: float, poll_s: float, once: bool, as_json: bool) -> None:
+def serve_metrics(logs: tuple[str, ...], port: int, addr: str, local_dirs: tuple[str, ...],
+                  overhead_budget: float | None, overhead_window_s: float | None, poll_s: float, once: bool,
+                  as_json: bool) -> None:
     """Follow running jobs' event logs and serve their metrics to Prometheus (docs/metrics.md).
 
     One exporter per node: pass every rank's log of this node. Stops on Ctrl-C or SIGTERM.

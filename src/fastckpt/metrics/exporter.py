@@ -25,7 +25,7 @@ from ..errors import ConfigError
 from ..eventlog import LogFollower, unique_paths
 from ..events import Event
 from ..monitor import Stats
-from ..runstate import DEFAULT_BUDGET, DEFAULT_WINDOW_S, RankStatus, RunState
+from ..runstate import RankStatus, RunState
 from .collectors import NodeHealth, StatusCollector, status_from_stats
 from .sink import EventMetrics
 
@@ -140,12 +140,12 @@ class LogExporter(MetricsServer):
         port: TCP port (0: any free one).
         addr: the address to listen on.
         local_dirs: the node's burst-buffer directories, for their free space (none: not reported).
-        budget: the overhead budget the alarm is replayed against.
-        window_s: the sliding window of the overhead.
+        budget: the overhead budget the alarm is replayed against (None: each job's, from its log).
+        window_s: the sliding window of the overhead (None: each job's, from its log).
     """
 
     def __init__(self, logs: Sequence[str], port: int, addr: str = "0.0.0.0", *, local_dirs: Sequence[str] = (),
-                 budget: float = DEFAULT_BUDGET, window_s: float = DEFAULT_WINDOW_S) -> None:
+                 budget: float | None = None, window_s: float | None = None) -> None:
         registry = CollectorRegistry(auto_describe=False)
         registry.register(_PollFirst(self))  # registered first: collected before the families it feeds
         self._sink = EventMetrics(registry, RunState(budget, window_s, keep_done=256))

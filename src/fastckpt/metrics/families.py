@@ -42,7 +42,8 @@ def _h(name: str, help: str) -> Family:
 
 FAMILIES: tuple[Family, ...] = (
     # from events: one rank's saves, by tier (a load's "tier" is where it read from)
-    _h("fastckpt_save_blocked_seconds", "Time the training thread was blocked by a save (the snapshot phase)."),
+    _h("fastckpt_save_blocked_seconds", "Time the training thread was blocked by a save (the snapshot phase; a "
+                                         "lazy save's fence() wait too, as stats() counts it)."),
     _h("fastckpt_save_write_seconds", "Time to write and fsync a checkpoint file in its first location."),
     _h("fastckpt_save_commit_seconds", "Time to rename a written file into place and fsync its directory."),
     _h("fastckpt_save_durable_seconds", "Time from the save call until the file was durable at its path."),
@@ -64,8 +65,8 @@ FAMILIES: tuple[Family, ...] = (
     Family("fastckpt_write_bandwidth_bytes_per_second", "gauge", "Bandwidth of the last file write.", RANK_TIER),
     Family("fastckpt_replicate_bandwidth_bytes_per_second", "gauge", "Bandwidth of the last replication.",
            RANK_TIER),
-    Family("fastckpt_last_save_blocked_seconds", "gauge", "Blocked time of the last save (stall per checkpoint).",
-           RANK_TIER),
+    Family("fastckpt_last_save_blocked_seconds", "gauge", "Blocked time of the last save (stall per checkpoint; "
+           "a lazy save's with its fence() wait).", RANK_TIER),
     Family("fastckpt_last_save_timestamp_seconds", "gauge", "Unix time of the last save call.", RANK_TIER),
     # from the Checkpointer's stats() (or, for serve-metrics, replayed from its log)
     Family("fastckpt_overhead_ratio", "gauge", "Blocked time / wall time: window=run since the start, "

@@ -35,6 +35,7 @@ from ..commit.names import check_save_name
 from ..commit.protocol import publish_file
 from ..config import CheckpointerConfig
 from ..errors import ConfigError, ReplicationError, refused_once_closed
+from ..events import LAZY
 from ..format import layout as F
 from ..format.manifest import TAIL_ROOM
 from ..inflight import InFlight, raise_as_write_error, set_surfaced
@@ -43,10 +44,11 @@ from ..records import SaveHandle, SaveRecord, not_written
 from ..storage.homes import Homes
 from ..urls import is_within
 from . import heap
+from .lazy import LazyCopies
 from .ordering import Turn
 from .replicator import ReplicaJob, Replicator
 from .retention import Retention
-from .snapshot import LazySnapshot, Progress, Snapshot, Unfenced, cuda_marks, order_before, snapshot
+from .snapshot import LazySnapshot, Progress, Snapshot, Unfenced, cuda_marks, snapshot
 from .staging import Lease, StagingBuffer, StagingPool
 from .stripes import Reservation, Stripes
 from .tiers import TierChoice, TierSelector
@@ -66,10 +68,9 @@ class Saver:
         self._writer, self._write_threads, self._snap_thread = writer, tuple(writer_threads), snapshot_thread
         self._inflight, self._coord, self._replicator, self._retention = inflight, coordinator, replicator, retention
         self._homes, self._stripes, self._emit = homes, stripes, emit
-        self._lock = threading.Lock()
         self._queueing = threading.Lock()  # a write is queued and its turn taken at once
         self._planner = F.Planner()
-        self._lazy: list[Unfenced] = []
+        self._lazy = LazyCopies(monitor, emit)
 
     def save(self, state_dict: object, path: str, group: str | None, lazy: bool, rank: int, world: int) -> SaveHandle:
         """See ``Checkpointer.save``; ``path`` and ``group`` are normalised. An earlier save's
@@ -158,18 +159,19 @@ class Saver:
                 with refused_once_closed("this save"):
                     copy = self._snap_thread.submit(self._staging.lent, lease, functools.partial(
                         snapshot, layout, buf, after=cuda_marks(layout), hold_stream=False))
-                counted: Future = Future()  # the copy's outcome, once ``_copied`` has run: the writer waits for it
+                counted: Future = Future()  # the copy's outcome, once it is counted: the writer waits for it
                 snap: Snapshot | LazySnapshot = LazySnapshot(counted, layout, buf)
                 # fence() waits for the copy and counts that wait as blocked time (or the copy ends first)
                 blocked = time.monotonic() - t_call
-                entry = Unfenced(copy, t_call, blocked, layout.payload_bytes, batch=self._monitor.current())
-                with self._lock:
-                    self._lazy.append(entry)
-                copy.add_done_callback(functools.partial(self._copied, entry, counted))
+                entry = Unfenced(copy, t_call, blocked, layout.payload_bytes, batch=self._monitor.current(),
+                                 path=path, tier=choice.tier, w_call=w_call, group=group)
+                self._lazy.add(entry)
             else:
                 snap = snapshot(layout, buf)
-            self._emit("snapshot", path, layout.payload_bytes, w_call, choice.tier, detail="lazy" if lazy else None,
+            self._emit("snapshot", path, layout.payload_bytes, w_call, choice.tier, detail=LAZY if lazy else None,
                        group=group)
+            if lazy:  # after its snapshot event: the fence event that counts it follows it
+                self._lazy.watch(entry, counted)
             base = replace(base, blocked_s=blocked if lazy else time.monotonic() - t_call)  # eager: sinks count
             fut = self._submit(spot, token, turn, layout, self._writer.write, snap, base, dest, t_call,
                                choice.odirect, fallback, lease=lease)
@@ -320,41 +322,6 @@ class Saver:
                                   owns_persistent=True, token=token)
         return rec
 
-    def _copied(self, entry: Unfenced, counted: Future, copy: Future) -> None:
-        """A lazy copy ended (snapshot thread). If no fence took it yet: let its snapshot go, so a
-        loop that never fences (it waits on handles instead) does not hold one state per save,
-        and count the save now, with the time its call blocked (a fence after this waits for
-        nothing; a CUDA copy's events stay for it). Then ``counted`` gets the copy's outcome:
-        the save is counted before its writer, and so its handle, can go on."""
-        try:
-            with self._lock:
-                if all(e is not entry for e in self._lazy):
-                    return  # a fence took it: the fence counts it, with its wait
-                entry.copy = None
-                if not copy.cancelled() and copy.exception() is None:  # failed: the write stage re-raises it
-                    entry.cuda_events = copy.result().cuda_events
-                if not entry.cuda_events:
-                    self._lazy.remove(entry)
-            self._monitor.record_blocked(entry.t_call, entry.blocked, entry.nbytes, entry.batch)
-        finally:
-            if copy.cancelled():  # by a close() that gave up waiting: the writer must not wait for ever
-                counted.cancel()
-            elif (exc := copy.exception()) is not None:
-                counted.set_exception(exc)
-            else:
-                counted.set_result(copy.result())
-
     def fence(self) -> float:
-        """Wait until every lazy save has copied its tensors; return the seconds waited (counted
-        as blocked time). A failed copy surfaces through its save's handle."""
-        with self._lock:
-            lazy, self._lazy = self._lazy, []
-        t0 = time.monotonic()
-        for e in lazy:
-            if e.copy is not None and not e.copy.cancelled() and e.copy.exception() is None:  # failed: writer raises
-                e.cuda_events = e.copy.result().cuda_events
-            order_before(e.cuda_events)  # CUDA: the next kernels wait for the copy on the GPU
-        waited = time.monotonic() - t0
-        for i, e in enumerate(e for e in lazy if e.copy is not None):  # the others were counted when they ended
-            self._monitor.record_blocked(e.t_call, e.blocked + (waited if i == 0 else 0.0), e.nbytes, e.batch)
-        return waited
+        """See ``Checkpointer.fence`` (``save.lazy``)."""
+        return self._lazy.fence()

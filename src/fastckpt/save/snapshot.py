@@ -31,6 +31,10 @@ class Unfenced:
     nbytes: int
     cuda_events: dict = field(default_factory=dict)
     batch: OneSave | None = None  # the Checkpointer.one_save() it was made in: the monitor counts it there
+    path: str = ""  # what its fence event names (``save.lazy``): the file, its tier, its call's wall time, its group
+    tier: str = ""
+    w_call: float = 0.0
+    group: str | None = None
 
 
 @dataclass
