@@ -126,7 +126,9 @@ def _resolve(opts: dict, run: RunProfile | None, from_run: tuple[str, ...]) -> t
     snap = opts["snapshot_bandwidth"]
     if snap is None and run and run.snapshot_Bps:
         snap = run.snapshot_Bps
-        notes.append(f"snapshot {fmt_rate(snap)} per GPU: measured in the run")
+        lazy = (f" ({run.lazy_snapshots} lazy save(s) timed from the call to the end of the copy, when the write "
+                "started: the training waits for it only at fence())") if run.lazy_snapshots else ""
+        notes.append(f"snapshot {fmt_rate(snap)} per GPU: measured in the run{lazy}")
     elif snap is None:
         snap = sizing.DEFAULT_SNAPSHOT_Bps
         notes.append(f"snapshot bandwidth {fmt_rate(snap)} per GPU assumed (pinned device-to-host); "

@@ -15,7 +15,7 @@ import statistics
 from dataclasses import dataclass, field
 
 from ..events import Event
-from ..runstate import resave_home
+from ..runstate import RunState, resave_home
 from ..urls import untagged
 
 CLUSTER_GAP_S = 1.0  # single files further apart than this (end to next start) are separate checkpoints
@@ -38,7 +38,8 @@ class RunProfile:
     median time between checkpoints. ``skipped_lines``: lines of the log that were not events.
     ``logged_share``: the median share of a committed group's bytes that the log's own saves
     hold (about 1 when the log has every rank's events; 1/8 for one of 8 ranks' logs); None
-    without group commits.
+    without group commits. ``lazy_snapshots``: the lazy saves in ``snapshot_Bps``, each timed
+    from its call to the end of its copy (``_snapshot_rate``).
     """
 
     events: int
@@ -52,6 +53,27 @@ class RunProfile:
     interval_s: float | None
     skipped_lines: int = 0
     logged_share: float | None = None
+    lazy_snapshots: int = 0
+
+
+def _snapshot_rate(events: list[Event]) -> tuple[float | None, int]:
+    """The median snapshot rate per process, and how many lazy saves it counts. A lazy save's
+    ``snapshot`` event spans its call only (the copy runs on in the background, until
+    ``fence()``): its copy is timed from the call to its ``write``'s start, which waits for the
+    copy (at most: a write queued behind an earlier one starts later). A lazy save whose write
+    is not in the log is left out."""
+    snaps = [e for e in events if e.name == "snapshot" and e.error is None and e.bytes > 0]
+    lazy = {(e.rank, e.path, e.start): e.bytes for e in snaps if e.detail == "lazy"}
+    eager = [e.bytes / e.duration_s for e in snaps if e.detail != "lazy" and e.duration_s > 0]
+    copies: list[float] = []
+    if lazy:
+        state = RunState()
+        for e in events:
+            state.feed(e)
+        copies = [lazy[k] / (w.start - s.start) for s in state.saves() if (k := (s.rank, s.path, s.start)) in lazy
+                  and (w := s.phase("write")) is not None and w.error is None and w.start > s.start]
+    rates = eager + copies
+    return (statistics.median(rates) if rates else None), len(copies)
 
 
 def _rate(events: list[Event]) -> float | None:
@@ -215,14 +237,15 @@ def _logged_share(events: list[Event]) -> float | None:
 def profile(events: list[Event], skipped_lines: int = 0) -> RunProfile:
     """Summarise an event log (see ``RunProfile``); ``skipped_lines``: lines of it that were not
     events (``eventlog.read_events``)."""
-    by = {name: [e for e in events if e.name == name] for name in ("snapshot", "write", "replicate")}
+    by = {name: [e for e in events if e.name == name] for name in ("write", "replicate")}
     ckpts = _checkpoints(events)
     gaps = [b[0] - a[0] for a, b in zip(ckpts, ckpts[1:])]
     tiers = [e.tier for e in by["write"]]
+    snapshot_Bps, lazy = _snapshot_rate(events)
     return RunProfile(
         events=len(events), ranks=len({e.rank for e in events}), checkpoints=len(ckpts),
         state_bytes=statistics.median(b for _, b in ckpts) if ckpts else None,
-        snapshot_Bps=_rate(by["snapshot"]), write_Bps=_rate(by["write"]),
+        snapshot_Bps=snapshot_Bps, write_Bps=_rate(by["write"]),
         write_tier=max(set(tiers), key=tiers.count) if tiers else None,
         replicate_Bps=_rate(by["replicate"]), interval_s=statistics.median(gaps) if gaps else None,
-        skipped_lines=skipped_lines, logged_share=_logged_share(events))
+        skipped_lines=skipped_lines, logged_share=_logged_share(events), lazy_snapshots=lazy)

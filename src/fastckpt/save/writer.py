@@ -96,6 +96,7 @@ class FileWriter:
         try:
             if progress is None:
                 snap.wait_ready()
+                w0 = time.time()  # the write starts once its bytes are there: a lazy copy's end, in the log
             try:
                 st, res, t0 = self._write_once(snap, dest, odirect, base_now)
             except OSError as exc:
