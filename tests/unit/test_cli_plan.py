@@ -197,7 +197,42 @@ def test_young_daly_with_mtbf_per_node_or_per_job() -> None:
     assert per_node.job_mtbf_s == per_job.job_mtbf_s == 86400  # 8 nodes: a node's 8 days is the job's 1 day
     assert per_node.synchronous.young_daly_interval_s == pytest.approx(math.sqrt(2 * 140 * 86400))  # 4918.5 s
     assert per_node.synchronous.campaign_failures == pytest.approx(30)
-    assert per_node.synchronous.campaign_rework_gpu_hours == pytest.approx(30 * 1.0 * 64)  # half of 2 h each
+    # each failure loses E[T | T < 2 h] for T ~ Exp(mean 1 day): 86400 - 7200 / (e^(1/12) - 1) = 3550 s, about half
+    lost = 86400 - 7200 / (math.exp(7200 / 86400) - 1)
+    assert lost == pytest.approx(3550.1, abs=0.1)
+    assert per_node.synchronous.campaign_rework_gpu_hours == pytest.approx(30 * lost / 3600 * 64)
+
+
+@pytest.mark.parametrize("interval_s, mtbf_s, lost_s", [
+    (1.0, 1e9, 0.5),                # much shorter than the MTBF: half an interval
+    (3600.0, 3600.0, 3600 - 3600 / (math.e - 1)),  # 1 - 1/(e - 1) = 0.418 of the MTBF
+    (7200.0, 1.0, 1.0),             # far longer: the MTBF itself, never more (and no overflow)
+])
+def test_a_failure_loses_the_expected_work_since_the_last_checkpoint(interval_s, mtbf_s, lost_s) -> None:
+    assert sizing.lost_per_failure(interval_s, mtbf_s) == pytest.approx(lost_s)
+
+
+def test_an_interval_past_the_job_mtbf_misses_and_never_redoes_more_than_the_campaign() -> None:
+    """405B parameters, 16,384 GPUs, a node MTBF of 1000 h: the job's is 29 min, and the default
+    interval 2 h. Rework was failures x half an interval: 24.2 M GPU-hours redone of 11.8 M in the
+    whole campaign, and plan passed. Now each failure loses at most the MTBF, and the plan misses
+    naming a shorter --interval."""
+    r = invoke("--params", "405B", "--gpus", "16384", "--bandwidth", "100GB/s", "--mtbf", "1000h", "--json")
+    assert r.exit_code == 1, r.output
+    d = json.loads(r.stdout)
+    campaign = 16384 * 30 * 24
+    for col in ("synchronous", "fastckpt"):
+        assert 0.9 * campaign < d[col]["campaign_rework_gpu_hours"] < campaign  # 93 % of it redone
+        assert not d[col]["passed"]
+        assert any("interval is not shorter than the job's MTBF (1,758 s)" in t and "93.1 % of the GPU-hours" in t
+                   for t in d[col]["problems"]), d[col]["problems"]
+    assert "interval: shorter than the job's MTBF, e.g. --interval 477s, the Young/Daly interval" \
+        in d["synchronous"]["advice"]
+    # fastckpt's Young/Daly (8.34 s) is shorter than its drain (64.8 s): the fix is the drain's time
+    assert any("--interval 64.8s, what the background tiers need" in a for a in d["fastckpt"]["advice"])
+    fixed = invoke("--params", "405B", "--gpus", "16384", "--bandwidth", "100GB/s", "--mtbf", "1000h",
+                   "--interval", "64.8s", "--json")
+    assert fixed.exit_code == 0, fixed.output
 
 
 def test_inputs_are_validated() -> None:

@@ -201,7 +201,7 @@ def render(p: sizing.Plan, notes: list[str]) -> None:
         [["cost lost", f"{s.campaign_cost_lost:,.0f}", f"{f.campaign_cost_lost:,.0f}"]]
     rework = [] if s.campaign_failures is None else [
         ["failures in the campaign", f"{sig(s.campaign_failures, 3)}", f"{sig(f.campaign_failures, 3)}"],
-        ["GPU-hours redone after failures (half an interval each)", f"{s.campaign_rework_gpu_hours:,.0f}",
+        ["GPU-hours redone after failures", f"{s.campaign_rework_gpu_hours:,.0f}",
          f"{f.campaign_rework_gpu_hours:,.0f}"]]
     out.print(table("Synchronous vs fastckpt", ["", "synchronous", "fastckpt"], [
         ["training stall per checkpoint", fmt_seconds(s.stall_s), f"{fmt_seconds(f.stall_s)} (snapshot)"],
@@ -255,8 +255,9 @@ def plan(as_json: bool, from_run: tuple[str, ...], **opts: object) -> None:
     """Size checkpoint storage: state, write time, bandwidth needed, overhead, cost, Young/Daly.
 
     Shows a synchronous save and fastckpt (snapshot, local tier, drain) side by side. SI
-    units (GB = 1e9 bytes). Exit 0 when fastckpt meets the overhead budget and its tiers keep
-    up with the interval, 1 when not (the output names the smallest change that fixes it).
+    units (GB = 1e9 bytes). Exit 0 when fastckpt meets the overhead budget, its tiers keep
+    up with the interval and (with --mtbf) the interval is shorter than the job's MTBF, 1 when
+    not (the output names the smallest change that fixes it).
     """
     run = None
     if from_run:

@@ -8,6 +8,10 @@ Every number is one a reviewer can redo by hand (SI units: GB = 1e9 bytes):
 - overhead = stall per checkpoint / interval (the interval is wall time from one checkpoint to
   the next); checkpoints = campaign / interval; stall hours = checkpoints x stall / 3600;
   GPU-hours lost = stall hours x GPUs.
+- rework: failures = campaign / MTBF_job, each losing the work since the last checkpoint; with
+  failures at random (exponential, mean M) and an interval t that is ``E[T | T < t] =
+  M - t / (e^(t/M) - 1)``, about t/2 when t << M and never more than M, so the rework stays
+  under the campaign. An interval of M or more misses: most intervals end in a failure.
 - Young/Daly: the interval that minimises checkpoint cost plus rework after failures is
   ``sqrt(2 x stall x MTBF_job)`` (Young 1974, Daly 2006's first order), where the job's MTBF
   is a node's MTBF / nodes.
@@ -40,6 +44,11 @@ HOUR, DAY = 3600.0, 86400.0
 
 def _s(seconds: float) -> str:
     return f"{seconds:,.0f} s" if seconds >= 100 else f"{sig(seconds, 3)} s"
+
+
+def _flag_s(seconds: float) -> str:
+    """As ``--interval`` takes it: ``477s``, ``8.34s`` (no thousands separator, no space)."""
+    return f"{sig(seconds, 3).replace(',', '')}s"
 
 
 @dataclass(frozen=True)
@@ -161,15 +170,45 @@ def young_daly_interval(stall_s: float, job_mtbf_s: float | None) -> float | Non
     return math.sqrt(2.0 * stall_s * job_mtbf_s)
 
 
+def lost_per_failure(interval_s: float, job_mtbf_s: float) -> float:
+    """The work a failure loses on average: the time since the last checkpoint, ``E[T | T <
+    interval]`` for failures at random (exponential, mean ``job_mtbf_s``). About half an interval
+    when the interval is much shorter than the MTBF; never more than the MTBF."""
+    x = interval_s / job_mtbf_s
+    return job_mtbf_s - interval_s * math.exp(-x) / -math.expm1(-x)  # no overflow for a large x
+
+
+def _mtbf_miss(p: PlanInputs, shortest_s: float, young_daly_s: float | None) -> tuple[str, str] | None:
+    """An interval of the job's MTBF or more: most intervals end in a failure before their
+    checkpoint, so the run mostly redoes work. Returns the problem and the fix: the Young/Daly
+    interval, or ``shortest_s`` (what the background tiers need) where that is longer."""
+    mtbf = p.job_mtbf_s
+    if mtbf is None or young_daly_s is None or p.interval_s < mtbf:
+        return None
+    share = lost_per_failure(p.interval_s, mtbf) / mtbf  # of all GPU-hours: rework = campaign / M x lost
+    problem = (f"the {_s(p.interval_s)} interval is not shorter than the job's MTBF ({_s(mtbf)}): "
+               f"{sig(-math.expm1(-p.interval_s / mtbf) * 100, 3)} % of intervals end in a failure, and "
+               f"{sig(share * 100, 3)} % of the GPU-hours are redone")
+    if max(young_daly_s, shortest_s) >= mtbf:
+        return problem, ("interval: no interval shorter than the job's MTBF keeps up (the Young/Daly interval "
+                         f"{_s(young_daly_s)}, the background tiers {_s(shortest_s)}): more bandwidth, or fewer "
+                         "failures (fewer nodes, or more reliable ones)")
+    fix = f"--interval {_flag_s(young_daly_s)}, the Young/Daly interval" if young_daly_s >= shortest_s else (
+        f"--interval {_flag_s(shortest_s)}, what the background tiers need (the Young/Daly {_s(young_daly_s)} "
+        "is shorter)")
+    return problem, f"interval: shorter than the job's MTBF, e.g. {fix}"
+
+
 def _costed(name: str, p: PlanInputs, stall_s: float) -> dict:
     """The campaign totals for a stall of ``stall_s`` per checkpoint (shared by both strategies)."""
     overhead = stall_s / p.interval_s
     stall_hours = (p.campaign_s / p.interval_s) * stall_s / HOUR
     gpu_hours = stall_hours * p.gpus
     mtbf = p.job_mtbf_s
-    failures = p.campaign_s / mtbf if mtbf else None
-    # each failure loses, on average, half an interval of work on every GPU
-    rework = failures * (p.interval_s / 2) / HOUR * p.gpus if failures is not None else None
+    failures = rework = None
+    if mtbf is not None:
+        failures = p.campaign_s / mtbf
+        rework = failures * lost_per_failure(p.interval_s, mtbf) / HOUR * p.gpus
     return {"name": name, "stall_s": stall_s, "overhead_fraction": overhead, "campaign_stall_hours": stall_hours,
             "campaign_gpu_hours_lost": gpu_hours,
             "campaign_cost_lost": gpu_hours * p.gpu_hour_cost if p.gpu_hour_cost is not None else None,
@@ -188,13 +227,16 @@ def _budget_advice(stall_s: float, p: PlanInputs, what: str, rate_name: str, rat
 def synchronous(p: PlanInputs) -> Strategy:
     write_s = p.state_bytes / p.bandwidth_Bps
     c = _costed("synchronous", p, write_s)
-    ok = c["overhead_fraction"] <= p.overhead_budget
-    problems, advice = (), ()
-    if not ok:
-        problems = (f"stall {_s(write_s)} per checkpoint is {sig(c['overhead_fraction'] * 100, 3)} % of the interval "
-                    f"(budget {sig(p.overhead_budget * 100, 3)} %)",)
-        advice = (_budget_advice(write_s, p, "synchronous", "bandwidth", p.bandwidth_Bps),)
-    return Strategy(**c, passed=ok, problems=problems, advice=advice)
+    problems: list[str] = []
+    advice: list[str] = []
+    if c["overhead_fraction"] > p.overhead_budget:
+        problems.append(f"stall {_s(write_s)} per checkpoint is {sig(c['overhead_fraction'] * 100, 3)} % of the "
+                        f"interval (budget {sig(p.overhead_budget * 100, 3)} %)")
+        advice.append(_budget_advice(write_s, p, "synchronous", "bandwidth", p.bandwidth_Bps))
+    if miss := _mtbf_miss(p, 0.0, c["young_daly_interval_s"]):
+        problems.append(miss[0])
+        advice.append(miss[1])
+    return Strategy(**c, passed=not problems, problems=tuple(problems), advice=tuple(advice))
 
 
 def tiered(p: PlanInputs) -> Strategy:
@@ -223,6 +265,9 @@ def tiered(p: PlanInputs) -> Strategy:
                         f"{_s(p.interval_s)} interval: bandwidth falls short by {sig(shortfall / 1e9, 4)} GB/s")
         advice.append(f"drain: persistent bandwidth {sig(drain_need / 1e9, 4)} GB/s, or an interval of "
                       f"{sig(drain_s / HOUR, 4)} h")
+    if miss := _mtbf_miss(p, max(drain_s, local_s or 0.0), c["young_daly_interval_s"]):
+        problems.append(miss[0])
+        advice.append(miss[1])
     staging = p.node_state_bytes  # one host copy of every rank's state on the fullest node
     if p.host_memory_bytes is not None and staging > p.host_memory_bytes * STAGING_SHARE:
         problems.append(f"the staging buffers pin {fmt_bytes(staging, 4)} per node, more than "
