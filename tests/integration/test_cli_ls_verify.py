@@ -663,6 +663,21 @@ def test_verify_of_a_file_cut_short_says_it_is_damaged(home: str) -> None:
     assert r.exit_code == 1 and "not a complete fastckpt checkpoint" in r.stderr
 
 
+def test_verify_of_a_file_that_is_no_checkpoint_looks_at_that_file_only(tmp_path) -> None:
+    """`verify DIR/notes.txt` listed all of DIR, recursively, and ran latest() over it, to learn
+    whether that one file was listed damaged: a full scan of a big run directory, and a warning
+    about another checkpoint in it (the newest under DIR, a torch.save file in a subfolder). Now
+    the file is judged alone; a damaged one still is (test_verify_of_a_file_cut_short...)."""
+    os.makedirs(tmp_path / "old")
+    torch.save({"w": torch.zeros(3)}, tmp_path / "old" / "legacy.pt")  # someone else's plain checkpoint
+    (tmp_path / "notes.txt").write_text("not a checkpoint\n")
+    r = subprocess.run([sys.executable, "-m", "fastckpt.cli", "verify", str(tmp_path / "notes.txt")],
+                       capture_output=True, text=True, timeout=120)
+    out = r.stdout + r.stderr
+    assert r.returncode == 1 and "not a complete fastckpt checkpoint" in out, out
+    assert "legacy.pt" not in out, out
+
+
 def test_verify_latest_fails_on_a_newer_group_cut_short_after_its_commit(home: str) -> None:
     """``fastckpt.latest()`` (what a resume script calls) names the newest committed group even
     when a file of it was cut short since; ``fastckpt latest`` passes over it. ``verify --latest``

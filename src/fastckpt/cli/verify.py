@@ -9,14 +9,16 @@ checksum too, and both must agree. Local files are read with O_DIRECT in paralle
 from __future__ import annotations
 
 import os
+import posixpath
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import click
 
+from ..commit.discovery import Damaged, alone
 from ..commit.names import SIDECAR
 from ..errors import CorruptCheckpointError, FastCkptError
-from ..storage.homes import Homes
+from ..storage.homes import Homes, Location
 from ..urls import is_url, normalize
 from ._checkfile import MISSING, REPLACED, check_file, file_size, vanished
 from ._common import (
@@ -32,7 +34,7 @@ from ._common import (
     storage_options_option,
     table,
 )
-from ._discovery import RECHECKS, checkpoint_files, group_manifest, homes
+from ._discovery import RECHECKS, checkpoint_files, group_manifest, homes, size_of
 from ._files import FileSpec
 from ._listing import list_checkpoints
 
@@ -83,10 +85,10 @@ def _gone(h: Homes, checkpoint: str, group: bool) -> bool:
     return False
 
 
-def _cut_file(h: Homes, path: str, opts: dict | None) -> Picked | None:
-    """A file without its manifest, as the listing of its directory sees it: one file of the
-    group published there (checked against the group's manifest), or a checkpoint listed damaged
-    (cut short past its manifest); None when it is neither."""
+def _cut_file(h: Homes, path: str) -> Picked | None:
+    """A file without its manifest, judged alone (not by a scan of all its directory holds): one
+    file of the group published there (checked against the group's manifest), or a checkpoint
+    damaged (cut short past its manifest), as ``ls`` lists it; None when it is neither."""
     parent = os.path.dirname(path)
     try:
         mine = [f for f in checkpoint_files(h, parent)[0] if f.path == path]
@@ -94,14 +96,18 @@ def _cut_file(h: Homes, path: str, opts: dict | None) -> Picked | None:
         mine = []
     if mine:
         return Picked([(parent, mine)])
-    bad = [e for e in list_checkpoints(parent, opts) if e.path == path and e.status == "damaged"]
-    return Picked([], broken=[Checked(path, path, e.bytes, f"damaged: {e.problem}") for e in bad]) if bad else None
+    loc = h.resolve(path)
+    damaged: list[Damaged] = []
+    alone(loc, Location(loc.target, posixpath.dirname(loc.key)), damaged)
+    bad = [Checked(path, path, size_of(loc), f"damaged: {d.problem.removeprefix(f'{d.path}: ')}")
+           for d in damaged if d.path == loc.url]
+    return Picked([], broken=bad) if bad else None
 
 
 def _is_file(h: Homes, path: str) -> bool:
     """Whether ``path`` is a file: a local one, or an object at a URL (an object cut short without
-    its sidecar is judged as the listing of its prefix judges it, as a local file is; a prefix
-    holding objects is no file)."""
+    its sidecar is judged as a local file is: alone, by the listing's rules, ``_cut_file``; a
+    prefix holding objects is no file)."""
     loc = h.resolve(path)
     return bool(loc.key) and loc.target.exists(loc.key)
 
@@ -115,7 +121,7 @@ def _checkpoints(h: Homes, path: str, opts: dict | None, newest_only: bool) -> P
         return Picked([], broken=[Checked(path, path, None, str(exc).removeprefix(f"{path}: "))])
     except FastCkptError as exc:  # not one checkpoint: a directory (or prefix) holding them, or not one at all
         if _is_file(h, path):
-            judged = _cut_file(h, path, opts)  # a checkpoint cut short has lost its manifest: judged as ls does
+            judged = _cut_file(h, path)  # a checkpoint cut short has lost its manifest: judged as ls does
             if judged is None:
                 fail_with(str(exc))
             return judged

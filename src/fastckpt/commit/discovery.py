@@ -277,7 +277,7 @@ def _the_file(loc: Location) -> str | None:
         found = scan(parent, max_depth=0, damaged=damaged, every_copy=True, pass_unlisted=True)  # only loc counts
         if not any(f.path == loc.url for f in found) and (loc.target.is_link(loc.key) or parent.target.listing(
                 f"{parent.key}/" if parent.key else "", max_depth=0).unlisted):  # a scan never follows a link
-            found = [f for f in [_alone(loc, parent, damaged)] if f is not None]
+            found = [f for f in [alone(loc, parent, damaged)] if f is not None]
     finally:
         _judged.url = None
     for f in found:
@@ -291,9 +291,10 @@ def _the_file(loc: Location) -> str | None:
                       f"checkpoints, e.g. latest({parent.url!r}); load a checkpoint file with load()")
 
 
-def _alone(loc: Location, parent: Location, damaged: list[Damaged]) -> Found | None:
+def alone(loc: Location, parent: Location, damaged: list[Damaged]) -> Found | None:
     """The file ``loc`` judged by itself, as the scan of ``parent`` would judge it (``parent``
-    cannot be listed): by its sidecar, else by ``_file``; None when it is no checkpoint."""
+    cannot be listed, or ``verify FILE`` asks of that file alone, not of all its folder holds): by
+    its sidecar, else by ``_file``; None when it is no checkpoint (damaged: in ``damaged``)."""
     rel = posixpath.basename(loc.key)
     if _hidden(rel) or is_tmp(rel) or rel == "latest" or rel.endswith(SIDECAR):
         return None
