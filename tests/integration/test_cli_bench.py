@@ -282,8 +282,31 @@ def test_free_space_is_checked_per_filesystem(tmp_path, monkeypatch) -> None:
     args = ["bench", "--dir", str(a), "--dir", str(b), "--size", "64MiB", "--block-size", "4MiB"]
     r = CliRunner().invoke(cli, [*args, "--workers", "2"])
     assert r.exit_code == 2, r.output
-    assert f"{a}, {b} (one filesystem) has 105 MB free; this bench needs 134 MB there" in r.output
+    assert f"{a}, {b} (one filesystem) has 105 MB free, and a bench fills at most 95% of it (99.6 MB: " in r.output
+    assert "this one needs 134 MB there" in r.output
     assert leftovers(a, b) == []
+
+
+def test_a_refusal_for_space_states_the_share_of_free_space_a_bench_may_fill(tmp_path, monkeypatch) -> None:
+    """A small drive: 8.39 MB free, two 4 MiB workers. It said "has 8.39 MB free; this bench needs
+    8.39 MB" (a margin it did not name): now it says the bench fills at most 95 % of it, 7.97 MB."""
+    from fastckpt.cli import bench as B
+
+    real = os.statvfs
+
+    def statvfs(path):  # noqa: ANN001, ANN202 (the real numbers, with 2049 blocks of 4 KiB available)
+        st = real(path)
+        return os.statvfs_result((st.f_bsize, 4096, st.f_blocks, st.f_bfree, 2049, st.f_files,
+                                  st.f_ffree, st.f_favail, st.f_flag, st.f_namemax))
+
+    monkeypatch.setattr(B.os, "statvfs", statvfs)
+    r = CliRunner().invoke(cli, ["bench", "--dir", str(tmp_path), "--size", "4MiB", "--block-size", "1MiB",
+                                 "--workers", "2"])
+    assert r.exit_code == 2, r.output
+    said = " ".join(r.output.replace("│", " ").split())
+    assert (f"{tmp_path} has 8.39 MB free, and a bench fills at most 95% of it (7.97 MB: the rest is left for the "
+            "filesystem and other writers); this one needs 8.39 MB there (--workers x --size)") in said, said
+    assert leftovers(tmp_path) == []
 
 
 def test_gds_says_why_not_on_a_machine_without_it(tmp_path) -> None:

@@ -40,6 +40,7 @@ from ._signals import sigterm_interrupts
 from .bench_io import ALIGN, START_TIMEOUT_S, Job, Phase, WorkerResult, percentiles
 
 PASS_FRACTION = 0.8  # the readiness checklist's gate: >= 80 % of the fabric's capacity
+FREE_SHARE = 0.95  # of a drive's free space, the most a bench fills (the rest: the filesystem, other writers)
 
 
 @dataclass(frozen=True)
@@ -171,22 +172,23 @@ def run(s: Settings, d: _Dist, show_progress: bool = True) -> list[PhaseResult]:
 
 
 def _check_space(s: Settings) -> None:
-    """Per filesystem: two --dir on one drive share its free space."""
+    """Per filesystem: two --dir on one drive share its free space (``FREE_SHARE`` of it)."""
     need: dict[int, int] = {}
     dirs: dict[int, list[str]] = {}
     for w in range(s.workers):
-        d = s.dirs[w % len(s.dirs)]
-        dev = os.stat(d).st_dev
+        dev = os.stat(d := s.dirs[w % len(s.dirs)]).st_dev
         need[dev] = need.get(dev, 0) + s.file_bytes
         if d not in dirs.setdefault(dev, []):
             dirs[dev].append(d)
     for dev, n in need.items():
         st = os.statvfs(dirs[dev][0])
         free = st.f_bavail * st.f_frsize
-        if n > free * 0.95:
+        if n > free * FREE_SHARE:
             where = dirs[dev][0] if len(dirs[dev]) == 1 else f"{', '.join(dirs[dev])} (one filesystem)"
-            raise click.UsageError(f"{where} has {fmt_bytes(free)} free; this bench needs {fmt_bytes(n)} there "
-                                   "(--workers x --size): lower them or add a --dir on another drive")
+            raise click.UsageError(f"{where} has {fmt_bytes(free)} free, and a bench fills at most {FREE_SHARE:.0%} of "
+                                   f"it ({fmt_bytes(free * FREE_SHARE)}: the rest is left for the filesystem and "
+                                   f"other writers); this one needs {fmt_bytes(n)} there (--workers x --size): lower "
+                                   "them or add a --dir on another drive")
 
 
 def _refusal(s: Settings) -> tuple[int, str, dict | None] | None:
