@@ -136,6 +136,28 @@ def test_a_full_burst_buffer_is_named_full_with_its_fix(doctor: Doctor, tmp_path
     assert f["local_dir.free_space"]["status"] == "fail"
 
 
+def test_the_probe_never_fills_a_nearly_full_drive(doctor: Doctor, tmp_path: Path) -> None:
+    """About 1 MiB free: the probe's 1 MiB floor overrode "a quarter of the free space", filled
+    the drive, and printed "a 0.00 GB checkpoint takes about 0.0 s". Now it is skipped, saying why."""
+    with tmpfs(tmp_path / "fs", "size=4m") as fs:
+        (fs / "fill").write_bytes(b"\0" * (3 << 20))
+        before = os.statvfs(fs).f_bavail
+        code, out = doctor("--target", str(fs), "--state-size", "1KiB", "--json")
+        assert os.statvfs(fs).f_bavail == before and sorted(os.listdir(fs)) == ["fill"]
+    f = _by_check(out)["target.bandwidth"]
+    assert f["status"] == "warn" and f["data"]["probe_bytes"] == 0, f
+    assert f["summary"].startswith(f"bandwidth not measured: {fs} has ") and "it would fill the drive" in f["summary"]
+    assert "--probe-size 0" in f["fix"]
+
+
+def test_the_time_to_write_a_small_checkpoint_is_not_printed_as_zero(tmp_path: Path) -> None:
+    from fastckpt.doctor.local import bandwidth
+
+    f = bandwidth("target", str(tmp_path), 1 << 20, 1 << 20, "off")
+    assert f.status == "ok" and "; a 1.05 MB checkpoint takes about " in f.summary, f.summary
+    assert " 0.0 s" not in f.summary and f.data["write_s_for_state"] > 0
+
+
 def test_a_read_only_filesystem_is_named_read_only_not_create_and_chmod(doctor: Doctor, tmp_path: Path) -> None:
     """EROFS on a directory that exists (a ro mount; an NFS/Lustre export the server serves
     read-only, whose client options still say rw) was told "create DIR and make it writable by

@@ -13,6 +13,7 @@ from .. import sysinfo
 from ..io.engine import alloc_aligned, read_file, write_file
 from ..io.ops import FileOps
 from ..progress import Progress
+from ..units import fmt_bytes, sig
 from . import _core
 from .findings import Finding
 
@@ -21,6 +22,7 @@ NETWORK_FS = ("nfs", "nfs4", "lustre", "gpfs", "beegfs", "cifs", "smb3", "ceph",
 CHUNK = 64 << 20
 MIB = 1 << 20
 MEMORY_SHARE = 4  # a probe is at most 1/4 of the memory available (it holds its bytes twice: _probe_size)
+FREE_SHARE = 4  # ... and at most 1/4 of the free space, never a probe that fills the drive
 
 
 def _kind(fstype: str) -> str:
@@ -115,9 +117,13 @@ def free_space(role: str, path: str, state_size: int | None, copies: int, drives
 def _probe_size(path: str, probe_bytes: int) -> tuple[int, str]:
     """The probe's size, in whole MiB, and a note when memory capped it. It holds its bytes
     twice (written, then read back): a probe the node's memory cannot hold would have the
-    kernel kill doctor (or, on a training node, the job) instead of measuring anything."""
+    kernel kill doctor (or, on a training node, the job) instead of measuring anything.
+    0, and why, when a quarter of the free space is under a MiB: the probe never fills a drive."""
     sp = sysinfo.space(path)
-    size = min(probe_bytes, (sp.free // 4) if sp else probe_bytes)  # as asked, at most a quarter of the free space
+    if sp is not None and sp.free // FREE_SHARE < MIB:
+        return 0, (f"{path} has {fmt_bytes(sp.free)} free, and the probe writes at most a quarter of the free "
+                   "space, at least 1 MiB: it would fill the drive")
+    size = min(probe_bytes, (sp.free // FREE_SHARE) if sp else probe_bytes)  # as asked, at most a quarter of it
     avail, note = sysinfo.mem_available(), ""
     if avail is not None and size > avail // MEMORY_SHARE:
         size = avail // MEMORY_SHARE
@@ -137,6 +143,9 @@ def bandwidth(role: str, path: str, probe_bytes: int, state_size: int | None, pr
     checksummed, fsynced), read them back the same way, and time both."""
     check = f"{role}.bandwidth"
     size, capped = _probe_size(path, probe_bytes)
+    if not size:
+        return Finding(check, "warn", f"bandwidth not measured: {capped}", f"free space in {path} (4 MiB free "
+                       "lets a 1 MiB probe run), or give --probe-size 0 to skip the probe", {"probe_bytes": 0})
     ops, buf, view = FileOps(), None, None
     target = os.path.join(path, f".fastckpt-doctor-bw-{uuid.uuid4().hex[:8]}")
     try:  # the allocation too: a limit on this process's memory (RLIMIT_AS, a cgroup) refuses it here
@@ -180,7 +189,7 @@ def bandwidth(role: str, path: str, probe_bytes: int, state_size: int | None, pr
     text = (f"{size >> 20} MiB written at {size / w / GB:.2f} GB/s (with fsync) and read at {size / r / GB:.2f} "
             f"GB/s, {how}{capped}")
     if state_size:
-        text += f"; a {state_size / GB:.2f} GB checkpoint takes about {state_size / (size / w):.1f} s to write here"
+        text += f"; a {fmt_bytes(state_size)} checkpoint takes about {sig(state_size / (size / w))} s to write here"
         data["write_s_for_state"] = state_size / (size / w)
     return Finding(check, "ok", text, data=data)
 
