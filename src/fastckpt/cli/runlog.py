@@ -14,10 +14,11 @@ import re
 import statistics
 from dataclasses import dataclass, field
 
-from ..events import Event
+from ..events import LAZY, Event
 from ..runstate import RunState, resave_home
 from ..urls import untagged
 
+_LAZY = (LAZY, "lazy")  # a lazy save's snapshot detail, now and before its fence event was logged
 CLUSTER_GAP_S = 1.0  # single files further apart than this (end to next start) are separate checkpoints
 # a directory named for a step (step-5, global_step10, iter_0000100, Hugging Face's checkpoint-500,
 # ckpt_500): its files form one checkpoint (docs/plan.md)
@@ -63,8 +64,8 @@ def _snapshot_rate(events: list[Event]) -> tuple[float | None, int]:
     copy (at most: a write queued behind an earlier one starts later). A lazy save whose write
     is not in the log is left out."""
     snaps = [e for e in events if e.name == "snapshot" and e.error is None and e.bytes > 0]
-    lazy = {(e.rank, e.path, e.start): e.bytes for e in snaps if e.detail == "lazy"}
-    eager = [e.bytes / e.duration_s for e in snaps if e.detail != "lazy" and e.duration_s > 0]
+    lazy = {(e.rank, e.path, e.start): e.bytes for e in snaps if e.detail in _LAZY}
+    eager = [e.bytes / e.duration_s for e in snaps if e.detail not in _LAZY and e.duration_s > 0]
     copies: list[float] = []
     if lazy:
         state = RunState()
