@@ -192,7 +192,10 @@ class TrainerLink:
         if named_by_link(path, self._link_dirs):  # ModelCheckpoint asks to delete before it links anew: a kill
             self._deferred[path] = ck  # in between left last.ckpt dangling, so the deletion waits for the link to move
             return
+        link = not is_url(path) and os.path.islink(path)  # a templated last name's previous link
         ck.remove(path, whole=True)  # Lightning's own name for one checkpoint (see FastCkptIO.remove_checkpoint)
+        if link:  # the file it named may have waited for it
+            self._remove_deferred()
 
     def _moved(self, linkpath: str) -> None:
         """Lightning moved ``linkpath`` itself (to a file this fit did not save, e.g. FSDP's sharded
@@ -360,8 +363,9 @@ class TrainerLink:
 
 def named_by_link(path: str, folders: Iterable[str] = ()) -> bool:
     """Whether a symlink beside ``path``, or in one of ``folders``, names it (``last.ckpt`` of
-    ModelCheckpoint(save_last="link"), in its dirpath: above ``path`` if the filename has a "/")."""
-    if is_url(path):
+    ModelCheckpoint(save_last="link"), in its dirpath: above ``path`` if the filename has a "/").
+    Never a link itself (a templated last name's previous link): deleting it deletes only the link."""
+    if is_url(path) or os.path.islink(path):
         return False
     target = os.path.realpath(path)
     for folder in dict.fromkeys((os.path.dirname(os.path.abspath(path)), *folders)):

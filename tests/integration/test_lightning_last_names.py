@@ -225,6 +225,24 @@ def test_a_templated_last_name_keeps_only_save_top_k_files(tmp_path, caplog, loc
     assert kept(caplog) == []
 
 
+@pytest.mark.parametrize("local_dir", [True, False], ids=["burst-buffer", "no-burst-buffer"])
+def test_a_templated_link_last_name_keeps_only_save_top_k_files(tmp_path, caplog, local_dir):
+    """save_last="link" with CHECKPOINT_NAME_LAST = "{epoch}-{step}-last": Lightning deletes the
+    previous link, a symlink whose own target once counted as "named by a link", so its deletion
+    and then its target's waited for good and every checkpoint stayed. Deleting a link deletes
+    only the link, and the top-k file it named goes once no other link names it: the files left
+    are TorchCheckpointIO's."""
+    ckdir = str(tmp_path / "ckpt")
+    mc = ModelCheckpoint(dirpath=ckdir, **{**TOP1, "save_top_k": 2, "save_last": "link"})
+    mc.CHECKPOINT_NAME_LAST = "{epoch}-{step}-last"
+    io = FastCkptIO(local_dir=str(tmp_path / "nvme") if local_dir else None, replicate_workers=1)
+    with caplog.at_level(logging.INFO, logger="fastckpt.lightning"):
+        trainer_for(str(tmp_path), io, 6, [mc]).fit(ValModel(), loader())
+    assert sorted(os.listdir(ckdir)) == ["epoch=0-step=5.ckpt", "epoch=0-step=6-last.ckpt", "epoch=0-step=6.ckpt"]
+    assert os.readlink(f"{ckdir}/epoch=0-step=6-last.ckpt") == "epoch=0-step=6.ckpt"
+    assert kept(caplog) == []
+
+
 def test_two_model_checkpoints_each_keep_their_top_k(tmp_path, caplog):
     """Two ModelCheckpoint(save_last=True), every step and every other step, in two folders: each
     last file holds back only its own callback's files (its state_key), not the other's stale
