@@ -55,6 +55,7 @@ class TrainerLink:
     _trainer_ref: Callable[[], Any] | None
     _callback: object
     _in_fit: bool
+    _was_connected: bool
     _crashed: bool
     _reserved: bool
     _sharded: bool
@@ -304,6 +305,7 @@ class TrainerLink:
             return False  # another FastCkptCallback (explicit and from the entry point) got here first
         self._callback = callback
         self._trainer_ref = weakref.ref(trainer)
+        self._was_connected = True  # a save after fit (``_disconnect``) is no unconnected plugin's
         # a save outside fit (validate, test, predict) is synchronous: no teardown hook flushes
         # there under every strategy (FSDPStrategy's never calls CheckpointIO.teardown)
         fitting = str(getattr(trainer.state.fn, "value", "fit")) == "fit"

@@ -152,6 +152,7 @@ class FastCkptIOMixin(TrainerLink):
         self._in_fit = False  # saves may stay in flight until teardown: only while connected (``_connect``)
         self._crashed = False
         self._warned_unconnected = False
+        self._was_connected = False  # ever (``_connect``): after fit ``_disconnect`` drops the Trainer
         self._reserved = False
         self._sharded = False  # the Trainer's strategy is one of SHARDED_STRATEGIES
 
@@ -255,12 +256,7 @@ class FastCkptIOMixin(TrainerLink):
         if not is_url(path):  # as TorchCheckpointIO does: ModelCheckpoint(save_last="link") links into it now
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         trainer = self._trainer()
-        if trainer is None and not self._warned_unconnected:  # never connected (``_connect`` sets it)
-            self._warned_unconnected = True
-            warnings.warn("fastckpt: FastCkptIO is not connected to a Trainer, so each save and removal finishes "
-                          "before it returns, ckpt/* metrics are not logged and lazy_snapshot is off. In a Trainer, "
-                          "fastckpt's `callbacks_factory` entry point connects it; without an installed fastckpt, "
-                          "add `callbacks=[FastCkptCallback()]` to the Trainer.", UserWarning, stacklevel=2)
+        unconnected = trainer is None and not self._was_connected and not self._warned_unconnected
         # sharded strategies hand rank 0 a gathered copy: there is nothing to defer
         # and only while training: a save in validation (ModelCheckpoint's on_validation_end) is
         # followed by the module's own on_validation_end, which no callback hook can fence
@@ -285,6 +281,12 @@ class FastCkptIOMixin(TrainerLink):
             self._fence()
             self._saves.wait(item)
         self._raise_first(self._harvest())
+        if unconnected:  # after the save: under -W error the warning must not cost the checkpoint
+            self._warned_unconnected = True
+            warnings.warn("fastckpt: FastCkptIO is not connected to a Trainer, so each save and removal finishes "
+                          "before it returns, ckpt/* metrics are not logged and lazy_snapshot is off. In a Trainer, "
+                          "fastckpt's `callbacks_factory` entry point connects it; without an installed fastckpt, "
+                          "add `callbacks=[FastCkptCallback()]` to the Trainer.", UserWarning, stacklevel=2)
 
     def load_checkpoint(self, path: str | os.PathLike, map_location: object = None,
                         weights_only: bool | None = None) -> dict[str, Any]:

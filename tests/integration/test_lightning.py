@@ -736,6 +736,30 @@ def test_unconnected_plugin_still_saves_and_says_why_no_metrics(tmp_path):
     assert fastckpt.load(str(tmp_path / "ckpt" / "epoch=0-step=2.ckpt"))["global_step"] == 2
 
 
+def test_unconnected_plugin_saves_before_it_warns(tmp_path):
+    """Under warnings-as-errors (-W error, pytest's filterwarnings = error) the "not connected"
+    warning is raised from the save: the checkpoint is on disk all the same."""
+    io, path = FastCkptIO(), tmp_path / "direct.ckpt"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        with pytest.raises(UserWarning, match="not connected to a Trainer"):
+            io.save_checkpoint({"global_step": 3}, str(path))
+    assert fastckpt.load(str(path))["global_step"] == 3
+
+
+def test_save_after_fit_is_not_called_unconnected(tmp_path):
+    """trainer.save_checkpoint() after fit(): the callback's teardown disconnected the plugin, which
+    then warned "not connected to a Trainer" (false), and under warnings-as-errors the final
+    checkpoint was not written."""
+    trainer = make_trainer(str(tmp_path), FastCkptIO(), 2, every_n_train_steps=2)
+    trainer.fit(TinyModel(), loader())
+    final = tmp_path / "final.ckpt"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        trainer.save_checkpoint(str(final))
+    assert fastckpt.load(str(final), weights_only=False)["global_step"] == 2
+
+
 def test_pytorch_lightning_build(tmp_path):
     pl = pytest.importorskip("pytorch_lightning")
     from fastckpt.integrations.pytorch_lightning import FastCkptCallback as PLCallback
