@@ -160,6 +160,10 @@ class FastCkptCallbackMixin:
                 io._log_metrics(trainer)  # the rows of the saves that teardown just finished
             except Exception as exc:  # noqa: BLE001 (never hide the exception that stopped training)
                 log.error("fastckpt: could not log the last checkpoints' metrics: %r", exc)
+            try:  # another rank than 0: rank 0's saves in flight end before this rank's exit has it killed
+                io._wait_for_rank0(trainer)
+            except Exception as exc:  # noqa: BLE001 (never hide the exception that stopped training)
+                log.error("fastckpt: could not wait for rank 0's checkpoint saves: %r", exc)
 
     def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
         io = self._io(trainer)

@@ -17,6 +17,8 @@ from contextlib import contextmanager
 from typing import Any
 
 from fastckpt.checkpointer import Checkpointer
+from fastckpt.commit.reports import SaveReports
+from fastckpt.commit.store import default_store
 from fastckpt.io.atomic import tmp_name
 from fastckpt.records import SaveHandle
 from fastckpt.urls import is_url, normalize
@@ -56,6 +58,7 @@ class TrainerLink:
     _callback: object
     _in_fit: bool
     _was_connected: bool
+    _reports: SaveReports | None  # this fit's, with several ranks: rank 0's saves told to the others
     _crashed: bool
     _reserved: bool
     _sharded: bool
@@ -310,6 +313,10 @@ class TrainerLink:
         # there under every strategy (FSDPStrategy's never calls CheckpointIO.teardown)
         fitting = str(getattr(trainer.state.fn, "value", "fit")) == "fit"
         self._in_fit, self._crashed, self._reserved = fitting, False, False
+        # a collective, as every rank sets up: the others learn rank 0's number for this fit
+        self._reports = SaveReports.agree(default_store(), trainer.is_global_zero,
+                                          lambda n: trainer.strategy.broadcast(n, src=0)) \
+            if fitting and trainer.world_size > 1 else None
         self._link_dirs = ()  # this fit's ModelCheckpoints and links (``_note_links``)
         self._saves.newest.clear()  # the saves of this fit only
         self._step_save.close()
@@ -356,6 +363,14 @@ class TrainerLink:
         for row in self._saves.drain_rows():
             for lg in trainer.loggers:
                 lg.log_metrics(row, step=trainer.global_step)
+
+    def _wait_for_rank0(self, trainer: Any) -> None:
+        """After an exception, on a rank that does not save: rank 0's saves that returned are
+        still being written (its training thread is stuck in a collective this rank left), and
+        once this rank exits the launcher kills rank 0 within seconds. Stay until they have ended,
+        up to close_timeout_s (``commit.reports``, docs/lightning.md)."""
+        if self._reports is not None and not trainer.is_global_zero:
+            self._reports.wait(self._config().close_timeout_s)
 
     def _disconnect(self, callback: object) -> None:
         if self._callback is callback:

@@ -27,6 +27,9 @@ Who calls what (everything runs on the training thread; only global rank 0 saves
                                  (the callback calls it in on_fit_end where the strategy did not:
                                  Lightning 2.6's FSDPStrategy.teardown skips CheckpointIO.teardown;
                                  and in on_exception, so a crash under any strategy flushes)
+  callback.on_exception          (after that flush) a rank other than 0 waits until rank 0's saves
+                                 have ended (told through the store: fastckpt.commit.reports), as
+                                 its exit has the launcher kill rank 0
   callback.on_fit_end            logs the remaining saves' metrics (before loggers finalize)
 
 Policy (tiers, budgets, retries, ordering of a save and a removal of the same path) belongs to
@@ -153,6 +156,7 @@ class FastCkptIOMixin(TrainerLink):
         self._crashed = False
         self._warned_unconnected = False
         self._was_connected = False  # ever (``_connect``): after fit ``_disconnect`` drops the Trainer
+        self._reports = None
         self._reserved = False
         self._sharded = False  # the Trainer's strategy is one of SHARDED_STRATEGIES
 
@@ -275,6 +279,8 @@ class FastCkptIOMixin(TrainerLink):
             self._saves.forget(exc)  # the core raised an earlier save's failure: do not raise it again
             raise
         item = self._saves.add(handle, step if isinstance(step, int) else None, time.monotonic() - t0, lazy)
+        if self._reports is not None and self._in_fit:  # told to the other ranks once it ends (``_wait_for_rank0``)
+            self._reports.started(handle)
         if self._in_fit and trainer is not None:  # ModelCheckpoint(save_last=True)'s last file? (``lasts``)
             self._lasts.saved(trainer, normalize(path), handle, checkpoint)
         if wait or not self._in_fit:  # outside fit no teardown follows to flush: finish it now

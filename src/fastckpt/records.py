@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass
 
@@ -68,6 +69,11 @@ class SaveHandle:
 
     def done(self) -> bool:
         return self._future.done()
+
+    def add_done_callback(self, fn: Callable[[SaveHandle], object]) -> None:
+        """Call ``fn(self)`` once the save has ended (durable, failed, skipped or never written),
+        on the thread that ended it, or at once on this one if it has. ``fn`` must not raise."""
+        self._future.add_done_callback(lambda _future: fn(self))
 
     def result(self, timeout: float | None = None) -> SaveRecord:
         """Like ``wait()``, for fastckpt's own background steps that wait on a save (a group

@@ -12,10 +12,12 @@ import torch
 
 pytest.importorskip("lightning")
 
-from tests.integration.test_lightning import leftovers, tree_equal
-from tests.s3server import free_ports
+import fastckpt  # noqa: E402
+from tests.integration.test_lightning import leftovers, tree_equal  # noqa: E402
+from tests.s3server import free_ports  # noqa: E402
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_lightning_ddp_script.py")
+PEER_CRASH_SCRIPT = os.path.join(os.path.dirname(SCRIPT), "_lightning_ddp_peer_crash_script.py")
 
 
 def test_ddp_two_processes_save_resume_top_k(tmp_path):
@@ -40,3 +42,19 @@ def test_ddp_two_processes_save_resume_top_k(tmp_path):
         w = torch.load(tmp_path / f"weights-rank{rank}.pt", weights_only=True)
         tree_equal(w["resumed"], w["ref"], f"rank {rank} weights")
         tree_equal(w["resumed_opt"], w["ref_opt"], f"rank {rank} optimizer")
+
+
+def test_a_failure_on_rank_1_does_not_lose_a_save_rank_0_returned_for(tmp_path):
+    """Rank 1 fails while rank 0's save of step 4 is still uploading. Lightning's launcher kills
+    rank 0 within about 5 s of rank 1's exit, and rank 0, stuck in a collective, never flushed:
+    the checkpoint was lost. Rank 1 now stays until rank 0's saves have ended (reported through
+    the process group's store by the threads that end them), so the file is at its dirpath, whole."""
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_ports(1)[0]),
+               OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONFAULTHANDLER="1")
+    proc = subprocess.run([sys.executable, PEER_CRASH_SCRIPT, str(tmp_path)], env=env, capture_output=True, text=True,
+                          check=False, timeout=150, start_new_session=True)
+    assert proc.returncode != 0 and "rank 1 fails" in proc.stderr, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert (tmp_path / "returned").exists(), proc.stderr[-4000:]  # the save had returned before rank 1 failed
+    assert "waiting (close_timeout_s=None) for 1 checkpoint save(s) rank 0 started" in proc.stderr, proc.stderr[-4000:]
+    state = fastckpt.load(str(tmp_path / "ckpt" / "epoch=0-step=4.ckpt"), weights_only=False)  # verified
+    assert state["global_step"] == 4 and state["state_dict"]["big"].numel() == 5_000_000
