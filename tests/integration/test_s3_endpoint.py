@@ -1,6 +1,10 @@
 """A wrong or missing S3 endpoint fails in seconds, naming the endpoint and how to set one; an
 endpoint that answered once and then goes away is an outage, retried (tests/integration/
-test_burst_buffer.py: the outage tests)."""
+test_burst_buffer.py: the outage tests),. A TLS handshake that fails is
+either (a wrong scheme or an untrusted certificate at the first request; a refused handshake
+after it).
+Real SeaweedFS, behind a real TLS proxy (tests/s3proxy.py) where a store's answer is needed that
+SeaweedFS does not give."""
 
 from __future__ import annotations
 
@@ -8,13 +12,16 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
 import fastckpt
-from fastckpt.storage.types import TargetUnavailableError, TargetUnreachableError
-from tests.s3server import free_ports
+from fastckpt.storage.fsspec import FsspecTarget
+from fastckpt.storage.types import RetryNotice, TargetUnavailableError, TargetUnreachableError
+from tests.s3proxy import TLSProxy
+from tests.s3server import S3Server, free_ports
 
 KEYS = {"key": "k", "secret": "s", "client_kwargs": {"region_name": "us-east-1"}}
 
@@ -62,3 +69,48 @@ def test_cli_names_the_endpoint_without_a_traceback() -> None:
                           capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 1
     assert "TargetUnreachableError" in done.stderr and endpoint in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_tls_handshake_refused_after_the_endpoint_answered_is_retried(s3_server: S3Server, s3_bucket: str,
+                                                                         tmp_path: Path) -> None:
+    """A TLS alert on one connection of an upload (a part's, after the endpoint answered the
+    CreateMultipartUpload) failed the whole upload at once: botocore's SSLError was not among the
+    errors retried, although botocore's own retry mode retries it (botocore.exceptions.ConnectionError)."""
+    proxy = TLSProxy(("127.0.0.1", s3_server.process.ports["s3"]), str(tmp_path), fail=frozenset({1}))
+    notices: list[RetryNotice] = []
+    opts = s3_server.storage_options(endpoint_url=proxy.endpoint_url,
+                                     client_kwargs={"region_name": s3_server.region, "verify": proxy.cert})
+    t = FsspecTarget(f"s3://{s3_bucket}", opts, parallelism=4, retry_deadline_s=60, on_retry=notices.append)
+    data = bytes(range(256)) * (20 << 12)  # 20 MiB: 4 parts on parallel connections
+    (tmp_path / "a.bin").write_bytes(data)
+    try:
+        t.put_file(str(tmp_path / "a.bin"), "run/a.bin", chunk_bytes=5 << 20)
+        assert proxy.refused == 1  # the fault was reached
+        assert [type(n.error).__name__ for n in notices] == ["SSLError"]
+        assert t.get_bytes("run/a.bin") == data
+    finally:
+        t.close()
+        proxy.close()
+
+
+@pytest.mark.parametrize("case", ["https at a plain-HTTP store", "an untrusted certificate"])
+def test_a_failed_tls_handshake_at_the_first_request_is_a_config_error_naming_scheme_and_certificate(
+        s3_server: S3Server, tmp_path: Path, case: str) -> None:
+    if case == "https at a plain-HTTP store":
+        endpoint, proxy = s3_server.endpoint_url.replace("http://", "https://"), None
+    else:
+        proxy = TLSProxy(("127.0.0.1", s3_server.process.ports["s3"]), str(tmp_path))  # its certificate: not trusted
+        endpoint = proxy.endpoint_url
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(TargetUnreachableError) as info:
+            fastckpt.latest("s3://bucket/run7", storage_options=s3_server.storage_options(endpoint_url=endpoint))
+    finally:
+        if proxy is not None:
+            proxy.close()
+    assert time.monotonic() - t0 < 30  # the default retry deadline is 300 s
+    msg = str(info.value)
+    assert isinstance(info.value, fastckpt.ConfigError)
+    assert f"the TLS handshake with the endpoint {endpoint} failed" in msg, msg
+    assert "give its endpoint as http://, not https://" in msg and "certificate is self-signed" in msg
+    assert "AWS_CA_BUNDLE" in msg

@@ -39,7 +39,7 @@ from ..units import MiB
 from ..urls import check_key, root_url
 from .base import T, Target
 from .fsspec_clean import clean_incomplete
-from .reach import unreachable
+from .reach import HTTP_TRUST, unreachable
 from .reads import info_version
 from .s3 import (
     TRANSIENT_CODES,
@@ -190,7 +190,7 @@ class FsspecTarget(Target):
         if self.is_s3 and not self._answered and isinstance(exc, ValueError) and (bad := bad_endpoint(exc, what)):
             return bad  # botocore could not build the client (a profile's malformed endpoint_url)
         far = None if self._answered else unreachable(exc, what, *(
-            (self._endpoint(),) if self.is_s3 else (self.url, f"Check the host and port in {self.url}")))
+            (self._endpoint(),) if self.is_s3 else (self.url, f"Check the host and port in {self.url}", HTTP_TRUST)))
         return far or permanent_error(exc, what, self.bucket, self._endpoint)
 
     # ------------------------------------------------------------------ writing

@@ -1,34 +1,44 @@
 """Whether a target's endpoint was never reached: a first request that could not connect at all
-(no such host, connection refused) means a wrong or missing endpoint, to be told in seconds, not
-an outage to retry for ``retry_deadline_s``. Apart from ``storage/s3.py`` since every fsspec
-protocol asks it, each with its own advice (an S3 endpoint is set apart from the URL; an http(s)://
-host is in it)."""
+(no such host, connection refused, a TLS handshake that failed) means a wrong or missing endpoint,
+to be told in seconds, not an outage to retry for ``retry_deadline_s``. Apart from ``storage/s3.py``
+since every fsspec protocol asks it, each with its own advice (an S3 endpoint is set apart from the
+URL; an http(s):// host is in it)."""
 
 from __future__ import annotations
 
 import errno
 import socket
+import ssl
 
 from .types import TargetUnreachableError, storage_error
 
 S3_FIX = ("Set it with AWS_ENDPOINT_URL, or storage_options={'endpoint_url': 'http://host:port'} (Checkpointer, "
           "fastckpt.latest/load, FastCkptIO; --storage-options on the command line)")
+S3_TRUST = "AWS_CA_BUNDLE=/path/ca.pem, or storage_options={'client_kwargs': {'verify': '/path/ca.pem'}}"
+HTTP_TRUST = "SSL_CERT_FILE=/path/ca.pem"
 
 
-def unreachable(exc: BaseException, what: str, endpoint: str, fix: str = S3_FIX) -> TargetUnreachableError | None:
+def unreachable(exc: BaseException, what: str, endpoint: str, fix: str = S3_FIX,
+                trust: str = S3_TRUST) -> TargetUnreachableError | None:
     """The error for a first request that could not connect at all (``exc``'s chain holds a DNS
-    failure or a refused connection), naming ``endpoint`` and how to ``fix`` it, or None: the
-    endpoint is wrong or missing, not down for a while, so the caller should hear it in seconds
-    rather than after ``retry_deadline_s``."""
+    failure, a refused connection or a failed TLS handshake), naming ``endpoint`` and how to ``fix``
+    it (``trust``: how to trust a certificate), or None: the endpoint is wrong or missing, not down
+    for a while, so the caller should hear it in seconds rather than after ``retry_deadline_s``."""
     cur: BaseException | None = exc
     for _ in range(8):
         if cur is None:
             return None
-        if isinstance(cur, (socket.gaierror, ConnectionRefusedError)):
+        if isinstance(cur, (socket.gaierror, ConnectionRefusedError, ssl.SSLError)):
             break
         cur = cur.__cause__ or cur.__context__
     else:
         return None
+    if isinstance(cur, ssl.SSLError):  # https:// at a plain-HTTP port, an untrusted certificate
+        return storage_error(TargetUnreachableError, f"{what}: the TLS handshake with the endpoint {endpoint} "
+                             f"failed ({cur}). The first request to it failed, so this is taken for a wrong scheme or "
+                             "certificate rather than an outage: if the store serves plain HTTP, give its endpoint as "
+                             "http://, not https://; if its certificate is self-signed or from a private CA, have "
+                             f"this node trust it ({trust})", exc, errno.EPROTO)
     why = "no such host" if isinstance(cur, socket.gaierror) else "connection refused"
     default = " (AWS's default: no endpoint_url was given)" if "amazonaws.com" in endpoint else ""
     return storage_error(TargetUnreachableError, f"{what}: cannot reach the endpoint {endpoint}{default}: {why} "

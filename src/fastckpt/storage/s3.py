@@ -134,8 +134,11 @@ def transient_types() -> tuple[type[BaseException], ...]:
     try:
         from botocore import exceptions as b
 
-        types += [b.EndpointConnectionError, b.ConnectionClosedError, b.ConnectTimeoutError, b.ReadTimeoutError,
-                  b.HTTPClientError, b.IncompleteReadError, b.ResponseStreamingError]
+        # ConnectionError, as botocore's standard retry mode has it: a refused or failed connection, a TLS
+        # handshake that failed (SSLError), a proxy that failed (ProxyConnectionError). An endpoint never
+        # reached is a wrong one, not an outage: FsspecTarget tells that apart first (reach.unreachable).
+        types += [b.ConnectionError, b.ConnectionClosedError, b.ReadTimeoutError, b.HTTPClientError,
+                  b.IncompleteReadError, b.ResponseStreamingError]
     except ImportError:
         pass
     try:
