@@ -1,27 +1,35 @@
 """Proxies in front of the test S3 server (``tests/s3server.py``) that answer as some stores and
-networks do, for the tests of how fastckpt tells an outage from a wrong endpoint:
+networks do, for the tests of how fastckpt tells an outage from a wrong endpoint or a store that
+lacks a feature:
 
 - ``TLSProxy``: an https endpoint (a self-signed certificate, made with the ``openssl`` command)
   that forwards the bytes to the plain-HTTP server; the connections numbered in ``fail`` (0 is
   the first) get a TLS fatal alert (internal_error) instead of a handshake, as an overloaded TLS
   terminator answers.
+- ``NotImplementedProxy``: answers each request carrying the ``x-amz-checksum-crc32`` header with
+  the 501 NotImplemented error Cloudflare R2 and Backblaze B2 gave before they supported it, and
+  forwards every other request.
 
 Each serves on 127.0.0.1 from daemon threads; ``close()`` stops taking connections.
 """
 
 from __future__ import annotations
 
+import http.client
 import os
 import shutil
 import socket
 import ssl
 import subprocess
 import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
 HOST = "127.0.0.1"
 TLS_ALERT_INTERNAL_ERROR = bytes([0x15, 0x03, 0x03, 0x00, 0x02, 0x02, 80])  # a fatal alert record
+NOT_IMPLEMENTED = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>NotImplemented</Code><Message>Header '
+                   b"'x-amz-checksum-crc32' with value 'AAAAAA==' not implemented</Message></Error>")
 
 
 class TLSProxy:
@@ -82,3 +90,49 @@ def _pump(src: socket.socket, dst: socket.socket) -> None:
                 s.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
+
+
+class NotImplementedProxy:
+    """HTTP in front of the server at ``backend_port`` that refuses ``x-amz-checksum-crc32`` with 501."""
+
+    def __init__(self, backend_port: int) -> None:
+        self.refused = 0
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def _any(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                if "x-amz-checksum-crc32" in {k.lower() for k in self.headers}:
+                    outer.refused += 1
+                    self._reply(501, [("Content-Type", "application/xml")], NOT_IMPLEMENTED)
+                    return
+                conn = http.client.HTTPConnection(HOST, backend_port, timeout=30)
+                conn.request(self.command, self.path, body=body, headers=dict(self.headers.items()))
+                resp = conn.getresponse()
+                drop = ("content-length", "transfer-encoding", "connection")
+                self._reply(resp.status, [(k, v) for k, v in resp.getheaders() if k.lower() not in drop], resp.read())
+                conn.close()
+
+            def _reply(self, status: int, headers: list[tuple[str, str]], data: bytes) -> None:
+                self.send_response(status)
+                for k, v in headers:
+                    self.send_header(k, v)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(data)
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _any
+
+        self._server = ThreadingHTTPServer((HOST, 0), Handler)
+        self.endpoint_url = f"http://{HOST}:{self._server.server_address[1]}"
+        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()

@@ -2,9 +2,9 @@
 endpoint that answered once and then goes away is an outage, retried (tests/integration/
 test_burst_buffer.py: the outage tests),. A TLS handshake that fails is
 either (a wrong scheme or an untrusted certificate at the first request; a refused handshake
-after it).
-Real SeaweedFS, behind a real TLS proxy (tests/s3proxy.py) where a store's answer is needed that
-SeaweedFS does not give."""
+after it), and a store that does not implement what a request asks (501) fails at once.
+Real SeaweedFS, behind real TLS and HTTP proxies (tests/s3proxy.py) where a store's answer is
+needed that SeaweedFS does not give."""
 
 from __future__ import annotations
 
@@ -18,9 +18,11 @@ import pytest
 import torch
 
 import fastckpt
+from fastckpt.commit.names import SIDECAR
+from fastckpt.errors import ReplicationError
 from fastckpt.storage.fsspec import FsspecTarget
 from fastckpt.storage.types import RetryNotice, TargetUnavailableError, TargetUnreachableError
-from tests.s3proxy import TLSProxy
+from tests.s3proxy import NotImplementedProxy, TLSProxy
 from tests.s3server import S3Server, free_ports
 
 KEYS = {"key": "k", "secret": "s", "client_kwargs": {"region_name": "us-east-1"}}
@@ -114,3 +116,30 @@ def test_a_failed_tls_handshake_at_the_first_request_is_a_config_error_naming_sc
     assert f"the TLS handshake with the endpoint {endpoint} failed" in msg, msg
     assert "give its endpoint as http://, not https://" in msg and "certificate is self-signed" in msg
     assert "AWS_CA_BUNDLE" in msg
+
+
+def test_a_store_that_does_not_implement_a_header_fails_at_once_naming_it(s3_server: S3Server, s3_bucket: str,
+                                                                          tmp_path: Path) -> None:
+    """A 501 NotImplemented (a store that lacks the x-amz-checksum-crc32 header fastckpt sends with
+    every body) was retried as an outage until retry_deadline_s, then reported as one ("kept
+    failing ... check that the target is up"): botocore retries 500, 502, 503 and 504, not 501."""
+    proxy = NotImplementedProxy(s3_server.process.ports["s3"])
+    url = f"s3://{s3_bucket}/run/a.pt"
+    t0 = time.monotonic()
+    try:
+        with fastckpt.Checkpointer(local_dir=str(tmp_path / "nvme"), retry_deadline_s=30,
+                                   storage_options=s3_server.storage_options(endpoint_url=proxy.endpoint_url)) as ck:
+            h = ck.save({"w": torch.zeros(10)}, url)
+            with pytest.raises(ReplicationError) as info:
+                h.wait()
+            assert os.path.exists(ck.local_path(url))
+    finally:
+        proxy.close()
+    assert time.monotonic() - t0 < 20 and proxy.refused == 1  # sent once, not again and again
+    msg = str(info.value)
+    assert not isinstance(info.value, TargetUnavailableError), msg
+    assert f"the store at {proxy.endpoint_url} does not implement what PutObject asked for" in msg, msg
+    assert "Header 'x-amz-checksum-crc32' with value 'AAAAAA==' not implemented" in msg and "HTTP 501" in msg
+    assert "upgrade the store to a version that implements them" in msg
+    listed = s3_server.client().list_objects_v2(Bucket=s3_bucket).get("Contents", [])
+    assert [o["Key"] for o in listed if o["Key"].endswith(SIDECAR)] == []

@@ -43,6 +43,7 @@ from .reach import HTTP_TRUST, unreachable
 from .reads import info_version
 from .s3 import (
     TRANSIENT_CODES,
+    TRANSIENT_STATUS,
     S3Session,
     client_error,
     crc32_header,
@@ -181,7 +182,7 @@ class FsspecTarget(Target):
         if ce is not None:
             self._answered = True  # an error response: the endpoint is there
             code, status, _ = ce
-            return code in TRANSIENT_CODES or status >= 500 or status == 429
+            return code in TRANSIENT_CODES or status in TRANSIENT_STATUS
         if not self._answered and unreachable(exc, "", "") is not None:  # never reached: not an outage
             return False
         return isinstance(exc, self._transient) or is_transient_oserror(exc)

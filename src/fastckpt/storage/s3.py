@@ -57,6 +57,9 @@ TRANSIENT_CODES = frozenset({"SlowDown", "RequestTimeout", "RequestTimeoutExcept
                               "BadDigest", "XAmzContentSHA256Mismatch",
                               # a conditional put raced another write of the key: S3 asks to retry
                               "ConditionalRequestConflict"})
+# HTTP statuses retried whatever the code, as botocore's standard retry mode does; any other (501
+# NotImplemented above all: a feature the store lacks) fails at once, as a permanent error
+TRANSIENT_STATUS = frozenset({429, 500, 502, 503, 504})
 AUTH_CODES = frozenset({"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken",
                          "InvalidToken", "TokenRefreshRequired", "AllAccessDisabled", "403"})
 
@@ -109,6 +112,13 @@ def permanent_error(exc: BaseException, what: str, bucket: str, endpoint: Callab
         if code in ("NoSuchKey", "404") or status == 404:
             return storage_error(TargetNotFoundError, f"{what}: not found ({code or status}); if the object "
                                  f"should be there, check that bucket {bucket!r} exists", exc, errno.ENOENT)
+        if code == "NotImplemented" or status == 501:
+            return storage_error(ReplicationError, f"{what}: the store at {endpoint()} does not implement what "
+                                 f"{_operation(exc)} asked for ({code}, HTTP {status}: {message}). Retrying cannot "
+                                 "help: fastckpt sends the CRC32 of every upload (x-amz-checksum-crc32) and creates "
+                                 "claim files with If-None-Match, as S3 does; upgrade the store to a version that "
+                                 "implements them, or save to another store or a file system path", exc,
+                                 errno.EOPNOTSUPP)
         if code in AUTH_CODES or status == 403:
             return storage_error(TargetPermissionError, f"{what}: {endpoint()} refused the request "
                                  f"({code}: {message}); check the credentials (AWS_ACCESS_KEY_ID/"
@@ -168,15 +178,24 @@ class S3Session:
 
 def client_error(exc: BaseException) -> tuple[str, int, str] | None:
     """(code, HTTP status, message) of the botocore ClientError in ``exc``'s chain, if any."""
-    seen = 0
+    if (cur := _answer(exc)) is None:
+        return None
+    err, status = cur.response["Error"], cur.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+    return str(err.get("Code", "")), int(status or 0), str(err.get("Message", ""))
+
+
+def _operation(exc: BaseException) -> str:
+    """The S3 operation (``PutObject``) whose error response is in ``exc``'s chain, for messages."""
+    return str(getattr(_answer(exc), "operation_name", None) or "the request")
+
+
+def _answer(exc: BaseException) -> BaseException | None:
+    """The botocore ClientError (an error response) in ``exc``'s chain, if any."""
     cur: BaseException | None = exc
-    while cur is not None and seen < 8:
-        resp = getattr(cur, "response", None)
-        if isinstance(resp, dict) and "Error" in resp:
-            err = resp["Error"]
-            status = resp.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
-            return str(err.get("Code", "")), int(status or 0), str(err.get("Message", ""))
-        cur, seen = cur.__cause__ or cur.__context__, seen + 1
+    for _ in range(8):
+        if cur is None or (isinstance(resp := getattr(cur, "response", None), dict) and "Error" in resp):
+            return cur
+        cur = cur.__cause__ or cur.__context__
     return None
 
 
