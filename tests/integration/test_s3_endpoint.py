@@ -1,6 +1,6 @@
 """A wrong or missing S3 endpoint fails in seconds, naming the endpoint and how to set one; an
 endpoint that answered once and then goes away is an outage, retried (tests/integration/
-test_burst_buffer.py: the outage tests),. A TLS handshake that fails is
+test_burst_buffer.py: the outage tests), at every bucket on it. A TLS handshake that fails is
 either (a wrong scheme or an untrusted certificate at the first request; a refused handshake
 after it), and a store that does not implement what a request asks (501) fails at once.
 Real SeaweedFS, behind real TLS and HTTP proxies (tests/s3proxy.py) where a store's answer is
@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -20,6 +21,7 @@ import torch
 import fastckpt
 from fastckpt.commit.names import SIDECAR
 from fastckpt.errors import ReplicationError
+from fastckpt.events import Event
 from fastckpt.storage.fsspec import FsspecTarget
 from fastckpt.storage.types import RetryNotice, TargetUnavailableError, TargetUnreachableError
 from tests.s3proxy import NotImplementedProxy, TLSProxy
@@ -116,6 +118,35 @@ def test_a_failed_tls_handshake_at_the_first_request_is_a_config_error_naming_sc
     assert f"the TLS handshake with the endpoint {endpoint} failed" in msg, msg
     assert "give its endpoint as http://, not https://" in msg and "certificate is self-signed" in msg
     assert "AWS_CA_BUNDLE" in msg
+
+
+def test_an_outage_at_the_first_request_to_a_second_bucket_of_an_answered_endpoint_is_retried(
+        s3_server: S3Server, s3_bucket: str, tmp_path: Path) -> None:
+    """Whether the endpoint had answered was kept per bucket (a target each): the first save into a
+    second bucket on the same store, during a restart of the store, failed at once as a wrong
+    endpoint ("Set it with AWS_ENDPOINT_URL"), a ConfigError, instead of riding the outage out."""
+    exports = s3_server.make_bucket()
+    seen, events = threading.Event(), []
+
+    class Sink:
+        def emit(self, ev: Event) -> None:
+            if ev.name in ("retry", "replicate") and exports in ev.path:
+                events.append(ev)
+                seen.set()
+
+    with fastckpt.Checkpointer(local_dir=str(tmp_path / "nvme"), storage_options=s3_server.storage_options(),
+                               retry_deadline_s=120, sinks=(Sink(),)) as ck:
+        ck.save({"w": torch.zeros(10), "step": 1}, f"s3://{s3_bucket}/run/step-1.pt").wait()  # the endpoint answered
+        s3_server.stop()
+        try:
+            h = ck.save({"w": torch.ones(10)}, f"s3://{exports}/model.pt", export=True)
+            assert seen.wait(60)
+            assert events[-1].name == "retry", events[-1].error  # before: replicate, failed at once
+        finally:
+            s3_server.start()
+        assert h.wait().durable_s is not None
+    assert torch.equal(fastckpt.load(f"s3://{exports}/model.pt", storage_options=s3_server.storage_options())["w"],
+                       torch.ones(10))
 
 
 def test_a_store_that_does_not_implement_a_header_fails_at_once_naming_it(s3_server: S3Server, s3_bucket: str,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from fastckpt.errors import ConfigError
-from fastckpt.storage.s3_options import check_s3_options
+from fastckpt.storage.s3_options import check_s3_options, endpoint_key
 
 
 @pytest.mark.parametrize("opts", [
@@ -58,3 +58,20 @@ def test_a_bad_endpoint_in_the_profile_is_a_config_error(monkeypatch, tmp_path) 
     t = FsspecTarget("s3://some-bucket/run", retry_deadline_s=0)
     with pytest.raises(ConfigError, match=r"the S3 endpoint is not a valid URL .*AWS_ENDPOINT_URL or the profile"):
         t.list("")
+
+
+def test_every_bucket_of_one_endpoint_has_one_endpoint_key(monkeypatch) -> None:
+    """Whether an endpoint answered (``reach.answered``) is kept by this key: every bucket of one
+    store, however its endpoint is spelt, shares it; another store, or another profile's default, does not."""
+    for var in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_PROFILE", "AWS_DEFAULT_PROFILE"):
+        monkeypatch.delenv(var, raising=False)
+    at = {"endpoint_url": "http://127.0.0.1:8333"}
+    one = {endpoint_key(f"s3://{b}", o) for b, o in (("ckpts", at), ("exports", {"endpoint_url": "HTTP://127.0.0.1:8333/"}),
+                                                      ("x", {"client_kwargs": at}), ("y", {**at, "key": "other"}))}
+    assert len(one) == 1
+    assert endpoint_key("s3://ckpts", {"endpoint_url": "http://127.0.0.1:9000"}) not in one
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:8333")
+    assert endpoint_key("s3a://z", {}) in one  # the environment's endpoint
+    monkeypatch.delenv("AWS_ENDPOINT_URL")
+    assert endpoint_key("s3://a", {}) == endpoint_key("s3://b", {}) != endpoint_key("s3://a", {"profile": "minio"})
+    assert endpoint_key("http://host:8080", {}) != endpoint_key("http://other:8080", {})

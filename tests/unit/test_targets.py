@@ -555,8 +555,8 @@ def test_a_refused_connection_after_a_generic_store_answered_is_an_outage_retrie
     assert t.get_bytes("a.bin") == b"x" * 16
     assert [type(n.error) for n in notices] == [ConnectionRefusedError]
 
-    down[0] = True  # a target whose very first request is refused: a wrong URL, told at once
-    fresh = FsspecTarget(url, retry_deadline_s=30, on_retry=back_up)
+    down[0] = True  # a target whose very first request is refused (at a root never reached): a wrong URL, told at once
+    fresh = FsspecTarget(f"memory://fastckpt-{uuid.uuid4().hex[:8]}/run", retry_deadline_s=30, on_retry=back_up)
     with pytest.raises(TargetUnreachableError, match="connection refused"):
         fresh.get_bytes("a.bin")
     assert len(notices) == 1

@@ -39,7 +39,7 @@ from ..units import MiB
 from ..urls import check_key, root_url
 from .base import T, Target
 from .fsspec_clean import clean_incomplete
-from .reach import HTTP_TRUST, unreachable
+from .reach import HTTP_TRUST, answered, mark_answered, unreachable
 from .reads import info_version
 from .s3 import (
     TRANSIENT_CODES,
@@ -55,7 +55,7 @@ from .s3 import (
     share_loader,
     transient_types,
 )
-from .s3_options import bad_endpoint, check_s3_options
+from .s3_options import bad_endpoint, check_s3_options, endpoint_key
 from .s3_read import get_range, list_sizes
 from .types import (
     Expected,
@@ -130,7 +130,7 @@ class FsspecTarget(Target):
         if self.is_s3 and not self.bucket:
             raise ConfigError(f"{url_root!r} names no bucket: use s3://<bucket>[/<prefix>]")
         self._transient = transient_types()
-        self._answered = False  # no request has had an answer yet: a failure to connect is then config
+        self._at = endpoint_key(url_root, storage_options or {})  # its requests' endpoint (reach.answered)
 
     @property
     def url(self) -> str:
@@ -151,13 +151,13 @@ class FsspecTarget(Target):
         body = kwargs.get("Body")
         limit_s = REQUEST_FLOOR_S + (len(body) if isinstance(body, (bytes, bytearray)) else 0) / REQUEST_MIN_Bps
         out = self.fs.call_s3(method, Bucket=self.bucket, timeout=limit_s, **kwargs)  # timeout: fsspec's sync()
-        self._answered = True
+        mark_answered(self._at)
         return out
 
     def _cat(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
         if not self.is_s3:
             return self.fs.cat_file(self._full(key), start=start, end=end)
-        limit_s = REQUEST_FLOOR_S + max((end or 0) - (start or 0), 0) / REQUEST_MIN_Bps  # _retry sets _answered
+        limit_s = REQUEST_FLOOR_S + max((end or 0) - (start or 0), 0) / REQUEST_MIN_Bps  # _retry marks it answered
         return get_range(self.fs, self.bucket, self._obj(key), start or 0, end, None, self.url_of(key), limit_s)
 
     def _endpoint(self) -> str:
@@ -170,27 +170,27 @@ class FsspecTarget(Target):
     def _retry(self, what: str, fn: Callable[[], T], **kw: object) -> T:
         """``Target._retry``; a request that succeeds marks the store reached, whatever its protocol: a
         refused connection after it is an outage to retry, not a wrong URL (``_is_transient``)."""
-        def answered() -> T:
+        def reached() -> T:
             out = fn()
-            self._answered = True
+            mark_answered(self._at)
             return out
 
-        return super()._retry(what, answered, **kw)  # type: ignore[arg-type]
+        return super()._retry(what, reached, **kw)  # type: ignore[arg-type]
 
     def _is_transient(self, exc: BaseException) -> bool:
         ce = client_error(exc)
         if ce is not None:
-            self._answered = True  # an error response: the endpoint is there
+            mark_answered(self._at)  # an error response: the endpoint is there
             code, status, _ = ce
             return code in TRANSIENT_CODES or status in TRANSIENT_STATUS
-        if not self._answered and unreachable(exc, "", "") is not None:  # never reached: not an outage
+        if not answered(self._at) and unreachable(exc, "", "") is not None:  # never reached: not an outage
             return False
         return isinstance(exc, self._transient) or is_transient_oserror(exc)
 
     def _permanent(self, exc: BaseException, what: str) -> ReplicationError | None:
-        if self.is_s3 and not self._answered and isinstance(exc, ValueError) and (bad := bad_endpoint(exc, what)):
+        if self.is_s3 and not answered(self._at) and isinstance(exc, ValueError) and (bad := bad_endpoint(exc, what)):
             return bad  # botocore could not build the client (a profile's malformed endpoint_url)
-        far = None if self._answered else unreachable(exc, what, *(
+        far = None if answered(self._at) else unreachable(exc, what, *(
             (self._endpoint(),) if self.is_s3 else (self.url, f"Check the host and port in {self.url}", HTTP_TRUST)))
         return far or permanent_error(exc, what, self.bucket, self._endpoint)
 
@@ -282,7 +282,7 @@ class FsspecTarget(Target):
     def _get(self, key: str, start: int, end: int, version: str | None) -> bytes:
         data = get_range(self.fs, self.bucket, self._obj(key), start, end, version, self.url_of(key),
                          REQUEST_FLOOR_S + (end - start) / REQUEST_MIN_Bps)
-        self._answered = True
+        mark_answered(self._at)
         return data
 
     def version(self, key: str) -> tuple[int, str | None]:

@@ -16,6 +16,20 @@ S3_FIX = ("Set it with AWS_ENDPOINT_URL, or storage_options={'endpoint_url': 'ht
           "fastckpt.latest/load, FastCkptIO; --storage-options on the command line)")
 S3_TRUST = "AWS_CA_BUNDLE=/path/ca.pem, or storage_options={'client_kwargs': {'verify': '/path/ca.pem'}}"
 HTTP_TRUST = "SSL_CERT_FILE=/path/ca.pem"
+# The endpoints (``s3_options.endpoint_key``) that answered a request in this process: a refused connection
+# after that is an outage to ride out for every target there (each bucket of one store: Homes makes a target
+# per bucket; each fastckpt.latest/load call makes its own), not a wrong endpoint.
+_answered: set[str] = set()
+
+
+def answered(endpoint: str) -> bool:
+    """Whether a request to ``endpoint`` had an answer (any response, an error too) in this process."""
+    return endpoint in _answered
+
+
+def mark_answered(endpoint: str) -> None:
+    """A request to ``endpoint`` had an answer: from now on its failures to connect are outages."""
+    _answered.add(endpoint)
 
 
 def unreachable(exc: BaseException, what: str, endpoint: str, fix: str = S3_FIX,

@@ -16,6 +16,7 @@ import os
 from urllib.parse import urlsplit
 
 from ..errors import ConfigError, ReplicationError
+from ..urls import split_url
 from .types import TargetUnreachableError, storage_error
 
 _STRINGS = ("key", "secret", "token", "profile")
@@ -82,10 +83,30 @@ def store_tag(url: str, opts: dict | None) -> str:
     (``storage_options``, or for ``s3://`` the environment's): one bucket and key on two stores are
     two checkpoints, whose local copies must not replace each other. The endpoint is hashed in one
     spelling of it (``_spelled_once``), so runs that write one store two ways share its place."""
-    given = _endpoints(opts or {}) or (_env_endpoint() if url.split("://", 1)[0] in ("s3", "s3a") else ())
-    if not given or not isinstance(given[0][1], str):
-        return ""
-    return "@" + hashlib.sha256(_spelled_once(given[0][1]).encode()).hexdigest()[:10]
+    endpoint = _given(url, opts or {})
+    return "" if endpoint is None else "@" + hashlib.sha256(_spelled_once(endpoint).encode()).hexdigest()[:10]
+
+
+def endpoint_key(url_root: str, opts: dict) -> str:
+    """Where the requests of a target at ``url_root`` go, for whether that endpoint has answered
+    (``reach.answered``), whichever bucket a request was for: for s3:// the endpoint given
+    (``storage_options``, else the environment's) in ``store_tag``'s spelling, with none the profile
+    that picks one (its endpoint_url, else AWS's); for another protocol its bucket (an http(s) URL's: its host)."""
+    if url_root.split("://", 1)[0] not in ("s3", "s3a"):
+        return split_url(url_root)[0]
+    endpoint = _given(url_root, opts)
+    return _spelled_once(endpoint) if endpoint is not None else f"s3 profile {opts.get('profile') or _profile()}"
+
+
+def _given(url: str, opts: dict) -> str | None:
+    """The endpoint ``opts`` give for ``url``, or for s3:// the environment's; None: the default."""
+    given = _endpoints(opts) or (_env_endpoint() if url.split("://", 1)[0] in ("s3", "s3a") else ())
+    return given[0][1] if given and isinstance(given[0][1], str) else None
+
+
+def _profile() -> str:
+    """The AWS profile the environment names (botocore's variables for it), when the options name none."""
+    return ",".join(os.environ.get(v, "") for v in ("AWS_DEFAULT_PROFILE", "AWS_PROFILE"))
 
 
 def _spelled_once(endpoint: str) -> str:
