@@ -16,7 +16,7 @@ import torch
 
 import fastckpt
 from fastckpt.commit.protocol import SIDECAR
-from fastckpt.errors import CorruptCheckpointError, ReplicationError
+from fastckpt.errors import ConfigError, CorruptCheckpointError, ReplicationError
 from fastckpt.io.atomic import TMP_TAG, final_path
 from fastckpt.storage.types import BucketNotFoundError
 from fastckpt.testing import FaultyOps
@@ -193,6 +193,24 @@ def test_s3_never_comes_back_keeps_local_and_errors_once(s3_server, s3_bucket, t
         ck.close()  # the error was seen through the handle: not raised again
     finally:
         s3_server.start()
+
+
+def test_s3_a_name_whose_sidecar_the_store_refuses_is_refused_at_save(s3_server, s3_bucket, tmp_path) -> None:
+    """SeaweedFS, as MinIO, takes at most 255 bytes in one part of a key: a 248-byte file name was
+    uploaded whole, then its sidecar (NAME.fastckpt.json, 262 bytes) was refused, on every save,
+    leaving the object unpublished and an error (KeyTooLongError) naming neither limit nor fix."""
+    run = f"s3://{s3_bucket}/run"
+    with fastckpt.Checkpointer(local_dir=str(tmp_path / "nvme"), storage_options=s3_server.storage_options()) as ck:
+        with pytest.raises(ConfigError, match=r"NAME\.fastckpt\.json, would have a last part of 262 bytes, over the "
+                                              r"255 bytes SeaweedFS and MinIO take in one part of a key .*Choose a "
+                                              r"shorter file name, of at most 241 bytes \(it has 248\)"):
+            ck.save(_state(1), f"{run}/{'m' * 245}.pt")
+        longest = f"{'n' * 238}.pt"  # 241 bytes: its sidecar's 255 is taken
+        ck.save(_state(2), f"{run}/{longest}").wait()
+    listed = [o["Key"] for o in s3_server.client().list_objects_v2(Bucket=s3_bucket).get("Contents", [])]
+    assert sorted(listed) == ["run/latest", f"run/{longest}", f"run/{longest}{SIDECAR}"]
+    assert [p.name for p in (tmp_path / "nvme").rglob("m*")] == []  # nothing written for the refused name
+    assert fastckpt.latest(run, storage_options=s3_server.storage_options()) == f"{run}/{longest}"
 
 
 def test_s3_missing_bucket_is_named(s3_server, tmp_path) -> None:

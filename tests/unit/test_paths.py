@@ -258,6 +258,22 @@ def test_latest_at_a_memory_url_names_it_as_it_was_given(tmp_path: Path) -> None
         assert fastckpt.load(f"{fastckpt.latest(given)}/a.pt")["v"] == 2
 
 
+def test_a_url_name_whose_sidecar_key_is_over_1024_bytes_is_refused_at_save(tmp_path: Path) -> None:
+    """An object store takes keys of at most 1024 bytes: a name of 1011 bytes after the bucket was
+    uploaded whole, then its sidecar (NAME.fastckpt.json, 1025 bytes) was refused."""
+    import uuid
+
+    run = f"memory://fastckpt-{uuid.uuid4().hex[:8]}/" + "/".join(["d" * 200] * 5)  # 1004 bytes after the bucket
+    with fastckpt.Checkpointer(local_dir=str(tmp_path / "nvme")) as ck:
+        with pytest.raises(ConfigError, match=r"NAME\.fastckpt\.json, would have a key of 1025 bytes, over the 1024 "
+                                              r"bytes S3 takes.*Choose a shorter path after the bucket, of at most "
+                                              r"1010 bytes \(it has 1011\)"):
+            ck.save(_state(1), f"{run}/xyz.pt")
+        assert not list((tmp_path / "nvme").rglob("xyz.pt*"))  # nothing written
+        ck.save(_state(2), f"{run}/xy.pt").wait()  # 1010 bytes: its sidecar's 1024 are taken
+    assert fastckpt.latest(run) == f"{run}/xy.pt"
+
+
 def test_both_spellings_of_a_memory_url_name_one_root(tmp_path: Path) -> None:
     """memory://b/run and memory:///b/run are one fsspec path, /b/run, but were two names: a group
     saved into as memory://b/... and committed as memory:///b/... had "no file saved into it"."""

@@ -4,7 +4,8 @@ checkpoint is not saved under one of them.
 A checkpoint saved as ``run/latest`` would replace the directory's pointer, one saved as
 ``a.pt.fastckpt.json`` would be replaced by ``a.pt``'s publication record at a URL, and one
 inside ``.fastckpt/`` would be taken for a commit marker and deleted with it. ``save`` refuses
-such names before anything is written.
+such names before anything is written, and a name at a URL whose publication record's key
+(``NAME.fastckpt.json``) the store would refuse: that PUT comes only after the whole upload.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import posixpath
 
 from ..errors import ConfigError
+from ..urls import is_url, split_url
 
 GROUP_MANIFEST = "fastckpt-manifest.json"
 MARKER_DIR = ".fastckpt"
@@ -22,6 +24,10 @@ SIDECAR = ".fastckpt.json"  # a single file's publication record at a URL: NAME.
 # (format.checksum.checksum_bytes). ``fastckpt verify`` checks them with the group's own files.
 FRAMEWORK_FILES = "framework_files"
 LEGACY_FRAMEWORK_FILES = "megatron_files"  # the same, in group manifests the Megatron strategy saved before
+KEY_MAX_BYTES = 1024  # an object key, at most: S3's limit (GCS's too)
+# one '/'-separated part of a key, at most: SeaweedFS's and MinIO's limit (AWS has none), and a file
+# system's on a file name (ext4, xfs, Lustre: NAME_MAX), where a run is copied to a directory
+PART_MAX_BYTES = 255
 
 
 def framework_files(manifest: object) -> dict:
@@ -58,6 +64,8 @@ def check_save_name(path: str, group: str | None = None) -> None:
         raise ConfigError(f"cannot save a checkpoint as {path}: it holds a backslash ('\\'), which fastckpt refuses "
                           "in checkpoint names (they are '/'-separated on every storage, so such a file could not "
                           f"be published, listed or loaded). Choose another name, e.g. {safe!r}")
+    if group is None and is_url(path):  # a file of a group has no sidecar: its group's manifest publishes it
+        _check_sidecar_fits(path)
     parts = path.split("/")
     base = parts[-1]
     if base == LATEST:
@@ -74,3 +82,23 @@ def check_save_name(path: str, group: str | None = None) -> None:
     raise ConfigError(f"cannot save a checkpoint as {path}: {base!r} is {why}, so fastckpt's own file would "
                       f"replace it or it would replace fastckpt's. Choose another name, e.g. "
                       f"{posixpath.join(posixpath.dirname(path), stem.replace('fastckpt', 'ckpt') + '.pt')!r}")
+
+
+def _check_sidecar_fits(url: str) -> None:
+    """Refuse a name at a URL whose sidecar's key is longer than stores take (``KEY_MAX_BYTES`` in
+    all, ``PART_MAX_BYTES`` for its last part): the sidecar is written after the upload, which would
+    then leave the object unpublished on every save of that name."""
+    key = split_url(url)[1].encode(errors="surrogateescape") + SIDECAR.encode()
+    last = len(key.rsplit(b"/", 1)[-1])
+    if len(key) > KEY_MAX_BYTES:
+        over = f"a key of {len(key)} bytes, over the {KEY_MAX_BYTES} bytes S3 takes"
+        fix = (f"a shorter path after the bucket, of at most {KEY_MAX_BYTES - len(SIDECAR)} bytes (it has "
+               f"{len(key) - len(SIDECAR)})")
+    elif last > PART_MAX_BYTES:
+        over = (f"a last part of {last} bytes, over the {PART_MAX_BYTES} bytes SeaweedFS and MinIO take in one part "
+                "of a key (and a file system in a file name, where the run is copied to a directory)")
+        fix = f"a shorter file name, of at most {PART_MAX_BYTES - len(SIDECAR)} bytes (it has {last - len(SIDECAR)})"
+    else:
+        return
+    raise ConfigError(f"cannot save a checkpoint as {url}: its publication record there, NAME{SIDECAR}, would have "
+                      f"{over}, so the save would fail only after its upload. Choose {fix}")
