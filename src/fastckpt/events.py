@@ -182,8 +182,9 @@ class _LogFile(logging.FileHandler):
 
 def start_detail(overhead_budget: float, overhead_window_s: float) -> str:
     """The ``detail`` of the ``start`` event a Checkpointer's event log begins each session with:
-    the options its readers replay the overhead alarm with (``replay.parse_start``)."""
-    return f"overhead_budget={overhead_budget!r} overhead_window_s={overhead_window_s!r}"
+    the options its readers replay the overhead alarm with (``replay.parse_start``), as plain
+    floats (a numpy scalar or a Fraction, which the options accept, would not read back)."""
+    return f"overhead_budget={float(overhead_budget)!r} overhead_window_s={float(overhead_window_s)!r}"
 
 
 def _end_torn_line(path: str) -> None:

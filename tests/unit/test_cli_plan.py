@@ -207,6 +207,7 @@ def test_young_daly_with_mtbf_per_node_or_per_job() -> None:
     (1.0, 1e9, 0.5),                # much shorter than the MTBF: half an interval
     (3600.0, 3600.0, 3600 - 3600 / (math.e - 1)),  # 1 - 1/(e - 1) = 0.418 of the MTBF
     (7200.0, 1.0, 1.0),             # far longer: the MTBF itself, never more (and no overflow)
+    (7200.0, math.inf, 3600.0),     # no failures (the library's PlanInputs take inf): no 0/0
 ])
 def test_a_failure_loses_the_expected_work_since_the_last_checkpoint(interval_s, mtbf_s, lost_s) -> None:
     assert sizing.lost_per_failure(interval_s, mtbf_s) == pytest.approx(lost_s)
@@ -226,13 +227,20 @@ def test_an_interval_past_the_job_mtbf_misses_and_never_redoes_more_than_the_cam
         assert not d[col]["passed"]
         assert any("interval is not shorter than the job's MTBF (1,758 s)" in t and "93.1 % of the GPU-hours" in t
                    for t in d[col]["problems"]), d[col]["problems"]
-    assert "interval: shorter than the job's MTBF, e.g. --interval 477s, the Young/Daly interval" \
+    assert "interval: shorter than the job's MTBF, e.g. --interval 478s, the Young/Daly interval" \
         in d["synchronous"]["advice"]
     # fastckpt's Young/Daly (8.34 s) is shorter than its drain (64.8 s): the fix is the drain's time
     assert any("--interval 64.8s, what the background tiers need" in a for a in d["fastckpt"]["advice"])
     fixed = invoke("--params", "405B", "--gpus", "16384", "--bandwidth", "100GB/s", "--mtbf", "1000h",
                    "--interval", "64.8s", "--json")
     assert fixed.exit_code == 0, fixed.output
+    # a drain of 58.909 s: the advice is rounded up, never to 58.9 s, which misses again
+    d = json.loads(invoke("--params", "405B", "--gpus", "16384", "--bandwidth", "110GB/s", "--mtbf", "1000h",
+                          "--json").stdout)
+    (advice,) = [a for a in d["fastckpt"]["advice"] if "what the background tiers need" in a]
+    flag = re.search(r"--interval (\S+)s,", advice).group(1)
+    assert float(flag) > 58.909 and invoke("--params", "405B", "--gpus", "16384", "--bandwidth", "110GB/s",
+                                           "--mtbf", "1000h", "--interval", f"{flag}s").exit_code == 0
 
 
 def test_inputs_are_validated() -> None:

@@ -66,3 +66,47 @@ def test_only_the_two_newest_end_keys_stay(store: dist.TCPStore) -> None:
     keys = sorted(k for k in store.list_keys() if k.startswith("fastckpt/reports/3/"))
     assert keys == [f"fastckpt/reports/3/{k}" for k in ("ended", "ended/4", "ended/5", "started")]
     assert SaveReports(store, 3).wait(0) == 0
+
+
+class _StoreRacedAtFirstCheck:
+    """The waiter's store: before its first look for ``ended/<n>``, ``race`` runs (saves that
+    start and end between the waiter's count and its wait). No ``clone``: Waits polls ``check``."""
+
+    def __init__(self, store: dist.TCPStore, race) -> None:
+        self._store, self._race = store, race
+
+    def add(self, key: str, n: int) -> int:
+        return self._store.add(key, n)
+
+    def check(self, keys: list[str]) -> bool:
+        race, self._race = self._race, None
+        if race is not None:
+            race()
+        return self._store.check(keys)
+
+
+def test_a_wait_whose_key_went_with_later_saves_counts_again(store: dist.TCPStore) -> None:
+    """The waiter counted 2 started, 1 ended and waits for ended/2; before it looks, that save
+    and two more start and end, and ended/2 is deleted (the two newest stay): it counts again
+    rather than wait for a key that will never come (with no bound: for ever)."""
+    saver = SaveReports(store, 5)
+    futures = []
+    for i in range(2):
+        handle, fut = _save(f"{i}.pt")
+        saver.started(handle)
+        futures.append(fut)
+    futures[0].set_result(_record("0.pt"))
+
+    def race() -> None:
+        futures[1].set_result(_record("1.pt"))
+        for i in (2, 3):
+            handle, fut = _save(f"{i}.pt")
+            saver.started(handle)
+            fut.set_result(_record(f"{i}.pt"))
+
+    waiter = SaveReports(_StoreRacedAtFirstCheck(store, race), 5)
+    got: list[int] = []
+    t = threading.Thread(target=lambda: got.append(waiter.wait(None)), daemon=True)
+    t.start()
+    t.join(60)
+    assert not store.check(["fastckpt/reports/5/ended/2"]) and got == [0]

@@ -444,6 +444,19 @@ def test_the_alarm_is_replayed_against_the_jobs_budget_unless_one_is_given(given
     assert st.budget == rs.budget == budget and st.over_budget == (st.overhead > budget)
 
 
+def test_a_budget_given_as_a_numpy_scalar_or_a_fraction_reads_back() -> None:
+    """The options take any real number; the start event writes it as a float, or its readers
+    fell back to the default budget (a false alarm for a job with a larger one)."""
+    import fractions
+
+    import numpy as np
+
+    from fastckpt.events import start_detail
+    from fastckpt.replay import parse_start
+    assert parse_start(start_detail(np.float64(0.5), np.int64(60))) == (0.5, 60.0)
+    assert parse_start(start_detail(fractions.Fraction(1, 4), 3600)) == (0.25, 3600.0)
+
+
 def test_a_lazy_save_is_counted_at_its_fence_event_and_an_older_logs_at_its_snapshot() -> None:
     """A lazy snapshot (detail LAZY) waits for its fence event, whose span (the fence's wait) adds to
     its blocked time; a log written before fence events ("lazy") counts it at the snapshot."""

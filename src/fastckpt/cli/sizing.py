@@ -47,8 +47,10 @@ def _s(seconds: float) -> str:
 
 
 def _flag_s(seconds: float) -> str:
-    """As ``--interval`` takes it: ``477s``, ``8.34s`` (no thousands separator, no space)."""
-    return f"{sig(seconds, 3).replace(',', '')}s"
+    """As ``--interval`` takes it: ``477s``, ``8.34s`` (no thousands separator, no space), rounded
+    up to 3 significant figures: the interval advised is the least that works (58.909 s: 59.0s)."""
+    unit = 10.0 ** (math.floor(math.log10(seconds)) - 2) if seconds > 0 else 1.0
+    return f"{sig(math.ceil(seconds / unit - 1e-9) * unit, 3).replace(',', '')}s"
 
 
 @dataclass(frozen=True)
@@ -175,6 +177,8 @@ def lost_per_failure(interval_s: float, job_mtbf_s: float) -> float:
     interval]`` for failures at random (exponential, mean ``job_mtbf_s``). About half an interval
     when the interval is much shorter than the MTBF; never more than the MTBF."""
     x = interval_s / job_mtbf_s
+    if x < 1e-6:  # its series: the formula below cancels to noise, and to 0/0 for an infinite MTBF
+        return interval_s * (0.5 - x / 12)
     return job_mtbf_s - interval_s * math.exp(-x) / -math.expm1(-x)  # no overflow for a large x
 
 

@@ -31,6 +31,7 @@ from .waits import WAIT_SLICE_S, Waits, store_errors
 
 log = logging.getLogger("fastckpt")
 FITS = "fastckpt/reports/fits"
+RECHECK_S = 1.0
 
 
 class SaveReports:
@@ -102,8 +103,9 @@ class SaveReports:
                 told = True
                 log.warning("fastckpt: waiting (close_timeout_s=%s) for %d checkpoint save(s) rank 0 started to end "
                             "before this rank exits: the launcher then stops rank 0 too", timeout_s, n - m)
-            try:  # the n-th save to end sets ended/<n>, whichever it is
-                waits.wait(f"{self._prefix}ended/{n}", deadline, stop, WAIT_SLICE_S)
+            try:  # the n-th save to end sets ended/<n>, whichever it is; counted again each RECHECK_S, as
+                # saves started and ended since the count may have deleted ended/<n> (only two are kept)
+                waits.wait(f"{self._prefix}ended/{n}", min(deadline, time.monotonic() + RECHECK_S), stop, WAIT_SLICE_S)
             except store_errors()[1] as exc:  # the store's host (rank 0) is gone: nothing left to wait for
                 log.warning("fastckpt: stopped waiting for rank 0's saves: the store stopped answering (%s)", exc)
                 return n - m
