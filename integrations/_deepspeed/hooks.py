@@ -51,7 +51,7 @@ from .agree import COMMITTED, FAILED, agree_on_load, error_on_any_rank, worst_on
 from .compat import LATEST, Store, checked_tag, is_url, normalize, order, pointer_name, same_files
 from .engine import OPT_OUT, SAFE_GLOBALS, FastCkptEngine
 from .globs import literal_globs
-from .preread import preread
+from .preread import preread, reads_optimizer_files
 from .rejoin import LoadRejoin
 from .unsafe import refused_globals, warn_once
 
@@ -354,7 +354,7 @@ class EngineHooks:
         held.callback(self.fe.forget_prereads)
         manifest = self._pin(held, _join(home, str(tag))) if tag is not None else None  # the home's save
         if tag is not None:
-            if (gone := self._not_loadable(home, where, tag, named_by_latest)) is not None:
+            if (gone := self._not_loadable(home, where, tag, kwargs, named_by_latest)) is not None:
                 raise gone
             # (paths map back to home); the consolidation's files on the CPU, as DeepSpeed maps them
             preread(self.engine, where, str(tag), kwargs, self.fe.preread, lambda p: self.fe.load(p, "cpu"))
@@ -374,7 +374,7 @@ class EngineHooks:
                 self._rejoin_load(exc, joins, _join(home, str(tag)))
                 raise
         except AssertionError as exc:  # DeepSpeed's bare assert on a file it did not find: name it
-            if (gone := self._not_loadable(home, where, tag, named_by_latest)) is None:
+            if (gone := self._not_loadable(home, where, tag, kwargs, named_by_latest)) is None:
                 raise
             raise gone from exc
 
@@ -404,10 +404,12 @@ class EngineHooks:
             exc.add_note(f"fastckpt: [rank={rank}] running the collectives the other ranks run in their load "
                          f"failed too: {rejoin_exc!r}")
 
-    def _not_loadable(self, home: str, where: str, tag: object, named_by_latest: bool) -> BaseException | None:
-        """The error naming what of ``tag`` is missing (its directory, a file of its manifest) or
-        that it holds no complete save; None when nothing is missing."""
-        if (missing := self._missing(where, tag)) is None:
+    def _not_loadable(self, home: str, where: str, tag: object, kwargs: dict,
+                      named_by_latest: bool) -> BaseException | None:
+        """The error naming what of ``tag`` a load with ``kwargs`` needs and is missing (its
+        directory, a file of its manifest that load reads) or that it holds no complete save;
+        None when nothing is missing."""
+        if (missing := self._missing(where, tag, kwargs)) is None:
             if self._uncommitted(where, tag):
                 return IncompleteCheckpointError(
                     f"checkpoint {_join(home, str(tag))} cannot be loaded: it holds no complete save (no fastckpt "
@@ -426,6 +428,10 @@ class EngineHooks:
             fix = (f"it stays the newest complete tag whatever {_join(home, LATEST)} names: remove it "
                    f"(engine.checkpoint_engine.checkpointer.remove({_join(home, str(tag))!r})), then write the tag "
                    f"to resume from into latest, or load another with load_checkpoint({home!r}, tag=...)")
+        if missing != os.path.join(where, str(tag)) and _optimizer_file(missing) \
+                and not self.engine.zero_optimization_partition_weights():  # (under ZeRO-3 the weights are there)
+            fix = (f"Its weights load without it: load_checkpoint({home!r}, tag={str(tag)!r}, load_module_only=True) "
+                   f"(load them before removing the tag: it may be their only copy). Or: {fix[0].lower()}{fix[1:]}")
         return CheckpointNotFoundError(
             f"checkpoint {_join(home, str(tag))} cannot be loaded: {missing} does not exist ({why}). {fix}; "
             f"list them with: fastckpt ls {home}")
@@ -439,16 +445,20 @@ class EngineHooks:
             return False
         return not [n for n in os.listdir(group) if not n.startswith(".")]
 
-    def _missing(self, where: str, tag: object) -> str | None:
-        """The tag directory, or the first file its manifest names, that is not there; None when
-        nothing is missing, or there is no fastckpt manifest to say what should be."""
+    def _missing(self, where: str, tag: object, kwargs: dict) -> str | None:
+        """The tag directory, or the first file its manifest names that a load with ``kwargs``
+        reads, that is not there; None when nothing is missing, or there is no fastckpt manifest
+        to say what should be. A load of the weights only reads no optimizer file: a tag whose
+        ``*optim_states.pt`` were deleted (kept for evaluation or fine-tuning) loads that way."""
         if tag is None or is_url(where):
             return None
         group = os.path.join(where, str(tag))
         if not os.path.isdir(group):
             return group
         manifest = self._store().manifest(group)
-        gone = [r for r in sorted((manifest or {}).get("files", ())) if not os.path.exists(os.path.join(group, r))]
+        optimizer = reads_optimizer_files(self.engine, kwargs)
+        needed = [r for r in sorted((manifest or {}).get("files", ())) if optimizer or not _optimizer_file(r)]
+        gone = [r for r in needed if not os.path.exists(os.path.join(group, r))]
         return os.path.join(group, gone[0]) if gone else None
 
     def _pin(self, stack: contextlib.ExitStack, group: str) -> dict | None:
@@ -639,6 +649,12 @@ class EngineHooks:
             with contextlib.suppress(FileExistsError):  # another rank of this node linked it first
                 os.symlink(there, here)
         return absent
+
+
+def _optimizer_file(rel: str) -> bool:
+    """``rel`` (a file a manifest names) holds optimizer states (DeepSpeed's ``*optim_states.pt``,
+    ZeRO's partitions and the non-ZeRO MoE experts' alike)."""
+    return posixpath.basename(rel).endswith("optim_states.pt")
 
 
 def _make_save_dir(where: str, save_dir: str) -> None:

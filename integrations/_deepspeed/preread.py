@@ -63,6 +63,19 @@ def optimizer_files(engine: object, where: str, tag: str, model_state: object) -
     return [names[own]] if own < len(names) else []
 
 
+def reads_optimizer_files(engine: object, kwargs: dict) -> bool:
+    """DeepSpeed's load with ``kwargs`` reads the ``*optim_states.pt`` files: a load of the
+    optimizer states, ZeRO-3's weights-only consolidation (``fp32.py``: it takes the fp32
+    weights from them), a universal checkpoint's, or an MoE model's under ZeRO-3 (its experts'
+    partitions). A load of the weights only (``load_module_only=True``, or
+    ``load_optimizer_states=False`` otherwise) never opens them."""
+    e = engine
+    if kwargs.get("load_optimizer_states", True) and not kwargs.get("load_module_only", False):
+        return True
+    return bool(fp32.applies(e, kwargs) or e.load_universal_checkpoint()  # type: ignore[attr-defined]
+                or (e.has_moe_layers and e.zero_optimization_partition_weights()))  # type: ignore[attr-defined]
+
+
 def preread(engine: object, where: str, tag: str, kwargs: dict, read: Callable[[str], object],
             check: Callable[[str], object]) -> None:
     """Read (``read``: the checkpoint engine's verified load, kept for DeepSpeed's) the files this

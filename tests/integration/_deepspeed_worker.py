@@ -50,7 +50,8 @@ rank writes ROOT/results/rank{r}.json with what the test checks from outside:
   coalescebest  replicate_policy "coalesce" drops queued tags for a newer one, never one saved
              with save_latest=False (the upload of the first tag is held, so the others queue)
   missing    a committed tag missing a file, or its directory: CheckpointNotFoundError naming it
-             (and, when latest names the deleted tag, saying to rewrite latest)
+             (and, when latest names the deleted tag, saying to rewrite latest); without its
+             optimizer file, a load of the weights only (load_module_only) loads it
   resaved    a tag saved again by another engine during a load of it: the load starts over, every
              file from the new save
   fulltag    both files' copies of a tag to save_dir fail (ENOSPC): the next save_checkpoint
@@ -863,7 +864,8 @@ def numpy_state(root: str) -> None:
 
 def missing(root: str) -> None:
     """A committed tag whose optimizer file, or whole directory, was deleted since: the load
-    raises CheckpointNotFoundError naming it, not DeepSpeed's bare AssertionError."""
+    raises CheckpointNotFoundError naming it, not DeepSpeed's bare AssertionError; a load of the
+    weights only, which reads no optimizer file, loads the tag without it."""
     import shutil
 
     from fastckpt.errors import CheckpointNotFoundError
@@ -880,6 +882,14 @@ def missing(root: str) -> None:
         raise AssertionError("a tag missing its optimizer file was loaded")
     except CheckpointNotFoundError as exc:
         assert optim in str(exc) and "does not exist" in str(exc), str(exc)
+        assert f"load_checkpoint({d!r}, tag='t1', load_module_only=True)" in str(exc), str(exc)
+    weights = full_weights(eng)  # a tag kept for evaluation or fine-tuning: its weights load without that file
+    for kwargs in ({"load_module_only": True}, {"load_optimizer_states": False},
+                   {"tag": "t1", "load_module_only": True}):
+        fresh = engine(2, {}, seed=1)  # (once: CheckpointNotFoundError for the optimizer file, and "remove it")
+        assert fresh.load_checkpoint(d, **kwargs)[0] is not None, kwargs
+        same(full_weights(fresh), weights, str(kwargs))
+        fresh.destroy()
     os.unlink(os.path.join(d, "t1", "mp_rank_00_model_states.pt"))  # DeepSpeed's own bare assert, named
     try:  # latest names the damaged tag: its manifest keeps it the newest whatever latest says: remove it
         eng.load_checkpoint(d)
