@@ -42,12 +42,52 @@ class LoadOutcome:
     mixed: bool  # the ranks loaded different saves (different tags resolved, or one saved again between them)
 
 
+def _ident(text: str) -> int:
+    """A hash of ``text`` that fits an int64 with its negation (the MAX all-reduce of both is
+    the largest and the smallest any rank has: equal on every rank exactly when all agree)."""
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big") >> 2
+
+
 def agree_on_load(error: BaseException | None, changed: bool, save: str) -> LoadOutcome:
     """Every rank calls this after its load of a tag: ``save`` names what it loaded (the tag and
     its files' checksums), so that ranks that loaded different saves know it and load again."""
-    ident = int.from_bytes(hashlib.blake2b(save.encode(), digest_size=8).digest(), "big") >> 2
+    ident = _ident(save)
     failed, chg, hi, neg_lo = _max_on_any_rank([int(error is not None), int(changed), ident, -ident])
     return LoadOutcome(bool(failed), bool(chg), hi != -neg_lo)
+
+
+def agree_on_save(outcome: int, home: str, tag: str) -> tuple[int, bool]:
+    """Every rank calls this as its ``save_checkpoint`` begins, with the outcome of its
+    preparations (``COMMITTED`` or ``FAILED``) and the checkpoint it was asked for (``home``,
+    ``tag``). Returns the worst outcome of any rank, and whether the ranks were asked for
+    different checkpoints: one all-reduce for both, the one every save makes anyway."""
+    ident = _ident(f"{home}\0{tag}")
+    worst, hi, neg_lo = _max_on_any_rank([outcome, ident, -ident])
+    return worst, hi != -neg_lo
+
+
+def different_tags_error(home: str, tag: str) -> errors.ConfigError:
+    """The error every rank raises once ``agree_on_save`` found that the ranks called
+    ``save_checkpoint`` with different save_dirs or tags (a collective: every rank calls it),
+    naming each rank's."""
+    from deepspeed import comm as dist
+
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (home, tag))
+    ranks: dict[tuple[str, str], list[int]] = {}
+    for rank, asked in enumerate(everyone):
+        ranks.setdefault(tuple(asked), []).append(rank)
+    one_dir = len({h for h, _ in ranks}) == 1
+    asked = "; ".join(f"tag {t!r}{'' if one_dir else f' in {h}'} on rank{'s' if len(r) > 1 else ''} "
+                      + ", ".join(map(str, r[:4])) + (f" and {len(r) - 4} more" if len(r) > 4 else "")
+                      for (h, t), r in list(ranks.items())[:4])
+    more = f"; and {len(ranks) - 4} other tags" if len(ranks) > 4 else ""
+    return errors.ConfigError(
+        f"save_checkpoint was called with different {'tags' if one_dir else 'save_dirs or tags'} on the ranks "
+        f"({asked}{more}{f', under {home}' if one_dir else ''}); this is rank {dist.get_rank()}, asked for {tag!r}. "
+        "A checkpoint is one tag that every rank saves its files into: pass the same save_dir and tag on every "
+        "rank (nothing rank-specific in the tag, such as a timestamp taken on each rank: derive it from the step, "
+        "e.g. f'global_step{engine.global_steps}', or broadcast rank 0's). Nothing was saved, on any rank")
 
 
 def error_on_any_rank(error: BaseException | None) -> BaseException:

@@ -305,7 +305,10 @@ class FastCkptEngine(CheckpointEngine):
         and hang both). None of this rank's files was saved: the commit raises, naming them, and
         ends the attempt on every rank. Nothing to do once ``commit`` was reached (it agreed), or
         before ``create`` (no tag began). ``rejoin`` first runs the collectives DeepSpeed runs
-        between its last file work and the commit (``hooks.EngineHooks._rejoin``).
+        between its last file work and the commit (``hooks.EngineHooks._rejoin``). The group is
+        the same on every rank: ``save_checkpoint`` refuses, on every rank, save_dirs or tags
+        that differ between the ranks before DeepSpeed's save begins (``hooks``:
+        ``_report_on_every_rank``), so this commit never pairs with another group's.
 
         Raises:
             ``error``, once the ranks agreed.

@@ -47,7 +47,7 @@ from fastckpt.errors import CheckpointWriteError, ConfigError, ReplicationError
 from fastckpt.save.fencing import optimizer_tensors
 
 from . import fp32
-from .agree import COMMITTED, FAILED, agree_on_load, error_on_any_rank, worst_on_any_rank
+from .agree import COMMITTED, FAILED, agree_on_load, agree_on_save, different_tags_error, error_on_any_rank
 from .compat import LATEST, Store, checked_tag, is_url, normalize, order, pointer_name, same_files
 from .engine import OPT_OUT, SAFE_GLOBALS, FastCkptEngine
 from .globs import literal_globs
@@ -519,7 +519,11 @@ class EngineHooks:
         its barrier, so a failure there hung the job) and clear a leftover attempt at ``home/tag``
         (which waits for this run's own attempt at it); a failure is raised on every rank or on
         none (a commit ends on every rank, but not at the same moment: raised where it ended first
-        only, it would leave the other ranks inside DeepSpeed's save for ever)."""
+        only, it would leave the other ranks inside DeepSpeed's save for ever). The same all-reduce
+        finds ranks asked for different save_dirs or tags (a per-rank timestamp in the tag): each
+        rank's group commit would pair with another rank's commit of another group, and every later
+        checkpoint's with the wrong one, so every rank raises ``ConfigError`` before DeepSpeed's
+        save (and its ``tag_validation``, which only warns by default) begins."""
         error: BaseException | None = None
         clear = _join(home, tag)
         try:
@@ -529,7 +533,13 @@ class EngineHooks:
                 self._clear_leftover(clear)
         except Exception as exc:  # noqa: BLE001 (raised below, on every rank)
             error = exc
-        if worst_on_any_rank(FAILED if error is not None else COMMITTED) == COMMITTED:
+        worst, different = agree_on_save(FAILED if error is not None else COMMITTED, home, tag)
+        if different:  # before DeepSpeed's save: each rank's commit would pair with another rank's other tag
+            refused = different_tags_error(home, tag)
+            if error is not None:
+                refused.add_note(f"fastckpt: this rank failed too, before it began: {error!r}")
+            raise refused from error
+        if worst == COMMITTED:
             return
         if error is None:  # it ended on another rank first: here it ends the same way (bounded)
             try:

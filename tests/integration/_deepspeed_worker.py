@@ -31,6 +31,8 @@ rank writes ROOT/results/rank{r}.json with what the test checks from outside:
              the job's one store: both commit every save, and each loads its own state back
   onerank    a save fails on rank 1 only (at the call, then in the background): save_checkpoint
              raises on both ranks at the same call, never on one only; the next tag commits
+  mismatch   each rank calls save_checkpoint with its own tag (tag_validation "Warn" and "Fail"):
+             every rank raises ConfigError naming the tags, nothing is created, the next tag commits
   rank0fails  rank 0 fails inside DeepSpeed's own save_checkpoint (copying zero_to_fp32.py into
              a full save_dir; making a save_dir under a file): both ranks raise, neither hangs
   loadrace   the newest tag moves between two ranks' resolutions of it: every rank loads the
@@ -552,6 +554,35 @@ def one_rank_fails(root: str) -> None:
     RESULTS["onerank"] = {"raised": raised, "latest": fastckpt.latest(d)}
 
 
+def mismatched_tags(root: str) -> None:
+    """Each rank calls save_checkpoint with its own tag (a per-rank timestamp in it), under
+    DeepSpeed's "tag_validation" "Warn" (it only warns) and "Fail" (it asserts, inside its save):
+    every rank raises ConfigError naming both tags before anything is created, and the next save,
+    with one tag, commits (each rank once committed its own group, and that commit's pairing
+    made every later one time out)."""
+    from fastckpt.commit import protocol as C
+    from fastckpt.errors import ConfigError
+
+    rank = dist.get_rank()
+    for validation in ("Warn", "Fail"):
+        d = os.path.join(root, "mismatch", validation)
+        eng = engine(2, {"commit_timeout_s": 30}, checkpoint={"tag_validation": validation})
+        train(eng, 1, 1)
+        try:
+            eng.save_checkpoint(d, f"t{rank}")
+            raise AssertionError(f"save_checkpoint with tag t{rank} on rank {rank} only was not refused")
+        except ConfigError as exc:
+            said = str(exc)
+            assert "different tags on the ranks (tag 't0' on rank 0; tag 't1' on rank 1" in said, said
+            assert f"this is rank {rank}, asked for 't{rank}'" in said and "same save_dir and tag" in said, said
+        dist.barrier()
+        assert not os.path.exists(os.path.join(d, "t0")) and not os.path.exists(os.path.join(d, "t1"))
+        train(eng, 2, 2)
+        eng.save_checkpoint(d, "a2")
+        eng.destroy()
+        assert os.path.exists(os.path.join(d, "a2", C.GROUP_MANIFEST)) and fastckpt.latest(d) == os.path.join(d, "a2")
+
+
 def rank0_fails_in_deepspeed(root: str) -> None:
     """Rank 0 fails inside DeepSpeed's own save_checkpoint, where fastckpt cannot reach: its copy
     of zero_to_fp32.py into save_dir (ENOSPC; after its files were handed over, before the
@@ -1034,7 +1065,7 @@ SCENARIOS = {"roundtrip": lambda root: [roundtrip(root, s) for s in (0, 1, 2, 3)
              "otherengine": other_engine,
              "drives": drives, "notag": no_such_tag, "wholeconfig": whole_config, "redaction": redaction,
              "keepbest": keep_best, "coalescebest": coalesce_best, "resaved": resaved, "fulltag": full_tag,
-             "onerank": one_rank_fails, "rank0fails": rank0_fails_in_deepspeed,
+             "onerank": one_rank_fails, "rank0fails": rank0_fails_in_deepspeed, "mismatch": mismatched_tags,
              "loadrace": load_race, "missing": missing, "numpystate": numpy_state,
              "globtag": glob_tag,
              "lazy": lambda root: [lazy(root, s) for s in (0, 1, 2, 3)]}

@@ -28,7 +28,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 WORKER = str(HERE / "_deepspeed_worker.py")
 TWO_PROCESS_SCENARIOS = ("roundtrip,convert,interop,report,unsafe,switch,lazy,universal,export,nolatest,install,"
-                         "destroy,engines,skip,keepbest,onerank,rank0fails,loadrace")
+                         "destroy,engines,skip,keepbest,onerank,rank0fails,loadrace,mismatch")
 ONE_PROCESS_SCENARIOS = ("roundtrip,skip,badtag,otherengine,drives,notag,wholeconfig,redaction,coalescebest,resaved,"
                          "missing,numpystate,globtag,fulltag")
 
@@ -306,6 +306,18 @@ def test_a_failure_inside_deepspeeds_save_on_rank_0_raises_on_every_rank_and_nev
         d = two_processes.root / "rank0fails" / name
         assert got[0]["latest"] == str(d / "t4") and (d / "latest").read_text() == "t4"
         assert not (d / "t2" / C.GROUP_MANIFEST).exists()
+
+
+def test_ranks_saving_different_tags_raise_config_error_and_the_next_tag_commits(two_processes: Run) -> None:
+    """Asserted in the worker: each rank's own tag (DeepSpeed's tag_validation "Warn", then
+    "Fail") raises ConfigError on both ranks naming both tags, creates nothing, and the next
+    save with one tag commits (once each rank committed its own group, and every later commit
+    of the job paired with the wrong one and timed out)."""
+    assert "mismatch" in two_processes.results[0]["done"] and "mismatch" in two_processes.results[1]["done"]
+    for validation in ("Warn", "Fail"):
+        d = two_processes.root / "mismatch" / validation
+        assert not (d / "t0").exists() and not (d / "t1").exists()
+        assert (d / "a2" / C.GROUP_MANIFEST).exists() and (d / "latest").read_text() == "a2"
 
 
 def test_ranks_load_one_save_and_fail_together(two_processes: Run) -> None:
