@@ -9,9 +9,11 @@ import json
 import os
 
 from fastckpt.commit.discovery import scan
+from fastckpt.commit.names import GROUP_NAME_MAX
 from fastckpt.commit.protocol import GROUP_MANIFEST, LATEST, MARKER_DIR, group_order, move_pointer
 from fastckpt.config import DEFAULT_RETRY_DEADLINE_S
 from fastckpt.errors import CheckpointNotFoundError, ConfigError
+from fastckpt.io.atomic import NAME_MAX
 from fastckpt.storage.homes import Homes
 from fastckpt.storage.places import Place
 from fastckpt.urls import is_url, normalize
@@ -155,6 +157,8 @@ def checked_tag(save_dir: str, tag: str) -> str:
             would commit but never load as the newest: with leading or trailing whitespace
             (DeepSpeed and fastckpt read ``latest`` stripped, and look for another name), or
             starting with '.' (hidden: ``fastckpt.latest``, ``fastckpt ls`` and retention skip it).
+            Or one longer than ``GROUP_NAME_MAX`` bytes, which could not be saved again
+            (``fastckpt.commit.names.check_group_name``), refused before DeepSpeed makes its directory.
     """
     if not save_dir:
         raise ConfigError(f"save_checkpoint(save_dir={save_dir!r}): save_dir must be a non-empty directory or URL")
@@ -174,4 +178,9 @@ def checked_tag(save_dir: str, tag: str) -> str:
                "would never be found as the newest")
         raise ConfigError(f"save_checkpoint tag {tag!r} {why}. Use a tag without leading or trailing whitespace, "
                           f"not starting with '.' (e.g. {safe!r})")
+    if len(tag.encode()) > GROUP_NAME_MAX:
+        raise ConfigError(f"save_checkpoint tag {tag[:40]!r}... is {len(tag.encode())} bytes long: fastckpt saves a "
+                          f"tag again beside it under a name {NAME_MAX - GROUP_NAME_MAX} bytes longer, which must fit "
+                          f"the file system's {NAME_MAX} bytes per name, so it could be saved once and never again. "
+                          f"Use a tag of at most {GROUP_NAME_MAX} bytes")
     return tag

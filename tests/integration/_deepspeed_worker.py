@@ -40,7 +40,8 @@ rank writes ROOT/results/rank{r}.json with what the test checks from outside:
   exit       the last save is still in flight when main returns: interpreter exit flushes it
   skip       "when_busy": "skip" drops a tag on rank 0 only (its previous write held by a gate):
              save_checkpoint returns on every rank, the tag is not committed, training goes on
-  badtag     a tag with '/' and an empty save_dir are refused (ConfigError naming them)
+  badtag     a tag with '/', an empty save_dir and a tag too long to be saved again are refused
+             (ConfigError naming them); the longest tag allowed is saved again
   otherengine  a DeepSpeed config that also picks another checkpoint engine or layout (a
              FastPersist "writer", "use_node_local_storage", "datastates_ckpt") is refused, by
              initialize before DeepSpeed starts and by attach, naming the option
@@ -733,15 +734,24 @@ def bad_tag(root: str) -> None:
 
     eng = engine(2, {}, seed=0)
     train(eng, 1, 1)
+    long = "run-" + "x" * 224  # 228 bytes: its first save committed, and every later one failed (name too long)
     for save_dir, tag, named in ((os.path.join(root, "nested"), "epoch1/step1", "'epoch1/step1'"),
-                                 ("", "t1", "save_dir=''")):
+                                 ("", "t1", "save_dir=''"),
+                                 (os.path.join(root, "nested"), long, "is 228 bytes long: fastckpt saves a tag again")):
         try:
             eng.save_checkpoint(save_dir, tag)
             raise AssertionError(f"save_checkpoint({save_dir!r}, {tag!r}) was not refused")
         except ConfigError as exc:
             assert named in str(exc), str(exc)
+    eng.save_checkpoint(os.path.join(root, "nested"), long[:227])  # the longest that is saved again
+    train(eng, 2, 2)
+    eng.save_checkpoint(os.path.join(root, "nested"), long[:227], client_state={"again": True})
     eng.destroy()
     assert not os.path.exists(os.path.join(root, "nested", "epoch1"))
+    assert not os.path.exists(os.path.join(root, "nested", long))
+    fresh = engine(2, {}, seed=1)
+    assert fresh.load_checkpoint(os.path.join(root, "nested"))[1].get("again") is True
+    fresh.destroy()
 
 
 def other_engine(root: str) -> None:

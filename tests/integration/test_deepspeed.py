@@ -224,6 +224,9 @@ def test_a_skipped_save_returns_on_every_rank_and_never_commits(nproc: int, one_
 
 
 def test_a_tag_with_a_slash_and_an_empty_save_dir_are_refused(one_process: Run) -> None:
+    """Asserted in the worker: ConfigError for each, naming it; so for a 228-byte tag (it saved
+    once and failed at every later save: its re-save directory's name was too long), while a
+    227-byte tag is saved again and the newer save loads."""
     assert "badtag" in one_process.results[0]["done"]
 
 

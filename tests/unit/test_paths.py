@@ -52,6 +52,23 @@ def test_a_name_with_a_backslash_is_refused_at_the_call_before_anything_is_writt
     written = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file())
     assert [w for w in written if "\\" in w] == [], written
 
+def test_a_group_name_too_long_to_be_saved_again_is_refused_at_its_first_save(tmp_path: Path) -> None:
+    """A group named with 228-255 bytes committed once, and every later save of it failed in the
+    background (its re-save directory '.NAME.fastckpt-next-<12 hex>' is 28 bytes longer than
+    the name: "File name too long"), so a resume loaded the first save. Now its first save is
+    refused naming the limit; a name of 227 bytes is saved again and loads the newer save."""
+    with fastckpt.Checkpointer(overhead_budget=0.99) as ck:
+        group = tmp_path / ("g" * 228)
+        with pytest.raises(ConfigError, match="name is 228 bytes long.*Use a group name of at most 227 bytes"):
+            ck.save(_state(1), str(group / "rank0.pt"), group=str(group))
+        group = tmp_path / ("é" * 113 + "g")  # bytes, not characters: 227
+        for v in (1, 2):
+            ck.save(_state(v), str(group / "rank0.pt"), group=str(group))
+            ck.commit(str(group)).wait(60)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([group.name, "latest"])  # no 228-byte one
+    assert fastckpt.load(str(group / "rank0.pt"))["v"] == 2
+
+
 @pytest.mark.parametrize("bad", ["too long", "link loop"])
 def test_a_name_that_cannot_be_opened_is_a_config_error_of_the_load_not_a_write_error(tmp_path: Path,
                                                                                      bad: str) -> None:

@@ -13,9 +13,13 @@ from __future__ import annotations
 import posixpath
 
 from ..errors import ConfigError
+from ..io.atomic import NAME_MAX
 from ..urls import is_url, split_url
 
 GROUP_MANIFEST = "fastckpt-manifest.json"
+NEXT_TAG = ".fastckpt-next"  # a re-saved group's new attempt, beside it: .TAG.fastckpt-next-<digest>
+NEXT_DIGEST_CHARS = 12  # hex digits of that digest (protocol.staged_place)
+GROUP_NAME_MAX = NAME_MAX - len(f".{NEXT_TAG}-") - NEXT_DIGEST_CHARS  # bytes (227): the re-save's name fits
 MARKER_DIR = ".fastckpt"
 LATEST = "latest"
 SIDECAR = ".fastckpt.json"  # a single file's publication record at a URL: NAME.fastckpt.json
@@ -45,6 +49,23 @@ def stays_inside(rel: object) -> bool:
         and all(p not in ("", ".", "..") for p in rel.split("/"))
 
 
+def check_group_name(group: str) -> None:
+    """Refuse a group (normalised path or URL) whose name is too long to be saved again: the
+    re-save is written beside it as ``.NAME.fastckpt-next-<digest>`` (``protocol.staged_place``),
+    which must fit one directory entry (``NAME_MAX`` bytes). Its first save would commit, and
+    every later one fail in the background with "File name too long".
+
+    Raises:
+        ConfigError: naming the limit and a shorter name.
+    """
+    size = len(posixpath.basename(group).encode())
+    if size > GROUP_NAME_MAX:
+        raise ConfigError(f"cannot save a checkpoint group as {group}: its name is {size} bytes long, and fastckpt "
+                          f"saves a group again beside it as '.NAME{NEXT_TAG}-<{NEXT_DIGEST_CHARS} hex digits>', "
+                          f"which must fit the file system's {NAME_MAX} bytes per name. Use a group name of at most "
+                          f"{GROUP_NAME_MAX} bytes")
+
+
 def check_save_name(path: str, group: str | None = None) -> None:
     """Refuse a checkpoint name (normalised path or URL; ``group``: the group it is saved into)
     that fastckpt uses for its own files: a group named ``latest`` would stand where every group
@@ -53,6 +74,8 @@ def check_save_name(path: str, group: str | None = None) -> None:
     Raises:
         ConfigError: naming the file and a name to use instead.
     """
+    if group is not None:
+        check_group_name(group)
     if group is not None and posixpath.basename(group) == LATEST:
         parent = posixpath.dirname(group)
         raise ConfigError(f"cannot save a checkpoint group as {group}: {LATEST!r} is the name of {parent}'s pointer to "

@@ -29,13 +29,12 @@ from ..format.manifest import FORMAT_VERSION, check_group_manifest, check_manife
 from ..storage.homes import Location
 from ..storage.places import Place
 from ..storage.types import TargetNotFoundError
-from .names import GROUP_MANIFEST, LATEST, MARKER_DIR, SIDECAR, stays_inside
+from .names import GROUP_MANIFEST, LATEST, MARKER_DIR, NEXT_DIGEST_CHARS, NEXT_TAG, SIDECAR, stays_inside
 from .order import group_order, holds
 
 ATTEMPT_NAME = "attempt.json"  # without a store: the attempt rank 0 started, in MARKER_DIR
 ATTEMPT = f"{MARKER_DIR}/{ATTEMPT_NAME}"
 OUTCOME = f"{MARKER_DIR}/outcome.json"  # without a store: an attempt that ended unpublished
-NEXT_TAG = ".fastckpt-next"  # a re-saved group's new attempt, beside it: .TAG.fastckpt-next-<digest>
 
 _latest_lock = threading.Lock()  # commits of several groups publish from concurrent threads
 
@@ -325,7 +324,7 @@ def staged_place(home: Place, old: dict | None) -> Place:
     same one, and the next re-save (it may start once this one is published) never writes into
     the directory rank 0 still deletes: ``.TAG.fastckpt-next-<digest>``."""
     seed = "damaged" if old is None else f"{old.get('attempt')}:{float(old.get('committed_at', 0.0))!r}"
-    digest = hashlib.sha1(seed.encode()).hexdigest()[:12]
+    digest = hashlib.sha1(seed.encode()).hexdigest()[:NEXT_DIGEST_CHARS]  # (names.GROUP_NAME_MAX: what fits)
     return home.parent().child(f".{posixpath.basename(home.key)}{NEXT_TAG}-{digest}")
 
 
