@@ -206,7 +206,6 @@ def _file(loc: Location, prefix: str, rel: str, damaged: list[Damaged], gone: li
         record = foreign.torch_zip(loc.target, prefix + rel)
         if record is None:
             if (why := foreign.damage(loc.target, prefix + rel)) is not None:  # no silent skip: cut short, emptied
-                _warn(join(loc.url, rel), "fastckpt: skipping a damaged checkpoint: %s %s", join(loc.url, rel), why)
                 damaged.append(Damaged(join(loc.url, rel), "file", f"{join(loc.url, rel)} {why}"))
             return None
         return Found(join(loc.url, rel), "file", loc.target.modified(prefix + rel), {}, "torch.save",
