@@ -202,7 +202,7 @@ def test_s3_a_name_whose_sidecar_the_store_refuses_is_refused_at_save(s3_server,
     run = f"s3://{s3_bucket}/run"
     with fastckpt.Checkpointer(local_dir=str(tmp_path / "nvme"), storage_options=s3_server.storage_options()) as ck:
         with pytest.raises(ConfigError, match=r"NAME\.fastckpt\.json, would have a last part of 262 bytes, over the "
-                                              r"255 bytes SeaweedFS and MinIO take in one part of a key .*Choose a "
+                                              r"255 bytes SeaweedFS and MinIO take in one part of a key.*Choose a "
                                               r"shorter file name, of at most 241 bytes \(it has 248\)"):
             ck.save(_state(1), f"{run}/{'m' * 245}.pt")
         longest = f"{'n' * 238}.pt"  # 241 bytes: its sidecar's 255 is taken

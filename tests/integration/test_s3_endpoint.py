@@ -174,3 +174,68 @@ def test_a_store_that_does_not_implement_a_header_fails_at_once_naming_it(s3_ser
     assert "upgrade the store to a version that implements them" in msg
     listed = s3_server.client().list_objects_v2(Bucket=s3_bucket).get("Contents", [])
     assert [o["Key"] for o in listed if o["Key"].endswith(SIDECAR)] == []
+
+
+def test_tls_alerts_at_the_first_request_are_an_outage_retried(s3_server: S3Server, s3_bucket: str,
+                                                              tmp_path: Path) -> None:
+    """A busy TLS terminator's alerts on a fresh process's first connections are no wrong scheme
+    or certificate (the ConfigError said to switch to http:// or trust the certificate)."""
+    proxy = TLSProxy(("127.0.0.1", s3_server.process.ports["s3"]), str(tmp_path), fail=frozenset({0, 1}))
+    opts = s3_server.storage_options(endpoint_url=proxy.endpoint_url,
+                                     client_kwargs={"region_name": s3_server.region, "verify": proxy.cert})
+    try:
+        assert fastckpt.latest(f"s3://{s3_bucket}/run", storage_options=opts) is None
+        assert proxy.refused == 2
+    finally:
+        proxy.close()
+
+
+def test_a_certificate_untrusted_after_the_endpoint_answered_fails_at_once(s3_server: S3Server, s3_bucket: str,
+                                                                           tmp_path: Path) -> None:
+    """A certificate rotated to one this node does not trust is no outage: it was retried for
+    retry_deadline_s once the endpoint had answered (w3)."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    proxy = TLSProxy(("127.0.0.1", s3_server.process.ports["s3"]), str(tmp_path / "a"))
+    opts = s3_server.storage_options(endpoint_url=proxy.endpoint_url,
+                                     client_kwargs={"region_name": s3_server.region, "verify": proxy.cert})
+    rotated = TLSProxy(("127.0.0.1", s3_server.process.ports["s3"]), str(tmp_path / "b"))
+    try:
+        assert fastckpt.latest(f"s3://{s3_bucket}/run", storage_options=opts) is None  # answered
+        proxy._ctx = rotated._ctx  # new connections get the other certificate
+        t0 = time.monotonic()
+        with pytest.raises(TargetUnreachableError, match="CERTIFICATE_VERIFY_FAILED.*have this node trust it"):
+            fastckpt.latest(f"s3://{s3_bucket}/run", storage_options=opts)
+        assert time.monotonic() - t0 < 30  # the default retry deadline is 300 s
+    finally:
+        proxy.close()
+        rotated.close()
+
+
+def test_a_proxy_that_refuses_the_tunnel_fails_at_once() -> None:
+    """HTTPS_PROXY answering CONNECT with 407 (credentials) is set-up, not an outage to retry."""
+    import socket
+
+    server = socket.create_server(("127.0.0.1", 0))
+
+    def refuse() -> None:
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:  # closed
+                return
+            with conn:
+                conn.recv(65536)
+                conn.sendall(b"HTTP/1.1 407 Proxy Authentication Required\r\nProxy-Authenticate: Basic realm=x\r\n"
+                             b"Content-Length: 0\r\nConnection: close\r\n\r\n")
+
+    threading.Thread(target=refuse, daemon=True).start()
+    opts = {**KEYS, "endpoint_url": _refusing_endpoint().replace("http://", "https://"),
+            "config_kwargs": {"proxies": {"https": f"http://127.0.0.1:{server.getsockname()[1]}"}}}
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(ReplicationError, match="ProxyConnectionError"):
+            fastckpt.latest("s3://proxied/run", storage_options=opts)
+    finally:
+        server.close()
+    assert time.monotonic() - t0 < 30  # the default retry deadline is 300 s

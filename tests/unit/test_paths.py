@@ -276,19 +276,28 @@ def test_latest_at_a_memory_url_names_it_as_it_was_given(tmp_path: Path) -> None
 
 
 def test_a_url_name_whose_sidecar_key_is_over_1024_bytes_is_refused_at_save(tmp_path: Path) -> None:
-    """An object store takes keys of at most 1024 bytes: a name of 1011 bytes after the bucket was
-    uploaded whole, then its sidecar (NAME.fastckpt.json, 1025 bytes) was refused."""
+    """S3 and GCS take keys of at most 1024 bytes: a name of 1011 bytes after the bucket was
+    uploaded whole, then its sidecar (NAME.fastckpt.json, 1025 bytes) was refused. A store without
+    those limits (memory://) takes such names: refusing them there was a regression (w3)."""
     import uuid
 
-    run = f"memory://fastckpt-{uuid.uuid4().hex[:8]}/" + "/".join(["d" * 200] * 5)  # 1004 bytes after the bucket
-    with fastckpt.Checkpointer(local_dir=str(tmp_path / "nvme")) as ck:
+    from fastckpt.commit.names import check_save_name
+
+    long = "/".join(["d" * 200] * 5)  # 1004 bytes after the bucket
+    for scheme in ("s3", "gs"):
         with pytest.raises(ConfigError, match=r"NAME\.fastckpt\.json, would have a key of 1025 bytes, over the 1024 "
-                                              r"bytes S3 takes.*Choose a shorter path after the bucket, of at most "
-                                              r"1010 bytes \(it has 1011\)"):
-            ck.save(_state(1), f"{run}/xyz.pt")
-        assert not list((tmp_path / "nvme").rglob("xyz.pt*"))  # nothing written
-        ck.save(_state(2), f"{run}/xy.pt").wait()  # 1010 bytes: its sidecar's 1024 are taken
-    assert fastckpt.latest(run) == f"{run}/xy.pt"
+                                              r"bytes S3 and Google Cloud Storage take.*Choose a shorter path after "
+                                              r"the bucket, of at most 1010 bytes \(it has 1011\)"):
+            check_save_name(f"{scheme}://b/{long}/xyz.pt", None)
+        check_save_name(f"{scheme}://b/{long}/xy.pt", None)  # 1010 bytes: its sidecar's 1024 are taken
+    check_save_name("gs://b/" + "e" * 250 + ".pt", None)  # GCS has no 255-byte part limit; S3 stores do
+    with pytest.raises(ConfigError, match="a last part of 267 bytes"):
+        check_save_name("s3://b/" + "e" * 250 + ".pt", None)
+    run = f"memory://fastckpt-{uuid.uuid4().hex[:8]}/{long}"
+    with fastckpt.Checkpointer(local_dir=str(tmp_path / "nvme")) as ck:
+        ck.save(_state(1), f"{run}/xyz.pt").wait()
+        ck.save(_state(2), f"{run}/" + "e" * 250 + ".pt").wait()
+    assert fastckpt.latest(run) == f"{run}/" + "e" * 250 + ".pt"
 
 
 def test_both_spellings_of_a_memory_url_name_one_root(tmp_path: Path) -> None:

@@ -110,16 +110,20 @@ def check_save_name(path: str, group: str | None = None) -> None:
 def _check_sidecar_fits(url: str) -> None:
     """Refuse a name at a URL whose sidecar's key is longer than stores take (``KEY_MAX_BYTES`` in
     all, ``PART_MAX_BYTES`` for its last part): the sidecar is written after the upload, which would
-    then leave the object unpublished on every save of that name."""
+    then leave the object unpublished on every save of that name. Only where those limits are:
+    S3's (its part limit SeaweedFS's and MinIO's) and Google Cloud Storage's (1024 in all)."""
+    scheme = url.split("://", 1)[0].lower()
+    if scheme not in ("s3", "s3a", "gs", "gcs"):
+        return
     key = split_url(url)[1].encode(errors="surrogateescape") + SIDECAR.encode()
     last = len(key.rsplit(b"/", 1)[-1])
     if len(key) > KEY_MAX_BYTES:
-        over = f"a key of {len(key)} bytes, over the {KEY_MAX_BYTES} bytes S3 takes"
+        over = f"a key of {len(key)} bytes, over the {KEY_MAX_BYTES} bytes S3 and Google Cloud Storage take"
         fix = (f"a shorter path after the bucket, of at most {KEY_MAX_BYTES - len(SIDECAR)} bytes (it has "
                f"{len(key) - len(SIDECAR)})")
-    elif last > PART_MAX_BYTES:
+    elif last > PART_MAX_BYTES and scheme in ("s3", "s3a"):
         over = (f"a last part of {last} bytes, over the {PART_MAX_BYTES} bytes SeaweedFS and MinIO take in one part "
-                "of a key (and a file system in a file name, where the run is copied to a directory)")
+                "of a key")
         fix = f"a shorter file name, of at most {PART_MAX_BYTES - len(SIDECAR)} bytes (it has {last - len(SIDECAR)})"
     else:
         return

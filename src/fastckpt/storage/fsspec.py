@@ -39,7 +39,7 @@ from ..units import MiB
 from ..urls import check_key, root_url
 from .base import T, Target
 from .fsspec_clean import clean_incomplete
-from .reach import HTTP_TRUST, answered, mark_answered, unreachable
+from .reach import HTTP_TRUST, answered, mark_answered, proxy_refused, unreachable
 from .reads import info_version
 from .s3 import (
     TRANSIENT_CODES,
@@ -183,15 +183,15 @@ class FsspecTarget(Target):
             mark_answered(self._at)  # an error response: the endpoint is there
             code, status, _ = ce
             return code in TRANSIENT_CODES or status in TRANSIENT_STATUS
-        if not answered(self._at) and unreachable(exc, "", "") is not None:  # never reached: not an outage
+        if unreachable(exc, "", "", reached=answered(self._at)) is not None:  # never reached, or untrusted
             return False
-        return isinstance(exc, self._transient) or is_transient_oserror(exc)
+        return isinstance(exc, self._transient) and not proxy_refused(exc) or is_transient_oserror(exc)
 
     def _permanent(self, exc: BaseException, what: str) -> ReplicationError | None:
         if self.is_s3 and not answered(self._at) and isinstance(exc, ValueError) and (bad := bad_endpoint(exc, what)):
             return bad  # botocore could not build the client (a profile's malformed endpoint_url)
-        far = None if answered(self._at) else unreachable(exc, what, *(
-            (self._endpoint(),) if self.is_s3 else (self.url, f"Check the host and port in {self.url}", HTTP_TRUST)))
+        far = unreachable(exc, what, *((self._endpoint(),) if self.is_s3 else (
+            self.url, f"Check the host and port in {self.url}", HTTP_TRUST)), reached=answered(self._at))
         return far or permanent_error(exc, what, self.bucket, self._endpoint)
 
     # ------------------------------------------------------------------ writing

@@ -32,25 +32,39 @@ def mark_answered(endpoint: str) -> None:
     _answered.add(endpoint)
 
 
+# A handshake failed by this node's setup, not by a busy TLS terminator's alert or EOF (retried)
+_TLS_SETUP = ("WRONG_VERSION_NUMBER", "RECORD_LAYER_FAILURE", "HTTP_REQUEST", "UNKNOWN_PROTOCOL")
+
+
+def _tls_setup(err: ssl.SSLError) -> bool:
+    """Whether a failed handshake says ``_TLS_SETUP`` (aiohttp's wrapper has no ``reason``: its text does)."""
+    said = (getattr(err, "reason", None) or str(err)).upper().replace(" ", "_")
+    return any(r in said for r in _TLS_SETUP)
+
+
 def unreachable(exc: BaseException, what: str, endpoint: str, fix: str = S3_FIX,
-                trust: str = S3_TRUST) -> TargetUnreachableError | None:
+                trust: str = S3_TRUST, reached: bool = False) -> TargetUnreachableError | None:
     """The error for a first request that could not connect at all (``exc``'s chain holds a DNS
-    failure, a refused connection or a failed TLS handshake), naming ``endpoint`` and how to ``fix``
-    it (``trust``: how to trust a certificate), or None: the endpoint is wrong or missing, not down
-    for a while, so the caller should hear it in seconds rather than after ``retry_deadline_s``."""
+    failure, a refused connection or a TLS handshake failed by this node's setup), naming
+    ``endpoint`` and how to ``fix`` it (``trust``: how to trust a certificate), or None: the
+    endpoint is wrong or missing, not down for a while, so the caller should hear it in seconds
+    rather than after ``retry_deadline_s``. Once the endpoint was ``reached``, only a certificate
+    this node does not trust (one rotated or expired) is no outage."""
     cur: BaseException | None = exc
     for _ in range(8):
         if cur is None:
             return None
-        if isinstance(cur, (socket.gaierror, ConnectionRefusedError, ssl.SSLError)):
+        if isinstance(cur, ssl.SSLCertVerificationError) or (not reached and (
+                isinstance(cur, (socket.gaierror, ConnectionRefusedError))
+                or isinstance(cur, ssl.SSLError) and _tls_setup(cur))):
             break
         cur = cur.__cause__ or cur.__context__
     else:
         return None
     if isinstance(cur, ssl.SSLError):  # https:// at a plain-HTTP port, an untrusted certificate
         return storage_error(TargetUnreachableError, f"{what}: the TLS handshake with the endpoint {endpoint} "
-                             f"failed ({cur}). The first request to it failed, so this is taken for a wrong scheme or "
-                             "certificate rather than an outage: if the store serves plain HTTP, give its endpoint as "
+                             f"failed ({cur}). This is taken for a wrong scheme or certificate rather than an "
+                             "outage: if the store serves plain HTTP, give its endpoint as "
                              "http://, not https://; if its certificate is self-signed or from a private CA, have "
                              f"this node trust it ({trust})", exc, errno.EPROTO)
     why = "no such host" if isinstance(cur, socket.gaierror) else "connection refused"
@@ -60,3 +74,13 @@ def unreachable(exc: BaseException, what: str, endpoint: str, fix: str = S3_FIX,
                          f"endpoint rather than an outage. {fix}, and check that the store is up and reachable "
                          "from this node", exc,
                          errno.EHOSTUNREACH if isinstance(cur, socket.gaierror) else errno.ECONNREFUSED)
+
+
+def proxy_refused(exc: BaseException) -> bool:
+    """A proxy (HTTPS_PROXY) that would not connect to the store (407: credentials, 403: a host it
+    does not allow): set-up, not an outage, though botocore counts it a ConnectionError."""
+    try:
+        from botocore.exceptions import ProxyConnectionError
+    except ImportError:
+        return False
+    return isinstance(exc, ProxyConnectionError) or isinstance(exc.__cause__, ProxyConnectionError)
