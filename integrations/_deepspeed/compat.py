@@ -178,7 +178,7 @@ def checked_tag(save_dir: str, tag: str) -> str:
                "would never be found as the newest")
         raise ConfigError(f"save_checkpoint tag {tag!r} {why}. Use a tag without leading or trailing whitespace, "
                           f"not starting with '.' (e.g. {safe!r})")
-    if len(tag.encode()) > GROUP_NAME_MAX:
+    if len(tag.encode()) > GROUP_NAME_MAX and not is_url(str(save_dir)):  # a URL's tag is never staged beside it
         raise ConfigError(f"save_checkpoint tag {tag[:40]!r}... is {len(tag.encode())} bytes long: fastckpt saves a "
                           f"tag again beside it under a name {NAME_MAX - GROUP_NAME_MAX} bytes longer, which must fit "
                           f"the file system's {NAME_MAX} bytes per name, so it could be saved once and never again. "

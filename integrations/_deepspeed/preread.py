@@ -72,6 +72,8 @@ def reads_optimizer_files(engine: object, kwargs: dict) -> bool:
     e = engine
     if kwargs.get("load_optimizer_states", True) and not kwargs.get("load_module_only", False):
         return True
+    if e.zero_optimization_partition_weights():  # type: ignore[attr-defined]
+        return True  # ZeRO-3: its model files hold empty partitions, the weights are in these
     return bool(fp32.applies(e, kwargs) or e.load_universal_checkpoint()  # type: ignore[attr-defined]
                 or (e.has_moe_layers and e.zero_optimization_partition_weights()))  # type: ignore[attr-defined]
 

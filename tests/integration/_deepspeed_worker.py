@@ -931,6 +931,21 @@ def missing(root: str) -> None:
         assert fresh.load_checkpoint(d, **kwargs)[0] is not None, kwargs
         same(full_weights(fresh), weights, str(kwargs))
         fresh.destroy()
+    z3 = engine(3, {}, seed=0)  # ZeRO-3: the weights are in the optimizer files (its model file: empty partitions)
+    train(z3, 1, 1)
+    z3.save_checkpoint(os.path.join(root, "missing3"), "t1")
+    z3.checkpoint_engine.checkpointer.wait()
+    (optim3,) = [n for n in os.listdir(os.path.join(root, "missing3", "t1")) if n.endswith("optim_states.pt")]
+    os.unlink(os.path.join(root, "missing3", "t1", optim3))
+    fresh = engine(3, {}, seed=1)
+    try:  # (once, for a moment: "loaded", keeping the fresh engine's own weights)
+        fresh.load_checkpoint(os.path.join(root, "missing3"), "t1", load_module_only=True)
+        raise AssertionError("a ZeRO-3 tag missing its optimizer file was loaded weights-only")
+    except CheckpointNotFoundError as exc:
+        assert optim3 in str(exc) and "load_module_only" not in str(exc), str(exc)
+    fresh.destroy()
+    z3.destroy()
+    shutil.rmtree(os.path.join(root, "missing3"))
     os.unlink(os.path.join(d, "t1", "mp_rank_00_model_states.pt"))  # DeepSpeed's own bare assert, named
     try:  # latest names the damaged tag: its manifest keeps it the newest whatever latest says: remove it
         eng.load_checkpoint(d)

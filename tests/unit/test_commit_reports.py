@@ -85,7 +85,7 @@ class _StoreRacedAtFirstCheck:
         return self._store.check(keys)
 
 
-def test_a_wait_whose_key_went_with_later_saves_counts_again(store: dist.TCPStore) -> None:
+def test_a_wait_whose_key_went_with_later_saves_counts_again(store: dist.TCPStore, monkeypatch) -> None:
     """The waiter counted 2 started, 1 ended and waits for ended/2; before it looks, that save
     and two more start and end, and ended/2 is deleted (the two newest stay): it counts again
     rather than wait for a key that will never come (with no bound: for ever)."""
@@ -104,6 +104,7 @@ def test_a_wait_whose_key_went_with_later_saves_counts_again(store: dist.TCPStor
             saver.started(handle)
             fut.set_result(_record(f"{i}.pt"))
 
+    monkeypatch.setattr("fastckpt.commit.reports.RECHECK_S", 0.5)  # WAIT_SLICE_S (30 s) in a job
     waiter = SaveReports(_StoreRacedAtFirstCheck(store, race), 5)
     got: list[int] = []
     t = threading.Thread(target=lambda: got.append(waiter.wait(None)), daemon=True)

@@ -67,6 +67,13 @@ def test_a_group_name_too_long_to_be_saved_again_is_refused_at_its_first_save(tm
             ck.commit(str(group)).wait(60)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([group.name, "latest"])  # no 228-byte one
     assert fastckpt.load(str(group / "rank0.pt"))["v"] == 2
+    import uuid  # at a URL a group is never saved again beside itself: a long name saves there (w4)
+
+    url = f"memory://fastckpt-{uuid.uuid4().hex[:8]}/run/" + "g" * 240
+    with fastckpt.Checkpointer(overhead_budget=0.99, local_dir=str(tmp_path / "nvme")) as ck:
+        ck.save(_state(3), f"{url}/rank0.pt", group=url)
+        ck.commit(url).wait(60)
+    assert fastckpt.latest(url.rsplit("/", 1)[0]) == url
 
 
 @pytest.mark.parametrize("bad", ["too long", "link loop"])

@@ -53,11 +53,14 @@ def check_group_name(group: str) -> None:
     """Refuse a group (normalised path or URL) whose name is too long to be saved again: the
     re-save is written beside it as ``.NAME.fastckpt-next-<digest>`` (``protocol.staged_place``),
     which must fit one directory entry (``NAME_MAX`` bytes). Its first save would commit, and
-    every later one fail in the background with "File name too long".
+    every later one fail in the background with "File name too long". Not at a URL: an object
+    store's group is never saved again beside itself (``resave.place_of``).
 
     Raises:
         ConfigError: naming the limit and a shorter name.
     """
+    if is_url(group):
+        return
     size = len(posixpath.basename(group).encode())
     if size > GROUP_NAME_MAX:
         raise ConfigError(f"cannot save a checkpoint group as {group}: its name is {size} bytes long, and fastckpt "

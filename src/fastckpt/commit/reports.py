@@ -31,7 +31,7 @@ from .waits import WAIT_SLICE_S, Waits, store_errors
 
 log = logging.getLogger("fastckpt")
 FITS = "fastckpt/reports/fits"
-RECHECK_S = 1.0
+RECHECK_S = WAIT_SLICE_S  # each c10d wait that times out logs two lines: counted again at this pace
 
 
 class SaveReports:
