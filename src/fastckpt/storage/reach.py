@@ -32,14 +32,11 @@ def mark_answered(endpoint: str) -> None:
     _answered.add(endpoint)
 
 
-# A handshake failed by this node's setup, not by a busy TLS terminator's alert or EOF (retried)
-_TLS_SETUP = ("WRONG_VERSION_NUMBER", "RECORD_LAYER_FAILURE", "HTTP_REQUEST", "UNKNOWN_PROTOCOL")
-
-
 def _tls_setup(err: ssl.SSLError) -> bool:
-    """Whether a failed handshake says ``_TLS_SETUP`` (aiohttp's wrapper has no ``reason``: its text does)."""
-    said = (getattr(err, "reason", None) or str(err)).upper().replace(" ", "_")
-    return any(r in said for r in _TLS_SETUP)
+    """Whether a failed handshake is this node's set-up (an HTTP port, a certificate: however the
+    OpenSSL in use words it), not a busy terminator's alert (``..._ALERT_...``: retried). aiohttp's
+    wrapper has no ``reason``: its text has."""
+    return "ALERT" not in (getattr(err, "reason", None) or str(err)).upper()
 
 
 def unreachable(exc: BaseException, what: str, endpoint: str, fix: str = S3_FIX,
@@ -77,10 +74,14 @@ def unreachable(exc: BaseException, what: str, endpoint: str, fix: str = S3_FIX,
 
 
 def proxy_refused(exc: BaseException) -> bool:
-    """A proxy (HTTPS_PROXY) that would not connect to the store (407: credentials, 403: a host it
-    does not allow): set-up, not an outage, though botocore counts it a ConnectionError."""
-    try:
-        from botocore.exceptions import ProxyConnectionError
-    except ImportError:
-        return False
-    return isinstance(exc, ProxyConnectionError) or isinstance(exc.__cause__, ProxyConnectionError)
+    """A proxy (HTTPS_PROXY) that answered it would not connect to the store (407: credentials,
+    403: a host it does not allow; aiohttp's error in the chain carries the status): set-up, not an
+    outage, though botocore counts it a ConnectionError. A proxy down or slow is an outage."""
+    cur: BaseException | None = exc
+    for _ in range(8):
+        if cur is None:
+            return False
+        if getattr(cur, "status", None) in (403, 407) and "proxy" in type(cur).__name__.lower():
+            return True
+        cur = cur.__cause__ or cur.__context__
+    return False
