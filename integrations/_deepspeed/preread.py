@@ -65,17 +65,14 @@ def optimizer_files(engine: object, where: str, tag: str, model_state: object) -
 
 def reads_optimizer_files(engine: object, kwargs: dict) -> bool:
     """DeepSpeed's load with ``kwargs`` reads the ``*optim_states.pt`` files: a load of the
-    optimizer states, ZeRO-3's weights-only consolidation (``fp32.py``: it takes the fp32
-    weights from them), a universal checkpoint's, or an MoE model's under ZeRO-3 (its experts'
-    partitions). A load of the weights only (``load_module_only=True``, or
-    ``load_optimizer_states=False`` otherwise) never opens them."""
-    e = engine
+    optimizer states, a universal checkpoint's, or any load under ZeRO-3, whose model files hold
+    empty partitions (the weights are in those files: its weights-only consolidation, ``fp32.py``,
+    and an MoE model's experts read them). A load of the weights only (``load_module_only=True``,
+    or ``load_optimizer_states=False``) outside ZeRO-3 never opens them."""
     if kwargs.get("load_optimizer_states", True) and not kwargs.get("load_module_only", False):
         return True
-    if e.zero_optimization_partition_weights():  # type: ignore[attr-defined]
-        return True  # ZeRO-3: its model files hold empty partitions, the weights are in these
-    return bool(fp32.applies(e, kwargs) or e.load_universal_checkpoint()  # type: ignore[attr-defined]
-                or (e.has_moe_layers and e.zero_optimization_partition_weights()))  # type: ignore[attr-defined]
+    return bool(engine.zero_optimization_partition_weights()  # type: ignore[attr-defined]
+                or engine.load_universal_checkpoint())  # type: ignore[attr-defined]
 
 
 def preread(engine: object, where: str, tag: str, kwargs: dict, read: Callable[[str], object],

@@ -65,7 +65,7 @@ def _snapshot_rate(events: list[Event]) -> tuple[float | None, int]:
     is not in the log is left out."""
     snaps = [e for e in events if e.name == "snapshot" and e.error is None and e.bytes > 0]
     lazy = {(e.rank, e.path, e.start): e.bytes for e in snaps if e.detail in _LAZY}
-    eager = [e.bytes / e.duration_s for e in snaps if e.detail not in _LAZY and e.duration_s > 0]
+    eager = _rates([e for e in snaps if e.detail not in _LAZY])
     copies: list[float] = []
     if lazy:
         state = RunState()
@@ -77,8 +77,12 @@ def _snapshot_rate(events: list[Event]) -> tuple[float | None, int]:
     return (statistics.median(rates) if rates else None), len(copies)
 
 
+def _rates(events: list[Event]) -> list[float]:
+    return [e.bytes / e.duration_s for e in events if e.error is None and e.duration_s > 0 and e.bytes > 0]
+
+
 def _rate(events: list[Event]) -> float | None:
-    rates = [e.bytes / e.duration_s for e in events if e.error is None and e.duration_s > 0 and e.bytes > 0]
+    rates = _rates(events)
     return statistics.median(rates) if rates else None
 
 

@@ -29,9 +29,7 @@ SIDECAR = ".fastckpt.json"  # a single file's publication record at a URL: NAME.
 FRAMEWORK_FILES = "framework_files"
 LEGACY_FRAMEWORK_FILES = "megatron_files"  # the same, in group manifests the Megatron strategy saved before
 KEY_MAX_BYTES = 1024  # an object key, at most: S3's limit (GCS's too)
-# one '/'-separated part of a key, at most: SeaweedFS's and MinIO's limit (AWS has none), and a file
-# system's on a file name (ext4, xfs, Lustre: NAME_MAX), where a run is copied to a directory
-PART_MAX_BYTES = 255
+PART_MAX_BYTES = 255  # one '/'-separated part of an s3:// key, at most: SeaweedFS's and MinIO's limit (AWS has none)
 
 
 def framework_files(manifest: object) -> dict:
