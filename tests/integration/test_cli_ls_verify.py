@@ -495,6 +495,23 @@ def test_a_checkpoint_file_emptied_is_listed_damaged(tmp_path) -> None:
     assert run("latest", h).stdout.strip() == f"{h}/step-1.pt"
 
 
+def test_a_checkpoint_file_cut_inside_its_first_four_bytes_is_listed_damaged(tmp_path) -> None:
+    """Cut to 1-3 bytes (inside the zip's first signature, ``PK\\x03\\x04``), a checkpoint file was
+    left out of ``ls`` (neither empty nor long enough to look like a zip) though load refuses it:
+    damaged, as one cut later; 1-3 bytes of anything else, or of a log, stay out."""
+    h = str(tmp_path / "home")
+    with fastckpt.Checkpointer() as ck:
+        ck.save(state(1), f"{h}/step-1.pt").wait()
+    Path(h, "train.log").write_bytes(b"PK")
+    Path(h, "other.pt").write_bytes(b"ab")
+    for cut in (1, 2, 3):
+        Path(h, "step-2.pt").write_bytes(b"PK\x03\x04"[:cut])
+        got = {e["name"]: e["status"] for e in json.loads(run("ls", h, "--json").stdout)["checkpoints"]}
+        assert got == {"step-1.pt": "complete", "step-2.pt": "damaged"}, (cut, got)
+        r = run("verify", f"{h}/step-2.pt")
+        assert r.exit_code == 1 and "is truncated" in r.stderr, r.output
+
+
 def test_verify_of_one_group_file_says_what_load_says(home: str) -> None:
     """``verify step-5/a.pt`` said ok for a file that load refuses (b.pt copied over it: whole,
     but not the file its group published there). Named alone, a group's file is judged by its

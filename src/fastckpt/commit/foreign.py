@@ -66,10 +66,15 @@ def cut_zip(target: Target, key: str, size: int | None = None) -> bool:
 def damage(target: Target, key: str) -> str | None:
     """What is wrong with the file at ``key`` (it has no fastckpt manifest and is no complete
     torch.save zip) when it is a damaged checkpoint, which a listing must show, never skip
-    silently: cut short (``cut_zip``), or empty under a checkpoint's name (``CHECKPOINT_SUFFIXES``,
-    as ``load`` calls it: truncated). None for anything else (a log, an empty stray file)."""
-    if (size := target.size(key)) == 0:
-        return foreign.EMPTY if key.endswith(CHECKPOINT_SUFFIXES) else None
+    silently: cut short (``cut_zip``), or empty or cut inside its first 4 bytes under a checkpoint's
+    name (``CHECKPOINT_SUFFIXES``, as ``load`` calls it: truncated). None for anything else (a log,
+    an empty stray file)."""
+    if (size := target.size(key)) < len(foreign.LOCAL_SIG):  # empty, or cut inside the zip's first signature
+        if not key.endswith(CHECKPOINT_SUFFIXES):
+            return None
+        if size == 0:
+            return foreign.EMPTY
+        return foreign.CUT_SHORT if bytes(target.read_range(key, 0, size)) == foreign.LOCAL_SIG[:size] else None
     if cut_zip(target, key, size):
         return foreign.CUT_SHORT
     return None
