@@ -22,6 +22,7 @@ _COMMANDS = {
     "drill": "fastckpt.cli.drill:drill",
     "ls": "fastckpt.cli.ls:ls",
     "verify": "fastckpt.cli.verify:verify",
+    "rm": "fastckpt.cli.rm:rm",
     "doctor": "fastckpt.cli.doctor:doctor",
     "report": "fastckpt.cli.report:report",
     "serve-metrics": "fastckpt.cli.serve_metrics:serve_metrics",

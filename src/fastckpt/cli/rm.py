@@ -1,0 +1,74 @@
+"""``fastckpt rm PATH...``: delete checkpoints the way ``Checkpointer.remove`` does.
+
+Each PATH must be one checkpoint that ``fastckpt ls`` lists (a file, a group, a DeepSpeed tag, a
+Megatron iteration, also a damaged one); a directory holding checkpoints, a ``latest`` pointer's
+folder, a bucket or a file that is no checkpoint is refused before anything is deleted. A group
+goes with its manifest first, so no reader ever takes what is left for a checkpoint. With
+``--local-dir`` the node's burst-buffer copies go too.
+"""
+
+from __future__ import annotations
+
+import os
+
+import click
+
+from ._common import LOCATION, fail_with, storage_options_option
+from ._discovery import homes
+from ._localdir import LocalDir
+
+
+def _checked(paths: tuple[str, ...], storage_options: dict | None) -> tuple[list[str], list[str]]:
+    """(the PATHs to delete, those where nothing is), having checked every PATH first.
+
+    Raises:
+        ConfigError: a PATH is no single checkpoint (``commit.removable``): nothing is deleted.
+    """
+    from ..commit.removable import check_removable, refuse_root
+    from ..urls import is_url, local_path
+
+    there, missing = [], []
+    h = homes(storage_options)
+    try:
+        for path in paths:
+            loc = h.resolve(path)
+            refuse_root(loc)
+            if is_url(path):
+                found = loc.target.exists(loc.key) or bool(loc.target.list(loc.key.rstrip("/") + "/"))
+            else:
+                found = os.path.lexists(local_path(path))
+            check_removable(loc)
+            (there if found else missing).append(path)
+    finally:
+        h.close()
+    return there, missing
+
+
+@click.command()
+@click.argument("paths", nargs=-1, required=True, type=LOCATION)
+@click.option("--local-dir", "local_dirs", type=LocalDir(), multiple=True,
+              help="The node's burst buffer (local_dir) whose copies of PATH go too; repeat it for each directory "
+                   "of a striped one (local_dir=[...]).")
+@storage_options_option
+def rm(paths: tuple[str, ...], local_dirs: tuple[str, ...], storage_options: dict | None) -> None:
+    """Delete the checkpoints PATH... (files, groups, tags, iterations; directories or URLs).
+
+    Only what `fastckpt ls` lists as one checkpoint is deleted: a directory that holds
+    checkpoints, a bucket or a file that is no checkpoint is refused (exit 1) before anything
+    goes. Run it where no job is saving to PATH: a job's own remove() waits for its saves in
+    flight, this command cannot see another process's. Exit 1 when a PATH is not there.
+    """
+    import fastckpt
+
+    from ..errors import ConfigError
+
+    try:
+        there, missing = _checked(paths, storage_options)
+    except ConfigError as exc:
+        fail_with(f"fastckpt: {exc}\nNothing was deleted.")
+    with fastckpt.Checkpointer(local_dir=list(local_dirs) or None, storage_options=storage_options) as ck:
+        for path in there:
+            ck.remove(path)
+            click.echo(f"removed {path}")
+    if missing:
+        fail_with(f"{', '.join(missing)}: nothing there (check the path: `fastckpt ls` lists the checkpoints)")

@@ -1,0 +1,73 @@
+"""``fastckpt rm``: deletes what ``fastckpt ls`` lists as one checkpoint (with its burst-buffer
+copies under ``--local-dir``), refuses a directory of checkpoints or a file that is none before
+anything goes, and says so for a path where nothing is: local files and SeaweedFS alike."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from click.testing import CliRunner
+
+import fastckpt
+from fastckpt.cli import cli
+
+
+def run(*args: str):
+    return CliRunner().invoke(cli, list(args))
+
+
+def _names(root: str, *extra: str) -> dict[str, str]:
+    return {e["name"]: e["status"] for e in json.loads(run("ls", root, "--json", *extra).stdout)["checkpoints"]}
+
+
+def _save(ck: fastckpt.Checkpointer, home: str) -> None:
+    for step in (1, 2):
+        ck.save({"w": torch.full((256,), float(step))}, f"{home}/step-{step}.pt")
+        group = f"{home}/g-{step}"
+        for name in ("a.pt", "b.pt"):
+            ck.save({"w": torch.full((256,), float(step))}, f"{group}/{name}", group=group)
+        ck.commit(group, step=step)
+    ck.wait()
+
+
+def test_rm_deletes_files_and_groups_with_their_burst_buffer_copies(tmp_path: Path) -> None:
+    home, bb = str(tmp_path / "home"), str(tmp_path / "nvme")
+    with fastckpt.Checkpointer(local_dir=bb, overhead_budget=0.99, replicate_policy="all") as ck:
+        _save(ck, home)
+    Path(home, "notes.txt").write_text("not a checkpoint")
+    assert set(_names(home, "--local-dir", bb).values()) == {"replicated"}
+
+    r = run("rm", f"{home}/step-1.pt", f"{home}/g-1", "--local-dir", bb)
+    assert r.exit_code == 0, r.output
+    assert r.stdout.splitlines() == [f"removed {home}/step-1.pt", f"removed {home}/g-1"]
+    assert _names(home, "--local-dir", bb) == {"step-2.pt": "replicated", "g-2": "replicated"}
+    assert not list(Path(bb).rglob("step-1.pt")) and not list(Path(bb).rglob("g-1"))  # the node's copies went too
+
+    for refused, why in ((home, "a directory holding 2 checkpoints"), (f"{home}/notes.txt", "it is not a checkpoint")):
+        r = run("rm", f"{home}/step-2.pt", refused)  # refused before anything goes, also the PATH before it
+        assert r.exit_code == 1 and why in r.stderr and "Nothing was deleted" in r.stderr, r.output
+    assert sorted(p.name for p in Path(home).iterdir()) == ["g-2", "latest", "notes.txt", "step-2.pt"]
+
+    r = run("rm", f"{home}/step-2.pt", "/")  # a root: refused unlisted
+    assert r.exit_code == 1 and "the root of the file system" in r.stderr and Path(home, "step-2.pt").exists()
+    r = run("rm", f"{home}/step-9.pt")
+    assert r.exit_code == 1 and f"{home}/step-9.pt: nothing there" in r.stderr, r.output
+    assert fastckpt.latest(home) == f"{home}/g-2"
+
+
+def test_rm_at_a_url(s3_server, s3_bucket, tmp_path: Path) -> None:
+    opts = s3_server.storage_options()
+    home = f"s3://{s3_bucket}/run"
+    with fastckpt.Checkpointer(storage_options=opts, overhead_budget=0.99, local_dir=str(tmp_path / "nvme"),
+                               replicate_policy="all") as ck:  # each one reaches the bucket, none coalesced away
+        _save(ck, home)
+    so = ("--storage-options", json.dumps(opts))
+    r = run("rm", f"{home}/g-1", f"{home}/step-1.pt", *so)
+    assert r.exit_code == 0, r.output
+    assert _names(home, *so) == {"step-2.pt": "complete", "g-2": "complete"}
+    r = run("rm", home, *so)
+    assert r.exit_code == 1 and "a directory holding 2 checkpoints" in r.stderr, r.output
+    r = run("rm", f"{home}/g-1", *so)
+    assert r.exit_code == 1 and "nothing there" in r.stderr, r.output
