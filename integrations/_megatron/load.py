@@ -216,7 +216,9 @@ def _assemble(sh: ShardedTensor, parts: list, opened: dict[str, VerifiedFile],
     """The tensor ``sh`` asks for, from the verified bytes of the saved shards that overlap it.
 
     When one saved shard is exactly the requested one, the result is a view of the bytes read
-    (no copy); otherwise the overlaps are copied into a new tensor.
+    (no copy) unless the saved shard's strides differ from the request's (a transposed view saved,
+    a contiguous tensor asked for: copied into the requested layout); otherwise the overlaps are
+    copied into a new tensor.
     """
     want = tensor_box(sh)
     device = sh.data.device if sh.data is not None else torch.device("cpu")
@@ -227,6 +229,9 @@ def _assemble(sh: ShardedTensor, parts: list, opened: dict[str, VerifiedFile],
 
     if len(parts) == 1 and parts[0][1] == want == parts[0][0].box and parts[0][0].torch_dtype == sh.dtype:
         out = source(parts[0][0]).reshape(sh.local_shape)
+        like = sh.data if sh.data is not None else out.contiguous()  # the layout asked for (a saved view's strides
+        if out.stride() != like.stride():  # are not: Megatron's exchange broadcasts it, which needs that layout)
+            out = torch.empty_like(like, device="cpu").copy_(out)
     else:
         full = not sh.allow_shape_mismatch  # plan_tensor proved every element covered (else: padding)
         out = torch.empty(sh.local_shape, dtype=sh.dtype) if full else torch.zeros(sh.local_shape, dtype=sh.dtype)

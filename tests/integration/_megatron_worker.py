@@ -184,6 +184,7 @@ def _error(fn) -> dict | None:  # noqa: ANN001
 
 def scenario_save(d: str, rank: int, world: int) -> dict:
     from megatron.core import dist_checkpointing as dc
+    from megatron.core.dist_checkpointing import ShardedTensor
     from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
     import fastckpt
@@ -226,6 +227,10 @@ def scenario_save(d: str, rank: int, world: int) -> dict:
     want = make_state(2, rank, world, "save")
     got = dc.load(without_data(want), it(2))
     out["same_layout_equal"] = same(got, expected(want, 2))
+    want = make_state(2, rank, world, "save")  # tview saved as a transposed view, asked for contiguous
+    want["tview"] = ShardedTensor(**{**want["tview"].__dict__, "data": want["tview"].data.contiguous()})
+    got = dc.load(without_data(want), it(2))
+    out["contiguous_request"] = [same(got, expected(want, 2)), got["tview"].is_contiguous()]
     want = make_state(3, rank, world, "reshard")
     got = dc.load(without_data(want), it(3))
     out["reshard_equal"] = same(got, expected(want, 3))

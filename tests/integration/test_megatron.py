@@ -105,6 +105,14 @@ def test_async_save_through_megatrons_async_calls_queue(saved) -> None:
         assert r["blocked_s_2"] < 30
 
 
+def test_a_shard_saved_as_a_transposed_view_loads_in_the_layout_asked_for(saved) -> None:
+    """A saved non-contiguous view (a transposed weight) asked for as a contiguous tensor came back as
+    a view with the saved strides; Megatron's fully parallel load broadcasts it, which needs the
+    layout asked for (as torch_dist, which loads into the caller's tensor, gives)."""
+    _, reps = saved
+    assert [r["contiguous_request"] for r in reps] == [[True, True]] * 2
+
+
 def test_each_shard_is_written_once(saved) -> None:
     # "ln" is replicated (main replica on rank 0); "grid" is 2x2 blocks, two per rank
     _, reps = saved
