@@ -34,6 +34,7 @@ class Flushable(Protocol):
 _LIVE: weakref.WeakSet[Flushable] = weakref.WeakSet()
 _INHERITED: weakref.WeakSet[Flushable] = weakref.WeakSet()  # in a fork child: those it inherited and kept
 _AFTER: list[Callable[[], None]] = []
+_STOPS: list[BaseException] = []  # a SIGTERM handler's SystemExit or a Ctrl-C that came during the exit flush
 _lock = threading.Lock()
 _hooked = False
 
@@ -77,19 +78,41 @@ def forget_at_exit(obj: Flushable) -> None:
 
 def close_at_exit(close: Callable[[], None], pending: Callable[[], int], replicating: Callable[[], list[str]]) -> None:
     """A Checkpointer's ``_atexit``: ``close()`` it, saying what it flushes, and log what it
-    raises (at exit there is no caller left to raise to)."""
-    if n := pending():
-        copies = replicating()
-        log.warning("fastckpt: flushing %d pending save(s) at interpreter exit%s; call close() (or use the "
-                    "Checkpointer as a context manager) to do this explicitly",
-                    n, f" (replicating {', '.join(copies)})" if copies else "")
+    raises (at exit there is no caller left to raise to). A SIGTERM handler's ``sys.exit`` or a
+    Ctrl-C landing anywhere in here does not skip the ``close()``: saves that returned must not
+    be lost by a stop that came as the flush began (``_flush_live`` says what came)."""
+    n = 0
+    try:
+        if n := pending():
+            copies = replicating()
+            log.warning("fastckpt: flushing %d pending save(s) at interpreter exit%s; call close() (or use the "
+                        "Checkpointer as a context manager) to do this explicitly",
+                        n, f" (replicating {', '.join(copies)})" if copies else "")
+    except (SystemExit, KeyboardInterrupt) as exc:
+        _STOPS.append(exc)
     try:
         close()
-    except KeyboardInterrupt:
-        log.error("fastckpt: interrupted while flushing %d pending save(s) at interpreter exit: those not durable by "
-                  "then are lost (failures are logged above); the checkpoints before them are intact", n)
+    except (SystemExit, KeyboardInterrupt) as exc:  # close() ends the pending work first (unless close_timeout_s)
+        _STOPS.append(exc)
+        left = _quietly(pending)
+        if left:
+            log.error("fastckpt: %s while flushing %d pending save(s) at interpreter exit: %d not durable by then "
+                      "are lost (failures are logged above); the checkpoints before them are intact",
+                      _named(exc), n, left)
     except BaseException as exc:  # noqa: BLE001
         log.error("fastckpt: a pending save failed at exit: %r", exc)
+
+
+def _quietly(fn: Callable[[], int]) -> int:
+    try:
+        return fn()
+    except (SystemExit, KeyboardInterrupt) as exc:  # a second stop: counted, the count left unsaid
+        _STOPS.append(exc)
+        return 0
+
+
+def _named(exc: BaseException) -> str:
+    return "interrupted (Ctrl-C)" if isinstance(exc, KeyboardInterrupt) else f"stopped by sys.exit({exc.code!r})"
 
 
 def stop_pools(executors: Iterable[Executor], wait: bool) -> None:
@@ -130,12 +153,20 @@ def abandon_at_exit(executors: Iterable[Executor], why: str) -> list[str]:
 
 def _flush_live() -> None:
     for obj in list(_LIVE):
-        obj._atexit()
+        try:
+            obj._atexit()
+        except (SystemExit, KeyboardInterrupt) as exc:  # between two Checkpointers: the next is flushed all the same
+            _STOPS.append(exc)
     for fn in list(_AFTER):
         try:
             fn()
-        except Exception as exc:  # noqa: BLE001 (at exit there is no caller left to raise to)
+        except (Exception, SystemExit, KeyboardInterrupt) as exc:  # noqa: BLE001 (no caller left to raise to)
             log.error("fastckpt: %r failed at interpreter exit: %r", fn, exc)
+    if _STOPS:  # Python ignores an exit asked for while it shuts down: say so rather than lose it silently
+        log.warning("fastckpt: %s during the exit flush; the flush went on first (what it could not save is "
+                    "logged above). Python ignores an exit requested while it shuts down: the exit status is the "
+                    "one the main thread ended with", _named(_STOPS[0]))
+        _STOPS.clear()
 
 
 def ran_threads(*workers: object) -> bool:
