@@ -28,6 +28,7 @@ DEFAULT_BUDGET = 0.02  # a log's Checkpointer's, when its log does not say (writ
 DEFAULT_WINDOW_S = 3600.0
 _OPEN_BLOCKS_KEPT = 16  # per Checkpointer (rank, session): blocks whose one_save event has not come, newest kept
 _UNFENCED_KEPT = 1024  # lazy saves whose fence event has not come, over all ranks
+_FENCING_KEPT = 64  # ended blocks waiting for the fence events of their lazy files, over all ranks
 
 
 @dataclass(frozen=True)
@@ -118,6 +119,82 @@ class LazySnapshots:
         return self._held.pop((ev.rank, ev.session, ev.path, saved_at(ev) or 0.0), None)
 
 
+@dataclass(frozen=True)
+class Counted:
+    """What one event adds to its rank's saves, as the Monitor counts them (``SaveCounter``)."""
+
+    rank: int
+    tier: str
+    start: float  # the save's: its call's (a block's: its first file's)
+    now: float  # when it is counted: the event's end
+    added_s: float  # blocked seconds this adds
+    blocked_s: float  # the save's blocked seconds, all told so far
+    new: bool  # a save counted now (False: more blocked time of one counted already)
+    final: bool  # its blocked time grows no more (a histogram observes it now)
+
+
+class SaveCounter:
+    """The one rule by which the log's readers count saves and their blocked time, as the Monitor
+    does: the overhead replay (``RankOverheads``, for ``fastckpt report`` and ``serve-metrics``)
+    and the exporter's histograms (``metrics.sink``) both feed it each event and take what it
+    counted. A save is counted (``new``) at its ``snapshot`` event; a lazy one at its ``fence``
+    event; a ``one_save()`` block at its ``one_save`` event. A block's lazy file fenced after the
+    block ended adds its wait (not ``new``); the block is ``final`` once every such file's fence
+    came (a block of a job killed before then, once ``_FENCING_KEPT`` newer ones wait: as it is)."""
+
+    def __init__(self) -> None:
+        self._blocks, self._unfenced = Blocks(), LazySnapshots()
+        # ended blocks whose lazy files' fence events have not all come: final once they have
+        self._fencing: OrderedDict[tuple[int, str | None, str | None], tuple[str, BlockSave]] = OrderedDict()
+
+    def feed(self, ev: Event) -> list[Counted]:
+        """A ``snapshot`` that succeeded (a save, or a file of a block), a block's ``one_save``, or a
+        lazy save's ``fence``; any other event counts nothing."""
+        if ev.name == "snapshot" and ev.error is None and ev.block is not None:
+            self._blocks.add(ev)  # counted when its block ends
+        elif ev.name == "snapshot" and ev.error is None and ev.detail == LAZY:  # counted at its fence event
+            return [_as_is(old.rank, old.tier, old.start, old.duration_s, old.end) for old in self._unfenced.hold(ev)]
+        elif ev.name == "snapshot" and ev.error is None:
+            return [_as_is(ev.rank, ev.tier, ev.start, ev.duration_s, ev.end)]
+        elif ev.name == "one_save" and (block := self._blocks.close(ev)) is not None:
+            return self._ended((ev.rank, ev.session, ev.block), ev, block)
+        elif ev.name == "fence":
+            return self._fenced(ev)
+        return []
+
+    def _fenced(self, ev: Event) -> list[Counted]:
+        if ev.block is not None and self._blocks.fenced(ev):
+            return []  # its block is still open: counted when it ends
+        key = (ev.rank, ev.session, ev.block)
+        if ev.block is not None and (held := self._fencing.get(key)) is not None:
+            b = fence_block(held[1], ev)
+            if b.lazy:
+                self._fencing[key] = (held[0], b)
+            else:
+                del self._fencing[key]
+            return [Counted(ev.rank, held[0], b.start, ev.end, ev.duration_s, b.blocked_s, False, not b.lazy)]
+        if ev.block is None and (lazy := self._unfenced.fenced(ev)) is not None:
+            return [_as_is(ev.rank, lazy.tier, lazy.start, lazy.duration_s + ev.duration_s, ev.end)]
+        # its block was final, or its snapshot is before the log's start: the wait adds to the overhead
+        return [Counted(ev.rank, ev.tier, saved_at(ev) or ev.start, ev.end, ev.duration_s, ev.duration_s, False,
+                        False)]
+
+    def _ended(self, key: tuple[int, str | None, str | None], ev: Event, block: BlockSave) -> list[Counted]:
+        """A block that ended: counted; final unless its lazy files' fence events are still to come."""
+        out = [Counted(ev.rank, ev.tier, block.start, ev.end, block.blocked_s, block.blocked_s, True, not block.lazy)]
+        if block.lazy:
+            self._fencing[key] = (ev.tier, block)
+        while len(self._fencing) > _FENCING_KEPT:  # a job killed before its fence: final as it is
+            (rank, _, _), (tier, b) = self._fencing.popitem(last=False)
+            out.append(Counted(rank, tier, b.start, ev.end, 0.0, b.blocked_s, False, True))
+        return out
+
+
+def _as_is(rank: int, tier: str, start: float, blocked_s: float, now: float) -> Counted:
+    """A save counted once, its blocked time final."""
+    return Counted(rank, tier, start, now, blocked_s, blocked_s, True, True)
+
+
 class OverheadReplay:
     """``Monitor.record_blocked`` replayed from an event log (``runstate``): the same rule."""
 
@@ -178,7 +255,7 @@ class RankOverheads:
         self.budget, self.window_s, self._keep = budget, window_s, keep
         self.replays: dict[int, OverheadReplay] = {}
         self.logged: dict[int, tuple[float | None, float | None]] = {}  # rank -> its newest start event's options
-        self._blocks, self._unfenced = Blocks(), LazySnapshots()
+        self._counter = SaveCounter()
 
     def options(self, rank: int) -> tuple[float, float]:
         """The budget and window ``rank``'s alarm is replayed with: those given, else its job's."""
@@ -194,28 +271,9 @@ class RankOverheads:
         self.new_session(ev.rank)
 
     def feed(self, ev: Event) -> None:
-        """A ``snapshot`` that succeeded (a save, or a file of a block), a block's ``one_save``, or a
-        lazy save's ``fence``."""
-        counted = True
-        if ev.name == "snapshot" and ev.block is not None:
-            return self._blocks.add(ev)  # counted when its block ends
-        if ev.name == "snapshot" and ev.detail == LAZY:  # counted at its fence event
-            for old in self._unfenced.hold(ev):
-                self._record(old.rank, old.start, old.duration_s, old.end)
-            return
-        if ev.name == "snapshot":
-            start, blocked = ev.start, ev.duration_s
-        elif ev.name == "fence" and ev.block is not None and self._blocks.fenced(ev):
-            return  # its block is still open: counted when it ends
-        elif ev.name == "fence" and (lazy := self._unfenced.fenced(ev)) is not None:
-            start, blocked = lazy.start, lazy.duration_s + ev.duration_s
-        elif ev.name == "fence":  # its block was counted, or its snapshot is before the log's start: the wait adds
-            start, blocked, counted = saved_at(ev) or ev.start, ev.duration_s, False
-        elif (block := self._blocks.close(ev)) is not None:
-            start, blocked = block.start, block.blocked_s
-        else:
-            return
-        self._record(ev.rank, start, blocked, ev.end, counted)
+        """An event of the log; ``SaveCounter`` says what it counts."""
+        for c in self._counter.feed(ev):
+            self._record(c.rank, c.start, c.added_s, c.now, c.new)
 
     def _record(self, rank: int, start: float, blocked: float, now: float, counted: bool = True) -> None:
         if rank not in self.replays:

@@ -9,15 +9,13 @@ from collections import OrderedDict
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from ..eventlog import error_type
-from ..events import LAZY, Event
-from ..replay import Blocks, BlockSave, LazySnapshots, fence_block
+from ..events import Event
+from ..replay import Counted, SaveCounter
 from ..runstate import RankStatus, RunState
 from .families import BY_NAME, SECONDS_BUCKETS, Family
 
 #: How many save directories are remembered for the free-space series of POSIX targets.
 MAX_TARGET_DIRS = 16
-#: How many ended one_save() blocks wait for the fence events of their lazy files.
-MAX_FENCING_BLOCKS = 64
 
 
 def build(family: Family, registry: CollectorRegistry) -> Counter | Gauge | Histogram:
@@ -30,11 +28,11 @@ def build(family: Family, registry: CollectorRegistry) -> Counter | Gauge | Hist
 
 class EventMetrics:
     """Receives every event (any thread) and updates the metrics; keeps the run's state for
-    the durable time of each save and, for a followed log, the ranks' status. The files of a
-    ``one_save()`` block are one save (``fastckpt.replay``): counted, their blocked time summed, at
-    the block's ``one_save`` event. A lazy save is counted at its ``fence`` event, its blocked time
-    the snapshot's and the fence's wait, as ``stats()`` counts it (a block with lazy files: once
-    each has its fence event).
+    the durable time of each save and, for a followed log, the ranks' status. Saves are counted by
+    ``replay.SaveCounter``, the rule the log's overhead replay counts them by (so as ``stats()``
+    does): ``fastckpt_saves_total`` when one is counted, its blocked time observed once it is final
+    (a lazy save's with its fence's wait; a ``one_save()`` block with lazy files: once each has its
+    ``fence`` event).
 
     Args:
         registry: where the metrics live (one per exporter: never the global registry).
@@ -53,10 +51,7 @@ class EventMetrics:
         self._run = run or RunState(keep_done=0)
         self._m = {n: build(BY_NAME[n], registry) for n in self.NAMES}
         self._dirs: OrderedDict[str, None] = OrderedDict()
-        self._blocks, self._unfenced = Blocks(), LazySnapshots()
-        # blocks that ended with lazy files whose fence event has not come: counted once all have
-        self._fencing: OrderedDict[tuple[int, str | None, str | None], tuple[tuple[str, str], BlockSave]] = \
-            OrderedDict()
+        self._counter = SaveCounter()
 
     def emit(self, event: Event) -> None:
         with self._lock:
@@ -84,19 +79,10 @@ class EventMetrics:
             m[name].labels(*labels).inc()
             return
         lab = (rank, ev.tier)
+        for c in self._counter.feed(ev):
+            self._counted(c)
         if ev.name == "snapshot":
             self._remember(ev.path)
-            if ev.block is not None:
-                self._blocks.add(ev)  # counted when its block ends
-            elif ev.detail == LAZY:  # counted at its fence event
-                for old in self._unfenced.hold(ev):
-                    self._saved((str(old.rank), old.tier), old.start, old.duration_s)
-            else:
-                self._saved(lab, ev.start, dur)
-        elif ev.name == "one_save" and (block := self._blocks.close(ev)) is not None:
-            self._block_saved((ev.rank, ev.session, ev.block), lab, block)
-        elif ev.name == "fence":
-            self._fenced(ev, lab)
         elif ev.name == "write":
             m["fastckpt_save_write_seconds"].labels(*lab).observe(dur)
             if dur > 0:
@@ -115,29 +101,15 @@ class EventMetrics:
             m["fastckpt_load_seconds"].labels(*lab).observe(dur)
             m["fastckpt_loaded_bytes"].labels(*lab).inc(ev.bytes)
 
-    def _fenced(self, ev: Event, lab: tuple[str, str]) -> None:
-        """A lazy save's ``fence`` event: the save is counted, with the fence's wait (``save.lazy``)."""
-        if ev.block is not None and not self._blocks.fenced(ev) and \
-                (held := self._fencing.pop((ev.rank, ev.session, ev.block), None)) is not None:
-            self._block_saved((ev.rank, ev.session, ev.block), held[0], fence_block(held[1], ev))
-        elif ev.block is None and (lazy := self._unfenced.fenced(ev)) is not None:
-            self._saved(lab, lazy.start, lazy.duration_s + ev.duration_s)
-
-    def _block_saved(self, key: tuple[int, str | None, str | None], lab: tuple[str, str], block: BlockSave) -> None:
-        """A block that ended: counted, or held until its lazy files' fence events came."""
-        if not block.lazy:
-            return self._saved(lab, block.start, block.blocked_s)
-        self._fencing[key] = (lab, block)
-        while len(self._fencing) > MAX_FENCING_BLOCKS:  # a job killed before its fence: counted as it is
-            lab, block = self._fencing.popitem(last=False)[1]
-            self._saved(lab, block.start, block.blocked_s)
-
-    def _saved(self, lab: tuple[str, str], start: float, blocked_s: float) -> None:
-        m = self._m
-        m["fastckpt_save_blocked_seconds"].labels(*lab).observe(blocked_s)
-        m["fastckpt_saves"].labels(*lab).inc()
-        m["fastckpt_last_save_blocked_seconds"].labels(*lab).set(blocked_s)
-        m["fastckpt_last_save_timestamp_seconds"].labels(*lab).set(start)
+    def _counted(self, c: Counted) -> None:
+        """A save counted (``new``), and its blocked time, once final (observed once)."""
+        m, lab = self._m, (str(c.rank), c.tier)
+        if c.new:
+            m["fastckpt_saves"].labels(*lab).inc()
+        if c.final:
+            m["fastckpt_save_blocked_seconds"].labels(*lab).observe(c.blocked_s)
+            m["fastckpt_last_save_blocked_seconds"].labels(*lab).set(c.blocked_s)
+            m["fastckpt_last_save_timestamp_seconds"].labels(*lab).set(c.start)
 
     def _remember(self, path: str) -> None:
         if "://" in path:

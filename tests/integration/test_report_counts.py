@@ -1,0 +1,105 @@
+"""``fastckpt report`` and ``fastckpt serve-metrics`` on the same real event logs: the same saves,
+counted by one rule (``replay.SaveCounter``); the budget each replays the alarm against; a log of
+loads only; a lazy save whose job was killed before its ``fence`` event."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from fastckpt import Checkpointer
+from tests.cli_child import CliChild
+from tests.integration._fork_server import ForkServer
+
+from ._scrape import parse, value
+
+pytest.importorskip("prometheus_client")
+
+Cli = Callable[..., subprocess.CompletedProcess]
+
+# Two lazy saves fenced, then a lazy save killed (kill -9) before its fence event was logged. With
+# "block": a one_save() block of an eager file and a lazy one, killed once the block ended but before
+# its lazy file's fence event was logged (a copy that outlasts the block; here its fence event is
+# held back from the log instead, wherever its copy ends). The log is the Checkpointer's own
+# JsonlSink, the one event_log= makes, behind a sink that stops at those points.
+_KILLED_BEFORE_FENCE = """
+import os, signal, sys, torch, fastckpt
+from fastckpt.events import JsonlSink, start_detail
+log, home, block = sys.argv[1], sys.argv[2], sys.argv[3] == "block"
+jsonl = JsonlSink(log, start_detail(0.99, 3600.0))
+
+class KilledBeforeFence:
+    def emit(self, ev):
+        if ev.name == "fence" and ev.path.endswith("k.pt"):
+            if not block:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return
+        jsonl.emit(ev)
+        if ev.name == "one_save":
+            os.kill(os.getpid(), signal.SIGKILL)
+
+ck = fastckpt.Checkpointer(sinks=(KilledBeforeFence(),), overhead_budget=0.99)
+for i in range(2):
+    h = ck.save({"w": torch.randn(1000)}, f"{home}/s{i}.pt", lazy=True)
+    ck.fence()
+    h.wait()
+if block:
+    with ck.one_save():
+        ck.save({"w": torch.randn(1000)}, f"{home}/b/a.pt").wait()
+        ck.save({"w": torch.randn(1000)}, f"{home}/b/k.pt", lazy=True)
+ck.save({"w": torch.randn(1000)}, f"{home}/k.pt", lazy=True)
+ck.fence()
+"""
+
+
+@pytest.fixture
+def cli(cli_child: CliChild) -> Cli:
+    """``fastckpt ARGS`` in the child this module's command lines share."""
+    return cli_child.run
+
+
+def _killed_before_fence(torch_python: ForkServer, tmp_path: Path, block: bool) -> Path:
+    log = tmp_path / "events.jsonl"
+    r = torch_python.run_code(_KILLED_BEFORE_FENCE, [str(log), str(tmp_path / "home"), "block" if block else "alone"],
+                              120)
+    assert r.returncode == -9, r.stderr
+    names = [json.loads(line)["name"] for line in log.read_text().splitlines()]
+    assert (names.count("fence"), names.count("snapshot")) == (2, 4 if block else 3)
+    assert ("one_save" in names) == block
+    return log
+
+
+def test_report_and_serve_metrics_count_the_same_saves(cli: Cli, torch_python: ForkServer, tmp_path: Path) -> None:
+    """A block whose lazy file's fence never came (the job was killed): the report counted it, the
+    exporter's replay of the same log held it for a fence that never comes (2 saves against 3)."""
+    log = _killed_before_fence(torch_python, tmp_path, block=True)
+    rep = json.loads(cli("report", str(log), "--json").stdout)
+    got = parse(cli("serve-metrics", "--event-log", str(log), "--once").stdout)
+    assert rep["saves"] == rep["ranks"][0]["saves"] == 3
+    assert value(got, "fastckpt_saves_total", rank="0", tier="direct") == 3  # was 2
+
+
+def test_a_lazy_runs_blocked_time_is_the_same_both_ways(cli: Cli, tmp_path: Path) -> None:
+    """Lazy saves, fenced, and a one_save() block of lazy files fenced after it ended: the report's
+    saves and blocked time are the exporter's, counted from the same log."""
+    w, log = torch.randn(1 << 20), tmp_path / "events.jsonl"
+    with Checkpointer(event_log=str(log), overhead_budget=0.99) as ck:
+        for s in range(3):
+            h = ck.save({"w": w}, str(tmp_path / f"s{s}.pt"), lazy=True)
+            ck.fence()
+            h.wait()
+        with ck.one_save():
+            handles = [ck.save({"w": w}, str(tmp_path / f"{n}.pt"), lazy=True) for n in "ab"]
+        ck.fence()
+        for h in handles:
+            h.wait()
+        st = ck.stats()
+    (rank,) = json.loads(cli("report", str(log), "--json").stdout)["ranks"]
+    got = parse(cli("serve-metrics", "--event-log", str(log), "--once").stdout)
+    assert rank["saves"] == st.saves == value(got, "fastckpt_saves_total", rank="0", tier="direct") == 4
+    assert rank["blocked_s"] == pytest.approx(value(got, "fastckpt_save_blocked_seconds_sum", rank="0"), abs=1e-6)
