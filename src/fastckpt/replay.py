@@ -262,6 +262,11 @@ class RankOverheads:
         budget, window_s = self.logged.get(rank, (None, None))
         return self.budget or budget or DEFAULT_BUDGET, self.window_s or window_s or DEFAULT_WINDOW_S
 
+    def budget_of(self, rank: int) -> tuple[float, str]:
+        """``rank``'s budget (``options``) and where it comes from: "given", "job" (its ``start``) or "default"."""
+        logged = self.logged.get(rank, (None, None))[0]
+        return self.options(rank)[0], "given" if self.budget else "job" if logged else "default"
+
     def new(self, rank: int) -> OverheadReplay:
         return OverheadReplay(*self.options(rank), self._keep)
 

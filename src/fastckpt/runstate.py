@@ -36,7 +36,7 @@ from dataclasses import dataclass, field, replace
 
 from .eventlog import error_type
 from .events import Event
-from .replay import DEFAULT_BUDGET, DEFAULT_WINDOW_S, OverheadPoint, RankOverheads, saved_at
+from .replay import OverheadPoint, RankOverheads, saved_at
 from .urls import untagged
 
 # a re-saved group's files are written beside it, in .TAG.fastckpt-next-<digest> (commit.protocol.NEXT_TAG)
@@ -130,7 +130,7 @@ class RunState:
             needs; a long-running exporter keeps few).
     """
 
-    def __init__(self, budget: float | None = DEFAULT_BUDGET, window_s: float | None = DEFAULT_WINDOW_S,
+    def __init__(self, budget: float | None = None, window_s: float | None = None,
                  keep_done: int | None = None) -> None:
         self._open: dict[tuple[int, str], list[_Building]] = {}
         self._overtaken: deque[_Building] = deque(maxlen=64)  # by a later replication, unless their own comes
@@ -314,10 +314,10 @@ class RunState:
         self._finished.append(done)
 
     # ------------------------------------------------------------------ asking
-    @property
-    def budget(self) -> float:
-        """The budget the alarm is replayed against: the one given, else the job's (its lowest rank's)."""
-        return self._overhead.options(min(self._overhead.logged, default=0))[0]
+    def budget_of(self, rank: int | None = None) -> tuple[float, str]:
+        """The budget ``rank``'s alarm is replayed against (None: the lowest rank's): the one given, else its job's,
+        and where it comes from: "given", "job" (its ``start`` event) or "default" (a log without)."""
+        return self._overhead.budget_of(min(self._overhead.logged, default=0) if rank is None else rank)
 
     def saves(self) -> list[SaveTrace]:
         """Every save seen, finished or not, in order of their start."""

@@ -103,3 +103,23 @@ def test_a_lazy_runs_blocked_time_is_the_same_both_ways(cli: Cli, tmp_path: Path
     got = parse(cli("serve-metrics", "--event-log", str(log), "--once").stdout)
     assert rank["saves"] == st.saves == value(got, "fastckpt_saves_total", rank="0", tier="direct") == 4
     assert rank["blocked_s"] == pytest.approx(value(got, "fastckpt_save_blocked_seconds_sum", rank="0"), abs=1e-6)
+
+
+def test_report_replays_the_alarm_against_the_jobs_budget(cli: Cli, tmp_path: Path) -> None:
+    """The log's start event records the job's overhead_budget: the report uses it unless
+    --overhead-budget is given, as serve-metrics does, and says which. It used its own 0.02 and
+    exited 1 for an alarm the job never had."""
+    log = tmp_path / "events.jsonl"
+    with Checkpointer(event_log=str(log), overhead_budget=0.9) as ck:
+        for s in range(3):
+            ck.save({"w": torch.randn(1 << 18)}, str(tmp_path / f"s{s}.pt")).wait()
+        assert not ck.stats().over_budget and ck.stats().overhead > 0.0001
+    rep = cli("report", str(log))
+    assert rep.returncode == 0, rep.stdout + rep.stderr  # was 1: the alarm fired at 2 %
+    assert "(budget 90.0%: the job's), 0 alarm(s)" in rep.stdout
+    given = cli("report", str(log), "--overhead-budget", "0.0001")
+    assert given.returncode == 1 and "(budget 0.0%: --overhead-budget), 1 alarm(s)" in given.stdout
+    (rank,) = json.loads(cli("report", str(log), "--json").stdout)["ranks"]
+    assert (rank["budget"], rank["budget_source"], rank["alarms"]) == (0.9, "job", 0)
+    served = parse(cli("serve-metrics", "--event-log", str(log), "--once").stdout)
+    assert value(served, "fastckpt_overhead_budget_ratio", rank="0") == 0.9

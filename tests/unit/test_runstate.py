@@ -441,7 +441,7 @@ def test_the_alarm_is_replayed_against_the_jobs_budget_unless_one_is_given(given
     for ev in evs:
         rs.feed(ev)
     (st,) = rs.status(3.3)
-    assert st.budget == rs.budget == budget and st.over_budget == (st.overhead > budget)
+    assert st.budget == rs.budget_of()[0] == budget and st.over_budget == (st.overhead > budget)
 
 
 def test_a_budget_given_as_a_numpy_scalar_or_a_fraction_reads_back() -> None:

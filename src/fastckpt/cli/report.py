@@ -10,8 +10,7 @@ import os
 
 import click
 
-from ..runstate import DEFAULT_BUDGET, DEFAULT_WINDOW_S
-from ._common import DURATION, OVERHEAD_BUDGET
+from ._overhead import overhead_options
 
 
 @click.command()
@@ -21,12 +20,9 @@ from ._common import DURATION, OVERHEAD_BUDGET
 @click.option("--html", "page", type=click.Path(dir_okay=False), default=None,
               help="Write one self-contained HTML page (summary and figure inline).")
 @click.option("--json", "as_json", is_flag=True, help="Print the numbers as JSON instead of text.")
-@click.option("--overhead-budget", type=OVERHEAD_BUDGET, default=DEFAULT_BUDGET, show_default=True,
-              help="The budget the overhead is judged against.")
-@click.option("--overhead-window-s", type=DURATION, default=DEFAULT_WINDOW_S, show_default=True,
-              help="The Checkpointer's overhead_window_s: seconds (3600) or a duration (1h).")
-def report(logs: tuple[str, ...], png: str | None, page: str | None, as_json: bool, overhead_budget: float,
-           overhead_window_s: float) -> None:
+@overhead_options
+def report(logs: tuple[str, ...], png: str | None, page: str | None, as_json: bool,
+           overhead_budget: float | None, overhead_window_s: float | None) -> None:
     """Summarise and draw a run from its event logs (one per rank, or one shared).
 
     Prints saves, bytes, blocked and durable percentiles, overhead per rank, alarms,

@@ -9,9 +9,9 @@ import threading
 
 import click
 
-from ..runstate import DEFAULT_BUDGET, DEFAULT_WINDOW_S
-from ._common import DURATION, OVERHEAD_BUDGET, FiniteRange
+from ._common import FiniteRange
 from ._localdir import LocalDir
+from ._overhead import overhead_options
 
 
 @click.command("serve-metrics")
@@ -23,12 +23,7 @@ from ._localdir import LocalDir
 @click.option("--local-dir", "local_dirs", type=LocalDir(), multiple=True,
               help="The node's burst buffer (local_dir), for its free space; repeat it for each directory of a "
                    "striped one (local_dir=[...]).")
-@click.option("--overhead-budget", type=OVERHEAD_BUDGET, default=None,
-              help="Budget the overhead alarm is replayed against [default: each job's overhead_budget, which its "
-                   f"event log records; {DEFAULT_BUDGET} for a log that does not].")
-@click.option("--overhead-window-s", type=DURATION, default=None,
-              help="The overhead's sliding window: seconds (3600) or a duration (1h) [default: each job's "
-                   f"overhead_window_s, from its event log; {DEFAULT_WINDOW_S:g} s for a log that does not].")
+@overhead_options
 @click.option("--poll-s", type=FiniteRange(0, 3600, min_open=True, want="seconds, e.g. 1 or 0.5"), default=1.0,
               show_default=True,
               help="How often to read what the logs gained between scrapes (each scrape reads them too).")

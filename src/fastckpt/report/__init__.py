@@ -6,15 +6,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ..eventlog import read_events
-from ..runstate import DEFAULT_BUDGET, DEFAULT_WINDOW_S, RunState
+from ..runstate import RunState
 from .summary import Distribution, RankSummary, Summary, percentile, summarize
 
 __all__ = ["Distribution", "RankSummary", "Summary", "load_run", "percentile", "summarize"]
 
 
-def load_run(logs: Sequence[str], budget: float = DEFAULT_BUDGET,
-             window_s: float = DEFAULT_WINDOW_S) -> tuple[RunState, Summary]:
-    """Read event logs (one per rank, or several ranks' in one) and summarise the run."""
+def load_run(logs: Sequence[str], budget: float | None = None,
+             window_s: float | None = None) -> tuple[RunState, Summary]:
+    """Read event logs (one per rank, or several ranks' in one) and summarise the run; the alarm is
+    replayed against ``budget`` and ``window_s``, or (None) each job's, from its log (``RunState``)."""
     run = RunState(budget, window_s)
     for ev in read_events(logs):
         run.feed(ev)

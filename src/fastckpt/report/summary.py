@@ -14,6 +14,8 @@ from ..runstate import RunState, SaveTrace
 from ..units import fmt_bytes
 
 QUANTILES = (("p50", 0.5), ("p90", 0.9), ("p99", 0.99))
+# where a rank's budget comes from (``RunState.budget_of``), as the text says it
+_SOURCES = {"given": "--overhead-budget", "job": "the job's", "default": "the default: its log records none"}
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -78,6 +80,8 @@ class RankSummary:
     max_window_overhead: float | None
     log_overhead: float | None  # blocked / each session's (last event end - first save start), summed
     alarms: int
+    budget: float  # the alarm's, replayed: --overhead-budget, else its job's (``RunState.budget_of``)
+    budget_source: str  # "given" (--overhead-budget), "job" (the log's start event), "default" (a log without)
 
 
 @dataclass(frozen=True)
@@ -100,7 +104,8 @@ class Summary:
     blocked_s: Distribution
     durable_s: Distribution
     replication_lag_s: Distribution
-    budget: float
+    budget: float  # the lowest rank's (each rank's: ``ranks``)
+    budget_source: str
     alarms: int
     failures: dict[str, int]  # "phase: ExceptionType" -> count
     retries: int
@@ -122,7 +127,8 @@ class Summary:
             over = "n/a (fewer than 2 saves)" if r.overhead is None else f"{r.overhead:.2%}"
             win = "" if r.max_window_overhead is None else f", window max {r.max_window_overhead:.2%}"
             log = "" if r.log_overhead is None else f", over the log {r.log_overhead:.2%}"
-            lines.append(f"rank {r.rank}: overhead {over}{win}{log} (budget {self.budget:.1%}), "
+            lines.append(f"rank {r.rank}: overhead {over}{win}{log} (budget {r.budget:.1%}: "
+                         f"{_SOURCES[r.budget_source]}), "
                          f"{r.alarms} alarm(s), {r.saves} saves blocked {r.blocked_s:.3f} s")
         fails = ", ".join(f"{k} x{n}" for k, n in sorted(self.failures.items())) or "none"
         lines.append(f"failures: {fails}; retries: {self.retries}; group commits: {self.group_commits}; "
@@ -146,7 +152,8 @@ def _rank_summary(run: RunState, rank: int, saves: list) -> RankSummary:
     span = sum(max(last[k] - t0, 0.0) for k, t0 in first.items() if k in last)
     return RankSummary(rank, len(_saves(mine)), blocked, pts[-1].overhead if pts else None,
                        max(p.window_overhead for p in pts) if pts else None,
-                       blocked / span if span > 0 and len(_saves(mine)) > 1 else None, run.alarms(rank))
+                       blocked / span if span > 0 and len(_saves(mine)) > 1 else None, run.alarms(rank),
+                       *run.budget_of(rank))
 
 
 def summarize(run: RunState, logs: Sequence[str] = ()) -> Summary:
@@ -165,7 +172,7 @@ def summarize(run: RunState, logs: Sequence[str] = ()) -> Summary:
         sum(s.abandoned for s in ok), len(saves) - len(ok),
         Distribution.of([sum(f.blocked_s for f in save) for save in _saves(s for s in saves
                                                                            if s.phase("snapshot").error is None)]),
-        Distribution.of([d for s in ok if (d := s.durable_s) is not None]), Distribution.of(lags), run.budget,
+        Distribution.of([d for s in ok if (d := s.durable_s) is not None]), Distribution.of(lags), *run.budget_of(),
         sum(run.alarms(r) for r in run.ranks()), dict(failures), len(run.retries),
         _published(run.group_commits), Distribution.of(rtos))
 
