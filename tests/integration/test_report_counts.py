@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from fastckpt import Checkpointer
+from fastckpt.units import fmt_bytes
 from tests.cli_child import CliChild
 from tests.integration._fork_server import ForkServer
 
@@ -123,3 +124,22 @@ def test_report_replays_the_alarm_against_the_jobs_budget(cli: Cli, tmp_path: Pa
     assert (rank["budget"], rank["budget_source"], rank["alarms"]) == (0.9, "job", 0)
     served = parse(cli("serve-metrics", "--event-log", str(log), "--once").stdout)
     assert value(served, "fastckpt_overhead_budget_ratio", rank="0") == 0.9
+
+
+def test_a_log_of_loads_only_says_so(cli: Cli, tmp_path: Path) -> None:
+    """A job that resumed and died before its first save logs loads only: the report said
+    "0 saves (none) by 0 rank(s)" and nothing of the loads but their times."""
+    path, log = str(tmp_path / "s.pt"), tmp_path / "events.jsonl"
+    with Checkpointer() as ck:
+        rec = ck.save({"w": torch.randn(1 << 16)}, path).wait()
+    with Checkpointer(event_log=str(log)) as ck:
+        for _ in range(2):
+            ck.load(path)
+    rep = cli("report", str(log))
+    assert rep.returncode == 0, rep.stdout + rep.stderr
+    first, last = rep.stdout.splitlines()
+    assert first.startswith("no saves: 2 loads by 1 rank(s) over ") and "0 saves" not in rep.stdout
+    assert first.endswith(f" s, {fmt_bytes(2 * rec.bytes)} read")
+    assert last.startswith("failures: none; retries: 0; group commits: 0; loads: p50 ") and last.endswith("(2)")
+    got = json.loads(cli("report", str(log), "--json").stdout)
+    assert (got["saves"], got["load_ranks"], got["loaded_bytes"]) == (0, 1, 2 * rec.bytes)

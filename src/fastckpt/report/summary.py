@@ -111,11 +111,16 @@ class Summary:
     retries: int
     group_commits: int
     loads: Distribution
+    load_ranks: int  # the ranks that loaded
+    loaded_bytes: int
 
     def text(self) -> str:
         """The summary as the lines the CLI prints."""
         tiers = ', '.join(f'{t} {n}' for t, n in sorted(self.tiers.items())) or 'none'
         files = "" if self.files == self.saves else f"{self.files} files: "  # one_save() blocks of files
+        if not self.files:  # a log of loads only (a job that resumed, then died before its first save)
+            return (f"no saves: {self.loads.count} loads by {self.load_ranks} rank(s) over {self.span_s:.1f} s, "
+                    f"{fmt_bytes(self.loaded_bytes)} read\n{self._last_line()}")
         lines = [f"{self.saves} saves ({files}{tiers}) "
                  f"by {len(self.ranks)} rank(s) over {self.span_s:.1f} s, {fmt_bytes(self.bytes)} committed; "
                  f"{self.durable} durable, {self.superseded} superseded, {self.pending} pending, "
@@ -130,10 +135,12 @@ class Summary:
             lines.append(f"rank {r.rank}: overhead {over}{win}{log} (budget {r.budget:.1%}: "
                          f"{_SOURCES[r.budget_source]}), "
                          f"{r.alarms} alarm(s), {r.saves} saves blocked {r.blocked_s:.3f} s")
+        return "\n".join([*lines, self._last_line()])
+
+    def _last_line(self) -> str:
         fails = ", ".join(f"{k} x{n}" for k, n in sorted(self.failures.items())) or "none"
-        lines.append(f"failures: {fails}; retries: {self.retries}; group commits: {self.group_commits}; "
-                     f"loads: {self.loads.text()}")
-        return "\n".join(lines)
+        return (f"failures: {fails}; retries: {self.retries}; group commits: {self.group_commits}; "
+                f"loads: {self.loads.text()}")
 
 
 def _rank_summary(run: RunState, rank: int, saves: list) -> RankSummary:
@@ -162,7 +169,7 @@ def summarize(run: RunState, logs: Sequence[str] = ()) -> Summary:
     ok = [s for s in saves if s.error is None]
     failures = Counter(f"{e.name}: {error_type(e.error or '')}" for e in run.failures)
     lags = [lag for s in ok if (lag := s.replication_lag_s) is not None]
-    rtos = [e.duration_s for e in run.loads if e.error is None]
+    loaded = [e for e in run.loads if e.error is None]
     span = (run.last_end - run.first_start) if run.first_start is not None else 0.0
     return Summary(
         tuple(logs), sum(run.events.values()), tuple(_rank_summary(run, r, saves) for r in run.ranks()), span,
@@ -174,7 +181,8 @@ def summarize(run: RunState, logs: Sequence[str] = ()) -> Summary:
                                                                            if s.phase("snapshot").error is None)]),
         Distribution.of([d for s in ok if (d := s.durable_s) is not None]), Distribution.of(lags), *run.budget_of(),
         sum(run.alarms(r) for r in run.ranks()), dict(failures), len(run.retries),
-        _published(run.group_commits), Distribution.of(rtos))
+        _published(run.group_commits), Distribution.of([e.duration_s for e in loaded]), len({e.rank for e in loaded}),
+        sum(e.bytes for e in loaded))
 
 
 def _published(commits: Iterable[Event]) -> int:
