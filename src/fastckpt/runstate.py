@@ -35,7 +35,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field, replace
 
 from .eventlog import error_type
-from .events import Event
+from .events import LAZY, Event
 from .replay import OverheadPoint, RankOverheads, saved_at
 from .urls import untagged
 
@@ -78,6 +78,7 @@ class SaveTrace:
     abandoned: bool = False  # left open by a session of its rank that a newer one followed
     session: str | None = None  # its Checkpointer's session (None: a log written without)
     block: str | None = None  # the one_save() block it was saved in: one save with the block's other files
+    unfenced: bool = False  # a lazy save whose fence event has not come: its copy never ended in the log
 
     @property
     def durable_s(self) -> float | None:
@@ -188,14 +189,14 @@ class RunState:
         elif ev.name in ("one_save", "fence"):  # a block of files ended, or a lazy save's fence: for the overhead
             self._overhead.feed(ev)
             if ev.name == "fence" and (b := self._owner(ev)) is not None:  # a lazy save: blocked while fenced too
-                b.trace = replace(b.trace, blocked_s=b.trace.blocked_s + ev.duration_s)
+                b.trace = replace(b.trace, blocked_s=b.trace.blocked_s + ev.duration_s, unfenced=False)
         elif ev.name == "start":  # a Checkpointer's first line: its overhead_budget and overhead_window_s
             self._overhead.started(ev)
         return self._finished
 
     def _snapshot(self, ev: Event) -> None:
         trace = SaveTrace(ev.rank, ev.path, ev.tier, 0, ev.start, ev.duration_s, (), None, ev.error,
-                          session=ev.session, block=ev.block)
+                          session=ev.session, block=ev.block, unfenced=ev.detail == LAZY)
         b = _Building(trace, [Phase("snapshot", ev.start, ev.end, ev.error)], ev.session, ev.group)
         if ev.error is not None:
             return self._failed(b)

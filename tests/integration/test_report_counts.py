@@ -143,3 +143,23 @@ def test_a_log_of_loads_only_says_so(cli: Cli, tmp_path: Path) -> None:
     assert last.startswith("failures: none; retries: 0; group commits: 0; loads: p50 ") and last.endswith("(2)")
     got = json.loads(cli("report", str(log), "--json").stdout)
     assert (got["saves"], got["load_ranks"], got["loaded_bytes"]) == (0, 1, 2 * rec.bytes)
+
+
+def test_a_lazy_save_killed_before_its_fence_is_unfinished(cli: Cli, torch_python: ForkServer, tmp_path: Path) -> None:
+    """A lazy save whose job was killed before its fence event: its copy never ended in the log.
+    The report counted it pending (or, once the job resumed, abandoned) like any save still being
+    written, and its overhead left it out without a word; it is now unfinished, named with the phase it
+    reached, also after the resumed job's saves."""
+    log = _killed_before_fence(torch_python, tmp_path, block=False)
+    killed = str(tmp_path / "home" / "k.pt")
+    for resumed in (False, True):
+        if resumed:  # the job resumed with the same log: its new saves are no more unfinished
+            with Checkpointer(event_log=str(log), overhead_budget=0.99) as ck:
+                ck.save({"w": torch.randn(1000)}, str(tmp_path / "home" / "r.pt"), lazy=True).wait()
+        rep = cli("report", str(log))
+        assert rep.returncode == 0, rep.stdout + rep.stderr
+        assert "0 pending, 0 abandoned, 1 unfinished, 0 failed" in rep.stdout  # was 1 pending (then 1 abandoned)
+        assert f"unfinished: rank 0 {killed} reached snapshot (lazy saves whose fence event never came" in rep.stdout
+        got = json.loads(cli("report", str(log), "--json").stdout)
+        assert (got["unfinished"], got["unfinished_saves"]) == (1, [f"rank 0 {killed} reached snapshot"])
+        assert (got["saves"], got["durable"]) == (3 + resumed, 2 + resumed)

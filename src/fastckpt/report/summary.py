@@ -14,6 +14,7 @@ from ..runstate import RunState, SaveTrace
 from ..units import fmt_bytes
 
 QUANTILES = (("p50", 0.5), ("p90", 0.9), ("p99", 0.99))
+_NAMED = 3  # unfinished saves named on the text's line (--json: all)
 # where a rank's budget comes from (``RunState.budget_of``), as the text says it
 _SOURCES = {"given": "--overhead-budget", "job": "the job's", "default": "the default: its log records none"}
 
@@ -113,6 +114,8 @@ class Summary:
     loads: Distribution
     load_ranks: int  # the ranks that loaded
     loaded_bytes: int
+    unfinished: int  # lazy saves whose fence event never came (not pending, not abandoned: their copy never ended)
+    unfinished_saves: tuple[str, ...]  # each: "rank R PATH reached PHASE", its last logged phase
 
     def text(self) -> str:
         """The summary as the lines the CLI prints."""
@@ -124,10 +127,15 @@ class Summary:
         lines = [f"{self.saves} saves ({files}{tiers}) "
                  f"by {len(self.ranks)} rank(s) over {self.span_s:.1f} s, {fmt_bytes(self.bytes)} committed; "
                  f"{self.durable} durable, {self.superseded} superseded, {self.pending} pending, "
-                 f"{self.abandoned} abandoned, {self.failed} failed",
+                 f"{self.abandoned} abandoned, {f'{self.unfinished} unfinished, ' if self.unfinished else ''}"
+                 f"{self.failed} failed",
                  f"blocked: {self.blocked_s.text()}",
                  f"durable after: {self.durable_s.text()}",
                  f"replication lag: {self.replication_lag_s.text()}"]
+        if self.unfinished:
+            more = f" and {self.unfinished - _NAMED} more" if self.unfinished > _NAMED else ""
+            lines.append(f"unfinished: {', '.join(self.unfinished_saves[:_NAMED])}{more} (lazy saves whose fence "
+                         "event never came: the job was killed, or is still before its fence)")
         for r in self.ranks:
             over = "n/a (fewer than 2 saves)" if r.overhead is None else f"{r.overhead:.2%}"
             win = "" if r.max_window_overhead is None else f", window max {r.max_window_overhead:.2%}"
@@ -170,19 +178,21 @@ def summarize(run: RunState, logs: Sequence[str] = ()) -> Summary:
     failures = Counter(f"{e.name}: {error_type(e.error or '')}" for e in run.failures)
     lags = [lag for s in ok if (lag := s.replication_lag_s) is not None]
     loaded = [e for e in run.loads if e.error is None]
+    unfenced = [s for s in ok if s.unfenced]
     span = (run.last_end - run.first_start) if run.first_start is not None else 0.0
     return Summary(
         tuple(logs), sum(run.events.values()), tuple(_rank_summary(run, r, saves) for r in run.ranks()), span,
         len(_saves(saves)), len(saves), dict(Counter(s.tier for s in saves)), sum(s.bytes for s in ok),
         sum(s.durable_at is not None for s in ok), sum(s.superseded for s in ok),
-        sum(s.durable_at is None and not s.superseded and not s.abandoned for s in ok),
-        sum(s.abandoned for s in ok), len(saves) - len(ok),
+        sum(s.durable_at is None and not s.superseded and not s.abandoned and not s.unfenced for s in ok),
+        sum(s.abandoned and not s.unfenced for s in ok), len(saves) - len(ok),
         Distribution.of([sum(f.blocked_s for f in save) for save in _saves(s for s in saves
                                                                            if s.phase("snapshot").error is None)]),
         Distribution.of([d for s in ok if (d := s.durable_s) is not None]), Distribution.of(lags), *run.budget_of(),
         sum(run.alarms(r) for r in run.ranks()), dict(failures), len(run.retries),
         _published(run.group_commits), Distribution.of([e.duration_s for e in loaded]), len({e.rank for e in loaded}),
-        sum(e.bytes for e in loaded))
+        sum(e.bytes for e in loaded), len(unfenced),
+        tuple(f"rank {s.rank} {s.path} reached {s.phases[-1].name}" for s in unfenced))
 
 
 def _published(commits: Iterable[Event]) -> int:
