@@ -119,6 +119,29 @@ def test_quantized_tensor_named() -> None:
         F.plan({"m": {"w": torch.ones(2), "q": q}})
 
 
+@pytest.mark.parametrize("plain", [True, False])
+def test_two_dtypes_viewing_one_storage_name_both_keys_and_the_clone(tmp_path, plain: bool) -> None:
+    """torch.save refuses them naming neither; fastckpt said "cannot save state: ... Only tensors,
+    containers and plain Python values can be saved", a wrong reason naming no key. ``plain``:
+    the memoised walk's path; else the general one (a float key in the state)."""
+    t = torch.arange(16, dtype=torch.float32)
+    state = {"a": t, "opt": [t[2:4], {"b": t.view(torch.int32)}]}
+    if not plain:
+        state["extra"] = {2.5: "a float key"}
+    why = (r"cannot save state\['a'\] \(torch.float32\) and state\['opt'\]\[1\]\['b'\] \(torch.int32\): they view "
+           r"one storage as two dtypes, .*give one of them a copy of its own \(e.g. save "
+           r"state\['opt'\]\[1\]\['b'\].clone\(\) in its place\)")
+    with pytest.raises(UnsupportedObjectError, match=why):
+        F.plan(state)
+    with fastckpt.Checkpointer() as ck, pytest.raises(UnsupportedObjectError, match=why):
+        ck.save(state, str(tmp_path / "x.pt")).wait()
+    assert not (tmp_path / "x.pt").exists()
+    state["opt"][1]["b"] = t.view(torch.int32).clone()  # the fix the message names
+    with fastckpt.Checkpointer() as ck:
+        ck.save(state, str(tmp_path / "x.pt")).wait()
+    assert torch.equal(fastckpt.load(str(tmp_path / "x.pt"))["opt"][1]["b"], t.view(torch.int32))
+
+
 def test_meta_tensor_named() -> None:
     with pytest.raises(UnsupportedObjectError, match=r"\['m'\].*meta"):
         F.plan({"m": torch.empty(3, device="meta")})

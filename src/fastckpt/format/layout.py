@@ -40,7 +40,7 @@ from .align import ALIGN
 from .manifest import EOCD_LEN, EOCD_SIG
 from .ranges import RangeReader
 from .segments import Segments
-from .walk import Scan, check_tensors, find_unpicklable, pickling_order, scan
+from .walk import Scan, check_tensors, dtype_aliases, find_unpicklable, pickling_order, scan
 
 SMALL_ALIGN = 64  # torch.save's default storage alignment
 #: Page alignment is used when its padding adds at most this fraction to the payload.
@@ -250,6 +250,8 @@ def _metadata(obj: object, align: int) -> _SeekOnlySink:
         with torch.serialization.skip_data():
             torch.save(obj, sink)
     except Exception as exc:
+        if (aliased := dtype_aliases(obj)) is not None:
+            raise UnsupportedObjectError(f"cannot save {aliased}.") from exc
         where = find_unpicklable(obj)
         fix = ("dequantize() it, or save it with torch.save" if "qtensor" in str(exc) else "drop or convert that entry")
         raise UnsupportedObjectError(

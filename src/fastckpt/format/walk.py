@@ -11,7 +11,7 @@ paths) and never loops. Three walks live here:
   with equal signatures get byte-identical metadata, so a layout can be reused
   (``format.layout.Planner``). Anything else returns None and is planned the general way.
 - ``check_tensors`` and ``pickling_order``: the general way (any picklable object).
-- ``key_path``: the key path of the first object that matches, for error messages only.
+- ``key_path`` and ``dtype_aliases``: key paths for error messages only.
 """
 
 from __future__ import annotations
@@ -137,8 +137,8 @@ def _walk(obj: object) -> Iterator[object]:
             stack.extend(reversed(o))
 
 
-def key_path(obj: object, match: Callable[[object], bool]) -> str | None:
-    """The key path (``state['a'][0]``) of the first object, in walk order, that ``match``es."""
+def _paths(obj: object) -> Iterator[tuple[str, object]]:
+    """Every object once, in walk order, with its key path (``state['a'][0]``)."""
     memo: set[int] = set()
     stack: list[tuple[str, object]] = [("state", obj)]
     while stack:
@@ -147,9 +147,28 @@ def key_path(obj: object, match: Callable[[object], bool]) -> str | None:
             if id(o) in memo:
                 continue
             memo.add(id(o))
-        if match(o):
-            return path
+        yield path, o
         stack.extend(reversed([(path + k, v) for k, v in _children(o)]))
+
+
+def key_path(obj: object, match: Callable[[object], bool]) -> str | None:
+    """The key path (``state['a'][0]``) of the first object, in walk order, that ``match``es."""
+    return next((path for path, o in _paths(obj) if match(o)), None)
+
+
+def dtype_aliases(obj: object) -> str | None:
+    """Why torch.save refused ``obj`` when two of its tensors view one storage as two dtypes
+    (its own error names neither): both key paths, and the fix; None if no two do."""
+    seen: dict[int, tuple[str, torch.dtype]] = {}  # storage address -> the first key viewing it, and its dtype
+    for path, o in _paths(obj):
+        if not isinstance(o, torch.Tensor) or o.layout is not torch.strided or o.is_nested:
+            continue
+        ptr = o.untyped_storage().data_ptr()  # torch.save's own test: storages by address
+        first, dtype = seen.setdefault(ptr, (path, o.dtype)) if ptr else (path, o.dtype)
+        if dtype != o.dtype:
+            return (f"{first} ({dtype}) and {path} ({o.dtype}): they view one storage as two dtypes, which "
+                    f"torch.save (the format of fastckpt's files) cannot write; give one of them a copy of its own "
+                    f"(e.g. save {path}.clone() in its place)")
     return None
 
 
