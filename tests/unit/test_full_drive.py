@@ -157,3 +157,20 @@ def test_a_really_full_drive_keeps_every_checkpoint_and_recovers_once_freed(tmp_
             assert len(again) >= 1
         assert fastckpt.load(str(again[0]))["v"] == len(saved) + 1
         assert tmp_files(home, small) == []
+
+
+def test_a_read_only_local_dir_names_the_remount_not_permissions(tmp_path: Path, caplog) -> None:
+    """Stripes turned every failed access(W_OK) into EACCES "no permission to write there",
+    sending the user to fix permissions of a drive that was mounted read-only."""
+    with tmpfs(tmp_path / "nvme", "size=4m,ro") as ro:
+        with pytest.raises(fastckpt.ConfigError) as ei:
+            fastckpt.Checkpointer(local_dir=str(ro))
+        assert f"local_dir {ro} cannot hold checkpoints: [Errno 30] Read-only file system: '{ro}' (its drive is " \
+               "mounted read-only: remount it read-write, mount -o remount,rw). Point local_dir at" in str(ei.value)
+        assert "permission" not in str(ei.value)
+        with caplog.at_level("WARNING", logger="fastckpt"), \
+                fastckpt.Checkpointer(local_dir=[str(ro), str(tmp_path / "nvme1")]) as ck:
+            ck.save(_state(1), str(tmp_path / "home" / "a.pt")).wait()
+        assert f"{ro} cannot be used ([Errno 30] Read-only file system: '{ro}' (its drive is mounted read-only: " \
+               "remount it read-write, mount -o remount,rw))" in caplog.text
+    assert fastckpt.load(str(tmp_path / "home" / "a.pt"))["v"] == 1

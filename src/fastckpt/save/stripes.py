@@ -115,17 +115,20 @@ class Stripes:
         for i, d in enumerate(self.dirs):
             try:
                 os.makedirs(d, exist_ok=True)
-                if not os.access(d, os.W_OK | os.X_OK):
+                if not os.access(d, os.W_OK | os.X_OK):  # access() says why only in errno, which Python drops
+                    if os.statvfs(d).f_flag & os.ST_RDONLY:
+                        raise OSError(errno.EROFS, os.strerror(errno.EROFS), d)
                     raise PermissionError(errno.EACCES, "no permission to write there", d)
             except OSError as exc:
                 failed[i] = exc
         if failed and len(failed) == len(self.dirs):
-            raise ConfigError(f"local_dir {self.dirs[0]} cannot hold checkpoints: {failed[0]}. Point local_dir at a "
-                              "writable directory on a node-local drive (it is created if missing), or drop it")
+            raise ConfigError(f"local_dir {self.dirs[0]} cannot hold checkpoints: {failed[0]}{_remount(failed[0])}. "
+                              "Point local_dir at a writable directory on a node-local drive (it is created if "
+                              "missing), or drop it")
         for i, exc in failed.items():
             self._refused.add(i)
-            log.warning("fastckpt: burst-buffer directory %s cannot be used (%s): checkpoints go to the other "
-                        "local_dir directories", self.dirs[i], exc)
+            log.warning("fastckpt: burst-buffer directory %s cannot be used (%s%s): checkpoints go to the other "
+                        "local_dir directories", self.dirs[i], exc, _remount(exc))
 
     def existing(self) -> list[str]:
         """The directories a commit writes to: those there are, less those that refused writes
@@ -271,3 +274,9 @@ def _free_bytes(directory: str) -> int:
             d = parent
         except OSError:  # cannot tell (permissions, a stale mount): let the write find out
             return sys.maxsize
+
+
+def _remount(exc: OSError) -> str:
+    """The fix for a drive mounted read-only (after errors, often): the drive, not the path."""
+    return " (its drive is mounted read-only: remount it read-write, mount -o remount,rw)" \
+        if exc.errno == errno.EROFS else ""
