@@ -2,8 +2,23 @@
 
 from __future__ import annotations
 
+import errno
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
+
+# The fix a write's OSError names, wherever the write ran: a save straight to its home
+# (``inflight.raise_as_write_error``), a copy to it (``storage.posix_errors``), a burst buffer.
+WRITE_FIXES = {
+    errno.ENOSPC: "free space on the target (or prune old checkpoints there), or choose a larger target",
+    errno.EDQUOT: "the disk quota is exhausted: free space or ask for a larger quota",
+    errno.EROFS: "the file system is mounted read-only: remount it read-write or choose another target",
+    errno.EACCES: "fix the directory's owner/mode, or run as a user who may write there",
+    errno.EPERM: ("fix the directory's owner/mode, or run as a user who may write there; or the file is immutable or "
+                  "append-only (lsattr shows 'i' or 'a': chattr -i / chattr -a clears it)"),
+    errno.EISDIR: "a directory stands where the file goes: name a file inside it, or move the directory away",
+    errno.EIO: "the storage reported an I/O error: check the mount (dmesg) and the storage system's health",
+}
 
 
 class FastCkptError(Exception):
@@ -66,6 +81,17 @@ class ReplicationError(CheckpointWriteError):
 
 class ClosedError(FastCkptError, RuntimeError):
     """The Checkpointer was closed; create a new one."""
+
+
+def file_in_the_way(directory: str) -> str | None:
+    """Why a write into ``directory`` failed with EEXIST or ENOTDIR, when a file stands where it or
+    one of its parents must be a directory: that file named, and the fix; None if there is none."""
+    parts = os.path.abspath(directory).split(os.sep)
+    for i in range(2, len(parts) + 1):
+        p = os.sep.join(parts[:i])
+        if os.path.lexists(p) and not os.path.isdir(p):
+            return f"{p} is a file, not a directory (choose another path, or move that file away)"
+    return None
 
 
 @contextmanager

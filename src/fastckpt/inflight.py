@@ -24,7 +24,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import NamedTuple
 
-from .errors import CheckpointWriteError, FastCkptError, ReplicationError
+from .errors import WRITE_FIXES, CheckpointWriteError, FastCkptError, ReplicationError, file_in_the_way
 from .progress import Progress
 from .records import SaveHandle
 from .urls import is_within, resolved
@@ -33,6 +33,7 @@ log = logging.getLogger("fastckpt")
 _SURFACED = "_fastckpt_surfaced"
 PROGRESS_EVERY_S = 10.0  # a log line this often while wait() or close() waits (off a terminal)
 PROGRESS_DELAY_S = 3.0  # silent for waits shorter than this
+_FIXED = (errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO)  # a refusing home: WRITE_FIXES names the fix
 
 
 def surfaced(exc: BaseException) -> bool:
@@ -58,15 +59,17 @@ def raise_as_write_error(exc: BaseException, path: str, renamed: bool = False, w
              if renamed else "the previous checkpoint is untouched" if "://" in path or os.path.lexists(path)
              else "nothing was there before")
     why = exc.strerror or str(exc)
-    blocker = _file_in_the_way(path) if exc.errno in (errno.EEXIST, errno.ENOTDIR) else None
+    blocker = file_in_the_way(os.path.dirname(path)) if exc.errno in (errno.EEXIST, errno.ENOTDIR) else None
     if blocker is not None:
-        why = f"{blocker} is a file, not a directory (choose another path, or move that file away)"
+        why = blocker
     elif exc.errno == errno.EISDIR and not local:
         why = f"{path} is a directory, not a file (name a file inside it, or move the directory away)"
     elif exc.errno in (errno.ENOSPC, errno.EDQUOT):
         why = _full(why, where or os.path.dirname(path) or ".", local)
     elif local:
         why = f"{why} (writing its burst-buffer copy in {where})"
+    elif exc.errno in _FIXED:
+        why = f"{why} in {where or os.path.dirname(path) or '.'}: {WRITE_FIXES[exc.errno]}"  # type: ignore[index]
     notes = "".join(f". {n}" for n in getattr(exc, "__notes__", ()))  # e.g. pointing.take_back's: said, not lost
     err = CheckpointWriteError(exc.errno, f"saving {path} failed: {why}; {state}{notes}")
     err.filename = path
@@ -80,16 +83,6 @@ def _full(why: str, where: str, local: bool) -> str:
                 "there, keep fewer local copies (keep_local=N), or point local_dir at a larger drive")
     return (f"{why} in {where}: free space there, keep fewer checkpoints (keep_persistent=N), or save to a "
             "larger file system")
-
-
-def _file_in_the_way(path: str) -> str | None:
-    """The first parent of ``path`` that exists and is not a directory, if any."""
-    parts = os.path.dirname(os.path.abspath(path)).split(os.sep)
-    for i in range(2, len(parts) + 1):
-        p = os.sep.join(parts[:i])
-        if os.path.lexists(p) and not os.path.isdir(p):
-            return p
-    return None
 
 
 class _Tracked(NamedTuple):

@@ -5,6 +5,7 @@ durable destination too."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import subprocess
@@ -29,6 +30,22 @@ def test_a_parent_that_is_a_file_is_named(tmp_path: Path) -> None:
     with fastckpt.Checkpointer() as ck, pytest.raises(CheckpointWriteError) as ei:
         ck.save(_state(1), str(tmp_path / "notadir" / "sub" / "a.pt")).wait()
     assert f"{tmp_path / 'notadir'} is a file, not a directory" in str(ei.value)
+
+
+@pytest.mark.parametrize("below", ["a.pt", "sub/a.pt"])
+@pytest.mark.parametrize("local", [False, True], ids=["direct", "burst-buffer"])
+def test_a_parent_that_is_a_file_is_named_the_same_through_the_burst_buffer(tmp_path: Path, below: str,
+                                                                           local: bool) -> None:
+    """The copy from the burst buffer said "(creating .../notadir): File exists ...; check the target
+    file system" (a.pt) or a bare "Not a directory" (sub/a.pt), while a direct save named the file."""
+    (tmp_path / "notadir").write_text("x")
+    with fastckpt.Checkpointer(local_dir=str(tmp_path / "nvme") if local else None) as ck, \
+            pytest.raises(CheckpointWriteError) as ei:
+        ck.save(_state(1), str(tmp_path / "notadir" / below)).wait()
+    assert f"{tmp_path / 'notadir'} is a file, not a directory (choose another path, or move that file away)" \
+        in str(ei.value)
+    assert ei.value.errno in (errno.EEXIST, errno.ENOTDIR)
+    assert (tmp_path / "notadir").read_text() == "x"
 
 
 def test_latest_never_follows_a_pointer_symlink_out_of_the_root(tmp_path: Path) -> None:

@@ -159,6 +159,37 @@ def test_a_really_full_drive_keeps_every_checkpoint_and_recovers_once_freed(tmp_
         assert tmp_files(home, small) == []
 
 
+def test_a_read_only_home_names_the_remount_fix(tmp_path: Path) -> None:
+    """A save straight to a read-only mount said "Read-only file system; nothing was there
+    before": no fix, while the same home behind a burst buffer named the remount."""
+    with tmpfs(tmp_path / "home", "size=4m,ro") as home, fastckpt.Checkpointer() as ck:
+        with pytest.raises(fastckpt.CheckpointWriteError) as ei:
+            ck.save(_state(1), str(home / "run" / "a.pt")).wait()
+    assert ei.value.errno == errno.EROFS
+    assert (f"saving {home / 'run' / 'a.pt'} failed: Read-only file system in {home / 'run'}: the file system is "
+            "mounted read-only: remount it read-write or choose another target; nothing was there before") \
+        in str(ei.value)
+
+
+@pytest.mark.parametrize(("code", "fix"), [(errno.EACCES, "fix the directory's owner/mode"),
+                                           (errno.EPERM, "chattr -i / chattr -a clears it"),
+                                           (errno.EIO, "check the mount (dmesg)")])
+def test_a_home_that_refuses_the_write_names_the_fix(tmp_path: Path, code: int, fix: str) -> None:
+    """Root ignores mode bits and no real drive fails on cue: FaultyOps refuses the file's open."""
+    ops = FaultyOps()
+    with fastckpt.Checkpointer(ops=ops) as ck:
+        ck.save(_state(1), str(tmp_path / "a.pt")).wait()
+        ops.inject(Fault("open", code, path_contains="b.pt"))
+        with pytest.raises(fastckpt.CheckpointWriteError) as ei:
+            ck.save(_state(2), str(tmp_path / "b.pt")).wait()
+    ops.assert_all_reached()
+    assert ei.value.errno == code
+    msg = str(ei.value)
+    assert f"saving {tmp_path / 'b.pt'} failed: {os.strerror(code)} (injected" in msg
+    assert f") in {tmp_path}: " in msg and fix in msg and "nothing was there before" in msg
+    assert fastckpt.load(str(tmp_path / "a.pt"))["v"] == 1 and tmp_files(tmp_path) == []
+
+
 def test_a_read_only_local_dir_names_the_remount_not_permissions(tmp_path: Path, caplog) -> None:
     """Stripes turned every failed access(W_OK) into EACCES "no permission to write there",
     sending the user to fix permissions of a drive that was mounted read-only."""

@@ -11,25 +11,16 @@ missing file ``TargetNotFoundError``, which the loader reports as ``CheckpointNo
 from __future__ import annotations
 
 import errno
+import os
 
-from ..errors import ConfigError, ReplicationError
+from ..errors import WRITE_FIXES, ConfigError, ReplicationError, file_in_the_way
 from .types import TargetNotFoundError, TargetPermissionError, storage_error
 
-FIXES = {
-    errno.ENOSPC: "free space on the target (or prune old checkpoints there), or choose a larger target",
-    errno.EDQUOT: "the disk quota is exhausted: free space or ask for a larger quota",
-    errno.EROFS: "the file system is mounted read-only: remount it read-write or choose another target",
-    errno.EACCES: "fix the directory's owner/mode, or run as a user who may write there",
-    errno.EPERM: ("fix the directory's owner/mode, or run as a user who may write there; or the file is immutable or "
-                  "append-only (lsattr shows 'i' or 'a': chattr -i / chattr -a clears it)"),
-    errno.EISDIR: "a directory stands where the file goes: name a file inside it, or move the directory away",
-    errno.EIO: "the storage reported an I/O error: check the mount (dmesg) and the storage system's health",
-}
 _READ_FIXES = {
     errno.EACCES: "fix the file's owner/mode, or run as a user who may read it",
     errno.EPERM: "fix the file's owner/mode, or run as a user who may read it",
     errno.EISDIR: "a directory stands where the file should be: name the file inside it",
-    errno.EIO: FIXES[errno.EIO],
+    errno.EIO: WRITE_FIXES[errno.EIO],
 }
 _BAD_NAMES = {
     errno.ENAMETOOLONG: "a name in it is longer than the file system allows (usually 255 bytes): shorten it",
@@ -42,11 +33,23 @@ def permanent(exc: BaseException, what: str, root: str) -> ReplicationError | No
     if not isinstance(exc, OSError):
         return None
     code = exc.errno
-    if code in (errno.ENOENT, errno.ENOTDIR):
-        return storage_error(TargetNotFoundError, f"{what}: {exc}", exc)
+    blocker = _blocker(exc) if code in (errno.EEXIST, errno.ENOTDIR) else None
+    if code in (errno.ENOENT, errno.ENOTDIR):  # a key below a file is not there: a delete of it is done
+        return storage_error(TargetNotFoundError, f"{what}: {blocker or exc}", exc)
+    if blocker is not None:
+        return storage_error(ReplicationError, f"{what}: {blocker}", exc)
     cls = TargetPermissionError if code in (errno.EACCES, errno.EPERM) else ReplicationError
-    fix = FIXES.get(code, "check the target file system")  # type: ignore[arg-type]
+    fix = WRITE_FIXES.get(code, "check the target file system")  # type: ignore[arg-type]
     return storage_error(cls, f"{what}: {exc.strerror or exc} ({root}); {fix}", exc)
+
+
+def _blocker(exc: OSError) -> str | None:
+    """A file where a directory must be: the directory a mkdir found taken (EEXIST), or one above
+    the name a call could not reach (ENOTDIR); said as a save straight to its home says it."""
+    if not exc.filename:
+        return None
+    name = os.fsdecode(exc.filename)
+    return file_in_the_way(name if exc.errno == errno.EEXIST else os.path.dirname(name))
 
 
 def permanent_read(exc: BaseException, what: str, root: str) -> ReplicationError | None:
