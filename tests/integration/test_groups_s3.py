@@ -153,3 +153,33 @@ def test_a_group_taken_back_after_its_pointer_put_failed_says_so(s3_server, s3_b
     assert f"{g} was taken back, so that latest() does not find it" in str(raised.value)
     monkeypatch.undo()
     assert fastckpt.latest(run, storage_options=opts) is None
+
+
+def test_a_group_whose_keys_the_store_refuses_is_refused_at_save(s3_server, s3_bucket, tmp_path: Path) -> None:
+    """Only a single file's sidecar key was checked at save: a group at a path of 1002 bytes after
+    the bucket uploaded its files, then its commit failed (its manifest's key, 1025 bytes, over
+    the 1024 S3 takes), and a group folder of 256 bytes (over the 255 SeaweedFS and MinIO take in
+    one part of a key) failed writing its burst-buffer copy, after the snapshot. Both are refused
+    at save now, before a byte is written; 986 bytes (its claims' keys reach 1024) commit."""
+    opts = s3_server.storage_options()
+    nvme = tmp_path / "nvme"
+    deep = "/".join(["d" * 200] * 4)  # 803 bytes after the bucket
+    with fastckpt.Checkpointer(local_dir=str(nvme), storage_options=opts, overhead_budget=0.99) as ck:
+        g = f"s3://{s3_bucket}/{deep}/{'s' * 198}"
+        with pytest.raises(ConfigError, match=rf"its commit writes its manifest at key {deep}/s{{198}}/fastckpt-"
+                                              r"manifest\.json \(1025 bytes\) and markers under .*\(keys of up to "
+                                              r"1040 bytes\), over the 1024 bytes S3 and Google Cloud Storage take "
+                                              r"in a key, so the group would fail only at its commit, after every "
+                                              r"upload\. Choose a shorter group path after the bucket, of at most 986 "
+                                              r"bytes \(it has 1002\)"):
+            ck.save(_state(1, 0), f"{g}/rank0.pt", group=g)
+        g = f"s3://{s3_bucket}/run/{'f' * 256}"
+        with pytest.raises(ConfigError, match=r"its part 'f{40}'\.\.\. is 256 bytes long, over the 255 bytes"):
+            ck.save(_state(1, 0), f"{g}/rank0.pt", group=g)
+        assert s3_server.client().list_objects_v2(Bucket=s3_bucket).get("KeyCount") == 0
+        assert [p for p in nvme.rglob("*") if p.is_file()] == []
+        g = f"s3://{s3_bucket}/{deep}/{'s' * 182}"  # 986 bytes
+        ck.save(_state(2, 0), f"{g}/rank0.pt", group=g)
+        ck.commit(g, step=2).wait(60)
+    assert fastckpt.latest(f"s3://{s3_bucket}/{deep}", storage_options=opts) == g
+    assert fastckpt.load(f"{g}/rank0.pt", storage_options=opts)["version"] == 2

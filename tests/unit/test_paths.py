@@ -76,6 +76,36 @@ def test_a_group_name_too_long_to_be_saved_again_is_refused_at_its_first_save(tm
     assert fastckpt.latest(url.rsplit("/", 1)[0]) == url
 
 
+def test_a_name_with_a_part_longer_than_a_file_system_name_is_refused_at_save(tmp_path: Path) -> None:
+    """A file name over 255 bytes (a group's file too), or such a folder in a URL's key (its
+    burst-buffer copy keeps the key's parts), failed only after the snapshot, in the background
+    ("File name too long"); such a folder in a local path failed at save as a CheckpointWriteError
+    advising to check the file system. Each is refused at save now, before anything is written."""
+    long = "p" * 256
+    cases = [(tmp_path / "run" / f"{long[:253]}.pt", None), (tmp_path / "run" / long / "a.pt", None),
+             (tmp_path / "run" / "step-1" / f"{long[:253]}.pt", tmp_path / "run" / "step-1"),
+             (tmp_path / "run" / long / "step-1" / "a.pt", tmp_path / "run" / long / "step-1")]
+    with fastckpt.Checkpointer(overhead_budget=0.99) as ck:
+        for path, group in cases:
+            with pytest.raises(ConfigError, match=r"its part 'p{40}'\.\.\. is 256 bytes long, over the 255 bytes a "
+                                                  r"file system takes in one name, so the save would fail only after "
+                                                  r"its snapshot\. Choose a shorter name for it, of at most 255 bytes"):
+                ck.save(_state(1), str(path), group=None if group is None else str(group))
+        assert not (tmp_path / "run").exists()
+        fits = tmp_path / "run" / ("p" * 255) / "step-1"  # 255 bytes: a file system takes it
+        ck.save(_state(2), str(fits / f"{'q' * 252}.pt"), group=str(fits))
+        ck.commit(str(fits)).wait(60)
+    assert fastckpt.load(str(fits / f"{'q' * 252}.pt"))["v"] == 2
+    import uuid
+
+    url = f"memory://fastckpt-{uuid.uuid4().hex[:8]}/run/{long}/a.pt"  # memory:// takes it; its burst buffer not
+    with fastckpt.Checkpointer(overhead_budget=0.99, local_dir=str(tmp_path / "nvme")) as ck:
+        with pytest.raises(ConfigError, match=r"is 256 bytes long.*\(the burst-buffer copy of a URL keeps its key's "
+                                              r"parts; SeaweedFS and MinIO take no longer part either\)"):
+            ck.save(_state(3), url)
+    assert list((tmp_path / "nvme").rglob("p*")) == []
+
+
 @pytest.mark.parametrize("bad", ["too long", "link loop"])
 def test_a_name_that_cannot_be_opened_is_a_config_error_of_the_load_not_a_write_error(tmp_path: Path,
                                                                                      bad: str) -> None:
@@ -285,7 +315,8 @@ def test_latest_at_a_memory_url_names_it_as_it_was_given(tmp_path: Path) -> None
 def test_a_url_name_whose_sidecar_key_is_over_1024_bytes_is_refused_at_save(tmp_path: Path) -> None:
     """S3 and GCS take keys of at most 1024 bytes: a name of 1011 bytes after the bucket was
     uploaded whole, then its sidecar (NAME.fastckpt.json, 1025 bytes) was refused. A store without
-    those limits (memory://) takes such names: refusing them there was a regression (w3)."""
+    those limits (memory://) takes such names: refusing them there was a regression (w3). A group's
+    file has no sidecar: its own key is held to the 1024 bytes."""
     import uuid
 
     from fastckpt.commit.names import check_save_name
@@ -297,6 +328,11 @@ def test_a_url_name_whose_sidecar_key_is_over_1024_bytes_is_refused_at_save(tmp_
                                               r"the bucket, of at most 1010 bytes \(it has 1011\)"):
             check_save_name(f"{scheme}://b/{long}/xyz.pt", None)
         check_save_name(f"{scheme}://b/{long}/xy.pt", None)  # 1010 bytes: its sidecar's 1024 are taken
+    group = f"s3://b/{long[:803]}/" + "s" * 99  # 903 bytes: its manifest and markers fit, a long file name not
+    with pytest.raises(ConfigError, match=r"its key is 1107 bytes long, over the 1024 bytes S3 and Google Cloud "
+                                          r"Storage take.*of at most 120 bytes \(it has 203\)"):
+        check_save_name(f"{group}/{'x' * 200}.pt", group)
+    check_save_name(f"{group}/{'x' * 117}.pt", group)  # 1024 bytes
     check_save_name("gs://b/" + "e" * 250 + ".pt", None)  # GCS has no 255-byte part limit; S3 stores do
     with pytest.raises(ConfigError, match="a last part of 267 bytes"):
         check_save_name("s3://b/" + "e" * 250 + ".pt", None)

@@ -4,8 +4,11 @@ checkpoint is not saved under one of them.
 A checkpoint saved as ``run/latest`` would replace the directory's pointer, one saved as
 ``a.pt.fastckpt.json`` would be replaced by ``a.pt``'s publication record at a URL, and one
 inside ``.fastckpt/`` would be taken for a commit marker and deleted with it. ``save`` refuses
-such names before anything is written, and a name at a URL whose publication record's key
-(``NAME.fastckpt.json``) the store would refuse: that PUT comes only after the whole upload.
+such names before anything is written, and names the storage would refuse only once the
+snapshot is taken: a part of a path (or of a URL's key: its burst-buffer copy keeps the key's
+parts) longer than a file system's name, a key longer than an object store takes, and, at a URL,
+a publication record's key (``NAME.fastckpt.json``) or a group's manifest and markers' keys the
+store would refuse: those PUTs come only after the whole upload.
 """
 
 from __future__ import annotations
@@ -30,6 +33,11 @@ FRAMEWORK_FILES = "framework_files"
 LEGACY_FRAMEWORK_FILES = "megatron_files"  # the same, in group manifests the Megatron strategy saved before
 KEY_MAX_BYTES = 1024  # an object key, at most: S3's limit (GCS's too)
 PART_MAX_BYTES = 255  # one '/'-separated part of an s3:// key, at most: SeaweedFS's and MinIO's limit (AWS has none)
+# bytes of key a group at a URL keeps for what its commit writes in it, after GROUP/: the longest is
+# a claim, .fastckpt/claim-<attempt id>.json (claim.claim_name), its id 16 hex digits without a store
+# (coordinator) and '<session>.<attempt>' with one; its manifest (22) and markers (rank-NNNNN.json, 25) are shorter
+GROUP_RECORD_ROOM = len(f"{MARKER_DIR}/claim-{'0' * 16}.json")  # 37
+_KEY_LIMITED = ("s3", "s3a", "gs", "gcs")  # schemes whose stores take keys of at most KEY_MAX_BYTES
 
 
 def framework_files(manifest: object) -> dict:
@@ -69,8 +77,10 @@ def check_group_name(group: str) -> None:
 
 def check_save_name(path: str, group: str | None = None) -> None:
     """Refuse a checkpoint name (normalised path or URL; ``group``: the group it is saved into)
-    that fastckpt uses for its own files: a group named ``latest`` would stand where every group
-    commit in its parent writes the pointer.
+    that fastckpt uses for its own files (a group named ``latest`` would stand where every group
+    commit in its parent writes the pointer), or that the storage would refuse only after the
+    snapshot: a part or a key too long (``_check_parts_fit``, ``_check_sidecar_fits``,
+    ``_check_group_keys_fit``).
 
     Raises:
         ConfigError: naming the file and a name to use instead.
@@ -88,8 +98,11 @@ def check_save_name(path: str, group: str | None = None) -> None:
         raise ConfigError(f"cannot save a checkpoint as {path}: it holds a backslash ('\\'), which fastckpt refuses "
                           "in checkpoint names (they are '/'-separated on every storage, so such a file could not "
                           f"be published, listed or loaded). Choose another name, e.g. {safe!r}")
+    _check_parts_fit(path)
     if group is None and is_url(path):  # a file of a group has no sidecar: its group's manifest publishes it
         _check_sidecar_fits(path)
+    elif group is not None and is_url(path):
+        _check_group_keys_fit(path, group)
     parts = path.split("/")
     base = parts[-1]
     if base == LATEST:
@@ -114,7 +127,7 @@ def _check_sidecar_fits(url: str) -> None:
     then leave the object unpublished on every save of that name. Only where those limits are:
     S3's (its part limit SeaweedFS's and MinIO's) and Google Cloud Storage's (1024 in all)."""
     scheme = url.split("://", 1)[0].lower()
-    if scheme not in ("s3", "s3a", "gs", "gcs"):
+    if scheme not in _KEY_LIMITED:
         return
     key = split_url(url)[1].encode(errors="surrogateescape") + SIDECAR.encode()
     last = len(key.rsplit(b"/", 1)[-1])
@@ -130,3 +143,43 @@ def _check_sidecar_fits(url: str) -> None:
         return
     raise ConfigError(f"cannot save a checkpoint as {url}: its publication record there, NAME{SIDECAR}, would have "
                       f"{over}, so the save would fail only after its upload. Choose {fix}")
+
+
+def _check_parts_fit(path: str) -> None:
+    """Refuse a name (path or URL) with a '/'-separated part longer than a file system's name
+    (``NAME_MAX`` bytes): the file, or a URL's burst-buffer copy, which keeps the key's parts, is
+    written there, and only after the snapshot (SeaweedFS and MinIO take no longer part either)."""
+    parts = split_url(path)[1].split("/") if is_url(path) else path.split("/")
+    for part in parts:
+        size = len(part.encode(errors="surrogateescape"))
+        if size > NAME_MAX:
+            why = " (the burst-buffer copy of a URL keeps its key's parts; SeaweedFS and MinIO take no longer " \
+                "part either)" if is_url(path) else ""
+            raise ConfigError(f"cannot save a checkpoint as {path}: its part {part[:40]!r}... is {size} bytes long, "
+                              f"over the {NAME_MAX} bytes a file system takes in one name{why}, so the save "
+                              f"would fail only after its snapshot. Choose a shorter name for it, of at most "
+                              f"{NAME_MAX} bytes")
+
+
+def _check_group_keys_fit(path: str, group: str) -> None:
+    """Refuse a file of a group at a URL (``path``, inside ``group``) where its key, or the keys the
+    group's commit writes (its manifest, markers, claims: ``GROUP_RECORD_ROOM`` bytes after
+    ``GROUP/``), are longer than the store takes (``KEY_MAX_BYTES``): the upload would pass and the
+    commit fail after it, or the upload itself after the snapshot. Only at S3 and Google Cloud Storage."""
+    if path.split("://", 1)[0].lower() not in _KEY_LIMITED:
+        return
+    key, gkey = (split_url(u)[1].encode(errors="surrogateescape") for u in (path, group))
+    manifest = len(gkey) + 1 + len(GROUP_MANIFEST)
+    room = KEY_MAX_BYTES - 1 - GROUP_RECORD_ROOM
+    if len(gkey) > room:
+        raise ConfigError(f"cannot save a checkpoint group as {group}: its commit writes its manifest at key "
+                          f"{split_url(group)[1]}/{GROUP_MANIFEST} ({manifest} bytes) and markers under "
+                          f"{split_url(group)[1]}/{MARKER_DIR}/ (keys of up to {len(gkey) + 1 + GROUP_RECORD_ROOM} "
+                          f"bytes), over the {KEY_MAX_BYTES} bytes S3 and Google Cloud Storage take in a key, so the "
+                          f"group would fail only at its commit, after every upload. Choose a shorter group path "
+                          f"after the bucket, of at most {room} bytes (it has {len(gkey)})")
+    if len(key) > KEY_MAX_BYTES:
+        raise ConfigError(f"cannot save a checkpoint as {path}: its key is {len(key)} bytes long, over the "
+                          f"{KEY_MAX_BYTES} bytes S3 and Google Cloud Storage take, so its upload would fail only "
+                          f"after the snapshot. Choose a shorter file name in the group, of at most "
+                          f"{KEY_MAX_BYTES - len(gkey) - 1} bytes (it has {len(key) - len(gkey) - 1})")
