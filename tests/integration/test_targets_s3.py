@@ -25,7 +25,7 @@ import botocore.exceptions
 from fastckpt.errors import CheckpointWriteError, ConfigError, CorruptCheckpointError  # noqa: E402
 from fastckpt.format import checksum  # noqa: E402
 from fastckpt.storage.fsspec import FsspecTarget  # noqa: E402
-from fastckpt.storage.s3 import client_error as _client_error  # noqa: E402
+from fastckpt.storage.s3_errors import client_error as _client_error  # noqa: E402
 from fastckpt.storage.types import (  # noqa: E402
     Expected,
     RetryNotice,

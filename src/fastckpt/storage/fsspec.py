@@ -41,20 +41,8 @@ from .base import T, Target
 from .fsspec_clean import clean_incomplete
 from .reach import HTTP_TRUST, answered, mark_answered, proxy_refused, unreachable
 from .reads import info_version
-from .s3 import (
-    TRANSIENT_CODES,
-    TRANSIENT_STATUS,
-    S3Session,
-    client_error,
-    crc32_header,
-    drop_expect_100,
-    mtime,
-    permanent_error,
-    put_if_absent,
-    put_s3,
-    share_loader,
-    transient_types,
-)
+from .s3 import S3Session, crc32_header, drop_expect_100, mtime, put_if_absent, put_s3, share_loader
+from .s3_errors import TRANSIENT_CODES, TRANSIENT_STATUS, client_error, permanent_error, transient_types
 from .s3_options import bad_endpoint, check_s3_options, endpoint_key
 from .s3_read import get_range, list_sizes
 from .types import (

@@ -1,6 +1,6 @@
 """Whether a target's endpoint was never reached: a first request that could not connect at all
 (no such host, connection refused, a TLS handshake that failed) means a wrong or missing endpoint,
-to be told in seconds, not an outage to retry for ``retry_deadline_s``. Apart from ``storage/s3.py``
+to be told in seconds, not an outage to retry for ``retry_deadline_s``. Apart from ``storage/s3_errors.py``
 since every fsspec protocol asks it, each with its own advice (an S3 endpoint is set apart from the
 URL; an http(s):// host is in it)."""
 

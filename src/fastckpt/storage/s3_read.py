@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from .s3 import client_error
+from .s3_errors import client_error
 from .types import ObjectChangedError
 
 
