@@ -9,6 +9,8 @@ lacks a feature:
 - ``NotImplementedProxy``: answers each request carrying the ``x-amz-checksum-crc32`` header with
   the 501 NotImplemented error Cloudflare R2 and Backblaze B2 gave before they supported it, and
   forwards every other request.
+- ``StatusProxy``: answers the first ``times`` PUTs with a given HTTP status and body (a CDN's
+  520-524 page, MinIO's 507 XMinioStorageFull), and forwards every other request.
 
 Each serves on 127.0.0.1 from daemon threads; ``close()`` stops taking connections.
 """
@@ -92,11 +94,11 @@ def _pump(src: socket.socket, dst: socket.socket) -> None:
                 pass
 
 
-class NotImplementedProxy:
-    """HTTP in front of the server at ``backend_port`` that refuses ``x-amz-checksum-crc32`` with 501."""
+class _AnsweringProxy:
+    """HTTP in front of the server at ``backend_port``: a request ``answer`` returns (status, content
+    type, body) for is answered so, every other one forwarded."""
 
     def __init__(self, backend_port: int) -> None:
-        self.refused = 0
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -107,32 +109,70 @@ class NotImplementedProxy:
 
             def _any(self) -> None:
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                if "x-amz-checksum-crc32" in {k.lower() for k in self.headers}:
-                    outer.refused += 1
-                    self._reply(501, [("Content-Type", "application/xml")], NOT_IMPLEMENTED)
+                answer = outer.answer(self.command, {k.lower() for k in self.headers})
+                if answer is not None:
+                    status, content_type, data = answer
+                    self._reply(status, [("Content-Type", content_type)], data)
                     return
                 conn = http.client.HTTPConnection(HOST, backend_port, timeout=30)
                 conn.request(self.command, self.path, body=body, headers=dict(self.headers.items()))
                 resp = conn.getresponse()
                 drop = ("content-length", "transfer-encoding", "connection")
-                self._reply(resp.status, [(k, v) for k, v in resp.getheaders() if k.lower() not in drop], resp.read())
+                size = resp.getheader("Content-Length") if self.command == "HEAD" else None  # the object's
+                self._reply(resp.status, [(k, v) for k, v in resp.getheaders() if k.lower() not in drop], resp.read(),
+                            size)
                 conn.close()
 
-            def _reply(self, status: int, headers: list[tuple[str, str]], data: bytes) -> None:
+            def _reply(self, status: int, headers: list[tuple[str, str]], data: bytes, size: str | None = None) -> None:
                 self.send_response(status)
                 for k, v in headers:
                     self.send_header(k, v)
-                self.send_header("Content-Length", str(len(data)))
+                self.send_header("Content-Length", size or str(len(data)))
                 self.end_headers()
                 if self.command != "HEAD":
                     self.wfile.write(data)
 
             do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _any
 
+        self._lock = threading.Lock()
         self._server = ThreadingHTTPServer((HOST, 0), Handler)
         self.endpoint_url = f"http://{HOST}:{self._server.server_address[1]}"
         threading.Thread(target=self._server.serve_forever, daemon=True).start()
 
+    def answer(self, method: str, headers: set[str]) -> tuple[int, str, bytes] | None:
+        raise NotImplementedError
+
     def close(self) -> None:
         self._server.shutdown()
         self._server.server_close()
+
+
+class NotImplementedProxy(_AnsweringProxy):
+    """Refuses ``x-amz-checksum-crc32`` with 501; ``refused``: how many requests it refused."""
+
+    def __init__(self, backend_port: int) -> None:
+        self.refused = 0
+        super().__init__(backend_port)
+
+    def answer(self, method: str, headers: set[str]) -> tuple[int, str, bytes] | None:
+        if "x-amz-checksum-crc32" not in headers:
+            return None
+        with self._lock:
+            self.refused += 1
+        return 501, "application/xml", NOT_IMPLEMENTED
+
+
+class StatusProxy(_AnsweringProxy):
+    """Answers the first ``times`` PUTs with ``status`` (``body``, of ``content_type``), then
+    forwards them; ``refused``: how many it answered so."""
+
+    def __init__(self, backend_port: int, status: int, content_type: str, body: bytes, times: int) -> None:
+        self.status, self.content_type, self.body, self.times, self.refused = status, content_type, body, times, 0
+        super().__init__(backend_port)
+
+    def answer(self, method: str, headers: set[str]) -> tuple[int, str, bytes] | None:
+        with self._lock:
+            if method != "PUT" or self.refused >= self.times:
+                return None
+            self.refused += 1
+        return self.status, self.content_type, self.body

@@ -2,7 +2,8 @@
 endpoint that answered once and then goes away is an outage, retried (tests/integration/
 test_burst_buffer.py: the outage tests), at every bucket on it. A TLS handshake that fails is
 either (a wrong scheme or an untrusted certificate at the first request; a refused handshake
-after it), and a store that does not implement what a request asks (501) fails at once.
+after it), a store that does not implement what a request asks (501) fails at once, and a passing
+5xx outside botocore's four (a CDN's 520-524, MinIO's 507) is retried.
 Real SeaweedFS, behind real TLS and HTTP proxies (tests/s3proxy.py) where a store's answer is
 needed that SeaweedFS does not give."""
 
@@ -24,7 +25,7 @@ from fastckpt.errors import ReplicationError
 from fastckpt.events import Event
 from fastckpt.storage.fsspec import FsspecTarget
 from fastckpt.storage.types import RetryNotice, TargetUnavailableError, TargetUnreachableError
-from tests.s3proxy import NotImplementedProxy, TLSProxy
+from tests.s3proxy import NotImplementedProxy, StatusProxy, TLSProxy
 from tests.s3server import S3Server, free_ports
 
 KEYS = {"key": "k", "secret": "s", "client_kwargs": {"region_name": "us-east-1"}}
@@ -174,6 +175,59 @@ def test_a_store_that_does_not_implement_a_header_fails_at_once_naming_it(s3_ser
     assert "upgrade the store to a version that implements them" in msg
     listed = s3_server.client().list_objects_v2(Bucket=s3_bucket).get("Contents", [])
     assert [o["Key"] for o in listed if o["Key"].endswith(SIDECAR)] == []
+
+
+STORAGE_FULL = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>XMinioStorageFull</Code><Message>Storage '
+                b"backend has reached its minimum free drive threshold. Please delete a few objects to proceed."
+                b"</Message></Error>")
+
+
+@pytest.mark.parametrize(("status", "content_type", "body"), [
+    (507, "application/xml", STORAGE_FULL),  # MinIO, a drive briefly full
+    (520, "text/html", b"<html><body>error code: 520</body></html>"),  # a CDN in front of the store
+    (524, "text/plain", b"error code: 524"),
+    (509, "text/plain", b"Bandwidth Limit Exceeded")])
+def test_a_passing_5xx_outside_botocores_four_is_retried(s3_server: S3Server, s3_bucket: str, tmp_path: Path,
+                                                         status: int, content_type: str, body: bytes) -> None:
+    """Only 429, 500, 502, 503 and 504 were retried, as botocore's standard mode has them: a CDN's
+    520-524 or MinIO's 507 while a drive was briefly full failed the upload at once. Every 5xx is
+    retried now but those retrying cannot mend (501, 505, 506, 508, 510, 511)."""
+    proxy = StatusProxy(s3_server.process.ports["s3"], status, content_type, body, times=2)
+    url, retried = f"s3://{s3_bucket}/run/a.pt", []
+
+    class Sink:
+        def emit(self, ev: Event) -> None:
+            if ev.name == "retry":
+                retried.append(ev.error)
+
+    try:
+        with fastckpt.Checkpointer(local_dir=str(tmp_path / "nvme"), retry_deadline_s=60, sinks=(Sink(),),
+                                   storage_options=s3_server.storage_options(endpoint_url=proxy.endpoint_url)) as ck:
+            assert ck.save({"w": torch.arange(10)}, url).wait().durable_s is not None
+    finally:
+        proxy.close()
+    assert proxy.refused == 2 and len(retried) == 2, retried
+    assert all(str(status) in str(e) or "XMinioStorageFull" in str(e) for e in retried), retried  # the code, if any
+    assert torch.equal(fastckpt.load(url, storage_options=s3_server.storage_options())["w"], torch.arange(10))
+
+
+@pytest.mark.parametrize("status", [505, 511])
+def test_a_5xx_that_retrying_cannot_mend_fails_at_once(s3_server: S3Server, s3_bucket: str, tmp_path: Path,
+                                                       status: int) -> None:
+    """505 HTTP Version Not Supported and 511 Network Authentication Required (a captive portal)
+    stay as they are whatever the wait: raised at once, not retried until retry_deadline_s."""
+    proxy = StatusProxy(s3_server.process.ports["s3"], status, "text/plain", b"no", times=100)
+    t0 = time.monotonic()
+    try:
+        with fastckpt.Checkpointer(local_dir=str(tmp_path / "nvme"), retry_deadline_s=60,
+                                   storage_options=s3_server.storage_options(endpoint_url=proxy.endpoint_url)) as ck:
+            h = ck.save({"w": torch.zeros(10)}, f"s3://{s3_bucket}/run/a.pt")
+            with pytest.raises(ReplicationError, match=f"HTTP {status}") as info:
+                h.wait()
+    finally:
+        proxy.close()
+    assert time.monotonic() - t0 < 30 and proxy.refused == 1
+    assert not isinstance(info.value, TargetUnavailableError), str(info.value)
 
 
 def test_tls_alerts_at_the_first_request_are_an_outage_retried(s3_server: S3Server, s3_bucket: str,

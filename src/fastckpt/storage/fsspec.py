@@ -42,7 +42,7 @@ from .fsspec_clean import clean_incomplete
 from .reach import HTTP_TRUST, answered, mark_answered, proxy_refused, unreachable
 from .reads import info_version
 from .s3 import S3Session, crc32_header, drop_expect_100, mtime, put_if_absent, put_s3, share_loader
-from .s3_errors import TRANSIENT_CODES, TRANSIENT_STATUS, client_error, permanent_error, transient_types
+from .s3_errors import TRANSIENT_CODES, client_error, permanent_error, transient_status, transient_types
 from .s3_options import bad_endpoint, check_s3_options, endpoint_key
 from .s3_read import get_range, list_sizes
 from .types import (
@@ -170,7 +170,7 @@ class FsspecTarget(Target):
         if ce is not None:
             mark_answered(self._at)  # an error response: the endpoint is there
             code, status, _ = ce
-            return code in TRANSIENT_CODES or status in TRANSIENT_STATUS
+            return code in TRANSIENT_CODES or transient_status(status)
         if unreachable(exc, "", "", reached=answered(self._at)) is not None:  # never reached, or untrusted
             return False
         return isinstance(exc, self._transient) and not proxy_refused(exc) or is_transient_oserror(exc)

@@ -1,5 +1,5 @@
 """How S3 errors are classified: transient (retried with backoff until ``retry_deadline_s``:
-``TRANSIENT_CODES``, ``TRANSIENT_STATUS``, ``transient_types``) or permanent (``permanent_error``:
+``TRANSIENT_CODES``, ``transient_status``, ``transient_types``) or permanent (``permanent_error``:
 a ``ReplicationError`` naming the fix, raised at once). The upload itself is ``s3.py``'s."""
 
 from __future__ import annotations
@@ -17,11 +17,21 @@ TRANSIENT_CODES = frozenset({"SlowDown", "RequestTimeout", "RequestTimeoutExcept
                               "BadDigest", "XAmzContentSHA256Mismatch",
                               # a conditional put raced another write of the key: S3 asks to retry
                               "ConditionalRequestConflict"})
-# HTTP statuses retried whatever the code, as botocore's standard retry mode does; any other (501
-# NotImplemented above all: a feature the store lacks) fails at once, as a permanent error
-TRANSIENT_STATUS = frozenset({429, 500, 502, 503, 504})
 AUTH_CODES = frozenset({"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken",
                          "InvalidToken", "TokenRefreshRequired", "AllAccessDisabled", "403"})
+# 5xx statuses that retrying cannot mend, failed at once: a feature or HTTP version the store
+# lacks (501 NotImplemented, 505), a server or proxy misconfigured (506, 508, 510) or asking for a
+# login (511 Network Authentication Required). Every other 5xx is retried (``transient_status``).
+PERMANENT_5XX = frozenset({501, 505, 506, 508, 510, 511})
+
+
+def transient_status(status: int) -> bool:
+    """Whether an HTTP error status is retried, whatever the error's code: 429 Too Many Requests and
+    every 5xx but ``PERMANENT_5XX``. A 5xx is the server's or a gateway's failure, not the request's
+    (RFC 9110, 15.6): botocore's standard mode retries only 500, 502, 503 and 504 (its legacy mode
+    509 too), but a CDN's 520-524 in front of the store, or MinIO's 507 while a drive is briefly
+    full, pass as those do."""
+    return status == 429 or (500 <= status <= 599 and status not in PERMANENT_5XX)
 
 
 def permanent_error(exc: BaseException, what: str, bucket: str, endpoint: Callable[[], str]) -> ReplicationError | None:
