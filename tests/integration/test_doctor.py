@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -408,6 +409,29 @@ def test_s3_wrong_secret_or_bucket_fails_without_printing_the_secret(doctor: Doc
                        "--probe-size", "0", "--storage-options", _options(tmp_path, s3_server.storage_options()),
                        "--json")
     assert code == 1 and "does not exist" in _by_check(out)["target.reachable"]["summary"]
+
+
+def test_an_endpoint_that_never_answers_fails_within_the_deadline(tmp_path: Path) -> None:
+    """Before: one listing waited out botocore's 60 s read timeout (target_deadline_s promises 20 s),
+    then the finding advised raising retry_deadline_s, a deadline already overrun."""
+    import time
+
+    from fastckpt.doctor import DoctorOptions, diagnose
+
+    with socket.socket() as silent:  # accepts connections (the kernel's backlog), never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(64)
+        endpoint = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        opts = {"endpoint_url": endpoint, "key": "abcd", "secret": "secretvalue"}
+        t0 = time.monotonic()
+        dx = diagnose(DoctorOptions(str(tmp_path / "bb"), "s3://bucket/run", probe_bytes=0, storage_options=opts,
+                                    target_deadline_s=3.0))
+        took = time.monotonic() - t0
+    f = {x.check: x for x in dx.findings}["target.reachable"]
+    assert f.status == "fail" and took < 30, (took, f)  # generous: the old code took over 60 s
+    assert f.summary == (f"s3://bucket/run: {endpoint} accepted the connection but did not answer a listing of the "
+                         "prefix within the 3 s doctor gives a URL target (its retries included)")
+    assert "retry_deadline_s" not in f"{f.summary} {f.fix}" and "load balancer" in f.fix
 
 
 def test_url_target_needs_a_burst_buffer(doctor: Doctor, tmp_path: Path, s3_server, s3_bucket) -> None:

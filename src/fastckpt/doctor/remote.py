@@ -3,11 +3,20 @@
 from __future__ import annotations
 
 import os
+import time
 import uuid
+from collections.abc import Callable
+from typing import TYPE_CHECKING, TypeVar
 
 from ..errors import FastCkptError
 from . import _core
 from .findings import Finding
+
+if TYPE_CHECKING:
+    from ..storage.base import Target
+
+T = TypeVar("T")
+MIN_REQUEST_S = 1.0  # a step that starts at the deadline still gets this long (the probe object is then removed)
 
 SECRET_KEYS = ("key", "secret", "token", "password", "access_key", "secret_key", "session_token")
 AWS_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE")
@@ -48,17 +57,47 @@ def credentials(url: str, storage_options: dict) -> Finding:
                    data={"sources": sources})
 
 
+def _bounded(url: str, storage_options: dict, left_s: float) -> dict:
+    """``storage_options`` with each S3 request's connect and read timeouts at most ``left_s``:
+    botocore's own (60 s a read) let one request to a silent endpoint outlast the deadline."""
+    if not url.lower().startswith(("s3://", "s3a://")):
+        return dict(storage_options)
+    cfg = dict(storage_options.get("config_kwargs") or {})
+    for k in ("connect_timeout", "read_timeout"):
+        cfg[k] = min(cfg.get(k, left_s), left_s)
+    return {**storage_options, "config_kwargs": cfg}
+
+
 def reachable(url: str, storage_options: dict, deadline_s: float) -> Finding:
-    """List the prefix, then write and delete one small object, as replication would."""
+    """List the prefix, then write and delete one small object, as replication would: each
+    request (its retries included) bounded by what is left of ``deadline_s``."""
     secrets = _secrets(storage_options)
+    t0 = time.monotonic()
+    doing = "a listing of the prefix"
+
+    def call(what: str, step: Callable[[Target], T]) -> T:
+        nonlocal doing
+        doing, left = what, max(deadline_s - (time.monotonic() - t0), MIN_REQUEST_S)
+        target = _core.open_target(root, _bounded(url, storage_options, left), retry_deadline_s=left, parallelism=1)
+        try:
+            return step(target)
+        finally:
+            target.close(wait=False)
+
     try:
         root, key = _core.split_url(url.rstrip("/"))
-        target = _core.open_target(root, dict(storage_options), retry_deadline_s=deadline_s, parallelism=1)
-        listed = len(target.list(key))
+        listed = call(doing, lambda t: len(t.list(key)))
         probe = "/".join(p for p in (key, f".fastckpt-doctor-{uuid.uuid4().hex[:8]}") if p)
-        target.put_bytes(probe, b"fastckpt doctor probe")
-        target.delete(probe)
+        call("the write of a probe object", lambda t: t.put_bytes(probe, b"fastckpt doctor probe"))
+        call("the removal of the probe object", lambda t: t.delete(probe))
     except (FastCkptError, OSError, ValueError) as exc:
+        if (silent := _core.silent_endpoint(exc)) is not None:  # no refusal to name: no answer at all
+            return Finding("target.reachable", "fail", redact(
+                f"{url}: {silent} accepted the connection but did not answer {doing} within the {deadline_s:g} s "
+                "doctor gives a URL target (its retries included)", secrets),
+                "check the store's server behind that endpoint (hung or overloaded, or a load balancer with no "
+                "healthy backend) and that endpoint_url names the store's S3 port",
+                {"error": type(exc).__name__, "endpoint": silent, "deadline_s": deadline_s})
         return Finding("target.reachable", "fail", redact(f"{url}: {exc}", secrets),
                        redact("fix the URL, the endpoint (storage_options endpoint_url) or the credentials; the "
                               "message above names what the store refused", secrets),

@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import socket
 import ssl
+import urllib.parse
 
 from .types import TargetUnreachableError, storage_error
 
@@ -85,3 +86,22 @@ def proxy_refused(exc: BaseException) -> bool:
             return True
         cur = cur.__cause__ or cur.__context__
     return False
+
+
+def silent_endpoint(exc: BaseException) -> str | None:
+    """The endpoint (``scheme://host:port``) whose answer ``exc``'s chain timed out waiting for
+    (botocore's read timeout): it accepted the connection but sent nothing in time (a hung
+    server, a load balancer with no backend behind it), or None when no read timed out."""
+    try:
+        from botocore.exceptions import ReadTimeoutError
+    except ImportError:  # no S3 client here: no S3 request timed out
+        return None
+    cur: BaseException | None = exc
+    for _ in range(8):
+        if cur is None:
+            return None
+        if isinstance(cur, ReadTimeoutError):
+            url = urllib.parse.urlsplit(str(cur.kwargs.get("endpoint_url", "")))
+            return f"{url.scheme}://{url.netloc.rpartition('@')[2]}" if url.netloc else "the endpoint"
+        cur = cur.__cause__ or cur.__context__
+    return None
