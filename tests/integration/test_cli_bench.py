@@ -456,3 +456,61 @@ def test_a_process_group_that_cannot_form_is_one_line_not_a_traceback(tmp_path) 
                            timeout=120)
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
     assert "bench failed: the nodes could not form their process group:" in r.stderr and "EADDRINUSE" in r.stderr
+
+
+def _bare_env(**extra: str) -> dict:
+    """``_env()`` without any launcher's variables, and with ``extra``."""
+    env = {k: v for k, v in _env().items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR",
+                                                         "MASTER_PORT")}
+    return dict(env, **extra)
+
+
+@pytest.mark.parametrize("given, missing", [({}, "$RANK, $MASTER_ADDR and $MASTER_PORT are not set"),
+                                            ({"RANK": "0"}, "$MASTER_ADDR and $MASTER_PORT are not set")])
+def test_world_size_without_the_rendezvous_variables_is_one_line(tmp_path, given: dict, missing: str) -> None:
+    """Before: $WORLD_SIZE=2 alone (a launcher's environment filled for another program) ended in
+    torch's ValueError traceback ("environment variable RANK expected, but not set")."""
+    r = subprocess.run([sys.executable, "-m", "fastckpt.cli", "bench", "--dir", str(tmp_path), "--workers", "1",
+                        "--size", "1MiB", "--block-size", "1MiB"], env=_bare_env(WORLD_SIZE="2", **given),
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert r.stderr.strip().splitlines() == [
+        f"fastckpt: ConfigError: $WORLD_SIZE=2 in the environment makes bench one of 2 nodes, but {missing} (torch's "
+        "rendezvous needs $RANK, $MASTER_ADDR and $MASTER_PORT too): run bench under torchrun, which sets them all "
+        "(docs/readiness.md), or unset WORLD_SIZE to bench this node alone"]
+    assert leftovers(tmp_path) == []
+
+
+def test_a_node_says_what_it_waits_for_while_its_peers_start(tmp_path) -> None:
+    """Before: a node whose peers had not started was silent for up to 30 minutes."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+
+    def node(rank: int) -> subprocess.Popen:
+        (tmp_path / f"d{rank}").mkdir()
+        return subprocess.Popen([sys.executable, "-m", "fastckpt.cli", "bench", "--dir", str(tmp_path / f"d{rank}"),
+                                 "--workers", "1", "--size", "1MiB", "--block-size", "1MiB", "--json"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                                env=_bare_env(WORLD_SIZE="2", RANK=str(rank), LOCAL_RANK="0",
+                                              MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)))
+
+    nodes = [node(0)]
+    silent = threading.Timer(120, nodes[0].kill)  # the old code said nothing: end its 30-minute wait
+    silent.start()
+    try:
+        # rank 1 not started yet: rank 0 is in the rendezvous, and says so (its first line)
+        first = nodes[0].stderr.readline()
+        silent.cancel()
+        assert first.strip() == (
+            f"fastckpt bench: rank 0 waiting for 2 nodes at 127.0.0.1:{port} (every node must start bench; the "
+            "wait ends after 30 minutes)")
+        nodes.append(node(1))
+        outs = [p.communicate(timeout=120) for p in nodes]
+    finally:
+        for p in nodes:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    assert [p.returncode for p in nodes] == [0, 0], outs
+    assert json.loads(outs[0][0])["world_size"] == 2 and "waiting for 2 nodes" in outs[1][1]

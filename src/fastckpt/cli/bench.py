@@ -19,7 +19,6 @@ from dataclasses import dataclass
 
 import click
 
-from ..config import env_count
 from ._common import (
     BANDWIDTH,
     DURATION,
@@ -37,6 +36,7 @@ from ._common import (
     table,
 )
 from ._signals import sigterm_interrupts
+from .bench_dist import Dist
 from .bench_io import ALIGN, START_TIMEOUT_S, Job, Phase, WorkerResult, percentiles
 
 PASS_FRACTION = 0.8  # the readiness checklist's gate: >= 80 % of the fabric's capacity
@@ -81,53 +81,19 @@ class PhaseResult:
         return self.bytes / self.seconds if self.seconds > 0 else 0.0
 
 
-class _Dist:
-    """torch.distributed under torchrun (WORLD_SIZE > 1), else a single node."""
-
-    def __init__(self) -> None:
-        fix = "run bench without a launcher (one node)"  # a bare int() was a ValueError traceback
-        self.world = env_count("WORLD_SIZE", 1, 1, meaning=" (the number of processes)", fix=fix)
-        self.local_rank = env_count("LOCAL_RANK", 0, 0, meaning=" (this process's index on its node)", fix=fix)
-        self._dist = None
-        self.rank = 0
-        if self.world > 1:
-            import datetime
-
-            import torch.distributed as dist
-
-            if not dist.is_initialized():
-                dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=30))
-            self._dist, self.rank = dist, dist.get_rank()
-
-    def barrier(self) -> None:
-        if self._dist is not None:
-            self._dist.barrier()
-
-    def gather(self, obj: object) -> list:
-        if self._dist is None:
-            return [obj]
-        out: list = [None] * self.world
-        self._dist.all_gather_object(out, obj)
-        return out
-
-    def close(self) -> None:
-        if self._dist is not None and self._dist.is_initialized():
-            self._dist.destroy_process_group()
-
-
 def _run_dirs(s: Settings, rank: int) -> list[str]:
     """This run's folders: host and PID can repeat (containers sharing a --dir), so a random suffix too."""
     tag = f"fastckpt-bench-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}-r{rank}"
     return [os.path.join(d, tag) for d in s.dirs]
 
 
-def _jobs(s: Settings, op: str, run_dirs: list[str], d: _Dist, timed: bool) -> list[Job]:
+def _jobs(s: Settings, op: str, run_dirs: list[str], d: Dist, timed: bool) -> list[Job]:
     return [Job(op, d.rank, w, os.path.join(run_dirs[w % len(run_dirs)], f"worker-{w:03d}.dat"), s.file_bytes,
                 s.block_bytes, s.direct, s.duration_s if timed else None, s.verify, s.gds, d.local_rank)
             for w in range(s.workers)]
 
 
-def _phase(s: Settings, op: str, run_dirs: list[str], d: _Dist, show: bool) -> PhaseResult:
+def _phase(s: Settings, op: str, run_dirs: list[str], d: Dist, show: bool) -> PhaseResult:
     """One op on every node: "prepare" writes the files a read-only run reads (one pass, untimed)."""
     timed = s.duration_s is not None and op != "prepare"
     jobs = _jobs(s, "write" if op == "prepare" else op, run_dirs, d, timed)
@@ -152,7 +118,7 @@ def _phase(s: Settings, op: str, run_dirs: list[str], d: _Dist, show: bool) -> P
     return PhaseResult(op, sum(r.bytes for r in everyone), seconds, tuple(everyone))
 
 
-def run(s: Settings, d: _Dist, show_progress: bool = True) -> list[PhaseResult]:
+def run(s: Settings, d: Dist, show_progress: bool = True) -> list[PhaseResult]:
     """Run the phases ``s.mode`` asks for; files are removed afterwards, also on Ctrl-C."""
     run_dirs = _run_dirs(s, d.rank)
     show = show_progress and d.rank == 0
@@ -211,7 +177,7 @@ def _refusal(s: Settings) -> tuple[int, str, dict | None] | None:
     return None
 
 
-def _agree_to_run(s: Settings, d: _Dist, as_json: bool) -> None:
+def _agree_to_run(s: Settings, d: Dist, as_json: bool) -> None:
     """Every node runs, or none: a node that refused ended alone, and its peers waited for it in
     the group's set-up for 30 minutes. A refusing node says why; the others name it."""
     mine = _refusal(s)
@@ -327,7 +293,7 @@ def bench(dirs: tuple[str, ...], workers: int, engine: str, block_size: int, siz
     s = Settings(tuple(dirs), workers, engine, block_size, size // block_size * block_size, duration, mode,
                  direct, gds, verify)
     try:
-        d = _Dist()  # under torchrun the group first: a node that refuses to run then ends every node's run
+        d = Dist()  # under torchrun the group first: a node that refuses to run then ends every node's run
     except RuntimeError as exc:  # the master's port in use, a rendezvous that fails (gloo, the store)
         raise click.ClickException(f"bench failed: the nodes could not form their process group: {exc}") from exc
     try:
