@@ -134,6 +134,21 @@ def collect_only_new() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def bind_mount(src: Path, dst: Path) -> Iterator[Path]:
+    """Mount the directory ``src`` at ``dst`` too (skip the test where this process may not mount)."""
+    dst.mkdir(parents=True, exist_ok=True)
+    if shutil.which("mount") is None:
+        pytest.skip("no `mount` binary: cannot show one directory at two paths")
+    r = subprocess.run(["mount", "--bind", str(src), str(dst)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot bind-mount here (needs root/CAP_SYS_ADMIN): {r.stderr.strip()}")
+    try:
+        yield dst
+    finally:
+        subprocess.run(["umount", str(dst)], check=True)
+
+
+@contextlib.contextmanager
 def tmpfs(path: Path, options: str) -> Iterator[Path]:
     """Mount a tmpfs at ``path`` (skip the test where this process may not mount)."""
     path.mkdir(parents=True, exist_ok=True)

@@ -13,6 +13,7 @@ as the ``fastckpt`` script would print it, so ``_refused`` still fails on it.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from tests.cli_child import CliChild
+from tests.helpers import bind_mount
 
 _BATCH = """
 import contextlib, io, json, os, sys, traceback
@@ -207,6 +209,20 @@ def test_bench_launcher_variables_that_are_no_counts_are_named(cli: Cli, tmp_pat
 def test_bench_the_same_dir_twice(cli: Cli, tmp_path: Path) -> None:
     _refused(cli("bench", "--dir", str(tmp_path), "--dir", f"{tmp_path}/", "--size", "1MiB", "--block-size", "1MiB"),
             2, "given twice", "give each directory once")
+
+
+def test_bench_and_doctor_refuse_one_directory_bind_mounted_at_two_paths(cli: Cli, tmp_path: Path) -> None:
+    """Before: bench took A and its bind mount B for two directories and failed on its own folder
+    ("bench failed: [Errno 17] File exists", exit 1: a storage verdict); doctor measured it twice."""
+    (tmp_path / "a").mkdir()
+    with bind_mount(tmp_path / "a", tmp_path / "b"):
+        a, b = str(tmp_path / "a"), str(tmp_path / "b")
+        runs = cli.all(["bench", "--dir", a, "--dir", b, "--workers", "2", "--size", "1MiB", "--block-size", "1MiB"],
+                       ["doctor", "--local-dir", a, "--local-dir", b, "--probe-size", "0"])
+        leftovers = os.listdir(a)
+    for res, option in zip(runs, ("--dir", "--local-dir"), strict=True):
+        _refused(res, 2, option, f"{b} is given twice (as {a}); give each directory once")
+    assert leftovers == []
 
 
 def test_a_malformed_url_or_an_unknown_scheme_is_named(cli: Cli, tmp_path: Path) -> None:

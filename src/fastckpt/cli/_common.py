@@ -186,18 +186,6 @@ FINITE_POSITIVE = _FinitePositive()
 OVERHEAD_BUDGET = FiniteRange(0, 1, min_open=True, max_open=True, want="a fraction, e.g. 0.02 for 2 %")
 
 
-def distinct_dirs(ctx: click.Context, param: click.Parameter, dirs: tuple[str, ...]) -> tuple[str, ...]:
-    """A click callback: a repeated option's directories, each given once (by real path)."""
-    seen: dict[str, str] = {}
-    for d in dirs:
-        real = os.path.realpath(d)
-        if real in seen:
-            raise click.BadParameter(f"{d} is given twice (as {seen[real]}); give each directory once",
-                                     ctx=ctx, param=param)
-        seen[real] = d
-    return dirs
-
-
 def _json_object(text: str) -> dict:
     try:
         value = json.loads(text)

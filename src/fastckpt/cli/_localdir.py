@@ -1,4 +1,5 @@
-"""``--local-dir``: a node-local directory, never a URL nor a URL that lost its '://'."""
+"""Directories on the command line: ``--local-dir`` is a node-local directory, never a URL nor a
+URL that lost its '://'; a repeated option names each directory once."""
 
 from __future__ import annotations
 
@@ -24,3 +25,21 @@ class LocalDir(click.Path):
         except ConfigError as exc:
             self.fail(str(exc), param, ctx)
         return value
+
+
+def distinct_dirs(ctx: click.Context, param: click.Parameter, dirs: tuple[str, ...]) -> tuple[str, ...]:
+    """A click callback: a repeated option's directories, each given once: by device and inode
+    where it exists (a bind mount shows one directory at two paths, which a real path misses),
+    else by real path (a symlink, a trailing '/')."""
+    seen: dict[object, str] = {}
+    for d in dirs:
+        try:
+            st = os.stat(d)
+            key: object = (st.st_dev, st.st_ino)
+        except OSError:  # not there yet (doctor creates it): no inode to compare
+            key = os.path.realpath(d)
+        if key in seen:
+            raise click.BadParameter(f"{d} is given twice (as {seen[key]}); give each directory once",
+                                     ctx=ctx, param=param)
+        seen[key] = d
+    return dirs

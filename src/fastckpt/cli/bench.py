@@ -25,7 +25,6 @@ from ._common import (
     SIZE,
     FiniteRange,
     console,
-    distinct_dirs,
     emit_json,
     exit_with,
     fmt_bytes,
@@ -35,6 +34,7 @@ from ._common import (
     progress,
     table,
 )
+from ._localdir import distinct_dirs
 from ._signals import sigterm_interrupts
 from .bench_dist import Dist
 from .bench_io import ALIGN, START_TIMEOUT_S, Job, Phase, WorkerResult, percentiles

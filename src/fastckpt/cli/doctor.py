@@ -7,8 +7,8 @@ import json
 
 import click
 
-from ._common import LOCATION, SIZE, SIZE_OR_ZERO, count_range, distinct_dirs, not_a_dir, storage_options_option
-from ._localdir import LocalDir
+from ._common import LOCATION, SIZE, SIZE_OR_ZERO, count_range, not_a_dir, storage_options_option
+from ._localdir import LocalDir, distinct_dirs
 from ._signals import sigterm_interrupts
 
 _STYLE = {"ok": "green", "info": "blue", "warn": "yellow", "fail": "bold red"}
