@@ -165,6 +165,20 @@ def test_doctor_target_that_is_a_file(cli: Cli, tmp_path: Path) -> None:
              "--target", f"{tmp_path / 'file'} is a file: give the directory checkpoints are saved in")
 
 
+def test_doctor_path_below_a_file_names_the_file(cli: Cli, tmp_path: Path) -> None:
+    """It said "cannot write in FILE/sub: Not a directory" with the fix "create FILE/sub", which no
+    one can: FILE is a file."""
+    blocker = tmp_path / "step-100.pt"
+    blocker.write_text("x")
+    target, local = cli.all(["doctor", "--target", str(blocker / "ckpt"), "--probe-size", "0"],
+                            ["doctor", "--local-dir", str(blocker / "a" / "bb"), "--probe-size", "0"])
+    _refused(target, 2, "--target", f"{blocker} is a file, so no directory can be made below it as {blocker}/ckpt: "
+             "give the path of the directory checkpoints are saved in or a URL")
+    _refused(local, 2, "--local-dir", f"{blocker} is a file, so no directory can be made below it as "
+             f"{blocker}/a/bb: give the path of the burst buffer's directory")
+    assert blocker.read_text() == "x"
+
+
 def test_local_dir_that_is_a_url_or_a_url_typo(cli: Cli, tmp_path: Path) -> None:
     """doctor, drill, ls and serve-metrics took s3:/b/bb for the folder ./s3: and created it."""
     runs = [[*cmd, "--local-dir", d] for d in ("s3:/b/bb", "s3://b/bb")

@@ -115,12 +115,15 @@ def test_not_enough_space_and_unwritable_dirs(doctor: Doctor, tmp_path: Path) ->
     code, out = doctor("--local-dir", str(tmp_path / "bb"), "--state-size", "900TB", "--probe-size", "0", "--json")
     f = _by_check(out)
     assert code == 1 and f["local_dir.free_space"]["status"] == "fail" and f["local_dir.free_space"]["fix"]
-    blocker = tmp_path / "a-file"
+    from fastckpt.doctor import DoctorOptions, diagnose
+
+    blocker = tmp_path / "a-file"  # the CLI refuses a path below a file (exit 2): diagnose() itself checks it
     blocker.write_text("x")
-    code, out = doctor("--local-dir", str(blocker / "bb"), "--probe-size", "0", "--json")
-    f = _by_check(out)
-    assert code == 1 and f["local_dir.writable"]["status"] == "fail"
-    assert not any(c.startswith("tier.") for c in f)  # no tier decision on a directory it cannot write
+    dx = diagnose(DoctorOptions(str(blocker / "bb"), probe_bytes=0))
+    f = {x.check: x for x in dx.findings}
+    assert dx.exit_code == 1 and f["local_dir.writable"].status == "fail"
+    assert f["local_dir.writable"].fix.startswith(f"{blocker} is a file, so no directory can be made below it")
+    assert not any(c.startswith("tier.") for c in f) and not dx.auto  # no tier decision where it cannot write
 
 
 def test_a_full_burst_buffer_is_named_full_with_its_fix(doctor: Doctor, tmp_path: Path) -> None:
@@ -169,6 +172,18 @@ def test_a_read_only_filesystem_is_named_read_only_not_create_and_chmod(doctor: 
     assert code == 1 and f["status"] == "fail" and f["data"]["errno"] == errno.EROFS
     assert f["fix"] == (f"{bb} is on a read-only filesystem: remount it read-write (NFS, Lustre: ask for a writable "
                         "export), or choose another local_dir")
+
+
+def test_a_target_below_a_file_is_not_to_be_created(tmp_path: Path) -> None:
+    """diagnose() (the CLI refuses it first, exit 2): the fix was "create FILE/sub", below a file."""
+    from fastckpt.doctor import DoctorOptions, diagnose
+
+    (tmp_path / "step-100.pt").write_text("x")
+    dx = diagnose(DoctorOptions(target=str(tmp_path / "step-100.pt" / "ckpt"), probe_bytes=0))
+    w = {f.check: f for f in dx.findings}["target.writable"]
+    assert w.status == "fail" and w.data == {"errno": errno.ENOTDIR}
+    assert w.fix == (f"{tmp_path / 'step-100.pt'} is a file, so no directory can be made below it: give a directory "
+                     "path, or choose another target")
 
 
 def test_an_existing_directory_this_user_cannot_write_is_not_to_be_created(tmp_path: Path) -> None:

@@ -309,6 +309,16 @@ def not_a_dir(path: str) -> bool:
     return not is_url(path) and os.path.exists(local_path(path)) and not os.path.isdir(local_path(path))
 
 
+def file_in_the_way(path: str) -> str | None:
+    """The file that keeps a local ``path`` from being a directory: ``path`` itself, or the
+    nearest existing ancestor when that is a file (``FILE/sub``: ``FILE``); None for a URL."""
+    from ..sysinfo import existing_parent
+    from ..urls import is_url, local_path
+
+    nearest = None if is_url(path) else existing_parent(local_path(path))
+    return nearest if nearest is not None and os.path.exists(nearest) and not os.path.isdir(nearest) else None
+
+
 def must_exist(path: str) -> None:
     """Exit 1 naming a local ``path`` that does not exist (a URL's storage answers for itself)."""
     from ..urls import is_url, local_path

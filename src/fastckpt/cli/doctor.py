@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 
 import click
 
-from ._common import LOCATION, SIZE, SIZE_OR_ZERO, count_range, not_a_dir, storage_options_option
+from ..urls import local_path
+from ._common import LOCATION, SIZE, SIZE_OR_ZERO, count_range, file_in_the_way, storage_options_option
 from ._localdir import LocalDir, distinct_dirs
 from ._signals import sigterm_interrupts
 
@@ -38,12 +40,11 @@ def doctor(local_dir: tuple[str, ...], target: str | None, tier: str, state_size
     from ..doctor import DoctorOptions, diagnose
 
     for d in local_dir:
-        if not_a_dir(d):
-            raise click.BadParameter(f"{d} is a file: give the burst buffer's directory (it is created if missing)",
-                                     param_hint="--local-dir")
-    if target and not_a_dir(target):
-        raise click.BadParameter(f"{target} is a file: give the directory checkpoints are saved in (it is created "
-                                 "if missing) or a URL", param_hint="--target")
+        if blocker := file_in_the_way(d):
+            raise click.BadParameter(_in_the_way(d, blocker, "the burst buffer's directory"), param_hint="--local-dir")
+    if target and (blocker := file_in_the_way(target)):
+        raise click.BadParameter(_in_the_way(target, blocker, "the directory checkpoints are saved in") + " or a URL",
+                                 param_hint="--target")
     opts = DoctorOptions(local_dir[0] if len(local_dir) == 1 else (local_dir or None), target, tier, state_size, keep,
                          probe_size, storage_options or {},
                          progress="off" if as_json else "auto")
@@ -55,6 +56,13 @@ def doctor(local_dir: tuple[str, ...], target: str | None, tier: str, state_size
     else:
         _print(dx)
     raise SystemExit(dx.exit_code)
+
+
+def _in_the_way(path: str, blocker: str, what: str) -> str:
+    """Why ``path`` cannot be ``what``: it is the file ``blocker``, or lies below it."""
+    if blocker == os.path.abspath(local_path(path)):
+        return f"{path} is a file: give {what} (it is created if missing)"
+    return f"{blocker} is a file, so no directory can be made below it as {path}: give the path of {what}"
 
 
 def _print(dx) -> None:  # noqa: ANN001 (a Diagnosis)

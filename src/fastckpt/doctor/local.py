@@ -69,6 +69,8 @@ def writable(role: str, path: str) -> Finding:
     except OSError as exc:
         if exc.errno in (errno.ENOSPC, errno.EDQUOT):
             fix = f"free space in {path} (or raise the quota)"
+        elif exc.errno == errno.ENOTDIR and not os.path.isdir(blocker := sysinfo.existing_parent(path)):
+            fix = f"{blocker} is a file, so no directory can be made below it: give a directory path"
         elif exc.errno == errno.EROFS:  # no chmod helps: the filesystem (or the server's export) is read-only
             fix = (f"{path} is on a read-only filesystem: remount it read-write (NFS, Lustre: ask for a writable "
                    "export)")
