@@ -21,6 +21,7 @@ from concurrent.futures import Executor
 from typing import Protocol
 
 from .errors import ClosedError
+from .records import STOPPED
 
 log = logging.getLogger("fastckpt")
 
@@ -92,13 +93,14 @@ def close_at_exit(close: Callable[[], None], pending: Callable[[], int], replica
         _STOPS.append(exc)
     try:
         close()
-    except (SystemExit, KeyboardInterrupt) as exc:  # close() ends the pending work first (unless close_timeout_s)
-        _STOPS.append(exc)
-        left = _quietly(pending)
-        if left:
-            log.error("fastckpt: %s while flushing %d pending save(s) at interpreter exit: %d not durable by then "
-                      "are lost (failures are logged above); the checkpoints before them are intact",
-                      _named(exc), n, left)
+    except (SystemExit, KeyboardInterrupt) as exc:  # close() ends the pending work first, unless close_timeout_s
+        _STOPS.append(exc)  # is set: then it stops as at that timeout (its note says so)
+        stopped = [note for note in getattr(exc, "__notes__", ()) if note.startswith(STOPPED)]
+        if stopped or (left := _quietly(pending)):
+            log.error("fastckpt: %s while flushing %d pending save(s) at interpreter exit: %s (failures are logged "
+                      "above)", _named(exc), n, "close_timeout_s is set, so the flush stopped as at that timeout: "
+                      f"{stopped[0]}" if stopped else f"{left} not durable by then are lost; the checkpoints before "
+                      "them are intact")
     except BaseException as exc:  # noqa: BLE001
         log.error("fastckpt: a pending save failed at exit: %r", exc)
 
@@ -163,9 +165,9 @@ def _flush_live() -> None:
         except (Exception, SystemExit, KeyboardInterrupt) as exc:  # noqa: BLE001 (no caller left to raise to)
             log.error("fastckpt: %r failed at interpreter exit: %r", fn, exc)
     if _STOPS:  # Python ignores an exit asked for while it shuts down: say so rather than lose it silently
-        log.warning("fastckpt: %s during the exit flush; the flush went on first (what it could not save is "
-                    "logged above). Python ignores an exit requested while it shuts down: the exit status is the "
-                    "one the main thread ended with", _named(_STOPS[0]))
+        log.warning("fastckpt: %s during the exit flush, which went on first unless close_timeout_s bounds it (what "
+                    "it could not save is logged above). Python ignores an exit requested while it shuts down: the "
+                    "exit status is the one the main thread ended with", _named(_STOPS[0]))
         _STOPS.clear()
 
 

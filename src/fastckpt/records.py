@@ -105,8 +105,11 @@ def not_written(path: str) -> CheckpointWriteError:
                                 "checkpoint before it is untouched")
 
 
+STOPPED = "close() stopped without them"  # how stopped_note begins
+
+
 def stopped_note(local_dirs: tuple[str, ...]) -> str:
     """What ``close()`` adds to its timeout's error once it stops without the pending saves."""
     kept = f"; copies already in the burst buffer stay there ({', '.join(local_dirs)})" if local_dirs else ""
-    return ("close() stopped without them: a save whose write had not started is not written (its handle raises "
+    return (f"{STOPPED}: a save whose write had not started is not written (its handle raises "
             f"CheckpointWriteError), and the checkpoint before each is untouched{kept}")

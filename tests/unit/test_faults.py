@@ -568,6 +568,28 @@ def test_an_interrupted_exit_flush_says_it_was_interrupted_not_that_a_save_faile
     assert not any("failed at exit" in r.getMessage() for r in caplog.records)
 
 
+def test_a_stop_in_an_exit_flush_bounded_by_close_timeout_says_what_it_lost(caplog) -> None:
+    """With close_timeout_s set, a SIGTERM handler's exit while close() waits at exit stops the flush as
+    that timeout would (its note says so); the log said the flush went on, and nothing was lost."""
+    from fastckpt import exits
+    from fastckpt.exits import close_at_exit
+    from fastckpt.records import stopped_note
+
+    def stopped() -> None:
+        exc = SystemExit(143)
+        exc.add_note(stopped_note(()))
+        raise exc
+
+    with caplog.at_level(logging.WARNING, logger="fastckpt"):
+        close_at_exit(stopped, lambda: 0, lambda: [])  # the abandoned saves are no longer pending after close()
+        exits._flush_live()  # what the interpreter's exit runs next: its closing line
+    said = [r.getMessage() for r in caplog.records]
+    assert any("stopped by sys.exit(143) while flushing 0 pending save(s) at interpreter exit: close_timeout_s is "
+               "set, so the flush stopped as at that timeout: close() stopped without them" in m for m in said), said
+    assert any("during the exit flush, which went on first unless close_timeout_s bounds it" in m for m in said)
+    assert not exits._STOPS
+
+
 @pytest.mark.parametrize("local", [False, True])
 def test_a_save_close_gave_up_on_before_its_write_started_says_so(tmp_path, local: bool) -> None:
     """close() past close_timeout_s while a.pt is being written and b.pt waits behind it: b.pt's
