@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import select
 import shutil
 import signal
 import subprocess
@@ -257,6 +258,43 @@ def test_an_interrupted_drill_kills_the_job_and_removes_its_logs(tmp_path, sig: 
     assert p.returncode == 1 and "Aborted" in err and "Traceback" not in err, err
     assert left == []  # neither the job nor its child is left
     assert os.listdir(tmp) == []  # no fastckpt-drill-* log folder
+
+
+# A user's job that holds a FIFO open for writing, it and a child of its own (in its process group):
+# the test reads its pid there, then EOF once both are dead, with no sleep and no polling.
+_HOLDING_JOB = """
+import os, signal, subprocess, sys
+fd = os.open(sys.argv[1], os.O_WRONLY)
+subprocess.Popen([sys.executable, "-c", "import signal; signal.pause()"], pass_fds=(fd,))
+os.write(fd, str(os.getpid()).encode())
+signal.pause()
+"""
+
+
+def test_a_drill_killed_with_sigkill_takes_its_job_and_the_jobs_children(tmp_path) -> None:
+    """The job, in a session of its own, trained on for good after the drill was SIGKILLed (the OOM
+    killer, ``timeout -s KILL``): nothing tied its life to the drill's. Now its leader dies with the
+    drill and the drill's guard kills the rest of its process group."""
+    fifo, tmp = str(tmp_path / "held"), tmp_path / "tmp"
+    os.mkfifo(fifo)
+    tmp.mkdir()
+    env = dict(os.environ, TMPDIR=str(tmp), PYTHONPATH=os.pathsep.join(filter(None, [REPO, *sys.path])))
+    p = subprocess.Popen([sys.executable, "-c", _DRILL, "drill", "--dir", str(tmp_path / "home"), "--min-run", "10m",
+                          "--max-run", "10m", "--", sys.executable, "-c", _HOLDING_JOB, fifo],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    fd = os.open(fifo, os.O_RDONLY)  # blocks until the job opens it
+    try:
+        job = int(os.read(fd, 32))  # its child holds the FIFO before the pid is written
+        p.kill()
+        p.wait()
+        readable, _, _ = select.select([fd], [], [], 60)
+        gone = bool(readable) and os.read(fd, 1) == b""  # EOF: every writer, the job and its child, is dead
+    finally:
+        os.close(fd)
+    if not gone:  # what a failure leaves, this test removes
+        os.killpg(job, signal.SIGKILL)
+    assert gone, "the job or its child still runs 60 s after the drill was SIGKILLed"
+    assert [n[:len("fastckpt-drill-")] for n in os.listdir(tmp)] == ["fastckpt-drill-"]  # its logs: all it leaves
 
 
 def test_lose_local_never_wipes_what_the_drill_did_not_write(tmp_path) -> None:

@@ -1,9 +1,12 @@
-"""SIGTERM as Ctrl-C: the commands that start processes or write scratch files clean up alike."""
+"""SIGTERM as Ctrl-C: the commands that start processes or write scratch files clean up alike.
+SIGKILL runs no clean-up at all: the processes they start die with them (``die_with_parent``)."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
+import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -11,6 +14,21 @@ from contextlib import contextmanager
 CLEANUP_S = 10.0  # how long clean-up after SIGTERM may take before the process ends regardless
 EXIT_SIGTERM = 128 + signal.SIGTERM  # 143: the status a kill by SIGTERM reports to a shell
 EXIT_SIGINT = 128 + signal.SIGINT  # 130: Ctrl-C's
+_PR_SET_PDEATHSIG = 1  # prctl(2)
+# resolved here, not in the child: ``die_with_parent`` may run between fork and exec
+_PRCTL = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
+
+
+def die_with_parent(parent: int) -> None:
+    """Have Linux SIGKILL this process when its parent ``parent`` ends (``prctl(PR_SET_PDEATHSIG)``;
+    strictly, when the parent's thread that started it ends: start children from a thread that
+    lives as long as they should). A parent killed with SIGKILL (the OOM killer, ``timeout -s
+    KILL``) cleans nothing up; without this its children run on. A no-op off Linux."""
+    if _PRCTL is None:
+        return
+    _PRCTL(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:  # it ended before the prctl: no signal will come
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 @contextmanager

@@ -1,19 +1,37 @@
 """The drill's child processes: each in its own process group, so a kill takes its children
-too; its stdout JSON lines read by a thread into a queue, its stderr to a log file."""
+too; its stdout JSON lines read by a thread into a queue, its stderr to a log file.
+
+A drill killed with SIGKILL runs no clean-up, and its jobs, in sessions of their own, would train
+on for good. So each group's leader dies with the drill (``die_with_parent``), and a guard, a
+tiny process in a session of its own, holds the read end of a pipe only the drill writes to:
+when that end reads EOF without a word first (every descriptor of the drill closed: it is gone),
+the guard SIGKILLs the whole group, the leader's own children too. ``Child.kill`` says a word
+and closes the pipe: the guard then leaves the group, by then gone and its number free, alone.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import os
 import queue
 import signal
 import subprocess
+import sys
 import threading
 import time
 
 from ..errors import FastCkptError
+from ._signals import die_with_parent
 
 TAIL_BYTES = 4000
+_GUARD = ("import os, signal, sys\n"
+          "if not os.read(0, 1):\n"  # EOF without a word: the drill is gone
+          "    try:\n"
+          "        os.killpg(int(sys.argv[1]), signal.SIGKILL)\n"
+          "    except ProcessLookupError:\n"
+          "        pass\n")
 
 
 class DrillError(FastCkptError, RuntimeError):
@@ -30,7 +48,14 @@ class Child:
         self._log = open(log_path, "ab")  # noqa: SIM115 (closed in kill() / close())
         self.t_spawn = time.time()
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE if json_lines else self._log, stderr=self._log,
-                                     env=env, start_new_session=True, text=json_lines)
+                                     env=env, start_new_session=True, text=json_lines,
+                                     preexec_fn=functools.partial(die_with_parent, os.getpid()))
+        watched, self._alive = os.pipe()  # not inherited (PEP 446): only the drill holds the write end
+        try:
+            self._guard = subprocess.Popen([sys.executable, "-I", "-S", "-c", _GUARD, str(self.proc.pid)],
+                                           stdin=watched, stdout=subprocess.DEVNULL, start_new_session=True)
+        finally:
+            os.close(watched)
         self.lines: queue.Queue[dict | None] = queue.Queue()
         self._reader = threading.Thread(target=self._read, daemon=True) if json_lines else None
         if self._reader:
@@ -77,6 +102,10 @@ class Child:
         except ProcessLookupError:
             pass
         self.proc.wait()
+        with contextlib.suppress(BrokenPipeError):  # the guard was killed (it has nothing left to do)
+            os.write(self._alive, b"k")  # the word: the group is gone, the guard need not kill it
+        os.close(self._alive)
+        self._guard.wait()
         rest = []
         if self._reader:
             self._reader.join()  # it has queued everything, up to its end mark (perhaps taken already)
