@@ -7,6 +7,7 @@ import errno
 import json
 import os
 import re
+import select
 import signal
 import socket
 import subprocess
@@ -348,6 +349,26 @@ def test_a_worker_process_killed_mid_run_ends_the_bench_with_its_exit_code(tmp_p
     assert "bench failed: bench workers [0] ended without a result (exit codes [-9])" in err
     assert "Traceback" not in err
     assert leftovers(tmp_path) == []
+
+
+def test_a_bench_killed_with_sigkill_takes_its_worker_processes(tmp_path) -> None:
+    """Its worker processes (daemon=True, which acts only at a clean exit) went on writing for the
+    rest of --duration after bench was SIGKILLed (the OOM killer, ``timeout -s KILL``)."""
+    p = subprocess.Popen([sys.executable, "-u", "-c", _KILLED.replace("self._procs[0].pid",
+                                                                      "*[q.pid for q in self._procs]"),
+                          str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=_env())
+    fds = [os.pidfd_open(int(pid)) for pid in p.stdout.readline().split()]  # both workers, released to write
+    try:
+        p.kill()
+        p.wait()
+        ends = [fd for fd in fds if select.select([fd], [], [], 30)[0]]  # a pidfd reads once its process ended
+        for fd in set(fds) - set(ends):  # what a failure leaves, this test removes
+            signal.pidfd_send_signal(fd, signal.SIGKILL)
+    finally:
+        for fd in fds:
+            os.close(fd)
+    assert len(fds) == 2 and ends == fds, "a worker still wrote 30 s after bench was SIGKILLed"
+    assert [n[:len("fastckpt-bench-")] for n in os.listdir(tmp_path)] == ["fastckpt-bench-"]  # all it leaves
 
 
 _KILLED = """

@@ -35,6 +35,7 @@ import xxhash
 from ..format.align import ALIGN
 from ..io.engine import alloc_aligned
 from ..io.ops import FileOps, pread_exact, pwrite_all
+from ._signals import die_with_parent
 from .bench_job import Job, WorkerResult, block_order, pattern
 
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
@@ -282,7 +283,9 @@ class Phase:
 
 
 def _process_main(job: Job, k: int, counts, stop, barrier, go, results) -> None:  # noqa: ANN001 (mp proxies)
-    """A worker process: Ctrl-C goes to the parent, which stops us through ``stop``."""
+    """A worker process: Ctrl-C goes to the parent, which stops us through ``stop``; a parent killed
+    with SIGKILL cannot, and ``daemon=True`` only acts at its clean exit: we die with it."""
+    die_with_parent(mp.parent_process().pid)  # type: ignore[union-attr]  (always set in a child)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
     def progress(n: int) -> None:
