@@ -84,6 +84,24 @@ def test_a_users_job(tmp_path) -> None:
         assert row["rto_s"] > 0
 
 
+def test_a_launchers_variables_reach_a_users_job_but_not_the_built_in_one(tmp_path, monkeypatch) -> None:
+    """Started where a launcher exported WORLD_SIZE (a Kubeflow PyTorchJob pod, an srun step), the
+    built-in job, one process, took itself for rank 0 of 2: every commit waited for a rank 1 that
+    never existed, and the drill blamed --trial-timeout."""
+    launcher = {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
+    for k, v in launcher.items():
+        monkeypatch.setenv(k, v)
+    code, d = builtin(tmp_path, 1, "--trial-timeout", "20s")
+    assert code == 0 and d["restored"] == 1, d
+    seen = tmp_path / "env.json"
+    job = f"import json, os, signal; json.dump(dict(os.environ), open({str(seen)!r}, 'w')); signal.pause()"
+    code, d = drill("--trials", "1", "--dir", str(tmp_path / "user"), "--min-run", "5s", "--max-run", "5s",
+                    "--", sys.executable, "-c", job)
+    assert code == 1 and d["restored"] == 0  # it saves nothing; what it was given is the point
+    assert launcher.items() <= json.loads(seen.read_text()).items()
+    shutil.rmtree(d["logs"])
+
+
 def test_a_damaged_checkpoint_counts_as_a_corrupt_load_and_fails(tmp_path) -> None:
     import fastckpt
 

@@ -150,6 +150,15 @@ def wipe(local_dir: str) -> None:
 
 
 PROBE = "the drill's restore probe (not your job)"
+# what a launcher (torchrun, a Kubeflow PyTorchJob, an srun wrapper) exports to the ranks of a job:
+# the built-in job and the probe are one process each, and a Checkpointer that read WORLD_SIZE=8
+# would wait at every commit for 7 ranks that never exist
+LAUNCHER_ENV = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def single_process_env() -> dict[str, str]:
+    """The drill's environment less ``LAUNCHER_ENV``: for its own processes (a user's job keeps it all)."""
+    return {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}
 
 
 class Drill:
@@ -183,7 +192,7 @@ class Drill:
 
     def _start(self) -> _Incarnation:
         ev = self._log("events.jsonl")
-        return _Incarnation(self._child(self._job_argv(ev), self._log("job.log")), ev)
+        return _Incarnation(self._child(self._job_argv(ev), self._log("job.log"), single_process_env()), ev)
 
     def _restore(self, inc: _Incarnation) -> tuple[dict, dict]:
         """Wait for the restarted job's ``loaded`` and ``restored`` (or ``fresh``) lines."""
@@ -279,7 +288,8 @@ class Drill:
             killed_at = _read_step(step_file)
             if c.lose_local and c.local_dir:
                 wipe(c.local_dir)
-            probe = _Incarnation(self._child(self._job_argv("", probe=True), self._log("probe.log"), who=PROBE), "")
+            probe = _Incarnation(self._child(self._job_argv("", probe=True), self._log("probe.log"),
+                                             single_process_env(), who=PROBE), "")
             try:
                 loaded, rest = self._restore(probe)
             finally:
