@@ -359,6 +359,32 @@ def test_sigterm_mid_probe_removes_the_probe_file(tmp_path: Path) -> None:
     assert os.listdir(bb) == []
 
 
+@pytest.mark.parametrize("then", ["doctor", "save"])
+def test_a_probe_file_a_sigkill_left_is_removed_by_the_next_doctor_or_save(doctor: Doctor, tmp_path: Path,
+                                                                          then: str) -> None:
+    """SIGKILL (``timeout -s KILL`` in a node health check, the OOM killer) runs no clean-up, and the
+    probe file's name (``.fastckpt-doctor-bw-<random>``) did not say whose it was: each killed doctor
+    left up to --probe-size bytes hidden in the burst buffer for good. Now it names its host and
+    process, and the next doctor or save there removes a dead process's probe."""
+    bb, home = tmp_path / "bb", tmp_path / "home"
+    p = subprocess.Popen([sys.executable, "-u", "-c", _HELD, str(bb), str(home)], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    assert p.stdout.readline().strip() == "started"
+    p.kill()
+    p.communicate()
+    left = os.listdir(bb)
+    assert len(left) == 1 and left[0].startswith(".fastckpt-doctor-bw-")
+    if then == "doctor":
+        code, _ = doctor("--local-dir", str(bb), "--target", str(home), "--probe-size", "1MiB", "--json")
+        assert code == 0
+    else:
+        import fastckpt
+
+        with fastckpt.Checkpointer(local_dir=str(bb)) as ck:
+            ck.save({"w": torch.zeros(4)}, str(home / "s.pt")).wait()
+    assert left[0] not in os.listdir(bb)
+
+
 # As _HELD, but the probe's first write never returns (a hung NFS/FUSE mount): the worker stays stuck,
 # and the watchdog ends the process. It waits 3 s here, not CLEANUP_S's 10: the same path, 7 s sooner.
 _HUNG = _HELD.replace("import sys\n", "import sys, threading\nfrom fastckpt.cli import _signals\n"

@@ -6,10 +6,10 @@ import contextlib
 import errno
 import os
 import time
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 from .. import sysinfo
+from ..io.atomic import DOCTOR_PROBE_TAG, probe_name, sweep_stale_tmp
 from ..io.engine import alloc_aligned, read_file, write_file
 from ..io.ops import FileOps
 from ..progress import Progress
@@ -62,7 +62,7 @@ def writable(role: str, path: str) -> Finding:
     existed = os.path.isdir(path)
     try:
         os.makedirs(path, exist_ok=True)
-        probe = os.path.join(path, f".fastckpt-doctor-{uuid.uuid4().hex[:8]}")
+        probe = probe_name(path)  # named as the tier probes are: swept if a SIGKILL leaves it
         with open(probe, "wb") as f:
             f.write(b"x")
         os.unlink(probe)
@@ -144,12 +144,14 @@ def bandwidth(role: str, path: str, probe_bytes: int, state_size: int | None, pr
     """Write ``probe_bytes`` with fastckpt's own I/O engine (parallel, O_DIRECT where it works,
     checksummed, fsynced), read them back the same way, and time both."""
     check = f"{role}.bandwidth"
+    ops = FileOps()
+    sweep_stale_tmp(ops, path)  # a killed doctor's probe (SIGKILL runs no clean-up): its space counts too
     size, capped = _probe_size(path, probe_bytes)
     if not size:
         return Finding(check, "warn", f"bandwidth not measured: {capped}", f"free space in {path} (4 MiB free "
                        "lets a 1 MiB probe run), or give --probe-size 0 to skip the probe", {"probe_bytes": 0})
-    ops, buf, view = FileOps(), None, None
-    target = os.path.join(path, f".fastckpt-doctor-bw-{uuid.uuid4().hex[:8]}")
+    buf, view = None, None
+    target = probe_name(path, DOCTOR_PROBE_TAG)
     try:  # the allocation too: a limit on this process's memory (RLIMIT_AS, a cgroup) refuses it here
         buf = alloc_aligned(size + 4096)
         view = memoryview(buf)

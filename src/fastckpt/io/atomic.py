@@ -35,6 +35,8 @@ from .stamp import stamp
 log = logging.getLogger(__name__)
 TMP_TAG = ".fastckpt-tmp-"
 PROBE_TAG = ".fastckpt-probe-"
+DOCTOR_PROBE_TAG = ".fastckpt-doctor-bw-"  # doctor's bandwidth probe (doctor/local.py), up to --probe-size
+_PROBE_TAGS = (PROBE_TAG, DOCTOR_PROBE_TAG)
 
 
 def _pid_namespace() -> str:
@@ -80,20 +82,22 @@ def final_path(tmp: str) -> str | None:
         return None
 
 
-def probe_name(directory: str) -> str:
-    """A probe file's name in ``directory`` (tier probes), recognisable by ``sweep_stale_tmp``."""
-    return os.path.join(directory, f"{PROBE_TAG}{_HOST}.{os.getpid()}.{uuid.uuid4().hex[:12]}")
+def probe_name(directory: str, tag: str = PROBE_TAG) -> str:
+    """A probe file's name in ``directory`` (``tag``: a tier probe's, or doctor's), naming its host
+    and process as a temp name does, so ``sweep_stale_tmp`` removes it once its writer is dead."""
+    return os.path.join(directory, f"{tag}{_HOST}.{os.getpid()}.{uuid.uuid4().hex[:12]}")
 
 
 def is_tmp(name: str) -> bool:
     """Whether a file name is a temp or probe file (never a checkpoint)."""
-    return TMP_TAG in name or name.startswith(PROBE_TAG)
+    return TMP_TAG in name or name.startswith(_PROBE_TAGS)
 
 
 def _writer_of(name: str) -> tuple[str, int] | None:
     """(host, pid) of the process that made a temp or probe file, from its name (also the
     ``.NAME.fastckpt-tmp-HOST.PID.X`` names of earlier versions)."""
-    tail = name.split(TMP_TAG, 1)[1] if TMP_TAG in name else name[len(PROBE_TAG):]
+    tail = name.split(TMP_TAG, 1)[1] if TMP_TAG in name else \
+        name[len(next(t for t in _PROBE_TAGS if name.startswith(t))):]
     try:
         host, pid, _ = tail.split("~", 1)[0].rsplit(".", 2)
         return host, int(pid)
