@@ -52,8 +52,14 @@ def test_rm_deletes_files_and_groups_with_their_burst_buffer_copies(tmp_path: Pa
 
     r = run("rm", f"{home}/step-2.pt", "/")  # a root: refused unlisted
     assert r.exit_code == 1 and "the root of the file system" in r.stderr and Path(home, "step-2.pt").exists()
-    r = run("rm", f"{home}/step-9.pt")
+    r = run("rm", f"{home}/step-2.pt", f"{home}/step-9.pt")  # a typo beside a good PATH: nothing goes
     assert r.exit_code == 1 and f"{home}/step-9.pt: nothing there" in r.stderr, r.output
+    assert "Nothing was deleted" in r.stderr and Path(home, "step-2.pt").exists()
+    r = run("rm", f"{home}/g-2/a.pt")  # one file of a group: the group would be left damaged
+    assert r.exit_code == 1 and f"it is one file of the fastckpt group, {home}/g-2" in r.stderr, r.output
+    assert Path(home, "g-2", "a.pt").exists()
+    r = run("rm", f"{home}/step-2.pt", "--local-dir", str(tmp_path / "nvmee"))  # mistyped: not made
+    assert r.exit_code == 2 and "does not exist" in r.output and not (tmp_path / "nvmee").exists(), r.output
     assert fastckpt.latest(home) == f"{home}/g-2"
 
 

@@ -221,3 +221,30 @@ def test_a_root_is_refused_before_anything_is_listed_or_deleted(tmp_path: Path, 
         monkeypatch.undo()
     assert listed == []
     assert fastckpt.latest(f"{bucket}/run") == f"{bucket}/run/x.pt"
+
+
+def test_remove_refuses_one_file_of_a_checkpoint_made_of_several(tmp_path: Path) -> None:
+    """remove() of one rank's file of a published group deleted it and left the group that latest
+    names damaged; so for a file of an unpublished group, a DeepSpeed tag or a Megatron iteration
+    (each goes whole, by its folder). A single file in a numbered folder is one checkpoint."""
+    run = tmp_path / "run"
+    with fastckpt.Checkpointer() as ck:
+        for name in ("a.pt", "b.pt"):
+            ck.save(_state(1), str(run / "g-1" / name), group=str(run / "g-1"))
+        ck.commit(str(run / "g-1"), step=1).wait(60)
+        ck.save(_state(2), str(run / "step-2" / "state.pt")).wait(60)
+    tag, it = run / "global_step3", run / "iter_0000004" / "mp_rank_00"
+    for f in (tag / "mp_rank_00_model_states.pt", it / "model_optim_rng.pt"):
+        f.parent.mkdir(parents=True)
+        torch.save(_state(3), f)
+    with fastckpt.Checkpointer() as ck:
+        for path, whole in ((run / "g-1" / "a.pt", f"the fastckpt group, {run}/g-1"),
+                            (tag / "mp_rank_00_model_states.pt", f"the DeepSpeed tag, {tag}"),
+                            (it / "model_optim_rng.pt", f"the Megatron iteration, {run}/iter_0000004")):
+            with pytest.raises(ConfigError, match=f"it is one file of {whole}: deleting it alone"):
+                ck.remove(str(path))
+            assert path.exists()
+        ck.remove(str(run / "step-2" / "state.pt"))
+        ck.remove(str(run / "g-1"))
+    assert fastckpt.latest(str(run)) is not None and not (run / "g-1").exists()
+

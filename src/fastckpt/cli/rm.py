@@ -54,21 +54,28 @@ def rm(paths: tuple[str, ...], local_dirs: tuple[str, ...], storage_options: dic
     """Delete the checkpoints PATH... (files, groups, tags, iterations; directories or URLs).
 
     Only what `fastckpt ls` lists as one checkpoint is deleted: a directory that holds
-    checkpoints, a bucket or a file that is no checkpoint is refused (exit 1) before anything
-    goes. Run it where no job is saving to PATH: a job's own remove() waits for its saves in
-    flight, this command cannot see another process's. Exit 1 when a PATH is not there.
+    checkpoints, one file of a group, tag or iteration, a bucket, a file that is no checkpoint
+    or a PATH where nothing is is refused (exit 1) before anything goes. Run it where no job is
+    saving to PATH: a job's own remove() waits for its saves in flight, this command cannot see
+    another process's.
     """
     import fastckpt
 
     from ..errors import ConfigError
 
+    for local_dir in local_dirs:  # a mistyped one would be made, and the node's copies left to load
+        if not os.path.isdir(local_dir):
+            raise click.BadParameter(f"{local_dir} does not exist: give the burst buffer's directory (the local_dir "
+                                     "the checkpoints were saved with), or leave --local-dir out",
+                                     param_hint="--local-dir")
     try:
         there, missing = _checked(paths, storage_options)
     except ConfigError as exc:
         fail_with(f"fastckpt: {exc}\nNothing was deleted.")
+    if missing:  # a mistyped PATH beside good ones: nothing goes (rm a.pt b.pt with b.pt a typo)
+        fail_with(f"{', '.join(missing)}: nothing there (check the path: `fastckpt ls` lists the checkpoints)\n"
+                  "Nothing was deleted.")
     with fastckpt.Checkpointer(local_dir=list(local_dirs) or None, storage_options=storage_options) as ck:
-        for path in there:
+        for path in dict.fromkeys(there):  # a PATH given twice goes once
             ck.remove(path)
             click.echo(f"removed {path}")
-    if missing:
-        fail_with(f"{', '.join(missing)}: nothing there (check the path: `fastckpt ls` lists the checkpoints)")

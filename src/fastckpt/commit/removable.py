@@ -20,6 +20,7 @@ where nothing is stays a no-op (a second ``remove``, retention's race with anoth
 
 from __future__ import annotations
 
+import os
 import posixpath
 import re
 
@@ -71,6 +72,10 @@ def check_removable(loc: Location) -> None:
             raise ConfigError(f"remove({loc.url!r}): it is not a checkpoint: a file with no fastckpt manifest that "
                               "is no torch.save file either, so remove() does not delete it. Pass a checkpoint (a "
                               "file or group that fastckpt ls lists), or delete this file yourself if you mean to.")
+        if key and (whole := _whole_of(loc)) is not None:
+            raise ConfigError(f"remove({loc.url!r}): it is one file of {whole[0]}, {whole[1]}: deleting it alone "
+                              "would leave that checkpoint damaged (and a resume that takes it would fail), so "
+                              f"remove() does not. Pass {whole[1]} to delete the whole checkpoint")
         return
     if rels and all(is_tmp(posixpath.basename(r)) for r in rels):  # a save into it that never finished
         return
@@ -92,6 +97,41 @@ def _checkpoint_file(loc: Location) -> bool:
         return foreign.torch_zip(loc.target, loc.key) is not None or foreign.damage(loc.target, loc.key) is not None
     except CorruptCheckpointError:  # a fastckpt file whose manifest is damaged: ls lists it, so it may go
         return True
+
+
+def _whole_of(loc: Location) -> tuple[str, str] | None:
+    """(what, its URL) when the file ``loc`` is one file of a checkpoint made of several: a fastckpt
+    group (its manifest names it, or the folder holds a group's manifest or commit markers), a
+    DeepSpeed tag, a Megatron iteration (``iter_N/mp_rank_*/``), a torch.distributed.checkpoint."""
+    try:
+        manifest = loc.target.read_manifest(loc.key)
+    except (OSError, CorruptCheckpointError):
+        manifest = None
+    if manifest and (group := group_dir(loc.url, manifest)) is not None:
+        return "the fastckpt group", group
+    folder = posixpath.dirname(loc.url)
+    if posixpath.basename(folder) in ("", folder) or folder.endswith("://"):  # at a root: in no checkpoint
+        return None
+    if _beside(loc, GROUP_MANIFEST) or _beside(loc, f"{MARKER_DIR}/"):
+        return "the fastckpt group", folder
+    if foreign.DEEPSPEED_FILE.match(posixpath.basename(loc.url)):
+        return "the DeepSpeed tag", folder
+    if posixpath.basename(folder).startswith("mp_rank_") and MEGATRON_ITERATION.match(
+            posixpath.basename(up := posixpath.dirname(folder))):
+        return "the Megatron iteration", up
+    if _beside(loc, DCP_METADATA):
+        return "the torch.distributed.checkpoint", folder
+    return None
+
+
+def _beside(loc: Location, name: str) -> bool:
+    """Whether the folder holding the file ``loc`` holds ``name`` (a folder with something in it, for
+    ``name`` ending in '/'). A local file's target is rooted at its folder; a URL's at its bucket."""
+    if "://" not in loc.url:
+        path = os.path.join(os.path.dirname(loc.url), name)
+        return bool(os.path.isdir(path) and os.listdir(path)) if name.endswith("/") else os.path.lexists(path)
+    key = posixpath.join(posixpath.dirname(loc.key), name)
+    return bool(loc.target.list(key)) if name.endswith("/") else loc.target.exists(key)
 
 
 def _inner_checkpoint(rels: list[str]) -> str | None:
