@@ -229,9 +229,11 @@ def _assemble(sh: ShardedTensor, parts: list, opened: dict[str, VerifiedFile],
 
     if len(parts) == 1 and parts[0][1] == want == parts[0][0].box and parts[0][0].torch_dtype == sh.dtype:
         out = source(parts[0][0]).reshape(sh.local_shape)
-        like = sh.data if sh.data is not None else out.contiguous()  # the layout asked for (a saved view's strides
-        if out.stride() != like.stride():  # are not: Megatron's exchange broadcasts it, which needs that layout)
-            out = torch.empty_like(like, device="cpu").copy_(out)
+        # the layout asked for, not a saved view's strides: Megatron's exchange broadcasts it, which needs that
+        if sh.data is None:
+            out = out.contiguous()  # one copy, only of a non-contiguous view
+        elif out.stride() != sh.data.stride():
+            out = torch.empty_like(sh.data, device="cpu").copy_(out)
     else:
         full = not sh.allow_shape_mismatch  # plan_tensor proved every element covered (else: padding)
         out = torch.empty(sh.local_shape, dtype=sh.dtype) if full else torch.zeros(sh.local_shape, dtype=sh.dtype)
