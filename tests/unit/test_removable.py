@@ -245,6 +245,15 @@ def test_remove_refuses_one_file_of_a_checkpoint_made_of_several(tmp_path: Path)
                 ck.remove(str(path))
             assert path.exists()
         ck.remove(str(run / "step-2" / "state.pt"))
+        ck.remove(str(run / "g-1" / "gone.pt"))  # nothing there: a no-op, as anywhere
+    with fastckpt.Checkpointer() as ck:  # of its own, though beside a group or named like DeepSpeed's files
+        ck.save(_state(5), str(run / "g-1" / "ema.pt")).wait(60)
+        ck.save(_state(6), str(run / "step-6-model_states.pt")).wait(60)
+        ck.save(_state(7), str(tmp_path / "own" / "step-7-model_states.pt")).wait(60)
+    assert fastckpt.latest(str(tmp_path / "own")) == str(tmp_path / "own" / "step-7-model_states.pt")  # was None
+    with fastckpt.Checkpointer() as ck:
+        ck.remove(str(run / "g-1" / "ema.pt"))
+        ck.remove(str(run / "step-6-model_states.pt"))
         ck.remove(str(run / "g-1"))
     assert fastckpt.latest(str(run)) is not None and not (run / "g-1").exists()
 

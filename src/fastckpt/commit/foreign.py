@@ -20,7 +20,11 @@ from ..storage.base import Target
 from ..urls import nameable
 
 #: DeepSpeed's per-rank files: never checkpoints on their own, only as part of their tag.
-DEEPSPEED_FILE = re.compile(r".*(model_states|optim_states)\.pt$")  # mp_rank_00_model_states.pt, zero_pp_rank_..
+# DeepSpeed's per-rank file names (runtime/engine.py, runtime/pipe/module.py): mp_rank_00_model_states.pt,
+# (bf16_)zero_pp_rank_0_mp_rank_00_optim_states.pt (and its old ..._mp_rank_00optim_states.pt),
+# expp_rank_0_..., layer_3_expert_0_mp_rank_00_model_states.pt, a pipeline's layer_01-model_00-model_states.pt;
+# not any name ending in model_states.pt (a user's step-200-model_states.pt is a checkpoint of its own)
+DEEPSPEED_FILE = re.compile(r"(.*mp_rank_\d+_?(model|optim)_states|layer_\d+(-[^/]*)?-model_states)\.pt$")
 MAX_DIRECTORY_BYTES = 64 << 20
 MAX_POINTER_BYTES = 4096
 MEGATRON_CONFIG = "metadata.json"  # megatron-core's dist_checkpointing config, rewritten by each save

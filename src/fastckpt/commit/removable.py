@@ -72,7 +72,7 @@ def check_removable(loc: Location) -> None:
             raise ConfigError(f"remove({loc.url!r}): it is not a checkpoint: a file with no fastckpt manifest that "
                               "is no torch.save file either, so remove() does not delete it. Pass a checkpoint (a "
                               "file or group that fastckpt ls lists), or delete this file yourself if you mean to.")
-        if key and (whole := _whole_of(loc)) is not None:
+        if key and target.exists(key) and (whole := _whole_of(loc)) is not None:
             raise ConfigError(f"remove({loc.url!r}): it is one file of {whole[0]}, {whole[1]}: deleting it alone "
                               "would leave that checkpoint damaged (and a resume that takes it would fail), so "
                               f"remove() does not. Pass {whole[1]} to delete the whole checkpoint")
@@ -101,14 +101,16 @@ def _checkpoint_file(loc: Location) -> bool:
 
 def _whole_of(loc: Location) -> tuple[str, str] | None:
     """(what, its URL) when the file ``loc`` is one file of a checkpoint made of several: a fastckpt
-    group (its manifest names it, or the folder holds a group's manifest or commit markers), a
-    DeepSpeed tag, a Megatron iteration (``iter_N/mp_rank_*/``), a torch.distributed.checkpoint."""
+    group (its manifest names it; a file without one, damaged or not fastckpt's, in a folder that
+    holds a group's manifest or commit markers), a DeepSpeed tag, a Megatron iteration
+    (``iter_N/mp_rank_*/``), a torch.distributed.checkpoint. A fastckpt file whose manifest names
+    no group is a checkpoint of its own, wherever it lies."""
     try:
         manifest = loc.target.read_manifest(loc.key)
     except (OSError, CorruptCheckpointError):
         manifest = None
-    if manifest and (group := group_dir(loc.url, manifest)) is not None:
-        return "the fastckpt group", group
+    if manifest:  # a fastckpt file: of the group its manifest names, else a checkpoint of its own (an
+        return None if (group := group_dir(loc.url, manifest)) is None else ("the fastckpt group", group)  # ema.pt
     folder = posixpath.dirname(loc.url)
     if posixpath.basename(folder) in ("", folder) or folder.endswith("://"):  # at a root: in no checkpoint
         return None
