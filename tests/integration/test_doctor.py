@@ -480,3 +480,14 @@ def test_url_target_needs_a_burst_buffer(doctor: Doctor, tmp_path: Path, s3_serv
                        _options(tmp_path, s3_server.storage_options()), "--json")
     assert code == 1 and _by_check(out)["target.burst_buffer"]["status"] == "fail"
     assert not any(c.startswith("tier.") for c in _by_check(out)) and not out["auto"]  # a save there raises
+
+
+def test_a_timeout_option_of_none_or_a_string_bounds_each_request_by_the_deadline() -> None:
+    """botocore takes read_timeout=None (no timeout); doctor's per-request bound compared it with a
+    float and died with a TypeError traceback."""
+    from fastckpt.doctor.remote import _bounded
+
+    opts = {"config_kwargs": {"read_timeout": None, "connect_timeout": "5", "retries": {"max_attempts": 0}}}
+    got = _bounded("s3://b/run", opts, 7.5)["config_kwargs"]
+    assert got == {"read_timeout": 7.5, "connect_timeout": 7.5, "retries": {"max_attempts": 0}}
+    assert _bounded("s3://b/run", {"config_kwargs": {"read_timeout": 3}}, 7.5)["config_kwargs"]["read_timeout"] == 3

@@ -288,3 +288,35 @@ def test_a_file_of_a_later_format_says_a_newer_fastckpt_may_have_written_it(tmp_
     with caplog.at_level("WARNING", logger="fastckpt"):  # a file is judged alone: its folder's others say nothing
         assert fastckpt.latest(str(tmp_path / "step-1.pt")) == str(tmp_path / "step-1.pt")
     assert not [r for r in caplog.records if "skipping" in r.getMessage()]
+
+
+_DTENSOR_BESIDE_A_LOCK = """
+import os, socket, sys, threading, torch, torch.distributed as dist
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]))
+dist.init_process_group("gloo", rank=0, world_size=1)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+import fastckpt
+dt = distribute_tensor(torch.ones(4, 4), init_device_mesh("cpu", (1,)), [Shard(0)])
+try:
+    with fastckpt.Checkpointer() as ck:
+        ck.save({"model": {"w": dt}, "sampler_lock": threading.Lock()}, sys.argv[1]).wait()
+except fastckpt.UnsupportedObjectError as exc:
+    print("refused:", exc)
+finally:
+    dist.destroy_process_group()
+"""
+
+
+def test_a_dtensor_beside_an_unpicklable_entry_does_not_hide_its_name(tmp_path) -> None:
+    """The two-dtypes diagnosis read every tensor's storage address; a DTensor (FSDP2, tensor
+    parallel) has none to read, and its RuntimeError replaced the error naming the entry."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", _DTENSOR_BESIDE_A_LOCK, str(tmp_path / "a.pt")], capture_output=True,
+                       text=True, timeout=120)
+    assert "refused: cannot save state['sampler_lock']: cannot pickle" in r.stdout, r.stdout + r.stderr
+

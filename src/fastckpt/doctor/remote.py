@@ -64,7 +64,9 @@ def _bounded(url: str, storage_options: dict, left_s: float) -> dict:
         return dict(storage_options)
     cfg = dict(storage_options.get("config_kwargs") or {})
     for k in ("connect_timeout", "read_timeout"):
-        cfg[k] = min(cfg.get(k, left_s), left_s)
+        given = cfg.get(k)  # None (botocore: no timeout) or not a number: the deadline's alone
+        cfg[k] = min(float(given), left_s) if isinstance(given, (int, float)) and not isinstance(given, bool) \
+            else left_s
     return {**storage_options, "config_kwargs": cfg}
 
 

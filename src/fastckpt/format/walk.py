@@ -163,7 +163,10 @@ def dtype_aliases(obj: object) -> str | None:
     for path, o in _paths(obj):
         if not isinstance(o, torch.Tensor) or o.layout is not torch.strided or o.is_nested:
             continue
-        ptr = o.untyped_storage().data_ptr()  # torch.save's own test: storages by address
+        try:
+            ptr = o.untyped_storage().data_ptr()  # torch.save's own test: storages by address
+        except RuntimeError:  # a wrapper subclass (DTensor) has no storage of its own to read: not this case
+            continue
         first, dtype = seen.setdefault(ptr, (path, o.dtype)) if ptr else (path, o.dtype)
         if dtype != o.dtype:
             return (f"{first} ({dtype}) and {path} ({o.dtype}): they view one storage as two dtypes, which "
