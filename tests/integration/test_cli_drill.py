@@ -420,3 +420,33 @@ def test_a_probe_that_dies_is_named_not_the_users_job(tmp_path, monkeypatch) -> 
     assert code == 1 and d["error"].startswith("the drill's restore probe (not your job) exited with 5"), d["error"]
     assert "probe broke" in d["error"]
     shutil.rmtree(d["logs"])
+
+
+# A job whose child starts a session of its own (as torchrun's workers do) and holds a FIFO open for
+# writing: the test reads the job's pid there, then EOF once the child is dead.
+_SESSION_JOB = """
+import os, signal, subprocess, sys
+fd = os.open(sys.argv[1], os.O_WRONLY)
+subprocess.Popen([sys.executable, "-c", "import signal; signal.pause()"], pass_fds=(fd,), start_new_session=True)
+os.write(fd, str(os.getpid()).encode())
+signal.pause()
+"""
+
+
+def test_a_trials_kill_takes_the_jobs_children_in_sessions_of_their_own(tmp_path) -> None:
+    """The drill's kill of a trial (killpg of the job's group) missed torchrun's workers, which start
+    sessions of their own: they trained on beside the next incarnation and the restore probe."""
+    from fastckpt.cli.drill_proc import Child
+
+    fifo = str(tmp_path / "held")
+    os.mkfifo(fifo)
+    child = Child([sys.executable, "-c", _SESSION_JOB, fifo], str(tmp_path / "job.log"), json_lines=False)
+    fd = os.open(fifo, os.O_RDONLY)  # blocks until the job opens it
+    try:
+        assert int(os.read(fd, 32)) == child.proc.pid  # its child holds the FIFO before the pid is written
+        child.kill()
+        readable, _, _ = select.select([fd], [], [], 60)
+        gone = bool(readable) and os.read(fd, 1) == b""  # EOF: the job's child is dead too
+    finally:
+        os.close(fd)
+    assert gone, "the job's child, in a session of its own, still runs after the trial's kill"

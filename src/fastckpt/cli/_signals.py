@@ -65,3 +65,30 @@ def sigterm_interrupts() -> Iterator[None]:
         raise
     finally:
         signal.signal(signal.SIGTERM, old)
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live process below ``pid``, by the parent links in /proc ([] where there is none): a
+    job's children that started sessions of their own (torchrun's workers do) are out of its
+    process group, so a ``killpg`` of the job misses them."""
+    children: dict[int, list[int]] = {}
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return []
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                state, ppid = f.read().rsplit(b")", 1)[1].split()[:2]
+        except (OSError, ValueError):  # exited meanwhile
+            continue
+        if state != b"Z":
+            children.setdefault(int(ppid), []).append(int(name))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), ()):
+            out.append(child)
+            todo.append(child)
+    return out

@@ -23,7 +23,7 @@ import threading
 import time
 
 from ..errors import FastCkptError
-from ._signals import die_with_parent
+from ._signals import descendants, die_with_parent
 
 TAIL_BYTES = 4000
 _GUARD = ("import os, signal, sys\n"
@@ -93,14 +93,19 @@ class Child:
         return line
 
     def kill(self) -> list[dict]:
-        """SIGKILL the process group; return the lines it wrote that were not read yet. Once:
+        """SIGKILL the process group and every process below the job (also in sessions of their
+        own); return the lines it wrote that were not read yet. Once:
         a second call (the drill's cleanup) returns nothing and signals no one."""
         if self._log.closed:
             return []
+        below = descendants(self.proc.pid)  # before the kill: orphans have no link back to the job
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+        for pid in below:  # torchrun's workers, in sessions of their own: a crash takes them too
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         self.proc.wait()
         with contextlib.suppress(BrokenPipeError):  # the guard was killed (it has nothing left to do)
             os.write(self._alive, b"k")  # the word: the group is gone, the guard need not kill it
