@@ -76,7 +76,7 @@ class Checkpointer:
                                         self._emit, local_for=self._local_places)
         self._stripes = Stripes(cfg.local_dirs, self.rank, self._homes.store_of)
         self._retention = Retention(cfg.keep_local, cfg.keep_persistent, self._homes, self._stripes.copies, self.rank,
-                                    self._inflight.of_group)
+                                    self._inflight.of_group, cfg.commit_timeout_s)
         self._saver = Saver(cfg, tiers=TierSelector(cfg.tier, cfg.local_dirs or None, cfg.odirect, self._ops),
                             staging=self._staging, monitor=self._monitor,
                             writer=FileWriter(self._ops, self._io, self._staging, cfg.chunk_bytes, self._emit,

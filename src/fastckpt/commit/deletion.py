@@ -8,18 +8,23 @@ import errno
 from ..storage.homes import Location
 from .names import GROUP_MANIFEST, MARKER_DIR, SIDECAR
 from .protocol import staged_places
+from .trimmed import record
 
 DELETE_ATTEMPTS = 5  # tree deletions of a group that concurrent writers disturbed, before giving up
 
 
-def delete_checkpoint(loc: Location) -> None:
+def delete_checkpoint(loc: Location, trimmed_keep_s: float | None = None) -> None:
     """Delete a checkpoint (a single file or a group): its publication record first, so that it
-    is invisible before any of its bytes go; a group's unpublished new attempt goes too."""
+    is invisible before any of its bytes go; a group's unpublished new attempt goes too.
+    ``trimmed_keep_s``: retention trims it, so a group's published attempt is recorded first
+    (``trimmed.record``, kept that long), for the ranks that may still wait for it."""
     target, key = loc.target, loc.key
     if target.exists(key) or target.exists(key + SIDECAR):
         target.delete(key + SIDECAR)
         target.delete(key)
     else:
+        if trimmed_keep_s is not None:
+            record(loc.place(), trimmed_keep_s)
         _delete_group(loc)
         if key:
             for staged in staged_places(loc.place()):

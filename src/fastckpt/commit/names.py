@@ -24,6 +24,7 @@ NEXT_TAG = ".fastckpt-next"  # a re-saved group's new attempt, beside it: .TAG.f
 NEXT_DIGEST_CHARS = 12  # hex digits of that digest (protocol.staged_place)
 GROUP_NAME_MAX = NAME_MAX - len(f".{NEXT_TAG}-") - NEXT_DIGEST_CHARS  # bytes (227): the re-save's name fits
 MARKER_DIR = ".fastckpt"
+TRIMMED_DIR = ".fastckpt-trimmed"  # beside groups: retention's records of those it trimmed (trimmed.py)
 LATEST = "latest"
 SIDECAR = ".fastckpt.json"  # a single file's publication record at a URL: NAME.fastckpt.json
 # A group manifest's files that are not fastckpt files (a framework writes them in place, as

@@ -52,6 +52,7 @@ from ..commit.deletion import delete_checkpoint
 from ..commit.foreign import group_step
 from ..commit.protocol import pointed_name, read_group_manifest
 from ..commit.removable import check_removable
+from ..commit.trimmed import keep_for
 from ..storage.homes import Homes
 from .failed import FailedGroups, FailedTrims, delete_failed, push
 from .restarts import Looked, delete_own_group_files, earlier_copies, earlier_steps, numbered_dirs
@@ -67,12 +68,14 @@ class Retention:
             group's files may live on every drive).
         rank: this process's rank: of the single files earlier runs left, only its own count.
         in_flight: the futures of a group's saves and commits in flight (``InFlight.of_group``).
+        commit_timeout_s: how long the other ranks wait for a group: a trim's record stays longer.
     """
 
     def __init__(self, keep_local: int | None, keep_persistent: int | None, homes: Homes,
                  local_copies: Callable[[str], list[str]], rank: int = 0,
-                 in_flight: Callable[[str], list[Future]] = lambda group: []) -> None:
+                 in_flight: Callable[[str], list[Future]] = lambda group: [], commit_timeout_s: float = 600.0) -> None:
         self._keep_local, self._keep_persistent, self._rank = keep_local, keep_persistent, rank
+        self._trimmed_keep_s = keep_for(commit_timeout_s)  # (``commit.trimmed``)
         self._homes, self._local_copies = homes, local_copies
         self._local: dict[str, int] = {}  # listed name -> its save's token: the lists are in save order
         self._persistent: dict[str, int] = {}
@@ -316,14 +319,15 @@ class Retention:
 
     def _trim_persistent(self, path: str) -> None:
         """keep_persistent's deletion: never of what its directory's ``latest`` names (a last line
-        of defence; ``remove`` deletes it, as asked): it is listed again, the oldest, for later."""
+        of defence; ``remove`` deletes it, as asked): it is listed again, the oldest, for later. A
+        group's trim is recorded first (``commit.trimmed``): a rank still waiting for it is told."""
         loc = self._homes.resolve(path)
         if pointed_name(loc.place().parent()) == posixpath.basename(loc.key.rstrip("/")):
             log.warning("fastckpt: retention kept %s: its directory's latest names it (until it moves on)", path)
             with self._lock:
                 self._persistent.setdefault(path, min(self._persistent.values(), default=0) - 1)
             return
-        delete_checkpoint(loc)
+        delete_checkpoint(loc, self._trimmed_keep_s)
 
     def _deciding(self, names: list[str]) -> None:
         """(Under the lock.) ``names`` are to be deleted: a new save of one waits in ``replacing``
