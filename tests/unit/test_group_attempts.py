@@ -662,12 +662,13 @@ def test_without_a_store_a_rank_reports_a_group_only_once_latest_moved(tmp_path:
     assert latest(str(tmp_path)) == str(g)
 
 
-def test_without_a_store_a_rank_late_to_a_group_that_keep_persistent_trimmed_ends_superseded(
+def test_without_a_store_a_rank_late_to_a_group_that_keep_persistent_trimmed_reports_it_committed(
         tmp_path: Path) -> None:
     """Rank 0 published step-1, then step-2, and keep_persistent=1 trimmed step-1 before rank 1's
     poll read step-1's manifest. Rank 1 found its marker gone and raised GroupRemovedError ("...
-    nothing of it is published"), stopping a healthy job at its next call. ``latest`` names a
-    later step, so rank 0 moved past the group: rank 1's commit of it ends superseded."""
+    nothing of it is published"), stopping a healthy job at its next call; then, from ``latest``
+    naming a later step, it ended superseded, while rank 0 reported it committed. Retention records
+    the trim of the attempt it published (``commit/trimmed.py``): rank 1 reports it committed too."""
     s1 = tmp_path / "step-1"
     trimmed = threading.Event()
 
@@ -691,9 +692,11 @@ def test_without_a_store_a_rank_late_to_a_group_that_keep_persistent_trimmed_end
             for ck in cks:
                 ck.save(_state(v, ck.rank), str(g / f"rank{ck.rank}.pt"), group=str(g))
             handles.update({(v, ck.rank): ck.commit(str(g), step=v) for ck in cks})
-        assert not handles[(1, 0)].wait(60).superseded  # rank 0 published it
+        published = handles[(1, 0)].wait(60)
+        assert not published.superseded  # rank 0 published it
         assert handles[(2, 1)].wait(60).durable_s is not None
-        assert handles[(1, 1)].wait(60).superseded  # before: GroupRemovedError
+        late = handles[(1, 1)].wait(60)  # before: GroupRemovedError, then superseded
+        assert not late.superseded and late.durable_s is not None and late.bytes == published.bytes
         assert trimmed.is_set() and not s1.exists()
     finally:
         _close(cks)
@@ -725,6 +728,65 @@ def test_a_rank_whose_group_was_removed_while_latest_names_an_earlier_step_still
     finally:
         _close(cks)
     assert latest(str(tmp_path)) == str(tmp_path / "step-1")
+
+
+def test_a_rank_whose_group_was_removed_before_a_later_step_was_committed_still_raises(tmp_path: Path) -> None:
+    """Rank 0 removed step-2 while rank 1 waited for its manifest, and both committed step-3 before
+    rank 1's poll looked again: ``latest`` names a later step, but nobody published step-2, and no
+    retention trimmed it. Before, rank 1's commit of it ended superseded, as if rank 0 had moved
+    past it; it is a removal, and raises GroupRemovedError, naming no retention."""
+    g, s3, polling, committed = tmp_path / "step-2", tmp_path / "step-3", threading.Event(), threading.Event()
+
+    class Late(FaultyOps):  # rank 1: its poll for step-2's manifest waits until step-3 is committed
+        def read_small(self, path: str) -> bytes | None:
+            if path == str(g / P.GROUP_MANIFEST) and (g / ".fastckpt" / "rank-00001.json").exists():
+                polling.set()
+                assert committed.wait(60)
+            return super().read_small(path)
+
+    cks = [_ck(0, None), _ck(1, None, ops=Late())]
+    try:
+        _save_all(cks, tmp_path / "step-1", 1)
+        cks[1].save(_state(2, 1), str(g / "rank1.pt"), group=str(g)).wait(60)
+        h = cks[1].commit(str(g), step=2)
+        assert polling.wait(60)  # rank 1's marker is written; it waits for the manifest
+        cks[0].remove(str(g))
+        _save_all(cks, s3, 3)
+        assert latest(str(tmp_path)) == str(s3)
+        committed.set()
+        with pytest.raises(GroupRemovedError, match="recorded no trim of this attempt: it was removed"):
+            h.wait(60)  # before: superseded
+    finally:
+        committed.set()
+        _close(cks)
+    assert not g.exists()
+
+
+def test_retention_records_a_trim_before_it_and_keeps_the_group_when_it_cannot(tmp_path: Path) -> None:
+    """The record of a trimmed group (``commit/trimmed.py``) is written before anything of the group
+    goes: when it cannot be written (EIO), the group stays whole and published until a later trim;
+    a record older than it is kept for (twice ``commit_timeout_s``, and more) is pruned then."""
+    from fastckpt.commit import trimmed as T
+    from fastckpt.commit.names import TRIMMED_DIR
+
+    records = tmp_path / TRIMMED_DIR
+    records.mkdir()
+    (records / f"{int(time.time()) - 3600}-0123456789abcdef0123.json").write_text("{}")  # an hour old
+    ops = FaultyOps([Fault("open", errno.EIO, path_contains=TRIMMED_DIR)])
+    cks = [_ck(0, None, keep_persistent=1, ops=ops), _ck(1, None)]
+    try:
+        _save_all(cks, tmp_path / "step-1", 1)
+        _save_all(cks, tmp_path / "step-2", 2)  # the trim of step-1 fails: no record, nothing deleted
+        assert ops.fired and _versions(tmp_path / "step-1") == [1, 1]
+        m = json.loads((tmp_path / "step-2" / P.GROUP_MANIFEST).read_text())
+        _save_all(cks, tmp_path / "step-3", 3)  # step-1 and step-2 go, each recorded first
+    finally:
+        _close(cks)
+    assert not (tmp_path / "step-1").exists() and not (tmp_path / "step-2").exists()
+    done = T.find(place(str(tmp_path / "step-2")), m["attempt"])
+    assert done is not None and done["total"] == sum(f["size"] for f in m["files"].values())
+    assert len(os.listdir(records)) == 2  # step-1's and step-2's; the hour-old one pruned
+    assert T.find(place(str(tmp_path / "step-2")), "another attempt") is None
 
 
 def test_two_checkpointers_saving_into_one_group_are_refused(tmp_path: Path) -> None:

@@ -25,7 +25,6 @@ from . import pairing as G
 from . import protocol as P
 from . import resave
 from . import store as S
-from .foreign import group_step
 from .pointing import move_latest, publish_manifest
 from .verdict import manifest_of, verdict
 
@@ -223,10 +222,11 @@ def via_storage(att: Attempt, rank: int, world: int, files: dict, superseded: bo
         if _files_gone(att, files):  # another rank's remove() took the group before the marker, which
             raise E.removed_error(att.home)  # brought the directory back: the coordinator deletes it again
         m = F.wait_for_manifest(att.home, timeout_s + grace(timeout_s), stop, att.token, files, me=rank,
-                                restamp=restamp, cancel=att.cancel, records=att.place, began=began,
-                                step=group_step(extra, att.group))
+                                restamp=restamp, cancel=att.cancel, records=att.place, began=began)
         if m.get("superseded"):
             return Ended(None, 0, superseded=True)
+        if m.get("trimmed"):  # published, then trimmed by rank 0's keep_persistent before this rank read it
+            return Ended(None, m["total"])
         return Ended(m, sum(f["size"] for f in m["files"].values()))
     P.write_marker(att.place, rank, world, files, att.token, superseded, att.steps)
     # recorded: another rank's remove() deletes attempt.json with the group, even before this marker

@@ -61,6 +61,15 @@ def removed_error(place: Place) -> GroupRemovedError:
                              "(Checkpointer.remove); nothing of it is published")
 
 
+def vanished_error(place: Place) -> GroupRemovedError:
+    """What a rank without a store raises when the group's directory went while it waited for the
+    manifest, and retention recorded no trim of its attempt (``trimmed.py``): not retention's."""
+    return GroupRemovedError(f"checkpoint group {place.label} was deleted while this rank waited for rank 0 to "
+                             "publish it, and retention (keep_persistent) recorded no trim of this attempt: it was "
+                             "removed (Checkpointer.remove on some rank, or a deletion outside fastckpt). Rank 0's "
+                             "commit says whether it was published first; save the group again to commit it")
+
+
 def not_committed(place: Place, missing: list[int], world_size: int, timeout_s: float,
                   why: str = "") -> CommitTimeoutError:
     return CommitTimeoutError(

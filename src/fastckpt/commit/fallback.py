@@ -22,12 +22,13 @@ than the attempt it left.
 
 An attempt that ends without a manifest (dropped by replication's coalescing, or failed) is
 recorded in ``.fastckpt/outcome.json`` so the other ranks stop waiting. A rank whose own marker
-vanished learns that the group was removed. A rank whose save failed leaves a failure record
-for rank 0's current attempt, or, before rank 0 started it, for the one that replaces the
-attempt recorded then (``protocol.write_failure``): rank 0 ends the attempt on it and records
-an "aborted" outcome. Such a record written before rank 0's Checkpointer was made (by its
-time) is a dead job's, not a peer's, and ends nothing, though a restarted job's first attempt
-replaces the same id as the dead job's would have (none, in a new group): ``_failed_in``.
+vanished learns that rank 0 published the group and retention trimmed it (``trimmed.py``), or,
+without retention's record of that, that it was removed. A rank whose save failed leaves a
+failure record for rank 0's current attempt, or, before rank 0 started it, for the one that
+replaces the attempt recorded then (``protocol.write_failure``): rank 0 ends the attempt on it
+and records an "aborted" outcome. Such a record written before rank 0's Checkpointer was made
+(by its time) is a dead job's, not a peer's, and ends nothing, though a restarted job's first
+attempt replaces the same id as the dead job's would have (none, in a new group): ``_failed_in``.
 Each poll of rank 0 lists the marker directory once and reads only markers it has not
 accepted yet (and any failure records): O(W) reads per commit, plus one listing per poll.
 """
@@ -39,12 +40,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..errors import CommitTimeoutError, CorruptCheckpointError
+from ..errors import CommitTimeoutError
 from ..storage.places import Place
 from . import claim as C
 from . import protocol as P
-from .failures import aborted_error, left_behind, not_committed, removed_error
-from .foreign import group_step
+from . import trimmed as T
+from .failures import aborted_error, left_behind, not_committed, removed_error, vanished_error
 from .pairing import REFUSED, refusal
 from .pointing import moved
 
@@ -247,9 +248,10 @@ def _outcome_of(ended: dict, token: str | None, began: Began | None) -> bool:
 def wait_for_manifest(place: Place, timeout_s: float, stop: threading.Event, token: str | None = None,
                       mine: dict | None = None, me: int | None = None,
                       restamp: Callable[[str], None] | None = None, cancel: threading.Event | None = None,
-                      records: Place | None = None, began: Began | None = None, step: int | None = None) -> dict:
+                      records: Place | None = None, began: Began | None = None) -> dict:
     """Other ranks: the manifest at ``place`` of this rank's attempt, listing its files with the
-    checksums just written, or the attempt's recorded outcome (``{"superseded": True}``).
+    checksums just written, or the attempt's recorded outcome (``{"superseded": True}``), or
+    retention's record that rank 0 trimmed it once published (``overtaken``).
 
     Args:
         token: the attempt id this rank's marker carries.
@@ -260,12 +262,11 @@ def wait_for_manifest(place: Place, timeout_s: float, stop: threading.Event, tok
         records: where this attempt's markers and records are, when not at ``place`` (a
             re-saved group's new attempt is written beside it until rank 0 swaps it in).
         began: what this rank saw when it began (``Began``).
-        step: the group's step (``commit(step=...)``, else its tag's number), for ``overtaken``.
 
     Raises:
         CommitTimeoutError: no manifest or outcome within ``timeout_s``, the outcome records a
             failure, or rank 0 moved on to a newer attempt without this rank (``left_behind``).
-        GroupRemovedError: the group was removed meanwhile.
+        GroupRemovedError: the group was removed meanwhile (``vanished_error``: not by retention).
     """
     state = {"token": token}
     rec = records or place
@@ -315,13 +316,15 @@ def wait_for_manifest(place: Place, timeout_s: float, stop: threading.Event, tok
             if (m := out()) is not None:  # swapped in since the first read: ``rec`` now holds the old group
                 return published(m)
             if own is None:
-                return overtaken(place, step)
+                return overtaken(place, state["token"])
             if current is not None and current != state["token"]:
                 state["token"] = current
                 restamp(current)
         return None
 
     got = poll(ready, time.monotonic() + timeout_s, stop)
+    if got is None and T.find(place, state["token"]) is not None:  # trimmed since the last poll: no claim
+        got = overtaken(place, state["token"])  # (it would bring the directory back)
     if got is None:
         err = CommitTimeoutError(
             f"checkpoint group {place.label}: rank 0 did not publish {P.GROUP_MANIFEST} and move latest to it "
@@ -342,19 +345,12 @@ def wait_for_manifest(place: Place, timeout_s: float, stop: threading.Event, tok
     return got  # type: ignore[return-value]
 
 
-def overtaken(place: Place, step: int | None) -> dict:
-    """Other ranks: the group ``place`` vanished while this rank waited for its manifest. When the
-    directory's ``latest`` names a complete group of a later ``step``, rank 0 moved on past it:
-    it published it and keep_persistent trimmed it (or someone removed it) before this rank's
-    poll read the manifest. The attempt ends superseded (rank 0's commit tells which), not with
-    an error that would stop a healthy job. Else GroupRemovedError."""
-    parent, later = place.parent(), None
-    try:
-        if step is not None and (name := P.pointed_name(parent)) is not None:
-            m = P.read_group_manifest(parent.child(name)) or {}
-            later = group_step(m, name) if m else None
-    except (OSError, CorruptCheckpointError):  # trimmed or damaged meanwhile: nothing tells
-        pass
-    if later is None or step is None or later <= step:
-        raise removed_error(place)
-    return {"superseded": True, "files": {}}
+def overtaken(place: Place, token: str | None) -> dict:
+    """Other ranks: the group ``place`` vanished while this rank waited for the manifest of its
+    attempt ``token``. When retention recorded that rank 0 trimmed it after publishing that attempt
+    (``trimmed.py``: keep_persistent, once a later group was committed, of any step or none, before
+    this rank's poll read the manifest), the commit is done, as on rank 0: ``{"trimmed": True,
+    "total": bytes}``. Else it was removed: GroupRemovedError (``vanished_error``)."""
+    if (done := T.find(place, token)) is None:
+        raise vanished_error(place)
+    return {"trimmed": True, "total": int(done["total"]), "files": {}}
