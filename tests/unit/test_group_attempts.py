@@ -789,6 +789,21 @@ def test_retention_records_a_trim_before_it_and_keeps_the_group_when_it_cannot(t
     assert T.find(place(str(tmp_path / "step-2")), "another attempt") is None
 
 
+def test_retention_records_no_trim_of_a_group_committed_through_a_store(tmp_path: Path) -> None:
+    """Through a store the other ranks heard the outcome before anything was trimmed: no record,
+    so a directory of DeepSpeed tags holds nothing new."""
+    from fastckpt.commit.names import TRIMMED_DIR
+
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=60))
+    cks = [_ck(0, store, keep_persistent=1), _ck(1, store)]
+    try:
+        for v in (1, 2):
+            _save_all(cks, tmp_path / f"step-{v}", v)
+    finally:
+        _close(cks)
+    assert sorted(os.listdir(tmp_path)) == ["latest", "step-2"] and not (tmp_path / TRIMMED_DIR).exists()
+
+
 def test_two_checkpointers_saving_into_one_group_are_refused(tmp_path: Path) -> None:
     """An actor's and a critic's Checkpointer of one process both saved into run/step-1 and both
     committed: both commits succeeded, and the published group named only the critic's file (the

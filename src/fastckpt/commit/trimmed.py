@@ -6,9 +6,9 @@ Without a store the other ranks learn that rank 0 published a group by reading i
 ``keep_persistent``, rank 0 may publish the group, commit a later one (a rolling ``last`` tag
 committed at the same step, or the next step) and trim this group before a rank's poll reads the
 manifest: the rank finds its marker gone. Nothing in the group's directory survives the trim, so
-rank 0 writes, before it deletes anything, one small record beside it:
-``.fastckpt-trimmed/<written_s>-<key>.json`` in the group's parent, ``key`` a digest of the group's
-name and its published attempt. A rank whose attempt's record is there reports its commit done,
+rank 0 writes, before it deletes anything of a group committed without a store, one small record
+beside it: ``.fastckpt-trimmed/<written_s>-<key>.json`` in the group's parent, ``key`` a digest of
+the group's name and its published attempt. A rank whose attempt's record is there reports its commit done,
 as rank 0 did; with none it is a removal (``Checkpointer.remove``, or a deletion outside fastckpt).
 
 The record is written before the deletion (a kill between the two leaves the group whole and a
@@ -29,7 +29,7 @@ import time
 from ..errors import CorruptCheckpointError
 from ..storage.places import Place
 from .names import TRIMMED_DIR
-from .protocol import read_group_manifest, read_record
+from .protocol import ATTEMPT, read_group_manifest, read_record
 
 log = logging.getLogger("fastckpt")
 
@@ -47,18 +47,21 @@ def _key(group: Place, attempt: str) -> str:
 
 
 def record(group: Place, keep_s: float) -> None:
-    """Rank 0, before retention deletes ``group``: record its published attempt (a group of one
-    rank, or one without a readable manifest, has no rank waiting for it: nothing is written), and
-    prune the records older than ``keep_s``.
+    """Rank 0, before retention deletes ``group``: record its published attempt, and prune the
+    records older than ``keep_s``. Only for a group committed without a store (its ``attempt.json``):
+    through a store the other ranks heard the outcome before anything was trimmed, and a group of
+    one rank has nobody waiting; nor for one without a readable manifest (no attempt to vouch for).
 
     Raises:
-        OSError: the manifest could not be read or the record written: the group must not go yet.
+        OSError: a record could not be read or written: the group must not go yet.
     """
+    if read_record(group, ATTEMPT) is None:
+        return
     try:
         m = read_group_manifest(group)
-    except CorruptCheckpointError:  # damaged: no attempt to vouch for
+    except CorruptCheckpointError:
         return
-    if m is None or m.get("attempt") is None or int(m.get("world_size", 1)) < 2:
+    if m is None or m.get("attempt") is None:
         return
     parent, now = group.parent(), time.time()
     body = {"group": posixpath.basename(group.key), "attempt": m["attempt"], "written_at": now,
