@@ -149,14 +149,15 @@ def bind_mount(src: Path, dst: Path) -> Iterator[Path]:
 
 
 @contextlib.contextmanager
-def tmpfs(path: Path, options: str) -> Iterator[Path]:
-    """Mount a tmpfs at ``path`` (skip the test where this process may not mount)."""
+def tmpfs(path: Path, options: str, fstype: str = "tmpfs") -> Iterator[Path]:
+    """Mount a tmpfs (or ``fstype``: ``ramfs``, which reports no size and refuses O_DIRECT) at
+    ``path`` (skip the test where this process may not mount)."""
     path.mkdir(parents=True, exist_ok=True)
     if shutil.which("mount") is None:
         pytest.skip("no `mount` binary: cannot build a tiny or read-only file system")
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True, text=True)
+    r = subprocess.run(["mount", "-t", fstype, "-o", options, fstype, str(path)], capture_output=True, text=True)
     if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root/CAP_SYS_ADMIN): {r.stderr.strip()}")
+        pytest.skip(f"cannot mount a {fstype} here (needs root/CAP_SYS_ADMIN): {r.stderr.strip()}")
     try:
         yield path
     finally:

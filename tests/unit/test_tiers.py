@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import os
 
 import pytest
 import torch
@@ -77,7 +78,6 @@ def test_a_tier_that_cannot_work_with_the_local_dir_given_is_refused_when_built(
 def test_odirect_probe_reports_tmpfs(tmp_path) -> None:
     ok, why = probe_odirect(str(tmp_path))
     assert ok or "O_DIRECT" in why
-    import os
     import shutil
     import tempfile
 
@@ -88,6 +88,19 @@ def test_odirect_probe_reports_tmpfs(tmp_path) -> None:
             assert ok or "refused O_DIRECT" in why
         finally:
             shutil.rmtree(d)
+
+
+def test_a_file_system_refusing_o_direct_at_open_keeps_no_probe_file(tmp_path, caplog) -> None:
+    """ramfs (tmpfs before Linux 6.6) creates the file, then open(O_DIRECT) fails with EINVAL:
+    the probe's file was left in the user's checkpoint directory."""
+    from tests.helpers import tmpfs
+
+    with tmpfs(tmp_path / "home", "defaults", fstype="ramfs") as home:
+        with caplog.at_level(logging.INFO, logger="fastckpt"), fastckpt.Checkpointer() as ck:
+            ck.save({"w": torch.randn(10)}, str(home / "a.pt")).wait()
+        assert f"buffered (filesystem at {home} refused O_DIRECT)" in caplog.text
+        assert sorted(os.listdir(home)) == ["a.pt"]
+        assert fastckpt.load(str(home / "a.pt"))["w"].shape == (10,)
 
 
 def test_one_probe_per_file_system_not_per_directory(tmp_path) -> None:

@@ -55,6 +55,7 @@ def probe_odirect(directory: str, ops: FileOps | None = None) -> tuple[bool, str
     try:
         fd = ops.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | flag, 0o600)
     except OSError as exc:
+        discard(ops, path)  # ramfs (tmpfs before Linux 6.6) makes the file, then refuses O_DIRECT
         if exc.errno in (errno.EINVAL, errno.EOPNOTSUPP):
             return False, f"filesystem at {directory} refused O_DIRECT"
         raise
