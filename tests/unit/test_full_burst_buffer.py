@@ -63,6 +63,20 @@ def test_single_files_skip_a_full_burst_buffer_and_return_once_it_has_room(tmp_p
     assert tmp_files(home, local) == []
 
 
+def test_a_burst_buffer_whose_file_system_reports_no_size_takes_single_files(tmp_path: Path, caplog) -> None:
+    """statvfs of ramfs (and of some FUSE mounts) says f_blocks == 0: size unknown (``df`` shows
+    0/0), not full. Every single file skipped such a burst buffer, with the no-room WARNING."""
+    home = tmp_path / "home"
+    with tmpfs(tmp_path / "nvme", "defaults", fstype="ramfs") as local:
+        assert os.statvfs(local).f_blocks == 0
+        with caplog.at_level(logging.WARNING, logger="fastckpt"), fastckpt.Checkpointer(local_dir=str(local)) as ck:
+            rec = ck.save(_state(1), str(home / "a.pt")).wait()
+            assert rec.tier == "nvme" and rec.local_durable_s is not None
+            assert _local(local, home / "a.pt").exists()
+        assert NO_ROOM not in caplog.text
+        assert fastckpt.load(str(home / "a.pt"))["v"] == 1
+
+
 def test_a_stale_burst_buffer_copy_goes_when_its_path_skips_the_burst_buffer(tmp_path: Path) -> None:
     home, path = tmp_path / "home", tmp_path / "home" / "last.pt"
     with tmpfs(tmp_path / "nvme", "size=4m") as local, fastckpt.Checkpointer(local_dir=str(local)) as ck:

@@ -261,12 +261,14 @@ class Stripes:
 
 def _free_bytes(directory: str) -> int:
     """Bytes an unprivileged writer may still use on the drive of ``directory`` (or of its
-    nearest existing parent: the burst buffer's folders are made by the first save)."""
+    nearest existing parent: the burst buffer's folders are made by the first save). A file
+    system that reports no size (``f_blocks == 0``: ramfs, some FUSE mounts; ``df`` shows 0/0)
+    has no limit it can tell: room, as when ``statvfs`` fails."""
     d = directory
     while True:
         try:
             st = os.statvfs(d)
-            return st.f_bavail * st.f_frsize
+            return st.f_bavail * st.f_frsize if st.f_blocks else sys.maxsize
         except FileNotFoundError:
             parent = os.path.dirname(d)
             if parent == d:
