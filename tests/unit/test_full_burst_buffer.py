@@ -143,6 +143,39 @@ def test_striped_files_pass_over_the_drive_without_room(tmp_path: Path) -> None:
                 assert ck.load(str(home / f"step{v}" / "model.pt"))["v"] == v
 
 
+@pytest.mark.parametrize("grouped", [True, False], ids=["group-tag", "single-file"])
+def test_a_path_whose_drive_filled_up_moves_to_a_drive_with_room(tmp_path: Path, caplog, grouped: bool) -> None:
+    """A re-saved group tag (or single file) stayed on the drive holding its earlier copy: once
+    another job filled that drive, every later save of it failed with ENOSPC (a single file
+    skipped the burst buffer) while the other drive had room. It moves, and its old copy goes."""
+    home = tmp_path / "home"
+    group = home / "last"
+    path = group / "model.pt" if grouped else home / "last.pt"
+
+    def save(ck: fastckpt.Checkpointer, v: int) -> str:
+        if not grouped:
+            return ck.save(_state(v), str(path)).wait().tier
+        ck.save(_state(v), str(path), group=str(group))
+        ck.commit(str(group), step=v).wait()
+        return "nvme"
+
+    with tmpfs(tmp_path / "nvme0", "size=8m") as small:
+        roomy = tmp_path / "nvme1"
+        with caplog.at_level(logging.INFO, logger="fastckpt"), \
+                fastckpt.Checkpointer(local_dir=[str(small), str(roomy)], rank=0, world_size=1) as ck:
+            assert save(ck, 0) == "nvme" and ck.local_path(str(path)) == str(_local(small, path))
+            (small / "other-job-data").write_bytes(b"x" * (13 * MiB // 2))  # leaves under 1 MiB free
+            for v in (1, 2):  # moved, then saved again where it now is
+                assert save(ck, v) == "nvme"
+                assert ck.local_path(str(path)) == str(_local(roomy, path)) and not _local(small, path).exists()
+                assert ck.load(str(path))["v"] == v and fastckpt.load(str(path))["v"] == v
+        assert caplog.text.count("it moves to") == 1, caplog.text
+        moved = next(r.getMessage() for r in caplog.records if "it moves to" in r.getMessage())
+        assert f"burst-buffer directory {small} is too full for {path} (" in moved and f"moves to {roomy}," in moved
+        assert NO_ROOM not in caplog.text
+        assert tmp_files(home, small, roomy) == []
+
+
 def test_a_read_only_drive_leaves_the_rotation_after_its_first_refusal(tmp_path: Path, caplog) -> None:
     """A striped drive that takes no writes (remounted read-only) failed every other save; now
     the first failure takes it out of the rotation, and that error does not claim a previous

@@ -101,9 +101,12 @@ class Saver:
         # A single file skips a burst buffer that has no room for it and goes straight to its
         # mounted home, unless an earlier save of it is still being written or replicated (that
         # copy could land after this one). A group's files always go through the burst buffer.
-        may_bypass = bool(self._cfg.local_dirs) and group is None and mounted and not self._inflight.writing(path)
+        # A path whose drive is full moves to one with room, unless such a save is in flight (its
+        # copy there may be what an upload reads).
+        idle = bool(self._cfg.local_dirs) and not self._inflight.writing(path)
+        may_bypass = idle and group is None and mounted
         token = self._retention.replacing(group or path)
-        spot = self._stripes.choose(path, layout.data_size, may_bypass)  # the burst-buffer drive, if any
+        spot = self._stripes.choose(path, layout.data_size, may_bypass, idle)  # the burst-buffer drive, if any
         self._stripes.note_bypass(path, layout.data_size, spot is not None and spot.local is None)
         # Such a file that finds the burst buffer full only mid-write (another writer filled it
         # since the check) is written to its path then (``FileWriter.write``'s fallback).
@@ -270,7 +273,13 @@ class Saver:
                token: int, turn: Turn | None) -> SaveHandle:
         """Replication (to ``home``) follows a write to the burst buffer; track the save; join
         its group. The save's reservation holds its path on its drive until the write ends."""
-        fut.add_done_callback(lambda f: self._stripes.release(spot, None if f.cancelled() else f.exception()))
+        def ended(f: Future) -> None:
+            failure = None if f.cancelled() else f.exception()
+            if not f.cancelled() and failure is None:
+                self._stripes.written(spot)
+            self._stripes.release(spot, failure)
+
+        fut.add_done_callback(ended)
         if dest != home:
             fut = self._then_replicate(fut, dest, home, t_call, token, turn.key if turn else None)
         if turn is not None:

@@ -8,7 +8,10 @@ different drives without talking to each other. A file saved again to the same p
 the drive of its save still queued or being written there (its reservation), else on the drive
 that holds it: every save of one path is written by one writer thread, in the order of the
 calls, so its replication never lands an older save over a newer one, and there is never a
-stale copy elsewhere; reads find each file wherever it lives. A single file may skip the burst
+stale copy elsewhere; reads find each file wherever it lives. Only when that drive has no room
+for it, and no save of the path is in flight (its copy is no upload's source), does the path
+move to a drive with room: the old copy is deleted once the new one is written (``written``),
+as a drive that refused writes is left for another. A single file may skip the burst
 buffer when the drive it would use has no room for it (free space, less the bytes already
 queued there), unless a save of it is still queued: ``choose`` then returns a reservation
 without a ``local`` place and the file is written straight to its path by that drive's writer
@@ -68,13 +71,16 @@ class DirStats:
 class Reservation:
     """A save's place in the burst buffer: ``local`` under ``root`` (directory number
     ``index``, whose writer thread writes it), holding ``nbytes`` queued. ``local`` is None
-    when the file skips the burst buffer: it goes straight to ``path``, on that writer thread."""
+    when the file skips the burst buffer: it goes straight to ``path``, on that writer thread.
+    ``stale``: the copy of an earlier save on another drive, which had no room for this one;
+    it is deleted once this one is written."""
 
     root: str
     local: str | None
     nbytes: int
     index: int
     path: str
+    stale: str | None = None
 
 
 class Stripes:
@@ -82,7 +88,8 @@ class Stripes:
 
     Order of calls for one save (``Saver``): ``choose`` on the training thread reserves the
     bytes; ``record`` (the writer thread, when the local write ends) counts the bandwidth;
-    ``release`` (once the local write is done, or the save failed before it) frees the queue.
+    ``written`` (once the write succeeded) deletes the copy it moved away from; ``release``
+    (once the local write is done, or the save failed before it) frees the queue.
 
     Args:
         dirs: the ``local_dir`` directories (empty: no burst buffer).
@@ -157,10 +164,11 @@ class Stripes:
         found = self.copies(path)
         return found[0] if found else self.mirror(0, path)
 
-    def choose(self, path: str, nbytes: int, may_bypass: bool = False) -> Reservation | None:
+    def choose(self, path: str, nbytes: int, may_bypass: bool = False, may_move: bool = False) -> Reservation | None:
         """Where a new save of ``path`` (``nbytes``) writes: the drive of its live reservation if
         it has one (an earlier save of it queued or being written there), else a drive with room
-        for it if there is one (the one holding its copy, if there is one; else any). None
+        for it if there is one (the one holding its copy, if there is one and has room, or
+        ``may_move`` allows none other: no save of ``path`` is in flight; else any). None
         without a burst buffer. With ``may_bypass`` and no live reservation of ``path``, when no
         drive it may use has room for it: a reservation with ``local=None`` (write it straight
         to its path)."""
@@ -170,12 +178,14 @@ class Stripes:
         with self._lock:  # the check and the reservation are one step: saves of a path never part ways
             held = self._held.get(path)
             if held is not None:
-                found, may_bypass = [held[0]], False
+                found, may_bypass, may_move = [held[0]], False, False
             else:  # a copy on a drive that refused writes stays (a load compares it with the home's)
                 found = [i for i in range(len(self.dirs))
                          if i not in self._refused and os.path.lexists(self.mirror(i, path))]
             taking = [i for i in range(len(self.dirs)) if i not in self._refused]
-            allowed = found[:1] or taking or list(range(len(self.dirs)))
+            # its copy's drive first; the others only to move to when that one has no room
+            allowed = found[:1] + [i for i in taking if may_move and i not in found[:1]] if found else \
+                taking or list(range(len(self.dirs)))
             if may_bypass or len(allowed) > 1:
                 for i in allowed:  # links a killed run's queued uploads left (save.versions) hold blocks: free them
                     sweep_once(FileOps(), os.path.dirname(self.mirror(i, path)))
@@ -183,14 +193,16 @@ class Stripes:
                 if not roomy and may_bypass:  # written by the writer of the drive its old copy is on
                     return self._reserve(path, found[0] if found else 0, 0, direct=True)
                 allowed = roomy or allowed  # none has room: the write names the full drive
+            if found and allowed[0] == found[0]:
+                return self._reserve(path, found[0], nbytes)
+            ring = ((self._next + k) % len(self.dirs) for k in range(len(self.dirs)))
+            order = [j for j in ring if j in allowed]
+            i = min(order, key=lambda j: self._queued[j])
+            self._next = (i + 1) % len(self.dirs)
             if found:
-                i = allowed[0]
-            else:
-                ring = ((self._next + k) % len(self.dirs) for k in range(len(self.dirs)))
-                order = [j for j in ring if j in allowed]
-                i = min(order, key=lambda j: self._queued[j])
-                self._next = (i + 1) % len(self.dirs)
-            return self._reserve(path, i, nbytes)
+                log.info("fastckpt: burst-buffer directory %s is too full for %s (%s): it moves to %s, and its copy "
+                         "there goes once it is written", self.dirs[found[0]], path, fmt_bytes(nbytes), self.dirs[i])
+            return self._reserve(path, i, nbytes, stale=self.mirror(found[0], path) if found else None)
 
     def _sweep(self) -> None:
         """At the first ``choose``: remove what dead processes of this host left anywhere under each
@@ -216,13 +228,29 @@ class Stripes:
             log.info("fastckpt: the burst buffer has room again: %s is saved through it", path)
         self._bypassing = bypass
 
-    def _reserve(self, path: str, i: int, nbytes: int, direct: bool = False) -> Reservation:
+    def _reserve(self, path: str, i: int, nbytes: int, direct: bool = False, stale: str | None = None) -> Reservation:
         """A live reservation of ``nbytes`` on directory ``i`` for ``path`` (lock held)."""
         self._queued[i] += nbytes
-        res = Reservation(self.dirs[i], None if direct else self.mirror(i, path), nbytes, i, path)
+        res = Reservation(self.dirs[i], None if direct else self.mirror(i, path), nbytes, i, path, stale)
         self._live.add(id(res))
         self._held[path] = (i, self._held.get(path, (i, 0))[1] + 1)
         return res
+
+    def written(self, res: Reservation | None) -> None:
+        """(The writer thread, before ``release``) ``res``'s save was written: the copy of an earlier
+        save on the drive it moved away from (``Reservation.stale``) goes, before its hold on the path
+        ends, so the next save of the path finds only the new copy. A failure is logged: the next
+        save finds the old copy first, and a load judges it by its checksum."""
+        if res is None or res.stale is None:
+            return
+        try:
+            os.unlink(res.stale)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            log.warning("fastckpt: could not delete %s, the burst-buffer copy of an earlier save of %s, now saved to "
+                        "%s: %s. Delete it by hand (the next save of the path reads that drive first)",
+                        res.stale, res.path, res.root, exc)
 
     def release(self, res: Reservation | None, failure: BaseException | None = None) -> None:
         """Free ``res``'s queued bytes, and its hold on its path's drive (again: nothing happens).
