@@ -27,6 +27,7 @@ from lightning.pytorch.loggers import Logger
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
 
 import fastckpt
+from fastckpt.commit.names import BURST_BUFFER_MARK
 from fastckpt.errors import CheckpointWriteError, ConfigError
 from fastckpt.integrations.lightning import FastCkptCallback, FastCkptIO
 from fastckpt.testing import Fault, FaultyOps
@@ -116,11 +117,11 @@ def spy_saves(io: FastCkptIO) -> dict[str, dict]:
 
 
 def leftovers(*dirs: str) -> list[str]:
-    """Temp files fastckpt or anyone else left behind."""
+    """Temp files fastckpt or anyone else left behind (not the burst buffer's mark)."""
     out = []
     for d in dirs:
         for root, _, files in os.walk(d):
-            out += [os.path.join(root, f) for f in files if ".tmp" in f or f.startswith(".")]
+            out += [os.path.join(root, f) for f in files if ".tmp" in f or f.startswith(".") and f != BURST_BUFFER_MARK]
     return out
 
 
@@ -316,7 +317,7 @@ def test_top_k_deletion_of_an_in_flight_save(tmp_path):
     assert observed == {"entered": True, "removal_queued": True, "removal_done": False}
     assert sorted(os.listdir(tmp_path / "ckpt")) == ["epoch=0-step=8.ckpt"]
     assert leftovers(str(tmp_path / "ckpt"), str(tmp_path / "nvme")) == []
-    nvme_files = [f for _, _, fs in os.walk(tmp_path / "nvme") for f in fs]
+    nvme_files = [f for _, _, fs in os.walk(tmp_path / "nvme") for f in fs if f != BURST_BUFFER_MARK]
     assert nvme_files == ["epoch=0-step=8.ckpt"]
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from ..commit.discovery import Damaged, Found, scan
 from ..commit.foreign import pickle_step, resaved_by, tag_step
 from ..commit.membership import group_dir
-from ..commit.names import framework_files, stays_inside
+from ..commit.names import framework_files, outside_burst_buffers, stays_inside
 from ..commit.protocol import GROUP_MANIFEST, MARKER_DIR, NEXT_TAG, SIDECAR, member_files, read_group_manifest
 from ..errors import CorruptCheckpointError, FastCkptError
 from ..storage.homes import Homes, Location
@@ -168,10 +168,11 @@ def damaged_entry(h: Homes, d: Damaged, root: str) -> Entry:
 
 
 def keys_under(loc: Location) -> list[str]:
-    """Every key under ``loc`` that could name a checkpoint (``urls.nameable``), relative to it."""
+    """Every key under ``loc`` that could name a checkpoint (``urls.nameable``), relative to it,
+    but those inside a burst buffer below it (``names.burst_buffers``)."""
     prefix = f"{loc.key}/" if loc.key else ""
     try:
-        return [k[len(prefix):] for k in loc.target.list(prefix) if nameable(k)]
+        return outside_burst_buffers([k[len(prefix):] for k in loc.target.list(prefix) if nameable(k)])
     except TargetNotFoundError:
         return []
 

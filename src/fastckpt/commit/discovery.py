@@ -25,7 +25,8 @@ run that switches to fastckpt resumes from the checkpoints it already has. A fas
 copied in by another tool (``aws s3 cp``, ``rsync``) without its sidecar counts by the manifest
 in its own zip comment, and is verified when loaded.
 
-Hidden names (``.x``) and temp files are never checkpoints. Checkpoints are ordered by their
+Hidden names (``.x``) and temp files are never checkpoints, nor is anything inside a burst buffer
+below the root (``names.outside_burst_buffers``). Checkpoints are ordered by their
 commit request (groups) or write time (files; foreign ones by their modification time), not by
 name. When foreign checkpoints are among them and every candidate records a step (a group's
 ``step=``, a file's top-level ``global_step``, ``iteration`` or ``step``, a DeepSpeed tag's
@@ -49,6 +50,7 @@ from ..storage.types import BucketNotFoundError, TargetNotFoundError
 from ..urls import join, nameable, named, spelled_as
 from . import discovery_unlisted, foreign
 from .found import Damaged, Found, one_copy_each, ordered
+from .names import burst_buffers, outside_burst_buffers
 from .protocol import (
     GROUP_MANIFEST,
     MARKER_DIR,
@@ -105,6 +107,8 @@ def _scan(loc: Location, max_depth: int, damaged: list[Damaged], gone: list[str]
     except TargetNotFoundError:
         return []
     rels = [k[len(prefix):] for k in listing.keys if nameable(k)]
+    buffers = burst_buffers(rels)  # the copies in a burst buffer below: no checkpoints of this folder
+    rels = outside_burst_buffers(rels, buffers)
     groups = {d for r in rels if posixpath.basename(r) == GROUP_MANIFEST  # not a re-save's staging directory
               for d in [posixpath.dirname(r)] if not _hidden(d)}
     marked = {r.split(f"/{MARKER_DIR}/")[0] for r in rels if f"/{MARKER_DIR}/" in f"/{r}"}
@@ -119,8 +123,8 @@ def _scan(loc: Location, max_depth: int, damaged: list[Damaged], gone: list[str]
     dcp_dirs = {d for r in rels if posixpath.basename(r) == DCP_METADATA  # written last by dcp.save: complete
                 for d in [posixpath.dirname(r)] if not _hidden(d) and d not in groups | ds_tags}  # ("": root)
     inside = groups | marked | ds_tags | dcp_dirs
-    if not pass_unlisted:
-        gone += discovery_unlisted.check(loc.url, prefix, listing.unlisted, inside, candidates_depth,
+    if not pass_unlisted:  # (a folder in a burst buffer holds none of this folder's checkpoints)
+        gone += discovery_unlisted.check(loc.url, prefix, listing.unlisted, inside | buffers, candidates_depth,
                                          stale_gone=not last)
     sidecars, listed = {r[: -len(SIDECAR)] for r in rels if r.endswith(SIDECAR)}, set(rels)
     others: list[Found] = []

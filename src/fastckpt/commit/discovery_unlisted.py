@@ -10,7 +10,7 @@ a candidate by the discovery rule:
 * the scanned folder itself, or one below it that is not hidden (``.x``), no temp name and no
   ``lost+found`` (hidden names and temp files are never checkpoints), with no such part above it;
 * not inside a complete checkpoint the scan found (a group's ``tb_logs``: its files are no
-  separate checkpoints);
+  separate checkpoints), nor inside a burst buffer below the root (``names.burst_buffers``);
 * named like a checkpoint: ``CHECKPOINT_NAME`` (a number at its end, as a step or tag folder
   ``step-200``, ``global_step200``, ``iter_0000200``, which orders tags; ``ckpt`` or ``checkpoint``
   in it; a ``.ckpt``/``.pt``/``.pth`` end) for itself or a folder between it and the root.

@@ -32,6 +32,9 @@ SIDECAR = ".fastckpt.json"  # a single file's publication record at a URL: NAME.
 # (format.checksum.checksum_bytes). ``fastckpt verify`` checks them with the group's own files.
 FRAMEWORK_FILES = "framework_files"
 LEGACY_FRAMEWORK_FILES = "megatron_files"  # the same, in group manifests the Megatron strategy saved before
+# Each burst-buffer directory's mark, at its root: the copies under it (``urls.mirror_path``,
+# the checkpoint's whole path below the directory) are no checkpoints of a folder holding it.
+BURST_BUFFER_MARK = ".fastckpt-burst-buffer"
 KEY_MAX_BYTES = 1024  # an object key, at most: S3's limit (GCS's too)
 PART_MAX_BYTES = 255  # one '/'-separated part of an s3:// key, at most: SeaweedFS's and MinIO's limit (AWS has none)
 # bytes of key a group at a URL keeps for what its commit writes in it, after GROUP/: the longest is
@@ -47,6 +50,21 @@ def framework_files(manifest: object) -> dict:
         return {}
     got = manifest.get(FRAMEWORK_FILES, manifest.get(LEGACY_FRAMEWORK_FILES))
     return got if isinstance(got, dict) else {}
+
+
+def burst_buffers(rels: list[str]) -> set[str]:
+    """The burst buffers below a folder: the directories (relative to it) holding
+    ``BURST_BUFFER_MARK`` among ``rels``, the names listed under it. ``local_dir="/ckpt/bb"`` with
+    saves to ``/ckpt/step-N.pt`` mirrors each at ``/ckpt/bb/ckpt/step-N.pt``, a copy that may
+    never reach its home, which a scan of ``/ckpt`` took for a checkpoint (and named latest).
+    A folder that is itself a burst buffer is not counted: asked of it, its copies are wanted."""
+    return {d for r in rels if posixpath.basename(r) == BURST_BUFFER_MARK and (d := posixpath.dirname(r))}
+
+
+def outside_burst_buffers(rels: list[str], buffers: set[str] | None = None) -> list[str]:
+    """``rels`` less the names inside the burst buffers among them (``buffers``, if known)."""
+    buffers = burst_buffers(rels) if buffers is None else buffers
+    return [r for r in rels if not any(r.startswith(f"{d}/") for d in buffers)] if buffers else rels
 
 
 def stays_inside(rel: object) -> bool:

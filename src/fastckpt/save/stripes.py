@@ -30,6 +30,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ..commit.names import BURST_BUFFER_MARK
 from ..errors import ConfigError
 from ..io.atomic import sweep_once, sweep_tree
 from ..io.ops import FileOps
@@ -208,13 +209,15 @@ class Stripes:
         """At the first ``choose``: remove what dead processes of this host left anywhere under each
         drive (``io.atomic.sweep_tree``), before the room check reads the drives' free space. A killed
         run's version links (``save.versions``) hold whole checkpoints, often in folders this run never
-        writes into (Lightning's ``version_N``), where the per-folder sweeps never look."""
+        writes into (Lightning's ``version_N``), where the per-folder sweeps never look. Each drive
+        gets its mark (``_mark``) before the first copy is written there."""
         with self._sweep_lock:  # a second caller waits: its room check must see the blocks freed
             if self._swept:
                 return
             self._swept = True
             for i, d in enumerate(self.dirs):
                 if i not in self._refused:
+                    _mark(d)
                     sweep_tree(FileOps(), d)
 
     def note_bypass(self, path: str, nbytes: int, bypass: bool) -> None:
@@ -285,6 +288,26 @@ class Stripes:
         with self._lock:
             return tuple(DirStats(d, self._files[i], self._bytes[i], self._write_s[i], self._queued[i])
                          for i, d in enumerate(self.dirs))
+
+
+def _mark(directory: str) -> None:
+    """Put the burst buffer's mark (``commit.names.BURST_BUFFER_MARK``) at the root of ``directory``,
+    durably, if it is not there: a scan of a folder holding the directory (``local_dir`` inside the
+    checkpoint folder: ``/ckpt/bb`` for saves to ``/ckpt``), in any process, passes over the copies
+    below it, which are no checkpoints of that folder (one may never reach its home)."""
+    path = os.path.join(directory, BURST_BUFFER_MARK)
+    if os.path.exists(path):
+        return
+    ops = FileOps()
+    try:
+        ops.makedirs(directory)
+        ops.write_small(path, b"A fastckpt burst buffer (local_dir): node-local copies of checkpoints saved "
+                              b"elsewhere. fastckpt's scans (latest(), ls) of a folder holding it pass over them.\n")
+        ops.fsync_dir(directory)
+    except OSError as exc:  # the save's own write there fails with its error, or a scan may take a copy
+        log.warning("fastckpt: could not mark the burst buffer %s (%s): a scan of a folder holding it (latest(), "
+                    "ls) may take its copies for checkpoints; keep local_dir outside the checkpoint folders",
+                    directory, exc)
 
 
 def _free_bytes(directory: str) -> int:
