@@ -754,10 +754,41 @@ def test_a_rank_whose_group_was_removed_before_a_later_step_was_committed_still_
         _save_all(cks, s3, 3)
         assert latest(str(tmp_path)) == str(s3)
         committed.set()
-        with pytest.raises(GroupRemovedError, match="recorded no trim of this attempt: it was removed"):
+        with pytest.raises(GroupRemovedError, match="no deletion of this attempt once published was recorded"):
             h.wait(60)  # before: superseded
     finally:
         committed.set()
+        _close(cks)
+    assert not g.exists()
+
+
+def test_a_rank_late_to_a_published_group_that_remove_deleted_reports_it_committed(tmp_path: Path) -> None:
+    """Rank 0 published step-1, committed step-2 and removed step-1 (a top-k of one, as Lightning's
+    ModelCheckpoint does) before rank 1's poll read step-1's manifest: rank 1 raised
+    GroupRemovedError for a group rank 0 reported committed. remove() records a published group's
+    deletion as retention's trim does: rank 1 reports it committed with rank 0's bytes."""
+    g, polling, removed = tmp_path / "step-1", threading.Event(), threading.Event()
+
+    class Late(FaultyOps):  # rank 1: its poll for step-1's manifest waits until rank 0 removed step-1
+        def read_small(self, path: str) -> bytes | None:
+            if path == str(g / P.GROUP_MANIFEST) and (g / ".fastckpt" / "rank-00001.json").exists() \
+                    and not polling.is_set():
+                polling.set()
+                assert removed.wait(60)
+            return super().read_small(path)
+
+    cks = [_ck(0, None), _ck(1, None, ops=Late())]
+    try:
+        for ck in cks:
+            ck.save(_state(1, ck.rank), str(g / f"rank{ck.rank}.pt"), group=str(g)).wait(60)
+        h0, h1 = (ck.commit(str(g), step=1) for ck in cks)
+        first = h0.wait(60)  # published: rank 1's marker joined before its poll was held
+        assert polling.wait(60)
+        cks[0].remove(str(g))
+        removed.set()
+        assert h1.wait(60).bytes == first.bytes  # before: GroupRemovedError
+    finally:
+        removed.set()
         _close(cks)
     assert not g.exists()
 

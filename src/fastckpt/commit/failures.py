@@ -63,11 +63,12 @@ def removed_error(place: Place) -> GroupRemovedError:
 
 def vanished_error(place: Place) -> GroupRemovedError:
     """What a rank without a store raises when the group's directory went while it waited for the
-    manifest, and retention recorded no trim of its attempt (``trimmed.py``): not retention's."""
+    manifest, and no deletion of its published attempt was recorded (``trimmed.py``): removed
+    before it was published."""
     return GroupRemovedError(f"checkpoint group {place.label} was deleted while this rank waited for rank 0 to "
-                             "publish it, and retention (keep_persistent) recorded no trim of this attempt: it was "
-                             "removed (Checkpointer.remove on some rank, or a deletion outside fastckpt). Rank 0's "
-                             "commit says whether it was published first; save the group again to commit it")
+                             "publish it, and no deletion of this attempt once published was recorded (retention "
+                             "and remove() record one): it was removed before it was published (Checkpointer.remove "
+                             "on some rank), or deleted outside fastckpt. Save the group again to commit it")
 
 
 def not_committed(place: Place, missing: list[int], world_size: int, timeout_s: float,

@@ -314,8 +314,8 @@ class Retention:
         self._run(lambda g: delete_failed(self._homes, self._local_copies, g, self._rank), group,
                   "files this rank left in the failed group's burst-buffer copy")
 
-    def _delete_persistent(self, path: str) -> None:
-        delete_checkpoint(self._homes.resolve(path))
+    def _delete_persistent(self, path: str) -> None:  # remove(): a published group's deletion is recorded too
+        delete_checkpoint(self._homes.resolve(path), self._trimmed_keep_s)  # (a late rank reports it committed)
 
     def _trim_persistent(self, path: str) -> None:
         """keep_persistent's deletion: never of what its directory's ``latest`` names (a last line
