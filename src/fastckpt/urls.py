@@ -260,6 +260,16 @@ def mirror_path(local_dir: str, dest: str, store: str = "") -> str:
     return os.path.join(local_dir, rel)
 
 
+def mirrored(rel: str) -> bool:
+    """Whether ``rel``, a name below a burst buffer's root, is where ``mirror_path`` puts copies: under
+    a store's folder (``s3/``, ``s3@<tag>/``, ``file/``), or under a local path's own absolute path,
+    whose first folder is one at this node's root (``tmp/``, ``data/``). A user's own folder in the
+    buffer's directory (``local_dir`` set to the run's folder: ``ckpt/``) is not."""
+    head = rel.split("/", 1)[0]
+    return "/" in rel and (head.split("@", 1)[0].lower() in _STORES or "::" in head
+                           or os.path.isdir(os.sep + head))
+
+
 def untagged(path: str) -> str:
     """A burst-buffer copy's path (``mirror_path``) with its store's tag dropped: ``<scheme>@<10 hex>``
     as ``<scheme>`` (``/nv/s3@0123456789/b/k`` -> ``/nv/s3/b/k``), so that it ends with its home

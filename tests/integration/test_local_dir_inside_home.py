@@ -89,3 +89,16 @@ def test_ls_lists_no_group_of_a_burst_buffer_inside_the_folder(home: Path) -> No
     rows = json.loads(listed.stdout)["checkpoints"]
     assert sorted((r["path"], r["status"]) for r in rows) == [(str(home / "g-0"), "complete"),
                                                                 (str(home / "g-1"), "incomplete")]
+
+
+def test_a_runs_own_checkpoints_in_its_burst_buffer_folder_are_found_from_above(tmp_path) -> None:
+    """local_dir set to the run's folder, saves below it: the mark at that folder hid the run's
+    real checkpoints from a scan of any folder above it (latest() of the experiments folder gave
+    None); only the copies (under the folder's own absolute path) are passed over."""
+    run = tmp_path / "runs" / "exp1"
+    with fastckpt.Checkpointer(local_dir=str(run), overhead_budget=0.99) as ck:
+        ck.save({"w": torch.ones(4)}, str(run / "ckpt" / "step-1.pt")).wait()
+    copy = Path(mirror_path(str(run), str(run / "ckpt" / "step-1.pt")))
+    assert copy.exists() and (run / ".fastckpt-burst-buffer").exists()
+    assert fastckpt.latest(str(tmp_path / "runs")) == str(run / "ckpt" / "step-1.pt")  # before: None
+    assert fastckpt.latest(str(run / "ckpt")) == str(run / "ckpt" / "step-1.pt")

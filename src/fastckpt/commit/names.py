@@ -17,7 +17,7 @@ import posixpath
 
 from ..errors import ConfigError
 from ..io.atomic import NAME_MAX
-from ..urls import is_url, split_url
+from ..urls import is_url, mirrored, split_url
 
 GROUP_MANIFEST = "fastckpt-manifest.json"
 NEXT_TAG = ".fastckpt-next"  # a re-saved group's new attempt, beside it: .TAG.fastckpt-next-<digest>
@@ -62,9 +62,13 @@ def burst_buffers(rels: list[str]) -> set[str]:
 
 
 def outside_burst_buffers(rels: list[str], buffers: set[str] | None = None) -> list[str]:
-    """``rels`` less the names inside the burst buffers among them (``buffers``, if known)."""
+    """``rels`` less the burst-buffer copies among them (``buffers``: the burst buffers, if known):
+    the names below a buffer where ``urls.mirrored`` says copies go, not a run's own checkpoints
+    in it (``local_dir`` set to the run's folder, or holding it)."""
     buffers = burst_buffers(rels) if buffers is None else buffers
-    return [r for r in rels if not any(r.startswith(f"{d}/") for d in buffers)] if buffers else rels
+    if not buffers:
+        return rels
+    return [r for r in rels if not any(r.startswith(f"{d}/") and mirrored(r[len(d) + 1:]) for d in buffers)]
 
 
 def stays_inside(rel: object) -> bool:
