@@ -83,15 +83,22 @@ class ClosedError(FastCkptError, RuntimeError):
     """The Checkpointer was closed; create a new one."""
 
 
-def file_in_the_way(directory: str) -> str | None:
-    """Why a write into ``directory`` failed with EEXIST or ENOTDIR, when a file stands where it or
-    one of its parents must be a directory: that file named, and the fix; None if there is none."""
+def blocking_file(directory: str) -> str | None:
+    """The file (or link to none) standing where ``directory`` or one of its parents must be a
+    directory, the one nearest the root; None if there is none."""
     parts = os.path.abspath(directory).split(os.sep)
     for i in range(2, len(parts) + 1):
         p = os.sep.join(parts[:i])
         if os.path.lexists(p) and not os.path.isdir(p):
-            return f"{p} is a file, not a directory (choose another path, or move that file away)"
+            return p
     return None
+
+
+def file_in_the_way(directory: str) -> str | None:
+    """Why a write into ``directory`` failed with EEXIST or ENOTDIR, when a file stands where it or
+    one of its parents must be a directory: that file named, and the fix; None if there is none."""
+    p = blocking_file(directory)
+    return None if p is None else f"{p} is a file, not a directory (choose another path, or move that file away)"
 
 
 @contextmanager

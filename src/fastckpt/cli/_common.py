@@ -312,11 +312,11 @@ def not_a_dir(path: str) -> bool:
 def file_in_the_way(path: str) -> str | None:
     """The file that keeps a local ``path`` from being a directory: ``path`` itself, or the
     nearest existing ancestor when that is a file (``FILE/sub``: ``FILE``); None for a URL."""
-    from ..sysinfo import existing_parent
+    from ..errors import blocking_file
     from ..urls import is_url, local_path
 
-    nearest = None if is_url(path) else existing_parent(local_path(path))
-    return nearest if nearest is not None and os.path.exists(nearest) and not os.path.isdir(nearest) else None
+    found = None if is_url(path) else blocking_file(local_path(path))
+    return found if found is not None and os.path.exists(found) else None  # a link to nothing is no file
 
 
 def must_exist(path: str) -> None:
