@@ -134,34 +134,30 @@ def collect_only_new() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def bind_mount(src: Path, dst: Path) -> Iterator[Path]:
-    """Mount the directory ``src`` at ``dst`` too (skip the test where this process may not mount)."""
-    dst.mkdir(parents=True, exist_ok=True)
-    if shutil.which("mount") is None:
-        pytest.skip("no `mount` binary: cannot show one directory at two paths")
-    r = subprocess.run(["mount", "--bind", str(src), str(dst)], capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot bind-mount here (needs root/CAP_SYS_ADMIN): {r.stderr.strip()}")
-    try:
-        yield dst
-    finally:
-        subprocess.run(["umount", str(dst)], check=True)
-
-
-@contextlib.contextmanager
-def tmpfs(path: Path, options: str, fstype: str = "tmpfs") -> Iterator[Path]:
-    """Mount a tmpfs (or ``fstype``: ``ramfs``, which reports no size and refuses O_DIRECT) at
-    ``path`` (skip the test where this process may not mount)."""
+def _mounted(argv: list[str], path: Path, what: str) -> Iterator[Path]:
+    """Run ``mount ARGV... path``, yield ``path``, unmount it (skip the test, saying it cannot
+    ``what``, where this process may not mount)."""
     path.mkdir(parents=True, exist_ok=True)
     if shutil.which("mount") is None:
-        pytest.skip("no `mount` binary: cannot build a tiny or read-only file system")
-    r = subprocess.run(["mount", "-t", fstype, "-o", options, fstype, str(path)], capture_output=True, text=True)
+        pytest.skip(f"no `mount` binary: cannot {what}")
+    r = subprocess.run(["mount", *argv, str(path)], capture_output=True, text=True)
     if r.returncode != 0:
-        pytest.skip(f"cannot mount a {fstype} here (needs root/CAP_SYS_ADMIN): {r.stderr.strip()}")
+        pytest.skip(f"cannot {what} here (needs root/CAP_SYS_ADMIN): {r.stderr.strip()}")
     try:
         yield path
     finally:
         subprocess.run(["umount", str(path)], check=True)
+
+
+def bind_mount(src: Path, dst: Path) -> contextlib.AbstractContextManager[Path]:
+    """Mount the directory ``src`` at ``dst`` too (skip the test where this process may not mount)."""
+    return _mounted(["--bind", str(src)], dst, "show one directory at two paths (bind-mount)")
+
+
+def tmpfs(path: Path, options: str, fstype: str = "tmpfs") -> contextlib.AbstractContextManager[Path]:
+    """Mount a tmpfs (or ``fstype``: ``ramfs``, which reports no size and refuses O_DIRECT) at
+    ``path`` (skip the test where this process may not mount)."""
+    return _mounted(["-t", fstype, "-o", options, fstype], path, f"mount a {fstype} (a tiny or read-only file system)")
 
 
 @contextlib.contextmanager
