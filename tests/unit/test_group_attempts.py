@@ -60,6 +60,21 @@ def _save_all(cks: list[fastckpt.Checkpointer], g: Path, version: int) -> None:
         h.wait(60)
 
 
+def _held_poll(g: Path, polling: threading.Event, release: threading.Event) -> FaultyOps:
+    """Rank 1's ops: its first poll for ``g``'s manifest once its marker is written sets
+    ``polling`` and waits for ``release``."""
+
+    class Held(FaultyOps):
+        def read_small(self, path: str) -> bytes | None:
+            if path == str(g / P.GROUP_MANIFEST) and (g / ".fastckpt" / "rank-00001.json").exists() \
+                    and not polling.is_set():
+                polling.set()
+                assert release.wait(60)
+            return super().read_small(path)
+
+    return Held()
+
+
 def _failed_group_commits(events: list[Event]) -> list[tuple[int, str]]:
     """(rank, error type) of each failed group ``commit`` event: what fastckpt_failures_total and
     ``fastckpt report`` count. Checks that no other phase failed."""
@@ -737,14 +752,7 @@ def test_a_rank_whose_group_was_removed_before_a_later_step_was_committed_still_
     past it; it is a removal, and raises GroupRemovedError, naming no retention."""
     g, s3, polling, committed = tmp_path / "step-2", tmp_path / "step-3", threading.Event(), threading.Event()
 
-    class Late(FaultyOps):  # rank 1: its poll for step-2's manifest waits until step-3 is committed
-        def read_small(self, path: str) -> bytes | None:
-            if path == str(g / P.GROUP_MANIFEST) and (g / ".fastckpt" / "rank-00001.json").exists():
-                polling.set()
-                assert committed.wait(60)
-            return super().read_small(path)
-
-    cks = [_ck(0, None), _ck(1, None, ops=Late())]
+    cks = [_ck(0, None), _ck(1, None, ops=_held_poll(g, polling, committed))]  # until step-3 is committed
     try:
         _save_all(cks, tmp_path / "step-1", 1)
         cks[1].save(_state(2, 1), str(g / "rank1.pt"), group=str(g)).wait(60)
@@ -769,15 +777,7 @@ def test_a_rank_late_to_a_published_group_that_remove_deleted_reports_it_committ
     deletion as retention's trim does: rank 1 reports it committed with rank 0's bytes."""
     g, polling, removed = tmp_path / "step-1", threading.Event(), threading.Event()
 
-    class Late(FaultyOps):  # rank 1: its poll for step-1's manifest waits until rank 0 removed step-1
-        def read_small(self, path: str) -> bytes | None:
-            if path == str(g / P.GROUP_MANIFEST) and (g / ".fastckpt" / "rank-00001.json").exists() \
-                    and not polling.is_set():
-                polling.set()
-                assert removed.wait(60)
-            return super().read_small(path)
-
-    cks = [_ck(0, None), _ck(1, None, ops=Late())]
+    cks = [_ck(0, None), _ck(1, None, ops=_held_poll(g, polling, removed))]  # until rank 0 removed step-1
     try:
         for ck in cks:
             ck.save(_state(1, ck.rank), str(g / f"rank{ck.rank}.pt"), group=str(g)).wait(60)
