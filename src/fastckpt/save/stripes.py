@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..commit.names import BURST_BUFFER_MARK
-from ..errors import ConfigError
+from ..errors import ConfigError, file_in_the_way
 from ..io.atomic import sweep_once, sweep_tree
 from ..io.ops import FileOps
 from ..units import fmt_bytes
@@ -130,13 +130,13 @@ class Stripes:
             except OSError as exc:
                 failed[i] = exc
         if failed and len(failed) == len(self.dirs):
-            raise ConfigError(f"local_dir {self.dirs[0]} cannot hold checkpoints: {failed[0]}{_remount(failed[0])}. "
+            raise ConfigError(f"local_dir {self.dirs[0]} cannot hold checkpoints: {_why(failed[0], self.dirs[0])}. "
                               "Point local_dir at a writable directory on a node-local drive (it is created if "
                               "missing), or drop it")
         for i, exc in failed.items():
             self._refused.add(i)
-            log.warning("fastckpt: burst-buffer directory %s cannot be used (%s%s): checkpoints go to the other "
-                        "local_dir directories", self.dirs[i], exc, _remount(exc))
+            log.warning("fastckpt: burst-buffer directory %s cannot be used (%s): checkpoints go to the other "
+                        "local_dir directories", self.dirs[i], _why(exc, self.dirs[i]))
 
     def existing(self) -> list[str]:
         """The directories a commit writes to: those there are, less those that refused writes
@@ -329,7 +329,13 @@ def _free_bytes(directory: str) -> int:
             return sys.maxsize
 
 
-def _remount(exc: OSError) -> str:
-    """The fix for a drive mounted read-only (after errors, often): the drive, not the path."""
-    return " (its drive is mounted read-only: remount it read-write, mount -o remount,rw)" \
-        if exc.errno == errno.EROFS else ""
+def _why(exc: OSError, directory: str) -> str:
+    """Why ``directory`` cannot be made or written, and the fix: the file standing where it or a
+    parent must be a directory (not a bare "Not a directory"), or the drive mounted read-only
+    (after errors, often: the drive, not the path)."""
+    blocker = file_in_the_way(directory) if exc.errno in (errno.EEXIST, errno.ENOTDIR) else None
+    if blocker is not None:
+        return blocker
+    if exc.errno == errno.EROFS:
+        return f"{exc} (its drive is mounted read-only: remount it read-write, mount -o remount,rw)"
+    return str(exc)
