@@ -21,6 +21,7 @@ from click.testing import CliRunner
 from fastckpt.cli import cli
 from fastckpt.cli.bench_io import Job, percentiles, run_posix
 from fastckpt.io.ops import resident_bytes
+from tests.helpers import tmpfs
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -239,6 +240,17 @@ def test_a_worker_failing_before_the_start_is_named_without_a_traceback(tmp_path
     assert isinstance(r.exception, SystemExit)
     assert "bench failed: [Errno 24] Too many open files" in r.output and "worker-001.dat" in r.output
     assert leftovers(tmp_path) == []
+
+
+def test_a_read_only_dir_names_the_remount_fix(tmp_path) -> None:
+    """Before: `bench failed: [Errno 30] Read-only file system: '...'` and no fix."""
+    with tmpfs(tmp_path / "ro", "size=8m,ro") as ro:
+        r = CliRunner().invoke(cli, ["bench", "--dir", str(ro), "--workers", "1", "--size", "1MiB",
+                                     "--block-size", "1MiB"])
+    assert r.exit_code == 1, r.output
+    assert "bench failed: [Errno 30] Read-only file system" in r.output
+    assert r.output.rstrip().endswith(": the file system is mounted read-only: remount it read-write or choose "
+                                      "another target"), r.output
 
 
 # bench in a process whose address space ends 128 MiB past what it uses, asked for a 1 GiB block:

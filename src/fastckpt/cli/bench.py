@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import click
 
+from ..errors import WRITE_FIXES
 from ._common import (
     BANDWIDTH,
     DURATION,
@@ -58,13 +59,15 @@ class Settings:
 
 
 def _failed(s: Settings, exc: OSError | MemoryError) -> str:
-    """``bench failed:`` and the worker's error; out of memory says what holds it and the fix
+    """``bench failed:`` and the worker's error, with the fix a save's write names for it (a
+    read-only --dir, no permission, a full drive); out of memory says what holds it and the fix
     (a MemoryError's message is empty)."""
     if isinstance(exc, MemoryError) or exc.errno == errno.ENOMEM:
         return (f"bench failed: out of memory ({str(exc) or type(exc).__name__}): each of the {s.workers} "
                 f"worker(s) holds its --block-size block of {fmt_bytes(s.block_bytes)} twice (the aligned buffer "
                 "and its pattern); lower --block-size or --workers")
-    return f"bench failed: {exc}"
+    fix = WRITE_FIXES.get(exc.errno) if exc.errno is not None else None  # a read-only --dir, no permission...
+    return f"bench failed: {exc}" + (f": {fix}" if fix else "")
 
 
 @dataclass(frozen=True)
