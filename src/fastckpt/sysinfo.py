@@ -36,11 +36,13 @@ class Mount:
 
 @dataclass(frozen=True)
 class Space:
-    """A filesystem's size and free bytes (``free``: what an unprivileged user may still use)."""
+    """A filesystem's size and free bytes (``free``: what an unprivileged user may still use);
+    both None where it reports no size (``f_blocks == 0``: a ramfs, some FUSE mounts; ``df``
+    shows 0/0): it has no limit fastckpt can tell, which is not a full drive."""
 
     mountpoint: str
-    size: int
-    free: int
+    size: int | None
+    free: int | None
 
 
 @dataclass(frozen=True)
@@ -106,6 +108,8 @@ def space(path: str) -> Space | None:
     except OSError:
         return None
     m = mount_of(where)
+    if not st.f_blocks:
+        return Space(m.mountpoint if m else where, None, None)
     return Space(m.mountpoint if m else where, st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize)
 
 

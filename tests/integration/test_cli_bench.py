@@ -300,6 +300,15 @@ def test_free_space_is_checked_per_filesystem(tmp_path, monkeypatch) -> None:
     assert leftovers(a, b) == []
 
 
+def test_a_ramfs_dir_has_no_size_limit_to_refuse(tmp_path) -> None:
+    """A ramfs reports no size (statvfs f_blocks == 0). Before: `... has 0 B free, and a bench fills
+    at most 95% of it (0 B ...)`, exit 2, for any --size."""
+    with tmpfs(tmp_path / "ram", "defaults", fstype="ramfs") as ram:
+        code, d = bench(ram, "--workers", "1", "--size", "1MiB", "--block-size", "1MiB", "--buffered")
+        assert code == 0 and d["write_bytes"] == d["read_bytes"] == 1 << 20
+        assert leftovers(ram) == []
+
+
 def test_a_refusal_for_space_states_the_share_of_free_space_a_bench_may_fill(tmp_path, monkeypatch) -> None:
     """A small drive: 8.39 MB free, two 4 MiB workers. It said "has 8.39 MB free; this bench needs
     8.39 MB" (a margin it did not name): now it says the bench fills at most 95 % of it, 7.97 MB."""

@@ -251,6 +251,24 @@ def test_no_shared_space_finding_for_separate_filesystems(doctor: Doctor, tmp_pa
     assert code == 0 and "target.shared_free_space" not in _by_check(out)
 
 
+def test_a_ramfs_is_a_drive_without_a_size_limit_not_a_full_one(doctor: Doctor, tmp_path: Path) -> None:
+    """A ramfs reports no size (statvfs f_blocks == 0). Before: `fail local_dir.free_space: 0 GB free
+    of 0 GB`, target.free_space and target.shared_free_space the same, exit 1, and the probe capped
+    to nothing (`bandwidth not measured: ... has 0 B free`)."""
+    with tmpfs(tmp_path / "ram", "defaults", fstype="ramfs") as ram:
+        code, out = doctor("--local-dir", str(ram / "bb"), "--target", str(ram / "home"), "--state-size", "1MiB",
+                           "--probe-size", "1MiB", "--json")
+    f = _by_check(out)
+    assert code == 0 and out["ok"], out
+    for role in ("local_dir", "target"):
+        assert f[f"{role}.free_space"]["status"] == "info"
+        assert f[f"{role}.free_space"]["summary"] == f"{ram} reports no size (a ramfs or some FUSE mounts: df " \
+            "shows 0/0): no limit to check its free space against; a ramfs grows into the node's memory"
+        assert f[f"{role}.free_space"]["data"]["free_bytes"] is None
+    assert "target.shared_free_space" not in f
+    assert f["local_dir.bandwidth"]["data"]["probe_bytes"] == 1 << 20
+
+
 @pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm")
 def test_memory_filesystem_as_burst_buffer_is_a_warning(doctor: Doctor, tmp_path: Path) -> None:
     bb = Path("/dev/shm") / f"fastckpt-doctor-{os.getpid()}"

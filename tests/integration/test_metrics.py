@@ -430,6 +430,24 @@ def test_two_burst_buffer_directories_on_one_file_system_are_one_series(tmp_path
                    (("mountpoint", sysinfo.space(str(tmp_path)).mountpoint), ("role", "burst_buffer")))]
 
 
+def test_a_ramfs_burst_buffer_exports_no_free_space_rather_than_zero(tmp_path: Path) -> None:
+    """A ramfs reports no size (statvfs f_blocks == 0): it has no limit. Before, its series said 0 bytes
+    free of 0, and an alert on free space fired for a drive that cannot fill up before memory does."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from fastckpt.metrics.collectors import NodeHealth
+    from tests.helpers import tmpfs
+
+    from ._scrape import parse
+
+    with tmpfs(tmp_path / "ram", "defaults", fstype="ramfs") as ram:
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(NodeHealth([str(ram)], lambda: []))
+        got = parse(generate_latest(registry).decode())
+    assert value(got, "fastckpt_health_source_available", source="burst_buffer_space") == 1.0  # it was found
+    assert [k for k in got if k[0].startswith("fastckpt_filesystem_") and ("mountpoint", str(ram)) in k[1]] == []
+
+
 def test_a_line_that_is_not_an_event_is_skipped_while_serving(serve: Serve, tmp_path: Path) -> None:
     """A scrape, and the exporter's own poll, read past a bad line to the events after it."""
     from fastckpt.metrics import LogExporter

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from fastckpt import sysinfo
+from tests.helpers import tmpfs
 
 # nvme-cli's JSON for `nvme smart-log /dev/nvme0 -o json` (field names of nvme-print-json.c)
 SMART = {"critical_warning": 0, "temperature": 310, "avail_spare": 100, "spare_thresh": 10, "percent_used": 3,
@@ -57,6 +58,16 @@ def test_space_of_a_directory_not_created_yet(tmp_path: Path) -> None:
     st = os.statvfs(tmp_path)
     assert sp.size == st.f_blocks * st.f_frsize
     assert sp.free > 0
+
+
+def test_a_ramfs_has_no_size_not_zero_bytes_free(tmp_path: Path) -> None:
+    """statvfs of a ramfs says f_blocks == f_bavail == 0 (``df`` shows 0/0): it has no limit. Before,
+    space() read that as 0 bytes free of 0, and doctor failed a ramfs burst buffer as full."""
+    with tmpfs(tmp_path / "ram", "defaults", fstype="ramfs") as ram:
+        sp = sysinfo.space(str(ram / "not-yet"))
+        assert (sp.mountpoint, sp.size, sp.free) == (str(ram), None, None)
+        (ram / "f").write_bytes(b"x" * 4096)  # a ramfs with files in it says 0/0 all the same
+        assert sysinfo.space(str(ram)).free is None
 
 
 def test_cpu_times(tmp_path: Path) -> None:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import click
 
+from .. import sysinfo
 from ..errors import WRITE_FIXES
 from ._common import (
     BANDWIDTH,
@@ -141,7 +142,8 @@ def run(s: Settings, d: Dist, show_progress: bool = True) -> list[PhaseResult]:
 
 
 def _check_space(s: Settings) -> None:
-    """Per filesystem: two --dir on one drive share its free space (``FREE_SHARE`` of it)."""
+    """Per filesystem: two --dir on one drive share its free space (``FREE_SHARE`` of it); one
+    that reports no size (a ramfs) has no limit to check."""
     need: dict[int, int] = {}
     dirs: dict[int, list[str]] = {}
     for w in range(s.workers):
@@ -150,9 +152,9 @@ def _check_space(s: Settings) -> None:
         if d not in dirs.setdefault(dev, []):
             dirs[dev].append(d)
     for dev, n in need.items():
-        st = os.statvfs(dirs[dev][0])
-        free = st.f_bavail * st.f_frsize
-        if n > free * FREE_SHARE:
+        sp = sysinfo.space(dirs[dev][0])
+        free = sp.free if sp is not None else None
+        if free is not None and n > free * FREE_SHARE:  # (None: no size limit, a ramfs; or no statvfs)
             where = dirs[dev][0] if len(dirs[dev]) == 1 else f"{', '.join(dirs[dev])} (one filesystem)"
             raise click.UsageError(f"{where} has {fmt_bytes(free)} free, and a bench fills at most {FREE_SHARE:.0%} of "
                                    f"it ({fmt_bytes(free * FREE_SHARE)}: the rest is left for the filesystem and "

@@ -99,6 +99,10 @@ def free_space(role: str, path: str, state_size: int | None, copies: int, drives
     check = f"{role}.free_space"
     if sp is None:
         return Finding(check, "info", f"cannot stat the filesystem of {path}")
+    if sp.free is None or sp.size is None:  # a ramfs: no limit to check, and not a full drive
+        return Finding(check, "info", f"{sp.mountpoint} reports no size (a ramfs or some FUSE mounts: df shows 0/0): "
+                       "no limit to check its free space against; a ramfs grows into the node's memory",
+                       data={"free_bytes": None, "size_bytes": None, "mountpoint": sp.mountpoint})
     data = {"free_bytes": sp.free, "size_bytes": sp.size, "mountpoint": sp.mountpoint}
     have = f"{sp.free / GB:.3g} GB free of {sp.size / GB:.3g} GB at {sp.mountpoint}"
     if state_size is None:
@@ -122,10 +126,11 @@ def _probe_size(path: str, probe_bytes: int) -> tuple[int, str]:
     kernel kill doctor (or, on a training node, the job) instead of measuring anything.
     0, and why, when a quarter of the free space is under a MiB: the probe never fills a drive."""
     sp = sysinfo.space(path)
-    if sp is not None and sp.free // FREE_SHARE < MIB:
-        return 0, (f"{path} has {fmt_bytes(sp.free)} free, and the probe writes at most a quarter of the free "
+    free = sp.free if sp is not None else None  # None: cannot stat it, or no size limit (a ramfs)
+    if free is not None and free // FREE_SHARE < MIB:
+        return 0, (f"{path} has {fmt_bytes(free)} free, and the probe writes at most a quarter of the free "
                    "space, at least 1 MiB: it would fill the drive")
-    size = min(probe_bytes, (sp.free // FREE_SHARE) if sp else probe_bytes)  # as asked, at most a quarter of it
+    size = min(probe_bytes, (free // FREE_SHARE) if free is not None else probe_bytes)  # at most a quarter of it
     avail, note = sysinfo.mem_available(), ""
     if avail is not None and size > avail // MEMORY_SHARE:
         size = avail // MEMORY_SHARE
@@ -204,6 +209,8 @@ def stripe_space(paths: tuple[str, ...], state_size: int | None, copies: int) ->
     if state_size is None:
         return None
     spaces = {sp.mountpoint: sp for p in paths if (sp := sysinfo.space(p)) is not None}
+    if any(sp.free is None for sp in spaces.values()):  # a ramfs among them: no limit to sum (its free_space says so)
+        return None
     free, need = sum(sp.free for sp in spaces.values()), state_size * copies
     about = (f"{free / GB:.3g} GB free on the {len(spaces)} filesystem(s) of the {len(paths)} directories; "
              f"{copies} checkpoint(s) of {state_size / GB:.3g} GB need {need / GB:.3g} GB (a checkpoint that is "
@@ -221,7 +228,7 @@ def shared_space(target: str, shared: list[str], state_size: int | None, copies:
     burst buffer keeps its local copies (its 1/``drives`` share) while the target keeps its durable
     ones. None when nothing is shared or without ``state_size``."""
     sp = sysinfo.space(target) if shared and state_size is not None else None
-    if sp is None or state_size is None:
+    if sp is None or sp.free is None or state_size is None:  # (free None: a ramfs, no limit to share)
         return None
     local, home = -(-state_size * copies // drives), state_size * copies
     need = local + home

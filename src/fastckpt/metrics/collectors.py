@@ -150,6 +150,8 @@ class NodeHealth(Collector):
                     continue
                 found = True
                 seen.add((role, sp.mountpoint))
+                if sp.free is None or sp.size is None:  # a ramfs: no limit, unknown, never 0 bytes free
+                    continue
                 free.add_metric([role, sp.mountpoint], sp.free)
                 size.add_metric([role, sp.mountpoint], sp.size)
             avail.add_metric([f"{role}_space"], 1.0 if found else 0.0)

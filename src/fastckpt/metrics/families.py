@@ -98,7 +98,8 @@ FAMILIES: tuple[Family, ...] = (
     Family("fastckpt_node_iowait_ratio", "gauge", "Share of CPU time in I/O wait since the previous scrape.",
            (), True),
     Family("fastckpt_filesystem_free_bytes", "gauge", "Free bytes (for unprivileged users) of the burst buffer's "
-           "and of POSIX targets' filesystems.", ("role", "mountpoint"), True),
+           "and of POSIX targets' filesystems (none for one that reports no size: a ramfs has no limit).",
+           ("role", "mountpoint"), True),
     Family("fastckpt_filesystem_size_bytes", "gauge", "Size of those filesystems.", ("role", "mountpoint"), True),
 )
 
