@@ -493,6 +493,29 @@ def test_an_endpoint_that_never_answers_fails_within_the_deadline(tmp_path: Path
     assert "retry_deadline_s" not in f"{f.summary} {f.fix}" and "load balancer" in f.fix
 
 
+def test_a_store_failing_until_the_deadline_names_doctors_deadline_not_retry_deadline_s(tmp_path: Path, s3_server,
+                                                                                       s3_bucket) -> None:
+    """A store that answers 503 to every PUT (a real SeaweedFS behind a proxy): the probe write is
+    retried until target_deadline_s. Before, the finding quoted the save's message, `... or raise
+    retry_deadline_s (now 2.9 s) to ride out longer outages`: doctor has no retry_deadline_s, and
+    the deadline it named was doctor's own, not the save's (300 s by default)."""
+    from fastckpt.doctor import DoctorOptions, diagnose
+    from tests.s3proxy import StatusProxy
+
+    proxy = StatusProxy(s3_server.process.ports["s3"], 503, "text/plain", b"busy", times=1 << 30)
+    try:
+        dx = diagnose(DoctorOptions(str(tmp_path / "bb"), f"s3://{s3_bucket}/run", probe_bytes=0, target_deadline_s=3.0,
+                                    storage_options=s3_server.storage_options(endpoint_url=proxy.endpoint_url)))
+    finally:
+        proxy.close()
+    f = {x.check: x for x in dx.findings}["target.reachable"]
+    assert f.status == "fail" and proxy.refused >= 2, f
+    assert f.summary.startswith(f"s3://{s3_bucket}/run: the write of a probe object kept failing for the 3 s doctor "
+                                "gives a URL target (its retries included; "), f.summary
+    assert "Service Unavailable" in f.summary and "retry_deadline_s" not in f.summary, f.summary
+    assert f.fix.startswith("check that the store is up and reachable from this node"), f.fix
+
+
 def test_url_target_needs_a_burst_buffer(doctor: Doctor, tmp_path: Path, s3_server, s3_bucket) -> None:
     code, out = doctor("--target", f"s3://{s3_bucket}/run", "--storage-options",
                        _options(tmp_path, s3_server.storage_options()), "--json")

@@ -8,6 +8,7 @@ import uuid
 from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeVar
 
+from ..config import DEFAULT_RETRY_DEADLINE_S
 from ..errors import FastCkptError
 from . import _core
 from .findings import Finding
@@ -100,6 +101,14 @@ def reachable(url: str, storage_options: dict, deadline_s: float) -> Finding:
                 "check the store's server behind that endpoint (hung or overloaded, or a load balancer with no "
                 "healthy backend) and that endpoint_url names the store's S3 port",
                 {"error": type(exc).__name__, "endpoint": silent, "deadline_s": deadline_s})
+        if isinstance(exc, _core.TargetUnavailableError):  # its advice, raise retry_deadline_s, is a save's option
+            return Finding("target.reachable", "fail", redact(
+                f"{url}: {doing} kept failing for the {deadline_s:g} s doctor gives a URL target (its retries "
+                f"included; last error: {exc.__cause__!r})", secrets),
+                "check that the store is up and reachable from this node (its status, a proxy or load balancer in "
+                f"front of it); a save retries such errors for its retry_deadline_s (default "
+                f"{DEFAULT_RETRY_DEADLINE_S:g} s), then fails",
+                {"error": type(exc).__name__, "deadline_s": deadline_s})
         return Finding("target.reachable", "fail", redact(f"{url}: {exc}", secrets),
                        redact("fix the URL, the endpoint (storage_options endpoint_url) or the credentials; the "
                               "message above names what the store refused", secrets),
