@@ -12,6 +12,7 @@ the tensors assembled from those bytes (a view when a saved shard is exactly the
 from __future__ import annotations
 
 import os
+import pickle
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -168,10 +169,26 @@ class FastCkptLoadStrategy(ThroughCheckpointer, LoadShardedStrategy):
                     f"ShardedObject {sh.key!r} cannot be loaded as {sh.unique_key}: saved as {same or 'nothing'}. "
                     "Objects are not resharded; load with the layout they were saved with")
             if saved.file not in loaded:
-                loaded[saved.file] = self.checkpointer.load(os.path.join(group, saved.file),
-                                                           weights_only=self._weights_only)
+                loaded[saved.file] = self._load_objects(group, saved.file, sorted(
+                    {o.key for o in wanted if index.objects[o.unique_key].file == saved.file}))
             out[sh.unique_key] = loaded[saved.file][sh.unique_key]
         return out
+
+    def _load_objects(self, group: str, file: str, keys: list[str]) -> dict:
+        """The objects file ``file``, holding the ShardedObjects ``keys``; one that weights_only
+        refuses names them and the fix as a dist_checkpointing.load caller makes it (torch's
+        message, and the core's note, speak of a torch.load call the caller never made)."""
+        path = os.path.join(group, file)
+        try:
+            return self.checkpointer.load(path, weights_only=self._weights_only)
+        except pickle.UnpicklingError as exc:
+            if not self._weights_only:
+                raise
+            raise pickle.UnpicklingError(
+                f"ShardedObject {', '.join(map(repr, keys))} cannot be loaded from {path}: it holds an object that "
+                f"weights_only=True refuses ({exc}). If you trust this checkpoint, load it with dist_checkpointing"
+                ".load(..., sharded_strategy=FastCkptLoadStrategy(checkpointer, weights_only=False)), or allow the "
+                "type first with torch.serialization.add_safe_globals([...])") from exc
 
     def load_tensors_metadata(self, checkpoint_dir: str | Path) -> ShardedStateDict:
         """Every saved tensor as a data-less ShardedTensor of its global shape and dtype."""
