@@ -171,6 +171,20 @@ def test_a_read_only_home_names_the_remount_fix(tmp_path: Path) -> None:
         in str(ei.value)
 
 
+def test_a_burst_buffer_copy_to_a_read_only_home_names_the_fix_and_no_temp_file(tmp_path: Path, caplog) -> None:
+    """The copy from the burst buffer into a read-only home's existing directory named the remount,
+    after a WARNING `could not remove temp file ...: [Errno 30] Read-only file system`: a read-only
+    mount answers EROFS to the unlink of a name that was never created."""
+    with tmpfs(tmp_path / "home", "size=4m,ro") as home, caplog.at_level("WARNING", logger="fastckpt"), \
+            fastckpt.Checkpointer(local_dir=str(tmp_path / "nvme")) as ck:
+        with pytest.raises(fastckpt.ReplicationError) as ei:
+            ck.save(_state(1), str(home / "a.pt")).wait()
+    assert ei.value.errno == errno.EROFS
+    assert f"to {home / 'a.pt'}: Read-only file system ({home}); the file system is mounted read-only: remount it " \
+           "read-write or choose another target" in str(ei.value)
+    assert "temp file" not in caplog.text, caplog.text
+
+
 @pytest.mark.parametrize(("code", "fix"), [(errno.EACCES, "fix the directory's owner/mode"),
                                            (errno.EPERM, "chattr -i / chattr -a clears it"),
                                            (errno.EIO, "check the mount (dmesg)")])

@@ -18,6 +18,7 @@ durable. A process killed in between leaves that temp name, which ``sweep_stale_
 
 from __future__ import annotations
 
+import errno
 import itertools
 import logging
 import os
@@ -212,6 +213,8 @@ def discard(ops: FileOps, path: str) -> None:
     except FileNotFoundError:
         pass
     except OSError as exc:  # the original failure matters more; leave a trace of this one
+        if exc.errno == errno.EROFS and not os.path.lexists(path):  # a read-only mount's answer for any name:
+            return  # this one was never made (its open was refused), so nothing is left behind
         log.warning("could not remove temp file %s: %s", path, exc)
 
 
