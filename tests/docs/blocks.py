@@ -4,7 +4,8 @@ Every fenced block either runs or says why not:
 
 * a ```python block runs as a script, a ```bash (or ```sh) block as a ``bash -e -o pipefail``
   script, each in a fresh temporary directory (its working directory) and in its own process,
-  as a user who pastes it into a file would run it;
+  as a user who pastes it into a file would run it (a Python block's process is forked from one
+  that imported torch and fastckpt, with the block's environment: ``run``);
 * a block on the line after ``<!-- skip: reason -->`` is not run, and the test is skipped with
   that reason (sample output, a GPU, several nodes, a Megatron-LM checkout...);
 * any other block (untagged, ```text ...) without a skip marker fails: tag it and run it, or
@@ -28,6 +29,8 @@ from pathlib import Path
 
 from sybil import Document, Region, Sybil
 from sybil.parsers.markdown.lexers import RawFencedCodeBlockLexer
+
+from tests.integration._fork_server import ForkServer
 
 ROOT = Path(__file__).resolve().parents[2]
 RUNNABLE = {"python": "python", "bash": "bash", "sh": "bash"}
@@ -107,12 +110,16 @@ def shims(bin_dir: Path) -> Path:
     return bin_dir
 
 
-def run(block: Block, cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    """Run ``block`` as a script in ``cwd``; stdout and stderr together in ``.stdout``."""
+def run(block: Block, cwd: Path, env: dict[str, str], python: ForkServer) -> subprocess.CompletedProcess[str]:
+    """Run ``block`` as a script in ``cwd``; stdout and stderr together in ``.stdout``. A Python
+    block runs as ``python block.py`` would, forked from ``python``, a process that imported torch
+    and fastckpt once (about 2 s of CPU a block on CI's 2 cores: the imports, not the block)."""
     if block.runner == "python":
-        script, argv = cwd / "block.py", [sys.executable, "block.py"]
-    else:
-        script, argv = cwd / "block.sh", ["bash", "-e", "-o", "pipefail", "block.sh"]
+        script = cwd / "block.py"
+        script.write_text(block.source)
+        done = python.run_script(str(script), str(cwd), env, TIMEOUT_S)
+        return subprocess.CompletedProcess(done.args, done.returncode, done.stdout + done.stderr)
+    script, argv = cwd / "block.sh", ["bash", "-e", "-o", "pipefail", "block.sh"]
     script.write_text(block.source)
     return subprocess.run(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           timeout=TIMEOUT_S, check=False)

@@ -7,11 +7,13 @@ One test per block, named ``FILE:LINE``: ``pytest tests/docs -k burst-buffer`` r
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.docs.blocks import Block, all_blocks, run, shims
+from tests.integration._fork_server import ForkServer
 
 BLOCKS = all_blocks()
 _EMPTIED: set[tuple[str, str]] = set()  # (page, bucket): emptied before the page's first block naming it
@@ -45,8 +47,17 @@ def _env(request: pytest.FixtureRequest, block: Block, tmp: Path) -> dict[str, s
     return env
 
 
+@pytest.fixture(scope="module")
+def python(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ForkServer]:
+    """The process Python blocks are forked from (``blocks.run``); each child gets its block's environment."""
+    log = str(tmp_path_factory.mktemp("blocks-python") / "server.err")
+    server = ForkServer(["torch", "fastckpt"], dict(os.environ), log, 120.0)
+    yield server
+    server.close()
+
+
 @pytest.mark.parametrize("block", BLOCKS, ids=[b.id for b in BLOCKS])
-def test_block_runs(block: Block, request: pytest.FixtureRequest, tmp_path: Path) -> None:
+def test_block_runs(block: Block, request: pytest.FixtureRequest, tmp_path: Path, python: ForkServer) -> None:
     if block.skip is not None:
         pytest.skip(f"{block.id}: {block.skip}")
     if block.runner is None:
@@ -54,7 +65,7 @@ def test_block_runs(block: Block, request: pytest.FixtureRequest, tmp_path: Path
                     "it ```python or ```bash, or put `<!-- skip: reason -->` on the line before it (sample "
                     "output, a GPU, several nodes...)", pytrace=False)
     env = _env(request, block, tmp_path)
-    done = run(block, tmp_path, env)
+    done = run(block, tmp_path, env, python)
     if done.returncode != 0:
         pytest.fail(f"{block.id} exited {done.returncode}:\n{done.stdout[-6000:]}", pytrace=False)
 

@@ -9,6 +9,11 @@ Every PRELOAD module is imported once here. Then each line on stdin is a JSON re
   ``python NAME's-file ARGV...`` would: ``sys.argv = [its file, *argv]``, then ``main()``.
 - ``{"code": TEXT, "argv": [...], ...}``: fork a child that runs TEXT as ``python -c TEXT
   ARGV...`` would: in a fresh ``__main__`` module, ``sys.argv = ["-c", *argv]``.
+- ``{"script": PATH, "argv": [...], ...}``: fork a child that runs the file PATH as ``python PATH
+  ARGV...`` would (``runpy.run_path``: its own ``__main__``, its folder first on ``sys.path``).
+
+Any request may add ``"cwd": DIR`` (the child's working directory) and ``"env_exact": true``
+(``env`` is the child's whole environment, not an addition to the server's).
 
 Either way the child starts its own session (as ``Popen(start_new_session=True)``:
 ``os.killpg(pid, SIGKILL)`` takes it and anything it forks), adds ``env`` to its environment,
@@ -37,6 +42,7 @@ import importlib
 import json
 import os
 import queue
+import runpy
 import select
 import signal
 import subprocess
@@ -84,8 +90,9 @@ class ForkServer:
             raise AssertionError(f"the fork server did not answer {request} within {timeout_s or self.timeout_s} s "
                                  f"(exit code {self.proc.poll()})") from None
 
-    def start(self, argv: list[str], env: dict[str, str], stdout_path: str, stderr_path: str, **what: str) -> int:
-        """Fork a child (``what``: ``module=`` or ``code=``, as the module docstring says); its
+    def start(self, argv: list[str], env: dict[str, str], stdout_path: str, stderr_path: str, **what: object) -> int:
+        """Fork a child (``what``: ``module=``, ``code=`` or ``script=``, and the module docstring's
+        options); its
         pid (and session id)."""
         return int(self._ask({"argv": argv, "env": env, "stdout": stdout_path, "stderr": stderr_path, **what})[1])
 
@@ -115,8 +122,13 @@ class ForkServer:
         with ``env`` added to the child's environment."""
         return self._run([module, *argv], argv, env, timeout_s, module=module)
 
+    def run_script(self, script: str, cwd: str, env: dict[str, str], timeout_s: float) -> subprocess.CompletedProcess:
+        """``subprocess.run([sys.executable, script], cwd=cwd, env=env, capture_output=True,
+        text=True, timeout=timeout_s)``, forked: ``env`` is the child's whole environment."""
+        return self._run([script], [], env, timeout_s, script=script, cwd=cwd, env_exact=True)
+
     def _run(self, args: list[str], argv: list[str], env: dict[str, str], timeout_s: float,
-             **what: str) -> subprocess.CompletedProcess:
+             **what: object) -> subprocess.CompletedProcess:
         stem = self.out_dir / f"forked-{uuid.uuid4().hex[:12]}"
         out, err = Path(f"{stem}.out"), Path(f"{stem}.err")
         pid = self.start(argv, env, str(out), str(err), **what)
@@ -145,7 +157,11 @@ def fork_child(request: dict) -> int:
     if pid != 0:
         return pid
     os.setsid()
+    if request.get("env_exact"):  # the child's whole environment, not an addition to the server's
+        os.environ.clear()
     os.environ.update(request.get("env", {}))
+    if "cwd" in request:
+        os.chdir(request["cwd"])
     for fd, path, flags in ((0, os.devnull, os.O_RDONLY), (1, request["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC),
                             (2, request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)):
         opened = os.open(path, flags, 0o644)
@@ -155,6 +171,10 @@ def fork_child(request: dict) -> int:
         module = sys.modules[request["module"]]
         sys.argv = [module.__file__, *request["argv"]]
         module.main()
+    elif "script" in request:  # as ``python SCRIPT ARGV...``: its folder first on sys.path, its own __main__
+        sys.argv = [request["script"], *request["argv"]]
+        sys.path[0] = os.path.dirname(os.path.abspath(request["script"]))
+        runpy.run_path(request["script"], run_name="__main__")
     else:
         main_module = types.ModuleType("__main__")
         sys.modules["__main__"] = main_module  # classes the code defines pickle as a -c script's do
