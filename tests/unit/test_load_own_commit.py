@@ -41,7 +41,7 @@ def _loaded_while_the_commit_is_held(tmp_path: Path, first: bool, read: Callable
         reader = threading.Thread(target=run)
         reader.start()
         gate.wait_entered()
-        reader.join(5)  # a bound, not a race: a load that waits is still waiting, one that did not has returned
+        reader.join(1)  # a bound, not a race: a load that waits is still waiting, one that did not has returned (ms)
         gate.open()
         reader.join(60)
     return got[0]
@@ -84,7 +84,7 @@ def test_a_load_waits_for_a_save_of_the_same_file_spelt_through_a_symbolic_link(
         reader = threading.Thread(target=lambda: got.append(ck.load(str(tmp_path / loaded / "last.pt"))))
         reader.start()
         gate.wait_entered()
-        reader.join(5)  # a bound, not a race: a load that waits is still waiting, one that did not has returned
+        reader.join(1)  # a bound, not a race: a load that waits is still waiting, one that did not has returned (ms)
         gate.open()
         reader.join(60)
     assert int(got[0]["v"]) == 2
