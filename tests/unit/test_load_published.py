@@ -151,10 +151,12 @@ def test_the_objects_own_check_gives_up_as_soon_as_the_sidecars(root: str, tmp_p
         attempts.append(1)
         raise TimeoutError("the store does not answer")
 
-    with retry.capped(0.0), pytest.raises(retry.TargetUnavailableError):
+    with retry.capped(0.0), pytest.raises(retry.TargetUnavailableError) as gave_up:
         retry.retry_call(down, what="HEAD of s3://b/k", url="s3://b", deadline_s=300, is_transient=lambda e: True,
                          permanent=lambda e, what: None)
     assert attempts == [1]
+    # the cap, not the user's setting: "raise retry_deadline_s (now 0 s)" named a value no option holds
+    assert "this check waits 0 s at most, whatever retry_deadline_s says" in str(gave_up.value), gave_up.value
 
 
 def test_an_emptied_object_under_its_sidecar_loads_the_published_local_copy(root: str, tmp_path: Path) -> None:

@@ -77,8 +77,10 @@ def retry_call(fn: Callable[[], T], *, what: str, url: str, deadline_s: float,
         ReplicationError: a permanent error, named by ``permanent``.
     """
     t0 = time.monotonic()
-    if (cap := _CAP.get()) is not None:
-        deadline_s = min(deadline_s, cap)
+    cap = _CAP.get()
+    capped_here = cap is not None and cap < deadline_s
+    if capped_here:
+        deadline_s = cap  # type: ignore[assignment]
 
     def retryable(exc: BaseException) -> bool:
         return not isinstance(exc, _FINAL) and is_transient(exc) and not (cancel is not None and cancel.is_set())
@@ -97,10 +99,11 @@ def retry_call(fn: Callable[[], T], *, what: str, url: str, deadline_s: float,
     def give_up(state: tenacity.RetryCallState) -> T:
         exc = state.outcome.exception()  # type: ignore[union-attr]
         elapsed = time.monotonic() - t0
+        longer = (f"this check waits {deadline_s:g} s at most, whatever retry_deadline_s says" if capped_here else
+                  f"or raise retry_deadline_s (now {deadline_s:g} s) to ride out longer outages")
         raise storage_error(TargetUnavailableError, f"{what}: {url} kept failing for {elapsed:.1f} s "
                             f"({state.attempt_number} attempt(s), last error: {exc!r}); check that the target is "
-                            "up and reachable from this node, or raise retry_deadline_s "
-                            f"(now {deadline_s:g} s) to ride out longer outages", err_no=errno.ETIMEDOUT) from exc
+                            f"up and reachable from this node; {longer}", err_no=errno.ETIMEDOUT) from exc
 
     backoff = tenacity.wait_random_exponential(multiplier=BACKOFF_FIRST_S, max=BACKOFF_MAX_S)
 
