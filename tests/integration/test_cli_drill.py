@@ -289,16 +289,30 @@ signal.pause()
 """
 
 
-def test_a_drill_killed_with_sigkill_takes_its_job_and_the_jobs_children(tmp_path) -> None:
+# A job whose child starts a session of its own (as torchrun's workers do) and holds a FIFO open for
+# writing: the test reads the job's pid there, then EOF once the child is dead.
+_SESSION_JOB = """
+import os, signal, subprocess, sys
+fd = os.open(sys.argv[1], os.O_WRONLY)
+subprocess.Popen([sys.executable, "-c", "import signal; signal.pause()"], pass_fds=(fd,), start_new_session=True)
+os.write(fd, str(os.getpid()).encode())
+signal.pause()
+"""
+
+
+@pytest.mark.parametrize("job_code", [_HOLDING_JOB, _SESSION_JOB], ids=["child-in-its-group", "child-in-own-session"])
+def test_a_drill_killed_with_sigkill_takes_its_job_and_the_jobs_children(tmp_path, job_code: str) -> None:
     """The job, in a session of its own, trained on for good after the drill was SIGKILLed (the OOM
     killer, ``timeout -s KILL``): nothing tied its life to the drill's. Now its leader dies with the
-    drill and the drill's guard kills the rest of its process group."""
+    drill and the drill's guard kills the rest of its process group, and the job's children in
+    sessions of their own (torchrun's workers: orphans once the leader died) by the mark in their
+    environment."""
     fifo, tmp = str(tmp_path / "held"), tmp_path / "tmp"
     os.mkfifo(fifo)
     tmp.mkdir()
     env = dict(os.environ, TMPDIR=str(tmp), PYTHONPATH=os.pathsep.join(filter(None, [REPO, *sys.path])))
     p = subprocess.Popen([sys.executable, "-c", _DRILL, "drill", "--dir", str(tmp_path / "home"), "--min-run", "10m",
-                          "--max-run", "10m", "--", sys.executable, "-c", _HOLDING_JOB, fifo],
+                          "--max-run", "10m", "--", sys.executable, "-c", job_code, fifo],
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     fd = os.open(fifo, os.O_RDONLY)  # blocks until the job opens it
     try:
@@ -420,17 +434,6 @@ def test_a_probe_that_dies_is_named_not_the_users_job(tmp_path, monkeypatch) -> 
     assert code == 1 and d["error"].startswith("the drill's restore probe (not your job) exited with 5"), d["error"]
     assert "probe broke" in d["error"]
     shutil.rmtree(d["logs"])
-
-
-# A job whose child starts a session of its own (as torchrun's workers do) and holds a FIFO open for
-# writing: the test reads the job's pid there, then EOF once the child is dead.
-_SESSION_JOB = """
-import os, signal, subprocess, sys
-fd = os.open(sys.argv[1], os.O_WRONLY)
-subprocess.Popen([sys.executable, "-c", "import signal; signal.pause()"], pass_fds=(fd,), start_new_session=True)
-os.write(fd, str(os.getpid()).encode())
-signal.pause()
-"""
 
 
 def test_a_trials_kill_takes_the_jobs_children_in_sessions_of_their_own(tmp_path) -> None:

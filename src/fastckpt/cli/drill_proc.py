@@ -5,7 +5,8 @@ A drill killed with SIGKILL runs no clean-up, and its jobs, in sessions of their
 on for good. So each group's leader dies with the drill (``die_with_parent``), and a guard, a
 tiny process in a session of its own, holds the read end of a pipe only the drill writes to:
 when that end reads EOF without a word first (every descriptor of the drill closed: it is gone),
-the guard SIGKILLs the whole group, the leader's own children too. ``Child.kill`` says a word
+the guard SIGKILLs the whole group, the leader's own children too, and every process that carries
+the child's mark in its environment (torchrun's workers, in sessions of their own). ``Child.kill`` says a word
 and closes the pipe: the guard then leaves the group, by then gone and its number free, alone.
 """
 
@@ -21,17 +22,34 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 
 from ..errors import FastCkptError
 from ._signals import descendants, die_with_parent
 
 TAIL_BYTES = 4000
-_GUARD = ("import os, signal, sys\n"
-          "if not os.read(0, 1):\n"  # EOF without a word: the drill is gone
-          "    try:\n"
-          "        os.killpg(int(sys.argv[1]), signal.SIGKILL)\n"
-          "    except ProcessLookupError:\n"
-          "        pass\n")
+MARK = "FASTCKPT_DRILL_CHILD"  # in each child's environment, which everything it starts inherits
+# The guard, on EOF without a word (the drill is gone): SIGKILL the job's process group, then every
+# process whose environment carries the job's mark. torchrun's workers start sessions of their own,
+# out of the group, and once the job's first process dies with the drill they are orphans with no
+# parent link back to it; the mark, inherited through fork and exec, still names them.
+_GUARD = """
+import os, signal, sys
+job, mark = int(sys.argv[1]), sys.argv[2].encode()
+if not os.read(0, 1):
+    try:
+        os.killpg(job, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    for name in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{name}/environ", "rb") as f:
+                marked = mark in f.read().split(b"\\0")
+            if name.isdigit() and marked:
+                os.kill(int(name), signal.SIGKILL)
+        except (OSError, ValueError):
+            pass
+"""
 
 
 class DrillError(FastCkptError, RuntimeError):
@@ -47,12 +65,14 @@ class Child:
         self.log_path, self.who = log_path, who  # who is named when it fails: the job, or the drill's own probe
         self._log = open(log_path, "ab")  # noqa: SIM115 (closed in kill() / close())
         self.t_spawn = time.time()
+        mark = f"{MARK}={uuid.uuid4().hex}"
+        env = dict(os.environ if env is None else env, **dict([mark.split("=")]))
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE if json_lines else self._log, stderr=self._log,
                                      env=env, start_new_session=True, text=json_lines,
                                      preexec_fn=functools.partial(die_with_parent, os.getpid()))
         watched, self._alive = os.pipe()  # not inherited (PEP 446): only the drill holds the write end
         try:
-            self._guard = subprocess.Popen([sys.executable, "-I", "-S", "-c", _GUARD, str(self.proc.pid)],
+            self._guard = subprocess.Popen([sys.executable, "-I", "-S", "-c", _GUARD, str(self.proc.pid), mark],
                                            stdin=watched, stdout=subprocess.DEVNULL, start_new_session=True)
         finally:
             os.close(watched)
