@@ -516,6 +516,24 @@ def test_a_store_failing_until_the_deadline_names_doctors_deadline_not_retry_dea
     assert f.fix.startswith("check that the store is up and reachable from this node"), f.fix
 
 
+def test_an_endpoint_that_refuses_connections_is_named_as_a_wrong_endpoint_not_an_outage(tmp_path: Path,
+                                                                                           s3_server) -> None:
+    """A wrong endpoint port (nothing listens): the store's client fails at once with
+    TargetUnreachableError, a TargetUnavailableError, and the finding for a store that kept failing
+    caught it too: "kept failing for the 3 s doctor gives a URL target", advice to wait out an outage."""
+    import socket
+
+    from fastckpt.doctor import DoctorOptions, diagnose
+
+    with socket.socket() as s:  # a port nothing listens on once closed
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dx = diagnose(DoctorOptions(str(tmp_path / "bb"), "s3://bucket/run", probe_bytes=0, target_deadline_s=3.0,
+                                storage_options=s3_server.storage_options(endpoint_url=f"http://127.0.0.1:{port}")))
+    f = {x.check: x for x in dx.findings}["target.reachable"]
+    assert f.status == "fail" and "cannot reach the endpoint" in f.summary and "kept failing" not in f.summary, f
+
+
 def test_url_target_needs_a_burst_buffer(doctor: Doctor, tmp_path: Path, s3_server, s3_bucket) -> None:
     code, out = doctor("--target", f"s3://{s3_bucket}/run", "--storage-options",
                        _options(tmp_path, s3_server.storage_options()), "--json")

@@ -6,8 +6,8 @@ from __future__ import annotations
 from ..save.tiers import TierSelector, gds_probe_write, gds_unavailable_reason, probe_odirect
 from ..storage.homes import open_target
 from ..storage.reach import silent_endpoint
-from ..storage.types import TargetUnavailableError
+from ..storage.types import TargetUnavailableError, TargetUnreachableError
 from ..urls import split_url
 
-__all__ = ["TargetUnavailableError", "TierSelector", "gds_probe_write", "gds_unavailable_reason", "open_target",
-           "probe_odirect", "silent_endpoint", "split_url"]
+__all__ = ["TargetUnavailableError", "TargetUnreachableError", "TierSelector", "gds_probe_write",
+           "gds_unavailable_reason", "open_target", "probe_odirect", "silent_endpoint", "split_url"]

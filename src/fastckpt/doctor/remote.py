@@ -101,7 +101,8 @@ def reachable(url: str, storage_options: dict, deadline_s: float) -> Finding:
                 "check the store's server behind that endpoint (hung or overloaded, or a load balancer with no "
                 "healthy backend) and that endpoint_url names the store's S3 port",
                 {"error": type(exc).__name__, "endpoint": silent, "deadline_s": deadline_s})
-        if isinstance(exc, _core.TargetUnavailableError):  # its advice, raise retry_deadline_s, is a save's option
+        if isinstance(exc, _core.TargetUnavailableError) and not isinstance(exc, _core.TargetUnreachableError):
+            # kept failing (its advice, raise retry_deadline_s, is a save's option); unreachable: its own message
             return Finding("target.reachable", "fail", redact(
                 f"{url}: {doing} kept failing for the {deadline_s:g} s doctor gives a URL target (its retries "
                 f"included; last error: {exc.__cause__!r})", secrets),
