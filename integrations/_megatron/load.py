@@ -170,7 +170,8 @@ class FastCkptLoadStrategy(ThroughCheckpointer, LoadShardedStrategy):
                     "Objects are not resharded; load with the layout they were saved with")
             if saved.file not in loaded:
                 loaded[saved.file] = self._load_objects(group, saved.file, sorted(
-                    {o.key for o in wanted if index.objects[o.unique_key].file == saved.file}))
+                    {o.key for o in wanted if (where := index.objects.get(o.unique_key)) is not None
+                     and where.file == saved.file}))  # (one missing is named when the loop reaches it)
             out[sh.unique_key] = loaded[saved.file][sh.unique_key]
         return out
 

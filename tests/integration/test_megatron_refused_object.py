@@ -57,3 +57,48 @@ def test_a_refused_sharded_object_names_its_key_and_the_fix(tmp_path, megatron_p
                             "FastCkptLoadStrategy(checkpointer, weights_only=False)), or allow the type first with "
                             "torch.serialization.add_safe_globals([...])"), refused
     assert lines["LOADED"] == "LOADED 1/3"  # the fix it names works
+
+
+RESHARDED = r"""
+import sys, warnings
+warnings.filterwarnings("ignore")
+import torch, torch.distributed as dist
+from megatron.core import dist_checkpointing as dc
+from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor
+import fastckpt
+from fastckpt.integrations import megatron as fm
+
+ck_dir = sys.argv[1]
+dist.init_process_group("gloo", store=dist.FileStore(ck_dir + ".store", 1), rank=0, world_size=1)
+ck = fastckpt.Checkpointer()
+fm.register(ck)
+
+
+def state(n, a, b):
+    return {"w": ShardedTensor.from_rank_offsets("w", torch.zeros(4)),
+            "opt": ShardedObject("opt_extra", a, (1,), (0,), replica_id=0),
+            "rank_obj": ShardedObject("rank_obj", b, (n,), (0,), replica_id=0)}
+
+
+dc.save(state(1, {"lr": 1.0}, {"seed": 1}), ck_dir, ("fastckpt", 1))
+try:  # one rank's view of a load with a changed data-parallel size
+    dc.load(state(2, None, None), ck_dir, validate_access_integrity=False)
+except Exception as exc:
+    print("REFUSED", type(exc).__name__, str(exc), flush=True)
+ck.close()
+dist.destroy_process_group()
+"""
+
+
+def test_an_object_saved_in_another_layout_beside_a_loadable_one_is_named(tmp_path, megatron_python) -> None:
+    """The refusal above gathered the keys of an objects file with ``index.objects[key]`` over every
+    wanted object, before the check that names one missing from the save: a rank whose object was
+    saved as 1 shard and is asked for as 2 died with a bare KeyError, not the ReshardingError."""
+    ck_dir = tmp_path / "iter_0000001"
+    ck_dir.mkdir()
+    res = megatron_python.run_code(RESHARDED, [str(ck_dir)], 300)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
+    refused = next(ln for ln in res.stdout.splitlines() if ln.startswith("REFUSED"))
+    assert refused == ("REFUSED ReshardingError ShardedObject 'rank_obj' cannot be loaded as rank_obj/shard_0_2: saved "
+                       "as ['rank_obj/shard_0_1']. Objects are not resharded; load with the layout they were saved "
+                       "with"), refused
