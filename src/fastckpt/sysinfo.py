@@ -43,6 +43,7 @@ class Space:
     mountpoint: str
     size: int | None
     free: int | None
+    in_memory: bool = False  # a ramfs: its files take the node's memory, which bounds them (``room``)
 
 
 @dataclass(frozen=True)
@@ -109,8 +110,17 @@ def space(path: str) -> Space | None:
         return None
     m = mount_of(where)
     if not st.f_blocks:
-        return Space(m.mountpoint if m else where, None, None)
+        return Space(m.mountpoint if m else where, None, None, m is not None and m.fstype == "ramfs")
     return Space(m.mountpoint if m else where, st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize)
+
+
+def room(sp: Space) -> int | None:
+    """Bytes that may still be written there: its free space; on a ramfs, which reports no size,
+    the memory available (its pages can be neither swapped nor reclaimed: a write past it runs
+    the node out of memory); None where nothing bounds it that fastckpt can tell."""
+    if sp.free is not None:
+        return sp.free
+    return mem_available() if sp.in_memory else None
 
 
 def mem_available(path: str = "/proc/meminfo", cgroup_root: str = CGROUP_ROOT,

@@ -300,12 +300,22 @@ def test_free_space_is_checked_per_filesystem(tmp_path, monkeypatch) -> None:
     assert leftovers(a, b) == []
 
 
-def test_a_ramfs_dir_has_no_size_limit_to_refuse(tmp_path) -> None:
+def test_a_ramfs_dir_is_bounded_by_the_memory_available(tmp_path) -> None:
     """A ramfs reports no size (statvfs f_blocks == 0). Before: `... has 0 B free, and a bench fills
-    at most 95% of it (0 B ...)`, exit 2, for any --size."""
+    at most 95% of it (0 B ...)`, exit 2, for any --size; then no bound at all, though its pages can
+    be neither swapped nor reclaimed: a bench larger than memory ran the node out of it."""
+    from fastckpt import sysinfo
+    from fastckpt.cli import bench as B
+
     with tmpfs(tmp_path / "ram", "defaults", fstype="ramfs") as ram:
         code, d = bench(ram, "--workers", "1", "--size", "1MiB", "--block-size", "1MiB", "--buffered")
         assert code == 0 and d["write_bytes"] == d["read_bytes"] == 1 << 20
+        assert leftovers(ram) == []
+        too_big = B.Settings(dirs=(str(ram),), workers=2, engine="threads", block_bytes=1 << 20, duration_s=None,
+                             file_bytes=sysinfo.mem_available(), mode="write", direct=False, gds=False, verify=False)
+        refused = B._refusal(too_big)
+        assert refused is not None and refused[0] == 2 and \
+            "of memory available (a ramfs keeps its files in memory)" in refused[1], refused
         assert leftovers(ram) == []
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from fastckpt import sysinfo
 from tests.cli_child import CliChild
 from tests.helpers import tmpfs
 
@@ -254,17 +255,22 @@ def test_no_shared_space_finding_for_separate_filesystems(doctor: Doctor, tmp_pa
 def test_a_ramfs_is_a_drive_without_a_size_limit_not_a_full_one(doctor: Doctor, tmp_path: Path) -> None:
     """A ramfs reports no size (statvfs f_blocks == 0). Before: `fail local_dir.free_space: 0 GB free
     of 0 GB`, target.free_space and target.shared_free_space the same, exit 1, and the probe capped
-    to nothing (`bandwidth not measured: ... has 0 B free`)."""
+    to nothing (`bandwidth not measured: ... has 0 B free`). Its bound is the memory available (its
+    pages can be neither swapped nor reclaimed): checkpoints larger than that fail the check."""
     with tmpfs(tmp_path / "ram", "defaults", fstype="ramfs") as ram:
         code, out = doctor("--local-dir", str(ram / "bb"), "--target", str(ram / "home"), "--state-size", "1MiB",
                            "--probe-size", "1MiB", "--json")
+        too_big = sysinfo.mem_available() * 2  # (two copies: --keep's default)
+        _, big = doctor("--local-dir", str(ram / "bb"), "--target", str(ram / "home"), "--state-size", str(too_big),
+                        "--probe-size", "0", "--json")
     f = _by_check(out)
     assert code == 0 and out["ok"], out
     for role in ("local_dir", "target"):
-        assert f[f"{role}.free_space"]["status"] == "info"
-        assert f[f"{role}.free_space"]["summary"] == f"{ram} reports no size (a ramfs or some FUSE mounts: df " \
-            "shows 0/0): no limit to check its free space against; a ramfs grows into the node's memory"
-        assert f[f"{role}.free_space"]["data"]["free_bytes"] is None
+        assert f[f"{role}.free_space"]["status"] == "ok"
+        assert f"GB of memory available to {ram}, a ramfs (it keeps its files in memory" in \
+            f[f"{role}.free_space"]["summary"], f[f"{role}.free_space"]
+        assert f[f"{role}.free_space"]["data"]["size_bytes"] is None
+        assert _by_check(big)[f"{role}.free_space"]["status"] == "fail", _by_check(big)[f"{role}.free_space"]
     assert "target.shared_free_space" not in f
     assert f["local_dir.bandwidth"]["data"]["probe_bytes"] == 1 << 20
 

@@ -142,8 +142,8 @@ def run(s: Settings, d: Dist, show_progress: bool = True) -> list[PhaseResult]:
 
 
 def _check_space(s: Settings) -> None:
-    """Per filesystem: two --dir on one drive share its free space (``FREE_SHARE`` of it); one
-    that reports no size (a ramfs) has no limit to check."""
+    """Per filesystem: two --dir on one drive share its free space (``FREE_SHARE`` of it); a ramfs
+    (no size) the memory available; another that reports no size has no limit to check."""
     need: dict[int, int] = {}
     dirs: dict[int, list[str]] = {}
     for w in range(s.workers):
@@ -153,13 +153,14 @@ def _check_space(s: Settings) -> None:
             dirs[dev].append(d)
     for dev, n in need.items():
         sp = sysinfo.space(dirs[dev][0])
-        free = sp.free if sp is not None else None
-        if free is not None and n > free * FREE_SHARE:  # (None: no size limit, a ramfs; or no statvfs)
+        free = sysinfo.room(sp) if sp is not None else None
+        if free is not None and n > free * FREE_SHARE:  # (None: no size limit it can tell, or no statvfs)
             where = dirs[dev][0] if len(dirs[dev]) == 1 else f"{', '.join(dirs[dev])} (one filesystem)"
-            raise click.UsageError(f"{where} has {fmt_bytes(free)} free, and a bench fills at most {FREE_SHARE:.0%} of "
-                                   f"it ({fmt_bytes(free * FREE_SHARE)}: the rest is left for the filesystem and "
-                                   f"other writers); this one needs {fmt_bytes(n)} there (--workers x --size): lower "
-                                   "them or add a --dir on another drive")
+            has = "free" if sp.free is not None else "of memory available (a ramfs keeps its files in memory)"
+            raise click.UsageError(f"{where} has {fmt_bytes(free)} {has}, and a bench fills at most "
+                                   f"{FREE_SHARE:.0%} of it ({fmt_bytes(free * FREE_SHARE)}: the rest is left for the "
+                                   f"filesystem and other writers); this one needs {fmt_bytes(n)} there (--workers x "
+                                   "--size): lower them or add a --dir on another drive")
 
 
 def _refusal(s: Settings) -> tuple[int, str, dict | None] | None:

@@ -99,22 +99,25 @@ def free_space(role: str, path: str, state_size: int | None, copies: int, drives
     check = f"{role}.free_space"
     if sp is None:
         return Finding(check, "info", f"cannot stat the filesystem of {path}")
-    if sp.free is None or sp.size is None:  # a ramfs: no limit to check, and not a full drive
-        return Finding(check, "info", f"{sp.mountpoint} reports no size (a ramfs or some FUSE mounts: df shows 0/0): "
-                       "no limit to check its free space against; a ramfs grows into the node's memory",
-                       data={"free_bytes": None, "size_bytes": None, "mountpoint": sp.mountpoint})
-    data = {"free_bytes": sp.free, "size_bytes": sp.size, "mountpoint": sp.mountpoint}
-    have = f"{sp.free / GB:.3g} GB free of {sp.size / GB:.3g} GB at {sp.mountpoint}"
+    free = sysinfo.room(sp)
+    if free is None:  # no size and not a ramfs: no limit to check, and not a full drive
+        return Finding(check, "info", f"{sp.mountpoint} reports no size (some FUSE mounts: df shows 0/0): no limit "
+                       "to check its free space against", data={"free_bytes": None, "size_bytes": None,
+                                                                   "mountpoint": sp.mountpoint})
+    data = {"free_bytes": free, "size_bytes": sp.size, "mountpoint": sp.mountpoint}
+    have = (f"{free / GB:.3g} GB free of {sp.size / GB:.3g} GB at {sp.mountpoint}" if sp.size is not None else
+            f"{free / GB:.3g} GB of memory available to {sp.mountpoint}, a ramfs (it keeps its files in memory, "
+            "which they can neither be swapped out of nor reclaimed from)")
     if state_size is None:
         return Finding(check, "info", have, "pass --state-size to check it against your checkpoints", data)
     need = -(-state_size * copies // drives)
     data.update(need_bytes=need, copies=copies, drives=drives)
     about = f"{have}; {copies} checkpoint(s) of {state_size / GB:.3g} GB need {need / GB:.3g} GB" + (
         f" here, a 1/{drives} share striped over {drives} drives" if drives > 1 else "")
-    if sp.free < need:
-        return Finding(check, "fail", about, f"free {(need - sp.free) / GB:.3g} GB, lower keep_local/keep_persistent, "
+    if free < need:
+        return Finding(check, "fail", about, f"free {(need - free) / GB:.3g} GB, lower keep_local/keep_persistent, "
                        f"or choose a larger {role}", data)
-    if sp.free < 1.25 * need:
+    if free < 1.25 * need:
         return Finding(check, "warn", about + " (less than 25 % to spare)", "leave room for growth of the state",
                        data)
     return Finding(check, "ok", about, data=data)
