@@ -98,7 +98,12 @@ def file_in_the_way(directory: str) -> str | None:
     """Why a write into ``directory`` failed with EEXIST or ENOTDIR, when a file stands where it or
     one of its parents must be a directory: that file named, and the fix; None if there is none."""
     p = blocking_file(directory)
-    return None if p is None else f"{p} is a file, not a directory (choose another path, or move that file away)"
+    if p is None:
+        return None
+    if os.path.islink(p) and not os.path.exists(p):  # a link to nothing (a drive not mounted here): no file to move
+        return (f"{p} is a symbolic link to {os.readlink(p)}, which does not exist (create it or mount its drive, "
+                "or choose another path)")
+    return f"{p} is a file, not a directory (choose another path, or move that file away)"
 
 
 @contextmanager

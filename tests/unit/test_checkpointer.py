@@ -396,6 +396,17 @@ def test_a_local_dir_that_cannot_be_made_is_refused_at_once_or_left_out(tmp_path
     assert sorted(os.listdir(good / tmp_path.relative_to("/") / "home")) == ["s0.pt", "s1.pt", "s2.pt"]
 
 
+def test_a_local_dir_that_is_a_link_to_nothing_names_the_missing_target(tmp_path) -> None:
+    """``/scratch/me`` -> ``/local_nvme/me``, a drive not mounted on this node: the link was called
+    "a file, not a directory" with "move that file away" as the fix; the missing target is the problem."""
+    link = tmp_path / "scratch"
+    link.symlink_to(tmp_path / "local_nvme" / "me")
+    with pytest.raises(fastckpt.ConfigError) as ei:
+        fastckpt.Checkpointer(local_dir=str(link))
+    assert f"{link} is a symbolic link to {tmp_path / 'local_nvme' / 'me'}, which does not exist (create it or mount " \
+           "its drive, or choose another path)" in str(ei.value), ei.value
+
+
 def test_an_event_log_that_cannot_be_written_is_a_config_error(tmp_path) -> None:
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
