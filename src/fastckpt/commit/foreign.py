@@ -224,7 +224,7 @@ def check_step(extra: dict) -> dict:
         n = -1
     if n < 0:
         raise ConfigError(f"commit(step={step!r}): the step must be an integer >= 0 (the training step this group "
-                          "holds, which orders the checkpoints), or None for no step")
+                          "holds, recorded in its manifest), or None for no step")
     return {**extra, "step": n}
 
 
