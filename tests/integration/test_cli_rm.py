@@ -77,3 +77,22 @@ def test_rm_at_a_url(s3_server, s3_bucket, tmp_path: Path) -> None:
     assert r.exit_code == 1 and "a directory holding 2 checkpoints" in r.stderr, r.output
     r = run("rm", f"{home}/g-1", *so)
     assert r.exit_code == 1 and "nothing there" in r.stderr, r.output
+
+
+def test_remove_and_rm_of_a_file_alone_in_its_folder_at_a_url_leave_nothing_there(s3_server, s3_bucket,
+                                                                                  tmp_path: Path) -> None:
+    """A file's publication at a URL moves its folder's ``latest`` to it: removed, the file left that
+    pointer behind, naming nothing (``run/step-1/latest``, a folder ``fastckpt ls`` still listed)."""
+    opts = s3_server.storage_options()
+    home = f"s3://{s3_bucket}/run"
+    with fastckpt.Checkpointer(storage_options=opts, local_dir=str(tmp_path / "nvme")) as ck:
+        for step in (1, 2, 3):
+            ck.save({"w": torch.full((256,), float(step))}, f"{home}/step-{step}/state.pt")
+        ck.wait()
+        ck.remove(f"{home}/step-1/state.pt")
+    r = run("rm", f"{home}/step-2/state.pt", "--storage-options", json.dumps(opts))
+    assert r.exit_code == 0, r.output
+    keys = s3_server.client().list_objects_v2(Bucket=s3_bucket, Prefix="run/").get("Contents", [])
+    names = ("latest", "state.pt", "state.pt.fastckpt.json")
+    assert sorted(o["Key"] for o in keys) == [f"run/step-3/{n}" for n in names]
+    assert fastckpt.latest(home, storage_options=opts) == f"{home}/step-3/state.pt"

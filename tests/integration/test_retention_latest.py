@@ -126,3 +126,49 @@ def test_a_checkpoint_spared_while_latest_names_it_is_trimmed_once_latest_moves_
         for step in range(2, 5):
             group(step)
     assert sorted(n for n in os.listdir(run) if n != "latest") == ["step-3", "step-4"]  # step-1 stayed for good
+
+
+def _keys(run: str, request) -> set[str]:
+    """Every object or file under ``run``, relative to it."""
+    if not run.startswith("s3://"):
+        return {os.path.relpath(os.path.join(d, f), run) for d, _, fs in os.walk(run) for f in fs}
+    bucket, prefix = run[len("s3://"):].split("/", 1)
+    got = request.getfixturevalue("s3_server").client().list_objects_v2(Bucket=bucket, Prefix=prefix + "/")
+    return {o["Key"][len(prefix) + 1:] for o in got.get("Contents", [])}
+
+
+@pytest.mark.parametrize("at", ["posix", "s3"])
+def test_keep_persistent_keeps_the_newest_files_saved_one_per_folder(request, tmp_path, caplog, at: str) -> None:
+    """docs/burst-buffer.md's layout, one save per folder (``run7/step-N/state.pt``): at a URL each
+    file's publication moves ``step-N/latest`` to it, and retention spared what its folder's
+    ``latest`` names: keep_persistent=2 deleted nothing there, ever, with a WARNING more at each
+    save. A file alone in its folder goes with that folder's pointer, as on POSIX (no pointer)."""
+    opts = request.getfixturevalue("s3_server").storage_options() if at == "s3" else None
+    run = f"s3://{request.getfixturevalue('s3_bucket')}/run7" if at == "s3" else str(tmp_path / "run7")
+    with caplog.at_level("WARNING", logger="fastckpt"), fastckpt.Checkpointer(
+            local_dir=str(tmp_path / "nvme"), storage_options=opts, keep_persistent=2, keep_local=1) as ck:
+        for step in range(1, 6):
+            ck.save(_state(step), f"{run}/step-{step}/state.pt").wait()
+    assert "retention" not in caplog.text
+    kept = {f"step-{s}/{name}" for s in (4, 5) for name in (
+        ("state.pt", "state.pt.fastckpt.json", "latest") if at == "s3" else ("state.pt",))}
+    assert _keys(run, request) == kept
+    assert fastckpt.latest(run, storage_options=opts) == f"{run}/step-5/state.pt"
+    assert fastckpt.load(f"{run}/step-5/state.pt", storage_options=opts)["step"] == 5
+
+
+def test_retention_spares_the_file_latest_names_among_other_checkpoints_at_a_url(s3_server, s3_bucket, tmp_path,
+                                                                                   caplog) -> None:
+    """The last line of defence stays where the folder holds other checkpoints: its ``latest``
+    is the resume point a restart of that folder asks for."""
+    from fastckpt.save.retention import Retention
+    from fastckpt.storage.homes import Homes
+
+    run, opts = f"s3://{s3_bucket}/run", s3_server.storage_options()
+    with fastckpt.Checkpointer(local_dir=str(tmp_path / "nvme"), storage_options=opts) as ck:
+        for step, name in ((1, "a.pt"), (2, "b.pt")):
+            ck.save(_state(step), f"{run}/{name}")
+    with caplog.at_level("WARNING", logger="fastckpt"):
+        Retention(None, 1, Homes(opts), lambda p: [])._trim_persistent(f"{run}/b.pt")
+    assert "latest names it" in caplog.text
+    assert fastckpt.latest(run, storage_options=opts) == f"{run}/b.pt"

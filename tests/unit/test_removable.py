@@ -136,7 +136,7 @@ def test_remove_refuses_a_url_prefix_holding_checkpoints(tmp_path: Path) -> None
         assert (ck.latest(f"{root}/datasets/run") or "").endswith("/datasets/run/a.pt")
         ck.remove(f"{root}/datasets/run/a.pt")
     left = fsspec.filesystem("memory").find(root.removeprefix("memory://"))
-    assert [p.rsplit("/", 1)[1] for p in left] == ["latest"]  # the file and its sidecar went (latest stays)
+    assert left == []  # the file, its sidecar and the folder's latest naming it went
 
 
 @pytest.mark.parametrize("empty", ["", "  ", "file://", "FILE:// "])

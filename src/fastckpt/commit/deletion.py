@@ -1,12 +1,18 @@
 """Deleting a checkpoint (retention, ``remove``): a single file or a group, its publication
-record first, so that no reader sees it partial while its bytes go."""
+record first, so that no reader sees it partial while its bytes go.
+
+At a URL a single file's publication also moved its folder's ``latest`` to it
+(``protocol.publish_file``): a pointer naming a deleted file names nothing, so it goes with the
+file. In a folder of its own (``run/step-N/state.pt``) nothing else is left to name."""
 
 from __future__ import annotations
 
 import errno
+import posixpath
 
 from ..storage.homes import Location
-from .names import GROUP_MANIFEST, MARKER_DIR, SIDECAR
+from .discovery import scan
+from .names import GROUP_MANIFEST, LATEST, MARKER_DIR, SIDECAR
 from .protocol import staged_places
 from .trimmed import record
 
@@ -20,6 +26,7 @@ def delete_checkpoint(loc: Location, trimmed_keep_s: float | None = None) -> Non
     (``trimmed.record``, kept that long), for the ranks that may still wait for it."""
     target, key = loc.target, loc.key
     if target.exists(key) or target.exists(key + SIDECAR):
+        _drop_pointer(loc)
         target.delete(key + SIDECAR)
         target.delete(key)
     else:
@@ -29,6 +36,27 @@ def delete_checkpoint(loc: Location, trimmed_keep_s: float | None = None) -> Non
         if key:
             for staged in staged_places(loc.place()):
                 staged.delete_all()
+
+
+def only_checkpoint(loc: Location) -> bool:
+    """Whether the single file at ``loc`` is the only checkpoint in its folder and below it (one
+    save per folder, ``run/step-N/state.pt``): its folder's ``latest`` then names no resume point
+    that the run's own folder would not find by a scan; deleted, nothing of that folder is left."""
+    parent = Location(loc.target, posixpath.dirname(loc.key))
+    return all(found.path == loc.url for found in scan(parent))
+
+
+def _drop_pointer(loc: Location) -> None:
+    """Delete the ``latest`` of the folder of the single file ``loc`` (a URL) when it names that
+    file: first, so that a deletion cut short leaves a file that is still a checkpoint, and its
+    trim is tried again. Another save moving it meanwhile loses its pointer, not its answer: a
+    folder without one is scanned (``discovery``)."""
+    if loc.target.mounted:  # a single file writes no pointer there
+        return
+    parent = loc.place().parent()
+    with parent.exclusive():
+        if (parent.get(LATEST) or b"").decode(errors="replace").strip() == posixpath.basename(loc.key):
+            parent.delete(LATEST)
 
 
 def _delete_group(loc: Location) -> None:

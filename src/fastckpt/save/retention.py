@@ -48,7 +48,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from contextlib import AbstractContextManager
 
-from ..commit.deletion import delete_checkpoint
+from ..commit.deletion import delete_checkpoint, only_checkpoint
 from ..commit.foreign import group_step
 from ..commit.protocol import pointed_name, read_group_manifest
 from ..commit.removable import check_removable
@@ -318,11 +318,13 @@ class Retention:
         delete_checkpoint(self._homes.resolve(path), self._trimmed_keep_s)  # (a late rank reports it committed)
 
     def _trim_persistent(self, path: str) -> None:
-        """keep_persistent's deletion: never of what its directory's ``latest`` names (a last line
-        of defence; ``remove`` deletes it, as asked): it is listed again, the oldest, for later. A
-        group's trim is recorded first (``commit.trimmed``): a rank still waiting for it is told."""
+        """keep_persistent's deletion: never of what its directory's ``latest`` names among other
+        checkpoints (a last line of defence; ``remove`` deletes it, as asked): it is listed again, the
+        oldest, for later. A file alone in its folder goes with that folder's pointer (``commit.deletion``).
+        A group's trim is recorded first (``commit.trimmed``): a rank still waiting for it is told."""
         loc = self._homes.resolve(path)
-        if pointed_name(loc.place().parent()) == posixpath.basename(loc.key.rstrip("/")):
+        if pointed_name(loc.place().parent()) == posixpath.basename(loc.key.rstrip("/")) \
+                and not (loc.target.exists(loc.key) and only_checkpoint(loc)):
             log.warning("fastckpt: retention kept %s: its directory's latest names it (until it moves on)", path)
             with self._lock:
                 self._persistent.setdefault(path, min(self._persistent.values(), default=0) - 1)
