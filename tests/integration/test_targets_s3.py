@@ -553,6 +553,78 @@ def test_a_retried_complete_accepts_only_its_own_object(s3_server: S3Server, s3_
     assert completes == [first_complete] and body == (new if first_complete == "landed" else old)
 
 
+# ---------------------------------------------------------------------- an upload aborted behind its back
+def _aborting(s3_server: S3Server, bucket: str, monkeypatch: pytest.MonkeyPatch, at: str, times: int) -> list[str]:
+    """Make the store abort the first ``times`` multipart uploads just before their part 2 (``at="part"``)
+    or their Complete (``at="complete"``) is sent, as another node's clean_incomplete() or a lifecycle rule
+    does: the real abort, then the real request, which SeaweedFS answers NoSuchUpload. Returns the
+    upload ids started, in order."""
+    real, started, aborted = FsspecTarget._s3, [], []
+
+    def s3(self: FsspecTarget, method: str, **kw: object) -> dict:
+        if method == "create_multipart_upload":
+            out = real(self, method, **kw)
+            started.append(out["UploadId"])
+            return out
+        upload = kw.get("UploadId")
+        if len(aborted) < times and upload not in aborted and (
+                (at == "part" and method == "upload_part" and kw["PartNumber"] == 2)
+                or (at == "complete" and method == "complete_multipart_upload")):
+            s3_server.client().abort_multipart_upload(Bucket=bucket, Key=kw["Key"], UploadId=upload)
+            aborted.append(upload)
+        return real(self, method, **kw)
+
+    monkeypatch.setattr(FsspecTarget, "_s3", s3)
+    return started
+
+
+@pytest.mark.parametrize("at", ["part", "complete"])
+def test_a_multipart_upload_aborted_behind_its_back_starts_again(s3_server: S3Server, s3_bucket: str,
+                                                                 big: tuple[Path, bytes],
+                                                                 monkeypatch: pytest.MonkeyPatch, at: str) -> None:
+    """Its next part (or its first Complete) answered NoSuchUpload, reported as "not found ... check
+    that bucket exists", and the upload failed: a fresh one now sends every part again."""
+    local, data = big
+    started = _aborting(s3_server, s3_bucket, monkeypatch, at, times=2)
+    done: list[int] = []
+    t = _target(s3_server, s3_bucket, parallelism=2)
+    res = t.put_file(local, "run/step-2/state.pt", chunk_bytes=PART, on_progress=lambda n, total: done.append(n))
+    assert len(started) == 3 and res.parts == 5
+    assert max(done) == len(data)  # the parts sent again count once
+    body = s3_server.client().get_object(Bucket=s3_bucket, Key="ckpt/run/step-2/state.pt")["Body"].read()
+    assert body == data and _open_uploads(s3_server, s3_bucket) == []
+    t.close()
+
+
+def test_a_multipart_upload_aborted_again_and_again_names_the_abort_and_the_fix(
+        s3_server: S3Server, s3_bucket: str, big: tuple[Path, bytes], monkeypatch: pytest.MonkeyPatch) -> None:
+    local, _ = big
+    started = _aborting(s3_server, s3_bucket, monkeypatch, "part", times=99)
+    t = _target(s3_server, s3_bucket, parallelism=2)
+    with pytest.raises(CheckpointWriteError) as err:
+        t.put_file(local, "run/x.pt", chunk_bytes=PART)
+    msg = str(err.value)
+    assert "aborted while it ran, 3 times in a row (NoSuchUpload)" in msg and "check that bucket" not in msg
+    assert "clean_incomplete()" in msg and "AbortIncompleteMultipartUpload" in msg and "save again" in msg
+    assert not isinstance(err.value, TargetNotFoundError) and len(started) == 3
+    assert not t.exists("run/x.pt") and _open_uploads(s3_server, s3_bucket) == []
+    t.close()
+
+
+def test_no_such_upload_is_named_an_abort_not_a_missing_bucket(s3_server: S3Server, s3_bucket: str) -> None:
+    """Any request that finds its upload aborted, also one fastckpt does not start again."""
+    from fastckpt.storage.s3_errors import permanent_error
+
+    client = s3_server.client()
+    up = client.create_multipart_upload(Bucket=s3_bucket, Key="k")["UploadId"]
+    client.abort_multipart_upload(Bucket=s3_bucket, Key="k", UploadId=up)
+    with pytest.raises(botocore.exceptions.ClientError) as got:
+        client.upload_part(Bucket=s3_bucket, Key="k", UploadId=up, PartNumber=1, Body=b"x")
+    err = permanent_error(got.value, "upload of k", s3_bucket, lambda: s3_server.endpoint_url)
+    assert not isinstance(err, TargetNotFoundError) and "check that bucket" not in str(err)
+    assert "aborted meanwhile, by another node's clean_incomplete()" in str(err)
+
+
 def test_a_part_that_fails_for_good_stops_the_other_parts_at_once(s3_server: S3Server, s3_bucket: str,
                                                                    big: tuple[Path, bytes], monkeypatch) -> None:
     """The parts' futures were awaited in order, so a permanent failure of part 2 (credentials

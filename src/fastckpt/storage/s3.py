@@ -15,7 +15,11 @@ that returns none leaves it False, and the caller reads the object back). Becaus
 protects the body, the SigV4 signature does not hash it (``payload_signing_enabled=False``,
 the ``UNSIGNED-PAYLOAD`` of the S3 API), which saves a SHA-256 pass over every byte on plain
 ``http://`` endpoints (on ``https://`` botocore already skips it when a checksum is sent); give
-``config_kwargs={"s3": {"payload_signing_enabled": True}}`` to sign bodies anyway."""
+``config_kwargs={"s3": {"payload_signing_enabled": True}}`` to sign bodies anyway.
+
+A multipart upload aborted by someone else while its parts upload (``s3_errors.ABORTERS``) answers
+``NoSuchUpload``: the upload starts again from its first part, ``UPLOAD_STARTS`` times in all, and
+then fails naming the cause. Not after a Complete that may have landed (``_complete``)."""
 
 from __future__ import annotations
 
@@ -36,7 +40,7 @@ from ..errors import ConfigError, CorruptCheckpointError, ReplicationError
 from ..format import checksum
 from ..io.ops import FileOps, pread_exact
 from ..units import MiB
-from .s3_errors import client_error
+from .s3_errors import ABORTERS, client_error
 from .types import (
     Expected,
     TokenBucket,
@@ -47,6 +51,17 @@ from .types import (
 log = logging.getLogger(__name__)
 S3_MIN_PART_BYTES = 5 * MiB
 S3_MAX_PARTS = 10_000
+UPLOAD_STARTS = 3  # multipart uploads of one file, each aborted behind fastckpt's back, before it gives up
+
+
+class _UploadGone(ReplicationError):
+    """The multipart upload answered ``NoSuchUpload`` to a part or to its first Complete: something
+    aborted it (its parts are gone with it). Never retried as is, never wrapped (``retry._FINAL``)."""
+
+
+def _gone(exc: BaseException) -> bool:
+    return (ce := client_error(exc)) is not None and ce[0] == "NoSuchUpload"
+
 
 def drop_expect_100(request: object, **_: object) -> None:
     """botocore ``before-send`` hook: send bodies at once instead of awaiting ``100 Continue``."""
@@ -151,37 +166,63 @@ def put_s3(t: S3Session, fd: int, local_path: str, url: str, obj: str, size: int
         progress.verified = expect is not None and all(confirmed)
         progress.add(size)
         return 1
-    upload_id = t.retry(f"start of the multipart upload of {url}", lambda: t.call(
-        "create_multipart_upload", Key=obj, ChecksumAlgorithm="CRC32")["UploadId"], progress=progress)
-    parts: list[dict] = [{}] * n_parts
-    cancel = threading.Event()
+    reported = [0] * n_parts  # each part's bytes counted in ``progress``: a fresh upload counts none twice
 
-    def send(i: int) -> None:
-        if cancel.is_set():
-            return
-        data, crc = read(i)
-        what = f"upload of part {i + 1}/{n_parts} of {url}"
-        resp = t.retry(what, lambda: call("upload_part", data, UploadId=upload_id, PartNumber=i + 1,
-                                          ChecksumCRC32=crc), progress=progress, cancel=cancel)
-        check_echo(i, what, crc, resp)
-        parts[i] = {"PartNumber": i + 1, "ETag": resp["ETag"], "ChecksumCRC32": crc}
-        progress.add(len(data))
+    def upload(upload_id: str) -> None:
+        parts: list[dict] = [{}] * n_parts
+        cancel = threading.Event()
 
-    try:
+        def send(i: int) -> None:
+            if cancel.is_set():
+                return
+            data, crc = read(i)
+            what = f"upload of part {i + 1}/{n_parts} of {url}"
+
+            def one() -> dict:
+                try:
+                    return call("upload_part", data, UploadId=upload_id, PartNumber=i + 1, ChecksumCRC32=crc)
+                except Exception as exc:
+                    if _gone(exc):
+                        raise _UploadGone(f"{what}: the upload was aborted (NoSuchUpload)") from exc
+                    raise
+
+            resp = t.retry(what, one, progress=progress, cancel=cancel)
+            check_echo(i, what, crc, resp)
+            parts[i] = {"PartNumber": i + 1, "ETag": resp["ETag"], "ChecksumCRC32": crc}
+            progress.add(len(data) - reported[i])
+            reported[i] = len(data)
+
         with t.pool(min(t.parallelism, n_parts), "fastckpt-put") as pool:
             futures = [pool.submit(send, i) for i in range(n_parts)]
             try:  # a part that failed for good stops the others at once, wherever it is in the order
                 wait(futures, return_when=FIRST_EXCEPTION)
-                for f in sorted(futures, key=lambda f: not f.done() or f.exception() is None):  # failed first
-                    f.result()
+                failed = [f for f in futures if f.done() and f.exception() is not None]
+                for f in [f for f in failed if isinstance(f.exception(), _UploadGone)] + failed + futures:
+                    f.result()  # the upload gone first: the other parts' errors follow from it
             except BaseException:
                 cancel.set()  # parts not started are skipped; running ones stop retrying
                 raise
         check_source()  # before Complete: nothing becomes visible unless the bytes were right
         _complete(t, url, obj, upload_id, parts, size, progress)
-    except BaseException as exc:
-        _abort(t, url, obj, upload_id, exc)
-        raise
+
+    for start in range(1, UPLOAD_STARTS + 1):
+        upload_id = t.retry(f"start of the multipart upload of {url}", lambda: t.call(
+            "create_multipart_upload", Key=obj, ChecksumAlgorithm="CRC32")["UploadId"], progress=progress)
+        try:
+            upload(upload_id)
+            break
+        except _UploadGone as exc:  # nothing to abort: it is gone
+            if start == UPLOAD_STARTS:
+                raise storage_error(ReplicationError, f"upload of {url}: its multipart upload was aborted while it "
+                                    f"ran, {start} times in a row (NoSuchUpload): something aborts incomplete uploads "
+                                    f"under this key: {ABORTERS}. Stop it while jobs save there, or make the rule's "
+                                    "DaysAfterInitiation longer than an upload takes; then save again", exc,
+                                    errno.EIO) from exc
+            log.warning("fastckpt: %s; starting the upload again (%d of %d): %s may have aborted it", exc, start + 1,
+                        UPLOAD_STARTS, ABORTERS)
+        except BaseException as exc:
+            _abort(t, url, obj, upload_id, exc)
+            raise
     progress.verified = expect is not None and all(confirmed)
     return n_parts
 
@@ -200,8 +241,10 @@ def _complete(t: S3Session, url: str, obj: str, upload_id: str, part_list: list[
             # the object that upload made: its ETag says so, not its size. An upload aborted in the
             # meantime (clean_incomplete, a lifecycle rule) leaves the previous object at the key,
             # often of the same size (a re-saved last.ckpt): that one never counts as this upload.
-            ce = client_error(exc)
-            if tried and ce is not None and ce[0] == "NoSuchUpload":
+            if not tried and _gone(exc):  # no Complete of it landed: aborted after its last part
+                raise _UploadGone(f"completion of the multipart upload of {url}: the upload was aborted "
+                                  "(NoSuchUpload)") from exc
+            if tried and _gone(exc):
                 head = t.head(obj)
                 if int(head["ContentLength"]) == size and made is not None and head.get("ETag") == made:
                     return

@@ -23,6 +23,9 @@ AUTH_CODES = frozenset({"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotM
 # lacks (501 NotImplemented, 505), a server or proxy misconfigured (506, 508, 510) or asking for a
 # login (511 Network Authentication Required). Every other 5xx is retried (``transient_status``).
 PERMANENT_5XX = frozenset({501, 505, 506, 508, 510, 511})
+# what aborts a multipart upload behind its writer's back (NoSuchUpload at its next request)
+ABORTERS = ("another node's clean_incomplete(), a bucket lifecycle rule AbortIncompleteMultipartUpload whose "
+            "DaysAfterInitiation is shorter than an upload takes, or a cleanup script")
 
 
 def transient_status(status: int) -> bool:
@@ -46,6 +49,10 @@ def permanent_error(exc: BaseException, what: str, bucket: str, endpoint: Callab
             return storage_error(BucketNotFoundError, f"{what}: bucket {bucket!r} does not exist at "
                                  f"{endpoint()}: create it (e.g. `aws s3 mb s3://{bucket}`) or fix the "
                                  "target URL", exc, errno.ENOENT)
+        if code == "NoSuchUpload":  # the bucket and key are fine: the upload was ended under its writer
+            return storage_error(ReplicationError, f"{what}: the multipart upload is gone (NoSuchUpload): it was "
+                                 f"aborted meanwhile, by {ABORTERS}; stop that while jobs save there, then save "
+                                 "again", exc, errno.EIO)
         if code in ("NoSuchKey", "404") or status == 404:
             return storage_error(TargetNotFoundError, f"{what}: not found ({code or status}); if the object "
                                  f"should be there, check that bucket {bucket!r} exists", exc, errno.ENOENT)
