@@ -72,7 +72,9 @@ class FastCkptCallbackMixin:
         there (a kill, or a failed or skipped save, then leaves ``last.ckpt`` dangling and
         ``ckpt_path="last"`` starts over). So ``file_exists`` also counts the plugin's saves in
         flight (decided on rank 0, which saves, and reduced across ranks like Lightning's own
-        answer), and the link waits for its target's save (``TrainerLink._link_later``). Both ask
+        answer), and the link waits for its target's save (``TrainerLink._link_later``). A link
+        whose file Lightning asked to delete is not there for ``file_exists``, as with
+        TorchCheckpointIO (``TrainerLink._names_a_deleted_file``): it is linked anew. Both ask
         the Trainer's CheckpointIO when called, so a wrapper a crashed fit left behind serves the
         next Trainer's plugin; ``teardown`` and ``on_exception`` restore the methods."""
         self._wrapped = getattr(self, "_wrapped", [])
@@ -83,8 +85,10 @@ class FastCkptCallbackMixin:
 
             def file_exists(filepath: Any, trainer: Any, _original: Any = original) -> bool:
                 io = trainer.strategy.checkpoint_io
-                return bool(_original(filepath, trainer)) or bool(trainer.strategy.reduce_boolean_decision(
-                    trainer.is_global_zero and isinstance(io, FastCkptIOMixin) and io._in_flight(filepath), all=False))
+                exists = bool(_original(filepath, trainer))  # every rank's answer: rank 0's, reduced
+                if isinstance(io, FastCkptIOMixin) and trainer.is_global_zero:
+                    exists = io._in_flight(filepath) or (exists and not io._names_a_deleted_file(filepath))
+                return bool(trainer.strategy.reduce_boolean_decision(trainer.is_global_zero and exists, all=False))
 
             def link_checkpoint(trainer: Any, filepath: str, linkpath: str, _original: Any = link) -> None:
                 io = trainer.strategy.checkpoint_io

@@ -107,6 +107,23 @@ class TrainerLink:
         """Whether a save to ``path`` has not finished yet (its file may not exist)."""
         return any(not t.handle.done() for t in self._saves.to(normalize(os.fspath(path))))
 
+    def _names_a_deleted_file(self, path: str | os.PathLike) -> bool:
+        """The training thread: whether ``path`` is a link (``last.ckpt`` of ModelCheckpoint(save_last="link"))
+        to a file whose deletion Lightning asked for and that is still there: queued, or waiting for
+        the link to move off it (``_delete``). With TorchCheckpointIO that file is gone and the link
+        dangles, so ModelCheckpoint finds no file at ``path`` and links ``path`` itself anew, which
+        moves the link off the file and lets its deletion run. Seen as a file, it would make
+        ModelCheckpoint link ``last-v1.ckpt`` instead (a resumed fit's first link): ``path`` would
+        never move again and the file it names would be kept for good."""
+        p = os.fspath(path)
+        if is_url(p) or not os.path.islink(p):
+            return False
+        # the queued deletions first: one that ends meanwhile is in ``_deferred`` before its future is done
+        queued = [filed_under(k) for k, f in list(self._removals.items()) if not f.done()]
+        pending = [q for q in (*queued, *list(self._deferred)) if q != FLUSH and not q.startswith(LINK)]
+        target = os.path.realpath(p)
+        return any(os.path.realpath(q) == target for q in pending)
+
     def _remove_after(self, ck: Checkpointer, path: str, saves: list[SaveHandle],
                       mark: dict[str, int] | None = None) -> None:
         """The remover thread: delete ``path`` once ``saves`` (``SaveLedger.before_removal``) are all

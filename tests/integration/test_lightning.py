@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import errno
+import logging
 import os
 import random
 import re
@@ -216,6 +217,45 @@ def test_last_link_never_names_a_deleted_file(tmp_path, monkeypatch, filename, n
                   for f in fs)
     assert kept == sorted([newest, "last.ckpt"])  # the others deleted
     assert os.readlink(last) == newest and fastckpt.load(str(last))["global_step"] == 6
+
+
+@pytest.mark.parametrize("local_dir", [None, "nvme"])
+def test_resumed_fits_move_last_ckpt_as_with_torch_checkpoint_io(tmp_path, monkeypatch, caplog, local_dir):
+    """Fits resumed with ckpt_path="last": the first link of a resumed fit comes right after the
+    deletion of the top-k file last.ckpt names. TorchCheckpointIO deletes it at once, last.ckpt
+    dangles, and ModelCheckpoint links last.ckpt anew. FastCkptIO's deletion waits for the link to
+    move off the file, so last.ckpt still resolved: ModelCheckpoint linked last-v1.ckpt instead,
+    last.ckpt named step 3 for good and its file was never deleted (two files for save_top_k=1).
+    Each fit must leave what TorchCheckpointIO leaves, and last.ckpt the newest checkpoint; as
+    before, no deletion leaves last.ckpt dangling (a kill then would start over)."""
+    last, dangled = tmp_path / "fast" / "ckpt" / "last.ckpt", []
+    remove = fastckpt.Checkpointer.remove
+
+    def watched(self, path, **kw):  # noqa: ANN001, ANN003, ANN202 (observes each deletion as it happens)
+        remove(self, path, **kw)
+        if os.path.islink(last) and not os.path.exists(last):
+            dangled.append(os.readlink(last))
+
+    monkeypatch.setattr(fastckpt.Checkpointer, "remove", watched)
+
+    def run(root, make_io):  # noqa: ANN001, ANN202
+        for max_steps in (4, 5, 6, 9):  # a save every 3 steps; the second fit saves only at its end
+            trainer = make_trainer(str(root), make_io(), max_steps, every_n_train_steps=3, save_top_k=1,
+                                   monitor="step", mode="max", save_last="link")
+            trainer.fit(TinyModel(), loader(), ckpt_path="last")
+            files = sorted(os.listdir(root / "ckpt"))
+            yield files, os.readlink(root / "ckpt" / "last.ckpt"), fastckpt.load(str(root / "ckpt" / "last.ckpt"))
+
+    caplog.set_level(logging.INFO, logger="fastckpt")
+    ours = list(run(tmp_path / "fast", lambda: FastCkptIO(local_dir=local_dir and str(tmp_path / local_dir))))
+    theirs = list(run(tmp_path / "torch", TorchCheckpointIO))
+    assert [(files, link) for files, link, _ in ours] == [(files, link) for files, link, _ in theirs]
+    # the second fit's end saves last-v1.ckpt whole (last.ckpt names a file); the fourth deletes it
+    assert [(files, link) for files, link, _ in ours][2:] == [
+        (["epoch=1-step=6.ckpt", "last-v1.ckpt", "last.ckpt"], "epoch=1-step=6.ckpt"),
+        (["epoch=2-step=9.ckpt", "last.ckpt"], "epoch=2-step=9.ckpt")]
+    assert [state["global_step"] for _, _, state in ours] == [3, 3, 6, 9]
+    assert dangled == [] and not [r for r in caplog.records if "kept" in r.getMessage()]
 
 
 def test_resume_from_last_is_bit_exact(tmp_path):
