@@ -58,8 +58,8 @@ class Checkpointer:
         self._staging = StagingPool(cfg.staging_buffers)
         self._monitor = Monitor(cfg.overhead_budget, cfg.overhead_window_s, cfg.on_overhead_exceeded,
                                 lambda: self._staging.busy_waited_s)
-        self._jsonl = JsonlSink(cfg.event_log, start_detail(cfg.overhead_budget, cfg.overhead_window_s)) \
-            if cfg.event_log else None
+        self._jsonl = JsonlSink(cfg.event_log, start_detail(cfg.overhead_budget, cfg.overhead_window_s,
+                                                            self._monitor.started_at)) if cfg.event_log else None
         self._sinks = Fanout(tuple(cfg.sinks) + ((self._jsonl,) if self._jsonl else ()))
         self._io = ThreadPoolExecutor(cfg.io_threads, thread_name_prefix="fastckpt-io")
         self._writers = tuple(ThreadPoolExecutor(1, thread_name_prefix="fastckpt-write")  # one per burst-buffer drive

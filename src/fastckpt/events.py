@@ -115,7 +115,8 @@ class JsonlSink:
     alone is lost. Each line carries this sink's ``session`` (random, one per sink, so one per
     Checkpointer): readers tell a resumed job's saves from those its killed predecessor left open.
     Given ``start``, the session's first line is a ``start`` event holding it (the Checkpointer's
-    overhead options, ``start_detail``), so that a replay of the log uses the job's budget.
+    overhead options and construction time, ``start_detail``), so that a replay of the log uses the
+    job's budget and starts the overhead's clock where its Monitor did.
 
     A write (or the last flush, at ``close()``) that fails with an OSError (a full disk: ENOSPC) is
     logged once, as a WARNING naming the log, the errno and the fix; the events after it are
@@ -180,11 +181,14 @@ class _LogFile(logging.FileHandler):
         raise  # noqa: PLE0704 (called in the except block of the failed write: its OSError)
 
 
-def start_detail(overhead_budget: float, overhead_window_s: float) -> str:
+def start_detail(overhead_budget: float, overhead_window_s: float, started_at: float) -> str:
     """The ``detail`` of the ``start`` event a Checkpointer's event log begins each session with:
-    the options its readers replay the overhead alarm with (``replay.parse_start``), as plain
-    floats (a numpy scalar or a Fraction, which the options accept, would not read back)."""
-    return f"overhead_budget={float(overhead_budget)!r} overhead_window_s={float(overhead_window_s)!r}"
+    what its readers replay the overhead alarm with (``replay.parse_start``), as plain floats (a
+    numpy scalar or a Fraction, which the options accept, would not read back): the options, and
+    ``started_at``, the wall time the Checkpointer was built, where its Monitor's clock starts (the
+    event itself is stamped at the session's first event, which may come long after)."""
+    return (f"overhead_budget={float(overhead_budget)!r} overhead_window_s={float(overhead_window_s)!r} "
+            f"started_at={float(started_at)!r}")
 
 
 def _end_torn_line(path: str) -> None:

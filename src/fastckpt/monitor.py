@@ -185,7 +185,8 @@ class Monitor:
         self.window_s = window_s
         self._callback = callback
         self._lock = threading.Lock()
-        self._t0 = time.monotonic()
+        self._t0 = time.monotonic()  # the overhead's clock starts here, when the Checkpointer is built
+        self.started_at = time.time()  # the same moment on the wall clock: the event log records it (``start_detail``)
         self._window = BlockedWindow(window_s)
         self.count = 0
         self.skipped = 0

@@ -11,6 +11,11 @@ file is a save there, as before.
 A lazy save's ``snapshot`` (``detail`` ``events.LAZY``) is counted at its ``fence`` event, as the
 Monitor counts it (``save.lazy``): its blocked time the snapshot's plus the fence event's span (the
 fence's wait); a fence after the block of a lazy file ended adds its wait to that counted block.
+
+The clock starts where the Monitor's does, when the Checkpointer was built: its session's ``start``
+event records that time (``started_at``), which may be long before its first save (the model's
+build, a restore, the steps before it). A log written before fastckpt recorded it starts the clock
+at the session's first save, as before (its overhead reads higher than the job's).
 """
 
 from __future__ import annotations
@@ -198,9 +203,10 @@ def _as_is(rank: int, tier: str, start: float, blocked_s: float, now: float) -> 
 class OverheadReplay:
     """``Monitor.record_blocked`` replayed from an event log (``runstate``): the same rule."""
 
-    def __init__(self, budget: float, window_s: float, keep: int | None = None) -> None:
+    def __init__(self, budget: float, window_s: float, keep: int | None = None, t0: float | None = None) -> None:
+        """``t0``: when the Checkpointer was built (its ``start`` event's ``started_at``); None: at the first save."""
         self.budget, self.window_s = budget, window_s
-        self.t0: float | None = None
+        self.t0 = t0
         self.count = 0
         self.blocked = 0.0
         self.over = False
@@ -226,9 +232,10 @@ class OverheadReplay:
         self.points.append(OverheadPoint(now, overhead, window, self.over))
 
 
-def parse_start(detail: str | None) -> tuple[float | None, float | None]:
+def parse_start(detail: str | None) -> tuple[float | None, float | None, float | None]:
     """A ``start`` event's ``detail`` (``events.start_detail``) -> the job's (overhead_budget,
-    overhead_window_s); None for one it does not hold as a valid value."""
+    overhead_window_s, started_at); None for one it does not hold as a valid value (a log written
+    before fastckpt recorded ``started_at`` holds none)."""
     def value(key: str, ok: Callable[[float], bool]) -> float | None:
         m = re.search(rf"\b{key}=(\S+)", detail or "")
         try:
@@ -237,7 +244,8 @@ def parse_start(detail: str | None) -> tuple[float | None, float | None]:
             return None
         return v if v is not None and math.isfinite(v) and ok(v) else None
 
-    return value("overhead_budget", lambda b: 0 < b < 1), value("overhead_window_s", lambda w: w > 0)
+    return (value("overhead_budget", lambda b: 0 < b < 1), value("overhead_window_s", lambda w: w > 0),
+            value("started_at", lambda t: t > 0))
 
 
 class RankOverheads:
@@ -255,6 +263,7 @@ class RankOverheads:
         self.budget, self.window_s, self._keep = budget, window_s, keep
         self.replays: dict[int, OverheadReplay] = {}
         self.logged: dict[int, tuple[float | None, float | None]] = {}  # rank -> its newest start event's options
+        self._built: dict[int, float] = {}  # rank -> when its session's Checkpointer was built (its start event)
         self._counter = SaveCounter()
 
     def options(self, rank: int) -> tuple[float, float]:
@@ -268,12 +277,14 @@ class RankOverheads:
         return self.options(rank)[0], "given" if self.budget else "job" if logged else "default"
 
     def new(self, rank: int) -> OverheadReplay:
-        return OverheadReplay(*self.options(rank), self._keep)
+        return OverheadReplay(*self.options(rank), self._keep, self._built.get(rank))
 
     def started(self, ev: Event) -> None:
-        """A ``start`` event: the options of the rank's new Checkpointer, for its replay from now on."""
-        self.logged[ev.rank] = parse_start(ev.detail)
-        self.new_session(ev.rank)
+        """A ``start`` event: the options of the rank's new Checkpointer, and when it was built (the
+        clock of its replay), for its replay from now on."""
+        budget, window_s, built = parse_start(ev.detail)
+        self.logged[ev.rank] = (budget, window_s)
+        self._restart(ev.rank, built)
 
     def feed(self, ev: Event) -> None:
         """An event of the log; ``SaveCounter`` says what it counts."""
@@ -286,7 +297,15 @@ class RankOverheads:
         self.replays[rank].record(start, blocked, now, counted)
 
     def new_session(self, rank: int) -> None:
-        """A rank's new Checkpointer, so a new Monitor; but the curve and the alarm count go on."""
+        """A rank's new Checkpointer, so a new Monitor; but the curve and the alarm count go on. Its
+        clock starts at its first save, unless its ``start`` event (fed next) says when it was built."""
+        self._restart(rank, None)
+
+    def _restart(self, rank: int, built: float | None) -> None:
+        if built is None:
+            self._built.pop(rank, None)
+        else:
+            self._built[rank] = built
         old = self.replays.get(rank)
         if old is not None:
             self.replays[rank] = new = self.new(rank)

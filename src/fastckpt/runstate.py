@@ -5,10 +5,10 @@ Both see only the event log, so some numbers are reconstructions (docs/report.md
 
 - overhead: the Monitor's rule replayed (blocked time = the ``snapshot`` phases; checked at the
   end of each save from the second one on; the window of ``overhead_window_s``), the clock
-  starting at the first save's start; the files of a ``one_save()`` block are one save, at its
-  ``one_save`` event (``replay``); a lazy save at its ``fence`` event, with the fence's wait (in
-  its ``blocked_s`` too). Each rank's budget and window are its job's (its ``start`` event), unless
-  given.
+  starting when the Checkpointer was built (``replay``); the files of a ``one_save()`` block are
+  one save, at its ``one_save`` event; a lazy save at its ``fence`` event, with the fence's wait
+  (in its ``blocked_s`` too). Each rank's budget, window and clock are its job's (its ``start``
+  event), unless given.
 - a save is durable at the end of its ``replicate`` phase (burst buffer), or of its ``commit``
   when written straight to its path; a file of a group (its snapshot names it) at its rank's
   group ``commit`` (not durable until then; failed with it, or with another file of the attempt;

@@ -1,5 +1,5 @@
 """``fastckpt report`` and ``fastckpt serve-metrics`` on the same real event logs: the same saves,
-counted by one rule (``replay.SaveCounter``); the budget each replays the alarm against; a log of
+counted by one rule (``replay.SaveCounter``); the budget and the clock each replays the alarm with; a log of
 loads only; a lazy save whose job was killed before its ``fence`` event."""
 
 from __future__ import annotations
@@ -29,10 +29,10 @@ Cli = Callable[..., subprocess.CompletedProcess]
 # held back from the log instead, wherever its copy ends). The log is the Checkpointer's own
 # JsonlSink, the one event_log= makes, behind a sink that stops at those points.
 _KILLED_BEFORE_FENCE = """
-import os, signal, sys, torch, fastckpt
+import os, signal, sys, time, torch, fastckpt
 from fastckpt.events import JsonlSink, start_detail
 log, home, block = sys.argv[1], sys.argv[2], sys.argv[3] == "block"
-jsonl = JsonlSink(log, start_detail(0.99, 3600.0))
+jsonl = JsonlSink(log, start_detail(0.99, 3600.0, time.time()))
 
 class KilledBeforeFence:
     def emit(self, ev):
@@ -124,6 +124,29 @@ def test_report_replays_the_alarm_against_the_jobs_budget(cli: Cli, tmp_path: Pa
     assert (rank["budget"], rank["budget_source"], rank["alarms"]) == (0.9, "job", 0)
     served = parse(cli("serve-metrics", "--event-log", str(log), "--once").stdout)
     assert value(served, "fastckpt_overhead_budget_ratio", rank="0") == 0.9
+
+
+def test_a_job_that_restored_before_its_first_save_is_replayed_as_its_monitor_saw_it(cli: Cli, tmp_path: Path) -> None:
+    """The Monitor's clock starts when the Checkpointer is built, so a resumed job's restore (or its
+    model's build, its steps before the first save) counts as run time; the replay's clock started
+    at the first save, so the report read several times the job's overhead and exited 1, and
+    serve-metrics counted an alarm, for saves back to back that its Monitor never alarmed on. The
+    log's start event records when the Checkpointer was built: both replay from there."""
+    restore, log = tmp_path / "restore.pt", tmp_path / "events.jsonl"
+    with Checkpointer() as ck:
+        ck.save({"w": torch.randn(64 << 20)}, str(restore)).wait()  # 256 MB
+    with Checkpointer(event_log=str(log), overhead_budget=0.5) as ck:
+        state = ck.load(str(restore))  # the restore, before the first save: on the Monitor's clock
+        for s in range(4):  # small saves back to back: blocked most of the time since the first one
+            ck.save({"step": s, "w": state["w"][:4096].clone()}, str(tmp_path / f"s{s}.pt"))
+        live = ck.stats()
+    rep = cli("report", str(log), "--json")
+    (rank,) = json.loads(rep.stdout)["ranks"]
+    assert (rank["alarms"], rep.returncode) == (live.alarms, 1 if live.alarms else 0), rep.stderr  # was 1 alarm, 1
+    assert rank["overhead"] == pytest.approx(live.overhead, rel=0.25)  # was several times it
+    served = parse(cli("serve-metrics", "--event-log", str(log), "--once").stdout)
+    assert value(served, "fastckpt_overhead_alarms_total", rank="0") == live.alarms
+    assert value(served, "fastckpt_overhead_alarm", rank="0") == live.over_budget
 
 
 def test_a_log_of_loads_only_says_so(cli: Cli, tmp_path: Path) -> None:

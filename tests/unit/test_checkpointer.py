@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import threading
+import time
 
 import pytest
 import torch
@@ -58,12 +60,16 @@ def test_nvme_tier_copies_to_path_and_prefers_local(tmp_path, caplog) -> None:
 
 def test_event_log_has_every_phase(tmp_path) -> None:
     log_path = tmp_path / "events.jsonl"
+    before = time.time()
     with fastckpt.Checkpointer(local_dir=str(tmp_path / "nvme"), event_log=str(log_path)) as ck:
+        built = time.time()
         ck.save(_state(3), str(tmp_path / "d" / "x.pt")).wait()
         ck.load(str(tmp_path / "d" / "x.pt"))
     events = [json.loads(line) for line in log_path.read_text().splitlines()]
     assert [e["name"] for e in events] == ["start", "snapshot", "write", "commit", "queued", "replicate", "load"]
-    assert events[0]["detail"] == "overhead_budget=0.02 overhead_window_s=3600.0"  # what serve-metrics replays with
+    # what serve-metrics replays with: the options, and when the Monitor's clock started (before the first event's)
+    m = re.fullmatch(r"overhead_budget=0\.02 overhead_window_s=3600\.0 started_at=(\S+)", events[0]["detail"])
+    assert m and before <= float(m.group(1)) <= built <= events[0]["start"] == events[1]["start"]
     assert all(e["tier"] for e in events) and all(e["error"] is None for e in events)
     assert all(e["end"] >= e["start"] for e in events)
 

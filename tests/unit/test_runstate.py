@@ -453,8 +453,54 @@ def test_a_budget_given_as_a_numpy_scalar_or_a_fraction_reads_back() -> None:
 
     from fastckpt.events import start_detail
     from fastckpt.replay import parse_start
-    assert parse_start(start_detail(np.float64(0.5), np.int64(60))) == (0.5, 60.0)
-    assert parse_start(start_detail(fractions.Fraction(1, 4), 3600)) == (0.25, 3600.0)
+    assert parse_start(start_detail(np.float64(0.5), np.int64(60), 1.5)) == (0.5, 60.0, 1.5)
+    assert parse_start(start_detail(fractions.Fraction(1, 4), 3600, np.float64(2.5))) == (0.25, 3600.0, 2.5)
+
+
+def _started(t: float, session: str, started_at: float | None = None) -> Event:
+    """A session's start event at its first event ``t``; ``started_at``: when its Checkpointer was built (None: a
+    log written before fastckpt recorded it)."""
+    built = "" if started_at is None else f" started_at={started_at!r}"
+    return _ev("start", t, t, "/h/events.jsonl", tier="path", detail=f"overhead_budget=0.1 overhead_window_s=3600.0"
+               f"{built}", session=session)
+
+
+def _saves(session: str, *starts: float) -> list[Event]:
+    return [_ev("snapshot", t, t + 0.3, f"/h/{t}.pt", tier="direct", session=session) for t in starts]
+
+
+def test_the_replays_clock_starts_when_the_checkpointer_was_built() -> None:
+    """The Monitor's clock starts at the Checkpointer's construction, which the start event records
+    (``started_at``): 30 s of model build and steps before the first save count, in the replay as in
+    ``stats()``. The replay's clock started at the first save: 0.9 s blocked over 2.3 s read 39 %
+    (an alarm against the job's 10 %) where the job's Monitor read 2.8 % and never alarmed."""
+    rs = RunState()
+    for ev in [_started(130.0, "s", 100.0), *_saves("s", 130.0, 131.0, 132.0)]:
+        rs.feed(ev)
+    pts = rs.overhead_points(0)
+    assert [p.overhead for p in pts] == [pytest.approx(0.6 / 31.3), pytest.approx(0.9 / 32.3)]  # was 0.6 / 1.3 ...
+    assert [p.window_overhead for p in pts] == [p.overhead for p in pts]  # a run shorter than the window
+    assert rs.alarms(0) == 0  # was 1
+    (st,) = rs.status(140.0)  # serve-metrics' ratios, at a scrape
+    assert (st.overhead, st.window_overhead, st.over_budget) == (pytest.approx(0.9 / 40.0), pytest.approx(0.9 / 40.0),
+                                                                 False)
+
+
+def test_a_log_without_the_construction_time_keeps_the_first_saves_clock() -> None:
+    """A log written before the start event recorded ``started_at`` (or one without start events)
+    is replayed from its first save, as before; a resumed job's session without it does not take
+    the clock of the session before (its new Monitor started its own)."""
+    for head in ([_started(130.0, "s")], []):
+        rs = RunState(0.1)
+        for ev in [*head, *_saves("s", 130.0, 131.0, 132.0)]:
+            rs.feed(ev)
+        assert rs.overhead_points(0)[-1].overhead == pytest.approx(0.9 / 2.3) and rs.alarms(0) == 1
+    rs = RunState()
+    for ev in [_started(130.0, "a", 100.0), *_saves("a", 130.0, 131.0), _started(500.0, "b"),
+               *_saves("b", 500.0, 502.0), _started(900.0, "c", 800.0), *_saves("c", 900.0, 910.0)]:
+        rs.feed(ev)
+    assert [p.overhead for p in rs.overhead_points(0)] == [pytest.approx(0.6 / 31.3), pytest.approx(0.6 / 2.3),
+                                                           pytest.approx(0.6 / 110.3)]
 
 
 def test_a_lazy_save_is_counted_at_its_fence_event_and_an_older_logs_at_its_snapshot() -> None:
