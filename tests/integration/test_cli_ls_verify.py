@@ -1276,3 +1276,25 @@ def test_latest_asks_again_when_retention_removes_each_checkpoint_it_checks(tmp_
         ck.close()
     assert checked == [f"{home}/step-1.pt", f"{home}/step-2.pt"]
     assert r.exit_code == 0 and r.stdout.strip() == f"{home}/step-3.pt", r.output
+
+
+def test_latest_never_names_a_removed_group_whose_name_begins_a_newer_ones(tmp_path, monkeypatch) -> None:
+    """latest() answers step-100; the job then commits step-1000 and its retention removes
+    step-100. Whether anything is left of step-100 was asked of the plain prefix "step-100", which
+    step-1000's files match: the removed group counted as whole and `fastckpt latest` printed it."""
+    home = str(tmp_path / "home")
+    with fastckpt.Checkpointer() as ck:
+        save_group(ck, f"{home}/step-100", 100)
+    real = fastckpt.latest
+
+    def latest(root, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        found = real(root, *args, **kwargs)
+        if os.path.isdir(f"{home}/step-100"):  # the job's next commit and its retention, right after the answer
+            with fastckpt.Checkpointer() as job:
+                save_group(job, f"{home}/step-1000", 1000)
+                job.remove(f"{home}/step-100")
+        return found
+
+    monkeypatch.setattr(fastckpt, "latest", latest)
+    r = run("latest", home)
+    assert r.exit_code == 0 and r.stdout.strip() == f"{home}/step-1000", r.output

@@ -97,8 +97,9 @@ def gone(h: Homes, path: str) -> bool:
     """Whether nothing is left at ``path`` (a file, or a directory or prefix with nothing under it):
     a checkpoint removed (retention) since it was listed, not one that is there and unverifiable."""
     loc = h.resolve(path)
+    under = loc.key.rstrip("/") + "/" if loc.key.strip("/") else ""  # under run/step-100/, not run/step-1000
     try:
-        return not loc.target.exists(loc.key) and not loc.target.list(loc.key, max_depth=1)
+        return not loc.target.exists(loc.key) and not loc.target.list(under, max_depth=1)
     except FileNotFoundError:
         return True
     except OSError:  # cannot tell: taken as there
