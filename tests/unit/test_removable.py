@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import fastckpt
+from fastckpt.commit.protocol import GROUP_MANIFEST
 from fastckpt.errors import ConfigError
 
 
@@ -225,8 +226,10 @@ def test_a_root_is_refused_before_anything_is_listed_or_deleted(tmp_path: Path, 
 
 def test_remove_refuses_one_file_of_a_checkpoint_made_of_several(tmp_path: Path) -> None:
     """remove() of one rank's file of a published group deleted it and left the group that latest
-    names damaged; so for a file of an unpublished group, a DeepSpeed tag or a Megatron iteration
-    (each goes whole, by its folder). A single file in a numbered folder is one checkpoint."""
+    names damaged; so for a file of an unpublished group, the group's manifest (it was called "not a
+    checkpoint ... delete this file yourself", which unpublishes the group), a DeepSpeed tag or a
+    Megatron iteration (each goes whole, by its folder). A single file in a numbered folder is one
+    checkpoint."""
     run = tmp_path / "run"
     with fastckpt.Checkpointer() as ck:
         for name in ("a.pt", "b.pt"):
@@ -239,6 +242,7 @@ def test_remove_refuses_one_file_of_a_checkpoint_made_of_several(tmp_path: Path)
         torch.save(_state(3), f)
     with fastckpt.Checkpointer() as ck:
         for path, whole in ((run / "g-1" / "a.pt", f"the fastckpt group, {run}/g-1"),
+                            (run / "g-1" / GROUP_MANIFEST, f"the fastckpt group, {run}/g-1"),  # it publishes it
                             (tag / "mp_rank_00_model_states.pt", f"the DeepSpeed tag, {tag}"),
                             (it / "model_optim_rng.pt", f"the Megatron iteration, {run}/iter_0000004")):
             with pytest.raises(ConfigError, match=f"it is one file of {whole}: deleting it alone"):

@@ -68,14 +68,8 @@ def check_removable(loc: Location) -> None:
         listed = []
     rels = [k[len(prefix):] for k in listed if nameable(k)]  # a name fastckpt refuses (a\b.txt) is no checkpoint
     if not listed:  # a file (an object store's "directory" exists only through what it holds), or nothing
-        if key and target.exists(key) and not _checkpoint_file(loc):
-            raise ConfigError(f"remove({loc.url!r}): it is not a checkpoint: a file with no fastckpt manifest that "
-                              "is no torch.save file either, so remove() does not delete it. Pass a checkpoint (a "
-                              "file or group that fastckpt ls lists), or delete this file yourself if you mean to.")
-        if key and target.exists(key) and (whole := _whole_of(loc)) is not None:
-            raise ConfigError(f"remove({loc.url!r}): it is one file of {whole[0]}, {whole[1]}: deleting it alone "
-                              "would leave that checkpoint damaged (and a resume that takes it would fail), so "
-                              f"remove() does not. Pass {whole[1]} to delete the whole checkpoint")
+        if key and target.exists(key):
+            _refuse_file(loc)
         return
     if rels and all(is_tmp(posixpath.basename(r)) for r in rels):  # a save into it that never finished
         return
@@ -87,6 +81,24 @@ def check_removable(loc: Location) -> None:
                       f"{_holding(loc, inner)}; remove() deletes one checkpoint and never a directory that holds "
                       "checkpoints. Pass the checkpoint to delete (a file or group directory that fastckpt ls lists "
                       "under it), or delete the directory yourself if you mean to.")
+
+
+def _refuse_file(loc: Location) -> None:
+    """Refuse the file ``loc`` unless it is a checkpoint of its own. A group's manifest is one file
+    of its group, though no checkpoint file itself: deleting it alone unpublishes the group.
+
+    Raises:
+        ConfigError: naming what the file is and what to pass instead.
+    """
+    whole = _whole_of(loc)
+    if (whole is None or posixpath.basename(loc.key) != GROUP_MANIFEST) and not _checkpoint_file(loc):
+        raise ConfigError(f"remove({loc.url!r}): it is not a checkpoint: a file with no fastckpt manifest that "
+                          "is no torch.save file either, so remove() does not delete it. Pass a checkpoint (a "
+                          "file or group that fastckpt ls lists), or delete this file yourself if you mean to.")
+    if whole is not None:
+        raise ConfigError(f"remove({loc.url!r}): it is one file of {whole[0]}, {whole[1]}: deleting it alone "
+                          "would leave that checkpoint damaged (and a resume that takes it would fail), so "
+                          f"remove() does not. Pass {whole[1]} to delete the whole checkpoint")
 
 
 def _checkpoint_file(loc: Location) -> bool:
