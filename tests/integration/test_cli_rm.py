@@ -96,3 +96,22 @@ def test_remove_and_rm_of_a_file_alone_in_its_folder_at_a_url_leave_nothing_ther
     names = ("latest", "state.pt", "state.pt.fastckpt.json")
     assert sorted(o["Key"] for o in keys) == [f"run/step-3/{n}" for n in names]
     assert fastckpt.latest(home, storage_options=opts) == f"{home}/step-3/state.pt"
+
+
+def test_rm_at_a_url_deletes_the_sidecar_ls_lists_of_an_object_deleted_behind_its_back(
+        s3_server, s3_bucket, tmp_path: Path) -> None:
+    """The object was deleted without fastckpt (`aws s3 rm`), its sidecar left: ls lists the file
+    (missing), and rm of that name said "nothing there" and kept the sidecar."""
+    opts = s3_server.storage_options()
+    home = f"s3://{s3_bucket}/run"
+    with fastckpt.Checkpointer(storage_options=opts, overhead_budget=0.99, local_dir=str(tmp_path / "nvme")) as ck:
+        for step in (1, 2):
+            ck.save({"w": torch.full((256,), float(step))}, f"{home}/step-{step}.pt").wait()
+    s3_server.client().delete_object(Bucket=s3_bucket, Key="run/step-2.pt")
+    so = ("--storage-options", json.dumps(opts))
+    assert "step-2.pt" in _names(home, *so)
+    r = run("rm", f"{home}/step-2.pt", *so)
+    assert r.exit_code == 0 and r.stdout.splitlines() == [f"removed {home}/step-2.pt"], r.output
+    left = s3_server.client().list_objects_v2(Bucket=s3_bucket, Prefix="run/").get("Contents", [])
+    assert not [o["Key"] for o in left if o["Key"].startswith("run/step-2.pt")], left
+    assert _names(home, *so) == {"step-1.pt": "complete"}

@@ -24,6 +24,7 @@ def _checked(paths: tuple[str, ...], storage_options: dict | None) -> tuple[list
     Raises:
         ConfigError: a PATH is no single checkpoint (``commit.removable``): nothing is deleted.
     """
+    from ..commit.protocol import SIDECAR
     from ..commit.removable import check_removable, refuse_root
     from ..urls import is_url, local_path
 
@@ -33,8 +34,9 @@ def _checked(paths: tuple[str, ...], storage_options: dict | None) -> tuple[list
         for path in paths:
             loc = h.resolve(path)
             refuse_root(loc)
-            if is_url(path):
-                found = loc.target.exists(loc.key) or bool(loc.target.list(loc.key.rstrip("/") + "/"))
+            if is_url(path):  # a sidecar whose object is gone too: ls lists it (missing), remove() deletes it
+                found = loc.target.exists(loc.key) or loc.target.exists(loc.key + SIDECAR) \
+                    or bool(loc.target.list(loc.key.rstrip("/") + "/"))
             else:
                 found = os.path.lexists(local_path(path))
             check_removable(loc)
