@@ -297,3 +297,10 @@ def resolved(path: str) -> str:
     if is_url(path):
         return path
     return os.path.join(os.path.realpath(os.path.dirname(path)), os.path.basename(path))
+
+
+def spellings(path: str) -> list[str]:
+    """``path``, and its ``resolved`` spelling where its folders' links make that another name: a
+    burst-buffer copy lies under the spelling its save was given (``mirror_path``), so a removal
+    through ``/ckpt`` (a link to ``/lustre/me/run``) looks under both."""
+    return list(dict.fromkeys((path, resolved(path))))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 from click.testing import CliRunner
 
@@ -115,3 +116,22 @@ def test_rm_at_a_url_deletes_the_sidecar_ls_lists_of_an_object_deleted_behind_it
     left = s3_server.client().list_objects_v2(Bucket=s3_bucket, Prefix="run/").get("Contents", [])
     assert not [o["Key"] for o in left if o["Key"].startswith("run/step-2.pt")], left
     assert _names(home, *so) == {"step-1.pt": "complete"}
+
+
+def test_rm_through_a_linked_folder_deletes_the_burst_buffer_copy_saved_through_its_target(tmp_path: Path) -> None:
+    """/ckpt links to the run's folder, saved through its own name: rm /ckpt/a.pt --local-dir (and
+    remove()) deleted the home file but looked for the node's copy under /ckpt only, so it stayed,
+    and a load of the deleted checkpoint read it."""
+    run_dir, link, bb = tmp_path / "run", tmp_path / "ckpt", str(tmp_path / "nvme")
+    with fastckpt.Checkpointer(local_dir=bb) as ck:
+        for name in ("a.pt", "b.pt"):
+            ck.save({"w": torch.ones(8)}, str(run_dir / name)).wait()
+    link.symlink_to(run_dir)
+    r = run("rm", str(link / "a.pt"), "--local-dir", bb)
+    assert r.exit_code == 0 and not (run_dir / "a.pt").exists(), r.output
+    with fastckpt.Checkpointer(local_dir=bb) as ck:
+        ck.remove(str(link / "b.pt"))
+        assert not list(Path(bb).rglob("*.pt")), list(Path(bb).rglob("*.pt"))  # the node's copies went too
+        for name in ("a.pt", "b.pt"):
+            with pytest.raises(fastckpt.CheckpointNotFoundError):
+                ck.load(str(run_dir / name))

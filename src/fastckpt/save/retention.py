@@ -65,14 +65,14 @@ class Retention:
         keep_local, keep_persistent: the options of the same names.
         homes: resolves names to their targets.
         local_copies: the burst-buffer copies of a name (several with striped ``local_dir``s: a
-            group's files may live on every drive).
+            group's files may live on every drive); ``remove`` asks for them ``spelled=True``.
         rank: this process's rank: of the single files earlier runs left, only its own count.
         in_flight: the futures of a group's saves and commits in flight (``InFlight.of_group``).
         commit_timeout_s: how long the other ranks wait for a group: a trim's record stays longer.
     """
 
     def __init__(self, keep_local: int | None, keep_persistent: int | None, homes: Homes,
-                 local_copies: Callable[[str], list[str]], rank: int = 0,
+                 local_copies: Callable[..., list[str]], rank: int = 0,
                  in_flight: Callable[[str], list[Future]] = lambda group: [], commit_timeout_s: float = 600.0) -> None:
         self._keep_local, self._keep_persistent, self._rank = keep_local, keep_persistent, rank
         self._trimmed_keep_s = keep_for(commit_timeout_s)  # (``commit.trimmed``)
@@ -260,12 +260,12 @@ class Retention:
         """
         if check:
             check_removable(self._homes.resolve(path))
-            for local in self._local_copies(path):  # a burst-buffer file is ours: not read; a directory is checked
+            for local in self._local_copies(path, spelled=True):  # a file is ours: not read; a directory is checked
                 if not (loc := self._homes.resolve(local)).target.exists(loc.key):
                     check_removable(loc)
         with self._lock:
             self._forget(path)
-        self._delete_local(path)
+        self._delete_local(path, spelled=True)  # also a copy saved through the folder a link in path names
         self._delete_persistent(path)
 
     def _earlier_local(self, path: str, step: int | None) -> list[str]:
@@ -306,8 +306,8 @@ class Retention:
             self._deciding(gone)
             return gone
 
-    def _delete_local(self, path: str) -> None:
-        for local in self._local_copies(path):
+    def _delete_local(self, path: str, spelled: bool = False) -> None:
+        for local in self._local_copies(path, spelled=True) if spelled else self._local_copies(path):
             delete_checkpoint(self._homes.resolve(local))
 
     def _delete_failed(self, group: str) -> None:

@@ -35,7 +35,7 @@ from ..errors import ConfigError, file_in_the_way
 from ..io.atomic import sweep_once, sweep_tree
 from ..io.ops import FileOps
 from ..units import fmt_bytes
-from ..urls import mirror_path
+from ..urls import mirror_path, spellings
 
 log = logging.getLogger("fastckpt")
 #: errors that say a drive takes no writes at all (not: this file did not fit)
@@ -143,11 +143,13 @@ class Stripes:
         (a stale manifest left on one names an older attempt; loads look at its copies last)."""
         return [d for i, d in enumerate(self.dirs) if i not in self._refused and os.path.isdir(d)]
 
-    def copies(self, path: str) -> list[str]:
+    def copies(self, path: str, spelled: bool = False) -> list[str]:
         """The burst-buffer copies of ``path`` that exist (one, but look everywhere; a stale one
-        left on a drive that refused writes, after the others)."""
+        left on a drive that refused writes, after the others). ``spelled`` (a removal): under each
+        spelling of ``path`` (``urls.spellings``), for a copy saved through the folder a link names."""
         order = sorted(range(len(self.dirs)), key=lambda i: i in self._refused)
-        return [p for p in (self.mirror(i, path) for i in order) if os.path.lexists(p)]
+        names = spellings(path) if spelled else [path]
+        return [p for n in names for p in (self.mirror(i, n) for i in order) if os.path.lexists(p)]
 
     def mirror(self, i: int, path: str) -> str:
         """The place of ``path``'s copy in directory number ``i``."""
