@@ -233,11 +233,12 @@ class Monitor:
 
     def tagging(self, emit: Callable[..., None]) -> Callable[..., None]:
         """``emit`` that names, on each ``snapshot`` event, the ``one_save()`` block the calling
-        thread has open (snapshots are emitted on the thread that saves) and logs the file in it."""
+        thread has open (snapshots are emitted on the thread that saves) and logs the file in it; a
+        save that failed at the call (its snapshot event carries the error) is in no block."""
 
         def tagged(name: str, path: str, nbytes: int, start: float, tier: str, *args: object,
                    **kw: object) -> None:
-            if name == "snapshot" and (batch := self.current()) is not None:
+            if name == "snapshot" and kw.get("error") is None and (batch := self.current()) is not None:
                 batch.log(path, tier, nbytes)
                 kw["block"] = batch.id
             emit(name, path, nbytes, start, tier, *args, **kw)

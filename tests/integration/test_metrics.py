@@ -170,6 +170,30 @@ def test_a_failed_write_is_counted_by_phase_and_type(tmp_path: Path) -> None:
     assert {("phase", "write"), ("error", "CheckpointWriteError")} <= set(next(iter(failures)))  # what was raised
 
 
+def test_a_save_that_fails_at_the_call_is_counted_and_logged(serve: Serve, tmp_path: Path) -> None:
+    """Its folder cannot be made (a file stands where it must be): save() raises CheckpointWriteError
+    itself. A job that catches it to keep training was in no metric and no event; now it counts once,
+    as a failed snapshot, in process, in serve-metrics' replay of the log and in the report."""
+    (tmp_path / "run").write_text("a stray file named like the run's folder")
+    log = tmp_path / "events.jsonl"
+    with Checkpointer(metrics_port=0, event_log=str(log)) as ck:
+        with pytest.raises(CheckpointWriteError), ck.one_save():  # a block whose only file failed: no save
+            ck.save(_state(1024), str(tmp_path / "run" / "step-1.pt"))
+        ck.save(_state(1024), str(tmp_path / "ok.pt")).wait()  # the job goes on
+        got = scrape(ck.metrics_url)
+    from ._scrape import parse
+
+    replayed = parse(serve("--event-log", str(log), "--once").stdout)
+    for metrics in (got, replayed):
+        failures = {(dict(lab)["phase"], dict(lab)["error"]): v for (n, lab), v in metrics.items()
+                    if n == "fastckpt_failures_total"}
+        assert failures == {("snapshot", "CheckpointWriteError"): 1.0}, failures
+        assert value(metrics, "fastckpt_saves_total", rank="0", tier="direct") == 1  # the save that failed is none
+    _, summary = load_run([str(log)])
+    assert summary.failures == {"snapshot: CheckpointWriteError": 1}
+    assert "one_save" not in [json.loads(line)["name"] for line in log.read_text().splitlines()]
+
+
 def test_a_failed_group_commit_is_counted_once(tmp_path: Path) -> None:
     """Rank 1 saved into the group but never commits: rank 0's commit times out. Before, a group
     commit emitted its event only on success, so neither fastckpt_failures_total nor the event

@@ -38,7 +38,7 @@ from ..errors import ConfigError, ReplicationError, refused_once_closed
 from ..events import LAZY
 from ..format import layout as F
 from ..format.manifest import TAIL_ROOM
-from ..inflight import InFlight, raise_as_write_error, set_surfaced
+from ..inflight import InFlight, raise_as_write_error, set_surfaced, surfaced
 from ..monitor import Monitor
 from ..records import SaveHandle, SaveRecord, not_written
 from ..storage.homes import Homes
@@ -82,13 +82,21 @@ class Saver:
         if group is not None and not is_within(path, group):
             raise ConfigError(f"{path} is not inside its group directory {group}: save each file of a group "
                               f"under its directory, e.g. {group}/{posixpath.basename(path)}")
+        called = time.time()
         try:
             self._inflight.raise_unseen()
             return self._save(state_dict, path, group, lazy, rank, world)
         except BaseException as exc:
-            if group is not None:
+            if group is not None:  # its group's commit fails, and counts it (``commit.tell``)
                 self._coord.failed(group, path, exc)
+            elif isinstance(exc, Exception) and not surfaced(exc):  # failed at the call: no phase of it emitted one
+                self._emit("snapshot", path, 0, called, self._tier(), error=exc)
             raise
+
+    def _tier(self) -> str:
+        """The tier a save that failed before one was chosen is counted under: the one asked for, else
+        the one its burst buffer (or none) gives."""
+        return self._cfg.tier if self._cfg.tier != "auto" else "nvme" if self._cfg.local_dirs else "direct"
 
     def _save(self, state_dict: object, path: str, group: str | None, lazy: bool, rank: int,
               world: int) -> SaveHandle:
