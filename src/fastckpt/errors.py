@@ -101,8 +101,14 @@ def file_in_the_way(directory: str) -> str | None:
     if p is None:
         return None
     if os.path.islink(p) and not os.path.exists(p):  # a link to nothing (a drive not mounted here): no file to move
-        return (f"{p} is a symbolic link to {os.readlink(p)}, which does not exist (create it or mount its drive, "
-                "or choose another path)")
+        try:
+            os.stat(p)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                return (f"{p} is a symbolic link that leads back to itself (a loop): point it at a directory, "
+                        "or remove it")
+        return (f"{p} is a symbolic link to {os.path.realpath(p)}, which does not exist (create it or mount its "
+                "drive, or choose another path)")
     return f"{p} is a file, not a directory (choose another path, or move that file away)"
 
 

@@ -411,6 +411,18 @@ def test_a_local_dir_that_is_a_link_to_nothing_names_the_missing_target(tmp_path
         fastckpt.Checkpointer(local_dir=str(link))
     assert f"{link} is a symbolic link to {tmp_path / 'local_nvme' / 'me'}, which does not exist (create it or mount " \
            "its drive, or choose another path)" in str(ei.value), ei.value
+    chain = tmp_path / "nvme"  # nvme -> scratch -> local_nvme/me: the missing one is named, not the link between
+    chain.symlink_to(link)
+    with pytest.raises(fastckpt.ConfigError) as ei:
+        fastckpt.Checkpointer(local_dir=str(chain))
+    assert f"{chain} is a symbolic link to {tmp_path / 'local_nvme' / 'me'}, which does not exist" in str(ei.value)
+    loop_a, loop_b = tmp_path / "a", tmp_path / "b"
+    loop_a.symlink_to(loop_b)
+    loop_b.symlink_to(loop_a)
+    with pytest.raises(fastckpt.ConfigError) as ei:
+        fastckpt.Checkpointer(local_dir=str(loop_a))
+    assert f"{loop_a} is a symbolic link that leads back to itself (a loop): point it at a directory, or remove it" \
+        in str(ei.value), ei.value
 
 
 def test_an_event_log_that_cannot_be_written_is_a_config_error(tmp_path) -> None:
