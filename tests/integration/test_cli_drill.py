@@ -453,3 +453,28 @@ def test_a_trials_kill_takes_the_jobs_children_in_sessions_of_their_own(tmp_path
     finally:
         os.close(fd)
     assert gone, "the job's child, in a session of its own, still runs after the trial's kill"
+
+
+# a launcher that crashes after it started its worker: the worker an orphan
+_LAUNCHER_DIES = _SESSION_JOB.replace("signal.pause()\n", "sys.exit(3)\n")
+
+
+def test_a_trials_kill_takes_the_workers_of_a_job_whose_first_process_died(tmp_path) -> None:
+    """A launcher that dies on its own (torchrun's agent OOM-killed) leaves its workers orphans,
+    with no parent link back to the job: the trial's kill found none of them and they trained on
+    after the drill ended. The guard kills every process that carries the child's mark."""
+    from fastckpt.cli.drill_proc import Child
+
+    fifo = str(tmp_path / "held")
+    os.mkfifo(fifo)
+    child = Child([sys.executable, "-c", _LAUNCHER_DIES, fifo], str(tmp_path / "job.log"), json_lines=False)
+    fd = os.open(fifo, os.O_RDONLY)  # blocks until the job opens it
+    try:
+        assert int(os.read(fd, 32)) == child.proc.pid
+        assert child.proc.wait(timeout=60) == 3  # the launcher is gone; its worker holds the FIFO
+        child.kill()
+        readable, _, _ = select.select([fd], [], [], 60)
+        gone = bool(readable) and os.read(fd, 1) == b""  # EOF: the orphaned worker is dead too
+    finally:
+        os.close(fd)
+    assert gone, "the orphaned worker of a job whose first process died still runs after the trial's kill"

@@ -5,9 +5,11 @@ A drill killed with SIGKILL runs no clean-up, and its jobs, in sessions of their
 on for good. So each group's leader dies with the drill (``die_with_parent``), and a guard, a
 tiny process in a session of its own, holds the read end of a pipe only the drill writes to:
 when that end reads EOF without a word first (every descriptor of the drill closed: it is gone),
-the guard SIGKILLs the whole group, the leader's own children too, and every process that carries
-the child's mark in its environment (torchrun's workers, in sessions of their own). ``Child.kill`` says a word
+the guard SIGKILLs the whole group, the leader's own children too. ``Child.kill`` says a word
 and closes the pipe: the guard then leaves the group, by then gone and its number free, alone.
+Either way the guard then kills every process that carries the child's mark in its environment
+(torchrun's workers, in sessions of their own: orphans once the job's first process died, with
+the drill, or on its own as a crashed launcher), and ``Child.kill`` waits for it.
 """
 
 from __future__ import annotations
@@ -29,9 +31,9 @@ from ._signals import descendants, die_with_parent
 
 TAIL_BYTES = 4000
 MARK = "FASTCKPT_DRILL_CHILD"  # in each child's environment, which everything it starts inherits
-# The guard, on EOF without a word (the drill is gone): SIGKILL the job's process group, then every
-# process whose environment carries the job's mark. torchrun's workers start sessions of their own,
-# out of the group, and once the job's first process dies with the drill they are orphans with no
+# The guard, on EOF without a word (the drill is gone): SIGKILL the job's process group; then, word
+# or not, every process whose environment carries the job's mark. torchrun's workers start sessions
+# of their own, out of the group, and once the job's first process dies they are orphans with no
 # parent link back to it; the mark, inherited through fork and exec, still names them.
 _GUARD = """
 import os, signal, sys
@@ -41,14 +43,14 @@ if not os.read(0, 1):
         os.killpg(job, signal.SIGKILL)
     except ProcessLookupError:
         pass
-    for name in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{name}/environ", "rb") as f:
-                marked = mark in f.read().split(b"\\0")
-            if name.isdigit() and marked:
-                os.kill(int(name), signal.SIGKILL)
-        except (OSError, ValueError):
-            pass
+for name in os.listdir("/proc"):  # also after the word: a job whose first process died left orphans
+    try:
+        with open(f"/proc/{name}/environ", "rb") as f:
+            marked = mark in f.read().split(b"\\0")
+        if name.isdigit() and marked:
+            os.kill(int(name), signal.SIGKILL)
+    except (OSError, ValueError):
+        pass
 """
 
 
