@@ -52,6 +52,19 @@ def applies(engine: object, kwargs: dict) -> bool:
                 and not engine.has_moe_layers)  # type: ignore[attr-defined]
 
 
+def as_given(engine: object, kwargs: dict) -> dict:
+    """``load_checkpoint``'s ``kwargs`` as DeepSpeed's load is given them. Under ZeRO-3 (no MoE,
+    not a universal checkpoint) ``load_module_only=True`` with ``load_optimizer_states`` left True
+    loads as ``load_optimizer_states=False`` does, through the consolidation: DeepSpeed's own load
+    takes the weights from the model files, which under ZeRO-3 hold empty partitions, skips the
+    optimizer files that hold them, and returns without a weight loaded or an error raised."""
+    if (kwargs.get("load_module_only") and kwargs.get("load_optimizer_states", True)
+            and engine.zero_optimization_partition_weights() and not engine.has_moe_layers  # type: ignore[attr-defined]
+            and not engine.load_universal_checkpoint()):  # type: ignore[attr-defined]
+        return {**kwargs, "load_optimizer_states": False}
+    return kwargs
+
+
 def verify(where: str, tag: str, read: Callable[[str], object]) -> None:
     """Read every file DeepSpeed's consolidation of ``where/tag`` reads (each rank reads all of
     them, as DeepSpeed does), one at a time, through ``read``.

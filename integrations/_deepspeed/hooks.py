@@ -289,9 +289,10 @@ class EngineHooks:
         home = normalize(load_dir)
         where, alias = self._where(home)
         resolve = tag is None and not self.engine.load_universal_checkpoint()
-        kwargs = {"load_module_strict": load_module_strict, "load_optimizer_states": load_optimizer_states,
-                  "load_lr_scheduler_states": load_lr_scheduler_states, "load_module_only": load_module_only,
-                  "custom_load_fn": custom_load_fn}
+        asked = {"load_module_strict": load_module_strict, "load_optimizer_states": load_optimizer_states,
+                 "load_lr_scheduler_states": load_lr_scheduler_states, "load_module_only": load_module_only,
+                 "custom_load_fn": custom_load_fn}
+        kwargs = fp32.as_given(self.engine, asked)  # ZeRO-3's load_module_only: through the consolidation
         for attempt in range(1, LOAD_TRIES + 1):
             loaded, save, error, changed = None, "", None, None
             with contextlib.ExitStack() as held:  # the tag's pinned save and this rank's files read ahead
@@ -315,6 +316,8 @@ class EngineHooks:
             if outcome.failed:
                 raise error_on_any_rank(error)
             if not (outcome.changed or outcome.mixed):
+                if kwargs is not asked and loaded[1] is not None:  # what load_optimizer_states=True leaves out
+                    loaded[1].pop("optimizer", None)
                 return loaded
             what = (f"checkpoint {_join(home, str(tag))} was saved again during its load ({changed})"
                     if changed is not None else "the ranks loaded different saves (a tag was saved again, or the "

@@ -21,6 +21,9 @@ each rank writes ROOT/results/rank{r}.json (the scenarios of one launch keep to 
             save is published between DeepSpeed's parse of the model files and of the optimizer files
             (its ``parse_optim_states`` wrapped): the load starts over and loads the new save whole, on
             both ranks (before: its weights, with the old save's step counters)
+  moduleonly  load_checkpoint(d, tag, load_module_only=True) (load_optimizer_states left True): the
+            tag's weights are loaded (DeepSpeed's own load loaded none, and raised nothing), the
+            step counters are not, and the client state holds no "optimizer" key
   dsconfig  a numpy scalar in the DeepSpeed config (DeepSpeed stores the config in every file),
             or a value of the user's own class (a str subclass): refused at initialize, naming its
             key (every checkpoint saved would have been unloadable with weights_only=True)
@@ -136,6 +139,26 @@ def weights_only(root: str) -> None:
     RESULTS["weightsonly"] = {"raised": raised}
 
 
+def module_only(root: str) -> None:
+    d = os.path.join(root, "moduleonly")
+    w = engine(0)
+    train(w, 1, 2)
+    w.save_checkpoint(d, "t1", client_state={"run": 7})
+    t1_w = full_weights(w)
+    w.destroy()
+    dist.barrier()
+    r = engine(1)
+    fresh = full_weights(r)
+    path, client = r.load_checkpoint(d, "t1", load_module_only=True)
+    loaded = full_weights(r)
+    RESULTS["moduleonly"] = {"loaded": path is not None,
+                             "differing": sorted(k for k in t1_w if not torch.equal(loaded[k], t1_w[k])),
+                             "fresh": sorted(k for k in fresh if torch.equal(loaded[k], fresh[k])),
+                             "global_steps": r.global_steps, "run": (client or {}).get("run"),
+                             "optimizer_key": "optimizer" in (client or {})}
+    r.destroy()
+
+
 def burst_buffer_weights(root: str) -> None:
     rank = dist.get_rank()
     d, section = os.path.join(root, "bbweights"), {"local_dir": os.path.join(root, "nvme")}  # one node's drive
@@ -211,6 +234,7 @@ def ds_config_values(root: str) -> None:
 
 
 SCENARIOS = {"onerank": one_rank, "weightsonly": weights_only, "bbweights": burst_buffer_weights,
+             "moduleonly": module_only,
              "resave": resave_during_consolidation, "dsconfig": ds_config_values}
 
 

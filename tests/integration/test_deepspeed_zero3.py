@@ -20,7 +20,7 @@ WORKER = str(Path(__file__).resolve().parent / "_deepspeed_zero3_worker.py")
 LIMIT_S = 300  # a hang is killed (with its whole session) and fails the test
 
 
-SCENARIOS = "onerank,weightsonly,bbweights,resave,dsconfig"
+SCENARIOS = "onerank,weightsonly,bbweights,moduleonly,resave,dsconfig"
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +57,16 @@ def test_a_weights_only_load_with_a_burst_buffer_reads_the_verified_bytes(got: d
     load (the intact burst-buffer copy), and the saved weights load on both ranks."""
     for r in (0, 1):
         assert got[r]["bbweights"] == {"differing": []}  # was: ["0.weight"], the flipped bit's
+
+def test_load_module_only_loads_the_weights(got: dict[int, dict]) -> None:
+    """load_checkpoint(d, "t1", load_module_only=True), optimizer states left at their default:
+    DeepSpeed's own load under ZeRO-3 loaded no weight (its model files hold empty partitions)
+    and raised nothing; now the weights come from the consolidation of the tag, as with
+    load_optimizer_states=False, and only the weights (no step counters, no "optimizer" key)."""
+    for r in (0, 1):
+        assert got[r]["moduleonly"] == {"loaded": True, "differing": [], "fresh": [], "global_steps": 0,
+                                        "run": 7, "optimizer_key": False}
+
 
 def test_a_weights_only_load_notices_a_resave_during_the_consolidation(got: dict[int, dict]) -> None:
     """A re-save of the tag published while DeepSpeed's consolidation reads its files: the new
