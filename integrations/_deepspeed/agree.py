@@ -90,6 +90,38 @@ def different_tags_error(home: str, tag: str) -> errors.ConfigError:
         "e.g. f'global_step{engine.global_steps}', or broadcast rank 0's). Nothing was saved, on any rank")
 
 
+def asked_differently(asked: dict[str, object]) -> bool:
+    """Every rank calls this as its ``load_checkpoint`` begins, with what it was asked for (its
+    load_dir, tag and load options): whether any rank was asked for something else. One all-reduce
+    for all of them, before any rank reads or resolves a tag."""
+    ident = _ident(repr(sorted(asked.items())))
+    hi, neg_lo = _max_on_any_rank([ident, -ident])
+    return hi != -neg_lo
+
+
+def different_loads_error(asked: dict[str, object]) -> errors.ConfigError:
+    """The error every rank raises once ``asked_differently`` found that the ranks called
+    ``load_checkpoint`` with different arguments (a collective: every rank calls it), naming each
+    rank's values of the arguments that differ."""
+    from deepspeed import comm as dist
+
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, asked)
+    differ = [k for k in asked if len({repr(e[k]) for e in everyone}) > 1]
+    ranks: dict[str, list[int]] = {}
+    for rank, theirs in enumerate(everyone):
+        ranks.setdefault(", ".join(f"{k}={theirs[k]!r}" for k in differ), []).append(rank)
+    each = "; ".join(f"{values} on rank{'s' if len(r) > 1 else ''} " + ", ".join(map(str, r[:4]))
+                     + (f" and {len(r) - 4} more" if len(r) > 4 else "") for values, r in list(ranks.items())[:4])
+    more = f"; and {len(ranks) - 4} other combinations" if len(ranks) > 4 else ""
+    return errors.ConfigError(
+        f"load_checkpoint was called with different {', '.join(differ)} on the ranks ({each}{more}); this is rank "
+        f"{dist.get_rank()}. Every rank loads one and the same checkpoint, the same way: pass the same load_dir, tag "
+        "(or none on every rank: the newest complete one) and load options on every rank (nothing rank-specific in "
+        "the tag, such as a timestamp taken on each rank: derive it from the step, or broadcast rank 0's). Nothing "
+        "was loaded, on any rank")
+
+
 def error_on_any_rank(error: BaseException | None) -> BaseException:
     """The error to raise on this rank once some rank's load raised: its own, else the first
     failed rank's, of the same class when that is one of fastckpt's (a fallback such as ``except

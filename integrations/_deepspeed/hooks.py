@@ -12,7 +12,8 @@ Who calls what (every rank, training thread, unless noted):
          asked for save_latest. DeepSpeed's own plain write of ``latest`` is switched off: it
          would name the tag before its files are durable, and race the commit's atomic one.
   load_checkpoint(load_dir, tag=None, ...)
-      wait for this engine's pending saves -> resolve the tag (``resolve_tag``) -> a URL's
+      wait for this engine's pending saves -> the ranks agree on what they were asked for
+      (load_dir, tag, load options: one all-reduce) -> resolve the tag (``resolve_tag``) -> a URL's
       group is read through the burst buffer (downloaded first on a fresh node) -> DeepSpeed's
       load_checkpoint, every file from the one save of the tag published when it began
       (``Checkpointer.reading``; a tag saved again and swapped in meanwhile is loaded again)
@@ -47,7 +48,16 @@ from fastckpt.errors import CheckpointWriteError, ConfigError, ReplicationError
 from fastckpt.save.fencing import optimizer_tensors
 
 from . import fp32
-from .agree import COMMITTED, FAILED, agree_on_load, agree_on_save, different_tags_error, error_on_any_rank
+from .agree import (
+    COMMITTED,
+    FAILED,
+    agree_on_load,
+    agree_on_save,
+    asked_differently,
+    different_loads_error,
+    different_tags_error,
+    error_on_any_rank,
+)
 from .compat import LATEST, Store, checked_tag, is_url, normalize, order, pointer_name, same_files
 from .engine import OPT_OUT, SAFE_GLOBALS, FastCkptEngine
 from .globs import literal_globs
@@ -284,9 +294,19 @@ class EngineHooks:
         save: each pins the tag's published save for its loads (``Checkpointer.reading``), and the
         ranks then agree (``agree_on_load``). A tag saved again and swapped in during the load, or
         ranks that resolved different tags (the newest moved between them), load again, whole, on
-        every rank (up to ``LOAD_TRIES`` times); a load that raised on one rank raises on all."""
+        every rank (up to ``LOAD_TRIES`` times); a load that raised on one rank raises on all.
+
+        Raises:
+            ConfigError: on every rank, before anything is read, when the ranks were given
+                different load_dirs, tags (one given and one not, too), or load options.
+        """
         self.flush()
         home = normalize(load_dir)
+        same = {"load_dir": home, "tag": None if tag is None else str(tag),
+                "load_optimizer_states": bool(load_optimizer_states), "load_module_only": bool(load_module_only),
+                "load_lr_scheduler_states": bool(load_lr_scheduler_states)}
+        if asked_differently(same):  # each rank would load another checkpoint, or run other collectives in its load
+            raise different_loads_error(same)
         where, alias = self._where(home)
         resolve = tag is None and not self.engine.load_universal_checkpoint()
         asked = {"load_module_strict": load_module_strict, "load_optimizer_states": load_optimizer_states,

@@ -668,8 +668,14 @@ def load_race(root: str) -> None:
         return load(path, map_location)
 
     fe.load = move_latest_first
-    if rank == 1:
-        store.wait(["loadrace-moved"])
+    if rank == 1:  # it resolves once rank 0 moved latest (after the ranks agreed on the call, its first collective)
+        hooks, resolve = reader._fastckpt_hooks, reader._fastckpt_hooks._resolve
+
+        def resolve_late(home: str) -> str | None:
+            store.wait(["loadrace-moved"])
+            return resolve(home)
+
+        hooks._resolve = resolve_late
     path, _ = reader.load_checkpoint(d)
     assert path is not None and os.path.basename(os.path.dirname(path)) == "t2", path  # its model file
     assert rank == 1 or tries[0] == "t1", tries  # rank 0 began with t1, then loaded again

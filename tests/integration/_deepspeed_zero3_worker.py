@@ -24,6 +24,11 @@ each rank writes ROOT/results/rank{r}.json (the scenarios of one launch keep to 
   moduleonly  load_checkpoint(d, tag, load_module_only=True) (load_optimizer_states left True): the
             tag's weights are loaded (DeepSpeed's own load loaded none, and raised nothing), the
             step counters are not, and the client state holds no "optimizer" key
+  difftags  load_checkpoint with a different tag on each rank (a tag computed per rank), then with
+            different load options (rank 1 without optimizer states: its DeepSpeed load would run
+            other collectives): ConfigError on both ranks, naming each rank's value, before any
+            load (before: three loads, then GroupChangedError blaming a re-save; the options hung);
+            the same load on both ranks then loads
   dsconfig  a numpy scalar in the DeepSpeed config (DeepSpeed stores the config in every file),
             or a value of the user's own class (a str subclass): refused at initialize, naming its
             key (every checkpoint saved would have been unloadable with weights_only=True)
@@ -159,6 +164,25 @@ def module_only(root: str) -> None:
     r.destroy()
 
 
+def different_tags(root: str) -> None:
+    from fastckpt.errors import ConfigError
+
+    rank = dist.get_rank()
+    d = os.path.join(root, "difftags")
+    two_tags(engine(0), d)
+    r, refused = engine(1), []
+    for asked in ({"tag": f"t{rank}"}, {"tag": "t1", "load_optimizer_states": rank == 0}):
+        try:
+            r.load_checkpoint(d, **asked)
+            refused.append(None)
+        except ConfigError as exc:
+            refused.append(str(exc))
+    path, _ = r.load_checkpoint(d, "t1")
+    RESULTS["difftags"] = {"refused": refused, "then": os.path.basename(os.path.dirname(path)),
+                           "global_steps": r.global_steps}
+    r.destroy()
+
+
 def burst_buffer_weights(root: str) -> None:
     rank = dist.get_rank()
     d, section = os.path.join(root, "bbweights"), {"local_dir": os.path.join(root, "nvme")}  # one node's drive
@@ -234,7 +258,7 @@ def ds_config_values(root: str) -> None:
 
 
 SCENARIOS = {"onerank": one_rank, "weightsonly": weights_only, "bbweights": burst_buffer_weights,
-             "moduleonly": module_only,
+             "moduleonly": module_only, "difftags": different_tags,
              "resave": resave_during_consolidation, "dsconfig": ds_config_values}
 
 

@@ -20,7 +20,7 @@ WORKER = str(Path(__file__).resolve().parent / "_deepspeed_zero3_worker.py")
 LIMIT_S = 300  # a hang is killed (with its whole session) and fails the test
 
 
-SCENARIOS = "onerank,weightsonly,bbweights,moduleonly,resave,dsconfig"
+SCENARIOS = "onerank,weightsonly,bbweights,moduleonly,difftags,resave,dsconfig"
 
 
 @pytest.fixture(scope="module")
@@ -66,6 +66,19 @@ def test_load_module_only_loads_the_weights(got: dict[int, dict]) -> None:
     for r in (0, 1):
         assert got[r]["moduleonly"] == {"loaded": True, "differing": [], "fresh": [], "global_steps": 0,
                                         "run": 7, "optimizer_key": False}
+
+
+def test_ranks_given_different_tags_or_load_options_are_refused_before_loading(got: dict[int, dict]) -> None:
+    """Rank 0 asked for t0, rank 1 for t1: each loaded its tag, three times, then both raised
+    GroupChangedError blaming a re-save; different load options hung in DeepSpeed's load. Now
+    both ranks raise ConfigError naming every rank's value, before any load, and the same call
+    on both then loads."""
+    for r in (0, 1):
+        tags, options = got[r]["difftags"]["refused"]
+        assert "different tag on the ranks (tag='t0' on rank 0; tag='t1' on rank 1)" in tags, tags
+        assert "load_optimizer_states=True on rank 0; load_optimizer_states=False on rank 1" in options, options
+        assert f"this is rank {r}" in options and "Nothing was loaded" in options
+        assert got[r]["difftags"]["then"] == "t1" and got[r]["difftags"]["global_steps"] == 2
 
 
 def test_a_weights_only_load_notices_a_resave_during_the_consolidation(got: dict[int, dict]) -> None:
