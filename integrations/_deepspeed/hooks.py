@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from fastckpt import Checkpointer, CheckpointNotFoundError, GroupChangedError, IncompleteCheckpointError
-from fastckpt.errors import CheckpointWriteError, ConfigError, ReplicationError
+from fastckpt.errors import CheckpointWriteError, ConfigError, CorruptCheckpointError, ReplicationError
 from fastckpt.save.fencing import optimizer_tensors
 
 from . import fp32
@@ -63,6 +63,7 @@ from .engine import OPT_OUT, SAFE_GLOBALS, FastCkptEngine
 from .globs import literal_globs
 from .preread import preread, reads_optimizer_files
 from .rejoin import LoadRejoin
+from .resaved import resaved_error, resaved_in_place
 from .unsafe import refused_globals, warn_once
 
 if TYPE_CHECKING:
@@ -323,7 +324,7 @@ class EngineHooks:
                 except GroupChangedError as exc:
                     changed = exc
                 except Exception as exc:  # noqa: BLE001 (raised below, on every rank)
-                    error = exc
+                    error = self._explained(exc, home, where, tag)
                 outcome = agree_on_load(error, changed is not None, save)  # before DeepSpeed's collectives
                 if not (outcome.failed or outcome.changed or outcome.mixed):
                     try:
@@ -331,7 +332,7 @@ class EngineHooks:
                     except GroupChangedError as exc:
                         changed = exc
                     except Exception as exc:  # noqa: BLE001 (raised below, on every rank)
-                        error = exc
+                        error = self._explained(exc, home, where, tag)
                     outcome = agree_on_load(error, changed is not None, save)
             if outcome.failed:
                 raise error_on_any_rank(error)
@@ -349,6 +350,16 @@ class EngineHooks:
                     "once the saves of that tag, or of the newest, stop")
             log.warning("fastckpt: %s; loading again on every rank", what)
         raise AssertionError("unreachable: the last try returns or raises")
+
+    def _explained(self, exc: Exception, home: str, where: str, tag: object) -> Exception:
+        """``exc``, or when it refused a file of a tag that DeepSpeed's own engine saved again in
+        place after fastckpt's commit, the error naming that and the fix (``resaved.py``)."""
+        if not isinstance(exc, CorruptCheckpointError) or tag is None or is_url(home) \
+                or not resaved_in_place(os.path.join(where, str(tag))):
+            return exc
+        named = resaved_error(home, _join(home, str(tag)))
+        named.__cause__ = exc
+        return named
 
     @staticmethod
     def _refuse_empty_latest(home: str, data: bytes | None) -> None:

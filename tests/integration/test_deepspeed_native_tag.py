@@ -3,13 +3,15 @@
 one process that imported torch and DeepSpeed once, gloo, a real SIGKILL). The tag has no
 fastckpt manifest, yet it is a complete checkpoint: the new attempt is staged beside it and
 swapped in (``fastckpt.commit.resave``), so a kill during the save leaves DeepSpeed's checkpoint
-whole, for fastckpt's loader and DeepSpeed's own.
+whole, for fastckpt's loader and DeepSpeed's own. The other way round, a fastckpt tag that
+DeepSpeed's own engine saved again in place is named as such when loaded, with the fix.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -75,3 +77,35 @@ def test_a_save_over_deepspeeds_own_tag_killed_midway_leaves_that_tag_whole(serv
                                 "deepspeed": {"version": "resave", "whole": True}}
     assert fastckpt.latest(str(save_dir)) == str(save_dir / "last")
     assert not [n for n in os.listdir(save_dir) if ".fastckpt-next" in n]  # the killed attempt's too
+
+
+def _flip(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.timeout(900)  # five DeepSpeed starts, one process each
+def test_a_fastckpt_tag_deepspeeds_own_engine_saved_again_is_named_so(server: ForkServer, tmp_path: Path) -> None:
+    """fastckpt commits ``last``; DeepSpeed's own engine ("enabled": false) saves it again in
+    place, leaving fastckpt's manifest. The load raised CorruptCheckpointError advising to
+    restore the file or load an earlier checkpoint (losing the newest training); now it names
+    the re-save and the fix, which then loads DeepSpeed's save. A fastckpt tag with one damaged
+    byte is not taken for a re-save."""
+    save_dir = tmp_path / "run"
+    assert _phase(server, "resave", save_dir).returncode == 0
+    model_file = save_dir / "last" / "mp_rank_00_model_states.pt"
+    _flip(model_file)
+    damaged = _loads(server, save_dir)["fastckpt"]["error"]
+    assert damaged.startswith("CorruptCheckpointError") and "DeepSpeed's own engine" not in damaged, damaged
+    _flip(model_file)
+    assert _phase(server, "native", save_dir).returncode == 0
+    out = _loads(server, save_dir)
+    named = out["fastckpt"]["error"]
+    assert named.startswith(f"CorruptCheckpointError: checkpoint {save_dir / 'last'} was saved again in place by "
+                            "DeepSpeed's own engine after fastckpt committed it"), named
+    assert f"remove {save_dir / 'last' / 'fastckpt-manifest.json'} and {save_dir / 'last' / '.fastckpt'}" in named
+    assert out["deepspeed"] == {"version": "native", "whole": True}
+    (save_dir / "last" / "fastckpt-manifest.json").unlink()  # the fix the error names
+    shutil.rmtree(save_dir / "last" / ".fastckpt")
+    assert _loads(server, save_dir)["fastckpt"] == {"version": "native", "whole": True}
