@@ -78,8 +78,7 @@ def different_tags_error(home: str, tag: str) -> errors.ConfigError:
     for rank, asked in enumerate(everyone):
         ranks.setdefault(tuple(asked), []).append(rank)
     one_dir = len({h for h, _ in ranks}) == 1
-    asked = "; ".join(f"tag {t!r}{'' if one_dir else f' in {h}'} on rank{'s' if len(r) > 1 else ''} "
-                      + ", ".join(map(str, r[:4])) + (f" and {len(r) - 4} more" if len(r) > 4 else "")
+    asked = "; ".join(f"tag {t!r}{'' if one_dir else f' in {h}'} on {_ranks(r)}"
                       for (h, t), r in list(ranks.items())[:4])
     more = f"; and {len(ranks) - 4} other tags" if len(ranks) > 4 else ""
     return errors.ConfigError(
@@ -88,6 +87,12 @@ def different_tags_error(home: str, tag: str) -> errors.ConfigError:
         "A checkpoint is one tag that every rank saves its files into: pass the same save_dir and tag on every "
         "rank (nothing rank-specific in the tag, such as a timestamp taken on each rank: derive it from the step, "
         "e.g. f'global_step{engine.global_steps}', or broadcast rank 0's). Nothing was saved, on any rank")
+
+
+def _ranks(ranks: list[int]) -> str:
+    """``rank 3`` or ``ranks 0, 1, 2, 3 and 4 more``, for the errors naming what each rank asked for."""
+    return (f"rank{'s' if len(ranks) > 1 else ''} " + ", ".join(map(str, ranks[:4]))
+            + (f" and {len(ranks) - 4} more" if len(ranks) > 4 else ""))
 
 
 def asked_differently(asked: dict[str, object]) -> bool:
@@ -111,8 +116,7 @@ def different_loads_error(asked: dict[str, object]) -> errors.ConfigError:
     ranks: dict[str, list[int]] = {}
     for rank, theirs in enumerate(everyone):
         ranks.setdefault(", ".join(f"{k}={theirs[k]!r}" for k in differ), []).append(rank)
-    each = "; ".join(f"{values} on rank{'s' if len(r) > 1 else ''} " + ", ".join(map(str, r[:4]))
-                     + (f" and {len(r) - 4} more" if len(r) > 4 else "") for values, r in list(ranks.items())[:4])
+    each = "; ".join(f"{values} on {_ranks(r)}" for values, r in list(ranks.items())[:4])
     more = f"; and {len(ranks) - 4} other combinations" if len(ranks) > 4 else ""
     return errors.ConfigError(
         f"load_checkpoint was called with different {', '.join(differ)} on the ranks ({each}{more}); this is rank "

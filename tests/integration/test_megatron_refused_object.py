@@ -11,7 +11,8 @@ import pytest
 
 pytest.importorskip("megatron.core")
 
-CHILD = r"""
+# one process of its own (it owns the process group), a Checkpointer registered as Megatron's strategy
+PREAMBLE = r"""
 import fractions, sys, warnings
 warnings.filterwarnings("ignore")
 import torch, torch.distributed as dist
@@ -24,6 +25,9 @@ ck_dir = sys.argv[1]
 dist.init_process_group("gloo", store=dist.FileStore(ck_dir + ".store", 1), rank=0, world_size=1)
 ck = fastckpt.Checkpointer()
 fm.register(ck)
+"""
+
+CHILD = PREAMBLE + r"""
 
 
 def state(obj):
@@ -59,19 +63,7 @@ def test_a_refused_sharded_object_names_its_key_and_the_fix(tmp_path, megatron_p
     assert lines["LOADED"] == "LOADED 1/3"  # the fix it names works
 
 
-RESHARDED = r"""
-import sys, warnings
-warnings.filterwarnings("ignore")
-import torch, torch.distributed as dist
-from megatron.core import dist_checkpointing as dc
-from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor
-import fastckpt
-from fastckpt.integrations import megatron as fm
-
-ck_dir = sys.argv[1]
-dist.init_process_group("gloo", store=dist.FileStore(ck_dir + ".store", 1), rank=0, world_size=1)
-ck = fastckpt.Checkpointer()
-fm.register(ck)
+RESHARDED = PREAMBLE + r"""
 
 
 def state(n, a, b):
