@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Iterable
 
 from .errors import ConfigError
 
@@ -304,3 +305,11 @@ def spellings(path: str) -> list[str]:
     burst-buffer copy lies under the spelling its save was given (``mirror_path``), so a removal
     through ``/ckpt`` (a link to ``/lustre/me/run``) looks under both."""
     return list(dict.fromkeys((path, resolved(path))))
+
+
+def same_place(path: str, names: Iterable[str]) -> list[str]:
+    """``path``, and each of ``names`` that is another spelling of it (``resolved`` makes them one
+    name): what a removal through ``/ckpt/a.pt`` must forget of a save tracked as
+    ``/lustre/me/ckpt/a.pt``, and the reverse."""
+    key = resolved(path)
+    return list(dict.fromkeys([path, *(n for n in names if resolved(n) == key)]))

@@ -5,6 +5,7 @@ anything goes, and says so for a path where nothing is: local files and SeaweedF
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -135,3 +136,25 @@ def test_rm_through_a_linked_folder_deletes_the_burst_buffer_copy_saved_through_
         for name in ("a.pt", "b.pt"):
             with pytest.raises(fastckpt.CheckpointNotFoundError):
                 ck.load(str(run_dir / name))
+
+
+def test_remove_through_either_spelling_forgets_the_save_and_deletes_its_copy(tmp_path: Path) -> None:
+    """remove() forgot only the spelling it was given: a save tracked as real/step-2.pt removed as
+    link/step-2.pt stayed counted by keep_persistent, which then deleted step-1 as well (one
+    checkpoint kept of two); and a save made through the link, removed through the real path, kept
+    its burst-buffer copy, from which a load through the link read the removed checkpoint."""
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    real, link, bb = tmp_path / "real", tmp_path / "link", str(tmp_path / "nvme")
+    with fastckpt.Checkpointer(keep_persistent=2, local_dir=bb, overhead_budget=0.99) as ck:
+        for s in (1, 2):
+            ck.save({"w": torch.ones(8)}, str(real / f"step-{s}.pt")).wait()
+        ck.remove(str(link / "step-2.pt"))
+        ck.save({"w": torch.ones(8)}, str(real / "step-3.pt")).wait()
+        ck.wait()
+        assert sorted(os.listdir(real)) == ["step-1.pt", "step-3.pt"]  # was: ["step-3.pt"]
+        ck.save({"w": torch.ones(8)}, str(link / "b.pt")).wait()
+        ck.remove(str(real / "b.pt"))
+        assert not [p for p in Path(bb).rglob("b.pt")], list(Path(bb).rglob("b.pt"))  # its copy went too
+        with pytest.raises(fastckpt.CheckpointNotFoundError):
+            ck.load(str(link / "b.pt"))

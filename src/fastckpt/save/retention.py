@@ -1,39 +1,36 @@
 """Retention and every deletion: how many checkpoints to keep in the burst buffer and at the
 durable home, and ``remove``.
 
-A checkpoint enters the lists only once it is verified at its durable home, so a local copy
-is never deleted before its replica is verified. The lists are in the order the saves began,
-not the order they became durable (two uploads run at once, and a large older one may finish
-last), so the newest verified save is never deleted (both limits are >= 1).
+A checkpoint enters the lists only once it is verified at its durable home, so a local copy is never deleted
+before its replica is verified. The lists are in the order the saves began, not the order they became durable (two
+uploads run at once, and a large older one may finish last), so the newest verified save is never deleted (both
+limits are >= 1).
 
-The one exception is a group that replication dropped (``replicate_policy="coalesce"``): it
-never gets a replica. One that would have moved its directory's ``latest`` is listed, in its
-place in save order, once a group of a later step in the same directory, saved after it, is
-verified at its home and moves ``latest``: so a DeepSpeed or Megatron job whose replication
-falls behind does not fill its burst buffer. A single file that replication dropped stays: it
-may be a checkpoint the user still names (a Lightning top-k file) and loads from this node.
+The one exception is a group that replication dropped (``replicate_policy="coalesce"``): it never gets a replica.
+One that would have moved its directory's ``latest`` is listed, in its place in save order, once a group of a
+later step in the same directory, saved after it, is verified at its home and moves ``latest``: so a DeepSpeed or
+Megatron job whose replication falls behind does not fill its burst buffer. A single file that replication dropped
+stays: it may be a checkpoint the user still names (a Lightning top-k file) and loads from this node.
 
-Deletions wait for nothing: only finished checkpoints are listed, a name being saved again
-leaves the lists until that save is durable (each save of a name is told apart by the token
-``replacing`` returns: an older save of the name that ends later changes nothing), and
-``Checkpointer.remove`` waits for saves in flight before it calls ``remove`` here. A new save
-of a name waits for a trim still deleting an older save of it (``replacing``). Each
-deletion goes through the checkpoint's home (``storage.homes``) and removes its publication
-record first (``commit.deletion.delete_checkpoint``).
+Deletions wait for nothing: only finished checkpoints are listed, a name being saved again leaves the lists until
+that save is durable (each save of a name is told apart by the token ``replacing`` returns: an older save of the
+name that ends later changes nothing), and ``Checkpointer.remove`` waits for saves in flight before it calls
+``remove`` here. A new save of a name waits for a trim still deleting an older save of it (``replacing``). Each
+deletion goes through the checkpoint's home (``storage.homes``) and removes its publication record first
+(``commit.deletion.delete_checkpoint``).
 
-The burst buffer outlives the process: a restarted job finds the copies its earlier runs left there. The
-first time a checkpoint in a directory becomes durable, the local list takes in, oldest first, the other
-checkpoints in that directory's burst-buffer copy whose copy at the durable home is the same save (same
-checksum; a group's local copy is complete only once it was published): the single files this rank
-wrote and, the first time a group of a known step there is durable (a single file durable first knows
-no step), its groups of earlier steps; a single file in a numbered directory (``step-5/state.pt``) also
-takes in this rank's single files in the numbered directories beside it of earlier steps, once per run.
-A checkpoint whose step is unknown or not below the one just saved is left alone: a job resumed from an
-older checkpoint saves those tags again, and another rank may be writing into them. So ``keep_local``
-bounds the burst buffer across restarts, and a local copy that never reached its home is never deleted.
-A group earlier runs left unpublished at an earlier step can never load: this rank's files of it (their
-manifest names it as their group; a single file in a numbered directory is not one) are removed.
-``keep_persistent`` counts the checkpoints this process saved: what earlier runs left at the durable
+The burst buffer outlives the process: a restarted job finds the copies its earlier runs left there. The first
+time a checkpoint in a directory becomes durable, the local list takes in, oldest first, the other checkpoints in
+that directory's burst-buffer copy whose copy at the durable home is the same save (same checksum; a group's
+local copy is complete only once it was published): the single files this rank wrote and, the first time a group
+of a known step there is durable (a single file durable first knows no step), its groups of earlier steps; a
+single file in a numbered directory (``step-5/state.pt``) also takes in this rank's single files in the numbered
+directories beside it of earlier steps, once per run. A checkpoint whose step is unknown or not below the one
+just saved is left alone: a job resumed from an older checkpoint saves those tags again, and another rank may be
+writing into them. So ``keep_local`` bounds the burst buffer across restarts, and a local copy that never reached
+its home is never deleted. A group earlier runs left unpublished at an earlier step can never load: this rank's
+files of it (their manifest names it as their group; a single file in a numbered directory is not one) are
+removed. ``keep_persistent`` counts the checkpoints this process saved: what earlier runs left at the durable
 home is the user's.
 """
 
@@ -54,6 +51,7 @@ from ..commit.protocol import pointed_name, read_group_manifest
 from ..commit.removable import check_removable
 from ..commit.trimmed import keep_for
 from ..storage.homes import Homes
+from ..urls import same_place
 from .failed import FailedGroups, FailedTrims, delete_failed, push
 from .restarts import Looked, delete_own_group_files, earlier_copies, earlier_steps, numbered_dirs
 
@@ -263,9 +261,11 @@ class Retention:
             for local in self._local_copies(path, spelled=True):  # a file is ours: not read; a directory is checked
                 if not (loc := self._homes.resolve(local)).target.exists(loc.key):
                     check_removable(loc)
-        with self._lock:
-            self._forget(path)
-        self._delete_local(path, spelled=True)  # also a copy saved through the folder a link in path names
+        with self._lock:  # the save's own spelling too (through a link, or not): it is tracked, and its copy goes
+            for spelt in (same := same_place(path, [*self._local, *self._persistent, *self._dropped])):
+                self._forget(spelt)
+        for spelt in same:
+            self._delete_local(spelt, spelled=True)  # also a copy saved through the folder a link in path names
         self._delete_persistent(path)
 
     def _earlier_local(self, path: str, step: int | None) -> list[str]:
