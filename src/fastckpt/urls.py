@@ -308,8 +308,13 @@ def spellings(path: str) -> list[str]:
 
 
 def same_place(path: str, names: Iterable[str]) -> list[str]:
-    """``path``, and each of ``names`` that is another spelling of it (``resolved`` makes them one
-    name): what a removal through ``/ckpt/a.pt`` must forget of a save tracked as
-    ``/lustre/me/ckpt/a.pt``, and the reverse."""
+    """``path``, and, when ``path`` is not one of ``names`` itself, each of them that is another
+    spelling of it (``resolved`` makes them one name): what a removal through ``/ckpt/a.pt`` must
+    forget of a save tracked as ``/lustre/me/ckpt/a.pt``, and the reverse. A name tracked as given
+    is only itself: ``resolved`` follows links as they point now, and a link moved since another
+    save would make that save look like this one."""
+    names = list(names)
+    if path in names:
+        return [path]
     key = resolved(path)
     return list(dict.fromkeys([path, *(n for n in names if resolved(n) == key)]))

@@ -158,3 +158,22 @@ def test_remove_through_either_spelling_forgets_the_save_and_deletes_its_copy(tm
         assert not [p for p in Path(bb).rglob("b.pt")], list(Path(bb).rglob("b.pt"))  # its copy went too
         with pytest.raises(fastckpt.CheckpointNotFoundError):
             ck.load(str(link / "b.pt"))
+
+
+def test_remove_of_a_save_tracked_as_given_leaves_a_save_made_through_a_link_moved_since(tmp_path: Path) -> None:
+    """cur -> real2 when cur/a.pt was saved, then cur -> real1 and real1/a.pt saved: a removal of
+    real1/a.pt took cur/a.pt for another spelling of it (links resolved as they point now) and
+    deleted real2's save's burst-buffer copy."""
+    for d in ("real1", "real2"):
+        (tmp_path / d).mkdir()
+    cur, bb = tmp_path / "cur", str(tmp_path / "nvme")
+    cur.symlink_to(tmp_path / "real2")
+    with fastckpt.Checkpointer(keep_persistent=10, keep_local=10, local_dir=bb, overhead_budget=0.99) as ck:
+        ck.save({"w": torch.full((8,), 2.0)}, str(cur / "a.pt")).wait()
+        copies = sorted(Path(bb).rglob("a.pt"))
+        cur.unlink()
+        cur.symlink_to(tmp_path / "real1")  # the "current" link moves on
+        ck.save({"w": torch.full((8,), 1.0)}, str(tmp_path / "real1" / "a.pt")).wait()
+        ck.remove(str(tmp_path / "real1" / "a.pt"))
+        assert [p for p in copies if p.exists()] == copies  # real2's save keeps its copy
+    assert (tmp_path / "real2" / "a.pt").exists() and not (tmp_path / "real1" / "a.pt").exists()
