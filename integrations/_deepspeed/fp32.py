@@ -65,19 +65,19 @@ def as_given(engine: object, kwargs: dict) -> dict:
     return kwargs
 
 
-def verify(where: str, tag: str, read: Callable[[str], object]) -> None:
+def verify(where: str, tag: str, read: Callable[[str], object], how: str = "load_optimizer_states=False") -> None:
     """Read every file DeepSpeed's consolidation of ``where/tag`` reads (each rank reads all of
     them, as DeepSpeed does), one at a time, through ``read``.
 
     Raises:
         ConfigError: ``where`` or ``tag`` holds glob characters, which DeepSpeed's consolidation
-            matches as patterns.
+            matches as patterns (``how``: the argument that asked for the weights only, named).
     """
     if glob.escape(where) != where or glob.escape(tag) != tag:
-        raise ConfigError(f"load_checkpoint({where!r}, tag={tag!r}, load_optimizer_states=False) under ZeRO-3: "
-                          "DeepSpeed reads the weights by globbing that directory and tag, which hold glob characters "
-                          "(*?[): it would read other files. Load with load_optimizer_states=True, or save under a "
-                          "save_dir and tag without them")
+        raise ConfigError(f"load_checkpoint({where!r}, tag={tag!r}, {how}) under ZeRO-3 loads the weights only, "
+                          "which DeepSpeed reads by globbing that directory and tag, and they hold glob characters "
+                          "(*?[): it would read other files. Copy or rename the tag (and its save_dir) to names "
+                          "without them, or load the whole state (load_optimizer_states=True, load_module_only=False)")
     folder = os.path.join(where, tag)
     for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else ():
         if name.endswith(_FILES):

@@ -85,7 +85,8 @@ def preread(engine: object, where: str, tag: str, kwargs: dict, read: Callable[[
     if e.load_universal_checkpoint():  # type: ignore[attr-defined]
         return
     if fp32.applies(e, kwargs):
-        fp32.verify(where, tag, check)
+        fp32.verify(where, tag, check, "load_module_only=True" if kwargs.get("load_module_only") else
+                    "load_optimizer_states=False")
     models = model_files(e, where, tag)
     first = None
     for i, path in enumerate(models):

@@ -14,6 +14,7 @@ import torch
 
 pytest.importorskip("deepspeed")
 
+import fastckpt  # noqa: E402
 from fastckpt.commit.protocol import GROUP_MANIFEST, MARKER_DIR  # noqa: E402
 from fastckpt.integrations._deepspeed.compat import Store  # noqa: E402
 from fastckpt.integrations._deepspeed.hooks import StepFence  # noqa: E402
@@ -435,3 +436,18 @@ def test_a_latest_that_is_a_directory_is_named_not_a_raw_is_a_directory_error(tm
         _resolve(tmp_path)
     assert f"{tmp_path}/latest is a directory" in str(err.value) and f"mv {tmp_path}/latest" in str(err.value)
     assert isinstance(err.value.__cause__, IsADirectoryError)
+
+
+@pytest.mark.parametrize("how", ["load_optimizer_states=False", "load_module_only=True"])
+def test_a_weights_only_load_of_a_tag_with_glob_characters_names_the_argument_the_user_passed(how: str) -> None:
+    """Under ZeRO-3 load_module_only=True now loads through the consolidation, as
+    load_optimizer_states=False does; a tag holding glob characters was then refused as
+    "load_checkpoint(..., load_optimizer_states=False)", an argument the caller never passed, with
+    "Load with load_optimizer_states=True" as the fix, the default already in effect."""
+    from fastckpt.integrations._deepspeed import fp32
+
+    with pytest.raises(fastckpt.ConfigError) as ei:
+        fp32.verify("/ckpt", "run[1]", lambda path: None, how)
+    assert f"load_checkpoint('/ckpt', tag='run[1]', {how}) under ZeRO-3 loads the weights only" in str(ei.value)
+    assert "Copy or rename the tag (and its save_dir) to names without them, or load the whole state " \
+        "(load_optimizer_states=True, load_module_only=False)" in str(ei.value)
