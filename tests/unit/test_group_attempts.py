@@ -75,6 +75,17 @@ def _held_poll(g: Path, polling: threading.Event, release: threading.Event) -> F
     return Held()
 
 
+def _removed_while_rank_1_polls(cks: list, tmp_path: Path, g: Path, polling: threading.Event) -> fastckpt.SaveHandle:
+    """Both ranks commit step-1; rank 1 saves and commits ``g`` (step 2) alone, and rank 0 removes
+    ``g`` once rank 1 polls for its manifest (``polling``, set by ``_held_poll``): rank 1's handle."""
+    _save_all(cks, tmp_path / "step-1", 1)
+    cks[1].save(_state(2, 1), str(g / "rank1.pt"), group=str(g)).wait(60)
+    h = cks[1].commit(str(g), step=2)
+    assert polling.wait(60)  # rank 1's marker is written; it waits for the manifest
+    cks[0].remove(str(g))
+    return h
+
+
 def _failed_group_commits(events: list[Event]) -> list[tuple[int, str]]:
     """(rank, error type) of each failed group ``commit`` event: what fastckpt_failures_total and
     ``fastckpt report`` count. Checks that no other phase failed."""
@@ -723,21 +734,12 @@ def test_a_rank_whose_group_was_removed_while_latest_names_an_earlier_step_still
         tmp_path: Path) -> None:
     """The counterpart: the group went and ``latest`` names no later step, so nothing moved past
     it: GroupRemovedError, as before."""
-    g, polling = tmp_path / "step-2", threading.Event()
+    g, polling, go_on = tmp_path / "step-2", threading.Event(), threading.Event()
+    go_on.set()  # rank 1 tells when it polls for step-2's manifest, and is not held
 
-    class Watched(FaultyOps):  # rank 1: tells when it polls for step-2's manifest
-        def read_small(self, path: str) -> bytes | None:
-            if path == str(g / P.GROUP_MANIFEST):
-                polling.set()
-            return super().read_small(path)
-
-    cks = [_ck(0, None), _ck(1, None, ops=Watched())]
+    cks = [_ck(0, None), _ck(1, None, ops=_held_poll(g, polling, go_on))]
     try:
-        _save_all(cks, tmp_path / "step-1", 1)
-        cks[1].save(_state(2, 1), str(g / "rank1.pt"), group=str(g)).wait(60)
-        h = cks[1].commit(str(g), step=2)
-        assert polling.wait(60)  # rank 1's marker is written; it waits for the manifest
-        cks[0].remove(str(g))
+        h = _removed_while_rank_1_polls(cks, tmp_path, g, polling)
         with pytest.raises(GroupRemovedError):
             h.wait(60)
     finally:
@@ -754,11 +756,7 @@ def test_a_rank_whose_group_was_removed_before_a_later_step_was_committed_still_
 
     cks = [_ck(0, None), _ck(1, None, ops=_held_poll(g, polling, committed))]  # until step-3 is committed
     try:
-        _save_all(cks, tmp_path / "step-1", 1)
-        cks[1].save(_state(2, 1), str(g / "rank1.pt"), group=str(g)).wait(60)
-        h = cks[1].commit(str(g), step=2)
-        assert polling.wait(60)  # rank 1's marker is written; it waits for the manifest
-        cks[0].remove(str(g))
+        h = _removed_while_rank_1_polls(cks, tmp_path, g, polling)
         _save_all(cks, s3, 3)
         assert latest(str(tmp_path)) == str(s3)
         committed.set()
