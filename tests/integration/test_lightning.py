@@ -181,6 +181,21 @@ def test_save_last_link(tmp_path):
     assert fastckpt.load(str(last))["global_step"] == 6
 
 
+def _dangling_after_each_removal(monkeypatch, last) -> list[str]:  # noqa: ANN001
+    """What the link ``last`` named whenever a ``Checkpointer.remove`` left it dangling: the real
+    removal runs, observed as it happens."""
+    dangled: list[str] = []
+    remove = fastckpt.Checkpointer.remove
+
+    def watched(self, path, **kw):  # noqa: ANN001, ANN003, ANN202
+        remove(self, path, **kw)
+        if os.path.islink(last) and not os.path.exists(last):
+            dangled.append(os.readlink(last))
+
+    monkeypatch.setattr(fastckpt.Checkpointer, "remove", watched)
+    return dangled
+
+
 @pytest.mark.parametrize(("filename", "newest"), [(None, "epoch=0-step=6.ckpt"),
                                                   ("{epoch}/{step}", os.path.join("epoch=0", "step=6.ckpt"))])
 def test_last_link_never_names_a_deleted_file(tmp_path, monkeypatch, filename, newest):
@@ -191,15 +206,7 @@ def test_last_link_never_names_a_deleted_file(tmp_path, monkeypatch, filename, n
     filename that puts the top-k files in a subfolder below last.ckpt (once, only the deleted
     file's own folder was searched for the link, so it was deleted at once)."""
     last = tmp_path / "ckpt" / "last.ckpt"
-    dangled: list[str] = []
-    remove = fastckpt.Checkpointer.remove
-
-    def watched(self, path, **kw):  # noqa: ANN001, ANN003, ANN202 (observes each deletion as it happens)
-        remove(self, path, **kw)
-        if os.path.islink(last) and not os.path.exists(last):
-            dangled.append(os.readlink(last))
-
-    monkeypatch.setattr(fastckpt.Checkpointer, "remove", watched)
+    dangled = _dangling_after_each_removal(monkeypatch, last)
     io = FastCkptIO()
     link_later = io._link_later
 
@@ -228,15 +235,8 @@ def test_resumed_fits_move_last_ckpt_as_with_torch_checkpoint_io(tmp_path, monke
     last.ckpt named step 3 for good and its file was never deleted (two files for save_top_k=1).
     Each fit must leave what TorchCheckpointIO leaves, and last.ckpt the newest checkpoint; as
     before, no deletion leaves last.ckpt dangling (a kill then would start over)."""
-    last, dangled = tmp_path / "fast" / "ckpt" / "last.ckpt", []
-    remove = fastckpt.Checkpointer.remove
-
-    def watched(self, path, **kw):  # noqa: ANN001, ANN003, ANN202 (observes each deletion as it happens)
-        remove(self, path, **kw)
-        if os.path.islink(last) and not os.path.exists(last):
-            dangled.append(os.readlink(last))
-
-    monkeypatch.setattr(fastckpt.Checkpointer, "remove", watched)
+    last = tmp_path / "fast" / "ckpt" / "last.ckpt"
+    dangled = _dangling_after_each_removal(monkeypatch, last)
 
     def run(root, make_io):  # noqa: ANN001, ANN202
         for max_steps in (4, 5, 6, 9):  # a save every 3 steps; the second fit saves only at its end
