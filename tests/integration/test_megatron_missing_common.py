@@ -18,20 +18,9 @@ import pytest
 pytest.importorskip("megatron.core")
 
 from fastckpt.errors import CheckpointNotFoundError  # noqa: E402
+from tests.integration._megatron_one_rank import PREAMBLE  # noqa: E402
 
-CHILD = r"""
-import os, sys, warnings
-warnings.filterwarnings("ignore")
-import torch, torch.distributed as dist
-from megatron.core import dist_checkpointing as dc
-from megatron.core.dist_checkpointing import ShardedTensor
-import fastckpt
-from fastckpt.integrations import megatron as fm
-
-ck_dir = sys.argv[1]
-dist.init_process_group("gloo", store=dist.FileStore(ck_dir + ".store", 1), rank=0, world_size=1)
-ck = fastckpt.Checkpointer()
-fm.register(ck)
+CHILD = PREAMBLE + r"""
 w = torch.arange(64.0).reshape(8, 8)
 dc.save({"w": ShardedTensor.from_rank_offsets("w", w.clone()), "iteration": 5}, ck_dir, ("fastckpt", 1))
 os.remove(os.path.join(ck_dir, "common.pt"))

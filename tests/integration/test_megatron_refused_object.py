@@ -11,21 +11,7 @@ import pytest
 
 pytest.importorskip("megatron.core")
 
-# one process of its own (it owns the process group), a Checkpointer registered as Megatron's strategy
-PREAMBLE = r"""
-import fractions, sys, warnings
-warnings.filterwarnings("ignore")
-import torch, torch.distributed as dist
-from megatron.core import dist_checkpointing as dc
-from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor
-import fastckpt
-from fastckpt.integrations import megatron as fm
-
-ck_dir = sys.argv[1]
-dist.init_process_group("gloo", store=dist.FileStore(ck_dir + ".store", 1), rank=0, world_size=1)
-ck = fastckpt.Checkpointer()
-fm.register(ck)
-"""
+from tests.integration._megatron_one_rank import PREAMBLE  # noqa: E402
 
 CHILD = PREAMBLE + r"""
 
