@@ -53,10 +53,9 @@ def _drop_pointer(loc: Location) -> None:
     folder without one is scanned (``discovery``)."""
     if loc.target.mounted:  # a single file writes no pointer there
         return
-    parent = loc.place().parent()
-    with parent.exclusive():
-        if (parent.get(LATEST) or b"").decode(errors="replace").strip() == posixpath.basename(loc.key):
-            parent.delete(LATEST)
+    parent = loc.place().parent()  # (no lock: an object store has none, ``Place.exclusive``)
+    if (parent.get(LATEST) or b"").decode(errors="replace").strip() == posixpath.basename(loc.key):
+        parent.delete(LATEST)
 
 
 def _delete_group(loc: Location) -> None:
