@@ -156,6 +156,13 @@ def test_a_job_that_does_not_fill_its_last_node_is_sized_by_a_full_node() -> Non
     assert even.state_bytes_per_node == pytest.approx(1.12 * TB / 2)  # whole nodes: state / nodes, as before
 
 
+def test_one_node_and_one_gpu_are_singular() -> None:
+    out = invoke("--params", "1B", "--gpus", "1", "--bandwidth", "1GB/s").output
+    assert "per node (1 node)" in out and "per GPU (1 GPU)" in out and "1 nodes" not in out
+    out = invoke("--params", "1B", "--gpus", "16", "--bandwidth", "1GB/s").output
+    assert "per node (2 nodes)" in out and "per GPU (16 GPUs)" in out
+
+
 # ---------------------------------------------------------------- fastckpt's tiers
 def test_fastckpt_stalls_for_the_snapshot_and_drains_in_the_background() -> None:
     # 1.12 TB on 1024 GPUs: 1.09375 GB per GPU at 20 GB/s is 0.0547 s of stall

@@ -184,12 +184,17 @@ def _non_finite(data: dict, at: str = "") -> list[str]:
     return out
 
 
+def _count(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
 def render(p: sizing.Plan, notes: list[str]) -> None:
     out = console()
     i = p.inputs
     out.print(table("State (SI units: GB = 1e9 bytes)", ["", "value"], [
-        ["total", fmt_bytes(p.state_bytes)], [f"per node ({p.nodes} nodes)", fmt_bytes(p.state_bytes_per_node)],
-        [f"per GPU ({i.gpus} GPUs)", fmt_bytes(p.state_bytes_per_gpu)],
+        ["total", fmt_bytes(p.state_bytes)],
+        [f"per node ({_count(p.nodes, 'node')})", fmt_bytes(p.state_bytes_per_node)],
+        [f"per GPU ({_count(i.gpus, 'GPU')})", fmt_bytes(p.state_bytes_per_gpu)],
         [f"synchronous write at {fmt_rate(i.bandwidth_Bps)}", fmt_seconds(p.write_s)],
         [f"bandwidth for a {fmt_seconds(i.budget_s)} write budget",
          f"{fmt_rate(p.required_write_Bps)} ({fmt_rate(p.required_write_Bps_per_node)} per node)"],
