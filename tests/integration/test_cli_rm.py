@@ -62,6 +62,8 @@ def test_rm_deletes_files_and_groups_with_their_burst_buffer_copies(tmp_path: Pa
     assert Path(home, "g-2", "a.pt").exists()
     r = run("rm", f"{home}/step-2.pt", "--local-dir", str(tmp_path / "nvmee"))  # mistyped: not made
     assert r.exit_code == 2 and "does not exist" in r.output and not (tmp_path / "nvmee").exists(), r.output
+    r = run("rm", f"{home}/step-2.pt", "--local-dir", bb, "--local-dir", f"{bb}/.")  # a striped drive typed twice
+    assert r.exit_code == 2 and "name one directory twice" in r.output and Path(home, "step-2.pt").exists(), r.output
     assert fastckpt.latest(home) == f"{home}/g-2"
 
 

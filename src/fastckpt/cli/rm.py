@@ -70,6 +70,10 @@ def rm(paths: tuple[str, ...], local_dirs: tuple[str, ...], storage_options: dic
             raise click.BadParameter(f"{local_dir} does not exist: give the burst buffer's directory (the local_dir "
                                      "the checkpoints were saved with), or leave --local-dir out",
                                      param_hint="--local-dir")
+    real = [os.path.realpath(d) for d in local_dirs]
+    if len(set(real)) < len(real):  # a typo for a striped buffer's other drive would leave its copies
+        raise click.BadParameter(f"{', '.join(local_dirs)} name one directory twice: give each drive of the burst "
+                                 "buffer once", param_hint="--local-dir")
     try:
         there, missing = _checked(paths, storage_options)
     except ConfigError as exc:
