@@ -101,6 +101,28 @@ def test_a_rank_closed_without_committing_its_group_ends_the_others_commit(tmp_p
     assert not (g2 / P.GROUP_MANIFEST).exists()
 
 
+@pytest.mark.parametrize("closer", [1, 0])
+def test_a_rank_whose_only_save_into_a_group_raised_ends_it_at_close(tmp_path: Path, closer: int) -> None:
+    """With a store: ``closer``'s save into global_step2 raises at the call (an entry it cannot save; a
+    signal's ``SystemExit`` inside ``save()`` alike), so it began no attempt, and it closes. The other
+    rank's commit fails at once naming the closer and the save, not after commit_timeout_s."""
+    cks = _ranks(dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=60)))
+    try:
+        g1 = _commit_step_1(cks, tmp_path)
+        g2 = tmp_path / "global_step2"
+        with pytest.raises(fastckpt.UnsupportedObjectError):
+            cks[closer].save({"hook": lambda: 0}, str(g2 / f"r{closer}.pt"), group=str(g2))
+        _save(cks[1 - closer], g2, 2).wait(60)
+        waiting = cks[1 - closer].commit(str(g2), step=2)
+        cks[closer].close()
+        with pytest.raises(CheckpointWriteError, match=rf"rank {closer} closed its Checkpointer without committing "
+                                                       rf"group {g2}: its save of r{closer}.pt \(UnsupportedObject"):
+            waiting.wait(20)  # not CommitTimeoutError after commit_timeout_s
+    finally:
+        close_all(cks)
+    assert latest(str(tmp_path)) == str(g1)
+
+
 def test_a_rank_closed_before_the_session_was_agreed_closes_at_once_telling_no_one(tmp_path: Path) -> None:
     """With a store, a rank that closes before its first commit does not know the store session yet:
     telling the others would wait for rank 0, which may be dead too (a rank closing with a group

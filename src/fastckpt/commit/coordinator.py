@@ -214,13 +214,19 @@ class Coordinator:
         written now outlives this job, and only its time keeps the next job's first attempt at the
         group from taking it as its own (``fallback._failed_in``). There the others wait
         ``commit_timeout_s``, as before. A commit in flight (``_running``) is not touched: close()
-        waited for it. One rank: nothing. Its claims on groups (``owners.py``) end with ``stop``, set next."""
+        waited for it. One rank: nothing. Its claims on groups (``owners.py``) end with ``stop``, set next.
+        A group whose every save on this rank raised at the call (a signal's ``SystemExit`` inside
+        ``save``) began no attempt: with the session agreed it is begun and ended the same way."""
+        unsaved = self._missing.groups() if world > 1 and self._links.agreed(rank, world) else {}
         with self._lock:  # removed: told already
-            groups = [g for g, att in self._open.items()
-                      if not att.cancel.is_set() and att.channel is not None and att.channel.agreed]
-        for g in groups if world > 1 else ():
+            groups = {g: None for g, att in self._open.items()
+                      if not att.cancel.is_set() and att.channel is not None and att.channel.agreed}
+            groups.update({g: "; ".join(f"{os.path.relpath(p, g)} ({why})" for p, why in files.items())
+                           for g, files in unsaved.items()
+                           if g not in self._open and g not in self._running and g not in self._behind})
+        for g, files in groups.items() if world > 1 else ():
             try:
-                self.abandon(g, rank, world, E.closed_error(g, rank))
+                self.abandon(g, rank, world, E.closed_error(g, rank, files))
             except Exception as exc:  # noqa: BLE001 (close() goes on: the others then time out, naming this rank)
                 log.warning("fastckpt: could not tell the other ranks that rank %d closed without committing %s: %r",
                             rank, g, exc)

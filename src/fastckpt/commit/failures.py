@@ -25,6 +25,11 @@ class Unsaved:
         with self._lock:
             self._why.get(group, {}).pop(path, None)
 
+    def groups(self) -> dict[str, dict[str, str]]:
+        """Every group with a file whose save did not happen, each with its files' whys."""
+        with self._lock:
+            return {g: dict(why) for g, why in self._why.items() if why}
+
     def pop(self, group: str) -> dict[str, str] | None:
         """The group's marks, which end with its attempt."""
         with self._lock:
@@ -40,10 +45,12 @@ def aborted_error(label: str, why: str) -> CheckpointWriteError:
     return err
 
 
-def closed_error(label: str, rank: int) -> CheckpointWriteError:
+def closed_error(label: str, rank: int, unsaved: str | None = None) -> CheckpointWriteError:
     """Why a rank that closed its Checkpointer (``close()``, the exit flush) ends the attempts it began
-    and never committed (``Coordinator.close``): what the other ranks' commits then raise names it."""
-    return CheckpointWriteError(f"rank {rank} closed its Checkpointer without committing group {label}")
+    and never committed (``Coordinator.close``): what the other ranks' commits then raise names it
+    (``unsaved``: the files whose save raised, each with why, where that is all it did in the group)."""
+    why = f": its save of {unsaved} did not happen" if unsaved else ""
+    return CheckpointWriteError(f"rank {rank} closed its Checkpointer without committing group {label}{why}")
 
 
 def unsaved_error(label: str, files: str) -> CheckpointWriteError:

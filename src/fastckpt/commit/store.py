@@ -105,6 +105,11 @@ class Links:
         self._link: StoreLink | None = None
         self._counts: dict[str, itertools.count] = {}
 
+    def agreed(self, rank: int, world: int) -> bool:
+        """Whether this rank agreed a store session as ``rank`` of ``world`` (no store call)."""
+        link = self._link
+        return link is not None and (link.rank, link.world) == (rank, world) and link.agreed.complete
+
     def channel(self, group: str, rank: int, world: int) -> Channel | None:
         """This rank's next attempt's keys (None: no store, or one rank); no store call (``session.py``)."""
         store = self._store if self._store is not None else default_store()
