@@ -105,19 +105,21 @@ ASYNC_GRACE_S = 30.0  # the async part waits commit_timeout_s + this for the com
 class MegatronSave:
     """One save as this rank saw it: ``blocked_s`` is the time ``async_save`` held the training
     thread (snapshot, index exchange, rank 0's small files); ``handle.wait()`` returns the
-    commit's SaveRecord (``durable_s``) once every rank's files are durable."""
+    commit's SaveRecord (``durable_s``, from this rank's first file's save) once every rank's files
+    are durable; ``lead_s``: ``async_save``'s time before that save."""
 
     group: str
     iteration: int | str | None
     blocked_s: float
     bytes: int
     handle: SaveHandle
+    lead_s: float = 0.0
 
     def durable_s(self, timeout: float | None = None) -> float | None:
         """Seconds from ``async_save`` to the committed group (waits for it); None when the
         save was superseded before it reached its home."""
         rec = self.handle.wait(timeout)
-        return None if rec.durable_s is None else self.blocked_s + rec.durable_s
+        return None if rec.durable_s is None else self.lead_s + rec.durable_s
 
 
 class FastCkptSaveStrategy(ThroughCheckpointer, AsyncSaveShardedStrategy):
@@ -170,6 +172,7 @@ class FastCkptSaveStrategy(ThroughCheckpointer, AsyncSaveShardedStrategy):
         tensors: dict = {}
         try:
             tensors, objects, saved_t, saved_o = split_rank_state(list(nested_values(sharded_state_dict)), tfile, ofile)
+            lead_s = time.monotonic() - t0  # the commit's durable_s counts from the saves below
             for state, name in ((tensors, tfile), (objects, ofile)):
                 if state:
                     ck.save(state, os.path.join(group, name), group=group)
@@ -203,7 +206,7 @@ class FastCkptSaveStrategy(ThroughCheckpointer, AsyncSaveShardedStrategy):
         job = W.Job(group, save_id, rank, None if ck.config.local_dir else ck.config.commit_timeout_s + ASYNC_GRACE_S)
         watch = W.watch(handle, job, self._tracker and iteration is not None, self._ops)
         nbytes = sum({t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tensors.values()}.values())
-        self.last_save = MegatronSave(group, iteration, time.monotonic() - t0, nbytes, handle)
+        self.last_save = MegatronSave(group, iteration, time.monotonic() - t0, nbytes, handle, lead_s)
         return AsyncRequest(W.await_commit, (job,), [partial(_finalize, watch)])
 
     def _save_index(self, ck: Checkpointer, group: str, gathered: list, world: int, config: bytes) -> dict[str, str]:

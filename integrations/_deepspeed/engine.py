@@ -74,6 +74,7 @@ class PendingCommit:
     stall_s: float | None  # time inside save_checkpoint (set once it returned)
     samples: int  # engine.global_samples at the save (the step DeepSpeed's monitor uses)
     fence_s: float | None = None  # lazy snapshot: the optimizer step's wait for its copy (None: not yet)
+    saving: float = 0.0  # time.monotonic() as its files' saves began (the commit's durable_s counts from there)
 
 
 class FastCkptEngine(CheckpointEngine):
@@ -136,7 +137,8 @@ class FastCkptEngine(CheckpointEngine):
         self._group, self._deferred = None, []
         now = time.monotonic()
         self.pending = [p if p.stall_s is not None else PendingCommit(p.tag, p.group, p.handle, p.started,
-                                                                      p.committed, now - p.started, p.samples)
+                                                                      p.committed, now - p.started, p.samples,
+                                                                      saving=p.saving)
                         for p in self.pending]
         self._alias, self._move_latest = None, None
 
@@ -232,6 +234,7 @@ class FastCkptEngine(CheckpointEngine):
         handles: list[SaveHandle] = []
         handle, error, committed = None, None, False
         current = deferred[0][1] if deferred else None  # the file whose save is next
+        saving = time.monotonic()
         try:
             protected = list(self._fenced()) if self._fenced is not None and deferred else []
             with self.checkpointer.one_save():  # its model and optimizer files: one save for the overhead alarm
@@ -258,7 +261,7 @@ class FastCkptEngine(CheckpointEngine):
             self._on_commit(handle)
         else:  # the engine wrapper reports it (deepspeed.py)
             self.pending.append(PendingCommit(tag, group, handle, self._started, time.monotonic(),
-                                              None, self._samples, None if lazy else 0.0))
+                                              None, self._samples, None if lazy else 0.0, saving))
         return True
 
     def _drop(self, group: str, tag: str, move: bool, handle: SaveHandle | None) -> None:

@@ -608,7 +608,7 @@ class EngineHooks:
             if not self._rank0:
                 continue
             stall = (p.stall_s if p.stall_s is not None else p.committed - p.started) + (p.fence_s or 0.0)
-            durable = None if rec.durable_s is None else p.committed - p.started + rec.durable_s
+            durable = None if rec.durable_s is None else p.saving - p.started + rec.durable_s  # from its first save
             self._publish(CheckpointReport(p.tag, p.group, p.samples, stall, rec.blocked_s, durable,
                                            self.fe.checkpointer.stats().overhead))
 

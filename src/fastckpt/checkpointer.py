@@ -66,7 +66,7 @@ class Checkpointer:
                               for _ in range(max(1, len(cfg.local_dirs))))
         self._committer = ThreadPoolExecutor(4, thread_name_prefix="fastckpt-commit")
         self._snapper = ThreadPoolExecutor(1, thread_name_prefix="fastckpt-snapshot")  # lazy saves
-        self._inflight, self._group_saved_at = InFlight(), {}  # group -> {file: wall time of its last save}
+        self._inflight, self._group_saved_at = InFlight(), {}  # group -> {file: (wall, monotonic) of its last save}
         self._stop, self._closed, self._closed_by = threading.Event(), False, "by close()"
         self._last_restore: tuple[float | None, str | None] = (None, None)
         self._homes = Homes(cfg.storage_options, retry_deadline_s=cfg.retry_deadline_s, parallelism=cfg.io_threads,
@@ -161,7 +161,8 @@ class Checkpointer:
             ConfigError: a URL path without local_dir, or a path outside its group.
         """
         self._check_open()  # an earlier save's failure is raised by the Saver, once: see Saver.save
-        name, g, called = file_name(path), normalize(group) if group is not None else None, time.time()
+        name, g = file_name(path), normalize(group) if group is not None else None
+        called = time.time(), time.monotonic()  # a group's RPO and durable_s count from its oldest file's save
         self._retention.exempt(name, export and g is None)
         handle = self._saver.save(state_dict, name, g, lazy, *self.config.ranks())
         if g is not None:  # a published group's RPO counts from its oldest file's (last) save
@@ -187,14 +188,14 @@ class Checkpointer:
             self._inflight.raise_unseen(before=lambda e: self._coordinator.abandon(group, *self.config.ranks(), e))
         rank, has_local, token = self.rank, bool(self.config.local_dirs), self._retention.committing(group)
         self._replicator.keep(group, not move_latest)  # beside the series: never coalesced away
-        saved_at = min(self._group_saved_at.pop(group, {}).values(), default=time.time())
+        saved_at, first = min(self._group_saved_at.pop(group, {}).values(), default=(time.time(), None))  # durable_s
         def retain(rec: SaveRecord) -> SaveRecord:
             self._monitor.record_durable(None if has_local else rec.durable_s, None if rec.superseded else saved_at)
             self._retention.ended(group, rec.superseded, has_local and move_latest, rank == 0 and move_latest,
                                   token, step)
             return rec
         with self._retention.failing(group, step):  # refused: a file of this rank's attempt was never saved
-            fut = self._coordinator.commit(group, rank, self.world_size, dict(extra), retain, move_latest)
+            fut = self._coordinator.commit(group, rank, self.world_size, dict(extra), retain, move_latest, first)
         self._retention.watch_commit(fut, group, token, step)
         return self._inflight.track(fut, group, group)
 

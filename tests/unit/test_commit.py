@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -459,6 +460,23 @@ def test_files_of_one_group_do_not_wait_for_each_other(tmp_path: Path) -> None:
         ck.close()
     assert torch.equal(fastckpt.load(str(g / "optim.pt"))["w"], _state(2)["w"])
     assert latest(str(tmp_path)) == str(g)
+
+
+def test_a_group_commit_counts_durable_s_from_the_first_save_call(tmp_path: Path) -> None:
+    """SaveRecord timings are seconds from the save call: a group's durable_s counts from its oldest file's save,
+    not from commit(), so it is never less than its own files' (here the copies home, capped at 8 MB/s, take
+    most of it, all before commit() is called)."""
+    g = str(tmp_path / "home" / "global_step1")
+    with fastckpt.Checkpointer(local_dir=str(tmp_path / "nvme"), replicate_bandwidth_Bps=8e6, rank=0,
+                               world_size=1) as ck:
+        t0 = time.monotonic()
+        handles = [ck.save({"w": torch.ones(1 << 20)}, f"{g}/{n}.pt", group=g) for n in ("model", "optim")]
+        files = [h.wait() for h in handles]
+        rec = ck.commit(g, step=1).wait()
+        elapsed = time.monotonic() - t0
+    assert max(r.durable_s for r in files) >= 2 * 4 * (1 << 20) / 8e6 * 0.9  # the cap held the copies
+    assert max(r.durable_s for r in files) <= rec.durable_s <= elapsed
+    assert rec.commit_s == rec.durable_s
 
 
 # --------------------------------------------------------------------------- remove_group

@@ -241,12 +241,15 @@ class Coordinator:
                 self._given_up[att.group] = mine
 
     def commit(self, group: str, rank: int, world: int, extra: dict,
-               finish: Callable[[SaveRecord], SaveRecord] = lambda r: r, move_latest: bool = True) -> Future:
+               finish: Callable[[SaveRecord], SaveRecord] = lambda r: r, move_latest: bool = True,
+               first: float | None = None) -> Future:
+        """``first``: the monotonic time of this rank's oldest save call of the group's files, which the record's
+        ``durable_s`` counts from, as every ``SaveRecord`` timing does (None: this ``commit`` call)."""
         with self._pending.marked(group):  # held from leaving ``_open`` until it is ``_running``
-            return self._commit(group, rank, world, extra, finish, move_latest)
+            return self._commit(group, rank, world, extra, finish, move_latest, first)
 
     def _commit(self, group: str, rank: int, world: int, extra: dict, finish: Callable[[SaveRecord], SaveRecord],
-                move_latest: bool) -> Future:
+                move_latest: bool, first: float | None) -> Future:
         with self._lock:
             att = self._open.pop(group, None)
             prev = self._running.get(group) if att is None else None
@@ -267,7 +270,8 @@ class Coordinator:
             att.steps = {"step": extra.get("step"), "prev": self._steps.get(group)}
             self._steps[group] = extra.get("step")
         att.move_latest = move_latest
-        t_call, requested_at = time.monotonic(), time.time()
+        requested_at = time.time()
+        t_call = min(time.monotonic(), first if first is not None else float("inf"))  # the records' durable_s
 
         def run() -> SaveRecord:
             try:
