@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 import re
+import shutil
 import threading
 from pathlib import Path
 
@@ -21,6 +23,7 @@ from click.testing import CliRunner
 
 import fastckpt
 from fastckpt.cli import cli
+from fastckpt.storage.types import TargetNotFoundError
 from fastckpt.testing import FaultyOps
 
 
@@ -105,3 +108,32 @@ def test_replications_close_gives_up_on_are_counted_as_failures(tmp_path: Path) 
         assert failed == [f"{home}/b.pt"] and ck.stats().replication_failures == 1
     finally:
         release.set()
+
+
+def test_a_home_folder_removed_during_the_copy_says_so_and_names_the_kept_copy(tmp_path: Path, caplog) -> None:  # noqa: ANN001
+    """The home's folder removed while a copy into it runs (a cleanup job, another run's rm -rf, an automounter
+    dropping the path): the copy fails saying the folder disappeared, which local copy is kept and what to do,
+    not with a bare ENOENT of its temp name; and the once-per-file-system "could not set the modification time"
+    warning is not spent on a file that is gone. The folder is removed by a FaultyOps hook as the copy dates its
+    temp file, just before the rename: no timing."""
+    nvme, home = str(tmp_path / "bb"), str(tmp_path / "home")
+    path = f"{home}/run/s1.pt"
+    removed: list[str] = []
+
+    def rm_home(op: str, p: str) -> None:
+        if op == "utime" and p.startswith(f"{home}/run/.fastckpt-tmp") and not removed:
+            removed.append(p)
+            shutil.rmtree(home)
+
+    with caplog.at_level(logging.WARNING, logger="fastckpt"):
+        with fastckpt.Checkpointer(local_dir=nvme, ops=FaultyOps(on_call=rm_home)) as ck:
+            h = ck.save({"w": torch.arange(1000)}, path)
+            with pytest.raises(TargetNotFoundError) as err:
+                h.wait(60)
+            kept = ck.local_path(path)
+    assert removed, "the folder was never removed during the copy"
+    msg = str(err.value)
+    assert f"the destination folder {home}/run disappeared during the copy" in msg
+    assert f"local copy is kept at {kept}: recreate the folder and save again, or copy {kept} there" in msg
+    assert os.path.isfile(kept)
+    assert not [r for r in caplog.records if "could not set the modification time" in r.getMessage()]

@@ -36,6 +36,8 @@ def stamp(ops: FileOps, tmp: str, dest: str) -> None:
     ns = final_mtime_ns()
     try:
         ops.utime(tmp, ns)
+    except FileNotFoundError:  # gone (its folder removed meanwhile): its publish fails and says so; no file to date
+        return
     except OSError as exc:
         _tell(ops, "utime", tmp, "fastckpt: could not set the modification time of %s (%s): a reader that takes the "
               "newest file by mtime may pick a file made final before it", dest, exc)

@@ -173,6 +173,8 @@ class PosixTarget(Target):
                 return attempt
             except _CopyAgain:
                 continue
+            except FileNotFoundError as exc:  # its folder removed meanwhile: say so, and which copy is kept
+                raise posix_errors.folder_gone(exc, what, dest, local_path)  # noqa: B904 (it chains exc)
         raise CorruptCheckpointError(f"{dest}: {VERIFY_ATTEMPTS} copies all read back with the wrong checksum; "
                                      "the destination storage is corrupting data")
 

@@ -14,6 +14,7 @@ import errno
 import os
 
 from ..errors import WRITE_FIXES, ConfigError, ReplicationError, file_in_the_way
+from ..io.atomic import final_path
 from .types import TargetNotFoundError, TargetPermissionError, storage_error
 
 _READ_FIXES = {
@@ -41,6 +42,21 @@ def permanent(exc: BaseException, what: str, root: str) -> ReplicationError | No
     cls = TargetPermissionError if code in (errno.EACCES, errno.EPERM) else ReplicationError
     fix = WRITE_FIXES.get(code, "check the target file system")  # type: ignore[arg-type]
     return storage_error(cls, f"{what}: {exc.strerror or exc} ({root}); {fix}", exc)
+
+
+def folder_gone(exc: FileNotFoundError, what: str, dest: str, local_path: str) -> OSError:
+    """What a copy to ``dest`` raises for ``exc``: when the folder disappeared while it ran (removed by a
+    cleanup job or another run, or an automounter dropped the path), an error that says so, chained to
+    ``exc``, naming the local copy kept and the fix; else (another ``ENOENT``) ``exc`` itself."""
+    folder, kept = os.path.dirname(dest), final_path(local_path) or local_path  # a version link's copy: save.versions
+    if os.path.isdir(folder):
+        return exc
+    err = storage_error(TargetNotFoundError, f"{what}: the destination folder {folder} disappeared during the "
+                        f"copy (removed, or its mount dropped); nothing was published there, and the checkpoint's "
+                        f"local copy is kept at {kept}: recreate the folder and save again, or copy {kept} "
+                        "there", exc)
+    err.__cause__ = exc
+    return err
 
 
 def _blocker(exc: OSError) -> str | None:
