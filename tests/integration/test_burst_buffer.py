@@ -542,7 +542,7 @@ def test_close_timeout_bounds_close_and_keeps_what_it_gave_up(tmp_path, caplog) 
     logged = [r.getMessage() for r in caplog.records if "background failure not raised" in r.getMessage()]
     assert len(logged) == 2 and "bad.pt" in logged[0]  # the failure the timeout hid, then the one it caused:
     assert "close() raised another failure" in logged[1] and "b.pt was not replicated" in logged[1]
-    with pytest.raises(ReplicationError, match="stopped waiting for it .*while it was copied") as stopped:
+    with pytest.raises(ReplicationError, match="its Checkpointer was closed before the copy ended") as stopped:
         running.result(60)  # it ended on its own: close() stopped the I/O under it, and the error says so
     assert "after shutdown" in repr(stopped.value.__cause__)
     assert os.path.exists(ck.local_path(str(home / "a.pt")))

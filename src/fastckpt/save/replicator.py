@@ -1,28 +1,25 @@
 """Background replication of committed local checkpoints to their durable home.
 
-Order of work for one file (worker threads of the Replicator, never the training thread), all
-through the home's ``Target`` (``storage.homes``):
-  1. copy: ``put_file`` with the manifest's size and checksum: a mounted file system gets a
-     parallel O_DIRECT copy to a temp name with every chunk read back as it is written; an
-     object store a multipart upload (retries with backoff, the shared bandwidth cap);
-  2. verify against the checksum recorded at save time: the copy's own read-back, or in flight
-     (the bytes sent hash to the checksum, the store confirms each part's CRC32, then the size),
-     or a ranged read-back with ``replicate_verify="readback"`` or a store that confirms nothing
-     (docs/burst-buffer.md, "What verified means"). A mismatch copies again (3 attempts), so
-     only verified bytes are ever published;
-  3. publish (``commit.protocol.publish_file``): on a file system the rename did it; on an
-     object store the sidecar manifest ``NAME.fastckpt.json`` goes last (a remote file without
-     it is not a checkpoint yet). Group files get neither: the group manifest, written by rank 0
-     after every rank's marker, is their publication.
+Order of work for one file (worker threads of the Replicator, never the training thread), all through the home's
+``Target`` (``storage.homes``):
+  1. copy: ``put_file`` with the manifest's size and checksum (a file system: a parallel O_DIRECT copy to a temp
+     name, each chunk read back as it is written; an object store: a multipart upload, retries, the bandwidth cap);
+  2. verify against the checksum recorded at save time: the copy's own read-back, or in flight (the bytes sent
+     hash to the checksum, the store confirms each part's CRC32, then the size), or a ranged read-back with
+     ``replicate_verify="readback"`` or a store that confirms nothing (docs/burst-buffer.md, "What verified
+     means"). A mismatch copies again (3 attempts), so only verified bytes are ever published;
+  3. publish (``commit.protocol.publish_file``), unless ``close()`` gave up on it or a newer save replaced its
+     local copy (``localcopy.check_publishable``): on a file system the rename did it; on an object store the
+     sidecar ``NAME.fastckpt.json`` goes last (a remote file without it is not a checkpoint yet). Group files
+     get neither: the group manifest, written by rank 0 after every rank's marker, is theirs.
 Backpressure: with ``replicate_policy="coalesce"`` a newly committed checkpoint drops the older ones still
 queued (not started; ``_supersedes``); their handles resolve with ``superseded=True``, each with a ``superseded``
 event. Older and newer go by the save calls (``t_call``), not by arrival: with several burst-buffer drives a
 later save's local write can end first, and an earlier single file then arrives superseded.
-Order: with ``replicate_in_order`` a single file starts only after every single file saved
-before it is final or has failed (``save.ordering``); with "all", each upload of a single file reads a
-version link of its own save, so a newer save of the same path replaces the local copy without dropping
-it: the oldest queued save of a path lands in its turn, a save between it and the newest is dropped
-(``save.versions``).
+Order: with ``replicate_in_order`` a single file starts only after every single file saved before it is final or
+has failed (``save.ordering``); with "all", each upload of a single file reads a version link of its own save, so
+a newer save of the same path replaces the local copy without dropping it: the oldest queued save of a path lands
+in its turn, a save between it and the newest is dropped (``save.versions``).
 """
 
 from __future__ import annotations
@@ -43,7 +40,7 @@ from ..records import SaveRecord
 from ..storage.homes import Homes
 from ..storage.types import Expected, as_limiter
 from .behind import Behind
-from .localcopy import local_manifest, replaced_by_newer
+from .localcopy import check_publishable, local_manifest, replaced_by_newer
 from .ordering import CallOrder, Turn
 from .versions import link_version, unlink_version
 
@@ -247,11 +244,11 @@ class Replicator:
                     self.failures += 1
                     gave_up = self._gave_up
                 if gave_up:  # its pools were stopped under it: say why, not "cannot schedule new futures"
-                    log.warning("fastckpt: replication of %s stopped: close() stopped waiting for it "
-                                "(close_timeout_s); the local copy is kept at %s", job.rec.path, job.local)
-                    err = ReplicationError(f"{job.rec.path} was not replicated: close() stopped waiting for it "
-                                           f"(close_timeout_s) while it was copied; its local copy stays at "
-                                           f"{job.local}")
+                    log.warning("fastckpt: replication of %s stopped: its Checkpointer was closed before the copy "
+                                "ended (close_timeout_s); the local copy is kept at %s", job.rec.path, job.local)
+                    err = ReplicationError(f"{job.rec.path} was not replicated: its Checkpointer was closed before the "
+                                           f"copy ended (close() stopped waiting for it: close_timeout_s), so it was "
+                                           f"not published; the local copy is kept at {job.local}")
                     err.__cause__ = exc
                     exc = err
                 else:
@@ -276,8 +273,8 @@ class Replicator:
     def close(self, wait: bool = True) -> None:
         """Stop taking jobs. With ``wait``, after the workers ran every queued job (joined);
         without, at once: the queued jobs resolve as not replicated (``ReplicationError``; their
-        local copies stay), and the running ones finish or fail on their (daemon) threads,
-        unwaited for (``Checkpointer.close`` past ``close_timeout_s``)."""
+        local copies stay), and the running ones fail on their (daemon) threads, unwaited for and
+        never published (``Checkpointer.close`` past ``close_timeout_s``; ``localcopy.check_publishable``)."""
         with self._cv:
             self._closed = True
             self._gave_up = not wait
@@ -311,7 +308,7 @@ class Replicator:
         try:
             detail = self._copy(job, manifest)
         except CheckpointWriteError as exc:  # the copy read other bytes: a newer save replaced the file meanwhile?
-            if replaced_by_newer(self._homes, job.version or job.local, rec):
+            if not self._gave_up and replaced_by_newer(self._homes, job.version or job.local, rec):
                 return self._superseded(rec)
             self._emit("replicate", rec.path, rec.bytes, r0, rec.tier, exc)
             raise
@@ -334,7 +331,9 @@ class Replicator:
         rec, cfg = job.rec, self._cfg
         home = self._homes.resolve(job.home or rec.path)
         target = home.target
-        expect = Expected(rec.bytes, rec.checksum, manifest["covered"])
+        expect = Expected(rec.bytes, rec.checksum, manifest["covered"],  # publishing: right before it is published
+                          lambda: check_publishable(self._homes, job.version or job.local, job.local, rec,
+                                                    self._gave_up))
         readback = cfg.replicate_verify == "readback"
         for attempt in range(1, VERIFY_ATTEMPTS + 1):
             t0 = time.monotonic()
@@ -354,6 +353,8 @@ class Replicator:
                     raise
                 log.warning("fastckpt: copy %d of %s did not verify (%s); copying again", attempt, rec.path, exc)
         if rec.group is None:  # published last: only now is the file at its home a checkpoint
+            if not target.mounted:  # (on a file system the rename published it, once ``publishing`` allowed it)
+                expect.publishing()
             publish_file(home, manifest)
         return (f"copy_s={t1 - t0:.3f} verify_s={time.monotonic() - t1:.3f} parts={put.parts} "
                 f"retries={put.retries} attempts={attempt - 1 + put.copies} verified={how}")

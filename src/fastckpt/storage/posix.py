@@ -1,14 +1,13 @@
 """``PosixTarget``: a directory as a durable home (a Lustre or NFS mount, or any local path).
 
-Publishing is the one recipe of ``io.atomic``: a hidden temp name beside the final one, fsync,
-rename over the final name, fsync the directory. With ``expect`` (the replicator's copies of
-committed checkpoints) the copy runs in parallel chunks and every chunk is read back with
-O_DIRECT right after it is written (from the device, not the page cache) and hashed: the file
-is renamed into place only when the bytes read back hash to the manifest's checksum, so a file
-visible here is complete and verified (``mounted``). Just before the rename the temp file is
-dated as final (``Staged.stamp``), so files copied one after another keep that order by mtime.
-All system calls go through a ``FileOps`` so that tests can inject ENOSPC, EIO, failed fsyncs or
-renames (``fastckpt.testing.FaultyOps``).
+Publishing is the one recipe of ``io.atomic``: a hidden temp name beside the final one, fsync, rename over the
+final name, fsync the directory. With ``expect`` (the replicator's copies of committed checkpoints) the copy runs
+in parallel chunks and every chunk is read back with O_DIRECT right after it is written (from the device, not the
+page cache) and hashed: the file is renamed into place only when the bytes read back hash to the manifest's
+checksum, so a file visible here is complete and verified (``mounted``), and only if ``expect.publishing`` then
+allows it. Just before the rename the temp file is dated as final (``Staged.stamp``), so files copied one after
+another keep that order by mtime. All system calls go through a ``FileOps`` so that tests can inject ENOSPC, EIO,
+failed fsyncs or renames (``fastckpt.testing.FaultyOps``).
 """
 
 from __future__ import annotations
@@ -169,6 +168,7 @@ class PosixTarget(Target):
                         log.warning("%s: copy %d read back as %s, expected %s; copying again", what, attempt,
                                     back, expect.xxh3)
                         raise _CopyAgain  # the temp file is discarded on the way out
+                    expect.publishing()  # raises: not to be published (its Checkpointer closed, a newer save...)
                     st.stamp()  # its mtime: now, not its last write's (``io.ops.final_mtime_ns``)
                 return attempt
             except _CopyAgain:

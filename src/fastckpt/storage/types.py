@@ -7,7 +7,7 @@ import math
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..errors import CheckpointWriteError, ConfigError, ReplicationError
 
@@ -60,11 +60,15 @@ class Expected:
         xxh3: the ``fastckpt.format.checksum`` tree checksum of the first ``covered`` bytes.
         covered: how many bytes the checksum covers (a fastckpt file's checksum leaves out its
             own manifest at the end).
+        publishing: called right before a verified copy is made visible at its key (a file
+            system's rename); what it raises ends the upload with nothing published (the
+            Replicator's: its Checkpointer was closed, or a newer save replaced the source).
     """
 
     size: int
     xxh3: str
     covered: int
+    publishing: Callable[[], None] = field(default=lambda: None, compare=False)
 
 
 @dataclass(frozen=True)
