@@ -109,3 +109,34 @@ def test_a_restart_that_spells_the_endpoint_another_way_finds_the_earlier_runs_c
         assert ck2.local_path(a) == first and ck2.load(a)["step"] == 1
         ck2.save({"w": torch.ones(1024), "step": 2}, b).wait()
     assert not os.path.exists(first)  # run 1's copy, replicated, trimmed by run 2's keep_local=1
+
+
+def test_an_upload_close_gave_up_on_never_lands_over_a_newer_save(s3_server: S3Server, tmp_path) -> None:
+    """At an s3:// URL the check comes before the object becomes visible (``Expected.publishing``): the
+    upload close() gave up on, held while it reads its local copy, is aborted; the newer save, made by
+    a Checkpointer of the process with another burst buffer (the old local copy stays as it was), stays."""
+    from fastckpt.testing import FaultyOps
+
+    url, nv, opts = f"s3://{s3_server.make_bucket()}/run/last.pt", str(tmp_path / "nvme"), s3_server.storage_options()
+    entered, release = threading.Event(), threading.Event()
+
+    def hold(op: str, path: str) -> None:  # the first upload's first read of its local copy waits
+        if op == "preadv" and threading.current_thread().name.startswith(("fastckpt-replicate", "fastckpt-put")) \
+                and not entered.is_set():
+            entered.set()
+            assert release.wait(60)
+
+    ck1 = fastckpt.Checkpointer(local_dir=nv, storage_options=opts, ops=FaultyOps(on_call=hold), close_timeout_s=0.5)
+    try:
+        old = ck1.save({"w": torch.ones(1000), "v": 1}, url)
+        assert entered.wait(60)
+        with pytest.raises(fastckpt.errors.ReplicationError, match="still pending"):
+            ck1.close()
+        with fastckpt.Checkpointer(local_dir=str(tmp_path / "nvme2"), storage_options=opts) as ck2:
+            ck2.save({"w": torch.ones(10), "v": 2}, url).wait()
+            release.set()
+            with pytest.raises(fastckpt.errors.ReplicationError, match="its Checkpointer was closed before the copy"):
+                old.wait(60)
+    finally:
+        release.set()
+    assert fastckpt.load(url, storage_options=opts)["v"] == 2

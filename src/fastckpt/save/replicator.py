@@ -353,8 +353,6 @@ class Replicator:
                     raise
                 log.warning("fastckpt: copy %d of %s did not verify (%s); copying again", attempt, rec.path, exc)
         if rec.group is None:  # published last: only now is the file at its home a checkpoint
-            if not target.mounted:  # (on a file system the rename published it, once ``publishing`` allowed it)
-                expect.publishing()
             publish_file(home, manifest)
         return (f"copy_s={t1 - t0:.3f} verify_s={time.monotonic() - t1:.3f} parts={put.parts} "
                 f"retries={put.retries} attempts={attempt - 1 + put.copies} verified={how}")

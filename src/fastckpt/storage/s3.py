@@ -151,12 +151,13 @@ def put_s3(t: S3Session, fd: int, local_path: str, url: str, obj: str, size: int
                                          "bytes it stored are not the bytes sent; upload again")
         confirmed[i] = echoed is not None
 
-    def check_source() -> None:
+    def check_source() -> None:  # and that it may still be published (``Expected.publishing``)
         if expect is not None:
             got = checksum.combine(d for ds in digests for d in ds)
             if got != expect.xxh3:
                 raise source_changed(local_path, f"hashes to {got} ({checksum.ALGO}), its manifest says "
                                      f"{expect.xxh3}")
+            expect.publishing()
 
     if size <= part:
         data, crc = read(0)

@@ -61,7 +61,8 @@ class Expected:
         covered: how many bytes the checksum covers (a fastckpt file's checksum leaves out its
             own manifest at the end).
         publishing: called right before a verified copy is made visible at its key (a file
-            system's rename); what it raises ends the upload with nothing published (the
+            system's rename, S3's PutObject or CompleteMultipartUpload; other fsspec targets do
+            not call it); what it raises ends the upload with nothing published (the
             Replicator's: its Checkpointer was closed, or a newer save replaced the source).
     """
 
