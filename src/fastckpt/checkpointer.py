@@ -85,7 +85,7 @@ class Checkpointer:
                             writer_threads=self._writers, snapshot_thread=self._snapper, inflight=self._inflight,
                             coordinator=self._coordinator, replicator=self._replicator, retention=self._retention,
                             homes=self._homes, stripes=self._stripes, emit=self._monitor.tagging(self._emit))
-        self._loader = Loader(self._homes, self.local_path, cfg.chunk_bytes, self._inflight.wait_loadable)
+        self._loader = Loader(self._homes, self.local_path, cfg.chunk_bytes, self._inflight.wait_loadable, self._emit)
         self._metrics = None
         if cfg.metrics_port is not None:  # last: a scrape may call stats() as soon as it serves
             from .metrics import start_exporter  # lazy: prometheus-client is the optional extra [metrics]
@@ -228,6 +228,7 @@ class Checkpointer:
         copy, no new memory; verified all the same), so the file must not change in place while they live.
         ``into``: tensors that exist (``{"model": model.state_dict()}``), filled in place with the saved ones at
         their keys and returned in the object (``load.into``); if the load raises, their contents are unspecified.
+        Each call logs a ``load`` event: with its time (``stats().last_restore_s``), or with the error it raises.
 
         Raises:
             CorruptCheckpointError: bytes not matching the recorded checksum; an empty, truncated or non-torch file.
@@ -238,12 +239,8 @@ class Checkpointer:
         self._check_open()
         if path is None:
             raise nothing_to_load()
-        t0, w0 = time.monotonic(), time.time()
         got = self._loader.load(file_name(path), LoadOptions(map_location, weights_only, prefetch, verify, mmap, into))
-        rto = time.monotonic() - t0
-        self._last_restore = (rto, got.where)
-        self._emit("load", got.url, got.size, w0, got.where,
-                   detail=f"rto_s={rto:.6f}" + ("" if got.verified else " unverified"))
+        self._last_restore = (got.rto_s, got.where)
         return got.obj
 
     def reading(self, group: str) -> AbstractContextManager[dict]:

@@ -48,3 +48,24 @@ def test_metrics_port_is_validated_and_pickled():
     with pytest.raises(ConfigError, match="metrics_port"):
         FastCkptIO(metrics_port=-5)
     assert pickle.loads(pickle.dumps(FastCkptIO(metrics_port=9400))).config.metrics_port == 9400
+
+
+def test_a_failed_resume_is_one_failed_load(tmp_path):
+    """A Trainer resuming from a damaged checkpoint: the plugin's load raises, and the event log
+    holds one failed ``load`` event (the core's), not none (before) and not two."""
+    import json
+
+    from fastckpt.errors import CorruptCheckpointError
+
+    io = FastCkptIO(event_log=str(tmp_path / "fit.jsonl"))
+    make_trainer(str(tmp_path), io, 2, every_n_train_steps=2).fit(TinyModel(), loader())
+    (ckpt,) = (tmp_path / "ckpt").glob("*.ckpt")
+    with open(ckpt, "r+b") as f:  # one damaged region in the tensor data
+        f.seek(ckpt.stat().st_size // 2)
+        f.write(b"\xff\xfe\xfd\xfc")
+    log = tmp_path / "resume.jsonl"
+    with pytest.raises(CorruptCheckpointError):
+        make_trainer(str(tmp_path), FastCkptIO(event_log=str(log)), 4, every_n_train_steps=2).fit(
+            TinyModel(), loader(), ckpt_path=str(ckpt))
+    loads = [e for e in map(json.loads, log.read_text().splitlines()) if e["name"] == "load"]
+    assert [(e["path"], e["error"].split("(")[0]) for e in loads] == [(str(ckpt), "CorruptCheckpointError")]

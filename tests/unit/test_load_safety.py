@@ -4,6 +4,7 @@ is wrong with a file that is not a checkpoint (issue #9 items 3, 4 and 10)."""
 from __future__ import annotations
 
 import io
+import json
 import logging
 import os
 import pickle
@@ -108,7 +109,9 @@ def test_plain_torch_files_load_unverified_with_one_warning_and_verify_refuses_t
             ck.load(str(path), verify=True)
     warnings = [r for r in caplog.records if "unverified" in r.getMessage() and str(path) in r.getMessage()]
     assert len(warnings) == 1
-    assert events.read_text().count("unverified") == 2
+    loads = [e for e in map(json.loads, events.read_text().splitlines()) if e["name"] == "load"]
+    assert [(e["detail"] or "").endswith(" unverified") for e in loads] == [True, True, False]
+    assert loads[2]["error"].startswith("UnverifiableCheckpointError(")  # refused: a failed load
     assert read_file_manifest(path) is None
 
 

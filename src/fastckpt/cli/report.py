@@ -26,8 +26,8 @@ def report(logs: tuple[str, ...], png: str | None, page: str | None, as_json: bo
     """Summarise and draw a run from its event logs (one per rank, or one shared).
 
     Prints saves, bytes, blocked and durable percentiles, overhead per rank, alarms,
-    replication lag and failures. Exit 1 when a save or a group commit failed or an alarm fired
-    (docs/report.md).
+    replication lag and failures. Exit 1 when a save, a group commit or a load failed or an alarm
+    fired (docs/report.md).
     """
     from ..progress import Progress
     from ..report import load_run
@@ -74,9 +74,9 @@ def report(logs: tuple[str, ...], png: str | None, page: str | None, as_json: bo
         for what, where in (("figure", png), ("page", page)):
             if where:
                 click.echo(f"{what}: {where}")
-    if summary.failed or summary.alarms or any(k.startswith("commit: ") and k != "commit: GroupRemovedError"
-                                               for k in summary.failures):  # a group's too, unless remove()d
-        raise SystemExit(1)
+    if summary.failed or summary.alarms or any(k.startswith("load: ") or k.startswith("commit: ") and  # a group's
+                                               k != "commit: GroupRemovedError" for k in summary.failures):  # too,
+        raise SystemExit(1)  # unless remove()d; a failed load: a checkpoint the job could not restore
 
 
 def _write(run, summary, png: str | None, page: str | None) -> None:  # noqa: ANN001 (RunState, Summary)

@@ -24,6 +24,7 @@ import contextlib
 import functools
 import logging
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -38,6 +39,7 @@ from ..errors import (
 from ..io.atomic import discard, tmp_name
 from ..io.engine import ImageFactory
 from ..storage.homes import Homes, Location
+from ..urls import is_url
 from .deserialize import deserialize
 from .fallback import OTHER_SAVE, SAME_SAVE_CHECK_S, check_group, home_entry, local_where, one_load, read_again, refused
 from .image import heap_image
@@ -88,8 +90,8 @@ class LoadOptions:
 
 @dataclass(frozen=True)
 class Loaded:
-    """What a load returned and where from (``where``: "local", "path", "remote" or
-    "remote (prefetched)"), for the load event and ``stats().last_restore_from``."""
+    """What a load returned, where from (``where``: "local", "path", "remote" or "remote (prefetched)") and
+    in how long (``rto_s``), for the load event and ``stats().last_restore_from``."""
 
     obj: object
     url: str
@@ -97,6 +99,7 @@ class Loaded:
     where: str
     verified: bool = True
     manifest: dict | None = None  # its own (its checksum verified): None when unverified
+    rto_s: float = 0.0
 
 
 class Loader:
@@ -104,11 +107,13 @@ class Loader:
         homes: resolves names to their targets.
         local_path: where the burst-buffer copy of a name lives (None without local_dir).
         chunk_bytes: bytes per parallel read.
+        saving: waits for this Checkpointer's saves of a path in flight.
+        emit: the Checkpointer's event emitter (each load's ``load`` event).
     """
 
     def __init__(self, homes: Homes, local_path: Callable[[str], str | None], chunk_bytes: int,
-                 saving: Callable[[str], None] = lambda path: None) -> None:
-        self._homes, self._local_path, self._chunk = homes, local_path, chunk_bytes
+                 saving: Callable[[str], None], emit: Callable[..., None]) -> None:
+        self._homes, self._local_path, self._chunk, self._emit = homes, local_path, chunk_bytes, emit
         self._saving = saving  # waits for this Checkpointer's saves of a path in flight (their write and upload)
         self._pins = Pins(homes)
 
@@ -149,9 +154,20 @@ class Loader:
             IncompleteCheckpointError: the file's group was never committed.
             CheckpointNotFoundError: no copy of it exists (never saved there, or deleted since).
             BucketNotFoundError: the URL's bucket does not exist (never a CheckpointNotFoundError).
+
+        Either way it emits one ``load`` event: the copy read, its size and time, or the error raised (a failed
+        load: the event log, ``fastckpt report`` and ``fastckpt_failures_total`` count it as a failed save).
         """
-        with one_load(), lost_in_group(self._homes, path):  # the home's group manifest read once (``load.fallback``)
-            return self._load(path, opts)
+        t0, w0 = time.monotonic(), time.time()
+        try:
+            with one_load(), lost_in_group(self._homes, path):  # the home's group manifest read once (load.fallback)
+                got = replace(self._load(path, opts), rto_s=time.monotonic() - t0)
+        except Exception as exc:  # not a Ctrl-C: no failed load
+            self._emit("load", path, 0, w0, "remote" if is_url(path) else "path", exc)
+            raise
+        self._emit("load", got.url, got.size, w0, got.where,
+                   detail=f"rto_s={got.rto_s:.6f}" + ("" if got.verified else " unverified"))
+        return got
 
     def _load(self, path: str, opts: LoadOptions) -> Loaded:
         self._saving(path)  # a save of it in flight here is the newest: load that, not the copy before it
