@@ -202,10 +202,12 @@ class LogFollower:
 
     The log may not exist yet (the job has not started): ``poll()`` then returns nothing. When
     the file shrinks or is replaced (a new job writing the same path), it starts over from
-    the beginning of the new file: a file replaced by one with the same inode number (deleted,
-    then created again) or rewritten in place, and grown past the old offset before the next
-    poll, is told by the bytes just before the offset (the end of the last line read), which
-    no longer match. A complete line that is not an event (a torn write followed by appends,
+    the beginning of the new file; what tells is the bytes just before the offset (the end of the
+    last line read, with its session and times), not the inode: a file deleted and created again
+    with the same inode number, or rewritten in place, and grown past the old offset before the
+    next poll, no longer holds them there, while a log shipped as an updated copy (rsync without
+    ``--inplace``, a copy renamed over it: a new inode) does, and is read on from the offset, so
+    its events are not counted twice. A complete line that is not an event (a torn write followed by appends,
     binary junk) is skipped with a warning naming the file and line, and counted in
     ``bad_lines``: the events after it are still read, and a live exporter keeps serving.
     """
@@ -229,12 +231,15 @@ class LogFollower:
         try:
             with open_log(self.path) as f:
                 st = os.fstat(f.fileno())
-                if (st.st_dev, st.st_ino) != self._file or st.st_size < self._offset or not self._same(f):
+                if st.st_size < self._offset or not self._same(f):
                     if self._file is not None:
                         log.warning("fastckpt: %s was replaced or truncated; reading it from the start", self.path)
-                    self._file, self._offset, self._line, self._tail, self._partial = (
-                        (st.st_dev, st.st_ino), 0, 0, b"", b"")
+                    self._offset, self._line, self._tail, self._partial = 0, 0, b"", b""
                     self._first_bad, self._events = None, 0
+                elif (st.st_dev, st.st_ino) != self._file and self._file is not None:
+                    log.info("fastckpt: %s was replaced by a copy of what was read and more (rsync, a copy renamed "
+                             "over it); reading on from byte %d", self.path, self._offset)
+                self._file = (st.st_dev, st.st_ino)
                 f.seek(self._offset)
                 data = f.read(st.st_size - self._offset) if st.st_size > self._offset else b""
         except FileNotFoundError:

@@ -112,6 +112,34 @@ def test_follower_reads_only_complete_lines_and_restarts_on_truncation(tmp_path:
     assert [e.name for e in f.poll()] == ["load"]
 
 
+def test_follower_reads_on_in_a_log_replaced_by_an_updated_copy(tmp_path: Path) -> None:
+    """A log shipped by rsync (without --inplace) or a copy renamed over it is a new inode holding
+    the lines read and new ones: read on from the offset. Before, any new inode was read from byte 0,
+    and serve-metrics counted every save of the log again at each shipment."""
+    log, tmp = tmp_path / "e.jsonl", tmp_path / "e.jsonl.tmp"
+    lines = [_ev(n, t).to_json() + "\n" for n, t in (("snapshot", 1.0), ("write", 1.2), ("commit", 1.4),
+                                                      ("snapshot", 2.0), ("write", 2.2))]
+
+    def ship(text: str) -> None:  # the old file still exists while the copy is written: another inode
+        tmp.write_text(text)
+        os.replace(tmp, log)
+
+    f = LogFollower(str(log))
+    ship("".join(lines[:2]) + lines[2][:9])  # a line cut short by the copy, completed by the next one
+    ino = log.stat().st_ino
+    assert [e.name for e in f.poll()] == ["snapshot", "write"]
+    ship("".join(lines[:4]))
+    assert log.stat().st_ino != ino
+    assert [(e.name, e.start) for e in f.poll()] == [("commit", 1.4), ("snapshot", 2.0)]
+    ship("".join(lines))
+    assert [(e.name, e.start) for e in f.poll()] == [("write", 2.2)]
+    ship("".join(lines) + _ev("load", 2.5).to_json()[:20])  # bytes past the offset, nothing complete yet
+    assert f.poll() == []
+    newer = [_ev("snapshot", 9.0).to_json() + "\n", _ev("write", 9.1).to_json() + "\n"] * 5
+    ship("".join(newer))  # a new job's log renamed over it, longer than the old one: from its start
+    assert [e.start for e in f.poll()] == [9.0, 9.1] * 5
+
+
 def test_the_sink_creates_its_directory(tmp_path: Path) -> None:
     log = tmp_path / "core_ckpt" / "sub" / "events.jsonl"  # saves create their directories: so does the log
     sink = JsonlSink(str(log))
