@@ -393,6 +393,22 @@ def test_from_run_on_a_log_without_saves_says_so(run_log: str, tmp_path) -> None
     assert "no completed save" in r.output and str(log) in r.output
 
 
+@pytest.mark.parametrize("extra", [["--preset", "fp8-adam"], ["--bytes-per-param", "2"]], ids=["preset", "bpp"])
+def test_a_per_parameter_size_without_params_is_refused_not_ignored(run_log: str, extra: list[str]) -> None:
+    """--preset and --bytes-per-param size --params only. Before, with --state-size (or --from-run and no
+    --params) they were dropped without a word: a plan for 1.4 TB for a user who meant 1.4T parameters x 11 B."""
+    flag = extra[0]
+    r = invoke("--state-size", "1.4TB", "--bandwidth", "10GB/s", *extra)
+    assert r.exit_code == 2, r.output
+    assert f"{flag} sizes --params" in r.output and f"leave {flag} out, or give --params" in r.output
+    r = invoke("--from-run", run_log, "--bandwidth", "10GB/s", *extra)
+    assert r.exit_code == 2, r.output
+    assert f"{flag} sizes --params" in r.output and "one checkpoint of the run (--from-run)" in r.output
+    r = invoke("--from-run", run_log, "--params", "70B", "--bandwidth", "10GB/s", *extra, "--json")
+    assert r.exit_code in (0, 1), r.output  # with --params it sizes them, the run gives the rest (1: over budget)
+    assert json.loads(r.stdout)["inputs"]["state_bytes"] == 70e9 * (11 if flag == "--preset" else 2)
+
+
 def test_profile_of_a_real_event_log(run_log: str) -> None:
     events = read_events(run_log)
     prof = profile(events)

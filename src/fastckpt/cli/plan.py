@@ -92,6 +92,15 @@ def _resolve(opts: dict, run: RunProfile | None, from_run: tuple[str, ...]) -> t
         notes.append(f"--gpus not given: one node of {gpn} GPUs")
     if opts["state_size"] is not None and opts["params"] is not None:
         raise click.UsageError("give --params (with --preset) or --state-size, not both")
+    per_param = "--preset" if opts["preset"] else "--bytes-per-param" if opts["bytes_per_param"] is not None else None
+    if per_param and opts["params"] is None and opts["state_size"] is not None:  # it sizes --params only
+        raise click.UsageError(f"{per_param} sizes --params (the state is parameters x bytes each), and --state-size "
+                               f"gives the state's size: leave {per_param} out, or give --params (e.g. 1.4T) instead "
+                               "of --state-size")
+    if per_param and opts["params"] is None and run:
+        raise click.UsageError(f"{per_param} sizes --params (the state is parameters x bytes each), and without "
+                               f"--params the state is one checkpoint of the run (--from-run): leave {per_param} out, "
+                               "or give --params (e.g. 70B) with it")
     if opts["state_size"] is not None:
         state = float(opts["state_size"])
     elif opts["params"] is not None:
