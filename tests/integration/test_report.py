@@ -226,6 +226,26 @@ def test_a_write_that_fails_midway_leaves_the_previous_output_whole(report: Repo
         assert sorted(p.name for p in out.iterdir()) == [name]
 
 
+def test_a_page_into_a_pipe_whose_reader_left_is_a_closed_stdout_not_bad_usage(tmp_path: Path) -> None:
+    """``report LOG --html /dev/stdout | head -c 100``: the reader gone, the write fails with EPIPE. It
+    exited 2 with "make its directory writable by this user": neither bad usage nor a permission
+    problem. Now it ends as the report's text into a closed stdout does: quiet, click's exit 1."""
+    log = tmp_path / "events.jsonl"
+    with Checkpointer(event_log=str(log), overhead_budget=0.99) as ck:
+        ck.save({"w": torch.randn(1024)}, str(tmp_path / "a.pt")).wait()
+    ended = []
+    for args in (["--html", "/dev/stdout"], []):
+        r, w = os.pipe()
+        os.close(r)  # the reader has exited
+        try:
+            res = subprocess.run([sys.executable, "-m", "fastckpt", "report", str(log), *args], stdout=w,
+                                 stderr=subprocess.PIPE, text=True, timeout=300)
+        finally:
+            os.close(w)
+        ended.append((res.returncode, res.stderr))
+    assert ended == [(1, ""), (1, "")]
+
+
 def test_html_leaves_a_users_file_beside_it_alone(report: Report, run: tuple[Path, list], tmp_path: Path) -> None:
     log, _ = run
     mine = tmp_path / "page.html.png"

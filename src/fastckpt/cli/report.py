@@ -101,10 +101,13 @@ def _write(run, summary, png: str | None, page: str | None) -> None:  # noqa: AN
         if page:
             write_output(page, html_page(summary, buf.getvalue()).encode("utf-8"))
     except OSError as exc:  # bad usage (exit 2, as a missing directory is): exit 1 says the run failed
+        if exc.errno == errno.EPIPE:  # the reader went away (--html /dev/stdout | head): no usage error, no fix to
+            raise  # give: click quiets it and exits 1, as for a closed stdout
+        denied = "make its directory writable by this user, or give a path elsewhere"
         fix = {errno.EROFS: "its filesystem is read-only: give a path on a writable one",
                errno.ENOSPC: "free space there, or give a path elsewhere",
-               errno.EDQUOT: "free space there (or raise the quota), or give a path elsewhere"}.get(
-            exc.errno, "make its directory writable by this user, or give a path elsewhere")
+               errno.EDQUOT: "free space there (or raise the quota), or give a path elsewhere",
+               errno.EACCES: denied, errno.EPERM: denied}.get(exc.errno, "give a path elsewhere")
         raise click.BadParameter(f"cannot write {where} ({exc.strerror or exc}); {fix}", param_hint=flag) from exc
 
 
