@@ -319,6 +319,35 @@ def test_serve_metrics_follows_a_running_jobs_log(tmp_path: Path) -> None:
     assert "bb does not exist: give the burst buffer's directory" in err  # said once, at the start
 
 
+def test_serve_metrics_names_a_missing_log_and_an_unexpanded_pattern(serve: Serve, tmp_path: Path) -> None:
+    """``--event-log '/logs/events-*.jsonl'`` (a Kubernetes args: list, a systemd unit: no shell to
+    expand it) served an empty exporter for ever without a word. Now each missing log is named once
+    at the start, and a name holding a glob character is said to be one, with the fix."""
+    for r in (0, 1):
+        with Checkpointer(event_log=str(tmp_path / f"events-{r}.jsonl")) as ck:
+            ck.save(_state(1024), str(tmp_path / f"r{r}.pt")).wait()
+    pattern, later = str(tmp_path / "events-*.jsonl"), str(tmp_path / "later.jsonl")
+    cmd = [sys.executable, "-m", "fastckpt.cli", "serve-metrics", "--event-log", pattern, "--event-log", later,
+           "--event-log", str(tmp_path / "events-0.jsonl"), "--port", "0", "--addr", "127.0.0.1", "--poll-s", "0.05",
+           "--json"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        url = json.loads(proc.stdout.readline())["url"]  # printed once it serves
+        for _ in range(3):  # polled many times (and scraped): said once all the same
+            assert value(scrape(url), "fastckpt_saves_total", **R0) == 1  # events-0.jsonl, given by name
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    for path in (pattern, later):
+        assert err.count(f"the event log {path} does not exist; waiting for it to appear") == 1, err
+    assert err.count("looks like a pattern no shell expanded") == 1, err
+    assert f"{pattern} looks like a pattern no shell expanded (it matches 2 file(s): {tmp_path / 'events-0.jsonl'}, " \
+           f"{tmp_path / 'events-1.jsonl'}): list each log with its own --event-log" in err
+    once = serve("--event-log", pattern, "--once")
+    assert once.returncode == 2 and "looks like a pattern no shell expanded" in once.stderr, once.stderr
+
+
 def test_serve_metrics_once_prints_the_exposition(serve: Serve, tmp_path: Path) -> None:
     log = tmp_path / "events.jsonl"
     with Checkpointer(event_log=str(log)) as ck:

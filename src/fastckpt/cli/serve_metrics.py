@@ -42,9 +42,13 @@ def serve_metrics(logs: tuple[str, ...], port: int, addr: str, local_dirs: tuple
     from ..errors import ConfigError
     from ..metrics import LogExporter
 
-    if once and (missing := [p for p in logs if not os.path.exists(p)]):  # nothing will write them before it exits
+    missing = [p for p in logs if not os.path.exists(p)]
+    if once and missing:  # nothing will write them before it exits
         raise click.UsageError(f"--once reads the logs as they are now, and {', '.join(missing)} does not exist: "
-                               "check the path (the Checkpointer's event_log)")
+                               "check the path (the Checkpointer's event_log)" + "".join(map(_pattern, missing)))
+    for p in missing:  # a misspelt path or an unexpanded glob served an empty exporter for ever without a word
+        click.echo(f"fastckpt: the event log {p} does not exist; waiting for it to appear (a job's Checkpointer "
+                   f"creates it at its first event){_pattern(p)}", err=True)
     for local_dir in local_dirs:
         if not os.path.isdir(local_dir):  # else / (say) would stand in for its free space
             missing_dir = (f"{local_dir} does not exist: give the burst buffer's directory (the local_dir the "
@@ -74,6 +78,20 @@ def serve_metrics(logs: tuple[str, ...], port: int, addr: str, local_dirs: tuple
         exporter.run(stop, poll_s)
     finally:
         exporter.close()
+
+
+def _pattern(path: str) -> str:
+    """A hint when ``path`` looks like a glob no shell expanded (a Kubernetes ``args:`` list, a systemd
+    unit, a quoted word): the exporter follows files by name, never patterns."""
+    import glob
+
+    if not any(c in path for c in "*?["):
+        return ""
+    found = sorted(glob.glob(path))
+    matches = f" (it matches {len(found)} file(s): {', '.join(found[:3])}{', ...' if len(found) > 3 else ''})" \
+        if found else ""
+    return (f". {path} looks like a pattern no shell expanded{matches}: list each log with its own --event-log "
+            "(--event-log events-0.jsonl --event-log events-1.jsonl), or let a shell expand it")
 
 
 def _print_once(exporter, as_json: bool) -> None:  # noqa: ANN001 (a LogExporter)
