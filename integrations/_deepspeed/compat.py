@@ -9,10 +9,12 @@ import json
 import os
 
 from fastckpt.commit.discovery import scan
+from fastckpt.commit.membership import group_dir
 from fastckpt.commit.names import GROUP_NAME_MAX
 from fastckpt.commit.protocol import GROUP_MANIFEST, LATEST, MARKER_DIR, group_order, move_pointer
+from fastckpt.commit.removable import LOOKED_AT
 from fastckpt.config import DEFAULT_RETRY_DEADLINE_S
-from fastckpt.errors import CheckpointNotFoundError, ConfigError
+from fastckpt.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError
 from fastckpt.io.atomic import NAME_MAX
 from fastckpt.storage.homes import Homes
 from fastckpt.storage.places import Place
@@ -98,9 +100,13 @@ class Store:
         return json.loads(data) if data is not None else None
 
     def attempted(self, group: str) -> bool:
-        """fastckpt started saving ``group`` (rank markers or a manifest exist)."""
+        """fastckpt started saving ``group``: rank markers or a manifest exist, or files whose own
+        manifests name it their group (ranks with a store write no markers: a run killed before
+        its commit leaves only its files)."""
         place = self.place(group)
-        return bool(place.names(MARKER_DIR)) or place.get(GROUP_MANIFEST) is not None
+        if place.names(MARKER_DIR) or place.get(GROUP_MANIFEST) is not None:
+            return True
+        return any(_of_group(place, group, rel) for rel in place.files()[:LOOKED_AT])
 
     def check_exists(self, url: str, local: str, tag: str) -> None:
         """Raise ``CheckpointNotFoundError`` when ``url/tag`` (nor its burst-buffer copy ``local``)
@@ -126,6 +132,15 @@ class Store:
         data = self.place(url).get(GROUP_MANIFEST)
         if data is not None:
             self.place(local).put(GROUP_MANIFEST, data)
+
+
+def _of_group(place: Place, group: str, rel: str) -> bool:
+    """The file ``rel`` in ``place`` (``group``'s directory) was written as a file of that group."""
+    try:
+        manifest = place.manifest(rel)
+    except (OSError, CorruptCheckpointError):  # gone meanwhile, or damaged: not told by this one
+        return False
+    return bool(manifest) and group_dir(f"{place.url().rstrip('/')}/{rel}", manifest) == place.url().rstrip("/")
 
 
 def _tag(root: str, path: str) -> bool:
