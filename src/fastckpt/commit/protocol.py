@@ -113,9 +113,18 @@ def read_group_manifest(place: Place) -> dict | None:
     try:
         return check_group_manifest(json.loads(data))
     except CorruptCheckpointError as exc:
-        raise CorruptCheckpointError(f"{place.url(GROUP_MANIFEST)} is damaged: {exc}") from exc
+        raise CorruptCheckpointError(f"{place.url(GROUP_MANIFEST)} is damaged: {exc}{_restore(place)}") from exc
     except ValueError as exc:
-        raise CorruptCheckpointError(f"{place.url(GROUP_MANIFEST)} does not parse: {exc}") from exc
+        raise CorruptCheckpointError(f"{place.url(GROUP_MANIFEST)} does not parse: {exc}{_restore(place)}") from exc
+
+
+def _restore(place: Place) -> str:
+    """The way forward from a group whose manifest is damaged: none of its files can be checked."""
+    parent = posixpath.dirname(place.url().rstrip("/"))
+    return (". None of the group's files can be checked against it, so the group cannot be loaded: restore the "
+            "manifest from another copy of the group (a replica, the burst buffer of the node that saved it), or "
+            f"resume from the checkpoint before it, which `fastckpt latest {parent}` prints (it passes over a "
+            "group whose manifest is damaged)")
 
 
 def _followable(name: str) -> bool:
