@@ -87,10 +87,10 @@ def lost_after_commit(homes: Homes, path: str, exc: BaseException) -> BaseExcept
     loc = homes.resolve(path)
     try:
         now: int | None = loc.target.size(loc.key)
-        own = _own_manifest(loc)
-        plain = own is None and torch_zip(loc.target, loc.key) is not None
+        own, damaged = _own_manifest(loc)
+        plain = own is None and damaged is None and torch_zip(loc.target, loc.key) is not None
     except FileNotFoundError:
-        now, own, plain = None, None, False
+        now, own, damaged, plain = None, None, None, False
     except OSError:
         return None
     if own is not None and (own.get("checksum") or {}).get("value") != found.entry.get("checksum"):
@@ -103,6 +103,9 @@ def lost_after_commit(homes: Homes, path: str, exc: BaseException) -> BaseExcept
     elif now != size:
         what = (f"holds {now} of the {size} bytes its committed group {found.dir} recorded: it was cut short or "
                 "changed after its commit")
+    elif damaged is not None:
+        what = (f"has a damaged manifest of its own (in its last bytes: {damaged}), though it is the {size} bytes "
+                f"its committed group {found.dir} recorded: it changed after its commit")
     else:
         what = (f"is damaged (the error it was raised from says how), though it is the {size} bytes its committed "
                 f"group {found.dir} recorded: it changed after its commit")
@@ -115,9 +118,11 @@ def lost_after_commit(homes: Homes, path: str, exc: BaseException) -> BaseExcept
                f"before it: {cli}moving {found.dir} out of {parent} makes latest({parent!r}) name it too.")
 
 
-def _own_manifest(loc: Location) -> dict | None:
-    """The manifest in the file's own tail; None when it has none or a damaged one (cut short)."""
+def _own_manifest(loc: Location) -> tuple[dict | None, str | None]:
+    """The manifest in the file's own tail (None when it has none), and what is wrong with it
+    when it has a damaged one (cut short, or bytes changed: never a plain file, though a
+    fastckpt file is a torch.save zip too)."""
     try:
-        return loc.target.read_manifest(loc.key)
-    except (CorruptCheckpointError, ValueError):
-        return None
+        return loc.target.read_manifest(loc.key), None
+    except (CorruptCheckpointError, ValueError) as exc:
+        return None, str(exc).removeprefix(f"{loc.url}: ")
