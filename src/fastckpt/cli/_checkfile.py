@@ -14,7 +14,7 @@ from ..format.checksum import checksum_bytes
 from ..storage.homes import Homes
 from ..storage.types import TargetNotFoundError
 from ._discovery import RECHECKS, group_manifest
-from ._files import FileSpec, as_landed, file_covered, file_manifest, single_file
+from ._files import NO_MANIFEST, FileSpec, as_landed, file_covered, file_manifest, single_file
 
 MISSING = "missing"
 REPLACED = f"saved again during each of {RECHECKS} checks"
@@ -96,6 +96,14 @@ def check_whole(h: Homes, spec: FileSpec, on_bytes=None) -> str | None:  # noqa:
     return None
 
 
+def damaged_manifest(spec: FileSpec, exc: CorruptCheckpointError) -> str:
+    """What a file whose own manifest (its last bytes) is damaged is, with the way forward."""
+    what = str(exc).removeprefix(f"{spec.path}: ")
+    kept = f"its checkpoint {spec.group} committed it" if spec.group is not None else "it was written"
+    return (f"its own manifest (in its last bytes) is damaged: {what}; {kept} whole, so it changed since: copy it "
+            "again from a good copy (the burst buffer's, a replica), or restore an earlier checkpoint")
+
+
 def _check(h: Homes, spec: FileSpec, on_bytes=None) -> str | None:  # noqa: ANN001
     if spec.whole:
         return check_whole(h, spec, on_bytes)
@@ -107,9 +115,16 @@ def _check(h: Homes, spec: FileSpec, on_bytes=None) -> str | None:  # noqa: ANN0
         raise
     except CorruptCheckpointError as exc:  # no manifest in its tail: cut short, if it is not the committed size
         got = file_size(h, spec)
-        return f"{got} bytes, but {spec.size} were committed" if got is not None and not spec.fits(got) else str(exc)
+        if got is not None and not spec.fits(got):
+            return f"{got} bytes, but {spec.size} were committed"
+        return str(exc) if str(exc).endswith(NO_MANIFEST) else damaged_manifest(spec, exc)
     spec = as_landed(h, spec, own)  # its object landed, its sidecar did not follow: judged as a load judges it
     want = own["checksum"]["value"]
+    if spec.group is not None and spec.checksum not in (None, want) and own.get("group"):
+        try:  # another save's file over the group's own (moved or copied here): said as a load says it
+            require_complete_group(h, spec.path, own)
+        except (CorruptCheckpointError, IncompleteCheckpointError) as exc:
+            return str(exc).removeprefix(f"{spec.path} ")
     if not spec.fits(size):
         return f"{size} bytes, but {spec.size} were committed"
     if spec.checksum is not None and want != spec.checksum:

@@ -14,6 +14,8 @@ from ..load.published import landed_first
 from ..storage.homes import Homes, Location
 from ..storage.types import TargetNotFoundError
 
+NO_MANIFEST = "has no fastckpt manifest: it cannot be verified"
+
 
 @dataclass(frozen=True)
 class FileSpec:
@@ -89,7 +91,7 @@ def file_covered(h: Homes, spec: FileSpec) -> tuple[int, int, dict]:
     size = loc.target.size(loc.key)
     m = loc.target.read_manifest(loc.key)
     if not m:
-        raise CorruptCheckpointError(f"{spec.path} has no fastckpt manifest: it cannot be verified")
+        raise CorruptCheckpointError(f"{spec.path} {NO_MANIFEST}")
     return size, int(m["covered"]), m
 
 
