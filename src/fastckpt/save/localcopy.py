@@ -1,6 +1,5 @@
-"""The Replicator's checks of a burst-buffer copy before it is uploaded, and again right before the
-upload is published: is it still the save its job was committed with, or did a newer save of the
-same path replace it (its own job sends that)?
+"""The Replicator's checks of a burst-buffer copy before it is uploaded: is it still the save its
+job was committed with, or did a newer save of the same path replace it (its own job sends that)?
 
 ``source`` is the file the upload reads: the copy itself, or its version link (``save.versions``),
 which no newer save replaces; ``local`` names the copy in messages.
@@ -8,7 +7,7 @@ which no newer save replaces; ``local`` names the copy in messages.
 
 from __future__ import annotations
 
-from ..errors import CheckpointWriteError, CorruptCheckpointError, ReplicationError
+from ..errors import CheckpointWriteError, CorruptCheckpointError
 from ..inflight import raise_as_write_error
 from ..records import SaveRecord
 from ..storage.homes import Homes
@@ -34,24 +33,6 @@ def local_manifest(homes: Homes, source: str, local: str, rec: SaveRecord) -> di
                                        "committed with: it changed after it was committed; not replicating it")
         return None
     return manifest
-
-
-def check_publishable(homes: Homes, source: str, local: str, rec: SaveRecord, closed: bool) -> None:
-    """Right before an upload is published (renamed into place, or its sidecar written): raises when it
-    must not be. ``closed``: ``close()`` gave up on it, so its Checkpointer no longer keeps two uploads of
-    a path apart: another Checkpointer of the process may have saved the path since, and this older copy
-    would land over it. A local copy replaced by a newer save (a save of another Checkpointer sharing the
-    burst buffer, after this upload read it): that save is the one to land.
-
-    Raises:
-        ReplicationError: ``closed`` (the Replicator says why, with the local copy).
-        CheckpointWriteError: the local copy is a newer save's (the Replicator resolves it as superseded).
-    """
-    if closed:
-        raise ReplicationError(f"{rec.path}: its Checkpointer was closed before the copy ended; not publishing it")
-    if replaced_by_newer(homes, source, rec):
-        raise CheckpointWriteError(f"local copy {local} of {rec.path} was replaced by a newer save while it was "
-                                   "copied; not publishing the older one")
 
 
 def replaced_by_newer(homes: Homes, source: str, rec: SaveRecord, manifest: dict | None = None) -> bool:

@@ -8,14 +8,13 @@ Order of work for one file (worker threads of the Replicator, never the training
      hash to the checksum, the store confirms each part's CRC32, then the size), or a ranged read-back with
      ``replicate_verify="readback"`` or a store that confirms nothing (docs/burst-buffer.md, "What verified
      means"). A mismatch copies again (3 attempts), so only verified bytes are ever published;
-  3. publish (``commit.protocol.publish_file``), unless ``close()`` gave up on it or a newer save replaced its
-     local copy (``localcopy.check_publishable``): on a file system the rename did it; on an object store the
-     sidecar ``NAME.fastckpt.json`` goes last (a remote file without it is not a checkpoint yet). Group files
-     get neither: the group manifest, written by rank 0 after every rank's marker, is theirs.
-Backpressure: with ``replicate_policy="coalesce"`` a newly committed checkpoint drops the older ones still
-queued (not started; ``_supersedes``); their handles resolve with ``superseded=True``, each with a ``superseded``
-event. Older and newer go by the save calls (``t_call``), not by arrival: with several burst-buffer drives a
-later save's local write can end first, and an earlier single file then arrives superseded.
+  3. publish (``commit.protocol.publish_file``), unless ``close()`` gave up on it (``_publishable``: another
+     Checkpointer of the process may have saved the path since): on a file system the rename did it; on an
+     object store the sidecar ``NAME.fastckpt.json`` goes last (a remote file without it is not a checkpoint
+     yet). Group files get neither: the group manifest, written by rank 0 after every rank's marker, is theirs.
+Backpressure: with ``replicate_policy="coalesce"`` a newly committed checkpoint drops the older ones still queued
+(not started; ``_supersedes``): their handles resolve with ``superseded=True``, a ``superseded`` event each.
+Older and newer go by the save calls (``t_call``), not by arrival (a later save's local write can end first).
 Order: with ``replicate_in_order`` a single file starts only after every single file saved before it is final or
 has failed (``save.ordering``); with "all", each upload of a single file reads a version link of its own save, so
 a newer save of the same path replaces the local copy without dropping it: the oldest queued save of a path lands
@@ -40,7 +39,7 @@ from ..records import SaveRecord
 from ..storage.homes import Homes
 from ..storage.types import Expected, as_limiter
 from .behind import Behind
-from .localcopy import check_publishable, local_manifest, replaced_by_newer
+from .localcopy import local_manifest, replaced_by_newer
 from .ordering import CallOrder, Turn
 from .versions import link_version, unlink_version
 
@@ -270,11 +269,15 @@ class Replicator:
         with self._cv:
             return [j.rec.path for j in (*self._running, *self._queue)]
 
+    def _publishable(self, rec: SaveRecord) -> None:  # (a copy a later save replaced verified: that save's follows)
+        if self._gave_up:  # ``_work`` then says why, with the local copy
+            raise ReplicationError(f"{rec.path}: its Checkpointer was closed before the copy ended; not publishing it")
+
     def close(self, wait: bool = True) -> None:
         """Stop taking jobs. With ``wait``, after the workers ran every queued job (joined);
         without, at once: the queued jobs resolve as not replicated (``ReplicationError``; their
         local copies stay), and the running ones fail on their (daemon) threads, unwaited for and
-        never published (``Checkpointer.close`` past ``close_timeout_s``; ``localcopy.check_publishable``)."""
+        never published (``Checkpointer.close`` past ``close_timeout_s``; ``_publishable``)."""
         with self._cv:
             self._closed = True
             self._gave_up = not wait
@@ -331,9 +334,8 @@ class Replicator:
         rec, cfg = job.rec, self._cfg
         home = self._homes.resolve(job.home or rec.path)
         target = home.target
-        expect = Expected(rec.bytes, rec.checksum, manifest["covered"],  # publishing: right before it is published
-                          lambda: check_publishable(self._homes, job.version or job.local, job.local, rec,
-                                                    self._gave_up))
+        expect = Expected(rec.bytes, rec.checksum, manifest["covered"],  # right before it is published
+                          lambda: self._publishable(rec))
         readback = cfg.replicate_verify == "readback"
         for attempt in range(1, VERIFY_ATTEMPTS + 1):
             t0 = time.monotonic()
