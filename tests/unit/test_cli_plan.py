@@ -159,6 +159,8 @@ def test_a_job_that_does_not_fill_its_last_node_is_sized_by_a_full_node() -> Non
 def test_one_node_and_one_gpu_are_singular() -> None:
     out = invoke("--params", "1B", "--gpus", "1", "--bandwidth", "1GB/s").output
     assert "per node (1 node)" in out and "per GPU (1 GPU)" in out and "1 nodes" not in out
+    out = invoke("--params", "1B", "--gpus-per-node", "1", "--bandwidth", "1GB/s").output
+    assert "one node of 1 GPU\n" in out and "1 GPUs" not in out
     out = invoke("--params", "1B", "--gpus", "16", "--bandwidth", "1GB/s").output
     assert "per node (2 nodes)" in out and "per GPU (16 GPUs)" in out
 

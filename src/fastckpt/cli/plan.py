@@ -89,7 +89,7 @@ def _resolve(opts: dict, run: RunProfile | None, from_run: tuple[str, ...]) -> t
         notes.append(f"GPUs: {gpus}, the ranks in the run's event log")
     elif gpus is None:
         gpus = gpn
-        notes.append(f"--gpus not given: one node of {gpn} GPUs")
+        notes.append(f"--gpus not given: one node of {_count(gpn, 'GPU')}")
     if opts["state_size"] is not None and opts["params"] is not None:
         raise click.UsageError("give --params (with --preset) or --state-size, not both")
     per_param = "--preset" if opts["preset"] else "--bytes-per-param" if opts["bytes_per_param"] is not None else None
