@@ -68,3 +68,34 @@ def test_report_lists_a_failed_load_and_exits_1(tmp_path: Path) -> None:
     assert out["failures"] == {"load: CorruptCheckpointError": 1} and out["loads"]["count"] == 0
     text = subprocess.run([sys.executable, "-m", "fastckpt.cli", "report", str(log)], capture_output=True, text=True)
     assert text.returncode == 1 and "failures: load: CorruptCheckpointError x1" in text.stdout, text.stdout
+
+
+def test_a_group_changed_during_a_reading_is_no_failed_load(tmp_path: Path) -> None:
+    """``GroupChangedError`` asks to load the group again (DeepSpeed's loads retry it themselves): the
+    loads that follow are the restore, so it logs no failed load and report exits 0."""
+    from fastckpt.errors import GroupChangedError
+
+    g, log = tmp_path / "step-1", tmp_path / "ev.jsonl"
+
+    def save(v: int) -> None:
+        cks = [fastckpt.Checkpointer(rank=r, world_size=2, commit_timeout_s=60) for r in (0, 1)]
+        try:
+            for ck in cks:
+                ck.save({"v": v}, str(g / f"r{ck.rank}.pt"), group=str(g))
+            for h in [ck.commit(str(g), step=v) for ck in cks]:
+                h.wait(60)
+        finally:
+            for ck in cks:
+                ck.close()
+
+    save(1)
+    with fastckpt.Checkpointer(event_log=str(log)) as ck:
+        with pytest.raises(GroupChangedError), ck.reading(str(g)):
+            ck.load(str(g / "r0.pt"))
+            save(2)  # another job saves the group again between the two loads of one reading
+            ck.load(str(g / "r1.pt"))
+        with ck.reading(str(g)):  # loaded again, whole
+            assert [ck.load(str(g / f"r{r}.pt"))["v"] for r in (0, 1)] == [2, 2]
+    assert [e["error"] for e in _events(log) if e["name"] == "load"] == [None, None, None]
+    res = subprocess.run([sys.executable, "-m", "fastckpt.cli", "report", str(log)], capture_output=True, text=True)
+    assert res.returncode == 0, res.stdout + res.stderr

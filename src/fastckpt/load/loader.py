@@ -162,8 +162,9 @@ class Loader:
         try:
             with one_load(), lost_in_group(self._homes, path):  # the home's group manifest read once (load.fallback)
                 got = replace(self._load(path, opts), rto_s=time.monotonic() - t0)
-        except Exception as exc:  # not a Ctrl-C: no failed load
-            self._emit("load", path, 0, w0, "remote" if is_url(path) else "path", exc)
+        except Exception as exc:  # not a Ctrl-C: no failed load; nor a group re-saved during a reading, which
+            if not isinstance(exc, GroupChangedError):  # asks to load it again (DeepSpeed's loads do so themselves)
+                self._emit("load", path, 0, w0, "remote" if is_url(path) else "path", exc)
             raise
         self._emit("load", got.url, got.size, w0, got.where,
                    detail=f"rto_s={got.rto_s:.6f}" + ("" if got.verified else " unverified"))
