@@ -123,6 +123,29 @@ def test_a_rank_whose_only_save_into_a_group_raised_ends_it_at_close(tmp_path: P
     assert latest(str(tmp_path)) == str(g1)
 
 
+@pytest.mark.parametrize("closer", [1, 0])
+def test_closing_after_a_failed_re_save_leaves_the_published_groups_local_copy_whole(tmp_path: Path,
+                                                                                     closer: int) -> None:
+    """The published global_step1 saved again, ``closer``'s save raising at the call: close() ends that
+    attempt, and its burst-buffer copy of the published group keeps its manifest (set aside as the attempt
+    began, given back as it ends), so loads still read it there."""
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=60))
+    cks = [fastckpt.Checkpointer(rank=r, world_size=2, store=store, io_threads=1, overhead_budget=0.99,
+                                 commit_timeout_s=TIMEOUT_S, local_dir=str(tmp_path / f"nvme{r}")) for r in range(2)]
+    try:
+        g1 = _commit_step_1(cks, tmp_path / "home")
+        mine = str(g1 / f"r{closer}.pt")
+        local = Path(cks[closer].local_path(mine)).parent / P.GROUP_MANIFEST
+        assert local.exists()
+        with pytest.raises(fastckpt.UnsupportedObjectError):
+            cks[closer].save({"hook": lambda: 0}, mine, group=str(g1))
+    finally:
+        close_all(cks)
+    assert local.exists() and latest(str(tmp_path / "home")) == str(g1)
+    with fastckpt.Checkpointer(local_dir=str(tmp_path / f"nvme{closer}")) as ck:
+        assert ck.load(mine)["step"] == 1 and ck.stats().last_restore_from == "local"
+
+
 def test_a_rank_closed_before_the_session_was_agreed_closes_at_once_telling_no_one(tmp_path: Path) -> None:
     """With a store, a rank that closes before its first commit does not know the store session yet:
     telling the others would wait for rank 0, which may be dead too (a rank closing with a group

@@ -194,7 +194,7 @@ class Coordinator:
                 return
         if att is None and world > 1:
             try:
-                att = self._begun(group, rank, world)
+                att = self._begun(group, rank, world, ended=True)
             except BaseException as begin_exc:  # the others then time out, naming this rank
                 exc.add_note(f"the other ranks were not told, and wait commit_timeout_s: "
                              f"{type(begin_exc).__name__}: {begin_exc}")
@@ -263,7 +263,8 @@ class Coordinator:
             self._emit("commit", group, 0, time.time(), "direct", err := G.skipped(group), detail="group")
             return G.failed(err)
         if missing:
-            self._tell.refuse(group, att, rank, missing, lambda: self._begun(group, rank, world), self._emit)
+            self._tell.refuse(group, att, rank, missing, lambda: self._begun(group, rank, world, ended=True),
+                              self._emit)
         if att is None:  # a rank that saved nothing into this group
             att = self._begun(group, rank, world)
         with self._lock:  # announced with its files (``pairing.py``)
@@ -306,11 +307,13 @@ class Coordinator:
         fut.add_done_callback(lambda f: self._forget(group, f))
         return fut
 
-    def _begun(self, group: str, rank: int, world: int) -> A.Attempt:
-        """This rank's attempt at ``group``, begun now: it saved nothing into it."""
+    def _begun(self, group: str, rank: int, world: int, ended: bool = False) -> A.Attempt:
+        """This rank's attempt at ``group``, begun now: it saved nothing into it. ``ended``: to be ended at
+        once (``abandon``, ``refuse``): its burst-buffer copies get back the manifest it set aside."""
         self.begin(group, rank, world, writes=False)
         with self._lock:
-            return self._open.pop(group)
+            att = self._open.pop(group)
+        return L.put_back(att) or att if ended else att
 
     def _forget(self, group: str, fut: Future) -> None:
         with self._lock:

@@ -104,8 +104,9 @@ def set_aside(local: tuple[Place, ...], writes: bool) -> None:
 
 
 def put_back(att: Attempt) -> None:
-    """Rank 0 refused ``att`` (no rank saved into it): each burst-buffer copy whose manifest was
-    set aside, and is still the one published at the home, gets it back; a failure only warns."""
+    """Rank 0 refused ``att`` (no rank saved into it), or this rank ends it as it begins it: each
+    burst-buffer copy whose manifest was set aside, and is still the one published at the home, gets
+    it back; a failure only warns."""
     for copy in att.local:
         try:
             if att.old is None or not os.path.isdir(copy.url()):
