@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from fastckpt.commit import discovery
+from fastckpt.events import Event
 from fastckpt.io.atomic import is_tmp
 from fastckpt.io.ops import FileOps
 from fastckpt.storage.homes import Homes
@@ -63,6 +64,18 @@ class Queued:
     def wait(self, path: str, n: int) -> bool:
         with self.changed:
             return self.changed.wait_for(lambda: self.counts.get(path, 0) >= n, timeout=60)
+
+
+class WriteDetails:
+    """An event sink (``Checkpointer(sinks=[...])``) that keeps the ``detail`` of each write event."""
+
+    def __init__(self) -> None:
+        self.details: list[str | None] = []
+
+    def emit(self, event: Event) -> None:
+        if event.name == "write":
+            self.details.append(event.detail)
+
 
 def flip_byte(path: str | os.PathLike, offset: int, mask: int = 0xFF) -> None:
     """Damage one byte of ``path`` in place (XOR with ``mask``)."""

@@ -22,7 +22,7 @@ import fastckpt
 from fastckpt.io.atomic import TMP_TAG
 from fastckpt.testing import FaultyOps
 from fastckpt.urls import mirror_path
-from tests.helpers import tmp_files, tmpfs
+from tests.helpers import WriteDetails, tmp_files, tmpfs
 
 MiB = 1 << 20
 NO_ROOM = "has no room for"
@@ -221,3 +221,26 @@ def test_a_burst_buffer_another_writer_fills_mid_write_sends_the_file_to_its_pat
         assert not _local(local, path).exists()
         assert "ran out of space while writing" in caplog.text
         assert tmp_files(path.parent, local) == []
+
+
+@pytest.mark.parametrize("when", ["full-at-the-call", "fills-mid-write"])
+def test_a_file_sent_to_a_path_that_refuses_o_direct_names_the_refusal(tmp_path: Path, when: str) -> None:
+    """A file that skips the burst buffer (no room at the call, or ENOSPC mid-write) is written
+    buffered to a path whose file system refuses O_DIRECT (ramfs): its record and write event said
+    "O_DIRECT disabled", as if odirect=False had been given, not the probe's refusal."""
+    ops, writes = FaultyOps(), WriteDetails()
+    with tmpfs(tmp_path / "nvme", "size=4m") as local, tmpfs(tmp_path / "home", "defaults", fstype="ramfs") as home, \
+            fastckpt.Checkpointer(local_dir=str(local), ops=ops, sinks=[writes]) as ck:
+        if when == "full-at-the-call":
+            rec = ck.save(_state(1, mib=5), str(home / "last.pt")).wait()
+        else:
+            gate = ops.gate("pwrite", path_contains=TMP_TAG)
+            handle = ck.save(_state(1, mib=2), str(home / "last.pt"))
+            assert gate.wait_entered()
+            (local / "filler").write_bytes(b"\0" * (3 * MiB))  # leaves under 1 MiB for the 2 MiB file
+            gate.open()
+            rec = handle.wait()
+        refused = f"filesystem at {home} refused O_DIRECT"
+        assert (rec.tier, rec.odirect, rec.odirect_reason) == ("direct", False, refused)
+        assert writes.details[-1] == f"buffered: {refused}"
+        assert fastckpt.load(str(home / "last.pt"))["v"] == 1

@@ -115,3 +115,22 @@ def test_one_probe_per_file_system_not_per_directory(tmp_path) -> None:
         for step in (100, 200, 300):
             ck.save({"w": torch.ones(4)}, str(tmp_path / f"iter_{step:07d}" / "model.pt")).wait()
     assert len(probes) == 1, probes
+
+
+def test_a_file_system_refusing_o_direct_is_named_in_the_record_and_the_write_event(tmp_path) -> None:
+    """The probe's refusal reached only the tier line: SaveRecord.odirect_reason and the write
+    event said "O_DIRECT disabled", the text for odirect=False (docs/tiers.md promises the
+    refusal in all three)."""
+    from tests.helpers import WriteDetails, tmpfs
+
+    with tmpfs(tmp_path / "home", "defaults", fstype="ramfs") as home:
+        writes = WriteDetails()
+        with fastckpt.Checkpointer(sinks=[writes]) as ck:
+            rec = ck.save({"w": torch.randn(10)}, str(home / "a.pt")).wait()
+        refused = f"filesystem at {home} refused O_DIRECT"
+        assert (rec.odirect, rec.odirect_reason) == (False, refused)
+        assert writes.details == [f"buffered: {refused}"]
+        with fastckpt.Checkpointer(sinks=[writes], odirect=False) as ck:  # asked for: said so
+            rec = ck.save({"w": torch.randn(10)}, str(tmp_path / "b.pt")).wait()
+        assert (rec.odirect, rec.odirect_reason) == (False, "O_DIRECT disabled by odirect=False")
+        assert writes.details[-1] == "buffered: O_DIRECT disabled by odirect=False"

@@ -61,7 +61,10 @@ class ReadResult:
     odirect: bool
 
 
-def open_for_write(ops: FileOps, path: str, want_direct: bool) -> tuple[int, bool, str | None]:
+def open_for_write(ops: FileOps, path: str, want_direct: bool, why_not: str | None = None
+                   ) -> tuple[int, bool, str | None]:
+    """Open ``path`` to be written; (fd, O_DIRECT or not, why not). ``why_not``: why the caller
+    does not want O_DIRECT (a tier probe's refusal, ``odirect=False``), recorded as the reason."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
     if want_direct and _O_DIRECT:
         try:
@@ -71,7 +74,7 @@ def open_for_write(ops: FileOps, path: str, want_direct: bool) -> tuple[int, boo
                 raise
             reason = f"filesystem refused O_DIRECT ({errno.errorcode.get(exc.errno, exc.errno)})"
     else:
-        reason = "O_DIRECT disabled" if _O_DIRECT else "O_DIRECT not available on this OS"
+        reason = why_not or ("O_DIRECT disabled" if _O_DIRECT else "O_DIRECT not available on this OS")
     return ops.open(path, flags), False, reason
 
 
@@ -95,6 +98,7 @@ def write_file(
     *,
     chunk_bytes: int,
     odirect: bool = True,
+    odirect_reason: str | None = None,
     ready: Callable[[int], None] | None = None,
     copying: Callable[[], bool] | None = None,
 ) -> WriteResult:
@@ -108,10 +112,11 @@ def write_file(
     ``ready(end)``, if given, blocks until ``image[:end]`` is filled: writing overlaps the
     snapshot that is still copying into the image. ``copying()``, if given, is True until that
     copy is done: hashing waits for it, so that it does not take cores from the copy.
+    ``odirect_reason``: why ``odirect`` is False (the tier probe's answer), the result's reason.
     """
     if chunk_bytes % checksum.BLOCK_BYTES:
         raise ValueError("chunk_bytes must be a multiple of the checksum block")
-    fd, direct, reason = open_for_write(ops, path, odirect)
+    fd, direct, reason = open_for_write(ops, path, odirect, odirect_reason)
     try:
         head = covered // ALIGN * ALIGN  # written by the workers; the rest goes with the tail
 

@@ -185,7 +185,7 @@ class Saver:
                 self._lazy.watch(entry, counted)
             base = replace(base, blocked_s=blocked if lazy else time.monotonic() - t_call)  # eager: sinks count
             fut = self._submit(spot, token, turn, layout, self._writer.write, snap, base, dest, t_call,
-                               choice.odirect, fallback, lease=lease)
+                               choice, fallback, lease=lease)
         except BaseException:
             self._staging.give_back(lease)  # not once its writer job was queued; a lazy copy under way ends first
             raise
@@ -220,7 +220,7 @@ class Saver:
         progress = Progress()
         try:
             fut = self._submit(spot, token, turn, layout, self._writer.write, Snapshot(buf, layout, progress=progress),
-                               base, dest, t_call, choice.odirect, fallback, lease=buf.lease)
+                               base, dest, t_call, choice, fallback, lease=buf.lease)
         except BaseException as exc:  # a writer job that took the buffer as it was queued must not wait for the copy
             progress.finish(exc)
             raise

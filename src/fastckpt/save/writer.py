@@ -71,11 +71,12 @@ class FileWriter:
         self._emit, self._on_written, self._local_dirs = emit, on_written, tuple(local_dirs)
         self._unlink_later = unlink_later
 
-    def write(self, snap: Snapshot, base: SaveRecord, dest: str, t_call: float, odirect: bool,
+    def write(self, snap: Snapshot, base: SaveRecord, dest: str, t_call: float, choice: TierChoice,
               fallback: Callable[[], TierChoice] | None = None, turn: Callable[[], None] | None = None
               ) -> SaveRecord:
         """Write the snapshot to ``dest`` (temp, fsync, rename, dir fsync); release its buffer
-        once written (before the rename, so the next save can take it).
+        once written (before the rename, so the next save can take it). ``choice``: the save's
+        tier, whose probe says whether ``dest`` is written with O_DIRECT and, if not, why.
 
         With ``snap.progress`` the writer starts while the snapshot is still copying (chunks wait
         for their bytes), and the time the caller was blocked is known only when the copy ends.
@@ -98,7 +99,7 @@ class FileWriter:
                 snap.wait_ready()
                 w0 = time.time()  # the write starts once its bytes are there: a lazy copy's end, in the log
             try:
-                st, res, t0 = self._write_once(snap, dest, odirect, base_now)
+                st, res, t0 = self._write_once(snap, dest, choice, base_now)
             except OSError as exc:
                 if fallback is None or exc.errno not in _NO_SPACE:
                     raise
@@ -108,7 +109,7 @@ class FileWriter:
                             "local_dir at a larger drive", base.path, exc, os.path.dirname(dest))
                 choice = fallback()
                 base, dest = replace(base, tier=choice.tier), base.path
-                st, res, t0 = self._write_once(snap, dest, choice.odirect, base_now)
+                st, res, t0 = self._write_once(snap, dest, choice, base_now)
         except BaseException as exc:
             self._fail("write", exc, base, dest, base.path, base.bytes, w0)
         finally:
@@ -122,7 +123,7 @@ class FileWriter:
                    detail=None if res.odirect else f"buffered: {res.odirect_reason}")
         return self._publish(base_now(), st, res, t_call, write_s, turn)
 
-    def _write_once(self, snap: Snapshot, dest: str, odirect: bool, base_now: Callable[[], SaveRecord]
+    def _write_once(self, snap: Snapshot, dest: str, choice: TierChoice, base_now: Callable[[], SaveRecord]
                     ) -> tuple[Staged, WriteResult, float]:
         """Write the snapshot to a temp file beside ``dest`` (removed again if that fails); return
         it, the result and when the write started."""
@@ -133,7 +134,7 @@ class FileWriter:
             t0 = time.monotonic()
             res = write_file(self._ops, self._io, st.tmp, snap.buffer.view, layout.covered_bytes,
                              lambda digest, blocks: tail_bytes(manifest_of(base_now(), layout, digest, blocks)),
-                             chunk_bytes=self._chunk, odirect=odirect,
+                             chunk_bytes=self._chunk, odirect=choice.odirect, odirect_reason=choice.odirect_reason,
                              ready=progress.wait_for if progress is not None else None,
                              copying=progress.copying if progress is not None else None)
         except BaseException:
