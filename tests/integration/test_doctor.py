@@ -59,6 +59,7 @@ def test_burst_buffer_and_target_directories(doctor: Doctor, tmp_path: Path) -> 
     assert "target.bandwidth" not in f  # saves write to the burst buffer: the target's is not probed
     assert f["target.separate"]["status"] == "warn"  # both live on the same filesystem here
     assert f["tier.auto.cpu"]["data"]["tier"] == "nvme"
+    assert [d["local_dir"] for d in f["tier.auto.cpu"]["data"]["drives"]] == [str(tmp_path / "bb")]
     assert out["auto"]["cpu"] == "nvme"
     assert set(out["auto"]) == ({"cpu", "cuda"} if torch.cuda.is_available() else {"cpu"})
     assert os.listdir(tmp_path / "bb") == []  # every probe file was removed
@@ -250,6 +251,27 @@ def test_no_shared_space_finding_for_separate_filesystems(doctor: Doctor, tmp_pa
         code, out = doctor("--local-dir", str(bb / "bb"), "--target", str(tmp_path / "home"), "--state-size",
                            "5MiB", "--keep", "1", "--probe-size", "0", "--json")
     assert code == 0 and "target.shared_free_space" not in _by_check(out)
+
+
+def test_a_striped_burst_buffer_names_the_drive_that_refuses_o_direct(doctor: Doctor, tmp_path: Path) -> None:
+    """The tier decision probed the first drive only: with the second on a ramfs it said
+    "tier=nvme (O_DIRECT)" (data "odirect": true) while saves write that drive's files buffered."""
+    nvme = tmp_path / "nvme0"
+    with tmpfs(tmp_path / "ram", "defaults", fstype="ramfs") as ram:
+        code, out = doctor("--local-dir", str(nvme), "--local-dir", str(ram / "bb"), "--target",
+                           str(tmp_path / "home"), "--probe-size", "0", "--json")
+        _, both = doctor("--local-dir", str(nvme), "--local-dir", str(tmp_path / "nvme1"), "--target",
+                         str(tmp_path / "home"), "--probe-size", "0", "--json")
+    assert code == 0, out
+    tier = _by_check(out)["tier.auto.cpu"]
+    refused = f"filesystem at {ram / 'bb'} refused O_DIRECT"
+    assert f"tier=nvme (O_DIRECT on 1 of 2 drives; buffered on {ram / 'bb'}: {refused}); " in tier["summary"]
+    assert tier["data"]["tier"] == "nvme" and tier["data"]["odirect"] is False
+    assert tier["data"]["drives"] == [
+        {"local_dir": str(nvme), "tier": "nvme", "odirect": True, "odirect_reason": None},
+        {"local_dir": str(ram / "bb"), "tier": "nvme", "odirect": False, "odirect_reason": refused}]
+    tier = _by_check(both)["tier.auto.cpu"]
+    assert "tier=nvme (O_DIRECT on 2 of 2 drives); " in tier["summary"] and tier["data"]["odirect"] is True
 
 
 def test_a_ramfs_is_a_drive_without_a_size_limit_not_a_full_one(doctor: Doctor, tmp_path: Path) -> None:

@@ -71,24 +71,53 @@ def _same_device(a: str, b: str) -> bool:
         return False
 
 
+def _choices(o: DoctorOptions, tier: str, dest: str, cuda: bool) -> list[tuple[str | None, _core.TierChoice]]:
+    """The tier selector's choice for a save to ``dest`` on each drive of the burst buffer (a save
+    chooses per drive; each is probed here, as its first save there probes it), or without one."""
+    return [(d, _core.TierSelector(tier, d, True).choose(dest, cuda)) for d in o.local_dirs or (None,)]
+
+
+def _described(choices: list[tuple[str | None, _core.TierChoice]]) -> tuple[str, dict]:
+    """The choices as a summary and data: one drive's (or none's) as the selector describes it; a
+    striped burst buffer's with its drives counted, each one written buffered named with why."""
+    first = choices[0][1]
+    data = {"tier": first.tier, "rejected": dict(first.reasons), "odirect": all(c.odirect for _, c in choices)}
+    if choices[0][0] is not None:
+        data["drives"] = [{"local_dir": d, "tier": c.tier, "odirect": c.odirect, "odirect_reason": c.odirect_reason}
+                          for d, c in choices]
+    if len(choices) == 1:
+        return first.describe(), data
+    tiers = {c.tier for _, c in choices}
+    tier = first.tier if len(tiers) == 1 else ", ".join(f"{c.tier} on {d}" for d, c in choices)
+    buffered = [f"buffered on {d}: {c.odirect_reason}" for d, c in choices if not c.odirect]
+    how = "; ".join([f"O_DIRECT on {len(choices) - len(buffered)} of {len(choices)} drives", *buffered])
+    reasons: dict[str, list[str]] = {}
+    for _, c in choices:
+        for t, why in c.reasons.items():
+            if why not in reasons.setdefault(t, []):
+                reasons[t].append(why)
+    data["rejected"] = {t: " / ".join(whys) for t, whys in reasons.items()}
+    rejected = "".join(f"; {t} rejected: {why}" for t, why in data["rejected"].items())
+    return f"tier={tier} ({how}){rejected}", data
+
+
 def _tier_findings(o: DoctorOptions, dest: str, has_cuda: bool) -> tuple[list[Finding], dict[str, str]]:
     out, auto = [], {}
     dest = os.path.join(os.path.abspath(dest), "probe")  # choose() takes a save's path: it probes its directory
     for state, cuda in (("cpu", False), ("cuda", True)) if has_cuda else (("cpu", False),):
-        choice = _core.TierSelector("auto", o.local_dir, True).choose(dest, cuda)
-        auto[state] = choice.tier
-        out.append(Finding(f"tier.auto.{state}", "info", f"auto picks for a {state.upper()} state: "
-                           f"{choice.describe()}", data={"tier": choice.tier, "rejected": dict(choice.reasons),
-                                                          "odirect": choice.odirect}))
+        summary, data = _described(_choices(o, "auto", dest, cuda))
+        auto[state] = data["tier"]
+        out.append(Finding(f"tier.auto.{state}", "info", f"auto picks for a {state.upper()} state: {summary}",
+                           data=data))
     if o.tier != "auto":
         try:
-            choice = _core.TierSelector(o.tier, o.local_dir, True).choose(dest, o.tier == "gds")
+            summary, data = _described(_choices(o, o.tier, dest, o.tier == "gds"))
         except TierUnavailableError as exc:
             out.append(Finding("tier.requested", "fail", f"tier={o.tier!r} cannot work here: {exc}",
                                "use tier='auto', or fix what the message names", {"tier": o.tier}))
         else:
-            out.append(Finding("tier.requested", "ok", f"tier={o.tier!r} works here: {choice.describe()}",
-                               data={"tier": choice.tier}))
+            out.append(Finding("tier.requested", "ok", f"tier={o.tier!r} works here: {summary}",
+                               data={"tier": data["tier"]}))
     return out, auto
 
 
