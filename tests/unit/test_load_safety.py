@@ -771,3 +771,42 @@ def test_a_healthy_read_from_an_fsspec_url_asks_for_no_version_per_range(tmp_pat
     res = t.read_object("big.pt", chunk_bytes=checksum.BLOCK_BYTES)
     assert res.manifest is not None and res.checksum != res.manifest["checksum"]["value"]
     assert len(infos) == 2
+
+
+@pytest.mark.parametrize("zip_format", [True, False])
+def test_an_intact_file_naming_a_module_not_installed_here_is_refused_not_called_damaged(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, zip_format: bool) -> None:
+    """A training repo's config class in a plain torch.save file, loaded in an eval env without
+    that repo: the module lookup (``find_spec``) took the missing package for a damaged byte, so
+    weights_only=True reported the intact file "truncated or damaged", and weights_only=False raised
+    a bare ModuleNotFoundError. Each is now torch's error, noted as not damaged and naming the module."""
+    name = f"fastckpt_test_absent_cfg_{'zip' if zip_format else 'legacy'}"  # not imported by the other case
+    mod = tmp_path / "repo"
+    mod.mkdir()
+    (mod / f"{name}.py").write_text(
+        "import dataclasses\n@dataclasses.dataclass\nclass Cfg:\n    lr: float = 0.1\n")
+    path = tmp_path / "plain.pt"
+    subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(mod)!r}); import torch; "
+                    f"import {name} as m; "
+                    f"torch.save({{'w': torch.ones(3), 'cfg': m.Cfg()}}, {str(path)!r}, "
+                    f"_use_new_zipfile_serialization={zip_format})"], check=True)
+    with pytest.raises(pickle.UnpicklingError) as refused:
+        fastckpt.load(str(path))
+    assert not isinstance(refused.value, CorruptCheckpointError)
+    note = "".join(refused.value.__notes__)
+    assert f"{path} has no fastckpt manifest, but it is not damaged" in note
+    assert f"make {name} importable here" in note and "weights_only=False" in note
+    with pytest.raises(ModuleNotFoundError, match=name) as missing:
+        fastckpt.load(str(path), weights_only=False)
+    assert "it is not damaged" in "".join(missing.value.__notes__)
+    assert f"make {name} importable here" in "".join(missing.value.__notes__)
+    monkeypatch.syspath_prepend(str(mod))
+    assert fastckpt.load(str(path), weights_only=False)["cfg"].lr == 0.1
+    del sys.modules[name]
+    data = bytearray(path.read_bytes())  # torch's own module name damaged (torcj) is still damage
+    at = data.index(b"torch._utils\n_rebuild_tensor")
+    data[at + 4] ^= 0x03
+    path.write_bytes(bytes(data))
+    for weights_only in (True, False):
+        with pytest.raises(CorruptCheckpointError, match=f"{path} is truncated or damaged"):
+            fastckpt.load(str(path), weights_only=weights_only)

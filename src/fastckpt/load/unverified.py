@@ -12,6 +12,9 @@ with a note naming the fix; so does it, saying so, when this process could not f
 Only an ``UnpicklingError`` of a file whose pickles
 parse (``pickletools``, which runs nothing) is weights_only refusing an object it does not allow:
 that error keeps its note saying how to opt in, which must never be advice for a damaged file.
+A global of a module not installed here (a training repo's class, loaded in an eval env) is no
+damaged byte by itself: a sound file naming one raises torch's error (weights_only's refusal, or
+``ModuleNotFoundError``) with a note that it is not damaged and naming the module to install.
 """
 
 from __future__ import annotations
@@ -54,6 +57,8 @@ FIXES = ("map_location='cpu' for a file saved on a GPU, loaded where that GPU is
 #: what torch's readers raise on damaged bytes (the weights-only unpickler runs no code of the file's)
 DAMAGE = (RuntimeError, EOFError, KeyError, ValueError, zipfile.BadZipFile, pickle.PickleError, struct.error,
           IndexError, AttributeError, TypeError, AssertionError, OverflowError)
+#: the modules torch.save files name; one of them with one byte changed is damage, not a package to install
+_KNOWN = ("torch", *(m for m in sys.stdlib_module_names if len(m) >= 5))
 _warned: set[str] = set()  # paths loaded unverified that were reported already
 _warned_lock = threading.Lock()
 
@@ -148,26 +153,45 @@ def load_unverified(res: ReadResult, url: str, opts: LoadOptions) -> object:
     except ConfigError:
         raise  # a TorchScript archive (``deserialize``): whole, but no checkpoint
     except pickle.UnpicklingError as exc:
-        if opts.weights_only and _pickles_parse(res):
-            raise  # weights_only refused an object: not damage (the error says how to opt in)
-        raise _damaged(url, exc) from exc
-    except DAMAGE as exc:
-        if not (_pickles_parse(res) and _pickles_bounded(res)):
+        missing = _unimportable(res)
+        if not opts.weights_only or missing is None:
             raise _damaged(url, exc) from exc
-        try:
-            intact, unchecked = sound(res.buffer, res.size), ""
-        except CannotCheck as why:
-            intact, unchecked = True, str(why)
-        if not intact:
+        if missing:  # a class of a module not installed here: refused, unless the name is a damaged byte
+            _note_sound(res, url, exc, missing)
+        raise  # weights_only refused an object: not damage (the error says how to opt in)
+    except (*DAMAGE, ImportError) as exc:  # ImportError: weights_only=False, a module not installed here
+        missing = _unimportable(res)
+        if missing is None:
             raise _damaged(url, exc) from exc
-        said = (f"and fastckpt could not check here whether it is damaged ({unchecked}): if it is not, " if unchecked
-                else "but it is not damaged: it loads with its storages left where they are read (no device to "
-                "restore) and its classes stubbed (load.soundness). ")
-        this = "this" if unchecked else "This"
-        exc.add_note(f"{url} has no fastckpt manifest, {said}{this} is torch's own error for what it holds here; the "
-                     f"fixes: {FIXES}.")
+        _note_sound(res, url, exc, missing)
         raise  # a GPU file without map_location, a class renamed since: torch's error names the fix
 
+
+def _note_sound(res: ReadResult, url: str, exc: BaseException, missing: list[str]) -> None:
+    """Notes on torch's error ``exc`` that the file is not damaged (or could not be checked here),
+    and the fixes (``missing``: the modules its pickles name that are not installed here).
+
+    Raises:
+        CorruptCheckpointError: the file is not sound (``load.soundness``): damage.
+    """
+    if not _pickles_bounded(res):
+        raise _damaged(url, exc) from exc
+    try:
+        intact, unchecked = sound(res.buffer, res.size), ""
+    except CannotCheck as why:
+        intact, unchecked = True, str(why)
+    if not intact:
+        raise _damaged(url, exc) from exc
+    said = (f"and fastckpt could not check here whether it is damaged ({unchecked}): if it is not, " if unchecked
+            else "but it is not damaged: it loads with its storages left where they are read (no device to "
+            "restore) and its classes stubbed (load.soundness). ")
+    this = "this" if unchecked else "This"
+    fixes = FIXES if not missing else (
+        f"make {' and '.join(missing)} importable here (install {'it' if len(missing) == 1 else 'them'}, or put "
+        f"{'it' if len(missing) == 1 else 'them'} on sys.path); then, for a file you trust, load it with "
+        "weights_only=False (weights_only=True imports nothing and refuses classes it does not allow)")
+    exc.add_note(f"{url} has no fastckpt manifest, {said}{this} is torch's own error for what it holds here; the "
+                 f"fixes: {fixes}.")
 
 def _unbounded(url: str) -> CorruptCheckpointError:
     return CorruptCheckpointError(f"{url} is damaged: its pickle names a memo slot or frame larger than the file "
@@ -203,34 +227,43 @@ def _pickles_bounded(res: ReadResult) -> bool:
         return True
 
 
-def _pickles_parse(res: ReadResult) -> bool:
-    """Whether the file's pickles are well formed: every opcode known, its argument whole, the
-    stack and memo consistent to the STOP (``pickletools.dis``, which builds no object), and every
-    global a name that could exist (``_could_exist``: ``torcj.FloatStorage`` is no class to opt in to)."""
+def _unimportable(res: ReadResult) -> list[str] | None:
+    """The top-level modules the file's pickles name that are not installed here ([] : none), or
+    None when the pickles are malformed: an unknown opcode, an argument cut short, the stack or memo
+    inconsistent before the STOP (``pickletools.dis``, which builds no object), or a global whose
+    name is no dotted identifiers (``_module_of``). A module not installed here is no damage by itself:
+    a training repo's class in a file loaded in an eval env (``load.soundness`` decides then)."""
+    missing: list[str] = []
     try:
         stream, count = _pickles(res)
         for _ in range(count):
             start = stream.tell()
             pickletools.dis(stream, out=_Sink())
             stream.seek(start)
-            for op, arg, _pos in pickletools.genops(stream):  # a name no import could find: a damaged byte
-                if op.name == "GLOBAL" and not _could_exist(str(arg)):
-                    return False
+            for op, arg, _pos in pickletools.genops(stream):
+                if op.name != "GLOBAL":
+                    continue
+                top = _module_of(str(arg))
+                if top is None:
+                    return None  # a name no import could find: a damaged byte
+                if top in sys.modules or top in missing or importlib.util.find_spec(top) is not None:
+                    continue
+                if any(len(k) == len(top) and sum(a != b for a, b in zip(k, top)) == 1 for k in _KNOWN):
+                    return None  # torcj, collectiont: torch's or the standard library's name with a damaged byte
+                missing.append(top)
     except Exception:  # noqa: BLE001 (any failure to parse is a malformed pickle)
-        return False
-    return True
+        return None
+    return missing
 
 
-def _could_exist(ref: str) -> bool:
-    """Whether ``module name`` (a GLOBAL's argument) is dotted identifiers whose top-level package
-    is installed: looked up, never imported (``find_spec`` of a top-level name imports nothing).
+def _module_of(ref: str) -> str | None:
+    """The top-level package of ``module name`` (a GLOBAL's argument; None: not dotted identifiers),
+    looked up by the caller, never imported (``find_spec`` of a top-level name imports nothing).
     Python 2 names (``__builtin__ set``, ``copy_reg``) are mapped first, as ``pickle`` does."""
     module, _, name = ref.partition(" ")  # protocol 2 (torch.save) writes Python 2 names: as find_class maps them
     module, name = _compat_pickle.NAME_MAPPING.get((module, name), (module, name))
     parts = [*_compat_pickle.IMPORT_MAPPING.get(module, module).split("."), *(name.split(".") if name else ())]
-    if not all(p.isidentifier() for p in parts):
-        return False
-    return parts[0] in sys.modules or importlib.util.find_spec(parts[0]) is not None
+    return parts[0] if all(p.isidentifier() for p in parts) else None
 
 
 class _Sink(io.TextIOBase):
