@@ -234,6 +234,7 @@ class Checkpointer:
             CorruptCheckpointError: bytes not matching the recorded checksum; an empty, truncated or non-torch file.
             UnverifiableCheckpointError: ``verify=True`` and the file has no manifest.
             IncompleteCheckpointError: the file belongs to a group that was never committed.
+            CheckpointWriteError: this Checkpointer's save of ``path`` it waited for failed (raised once).
             ConfigError: ``path`` is None (``latest`` found nothing complete), or ``into`` does not match.
         """
         self._check_open()

@@ -2,9 +2,11 @@
 
 ``track`` registers a future (training thread). A failure is raised by the handle's
 ``wait()`` if someone waits on it; otherwise by the next sync point (``save``, ``commit``,
-``wait``, ``close``) through ``raise_unseen``. Whether a failure was raised is marked on the
-exception itself: a set of id()s could mistake a new error for a freed one, and keeping raised
-errors alive would pin their tracebacks' frames (staging buffers, the state's tensors).
+``wait``, ``close``) through ``raise_unseen``, or by a load of what it wrote (``wait_loadable``:
+the load has nothing new to read, and must not pass the copy before it off as new). Whether a
+failure was raised is marked on the exception itself: a set of id()s could mistake a new error for
+a freed one, and keeping raised errors alive would pin their tracebacks' frames (staging buffers,
+the state's tensors).
 
 A failed group is one failure: once its commit's failure was raised (by the commit handle's
 ``wait()``, or a sync point), the failures of the files that commit was waiting for count as
@@ -31,6 +33,7 @@ from .urls import is_within, resolved
 
 log = logging.getLogger("fastckpt")
 _SURFACED = "_fastckpt_surfaced"
+_WROTE = "_fastckpt_wrote"  # on a failure: the (key, group_key) of each save or commit that raised it
 PROGRESS_EVERY_S = 10.0  # a log line this often while wait() or close() waits (off a terminal)
 PROGRESS_DELAY_S = 3.0  # silent for waits shorter than this
 _FIXED = (errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO)  # a refusing home: WRITE_FIXES names the fix
@@ -74,6 +77,24 @@ def raise_as_write_error(exc: BaseException, path: str, renamed: bool = False, w
     err = CheckpointWriteError(exc.errno, f"saving {path} failed: {why}; {state}{notes}")
     err.filename = path
     raise err from exc
+
+
+def _failed_at(exc: BaseException, key: str) -> bool:
+    """Whether ``exc`` is the failure of a save of the file ``key``, or of a commit of (or a save
+    into) the group ``key``, or of a commit of a group that holds ``key``."""
+    return any(k == key or gk is not None and (gk == key or k == gk and is_within(key, gk))
+               for k, gk in getattr(exc, _WROTE, ()))
+
+
+def _not_loadable(exc: BaseException, path: str) -> CheckpointWriteError:
+    """The error of a load that waited for a save of ``path`` by this Checkpointer that failed (``exc``)."""
+    said = str(exc).rstrip(".")
+    msg = (f"loading {path}: the save of it that this Checkpointer had in flight failed, so there is no new "
+           f"checkpoint to load ({type(exc).__name__}: {said}). The previous checkpoint at {path}, which a failed "
+           "save leaves intact unless its error says otherwise, is what a second load reads: handle this failure "
+           "(it is raised here once, not again at the next save, commit or wait), then load it again.")
+    code = getattr(exc, "errno", None)
+    return CheckpointWriteError(code, msg) if code else CheckpointWriteError(msg)
 
 
 def _full(why: str, where: str, local: bool) -> str:
@@ -150,19 +171,22 @@ class InFlight:
                 set_surfaced(e)
                 self._unseen = [u for u in self._unseen if u is not e]
 
-    def _remember(self, fut: Future) -> None:
-        exc = None if fut.cancelled() else fut.exception()  # cancelled: by a close() that gave up waiting
+    def _remember(self, t: _Tracked) -> None:
+        exc = None if t.fut.cancelled() else t.fut.exception()  # cancelled: by a close() that gave up waiting
         if exc is None:
             return
-        if id(fut) in self._excused:  # its group's failed commit was raised already
+        if (t.key, t.group_key) not in getattr(exc, _WROTE, ()):  # a commit may raise one of its files' failures
+            setattr(exc, _WROTE, (*getattr(exc, _WROTE, ()), (t.key, t.group_key)))
+        if id(t.fut) in self._excused:  # its group's failed commit was raised already
             set_surfaced(exc)
         elif not surfaced(exc) and all(e is not exc for e in self._unseen):
             self._unseen.append(exc)
 
     def _on_done(self, fut: Future) -> None:
         with self._lock:
-            self._pending.pop(id(fut), None)
-            self._remember(fut)
+            tracked = self._pending.pop(id(fut), None)
+            if tracked is not None:
+                self._remember(tracked)
             self._excused.discard(id(fut))
             if id(fut) in self._files and (fut.cancelled() or (exc := fut.exception()) is None or surfaced(exc)):
                 _, files = self._files.pop(id(fut))
@@ -186,7 +210,7 @@ class InFlight:
         failures of finished futures here too, so the sync point that follows sees them."""
         for t in self._pending.values():
             if t.fut.done():
-                self._remember(t.fut)
+                self._remember(t)
 
     def futures(self) -> list[Future]:
         with self._lock:
@@ -249,7 +273,13 @@ class InFlight:
     def wait_loadable(self, path: str) -> None:
         """``wait_writing(path)``, and the commit in flight of a group that holds ``path`` (tracked
         as ``(future, group, group)``): a load of a file of a group committed here reads that commit's
-        outcome, not the save before it (nor an incomplete group)."""
+        outcome, not the save before it (nor an incomplete group).
+
+        Raises:
+            CheckpointWriteError: such a save or commit failed, and nobody has seen that failure yet: the
+                load has nothing new to read, and must not return the copy before it as if it were new.
+                The failure counts as raised then (as at a sync point); a second load reads what is there.
+        """
         self.wait_writing(path)
         key = resolved(path)
         with self._lock:
@@ -257,6 +287,13 @@ class InFlight:
                        if t.path == t.group and t.group_key is not None and is_within(key, t.group_key)]
         for f in commits:
             f.exception()
+        with self._lock:
+            self._collect()
+            failed = next((e for e in self._unseen if _failed_at(e, key)), None)
+            if failed is None:
+                return
+            self._seen(failed)  # raised now, as a sync point would: the next one does not raise it again
+        raise _not_loadable(failed, path)
 
     def of_group(self, group: str) -> list[Future]:
         """The futures of ``group``'s saves (each until its upload ended) and commits in flight."""

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 import fastckpt
-from fastckpt.errors import ConfigError, CorruptCheckpointError, ReplicationError
+from fastckpt.errors import CheckpointWriteError, ConfigError, CorruptCheckpointError, ReplicationError
 from fastckpt.load import fallback
 from fastckpt.storage.types import BucketNotFoundError
 from fastckpt.testing import Fault, FaultyOps
@@ -73,6 +73,30 @@ def test_load_waits_for_a_save_of_the_path_in_flight(tmp_path) -> None:
         t.join(60)
         assert _step(got[0]) == 2
         assert h2.wait().durable_s is not None
+
+
+def test_a_load_that_waited_for_a_failed_save_raises_it_not_the_copy_before(tmp_path) -> None:
+    """A load waits for this Checkpointer's save of the path in flight so that it reads what that
+    save made; when the save failed (a full drive), the load returned the previous checkpoint as
+    if it were the new one (an eval right after saving step 2 evaluated step 1). It raises that
+    failure now, once: a second load reads the previous checkpoint, and the next save does not
+    raise it again."""
+    path = str(tmp_path / "last.pt")
+    ops = FaultyOps()
+    with fastckpt.Checkpointer(ops=ops) as ck:
+        ck.save(_state(1), path).wait()
+        ops.inject(Fault("pwrite", errno.ENOSPC))
+        h2 = ck.save(_state(2), path)
+        with pytest.raises(CheckpointWriteError, match=f"loading {path}: the save of it that this Checkpointer had "
+                           "in flight failed, so there is no new checkpoint to load") as err:
+            ck.load(path)
+        assert "No space left on device" in str(err.value) and "then load it again" in str(err.value)
+        assert err.value.errno == errno.ENOSPC
+        assert _step(ck.load(path)) == 1  # the previous checkpoint, intact
+        ck.save(_state(3), path).wait()  # raised once: not again at the next sync point
+        with pytest.raises(CheckpointWriteError, match="No space left on device"):
+            h2.wait()  # its own handle still says how it ended
+    assert _step(fastckpt.load(path)) == 3
 
 
 def _failing_upload(home: str) -> FaultyOps:
