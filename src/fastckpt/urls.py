@@ -27,6 +27,23 @@ def is_url(path: str) -> bool:
     return "://" in path and path[:7].lower() != "file://"
 
 
+def fspath(path: str | bytes | os.PathLike) -> str:
+    """``path`` as a str: a ``PathLike``'s own, a bytes path decoded as the file system names it
+    (``os.fsdecode``, as ``open`` does; ``os.fspath`` kept it bytes, and the str checks after it
+    failed with a TypeError saying the opposite).
+
+    Raises:
+        ConfigError: ``path`` is no name (a file object, ``io.BytesIO``, a number), which ``torch.save``
+            accepts: fastckpt writes a named file, in the background, after the call returned.
+    """
+    if isinstance(path, (str, bytes, os.PathLike)):
+        return os.fsdecode(path)
+    raise ConfigError(f"the checkpoint path is a {type(path).__name__}, not a file name or URL: fastckpt saves and "
+                      "loads named files or URLs (a str or os.PathLike, e.g. 'ckpt/step-100.pt'); to write into or "
+                      "read from a file object or a buffer (io.BytesIO), use torch.save(state, buf) and "
+                      "torch.load(buf)")
+
+
 def canonical(path: str | os.PathLike) -> str:
     """``path`` as fastckpt names it: a URL's scheme in lower case (schemes are case-insensitive,
     RFC 3986, but fsspec knows ``s3`` only, not ``S3``); the rest is left as it is.
@@ -36,7 +53,7 @@ def canonical(path: str | os.PathLike) -> str:
             ``file://localhost/...`` (``_refuse_host``), or a local path that is a URL typo
             (``s3:/b/k``, ``s3:b/k``, ``s3//b/k``: ``_refuse_typo``).
     """
-    s = os.fspath(path)
+    s = fspath(path)
     if "://" not in s:
         _refuse_typo(s)
         return s
@@ -145,8 +162,8 @@ def file_name(path: str | os.PathLike) -> str:
     """``normalize`` the name of a checkpoint *file* (``save``, ``load``), refusing a name that
     cannot be one: empty (it would mean the working directory), ending in a separator, or holding
     a NUL (no file system takes one: a save wrote the whole file to a temp name, then failed to
-    publish it with a bare ValueError at ``wait()``)."""
-    s = os.fspath(path)
+    publish it with a bare ValueError at ``wait()``), or no name at all (``fspath``)."""
+    s = fspath(path)
     if not s.strip():
         raise ConfigError("the checkpoint path is empty: name the file to save or load, e.g. 'ckpt/step-100.pt'")
     if "\x00" in s:

@@ -4,6 +4,7 @@ checkpoint directory never makes ``latest`` name its copies."""
 from __future__ import annotations
 
 import errno
+import io
 import json
 import os
 import shutil
@@ -139,6 +140,28 @@ def test_a_name_with_a_nul_is_refused_at_the_call_before_anything_is_written(tmp
         with pytest.raises(ConfigError, match="holds a NUL character"):
             ck.load(path)
     assert [p for p in tmp_path.rglob("*") if p.is_file()] == []
+
+
+def test_a_bytes_path_is_a_file_name_and_a_file_object_is_refused_naming_torch_save(tmp_path: Path) -> None:
+    """torch.save and torch.load accept a bytes path and a file object; fastckpt failed on both with
+    internal TypeErrors ("a bytes-like object is required, not 'str'" for a bytes path: the opposite
+    of what was wrong). A bytes path is the file it names (decoded as ``open`` decodes it); a buffer
+    is refused at the call, naming what fastckpt takes and what writes a buffer."""
+    path = tmp_path / "a.pt"
+    with fastckpt.Checkpointer() as ck:
+        ck.save(_state(1), os.fsencode(path)).wait()
+        assert ck.load(os.fsencode(path))["v"] == 1
+        assert fastckpt.load(str(path))["v"] == 1
+        for buf in (io.BytesIO(path.read_bytes()), 7):
+            with pytest.raises(ConfigError, match=f"the checkpoint path is a {type(buf).__name__}, not a file name or "
+                               r"URL: fastckpt saves and loads named files or URLs .* torch.save\(state, buf\) and "
+                               r"torch.load\(buf\)"):
+                ck.load(buf)
+            with pytest.raises(ConfigError, match="fastckpt saves and loads named files or URLs"):
+                ck.save(_state(2), buf)
+        with pytest.raises(ConfigError, match="the checkpoint path is a BytesIO"):
+            fastckpt.load(io.BytesIO(path.read_bytes()))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.pt"]
 
 
 def test_loading_a_directory_says_so(tmp_path: Path) -> None:
