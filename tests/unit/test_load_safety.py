@@ -773,14 +773,15 @@ def test_a_healthy_read_from_an_fsspec_url_asks_for_no_version_per_range(tmp_pat
     assert len(infos) == 2
 
 
-@pytest.mark.parametrize("zip_format", [True, False])
+@pytest.mark.parametrize(("zip_format", "name"), [(True, "fastckpt_test_absent_cfg_zip"),
+                                                  (False, "fastckpt_test_absent_cfg_legacy"), (True, "torcx")])
 def test_an_intact_file_naming_a_module_not_installed_here_is_refused_not_called_damaged(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, zip_format: bool) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, zip_format: bool, name: str) -> None:
     """A training repo's config class in a plain torch.save file, loaded in an eval env without
     that repo: the module lookup (``find_spec``) took the missing package for a damaged byte, so
     weights_only=True reported the intact file "truncated or damaged", and weights_only=False raised
-    a bare ModuleNotFoundError. Each is now torch's error, noted as not damaged and naming the module."""
-    name = f"fastckpt_test_absent_cfg_{'zip' if zip_format else 'legacy'}"  # not imported by the other case
+    a bare ModuleNotFoundError. Each is now torch's error, noted as not damaged and naming the module.
+    A module named one byte from ``torch`` (torcx) is one too where the zip's CRC-32 of the pickle holds."""
     mod = tmp_path / "repo"
     mod.mkdir()
     (mod / f"{name}.py").write_text(

@@ -14,7 +14,9 @@ parse (``pickletools``, which runs nothing) is weights_only refusing an object i
 that error keeps its note saying how to opt in, which must never be advice for a damaged file.
 A global of a module not installed here (a training repo's class, loaded in an eval env) is no
 damaged byte by itself: a sound file naming one raises torch's error (weights_only's refusal, or
-``ModuleNotFoundError``) with a note that it is not damaged and naming the module to install.
+``ModuleNotFoundError``) with a note that it is not damaged and naming the module to install. A name one
+byte from ``torch`` or a standard-library module's (``torcj``) is taken for a damaged byte, unless the
+zip's CRC-32 of the pickle holds (``_pickle_crc_holds``; a pre-zip file has none).
 """
 
 from __future__ import annotations
@@ -216,6 +218,18 @@ def _pickles(res: ReadResult) -> tuple[typing.IO[bytes], int]:
     return io.BufferedReader(RangeReader(res.size, fetch)), LEGACY_PICKLES
 
 
+def _pickle_crc_holds(res: ReadResult) -> bool:
+    """Whether the file is a zip whose ``data.pkl`` record matches the CRC-32 its zip header
+    records (torch.save writes one): a name in it one byte from ``torch`` is then the module's
+    real name, not a damaged byte. False: no zip, no CRC recorded, or it does not match."""
+    try:
+        with zipfile.ZipFile(io.BufferedReader(RangeReader(res.size, fetcher(res.buffer)))) as zf:
+            info = next(i for i in zf.infolist() if is_data_pkl(i.filename))
+            return info.CRC != 0 and zf.read(info) is not None  # read() raises BadZipFile on a CRC mismatch
+    except Exception:  # noqa: BLE001 (not a zip, or damaged: the name check stands)
+        return False
+
+
 def _pickles_bounded(res: ReadResult) -> bool:
     """Whether no pickle of the file asks the unpickler for memory it does not pay for (a damaged
     byte of a memo index: ``format.foreign.bounded``); torch's weights-only unpickler keeps its memo
@@ -248,7 +262,8 @@ def _unimportable(res: ReadResult) -> list[str] | None:
                     return None  # a name no import could find: a damaged byte
                 if top in sys.modules or top in missing or importlib.util.find_spec(top) is not None:
                     continue
-                if any(len(k) == len(top) and sum(a != b for a, b in zip(k, top)) == 1 for k in _KNOWN):
+                if any(len(k) == len(top) and sum(a != b for a, b in zip(k, top)) == 1 for k in _KNOWN) \
+                        and not _pickle_crc_holds(res):
                     return None  # torcj, collectiont: torch's or the standard library's name with a damaged byte
                 missing.append(top)
     except Exception:  # noqa: BLE001 (any failure to parse is a malformed pickle)
