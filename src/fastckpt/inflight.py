@@ -276,7 +276,8 @@ class InFlight:
         outcome, not the save before it (nor an incomplete group).
 
         Raises:
-            CheckpointWriteError: such a save or commit failed, and nobody has seen that failure yet: the
+            CheckpointWriteError: such a save or commit failed (not its copy home: the load reads the
+                burst-buffer copy it made), and nobody has seen that failure yet: the
                 load has nothing new to read, and must not return the copy before it as if it were new.
                 The failure counts as raised then (as at a sync point); a second load reads what is there.
         """
@@ -289,7 +290,8 @@ class InFlight:
             f.exception()
         with self._lock:
             self._collect()
-            failed = next((e for e in self._unseen if _failed_at(e, key)), None)
+            failed = next((e for e in self._unseen if _failed_at(e, key)  # a copy home that failed: the
+                           and not isinstance(e, ReplicationError)), None)  # load reads that save's local copy
             if failed is None:
                 return
             self._seen(failed)  # raised now, as a sync point would: the next one does not raise it again

@@ -99,6 +99,23 @@ def test_a_load_that_waited_for_a_failed_save_raises_it_not_the_copy_before(tmp_
     assert _step(fastckpt.load(path)) == 3
 
 
+def test_a_load_that_waited_for_a_save_whose_copy_home_failed_reads_its_local_copy(tmp_path) -> None:
+    """Only the copy home failed: the save is in the burst buffer, and the load reads what it made there
+    (the ReplicationError is raised at the next sync point, as before)."""
+    local, home = str(tmp_path / "nvme"), str(tmp_path / "home")
+    path = os.path.join(home, "last.ckpt")
+    with fastckpt.Checkpointer(local_dir=local) as ck:
+        ck.save(_state(1), path).wait()
+    ck = fastckpt.Checkpointer(local_dir=local, ops=_failing_upload(home))
+    try:
+        h = ck.save(_state(2), path)
+        assert _step(ck.load(path)) == 2 and ck.stats().last_restore_from == "local"
+        with pytest.raises(ReplicationError):
+            h.wait()
+    finally:
+        ck.close()  # the failure was raised by wait(): not again
+
+
 def _failing_upload(home: str) -> FaultyOps:
     """Every open under ``home`` fails: the save is written to the burst buffer, never copied."""
     ops = FaultyOps()
