@@ -1,11 +1,12 @@
 """Right before a copy home is published (renamed into place; at an S3 URL, before the object becomes visible),
-the Replicator checks that ``close()`` did not give up on it (``Replicator._publishable``).
+the Replicator checks that it still may be (``save.localcopy.check_publishable``).
 
 A copy ``close()`` gave up on (``close_timeout_s``) ran on in its daemon thread and renamed an old save over a
 newer save of the same path made since by another Checkpointer of the process (a second ``fit()``, a sweep, a
-notebook): the home ended with the older state. A verified copy whose local source the same Checkpointer's next
-save replaced is published all the same. Each copy is held just before it is published by a FaultyOps hook on
-its temp file's fsync (the last call before the rename): no timing.
+notebook): the home ended with the older state. Likewise a copy whose local source another Checkpointer
+sharing the burst buffer replaced with a newer save (whose own upload may have landed); one that the same
+Checkpointer's next save replaced is published all the same (that save's upload follows it). Each copy is held
+just before it is published by a FaultyOps hook on its temp file's fsync (the last call before the rename).
 """
 
 from __future__ import annotations
@@ -89,4 +90,22 @@ def test_a_verified_copy_is_published_though_the_same_checkpointers_next_save_re
     finally:
         release.set()
     assert (r1.superseded, r2.superseded) == (False, False) and r1.durable_s is not None
+    assert fastckpt.load(path)["v"] == 2
+
+
+def test_a_copy_whose_local_source_another_checkpointers_newer_save_replaced_is_superseded(tmp_path: Path) -> None:
+    nvme, home = str(tmp_path / "bb"), str(tmp_path / "home")
+    path = f"{home}/last.pt"
+    hold, entered, release = _held_before_publish(home)
+    try:
+        with fastckpt.Checkpointer(local_dir=nvme, ops=FaultyOps(on_call=hold)) as ck1, \
+                fastckpt.Checkpointer(local_dir=nvme) as ck2:  # two Checkpointers sharing a burst buffer
+            old = ck1.save({"w": torch.ones(1000), "v": 1}, path)
+            assert entered.wait(60)
+            assert ck2.save({"w": torch.ones(10), "v": 2}, path).wait().durable_s is not None
+            release.set()
+            rec = old.wait(60)
+    finally:
+        release.set()
+    assert (rec.superseded, rec.durable_s) == (True, None)
     assert fastckpt.load(path)["v"] == 2

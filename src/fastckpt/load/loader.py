@@ -156,7 +156,8 @@ class Loader:
             BucketNotFoundError: the URL's bucket does not exist (never a CheckpointNotFoundError).
 
         Either way it emits one ``load`` event: the copy read, its size and time, or the error raised (a failed
-        load: the event log, ``fastckpt report`` and ``fastckpt_failures_total`` count it as a failed save).
+        load: the event log, ``fastckpt report`` and ``fastckpt_failures_total`` count it as a failed save), but
+        for a ``GroupChangedError``, which asks to load the group again.
         """
         t0, w0 = time.monotonic(), time.time()
         try:

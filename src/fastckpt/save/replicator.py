@@ -8,8 +8,8 @@ Order of work for one file (worker threads of the Replicator, never the training
      hash to the checksum, the store confirms each part's CRC32, then the size), or a ranged read-back with
      ``replicate_verify="readback"`` or a store that confirms nothing (docs/burst-buffer.md, "What verified
      means"). A mismatch copies again (3 attempts), so only verified bytes are ever published;
-  3. publish (``commit.protocol.publish_file``), unless ``close()`` gave up on it (``_publishable``: another
-     Checkpointer of the process may have saved the path since): on a file system the rename did it; on an
+  3. publish (``commit.protocol.publish_file``), unless ``close()`` gave up on it or another Checkpointer's newer
+     save replaced its local copy (``localcopy.check_publishable``): on a file system the rename did it; on an
      object store the sidecar ``NAME.fastckpt.json`` goes last (a remote file without it is not a checkpoint
      yet). Group files get neither: the group manifest, written by rank 0 after every rank's marker, is theirs.
 Backpressure: with ``replicate_policy="coalesce"`` a newly committed checkpoint drops the older ones still queued
@@ -39,7 +39,7 @@ from ..records import SaveRecord
 from ..storage.homes import Homes
 from ..storage.types import Expected, as_limiter
 from .behind import Behind
-from .localcopy import local_manifest, replaced_by_newer
+from .localcopy import check_publishable, local_manifest, replaced_by_newer
 from .ordering import CallOrder, Turn
 from .versions import link_version, unlink_version
 
@@ -269,15 +269,15 @@ class Replicator:
         with self._cv:
             return [j.rec.path for j in (*self._running, *self._queue)]
 
-    def _publishable(self, rec: SaveRecord) -> None:  # (a copy a later save replaced verified: that save's follows)
-        if self._gave_up:  # ``_work`` then says why, with the local copy
-            raise ReplicationError(f"{rec.path}: its Checkpointer was closed before the copy ended; not publishing it")
+    def _own_newer(self, job: ReplicaJob) -> bool:  # a newer save of its path queued here: its upload follows
+        with self._cv:
+            return any(j.rec.path == job.rec.path and j.t_call > job.t_call for j in (*self._running, *self._queue))
 
     def close(self, wait: bool = True) -> None:
         """Stop taking jobs. With ``wait``, after the workers ran every queued job (joined);
         without, at once: the queued jobs resolve as not replicated (``ReplicationError``; their
         local copies stay), and the running ones fail on their (daemon) threads, unwaited for and
-        never published (``Checkpointer.close`` past ``close_timeout_s``; ``_publishable``)."""
+        never published (``Checkpointer.close`` past ``close_timeout_s``; ``localcopy.check_publishable``)."""
         with self._cv:
             self._closed = True
             self._gave_up = not wait
@@ -334,8 +334,8 @@ class Replicator:
         rec, cfg = job.rec, self._cfg
         home = self._homes.resolve(job.home or rec.path)
         target = home.target
-        expect = Expected(rec.bytes, rec.checksum, manifest["covered"],  # right before it is published
-                          lambda: self._publishable(rec))
+        expect = Expected(rec.bytes, rec.checksum, manifest["covered"], lambda: check_publishable(  # before publishing
+            self._homes, job.version or job.local, rec, self._gave_up, lambda: self._own_newer(job)))
         readback = cfg.replicate_verify == "readback"
         for attempt in range(1, VERIFY_ATTEMPTS + 1):
             t0 = time.monotonic()
