@@ -16,12 +16,14 @@ A global of a module not installed here (a training repo's class, loaded in an e
 damaged byte by itself: a sound file naming one raises torch's error (weights_only's refusal, or
 ``ModuleNotFoundError``) with a note that it is not damaged and naming the module to install. A name one
 byte from ``torch`` or a standard-library module's (``torcj``) is taken for a damaged byte, unless the
-zip's CRC-32 of the pickle holds (``_pickle_crc_holds``; a pre-zip file has none).
+zip's CRC-32 of the pickle holds (``_pickle_crc_holds``; a pre-zip file has none); any name in a
+pickle whose CRC fails is.
 """
 
 from __future__ import annotations
 
 import _compat_pickle
+import functools
 import importlib.util
 import io
 import logging
@@ -218,16 +220,22 @@ def _pickles(res: ReadResult) -> tuple[typing.IO[bytes], int]:
     return io.BufferedReader(RangeReader(res.size, fetch)), LEGACY_PICKLES
 
 
-def _pickle_crc_holds(res: ReadResult) -> bool:
-    """Whether the file is a zip whose ``data.pkl`` record matches the CRC-32 its zip header
-    records (torch.save writes one): a name in it one byte from ``torch`` is then the module's
-    real name, not a damaged byte. False: no zip, no CRC recorded, or it does not match."""
+def _pickle_crc_holds(res: ReadResult) -> bool | None:
+    """Whether the file's ``data.pkl`` matches the CRC-32 its zip header records (torch.save writes
+    one): a module name in it that is not installed here is then the module's own, not a damaged
+    byte. None: not a zip, or no CRC recorded (the name check stands)."""
     try:
-        with zipfile.ZipFile(io.BufferedReader(RangeReader(res.size, fetcher(res.buffer)))) as zf:
-            info = next(i for i in zf.infolist() if is_data_pkl(i.filename))
-            return info.CRC != 0 and zf.read(info) is not None  # read() raises BadZipFile on a CRC mismatch
-    except Exception:  # noqa: BLE001 (not a zip, or damaged: the name check stands)
+        zf = zipfile.ZipFile(io.BufferedReader(RangeReader(res.size, fetcher(res.buffer))))
+        info = next(i for i in zf.infolist() if is_data_pkl(i.filename))
+    except Exception:  # noqa: BLE001 (not a zip, or its directory damaged: torch's read said so already)
+        return None
+    if info.CRC == 0:
+        return None
+    try:
+        zf.read(info)
+    except zipfile.BadZipFile:  # "Bad CRC-32"
         return False
+    return True
 
 
 def _pickles_bounded(res: ReadResult) -> bool:
@@ -248,6 +256,7 @@ def _unimportable(res: ReadResult) -> list[str] | None:
     name is no dotted identifiers (``_module_of``). A module not installed here is no damage by itself:
     a training repo's class in a file loaded in an eval env (``load.soundness`` decides then)."""
     missing: list[str] = []
+    crc = functools.cache(lambda: _pickle_crc_holds(res))  # asked once, for the first name not installed here
     try:
         stream, count = _pickles(res)
         for _ in range(count):
@@ -262,9 +271,9 @@ def _unimportable(res: ReadResult) -> list[str] | None:
                     return None  # a name no import could find: a damaged byte
                 if top in sys.modules or top in missing or importlib.util.find_spec(top) is not None:
                     continue
-                if any(len(k) == len(top) and sum(a != b for a, b in zip(k, top)) == 1 for k in _KNOWN) \
-                        and not _pickle_crc_holds(res):
-                    return None  # torcj, collectiont: torch's or the standard library's name with a damaged byte
+                near = any(len(k) == len(top) and sum(a != b for a, b in zip(k, top)) == 1 for k in _KNOWN)
+                if (held := crc()) is False or held is None and near:
+                    return None  # a pickle its zip's CRC refuses; in a file without one, torcj: a damaged byte
                 missing.append(top)
     except Exception:  # noqa: BLE001 (any failure to parse is a malformed pickle)
         return None
