@@ -90,9 +90,10 @@ def _not_loadable(exc: BaseException, path: str) -> CheckpointWriteError:
     """The error of a load that waited for a save of ``path`` by this Checkpointer that failed (``exc``)."""
     said = str(exc).rstrip(".")
     msg = (f"loading {path}: the save of it that this Checkpointer had in flight failed, so there is no new "
-           f"checkpoint to load ({type(exc).__name__}: {said}). The previous checkpoint at {path}, which a failed "
-           "save leaves intact unless its error says otherwise, is what a second load reads: handle this failure "
-           "(it is raised here once, not again at the next save, commit or wait), then load it again.")
+           f"checkpoint to load ({type(exc).__name__}: {said}). A second load reads the newest whole copy there is: "
+           f"the previous checkpoint at {path}, which a failed save leaves intact unless its error says otherwise "
+           "(a burst-buffer copy only if the home cannot be read). Handle this failure (it is raised here once, "
+           "not again at the next save, commit or wait), then load it again.")
     code = getattr(exc, "errno", None)
     return CheckpointWriteError(code, msg) if code else CheckpointWriteError(msg)
 
@@ -276,8 +277,8 @@ class InFlight:
         outcome, not the save before it (nor an incomplete group).
 
         Raises:
-            CheckpointWriteError: such a save or commit failed (not its copy home: the load reads the
-                burst-buffer copy it made), and nobody has seen that failure yet: the
+            CheckpointWriteError: such a save or commit failed (its copy home too: the loader reads the
+                home, not a local copy newer than it), and nobody has seen that failure yet: the
                 load has nothing new to read, and must not return the copy before it as if it were new.
                 The failure counts as raised then (as at a sync point); a second load reads what is there.
         """
@@ -290,8 +291,7 @@ class InFlight:
             f.exception()
         with self._lock:
             self._collect()
-            failed = next((e for e in self._unseen if _failed_at(e, key)  # a copy home that failed: the
-                           and not isinstance(e, ReplicationError)), None)  # load reads that save's local copy
+            failed = next((e for e in self._unseen if _failed_at(e, key)), None)
             if failed is None:
                 return
             self._seen(failed)  # raised now, as a sync point would: the next one does not raise it again

@@ -99,21 +99,23 @@ def test_a_load_that_waited_for_a_failed_save_raises_it_not_the_copy_before(tmp_
     assert _step(fastckpt.load(path)) == 3
 
 
-def test_a_load_that_waited_for_a_save_whose_copy_home_failed_reads_its_local_copy(tmp_path) -> None:
-    """Only the copy home failed: the save is in the burst buffer, and the load reads what it made there
-    (the ReplicationError is raised at the next sync point, as before)."""
+def test_a_load_that_waited_for_a_save_whose_copy_home_failed_raises_it_too(tmp_path) -> None:
+    """Only the copy home failed (its first open): the loader reads the home, not a local copy newer than
+    it, so returning would pass the previous checkpoint off as the new one: the load raises the failure,
+    once; a second load reads the previous checkpoint at the home."""
     local, home = str(tmp_path / "nvme"), str(tmp_path / "home")
     path = os.path.join(home, "last.ckpt")
     with fastckpt.Checkpointer(local_dir=local) as ck:
         ck.save(_state(1), path).wait()
-    ck = fastckpt.Checkpointer(local_dir=local, ops=_failing_upload(home))
-    try:
+    ops = FaultyOps()
+    ops.inject(Fault("open", errno.EIO, nth=1, path_startswith=home + os.sep))  # the upload's open: the load's works
+    with fastckpt.Checkpointer(local_dir=local, ops=ops) as ck:
         h = ck.save(_state(2), path)
-        assert _step(ck.load(path)) == 2 and ck.stats().last_restore_from == "local"
+        with pytest.raises(CheckpointWriteError, match="there is no new checkpoint to load .ReplicationError"):
+            ck.load(path)
+        assert _step(ck.load(path)) == 1 and ck.stats().last_restore_from == "path"
         with pytest.raises(ReplicationError):
             h.wait()
-    finally:
-        ck.close()  # the failure was raised by wait(): not again
 
 
 def _failing_upload(home: str) -> FaultyOps:
