@@ -28,16 +28,23 @@ def is_url(path: str) -> bool:
 
 
 def fspath(path: str | bytes | os.PathLike) -> str:
-    """``path`` as a str: a ``PathLike``'s own, a bytes path decoded as the file system names it
-    (``os.fsdecode``, as ``open`` does; ``os.fspath`` kept it bytes, and the str checks after it
-    failed with a TypeError saying the opposite).
+    """``path`` as a str: a ``PathLike``'s own, a bytes path decoded (``os.fsdecode``; ``os.fspath`` kept
+    it bytes, and the str checks after it failed with a TypeError saying the opposite), in UTF-8.
 
     Raises:
         ConfigError: ``path`` is no name (a file object, ``io.BytesIO``, a number), which ``torch.save``
-            accepts: fastckpt writes a named file, in the background, after the call returned.
+            accepts: fastckpt writes a named file, in the background, after the call returned; or a
+            name that is not UTF-8.
     """
     if isinstance(path, (str, bytes, os.PathLike)):
-        return os.fsdecode(path)
+        name = os.fsdecode(path)
+        try:
+            name.encode()
+        except UnicodeEncodeError as exc:  # a bytes name not in UTF-8 (os.fsdecode's surrogates): names go as UTF-8
+            raise ConfigError(f"the checkpoint path {name.encode(errors='surrogateescape')!r} is not UTF-8 (byte "
+                              f"{exc.object[exc.start].encode(errors='surrogateescape')!r} at {exc.start}): fastckpt "
+                              "names files and their records in UTF-8; give a UTF-8 name") from None
+        return name
     raise ConfigError(f"the checkpoint path is a {type(path).__name__}, not a file name or URL: fastckpt saves and "
                       "loads named files or URLs (a str or os.PathLike, e.g. 'ckpt/step-100.pt'); to write into or "
                       "read from a file object or a buffer (io.BytesIO), use torch.save(state, buf) and "

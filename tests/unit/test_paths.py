@@ -164,6 +164,15 @@ def test_a_bytes_path_is_a_file_name_and_a_file_object_is_refused_naming_torch_s
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.pt"]
 
 
+def test_a_name_that_is_not_utf8_is_refused_at_the_call(tmp_path: Path) -> None:
+    """A bytes path in Latin-1 (``caf\\xe9.pt``) was accepted, then the save failed in the background with a
+    bare UnicodeEncodeError: names go into records as UTF-8. It is refused at the call, naming the byte."""
+    with fastckpt.Checkpointer() as ck:
+        with pytest.raises(ConfigError, match=r"is not UTF-8 \(byte b'\\xe9' at \d+\).*give a UTF-8 name"):
+            ck.save({"a": 1}, os.fsencode(tmp_path) + b"/caf\xe9.pt")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_loading_a_directory_says_so(tmp_path: Path) -> None:
     (tmp_path / "step-1").mkdir()
     with pytest.raises(ConfigError, match=r"step-1 is a directory, not a checkpoint file: .*fastckpt\.latest\("):
