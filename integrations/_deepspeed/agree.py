@@ -8,6 +8,7 @@ training on with a state the failed rank does not have.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 import torch
@@ -72,21 +73,38 @@ def different_tags_error(home: str, tag: str) -> errors.ConfigError:
     naming each rank's."""
     from deepspeed import comm as dist
 
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, (home, tag))
-    ranks: dict[tuple[str, str], list[int]] = {}
-    for rank, asked in enumerate(everyone):
-        ranks.setdefault(tuple(asked), []).append(rank)
+    ranks = _by_key(_gathered((home, tag)), tuple)
     one_dir = len({h for h, _ in ranks}) == 1
-    asked = "; ".join(f"tag {t!r}{'' if one_dir else f' in {h}'} on {_ranks(r)}"
-                      for (h, t), r in list(ranks.items())[:4])
-    more = f"; and {len(ranks) - 4} other tags" if len(ranks) > 4 else ""
+    asked = _listed(ranks, lambda ht: f"tag {ht[1]!r}{'' if one_dir else f' in {ht[0]}'}", "tags")
     return errors.ConfigError(
         f"save_checkpoint was called with different {'tags' if one_dir else 'save_dirs or tags'} on the ranks "
-        f"({asked}{more}{f', under {home}' if one_dir else ''}); this is rank {dist.get_rank()}, asked for {tag!r}. "
+        f"({asked}{f', under {home}' if one_dir else ''}); this is rank {dist.get_rank()}, asked for {tag!r}. "
         "A checkpoint is one tag that every rank saves its files into: pass the same save_dir and tag on every "
         "rank (nothing rank-specific in the tag, such as a timestamp taken on each rank: derive it from the step, "
         "e.g. f'global_step{engine.global_steps}', or broadcast rank 0's). Nothing was saved, on any rank")
+
+
+def _gathered(mine: object) -> list:
+    """Every rank's ``mine``, by rank (a collective: every rank calls it)."""
+    from deepspeed import comm as dist
+
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return everyone
+
+
+def _by_key(everyone: list, key: Callable[[object], Hashable]) -> dict[Hashable, list[int]]:
+    """The ranks of each ``key`` of what they gave, in the order the keys first come."""
+    ranks: dict[Hashable, list[int]] = {}
+    for rank, theirs in enumerate(everyone):
+        ranks.setdefault(key(theirs), []).append(rank)
+    return ranks
+
+
+def _listed(ranks: dict[Hashable, list[int]], say: Callable[[Hashable], str], kind: str) -> str:
+    """``say(key) on ranks ...`` for the first 4 keys of ``ranks``, and how many ``kind`` more."""
+    each = "; ".join(f"{say(k)} on {_ranks(r)}" for k, r in list(ranks.items())[:4])
+    return each + (f"; and {len(ranks) - 4} other {kind}" if len(ranks) > 4 else "")
 
 
 def _ranks(ranks: list[int]) -> str:
@@ -110,16 +128,12 @@ def different_loads_error(asked: dict[str, object]) -> errors.ConfigError:
     rank's values of the arguments that differ."""
     from deepspeed import comm as dist
 
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, asked)
+    everyone = _gathered(asked)
     differ = [k for k in asked if len({repr(e[k]) for e in everyone}) > 1]
-    ranks: dict[str, list[int]] = {}
-    for rank, theirs in enumerate(everyone):
-        ranks.setdefault(", ".join(f"{k}={theirs[k]!r}" for k in differ), []).append(rank)
-    each = "; ".join(f"{values} on {_ranks(r)}" for values, r in list(ranks.items())[:4])
-    more = f"; and {len(ranks) - 4} other combinations" if len(ranks) > 4 else ""
+    ranks = _by_key(everyone, lambda theirs: ", ".join(f"{k}={theirs[k]!r}" for k in differ))
+    each = _listed(ranks, str, "combinations")
     return errors.ConfigError(
-        f"load_checkpoint was called with different {', '.join(differ)} on the ranks ({each}{more}); this is rank "
+        f"load_checkpoint was called with different {', '.join(differ)} on the ranks ({each}); this is rank "
         f"{dist.get_rank()}. Every rank loads one and the same checkpoint, the same way: pass the same load_dir, tag "
         "(or none on every rank: the newest complete one) and load options on every rank (nothing rank-specific in "
         "the tag, such as a timestamp taken on each rank: derive it from the step, or broadcast rank 0's). Nothing "
